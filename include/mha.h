@@ -1,0 +1,392 @@
+/* SPDX-License-Identifier: MIT */
+/* mha.h: the one public header of libmha, exact and fast multi-head attention on the CPU.
+ *
+ * Two levels:
+ *   - the LAYER (mha_layer): projections + RoPE + attention + output projection, configured once
+ *     with mha_config and run with mha_layer_forward();
+ *   - the attention CORE (mha_attention): already projected Q/K/V with explicit strides.
+ * RoPE is also exposed on its own (mha_rope_apply).
+ *
+ * Conventions (docs/SEMANTICS.md has the full contract, with formulas):
+ *   - Sizes, strides and indices are int64_t; strides are in ELEMENTS, not bytes.
+ *   - Tensors are float32 unless a dtype says otherwise; inputs are const, caller-owned.
+ *   - Outputs are OVERWRITTEN, never accumulated. Outputs must not alias inputs.
+ *   - Every fallible function returns mha_status and, when `err` is not NULL, fills it with the
+ *     status and a one-line message naming the offending argument. On error, outputs are untouched
+ *     (validation happens before any output is written).
+ *   - No global mutable state. A layer is immutable after creation: any number of threads may call
+ *     mha_layer_forward() on the same layer at once, as long as their outputs differ.
+ *   - Nothing here calls exit() or abort().
+ */
+#ifndef MHA_H
+#define MHA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#    define MHA_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#    define MHA_API __attribute__((visibility("default")))
+#else
+#    define MHA_API
+#endif
+
+#define MHA_VERSION_MAJOR 0
+#define MHA_VERSION_MINOR 1
+#define MHA_VERSION_PATCH 0
+/** "MAJOR.MINOR.PATCH" of the library actually linked. */
+MHA_API const char *mha_version(void);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Status codes. Values are stable: new codes are only ever appended.                             */
+/* ---------------------------------------------------------------------------------------------- */
+// clang-format off
+#define MHA_STATUS_MAP(X)                                                              \
+    X(OK,                  0, "success")                                               \
+    X(INVALID_ARG,         1, "invalid argument")                                      \
+    X(UNSUPPORTED,         2, "unsupported combination of options for this implementation") \
+    X(NO_MEMORY,           3, "out of memory")                                         \
+    X(WORKSPACE_TOO_SMALL, 4, "workspace smaller than required")                       \
+    X(OVERFLOW,            5, "size overflow")                                         \
+    X(IO,                  6, "file could not be read or written")                     \
+    X(BAD_FILE,            7, "malformed or unsupported file")                         \
+    X(NOT_FOUND,           8, "tensor not found in file")                              \
+    X(INTERNAL,            9, "internal error")
+// clang-format on
+
+typedef enum mha_status {
+#define MHA_STATUS_ENUM_(name, value, text) MHA_STATUS_##name = value,
+    MHA_STATUS_MAP(MHA_STATUS_ENUM_)
+#undef MHA_STATUS_ENUM_
+} mha_status;
+
+/** Static English description of a status ("invalid argument"); never NULL. */
+MHA_API const char *mha_status_string(mha_status status);
+
+#define MHA_ERROR_MESSAGE_SIZE 512
+/** Filled by a failing call when the caller passes one: the status and a message naming what was
+ *  wrong, e.g. "mha_config.num_heads=12 is not divisible by num_kv_heads=5". Caller-owned, so
+ *  errors are thread-safe without any global or thread-local state. */
+typedef struct mha_error {
+    mha_status status;
+    char message[MHA_ERROR_MESSAGE_SIZE];
+} mha_error;
+
+/** Optional allocator (NULL members = malloc/free). `alloc` returns memory aligned to `align`. */
+typedef struct mha_allocator {
+    void *user;
+    void *(*alloc)(void *user, size_t bytes, size_t align);
+    void (*free)(void *user, void *ptr);
+} mha_allocator;
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Element types (masks, file tensors).                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+typedef enum mha_dtype {
+    MHA_DTYPE_F32 = 0,
+    MHA_DTYPE_F64 = 1,
+    MHA_DTYPE_F16 = 2,
+    MHA_DTYPE_BF16 = 3,
+    MHA_DTYPE_BOOL = 4, /* one byte, 0 or 1 */
+    MHA_DTYPE_U8 = 5,
+    MHA_DTYPE_I32 = 6,
+    MHA_DTYPE_I64 = 7,
+} mha_dtype;
+
+/** Size in bytes of one element of `dtype`, or 0 for an unknown value. */
+MHA_API size_t mha_dtype_size(mha_dtype dtype);
+
+#define MHA_MAX_MASK_DIMS 4
+/** A C-contiguous tensor that broadcasts, NumPy style (dimensions aligned on the right, size 1
+ *  repeats), to a target shape. Used for masks: target [B, h, n, m]; key padding: [B, m].
+ *  data == NULL means "absent". */
+typedef struct mha_mask_tensor {
+    const void *data;
+    mha_dtype dtype;
+    int32_t ndim;
+    int64_t shape[MHA_MAX_MASK_DIMS];
+} mha_mask_tensor;
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Masks and score modifiers shared by the layer and the core.                                    */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** Alignment of query row i (of n) with key column j (of m): the row's "diagonal" position is
+ *  p = i + delta. Causal attention allows j <= p; a window allows p - left <= j <= p + right;
+ *  ALiBi adds -slope_h * |p - j|.
+ *    BOTTOM_RIGHT (default): delta = m - n (FlashAttention >= 2.1, ONNX; equals tril when n == m;
+ *                            what decoding with a KV cache needs).
+ *    TOP_LEFT:               delta = 0 (PyTorch is_causal / F.scaled_dot_product_attention).
+ *    EXPLICIT:               delta = align_offsets[b], one per batch row. */
+typedef enum mha_alignment {
+    MHA_ALIGN_BOTTOM_RIGHT = 0,
+    MHA_ALIGN_TOP_LEFT = 1,
+    MHA_ALIGN_EXPLICIT = 2,
+} mha_alignment;
+
+/** How a boolean/integer mask is read. Default: nonzero = MAY ATTEND (tril masks, Haiku, Equinox,
+ *  F.scaled_dot_product_attention, ONNX). BLOCK: nonzero = masked out (nn.MultiheadAttention). */
+typedef enum mha_mask_polarity {
+    MHA_MASK_ATTEND = 0,
+    MHA_MASK_BLOCK = 1,
+} mha_mask_polarity;
+
+typedef struct mha_masking {
+    int32_t causal;               /* nonzero: key j visible iff j <= i + delta */
+    mha_alignment alignment;      /* how delta is chosen (also used by window and ALiBi) */
+    const int64_t *align_offsets; /* [B], only with MHA_ALIGN_EXPLICIT */
+    int64_t window_left;          /* sliding window; -1 = unbounded on that side */
+    int64_t window_right;         /* both -1 (or use_window == 0): no window */
+    int32_t use_window;
+    mha_mask_tensor bool_mask;    /* BOOL/U8/I32/I64, broadcast to [B, h, n, m] */
+    mha_mask_polarity bool_mask_polarity;
+    mha_mask_tensor additive_mask;   /* F32, broadcast to [B, h, n, m], added to scores; -inf blocks */
+    mha_mask_tensor key_padding;     /* BOOL/U8/I32/I64 [B, m] or [m]; nonzero = real token */
+    const int32_t *q_segment_ids;    /* [B, n]: query i sees key j only if segments are equal */
+    const int32_t *kv_segment_ids;   /* [B, m]; both or neither */
+} mha_masking;
+
+/** Dropout on the attention probabilities (training only). Element (b, h, i, j) is kept iff
+ *  u >= p, with u = (philox4x32_10(counter = {j, i, h, b}, key = {seed lo, seed hi})[0] >> 8)
+ *  * 2^-24; kept values are scaled by 1/(1-p). Independent of threads and blocking. */
+typedef struct mha_dropout {
+    float p;       /* in [0, 1) */
+    uint64_t seed;
+    int32_t training; /* zero: inference, never drops */
+} mha_dropout;
+
+/** Which implementation runs. AUTO takes the fastest one that supports the request; REFERENCE
+ *  is the plain loops (the oracle of every other kernel); FAST fails with MHA_STATUS_UNSUPPORTED
+ *  (and a message naming the option) when the fast path cannot do the request. */
+typedef enum mha_impl {
+    MHA_IMPL_AUTO = 0,
+    MHA_IMPL_REFERENCE = 1,
+    MHA_IMPL_FAST = 2,
+} mha_impl;
+
+/** Execution options of a call. */
+typedef struct mha_exec {
+    mha_impl impl;
+    int32_t n_threads;           /* 0 = number of online CPUs */
+    void *workspace;             /* NULL: the library allocates (with `allocator`) */
+    size_t workspace_bytes;
+    const mha_allocator *allocator; /* NULL: malloc/free */
+} mha_exec;
+
+/* ---------------------------------------------------------------------------------------------- */
+/* RoPE                                                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+typedef enum mha_rope_style {
+    MHA_ROPE_NONE = 0,
+    MHA_ROPE_INTERLEAVED = 1, /* pairs (2i, 2i+1): RoFormer, CS336, GPT-J, Meta's Llama code */
+    MHA_ROPE_HALF = 2,        /* pairs (i, i + R/2): "rotate_half" of GPT-NeoX and HF Llama */
+} mha_rope_style;
+
+typedef enum mha_rope_scaling_type {
+    MHA_ROPE_SCALING_NONE = 0,
+    MHA_ROPE_SCALING_LINEAR = 1, /* position interpolation: freq_i / factor */
+    MHA_ROPE_SCALING_NTK = 2,    /* NTK-aware: theta' = theta * factor^(R/(R-2)) */
+    MHA_ROPE_SCALING_LLAMA3 = 3, /* Llama 3.1 per-wavelength blend */
+    MHA_ROPE_SCALING_YARN = 4,   /* YaRN ramp + attention factor */
+} mha_rope_scaling_type;
+
+/** RoPE: pair k (k = 0 .. R/2-1, R = rotary_dim) has frequency f_k = theta^(-2k/R) (then the
+ *  scaling below), angle = position * f_k, and (x_a, x_b) -> (x_a cos - x_b sin, x_a sin + x_b cos)
+ *  with (a, b) = (2k, 2k+1) for INTERLEAVED and (k, k + R/2) for HALF. Dimensions >= R pass through.
+ *  Zeros in the scaling fields mean the documented defaults. */
+typedef struct mha_rope {
+    mha_rope_style style;
+    double theta;          /* 0 = 10000 */
+    int64_t rotary_dim;    /* even, <= head_dim; 0 = head_dim */
+    mha_rope_scaling_type scaling;
+    double factor;                   /* > 0 for every scaling; 0 = 1 for LINEAR/NTK, 8 for LLAMA3 */
+    double original_max_position;    /* LLAMA3 (0 = 8192) and YARN (0 = 4096) */
+    double low_freq_factor;          /* LLAMA3, 0 = 1 */
+    double high_freq_factor;         /* LLAMA3, 0 = 4 */
+    double beta_fast;                /* YARN, 0 = 32 */
+    double beta_slow;                /* YARN, 0 = 1 */
+    double attention_factor;         /* YARN, 0 = 0.1 ln(factor) + 1; multiplies cos and sin */
+} mha_rope;
+
+/** Largest accepted token position (positions are in [0, MHA_MAX_POSITION]). */
+#define MHA_MAX_POSITION ((int64_t)1 << 31)
+
+/** Applies RoPE in place to x viewed as [B, L, H, D] with element strides x_strides (D stride 1).
+ *  positions: element (b, t) at positions[b * pos_batch_stride + t]; pos_batch_stride = 0
+ *  broadcasts one row over the batch; positions == NULL means t. */
+MHA_API mha_status mha_rope_apply(const mha_rope *rope, int64_t batch, int64_t seq_len,
+                                  int64_t num_heads, int64_t head_dim, float *x,
+                                  const int64_t x_strides[4], const int64_t *positions,
+                                  int64_t pos_batch_stride, mha_error *err);
+
+/** The (possibly scaled) inverse frequencies f_k, k = 0 .. rotary_dim/2-1, and the factor that
+ *  multiplies cos and sin (1 except YaRN). For inspection and tests. */
+MHA_API mha_status mha_rope_frequencies(const mha_rope *rope, int64_t head_dim, double *freqs,
+                                        double *cos_sin_factor, mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The attention core                                                                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** Score pipeline for query row i, key j, head h (docs/SEMANTICS.md):
+ *    s  = scale * q_i . k_j
+ *    s  = softcap * tanh(s / softcap)                 if softcap > 0       (Gemma 2)
+ *    s += additive_mask - alibi_slope_h * |i + delta - j|                  (ALiBi if alibi != 0)
+ *    s  = -inf where any boolean rule blocks (causal, window, bool mask, key padding, segments)
+ *    p_j = exp(s_j) / (exp(sink_h) + sum_j exp(s_j))   (sink term only when sinks != NULL)
+ *    o_i = sum_j dropout(p_j) v_j
+ *  A row whose scores are all -inf (fully masked) gives o_i = 0, p = 0 and lse = -inf.
+ *  lse_i = log(exp(sink_h) + sum_j exp(s_j)), i.e. p_j = exp(s_j - lse_i). */
+typedef struct mha_attention_args {
+    int64_t batch;        /* B */
+    int64_t num_heads;    /* h (query heads) */
+    int64_t num_kv_heads; /* g; h % g == 0; query head i reads kv head i / (h/g); 0 = h */
+    int64_t q_len;        /* n */
+    int64_t kv_len;       /* m */
+    int64_t head_dim;     /* d_k */
+    int64_t v_head_dim;   /* d_v; 0 = d_k */
+    double scale;         /* 0 = 1/sqrt(d_k) */
+    double softcap;       /* 0 = off */
+    int32_t alibi;        /* slopes 2^(-8(k+1)/h), BLOOM interpolation when h is not a power of 2 */
+    const float *sinks;   /* [h] or NULL */
+
+    /* Tensors, viewed as [B, heads, L, d] with element strides {b, head, row, 1}. */
+    const float *q;
+    int64_t q_strides[3];
+    const float *k;
+    int64_t k_strides[3];
+    const float *v;
+    int64_t v_strides[3];
+    float *out; /* [B, h, n, d_v] */
+    int64_t out_strides[3];
+    float *lse;   /* optional, contiguous [B, h, n] */
+    float *probs; /* optional, contiguous [B, h, n, m], or [B, n, m] if average_probs */
+    int32_t average_probs;
+
+    mha_masking mask;
+    mha_dropout dropout;
+} mha_attention_args;
+
+/** Workspace the core needs for `args` under `exec` (0 is possible). */
+MHA_API mha_status mha_attention_workspace_size(const mha_attention_args *args,
+                                                const mha_exec *exec, size_t *bytes,
+                                                mha_error *err);
+/** Returns MHA_STATUS_OK when the implementation in exec->impl can run `args`, otherwise
+ *  MHA_STATUS_UNSUPPORTED / INVALID_ARG with a message naming the option. Does no work. */
+MHA_API mha_status mha_attention_supported(const mha_attention_args *args, const mha_exec *exec,
+                                           mha_error *err);
+/** Runs the core. exec may be NULL (AUTO, all cores, library-allocated workspace). */
+MHA_API mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec,
+                                 mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The layer                                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** Layer configuration. Zero means "default" for every optional field, so
+ *  `mha_config c = {0}; c.q_dim = 512; c.num_heads = 8;` is a valid self-attention layer. */
+typedef struct mha_config {
+    int64_t q_dim;        /* query input features (required) */
+    int64_t k_dim;        /* key input features; 0 = q_dim */
+    int64_t v_dim;        /* value input features; 0 = k_dim */
+    int64_t num_heads;    /* h (required) */
+    int64_t num_kv_heads; /* g; 0 = h */
+    int64_t head_dim;     /* d_k; 0 = q_dim / h (must divide) */
+    int64_t v_head_dim;   /* d_v; 0 = d_k */
+    int64_t out_dim;      /* 0 = q_dim */
+    int32_t bias_q, bias_k, bias_v, bias_o; /* nonzero: that projection has a bias */
+    int32_t sinks;        /* nonzero: learned per-head attention sink logits */
+    double scale;         /* 0 = 1/sqrt(d_k) */
+    double softcap;       /* 0 = off */
+    int32_t alibi;
+    mha_rope rope;        /* style NONE = no RoPE */
+} mha_config;
+
+/** Weights in PyTorch nn.Linear layout (y = x W^T + b). Rows [i*d_k, (i+1)*d_k) of w_q belong to
+ *  head i. Biases must be given exactly when the config enables them. */
+typedef struct mha_weights {
+    const float *w_q; /* [h*d_k, q_dim] */
+    const float *w_k; /* [g*d_k, k_dim] */
+    const float *w_v; /* [g*d_v, v_dim] */
+    const float *w_o; /* [out_dim, h*d_v] */
+    const float *b_q, *b_k, *b_v, *b_o;
+    const float *sinks; /* [h] */
+} mha_weights;
+
+typedef enum mha_ownership {
+    MHA_WEIGHTS_COPY = 0,   /* the layer keeps its own copy */
+    MHA_WEIGHTS_BORROW = 1, /* the layer keeps the pointers; caller keeps them alive and unchanged */
+} mha_ownership;
+
+typedef struct mha_layer mha_layer;
+
+/** Creates a layer. Validates the config (divisibility, sizes, overflow) and the weights (non-NULL,
+ *  finite: a NaN or Inf weight is refused with its tensor and index). *out is NULL on error. */
+MHA_API mha_status mha_layer_create(const mha_config *config, const mha_weights *weights,
+                                    mha_ownership ownership, const mha_allocator *allocator,
+                                    mha_layer **out, mha_error *err);
+/** NULL-safe. */
+MHA_API void mha_layer_destroy(mha_layer *layer);
+/** The resolved configuration (every default filled in). */
+MHA_API const mha_config *mha_layer_config(const mha_layer *layer);
+/** The weights the layer uses (its copy, or the borrowed pointers). */
+MHA_API const mha_weights *mha_layer_weights(const mha_layer *layer);
+
+typedef struct mha_forward_args {
+    int64_t batch;  /* B */
+    int64_t q_len;  /* n */
+    int64_t kv_len; /* m; ignored (= n) for self-attention */
+    const float *query; /* [B, n, q_dim] */
+    const float *key;   /* [B, m, k_dim]; NULL = self-attention (key = value = query) */
+    const float *value; /* [B, m, v_dim]; NULL = key */
+    const int64_t *q_positions; /* [B, n] RoPE positions; NULL = 0..n-1 */
+    const int64_t *k_positions; /* [B, m]; NULL = q_positions for self-attention, else 0..m-1 */
+    mha_masking mask;
+    mha_dropout dropout;
+    float *out;   /* [B, n, out_dim] */
+    float *probs; /* optional [B, h, n, m], or [B, n, m] if average_probs */
+    int32_t average_probs;
+} mha_forward_args;
+
+MHA_API mha_status mha_layer_forward_workspace_size(const mha_layer *layer,
+                                                    const mha_forward_args *args,
+                                                    const mha_exec *exec, size_t *bytes,
+                                                    mha_error *err);
+MHA_API mha_status mha_layer_forward_supported(const mha_layer *layer,
+                                               const mha_forward_args *args,
+                                               const mha_exec *exec, mha_error *err);
+/** y = (concat_h Attn_h(RoPE(x_q W_q^T + b_q), RoPE(x_k W_k^T + b_k), x_v W_v^T + b_v)) W_o^T + b_o */
+MHA_API mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *args,
+                                     const mha_exec *exec, mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Files                                                                                          */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** Explicit tensor names: each a stem to which ".weight" / ".bias" are appended. NULL members use
+ *  the built-in search (docs/FORMATS.md): HF (q_proj/k_proj/v_proj/o_proj), PyTorch
+ *  nn.MultiheadAttention (in_proj_weight, ...), CS336 (q_proj_weight, ...). */
+typedef struct mha_name_map {
+    const char *q, *k, *v, *o;
+    const char *sinks; /* full tensor name of the sink logits; NULL = "sinks" if present */
+} mha_name_map;
+
+/** Loads a layer from a safetensors file (F32/F64/F16/BF16 tensors, converted to float32).
+ *  `config` gives num_heads (required), num_kv_heads (0 = inferred from the shapes), and every
+ *  non-size option (scale, rope, softcap, alibi); sizes and biases are inferred from the tensor
+ *  shapes and checked against it. `prefix` (may be NULL) is prepended to every name. The file is
+ *  untrusted: every offset and size is checked. */
+MHA_API mha_status mha_layer_load_safetensors(const char *path, const char *prefix,
+                                              const mha_name_map *names, const mha_config *config,
+                                              const mha_allocator *allocator, mha_layer **out,
+                                              mha_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MHA_H */

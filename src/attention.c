@@ -1,0 +1,246 @@
+/* SPDX-License-Identifier: MIT */
+/* attention.c: the public attention core. Validates mha_attention_args once into an
+ * mha__problem, sizes the workspace, picks the implementation and splits the work over threads.
+ * Implementations: "reference" (src/ref/attention_ref.c) and the fast kernels (dispatch.c). */
+#include "internal.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Largest element offset reachable through a [B, H, L, d] view with strides s; false on
+ * overflow or a negative stride. */
+static bool view_extent(const int64_t s[3], int64_t B, int64_t H, int64_t L, int64_t d,
+                        const char *name, mha_error *err) {
+    int64_t a, b, c, total;
+    for (int i = 0; i < 3; i++)
+        if (s[i] < 0) {
+            mha__fail(err, MHA_STATUS_INVALID_ARG, "%s_strides[%d]=%lld is negative", name, i,
+                      (long long)s[i]);
+            return false;
+        }
+    if (!mha__mul_i64(B - 1, s[0], &a) || !mha__mul_i64(H - 1, s[1], &b) ||
+        !mha__mul_i64(L - 1, s[2], &c) || !mha__add_i64(a, b, &total) ||
+        !mha__add_i64(total, c, &total) || !mha__add_i64(total, d, &total)) {
+        mha__fail(err, MHA_STATUS_OVERFLOW, "%s: offsets overflow int64 with these strides", name);
+        return false;
+    }
+    return true;
+}
+
+mha_status mha__problem_from_args(const mha_attention_args *a, mha__problem *p, int64_t *delta_buf,
+                                  float *slope_buf, mha_error *err) {
+    MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
+    memset(p, 0, sizeof *p);
+    const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
+    const int64_t dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
+    const struct {
+        const char *name;
+        int64_t value;
+    } dims[] = {{"batch", a->batch},        {"num_heads", a->num_heads}, {"num_kv_heads", G},
+                {"q_len", a->q_len},        {"kv_len", a->kv_len},       {"head_dim", a->head_dim},
+                {"v_head_dim", dv}};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        MHA_RETURN_IF(dims[i].value < 1 || dims[i].value > MHA_MAX_DIM, err, INVALID_ARG,
+                      "%s=%lld must be in [1, 2^31]", dims[i].name, (long long)dims[i].value);
+    MHA_RETURN_IF(a->num_heads % G != 0, err, INVALID_ARG,
+                  "num_heads=%lld is not divisible by num_kv_heads=%lld", (long long)a->num_heads,
+                  (long long)G);
+    MHA_RETURN_IF(!a->q || !a->k || !a->v || !a->out, err, INVALID_ARG,
+                  "q, k, v and out must not be NULL");
+    p->B = a->batch;
+    p->H = a->num_heads;
+    p->G = G;
+    p->group = a->num_heads / G;
+    p->n = a->q_len;
+    p->m = a->kv_len;
+    p->dk = a->head_dim;
+    p->dv = dv;
+
+    int64_t probs_count;
+    const int64_t pf[4] = {p->B, a->average_probs ? 1 : p->H, p->n, p->m};
+    MHA_RETURN_IF(!mha__prod_i64(pf, 4, &probs_count) || probs_count > INT64_MAX / 8, err,
+                  OVERFLOW, "B*h*n*m overflows int64");
+    if (!view_extent(a->q_strides, p->B, p->H, p->n, p->dk, "q", err) ||
+        !view_extent(a->k_strides, p->B, p->G, p->m, p->dk, "k", err) ||
+        !view_extent(a->v_strides, p->B, p->G, p->m, p->dv, "v", err) ||
+        !view_extent(a->out_strides, p->B, p->H, p->n, p->dv, "out", err))
+        return err ? err->status : MHA_STATUS_INVALID_ARG;
+
+    double scale = a->scale == 0.0 ? 1.0 / sqrt((double)p->dk) : a->scale;
+    MHA_RETURN_IF(!isfinite(scale), err, INVALID_ARG, "scale=%g is not finite", scale);
+    p->scale = (float)scale;
+    MHA_RETURN_IF(!isfinite(a->softcap) || a->softcap < 0.0, err, INVALID_ARG,
+                  "softcap=%g must be finite and >= 0 (0 = off)", a->softcap);
+    p->softcap = (float)a->softcap;
+    p->sinks = a->sinks;
+    if (a->alibi) {
+        mha__alibi_slopes(p->H, slope_buf);
+        p->alibi_slopes = slope_buf;
+    }
+
+    memcpy(p->qs, a->q_strides, sizeof p->qs);
+    memcpy(p->ks, a->k_strides, sizeof p->ks);
+    memcpy(p->vs, a->v_strides, sizeof p->vs);
+    memcpy(p->os, a->out_strides, sizeof p->os);
+    p->q = a->q;
+    p->k = a->k;
+    p->v = a->v;
+    p->out = a->out;
+    p->lse = a->lse;
+    p->probs = a->probs;
+    p->average_probs = a->average_probs != 0;
+
+    MHA_RETURN_IF(!(a->dropout.p >= 0.0f && a->dropout.p < 1.0f), err, INVALID_ARG,
+                  "dropout.p=%g must be in [0, 1)", (double)a->dropout.p);
+    p->dropout_on = a->dropout.training && a->dropout.p > 0.0f;
+    p->dropout_p = a->dropout.p;
+    p->dropout_seed = a->dropout.seed;
+
+    return mha__validate_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+
+static int resolve_threads(const mha_exec *exec) {
+    return (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+}
+
+/* Workspace layout: [deltas: B int64][slopes: H float][per-thread scratch: m floats each]. */
+typedef struct ws_layout {
+    size_t delta_off, slope_off, scratch_off, scratch_stride, total;
+} ws_layout;
+
+static size_t align64(size_t x) {
+    return (x + 63) & ~(size_t)63;
+}
+
+static mha_status core_layout(const mha_attention_args *a, int n_threads, ws_layout *l,
+                              mha_error *err) {
+    size_t deltas, slopes, scratch;
+    MHA_RETURN_IF(!mha__bytes(a->batch, sizeof(int64_t), &deltas) ||
+                      !mha__bytes(a->num_heads, sizeof(float), &slopes) ||
+                      !mha__bytes(a->kv_len, sizeof(float), &scratch),
+                  err, OVERFLOW, "workspace size overflows");
+    l->delta_off = 0;
+    l->slope_off = align64(deltas);
+    l->scratch_off = l->slope_off + align64(slopes);
+    l->scratch_stride = align64(scratch);
+    int64_t total;
+    MHA_RETURN_IF(!mha__mul_i64((int64_t)l->scratch_stride, n_threads, &total) ||
+                      !mha__add_i64(total, (int64_t)l->scratch_off, &total),
+                  err, OVERFLOW, "workspace size overflows");
+    l->total = (size_t)total;
+    return MHA_STATUS_OK;
+}
+
+static mha_status check_dims_for_layout(const mha_attention_args *a, mha_error *err) {
+    MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
+    MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->num_heads < 1 ||
+                      a->num_heads > MHA_MAX_DIM || a->kv_len < 1 || a->kv_len > MHA_MAX_DIM,
+                  err, INVALID_ARG, "batch=%lld, num_heads=%lld, kv_len=%lld must be in [1, 2^31]",
+                  (long long)a->batch, (long long)a->num_heads, (long long)a->kv_len);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_attention_workspace_size(const mha_attention_args *args, const mha_exec *exec,
+                                        size_t *bytes, mha_error *err) {
+    MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
+    mha_status st = check_dims_for_layout(args, err);
+    if (st)
+        return st;
+    ws_layout l;
+    st = core_layout(args, resolve_threads(exec), &l, err);
+    if (st)
+        return st;
+    *bytes = l.total;
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+static mha_status check_impl(const mha_exec *exec, mha_error *err) {
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    switch (impl) {
+    case MHA_IMPL_AUTO:
+    case MHA_IMPL_REFERENCE: return MHA_STATUS_OK;
+    case MHA_IMPL_FAST:
+        return mha__fail(err, MHA_STATUS_UNSUPPORTED,
+                         "impl=fast: no fast attention kernel is built into this version; use "
+                         "reference or auto");
+    }
+    return mha__fail(err, MHA_STATUS_INVALID_ARG, "exec.impl=%d is not a known implementation",
+                     (int)impl);
+}
+
+mha_status mha_attention_supported(const mha_attention_args *args, const mha_exec *exec,
+                                   mha_error *err) {
+    mha_status st = check_dims_for_layout(args, err);
+    if (st)
+        return st;
+    st = check_impl(exec, err);
+    if (st)
+        return st;
+    /* Validate everything, without running: deltas and slopes need scratch of their own. */
+    int64_t *deltas = malloc(sizeof(int64_t) * (size_t)args->batch);
+    float *slopes = malloc(sizeof(float) * (size_t)args->num_heads);
+    mha__problem p;
+    if (!deltas || !slopes)
+        st = mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate validation scratch");
+    else
+        st = mha__problem_from_args(args, &p, deltas, slopes, err);
+    free(deltas);
+    free(slopes);
+    if (st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
+}
+
+typedef struct ref_job {
+    const mha__problem *p;
+    char *scratch;
+    size_t scratch_stride;
+    int64_t items_per_unit; /* heads handled per work unit: H when averaging probs, else 1 */
+} ref_job;
+
+static void ref_range(void *ctx, int part, int64_t begin, int64_t end) {
+    const ref_job *job = ctx;
+    float *scratch = (float *)(job->scratch + (size_t)part * job->scratch_stride);
+    mha__attention_ref(job->p, begin * job->items_per_unit, end * job->items_per_unit, scratch);
+}
+
+mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
+    mha_status st = check_dims_for_layout(args, err);
+    if (st)
+        return st;
+    st = check_impl(exec, err);
+    if (st)
+        return st;
+    int n_threads = resolve_threads(exec);
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    ws_layout l;
+    st = core_layout(args, n_threads, &l, err);
+    if (st)
+        return st;
+    char *ws = exec ? exec->workspace : NULL;
+    char *owned = NULL;
+    if (ws) {
+        MHA_RETURN_IF(exec->workspace_bytes < l.total, err, WORKSPACE_TOO_SMALL,
+                      "workspace_bytes=%zu, this call needs %zu", exec->workspace_bytes, l.total);
+    } else {
+        ws = owned = mha__alloc(alloc, l.total);
+        MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace", l.total);
+    }
+    mha__problem p;
+    st = mha__problem_from_args(args, &p, (int64_t *)(ws + l.delta_off),
+                                (float *)(ws + l.slope_off), err);
+    if (st == MHA_STATUS_OK) {
+        /* Averaged probabilities sum over heads: one unit is then a whole batch row, so no two
+         * threads add into the same [n, m] map (and the sum order is fixed). */
+        ref_job job = {&p, ws + l.scratch_off, l.scratch_stride, p.average_probs ? p.H : 1};
+        const int64_t units = p.average_probs ? p.B : p.B * p.H;
+        st = mha__parallel_for(n_threads, units, ref_range, &job, err);
+    }
+    mha__free(alloc, owned);
+    if (st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
+}

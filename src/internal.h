@@ -1,0 +1,193 @@
+/* SPDX-License-Identifier: MIT */
+/* internal.h: declarations shared by the library's own files (never installed).
+ *
+ * The public structs are validated once, in api.c / layer.c, and turned into an mha__problem whose
+ * every field is resolved (defaults filled, masks turned into broadcast strides), so kernels never
+ * re-check user input.
+ */
+#ifndef MHA_INTERNAL_H
+#define MHA_INTERNAL_H
+
+#include "mha.h"
+
+#include <assert.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define MHA_ASSERT(cond) assert(cond)
+
+/* Fills err (if not NULL) with status and a printf-style message; returns status. */
+mha_status mha__fail(mha_error *err, mha_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+/* Sets err to OK with an empty message. */
+void mha__ok(mha_error *err);
+
+/* Returns `status` with a formatted message from the enclosing function when cond holds
+ * (zstd RETURN_ERROR_IF style). */
+#define MHA_RETURN_IF(cond, err, status, ...)                                                  \
+    do {                                                                                       \
+        if (cond)                                                                              \
+            return mha__fail((err), MHA_STATUS_##status, __VA_ARGS__);                         \
+    } while (0)
+
+/* Overflow-checked size arithmetic: return false on overflow or negative operands. */
+bool mha__mul_i64(int64_t a, int64_t b, int64_t *out);
+bool mha__add_i64(int64_t a, int64_t b, int64_t *out);
+/* Product of n non-negative factors; false on overflow. */
+bool mha__prod_i64(const int64_t *factors, int n, int64_t *out);
+/* Bytes for `count` elements of `elem_size`, false if it does not fit in size_t / PTRDIFF_MAX. */
+bool mha__bytes(int64_t count, size_t elem_size, size_t *out);
+
+/* Allocation through an optional mha_allocator (NULL = malloc/free), 64-byte aligned. */
+void *mha__alloc(const mha_allocator *a, size_t bytes);
+void mha__free(const mha_allocator *a, void *ptr);
+
+/* Largest single dimension accepted anywhere (keeps every index product far from overflow and
+ * lets dropout pack indices into 32-bit Philox counter words). */
+#define MHA_MAX_DIM ((int64_t)1 << 31)
+
+/* ---------------------------------------------------------------------------------------------- */
+/* A broadcast view of a mask: element (b, h, i, j) at data[b*s[0] + h*s[1] + i*s[2] + j*s[3]].   */
+/* ---------------------------------------------------------------------------------------------- */
+typedef struct mha__mask_view {
+    const void *data; /* NULL = absent */
+    mha_dtype dtype;
+    int64_t strides[4];
+} mha__mask_view;
+
+/* The resolved attention problem. Tensors are [B, heads, L, d] with strides {b, head, row}. */
+typedef struct mha__problem {
+    int64_t B, H, G, n, m, dk, dv;
+    int64_t group; /* H / G: query head h reads kv head h / group */
+    float scale;
+    float softcap;             /* 0 = off */
+    const float *alibi_slopes; /* [H] or NULL */
+    const float *sinks;        /* [H] or NULL */
+
+    const float *q, *k, *v;
+    int64_t qs[3], ks[3], vs[3];
+    float *out;
+    int64_t os[3];
+    float *lse;
+    float *probs;
+    int average_probs;
+
+    /* Masking, resolved. */
+    int causal;
+    const int64_t *delta; /* [B]: row i's diagonal is i + delta[b] */
+    int use_window;
+    int64_t window_left, window_right; /* -1 = unbounded */
+    mha__mask_view bool_mask;          /* strides over (b, h, i, j) */
+    mha_mask_polarity bool_polarity;
+    mha__mask_view additive; /* F32 */
+    mha__mask_view key_padding; /* strides over (b, -, -, j): only [0] and [3] used */
+    const int32_t *q_seg, *kv_seg;
+
+    float dropout_p;
+    uint64_t dropout_seed;
+    int dropout_on;
+} mha__problem;
+
+/* Nonzero test of one element of an integer/bool mask. */
+static inline int mha__mask_nonzero(const mha__mask_view *m, int64_t off) {
+    switch (m->dtype) {
+    case MHA_DTYPE_BOOL:
+    case MHA_DTYPE_U8: return ((const uint8_t *)m->data)[off] != 0;
+    case MHA_DTYPE_I32: return ((const int32_t *)m->data)[off] != 0;
+    case MHA_DTYPE_I64: return ((const int64_t *)m->data)[off] != 0;
+    default: return 0;
+    }
+}
+
+/* True when every boolean rule lets query row i of (b, h) see key j. */
+static inline int mha__visible(const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
+    const int64_t pos = i + p->delta[b];
+    if (p->causal && j > pos)
+        return 0;
+    if (p->use_window) {
+        if (p->window_left >= 0 && j < pos - p->window_left)
+            return 0;
+        if (p->window_right >= 0 && j > pos + p->window_right)
+            return 0;
+    }
+    if (p->bool_mask.data) {
+        const int64_t *s = p->bool_mask.strides;
+        int nz = mha__mask_nonzero(&p->bool_mask, b * s[0] + h * s[1] + i * s[2] + j * s[3]);
+        if ((p->bool_polarity == MHA_MASK_ATTEND) ? !nz : nz)
+            return 0;
+    }
+    if (p->key_padding.data) {
+        const int64_t *s = p->key_padding.strides;
+        if (!mha__mask_nonzero(&p->key_padding, b * s[0] + j * s[3]))
+            return 0;
+    }
+    if (p->q_seg && p->q_seg[b * p->n + i] != p->kv_seg[b * p->m + j])
+        return 0;
+    return 1;
+}
+
+/* Additive bias on the (soft-capped) score: float mask + ALiBi. */
+static inline float mha__score_bias(const mha__problem *p, int64_t b, int64_t h, int64_t i,
+                                    int64_t j) {
+    float bias = 0.0f;
+    if (p->additive.data) {
+        const int64_t *s = p->additive.strides;
+        bias += ((const float *)p->additive.data)[b * s[0] + h * s[1] + i * s[2] + j * s[3]];
+    }
+    if (p->alibi_slopes) {
+        int64_t dist = i + p->delta[b] - j;
+        if (dist < 0)
+            dist = -dist;
+        bias -= p->alibi_slopes[h] * (float)dist;
+    }
+    return bias;
+}
+
+/* Dropout keep-test for element (b, h, i, j): Philox4x32-10, see mha_dropout in mha.h. */
+int mha__dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j);
+void mha__philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+
+/* ALiBi slopes for h heads (2^(-8(k+1)/h) for powers of two, BLOOM interpolation otherwise). */
+void mha__alibi_slopes(int64_t h, float *slopes);
+
+/* RoPE tables: inverse frequencies [R/2] and the cos/sin factor, from a resolved mha_rope. */
+mha_status mha__rope_resolve(const mha_rope *in, int64_t head_dim, mha_rope *out, mha_error *err);
+void mha__rope_freqs(const mha_rope *resolved, double *freqs, double *cs_factor);
+/* cos/sin of every pair for one position: cos_out[k] = cs_factor * cos(pos * freqs[k]). */
+void mha__rope_cos_sin(const mha_rope *resolved, const double *freqs, double cs_factor,
+                       int64_t position, double *cos_out, double *sin_out);
+/* Rotates one head vector x[0..D) in place with the pairs' cos/sin (pairing from the style). */
+void mha__rope_rotate(const mha_rope *resolved, const double *cos_k, const double *sin_k, float *x);
+
+/* Simple fork-join over [0, count): fn(ctx, part, begin, end) on up to n_threads pthreads; part
+ * (0 .. n_threads-1) identifies the contiguous sub-range, e.g. to pick per-thread scratch. */
+typedef void (*mha__range_fn)(void *ctx, int part, int64_t begin, int64_t end);
+mha_status mha__parallel_for(int n_threads, int64_t count, mha__range_fn fn, void *ctx,
+                             mha_error *err);
+int mha__default_threads(void);
+
+/* Validates public core args into a problem. `scratch` must hold mha__problem_scratch_floats()
+ * floats (ALiBi slopes and deltas live there). */
+mha_status mha__problem_from_args(const mha_attention_args *a, mha__problem *p, int64_t *delta_buf,
+                                  float *slope_buf, mha_error *err);
+/* Validates a masking struct against sizes (B, h, n, m). */
+mha_status mha__validate_masking(const mha_masking *mk, int64_t B, int64_t H, int64_t n, int64_t m,
+                                 mha__problem *p, int64_t *delta_buf, mha_error *err);
+
+/* The plain reference core: rows [row_begin, row_end) of the flattened (b, h) pairs.
+ * Uses `scratch` of m floats per call. */
+void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end, float *scratch);
+
+/* float16 / bfloat16 <-> float32, round to nearest even. */
+float mha__f16_to_f32(uint16_t h);
+float mha__bf16_to_f32(uint16_t h);
+uint16_t mha__f32_to_f16(float f);
+uint16_t mha__f32_to_bf16(float f);
+
+#endif /* MHA_INTERNAL_H */

@@ -1,0 +1,37 @@
+/* SPDX-License-Identifier: MIT */
+/* npy.h: NumPy .npy reader/writer (format versions 1.0, 2.0 and 3.0), internal to the project
+ * (used by the CLI and the tests, not exported from the shared library).
+ *
+ * Files are untrusted: the header dict is parsed strictly, every size is overflow-checked and the
+ * data length must match the shape exactly. Writes go to "<path>.tmp.<pid>" and are renamed, so an
+ * error never leaves a half-written file.
+ */
+#ifndef MHA_NPY_H
+#define MHA_NPY_H
+
+#include "mha.h"
+
+#define MHA_NPY_MAX_DIMS 8
+
+typedef struct mha__npy {
+    mha_dtype dtype; /* F32 F64 F16 BOOL U8 I32 I64 (little-endian only) */
+    int32_t ndim;
+    int64_t shape[MHA_NPY_MAX_DIMS];
+    int64_t count; /* product of shape */
+    void *data;    /* count * mha_dtype_size(dtype) bytes, malloc'ed; C order */
+} mha__npy;
+
+/* Parses an in-memory .npy image (the fuzzing entry point). On success out->data is a malloc'ed
+ * copy. `name` is used in messages (a file path). */
+mha_status mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out,
+                          mha_error *err);
+/* Reads a whole file; messages start with the path. */
+mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err);
+void mha__npy_free(mha__npy *a);
+/* Converts a float tensor (F32/F64/F16) to a new malloc'ed float32 array. */
+mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err);
+/* Writes a float32 C-order array atomically (temporary file + rename). */
+mha_status mha__npy_write_f32(const char *path, const float *data, int32_t ndim,
+                              const int64_t *shape, mha_error *err);
+
+#endif /* MHA_NPY_H */

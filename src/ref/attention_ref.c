@@ -1,0 +1,108 @@
+/* SPDX-License-Identifier: MIT */
+/* attention_ref.c: the reference attention core. Plain loops that follow the formulas of
+ * docs/SEMANTICS.md one pass at a time, float32 storage and float32 accumulation (the same
+ * contract as the fast kernels, so it is their peer in the accuracy-ratio test). No intrinsics,
+ * no blocking, no threads: it must be obviously right.
+ *
+ *   q: [B, H, n, dk]  k: [B, G, m, dk]  v: [B, G, m, dv]  out: [B, H, n, dv]
+ *   lse: [B, H, n]    probs: [B, H, n, m] or [B, n, m] (averaged over heads)
+ *   query head h reads kv head h / (H / G).
+ */
+#include "internal.h"
+
+#include <string.h>
+
+/* One query row (b, h, i); s is scratch for m scores. */
+static void attend_row(const mha__problem *p, int64_t b, int64_t h, int64_t i, float *s) {
+    const int64_t m = p->m, g = h / p->group;
+    const float *q = p->q + b * p->qs[0] + h * p->qs[1] + i * p->qs[2];
+    const float *kb = p->k + b * p->ks[0] + g * p->ks[1];
+    const float *vb = p->v + b * p->vs[0] + g * p->vs[1];
+    float *o = p->out + b * p->os[0] + h * p->os[1] + i * p->os[2];
+
+    /* Pass 1: scores s_j = scale * q.k_j, soft-capped, plus additive mask and ALiBi; -inf where
+     * a boolean rule (causal, window, bool mask, key padding, segments) hides key j. */
+    float max_s = -INFINITY;
+    int has_nan = 0;
+    for (int64_t j = 0; j < m; j++) {
+        if (!mha__visible(p, b, h, i, j)) {
+            s[j] = -INFINITY;
+            continue;
+        }
+        const float *k = kb + j * p->ks[2];
+        float dot = 0.0f;
+        for (int64_t d = 0; d < p->dk; d++)
+            dot += q[d] * k[d];
+        float sj = p->scale * dot;
+        if (p->softcap > 0.0f)
+            sj = p->softcap * tanhf(sj / p->softcap);
+        sj += mha__score_bias(p, b, h, i, j);
+        s[j] = sj;
+        has_nan |= isnan(sj);
+        if (sj > max_s)
+            max_s = sj;
+    }
+    const float sink = p->sinks ? p->sinks[h] : -INFINITY;
+    has_nan |= isnan(sink);
+
+    /* A fully masked row (every score -inf) attends to nothing: zero output, zero probabilities,
+     * lse = -inf. NaN anywhere in the row propagates instead (policy: docs/SEMANTICS.md). */
+    if (max_s == -INFINITY && !has_nan) {
+        for (int64_t d = 0; d < p->dv; d++)
+            o[d] = 0.0f;
+        for (int64_t j = 0; j < m; j++)
+            s[j] = 0.0f;
+        if (p->lse)
+            p->lse[(b * p->H + h) * p->n + i] = -INFINITY;
+    } else {
+        /* Pass 2: softmax with the row max subtracted (the sink joins the max and the sum). */
+        if (sink > max_s)
+            max_s = sink;
+        float sum = p->sinks ? expf(sink - max_s) : 0.0f;
+        for (int64_t j = 0; j < m; j++) {
+            s[j] = expf(s[j] - max_s);
+            sum += s[j];
+        }
+        const float inv_sum = 1.0f / sum;
+        for (int64_t j = 0; j < m; j++)
+            s[j] *= inv_sum;
+        if (p->lse)
+            p->lse[(b * p->H + h) * p->n + i] = max_s + logf(sum);
+
+        /* Pass 3: o = sum_j dropout(p_j) v_j. */
+        for (int64_t d = 0; d < p->dv; d++)
+            o[d] = 0.0f;
+        const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
+        for (int64_t j = 0; j < m; j++) {
+            float pj = s[j];
+            if (p->dropout_on)
+                pj = mha__dropout_keep(p->dropout_seed, p->dropout_p, b, h, i, j) ? pj * keep_scale
+                                                                                  : 0.0f;
+            if (pj == 0.0f)
+                continue;
+            const float *v = vb + j * p->vs[2];
+            for (int64_t d = 0; d < p->dv; d++)
+                o[d] += pj * v[d];
+        }
+    }
+
+    /* Pass 4: probabilities as requested (before dropout). */
+    if (p->probs) {
+        if (p->average_probs) {
+            float *row = p->probs + (b * p->n + i) * m;
+            const float inv_h = 1.0f / (float)p->H;
+            for (int64_t j = 0; j < m; j++)
+                row[j] = (h == 0 ? 0.0f : row[j]) + s[j] * inv_h;
+        } else {
+            memcpy(p->probs + ((b * p->H + h) * p->n + i) * m, s, sizeof(float) * (size_t)m);
+        }
+    }
+}
+
+void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end, float *scratch) {
+    for (int64_t bh = bh_begin; bh < bh_end; bh++) {
+        const int64_t b = bh / p->H, h = bh % p->H;
+        for (int64_t i = 0; i < p->n; i++)
+            attend_row(p, b, h, i, scratch);
+    }
+}

@@ -1,0 +1,19 @@
+/* SPDX-License-Identifier: MIT */
+/* oracle_f64.h: the float64 oracle (tests only, never shipped). Written from the formulas of
+ * docs/SEMANTICS.md independently of src/: its own mask broadcasting, its own softmax, in double. */
+#ifndef MHA_ORACLE_F64_H
+#define MHA_ORACLE_F64_H
+
+#include "mha.h"
+
+/* The attention core in float64. Same inputs as mha_attention (args->out/lse/probs ignored);
+ * writes out [B, H, n, dv], lse [B, H, n] and probs [B, H, n, m] (never averaged; NULL to skip),
+ * all contiguous. Returns 0, or -1 if args are outside what the oracle handles. */
+int oracle_attention(const mha_attention_args *args, double *out, double *lse, double *probs);
+
+/* The layer in float64 (RoPE without frequency scaling only): x_q [B, n, q_dim], x_k/x_v as in
+ * mha_forward_args; out [B, n, out_dim], probs [B, H, n, m] (NULL to skip). */
+int oracle_layer(const mha_config *cfg, const mha_weights *w, const mha_forward_args *args,
+                 double *out, double *probs);
+
+#endif

@@ -1,0 +1,321 @@
+/* SPDX-License-Identifier: MIT */
+/* test_api.c: every error path of the C API gives its status and a message naming the argument,
+ * never a crash, and leaves outputs untouched. Also: status strings, version, NULL handling,
+ * workspaces, allocator hooks. */
+#include "harness.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Checks status and that the message contains `needle`. */
+static void expect(mha_status got, const mha_error *err, mha_status want, const char *needle,
+                   const char *what) {
+    CHECK(got == want, "%s: status %s, expected %s (%s)", what, mha_status_string(got),
+          mha_status_string(want), err->message);
+    CHECK(err->status == got, "%s: err->status not filled", what);
+    CHECK(strstr(err->message, needle) != NULL, "%s: message '%s' lacks '%s'", what, err->message,
+          needle);
+}
+
+static void test_status_strings(void) {
+    CHECK(strcmp(mha_status_string(MHA_STATUS_OK), "success") == 0, "OK string");
+    CHECK(strcmp(mha_status_string((mha_status)999), "unknown status") == 0, "unknown string");
+    CHECK(MHA_STATUS_INVALID_ARG == 1 && MHA_STATUS_INTERNAL == 9, "stable status values");
+    char v[32];
+    snprintf(v, sizeof v, "%d.%d.%d", MHA_VERSION_MAJOR, MHA_VERSION_MINOR, MHA_VERSION_PATCH);
+    CHECK(strcmp(mha_version(), v) == 0, "version %s vs %s", mha_version(), v);
+    CHECK(mha_dtype_size(MHA_DTYPE_BF16) == 2 && mha_dtype_size((mha_dtype)77) == 0, "dtype size");
+}
+
+static float W[64 * 64];
+
+static mha_weights plain_weights(void) {
+    mha_weights w = {0};
+    w.w_q = w.w_k = w.w_v = w.w_o = W;
+    return w;
+}
+
+static void test_layer_create_errors(void) {
+    mha_error err;
+    mha_layer *L = (mha_layer *)&err; /* must be reset to NULL on error */
+    mha_weights w = plain_weights();
+    mha_config c = {0};
+    c.q_dim = 16, c.num_heads = 4;
+
+    expect(mha_layer_create(NULL, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "config is NULL", "NULL config");
+    CHECK(L == NULL, "out reset to NULL on error");
+    expect(mha_layer_create(&c, NULL, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "weights is NULL", "NULL weights");
+    expect(mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, NULL, NULL, &err), &err,
+           MHA_STATUS_INVALID_ARG, "out", "NULL out");
+    expect(mha_layer_create(&c, &w, (mha_ownership)5, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "ownership", "bad ownership");
+
+    mha_config bad = c;
+    bad.q_dim = 0;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "q_dim=0", "q_dim 0");
+    bad = c, bad.num_heads = -3;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "num_heads=-3", "negative heads");
+    bad = c, bad.num_heads = 5;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "not divisible by num_heads=5", "q_dim % heads");
+    bad = c, bad.num_kv_heads = 3;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "num_kv_heads=3", "heads % kv heads");
+    bad = c, bad.head_dim = (int64_t)1 << 40;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "head_dim", "absurd head_dim");
+    bad = c, bad.num_heads = (int64_t)1 << 30, bad.head_dim = (int64_t)1 << 30,
+    bad.q_dim = (int64_t)1 << 30;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_OVERFLOW, "overflow", "weight size overflow");
+    bad = c, bad.scale = NAN;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "scale", "NaN scale");
+    bad = c, bad.softcap = -1.0;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "softcap", "negative softcap");
+    bad = c, bad.rope.style = MHA_ROPE_HALF, bad.rope.rotary_dim = 3;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "rotary_dim=3", "odd rotary dim");
+    bad = c, bad.rope.style = MHA_ROPE_HALF, bad.rope.rotary_dim = 8;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "rotary_dim=8", "rotary dim > head dim");
+    bad = c, bad.rope.style = (mha_rope_style)9;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "rope.style", "bad rope style");
+    bad = c, bad.rope.style = MHA_ROPE_HALF, bad.rope.theta = -5.0;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "theta", "bad theta");
+    bad = c, bad.rope.style = MHA_ROPE_HALF, bad.rope.scaling = MHA_ROPE_SCALING_LLAMA3,
+    bad.rope.low_freq_factor = 4.0, bad.rope.high_freq_factor = 2.0;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "high_freq_factor", "llama3 factors");
+    bad = c, bad.rope.style = MHA_ROPE_HALF, bad.rope.scaling = MHA_ROPE_SCALING_LINEAR,
+    bad.rope.factor = -2.0;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "factor", "negative factor");
+    bad = c, bad.rope.style = MHA_ROPE_HALF, bad.rope.scaling = (mha_rope_scaling_type)12;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "scaling", "unknown scaling");
+
+    mha_weights ww = w;
+    ww.w_k = NULL;
+    expect(mha_layer_create(&c, &ww, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "weights.w_k is NULL", "missing w_k");
+    bad = c, bad.bias_v = 1;
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "weights.b_v is NULL", "missing bias");
+    ww = w, ww.b_o = W;
+    expect(mha_layer_create(&c, &ww, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "b_o is given but the config does not enable it",
+           "unexpected bias");
+    static float nan_w[16 * 16];
+    nan_w[37] = NAN;
+    ww = w, ww.w_o = nan_w;
+    expect(mha_layer_create(&c, &ww, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "weights.w_o[37] is nan", "NaN weight");
+    nan_w[37] = INFINITY;
+    expect(mha_layer_create(&c, &ww, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err,
+           MHA_STATUS_INVALID_ARG, "weights.w_o[37] is inf", "Inf weight");
+    mha_layer_destroy(NULL); /* no-op */
+    CHECK(mha_layer_config(NULL) == NULL && mha_layer_weights(NULL) == NULL, "NULL getters");
+}
+
+/* A failing allocator: allocation failure is a status, not a crash, and nothing leaks. */
+static void *failing_alloc(void *user, size_t bytes, size_t align) {
+    (void)bytes, (void)align;
+    int *budget = user;
+    if (*budget <= 0)
+        return NULL;
+    (*budget)--;
+    return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+}
+static void plain_free(void *user, void *p) {
+    (void)user;
+    free(p);
+}
+
+static void test_forward_errors(void) {
+    mha_error err;
+    mha_weights w = plain_weights();
+    mha_config c = {0};
+    c.q_dim = 16, c.num_heads = 4;
+    mha_layer *L;
+    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err);
+    float x[3 * 16], y[3 * 16];
+    for (int i = 0; i < 48; i++)
+        x[i] = (float)i * 0.01f, y[i] = 12345.0f;
+    mha_forward_args a = {0};
+    a.batch = 1, a.q_len = 3, a.query = x, a.out = y;
+
+    mha_forward_args b = a;
+    b.batch = 0;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "batch=0",
+           "batch 0");
+    b = a, b.query = NULL;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "query", "NULL q");
+    expect(mha_layer_forward(NULL, &a, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "layer is NULL",
+           "NULL layer");
+    b = a, b.value = x;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "value is given",
+           "value without key");
+    b = a, b.key = x, b.kv_len = 0;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "kv_len=0",
+           "cross kv_len 0");
+    int64_t pos[3] = {0, -1, 2};
+    b = a, b.q_positions = pos;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
+           "q_positions[0][1]=-1", "negative position");
+    pos[1] = (int64_t)1 << 40;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
+           "q_positions[0][1]=1099511627776", "absurd position");
+    b = a, b.q_len = (int64_t)1 << 31, b.batch = (int64_t)1 << 31;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_OVERFLOW, "overflow",
+           "overflowing B*n*h*d");
+    b = a, b.dropout.p = 1.0f, b.dropout.training = 1;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "dropout.p=1",
+           "dropout 1");
+    b = a, b.mask.alignment = (mha_alignment)7;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "alignment=7",
+           "bad alignment");
+    b = a, b.mask.alignment = MHA_ALIGN_EXPLICIT;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "align_offsets",
+           "explicit without offsets");
+    b = a, b.mask.use_window = 1, b.mask.window_left = -2;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "window",
+           "bad window");
+    uint8_t m8[12] = {1};
+    b = a, b.mask.bool_mask = (mha_mask_tensor){m8, MHA_DTYPE_U8, 2, {4, 3}};
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
+           "does not broadcast", "mask shape");
+    b = a, b.mask.bool_mask = (mha_mask_tensor){m8, MHA_DTYPE_F32, 2, {3, 3}};
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
+           "bool_mask.dtype", "float bool mask");
+    b = a, b.mask.bool_mask = (mha_mask_tensor){m8, MHA_DTYPE_U8, 5, {1, 1, 1, 3}};
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "ndim=5",
+           "mask ndim");
+    b = a, b.mask.bool_mask = (mha_mask_tensor){m8, MHA_DTYPE_U8, 4, {1, 1, 3, 3}};
+    b.mask.bool_mask_polarity = (mha_mask_polarity)3;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "polarity",
+           "bad polarity");
+    b = a, b.mask.additive_mask = (mha_mask_tensor){m8, MHA_DTYPE_U8, 2, {3, 3}};
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "must be F32",
+           "int additive mask");
+    b = a, b.mask.key_padding = (mha_mask_tensor){m8, MHA_DTYPE_U8, 2, {2, 3}};
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "key padding",
+           "key padding batch");
+    b = a, b.mask.key_padding = (mha_mask_tensor){m8, MHA_DTYPE_U8, 3, {1, 1, 3}};
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "[B, m] or [m]",
+           "key padding ndim");
+    int32_t seg[3] = {0};
+    b = a, b.mask.q_segment_ids = seg;
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "together",
+           "one segment array");
+    mha_exec ex = {(mha_impl)8, 1, NULL, 0, NULL};
+    expect(mha_layer_forward(L, &a, &ex, &err), &err, MHA_STATUS_INVALID_ARG, "impl=8",
+           "unknown impl");
+    char small[16];
+    ex = (mha_exec){MHA_IMPL_AUTO, 1, small, sizeof small, NULL};
+    expect(mha_layer_forward(L, &a, &ex, &err), &err, MHA_STATUS_WORKSPACE_TOO_SMALL,
+           "workspace_bytes=16", "workspace too small");
+    int budget = 0;
+    mha_allocator failing = {&budget, failing_alloc, plain_free};
+    ex = (mha_exec){MHA_IMPL_AUTO, 1, NULL, 0, &failing};
+    expect(mha_layer_forward(L, &a, &ex, &err), &err, MHA_STATUS_NO_MEMORY, "allocate",
+           "allocation failure");
+
+    int untouched = 1;
+    for (int i = 0; i < 48; i++)
+        untouched &= y[i] == 12345.0f;
+    CHECK(untouched, "outputs must be untouched after failing calls");
+
+    /* The workspace the size query announces is enough, and a caller workspace is used. */
+    size_t need = 0;
+    CHECK_OK(mha_layer_forward_workspace_size(L, &a, NULL, &need, &err), &err);
+    char *ws = malloc(need);
+    ex = (mha_exec){MHA_IMPL_REFERENCE, 1, ws, need, NULL};
+    CHECK_OK(mha_layer_forward(L, &a, &ex, &err), &err);
+    free(ws);
+    CHECK_OK(mha_layer_forward_supported(L, &a, NULL, &err), &err);
+    mha_layer_destroy(L);
+
+    /* Layer creation through a failing allocator. */
+    budget = 0;
+    expect(mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, &failing, &L, &err), &err,
+           MHA_STATUS_NO_MEMORY, "layer", "create with no memory");
+    budget = 1; /* the layer struct, then the weight copy fails */
+    expect(mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, &failing, &L, &err), &err,
+           MHA_STATUS_NO_MEMORY, "weight", "weight copy with no memory");
+}
+
+static void test_attention_errors(void) {
+    float q[16] = {0}, o[16];
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1, a.num_heads = 1, a.q_len = 2, a.kv_len = 2, a.head_dim = 4;
+    a.q = a.k = a.v = q, a.out = o;
+    const int64_t s[3] = {8, 8, 4};
+    memcpy(a.q_strides, s, sizeof s), memcpy(a.k_strides, s, sizeof s);
+    memcpy(a.v_strides, s, sizeof s), memcpy(a.out_strides, s, sizeof s);
+    mha_error err;
+    CHECK_OK(mha_attention(&a, NULL, &err), &err);
+    mha_attention_args b = a;
+    b.q_strides[1] = -1;
+    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "q_strides[1]=-1",
+           "negative stride");
+    b = a, b.k_strides[0] = INT64_MAX / 2;
+    b.batch = 3;
+    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_OVERFLOW, "k: offsets overflow",
+           "stride overflow");
+    b = a, b.num_kv_heads = 3, b.num_heads = 4;
+    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
+           "num_heads=4 is not divisible by num_kv_heads=3", "gqa divisibility");
+    b = a, b.head_dim = 0;
+    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "head_dim=0",
+           "head_dim 0");
+    b = a, b.softcap = INFINITY;
+    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "softcap", "inf cap");
+    b = a, b.out = NULL;
+    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "must not be NULL",
+           "NULL out");
+    expect(mha_attention(NULL, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "args is NULL",
+           "NULL args");
+    /* err may be NULL: the status alone still comes back. */
+    CHECK(mha_attention(NULL, NULL, NULL) == MHA_STATUS_INVALID_ARG, "NULL err");
+    size_t bytes;
+    CHECK_OK(mha_attention_workspace_size(&a, NULL, &bytes, &err), &err);
+    CHECK_OK(mha_attention_supported(&a, NULL, &err), &err);
+
+    /* RoPE API errors. */
+    mha_rope r = {0};
+    r.style = MHA_ROPE_INTERLEAVED;
+    const int64_t xs[4] = {8, 4, 4, 1}, xs_bad[4] = {8, 4, 4, 2};
+    int64_t pos[2] = {0, -4};
+    expect(mha_rope_apply(&r, 1, 2, 1, 4, q, xs_bad, NULL, 0, &err), &err,
+           MHA_STATUS_INVALID_ARG, "contiguous", "rope stride");
+    expect(mha_rope_apply(&r, 1, 2, 1, 4, q, xs, pos, 0, &err), &err, MHA_STATUS_INVALID_ARG,
+           "positions[0][1]=-4", "rope negative position");
+    expect(mha_rope_apply(&r, 1, 2, 1, 0, q, xs, NULL, 0, &err), &err, MHA_STATUS_INVALID_ARG,
+           "head_dim=0", "rope head_dim 0");
+    r.rotary_dim = 6;
+    expect(mha_rope_apply(&r, 1, 2, 1, 4, q, xs, NULL, 0, &err), &err, MHA_STATUS_INVALID_ARG,
+           "rotary_dim=6", "rope rotary > head");
+    double freqs[2], cs;
+    r.rotary_dim = 0;
+    CHECK_OK(mha_rope_frequencies(&r, 4, freqs, &cs, &err), &err);
+    CHECK(freqs[0] == 1.0 && fabs(freqs[1] - 0.01) < 1e-15 && cs == 1.0, "rope freqs %g %g",
+          freqs[0], freqs[1]);
+}
+
+int main(void) {
+    test_status_strings();
+    test_layer_create_errors();
+    test_forward_errors();
+    test_attention_errors();
+    return test_finish();
+}
