@@ -1,0 +1,660 @@
+/* SPDX-License-Identifier: MIT */
+/* npy.c: NumPy .npy reader and float32 writer (format versions 1.0, 2.0 and 3.0), see npy.h and
+ * docs/FORMATS.md.
+ *
+ * Files are untrusted. The header dict is parsed strictly (exactly the keys 'descr',
+ * 'fortran_order' and 'shape', Python literal syntax); every size is overflow-checked and the data
+ * must be exactly as long as the shape says, checked against the file size before anything big is
+ * allocated. Data are little-endian on disk and converted to the host order. Writes go to a
+ * temporary file that is renamed into place.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include "io/npy.h"
+
+#include "internal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+/* Header dicts are a few hundred bytes; numpy itself refuses more than 10000 by default. The limit
+ * keeps a hostile version 2.0/3.0 header length (up to 4 GiB) from causing a huge allocation. */
+#define NPY_MAX_HEADER ((size_t)1 << 20)
+
+static const unsigned char NPY_MAGIC[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
+
+/* The accepted dtype strings, exactly as numpy writes them. */
+static const struct {
+    const char *descr;
+    mha_dtype dtype;
+} NPY_DTYPES[] = {
+    {"<f4", MHA_DTYPE_F32}, {"<f8", MHA_DTYPE_F64}, {"<f2", MHA_DTYPE_F16}, {"|b1", MHA_DTYPE_BOOL},
+    {"|u1", MHA_DTYPE_U8},  {"<i4", MHA_DTYPE_I32}, {"<i8", MHA_DTYPE_I64},
+};
+#define NPY_NUM_DTYPES (sizeof NPY_DTYPES / sizeof NPY_DTYPES[0])
+
+static const char *npy_descr_of(mha_dtype dtype) {
+    for (size_t i = 0; i < NPY_NUM_DTYPES; i++)
+        if (NPY_DTYPES[i].dtype == dtype)
+            return NPY_DTYPES[i].descr;
+    return "?";
+}
+
+static int host_is_little_endian(void) {
+    const uint16_t one = 1;
+    unsigned char b;
+    memcpy(&b, &one, 1);
+    return b == 1;
+}
+
+/* Reverses the bytes of each of `count` elements of `size` bytes (big-endian hosts only). */
+static void swap_elements(void *data, int64_t count, size_t size) {
+    unsigned char *p = data;
+    if (size < 2)
+        return;
+    for (int64_t i = 0; i < count; i++, p += size)
+        for (size_t a = 0, b = size - 1; a < b; a++, b--) {
+            unsigned char t = p[a];
+            p[a] = p[b];
+            p[b] = t;
+        }
+}
+
+/* "(4, 100)", "(4,)" or "()": the shape as Python prints it, for messages. */
+static void format_shape(char *buf, size_t size, int32_t ndim, const int64_t *shape) {
+    size_t used = 0;
+    int n = snprintf(buf, size, "(");
+    used = n > 0 ? (size_t)n : 0;
+    for (int32_t i = 0; i < ndim && used < size; i++) {
+        n = snprintf(buf + used, size - used, "%s%lld", i ? ", " : "", (long long)shape[i]);
+        used += n > 0 ? (size_t)n : 0;
+    }
+    if (used < size)
+        snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Header parsing                                                                                 */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct npy_header {
+    mha_dtype dtype;
+    char descr[8];
+    int32_t ndim;
+    int64_t shape[MHA_NPY_MAX_DIMS];
+    int64_t count;
+    size_t data_bytes;
+} npy_header;
+
+/* Checks magic and version in the first bytes of a file of `total` bytes (`avail` of them in
+ * buf) and returns where the header dict starts and how long it is. */
+static mha_status parse_preamble(const unsigned char *buf,
+                                 size_t avail,
+                                 uint64_t total,
+                                 const char *name,
+                                 size_t *dict_start,
+                                 size_t *dict_len,
+                                 mha_error *err) {
+    MHA_RETURN_IF(avail > 0 && memcmp(buf, NPY_MAGIC, avail < 6 ? avail : 6) != 0, err, BAD_FILE,
+                  "%s: not a .npy file (bad magic bytes)", name);
+    MHA_RETURN_IF(avail < 10, err, BAD_FILE,
+                  "%s: truncated header: the file is %llu bytes, a .npy header needs at least 10",
+                  name, (unsigned long long)total);
+    const unsigned major = buf[6], minor = buf[7];
+    MHA_RETURN_IF(major < 1 || major > 3 || minor != 0, err, BAD_FILE,
+                  "%s: unsupported .npy format version %u.%u (supported: 1.0, 2.0, 3.0)", name,
+                  major, minor);
+    size_t start, len;
+    if (major == 1) {
+        start = 10;
+        len = (size_t)buf[8] | (size_t)buf[9] << 8;
+    } else {
+        MHA_RETURN_IF(avail < 12, err, BAD_FILE,
+                      "%s: truncated header: the file is %llu bytes, a version %u.0 header needs "
+                      "at least 12",
+                      name, (unsigned long long)total, major);
+        start = 12;
+        len = (size_t)buf[8] | (size_t)buf[9] << 8 | (size_t)buf[10] << 16 | (size_t)buf[11] << 24;
+    }
+    MHA_RETURN_IF((uint64_t)start + len > total, err, BAD_FILE,
+                  "%s: truncated header: the header dict is %zu bytes but the file has only %llu "
+                  "after the preamble",
+                  name, len, (unsigned long long)(total - start));
+    MHA_RETURN_IF(len > NPY_MAX_HEADER, err, BAD_FILE,
+                  "%s: header dict is %zu bytes, more than the %zu-byte limit", name, len,
+                  NPY_MAX_HEADER);
+    *dict_start = start;
+    *dict_len = len;
+    return MHA_STATUS_OK;
+}
+
+/* A cursor over the header text (Python literal syntax, as written by numpy). */
+typedef struct cursor {
+    const char *s;
+    size_t len, pos;
+    const char *name;
+    mha_error *err;
+} cursor;
+
+static int at_end(const cursor *c) {
+    return c->pos >= c->len;
+}
+
+static char peek(const cursor *c) {
+    return at_end(c) ? '\0' : c->s[c->pos];
+}
+
+static void skip_ws(cursor *c) {
+    while (!at_end(c) && (c->s[c->pos] == ' ' || c->s[c->pos] == '\t' || c->s[c->pos] == '\n' ||
+                          c->s[c->pos] == '\r'))
+        c->pos++;
+}
+
+static mha_status malformed(cursor *c, const char *what) {
+    /* Quote up to 60 characters of the dict around the failure, non-printables as '?'. */
+    char snippet[64];
+    size_t from = c->pos > 20 ? c->pos - 20 : 0, n = 0;
+    for (size_t i = from; i < c->len && n < 60; i++, n++) {
+        unsigned char ch = (unsigned char)c->s[i];
+        snippet[n] = (ch >= 0x20 && ch < 0x7f) ? (char)ch : '?';
+    }
+    snippet[n] = '\0';
+    return mha__fail(c->err, MHA_STATUS_BAD_FILE,
+                     "%s: malformed .npy header dict at byte %zu: %s (near \"%s\")", c->name,
+                     c->pos, what, snippet);
+}
+
+/* A quoted string without escapes: 'abc' or "abc". Returns its span. */
+static mha_status parse_string(cursor *c, const char **str, size_t *len) {
+    const char q = peek(c);
+    if (q != '\'' && q != '"')
+        return malformed(c, "expected a quoted string");
+    size_t begin = ++c->pos;
+    while (!at_end(c) && c->s[c->pos] != q) {
+        if (c->s[c->pos] == '\\' || c->s[c->pos] == '\n')
+            return malformed(c, "unsupported character in a string");
+        c->pos++;
+    }
+    if (at_end(c))
+        return malformed(c, "unterminated string");
+    *str = c->s + begin;
+    *len = c->pos - begin;
+    c->pos++;
+    return MHA_STATUS_OK;
+}
+
+static int is_ident_char(char ch) {
+    return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+           ch == '_';
+}
+
+static int match_word(cursor *c, const char *word) {
+    size_t n = strlen(word);
+    if (c->len - c->pos < n || memcmp(c->s + c->pos, word, n) != 0)
+        return 0;
+    if (c->pos + n < c->len && is_ident_char(c->s[c->pos + n]))
+        return 0;
+    c->pos += n;
+    return 1;
+}
+
+/* A non-negative decimal integer that fits in int64 (no sign, no leading zeros, no '_'). */
+static mha_status parse_dim(cursor *c, int64_t *out) {
+    if (peek(c) == '-')
+        return mha__fail(c->err, MHA_STATUS_BAD_FILE,
+                         "%s: negative dimension in the .npy shape (byte %zu of the header dict)",
+                         c->name, c->pos);
+    if (peek(c) < '0' || peek(c) > '9')
+        return malformed(c, "expected a dimension (a non-negative integer)");
+    if (peek(c) == '0' && c->pos + 1 < c->len && c->s[c->pos + 1] >= '0' && c->s[c->pos + 1] <= '9')
+        return malformed(c, "leading zero in a dimension");
+    int64_t v = 0;
+    while (peek(c) >= '0' && peek(c) <= '9') {
+        int digit = peek(c) - '0';
+        if (v > (INT64_MAX - digit) / 10)
+            return mha__fail(c->err, MHA_STATUS_BAD_FILE,
+                             "%s: a dimension in the .npy shape does not fit in 64 bits", c->name);
+        v = v * 10 + digit;
+        c->pos++;
+    }
+    if (is_ident_char(peek(c)))
+        return malformed(c, "unexpected character after a dimension");
+    *out = v;
+    return MHA_STATUS_OK;
+}
+
+/* A Python tuple of dimensions: (), (a,), (a, b) or (a, b,). */
+static mha_status parse_shape(cursor *c, npy_header *h) {
+    mha_status st;
+    if (peek(c) != '(')
+        return malformed(c, "'shape' must be a tuple");
+    c->pos++;
+    skip_ws(c);
+    h->ndim = 0;
+    if (peek(c) == ')') {
+        c->pos++;
+        return MHA_STATUS_OK;
+    }
+    for (;;) {
+        int64_t dim = 0;
+        if ((st = parse_dim(c, &dim)) != MHA_STATUS_OK)
+            return st;
+        MHA_RETURN_IF(h->ndim >= MHA_NPY_MAX_DIMS, c->err, BAD_FILE,
+                      "%s: the .npy shape has more than %d dimensions", c->name, MHA_NPY_MAX_DIMS);
+        h->shape[h->ndim++] = dim;
+        skip_ws(c);
+        if (peek(c) == ')') {
+            if (h->ndim == 1)
+                return malformed(c, "a one-dimensional shape needs a trailing comma, as in (4,)");
+            c->pos++;
+            return MHA_STATUS_OK;
+        }
+        if (peek(c) != ',')
+            return malformed(c, "expected ',' or ')' in the shape");
+        c->pos++;
+        skip_ws(c);
+        if (peek(c) == ')') {
+            c->pos++;
+            return MHA_STATUS_OK;
+        }
+    }
+}
+
+static mha_status parse_descr(cursor *c, npy_header *h) {
+    const char *s;
+    size_t n;
+    if (peek(c) == '[')
+        return mha__fail(c->err, MHA_STATUS_BAD_FILE,
+                         "%s: structured dtypes (a list 'descr') are not supported", c->name);
+    mha_status st = parse_string(c, &s, &n);
+    if (st != MHA_STATUS_OK)
+        return st;
+    for (size_t i = 0; i < NPY_NUM_DTYPES; i++) {
+        if (strlen(NPY_DTYPES[i].descr) == n && memcmp(NPY_DTYPES[i].descr, s, n) == 0) {
+            h->dtype = NPY_DTYPES[i].dtype;
+            memcpy(h->descr, s, n);
+            h->descr[n] = '\0';
+            return MHA_STATUS_OK;
+        }
+    }
+    const int shown = n > 32 ? 32 : (int)n;
+    if (n > 0 && s[0] == '>')
+        return mha__fail(c->err, MHA_STATUS_BAD_FILE,
+                         "%s: big-endian dtype '%.*s' is not supported (save it as little-endian, "
+                         "e.g. a.astype('<%.*s'))",
+                         c->name, shown, s, shown > 0 ? shown - 1 : 0, s + 1);
+    return mha__fail(c->err, MHA_STATUS_BAD_FILE,
+                     "%s: unsupported dtype '%.*s' (supported: <f4 <f8 <f2 |b1 |u1 <i4 <i8)",
+                     c->name, shown, s);
+}
+
+/* Parses "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }" plus trailing spaces and
+ * newline, then checks the shape's size. */
+static mha_status
+parse_dict(const char *text, size_t len, const char *name, npy_header *h, mha_error *err) {
+    cursor c = {text, len, 0, name, err};
+    mha_status st;
+    int have_descr = 0, have_order = 0, have_shape = 0;
+    memset(h, 0, sizeof *h);
+
+    skip_ws(&c);
+    if (peek(&c) != '{')
+        return malformed(&c, "expected '{'");
+    c.pos++;
+    for (;;) {
+        skip_ws(&c);
+        if (peek(&c) == '}')
+            break;
+        const char *key;
+        size_t klen;
+        if ((st = parse_string(&c, &key, &klen)) != MHA_STATUS_OK)
+            return st;
+        skip_ws(&c);
+        if (peek(&c) != ':')
+            return malformed(&c, "expected ':' after a key");
+        c.pos++;
+        skip_ws(&c);
+        if (klen == 5 && memcmp(key, "descr", 5) == 0) {
+            MHA_RETURN_IF(have_descr++, err, BAD_FILE, "%s: duplicate key 'descr' in the header",
+                          name);
+            st = parse_descr(&c, h);
+        } else if (klen == 13 && memcmp(key, "fortran_order", 13) == 0) {
+            MHA_RETURN_IF(have_order++, err, BAD_FILE,
+                          "%s: duplicate key 'fortran_order' in the header", name);
+            if (match_word(&c, "True"))
+                st = mha__fail(err, MHA_STATUS_BAD_FILE,
+                               "%s: fortran_order True is not supported: save a C-order array "
+                               "(numpy.ascontiguousarray)",
+                               name);
+            else if (!match_word(&c, "False"))
+                st = malformed(&c, "'fortran_order' must be True or False");
+        } else if (klen == 5 && memcmp(key, "shape", 5) == 0) {
+            MHA_RETURN_IF(have_shape++, err, BAD_FILE, "%s: duplicate key 'shape' in the header",
+                          name);
+            st = parse_shape(&c, h);
+        } else {
+            st = mha__fail(err, MHA_STATUS_BAD_FILE,
+                           "%s: unknown key '%.*s' in the .npy header (expected 'descr', "
+                           "'fortran_order', 'shape')",
+                           name, klen > 32 ? 32 : (int)klen, key);
+        }
+        if (st != MHA_STATUS_OK)
+            return st;
+        skip_ws(&c);
+        if (peek(&c) == ',') {
+            c.pos++;
+            continue;
+        }
+        if (peek(&c) != '}')
+            return malformed(&c, "expected ',' or '}'");
+        break;
+    }
+    c.pos++; /* the '}' */
+    skip_ws(&c);
+    if (!at_end(&c))
+        return malformed(&c, "unexpected text after the dict");
+    MHA_RETURN_IF(!have_descr, err, BAD_FILE, "%s: the .npy header has no 'descr'", name);
+    MHA_RETURN_IF(!have_order, err, BAD_FILE, "%s: the .npy header has no 'fortran_order'", name);
+    MHA_RETURN_IF(!have_shape, err, BAD_FILE, "%s: the .npy header has no 'shape'", name);
+
+    char shape_text[256];
+    format_shape(shape_text, sizeof shape_text, h->ndim, h->shape);
+    MHA_RETURN_IF(!mha__prod_i64(h->shape, h->ndim, &h->count) ||
+                      !mha__bytes(h->count, mha_dtype_size(h->dtype), &h->data_bytes),
+                  err, BAD_FILE, "%s: shape %s of %s is too large (its byte size overflows)", name,
+                  shape_text, h->descr);
+    return MHA_STATUS_OK;
+}
+
+static mha_status
+check_data_length(const npy_header *h, uint64_t have, const char *name, mha_error *err) {
+    if (have == (uint64_t)h->data_bytes)
+        return MHA_STATUS_OK;
+    char shape_text[256];
+    format_shape(shape_text, sizeof shape_text, h->ndim, h->shape);
+    return mha__fail(err, MHA_STATUS_BAD_FILE, "%s: data is %llu bytes, shape %s of %s needs %zu",
+                     name, (unsigned long long)have, shape_text, h->descr, h->data_bytes);
+}
+
+static void fill_result(const npy_header *h, void *data, mha__npy *out) {
+    out->dtype = h->dtype;
+    out->ndim = h->ndim;
+    for (int32_t i = 0; i < MHA_NPY_MAX_DIMS; i++)
+        out->shape[i] = i < h->ndim ? h->shape[i] : 0;
+    out->count = h->count;
+    out->data = data;
+    if (!host_is_little_endian())
+        swap_elements(out->data, h->count, mha_dtype_size(h->dtype));
+}
+
+mha_status
+mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out, mha_error *err) {
+    if (!name)
+        name = "<memory>";
+    MHA_RETURN_IF(!out, err, INVALID_ARG, "mha__npy_parse: out is NULL");
+    memset(out, 0, sizeof *out);
+    MHA_RETURN_IF(!buf && len > 0, err, INVALID_ARG, "mha__npy_parse: buf is NULL");
+    const unsigned char *p = buf;
+    size_t start, dlen;
+    npy_header h;
+    mha_status st = parse_preamble(p, len, len, name, &start, &dlen, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    if ((st = parse_dict((const char *)p + start, dlen, name, &h, err)) != MHA_STATUS_OK)
+        return st;
+    if ((st = check_data_length(&h, len - start - dlen, name, err)) != MHA_STATUS_OK)
+        return st;
+    void *data = malloc(h.data_bytes ? h.data_bytes : 1);
+    MHA_RETURN_IF(!data, err, NO_MEMORY, "%s: cannot allocate %zu bytes for the data", name,
+                  h.data_bytes);
+    if (h.data_bytes)
+        memcpy(data, p + start + dlen, h.data_bytes);
+    fill_result(&h, data, out);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+/* Reads all of a non-seekable stream (a pipe) into memory, then parses it. */
+static mha_status read_stream(FILE *f, const char *path, mha__npy *out, mha_error *err) {
+    size_t cap = 1 << 16, len = 0;
+    unsigned char *buf = malloc(cap);
+    MHA_RETURN_IF(!buf, err, NO_MEMORY, "%s: out of memory", path);
+    for (;;) {
+        if (len == cap) {
+            unsigned char *bigger = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
+            if (!bigger) {
+                free(buf);
+                return mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
+            }
+            buf = bigger;
+            cap *= 2;
+        }
+        size_t got = fread(buf + len, 1, cap - len, f);
+        len += got;
+        if (got == 0)
+            break;
+    }
+    if (ferror(f)) {
+        int e = errno;
+        free(buf);
+        return mha__fail(err, MHA_STATUS_IO, "%s: read error: %s", path, strerror(e));
+    }
+    mha_status st = mha__npy_parse(buf, len, path, out, err);
+    free(buf);
+    return st;
+}
+
+/* Reads exactly n bytes at `offset`; false on a short read. */
+static int read_at(FILE *f, uint64_t offset, void *dst, size_t n) {
+    if (offset > (uint64_t)INT64_MAX || fseeko(f, (off_t)offset, SEEK_SET) != 0)
+        return 0;
+    return fread(dst, 1, n, f) == n;
+}
+
+static mha_status
+read_regular(FILE *f, uint64_t total, const char *path, mha__npy *out, mha_error *err) {
+    unsigned char pre[12];
+    const size_t avail = total < sizeof pre ? (size_t)total : sizeof pre;
+    MHA_RETURN_IF(!read_at(f, 0, pre, avail), err, IO, "%s: read error: %s", path, strerror(errno));
+    size_t start, dlen;
+    mha_status st = parse_preamble(pre, avail, total, path, &start, &dlen, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    char *dict = malloc(dlen ? dlen : 1);
+    MHA_RETURN_IF(!dict, err, NO_MEMORY, "%s: out of memory", path);
+    npy_header h;
+    if (!read_at(f, start, dict, dlen))
+        st = mha__fail(err, MHA_STATUS_IO, "%s: read error in the header", path);
+    else
+        st = parse_dict(dict, dlen, path, &h, err);
+    free(dict);
+    if (st != MHA_STATUS_OK)
+        return st;
+    /* The size check comes before the allocation, so a header declaring a terabyte fails here. */
+    if ((st = check_data_length(&h, total - start - dlen, path, err)) != MHA_STATUS_OK)
+        return st;
+    void *data = malloc(h.data_bytes ? h.data_bytes : 1);
+    MHA_RETURN_IF(!data, err, NO_MEMORY, "%s: cannot allocate %zu bytes for the data", path,
+                  h.data_bytes);
+    if (h.data_bytes && !read_at(f, (uint64_t)start + dlen, data, h.data_bytes)) {
+        free(data);
+        return mha__fail(err, MHA_STATUS_IO, "%s: read error in the data (file changed?)", path);
+    }
+    fill_result(&h, data, out);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err) {
+    MHA_RETURN_IF(!out, err, INVALID_ARG, "mha__npy_read: out is NULL");
+    memset(out, 0, sizeof *out);
+    MHA_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_read: path is NULL");
+    FILE *f = fopen(path, "rb");
+    MHA_RETURN_IF(!f, err, IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    mha_status st;
+    if (fstat(fileno(f), &sb) != 0)
+        st = mha__fail(err, MHA_STATUS_IO, "%s: cannot stat: %s", path, strerror(errno));
+    else if (S_ISDIR(sb.st_mode))
+        st = mha__fail(err, MHA_STATUS_IO, "%s: is a directory", path);
+    else if (S_ISREG(sb.st_mode))
+        st = read_regular(f, (uint64_t)sb.st_size, path, out, err);
+    else
+        st = read_stream(f, path, out, err);
+    fclose(f);
+    if (st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
+}
+
+void mha__npy_free(mha__npy *a) {
+    if (!a)
+        return;
+    free(a->data);
+    memset(a, 0, sizeof *a);
+}
+
+/* Double to float, rounding to nearest even; magnitudes that round past FLT_MAX become Inf (the
+ * explicit test keeps the conversion defined in ISO C). */
+static float narrow_f64(double d) {
+    if (d >= 0x1.ffffffp127)
+        return INFINITY;
+    if (d <= -0x1.ffffffp127)
+        return -INFINITY;
+    return (float)d;
+}
+
+mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err) {
+    MHA_RETURN_IF(!a || !out, err, INVALID_ARG, "mha__npy_to_f32: NULL argument");
+    *out = NULL;
+    if (!name)
+        name = "<array>";
+    MHA_RETURN_IF(a->dtype != MHA_DTYPE_F32 && a->dtype != MHA_DTYPE_F64 &&
+                      a->dtype != MHA_DTYPE_F16,
+                  err, BAD_FILE, "%s: dtype %s is not a float type (expected <f4, <f8 or <f2)",
+                  name, npy_descr_of(a->dtype));
+    size_t bytes;
+    MHA_RETURN_IF(a->count < 0 || !mha__bytes(a->count, sizeof(float), &bytes), err, OVERFLOW,
+                  "%s: %lld elements do not fit in memory", name, (long long)a->count);
+    MHA_RETURN_IF(a->count > 0 && !a->data, err, INVALID_ARG, "%s: array has no data", name);
+    float *f = malloc(bytes ? bytes : 1);
+    MHA_RETURN_IF(!f, err, NO_MEMORY, "%s: cannot allocate %zu bytes", name, bytes);
+    if (a->dtype == MHA_DTYPE_F32) {
+        if (bytes)
+            memcpy(f, a->data, bytes);
+    } else if (a->dtype == MHA_DTYPE_F64) {
+        const double *d = a->data;
+        for (int64_t i = 0; i < a->count; i++)
+            f[i] = narrow_f64(d[i]);
+    } else {
+        const uint16_t *h = a->data;
+        for (int64_t i = 0; i < a->count; i++)
+            f[i] = mha__f16_to_f32(h[i]);
+    }
+    *out = f;
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Writing                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Version 1.0 header: magic, version, u16 length, dict padded with spaces and a final newline so
+ * that the data start at a multiple of 64 bytes. Returns the total header size. */
+static size_t build_header(char *buf, size_t size, int32_t ndim, const int64_t *shape) {
+    char shape_text[256];
+    format_shape(shape_text, sizeof shape_text, ndim, shape);
+    char dict[384];
+    int n = snprintf(dict, sizeof dict, "{'descr': '<f4', 'fortran_order': False, 'shape': %s, }",
+                     shape_text);
+    const size_t dict_len = (size_t)n;
+    const size_t total = (10 + dict_len + 1 + 63) / 64 * 64;
+    const size_t hlen = total - 10;
+    MHA_ASSERT(total <= size && hlen <= 0xffff);
+    (void)size;
+    memcpy(buf, NPY_MAGIC, 6);
+    buf[6] = 1;
+    buf[7] = 0;
+    buf[8] = (char)(hlen & 0xff);
+    buf[9] = (char)(hlen >> 8);
+    memcpy(buf + 10, dict, dict_len);
+    memset(buf + 10 + dict_len, ' ', hlen - dict_len - 1);
+    buf[total - 1] = '\n';
+    return total;
+}
+
+static int write_floats(FILE *f, const float *data, int64_t count) {
+    if (host_is_little_endian())
+        return count == 0 || fwrite(data, sizeof(float), (size_t)count, f) == (size_t)count;
+    unsigned char chunk[4096];
+    for (int64_t i = 0; i < count;) {
+        size_t n = 0;
+        for (; n < sizeof chunk / 4 && i < count; n++, i++) {
+            uint32_t u;
+            memcpy(&u, &data[i], 4);
+            for (int b = 0; b < 4; b++)
+                chunk[4 * n + (size_t)b] = (unsigned char)(u >> (8 * b));
+        }
+        if (fwrite(chunk, 4, n, f) != n)
+            return 0;
+    }
+    return 1;
+}
+
+mha_status mha__npy_write_f32(
+    const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err) {
+    MHA_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_write_f32: path is NULL");
+    MHA_RETURN_IF(ndim < 0 || ndim > MHA_NPY_MAX_DIMS, err, INVALID_ARG,
+                  "%s: ndim=%d is outside [0, %d]", path, (int)ndim, MHA_NPY_MAX_DIMS);
+    MHA_RETURN_IF(ndim > 0 && !shape, err, INVALID_ARG, "%s: shape is NULL", path);
+    for (int32_t i = 0; i < ndim; i++)
+        MHA_RETURN_IF(shape[i] < 0, err, INVALID_ARG, "%s: shape[%d]=%lld is negative", path,
+                      (int)i, (long long)shape[i]);
+    int64_t count;
+    size_t bytes;
+    MHA_RETURN_IF(!mha__prod_i64(shape, ndim, &count) || !mha__bytes(count, 4, &bytes), err,
+                  OVERFLOW, "%s: the shape's size overflows", path);
+    MHA_RETURN_IF(count > 0 && !data, err, INVALID_ARG, "%s: data is NULL", path);
+
+    char header[512];
+    const size_t header_len = build_header(header, sizeof header, ndim, shape);
+
+    const size_t tmp_size = strlen(path) + 32;
+    char *tmp = malloc(tmp_size);
+    MHA_RETURN_IF(!tmp, err, NO_MEMORY, "%s: out of memory", path);
+    snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
+
+    FILE *f = fopen(tmp, "wb");
+    if (!f) {
+        int e = errno;
+        mha_status st =
+            mha__fail(err, MHA_STATUS_IO, "%s: cannot create '%s': %s", path, tmp, strerror(e));
+        free(tmp);
+        return st;
+    }
+    errno = 0;
+    int ok = fwrite(header, 1, header_len, f) == header_len && write_floats(f, data, count) &&
+             fflush(f) == 0;
+    int e = ok ? 0 : (errno ? errno : EIO);
+    if (fclose(f) != 0 && ok) {
+        ok = 0;
+        e = errno;
+    }
+    if (ok && rename(tmp, path) != 0) {
+        ok = 0;
+        e = errno;
+    }
+    if (!ok) {
+        remove(tmp);
+        free(tmp);
+        return mha__fail(err, MHA_STATUS_IO, "%s: cannot write: %s", path, strerror(e));
+    }
+    free(tmp);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}

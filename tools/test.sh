@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+# Runs every test of mha: installs missing dependencies, then
+#   1. a Release build with warnings as errors, all tests (ctest);
+#   2. the same tests with each lower kernel tier forced (MHA_MAX_ISA), so every dispatch
+#      variant runs on this machine;
+#   3. an AddressSanitizer + UndefinedBehaviorSanitizer build, all tests again.
+# Exit status is non-zero if anything fails. Build trees: build/, build-asan/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install_deps.sh
+jobs=$(nproc 2>/dev/null || echo 2)
+
+echo "== Release build (-Werror)"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs"
+
+if [ -x build/tests/test_kernels ]; then
+    for isa in generic avx2; do
+        echo "== Kernel tests with MHA_MAX_ISA=$isa"
+        MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -R 'kernels|golden' -j "$jobs"
+    done
+fi
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON \
+    -DMHA_SANITIZE=address,undefined >/dev/null
+cmake --build build-asan -j "$jobs"
+MHA_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$jobs"
+echo "== all tests passed"
