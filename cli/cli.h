@@ -24,7 +24,10 @@ enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2 };
 int cli_run_main(int argc, char **argv);
 int cli_demo_main(int argc, char **argv);
 int cli_info_main(int argc, char **argv);
-void cli_run_usage(void);  /* prints `mha run --help` to stdout */
+int cli_decode_bench_main(int argc, char **argv); /* cli_decode_bench.c */
+void cli_run_usage(void);                         /* prints `mha run --help` to stdout */
+/* `mha run` option checking only (no file is touched): CLI_OK or CLI_USAGE. For the fuzzer. */
+int cli_run_check_args(int argc, char **argv);
 void cli_demo_usage(void); /* prints `mha demo --help` to stdout */
 
 /* ---- Error lines. ---------------------------------------------------------------------------- */
@@ -90,5 +93,18 @@ const char *cli_dtype_name(mha_dtype dtype); /* NumPy-style: "float32", "bool", 
 const char *cli_shape_str(char *buf, size_t size, int32_t ndim, const int64_t *shape);
 /* a * b for non-negative sizes; 0 on overflow (returns 1 on success). */
 int cli_mul(int64_t a, int64_t b, int64_t *out);
+
+/* ---- Plots (cli_plot.c). ----------------------------------------------------------------------
+ */
+/* Writes per-head attention maps probs [heads, n, m] as FILE.svg or FILE.png (by the name's
+ * ending), atomically. Returns 1, or 0 with a reason in msg. */
+int cli_plot_write(const char *path,
+                   const float *probs,
+                   int64_t heads,
+                   int64_t n,
+                   int64_t m,
+                   const char *title,
+                   char *msg,
+                   size_t msg_size);
 
 #endif /* MHA_CLI_H */

@@ -54,8 +54,12 @@ enum {
     O_OUT,
     O_ATTN,
     O_ATTN_AVERAGE,
+    O_PLOT,
     O_THREADS,
     O_IMPL,
+    O_DECODE,
+    O_PREFILL,
+    O_CACHE_DTYPE,
     O_COUNT
 };
 
@@ -101,8 +105,12 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_OUT] = {"--out", CLI_OPT_VALUE},
     [O_ATTN] = {"--attn", CLI_OPT_VALUE},
     [O_ATTN_AVERAGE] = {"--attn-average", CLI_OPT_FLAG},
+    [O_PLOT] = {"--plot", CLI_OPT_VALUE},
     [O_THREADS] = {"--threads", CLI_OPT_VALUE},
     [O_IMPL] = {"--impl", CLI_OPT_VALUE},
+    [O_DECODE] = {"--decode", CLI_OPT_FLAG},
+    [O_PREFILL] = {"--prefill", CLI_OPT_VALUE},
+    [O_CACHE_DTYPE] = {"--cache-dtype", CLI_OPT_VALUE},
 };
 
 void cli_run_usage(void) {
@@ -182,12 +190,25 @@ void cli_run_usage(void) {
         "  --out Y.npy              output, float32 (required)",
         "  --attn A.npy             also write the probabilities [B, h, n, m] ([h, n, m], 2-d X)",
         "  --attn-average           write their mean over the heads instead: [B, n, m] ([n, m])",
+        "  --plot FILE.svg|FILE.png draw the attention maps of batch row 0, one per head (or their",
+        "                           mean with --attn-average); SVG has labels and hover values",
         "",
         "Execution:",
         "  --threads N              threads; 0 = every online CPU (default: 0)",
         "  --impl I                 reference, fast or auto (default: auto); fast fails, naming",
         "                           the option, when it cannot run the request",
         "  --help                   this text",
+        "",
+        "Decoding through a KV cache (causal self-attention; docs/INFERENCE.md):",
+        "  --decode                 run the input as autoregressive decoding: the first P tokens",
+        "                           as one prefill, then one token per step, through a KV cache.",
+        "                           Y is the full causal forward's output (same options: RoPE,",
+        "                           GQA, --window L,R (keeps the last L+1 positions), ALiBi,",
+        "                           sinks, softcap, scale, batch). Implies --causal; refuses",
+        "                           --key, masks, segments, positions, --causal top-left,",
+        "                           --causal-offsets, --attn and --dropout",
+        "  --prefill P              tokens in the first (prefill) call, 1 <= P <= n (default: 1)",
+        "  --cache-dtype T          cache storage f32, f16 or bf16 (default: f32)",
         "",
         "Examples:",
         "  mha run --weights attn.safetensors --heads 8 --input x.npy --out y.npy",
@@ -222,6 +243,9 @@ typedef struct run_config {
     mha_dropout dropout;
     mha_exec exec;
     int average;
+    int decode;            /* --decode */
+    int64_t prefill;       /* --prefill, default 1 */
+    mha_dtype cache_dtype; /* --cache-dtype */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */
@@ -317,6 +341,63 @@ static int parse_names(const char *s, run_state *st, mha_name_map *names) {
             return cli_usage("--names: key '%s' given twice", p);
         *slot = eq + 1;
         p = next;
+    }
+    return CLI_OK;
+}
+
+/* --decode and its options; the options that make no sense when decoding are usage errors. */
+static int parse_decode(run_config *o) {
+    const char *const *v = o->opt;
+    if (!v[O_DECODE]) {
+        if (v[O_PREFILL] || v[O_CACHE_DTYPE])
+            return cli_usage("%s needs --decode", v[O_PREFILL] ? "--prefill" : "--cache-dtype");
+        return CLI_OK;
+    }
+    static const struct {
+        int id;
+        const char *why;
+    } refused[] = {
+        {O_KEY, "decoding is self-attention"},
+        {O_VALUE, "decoding is self-attention"},
+        {O_MASK, "decoding masks are causal only"},
+        {O_KPM, "decoding masks are causal only"},
+        {O_Q_SEGMENTS, "decoding masks are causal only"},
+        {O_KV_SEGMENTS, "decoding masks are causal only"},
+        {O_CAUSAL_OFFSETS, "decoding is bottom-right aligned"},
+        {O_POSITIONS, "decoding places token t at position t"},
+        {O_KEY_POSITIONS, "decoding places token t at position t"},
+        {O_ATTN, "decoding does not keep the probabilities"},
+        {O_PLOT, "decoding does not keep the probabilities"},
+        {O_DROPOUT, "decoding is inference"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
+        if (v[refused[i].id])
+            return cli_usage("%s cannot be used with --decode (%s)", run_flags[refused[i].id].name,
+                             refused[i].why);
+    if (v[O_CAUSAL] && o->alignment != MHA_ALIGN_BOTTOM_RIGHT)
+        return cli_usage("--causal %s cannot be used with --decode (a cache is bottom-right "
+                         "aligned)",
+                         v[O_CAUSAL]);
+    o->causal = 1;
+    o->alignment = MHA_ALIGN_BOTTOM_RIGHT;
+    o->decode = 1;
+    o->prefill = 1;
+    if (v[O_PREFILL]) {
+        int rc = cli_parse_i64("--prefill", v[O_PREFILL], 1, INT32_MAX, &o->prefill);
+        if (rc)
+            return rc;
+    }
+    o->cache_dtype = MHA_DTYPE_F32;
+    if (v[O_CACHE_DTYPE]) {
+        const char *t = v[O_CACHE_DTYPE];
+        if (strcmp(t, "f32") == 0)
+            o->cache_dtype = MHA_DTYPE_F32;
+        else if (strcmp(t, "f16") == 0)
+            o->cache_dtype = MHA_DTYPE_F16;
+        else if (strcmp(t, "bf16") == 0)
+            o->cache_dtype = MHA_DTYPE_BF16;
+        else
+            return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", t);
     }
     return CLI_OK;
 }
@@ -478,17 +559,22 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
     }
 
     /* Outputs and execution. */
-    if (v[O_ATTN_AVERAGE] && !v[O_ATTN])
-        return cli_usage("--attn-average needs --attn");
+    if (v[O_ATTN_AVERAGE] && !v[O_ATTN] && !v[O_PLOT])
+        return cli_usage("--attn-average needs --attn or --plot");
     o->average = v[O_ATTN_AVERAGE] != NULL;
     if (v[O_ATTN] && strcmp(v[O_ATTN], v[O_OUT]) == 0)
         return cli_usage("--attn and --out name the same file '%s'", v[O_OUT]);
+    if (v[O_PLOT] &&
+        (strcmp(v[O_PLOT], v[O_OUT]) == 0 || (v[O_ATTN] && !strcmp(v[O_PLOT], v[O_ATTN]))))
+        return cli_usage("--plot names the same file as another output: '%s'", v[O_PLOT]);
     if (v[O_THREADS]) {
         int64_t t;
         if ((rc = cli_parse_i64("--threads", v[O_THREADS], 0, 4096, &t)))
             return rc;
         o->exec.n_threads = (int32_t)t;
     }
+    if ((rc = parse_decode(o)))
+        return rc;
     o->exec.impl = MHA_IMPL_AUTO;
     if (v[O_IMPL]) {
         if (strcmp(v[O_IMPL], "auto") == 0)
@@ -728,7 +814,7 @@ static int write_outputs(const run_config *o,
     yshape[ynd++] = out_dim;
     if (mha__npy_write_f32(ypath, s->out, ynd, yshape, &err) != MHA_STATUS_OK)
         return cli_lib_fail(ypath, &err);
-    if (!apath)
+    if (!apath && !o->opt[O_PLOT])
         return CLI_OK;
     if (x_ndim == 3)
         ashape[and_++] = B;
@@ -736,12 +822,85 @@ static int write_outputs(const run_config *o,
         ashape[and_++] = h;
     ashape[and_++] = n;
     ashape[and_++] = m;
-    if (mha__npy_write_f32(apath, s->probs, and_, ashape, &err) != MHA_STATUS_OK) {
+    if (apath && mha__npy_write_f32(apath, s->probs, and_, ashape, &err) != MHA_STATUS_OK) {
         int rc = cli_lib_fail(apath, &err);
         remove(ypath);
         return rc;
     }
+    const char *plot = o->opt[O_PLOT];
+    if (plot) {
+        char why[256], title[160];
+        snprintf(title, sizeof title,
+                 "attention probabilities, batch row 0 (%lld queries x %lld keys)", (long long)n,
+                 (long long)m);
+        if (!cli_plot_write(plot, s->probs, o->average ? 1 : h, n, m, title, why, sizeof why)) {
+            remove(ypath);
+            if (apath)
+                remove(apath);
+            return cli_fail("%s: %s", plot, why);
+        }
+    }
     return CLI_OK;
+}
+
+/* --decode: prefill the first P tokens of every row, then one token per step, through a cache of
+ * n positions per row; the rows of Y are written as they come. */
+static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, int64_t n) {
+    const mha_config *c = mha_layer_config(s->layer);
+    const int64_t qd = c->q_dim, od = c->out_dim, P = o->prefill;
+    if (P > n)
+        return cli_fail("--prefill %lld: larger than the %lld tokens of %s", (long long)P,
+                        (long long)n, o->opt[O_INPUT]);
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.max_seq = n;
+    kc.batch = B;
+    kc.dtype = o->cache_dtype;
+    if (o->use_window && o->window_left >= 0)
+        kc.window = o->window_left + 1; /* (L, R): the last L+1 positions; R is moot when causal */
+    mha_kv_cache *cache = NULL;
+    if (mha_kv_cache_create(&kc, s->layer, NULL, &cache, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &err);
+    int64_t ycount;
+    if (!cli_mul(B, n, &ycount) || !cli_mul(ycount, od, &ycount) ||
+        ycount > (int64_t)(SIZE_MAX / 8)) {
+        mha_kv_cache_destroy(cache);
+        return cli_fail("%s: output size overflows", o->opt[O_INPUT]);
+    }
+    s->out = malloc((size_t)ycount * sizeof(float));
+    float *xs = malloc(sizeof(float) * (size_t)(B * P * qd));
+    float *ys = malloc(sizeof(float) * (size_t)(B * P * od));
+    int rc = CLI_OK;
+    if (!s->out || !xs || !ys)
+        rc = cli_fail("cannot allocate the decode buffers");
+    for (int64_t t0 = 0; t0 < n && rc == CLI_OK;) {
+        const int64_t t = t0 == 0 ? P : 1;
+        for (int64_t b = 0; b < B; b++)
+            memcpy(xs + b * t * qd, s->xf + (b * n + t0) * qd, sizeof(float) * (size_t)(t * qd));
+        mha_decode_args a;
+        memset(&a, 0, sizeof a);
+        a.num_seqs = B;
+        a.num_tokens = t;
+        a.x = xs;
+        a.out = ys;
+        mha_status st = t0 == 0 ? mha_layer_prefill(s->layer, cache, &a, &o->exec, &err)
+                                : mha_layer_decode_step(s->layer, cache, &a, &o->exec, &err);
+        if (st != MHA_STATUS_OK) {
+            rc = cli_lib_fail(NULL, &err);
+            break;
+        }
+        for (int64_t b = 0; b < B; b++)
+            memcpy(s->out + (b * n + t0) * od, ys + b * t * od, sizeof(float) * (size_t)(t * od));
+        t0 += t;
+    }
+    free(xs);
+    free(ys);
+    mha_kv_cache_destroy(cache);
+    if (rc != CLI_OK)
+        return rc;
+    return write_outputs(o, s, x_ndim, B, n, n, c->num_heads, od);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -858,6 +1017,9 @@ static int run(const run_config *o, run_state *s) {
     if ((rc = to_f32(xpath, &s->x, &s->xf)))
         return rc;
 
+    if (o->decode)
+        return run_decode(o, s, x_ndim, B, n);
+
     /* 4. Masks and positions, checked against (B, h, n, m). */
     mha_forward_args fa;
     memset(&fa, 0, sizeof fa);
@@ -934,16 +1096,17 @@ static int run(const run_config *o, run_state *s) {
     s->out = malloc((size_t)ycount * sizeof(float));
     if (!s->out)
         return cli_fail("cannot allocate the output (%lld floats)", (long long)ycount);
-    if (v[O_ATTN]) {
+    if (v[O_ATTN] || v[O_PLOT]) {
         if (!cli_mul(B, o->average ? 1 : h, &pcount) || !cli_mul(pcount, n, &pcount) ||
             !cli_mul(pcount, m, &pcount) || pcount > (int64_t)(SIZE_MAX / 8))
             return cli_fail("%s: probabilities [B, h, n, m] = [%lld, %lld, %lld, %lld] are too "
                             "large",
-                            v[O_ATTN], (long long)B, (long long)h, (long long)n, (long long)m);
+                            v[O_ATTN] ? v[O_ATTN] : v[O_PLOT], (long long)B, (long long)h,
+                            (long long)n, (long long)m);
         s->probs = malloc((size_t)pcount * sizeof(float));
         if (!s->probs)
-            return cli_fail("%s: cannot allocate the probabilities (%lld floats)", v[O_ATTN],
-                            (long long)pcount);
+            return cli_fail("%s: cannot allocate the probabilities (%lld floats)",
+                            v[O_ATTN] ? v[O_ATTN] : v[O_PLOT], (long long)pcount);
     }
 
     /* 6. Run. */
@@ -990,6 +1153,21 @@ int cli_run_main(int argc, char **argv) {
     rc = parse_options(&args, &o, &s);
     if (!rc)
         rc = run(&o, &s);
+    run_free(&s);
+    return rc;
+}
+
+/* Parses and checks `mha run`'s arguments exactly as cli_run_main() does, without reading or
+ * writing any file (the entry point of fuzz/fuzz_cli_args.c). Returns CLI_OK or CLI_USAGE. */
+int cli_run_check_args(int argc, char **argv) {
+    cli_args args;
+    int rc = cli_parse(argc, argv, run_flags, O_COUNT, &args);
+    if (rc || args.given[O_HELP])
+        return rc;
+    run_config o;
+    run_state s;
+    memset(&s, 0, sizeof s);
+    rc = parse_options(&args, &o, &s);
     run_free(&s);
     return rc;
 }

@@ -22,6 +22,7 @@ static void usage(void) {
            "  run     run one attention layer: safetensors weights + .npy inputs -> .npy output\n"
            "  demo    show per-head attention maps of a small built-in layer (no files needed)\n"
            "  info    version, threads, CPU features and available implementations\n"
+           "  decode-bench  prefill + N decode steps through a KV cache: tokens/s, bandwidth\n"
            "\n"
            "Options:\n"
            "  --help      this text ('mha <command> --help' for a command's options)\n"
@@ -199,7 +200,7 @@ int cli_info_main(int argc, char **argv) {
 
 int main(int argc, char **argv) {
     if (argc < 2)
-        return cli_usage("no command given (commands: run, demo, info)");
+        return cli_usage("no command given (commands: run, demo, info, decode-bench)");
     const char *cmd = argv[1];
     if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
         usage();
@@ -217,11 +218,15 @@ int main(int argc, char **argv) {
         cli_set_help_command("demo");
         return cli_demo_main(argc - 1, argv + 1);
     }
+    if (strcmp(cmd, "decode-bench") == 0) {
+        cli_set_help_command("decode-bench");
+        return cli_decode_bench_main(argc - 1, argv + 1);
+    }
     if (strcmp(cmd, "info") == 0) {
         cli_set_help_command("info");
         return cli_info_main(argc - 1, argv + 1);
     }
     if (strncmp(cmd, "--", 2) == 0)
-        return cli_usage("unknown option '%s' (commands: run, demo, info)", cmd);
-    return cli_usage("unknown command '%s' (commands: run, demo, info)", cmd);
+        return cli_usage("unknown option '%s' (commands: run, demo, info, decode-bench)", cmd);
+    return cli_usage("unknown command '%s' (commands: run, demo, info, decode-bench)", cmd);
 }

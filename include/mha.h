@@ -386,6 +386,246 @@ MHA_API mha_status mha_layer_load_safetensors(const char *path, const char *pref
                                               const mha_allocator *allocator, mha_layer **out,
                                               mha_error *err);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Training: backward                                                                             */
+/* (docs/TRAINING.md: formulas, ownership, accumulate semantics, tolerances)                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** Gradient buffers of the attention core. Views and strides as in mha_attention_args
+ *  ([B, heads, L, d] with element strides {b, head, row}, last dimension contiguous):
+ *    dout: [B, h, n, d_v]  the upstream gradient dL/dO (required, read only)
+ *    dq:   [B, h, n, d_k]  dL/dQ      dk: [B, g, m, d_k]  dL/dK      dv: [B, g, m, d_v]  dL/dV
+ *    dsinks: [h]           dL/dsinks (only when the forward had sinks)
+ *  Each of dq, dk, dv, dsinks may be NULL: that gradient is not computed. With GQA/MQA, dk and
+ *  dv of kv head g are the sums over the h/g query heads that read it.
+ *  accumulate == 0: every requested gradient is OVERWRITTEN; nonzero: the gradient is ADDED to
+ *  what the buffer holds (llm.c style += made explicit). Gradient buffers must not alias each
+ *  other or any forward tensor. */
+typedef struct mha_attention_grads {
+    const float *dout;
+    int64_t dout_strides[3];
+    float *dq;
+    int64_t dq_strides[3];
+    float *dk;
+    int64_t dk_strides[3];
+    float *dv;
+    int64_t dv_strides[3];
+    float *dsinks;
+    int32_t accumulate;
+} mha_attention_grads;
+
+/** Workspace mha_attention_backward needs for (fwd, grads) under exec (O(threads * m * d), never
+ *  n x m). */
+MHA_API mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
+                                                         const mha_attention_grads *grads,
+                                                         const mha_exec *exec, size_t *bytes,
+                                                         mha_error *err);
+
+/** Backward of the attention core. `fwd` describes the forward call exactly as it ran: sizes,
+ *  q, k, v, every mask, scale, softcap, alibi, sinks and the same dropout (seed, p, training),
+ *  plus the forward's results: fwd->out (O, read) and fwd->lse (the log-sum-exp the forward
+ *  wrote, REQUIRED, read). fwd->probs is ignored. The probabilities are recomputed tile by tile
+ *  as P = exp(S - lse) (and the dropout mask regenerated from its seed); nothing n x m is stored.
+ *    dV_j = sum_i z_ij P_ij dO_i        dP_ij = z_ij dO_i . V_j       D_i = dO_i . O_i
+ *    dS_ij = P_ij (dP_ij - D_i)  (times 1 - tanh^2 under softcap)
+ *    dQ_i = scale sum_j dS_ij K_j       dK_j = scale sum_i dS_ij Q_i
+ *    dsink_h = -sum_{b,i} P_sink,i D_i  with P_sink,i = exp(sink_h - lse_i)
+ *  (z_ij = dropout keep / (1 - p) or 0). Fully masked rows (lse = -inf) contribute nothing:
+ *  their dQ is 0, never NaN. Results are bit-identical for any n_threads. exec may be NULL.
+ *  @return MHA_STATUS_OK, or an error with outputs untouched. */
+MHA_API mha_status mha_attention_backward(const mha_attention_args *fwd,
+                                          const mha_attention_grads *grads, const mha_exec *exec,
+                                          mha_error *err);
+
+/** What a training forward saved for the backward (opaque). It owns float copies of the
+ *  post-RoPE Q [B, n, h*d_k], K [B, m, g*d_k], the V [B, m, g*d_v], the concatenated attention
+ *  output A [B, n, h*d_v] and the log-sum-exp [B, h, n]: O((n + m) * d) floats, never n x m.
+ *  It also remembers the mha_forward_args by value, i.e. the POINTERS to the inputs (query, key,
+ *  value, positions, masks, segment ids): the caller keeps those alive and unchanged until the
+ *  last mha_layer_backward with this state. It is tied to the layer it was made with. */
+typedef struct mha_train_state mha_train_state;
+
+/** Forward in training mode: the same outputs as mha_layer_forward (args->out, args->probs) and
+ *  a new *state for mha_layer_backward (free it with mha_train_state_destroy). Dropout, if
+ *  args->dropout.training, is applied exactly as in mha_layer_forward and regenerated from its
+ *  seed by the backward. *state is NULL on error. Memory comes from exec->allocator
+ *  (exec->workspace is not used). */
+MHA_API mha_status mha_layer_forward_train(const mha_layer *layer, const mha_forward_args *args,
+                                           const mha_exec *exec, mha_train_state **state,
+                                           mha_error *err);
+
+/** Gradient buffers of the layer (all caller-owned, each may be NULL = not wanted), shapes as the
+ *  tensors they differentiate:
+ *    d_query [B, n, q_dim]; d_key [B, m, k_dim]; d_value [B, m, v_dim]
+ *    dw_q [h*d_k, q_dim], dw_k [g*d_k, k_dim], dw_v [g*d_v, v_dim], dw_o [out_dim, h*d_v]
+ *    db_q [h*d_k], db_k [g*d_k], db_v [g*d_v], db_o [out_dim]   (only if the layer has that bias)
+ *    d_sinks [h]                                                (only if the layer has sinks)
+ *  Self-attention (forward key == NULL): one input fed all three projections, so d_query
+ *  receives the SUM of the query, key and value paths; d_key and d_value must be NULL. Cross-
+ *  attention with value == NULL (value = key): d_key receives the key and value paths; d_value
+ *  must be NULL. accumulate == 0 overwrites every requested buffer; nonzero adds into it. */
+typedef struct mha_layer_grads {
+    float *d_query, *d_key, *d_value;
+    float *dw_q, *dw_k, *dw_v, *dw_o;
+    float *db_q, *db_k, *db_v, *db_o;
+    float *d_sinks;
+    int32_t accumulate;
+} mha_layer_grads;
+
+/** Backward of the layer given dy = dL/dy [B, n, out_dim] and the state of the training forward
+ *  that produced y (RoPE's backward is the transposed rotation). The state is not modified: the
+ *  same state may be used for several backward calls. exec may be NULL; exec->workspace is not
+ *  used (scratch of O((n + m) d + weights) floats comes from exec->allocator). Bit-identical
+ *  results for any n_threads.
+ *  @return MHA_STATUS_OK, or an error with every gradient buffer untouched (every check runs
+ *  first; only an out-of-memory inside a later product can leave them partly written). */
+MHA_API mha_status mha_layer_backward(const mha_layer *layer, const mha_train_state *state,
+                                      const float *dy, const mha_layer_grads *grads,
+                                      const mha_exec *exec, mha_error *err);
+
+/** Frees a training state. NULL-safe. */
+MHA_API void mha_train_state_destroy(mha_train_state *state);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Inference: KV cache                                                                            */
+/* ---------------------------------------------------------------------------------------------- */
+/* Autoregressive decoding (docs/INFERENCE.md). A cache holds post-RoPE K and V of up to max_seq
+ * positions for each of `batch` sequences, in float32, float16 or bfloat16 (compute is always
+ * float32). Position p of a sequence is its p-th appended token; RoPE is applied at p. New tokens
+ * attend causally to the sequence's cache, bottom-right aligned: the result equals the full
+ * causal forward over the whole sequence (same options, positions 0..L-1).
+ *
+ * Thread-safety: a cache is mutable. Calls that append to, reset, truncate or copy sequences of
+ * one cache must not run concurrently with any other call on that cache; read-only calls
+ * (length, attention without append, read) may run concurrently with each other. */
+
+/** Creation parameters. Zero means "default" where stated. */
+typedef struct mha_kv_cache_config {
+    int64_t num_kv_heads; /* g; 0 = the layer's (mha_kv_cache_create with a layer) */
+    int64_t head_dim;     /* d_k; 0 = the layer's */
+    int64_t v_head_dim;   /* d_v; 0 = the layer's, or head_dim without a layer */
+    int64_t max_seq;      /* most positions per sequence (required, in [1, 2^31]) */
+    int64_t batch;        /* number of sequences, ids 0 .. batch-1 (required) */
+    mha_dtype dtype;      /* storage: MHA_DTYPE_F32 (0, default), MHA_DTYPE_F16 or MHA_DTYPE_BF16 */
+    int64_t window;       /* 0 = none. W > 0: sliding window, a token at p attends to the keys
+                             p-W+1 .. p only (the full forward's window (W-1, 0), Mistral's
+                             sliding_window = W); storage is then a ring of
+                             min(max_seq, W + max_step_tokens - 1) slots per sequence */
+    int64_t max_step_tokens; /* window caches: most tokens one mha_kv_cache_append may add to a
+                                sequence (the layer calls split longer inputs); 0 = 64 */
+} mha_kv_cache_config;
+
+typedef struct mha_kv_cache mha_kv_cache;
+
+/** Creates an empty cache (every sequence has length 0). With `layer` != NULL the head sizes
+ *  default to the layer's and nonzero ones must match it. Storage: K [batch, g, slots, d_k] and
+ *  V [batch, g, slots, d_v] of `dtype`, 64-byte aligned, allocated once here (no allocation on
+ *  append). *out is NULL on error.
+ *  @return MHA_STATUS_OK; INVALID_ARG, OVERFLOW or NO_MEMORY with a message. */
+MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config, const mha_layer *layer,
+                                       const mha_allocator *allocator, mha_kv_cache **out,
+                                       mha_error *err);
+/** NULL-safe. */
+MHA_API void mha_kv_cache_destroy(mha_kv_cache *cache);
+/** The resolved configuration (defaults filled in). */
+MHA_API const mha_kv_cache_config *mha_kv_cache_get_config(const mha_kv_cache *cache);
+/** Slots of storage per sequence (max_seq, or the ring size of a window cache). */
+MHA_API int64_t mha_kv_cache_slots(const mha_kv_cache *cache);
+/** Current length (positions appended so far) of sequence `seq`, or -1 for a bad cache or id. */
+MHA_API int64_t mha_kv_cache_length(const mha_kv_cache *cache, int64_t seq);
+/** Empties sequence `seq` (length 0). Storage is not cleared. */
+MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_error *err);
+/** Rolls sequence `seq` back to new_len <= its length (drop rejected speculative tokens). A
+ *  window cache's ring keeps max_step_tokens - 1 positions of slack beyond the window, so it can
+ *  roll back at most max_step_tokens positions from the furthest length it reached
+ *  (INVALID_ARG beyond, nothing changed). */
+MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len,
+                                         mha_error *err);
+/** Makes sequence dst a copy of sequence src (length and contents): forks a shared prefix.
+ *  src == dst is a no-op. */
+MHA_API mha_status mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq,
+                                     mha_error *err);
+/** Reads position pos of sequence seq as float32: k [g, d_k], v [g, d_v] (either may be NULL).
+ *  INVALID_ARG when pos is not stored (>= length, or dropped from a window ring). */
+MHA_API mha_status mha_kv_cache_read(const mha_kv_cache *cache, int64_t seq, int64_t pos,
+                                     float *k, float *v, mha_error *err);
+
+/** Core level, for callers with their own projections: appends t post-RoPE key/value rows to
+ *  each listed sequence, k [num_seqs, t, g, d_k], v [num_seqs, t, g, d_v] (float32, rounded to
+ *  the storage dtype, nearest-even). seq_ids: [num_seqs] distinct ids, NULL = 0 .. num_seqs-1.
+ *  Fails with nothing appended if any sequence would exceed max_seq (or t > max_step_tokens in a
+ *  window cache). */
+MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache, int64_t num_seqs,
+                                       const int64_t *seq_ids, int64_t t, const float *k,
+                                       const float *v, mha_error *err);
+
+/** Core-level attention of the LAST t positions of each listed sequence (whose K/V are already
+ *  appended) to everything the cache holds for it, causal, bottom-right aligned:
+ *    query row i (position p = L - t + i) sees key j iff j <= p (and j > p - W with a window);
+ *    s = scale q.k_j, soft-capped, minus ALiBi slope_h |p - j|; sinks as in the core.
+ *  q [num_seqs, t, h, d_k] (post-RoPE), out [num_seqs, t, h, d_v], lse optional
+ *  [num_seqs, h, t]. Query head i reads kv head i / (h/g): each kv head's K/V is read once for
+ *  its whole group. Split-KV ("flash-decoding"): the keys are cut into fixed blocks that threads
+ *  share, each block gives a partial (o, lse), merged exactly; the blocks do not depend on the
+ *  thread count, so results are bit-identical for any n_threads. impl=REFERENCE runs the
+ *  reference core on the dequantised cache instead. */
+typedef struct mha_kv_attention_args {
+    int64_t num_seqs;
+    const int64_t *seq_ids; /* [num_seqs] or NULL = 0 .. num_seqs-1 */
+    int64_t num_tokens;     /* t >= 1, <= each listed sequence's length */
+    int64_t num_heads;      /* h, a multiple of the cache's g */
+    double scale;           /* 0 = 1/sqrt(d_k) */
+    double softcap;         /* 0 = off */
+    int32_t alibi;
+    const float *sinks;     /* [h] or NULL */
+    const float *q;
+    float *out;
+    float *lse;
+} mha_kv_attention_args;
+
+MHA_API mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
+                                          const mha_kv_attention_args *args, const mha_exec *exec,
+                                          mha_error *err);
+
+/** One layer call through a cache: x [num_seqs, t, q_dim] are the next t tokens of each listed
+ *  sequence; projects them, applies RoPE to Q and K at their absolute positions L .. L+t-1 (L =
+ *  the sequence's length before the call), appends K and V (at storage precision) and writes
+ *  out [num_seqs, t, out_dim] = the rows the full causal forward over the whole sequence would
+ *  give, with every option of the layer (GQA, RoPE, ALiBi, sinks, softcap, scale; the window is
+ *  the cache's). Sequences may have different lengths. On error nothing is appended and out is
+ *  untouched. exec may be NULL. */
+typedef struct mha_decode_args {
+    int64_t num_seqs;
+    const int64_t *seq_ids; /* [num_seqs] distinct, or NULL = 0 .. num_seqs-1 */
+    int64_t num_tokens;     /* t >= 1 */
+    const float *x;         /* [num_seqs, t, q_dim] */
+    float *out;             /* [num_seqs, t, out_dim] */
+} mha_decode_args;
+
+/** Appends a prompt (any t; long ones go through the flash core block by block).
+ *  exec->workspace is not used by the decode calls: their scratch (a few floats per key block)
+ *  comes from exec->allocator. */
+MHA_API mha_status mha_layer_prefill(const mha_layer *layer, mha_kv_cache *cache,
+                                     const mha_decode_args *args, const mha_exec *exec,
+                                     mha_error *err);
+/** One decoding step: t = 1 (or a few, e.g. speculative drafts) new tokens per sequence. The same
+ *  operation as mha_layer_prefill, routed to the split-KV decode kernel. */
+MHA_API mha_status mha_layer_decode_step(const mha_layer *layer, mha_kv_cache *cache,
+                                         const mha_decode_args *args, const mha_exec *exec,
+                                         mha_error *err);
+
+/** Exact merge of two partial attention results over disjoint key sets (split-KV, streaming,
+ *  ring/distributed attention), row r of `rows`, `dim` values per row:
+ *    lse = log(exp(lse_a) + exp(lse_b))
+ *    o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
+ *  A partial with lse = -inf (all its keys masked) contributes nothing; both -inf gives o = 0,
+ *  lse = -inf. Row strides in elements (>= dim). o may be exactly o_a or o_b (same pointer and
+ *  stride) and lse exactly lse_a or lse_b: the merge then runs in place. lse may be NULL. */
+MHA_API mha_status mha_attention_merge(int64_t rows, int64_t dim, const float *o_a,
+                                       int64_t o_a_stride, const float *lse_a, const float *o_b,
+                                       int64_t o_b_stride, const float *lse_b, float *o,
+                                       int64_t o_stride, float *lse, mha_error *err);
+
 #ifdef __cplusplus
 }
 #endif

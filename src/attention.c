@@ -3,6 +3,7 @@
  * mha__problem, sizes the workspace, picks the implementation and splits the work over threads.
  * Implementations: "reference" (src/ref/attention_ref.c) and the fast kernels (dispatch.c). */
 #include "internal.h"
+#include "kernels/kernels.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -100,12 +101,14 @@ mha_status mha__problem_from_args(const mha_attention_args *a, mha__problem *p, 
 }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Implementation selection and running (kernels: dispatch.c, kernels/kernels.def).              */
+/* ---------------------------------------------------------------------------------------------- */
 
 static int resolve_threads(const mha_exec *exec) {
     return (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
 }
 
-/* Workspace layout: [deltas: B int64][slopes: H float][per-thread scratch: m floats each]. */
+/* Workspace layout: [deltas: B int64][slopes: H float][per-thread kernel scratch]. */
 typedef struct ws_layout {
     size_t delta_off, slope_off, scratch_off, scratch_stride, total;
 } ws_layout;
@@ -114,19 +117,20 @@ static size_t align64(size_t x) {
     return (x + 63) & ~(size_t)63;
 }
 
-static mha_status core_layout(const mha_attention_args *a, int n_threads, ws_layout *l,
-                              mha_error *err) {
-    size_t deltas, slopes, scratch;
+static mha_status core_layout(const mha_attention_args *a, int n_threads, size_t scratch,
+                              ws_layout *l, mha_error *err) {
+    size_t deltas, slopes;
     MHA_RETURN_IF(!mha__bytes(a->batch, sizeof(int64_t), &deltas) ||
                       !mha__bytes(a->num_heads, sizeof(float), &slopes) ||
-                      !mha__bytes(a->kv_len, sizeof(float), &scratch),
+                      scratch > SIZE_MAX - 64,
                   err, OVERFLOW, "workspace size overflows");
     l->delta_off = 0;
     l->slope_off = align64(deltas);
     l->scratch_off = l->slope_off + align64(slopes);
     l->scratch_stride = align64(scratch);
     int64_t total;
-    MHA_RETURN_IF(!mha__mul_i64((int64_t)l->scratch_stride, n_threads, &total) ||
+    MHA_RETURN_IF(l->scratch_stride > INT64_MAX ||
+                      !mha__mul_i64((int64_t)l->scratch_stride, n_threads, &total) ||
                       !mha__add_i64(total, (int64_t)l->scratch_off, &total),
                   err, OVERFLOW, "workspace size overflows");
     l->total = (size_t)total;
@@ -142,14 +146,54 @@ static mha_status check_dims_for_layout(const mha_attention_args *a, mha_error *
     return MHA_STATUS_OK;
 }
 
-mha_status mha_attention_workspace_size(const mha_attention_args *args, const mha_exec *exec,
-                                        size_t *bytes, mha_error *err) {
+/* The kernel that runs (args, exec): `forced` if given (it must be able to run the problem),
+ * else by exec->impl: REFERENCE -> the reference; FAST -> the first fast kernel that takes the
+ * problem, or UNSUPPORTED naming the option (never a silent fallback); AUTO -> the first fast
+ * kernel that takes it, else the reference. MHA_KERNEL=<name> overrides AUTO and FAST. */
+static mha_status choose_kernel(const mha_attention_args *a, const mha_exec *exec,
+                                const mha__kernel_info *forced, const mha__kernel_info **k,
+                                size_t *scratch, mha_error *err) {
+    mha__fwd_shape shape;
+    mha__fwd_shape_from_args(a, &shape);
+    mha_status st;
+    if (forced) {
+        *k = forced;
+        st = mha__kernel_check(forced, &shape, err);
+    } else {
+        const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+        switch (impl) {
+        case MHA_IMPL_REFERENCE:
+            *k = mha__kernel_reference();
+            st = MHA_STATUS_OK;
+            break;
+        case MHA_IMPL_AUTO:
+        case MHA_IMPL_FAST: st = mha__kernel_select(&shape, impl, k, err); break;
+        default:
+            return mha__fail(err, MHA_STATUS_INVALID_ARG,
+                             "exec.impl=%d is not a known implementation", (int)impl);
+        }
+    }
+    if (st)
+        return st;
+    MHA_RETURN_IF(!mha__kernel_scratch_bytes(*k, &shape, scratch), err, OVERFLOW,
+                  "kernel scratch size overflows");
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__attention_workspace(const mha_attention_args *args, const mha_exec *exec,
+                                    const mha__kernel_info *forced, size_t *bytes,
+                                    mha_error *err) {
     MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
     mha_status st = check_dims_for_layout(args, err);
     if (st)
         return st;
+    const mha__kernel_info *k;
+    size_t scratch;
+    st = choose_kernel(args, exec, forced, &k, &scratch, err);
+    if (st)
+        return st;
     ws_layout l;
-    st = core_layout(args, resolve_threads(exec), &l, err);
+    st = core_layout(args, resolve_threads(exec), scratch, &l, err);
     if (st)
         return st;
     *bytes = l.total;
@@ -157,26 +201,14 @@ mha_status mha_attention_workspace_size(const mha_attention_args *args, const mh
     return MHA_STATUS_OK;
 }
 
-static mha_status check_impl(const mha_exec *exec, mha_error *err) {
-    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
-    switch (impl) {
-    case MHA_IMPL_AUTO:
-    case MHA_IMPL_REFERENCE: return MHA_STATUS_OK;
-    case MHA_IMPL_FAST:
-        return mha__fail(err, MHA_STATUS_UNSUPPORTED,
-                         "impl=fast: no fast attention kernel is built into this version; use "
-                         "reference or auto");
-    }
-    return mha__fail(err, MHA_STATUS_INVALID_ARG, "exec.impl=%d is not a known implementation",
-                     (int)impl);
+mha_status mha_attention_workspace_size(const mha_attention_args *args, const mha_exec *exec,
+                                        size_t *bytes, mha_error *err) {
+    return mha__attention_workspace(args, exec, NULL, bytes, err);
 }
 
 mha_status mha_attention_supported(const mha_attention_args *args, const mha_exec *exec,
                                    mha_error *err) {
     mha_status st = check_dims_for_layout(args, err);
-    if (st)
-        return st;
-    st = check_impl(exec, err);
     if (st)
         return st;
     /* Validate everything, without running: deltas and slopes need scratch of their own. */
@@ -189,35 +221,31 @@ mha_status mha_attention_supported(const mha_attention_args *args, const mha_exe
         st = mha__problem_from_args(args, &p, deltas, slopes, err);
     free(deltas);
     free(slopes);
+    if (st == MHA_STATUS_OK) {
+        /* Then the implementation: impl=fast says here which option it cannot do. */
+        const mha__kernel_info *k;
+        size_t scratch;
+        st = choose_kernel(args, exec, NULL, &k, &scratch, err);
+    }
     if (st == MHA_STATUS_OK)
         mha__ok(err);
     return st;
 }
 
-typedef struct ref_job {
-    const mha__problem *p;
-    char *scratch;
-    size_t scratch_stride;
-    int64_t items_per_unit; /* heads handled per work unit: H when averaging probs, else 1 */
-} ref_job;
-
-static void ref_range(void *ctx, int part, int64_t begin, int64_t end) {
-    const ref_job *job = ctx;
-    float *scratch = (float *)(job->scratch + (size_t)part * job->scratch_stride);
-    mha__attention_ref(job->p, begin * job->items_per_unit, end * job->items_per_unit, scratch);
-}
-
-mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
+mha_status mha__attention_run(const mha_attention_args *args, const mha_exec *exec,
+                              const mha__kernel_info *forced, mha_error *err) {
     mha_status st = check_dims_for_layout(args, err);
     if (st)
         return st;
-    st = check_impl(exec, err);
+    const mha__kernel_info *k;
+    size_t scratch;
+    st = choose_kernel(args, exec, forced, &k, &scratch, err);
     if (st)
         return st;
     int n_threads = resolve_threads(exec);
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     ws_layout l;
-    st = core_layout(args, n_threads, &l, err);
+    st = core_layout(args, n_threads, scratch, &l, err);
     if (st)
         return st;
     char *ws = exec ? exec->workspace : NULL;
@@ -232,15 +260,16 @@ mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, m
     mha__problem p;
     st = mha__problem_from_args(args, &p, (int64_t *)(ws + l.delta_off),
                                 (float *)(ws + l.slope_off), err);
-    if (st == MHA_STATUS_OK) {
-        /* Averaged probabilities sum over heads: one unit is then a whole batch row, so no two
-         * threads add into the same [n, m] map (and the sum order is fixed). */
-        ref_job job = {&p, ws + l.scratch_off, l.scratch_stride, p.average_probs ? p.H : 1};
-        const int64_t units = p.average_probs ? p.B : p.B * p.H;
-        st = mha__parallel_for(n_threads, units, ref_range, &job, err);
-    }
+    /* Work units, their split over threads and the bit-identical-for-any-thread-count
+     * guarantee: mha__kernel_run (dispatch.c). */
+    if (st == MHA_STATUS_OK)
+        st = mha__kernel_run(k, &p, n_threads, ws + l.scratch_off, l.scratch_stride, err);
     mha__free(alloc, owned);
     if (st == MHA_STATUS_OK)
         mha__ok(err);
     return st;
+}
+
+mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
+    return mha__attention_run(args, exec, NULL, err);
 }

@@ -4,7 +4,9 @@
  *   V = x_v W_v^T + b_v   [B, m, g*dv]      RoPE(Q), RoPE(K) at their token positions
  *   A = attention core(Q, K, V)  [B, n, h*dv]   (heads side by side: the "concat")
  *   y = A W_o^T + b_o     [B, n, out_dim]
- * Projections here are the plain reference loops; the core picks its implementation. */
+ * Projections: impl=reference runs the plain loops below; fast/auto run the packed GEMM of
+ * gemm.c (same math, blocked sums; bit-identical for any thread count). */
+#include "gemm.h"
 #include "internal.h"
 
 #include <stdlib.h>
@@ -368,8 +370,14 @@ static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
     }
 }
 
-static mha_status project(const float *x, const float *w, const float *bias, float *y,
-                          int64_t rows, int64_t in, int64_t out, int n_threads, mha_error *err) {
+/* One projection y[rows, out] = x[rows, in] W[out, in]^T + b: the plain loops for
+ * impl=reference, the packed GEMM (best kernel tier of this CPU) for fast and auto. */
+static mha_status project(mha_impl impl, const mha_allocator *alloc, const float *x,
+                          const float *w, const float *bias, float *y, int64_t rows, int64_t in,
+                          int64_t out, int n_threads, mha_error *err) {
+    if (impl != MHA_IMPL_REFERENCE)
+        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, n_threads, MHA__GEMM_AUTO,
+                             alloc, err);
     proj_job job = {x, w, bias, y, in, out};
     return mha__parallel_for(n_threads, rows, project_rows, &job, err);
 }
@@ -424,14 +432,18 @@ mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *arg
     float *q = (float *)(ws + l.q_off), *k = (float *)(ws + l.k_off);
     float *v = (float *)(ws + l.v_off), *att = (float *)(ws + l.a_off);
     const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
 
     const float *xk = self ? args->query : args->key;
     const float *xv = self ? args->query : (args->value ? args->value : args->key);
-    st = project(args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim, n_threads, err);
+    st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim,
+                 n_threads, err);
     if (!st)
-        st = project(xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim, n_threads, err);
+        st = project(impl, alloc, xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim,
+                     n_threads, err);
     if (!st)
-        st = project(xv, w->w_v, w->b_v, v, B * m, c->v_dim, g * c->v_head_dim, n_threads, err);
+        st = project(impl, alloc, xv, w->w_v, w->b_v, v, B * m, c->v_dim, g * c->v_head_dim,
+                     n_threads, err);
 
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
@@ -450,8 +462,8 @@ mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *arg
         st = mha_attention(&core, &core_exec, err);
     }
     if (!st)
-        st = project(att, w->w_o, w->b_o, args->out, B * n, h * c->v_head_dim, c->out_dim,
-                     n_threads, err);
+        st = project(impl, alloc, att, w->w_o, w->b_o, args->out, B * n, h * c->v_head_dim,
+                     c->out_dim, n_threads, err);
     mha__free(alloc, owned);
     if (!st)
         mha__ok(err);

@@ -82,6 +82,12 @@ mha_status mha__validate_masking(const mha_masking *mk, int64_t B, int64_t H, in
         MHA_RETURN_IF(mk->window_left < -1 || mk->window_right < -1, err, INVALID_ARG,
                       "mask.window (%lld, %lld): each side must be >= 0, or -1 for unbounded",
                       (long long)mk->window_left, (long long)mk->window_right);
+    /* A side longer than any |i + delta - j| (< 2^33 within the size limits) is unbounded: map it
+     * to -1 so that i + delta + side cannot overflow int64 in any kernel. */
+    if (p->window_left > 4 * MHA_MAX_DIM)
+        p->window_left = -1;
+    if (p->window_right > 4 * MHA_MAX_DIM)
+        p->window_right = -1;
 
     const int64_t target[4] = {B, H, n, m};
     p->bool_mask.data = NULL;

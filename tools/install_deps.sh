@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: MIT
 # Installs what building and testing mha needs on a fresh Debian machine, skipping what is
 # already there: a C compiler, CMake, cJSON (safetensors headers), and for the Python-driven
-# tests python3 with numpy and pytest. Safe to run repeatedly.
+# tests python3 with the packages of python/requirements-test.txt. Safe to run repeatedly.
 set -euo pipefail
 
 need_apt=()
@@ -17,6 +17,24 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
 fi
 command -v cmake >/dev/null 2>&1 || python3 -m pip install -q cmake
-python3 - <<'PY' || python3 -m pip install -q "numpy>=1.24" "pytest>=7"
-import numpy, pytest  # noqa: F401
+# Python test dependencies (NumPy, pytest, PyTorch 2.13.0 CPU, JAX/Equinox/Haiku, matplotlib):
+# pinned in python/requirements-test.txt. torch is pinned exactly: any other version pulls
+# gigabytes of CUDA packages.
+python3 - <<'PY' || python3 -m pip install -q -r python/requirements-test.txt
+import importlib.metadata as md, sys
+pins = {}
+for line in open("python/requirements-test.txt"):
+    line = line.split("#")[0].strip()
+    if "==" in line:
+        name, version = line.split("==")
+        pins[name.strip()] = version.strip()
+    elif line:
+        pins[line.split(">")[0].split("<")[0].strip()] = None
+for name, version in pins.items():
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        sys.exit(1)
+    if version and have.split("+")[0] != version:
+        sys.exit(1)
 PY

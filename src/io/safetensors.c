@@ -10,11 +10,14 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
+#include "io/safetensors.h"
+
 #include "internal.h"
 
 #include <cjson/cJSON.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -223,6 +226,9 @@ static mha_status index_tensors(st_file *sf, mha_error *err) {
     return st;
 }
 
+static mha_status st_open_header(st_file *sf, uint64_t size, mha_error *err);
+
+/* Opens the file at `path` (a regular file) and parses its header. */
 static mha_status st_open(st_file *sf, const char *path, mha_error *err) {
     sf->path = path;
     sf->f = fopen(path, "rb");
@@ -231,7 +237,29 @@ static mha_status st_open(st_file *sf, const char *path, mha_error *err) {
     MHA_RETURN_IF(fstat(fileno(sf->f), &sb) != 0, err, IO, "%s: cannot stat: %s", path,
                   strerror(errno));
     MHA_RETURN_IF(!S_ISREG(sb.st_mode), err, IO, "%s: not a regular file", path);
-    const uint64_t size = (uint64_t)sb.st_size;
+    return st_open_header(sf, (uint64_t)sb.st_size, err);
+}
+
+/* The same over an in-memory image (fmemopen), so both paths share every check. */
+static mha_status st_open_mem(st_file *sf, const void *buf, size_t len, const char *name,
+                              mha_error *err) {
+    sf->path = name;
+    MHA_RETURN_IF(len < 8, err, BAD_FILE,
+                  "%s: the file is %llu bytes, too short for a safetensors header", name,
+                  (unsigned long long)len);
+    sf->f = fmemopen((void *)(uintptr_t)buf, len, "rb");
+    MHA_RETURN_IF(!sf->f, err, NO_MEMORY, "%s: cannot open the memory image: %s", name,
+                  strerror(errno));
+    return st_open_header(sf, (uint64_t)len, err);
+}
+
+/* cJSON 1.7.x records the position of a parse error in a process-wide variable on every parse, so
+ * concurrent loads would race on it (benignly: nothing here reads it). Parses are serialised. */
+static pthread_mutex_t st_json_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Reads and checks the length prefix and the JSON header of sf->f, a stream of `size` bytes. */
+static mha_status st_open_header(st_file *sf, uint64_t size, mha_error *err) {
+    const char *path = sf->path;
     unsigned char len_bytes[8];
     MHA_RETURN_IF(size < 8, err, BAD_FILE,
                   "%s: the file is %llu bytes, too short for a safetensors header", path,
@@ -258,7 +286,9 @@ static mha_status st_open(st_file *sf, const char *path, mha_error *err) {
     }
     text[n] = '\0';
     const char *end = NULL;
+    pthread_mutex_lock(&st_json_lock);
     sf->root = cJSON_ParseWithLengthOpts(text, (size_t)n, &end, 0);
+    pthread_mutex_unlock(&st_json_lock);
     size_t pos = end ? (size_t)(end - text) : 0;
     if (!sf->root) {
         free(text);
@@ -744,13 +774,17 @@ static mha_status load_layer(st_file *sf,
     return st;
 }
 
-mha_status mha_layer_load_safetensors(const char *path,
-                                      const char *prefix,
-                                      const mha_name_map *names,
-                                      const mha_config *config,
-                                      const mha_allocator *allocator,
-                                      mha_layer **out,
-                                      mha_error *err) {
+/* The loader behind both entry points: the file at `path`, or the image `buf` of `len` bytes when
+ * buf is not NULL (then `path` only names it in messages). */
+static mha_status load_common(const char *path,
+                              const void *buf,
+                              size_t len,
+                              const char *prefix,
+                              const mha_name_map *names,
+                              const mha_config *config,
+                              const mha_allocator *allocator,
+                              mha_layer **out,
+                              mha_error *err) {
     MHA_RETURN_IF(!out, err, INVALID_ARG, "mha_layer_load_safetensors: out is NULL");
     *out = NULL;
     MHA_RETURN_IF(!path, err, INVALID_ARG, "mha_layer_load_safetensors: path is NULL");
@@ -778,6 +812,8 @@ mha_status mha_layer_load_safetensors(const char *path,
     mha_status st;
     if (!sf.name_buf)
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
+    else if (buf)
+        st = st_open_mem(&sf, buf, len, path, err);
     else
         st = st_open(&sf, path, err);
 
@@ -790,4 +826,31 @@ mha_status mha_layer_load_safetensors(const char *path,
     if (st == MHA_STATUS_OK)
         mha__ok(err);
     return st;
+}
+
+mha_status mha_layer_load_safetensors(const char *path,
+                                      const char *prefix,
+                                      const mha_name_map *names,
+                                      const mha_config *config,
+                                      const mha_allocator *allocator,
+                                      mha_layer **out,
+                                      mha_error *err) {
+    return load_common(path, NULL, 0, prefix, names, config, allocator, out, err);
+}
+
+mha_status mha__safetensors_load_mem(const void *buf,
+                                     size_t len,
+                                     const char *name,
+                                     const char *prefix,
+                                     const mha_name_map *names,
+                                     const mha_config *config,
+                                     const mha_allocator *allocator,
+                                     mha_layer **out,
+                                     mha_error *err) {
+    if (!name)
+        name = "<memory>";
+    if (!buf && out)
+        *out = NULL;
+    MHA_RETURN_IF(!buf, err, INVALID_ARG, "mha__safetensors_load_mem: buf is NULL");
+    return load_common(name, buf, len, prefix, names, config, allocator, out, err);
 }

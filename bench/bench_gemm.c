@@ -1,0 +1,228 @@
+/* SPDX-License-Identifier: MIT */
+/* bench_gemm.c: `mha_bench_gemm`, the projection GEMM y = x W^T (+ b) of src/gemm.c per kernel
+ * tier, against OpenBLAS cblas_sgemm (loaded with dlopen when libopenblas is installed; never a
+ * build dependency) on the same inputs, with the machine's FMA peak measured in the same run.
+ * FLOPs = 2 M N K. Each row: median, min and max of R timed runs after 2 warm-ups.
+ *
+ * Usage: mha_bench_gemm [--threads 1,2] [--reps R] [--shape M,N,K]... [--jsonl FILE]
+ * OpenBLAS is run with openblas_set_num_threads(T) and its own core detection (we never set
+ * OPENBLAS_CORETYPE); its detected core name is printed. */
+#define _POSIX_C_SOURCE 200809L
+#include "fma_peak.h"
+#include "gemm.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* cblas_sgemm(order, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) */
+typedef void (*sgemm_fn)(int,
+                         int,
+                         int,
+                         int,
+                         int,
+                         int,
+                         float,
+                         const float *,
+                         int,
+                         const float *,
+                         int,
+                         float,
+                         float *,
+                         int);
+typedef void (*set_threads_fn)(int);
+typedef char *(*corename_fn)(void);
+
+typedef struct blas {
+    sgemm_fn sgemm;
+    set_threads_fn set_threads;
+    corename_fn corename;
+} blas;
+
+static int load_openblas(blas *b) {
+    const char *names[] = {"libopenblas.so.0", "libopenblas.so"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        void *h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (!h)
+            continue;
+        /* POSIX guarantees data <-> function pointer round trips through dlsym. */
+        void *s = dlsym(h, "cblas_sgemm"), *t = dlsym(h, "openblas_set_num_threads"),
+             *c = dlsym(h, "openblas_get_corename");
+        if (!s)
+            continue;
+        memcpy(&b->sgemm, &s, sizeof s);
+        memcpy(&b->set_threads, &t, sizeof t);
+        memcpy(&b->corename, &c, sizeof c);
+        return 1;
+    }
+    return 0;
+}
+
+typedef struct stats {
+    double med, min, max;
+} stats;
+
+typedef struct run_ctx {
+    int64_t M, N, K;
+    const float *x, *w, *b;
+    float *y;
+    int threads;
+    int isa; /* >= 0: mha tier; -1: OpenBLAS */
+    const blas *bl;
+} run_ctx;
+
+static void run_once(const run_ctx *r) {
+    if (r->isa >= 0) {
+        mha_error err;
+        if (mha__gemm_xwt(r->M, r->N, r->K, r->x, r->K, r->w, r->K, r->b, r->y, r->N, r->threads,
+                          (mha__gemm_isa)r->isa, NULL, &err) != MHA_STATUS_OK) {
+            fprintf(stderr, "gemm failed: %s\n", err.message);
+            exit(1);
+        }
+    } else {
+        /* y = x W^T: row-major, A = x (no trans), B = W (trans); the bias is added after, as
+         * a BLAS caller would (101 = RowMajor, 111 = NoTrans, 112 = Trans). */
+        r->bl->sgemm(101, 111, 112, (int)r->M, (int)r->N, (int)r->K, 1.0f, r->x, (int)r->K, r->w,
+                     (int)r->K, 0.0f, r->y, (int)r->N);
+        if (r->b)
+            for (int64_t i = 0; i < r->M; i++)
+                for (int64_t o = 0; o < r->N; o++)
+                    r->y[i * r->N + o] += r->b[o];
+    }
+}
+
+static stats time_runs(const run_ctx *r, int reps) {
+    double *t = malloc(sizeof(double) * (size_t)reps);
+    run_once(r);
+    run_once(r);
+    for (int i = 0; i < reps; i++) {
+        double t0 = now_s();
+        run_once(r);
+        t[i] = now_s() - t0;
+    }
+    qsort(t, (size_t)reps, sizeof(double), cmp_double);
+    stats s = {t[reps / 2], t[0], t[reps - 1]};
+    free(t);
+    return s;
+}
+
+int main(int argc, char **argv) {
+    int threads_list[8] = {1, 2}, n_threads = 2, reps = 7;
+    int64_t shapes[32][3];
+    int n_shapes = 0;
+    const char *jsonl = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+            n_threads = 0;
+            for (char *tok = strtok(argv[++i], ","); tok && n_threads < 8; tok = strtok(NULL, ","))
+                threads_list[n_threads++] = atoi(tok);
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+            reps = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--shape") && i + 1 < argc && n_shapes < 32) {
+            long long m, n, k;
+            if (sscanf(argv[++i], "%lld,%lld,%lld", &m, &n, &k) != 3) {
+                fprintf(stderr, "--shape M,N,K\n");
+                return 2;
+            }
+            shapes[n_shapes][0] = m;
+            shapes[n_shapes][1] = n;
+            shapes[n_shapes][2] = k;
+            n_shapes++;
+        } else if (!strcmp(argv[i], "--jsonl") && i + 1 < argc) {
+            jsonl = argv[++i];
+        } else {
+            fprintf(stderr, "usage: mha_bench_gemm [--threads 1,2] [--reps 7] [--shape M,N,K]... "
+                            "[--jsonl FILE]\n");
+            return 2;
+        }
+    }
+    if (reps < 1)
+        reps = 1;
+    if (n_shapes == 0) {
+        /* The layer's projections in the benchmark shapes: (rows = B*n, out, in). */
+        const int64_t def[][3] = {{512, 768, 768},    {2048, 1024, 1024}, {2048, 4096, 4096},
+                                  {8192, 1024, 1024}, {2048, 1024, 4096}, {2048, 768, 768}};
+        n_shapes = (int)(sizeof def / sizeof def[0]);
+        memcpy(shapes, def, sizeof def);
+    }
+    blas bl;
+    memset(&bl, 0, sizeof bl);
+    const int have_blas = load_openblas(&bl);
+    char model[256];
+    bench_cpu_model(model, sizeof model);
+    FILE *jf = jsonl ? fopen(jsonl, "a") : NULL;
+
+    printf("# projection GEMM y = x W^T + b, FLOPs = 2*M*N*K; CPU: %s\n", model);
+    printf("# OpenBLAS: %s%s\n", have_blas ? "loaded, core " : "not found",
+           have_blas && bl.corename ? bl.corename() : "");
+    for (int ti = 0; ti < n_threads; ti++) {
+        const int T = threads_list[ti];
+        const char *pisa = "";
+        const double peak = bench_peak_best_gflops(T, 100.0, 5, &pisa);
+        printf("# threads=%d: measured %s FMA peak %.1f GFLOP/s\n", T, pisa, peak);
+        printf("%-28s %6s %6s %6s %8s %8s %8s %9s %7s\n", "kernel", "M", "N", "K", "med_ms",
+               "min_ms", "max_ms", "GFLOP/s", "%peak");
+        for (int s = 0; s < n_shapes; s++) {
+            const int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+            float *x = malloc(sizeof(float) * (size_t)(M * K)),
+                  *w = malloc(sizeof(float) * (size_t)(N * K));
+            float *b = malloc(sizeof(float) * (size_t)N),
+                  *y = malloc(sizeof(float) * (size_t)(M * N));
+            for (int64_t i = 0; i < M * K; i++)
+                x[i] = (float)((i * 7919) % 1000) * 1e-3f - 0.5f;
+            for (int64_t i = 0; i < N * K; i++)
+                w[i] = (float)((i * 104729) % 1000) * 1e-3f - 0.5f;
+            for (int64_t i = 0; i < N; i++)
+                b[i] = 0.01f * (float)i;
+            const double flops = 2.0 * (double)M * (double)N * (double)K;
+            for (int isa = MHA__GEMM_ISA_COUNT - 1; isa >= -1; isa--) {
+                if (isa >= 0 && !mha__gemm_isa_usable((mha__gemm_isa)isa))
+                    continue;
+                if (isa == MHA__GEMM_GENERIC && flops > 2e10)
+                    continue; /* minutes; the portable tier is for correctness */
+                if (isa < 0 && !have_blas)
+                    continue;
+                if (isa < 0 && bl.set_threads)
+                    bl.set_threads(T);
+                run_ctx r = {M, N, K, x, w, b, y, T, isa, &bl};
+                const stats st = time_runs(&r, reps);
+                const char *name = isa >= 0 ? mha__gemm_kernel_for((mha__gemm_isa)isa)->name
+                                            : "openblas_sgemm+bias";
+                const double gf = flops / st.med * 1e-9;
+                printf("%-28s %6lld %6lld %6lld %8.2f %8.2f %8.2f %9.1f %6.0f%%\n", name,
+                       (long long)M, (long long)N, (long long)K, st.med * 1e3, st.min * 1e3,
+                       st.max * 1e3, gf, 100.0 * gf / peak);
+                fflush(stdout);
+                if (jf)
+                    fprintf(jf,
+                            "{\"bench\": \"gemm\", \"kernel\": \"%s\", \"M\": %lld, \"N\": %lld, "
+                            "\"K\": %lld, \"threads\": %d, \"median_ms\": %.4f, \"min_ms\": %.4f, "
+                            "\"max_ms\": %.4f, \"gflops\": %.2f, \"peak_gflops\": %.2f, "
+                            "\"peak_isa\": \"%s\", \"pct_peak\": %.1f, \"blas_core\": \"%s\"}\n",
+                            name, (long long)M, (long long)N, (long long)K, T, st.med * 1e3,
+                            st.min * 1e3, st.max * 1e3, gf, peak, pisa, 100.0 * gf / peak,
+                            isa < 0 && bl.corename ? bl.corename() : "");
+            }
+            free(x);
+            free(w);
+            free(b);
+            free(y);
+        }
+    }
+    if (jf)
+        fclose(jf);
+    return 0;
+}

@@ -1,0 +1,19 @@
+/* SPDX-License-Identifier: MIT */
+/* fma_peak.h: measured fp32 FMA peak of this machine, shared by the bench programs. */
+#ifndef MHA_BENCH_FMA_PEAK_H
+#define MHA_BENCH_FMA_PEAK_H
+
+#include <stddef.h>
+
+/* ISAs in decreasing order of width ("avx512", "avx2", "scalar"), some maybe unusable here. */
+int bench_peak_isa_count(void);
+const char *bench_peak_isa_name(int i);
+int bench_peak_isa_usable(int i);
+/* GFLOP/s of `threads` threads running ISA i's FMA loop at once, best of `reps` runs of ~ms. */
+double bench_peak_gflops(int i, int threads, double ms, int reps);
+/* The same for the widest usable ISA; *isa (if not NULL) gets its name. */
+double bench_peak_best_gflops(int threads, double ms, int reps, const char **isa);
+/* "model name" of /proc/cpuinfo, or "unknown". */
+void bench_cpu_model(char *buf, size_t n);
+
+#endif

@@ -1,0 +1,431 @@
+/* SPDX-License-Identifier: MIT */
+/* cli_decode_bench.c: `mha decode-bench`, autoregressive decoding speed with random weights.
+ *
+ * Fills a KV cache with --cache-len positions per sequence (random post-RoPE K/V, or a real
+ * layer prefill with --prefill-mode layer), then runs --steps decode steps of one token per
+ * sequence. Reports, per step: the attention alone (append + split-KV attention over the cache),
+ * its effective bandwidth (bytes of K and V read per second), and the whole layer step
+ * (projections + RoPE + attention + output projection) as tokens/s. --stream measures this
+ * machine's memory read bandwidth in the same run (a read loop over a buffer much larger than the
+ * last-level cache); --naive times a plain single-threaded loop over the same cache.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+
+#include "cli.h"
+#include "internal.h" /* mha__parallel_for, mha__f16_to_f32 */
+#include "kv_cache.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+const char *mha__dec_kernel_name(void);
+
+enum {
+    B_HELP,
+    B_HEADS,
+    B_KV_HEADS,
+    B_HEAD_DIM,
+    B_Q_DIM,
+    B_CACHE_LEN,
+    B_BATCH,
+    B_STEPS,
+    B_THREADS,
+    B_CACHE_DTYPE,
+    B_ATTN_ONLY,
+    B_PREFILL_MODE,
+    B_NAIVE,
+    B_STREAM_MB,
+    B_JSON,
+    B_COUNT
+};
+
+static const cli_opt bench_flags[B_COUNT] = {
+    [B_HELP] = {"--help", CLI_OPT_FLAG},
+    [B_HEADS] = {"--heads", CLI_OPT_VALUE},
+    [B_KV_HEADS] = {"--kv-heads", CLI_OPT_VALUE},
+    [B_HEAD_DIM] = {"--head-dim", CLI_OPT_VALUE},
+    [B_Q_DIM] = {"--q-dim", CLI_OPT_VALUE},
+    [B_CACHE_LEN] = {"--cache-len", CLI_OPT_VALUE},
+    [B_BATCH] = {"--batch", CLI_OPT_VALUE},
+    [B_STEPS] = {"--steps", CLI_OPT_VALUE},
+    [B_THREADS] = {"--threads", CLI_OPT_VALUE},
+    [B_CACHE_DTYPE] = {"--cache-dtype", CLI_OPT_VALUE},
+    [B_ATTN_ONLY] = {"--attention-only", CLI_OPT_FLAG},
+    [B_PREFILL_MODE] = {"--prefill-mode", CLI_OPT_VALUE},
+    [B_NAIVE] = {"--naive", CLI_OPT_FLAG},
+    [B_STREAM_MB] = {"--stream", CLI_OPT_VALUE},
+    [B_JSON] = {"--json", CLI_OPT_FLAG},
+};
+
+static void bench_usage(void) {
+    printf(
+        "Usage: mha decode-bench [options]\n"
+        "\n"
+        "Prefill + N decode steps through a KV cache with random weights; reports tokens/s and\n"
+        "the effective bandwidth of the attention (bytes of K and V read per second).\n"
+        "\n"
+        "  --heads H           query heads (default: 32)\n"
+        "  --kv-heads G        key/value heads, H %% G == 0 (default: 8)\n"
+        "  --head-dim D        d_k = d_v (default: 128)\n"
+        "  --q-dim Q           layer width (default: H*D)\n"
+        "  --cache-len L       positions in the cache before the first step (default: 4096)\n"
+        "  --batch B           sequences decoded together (default: 1)\n"
+        "  --steps N           decode steps (default: 32)\n"
+        "  --threads T         threads, 0 = every online CPU (default: 0)\n"
+        "  --cache-dtype T     f32, f16 or bf16 (default: f32)\n"
+        "  --prefill-mode M    random: fill the cache with random K/V (default); layer: run\n"
+        "                      mha_layer_prefill on random tokens (slow for long caches)\n"
+        "  --attention-only    time only the attention (append + split-KV), not the layer\n"
+        "  --naive             also time a plain single-threaded loop over the same cache\n"
+        "  --stream MB         also measure memory read bandwidth over an MB-megabyte buffer\n"
+        "  --json              one JSON line instead of the table\n"
+        "\n"
+        "Example:\n"
+        "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 \\\n"
+        "      --steps 64 --threads 2 --cache-dtype bf16 --stream 1024 --naive\n");
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static float rnd(void) { /* uniform in [-1, 1) */
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)(rng_state >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+static void fill(float *x, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++)
+        x[i] = scale * rnd();
+}
+
+static int cmp_d(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* ---- STREAM-like read bandwidth. ------------------------------------------------------------- */
+typedef struct stream_job {
+    const uint64_t *buf;
+    uint64_t sums[64];
+} stream_job;
+
+static void stream_part(void *ctx, int part, int64_t begin, int64_t end) {
+    stream_job *j = ctx;
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+    for (int64_t i = begin * 8; i < end * 8; i += 8) {
+        a0 += j->buf[i];
+        a1 += j->buf[i + 1];
+        a2 += j->buf[i + 2];
+        a3 += j->buf[i + 3];
+        a4 += j->buf[i + 4];
+        a5 += j->buf[i + 5];
+        a6 += j->buf[i + 6];
+        a7 += j->buf[i + 7];
+    }
+    j->sums[part & 63] += a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+}
+
+static double stream_gbs(int64_t mb, int threads) {
+    const int64_t words = mb * 1024 * 1024 / 8;
+    uint64_t *buf = malloc(sizeof(uint64_t) * (size_t)words);
+    if (!buf)
+        return 0.0;
+    for (int64_t i = 0; i < words; i++)
+        buf[i] = (uint64_t)i;
+    stream_job j;
+    memset(&j, 0, sizeof j);
+    j.buf = buf;
+    double best = 0.0;
+    for (int rep = 0; rep < 5; rep++) {
+        const double t0 = now_s();
+        mha__parallel_for(threads, words / 8, stream_part, &j, NULL);
+        const double dt = now_s() - t0;
+        const double gbs = (double)(words / 8 * 64) / dt * 1e-9;
+        best = gbs > best ? gbs : best;
+    }
+    uint64_t keep = 0;
+    for (int i = 0; i < 64; i++)
+        keep += j.sums[i];
+    free(buf);
+    return keep == 1 ? -best : best; /* the sum is used, so the loop is not optimised away */
+}
+
+/* ---- Naive decode attention: per sequence and head, three passes, float32, one thread. ------ */
+static double
+naive_step(const mha_kv_cache *c, int64_t B, int64_t H, const float *q, float *out, float *s) {
+    const mha_kv_cache_config *k = mha_kv_cache_get_config(c);
+    const int64_t G = k->num_kv_heads, D = k->head_dim, grp = H / G;
+    const float scale = 1.0f / sqrtf((float)D);
+    const double t0 = now_s();
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = mha_kv_cache_length(c, b);
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = q + (b * H + h) * D;
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < L; j++) {
+                const void *kr = mha__kv_k_row(c, b, h / grp, j);
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; d++) {
+                    const float kv = k->dtype == MHA_DTYPE_F32 ? ((const float *)kr)[d]
+                                     : k->dtype == MHA_DTYPE_F16
+                                         ? mha__f16_to_f32(((const uint16_t *)kr)[d])
+                                         : mha__bf16_to_f32(((const uint16_t *)kr)[d]);
+                    dot += qh[d] * kv;
+                }
+                s[j] = dot * scale;
+                mx = s[j] > mx ? s[j] : mx;
+            }
+            for (int64_t j = 0; j < L; j++)
+                sum += (s[j] = expf(s[j] - mx));
+            float *o = out + (b * H + h) * D;
+            memset(o, 0, sizeof(float) * (size_t)D);
+            for (int64_t j = 0; j < L; j++) {
+                const void *vr = mha__kv_v_row(c, b, h / grp, j);
+                const float p = s[j] / sum;
+                for (int64_t d = 0; d < D; d++) {
+                    const float vv = k->dtype == MHA_DTYPE_F32 ? ((const float *)vr)[d]
+                                     : k->dtype == MHA_DTYPE_F16
+                                         ? mha__f16_to_f32(((const uint16_t *)vr)[d])
+                                         : mha__bf16_to_f32(((const uint16_t *)vr)[d]);
+                    o[d] += p * vv;
+                }
+            }
+        }
+    }
+    return now_s() - t0;
+}
+
+int cli_decode_bench_main(int argc, char **argv) {
+    cli_args args;
+    int rc = cli_parse(argc, argv, bench_flags, B_COUNT, &args);
+    if (rc)
+        return rc;
+    if (args.given[B_HELP]) {
+        bench_usage();
+        return CLI_OK;
+    }
+    int64_t H = 32, G = 8, D = 128, Q = 0, L = 4096, B = 1, N = 32, T = 0, stream_mb = 0;
+    const struct {
+        int id;
+        int64_t *dst, lo, hi;
+    } ints[] = {{B_HEADS, &H, 1, 4096},
+                {B_KV_HEADS, &G, 1, 4096},
+                {B_HEAD_DIM, &D, 1, 4096},
+                {B_Q_DIM, &Q, 1, 1 << 20},
+                {B_CACHE_LEN, &L, 1, 1 << 24},
+                {B_BATCH, &B, 1, 4096},
+                {B_STEPS, &N, 1, 1 << 20},
+                {B_THREADS, &T, 0, 4096},
+                {B_STREAM_MB, &stream_mb, 1, 1 << 20}};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        if (args.given[ints[i].id] &&
+            (rc = cli_parse_i64(bench_flags[ints[i].id].name, args.value[ints[i].id], ints[i].lo,
+                                ints[i].hi, ints[i].dst)))
+            return rc;
+    if (H % G != 0)
+        return cli_usage("--kv-heads %lld does not divide --heads %lld", (long long)G,
+                         (long long)H);
+    if (Q == 0)
+        Q = H * D;
+    mha_dtype dt = MHA_DTYPE_F32;
+    const char *dtn = "f32";
+    if (args.given[B_CACHE_DTYPE]) {
+        dtn = args.value[B_CACHE_DTYPE];
+        if (strcmp(dtn, "f16") == 0)
+            dt = MHA_DTYPE_F16;
+        else if (strcmp(dtn, "bf16") == 0)
+            dt = MHA_DTYPE_BF16;
+        else if (strcmp(dtn, "f32") != 0)
+            return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", dtn);
+    }
+    int layer_prefill = 0;
+    if (args.given[B_PREFILL_MODE]) {
+        if (strcmp(args.value[B_PREFILL_MODE], "layer") == 0)
+            layer_prefill = 1;
+        else if (strcmp(args.value[B_PREFILL_MODE], "random") != 0)
+            return cli_usage("--prefill-mode: '%s' is not random or layer",
+                             args.value[B_PREFILL_MODE]);
+    }
+    const int attn_only = args.given[B_ATTN_ONLY];
+    if (layer_prefill && attn_only)
+        return cli_usage("--prefill-mode layer needs the layer (drop --attention-only)");
+    const int threads = T > 0 ? (int)T : mha__default_threads();
+
+    /* Layer with random weights (scaled like a trained one: unit-variance activations). */
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    mha_layer *layer = NULL;
+    mha_kv_cache *cache = NULL;
+    float *wbuf = NULL;
+    mha_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.q_dim = Q, cfg.num_heads = H, cfg.num_kv_heads = G, cfg.head_dim = D;
+    cfg.rope.style = MHA_ROPE_HALF;
+    cfg.rope.theta = 500000.0;
+    if (!attn_only) {
+        const int64_t nw = 2 * H * D * Q + 2 * G * D * Q;
+        wbuf = malloc(sizeof(float) * (size_t)nw);
+        if (!wbuf)
+            return cli_fail("cannot allocate %lld weights", (long long)nw);
+        fill(wbuf, nw, 1.0f / sqrtf((float)Q));
+        mha_weights w;
+        memset(&w, 0, sizeof w);
+        w.w_q = wbuf;
+        w.w_k = wbuf + H * D * Q;
+        w.w_v = w.w_k + G * D * Q;
+        w.w_o = w.w_v + G * D * Q;
+        if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &layer, &err) != MHA_STATUS_OK) {
+            free(wbuf);
+            return cli_lib_fail(NULL, &err);
+        }
+    }
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N, kc.batch = B, kc.dtype = dt;
+    if (mha_kv_cache_create(&kc, layer, NULL, &cache, &err) != MHA_STATUS_OK) {
+        mha_layer_destroy(layer);
+        free(wbuf);
+        return cli_lib_fail(NULL, &err);
+    }
+    mha_exec ex;
+    memset(&ex, 0, sizeof ex);
+    ex.n_threads = threads;
+
+    /* Prefill. */
+    const int64_t chunk = 256;
+    float *kv = malloc(sizeof(float) * (size_t)(chunk * G * D * (layer_prefill ? 1 : 2)));
+    float *xbuf = malloc(sizeof(float) * (size_t)(B * (chunk > Q ? chunk : 1) * Q + B * Q));
+    float *ybuf = malloc(sizeof(float) * (size_t)(B * chunk * Q + B * Q));
+    float *q = malloc(sizeof(float) * (size_t)(B * H * D));
+    float *o = malloc(sizeof(float) * (size_t)(B * H * D));
+    float *scores = malloc(sizeof(float) * (size_t)(L + 2 * N));
+    double *times = malloc(sizeof(double) * (size_t)N);
+    if (!kv || !xbuf || !ybuf || !q || !o || !scores || !times) {
+        rc = cli_fail("out of memory");
+        goto done;
+    }
+    double t0 = now_s();
+    for (int64_t p0 = 0; p0 < L; p0 += chunk) {
+        const int64_t tc = L - p0 < chunk ? L - p0 : chunk;
+        mha_status st;
+        if (layer_prefill) {
+            fill(xbuf, B * tc * Q, 1.0f);
+            mha_decode_args a = {B, NULL, tc, xbuf, ybuf};
+            st = mha_layer_prefill(layer, cache, &a, &ex, &err);
+        } else {
+            st = MHA_STATUS_OK;
+            for (int64_t b = 0; b < B && !st; b++) {
+                fill(kv, 2 * tc * G * D, 1.0f);
+                st = mha_kv_cache_append(cache, 1, &b, tc, kv, kv + tc * G * D, &err);
+            }
+        }
+        if (st != MHA_STATUS_OK) {
+            rc = cli_lib_fail(NULL, &err);
+            goto done;
+        }
+    }
+    const double prefill_s = now_s() - t0;
+
+    /* Attention-only steps: append one token's K/V, attend. */
+    fill(q, B * H * D, 1.0f);
+    mha_kv_attention_args ka;
+    memset(&ka, 0, sizeof ka);
+    ka.num_seqs = B, ka.num_tokens = 1, ka.num_heads = H, ka.q = q, ka.out = o;
+    double kv_bytes = 0.0;
+    for (int64_t s = 0; s < N; s++) {
+        fill(kv, 2 * G * D, 1.0f);
+        mha_status st = MHA_STATUS_OK;
+        for (int64_t b = 0; b < B && !st; b++)
+            st = mha_kv_cache_append(cache, 1, &b, 1, kv, kv + G * D, &err);
+        const double ts = now_s();
+        if (!st)
+            st = mha_kv_cache_attention(cache, &ka, &ex, &err);
+        times[s] = now_s() - ts;
+        if (st != MHA_STATUS_OK) {
+            rc = cli_lib_fail(NULL, &err);
+            goto done;
+        }
+        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) *
+                    (double)mha_dtype_size(dt);
+    }
+    kv_bytes /= (double)N;
+    qsort(times, (size_t)N, sizeof(double), cmp_d);
+    const double attn_med = times[N / 2], attn_min = times[0];
+    double naive_s = 0.0;
+    if (args.given[B_NAIVE])
+        naive_s = naive_step(cache, B, H, q, o, scores);
+
+    /* Layer steps. */
+    double layer_med = 0.0;
+    if (!attn_only) {
+        for (int64_t b = 0; b < B; b++)
+            mha_kv_cache_truncate(cache, b, L, NULL);
+        for (int64_t s = 0; s < N; s++) {
+            fill(xbuf, B * Q, 1.0f);
+            mha_decode_args a = {B, NULL, 1, xbuf, ybuf};
+            const double ts = now_s();
+            mha_status st = mha_layer_decode_step(layer, cache, &a, &ex, &err);
+            times[s] = now_s() - ts;
+            if (st != MHA_STATUS_OK) {
+                rc = cli_lib_fail(NULL, &err);
+                goto done;
+            }
+        }
+        qsort(times, (size_t)N, sizeof(double), cmp_d);
+        layer_med = times[N / 2];
+    }
+    const double stream = stream_mb ? stream_gbs(stream_mb, threads) : 0.0;
+    const double gbs = kv_bytes / attn_med * 1e-9;
+
+    if (args.given[B_JSON]) {
+        printf("{\"kernel\": \"%s\", \"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
+               "\"cache_len\": %lld, \"batch\": %lld, \"steps\": %lld, \"threads\": %d, "
+               "\"cache_dtype\": \"%s\", \"prefill_s\": %.6g, \"attn_median_s\": %.6g, "
+               "\"attn_min_s\": %.6g, \"kv_bytes_per_step\": %.6g, \"attn_gbs\": %.6g, "
+               "\"attn_tokens_per_s\": %.6g, \"layer_median_s\": %.6g, "
+               "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g}\n",
+               mha__dec_kernel_name(), (long long)H, (long long)G, (long long)D, (long long)L,
+               (long long)B, (long long)N, threads, dtn, prefill_s, attn_med, attn_min, kv_bytes,
+               gbs, (double)B / attn_med, layer_med, layer_med > 0.0 ? (double)B / layer_med : 0.0,
+               naive_s, stream);
+    } else {
+        printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
+               "threads=%d cache=%s kernel=%s\n",
+               (long long)H, (long long)G, (long long)D, (long long)Q, (long long)L, (long long)B,
+               threads, dtn, mha__dec_kernel_name());
+        printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
+               layer_prefill ? "layer" : "random K/V", prefill_s, (long long)L, (long long)B);
+        printf("  attention step: median %.3f ms, min %.3f ms, %.0f tokens/s, K+V read %.1f MB "
+               "-> %.1f GB/s\n",
+               attn_med * 1e3, attn_min * 1e3, (double)B / attn_med, kv_bytes * 1e-6, gbs);
+        if (naive_s > 0.0)
+            printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", naive_s * 1e3,
+                   naive_s / attn_med);
+        if (!attn_only)
+            printf("  layer step (projections + RoPE + attention): median %.3f ms, %.1f tokens/s\n",
+                   layer_med * 1e3, (double)B / layer_med);
+        if (stream > 0.0)
+            printf("  memory read bandwidth (%lld MB buffer, %d threads): %.1f GB/s; attention "
+                   "reaches %.0f%%\n",
+                   (long long)stream_mb, threads, stream, 100.0 * gbs / stream);
+    }
+done:
+    free(kv);
+    free(xbuf);
+    free(ybuf);
+    free(q);
+    free(o);
+    free(scores);
+    free(times);
+    mha_kv_cache_destroy(cache);
+    mha_layer_destroy(layer);
+    free(wbuf);
+    return rc;
+}

@@ -1,0 +1,68 @@
+/* SPDX-License-Identifier: MIT */
+/* mha_experimental.h: UNSTABLE interfaces of libmha (they may change in any release): the
+ * registry of attention kernels, what dispatch would select, and running a chosen kernel. Used by
+ * the tests, the benchmark and `mha info`. Include after mha.h.
+ *
+ * Kernels are named mha_fwd_f32_<algo>[_q<Bq>k<Bk>]__<isa> (docs/KERNELS.md). Selection for
+ * impl=AUTO/FAST takes the first kernel, in registry order, that this CPU can run and whose limits
+ * accept the problem. Two environment variables exist for debugging and CI (the only ones the
+ * library reads, once, at the first call):
+ *   MHA_MAX_ISA=generic|avx2|avx512   pretend the CPU has at most this ISA;
+ *   MHA_KERNEL=<name>                 impl=AUTO/FAST run exactly this kernel, or fail with
+ *                                     MHA_STATUS_UNSUPPORTED when it cannot run the problem here.
+ */
+#ifndef MHA_EXPERIMENTAL_H
+#define MHA_EXPERIMENTAL_H
+
+#include "mha.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mha_kernel_desc {
+    const char *name;     /* static string, e.g. "mha_fwd_f32_flash_q64k64__avx512" */
+    const char *isa;      /* "avx512", "avx2", "generic" or "ref" */
+    int32_t block_q;      /* query rows per block (positions x heads of a kv group); 0 = ref */
+    int32_t block_k;      /* keys per tile; 0 = ref */
+    int64_t max_head_dim; /* largest head_dim / v_head_dim accepted; 0 = unlimited */
+    int32_t usable;       /* nonzero: this CPU (under MHA_MAX_ISA) can run it */
+    int32_t reference;    /* nonzero: the reference implementation (impl=REFERENCE) */
+} mha_kernel_desc;
+
+/** Number of kernels in the registry (all built kernels, usable here or not). */
+MHA_API int32_t mha_experimental_kernel_count(void);
+/** Describes kernel `index` (0 .. count-1, registry order = priority). */
+MHA_API mha_status mha_experimental_kernel_describe(int32_t index,
+                                                    mha_kernel_desc *desc,
+                                                    mha_error *err);
+/** Index of the kernel called `name`, or -1. */
+MHA_API int32_t mha_experimental_kernel_find(const char *name);
+/** The ISAs this CPU has, best first, space separated ("avx512 avx2 generic"), as detected by
+ *  cpuid/XGETBV when capped == 0, or after the MHA_MAX_ISA cap when capped != 0. Static string. */
+MHA_API const char *mha_experimental_cpu_isas(int32_t capped);
+
+/** The kernel mha_attention() would run for (args, exec): *index receives its registry index.
+ *  Fails like mha_attention_supported() when nothing can run it. Does no work. */
+MHA_API mha_status mha_experimental_attention_select(const mha_attention_args *args,
+                                                     const mha_exec *exec,
+                                                     int32_t *index,
+                                                     mha_error *err);
+/** mha_attention() with kernel `index` forced (exec->impl and MHA_KERNEL are ignored). Fails with
+ *  MHA_STATUS_UNSUPPORTED and a message when that kernel cannot run the problem on this CPU. */
+MHA_API mha_status mha_experimental_attention_with_kernel(int32_t index,
+                                                          const mha_attention_args *args,
+                                                          const mha_exec *exec,
+                                                          mha_error *err);
+/** Workspace mha_experimental_attention_with_kernel() needs. */
+MHA_API mha_status
+mha_experimental_attention_workspace_size_with_kernel(int32_t index,
+                                                      const mha_attention_args *args,
+                                                      const mha_exec *exec,
+                                                      size_t *bytes,
+                                                      mha_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MHA_EXPERIMENTAL_H */

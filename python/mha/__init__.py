@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: MIT
+"""mha: exact and fast multi-head attention on the CPU, from Python.
+
+NumPy API (float32; float64/float16 inputs are converted; any memory order):
+
+    import mha
+    layer = mha.MultiheadAttention(w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, num_heads=8)
+    y = layer(x, causal=True)                        # [B, n, q_dim] -> [B, n, out_dim]
+    y, w = layer(x, need_weights=True)               # attention weights [B, h, n, m]
+    o = mha.attention(q, k, v, mask=m)               # the core on projected Q/K/V [B, h, L, d]
+    x2 = mha.rope(x, positions, style="half")        # RoPE alone
+
+PyTorch drop-ins (optional, imported lazily): ``mha.torch.MultiheadAttention`` and
+``mha.torch.scaled_dot_product_attention``. Plots: ``mha.plot_attention`` (matplotlib).
+The contract (mask polarity, causal alignment, RoPE styles, ...) is docs/SEMANTICS.md; the
+Python API is docs/PYTHON.md. Errors from the library raise :class:`MhaError`.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import _lib
+from ._api import (Config, KVCache, MultiheadAttention, Rope, TrainState, attention,
+                   attention_backward, rope, rope_frequencies)
+from ._lib import MhaError
+
+__version__ = "0.1.0"
+
+if _lib.version() != __version__:
+    raise ImportError(f"mha: the Python package is version {__version__} but the C library "
+                      f"{_lib.library_path} is version {_lib.version()}; rebuild or reinstall "
+                      f"(or point MHA_LIBRARY at a matching libmha)")
+
+library_path: str = _lib.library_path
+HAS_BACKWARD: bool = _lib.HAS_BACKWARD
+HAS_KV_CACHE: bool = _lib.HAS_KV_CACHE
+
+
+def library_version() -> str:
+    """Version of the loaded C library (equals ``__version__``; checked at import)."""
+    return _lib.version()
+
+
+def plot_attention(*args: Any, **kwargs: Any):
+    """Per-head attention heatmaps with token labels; see :func:`mha.plot.plot_attention`."""
+    from .plot import plot_attention as _plot
+    return _plot(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    # `mha.torch` and `mha.plot` are imported on first use, so that neither torch nor matplotlib
+    # is needed to import mha.
+    if name in ("torch", "plot"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'mha' has no attribute {name!r}")
+
+
+__all__ = ["MhaError", "Config", "Rope", "MultiheadAttention", "TrainState", "KVCache",
+           "attention", "attention_backward", "rope", "rope_frequencies", "plot_attention",
+           "library_version", "library_path", "HAS_BACKWARD", "HAS_KV_CACHE", "__version__"]

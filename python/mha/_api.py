@@ -1,0 +1,982 @@
+# SPDX-License-Identifier: MIT
+"""The NumPy API of mha: layers, the attention core, RoPE, backward and KV-cache decoding.
+
+Everything here marshals NumPy arrays into the C structs of ``_lib`` and calls libmha; the math is
+in C (docs/SEMANTICS.md is the contract). Arrays: float32 (float64/float16 are converted), any
+memory order (copied when the C side needs C order or a contiguous last dimension).
+"""
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _lib as L
+from ._lib import MhaError
+
+ArrayLike = Any  # numpy arrays, or anything np.asarray accepts (lists, CPU torch tensors, ...)
+
+__all__ = ["Rope", "Config", "MultiheadAttention", "TrainState", "KVCache", "attention",
+           "attention_backward", "rope", "rope_frequencies"]
+
+_F32 = np.dtype(np.float32)
+_MASK_DTYPES = {np.dtype(np.bool_): L.DTYPE_BOOL, np.dtype(np.uint8): L.DTYPE_U8,
+                np.dtype(np.int32): L.DTYPE_I32, np.dtype(np.int64): L.DTYPE_I64}
+
+
+# ------------------------------------------------------------------------------------------------
+# Small marshalling helpers
+# ------------------------------------------------------------------------------------------------
+def _ptr(a: Optional[np.ndarray]) -> Optional[int]:
+    return None if a is None else a.__array_interface__["data"][0]
+
+
+def _float32(x: ArrayLike, name: str, contiguous: bool = True) -> np.ndarray:
+    """x as a float32 array (converted from other float types), C-contiguous if asked."""
+    a = np.asarray(x)
+    if a.dtype != _F32:
+        if a.dtype.kind != "f":
+            raise TypeError(f"{name}: expected a floating-point array, got dtype {a.dtype}")
+        a = a.astype(_F32)
+    if contiguous and not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def _int_array(x: ArrayLike, name: str, dtype, shape: Tuple[int, ...]) -> np.ndarray:
+    """Integer array broadcast to `shape`, C-contiguous, of `dtype`."""
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an integer array, got dtype {a.dtype}")
+    try:
+        a = np.broadcast_to(a, shape)
+    except ValueError:
+        raise ValueError(f"{name}: shape {a.shape} does not broadcast to {shape}") from None
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _strided(x: ArrayLike, name: str, ndim: int = 4) -> np.ndarray:
+    """float32 array with a contiguous last dimension and non-negative element strides (copied
+    otherwise); other strides are kept as they are."""
+    a = _float32(x, name, contiguous=False)
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+    st = a.strides
+    if (a.shape[-1] > 1 and st[-1] != 4) or any(s < 0 or s % 4 for s in st):
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def _el_strides(a: np.ndarray) -> Tuple[int, int, int]:
+    s = a.strides
+    return (s[0] // 4, s[1] // 4, s[2] // 4)
+
+
+def _mask_tensor(t: L.mha_mask_tensor, x: ArrayLike, name: str, additive: bool,
+                 keep: list, insert_head_axis: bool = False) -> None:
+    a = np.asarray(x)
+    if additive:
+        a = _float32(a, name)
+        code = L.DTYPE_F32
+    else:
+        if a.dtype not in _MASK_DTYPES:
+            if a.dtype.kind not in "biu":
+                raise TypeError(f"{name}: expected a bool or integer array, got {a.dtype}")
+            a = a != 0
+        a = np.ascontiguousarray(a)
+        code = _MASK_DTYPES[a.dtype]
+    if insert_head_axis and a.ndim == 3:
+        a = a[:, None]  # [B, n, m] -> [B, 1, n, m] (inputs without a head axis)
+    if a.ndim < 1 or a.ndim > L.MAX_MASK_DIMS:
+        raise ValueError(f"{name}: expected 1 to {L.MAX_MASK_DIMS} dimensions, got shape {a.shape}")
+    keep.append(a)
+    t.data = _ptr(a)
+    t.dtype = code
+    t.ndim = a.ndim
+    for i, s in enumerate(a.shape):
+        t.shape[i] = s
+
+
+def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignment, mask,
+                  mask_means: str, attn_bias, key_padding_mask, window, q_segment_ids,
+                  kv_segment_ids, n: int, m: int, insert_head_axis: bool = False) -> None:
+    if isinstance(causal, str):
+        if causal not in ("bottom-right", "top-left"):
+            raise ValueError(f"causal: expected True/False, 'bottom-right' or 'top-left', got {causal!r}")
+        if alignment is not None and alignment != causal:
+            raise ValueError("causal and alignment disagree")
+        alignment = causal
+        causal = True
+    mk.causal = 1 if causal else 0
+    if alignment is None or (isinstance(alignment, str) and alignment == "bottom-right"):
+        mk.alignment = L.ALIGN_BOTTOM_RIGHT
+    elif isinstance(alignment, str) and alignment == "top-left":
+        mk.alignment = L.ALIGN_TOP_LEFT
+    elif isinstance(alignment, str):
+        raise ValueError(f"alignment: expected 'bottom-right', 'top-left' or offsets, got {alignment!r}")
+    else:
+        off = _int_array(alignment, "alignment", np.int64, (batch,))
+        keep.append(off)
+        mk.alignment = L.ALIGN_EXPLICIT
+        mk.align_offsets = _ptr(off)
+    if window is not None:
+        if len(window) != 2:
+            raise ValueError("window: expected (left, right); None or -1 = unbounded")
+        left, right = (-1 if w is None else int(w) for w in window)
+        mk.window_left, mk.window_right, mk.use_window = left, right, 1
+    else:
+        mk.window_left, mk.window_right = -1, -1
+    if mask is not None:
+        ma = np.asarray(mask)
+        if ma.dtype.kind == "f":
+            if attn_bias is not None:
+                raise ValueError("mask is a float (additive) mask and attn_bias is also given; "
+                                 "add them, or pass a boolean mask")
+            attn_bias, mask = ma, None
+    if mask is not None:
+        if mask_means not in ("attend", "block"):
+            raise ValueError(f"mask_means: expected 'attend' or 'block', got {mask_means!r}")
+        _mask_tensor(mk.bool_mask, mask, "mask", False, keep, insert_head_axis)
+        mk.bool_mask_polarity = L.MASK_ATTEND if mask_means == "attend" else L.MASK_BLOCK
+    if attn_bias is not None:
+        _mask_tensor(mk.additive_mask, attn_bias, "attn_bias", True, keep, insert_head_axis)
+    if key_padding_mask is not None:
+        _mask_tensor(mk.key_padding, key_padding_mask, "key_padding_mask", False, keep)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids go together (give both or neither)")
+    if q_segment_ids is not None:
+        qs = _int_array(q_segment_ids, "q_segment_ids", np.int32, (batch, n))
+        ks = _int_array(kv_segment_ids, "kv_segment_ids", np.int32, (batch, m))
+        keep += [qs, ks]
+        mk.q_segment_ids, mk.kv_segment_ids = _ptr(qs), _ptr(ks)
+
+
+def _exec(impl: str, threads: int) -> L.mha_exec:
+    ex = L.mha_exec()
+    try:
+        ex.impl = L.IMPLS[impl]
+    except KeyError:
+        raise ValueError(f"impl: expected 'auto', 'reference' or 'fast', got {impl!r}") from None
+    if threads < 0:
+        raise ValueError(f"threads: expected >= 0 (0 = all CPUs), got {threads}")
+    ex.n_threads = int(threads)
+    return ex
+
+
+def _dropout(d: L.mha_dropout, p: float, seed: int) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout: expected a probability in [0, 1), got {p}")
+    d.p = float(p)
+    d.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    d.training = 1 if p > 0 else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Rope:
+    """Rotary position embedding options (docs/SEMANTICS.md, "RoPE").
+
+    style: 'interleaved' (pairs 2k, 2k+1: RoFormer, CS336, GPT-J) or 'half' (pairs k, k+R/2:
+    GPT-NeoX, HF Llama). rotary_dim: R (even, <= head_dim; None = head_dim). scaling: None,
+    'linear', 'ntk', 'llama3' or 'yarn', with its parameters (None = the documented default).
+    """
+    style: str = "interleaved"
+    theta: float = 10000.0
+    rotary_dim: Optional[int] = None
+    scaling: Optional[str] = None
+    factor: Optional[float] = None
+    original_max_position: Optional[float] = None
+    low_freq_factor: Optional[float] = None
+    high_freq_factor: Optional[float] = None
+    beta_fast: Optional[float] = None
+    beta_slow: Optional[float] = None
+    attention_factor: Optional[float] = None
+
+    def _to_c(self) -> L.mha_rope:
+        r = L.mha_rope()
+        if self.style not in ("interleaved", "half"):
+            raise ValueError(f"rope style: expected 'interleaved' or 'half', got {self.style!r}")
+        if self.scaling not in L.ROPE_SCALINGS:
+            raise ValueError(f"rope scaling: expected None, 'linear', 'ntk', 'llama3' or 'yarn', "
+                             f"got {self.scaling!r}")
+        r.style = L.ROPE_STYLES[self.style]
+        r.theta = float(self.theta)
+        r.rotary_dim = int(self.rotary_dim or 0)
+        r.scaling = L.ROPE_SCALINGS[self.scaling]
+        for f in ("factor", "original_max_position", "low_freq_factor", "high_freq_factor",
+                  "beta_fast", "beta_slow", "attention_factor"):
+            setattr(r, f, float(getattr(self, f) or 0.0))
+        return r
+
+    @classmethod
+    def _from_c(cls, r: L.mha_rope) -> Optional["Rope"]:
+        if r.style == 0:
+            return None
+        style = {1: "interleaved", 2: "half"}[r.style]
+        scaling = {0: None, 1: "linear", 2: "ntk", 3: "llama3", 4: "yarn"}[r.scaling]
+        kw = {f: (getattr(r, f) or None) for f in (
+            "factor", "original_max_position", "low_freq_factor", "high_freq_factor",
+            "beta_fast", "beta_slow", "attention_factor")}
+        return cls(style=style, theta=r.theta, rotary_dim=r.rotary_dim or None, scaling=scaling,
+                   **kw)
+
+
+def _as_rope(r: Union[None, str, dict, Rope]) -> Optional[Rope]:
+    if r is None or isinstance(r, Rope):
+        return r
+    if isinstance(r, str):
+        return Rope(style=r)
+    if isinstance(r, dict):
+        return Rope(**r)
+    raise TypeError(f"rope: expected None, a style name, a dict or mha.Rope, got {type(r).__name__}")
+
+
+def rope(x: ArrayLike, positions: Optional[ArrayLike] = None, *, style: str = "interleaved",
+         theta: float = 10000.0, rotary_dim: Optional[int] = None, scaling: Optional[str] = None,
+         layout: str = "blhd", **scaling_params: float) -> np.ndarray:
+    """Applies RoPE to x and returns a new float32 array (mha_rope_apply).
+
+    x: [L, D], [B, L, D] or [B, L, H, D] (layout 'blhd'), or [B, H, L, D] with layout='bhld'.
+    positions: integers [L] (broadcast over the batch) or [B, L]; None = 0 .. L-1.
+    Other keywords: as :class:`Rope` (scaling parameters by name, e.g. factor=8).
+    """
+    r = Rope(style=style, theta=theta, rotary_dim=rotary_dim, scaling=scaling,
+             **scaling_params)._to_c()
+    a = _float32(x, "x")
+    out = np.array(a, dtype=_F32, order="C", copy=True)
+    if out.ndim == 2:
+        v = out[None, :, None, :]
+    elif out.ndim == 3:
+        v = out[:, :, None, :]
+    elif out.ndim == 4:
+        if layout == "blhd":
+            v = out
+        elif layout == "bhld":
+            v = out.transpose(0, 2, 1, 3)
+        else:
+            raise ValueError(f"layout: expected 'blhd' or 'bhld', got {layout!r}")
+    else:
+        raise ValueError(f"x: expected 2 to 4 dimensions, got shape {a.shape}")
+    B, T, H, D = v.shape
+    strides = (ctypes.c_int64 * 4)(*(s // 4 for s in v.strides))
+    pos, pstride = None, 0
+    if positions is not None:
+        p = np.asarray(positions)
+        if p.ndim == 1:
+            pos = _int_array(p, "positions", np.int64, (T,))
+        else:
+            pos = _int_array(p, "positions", np.int64, (B, T))
+            pstride = T
+    err = L.mha_error()
+    L.check(L.mha_rope_apply(ctypes.byref(r), B, T, H, D, _ptr(out), ctypes.byref(strides),
+                             _ptr(pos), pstride, ctypes.byref(err)), err)
+    return out
+
+
+def rope_frequencies(head_dim: int, *, style: str = "interleaved", theta: float = 10000.0,
+                     rotary_dim: Optional[int] = None, scaling: Optional[str] = None,
+                     **scaling_params: float) -> Tuple[np.ndarray, float]:
+    """The (scaled) inverse frequencies f_k (float64, R/2 of them) and the cos/sin factor."""
+    rp = Rope(style=style, theta=theta, rotary_dim=rotary_dim, scaling=scaling, **scaling_params)
+    r = rp._to_c()
+    R = rotary_dim or head_dim
+    freqs = np.zeros(max(R // 2, 1), dtype=np.float64)
+    fac = ctypes.c_double()
+    err = L.mha_error()
+    L.check(L.mha_rope_frequencies(ctypes.byref(r), head_dim, _ptr(freqs), ctypes.byref(fac),
+                                   ctypes.byref(err)), err)
+    return freqs[:R // 2], fac.value
+
+
+# ------------------------------------------------------------------------------------------------
+# The attention core
+# ------------------------------------------------------------------------------------------------
+def _core_views(q, k, v, layout: str):
+    """Returns (q4, k4, v4, ndim_in) with every tensor viewed as [B, heads, L, d]."""
+    qa = _float32(q, "q", contiguous=False)
+    nd = qa.ndim
+    arrs = [qa, _float32(k, "k", contiguous=False), _float32(v, "v", contiguous=False)]
+    for a, nm in zip(arrs, "qkv"):
+        if a.ndim != nd:
+            raise ValueError(f"{nm}: expected {nd} dimensions like q, got shape {a.shape}")
+    if nd == 2:
+        arrs = [a[None, None] for a in arrs]
+    elif nd == 3:
+        arrs = [a[:, None] for a in arrs]
+    elif nd == 4:
+        if layout == "blhd":
+            arrs = [a.transpose(0, 2, 1, 3) for a in arrs]
+        elif layout != "bhld":
+            raise ValueError(f"layout: expected 'bhld' or 'blhd', got {layout!r}")
+    else:
+        raise ValueError(f"q: expected 2 to 4 dimensions ([L, d], [B, L, d], [B, h, L, d]), "
+                         f"got shape {qa.shape}")
+    return [_strided(a, nm) for a, nm in zip(arrs, "qkv")] + [nd]
+
+
+def _core_args(q4, k4, v4, keep: list, *, scale, softcap, alibi, sinks, causal, alignment,
+               mask, mask_means, attn_bias, key_padding_mask, window, q_segment_ids,
+               kv_segment_ids, dropout, seed, insert_head_axis) -> L.mha_attention_args:
+    B, h, n, d = q4.shape
+    Bk, g, m, dk = k4.shape
+    Bv, gv, mv, dv = v4.shape
+    if (Bk, Bv) != (B, B) or gv != g or mv != m or dk != d:
+        raise ValueError(f"q {q4.shape}, k {k4.shape}, v {v4.shape} ([B, heads, L, d]) do not "
+                         f"agree: k and v need q's batch and head_dim, the same heads and length")
+    a = L.mha_attention_args()
+    a.batch, a.num_heads, a.num_kv_heads, a.q_len, a.kv_len = B, h, g, n, m
+    a.head_dim, a.v_head_dim = d, dv
+    if scale is not None and scale == 0:
+        raise ValueError("scale=0 is not supported (0 means the default 1/sqrt(d_k) in libmha)")
+    a.scale = float(scale or 0.0)
+    a.softcap = float(softcap or 0.0)
+    a.alibi = 1 if alibi else 0
+    if sinks is not None:
+        s = _float32(sinks, "sinks")
+        if s.shape != (h,):
+            raise ValueError(f"sinks: expected shape ({h},), got {s.shape}")
+        keep.append(s)
+        a.sinks = _ptr(s)
+    a.q, a.k, a.v = _ptr(q4), _ptr(k4), _ptr(v4)
+    a.q_strides[:] = _el_strides(q4)
+    a.k_strides[:] = _el_strides(k4)
+    a.v_strides[:] = _el_strides(v4)
+    _fill_masking(a.mask, keep, batch=B, causal=causal, alignment=alignment, mask=mask,
+                  mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+                  window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  n=n, m=m, insert_head_axis=insert_head_axis)
+    _dropout(a.dropout, dropout, seed)
+    return a
+
+
+def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
+              scale: Optional[float] = None, softcap: Optional[float] = None,
+              alibi: bool = False, sinks: Optional[ArrayLike] = None,
+              causal: Union[bool, str] = False, alignment=None,
+              mask: Optional[ArrayLike] = None, mask_means: str = "attend",
+              attn_bias: Optional[ArrayLike] = None, key_padding_mask: Optional[ArrayLike] = None,
+              window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+              q_segment_ids: Optional[ArrayLike] = None, kv_segment_ids: Optional[ArrayLike] = None,
+              dropout: float = 0.0, seed: int = 0,
+              need_weights: bool = False, average_attn_weights: bool = False,
+              return_lse: bool = False, impl: str = "auto", threads: int = 0):
+    """The attention core on already projected Q, K, V (mha_attention).
+
+    Shapes: [B, h, L, d] (layout 'bhld', the default) or [B, L, h, d] (layout='blhd'); also
+    [B, L, d] (one head) and [L, d]. k and v may have fewer heads than q (GQA: query head i reads
+    kv head i // (h/g)); v may have another head size. Any strides are used as they are (in
+    elements) when the last dimension is contiguous; otherwise the array is copied.
+
+    Masks broadcast to the scores [B, h, n, m] (or [B, n, m] for 3-d inputs). ``mask`` is boolean
+    or integer, read with ``mask_means`` ('attend': nonzero = may attend, the default; 'block':
+    nonzero = masked out); a float ``mask`` is additive (same as ``attn_bias``; -inf blocks).
+    ``key_padding_mask`` [B, m]: nonzero = real token. ``causal``: True (bottom-right alignment,
+    query i sees key j <= i + m - n), 'top-left' (PyTorch is_causal) or 'bottom-right';
+    ``alignment`` may also be per-row offsets [B]. ``window=(left, right)``. Fully masked rows
+    give 0 (never NaN).
+
+    Returns the output in the layout and shape of q (head size d_v), then the log-sum-exp
+    [B, h, n] if ``return_lse``, then the probabilities [B, h, n, m] (or [B, n, m] averaged) if
+    ``need_weights``: a single array when only the output is asked for, else a tuple.
+    """
+    q4, k4, v4, nd = _core_views(q, k, v, layout)
+    keep: list = []
+    a = _core_args(q4, k4, v4, keep, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks,
+                   causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
+                   attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   dropout=dropout, seed=seed, insert_head_axis=(nd == 3))
+    B, h, n, _ = q4.shape
+    m, dv = k4.shape[2], v4.shape[3]
+    if nd == 4 and layout == "blhd":
+        out_user = np.empty((B, n, h, dv), _F32)
+        out4 = out_user.transpose(0, 2, 1, 3)
+    else:
+        out4 = np.empty((B, h, n, dv), _F32)
+        out_user = out4
+    a.out = _ptr(out4)
+    a.out_strides[:] = _el_strides(out4)
+    lse = np.empty((B, h, n), _F32) if return_lse else None
+    probs = None
+    if need_weights:
+        probs = np.empty((B, n, m) if average_attn_weights else (B, h, n, m), _F32)
+        a.average_probs = 1 if average_attn_weights else 0
+    a.lse, a.probs = _ptr(lse), _ptr(probs)
+    err = L.mha_error()
+    ex = _exec(impl, threads)
+    L.check(L.mha_attention(ctypes.byref(a), ctypes.byref(ex), ctypes.byref(err)), err)
+    if nd == 3:
+        out_user = out_user[:, 0]
+        lse = None if lse is None else lse[:, 0]
+        if probs is not None and not average_attn_weights:
+            probs = probs[:, 0]
+    elif nd == 2:
+        out_user = out_user[0, 0]
+        lse = None if lse is None else lse[0, 0]
+        if probs is not None:
+            probs = probs[0] if average_attn_weights else probs[0, 0]
+    res = [out_user] + ([lse] if return_lse else []) + ([probs] if need_weights else [])
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                       out: ArrayLike, lse: ArrayLike, *, layout: str = "bhld",
+                       sinks: Optional[ArrayLike] = None, impl: str = "auto", threads: int = 0,
+                       **options) -> Tuple[np.ndarray, ...]:
+    """Backward of :func:`attention` (mha_attention_backward).
+
+    Give the forward's inputs, its output ``out`` and log-sum-exp ``lse`` (``return_lse=True``),
+    the upstream gradient ``dout`` (shape of out) and the same keyword options the forward had
+    (masks, scale, softcap, alibi, dropout and seed, ...). Returns (dq, dk, dv), plus dsinks
+    when ``sinks`` is given, shaped like q, k, v (and sinks).
+    """
+    if L.mha_attention_backward is None:
+        raise NotImplementedError("this libmha has no mha_attention_backward (library too old)")
+    q4, k4, v4, nd = _core_views(q, k, v, layout)
+    o4, do4 = _core_views(out, dout, dout, layout)[:2]
+    keep: list = []
+    a = _core_args(q4, k4, v4, keep, sinks=sinks, insert_head_axis=(nd == 3),
+                   **{**dict(scale=None, softcap=None, alibi=False, causal=False, alignment=None,
+                             mask=None, mask_means="attend", attn_bias=None,
+                             key_padding_mask=None, window=None, q_segment_ids=None,
+                             kv_segment_ids=None, dropout=0.0, seed=0), **options})
+    B, h, n, _ = q4.shape
+    if o4.shape != (B, h, n, v4.shape[3]) or do4.shape != o4.shape:
+        raise ValueError(f"out and dout: expected [B, h, n, d_v] = {(B, h, n, v4.shape[3])} "
+                         f"(in the layout of q), got {o4.shape} and {do4.shape}")
+    ls = _float32(lse, "lse").reshape(-1)
+    if ls.size != B * h * n:
+        raise ValueError(f"lse: expected {B * h * n} values ([B, h, n]), got {ls.size}")
+    a.out, a.lse = _ptr(o4), _ptr(ls)
+    a.out_strides[:] = _el_strides(o4)
+    gr = L.mha_attention_grads()
+    gr.dout = _ptr(do4)
+    gr.dout_strides[:] = _el_strides(do4)
+    grads = [np.empty(t.shape, _F32) for t in (q4, k4, v4)]
+    for g_, nm in zip(grads, ("dq", "dk", "dv")):
+        setattr(gr, nm, _ptr(g_))
+        getattr(gr, nm + "_strides")[:] = _el_strides(g_)
+    dsinks = None
+    if sinks is not None:
+        dsinks = np.empty((h,), _F32)
+        gr.dsinks = _ptr(dsinks)
+    err = L.mha_error()
+    ex = _exec(impl, threads)
+    L.check(L.mha_attention_backward(ctypes.byref(a), ctypes.byref(gr), ctypes.byref(ex),
+                                     ctypes.byref(err)), err)
+    if nd == 4 and layout == "blhd":
+        grads = [g_.transpose(0, 2, 1, 3) for g_ in grads]
+    elif nd == 3:
+        grads = [g_[:, 0] for g_ in grads]
+    elif nd == 2:
+        grads = [g_[0, 0] for g_ in grads]
+    return tuple(grads) + ((dsinks,) if sinks is not None else ())
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Config:
+    """The resolved configuration of a layer (mha_config with every default filled in)."""
+    q_dim: int
+    k_dim: int
+    v_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    out_dim: int
+    bias_q: bool
+    bias_k: bool
+    bias_v: bool
+    bias_o: bool
+    sinks: bool
+    scale: float
+    softcap: float
+    alibi: bool
+    rope: Optional[Rope]
+
+    @classmethod
+    def _from_c(cls, c: L.mha_config) -> "Config":
+        kw = {f.name: getattr(c, f.name) for f in fields(cls) if f.name != "rope"}
+        for b in ("bias_q", "bias_k", "bias_v", "bias_o", "sinks", "alibi"):
+            kw[b] = bool(kw[b])
+        return cls(rope=Rope._from_c(c.rope), **kw)
+
+
+def _options_config(num_heads: int, num_kv_heads: Optional[int], scale, softcap, alibi,
+                    rope_opt) -> L.mha_config:
+    c = L.mha_config()
+    c.num_heads = int(num_heads)
+    c.num_kv_heads = int(num_kv_heads or 0)
+    if scale is not None and scale == 0:
+        raise ValueError("scale=0 is not supported (0 means the default 1/sqrt(d_k) in libmha)")
+    c.scale = float(scale or 0.0)
+    c.softcap = float(softcap or 0.0)
+    c.alibi = 1 if alibi else 0
+    r = _as_rope(rope_opt)
+    if r is not None:
+        c.rope = r._to_c()
+    return c
+
+
+class _Handle:
+    """Owns a C pointer and frees it exactly once (also at interpreter exit)."""
+
+    def __init__(self, ptr: int, destroy):
+        self.ptr = ptr
+        self._fin = weakref.finalize(self, destroy, ptr)
+
+    def close(self) -> None:
+        self._fin()
+
+
+class TrainState:
+    """What :meth:`MultiheadAttention.forward_train` saved for :meth:`MultiheadAttention.backward`.
+
+    It keeps the forward's inputs alive (the C state points at them). Use it with the layer that
+    made it; it may be used for several backward calls. ``close()`` frees it early."""
+
+    def __init__(self, layer: "MultiheadAttention", ptr: int, keep: list, shapes: dict):
+        self._layer = layer
+        self._handle = _Handle(ptr, L.mha_train_state_destroy)
+        self._keep = keep
+        self.shapes = shapes
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class MultiheadAttention:
+    """A multi-head attention layer: projections, RoPE, attention, output projection (mha_layer).
+
+    Weights are in PyTorch ``nn.Linear`` layout (``y = x W^T + b``): w_q [h*d_k, q_dim],
+    w_k [g*d_k, k_dim], w_v [g*d_v, v_dim], w_o [out_dim, h*d_v]; every size is inferred from
+    them and ``num_heads`` (and ``num_kv_heads`` for GQA/MQA, else inferred). Biases are optional.
+    The layer keeps its own float32 copy of the weights and is immutable: it may be called from
+    several threads at once (the GIL is released during the C call).
+
+    Options: ``scale`` (None = 1/sqrt(d_k)), ``softcap``, ``alibi``, ``sinks`` ([h] logits),
+    ``rope`` (a :class:`Rope`, a dict of its fields, or a style name; None = no RoPE).
+    """
+
+    def __init__(self, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike,
+                 b_q: Optional[ArrayLike] = None, b_k: Optional[ArrayLike] = None,
+                 b_v: Optional[ArrayLike] = None, b_o: Optional[ArrayLike] = None, *,
+                 num_heads: int, num_kv_heads: Optional[int] = None,
+                 sinks: Optional[ArrayLike] = None, scale: Optional[float] = None,
+                 softcap: Optional[float] = None, alibi: bool = False,
+                 rope: Union[None, str, dict, Rope] = None):
+        if num_heads is None or int(num_heads) < 1:
+            raise ValueError(f"num_heads: expected a positive integer, got {num_heads!r}")
+        c = _options_config(num_heads, num_kv_heads, scale, softcap, alibi, rope)
+        ws = {}
+        for nm, x in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o)):
+            a = _float32(x, nm)
+            if a.ndim != 2:
+                raise ValueError(f"{nm}: expected a 2-d [out, in] matrix, got shape {a.shape}")
+            ws[nm] = a
+        h = int(num_heads)
+        if ws["w_q"].shape[0] % h:
+            raise ValueError(f"w_q: {ws['w_q'].shape[0]} rows are not divisible by "
+                             f"num_heads={h}")
+        dk = ws["w_q"].shape[0] // h
+        if ws["w_k"].shape[0] % dk:
+            raise ValueError(f"w_k: {ws['w_k'].shape[0]} rows are not a multiple of "
+                             f"head_dim={dk}")
+        g = int(num_kv_heads) if num_kv_heads else ws["w_k"].shape[0] // dk
+        if ws["w_k"].shape[0] != g * dk:
+            raise ValueError(f"w_k: expected {g * dk} rows (num_kv_heads={g} x head_dim={dk}), "
+                             f"got {ws['w_k'].shape[0]}")
+        if ws["w_v"].shape[0] % g:
+            raise ValueError(f"w_v: {ws['w_v'].shape[0]} rows are not divisible by "
+                             f"num_kv_heads={g}")
+        dv = ws["w_v"].shape[0] // g
+        if ws["w_o"].shape[1] != h * dv:
+            raise ValueError(f"w_o: expected {h * dv} columns (num_heads={h} x v_head_dim={dv}), "
+                             f"got {ws['w_o'].shape[1]}")
+        c.q_dim, c.k_dim, c.v_dim = ws["w_q"].shape[1], ws["w_k"].shape[1], ws["w_v"].shape[1]
+        c.num_kv_heads, c.head_dim, c.v_head_dim = g, dk, dv
+        c.out_dim = ws["w_o"].shape[0]
+        w = L.mha_weights()
+        for nm in ws:
+            setattr(w, nm, _ptr(ws[nm]))
+        rows = {"b_q": h * dk, "b_k": g * dk, "b_v": g * dv, "b_o": c.out_dim}
+        for nm, x in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v), ("b_o", b_o)):
+            if x is not None:
+                a = _float32(x, nm)
+                if a.shape != (rows[nm],):
+                    raise ValueError(f"{nm}: expected shape ({rows[nm]},), got {a.shape}")
+                ws[nm] = a
+                setattr(w, nm, _ptr(a))
+                setattr(c, "bias_" + nm[2], 1)
+        if sinks is not None:
+            a = _float32(sinks, "sinks")
+            if a.shape != (h,):
+                raise ValueError(f"sinks: expected shape ({h},), got {a.shape}")
+            ws["sinks"] = a
+            w.sinks = _ptr(a)
+            c.sinks = 1
+        ptr = ctypes.c_void_p()
+        err = L.mha_error()
+        L.check(L.mha_layer_create(ctypes.byref(c), ctypes.byref(w), 0, None, ctypes.byref(ptr),
+                                   ctypes.byref(err)), err)
+        self._init_handle(ptr.value)
+
+    def _init_handle(self, ptr: int) -> None:
+        self._handle = _Handle(ptr, L.mha_layer_destroy)
+        self._ptr = ptr
+        self.config = Config._from_c(L.mha_layer_config(ptr).contents)
+
+    @classmethod
+    def from_safetensors(cls, path: str, num_heads: int, *, num_kv_heads: Optional[int] = None,
+                         prefix: Optional[str] = None, names: Optional[Dict[str, str]] = None,
+                         scale: Optional[float] = None, softcap: Optional[float] = None,
+                         alibi: bool = False,
+                         rope: Union[None, str, dict, Rope] = None) -> "MultiheadAttention":
+        """Loads a layer from a safetensors file (mha_layer_load_safetensors).
+
+        Tensor names are searched as documented in docs/FORMATS.md (HF q_proj/k_proj/v_proj/
+        o_proj, PyTorch nn.MultiheadAttention's in_proj_weight..., CS336's q_proj_weight...)
+        under ``prefix``, or given by ``names`` = {'q': stem, 'k': ..., 'v': ..., 'o': ...,
+        'sinks': full name} (stems get '.weight'/'.bias'). Sizes and biases come from the file.
+        """
+        c = _options_config(num_heads, num_kv_heads, scale, softcap, alibi, rope)
+        nm = None
+        keep = []
+        if names:
+            unknown = set(names) - {"q", "k", "v", "o", "sinks"}
+            if unknown:
+                raise ValueError(f"names: unknown keys {sorted(unknown)} (use q, k, v, o, sinks)")
+            nm = L.mha_name_map()
+            for key, val in names.items():
+                b = val.encode()
+                keep.append(b)
+                setattr(nm, key, b)
+        ptr = ctypes.c_void_p()
+        err = L.mha_error()
+        L.check(L.mha_layer_load_safetensors(
+            str(path).encode(), prefix.encode() if prefix else None,
+            ctypes.byref(nm) if nm is not None else None, ctypes.byref(c), None,
+            ctypes.byref(ptr), ctypes.byref(err)), err)
+        self = cls.__new__(cls)
+        self._init_handle(ptr.value)
+        return self
+
+    def close(self) -> None:
+        """Frees the C layer now (it is otherwise freed when garbage-collected)."""
+        self._handle.close()
+
+    @property
+    def weights(self) -> Dict[str, np.ndarray]:
+        """Copies of the layer's weights: w_q, w_k, w_v, w_o, and b_* / sinks when present."""
+        c = self.config
+        w = L.mha_layer_weights(self._ptr).contents
+        shapes = {"w_q": (c.num_heads * c.head_dim, c.q_dim),
+                  "w_k": (c.num_kv_heads * c.head_dim, c.k_dim),
+                  "w_v": (c.num_kv_heads * c.v_head_dim, c.v_dim),
+                  "w_o": (c.out_dim, c.num_heads * c.v_head_dim),
+                  "b_q": (c.num_heads * c.head_dim,), "b_k": (c.num_kv_heads * c.head_dim,),
+                  "b_v": (c.num_kv_heads * c.v_head_dim,), "b_o": (c.out_dim,),
+                  "sinks": (c.num_heads,)}
+        res = {}
+        for nm, shp in shapes.items():
+            p = getattr(w, nm)
+            if p:
+                buf = (ctypes.c_float * int(np.prod(shp))).from_address(p)
+                res[nm] = np.array(np.frombuffer(buf, _F32).reshape(shp))
+        return res
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _forward_args(self, query, key, value, keep: list, *, causal, alignment, mask,
+                      mask_means, attn_bias, key_padding_mask, window, positions, key_positions,
+                      q_segment_ids, kv_segment_ids, dropout, seed, need_weights,
+                      average_attn_weights):
+        c = self.config
+        x = _float32(query, "query")
+        unbatched = x.ndim == 2
+        if unbatched:
+            x = x[None]
+        if x.ndim != 3 or x.shape[2] != c.q_dim:
+            raise ValueError(f"query: expected [B, n, {c.q_dim}] or [n, {c.q_dim}], got shape "
+                             f"{np.shape(query)}")
+        B, n = x.shape[:2]
+        a = L.mha_forward_args()
+        a.batch, a.q_len, a.kv_len = B, n, n
+        a.query = _ptr(x)
+        keep.append(x)
+        kx = vx = None
+        if key is None and value is not None:
+            raise ValueError("value given without key")
+        if key is not None:
+            kx = _float32(key, "key")
+            kx = kx[None] if unbatched else kx
+            if kx.ndim != 3 or kx.shape[0] != B or kx.shape[2] != c.k_dim:
+                raise ValueError(f"key: expected [{B}, m, {c.k_dim}]"
+                                 f"{' (unbatched: [m, k_dim])' if unbatched else ''}, got shape "
+                                 f"{np.shape(key)}")
+            a.kv_len = kx.shape[1]
+            a.key = _ptr(kx)
+            keep.append(kx)
+            if value is not None:
+                vx = _float32(value, "value")
+                vx = vx[None] if unbatched else vx
+                if vx.shape != (B, kx.shape[1], c.v_dim):
+                    raise ValueError(f"value: expected [{B}, {kx.shape[1]}, {c.v_dim}], got "
+                                     f"shape {np.shape(value)}")
+                a.value = _ptr(vx)
+                keep.append(vx)
+            elif c.v_dim != c.k_dim:
+                raise ValueError(f"value is needed: v_dim={c.v_dim} differs from k_dim={c.k_dim}")
+        elif c.k_dim != c.q_dim or c.v_dim != c.q_dim:
+            raise ValueError("self-attention (key=None) needs q_dim == k_dim == v_dim; pass key "
+                             "and value")
+        m = a.kv_len
+        if positions is not None:
+            p = _int_array(positions, "positions", np.int64, (B, n))
+            keep.append(p)
+            a.q_positions = _ptr(p)
+        if key_positions is not None:
+            p = _int_array(key_positions, "key_positions", np.int64, (B, m))
+            keep.append(p)
+            a.k_positions = _ptr(p)
+        _fill_masking(a.mask, keep, batch=B, causal=causal, alignment=alignment, mask=mask,
+                      mask_means=mask_means, attn_bias=attn_bias,
+                      key_padding_mask=key_padding_mask, window=window,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, n=n, m=m)
+        _dropout(a.dropout, dropout, seed)
+        out = np.empty((B, n, c.out_dim), _F32)
+        a.out = _ptr(out)
+        probs = None
+        if need_weights:
+            probs = np.empty((B, n, m) if average_attn_weights else (B, c.num_heads, n, m), _F32)
+            a.probs = _ptr(probs)
+            a.average_probs = 1 if average_attn_weights else 0
+        return a, out, probs, unbatched
+
+    def forward(self, query: ArrayLike, key: Optional[ArrayLike] = None,
+                value: Optional[ArrayLike] = None, *, causal: Union[bool, str] = False,
+                alignment=None, mask: Optional[ArrayLike] = None, mask_means: str = "attend",
+                attn_bias: Optional[ArrayLike] = None,
+                key_padding_mask: Optional[ArrayLike] = None,
+                window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                positions: Optional[ArrayLike] = None, key_positions: Optional[ArrayLike] = None,
+                q_segment_ids: Optional[ArrayLike] = None,
+                kv_segment_ids: Optional[ArrayLike] = None, dropout: float = 0.0, seed: int = 0,
+                need_weights: bool = False, average_attn_weights: bool = False,
+                impl: str = "auto", threads: int = 0):
+        """Runs the layer (mha_layer_forward).
+
+        query [B, n, q_dim] (or unbatched [n, q_dim]); key [B, m, k_dim] and value [B, m, v_dim]
+        for cross-attention (key=None: self-attention; value=None: value = key).
+        Masks as in :func:`attention` (``mask`` + ``mask_means``, float masks additive,
+        ``key_padding_mask`` nonzero = real token, ``causal``, ``alignment``, ``window``, segment
+        ids). ``positions`` [B, n] / [n] and ``key_positions`` [B, m] are RoPE positions.
+        ``dropout`` > 0 drops probabilities (training) with the counter-based RNG keyed by
+        ``seed``. ``threads`` = 0 uses every CPU; ``impl`` is 'auto', 'reference' or 'fast'.
+
+        Returns y [B, n, out_dim], or (y, weights) with ``need_weights`` (weights [B, h, n, m],
+        or [B, n, m] with ``average_attn_weights``; before dropout).
+        """
+        keep: list = []
+        a, out, probs, unbatched = self._forward_args(
+            query, key, value, keep, causal=causal, alignment=alignment, mask=mask,
+            mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+            window=window, positions=positions, key_positions=key_positions,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=dropout,
+            seed=seed, need_weights=need_weights, average_attn_weights=average_attn_weights)
+        err = L.mha_error()
+        ex = _exec(impl, threads)
+        L.check(L.mha_layer_forward(self._ptr, ctypes.byref(a), ctypes.byref(ex),
+                                    ctypes.byref(err)), err)
+        if unbatched:
+            out = out[0]
+            probs = None if probs is None else probs[0]
+        return (out, probs) if need_weights else out
+
+    __call__ = forward
+
+    # -- training --------------------------------------------------------------------------------
+    def forward_train(self, query: ArrayLike, key: Optional[ArrayLike] = None,
+                      value: Optional[ArrayLike] = None, *, impl: str = "auto", threads: int = 0,
+                      **options):
+        """Forward in training mode (mha_layer_forward_train): the same outputs as
+        :meth:`forward` followed by a :class:`TrainState` for :meth:`backward`."""
+        if L.mha_layer_forward_train is None:
+            raise NotImplementedError("this libmha has no mha_layer_forward_train")
+        keep: list = []
+        opts = dict(causal=False, alignment=None, mask=None, mask_means="attend",
+                    attn_bias=None, key_padding_mask=None, window=None, positions=None,
+                    key_positions=None, q_segment_ids=None, kv_segment_ids=None, dropout=0.0,
+                    seed=0, need_weights=False, average_attn_weights=False)
+        bad = set(options) - set(opts)
+        if bad:
+            raise TypeError(f"forward_train: unexpected keyword arguments {sorted(bad)}")
+        opts.update(options)
+        a, out, probs, unbatched = self._forward_args(query, key, value, keep, **opts)
+        err = L.mha_error()
+        ex = _exec(impl, threads)
+        st = ctypes.c_void_p()
+        L.check(L.mha_layer_forward_train(self._ptr, ctypes.byref(a), ctypes.byref(ex),
+                                          ctypes.byref(st), ctypes.byref(err)), err)
+        shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len,
+                  "self": key is None, "value_is_key": key is not None and value is None,
+                  "unbatched": unbatched}
+        state = TrainState(self, st.value, keep, shapes)
+        if unbatched:
+            out = out[0]
+            probs = None if probs is None else probs[0]
+        return (out, probs, state) if opts["need_weights"] else (out, state)
+
+    def backward(self, state: TrainState, dy: ArrayLike, *, inputs: bool = True,
+                 params: bool = True, impl: str = "auto",
+                 threads: int = 0) -> Dict[str, np.ndarray]:
+        """Backward of the layer (mha_layer_backward) given dy = dL/dy of the forward_train call
+        that made ``state``. Returns a dict of gradients: 'query' (and 'key', 'value' for
+        cross-attention; in self-attention 'query' is the sum of all three paths), and with
+        ``params`` 'w_q', 'w_k', 'w_v', 'w_o', 'b_*' (biases present) and 'sinks'."""
+        if state._layer is not self:
+            raise ValueError("state was made by another layer")
+        c = self.config
+        s = state.shapes
+        B, n, m = s["batch"], s["q_len"], s["kv_len"]
+        d = _float32(dy, "dy")
+        if s["unbatched"]:
+            d = d[None]
+        if d.shape != (B, n, c.out_dim):
+            raise ValueError(f"dy: expected shape {(B, n, c.out_dim)}, got {np.shape(dy)}")
+        g = L.mha_layer_grads()
+        res: Dict[str, np.ndarray] = {}
+
+        def want(nm, field, shape):
+            arr = np.empty(shape, _F32)
+            res[nm] = arr
+            setattr(g, field, _ptr(arr))
+
+        if inputs:
+            want("query", "d_query", (B, n, c.q_dim))
+            if not s["self"]:
+                want("key", "d_key", (B, m, c.k_dim))
+                if not s["value_is_key"]:
+                    want("value", "d_value", (B, m, c.v_dim))
+        if params:
+            hk, gk, gv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, \
+                c.num_kv_heads * c.v_head_dim
+            want("w_q", "dw_q", (hk, c.q_dim))
+            want("w_k", "dw_k", (gk, c.k_dim))
+            want("w_v", "dw_v", (gv, c.v_dim))
+            want("w_o", "dw_o", (c.out_dim, c.num_heads * c.v_head_dim))
+            for nm, on, shp in (("b_q", c.bias_q, hk), ("b_k", c.bias_k, gk),
+                                ("b_v", c.bias_v, gv), ("b_o", c.bias_o, c.out_dim)):
+                if on:
+                    want(nm, "d" + nm, (shp,))
+            if c.sinks:
+                want("sinks", "d_sinks", (c.num_heads,))
+        err = L.mha_error()
+        ex = _exec(impl, threads)
+        L.check(L.mha_layer_backward(self._ptr, state._handle.ptr, _ptr(d), ctypes.byref(g),
+                                     ctypes.byref(ex), ctypes.byref(err)), err)
+        if s["unbatched"]:
+            for nm in ("query", "key", "value"):
+                if nm in res:
+                    res[nm] = res[nm][0]
+        return res
+
+    # -- decoding --------------------------------------------------------------------------------
+    def kv_cache(self, max_seq: int, batch: int = 1, *, dtype: str = "float32",
+                 window: int = 0, max_step_tokens: int = 0) -> "KVCache":
+        """A KV cache for this layer (mha_kv_cache_create): ``batch`` sequences of up to
+        ``max_seq`` positions, stored as 'float32', 'float16' or 'bfloat16'."""
+        return KVCache(self, max_seq, batch, dtype=dtype, window=window,
+                       max_step_tokens=max_step_tokens)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"mha.MultiheadAttention(q_dim={c.q_dim}, k_dim={c.k_dim}, v_dim={c.v_dim}, "
+                f"num_heads={c.num_heads}, num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
+                f"v_head_dim={c.v_head_dim}, out_dim={c.out_dim}, rope={c.rope})")
+
+
+class KVCache:
+    """Autoregressive decoding with a key/value cache (docs/INFERENCE.md).
+
+    ``prefill(x)`` appends a prompt and returns its outputs, ``step(x)`` appends the next token(s);
+    the result equals the full causal forward over the whole sequence (bottom-right aligned).
+    x: [num_seqs, t, q_dim] (or [t, q_dim] for sequence 0); ``seq_ids`` picks sequences."""
+
+    _DTYPES = {"float32": L.DTYPE_F32, "float16": L.DTYPE_F16, "bfloat16": L.DTYPE_BF16}
+
+    def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
+                 dtype: str = "float32", window: int = 0, max_step_tokens: int = 0):
+        if not L.HAS_KV_CACHE:
+            raise NotImplementedError("this libmha has no KV cache (library too old)")
+        if dtype not in self._DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(self._DTYPES)}, got {dtype!r}")
+        c = L.mha_kv_cache_config()
+        c.max_seq, c.batch, c.dtype = int(max_seq), int(batch), self._DTYPES[dtype]
+        c.window, c.max_step_tokens = int(window), int(max_step_tokens)
+        ptr = ctypes.c_void_p()
+        err = L.mha_error()
+        L.check(L.mha_kv_cache_create(ctypes.byref(c), layer._ptr, None, ctypes.byref(ptr),
+                                      ctypes.byref(err)), err)
+        self._layer = layer
+        self._handle = _Handle(ptr.value, L.mha_kv_cache_destroy)
+
+    def length(self, seq: int = 0) -> int:
+        """Positions appended so far to sequence ``seq``."""
+        n = L.mha_kv_cache_length(self._handle.ptr, seq)
+        if n < 0:
+            raise ValueError(f"seq={seq} is not a sequence of this cache")
+        return n
+
+    def reset(self, seq: int = 0) -> None:
+        err = L.mha_error()
+        L.check(L.mha_kv_cache_reset(self._handle.ptr, seq, ctypes.byref(err)), err)
+
+    def truncate(self, seq: int, new_len: int) -> None:
+        err = L.mha_error()
+        L.check(L.mha_kv_cache_truncate(self._handle.ptr, seq, new_len, ctypes.byref(err)), err)
+
+    def _run(self, fn, x, seq_ids, impl, threads) -> np.ndarray:
+        c = self._layer.config
+        a = _float32(x, "x")
+        single = a.ndim == 2
+        if single:
+            a = a[None]
+        if a.ndim != 3 or a.shape[2] != c.q_dim:
+            raise ValueError(f"x: expected [num_seqs, t, {c.q_dim}], got shape {np.shape(x)}")
+        d = L.mha_decode_args()
+        d.num_seqs, d.num_tokens = a.shape[0], a.shape[1]
+        ids = None
+        if seq_ids is not None:
+            ids = _int_array(seq_ids, "seq_ids", np.int64, (a.shape[0],))
+            d.seq_ids = _ptr(ids)
+        out = np.empty((a.shape[0], a.shape[1], c.out_dim), _F32)
+        d.x, d.out = _ptr(a), _ptr(out)
+        err = L.mha_error()
+        ex = _exec(impl, threads)
+        L.check(fn(self._layer._ptr, self._handle.ptr, ctypes.byref(d), ctypes.byref(ex),
+                   ctypes.byref(err)), err)
+        return out[0] if single else out
+
+    def prefill(self, x: ArrayLike, seq_ids: Optional[Sequence[int]] = None, *,
+                impl: str = "auto", threads: int = 0) -> np.ndarray:
+        """Appends t tokens per listed sequence (mha_layer_prefill) and returns their outputs."""
+        return self._run(L.mha_layer_prefill, x, seq_ids, impl, threads)
+
+    def step(self, x: ArrayLike, seq_ids: Optional[Sequence[int]] = None, *,
+             impl: str = "auto", threads: int = 0) -> np.ndarray:
+        """One decoding step (mha_layer_decode_step): usually t = 1 new token per sequence."""
+        return self._run(L.mha_layer_decode_step, x, seq_ids, impl, threads)
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+__all__ += ["MhaError"]

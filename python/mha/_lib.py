@@ -1,0 +1,287 @@
+# SPDX-License-Identifier: MIT
+"""ctypes binding of libmha: the C structs of include/mha.h, the loaded library, and error handling.
+
+This module only marshals: it mirrors the structs field for field (tests/test_python_api.py checks
+every size and offset against a C compiler), loads the shared library, and turns a non-OK status
+into :class:`MhaError`. No math happens here.
+
+Why ctypes: it is in the standard library (nothing to install, no compiler needed at import), and a
+call through a ``ctypes.CDLL`` function releases the GIL for its whole duration, so several Python
+threads can run attention at once.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_float, c_int, c_int32,
+                    c_int64, c_size_t, c_uint64, c_void_p)
+from typing import Optional
+
+__all__ = ["MhaError", "lib", "library_path", "check"]
+
+MAX_MASK_DIMS = 4
+ERROR_MESSAGE_SIZE = 512
+
+# Status codes (mha_status); values are stable.
+STATUS_NAMES = {
+    0: "OK", 1: "INVALID_ARG", 2: "UNSUPPORTED", 3: "NO_MEMORY", 4: "WORKSPACE_TOO_SMALL",
+    5: "OVERFLOW", 6: "IO", 7: "BAD_FILE", 8: "NOT_FOUND", 9: "INTERNAL",
+}
+
+# mha_dtype
+DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16, DTYPE_BOOL, DTYPE_U8, DTYPE_I32, DTYPE_I64 = range(8)
+# mha_alignment
+ALIGN_BOTTOM_RIGHT, ALIGN_TOP_LEFT, ALIGN_EXPLICIT = range(3)
+# mha_mask_polarity
+MASK_ATTEND, MASK_BLOCK = range(2)
+# mha_impl
+IMPLS = {"auto": 0, "reference": 1, "fast": 2}
+# mha_rope_style
+ROPE_STYLES = {None: 0, "none": 0, "interleaved": 1, "half": 2}
+# mha_rope_scaling_type
+ROPE_SCALINGS = {None: 0, "none": 0, "linear": 1, "ntk": 2, "llama3": 3, "yarn": 4}
+
+
+class MhaError(RuntimeError):
+    """An error reported by libmha.
+
+    Attributes:
+        status: the numeric ``mha_status`` (e.g. 1 for INVALID_ARG).
+        status_name: its name (``"INVALID_ARG"``, ``"UNSUPPORTED"``, ...).
+        message: the library's one-line message naming the offending argument.
+    """
+
+    def __init__(self, status: int, message: str):
+        self.status = int(status)
+        self.status_name = STATUS_NAMES.get(self.status, "UNKNOWN")
+        self.message = message
+        super().__init__(f"{message} [{self.status_name}]")
+
+
+# ------------------------------------------------------------------------------------------------
+# Structs (include/mha.h). Enums are C ints.
+# ------------------------------------------------------------------------------------------------
+class mha_error(Structure):
+    _fields_ = [("status", c_int), ("message", c_char * ERROR_MESSAGE_SIZE)]
+
+
+class mha_mask_tensor(Structure):
+    _fields_ = [("data", c_void_p), ("dtype", c_int), ("ndim", c_int32),
+                ("shape", c_int64 * MAX_MASK_DIMS)]
+
+
+class mha_masking(Structure):
+    _fields_ = [
+        ("causal", c_int32), ("alignment", c_int), ("align_offsets", c_void_p),
+        ("window_left", c_int64), ("window_right", c_int64), ("use_window", c_int32),
+        ("bool_mask", mha_mask_tensor), ("bool_mask_polarity", c_int),
+        ("additive_mask", mha_mask_tensor), ("key_padding", mha_mask_tensor),
+        ("q_segment_ids", c_void_p), ("kv_segment_ids", c_void_p),
+    ]
+
+
+class mha_dropout(Structure):
+    _fields_ = [("p", c_float), ("seed", c_uint64), ("training", c_int32)]
+
+
+class mha_exec(Structure):
+    _fields_ = [("impl", c_int), ("n_threads", c_int32), ("workspace", c_void_p),
+                ("workspace_bytes", c_size_t), ("allocator", c_void_p)]
+
+
+class mha_rope(Structure):
+    _fields_ = [
+        ("style", c_int), ("theta", c_double), ("rotary_dim", c_int64), ("scaling", c_int),
+        ("factor", c_double), ("original_max_position", c_double),
+        ("low_freq_factor", c_double), ("high_freq_factor", c_double),
+        ("beta_fast", c_double), ("beta_slow", c_double), ("attention_factor", c_double),
+    ]
+
+
+class mha_attention_args(Structure):
+    _fields_ = [
+        ("batch", c_int64), ("num_heads", c_int64), ("num_kv_heads", c_int64),
+        ("q_len", c_int64), ("kv_len", c_int64), ("head_dim", c_int64), ("v_head_dim", c_int64),
+        ("scale", c_double), ("softcap", c_double), ("alibi", c_int32), ("sinks", c_void_p),
+        ("q", c_void_p), ("q_strides", c_int64 * 3),
+        ("k", c_void_p), ("k_strides", c_int64 * 3),
+        ("v", c_void_p), ("v_strides", c_int64 * 3),
+        ("out", c_void_p), ("out_strides", c_int64 * 3),
+        ("lse", c_void_p), ("probs", c_void_p), ("average_probs", c_int32),
+        ("mask", mha_masking), ("dropout", mha_dropout),
+    ]
+
+
+class mha_config(Structure):
+    _fields_ = [
+        ("q_dim", c_int64), ("k_dim", c_int64), ("v_dim", c_int64), ("num_heads", c_int64),
+        ("num_kv_heads", c_int64), ("head_dim", c_int64), ("v_head_dim", c_int64),
+        ("out_dim", c_int64),
+        ("bias_q", c_int32), ("bias_k", c_int32), ("bias_v", c_int32), ("bias_o", c_int32),
+        ("sinks", c_int32), ("scale", c_double), ("softcap", c_double), ("alibi", c_int32),
+        ("rope", mha_rope),
+    ]
+
+
+class mha_weights(Structure):
+    _fields_ = [(name, c_void_p) for name in
+                ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "sinks")]
+
+
+class mha_forward_args(Structure):
+    _fields_ = [
+        ("batch", c_int64), ("q_len", c_int64), ("kv_len", c_int64),
+        ("query", c_void_p), ("key", c_void_p), ("value", c_void_p),
+        ("q_positions", c_void_p), ("k_positions", c_void_p),
+        ("mask", mha_masking), ("dropout", mha_dropout),
+        ("out", c_void_p), ("probs", c_void_p), ("average_probs", c_int32),
+    ]
+
+
+class mha_name_map(Structure):
+    _fields_ = [(name, c_char_p) for name in ("q", "k", "v", "o", "sinks")]
+
+
+class mha_attention_grads(Structure):
+    _fields_ = [
+        ("dout", c_void_p), ("dout_strides", c_int64 * 3),
+        ("dq", c_void_p), ("dq_strides", c_int64 * 3),
+        ("dk", c_void_p), ("dk_strides", c_int64 * 3),
+        ("dv", c_void_p), ("dv_strides", c_int64 * 3),
+        ("dsinks", c_void_p), ("accumulate", c_int32),
+    ]
+
+
+class mha_layer_grads(Structure):
+    _fields_ = [(name, c_void_p) for name in
+                ("d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v", "dw_o",
+                 "db_q", "db_k", "db_v", "db_o", "d_sinks")] + [("accumulate", c_int32)]
+
+
+class mha_kv_cache_config(Structure):
+    _fields_ = [("num_kv_heads", c_int64), ("head_dim", c_int64), ("v_head_dim", c_int64),
+                ("max_seq", c_int64), ("batch", c_int64), ("dtype", c_int),
+                ("window", c_int64), ("max_step_tokens", c_int64)]
+
+
+class mha_decode_args(Structure):
+    _fields_ = [("num_seqs", c_int64), ("seq_ids", c_void_p), ("num_tokens", c_int64),
+                ("x", c_void_p), ("out", c_void_p)]
+
+
+# Every struct mirrored here, by C name (tests compare sizes and offsets with the compiler's).
+STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope,
+           mha_attention_args, mha_config, mha_weights, mha_forward_args, mha_name_map,
+           mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args]
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+def _candidates() -> list:
+    env = os.environ.get("MHA_LIBRARY")
+    if env:
+        return [env]
+    here = os.path.dirname(os.path.abspath(__file__))
+    names = ["libmha.dylib"] if sys.platform == "darwin" else ["libmha.so"]
+    return [os.path.join(here, n) for n in names]
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        if os.path.exists(path):
+            try:
+                return ctypes.CDLL(path), path
+            except OSError as e:  # e.g. libcjson missing
+                raise ImportError(f"mha: could not load the C library {path}: {e}") from e
+        tried.append(path)
+    raise ImportError(
+        "mha: the C library libmha was not found (looked for: " + ", ".join(tried) + "). "
+        "Install the package with `pip install ./python` (it builds the library), or set "
+        "MHA_LIBRARY=/path/to/libmha.so (e.g. the one CMake builds in build/).")
+
+
+lib, library_path = _load()
+
+
+def _fn(name, argtypes, restype=c_int):
+    f = getattr(lib, name)
+    f.argtypes = argtypes
+    f.restype = restype
+    return f
+
+
+P = POINTER
+mha_version = _fn("mha_version", [], c_char_p)
+mha_status_string = _fn("mha_status_string", [c_int], c_char_p)
+mha_rope_apply = _fn("mha_rope_apply", [P(mha_rope), c_int64, c_int64, c_int64, c_int64, c_void_p,
+                                        P(c_int64 * 4), c_void_p, c_int64, P(mha_error)])
+mha_rope_frequencies = _fn("mha_rope_frequencies", [P(mha_rope), c_int64, c_void_p, c_void_p,
+                                                    P(mha_error)])
+mha_attention = _fn("mha_attention", [P(mha_attention_args), P(mha_exec), P(mha_error)])
+mha_attention_supported = _fn("mha_attention_supported",
+                              [P(mha_attention_args), P(mha_exec), P(mha_error)])
+mha_layer_create = _fn("mha_layer_create", [P(mha_config), P(mha_weights), c_int, c_void_p,
+                                            P(c_void_p), P(mha_error)])
+mha_layer_destroy = _fn("mha_layer_destroy", [c_void_p], None)
+mha_layer_config = _fn("mha_layer_config", [c_void_p], P(mha_config))
+mha_layer_weights = _fn("mha_layer_weights", [c_void_p], P(mha_weights))
+mha_layer_forward = _fn("mha_layer_forward", [c_void_p, P(mha_forward_args), P(mha_exec),
+                                              P(mha_error)])
+mha_layer_forward_supported = _fn("mha_layer_forward_supported",
+                                  [c_void_p, P(mha_forward_args), P(mha_exec), P(mha_error)])
+mha_layer_load_safetensors = _fn("mha_layer_load_safetensors",
+                                 [c_char_p, c_char_p, P(mha_name_map), P(mha_config), c_void_p,
+                                  P(c_void_p), P(mha_error)])
+
+
+def version() -> str:
+    """Version string of the loaded C library ("MAJOR.MINOR.PATCH")."""
+    return mha_version().decode()
+
+
+def check(status: int, err: mha_error) -> None:
+    """Raises MhaError for a non-OK status, with the library's message."""
+    if status != 0:
+        msg = err.message.decode(errors="replace") or mha_status_string(status).decode()
+        raise MhaError(status, msg)
+
+
+def has_symbol(name: str) -> bool:
+    return hasattr(lib, name)
+
+
+def optional_fn(name: str, argtypes, restype=c_int) -> Optional[object]:
+    """Binds `name` if the loaded library exports it, else returns None."""
+    if not has_symbol(name):
+        return None
+    return _fn(name, argtypes, restype)
+
+
+# Training (backward) and KV-cache decoding: bound when the library exports them.
+mha_attention_backward = optional_fn(
+    "mha_attention_backward", [P(mha_attention_args), P(mha_attention_grads), P(mha_exec),
+                               P(mha_error)])
+mha_layer_forward_train = optional_fn(
+    "mha_layer_forward_train", [c_void_p, P(mha_forward_args), P(mha_exec), P(c_void_p),
+                                P(mha_error)])
+mha_layer_backward = optional_fn(
+    "mha_layer_backward", [c_void_p, c_void_p, c_void_p, P(mha_layer_grads), P(mha_exec),
+                           P(mha_error)])
+mha_train_state_destroy = optional_fn("mha_train_state_destroy", [c_void_p], None)
+mha_kv_cache_create = optional_fn(
+    "mha_kv_cache_create", [P(mha_kv_cache_config), c_void_p, c_void_p, P(c_void_p),
+                            P(mha_error)])
+mha_kv_cache_destroy = optional_fn("mha_kv_cache_destroy", [c_void_p], None)
+mha_kv_cache_length = optional_fn("mha_kv_cache_length", [c_void_p, c_int64], c_int64)
+mha_kv_cache_reset = optional_fn("mha_kv_cache_reset", [c_void_p, c_int64, P(mha_error)])
+mha_kv_cache_truncate = optional_fn("mha_kv_cache_truncate",
+                                    [c_void_p, c_int64, c_int64, P(mha_error)])
+mha_layer_prefill = optional_fn(
+    "mha_layer_prefill", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec), P(mha_error)])
+mha_layer_decode_step = optional_fn(
+    "mha_layer_decode_step", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec),
+                              P(mha_error)])
+HAS_BACKWARD = mha_attention_backward is not None and mha_layer_backward is not None
+HAS_KV_CACHE = mha_kv_cache_create is not None and mha_layer_decode_step is not None

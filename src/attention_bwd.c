@@ -1,0 +1,261 @@
+/* SPDX-License-Identifier: MIT */
+/* attention_bwd.c: the public backward of the attention core. Validates the forward description
+ * (through mha__problem_from_args, the same checks as the forward) and the gradient buffers,
+ * picks the implementation, and runs the work units (b, kv head) on threads.
+ *
+ * Threads: units are disjoint in their outputs (attention_bwd.h), handed out as contiguous
+ * ranges by mha__parallel_for, so no two threads write the same element and the arithmetic of
+ * every element is the same for any thread count (bit-identical results). The sink gradient is
+ * the one cross-unit sum: units write per-(b, h) partials, reduced here over b in order.
+ * Parallelism is B * G units: a single MQA sequence (B = G = 1) runs on one thread.
+ */
+#include "attention_bwd.h"
+#include "kernels/kernels.h"
+
+#include <string.h>
+
+static bool extent_ok(const int64_t s[3], int64_t B, int64_t H, int64_t L, int64_t d,
+                      const char *name, mha_error *err) {
+    int64_t a, b, c, t;
+    for (int i = 0; i < 3; i++)
+        if (s[i] < 0) {
+            mha__fail(err, MHA_STATUS_INVALID_ARG, "grads.%s_strides[%d]=%lld is negative", name,
+                      i, (long long)s[i]);
+            return false;
+        }
+    if (!mha__mul_i64(B - 1, s[0], &a) || !mha__mul_i64(H - 1, s[1], &b) ||
+        !mha__mul_i64(L - 1, s[2], &c) || !mha__add_i64(a, b, &t) || !mha__add_i64(t, c, &t) ||
+        !mha__add_i64(t, d, &t)) {
+        mha__fail(err, MHA_STATUS_OVERFLOW, "grads.%s: offsets overflow int64 with these strides",
+                  name);
+        return false;
+    }
+    return true;
+}
+
+/* The implementation to run: the reference, or the best flash backward for this CPU. */
+typedef struct bwd_kernel {
+    const char *name;
+    mha__bwd_fn fn;
+    int reference;
+} bwd_kernel;
+
+/* Every backward kernel, in priority order (the reference last). */
+static const struct {
+    bwd_kernel k;
+    unsigned isa;
+} KERNELS[] = {
+#if defined(__x86_64__) || defined(__i386__)
+    {{"mha_bwd_f32_flash_q32k64__avx512", mha_bwd_f32_flash_q32k64__avx512, 0}, MHA_ISA_AVX512},
+    {{"mha_bwd_f32_flash_q32k64__avx2", mha_bwd_f32_flash_q32k64__avx2, 0}, MHA_ISA_AVX2},
+#endif
+    {{"mha_bwd_f32_flash_q32k64__generic", mha_bwd_f32_flash_q32k64__generic, 0}, 0},
+    {{"mha_bwd_f32_naive__ref", mha__attention_bwd_ref, 1}, 0},
+};
+#define N_KERNELS ((int)(sizeof KERNELS / sizeof KERNELS[0]))
+
+const char *mha__bwd_kernel_name(int index) {
+    return index >= 0 && index < N_KERNELS ? KERNELS[index].k.name : NULL;
+}
+
+int mha__bwd_kernel_usable(int index) {
+    return index >= 0 && index < N_KERNELS && (KERNELS[index].isa & ~mha__cpu_isa()) == 0;
+}
+
+/* forced >= 0: that entry of KERNELS (tests), refused when the CPU cannot run it. */
+static mha_status choose(const mha_exec *exec, int forced, bwd_kernel *k, mha_error *err) {
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    if (forced >= 0) {
+        MHA_RETURN_IF(forced >= N_KERNELS, err, INVALID_ARG, "backward kernel %d does not exist",
+                      forced);
+        MHA_RETURN_IF(!mha__bwd_kernel_usable(forced), err, UNSUPPORTED,
+                      "backward kernel %s needs an instruction set this CPU lacks (or "
+                      "MHA_MAX_ISA caps)",
+                      KERNELS[forced].k.name);
+        *k = KERNELS[forced].k;
+        return MHA_STATUS_OK;
+    }
+    if (impl == MHA_IMPL_REFERENCE) {
+        *k = (bwd_kernel){"mha_bwd_f32_naive__ref", mha__attention_bwd_ref, 1};
+        return MHA_STATUS_OK;
+    }
+    MHA_RETURN_IF(impl != MHA_IMPL_AUTO && impl != MHA_IMPL_FAST, err, INVALID_ARG,
+                  "exec.impl=%d is not a known implementation", (int)impl);
+    /* The flash backward takes every option the forward has, so FAST never fails here: the
+     * first flash entry whose ISA this CPU has (the generic one always qualifies).
+     * TODO(#4): route through the kernel registry (kernels.def) once it takes backward lines. */
+    for (int i = 0; i < N_KERNELS; i++)
+        if (!KERNELS[i].k.reference && mha__bwd_kernel_usable(i)) {
+            *k = KERNELS[i].k;
+            return MHA_STATUS_OK;
+        }
+    return mha__fail(err, MHA_STATUS_INTERNAL, "no usable backward kernel");
+}
+
+static size_t align64(size_t x) {
+    return (x + 63) & ~(size_t)63;
+}
+
+/* Workspace: [deltas B int64][slopes H float][sink partials B*H float][n_threads scratch]. */
+typedef struct bwd_layout {
+    size_t delta_off, slope_off, sink_off, scratch_off, stride, total;
+} bwd_layout;
+
+static int resolve_threads(const mha_exec *exec) {
+    return (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+}
+
+/* Everything checkable before any work: fills p (whose deltas/slopes point into `tmp_ws`, or
+ * into small private arrays while only sizing), the kernel and the layout. */
+static mha_status validate(const mha_attention_args *a, const mha_attention_grads *g,
+                           const mha_exec *exec, int forced, int n_threads, bwd_kernel *k,
+                           bwd_layout *l, mha_error *err) {
+    MHA_RETURN_IF(!a, err, INVALID_ARG, "fwd (the forward's args) is NULL");
+    MHA_RETURN_IF(!g, err, INVALID_ARG, "grads is NULL");
+    MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->num_heads < 1 ||
+                      a->num_heads > MHA_MAX_DIM,
+                  err, INVALID_ARG, "batch=%lld and num_heads=%lld must be in [1, 2^31]",
+                  (long long)a->batch, (long long)a->num_heads);
+    mha_status st = choose(exec, forced, k, err);
+    if (st)
+        return st;
+    size_t deltas, slopes, sinks, scratch;
+    int64_t bh;
+    MHA_RETURN_IF(!mha__mul_i64(a->batch, a->num_heads, &bh) ||
+                      !mha__bytes(a->batch, sizeof(int64_t), &deltas) ||
+                      !mha__bytes(a->num_heads, sizeof(float), &slopes) ||
+                      !mha__bytes(bh, sizeof(float), &sinks),
+                  err, OVERFLOW, "backward workspace size overflows");
+    /* Scratch depends on sizes only: a throwaway problem with the sizes filled in. */
+    mha__problem sz;
+    memset(&sz, 0, sizeof sz);
+    sz.n = a->q_len > 0 ? a->q_len : 1;
+    sz.m = a->kv_len > 0 ? a->kv_len : 1;
+    sz.dk = a->head_dim > 0 ? a->head_dim : 1;
+    sz.dv = a->v_head_dim > 0 ? a->v_head_dim : sz.dk;
+    sz.H = a->num_heads;
+    sz.G = a->num_kv_heads > 0 ? a->num_kv_heads : sz.H;
+    sz.group = (sz.G <= sz.H && sz.H % sz.G == 0) ? sz.H / sz.G : 1;
+    const bool ok = k->reference ? mha__attention_bwd_ref_scratch(&sz, &scratch)
+                                 : mha__bwd_flash_scratch(&sz, &scratch);
+    MHA_RETURN_IF(!ok || scratch > SIZE_MAX / 2, err, OVERFLOW, "backward scratch overflows");
+    l->delta_off = 0;
+    l->slope_off = align64(deltas);
+    l->sink_off = l->slope_off + align64(slopes);
+    l->scratch_off = l->sink_off + align64(sinks);
+    l->stride = align64(scratch);
+    int64_t total;
+    MHA_RETURN_IF(l->stride > INT64_MAX || l->scratch_off > INT64_MAX ||
+                      !mha__mul_i64((int64_t)l->stride, n_threads, &total) ||
+                      !mha__add_i64(total, (int64_t)l->scratch_off, &total),
+                  err, OVERFLOW, "backward workspace size overflows");
+    l->total = (size_t)total;
+    return MHA_STATUS_OK;
+}
+
+/* Checks of the gradient side against a validated problem. */
+static mha_status check_grads(const mha_attention_args *a, const mha_attention_grads *g,
+                              const mha__problem *p, mha_error *err) {
+    MHA_RETURN_IF(!a->lse, err, INVALID_ARG,
+                  "fwd.lse is NULL: the backward needs the log-sum-exp saved by the forward");
+    MHA_RETURN_IF(!g->dout, err, INVALID_ARG, "grads.dout is NULL");
+    MHA_RETURN_IF(g->dsinks && !a->sinks, err, INVALID_ARG,
+                  "grads.dsinks is given but the forward has no sinks");
+    if (!extent_ok(g->dout_strides, p->B, p->H, p->n, p->dv, "dout", err) ||
+        (g->dq && !extent_ok(g->dq_strides, p->B, p->H, p->n, p->dk, "dq", err)) ||
+        (g->dk && !extent_ok(g->dk_strides, p->B, p->G, p->m, p->dk, "dk", err)) ||
+        (g->dv && !extent_ok(g->dv_strides, p->B, p->G, p->m, p->dv, "dv", err)))
+        return err ? err->status : MHA_STATUS_INVALID_ARG;
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
+                                                 const mha_attention_grads *grads,
+                                                 const mha_exec *exec, size_t *bytes,
+                                                 mha_error *err) {
+    MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
+    bwd_kernel k = {0};
+    bwd_layout l = {0};
+    mha_status st = validate(fwd, grads, exec, -1, resolve_threads(exec), &k, &l, err);
+    if (st)
+        return st;
+    *bytes = l.total;
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+typedef struct bwd_job {
+    const mha__bwd_problem *bp;
+    mha__bwd_fn fn;
+    char *scratch;
+    size_t stride;
+} bwd_job;
+
+static void run_units(void *ctx, int part, int64_t begin, int64_t end) {
+    const bwd_job *job = ctx;
+    void *scratch = job->scratch + (size_t)part * job->stride;
+    for (int64_t u = begin; u < end; u++)
+        job->fn(job->bp, u / job->bp->p->G, u % job->bp->p->G, scratch);
+}
+
+mha_status mha__attention_backward_run(const mha_attention_args *fwd,
+                                       const mha_attention_grads *grads, const mha_exec *exec,
+                                       int kernel, const char **name_out, mha_error *err) {
+    const int n_threads = resolve_threads(exec);
+    bwd_kernel k = {0};
+    bwd_layout l = {0};
+    mha_status st = validate(fwd, grads, exec, kernel, n_threads, &k, &l, err);
+    if (st)
+        return st;
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    char *ws = exec ? exec->workspace : NULL, *owned = NULL;
+    if (ws) {
+        MHA_RETURN_IF(exec->workspace_bytes < l.total, err, WORKSPACE_TOO_SMALL,
+                      "workspace_bytes=%zu, this backward needs %zu", exec->workspace_bytes,
+                      l.total);
+    } else {
+        ws = owned = mha__alloc(alloc, l.total);
+        MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace", l.total);
+    }
+    mha__problem p;
+    st = mha__problem_from_args(fwd, &p, (int64_t *)(ws + l.delta_off),
+                                (float *)(ws + l.slope_off), err);
+    if (!st)
+        st = check_grads(fwd, grads, &p, err);
+    if (!st) {
+        mha__bwd_problem bp;
+        memset(&bp, 0, sizeof bp);
+        bp.p = &p;
+        bp.dout = grads->dout;
+        memcpy(bp.dos, grads->dout_strides, sizeof bp.dos);
+        bp.dq = grads->dq;
+        bp.dk = grads->dk;
+        bp.dv = grads->dv;
+        memcpy(bp.dqs, grads->dq_strides, sizeof bp.dqs);
+        memcpy(bp.dks, grads->dk_strides, sizeof bp.dks);
+        memcpy(bp.dvs, grads->dv_strides, sizeof bp.dvs);
+        bp.sink_part = grads->dsinks ? (float *)(ws + l.sink_off) : NULL;
+        bp.accumulate = grads->accumulate != 0;
+        bwd_job job = {&bp, k.fn, ws + l.scratch_off, l.stride};
+        st = mha__parallel_for(n_threads, p.B * p.G, run_units, &job, err);
+        if (!st && grads->dsinks)
+            for (int64_t h = 0; h < p.H; h++) {
+                float s = 0.0f;
+                for (int64_t b = 0; b < p.B; b++)
+                    s += bp.sink_part[b * p.H + h];
+                grads->dsinks[h] = bp.accumulate ? grads->dsinks[h] + s : s;
+            }
+    }
+    mha__free(alloc, owned);
+    if (!st) {
+        if (name_out)
+            *name_out = k.name;
+        mha__ok(err);
+    }
+    return st;
+}
+
+mha_status mha_attention_backward(const mha_attention_args *fwd, const mha_attention_grads *grads,
+                                  const mha_exec *exec, mha_error *err) {
+    return mha__attention_backward_run(fwd, grads, exec, -1, NULL, err);
+}

@@ -1,0 +1,61 @@
+/* SPDX-License-Identifier: MIT */
+/* attention_bwd.h: internal interface of the attention backward (never installed).
+ *
+ * attention_bwd.c validates mha_attention_args + mha_attention_grads into an mha__bwd_problem and
+ * cuts it into WORK UNITS, one per (batch row b, kv head g). A unit owns every output it touches:
+ * dK and dV of kv head g, dQ of the h/g query heads that read it, and the sink partial sums of
+ * those heads in batch row b. Units therefore never share an output element (no atomics, no
+ * races), and each unit's arithmetic does not depend on which thread runs it, so results are
+ * bit-identical for any thread count.
+ *
+ *   q: [B, H, n, dk]  k: [B, G, m, dk]  v: [B, G, m, dv]  out, dout: [B, H, n, dv]  lse: [B, H, n]
+ *   dq: [B, H, n, dk] dk: [B, G, m, dk] dv: [B, G, m, dv] (each optional)
+ */
+#ifndef MHA_ATTENTION_BWD_H
+#define MHA_ATTENTION_BWD_H
+
+#include "internal.h"
+
+typedef struct mha__bwd_problem {
+    const mha__problem *p; /* the forward problem: sizes, q, k, v, out, lse, masks, dropout */
+    const float *dout;
+    int64_t dos[3];
+    float *dq, *dk, *dv; /* NULL = not wanted */
+    int64_t dqs[3], dks[3], dvs[3];
+    float *sink_part; /* [B * H] per (b, h) partial dL/dsink, or NULL (no sinks wanted) */
+    int accumulate;
+} mha__bwd_problem;
+
+/* One unit (b, g) with `scratch` of the kernel's scratch size. */
+typedef void (*mha__bwd_fn)(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
+
+/* The reference backward (src/ref/attention_bwd_ref.c): plain loops, row by row. */
+void mha__attention_bwd_ref(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
+bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes);
+
+/* FlashAttention-2 style backward (src/kernels/generic/attn_bwd_flash_generic.c and the per-ISA
+ * instantiations): key tiles of MHA__BWD_BK keys, query blocks of MHA__BWD_BQ rows. */
+#define MHA__BWD_BQ 32
+#define MHA__BWD_BK 64
+bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes);
+void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp, int64_t b, int64_t g,
+                                       void *scratch);
+#if defined(__x86_64__) || defined(__i386__)
+void mha_bwd_f32_flash_q32k64__avx512(const mha__bwd_problem *bp, int64_t b, int64_t g,
+                                      void *scratch);
+void mha_bwd_f32_flash_q32k64__avx2(const mha__bwd_problem *bp, int64_t b, int64_t g,
+                                    void *scratch);
+#endif
+
+/* The backward kernels (attention_bwd.c), in priority order, the reference last: index ->
+ * name (NULL past the end) and whether this CPU (capped by MHA_MAX_ISA) can run it. */
+const char *mha__bwd_kernel_name(int index);
+int mha__bwd_kernel_usable(int index);
+
+/* The core backward; kernel >= 0 forces that kernel (tests), -1 chooses by exec->impl.
+ * `name_out` (may be NULL) receives the name of the kernel that ran. */
+mha_status mha__attention_backward_run(const mha_attention_args *fwd,
+                                       const mha_attention_grads *grads, const mha_exec *exec,
+                                       int kernel, const char **name_out, mha_error *err);
+
+#endif /* MHA_ATTENTION_BWD_H */

@@ -1,0 +1,665 @@
+/* SPDX-License-Identifier: MIT */
+/* decode.c: attention over a KV cache and the layer's prefill / decode_step, plus the public
+ * exact merge of partial attention results (mha.h, "Inference: KV cache").
+ *
+ * Split-KV decoding: for each (sequence, kv head) the visible keys are cut into fixed blocks of
+ * MHA_DEC_BLOCK positions (the cut depends only on the lengths, never on the thread count); the
+ * blocks of all sequences and heads are spread over the threads, each gives an unnormalised
+ * partial (o, m, l) for every query head of the group and every new token, and the partials are
+ * merged in block order. So both threads are busy even for batch 1, every K/V row is read once per
+ * group, and the result is bit-identical for any thread count. Long inputs (prefill) and
+ * impl=reference go through the attention core on the dequantised cache instead.
+ */
+#include "gemm.h"
+#include "kernels/kernels.h"
+#include "kv_cache.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* Above this many new tokens per sequence the attention core's flash kernel (tiled over queries)
+ * beats the decode kernel, which recomputes nothing but keeps all R = group * t score rows of a
+ * block live; 16 keeps R * MHA_DEC_BLOCK floats of scores within L2 for group <= 8. */
+#define MHA_DEC_MAX_TOKENS 16
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Merge.                                                                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+mha_status mha_attention_merge(int64_t rows,
+                               int64_t dim,
+                               const float *o_a,
+                               int64_t o_a_stride,
+                               const float *lse_a,
+                               const float *o_b,
+                               int64_t o_b_stride,
+                               const float *lse_b,
+                               float *o,
+                               int64_t o_stride,
+                               float *lse,
+                               mha_error *err) {
+    MHA_RETURN_IF(rows < 0 || dim < 1 || dim > MHA_MAX_DIM, err, INVALID_ARG,
+                  "merge: rows=%lld must be >= 0 and dim=%lld in [1, 2^31]", (long long)rows,
+                  (long long)dim);
+    MHA_RETURN_IF(!o_a || !o_b || !o || !lse_a || !lse_b, err, INVALID_ARG,
+                  "merge: o_a, lse_a, o_b, lse_b and o must not be NULL");
+    MHA_RETURN_IF(o_a_stride < dim || o_b_stride < dim || o_stride < dim, err, INVALID_ARG,
+                  "merge: row strides (%lld, %lld, %lld) must be >= dim=%lld",
+                  (long long)o_a_stride, (long long)o_b_stride, (long long)o_stride,
+                  (long long)dim);
+    MHA_RETURN_IF((o == o_a && o_stride != o_a_stride) || (o == o_b && o_stride != o_b_stride), err,
+                  INVALID_ARG, "merge: in-place o must have the stride of the input it is");
+    for (int64_t r = 0; r < rows; r++) {
+        const float la = lse_a[r], lb = lse_b[r];
+        const float mx = la > lb ? la : lb;
+        float wa, wb, out_lse;
+        if (mx == -INFINITY) { /* both partials saw no key */
+            wa = wb = 0.0f;
+            out_lse = -INFINITY;
+        } else if (isnan(la) || isnan(lb)) {
+            wa = wb = NAN;
+            out_lse = NAN;
+        } else {
+            const float ea = expf(la - mx), eb = expf(lb - mx); /* exp(-inf) = 0 */
+            const float sum = ea + eb;
+            out_lse = mx + logf(sum);
+            wa = ea / sum;
+            wb = eb / sum;
+        }
+        const float *ra = o_a + r * o_a_stride, *rb = o_b + r * o_b_stride;
+        float *ro = o + r * o_stride;
+        for (int64_t d = 0; d < dim; d++) {
+            /* A partial with weight 0 contributes nothing, even if its o is garbage. */
+            const float va = wa == 0.0f ? 0.0f : wa * ra[d];
+            const float vb = wb == 0.0f ? 0.0f : wb * rb[d];
+            ro[d] = va + vb;
+        }
+        if (lse)
+            lse[r] = out_lse;
+    }
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Split-KV driver.                                                                               */
+/* ---------------------------------------------------------------------------------------------- */
+
+int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
+    /* scores [R][BLOCK], then four dequantised K rows and four V rows (padded to 16 floats) */
+    return p->group * p->t * MHA_DEC_BLOCK + 4 * (p->dk + 16) + 4 * (p->dv + 16) + 32;
+}
+
+static mha__dec_kernel_fn pick_kernel(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (mha__cpu_isa() & MHA_ISA_AVX512)
+        return mha__dec_kernel_avx512;
+#endif
+    return mha__dec_kernel_generic;
+}
+
+/* Name of the decode kernel this CPU runs (for the CLI bench). */
+const char *mha__dec_kernel_name(void);
+const char *mha__dec_kernel_name(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (mha__cpu_isa() & MHA_ISA_AVX512)
+        return "mha_decode_f32acc_splitkv__avx512";
+#endif
+    return "mha_decode_f32acc_splitkv__generic";
+}
+
+typedef struct dec_run {
+    const mha__dec_problem *p;
+    mha__dec_kernel_fn fn;
+    const mha__dec_unit *units;
+    const int64_t *first; /* [S*G + 1]: units of pair (s, g) are first[s*G+g] .. first[..+1]-1 */
+    float *part;          /* per unit: o [R][dv], m [R], l [R] */
+    int64_t part_stride;
+    float *scratch;
+    int64_t scratch_stride;
+    const float *sinks;
+    float *out; /* element (s, i, h, d) at out[s*o_ss + i*o_ts + h*dv + d] */
+    int64_t o_ss, o_ts;
+    float *lse; /* [S, H, t] or NULL */
+} dec_run;
+
+static void run_units(void *ctx, int part, int64_t begin, int64_t end) {
+    const dec_run *r = ctx;
+    const int64_t R = r->p->group * r->p->t, dv = r->p->dv;
+    float *scratch = r->scratch + part * r->scratch_stride;
+    for (int64_t k = begin; k < end; k++) {
+        float *o = r->part + k * r->part_stride;
+        r->fn(r->p, &r->units[k], o, o + R * dv, o + R * dv + R, scratch);
+    }
+}
+
+/* Merges the units of pairs (s, g) in [begin, end) into out and lse, in unit order. */
+static void merge_pairs(void *ctx, int part, int64_t begin, int64_t end) {
+    (void)part;
+    const dec_run *r = ctx;
+    const mha__dec_problem *p = r->p;
+    const int64_t R = p->group * p->t, dv = p->dv;
+    for (int64_t sg = begin; sg < end; sg++) {
+        const int64_t s = sg / p->G, g = sg % p->G;
+        const int64_t u0 = r->first[sg], u1 = r->first[sg + 1];
+        for (int64_t row = 0; row < R; row++) {
+            const int64_t i = row / p->group, h = g * p->group + row % p->group;
+            float mx = r->sinks ? r->sinks[h] : -INFINITY;
+            for (int64_t u = u0; u < u1; u++) {
+                const float mu = r->part[u * r->part_stride + R * dv + row];
+                if (mu > mx || isnan(mu))
+                    mx = mu;
+            }
+            float *o = r->out + s * r->o_ss + i * r->o_ts + h * dv;
+            float *lse = r->lse ? r->lse + (s * p->H + h) * p->t + i : NULL;
+            if (mx == -INFINITY) { /* nothing visible (cannot happen with causal decoding) */
+                memset(o, 0, sizeof(float) * (size_t)dv);
+                if (lse)
+                    *lse = -INFINITY;
+                continue;
+            }
+            float sum = r->sinks ? expf(r->sinks[h] - mx) : 0.0f;
+            for (int64_t d = 0; d < dv; d++)
+                o[d] = 0.0f;
+            for (int64_t u = u0; u < u1; u++) {
+                const float *pu = r->part + u * r->part_stride;
+                const float mu = pu[R * dv + row];
+                if (mu == -INFINITY)
+                    continue;
+                const float w = expf(mu - mx);
+                sum += w * pu[R * dv + R + row];
+                const float *ou = pu + row * dv;
+                for (int64_t d = 0; d < dv; d++)
+                    o[d] += w * ou[d];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t d = 0; d < dv; d++)
+                o[d] *= inv;
+            if (lse)
+                *lse = mx + logf(sum);
+        }
+    }
+}
+
+/* Lowest key any of the last t positions of a sequence of length L can see. */
+static int64_t lowest_key(const struct mha_kv_cache *c, int64_t L, int64_t t) {
+    if (c->cfg.window == 0)
+        return 0;
+    const int64_t lo = L - t - c->cfg.window + 1;
+    return lo > 0 ? lo : 0;
+}
+
+/* Everything mha__kv_attend needs about the call. */
+typedef struct kv_call {
+    const struct mha_kv_cache *cache;
+    int64_t S;
+    const int64_t *seq; /* [S] (never NULL here) */
+    int64_t t, H;
+    double scale; /* resolved */
+    double softcap;
+    int alibi;
+    const float *sinks;
+    const float *q;
+    int64_t q_ss, q_ts;
+    float *out;
+    int64_t o_ss, o_ts;
+    float *lse;
+} kv_call;
+
+static void dequant(const struct mha_kv_cache *c, const void *src, int64_t d, float *dst) {
+    for (int64_t i = 0; i < d; i++)
+        dst[i] = c->cfg.dtype == MHA_DTYPE_F32   ? ((const float *)src)[i]
+                 : c->cfg.dtype == MHA_DTYPE_F16 ? mha__f16_to_f32(((const uint16_t *)src)[i])
+                                                 : mha__bf16_to_f32(((const uint16_t *)src)[i]);
+}
+
+/* The attention core on the dequantised cache, one sequence at a time (impl=reference, and long
+ * blocks of new tokens). */
+static mha_status attend_core(
+    const kv_call *a, mha_impl impl, int n_threads, const mha_allocator *alloc, mha_error *err) {
+    const struct mha_kv_cache *c = a->cache;
+    const int64_t G = c->cfg.num_kv_heads, dk = c->cfg.head_dim, dv = c->cfg.v_head_dim;
+    int64_t max_m = 0;
+    for (int64_t s = 0; s < a->S; s++) {
+        const int64_t L = c->len[a->seq[s]], m = L - lowest_key(c, L, a->t);
+        max_m = m > max_m ? m : max_m;
+    }
+    size_t bytes;
+    MHA_RETURN_IF(!mha__bytes(max_m * G * (dk + dv), sizeof(float), &bytes), err, OVERFLOW,
+                  "dequantised cache size overflows");
+    float *kbuf = mha__alloc(alloc, bytes);
+    MHA_RETURN_IF(!kbuf, err, NO_MEMORY, "cannot allocate %zu bytes for the dequantised cache",
+                  bytes);
+    mha_status st = MHA_STATUS_OK;
+    for (int64_t s = 0; s < a->S && !st; s++) {
+        const int64_t seq = a->seq[s], L = c->len[seq], lo = lowest_key(c, L, a->t);
+        const int64_t m = L - lo;
+        float *kb = kbuf, *vb = kbuf + m * G * dk;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < m; j++) {
+                dequant(c, mha__kv_k_row(c, seq, g, lo + j), dk, kb + (g * m + j) * dk);
+                dequant(c, mha__kv_v_row(c, seq, g, lo + j), dv, vb + (g * m + j) * dv);
+            }
+        mha_attention_args ca;
+        memset(&ca, 0, sizeof ca);
+        ca.batch = 1;
+        ca.num_heads = a->H;
+        ca.num_kv_heads = G;
+        ca.q_len = a->t;
+        ca.kv_len = m;
+        ca.head_dim = dk;
+        ca.v_head_dim = dv;
+        ca.scale = a->scale;
+        ca.softcap = a->softcap;
+        ca.alibi = a->alibi;
+        ca.sinks = a->sinks;
+        ca.q = a->q + s * a->q_ss;
+        ca.q_strides[0] = a->t * a->q_ts;
+        ca.q_strides[1] = dk;
+        ca.q_strides[2] = a->q_ts;
+        ca.k = kb;
+        ca.k_strides[0] = G * m * dk;
+        ca.k_strides[1] = m * dk;
+        ca.k_strides[2] = dk;
+        ca.v = vb;
+        ca.v_strides[0] = G * m * dv;
+        ca.v_strides[1] = m * dv;
+        ca.v_strides[2] = dv;
+        ca.out = a->out + s * a->o_ss;
+        ca.out_strides[0] = a->t * a->o_ts;
+        ca.out_strides[1] = dv;
+        ca.out_strides[2] = a->o_ts;
+        ca.lse = a->lse ? a->lse + s * a->H * a->t : NULL;
+        ca.mask.causal = 1;
+        ca.mask.alignment = MHA_ALIGN_BOTTOM_RIGHT;
+        ca.mask.window_left = -1;
+        ca.mask.window_right = -1;
+        if (c->cfg.window > 0) {
+            ca.mask.use_window = 1;
+            ca.mask.window_left = c->cfg.window - 1;
+        }
+        mha_exec ex;
+        memset(&ex, 0, sizeof ex);
+        ex.impl = impl == MHA_IMPL_REFERENCE ? MHA_IMPL_REFERENCE : MHA_IMPL_AUTO;
+        ex.n_threads = n_threads;
+        ex.allocator = alloc;
+        st = mha_attention(&ca, &ex, err);
+    }
+    mha__free(alloc, kbuf);
+    return st;
+}
+
+/* The split-KV decode kernel over all sequences and kv heads. */
+static mha_status
+attend_split(const kv_call *a, int n_threads, const mha_allocator *alloc, mha_error *err) {
+    const struct mha_kv_cache *c = a->cache;
+    mha__dec_problem p;
+    memset(&p, 0, sizeof p);
+    p.cache = c;
+    p.seq = a->seq;
+    p.S = a->S;
+    p.t = a->t;
+    p.H = a->H;
+    p.G = c->cfg.num_kv_heads;
+    p.group = a->H / p.G;
+    p.dk = c->cfg.head_dim;
+    p.dv = c->cfg.v_head_dim;
+    p.scale = (float)a->scale;
+    p.softcap = (float)a->softcap;
+    p.window = c->cfg.window;
+    p.q = a->q;
+    p.q_ss = a->q_ss;
+    p.q_ts = a->q_ts;
+    const int64_t R = p.group * p.t, SG = p.S * p.G;
+
+    /* Units: for each (s, g), blocks of MHA_DEC_BLOCK keys from the lowest visible one. */
+    int64_t n_units = 0;
+    for (int64_t s = 0; s < p.S; s++) {
+        const int64_t L = c->len[p.seq[s]], lo = lowest_key(c, L, p.t);
+        n_units += p.G * ((L - lo + MHA_DEC_BLOCK - 1) / MHA_DEC_BLOCK);
+    }
+    const int64_t part_stride = ((R * (p.dv + 2)) + 15) & ~(int64_t)15;
+    const int64_t scratch_stride = (mha__dec_scratch_floats(&p) + 15) & ~(int64_t)15;
+    const int nt = n_threads > n_units ? (int)n_units : n_threads;
+    int64_t fl;
+    size_t ub, fb, pb, sb;
+    MHA_RETURN_IF(!mha__bytes(n_units, sizeof(mha__dec_unit), &ub) ||
+                      !mha__bytes(SG + 1, sizeof(int64_t), &fb) ||
+                      !mha__mul_i64(n_units, part_stride, &fl) ||
+                      !mha__bytes(fl, sizeof(float), &pb) ||
+                      !mha__mul_i64(scratch_stride, nt > 0 ? nt : 1, &fl) ||
+                      !mha__bytes(fl, sizeof(float), &sb),
+                  err, OVERFLOW, "decode workspace size overflows");
+    const size_t total = ub + fb + pb + sb + 4 * 64 + sizeof(float) * (size_t)p.H;
+    char *ws = mha__alloc(alloc, total);
+    MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte decode workspace", total);
+    char *cur = ws;
+#define TAKE_(ptr, bytes)                                                                          \
+    do {                                                                                           \
+        (ptr) = (void *)cur;                                                                       \
+        cur += ((bytes) + 63) & ~(size_t)63;                                                       \
+    } while (0)
+    mha__dec_unit *units;
+    int64_t *first;
+    float *part, *scratch, *slopes;
+    TAKE_(units, ub);
+    TAKE_(first, fb);
+    TAKE_(part, pb);
+    TAKE_(scratch, sb);
+    TAKE_(slopes, sizeof(float) * (size_t)p.H);
+#undef TAKE_
+    if (a->alibi) {
+        mha__alibi_slopes(p.H, slopes);
+        p.slopes = slopes;
+    }
+    int64_t k = 0;
+    for (int64_t s = 0; s < p.S; s++) {
+        const int64_t L = c->len[p.seq[s]], lo = lowest_key(c, L, p.t);
+        for (int64_t g = 0; g < p.G; g++) {
+            first[s * p.G + g] = k;
+            for (int64_t j = lo; j < L; j += MHA_DEC_BLOCK) {
+                units[k].s = s;
+                units[k].g = g;
+                units[k].j0 = j;
+                units[k].j1 = j + MHA_DEC_BLOCK < L ? j + MHA_DEC_BLOCK : L;
+                k++;
+            }
+        }
+    }
+    first[SG] = k;
+
+    dec_run run = {&p,          pick_kernel(), units,          first,    part,
+                   part_stride, scratch,       scratch_stride, a->sinks, a->out,
+                   a->o_ss,     a->o_ts,       a->lse};
+    mha_status st = mha__parallel_for(n_threads, n_units, run_units, &run, err);
+    if (!st)
+        st = mha__parallel_for(n_threads, SG, merge_pairs, &run, err);
+    mha__free(alloc, ws);
+    return st;
+}
+
+static mha_status kv_attend(const kv_call *a, const mha_exec *exec, mha_error *err) {
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    if (impl == MHA_IMPL_REFERENCE || a->t > MHA_DEC_MAX_TOKENS)
+        return attend_core(a, impl, n_threads, alloc, err);
+    return attend_split(a, n_threads, alloc, err);
+}
+
+/* Ids as an array (NULL = 0 .. S-1), in caller-provided storage of S entries. */
+static const int64_t *ids_or_iota(const int64_t *ids, int64_t S, int64_t *buf) {
+    if (ids)
+        return ids;
+    for (int64_t i = 0; i < S; i++)
+        buf[i] = i;
+    return buf;
+}
+
+static mha_status check_exec(const mha_exec *exec, mha_error *err) {
+    if (!exec)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(exec->impl != MHA_IMPL_AUTO && exec->impl != MHA_IMPL_REFERENCE &&
+                      exec->impl != MHA_IMPL_FAST,
+                  err, INVALID_ARG, "exec.impl=%d is not a known implementation", (int)exec->impl);
+    MHA_RETURN_IF(exec->n_threads < 0, err, INVALID_ARG, "exec.n_threads=%d is negative",
+                  (int)exec->n_threads);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
+                                  const mha_kv_attention_args *args,
+                                  const mha_exec *exec,
+                                  mha_error *err) {
+    MHA_RETURN_IF(!args, err, INVALID_ARG, "args is NULL");
+    mha_status st = mha__kv_check_seqs(cache, args->num_seqs, args->seq_ids, err);
+    if (!st)
+        st = check_exec(exec, err);
+    if (st)
+        return st;
+    const mha_kv_cache_config *c = &cache->cfg;
+    MHA_RETURN_IF(!args->q || !args->out, err, INVALID_ARG, "q and out must not be NULL");
+    MHA_RETURN_IF(args->num_heads < 1 || args->num_heads > MHA_MAX_DIM ||
+                      args->num_heads % c->num_kv_heads != 0,
+                  err, INVALID_ARG,
+                  "num_heads=%lld must be a positive multiple of the cache's "
+                  "num_kv_heads=%lld",
+                  (long long)args->num_heads, (long long)c->num_kv_heads);
+    MHA_RETURN_IF(args->num_tokens < 1, err, INVALID_ARG, "num_tokens=%lld must be >= 1",
+                  (long long)args->num_tokens);
+    for (int64_t i = 0; i < args->num_seqs; i++) {
+        const int64_t s = args->seq_ids ? args->seq_ids[i] : i;
+        MHA_RETURN_IF(args->num_tokens > cache->len[s], err, INVALID_ARG,
+                      "num_tokens=%lld exceeds the length %lld of sequence %lld (append the "
+                      "new tokens' K and V first)",
+                      (long long)args->num_tokens, (long long)cache->len[s], (long long)s);
+        MHA_RETURN_IF(c->window > 0 && args->num_tokens > c->max_step_tokens, err, INVALID_ARG,
+                      "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld",
+                      (long long)args->num_tokens, (long long)c->max_step_tokens);
+    }
+    const double scale = args->scale == 0.0 ? 1.0 / sqrt((double)c->head_dim) : args->scale;
+    MHA_RETURN_IF(!isfinite(scale), err, INVALID_ARG, "scale=%g is not finite", scale);
+    MHA_RETURN_IF(!isfinite(args->softcap) || args->softcap < 0.0, err, INVALID_ARG,
+                  "softcap=%g must be finite and >= 0 (0 = off)", args->softcap);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)args->num_seqs);
+    MHA_RETURN_IF(!ids, err, NO_MEMORY, "cannot allocate %lld ids", (long long)args->num_seqs);
+    const int64_t H = args->num_heads, t = args->num_tokens;
+    kv_call a = {cache,
+                 args->num_seqs,
+                 ids_or_iota(args->seq_ids, args->num_seqs, ids),
+                 t,
+                 H,
+                 scale,
+                 args->softcap,
+                 args->alibi != 0,
+                 args->sinks,
+                 args->q,
+                 t * H * c->head_dim,
+                 H * c->head_dim,
+                 args->out,
+                 t * H * c->v_head_dim,
+                 H * c->v_head_dim,
+                 args->lse};
+    st = kv_attend(&a, exec, err);
+    free(ids);
+    if (!st)
+        mha__ok(err);
+    return st;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The layer through a cache.                                                                     */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct proj_job {
+    const float *x, *w, *bias;
+    float *y;
+    int64_t in, out;
+} proj_job;
+
+static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
+    (void)part;
+    const proj_job *j = ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = j->x + r * j->in;
+        float *y = j->y + r * j->out;
+        for (int64_t o = 0; o < j->out; o++) {
+            const float *w = j->w + o * j->in;
+            float acc = 0.0f;
+            for (int64_t c = 0; c < j->in; c++)
+                acc += x[c] * w[c];
+            y[o] = j->bias ? acc + j->bias[o] : acc;
+        }
+    }
+}
+
+/* y = x W^T + b: plain loops for impl=reference, the packed GEMM otherwise (as the forward). */
+static mha_status project(mha_impl impl,
+                          const mha_allocator *alloc,
+                          const float *x,
+                          const float *w,
+                          const float *bias,
+                          float *y,
+                          int64_t rows,
+                          int64_t in,
+                          int64_t out,
+                          int n_threads,
+                          mha_error *err) {
+    if (impl != MHA_IMPL_REFERENCE)
+        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, n_threads, MHA__GEMM_AUTO,
+                             alloc, err);
+    proj_job job = {x, w, bias, y, in, out};
+    return mha__parallel_for(n_threads, rows, project_rows, &job, err);
+}
+
+static mha_status layer_step(const mha_layer *layer,
+                             mha_kv_cache *cache,
+                             const mha_decode_args *args,
+                             const mha_exec *exec,
+                             mha_error *err) {
+    MHA_RETURN_IF(!layer, err, INVALID_ARG, "layer is NULL");
+    MHA_RETURN_IF(!args, err, INVALID_ARG, "args is NULL");
+    mha_status st = mha__kv_check_seqs(cache, args->num_seqs, args->seq_ids, err);
+    if (!st)
+        st = check_exec(exec, err);
+    if (st)
+        return st;
+    const mha_config *c = mha_layer_config(layer);
+    const mha_weights *w = mha_layer_weights(layer);
+    const mha_kv_cache_config *kc = &cache->cfg;
+    MHA_RETURN_IF(kc->num_kv_heads != c->num_kv_heads || kc->head_dim != c->head_dim ||
+                      kc->v_head_dim != c->v_head_dim,
+                  err, INVALID_ARG,
+                  "the cache holds g=%lld kv heads of d_k=%lld, d_v=%lld; the layer needs "
+                  "g=%lld, d_k=%lld, d_v=%lld",
+                  (long long)kc->num_kv_heads, (long long)kc->head_dim, (long long)kc->v_head_dim,
+                  (long long)c->num_kv_heads, (long long)c->head_dim, (long long)c->v_head_dim);
+    MHA_RETURN_IF(c->k_dim != c->q_dim || c->v_dim != c->q_dim, err, INVALID_ARG,
+                  "decoding is self-attention: it needs k_dim = v_dim = q_dim, the layer has "
+                  "q_dim=%lld k_dim=%lld v_dim=%lld",
+                  (long long)c->q_dim, (long long)c->k_dim, (long long)c->v_dim);
+    MHA_RETURN_IF(!args->x || !args->out, err, INVALID_ARG, "x and out must not be NULL");
+    const int64_t S = args->num_seqs, t = args->num_tokens;
+    MHA_RETURN_IF(t < 1 || t > MHA_MAX_DIM, err, INVALID_ARG,
+                  "num_tokens=%lld must be in [1, 2^31]", (long long)t);
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t s = args->seq_ids ? args->seq_ids[i] : i;
+        MHA_RETURN_IF(cache->len[s] + t > kc->max_seq, err, INVALID_ARG,
+                      "kv cache overflow: sequence %lld has %lld positions, %lld more exceed "
+                      "max_seq=%lld",
+                      (long long)s, (long long)cache->len[s], (long long)t, (long long)kc->max_seq);
+        MHA_RETURN_IF(cache->len[s] + t - 1 > MHA_MAX_POSITION, err, INVALID_ARG,
+                      "positions of sequence %lld would exceed 2^31", (long long)s);
+    }
+
+    const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
+    const int64_t rows = S * t;
+    int64_t nq, nk, nv, na;
+    size_t bq, bk, bv, ba, bl, br;
+    MHA_RETURN_IF(!mha__mul_i64(rows, h * dk, &nq) || !mha__mul_i64(rows, g * dk, &nk) ||
+                      !mha__mul_i64(rows, g * dv, &nv) || !mha__mul_i64(rows, h * dv, &na) ||
+                      !mha__bytes(nq, sizeof(float), &bq) || !mha__bytes(nk, sizeof(float), &bk) ||
+                      !mha__bytes(nv, sizeof(float), &bv) || !mha__bytes(na, sizeof(float), &ba) ||
+                      !mha__bytes(2 * S, sizeof(int64_t), &bl),
+                  err, OVERFLOW, "decode buffers overflow");
+    br = sizeof(double) * (size_t)(3 * (c->rope.rotary_dim / 2) + 1);
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+    size_t off[6], total = 0;
+    const size_t sizes[6] = {bq, bk, bv, ba, bl, br};
+    for (int i = 0; i < 6; i++) {
+        off[i] = total;
+        MHA_RETURN_IF(total > SIZE_MAX - sizes[i] - 64, err, OVERFLOW, "decode buffers overflow");
+        total += (sizes[i] + 63) & ~(size_t)63;
+    }
+    char *ws = mha__alloc(alloc, total);
+    MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate %zu bytes of decode buffers", total);
+    float *q = (float *)(ws + off[0]), *k = (float *)(ws + off[1]);
+    float *v = (float *)(ws + off[2]), *att = (float *)(ws + off[3]);
+    int64_t *ids = (int64_t *)(ws + off[4]), *len0 = ids + S;
+    double *tab = (double *)(ws + off[5]);
+    const int64_t *seq = ids_or_iota(args->seq_ids, S, ids);
+    for (int64_t i = 0; i < S; i++)
+        len0[i] = cache->len[seq[i]];
+
+    /* 1. Projections of the new tokens. */
+    st = project(impl, alloc, args->x, w->w_q, w->b_q, q, rows, c->q_dim, h * dk, n_threads, err);
+    if (!st)
+        st = project(impl, alloc, args->x, w->w_k, w->b_k, k, rows, c->q_dim, g * dk, n_threads,
+                     err);
+    if (!st)
+        st = project(impl, alloc, args->x, w->w_v, w->b_v, v, rows, c->q_dim, g * dv, n_threads,
+                     err);
+
+    /* 2. RoPE at the absolute positions len0 + i. */
+    if (!st && c->rope.style != MHA_ROPE_NONE) {
+        const int64_t half = c->rope.rotary_dim / 2;
+        double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
+        mha__rope_freqs(&c->rope, freqs, &cs);
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t i = 0; i < t; i++) {
+                mha__rope_cos_sin(&c->rope, freqs, cs, len0[s] + i, cos_k, sin_k);
+                for (int64_t hh = 0; hh < h; hh++)
+                    mha__rope_rotate(&c->rope, cos_k, sin_k, q + ((s * t + i) * h + hh) * dk);
+                for (int64_t hh = 0; hh < g; hh++)
+                    mha__rope_rotate(&c->rope, cos_k, sin_k, k + ((s * t + i) * g + hh) * dk);
+            }
+    }
+
+    /* 3. Append and attend, in steps a window ring can hold. */
+    const int64_t step = kc->window > 0 ? kc->max_step_tokens : t;
+    for (int64_t c0 = 0; c0 < t && !st; c0 += step) {
+        const int64_t tc = t - c0 < step ? t - c0 : step;
+        mha__kv_append_raw(cache, S, seq, tc, k + c0 * g * dk, t * g * dk, g * dk, v + c0 * g * dv,
+                           t * g * dv, g * dv);
+        kv_call a = {cache,
+                     S,
+                     seq,
+                     tc,
+                     h,
+                     c->scale,
+                     c->softcap,
+                     c->alibi,
+                     w->sinks,
+                     q + c0 * h * dk,
+                     t * h * dk,
+                     h * dk,
+                     att + c0 * h * dv,
+                     t * h * dv,
+                     h * dv,
+                     NULL};
+        st = kv_attend(&a, exec, err);
+    }
+
+    /* 4. Output projection. */
+    if (!st)
+        st = project(impl, alloc, att, w->w_o, w->b_o, args->out, rows, h * dv, c->out_dim,
+                     n_threads, err);
+    if (st) /* undo the appends (only allocation can fail this late) */
+        for (int64_t i = 0; i < S; i++) {
+            cache->len[seq[i]] = len0[i];
+            if (cache->lo[seq[i]] > len0[i]) /* a ring overwrote everything it held */
+                cache->lo[seq[i]] = len0[i];
+        }
+    mha__free(alloc, ws);
+    if (!st)
+        mha__ok(err);
+    return st;
+}
+
+mha_status mha_layer_prefill(const mha_layer *layer,
+                             mha_kv_cache *cache,
+                             const mha_decode_args *args,
+                             const mha_exec *exec,
+                             mha_error *err) {
+    return layer_step(layer, cache, args, exec, err);
+}
+
+mha_status mha_layer_decode_step(const mha_layer *layer,
+                                 mha_kv_cache *cache,
+                                 const mha_decode_args *args,
+                                 const mha_exec *exec,
+                                 mha_error *err) {
+    return layer_step(layer, cache, args, exec, err);
+}

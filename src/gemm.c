@@ -1,0 +1,482 @@
+/* SPDX-License-Identifier: MIT */
+/* gemm.c: driver of the packed projection GEMM  y[M, N] = x[M, K] W[N, K]^T (+ bias).
+ *
+ * Loop nest (BLIS, with the roles of the operands chosen for a row-major y and nn.Linear W):
+ *   phase 1 (threads split the NR-column panels):
+ *     pack all of W: for every K block of KC columns, ceil(N/NR) panels [kc][NR], zero-padded
+ *   phase 2 (threads split the MR-row tiles of y, or the panels when there are few rows):
+ *     for each K block (k0, kc)                       in increasing k: blocks are added in order
+ *       for each block of NC columns (L2-resident packed W)
+ *         for each MR-row tile: pack x[rows, k0:k0+kc] as [kc][MR] (L1-resident)
+ *           for each NR panel of the block: micro-kernel (first block writes AB + bias)
+ * Every element of y is the same sequence of operations whatever the thread count and whatever
+ * tile it falls in (edge tiles are zero-padded, not special-cased), hence bit-identical results.
+ * Packing W costs K*N copies against 2*M*N*K flops; see docs/performance.md for the measured
+ * split and the comparison with OpenBLAS. With at most MHA_GEMM_SMALL_M rows (decoding one or a
+ * few tokens) nothing is packed: each output is a dot product read straight from x and W, since
+ * packing would triple the memory traffic of what is then a matrix-vector product.
+ */
+#include "gemm.h"
+
+#include "kernels/kernels.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Tiers                                                                                          */
+/* ---------------------------------------------------------------------------------------------- */
+
+const mha__gemm_kernel *mha__gemm_kernel_for(mha__gemm_isa isa) {
+    switch (isa) {
+    case MHA__GEMM_GENERIC:
+        return &mha__gemm_kernel_generic;
+#if defined(__x86_64__) || defined(__i386__)
+    case MHA__GEMM_AVX2:
+        return &mha__gemm_kernel_avx2;
+    case MHA__GEMM_AVX512:
+        return &mha__gemm_kernel_avx512;
+#endif
+    default:
+        return NULL;
+    }
+}
+
+/* CPU features come from the attention dispatch (dispatch.c: cpuid + XGETBV, detected once),
+ * so the projections and the attention core always agree on the tier and on MHA_MAX_ISA. */
+static unsigned isa_bits(mha__gemm_isa isa) {
+    switch (isa) {
+    case MHA__GEMM_AVX2:
+        return MHA_ISA_AVX2;
+    case MHA__GEMM_AVX512:
+        return MHA_ISA_AVX512;
+    default:
+        return 0;
+    }
+}
+
+int mha__gemm_isa_usable(mha__gemm_isa isa) {
+    if (isa < MHA__GEMM_GENERIC || isa >= MHA__GEMM_ISA_COUNT || !mha__gemm_kernel_for(isa))
+        return 0;
+    const unsigned need = isa_bits(isa);
+    return (mha__cpu_isa_detected() & need) == need;
+}
+
+mha__gemm_isa mha__gemm_best_isa(void) {
+    const unsigned have = mha__cpu_isa(); /* capped by MHA_MAX_ISA */
+    for (int isa = MHA__GEMM_ISA_COUNT - 1; isa > MHA__GEMM_GENERIC; isa--) {
+        const unsigned need = isa_bits((mha__gemm_isa)isa);
+        if (mha__gemm_kernel_for((mha__gemm_isa)isa) && (have & need) == need)
+            return (mha__gemm_isa)isa;
+    }
+    return MHA__GEMM_GENERIC;
+}
+
+const char *mha__gemm_isa_name(mha__gemm_isa isa) {
+    switch (isa) {
+    case MHA__GEMM_GENERIC:
+        return "generic";
+    case MHA__GEMM_AVX2:
+        return "avx2";
+    case MHA__GEMM_AVX512:
+        return "avx512";
+    default:
+        return "auto";
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Packing                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+void mha__gemm_pack_b_ref(const float *w, int64_t ldw, int n, int64_t kc, float *dst, int nr) {
+    for (int j = 0; j < nr; j++) {
+        if (j < n) {
+            const float *src = w + (int64_t)j * ldw;
+            for (int64_t k = 0; k < kc; k++)
+                dst[k * nr + j] = src[k];
+        } else {
+            for (int64_t k = 0; k < kc; k++)
+                dst[k * nr + j] = 0.0f;
+        }
+    }
+}
+
+/* x rows [0, m) (m <= mr), columns [0, kc) -> dst [kc][mr], rows m .. mr-1 zero. This is
+ * amortized over a whole NC block of W panels, so plain C is enough. */
+static void pack_a(const float *x, int64_t ldx, int m, int64_t kc, float *dst, int mr) {
+    for (int i = 0; i < mr; i++) {
+        if (i < m) {
+            const float *src = x + (int64_t)i * ldx;
+            for (int64_t k = 0; k < kc; k++)
+                dst[k * mr + i] = src[k];
+        } else {
+            for (int64_t k = 0; k < kc; k++)
+                dst[k * mr + i] = 0.0f;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Driver                                                                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Largest MR x KC micro-panel of x a kernel may use: it lives on the stack of each part (no
+ * allocation), 32 KB. */
+#define GEMM_MAX_APANEL (16 * 512)
+
+typedef struct gemm_job {
+    const mha__gemm_kernel *kr;
+    int64_t M, N, K;
+    const float *x, *w, *bias;
+    int64_t ldx, ldw, ldy;
+    float *y;
+    float *bpack_w;     /* phase 1 writes here (NULL when W comes pre-packed) */
+    const float *bpack; /* K * npan * NR floats: K block at k0 starts at k0 * npan * NR */
+    int64_t npan, mtiles;
+    int grid_m, grid_n; /* parts = grid_m * grid_n */
+} gemm_job;
+
+static int64_t min64(int64_t a, int64_t b) {
+    return a < b ? a : b;
+}
+
+/* Even split of [0, count) into `parts`, piece `i`. */
+static void split(int64_t count, int parts, int i, int64_t *begin, int64_t *end) {
+    const int64_t base = count / parts, extra = count % parts;
+    *begin = base * i + (i < extra ? i : extra);
+    *end = *begin + base + (i < extra ? 1 : 0);
+}
+
+static void pack_w_range(void *ctx, int part, int64_t p0, int64_t p1) {
+    (void)part;
+    const gemm_job *j = ctx;
+    const mha__gemm_kernel *kr = j->kr;
+    const int64_t nr = kr->nr;
+    /* Panel-major: the NR rows of W of a panel are read start to end (NR sequential streams)
+     * rather than as K-block column strips, which touch every page of W once per K block (TLB
+     * misses, no prefetch across pages; measured 1.3-4x slower on 1024^2 and 4096^2 W). */
+    for (int64_t p = p0; p < p1; p++)
+        for (int64_t k0 = 0; k0 < j->K; k0 += kr->kc) {
+            const int64_t kc = min64(kr->kc, j->K - k0);
+            kr->pack_b(j->w + p * nr * j->ldw + k0, j->ldw, (int)min64(nr, j->N - p * nr), kc,
+                       j->bpack_w + k0 * j->npan * nr + p * kc * nr);
+        }
+}
+
+static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
+    (void)part_lo;
+    const gemm_job *j = ctx;
+    const mha__gemm_kernel *kr = j->kr;
+    const int64_t mr = kr->mr, nr = kr->nr;
+    const int64_t ncp = kr->nc / nr > 0 ? kr->nc / nr : 1; /* panels per NC block */
+    _Alignas(64) float abuf[GEMM_MAX_APANEL];
+    MHA_ASSERT(mr * kr->kc <= GEMM_MAX_APANEL);
+    for (int64_t q = q0; q < q1; q++) {
+        const int gi = (int)(q / j->grid_n), gj = (int)(q % j->grid_n);
+        int64_t t0, t1, p0, p1;
+        split(j->mtiles, j->grid_m, gi, &t0, &t1);
+        split(j->npan, j->grid_n, gj, &p0, &p1);
+        for (int64_t k0 = 0; k0 < j->K; k0 += kr->kc) {
+            const int64_t kc = min64(kr->kc, j->K - k0);
+            const int first = k0 == 0;
+            const float *blk = j->bpack + k0 * j->npan * nr;
+            for (int64_t jc = p0; jc < p1; jc += ncp) {
+                const int64_t jend = min64(jc + ncp, p1);
+                for (int64_t t = t0; t < t1; t++) {
+                    const int64_t i0 = t * mr;
+                    const int m = (int)min64(mr, j->M - i0);
+                    pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf, (int)mr);
+                    float *yrow = j->y + i0 * j->ldy;
+                    for (int64_t p = jc; p < jend; p++)
+                        kr->ukr(kc, abuf, blk + p * kc * nr, yrow + p * nr, j->ldy, m,
+                                (int)min64(nr, j->N - p * nr), j->bias ? j->bias + p * nr : NULL,
+                                first);
+                }
+            }
+        }
+    }
+}
+
+/* The few-rows path: column chunks of MHA_GEMM_DOT_N, row pairs inside (the chunk of W stays in
+ * L1 while the rows pass over it). */
+typedef struct dot_job {
+    const mha__gemm_kernel *kr;
+    int64_t M, N, K;
+    const float *x, *w, *bias;
+    int64_t ldx, ldw, ldy;
+    float *y;
+} dot_job;
+
+static void dot_range(void *ctx, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    const dot_job *j = ctx;
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t o = c * MHA_GEMM_DOT_N;
+        const int n = (int)(j->N - o < MHA_GEMM_DOT_N ? j->N - o : MHA_GEMM_DOT_N);
+        for (int64_t i = 0; i < j->M; i += MHA_GEMM_DOT_M) {
+            const int m = (int)(j->M - i < MHA_GEMM_DOT_M ? j->M - i : MHA_GEMM_DOT_M);
+            j->kr->dot(j->K, j->x + i * j->ldx, j->ldx, m, j->w + o * j->ldw, j->ldw, n,
+                       j->bias ? j->bias + o : NULL, j->y + i * j->ldy + o, j->ldy);
+        }
+    }
+}
+
+/* Below this many flops per thread a call uses fewer threads: starting one (~20-50 us) would
+ * cost more than its share of the work. */
+#define GEMM_MIN_FLOPS_PER_THREAD (1 << 22)
+
+static int clamp_threads(int n_threads, double flops) {
+    if (n_threads <= 0)
+        n_threads = mha__default_threads();
+    if (flops < (double)GEMM_MIN_FLOPS_PER_THREAD * (double)n_threads)
+        n_threads = (int)(flops / (double)GEMM_MIN_FLOPS_PER_THREAD);
+    return n_threads < 1 ? 1 : n_threads;
+}
+
+/* Bytes of packed W for kernel kr (plus 64 for aligning any caller buffer). */
+static mha_status
+packed_w_bytes(const mha__gemm_kernel *kr, int64_t N, int64_t K, size_t *bytes, mha_error *err) {
+    const int64_t npan = (N + kr->nr - 1) / kr->nr;
+    int64_t floats;
+    MHA_RETURN_IF(!mha__mul_i64(K, npan * kr->nr, &floats) || floats > INT64_MAX - 16 ||
+                      !mha__bytes(floats + 16, sizeof(float), bytes),
+                  err, OVERFLOW, "gemm: packed W of %lld x %lld overflows", (long long)N,
+                  (long long)K);
+    return MHA_STATUS_OK;
+}
+
+static float *align_up(void *p) {
+    return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+}
+
+static mha_status resolve_kernel(mha__gemm_isa isa, const mha__gemm_kernel **kr, mha_error *err) {
+    if (isa == MHA__GEMM_AUTO)
+        isa = mha__gemm_best_isa();
+    MHA_RETURN_IF(!mha__gemm_isa_usable(isa), err, UNSUPPORTED,
+                  "gemm: the %s kernel cannot run on this CPU", mha__gemm_isa_name(isa));
+    *kr = mha__gemm_kernel_for(isa);
+    return MHA_STATUS_OK;
+}
+
+/* Phase 2 (and phase 1 when pw == NULL: W is packed into `workspace`). */
+static mha_status run(const mha__gemm_kernel *kr,
+                      int64_t M,
+                      int64_t N,
+                      int64_t K,
+                      const float *x,
+                      int64_t ldx,
+                      const float *w,
+                      int64_t ldw,
+                      const mha__gemm_packed_w *pw,
+                      const float *bias,
+                      float *y,
+                      int64_t ldy,
+                      int n_threads,
+                      void *workspace,
+                      size_t workspace_bytes,
+                      const mha_allocator *alloc,
+                      mha_error *err) {
+    MHA_RETURN_IF(M < 0 || N < 0 || K < 0, err, INVALID_ARG,
+                  "gemm: negative size %lld x %lld x %lld", (long long)M, (long long)N,
+                  (long long)K);
+    if (M == 0 || N == 0)
+        return MHA_STATUS_OK;
+    MHA_ASSERT(ldy >= N && (K == 0 || ldx >= K) && (pw || K == 0 || ldw >= K));
+    if (K == 0) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t o = 0; o < N; o++)
+                y[i * ldy + o] = bias ? bias[o] : 0.0f;
+        return MHA_STATUS_OK;
+    }
+    const int threads = clamp_threads(n_threads, 2.0 * (double)M * (double)N * (double)K);
+    if (!pw && M <= MHA_GEMM_SMALL_M && kr->dot) {
+        dot_job dj = {kr, M, N, K, x, w, bias, ldx, ldw, ldy, y};
+        return mha__parallel_for(threads, (N + MHA_GEMM_DOT_N - 1) / MHA_GEMM_DOT_N, dot_range, &dj,
+                                 err);
+    }
+    gemm_job job;
+    memset(&job, 0, sizeof job);
+    job.kr = kr;
+    job.M = M;
+    job.N = N;
+    job.K = K;
+    job.x = x;
+    job.w = w;
+    job.bias = bias;
+    job.y = y;
+    job.ldx = ldx;
+    job.ldw = ldw;
+    job.ldy = ldy;
+    job.npan = (N + kr->nr - 1) / kr->nr;
+    job.mtiles = (M + kr->mr - 1) / kr->mr;
+    /* Rows if there are plenty of row tiles, else column panels. */
+    if (job.mtiles >= 4 * (int64_t)threads || job.npan < 2 * (int64_t)threads) {
+        job.grid_m = (int)min64(threads, job.mtiles);
+        job.grid_n = 1;
+    } else {
+        job.grid_m = 1;
+        job.grid_n = (int)min64(threads, job.npan);
+    }
+
+    void *owned = NULL;
+    mha_status st = MHA_STATUS_OK;
+    if (pw) {
+        job.bpack = pw->data;
+    } else {
+        size_t bytes;
+        st = packed_w_bytes(kr, N, K, &bytes, err);
+        if (st)
+            return st;
+        if (workspace) {
+            MHA_RETURN_IF(workspace_bytes < bytes, err, WORKSPACE_TOO_SMALL,
+                          "gemm: workspace of %zu bytes, %zu needed", workspace_bytes, bytes);
+        } else {
+            workspace = owned = mha__alloc(alloc, bytes);
+            MHA_RETURN_IF(!owned, err, NO_MEMORY, "gemm: cannot allocate %zu bytes for packing W",
+                          bytes);
+        }
+        job.bpack_w = align_up(workspace);
+        job.bpack = job.bpack_w;
+        st = mha__parallel_for(threads, job.npan, pack_w_range, &job, err);
+    }
+    if (st == MHA_STATUS_OK)
+        st = mha__parallel_for(threads, (int64_t)job.grid_m * job.grid_n, compute_part, &job, err);
+    mha__free(alloc, owned);
+    return st;
+}
+
+mha_status mha__gemm_workspace_size(
+    mha__gemm_isa isa, int64_t M, int64_t N, int64_t K, size_t *bytes, mha_error *err) {
+    MHA_RETURN_IF(M < 0 || N < 0 || K < 0, err, INVALID_ARG,
+                  "gemm: negative size %lld x %lld x %lld", (long long)M, (long long)N,
+                  (long long)K);
+    *bytes = 0;
+    if (M == 0 || N == 0 || K == 0)
+        return MHA_STATUS_OK;
+    const mha__gemm_kernel *kr = NULL;
+    mha_status st = resolve_kernel(isa, &kr, err);
+    if (st || (M <= MHA_GEMM_SMALL_M && kr->dot))
+        return st;
+    return packed_w_bytes(kr, N, K, bytes, err);
+}
+
+mha_status mha__gemm_run(const mha__gemm_kernel *kr,
+                         int64_t M,
+                         int64_t N,
+                         int64_t K,
+                         const float *x,
+                         int64_t ldx,
+                         const float *w,
+                         int64_t ldw,
+                         const float *bias,
+                         float *y,
+                         int64_t ldy,
+                         int n_threads,
+                         const mha_allocator *alloc,
+                         mha_error *err) {
+    return run(kr, M, N, K, x, ldx, w, ldw, NULL, bias, y, ldy, n_threads, NULL, 0, alloc, err);
+}
+
+mha_status mha__gemm_xwt_ws(int64_t M,
+                            int64_t N,
+                            int64_t K,
+                            const float *x,
+                            int64_t ldx,
+                            const float *w,
+                            int64_t ldw,
+                            const float *bias,
+                            float *y,
+                            int64_t ldy,
+                            int n_threads,
+                            mha__gemm_isa isa,
+                            void *workspace,
+                            size_t workspace_bytes,
+                            const mha_allocator *alloc,
+                            mha_error *err) {
+    const mha__gemm_kernel *kr = NULL;
+    mha_status st = resolve_kernel(isa, &kr, err);
+    return st ? st
+              : run(kr, M, N, K, x, ldx, w, ldw, NULL, bias, y, ldy, n_threads, workspace,
+                    workspace_bytes, alloc, err);
+}
+
+mha_status mha__gemm_xwt(int64_t M,
+                         int64_t N,
+                         int64_t K,
+                         const float *x,
+                         int64_t ldx,
+                         const float *w,
+                         int64_t ldw,
+                         const float *bias,
+                         float *y,
+                         int64_t ldy,
+                         int n_threads,
+                         mha__gemm_isa isa,
+                         const mha_allocator *alloc,
+                         mha_error *err) {
+    return mha__gemm_xwt_ws(M, N, K, x, ldx, w, ldw, bias, y, ldy, n_threads, isa, NULL, 0, alloc,
+                            err);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Pre-packed W                                                                                   */
+/* ---------------------------------------------------------------------------------------------- */
+
+mha_status
+mha__gemm_pack_w_size(mha__gemm_isa isa, int64_t N, int64_t K, size_t *bytes, mha_error *err) {
+    MHA_RETURN_IF(N < 0 || K < 0, err, INVALID_ARG, "gemm: negative W size %lld x %lld",
+                  (long long)N, (long long)K);
+    const mha__gemm_kernel *kr = NULL;
+    mha_status st = resolve_kernel(isa, &kr, err);
+    return st ? st : packed_w_bytes(kr, N, K, bytes, err);
+}
+
+mha_status mha__gemm_pack_w(mha__gemm_isa isa,
+                            int64_t N,
+                            int64_t K,
+                            const float *w,
+                            int64_t ldw,
+                            void *buffer,
+                            size_t bytes,
+                            int n_threads,
+                            mha__gemm_packed_w *out,
+                            mha_error *err) {
+    size_t need;
+    mha_status st = mha__gemm_pack_w_size(isa, N, K, &need, err);
+    if (st)
+        return st;
+    MHA_RETURN_IF(!buffer || bytes < need, err, WORKSPACE_TOO_SMALL,
+                  "gemm: packed-W buffer of %zu bytes, %zu needed", buffer ? bytes : 0, need);
+    gemm_job job;
+    memset(&job, 0, sizeof job);
+    resolve_kernel(isa, &job.kr, err);
+    job.N = N;
+    job.K = K;
+    job.w = w;
+    job.ldw = ldw;
+    job.npan = (N + job.kr->nr - 1) / job.kr->nr;
+    job.bpack_w = align_up(buffer);
+    const int threads = clamp_threads(n_threads, (double)N * (double)K);
+    if (N > 0 && K > 0)
+        st = mha__parallel_for(threads, job.npan, pack_w_range, &job, err);
+    out->kr = job.kr;
+    out->N = N;
+    out->K = K;
+    out->data = job.bpack_w;
+    return st;
+}
+
+mha_status mha__gemm_xwt_packed(int64_t M,
+                                const float *x,
+                                int64_t ldx,
+                                const mha__gemm_packed_w *pw,
+                                const float *bias,
+                                float *y,
+                                int64_t ldy,
+                                int n_threads,
+                                mha_error *err) {
+    MHA_RETURN_IF(!pw || !pw->kr, err, INVALID_ARG, "gemm: no packed W");
+    return run(pw->kr, M, pw->N, pw->K, x, ldx, NULL, 0, pw, bias, y, ldy, n_threads, NULL, 0, NULL,
+               err);
+}

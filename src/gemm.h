@@ -1,0 +1,199 @@
+/* SPDX-License-Identifier: MIT */
+/* gemm.h: the library's packed single-precision GEMM for the projections (internal).
+ *
+ *   y[M, N] = x[M, K] W[N, K]^T (+ bias[N])      x, y row-major; W in nn.Linear layout
+ *
+ * BLIS-style: W is packed once per call into K-blocks of NR-column panels, x into MR-row
+ * micro-panels; a register-blocked micro-kernel per ISA (AVX-512, AVX2+FMA, portable C) does the
+ * FMAs. Threads split rows (or, for few rows, column panels) and never the K dimension, and the
+ * K blocking does not depend on the thread count, so the result is bit-identical for any number
+ * of threads. Different ISAs may round differently (the portable kernel does not fuse mul+add).
+ * Calls with at most MHA_GEMM_SMALL_M rows (decoding) skip packing and run dot products.
+ */
+#ifndef MHA_GEMM_H
+#define MHA_GEMM_H
+
+#include "internal.h"
+
+/* Full unrolling of the micro-kernels' short fixed-trip loops, so that the accumulator arrays
+ * live in registers at -O2 too (gcc 12 -O2 otherwise keeps them on the stack: 8x slower). */
+#if defined(__clang__)
+#    define MHA_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#    define MHA_UNROLL _Pragma("GCC unroll 16")
+#else
+#    define MHA_UNROLL
+#endif
+
+/* Kernel tiers, in increasing order of preference. */
+typedef enum mha__gemm_isa {
+    MHA__GEMM_GENERIC = 0,
+    MHA__GEMM_AVX2 = 1,   /* AVX2 + FMA */
+    MHA__GEMM_AVX512 = 2, /* AVX-512F */
+    MHA__GEMM_ISA_COUNT = 3,
+    MHA__GEMM_AUTO = -1, /* best usable tier, capped by the MHA_MAX_ISA environment variable */
+} mha__gemm_isa;
+
+/* Micro-kernel: C[0:m, 0:n] (row stride ldc) gets the MR x NR tile product of an MR x kc packed
+ * micro-panel `ap` (layout [kc][MR]) and a kc x NR packed panel `bp` (layout [kc][NR]), computed
+ * as one FMA (or mul+add) chain per element in increasing k:
+ *   first != 0: C = AB (+ bias[0:n] when bias != NULL)
+ *   first == 0: C = C + AB
+ * Only rows < m and columns < n are read or written (m <= MR, n <= NR); the panels are
+ * zero-padded, so edge tiles compute exactly the same chains as full ones. */
+typedef void (*mha__gemm_ukr_fn)(int64_t kc,
+                                 const float *ap,
+                                 const float *bp,
+                                 float *c,
+                                 int64_t ldc,
+                                 int m,
+                                 int n,
+                                 const float *bias,
+                                 int first);
+/* Packs W rows [0, n) (n <= NR, row stride ldw), columns [0, kc) into dst [kc][NR], zero-padding
+ * columns n .. NR-1 of every row of dst. */
+typedef void (*mha__gemm_pack_b_fn)(const float *w, int64_t ldw, int n, int64_t kc, float *dst);
+
+/* Few-rows path (decoding: one or a few tokens), no packing: y[0:m, 0:n] = x[0:m] W[0:n]^T (+
+ * bias) as m x n dot products of length K, each over vector lanes then reduced, m <= 2, n <= 4.
+ * Packing W would triple the memory traffic of what is a matrix-vector product. */
+#define MHA_GEMM_DOT_M 2
+#define MHA_GEMM_DOT_N 4
+typedef void (*mha__gemm_dot_fn)(int64_t K,
+                                 const float *x,
+                                 int64_t ldx,
+                                 int m,
+                                 const float *w,
+                                 int64_t ldw,
+                                 int n,
+                                 const float *bias,
+                                 float *y,
+                                 int64_t ldy);
+
+typedef struct mha__gemm_kernel {
+    const char *name; /* mha_gemm_f32_<MR>x<NR>__<isa> */
+    mha__gemm_isa isa;
+    int mr, nr;
+    int64_t kc; /* K block: keeps an MR x kc micro-panel of x in L1 (see the kernel file) */
+    int64_t nc; /* columns per block: keeps a kc x nc block of packed W in L2 */
+    mha__gemm_ukr_fn ukr;
+    mha__gemm_pack_b_fn pack_b;
+    mha__gemm_dot_fn dot; /* the few-rows path (M <= MHA_GEMM_SMALL_M) */
+} mha__gemm_kernel;
+
+/* Calls with at most this many rows take the dot path (measured: see gemm.c). */
+#define MHA_GEMM_SMALL_M 4
+
+/* Kernel of a tier, or NULL when it is not built for this architecture. Does not check that the
+ * CPU can run it (mha__gemm_isa_usable does). */
+const mha__gemm_kernel *mha__gemm_kernel_for(mha__gemm_isa isa);
+/* Nonzero when the CPU (and OS) can run the tier. */
+int mha__gemm_isa_usable(mha__gemm_isa isa);
+/* The tier MHA__GEMM_AUTO picks: the best usable one, capped by MHA_MAX_ISA (generic, avx2,
+ * avx512; unknown values are ignored). */
+mha__gemm_isa mha__gemm_best_isa(void);
+/* "generic", "avx2", "avx512". */
+const char *mha__gemm_isa_name(mha__gemm_isa isa);
+
+/* y = x W^T (+ bias). x: [M, K] with row stride ldx; w: [N, K] row stride ldw; y: [M, N] row
+ * stride ldy; bias: [N] or NULL. y must not overlap x, w or bias. Any M, N, K >= 0 (K = 0 gives
+ * y = bias or 0). `isa` picks a tier (MHA__GEMM_AUTO = best usable); a tier the CPU cannot run
+ * is refused with MHA_STATUS_UNSUPPORTED. Packing buffers come from `alloc` (NULL = malloc). */
+mha_status mha__gemm_xwt(int64_t M,
+                         int64_t N,
+                         int64_t K,
+                         const float *x,
+                         int64_t ldx,
+                         const float *w,
+                         int64_t ldw,
+                         const float *bias,
+                         float *y,
+                         int64_t ldy,
+                         int n_threads,
+                         mha__gemm_isa isa,
+                         const mha_allocator *alloc,
+                         mha_error *err);
+
+/* Bytes of packing buffer mha__gemm_xwt_ws needs for this call (0 when nothing is packed):
+ * the packed copy of W. It does not depend on M or on the thread count. */
+mha_status mha__gemm_workspace_size(
+    mha__gemm_isa isa, int64_t M, int64_t N, int64_t K, size_t *bytes, mha_error *err);
+/* mha__gemm_xwt with a caller-provided packing buffer (any alignment) of workspace_bytes >=
+ * mha__gemm_workspace_size() for the same isa and sizes; NULL = allocate from `alloc`. */
+mha_status mha__gemm_xwt_ws(int64_t M,
+                            int64_t N,
+                            int64_t K,
+                            const float *x,
+                            int64_t ldx,
+                            const float *w,
+                            int64_t ldw,
+                            const float *bias,
+                            float *y,
+                            int64_t ldy,
+                            int n_threads,
+                            mha__gemm_isa isa,
+                            void *workspace,
+                            size_t workspace_bytes,
+                            const mha_allocator *alloc,
+                            mha_error *err);
+
+/* W packed once for many calls (constant weights): the packing step of every call is skipped
+ * and the call allocates nothing. `data` points into the caller's buffer. */
+typedef struct mha__gemm_packed_w {
+    const mha__gemm_kernel *kr;
+    int64_t N, K;
+    const float *data;
+} mha__gemm_packed_w;
+/* Buffer bytes (any alignment) for packing an N x K W for tier isa. */
+mha_status
+mha__gemm_pack_w_size(mha__gemm_isa isa, int64_t N, int64_t K, size_t *bytes, mha_error *err);
+/* Packs w [N, K] (row stride ldw) into buffer and describes it in *out. */
+mha_status mha__gemm_pack_w(mha__gemm_isa isa,
+                            int64_t N,
+                            int64_t K,
+                            const float *w,
+                            int64_t ldw,
+                            void *buffer,
+                            size_t bytes,
+                            int n_threads,
+                            mha__gemm_packed_w *out,
+                            mha_error *err);
+/* y[M, N] = x[M, K] W^T (+ bias) with a pre-packed W: bit-identical to mha__gemm_xwt on the
+ * same tier. */
+mha_status mha__gemm_xwt_packed(int64_t M,
+                                const float *x,
+                                int64_t ldx,
+                                const mha__gemm_packed_w *pw,
+                                const float *bias,
+                                float *y,
+                                int64_t ldy,
+                                int n_threads,
+                                mha_error *err);
+
+/* The same with an explicit kernel table (tests, tuning of kc / nc); kr must be usable. */
+mha_status mha__gemm_run(const mha__gemm_kernel *kr,
+                         int64_t M,
+                         int64_t N,
+                         int64_t K,
+                         const float *x,
+                         int64_t ldx,
+                         const float *w,
+                         int64_t ldw,
+                         const float *bias,
+                         float *y,
+                         int64_t ldy,
+                         int n_threads,
+                         const mha_allocator *alloc,
+                         mha_error *err);
+
+/* The micro-kernel tables of each tier (defined in src/kernels/<arch>/gemm_<isa>.c). */
+extern const mha__gemm_kernel mha__gemm_kernel_generic;
+#if defined(__x86_64__) || defined(__i386__)
+extern const mha__gemm_kernel mha__gemm_kernel_avx2;
+extern const mha__gemm_kernel mha__gemm_kernel_avx512;
+#endif
+
+/* Portable packer (any NR), used by the generic tier and for edge cases. */
+void mha__gemm_pack_b_ref(const float *w, int64_t ldw, int n, int64_t kc, float *dst, int nr);
+
+#endif /* MHA_GEMM_H */

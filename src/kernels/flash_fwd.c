@@ -1,0 +1,497 @@
+/* SPDX-License-Identifier: MIT */
+/* flash_fwd.c: the ISA-independent driver of the FlashAttention-2 forward (flash_fwd.h).
+ *
+ * Plain C, compiled for the baseline ISA. It owns everything that is not arithmetic on tiles:
+ * which key tiles a query block can see (causal and window bands: tiles outside are never
+ * touched), visibility bits from the boolean rules, additive bias rows (float mask + ALiBi),
+ * dropout keep bits (the same Philox decisions as the reference), the exact path for value tiles
+ * holding Inf/NaN, the final normalisation (sinks, fully masked rows, lse) and the probabilities
+ * pass. The per-ISA tile operations do the O(R * Bk * d) work; what runs here is O(R * Bk) per
+ * tile, and only when the problem has that feature.
+ */
+#include "kernels/flash_fwd.h"
+
+#include <string.h>
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Scratch layout.                                                                                */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* K^T cache: when every packed key tile of one kv head fits in MHA_FLASH_KT_CACHE_BYTES, a
+ * thread packs each tile once per (b, g) and reuses it for all the query blocks it runs on that
+ * head (consecutive units share (b, g)); otherwise one tile is packed at a time. The tile state
+ * (packed, V finite) lives next to it. Measured: packing was 7% (d = 64) to 11% (d = 128) of the
+ * time at n = 2048 with per-block packing. The cap bounds the workspace (it is per thread) to
+ * 8 MiB per thread (m = 16384 keys at d = 128); beyond it the packed tiles would not stay in
+ * cache anyway. */
+#define MHA_FLASH_KT_CACHE_BYTES ((int64_t)8 << 20)
+enum { TILE_PACKED = 1, TILE_FINITE_KNOWN = 2, TILE_FINITE = 4 };
+
+typedef struct cache_header {
+    int64_t b, g; /* the kv head whose tiles the cache holds; -1 = none */
+} cache_header;
+
+typedef struct flash_layout {
+    size_t kt, s, o, m, l, alpha, mu, inv_l, bias, vis, keep, qptr, header, state, total;
+    int64_t ldo, ntiles;
+    int cached;
+} flash_layout;
+
+static bool carve(size_t *cursor, int64_t count, size_t elem, size_t *off) {
+    size_t bytes;
+    if (!mha__bytes(count, elem, &bytes) || bytes > SIZE_MAX - 64 - *cursor)
+        return false;
+    *off = *cursor;
+    *cursor += (bytes + 63) & ~(size_t)63;
+    return true;
+}
+
+static bool flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, flash_layout *L) {
+    size_t c = 0;
+    int64_t kt_n, s_n, o_n, all;
+    L->ldo = (dv + 15) / 16 * 16;
+    L->ntiles = (m + bk - 1) / bk;
+    if (!mha__mul_i64(dk, bk, &kt_n) || !mha__mul_i64(bq, bk, &s_n) ||
+        !mha__mul_i64(bq, L->ldo, &o_n))
+        return false;
+    L->cached = mha__mul_i64(kt_n, L->ntiles, &all) && all <= MHA_FLASH_KT_CACHE_BYTES / 4;
+    if (L->cached)
+        kt_n = all;
+    return carve(&c, kt_n, sizeof(float), &L->kt) && carve(&c, s_n, sizeof(float), &L->s) &&
+           carve(&c, o_n, sizeof(float), &L->o) && carve(&c, bq, sizeof(float), &L->m) &&
+           carve(&c, bq, sizeof(float), &L->l) && carve(&c, bq, sizeof(float), &L->alpha) &&
+           carve(&c, bq, sizeof(float), &L->mu) && carve(&c, bq, sizeof(float), &L->inv_l) &&
+           carve(&c, s_n, sizeof(float), &L->bias) &&
+           carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->vis) &&
+           carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->keep) &&
+           carve(&c, bq, sizeof(const float *), &L->qptr) &&
+           carve(&c, 1, sizeof(cache_header), &L->header) &&
+           carve(&c, L->cached ? L->ntiles : 1, 1, &L->state) && ((L->total = c), true);
+}
+
+bool mha__flash_scratch_bytes(int bq, int bk, int64_t dk, int64_t dv, int64_t m, size_t *bytes) {
+    flash_layout L;
+    if (!flash_layout_for(bq, bk, dk, dv, m, &L))
+        return false;
+    *bytes = L.total;
+    return true;
+}
+
+int64_t mha__flash_visible_tiles(const mha__problem *p, int64_t b, int64_t i0, int64_t i1, int bk) {
+    int64_t lo, hi, lo1, hi1;
+    mha__flash_key_range(p, b, i0, &lo, &hi);
+    mha__flash_key_range(p, b, i1 - 1, &lo1, &hi1);
+    /* lo and hi grow with i, so the block's union is [lo(i0), hi(i1 - 1)]. */
+    if (lo > hi1)
+        return 0;
+    return hi1 / bk - lo / bk + 1;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The state of one query block.                                                                  */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct block {
+    const mha__flash_ops *ops;
+    const mha__problem *p;
+    int bq, bk;
+    int64_t b, g, h0, nh, i0, nq, R;
+    const float *kb, *vb; /* K and V of (b, g) */
+    float *kt, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
+    uint64_t *vis, *keep;
+    const float **qptr;
+    int64_t ldo;
+    int cached;
+    uint8_t *state; /* per tile, when cached */
+} block;
+
+/* Bits [a, b] (lanes, clipped to [0, nk - 1]) set, others clear. */
+static void range_bits(uint64_t *w, int64_t a, int64_t b, int nk) {
+    for (int k = 0; k < MHA_FLASH_WORDS; k++)
+        w[k] = 0;
+    if (a < 0)
+        a = 0;
+    if (b > nk - 1)
+        b = nk - 1;
+    for (int k = 0; k < MHA_FLASH_WORDS && a <= b; k++) {
+        const int64_t wlo = 64 * (int64_t)k, whi = wlo + 63;
+        const int64_t s = a > wlo ? a : wlo, e = b < whi ? b : whi;
+        if (s > e)
+            continue;
+        const int64_t width = e - s + 1;
+        const uint64_t ones = width == 64 ? ~(uint64_t)0 : (((uint64_t)1 << width) - 1);
+        w[k] = ones << (s - wlo);
+    }
+}
+
+static int bits_any(const uint64_t *w) {
+    uint64_t x = 0;
+    for (int k = 0; k < MHA_FLASH_WORDS; k++)
+        x |= w[k];
+    return x != 0;
+}
+
+/* Visibility bits of every row of the block for keys [j0, j0 + nk). Returns 0 when no row sees
+ * any key of the tile (the tile is then skipped). */
+static int build_vis(const block *B, int64_t j0, int nk) {
+    const mha__problem *p = B->p;
+    uint64_t kp[MHA_FLASH_WORDS];
+    if (p->key_padding.data) {
+        for (int k = 0; k < MHA_FLASH_WORDS; k++)
+            kp[k] = 0;
+        const int64_t base = B->b * p->key_padding.strides[0], s3 = p->key_padding.strides[3];
+        for (int j = 0; j < nk; j++)
+            if (mha__mask_nonzero(&p->key_padding, base + (j0 + j) * s3))
+                kp[j >> 6] |= (uint64_t)1 << (j & 63);
+        if (!bits_any(kp))
+            return 0;
+    }
+    const int head_dependent = p->bool_mask.data && p->bool_mask.strides[1] != 0;
+    uint64_t any = 0;
+    for (int64_t r = 0; r < B->R; r++) {
+        const int64_t hh = r / B->nq, ii = r % B->nq, i = B->i0 + ii, h = B->h0 + hh;
+        uint64_t *w = B->vis + r * MHA_FLASH_WORDS;
+        if (hh > 0 && !head_dependent) {
+            memcpy(w, B->vis + ii * MHA_FLASH_WORDS, sizeof(uint64_t) * MHA_FLASH_WORDS);
+        } else {
+            int64_t lo, hi;
+            mha__flash_key_range(p, B->b, i, &lo, &hi);
+            range_bits(w, lo - j0, hi - j0, nk);
+            if (p->key_padding.data)
+                for (int k = 0; k < MHA_FLASH_WORDS; k++)
+                    w[k] &= kp[k];
+            if (p->bool_mask.data) {
+                const int64_t *st = p->bool_mask.strides;
+                const int64_t base = B->b * st[0] + h * st[1] + i * st[2] + j0 * st[3];
+                const int attend = p->bool_polarity == MHA_MASK_ATTEND;
+                for (int j = 0; j < nk; j++) {
+                    const int nz = mha__mask_nonzero(&p->bool_mask, base + j * st[3]);
+                    if (attend ? !nz : nz)
+                        w[j >> 6] &= ~((uint64_t)1 << (j & 63));
+                }
+            }
+            if (p->q_seg) {
+                const int32_t qs = p->q_seg[B->b * p->n + i];
+                const int32_t *ks = p->kv_seg + B->b * p->m + j0;
+                for (int j = 0; j < nk; j++)
+                    if (ks[j] != qs)
+                        w[j >> 6] &= ~((uint64_t)1 << (j & 63));
+            }
+        }
+        for (int k = 0; k < MHA_FLASH_WORDS; k++)
+            any |= w[k];
+    }
+    return any != 0;
+}
+
+/* bias[r][j] = additive mask + ALiBi, the same float operations as mha__score_bias. */
+static void build_bias(const block *B, int64_t j0, int nk) {
+    const mha__problem *p = B->p;
+    for (int64_t r = 0; r < B->R; r++) {
+        const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
+        float *br = B->bias + r * B->bk;
+        const float *add = NULL;
+        int64_t s3 = 0;
+        if (p->additive.data) {
+            const int64_t *st = p->additive.strides;
+            add =
+                (const float *)p->additive.data + B->b * st[0] + h * st[1] + i * st[2] + j0 * st[3];
+            s3 = st[3];
+        }
+        const float slope = p->alibi_slopes ? p->alibi_slopes[h] : 0.0f;
+        const int64_t pos = i + p->delta[B->b];
+        for (int j = 0; j < nk; j++) {
+            float x = 0.0f;
+            if (add)
+                x += add[j * s3];
+            if (p->alibi_slopes) {
+                int64_t dist = pos - (j0 + j);
+                if (dist < 0)
+                    dist = -dist;
+                x -= slope * (float)dist;
+            }
+            br[j] = x;
+        }
+    }
+}
+
+static void build_keep(const block *B, int64_t j0, int nk) {
+    const mha__problem *p = B->p;
+    for (int64_t r = 0; r < B->R; r++) {
+        const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
+        B->ops->dropout_bits(p->dropout_seed, p->dropout_p, B->b, h, i, j0, nk,
+                             B->keep + r * MHA_FLASH_WORDS);
+    }
+}
+
+/* O = alpha O + P V for a value tile with Inf/NaN: like the reference, a term with P = 0
+ * (masked, dropped or underflowed) is skipped, so 0 * Inf never turns into NaN. */
+static void pv_exact(const block *B, int nk, const float *v, int64_t vs) {
+    const int64_t dv = B->p->dv;
+    for (int64_t r = 0; r < B->R; r++) {
+        float *o = B->o + r * B->ldo;
+        const float a = B->alpha[r];
+        const float *pr = B->s + r * B->bk;
+        for (int64_t d = 0; d < dv; d++)
+            o[d] *= a;
+        for (int j = 0; j < nk; j++) {
+            const float pj = pr[j];
+            if (pj == 0.0f)
+                continue;
+            const float *vj = v + j * vs;
+            for (int64_t d = 0; d < dv; d++)
+                o[d] += pj * vj[d];
+        }
+    }
+}
+
+/* Asks for the K and V rows of the next tile while this one computes (one request per 64-byte
+ * line; the hardware prefetchers do not follow strided rows across tiles well). */
+static void prefetch_tile(const block *B, int64_t j0, int keys) {
+    const mha__problem *p = B->p;
+    const int64_t nk = p->m - j0 < B->bk ? p->m - j0 : B->bk;
+    for (int64_t j = 0; j < nk; j++) {
+        const char *kr = (const char *)(B->kb + (j0 + j) * p->ks[2]);
+        const char *vr = (const char *)(B->vb + (j0 + j) * p->vs[2]);
+        for (int64_t off = 0; keys && off < p->dk * (int64_t)sizeof(float); off += 64)
+            __builtin_prefetch(kr + off);
+        for (int64_t off = 0; off < p->dv * (int64_t)sizeof(float); off += 64)
+            __builtin_prefetch(vr + off);
+    }
+}
+
+/* Scores of the block against key tile t = [j0, j0 + nk) into S. */
+static void scores(const block *B, int64_t j0, int nk) {
+    const mha__problem *p = B->p;
+    const int64_t t = j0 / B->bk;
+    float *kt = B->kt;
+    if (B->cached) {
+        kt += t * p->dk * B->bk;
+        if (!(B->state[t] & TILE_PACKED)) {
+            B->ops->pack_kt(B->kb + j0 * p->ks[2], p->ks[2], nk, p->dk, kt, B->bk);
+            B->state[t] |= TILE_PACKED;
+        }
+    } else {
+        B->ops->pack_kt(B->kb + j0 * p->ks[2], p->ks[2], nk, p->dk, kt, B->bk);
+    }
+    B->ops->qk(B->qptr, (int)B->R, kt, B->bk, nk, p->dk, B->s, B->bk);
+}
+
+static int values_finite(const block *B, int64_t j0, int nk, const float *v) {
+    const mha__problem *p = B->p;
+    if (!B->cached)
+        return B->ops->all_finite(v, p->vs[2], nk, p->dv);
+    uint8_t *st = B->state + j0 / B->bk;
+    if (!(*st & TILE_FINITE_KNOWN))
+        *st |= (uint8_t)(TILE_FINITE_KNOWN |
+                         (B->ops->all_finite(v, p->vs[2], nk, p->dv) ? TILE_FINITE : 0));
+    return (*st & TILE_FINITE) != 0;
+}
+
+static void softmax_args(const block *B, int64_t j0, int nk, int vis, mha__flash_softmax *a) {
+    const mha__problem *p = B->p;
+    memset(a, 0, sizeof *a);
+    a->s = B->s;
+    a->lds = B->bk;
+    a->rows = (int)B->R;
+    a->nk = nk;
+    a->scale = p->scale;
+    a->softcap = p->softcap;
+    if (p->additive.data || p->alibi_slopes) {
+        build_bias(B, j0, nk);
+        a->bias = B->bias;
+        a->ldb = B->bk;
+    }
+    a->vis = vis ? B->vis : NULL;
+    a->mu = B->mu;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+
+static void finalize(const block *B) {
+    const mha__problem *p = B->p;
+    for (int64_t r = 0; r < B->R; r++) {
+        const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
+        const float m = B->m[r], l = B->l[r];
+        const float sink = p->sinks ? p->sinks[h] : -INFINITY;
+        float *out = p->out + B->b * p->os[0] + h * p->os[1] + i * p->os[2];
+        const float *o = B->o + r * B->ldo;
+        float *lse = p->lse ? p->lse + (B->b * p->H + h) * p->n + i : NULL;
+        /* Fully masked: every score -inf, no NaN anywhere (a NaN score makes l NaN). The sink
+         * alone does not make a row visible, as in the reference. */
+        if (m == -INFINITY && l == 0.0f && !isnan(sink)) {
+            for (int64_t d = 0; d < p->dv; d++)
+                out[d] = 0.0f;
+            if (lse)
+                *lse = -INFINITY;
+            B->mu[r] = 0.0f;
+            B->inv_l[r] = 0.0f;
+            continue;
+        }
+        /* The sink joins the max and the sum only now; NaN sinks propagate through expf. */
+        const float mfin = sink > m ? sink : m;
+        const float mu = mfin == -INFINITY ? 0.0f : mfin;
+        const float c = expf(m - mu);
+        const float lf = l * c + (p->sinks ? expf(sink - mu) : 0.0f);
+        const float inv = 1.0f / lf;
+        const float factor = c * inv;
+        for (int64_t d = 0; d < p->dv; d++)
+            out[d] = o[d] * factor;
+        if (lse)
+            *lse = mu + logf(lf);
+        B->mu[r] = mu;
+        B->inv_l[r] = inv;
+    }
+}
+
+/* Second pass when probabilities are requested: P = exp(x - mu) / l per tile, recomputed from
+ * the scores with the final max and sum (nothing n x m is kept between passes). */
+static void probs_pass(const block *B, int64_t tlo, int64_t thi) {
+    const mha__problem *p = B->p;
+    const int64_t ntiles = (p->m + B->bk - 1) / B->bk;
+    const float inv_h = 1.0f / (float)p->H;
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t j0 = t * B->bk;
+        const int nk = (int)(p->m - j0 < B->bk ? p->m - j0 : B->bk);
+        int computed = 0;
+        if (t >= tlo && t <= thi && build_vis(B, j0, nk)) {
+            mha__flash_softmax a;
+            scores(B, j0, nk);
+            softmax_args(B, j0, nk, 1, &a);
+            a.inv_l = B->inv_l;
+            B->ops->softmax_final(&a);
+            computed = 1;
+        }
+        for (int64_t r = 0; r < B->R; r++) {
+            const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
+            const float *pr = B->s + r * B->bk;
+            /* 0 * inv_l: zero, or NaN for a NaN row (as the reference's 0 * NaN sum). */
+            const float zero = 0.0f * B->inv_l[r];
+            if (p->average_probs) {
+                float *dst = p->probs + (B->b * p->n + i) * p->m + j0;
+                for (int j = 0; j < nk; j++)
+                    dst[j] = (h == 0 ? 0.0f : dst[j]) + (computed ? pr[j] : zero) * inv_h;
+            } else {
+                float *dst = p->probs + ((B->b * p->H + h) * p->n + i) * p->m + j0;
+                for (int j = 0; j < nk; j++)
+                    dst[j] = computed ? pr[j] : zero;
+            }
+        }
+    }
+}
+
+static void run_block(block *B) {
+    const mha__problem *p = B->p;
+    const mha__flash_ops *ops = B->ops;
+    for (int64_t r = 0; r < B->R; r++) {
+        const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
+        B->qptr[r] = p->q + B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2];
+        B->m[r] = -INFINITY;
+        B->l[r] = 0.0f;
+    }
+    memset(B->o, 0, sizeof(float) * (size_t)(B->R * B->ldo));
+
+    int64_t lo0, hi0, lo1, hi1;
+    mha__flash_key_range(p, B->b, B->i0, &lo0, &hi0);
+    mha__flash_key_range(p, B->b, B->i0 + B->nq - 1, &lo1, &hi1);
+    /* Tiles [tlo, thi] meet the band of some row; the others are never read. */
+    const int64_t tlo = lo0 / B->bk, thi = lo0 <= hi1 ? hi1 / B->bk : -1;
+    const int elem_masks = p->bool_mask.data || p->key_padding.data || p->q_seg;
+    const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
+
+    for (int64_t t = tlo; t <= thi; t++) {
+        const int64_t j0 = t * B->bk;
+        const int nk = (int)(p->m - j0 < B->bk ? p->m - j0 : B->bk);
+        /* Every row sees every key of the tile through causal/window when the latest lower
+         * bound and the earliest upper bound enclose it. */
+        const int interior = lo1 <= j0 && hi0 >= j0 + nk - 1;
+        const int vis = elem_masks || !interior;
+        if (vis && !build_vis(B, j0, nk))
+            continue;
+        mha__flash_softmax a;
+        if (t < thi)
+            prefetch_tile(B, j0 + B->bk, !B->cached || !(B->state[t + 1] & TILE_PACKED));
+        scores(B, j0, nk);
+        softmax_args(B, j0, nk, vis, &a);
+        a.m = B->m;
+        a.l = B->l;
+        a.alpha = B->alpha;
+        if (p->dropout_on) {
+            build_keep(B, j0, nk);
+            a.keep = B->keep;
+            a.keep_scale = keep_scale;
+        }
+        ops->softmax_online(&a);
+        const float *v = B->vb + j0 * p->vs[2];
+        if (values_finite(B, j0, nk, v))
+            ops->pv(B->s, B->bk, (int)B->R, nk, v, p->vs[2], p->dv, B->alpha, B->o, (int)B->ldo);
+        else
+            pv_exact(B, nk, v, p->vs[2]);
+    }
+    finalize(B);
+    if (p->probs)
+        probs_pass(B, tlo, thi);
+}
+
+void mha__flash_fwd(const mha__flash_ops *ops,
+                    int bq,
+                    int bk,
+                    const mha__problem *p,
+                    const mha__fwd_unit *u,
+                    void *scratch) {
+    flash_layout L = {0};
+    const bool ok = flash_layout_for(bq, bk, p->dk, p->dv, p->m, &L);
+    MHA_ASSERT(ok && bk % 16 == 0 && bk <= MHA_FLASH_MAX_BK);
+    (void)ok;
+    char *base = scratch;
+    block B;
+    B.ops = ops;
+    B.p = p;
+    B.bq = bq;
+    B.bk = bk;
+    B.b = u->b;
+    B.i0 = u->i0;
+    B.nq = u->i1 - u->i0;
+    B.kt = (float *)(base + L.kt);
+    B.s = (float *)(base + L.s);
+    B.o = (float *)(base + L.o);
+    B.m = (float *)(base + L.m);
+    B.l = (float *)(base + L.l);
+    B.alpha = (float *)(base + L.alpha);
+    B.mu = (float *)(base + L.mu);
+    B.inv_l = (float *)(base + L.inv_l);
+    B.bias = (float *)(base + L.bias);
+    B.vis = (uint64_t *)(base + L.vis);
+    B.keep = (uint64_t *)(base + L.keep);
+    B.qptr = (const float **)(base + L.qptr);
+    B.ldo = L.ldo;
+    B.cached = L.cached;
+    B.state = (uint8_t *)(base + L.state);
+    cache_header *hdr = (cache_header *)(base + L.header);
+    if (u->fresh)
+        hdr->b = hdr->g = -1;
+
+    const int64_t hpb = mha__flash_heads_per_block(bq, p->group);
+    for (int64_t h = u->h0; h < u->h1;) {
+        const int64_t g = h / p->group;
+        int64_t hend = h + hpb;
+        if (hend > (g + 1) * p->group)
+            hend = (g + 1) * p->group;
+        if (hend > u->h1)
+            hend = u->h1;
+        B.g = g;
+        B.h0 = h;
+        B.nh = hend - h;
+        B.R = B.nh * B.nq;
+        MHA_ASSERT(B.R <= bq);
+        if (B.cached && (hdr->b != B.b || hdr->g != g)) {
+            memset(B.state, 0, (size_t)L.ntiles);
+            hdr->b = B.b;
+            hdr->g = g;
+        }
+        B.kb = p->k + B.b * p->ks[0] + g * p->ks[1];
+        B.vb = p->v + B.b * p->vs[0] + g * p->vs[1];
+        run_block(&B);
+        h = hend;
+    }
+}

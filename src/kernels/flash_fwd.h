@@ -1,0 +1,142 @@
+/* SPDX-License-Identifier: MIT */
+/* flash_fwd.h: the FlashAttention-2 forward, split into an ISA-independent driver (flash_fwd.c:
+ * tiling, causal/window tile skipping, mask and dropout preparation, the online-softmax
+ * bookkeeping, finalisation, probabilities) and per-ISA tile operations (mha__flash_ops) that do
+ * the arithmetic: pack a key tile, S = Q K^T, the softmax step, O = alpha O + P V.
+ *
+ * One query BLOCK is R <= Bq rows: query positions [i0, i1) of nh consecutive query heads of ONE
+ * kv group, row r = hh * (i1 - i0) + ii. Every key/value tile is loaded (and K packed) once per
+ * block and used by all its rows, i.e. by all query heads of the group (GQA).
+ *
+ *   q: [B, H, n, dk]  k: [B, G, m, dk]  v: [B, G, m, dv]  out: [B, H, n, dv]
+ *   S (scratch): [R][Bk] scores, overwritten by P;  Kt (scratch): [dk][Bk] = K tile transposed
+ *   O (scratch): [R][ldo] unnormalised output accumulators, ldo = dv rounded up to 16
+ */
+#ifndef MHA_FLASH_FWD_H
+#define MHA_FLASH_FWD_H
+
+#include "kernels/kernels.h"
+
+#define MHA_FLASH_MAX_BK 128 /* key tiles fit two 64-bit visibility words per row */
+#define MHA_FLASH_WORDS  (MHA_FLASH_MAX_BK / 64)
+
+/* Arguments of the softmax step over one tile of `rows` rows and nk keys (lanes nk .. Bk-1 of S
+ * are ignored and P is 0 there). Per row r and key j the score is transformed exactly as
+ * mha__attention_ref does (same operations, same order):
+ *     x = scale * S[r][j];  x = softcap * tanh(x / softcap) if softcap > 0;  x += bias[r][j];
+ *     x = -inf unless bit j of vis[r] is set (invisible keys never see their score, so a NaN
+ *     there cannot leak). */
+typedef struct mha__flash_softmax {
+    float *s; /* [rows][lds]: scores in, P out */
+    int lds, rows, nk;
+    float scale, softcap;
+    const float *bias; /* NULL or [rows][ldb] */
+    int ldb;
+    const uint64_t *vis; /* NULL (all nk keys visible) or [rows][MHA_FLASH_WORDS] */
+    /* Online step (softmax_online):
+     *   m_new = max(m, max_j x_j) (NaN scores do not move the max);  mu = m_new, or 0 if -inf;
+     *   alpha = exp(m - mu);  p_j = exp(x_j - mu);  l = l * alpha + sum_j p_j;  m = m_new;
+     *   P_j = p_j, or with dropout P_j = keep_j ? p_j * keep_scale : 0 (l uses undropped p). */
+    float *m, *l, *alpha;
+    const uint64_t *keep; /* NULL or [rows][MHA_FLASH_WORDS] dropout keep bits */
+    float keep_scale;
+    /* Final probabilities (softmax_final): P_j = exp(x_j - mu[r]) * inv_l[r]. In the online
+     * step mu is scratch of `rows` floats (it then receives mu). */
+    float *mu;
+    const float *inv_l;
+} mha__flash_softmax;
+
+typedef struct mha__flash_ops {
+    /* Kt[d * ldk + j] = k[j * ks + d] for d < dk, j < nk; lanes nk .. round_up(nk, 16) - 1 are
+     * zeroed so that S stays finite there. */
+    void (*pack_kt)(const float *k, int64_t ks, int nk, int64_t dk, float *kt, int ldk);
+    /* S[r * lds + j] = sum_d q[r][d] * Kt[d][j] for r < rows, j < nk (lanes up to
+     * round_up(nk, 16) may be written). */
+    void (*qk)(const float *const *q,
+               int rows,
+               const float *kt,
+               int ldk,
+               int nk,
+               int64_t dk,
+               float *s,
+               int lds);
+    void (*softmax_online)(const mha__flash_softmax *a);
+    void (*softmax_final)(const mha__flash_softmax *a);
+    /* O[r][:dv] = O[r][:dv] * alpha[r] + sum_{j < nk} P[r][j] * v[j * vs + :dv]. */
+    void (*pv)(const float *pm,
+               int lds,
+               int rows,
+               int nk,
+               const float *v,
+               int64_t vs,
+               int64_t dv,
+               const float *alpha,
+               float *o,
+               int ldo);
+    /* 1 when v[j * vs + d] is finite for every j < nk, d < dv. A tile with Inf/NaN values goes
+     * through the driver's exact path, which skips P = 0 terms as the reference does. */
+    int (*all_finite)(const float *v, int64_t vs, int nk, int64_t dv);
+    /* Dropout keep bits of row (b, h, i), keys j0 .. j0+nk-1: bit j of words[] is
+     * mha__dropout_keep(seed, p, b, h, i, j0 + j); bits from nk on are 0. */
+    void (*dropout_bits)(uint64_t seed,
+                         float p,
+                         int64_t b,
+                         int64_t h,
+                         int64_t i,
+                         int64_t j0,
+                         int nk,
+                         uint64_t *words);
+} mha__flash_ops;
+
+/* The keep test of mha__dropout_keep as an integer compare on Philox word 0: u = (w >> 8) 2^-24
+ * >= p  <=>  w >= ceil(p 2^24) 2^8 (p 2^24 is exact; p < 1 keeps the bound below 2^32). */
+static inline uint32_t mha__dropout_threshold(float p) {
+    return (uint32_t)ceilf(p * 0x1.0p24f) << 8;
+}
+
+/* Query heads of one kv group handled together in a block, and query positions per block. */
+static inline int64_t mha__flash_heads_per_block(int64_t bq, int64_t group) {
+    return group < bq ? group : bq;
+}
+static inline int64_t mha__flash_rows_per_block(int64_t bq, int64_t group) {
+    const int64_t q = bq / mha__flash_heads_per_block(bq, group);
+    return q < 1 ? 1 : q;
+}
+
+/* Scratch bytes of the driver for blocks of Bq rows and key tiles of Bk, kv length m (false on
+ * overflow). Scratch carries packed K tiles from one unit to the next of the same thread; a unit
+ * with `fresh` set starts from nothing. */
+bool mha__flash_scratch_bytes(int bq, int bk, int64_t dk, int64_t dv, int64_t m, size_t *bytes);
+
+/* Visible key range [lo, hi] of query row i of batch row b from causal and window alone (empty
+ * when lo > hi). Clipped to [0, m - 1]. */
+static inline void
+mha__flash_key_range(const mha__problem *p, int64_t b, int64_t i, int64_t *lo, int64_t *hi) {
+    /* |pos| <= 2^32 (indices and offsets are bounded by MHA_MAX_DIM); the window sides may be
+     * anything up to INT64_MAX, so they are only ever compared, never added to pos unchecked. */
+    const int64_t pos = i + p->delta[b];
+    int64_t l = 0, h = p->m - 1;
+    if (p->causal && pos < h)
+        h = pos;
+    if (p->use_window) {
+        if (p->window_left >= 0 && pos > p->window_left) /* pos - left > 0 */
+            l = pos - p->window_left;
+        if (p->window_right >= 0 && p->window_right < h - pos) /* pos + right < h */
+            h = pos + p->window_right;
+    }
+    *lo = l;
+    *hi = h;
+}
+
+/* Number of key tiles of width bk that rows [i0, i1) of batch row b may see (causal/window). */
+int64_t mha__flash_visible_tiles(const mha__problem *p, int64_t b, int64_t i0, int64_t i1, int bk);
+
+/* Runs one work unit (kernels.h) with the given tile operations. */
+void mha__flash_fwd(const mha__flash_ops *ops,
+                    int bq,
+                    int bk,
+                    const mha__problem *p,
+                    const mha__fwd_unit *u,
+                    void *scratch);
+
+#endif /* MHA_FLASH_FWD_H */

@@ -1,0 +1,282 @@
+/* SPDX-License-Identifier: MIT */
+/* attn_bwd_flash_generic.c: the driver of the FlashAttention-2 style backward (bwd_flash.h) and
+ * its portable arithmetic. Plain C for the baseline ISA; the SIMD files (kernels/x86/
+ * attn_bwd_flash_<isa>.c) only replace the two operations of mha__bwd_flash_ops.
+ *
+ * Tiles: Bq = 32 query rows x Bk = 64 keys (MHA__BWD_BQ / MHA__BWD_BK). Per tile the float
+ * scratch is 3 x 32 x 64 (S then P then z P, dP then dS, tanh') + (dk + dv) x 64 x 2 (K^T, V^T and
+ * the dK, dV accumulators): ~88 KB at d = 64, L2-resident. Bk = 64 as the forward's (measured
+ * there); Bq = 32 keeps the per-tile blocks in L1/L2 and gives 8 row blocks of the 4-row GEMM.
+ */
+#include "kernels/bwd_flash.h"
+
+#include <string.h>
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Scratch.                                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct bwd_layout {
+    size_t D, dq, kt, vt, dka, dva, s, dp, tp, total;
+} bwd_layout;
+
+static bool carve(size_t *cursor, int64_t count, size_t *off) {
+    size_t bytes;
+    if (count < 0 || !mha__bytes(count, sizeof(float), &bytes) || bytes > SIZE_MAX - 64 - *cursor)
+        return false;
+    *off = *cursor;
+    *cursor += (bytes + 63) & ~(size_t)63;
+    return true;
+}
+
+static bool layout_for(const mha__problem *p, bwd_layout *L) {
+    const int64_t BQ = MHA__BWD_BQ, BK = MHA__BWD_BK;
+    int64_t rows, dqn;
+    if (!mha__mul_i64(p->group, p->n, &rows) || !mha__mul_i64(rows, p->dk, &dqn) ||
+        p->dk > MHA_MAX_DIM || p->dv > MHA_MAX_DIM)
+        return false;
+    size_t c = 0;
+    return carve(&c, rows, &L->D) && carve(&c, dqn, &L->dq) && carve(&c, p->dk * BK, &L->kt) &&
+           carve(&c, p->dv * BK, &L->vt) && carve(&c, BK * p->dk, &L->dka) &&
+           carve(&c, BK * p->dv, &L->dva) && carve(&c, BQ * BK, &L->s) &&
+           carve(&c, BQ * BK, &L->dp) && carve(&c, BQ * BK, &L->tp) && ((L->total = c), true);
+}
+
+bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes) {
+    bwd_layout L;
+    if (!layout_for(p, &L))
+        return false;
+    *bytes = L.total;
+    return true;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The driver.                                                                                    */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Visible key range of row i from causal and window alone (empty when lo > hi). */
+static void key_range(const mha__problem *p, int64_t b, int64_t i, int64_t *lo, int64_t *hi) {
+    const int64_t pos = i + p->delta[b];
+    int64_t l = 0, h = p->m - 1;
+    if (p->causal && pos < h)
+        h = pos;
+    if (p->use_window) {
+        if (p->window_left >= 0 && pos - p->window_left > l)
+            l = pos - p->window_left;
+        if (p->window_right >= 0 && pos + p->window_right < h)
+            h = pos + p->window_right;
+    }
+    *lo = l;
+    *hi = h;
+}
+
+static void store(float *dst, const float *acc, int64_t len, int accumulate) {
+    for (int64_t d = 0; d < len; d++)
+        dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
+}
+
+void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops, const mha__bwd_problem *bp, int64_t b,
+                         int64_t g, void *scratch) {
+    const mha__problem *p = bp->p;
+    const int64_t n = p->n, m = p->m, dk = p->dk, dv = p->dv, group = p->group;
+    const int64_t BQ = MHA__BWD_BQ, BK = MHA__BWD_BK;
+    bwd_layout L = {0};
+    if (!layout_for(p, &L)) /* validated by mha__bwd_flash_scratch before any unit runs */
+        return;
+    char *ws = scratch;
+    float *Drow = (float *)(ws + L.D), *dQ = (float *)(ws + L.dq);
+    float *Kt = (float *)(ws + L.kt), *Vt = (float *)(ws + L.vt);
+    float *dKa = (float *)(ws + L.dka), *dVa = (float *)(ws + L.dva);
+    float *S = (float *)(ws + L.s), *dP = (float *)(ws + L.dp), *T = (float *)(ws + L.tp);
+    const float *kb = p->k + b * p->ks[0] + g * p->ks[1];
+    const float *vb = p->v + b * p->vs[0] + g * p->vs[1];
+    const float *lse_b = p->lse + b * p->H * n;
+    const int elem_rules = p->bool_mask.data || p->key_padding.data || p->q_seg;
+    const int has_bias = p->additive.data || p->alibi_slopes;
+    const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
+
+    /* Pass 1: D_i = dO_i . O_i per row of the group's heads, the sink gradient, dQ = 0. */
+    for (int64_t hh = 0; hh < group; hh++) {
+        const int64_t h = g * group + hh;
+        float sink_grad = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float *o = p->out + b * p->os[0] + h * p->os[1] + i * p->os[2];
+            const float *dO = bp->dout + b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2];
+            const float lse = lse_b[h * n + i];
+            float D = 0.0f;
+            if (lse != -INFINITY)
+                for (int64_t d = 0; d < dv; d++)
+                    D += dO[d] * o[d];
+            Drow[hh * n + i] = D;
+            if (p->sinks && lse != -INFINITY)
+                sink_grad -= expf(p->sinks[h] - lse) * D;
+        }
+        if (bp->sink_part)
+            bp->sink_part[b * p->H + h] = sink_grad;
+    }
+    if (bp->dq)
+        memset(dQ, 0, sizeof(float) * (size_t)(group * n * dk));
+
+    /* Pass 2: key tiles. */
+    for (int64_t j0 = 0; j0 < m; j0 += BK) {
+        const int64_t nk = m - j0 < BK ? m - j0 : BK;
+        const float *ktile = kb + j0 * p->ks[2], *vtile = vb + j0 * p->vs[2];
+        for (int64_t c = 0; c < nk; c++) {
+            for (int64_t d = 0; d < dk; d++)
+                Kt[d * BK + c] = ktile[c * p->ks[2] + d];
+            for (int64_t d = 0; d < dv; d++)
+                Vt[d * BK + c] = vtile[c * p->vs[2] + d];
+        }
+        memset(dKa, 0, sizeof(float) * (size_t)(BK * dk));
+        memset(dVa, 0, sizeof(float) * (size_t)(BK * dv));
+
+        for (int64_t hh = 0; hh < group; hh++) {
+            const int64_t h = g * group + hh;
+            const float *qh = p->q + b * p->qs[0] + h * p->qs[1];
+            const float *dOh = bp->dout + b * bp->dos[0] + h * bp->dos[1];
+            for (int64_t i0 = 0; i0 < n; i0 += BQ) {
+                const int64_t R = n - i0 < BQ ? n - i0 : BQ;
+                /* Skip blocks that cannot see the tile (ranges grow with i). */
+                int64_t lo0, hi0, lo1, hi1;
+                key_range(p, b, i0, &lo0, &hi0);
+                key_range(p, b, i0 + R - 1, &lo1, &hi1);
+                if (hi1 < j0 || lo0 > j0 + nk - 1 || lo0 > hi1)
+                    continue;
+
+                /* S = Q K^T (forward: dot += q[d] * k[d]). */
+                memset(S, 0, sizeof(float) * (size_t)(R * BK));
+                ops->gemm_acc(R, dk, nk, qh + i0 * p->qs[2], p->qs[2], 1, Kt, BK, S, BK);
+
+                /* P = exp(s - lse) with the forward's score pipeline: scale, softcap, bias,
+                 * -inf where invisible; T = d s / d r (softcap derivative, only with softcap).
+                 * Blocks whose every row sees the whole tile, with no per-element rule or
+                 * modifier, take a plain (vectorisable) loop. */
+                const int whole = !elem_rules && !has_bias && p->softcap == 0.0f &&
+                                  hi0 >= j0 + nk - 1 && lo1 <= j0;
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t i = i0 + r;
+                    const float lse = lse_b[h * n + i];
+                    float *srow = S + r * BK, *trow = T + r * BK;
+                    if (lse == -INFINITY) { /* fully masked row: P = 0 */
+                        for (int64_t c = 0; c < nk; c++)
+                            srow[c] = 0.0f;
+                        continue;
+                    }
+                    if (whole) {
+                        for (int64_t c = 0; c < nk; c++)
+                            srow[c] = p->scale * srow[c];
+                    } else {
+                        int64_t lo, hi;
+                        key_range(p, b, i, &lo, &hi);
+                        for (int64_t c = 0; c < nk; c++) {
+                            const int64_t j = j0 + c;
+                            float x = p->scale * srow[c];
+                            if (p->softcap > 0.0f) {
+                                const float t = tanhf(x / p->softcap);
+                                x = p->softcap * t;
+                                trow[c] = 1.0f - t * t;
+                            }
+                            if (has_bias)
+                                x += mha__score_bias(p, b, h, i, j);
+                            if (j < lo || j > hi ||
+                                (elem_rules && !mha__visible(p, b, h, i, j)))
+                                x = -INFINITY;
+                            srow[c] = x;
+                        }
+                    }
+                    ops->exp_shift(srow, lse, srow, nk);
+                }
+
+                /* dP = dO V^T. */
+                memset(dP, 0, sizeof(float) * (size_t)(R * BK));
+                ops->gemm_acc(R, dv, nk, dOh + i0 * bp->dos[2], bp->dos[2], 1, Vt, BK, dP, BK);
+
+                /* Dropout (forward: pj = keep ? pj * keep_scale : 0), then
+                 * dS = scale P (z dP - D) tanh' into dP, and z P into S (for dV). */
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t i = i0 + r;
+                    const float D = Drow[hh * n + i];
+                    float *srow = S + r * BK, *dprow = dP + r * BK;
+                    const float *trow = T + r * BK;
+                    /* P = 0 (hidden key) gives dS = 0 even if dP is not finite (a NaN value
+                     * row behind a mask must not leak), as the reference's skip does. */
+                    if (!p->dropout_on && p->softcap == 0.0f) {
+                        for (int64_t c = 0; c < nk; c++)
+                            dprow[c] =
+                                srow[c] != 0.0f ? p->scale * (srow[c] * (dprow[c] - D)) : 0.0f;
+                        continue;
+                    }
+                    for (int64_t c = 0; c < nk; c++) {
+                        const float P = srow[c];
+                        if (P == 0.0f) {
+                            dprow[c] = 0.0f;
+                            continue;
+                        }
+                        float z = 1.0f;
+                        if (p->dropout_on)
+                            z = mha__dropout_keep(p->dropout_seed, p->dropout_p, b, h, i, j0 + c)
+                                    ? keep_scale
+                                    : 0.0f;
+                        float ds = P * (z * dprow[c] - D);
+                        if (p->softcap > 0.0f)
+                            ds *= trow[c];
+                        dprow[c] = p->scale * ds;
+                        srow[c] = z * P;
+                    }
+                }
+                /* dV += (z P)^T dO;  dK += dS^T Q;  dQ += dS K. */
+                if (bp->dv)
+                    ops->gemm_acc(nk, R, dv, S, 1, BK, dOh + i0 * bp->dos[2], bp->dos[2], dVa, dv);
+                if (bp->dk)
+                    ops->gemm_acc(nk, R, dk, dP, 1, BK, qh + i0 * p->qs[2], p->qs[2], dKa, dk);
+                if (bp->dq)
+                    ops->gemm_acc(R, nk, dk, dP, BK, 1, ktile, p->ks[2], dQ + (hh * n + i0) * dk,
+                                  dk);
+            }
+        }
+        for (int64_t c = 0; c < nk; c++) {
+            if (bp->dk)
+                store(bp->dk + b * bp->dks[0] + g * bp->dks[1] + (j0 + c) * bp->dks[2],
+                      dKa + c * dk, dk, bp->accumulate);
+            if (bp->dv)
+                store(bp->dv + b * bp->dvs[0] + g * bp->dvs[1] + (j0 + c) * bp->dvs[2],
+                      dVa + c * dv, dv, bp->accumulate);
+        }
+    }
+
+    /* Pass 3: dQ of the unit's rows, written once. */
+    if (bp->dq)
+        for (int64_t hh = 0; hh < group; hh++)
+            for (int64_t i = 0; i < n; i++)
+                store(bp->dq + b * bp->dqs[0] + (g * group + hh) * bp->dqs[1] + i * bp->dqs[2],
+                      dQ + (hh * n + i) * dk, dk, bp->accumulate);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Portable arithmetic.                                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void gemm_acc_generic(int64_t R, int64_t K, int64_t N, const float *A, int64_t sa,
+                             int64_t sk, const float *B, int64_t ldb, float *C, int64_t ldc) {
+    for (int64_t r = 0; r < R; r++) {
+        float *c = C + r * ldc;
+        for (int64_t k = 0; k < K; k++) {
+            const float a = A[r * sa + k * sk];
+            const float *brow = B + k * ldb;
+            for (int64_t j = 0; j < N; j++)
+                c[j] += a * brow[j];
+        }
+    }
+}
+
+static void exp_shift_generic(const float *x, float c, float *y, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        y[i] = expf(x[i] - c);
+}
+
+static const mha__bwd_flash_ops generic_ops = {gemm_acc_generic, exp_shift_generic};
+
+void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp, int64_t b, int64_t g,
+                                       void *scratch) {
+    mha__bwd_flash_unit(&generic_ops, bp, b, g, scratch);
+}

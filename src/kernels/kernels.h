@@ -1,0 +1,113 @@
+/* SPDX-License-Identifier: MIT */
+/* kernels.h: the kernel registry's types and the prototypes generated from kernels.def.
+ *
+ * Every attention forward kernel has one signature: it computes one WORK UNIT, i.e. query rows
+ * [i0, i1) of query heads [h0, h1) of batch row b (outputs, lse, probs of exactly those rows), with
+ * per-thread scratch of mha__kernel_scratch_bytes() bytes. Kernels do not allocate, do not start
+ * threads and read no globals; dispatch.c cuts the problem into units and hands them to threads.
+ */
+#ifndef MHA_KERNELS_H
+#define MHA_KERNELS_H
+
+#include "internal.h"
+
+/* ISA feature sets, as detected by dispatch.c (cpuid + XGETBV). A set includes what its files are
+ * compiled with (CMakeLists.txt): */
+#define MHA_ISA_AVX2   (1u << 0) /* AVX, AVX2, FMA, F16C; OS saves YMM state */
+#define MHA_ISA_AVX512 (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; OS saves ZMM/opmask state   \
+                                  */
+
+/* One unit of work. Flash kernels require [h0, h1) to be a whole number of head blocks (see
+ * mha__flash_heads_per_block) and (h1 - h0 within a kv group) x (i1 - i0) <= Bq rows per block;
+ * the reference requires i0 = 0, i1 = n. */
+typedef struct mha__fwd_unit {
+    int64_t b;
+    int64_t h0, h1;
+    int64_t i0, i1;
+    int fresh; /* first unit of this scratch in this call: nothing in scratch is valid */
+} mha__fwd_unit;
+
+typedef void (*mha__fwd_fn)(const mha__problem *p, const mha__fwd_unit *u, void *scratch);
+
+typedef struct mha__kernel_info {
+    const char *name; /* the ISA name is the suffix after "__" */
+    unsigned isa;     /* MHA_ISA_* bits required */
+    int bq, bk;       /* 0, 0 for the reference */
+    int64_t max_d;    /* 0 = unlimited */
+    mha__fwd_fn fn;
+} mha__kernel_info;
+
+#define MHA_KERNEL(name, isa, bq, bk, maxd)                                                        \
+    void name(const mha__problem *p, const mha__fwd_unit *u, void *scratch);
+#include "kernels.def"
+#undef MHA_KERNEL
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Dispatch (dispatch.c).                                                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* The sizes selection and scratch depend on, read from (unvalidated) public args. */
+typedef struct mha__fwd_shape {
+    int64_t H, G, group, n, m, dk, dv;
+} mha__fwd_shape;
+void mha__fwd_shape_from_args(const mha_attention_args *a, mha__fwd_shape *s);
+
+/* MHA_ISA_* bits of this CPU, detected once, capped by MHA_MAX_ISA=generic|avx2|avx512. */
+unsigned mha__cpu_isa(void);
+/* MHA_ISA_* bits of this CPU without the MHA_MAX_ISA cap. */
+unsigned mha__cpu_isa_detected(void);
+
+int mha__kernel_count(void);
+const mha__kernel_info *mha__kernel_at(int index); /* NULL when out of range */
+int mha__kernel_index(const mha__kernel_info *k);
+const mha__kernel_info *mha__kernel_reference(void);
+/* MHA_STATUS_OK when kernel k can run a problem of this shape on this CPU; otherwise
+ * UNSUPPORTED with a message naming the reason. */
+mha_status mha__kernel_check(const mha__kernel_info *k, const mha__fwd_shape *s, mha_error *err);
+/* impl = AUTO or FAST: the kernel to run (honours MHA_KERNEL=<name>). FAST never returns the
+ * reference unless MHA_KERNEL names it; fails with UNSUPPORTED and a message instead. */
+mha_status mha__kernel_select(const mha__fwd_shape *s,
+                              mha_impl impl,
+                              const mha__kernel_info **out,
+                              mha_error *err);
+/* Per-thread scratch bytes kernel k needs for shape s (false on overflow). */
+bool mha__kernel_scratch_bytes(const mha__kernel_info *k, const mha__fwd_shape *s, size_t *bytes);
+/* Runs the whole problem with kernel k on n_threads threads. scratch holds n_threads blocks of
+ * scratch_stride bytes (>= mha__kernel_scratch_bytes). Balanced: units are assigned to threads by
+ * their cost (causal/window tiles skipped), each output element is computed by one thread in an
+ * order that does not depend on the thread count, so results are bit-identical for any count. */
+mha_status mha__kernel_run(const mha__kernel_info *k,
+                           const mha__problem *p,
+                           int n_threads,
+                           char *scratch,
+                           size_t scratch_stride,
+                           mha_error *err);
+
+/* The public core with an explicit kernel (attention.c); k == NULL: choose by exec->impl. */
+mha_status mha__attention_run(const mha_attention_args *args,
+                              const mha_exec *exec,
+                              const mha__kernel_info *k,
+                              mha_error *err);
+mha_status mha__attention_workspace(const mha_attention_args *args,
+                                    const mha_exec *exec,
+                                    const mha__kernel_info *k,
+                                    size_t *bytes,
+                                    mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Vectorised elementwise primitives, exported for their ULP tests (tests/test_kernels.c).        */
+/* y[i] = exp(x[i]) / tanh(x[i]) for i < count, with the kernels' own inline code. */
+/* ---------------------------------------------------------------------------------------------- */
+#if defined(__x86_64__) || defined(__i386__)
+void mha__vexp_avx512(const float *x, float *y, int64_t count);
+void mha__vtanh_avx512(const float *x, float *y, int64_t count);
+void mha__vexp_avx2(const float *x, float *y, int64_t count);
+void mha__vtanh_avx2(const float *x, float *y, int64_t count);
+/* The kernels' vectorised dropout keep bits (bit j = mha__dropout_keep(..., j0 + j), j < nk). */
+void mha__dropout_bits_avx512(
+    uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j0, int nk, uint64_t *words);
+void mha__dropout_bits_avx2(
+    uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j0, int nk, uint64_t *words);
+#endif
+
+#endif /* MHA_KERNELS_H */

@@ -1,0 +1,158 @@
+/* SPDX-License-Identifier: MIT */
+/* gemm_avx2.c: AVX2+FMA micro-kernel of the projection GEMM (compiled with -mavx2 -mfma; only
+ * called after the CPU check in gemm.c).
+ *
+ * Tile 6 x 16: 12 ymm accumulators (6 rows x 2 vectors of 8 columns), 2 ymm for the packed W
+ * row of the current k, 1 for the broadcast: 15 of the 16 ymm registers. Per k: 2 loads + 6
+ * broadcasts for 12 FMAs. Same blocking rule as the AVX-512 kernel: the 6 x KC micro-panel of x
+ * in L1, a KC x NC block of packed W in L2.
+ */
+#if defined(__x86_64__) || defined(__i386__)
+
+#    include "gemm_pack_x86.h"
+
+#    define MR 6
+#    define NV 2 /* vectors of 8 floats per tile row */
+#    define NR (8 * NV)
+
+static __m256i lane_mask(int cols) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), idx);
+}
+
+static void ukr_6x16(int64_t kc,
+                     const float *ap,
+                     const float *bp,
+                     float *c,
+                     int64_t ldc,
+                     int m,
+                     int n,
+                     const float *bias,
+                     int first) {
+    __m256 acc[MR][NV];
+    MHA_UNROLL
+    for (int i = 0; i < MR; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < NV; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        __m256 b[NV];
+        MHA_UNROLL
+        for (int j = 0; j < NV; j++)
+            b[j] = _mm256_loadu_ps(bp + 8 * j);
+        MHA_UNROLL
+        for (int i = 0; i < MR; i++) {
+            const __m256 a = _mm256_broadcast_ss(ap + i);
+            MHA_UNROLL
+            for (int j = 0; j < NV; j++)
+                acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
+        }
+        ap += MR;
+        bp += NR;
+    }
+    if (m == MR && n == NR) {
+        MHA_UNROLL
+        for (int i = 0; i < MR; i++) {
+            MHA_UNROLL
+            for (int j = 0; j < NV; j++) {
+                float *cp = c + i * ldc + 8 * j;
+                __m256 v = acc[i][j];
+                if (!first)
+                    v = _mm256_add_ps(_mm256_loadu_ps(cp), v);
+                else if (bias)
+                    v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * j));
+                _mm256_storeu_ps(cp, v);
+            }
+        }
+        return;
+    }
+    /* Edge tile: the same sums, stored through lane masks. */
+    __m256i mask[NV];
+    MHA_UNROLL
+    for (int j = 0; j < NV; j++)
+        mask[j] = lane_mask(n - 8 * j);
+    /* Conditions instead of early exits, so both loops unroll fully (also with clang) and the
+     * accumulators stay in registers in the whole function. */
+    MHA_UNROLL
+    for (int i = 0; i < MR; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < NV; j++) {
+            if (i < m && n - 8 * j > 0) {
+                float *cp = c + i * ldc + 8 * j;
+                __m256 v = acc[i][j];
+                if (!first)
+                    v = _mm256_add_ps(_mm256_maskload_ps(cp, mask[j]), v);
+                else if (bias)
+                    v = _mm256_add_ps(v, _mm256_maskload_ps(bias + 8 * j, mask[j]));
+                _mm256_maskstore_ps(cp, mask[j], v);
+            }
+        }
+    }
+}
+
+static void pack_b_16(const float *w, int64_t ldw, int n, int64_t kc, float *dst) {
+    gemm_pack_b_x86(w, ldw, n, kc, dst, NR);
+}
+
+/* Sum of the 8 lanes, in a fixed order. */
+static float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* Dot path (few rows): m x n (<= 2 x 4) dot products, 8 lanes each, one accumulator per dot (8
+ * independent chains; 16 ymm registers allow no more with the loaded operands). K tail through
+ * a lane mask. */
+static void dot_avx2(int64_t K,
+                     const float *x,
+                     int64_t ldx,
+                     int m,
+                     const float *w,
+                     int64_t ldw,
+                     int n,
+                     const float *bias,
+                     float *y,
+                     int64_t ldy) {
+    __m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    }
+    /* Rows / columns beyond m / n re-read row 0 / column 0 (valid memory) and are not stored. */
+    const float *xr[MHA_GEMM_DOT_M], *wr[MHA_GEMM_DOT_N];
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+        xr[i] = x + (i < m ? i : 0) * ldx;
+    for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+        wr[j] = w + (j < n ? j : 0) * ldw;
+    for (int64_t k = 0; k < K; k += 8) {
+        const int64_t left = K - k;
+        const __m256i mk = lane_mask(left >= 8 ? 8 : (int)left);
+        __m256 a[MHA_GEMM_DOT_M];
+        MHA_UNROLL
+        for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+            a[i] = left >= 8 ? _mm256_loadu_ps(xr[i] + k) : _mm256_maskload_ps(xr[i] + k, mk);
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+            const __m256 b =
+                left >= 8 ? _mm256_loadu_ps(wr[j] + k) : _mm256_maskload_ps(wr[j] + k, mk);
+            MHA_UNROLL
+            for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+                acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            const float s = hsum8(acc[i][j]);
+            y[i * ldy + j] = bias ? s + bias[j] : s;
+        }
+}
+
+const mha__gemm_kernel mha__gemm_kernel_avx2 = {
+    "mha_gemm_f32_6x16__avx2", MHA__GEMM_AVX2, MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2,
+};
+
+#endif

@@ -1,0 +1,196 @@
+/* SPDX-License-Identifier: MIT */
+/* simd_avx2.h: a thin vocabulary over AVX2 + FMA intrinsics (8 floats per vector) for the AVX2
+ * kernels. Included only by files compiled with the AVX2 flags (*_avx2.c).
+ *
+ * v8_exp: exp(x) for every float x, max error 1 ULP on [-87.3, 0] against exp rounded to float
+ * (tests/test_kernels.c sweeps a dense grid; subnormal results are correctly scaled, NaN stays
+ * NaN, -inf gives 0, overflow gives +inf). Same polynomial as simd_avx512.h.
+ * v8_tanh: tanh(x), max error 2 ULP (same test).
+ */
+#ifndef MHA_SIMD_AVX2_H
+#define MHA_SIMD_AVX2_H
+
+#include <immintrin.h>
+
+#define MHA_INLINE static inline __attribute__((always_inline))
+
+typedef __m256 v8;
+
+MHA_INLINE v8 v8_zero(void) {
+    return _mm256_setzero_ps();
+}
+MHA_INLINE v8 v8_set1(float x) {
+    return _mm256_set1_ps(x);
+}
+MHA_INLINE v8 v8_load(const float *p) { /* 32-byte aligned */
+    return _mm256_load_ps(p);
+}
+MHA_INLINE v8 v8_loadu(const float *p) {
+    return _mm256_loadu_ps(p);
+}
+MHA_INLINE void v8_store(float *p, v8 x) { /* 32-byte aligned */
+    _mm256_store_ps(p, x);
+}
+/* All-ones lanes for lanes whose bit in `bits` (8 bits) is set. */
+MHA_INLINE __m256i v8_mask_from_bits(unsigned bits) {
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)bits), sel), sel);
+}
+/* Mask of the first n lanes (0 <= n <= 8). */
+MHA_INLINE __m256i v8_first(int n) {
+    return v8_mask_from_bits(n >= 8 ? 0xFFu : ((1u << n) - 1u));
+}
+/* Masked-off lanes read as 0 and are not accessed. */
+MHA_INLINE v8 v8_loadu_mask(__m256i k, const float *p) {
+    return _mm256_maskload_ps(p, k);
+}
+MHA_INLINE void v8_storeu_mask(float *p, __m256i k, v8 x) {
+    _mm256_maskstore_ps(p, k, x);
+}
+MHA_INLINE v8 v8_add(v8 a, v8 b) {
+    return _mm256_add_ps(a, b);
+}
+MHA_INLINE v8 v8_sub(v8 a, v8 b) {
+    return _mm256_sub_ps(a, b);
+}
+MHA_INLINE v8 v8_mul(v8 a, v8 b) {
+    return _mm256_mul_ps(a, b);
+}
+/* a * b + c with one rounding. */
+MHA_INLINE v8 v8_fma(v8 a, v8 b, v8 c) {
+    return _mm256_fmadd_ps(a, b, c);
+}
+/* max(x, acc) that ignores a NaN x: VMAXPS returns its second operand when either is NaN. */
+MHA_INLINE v8 v8_max_nan_ignoring(v8 x, v8 acc) {
+    return _mm256_max_ps(x, acc);
+}
+/* Lanes whose mask is clear become `other`. */
+MHA_INLINE v8 v8_select(__m256i k, v8 x, v8 other) {
+    return _mm256_blendv_ps(other, x, _mm256_castsi256_ps(k));
+}
+MHA_INLINE float v8_hmax(v8 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+MHA_INLINE float v8_hsum(v8 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* exp: see simd_avx512.h for the method and the origin of the constants. Without VSCALEFPS,
+ * 2^k is applied as 2^(k - k/2) * 2^(k/2): both factors are normal floats for k in
+ * [-150, 128], the first product is exact and the second rounds once, so subnormal results are
+ * correctly rounded and large k overflows to +inf. */
+#define MHA_EXP_LOG2E  0x1.715476p+0f
+#define MHA_EXP_LN2_HI 0x1.62e430p-1f
+#define MHA_EXP_LN2_LO -0x1.05c610p-29f
+#define MHA_EXP_C2     0x1.fffffcp-2f
+#define MHA_EXP_C3     0x1.555492p-3f
+#define MHA_EXP_C4     0x1.5558f2p-5f
+#define MHA_EXP_C5     0x1.1239d4p-7f
+#define MHA_EXP_C6     0x1.6a244cp-10f
+#define MHA_EXP_XMIN   -0x1.a0p+6f
+#define MHA_EXP_XMAX   0x1.633334p+6f
+#define MHA_EXP_ROUND  0x1.8p+23f
+
+/* exp for x in [XMIN, XMAX] or NaN (no clamping). */
+MHA_INLINE v8 v8_exp_unclamped(v8 x) {
+    const v8 t = v8_fma(x, v8_set1(MHA_EXP_LOG2E), v8_set1(MHA_EXP_ROUND));
+    const v8 k = v8_sub(t, v8_set1(MHA_EXP_ROUND));
+    /* the low bits of t hold k as a two's-complement integer */
+    const __m256i ki =
+        _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(v8_set1(MHA_EXP_ROUND)));
+    v8 r = v8_fma(k, v8_set1(-MHA_EXP_LN2_HI), x);
+    r = v8_fma(k, v8_set1(-MHA_EXP_LN2_LO), r);
+    v8 q = v8_set1(MHA_EXP_C6);
+    q = v8_fma(q, r, v8_set1(MHA_EXP_C5));
+    q = v8_fma(q, r, v8_set1(MHA_EXP_C4));
+    q = v8_fma(q, r, v8_set1(MHA_EXP_C3));
+    q = v8_fma(q, r, v8_set1(MHA_EXP_C2));
+    q = v8_fma(q, r, v8_set1(1.0f));
+    const v8 p = v8_fma(q, r, v8_set1(1.0f));
+    const __m256i k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const v8 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
+    const v8 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, bias), 23));
+    return v8_mul(v8_mul(p, s1), s2);
+}
+
+MHA_INLINE v8 v8_exp(v8 x) {
+    x = _mm256_max_ps(v8_set1(MHA_EXP_XMIN), x); /* NaN x passes (second operand) */
+    return v8_exp_unclamped(_mm256_min_ps(v8_set1(MHA_EXP_XMAX), x));
+}
+
+/* exp(x) for x <= 0 or NaN, flushed to 0 below MHA_EXP_FLUSH (see simd_avx512.h: results under
+ * 2^-124 are irrelevant in a softmax and would cost a microcode assist each). */
+#define MHA_EXP_FLUSH -0x1.58p+6f /* -86 */
+
+MHA_INLINE v8 v8_exp_nonpos(v8 x) {
+    const v8 keep = _mm256_cmp_ps(x, v8_set1(MHA_EXP_FLUSH), _CMP_NLT_UQ);
+    x = _mm256_max_ps(v8_set1(MHA_EXP_FLUSH), x); /* NaN x passes (second operand) */
+    return _mm256_and_ps(v8_exp_unclamped(x), keep);
+}
+
+/* tanh: see simd_avx512.h. */
+#define MHA_TANH_SPLIT 0x1.4p-1f
+#define MHA_TANH_T1    -0x1.555532p-2f
+#define MHA_TANH_T2    0x1.110726p-3f
+#define MHA_TANH_T3    -0x1.b83c5ap-5f
+#define MHA_TANH_T4    0x1.522698p-6f
+#define MHA_TANH_T5    -0x1.75e1c0p-8f
+
+MHA_INLINE v8 v8_tanh(v8 x) {
+    const v8 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    const v8 ax = _mm256_andnot_ps(sign, x);
+    const v8 x2 = v8_mul(x, x);
+    v8 q = v8_set1(MHA_TANH_T5);
+    q = v8_fma(q, x2, v8_set1(MHA_TANH_T4));
+    q = v8_fma(q, x2, v8_set1(MHA_TANH_T3));
+    q = v8_fma(q, x2, v8_set1(MHA_TANH_T2));
+    q = v8_fma(q, x2, v8_set1(MHA_TANH_T1));
+    const v8 small = v8_fma(v8_mul(x, x2), q, x);
+    const v8 e = v8_exp(v8_add(ax, ax));
+    v8 big = v8_sub(v8_set1(1.0f), _mm256_div_ps(v8_set1(2.0f), v8_add(e, v8_set1(1.0f))));
+    big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
+    const v8 is_small = _mm256_cmp_ps(ax, v8_set1(MHA_TANH_SPLIT), _CMP_LT_OQ);
+    return _mm256_blendv_ps(big, small, is_small);
+}
+
+/* Philox4x32-10, 8 counters at once, output word 0 only (see simd_avx512.h). */
+#define MHA_PHILOX_M0 0xD2511F53u
+#define MHA_PHILOX_M1 0xCD9E8D57u
+#define MHA_PHILOX_W0 0x9E3779B9u
+#define MHA_PHILOX_W1 0xBB67AE85u
+
+MHA_INLINE void v8i_mul_hilo(__m256i a, __m256i m, __m256i *hi, __m256i *lo) {
+    const __m256i even = _mm256_mul_epu32(a, m);
+    const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+    *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+    *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+MHA_INLINE __m256i
+v8i_philox_word0(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint32_t k0, uint32_t k1) {
+    const __m256i m0 = _mm256_set1_epi32((int)MHA_PHILOX_M0);
+    const __m256i m1 = _mm256_set1_epi32((int)MHA_PHILOX_M1);
+    for (int round = 0; round < 9; round++) {
+        __m256i hi0, lo0, hi1, lo1;
+        v8i_mul_hilo(c0, m0, &hi0, &lo0);
+        v8i_mul_hilo(c2, m1, &hi1, &lo1);
+        c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
+        c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32((int)k1));
+        c1 = lo1;
+        c3 = lo0;
+        k0 += MHA_PHILOX_W0;
+        k1 += MHA_PHILOX_W1;
+    }
+    __m256i hi1, lo1;
+    v8i_mul_hilo(c2, m1, &hi1, &lo1);
+    return _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
+}
+
+#endif /* MHA_SIMD_AVX2_H */

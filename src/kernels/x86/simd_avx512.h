@@ -1,0 +1,220 @@
+/* SPDX-License-Identifier: MIT */
+/* simd_avx512.h: a thin vocabulary over AVX-512F intrinsics (16 floats per vector) for the
+ * AVX-512 kernels. Included only by files compiled with the AVX-512 flags (*_avx512.c).
+ *
+ * v16_exp: exp(x) for every float x, max error 1 ULP on [-87.3, 0] against exp rounded to float
+ * (tests/test_kernels.c sweeps a dense grid; below -87.34 results are correctly scaled
+ * subnormals, NaN stays NaN, -inf gives 0, overflow gives +inf).
+ * v16_tanh: tanh(x), max error 2 ULP (same test).
+ */
+#ifndef MHA_SIMD_AVX512_H
+#define MHA_SIMD_AVX512_H
+
+#include <immintrin.h>
+
+#define MHA_INLINE static inline __attribute__((always_inline))
+
+typedef __m512 v16;
+
+MHA_INLINE v16 v16_zero(void) {
+    return _mm512_setzero_ps();
+}
+MHA_INLINE v16 v16_set1(float x) {
+    return _mm512_set1_ps(x);
+}
+MHA_INLINE v16 v16_load(const float *p) { /* 64-byte aligned */
+    return _mm512_load_ps(p);
+}
+MHA_INLINE v16 v16_loadu(const float *p) {
+    return _mm512_loadu_ps(p);
+}
+/* Lanes whose bit is clear read as 0 and are not accessed (no fault past an array's end). */
+MHA_INLINE v16 v16_loadu_mask(__mmask16 k, const float *p) {
+    return _mm512_maskz_loadu_ps(k, p);
+}
+MHA_INLINE void v16_store(float *p, v16 x) { /* 64-byte aligned */
+    _mm512_store_ps(p, x);
+}
+MHA_INLINE void v16_storeu_mask(float *p, __mmask16 k, v16 x) {
+    _mm512_mask_storeu_ps(p, k, x);
+}
+MHA_INLINE v16 v16_add(v16 a, v16 b) {
+    return _mm512_add_ps(a, b);
+}
+MHA_INLINE v16 v16_sub(v16 a, v16 b) {
+    return _mm512_sub_ps(a, b);
+}
+MHA_INLINE v16 v16_mul(v16 a, v16 b) {
+    return _mm512_mul_ps(a, b);
+}
+/* a * b + c with one rounding. */
+MHA_INLINE v16 v16_fma(v16 a, v16 b, v16 c) {
+    return _mm512_fmadd_ps(a, b, c);
+}
+/* max(x, acc) that ignores a NaN x: VMAXPS returns its second operand when either is NaN. */
+MHA_INLINE v16 v16_max_nan_ignoring(v16 x, v16 acc) {
+    return _mm512_max_ps(x, acc);
+}
+/* Lanes with a clear bit in k become `other`. */
+MHA_INLINE v16 v16_select(__mmask16 k, v16 x, v16 other) {
+    return _mm512_mask_blend_ps(k, other, x);
+}
+MHA_INLINE float v16_hmax(v16 x) {
+    return _mm512_reduce_max_ps(x);
+}
+MHA_INLINE float v16_hsum(v16 x) {
+    return _mm512_reduce_add_ps(x);
+}
+/* Mask of the first n lanes (0 <= n <= 16). */
+MHA_INLINE __mmask16 v16_first(int n) {
+    return (__mmask16)(n >= 16 ? 0xFFFFu : ((1u << n) - 1u));
+}
+
+/* exp(x) = 2^k * e^r, k = round(x / ln 2), r = x - k ln 2 in [-ln2/2, ln2/2].
+ * e^r ~ 1 + r (1 + r (c2 + r (c3 + r (c4 + r (c5 + r c6))))): coefficients fitted for this project
+ * (Lawson's iteratively reweighted least squares for minimax relative error on 4001 Chebyshev
+ * points of [-ln2/2, ln2/2]), max relative error 3.8e-9 (0.06 ULP) after rounding them to float.
+ * ln 2 = LN2_HI + LN2_LO (LN2_HI = ln 2 rounded to float); with FMA, r = x - k LN2_HI is exact
+ * for |k| <= 150, so the reduction adds < 2^-50 absolute error. 2^k is applied with VSCALEFPS,
+ * which rounds subnormal results correctly and saturates to 0 / +inf. */
+#define MHA_EXP_LOG2E  0x1.715476p+0f   /* 1 / ln 2, rounded to float */
+#define MHA_EXP_LN2_HI 0x1.62e430p-1f   /* ln 2 rounded to float */
+#define MHA_EXP_LN2_LO -0x1.05c610p-29f /* ln 2 - LN2_HI, rounded to float */
+#define MHA_EXP_C2     0x1.fffffcp-2f
+#define MHA_EXP_C3     0x1.555492p-3f
+#define MHA_EXP_C4     0x1.5558f2p-5f
+#define MHA_EXP_C5     0x1.1239d4p-7f
+#define MHA_EXP_C6     0x1.6a244cp-10f
+#define MHA_EXP_XMIN   -0x1.a0p+6f    /* -104: exp is below half the smallest subnormal */
+#define MHA_EXP_XMAX   0x1.633334p+6f /* 88.8: exp overflows float */
+#define MHA_EXP_ROUND  0x1.8p+23f     /* adding it rounds |y| < 2^22 to an integer */
+
+/* exp for x in [XMIN, XMAX] or NaN (no clamping). */
+MHA_INLINE v16 v16_exp_unclamped(v16 x) {
+    const v16 t = v16_fma(x, v16_set1(MHA_EXP_LOG2E), v16_set1(MHA_EXP_ROUND));
+    const v16 k = v16_sub(t, v16_set1(MHA_EXP_ROUND));
+    v16 r = v16_fma(k, v16_set1(-MHA_EXP_LN2_HI), x);
+    r = v16_fma(k, v16_set1(-MHA_EXP_LN2_LO), r);
+    v16 q = v16_set1(MHA_EXP_C6);
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C5));
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C4));
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C3));
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C2));
+    q = v16_fma(q, r, v16_set1(1.0f));
+    return _mm512_scalef_ps(v16_fma(q, r, v16_set1(1.0f)), k);
+}
+
+/* exp(x) for x <= 0 or NaN (x - max in a softmax), flushed to 0 below MHA_EXP_FLUSH: there
+ * e^x < 2^-124 only contributes below 2^-100 of the row's largest term, and producing it would
+ * cost a microcode assist per vector on Intel cores (subnormal or underflowing results), which
+ * every masked (-inf) lane would otherwise pay. */
+#define MHA_EXP_FLUSH -0x1.58p+6f /* -86 */
+
+MHA_INLINE v16 v16_exp_nonpos(v16 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, v16_set1(MHA_EXP_FLUSH), _CMP_NLT_UQ);
+    x = _mm512_max_ps(v16_set1(MHA_EXP_FLUSH), x); /* NaN x passes (second operand) */
+    const v16 t = v16_fma(x, v16_set1(MHA_EXP_LOG2E), v16_set1(MHA_EXP_ROUND));
+    const v16 k = v16_sub(t, v16_set1(MHA_EXP_ROUND));
+    v16 r = v16_fma(k, v16_set1(-MHA_EXP_LN2_HI), x);
+    r = v16_fma(k, v16_set1(-MHA_EXP_LN2_LO), r);
+    v16 q = v16_set1(MHA_EXP_C6);
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C5));
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C4));
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C3));
+    q = v16_fma(q, r, v16_set1(MHA_EXP_C2));
+    q = v16_fma(q, r, v16_set1(1.0f));
+    return _mm512_maskz_scalef_ps(keep, v16_fma(q, r, v16_set1(1.0f)), k);
+}
+
+MHA_INLINE v16 v16_exp(v16 x) {
+    x = _mm512_max_ps(v16_set1(MHA_EXP_XMIN), x); /* NaN x passes (second operand) */
+    return v16_exp_unclamped(_mm512_min_ps(v16_set1(MHA_EXP_XMAX), x));
+}
+
+/* Horizontal max / sum of four vectors at once: 128-bit block k of the result holds, in each of
+ * its lanes, the max / sum of the 16 lanes of the k-th argument (13 operations instead of 32). */
+MHA_INLINE v16 v16_hmax4(v16 a, v16 b, v16 c, v16 d) {
+    const v16 ab =
+        _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const v16 cd =
+        _mm512_max_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    v16 x = _mm512_max_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+MHA_INLINE v16 v16_hsum4(v16 a, v16 b, v16 c, v16 d) {
+    const v16 ab =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const v16 cd =
+        _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    v16 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
+/* tanh(x): |x| < 0.625: x + x^3 (t1 + t2 x^2 + ... + t5 x^8), coefficients fitted like exp's
+ * (minimax relative error on [0, 0.625], 8.5e-9 after rounding to float); otherwise
+ * sign(x) (1 - 2 / (exp(2|x|) + 1)), where tanh >= 0.55 keeps the cancellation harmless. */
+#define MHA_TANH_SPLIT 0x1.4p-1f /* 0.625 */
+#define MHA_TANH_T1    -0x1.555532p-2f
+#define MHA_TANH_T2    0x1.110726p-3f
+#define MHA_TANH_T3    -0x1.b83c5ap-5f
+#define MHA_TANH_T4    0x1.522698p-6f
+#define MHA_TANH_T5    -0x1.75e1c0p-8f
+
+MHA_INLINE v16 v16_tanh(v16 x) {
+    const v16 ax = _mm512_abs_ps(x);
+    const v16 x2 = v16_mul(x, x);
+    v16 q = v16_set1(MHA_TANH_T5);
+    q = v16_fma(q, x2, v16_set1(MHA_TANH_T4));
+    q = v16_fma(q, x2, v16_set1(MHA_TANH_T3));
+    q = v16_fma(q, x2, v16_set1(MHA_TANH_T2));
+    q = v16_fma(q, x2, v16_set1(MHA_TANH_T1));
+    const v16 small = v16_fma(v16_mul(x, x2), q, x);
+    const v16 e = v16_exp(v16_add(ax, ax));
+    v16 big = v16_sub(v16_set1(1.0f), _mm512_div_ps(v16_set1(2.0f), v16_add(e, v16_set1(1.0f))));
+    /* copy the sign of x onto big (|big| = big >= 0) */
+    big = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(big),
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+    const __mmask16 is_small = _mm512_cmp_ps_mask(ax, v16_set1(MHA_TANH_SPLIT), _CMP_LT_OQ);
+    return v16_select(is_small, small, big);
+}
+
+/* Philox4x32-10 (Salmon et al., SC'11; the constants are the paper's, as in src/philox.c), 16
+ * counters at once, returning only output word 0 (what dropout uses). 32x32 -> 64-bit products:
+ * VPMULUDQ multiplies the even 32-bit lanes; the odd lanes are shifted down and multiplied too. */
+#define MHA_PHILOX_M0 0xD2511F53u
+#define MHA_PHILOX_M1 0xCD9E8D57u
+#define MHA_PHILOX_W0 0x9E3779B9u
+#define MHA_PHILOX_W1 0xBB67AE85u
+
+MHA_INLINE void v16i_mul_hilo(__m512i a, __m512i m, __m512i *hi, __m512i *lo) {
+    const __m512i even = _mm512_mul_epu32(a, m);
+    const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+    *lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+    *hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+}
+
+MHA_INLINE __m512i
+v16i_philox_word0(__m512i c0, __m512i c1, __m512i c2, __m512i c3, uint32_t k0, uint32_t k1) {
+    const __m512i m0 = _mm512_set1_epi32((int)MHA_PHILOX_M0);
+    const __m512i m1 = _mm512_set1_epi32((int)MHA_PHILOX_M1);
+    for (int round = 0; round < 9; round++) {
+        __m512i hi0, lo0, hi1, lo1;
+        v16i_mul_hilo(c0, m0, &hi0, &lo0);
+        v16i_mul_hilo(c2, m1, &hi1, &lo1);
+        /* 0x96: a ^ b ^ c */
+        c0 = _mm512_ternarylogic_epi32(hi1, c1, _mm512_set1_epi32((int)k0), 0x96);
+        c2 = _mm512_ternarylogic_epi32(hi0, c3, _mm512_set1_epi32((int)k1), 0x96);
+        c1 = lo1;
+        c3 = lo0;
+        k0 += MHA_PHILOX_W0;
+        k1 += MHA_PHILOX_W1;
+    }
+    __m512i hi1, lo1;
+    v16i_mul_hilo(c2, m1, &hi1, &lo1);
+    return _mm512_ternarylogic_epi32(hi1, c1, _mm512_set1_epi32((int)k0), 0x96);
+}
+
+#endif /* MHA_SIMD_AVX512_H */

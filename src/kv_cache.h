@@ -1,0 +1,120 @@
+/* SPDX-License-Identifier: MIT */
+/* kv_cache.h: the KV cache's private layout and the split-KV decode kernels' interface (internal,
+ * never installed). Shared by kv_cache.c, decode.c and kernels/{generic,x86}/decode_*.c.
+ *
+ * Storage: K [batch, g, slots, d_k] and V [batch, g, slots, d_v] of the cache dtype. Logical
+ * position p of a sequence lives in slot p % slots; without a window slots = max_seq, so the slot
+ * is p itself. A sequence of length L holds positions max(0, L - slots) .. L-1.
+ */
+#ifndef MHA_KV_CACHE_H
+#define MHA_KV_CACHE_H
+
+#include "internal.h"
+
+struct mha_kv_cache {
+    mha_kv_cache_config cfg; /* resolved */
+    int64_t slots;           /* storage positions per sequence */
+    size_t elem;             /* bytes per stored element (4 or 2) */
+    void *k, *v;             /* K [batch, g, slots, dk], V [batch, g, slots, dv] */
+    int64_t *len;            /* [batch] current lengths */
+    int64_t *lo;             /* [batch] lowest position whose slot is intact (window rings:
+                                grows as the ring wraps; truncate does not lower it) */
+    mha_allocator allocator;
+    int has_allocator;
+};
+
+/* Address of K/V row (seq, kv head, logical position p): slot p % slots. */
+static inline const void *
+mha__kv_k_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
+    const int64_t row = (s * c->cfg.num_kv_heads + g) * c->slots + p % c->slots;
+    return (const char *)c->k + (size_t)(row * c->cfg.head_dim) * c->elem;
+}
+static inline const void *
+mha__kv_v_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
+    const int64_t row = (s * c->cfg.num_kv_heads + g) * c->slots + p % c->slots;
+    return (const char *)c->v + (size_t)(row * c->cfg.v_head_dim) * c->elem;
+}
+
+/* Validates seq_ids (in range, distinct); NULL means 0 .. S-1. */
+mha_status
+mha__kv_check_seqs(const struct mha_kv_cache *c, int64_t S, const int64_t *seq_ids, mha_error *err);
+/* Appends t rows per sequence without validation (mha__kv_check_append first): element
+ * (s, i, g, d) of k at k[s*seq_stride + i*tok_stride + g*dk + d] (v likewise with dv). */
+void mha__kv_append_raw(struct mha_kv_cache *c,
+                        int64_t S,
+                        const int64_t *seq_ids,
+                        int64_t t,
+                        const float *k,
+                        int64_t k_seq_stride,
+                        int64_t k_tok_stride,
+                        const float *v,
+                        int64_t v_seq_stride,
+                        int64_t v_tok_stride);
+/* Checks that t tokens fit in every listed sequence (max_seq, window step limit). */
+mha_status mha__kv_check_append(
+    const struct mha_kv_cache *c, int64_t S, const int64_t *seq_ids, int64_t t, mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Split-KV decode kernels.                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* One decode problem: the last t positions of S sequences attend to their caches. Query row
+ * r = i * group + gh (token i of the call, head gh within the kv group) of (seq row s, kv head g)
+ * is query head g * group + gh at position p = len[s] - t + i. */
+typedef struct mha__dec_problem {
+    const struct mha_kv_cache *cache;
+    const int64_t *seq; /* [S] cache ids */
+    int64_t S, t, H, G, group, dk, dv;
+    float scale, softcap; /* softcap 0 = off */
+    const float *slopes;  /* [H] ALiBi slopes or NULL */
+    int64_t window;       /* 0 = none */
+    const float *q;       /* element (s, i, h, d) at q[s*q_ss + i*q_ts + h*dk + d] */
+    int64_t q_ss, q_ts;
+} mha__dec_problem;
+
+/* A work unit: keys [j0, j1) (logical positions) of kv head g of seq row s. */
+typedef struct mha__dec_unit {
+    int64_t s, g, j0, j1;
+} mha__dec_unit;
+
+/* Computes the unnormalised partial of a unit for its R = group * t rows:
+ *   m[r] = max_j s_rj over visible keys (-inf if none), l[r] = sum_j exp(s_rj - m[r]),
+ *   o[r][0:dv) = sum_j exp(s_rj - m[r]) v_j   (0 when nothing is visible).
+ * scratch: mha__dec_scratch_floats() floats, 64-byte aligned. */
+typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
+                                   const mha__dec_unit *u,
+                                   float *o,
+                                   float *m,
+                                   float *l,
+                                   float *scratch);
+
+/* Keys per unit: large enough that a unit's K and V stream from memory in long runs and the
+ * per-unit overhead (q loads, the merge) is small; small enough that batch 1 with g = 8 and a
+ * 4096-long cache still gives 64 units for 2 threads, and a block's K (256 x 128 x 4 B = 128 KiB)
+ * stays in this machine's 2 MiB L2 between the K and V passes. */
+#define MHA_DEC_BLOCK 256
+
+/* Scratch floats a kernel needs: scores [R][BLOCK] + four dequantised K and V rows. */
+int64_t mha__dec_scratch_floats(const mha__dec_problem *p);
+
+void mha__dec_kernel_generic(const mha__dec_problem *p,
+                             const mha__dec_unit *u,
+                             float *o,
+                             float *m,
+                             float *l,
+                             float *scratch);
+#if defined(__x86_64__) || defined(__i386__)
+void mha__dec_kernel_avx512(const mha__dec_problem *p,
+                            const mha__dec_unit *u,
+                            float *o,
+                            float *m,
+                            float *l,
+                            float *scratch);
+#endif
+
+/* Visibility of logical key j for the query at position pos (causal, window). */
+static inline int mha__dec_visible(const mha__dec_problem *p, int64_t pos, int64_t j) {
+    return j <= pos && (p->window == 0 || j > pos - p->window);
+}
+
+#endif /* MHA_KV_CACHE_H */

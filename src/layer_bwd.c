@@ -1,0 +1,458 @@
+/* SPDX-License-Identifier: MIT */
+/* layer_bwd.c: training forward and backward of the layer (docs/TRAINING.md).
+ *
+ * Forward (as layer.c, keeping what backward needs in an mha_train_state):
+ *   Q = RoPE(x_q W_q^T + b_q)  K = RoPE(x_k W_k^T + b_k)  V = x_v W_v^T + b_v
+ *   A = core(Q, K, V) (+ lse)   y = A W_o^T + b_o
+ * Backward, each line the transpose of the forward line it differentiates:
+ *   "y = A W_o^T + b_o":      dA = dy W_o,   dW_o = dy^T A,   db_o = sum_rows dy
+ *   "A = core(Q, K, V)":      dQ, dK, dV = mha_attention_backward (attention_bwd.c)
+ *   "Q = RoPE(Q')":           dQ' = R(-angle) dQ  (the rotation's transpose; YaRN's cos/sin
+ *                             factor is part of R, so it multiplies the transpose too)
+ *   "Q' = x_q W_q^T + b_q":   dx_q = dQ' W_q,  dW_q = dQ'^T x_q,  db_q = sum_rows dQ'   (K, V same)
+ * impl=reference uses plain loops for the products; fast/auto the packed GEMM of gemm.c (on
+ * transposed copies: everything transposed is O((n + m) d) or a weight). Threads never split a
+ * sum, so results are bit-identical for any thread count.
+ */
+#include "attention_bwd.h"
+#include "gemm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct mha_train_state {
+    const mha_layer *layer;
+    mha_forward_args args; /* by value: the caller's input pointers; out/probs cleared */
+    int64_t B, n, m;
+    int self;
+    float *q, *k, *v, *a, *lse; /* [B,n,h*dk] [B,m,g*dk] [B,m,g*dv] [B,n,h*dv] [B,h,n] */
+    void *block;
+    mha_allocator allocator;
+    int has_allocator;
+};
+
+void mha_train_state_destroy(mha_train_state *s) {
+    if (!s)
+        return;
+    mha_allocator a = s->allocator;
+    const mha_allocator *ap = s->has_allocator ? &a : NULL;
+    mha__free(ap, s->block);
+    mha__free(ap, s);
+}
+
+/* The core's view of the layer buffers ([B, L, heads, d] seen as [B, heads, L, d]). */
+static void core_args(const mha_layer *L, const mha_forward_args *a, int64_t m, const float *q,
+                      const float *k, const float *v, float *att, float *lse,
+                      mha_attention_args *c) {
+    const mha_config *cfg = mha_layer_config(L);
+    const int64_t h = cfg->num_heads, g = cfg->num_kv_heads, n = a->q_len;
+    const int64_t dk = cfg->head_dim, dv = cfg->v_head_dim;
+    memset(c, 0, sizeof *c);
+    c->batch = a->batch;
+    c->num_heads = h;
+    c->num_kv_heads = g;
+    c->q_len = n;
+    c->kv_len = m;
+    c->head_dim = dk;
+    c->v_head_dim = dv;
+    c->scale = cfg->scale;
+    c->softcap = cfg->softcap;
+    c->alibi = cfg->alibi;
+    c->sinks = mha_layer_weights(L)->sinks;
+    c->q = q;
+    c->q_strides[0] = n * h * dk, c->q_strides[1] = dk, c->q_strides[2] = h * dk;
+    c->k = k;
+    c->k_strides[0] = m * g * dk, c->k_strides[1] = dk, c->k_strides[2] = g * dk;
+    c->v = v;
+    c->v_strides[0] = m * g * dv, c->v_strides[1] = dv, c->v_strides[2] = g * dv;
+    c->out = att;
+    c->out_strides[0] = n * h * dv, c->out_strides[1] = dv, c->out_strides[2] = h * dv;
+    c->lse = lse;
+    c->probs = a->probs;
+    c->average_probs = a->average_probs;
+    c->mask = a->mask;
+    c->dropout = a->dropout;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Products.                                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* y[r, o] = sum_c x[r, c] w[o, c] (+ bias[o]): the reference loops (as layer.c's reference). */
+typedef struct xwt_job {
+    const float *x, *w, *bias;
+    float *y;
+    int64_t in, out;
+} xwt_job;
+
+static void xwt_rows(void *ctx, int part, int64_t r0, int64_t r1) {
+    (void)part;
+    const xwt_job *j = ctx;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t o = 0; o < j->out; o++) {
+            const float *x = j->x + r * j->in, *w = j->w + o * j->in;
+            float acc = 0.0f;
+            for (int64_t c = 0; c < j->in; c++)
+                acc += x[c] * w[c];
+            j->y[r * j->out + o] = j->bias ? acc + j->bias[o] : acc;
+        }
+}
+
+/* y[rows, out] = x[rows, in] w[out, in]^T (+ bias). */
+static mha_status xwt(mha_impl impl, const mha_allocator *alloc, const float *x, const float *w,
+                      const float *bias, float *y, int64_t rows, int64_t in, int64_t out,
+                      int n_threads, mha_error *err) {
+    if (impl != MHA_IMPL_REFERENCE)
+        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, n_threads, MHA__GEMM_AUTO,
+                             alloc, err);
+    xwt_job job = {x, w, bias, y, in, out};
+    return mha__parallel_for(n_threads, rows, xwt_rows, &job, err);
+}
+
+/* t[c, r] = x[r, c]: x [rows, cols] -> t [cols, rows]. */
+static void transpose(const float *x, float *t, int64_t rows, int64_t cols) {
+    const int64_t BS = 32;
+    for (int64_t r0 = 0; r0 < rows; r0 += BS)
+        for (int64_t c0 = 0; c0 < cols; c0 += BS)
+            for (int64_t r = r0; r < rows && r < r0 + BS; r++)
+                for (int64_t c = c0; c < cols && c < c0 + BS; c++)
+                    t[c * rows + r] = x[r * cols + c];
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* RoPE and its transpose.                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Rotates every head of a [B, L, heads, d] buffer by +angle (sign = 1) or -angle (sign = -1):
+ * the transpose of (x_a, x_b) -> f (x_a cos - x_b sin, x_a sin + x_b cos) is
+ * (g_a, g_b) -> f (g_a cos + g_b sin, -g_a sin + g_b cos), i.e. the same with sin negated. */
+static mha_status rope_buffer(const mha_rope *r, float *x, int64_t B, int64_t Lk, int64_t heads,
+                              int64_t d, const int64_t *pos, int sign, mha_error *err) {
+    const int64_t half = r->rotary_dim / 2;
+    double *tab = malloc(sizeof(double) * (size_t)(3 * half));
+    MHA_RETURN_IF(!tab, err, NO_MEMORY, "cannot allocate RoPE tables");
+    double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
+    mha__rope_freqs(r, freqs, &cs);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < Lk; t++) {
+            mha__rope_cos_sin(r, freqs, cs, pos ? pos[b * Lk + t] : t, cos_k, sin_k);
+            if (sign < 0)
+                for (int64_t k = 0; k < half; k++)
+                    sin_k[k] = -sin_k[k];
+            for (int64_t hh = 0; hh < heads; hh++)
+                mha__rope_rotate(r, cos_k, sin_k, x + ((b * Lk + t) * heads + hh) * d);
+        }
+    free(tab);
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Training forward.                                                                              */
+/* ---------------------------------------------------------------------------------------------- */
+
+mha_status mha_layer_forward_train(const mha_layer *layer, const mha_forward_args *args,
+                                   const mha_exec *exec, mha_train_state **state, mha_error *err) {
+    MHA_RETURN_IF(!state, err, INVALID_ARG, "state (the output pointer) is NULL");
+    *state = NULL;
+    /* Every check of mha_layer_forward (sizes, inputs, positions, masks, implementation). */
+    mha_status st = mha_layer_forward_supported(layer, args, exec, err);
+    if (st)
+        return st;
+    const mha_config *c = mha_layer_config(layer);
+    const mha_weights *w = mha_layer_weights(layer);
+    const int self = args->key == NULL;
+    const int64_t B = args->batch, n = args->q_len, m = self ? n : args->kv_len;
+    const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
+    int64_t cnt[5];
+    const int64_t f[5][3] = {{B * n, h, dk}, {B * m, g, dk}, {B * m, g, dv}, {B * n, h, dv},
+                             {B, h, n}};
+    int64_t total = 0;
+    for (int i = 0; i < 5; i++)
+        MHA_RETURN_IF(!mha__prod_i64(f[i], 3, &cnt[i]) || !mha__add_i64(total, cnt[i], &total),
+                      err, OVERFLOW, "training state size overflows");
+    size_t bytes;
+    MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &bytes), err, OVERFLOW,
+                  "training state size overflows");
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    mha_train_state *s = mha__alloc(alloc, sizeof *s);
+    MHA_RETURN_IF(!s, err, NO_MEMORY, "cannot allocate the training state");
+    memset(s, 0, sizeof *s);
+    if (alloc) {
+        s->allocator = *alloc;
+        s->has_allocator = 1;
+    }
+    s->block = mha__alloc(alloc, bytes);
+    if (!s->block) {
+        mha_train_state_destroy(s);
+        return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %zu bytes of training state",
+                         bytes);
+    }
+    s->layer = layer;
+    s->args = *args;
+    s->args.out = NULL;
+    s->args.probs = NULL;
+    s->B = B, s->n = n, s->m = m, s->self = self;
+    s->q = s->block;
+    s->k = s->q + cnt[0];
+    s->v = s->k + cnt[1];
+    s->a = s->v + cnt[2];
+    s->lse = s->a + cnt[3];
+
+    const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    const float *xk = self ? args->query : args->key;
+    const float *xv = self ? args->query : (args->value ? args->value : args->key);
+    st = xwt(impl, alloc, args->query, w->w_q, w->b_q, s->q, B * n, c->q_dim, h * dk, n_threads,
+             err);
+    if (!st)
+        st = xwt(impl, alloc, xk, w->w_k, w->b_k, s->k, B * m, c->k_dim, g * dk, n_threads, err);
+    if (!st)
+        st = xwt(impl, alloc, xv, w->w_v, w->b_v, s->v, B * m, c->v_dim, g * dv, n_threads, err);
+    if (!st && c->rope.style != MHA_ROPE_NONE) {
+        const int64_t *kpos = args->k_positions ? args->k_positions
+                                                : (self ? args->q_positions : NULL);
+        st = rope_buffer(&c->rope, s->q, B, n, h, dk, args->q_positions, 1, err);
+        if (!st)
+            st = rope_buffer(&c->rope, s->k, B, m, g, dk, kpos, 1, err);
+    }
+    if (!st) {
+        mha_attention_args core;
+        core_args(layer, args, m, s->q, s->k, s->v, s->a, s->lse, &core);
+        mha_exec ce = exec ? *exec : (mha_exec){0};
+        ce.workspace = NULL;
+        ce.workspace_bytes = 0;
+        st = mha_attention(&core, &ce, err);
+    }
+    if (!st)
+        st = xwt(impl, alloc, s->a, w->w_o, w->b_o, args->out, B * n, h * dv, c->out_dim,
+                 n_threads, err);
+    if (st) {
+        mha_train_state_destroy(s);
+        return st;
+    }
+    *state = s;
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Backward.                                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct bwd_ctx {
+    mha_impl impl;
+    const mha_allocator *alloc;
+    int n_threads;
+    int accumulate;
+    float *tmp1, *tmp2; /* transposes, each >= max(rows, weight) elements */
+} bwd_ctx;
+
+/* Writes (or adds) src[0..count) into dst; dst NULL = not wanted. */
+static void deliver(float *dst, const float *src, int64_t count, int accumulate) {
+    if (!dst)
+        return;
+    for (int64_t i = 0; i < count; i++)
+        dst[i] = accumulate ? dst[i] + src[i] : src[i];
+}
+
+/* C[M, N] = A[M, K] B[K, N]  (B is transposed into tmp for the x W^T product). */
+static mha_status mm_ab(const bwd_ctx *x, const float *A, const float *Bm, float *C, int64_t M,
+                        int64_t N, int64_t K, float *tmp, mha_error *err) {
+    transpose(Bm, tmp, K, N); /* tmp [N, K] */
+    return xwt(x->impl, x->alloc, A, tmp, NULL, C, M, K, N, x->n_threads, err);
+}
+
+/* C[M, N] = A[K, M]^T B[K, N]. */
+static mha_status mm_atb(const bwd_ctx *x, const float *A, const float *Bm, float *C, int64_t M,
+                         int64_t N, int64_t K, mha_error *err) {
+    transpose(A, x->tmp1, K, M); /* [M, K] */
+    transpose(Bm, x->tmp2, K, N); /* [N, K] */
+    return xwt(x->impl, x->alloc, x->tmp1, x->tmp2, NULL, C, M, K, N, x->n_threads, err);
+}
+
+static void col_sums(const float *x, int64_t rows, int64_t cols, float *out) {
+    for (int64_t c = 0; c < cols; c++)
+        out[c] = 0.0f;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            out[c] += x[r * cols + c];
+}
+
+/* One projection "P = x W^T + b" given dP [rows, out]: dW, db delivered, dx written to dx_out
+ * (a scratch buffer [rows, in]) when dx_out != NULL. wbuf: scratch >= out*in and >= in. */
+static mha_status proj_backward(const bwd_ctx *x, const float *dP, const float *xin,
+                                const float *W, int64_t rows, int64_t in, int64_t out, float *dW,
+                                float *db, float *dx_out, float *wbuf, mha_error *err) {
+    mha_status st = MHA_STATUS_OK;
+    if (dW) {
+        st = mm_atb(x, dP, xin, wbuf, out, in, rows, err);
+        if (st)
+            return st;
+        deliver(dW, wbuf, out * in, x->accumulate);
+    }
+    if (db) {
+        col_sums(dP, rows, out, wbuf);
+        deliver(db, wbuf, out, x->accumulate);
+    }
+    if (dx_out)
+        st = mm_ab(x, dP, W, dx_out, rows, in, out, x->tmp1, err);
+    return st;
+}
+
+mha_status mha_layer_backward(const mha_layer *layer, const mha_train_state *s, const float *dy,
+                              const mha_layer_grads *gr, const mha_exec *exec, mha_error *err) {
+    MHA_RETURN_IF(!layer || !s || !dy || !gr, err, INVALID_ARG,
+                  "layer, state, dy and grads must not be NULL");
+    MHA_RETURN_IF(s->layer != layer, err, INVALID_ARG,
+                  "state was made by mha_layer_forward_train with another layer");
+    const mha_config *c = mha_layer_config(layer);
+    const mha_weights *w = mha_layer_weights(layer);
+    const mha_forward_args *a = &s->args;
+    MHA_RETURN_IF(s->self && (gr->d_key || gr->d_value), err, INVALID_ARG,
+                  "self-attention: d_query receives all three input paths; d_key and d_value "
+                  "must be NULL");
+    MHA_RETURN_IF(!s->self && !a->value && gr->d_value, err, INVALID_ARG,
+                  "value = key in the forward: d_key receives both paths; d_value must be NULL");
+    MHA_RETURN_IF((gr->db_q && !c->bias_q) || (gr->db_k && !c->bias_k) ||
+                      (gr->db_v && !c->bias_v) || (gr->db_o && !c->bias_o),
+                  err, INVALID_ARG, "a bias gradient is requested for a bias the layer lacks");
+    MHA_RETURN_IF(gr->d_sinks && !c->sinks, err, INVALID_ARG,
+                  "grads.d_sinks is given but the layer has no sinks");
+    const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
+    const int64_t dk = c->head_dim, dv = c->v_head_dim, od = c->out_dim;
+    const int64_t qd = c->q_dim, kd = c->k_dim, vd = c->v_dim;
+    const int64_t rq = B * n, rk = B * m;
+
+    /* Scratch (floats): dA [rq, h dv]; dQ [rq, h dk]; dK [rk, g dk]; dV [rk, g dv];
+     * dx buffers for q, k, v; two transpose buffers; one weight-sized buffer. */
+    const int64_t wmax_parts[] = {h * dk * qd, g * dk * kd, g * dv * vd, od * h * dv};
+    int64_t wmax = od;
+    for (int i = 0; i < 4; i++)
+        wmax = wmax_parts[i] > wmax ? wmax_parts[i] : wmax;
+    int64_t tmax = wmax;
+    const int64_t act[] = {rq * od, rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv,
+                           rq * qd,  rk * kd,     rk * vd};
+    for (int i = 0; i < 8; i++)
+        tmax = act[i] > tmax ? act[i] : tmax;
+    const int64_t sizes[] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv, rq * qd,
+                             rk * kd,     rk * vd,     tmax,        tmax,        wmax};
+    int64_t total = 0;
+    for (int i = 0; i < 10; i++)
+        MHA_RETURN_IF(!mha__add_i64(total, sizes[i] + 16, &total), err, OVERFLOW,
+                      "backward scratch overflows");
+    size_t bytes;
+    MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &bytes), err, OVERFLOW,
+                  "backward scratch overflows");
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    float *buf = mha__alloc(alloc, bytes);
+    MHA_RETURN_IF(!buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch", bytes);
+    float *p[10];
+    {
+        float *cur = buf;
+        for (int i = 0; i < 10; i++) {
+            p[i] = cur;
+            cur += sizes[i] + 16;
+        }
+    }
+    float *dA = p[0], *dQ = p[1], *dK = p[2], *dV = p[3], *dxq = p[4], *dxk = p[5], *dxv = p[6];
+    bwd_ctx x = {exec ? exec->impl : MHA_IMPL_AUTO, alloc,
+                 (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads(),
+                 gr->accumulate != 0, p[7], p[8]};
+    float *wbuf = p[9];
+
+    /* The core backward is validated first (it checks the masks, dropout, lse): on its error no
+     * gradient buffer has been touched yet. */
+    mha_attention_args core;
+    core_args(layer, a, m, s->q, s->k, s->v, s->a, s->lse, &core);
+    core.probs = NULL;
+    /* "y = A W_o^T + b_o": dA = dy W_o. */
+    mha_status st = mm_ab(&x, dy, w->w_o, dA, rq, h * dv, od, x.tmp1, err);
+    float *dsinks = NULL;
+    if (!st) {
+        mha_attention_grads cg;
+        memset(&cg, 0, sizeof cg);
+        cg.dout = dA;
+        memcpy(cg.dout_strides, core.out_strides, sizeof cg.dout_strides);
+        cg.dq = dQ;
+        memcpy(cg.dq_strides, core.q_strides, sizeof cg.dq_strides);
+        cg.dk = dK;
+        memcpy(cg.dk_strides, core.k_strides, sizeof cg.dk_strides);
+        cg.dv = dV;
+        memcpy(cg.dv_strides, core.v_strides, sizeof cg.dv_strides);
+        mha_exec ce = exec ? *exec : (mha_exec){0};
+        ce.workspace = NULL;
+        ce.workspace_bytes = 0;
+        if (gr->d_sinks) {
+            /* Sinks go straight into a small private buffer. */
+            dsinks = malloc(sizeof(float) * (size_t)h);
+            if (!dsinks)
+                st = mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld floats",
+                               (long long)h);
+            cg.dsinks = dsinks;
+        }
+        if (!st)
+            st = mha_attention_backward(&core, &cg, &ce, err);
+    }
+    /* From here on nothing can fail but allocation inside the GEMM. */
+    if (!st) {
+        if (gr->dw_o)
+            st = mm_atb(&x, dy, s->a, wbuf, od, h * dv, rq, err);
+        if (!st && gr->dw_o)
+            deliver(gr->dw_o, wbuf, od * h * dv, x.accumulate);
+        if (!st && gr->db_o) {
+            col_sums(dy, rq, od, wbuf);
+            deliver(gr->db_o, wbuf, od, x.accumulate);
+        }
+        if (!st && gr->d_sinks)
+            deliver(gr->d_sinks, dsinks, h, x.accumulate);
+    }
+    /* "Q = RoPE(Q')": the transposed rotation. */
+    if (!st && c->rope.style != MHA_ROPE_NONE) {
+        const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);
+        st = rope_buffer(&c->rope, dQ, B, n, h, dk, a->q_positions, -1, err);
+        if (!st)
+            st = rope_buffer(&c->rope, dK, B, m, g, dk, kpos, -1, err);
+    }
+    const float *xq = a->query;
+    const float *xk = s->self ? a->query : a->key;
+    const float *xv = s->self ? a->query : (a->value ? a->value : a->key);
+    const int want_q = gr->d_query != NULL;
+    const int want_k = s->self ? want_q : gr->d_key != NULL;
+    const int want_v = s->self ? want_q : (a->value ? gr->d_value != NULL : gr->d_key != NULL);
+    if (!st)
+        st = proj_backward(&x, dQ, xq, w->w_q, rq, qd, h * dk, gr->dw_q, gr->db_q,
+                           want_q ? dxq : NULL, wbuf, err);
+    if (!st)
+        st = proj_backward(&x, dK, xk, w->w_k, rk, kd, g * dk, gr->dw_k, gr->db_k,
+                           want_k ? dxk : NULL, wbuf, err);
+    if (!st)
+        st = proj_backward(&x, dV, xv, w->w_v, rk, vd, g * dv, gr->dw_v, gr->db_v,
+                           want_v ? dxv : NULL, wbuf, err);
+    if (!st) {
+        if (s->self) {
+            /* One input fed all three projections: the sum of the paths, in the order q, k, v. */
+            if (want_q) {
+                for (int64_t i = 0; i < rq * qd; i++)
+                    dxq[i] = (dxq[i] + dxk[i]) + dxv[i];
+                deliver(gr->d_query, dxq, rq * qd, x.accumulate);
+            }
+        } else {
+            deliver(gr->d_query, dxq, rq * qd, x.accumulate);
+            if (!a->value) {
+                if (want_k) {
+                    for (int64_t i = 0; i < rk * kd; i++)
+                        dxk[i] += dxv[i];
+                    deliver(gr->d_key, dxk, rk * kd, x.accumulate);
+                }
+            } else {
+                deliver(gr->d_key, dxk, rk * kd, x.accumulate);
+                deliver(gr->d_value, dxv, rk * vd, x.accumulate);
+            }
+        }
+    }
+    free(dsinks);
+    mha__free(alloc, buf);
+    if (!st)
+        mha__ok(err);
+    return st;
+}

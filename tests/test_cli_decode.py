@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: MIT
+"""Tests of `mha run --decode` and `mha decode-bench` (KV-cache decoding, docs/INFERENCE.md).
+
+`mha run --decode` must write the same output file as the full causal forward (`mha run --causal`)
+for every option the full forward accepts with --causal; options that make no sense for decoding
+are usage errors (exit 2, one line on stderr, no output file). The numpy float64 formula of
+test_cli.py is the independent reference for the cases without RoPE.
+
+Run by ctest with MHA_CLI=<path to mha>; needs numpy only.
+"""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from test_cli import make_weights, ref_mha, write_safetensors
+
+CLI = os.environ.get("MHA_CLI")
+pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
+
+# float32 cache: the project's float32 tolerance (tests/common/tolerance.h TOL_OUT_REL).
+TOL = 1e-5
+# float16 / bfloat16 cache: 8 unit roundoffs of the storage type (TOL_KV_F16_REL / BF16_REL).
+TOL_DTYPE = {"f32": TOL, "f16": 8 * 2.0**-11, "bf16": 8 * 2.0**-8}
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([CLI, *[str(a) for a in args]], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture
+def case(tmp_path):
+    rng = np.random.default_rng(1234)
+    w = make_weights(rng, q_dim=32, heads=4, kv_heads=2)
+    write_safetensors(tmp_path / "w.safetensors", w)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    np.save(tmp_path / "sinks.npy", sinks)
+    x3 = rng.standard_normal((3, 13, 32)).astype(np.float32)
+    np.save(tmp_path / "x3.npy", x3)
+    np.save(tmp_path / "x2.npy", x3[0])
+    return {"dir": tmp_path, "w": w, "x3": x3, "sinks": sinks}
+
+
+def run(c, *extra, x="x3.npy", out="y.npy"):
+    return run_cli("run", "--weights", "w.safetensors", "--heads", 4, "--input", x,
+                   "--out", out, *extra, cwd=c["dir"])
+
+
+OPTION_CASES = [
+    ("plain", []),
+    ("rope-interleaved", ["--rope-theta", "10000"]),
+    ("rope-half-partial", ["--rope-style", "half", "--rope-dim", "4"]),
+    ("rope-llama3", ["--rope-style", "half", "--rope-scaling", "llama3",
+                     "--rope-original-max", "8"]),
+    ("window", ["--window", "3,0"]),
+    ("window-right-unbounded", ["--window", "4,-1", "--rope-theta", "500"]),
+    ("alibi", ["--alibi"]),
+    ("sinks", ["--sinks", "sinks.npy"]),
+    ("softcap-scale", ["--softcap", "2.5", "--scale", "0.7"]),
+    ("everything", ["--rope-style", "half", "--window", "5,0", "--alibi", "--sinks",
+                    "sinks.npy", "--softcap", "3"]),
+]
+
+
+@pytest.mark.parametrize("name,extra", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+@pytest.mark.parametrize("prefill", [None, 5, 13])
+def test_decode_equals_full_causal_forward(case, name, extra, prefill):
+    r = run(case, "--causal", *extra, out="full.npy")
+    assert r.returncode == 0, r.stderr
+    pf = [] if prefill is None else ["--prefill", prefill]
+    r = run(case, "--decode", *pf, *extra, out="dec.npy")
+    assert r.returncode == 0, r.stderr
+    full, dec = np.load(case["dir"] / "full.npy"), np.load(case["dir"] / "dec.npy")
+    assert dec.shape == full.shape == (3, 13, 32)
+    assert np.abs(dec - full).max() <= TOL * np.abs(full).max()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_cache_dtypes_against_numpy(case, dtype, threads):
+    """Independent float64 reference (no RoPE): GQA + ALiBi + sinks + window."""
+    r = run(case, "--decode", "--prefill", "3", "--cache-dtype", dtype, "--threads", threads,
+            "--alibi", "--sinks", "sinks.npy", "--window", "6,0")
+    assert r.returncode == 0, r.stderr
+    y = np.load(case["dir"] / "y.npy")
+    ref, _ = ref_mha(case["x3"], case["w"], 4, kv_heads=2, causal=True, alibi=True,
+                     sinks=case["sinks"], window=(6, 0))
+    assert np.abs(y - ref).max() <= TOL_DTYPE[dtype] * np.abs(ref).max()
+
+
+def test_decode_2d_input_and_explicit_causal(case):
+    r = run(case, "--decode", "--causal", "bottom-right", x="x2.npy")
+    assert r.returncode == 0, r.stderr
+    y = np.load(case["dir"] / "y.npy")
+    ref, _ = ref_mha(case["x3"][:1], case["w"], 4, kv_heads=2, causal=True)
+    assert y.shape == (13, 32)
+    assert np.abs(y - ref[0]).max() <= TOL * np.abs(ref).max()
+
+
+USAGE_ERRORS = [
+    (["--decode", "--key", "x3.npy"], "--key cannot be used with --decode"),
+    (["--decode", "--mask", "x3.npy"], "--mask cannot be used with --decode"),
+    (["--decode", "--key-padding-mask", "x3.npy"], "--key-padding-mask cannot"),
+    (["--decode", "--causal", "top-left"], "--causal top-left cannot be used with --decode"),
+    (["--decode", "--attn", "a.npy"], "--attn cannot be used with --decode"),
+    (["--decode", "--dropout", "0.1"], "--dropout cannot be used with --decode"),
+    (["--decode", "--rope-theta", "100", "--positions", "p.npy"], "--positions cannot"),
+    (["--decode", "--prefill", "0"], "--prefill: 0 is out of range"),
+    (["--decode", "--cache-dtype", "f8"], "--cache-dtype: 'f8' is not f32, f16 or bf16"),
+    (["--prefill", "2"], "--prefill needs --decode"),
+    (["--cache-dtype", "f16"], "--cache-dtype needs --decode"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", USAGE_ERRORS, ids=[" ".join(e[0]) for e in USAGE_ERRORS])
+def test_decode_usage_errors(case, extra, needle):
+    r = run(case, *extra)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not (case["dir"] / "y.npy").exists()
+    assert not [f for f in os.listdir(case["dir"]) if f.startswith("y.npy")]
+
+
+def test_decode_prefill_longer_than_input(case):
+    r = run(case, "--decode", "--prefill", "14")
+    assert r.returncode == 1
+    assert "--prefill 14: larger than the 13 tokens" in r.stderr
+    assert not (case["dir"] / "y.npy").exists()
+
+
+def test_help_lists_decode_flags():
+    r = run_cli("run", "--help")
+    assert r.returncode == 0
+    for flag in ("--decode", "--prefill P", "--cache-dtype T"):
+        assert flag in r.stdout
+    r = run_cli("--help")
+    assert "decode-bench" in r.stdout
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_decode_bench_runs(dtype):
+    r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
+                "--cache-len", 300, "--steps", 3, "--threads", 2, "--cache-dtype", dtype,
+                "--naive", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["cache_dtype"] == dtype and rec["attn_tokens_per_s"] > 0
+    assert rec["layer_tokens_per_s"] > 0 and rec["naive_s"] > 0
+    bytes_per = {"f32": 4, "f16": 2, "bf16": 2}[dtype]
+    assert rec["kv_bytes_per_step"] == pytest.approx(2 * 301 * 2 * 32 * bytes_per, rel=0.01)
+    r = run_cli("decode-bench", "--steps", 2, "--cache-len", 64, "--heads", 2, "--kv-heads", 1,
+                "--head-dim", 16)
+    assert r.returncode == 0 and "tokens/s" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--heads", "6", "--kv-heads", "4"], "--kv-heads 4 does not divide --heads 6"),
+    (["--cache-dtype", "int8"], "--cache-dtype: 'int8'"),
+    (["--bogus"], "unknown option '--bogus'"),
+    (["--steps", "0"], "--steps: 0 is out of range"),
+])
+def test_decode_bench_usage_errors(args, needle):
+    r = run_cli("decode-bench", *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr

@@ -1,0 +1,765 @@
+# SPDX-License-Identifier: MIT
+"""Tests of the Python package's NumPy API (python/mha) against a float64 NumPy formula.
+
+Run by ctest with MHA_LIBRARY=<libmha.so>, MHA_SOURCE_DIR=<repo root>, MHA_CLI=<mha program>;
+needs numpy and pytest only. Covers: the ctypes struct layouts against the C compiler, the
+version check, the layer (self/cross attention, kdim/vdim, GQA, biases, every mask kind and
+polarity, both causal alignments, windows, segment ids, RoPE styles and positions, probabilities,
+dropout determinism), the core with strides and layouts, RoPE alone, the CS336 fixtures, errors,
+safetensors loading, the backward against finite differences of the float64 formula, KV-cache
+decoding, that the GIL is released, and that the CLI and the package agree.
+
+Tolerance: the project's, max|y - ref| <= 1e-5 * max|ref| (float32 compute vs float64 reference).
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+SRC = os.environ.get("MHA_SOURCE_DIR", os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(SRC, "python"))
+import mha  # noqa: E402
+from mha import _lib  # noqa: E402
+
+TOL = 1e-5
+
+
+def close(got, ref, tol=TOL):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    scale = max(np.abs(ref).max(), 1e-30)
+    err = np.abs(got - ref).max()
+    assert err <= tol * scale, f"max|got-ref|={err:.3e} > {tol:g}*max|ref|={tol * scale:.3e}"
+
+
+# ------------------------------------------------------------------------------------------------
+# float64 reference (docs/SEMANTICS.md, written from the formulas)
+# ------------------------------------------------------------------------------------------------
+def ref_rope(x, pos, style, theta=10000.0, rot=None):
+    """x [..., L, H, D] float64, pos [..., L] (broadcast)."""
+    D = x.shape[-1]
+    R = rot or D
+    k = np.arange(R // 2)
+    f = theta ** (-2.0 * k / R)
+    ang = np.asarray(pos, np.float64)[..., None] * f            # [..., L, R/2]
+    c, s = np.cos(ang)[..., None, :], np.sin(ang)[..., None, :]  # [..., L, 1, R/2]
+    y = x.copy()
+    if style == "interleaved":
+        a, b = x[..., 0:R:2], x[..., 1:R:2]
+        y[..., 0:R:2] = a * c - b * s
+        y[..., 1:R:2] = a * s + b * c
+    else:
+        a, b = x[..., :R // 2], x[..., R // 2:R]
+        y[..., :R // 2] = a * c - b * s
+        y[..., R // 2:R] = a * s + b * c
+    return y
+
+
+def ref_core(q, k, v, *, scale=None, causal=False, align="bottom-right", mask=None,
+             mask_means="attend", bias=None, kpm=None, window=None, qseg=None, kseg=None,
+             softcap=None, sinks=None):
+    """q [B, h, n, d], k [B, g, m, d], v [B, g, m, dv] float64 -> (out, probs, lse)."""
+    B, h, n, d = q.shape
+    g, m = k.shape[1], k.shape[2]
+    rep = h // g
+    k = np.repeat(k, rep, axis=1)
+    v = np.repeat(v, rep, axis=1)
+    s = np.einsum("bhid,bhjd->bhij", q, k) * (scale or 1 / np.sqrt(d))
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
+    vis = np.ones((B, h, n, m), bool)
+    i = np.arange(n)[:, None]
+    j = np.arange(m)[None, :]
+    p = i + (m - n if align == "bottom-right" else 0)
+    if causal:
+        vis &= j <= p
+    if window is not None:
+        lo, hi = window
+        if lo >= 0:
+            vis &= j >= p - lo
+        if hi >= 0:
+            vis &= j <= p + hi
+    if mask is not None:
+        mb = np.asarray(mask) != 0
+        vis &= mb if mask_means == "attend" else ~mb
+    if kpm is not None:
+        vis &= (np.asarray(kpm) != 0)[:, None, None, :]
+    if qseg is not None:
+        vis &= (qseg[:, :, None] == kseg[:, None, :])[:, None]
+    s = np.where(vis, s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    if sinks is not None:
+        mx = np.maximum(mx, sinks[None, :, None, None])
+    mx = np.where(np.isfinite(mx), mx, 0)
+    e = np.exp(s - mx)
+    den = e.sum(-1, keepdims=True)
+    if sinks is not None:
+        den = den + np.exp(sinks[None, :, None, None] - mx)
+    pr = np.where(den > 0, e / np.where(den > 0, den, 1), 0)
+    lse = np.where(den[..., 0] > 0, np.log(np.where(den[..., 0] > 0, den[..., 0], 1)) + mx[..., 0],
+                   -np.inf)
+    return pr @ v, pr, lse
+
+
+def ref_layer(w, x, xk=None, xv=None, *, h, g=None, rope=None, pos=None, kpos=None, **mk):
+    """w: dict of float64 weights (w_q, ..., b_* optional). x [B, n, q_dim]."""
+    g = g or h
+    xk = x if xk is None else xk
+    xv = xk if xv is None else xv
+    B, n, _ = x.shape
+    m = xk.shape[1]
+    dk = w["w_q"].shape[0] // h
+    dv = w["w_v"].shape[0] // g
+    Q = x @ w["w_q"].T + w.get("b_q", 0)
+    K = xk @ w["w_k"].T + w.get("b_k", 0)
+    V = xv @ w["w_v"].T + w.get("b_v", 0)
+    Q = Q.reshape(B, n, h, dk)
+    K = K.reshape(B, m, g, dk)
+    V = V.reshape(B, m, g, dv)
+    if rope:
+        pos = np.arange(n) if pos is None else pos
+        if kpos is None:
+            kpos = pos if xk is x else np.arange(m)
+        Q = ref_rope(Q, np.broadcast_to(pos, (B, n)), rope)
+        K = ref_rope(K, np.broadcast_to(kpos, (B, m)), rope)
+    o, pr, _ = ref_core(Q.transpose(0, 2, 1, 3), K.transpose(0, 2, 1, 3),
+                        V.transpose(0, 2, 1, 3), **mk)
+    A = o.transpose(0, 2, 1, 3).reshape(B, n, h * dv)
+    return A @ w["w_o"].T + w.get("b_o", 0), pr
+
+
+def make_weights(rng, q_dim, h, dk, *, g=None, k_dim=None, v_dim=None, dv=None, out_dim=None,
+                 bias=True):
+    g = g or h
+    k_dim = k_dim or q_dim
+    v_dim = v_dim or k_dim
+    dv = dv or dk
+    out_dim = out_dim or q_dim
+    w = {"w_q": rng.standard_normal((h * dk, q_dim)) / np.sqrt(q_dim),
+         "w_k": rng.standard_normal((g * dk, k_dim)) / np.sqrt(k_dim),
+         "w_v": rng.standard_normal((g * dv, v_dim)) / np.sqrt(v_dim),
+         "w_o": rng.standard_normal((out_dim, h * dv)) / np.sqrt(h * dv)}
+    if bias:
+        w.update(b_q=rng.standard_normal(h * dk) * 0.1, b_k=rng.standard_normal(g * dk) * 0.1,
+                 b_v=rng.standard_normal(g * dv) * 0.1, b_o=rng.standard_normal(out_dim) * 0.1)
+    return {k_: v_.astype(np.float32).astype(np.float64) for k_, v_ in w.items()}
+
+
+def build(w, h, g=None, **kw):
+    return mha.MultiheadAttention(w["w_q"], w["w_k"], w["w_v"], w["w_o"], w.get("b_q"),
+                                  w.get("b_k"), w.get("b_v"), w.get("b_o"), num_heads=h,
+                                  num_kv_heads=g, **kw)
+
+
+def f32(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Binding sanity
+# ------------------------------------------------------------------------------------------------
+def test_version_matches_package_and_cmake():
+    assert mha.library_version() == mha.__version__
+    with open(os.path.join(SRC, "python", "pyproject.toml")) as f:
+        assert f'version = "{mha.__version__}"' in f.read()
+    with open(os.path.join(SRC, "CMakeLists.txt")) as f:
+        assert f"VERSION {mha.__version__}" in f.read()
+
+
+def test_struct_layouts_match_the_c_compiler(tmp_path):
+    """Every ctypes struct has the size and field offsets the C compiler gives mha.h's."""
+    lines = ['#include <stdio.h>', '#include <stddef.h>', '#include "mha.h"', 'int main(void) {']
+    for st in _lib.STRUCTS:
+        lines.append(f'printf("{st.__name__} %zu\\n", sizeof({st.__name__}));')
+        for fname, _ in st._fields_:
+            lines.append(f'printf("{st.__name__}.{fname} %zu\\n", offsetof({st.__name__}, {fname}));')
+    lines.append("return 0; }")
+    src = tmp_path / "layout.c"
+    src.write_text("\n".join(lines))
+    exe = tmp_path / "layout"
+    cc = os.environ.get("CC", "cc")
+    subprocess.run([cc, "-std=c11", "-I", os.path.join(SRC, "include"), str(src), "-o", str(exe)],
+                   check=True)
+    got = dict(line.rsplit(" ", 1) for line in
+               subprocess.run([str(exe)], check=True, capture_output=True, text=True)
+               .stdout.splitlines())
+    n = 0
+    for st in _lib.STRUCTS:
+        assert int(got[st.__name__]) == __import__("ctypes").sizeof(st), st.__name__
+        for fname, _ in st._fields_:
+            assert int(got[f"{st.__name__}.{fname}"]) == getattr(st, fname).offset, \
+                f"{st.__name__}.{fname}"
+            n += 1
+    assert n > 100
+
+
+def test_backward_and_cache_are_bound():
+    assert mha.HAS_BACKWARD and mha.HAS_KV_CACHE
+
+
+# ------------------------------------------------------------------------------------------------
+# The layer
+# ------------------------------------------------------------------------------------------------
+LAYER_CASES = {
+    "self": dict(),
+    "self_nobias": dict(bias=False),
+    "causal": dict(mk=dict(causal=True)),
+    "cross_kdim_vdim": dict(cross=True, k_dim=12, v_dim=20, m=9),
+    "cross_causal_br": dict(cross=True, m=11, mk=dict(causal=True)),
+    "cross_causal_tl": dict(cross=True, m=11, mk=dict(causal=True, align="top-left")),
+    "gqa_dv_out": dict(h=4, g=2, dv=6, out_dim=10),
+    "mqa": dict(h=4, g=1),
+    "bool_attend": dict(cross=True, m=8, mk=dict(mask="nm")),
+    "bool_block_B1nm": dict(cross=True, m=8, mk=dict(mask="B1nm", mask_means="block")),
+    "additive_Bhnm": dict(mk=dict(bias="Bhnm")),
+    "key_padding": dict(cross=True, m=8, mk=dict(kpm=True)),
+    "window": dict(mk=dict(window=(2, 1))),
+    "window_causal": dict(mk=dict(window=(3, -1), causal=True)),
+    "segments": dict(mk=dict(segments=True)),
+    "rope_interleaved": dict(rope="interleaved"),
+    "rope_half_positions": dict(rope="half", positions=True, mk=dict(causal=True)),
+    "rope_cross": dict(cross=True, m=9, rope="half"),
+    "softcap": dict(mk=dict(softcap=2.0)),
+    "everything": dict(cross=True, m=10, g=2, rope="half",
+                       mk=dict(causal=True, mask="Bhnm", bias="nm", kpm=True, window=(6, 2))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_CASES))
+@pytest.mark.parametrize("impl", ["reference", "auto"])
+def test_layer_vs_numpy_formula(name, impl):
+    c = LAYER_CASES[name]
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    B, n, q_dim = 2, 7, 16
+    h, g = c.get("h", 4), c.get("g")
+    dk = 4
+    m = c.get("m", n)
+    w = make_weights(rng, q_dim, h, dk, g=g, k_dim=c.get("k_dim"), v_dim=c.get("v_dim"),
+                     dv=c.get("dv"), out_dim=c.get("out_dim"), bias=c.get("bias", True))
+    x = f32(rng, B, n, q_dim)
+    xk = xv = None
+    if c.get("cross"):
+        xk = f32(rng, B, m, c.get("k_dim", q_dim))
+        xv = f32(rng, B, m, c.get("v_dim", c.get("k_dim", q_dim)))
+    mk = dict(c.get("mk", {}))
+    kw, rk = {}, {}
+    if "softcap" in mk:
+        kw["softcap"] = rk["softcap"] = mk.pop("softcap")
+    fwd, ref = {}, {}
+    if mk.get("causal"):
+        fwd["causal"] = mk.get("align", "bottom-right")
+        ref["causal"], ref["align"] = True, mk.get("align", "bottom-right")
+    if "mask" in mk:
+        shape = {"nm": (n, m), "B1nm": (B, 1, n, m), "Bhnm": (B, h, n, m)}[mk["mask"]]
+        mask = rng.random(shape) < 0.75
+        mask[..., 0] = mk.get("mask_means", "attend") == "attend"  # no fully masked row
+        fwd["mask"] = ref["mask"] = mask
+        fwd["mask_means"] = ref["mask_means"] = mk.get("mask_means", "attend")
+    if "bias" in mk:
+        shape = {"nm": (n, m), "Bhnm": (B, h, n, m)}[mk["bias"]]
+        bias = rng.standard_normal(shape).astype(np.float32)
+        fwd["attn_bias"] = bias
+        ref["bias"] = bias.astype(np.float64)
+    if mk.get("kpm"):
+        kpm = rng.random((B, m)) < 0.7
+        kpm[:, -1] = True
+        fwd["key_padding_mask"] = ref["kpm"] = kpm
+    if "window" in mk:
+        fwd["window"] = ref["window"] = mk["window"]
+    if mk.get("segments"):
+        qs = np.sort(rng.integers(0, 3, (B, n)), axis=1).astype(np.int32)
+        fwd["q_segment_ids"] = fwd["kv_segment_ids"] = qs
+        ref["qseg"] = ref["kseg"] = qs
+    pos = None
+    if c.get("positions"):
+        pos = rng.integers(0, 1000, (B, n))
+        fwd["positions"] = pos
+    layer = build(w, h, g, rope=c.get("rope"), **kw)
+    y, p = layer.forward(x, xk, xv, need_weights=True, impl=impl, **fwd)
+    y_ref, p_ref = ref_layer(w, x.astype(np.float64),
+                             None if xk is None else xk.astype(np.float64),
+                             None if xv is None else xv.astype(np.float64), h=h, g=g,
+                             rope=c.get("rope"), pos=pos, **ref, **rk)
+    close(y, y_ref)
+    assert np.abs(p - p_ref).max() <= 1e-5
+    ya, pa = layer.forward(x, xk, xv, need_weights=True, average_attn_weights=True, impl=impl,
+                           **fwd)
+    np.testing.assert_array_equal(ya, y)
+    assert np.abs(pa - p_ref.mean(1)).max() <= 1e-5
+
+
+def test_layer_config_weights_and_repr():
+    rng = np.random.default_rng(1)
+    w = make_weights(rng, 16, 4, 4, g=2, k_dim=12, v_dim=8, dv=6, out_dim=10)
+    layer = build(w, 4, rope=mha.Rope(style="half", theta=500000.0, rotary_dim=2),
+                  softcap=30.0)
+    c = layer.config
+    assert (c.q_dim, c.k_dim, c.v_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.v_head_dim,
+            c.out_dim) == (16, 12, 8, 4, 2, 4, 6, 10)
+    assert c.bias_q and c.bias_o and not c.sinks and c.softcap == 30.0
+    assert c.rope.style == "half" and c.rope.theta == 500000.0 and c.rope.rotary_dim == 2
+    ws = layer.weights
+    for k_ in w:
+        np.testing.assert_array_equal(ws[k_], w[k_].astype(np.float32))
+    assert "num_kv_heads=2" in repr(layer)
+
+
+def test_layer_inputs_converted_noncontiguous_unbatched():
+    rng = np.random.default_rng(2)
+    w = make_weights(rng, 16, 4, 4)
+    layer = build(w, 4)
+    x = f32(rng, 2, 5, 16)
+    y = layer(x)
+    np.testing.assert_allclose(layer(x.astype(np.float64)), y, rtol=0, atol=0)
+    y16 = layer(x.astype(np.float16))
+    close(y16, ref_layer(w, x.astype(np.float16).astype(np.float64), h=4)[0])
+    xt = np.asfortranarray(x)                      # another memory order
+    np.testing.assert_array_equal(layer(xt), y)
+    big = f32(rng, 2, 5, 32)[:, :, ::2]            # strided view
+    close(layer(big), ref_layer(w, big.astype(np.float64), h=4)[0])
+    y1, p1 = layer(x[0], need_weights=True)        # unbatched [n, q_dim]
+    np.testing.assert_array_equal(y1, y[0])
+    assert p1.shape == (4, 5, 5)
+
+
+def test_layer_sinks_and_alibi_run_and_sinks_match_formula():
+    rng = np.random.default_rng(3)
+    w = make_weights(rng, 16, 4, 4)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    layer = build(w, 4, sinks=sinks)
+    x = f32(rng, 1, 6, 16)
+    y = layer(x, causal=True)
+    Q = (x @ w["w_q"].T + w["b_q"]).reshape(1, 6, 4, 4).transpose(0, 2, 1, 3)
+    K = (x @ w["w_k"].T + w["b_k"]).reshape(1, 6, 4, 4).transpose(0, 2, 1, 3)
+    V = (x @ w["w_v"].T + w["b_v"]).reshape(1, 6, 4, 4).transpose(0, 2, 1, 3)
+    o, _, _ = ref_core(Q, K, V, causal=True, sinks=sinks.astype(np.float64))
+    close(y, o.transpose(0, 2, 1, 3).reshape(1, 6, 16) @ w["w_o"].T + w["b_o"])
+    assert np.isfinite(build(w, 4, alibi=True)(x, causal=True)).all()
+
+
+def test_dropout_is_deterministic_per_seed_and_off_by_default():
+    rng = np.random.default_rng(4)
+    w = make_weights(rng, 16, 4, 4)
+    layer = build(w, 4)
+    x = f32(rng, 2, 8, 16)
+    a = layer(x, dropout=0.5, seed=7, threads=1)
+    b = layer(x, dropout=0.5, seed=7, threads=2)
+    c = layer(x, dropout=0.5, seed=8)
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a - c).max() > 1e-3
+    assert np.abs(a - layer(x)).max() > 1e-3
+
+
+def test_explicit_alignment_offsets():
+    rng = np.random.default_rng(5)
+    q, k, v = f32(rng, 2, 2, 3, 4), f32(rng, 2, 2, 6, 4), f32(rng, 2, 2, 6, 4)
+    out = mha.attention(q, k, v, causal=True, alignment=[1, 3])
+    for b, off in enumerate([1, 3]):
+        i = np.arange(3)[:, None]
+        j = np.arange(6)[None]
+        o, _, _ = ref_core(q[b:b + 1].astype(np.float64), k[b:b + 1].astype(np.float64),
+                           v[b:b + 1].astype(np.float64), mask=(j <= i + off))
+        close(out[b:b + 1], o)
+
+
+# ------------------------------------------------------------------------------------------------
+# The core and RoPE
+# ------------------------------------------------------------------------------------------------
+def test_core_layouts_strides_and_lse():
+    rng = np.random.default_rng(6)
+    B, n, m, h, g, d, dv = 2, 5, 7, 4, 2, 8, 6
+    qkv = f32(rng, B, n, 3, h, d)                 # a fused [B, L, 3, h, d] projection
+    q = qkv[:, :, 0]                               # [B, n, h, d] view with strides
+    k, v = f32(rng, B, m, g, d), f32(rng, B, m, g, dv)
+    out, lse, p = mha.attention(q, k, v, layout="blhd", return_lse=True, need_weights=True,
+                                causal=True)
+    o_ref, p_ref, lse_ref = ref_core(*(t.transpose(0, 2, 1, 3).astype(np.float64)
+                                       for t in (q, k, v)), causal=True)
+    close(out, o_ref.transpose(0, 2, 1, 3))
+    close(lse, lse_ref)
+    assert np.abs(p - p_ref).max() <= 1e-5
+    # [B, h, L, d] with a non-contiguous last dimension is copied, same result
+    qb = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+    qnc = np.repeat(qb, 2, axis=3)[..., ::2]
+    out2 = mha.attention(qnc, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+    o_ref2, _, _ = ref_core(*(t.astype(np.float64) for t in
+                              (qb, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))))
+    close(out2, o_ref2)
+
+
+def test_core_fully_masked_rows_give_zero():
+    rng = np.random.default_rng(7)
+    q, k, v = f32(rng, 1, 2, 4, 4), f32(rng, 1, 2, 3, 4), f32(rng, 1, 2, 3, 4)
+    out, lse, p = mha.attention(q, k, v, causal=True, return_lse=True, need_weights=True)
+    assert (out[:, :, 0] == 0).all() and (p[:, :, 0] == 0).all()
+    assert np.isneginf(lse[:, :, 0]).all()
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("style", ["interleaved", "half"])
+def test_rope_vs_formula(style):
+    rng = np.random.default_rng(8)
+    x = f32(rng, 2, 5, 3, 8)
+    pos = rng.integers(0, 5000, (2, 5))
+    y = mha.rope(x, pos, style=style)
+    close(y, ref_rope(x.astype(np.float64), pos, style))
+    yp = mha.rope(x, pos, style=style, rotary_dim=4)
+    close(yp, ref_rope(x.astype(np.float64), pos, style, rot=4))
+    yb = mha.rope(x.transpose(0, 2, 1, 3), pos, style=style, layout="bhld")
+    np.testing.assert_array_equal(yb.transpose(0, 2, 1, 3), y)
+    freqs, fac = mha.rope_frequencies(8, style=style)
+    np.testing.assert_allclose(freqs, 10000.0 ** (-np.arange(4) / 4), rtol=1e-12)
+    assert fac == 1.0
+    freqs2, _ = mha.rope_frequencies(8, scaling="linear", factor=4.0)
+    np.testing.assert_allclose(freqs2, freqs / 4, rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------
+# CS336 fixtures through the Python API
+# ------------------------------------------------------------------------------------------------
+CS336 = os.path.join(SRC, "tests", "fixtures", "cs336")
+
+
+def load_case(name):
+    d = os.path.join(CS336, name)
+    with open(os.path.join(d, "case.json")) as f:
+        case = json.load(f)
+    arrs = {k_: np.load(os.path.join(d, v_["file"])) for k_, v_ in case["files"].items()}
+    return case, arrs
+
+
+@pytest.mark.parametrize("name", ["test_scaled_dot_product_attention",
+                                  "test_4d_scaled_dot_product_attention"])
+def test_cs336_sdpa(name):
+    case, a = load_case(name)
+    out = mha.attention(a["Q"], a["K"], a["V"], mask=a["mask_attend"], mask_means="attend")
+    t = case["tolerance"]
+    np.testing.assert_allclose(out, a["expected"], atol=t["atol"], rtol=t["rtol"])
+
+
+def test_cs336_rope():
+    case, a = load_case("test_rope")
+    out = mha.rope(a["x"], a["token_positions"], style="interleaved",
+                   theta=case["params"]["theta"])
+    t = case["tolerance"]
+    np.testing.assert_allclose(out, a["expected"], atol=t["atol"], rtol=t["rtol"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+def test_errors_from_the_library_carry_status_and_message():
+    rng = np.random.default_rng(9)
+    w = make_weights(rng, 16, 4, 4)
+    layer = build(w, 4)
+    x = f32(rng, 1, 5, 16)
+    with pytest.raises(mha.MhaError) as e:
+        build(w, 4, rope="half")(x, positions=np.full((1, 5), -3))
+    assert e.value.status == 1 and e.value.status_name == "INVALID_ARG"
+    assert "position" in e.value.message
+    bad = dict(w)
+    bad["w_q"] = w["w_q"].copy()
+    bad["w_q"][3, 2] = np.nan
+    with pytest.raises(mha.MhaError) as e:
+        build(bad, 4)
+    assert "w_q" in e.value.message
+    with pytest.raises(mha.MhaError) as e:
+        mha.MultiheadAttention(w["w_q"], w["w_k"][:12], w["w_v"][:12], w["w_o"],
+                               num_heads=4)  # 3 kv heads for 4 query heads
+    assert e.value.status == 1
+    with pytest.raises(mha.MhaError) as e:
+        mha.attention(f32(rng, 1, 1, 2, 4), f32(rng, 1, 1, 3, 4), f32(rng, 1, 1, 3, 4),
+                      mask=np.ones((5, 5), bool))
+    assert "mask" in e.value.message
+
+
+def test_python_side_misuse_raises_value_and_type_errors():
+    rng = np.random.default_rng(10)
+    w = make_weights(rng, 16, 4, 4)
+    layer = build(w, 4)
+    with pytest.raises(ValueError):
+        layer(f32(rng, 1, 5, 15))
+    with pytest.raises(TypeError):
+        layer(np.ones((1, 5, 16), np.int32))
+    with pytest.raises(ValueError):
+        build(w, 3)
+    with pytest.raises(ValueError):
+        layer(f32(rng, 1, 5, 16), mask_means="maybe", mask=np.ones((5, 5), bool))
+    with pytest.raises(ValueError):
+        layer(f32(rng, 1, 5, 16), impl="fastest")
+    with pytest.raises(ValueError):
+        layer(f32(rng, 1, 5, 16), q_segment_ids=np.zeros((1, 5), np.int32))
+    with pytest.raises(ValueError):
+        mha.attention(f32(rng, 1, 2, 3, 4), f32(rng, 1, 2, 3, 5), f32(rng, 1, 2, 3, 4))
+    with pytest.raises(TypeError):
+        mha.attention(f32(rng, 1, 2, 3, 4), f32(rng, 1, 2, 3, 4), f32(rng, 1, 2, 3, 4),
+                      mask=np.array([["a"]]))
+
+
+def test_impl_fast_reports_unsupported_or_runs():
+    rng = np.random.default_rng(11)
+    q, k, v = f32(rng, 1, 2, 5, 8), f32(rng, 1, 2, 5, 8), f32(rng, 1, 2, 5, 8)
+    try:
+        out = mha.attention(q, k, v, impl="fast", dropout=0.3, seed=1)
+    except mha.MhaError as e:
+        assert e.status_name == "UNSUPPORTED" and e.message
+    else:
+        assert np.isfinite(out).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# safetensors
+# ------------------------------------------------------------------------------------------------
+def write_safetensors(path, tensors):
+    header, blobs, off = {}, [], 0
+    for name, arr in tensors.items():
+        data = np.ascontiguousarray(arr, "<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def torch_mha_tensors(w, E):
+    return {"in_proj_weight": np.concatenate([w["w_q"], w["w_k"], w["w_v"]]),
+            "in_proj_bias": np.concatenate([w["b_q"], w["b_k"], w["b_v"]]),
+            "out_proj.weight": w["w_o"], "out_proj.bias": w["b_o"]}
+
+
+def test_from_safetensors_names_and_errors(tmp_path):
+    rng = np.random.default_rng(12)
+    w = make_weights(rng, 16, 4, 4)
+    x = f32(rng, 2, 5, 16)
+    ref = build(w, 4)(x)
+    p1 = tmp_path / "hf.safetensors"
+    write_safetensors(p1, {"layers.0." + k_: v_ for k_, v_ in {
+        "q_proj.weight": w["w_q"], "k_proj.weight": w["w_k"], "v_proj.weight": w["w_v"],
+        "o_proj.weight": w["w_o"], "q_proj.bias": w["b_q"], "k_proj.bias": w["b_k"],
+        "v_proj.bias": w["b_v"], "o_proj.bias": w["b_o"]}.items()})
+    np.testing.assert_array_equal(
+        mha.MultiheadAttention.from_safetensors(p1, 4, prefix="layers.0.")(x), ref)
+    p2 = tmp_path / "torch.safetensors"
+    write_safetensors(p2, torch_mha_tensors(w, 16))
+    np.testing.assert_array_equal(mha.MultiheadAttention.from_safetensors(p2, 4)(x), ref)
+    p3 = tmp_path / "bert.safetensors"
+    write_safetensors(p3, {"a.q.weight": w["w_q"], "a.k.weight": w["w_k"], "a.v.weight": w["w_v"],
+                           "a.o.weight": w["w_o"], "a.q.bias": w["b_q"], "a.k.bias": w["b_k"],
+                           "a.v.bias": w["b_v"], "a.o.bias": w["b_o"]})
+    lay = mha.MultiheadAttention.from_safetensors(
+        p3, 4, names={"q": "a.q", "k": "a.k", "v": "a.v", "o": "a.o"})
+    np.testing.assert_array_equal(lay(x), ref)
+    with pytest.raises(mha.MhaError) as e:
+        mha.MultiheadAttention.from_safetensors(p1, 4)  # no prefix: names not found
+    assert e.value.status_name == "NOT_FOUND"
+    with pytest.raises(mha.MhaError) as e:
+        mha.MultiheadAttention.from_safetensors(tmp_path / "missing.safetensors", 4)
+    assert e.value.status_name == "IO"
+    with pytest.raises(mha.MhaError):
+        mha.MultiheadAttention.from_safetensors(p2, 3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward (float64 central differences of the reference formula)
+# ------------------------------------------------------------------------------------------------
+def num_grad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        old = x[i]
+        x[i] = old + eps
+        fp = f()
+        x[i] = old - eps
+        fm = f()
+        x[i] = old
+        g[i] = (fp - fm) / (2 * eps)
+    return g
+
+
+def test_attention_backward_vs_finite_differences():
+    rng = np.random.default_rng(13)
+    q, k, v = f32(rng, 1, 2, 3, 4), f32(rng, 1, 1, 5, 4), f32(rng, 1, 1, 5, 3)
+    dout = f32(rng, 1, 2, 3, 3)
+    opts = dict(causal=True, attn_bias=f32(rng, 3, 5) * 0.3)
+    out, lse = mha.attention(q, k, v, return_lse=True, **opts)
+    dq, dk, dv = mha.attention_backward(dout, q, k, v, out, lse, **opts)
+    Q, K, V = (t.astype(np.float64) for t in (q, k, v))
+    bias = opts["attn_bias"].astype(np.float64)
+
+    def loss():
+        return (ref_core(Q, K, V, causal=True, bias=bias)[0] * dout).sum()
+    for got, var in ((dq, Q), (dk, K), (dv, V)):
+        close(got, num_grad(loss, var), tol=1e-4)
+
+
+def test_layer_backward_vs_finite_differences():
+    rng = np.random.default_rng(14)
+    w = make_weights(rng, 8, 2, 4, g=1, k_dim=6, v_dim=5, out_dim=7)
+    x, xk, xv = f32(rng, 2, 3, 8), f32(rng, 2, 4, 6), f32(rng, 2, 4, 5)
+    layer = build(w, 2, rope="half")
+    opts = dict(causal=True, key_padding_mask=np.array([[1, 1, 0, 1], [1, 1, 1, 1]], bool))
+    y, state = layer.forward_train(x, xk, xv, **opts)
+    np.testing.assert_array_equal(y, layer(x, xk, xv, **opts))
+    dy = f32(rng, 2, 3, 7)
+    grads = layer.backward(state, dy)
+    grads2 = layer.backward(state, dy)  # the state can be reused
+    np.testing.assert_array_equal(grads["w_q"], grads2["w_q"])
+    X, XK, XV = (t.astype(np.float64) for t in (x, xk, xv))
+
+    def loss():
+        return (ref_layer(w, X, XK, XV, h=2, g=1, rope="half", causal=True,
+                          kpm=opts["key_padding_mask"])[0] * dy).sum()
+    for nm, var in (("query", X), ("key", XK), ("value", XV)):
+        close(grads[nm], num_grad(loss, var), tol=1e-4)
+    for nm in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"):
+        close(grads[nm], num_grad(loss, w[nm]), tol=1e-4)
+    state.close()
+
+
+def test_layer_backward_self_attention_sums_paths():
+    rng = np.random.default_rng(15)
+    w = make_weights(rng, 8, 2, 4)
+    layer = build(w, 2)
+    x = f32(rng, 1, 4, 8)
+    y, state = layer.forward_train(x, causal=True)
+    dy = f32(rng, 1, 4, 8)
+    g = layer.backward(state, dy, params=False)
+    assert set(g) == {"query"}
+    X = x.astype(np.float64)
+    close(g["query"], num_grad(lambda: (ref_layer(w, X, h=2, causal=True)[0] * dy).sum(), X),
+          tol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache
+# ------------------------------------------------------------------------------------------------
+def test_kv_cache_prefill_and_steps_equal_full_causal_forward():
+    rng = np.random.default_rng(16)
+    w = make_weights(rng, 16, 4, 4, g=2)
+    layer = build(w, 4, rope="half")
+    x = f32(rng, 2, 9, 16)
+    full = layer(x, causal=True)
+    cache = layer.kv_cache(max_seq=16, batch=2)
+    out = [cache.prefill(x[:, :5])]
+    for t in range(5, 9):
+        out.append(cache.step(x[:, t:t + 1]))
+    close(np.concatenate(out, axis=1), full)
+    assert cache.length(0) == 9 and cache.length(1) == 9
+    cache.truncate(1, 4)
+    assert cache.length(1) == 4
+    with pytest.raises(ValueError):
+        cache.length(7)
+
+
+# ------------------------------------------------------------------------------------------------
+# Threads: the GIL is released during the C call
+# ------------------------------------------------------------------------------------------------
+def test_gil_is_released_during_calls():
+    rng = np.random.default_rng(17)
+    q, k, v = f32(rng, 1, 2, 384, 64), f32(rng, 1, 2, 384, 64), f32(rng, 1, 2, 384, 64)
+    t0 = time.perf_counter()
+    mha.attention(q, k, v, impl="reference", threads=1)
+    one = time.perf_counter() - t0
+    done = threading.Event()
+    result = {}
+
+    def work():
+        t1 = time.perf_counter()
+        mha.attention(q, k, v, impl="reference", threads=1)
+        result["t"] = time.perf_counter() - t1
+        done.set()
+
+    th = threading.Thread(target=work)
+    count = 0
+    th.start()
+    time.sleep(0.01)
+    while not done.is_set():   # runs only if the C call does not hold the GIL
+        count += 1
+    th.join()
+    print(f"single call {one * 1e3:.1f} ms; python loop iterations during a call: {count}")
+    assert count > 1000, "the main thread did not run while the C call ran: the GIL was held"
+
+
+def test_concurrent_forward_on_one_layer_is_consistent():
+    rng = np.random.default_rng(18)
+    w = make_weights(rng, 32, 4, 8)
+    layer = build(w, 4)
+    xs = [f32(rng, 2, 33, 32) for _ in range(4)]
+    expect = [layer(x, causal=True) for x in xs]
+    got = [None] * 4
+
+    def run(i):
+        for _ in range(5):
+            got[i] = layer(xs[i], causal=True, threads=1)
+
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    for a, b in zip(got, expect):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# The CLI and the package agree
+# ------------------------------------------------------------------------------------------------
+def test_cli_and_python_agree(tmp_path):
+    cli = os.environ.get("MHA_CLI")
+    assert cli and os.path.exists(cli), "MHA_CLI must point at the mha program"
+    rng = np.random.default_rng(19)
+    w = make_weights(rng, 16, 4, 4, g=2)
+    x = f32(rng, 2, 6, 16)
+    mask = rng.random((6, 6)) < 0.6
+    mask[:, 0] = True
+    tensors = {"q_proj.weight": w["w_q"], "k_proj.weight": w["w_k"], "v_proj.weight": w["w_v"],
+               "o_proj.weight": w["w_o"], "q_proj.bias": w["b_q"], "k_proj.bias": w["b_k"],
+               "v_proj.bias": w["b_v"], "o_proj.bias": w["b_o"]}
+    write_safetensors(tmp_path / "w.safetensors", tensors)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "mask.npy", mask)
+    subprocess.run([cli, "run", "--weights", str(tmp_path / "w.safetensors"), "--heads", "4",
+                    "--input", str(tmp_path / "x.npy"), "--causal", "--rope-style", "half",
+                    "--mask", str(tmp_path / "mask.npy"), "--out", str(tmp_path / "y.npy"),
+                    "--attn", str(tmp_path / "a.npy")], check=True)
+    layer = mha.MultiheadAttention.from_safetensors(tmp_path / "w.safetensors", 4, rope="half")
+    y, p = layer(x, causal=True, mask=mask, need_weights=True)
+    close(np.load(tmp_path / "y.npy"), y, tol=1e-6)
+    assert np.abs(np.load(tmp_path / "a.npy") - p).max() <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots and the example (matplotlib is in python/requirements-test.txt)
+# ------------------------------------------------------------------------------------------------
+def test_plot_attention_writes_png_and_svg(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    rng = np.random.default_rng(20)
+    p = rng.random((2, 3, 3))
+    p /= p.sum(-1, keepdims=True)
+    for ext in ("png", "svg"):
+        fig = mha.plot_attention(p, ["she", "loves", "cats"], path=str(tmp_path / f"a.{ext}"))
+        assert len(fig.axes) >= 2
+        assert (tmp_path / f"a.{ext}").stat().st_size > 1000
+    with pytest.raises(ValueError):
+        mha.plot_attention(p, ["only", "two"])
+
+
+def test_example_she_loves_cats_runs(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(SRC, "examples", "she_loves_cats.py"),
+                          str(tmp_path / "att.png")], check=True, capture_output=True, text=True,
+                         env={**os.environ, "MPLBACKEND": "Agg"}).stdout
+    assert "head 1" in out and (tmp_path / "att.png").exists()

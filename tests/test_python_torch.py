@@ -1,0 +1,312 @@
+# SPDX-License-Identifier: MIT
+"""The PyTorch drop-ins (python/mha/torch.py) against PyTorch itself (torch==2.13.0, pinned in
+python/requirements-test.txt).
+
+- mha.torch.MultiheadAttention == torch.nn.MultiheadAttention (run in float64 as the reference):
+  outputs, attention weights, gradients of the inputs and of every parameter, over a matrix of
+  options: kdim/vdim, bias, batch_first, self/cross attention, bool and float attn_mask (2-D and
+  3-D), bool and float key_padding_mask, is_causal, need_weights, average_attn_weights, unbatched.
+- mha.torch.scaled_dot_product_attention == F.scaled_dot_product_attention incl. gradients.
+- state_dict both ways, training steps, dropout reproducibility, the unsupported options.
+
+Tolerance: max|got - ref| <= 1e-5 * max|ref| per tensor (float32 vs float64).
+"""
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+SRC = os.environ.get("MHA_SOURCE_DIR", os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(SRC, "python"))
+
+import torch  # noqa: E402  (required: CI installs python/requirements-test.txt)
+import torch.nn.functional as F  # noqa: E402
+
+import mha  # noqa: E402
+import mha.torch as mt  # noqa: E402
+
+TOL = 1e-5
+
+
+def close(got, ref, what="", tol=TOL):
+    assert got is not None and ref is not None, what
+    got = got.detach().double()
+    ref = ref.detach().double()
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    scale = max(ref.abs().max().item(), 1e-30)
+    err = (got - ref).abs().max().item()
+    assert err <= tol * scale, f"{what}: max|got-ref|={err:.3e} > {tol:g}*{scale:.3e}"
+
+
+def test_torch_version_is_the_pinned_one():
+    assert torch.__version__.split("+")[0] == "2.13.0"
+
+
+# ------------------------------------------------------------------------------------------------
+# nn.MultiheadAttention
+# ------------------------------------------------------------------------------------------------
+MASKS = ["none", "bool2d", "bool3d", "float2d", "float3d", "kpm_bool", "kpm_float",
+         "bool2d+kpm_bool", "float2d+kpm_bool", "bool2d+kpm_float", "causal"]
+CASES = []
+for kv, bias, bf, mask in itertools.product(["same", "kdim_vdim"], [True, False], [False, True],
+                                            MASKS):
+    CASES.append((kv, bias, bf, mask))
+
+
+def make_masks(kind, N, h, L, S, gen):
+    am = kpm = None
+    causal = False
+    if "bool2d" in kind:
+        am = torch.rand(L, S, generator=gen) < 0.3
+        am[:, 0] = False
+    if "bool3d" in kind:
+        am = torch.rand(N * h, L, S, generator=gen) < 0.3
+        am[:, :, 0] = False
+    if "float2d" in kind:
+        am = torch.randn(L, S, generator=gen)
+    if "float3d" in kind:
+        am = torch.randn(N * h, L, S, generator=gen)
+    if "kpm_bool" in kind:
+        kpm = torch.rand(N, S, generator=gen) < 0.3
+        kpm[:, 0] = False
+    if "kpm_float" in kind:
+        kpm = torch.randn(N, S, generator=gen)
+    if kind == "causal":
+        am = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
+        causal = True
+    return am, kpm, causal
+
+
+@pytest.mark.parametrize("kv,bias,batch_first,mask", CASES)
+def test_multihead_attention_matches_torch(kv, bias, batch_first, mask):
+    gen = torch.Generator().manual_seed(hash((kv, bias, batch_first, mask)) % 2**31)
+    E, h, N, L = 16, 4, 2, 5
+    self_attn = kv == "same" and mask in ("none", "causal", "bool3d")
+    S = L if self_attn else 7
+    kdim, vdim = (None, None) if kv == "same" else (12, 10)
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, h, bias=bias, kdim=kdim, vdim=vdim,
+                                      batch_first=batch_first)
+    mine = mt.MultiheadAttention(E, h, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first)
+    mine.load_state_dict(ref.state_dict())
+    ref = ref.double()
+
+    def shape(len_, feat):
+        return (N, len_, feat) if batch_first else (len_, N, feat)
+
+    q = torch.randn(shape(L, E), generator=gen)
+    if self_attn:
+        k = v = q
+    else:
+        k = torch.randn(shape(S, kdim or E), generator=gen)
+        v = torch.randn(shape(S, vdim or E), generator=gen)
+    am, kpm, causal = make_masks(mask, N, h, L, S, gen)
+    for need_weights, average in ((True, True), (True, False), (False, True)):
+        ins32 = [t.clone().requires_grad_() for t in ((q,) if self_attn else (q, k, v))]
+        ins64 = [t.detach().double().requires_grad_() for t in ins32]
+        a32 = ins32 * 3 if self_attn else ins32
+        a64 = ins64 * 3 if self_attn else ins64
+        kw = dict(key_padding_mask=kpm, need_weights=need_weights, average_attn_weights=average,
+                  is_causal=causal)
+        am64 = am.double() if am is not None and am.is_floating_point() else am
+        kpm64 = kpm.double() if kpm is not None and kpm.is_floating_point() else kpm
+        y, w = mine(*a32, attn_mask=am, **kw)
+        yr, wr = ref(*a64, attn_mask=am64, **{**kw, "key_padding_mask": kpm64})
+        close(y, yr, "output")
+        if need_weights:
+            close(w, wr, "weights", tol=TOL)
+        else:
+            assert w is None and wr is None
+        dy = torch.randn(y.shape, generator=gen)
+        mine.zero_grad()
+        ref.zero_grad()
+        (y * dy).sum().backward()
+        (yr * dy.double()).sum().backward()
+        for t32, t64 in zip(ins32, ins64):
+            close(t32.grad, t64.grad, "input grad")
+        for (n1, p1), (n2, p2) in zip(mine.named_parameters(), ref.named_parameters()):
+            assert n1 == n2
+            close(p1.grad, p2.grad, f"grad {n1}")
+
+
+def test_unbatched_and_key_is_value():
+    torch.manual_seed(1)
+    ref = torch.nn.MultiheadAttention(8, 2, kdim=6, vdim=6)
+    mine = mt.MultiheadAttention(8, 2, kdim=6, vdim=6)
+    mine.load_state_dict(ref.state_dict())
+    ref = ref.double()
+    q = torch.randn(3, 8, requires_grad=True)
+    kv = torch.randn(5, 6, requires_grad=True)
+    y, w = mine(q, kv, kv, average_attn_weights=False)
+    q64, kv64 = (t.detach().double().requires_grad_() for t in (q, kv))
+    yr, wr = ref(q64, kv64, kv64, average_attn_weights=False)
+    close(y, yr)
+    close(w, wr)
+    y.sum().backward()
+    yr.sum().backward()
+    close(q.grad, q64.grad)
+    close(kv.grad, kv64.grad)
+
+
+def test_state_dict_names_both_ways():
+    for kw in ({}, {"kdim": 5, "vdim": 7}, {"bias": False}):
+        a = torch.nn.MultiheadAttention(12, 3, **kw)
+        b = mt.MultiheadAttention(12, 3, **kw)
+        assert list(a.state_dict()) == list(b.state_dict())
+        a.load_state_dict(b.state_dict())
+        b.load_state_dict(a.state_dict())
+
+
+def test_unsupported_options_raise_clear_errors():
+    with pytest.raises(NotImplementedError, match="add_bias_kv"):
+        mt.MultiheadAttention(8, 2, add_bias_kv=True)
+    with pytest.raises(NotImplementedError, match="add_zero_attn"):
+        mt.MultiheadAttention(8, 2, add_zero_attn=True)
+    m = mt.MultiheadAttention(8, 2)
+    with pytest.raises(TypeError):
+        x = torch.ones(3, 1, 8, dtype=torch.int64)
+        m(x, x, x)
+
+
+def test_training_steps_follow_torch():
+    torch.manual_seed(2)
+    ref = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+    mine = mt.MultiheadAttention(16, 4, batch_first=True)
+    mine.load_state_dict(ref.state_dict())
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_m = torch.optim.SGD(mine.parameters(), lr=0.1)
+    x = torch.randn(3, 6, 16)
+    target = torch.randn(3, 6, 16)
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    losses = []
+    for _ in range(5):
+        for mod, opt in ((ref, opt_r), (mine, opt_m)):
+            opt.zero_grad()
+            y, _ = mod(x, x, x, attn_mask=mask, need_weights=False)
+            loss = F.mse_loss(y, target)
+            loss.backward()
+            opt.step()
+            if mod is mine:
+                losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    for (n, p1), (_, p2) in zip(mine.named_parameters(), ref.named_parameters()):
+        close(p1, p2, n, tol=1e-5)
+
+
+def test_dropout_train_eval_and_seed():
+    m = mt.MultiheadAttention(16, 4, dropout=0.5, batch_first=True)
+    x = torch.randn(2, 6, 16)
+    m.train()
+    torch.manual_seed(3)
+    a, _ = m(x, x, x)
+    torch.manual_seed(3)
+    b, _ = m(x, x, x)
+    c, _ = m(x, x, x)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    m.eval()
+    e1, _ = m(x, x, x)
+    m.dropout = 0.0
+    e2, _ = m(x, x, x)
+    assert torch.equal(e1, e2)
+    m.train()
+    m.dropout = 0.5
+    xr = x.clone().requires_grad_()
+    y, _ = m(xr, xr, xr)
+    y.sum().backward()
+    assert torch.isfinite(xr.grad).all()
+
+
+def test_no_grad_inference_and_float64_inputs():
+    torch.manual_seed(4)
+    ref = torch.nn.MultiheadAttention(8, 2)
+    mine = mt.MultiheadAttention(8, 2)
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    with torch.no_grad():
+        y, w = mine(x, x, x)
+        yr, wr = ref.double()(x, x, x)
+    assert y.dtype == torch.float64
+    close(y, yr)
+    close(w, wr)
+
+
+# ------------------------------------------------------------------------------------------------
+# F.scaled_dot_product_attention
+# ------------------------------------------------------------------------------------------------
+SDPA_CASES = {
+    "plain": dict(),
+    "causal_square": dict(causal=True, L=6, S=6),
+    "causal_rect": dict(causal=True, L=4, S=7),
+    "bool_mask": dict(mask="bool"),
+    "bool_mask_bcast": dict(mask="bool_b1"),
+    "float_mask": dict(mask="float"),
+    "scale": dict(scale=0.3),
+    "gqa": dict(h=4, hkv=2, gqa=True),
+    "mqa_dv": dict(h=4, hkv=1, gqa=True, Ev=6),
+    "3d": dict(ndim=3, mask="bool"),
+    "5d": dict(ndim=5, mask="float"),
+    "blhd_strides": dict(transposed=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SDPA_CASES))
+def test_sdpa_matches_torch(name):
+    c = SDPA_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) * 7919)
+    N, h, hkv = 2, c.get("h", 3), c.get("hkv", c.get("h", 3))
+    L, S, E, Ev = c.get("L", 5), c.get("S", 7), 8, c.get("Ev", 8)
+    nd = c.get("ndim", 4)
+    if nd == 3:
+        qs, ks, vs = (N, L, E), (N, S, E), (N, S, Ev)
+    elif nd == 5:
+        qs, ks, vs = (N, 2, h, L, E), (N, 2, h, S, E), (N, 2, h, S, Ev)
+    elif c.get("transposed"):
+        qs, ks, vs = (N, L, h, E), (N, S, hkv, E), (N, S, hkv, Ev)
+    else:
+        qs, ks, vs = (N, h, L, E), (N, hkv, S, E), (N, hkv, S, Ev)
+    q, k, v = (torch.randn(s, generator=gen) for s in (qs, ks, vs))
+    if c.get("transposed"):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [N, h, L, E] views, strided
+    lead = q.shape[:-2]
+    mask = None
+    if c.get("mask") == "bool":
+        mask = torch.rand(lead + (L, S), generator=gen) < 0.7
+        mask[..., 0] = True
+    elif c.get("mask") == "bool_b1":
+        mask = torch.rand((N, 1, L, S), generator=gen) < 0.7
+        mask[..., 0] = True
+    elif c.get("mask") == "float":
+        mask = torch.randn((L, S), generator=gen)
+    kw = dict(attn_mask=mask, is_causal=c.get("causal", False), scale=c.get("scale"),
+              enable_gqa=c.get("gqa", False))
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    ins64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    m64 = mask.double() if mask is not None and mask.is_floating_point() else mask
+    out = mt.scaled_dot_product_attention(*ins, **kw)
+    ref = F.scaled_dot_product_attention(*ins64, **{**kw, "attn_mask": m64})
+    close(out, ref, "output")
+    do = torch.randn(out.shape, generator=gen)
+    g = torch.autograd.grad((out * do).sum(), ins)
+    gr = torch.autograd.grad((ref * do.double()).sum(), ins64)
+    for a, b, nm in zip(g, gr, "qkv"):
+        close(a, b, "d" + nm)
+
+
+def test_sdpa_errors_and_dropout():
+    q = torch.randn(1, 4, 3, 8)
+    k = torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="enable_gqa"):
+        mt.scaled_dot_product_attention(q, k, k)
+    with pytest.raises(RuntimeError):
+        mt.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 3, dtype=torch.bool),
+                                        is_causal=True)
+    torch.manual_seed(5)
+    a = mt.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    torch.manual_seed(5)
+    b = mt.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, mt.scaled_dot_product_attention(q, q, q))
+    with pytest.raises(mha.MhaError):
+        mt.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(2, 7, 7, dtype=torch.bool))
