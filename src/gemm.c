@@ -283,6 +283,9 @@ static mha_status run(const mha__gemm_kernel *kr,
     if (M == 0 || N == 0)
         return MHA_STATUS_OK;
     MHA_ASSERT(ldy >= N && (K == 0 || ldx >= K) && (pw || K == 0 || ldw >= K));
+    MHA_RETURN_IF((int64_t)kr->mr * kr->kc > GEMM_MAX_APANEL || kr->kc < 1 || kr->nc < 1, err,
+                  INVALID_ARG, "gemm: kernel %s blocking mr=%d kc=%lld exceeds the %d-float panel",
+                  kr->name, kr->mr, (long long)kr->kc, GEMM_MAX_APANEL);
     if (K == 0) {
         for (int64_t i = 0; i < M; i++)
             for (int64_t o = 0; o < N; o++)

@@ -374,10 +374,11 @@ static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
  * impl=reference, the packed GEMM (best kernel tier of this CPU) for fast and auto. */
 static mha_status project(mha_impl impl, const mha_allocator *alloc, const float *x,
                           const float *w, const float *bias, float *y, int64_t rows, int64_t in,
-                          int64_t out, int n_threads, mha_error *err) {
+                          int64_t out, int n_threads, void *pack, size_t pack_bytes,
+                          mha_error *err) {
     if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, n_threads, MHA__GEMM_AUTO,
-                             alloc, err);
+        return mha__gemm_xwt_ws(rows, out, in, x, in, w, in, bias, y, out, n_threads,
+                                MHA__GEMM_AUTO, pack, pack_bytes, alloc, err);
     proj_job job = {x, w, bias, y, in, out};
     return mha__parallel_for(n_threads, rows, project_rows, &job, err);
 }
@@ -436,14 +437,26 @@ mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *arg
 
     const float *xk = self ? args->query : args->key;
     const float *xv = self ? args->query : (args->value ? args->value : args->key);
-    st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim,
-                 n_threads, err);
+    /* The output projection's packing buffer is taken before the core runs: the core writes
+     * args->probs, and no allocation may fail after an output has been written. */
+    void *out_pack = NULL;
+    size_t out_pack_bytes = 0;
+    if (impl != MHA_IMPL_REFERENCE) {
+        st = mha__gemm_workspace_size(MHA__GEMM_AUTO, B * n, c->out_dim, h * c->v_head_dim,
+                                      &out_pack_bytes, err);
+        if (!st && out_pack_bytes && !(out_pack = mha__alloc(alloc, out_pack_bytes)))
+            st = mha__fail(err, MHA_STATUS_NO_MEMORY,
+                           "cannot allocate %zu bytes for the output projection", out_pack_bytes);
+    }
+    if (!st)
+        st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim,
+                     h * c->head_dim, n_threads, NULL, 0, err);
     if (!st)
         st = project(impl, alloc, xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim,
-                     n_threads, err);
+                     n_threads, NULL, 0, err);
     if (!st)
         st = project(impl, alloc, xv, w->w_v, w->b_v, v, B * m, c->v_dim, g * c->v_head_dim,
-                     n_threads, err);
+                     n_threads, NULL, 0, err);
 
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
@@ -463,7 +476,8 @@ mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *arg
     }
     if (!st)
         st = project(impl, alloc, att, w->w_o, w->b_o, args->out, B * n, h * c->v_head_dim,
-                     c->out_dim, n_threads, err);
+                     c->out_dim, n_threads, out_pack, out_pack_bytes, err);
+    mha__free(alloc, out_pack);
     mha__free(alloc, owned);
     if (!st)
         mha__ok(err);

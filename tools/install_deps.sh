@@ -9,6 +9,8 @@ need_apt=()
 command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
 command -v make >/dev/null 2>&1 || need_apt+=(make)
 [ -f /usr/include/cjson/cJSON.h ] || need_apt+=(libcjson-dev)
+# clang-14 + its runtime: libFuzzer harnesses (fuzz/) and ThreadSanitizer's runtime for gcc too.
+command -v clang-14 >/dev/null 2>&1 || need_apt+=(clang-14 libclang-rt-14-dev)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
 if [ ${#need_apt[@]} -gt 0 ]; then
     SUDO=""

@@ -436,8 +436,8 @@ static const mha__flash_ops avx2_ops = {pack_kt, qk,         softmax_online, sof
                                         pv,      all_finite, dropout_bits};
 
 /* Bq and Bk here must match this kernel's line in kernels.def. */
-void mha_fwd_f32_flash_q64k32__avx2(const mha__problem *p, const mha__fwd_unit *u, void *scratch) {
-    mha__flash_fwd(&avx2_ops, 64, 32, p, u, scratch);
+void mha_fwd_f32_flash_q64k64__avx2(const mha__problem *p, const mha__fwd_unit *u, void *scratch) {
+    mha__flash_fwd(&avx2_ops, 64, 64, p, u, scratch);
 }
 
 void mha__dropout_bits_avx2(
