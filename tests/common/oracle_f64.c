@@ -11,7 +11,7 @@
  * the published known-answer vectors in test_core.c), not a computation under test. */
 int mha__dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j);
 
-static double mask_elem(const mha_mask_tensor *t, const int64_t idx[4]) {
+double oracle_mask_elem(const mha_mask_tensor *t, const int64_t idx[4]) {
     /* NumPy broadcasting: align on the right, size-1 dims repeat. */
     int64_t off = 0, stride = 1;
     for (int d = t->ndim - 1, k = 3; d >= 0; d--, k--) {
@@ -29,7 +29,7 @@ static double mask_elem(const mha_mask_tensor *t, const int64_t idx[4]) {
     }
 }
 
-static double alibi_slope(int64_t H, int64_t h) {
+double oracle_alibi_slope(int64_t H, int64_t h) {
     int64_t c = 1;
     while (c * 2 <= H)
         c *= 2;
@@ -71,13 +71,13 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                     if (mk->use_window && mk->window_right >= 0 && j > pos + mk->window_right)
                         visible = 0;
                     if (mk->bool_mask.data) {
-                        const int nz = mask_elem(&mk->bool_mask, idx) != 0.0;
+                        const int nz = oracle_mask_elem(&mk->bool_mask, idx) != 0.0;
                         if (mk->bool_mask_polarity == MHA_MASK_ATTEND ? !nz : nz)
                             visible = 0;
                     }
                     if (mk->key_padding.data) {
                         const int64_t kidx[4] = {0, 0, b, j}; /* [B, m] right-aligned */
-                        if (mask_elem(&mk->key_padding, kidx) == 0.0)
+                        if (oracle_mask_elem(&mk->key_padding, kidx) == 0.0)
                             visible = 0;
                     }
                     if (mk->q_segment_ids &&
@@ -96,9 +96,9 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                     if (a->softcap > 0.0)
                         sj = a->softcap * tanh(sj / a->softcap);
                     if (mk->additive_mask.data)
-                        sj += mask_elem(&mk->additive_mask, idx);
+                        sj += oracle_mask_elem(&mk->additive_mask, idx);
                     if (a->alibi)
-                        sj -= alibi_slope(H, h) * fabs((double)(i + delta - j));
+                        sj -= oracle_alibi_slope(H, h) * fabs((double)(i + delta - j));
                     s[j] = sj;
                     any_nan |= isnan(sj);
                     if (sj > mx)

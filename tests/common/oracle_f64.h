@@ -6,6 +6,11 @@
 
 #include "mha.h"
 
+/* Element idx = (b, h, i, j) of a mask broadcast NumPy-style to [B, h, n, m], as a double. */
+double oracle_mask_elem(const mha_mask_tensor *t, const int64_t idx[4]);
+/* ALiBi slope of head h of H (powers of two; BLOOM's interpolation otherwise). */
+double oracle_alibi_slope(int64_t H, int64_t h);
+
 /* The attention core in float64. Same inputs as mha_attention (args->out/lse/probs ignored);
  * writes out [B, H, n, dv], lse [B, H, n] and probs [B, H, n, m] (never averaged; NULL to skip),
  * all contiguous. Returns 0, or -1 if args are outside what the oracle handles. */

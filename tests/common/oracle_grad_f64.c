@@ -3,6 +3,7 @@
  * of scores at a time, every mask rule by its definition, D_i computed as sum_j P_ij dP_ij (not
  * through the dO . O identity the library uses, so the identity itself is under test). */
 #include "oracle_grad_f64.h"
+#include "oracle_f64.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -10,32 +11,6 @@
 
 /* Dropout's keep decision is a definition shared with the library (Philox, see oracle_f64.c). */
 int mha__dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j);
-
-static double mask_at(const mha_mask_tensor *t, const int64_t idx[4]) {
-    int64_t off = 0, stride = 1;
-    for (int d = t->ndim - 1, k = 3; d >= 0; d--, k--) {
-        const int64_t i = t->shape[d] == 1 ? 0 : idx[k];
-        off += i * stride;
-        stride *= t->shape[d];
-    }
-    switch (t->dtype) {
-    case MHA_DTYPE_F32: return (double)((const float *)t->data)[off];
-    case MHA_DTYPE_BOOL:
-    case MHA_DTYPE_U8: return ((const uint8_t *)t->data)[off];
-    case MHA_DTYPE_I32: return ((const int32_t *)t->data)[off];
-    case MHA_DTYPE_I64: return (double)((const int64_t *)t->data)[off];
-    default: return 0.0;
-    }
-}
-
-static double slope_of(int64_t H, int64_t h) {
-    int64_t c = 1;
-    while (c * 2 <= H)
-        c *= 2;
-    if (h < c)
-        return pow(2.0, -8.0 * (double)(h + 1) / (double)c);
-    return pow(2.0, -8.0 * (double)(2 * (h - c) + 1) / (double)(2 * c));
-}
 
 static int64_t delta_of(const og_core *c, int64_t b) {
     if (c->mask.alignment == MHA_ALIGN_TOP_LEFT)
@@ -63,13 +38,13 @@ static int row_scores(const og_core *c, int64_t b, int64_t h, int64_t i, double 
         if (mk->use_window && mk->window_right >= 0 && j > pos + mk->window_right)
             vis = 0;
         if (mk->bool_mask.data) {
-            const int nz = mask_at(&mk->bool_mask, idx) != 0.0;
+            const int nz = oracle_mask_elem(&mk->bool_mask, idx) != 0.0;
             if (mk->bool_mask_polarity == MHA_MASK_ATTEND ? !nz : nz)
                 vis = 0;
         }
         if (mk->key_padding.data) {
             const int64_t kidx[4] = {0, 0, b, j};
-            if (mask_at(&mk->key_padding, kidx) == 0.0)
+            if (oracle_mask_elem(&mk->key_padding, kidx) == 0.0)
                 vis = 0;
         }
         if (mk->q_segment_ids &&
@@ -92,9 +67,9 @@ static int row_scores(const og_core *c, int64_t b, int64_t h, int64_t i, double 
             tp[j] = 1.0 - t * t;
         }
         if (mk->additive_mask.data)
-            r += mask_at(&mk->additive_mask, idx);
+            r += oracle_mask_elem(&mk->additive_mask, idx);
         if (c->alibi)
-            r -= slope_of(c->H, h) * fabs((double)(pos - j));
+            r -= oracle_alibi_slope(c->H, h) * fabs((double)(pos - j));
         s[j] = r;
         if (r != -HUGE_VAL)
             dead = 0;
