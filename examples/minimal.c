@@ -7,7 +7,8 @@ int main(void) {
     enum { B = 1, N = 4, D = 8, H = 2 };
     static float w_q[D * D], w_k[D * D], w_v[D * D], w_o[D * D], x[B * N * D], y[B * N * D];
     for (int i = 0; i < D * D; i++) { /* any weights: a scaled identity plus a ripple */
-        w_q[i] = w_k[i] = w_v[i] = w_o[i] = (i % (D + 1) == 0 ? 1.0f : 0.0f) + 0.01f * (float)(i % 7);
+        w_q[i] = w_k[i] = w_v[i] = w_o[i] =
+            (i % (D + 1) == 0 ? 1.0f : 0.0f) + 0.01f * (float)(i % 7);
     }
     for (int i = 0; i < B * N * D; i++)
         x[i] = (float)(i % 5) - 2.0f;

@@ -30,8 +30,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 /* A dimension: mostly in [0, cap], sometimes a hostile value. */
 static int64_t pick_dim(fuzz_reader *r, int64_t cap) {
-    static const int64_t hostile[] = {-1, INT64_MIN, INT64_MAX, ((int64_t)1 << 31) + 1,
-                                      (int64_t)1 << 40, -((int64_t)1 << 31)};
+    static const int64_t hostile[] = {
+        -1, INT64_MIN, INT64_MAX, ((int64_t)1 << 31) + 1, (int64_t)1 << 40, -((int64_t)1 << 31)};
     const uint8_t sel = fuzz_u8(r);
     if (sel < 244)
         return sel % (cap + 1);
@@ -97,7 +97,8 @@ static void fa_free(void *user, void *ptr) {
     free(ptr);
 }
 
-/* ---- Masks ------------------------------------------------------------------------------------ */
+/* ---- Masks ------------------------------------------------------------------------------------
+ */
 typedef struct owned {
     void *p[16];
     int n;
@@ -117,8 +118,14 @@ static void release(owned *o) {
 
 /* A mask tensor with a random dtype, rank and shape (dims drawn from the real sizes, 1, 0 or
  * junk), filled with random values; `finite` is cleared when a float mask holds NaN or +Inf. */
-static void pick_mask(fuzz_reader *r, owned *o, mha_mask_tensor *t, int is_float, int max_ndim,
-                      const int64_t *dims, int n_dims, int *finite) {
+static void pick_mask(fuzz_reader *r,
+                      owned *o,
+                      mha_mask_tensor *t,
+                      int is_float,
+                      int max_ndim,
+                      const int64_t *dims,
+                      int n_dims,
+                      int *finite) {
     memset(t, 0, sizeof *t);
     if (fuzz_u8(r) % 3 != 0)
         return;
@@ -177,8 +184,14 @@ static void pick_mask(fuzz_reader *r, owned *o, mha_mask_tensor *t, int is_float
     }
 }
 
-static void pick_masking(fuzz_reader *r, owned *o, mha_masking *mk, int64_t B, int64_t H,
-                         int64_t n, int64_t m, int *finite) {
+static void pick_masking(fuzz_reader *r,
+                         owned *o,
+                         mha_masking *mk,
+                         int64_t B,
+                         int64_t H,
+                         int64_t n,
+                         int64_t m,
+                         int *finite) {
     memset(mk, 0, sizeof *mk);
     const uint8_t flags = fuzz_u8(r);
     mk->causal = flags & 1;
@@ -201,8 +214,7 @@ static void pick_masking(fuzz_reader *r, owned *o, mha_masking *mk, int64_t B, i
     mk->window_right = win[fuzz_below(r, 8)];
     const int64_t dims[] = {B, H, n, m, 1};
     pick_mask(r, o, &mk->bool_mask, 0, 4, dims, 5, finite);
-    static const mha_mask_polarity pol[] = {MHA_MASK_ATTEND, MHA_MASK_BLOCK,
-                                            (mha_mask_polarity)3};
+    static const mha_mask_polarity pol[] = {MHA_MASK_ATTEND, MHA_MASK_BLOCK, (mha_mask_polarity)3};
     mk->bool_mask_polarity = pol[fuzz_below(r, 3)];
     pick_mask(r, o, &mk->additive_mask, 1, 4, dims, 5, finite);
     const int64_t kdims[] = {B, m, 1};
@@ -230,8 +242,7 @@ static void pick_dropout(fuzz_reader *r, mha_dropout *d) {
 
 static void pick_exec(fuzz_reader *r, mha_exec *ex, fail_alloc *fa, mha_allocator *al) {
     memset(ex, 0, sizeof *ex);
-    static const mha_impl impls[] = {MHA_IMPL_AUTO, MHA_IMPL_REFERENCE, MHA_IMPL_FAST,
-                                     (mha_impl)7};
+    static const mha_impl impls[] = {MHA_IMPL_AUTO, MHA_IMPL_REFERENCE, MHA_IMPL_FAST, (mha_impl)7};
     ex->impl = impls[fuzz_below(r, 4)];
     static const int32_t threads[] = {1, 1, 2, 0, 3, -3};
     ex->n_threads = threads[fuzz_below(r, 6)];
@@ -258,9 +269,11 @@ static void check_probs(const float *p, int64_t rows, int64_t m) {
     }
 }
 
-/* ---- Mode 0: the layer ------------------------------------------------------------------------ */
+/* ---- Mode 0: the layer ------------------------------------------------------------------------
+ */
 static void fuzz_layer(fuzz_reader *r) {
-    static const double scales[] = {0.0, 0.0, 0.1, 1.0, 10.0, 1e30, -1.0, (double)NAN, (double)INFINITY};
+    static const double scales[] = {
+        0.0, 0.0, 0.1, 1.0, 10.0, 1e30, -1.0, (double)NAN, (double)INFINITY};
     static const double softcaps[] = {0.0, 0.0, 5.0, 30.0, -1.0, (double)NAN, (double)INFINITY};
     mha_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -311,11 +324,10 @@ static void fuzz_layer(fuzz_reader *r) {
                      small_ok(h, CAP_H) && small_ok(g, CAP_H) && small_ok(dk, CAP_FEAT) &&
                      small_ok(dv, CAP_FEAT) && small_ok(od, CAP_FEAT);
     const int64_t big = 4096; /* more than any weight of in-range sizes */
-    const int64_t nw[9] = {sane ? h * dk * q : big, sane ? g * dk * k : big,
-                           sane ? g * dv * v : big, sane ? od * h * dv : big,
-                           sane ? h * dk : big,     sane ? g * dk : big,
-                           sane ? g * dv : big,     sane ? od : big,
-                           sane ? h : big};
+    const int64_t nw[9] = {
+        sane ? h * dk * q : big,  sane ? g * dk * k : big, sane ? g * dv * v : big,
+        sane ? od * h * dv : big, sane ? h * dk : big,     sane ? g * dk : big,
+        sane ? g * dv : big,      sane ? od : big,         sane ? h : big};
     float *wb[9];
     const uint64_t wseed = fuzz_u64(r);
     for (int i = 0; i < 9; i++) {
@@ -329,17 +341,28 @@ static void fuzz_layer(fuzz_reader *r) {
         weights_finite = 0;
     }
     const uint8_t present = fuzz_u8(r);
-    mha_weights w = {wb[0], wb[1], wb[2], wb[3], cfg.bias_q ? wb[4] : NULL,
-                     cfg.bias_k ? wb[5] : NULL, cfg.bias_v ? wb[6] : NULL,
-                     cfg.bias_o ? wb[7] : NULL, cfg.sinks ? wb[8] : NULL};
+    mha_weights w = {wb[0],
+                     wb[1],
+                     wb[2],
+                     wb[3],
+                     cfg.bias_q ? wb[4] : NULL,
+                     cfg.bias_k ? wb[5] : NULL,
+                     cfg.bias_v ? wb[6] : NULL,
+                     cfg.bias_o ? wb[7] : NULL,
+                     cfg.sinks ? wb[8] : NULL};
     if (present >= 250) /* a missing or an unexpected tensor */
         switch (present % 3) {
-        case 0: w.w_v = NULL; break;
-        case 1: w.b_o = w.b_o ? NULL : wb[7]; break;
-        default: w.sinks = w.sinks ? NULL : wb[8]; break;
+        case 0:
+            w.w_v = NULL;
+            break;
+        case 1:
+            w.b_o = w.b_o ? NULL : wb[7];
+            break;
+        default:
+            w.sinks = w.sinks ? NULL : wb[8];
+            break;
         }
-    static const mha_ownership owns[] = {MHA_WEIGHTS_COPY, MHA_WEIGHTS_BORROW,
-                                         (mha_ownership)5};
+    static const mha_ownership owns[] = {MHA_WEIGHTS_COPY, MHA_WEIGHTS_BORROW, (mha_ownership)5};
     const mha_ownership own = owns[fuzz_below(r, 3)];
     fail_alloc cfa = {0, 0, -1};
     const uint8_t ca = fuzz_u8(r);
@@ -420,8 +443,8 @@ static void fuzz_layer(fuzz_reader *r) {
         pick_masking(r, &o, &a.mask, B, h, n, m, &finite);
         pick_dropout(r, &a.dropout);
         a.average_probs = (f >> 5) & 1;
-        const int64_t np = sb && sn && small_ok(m, CAP_L) ? B * (a.average_probs ? 1 : h) * n * m
-                                                          : 1;
+        const int64_t np =
+            sb && sn && small_ok(m, CAP_L) ? B * (a.average_probs ? 1 : h) * n * m : 1;
         float *y = keep(&o, fbuf(ny)), *pr = keep(&o, fbuf(np));
         poison(y, ny);
         poison(pr, np);
@@ -434,8 +457,8 @@ static void fuzz_layer(fuzz_reader *r) {
         const uint8_t wsel = fuzz_u8(r);
         size_t need = 0;
         mha_error werr;
-        if (wsel & 1 && mha_layer_forward_workspace_size(L, &a, &ex, &need, &werr) ==
-                            MHA_STATUS_OK) {
+        if (wsel & 1 &&
+            mha_layer_forward_workspace_size(L, &a, &ex, &need, &werr) == MHA_STATUS_OK) {
             const size_t give = wsel & 2 ? need : (need > 0 ? need - 1 : 0);
             ex.workspace = keep(&o, malloc(give + 64));
             ex.workspace_bytes = give;
@@ -466,7 +489,8 @@ done:
         free(wb[i]);
 }
 
-/* ---- Mode 1: the attention core ----------------------------------------------------------------- */
+/* ---- Mode 1: the attention core -----------------------------------------------------------------
+ */
 static void fuzz_core(fuzz_reader *r) {
     mha_attention_args a;
     memset(&a, 0, sizeof a);
@@ -484,8 +508,7 @@ static void fuzz_core(fuzz_reader *r) {
     const uint8_t f = fuzz_u8(r);
     a.alibi = f & 1;
     const int64_t B = a.batch, H = a.num_heads, G = a.num_kv_heads ? a.num_kv_heads : H;
-    const int64_t n = a.q_len, m = a.kv_len, dk = a.head_dim,
-                  dv = a.v_head_dim ? a.v_head_dim : dk;
+    const int64_t n = a.q_len, m = a.kv_len, dk = a.head_dim, dv = a.v_head_dim ? a.v_head_dim : dk;
     const int sane = small_ok(B, CAP_B) && small_ok(H, CAP_H) && small_ok(G, CAP_H) &&
                      small_ok(n, CAP_L) && small_ok(m, 300) && small_ok(dk, 256) &&
                      small_ok(dv, 256);
@@ -575,9 +598,8 @@ static void fuzz_core(fuzz_reader *r) {
                         for (int64_t d = 0; d < dv; d++) {
                             const float y = ob[b * a.out_strides[0] + hh * a.out_strides[1] +
                                                i * a.out_strides[2] + d];
-                            FUZZ_REQUIRE(isfinite(y), "out[%lld,%lld,%lld,%lld] = %g",
-                                         (long long)b, (long long)hh, (long long)i, (long long)d,
-                                         (double)y);
+                            FUZZ_REQUIRE(isfinite(y), "out[%lld,%lld,%lld,%lld] = %g", (long long)b,
+                                         (long long)hh, (long long)i, (long long)d, (double)y);
                         }
             if (a.probs)
                 check_probs(pr, np / (m > 0 ? m : 1), m);

@@ -76,8 +76,8 @@ static void load_once(const uint8_t *data, size_t size, int64_t heads) {
     mha_layer *L = (mha_layer *)&cnt; /* must be overwritten */
     mha_error err;
     memset(&err, 0, sizeof err);
-    mha_status st =
-        mha__safetensors_load_mem(data, size, "fuzz.safetensors", NULL, NULL, &cfg, &alloc, &L, &err);
+    mha_status st = mha__safetensors_load_mem(data, size, "fuzz.safetensors", NULL, NULL, &cfg,
+                                              &alloc, &L, &err);
     if (st != MHA_STATUS_OK) {
         fuzz_check_error(st, &err);
         FUZZ_REQUIRE(L == NULL, "*out not NULL on error");
@@ -90,10 +90,9 @@ static void load_once(const uint8_t *data, size_t size, int64_t heads) {
     const mha_config *c = mha_layer_config(L);
     const mha_weights *w = mha_layer_weights(L);
     FUZZ_REQUIRE(c->num_heads == heads && c->num_heads % c->num_kv_heads == 0, "heads");
-    const int64_t counts[4] = {c->num_heads * c->head_dim * c->q_dim,
-                               c->num_kv_heads * c->head_dim * c->k_dim,
-                               c->num_kv_heads * c->v_head_dim * c->v_dim,
-                               c->out_dim * c->num_heads * c->v_head_dim};
+    const int64_t counts[4] = {
+        c->num_heads * c->head_dim * c->q_dim, c->num_kv_heads * c->head_dim * c->k_dim,
+        c->num_kv_heads * c->v_head_dim * c->v_dim, c->out_dim * c->num_heads * c->v_head_dim};
     const float *ptrs[4] = {w->w_q, w->w_k, w->w_v, w->w_o};
     float max_abs = 0.0f;
     for (int t = 0; t < 4; t++)

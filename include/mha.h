@@ -143,19 +143,20 @@ typedef struct mha_masking {
     int64_t window_left;          /* sliding window; -1 = unbounded on that side */
     int64_t window_right;         /* both -1 (or use_window == 0): no window */
     int32_t use_window;
-    mha_mask_tensor bool_mask;    /* BOOL/U8/I32/I64, broadcast to [B, h, n, m] */
+    mha_mask_tensor bool_mask; /* BOOL/U8/I32/I64, broadcast to [B, h, n, m] */
     mha_mask_polarity bool_mask_polarity;
-    mha_mask_tensor additive_mask;   /* F32, broadcast to [B, h, n, m], added to scores; -inf blocks */
-    mha_mask_tensor key_padding;     /* BOOL/U8/I32/I64 [B, m] or [m]; nonzero = real token */
-    const int32_t *q_segment_ids;    /* [B, n]: query i sees key j only if segments are equal */
-    const int32_t *kv_segment_ids;   /* [B, m]; both or neither */
+    mha_mask_tensor
+        additive_mask;            /* F32, broadcast to [B, h, n, m], added to scores; -inf blocks */
+    mha_mask_tensor key_padding;  /* BOOL/U8/I32/I64 [B, m] or [m]; nonzero = real token */
+    const int32_t *q_segment_ids; /* [B, n]: query i sees key j only if segments are equal */
+    const int32_t *kv_segment_ids; /* [B, m]; both or neither */
 } mha_masking;
 
 /** Dropout on the attention probabilities (training only). Element (b, h, i, j) is kept iff
  *  u >= p, with u = (philox4x32_10(counter = {j, i, h, b}, key = {seed lo, seed hi})[0] >> 8)
  *  * 2^-24; kept values are scaled by 1/(1-p). Independent of threads and blocking. */
 typedef struct mha_dropout {
-    float p;       /* in [0, 1) */
+    float p; /* in [0, 1) */
     uint64_t seed;
     int32_t training; /* zero: inference, never drops */
 } mha_dropout;
@@ -172,8 +173,8 @@ typedef enum mha_impl {
 /** Execution options of a call. */
 typedef struct mha_exec {
     mha_impl impl;
-    int32_t n_threads;           /* 0 = number of online CPUs */
-    void *workspace;             /* NULL: the library allocates (with `allocator`) */
+    int32_t n_threads; /* 0 = number of online CPUs */
+    void *workspace;   /* NULL: the library allocates (with `allocator`) */
     size_t workspace_bytes;
     const mha_allocator *allocator; /* NULL: malloc/free */
 } mha_exec;
@@ -197,20 +198,20 @@ typedef enum mha_rope_scaling_type {
 
 /** RoPE: pair k (k = 0 .. R/2-1, R = rotary_dim) has frequency f_k = theta^(-2k/R) (then the
  *  scaling below), angle = position * f_k, and (x_a, x_b) -> (x_a cos - x_b sin, x_a sin + x_b cos)
- *  with (a, b) = (2k, 2k+1) for INTERLEAVED and (k, k + R/2) for HALF. Dimensions >= R pass through.
- *  Zeros in the scaling fields mean the documented defaults. */
+ *  with (a, b) = (2k, 2k+1) for INTERLEAVED and (k, k + R/2) for HALF. Dimensions >= R pass
+ * through. Zeros in the scaling fields mean the documented defaults. */
 typedef struct mha_rope {
     mha_rope_style style;
-    double theta;          /* 0 = 10000 */
-    int64_t rotary_dim;    /* even, <= head_dim; 0 = head_dim */
+    double theta;       /* 0 = 10000 */
+    int64_t rotary_dim; /* even, <= head_dim; 0 = head_dim */
     mha_rope_scaling_type scaling;
-    double factor;                   /* > 0 for every scaling; 0 = 1 for LINEAR/NTK, 8 for LLAMA3 */
-    double original_max_position;    /* LLAMA3 (0 = 8192) and YARN (0 = 4096) */
-    double low_freq_factor;          /* LLAMA3, 0 = 1 */
-    double high_freq_factor;         /* LLAMA3, 0 = 4 */
-    double beta_fast;                /* YARN, 0 = 32 */
-    double beta_slow;                /* YARN, 0 = 1 */
-    double attention_factor;         /* YARN, 0 = 0.1 ln(factor) + 1; multiplies cos and sin */
+    double factor;                /* > 0 for every scaling; 0 = 1 for LINEAR/NTK, 8 for LLAMA3 */
+    double original_max_position; /* LLAMA3 (0 = 8192) and YARN (0 = 4096) */
+    double low_freq_factor;       /* LLAMA3, 0 = 1 */
+    double high_freq_factor;      /* LLAMA3, 0 = 4 */
+    double beta_fast;             /* YARN, 0 = 32 */
+    double beta_slow;             /* YARN, 0 = 1 */
+    double attention_factor;      /* YARN, 0 = 0.1 ln(factor) + 1; multiplies cos and sin */
 } mha_rope;
 
 /** Largest accepted token position (positions are in [0, MHA_MAX_POSITION]). */
@@ -219,15 +220,21 @@ typedef struct mha_rope {
 /** Applies RoPE in place to x viewed as [B, L, H, D] with element strides x_strides (D stride 1).
  *  positions: element (b, t) at positions[b * pos_batch_stride + t]; pos_batch_stride = 0
  *  broadcasts one row over the batch; positions == NULL means t. */
-MHA_API mha_status mha_rope_apply(const mha_rope *rope, int64_t batch, int64_t seq_len,
-                                  int64_t num_heads, int64_t head_dim, float *x,
-                                  const int64_t x_strides[4], const int64_t *positions,
-                                  int64_t pos_batch_stride, mha_error *err);
+MHA_API mha_status mha_rope_apply(const mha_rope *rope,
+                                  int64_t batch,
+                                  int64_t seq_len,
+                                  int64_t num_heads,
+                                  int64_t head_dim,
+                                  float *x,
+                                  const int64_t x_strides[4],
+                                  const int64_t *positions,
+                                  int64_t pos_batch_stride,
+                                  mha_error *err);
 
 /** The (possibly scaled) inverse frequencies f_k, k = 0 .. rotary_dim/2-1, and the factor that
  *  multiplies cos and sin (1 except YaRN). For inspection and tests. */
-MHA_API mha_status mha_rope_frequencies(const mha_rope *rope, int64_t head_dim, double *freqs,
-                                        double *cos_sin_factor, mha_error *err);
+MHA_API mha_status mha_rope_frequencies(
+    const mha_rope *rope, int64_t head_dim, double *freqs, double *cos_sin_factor, mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* The attention core                                                                             */
@@ -274,14 +281,17 @@ typedef struct mha_attention_args {
 
 /** Workspace the core needs for `args` under `exec` (0 is possible). */
 MHA_API mha_status mha_attention_workspace_size(const mha_attention_args *args,
-                                                const mha_exec *exec, size_t *bytes,
+                                                const mha_exec *exec,
+                                                size_t *bytes,
                                                 mha_error *err);
 /** Returns MHA_STATUS_OK when the implementation in exec->impl can run `args`, otherwise
  *  MHA_STATUS_UNSUPPORTED / INVALID_ARG with a message naming the option. Does no work. */
-MHA_API mha_status mha_attention_supported(const mha_attention_args *args, const mha_exec *exec,
+MHA_API mha_status mha_attention_supported(const mha_attention_args *args,
+                                           const mha_exec *exec,
                                            mha_error *err);
 /** Runs the core. exec may be NULL (AUTO, all cores, library-allocated workspace). */
-MHA_API mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec,
+MHA_API mha_status mha_attention(const mha_attention_args *args,
+                                 const mha_exec *exec,
                                  mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -291,20 +301,20 @@ MHA_API mha_status mha_attention(const mha_attention_args *args, const mha_exec 
 /** Layer configuration. Zero means "default" for every optional field, so
  *  `mha_config c = {0}; c.q_dim = 512; c.num_heads = 8;` is a valid self-attention layer. */
 typedef struct mha_config {
-    int64_t q_dim;        /* query input features (required) */
-    int64_t k_dim;        /* key input features; 0 = q_dim */
-    int64_t v_dim;        /* value input features; 0 = k_dim */
-    int64_t num_heads;    /* h (required) */
-    int64_t num_kv_heads; /* g; 0 = h */
-    int64_t head_dim;     /* d_k; 0 = q_dim / h (must divide) */
-    int64_t v_head_dim;   /* d_v; 0 = d_k */
-    int64_t out_dim;      /* 0 = q_dim */
+    int64_t q_dim;                          /* query input features (required) */
+    int64_t k_dim;                          /* key input features; 0 = q_dim */
+    int64_t v_dim;                          /* value input features; 0 = k_dim */
+    int64_t num_heads;                      /* h (required) */
+    int64_t num_kv_heads;                   /* g; 0 = h */
+    int64_t head_dim;                       /* d_k; 0 = q_dim / h (must divide) */
+    int64_t v_head_dim;                     /* d_v; 0 = d_k */
+    int64_t out_dim;                        /* 0 = q_dim */
     int32_t bias_q, bias_k, bias_v, bias_o; /* nonzero: that projection has a bias */
-    int32_t sinks;        /* nonzero: learned per-head attention sink logits */
-    double scale;         /* 0 = 1/sqrt(d_k) */
-    double softcap;       /* 0 = off */
+    int32_t sinks;                          /* nonzero: learned per-head attention sink logits */
+    double scale;                           /* 0 = 1/sqrt(d_k) */
+    double softcap;                         /* 0 = off */
     int32_t alibi;
-    mha_rope rope;        /* style NONE = no RoPE */
+    mha_rope rope; /* style NONE = no RoPE */
 } mha_config;
 
 /** Weights in PyTorch nn.Linear layout (y = x W^T + b). Rows [i*d_k, (i+1)*d_k) of w_q belong to
@@ -319,17 +329,21 @@ typedef struct mha_weights {
 } mha_weights;
 
 typedef enum mha_ownership {
-    MHA_WEIGHTS_COPY = 0,   /* the layer keeps its own copy */
-    MHA_WEIGHTS_BORROW = 1, /* the layer keeps the pointers; caller keeps them alive and unchanged */
+    MHA_WEIGHTS_COPY = 0, /* the layer keeps its own copy */
+    MHA_WEIGHTS_BORROW =
+        1, /* the layer keeps the pointers; caller keeps them alive and unchanged */
 } mha_ownership;
 
 typedef struct mha_layer mha_layer;
 
 /** Creates a layer. Validates the config (divisibility, sizes, overflow) and the weights (non-NULL,
  *  finite: a NaN or Inf weight is refused with its tensor and index). *out is NULL on error. */
-MHA_API mha_status mha_layer_create(const mha_config *config, const mha_weights *weights,
-                                    mha_ownership ownership, const mha_allocator *allocator,
-                                    mha_layer **out, mha_error *err);
+MHA_API mha_status mha_layer_create(const mha_config *config,
+                                    const mha_weights *weights,
+                                    mha_ownership ownership,
+                                    const mha_allocator *allocator,
+                                    mha_layer **out,
+                                    mha_error *err);
 /** NULL-safe. */
 MHA_API void mha_layer_destroy(mha_layer *layer);
 /** The resolved configuration (every default filled in). */
@@ -338,12 +352,12 @@ MHA_API const mha_config *mha_layer_config(const mha_layer *layer);
 MHA_API const mha_weights *mha_layer_weights(const mha_layer *layer);
 
 typedef struct mha_forward_args {
-    int64_t batch;  /* B */
-    int64_t q_len;  /* n */
-    int64_t kv_len; /* m; ignored (= n) for self-attention */
-    const float *query; /* [B, n, q_dim] */
-    const float *key;   /* [B, m, k_dim]; NULL = self-attention (key = value = query) */
-    const float *value; /* [B, m, v_dim]; NULL = key */
+    int64_t batch;              /* B */
+    int64_t q_len;              /* n */
+    int64_t kv_len;             /* m; ignored (= n) for self-attention */
+    const float *query;         /* [B, n, q_dim] */
+    const float *key;           /* [B, m, k_dim]; NULL = self-attention (key = value = query) */
+    const float *value;         /* [B, m, v_dim]; NULL = key */
     const int64_t *q_positions; /* [B, n] RoPE positions; NULL = 0..n-1 */
     const int64_t *k_positions; /* [B, m]; NULL = q_positions for self-attention, else 0..m-1 */
     mha_masking mask;
@@ -355,14 +369,19 @@ typedef struct mha_forward_args {
 
 MHA_API mha_status mha_layer_forward_workspace_size(const mha_layer *layer,
                                                     const mha_forward_args *args,
-                                                    const mha_exec *exec, size_t *bytes,
+                                                    const mha_exec *exec,
+                                                    size_t *bytes,
                                                     mha_error *err);
 MHA_API mha_status mha_layer_forward_supported(const mha_layer *layer,
                                                const mha_forward_args *args,
-                                               const mha_exec *exec, mha_error *err);
-/** y = (concat_h Attn_h(RoPE(x_q W_q^T + b_q), RoPE(x_k W_k^T + b_k), x_v W_v^T + b_v)) W_o^T + b_o */
-MHA_API mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *args,
-                                     const mha_exec *exec, mha_error *err);
+                                               const mha_exec *exec,
+                                               mha_error *err);
+/** y = (concat_h Attn_h(RoPE(x_q W_q^T + b_q), RoPE(x_k W_k^T + b_k), x_v W_v^T + b_v)) W_o^T + b_o
+ */
+MHA_API mha_status mha_layer_forward(const mha_layer *layer,
+                                     const mha_forward_args *args,
+                                     const mha_exec *exec,
+                                     mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Files                                                                                          */
@@ -381,9 +400,12 @@ typedef struct mha_name_map {
  *  non-size option (scale, rope, softcap, alibi); sizes and biases are inferred from the tensor
  *  shapes and checked against it. `prefix` (may be NULL) is prepended to every name. The file is
  *  untrusted: every offset and size is checked. */
-MHA_API mha_status mha_layer_load_safetensors(const char *path, const char *prefix,
-                                              const mha_name_map *names, const mha_config *config,
-                                              const mha_allocator *allocator, mha_layer **out,
+MHA_API mha_status mha_layer_load_safetensors(const char *path,
+                                              const char *prefix,
+                                              const mha_name_map *names,
+                                              const mha_config *config,
+                                              const mha_allocator *allocator,
+                                              mha_layer **out,
                                               mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -418,7 +440,8 @@ typedef struct mha_attention_grads {
  *  n x m). */
 MHA_API mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
                                                          const mha_attention_grads *grads,
-                                                         const mha_exec *exec, size_t *bytes,
+                                                         const mha_exec *exec,
+                                                         size_t *bytes,
                                                          mha_error *err);
 
 /** Backward of the attention core. `fwd` describes the forward call exactly as it ran: sizes,
@@ -434,7 +457,8 @@ MHA_API mha_status mha_attention_backward_workspace_size(const mha_attention_arg
  *  their dQ is 0, never NaN. Results are bit-identical for any n_threads. exec may be NULL.
  *  @return MHA_STATUS_OK, or an error with outputs untouched. */
 MHA_API mha_status mha_attention_backward(const mha_attention_args *fwd,
-                                          const mha_attention_grads *grads, const mha_exec *exec,
+                                          const mha_attention_grads *grads,
+                                          const mha_exec *exec,
                                           mha_error *err);
 
 /** What a training forward saved for the backward (opaque). It owns float copies of the
@@ -450,8 +474,10 @@ typedef struct mha_train_state mha_train_state;
  *  args->dropout.training, is applied exactly as in mha_layer_forward and regenerated from its
  *  seed by the backward. *state is NULL on error. Memory comes from exec->allocator
  *  (exec->workspace is not used). */
-MHA_API mha_status mha_layer_forward_train(const mha_layer *layer, const mha_forward_args *args,
-                                           const mha_exec *exec, mha_train_state **state,
+MHA_API mha_status mha_layer_forward_train(const mha_layer *layer,
+                                           const mha_forward_args *args,
+                                           const mha_exec *exec,
+                                           mha_train_state **state,
                                            mha_error *err);
 
 /** Gradient buffers of the layer (all caller-owned, each may be NULL = not wanted), shapes as the
@@ -479,9 +505,12 @@ typedef struct mha_layer_grads {
  *  results for any n_threads.
  *  @return MHA_STATUS_OK, or an error with every gradient buffer untouched (every check runs
  *  first; only an out-of-memory inside a later product can leave them partly written). */
-MHA_API mha_status mha_layer_backward(const mha_layer *layer, const mha_train_state *state,
-                                      const float *dy, const mha_layer_grads *grads,
-                                      const mha_exec *exec, mha_error *err);
+MHA_API mha_status mha_layer_backward(const mha_layer *layer,
+                                      const mha_train_state *state,
+                                      const float *dy,
+                                      const mha_layer_grads *grads,
+                                      const mha_exec *exec,
+                                      mha_error *err);
 
 /** Frees a training state. NULL-safe. */
 MHA_API void mha_train_state_destroy(mha_train_state *state);
@@ -522,8 +551,10 @@ typedef struct mha_kv_cache mha_kv_cache;
  *  V [batch, g, slots, d_v] of `dtype`, 64-byte aligned, allocated once here (no allocation on
  *  append). *out is NULL on error.
  *  @return MHA_STATUS_OK; INVALID_ARG, OVERFLOW or NO_MEMORY with a message. */
-MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config, const mha_layer *layer,
-                                       const mha_allocator *allocator, mha_kv_cache **out,
+MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
+                                       const mha_layer *layer,
+                                       const mha_allocator *allocator,
+                                       mha_kv_cache **out,
                                        mha_error *err);
 /** NULL-safe. */
 MHA_API void mha_kv_cache_destroy(mha_kv_cache *cache);
@@ -539,25 +570,33 @@ MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_erro
  *  window cache's ring keeps max_step_tokens - 1 positions of slack beyond the window, so it can
  *  roll back at most max_step_tokens positions from the furthest length it reached
  *  (INVALID_ARG beyond, nothing changed). */
-MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len,
+MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache,
+                                         int64_t seq,
+                                         int64_t new_len,
                                          mha_error *err);
 /** Makes sequence dst a copy of sequence src (length and contents): forks a shared prefix.
  *  src == dst is a no-op. */
-MHA_API mha_status mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq,
+MHA_API mha_status mha_kv_cache_copy(mha_kv_cache *cache,
+                                     int64_t src_seq,
+                                     int64_t dst_seq,
                                      mha_error *err);
 /** Reads position pos of sequence seq as float32: k [g, d_k], v [g, d_v] (either may be NULL).
  *  INVALID_ARG when pos is not stored (>= length, or dropped from a window ring). */
-MHA_API mha_status mha_kv_cache_read(const mha_kv_cache *cache, int64_t seq, int64_t pos,
-                                     float *k, float *v, mha_error *err);
+MHA_API mha_status mha_kv_cache_read(
+    const mha_kv_cache *cache, int64_t seq, int64_t pos, float *k, float *v, mha_error *err);
 
 /** Core level, for callers with their own projections: appends t post-RoPE key/value rows to
  *  each listed sequence, k [num_seqs, t, g, d_k], v [num_seqs, t, g, d_v] (float32, rounded to
  *  the storage dtype, nearest-even). seq_ids: [num_seqs] distinct ids, NULL = 0 .. num_seqs-1.
  *  Fails with nothing appended if any sequence would exceed max_seq (or t > max_step_tokens in a
  *  window cache). */
-MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache, int64_t num_seqs,
-                                       const int64_t *seq_ids, int64_t t, const float *k,
-                                       const float *v, mha_error *err);
+MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache,
+                                       int64_t num_seqs,
+                                       const int64_t *seq_ids,
+                                       int64_t t,
+                                       const float *k,
+                                       const float *v,
+                                       mha_error *err);
 
 /** Core-level attention of the LAST t positions of each listed sequence (whose K/V are already
  *  appended) to everything the cache holds for it, causal, bottom-right aligned:
@@ -577,14 +616,15 @@ typedef struct mha_kv_attention_args {
     double scale;           /* 0 = 1/sqrt(d_k) */
     double softcap;         /* 0 = off */
     int32_t alibi;
-    const float *sinks;     /* [h] or NULL */
+    const float *sinks; /* [h] or NULL */
     const float *q;
     float *out;
     float *lse;
 } mha_kv_attention_args;
 
 MHA_API mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
-                                          const mha_kv_attention_args *args, const mha_exec *exec,
+                                          const mha_kv_attention_args *args,
+                                          const mha_exec *exec,
                                           mha_error *err);
 
 /** One layer call through a cache: x [num_seqs, t, q_dim] are the next t tokens of each listed
@@ -605,13 +645,17 @@ typedef struct mha_decode_args {
 /** Appends a prompt (any t; long ones go through the flash core block by block).
  *  exec->workspace is not used by the decode calls: their scratch (a few floats per key block)
  *  comes from exec->allocator. */
-MHA_API mha_status mha_layer_prefill(const mha_layer *layer, mha_kv_cache *cache,
-                                     const mha_decode_args *args, const mha_exec *exec,
+MHA_API mha_status mha_layer_prefill(const mha_layer *layer,
+                                     mha_kv_cache *cache,
+                                     const mha_decode_args *args,
+                                     const mha_exec *exec,
                                      mha_error *err);
 /** One decoding step: t = 1 (or a few, e.g. speculative drafts) new tokens per sequence. The same
  *  operation as mha_layer_prefill, routed to the split-KV decode kernel. */
-MHA_API mha_status mha_layer_decode_step(const mha_layer *layer, mha_kv_cache *cache,
-                                         const mha_decode_args *args, const mha_exec *exec,
+MHA_API mha_status mha_layer_decode_step(const mha_layer *layer,
+                                         mha_kv_cache *cache,
+                                         const mha_decode_args *args,
+                                         const mha_exec *exec,
                                          mha_error *err);
 
 /** Exact merge of two partial attention results over disjoint key sets (split-KV, streaming,
@@ -621,10 +665,18 @@ MHA_API mha_status mha_layer_decode_step(const mha_layer *layer, mha_kv_cache *c
  *  A partial with lse = -inf (all its keys masked) contributes nothing; both -inf gives o = 0,
  *  lse = -inf. Row strides in elements (>= dim). o may be exactly o_a or o_b (same pointer and
  *  stride) and lse exactly lse_a or lse_b: the merge then runs in place. lse may be NULL. */
-MHA_API mha_status mha_attention_merge(int64_t rows, int64_t dim, const float *o_a,
-                                       int64_t o_a_stride, const float *lse_a, const float *o_b,
-                                       int64_t o_b_stride, const float *lse_b, float *o,
-                                       int64_t o_stride, float *lse, mha_error *err);
+MHA_API mha_status mha_attention_merge(int64_t rows,
+                                       int64_t dim,
+                                       const float *o_a,
+                                       int64_t o_a_stride,
+                                       const float *lse_a,
+                                       const float *o_b,
+                                       int64_t o_b_stride,
+                                       const float *lse_b,
+                                       float *o,
+                                       int64_t o_stride,
+                                       float *lse,
+                                       mha_error *err);
 
 #ifdef __cplusplus
 }

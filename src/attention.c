@@ -10,8 +10,13 @@
 
 /* Largest element offset reachable through a [B, H, L, d] view with strides s; false on
  * overflow or a negative stride. */
-static bool view_extent(const int64_t s[3], int64_t B, int64_t H, int64_t L, int64_t d,
-                        const char *name, mha_error *err) {
+static bool view_extent(const int64_t s[3],
+                        int64_t B,
+                        int64_t H,
+                        int64_t L,
+                        int64_t d,
+                        const char *name,
+                        mha_error *err) {
     int64_t a, b, c, total;
     for (int i = 0; i < 3; i++)
         if (s[i] < 0) {
@@ -28,8 +33,11 @@ static bool view_extent(const int64_t s[3], int64_t B, int64_t H, int64_t L, int
     return true;
 }
 
-mha_status mha__problem_from_args(const mha_attention_args *a, mha__problem *p, int64_t *delta_buf,
-                                  float *slope_buf, mha_error *err) {
+mha_status mha__problem_from_args(const mha_attention_args *a,
+                                  mha__problem *p,
+                                  int64_t *delta_buf,
+                                  float *slope_buf,
+                                  mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
     memset(p, 0, sizeof *p);
     const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
@@ -37,8 +45,8 @@ mha_status mha__problem_from_args(const mha_attention_args *a, mha__problem *p, 
     const struct {
         const char *name;
         int64_t value;
-    } dims[] = {{"batch", a->batch},        {"num_heads", a->num_heads}, {"num_kv_heads", G},
-                {"q_len", a->q_len},        {"kv_len", a->kv_len},       {"head_dim", a->head_dim},
+    } dims[] = {{"batch", a->batch}, {"num_heads", a->num_heads}, {"num_kv_heads", G},
+                {"q_len", a->q_len}, {"kv_len", a->kv_len},       {"head_dim", a->head_dim},
                 {"v_head_dim", dv}};
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         MHA_RETURN_IF(dims[i].value < 1 || dims[i].value > MHA_MAX_DIM, err, INVALID_ARG,
@@ -59,8 +67,8 @@ mha_status mha__problem_from_args(const mha_attention_args *a, mha__problem *p, 
 
     int64_t probs_count;
     const int64_t pf[4] = {p->B, a->average_probs ? 1 : p->H, p->n, p->m};
-    MHA_RETURN_IF(!mha__prod_i64(pf, 4, &probs_count) || probs_count > INT64_MAX / 8, err,
-                  OVERFLOW, "B*h*n*m overflows int64");
+    MHA_RETURN_IF(!mha__prod_i64(pf, 4, &probs_count) || probs_count > INT64_MAX / 8, err, OVERFLOW,
+                  "B*h*n*m overflows int64");
     if (!view_extent(a->q_strides, p->B, p->H, p->n, p->dk, "q", err) ||
         !view_extent(a->k_strides, p->B, p->G, p->m, p->dk, "k", err) ||
         !view_extent(a->v_strides, p->B, p->G, p->m, p->dv, "v", err) ||
@@ -117,12 +125,11 @@ static size_t align64(size_t x) {
     return (x + 63) & ~(size_t)63;
 }
 
-static mha_status core_layout(const mha_attention_args *a, int n_threads, size_t scratch,
-                              ws_layout *l, mha_error *err) {
+static mha_status core_layout(
+    const mha_attention_args *a, int n_threads, size_t scratch, ws_layout *l, mha_error *err) {
     size_t deltas, slopes;
     MHA_RETURN_IF(!mha__bytes(a->batch, sizeof(int64_t), &deltas) ||
-                      !mha__bytes(a->num_heads, sizeof(float), &slopes) ||
-                      scratch > SIZE_MAX - 64,
+                      !mha__bytes(a->num_heads, sizeof(float), &slopes) || scratch > SIZE_MAX - 64,
                   err, OVERFLOW, "workspace size overflows");
     l->delta_off = 0;
     l->slope_off = align64(deltas);
@@ -150,9 +157,12 @@ static mha_status check_dims_for_layout(const mha_attention_args *a, mha_error *
  * else by exec->impl: REFERENCE -> the reference; FAST -> the first fast kernel that takes the
  * problem, or UNSUPPORTED naming the option (never a silent fallback); AUTO -> the first fast
  * kernel that takes it, else the reference. MHA_KERNEL=<name> overrides AUTO and FAST. */
-static mha_status choose_kernel(const mha_attention_args *a, const mha_exec *exec,
-                                const mha__kernel_info *forced, const mha__kernel_info **k,
-                                size_t *scratch, mha_error *err) {
+static mha_status choose_kernel(const mha_attention_args *a,
+                                const mha_exec *exec,
+                                const mha__kernel_info *forced,
+                                const mha__kernel_info **k,
+                                size_t *scratch,
+                                mha_error *err) {
     mha__fwd_shape shape;
     mha__fwd_shape_from_args(a, &shape);
     mha_status st;
@@ -167,7 +177,9 @@ static mha_status choose_kernel(const mha_attention_args *a, const mha_exec *exe
             st = MHA_STATUS_OK;
             break;
         case MHA_IMPL_AUTO:
-        case MHA_IMPL_FAST: st = mha__kernel_select(&shape, impl, k, err); break;
+        case MHA_IMPL_FAST:
+            st = mha__kernel_select(&shape, impl, k, err);
+            break;
         default:
             return mha__fail(err, MHA_STATUS_INVALID_ARG,
                              "exec.impl=%d is not a known implementation", (int)impl);
@@ -180,8 +192,10 @@ static mha_status choose_kernel(const mha_attention_args *a, const mha_exec *exe
     return MHA_STATUS_OK;
 }
 
-mha_status mha__attention_workspace(const mha_attention_args *args, const mha_exec *exec,
-                                    const mha__kernel_info *forced, size_t *bytes,
+mha_status mha__attention_workspace(const mha_attention_args *args,
+                                    const mha_exec *exec,
+                                    const mha__kernel_info *forced,
+                                    size_t *bytes,
                                     mha_error *err) {
     MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
     mha_status st = check_dims_for_layout(args, err);
@@ -201,13 +215,15 @@ mha_status mha__attention_workspace(const mha_attention_args *args, const mha_ex
     return MHA_STATUS_OK;
 }
 
-mha_status mha_attention_workspace_size(const mha_attention_args *args, const mha_exec *exec,
-                                        size_t *bytes, mha_error *err) {
+mha_status mha_attention_workspace_size(const mha_attention_args *args,
+                                        const mha_exec *exec,
+                                        size_t *bytes,
+                                        mha_error *err) {
     return mha__attention_workspace(args, exec, NULL, bytes, err);
 }
 
-mha_status mha_attention_supported(const mha_attention_args *args, const mha_exec *exec,
-                                   mha_error *err) {
+mha_status
+mha_attention_supported(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
     mha_status st = check_dims_for_layout(args, err);
     if (st)
         return st;
@@ -232,8 +248,10 @@ mha_status mha_attention_supported(const mha_attention_args *args, const mha_exe
     return st;
 }
 
-mha_status mha__attention_run(const mha_attention_args *args, const mha_exec *exec,
-                              const mha__kernel_info *forced, mha_error *err) {
+mha_status mha__attention_run(const mha_attention_args *args,
+                              const mha_exec *exec,
+                              const mha__kernel_info *forced,
+                              mha_error *err) {
     mha_status st = check_dims_for_layout(args, err);
     if (st)
         return st;

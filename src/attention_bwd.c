@@ -14,13 +14,18 @@
 
 #include <string.h>
 
-static bool extent_ok(const int64_t s[3], int64_t B, int64_t H, int64_t L, int64_t d,
-                      const char *name, mha_error *err) {
+static bool extent_ok(const int64_t s[3],
+                      int64_t B,
+                      int64_t H,
+                      int64_t L,
+                      int64_t d,
+                      const char *name,
+                      mha_error *err) {
     int64_t a, b, c, t;
     for (int i = 0; i < 3; i++)
         if (s[i] < 0) {
-            mha__fail(err, MHA_STATUS_INVALID_ARG, "grads.%s_strides[%d]=%lld is negative", name,
-                      i, (long long)s[i]);
+            mha__fail(err, MHA_STATUS_INVALID_ARG, "grads.%s_strides[%d]=%lld is negative", name, i,
+                      (long long)s[i]);
             return false;
         }
     if (!mha__mul_i64(B - 1, s[0], &a) || !mha__mul_i64(H - 1, s[1], &b) ||
@@ -107,9 +112,14 @@ static int resolve_threads(const mha_exec *exec) {
 
 /* Everything checkable before any work: fills p (whose deltas/slopes point into `tmp_ws`, or
  * into small private arrays while only sizing), the kernel and the layout. */
-static mha_status validate(const mha_attention_args *a, const mha_attention_grads *g,
-                           const mha_exec *exec, int forced, int n_threads, bwd_kernel *k,
-                           bwd_layout *l, mha_error *err) {
+static mha_status validate(const mha_attention_args *a,
+                           const mha_attention_grads *g,
+                           const mha_exec *exec,
+                           int forced,
+                           int n_threads,
+                           bwd_kernel *k,
+                           bwd_layout *l,
+                           mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "fwd (the forward's args) is NULL");
     MHA_RETURN_IF(!g, err, INVALID_ARG, "grads is NULL");
     MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->num_heads < 1 ||
@@ -154,8 +164,10 @@ static mha_status validate(const mha_attention_args *a, const mha_attention_grad
 }
 
 /* Checks of the gradient side against a validated problem. */
-static mha_status check_grads(const mha_attention_args *a, const mha_attention_grads *g,
-                              const mha__problem *p, mha_error *err) {
+static mha_status check_grads(const mha_attention_args *a,
+                              const mha_attention_grads *g,
+                              const mha__problem *p,
+                              mha_error *err) {
     MHA_RETURN_IF(!a->lse, err, INVALID_ARG,
                   "fwd.lse is NULL: the backward needs the log-sum-exp saved by the forward");
     MHA_RETURN_IF(!g->dout, err, INVALID_ARG, "grads.dout is NULL");
@@ -171,7 +183,8 @@ static mha_status check_grads(const mha_attention_args *a, const mha_attention_g
 
 mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
                                                  const mha_attention_grads *grads,
-                                                 const mha_exec *exec, size_t *bytes,
+                                                 const mha_exec *exec,
+                                                 size_t *bytes,
                                                  mha_error *err) {
     MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
     bwd_kernel k = {0};
@@ -199,8 +212,11 @@ static void run_units(void *ctx, int part, int64_t begin, int64_t end) {
 }
 
 mha_status mha__attention_backward_run(const mha_attention_args *fwd,
-                                       const mha_attention_grads *grads, const mha_exec *exec,
-                                       int kernel, const char **name_out, mha_error *err) {
+                                       const mha_attention_grads *grads,
+                                       const mha_exec *exec,
+                                       int kernel,
+                                       const char **name_out,
+                                       mha_error *err) {
     const int n_threads = resolve_threads(exec);
     bwd_kernel k = {0};
     bwd_layout l = {0};
@@ -218,8 +234,8 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
         MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace", l.total);
     }
     mha__problem p;
-    st = mha__problem_from_args(fwd, &p, (int64_t *)(ws + l.delta_off),
-                                (float *)(ws + l.slope_off), err);
+    st = mha__problem_from_args(fwd, &p, (int64_t *)(ws + l.delta_off), (float *)(ws + l.slope_off),
+                                err);
     if (!st)
         st = check_grads(fwd, grads, &p, err);
     if (!st) {
@@ -255,7 +271,9 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
     return st;
 }
 
-mha_status mha_attention_backward(const mha_attention_args *fwd, const mha_attention_grads *grads,
-                                  const mha_exec *exec, mha_error *err) {
+mha_status mha_attention_backward(const mha_attention_args *fwd,
+                                  const mha_attention_grads *grads,
+                                  const mha_exec *exec,
+                                  mha_error *err) {
     return mha__attention_backward_run(fwd, grads, exec, -1, NULL, err);
 }

@@ -38,12 +38,18 @@ bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes);
 #define MHA__BWD_BQ 32
 #define MHA__BWD_BK 64
 bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes);
-void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp, int64_t b, int64_t g,
+void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp,
+                                       int64_t b,
+                                       int64_t g,
                                        void *scratch);
 #if defined(__x86_64__) || defined(__i386__)
-void mha_bwd_f32_flash_q32k64__avx512(const mha__bwd_problem *bp, int64_t b, int64_t g,
+void mha_bwd_f32_flash_q32k64__avx512(const mha__bwd_problem *bp,
+                                      int64_t b,
+                                      int64_t g,
                                       void *scratch);
-void mha_bwd_f32_flash_q32k64__avx2(const mha__bwd_problem *bp, int64_t b, int64_t g,
+void mha_bwd_f32_flash_q32k64__avx2(const mha__bwd_problem *bp,
+                                    int64_t b,
+                                    int64_t g,
                                     void *scratch);
 #endif
 
@@ -55,7 +61,10 @@ int mha__bwd_kernel_usable(int index);
 /* The core backward; kernel >= 0 forces that kernel (tests), -1 chooses by exec->impl.
  * `name_out` (may be NULL) receives the name of the kernel that ran. */
 mha_status mha__attention_backward_run(const mha_attention_args *fwd,
-                                       const mha_attention_grads *grads, const mha_exec *exec,
-                                       int kernel, const char **name_out, mha_error *err);
+                                       const mha_attention_grads *grads,
+                                       const mha_exec *exec,
+                                       int kernel,
+                                       const char **name_out,
+                                       mha_error *err);
 
 #endif /* MHA_ATTENTION_BWD_H */

@@ -30,10 +30,10 @@ void mha__ok(mha_error *err);
 
 /* Returns `status` with a formatted message from the enclosing function when cond holds
  * (zstd RETURN_ERROR_IF style). */
-#define MHA_RETURN_IF(cond, err, status, ...)                                                  \
-    do {                                                                                       \
-        if (cond)                                                                              \
-            return mha__fail((err), MHA_STATUS_##status, __VA_ARGS__);                         \
+#define MHA_RETURN_IF(cond, err, status, ...)                                                      \
+    do {                                                                                           \
+        if (cond)                                                                                  \
+            return mha__fail((err), MHA_STATUS_##status, __VA_ARGS__);                             \
     } while (0)
 
 /* Overflow-checked size arithmetic: return false on overflow or negative operands. */
@@ -85,7 +85,7 @@ typedef struct mha__problem {
     int64_t window_left, window_right; /* -1 = unbounded */
     mha__mask_view bool_mask;          /* strides over (b, h, i, j) */
     mha_mask_polarity bool_polarity;
-    mha__mask_view additive; /* F32 */
+    mha__mask_view additive;    /* F32 */
     mha__mask_view key_padding; /* strides over (b, -, -, j): only [0] and [3] used */
     const int32_t *q_seg, *kv_seg;
 
@@ -98,10 +98,14 @@ typedef struct mha__problem {
 static inline int mha__mask_nonzero(const mha__mask_view *m, int64_t off) {
     switch (m->dtype) {
     case MHA_DTYPE_BOOL:
-    case MHA_DTYPE_U8: return ((const uint8_t *)m->data)[off] != 0;
-    case MHA_DTYPE_I32: return ((const int32_t *)m->data)[off] != 0;
-    case MHA_DTYPE_I64: return ((const int64_t *)m->data)[off] != 0;
-    default: return 0;
+    case MHA_DTYPE_U8:
+        return ((const uint8_t *)m->data)[off] != 0;
+    case MHA_DTYPE_I32:
+        return ((const int32_t *)m->data)[off] != 0;
+    case MHA_DTYPE_I64:
+        return ((const int64_t *)m->data)[off] != 0;
+    default:
+        return 0;
     }
 }
 
@@ -133,8 +137,8 @@ static inline int mha__visible(const mha__problem *p, int64_t b, int64_t h, int6
 }
 
 /* Additive bias on the (soft-capped) score: float mask + ALiBi. */
-static inline float mha__score_bias(const mha__problem *p, int64_t b, int64_t h, int64_t i,
-                                    int64_t j) {
+static inline float
+mha__score_bias(const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
     float bias = 0.0f;
     if (p->additive.data) {
         const int64_t *s = p->additive.strides;
@@ -160,25 +164,38 @@ void mha__alibi_slopes(int64_t h, float *slopes);
 mha_status mha__rope_resolve(const mha_rope *in, int64_t head_dim, mha_rope *out, mha_error *err);
 void mha__rope_freqs(const mha_rope *resolved, double *freqs, double *cs_factor);
 /* cos/sin of every pair for one position: cos_out[k] = cs_factor * cos(pos * freqs[k]). */
-void mha__rope_cos_sin(const mha_rope *resolved, const double *freqs, double cs_factor,
-                       int64_t position, double *cos_out, double *sin_out);
+void mha__rope_cos_sin(const mha_rope *resolved,
+                       const double *freqs,
+                       double cs_factor,
+                       int64_t position,
+                       double *cos_out,
+                       double *sin_out);
 /* Rotates one head vector x[0..D) in place with the pairs' cos/sin (pairing from the style). */
 void mha__rope_rotate(const mha_rope *resolved, const double *cos_k, const double *sin_k, float *x);
 
 /* Simple fork-join over [0, count): fn(ctx, part, begin, end) on up to n_threads pthreads; part
  * (0 .. n_threads-1) identifies the contiguous sub-range, e.g. to pick per-thread scratch. */
 typedef void (*mha__range_fn)(void *ctx, int part, int64_t begin, int64_t end);
-mha_status mha__parallel_for(int n_threads, int64_t count, mha__range_fn fn, void *ctx,
-                             mha_error *err);
+mha_status
+mha__parallel_for(int n_threads, int64_t count, mha__range_fn fn, void *ctx, mha_error *err);
 int mha__default_threads(void);
 
 /* Validates public core args into a problem. `scratch` must hold mha__problem_scratch_floats()
  * floats (ALiBi slopes and deltas live there). */
-mha_status mha__problem_from_args(const mha_attention_args *a, mha__problem *p, int64_t *delta_buf,
-                                  float *slope_buf, mha_error *err);
+mha_status mha__problem_from_args(const mha_attention_args *a,
+                                  mha__problem *p,
+                                  int64_t *delta_buf,
+                                  float *slope_buf,
+                                  mha_error *err);
 /* Validates a masking struct against sizes (B, h, n, m). */
-mha_status mha__validate_masking(const mha_masking *mk, int64_t B, int64_t H, int64_t n, int64_t m,
-                                 mha__problem *p, int64_t *delta_buf, mha_error *err);
+mha_status mha__validate_masking(const mha_masking *mk,
+                                 int64_t B,
+                                 int64_t H,
+                                 int64_t n,
+                                 int64_t m,
+                                 mha__problem *p,
+                                 int64_t *delta_buf,
+                                 mha_error *err);
 
 /* The plain reference core: rows [row_begin, row_end) of the flattened (b, h) pairs.
  * Uses `scratch` of m floats per call. */

@@ -13,9 +13,9 @@
 #include <string.h>
 
 struct mha_layer {
-    mha_config cfg;  /* resolved: every default filled in */
-    mha_weights w;   /* the pointers in use (own copy or borrowed) */
-    float *owned;    /* the copy, when MHA_WEIGHTS_COPY */
+    mha_config cfg; /* resolved: every default filled in */
+    mha_weights w;  /* the pointers in use (own copy or borrowed) */
+    float *owned;   /* the copy, when MHA_WEIGHTS_COPY */
     mha_allocator allocator;
     int has_allocator;
 };
@@ -47,9 +47,9 @@ static mha_status resolve_config(const mha_config *in, mha_config *c, mha_error 
     const struct {
         const char *name;
         int64_t v;
-    } dims[] = {{"k_dim", c->k_dim},           {"v_dim", c->v_dim},
-                {"num_kv_heads", c->num_kv_heads}, {"head_dim", c->head_dim},
-                {"v_head_dim", c->v_head_dim}, {"out_dim", c->out_dim}};
+    } dims[] = {
+        {"k_dim", c->k_dim},       {"v_dim", c->v_dim},           {"num_kv_heads", c->num_kv_heads},
+        {"head_dim", c->head_dim}, {"v_head_dim", c->v_head_dim}, {"out_dim", c->out_dim}};
     for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
         MHA_RETURN_IF(dims[i].v < 1 || dims[i].v > MHA_MAX_DIM, err, INVALID_ARG,
                       "config.%s=%lld must be in [1, 2^31]", dims[i].name, (long long)dims[i].v);
@@ -57,8 +57,7 @@ static mha_status resolve_config(const mha_config *in, mha_config *c, mha_error 
                   "config.num_heads=%lld is not divisible by num_kv_heads=%lld",
                   (long long)c->num_heads, (long long)c->num_kv_heads);
     int64_t t;
-    MHA_RETURN_IF(!mha__mul_i64(c->num_heads, c->head_dim, &t) ||
-                      !mha__mul_i64(t, c->q_dim, &t) ||
+    MHA_RETURN_IF(!mha__mul_i64(c->num_heads, c->head_dim, &t) || !mha__mul_i64(t, c->q_dim, &t) ||
                       !mha__mul_i64(c->num_heads, c->v_head_dim, &t) ||
                       !mha__mul_i64(t, c->out_dim, &t) ||
                       !mha__mul_i64(c->num_kv_heads * c->head_dim, c->k_dim, &t) ||
@@ -66,8 +65,7 @@ static mha_status resolve_config(const mha_config *in, mha_config *c, mha_error 
                   err, OVERFLOW, "config: weight sizes overflow int64");
     if (c->scale == 0.0)
         c->scale = 1.0 / sqrt((double)c->head_dim);
-    MHA_RETURN_IF(!isfinite(c->scale), err, INVALID_ARG, "config.scale=%g is not finite",
-                  c->scale);
+    MHA_RETURN_IF(!isfinite(c->scale), err, INVALID_ARG, "config.scale=%g is not finite", c->scale);
     MHA_RETURN_IF(!isfinite(c->softcap) || c->softcap < 0.0, err, INVALID_ARG,
                   "config.softcap=%g must be finite and >= 0 (0 = off)", c->softcap);
     if (c->rope.style != MHA_ROPE_NONE) {
@@ -109,9 +107,12 @@ static int weight_slots(const mha_config *c, mha_weights *w, weight_slot slots[9
     return 9;
 }
 
-mha_status mha_layer_create(const mha_config *config, const mha_weights *weights,
-                            mha_ownership ownership, const mha_allocator *allocator,
-                            mha_layer **out, mha_error *err) {
+mha_status mha_layer_create(const mha_config *config,
+                            const mha_weights *weights,
+                            mha_ownership ownership,
+                            const mha_allocator *allocator,
+                            mha_layer **out,
+                            mha_error *err) {
     MHA_RETURN_IF(!out, err, INVALID_ARG, "out (the layer pointer) is NULL");
     *out = NULL;
     MHA_RETURN_IF(!weights, err, INVALID_ARG, "weights is NULL");
@@ -205,8 +206,14 @@ static size_t align64(size_t x) {
     return (x + 63) & ~(size_t)63;
 }
 
-static void core_args_for(const mha_layer *L, const mha_forward_args *a, int64_t m, float *q,
-                          float *k, float *v, float *att, mha_attention_args *c) {
+static void core_args_for(const mha_layer *L,
+                          const mha_forward_args *a,
+                          int64_t m,
+                          float *q,
+                          float *k,
+                          float *v,
+                          float *att,
+                          mha_attention_args *c) {
     const mha_config *cfg = &L->cfg;
     const int64_t h = cfg->num_heads, g = cfg->num_kv_heads, n = a->q_len;
     memset(c, 0, sizeof *c);
@@ -244,26 +251,28 @@ static void core_args_for(const mha_layer *L, const mha_forward_args *a, int64_t
     c->dropout = a->dropout;
 }
 
-static mha_status check_positions(const int64_t *pos, int64_t B, int64_t L, const char *name,
-                                  mha_error *err) {
+static mha_status
+check_positions(const int64_t *pos, int64_t B, int64_t L, const char *name, mha_error *err) {
     if (!pos)
         return MHA_STATUS_OK;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < L; t++)
-            MHA_RETURN_IF(pos[b * L + t] < 0 || pos[b * L + t] > MHA_MAX_POSITION, err,
-                          INVALID_ARG, "%s[%lld][%lld]=%lld outside [0, 2^31]", name,
-                          (long long)b, (long long)t, (long long)pos[b * L + t]);
+            MHA_RETURN_IF(pos[b * L + t] < 0 || pos[b * L + t] > MHA_MAX_POSITION, err, INVALID_ARG,
+                          "%s[%lld][%lld]=%lld outside [0, 2^31]", name, (long long)b, (long long)t,
+                          (long long)pos[b * L + t]);
     return MHA_STATUS_OK;
 }
 
 /* Everything about the call that can be checked without running it. */
-static mha_status validate_forward(const mha_layer *L, const mha_forward_args *a,
-                                   const mha_exec *exec, fwd_layout *l, mha_error *err) {
+static mha_status validate_forward(const mha_layer *L,
+                                   const mha_forward_args *a,
+                                   const mha_exec *exec,
+                                   fwd_layout *l,
+                                   mha_error *err) {
     MHA_RETURN_IF(!L, err, INVALID_ARG, "layer is NULL");
     MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
     const mha_config *c = &L->cfg;
-    MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->q_len < 1 ||
-                      a->q_len > MHA_MAX_DIM,
+    MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->q_len < 1 || a->q_len > MHA_MAX_DIM,
                   err, INVALID_ARG, "batch=%lld and q_len=%lld must be in [1, 2^31]",
                   (long long)a->batch, (long long)a->q_len);
     MHA_RETURN_IF(!a->query || !a->out, err, INVALID_ARG, "query and out must not be NULL");
@@ -323,8 +332,11 @@ static mha_status validate_forward(const mha_layer *L, const mha_forward_args *a
     return MHA_STATUS_OK;
 }
 
-mha_status mha_layer_forward_workspace_size(const mha_layer *layer, const mha_forward_args *args,
-                                            const mha_exec *exec, size_t *bytes, mha_error *err) {
+mha_status mha_layer_forward_workspace_size(const mha_layer *layer,
+                                            const mha_forward_args *args,
+                                            const mha_exec *exec,
+                                            size_t *bytes,
+                                            mha_error *err) {
     MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
     fwd_layout l;
     mha_status st = validate_forward(layer, args, exec, &l, err);
@@ -335,8 +347,10 @@ mha_status mha_layer_forward_workspace_size(const mha_layer *layer, const mha_fo
     return MHA_STATUS_OK;
 }
 
-mha_status mha_layer_forward_supported(const mha_layer *layer, const mha_forward_args *args,
-                                       const mha_exec *exec, mha_error *err) {
+mha_status mha_layer_forward_supported(const mha_layer *layer,
+                                       const mha_forward_args *args,
+                                       const mha_exec *exec,
+                                       mha_error *err) {
     fwd_layout l;
     mha_status st = validate_forward(layer, args, exec, &l, err);
     if (st)
@@ -372,9 +386,18 @@ static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
 
 /* One projection y[rows, out] = x[rows, in] W[out, in]^T + b: the plain loops for
  * impl=reference, the packed GEMM (best kernel tier of this CPU) for fast and auto. */
-static mha_status project(mha_impl impl, const mha_allocator *alloc, const float *x,
-                          const float *w, const float *bias, float *y, int64_t rows, int64_t in,
-                          int64_t out, int n_threads, void *pack, size_t pack_bytes,
+static mha_status project(mha_impl impl,
+                          const mha_allocator *alloc,
+                          const float *x,
+                          const float *w,
+                          const float *bias,
+                          float *y,
+                          int64_t rows,
+                          int64_t in,
+                          int64_t out,
+                          int n_threads,
+                          void *pack,
+                          size_t pack_bytes,
                           mha_error *err) {
     if (impl != MHA_IMPL_REFERENCE)
         return mha__gemm_xwt_ws(rows, out, in, x, in, w, in, bias, y, out, n_threads,
@@ -384,8 +407,14 @@ static mha_status project(mha_impl impl, const mha_allocator *alloc, const float
 }
 
 /* RoPE over a [B, L, heads, d] buffer, positions [B, L] (NULL = 0..L-1). */
-static void rope_buffer(const mha_rope *r, double *tab, float *x, int64_t B, int64_t Lk,
-                        int64_t heads, int64_t d, const int64_t *pos) {
+static void rope_buffer(const mha_rope *r,
+                        double *tab,
+                        float *x,
+                        int64_t B,
+                        int64_t Lk,
+                        int64_t heads,
+                        int64_t d,
+                        const int64_t *pos) {
     const int64_t half = r->rotary_dim / 2;
     double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
     mha__rope_freqs(r, freqs, &cs);
@@ -397,8 +426,10 @@ static void rope_buffer(const mha_rope *r, double *tab, float *x, int64_t B, int
         }
 }
 
-mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *args,
-                             const mha_exec *exec, mha_error *err) {
+mha_status mha_layer_forward(const mha_layer *layer,
+                             const mha_forward_args *args,
+                             const mha_exec *exec,
+                             mha_error *err) {
     fwd_layout l;
     mha_status st = validate_forward(layer, args, exec, &l, err);
     if (st)
@@ -449,8 +480,8 @@ mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *arg
                            "cannot allocate %zu bytes for the output projection", out_pack_bytes);
     }
     if (!st)
-        st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim,
-                     h * c->head_dim, n_threads, NULL, 0, err);
+        st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim,
+                     n_threads, NULL, 0, err);
     if (!st)
         st = project(impl, alloc, xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim,
                      n_threads, NULL, 0, err);
@@ -460,8 +491,8 @@ mha_status mha_layer_forward(const mha_layer *layer, const mha_forward_args *arg
 
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
-        const int64_t *kpos = args->k_positions ? args->k_positions
-                                                : (self ? args->q_positions : NULL);
+        const int64_t *kpos =
+            args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
         rope_buffer(&c->rope, tab, q, B, n, h, c->head_dim, args->q_positions);
         rope_buffer(&c->rope, tab, k, B, m, g, c->head_dim, kpos);
     }

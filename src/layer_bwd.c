@@ -41,8 +41,14 @@ void mha_train_state_destroy(mha_train_state *s) {
 }
 
 /* The core's view of the layer buffers ([B, L, heads, d] seen as [B, heads, L, d]). */
-static void core_args(const mha_layer *L, const mha_forward_args *a, int64_t m, const float *q,
-                      const float *k, const float *v, float *att, float *lse,
+static void core_args(const mha_layer *L,
+                      const mha_forward_args *a,
+                      int64_t m,
+                      const float *q,
+                      const float *k,
+                      const float *v,
+                      float *att,
+                      float *lse,
                       mha_attention_args *c) {
     const mha_config *cfg = mha_layer_config(L);
     const int64_t h = cfg->num_heads, g = cfg->num_kv_heads, n = a->q_len;
@@ -99,9 +105,17 @@ static void xwt_rows(void *ctx, int part, int64_t r0, int64_t r1) {
 }
 
 /* y[rows, out] = x[rows, in] w[out, in]^T (+ bias). */
-static mha_status xwt(mha_impl impl, const mha_allocator *alloc, const float *x, const float *w,
-                      const float *bias, float *y, int64_t rows, int64_t in, int64_t out,
-                      int n_threads, mha_error *err) {
+static mha_status xwt(mha_impl impl,
+                      const mha_allocator *alloc,
+                      const float *x,
+                      const float *w,
+                      const float *bias,
+                      float *y,
+                      int64_t rows,
+                      int64_t in,
+                      int64_t out,
+                      int n_threads,
+                      mha_error *err) {
     if (impl != MHA_IMPL_REFERENCE)
         return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, n_threads, MHA__GEMM_AUTO,
                              alloc, err);
@@ -126,8 +140,15 @@ static void transpose(const float *x, float *t, int64_t rows, int64_t cols) {
 /* Rotates every head of a [B, L, heads, d] buffer by +angle (sign = 1) or -angle (sign = -1):
  * the transpose of (x_a, x_b) -> f (x_a cos - x_b sin, x_a sin + x_b cos) is
  * (g_a, g_b) -> f (g_a cos + g_b sin, -g_a sin + g_b cos), i.e. the same with sin negated. */
-static mha_status rope_buffer(const mha_rope *r, float *x, int64_t B, int64_t Lk, int64_t heads,
-                              int64_t d, const int64_t *pos, int sign, mha_error *err) {
+static mha_status rope_buffer(const mha_rope *r,
+                              float *x,
+                              int64_t B,
+                              int64_t Lk,
+                              int64_t heads,
+                              int64_t d,
+                              const int64_t *pos,
+                              int sign,
+                              mha_error *err) {
     const int64_t half = r->rotary_dim / 2;
     double *tab = malloc(sizeof(double) * (size_t)(3 * half));
     MHA_RETURN_IF(!tab, err, NO_MEMORY, "cannot allocate RoPE tables");
@@ -150,8 +171,11 @@ static mha_status rope_buffer(const mha_rope *r, float *x, int64_t B, int64_t Lk
 /* Training forward.                                                                              */
 /* ---------------------------------------------------------------------------------------------- */
 
-mha_status mha_layer_forward_train(const mha_layer *layer, const mha_forward_args *args,
-                                   const mha_exec *exec, mha_train_state **state, mha_error *err) {
+mha_status mha_layer_forward_train(const mha_layer *layer,
+                                   const mha_forward_args *args,
+                                   const mha_exec *exec,
+                                   mha_train_state **state,
+                                   mha_error *err) {
     MHA_RETURN_IF(!state, err, INVALID_ARG, "state (the output pointer) is NULL");
     *state = NULL;
     /* Every check of mha_layer_forward (sizes, inputs, positions, masks, implementation). */
@@ -164,12 +188,12 @@ mha_status mha_layer_forward_train(const mha_layer *layer, const mha_forward_arg
     const int64_t B = args->batch, n = args->q_len, m = self ? n : args->kv_len;
     const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
     int64_t cnt[5];
-    const int64_t f[5][3] = {{B * n, h, dk}, {B * m, g, dk}, {B * m, g, dv}, {B * n, h, dv},
-                             {B, h, n}};
+    const int64_t f[5][3] = {
+        {B * n, h, dk}, {B * m, g, dk}, {B * m, g, dv}, {B * n, h, dv}, {B, h, n}};
     int64_t total = 0;
     for (int i = 0; i < 5; i++)
-        MHA_RETURN_IF(!mha__prod_i64(f[i], 3, &cnt[i]) || !mha__add_i64(total, cnt[i], &total),
-                      err, OVERFLOW, "training state size overflows");
+        MHA_RETURN_IF(!mha__prod_i64(f[i], 3, &cnt[i]) || !mha__add_i64(total, cnt[i], &total), err,
+                      OVERFLOW, "training state size overflows");
     size_t bytes;
     MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &bytes), err, OVERFLOW,
                   "training state size overflows");
@@ -209,8 +233,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer, const mha_forward_arg
     if (!st)
         st = xwt(impl, alloc, xv, w->w_v, w->b_v, s->v, B * m, c->v_dim, g * dv, n_threads, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
-        const int64_t *kpos = args->k_positions ? args->k_positions
-                                                : (self ? args->q_positions : NULL);
+        const int64_t *kpos =
+            args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
         st = rope_buffer(&c->rope, s->q, B, n, h, dk, args->q_positions, 1, err);
         if (!st)
             st = rope_buffer(&c->rope, s->k, B, m, g, dk, kpos, 1, err);
@@ -224,8 +248,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer, const mha_forward_arg
         st = mha_attention(&core, &ce, err);
     }
     if (!st)
-        st = xwt(impl, alloc, s->a, w->w_o, w->b_o, args->out, B * n, h * dv, c->out_dim,
-                 n_threads, err);
+        st = xwt(impl, alloc, s->a, w->w_o, w->b_o, args->out, B * n, h * dv, c->out_dim, n_threads,
+                 err);
     if (st) {
         mha_train_state_destroy(s);
         return st;
@@ -256,16 +280,29 @@ static void deliver(float *dst, const float *src, int64_t count, int accumulate)
 }
 
 /* C[M, N] = A[M, K] B[K, N]  (B is transposed into tmp for the x W^T product). */
-static mha_status mm_ab(const bwd_ctx *x, const float *A, const float *Bm, float *C, int64_t M,
-                        int64_t N, int64_t K, float *tmp, mha_error *err) {
+static mha_status mm_ab(const bwd_ctx *x,
+                        const float *A,
+                        const float *Bm,
+                        float *C,
+                        int64_t M,
+                        int64_t N,
+                        int64_t K,
+                        float *tmp,
+                        mha_error *err) {
     transpose(Bm, tmp, K, N); /* tmp [N, K] */
     return xwt(x->impl, x->alloc, A, tmp, NULL, C, M, K, N, x->n_threads, err);
 }
 
 /* C[M, N] = A[K, M]^T B[K, N]. */
-static mha_status mm_atb(const bwd_ctx *x, const float *A, const float *Bm, float *C, int64_t M,
-                         int64_t N, int64_t K, mha_error *err) {
-    transpose(A, x->tmp1, K, M); /* [M, K] */
+static mha_status mm_atb(const bwd_ctx *x,
+                         const float *A,
+                         const float *Bm,
+                         float *C,
+                         int64_t M,
+                         int64_t N,
+                         int64_t K,
+                         mha_error *err) {
+    transpose(A, x->tmp1, K, M);  /* [M, K] */
     transpose(Bm, x->tmp2, K, N); /* [N, K] */
     return xwt(x->impl, x->alloc, x->tmp1, x->tmp2, NULL, C, M, K, N, x->n_threads, err);
 }
@@ -280,9 +317,18 @@ static void col_sums(const float *x, int64_t rows, int64_t cols, float *out) {
 
 /* One projection "P = x W^T + b" given dP [rows, out]: dW, db delivered, dx written to dx_out
  * (a scratch buffer [rows, in]) when dx_out != NULL. wbuf: scratch >= out*in and >= in. */
-static mha_status proj_backward(const bwd_ctx *x, const float *dP, const float *xin,
-                                const float *W, int64_t rows, int64_t in, int64_t out, float *dW,
-                                float *db, float *dx_out, float *wbuf, mha_error *err) {
+static mha_status proj_backward(const bwd_ctx *x,
+                                const float *dP,
+                                const float *xin,
+                                const float *W,
+                                int64_t rows,
+                                int64_t in,
+                                int64_t out,
+                                float *dW,
+                                float *db,
+                                float *dx_out,
+                                float *wbuf,
+                                mha_error *err) {
     mha_status st = MHA_STATUS_OK;
     if (dW) {
         st = mm_atb(x, dP, xin, wbuf, out, in, rows, err);
@@ -299,8 +345,12 @@ static mha_status proj_backward(const bwd_ctx *x, const float *dP, const float *
     return st;
 }
 
-mha_status mha_layer_backward(const mha_layer *layer, const mha_train_state *s, const float *dy,
-                              const mha_layer_grads *gr, const mha_exec *exec, mha_error *err) {
+mha_status mha_layer_backward(const mha_layer *layer,
+                              const mha_train_state *s,
+                              const float *dy,
+                              const mha_layer_grads *gr,
+                              const mha_exec *exec,
+                              mha_error *err) {
     MHA_RETURN_IF(!layer || !s || !dy || !gr, err, INVALID_ARG,
                   "layer, state, dy and grads must not be NULL");
     MHA_RETURN_IF(s->layer != layer, err, INVALID_ARG,
@@ -330,8 +380,8 @@ mha_status mha_layer_backward(const mha_layer *layer, const mha_train_state *s, 
     for (int i = 0; i < 4; i++)
         wmax = wmax_parts[i] > wmax ? wmax_parts[i] : wmax;
     int64_t tmax = wmax;
-    const int64_t act[] = {rq * od, rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv,
-                           rq * qd,  rk * kd,     rk * vd};
+    const int64_t act[] = {rq * od,     rq * h * dv, rq * h * dk, rk * g * dk,
+                           rk * g * dv, rq * qd,     rk * kd,     rk * vd};
     for (int i = 0; i < 8; i++)
         tmax = act[i] > tmax ? act[i] : tmax;
     const int64_t sizes[] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv, rq * qd,
@@ -355,9 +405,12 @@ mha_status mha_layer_backward(const mha_layer *layer, const mha_train_state *s, 
         }
     }
     float *dA = p[0], *dQ = p[1], *dK = p[2], *dV = p[3], *dxq = p[4], *dxk = p[5], *dxv = p[6];
-    bwd_ctx x = {exec ? exec->impl : MHA_IMPL_AUTO, alloc,
+    bwd_ctx x = {exec ? exec->impl : MHA_IMPL_AUTO,
+                 alloc,
                  (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads(),
-                 gr->accumulate != 0, p[7], p[8]};
+                 gr->accumulate != 0,
+                 p[7],
+                 p[8]};
     float *wbuf = p[9];
 
     /* The core backward is validated first (it checks the masks, dropout, lse): on its error no

@@ -11,8 +11,11 @@ static bool is_bool_dtype(mha_dtype t) {
 
 /* Resolves a C-contiguous tensor broadcast (NumPy rules, right-aligned) to `target` (rank 4).
  * Writes element strides for the target's dims (0 where broadcast). */
-static mha_status broadcast_strides(const mha_mask_tensor *t, const char *what,
-                                    const int64_t target[4], int64_t strides[4], mha_error *err) {
+static mha_status broadcast_strides(const mha_mask_tensor *t,
+                                    const char *what,
+                                    const int64_t target[4],
+                                    int64_t strides[4],
+                                    mha_error *err) {
     MHA_RETURN_IF(t->ndim < 1 || t->ndim > 4, err, INVALID_ARG, "%s.ndim=%d must be 1..4", what,
                   (int)t->ndim);
     int64_t count = 1;
@@ -48,8 +51,14 @@ static mha_status broadcast_strides(const mha_mask_tensor *t, const char *what,
     return MHA_STATUS_OK;
 }
 
-mha_status mha__validate_masking(const mha_masking *mk, int64_t B, int64_t H, int64_t n, int64_t m,
-                                 mha__problem *p, int64_t *delta_buf, mha_error *err) {
+mha_status mha__validate_masking(const mha_masking *mk,
+                                 int64_t B,
+                                 int64_t H,
+                                 int64_t n,
+                                 int64_t m,
+                                 mha__problem *p,
+                                 int64_t *delta_buf,
+                                 mha_error *err) {
     mha_status st;
     p->causal = mk->causal != 0;
     switch (mk->alignment) {

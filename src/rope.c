@@ -31,7 +31,8 @@ mha_status mha__rope_resolve(const mha_rope *in, int64_t head_dim, mha_rope *out
                   INVALID_ARG, "rope.rotary_dim=%lld must be even, > 0 and <= head_dim=%lld",
                   (long long)r.rotary_dim, (long long)head_dim);
     switch (r.scaling) {
-    case MHA_ROPE_SCALING_NONE: break;
+    case MHA_ROPE_SCALING_NONE:
+        break;
     case MHA_ROPE_SCALING_LINEAR:
     case MHA_ROPE_SCALING_NTK:
     case MHA_ROPE_SCALING_YARN:
@@ -51,8 +52,7 @@ mha_status mha__rope_resolve(const mha_rope *in, int64_t head_dim, mha_rope *out
                       "rope.factor=%g must be finite and > 0", r.factor);
     if (r.scaling == MHA_ROPE_SCALING_NTK)
         MHA_RETURN_IF(r.rotary_dim <= 2, err, INVALID_ARG,
-                      "NTK-aware scaling needs rotary_dim > 2 (got %lld)",
-                      (long long)r.rotary_dim);
+                      "NTK-aware scaling needs rotary_dim > 2 (got %lld)", (long long)r.rotary_dim);
     if (r.scaling == MHA_ROPE_SCALING_LLAMA3) {
         if (r.original_max_position == 0.0)
             r.original_max_position = 8192.0;
@@ -60,14 +60,13 @@ mha_status mha__rope_resolve(const mha_rope *in, int64_t head_dim, mha_rope *out
             r.low_freq_factor = 1.0;
         if (r.high_freq_factor == 0.0)
             r.high_freq_factor = 4.0;
-        MHA_RETURN_IF(!finite_positive(r.original_max_position) ||
-                          !finite_positive(r.low_freq_factor) ||
-                          !finite_positive(r.high_freq_factor) ||
-                          r.high_freq_factor <= r.low_freq_factor,
-                      err, INVALID_ARG,
-                      "llama3 scaling needs original_max_position > 0 and "
-                      "high_freq_factor (%g) > low_freq_factor (%g) > 0",
-                      r.high_freq_factor, r.low_freq_factor);
+        MHA_RETURN_IF(
+            !finite_positive(r.original_max_position) || !finite_positive(r.low_freq_factor) ||
+                !finite_positive(r.high_freq_factor) || r.high_freq_factor <= r.low_freq_factor,
+            err, INVALID_ARG,
+            "llama3 scaling needs original_max_position > 0 and "
+            "high_freq_factor (%g) > low_freq_factor (%g) > 0",
+            r.high_freq_factor, r.low_freq_factor);
     }
     if (r.scaling == MHA_ROPE_SCALING_YARN) {
         if (r.original_max_position == 0.0)
@@ -130,7 +129,8 @@ void mha__rope_freqs(const mha_rope *r, double *freqs, double *cs_factor) {
         break;
     }
     case MHA_ROPE_SCALING_YARN: {
-        double low = floor(yarn_correction_dim(r->beta_fast, R, r->theta, r->original_max_position));
+        double low =
+            floor(yarn_correction_dim(r->beta_fast, R, r->theta, r->original_max_position));
         double high =
             ceil(yarn_correction_dim(r->beta_slow, R, r->theta, r->original_max_position));
         if (low < 0.0)
@@ -149,12 +149,17 @@ void mha__rope_freqs(const mha_rope *r, double *freqs, double *cs_factor) {
         *cs_factor = r->attention_factor;
         break;
     }
-    default: break;
+    default:
+        break;
     }
 }
 
-void mha__rope_cos_sin(const mha_rope *r, const double *freqs, double cs_factor, int64_t position,
-                       double *cos_out, double *sin_out) {
+void mha__rope_cos_sin(const mha_rope *r,
+                       const double *freqs,
+                       double cs_factor,
+                       int64_t position,
+                       double *cos_out,
+                       double *sin_out) {
     const int64_t half = r->rotary_dim / 2;
     for (int64_t k = 0; k < half; k++) {
         const double angle = (double)position * freqs[k];
@@ -174,8 +179,8 @@ void mha__rope_rotate(const mha_rope *r, const double *cos_k, const double *sin_
     }
 }
 
-mha_status mha_rope_frequencies(const mha_rope *rope, int64_t head_dim, double *freqs,
-                                double *cos_sin_factor, mha_error *err) {
+mha_status mha_rope_frequencies(
+    const mha_rope *rope, int64_t head_dim, double *freqs, double *cos_sin_factor, mha_error *err) {
     MHA_RETURN_IF(head_dim <= 0 || head_dim > MHA_MAX_DIM, err, INVALID_ARG,
                   "head_dim=%lld out of range", (long long)head_dim);
     MHA_RETURN_IF(!freqs || !cos_sin_factor, err, INVALID_ARG, "freqs or cos_sin_factor is NULL");
@@ -187,9 +192,16 @@ mha_status mha_rope_frequencies(const mha_rope *rope, int64_t head_dim, double *
     return MHA_STATUS_OK;
 }
 
-mha_status mha_rope_apply(const mha_rope *rope, int64_t batch, int64_t seq_len, int64_t num_heads,
-                          int64_t head_dim, float *x, const int64_t x_strides[4],
-                          const int64_t *positions, int64_t pos_batch_stride, mha_error *err) {
+mha_status mha_rope_apply(const mha_rope *rope,
+                          int64_t batch,
+                          int64_t seq_len,
+                          int64_t num_heads,
+                          int64_t head_dim,
+                          float *x,
+                          const int64_t x_strides[4],
+                          const int64_t *positions,
+                          int64_t pos_batch_stride,
+                          mha_error *err) {
     MHA_RETURN_IF(batch < 0 || seq_len < 0 || num_heads < 0 || batch > MHA_MAX_DIM ||
                       seq_len > MHA_MAX_DIM || num_heads > MHA_MAX_DIM,
                   err, INVALID_ARG, "batch=%lld, seq_len=%lld, num_heads=%lld out of range",

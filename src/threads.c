@@ -27,8 +27,8 @@ int mha__default_threads(void) {
     return n < 1 ? 1 : (n > 1024 ? 1024 : (int)n);
 }
 
-mha_status mha__parallel_for(int n_threads, int64_t count, mha__range_fn fn, void *ctx,
-                             mha_error *err) {
+mha_status
+mha__parallel_for(int n_threads, int64_t count, mha__range_fn fn, void *ctx, mha_error *err) {
     if (count <= 0)
         return MHA_STATUS_OK;
     if (n_threads <= 0)
@@ -46,8 +46,7 @@ mha_status mha__parallel_for(int n_threads, int64_t count, mha__range_fn fn, voi
         free(jobs);
         free(tids);
         free(started);
-        return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %d thread records",
-                         n_threads);
+        return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %d thread records", n_threads);
     }
     for (int t = 0; t < n_threads; t++) {
         jobs[t].fn = fn;

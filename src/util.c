@@ -8,7 +8,7 @@
 #include <string.h>
 
 const char *mha_version(void) {
-#define MHA_STR_(x) #x
+#define MHA_STR_(x)  #x
 #define MHA_XSTR_(x) MHA_STR_(x)
     return MHA_XSTR_(MHA_VERSION_MAJOR) "." MHA_XSTR_(MHA_VERSION_MINOR) "." MHA_XSTR_(
         MHA_VERSION_PATCH);
@@ -18,8 +18,9 @@ const char *mha_version(void) {
 
 const char *mha_status_string(mha_status status) {
     switch (status) {
-#define MHA_STATUS_CASE_(name, value, text)                                                    \
-    case MHA_STATUS_##name: return text;
+#define MHA_STATUS_CASE_(name, value, text)                                                        \
+    case MHA_STATUS_##name:                                                                        \
+        return text;
         MHA_STATUS_MAP(MHA_STATUS_CASE_)
 #undef MHA_STATUS_CASE_
     }
@@ -28,14 +29,22 @@ const char *mha_status_string(mha_status status) {
 
 size_t mha_dtype_size(mha_dtype dtype) {
     switch (dtype) {
-    case MHA_DTYPE_F32: return 4;
-    case MHA_DTYPE_F64: return 8;
-    case MHA_DTYPE_F16: return 2;
-    case MHA_DTYPE_BF16: return 2;
-    case MHA_DTYPE_BOOL: return 1;
-    case MHA_DTYPE_U8: return 1;
-    case MHA_DTYPE_I32: return 4;
-    case MHA_DTYPE_I64: return 8;
+    case MHA_DTYPE_F32:
+        return 4;
+    case MHA_DTYPE_F64:
+        return 8;
+    case MHA_DTYPE_F16:
+        return 2;
+    case MHA_DTYPE_BF16:
+        return 2;
+    case MHA_DTYPE_BOOL:
+        return 1;
+    case MHA_DTYPE_U8:
+        return 1;
+    case MHA_DTYPE_I32:
+        return 4;
+    case MHA_DTYPE_I64:
+        return 8;
     }
     return 0;
 }

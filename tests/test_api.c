@@ -9,8 +9,8 @@
 #include <string.h>
 
 /* Checks status and that the message contains `needle`. */
-static void expect(mha_status got, const mha_error *err, mha_status want, const char *needle,
-                   const char *what) {
+static void expect(
+    mha_status got, const mha_error *err, mha_status want, const char *needle, const char *what) {
     CHECK(got == want, "%s: status %s, expected %s (%s)", what, mha_status_string(got),
           mha_status_string(want), err->message);
     CHECK(err->status == got, "%s: err->status not filled", what);
@@ -50,8 +50,8 @@ static void test_layer_create_errors(void) {
            MHA_STATUS_INVALID_ARG, "weights is NULL", "NULL weights");
     expect(mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, NULL, NULL, &err), &err,
            MHA_STATUS_INVALID_ARG, "out", "NULL out");
-    expect(mha_layer_create(&c, &w, (mha_ownership)5, NULL, &L, &err), &err,
-           MHA_STATUS_INVALID_ARG, "ownership", "bad ownership");
+    expect(mha_layer_create(&c, &w, (mha_ownership)5, NULL, &L, &err), &err, MHA_STATUS_INVALID_ARG,
+           "ownership", "bad ownership");
 
     mha_config bad = c;
     bad.q_dim = 0;
@@ -71,8 +71,8 @@ static void test_layer_create_errors(void) {
            MHA_STATUS_INVALID_ARG, "head_dim", "absurd head_dim");
     bad = c, bad.num_heads = (int64_t)1 << 30, bad.head_dim = (int64_t)1 << 30,
     bad.q_dim = (int64_t)1 << 30;
-    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
-           MHA_STATUS_OVERFLOW, "overflow", "weight size overflow");
+    expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err, MHA_STATUS_OVERFLOW,
+           "overflow", "weight size overflow");
     bad = c, bad.scale = NAN;
     expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
            MHA_STATUS_INVALID_ARG, "scale", "NaN scale");
@@ -191,11 +191,11 @@ static void test_forward_errors(void) {
            "bad window");
     uint8_t m8[12] = {1};
     b = a, b.mask.bool_mask = (mha_mask_tensor){m8, MHA_DTYPE_U8, 2, {4, 3}};
-    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
-           "does not broadcast", "mask shape");
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "does not broadcast",
+           "mask shape");
     b = a, b.mask.bool_mask = (mha_mask_tensor){m8, MHA_DTYPE_F32, 2, {3, 3}};
-    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
-           "bool_mask.dtype", "float bool mask");
+    expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "bool_mask.dtype",
+           "float bool mask");
     b = a, b.mask.bool_mask = (mha_mask_tensor){m8, MHA_DTYPE_U8, 5, {1, 1, 1, 3}};
     expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "ndim=5",
            "mask ndim");
@@ -276,8 +276,7 @@ static void test_attention_errors(void) {
     expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
            "num_heads=4 is not divisible by num_kv_heads=3", "gqa divisibility");
     b = a, b.head_dim = 0;
-    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "head_dim=0",
-           "head_dim 0");
+    expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "head_dim=0", "head_dim 0");
     b = a, b.softcap = INFINITY;
     expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "softcap", "inf cap");
     b = a, b.out = NULL;
@@ -296,8 +295,8 @@ static void test_attention_errors(void) {
     r.style = MHA_ROPE_INTERLEAVED;
     const int64_t xs[4] = {8, 4, 4, 1}, xs_bad[4] = {8, 4, 4, 2};
     int64_t pos[2] = {0, -4};
-    expect(mha_rope_apply(&r, 1, 2, 1, 4, q, xs_bad, NULL, 0, &err), &err,
-           MHA_STATUS_INVALID_ARG, "contiguous", "rope stride");
+    expect(mha_rope_apply(&r, 1, 2, 1, 4, q, xs_bad, NULL, 0, &err), &err, MHA_STATUS_INVALID_ARG,
+           "contiguous", "rope stride");
     expect(mha_rope_apply(&r, 1, 2, 1, 4, q, xs, pos, 0, &err), &err, MHA_STATUS_INVALID_ARG,
            "positions[0][1]=-4", "rope negative position");
     expect(mha_rope_apply(&r, 1, 2, 1, 0, q, xs, NULL, 0, &err), &err, MHA_STATUS_INVALID_ARG,

@@ -31,8 +31,8 @@ static void test_philox_known_answers(void) {
     for (size_t t = 0; t < sizeof kat / sizeof kat[0]; t++) {
         uint32_t out[4];
         mha__philox4x32_10(kat[t].ctr, kat[t].key, out);
-        CHECK(memcmp(out, kat[t].out, sizeof out) == 0,
-              "philox KAT %zu: got %08x %08x %08x %08x", t, out[0], out[1], out[2], out[3]);
+        CHECK(memcmp(out, kat[t].out, sizeof out) == 0, "philox KAT %zu: got %08x %08x %08x %08x",
+              t, out[0], out[1], out[2], out[3]);
     }
 }
 
@@ -55,8 +55,17 @@ static void case_free(core_case *c) {
 }
 
 /* Builds a random problem; `features` is a bit set choosing what to turn on. */
-static void case_make(core_case *c, test_rng *r, unsigned features, int64_t B, int64_t H,
-                      int64_t G, int64_t n, int64_t m, int64_t dk, int64_t dv, int blhd) {
+static void case_make(core_case *c,
+                      test_rng *r,
+                      unsigned features,
+                      int64_t B,
+                      int64_t H,
+                      int64_t G,
+                      int64_t n,
+                      int64_t m,
+                      int64_t dk,
+                      int64_t dv,
+                      int blhd) {
     memset(c, 0, sizeof *c);
     mha_attention_args *a = &c->a;
     a->batch = B, a->num_heads = H, a->num_kv_heads = G, a->q_len = n, a->kv_len = m;
@@ -166,8 +175,8 @@ static void case_check(core_case *c, mha_impl impl, int threads, const char *lab
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t i = 0; i < n; i++) {
-                const float *row = a->out + b * a->out_strides[0] + h * a->out_strides[1] +
-                                   i * a->out_strides[2];
+                const float *row =
+                    a->out + b * a->out_strides[0] + h * a->out_strides[1] + i * a->out_strides[2];
                 for (int64_t d = 0; d < dv; d++) {
                     const double ref = o[((b * H + h) * n + i) * dv + d];
                     double e = fabs((double)row[d] - ref);
@@ -179,9 +188,8 @@ static void case_check(core_case *c, mha_impl impl, int threads, const char *lab
                 const double l_ref = lse[(b * H + h) * n + i];
                 const double l = (double)a->lse[(b * H + h) * n + i];
                 /* lse is a log-sum: its float error scales with max(1, |lse|). */
-                const double el = (isinf(l_ref) && l == l_ref)
-                                      ? 0.0
-                                      : fabs(l - l_ref) / fmax(1.0, fabs(l_ref));
+                const double el =
+                    (isinf(l_ref) && l == l_ref) ? 0.0 : fabs(l - l_ref) / fmax(1.0, fabs(l_ref));
                 worst_lse = fmax(worst_lse, isnan(el) ? HUGE_VAL : el);
             }
     for (int64_t e = 0; e < B * H * n * m; e++) {
@@ -202,8 +210,8 @@ static void test_core_vs_oracle(void) {
     test_rng_seed(&r, 1234);
     const int64_t shapes[][7] = {
         /* B H G n m dk dv */
-        {1, 1, 1, 1, 1, 8, 8},   {2, 4, 2, 5, 7, 16, 8}, {1, 4, 1, 9, 9, 8, 12},
-        {2, 3, 3, 6, 4, 5, 5},   {1, 8, 2, 1, 17, 32, 32}, {3, 2, 1, 11, 3, 4, 16},
+        {1, 1, 1, 1, 1, 8, 8},     {2, 4, 2, 5, 7, 16, 8},   {1, 4, 1, 9, 9, 8, 12},
+        {2, 3, 3, 6, 4, 5, 5},     {1, 8, 2, 1, 17, 32, 32}, {3, 2, 1, 11, 3, 4, 16},
         {1, 2, 2, 33, 40, 64, 64},
     };
     int count = 0;
@@ -382,8 +390,8 @@ static void check_allclose(const float *got, const float *want, int64_t count, c
         if (!(d <= TOL_CS336_ATOL + TOL_CS336_RTOL * fabs((double)want[e])))
             bad++;
     }
-    CHECK(bad == 0, "%s: %lld elements outside atol+rtol (max abs diff %.3g)", what,
-          (long long)bad, worst);
+    CHECK(bad == 0, "%s: %lld elements outside atol+rtol (max abs diff %.3g)", what, (long long)bad,
+          worst);
     printf("%s: max abs diff %.3g\n", what, worst);
 }
 
@@ -462,8 +470,7 @@ static void cs336_rope(void) {
     double worst = 0.0;
     for (int64_t e = 0; e < B * L * D; e++)
         worst = fmax(worst, fabs((double)x[e] - (double)((float *)E.data)[e]));
-    CHECK(worst > 0.5, "rotate-half pairing should miss the interleaved fixture (got %.3g)",
-          worst);
+    CHECK(worst > 0.5, "rotate-half pairing should miss the interleaved fixture (got %.3g)", worst);
     free(x);
     mha__npy_free(&X), mha__npy_free(&P), mha__npy_free(&E);
 }
@@ -644,8 +651,7 @@ static void test_layer_properties(void) {
         /* ... while a non-uniform change of positions does change them. */
         pos[0] = 0;
         CHECK_OK(mha_layer_forward(f.layer, &a, NULL, &err), &err);
-        CHECK(max_diff(probs1, probs2, 2 * 64) > 1e-4, "rope style %d: positions ignored?",
-              style);
+        CHECK(max_diff(probs1, probs2, 2 * 64) > 1e-4, "rope style %d: positions ignored?", style);
         layer_free(&f);
     }
     /* h = 1 equals single-head attention written out: softmax(QK^T/sqrt(d)) V W_o^T. */

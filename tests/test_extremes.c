@@ -23,8 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TOL_C 16.0
-#define U32   (1.0 / 16777216.0)
+#define TOL_C               16.0
+#define U32                 (1.0 / 16777216.0)
 /* Rows of m = 65536 keys: the backstop above assumes m <= ~1024. Measured with V ~ 1 +- 0.1
  * (2026-11, this machine): reference 1.87x and auto 1.39x the backstop (1.6e-5 = ~260 u relative,
  * i.e. the sqrt(m) u of a naive float sum of the softmax denominator and numerator). Gated at 4x
@@ -46,8 +46,16 @@ typedef struct prob {
     double scale;
 } prob;
 
-static void prob_init(prob *p, int64_t B, int64_t H, int64_t n, int64_t m, int64_t dk,
-                      uint64_t seed, float qmag, float kmag, float vmag) {
+static void prob_init(prob *p,
+                      int64_t B,
+                      int64_t H,
+                      int64_t n,
+                      int64_t m,
+                      int64_t dk,
+                      uint64_t seed,
+                      float qmag,
+                      float kmag,
+                      float vmag) {
     memset(p, 0, sizeof *p);
     p->B = B;
     p->H = H;
@@ -145,8 +153,8 @@ static double run_compare(const char *name, const prob *p, mha_impl impl, double
     mha_status st = mha_attention(&a, &ex, &err);
     CHECK(st == MHA_STATUS_OK, "%s impl=%d: %s", name, (int)impl, err.message);
     CHECK(oracle_attention(&a, ro, rl, NULL) == 0, "%s: oracle refused", name);
-    const double tol = g_tol_factor * TOL_C * U32 * max_abs_finite(p->v, p->B * p->H * p->m * p->dv) *
-                       (1.0 + max_s);
+    const double tol = g_tol_factor * TOL_C * U32 *
+                       max_abs_finite(p->v, p->B * p->H * p->m * p->dv) * (1.0 + max_s);
     double worst = 0.0;
     int64_t bad_rows = 0;
     for (int64_t r = 0; st == MHA_STATUS_OK && r < rows; r++) {
@@ -159,15 +167,13 @@ static double run_compare(const char *name, const prob *p, mha_impl impl, double
             if (bad_rows++ < 3)
                 CHECK(0, "%s impl=%d row %lld: library %s, oracle %s (out[0] %g vs %g)", name,
                       (int)impl, (long long)r, lib_finite ? "finite" : "non-finite",
-                      ref_finite ? "finite" : "non-finite", (double)out[r * p->dv],
-                      ro[r * p->dv]);
+                      ref_finite ? "finite" : "non-finite", (double)out[r * p->dv], ro[r * p->dv]);
             continue;
         }
         if (!ref_finite) {
             /* Non-finite elements sit where the oracle's are. */
             for (int64_t d = 0; d < p->dv; d++)
-                if (isfinite(out[r * p->dv + d]) != isfinite(ro[r * p->dv + d]) &&
-                    bad_rows++ < 3)
+                if (isfinite(out[r * p->dv + d]) != isfinite(ro[r * p->dv + d]) && bad_rows++ < 3)
                     CHECK(0, "%s impl=%d row %lld elem %lld: %g vs oracle %g", name, (int)impl,
                           (long long)r, (long long)d, (double)out[r * p->dv + d],
                           ro[r * p->dv + d]);
@@ -179,8 +185,8 @@ static double run_compare(const char *name, const prob *p, mha_impl impl, double
                 worst = e;
         }
         if (isinf(rl[r]) && rl[r] < 0)
-            CHECK(isinf(lse[r]) && lse[r] < 0, "%s row %lld: lse %g, want -inf", name,
-                  (long long)r, (double)lse[r]);
+            CHECK(isinf(lse[r]) && lse[r] < 0, "%s row %lld: lse %g, want -inf", name, (long long)r,
+                  (double)lse[r]);
         else if (isfinite(rl[r]))
             CHECK(fabs((double)lse[r] - rl[r]) <= 1e-6 * (1.0 + fabs(rl[r])) + TOL_C * U32 * max_s,
                   "%s impl=%d row %lld: lse %.9g vs oracle %.9g", name, (int)impl, (long long)r,
@@ -284,7 +290,7 @@ static void test_nan_inf(void) {
         int64_t row, col;
         float value;
     } cases[] = {
-        {"NaN in K row 3 (causal)", 1, 3, 2, NAN},  {"+Inf in K row 4 (causal)", 1, 4, 0, INFINITY},
+        {"NaN in K row 3 (causal)", 1, 3, 2, NAN}, {"+Inf in K row 4 (causal)", 1, 4, 0, INFINITY},
         {"NaN in V row 2, dim 5", 2, 2, 5, NAN},   {"-Inf in V row 6, dim 1", 2, 6, 1, -INFINITY},
         {"NaN in Q row 1", 0, 1, 3, NAN},          {"+Inf in Q row 5", 0, 5, 0, INFINITY},
         {"NaN in the mask (2, 3)", 3, 2, 3, NAN},  {"+Inf in the mask (4, 1)", 3, 4, 1, INFINITY},
@@ -294,9 +300,10 @@ static void test_nan_inf(void) {
         prob_init(&p, 1, 1, 8, 8, 8, 31 + c, 1.0f, 1.0f, 1.0f);
         p.causal = 1;
         p.mask = calloc(64, sizeof(float));
-        float *t = cases[c].tensor == 0 ? p.q : cases[c].tensor == 1 ? p.k
-                                            : cases[c].tensor == 2 ? p.v
-                                                                   : p.mask;
+        float *t = cases[c].tensor == 0   ? p.q
+                   : cases[c].tensor == 1 ? p.k
+                   : cases[c].tensor == 2 ? p.v
+                                          : p.mask;
         t[cases[c].row * 8 + cases[c].col] = cases[c].value;
         both(cases[c].name, &p);
         prob_free(&p);

@@ -27,9 +27,9 @@
  * divided by the right side without TOL_BWD_C is printed ("worst backstop c") and recorded in
  * docs/TRAINING.md. */
 #define TOL_BWD_C 32.0
-#define U32 (1.0 / 16777216.0)
-#define FD_H 1e-6
-#define FD_REL 1e-6
+#define U32       (1.0 / 16777216.0)
+#define FD_H      1e-6
+#define FD_REL    1e-6
 
 static int g_quick;
 
@@ -108,8 +108,8 @@ static void build(const spec *s, uint64_t seed, built *c) {
     if (s->addmask) {
         c->amask = malloc(sizeof(float) * (size_t)(B * H * n * m));
         for (int64_t e = 0; e < B * H * n * m; e++)
-            c->amask[e] = test_rng_uniform(&r) < 0.15 ? -INFINITY
-                                                       : (float)(test_rng_normal(&r) * 1.5);
+            c->amask[e] =
+                test_rng_uniform(&r) < 0.15 ? -INFINITY : (float)(test_rng_normal(&r) * 1.5);
         mk->additive_mask = (mha_mask_tensor){c->amask, MHA_DTYPE_F32, 4, {B, H, n, m}};
     }
     if (s->kpad) {
@@ -198,9 +198,9 @@ static double maxabs_d(const double *x, int64_t count) {
 /* The feature matrix (small sizes: every case is also finite-differenced).                       */
 /* ---------------------------------------------------------------------------------------------- */
 
-#define BR MHA_ALIGN_BOTTOM_RIGHT
-#define TL MHA_ALIGN_TOP_LEFT
-#define EX MHA_ALIGN_EXPLICIT
+#define BR           MHA_ALIGN_BOTTOM_RIGHT
+#define TL           MHA_ALIGN_TOP_LEFT
+#define EX           MHA_ALIGN_EXPLICIT
 /* name, B, H, G, n, m, dk, dv, causal, align, window, wl, wr, boolmask, addmask, kpad, seg,
  * alibi, sinks, dead, softcap, qscale, dropout */
 // clang-format off
@@ -326,8 +326,14 @@ static void lib_free(lib_grads *g) {
 }
 
 /* kernel >= 0 forces a backward kernel (attention_bwd.h); -1 chooses by impl. */
-static mha_status run_core_bwd_k(const built *c, const float *out, const float *lse, mha_impl impl,
-                                 int kernel, int threads, int accumulate, lib_grads *g,
+static mha_status run_core_bwd_k(const built *c,
+                                 const float *out,
+                                 const float *lse,
+                                 mha_impl impl,
+                                 int kernel,
+                                 int threads,
+                                 int accumulate,
+                                 lib_grads *g,
                                  const char **name) {
     const spec *s = &c->s;
     mha_attention_args a;
@@ -349,8 +355,14 @@ static mha_status run_core_bwd_k(const built *c, const float *out, const float *
     return st;
 }
 
-static mha_status run_core_bwd(const built *c, const float *out, const float *lse, mha_impl impl,
-                               int threads, int accumulate, lib_grads *g, const char **name) {
+static mha_status run_core_bwd(const built *c,
+                               const float *out,
+                               const float *lse,
+                               mha_impl impl,
+                               int threads,
+                               int accumulate,
+                               lib_grads *g,
+                               const char **name) {
     return run_core_bwd_k(c, out, lse, impl, -1, threads, accumulate, g, name);
 }
 
@@ -441,8 +453,8 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
     for (int t = 0; t < 4; t++) {
         const double allowed = 2.0 * errs[0][t] + U32 * denom[t] * (1.0 + maxS) * walk;
         CHECK(errs[1][t] <= allowed,
-              "[%s seed %llu] %s: fast err %.3e > 2 x reference err %.3e + u*scale",
-              s->name, (unsigned long long)seed, names[t], errs[1][t], errs[0][t]);
+              "[%s seed %llu] %s: fast err %.3e > 2 x reference err %.3e + u*scale", s->name,
+              (unsigned long long)seed, names[t], errs[1][t], errs[0][t]);
         if (errs[0][t] > 0.0 && errs[1][t] / errs[0][t] > g_worst_ratio)
             g_worst_ratio = errs[1][t] / errs[0][t];
     }
@@ -588,11 +600,10 @@ static int lbuild(const lspec *s, uint64_t seed, lbuilt *c) {
         cfg.rope.original_max_position = 16;
     }
     const int64_t m = s->cross ? s->m : s->n;
-    const int64_t sizes[9] = {s->h * s->dk * s->qd, s->g * s->dk * cfg.k_dim,
-                              s->g * s->dv * cfg.v_dim, s->od * s->h * s->dv,
-                              s->bias ? s->h * s->dk : 0, s->bias ? s->g * s->dk : 0,
-                              s->bias ? s->g * s->dv : 0, s->bias ? s->od : 0,
-                              s->sinks ? s->h : 0};
+    const int64_t sizes[9] = {
+        s->h * s->dk * s->qd,       s->g * s->dk * cfg.k_dim,   s->g * s->dv * cfg.v_dim,
+        s->od * s->h * s->dv,       s->bias ? s->h * s->dk : 0, s->bias ? s->g * s->dk : 0,
+        s->bias ? s->g * s->dv : 0, s->bias ? s->od : 0,        s->sinks ? s->h : 0};
     for (int i = 0; i < 9; i++) {
         c->wn[i] = sizes[i];
         if (!sizes[i])
@@ -674,11 +685,20 @@ static void fd_layer(const lspec *s, uint64_t seed) {
                           wd[3], wd[4], wd[5], wd[6], wd[7], wd[8]};
     double *grads[12] = {gxq,   gxk,   gxv,   gw[0], gw[1], gw[2],
                          gw[3], gw[4], gw[5], gw[6], gw[7], gw[8]};
-    const int64_t counts[12] = {B * n * cfg->q_dim, xk ? B * m * cfg->k_dim : 0,
-                                xv ? B * m * cfg->v_dim : 0, c.wn[0], c.wn[1], c.wn[2], c.wn[3],
-                                c.wn[4], c.wn[5], c.wn[6], c.wn[7], c.wn[8]};
-    const char *names[12] = {"d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v", "dw_o",
-                             "db_q", "db_k", "db_v", "db_o", "d_sinks"};
+    const int64_t counts[12] = {B * n * cfg->q_dim,
+                                xk ? B * m * cfg->k_dim : 0,
+                                xv ? B * m * cfg->v_dim : 0,
+                                c.wn[0],
+                                c.wn[1],
+                                c.wn[2],
+                                c.wn[3],
+                                c.wn[4],
+                                c.wn[5],
+                                c.wn[6],
+                                c.wn[7],
+                                c.wn[8]};
+    const char *names[12] = {"d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v",
+                             "dw_o",    "db_q",  "db_k",    "db_v", "db_o", "d_sinks"};
     for (int t = 0; t < 12; t++) {
         if (!params[t] || !counts[t])
             continue;
@@ -738,9 +758,9 @@ static int lib_layer(const lbuilt *c, mha_impl impl, int threads, int accumulate
         CHECK(memcmp(y, y2, sizeof(float) * (size_t)(s->B * s->n * c->cfg.out_dim)) == 0,
               "[%s] forward_train output differs from mha_layer_forward", s->name);
         free(y2);
-        mha_layer_grads g = {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5],
-                             grads[6], grads[7], grads[8], grads[9], grads[10], grads[11],
-                             accumulate};
+        mha_layer_grads g = {grads[0],  grads[1],  grads[2],  grads[3], grads[4],
+                             grads[5],  grads[6],  grads[7],  grads[8], grads[9],
+                             grads[10], grads[11], accumulate};
         rc = mha_layer_backward(c->layer, st, c->dy, &g, &ex, &err);
         CHECK(rc == MHA_STATUS_OK, "[%s] layer backward: %s", s->name, err.message);
     }
@@ -765,17 +785,26 @@ static void layer_vs_oracle(const lspec *s, uint64_t seed) {
     double *xv = c.xv ? to_d(c.xv, B * m * cfg->v_dim) : NULL;
     double *dy = to_d(c.dy, B * n * cfg->out_dim);
     og_weights w = {wd[0], wd[1], wd[2], wd[3], wd[4], wd[5], wd[6], wd[7], wd[8]};
-    const int64_t counts[12] = {B * n * cfg->q_dim, xk ? B * m * cfg->k_dim : 0,
-                                xv ? B * m * cfg->v_dim : 0, c.wn[0], c.wn[1], c.wn[2], c.wn[3],
-                                c.wn[4], c.wn[5], c.wn[6], c.wn[7], c.wn[8]};
+    const int64_t counts[12] = {B * n * cfg->q_dim,
+                                xk ? B * m * cfg->k_dim : 0,
+                                xv ? B * m * cfg->v_dim : 0,
+                                c.wn[0],
+                                c.wn[1],
+                                c.wn[2],
+                                c.wn[3],
+                                c.wn[4],
+                                c.wn[5],
+                                c.wn[6],
+                                c.wn[7],
+                                c.wn[8]};
     double *og[12];
     for (int t = 0; t < 12; t++)
         og[t] = counts[t] ? malloc(sizeof(double) * (size_t)counts[t]) : NULL;
     og_layer_grads g = {og[0], og[1], og[2], og[3], og[4],  og[5],
                         og[6], og[7], og[8], og[9], og[10], og[11]};
     og_layer_backward(cfg, &w, B, n, m, xq, xk, xv, c.qpos, c.kpos, &c.mask, &c.drop, dy, &g);
-    const char *names[12] = {"d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v", "dw_o",
-                             "db_q", "db_k", "db_v", "db_o", "d_sinks"};
+    const char *names[12] = {"d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v",
+                             "dw_o",    "db_q",  "db_k",    "db_v", "db_o", "d_sinks"};
     float *res[3][12];
     const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
     for (int k = 0; k < 3; k++)
@@ -987,8 +1016,8 @@ typedef struct adam {
     int64_t count;
 } adam;
 
-static double train_run(mha_impl impl, int steps, double *final_loss, float *params_out,
-                        int64_t *n_params) {
+static double
+train_run(mha_impl impl, int steps, double *final_loss, float *params_out, int64_t *n_params) {
     test_rng r;
     test_rng_seed(&r, 99);
     /* Parameter tensors: E, U, W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o. */
@@ -1068,8 +1097,8 @@ static double train_run(mha_impl impl, int steps, double *final_loss, float *par
         loss /= (double)(TB * (TT - 1));
         if (step == 1)
             first = loss;
-        mha_layer_grads g = {dx,      NULL,    NULL,    P[2].g, P[3].g, P[4].g, P[5].g,
-                             P[6].g,  P[7].g,  P[8].g,  P[9].g, NULL,   0};
+        mha_layer_grads g = {dx,     NULL,   NULL,   P[2].g, P[3].g, P[4].g, P[5].g,
+                             P[6].g, P[7].g, P[8].g, P[9].g, NULL,   0};
         mha_status rc = mha_layer_backward(layer, st, dy, &g, &ex, &err);
         CHECK(rc == MHA_STATUS_OK, "train: backward: %s", err.message);
         mha_train_state_destroy(st);
@@ -1103,9 +1132,9 @@ static double train_run(mha_impl impl, int steps, double *final_loss, float *par
     return first;
 }
 
-#define TRAIN_STEPS 300
-#define TRAIN_LOSS_MAX 0.05   /* from 4.06 at the start (random init); measured 3.2e-4 */
-#define TRAIN_AGREE 1e-3      /* |loss_ref - loss_auto| and max |param_ref - param_auto| */
+#define TRAIN_STEPS    300
+#define TRAIN_LOSS_MAX 0.05 /* from 4.06 at the start (random init); measured 3.2e-4 */
+#define TRAIN_AGREE    1e-3 /* |loss_ref - loss_auto| and max |param_ref - param_auto| */
 
 static void test_training(void) {
     int64_t np = 0;
@@ -1122,8 +1151,7 @@ static void test_training(void) {
     CHECK(l_ref < TRAIN_LOSS_MAX, "training (reference) loss %.4f >= %g", l_ref, TRAIN_LOSS_MAX);
     CHECK(l_auto < TRAIN_LOSS_MAX, "training (auto) loss %.4f >= %g", l_auto, TRAIN_LOSS_MAX);
     CHECK(fabs(l_ref - l_auto) <= TRAIN_AGREE && dp <= TRAIN_AGREE,
-          "reference and auto training disagree: loss %.3e, params %.3e", fabs(l_ref - l_auto),
-          dp);
+          "reference and auto training disagree: loss %.3e, params %.3e", fabs(l_ref - l_auto), dp);
     free(p_ref), free(p_auto);
 }
 

@@ -24,8 +24,8 @@
 /* float32 gradients vs float64 torch: measured worst 1.7e-6 (docs/TRAINING.md); the gate is
  * the forward's TOL_OUT_REL (1e-5), ~6x the worst case seen. */
 #define TOL_GRAD_REL 1e-5
-#define PATH_SIZE 4096
-#define N_GRADS 12
+#define PATH_SIZE    4096
+#define N_GRADS      12
 
 static const char *GRAD_NAMES[N_GRADS] = {"d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v",
                                           "dw_o",    "db_q",  "db_k",    "db_v", "db_o", "d_sinks"};
@@ -187,9 +187,9 @@ static int make_layer(gcase *c, const cJSON *cfg) {
     char path[PATH_SIZE];
     snprintf(path, sizeof path, "%s/%s", c->dir, jstr(cfg, "weights"));
     mha_error err = {0};
-    mha_status st = mha_layer_load_safetensors(path, jstr(cfg, "prefix"),
-                                               cJSON_IsObject(jn) ? &names : NULL, &config, NULL,
-                                               &c->layer, &err);
+    mha_status st =
+        mha_layer_load_safetensors(path, jstr(cfg, "prefix"), cJSON_IsObject(jn) ? &names : NULL,
+                                   &config, NULL, &c->layer, &err);
     CHECK(st == MHA_STATUS_OK, "[%s] load: %s", c->name, err.message);
     if (st)
         return 0;
@@ -329,7 +329,7 @@ static void run_case(const char *golden, const char *grad_root, const char *name
         mha_train_state *st = NULL;
         mha_status rc = mha_layer_forward_train(c.layer, &a, &ex, &st, &err);
         CHECK(rc == MHA_STATUS_OK, "[%s] forward_train: %s", name, err.message);
-        mha_layer_grads g = {res[0], res[1], res[2], res[3], res[4],  res[5], res[6],
+        mha_layer_grads g = {res[0], res[1], res[2], res[3],  res[4],  res[5], res[6],
                              res[7], res[8], res[9], res[10], res[11], 0};
         if (!rc) {
             rc = mha_layer_backward(c.layer, st, dy, &g, &ex, &err);

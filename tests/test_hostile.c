@@ -87,16 +87,20 @@ static void count_free(void *user, void *ptr) {
     free(ptr);
 }
 
-static void check_result(const char *file, const char *how, mha_status st, const mha_error *err,
-                         mha_status want, const char *substr, const char *path) {
+static void check_result(const char *file,
+                         const char *how,
+                         mha_status st,
+                         const mha_error *err,
+                         mha_status want,
+                         const char *substr,
+                         const char *path) {
     CHECK(st == want && err->status == want, "%s (%s): status %s, want %s; message \"%s\"", file,
           how, mha_status_string(st), mha_status_string(want), err->message);
     if (want != MHA_STATUS_OK) {
         CHECK(strstr(err->message, substr) != NULL, "%s (%s): message \"%s\" lacks \"%s\"", file,
               how, err->message, substr);
         CHECK(strncmp(err->message, path, strlen(path)) == 0,
-              "%s (%s): message \"%s\" does not start with the file name", file, how,
-              err->message);
+              "%s (%s): message \"%s\" does not start with the file name", file, how, err->message);
     }
 }
 
@@ -127,8 +131,8 @@ static void run_npy(const char *file, const char *path, mha_status want, const c
     free(buf);
 }
 
-static void run_safetensors(const char *file, const char *path, mha_status want,
-                            const char *substr) {
+static void
+run_safetensors(const char *file, const char *path, mha_status want, const char *substr) {
     mha_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.num_heads = 2;
@@ -202,9 +206,9 @@ static void test_hostile_files(void) {
 /* Regressions found by the fuzzers                                                               */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Found by fuzz_api (UBSan: signed overflow in mha__flash_key_range): a window side of INT64_MAX overflowed
- * `i + delta + window_right` (signed overflow, UB; in practice every key was masked out). A side
- * larger than any distance must behave exactly like an unbounded (-1) side. */
+/* Found by fuzz_api (UBSan: signed overflow in mha__flash_key_range): a window side of INT64_MAX
+ * overflowed `i + delta + window_right` (signed overflow, UB; in practice every key was masked
+ * out). A side larger than any distance must behave exactly like an unbounded (-1) side. */
 static void test_window_int64_max(void) {
     enum { B = 1, H = 2, N = 5, M = 7, D = 4 };
     float q[B * H * N * D], k[B * H * M * D], v[B * H * M * D];
@@ -213,8 +217,8 @@ static void test_window_int64_max(void) {
     test_fill_normal(&rng, q, B * H * N * D, 1.0f);
     test_fill_normal(&rng, k, B * H * M * D, 1.0f);
     test_fill_normal(&rng, v, B * H * M * D, 1.0f);
-    const int64_t sides[][2] = {{INT64_MAX, INT64_MAX}, {INT64_MAX, -1}, {-1, INT64_MAX},
-                                {((int64_t)1 << 62), 2}};
+    const int64_t sides[][2] = {
+        {INT64_MAX, INT64_MAX}, {INT64_MAX, -1}, {-1, INT64_MAX}, {((int64_t)1 << 62), 2}};
     const mha_impl impls[] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
     for (size_t s = 0; s < sizeof sides / sizeof sides[0]; s++)
         for (int causal = 0; causal < 2; causal++)
@@ -246,10 +250,11 @@ static void test_window_int64_max(void) {
                     mha_error err;
                     CHECK_OK(mha_attention(&a, &ex, &err), &err);
                 }
-                CHECK(memcmp(out[0], out[1], sizeof out[0]) == 0,
-                      "window (%lld, %lld) causal=%d impl=%d differs from the unbounded window (fix: "
-                      "src/masking.c must map window sides > 2^33 to -1)",
-                      (long long)sides[s][0], (long long)sides[s][1], causal, (int)impls[im]);
+                CHECK(
+                    memcmp(out[0], out[1], sizeof out[0]) == 0,
+                    "window (%lld, %lld) causal=%d impl=%d differs from the unbounded window (fix: "
+                    "src/masking.c must map window sides > 2^33 to -1)",
+                    (long long)sides[s][0], (long long)sides[s][1], causal, (int)impls[im]);
             }
 }
 

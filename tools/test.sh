@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Runs every test of mha: installs missing dependencies, then
+#   0. the clang-format check of every C file;
 #   1. a Release build with warnings as errors, all tests (ctest);
 #   2. the same tests with each lower kernel tier forced (MHA_MAX_ISA), so every dispatch
 #      variant runs on this machine;
@@ -13,6 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh
 jobs=$(nproc 2>/dev/null || echo 2)
+
+echo "== Format check (clang-format-14, .clang-format)"
+git ls-files -z '*.c' '*.h' 2>/dev/null | xargs -0 -r clang-format-14 --dry-run -Werror
 
 echo "== Release build (-Werror)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null

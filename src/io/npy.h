@@ -23,15 +23,15 @@ typedef struct mha__npy {
 
 /* Parses an in-memory .npy image (the fuzzing entry point). On success out->data is a malloc'ed
  * copy. `name` is used in messages (a file path). */
-mha_status mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out,
-                          mha_error *err);
+mha_status
+mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out, mha_error *err);
 /* Reads a whole file; messages start with the path. */
 mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err);
 void mha__npy_free(mha__npy *a);
 /* Converts a float tensor (F32/F64/F16) to a new malloc'ed float32 array. */
 mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err);
 /* Writes a float32 C-order array atomically (temporary file + rename). */
-mha_status mha__npy_write_f32(const char *path, const float *data, int32_t ndim,
-                              const int64_t *shape, mha_error *err);
+mha_status mha__npy_write_f32(
+    const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err);
 
 #endif /* MHA_NPY_H */

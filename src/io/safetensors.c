@@ -241,8 +241,8 @@ static mha_status st_open(st_file *sf, const char *path, mha_error *err) {
 }
 
 /* The same over an in-memory image (fmemopen), so both paths share every check. */
-static mha_status st_open_mem(st_file *sf, const void *buf, size_t len, const char *name,
-                              mha_error *err) {
+static mha_status
+st_open_mem(st_file *sf, const void *buf, size_t len, const char *name, mha_error *err) {
     sf->path = name;
     MHA_RETURN_IF(len < 8, err, BAD_FILE,
                   "%s: the file is %llu bytes, too short for a safetensors header", name,

@@ -25,14 +25,22 @@ typedef struct mha__bwd_flash_ops {
     /* C[r * ldc + j] += sum_{k < K} A[r * sa + k * sk] * B[k * ldb + j] for r < R, j < N,
      * one chain per element in increasing k. (sa, sk) = (lda, 1) reads A, (1, lda) reads A^T,
      * so P^T dO and dS^T Q need no transposed copies. */
-    void (*gemm_acc)(int64_t R, int64_t K, int64_t N, const float *A, int64_t sa, int64_t sk,
-                     const float *B, int64_t ldb, float *C, int64_t ldc);
+    void (*gemm_acc)(int64_t R,
+                     int64_t K,
+                     int64_t N,
+                     const float *A,
+                     int64_t sa,
+                     int64_t sk,
+                     const float *B,
+                     int64_t ldb,
+                     float *C,
+                     int64_t ldc);
     /* y[i] = exp(x[i] - c) for i < count (x = -inf gives 0). */
     void (*exp_shift)(const float *x, float c, float *y, int64_t count);
 } mha__bwd_flash_ops;
 
 /* Runs unit (b, g) with the given arithmetic. */
-void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops, const mha__bwd_problem *bp, int64_t b,
-                         int64_t g, void *scratch);
+void mha__bwd_flash_unit(
+    const mha__bwd_flash_ops *ops, const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
 
 #endif /* MHA_BWD_FLASH_H */

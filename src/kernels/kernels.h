@@ -13,9 +13,10 @@
 
 /* ISA feature sets, as detected by dispatch.c (cpuid + XGETBV). A set includes what its files are
  * compiled with (CMakeLists.txt): */
-#define MHA_ISA_AVX2   (1u << 0) /* AVX, AVX2, FMA, F16C; OS saves YMM state */
-#define MHA_ISA_AVX512 (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; OS saves ZMM/opmask state   \
-                                  */
+#define MHA_ISA_AVX2 (1u << 0) /* AVX, AVX2, FMA, F16C; OS saves YMM state */
+#define MHA_ISA_AVX512                                                                             \
+    (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; OS saves ZMM/opmask state                      \
+               */
 
 /* One unit of work. Flash kernels require [h0, h1) to be a whole number of head blocks (see
  * mha__flash_heads_per_block) and (h1 - h0 within a kv group) x (i1 - i0) <= Bq rows per block;

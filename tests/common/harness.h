@@ -20,11 +20,11 @@ int test_finish(void);
 
 #define CHECK(cond, ...) test_record((cond) ? 1 : 0, __FILE__, __LINE__, __VA_ARGS__)
 /* Checks that a call returned MHA_STATUS_OK and prints its message if not. */
-#define CHECK_OK(call, errp)                                                                   \
-    do {                                                                                       \
-        mha_status st_ = (call);                                                               \
-        test_record(st_ == MHA_STATUS_OK, __FILE__, __LINE__, "%s -> %s: %s", #call,           \
-                    mha_status_string(st_), (errp)->message);                                 \
+#define CHECK_OK(call, errp)                                                                       \
+    do {                                                                                           \
+        mha_status st_ = (call);                                                                   \
+        test_record(st_ == MHA_STATUS_OK, __FILE__, __LINE__, "%s -> %s: %s", #call,               \
+                    mha_status_string(st_), (errp)->message);                                      \
     } while (0)
 
 /* Seeded xoshiro256** generator (deterministic across platforms). */
@@ -33,8 +33,8 @@ typedef struct test_rng {
 } test_rng;
 void test_rng_seed(test_rng *r, uint64_t seed);
 uint64_t test_rng_u64(test_rng *r);
-double test_rng_uniform(test_rng *r);  /* [0, 1) */
-double test_rng_normal(test_rng *r);   /* N(0, 1) */
+double test_rng_uniform(test_rng *r); /* [0, 1) */
+double test_rng_normal(test_rng *r);  /* N(0, 1) */
 void test_fill_normal(test_rng *r, float *x, int64_t n, float stddev);
 
 /* Path under the source tree (env MHA_SOURCE_DIR, set by ctest); returns a static-free buffer

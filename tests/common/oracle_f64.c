@@ -20,12 +20,17 @@ double oracle_mask_elem(const mha_mask_tensor *t, const int64_t idx[4]) {
         stride *= t->shape[d];
     }
     switch (t->dtype) {
-    case MHA_DTYPE_F32: return (double)((const float *)t->data)[off];
+    case MHA_DTYPE_F32:
+        return (double)((const float *)t->data)[off];
     case MHA_DTYPE_BOOL:
-    case MHA_DTYPE_U8: return ((const uint8_t *)t->data)[off];
-    case MHA_DTYPE_I32: return ((const int32_t *)t->data)[off];
-    case MHA_DTYPE_I64: return (double)((const int64_t *)t->data)[off];
-    default: return 0.0;
+    case MHA_DTYPE_U8:
+        return ((const uint8_t *)t->data)[off];
+    case MHA_DTYPE_I32:
+        return ((const int32_t *)t->data)[off];
+    case MHA_DTYPE_I64:
+        return (double)((const int64_t *)t->data)[off];
+    default:
+        return 0.0;
     }
 }
 
@@ -56,8 +61,8 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
             if (mk->alignment == MHA_ALIGN_EXPLICIT)
                 delta = mk->align_offsets[b];
             for (int64_t i = 0; i < n; i++) {
-                const float *q = a->q + b * a->q_strides[0] + h * a->q_strides[1] +
-                                 i * a->q_strides[2];
+                const float *q =
+                    a->q + b * a->q_strides[0] + h * a->q_strides[1] + i * a->q_strides[2];
                 double mx = -HUGE_VAL;
                 int any_nan = 0;
                 for (int64_t j = 0; j < m; j++) {
@@ -87,8 +92,8 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                         s[j] = -HUGE_VAL;
                         continue;
                     }
-                    const float *k = a->k + b * a->k_strides[0] + g * a->k_strides[1] +
-                                     j * a->k_strides[2];
+                    const float *k =
+                        a->k + b * a->k_strides[0] + g * a->k_strides[1] + j * a->k_strides[2];
                     double dot = 0.0;
                     for (int64_t d = 0; d < dk; d++)
                         dot += (double)q[d] * (double)k[d];
@@ -136,8 +141,8 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                                  : 0.0;
                     if (pd == 0.0)
                         continue;
-                    const float *v = a->v + b * a->v_strides[0] + g * a->v_strides[1] +
-                                     j * a->v_strides[2];
+                    const float *v =
+                        a->v + b * a->v_strides[0] + g * a->v_strides[1] + j * a->v_strides[2];
                     for (int64_t d = 0; d < dv; d++)
                         o[d] += pd * (double)v[d];
                 }
@@ -148,8 +153,13 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
 }
 
 /* y[r, o] = sum_c x[r, c] W[o, c] + b[o], in double. */
-static void project(const double *x, const float *w, const float *bias, double *y, int64_t rows,
-                    int64_t in, int64_t out) {
+static void project(const double *x,
+                    const float *w,
+                    const float *bias,
+                    double *y,
+                    int64_t rows,
+                    int64_t in,
+                    int64_t out) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < out; o++) {
             double acc = bias ? (double)bias[o] : 0.0;
@@ -159,8 +169,13 @@ static void project(const double *x, const float *w, const float *bias, double *
         }
 }
 
-static void rope(const mha_rope *r, int64_t head_dim, double *x, int64_t B, int64_t L,
-                 int64_t heads, const int64_t *pos) {
+static void rope(const mha_rope *r,
+                 int64_t head_dim,
+                 double *x,
+                 int64_t B,
+                 int64_t L,
+                 int64_t heads,
+                 const int64_t *pos) {
     const double theta = r->theta != 0.0 ? r->theta : 10000.0;
     const int64_t R = r->rotary_dim ? r->rotary_dim : head_dim, half = R / 2;
     for (int64_t b = 0; b < B; b++)
@@ -187,8 +202,11 @@ static double *to_double(const float *x, int64_t count) {
     return d;
 }
 
-int oracle_layer(const mha_config *cfg, const mha_weights *w, const mha_forward_args *a,
-                 double *out, double *probs) {
+int oracle_layer(const mha_config *cfg,
+                 const mha_weights *w,
+                 const mha_forward_args *a,
+                 double *out,
+                 double *probs) {
     if (cfg->rope.scaling != MHA_ROPE_SCALING_NONE)
         return -1;
     const int self = a->key == NULL;

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* oracle_f64.h: the float64 oracle (tests only, never shipped). Written from the formulas of
- * docs/SEMANTICS.md independently of src/: its own mask broadcasting, its own softmax, in double. */
+ * docs/SEMANTICS.md independently of src/: its own mask broadcasting, its own softmax, in double.
+ */
 #ifndef MHA_ORACLE_F64_H
 #define MHA_ORACLE_F64_H
 
@@ -18,7 +19,10 @@ int oracle_attention(const mha_attention_args *args, double *out, double *lse, d
 
 /* The layer in float64 (RoPE without frequency scaling only): x_q [B, n, q_dim], x_k/x_v as in
  * mha_forward_args; out [B, n, out_dim], probs [B, H, n, m] (NULL to skip). */
-int oracle_layer(const mha_config *cfg, const mha_weights *w, const mha_forward_args *args,
-                 double *out, double *probs);
+int oracle_layer(const mha_config *cfg,
+                 const mha_weights *w,
+                 const mha_forward_args *args,
+                 double *out,
+                 double *probs);
 
 #endif

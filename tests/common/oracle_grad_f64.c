@@ -134,8 +134,8 @@ int og_core_forward(const og_core *c, double *out, double *lse) {
     return 0;
 }
 
-int og_core_backward(const og_core *c, const double *dout, double *dq, double *dk, double *dv,
-                     double *dsinks) {
+int og_core_backward(
+    const og_core *c, const double *dout, double *dq, double *dk, double *dv, double *dsinks) {
     const int64_t B = c->B, H = c->H, G = c->G, n = c->n, m = c->m;
     const double scale = c->scale != 0.0 ? c->scale : 1.0 / sqrt((double)c->dk);
     double *s = malloc(sizeof(double) * (size_t)(4 * m));
@@ -199,8 +199,13 @@ int og_core_backward(const og_core *c, const double *dout, double *dq, double *d
 /* ---------------------------------------------------------------------------------------------- */
 
 /* y[r, o] = sum_c x[r, c] W[o, c] + b[o]. */
-static void lin(const double *x, const double *W, const double *bias, double *y, int64_t rows,
-                int64_t in, int64_t out) {
+static void lin(const double *x,
+                const double *W,
+                const double *bias,
+                double *y,
+                int64_t rows,
+                int64_t in,
+                int64_t out) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < out; o++) {
             double acc = bias ? bias[o] : 0.0;
@@ -211,8 +216,15 @@ static void lin(const double *x, const double *W, const double *bias, double *y,
 }
 
 /* Backward of lin: dx (+=), dW (+=), db (+=) from dy; each may be NULL. */
-static void lin_back(const double *x, const double *W, const double *dy, int64_t rows, int64_t in,
-                     int64_t out, double *dx, double *dW, double *db) {
+static void lin_back(const double *x,
+                     const double *W,
+                     const double *dy,
+                     int64_t rows,
+                     int64_t in,
+                     int64_t out,
+                     double *dx,
+                     double *dW,
+                     double *db) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < out; o++) {
             const double g = dy[r * out + o];
@@ -228,8 +240,14 @@ static void lin_back(const double *x, const double *W, const double *dy, int64_t
 }
 
 /* RoPE on [B, L, heads, d] by +angle (sign 1) or its transpose (sign -1). */
-static void rope(const mha_rope *r, int64_t d, double *x, int64_t B, int64_t L, int64_t heads,
-                 const int64_t *pos, int sign) {
+static void rope(const mha_rope *r,
+                 int64_t d,
+                 double *x,
+                 int64_t B,
+                 int64_t L,
+                 int64_t heads,
+                 const int64_t *pos,
+                 int sign) {
     if (r->style == MHA_ROPE_NONE)
         return;
     const int64_t R = r->rotary_dim ? r->rotary_dim : d, half = R / 2;
@@ -253,8 +271,8 @@ static void rope(const mha_rope *r, int64_t d, double *x, int64_t B, int64_t L, 
 }
 
 /* [B, L, heads, d] <-> [B, heads, L, d]. */
-static void to_bhld(const double *x, double *y, int64_t B, int64_t L, int64_t Hh, int64_t d,
-                    int back) {
+static void
+to_bhld(const double *x, double *y, int64_t B, int64_t L, int64_t Hh, int64_t d, int back) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < L; t++)
             for (int64_t h = 0; h < Hh; h++)
@@ -277,10 +295,21 @@ static void bufs_free(fwd_bufs *f) {
         free(f->a);
 }
 
-static int layer_fwd(const mha_config *cfg, const og_weights *w, int64_t B, int64_t n, int64_t m,
-                     const double *xq, const double *xk, const double *xv, const int64_t *qpos,
-                     const int64_t *kpos, const mha_masking *mask, const mha_dropout *dropout,
-                     fwd_bufs *f, og_core *core, double *y) {
+static int layer_fwd(const mha_config *cfg,
+                     const og_weights *w,
+                     int64_t B,
+                     int64_t n,
+                     int64_t m,
+                     const double *xq,
+                     const double *xk,
+                     const double *xv,
+                     const int64_t *qpos,
+                     const int64_t *kpos,
+                     const mha_masking *mask,
+                     const mha_dropout *dropout,
+                     fwd_bufs *f,
+                     og_core *core,
+                     double *y) {
     const int64_t H = cfg->num_heads, G = cfg->num_kv_heads, dk = cfg->head_dim;
     const int64_t dv = cfg->v_head_dim;
     memset(f, 0, sizeof *f);
@@ -316,10 +345,19 @@ static int layer_fwd(const mha_config *cfg, const og_weights *w, int64_t B, int6
     return 0;
 }
 
-int og_layer_forward(const mha_config *cfg, const og_weights *w, int64_t B, int64_t n, int64_t m,
-                     const double *x_query, const double *x_key, const double *x_value,
-                     const int64_t *q_pos, const int64_t *k_pos, const mha_masking *mask,
-                     const mha_dropout *dropout, double *y) {
+int og_layer_forward(const mha_config *cfg,
+                     const og_weights *w,
+                     int64_t B,
+                     int64_t n,
+                     int64_t m,
+                     const double *x_query,
+                     const double *x_key,
+                     const double *x_value,
+                     const int64_t *q_pos,
+                     const int64_t *k_pos,
+                     const mha_masking *mask,
+                     const mha_dropout *dropout,
+                     double *y) {
     const int self = x_key == NULL;
     const double *xk = self ? x_query : x_key;
     const double *xv = self ? x_query : (x_value ? x_value : x_key);
@@ -336,10 +374,20 @@ static double *zeros(int64_t count) {
     return calloc((size_t)(count > 0 ? count : 1), sizeof(double));
 }
 
-int og_layer_backward(const mha_config *cfg, const og_weights *w, int64_t B, int64_t n, int64_t m,
-                      const double *x_query, const double *x_key, const double *x_value,
-                      const int64_t *q_pos, const int64_t *k_pos, const mha_masking *mask,
-                      const mha_dropout *dropout, const double *dy, const og_layer_grads *g) {
+int og_layer_backward(const mha_config *cfg,
+                      const og_weights *w,
+                      int64_t B,
+                      int64_t n,
+                      int64_t m,
+                      const double *x_query,
+                      const double *x_key,
+                      const double *x_value,
+                      const int64_t *q_pos,
+                      const int64_t *k_pos,
+                      const mha_masking *mask,
+                      const mha_dropout *dropout,
+                      const double *dy,
+                      const og_layer_grads *g) {
     const int self = x_key == NULL;
     if (self)
         m = n;
@@ -360,10 +408,10 @@ int og_layer_backward(const mha_config *cfg, const og_weights *w, int64_t B, int
         rc = -1;
         goto done;
     }
-    double *zero_targets[] = {g->dw_q, g->dw_k, g->dw_v, g->dw_o, g->db_q,
+    double *zero_targets[] = {g->dw_q, g->dw_k, g->dw_v, g->dw_o,   g->db_q,
                               g->db_k, g->db_v, g->db_o, g->d_sinks};
-    const int64_t zero_counts[] = {H * dk * qd, G * dk * kd, G * dv * vd, od * H * dv, H * dk,
-                                   G * dk,      G * dv,      od,          H};
+    const int64_t zero_counts[] = {
+        H * dk * qd, G * dk * kd, G * dv * vd, od * H * dv, H * dk, G * dk, G * dv, od, H};
     for (int i = 0; i < 9; i++)
         if (zero_targets[i])
             memset(zero_targets[i], 0, sizeof(double) * (size_t)zero_counts[i]);

@@ -25,8 +25,8 @@ typedef struct og_core {
 /* out and lse may be NULL. Returns 0. */
 int og_core_forward(const og_core *c, double *out, double *lse);
 /* Gradients of L = sum(dout * out); any output may be NULL. Overwrites. Returns 0. */
-int og_core_backward(const og_core *c, const double *dout, double *dq, double *dk, double *dv,
-                     double *dsinks);
+int og_core_backward(
+    const og_core *c, const double *dout, double *dq, double *dk, double *dv, double *dsinks);
 
 /* The layer. Weights in nn.Linear layout, in double; biases/sinks NULL when absent. */
 typedef struct og_weights {
@@ -42,13 +42,32 @@ typedef struct og_layer_grads {
 /* cfg: a RESOLVED config (mha_layer_config of a layer), so every size is explicit. x_key NULL =
  * self-attention; x_value NULL = x_key. Positions/mask/dropout as in mha_forward_args.
  * og_layer_forward writes y [B, n, out_dim]; og_layer_backward the gradients of sum(dy * y). */
-int og_layer_forward(const mha_config *cfg, const og_weights *w, int64_t B, int64_t n, int64_t m,
-                     const double *x_query, const double *x_key, const double *x_value,
-                     const int64_t *q_pos, const int64_t *k_pos, const mha_masking *mask,
-                     const mha_dropout *dropout, double *y);
-int og_layer_backward(const mha_config *cfg, const og_weights *w, int64_t B, int64_t n, int64_t m,
-                      const double *x_query, const double *x_key, const double *x_value,
-                      const int64_t *q_pos, const int64_t *k_pos, const mha_masking *mask,
-                      const mha_dropout *dropout, const double *dy, const og_layer_grads *g);
+int og_layer_forward(const mha_config *cfg,
+                     const og_weights *w,
+                     int64_t B,
+                     int64_t n,
+                     int64_t m,
+                     const double *x_query,
+                     const double *x_key,
+                     const double *x_value,
+                     const int64_t *q_pos,
+                     const int64_t *k_pos,
+                     const mha_masking *mask,
+                     const mha_dropout *dropout,
+                     double *y);
+int og_layer_backward(const mha_config *cfg,
+                      const og_weights *w,
+                      int64_t B,
+                      int64_t n,
+                      int64_t m,
+                      const double *x_query,
+                      const double *x_key,
+                      const double *x_value,
+                      const int64_t *q_pos,
+                      const int64_t *k_pos,
+                      const mha_masking *mask,
+                      const mha_dropout *dropout,
+                      const double *dy,
+                      const og_layer_grads *g);
 
 #endif

@@ -11,14 +11,13 @@
 #define MHA_TEST_TOLERANCE_H
 
 /* Layer or core output vs float64 reference: max|y - ref| <= TOL_OUT_REL * max|ref|. */
-#define TOL_OUT_REL 1e-5
+#define TOL_OUT_REL    1e-5
 /* Attention probabilities (values in [0, 1]) vs float64: max|p - ref| <= TOL_PROBS_ABS. */
-#define TOL_PROBS_ABS 1e-5
+#define TOL_PROBS_ABS  1e-5
 /* RoPE alone: an elementwise rotation, error ~ |x| * (angle error + u); CS336's own gate is
  * atol 1e-6 + rtol 1e-4, applied as the suite does. */
 #define TOL_CS336_ATOL 1e-6
 #define TOL_CS336_RTOL 1e-4
-
 
 /* KV-cache decoding with a half-precision cache vs the float32 full forward (test_kv_cache.c).
  * K and V are rounded once to the storage type (unit roundoff u_s: float16 2^-11 = 4.9e-4,

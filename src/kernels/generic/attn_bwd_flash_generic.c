@@ -75,8 +75,11 @@ static void store(float *dst, const float *acc, int64_t len, int accumulate) {
         dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
 }
 
-void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops, const mha__bwd_problem *bp, int64_t b,
-                         int64_t g, void *scratch) {
+void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
+                         const mha__bwd_problem *bp,
+                         int64_t b,
+                         int64_t g,
+                         void *scratch) {
     const mha__problem *p = bp->p;
     const int64_t n = p->n, m = p->m, dk = p->dk, dv = p->dv, group = p->group;
     const int64_t BQ = MHA__BWD_BQ, BK = MHA__BWD_BK;
@@ -178,8 +181,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops, const mha__bwd_problem *
                             }
                             if (has_bias)
                                 x += mha__score_bias(p, b, h, i, j);
-                            if (j < lo || j > hi ||
-                                (elem_rules && !mha__visible(p, b, h, i, j)))
+                            if (j < lo || j > hi || (elem_rules && !mha__visible(p, b, h, i, j)))
                                 x = -INFINITY;
                             srow[c] = x;
                         }
@@ -256,8 +258,16 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops, const mha__bwd_problem *
 /* Portable arithmetic.                                                                           */
 /* ---------------------------------------------------------------------------------------------- */
 
-static void gemm_acc_generic(int64_t R, int64_t K, int64_t N, const float *A, int64_t sa,
-                             int64_t sk, const float *B, int64_t ldb, float *C, int64_t ldc) {
+static void gemm_acc_generic(int64_t R,
+                             int64_t K,
+                             int64_t N,
+                             const float *A,
+                             int64_t sa,
+                             int64_t sk,
+                             const float *B,
+                             int64_t ldb,
+                             float *C,
+                             int64_t ldc) {
     for (int64_t r = 0; r < R; r++) {
         float *c = C + r * ldc;
         for (int64_t k = 0; k < K; k++) {
@@ -276,7 +286,9 @@ static void exp_shift_generic(const float *x, float c, float *y, int64_t count) 
 
 static const mha__bwd_flash_ops generic_ops = {gemm_acc_generic, exp_shift_generic};
 
-void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp, int64_t b, int64_t g,
+void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp,
+                                       int64_t b,
+                                       int64_t g,
                                        void *scratch) {
     mha__bwd_flash_unit(&generic_ops, bp, b, g, scratch);
 }

@@ -10,9 +10,15 @@
 #include "kernels/x86/simd_avx2.h"
 
 /* Named accumulators (an array stays on the stack with gcc 12, see the AVX-512 file). */
-static void gemm_block_4(int64_t K, const float *A, int64_t sa, int64_t sk, const float *B,
+static void gemm_block_4(int64_t K,
+                         const float *A,
+                         int64_t sa,
+                         int64_t sk,
+                         const float *B,
                          int64_t ldb,
-                         float *C, int64_t ldc, const __m256i mk[2]) {
+                         float *C,
+                         int64_t ldc,
+                         const __m256i mk[2]) {
     const __m256i m0 = mk[0], m1 = mk[1];
     float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
     v8 a00 = v8_loadu_mask(m0, c0), a01 = v8_loadu_mask(m1, c0 + 8);
@@ -37,8 +43,14 @@ static void gemm_block_4(int64_t K, const float *A, int64_t sa, int64_t sk, cons
     v8_storeu_mask(c3, m0, a30), v8_storeu_mask(c3 + 8, m1, a31);
 }
 
-static void gemm_block_1(int64_t K, const float *A, int64_t sk, const float *B, int64_t ldb,
-                         float *C, int64_t ldc, const __m256i mk[2]) {
+static void gemm_block_1(int64_t K,
+                         const float *A,
+                         int64_t sk,
+                         const float *B,
+                         int64_t ldb,
+                         float *C,
+                         int64_t ldc,
+                         const __m256i mk[2]) {
     (void)ldc;
     const __m256i m0 = mk[0], m1 = mk[1];
     v8 a0 = v8_loadu_mask(m0, C), a1 = v8_loadu_mask(m1, C + 8);
@@ -51,9 +63,16 @@ static void gemm_block_1(int64_t K, const float *A, int64_t sk, const float *B, 
     v8_storeu_mask(C, m0, a0), v8_storeu_mask(C + 8, m1, a1);
 }
 
-static void gemm_acc_avx2(int64_t R, int64_t K, int64_t N, const float *A, int64_t sa,
-                            int64_t sk,
-                          const float *B, int64_t ldb, float *C, int64_t ldc) {
+static void gemm_acc_avx2(int64_t R,
+                          int64_t K,
+                          int64_t N,
+                          const float *A,
+                          int64_t sa,
+                          int64_t sk,
+                          const float *B,
+                          int64_t ldb,
+                          float *C,
+                          int64_t ldc) {
     for (int64_t j0 = 0; j0 < N; j0 += 16) {
         __m256i mk[2];
         for (int v = 0; v < 2; v++) {
@@ -78,7 +97,9 @@ static void exp_shift_avx2(const float *x, float c, float *y, int64_t count) {
 
 static const mha__bwd_flash_ops avx2_ops = {gemm_acc_avx2, exp_shift_avx2};
 
-void mha_bwd_f32_flash_q32k64__avx2(const mha__bwd_problem *bp, int64_t b, int64_t g,
+void mha_bwd_f32_flash_q32k64__avx2(const mha__bwd_problem *bp,
+                                    int64_t b,
+                                    int64_t g,
                                     void *scratch) {
     mha__bwd_flash_unit(&avx2_ops, bp, b, g, scratch);
 }

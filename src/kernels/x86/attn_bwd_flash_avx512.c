@@ -4,9 +4,9 @@
  *
  * gemm_acc: C[R, N] += A[R, K] B[K, N] with a 4-row x 64-column register block (16 zmm
  * accumulators in named variables, 4 B loads and 4 broadcasts per 16 FMAs); column tails use
- * masked loads/stores, row tails a 1-row version of the same loop. Every call of the backward has N <= max(64, d),
- * so one or a few column blocks cover it. Each C element is one FMA chain in increasing k.
- * exp_shift uses the forward kernels' v16_exp (simd_avx512.h, 1 ULP on [-87.3, 0]).
+ * masked loads/stores, row tails a 1-row version of the same loop. Every call of the backward has N
+ * <= max(64, d), so one or a few column blocks cover it. Each C element is one FMA chain in
+ * increasing k. exp_shift uses the forward kernels' v16_exp (simd_avx512.h, 1 ULP on [-87.3, 0]).
  */
 #include "kernels/bwd_flash.h"
 #include "kernels/x86/simd_avx512.h"
@@ -14,9 +14,15 @@
 /* Rows [0, 4) (or 1), columns [0, 64) clipped to N by the masks. The accumulators are named
  * variables, not an array: gcc 12 keeps an acc[4][4] array on the stack and stores it every
  * iteration (measured 2.5x slower). */
-static void gemm_block_4(int64_t K, const float *A, int64_t sa, int64_t sk, const float *B,
+static void gemm_block_4(int64_t K,
+                         const float *A,
+                         int64_t sa,
+                         int64_t sk,
+                         const float *B,
                          int64_t ldb,
-                         float *C, int64_t ldc, const __mmask16 mk[4]) {
+                         float *C,
+                         int64_t ldc,
+                         const __mmask16 mk[4]) {
     const __mmask16 m0 = mk[0], m1 = mk[1], m2 = mk[2], m3 = mk[3];
     float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
     v16 a00 = v16_loadu_mask(m0, c0), a01 = v16_loadu_mask(m1, c0 + 16);
@@ -54,8 +60,14 @@ static void gemm_block_4(int64_t K, const float *A, int64_t sa, int64_t sk, cons
     v16_storeu_mask(c3 + 32, m2, a32), v16_storeu_mask(c3 + 48, m3, a33);
 }
 
-static void gemm_block_1(int64_t K, const float *A, int64_t sk, const float *B, int64_t ldb,
-                         float *C, int64_t ldc, const __mmask16 mk[4]) {
+static void gemm_block_1(int64_t K,
+                         const float *A,
+                         int64_t sk,
+                         const float *B,
+                         int64_t ldb,
+                         float *C,
+                         int64_t ldc,
+                         const __mmask16 mk[4]) {
     (void)ldc;
     const __mmask16 m0 = mk[0], m1 = mk[1], m2 = mk[2], m3 = mk[3];
     v16 a0 = v16_loadu_mask(m0, C), a1 = v16_loadu_mask(m1, C + 16);
@@ -72,9 +84,16 @@ static void gemm_block_1(int64_t K, const float *A, int64_t sk, const float *B, 
     v16_storeu_mask(C + 32, m2, a2), v16_storeu_mask(C + 48, m3, a3);
 }
 
-static void gemm_acc_avx512(int64_t R, int64_t K, int64_t N, const float *A, int64_t sa,
+static void gemm_acc_avx512(int64_t R,
+                            int64_t K,
+                            int64_t N,
+                            const float *A,
+                            int64_t sa,
                             int64_t sk,
-                            const float *B, int64_t ldb, float *C, int64_t ldc) {
+                            const float *B,
+                            int64_t ldb,
+                            float *C,
+                            int64_t ldc) {
     for (int64_t j0 = 0; j0 < N; j0 += 64) {
         __mmask16 mk[4];
         for (int v = 0; v < 4; v++) {
@@ -99,7 +118,9 @@ static void exp_shift_avx512(const float *x, float c, float *y, int64_t count) {
 
 static const mha__bwd_flash_ops avx512_ops = {gemm_acc_avx512, exp_shift_avx512};
 
-void mha_bwd_f32_flash_q32k64__avx512(const mha__bwd_problem *bp, int64_t b, int64_t g,
+void mha_bwd_f32_flash_q32k64__avx512(const mha__bwd_problem *bp,
+                                      int64_t b,
+                                      int64_t g,
                                       void *scratch) {
     mha__bwd_flash_unit(&avx512_ops, bp, b, g, scratch);
 }
