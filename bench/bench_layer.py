@@ -127,6 +127,9 @@ class Mha:
         L.mha_layer_create.argtypes = [C.POINTER(Config), C.POINTER(Weights), C.c_int, C.c_void_p,
                                        C.POINTER(C.c_void_p), C.POINTER(MhaError)]
         L.mha_layer_destroy.argtypes = [C.c_void_p]
+        L.mha_layer_forward_workspace_size.argtypes = [C.c_void_p, C.POINTER(ForwardArgs),
+                                                       C.POINTER(Exec), C.POINTER(C.c_size_t),
+                                                       C.POINTER(MhaError)]
         L.mha_layer_forward.argtypes = [C.c_void_p, C.POINTER(ForwardArgs), C.POINTER(Exec),
                                         C.POINTER(MhaError)]
         L.mha_attention.argtypes = [C.POINTER(AttentionArgs), C.POINTER(Exec),
@@ -152,12 +155,26 @@ class MhaLayer:
         mha.check(mha.lib.mha_layer_create(C.byref(cfg), C.byref(wt), 1, None,
                                            C.byref(self.handle), C.byref(err)), err, "create")
 
-    def forward(self, x, out, causal, impl, threads):
+    def forward(self, x, out, causal, impl, threads, reuse_workspace=True):
+        """With reuse_workspace the workspace is queried once per (shape, impl, threads) and
+        kept, as an application calling the layer in a loop would (docs/performance.md): the
+        forward then allocates nothing. Without it libmha allocates and frees it per call."""
         B, n, _ = x.shape
         a = ForwardArgs(batch=B, q_len=n, kv_len=n, query=fptr(x), out=fptr(out))
         a.mask.causal = 1 if causal else 0
         ex = Exec(impl=impl, n_threads=threads)
         err = MhaError()
+        if reuse_workspace:
+            key = (x.shape, causal, impl, threads)
+            if getattr(self, "_ws_key", None) != key:
+                size = C.c_size_t()
+                self.mha.check(self.mha.lib.mha_layer_forward_workspace_size(
+                    self.handle, C.byref(a), C.byref(ex), C.byref(size), C.byref(err)), err,
+                    "layer_forward_workspace_size")
+                self._ws = np.zeros(max(1, size.value), np.uint8)  # touched once, here
+                self._ws_key = key
+            ex.workspace = self._ws.ctypes.data
+            ex.workspace_bytes = self._ws.nbytes
         self.mha.check(self.mha.lib.mha_layer_forward(self.handle, C.byref(a), C.byref(ex),
                                                       C.byref(err)), err, "layer_forward")
 
@@ -291,6 +308,23 @@ class TorchPeers:
         with self.torch.inference_mode():
             return self.mha(self.x, self.x, self.x, need_weights=False, attn_mask=self.mask,
                             is_causal=self.mask is not None)[0]
+
+    def prepare_core(self):
+        """Projected q, k, v in SDPA's [B, heads, L, d] layout, for the core-only row."""
+        c, t, F = self.c, self.t, self.F
+        B, n, h, g, dk = c["B"], c["n"], c["h"], c["g"], c["dk"]
+        with self.torch.inference_mode():
+            self.cq = F.linear(self.x, t["wq"], t["bq"]).view(B, n, h, dk).transpose(1, 2)
+            self.ck = F.linear(self.x, t["wk"], t["bk"]).view(B, n, g, dk).transpose(1, 2)
+            self.cv = F.linear(self.x, t["wv"], t["bv"]).view(B, n, g, dk).transpose(1, 2)
+            self.cq, self.ck, self.cv = [u.contiguous() for u in (self.cq, self.ck, self.cv)]
+
+    def run_sdpa_core(self):
+        c = self.c
+        with self.torch.inference_mode():
+            return self.F.scaled_dot_product_attention(self.cq, self.ck, self.cv,
+                                                       is_causal=c["causal"],
+                                                       enable_gqa=c["g"] != c["h"])
 
     def run_sdpa(self):
         c, t, F = self.c, self.t, self.F
@@ -518,7 +552,10 @@ def main():
             y, yr, core_out = np.empty_like(x), np.empty_like(x), core_out
             impls = []  # (name, fn, flops, output-or-None, note)
             impls.append(("mha_layer", lambda: layer.forward(x, y, c["causal"], MHA_IMPL_AUTO, T),
-                          proj_f + attn_f, lambda: y, "impl=auto"))
+                          proj_f + attn_f, lambda: y, "impl=auto, workspace reused"))
+            impls.append(("mha_layer_alloc", lambda: layer.forward(x, y, c["causal"],
+                                                                   MHA_IMPL_AUTO, T, False),
+                          proj_f + attn_f, lambda: y, "impl=auto, workspace allocated per call"))
             impls.append(("mha_core", lambda: mha_core(mha, q, k, v, core_out, c["causal"],
                                                        MHA_IMPL_AUTO, T),
                           attn_f, None, "attention core only (no projections), impl=auto"))
@@ -553,6 +590,9 @@ def main():
                 impls.append(("torch_sdpa", peers.run_sdpa, proj_f + attn_f,
                               lambda: peers.run_sdpa().numpy(),
                               "F.linear + F.scaled_dot_product_attention"))
+                peers.prepare_core()
+                impls.append(("torch_sdpa_core", peers.run_sdpa_core, attn_f, None,
+                              "F.scaled_dot_product_attention alone (peer of mha_core)"))
             sts = time_round_robin([im[1] for im in impls], reps)
             results = {}
             for (name, _, fl, outf, note), st in zip(impls, sts):
@@ -573,10 +613,14 @@ def main():
                     name, T, st["median_ms"], st["min_ms"], st["max_ms"], gf, r["pct_peak"],
                     "%.1e" % err if err is not None else "-", note), flush=True)
             base = results["mha_layer"]["median_ms"]
-            ratios = ["%s %.2fx" % (k, r["median_ms"] / base)
-                      for k, r in results.items() if k not in ("mha_layer", "mha_core")]
-            print("   (peak used: %.1f GFLOP/s) mha_layer speed-up over: %s" % (
-                case_peak, ", ".join(ratios)), flush=True)
+            ratios = ["%s %.2fx" % (k, r["median_ms"] / base) for k, r in results.items()
+                      if k not in ("mha_layer", "mha_core", "torch_sdpa_core")]
+            line = "   (peak used: %.1f GFLOP/s) mha_layer speed-up over: %s" % (
+                case_peak, ", ".join(ratios))
+            if "torch_sdpa_core" in results:
+                line += "; mha_core over torch_sdpa_core %.2fx" % (
+                    results["torch_sdpa_core"]["median_ms"] / results["mha_core"]["median_ms"])
+            print(line, flush=True)
         layer.close()
         del peers
 

@@ -210,7 +210,7 @@ mha_status mha__attention_workspace(const mha_attention_args *args,
     st = core_layout(args, resolve_threads(exec), scratch, &l, err);
     if (st)
         return st;
-    *bytes = l.total;
+    MHA_RETURN_IF(!mha__workspace_bytes(l.total, bytes), err, OVERFLOW, "workspace size overflows");
     mha__ok(err);
     return MHA_STATUS_OK;
 }
@@ -222,30 +222,41 @@ mha_status mha_attention_workspace_size(const mha_attention_args *args,
     return mha__attention_workspace(args, exec, NULL, bytes, err);
 }
 
-mha_status
-mha_attention_supported(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
+mha_status mha__attention_check(const mha_attention_args *args,
+                                const mha_exec *exec,
+                                void *scratch,
+                                mha_error *err) {
     mha_status st = check_dims_for_layout(args, err);
     if (st)
         return st;
-    /* Validate everything, without running: deltas and slopes need scratch of their own. */
-    int64_t *deltas = malloc(sizeof(int64_t) * (size_t)args->batch);
-    float *slopes = malloc(sizeof(float) * (size_t)args->num_heads);
+    /* Validation resolves the per-batch causal offsets and the ALiBi slopes, which need room:
+     * deltas [B] int64 at 0, slopes [H] float at align64(8 B) -- the core workspace's layout. */
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    const size_t slope_off = align64(sizeof(int64_t) * (size_t)args->batch);
+    char *owned = NULL;
+    if (!scratch)
+        scratch = owned = mha__alloc(alloc, slope_off + sizeof(float) * (size_t)args->num_heads);
     mha__problem p;
-    if (!deltas || !slopes)
+    if (!scratch)
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate validation scratch");
     else
-        st = mha__problem_from_args(args, &p, deltas, slopes, err);
-    free(deltas);
-    free(slopes);
+        st = mha__problem_from_args(args, &p, (int64_t *)scratch,
+                                    (float *)((char *)scratch + slope_off), err);
+    mha__free(alloc, owned);
     if (st == MHA_STATUS_OK) {
         /* Then the implementation: impl=fast says here which option it cannot do. */
         const mha__kernel_info *k;
-        size_t scratch;
-        st = choose_kernel(args, exec, NULL, &k, &scratch, err);
+        size_t kernel_scratch;
+        st = choose_kernel(args, exec, NULL, &k, &kernel_scratch, err);
     }
     if (st == MHA_STATUS_OK)
         mha__ok(err);
     return st;
+}
+
+mha_status
+mha_attention_supported(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
+    return mha__attention_check(args, exec, NULL, err);
 }
 
 mha_status mha__attention_run(const mha_attention_args *args,
@@ -266,15 +277,10 @@ mha_status mha__attention_run(const mha_attention_args *args,
     st = core_layout(args, n_threads, scratch, &l, err);
     if (st)
         return st;
-    char *ws = exec ? exec->workspace : NULL;
-    char *owned = NULL;
-    if (ws) {
-        MHA_RETURN_IF(exec->workspace_bytes < l.total, err, WORKSPACE_TOO_SMALL,
-                      "workspace_bytes=%zu, this call needs %zu", exec->workspace_bytes, l.total);
-    } else {
-        ws = owned = mha__alloc(alloc, l.total);
-        MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace", l.total);
-    }
+    char *ws, *owned;
+    st = mha__workspace_take(exec, l.total, "this attention call", &ws, &owned, err);
+    if (st)
+        return st;
     mha__problem p;
     st = mha__problem_from_args(args, &p, (int64_t *)(ws + l.delta_off),
                                 (float *)(ws + l.slope_off), err);

@@ -192,7 +192,7 @@ mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
     mha_status st = validate(fwd, grads, exec, -1, resolve_threads(exec), &k, &l, err);
     if (st)
         return st;
-    *bytes = l.total;
+    MHA_RETURN_IF(!mha__workspace_bytes(l.total, bytes), err, OVERFLOW, "workspace size overflows");
     mha__ok(err);
     return MHA_STATUS_OK;
 }
@@ -224,15 +224,10 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
     if (st)
         return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    char *ws = exec ? exec->workspace : NULL, *owned = NULL;
-    if (ws) {
-        MHA_RETURN_IF(exec->workspace_bytes < l.total, err, WORKSPACE_TOO_SMALL,
-                      "workspace_bytes=%zu, this backward needs %zu", exec->workspace_bytes,
-                      l.total);
-    } else {
-        ws = owned = mha__alloc(alloc, l.total);
-        MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace", l.total);
-    }
+    char *ws, *owned;
+    st = mha__workspace_take(exec, l.total, "this backward", &ws, &owned, err);
+    if (st)
+        return st;
     mha__problem p;
     st = mha__problem_from_args(fwd, &p, (int64_t *)(ws + l.delta_off), (float *)(ws + l.slope_off),
                                 err);

@@ -117,6 +117,16 @@ static void pack_a(const float *x, int64_t ldx, int m, int64_t kc, float *dst, i
     }
 }
 
+/* The same from a transposed operand, stored [K, rows] (element (i, k) at x[k * ldx + i]): each k
+ * is a run of m contiguous floats. Packs both x (MHA__GEMM_X_T) and W (MHA__GEMM_W_T, nr). */
+static void pack_t(const float *x, int64_t ldx, int m, int64_t kc, float *dst, int mr) {
+    for (int64_t k = 0; k < kc; k++) {
+        memcpy(dst + k * mr, x + k * ldx, sizeof(float) * (size_t)m);
+        for (int i = m; i < mr; i++)
+            dst[k * mr + i] = 0.0f;
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Driver                                                                                         */
 /* ---------------------------------------------------------------------------------------------- */
@@ -130,6 +140,7 @@ typedef struct gemm_job {
     int64_t M, N, K;
     const float *x, *w, *bias;
     int64_t ldx, ldw, ldy;
+    int x_t, w_t; /* operands stored transposed (mha__gemm_op) */
     float *y;
     float *bpack_w;     /* phase 1 writes here (NULL when W comes pre-packed) */
     const float *bpack; /* K * npan * NR floats: K block at k0 starts at k0 * npan * NR */
@@ -159,8 +170,12 @@ static void pack_w_range(void *ctx, int part, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++)
         for (int64_t k0 = 0; k0 < j->K; k0 += kr->kc) {
             const int64_t kc = min64(kr->kc, j->K - k0);
-            kr->pack_b(j->w + p * nr * j->ldw + k0, j->ldw, (int)min64(nr, j->N - p * nr), kc,
-                       j->bpack_w + k0 * j->npan * nr + p * kc * nr);
+            const int n = (int)min64(nr, j->N - p * nr);
+            float *dst = j->bpack_w + k0 * j->npan * nr + p * kc * nr;
+            if (j->w_t)
+                pack_t(j->w + k0 * j->ldw + p * nr, j->ldw, n, kc, dst, (int)nr);
+            else
+                kr->pack_b(j->w + p * nr * j->ldw + k0, j->ldw, n, kc, dst);
         }
 }
 
@@ -186,7 +201,10 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
                 for (int64_t t = t0; t < t1; t++) {
                     const int64_t i0 = t * mr;
                     const int m = (int)min64(mr, j->M - i0);
-                    pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf, (int)mr);
+                    if (j->x_t)
+                        pack_t(j->x + k0 * j->ldx + i0, j->ldx, m, kc, abuf, (int)mr);
+                    else
+                        pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf, (int)mr);
                     float *yrow = j->y + i0 * j->ldy;
                     for (int64_t p = jc; p < jend; p++)
                         kr->ukr(kc, abuf, blk + p * kc * nr, yrow + p * nr, j->ldy, m,
@@ -268,6 +286,7 @@ static mha_status run(const mha__gemm_kernel *kr,
                       int64_t ldx,
                       const float *w,
                       int64_t ldw,
+                      mha__gemm_op op,
                       const mha__gemm_packed_w *pw,
                       const float *bias,
                       float *y,
@@ -282,7 +301,9 @@ static mha_status run(const mha__gemm_kernel *kr,
                   (long long)K);
     if (M == 0 || N == 0)
         return MHA_STATUS_OK;
-    MHA_ASSERT(ldy >= N && (K == 0 || ldx >= K) && (pw || K == 0 || ldw >= K));
+    const int x_t = (op & MHA__GEMM_X_T) != 0, w_t = (op & MHA__GEMM_W_T) != 0;
+    MHA_ASSERT(ldy >= N && (K == 0 || ldx >= (x_t ? M : K)) &&
+               (pw || K == 0 || ldw >= (w_t ? N : K)));
     MHA_RETURN_IF((int64_t)kr->mr * kr->kc > GEMM_MAX_APANEL || kr->kc < 1 || kr->nc < 1, err,
                   INVALID_ARG, "gemm: kernel %s blocking mr=%d kc=%lld exceeds the %d-float panel",
                   kr->name, kr->mr, (long long)kr->kc, GEMM_MAX_APANEL);
@@ -293,7 +314,7 @@ static mha_status run(const mha__gemm_kernel *kr,
         return MHA_STATUS_OK;
     }
     const int threads = clamp_threads(n_threads, 2.0 * (double)M * (double)N * (double)K);
-    if (!pw && M <= MHA_GEMM_SMALL_M && kr->dot) {
+    if (!pw && !x_t && !w_t && M <= MHA_GEMM_SMALL_M && kr->dot) {
         dot_job dj = {kr, M, N, K, x, w, bias, ldx, ldw, ldy, y};
         return mha__parallel_for(threads, (N + MHA_GEMM_DOT_N - 1) / MHA_GEMM_DOT_N, dot_range, &dj,
                                  err);
@@ -311,6 +332,8 @@ static mha_status run(const mha__gemm_kernel *kr,
     job.ldx = ldx;
     job.ldw = ldw;
     job.ldy = ldy;
+    job.x_t = x_t;
+    job.w_t = w_t;
     job.npan = (N + kr->nr - 1) / kr->nr;
     job.mtiles = (M + kr->mr - 1) / kr->mr;
     /* Rows if there are plenty of row tiles, else column panels. */
@@ -378,7 +401,8 @@ mha_status mha__gemm_run(const mha__gemm_kernel *kr,
                          int n_threads,
                          const mha_allocator *alloc,
                          mha_error *err) {
-    return run(kr, M, N, K, x, ldx, w, ldw, NULL, bias, y, ldy, n_threads, NULL, 0, alloc, err);
+    return run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, n_threads, NULL, 0,
+               alloc, err);
 }
 
 mha_status mha__gemm_xwt_ws(int64_t M,
@@ -400,8 +424,8 @@ mha_status mha__gemm_xwt_ws(int64_t M,
     const mha__gemm_kernel *kr = NULL;
     mha_status st = resolve_kernel(isa, &kr, err);
     return st ? st
-              : run(kr, M, N, K, x, ldx, w, ldw, NULL, bias, y, ldy, n_threads, workspace,
-                    workspace_bytes, alloc, err);
+              : run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, n_threads,
+                    workspace, workspace_bytes, alloc, err);
 }
 
 mha_status mha__gemm_xwt(int64_t M,
@@ -480,6 +504,27 @@ mha_status mha__gemm_xwt_packed(int64_t M,
                                 int n_threads,
                                 mha_error *err) {
     MHA_RETURN_IF(!pw || !pw->kr, err, INVALID_ARG, "gemm: no packed W");
-    return run(pw->kr, M, pw->N, pw->K, x, ldx, NULL, 0, pw, bias, y, ldy, n_threads, NULL, 0, NULL,
-               err);
+    return run(pw->kr, M, pw->N, pw->K, x, ldx, NULL, 0, MHA__GEMM_OP_N, pw, bias, y, ldy,
+               n_threads, NULL, 0, NULL, err);
+}
+
+mha_status mha__gemm_op_run(mha__gemm_op op,
+                            int64_t M,
+                            int64_t N,
+                            int64_t K,
+                            const float *x,
+                            int64_t ldx,
+                            const float *w,
+                            int64_t ldw,
+                            float *y,
+                            int64_t ldy,
+                            int n_threads,
+                            mha__gemm_isa isa,
+                            const mha_allocator *alloc,
+                            mha_error *err) {
+    const mha__gemm_kernel *kr = NULL;
+    mha_status st = resolve_kernel(isa, &kr, err);
+    return st ? st
+              : run(kr, M, N, K, x, ldx, w, ldw, op, NULL, NULL, y, ldy, n_threads, NULL, 0, alloc,
+                    err);
 }

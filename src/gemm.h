@@ -170,6 +170,34 @@ mha_status mha__gemm_xwt_packed(int64_t M,
                                 int n_threads,
                                 mha_error *err);
 
+/* Operand layouts for mha__gemm_op_run: y = op(x) op(W)^T with
+ *   x:  [M, K] row stride ldx, or with MHA__GEMM_X_T stored transposed [K, M] (row stride ldx);
+ *   W:  [N, K] row stride ldw, or with MHA__GEMM_W_T stored transposed [K, N] (row stride ldw).
+ * The backward's products dx = dP W (W_T) and dW = dP^T x (X_T | W_T) then read their operands
+ * in place: packing copies contiguous runs instead of transposing, and no transposed copy of an
+ * activation is made. The sums are the same chains in the same order as the plain layout. */
+typedef enum mha__gemm_op {
+    MHA__GEMM_OP_N = 0,
+    MHA__GEMM_X_T = 1,
+    MHA__GEMM_W_T = 2,
+} mha__gemm_op;
+/* y[M, N] = op(x) op(W)^T, no bias, packing buffer from `alloc`; no few-rows dot path for
+ * transposed operands (the packed path handles any M). */
+mha_status mha__gemm_op_run(mha__gemm_op op,
+                            int64_t M,
+                            int64_t N,
+                            int64_t K,
+                            const float *x,
+                            int64_t ldx,
+                            const float *w,
+                            int64_t ldw,
+                            float *y,
+                            int64_t ldy,
+                            int n_threads,
+                            mha__gemm_isa isa,
+                            const mha_allocator *alloc,
+                            mha_error *err);
+
 /* The same with an explicit kernel table (tests, tuning of kc / nc); kr must be usable. */
 mha_status mha__gemm_run(const mha__gemm_kernel *kr,
                          int64_t M,

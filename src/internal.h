@@ -48,6 +48,25 @@ bool mha__bytes(int64_t count, size_t elem_size, size_t *out);
 void *mha__alloc(const mha_allocator *a, size_t bytes);
 void mha__free(const mha_allocator *a, void *ptr);
 
+/* Caller workspaces may have any alignment: the size a *_workspace_size query reports is the
+ * `need` of its 64-byte aligned layout plus MHA_WORKSPACE_SLACK, and the call rounds the caller's
+ * pointer up to 64 bytes before carving it. */
+#define MHA_WORKSPACE_SLACK ((size_t)63)
+/* mha_attention_supported with the validation scratch given: `scratch` holds B int64 and, at
+ * the next 64-byte boundary, H floats (the start of the core's workspace does), or is NULL to
+ * allocate it from exec->allocator. */
+mha_status mha__attention_check(const mha_attention_args *args,
+                                const mha_exec *exec,
+                                void *scratch,
+                                mha_error *err);
+/* Reported workspace size for a layout of `need` bytes; false on overflow. */
+bool mha__workspace_bytes(size_t need, size_t *out);
+/* The 64-byte aligned start of a workspace of `need` bytes: exec->workspace rounded up when the
+ * caller gave one (WORKSPACE_TOO_SMALL naming `what` if it is too small for that), else a block
+ * from exec->allocator returned in *owned too (free it with mha__free). */
+mha_status mha__workspace_take(
+    const mha_exec *exec, size_t need, const char *what, char **ws, char **owned, mha_error *err);
+
 /* Largest single dimension accepted anywhere (keeps every index product far from overflow and
  * lets dropout pack indices into 32-bit Philox counter words). */
 #define MHA_MAX_DIM ((int64_t)1 << 31)

@@ -195,11 +195,13 @@ const mha_weights *mha_layer_weights(const mha_layer *layer) {
 /* Forward                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Workspace: Q [B,n,h*dk] | K [B,m,g*dk] | V [B,m,g*dv] | A [B,n,h*dv] | rope tables | core ws. */
+/* Workspace: Q [B,n,h*dk] | K [B,m,g*dk] | V [B,m,g*dv] | A [B,n,h*dv] | rope tables |
+ * GEMM packing buffer (the largest of the four projections'; they run one after the other) |
+ * core ws. With a caller workspace the forward allocates nothing. */
 typedef struct fwd_layout {
     int64_t m;
-    size_t q_off, k_off, v_off, a_off, rope_off, core_off, total;
-    size_t core_bytes;
+    size_t q_off, k_off, v_off, a_off, rope_off, pack_off, core_off, total;
+    size_t pack_bytes, core_bytes;
 } fwd_layout;
 
 static size_t align64(size_t x) {
@@ -311,6 +313,23 @@ static mha_status validate_forward(const mha_layer *L,
     if (c->rope.style != MHA_ROPE_NONE)
         rope_bytes = sizeof(double) * (size_t)(3 * (c->rope.rotary_dim / 2));
 
+    /* The projections' packing buffer: impl=reference runs plain loops and packs nothing. */
+    l->pack_bytes = 0;
+    if (!exec || exec->impl != MHA_IMPL_REFERENCE) {
+        const int64_t proj[4][3] = {{B * n, h * c->head_dim, c->q_dim},
+                                    {B * m, g * c->head_dim, c->k_dim},
+                                    {B * m, g * c->v_head_dim, c->v_dim},
+                                    {B * n, c->out_dim, h * c->v_head_dim}};
+        for (int i = 0; i < 4; i++) {
+            size_t pb;
+            st = mha__gemm_workspace_size(MHA__GEMM_AUTO, proj[i][0], proj[i][1], proj[i][2], &pb,
+                                          err);
+            if (st)
+                return st;
+            l->pack_bytes = pb > l->pack_bytes ? pb : l->pack_bytes;
+        }
+    }
+
     mha_attention_args core;
     core_args_for(L, a, m, (float *)a->out, (float *)a->out, (float *)a->out, a->out, &core);
     mha_exec core_exec = exec ? *exec : (mha_exec){0};
@@ -325,7 +344,10 @@ static mha_status validate_forward(const mha_layer *L,
     l->v_off = l->k_off + align64(bytes[1]);
     l->a_off = l->v_off + align64(bytes[2]);
     l->rope_off = l->a_off + align64(bytes[3]);
-    l->core_off = l->rope_off + align64(rope_bytes);
+    l->pack_off = l->rope_off + align64(rope_bytes);
+    MHA_RETURN_IF(l->pack_bytes > SIZE_MAX - 64 - l->pack_off, err, OVERFLOW,
+                  "forward workspace size overflows");
+    l->core_off = l->pack_off + align64(l->pack_bytes);
     MHA_RETURN_IF(l->core_off > SIZE_MAX - l->core_bytes, err, OVERFLOW,
                   "forward workspace size overflows");
     l->total = l->core_off + l->core_bytes;
@@ -342,7 +364,8 @@ mha_status mha_layer_forward_workspace_size(const mha_layer *layer,
     mha_status st = validate_forward(layer, args, exec, &l, err);
     if (st)
         return st;
-    *bytes = l.total;
+    MHA_RETURN_IF(!mha__workspace_bytes(l.total, bytes), err, OVERFLOW,
+                  "forward workspace size overflows");
     mha__ok(err);
     return MHA_STATUS_OK;
 }
@@ -440,26 +463,23 @@ mha_status mha_layer_forward(const mha_layer *layer,
     const int64_t h = c->num_heads, g = c->num_kv_heads;
     const int self = args->key == NULL;
 
-    /* Validate masks and the implementation choice before any work. */
+    /* The workspace, then the masks and the implementation choice are validated before any
+     * work (the validation's scratch is the start of the core's workspace region). */
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    char *ws, *owned;
+    st = mha__workspace_take(exec, l.total, "this forward", &ws, &owned, err);
+    if (st)
+        return st;
     {
         mha_attention_args probe;
         core_args_for(layer, args, m, args->out, args->out, args->out, args->out, &probe);
         mha_exec probe_exec = exec ? *exec : (mha_exec){0};
         probe_exec.workspace = NULL;
-        st = mha_attention_supported(&probe, &probe_exec, err);
-        if (st)
+        st = mha__attention_check(&probe, &probe_exec, ws + l.core_off, err);
+        if (st) {
+            mha__free(alloc, owned);
             return st;
-    }
-
-    const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    char *ws = exec ? exec->workspace : NULL, *owned = NULL;
-    if (ws) {
-        MHA_RETURN_IF(exec->workspace_bytes < l.total, err, WORKSPACE_TOO_SMALL,
-                      "workspace_bytes=%zu, this forward needs %zu", exec->workspace_bytes,
-                      l.total);
-    } else {
-        ws = owned = mha__alloc(alloc, l.total);
-        MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace", l.total);
+        }
     }
     float *q = (float *)(ws + l.q_off), *k = (float *)(ws + l.k_off);
     float *v = (float *)(ws + l.v_off), *att = (float *)(ws + l.a_off);
@@ -468,26 +488,17 @@ mha_status mha_layer_forward(const mha_layer *layer,
 
     const float *xk = self ? args->query : args->key;
     const float *xv = self ? args->query : (args->value ? args->value : args->key);
-    /* The output projection's packing buffer is taken before the core runs: the core writes
-     * args->probs, and no allocation may fail after an output has been written. */
-    void *out_pack = NULL;
-    size_t out_pack_bytes = 0;
-    if (impl != MHA_IMPL_REFERENCE) {
-        st = mha__gemm_workspace_size(MHA__GEMM_AUTO, B * n, c->out_dim, h * c->v_head_dim,
-                                      &out_pack_bytes, err);
-        if (!st && out_pack_bytes && !(out_pack = mha__alloc(alloc, out_pack_bytes)))
-            st = mha__fail(err, MHA_STATUS_NO_MEMORY,
-                           "cannot allocate %zu bytes for the output projection", out_pack_bytes);
-    }
-    if (!st)
-        st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim,
-                     n_threads, NULL, 0, err);
+    /* Everything comes from the one workspace taken above, so nothing can fail for want of
+     * memory after the core has written args->probs. */
+    void *pack = ws + l.pack_off;
+    st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim,
+                 n_threads, pack, l.pack_bytes, err);
     if (!st)
         st = project(impl, alloc, xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim,
-                     n_threads, NULL, 0, err);
+                     n_threads, pack, l.pack_bytes, err);
     if (!st)
         st = project(impl, alloc, xv, w->w_v, w->b_v, v, B * m, c->v_dim, g * c->v_head_dim,
-                     n_threads, NULL, 0, err);
+                     n_threads, pack, l.pack_bytes, err);
 
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
@@ -507,8 +518,7 @@ mha_status mha_layer_forward(const mha_layer *layer,
     }
     if (!st)
         st = project(impl, alloc, att, w->w_o, w->b_o, args->out, B * n, h * c->v_head_dim,
-                     c->out_dim, n_threads, out_pack, out_pack_bytes, err);
-    mha__free(alloc, out_pack);
+                     c->out_dim, n_threads, pack, l.pack_bytes, err);
     mha__free(alloc, owned);
     if (!st)
         mha__ok(err);

@@ -268,7 +268,7 @@ typedef struct bwd_ctx {
     const mha_allocator *alloc;
     int n_threads;
     int accumulate;
-    float *tmp1, *tmp2; /* transposes, each >= max(rows, weight) elements */
+    float *tmp1, *tmp2; /* transposes (impl=reference), each >= max(rows, weight) elements */
 } bwd_ctx;
 
 /* Writes (or adds) src[0..count) into dst; dst NULL = not wanted. */
@@ -289,6 +289,9 @@ static mha_status mm_ab(const bwd_ctx *x,
                         int64_t K,
                         float *tmp,
                         mha_error *err) {
+    if (x->impl != MHA_IMPL_REFERENCE) /* B read in place as a transposed W */
+        return mha__gemm_op_run(MHA__GEMM_W_T, M, N, K, A, K, Bm, N, C, N, x->n_threads,
+                                MHA__GEMM_AUTO, x->alloc, err);
     transpose(Bm, tmp, K, N); /* tmp [N, K] */
     return xwt(x->impl, x->alloc, A, tmp, NULL, C, M, K, N, x->n_threads, err);
 }
@@ -302,6 +305,9 @@ static mha_status mm_atb(const bwd_ctx *x,
                          int64_t N,
                          int64_t K,
                          mha_error *err) {
+    if (x->impl != MHA_IMPL_REFERENCE) /* both read in place */
+        return mha__gemm_op_run((mha__gemm_op)(MHA__GEMM_X_T | MHA__GEMM_W_T), M, N, K, A, M, Bm, N,
+                                C, N, x->n_threads, MHA__GEMM_AUTO, x->alloc, err);
     transpose(A, x->tmp1, K, M);  /* [M, K] */
     transpose(Bm, x->tmp2, K, N); /* [N, K] */
     return xwt(x->impl, x->alloc, x->tmp1, x->tmp2, NULL, C, M, K, N, x->n_threads, err);
@@ -384,8 +390,12 @@ mha_status mha_layer_backward(const mha_layer *layer,
                            rk * g * dv, rq * qd,     rk * kd,     rk * vd};
     for (int i = 0; i < 8; i++)
         tmax = act[i] > tmax ? act[i] : tmax;
+    /* The transposed copies serve the reference products only: the packed GEMM reads
+     * transposed operands in place. */
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    const int64_t tsz = impl == MHA_IMPL_REFERENCE ? tmax : 0;
     const int64_t sizes[] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv, rq * qd,
-                             rk * kd,     rk * vd,     tmax,        tmax,        wmax};
+                             rk * kd,     rk * vd,     tsz,         tsz,         wmax};
     int64_t total = 0;
     for (int i = 0; i < 10; i++)
         MHA_RETURN_IF(!mha__add_i64(total, sizes[i] + 16, &total), err, OVERFLOW,
@@ -405,7 +415,7 @@ mha_status mha_layer_backward(const mha_layer *layer,
         }
     }
     float *dA = p[0], *dQ = p[1], *dK = p[2], *dV = p[3], *dxq = p[4], *dxk = p[5], *dxv = p[6];
-    bwd_ctx x = {exec ? exec->impl : MHA_IMPL_AUTO,
+    bwd_ctx x = {impl,
                  alloc,
                  (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads(),
                  gr->accumulate != 0,

@@ -122,3 +122,29 @@ void mha__free(const mha_allocator *a, void *ptr) {
     }
     free(ptr);
 }
+
+bool mha__workspace_bytes(size_t need, size_t *out) {
+    if (need > SIZE_MAX - MHA_WORKSPACE_SLACK)
+        return false;
+    *out = need + MHA_WORKSPACE_SLACK;
+    return true;
+}
+
+mha_status mha__workspace_take(
+    const mha_exec *exec, size_t need, const char *what, char **ws, char **owned, mha_error *err) {
+    *owned = NULL;
+    if (exec && exec->workspace) {
+        const uintptr_t at = (uintptr_t)exec->workspace;
+        const size_t skip = (size_t)(((at + 63) & ~(uintptr_t)63) - at);
+        MHA_RETURN_IF(exec->workspace_bytes < skip || exec->workspace_bytes - skip < need, err,
+                      WORKSPACE_TOO_SMALL,
+                      "exec.workspace_bytes=%zu, %s needs %zu (the size its workspace query "
+                      "reports)",
+                      exec->workspace_bytes, what, need + MHA_WORKSPACE_SLACK);
+        *ws = (char *)exec->workspace + skip;
+        return MHA_STATUS_OK;
+    }
+    *ws = *owned = mha__alloc(exec ? exec->allocator : NULL, need);
+    MHA_RETURN_IF(!*ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace for %s", need, what);
+    return MHA_STATUS_OK;
+}

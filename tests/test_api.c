@@ -73,7 +73,7 @@ static void test_layer_create_errors(void) {
     bad.q_dim = (int64_t)1 << 30;
     expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err, MHA_STATUS_OVERFLOW,
            "overflow", "weight size overflow");
-    bad = c, bad.scale = NAN;
+    bad = c, bad.scale = (double)NAN;
     expect(mha_layer_create(&bad, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err,
            MHA_STATUS_INVALID_ARG, "scale", "NaN scale");
     bad = c, bad.softcap = -1.0;
@@ -277,7 +277,7 @@ static void test_attention_errors(void) {
            "num_heads=4 is not divisible by num_kv_heads=3", "gqa divisibility");
     b = a, b.head_dim = 0;
     expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "head_dim=0", "head_dim 0");
-    b = a, b.softcap = INFINITY;
+    b = a, b.softcap = (double)INFINITY;
     expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "softcap", "inf cap");
     b = a, b.out = NULL;
     expect(mha_attention(&b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "must not be NULL",
@@ -311,10 +311,90 @@ static void test_attention_errors(void) {
           freqs[0], freqs[1]);
 }
 
+/* A caller workspace of exactly the reported size works at any alignment (the query includes
+ * slack for rounding up to 64 bytes), gives the same result as a library-allocated one, and with
+ * it the call allocates nothing: a failing allocator is never asked. Fast kernels (AVX-512
+ * aligned stores) ran here; a malloc'd workspace at an odd offset once crashed them. */
+static void test_workspace_alignment(void) {
+    enum { N = 40, D = 64, H = 4, DK = D / H };
+    static float x[N * D], wts[4 * D * D], y_ref[N * D], y[N * D];
+    for (int i = 0; i < N * D; i++)
+        x[i] = (float)((i * 37 % 101) - 50) / 50.0f;
+    for (int i = 0; i < 4 * D * D; i++)
+        wts[i] = (float)((i * 53 % 97) - 48) / 400.0f;
+    mha_config c = {0};
+    c.q_dim = D, c.num_heads = H;
+    mha_weights w = {0};
+    w.w_q = wts, w.w_k = wts + D * D, w.w_v = wts + 2 * D * D, w.w_o = wts + 3 * D * D;
+    mha_error err;
+    mha_layer *L = NULL;
+    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    mha_forward_args a = {0};
+    a.batch = 1, a.q_len = N, a.query = x, a.mask.causal = 1;
+    a.out = y_ref;
+    CHECK_OK(mha_layer_forward(L, &a, NULL, &err), &err);
+    int budget = 0;
+    mha_allocator failing = {&budget, failing_alloc, plain_free};
+    mha_exec ex = {MHA_IMPL_AUTO, 2, NULL, 0, &failing};
+    size_t need = 0;
+    CHECK_OK(mha_layer_forward_workspace_size(L, &a, &ex, &need, &err), &err);
+    char *buf = malloc(need + 64);
+    CHECK(buf != NULL, "workspace malloc");
+    for (int off = 0; buf && off < 64; off += 7) {
+        ex.workspace = buf + off, ex.workspace_bytes = need;
+        a.out = y;
+        CHECK_OK(mha_layer_forward(L, &a, &ex, &err), &err);
+        CHECK(!memcmp(y, y_ref, sizeof y), "layer forward with a workspace at offset %d", off);
+        ex.workspace_bytes = need - 64; /* below the aligned layout whatever the offset */
+        expect(mha_layer_forward(L, &a, &ex, &err), &err, MHA_STATUS_WORKSPACE_TOO_SMALL,
+               "workspace_bytes", "workspace too small after alignment");
+    }
+    free(buf);
+    mha_layer_destroy(L);
+
+    /* The core and its backward, on [1, N, H, DK] views. */
+    static float q[N * D], k[N * D], v[N * D], o_ref[N * D], o[N * D], lse[H * N], dq[N * D],
+        dk[N * D], dv[N * D], dq_ref[N * D];
+    for (int i = 0; i < N * D; i++)
+        q[i] = x[i], k[i] = x[(i + 5) % (N * D)], v[i] = x[(i + 11) % (N * D)];
+    mha_attention_args at = {0};
+    at.batch = 1, at.num_heads = H, at.q_len = at.kv_len = N, at.head_dim = DK;
+    const int64_t s[3] = {N * D, DK, D};
+    at.q = q, at.k = k, at.v = v, at.out = o_ref, at.lse = lse, at.mask.causal = 1;
+    memcpy(at.q_strides, s, sizeof s), memcpy(at.k_strides, s, sizeof s);
+    memcpy(at.v_strides, s, sizeof s), memcpy(at.out_strides, s, sizeof s);
+    CHECK_OK(mha_attention(&at, NULL, &err), &err);
+    mha_attention_grads g = {0};
+    g.dout = x, g.dq = dq_ref, g.dk = dk, g.dv = dv;
+    memcpy(g.dout_strides, s, sizeof s), memcpy(g.dq_strides, s, sizeof s);
+    memcpy(g.dk_strides, s, sizeof s), memcpy(g.dv_strides, s, sizeof s);
+    CHECK_OK(mha_attention_backward(&at, &g, NULL, &err), &err);
+    size_t need_f = 0, need_b = 0;
+    ex = (mha_exec){MHA_IMPL_AUTO, 2, NULL, 0, &failing};
+    CHECK_OK(mha_attention_workspace_size(&at, &ex, &need_f, &err), &err);
+    CHECK_OK(mha_attention_backward_workspace_size(&at, &g, &ex, &need_b, &err), &err);
+    buf = malloc((need_f > need_b ? need_f : need_b) + 64);
+    CHECK(buf != NULL, "workspace malloc");
+    for (int off = 1; buf && off < 64; off += 9) {
+        ex.workspace = buf + off, ex.workspace_bytes = need_f;
+        at.out = o;
+        CHECK_OK(mha_attention(&at, &ex, &err), &err);
+        CHECK(!memcmp(o, o_ref, sizeof o), "attention with a workspace at offset %d", off);
+        at.out = o_ref;
+        ex.workspace_bytes = need_b;
+        g.dq = dq;
+        CHECK_OK(mha_attention_backward(&at, &g, &ex, &err), &err);
+        CHECK(!memcmp(dq, dq_ref, sizeof dq), "backward with a workspace at offset %d", off);
+        g.dq = dq_ref;
+    }
+    free(buf);
+}
+
 int main(void) {
     test_status_strings();
     test_layer_create_errors();
     test_forward_errors();
     test_attention_errors();
+    test_workspace_alignment();
     return test_finish();
 }

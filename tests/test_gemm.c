@@ -144,6 +144,60 @@ static void run_case(test_rng *rng,
     free(w0);
 }
 
+/* Transposed operands (mha__gemm_op_run) give exactly the bits of the plain layout on explicit
+ * transposed copies, on every tier and for 1 and 3 threads: the packers change, not the sums. */
+static void test_transposed_operands(test_rng *rng) {
+    const int64_t sizes[][3] = {{1, 1, 1}, {15, 33, 257}, {2, 3, 5}, {200, 129, 96}, {5, 70, 600}};
+    for (int isa = MHA__GEMM_GENERIC; isa < MHA__GEMM_ISA_COUNT; isa++) {
+        if (!mha__gemm_isa_usable((mha__gemm_isa)isa))
+            continue;
+        for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+            const int64_t M = sizes[s][0], N = sizes[s][1], K = sizes[s][2];
+            float *x = malloc(sizeof(float) * M * K), *xt = malloc(sizeof(float) * M * K);
+            float *w = malloc(sizeof(float) * N * K), *wt = malloc(sizeof(float) * N * K);
+            float *y0 = malloc(sizeof(float) * M * N), *y1 = malloc(sizeof(float) * M * N);
+            test_fill_normal(rng, x, M * K, 1.0f);
+            test_fill_normal(rng, w, N * K, 1.0f);
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t k = 0; k < K; k++)
+                    xt[k * M + i] = x[i * K + k];
+            for (int64_t j = 0; j < N; j++)
+                for (int64_t k = 0; k < K; k++)
+                    wt[k * N + j] = w[j * K + k];
+            mha_error err = {0};
+            /* The plain layout on the packed path: for M <= MHA_GEMM_SMALL_M (which the plain
+             * layout runs as dot products) on x padded with zero rows to one row more; each row
+             * of y is its own chain, so the first M rows are the reference. */
+            const int64_t Mp = M > MHA_GEMM_SMALL_M ? M : MHA_GEMM_SMALL_M + 1;
+            float *xp = calloc((size_t)(Mp * K), sizeof(float));
+            float *yp = malloc(sizeof(float) * Mp * N);
+            memcpy(xp, x, sizeof(float) * M * K);
+            CHECK_OK(mha__gemm_op_run(MHA__GEMM_OP_N, Mp, N, K, xp, K, w, K, yp, N, 1,
+                                      (mha__gemm_isa)isa, NULL, &err),
+                     &err);
+            memcpy(y0, yp, sizeof(float) * M * N);
+            free(xp), free(yp);
+            const int ops[3] = {MHA__GEMM_X_T, MHA__GEMM_W_T, MHA__GEMM_X_T | MHA__GEMM_W_T};
+            for (int o = 0; o < 3; o++)
+                for (int t = 1; t <= 3; t += 2) {
+                    const int xt_on = ops[o] & MHA__GEMM_X_T, wt_on = ops[o] & MHA__GEMM_W_T;
+                    memset(y1, 0, sizeof(float) * M * N);
+                    CHECK_OK(mha__gemm_op_run((mha__gemm_op)ops[o], M, N, K, xt_on ? xt : x,
+                                              xt_on ? M : K, wt_on ? wt : w, wt_on ? N : K, y1, N,
+                                              t, (mha__gemm_isa)isa, NULL, &err),
+                             &err);
+                    int same = 1;
+                    for (int64_t i = 0; i < M * N; i++)
+                        same &= y0[i] == y1[i];
+                    CHECK(same, "%s op %d %lldx%lldx%lld threads %d: differs from the plain layout",
+                          mha__gemm_isa_name((mha__gemm_isa)isa), ops[o], (long long)M,
+                          (long long)N, (long long)K, t);
+                }
+            free(x), free(xt), free(w), free(wt), free(y0), free(y1);
+        }
+    }
+}
+
 int main(void) {
     test_rng rng;
     test_rng_seed(&rng, 20240603);
@@ -278,6 +332,7 @@ int main(void) {
         free(y1);
         free(y2);
     }
+    test_transposed_operands(&rng);
     printf("worst error / gamma_{K+1} bound over all cases: %.3g\n", worst_ratio_seen);
     return test_finish();
 }
