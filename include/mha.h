@@ -170,7 +170,11 @@ typedef enum mha_impl {
     MHA_IMPL_FAST = 2,
 } mha_impl;
 
-/** Execution options of a call. */
+/** Execution options of a call. A caller workspace may have any alignment: the size a
+ *  *_workspace_size query reports (for the same args and exec) includes the slack for rounding
+ *  it up to 64 bytes. With a caller workspace, mha_attention, mha_attention_backward and
+ *  mha_layer_forward allocate nothing; without one they allocate it with `allocator` per call
+ *  (reusing one workspace across calls saves the page faults of a fresh block every call). */
 typedef struct mha_exec {
     mha_impl impl;
     int32_t n_threads; /* 0 = number of online CPUs */
