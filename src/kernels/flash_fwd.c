@@ -17,23 +17,27 @@
 /* Scratch layout.                                                                                */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* K^T cache: when every packed key tile of one kv head fits in MHA_FLASH_KT_CACHE_BYTES, a
- * thread packs each tile once per (b, g) and reuses it for all the query blocks it runs on that
- * head (consecutive units share (b, g)); otherwise one tile is packed at a time. The tile state
- * (packed, V finite) lives next to it. Measured: packing was 7% (d = 64) to 11% (d = 128) of the
- * time at n = 2048 with per-block packing. The cap bounds the workspace (it is per thread) to
- * 8 MiB per thread (m = 16384 keys at d = 128); beyond it the packed tiles would not stay in
- * cache anyway. */
+/* K^T and V cache: when every packed key tile of one kv head (K^T [dk][Bk] and V [Bk][ldv])
+ * fits in MHA_FLASH_KT_CACHE_BYTES, a thread packs each tile once per (b, g) and reuses it for all
+ * the query blocks it runs on that head (consecutive units share (b, g)); otherwise one tile is
+ * packed at a time. The tile state (packed, V finite) lives next to it. Measured: packing K was
+ * 7% (d = 64) to 11% (d = 128) of the time at n = 2048 with per-block packing. V is packed
+ * because its rows sit h*d floats apart in the layer's [B, L, heads, d] layout: at d_model = 1024
+ * that is 4 KiB, so the 64 rows of a tile fall into the same few L1 sets and evict each other
+ * while the block's row groups reread them (perf: O += P V took 30% longer than S = Q K^T on the
+ * same flop count; packed, they match). The cap bounds the workspace (it is per thread) to 8 MiB
+ * per thread (m = 8192 keys at d = 128); beyond it the packed tiles would not stay in cache
+ * anyway. */
 #define MHA_FLASH_KT_CACHE_BYTES ((int64_t)8 << 20)
-enum { TILE_PACKED = 1, TILE_FINITE_KNOWN = 2, TILE_FINITE = 4 };
+enum { TILE_PACKED = 1, TILE_FINITE_KNOWN = 2, TILE_FINITE = 4, TILE_V_PACKED = 8 };
 
 typedef struct cache_header {
     int64_t b, g; /* the kv head whose tiles the cache holds; -1 = none */
 } cache_header;
 
 typedef struct flash_layout {
-    size_t kt, s, o, m, l, alpha, mu, inv_l, bias, vis, keep, qptr, header, state, total;
-    int64_t ldo, ntiles;
+    size_t kt, vt, s, o, m, l, alpha, mu, inv_l, bias, vis, keep, qptr, header, state, total;
+    int64_t ldo, ntiles; /* ldo: row stride of O and of the packed V tiles */
     int cached;
 } flash_layout;
 
@@ -48,20 +52,21 @@ static bool carve(size_t *cursor, int64_t count, size_t elem, size_t *off) {
 
 static bool flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, flash_layout *L) {
     size_t c = 0;
-    int64_t kt_n, s_n, o_n, all;
+    int64_t kt_n, vt_n, s_n, o_n, kv_all, kt_all = 0, vt_all = 0;
     L->ldo = (dv + 15) / 16 * 16;
     L->ntiles = (m + bk - 1) / bk;
-    if (!mha__mul_i64(dk, bk, &kt_n) || !mha__mul_i64(bq, bk, &s_n) ||
-        !mha__mul_i64(bq, L->ldo, &o_n))
+    if (!mha__mul_i64(dk, bk, &kt_n) || !mha__mul_i64(bk, L->ldo, &vt_n) ||
+        !mha__mul_i64(bq, bk, &s_n) || !mha__mul_i64(bq, L->ldo, &o_n))
         return false;
-    L->cached = mha__mul_i64(kt_n, L->ntiles, &all) && all <= MHA_FLASH_KT_CACHE_BYTES / 4;
+    L->cached = mha__mul_i64(kt_n, L->ntiles, &kt_all) && mha__mul_i64(vt_n, L->ntiles, &vt_all) &&
+                mha__add_i64(kt_all, vt_all, &kv_all) && kv_all <= MHA_FLASH_KT_CACHE_BYTES / 4;
     if (L->cached)
-        kt_n = all;
-    return carve(&c, kt_n, sizeof(float), &L->kt) && carve(&c, s_n, sizeof(float), &L->s) &&
-           carve(&c, o_n, sizeof(float), &L->o) && carve(&c, bq, sizeof(float), &L->m) &&
-           carve(&c, bq, sizeof(float), &L->l) && carve(&c, bq, sizeof(float), &L->alpha) &&
-           carve(&c, bq, sizeof(float), &L->mu) && carve(&c, bq, sizeof(float), &L->inv_l) &&
-           carve(&c, s_n, sizeof(float), &L->bias) &&
+        kt_n = kt_all, vt_n = vt_all;
+    return carve(&c, kt_n, sizeof(float), &L->kt) && carve(&c, vt_n, sizeof(float), &L->vt) &&
+           carve(&c, s_n, sizeof(float), &L->s) && carve(&c, o_n, sizeof(float), &L->o) &&
+           carve(&c, bq, sizeof(float), &L->m) && carve(&c, bq, sizeof(float), &L->l) &&
+           carve(&c, bq, sizeof(float), &L->alpha) && carve(&c, bq, sizeof(float), &L->mu) &&
+           carve(&c, bq, sizeof(float), &L->inv_l) && carve(&c, s_n, sizeof(float), &L->bias) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->vis) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->keep) &&
            carve(&c, bq, sizeof(const float *), &L->qptr) &&
@@ -97,7 +102,7 @@ typedef struct block {
     int bq, bk;
     int64_t b, g, h0, nh, i0, nq, R;
     const float *kb, *vb; /* K and V of (b, g) */
-    float *kt, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
+    float *kt, *vt, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
     uint64_t *vis, *keep;
     const float **qptr;
     int64_t ldo;
@@ -277,14 +282,32 @@ static void scores(const block *B, int64_t j0, int nk) {
     B->ops->qk(B->qptr, (int)B->R, kt, B->bk, nk, p->dk, B->s, B->bk);
 }
 
+/* The V rows of tile [j0, j0 + nk), packed contiguous with row stride ldo (see the cache note
+ * above): from the cache when it holds them. */
+static const float *packed_values(const block *B, int64_t j0, int nk) {
+    const mha__problem *p = B->p;
+    const int64_t t = j0 / B->bk;
+    float *vt = B->vt;
+    if (B->cached) {
+        vt += t * B->bk * B->ldo;
+        if (B->state[t] & TILE_V_PACKED)
+            return vt;
+        B->state[t] |= TILE_V_PACKED;
+    }
+    const float *v = B->vb + j0 * p->vs[2];
+    for (int j = 0; j < nk; j++)
+        memcpy(vt + j * B->ldo, v + j * p->vs[2], sizeof(float) * (size_t)p->dv);
+    return vt;
+}
+
 static int values_finite(const block *B, int64_t j0, int nk, const float *v) {
     const mha__problem *p = B->p;
     if (!B->cached)
-        return B->ops->all_finite(v, p->vs[2], nk, p->dv);
+        return B->ops->all_finite(v, B->ldo, nk, p->dv);
     uint8_t *st = B->state + j0 / B->bk;
     if (!(*st & TILE_FINITE_KNOWN))
         *st |= (uint8_t)(TILE_FINITE_KNOWN |
-                         (B->ops->all_finite(v, p->vs[2], nk, p->dv) ? TILE_FINITE : 0));
+                         (B->ops->all_finite(v, B->ldo, nk, p->dv) ? TILE_FINITE : 0));
     return (*st & TILE_FINITE) != 0;
 }
 
@@ -422,11 +445,11 @@ static void run_block(block *B) {
             a.keep_scale = keep_scale;
         }
         ops->softmax_online(&a);
-        const float *v = B->vb + j0 * p->vs[2];
+        const float *v = packed_values(B, j0, nk);
         if (values_finite(B, j0, nk, v))
-            ops->pv(B->s, B->bk, (int)B->R, nk, v, p->vs[2], p->dv, B->alpha, B->o, (int)B->ldo);
+            ops->pv(B->s, B->bk, (int)B->R, nk, v, B->ldo, p->dv, B->alpha, B->o, (int)B->ldo);
         else
-            pv_exact(B, nk, v, p->vs[2]);
+            pv_exact(B, nk, v, B->ldo);
     }
     finalize(B);
     if (p->probs)
@@ -453,6 +476,7 @@ void mha__flash_fwd(const mha__flash_ops *ops,
     B.i0 = u->i0;
     B.nq = u->i1 - u->i0;
     B.kt = (float *)(base + L.kt);
+    B.vt = (float *)(base + L.vt);
     B.s = (float *)(base + L.s);
     B.o = (float *)(base + L.o);
     B.m = (float *)(base + L.m);
