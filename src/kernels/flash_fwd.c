@@ -36,7 +36,7 @@ typedef struct cache_header {
 } cache_header;
 
 typedef struct flash_layout {
-    size_t kt, vt, s, o, m, l, alpha, mu, inv_l, bias, vis, keep, qptr, header, state, total;
+    size_t kt, vt, qp, s, o, m, l, alpha, mu, inv_l, bias, vis, keep, qptr, header, state, total;
     int64_t ldo, ntiles; /* ldo: row stride of O and of the packed V tiles */
     int cached;
 } flash_layout;
@@ -52,21 +52,23 @@ static bool carve(size_t *cursor, int64_t count, size_t elem, size_t *off) {
 
 static bool flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, flash_layout *L) {
     size_t c = 0;
-    int64_t kt_n, vt_n, s_n, o_n, kv_all, kt_all = 0, vt_all = 0;
+    int64_t kt_n, vt_n, qp_n, s_n, o_n, kv_all, kt_all = 0, vt_all = 0;
     L->ldo = (dv + 15) / 16 * 16;
     L->ntiles = (m + bk - 1) / bk;
     if (!mha__mul_i64(dk, bk, &kt_n) || !mha__mul_i64(bk, L->ldo, &vt_n) ||
-        !mha__mul_i64(bq, bk, &s_n) || !mha__mul_i64(bq, L->ldo, &o_n))
+        !mha__mul_i64(bq, bk, &s_n) || !mha__mul_i64(bq, L->ldo, &o_n) ||
+        !mha__mul_i64(bq, dk, &qp_n))
         return false;
     L->cached = mha__mul_i64(kt_n, L->ntiles, &kt_all) && mha__mul_i64(vt_n, L->ntiles, &vt_all) &&
                 mha__add_i64(kt_all, vt_all, &kv_all) && kv_all <= MHA_FLASH_KT_CACHE_BYTES / 4;
     if (L->cached)
         kt_n = kt_all, vt_n = vt_all;
     return carve(&c, kt_n, sizeof(float), &L->kt) && carve(&c, vt_n, sizeof(float), &L->vt) &&
-           carve(&c, s_n, sizeof(float), &L->s) && carve(&c, o_n, sizeof(float), &L->o) &&
-           carve(&c, bq, sizeof(float), &L->m) && carve(&c, bq, sizeof(float), &L->l) &&
-           carve(&c, bq, sizeof(float), &L->alpha) && carve(&c, bq, sizeof(float), &L->mu) &&
-           carve(&c, bq, sizeof(float), &L->inv_l) && carve(&c, s_n, sizeof(float), &L->bias) &&
+           carve(&c, qp_n, sizeof(float), &L->qp) && carve(&c, s_n, sizeof(float), &L->s) &&
+           carve(&c, o_n, sizeof(float), &L->o) && carve(&c, bq, sizeof(float), &L->m) &&
+           carve(&c, bq, sizeof(float), &L->l) && carve(&c, bq, sizeof(float), &L->alpha) &&
+           carve(&c, bq, sizeof(float), &L->mu) && carve(&c, bq, sizeof(float), &L->inv_l) &&
+           carve(&c, s_n, sizeof(float), &L->bias) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->vis) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->keep) &&
            carve(&c, bq, sizeof(const float *), &L->qptr) &&
@@ -102,7 +104,7 @@ typedef struct block {
     int bq, bk;
     int64_t b, g, h0, nh, i0, nq, R;
     const float *kb, *vb; /* K and V of (b, g) */
-    float *kt, *vt, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
+    float *kt, *vt, *qp, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
     uint64_t *vis, *keep;
     const float **qptr;
     int64_t ldo;
@@ -408,7 +410,12 @@ static void run_block(block *B) {
     const mha__flash_ops *ops = B->ops;
     for (int64_t r = 0; r < B->R; r++) {
         const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
-        B->qptr[r] = p->q + B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2];
+        /* Q rows copied together: in place they may sit a power of two apart (4 KiB in the
+         * layer's layout), and every key tile rereads them. */
+        float *qr = B->qp + r * p->dk;
+        memcpy(qr, p->q + B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2],
+               sizeof(float) * (size_t)p->dk);
+        B->qptr[r] = qr;
         B->m[r] = -INFINITY;
         B->l[r] = 0.0f;
     }
@@ -477,6 +484,7 @@ void mha__flash_fwd(const mha__flash_ops *ops,
     B.nq = u->i1 - u->i0;
     B.kt = (float *)(base + L.kt);
     B.vt = (float *)(base + L.vt);
+    B.qp = (float *)(base + L.qp);
     B.s = (float *)(base + L.s);
     B.o = (float *)(base + L.o);
     B.m = (float *)(base + L.m);
