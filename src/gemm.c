@@ -203,6 +203,8 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
                     const int m = (int)min64(mr, j->M - i0);
                     if (j->x_t)
                         pack_t(j->x + k0 * j->ldx + i0, j->ldx, m, kc, abuf, (int)mr);
+                    else if (kr->pack_a)
+                        kr->pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf);
                     else
                         pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf, (int)mr);
                     float *yrow = j->y + i0 * j->ldy;

@@ -79,6 +79,9 @@ typedef struct mha__gemm_kernel {
     mha__gemm_ukr_fn ukr;
     mha__gemm_pack_b_fn pack_b;
     mha__gemm_dot_fn dot; /* the few-rows path (M <= MHA_GEMM_SMALL_M) */
+    /* Packs x rows [0, m) (m <= MR, row stride ldx), columns [0, kc) into dst [kc][MR], rows m ..
+     * MR-1 zero; NULL = the portable loop of gemm.c. */
+    mha__gemm_pack_b_fn pack_a;
 } mha__gemm_kernel;
 
 /* Calls with at most this many rows take the dot path (measured: see gemm.c). */

@@ -90,4 +90,5 @@ const mha__gemm_kernel mha__gemm_kernel_generic = {
     ukr_4x16,
     pack_b_16,
     dot_generic,
+    NULL, /* pack_a: gemm.c's loop */
 };

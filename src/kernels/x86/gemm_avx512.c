@@ -168,6 +168,10 @@ static void dot_avx512(int64_t K,
         }
 }
 
+static void pack_a_14(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
+    gemm_pack_rows_x86(x, ldx, m, kc, dst, MR);
+}
+
 const mha__gemm_kernel mha__gemm_kernel_avx512 = {
     "mha_gemm_f32_14x32__avx512",
     MHA__GEMM_AVX512,
@@ -178,6 +182,7 @@ const mha__gemm_kernel mha__gemm_kernel_avx512 = {
     ukr_14x32,
     pack_b_32,
     dot_avx512,
+    pack_a_14,
 };
 
 #endif
