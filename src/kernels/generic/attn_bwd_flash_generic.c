@@ -7,6 +7,10 @@
  * scratch is 3 x 32 x 64 (S then P then z P, dP then dS, tanh') + (dk + dv) x 64 x 2 (K^T, V^T and
  * the dK, dV accumulators): ~88 KB at d = 64, L2-resident. Bk = 64 as the forward's (measured
  * there); Bq = 32 keeps the per-tile blocks in L1/L2 and gives 8 row blocks of the 4-row GEMM.
+ * Q, dO (all rows of the unit's heads, once) and each K tile are copied to contiguous rows: in
+ * the layer's [B, L, heads, d] layout their rows are h*d floats apart (4 KiB at d_model 1024),
+ * so a block's rows would share a few L1 sets and evict each other while the GEMMs reread them
+ * as the B operand (the forward measured 30% on O += P V for the same reason).
  */
 #include "kernels/bwd_flash.h"
 
@@ -17,7 +21,7 @@
 /* ---------------------------------------------------------------------------------------------- */
 
 typedef struct bwd_layout {
-    size_t D, dq, kt, vt, dka, dva, s, dp, tp, total;
+    size_t D, dq, qp, dop, kr, kt, vt, dka, dva, s, dp, tp, total;
 } bwd_layout;
 
 static bool carve(size_t *cursor, int64_t count, size_t *off) {
@@ -31,15 +35,17 @@ static bool carve(size_t *cursor, int64_t count, size_t *off) {
 
 static bool layout_for(const mha__problem *p, bwd_layout *L) {
     const int64_t BQ = MHA__BWD_BQ, BK = MHA__BWD_BK;
-    int64_t rows, dqn;
+    int64_t rows, dqn, don;
     if (!mha__mul_i64(p->group, p->n, &rows) || !mha__mul_i64(rows, p->dk, &dqn) ||
-        p->dk > MHA_MAX_DIM || p->dv > MHA_MAX_DIM)
+        !mha__mul_i64(rows, p->dv, &don) || p->dk > MHA_MAX_DIM || p->dv > MHA_MAX_DIM)
         return false;
     size_t c = 0;
-    return carve(&c, rows, &L->D) && carve(&c, dqn, &L->dq) && carve(&c, p->dk * BK, &L->kt) &&
-           carve(&c, p->dv * BK, &L->vt) && carve(&c, BK * p->dk, &L->dka) &&
-           carve(&c, BK * p->dv, &L->dva) && carve(&c, BQ * BK, &L->s) &&
-           carve(&c, BQ * BK, &L->dp) && carve(&c, BQ * BK, &L->tp) && ((L->total = c), true);
+    return carve(&c, rows, &L->D) && carve(&c, dqn, &L->dq) && carve(&c, dqn, &L->qp) &&
+           carve(&c, don, &L->dop) && carve(&c, BK * p->dk, &L->kr) &&
+           carve(&c, p->dk * BK, &L->kt) && carve(&c, p->dv * BK, &L->vt) &&
+           carve(&c, BK * p->dk, &L->dka) && carve(&c, BK * p->dv, &L->dva) &&
+           carve(&c, BQ * BK, &L->s) && carve(&c, BQ * BK, &L->dp) && carve(&c, BQ * BK, &L->tp) &&
+           ((L->total = c), true);
 }
 
 bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes) {
@@ -88,6 +94,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
         return;
     char *ws = scratch;
     float *Drow = (float *)(ws + L.D), *dQ = (float *)(ws + L.dq);
+    float *Qp = (float *)(ws + L.qp), *dOp = (float *)(ws + L.dop), *Kr = (float *)(ws + L.kr);
     float *Kt = (float *)(ws + L.kt), *Vt = (float *)(ws + L.vt);
     float *dKa = (float *)(ws + L.dka), *dVa = (float *)(ws + L.dva);
     float *S = (float *)(ws + L.s), *dP = (float *)(ws + L.dp), *T = (float *)(ws + L.tp);
@@ -111,6 +118,9 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                 for (int64_t d = 0; d < dv; d++)
                     D += dO[d] * o[d];
             Drow[hh * n + i] = D;
+            memcpy(Qp + (hh * n + i) * dk, p->q + b * p->qs[0] + h * p->qs[1] + i * p->qs[2],
+                   sizeof(float) * (size_t)dk);
+            memcpy(dOp + (hh * n + i) * dv, dO, sizeof(float) * (size_t)dv);
             if (p->sinks && lse != -INFINITY)
                 sink_grad -= expf(p->sinks[h] - lse) * D;
         }
@@ -125,6 +135,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
         const int64_t nk = m - j0 < BK ? m - j0 : BK;
         const float *ktile = kb + j0 * p->ks[2], *vtile = vb + j0 * p->vs[2];
         for (int64_t c = 0; c < nk; c++) {
+            memcpy(Kr + c * dk, ktile + c * p->ks[2], sizeof(float) * (size_t)dk);
             for (int64_t d = 0; d < dk; d++)
                 Kt[d * BK + c] = ktile[c * p->ks[2] + d];
             for (int64_t d = 0; d < dv; d++)
@@ -135,8 +146,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
 
         for (int64_t hh = 0; hh < group; hh++) {
             const int64_t h = g * group + hh;
-            const float *qh = p->q + b * p->qs[0] + h * p->qs[1];
-            const float *dOh = bp->dout + b * bp->dos[0] + h * bp->dos[1];
+            const float *qh = Qp + hh * n * dk, *dOh = dOp + hh * n * dv; /* row strides dk, dv */
             for (int64_t i0 = 0; i0 < n; i0 += BQ) {
                 const int64_t R = n - i0 < BQ ? n - i0 : BQ;
                 /* Skip blocks that cannot see the tile (ranges grow with i). */
@@ -148,7 +158,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
 
                 /* S = Q K^T (forward: dot += q[d] * k[d]). */
                 memset(S, 0, sizeof(float) * (size_t)(R * BK));
-                ops->gemm_acc(R, dk, nk, qh + i0 * p->qs[2], p->qs[2], 1, Kt, BK, S, BK);
+                ops->gemm_acc(R, dk, nk, qh + i0 * dk, dk, 1, Kt, BK, S, BK);
 
                 /* P = exp(s - lse) with the forward's score pipeline: scale, softcap, bias,
                  * -inf where invisible; T = d s / d r (softcap derivative, only with softcap).
@@ -191,7 +201,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
 
                 /* dP = dO V^T. */
                 memset(dP, 0, sizeof(float) * (size_t)(R * BK));
-                ops->gemm_acc(R, dv, nk, dOh + i0 * bp->dos[2], bp->dos[2], 1, Vt, BK, dP, BK);
+                ops->gemm_acc(R, dv, nk, dOh + i0 * dv, dv, 1, Vt, BK, dP, BK);
 
                 /* Dropout (forward: pj = keep ? pj * keep_scale : 0), then
                  * dS = scale P (z dP - D) tanh' into dP, and z P into S (for dV). */
@@ -228,12 +238,11 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                 }
                 /* dV += (z P)^T dO;  dK += dS^T Q;  dQ += dS K. */
                 if (bp->dv)
-                    ops->gemm_acc(nk, R, dv, S, 1, BK, dOh + i0 * bp->dos[2], bp->dos[2], dVa, dv);
+                    ops->gemm_acc(nk, R, dv, S, 1, BK, dOh + i0 * dv, dv, dVa, dv);
                 if (bp->dk)
-                    ops->gemm_acc(nk, R, dk, dP, 1, BK, qh + i0 * p->qs[2], p->qs[2], dKa, dk);
+                    ops->gemm_acc(nk, R, dk, dP, 1, BK, qh + i0 * dk, dk, dKa, dk);
                 if (bp->dq)
-                    ops->gemm_acc(R, nk, dk, dP, BK, 1, ktile, p->ks[2], dQ + (hh * n + i0) * dk,
-                                  dk);
+                    ops->gemm_acc(R, nk, dk, dP, BK, 1, Kr, dk, dQ + (hh * n + i0) * dk, dk);
             }
         }
         for (int64_t c = 0; c < nk; c++) {
