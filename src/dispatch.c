@@ -235,8 +235,8 @@ mha_status mha__kernel_select(const mha__fwd_shape *s,
 }
 
 bool mha__kernel_scratch_bytes(const mha__kernel_info *k, const mha__fwd_shape *s, size_t *bytes) {
-    if (is_reference(k))
-        return mha__bytes(s->m, sizeof(float), bytes);
+    if (is_reference(k)) /* the row's scores and one block sum of O (attention_ref.c) */
+        return s->dv <= INT64_MAX - s->m && mha__bytes(s->m + s->dv, sizeof(float), bytes);
     return mha__flash_scratch_bytes(k->bq, k->bk, s->dk, s->dv, s->m, bytes);
 }
 

@@ -217,7 +217,7 @@ mha_status mha__validate_masking(const mha_masking *mk,
                                  mha_error *err);
 
 /* The plain reference core: rows [row_begin, row_end) of the flattened (b, h) pairs.
- * Uses `scratch` of m floats per call. */
+ * Uses `scratch` of m + d_v floats per call. */
 void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end, float *scratch);
 
 /* float16 / bfloat16 <-> float32, round to nearest even. */

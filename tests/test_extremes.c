@@ -23,14 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TOL_C               16.0
-#define U32                 (1.0 / 16777216.0)
-/* Rows of m = 65536 keys: the backstop above assumes m <= ~1024. Measured with V ~ 1 +- 0.1
- * (2026-11, this machine): reference 1.87x and auto 1.39x the backstop (1.6e-5 = ~260 u relative,
- * i.e. the sqrt(m) u of a naive float sum of the softmax denominator and numerator). Gated at 4x
- * until the sums are compensated or blocked (TODO(#7): then tighten to 1). */
-#define TOL_LONG_ROW_FACTOR 4.0
-static double g_tol_factor = 1.0;
+#define TOL_C 16.0
+#define U32   (1.0 / 16777216.0)
 
 static int quick(void) {
     const char *q = getenv("MHA_TEST_QUICK");
@@ -153,8 +147,8 @@ static double run_compare(const char *name, const prob *p, mha_impl impl, double
     mha_status st = mha_attention(&a, &ex, &err);
     CHECK(st == MHA_STATUS_OK, "%s impl=%d: %s", name, (int)impl, err.message);
     CHECK(oracle_attention(&a, ro, rl, NULL) == 0, "%s: oracle refused", name);
-    const double tol = g_tol_factor * TOL_C * U32 *
-                       max_abs_finite(p->v, p->B * p->H * p->m * p->dv) * (1.0 + max_s);
+    const double tol =
+        TOL_C * U32 * max_abs_finite(p->v, p->B * p->H * p->m * p->dv) * (1.0 + max_s);
     double worst = 0.0;
     int64_t bad_rows = 0;
     for (int64_t r = 0; st == MHA_STATUS_OK && r < rows; r++) {
@@ -338,16 +332,17 @@ static void test_shapes(void) {
 }
 
 /* m = 65536: where a naive float sum of the softmax denominator loses precision. V has mean 1
- * (so the output is ~1 and any error of the normaliser shows directly). */
+ * (so the output is ~1 and any error of the normaliser shows directly). Both implementations
+ * add the key sums in blocks (reference: 2048-key blocks; flash: partial sums folded every 32
+ * tiles); measured max error 0.08x (reference) and 0.07x (auto) of the backstop, against 1.87x
+ * and 1.39x with one running sum (which needed a 4x gate here before). */
 static void test_long_rows(void) {
     const int64_t m = 65536, n = quick() ? 2 : 4;
     prob p;
     prob_init(&p, 1, 1, n, m, 64, 61, 1.0f, 1.0f, 0.1f);
     for (int64_t i = 0; i < m * 64; i++)
         p.v[i] += 1.0f;
-    g_tol_factor = TOL_LONG_ROW_FACTOR;
-    both("m = 65536, V ~ 1 +- 0.1 (4x tol)", &p);
-    g_tol_factor = 1.0;
+    both("m = 65536, V ~ 1 +- 0.1", &p);
     p.causal = 1; /* top-left: row i sees i + 1 keys; bottom rows are short */
     both("m = 65536 causal top-left (short)", &p);
     p.causal = 0;

@@ -36,7 +36,8 @@ typedef struct cache_header {
 } cache_header;
 
 typedef struct flash_layout {
-    size_t kt, vt, qp, s, o, m, l, alpha, mu, inv_l, bias, vis, keep, qptr, header, state, total;
+    size_t kt, vt, qp, s, o, o_main, l_main, beta, m, l, alpha, mu, inv_l, bias, vis, keep, qptr,
+        header, state, total;
     int64_t ldo, ntiles; /* ldo: row stride of O and of the packed V tiles */
     int cached;
 } flash_layout;
@@ -65,10 +66,11 @@ static bool flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, 
         kt_n = kt_all, vt_n = vt_all;
     return carve(&c, kt_n, sizeof(float), &L->kt) && carve(&c, vt_n, sizeof(float), &L->vt) &&
            carve(&c, qp_n, sizeof(float), &L->qp) && carve(&c, s_n, sizeof(float), &L->s) &&
-           carve(&c, o_n, sizeof(float), &L->o) && carve(&c, bq, sizeof(float), &L->m) &&
-           carve(&c, bq, sizeof(float), &L->l) && carve(&c, bq, sizeof(float), &L->alpha) &&
-           carve(&c, bq, sizeof(float), &L->mu) && carve(&c, bq, sizeof(float), &L->inv_l) &&
-           carve(&c, s_n, sizeof(float), &L->bias) &&
+           carve(&c, o_n, sizeof(float), &L->o) && carve(&c, o_n, sizeof(float), &L->o_main) &&
+           carve(&c, bq, sizeof(float), &L->l_main) && carve(&c, bq, sizeof(float), &L->beta) &&
+           carve(&c, bq, sizeof(float), &L->m) && carve(&c, bq, sizeof(float), &L->l) &&
+           carve(&c, bq, sizeof(float), &L->alpha) && carve(&c, bq, sizeof(float), &L->mu) &&
+           carve(&c, bq, sizeof(float), &L->inv_l) && carve(&c, s_n, sizeof(float), &L->bias) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->vis) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->keep) &&
            carve(&c, bq, sizeof(const float *), &L->qptr) &&
@@ -103,7 +105,8 @@ typedef struct block {
     const mha__problem *p;
     int bq, bk;
     int64_t b, g, h0, nh, i0, nq, R;
-    const float *kb, *vb; /* K and V of (b, g) */
+    const float *kb, *vb;          /* K and V of (b, g) */
+    float *o_main, *l_main, *beta; /* blocked accumulation over long rows (fold_partial) */
     float *kt, *vt, *qp, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
     uint64_t *vis, *keep;
     const float **qptr;
@@ -405,6 +408,42 @@ static void probs_pass(const block *B, int64_t tlo, int64_t thi) {
     }
 }
 
+/* Long rows: blocked accumulation. O and l are running sums over key tiles, each tile adding
+ * one term per element after rescaling by alpha; over m = 65536 keys that is 1024 sequential
+ * float additions, whose rounding grows like sqrt(1024) u (test_extremes measured 1.4x its
+ * backstop). So every MHA_FLASH_FOLD_TILES tiles the partial sums (what the tile kernels update,
+ * B->o and B->l) are added into O_main and l_main and restarted from zero; beta carries the
+ * product of the alphas applied since the last fold, i.e. the rescale O_main still owes:
+ *   O = O_main * beta + O_partial,  l = l_main * beta + l_partial  (at every moment)
+ * Rows up to 32 tiles (2048 keys) never fold and are bit-identical to the plain recurrence. */
+#define MHA_FLASH_FOLD_TILES 32
+
+static void fold_partial(const block *B) {
+    for (int64_t r = 0; r < B->R; r++) {
+        float *om = B->o_main + r * B->ldo, *o = B->o + r * B->ldo;
+        const float beta = B->beta[r];
+        for (int64_t d = 0; d < B->p->dv; d++) {
+            om[d] = om[d] * beta + o[d];
+            o[d] = 0.0f;
+        }
+        B->l_main[r] = B->l_main[r] * beta + B->l[r];
+        B->l[r] = 0.0f;
+        B->beta[r] = 1.0f;
+    }
+}
+
+/* The last step: O and l in B->o and B->l (what finalize reads), after at least one fold. */
+static void unfold(const block *B) {
+    for (int64_t r = 0; r < B->R; r++) {
+        const float *om = B->o_main + r * B->ldo;
+        float *o = B->o + r * B->ldo;
+        const float beta = B->beta[r];
+        for (int64_t d = 0; d < B->p->dv; d++)
+            o[d] = om[d] * beta + o[d];
+        B->l[r] = B->l_main[r] * beta + B->l[r];
+    }
+}
+
 static void run_block(block *B) {
     const mha__problem *p = B->p;
     const mha__flash_ops *ops = B->ops;
@@ -418,8 +457,13 @@ static void run_block(block *B) {
         B->qptr[r] = qr;
         B->m[r] = -INFINITY;
         B->l[r] = 0.0f;
+        B->l_main[r] = 0.0f;
+        B->beta[r] = 1.0f;
     }
     memset(B->o, 0, sizeof(float) * (size_t)(B->R * B->ldo));
+    memset(B->o_main, 0, sizeof(float) * (size_t)(B->R * B->ldo));
+    int64_t since_fold = 0;
+    int folded = 0;
 
     int64_t lo0, hi0, lo1, hi1;
     mha__flash_key_range(p, B->b, B->i0, &lo0, &hi0);
@@ -457,7 +501,16 @@ static void run_block(block *B) {
             ops->pv(B->s, B->bk, (int)B->R, nk, v, B->ldo, p->dv, B->alpha, B->o, (int)B->ldo);
         else
             pv_exact(B, nk, v, B->ldo);
+        for (int64_t r = 0; r < B->R; r++)
+            B->beta[r] *= B->alpha[r];
+        if (++since_fold == MHA_FLASH_FOLD_TILES) {
+            fold_partial(B);
+            since_fold = 0;
+            folded = 1;
+        }
     }
+    if (folded)
+        unfold(B);
     finalize(B);
     if (p->probs)
         probs_pass(B, tlo, thi);
@@ -484,6 +537,9 @@ void mha__flash_fwd(const mha__flash_ops *ops,
     B.nq = u->i1 - u->i0;
     B.kt = (float *)(base + L.kt);
     B.vt = (float *)(base + L.vt);
+    B.o_main = (float *)(base + L.o_main);
+    B.l_main = (float *)(base + L.l_main);
+    B.beta = (float *)(base + L.beta);
     B.qp = (float *)(base + L.qp);
     B.s = (float *)(base + L.s);
     B.o = (float *)(base + L.o);
