@@ -506,6 +506,45 @@ def test_python_side_misuse_raises_value_and_type_errors():
                       mask=np.array([["a"]]))
 
 
+def test_fast_paths_keep_semantics():
+    """The per-call shortcuts (docs/PYTHON.md, "Overhead"): the data pointer read from the
+    ndarray header, shared mha_exec structs, no masking/dropout setup when none is asked for."""
+    from mha import _api
+    import platform
+    base = np.arange(120, dtype=np.float32)
+    arrays = [base, base[7:], base.reshape(10, 12)[3:, 2], base.reshape(10, 12).T,
+              np.asfortranarray(base.reshape(10, 12)), np.zeros((2, 3), np.int64)[1:],
+              np.broadcast_to(base[:4], (5, 4)), np.empty((0, 3), np.float32),
+              base.view(np.ndarray).reshape(2, 60)[1], np.asarray(memoryview(bytearray(16)))]
+    for a in arrays:
+        assert (_api._ptr(a) or 0) == a.__array_interface__["data"][0]  # None = NULL
+    assert _api._ptr(None) is None
+    if platform.python_implementation() == "CPython":
+        assert _api._ptr is not _api._ptr_portable  # the fast path is the one in use
+    # mha_exec structs are cached per (impl, threads) and validated the first time.
+    assert _api._exec("auto", 1) is _api._exec("auto", 1)
+    assert _api._exec("reference", 2).impl == _lib.IMPLS["reference"]
+    assert _api._exec("reference", 2).n_threads == 2
+    for _ in range(2):
+        with pytest.raises(ValueError, match="impl"):
+            _api._exec("fastest", 1)
+        with pytest.raises(ValueError, match="threads"):
+            _api._exec("auto", -1)
+    # The layer's defaults (no mask, no dropout) equal the explicit spelling of them.
+    rng = np.random.default_rng(12)
+    w = make_weights(rng, 16, 4, 4)
+    layer = build(w, 4)
+    x = f32(rng, 2, 5, 16)
+    y = layer(x, threads=1)
+    np.testing.assert_array_equal(y, layer(x, causal=False, dropout=0.0, seed=3, threads=1))
+    for kw in (dict(window=(None, None)), dict(mask=np.ones((5, 5), bool))):
+        np.testing.assert_allclose(layer(x, threads=1, **kw), y, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="dropout"):
+        layer(x, dropout=1.5)
+    with pytest.raises(ValueError, match="causal"):
+        layer(x, causal="")
+
+
 def test_impl_fast_reports_unsupported_or_runs():
     rng = np.random.default_rng(11)
     q, k, v = f32(rng, 1, 2, 5, 8), f32(rng, 1, 2, 5, 8), f32(rng, 1, 2, 5, 8)

@@ -150,6 +150,117 @@ def test_unbatched_and_key_is_value():
     close(kv.grad, kv64.grad)
 
 
+@pytest.mark.parametrize("batch_first,N,self_attn,layout", list(itertools.product(
+    [False, True], [1, 3], [True, False], ["contiguous", "strided", "float64"])))
+def test_input_layouts_and_batch_sizes(batch_first, N, self_attn, layout):
+    """The drop-in reads (L, N, E) with N = 1, batch_first and unbatched inputs in place (no
+    transpose, no copy) and writes outputs in the caller's layout; strided inputs are copied,
+    float64 ones converted (and their gradients converted back)."""
+    gen = torch.Generator().manual_seed(N * 100 + 10 * batch_first + self_attn)
+    E, h, L = 12, 3, 5
+    S = L if self_attn else 4
+    torch.manual_seed(7)
+    ref = torch.nn.MultiheadAttention(E, h, batch_first=batch_first)
+    mine = mt.MultiheadAttention(E, h, batch_first=batch_first)
+    mine.load_state_dict(ref.state_dict())
+    ref = ref.double()
+
+    def make(len_):
+        shape = (N, len_, E) if batch_first else (len_, N, E)
+        if layout == "strided":  # the leaf is wider; the input is every other feature of it
+            shape = shape[:2] + (2 * E,)
+        t = torch.randn(shape, generator=gen)
+        return t.double() if layout == "float64" else t
+
+    def view(t):
+        return t[..., ::2] if layout == "strided" else t
+
+    q = make(L)
+    ins = [q.requires_grad_()] if self_attn else [q.requires_grad_(), make(S).requires_grad_()]
+    ins64 = [t.detach().double().requires_grad_() for t in ins]
+    vs, vs64 = [view(t) for t in ins], [view(t) for t in ins64]
+    if layout == "strided":
+        assert not vs[0].is_contiguous()
+    args = vs * 3 if self_attn else [vs[0], vs[1], vs[1]]
+    args64 = vs64 * 3 if self_attn else [vs64[0], vs64[1], vs64[1]]
+    for need_weights, average in ((True, False), (False, True), (True, True)):
+        for t in ins + ins64:
+            t.grad = None
+        mine.zero_grad()
+        ref.zero_grad()
+        y, w = mine(*args, need_weights=need_weights, average_attn_weights=average)
+        yr, wr = ref(*args64, need_weights=need_weights, average_attn_weights=average)
+        assert y.shape == yr.shape and y.dtype == q.dtype
+        if not batch_first and N == 1 and layout != "strided":  # mha's memory order: no copy
+            assert y.is_contiguous()
+        close(y, yr, "output")
+        if need_weights:
+            assert w.shape == wr.shape
+            close(w, wr, "weights")
+        else:
+            assert w is None
+        dy = torch.randn(y.shape, generator=gen)
+        (y * dy).sum().backward()
+        (yr * dy.double()).sum().backward()
+        for t, t64 in zip(ins, ins64):
+            assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+            close(t.grad, t64.grad, "input grad")
+        for (n1, p1), (_, p2) in zip(mine.named_parameters(), ref.named_parameters()):
+            close(p1.grad, p2.grad, f"grad {n1}")
+        with torch.no_grad():
+            y2, w2 = mine(*args, need_weights=need_weights, average_attn_weights=average)
+        assert torch.equal(y2, y.detach()) and (w2 is None or torch.equal(w2, w))
+
+
+def test_unbatched_self_attention_per_head_weights_and_grads():
+    torch.manual_seed(8)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    mine = mt.MultiheadAttention(8, 2, batch_first=True)
+    mine.load_state_dict(ref.state_dict())
+    ref = ref.double()
+    x = torch.randn(6, 8, requires_grad=True)
+    x64 = x.detach().double().requires_grad_()
+    y, w = mine(x, x, x, average_attn_weights=False, is_causal=True,
+                attn_mask=torch.triu(torch.ones(6, 6, dtype=torch.bool), 1))
+    yr, wr = ref(x64, x64, x64, average_attn_weights=False, is_causal=True,
+                 attn_mask=torch.triu(torch.ones(6, 6, dtype=torch.bool), 1))
+    assert y.shape == (6, 8) and w.shape == (2, 6, 6)
+    close(y, yr)
+    close(w, wr)
+    y.sum().backward()
+    yr.sum().backward()
+    close(x.grad, x64.grad)
+
+
+def test_parameter_changes_rebuild_the_c_layer():
+    """The C layer is cached by (data_ptr, version) of every parameter: in-place updates,
+    ``.data`` replacement and load_state_dict all take effect on the next call."""
+    torch.manual_seed(9)
+    ref = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    mine = mt.MultiheadAttention(8, 2, batch_first=True)
+    mine.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 8)
+
+    def check():
+        with torch.no_grad():
+            close(mine(x, x, x)[0], ref(x, x, x)[0])
+
+    check()
+    with torch.no_grad():
+        for p1, p2 in zip(mine.parameters(), ref.parameters()):
+            p1.mul_(1.5)
+            p2.mul_(1.5)
+    check()
+    w = torch.randn(8, 8)
+    mine.out_proj.weight.data = w.clone()
+    ref.out_proj.weight.data = w.clone()
+    check()
+    ref2 = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    mine.load_state_dict(ref2.state_dict())
+    ref = ref2
+    check()
+
+
 def test_state_dict_names_both_ways():
     for kw in ({}, {"kdim": 5, "vdim": 7}, {"bias": False}):
         a = torch.nn.MultiheadAttention(12, 3, **kw)

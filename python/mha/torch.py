@@ -32,7 +32,6 @@ from ._lib import MhaError
 
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention", "MhaError"]
 
-_byref = ctypes.byref
 _F32 = torch.float32
 _MASK_CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L.DTYPE_I32,
                torch.int64: L.DTYPE_I64, torch.float32: L.DTYPE_F32}
@@ -45,10 +44,26 @@ def _check_backward() -> None:
             "mha_attention_backward); rebuild the library from a version that has them")
 
 
+_EXECS: dict = {}
+
+
 def _exec(threads: int) -> L.mha_exec:
-    ex = L.mha_exec()
-    ex.n_threads = threads
+    """The mha_exec for `threads`, built once (the library only reads it, so it is shared)."""
+    ex = _EXECS.get(threads)
+    if ex is None:
+        ex = L.mha_exec()
+        ex.n_threads = threads
+        if type(threads) is int and len(_EXECS) < 256:
+            _EXECS[threads] = ex
     return ex
+
+
+def _empty(shape) -> Tensor:
+    """torch.empty(shape, dtype=float32), at a third of the cost: torch's argument parser is slow
+    for a shape tuple with a dtype keyword (~5 us) and fast for plain int arguments (~1.5 us)."""
+    if shape and torch.get_default_dtype() is _F32:
+        return torch.empty(*shape)
+    return torch.empty(shape, dtype=_F32)
 
 
 def _set_mask(t: L.mha_mask_tensor, m: Tensor) -> None:
@@ -65,7 +80,7 @@ def _seed() -> int:
 
 
 def _check_cpu_f32(name: str, t: Tensor) -> None:
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise TypeError(f"mha.torch: {name} must be a CPU tensor (mha runs on the CPU), got "
                         f"device {t.device}")
 
@@ -85,105 +100,105 @@ def _mask_arg(name: str, m: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 class _LayerSpec:
     """Everything of one layer call that is not a differentiable tensor."""
-    __slots__ = ("layer", "args", "keep", "threads", "need_weights", "average", "state",
-                 "mode", "packed", "E")
+    __slots__ = ("layer", "args", "keep", "threads", "out_shape", "probs_shape", "state", "fields",
+                 "shapes")
+
+
+def _layer_forward(layer_ptr: int, a: L.mha_forward_args, threads: int, out_shape,
+                   probs_shape, spec: Optional[_LayerSpec] = None):
+    """Allocates the outputs and runs mha_layer_forward, or with `spec` mha_layer_forward_train
+    (the state goes to spec.state)."""
+    out = _empty(out_shape)
+    a.out = out.data_ptr()
+    probs = None
+    if probs_shape is not None:
+        probs = _empty(probs_shape)
+        a.probs = probs.data_ptr()
+    err = L.mha_error()
+    ex = _exec(threads)
+    # Structs are passed as they are (ctypes passes them by reference): ~2 us cheaper per call
+    # than ctypes.byref objects.
+    if spec is not None:
+        _check_backward()
+        st = ctypes.c_void_p()
+        L.check(L.mha_layer_forward_train(layer_ptr, a, ex, st, err), err)
+        spec.state = _StateHandle(st.value)
+    else:
+        L.check(L.mha_layer_forward(layer_ptr, a, ex, err), err)
+    return out, probs
+
+
+# mha_layer_grads fields of each parameter, in the order of MultiheadAttention._params(); a
+# triple is a packed [3E, ...] parameter whose thirds are the q, k and v parts.
+_PARAM_GRAD_FIELDS = (("dw_q", "dw_k", "dw_v"), "dw_q", "dw_k", "dw_v", ("db_q", "db_k", "db_v"),
+                      "dw_o", "db_o")
 
 
 class _LayerFunction(torch.autograd.Function):
+    """apply(spec, *tensors): the distinct differentiable inputs only (query; key and value when
+    they are other tensors; the parameters that exist), whose mha_layer_grads fields are
+    spec.fields: torch's apply costs about a microsecond per argument, None ones included."""
+
     @staticmethod
-    def forward(ctx, spec: _LayerSpec, query: Tensor, key: Tensor, value: Tensor,
-                in_w: Optional[Tensor], q_w: Optional[Tensor], k_w: Optional[Tensor],
-                v_w: Optional[Tensor], in_b: Optional[Tensor], o_w: Tensor,
-                o_b: Optional[Tensor]):
-        a = spec.args
-        cfg = spec.layer.config
-        B, n, m = a.batch, a.q_len, a.kv_len
-        out = torch.empty((B, n, cfg.out_dim), dtype=_F32)
-        a.out = out.data_ptr()
-        probs = None
-        if spec.need_weights:
-            probs = torch.empty((B, n, m) if spec.average else (B, cfg.num_heads, n, m),
-                                dtype=_F32)
-            a.probs = probs.data_ptr()
-            a.average_probs = 1 if spec.average else 0
-        err = L.mha_error()
-        ex = _exec(spec.threads)
+    def forward(ctx, spec: _LayerSpec, *tensors: Tensor):
         train = any(ctx.needs_input_grad)
-        if train:
-            _check_backward()
-            st = ctypes.c_void_p()
-            L.check(L.mha_layer_forward_train(spec.layer._ptr, _byref(a), _byref(ex),
-                                              _byref(st), _byref(err)), err)
-            spec.state = _StateHandle(st.value)
-        else:
-            L.check(L.mha_layer_forward(spec.layer._ptr, _byref(a), _byref(ex), _byref(err)),
-                    err)
+        out, probs = _layer_forward(spec.layer._ptr, spec.args, spec.threads, spec.out_shape,
+                                    spec.probs_shape, spec if train else None)
         if train:
             ctx.spec = spec
-        if probs is None:
-            probs = torch.empty(0, dtype=_F32)
+        if probs is None:  # need_weights=False: one output, no empty weights tensor to make
+            return out
         ctx.mark_non_differentiable(probs)
         return out, probs
 
     @staticmethod
-    def backward(ctx, dy: Tensor, _dprobs: Optional[Tensor]):
+    def backward(ctx, dy: Tensor, *_dprobs: Optional[Tensor]):
         _check_backward()
         spec = ctx.spec
-        cfg = spec.layer.config
-        a = spec.args
-        B, n, m = a.batch, a.q_len, a.kv_len
         need = ctx.needs_input_grad
-        dy = dy.contiguous()
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
         g = L.mha_layer_grads()
-        res = [None] * 11
-
-        def buf(i: int, shape, field: Optional[str] = None) -> Optional[Tensor]:
-            if not need[i]:
-                return None
-            t = torch.empty(shape, dtype=_F32)
-            res[i] = t
-            if field:
-                setattr(g, field, t.data_ptr())
-            return t
-
-        buf(1, (B, n, cfg.q_dim), "d_query")
-        if spec.mode == "cross":
-            buf(2, (B, m, cfg.k_dim), "d_key")
-            buf(3, (B, m, cfg.v_dim), "d_value")
-        elif spec.mode == "kv":
-            buf(2, (B, m, cfg.k_dim), "d_key")
-        E = spec.E
-        if spec.packed:
-            t = buf(4, (3 * E, E))
-            if t is not None:
+        res = [None] * len(need)
+        shapes = spec.shapes
+        # Gradients have the shapes of the tensors given to apply; for query/key/value their
+        # memory is the [B, L, features] order mha writes.
+        for i, f in enumerate(spec.fields, 1):
+            if need[i]:
+                t = _empty(shapes[i - 1])
+                res[i] = t
                 p = t.data_ptr()
-                g.dw_q, g.dw_k, g.dw_v = p, p + 4 * E * E, p + 8 * E * E
-        else:
-            buf(5, (E, cfg.q_dim), "dw_q")
-            buf(6, (E, cfg.k_dim), "dw_k")
-            buf(7, (E, cfg.v_dim), "dw_v")
-        if cfg.bias_q:
-            t = buf(8, (3 * E,))
-            if t is not None:
-                p = t.data_ptr()
-                g.db_q, g.db_k, g.db_v = p, p + 4 * E, p + 8 * E
-        buf(9, (E, E), "dw_o")
-        if cfg.bias_o:
-            buf(10, (E,), "db_o")
+                if type(f) is str:
+                    setattr(g, f, p)
+                else:  # in_proj_weight / in_proj_bias: q, k, v thirds
+                    step = t.numel() // 3 * 4
+                    setattr(g, f[0], p)
+                    setattr(g, f[1], p + step)
+                    setattr(g, f[2], p + 2 * step)
         err = L.mha_error()
         ex = _exec(spec.threads)
-        L.check(L.mha_layer_backward(spec.layer._ptr, spec.state.ptr, dy.data_ptr(), _byref(g),
-                                     _byref(ex), _byref(err)), err)
+        L.check(L.mha_layer_backward(spec.layer._ptr, spec.state.ptr, dy.data_ptr(), g, ex, err),
+                err)
         return tuple(res)
 
 
-class _NoGradCtx:
-    """Stands in for the autograd context when no gradient is needed."""
-    needs_input_grad = (False,) * 11
-
-    @staticmethod
-    def mark_non_differentiable(*args) -> None:
-        pass
+def _as_ble(t: Tensor, unbatched: bool, batch_first: bool):
+    """(tensor, B, L, features): a float32 tensor whose memory is C-order [B, L, features], the
+    layout mha reads. No copy and no view op (each costs microseconds in torch) when the input
+    is already float32 and laid out so: batch_first or unbatched contiguous inputs, and (L, 1, E)
+    inputs (one sequence, batch_first=False). Otherwise (L, N, E) is transposed and copied."""
+    if t.dtype is not _F32:
+        t = t.to(_F32)
+    if unbatched:
+        n, e = t.shape
+        b = 1
+    elif batch_first:
+        b, n, e = t.shape
+    else:
+        n, b, e = t.shape
+        if b != 1:
+            return t.transpose(0, 1).contiguous(), b, n, e
+    return t.contiguous(), b, n, e
 
 
 class _StateHandle:
@@ -197,6 +212,68 @@ class _StateHandle:
         if self.ptr and L.mha_train_state_destroy is not None:
             L.mha_train_state_destroy(self.ptr)
             self.ptr = None
+
+
+def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
+                     key_padding_mask: Optional[Tensor], is_causal: bool, B: int, h: int, n: int,
+                     m: int, unbatched: bool) -> None:
+    """nn.MultiheadAttention's masks in mha's terms (docs/PYTHON.md); keeps what it points at."""
+    add = None
+    blk = None
+    if attn_mask is not None:
+        am = _mask_arg("attn_mask", attn_mask)
+        if am.dim() == 2:
+            if tuple(am.shape) != (n, m):
+                raise RuntimeError(f"The shape of the 2D attn_mask is {tuple(am.shape)}, but "
+                                   f"should be {(n, m)}.")
+        elif am.dim() == 3:
+            if tuple(am.shape) != (B * h, n, m):
+                raise RuntimeError(f"The shape of the 3D attn_mask is {tuple(am.shape)}, but "
+                                   f"should be {(B * h, n, m)}.")
+            am = am.view(B, h, n, m)
+        else:
+            raise RuntimeError(f"attn_mask's dimension {am.dim()} is not supported")
+        if am.dtype == torch.bool:
+            blk = am
+        else:
+            add = am
+    elif is_causal:
+        mk.causal = 1
+        mk.alignment = L.ALIGN_TOP_LEFT
+    if key_padding_mask is not None:
+        kp = _mask_arg("key_padding_mask", key_padding_mask)
+        if unbatched:
+            kp = kp.view(1, -1)
+        if tuple(kp.shape) != (B, m):
+            raise AssertionError(f"expecting key_padding_mask shape of {(B, m)}, but got "
+                                 f"{tuple(kp.shape)}")
+        if kp.dtype == torch.bool:
+            if blk is None:
+                blk = kp.view(B, 1, 1, m)  # True = padding: a block-polarity mask, no copy
+            else:
+                kp = torch.logical_not(kp)  # mha's key padding: nonzero = real token
+                keep.append(kp)
+                _set_mask(mk.key_padding, kp)
+        else:
+            kp = kp.view(B, 1, 1, m)
+            add = kp if add is None else (add + kp).contiguous()
+    if blk is not None:
+        keep.append(blk)
+        _set_mask(mk.bool_mask, blk)
+        mk.bool_mask_polarity = L.MASK_BLOCK
+    if add is not None:
+        keep.append(add)
+        _set_mask(mk.additive_mask, add)
+
+
+def _param_key(params) -> tuple:
+    """What identifies the parameter values: (data_ptr, version counter) of each parameter."""
+    in_w, q_w, _, _, in_b, ow, ob = params
+    if q_w is None and in_w is not None and in_b is not None and ob is not None:
+        # The usual layer (packed in_proj, biases), spelled out: half the cost of the loop.
+        return (in_w.data_ptr(), in_w._version, in_b.data_ptr(), in_b._version,
+                ow.data_ptr(), ow._version, ob.data_ptr(), ob._version)
+    return tuple([None if p is None else (p.data_ptr(), p._version) for p in params])
 
 
 class MultiheadAttention(nn.Module):
@@ -276,6 +353,18 @@ class MultiheadAttention(nn.Module):
             nn.init.constant_(self.out_proj.bias, 0.0)
 
     def _params(self):
+        # The parameter dicts directly (nn.Module.__getattr__ costs ~0.5 us per name); anything
+        # unusual (a parametrized out_proj, a deleted parameter) takes the attribute path.
+        try:
+            P = self._parameters
+            op = self._modules["out_proj"]._parameters
+            ow, ob = op["weight"], op["bias"]
+            if self._qkv_same_embed_dim:
+                return (P["in_proj_weight"], None, None, None, P["in_proj_bias"], ow, ob)
+            return (None, P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"],
+                    P["in_proj_bias"], ow, ob)
+        except KeyError:
+            pass
         ow, ob = self.out_proj.weight, self.out_proj.bias
         if self._qkv_same_embed_dim:
             return (self.in_proj_weight, None, None, None, self.in_proj_bias, ow, ob)
@@ -284,7 +373,7 @@ class MultiheadAttention(nn.Module):
 
     def _mha_layer(self, params) -> _Layer:
         """The C layer for the current parameter values (rebuilt when any of them changed)."""
-        key = tuple((p.data_ptr(), p._version) if p is not None else None for p in params)
+        key = _param_key(params)
         if key != self._cache_key or self._layer is None:
             for p in params:
                 if p is not None:
@@ -319,145 +408,116 @@ class MultiheadAttention(nn.Module):
         """
         self_attn = query is key and key is value
         kv_same = key is value
-        unbatched = query.dim() == 2
+        nd = query.dim()
         in_dtype = query.dtype
-        for nm, t in (("query", query), ("key", key), ("value", value)):
+        for nm, t in ((("query", query),) if self_attn else
+                      (("query", query), ("key", key), ("value", value))):
             _check_cpu_f32(nm, t)
             if not t.is_floating_point():
                 raise TypeError(f"mha.torch.MultiheadAttention: {nm} must be a floating-point "
                                 f"tensor, got {t.dtype}")
-            if t.dim() != query.dim():
+            if t.dim() != nd:
                 raise AssertionError(f"query, key and value must have the same number of "
                                      f"dimensions, got {query.dim()}, {key.dim()}, {value.dim()}")
-        if query.dim() not in (2, 3):
+        if nd not in (2, 3):
             raise AssertionError(f"query should be unbatched 2D or batched 3D tensor but "
-                                 f"received {query.dim()}-D query tensor")
-
-        def prep(t: Tensor) -> Tensor:
-            if t.dtype != _F32:
-                t = t.to(_F32)
-            if unbatched:
-                t = t.unsqueeze(0)
-            elif not self.batch_first:
-                t = t.transpose(0, 1)
-            return t.contiguous()
-
-        q = prep(query)
-        k = q if self_attn else prep(key)
-        v = k if kv_same else prep(value)
-        B, n, E = q.shape
+                                 f"received {nd}-D query tensor")
+        unbatched = nd == 2
+        bf = self.batch_first
+        q, B, n, E = _as_ble(query, unbatched, bf)
+        if self_attn:
+            k, Bk, m, Ek = q, B, n, E
+        else:
+            k, Bk, m, Ek = _as_ble(key, unbatched, bf)
+        if kv_same:
+            v, Bv, mv, Ev = k, Bk, m, Ek
+        else:
+            v, Bv, mv, Ev = _as_ble(value, unbatched, bf)
         if E != self.embed_dim:
             raise AssertionError(f"was expecting embedding dimension of {self.embed_dim}, but "
                                  f"got {E}")
-        m = k.shape[1]
-        if k.shape[0] != B or v.shape[:2] != k.shape[:2]:
+        if Bk != B or Bv != Bk or mv != m:
             raise AssertionError(f"key and value must have the batch and length of each other "
                                  f"and the batch of query; got query {tuple(query.shape)}, key "
                                  f"{tuple(key.shape)}, value {tuple(value.shape)}")
-        if k.shape[2] != self.kdim or v.shape[2] != self.vdim:
-            raise AssertionError(f"key/value feature sizes {k.shape[2]}/{v.shape[2]} differ from "
+        if Ek != self.kdim or Ev != self.vdim:
+            raise AssertionError(f"key/value feature sizes {Ek}/{Ev} differ from "
                                  f"kdim={self.kdim}/vdim={self.vdim}")
         params = self._params()
         layer = self._mha_layer(params)
 
-        spec = _LayerSpec()
-        spec.layer = layer
-        spec.threads = self.threads
-        spec.need_weights = bool(need_weights)
-        spec.average = bool(average_attn_weights)
-        spec.packed = self._qkv_same_embed_dim
-        spec.E = self.embed_dim
-        spec.state = None
+        h = self.num_heads
+        # Outputs are allocated in the caller's layout when mha's [B, n, E] memory order is it
+        # (batch_first, unbatched, or one sequence): no transpose or squeeze view afterwards.
+        transpose_out = not bf and not unbatched and B != 1
+        if unbatched:
+            out_shape = (n, E)
+        elif bf or transpose_out:
+            out_shape = (B, n, E)
+        else:
+            out_shape = (n, 1, E)
         a = L.mha_forward_args()
         a.batch, a.q_len, a.kv_len = B, n, m
+        probs_shape = None
+        if need_weights:
+            if average_attn_weights:
+                probs_shape = (n, m) if unbatched else (B, n, m)
+                a.average_probs = 1
+            else:
+                probs_shape = (h, n, m) if unbatched else (B, h, n, m)
         a.query = q.data_ptr()
-        keep = [q, k, v]
         if self_attn:
-            spec.mode = "self"
+            mode = "self"
             if self.kdim != E or self.vdim != E:
                 raise AssertionError("self-attention needs kdim == vdim == embed_dim")
         else:
             a.key = k.data_ptr()
             if kv_same and self.kdim == self.vdim:
-                spec.mode = "kv"
+                mode = "kv"
             else:
-                spec.mode = "cross"
+                mode = "cross"
                 a.value = v.data_ptr()
-        # Masks: PyTorch's conventions translated (docs/PYTHON.md).
-        h = self.num_heads
         mk = a.mask
-        add = None
-        blk = None
-        if attn_mask is not None:
-            am = _mask_arg("attn_mask", attn_mask)
-            if am.dim() == 2:
-                if tuple(am.shape) != (n, m):
-                    raise RuntimeError(f"The shape of the 2D attn_mask is {tuple(am.shape)}, but "
-                                       f"should be {(n, m)}.")
-            elif am.dim() == 3:
-                if tuple(am.shape) != (B * h, n, m):
-                    raise RuntimeError(f"The shape of the 3D attn_mask is {tuple(am.shape)}, but "
-                                       f"should be {(B * h, n, m)}.")
-                am = am.view(B, h, n, m)
-            else:
-                raise RuntimeError(f"attn_mask's dimension {am.dim()} is not supported")
-            if am.dtype == torch.bool:
-                blk = am
-            else:
-                add = am
+        mk.window_left = mk.window_right = -1
+        keep = None
+        if attn_mask is not None or key_padding_mask is not None:
+            keep = []
+            _translate_masks(mk, keep, attn_mask, key_padding_mask, is_causal, B, h, n, m,
+                             unbatched)
         elif is_causal:
             mk.causal = 1
             mk.alignment = L.ALIGN_TOP_LEFT
-        if key_padding_mask is not None:
-            kp = _mask_arg("key_padding_mask", key_padding_mask)
-            if unbatched:
-                kp = kp.view(1, -1)
-            if tuple(kp.shape) != (B, m):
-                raise AssertionError(f"expecting key_padding_mask shape of {(B, m)}, but got "
-                                     f"{tuple(kp.shape)}")
-            if kp.dtype == torch.bool:
-                if blk is None:
-                    blk = kp.view(B, 1, 1, m)  # True = padding: a block-polarity mask, no copy
-                else:
-                    kp = torch.logical_not(kp)  # mha's key padding: nonzero = real token
-                    keep.append(kp)
-                    _set_mask(mk.key_padding, kp)
-            else:
-                kp = kp.view(B, 1, 1, m)
-                add = kp if add is None else (add + kp).contiguous()
-        if blk is not None:
-            keep.append(blk)
-            _set_mask(mk.bool_mask, blk)
-            mk.bool_mask_polarity = L.MASK_BLOCK
-        if add is not None:
-            keep.append(add)
-            _set_mask(mk.additive_mask, add)
-        mk.window_left = mk.window_right = -1
         if self.training and self.dropout > 0.0:
             a.dropout.p = self.dropout
             a.dropout.seed = _seed()
             a.dropout.training = 1
-        spec.args = a
-        spec.keep = keep
-        in_w, q_w, k_w, v_w, in_b, o_w, o_b = params
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or any(p is not None and p.requires_grad
                                                for p in params)):
-            out, probs = _LayerFunction.apply(spec, q, k, v, in_w, q_w, k_w, v_w, in_b, o_w,
-                                              o_b)
+            if mode == "self":
+                ins, fields = [q], ["d_query"]
+            elif mode == "kv":
+                ins, fields = [q, k], ["d_query", "d_key"]
+            else:
+                ins, fields = [q, k, v], ["d_query", "d_key", "d_value"]
+            for f, p in zip(_PARAM_GRAD_FIELDS, params):
+                if p is not None:
+                    ins.append(p)
+                    fields.append(f)
+            spec = _LayerSpec()
+            spec.layer, spec.args, spec.threads = layer, a, self.threads
+            spec.out_shape, spec.probs_shape = out_shape, probs_shape
+            spec.fields, spec.shapes = fields, [t.shape for t in ins]
+            spec.keep = (q, k, v, keep)  # the training state points at them until backward
+            spec.state = None
+            res = _LayerFunction.apply(spec, *ins)
+            out, probs = (res, None) if probs_shape is None else res
         else:  # inference: no autograd node, no training state (saves the Function overhead)
-            out, probs = _LayerFunction.forward(_NoGradCtx, spec, q, k, v, in_w, q_w, k_w, v_w,
-                                                in_b, o_w, o_b)
-        if unbatched:
-            out = out.squeeze(0)
-        elif not self.batch_first:
+            out, probs = _layer_forward(layer._ptr, a, self.threads, out_shape, probs_shape)
+        if transpose_out:
             out = out.transpose(0, 1)
-        if in_dtype != _F32:
+        if in_dtype is not _F32:
             out = out.to(in_dtype)
-        if not need_weights:
-            return out, None
-        if unbatched:
-            probs = probs.squeeze(0)
         return out, probs
 
 
@@ -469,18 +529,18 @@ class _CoreFunction(torch.autograd.Function):
     def forward(ctx, args: L.mha_attention_args, keep: list, threads: int, q: Tensor,
                 k: Tensor, v: Tensor):
         B, h, n, dv = args.batch, args.num_heads, args.q_len, args.v_head_dim
-        out = torch.empty((B, h, n, dv), dtype=_F32)
+        out = _empty((B, h, n, dv))
         args.out = out.data_ptr()
         args.out_strides[:] = out.stride()[:3]
         train = any(ctx.needs_input_grad)
         lse = None
         if train:
             _check_backward()
-            lse = torch.empty((B, h, n), dtype=_F32)
+            lse = _empty((B, h, n))
             args.lse = lse.data_ptr()
         err = L.mha_error()
         ex = _exec(threads)
-        L.check(L.mha_attention(_byref(args), _byref(ex), _byref(err)), err)
+        L.check(L.mha_attention(args, ex, err), err)
         if train:
             ctx.args, ctx.keep, ctx.threads = args, keep, threads
             ctx.save_for_backward(q, k, v, out, lse)
@@ -499,14 +559,13 @@ class _CoreFunction(torch.autograd.Function):
         res = [None, None, None, None, None, None]
         for i, t, nm in ((3, q, "dq"), (4, k, "dk"), (5, v, "dv")):
             if need[i]:
-                d = torch.empty(t.shape, dtype=_F32)
+                d = _empty(t.shape)
                 res[i] = d
                 setattr(g, nm, d.data_ptr())
                 getattr(g, nm + "_strides")[:] = d.stride()[:3]
         err = L.mha_error()
         ex = _exec(ctx.threads)
-        L.check(L.mha_attention_backward(_byref(ctx.args), _byref(g), _byref(ex), _byref(err)),
-                err)
+        L.check(L.mha_attention_backward(ctx.args, g, ex, err), err)
         return tuple(res)
 
 
