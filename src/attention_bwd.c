@@ -45,17 +45,14 @@ typedef struct bwd_kernel {
     int reference;
 } bwd_kernel;
 
-/* Every backward kernel, in priority order (the reference last). */
+/* Every backward kernel, in priority order (the reference last): kernels/kernels_bwd.def. */
 static const struct {
     bwd_kernel k;
     unsigned isa;
 } KERNELS[] = {
-#if defined(__x86_64__) || defined(__i386__)
-    {{"mha_bwd_f32_flash_q32k64__avx512", mha_bwd_f32_flash_q32k64__avx512, 0}, MHA_ISA_AVX512},
-    {{"mha_bwd_f32_flash_q32k64__avx2", mha_bwd_f32_flash_q32k64__avx2, 0}, MHA_ISA_AVX2},
-#endif
-    {{"mha_bwd_f32_flash_q32k64__generic", mha_bwd_f32_flash_q32k64__generic, 0}, 0},
-    {{"mha_bwd_f32_naive__ref", mha__attention_bwd_ref, 1}, 0},
+#define MHA_BWD_KERNEL(name_, isa_, ref_) {{#name_, name_, ref_}, isa_},
+#include "kernels/kernels_bwd.def"
+#undef MHA_BWD_KERNEL
 };
 #define N_KERNELS ((int)(sizeof KERNELS / sizeof KERNELS[0]))
 
@@ -81,14 +78,16 @@ static mha_status choose(const mha_exec *exec, int forced, bwd_kernel *k, mha_er
         return MHA_STATUS_OK;
     }
     if (impl == MHA_IMPL_REFERENCE) {
-        *k = (bwd_kernel){"mha_bwd_f32_naive__ref", mha__attention_bwd_ref, 1};
-        return MHA_STATUS_OK;
+        for (int i = 0; i < N_KERNELS; i++)
+            if (KERNELS[i].k.reference) {
+                *k = KERNELS[i].k;
+                return MHA_STATUS_OK;
+            }
     }
     MHA_RETURN_IF(impl != MHA_IMPL_AUTO && impl != MHA_IMPL_FAST, err, INVALID_ARG,
                   "exec.impl=%d is not a known implementation", (int)impl);
     /* The flash backward takes every option the forward has, so FAST never fails here: the
-     * first flash entry whose ISA this CPU has (the generic one always qualifies).
-     * TODO(#4): route through the kernel registry (kernels.def) once it takes backward lines. */
+     * first flash entry whose ISA this CPU has (the generic one always qualifies). */
     for (int i = 0; i < N_KERNELS; i++)
         if (!KERNELS[i].k.reference && mha__bwd_kernel_usable(i)) {
             *k = KERNELS[i].k;

@@ -30,7 +30,6 @@ typedef struct mha__bwd_problem {
 typedef void (*mha__bwd_fn)(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
 
 /* The reference backward (src/ref/attention_bwd_ref.c): plain loops, row by row. */
-void mha__attention_bwd_ref(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
 bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes);
 
 /* FlashAttention-2 style backward (src/kernels/generic/attn_bwd_flash_generic.c and the per-ISA
@@ -38,20 +37,11 @@ bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes);
 #define MHA__BWD_BQ 32
 #define MHA__BWD_BK 64
 bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes);
-void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp,
-                                       int64_t b,
-                                       int64_t g,
-                                       void *scratch);
-#if defined(__x86_64__) || defined(__i386__)
-void mha_bwd_f32_flash_q32k64__avx512(const mha__bwd_problem *bp,
-                                      int64_t b,
-                                      int64_t g,
-                                      void *scratch);
-void mha_bwd_f32_flash_q32k64__avx2(const mha__bwd_problem *bp,
-                                    int64_t b,
-                                    int64_t g,
-                                    void *scratch);
-#endif
+/* Every kernel's unit function (the reference: src/ref/attention_bwd_ref.c), from the registry. */
+#define MHA_BWD_KERNEL(name_, isa_, ref_)                                                          \
+    void name_(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
+#include "kernels/kernels_bwd.def"
+#undef MHA_BWD_KERNEL
 
 /* The backward kernels (attention_bwd.c), in priority order, the reference last: index ->
  * name (NULL past the end) and whether this CPU (capped by MHA_MAX_ISA) can run it. */

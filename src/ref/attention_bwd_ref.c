@@ -41,7 +41,7 @@ static void store(float *dst, const float *acc, int64_t len, int accumulate) {
         dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
 }
 
-void mha__attention_bwd_ref(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch) {
+void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch) {
     const mha__problem *p = bp->p;
     const int64_t m = p->m, n = p->n, dk = p->dk, dv = p->dv;
     float *P = scratch, *dP = P + m, *tp = dP + m;

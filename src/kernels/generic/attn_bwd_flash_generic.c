@@ -134,8 +134,11 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
     for (int64_t j0 = 0; j0 < m; j0 += BK) {
         const int64_t nk = m - j0 < BK ? m - j0 : BK;
         const float *ktile = kb + j0 * p->ks[2], *vtile = vb + j0 * p->vs[2];
+        int k_finite = 1;
         for (int64_t c = 0; c < nk; c++) {
             memcpy(Kr + c * dk, ktile + c * p->ks[2], sizeof(float) * (size_t)dk);
+            for (int64_t d = 0; d < dk; d++)
+                k_finite &= isfinite(Kr[c * dk + d]) != 0;
             for (int64_t d = 0; d < dk; d++)
                 Kt[d * BK + c] = ktile[c * p->ks[2] + d];
             for (int64_t d = 0; d < dv; d++)
@@ -241,8 +244,20 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                     ops->gemm_acc(nk, R, dv, S, 1, BK, dOh + i0 * dv, dv, dVa, dv);
                 if (bp->dk)
                     ops->gemm_acc(nk, R, dk, dP, 1, BK, qh + i0 * dk, dk, dKa, dk);
-                if (bp->dq)
+                if (bp->dq && k_finite)
                     ops->gemm_acc(R, nk, dk, dP, BK, 1, Kr, dk, dQ + (hh * n + i0) * dk, dk);
+                else if (bp->dq) /* a key with Inf/NaN: skip dS = 0 terms as the reference
+                                  * does, so a hidden non-finite key never reaches dQ */
+                    for (int64_t r = 0; r < R; r++) {
+                        float *dq = dQ + (hh * n + i0 + r) * dk;
+                        for (int64_t c = 0; c < nk; c++) {
+                            const float ds = dP[r * BK + c];
+                            if (ds == 0.0f)
+                                continue;
+                            for (int64_t d = 0; d < dk; d++)
+                                dq[d] += ds * Kr[c * dk + d];
+                        }
+                    }
             }
         }
         for (int64_t c = 0; c < nk; c++) {
