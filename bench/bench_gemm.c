@@ -17,17 +17,6 @@
 #include <string.h>
 #include <time.h>
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* cblas_sgemm(order, transA, transB, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc) */
 typedef void (*sgemm_fn)(int,
                          int,
@@ -109,11 +98,11 @@ static stats time_runs(const run_ctx *r, int reps) {
     run_once(r);
     run_once(r);
     for (int i = 0; i < reps; i++) {
-        double t0 = now_s();
+        double t0 = bench_now_s();
         run_once(r);
-        t[i] = now_s() - t0;
+        t[i] = bench_now_s() - t0;
     }
-    qsort(t, (size_t)reps, sizeof(double), cmp_double);
+    qsort(t, (size_t)reps, sizeof(double), bench_cmp_double);
     stats s = {t[reps / 2], t[0], t[reps - 1]};
     free(t);
     return s;

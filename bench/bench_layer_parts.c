@@ -22,17 +22,6 @@
 #include <string.h>
 #include <time.h>
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 enum { STAGE_PROJ, STAGE_PROJ_FRESH, STAGE_CORE, STAGE_LAYER_WS, STAGE_LAYER, STAGE_COUNT };
 static const char *const stage_names[STAGE_COUNT] = {"proj_q", "proj_q_fresh", "core", "layer_ws",
                                                      "layer"};
@@ -157,7 +146,7 @@ int main(int argc, char **argv) {
         return 1;
     for (int r = -1; r < reps; r++) /* r = -1: warm-up */
         for (int s = 0; s < STAGE_COUNT; s++) {
-            const double t0 = now_s();
+            const double t0 = bench_now_s();
             mha_status st = MHA_STATUS_OK;
             ex.workspace = NULL;
             ex.workspace_bytes = 0;
@@ -193,7 +182,7 @@ int main(int argc, char **argv) {
                 return 1;
             }
             if (r >= 0)
-                times[s * reps + r] = now_s() - t0;
+                times[s * reps + r] = bench_now_s() - t0;
         }
     const double peak1 = bench_peak_best_gflops(threads, 20.0, 5, NULL);
     const double peak = peak0 > peak1 ? peak0 : peak1;
@@ -204,7 +193,7 @@ int main(int argc, char **argv) {
            "%peak");
     for (int s = 0; s < STAGE_COUNT; s++) {
         double *t = times + s * reps;
-        qsort(t, (size_t)reps, sizeof *t, cmp_double);
+        qsort(t, (size_t)reps, sizeof *t, bench_cmp_double);
         const double med = t[reps / 2];
         printf("%-13s %9.2f %9.2f %9.2f %8.1f %5.1f%%\n", stage_names[s], 1e3 * med, 1e3 * t[0],
                1e3 * t[reps - 1], gflop[s] / med, 100.0 * gflop[s] / med / peak);

@@ -23,10 +23,15 @@
 #    define PEAK_X86 0
 #endif
 
-static double now_s(void) {
+double bench_now_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int bench_cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
 }
 
 /* Keeps the result alive so the loop is not optimized away. */
@@ -137,9 +142,9 @@ static double measure(fma_loop_fn fn, int threads, double target_ms, int reps) {
     /* Calibrate the iteration count on one thread for ~target_ms. */
     int64_t iters = 1 << 16;
     for (;;) {
-        double t0 = now_s();
+        double t0 = bench_now_s();
         fn(iters);
-        double dt = now_s() - t0;
+        double dt = bench_now_s() - t0;
         if (dt > 0.02 || iters > ((int64_t)1 << 40)) {
             iters = (int64_t)((double)iters * (target_ms * 1e-3) / (dt > 0 ? dt : 1e-9));
             break;
@@ -164,13 +169,13 @@ static double measure(fma_loop_fn fn, int threads, double target_ms, int reps) {
             pthread_create(&tid[t], NULL, run_worker, &ws[t]);
         }
         pthread_barrier_wait(&start);
-        double t0 = now_s();
+        double t0 = bench_now_s();
         double flops = 0.0;
         for (int t = 0; t < threads; t++) {
             pthread_join(tid[t], NULL);
             flops += ws[t].flops;
         }
-        double dt = now_s() - t0;
+        double dt = bench_now_s() - t0;
         pthread_barrier_destroy(&start);
         free(ws);
         free(tid);

@@ -13,6 +13,10 @@ int bench_peak_isa_usable(int i);
 double bench_peak_gflops(int i, int threads, double ms, int reps);
 /* The same for the widest usable ISA; *isa (if not NULL) gets its name. */
 double bench_peak_best_gflops(int threads, double ms, int reps, const char **isa);
+/* Monotonic clock in seconds, and a qsort comparator of doubles (for medians), shared by the
+ * bench programs. */
+double bench_now_s(void);
+int bench_cmp_double(const void *a, const void *b);
 /* "model name" of /proc/cpuinfo, or "unknown". */
 void bench_cpu_model(char *buf, size_t n);
 
