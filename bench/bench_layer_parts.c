@@ -20,7 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 enum { STAGE_PROJ, STAGE_PROJ_FRESH, STAGE_CORE, STAGE_LAYER_WS, STAGE_LAYER, STAGE_COUNT };
 static const char *const stage_names[STAGE_COUNT] = {"proj_q", "proj_q_fresh", "core", "layer_ws",
