@@ -676,7 +676,7 @@ static void test_layer_properties(void) {
                 }
             }
         for (int i = 0; i < n; i++) {
-            double s[8], mx = -INFINITY, sum = 0.0;
+            double s[8], mx = -(double)INFINITY, sum = 0.0;
             for (int j = 0; j < n; j++) {
                 s[j] = 0.0;
                 for (int c = 0; c < D; c++)

@@ -1287,7 +1287,7 @@ static void test_conversions(void) {
         const uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
         double want;
         if (exp == 31)
-            want = mant ? NAN : INFINITY;
+            want = mant ? (double)NAN : (double)INFINITY;
         else if (exp == 0)
             want = ldexp((double)mant, -24);
         else

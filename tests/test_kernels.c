@@ -283,7 +283,7 @@ static int tdata_make(const tcase *c, tdata *t) {
         t->sinks = alloc_filled(&r, H, 2.0f);
         a->sinks = t->sinks;
     }
-    a->softcap = c->softcap;
+    a->softcap = (double)c->softcap;
     a->alibi = c->alibi;
     if (c->dropout > 0.0f)
         a->dropout = (mha_dropout){c->dropout, test_rng_u64(&r), 1};

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Installs what building and testing mha needs on a fresh Debian machine, skipping what is
-# already there: a C compiler, CMake, cJSON (safetensors headers), and for the Python-driven
-# tests python3 with the packages of python/requirements-test.txt. Safe to run repeatedly.
+# already there: a C compiler, CMake, cJSON (safetensors headers), clang-14, cppcheck, valgrind,
+# and for the Python-driven tests python3 with the packages of python/requirements-test.txt.
+# Safe to run repeatedly.
 set -euo pipefail
 
 need_apt=()
@@ -12,6 +13,9 @@ command -v make >/dev/null 2>&1 || need_apt+=(make)
 # clang-14 + its runtime: libFuzzer harnesses (fuzz/) and ThreadSanitizer's runtime for gcc too.
 command -v clang-14 >/dev/null 2>&1 || need_apt+=(clang-14 libclang-rt-14-dev)
 command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
+# Static analysis (tools/cppcheck.sh) and valgrind memcheck of the CLI tests (tools/test.sh).
+command -v cppcheck >/dev/null 2>&1 || need_apt+=(cppcheck)
+command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)
 if [ ${#need_apt[@]} -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"

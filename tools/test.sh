@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Runs every test of mha: installs missing dependencies, then
-#   0. the clang-format check of every C file;
+#   0. the clang-format check of every C file, and cppcheck over src/ cli/ tests/
+#      (tools/cppcheck.sh, suppressions with reasons in tools/cppcheck-suppressions.txt);
 #   1. a Release build with warnings as errors, all tests (ctest);
 #   2. the same tests with each lower kernel tier forced (MHA_MAX_ISA), so every dispatch
 #      variant runs on this machine;
-#   3. an AddressSanitizer + UndefinedBehaviorSanitizer build, all tests again;
-#   4. a ThreadSanitizer build of the concurrency test;
-#   5. every libFuzzer harness for MHA_FUZZ_SECONDS (default 20) seconds (clang-14).
-# Exit status is non-zero if anything fails. Build trees: build/, build-asan/, build-tsan/,
-# build-fuzz/.
+#   3. a clang-14 Release build with warnings as errors, the C tests (MHA_TEST_QUICK=1);
+#   4. an AddressSanitizer + UndefinedBehaviorSanitizer build, all tests again;
+#   5. a ThreadSanitizer build, every C test (MHA_TEST_QUICK=1);
+#   6. valgrind memcheck of the CLI tests: every `mha` the pytest CLI tests start runs under
+#      valgrind (tools/valgrind_cli.sh), Debug build without sanitizers;
+#   7. every libFuzzer harness for MHA_FUZZ_SECONDS (default 20) seconds (clang-14).
+# Exit status is non-zero if anything fails. Build trees: build/, build-clang/, build-asan/,
+# build-tsan/, build-valgrind/, build-fuzz/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh
@@ -17,6 +21,9 @@ jobs=$(nproc 2>/dev/null || echo 2)
 
 echo "== Format check (clang-format-14, .clang-format)"
 git ls-files -z '*.c' '*.h' 2>/dev/null | xargs -0 -r clang-format-14 --dry-run -Werror
+
+echo "== Static analysis (cppcheck, tools/cppcheck-suppressions.txt)"
+bash tools/cppcheck.sh "$jobs"
 
 echo "== Release build (-Werror)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null
@@ -30,15 +37,54 @@ if [ -x build/tests/test_kernels ]; then
     done
 fi
 
+echo "== clang-14 build (-Werror), C tests (MHA_TEST_QUICK=1)"
+CC=clang-14 cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null
+cmake --build build-clang -j "$jobs"
+MHA_TEST_QUICK=1 ctest --test-dir build-clang --output-on-failure -j "$jobs" -E '^py_'
+
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON \
     -DMHA_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan -j "$jobs"
 MHA_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$jobs"
-echo "== ThreadSanitizer: many threads on one layer (test_concurrency)"
-cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON -DMHA_SANITIZE=thread >/dev/null
-cmake --build build-tsan -j "$jobs" --target test_concurrency
-MHA_TEST_QUICK=1 TSAN_OPTIONS=halt_on_error=1 build-tsan/tests/test_concurrency
+echo "== ThreadSanitizer build, every C test (MHA_TEST_QUICK=1)"
+# The Python tests are left out: test_python_* cannot load a TSan library into the interpreter,
+# and the CLI tests' code paths are the C tests' (they run under valgrind below).
+# -O1 keeps the assertions and smallest sweeps of a Debug build at about half the -O0 time.
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_FLAGS_DEBUG="-g -O1" -DMHA_WERROR=ON \
+    -DMHA_SANITIZE=thread >/dev/null
+cmake --build build-tsan -j "$jobs"
+MHA_TEST_QUICK=1 TSAN_OPTIONS=halt_on_error=1 \
+    ctest --test-dir build-tsan --output-on-failure -j "$jobs" -E '^py_'
+
+echo "== valgrind memcheck: the CLI tests with every mha run under valgrind (Debug build)"
+# All of test_cli.py, test_hostile_cli.py and test_cli_plot.py; of test_cli_decode.py's 33
+# decode-vs-full-forward cases the plain and everything ones (the rest takes minutes under
+# valgrind and runs the same code). The golden CLI tests are left to the Release and ASan runs.
+cmake -S . -B build-valgrind -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON >/dev/null
+cmake --build build-valgrind -j "$jobs" --target mha_cli
+vg_logs="$PWD/build-valgrind/vg-logs"
+rm -rf "$vg_logs"
+vg_env=(MHA_CLI="$PWD/tools/valgrind_cli.sh" MHA_VALGRIND_CLI="$PWD/build-valgrind/mha"
+        MHA_VALGRIND_LOGS="$vg_logs" MHA_SOURCE_DIR="$PWD")
+vg_pytest=(python3 -m pytest -q -p no:cacheprovider)
+vg_status=0
+env "${vg_env[@]}" "${vg_pytest[@]}" tests/test_cli.py >build-valgrind/pytest-cli.log 2>&1 &
+vg_pid=$!
+env "${vg_env[@]}" "${vg_pytest[@]}" tests/test_hostile_cli.py tests/test_cli_plot.py \
+    tests/test_cli_decode.py -k 'not equals_full_causal_forward or plain or everything' \
+    >build-valgrind/pytest-other.log 2>&1 || vg_status=1
+wait "$vg_pid" || vg_status=1
+tail -n 3 build-valgrind/pytest-cli.log build-valgrind/pytest-other.log
+if [ -n "$(find "$vg_logs" -type f -size +0 2>/dev/null)" ]; then
+    vg_status=1
+    find "$vg_logs" -type f -size +0 -exec cat {} + | head -200 || true
+fi
+if [ "$vg_status" -ne 0 ]; then
+    echo "valgrind memcheck step FAILED (logs: build-valgrind/pytest-*.log, $vg_logs)"
+    grep -h -B2 -A30 -E '^(FAILED|E  )' build-valgrind/pytest-*.log | head -100 || true
+    exit 1
+fi
 
 echo "== Fuzzing: each libFuzzer harness for a bounded time (fuzz/run.sh)"
 bash fuzz/run.sh "${MHA_FUZZ_SECONDS:-20}"

@@ -88,7 +88,7 @@ double test_max_abs_diff(const float *a, const double *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         double d = fabs((double)a[i] - b[i]);
         if (isnan(d) && !(isnan(a[i]) && isnan(b[i])))
-            return INFINITY;
+            return (double)INFINITY;
         if (d > worst)
             worst = d;
     }
