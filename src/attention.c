@@ -33,13 +33,7 @@ static bool view_extent(const int64_t s[3],
     return true;
 }
 
-mha_status mha__problem_from_args(const mha_attention_args *a,
-                                  mha__problem *p,
-                                  int64_t *delta_buf,
-                                  float *slope_buf,
-                                  mha_error *err) {
-    MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
-    memset(p, 0, sizeof *p);
+mha_status mha__attention_check_sizes(const mha_attention_args *a, mha_error *err) {
     const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
     const int64_t dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
     const struct {
@@ -54,6 +48,20 @@ mha_status mha__problem_from_args(const mha_attention_args *a,
     MHA_RETURN_IF(a->num_heads % G != 0, err, INVALID_ARG,
                   "num_heads=%lld is not divisible by num_kv_heads=%lld", (long long)a->num_heads,
                   (long long)G);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__problem_from_args(const mha_attention_args *a,
+                                  mha__problem *p,
+                                  int64_t *delta_buf,
+                                  float *slope_buf,
+                                  mha_error *err) {
+    MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
+    memset(p, 0, sizeof *p);
+    mha_status st = mha__attention_check_sizes(a, err);
+    if (st)
+        return st;
+    const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
     MHA_RETURN_IF(!a->q || !a->k || !a->v || !a->out, err, INVALID_ARG,
                   "q, k, v and out must not be NULL");
     p->B = a->batch;
@@ -63,7 +71,7 @@ mha_status mha__problem_from_args(const mha_attention_args *a,
     p->n = a->q_len;
     p->m = a->kv_len;
     p->dk = a->head_dim;
-    p->dv = dv;
+    p->dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
 
     int64_t probs_count;
     const int64_t pf[4] = {p->B, a->average_probs ? 1 : p->H, p->n, p->m};
@@ -146,11 +154,7 @@ static mha_status core_layout(
 
 static mha_status check_dims_for_layout(const mha_attention_args *a, mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
-    MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->num_heads < 1 ||
-                      a->num_heads > MHA_MAX_DIM || a->kv_len < 1 || a->kv_len > MHA_MAX_DIM,
-                  err, INVALID_ARG, "batch=%lld, num_heads=%lld, kv_len=%lld must be in [1, 2^31]",
-                  (long long)a->batch, (long long)a->num_heads, (long long)a->kv_len);
-    return MHA_STATUS_OK;
+    return mha__attention_check_sizes(a, err);
 }
 
 /* The kernel that runs (args, exec): `forced` if given (it must be able to run the problem),

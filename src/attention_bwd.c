@@ -121,11 +121,10 @@ static mha_status validate(const mha_attention_args *a,
                            mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "fwd (the forward's args) is NULL");
     MHA_RETURN_IF(!g, err, INVALID_ARG, "grads is NULL");
-    MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->num_heads < 1 ||
-                      a->num_heads > MHA_MAX_DIM,
-                  err, INVALID_ARG, "batch=%lld and num_heads=%lld must be in [1, 2^31]",
-                  (long long)a->batch, (long long)a->num_heads);
-    mha_status st = choose(exec, forced, k, err);
+    mha_status st = mha__attention_check_sizes(a, err);
+    if (st)
+        return st;
+    st = choose(exec, forced, k, err);
     if (st)
         return st;
     size_t deltas, slopes, sinks, scratch;
@@ -135,16 +134,16 @@ static mha_status validate(const mha_attention_args *a,
                       !mha__bytes(a->num_heads, sizeof(float), &slopes) ||
                       !mha__bytes(bh, sizeof(float), &sinks),
                   err, OVERFLOW, "backward workspace size overflows");
-    /* Scratch depends on sizes only: a throwaway problem with the sizes filled in. */
+    /* Scratch depends on sizes only (checked above): a throwaway problem with them filled in. */
     mha__problem sz;
     memset(&sz, 0, sizeof sz);
-    sz.n = a->q_len > 0 ? a->q_len : 1;
-    sz.m = a->kv_len > 0 ? a->kv_len : 1;
-    sz.dk = a->head_dim > 0 ? a->head_dim : 1;
-    sz.dv = a->v_head_dim > 0 ? a->v_head_dim : sz.dk;
+    sz.n = a->q_len;
+    sz.m = a->kv_len;
+    sz.dk = a->head_dim;
+    sz.dv = a->v_head_dim ? a->v_head_dim : sz.dk;
     sz.H = a->num_heads;
-    sz.G = a->num_kv_heads > 0 ? a->num_kv_heads : sz.H;
-    sz.group = (sz.G <= sz.H && sz.H % sz.G == 0) ? sz.H / sz.G : 1;
+    sz.G = a->num_kv_heads ? a->num_kv_heads : sz.H;
+    sz.group = sz.H / sz.G;
     const bool ok = k->reference ? mha__attention_bwd_ref_scratch(&sz, &scratch)
                                  : mha__bwd_flash_scratch(&sz, &scratch);
     MHA_RETURN_IF(!ok || scratch > SIZE_MAX / 2, err, OVERFLOW, "backward scratch overflows");

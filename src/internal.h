@@ -52,6 +52,10 @@ void mha__free(const mha_allocator *a, void *ptr);
  * `need` of its 64-byte aligned layout plus MHA_WORKSPACE_SLACK, and the call rounds the caller's
  * pointer up to 64 bytes before carving it. */
 #define MHA_WORKSPACE_SLACK ((size_t)63)
+/* Every size of args in [1, 2^31] and num_heads divisible by num_kv_heads. Checked before any
+ * workspace is sized (forward and backward), since the kernels' scratch sizes are computed from
+ * these fields: an unchecked one could ask for gigabytes before the call is refused. */
+mha_status mha__attention_check_sizes(const mha_attention_args *args, mha_error *err);
 /* mha_attention_supported with the validation scratch given: `scratch` holds B int64 and, at
  * the next 64-byte boundary, H floats (the start of the core's workspace does), or is NULL to
  * allocate it from exec->allocator. */

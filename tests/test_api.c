@@ -289,6 +289,33 @@ static void test_attention_errors(void) {
     size_t bytes;
     CHECK_OK(mha_attention_workspace_size(&a, NULL, &bytes, &err), &err);
     CHECK_OK(mha_attention_supported(&a, NULL, &err), &err);
+    /* Every size is checked before the workspace is sized or allocated: an out-of-range
+     * v_head_dim once sized the reference's scratch at 8 GiB before the call was refused
+     * (found by fuzz_api; its input is fuzz/corpus/api/regress-oom-v-head-dim). */
+    {
+        int none = 0;
+        mha_allocator no_memory = {&none, failing_alloc, plain_free};
+        mha_exec ref = {MHA_IMPL_REFERENCE, 1, NULL, 0, &no_memory};
+        b = a, b.v_head_dim = ((int64_t)1 << 31) + 1;
+        expect(mha_attention(&b, &ref, &err), &err, MHA_STATUS_INVALID_ARG,
+               "v_head_dim=", "huge v_head_dim refused before allocating");
+        expect(mha_attention_workspace_size(&b, &ref, &bytes, &err), &err, MHA_STATUS_INVALID_ARG,
+               "v_head_dim=", "huge v_head_dim refused by the size query");
+        b = a, b.head_dim = -((int64_t)1 << 31);
+        expect(mha_attention(&b, &ref, &err), &err, MHA_STATUS_INVALID_ARG,
+               "head_dim=", "negative head_dim refused before allocating");
+        /* The backward too (its flash scratch holds n * d_k floats per thread). */
+        float lse[2] = {0}, dq[16];
+        mha_attention_grads gr;
+        memset(&gr, 0, sizeof gr);
+        gr.dout = q, gr.dq = dq, gr.dk = dq, gr.dv = dq;
+        b = a, b.lse = lse, b.q_len = (int64_t)1 << 40;
+        mha_exec fast = {MHA_IMPL_AUTO, 1, NULL, 0, &no_memory};
+        expect(mha_attention_backward(&b, &gr, &fast, &err), &err, MHA_STATUS_INVALID_ARG,
+               "q_len=", "huge q_len refused by the backward before allocating");
+        expect(mha_attention_backward_workspace_size(&b, &gr, &fast, &bytes, &err), &err,
+               MHA_STATUS_INVALID_ARG, "q_len=", "huge q_len refused by the backward size query");
+    }
 
     /* RoPE API errors. */
     mha_rope r = {0};
