@@ -129,10 +129,6 @@ typedef struct ws_layout {
     size_t delta_off, slope_off, scratch_off, scratch_stride, total;
 } ws_layout;
 
-static size_t align64(size_t x) {
-    return (x + 63) & ~(size_t)63;
-}
-
 static mha_status core_layout(
     const mha_attention_args *a, int n_threads, size_t scratch, ws_layout *l, mha_error *err) {
     size_t deltas, slopes;
@@ -140,9 +136,9 @@ static mha_status core_layout(
                       !mha__bytes(a->num_heads, sizeof(float), &slopes) || scratch > SIZE_MAX - 64,
                   err, OVERFLOW, "workspace size overflows");
     l->delta_off = 0;
-    l->slope_off = align64(deltas);
-    l->scratch_off = l->slope_off + align64(slopes);
-    l->scratch_stride = align64(scratch);
+    l->slope_off = mha__align64(deltas);
+    l->scratch_off = l->slope_off + mha__align64(slopes);
+    l->scratch_stride = mha__align64(scratch);
     int64_t total;
     MHA_RETURN_IF(l->scratch_stride > INT64_MAX ||
                       !mha__mul_i64((int64_t)l->scratch_stride, n_threads, &total) ||
@@ -234,9 +230,10 @@ mha_status mha__attention_check(const mha_attention_args *args,
     if (st)
         return st;
     /* Validation resolves the per-batch causal offsets and the ALiBi slopes, which need room:
-     * deltas [B] int64 at 0, slopes [H] float at align64(8 B) -- the core workspace's layout. */
+     * deltas [B] int64 at 0, slopes [H] float at mha__align64(8 B) -- the core workspace's layout.
+     */
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    const size_t slope_off = align64(sizeof(int64_t) * (size_t)args->batch);
+    const size_t slope_off = mha__align64(sizeof(int64_t) * (size_t)args->batch);
     char *owned = NULL;
     if (!scratch)
         scratch = owned = mha__alloc(alloc, slope_off + sizeof(float) * (size_t)args->num_heads);

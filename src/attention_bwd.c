@@ -96,10 +96,6 @@ static mha_status choose(const mha_exec *exec, int forced, bwd_kernel *k, mha_er
     return mha__fail(err, MHA_STATUS_INTERNAL, "no usable backward kernel");
 }
 
-static size_t align64(size_t x) {
-    return (x + 63) & ~(size_t)63;
-}
-
 /* Workspace: [deltas B int64][slopes H float][sink partials B*H float][n_threads scratch]. */
 typedef struct bwd_layout {
     size_t delta_off, slope_off, sink_off, scratch_off, stride, total;
@@ -148,10 +144,10 @@ static mha_status validate(const mha_attention_args *a,
                                  : mha__bwd_flash_scratch(&sz, &scratch);
     MHA_RETURN_IF(!ok || scratch > SIZE_MAX / 2, err, OVERFLOW, "backward scratch overflows");
     l->delta_off = 0;
-    l->slope_off = align64(deltas);
-    l->sink_off = l->slope_off + align64(slopes);
-    l->scratch_off = l->sink_off + align64(sinks);
-    l->stride = align64(scratch);
+    l->slope_off = mha__align64(deltas);
+    l->sink_off = l->slope_off + mha__align64(slopes);
+    l->scratch_off = l->sink_off + mha__align64(sinks);
+    l->stride = mha__align64(scratch);
     int64_t total;
     MHA_RETURN_IF(l->stride > INT64_MAX || l->scratch_off > INT64_MAX ||
                       !mha__mul_i64((int64_t)l->stride, n_threads, &total) ||

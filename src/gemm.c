@@ -102,23 +102,9 @@ void mha__gemm_pack_b_ref(const float *w, int64_t ldw, int n, int64_t kc, float 
     }
 }
 
-/* x rows [0, m) (m <= mr), columns [0, kc) -> dst [kc][mr], rows m .. mr-1 zero. This is
- * amortized over a whole NC block of W panels, so plain C is enough. */
-static void pack_a(const float *x, int64_t ldx, int m, int64_t kc, float *dst, int mr) {
-    for (int i = 0; i < mr; i++) {
-        if (i < m) {
-            const float *src = x + (int64_t)i * ldx;
-            for (int64_t k = 0; k < kc; k++)
-                dst[k * mr + i] = src[k];
-        } else {
-            for (int64_t k = 0; k < kc; k++)
-                dst[k * mr + i] = 0.0f;
-        }
-    }
-}
-
-/* The same from a transposed operand, stored [K, rows] (element (i, k) at x[k * ldx + i]): each k
- * is a run of m contiguous floats. Packs both x (MHA__GEMM_X_T) and W (MHA__GEMM_W_T, nr). */
+/* mha__gemm_pack_b_ref from a transposed operand, stored [K, rows] (element (i, k) at x[k * ldx +
+ * i]): each k is a run of m contiguous floats. Packs both x (MHA__GEMM_X_T) and W (MHA__GEMM_W_T,
+ * nr). */
 static void pack_t(const float *x, int64_t ldx, int m, int64_t kc, float *dst, int mr) {
     for (int64_t k = 0; k < kc; k++) {
         memcpy(dst + k * mr, x + k * ldx, sizeof(float) * (size_t)m);
@@ -203,10 +189,8 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
                     const int m = (int)min64(mr, j->M - i0);
                     if (j->x_t)
                         pack_t(j->x + k0 * j->ldx + i0, j->ldx, m, kc, abuf, (int)mr);
-                    else if (kr->pack_a)
-                        kr->pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf);
                     else
-                        pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf, (int)mr);
+                        kr->pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf);
                     float *yrow = j->y + i0 * j->ldy;
                     for (int64_t p = jc; p < jend; p++)
                         kr->ukr(kc, abuf, blk + p * kc * nr, yrow + p * nr, j->ldy, m,

@@ -80,7 +80,7 @@ typedef struct mha__gemm_kernel {
     mha__gemm_pack_b_fn pack_b;
     mha__gemm_dot_fn dot; /* the few-rows path (M <= MHA_GEMM_SMALL_M) */
     /* Packs x rows [0, m) (m <= MR, row stride ldx), columns [0, kc) into dst [kc][MR], rows m ..
-     * MR-1 zero; NULL = the portable loop of gemm.c. */
+     * MR-1 zero. */
     mha__gemm_pack_b_fn pack_a;
 } mha__gemm_kernel;
 
@@ -224,7 +224,8 @@ extern const mha__gemm_kernel mha__gemm_kernel_avx2;
 extern const mha__gemm_kernel mha__gemm_kernel_avx512;
 #endif
 
-/* Portable packer (any NR), used by the generic tier and for edge cases. */
+/* Portable packer of rows [0, n) of any operand (W panels, NR; x micro-panels, MR) into
+ * [kc][nr], rows n .. nr-1 zero: the generic tier's pack_b and pack_a. */
 void mha__gemm_pack_b_ref(const float *w, int64_t ldw, int n, int64_t kc, float *dst, int nr);
 
 #endif /* MHA_GEMM_H */

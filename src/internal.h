@@ -48,6 +48,12 @@ bool mha__bytes(int64_t count, size_t elem_size, size_t *out);
 void *mha__alloc(const mha_allocator *a, size_t bytes);
 void mha__free(const mha_allocator *a, void *ptr);
 
+/* x rounded up to a multiple of 64 (workspace layouts put every part on a cache line). The
+ * callers keep x far below SIZE_MAX - 63 (sizes are overflow-checked first). */
+static inline size_t mha__align64(size_t x) {
+    return (x + 63) & ~(size_t)63;
+}
+
 /* Caller workspaces may have any alignment: the size a *_workspace_size query reports is the
  * `need` of its 64-byte aligned layout plus MHA_WORKSPACE_SLACK, and the call rounds the caller's
  * pointer up to 64 bytes before carving it. */

@@ -204,10 +204,6 @@ typedef struct fwd_layout {
     size_t pack_bytes, core_bytes;
 } fwd_layout;
 
-static size_t align64(size_t x) {
-    return (x + 63) & ~(size_t)63;
-}
-
 static void core_args_for(const mha_layer *L,
                           const mha_forward_args *a,
                           int64_t m,
@@ -340,14 +336,14 @@ static mha_status validate_forward(const mha_layer *L,
 
     l->m = m;
     l->q_off = 0;
-    l->k_off = l->q_off + align64(bytes[0]);
-    l->v_off = l->k_off + align64(bytes[1]);
-    l->a_off = l->v_off + align64(bytes[2]);
-    l->rope_off = l->a_off + align64(bytes[3]);
-    l->pack_off = l->rope_off + align64(rope_bytes);
+    l->k_off = l->q_off + mha__align64(bytes[0]);
+    l->v_off = l->k_off + mha__align64(bytes[1]);
+    l->a_off = l->v_off + mha__align64(bytes[2]);
+    l->rope_off = l->a_off + mha__align64(bytes[3]);
+    l->pack_off = l->rope_off + mha__align64(rope_bytes);
     MHA_RETURN_IF(l->pack_bytes > SIZE_MAX - 64 - l->pack_off, err, OVERFLOW,
                   "forward workspace size overflows");
-    l->core_off = l->pack_off + align64(l->pack_bytes);
+    l->core_off = l->pack_off + mha__align64(l->pack_bytes);
     MHA_RETURN_IF(l->core_off > SIZE_MAX - l->core_bytes, err, OVERFLOW,
                   "forward workspace size overflows");
     l->total = l->core_off + l->core_bytes;

@@ -52,6 +52,10 @@ static void pack_b_16(const float *w, int64_t ldw, int n, int64_t kc, float *dst
     mha__gemm_pack_b_ref(w, ldw, n, kc, dst, NR);
 }
 
+static void pack_a_4(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
+    mha__gemm_pack_b_ref(x, ldx, m, kc, dst, MR);
+}
+
 /* Dot path: 8 partial sums per dot (k mod 8), added pairwise at the end; no reassociation by
  * the compiler is needed (or allowed: no -ffast-math). */
 static void dot_generic(int64_t K,
@@ -90,5 +94,5 @@ const mha__gemm_kernel mha__gemm_kernel_generic = {
     ukr_4x16,
     pack_b_16,
     dot_generic,
-    NULL, /* pack_a: gemm.c's loop */
+    pack_a_4,
 };
