@@ -2,7 +2,12 @@
 """Benchmark (not a test): the Python wrapper's per-call overhead, and mha.torch.MultiheadAttention
 against torch.nn.MultiheadAttention on the same inputs (forward, forward+backward).
 
-    MHA_LIBRARY=build/libmha.so python3 bench/bench_python.py [--threads 1] [--samples 300]
+    python3 bench/bench_python.py [--threads 1] [--samples 300]     # the pip-installed mha
+    MHA_LIBRARY=build/libmha.so MHA_PYTHON_DIR=python python3 bench/bench_python.py
+
+The package is imported from MHA_PYTHON_DIR when set, else as installed (`pip install ./python`
+builds the compiled fast path, mha._fastcall; a source tree has none, and the header line says
+so: then every call takes the ctypes path).
 
 Every variant is timed in samples of back-to-back calls (as many as take ~2 ms, at least 5); the
 variants are interleaved round-robin, so drift in the machine's load hits them alike. The clock
@@ -15,10 +20,12 @@ right next to it, and the median [p10, p90] of those differences is printed.
 Variants (self-attention, need_weights=False, batch_first, float32, one thread):
   ctypes floor       mha_layer_destroy(NULL): one ctypes call that does nothing in C
   C forward          mha_layer_forward through ctypes, structs built once, output preallocated
-  NumPy API          layer(x) (mha.MultiheadAttention)
+  NumPy API          layer(x) (mha.MultiheadAttention): the compiled fast path (mha._fastcall)
+  NumPy API (ctypes) the same call with the fast path switched off: the general ctypes path
   minimal Module     an nn.Module whose forward is torch.empty + the C forward call: the least
                      any torch module around mha pays (module call machinery, one allocation)
-  drop-in forward    mha.torch.MultiheadAttention under torch.no_grad()
+  drop-in forward    mha.torch.MultiheadAttention under torch.no_grad() (the fast path)
+  drop-in (ctypes)   the same with the fast path switched off
   torch forward      torch.nn.MultiheadAttention under torch.no_grad()
   C fwd+bwd          mha_layer_forward_train + mha_layer_backward + state free, structs built
                      once, gradients (input and every parameter) preallocated
@@ -38,13 +45,14 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.environ.get("MHA_PYTHON_DIR") or
-                os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+if os.environ.get("MHA_PYTHON_DIR"):
+    sys.path.insert(0, os.environ["MHA_PYTHON_DIR"])
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
+from mha import _api  # noqa: E402
 from mha import _lib as L  # noqa: E402
 
 
@@ -148,13 +156,25 @@ def run(size, threads, samples, clock):
         y, _ = ref(xg, xg, xg, need_weights=False)
         y.sum().backward()
 
+    def numpy_ctypes():
+        _api._fast = None
+        layer(xn, threads=threads)
+        _api._fast = L.fast
+
+    def mine_ctypes():
+        mt._fast = None
+        mine(x, x, x, need_weights=False)
+        mt._fast = L.fast
+
     nograd = torch.no_grad()
     variants = [
         ("ctypes floor", lambda: destroy(None), False),
         ("C forward", lambda: fwd_c(lp, fa, ex, err), False),
         ("NumPy API", lambda: layer(xn, threads=threads), False),
+        ("NumPy API (ctypes)", numpy_ctypes, False),
         ("minimal Module", lambda: minimal(x, x, x), True),
         ("drop-in forward", lambda: mine(x, x, x, need_weights=False), True),
+        ("drop-in (ctypes)", mine_ctypes, True),
         ("torch forward", lambda: ref(x, x, x, need_weights=False), True),
         ("C fwd+bwd", c_fb, False),
         ("minimal autograd", minimal_fb, False),
@@ -213,6 +233,7 @@ def main():
     print(f"# torch {torch.__version__}, numpy {np.__version__}, mha {mha.__version__} "
           f"({mha.library_path}), python {sys.version.split()[0]}; threads={a.threads}, "
           f"clock={a.clock}")
+    print(f"# fast path: {L.fast.__file__ if L.fast else 'not built (ctypes only)'}")
     print("# microseconds per call: median [p10, p90] over the samples; overhead = paired "
           "difference with the C-only variant")
     for size in sizes:
@@ -223,8 +244,11 @@ def main():
         for nm, xs in res.items():
             print(f"{nm:38s} {statistics.median(xs):9.2f}  [{pct(xs, .1):8.2f}, "
                   f"{pct(xs, .9):8.2f}]")
-        for nm, base in (("NumPy API", "C forward"), ("drop-in forward", "C forward"),
-                         ("drop-in forward", "minimal Module"), ("minimal Module", "C forward"),
+        for nm, base in (("NumPy API", "C forward"), ("NumPy API (ctypes)", "C forward"),
+                         ("drop-in forward", "C forward"),
+                         ("drop-in forward", "minimal Module"),
+                         ("drop-in (ctypes)", "minimal Module"),
+                         ("minimal Module", "C forward"),
                          ("drop-in fwd+bwd", "C fwd+bwd"),
                          ("drop-in fwd+bwd", "minimal autograd"),
                          ("minimal autograd", "C fwd+bwd"),

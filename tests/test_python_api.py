@@ -11,11 +11,17 @@ decoding, that the GIL is released, and that the CLI and the package agree.
 
 Tolerance: the project's, max|y - ref| <= 1e-5 * max|ref| (float32 compute vs float64 reference).
 """
+import atexit
+import importlib.machinery
+import importlib.util
 import json
 import os
+import re
+import shutil
 import struct
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -25,6 +31,39 @@ import pytest
 
 SRC = os.environ.get("MHA_SOURCE_DIR", os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(SRC, "python"))
+
+
+def load_fastcall_from_source():
+    """Registers the compiled extension mha._fastcall before `import mha`.
+
+    Run from the source tree (ctest: python/ on sys.path, MHA_LIBRARY), the package has no built
+    extension, and without it every call would take the ctypes path. So it is compiled here from
+    python/mha/_fastcall.c as pip builds it, with the project's warnings (CMakeLists.txt
+    MHA_WARNINGS) as errors, and registered: the tests then cover the fast path, and the file
+    is checked to compile cleanly. A package with the extension built (pip-installed) is left as
+    it is."""
+    pkg = os.path.dirname(importlib.util.find_spec("mha").origin)   # the mha to be imported
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    if "mha._fastcall" in sys.modules or any(
+            f.startswith("_fastcall.") and f.endswith(suffixes) for f in os.listdir(pkg)):
+        return
+    with open(os.path.join(SRC, "CMakeLists.txt")) as f:
+        warnings = re.search(r"set\(MHA_WARNINGS(.*?)\)", f.read(), re.S).group(1).split()
+    out = tempfile.mkdtemp(prefix="mha-fastcall-")
+    atexit.register(shutil.rmtree, out, True)
+    so = os.path.join(out, "_fastcall" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([os.environ.get("CC", "cc"), "-std=c11", "-O2", "-shared", "-fPIC", *warnings,
+                    "-Werror", "-I", os.path.join(SRC, "include"), "-I",
+                    sysconfig.get_paths()["include"],
+                    os.path.join(SRC, "python", "mha", "_fastcall.c"), "-o", so],
+                   check=True)
+    spec = importlib.util.spec_from_file_location("mha._fastcall", so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["mha._fastcall"] = module
+
+
+load_fastcall_from_source()
 import mha  # noqa: E402
 from mha import _lib  # noqa: E402
 
@@ -545,6 +584,137 @@ def test_fast_paths_keep_semantics():
         layer(x, causal="")
 
 
+class FastSpy:
+    """Wraps mha._api's compiled fast path (mha._fastcall), counting the calls it served and
+    the ones it declined (NotImplemented: the general path ran)."""
+
+    def __init__(self, monkeypatch):
+        from mha import _api
+        assert _lib.fast is not None, "mha._fastcall is not built: the fast path is not tested"
+        self.hits = self.declined = 0
+        self._fast = _lib.fast
+        monkeypatch.setattr(_api, "_fast", self)
+
+    def layer_forward(self, *args):
+        try:
+            out = self._fast.layer_forward(*args)
+        except Exception:
+            self.hits += 1   # served, with an error
+            raise
+        if out is NotImplemented:
+            self.declined += 1
+        else:
+            self.hits += 1
+        return out
+
+
+FAST_LAYERS = {
+    "plain": dict(),
+    "gqa_rope_no_bias": dict(g=2, rope="half", bias=False),
+    "kdim_dv_sinks": dict(dv=6, out_dim=12, sinks=True, softcap=20.0, alibi=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAST_LAYERS))
+def test_compiled_fast_path_equals_the_general_path_bit_for_bit(name, monkeypatch):
+    """layer(x) on a float32 C-contiguous input runs in mha._fastcall; the same input forced
+    through the general (ctypes) path, or given in another memory order or dtype (which the
+    fast path declines and the general path converts), gives the same bits."""
+    from mha import _api
+    kw = dict(FAST_LAYERS[name])
+    rng = np.random.default_rng(30)
+    g, sinks, bias = kw.pop("g", None), kw.pop("sinks", False), kw.pop("bias", True)
+    w = make_weights(rng, 16, 4, 4, g=g, dv=kw.pop("dv", None), out_dim=kw.pop("out_dim", None),
+                     bias=bias)
+    if sinks:
+        kw["sinks"] = f32(rng, 4)
+    layer = build(w, 4, g, **kw)
+    for shape, call in (((2, 7, 16), {}), ((7, 16), {}), ((1, 33, 16), dict(threads=2)),
+                        ((3, 5, 16), dict(impl="reference", threads=1))):
+        x = f32(rng, *shape)
+        spy = FastSpy(monkeypatch)
+        y = layer(x, **call)
+        assert spy.hits == 1 and spy.declined == 0
+        assert y.dtype == np.float32 and y.flags.c_contiguous and y.flags.writeable
+        assert y.shape == shape[:-1] + (layer.config.out_dim,)
+        y_fortran = layer(np.asfortranarray(x), **call)       # declined: not C-contiguous
+        y_f64 = layer(x.astype(np.float64), **call)           # declined: converted
+        assert spy.declined == 2 and spy.hits == 1
+        monkeypatch.setattr(_api, "_fast", None)
+        y_general = layer(x, **call)
+        for other in (y_fortran, y_f64, y_general):
+            np.testing.assert_array_equal(y, other)
+
+
+def test_compiled_fast_path_inputs_it_declines_or_refuses(monkeypatch):
+    """Anything but a float32 C-contiguous [B, n, q_dim] / [n, q_dim] buffer with valid impl and
+    threads goes to the general path, which converts or raises the usual errors; library errors
+    raise MhaError with the library's message; bad direct calls raise, never crash."""
+    rng = np.random.default_rng(31)
+    w = make_weights(rng, 16, 4, 4)
+    layer = build(w, 4)
+    x = f32(rng, 2, 5, 16)
+    y = layer(x)
+    spy = FastSpy(monkeypatch)
+    np.testing.assert_array_equal(layer(x.tolist()), y)           # not a buffer: converted
+    np.testing.assert_array_equal(layer(x, threads=np.int64(0)), y)   # not an int: general
+    np.testing.assert_array_equal(layer(memoryview(x)), y)          # any float32 buffer
+    np.testing.assert_array_equal(layer(x.view(np.ndarray)), y)
+    ro = x.copy()
+    ro.flags.writeable = False
+    np.testing.assert_array_equal(layer(ro), y)                       # read-only input
+    big = np.zeros((2, 5, 32), np.float32)
+    big[:, :, ::2] = x
+    np.testing.assert_array_equal(layer(big[:, :, ::2]), y)          # strided: copied
+    assert spy.hits == 3 and spy.declined == 3
+    for bad, err in ((f32(rng, 2, 5, 15), ValueError), (f32(rng, 5), ValueError),
+                     (f32(rng, 1, 2, 5, 16), ValueError),
+                     (np.ones((2, 5, 16), np.int32), TypeError), (x.astype(">f4"), None)):
+        if err is None:
+            np.testing.assert_array_equal(layer(bad), y)   # big-endian: converted, same values
+        else:
+            with pytest.raises(err):
+                layer(bad)
+    with pytest.raises(ValueError, match="impl"):
+        layer(x, impl="fastest")
+    with pytest.raises(ValueError, match="threads"):
+        layer(x, threads=-1)
+    with pytest.raises(TypeError):
+        layer(x, impl=["auto"])
+    cross = build(make_weights(rng, 16, 4, 4, k_dim=8), 4)
+    with pytest.raises(ValueError, match="self-attention"):
+        cross(x)                                          # declined: k_dim != q_dim
+    hits = spy.hits
+    for empty in (np.zeros((1, 0, 16), np.float32), np.zeros((0, 3, 16), np.float32)):
+        with pytest.raises(mha.MhaError) as e:
+            layer(empty)
+        assert e.value.status_name == "INVALID_ARG" and "q_len" in e.value.message
+    assert spy.hits == hits + 2   # the library's errors, raised from the compiled path
+    fc = _lib.fast
+    with pytest.raises(TypeError):
+        fc.layer_forward(layer._ptr, x)
+    with pytest.raises(ValueError, match="NULL"):
+        fc.layer_forward(0, x, 0, 0)
+    with pytest.raises(TypeError):
+        fc.layer_forward("layer", x, 0, 0)
+    assert fc.layer_forward(layer._ptr, "not a buffer", 0, 0) is NotImplemented
+    assert fc.layer_forward(layer._ptr, x, 0, -1) is NotImplemented
+    assert fc.layer_forward(layer._ptr, x, 2 ** 70, 0) is NotImplemented
+    with pytest.raises(TypeError):
+        fc.layer_call(layer._ptr, 1, 5)
+    with pytest.raises(TypeError):
+        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0)
+    with pytest.raises(ValueError, match="threads"):
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40)
+    with pytest.raises(OverflowError):
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70)
+    with pytest.raises(ValueError, match="NULL"):
+        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0)
+    with pytest.raises(mha.MhaError) as e:
+        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0)   # NULL query
+    assert e.value.status == 1 and e.value.message
+
+
 def test_impl_fast_reports_unsupported_or_runs():
     rng = np.random.default_rng(11)
     q, k, v = f32(rng, 1, 2, 5, 8), f32(rng, 1, 2, 5, 8), f32(rng, 1, 2, 5, 8)
@@ -706,30 +876,48 @@ def test_kv_cache_prefill_and_steps_equal_full_causal_forward():
 # ------------------------------------------------------------------------------------------------
 # Threads: the GIL is released during the C call
 # ------------------------------------------------------------------------------------------------
+def assert_gil_released(call, attempts=3):
+    """Runs call() in a thread while the main thread counts loop iterations: the count is large
+    only if the C call released the GIL. A few attempts: on a loaded machine the main thread may
+    not be scheduled at all during one call (a call holding the GIL never passes)."""
+    t0 = time.perf_counter()
+    call()
+    one = time.perf_counter() - t0
+    counts = []
+    for _ in range(attempts):
+        done = threading.Event()
+
+        def work():
+            call()
+            done.set()
+
+        th = threading.Thread(target=work)
+        count = 0
+        th.start()
+        time.sleep(0.01)
+        while not done.is_set():   # runs only if the C call does not hold the GIL
+            count += 1
+        th.join()
+        counts.append(count)
+        if count > 1000:
+            break
+    print(f"single call {one * 1e3:.1f} ms; python loop iterations during a call: {counts}")
+    assert counts[-1] > 1000, "the main thread did not run while the C call ran: the GIL was held"
+
+
 def test_gil_is_released_during_calls():
     rng = np.random.default_rng(17)
     q, k, v = f32(rng, 1, 2, 384, 64), f32(rng, 1, 2, 384, 64), f32(rng, 1, 2, 384, 64)
-    t0 = time.perf_counter()
-    mha.attention(q, k, v, impl="reference", threads=1)
-    one = time.perf_counter() - t0
-    done = threading.Event()
-    result = {}
+    assert_gil_released(lambda: mha.attention(q, k, v, impl="reference", threads=1))
 
-    def work():
-        t1 = time.perf_counter()
-        mha.attention(q, k, v, impl="reference", threads=1)
-        result["t"] = time.perf_counter() - t1
-        done.set()
 
-    th = threading.Thread(target=work)
-    count = 0
-    th.start()
-    time.sleep(0.01)
-    while not done.is_set():   # runs only if the C call does not hold the GIL
-        count += 1
-    th.join()
-    print(f"single call {one * 1e3:.1f} ms; python loop iterations during a call: {count}")
-    assert count > 1000, "the main thread did not run while the C call ran: the GIL was held"
+def test_gil_is_released_by_the_fast_layer_forward(monkeypatch):
+    rng = np.random.default_rng(19)
+    layer = build(make_weights(rng, 128, 2, 64), 2)
+    x = f32(rng, 1, 384, 128)
+    spy = FastSpy(monkeypatch)
+    assert_gil_released(lambda: layer(x, impl="reference", threads=1))
+    assert spy.hits == 2 and spy.declined == 0
 
 
 def test_concurrent_forward_on_one_layer_is_consistent():

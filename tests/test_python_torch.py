@@ -24,8 +24,11 @@ sys.path.insert(0, os.path.join(SRC, "python"))
 import torch  # noqa: E402  (required: CI installs python/requirements-test.txt)
 import torch.nn.functional as F  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_python_api import assert_gil_released  # noqa: E402  (also builds mha._fastcall)
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
+from mha import _lib  # noqa: E402
 
 TOL = 1e-5
 
@@ -341,6 +344,106 @@ def test_no_grad_inference_and_float64_inputs():
     assert y.dtype == torch.float64
     close(y, yr)
     close(w, wr)
+
+
+class FastSpy:
+    """Wraps mha.torch's compiled fast path, counting the forward calls it served."""
+
+    def __init__(self, monkeypatch):
+        assert _lib.fast is not None, "mha._fastcall is not built: the fast path is not tested"
+        self.hits = 0
+        self._fast = _lib.fast
+        monkeypatch.setattr(mt, "_fast", self)
+
+    def layer_call(self, *args):
+        self.hits += 1
+        return self._fast.layer_call(*args)
+
+
+@pytest.mark.parametrize("batch_first,shape,need_weights,average", [
+    (True, (2, 7, 12), False, True), (True, (2, 7, 12), True, True),
+    (True, (1, 7, 12), True, False), (False, (7, 1, 12), True, True),
+    (False, (7, 12), True, False), (True, (7, 12), False, True)])
+def test_compiled_inference_forward_equals_the_general_path_bit_for_bit(
+        batch_first, shape, need_weights, average, monkeypatch):
+    """Inference self-attention without masks runs in mha._fastcall; the same call through the
+    general (ctypes) path, or on a non-contiguous copy (which the fast path leaves to it), gives
+    the same bits, outputs and weights, in the same shapes and layouts."""
+    torch.manual_seed(7)
+    m = mt.MultiheadAttention(12, 3, batch_first=batch_first).eval()
+    x = torch.randn(*shape)
+    spy = FastSpy(monkeypatch)
+    with torch.no_grad():
+        y, w = m(x, x, x, need_weights=need_weights, average_attn_weights=average)
+        assert spy.hits == 1
+        xs = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]
+        xs.copy_(x)                                          # strided: the general path
+        ys, ws = m(xs, xs, xs, need_weights=need_weights, average_attn_weights=average)
+        assert spy.hits == 1
+        monkeypatch.setattr(mt, "_fast", None)
+        yg, wg = m(x, x, x, need_weights=need_weights, average_attn_weights=average)
+    for other in (ys, yg):
+        assert other.shape == y.shape and other.stride() == y.stride()
+        assert torch.equal(other, y)
+    if need_weights:
+        for other in (ws, wg):
+            assert other.shape == w.shape and torch.equal(other, w)
+    else:
+        assert w is None and ws is None and wg is None
+
+
+def test_compiled_inference_forward_scope(monkeypatch):
+    """What the fast path leaves to the general path: gradients wanted, masks, is_causal,
+    dropout in training, cross-attention, (L, N > 1, E), other dtypes; and its errors."""
+    torch.manual_seed(8)
+    m = mt.MultiheadAttention(12, 3)
+    x = torch.randn(5, 2, 12)
+    x1 = torch.randn(5, 1, 12)
+    spy = FastSpy(monkeypatch)
+    y, _ = m(x1, x1, x1)                                  # parameters require grad: autograd
+    y.sum().backward()
+    with torch.no_grad():
+        m(x, x, x)                                        # (L, N > 1, E): transposed copy
+        m(x1, x1, x1, is_causal=True)
+        m(x1, x1, x1, attn_mask=torch.zeros(5, 5, dtype=torch.bool))
+        m(x1, x1.clone(), x1)
+        m(x1.double(), x1.double(), x1.double())
+        m.train()
+        m.dropout = 0.5
+        m(x1, x1, x1)
+        assert spy.hits == 0
+        m.dropout = 0.0
+        m(x1, x1, x1)                                     # train() without dropout: fast
+        assert spy.hits == 1
+        m.eval()
+        with pytest.raises(TypeError):
+            m(x1.int(), x1.int(), x1.int())
+        with pytest.raises(AssertionError):
+            bad = torch.randn(5, 1, 10)
+            m(bad, bad, bad)
+        empty = torch.randn(0, 1, 12)
+        with pytest.raises(mha.MhaError) as e:
+            m(empty, empty, empty)                        # the library's error, same exception
+        assert e.value.status_name == "INVALID_ARG" and "q_len" in e.value.message
+        assert spy.hits == 2
+        monkeypatch.setattr(mt, "_fast", None)
+        with pytest.raises(mha.MhaError) as e2:
+            m(empty, empty, empty)
+        assert e2.value.message == e.value.message
+
+
+def test_compiled_inference_forward_releases_the_gil(monkeypatch):
+    torch.manual_seed(9)
+    m = mt.MultiheadAttention(128, 2, batch_first=True, threads=1).eval()
+    x = torch.randn(1, 2048, 128)
+
+    def call():
+        with torch.no_grad():  # grad mode is per thread
+            m(x, x, x, need_weights=False)
+
+    spy = FastSpy(monkeypatch)
+    assert_gil_released(call)
+    assert spy.hits == 2
 
 
 # ------------------------------------------------------------------------------------------------

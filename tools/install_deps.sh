@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: MIT
 # Installs what building and testing mha needs on a fresh Debian machine, skipping what is
 # already there: a C compiler, CMake, cJSON (safetensors headers), clang-14, cppcheck, valgrind,
-# and for the Python-driven tests python3 with the packages of python/requirements-test.txt.
+# and for the Python-driven tests python3, its headers and the packages of
+# python/requirements-test.txt.
 # Safe to run repeatedly.
 set -euo pipefail
 
@@ -12,7 +13,13 @@ command -v make >/dev/null 2>&1 || need_apt+=(make)
 [ -f /usr/include/cjson/cJSON.h ] || need_apt+=(libcjson-dev)
 # clang-14 + its runtime: libFuzzer harnesses (fuzz/) and ThreadSanitizer's runtime for gcc too.
 command -v clang-14 >/dev/null 2>&1 || need_apt+=(clang-14 libclang-rt-14-dev)
-command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip)
+command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip python3-dev)
+# Python's headers (Python.h): the Python tests compile the extension python/mha/_fastcall.c, as
+# `pip install ./python` does.
+if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import os, sys, sysconfig
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+    need_apt+=(python3-dev)
+fi
 # Static analysis (tools/cppcheck.sh) and valgrind memcheck of the CLI tests (tools/test.sh).
 command -v cppcheck >/dev/null 2>&1 || need_apt+=(cppcheck)
 command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)

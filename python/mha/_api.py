@@ -23,6 +23,7 @@ __all__ = ["Rope", "Config", "MultiheadAttention", "TrainState", "KVCache", "att
            "attention_backward", "rope", "rope_frequencies"]
 
 _F32 = np.dtype(np.float32)
+_fast = L.fast  # the compiled hot path, or None (then ctypes serves every call)
 _MASK_DTYPES = {np.dtype(np.bool_): L.DTYPE_BOOL, np.dtype(np.uint8): L.DTYPE_U8,
                 np.dtype(np.int32): L.DTYPE_I32, np.dtype(np.int64): L.DTYPE_I64}
 
@@ -842,6 +843,18 @@ class MultiheadAttention:
         Returns y [B, n, out_dim], or (y, weights) with ``need_weights`` (weights [B, h, n, m],
         or [B, n, m] with ``average_attn_weights``; before dropout).
         """
+        if (key is None and value is None and causal is False and alignment is None
+                and mask is None and attn_bias is None and key_padding_mask is None
+                and window is None and positions is None and key_positions is None
+                and q_segment_ids is None and kv_segment_ids is None and not need_weights
+                and dropout == 0.0 and seed == 0 and _fast is not None):
+            # The common call (self-attention, no options): one compiled call does the checks,
+            # the output, the struct and the library call (python/mha/_fastcall.c), or returns
+            # NotImplemented (not a float32 C-contiguous [B, n, q_dim] / [n, q_dim] buffer, bad
+            # impl or threads) and the general path below converts or raises.
+            out = _fast.layer_forward(self._ptr, query, L.IMPLS.get(impl, -1), threads)
+            if out is not NotImplemented:
+                return out
         keep: list = []
         a, out, probs, unbatched = self._forward_args(
             query, key, value, keep, causal=causal, alignment=alignment, mask=mask,

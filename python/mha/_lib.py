@@ -7,7 +7,11 @@ into :class:`MhaError`. No math happens here.
 
 Why ctypes: it is in the standard library (nothing to install, no compiler needed at import), and a
 call through a ``ctypes.CDLL`` function releases the GIL for its whole duration, so several Python
-threads can run attention at once.
+threads can run attention at once. The few calls whose Python overhead matters at small sizes (a
+layer's forward without options, the PyTorch drop-in's inference forward) go through the
+compiled extension ``mha._fastcall`` instead, bound here to this same library (:data:`fast`;
+None when the extension is not built, e.g. running from the source tree: then ctypes serves
+everything).
 """
 from __future__ import annotations
 
@@ -285,3 +289,22 @@ mha_layer_decode_step = optional_fn(
                               P(mha_error)])
 HAS_BACKWARD = mha_attention_backward is not None and mha_layer_backward is not None
 HAS_KV_CACHE = mha_kv_cache_create is not None and mha_layer_decode_step is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# The compiled fast path (python/mha/_fastcall.c): given the addresses of this library's functions,
+# so a layer made here is run by the same code whatever MHA_LIBRARY says.
+# ------------------------------------------------------------------------------------------------
+def _bind_fast():
+    try:
+        from . import _fastcall
+    except ImportError:
+        return None
+    import numpy as np
+    fns = (mha_layer_forward, mha_layer_config, mha_status_string)
+    _fastcall.bind(tuple(ctypes.cast(f, c_void_p).value for f in fns), MhaError, np.empty,
+                   np.dtype(np.float32))
+    return _fastcall
+
+
+fast = _bind_fast()

@@ -33,6 +33,7 @@ from ._lib import MhaError
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention", "MhaError"]
 
 _F32 = torch.float32
+_fast = L.fast  # the compiled hot path (inference forward), or None: ctypes for everything
 _MASK_CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L.DTYPE_I32,
                torch.int64: L.DTYPE_I64, torch.float32: L.DTYPE_F32}
 
@@ -394,6 +395,67 @@ class MultiheadAttention(nn.Module):
             self._cache_key = key
         return self._layer
 
+    def _forward_fast(self, x: Tensor, need_weights: bool, average: bool):
+        """Self-attention without masks or dropout, in inference (no gradient wanted), on a
+        contiguous float32 CPU input whose memory is mha's [B, n, E] order (batch_first, unbatched,
+        or (L, 1, E)): one compiled call (mha._fastcall), no ctypes struct, the output made with
+        empty_like (mha writes it in the input's layout). Returns None for anything else: the
+        general path handles it.
+
+        Every microsecond counts here: the module's plain attributes are read from its __dict__
+        (``self.name`` costs ~70 ns on an nn.Module, whose __getattr__ defeats CPython's attribute
+        cache), and the usual layer's cache key is spelled out (as in _param_key)."""
+        d = self.__dict__
+        if ((d["training"] and d["dropout"] > 0.0) or not d["_qkv_same_embed_dim"]
+                or x.dtype is not _F32 or not x.is_cpu or not x.is_contiguous()):
+            return None
+        shape = x.shape
+        nd = len(shape)
+        if nd == 3:
+            if d["batch_first"]:
+                B, n, E = shape
+            else:
+                n, B, E = shape
+                if B != 1:
+                    return None
+        elif nd == 2:
+            n, E = shape
+            B = 1
+        else:
+            return None
+        if E != d["embed_dim"]:
+            return None
+        try:
+            P = d["_parameters"]
+            op = d["_modules"]["out_proj"]._parameters
+            in_w, in_b, ow, ob = P["in_proj_weight"], P["in_proj_bias"], op["weight"], op["bias"]
+        except KeyError:  # a parametrized out_proj, a deleted parameter: the general path
+            return None
+        if in_w is None or ow is None:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or in_w.requires_grad or any(
+                p is not None and p.requires_grad for p in (in_b, ow, ob))):
+            return None
+        layer = d["_layer"]
+        if in_b is not None and ob is not None:
+            key = (in_w.data_ptr(), in_w._version, in_b.data_ptr(), in_b._version,
+                   ow.data_ptr(), ow._version, ob.data_ptr(), ob._version)
+        else:
+            key = None
+        if layer is None or key is None or key != d["_cache_key"]:
+            layer = self._mha_layer(self._params())
+        out = torch.empty_like(x)
+        probs = None
+        if need_weights:
+            h = d["num_heads"]
+            if average:
+                probs = _empty((n, n) if nd == 2 else (B, n, n))
+            else:
+                probs = _empty((h, n, n) if nd == 2 else (B, h, n, n))
+        _fast.layer_call(layer._ptr, B, n, x.data_ptr(), out.data_ptr(),
+                         None if probs is None else probs.data_ptr(), average, d["threads"])
+        return out, probs
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
@@ -406,6 +468,11 @@ class MultiheadAttention(nn.Module):
         added. is_causal: top-left causal mask (with attn_mask given, the mask is used, as
         PyTorch does). Weights: (N, L, S) averaged over heads, or (N, num_heads, L, S).
         """
+        if (query is key and key is value and attn_mask is None and key_padding_mask is None
+                and not is_causal and _fast is not None):
+            res = self._forward_fast(query, need_weights, average_attn_weights)
+            if res is not None:
+                return res
         self_attn = query is key and key is value
         kv_same = key is value
         nd = query.dim()
