@@ -86,8 +86,10 @@ mha_status mha_attention_merge(int64_t rows,
 /* ---------------------------------------------------------------------------------------------- */
 
 int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
-    /* scores [R][BLOCK], then four dequantised K rows and four V rows (padded to 16 floats) */
-    return p->group * p->t * MHA_DEC_BLOCK + 4 * (p->dk + 16) + 4 * (p->dv + 16) + 32;
+    /* scores [R][BLOCK], then the AVX-512 kernel's query rows [R][dk] or the generic kernel's
+     * dequantised K and V row, rows padded to 16 floats */
+    const int64_t R = p->group * p->t, d = p->dk > p->dv ? p->dk : p->dv;
+    return R * MHA_DEC_BLOCK + (R > 2 ? R : 2) * (d + 16) + 32;
 }
 
 static mha__dec_kernel_fn pick_kernel(void) {

@@ -94,7 +94,7 @@ typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
  * stays in this machine's 2 MiB L2 between the K and V passes. */
 #define MHA_DEC_BLOCK 256
 
-/* Scratch floats a kernel needs: scores [R][BLOCK] + four dequantised K and V rows. */
+/* Scratch floats a kernel needs: scores [R][BLOCK], then query rows or dequantised K/V rows. */
 int64_t mha__dec_scratch_floats(const mha__dec_problem *p);
 
 void mha__dec_kernel_generic(const mha__dec_problem *p,

@@ -695,6 +695,57 @@ static void test_threads_and_long(void) {
     mha_layer_destroy(L);
 }
 
+/* Non-finite cache entries: a NaN key a query sees makes its row NaN (as in the full forward);
+ * a NaN key and an infinite value it does not see (a later token of the same call) change
+ * nothing. Head sizes 16 and 20 take the split-KV kernel's full-vector and masked-tail paths. */
+static void test_nonfinite_keys(void) {
+    static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
+    for (int di = 0; di < 3; di++)
+        for (int64_t D = 16; D <= 20; D += 4) {
+            const int64_t G = 1, H = 2, n = 40, t = 2;
+            mha_kv_cache_config kc = {0};
+            kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = n, kc.batch = 2;
+            kc.dtype = dts[di];
+            mha_kv_cache *c = NULL;
+            mha_error err;
+            CHECK_OK(mha_kv_cache_create(&kc, NULL, NULL, &c, &err), &err);
+            test_rng r;
+            test_rng_seed(&r, 7);
+            float k[40 * 20], v[40 * 20], q[2 * 2 * 2 * 20], out[2][2 * 2 * 2 * 20];
+            test_fill_normal(&r, k, n * D, 1.0f);
+            test_fill_normal(&r, v, n * D, 1.0f);
+            test_fill_normal(&r, q, 2 * t * H * D, 1.0f);
+            for (int64_t s = 0; s < 2; s++)
+                CHECK_OK(mha_kv_cache_append(c, 1, &s, n, k, v, &err), &err);
+            mha_kv_attention_args a = {0};
+            a.num_seqs = 2, a.num_tokens = t, a.num_heads = H, a.q = q;
+            a.out = out[0];
+            CHECK_OK(mha_kv_cache_attention(c, &a, NULL, &err), &err);
+            /* Sequence 1: NaN key and infinite value at the last position (seen only by token 1).
+             */
+            const int64_t s1 = 1;
+            CHECK_OK(mha_kv_cache_truncate(c, s1, n - 1, &err), &err);
+            k[(n - 1) * D + 3] = NAN;
+            v[(n - 1) * D + 5] = INFINITY;
+            CHECK_OK(mha_kv_cache_append(c, 1, &s1, 1, k + (n - 1) * D, v + (n - 1) * D, &err),
+                     &err);
+            a.out = out[1];
+            CHECK_OK(mha_kv_cache_attention(c, &a, NULL, &err), &err);
+            const int64_t row = H * D; /* one token's outputs */
+            int token0_same = 1, token1_nan = 1;
+            for (int64_t e = 0; e < row; e++) {
+                const float *o1 = out[1] + t * row; /* sequence 1 */
+                token0_same &= memcmp(&o1[e], &out[0][t * row + e], sizeof(float)) == 0;
+                token1_nan &= isnan(o1[row + e]);
+            }
+            CHECK(token0_same, "%s d=%lld: a hidden NaN key / Inf value changes nothing",
+                  dt_name(dts[di]), (long long)D);
+            CHECK(token1_nan, "%s d=%lld: a visible NaN key makes the row NaN", dt_name(dts[di]),
+                  (long long)D);
+            mha_kv_cache_destroy(c);
+        }
+}
+
 int main(void) {
     test_decode_matches_full();
     test_mixed_and_edit();
@@ -702,6 +753,7 @@ int main(void) {
     test_merge();
     test_errors();
     test_threads_and_long();
+    test_nonfinite_keys();
     printf("worst decode error / max|ref|: f32 %.3g, f16 %.3g, bf16 %.3g\n", g_worst[0], g_worst[1],
            g_worst[2]);
     return test_finish();

@@ -3,17 +3,18 @@
  *
  * Same unit and contract as decode_generic.c: keys [j0, j1) of kv head g of one sequence, for all
  * R = group * t query rows that share it, producing an unnormalised (o, m, l) per row. K and V
- * rows are streamed four at a time and widened in registers (float16 with VCVTPH2PS, bfloat16 by
- * a 16-bit left shift); each 16-float slice of the four rows serves up to four query rows from
- * registers (a 4 x 4 block of accumulators), so for groups of <= 4 rows every K/V element is
- * loaded and widened exactly once:
- *   pass 1: 4 x 4 dot products, one 4-way horizontal sum per row; then, vectorised over the
- *           block: scale, soft-cap (vector tanh), ALiBi, causal / window mask
+ * rows are read straight from the cache and widened in registers (float16 with VCVTPH2PS,
+ * bfloat16 by a 16-bit left shift), in blocks of MHA_DEC_SUB keys:
+ *   pass 1: scores, 4 keys x up to 4 query rows of accumulators per sweep of the keys' vectors,
+ *           one 4-way horizontal sum per row; then, vectorised over the unit: scale, soft-cap
+ *           (vector tanh), ALiBi, causal / window mask
  *   pass 2: m = max, e = exp(s - m) (vector exp of simd_avx512.h, 0.06 ULP), l = sum e
- *   pass 3: o += e_j v_j, four keys per load/store of each accumulator row
- * Measured on a cache that fits in L3 (h = 32, g = 8, d = 128, 512 keys, 1 thread, best of 200
- * steps on a shared machine): 0.28 ms for float32 and bfloat16, against 0.37 / 0.49 ms for the
- * first version that widened rows into scratch and swept the rows one at a time.
+ *   pass 3: o += e_j v_j, up to 4 rows x 64 columns of o held in registers over a block of keys
+ * For groups of <= 4 query rows (t = 1, g <= 4 heads per kv head) every K/V element is loaded and
+ * widened exactly once. The kernel body is instantiated per cache dtype (a constant in the hot
+ * loops) and with plain loads when the head sizes are multiples of 16 (masked loads cost the hot
+ * loops ~20%). Widening a block into float32 scratch first was measured slower for g <= 4: the
+ * extra store and reload cost more than the widening they save.
  * The float32 sums are in a fixed order that does not depend on threads (bit-identical for any
  * thread count); they differ in rounding from the generic kernel's order (tolerance-tested).
  */
@@ -22,41 +23,70 @@
 
 #include <string.h>
 
-/* Elements [d, d+16) of a cache row as float32; lanes outside mask k read 0. */
-MHA_INLINE v16 load_row16(mha_dtype dt, const void *row, int64_t d, __mmask16 k) {
-    if (dt == MHA_DTYPE_F16)
-        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t *)row + d));
-    if (dt == MHA_DTYPE_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)row + d)), 16));
-    return _mm512_maskz_loadu_ps(k, (const float *)row + d);
+/* Elements [d, d+16) of a cache row of type DT as float32; lanes outside mask k read 0. FULL and
+ * DT are compile-time constants at every call: FULL says k is all ones (then the load is a plain
+ * one). */
+MHA_INLINE v16
+load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mmask16 k) {
+    if (DT == MHA_DTYPE_F32)
+        return FULL ? _mm512_loadu_ps((const float *)row + d)
+                    : _mm512_maskz_loadu_ps(k, (const float *)row + d);
+    const __m256i h = FULL ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))
+                           : _mm256_maskz_loadu_epi16(k, (const uint16_t *)row + d);
+    if (DT == MHA_DTYPE_F16)
+        return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Software prefetch of rows [j, j+4) of a unit (keys past j1 are skipped): the K and V streams
- * are long and regular, but each group of four rows is followed by R rows of arithmetic, which
- * keeps few cache-line misses in flight for the hardware prefetcher alone. TODO(#5): tune the
- * distance on a quiet machine (this one was shared with other builds when it was written). */
-#define MHA_DEC_PREFETCH 16 /* keys ahead: 8 KiB of float32 K rows of d = 128 */
+/* Keys per block of rows (a unit has up to MHA_DEC_BLOCK keys). */
+#define MHA_DEC_SUB 16
 
+/* Software prefetch distance in keys. The K pass prefetches the K rows MHA_DEC_PREFETCH keys
+ * ahead and, near its end, the first V rows; the V pass likewise the V rows ahead; each block's
+ * prefetches are spread over its arithmetic (a burst of them fills the line-fill buffers and
+ * stalls). The hardware prefetcher alone keeps too few misses in flight. */
+#define MHA_DEC_PREFETCH 32
+
+/* Cache rows of one (sequence, kv head): position j lives in slot j % slots (a ring buffer for
+ * windowed caches), so consecutive positions are consecutive rows except at one wrap. Slots are
+ * advanced by addition: a division per row cost ~15% of the kernel. */
+typedef struct row_stream {
+    const char *base; /* slot 0 */
+    size_t row_bytes;
+    int64_t slots;
+} row_stream;
+
+MHA_INLINE const void *stream_row(const row_stream *st, int64_t slot0, int64_t x) {
+    int64_t slot = slot0 + x;
+    while (slot >= st->slots)
+        slot -= st->slots;
+    return st->base + (size_t)slot * st->row_bytes;
+}
+
+/* Prefetches rows [x0, x1) (clipped to n) of the block whose first row is at slot0. */
 MHA_INLINE void
-prefetch_rows(const struct mha_kv_cache *c,
-              const void *(*row)(const struct mha_kv_cache *, int64_t, int64_t, int64_t),
-              int64_t seq,
-              int64_t g,
-              int64_t j,
-              int64_t j1,
-              size_t bytes) {
-    for (int64_t x = 0; x < 4 && j + x < j1; x++) {
-        const char *p = row(c, seq, g, j + x);
-        for (size_t b = 0; b < bytes; b += 64)
-            _mm_prefetch(p + b, _MM_HINT_T0);
+prefetch_rows(const row_stream *st, int64_t slot0, int64_t n, int64_t x0, int64_t x1) {
+    for (int64_t x = x0; x < x1 && x < n; x++) {
+        const char *row = stream_row(st, slot0, x);
+        for (size_t b = 0; b < st->row_bytes; b += 64)
+            _mm_prefetch(row + b, _MM_HINT_T0);
     }
 }
 
-/* Scores of NR rows (q[0..NR)) against four keys (kr[0..4)): out[x * BLOCK + y] = q_x . k_y for
- * y < nk. Inlined with a constant NR, the 4 x NR accumulators live in registers. */
+/* Rows [0, MHA_DEC_SUB) of the block at slot0; rows n.. repeat row 0, so callers may read a full
+ * group of four. */
+MHA_INLINE void
+block_rows(const row_stream *st, int64_t slot0, int64_t n, const void *rows[MHA_DEC_SUB]) {
+    for (int64_t x = 0; x < MHA_DEC_SUB; x++)
+        rows[x] = stream_row(st, slot0, x < n ? x : 0);
+}
+
+/* Scores of NR query rows (q[0..NR), float32, zero-padded) against four keys (kr[0..4), cache
+ * rows of type DT): out[x * BLOCK + y] = q_x . k_y for y < nk. Inlined with constant NR, the
+ * 4 x NR accumulators live in registers. */
 MHA_INLINE void dots(const int NR,
-                     mha_dtype dt,
+                     const mha_dtype DT,
+                     const int FULL,
                      const void *const kr[4],
                      const float *const q[4],
                      int64_t dk,
@@ -70,11 +100,11 @@ MHA_INLINE void dots(const int NR,
         acc[x][0] = acc[x][1] = acc[x][2] = acc[x][3] = v16_zero();
     for (int64_t d = 0; d < dkp; d += 16) {
         const __mmask16 k = d + 16 <= dk ? (__mmask16)0xFFFF : ktail;
-        const v16 k0 = load_row16(dt, kr[0], d, k), k1 = load_row16(dt, kr[1], d, k);
-        const v16 k2 = load_row16(dt, kr[2], d, k), k3 = load_row16(dt, kr[3], d, k);
+        const v16 k0 = load_row16(DT, FULL, kr[0], d, k), k1 = load_row16(DT, FULL, kr[1], d, k);
+        const v16 k2 = load_row16(DT, FULL, kr[2], d, k), k3 = load_row16(DT, FULL, kr[3], d, k);
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++) {
-            const v16 qv = _mm512_maskz_loadu_ps(k, q[x] + d);
+            const v16 qv = _mm512_load_ps(q[x] + d);
             acc[x][0] = v16_fma(qv, k0, acc[x][0]);
             acc[x][1] = v16_fma(qv, k1, acc[x][1]);
             acc[x][2] = v16_fma(qv, k2, acc[x][2]);
@@ -91,83 +121,134 @@ MHA_INLINE void dots(const int NR,
     }
 }
 
-/* o_x += sum_y e[x][y] v_y for NR accumulator rows (row stride dv) and four value rows. */
-MHA_INLINE void axpys(const int NR,
-                      mha_dtype dt,
-                      const void *const vr[4],
-                      float e[4][4],
-                      float *o,
-                      int64_t dv,
-                      int64_t dvp,
-                      __mmask16 vtail) {
-    v16 ev[4][4];
+/* o_x[c0 + 0..64) += sum_{y < nk} e_x[y] v_y[c0 + 0..64) for NR accumulator rows (row stride dv,
+ * e_x at e + x * BLOCK) over a block of value rows (cache rows of type DT): the NR x 4 accumulator
+ * vectors stay in registers for the whole block. Row y of the block ahead (slot pslot, pn rows) is
+ * prefetched with key y. A key adds nothing to a row whose e is 0 (a key the row does not see),
+ * even when its v is not finite. Keys are added in order,
+ * o_x = ((o_x + e0 v0) + e1 v1) + ..., so the sum does not depend on the block size. */
+MHA_INLINE void axpy_block(const int NR,
+                           const mha_dtype DT,
+                           const int FULL,
+                           const void *const vr[MHA_DEC_SUB],
+                           int64_t nk,
+                           const float *e,
+                           float *o,
+                           int64_t dv,
+                           int64_t c0,
+                           const __mmask16 km[4],
+                           const row_stream *pst,
+                           int64_t pslot,
+                           int64_t pn) {
+    v16 acc[4][4];
 #pragma GCC unroll 4
     for (int x = 0; x < NR; x++)
-        for (int y = 0; y < 4; y++)
-            ev[x][y] = v16_set1(e[x][y]);
-    for (int64_t d = 0; d < dvp; d += 16) {
-        const __mmask16 k = d + 16 <= dv ? (__mmask16)0xFFFF : vtail;
-        const v16 v0 = load_row16(dt, vr[0], d, k), v1 = load_row16(dt, vr[1], d, k);
-        const v16 v2 = load_row16(dt, vr[2], d, k), v3 = load_row16(dt, vr[3], d, k);
+        for (int c = 0; c < 4; c++)
+            acc[x][c] = FULL ? _mm512_loadu_ps(o + x * dv + c0 + 16 * c)
+                             : _mm512_maskz_loadu_ps(km[c], o + x * dv + c0 + 16 * c);
+    for (int64_t y = 0; y < nk; y++) {
+        prefetch_rows(pst, pslot, pn, y, y + 1);
+        int any = 0, all = 1;
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++) {
-            float *orow = o + x * dv;
-            v16 acc = _mm512_maskz_loadu_ps(k, orow + d);
-            acc = v16_fma(ev[x][0], v0, acc);
-            acc = v16_fma(ev[x][1], v1, acc);
-            acc = v16_fma(ev[x][2], v2, acc);
-            acc = v16_fma(ev[x][3], v3, acc);
-            _mm512_mask_storeu_ps(orow + d, k, acc);
+            const int nonzero = e[x * MHA_DEC_BLOCK + y] != 0.0f;
+            any |= nonzero;
+            all &= nonzero;
+        }
+        if (!any)
+            continue;
+        v16 v[4];
+        for (int c = 0; c < 4; c++)
+            v[c] = load_row16(DT, FULL, vr[y], c0 + 16 * c, km[c]);
+#pragma GCC unroll 4
+        for (int x = 0; x < NR; x++) {
+            /* a row that does not see key y skips it (0 * inf would be NaN) */
+            if (!all && e[x * MHA_DEC_BLOCK + y] == 0.0f)
+                continue;
+            const v16 ev = v16_set1(e[x * MHA_DEC_BLOCK + y]);
+            for (int c = 0; c < 4; c++)
+                acc[x][c] = v16_fma(ev, v[c], acc[x][c]);
         }
     }
+#pragma GCC unroll 4
+    for (int x = 0; x < NR; x++)
+        for (int c = 0; c < 4; c++) {
+            if (FULL)
+                _mm512_storeu_ps(o + x * dv + c0 + 16 * c, acc[x][c]);
+            else
+                _mm512_mask_storeu_ps(o + x * dv + c0 + 16 * c, km[c], acc[x][c]);
+        }
 }
 
-void mha__dec_kernel_avx512(const mha__dec_problem *p,
-                            const mha__dec_unit *u,
-                            float *o,
-                            float *m,
-                            float *l,
-                            float *scratch) {
+/* The kernel for cache dtype DT (a constant after inlining). */
+MHA_INLINE void dec_kernel(const mha_dtype DT,
+                           const mha__dec_problem *p,
+                           const mha__dec_unit *u,
+                           float *o,
+                           float *m,
+                           float *l,
+                           float *scratch) {
     const struct mha_kv_cache *c = p->cache;
-    const mha_dtype dt = c->cfg.dtype;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
     const int64_t seq = p->seq[u->s], L = c->len[seq];
     const int64_t dkp = (dk + 15) & ~(int64_t)15, dvp = (dv + 15) & ~(int64_t)15;
-    float *S = scratch;
+    /* scratch: scores [R][BLOCK], then the unit's query rows [R][dkp] (zero-padded, 64-B aligned)
+     */
+    float *S = scratch, *qbuf = S + R * MHA_DEC_BLOCK;
     const __mmask16 ktail = v16_first((int)(dk - (dkp - 16))),
                     vtail = v16_first((int)(dv - (dvp - 16)));
+    const int64_t pair = seq * c->cfg.num_kv_heads + u->g, slot_j0 = u->j0 % c->slots;
+    const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots * dk) * c->elem,
+                           (size_t)dk * c->elem, c->slots};
+    const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots * dv) * c->elem,
+                           (size_t)dv * c->elem, c->slots};
+    /* Slot of key j0 + jj (jj < nb <= slots). */
+#define SLOT_(jj) (slot_j0 + (jj) >= c->slots ? slot_j0 + (jj)-c->slots : slot_j0 + (jj))
 
-    /* Pass 1a: raw dot products q_r . k_j, four keys per step, up to four rows per sweep of
-     * the keys' vectors (the keys are widened in registers, once per sweep). */
-    for (int64_t jj = 0; jj < nb; jj += 4) {
-        const int64_t nk = nb - jj < 4 ? nb - jj : 4;
-        prefetch_rows(c, mha__kv_k_row, seq, u->g, u->j0 + jj + MHA_DEC_PREFETCH, u->j1,
-                      (size_t)dk * c->elem);
-        const void *kr[4];
-        for (int64_t x = 0; x < 4; x++)
-            kr[x] = mha__kv_k_row(c, seq, u->g, u->j0 + jj + (x < nk ? x : 0));
-        for (int64_t r0 = 0; r0 < R; r0 += 4) {
-            const int64_t nr = R - r0 < 4 ? R - r0 : 4;
-            const float *q[4];
-            for (int64_t x = 0; x < 4; x++) {
-                const int64_t r = r0 + (x < nr ? x : 0);
-                const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-                q[x] = p->q + u->s * p->q_ss + i * p->q_ts + h * dk;
-            }
-            float *out = S + r0 * MHA_DEC_BLOCK + jj;
-            switch (nr) {
-            case 4:
-                dots(4, dt, kr, q, dk, dkp, ktail, nk, out);
-                break;
-            case 3:
-                dots(3, dt, kr, q, dk, dkp, ktail, nk, out);
-                break;
-            case 2:
-                dots(2, dt, kr, q, dk, dkp, ktail, nk, out);
-                break;
-            default:
-                dots(1, dt, kr, q, dk, dkp, ktail, nk, out);
-                break;
+    /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
+     * token i (no division in the loops below). */
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
+        const float *src = p->q + u->s * p->q_ss + i * p->q_ts + h * dk;
+        for (int64_t d = 0; d < dkp; d += 16)
+            _mm512_store_ps(
+                qbuf + r * dkp + d,
+                _mm512_maskz_loadu_ps(d + 16 <= dk ? (__mmask16)0xFFFF : ktail, src + d));
+    }
+
+    /* Pass 1a: raw dot products q_r . k_j, per block of MHA_DEC_SUB keys, four keys by up to four
+     * rows per sweep of the keys' vectors. The prefetch runs ahead on the K rows, then on the
+     * first V rows (pass 3 reads them next). */
+    const int kfull = dk % 16 == 0;
+    for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
+        const int64_t nkb = nb - jb < MHA_DEC_SUB ? nb - jb : MHA_DEC_SUB;
+        const int64_t ahead = jb + MHA_DEC_PREFETCH;
+        const row_stream *pst = ahead < nb ? &ks : &vs;
+        const int64_t pj = ahead < nb ? ahead : ahead - nb;
+        const int64_t pn = pj < nb ? (nb - pj < MHA_DEC_SUB ? nb - pj : MHA_DEC_SUB) : 0;
+        const int64_t pslot = SLOT_(pj < nb ? pj : 0);
+        const void *kb[MHA_DEC_SUB];
+        block_rows(&ks, SLOT_(jb), nkb, kb);
+        for (int64_t y0 = 0; y0 < nkb; y0 += 4) {
+            const int64_t nk = nkb - y0 < 4 ? nkb - y0 : 4;
+            prefetch_rows(pst, pslot, pn, y0, y0 + 4);
+            const void *kr[4] = {kb[y0], kb[y0 + 1], kb[y0 + 2], kb[y0 + 3]};
+            for (int64_t r0 = 0; r0 < R; r0 += 4) {
+                const int64_t nr = R - r0 < 4 ? R - r0 : 4;
+                const float *q[4];
+                for (int64_t x = 0; x < 4; x++)
+                    q[x] = qbuf + (r0 + (x < nr ? x : 0)) * dkp;
+                float *out = S + r0 * MHA_DEC_BLOCK + jb + y0;
+                switch (nr * 2 + kfull) {
+#define DOTS_(nr_, full_)                                                                          \
+    case nr_ * 2 + full_:                                                                          \
+        dots(nr_, DT, full_, kr, q, dk, dkp, ktail, nk, out);                                      \
+        break;
+                    // clang-format off
+                    DOTS_(4, 1) DOTS_(4, 0) DOTS_(3, 1) DOTS_(3, 0) DOTS_(2, 1) DOTS_(2, 0) DOTS_(1, 1) DOTS_(1, 0)
+                    // clang-format on
+#undef DOTS_
+                }
             }
         }
     }
@@ -187,6 +268,7 @@ void mha__dec_kernel_avx512(const mha__dec_problem *p,
         const float slope = p->slopes ? p->slopes[h] : 0.0f;
         const v16 vslope = v16_set1(slope), vdist0 = v16_set1((float)(pos - u->j0));
         v16 vmax = v16_set1(-INFINITY);
+        __mmask16 nan_seen = 0;
         for (int64_t jj = 0; jj < nb; jj += 16) {
             const int64_t rem = nb - jj;
             const __mmask16 in = v16_first((int)(rem < 16 ? rem : 16));
@@ -198,15 +280,13 @@ void mha__dec_kernel_avx512(const mha__dec_problem *p,
                 s = v16_mul(cap, v16_tanh(v16_mul(s, inv_cap)));
             if (p->slopes)
                 s = _mm512_fnmadd_ps(vslope, v16_sub(vdist0, jrel), s);
+            nan_seen |= _mm512_mask_cmp_ps_mask(vis, s, s, _CMP_UNORD_Q);
             s = v16_select(vis, s, v16_set1(-INFINITY));
             _mm512_mask_storeu_ps(sr + jj, in, s);
             vmax = v16_max_nan_ignoring(s, vmax);
         }
-        float mr = v16_hmax(vmax);
-        /* NaN scores propagate: a NaN anywhere in the row makes m NaN. */
-        for (int64_t jj = lo; jj <= hi; jj++)
-            if (isnan(sr[jj]))
-                mr = NAN;
+        /* NaN scores propagate: a NaN among the visible keys makes m NaN. */
+        const float mr = nan_seen ? NAN : v16_hmax(vmax);
         m[r] = mr;
         v16 vsum = v16_zero();
         if (mr == -INFINITY) {
@@ -226,41 +306,59 @@ void mha__dec_kernel_avx512(const mha__dec_problem *p,
         memset(o + r * dv, 0, sizeof(float) * (size_t)dv);
     }
 
-    /* Pass 3: o_r += e_rj v_j, four keys (widened in registers) per pass over up to four
-     * accumulator rows. */
-    for (int64_t jj = 0; jj < nb; jj += 4) {
-        const int64_t nk = nb - jj < 4 ? nb - jj : 4;
-        prefetch_rows(c, mha__kv_v_row, seq, u->g, u->j0 + jj + MHA_DEC_PREFETCH, u->j1,
-                      (size_t)dv * c->elem);
-        const void *vr[4];
-        for (int64_t x = 0; x < 4; x++)
-            vr[x] = mha__kv_v_row(c, seq, u->g, u->j0 + jj + (x < nk ? x : 0));
+    /* Pass 3: o_r += e_rj v_j over blocks of MHA_DEC_SUB value rows, for up to four rows x 64
+     * columns of accumulators held in registers across the block. */
+    const int vfull = dv % 64 == 0;
+    for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
+        const int64_t nkb = nb - jb < MHA_DEC_SUB ? nb - jb : MHA_DEC_SUB;
+        const int64_t ahead = jb + MHA_DEC_PREFETCH;
+        const int64_t pn = ahead < nb ? (nb - ahead < MHA_DEC_SUB ? nb - ahead : MHA_DEC_SUB) : 0;
+        const int64_t pslot = SLOT_(ahead < nb ? ahead : 0);
+        const void *vb[MHA_DEC_SUB];
+        block_rows(&vs, SLOT_(jb), nkb, vb);
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             const int64_t nr = R - r0 < 4 ? R - r0 : 4;
-            float e[4][4]; /* e[row][key], 0 for keys past nk */
-            int any = 0;
-            for (int64_t x = 0; x < nr; x++)
-                for (int64_t y = 0; y < 4; y++) {
-                    e[x][y] = y < nk ? S[(r0 + x) * MHA_DEC_BLOCK + jj + y] : 0.0f;
-                    any |= e[x][y] != 0.0f;
-                }
-            if (!any)
-                continue; /* masked keys (causal tail, window head) add nothing */
+            const float *e = S + r0 * MHA_DEC_BLOCK + jb;
             float *orow = o + r0 * dv;
-            switch (nr) {
-            case 4:
-                axpys(4, dt, vr, e, orow, dv, dvp, vtail);
-                break;
-            case 3:
-                axpys(3, dt, vr, e, orow, dv, dvp, vtail);
-                break;
-            case 2:
-                axpys(2, dt, vr, e, orow, dv, dvp, vtail);
-                break;
-            default:
-                axpys(1, dt, vr, e, orow, dv, dvp, vtail);
-                break;
+            for (int64_t c0 = 0; c0 < dvp; c0 += 64) {
+                /* the block ahead is prefetched during the first (row group, column group) */
+                const int64_t pnow = r0 == 0 && c0 == 0 ? pn : 0;
+                __mmask16 km[4];
+                for (int cc = 0; cc < 4; cc++) {
+                    const int64_t d = c0 + 16 * cc;
+                    km[cc] = d + 16 <= dv ? (__mmask16)0xFFFF : d < dv ? vtail : (__mmask16)0;
+                }
+                switch (nr * 2 + vfull) {
+#define AXPY_(nr_, full_)                                                                          \
+    case nr_ * 2 + full_:                                                                          \
+        axpy_block(nr_, DT, full_, vb, nkb, e, orow, dv, c0, km, &vs, pslot, pnow);                \
+        break;
+                    // clang-format off
+                    AXPY_(4, 1) AXPY_(4, 0) AXPY_(3, 1) AXPY_(3, 0) AXPY_(2, 1) AXPY_(2, 0) AXPY_(1, 1) AXPY_(1, 0)
+                    // clang-format on
+#undef AXPY_
+                }
             }
         }
+    }
+#undef SLOT_
+}
+
+void mha__dec_kernel_avx512(const mha__dec_problem *p,
+                            const mha__dec_unit *u,
+                            float *o,
+                            float *m,
+                            float *l,
+                            float *scratch) {
+    switch (p->cache->cfg.dtype) {
+    case MHA_DTYPE_F16:
+        dec_kernel(MHA_DTYPE_F16, p, u, o, m, l, scratch);
+        break;
+    case MHA_DTYPE_BF16:
+        dec_kernel(MHA_DTYPE_BF16, p, u, o, m, l, scratch);
+        break;
+    default:
+        dec_kernel(MHA_DTYPE_F32, p, u, o, m, l, scratch);
+        break;
     }
 }
