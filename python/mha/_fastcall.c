@@ -116,6 +116,20 @@ static int get_threads(PyObject *o, int32_t *threads) {
     return 0;
 }
 
+/* mha_layer_forward with the GIL released; 0, or -1 with MhaError set. */
+static int run_forward(const mha_layer *layer, const mha_forward_args *a, const mha_exec *ex) {
+    mha_error err;
+    err.message[0] = '\0';
+    PyThreadState *ts = PyEval_SaveThread(); /* Py_BEGIN_ALLOW_THREADS */
+    mha_status st = g_forward(layer, a, ex, &err);
+    PyEval_RestoreThread(ts); /* Py_END_ALLOW_THREADS */
+    if (st != MHA_STATUS_OK) {
+        raise_status(st, &err);
+        return -1;
+    }
+    return 0;
+}
+
 static void init_args(mha_forward_args *a) {
     memset(a, 0, sizeof *a);
     a->mask.window_left = -1; /* no masking, no dropout: what the general path passes */
@@ -238,16 +252,12 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
     memset(&ex, 0, sizeof ex);
     ex.impl = (mha_impl)impl;
     ex.n_threads = (int32_t)threads;
-    mha_error err;
-    err.message[0] = '\0';
-    PyThreadState *ts = PyEval_SaveThread(); /* Py_BEGIN_ALLOW_THREADS */
-    mha_status st = g_forward(layer, &a, &ex, &err);
-    PyEval_RestoreThread(ts); /* Py_END_ALLOW_THREADS */
+    const int failed = run_forward(layer, &a, &ex);
     PyBuffer_Release(&o);
     PyBuffer_Release(&x);
-    if (st != MHA_STATUS_OK) {
+    if (failed) {
         Py_DECREF(out);
-        return raise_status(st, &err);
+        return NULL;
     }
     return out;
 }
@@ -291,13 +301,8 @@ static PyObject *layer_call(PyObject *self, PyObject *const *args, Py_ssize_t na
     a.out = out;
     a.probs = probs;
     a.average_probs = average;
-    mha_error err;
-    err.message[0] = '\0';
-    PyThreadState *ts = PyEval_SaveThread();
-    mha_status st = g_forward(layer, &a, &ex, &err);
-    PyEval_RestoreThread(ts);
-    if (st != MHA_STATUS_OK) {
-        return raise_status(st, &err);
+    if (run_forward(layer, &a, &ex)) {
+        return NULL;
     }
     Py_RETURN_NONE;
 }

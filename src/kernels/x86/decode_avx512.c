@@ -47,6 +47,11 @@ load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mma
  * stalls). The hardware prefetcher alone keeps too few misses in flight. */
 #define MHA_DEC_PREFETCH 32
 
+/* Keys of the block starting at key j of a unit of nb keys (0 past the end). */
+MHA_INLINE int64_t block_len(int64_t nb, int64_t j) {
+    return j >= nb ? 0 : nb - j < MHA_DEC_SUB ? nb - j : MHA_DEC_SUB;
+}
+
 /* Cache rows of one (sequence, kv head): position j lives in slot j % slots (a ring buffer for
  * windowed caches), so consecutive positions are consecutive rows except at one wrap. Slots are
  * advanced by addition: a division per row cost ~15% of the kernel. */
@@ -124,8 +129,8 @@ MHA_INLINE void dots(const int NR,
 /* o_x[c0 + 0..64) += sum_{y < nk} e_x[y] v_y[c0 + 0..64) for NR accumulator rows (row stride dv,
  * e_x at e + x * BLOCK) over a block of value rows (cache rows of type DT): the NR x 4 accumulator
  * vectors stay in registers for the whole block. Row y of the block ahead (slot pslot, pn rows) is
- * prefetched with key y. A key adds nothing to a row whose e is 0 (a key the row does not see),
- * even when its v is not finite. Keys are added in order,
+ * prefetched with key y. Bit y of seen[x] says e_x[y] != 0: a key adds nothing to a row that does
+ * not see it, even when its v is not finite. Keys are added in order,
  * o_x = ((o_x + e0 v0) + e1 v1) + ..., so the sum does not depend on the block size. */
 MHA_INLINE void axpy_block(const int NR,
                            const mha_dtype DT,
@@ -137,6 +142,7 @@ MHA_INLINE void axpy_block(const int NR,
                            int64_t dv,
                            int64_t c0,
                            const __mmask16 km[4],
+                           const __mmask16 seen[4],
                            const row_stream *pst,
                            int64_t pslot,
                            int64_t pn) {
@@ -148,14 +154,14 @@ MHA_INLINE void axpy_block(const int NR,
                              : _mm512_maskz_loadu_ps(km[c], o + x * dv + c0 + 16 * c);
     for (int64_t y = 0; y < nk; y++) {
         prefetch_rows(pst, pslot, pn, y, y + 1);
-        int any = 0, all = 1;
+        const unsigned bit = 1u << y;
+        unsigned any = 0, all = bit;
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++) {
-            const int nonzero = e[x * MHA_DEC_BLOCK + y] != 0.0f;
-            any |= nonzero;
-            all &= nonzero;
+            any |= seen[x];
+            all &= seen[x];
         }
-        if (!any)
+        if (!(any & bit))
             continue;
         v16 v[4];
         for (int c = 0; c < 4; c++)
@@ -163,7 +169,7 @@ MHA_INLINE void axpy_block(const int NR,
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++) {
             /* a row that does not see key y skips it (0 * inf would be NaN) */
-            if (!all && e[x * MHA_DEC_BLOCK + y] == 0.0f)
+            if (!all && !(seen[x] & bit))
                 continue;
             const v16 ev = v16_set1(e[x * MHA_DEC_BLOCK + y]);
             for (int c = 0; c < 4; c++)
@@ -221,12 +227,12 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
      * first V rows (pass 3 reads them next). */
     const int kfull = dk % 16 == 0;
     for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
-        const int64_t nkb = nb - jb < MHA_DEC_SUB ? nb - jb : MHA_DEC_SUB;
+        const int64_t nkb = block_len(nb, jb);
         const int64_t ahead = jb + MHA_DEC_PREFETCH;
         const row_stream *pst = ahead < nb ? &ks : &vs;
         const int64_t pj = ahead < nb ? ahead : ahead - nb;
-        const int64_t pn = pj < nb ? (nb - pj < MHA_DEC_SUB ? nb - pj : MHA_DEC_SUB) : 0;
-        const int64_t pslot = SLOT_(pj < nb ? pj : 0);
+        const int64_t pn = block_len(nb, pj);
+        const int64_t pslot = SLOT_(pn > 0 ? pj : 0);
         const void *kb[MHA_DEC_SUB];
         block_rows(&ks, SLOT_(jb), nkb, kb);
         for (int64_t y0 = 0; y0 < nkb; y0 += 4) {
@@ -310,16 +316,23 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
      * columns of accumulators held in registers across the block. */
     const int vfull = dv % 64 == 0;
     for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
-        const int64_t nkb = nb - jb < MHA_DEC_SUB ? nb - jb : MHA_DEC_SUB;
+        const int64_t nkb = block_len(nb, jb);
         const int64_t ahead = jb + MHA_DEC_PREFETCH;
-        const int64_t pn = ahead < nb ? (nb - ahead < MHA_DEC_SUB ? nb - ahead : MHA_DEC_SUB) : 0;
-        const int64_t pslot = SLOT_(ahead < nb ? ahead : 0);
+        const int64_t pn = block_len(nb, ahead);
+        const int64_t pslot = SLOT_(pn > 0 ? ahead : 0);
         const void *vb[MHA_DEC_SUB];
         block_rows(&vs, SLOT_(jb), nkb, vb);
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             const int64_t nr = R - r0 < 4 ? R - r0 : 4;
             const float *e = S + r0 * MHA_DEC_BLOCK + jb;
             float *orow = o + r0 * dv;
+            /* which keys of the block each row sees (e != 0; NaN counts as seen), shared by the
+             * column groups */
+            __mmask16 seen[4] = {0, 0, 0, 0};
+            for (int64_t x = 0; x < nr; x++)
+                seen[x] = _mm512_cmp_ps_mask(
+                    _mm512_maskz_loadu_ps(v16_first((int)nkb), e + x * MHA_DEC_BLOCK), v16_zero(),
+                    _CMP_NEQ_UQ);
             for (int64_t c0 = 0; c0 < dvp; c0 += 64) {
                 /* the block ahead is prefetched during the first (row group, column group) */
                 const int64_t pnow = r0 == 0 && c0 == 0 ? pn : 0;
@@ -331,7 +344,7 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 switch (nr * 2 + vfull) {
 #define AXPY_(nr_, full_)                                                                          \
     case nr_ * 2 + full_:                                                                          \
-        axpy_block(nr_, DT, full_, vb, nkb, e, orow, dv, c0, km, &vs, pslot, pnow);                \
+        axpy_block(nr_, DT, full_, vb, nkb, e, orow, dv, c0, km, seen, &vs, pslot, pnow);          \
         break;
                     // clang-format off
                     AXPY_(4, 1) AXPY_(4, 0) AXPY_(3, 1) AXPY_(3, 0) AXPY_(2, 1) AXPY_(2, 0) AXPY_(1, 1) AXPY_(1, 0)
