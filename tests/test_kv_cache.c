@@ -214,6 +214,11 @@ static void test_decode_matches_full(void) {
         {"everything", 32, 4, 2, 8, MHA_ROPE_HALF, 6, 1, 1, 3.0, 4, 2, MHA_DTYPE_F32},
         {"d=20 (vector + tail)", 40, 4, 2, 20, MHA_ROPE_INTERLEAVED, 0, 1, 0, 0.0, 0, 0,
          MHA_DTYPE_F32},
+        /* d = 64 with <= 4 query rows per kv head and call: the kernel's contiguous path */
+        {"d=64 mha", 64, 2, 2, 64, MHA_ROPE_HALF, 0, 1, 1, 3.0, 0, 0, MHA_DTYPE_F32},
+        {"d=64 gqa2 window-ring", 64, 4, 2, 64, MHA_ROPE_INTERLEAVED, 0, 0, 0, 0.0, 5, 3,
+         MHA_DTYPE_F32},
+        {"d=64 gqa4 sinks", 64, 4, 1, 64, MHA_ROPE_NONE, 0, 0, 1, 0.0, 0, 0, MHA_DTYPE_F32},
     };
     static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
     const int64_t B = 2, n = 23;
@@ -620,57 +625,66 @@ static void test_errors(void) {
 
 static void test_threads_and_long(void) {
     static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
-    for (int di = 0; di < 3; di++) {
-        const int64_t G = 2, H = 8, D = 64, B = 3, Lmax = 1100, t = 2;
-        mha_kv_cache_config kc = {0};
-        kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = Lmax, kc.batch = B;
-        kc.dtype = dts[di];
-        mha_kv_cache *c = NULL;
-        mha_error err;
-        CHECK_OK(mha_kv_cache_create(&kc, NULL, NULL, &c, &err), &err);
-        test_rng r;
-        test_rng_seed(&r, 99);
-        const int64_t lens[3] = {1037, 300, 2};
-        float *kv = malloc(sizeof(float) * (size_t)(Lmax * G * D));
-        for (int64_t s = 0; s < B; s++) {
-            test_fill_normal(&r, kv, lens[s] * G * D, 1.0f);
-            CHECK_OK(mha_kv_cache_append(c, 1, &s, lens[s], kv, kv, &err), &err);
+    /* (G, H, t): R = H / G * t query rows per kv head = 8 (the kernel's general path), 4, 3,
+     * 2, 1 (its contiguous path; t = 2 has rows that do not see every key) */
+    static const int64_t shapes[][3] = {{2, 8, 2}, {2, 8, 1}, {2, 6, 1}, {2, 4, 2}, {4, 4, 1}};
+    for (int di = 0; di < 3; di++)
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            const int64_t G = shapes[si][0], H = shapes[si][1], t = shapes[si][2], D = 64, B = 3,
+                          Lmax = 1100;
+            mha_kv_cache_config kc = {0};
+            kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = Lmax, kc.batch = B;
+            kc.dtype = dts[di];
+            mha_kv_cache *c = NULL;
+            mha_error err;
+            CHECK_OK(mha_kv_cache_create(&kc, NULL, NULL, &c, &err), &err);
+            test_rng r;
+            test_rng_seed(&r, 99);
+            const int64_t lens[3] = {1037, 300, 2};
+            float *kv = malloc(sizeof(float) * (size_t)(Lmax * G * D));
+            for (int64_t s = 0; s < B; s++) {
+                test_fill_normal(&r, kv, lens[s] * G * D, 1.0f);
+                CHECK_OK(mha_kv_cache_append(c, 1, &s, lens[s], kv, kv, &err), &err);
+            }
+            const int64_t qn = B * t * H * D;
+            float *q = malloc(sizeof(float) * (size_t)qn);
+            test_fill_normal(&r, q, qn, 1.0f);
+            float *o[4], lse[4][3 * 8 * 2];
+            for (int k = 0; k < 4; k++)
+                o[k] = malloc(sizeof(float) * (size_t)qn);
+            float sinks[8];
+            test_fill_normal(&r, sinks, 8, 1.0f);
+            mha_kv_attention_args a = {0};
+            a.num_seqs = B, a.num_tokens = t, a.num_heads = H, a.q = q, a.alibi = 1;
+            a.softcap = 20.0, a.sinks = sinks;
+            for (int k = 0; k < 4; k++) {
+                mha_exec ex = {0};
+                ex.impl = k == 3 ? MHA_IMPL_REFERENCE : MHA_IMPL_AUTO;
+                ex.n_threads = k == 3 ? 1 : k + 1;
+                a.out = o[k];
+                a.lse = lse[k];
+                CHECK_OK(mha_kv_cache_attention(c, &a, &ex, &err), &err);
+            }
+            CHECK(memcmp(o[0], o[1], sizeof(float) * (size_t)qn) == 0 &&
+                      memcmp(o[0], o[2], sizeof(float) * (size_t)qn) == 0 &&
+                      memcmp(lse[0], lse[1], sizeof lse[0]) == 0 &&
+                      memcmp(lse[0], lse[2], sizeof lse[0]) == 0,
+                  "%s G=%lld H=%lld t=%lld: split-KV outputs bit-identical for 1, 2, 3 threads",
+                  dt_name(dts[di]), (long long)G, (long long)H, (long long)t);
+            const double e = max_diff_f(o[0], o[3], qn), sc = max_abs_f(o[3], qn);
+            CHECK(e <= TOL_OUT_REL * sc,
+                  "%s G=%lld H=%lld t=%lld: split-KV vs reference over 1037 keys: %.3g (max %.3g)",
+                  dt_name(dts[di]), (long long)G, (long long)H, (long long)t, e, sc);
+            CHECK(max_diff_f(lse[0], lse[3], B * H * t) <=
+                      TOL_OUT_REL * max_abs_f(lse[3], B * H * t),
+                  "%s G=%lld H=%lld t=%lld: split-KV lse vs reference", dt_name(dts[di]),
+                  (long long)G, (long long)H, (long long)t);
+            for (int k = 0; k < 4; k++)
+                free(o[k]);
+            free(q);
+            free(kv);
+            mha_kv_cache_destroy(c);
         }
-        const int64_t qn = B * t * H * D;
-        float *q = malloc(sizeof(float) * (size_t)qn);
-        test_fill_normal(&r, q, qn, 1.0f);
-        float *o[4], lse[4][3 * 8 * 2];
-        for (int k = 0; k < 4; k++)
-            o[k] = malloc(sizeof(float) * (size_t)qn);
-        float sinks[8];
-        test_fill_normal(&r, sinks, 8, 1.0f);
-        mha_kv_attention_args a = {0};
-        a.num_seqs = B, a.num_tokens = t, a.num_heads = H, a.q = q, a.alibi = 1;
-        a.softcap = 20.0, a.sinks = sinks;
-        for (int k = 0; k < 4; k++) {
-            mha_exec ex = {0};
-            ex.impl = k == 3 ? MHA_IMPL_REFERENCE : MHA_IMPL_AUTO;
-            ex.n_threads = k == 3 ? 1 : k + 1;
-            a.out = o[k];
-            a.lse = lse[k];
-            CHECK_OK(mha_kv_cache_attention(c, &a, &ex, &err), &err);
-        }
-        CHECK(memcmp(o[0], o[1], sizeof(float) * (size_t)qn) == 0 &&
-                  memcmp(o[0], o[2], sizeof(float) * (size_t)qn) == 0 &&
-                  memcmp(lse[0], lse[1], sizeof lse[0]) == 0 &&
-                  memcmp(lse[0], lse[2], sizeof lse[0]) == 0,
-              "%s: split-KV outputs bit-identical for 1, 2, 3 threads", dt_name(dts[di]));
-        const double e = max_diff_f(o[0], o[3], qn), sc = max_abs_f(o[3], qn);
-        CHECK(e <= TOL_OUT_REL * sc, "%s: split-KV vs reference over 1037 keys: %.3g (max %.3g)",
-              dt_name(dts[di]), e, sc);
-        CHECK(max_diff_f(lse[0], lse[3], B * H * t) <= TOL_OUT_REL * max_abs_f(lse[3], B * H * t),
-              "%s: split-KV lse vs reference", dt_name(dts[di]));
-        for (int k = 0; k < 4; k++)
-            free(o[k]);
-        free(q);
-        free(kv);
-        mha_kv_cache_destroy(c);
-    }
     /* The layer too: 1, 2, 3 threads give the same bits. */
     const opts o = {"thr", 32, 4, 2, 8, MHA_ROPE_HALF, 0, 1, 1, 4.0, 0, 0, MHA_DTYPE_BF16};
     mha_layer *L = make_layer(&o, 8);
@@ -697,12 +711,14 @@ static void test_threads_and_long(void) {
 
 /* Non-finite cache entries: a NaN key a query sees makes its row NaN (as in the full forward);
  * a NaN key and an infinite value it does not see (a later token of the same call) change
- * nothing. Head sizes 16 and 20 take the split-KV kernel's full-vector and masked-tail paths. */
+ * nothing. Head sizes 16, 20 and 64 take the split-KV kernel's full-vector, masked-tail and
+ * contiguous paths. */
 static void test_nonfinite_keys(void) {
     static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
+    static const int64_t dims[] = {16, 20, 64};
     for (int di = 0; di < 3; di++)
-        for (int64_t D = 16; D <= 20; D += 4) {
-            const int64_t G = 1, H = 2, n = 40, t = 2;
+        for (int dd = 0; dd < 3; dd++) {
+            const int64_t G = 1, H = 2, n = 40, t = 2, D = dims[dd];
             mha_kv_cache_config kc = {0};
             kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = n, kc.batch = 2;
             kc.dtype = dts[di];
@@ -711,7 +727,7 @@ static void test_nonfinite_keys(void) {
             CHECK_OK(mha_kv_cache_create(&kc, NULL, NULL, &c, &err), &err);
             test_rng r;
             test_rng_seed(&r, 7);
-            float k[40 * 20], v[40 * 20], q[2 * 2 * 2 * 20], out[2][2 * 2 * 2 * 20];
+            float k[40 * 64], v[40 * 64], q[2 * 2 * 2 * 64], out[2][2 * 2 * 2 * 64];
             test_fill_normal(&r, k, n * D, 1.0f);
             test_fill_normal(&r, v, n * D, 1.0f);
             test_fill_normal(&r, q, 2 * t * H * D, 1.0f);
