@@ -11,12 +11,15 @@
  *   pass 2: m = max, e = exp(s - m) (vector exp of simd_avx512.h, 0.06 ULP), l = sum e
  *   pass 3: o += e_j v_j, up to 4 rows x 64 columns of o held in registers over a block of keys
  * For groups of <= 4 query rows (t = 1, g <= 4 heads per kv head) every K/V element is loaded and
- * widened exactly once. The kernel body is instantiated per cache dtype (a constant in the hot
- * loops) and with plain loads when the head sizes are multiples of 16 (masked loads cost the hot
- * loops ~20%). Widening a block into float32 scratch first was measured slower for g <= 4: the
- * extra store and reload cost more than the widening they save.
- * The float32 sums are in a fixed order that does not depend on threads (bit-identical for any
- * thread count); they differ in rounding from the generic kernel's order (tolerance-tested).
+ * widened exactly once. Units whose rows are consecutive in the cache (all but the one that wraps
+ * in a windowed ring buffer) with head sizes dk % 16 == 0 (bfloat16: 32) and dv % 64 == 0 and
+ * <= 4 query rows take the contiguous path (below): the same passes with simpler addressing. The
+ * kernel body is instantiated per cache dtype (a constant in the hot loops) and with plain loads
+ * when the head sizes are multiples of 16 (masked loads cost the hot loops ~20%). Widening a block
+ * into float32 scratch first was measured slower for g <= 4: the extra store and reload cost more
+ * than the widening they save. The float32 sums are in a fixed order that does not depend on
+ * threads (bit-identical for any thread count); they differ in rounding from the generic kernel's
+ * order (tolerance-tested).
  */
 #include "kv_cache.h"
 #include "simd_avx512.h"
@@ -192,8 +195,22 @@ MHA_INLINE void axpy_block(const int NR,
  * non-inlined functions, one per (dtype, rows), so the few pointers they walk stay in registers
  * (inlined into the whole kernel, GCC spilled them to vector registers and reloaded them with
  * port-0 moves inside the FMA loop), and the prefetches are spread evenly: E lines (the bytes of
- * 16 elements of 4 rows) per step of 16 elements. Measured on one unit per kv head of a 32768-key
- * float16 cache (g = 8, R = 4), beyond the L3: 83 -> 68 ns per key and kv head (median of 6). */
+ * 16 elements of 4 rows) per step of 16 elements. Measured per key and kv head, float16, g = 8
+ * (R = 4), median of 5-7 interleaved runs: L2-resident 55 -> 39 ns, 32768-key cache beyond the
+ * L3 80-89 -> 64-69 ns (a plain read of the same bytes: 51-60 ns); bfloat16 L2-resident with the
+ * even/odd widening 35 -> 28 ns. */
+
+/* bfloat16 rows on the contiguous path are widened 32 elements at a time, even and odd elements
+ * apart: one 64-byte load, then a 16-bit left shift gives the even elements as float32 and
+ * clearing the low halves gives the odd ones (1 vector operation per 16 elements, against 2 for
+ * VPMOVZXWD + VPSLLD). Dot products take q in the same even/odd order; pass 3 accumulates o in it
+ * and restores the natural order at the end of the unit. Elements [d, d + 32) of a row: half 0 =
+ * the even ones, half 1 = the odd ones. */
+MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
+    const __m512i x = _mm512_loadu_si512((const uint16_t *)row + d);
+    return _mm512_castsi512_ps(half ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u))
+                                    : _mm512_slli_epi32(x, 16));
+}
 
 /* Pass 1 on the contiguous path: S[x][y] = q_x . k_y for the unit's nb keys (rows krow + y rb).
  * qil holds the NR query rows chunk-major: elements [16 s, 16 s + 16) of row x at
@@ -209,7 +226,8 @@ MHA_INLINE void scores_contig(const int NR,
                               const float *qil,
                               int64_t dk,
                               float *S) {
-    const int E = DT == MHA_DTYPE_F32 ? 4 : 2; /* lines per 16 elements of 4 rows */
+    const int E = DT == MHA_DTYPE_F32 ? 4 : 2;       /* lines per 16 elements of 4 rows */
+    const int STEP = DT == MHA_DTYPE_BF16 ? 32 : 16; /* elements per load of a row */
     const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     for (int64_t y0 = 0; y0 < nb; y0 += 4) {
         const int64_t nk = nb - y0 < 4 ? nb - y0 : 4;
@@ -224,19 +242,28 @@ MHA_INLINE void scores_contig(const int NR,
         for (int x = 0; x < NR; x++)
             acc[x][0] = acc[x][1] = acc[x][2] = acc[x][3] = v16_zero();
         const float *q = qil;
-        for (int64_t d = 0; d < dk; d += 16, q += 16 * NR, pf += 64 * E) {
-#pragma GCC unroll 4
-            for (int e = 0; e < E; e++)
+        for (int64_t d = 0; d < dk; d += STEP, q += STEP * NR, pf += 4 * STEP * E) {
+#pragma GCC unroll 8
+            for (int e = 0; e < STEP / 16 * E; e++)
                 _mm_prefetch(pf + 64 * e, _MM_HINT_T0);
-            const v16 c0 = load_row16(DT, 1, k0, d, 0xFFFF), c1 = load_row16(DT, 1, k1, d, 0xFFFF);
-            const v16 c2 = load_row16(DT, 1, k2, d, 0xFFFF), c3 = load_row16(DT, 1, k3, d, 0xFFFF);
+#pragma GCC unroll 2
+            for (int half = 0; half < STEP / 16; half++) {
+                v16 c0, c1, c2, c3;
+                if (DT == MHA_DTYPE_BF16) {
+                    c0 = bf16_half(k0, d, half), c1 = bf16_half(k1, d, half);
+                    c2 = bf16_half(k2, d, half), c3 = bf16_half(k3, d, half);
+                } else {
+                    c0 = load_row16(DT, 1, k0, d, 0xFFFF), c1 = load_row16(DT, 1, k1, d, 0xFFFF);
+                    c2 = load_row16(DT, 1, k2, d, 0xFFFF), c3 = load_row16(DT, 1, k3, d, 0xFFFF);
+                }
 #pragma GCC unroll 4
-            for (int x = 0; x < NR; x++) {
-                const v16 qv = _mm512_load_ps(q + 16 * x);
-                acc[x][0] = v16_fma(qv, c0, acc[x][0]);
-                acc[x][1] = v16_fma(qv, c1, acc[x][1]);
-                acc[x][2] = v16_fma(qv, c2, acc[x][2]);
-                acc[x][3] = v16_fma(qv, c3, acc[x][3]);
+                for (int x = 0; x < NR; x++) {
+                    const v16 qv = _mm512_load_ps(q + 16 * (half * NR + x));
+                    acc[x][0] = v16_fma(qv, c0, acc[x][0]);
+                    acc[x][1] = v16_fma(qv, c1, acc[x][1]);
+                    acc[x][2] = v16_fma(qv, c2, acc[x][2]);
+                    acc[x][3] = v16_fma(qv, c3, acc[x][3]);
+                }
             }
         }
         /* Lane 4y of the 4-way sum holds key y's dot product. */
@@ -279,7 +306,8 @@ MHA_INLINE void axpy_contig(const int NR,
             _mm_prefetch(pf[y] + c0 * E + 64 * l, _MM_HINT_T0);
         v16 v[4];
         for (int c = 0; c < 4; c++)
-            v[c] = load_row16(DT, 1, row, c0 + 16 * c, 0xFFFF);
+            v[c] = DT == MHA_DTYPE_BF16 ? bf16_half(row, c0 + 32 * (c >> 1), c & 1)
+                                        : load_row16(DT, 1, row, c0 + 16 * c, 0xFFFF);
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++) {
             if (CHECK && !(seen[x] >> y & 1))
@@ -334,6 +362,18 @@ MHA_INLINE void values_contig(const int NR,
             else
                 axpy_contig(NR, DT, E, 1, rows, rbv, nkb, pf, e, seen, o + c0, dv, c0);
         }
+    }
+    if (DT == MHA_DTYPE_BF16) { /* even/odd halves of each 32 columns back to natural order */
+        const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const __m512i hi =
+            _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+        for (int x = 0; x < NR; x++)
+            for (int64_t c = 0; c < dv; c += 32) {
+                const v16 even = _mm512_loadu_ps(o + x * dv + c),
+                          odd = _mm512_loadu_ps(o + x * dv + c + 16);
+                _mm512_storeu_ps(o + x * dv + c, _mm512_permutex2var_ps(even, lo, odd));
+                _mm512_storeu_ps(o + x * dv + c + 16, _mm512_permutex2var_ps(even, hi, odd));
+            }
     }
 }
 
@@ -398,7 +438,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
 #define SLOT_(jj) (slot_j0 + (jj) >= c->slots ? slot_j0 + (jj)-c->slots : slot_j0 + (jj))
 
     /* The contiguous path (see above) applies? */
-    const int contig = dk % 16 == 0 && dv % 64 == 0 && R <= 4 && slot_j0 + nb <= c->slots;
+    const int contig = dk % (DT == MHA_DTYPE_BF16 ? 32 : 16) == 0 && dv % 64 == 0 && R <= 4 &&
+                       slot_j0 + nb <= c->slots;
     /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
      * token i (no division in the loops below); row-major [R][dkp], or chunk-major for the
      * contiguous path. */
@@ -409,6 +450,16 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
             _mm512_store_ps(
                 qbuf + (contig ? d * R + 16 * r : r * dkp + d),
                 _mm512_maskz_loadu_ps(d + 16 <= dk ? (__mmask16)0xFFFF : ktail, src + d));
+        if (contig && DT == MHA_DTYPE_BF16) /* even/odd order, see bf16_half */
+            for (int64_t d = 0; d < dk; d += 32) {
+                const __m512i even =
+                    _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+                const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+                float *lo = qbuf + d * R + 16 * r, *hi = lo + 16 * R;
+                const v16 a = _mm512_load_ps(lo), b = _mm512_load_ps(hi);
+                _mm512_store_ps(lo, _mm512_permutex2var_ps(a, even, b));
+                _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
+            }
     }
     const int dti = DT == MHA_DTYPE_F16 ? 1 : DT == MHA_DTYPE_BF16 ? 2 : 0;
     const char *krow = ks.base + (size_t)slot_j0 * ks.row_bytes,
