@@ -191,14 +191,14 @@ MHA_INLINE void axpy_block(const int NR,
 
 /* ---- The contiguous path ---------------------------------------------------------------------
  * For the common case (a unit's rows in consecutive slots, i.e. no ring-buffer wrap inside it,
- * dk % 16 == 0, dv % 64 == 0, R <= 4 query rows) the two memory passes run in small
+ * dk % 16 == 0 (bfloat16: 32), dv % 64 == 0, R <= 4 query rows) the two memory passes run in small
  * non-inlined functions, one per (dtype, rows), so the few pointers they walk stay in registers
  * (inlined into the whole kernel, GCC spilled them to vector registers and reloaded them with
  * port-0 moves inside the FMA loop), and the prefetches are spread evenly: E lines (the bytes of
  * 16 elements of 4 rows) per step of 16 elements. Measured per key and kv head, float16, g = 8
- * (R = 4), median of 5-7 interleaved runs: L2-resident 55 -> 39 ns, 32768-key cache beyond the
- * L3 80-89 -> 64-69 ns (a plain read of the same bytes: 51-60 ns); bfloat16 L2-resident with the
- * even/odd widening 35 -> 28 ns. */
+ * (R = 4), medians of 5-7 interleaved runs: L2-resident 44-58 -> 38-41 ns, 32768-key cache
+ * beyond the L3 80-89 -> 64-71 ns (a plain read of the same bytes: 51-60 ns); bfloat16
+ * L2-resident with the even/odd widening 35 -> 28 ns. */
 
 /* bfloat16 rows on the contiguous path are widened 32 elements at a time, even and odd elements
  * apart: one 64-byte load, then a 16-bit left shift gives the even elements as float32 and
@@ -276,10 +276,6 @@ MHA_INLINE void scores_contig(const int NR,
     }
 }
 
-/* Pass 3 on the contiguous path: o_x += sum_y e_x[y] v_y (rows vrow + y rbv), blocks of
- * MHA_DEC_SUB keys, NR x 64 columns of o in registers per block (as axpy_block). The prefetch
- * runs MHA_DEC_PREFETCH keys ahead over the V rows, then over the next unit's first K rows
- * (knext, NULL when there is none). */
 /* One block of pass 3 on the contiguous path, columns [c0, c0 + 64): o_x += sum_y e_x[y] v_y,
  * the NR x 4 accumulators in registers. CHECK (a constant) says some row does not see some key. */
 MHA_INLINE void axpy_contig(const int NR,
@@ -323,6 +319,10 @@ MHA_INLINE void axpy_contig(const int NR,
             _mm512_storeu_ps(o + x * dv + 16 * c, acc[x][c]);
 }
 
+/* Pass 3 on the contiguous path: o_x += sum_y e_x[y] v_y (rows vrow + y rbv), blocks of
+ * MHA_DEC_SUB keys, NR x 64 columns of o in registers per block (as axpy_block). The prefetch
+ * runs MHA_DEC_PREFETCH keys ahead over the V rows, then over the next unit's first K rows
+ * (knext, NULL when there is none). */
 MHA_INLINE void values_contig(const int NR,
                               const mha_dtype DT,
                               const char *vrow,
