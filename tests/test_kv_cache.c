@@ -625,15 +625,19 @@ static void test_errors(void) {
 
 static void test_threads_and_long(void) {
     static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
-    /* (G, H, t): R = H / G * t query rows per kv head = 8 (the kernel's general path), 4, 3,
-     * 2, 1 (its contiguous path; t = 2 has rows that do not see every key) */
-    static const int64_t shapes[][3] = {{2, 8, 2}, {2, 8, 1}, {2, 6, 1}, {2, 4, 2}, {4, 4, 1}};
+    /* (G, H, t, dk, dv): R = H / G * t query rows per kv head = 8 (the kernel's general path),
+     * 4, 3, 2, 1 (its contiguous path; t = 2 has rows that do not see every key); dk != dv, and
+     * dk = 48 (the contiguous path for float32 / float16, the general one for bfloat16) */
+    static const int64_t shapes[][5] = {{2, 8, 2, 64, 64},  {2, 8, 1, 64, 64}, {2, 6, 1, 32, 64},
+                                        {2, 4, 2, 48, 128}, {4, 4, 1, 64, 64}, {2, 8, 1, 128, 64}};
     for (int di = 0; di < 3; di++)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
-            const int64_t G = shapes[si][0], H = shapes[si][1], t = shapes[si][2], D = 64, B = 3,
-                          Lmax = 1100;
+            const int64_t G = shapes[si][0], H = shapes[si][1], t = shapes[si][2],
+                          dk = shapes[si][3], dv = shapes[si][4], B = 3, Lmax = 1100;
+            const int64_t D = dk > dv ? dk : dv; /* K and V are read from one buffer */
             mha_kv_cache_config kc = {0};
-            kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = Lmax, kc.batch = B;
+            kc.num_kv_heads = G, kc.head_dim = dk, kc.v_head_dim = dv, kc.max_seq = Lmax;
+            kc.batch = B;
             kc.dtype = dts[di];
             mha_kv_cache *c = NULL;
             mha_error err;
@@ -646,12 +650,12 @@ static void test_threads_and_long(void) {
                 test_fill_normal(&r, kv, lens[s] * G * D, 1.0f);
                 CHECK_OK(mha_kv_cache_append(c, 1, &s, lens[s], kv, kv, &err), &err);
             }
-            const int64_t qn = B * t * H * D;
+            const int64_t qn = B * t * H * dk, on = B * t * H * dv;
             float *q = malloc(sizeof(float) * (size_t)qn);
             test_fill_normal(&r, q, qn, 1.0f);
             float *o[4], lse[4][3 * 8 * 2];
             for (int k = 0; k < 4; k++)
-                o[k] = malloc(sizeof(float) * (size_t)qn);
+                o[k] = malloc(sizeof(float) * (size_t)on);
             float sinks[8];
             test_fill_normal(&r, sinks, 8, 1.0f);
             mha_kv_attention_args a = {0};
@@ -665,16 +669,20 @@ static void test_threads_and_long(void) {
                 a.lse = lse[k];
                 CHECK_OK(mha_kv_cache_attention(c, &a, &ex, &err), &err);
             }
-            CHECK(memcmp(o[0], o[1], sizeof(float) * (size_t)qn) == 0 &&
-                      memcmp(o[0], o[2], sizeof(float) * (size_t)qn) == 0 &&
+            CHECK(memcmp(o[0], o[1], sizeof(float) * (size_t)on) == 0 &&
+                      memcmp(o[0], o[2], sizeof(float) * (size_t)on) == 0 &&
                       memcmp(lse[0], lse[1], sizeof lse[0]) == 0 &&
                       memcmp(lse[0], lse[2], sizeof lse[0]) == 0,
-                  "%s G=%lld H=%lld t=%lld: split-KV outputs bit-identical for 1, 2, 3 threads",
-                  dt_name(dts[di]), (long long)G, (long long)H, (long long)t);
-            const double e = max_diff_f(o[0], o[3], qn), sc = max_abs_f(o[3], qn);
+                  "%s G=%lld H=%lld t=%lld dk=%lld dv=%lld: split-KV outputs bit-identical for 1, "
+                  "2, 3 threads",
+                  dt_name(dts[di]), (long long)G, (long long)H, (long long)t, (long long)dk,
+                  (long long)dv);
+            const double e = max_diff_f(o[0], o[3], on), sc = max_abs_f(o[3], on);
             CHECK(e <= TOL_OUT_REL * sc,
-                  "%s G=%lld H=%lld t=%lld: split-KV vs reference over 1037 keys: %.3g (max %.3g)",
-                  dt_name(dts[di]), (long long)G, (long long)H, (long long)t, e, sc);
+                  "%s G=%lld H=%lld t=%lld dk=%lld dv=%lld: split-KV vs reference over 1037 keys: "
+                  "%.3g (max %.3g)",
+                  dt_name(dts[di]), (long long)G, (long long)H, (long long)t, (long long)dk,
+                  (long long)dv, e, sc);
             CHECK(max_diff_f(lse[0], lse[3], B * H * t) <=
                       TOL_OUT_REL * max_abs_f(lse[3], B * H * t),
                   "%s G=%lld H=%lld t=%lld: split-KV lse vs reference", dt_name(dts[di]),
