@@ -89,6 +89,37 @@ block_rows(const row_stream *st, int64_t slot0, int64_t n, const void *rows[MHA_
         rows[x] = stream_row(st, slot0, x < n ? x : 0);
 }
 
+/* Stores the dot products of NR query rows with nk <= 4 keys: out[x * BLOCK + y] = the sum of
+ * the 16 lanes of acc[x][y] (lane 4y of the 4-way sum holds key y's). */
+MHA_INLINE void store_scores4(const int NR, v16 acc[4][4], int64_t nk, float *out) {
+    const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+#pragma GCC unroll 4
+    for (int x = 0; x < NR; x++) {
+        const v16 sums = v16_hsum4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
+        const __m128 packed = _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, sums));
+        _mm_mask_storeu_ps(out + x * MHA_DEC_BLOCK, (__mmask8)((1u << nk) - 1u), packed);
+    }
+}
+
+/* acc[x][c] += e_x[y] v[c] for NR rows (e_x at e + x * BLOCK). With check set, a row whose bit y
+ * of seen[x] is clear (it does not see key y) skips it: 0 * inf would be NaN. */
+MHA_INLINE void add_value_row(const int NR,
+                              int check,
+                              const __mmask16 seen[4],
+                              int64_t y,
+                              const float *e,
+                              const v16 v[4],
+                              v16 acc[4][4]) {
+#pragma GCC unroll 4
+    for (int x = 0; x < NR; x++) {
+        if (check && !(seen[x] >> y & 1))
+            continue;
+        const v16 ev = v16_set1(e[x * MHA_DEC_BLOCK + y]);
+        for (int c = 0; c < 4; c++)
+            acc[x][c] = v16_fma(ev, v[c], acc[x][c]);
+    }
+}
+
 /* Scores of NR query rows (q[0..NR), float32, zero-padded) against four keys (kr[0..4), cache
  * rows of type DT): out[x * BLOCK + y] = q_x . k_y for y < nk. Inlined with constant NR, the
  * 4 x NR accumulators live in registers. */
@@ -119,14 +150,7 @@ MHA_INLINE void dots(const int NR,
             acc[x][3] = v16_fma(qv, k3, acc[x][3]);
         }
     }
-    /* Lane 4y of the 4-way sum holds key y's dot product. */
-    const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-#pragma GCC unroll 4
-    for (int x = 0; x < NR; x++) {
-        const v16 sums = v16_hsum4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
-        const __m128 packed = _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, sums));
-        _mm_mask_storeu_ps(out + x * MHA_DEC_BLOCK, (__mmask8)((1u << nk) - 1u), packed);
-    }
+    store_scores4(NR, acc, nk, out);
 }
 
 /* o_x[c0 + 0..64) += sum_{y < nk} e_x[y] v_y[c0 + 0..64) for NR accumulator rows (row stride dv,
@@ -169,15 +193,7 @@ MHA_INLINE void axpy_block(const int NR,
         v16 v[4];
         for (int c = 0; c < 4; c++)
             v[c] = load_row16(DT, FULL, vr[y], c0 + 16 * c, km[c]);
-#pragma GCC unroll 4
-        for (int x = 0; x < NR; x++) {
-            /* a row that does not see key y skips it (0 * inf would be NaN) */
-            if (!all && !(seen[x] & bit))
-                continue;
-            const v16 ev = v16_set1(e[x * MHA_DEC_BLOCK + y]);
-            for (int c = 0; c < 4; c++)
-                acc[x][c] = v16_fma(ev, v[c], acc[x][c]);
-        }
+        add_value_row(NR, !all, seen, y, e, v, acc);
     }
 #pragma GCC unroll 4
     for (int x = 0; x < NR; x++)
@@ -228,7 +244,6 @@ MHA_INLINE void scores_contig(const int NR,
                               float *S) {
     const int E = DT == MHA_DTYPE_F32 ? 4 : 2;       /* lines per 16 elements of 4 rows */
     const int STEP = DT == MHA_DTYPE_BF16 ? 32 : 16; /* elements per load of a row */
-    const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
     for (int64_t y0 = 0; y0 < nb; y0 += 4) {
         const int64_t nk = nb - y0 < 4 ? nb - y0 : 4;
         /* rows past the unit repeat its first row of the group (their scores are not stored) */
@@ -266,13 +281,7 @@ MHA_INLINE void scores_contig(const int NR,
                 }
             }
         }
-        /* Lane 4y of the 4-way sum holds key y's dot product. */
-#pragma GCC unroll 4
-        for (int x = 0; x < NR; x++) {
-            const v16 sums = v16_hsum4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
-            const __m128 packed = _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, sums));
-            _mm_mask_storeu_ps(S + x * MHA_DEC_BLOCK + y0, (__mmask8)((1u << nk) - 1u), packed);
-        }
+        store_scores4(NR, acc, nk, S + y0);
     }
 }
 
@@ -304,14 +313,7 @@ MHA_INLINE void axpy_contig(const int NR,
         for (int c = 0; c < 4; c++)
             v[c] = DT == MHA_DTYPE_BF16 ? bf16_half(row, c0 + 32 * (c >> 1), c & 1)
                                         : load_row16(DT, 1, row, c0 + 16 * c, 0xFFFF);
-#pragma GCC unroll 4
-        for (int x = 0; x < NR; x++) {
-            if (CHECK && !(seen[x] >> y & 1))
-                continue;
-            const v16 ev = v16_set1(e[x * MHA_DEC_BLOCK + y]);
-            for (int c = 0; c < 4; c++)
-                acc[x][c] = v16_fma(ev, v[c], acc[x][c]);
-        }
+        add_value_row(NR, CHECK, seen, y, e, v, acc);
     }
 #pragma GCC unroll 4
     for (int x = 0; x < NR; x++)
