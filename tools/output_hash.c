@@ -1,0 +1,554 @@
+/* SPDX-License-Identifier: MIT */
+/* output_hash.c: the bit-identity check of refactors. Runs a fixed matrix of configurations
+ * through the PUBLIC API only (layer forward, attention core with its log-sum-exp, layer and core
+ * backward, KV-cache prefill/decode/attention; impl AUTO and REFERENCE; 1 and 2 threads) and
+ * prints one FNV-1a 64-bit hash of the output bytes per section and one over everything.
+ *
+ * A refactor that must keep outputs bit-identical keeps every line of this program's output,
+ * under every kernel tier (tools/output_hash.sh runs it with each MHA_MAX_ISA). Hashes depend on
+ * the compiler, the flags and the CPU's best tier, so compare runs of one build setup on one
+ * host, never against a stored number. */
+#include "mha.h"
+#include "mha_experimental.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct hash64 {
+    uint64_t h;
+    int64_t bytes;
+} hash64;
+
+static void hash_init(hash64 *s) {
+    s->h = 1469598103934665603ull;
+    s->bytes = 0;
+}
+
+static void hash_bytes(hash64 *s, const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    for (size_t i = 0; i < n; ++i) {
+        s->h ^= b[i];
+        s->h *= 1099511628211ull;
+    }
+    s->bytes += (int64_t)n;
+}
+
+static void hash_floats(hash64 *s, const float *x, int64_t n) {
+    if (x)
+        hash_bytes(s, x, (size_t)n * sizeof(float));
+}
+
+/* Deterministic inputs: a 64-bit LCG mapped to [-1, 1). */
+static void fill(float *x, int64_t n, uint64_t seed, float amplitude) {
+    uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+    for (int64_t i = 0; i < n; ++i) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = amplitude * ((float)(s >> 40) * (1.0f / 8388608.0f) - 1.0f);
+    }
+}
+
+static float *new_filled(int64_t n, uint64_t seed, float amplitude) {
+    float *x = (float *)calloc((size_t)(n > 0 ? n : 1), sizeof(float));
+    if (!x) {
+        fprintf(stderr, "output_hash: out of memory\n");
+        exit(2);
+    }
+    fill(x, n, seed, amplitude);
+    return x;
+}
+
+static void fail(const char *what, const mha_error *err) {
+    fprintf(stderr, "output_hash: %s failed: %s\n", what, err->message);
+    exit(1);
+}
+
+/* ---- the layer configurations ---------------------------------------------------------------- */
+
+typedef struct layer_case {
+    const char *name;
+    mha_config cfg;
+    int64_t batch, n, m; /* m = 0: self-attention */
+    int causal, window, bool_mask, key_padding, segments, additive, dropout, probs, explicit_align;
+} layer_case;
+
+static layer_case layer_cases[] = {
+    {"self_causal_rope_half",
+     {.q_dim = 64, .num_heads = 4, .rope = {.style = MHA_ROPE_HALF}},
+     2,
+     37,
+     0,
+     1,
+     0,
+     0,
+     0,
+     0,
+     0,
+     0,
+     0,
+     0},
+    {"gqa_window_softcap_llama3",
+     {.q_dim = 96,
+      .num_heads = 6,
+      .num_kv_heads = 2,
+      .head_dim = 32,
+      .softcap = 30.0,
+      .rope = {.style = MHA_ROPE_INTERLEAVED, .scaling = MHA_ROPE_SCALING_LLAMA3}},
+     1,
+     130,
+     0,
+     1,
+     1,
+     0,
+     0,
+     0,
+     0,
+     0,
+     1,
+     0},
+    {"cross_masks_dv",
+     {.q_dim = 40,
+      .k_dim = 24,
+      .v_dim = 20,
+      .num_heads = 2,
+      .head_dim = 24,
+      .v_head_dim = 12,
+      .out_dim = 16,
+      .bias_q = 1,
+      .bias_k = 1,
+      .bias_v = 1,
+      .bias_o = 1},
+     2,
+     19,
+     70,
+     0,
+     0,
+     1,
+     1,
+     1,
+     1,
+     0,
+     1,
+     0},
+    {"mqa_alibi_sinks_dropout",
+     {.q_dim = 128,
+      .num_heads = 4,
+      .num_kv_heads = 1,
+      .head_dim = 80,
+      .alibi = 1,
+      .sinks = 1,
+      .rope = {.style = MHA_ROPE_HALF,
+               .rotary_dim = 40,
+               .scaling = MHA_ROPE_SCALING_YARN,
+               .factor = 4.0}},
+     1,
+     75,
+     0,
+     1,
+     0,
+     0,
+     1,
+     0,
+     0,
+     1,
+     1,
+     1},
+    {"big_head",
+     {.q_dim = 256, .num_heads = 2, .rope = {.style = MHA_ROPE_HALF}},
+     1,
+     96,
+     0,
+     1,
+     0,
+     0,
+     0,
+     0,
+     0,
+     0,
+     0,
+     0},
+};
+
+typedef struct layer_inputs {
+    float *x, *xk, *xv, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *bo, *sinks, *additive;
+    unsigned char *bool_mask, *key_padding;
+    int32_t *qseg, *kseg;
+    int64_t *offsets;
+    int64_t m, kd, vd, hdk, gdk, gdv, hdv, od;
+} layer_inputs;
+
+static void make_layer_inputs(const layer_case *c, layer_inputs *in) {
+    const mha_config *g = &c->cfg;
+    int64_t kv = g->num_kv_heads ? g->num_kv_heads : g->num_heads;
+    int64_t dk = g->head_dim ? g->head_dim : g->q_dim / g->num_heads;
+    int64_t dv = g->v_head_dim ? g->v_head_dim : dk;
+    in->kd = g->k_dim ? g->k_dim : g->q_dim;
+    in->vd = g->v_dim ? g->v_dim : in->kd;
+    in->od = g->out_dim ? g->out_dim : g->q_dim;
+    in->hdk = g->num_heads * dk;
+    in->gdk = kv * dk;
+    in->gdv = kv * dv;
+    in->hdv = g->num_heads * dv;
+    in->m = c->m ? c->m : c->n;
+    in->x = new_filled(c->batch * c->n * g->q_dim, 11, 1.0f);
+    in->xk = c->m ? new_filled(c->batch * c->m * in->kd, 12, 1.0f) : NULL;
+    in->xv = c->m ? new_filled(c->batch * c->m * in->vd, 13, 1.0f) : NULL;
+    in->wq = new_filled(in->hdk * g->q_dim, 21, 0.2f);
+    in->wk = new_filled(in->gdk * in->kd, 22, 0.2f);
+    in->wv = new_filled(in->gdv * in->vd, 23, 0.2f);
+    in->wo = new_filled(in->od * in->hdv, 24, 0.2f);
+    in->bq = g->bias_q ? new_filled(in->hdk, 31, 0.1f) : NULL;
+    in->bk = g->bias_k ? new_filled(in->gdk, 32, 0.1f) : NULL;
+    in->bv = g->bias_v ? new_filled(in->gdv, 33, 0.1f) : NULL;
+    in->bo = g->bias_o ? new_filled(in->od, 34, 0.1f) : NULL;
+    in->sinks = g->sinks ? new_filled(g->num_heads, 35, 1.0f) : NULL;
+    int64_t nm = c->n * in->m;
+    in->additive = c->additive ? new_filled(nm, 36, 2.0f) : NULL;
+    in->bool_mask = (unsigned char *)calloc((size_t)nm, 1);
+    in->key_padding = (unsigned char *)calloc((size_t)(c->batch * in->m), 1);
+    in->qseg = (int32_t *)calloc((size_t)(c->batch * c->n), sizeof(int32_t));
+    in->kseg = (int32_t *)calloc((size_t)(c->batch * in->m), sizeof(int32_t));
+    in->offsets = (int64_t *)calloc((size_t)c->batch, sizeof(int64_t));
+    if (!in->bool_mask || !in->key_padding || !in->qseg || !in->kseg || !in->offsets) {
+        fprintf(stderr, "output_hash: out of memory\n");
+        exit(2);
+    }
+    for (int64_t i = 0; i < nm; ++i)
+        in->bool_mask[i] = (unsigned char)((i * 7 + i / in->m) % 5 != 0);
+    for (int64_t b = 0; b < c->batch; ++b) {
+        for (int64_t j = 0; j < in->m; ++j)
+            in->key_padding[b * in->m + j] = (unsigned char)(j < in->m - 3 * b - 1);
+        for (int64_t i = 0; i < c->n; ++i)
+            in->qseg[b * c->n + i] = (int32_t)(i * 3 / c->n);
+        for (int64_t j = 0; j < in->m; ++j)
+            in->kseg[b * in->m + j] = (int32_t)(j * 3 / in->m);
+        in->offsets[b] = 5 - 3 * b;
+    }
+}
+
+static void free_layer_inputs(layer_inputs *in) {
+    void *all[] = {in->x,        in->xv,        in->xk,          in->wq,   in->wk,   in->wv,
+                   in->wo,       in->bq,        in->bk,          in->bv,   in->bo,   in->sinks,
+                   in->additive, in->bool_mask, in->key_padding, in->qseg, in->kseg, in->offsets};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
+        free(all[i]);
+}
+
+static void set_masks(const layer_case *c, const layer_inputs *in, mha_masking *mk) {
+    memset(mk, 0, sizeof *mk);
+    mk->causal = c->causal;
+    mk->alignment = c->explicit_align ? MHA_ALIGN_EXPLICIT : MHA_ALIGN_BOTTOM_RIGHT;
+    mk->align_offsets = c->explicit_align ? in->offsets : NULL;
+    if (c->window) {
+        mk->use_window = 1;
+        mk->window_left = 17;
+        mk->window_right = 0;
+    }
+    if (c->bool_mask)
+        mk->bool_mask = (mha_mask_tensor){in->bool_mask, MHA_DTYPE_BOOL, 2, {c->n, in->m}};
+    if (c->key_padding)
+        mk->key_padding = (mha_mask_tensor){in->key_padding, MHA_DTYPE_U8, 2, {c->batch, in->m}};
+    if (c->additive)
+        mk->additive_mask = (mha_mask_tensor){in->additive, MHA_DTYPE_F32, 2, {c->n, in->m}};
+    if (c->segments) {
+        mk->q_segment_ids = in->qseg;
+        mk->kv_segment_ids = in->kseg;
+    }
+}
+
+static mha_layer *make_layer(const layer_case *c, const layer_inputs *in) {
+    mha_weights w = {in->wq, in->wk, in->wv, in->wo, in->bq, in->bk, in->bv, in->bo, in->sinks};
+    mha_layer *layer = NULL;
+    mha_error err;
+    if (mha_layer_create(&c->cfg, &w, MHA_WEIGHTS_BORROW, NULL, &layer, &err) != MHA_STATUS_OK)
+        fail(c->name, &err);
+    return layer;
+}
+
+static void
+run_layer_case(const layer_case *c, mha_impl impl, int threads, hash64 *fwd, hash64 *bwd) {
+    layer_inputs in;
+    make_layer_inputs(c, &in);
+    mha_layer *layer = make_layer(c, &in);
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = c->batch;
+    a.q_len = c->n;
+    a.kv_len = in.m;
+    a.query = in.x;
+    a.key = in.xk;
+    a.value = in.xv;
+    set_masks(c, &in, &a.mask);
+    if (c->dropout)
+        a.dropout = (mha_dropout){0.25f, 1234567ull, 1};
+    float *out = new_filled(c->batch * c->n * in.od, 0, 0.0f);
+    float *probs = c->probs ? new_filled(c->batch * c->cfg.num_heads * c->n * in.m, 0, 0.0f) : NULL;
+    a.out = out;
+    a.probs = probs;
+    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_error err;
+    if (mha_layer_forward(layer, &a, &ex, &err) != MHA_STATUS_OK)
+        fail(c->name, &err);
+    hash_floats(fwd, out, c->batch * c->n * in.od);
+    hash_floats(fwd, probs, probs ? c->batch * c->cfg.num_heads * c->n * in.m : 0);
+
+    /* Training forward + backward of every gradient the layer has. */
+    mha_train_state *st = NULL;
+    if (mha_layer_forward_train(layer, &a, &ex, &st, &err) != MHA_STATUS_OK)
+        fail(c->name, &err);
+    hash_floats(fwd, out, c->batch * c->n * in.od);
+    float *dy = new_filled(c->batch * c->n * in.od, 41, 1.0f);
+    int64_t sizes[12] = {c->batch * c->n * c->cfg.q_dim,
+                         c->m ? c->batch * in.m * in.kd : 0,
+                         c->m ? c->batch * in.m * in.vd : 0,
+                         in.hdk * c->cfg.q_dim,
+                         in.gdk * in.kd,
+                         in.gdv * in.vd,
+                         in.od * in.hdv,
+                         in.bq ? in.hdk : 0,
+                         in.bk ? in.gdk : 0,
+                         in.bv ? in.gdv : 0,
+                         in.bo ? in.od : 0,
+                         in.sinks ? c->cfg.num_heads : 0};
+    float *buf[12];
+    for (int i = 0; i < 12; ++i)
+        buf[i] = sizes[i] ? new_filled(sizes[i], 0, 0.0f) : NULL;
+    mha_layer_grads gr = {buf[0], buf[1], buf[2], buf[3],  buf[4],  buf[5], buf[6],
+                          buf[7], buf[8], buf[9], buf[10], buf[11], 0};
+    if (mha_layer_backward(layer, st, dy, &gr, &ex, &err) != MHA_STATUS_OK)
+        fail(c->name, &err);
+    for (int i = 0; i < 12; ++i) {
+        hash_floats(bwd, buf[i], sizes[i]);
+        free(buf[i]);
+    }
+    free(dy);
+    mha_train_state_destroy(st);
+    free(out);
+    free(probs);
+    mha_layer_destroy(layer);
+    free_layer_inputs(&in);
+}
+
+/* ---- the attention core with its log-sum-exp, and its backward ---------------------------------
+ */
+
+typedef struct core_case {
+    const char *name;
+    int64_t batch, h, g, n, m, dk, dv;
+    int causal, window, softcap, alibi, sinks, top_left;
+} core_case;
+
+static const core_case core_cases[] = {
+    {"core_causal_d64", 2, 4, 4, 150, 150, 64, 64, 1, 0, 0, 0, 0, 0},
+    {"core_gqa_d128_window", 1, 8, 2, 70, 210, 128, 128, 1, 1, 0, 0, 0, 0},
+    {"core_tail_d20_dv36", 1, 3, 1, 33, 65, 20, 36, 0, 0, 1, 1, 1, 0},
+    {"core_topleft_d80", 1, 2, 2, 90, 40, 80, 80, 1, 0, 0, 0, 0, 1},
+};
+
+static void
+run_core_case(const core_case *c, mha_impl impl, int threads, hash64 *fwd, hash64 *bwd) {
+    int64_t nq = c->batch * c->h * c->n * c->dk, nk = c->batch * c->g * c->m * c->dk;
+    int64_t nv = c->batch * c->g * c->m * c->dv, no = c->batch * c->h * c->n * c->dv;
+    float *q = new_filled(nq, 51, 1.0f), *k = new_filled(nk, 52, 1.0f);
+    float *v = new_filled(nv, 53, 1.0f), *o = new_filled(no, 0, 0.0f);
+    float *lse = new_filled(c->batch * c->h * c->n, 0, 0.0f);
+    float *sinks = c->sinks ? new_filled(c->h, 54, 1.0f) : NULL;
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = c->batch;
+    a.num_heads = c->h;
+    a.num_kv_heads = c->g;
+    a.q_len = c->n;
+    a.kv_len = c->m;
+    a.head_dim = c->dk;
+    a.v_head_dim = c->dv;
+    a.softcap = c->softcap ? 20.0 : 0.0;
+    a.alibi = c->alibi;
+    a.sinks = sinks;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.out = o;
+    a.lse = lse;
+    /* [B, heads, L, d] contiguous */
+    int64_t qs[3] = {c->h * c->n * c->dk, c->n * c->dk, c->dk};
+    int64_t ks[3] = {c->g * c->m * c->dk, c->m * c->dk, c->dk};
+    int64_t vs[3] = {c->g * c->m * c->dv, c->m * c->dv, c->dv};
+    int64_t os[3] = {c->h * c->n * c->dv, c->n * c->dv, c->dv};
+    memcpy(a.q_strides, qs, sizeof qs);
+    memcpy(a.k_strides, ks, sizeof ks);
+    memcpy(a.v_strides, vs, sizeof vs);
+    memcpy(a.out_strides, os, sizeof os);
+    a.mask.causal = c->causal;
+    a.mask.alignment = c->top_left ? MHA_ALIGN_TOP_LEFT : MHA_ALIGN_BOTTOM_RIGHT;
+    if (c->window) {
+        a.mask.use_window = 1;
+        a.mask.window_left = 40;
+        a.mask.window_right = 3;
+    }
+    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_error err;
+    if (mha_attention(&a, &ex, &err) != MHA_STATUS_OK)
+        fail(c->name, &err);
+    hash_floats(fwd, o, no);
+    hash_floats(fwd, lse, c->batch * c->h * c->n);
+
+    float *dout = new_filled(no, 55, 1.0f);
+    float *dq = new_filled(nq, 0, 0.0f), *dk = new_filled(nk, 0, 0.0f);
+    float *dv = new_filled(nv, 0, 0.0f), *ds = sinks ? new_filled(c->h, 0, 0.0f) : NULL;
+    mha_attention_grads gr;
+    memset(&gr, 0, sizeof gr);
+    gr.dout = dout;
+    memcpy(gr.dout_strides, os, sizeof os);
+    gr.dq = dq;
+    memcpy(gr.dq_strides, qs, sizeof qs);
+    gr.dk = dk;
+    memcpy(gr.dk_strides, ks, sizeof ks);
+    gr.dv = dv;
+    memcpy(gr.dv_strides, vs, sizeof vs);
+    gr.dsinks = ds;
+    if (mha_attention_backward(&a, &gr, &ex, &err) != MHA_STATUS_OK)
+        fail(c->name, &err);
+    hash_floats(bwd, dq, nq);
+    hash_floats(bwd, dk, nk);
+    hash_floats(bwd, dv, nv);
+    hash_floats(bwd, ds, ds ? c->h : 0);
+    float *all[] = {q, k, v, o, lse, sinks, dout, dq, dk, dv, ds};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
+        free(all[i]);
+}
+
+/* ---- KV-cache decoding -------------------------------------------------------------------------
+ */
+
+static void run_decode_case(mha_dtype dtype,
+                            int64_t window,
+                            int64_t head_dim,
+                            int alibi,
+                            mha_impl impl,
+                            int threads,
+                            hash64 *dec) {
+    layer_case c = {"decode",
+                    {.q_dim = 4 * head_dim,
+                     .num_heads = 4,
+                     .num_kv_heads = 1,
+                     .head_dim = head_dim,
+                     .alibi = alibi,
+                     .sinks = alibi,
+                     .softcap = alibi ? 25 : 0,
+                     .rope = {.style = MHA_ROPE_HALF}},
+                    2,
+                    1,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0};
+    layer_inputs in;
+    make_layer_inputs(&c, &in);
+    mha_layer *layer = make_layer(&c, &in);
+    mha_kv_cache_config kc = {0};
+    kc.max_seq = 400;
+    kc.batch = 2;
+    kc.dtype = dtype;
+    kc.window = window;
+    mha_kv_cache *cache = NULL;
+    mha_error err;
+    if (mha_kv_cache_create(&kc, layer, NULL, &cache, &err) != MHA_STATUS_OK)
+        fail("kv cache", &err);
+    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    int64_t q_dim = c.cfg.q_dim;
+    float *x = new_filled(2 * 300 * q_dim, 61, 1.0f);
+    float *out = new_filled(2 * 300 * q_dim, 0, 0.0f);
+    /* A 300-token prompt, then steps of 1, 1, 3 and 1 tokens. */
+    const int64_t steps[] = {300, 1, 1, 3, 1};
+    for (size_t s = 0; s < sizeof steps / sizeof steps[0]; ++s) {
+        int64_t t = steps[s];
+        float *xs = new_filled(2 * t * q_dim, 62 + (uint64_t)s, 1.0f);
+        if (s == 0)
+            memcpy(xs, x, (size_t)(2 * t * q_dim) * sizeof(float));
+        mha_decode_args d = {2, NULL, t, xs, out};
+        mha_status st = s == 0 ? mha_layer_prefill(layer, cache, &d, &ex, &err)
+                               : mha_layer_decode_step(layer, cache, &d, &ex, &err);
+        if (st != MHA_STATUS_OK)
+            fail("decode step", &err);
+        hash_floats(dec, out, 2 * t * q_dim);
+        free(xs);
+    }
+    /* Core-level attention over the cache with the log-sum-exp. */
+    int64_t h = 4, t = 2;
+    float *q = new_filled(2 * t * h * head_dim, 70, 1.0f);
+    float *o = new_filled(2 * t * h * head_dim, 0, 0.0f);
+    float *lse = new_filled(2 * h * t, 0, 0.0f);
+    mha_kv_attention_args ka;
+    memset(&ka, 0, sizeof ka);
+    ka.num_seqs = 2;
+    ka.num_tokens = t;
+    ka.num_heads = h;
+    ka.alibi = alibi;
+    ka.softcap = alibi ? 25 : 0;
+    ka.sinks = in.sinks;
+    ka.q = q;
+    ka.out = o;
+    ka.lse = lse;
+    if (mha_kv_cache_attention(cache, &ka, &ex, &err) != MHA_STATUS_OK)
+        fail("kv attention", &err);
+    hash_floats(dec, o, 2 * t * h * head_dim);
+    hash_floats(dec, lse, 2 * h * t);
+    free(q);
+    free(o);
+    free(lse);
+    free(x);
+    free(out);
+    mha_kv_cache_destroy(cache);
+    mha_layer_destroy(layer);
+    free_layer_inputs(&in);
+}
+
+static void report(const char *section, const hash64 *s, hash64 *total) {
+    printf("%-10s %016llx  (%lld bytes)\n", section, (unsigned long long)s->h, (long long)s->bytes);
+    hash_bytes(total, &s->h, sizeof s->h);
+}
+
+int main(void) {
+    hash64 fwd, bwd, core_fwd, core_bwd, dec, total;
+    hash_init(&fwd);
+    hash_init(&bwd);
+    hash_init(&core_fwd);
+    hash_init(&core_bwd);
+    hash_init(&dec);
+    hash_init(&total);
+    printf("tiers      %s\n", mha_experimental_cpu_isas(1));
+    const mha_impl impls[] = {MHA_IMPL_AUTO, MHA_IMPL_REFERENCE};
+    const int thread_counts[] = {1, 2};
+    const mha_dtype dtypes[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
+    for (int ii = 0; ii < 2; ++ii)
+        for (int ti = 0; ti < 2; ++ti) {
+            for (size_t c = 0; c < sizeof layer_cases / sizeof layer_cases[0]; ++c)
+                run_layer_case(&layer_cases[c], impls[ii], thread_counts[ti], &fwd, &bwd);
+            for (size_t c = 0; c < sizeof core_cases / sizeof core_cases[0]; ++c)
+                run_core_case(&core_cases[c], impls[ii], thread_counts[ti], &core_fwd, &core_bwd);
+            for (int di = 0; di < 3; ++di)
+                for (int wi = 0; wi < 2; ++wi) {
+                    run_decode_case(dtypes[di], wi ? 100 : 0, 64, wi, impls[ii], thread_counts[ti],
+                                    &dec);
+                    run_decode_case(dtypes[di], wi ? 0 : 120, 128, 0, impls[ii], thread_counts[ti],
+                                    &dec);
+                    run_decode_case(dtypes[di], 0, 20, wi, impls[ii], thread_counts[ti], &dec);
+                }
+        }
+    report("layer_fwd", &fwd, &total);
+    report("layer_bwd", &bwd, &total);
+    report("core_fwd", &core_fwd, &total);
+    report("core_bwd", &core_bwd, &total);
+    report("decode", &dec, &total);
+    report("all", &total, &total);
+    return 0;
+}
