@@ -8,6 +8,7 @@
  */
 #include "cli.h"
 #include "internal.h" /* mha__default_threads */
+#include "mha_experimental.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,31 +43,17 @@ static void usage(void) {
 /* mha info                                                                                       */
 /* ---------------------------------------------------------------------------------------------- */
 
-static void print_cpu_features(void) {
-    printf("cpu features:");
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-    __builtin_cpu_init();
-    int any = 0;
-#    define CLI_FEATURE_(name)                                                                     \
-        if (__builtin_cpu_supports(name)) {                                                        \
-            printf(" %s", name);                                                                   \
-            any = 1;                                                                               \
-        }
-    CLI_FEATURE_("sse4.2")
-    CLI_FEATURE_("avx")
-    CLI_FEATURE_("avx2")
-    CLI_FEATURE_("fma")
-    CLI_FEATURE_("avx512f")
-    CLI_FEATURE_("avx512bw")
-    CLI_FEATURE_("avx512vl")
-    CLI_FEATURE_("avx512dq")
-#    undef CLI_FEATURE_
-    if (!any)
-        printf(" (none of sse4.2 avx avx2 fma avx512*)");
-#else
-    printf(" (not detected on this architecture)");
-#endif
-    printf("\n");
+/* The library's own CPU detection (cpuid + XGETBV), before and after the MHA_MAX_ISA cap, and the
+ * registry of attention kernels with what this CPU can run: no second feature list in the CLI. */
+static void print_kernels(void) {
+    printf("cpu tiers (detected): %s\n", mha_experimental_cpu_isas(0));
+    printf("kernel tiers (under MHA_MAX_ISA): %s\n", mha_experimental_cpu_isas(1));
+    printf("forward kernels, priority order:\n");
+    for (int32_t i = 0; i < mha_experimental_kernel_count(); ++i) {
+        mha_kernel_desc d;
+        if (mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK)
+            printf("  %-40s %s\n", d.name, d.usable ? "usable" : "not on this CPU");
+    }
 }
 
 enum { INFO_B = 1, INFO_H = 8, INFO_N = 64, INFO_D = 64 };
@@ -117,14 +104,15 @@ int cli_info_main(int argc, char **argv) {
         return rc;
     if (args.given[0]) {
         printf("Usage: mha info\n\nPrints the version, the number of threads used by default "
-               "(--threads 0),\nthe CPU features and which implementations (--impl) can run a "
+               "(--threads 0),\nthe kernel tiers this CPU has, the forward kernels, and which "
+               "implementations (--impl) can run a "
                "few sample\nproblems. Takes no options.\n");
         return CLI_OK;
     }
 
     printf("mha %s (libmha %s)\n", MHA_CLI_VERSION_STRING, mha_version());
     printf("threads: %d (online CPUs; used by --threads 0)\n", mha__default_threads());
-    print_cpu_features();
+    print_kernels();
 
     const size_t elems = (size_t)INFO_B * INFO_H * INFO_N * INFO_D;
     float *buf = calloc(elems * 4 + (size_t)INFO_B * INFO_H * INFO_N * INFO_N, sizeof(float));

@@ -5,6 +5,7 @@
 # -fsanitize=fuzzer,address,undefined. Needs clang-14 and libclang-rt-14-dev (Debian), and
 # libcjson-dev. Usage: fuzz/build.sh [BUILD_DIR]   (default: build-fuzz/ at the repo root).
 # The harness binaries are BUILD_DIR/fuzz_npy, fuzz_safetensors, fuzz_cli_args, fuzz_api.
+# needs: clang-14 nproc find
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-$root/build-fuzz}"

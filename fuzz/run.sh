@@ -5,6 +5,7 @@
 # (defaults: 60 s, build-fuzz/). Builds the harnesses first (fuzz/build.sh). The committed seeds
 # (fuzz/corpus/<harness>/) are read but never written: new inputs go to a scratch corpus, and a
 # crashing input is saved as BUILD_DIR/crash-<harness>-* for a regression test.
+# needs: nproc
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 secs="${1:-60}"

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* mha_experimental.h: UNSTABLE interfaces of libmha (they may change in any release): the
  * registry of attention kernels, what dispatch would select, and running a chosen kernel. Used by
- * the tests, the benchmark and `mha info`. Include after mha.h.
+ * tests/test_kernels.c, `mha info` and tools/output_hash.c. Include after mha.h.
  *
  * Kernels are named mha_fwd_f32_<algo>[_q<Bq>k<Bk>]__<isa> (docs/KERNELS.md). Selection for
  * impl=AUTO/FAST takes the first kernel, in registry order, that this CPU can run and whose limits

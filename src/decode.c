@@ -93,22 +93,25 @@ int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
     return R * MHA_DEC_BLOCK + (R > 2 ? R : 2) * (d + 16) + 32;
 }
 
-static mha__dec_kernel_fn pick_kernel(void) {
+/* The decode kernel this CPU runs, and its name (= its function's name, for the CLI bench). */
+#define MHA_DEC_KERNEL_(fn)                                                                        \
+    { fn, #fn }
+typedef struct dec_kernel {
+    mha__dec_kernel_fn fn;
+    const char *name;
+} dec_kernel;
+
+static dec_kernel pick_kernel(void) {
 #if defined(__x86_64__) || defined(__i386__)
     if (mha__cpu_isa() & MHA_ISA_AVX512)
-        return mha__dec_kernel_avx512;
+        return (dec_kernel)MHA_DEC_KERNEL_(mha_decode_f32acc_splitkv__avx512);
 #endif
-    return mha__dec_kernel_generic;
+    return (dec_kernel)MHA_DEC_KERNEL_(mha_decode_f32acc_splitkv__generic);
 }
 
-/* Name of the decode kernel this CPU runs (for the CLI bench). */
 const char *mha__dec_kernel_name(void);
 const char *mha__dec_kernel_name(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mha__cpu_isa() & MHA_ISA_AVX512)
-        return "mha_decode_f32acc_splitkv__avx512";
-#endif
-    return "mha_decode_f32acc_splitkv__generic";
+    return pick_kernel().name;
 }
 
 typedef struct dec_run {
@@ -391,9 +394,9 @@ attend_split(const kv_call *a, int n_threads, const mha_allocator *alloc, mha_er
     chunk = chunk < 1 ? 1 : chunk > 16 ? 16 : chunk;
     atomic_int_fast64_t next;
     atomic_init(&next, 0);
-    dec_run run = {&p,      pick_kernel(),  units,    first,  part,    part_stride,
-                   scratch, scratch_stride, a->sinks, a->out, a->o_ss, a->o_ts,
-                   a->lse,  n_units,        chunk,    &next};
+    dec_run run = {&p,      pick_kernel().fn, units,    first,  part,    part_stride,
+                   scratch, scratch_stride,   a->sinks, a->out, a->o_ss, a->o_ts,
+                   a->lse,  n_units,          chunk,    &next};
     mha_status st = mha__parallel_for(nt, nt, run_units, &run, err);
     if (!st)
         st = mha__parallel_for(n_threads, SG, merge_pairs, &run, err);

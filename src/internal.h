@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /* internal.h: declarations shared by the library's own files (never installed).
  *
- * The public structs are validated once, in api.c / layer.c, and turned into an mha__problem whose
- * every field is resolved (defaults filled, masks turned into broadcast strides), so kernels never
- * re-check user input.
+ * The public structs are validated by their entry points (attention.c: mha__attention_check,
+ * mha__problem_from_args; layer.c, layer_bwd.c, decode.c for the layer and the cache) and turned
+ * into an mha__problem whose every field is resolved (defaults filled, masks turned into broadcast
+ * strides), so kernels never re-check user input.
  */
 #ifndef MHA_INTERNAL_H
 #define MHA_INTERNAL_H

@@ -97,14 +97,14 @@ typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
 /* Scratch floats a kernel needs: scores [R][BLOCK], then query rows or dequantised K/V rows. */
 int64_t mha__dec_scratch_floats(const mha__dec_problem *p);
 
-void mha__dec_kernel_generic(const mha__dec_problem *p,
+void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
                              const mha__dec_unit *u,
                              float *o,
                              float *m,
                              float *l,
                              float *scratch);
 #if defined(__x86_64__) || defined(__i386__)
-void mha__dec_kernel_avx512(const mha__dec_problem *p,
+void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
                             const mha__dec_unit *u,
                             float *o,
                             float *m,

@@ -5,6 +5,7 @@
 # GCC/clang configuration the project builds. Checked false positives are suppressed, each with
 # its reason, in tools/cppcheck-suppressions.txt. Exit status 1 on any finding.
 # Usage: tools/cppcheck.sh [JOBS]
+# needs: cppcheck
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec cppcheck --enable=warning,portability,performance --std=c11 --library=posix \

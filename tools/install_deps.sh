@@ -1,53 +1,96 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
-# Installs what building and testing mha needs on a fresh Debian machine, skipping what is
-# already there: a C compiler, CMake, cJSON (safetensors headers), clang-14, cppcheck, valgrind,
-# and for the Python-driven tests python3, its headers and the packages of
-# python/requirements-test.txt.
+# Installs what mha's two README commands need on a fresh Debian machine, skipping what is there,
+# then CHECKS that every command those scripts call is on PATH (failing with the missing name).
+#
+#   bash tools/install_deps.sh --build   what tools/demo.sh needs: a C compiler, make, CMake,
+#                                        cJSON (Debian packages only, no Python package)
+#   bash tools/install_deps.sh [--test]  everything tools/test.sh needs: the above, clang-14 (+ its
+#                                        runtime, for libFuzzer and TSan), clang-format-14, cppcheck,
+#                                        valgrind, pkg-config, Python's venv and headers, and the
+#                                        pinned Python test packages (python/requirements-test.txt)
+#                                        in the virtual environment .venv/ of the checkout (never the
+#                                        system Python, which Debian marks externally managed).
+#
+# The commands each script calls are declared in that script by lines `# needs: cmd ...`; the
+# guard below reads those lines from every script of the mode, so a script that starts calling a
+# new command declares it next to its use and a fresh machine reports it by name here.
 # Safe to run repeatedly.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:---test}
+case "$mode" in
+--build) scripts=(tools/demo.sh) ;;
+--test) scripts=(tools/test.sh tools/cppcheck.sh tools/valgrind_cli.sh fuzz/run.sh fuzz/build.sh) ;;
+*)
+    echo "install_deps.sh: unknown mode '$mode' (use --build or --test)" >&2
+    exit 2
+    ;;
+esac
+
+# Debian package of each command that may be missing on a fresh machine.
+declare -A package=(
+    [cc]=gcc [gcc]=gcc [make]=make [cmake]=cmake [ctest]=cmake [git]=git [nm]=binutils
+    [clang-14]="clang-14 libclang-rt-14-dev" [clang-format-14]=clang-format-14
+    [cppcheck]=cppcheck [valgrind]=valgrind [pkg-config]=pkg-config [python3]=python3
+)
 
 need_apt=()
-command -v cc >/dev/null 2>&1 || need_apt+=(gcc)
-command -v make >/dev/null 2>&1 || need_apt+=(make)
 [ -f /usr/include/cjson/cJSON.h ] || need_apt+=(libcjson-dev)
-# clang-14 + its runtime: libFuzzer harnesses (fuzz/) and ThreadSanitizer's runtime for gcc too.
-command -v clang-14 >/dev/null 2>&1 || need_apt+=(clang-14 libclang-rt-14-dev)
-command -v python3 >/dev/null 2>&1 || need_apt+=(python3 python3-pip python3-dev)
-# Python's headers (Python.h): the Python tests compile the extension python/mha/_fastcall.c, as
-# `pip install ./python` does.
-if command -v python3 >/dev/null 2>&1 && ! python3 -c 'import os, sys, sysconfig
+for cmd in $(sed -n 's/^# needs: //p' "${scripts[@]}" | tr ' ' '\n' | sort -u); do
+    command -v "$cmd" >/dev/null 2>&1 && continue
+    [ -n "${package[$cmd]:-}" ] && need_apt+=(${package[$cmd]})
+done
+if [ "$mode" = --test ]; then
+    # The venv module and Python's headers (the tests compile python/mha/_fastcall.c as
+    # `pip install ./python` does). Debian ships them apart from python3.
+    if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import ensurepip, venv' 2>/dev/null; then
+        need_apt+=(python3 python3-venv)
+    fi
+    if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import os, sys, sysconfig
 sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
-    need_apt+=(python3-dev)
+        need_apt+=(python3-dev)
+    fi
+    # libclang-rt-14-dev is clang-14's sanitizer runtime; it can be missing while clang-14 is not.
+    ls /usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.tsan-x86_64.a >/dev/null 2>&1 ||
+        [ "$(uname -m)" != x86_64 ] || need_apt+=(libclang-rt-14-dev)
 fi
-# Static analysis (tools/cppcheck.sh) and valgrind memcheck of the CLI tests (tools/test.sh).
-command -v cppcheck >/dev/null 2>&1 || need_apt+=(cppcheck)
-command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)
 if [ ${#need_apt[@]} -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    echo "install_deps.sh: apt-get install ${need_apt[*]}" >&2
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
-command -v cmake >/dev/null 2>&1 || python3 -m pip install -q cmake
-# Python test dependencies (NumPy, pytest, PyTorch 2.13.0 CPU, JAX/Equinox/Haiku, matplotlib):
-# pinned in python/requirements-test.txt. torch is pinned exactly: any other version pulls
-# gigabytes of CUDA packages.
-python3 - <<'PY' || python3 -m pip install -q -r python/requirements-test.txt
+
+# Python test packages, pinned (torch exactly: any other version pulls gigabytes of CUDA
+# packages), in .venv/. Reused when it already satisfies python/requirements-test.txt.
+if [ "$mode" = --test ]; then
+    [ -x .venv/bin/python ] || python3 -m venv .venv
+    .venv/bin/python - <<'PY' || .venv/bin/python -m pip install -q -r python/requirements-test.txt
 import importlib.metadata as md, sys
-pins = {}
 for line in open("python/requirements-test.txt"):
     line = line.split("#")[0].strip()
-    if "==" in line:
-        name, version = line.split("==")
-        pins[name.strip()] = version.strip()
-    elif line:
-        pins[line.split(">")[0].split("<")[0].strip()] = None
-for name, version in pins.items():
+    if not line:
+        continue
+    name, _, version = line.partition("==")
+    name = name.split(">")[0].split("<")[0].strip()
     try:
         have = md.version(name)
     except md.PackageNotFoundError:
         sys.exit(1)
-    if version and have.split("+")[0] != version:
+    if version and have.split("+")[0] != version.strip():
         sys.exit(1)
 PY
+fi
+
+# The guard: every declared command must now be on PATH.
+missing=()
+for cmd in $(sed -n 's/^# needs: //p' "${scripts[@]}" | tr ' ' '\n' | sort -u); do
+    command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
+done
+[ -f /usr/include/cjson/cJSON.h ] || missing+=("cjson/cJSON.h (libcjson-dev)")
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "install_deps.sh: still missing after installing: ${missing[*]}" >&2
+    exit 1
+fi

@@ -4,8 +4,8 @@
 #   0. the clang-format check of every C file, and cppcheck over src/ cli/ tests/
 #      (tools/cppcheck.sh, suppressions with reasons in tools/cppcheck-suppressions.txt);
 #   1. a Release build with warnings as errors, all tests (ctest);
-#   2. the same tests with each lower kernel tier forced (MHA_MAX_ISA), so every dispatch
-#      variant runs on this machine;
+#   2. every C test again with each lower kernel tier forced (MHA_MAX_ISA=generic, and avx2 on an
+#      AVX-512 host), so every kernel of every op (forward, backward, decode, GEMM) runs here;
 #   3. a clang-14 Release build with warnings as errors, the C tests (MHA_TEST_QUICK=1);
 #   4. an AddressSanitizer + UndefinedBehaviorSanitizer build, all tests again;
 #   5. a ThreadSanitizer build, every C test (MHA_TEST_QUICK=1);
@@ -13,11 +13,14 @@
 #      valgrind (tools/valgrind_cli.sh), Debug build without sanitizers;
 #   7. every libFuzzer harness for MHA_FUZZ_SECONDS (default 20) seconds (clang-14).
 # Exit status is non-zero if anything fails. Build trees: build/, build-clang/, build-asan/,
-# build-tsan/, build-valgrind/, build-fuzz/.
+# build-tsan/, build-valgrind/, build-fuzz/. Python runs from the virtual environment .venv/
+# that tools/install_deps.sh creates (never the system Python).
+# needs: cc cmake ctest make git xargs nproc clang-14 clang-format-14 python3 pkg-config nm
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/install_deps.sh
+bash tools/install_deps.sh --test
 jobs=$(nproc 2>/dev/null || echo 2)
+py="$PWD/.venv/bin/python"
 
 echo "== Format check (clang-format-14, .clang-format)"
 git ls-files -z '*.c' '*.h' 2>/dev/null | xargs -0 -r clang-format-14 --dry-run -Werror
@@ -26,16 +29,19 @@ echo "== Static analysis (cppcheck, tools/cppcheck-suppressions.txt)"
 bash tools/cppcheck.sh "$jobs"
 
 echo "== Release build (-Werror)"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON -DPython3_EXECUTABLE="$py" >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 
-if [ -x build/tests/test_kernels ]; then
-    for isa in generic avx2; do
-        echo "== Kernel tests with MHA_MAX_ISA=$isa"
-        MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -R 'kernels|golden' -j "$jobs"
-    done
-fi
+# Lower tiers: each tier below this CPU's best one (`mha info` names the tiers it has).
+tiers=$(build/mha info | sed -n 's/^kernel tiers[^:]*: *//p')
+[ -n "$tiers" ] || { echo "test.sh: 'mha info' printed no kernel tiers line"; exit 1; }
+for isa in avx2 generic; do
+    case " $tiers " in *" $isa "*) ;; *) continue ;; esac
+    [ "$isa" = "${tiers%% *}" ] && continue # the best tier ran above
+    echo "== every C test with MHA_MAX_ISA=$isa"
+    MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -j "$jobs" -E '^py_|^install|^exported'
+done
 
 echo "== clang-14 build (-Werror), C tests (MHA_TEST_QUICK=1)"
 CC=clang-14 cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null
@@ -44,7 +50,7 @@ MHA_TEST_QUICK=1 ctest --test-dir build-clang --output-on-failure -j "$jobs" -E 
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON \
-    -DMHA_SANITIZE=address,undefined >/dev/null
+    -DMHA_SANITIZE=address,undefined -DPython3_EXECUTABLE="$py" >/dev/null
 cmake --build build-asan -j "$jobs"
 MHA_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$jobs"
 echo "== ThreadSanitizer build, every C test (MHA_TEST_QUICK=1)"
@@ -67,7 +73,7 @@ vg_logs="$PWD/build-valgrind/vg-logs"
 rm -rf "$vg_logs"
 vg_env=(MHA_CLI="$PWD/tools/valgrind_cli.sh" MHA_VALGRIND_CLI="$PWD/build-valgrind/mha"
         MHA_VALGRIND_LOGS="$vg_logs" MHA_SOURCE_DIR="$PWD")
-vg_pytest=(python3 -m pytest -q -p no:cacheprovider)
+vg_pytest=("$py" -m pytest -q -p no:cacheprovider)
 vg_status=0
 env "${vg_env[@]}" "${vg_pytest[@]}" tests/test_cli.py >build-valgrind/pytest-cli.log 2>&1 &
 vg_pid=$!

@@ -9,6 +9,7 @@
 # MHA_VALGRIND_LOGS/vg.<pid>.log (valgrind writes there, not to stderr, so the tests' checks of
 # the program's stderr are unaffected); tools/test.sh also fails on any non-empty report.
 # Use a build without sanitizers (Debug gives line numbers).
+# needs: valgrind
 set -euo pipefail
 : "${MHA_VALGRIND_CLI:?MHA_VALGRIND_CLI must name the mha program to run}"
 : "${MHA_VALGRIND_LOGS:?MHA_VALGRIND_LOGS must name a directory for the reports}"

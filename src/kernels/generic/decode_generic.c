@@ -24,7 +24,7 @@ static void load_row(mha_dtype dtype, const void *src, int64_t d, float *dst) {
     }
 }
 
-void mha__dec_kernel_generic(const mha__dec_problem *p,
+void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
                              const mha__dec_unit *u,
                              float *o,
                              float *m,

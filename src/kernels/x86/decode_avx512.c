@@ -613,7 +613,7 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
 #undef SLOT_
 }
 
-void mha__dec_kernel_avx512(const mha__dec_problem *p,
+void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
                             const mha__dec_unit *u,
                             float *o,
                             float *m,
