@@ -14,12 +14,13 @@ import subprocess
 
 import numpy as np
 import pytest
+from tolerances import TOL_OUT_REL
 
 CLI = os.environ.get("MHA_CLI")
 pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
 
 # float32 compute against a float64 reference: the documented tolerance of the project.
-TOL = 1e-5
+TOL = TOL_OUT_REL  # tests/common/tolerance.h
 
 
 # ---------------------------------------------------------------------------------------------

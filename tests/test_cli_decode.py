@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 
 from test_cli import make_weights, ref_mha, write_safetensors
+from tolerances import TOL_OUT_REL, TOL_KV_BF16_REL, TOL_KV_F16_REL
 
 CLI = os.environ.get("MHA_CLI")
 pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
 
 # float32 cache: the project's float32 tolerance (tests/common/tolerance.h TOL_OUT_REL).
-TOL = 1e-5
+TOL = TOL_OUT_REL  # tests/common/tolerance.h
 # float16 / bfloat16 cache: 8 unit roundoffs of the storage type (TOL_KV_F16_REL / BF16_REL).
-TOL_DTYPE = {"f32": TOL, "f16": 8 * 2.0**-11, "bf16": 8 * 2.0**-8}
+TOL_DTYPE = {"f32": TOL, "f16": TOL_KV_F16_REL, "bf16": TOL_KV_BF16_REL}
 
 
 def run_cli(*args, cwd=None):

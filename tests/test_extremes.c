@@ -16,15 +16,13 @@
 
 #include "harness.h"
 #include "oracle_f64.h"
+#include "tolerance.h"
 
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#define TOL_C 16.0
-#define U32   (1.0 / 16777216.0)
 
 static int quick(void) {
     const char *q = getenv("MHA_TEST_QUICK");
@@ -147,8 +145,8 @@ static double run_compare(const char *name, const prob *p, mha_impl impl, double
     mha_status st = mha_attention(&a, &ex, &err);
     CHECK(st == MHA_STATUS_OK, "%s impl=%d: %s", name, (int)impl, err.message);
     CHECK(oracle_attention(&a, ro, rl, NULL) == 0, "%s: oracle refused", name);
-    const double tol =
-        TOL_C * U32 * max_abs_finite(p->v, p->B * p->H * p->m * p->dv) * (1.0 + max_s);
+    const double tol = TOL_OUT_BACKSTOP_C * TOL_U32 *
+                       max_abs_finite(p->v, p->B * p->H * p->m * p->dv) * (1.0 + max_s);
     double worst = 0.0;
     int64_t bad_rows = 0;
     for (int64_t r = 0; st == MHA_STATUS_OK && r < rows; r++) {
@@ -182,7 +180,8 @@ static double run_compare(const char *name, const prob *p, mha_impl impl, double
             CHECK(isinf(lse[r]) && lse[r] < 0, "%s row %lld: lse %g, want -inf", name, (long long)r,
                   (double)lse[r]);
         else if (isfinite(rl[r]))
-            CHECK(fabs((double)lse[r] - rl[r]) <= 1e-6 * (1.0 + fabs(rl[r])) + TOL_C * U32 * max_s,
+            CHECK(fabs((double)lse[r] - rl[r]) <=
+                      1e-6 * (1.0 + fabs(rl[r])) + TOL_OUT_BACKSTOP_C * TOL_U32 * max_s,
                   "%s impl=%d row %lld: lse %.9g vs oracle %.9g", name, (int)impl, (long long)r,
                   (double)lse[r], rl[r]);
     }

@@ -15,21 +15,11 @@
 #include "harness.h"
 #include "oracle_f64.h"
 #include "oracle_grad_f64.h"
+#include "tolerance.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* Backstop of the float32 backward vs the float64 oracle, per gradient tensor:
- *   max|g - g*| <= TOL_BWD_C * u * max|g*| * (1 + max|S|) * sqrt(m)
- * with u = 2^-24. sqrt(m): dK/dV/dQ are sums over up to m (or n x group) terms whose rounding
- * errors add like a random walk. Calibrated on the sweep below; the worst value of the left side
- * divided by the right side without TOL_BWD_C is printed ("worst backstop c") and recorded in
- * docs/TRAINING.md. */
-#define TOL_BWD_C 32.0
-#define U32       (1.0 / 16777216.0)
-#define FD_H      1e-6
-#define FD_REL    1e-6
 
 static int g_quick;
 
@@ -264,20 +254,20 @@ static void fd_core(const spec *s, uint64_t seed) {
         for (int64_t e = 0; e < counts[t]; e++) {
             finite &= isfinite(grads[t][e]);
             const double x0 = params[t][e];
-            params[t][e] = x0 + FD_H;
+            params[t][e] = x0 + TOL_FD_H;
             og_core_forward(&o, out, NULL);
             const double lp = dsum(out, dO, no);
-            params[t][e] = x0 - FD_H;
+            params[t][e] = x0 - TOL_FD_H;
             og_core_forward(&o, out, NULL);
             const double lm = dsum(out, dO, no);
             params[t][e] = x0;
-            const double fd = (lp - lm) / (2.0 * FD_H);
+            const double fd = (lp - lm) / (2.0 * TOL_FD_H);
             const double d = fabs(fd - grads[t][e]) / (scale > 1e-12 ? scale : 1e-12);
             if (d > worst)
                 worst = d;
         }
-        CHECK(worst <= FD_REL, "[fd core %s] %s: |fd - analytic| / max|g| = %.3e > %g", s->name,
-              names[t], worst, FD_REL);
+        CHECK(worst <= TOL_FD_REL, "[fd core %s] %s: |fd - analytic| / max|g| = %.3e > %g", s->name,
+              names[t], worst, TOL_FD_REL);
         if (worst > g_fd_worst)
             g_fd_worst = worst;
     }
@@ -437,7 +427,7 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
         for (int t = 0; t < 4; t++) {
             const double e = test_max_abs_diff(lib[t], oracle[t], counts[t]);
             errs[which][t] = e;
-            const double cval = e / (U32 * denom[t] * (1.0 + maxS) * walk);
+            const double cval = e / (TOL_U32 * denom[t] * (1.0 + maxS) * walk);
             CHECK(cval <= TOL_BWD_C,
                   "[%s seed %llu B%lld H%lld G%lld n%lld m%lld dk%lld dv%lld] impl %s %s: max err "
                   "%.3e = %.1f x u*scale*(1+maxS)*sqrt(L) > %g (scale %.3e)",
@@ -451,7 +441,7 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
     }
     /* Ratio test: fast <= 2 x reference + u x scale. */
     for (int t = 0; t < 4; t++) {
-        const double allowed = 2.0 * errs[0][t] + U32 * denom[t] * (1.0 + maxS) * walk;
+        const double allowed = 2.0 * errs[0][t] + TOL_U32 * denom[t] * (1.0 + maxS) * walk;
         CHECK(errs[1][t] <= allowed,
               "[%s seed %llu] %s: fast err %.3e > 2 x reference err %.3e + u*scale", s->name,
               (unsigned long long)seed, names[t], errs[1][t], errs[0][t]);
@@ -470,7 +460,7 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
             float *lib[4] = {t.dq, t.dk, t.dv, t.ds};
             for (int u = 0; u < 4; u++) {
                 const double e = test_max_abs_diff(lib[u], oracle[u], counts[u]);
-                const double allowed = 2.0 * errs[0][u] + U32 * denom[u] * (1.0 + maxS) * walk;
+                const double allowed = 2.0 * errs[0][u] + TOL_U32 * denom[u] * (1.0 + maxS) * walk;
                 CHECK(e <= allowed, "[%s seed %llu] kernel %s %s: err %.3e > 2 x reference %.3e",
                       s->name, (unsigned long long)seed, mha__bwd_kernel_name(kk), names[u], e,
                       errs[0][u]);
@@ -712,19 +702,20 @@ static void fd_layer(const lspec *s, uint64_t seed) {
         for (int64_t e = 0; e < counts[t]; e++) {
             finite &= isfinite(grads[t][e]);
             const double x0 = params[t][e];
-            params[t][e] = x0 + FD_H;
+            params[t][e] = x0 + TOL_FD_H;
             og_layer_forward(cfg, &w, B, n, m, xq, xk, xv, c.qpos, c.kpos, &c.mask, &c.drop, y);
             const double lp = dsum(y, dy, B * n * cfg->out_dim);
-            params[t][e] = x0 - FD_H;
+            params[t][e] = x0 - TOL_FD_H;
             og_layer_forward(cfg, &w, B, n, m, xq, xk, xv, c.qpos, c.kpos, &c.mask, &c.drop, y);
             const double lm = dsum(y, dy, B * n * cfg->out_dim);
             params[t][e] = x0;
             const double d =
-                fabs((lp - lm) / (2.0 * FD_H) - grads[t][e]) / (scale > 1e-12 ? scale : 1e-12);
+                fabs((lp - lm) / (2.0 * TOL_FD_H) - grads[t][e]) / (scale > 1e-12 ? scale : 1e-12);
             worst = fmax(worst, d);
         }
-        CHECK(worst <= FD_REL && finite, "[fd layer %s] %s: |fd - analytic| / max|g| = %.3e > %g",
-              s->name, names[t], worst, FD_REL);
+        CHECK(worst <= TOL_FD_REL && finite,
+              "[fd layer %s] %s: |fd - analytic| / max|g| = %.3e > %g", s->name, names[t], worst,
+              TOL_FD_REL);
         g_fd_worst = fmax(g_fd_worst, worst);
     }
     for (int i = 0; i < 9; i++)
@@ -1223,7 +1214,7 @@ int main(void) {
         fd_layer(&LAYER_SPECS[i], 40 + (uint64_t)i);
     printf("finite differences: %d core + %d layer cases, worst |fd - analytic| / max|g| = %.2e "
            "(gate %g)\n",
-           N_CORE_SPECS, N_LAYER_SPECS, g_fd_worst, FD_REL);
+           N_CORE_SPECS, N_LAYER_SPECS, g_fd_worst, TOL_FD_REL);
     for (int i = 0; i < N_CORE_SPECS; i++)
         core_vs_oracle(&CORE_SPECS[i], 10 + (uint64_t)i);
     sweep();

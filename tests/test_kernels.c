@@ -14,16 +14,12 @@
 #include "kernels/kernels.h"
 #include "mha_experimental.h"
 #include "oracle_f64.h"
+#include "tolerance.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-#define U32 0x1.0p-24 /* unit roundoff of float32 */
-
-/* Absolute backstop: |o - o*| <= C_OUT u max|V| (1 + max|S|) + u |o*| (docs/TESTING.md). */
-#define C_OUT 16.0
 
 static int g_quick, g_full, g_only_case = -1;
 static int g_debug; /* unoptimised (sanitizer) build: the smallest sweep */
@@ -469,7 +465,7 @@ static errs measure(const tcase *c, const tdata *t, const result *r) {
     memset(&e, 0, sizeof e);
     e.out_backstop_excess = -HUGE_VAL;
     const mha_attention_args *a = &t->a;
-    const double tol_scale = C_OUT * U32 * t->max_v * (1.0 + t->max_s);
+    const double tol_scale = TOL_OUT_BACKSTOP_C * TOL_U32 * t->max_v * (1.0 + t->max_s);
     for (int64_t b = 0; b < c->B; b++)
         for (int64_t h = 0; h < c->H; h++)
             for (int64_t i = 0; i < c->n; i++) {
@@ -491,7 +487,7 @@ static errs measure(const tcase *c, const tdata *t, const result *r) {
                         e.worst_index = row * c->dv + d;
                     }
                     e.out_backstop_excess =
-                        fmax(e.out_backstop_excess, err - (tol_scale + U32 * fabs(want)));
+                        fmax(e.out_backstop_excess, err - (tol_scale + TOL_U32 * fabs(want)));
                     e.nmse_num += err * err;
                     e.nmse_den += want * want;
                 }
@@ -554,7 +550,7 @@ static void check_case(const tcase *c, int kindex, const char *kname, kstats *ks
     const errs er = measure(c, &t, &ref);
     CHECK(er.class_mismatch == 0, "reference: %lld NaN/Inf/finite mismatches vs oracle %s",
           (long long)er.class_mismatch, desc);
-    const double slack = U32 * t.max_v;
+    const double slack = TOL_U32 * t.max_v;
     result first;
     memset(&first, 0, sizeof first);
     const int max_threads = g_quick ? 2 : 3;
@@ -582,15 +578,16 @@ static void check_case(const tcase *c, int kindex, const char *kname, kstats *ks
             CHECK(ek.out_backstop_excess <= 0.0,
                   "%s: element error exceeds the backstop %g u max|V| (1 + max|S|) + u|o*| by "
                   "%.3g %s",
-                  kname, C_OUT, ek.out_backstop_excess, desc);
+                  kname, TOL_OUT_BACKSTOP_C, ek.out_backstop_excess, desc);
             CHECK(er.out_backstop_excess <= 0.0, "reference exceeds the backstop by %.3g %s",
                   er.out_backstop_excess, desc);
-            const double lse_slack = U32 * (1.0 + t.max_s + log((double)c->m + 1.0));
+            const double lse_slack = TOL_U32 * (1.0 + t.max_s + log((double)c->m + 1.0));
             CHECK(ek.lse <= 2.0 * er.lse + lse_slack,
                   "%s: max|lse - lse*| = %.3g > 2 x reference's %.3g + %.3g %s", kname, ek.lse,
                   er.lse, lse_slack, desc);
             if (c->probs)
-                CHECK(ek.probs <= 2.0 * er.probs + U32 && ek.probs <= C_OUT * U32 * (1.0 + t.max_s),
+                CHECK(ek.probs <= 2.0 * er.probs + TOL_U32 &&
+                          ek.probs <= TOL_OUT_BACKSTOP_C * TOL_U32 * (1.0 + t.max_s),
                       "%s: max|p - p*| = %.3g (reference %.3g) %s", kname, ek.probs, er.probs,
                       desc);
             if (er.out > 0.0 && ek.out / er.out > ks->worst_ratio) {
@@ -604,7 +601,7 @@ static void check_case(const tcase *c, int kindex, const char *kname, kstats *ks
                 ks->worst_perr = ek.probs;
                 ks->worst_perr_ref = er.probs;
             }
-            const double allowed = C_OUT * U32 * t.max_v * (1.0 + t.max_s);
+            const double allowed = TOL_OUT_BACKSTOP_C * TOL_U32 * t.max_v * (1.0 + t.max_s);
             if (allowed > 0.0)
                 ks->worst_backstop = fmax(ks->worst_backstop, ek.out / allowed);
             first = r;

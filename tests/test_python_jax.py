@@ -25,8 +25,9 @@ import equinox as eqx  # noqa: E402
 import haiku as hk  # noqa: E402
 
 import mha  # noqa: E402
+from tolerances import TOL_OUT_REL
 
-TOL = 1e-5
+TOL = TOL_OUT_REL  # tests/common/tolerance.h
 
 
 def close(got, ref, tol=TOL):

@@ -29,8 +29,9 @@ from test_python_api import assert_gil_released  # noqa: E402  (also builds mha.
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
 from mha import _lib  # noqa: E402
+from tolerances import TOL_OUT_REL
 
-TOL = 1e-5
+TOL = TOL_OUT_REL  # tests/common/tolerance.h
 
 
 def close(got, ref, what="", tol=TOL):

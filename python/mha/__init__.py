@@ -33,8 +33,6 @@ if _lib.version() != __version__:
                       f"(or point MHA_LIBRARY at a matching libmha)")
 
 library_path: str = _lib.library_path
-HAS_BACKWARD: bool = _lib.HAS_BACKWARD
-HAS_KV_CACHE: bool = _lib.HAS_KV_CACHE
 
 
 def library_version() -> str:
@@ -58,4 +56,4 @@ def __getattr__(name: str):
 
 __all__ = ["MhaError", "Config", "Rope", "MultiheadAttention", "TrainState", "KVCache",
            "attention", "attention_backward", "rope", "rope_frequencies", "plot_attention",
-           "library_version", "library_path", "HAS_BACKWARD", "HAS_KV_CACHE", "__version__"]
+           "library_version", "library_path", "__version__"]

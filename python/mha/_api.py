@@ -984,8 +984,6 @@ class KVCache:
 
     def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
                  dtype: str = "float32", window: int = 0, max_step_tokens: int = 0):
-        if not L.HAS_KV_CACHE:
-            raise NotImplementedError("this libmha has no KV cache (library too old)")
         if dtype not in self._DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(self._DTYPES)}, got {dtype!r}")
         c = L.mha_kv_cache_config()

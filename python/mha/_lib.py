@@ -20,7 +20,6 @@ import os
 import sys
 from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_float, c_int, c_int32,
                     c_int64, c_size_t, c_uint64, c_void_p)
-from typing import Optional
 
 __all__ = ["MhaError", "lib", "library_path", "check"]
 
@@ -252,43 +251,31 @@ def check(status: int, err: mha_error) -> None:
         raise MhaError(status, msg)
 
 
-def has_symbol(name: str) -> bool:
-    return hasattr(lib, name)
-
-
-def optional_fn(name: str, argtypes, restype=c_int) -> Optional[object]:
-    """Binds `name` if the loaded library exports it, else returns None."""
-    if not has_symbol(name):
-        return None
-    return _fn(name, argtypes, restype)
-
-
-# Training (backward) and KV-cache decoding: bound when the library exports them.
-mha_attention_backward = optional_fn(
+# Training (backward) and KV-cache decoding (the package and the library have the same version,
+# checked at import, so every function is there).
+mha_attention_backward = _fn(
     "mha_attention_backward", [P(mha_attention_args), P(mha_attention_grads), P(mha_exec),
                                P(mha_error)])
-mha_layer_forward_train = optional_fn(
+mha_layer_forward_train = _fn(
     "mha_layer_forward_train", [c_void_p, P(mha_forward_args), P(mha_exec), P(c_void_p),
                                 P(mha_error)])
-mha_layer_backward = optional_fn(
+mha_layer_backward = _fn(
     "mha_layer_backward", [c_void_p, c_void_p, c_void_p, P(mha_layer_grads), P(mha_exec),
                            P(mha_error)])
-mha_train_state_destroy = optional_fn("mha_train_state_destroy", [c_void_p], None)
-mha_kv_cache_create = optional_fn(
+mha_train_state_destroy = _fn("mha_train_state_destroy", [c_void_p], None)
+mha_kv_cache_create = _fn(
     "mha_kv_cache_create", [P(mha_kv_cache_config), c_void_p, c_void_p, P(c_void_p),
                             P(mha_error)])
-mha_kv_cache_destroy = optional_fn("mha_kv_cache_destroy", [c_void_p], None)
-mha_kv_cache_length = optional_fn("mha_kv_cache_length", [c_void_p, c_int64], c_int64)
-mha_kv_cache_reset = optional_fn("mha_kv_cache_reset", [c_void_p, c_int64, P(mha_error)])
-mha_kv_cache_truncate = optional_fn("mha_kv_cache_truncate",
+mha_kv_cache_destroy = _fn("mha_kv_cache_destroy", [c_void_p], None)
+mha_kv_cache_length = _fn("mha_kv_cache_length", [c_void_p, c_int64], c_int64)
+mha_kv_cache_reset = _fn("mha_kv_cache_reset", [c_void_p, c_int64, P(mha_error)])
+mha_kv_cache_truncate = _fn("mha_kv_cache_truncate",
                                     [c_void_p, c_int64, c_int64, P(mha_error)])
-mha_layer_prefill = optional_fn(
+mha_layer_prefill = _fn(
     "mha_layer_prefill", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec), P(mha_error)])
-mha_layer_decode_step = optional_fn(
+mha_layer_decode_step = _fn(
     "mha_layer_decode_step", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec),
                               P(mha_error)])
-HAS_BACKWARD = mha_attention_backward is not None and mha_layer_backward is not None
-HAS_KV_CACHE = mha_kv_cache_create is not None and mha_layer_decode_step is not None
 
 
 # ------------------------------------------------------------------------------------------------

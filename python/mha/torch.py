@@ -38,13 +38,6 @@ _MASK_CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L
                torch.int64: L.DTYPE_I64, torch.float32: L.DTYPE_F32}
 
 
-def _check_backward() -> None:
-    if not L.HAS_BACKWARD:
-        raise NotImplementedError(
-            "mha: the loaded libmha has no backward (mha_layer_backward / "
-            "mha_attention_backward); rebuild the library from a version that has them")
-
-
 _EXECS: dict = {}
 
 
@@ -120,7 +113,6 @@ def _layer_forward(layer_ptr: int, a: L.mha_forward_args, threads: int, out_shap
     # Structs are passed as they are (ctypes passes them by reference): ~2 us cheaper per call
     # than ctypes.byref objects.
     if spec is not None:
-        _check_backward()
         st = ctypes.c_void_p()
         L.check(L.mha_layer_forward_train(layer_ptr, a, ex, st, err), err)
         spec.state = _StateHandle(st.value)
@@ -154,7 +146,6 @@ class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: Tensor, *_dprobs: Optional[Tensor]):
-        _check_backward()
         spec = ctx.spec
         need = ctx.needs_input_grad
         if not dy.is_contiguous():
@@ -602,7 +593,6 @@ class _CoreFunction(torch.autograd.Function):
         train = any(ctx.needs_input_grad)
         lse = None
         if train:
-            _check_backward()
             lse = _empty((B, h, n))
             args.lse = lse.data_ptr()
         err = L.mha_error()
@@ -615,7 +605,6 @@ class _CoreFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        _check_backward()
         q, k, v, out, lse = ctx.saved_tensors  # also checks nothing was modified in place
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
