@@ -98,18 +98,18 @@ typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
 int64_t mha__dec_scratch_floats(const mha__dec_problem *p);
 
 void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
-                             const mha__dec_unit *u,
-                             float *o,
-                             float *m,
-                             float *l,
-                             float *scratch);
+                                        const mha__dec_unit *u,
+                                        float *o,
+                                        float *m,
+                                        float *l,
+                                        float *scratch);
 #if defined(__x86_64__) || defined(__i386__)
 void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
-                            const mha__dec_unit *u,
-                            float *o,
-                            float *m,
-                            float *l,
-                            float *scratch);
+                                       const mha__dec_unit *u,
+                                       float *o,
+                                       float *m,
+                                       float *l,
+                                       float *scratch);
 #endif
 
 /* Visibility of logical key j for the query at position pos (causal, window). */

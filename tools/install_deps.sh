@@ -7,7 +7,8 @@
 #                                        cJSON (Debian packages only, no Python package)
 #   bash tools/install_deps.sh [--test]  everything tools/test.sh needs: the above, clang-14 (+ its
 #                                        runtime, for libFuzzer and TSan), clang-format-14, cppcheck,
-#                                        valgrind, pkg-config, Python's venv and headers, and the
+#                                        valgrind, pkg-config, the aarch64 cross compiler, qemu-user
+#                                        and arm64 cJSON, Python's venv and headers, and the
 #                                        pinned Python test packages (python/requirements-test.txt)
 #                                        in the virtual environment .venv/ of the checkout (never the
 #                                        system Python, which Debian marks externally managed).
@@ -21,7 +22,8 @@ cd "$(dirname "$0")/.."
 mode=${1:---test}
 case "$mode" in
 --build) scripts=(tools/demo.sh) ;;
---test) scripts=(tools/test.sh tools/cppcheck.sh tools/valgrind_cli.sh fuzz/run.sh fuzz/build.sh) ;;
+--test) scripts=(tools/test.sh tools/cppcheck.sh tools/valgrind_cli.sh fuzz/run.sh fuzz/build.sh
+    tests/install/run.sh tests/check_exports.sh tools/test_aarch64.sh) ;;
 *)
     echo "install_deps.sh: unknown mode '$mode' (use --build or --test)" >&2
     exit 2
@@ -31,6 +33,8 @@ esac
 # Debian package of each command that may be missing on a fresh machine.
 declare -A package=(
     [cc]=gcc [gcc]=gcc [make]=make [cmake]=cmake [ctest]=cmake [git]=git [nm]=binutils
+    [objdump]=binutils [aarch64-linux-gnu-gcc]="gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
+    [qemu-aarch64]=qemu-user
     [clang-14]="clang-14 libclang-rt-14-dev" [clang-format-14]=clang-format-14
     [cppcheck]=cppcheck [valgrind]=valgrind [pkg-config]=pkg-config [python3]=python3
 )
@@ -55,9 +59,14 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     ls /usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.tsan-x86_64.a >/dev/null 2>&1 ||
         [ "$(uname -m)" != x86_64 ] || need_apt+=(libclang-rt-14-dev)
 fi
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+if [ "$mode" = --test ] && [ ! -f /usr/lib/aarch64-linux-gnu/libcjson.so ]; then
+    # The aarch64 cross build (tools/test_aarch64.sh) links Debian's arm64 cJSON (multiarch).
+    $SUDO dpkg --add-architecture arm64
+    need_apt+=(libcjson-dev:arm64)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
-    SUDO=""
-    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
     echo "install_deps.sh: apt-get install ${need_apt[*]}" >&2
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
@@ -90,6 +99,8 @@ for cmd in $(sed -n 's/^# needs: //p' "${scripts[@]}" | tr ' ' '\n' | sort -u); 
     command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
 done
 [ -f /usr/include/cjson/cJSON.h ] || missing+=("cjson/cJSON.h (libcjson-dev)")
+[ "$mode" != --test ] || [ -f /usr/lib/aarch64-linux-gnu/libcjson.so ] ||
+    missing+=("arm64 libcjson.so (libcjson-dev:arm64)")
 if [ ${#missing[@]} -gt 0 ]; then
     echo "install_deps.sh: still missing after installing: ${missing[*]}" >&2
     exit 1

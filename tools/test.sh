@@ -11,9 +11,11 @@
 #   5. a ThreadSanitizer build, every C test (MHA_TEST_QUICK=1);
 #   6. valgrind memcheck of the CLI tests: every `mha` the pytest CLI tests start runs under
 #      valgrind (tools/valgrind_cli.sh), Debug build without sanitizers;
-#   7. every libFuzzer harness for MHA_FUZZ_SECONDS (default 20) seconds (clang-14).
+#   7. an aarch64 cross build (gcc-aarch64-linux-gnu, -Werror) and every C test under qemu-user
+#      (tools/test_aarch64.sh, MHA_TEST_QUICK=1);
+#   8. every libFuzzer harness for MHA_FUZZ_SECONDS (default 20) seconds (clang-14).
 # Exit status is non-zero if anything fails. Build trees: build/, build-clang/, build-asan/,
-# build-tsan/, build-valgrind/, build-fuzz/. Python runs from the virtual environment .venv/
+# build-tsan/, build-valgrind/, build-aarch64/, build-fuzz/. Python runs from the virtual environment .venv/
 # that tools/install_deps.sh creates (never the system Python).
 # needs: cc cmake ctest make git xargs nproc clang-14 clang-format-14 python3 pkg-config nm
 set -euo pipefail
@@ -91,6 +93,9 @@ if [ "$vg_status" -ne 0 ]; then
     grep -h -B2 -A30 -E '^(FAILED|E  )' build-valgrind/pytest-*.log | head -100 || true
     exit 1
 fi
+
+echo "== aarch64: cross build (-Werror), every C test under qemu-user (tools/test_aarch64.sh)"
+bash tools/test_aarch64.sh "$jobs"
 
 echo "== Fuzzing: each libFuzzer harness for a bounded time (fuzz/run.sh)"
 bash fuzz/run.sh "${MHA_FUZZ_SECONDS:-20}"

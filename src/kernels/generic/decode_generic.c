@@ -25,11 +25,11 @@ static void load_row(mha_dtype dtype, const void *src, int64_t d, float *dst) {
 }
 
 void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
-                             const mha__dec_unit *u,
-                             float *o,
-                             float *m,
-                             float *l,
-                             float *scratch) {
+                                        const mha__dec_unit *u,
+                                        float *o,
+                                        float *m,
+                                        float *l,
+                                        float *scratch) {
     const struct mha_kv_cache *c = p->cache;
     const mha_dtype dtype = c->cfg.dtype;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;

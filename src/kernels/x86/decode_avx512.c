@@ -614,11 +614,11 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
 }
 
 void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
-                            const mha__dec_unit *u,
-                            float *o,
-                            float *m,
-                            float *l,
-                            float *scratch) {
+                                       const mha__dec_unit *u,
+                                       float *o,
+                                       float *m,
+                                       float *l,
+                                       float *scratch) {
     switch (p->cache->cfg.dtype) {
     case MHA_DTYPE_F16:
         dec_kernel(MHA_DTYPE_F16, p, u, o, m, l, scratch);
