@@ -9,7 +9,7 @@
  * OPENBLAS_CORETYPE); its detected core name is printed. */
 #define _POSIX_C_SOURCE 200809L
 #include "fma_peak.h"
-#include "gemm.h"
+#include "kernels/registry.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -68,15 +68,15 @@ typedef struct run_ctx {
     const float *x, *w, *b;
     float *y;
     int threads;
-    int isa; /* >= 0: mha tier; -1: OpenBLAS */
+    const mha__kernel_info *kern; /* an mha GEMM tier (registry line); NULL: OpenBLAS */
     const blas *bl;
 } run_ctx;
 
 static void run_once(const run_ctx *r) {
-    if (r->isa >= 0) {
+    if (r->kern) {
         mha_error err;
         if (mha__gemm_xwt(r->M, r->N, r->K, r->x, r->K, r->w, r->K, r->b, r->y, r->N, r->threads,
-                          (mha__gemm_isa)r->isa, NULL, &err) != MHA_STATUS_OK) {
+                          r->kern, NULL, &err) != MHA_STATUS_OK) {
             fprintf(stderr, "gemm failed: %s\n", err.message);
             exit(1);
         }
@@ -176,19 +176,20 @@ int main(int argc, char **argv) {
             for (int64_t i = 0; i < N; i++)
                 b[i] = 0.01f * (float)i;
             const double flops = 2.0 * (double)M * (double)N * (double)K;
-            for (int isa = MHA__GEMM_ISA_COUNT - 1; isa >= -1; isa--) {
-                if (isa >= 0 && !mha__gemm_isa_usable((mha__gemm_isa)isa))
+            /* Every GEMM line of the registry this CPU has, best first, then OpenBLAS. */
+            for (int i = 0; i <= mha__registry_count(); i++) {
+                const mha__kernel_info *kern = mha__registry_at(i);
+                if (kern && (kern->op != MHA__OP_gemm || !mha__kernel_usable(kern, 1)))
                     continue;
-                if (isa == MHA__GEMM_GENERIC && flops > 2e10)
+                if (kern && !kern->isa && flops > 2e10)
                     continue; /* minutes; the portable tier is for correctness */
-                if (isa < 0 && !have_blas)
+                if (!kern && !have_blas)
                     continue;
-                if (isa < 0 && bl.set_threads)
+                if (!kern && bl.set_threads)
                     bl.set_threads(T);
-                run_ctx r = {M, N, K, x, w, b, y, T, isa, &bl};
+                run_ctx r = {M, N, K, x, w, b, y, T, kern, &bl};
                 const stats st = time_runs(&r, reps);
-                const char *name = isa >= 0 ? mha__gemm_kernel_for((mha__gemm_isa)isa)->name
-                                            : "openblas_sgemm+bias";
+                const char *name = kern ? kern->name : "openblas_sgemm+bias";
                 const double gf = flops / st.med * 1e-9;
                 printf("%-28s %6lld %6lld %6lld %8.2f %8.2f %8.2f %9.1f %6.0f%%\n", name,
                        (long long)M, (long long)N, (long long)K, st.med * 1e3, st.min * 1e3,
@@ -202,7 +203,7 @@ int main(int argc, char **argv) {
                             "\"peak_isa\": \"%s\", \"pct_peak\": %.1f, \"blas_core\": \"%s\"}\n",
                             name, (long long)M, (long long)N, (long long)K, T, st.med * 1e3,
                             st.min * 1e3, st.max * 1e3, gf, peak, pisa, 100.0 * gf / peak,
-                            isa < 0 && bl.corename ? bl.corename() : "");
+                            !kern && bl.corename ? bl.corename() : "");
             }
             free(x);
             free(w);

@@ -14,13 +14,19 @@
 #include "cli.h"
 #include "internal.h" /* mha__parallel_for, mha__f16_to_f32 */
 #include "kv_cache.h"
+#include "mha_experimental.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-const char *mha__dec_kernel_name(void);
+/* The name of the decode kernel the library runs on this CPU (its registry, mha_experimental.h). */
+static const char *decode_kernel_name(void) {
+    mha_kernel_desc d;
+    const int32_t index = mha_experimental_kernel_active("decode");
+    return mha_experimental_kernel_describe(index, &d, NULL) == MHA_STATUS_OK ? d.name : "?";
+}
 
 enum {
     B_HELP,
@@ -391,7 +397,7 @@ int cli_decode_bench_main(int argc, char **argv) {
                "\"attn_min_s\": %.6g, \"kv_bytes_per_step\": %.6g, \"attn_gbs\": %.6g, "
                "\"attn_tokens_per_s\": %.6g, \"layer_median_s\": %.6g, "
                "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g}\n",
-               mha__dec_kernel_name(), (long long)H, (long long)G, (long long)D, (long long)L,
+               decode_kernel_name(), (long long)H, (long long)G, (long long)D, (long long)L,
                (long long)B, (long long)N, threads, dtn, prefill_s, attn_med, attn_min, kv_bytes,
                gbs, (double)B / attn_med, layer_med, layer_med > 0.0 ? (double)B / layer_med : 0.0,
                naive_s, stream);
@@ -399,7 +405,7 @@ int cli_decode_bench_main(int argc, char **argv) {
         printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
                "threads=%d cache=%s kernel=%s\n",
                (long long)H, (long long)G, (long long)D, (long long)Q, (long long)L, (long long)B,
-               threads, dtn, mha__dec_kernel_name());
+               threads, dtn, decode_kernel_name());
         printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
                layer_prefill ? "layer" : "random K/V", prefill_s, (long long)L, (long long)B);
         printf("  attention step: median %.3f ms, min %.3f ms, %.0f tokens/s, K+V read %.1f MB "

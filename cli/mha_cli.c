@@ -44,15 +44,19 @@ static void usage(void) {
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The library's own CPU detection (cpuid + XGETBV), before and after the MHA_MAX_ISA cap, and the
- * registry of attention kernels with what this CPU can run: no second feature list in the CLI. */
+ * registry of every op's kernels with what this CPU runs: no second feature list in the CLI. */
 static void print_kernels(void) {
     printf("cpu tiers (detected): %s\n", mha_experimental_cpu_isas(0));
     printf("kernel tiers (under MHA_MAX_ISA): %s\n", mha_experimental_cpu_isas(1));
-    printf("forward kernels, priority order:\n");
+    printf("kernels by op, priority order (* = what the op runs here; the forward's choice also\n"
+           "depends on the problem: the first usable one whose limits take it):\n");
     for (int32_t i = 0; i < mha_experimental_kernel_count(); ++i) {
         mha_kernel_desc d;
-        if (mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK)
-            printf("  %-40s %s\n", d.name, d.usable ? "usable" : "not on this CPU");
+        if (mha_experimental_kernel_describe(i, &d, NULL) != MHA_STATUS_OK)
+            continue;
+        const int active = mha_experimental_kernel_active(d.op) == i;
+        printf("  %-6s %c %-38s %s\n", d.op, active ? '*' : ' ', d.name,
+               d.usable ? (d.reference ? "reference" : "usable") : "not on this CPU");
     }
 }
 

@@ -1,15 +1,17 @@
 /* SPDX-License-Identifier: MIT */
 /* mha_experimental.h: UNSTABLE interfaces of libmha (they may change in any release): the
- * registry of attention kernels, what dispatch would select, and running a chosen kernel. Used by
- * tests/test_kernels.c, `mha info` and tools/output_hash.c. Include after mha.h.
+ * registry of every op's kernels (attention forward and backward, decode, GEMM), which one each op
+ * runs on this CPU, and running a chosen attention forward kernel. Used by tests/test_kernels.c,
+ * tests/test_grad.c, `mha info`, the CLI's decode-bench and tools/output_hash.c. Include after
+ * mha.h.
  *
- * Kernels are named mha_fwd_f32_<algo>[_q<Bq>k<Bk>]__<isa> (docs/KERNELS.md). Selection for
- * impl=AUTO/FAST takes the first kernel, in registry order, that this CPU can run and whose limits
- * accept the problem. Two environment variables exist for debugging and CI (the only ones the
- * library reads, once, at the first call):
- *   MHA_MAX_ISA=generic|avx2|avx512   pretend the CPU has at most this ISA;
- *   MHA_KERNEL=<name>                 impl=AUTO/FAST run exactly this kernel, or fail with
- *                                     MHA_STATUS_UNSUPPORTED when it cannot run the problem here.
+ * Kernels are named mha_<op>_<types>_<algo>[_<blocks>]__<isa> (docs/KERNELS.md). Selection for
+ * impl=AUTO/FAST takes the first kernel of the op, in registry order, that this CPU can run and
+ * whose limits accept the problem. Two environment variables exist for debugging and CI (the only
+ * ones the library reads, once, at the first call): MHA_MAX_ISA=generic|avx2|avx512   pretend the
+ * CPU has at most this ISA; MHA_KERNEL=<name>                 the attention forward with
+ * impl=AUTO/FAST runs exactly this kernel, or fails with MHA_STATUS_UNSUPPORTED when it cannot run
+ * the problem here.
  */
 #ifndef MHA_EXPERIMENTAL_H
 #define MHA_EXPERIMENTAL_H
@@ -23,14 +25,17 @@ extern "C" {
 typedef struct mha_kernel_desc {
     const char *name;     /* static string, e.g. "mha_fwd_f32_flash_q64k64__avx512" */
     const char *isa;      /* "avx512", "avx2", "generic" or "ref" */
-    int32_t block_q;      /* query rows per block (positions x heads of a kv group); 0 = ref */
-    int32_t block_k;      /* keys per tile; 0 = ref */
+    int32_t block_q;      /* fwd/bwd: query rows per block (positions x heads of a kv group);
+                             decode: keys per work unit; gemm: MR rows of the register tile;
+                             0 = ref */
+    int32_t block_k;      /* fwd/bwd: keys per tile; gemm: NR columns; otherwise 0 */
     int64_t max_head_dim; /* largest head_dim / v_head_dim accepted; 0 = unlimited */
     int32_t usable;       /* nonzero: this CPU (under MHA_MAX_ISA) can run it */
     int32_t reference;    /* nonzero: the reference implementation (impl=REFERENCE) */
+    const char *op;       /* "fwd", "bwd", "decode" or "gemm" */
 } mha_kernel_desc;
 
-/** Number of kernels in the registry (all built kernels, usable here or not). */
+/** Number of kernels in the registry (all built kernels of every op, usable here or not). */
 MHA_API int32_t mha_experimental_kernel_count(void);
 /** Describes kernel `index` (0 .. count-1, registry order = priority). */
 MHA_API mha_status mha_experimental_kernel_describe(int32_t index,
@@ -38,6 +43,11 @@ MHA_API mha_status mha_experimental_kernel_describe(int32_t index,
                                                     mha_error *err);
 /** Index of the kernel called `name`, or -1. */
 MHA_API int32_t mha_experimental_kernel_find(const char *name);
+/** Index of the kernel op "bwd", "decode" or "gemm" runs on this CPU (under MHA_MAX_ISA) with
+ *  impl=AUTO/FAST, or -1 for an unknown op. For "fwd" the choice depends on the problem: this
+ *  gives the best usable forward kernel; mha_experimental_attention_select() gives the one a
+ *  problem runs. */
+MHA_API int32_t mha_experimental_kernel_active(const char *op);
 /** The ISAs this CPU has, best first, space separated ("avx512 avx2 generic"), as detected by
  *  cpuid/XGETBV when capped == 0, or after the MHA_MAX_ISA cap when capped != 0. Static string. */
 MHA_API const char *mha_experimental_cpu_isas(int32_t capped);
@@ -49,7 +59,8 @@ MHA_API mha_status mha_experimental_attention_select(const mha_attention_args *a
                                                      int32_t *index,
                                                      mha_error *err);
 /** mha_attention() with kernel `index` forced (exec->impl and MHA_KERNEL are ignored). Fails with
- *  MHA_STATUS_UNSUPPORTED and a message when that kernel cannot run the problem on this CPU. */
+ *  MHA_STATUS_UNSUPPORTED and a message when that kernel cannot run the problem on this CPU, and
+ *  with MHA_STATUS_INVALID_ARG when `index` is not an attention forward kernel. */
 MHA_API mha_status mha_experimental_attention_with_kernel(int32_t index,
                                                           const mha_attention_args *args,
                                                           const mha_exec *exec,

@@ -3,7 +3,7 @@
  * mha__problem, sizes the workspace, picks the implementation and splits the work over threads.
  * Implementations: "reference" (src/ref/attention_ref.c) and the fast kernels (dispatch.c). */
 #include "internal.h"
-#include "kernels/kernels.h"
+#include "kernels/registry.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -117,7 +117,7 @@ mha_status mha__problem_from_args(const mha_attention_args *a,
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Implementation selection and running (kernels: dispatch.c, kernels/kernels.def).              */
+/* Implementation selection and running (kernels: dispatch.c, kernels/registry.def).            */
 /* ---------------------------------------------------------------------------------------------- */
 
 static int resolve_threads(const mha_exec *exec) {
@@ -173,7 +173,7 @@ static mha_status choose_kernel(const mha_attention_args *a,
         const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
         switch (impl) {
         case MHA_IMPL_REFERENCE:
-            *k = mha__kernel_reference();
+            *k = mha__registry_reference(MHA__OP_fwd);
             st = MHA_STATUS_OK;
             break;
         case MHA_IMPL_AUTO:

@@ -10,7 +10,7 @@
  * Parallelism is B * G units: a single MQA sequence (B = G = 1) runs on one thread.
  */
 #include "attention_bwd.h"
-#include "kernels/kernels.h"
+#include "kernels/registry.h"
 
 #include <string.h>
 
@@ -38,62 +38,52 @@ static bool extent_ok(const int64_t s[3],
     return true;
 }
 
-/* The implementation to run: the reference, or the best flash backward for this CPU. */
-typedef struct bwd_kernel {
-    const char *name;
-    mha__bwd_fn fn;
-    int reference;
-} bwd_kernel;
-
-/* Every backward kernel, in priority order (the reference last): kernels/kernels_bwd.def. */
-static const struct {
-    bwd_kernel k;
-    unsigned isa;
-} KERNELS[] = {
-#define MHA_BWD_KERNEL(name_, isa_, ref_) {{#name_, name_, ref_}, isa_},
-#include "kernels/kernels_bwd.def"
-#undef MHA_BWD_KERNEL
-};
-#define N_KERNELS ((int)(sizeof KERNELS / sizeof KERNELS[0]))
+/* The backward kernels are the registry's lines of op bwd (kernels/registry.def), in priority
+ * order, the reference last; `index` counts those lines only. */
+static const mha__kernel_info *bwd_kernel_at(int index) {
+    for (int i = 0; i < mha__registry_count(); i++) {
+        const mha__kernel_info *k = mha__registry_at(i);
+        if (k->op == MHA__OP_bwd && index-- == 0)
+            return k;
+    }
+    return NULL;
+}
 
 const char *mha__bwd_kernel_name(int index) {
-    return index >= 0 && index < N_KERNELS ? KERNELS[index].k.name : NULL;
+    const mha__kernel_info *k = bwd_kernel_at(index);
+    return k ? k->name : NULL;
 }
 
 int mha__bwd_kernel_usable(int index) {
-    return index >= 0 && index < N_KERNELS && (KERNELS[index].isa & ~mha__cpu_isa()) == 0;
+    const mha__kernel_info *k = bwd_kernel_at(index);
+    return k && mha__kernel_usable(k, 0);
 }
 
-/* forced >= 0: that entry of KERNELS (tests), refused when the CPU cannot run it. */
-static mha_status choose(const mha_exec *exec, int forced, bwd_kernel *k, mha_error *err) {
+/* The implementation to run: the reference, the best flash backward for this CPU, or (forced >=
+ * 0, tests) that bwd line, refused when the CPU cannot run it. */
+static mha_status
+choose(const mha_exec *exec, int forced, const mha__kernel_info **k, mha_error *err) {
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
     if (forced >= 0) {
-        MHA_RETURN_IF(forced >= N_KERNELS, err, INVALID_ARG, "backward kernel %d does not exist",
-                      forced);
-        MHA_RETURN_IF(!mha__bwd_kernel_usable(forced), err, UNSUPPORTED,
+        *k = bwd_kernel_at(forced);
+        MHA_RETURN_IF(!*k, err, INVALID_ARG, "backward kernel %d does not exist", forced);
+        MHA_RETURN_IF(!mha__kernel_usable(*k, 0), err, UNSUPPORTED,
                       "backward kernel %s needs an instruction set this CPU lacks (or "
                       "MHA_MAX_ISA caps)",
-                      KERNELS[forced].k.name);
-        *k = KERNELS[forced].k;
+                      (*k)->name);
         return MHA_STATUS_OK;
     }
     if (impl == MHA_IMPL_REFERENCE) {
-        for (int i = 0; i < N_KERNELS; i++)
-            if (KERNELS[i].k.reference) {
-                *k = KERNELS[i].k;
-                return MHA_STATUS_OK;
-            }
+        *k = mha__registry_reference(MHA__OP_bwd);
+        return MHA_STATUS_OK;
     }
     MHA_RETURN_IF(impl != MHA_IMPL_AUTO && impl != MHA_IMPL_FAST, err, INVALID_ARG,
                   "exec.impl=%d is not a known implementation", (int)impl);
     /* The flash backward takes every option the forward has, so FAST never fails here: the
-     * first flash entry whose ISA this CPU has (the generic one always qualifies). */
-    for (int i = 0; i < N_KERNELS; i++)
-        if (!KERNELS[i].k.reference && mha__bwd_kernel_usable(i)) {
-            *k = KERNELS[i].k;
-            return MHA_STATUS_OK;
-        }
-    return mha__fail(err, MHA_STATUS_INTERNAL, "no usable backward kernel");
+     * first flash line whose ISA this CPU has (the generic one always qualifies). */
+    *k = mha__registry_best(MHA__OP_bwd);
+    MHA_RETURN_IF(!*k, err, INTERNAL, "no usable backward kernel");
+    return MHA_STATUS_OK;
 }
 
 /* Workspace: [deltas B int64][slopes H float][sink partials B*H float][n_threads scratch]. */
@@ -112,7 +102,7 @@ static mha_status validate(const mha_attention_args *a,
                            const mha_exec *exec,
                            int forced,
                            int n_threads,
-                           bwd_kernel *k,
+                           const mha__kernel_info **k,
                            bwd_layout *l,
                            mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "fwd (the forward's args) is NULL");
@@ -140,8 +130,8 @@ static mha_status validate(const mha_attention_args *a,
     sz.H = a->num_heads;
     sz.G = a->num_kv_heads ? a->num_kv_heads : sz.H;
     sz.group = sz.H / sz.G;
-    const bool ok = k->reference ? mha__attention_bwd_ref_scratch(&sz, &scratch)
-                                 : mha__bwd_flash_scratch(&sz, &scratch);
+    const bool ok = (*k)->reference ? mha__attention_bwd_ref_scratch(&sz, &scratch)
+                                    : mha__bwd_flash_scratch(&sz, &scratch);
     MHA_RETURN_IF(!ok || scratch > SIZE_MAX / 2, err, OVERFLOW, "backward scratch overflows");
     l->delta_off = 0;
     l->slope_off = mha__align64(deltas);
@@ -181,7 +171,7 @@ mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
                                                  size_t *bytes,
                                                  mha_error *err) {
     MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
-    bwd_kernel k = {0};
+    const mha__kernel_info *k = NULL;
     bwd_layout l = {0};
     mha_status st = validate(fwd, grads, exec, -1, resolve_threads(exec), &k, &l, err);
     if (st)
@@ -212,7 +202,7 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
                                        const char **name_out,
                                        mha_error *err) {
     const int n_threads = resolve_threads(exec);
-    bwd_kernel k = {0};
+    const mha__kernel_info *k = NULL;
     bwd_layout l = {0};
     mha_status st = validate(fwd, grads, exec, kernel, n_threads, &k, &l, err);
     if (st)
@@ -241,7 +231,7 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
         memcpy(bp.dvs, grads->dv_strides, sizeof bp.dvs);
         bp.sink_part = grads->dsinks ? (float *)(ws + l.sink_off) : NULL;
         bp.accumulate = grads->accumulate != 0;
-        bwd_job job = {&bp, k.fn, ws + l.scratch_off, l.stride};
+        bwd_job job = {&bp, k->run.bwd, ws + l.scratch_off, l.stride};
         st = mha__parallel_for(n_threads, p.B * p.G, run_units, &job, err);
         if (!st && grads->dsinks)
             for (int64_t h = 0; h < p.H; h++) {
@@ -254,7 +244,7 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
     mha__free(alloc, owned);
     if (!st) {
         if (name_out)
-            *name_out = k.name;
+            *name_out = k->name;
         mha__ok(err);
     }
     return st;

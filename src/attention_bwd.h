@@ -37,11 +37,6 @@ bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes);
 #define MHA__BWD_BQ 32
 #define MHA__BWD_BK 64
 bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes);
-/* Every kernel's unit function (the reference: src/ref/attention_bwd_ref.c), from the registry. */
-#define MHA_BWD_KERNEL(name_, isa_, ref_)                                                          \
-    void name_(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
-#include "kernels/kernels_bwd.def"
-#undef MHA_BWD_KERNEL
 
 /* The backward kernels (attention_bwd.c), in priority order, the reference last: index ->
  * name (NULL past the end) and whether this CPU (capped by MHA_MAX_ISA) can run it. */

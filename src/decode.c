@@ -11,8 +11,7 @@
  * impl=reference go through the attention core on the dequantised cache instead.
  */
 #include "gemm.h"
-#include "kernels/kernels.h"
-#include "kv_cache.h"
+#include "kernels/registry.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -91,27 +90,6 @@ int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
      * dequantised K and V row, rows padded to 16 floats */
     const int64_t R = p->group * p->t, d = p->dk > p->dv ? p->dk : p->dv;
     return R * MHA_DEC_BLOCK + (R > 2 ? R : 2) * (d + 16) + 32;
-}
-
-/* The decode kernel this CPU runs, and its name (= its function's name, for the CLI bench). */
-#define MHA_DEC_KERNEL_(fn)                                                                        \
-    { fn, #fn }
-typedef struct dec_kernel {
-    mha__dec_kernel_fn fn;
-    const char *name;
-} dec_kernel;
-
-static dec_kernel pick_kernel(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (mha__cpu_isa() & MHA_ISA_AVX512)
-        return (dec_kernel)MHA_DEC_KERNEL_(mha_decode_f32acc_splitkv__avx512);
-#endif
-    return (dec_kernel)MHA_DEC_KERNEL_(mha_decode_f32acc_splitkv__generic);
-}
-
-const char *mha__dec_kernel_name(void);
-const char *mha__dec_kernel_name(void) {
-    return pick_kernel().name;
 }
 
 typedef struct dec_run {
@@ -394,9 +372,14 @@ attend_split(const kv_call *a, int n_threads, const mha_allocator *alloc, mha_er
     chunk = chunk < 1 ? 1 : chunk > 16 ? 16 : chunk;
     atomic_int_fast64_t next;
     atomic_init(&next, 0);
-    dec_run run = {&p,      pick_kernel().fn, units,    first,  part,    part_stride,
-                   scratch, scratch_stride,   a->sinks, a->out, a->o_ss, a->o_ts,
-                   a->lse,  n_units,          chunk,    &next};
+    dec_run run = {&p,       mha__registry_best(MHA__OP_decode)->run.decode,
+                   units,    first,
+                   part,     part_stride,
+                   scratch,  scratch_stride,
+                   a->sinks, a->out,
+                   a->o_ss,  a->o_ts,
+                   a->lse,   n_units,
+                   chunk,    &next};
     mha_status st = mha__parallel_for(nt, nt, run_units, &run, err);
     if (!st)
         st = mha__parallel_for(n_threads, SG, merge_pairs, &run, err);

@@ -1,150 +1,22 @@
 /* SPDX-License-Identifier: MIT */
-/* dispatch.c: the kernel registry (built from kernels/kernels.def), CPU feature detection,
- * kernel selection with its two debug overrides, and the threaded driver that cuts a problem into
- * work units and hands them to threads. Also the experimental registry API (mha_experimental.h).
- *
- * Feature detection and the environment are read once (pthread_once). MHA_MAX_ISA and MHA_KERNEL
- * are documented debug overrides (mha_experimental.h, docs/KERNELS.md); nothing else in the
- * environment changes what the library does.
+/* dispatch.c: selection of the attention forward's kernel from the registry
+ * (kernels/registry.def, op fwd), with its debug override MHA_KERNEL (cpu_features.h), and the
+ * threaded driver that cuts a problem into work units and hands them to threads.
  */
 #include "kernels/flash_fwd.h"
-#include "kernels/kernels.h"
-#include "mha_experimental.h"
+#include "kernels/registry.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#    include <cpuid.h>
-#endif
-
-/* ---------------------------------------------------------------------------------------------- */
-/* The registry.                                                                                  */
-/* ---------------------------------------------------------------------------------------------- */
-
-static const mha__kernel_info registry[] = {
-#define MHA_KERNEL(name_, isa_, bq_, bk_, maxd_)                                                   \
-    {.name = #name_, .isa = (isa_), .bq = (bq_), .bk = (bk_), .max_d = (maxd_), .fn = name_},
-#include "kernels/kernels.def"
-#undef MHA_KERNEL
-};
-#define REGISTRY_SIZE ((int)(sizeof registry / sizeof registry[0]))
-
 /* The reference as a registry entry: one unit is whole heads [h0, h1) of batch row b. */
-void mha_fwd_f32_naive__ref(const mha__problem *p, const mha__fwd_unit *u, void *scratch) {
+void mha_fwd_f32_naive__ref(const mha__kernel_info *k,
+                            const mha__problem *p,
+                            const mha__fwd_unit *u,
+                            void *scratch) {
+    (void)k;
     MHA_ASSERT(u->i0 == 0 && u->i1 == p->n);
     mha__attention_ref(p, u->b * p->H + u->h0, u->b * p->H + u->h1, scratch);
-}
-
-static const char *isa_suffix(const mha__kernel_info *k) {
-    const char *s = strstr(k->name, "__");
-    return s ? s + 2 : k->name;
-}
-
-static bool is_reference(const mha__kernel_info *k) {
-    return k->bq == 0;
-}
-
-int mha__kernel_count(void) {
-    return REGISTRY_SIZE;
-}
-
-const mha__kernel_info *mha__kernel_at(int index) {
-    return index >= 0 && index < REGISTRY_SIZE ? &registry[index] : NULL;
-}
-
-int mha__kernel_index(const mha__kernel_info *k) {
-    return (int)(k - registry);
-}
-
-const mha__kernel_info *mha__kernel_reference(void) {
-    for (int i = 0; i < REGISTRY_SIZE; i++)
-        if (is_reference(&registry[i]))
-            return &registry[i];
-    MHA_ASSERT(0);
-    return NULL;
-}
-
-/* ---------------------------------------------------------------------------------------------- */
-/* CPU features and the environment, once.                                                        */
-/* ---------------------------------------------------------------------------------------------- */
-
-static unsigned g_detected, g_capped;
-static const char *g_forced_name; /* MHA_KERNEL, or NULL */
-static char g_forced_buf[128];
-static pthread_once_t g_once = PTHREAD_ONCE_INIT;
-
-#if defined(__x86_64__) || defined(__i386__)
-static uint64_t read_xcr0(void) {
-    uint32_t eax, edx;
-    /* XGETBV with ECX = 0 (only executed when CPUID reports OSXSAVE). */
-    __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(eax), "=d"(edx) : "c"(0));
-    return ((uint64_t)edx << 32) | eax;
-}
-
-static unsigned detect_isa(void) {
-    unsigned a, b, c, d, isa = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d))
-        return 0;
-    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
-    const int f16c = (c >> 29) & 1;
-    if (!osxsave || !avx)
-        return 0;
-    const uint64_t xcr0 = read_xcr0();
-    const int ymm_state = (xcr0 & 0x6) == 0x6;   /* SSE and AVX state */
-    const int zmm_state = (xcr0 & 0xe6) == 0xe6; /* + opmask, ZMM_Hi256, Hi16_ZMM */
-    if (__get_cpuid_max(0, NULL) < 7)
-        return 0;
-    __cpuid_count(7, 0, a, b, c, d);
-    const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1;
-    const int avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
-    if (ymm_state && avx2 && fma && f16c)
-        isa |= MHA_ISA_AVX2;
-    if ((isa & MHA_ISA_AVX2) && zmm_state && avx512f && avx512dq && avx512bw && avx512vl)
-        isa |= MHA_ISA_AVX512;
-    return isa;
-}
-#else
-static unsigned detect_isa(void) {
-    return 0;
-}
-#endif
-
-static void init_once(void) {
-    g_detected = detect_isa();
-    g_capped = g_detected;
-    const char *cap = getenv("MHA_MAX_ISA");
-    if (cap) {
-        if (strcmp(cap, "generic") == 0)
-            g_capped = 0;
-        else if (strcmp(cap, "avx2") == 0)
-            g_capped &= MHA_ISA_AVX2;
-        /* "avx512" and unknown values leave the detection as it is. */
-    }
-    const char *forced = getenv("MHA_KERNEL");
-    if (forced && forced[0]) {
-        strncpy(g_forced_buf, forced, sizeof g_forced_buf - 1);
-        g_forced_name = g_forced_buf;
-    }
-}
-
-unsigned mha__cpu_isa(void) {
-    pthread_once(&g_once, init_once);
-    return g_capped;
-}
-
-unsigned mha__cpu_isa_detected(void) {
-    pthread_once(&g_once, init_once);
-    return g_detected;
-}
-
-static const char *isa_list(unsigned isa) {
-    if (isa & MHA_ISA_AVX512)
-        return "avx512 avx2 generic";
-    if (isa & MHA_ISA_AVX2)
-        return "avx2 generic";
-    return "generic";
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -165,12 +37,14 @@ void mha__fwd_shape_from_args(const mha_attention_args *a, mha__fwd_shape *s) {
 }
 
 mha_status mha__kernel_check(const mha__kernel_info *k, const mha__fwd_shape *s, mha_error *err) {
-    const unsigned have = mha__cpu_isa();
-    if (k->isa & ~have)
+    if (k->op != MHA__OP_fwd)
+        return mha__fail(err, MHA_STATUS_UNSUPPORTED,
+                         "kernel %s is not an attention forward kernel", k->name);
+    if (!mha__kernel_usable(k, 0))
         return mha__fail(err, MHA_STATUS_UNSUPPORTED,
                          "kernel %s needs the %s instruction set, which this CPU %s", k->name,
-                         isa_suffix(k),
-                         (k->isa & ~g_detected) ? "does not have" : "has but MHA_MAX_ISA caps");
+                         mha__kernel_tier(k),
+                         mha__kernel_usable(k, 1) ? "has but MHA_MAX_ISA caps" : "does not have");
     if (k->max_d && (s->dk > k->max_d || s->dv > k->max_d))
         return mha__fail(err, MHA_STATUS_UNSUPPORTED,
                          "head_dim=%lld, v_head_dim=%lld: kernel %s takes head sizes up to %lld",
@@ -185,34 +59,37 @@ mha_status mha__kernel_select(const mha__fwd_shape *s,
                               mha_impl impl,
                               const mha__kernel_info **out,
                               mha_error *err) {
-    pthread_once(&g_once, init_once);
-    if (g_forced_name) {
-        for (int i = 0; i < REGISTRY_SIZE; i++)
-            if (strcmp(registry[i].name, g_forced_name) == 0) {
-                *out = &registry[i];
-                mha_status st = mha__kernel_check(&registry[i], s, err);
-                if (st && err) {
-                    char msg[MHA_ERROR_MESSAGE_SIZE];
-                    memcpy(msg, err->message, sizeof msg);
-                    mha__fail(err, st, "MHA_KERNEL=%s: %.400s", g_forced_name, msg);
-                }
-                return st;
+    const char *forced_name = mha__cpu_forced_kernel();
+    if (forced_name) {
+        const mha__kernel_info *forced = mha__registry_find(forced_name);
+        if (forced && forced->op == MHA__OP_fwd) {
+            *out = forced;
+            mha_status st = mha__kernel_check(forced, s, err);
+            if (st && err) {
+                char msg[MHA_ERROR_MESSAGE_SIZE];
+                memcpy(msg, err->message, sizeof msg);
+                mha__fail(err, st, "MHA_KERNEL=%s: %.400s", forced_name, msg);
             }
+            return st;
+        }
         return mha__fail(err, MHA_STATUS_UNSUPPORTED,
-                         "MHA_KERNEL=%.100s is not a kernel of this build (`mha info` lists them)",
-                         g_forced_name);
+                         "MHA_KERNEL=%.100s is not a forward kernel of this build (`mha info` "
+                         "lists them)",
+                         forced_name);
     }
     mha_status last = MHA_STATUS_UNSUPPORTED;
-    for (int i = 0; i < REGISTRY_SIZE; i++) {
-        const mha__kernel_info *k = &registry[i];
-        if (is_reference(k)) {
+    for (int i = 0; i < mha__registry_count(); i++) {
+        const mha__kernel_info *k = mha__registry_at(i);
+        if (k->op != MHA__OP_fwd)
+            continue;
+        if (k->reference) {
             if (impl == MHA_IMPL_AUTO) {
                 *out = k;
                 return MHA_STATUS_OK;
             }
             continue;
         }
-        if (k->isa & ~mha__cpu_isa())
+        if (!mha__kernel_usable(k, 0))
             continue;
         last = mha__kernel_check(k, s, err);
         if (last == MHA_STATUS_OK) {
@@ -235,7 +112,7 @@ mha_status mha__kernel_select(const mha__fwd_shape *s,
 }
 
 bool mha__kernel_scratch_bytes(const mha__kernel_info *k, const mha__fwd_shape *s, size_t *bytes) {
-    if (is_reference(k)) /* the row's scores and one block sum of O (attention_ref.c) */
+    if (k->reference) /* the row's scores and one block sum of O (attention_ref.c) */
         return s->dv <= INT64_MAX - s->m && mha__bytes(s->m + s->dv, sizeof(float), bytes);
     return mha__flash_scratch_bytes(k->bq, k->bk, s->dk, s->dv, s->m, bytes);
 }
@@ -282,7 +159,7 @@ static void unit_at(const unit_space *us, int64_t u, mha__fwd_unit *out) {
 /* Relative cost of a unit: rows x key tiles visited (+1 tile of per-row overhead). */
 static double unit_cost(const unit_space *us, const mha__fwd_unit *u) {
     const double rows = (double)(u->h1 - u->h0) * (double)(u->i1 - u->i0);
-    if (is_reference(us->k))
+    if (us->k->reference)
         return rows * (double)us->p->m;
     return rows * (double)(mha__flash_visible_tiles(us->p, u->b, u->i0, u->i1, us->k->bk) + 1);
 }
@@ -306,7 +183,7 @@ static void run_part(void *ctx, int part, int64_t begin, int64_t end) {
         if (owner == part) {
             unit.fresh = fresh;
             fresh = 0;
-            us->k->fn(us->p, &unit, scratch);
+            us->k->run.fwd(us->k, us->p, &unit, scratch);
         } else if (owner > part) {
             break;
         }
@@ -324,7 +201,7 @@ mha_status mha__kernel_run(const mha__kernel_info *k,
     us.k = k;
     us.p = p;
     us.averaged = p->probs && p->average_probs;
-    if (is_reference(k)) {
+    if (k->reference) {
         us.hpb = 1;
         us.nq = p->n;
         us.head_blocks = us.averaged ? 1 : p->H;
@@ -351,86 +228,9 @@ mha_status mha__kernel_run(const mha__kernel_info *k,
             mha__fwd_unit unit;
             unit_at(&us, u, &unit);
             unit.fresh = u == 0;
-            k->fn(p, &unit, scratch);
+            k->run.fwd(k, p, &unit, scratch);
         }
         return MHA_STATUS_OK;
     }
     return mha__parallel_for(us.parts, us.parts, run_part, &us, err);
-}
-
-/* ---------------------------------------------------------------------------------------------- */
-/* mha_experimental.h                                                                             */
-/* ---------------------------------------------------------------------------------------------- */
-
-int32_t mha_experimental_kernel_count(void) {
-    return REGISTRY_SIZE;
-}
-
-mha_status mha_experimental_kernel_describe(int32_t index, mha_kernel_desc *desc, mha_error *err) {
-    MHA_RETURN_IF(!desc, err, INVALID_ARG, "desc is NULL");
-    MHA_RETURN_IF(index < 0 || index >= REGISTRY_SIZE, err, INVALID_ARG,
-                  "kernel index %d outside [0, %d)", (int)index, REGISTRY_SIZE);
-    const mha__kernel_info *k = &registry[index];
-    desc->name = k->name;
-    desc->isa = isa_suffix(k);
-    desc->block_q = k->bq;
-    desc->block_k = k->bk;
-    desc->max_head_dim = k->max_d;
-    desc->usable = (k->isa & ~mha__cpu_isa()) == 0;
-    desc->reference = is_reference(k);
-    mha__ok(err);
-    return MHA_STATUS_OK;
-}
-
-int32_t mha_experimental_kernel_find(const char *name) {
-    if (name)
-        for (int i = 0; i < REGISTRY_SIZE; i++)
-            if (strcmp(registry[i].name, name) == 0)
-                return i;
-    return -1;
-}
-
-const char *mha_experimental_cpu_isas(int32_t capped) {
-    return isa_list(capped ? mha__cpu_isa() : mha__cpu_isa_detected());
-}
-
-mha_status mha_experimental_attention_select(const mha_attention_args *args,
-                                             const mha_exec *exec,
-                                             int32_t *index,
-                                             mha_error *err) {
-    MHA_RETURN_IF(!index, err, INVALID_ARG, "index is NULL");
-    mha_status st = mha_attention_supported(args, exec, err);
-    if (st)
-        return st;
-    mha__fwd_shape s;
-    mha__fwd_shape_from_args(args, &s);
-    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
-    const mha__kernel_info *k = mha__kernel_reference();
-    if (impl != MHA_IMPL_REFERENCE) {
-        st = mha__kernel_select(&s, impl, &k, err);
-        if (st)
-            return st;
-    }
-    *index = mha__kernel_index(k);
-    mha__ok(err);
-    return MHA_STATUS_OK;
-}
-
-mha_status mha_experimental_attention_with_kernel(int32_t index,
-                                                  const mha_attention_args *args,
-                                                  const mha_exec *exec,
-                                                  mha_error *err) {
-    MHA_RETURN_IF(index < 0 || index >= REGISTRY_SIZE, err, INVALID_ARG,
-                  "kernel index %d outside [0, %d)", (int)index, REGISTRY_SIZE);
-    return mha__attention_run(args, exec, &registry[index], err);
-}
-
-mha_status mha_experimental_attention_workspace_size_with_kernel(int32_t index,
-                                                                 const mha_attention_args *args,
-                                                                 const mha_exec *exec,
-                                                                 size_t *bytes,
-                                                                 mha_error *err) {
-    MHA_RETURN_IF(index < 0 || index >= REGISTRY_SIZE, err, INVALID_ARG,
-                  "kernel index %d outside [0, %d)", (int)index, REGISTRY_SIZE);
-    return mha__attention_workspace(args, exec, &registry[index], bytes, err);
 }

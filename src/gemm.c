@@ -18,72 +18,10 @@
  */
 #include "gemm.h"
 
-#include "kernels/kernels.h"
+#include "kernels/registry.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-/* ---------------------------------------------------------------------------------------------- */
-/* Tiers                                                                                          */
-/* ---------------------------------------------------------------------------------------------- */
-
-const mha__gemm_kernel *mha__gemm_kernel_for(mha__gemm_isa isa) {
-    switch (isa) {
-    case MHA__GEMM_GENERIC:
-        return &mha__gemm_kernel_generic;
-#if defined(__x86_64__) || defined(__i386__)
-    case MHA__GEMM_AVX2:
-        return &mha__gemm_kernel_avx2;
-    case MHA__GEMM_AVX512:
-        return &mha__gemm_kernel_avx512;
-#endif
-    default:
-        return NULL;
-    }
-}
-
-/* CPU features come from the attention dispatch (dispatch.c: cpuid + XGETBV, detected once),
- * so the projections and the attention core always agree on the tier and on MHA_MAX_ISA. */
-static unsigned isa_bits(mha__gemm_isa isa) {
-    switch (isa) {
-    case MHA__GEMM_AVX2:
-        return MHA_ISA_AVX2;
-    case MHA__GEMM_AVX512:
-        return MHA_ISA_AVX512;
-    default:
-        return 0;
-    }
-}
-
-int mha__gemm_isa_usable(mha__gemm_isa isa) {
-    if (isa < MHA__GEMM_GENERIC || isa >= MHA__GEMM_ISA_COUNT || !mha__gemm_kernel_for(isa))
-        return 0;
-    const unsigned need = isa_bits(isa);
-    return (mha__cpu_isa_detected() & need) == need;
-}
-
-mha__gemm_isa mha__gemm_best_isa(void) {
-    const unsigned have = mha__cpu_isa(); /* capped by MHA_MAX_ISA */
-    for (int isa = MHA__GEMM_ISA_COUNT - 1; isa > MHA__GEMM_GENERIC; isa--) {
-        const unsigned need = isa_bits((mha__gemm_isa)isa);
-        if (mha__gemm_kernel_for((mha__gemm_isa)isa) && (have & need) == need)
-            return (mha__gemm_isa)isa;
-    }
-    return MHA__GEMM_GENERIC;
-}
-
-const char *mha__gemm_isa_name(mha__gemm_isa isa) {
-    switch (isa) {
-    case MHA__GEMM_GENERIC:
-        return "generic";
-    case MHA__GEMM_AVX2:
-        return "avx2";
-    case MHA__GEMM_AVX512:
-        return "avx512";
-    default:
-        return "auto";
-    }
-}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Packing                                                                                        */
@@ -254,12 +192,17 @@ static float *align_up(void *p) {
     return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
 }
 
+/* The tier's micro-kernels. CPU features come from cpu_features.c, as for every op, so the
+ * projections and the attention core agree on the tier and on MHA_MAX_ISA. An explicit tier
+ * (tests, benchmarks) needs only the CPU to have it, whatever the cap. */
 static mha_status resolve_kernel(mha__gemm_isa isa, const mha__gemm_kernel **kr, mha_error *err) {
     if (isa == MHA__GEMM_AUTO)
-        isa = mha__gemm_best_isa();
-    MHA_RETURN_IF(!mha__gemm_isa_usable(isa), err, UNSUPPORTED,
-                  "gemm: the %s kernel cannot run on this CPU", mha__gemm_isa_name(isa));
-    *kr = mha__gemm_kernel_for(isa);
+        isa = mha__registry_best(MHA__OP_gemm);
+    MHA_RETURN_IF(!isa || isa->op != MHA__OP_gemm, err, INVALID_ARG,
+                  "gemm: %s is not a GEMM kernel", isa ? isa->name : "(none)");
+    MHA_RETURN_IF(!mha__kernel_usable(isa, 1), err, UNSUPPORTED,
+                  "gemm: the %s kernel cannot run on this CPU", isa->name);
+    *kr = isa->run.gemm;
     return MHA_STATUS_OK;
 }
 
@@ -291,8 +234,8 @@ static mha_status run(const mha__gemm_kernel *kr,
     MHA_ASSERT(ldy >= N && (K == 0 || ldx >= (x_t ? M : K)) &&
                (pw || K == 0 || ldw >= (w_t ? N : K)));
     MHA_RETURN_IF((int64_t)kr->mr * kr->kc > GEMM_MAX_APANEL || kr->kc < 1 || kr->nc < 1, err,
-                  INVALID_ARG, "gemm: kernel %s blocking mr=%d kc=%lld exceeds the %d-float panel",
-                  kr->name, kr->mr, (long long)kr->kc, GEMM_MAX_APANEL);
+                  INVALID_ARG, "gemm: kernel blocking mr=%d kc=%lld exceeds the %d-float panel",
+                  kr->mr, (long long)kr->kc, GEMM_MAX_APANEL);
     if (K == 0) {
         for (int64_t i = 0; i < M; i++)
             for (int64_t o = 0; o < N; o++)

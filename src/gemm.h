@@ -25,14 +25,10 @@
 #    define MHA_UNROLL
 #endif
 
-/* Kernel tiers, in increasing order of preference. */
-typedef enum mha__gemm_isa {
-    MHA__GEMM_GENERIC = 0,
-    MHA__GEMM_AVX2 = 1,   /* AVX2 + FMA */
-    MHA__GEMM_AVX512 = 2, /* AVX-512F */
-    MHA__GEMM_ISA_COUNT = 3,
-    MHA__GEMM_AUTO = -1, /* best usable tier, capped by the MHA_MAX_ISA environment variable */
-} mha__gemm_isa;
+/* A GEMM tier is a gemm line of the kernel registry (kernels/registry.def, whose p1, p2 are the
+ * kernel's MR, NR); MHA__GEMM_AUTO picks the best one this CPU runs under MHA_MAX_ISA. */
+typedef const struct mha__kernel_info *mha__gemm_isa;
+#define MHA__GEMM_AUTO ((mha__gemm_isa)NULL)
 
 /* Micro-kernel: C[0:m, 0:n] (row stride ldc) gets the MR x NR tile product of an MR x kc packed
  * micro-panel `ap` (layout [kc][MR]) and a kc x NR packed panel `bp` (layout [kc][NR]), computed
@@ -71,8 +67,6 @@ typedef void (*mha__gemm_dot_fn)(int64_t K,
                                  int64_t ldy);
 
 typedef struct mha__gemm_kernel {
-    const char *name; /* mha_gemm_f32_<MR>x<NR>__<isa> */
-    mha__gemm_isa isa;
     int mr, nr;
     int64_t kc; /* K block: keeps an MR x kc micro-panel of x in L1 (see the kernel file) */
     int64_t nc; /* columns per block: keeps a kc x nc block of packed W in L2 */
@@ -86,17 +80,6 @@ typedef struct mha__gemm_kernel {
 
 /* Calls with at most this many rows take the dot path (measured: see gemm.c). */
 #define MHA_GEMM_SMALL_M 4
-
-/* Kernel of a tier, or NULL when it is not built for this architecture. Does not check that the
- * CPU can run it (mha__gemm_isa_usable does). */
-const mha__gemm_kernel *mha__gemm_kernel_for(mha__gemm_isa isa);
-/* Nonzero when the CPU (and OS) can run the tier. */
-int mha__gemm_isa_usable(mha__gemm_isa isa);
-/* The tier MHA__GEMM_AUTO picks: the best usable one, capped by MHA_MAX_ISA (generic, avx2,
- * avx512; unknown values are ignored). */
-mha__gemm_isa mha__gemm_best_isa(void);
-/* "generic", "avx2", "avx512". */
-const char *mha__gemm_isa_name(mha__gemm_isa isa);
 
 /* y = x W^T (+ bias). x: [M, K] with row stride ldx; w: [N, K] row stride ldw; y: [M, N] row
  * stride ldy; bias: [N] or NULL. y must not overlap x, w or bias. Any M, N, K >= 0 (K = 0 gives
@@ -216,13 +199,6 @@ mha_status mha__gemm_run(const mha__gemm_kernel *kr,
                          int n_threads,
                          const mha_allocator *alloc,
                          mha_error *err);
-
-/* The micro-kernel tables of each tier (defined in src/kernels/<arch>/gemm_<isa>.c). */
-extern const mha__gemm_kernel mha__gemm_kernel_generic;
-#if defined(__x86_64__) || defined(__i386__)
-extern const mha__gemm_kernel mha__gemm_kernel_avx2;
-extern const mha__gemm_kernel mha__gemm_kernel_avx512;
-#endif
 
 /* Portable packer of rows [0, n) of any operand (W panels, NR; x micro-panels, MR) into
  * [kc][nr], rows n .. nr-1 zero: the generic tier's pack_b and pack_a. */

@@ -97,20 +97,7 @@ typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
 /* Scratch floats a kernel needs: scores [R][BLOCK], then query rows or dequantised K/V rows. */
 int64_t mha__dec_scratch_floats(const mha__dec_problem *p);
 
-void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
-                                        const mha__dec_unit *u,
-                                        float *o,
-                                        float *m,
-                                        float *l,
-                                        float *scratch);
-#if defined(__x86_64__) || defined(__i386__)
-void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
-                                       const mha__dec_unit *u,
-                                       float *o,
-                                       float *m,
-                                       float *l,
-                                       float *scratch);
-#endif
+/* The kernels (one line each in kernels/registry.def, op decode) are declared by registry.h. */
 
 /* Visibility of logical key j for the query at position pos (causal, window). */
 static inline int mha__dec_visible(const mha__dec_problem *p, int64_t pos, int64_t j) {

@@ -13,8 +13,8 @@
  * M <= MHA_GEMM_SMALL_M take the unpacked dot path; both paths are covered. MHA_TEST_QUICK=1
  * (the sanitizer run) checks 1 and 3 threads only.
  */
-#include "gemm.h"
 #include "harness.h"
+#include "kernels/registry.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -48,6 +48,16 @@ static int64_t canary_damage(const float *p, int64_t lo, int64_t hi) {
 
 static double worst_ratio_seen = 0.0;
 
+/* The i-th GEMM line of the kernel registry (the tiers, best first), NULL past the last. */
+static const mha__kernel_info *gemm_tier(int i) {
+    for (int r = 0; r < mha__registry_count(); r++) {
+        const mha__kernel_info *k = mha__registry_at(r);
+        if (k->op == MHA__OP_gemm && i-- == 0)
+            return k;
+    }
+    return NULL;
+}
+
 /* Runs one shape on one tier with the given thread counts; checks accuracy on the first. */
 static void run_case(test_rng *rng,
                      const shape *s,
@@ -71,7 +81,7 @@ static void run_case(test_rng *rng,
     memcpy(w0, w, sizeof(float) * (size_t)nw);
 
     float *first = NULL;
-    const char *iname = mha__gemm_isa_name(isa);
+    const char *iname = isa->name;
     for (int c = 0; c < n_counts; c++) {
         float *yb = alloc_canary(ny);
         float *y = yb + GUARD;
@@ -148,8 +158,9 @@ static void run_case(test_rng *rng,
  * transposed copies, on every tier and for 1 and 3 threads: the packers change, not the sums. */
 static void test_transposed_operands(test_rng *rng) {
     const int64_t sizes[][3] = {{1, 1, 1}, {15, 33, 257}, {2, 3, 5}, {200, 129, 96}, {5, 70, 600}};
-    for (int isa = MHA__GEMM_GENERIC; isa < MHA__GEMM_ISA_COUNT; isa++) {
-        if (!mha__gemm_isa_usable((mha__gemm_isa)isa))
+    for (int tier = 0; gemm_tier(tier); tier++) {
+        const mha__gemm_isa isa = gemm_tier(tier);
+        if (!mha__kernel_usable(isa, 1))
             continue;
         for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
             const int64_t M = sizes[s][0], N = sizes[s][1], K = sizes[s][2];
@@ -172,9 +183,9 @@ static void test_transposed_operands(test_rng *rng) {
             float *xp = calloc((size_t)(Mp * K), sizeof(float));
             float *yp = malloc(sizeof(float) * Mp * N);
             memcpy(xp, x, sizeof(float) * M * K);
-            CHECK_OK(mha__gemm_op_run(MHA__GEMM_OP_N, Mp, N, K, xp, K, w, K, yp, N, 1,
-                                      (mha__gemm_isa)isa, NULL, &err),
-                     &err);
+            CHECK_OK(
+                mha__gemm_op_run(MHA__GEMM_OP_N, Mp, N, K, xp, K, w, K, yp, N, 1, isa, NULL, &err),
+                &err);
             memcpy(y0, yp, sizeof(float) * M * N);
             free(xp), free(yp);
             const int ops[3] = {MHA__GEMM_X_T, MHA__GEMM_W_T, MHA__GEMM_X_T | MHA__GEMM_W_T};
@@ -184,14 +195,13 @@ static void test_transposed_operands(test_rng *rng) {
                     memset(y1, 0, sizeof(float) * M * N);
                     CHECK_OK(mha__gemm_op_run((mha__gemm_op)ops[o], M, N, K, xt_on ? xt : x,
                                               xt_on ? M : K, wt_on ? wt : w, wt_on ? N : K, y1, N,
-                                              t, (mha__gemm_isa)isa, NULL, &err),
+                                              t, isa, NULL, &err),
                              &err);
                     int same = 1;
                     for (int64_t i = 0; i < M * N; i++)
                         same &= y0[i] == y1[i];
                     CHECK(same, "%s op %d %lldx%lldx%lld threads %d: differs from the plain layout",
-                          mha__gemm_isa_name((mha__gemm_isa)isa), ops[o], (long long)M,
-                          (long long)N, (long long)K, t);
+                          isa->name, ops[o], (long long)M, (long long)N, (long long)K, t);
                 }
             free(x), free(xt), free(w), free(wt), free(y0), free(y1);
         }
@@ -246,26 +256,34 @@ int main(void) {
     const int quick = quick_env && quick_env[0] == '1';
     const int quick_counts[] = {1, 3};
     int tiers = 0;
-    for (int isa = MHA__GEMM_GENERIC; isa < MHA__GEMM_ISA_COUNT; isa++) {
-        if (!mha__gemm_isa_usable((mha__gemm_isa)isa)) {
-            printf("skip: %s GEMM kernel not usable on this CPU\n",
-                   mha__gemm_isa_name((mha__gemm_isa)isa));
+    const mha__kernel_info *generic = NULL;
+    for (int t = 0; gemm_tier(t); t++) {
+        const mha__gemm_isa isa = gemm_tier(t);
+        const mha__gemm_kernel *kr = isa->run.gemm;
+        /* The registry line's p1, p2 are the kernel's register tile (written in both places). */
+        CHECK(kr->mr == isa->bq && kr->nr == isa->bk,
+              "%s: registry says %dx%d, the kernel is %dx%d", isa->name, isa->bq, isa->bk, kr->mr,
+              kr->nr);
+        if (!isa->isa)
+            generic = isa;
+        if (!mha__kernel_usable(isa, 1)) {
+            printf("skip: %s GEMM kernel not usable on this CPU\n", isa->name);
             continue;
         }
         tiers++;
-        const mha__gemm_kernel *kr = mha__gemm_kernel_for((mha__gemm_isa)isa);
-        printf("tier %s: %s (MR=%d NR=%d KC=%lld NC=%lld)\n", mha__gemm_isa_name(kr->isa), kr->name,
-               kr->mr, kr->nr, (long long)kr->kc, (long long)kr->nc);
+        printf("tier %s: MR=%d NR=%d KC=%lld NC=%lld\n", isa->name, kr->mr, kr->nr,
+               (long long)kr->kc, (long long)kr->nc);
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             for (int bias = 0; bias < 2; bias++)
-                run_case(&rng, &shapes[s], bias, (mha__gemm_isa)isa, one, 1);
+                run_case(&rng, &shapes[s], bias, isa, one, 1);
         for (size_t s = 0; s < sizeof thread_shapes / sizeof thread_shapes[0]; s++)
-            run_case(&rng, &thread_shapes[s], (int)(s & 1), (mha__gemm_isa)isa,
-                     quick ? quick_counts : counts, quick ? 2 : 4);
+            run_case(&rng, &thread_shapes[s], (int)(s & 1), isa, quick ? quick_counts : counts,
+                     quick ? 2 : 4);
     }
     CHECK(tiers >= 1, "no GEMM tier usable (generic must always be)");
-    CHECK(mha__gemm_isa_usable(MHA__GEMM_GENERIC), "the generic tier must always be usable");
-    CHECK(mha__gemm_isa_usable(mha__gemm_best_isa()), "the AUTO tier must be usable");
+    CHECK(generic && mha__kernel_usable(generic, 0), "the generic tier must always be usable");
+    const mha__gemm_isa best = mha__registry_best(MHA__OP_gemm);
+    CHECK(best && mha__kernel_usable(best, 0), "the AUTO tier must be usable");
 
     /* AUTO gives exactly the bits of the tier it picks. */
     {
@@ -277,11 +295,8 @@ int main(void) {
         mha_error err = {0};
         CHECK_OK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, 1, MHA__GEMM_AUTO, NULL, &err),
                  &err);
-        CHECK_OK(
-            mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y2, N, 2, mha__gemm_best_isa(), NULL, &err),
-            &err);
-        CHECK(memcmp(y1, y2, sizeof(float) * M * N) == 0, "AUTO differs from %s",
-              mha__gemm_isa_name(mha__gemm_best_isa()));
+        CHECK_OK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y2, N, 2, best, NULL, &err), &err);
+        CHECK(memcmp(y1, y2, sizeof(float) * M * N) == 0, "AUTO differs from %s", best->name);
         /* Caller-provided packing buffer (deliberately misaligned): same bits; too small is
          * refused before anything is written. */
         size_t need = 0;
@@ -324,9 +339,16 @@ int main(void) {
         CHECK(mha__gemm_xwt(-1, N, K, x, K, w, K, NULL, y1, N, 1, MHA__GEMM_AUTO, NULL, &err) ==
                   MHA_STATUS_INVALID_ARG,
               "negative M must be refused");
-        CHECK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, 1, (mha__gemm_isa)7, NULL, &err) ==
-                  MHA_STATUS_UNSUPPORTED,
-              "an unknown tier must be refused");
+        CHECK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, 1,
+                            mha__registry_reference(MHA__OP_fwd), NULL,
+                            &err) == MHA_STATUS_INVALID_ARG,
+              "a registry line that is not a GEMM kernel must be refused");
+        for (int t = 0; gemm_tier(t); t++)
+            if (!mha__kernel_usable(gemm_tier(t), 1))
+                CHECK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, 1, gemm_tier(t), NULL,
+                                    &err) == MHA_STATUS_UNSUPPORTED &&
+                          strstr(err.message, gemm_tier(t)->name),
+                      "a tier this CPU lacks must be refused by name");
         free(x);
         free(w);
         free(y1);

@@ -962,24 +962,58 @@ static void test_dropout_bits(void) {
 /* Dispatch through the public API.                                                               */
 /* ---------------------------------------------------------------------------------------------- */
 
+/* The registry as mha_experimental.h shows it: every op's lines, named mha_<op>_..._<isa>, a
+ * generic kernel for every op, exactly one reference for fwd and bwd (the last line of its op),
+ * and the kernel each op runs here. */
+static void test_registry(void) {
+    const int32_t count = mha_experimental_kernel_count();
+    const char *ops[] = {"fwd", "bwd", "decode", "gemm"};
+    for (int o = 0; o < 4; o++) {
+        int lines = 0, refs = 0, last_is_ref = 0, generic = 0;
+        char prefix[16];
+        snprintf(prefix, sizeof prefix, "mha_%s_", ops[o]);
+        for (int32_t i = 0; i < count; i++) {
+            mha_kernel_desc d;
+            mha_error err;
+            CHECK_OK(mha_experimental_kernel_describe(i, &d, &err), &err);
+            if (strcmp(d.op, ops[o]) != 0)
+                continue;
+            lines++;
+            refs += d.reference != 0;
+            last_is_ref = d.reference != 0;
+            generic += strcmp(d.isa, "generic") == 0;
+            CHECK(strncmp(d.name, prefix, strlen(prefix)) == 0, "kernel %s of op %s", d.name, d.op);
+            CHECK(mha_experimental_kernel_find(d.name) == i, "find(%s) != %d", d.name, (int)i);
+            CHECK(strstr(d.name, "__") && strcmp(strstr(d.name, "__") + 2, d.isa) == 0,
+                  "kernel %s: isa %s is not its name's suffix", d.name, d.isa);
+            if (strcmp(d.isa, "generic") == 0 || d.reference)
+                CHECK(d.usable, "%s must be usable everywhere", d.name);
+            if (strcmp(d.op, "fwd") != 0) { /* only forward kernels run through this API */
+                const mha_status st = mha_experimental_attention_with_kernel(i, NULL, NULL, &err);
+                CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, d.name),
+                      "attention_with_kernel(%s): %s %s", d.name, mha_status_string(st),
+                      err.message);
+            }
+        }
+        CHECK(lines >= 1 && generic == 1, "op %s: %d lines, %d generic", ops[o], lines, generic);
+        if (o < 2)
+            CHECK(refs == 1 && last_is_ref, "op %s: exactly one reference, its last line", ops[o]);
+        else
+            CHECK(refs == 0, "op %s has no reference line", ops[o]);
+        if (o > 0) {
+            mha_kernel_desc d;
+            const int32_t active = mha_experimental_kernel_active(ops[o]);
+            CHECK(mha_experimental_kernel_describe(active, &d, NULL) == MHA_STATUS_OK &&
+                      strcmp(d.op, ops[o]) == 0 && d.usable && !d.reference,
+                  "op %s: active kernel %d", ops[o], (int)active);
+        }
+    }
+    CHECK(mha_experimental_kernel_active("no_such_op") == -1, "active(unknown op) must be -1");
+    CHECK(mha_experimental_kernel_find("no_such_kernel") == -1, "find(unknown) must be -1");
+}
+
 static void test_dispatch(void) {
     const int32_t count = mha_experimental_kernel_count();
-    CHECK(count >= 2, "registry has %d kernels", (int)count);
-    int refs = 0, last_is_ref = 0;
-    for (int32_t i = 0; i < count; i++) {
-        mha_kernel_desc d;
-        mha_error err;
-        CHECK_OK(mha_experimental_kernel_describe(i, &d, &err), &err);
-        refs += d.reference != 0;
-        last_is_ref = d.reference != 0;
-        CHECK(mha_experimental_kernel_find(d.name) == i, "find(%s) != %d", d.name, (int)i);
-        CHECK(strstr(d.name, "__") && strcmp(strstr(d.name, "__") + 2, d.isa) == 0,
-              "kernel %s: isa %s is not its name's suffix", d.name, d.isa);
-        if (strcmp(d.isa, "generic") == 0 || d.reference)
-            CHECK(d.usable, "%s must be usable everywhere", d.name);
-    }
-    CHECK(refs == 1 && last_is_ref, "exactly one reference, last in the registry");
-    CHECK(mha_experimental_kernel_find("no_such_kernel") == -1, "find(unknown) must be -1");
 
     /* A tiny problem with a head size beyond every fast kernel: FAST refuses naming head_dim,
      * AUTO runs the reference, REFERENCE runs. */
@@ -1023,7 +1057,7 @@ static void test_dispatch(void) {
         for (int32_t i = 0; i < count; i++) {
             mha_kernel_desc e;
             mha_experimental_kernel_describe(i, &e, NULL);
-            if (e.usable && !e.reference) {
+            if (strcmp(e.op, "fwd") == 0 && e.usable && !e.reference) {
                 CHECK(i == idx, "impl=fast selected %s, not the first usable %s", d.name, e.name);
                 break;
             }
@@ -1046,7 +1080,7 @@ static void test_dispatch(void) {
     for (int32_t i = 0; i < count; i++) {
         mha_kernel_desc d;
         mha_experimental_kernel_describe(i, &d, NULL);
-        if (!d.usable) {
+        if (strcmp(d.op, "fwd") == 0 && !d.usable) {
             a.head_dim = 64;
             const mha_status st = mha_experimental_attention_with_kernel(i, &a, &autox, &err);
             CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, d.name),
@@ -1105,7 +1139,8 @@ static void bench_mode(void) {
     for (int32_t ki = 0; ki < count; ki++) {
         mha_kernel_desc kd;
         mha_experimental_kernel_describe(ki, &kd, NULL);
-        if (!kd.usable || kd.reference || (g_only_kernel && strcmp(g_only_kernel, kd.name)))
+        if (strcmp(kd.op, "fwd") != 0 || !kd.usable || kd.reference ||
+            (g_only_kernel && strcmp(g_only_kernel, kd.name)))
             continue;
         for (int di = 0; di < 2; di++)
             for (int causal = 1; causal >= 0; causal--)
@@ -1174,7 +1209,7 @@ int main(int argc, char **argv) {
     for (int32_t i = 0; i < mha_experimental_kernel_count(); i++) {
         mha_kernel_desc d;
         mha_experimental_kernel_describe(i, &d, NULL);
-        if (d.reference)
+        if (d.reference && strcmp(d.op, "fwd") == 0)
             g_ref_index = i;
     }
     printf("CPU: %s (under MHA_MAX_ISA: %s)%s\n", mha_experimental_cpu_isas(0),
@@ -1182,13 +1217,14 @@ int main(int argc, char **argv) {
            g_debug   ? ", smallest sweep (debug build)"
            : g_quick ? ", quick sweep"
                      : "");
+    test_registry();
     test_dispatch();
     test_vector_math();
     test_dropout_bits();
     for (int32_t ki = 0; ki < mha_experimental_kernel_count(); ki++) {
         mha_kernel_desc d;
         mha_experimental_kernel_describe(ki, &d, NULL);
-        if (g_only_kernel && strcmp(g_only_kernel, d.name) != 0)
+        if (strcmp(d.op, "fwd") != 0 || (g_only_kernel && strcmp(g_only_kernel, d.name) != 0))
             continue;
         if (!d.usable) {
             printf("kernel %s: skipped (no %s here, or MHA_MAX_ISA caps it)\n", d.name, d.isa);

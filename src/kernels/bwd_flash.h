@@ -19,7 +19,7 @@
 #ifndef MHA_BWD_FLASH_H
 #define MHA_BWD_FLASH_H
 
-#include "attention_bwd.h"
+#include "kernels/registry.h"
 
 typedef struct mha__bwd_flash_ops {
     /* C[r * ldc + j] += sum_{k < K} A[r * sa + k * sk] * B[k * ldb + j] for r < R, j < N,

@@ -15,7 +15,7 @@
 #ifndef MHA_FLASH_FWD_H
 #define MHA_FLASH_FWD_H
 
-#include "kernels/kernels.h"
+#include "kernels/registry.h"
 
 #define MHA_FLASH_MAX_BK 128 /* key tiles fit two 64-bit visibility words per row */
 #define MHA_FLASH_WORDS  (MHA_FLASH_MAX_BK / 64)

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
-/* kernels.h: the kernel registry's types and the prototypes generated from kernels.def.
+/* kernels.h: the attention forward's work units and its dispatch (dispatch.c); the kernels'
+ * prototypes come from the registry (kernels/registry.h).
  *
  * Every attention forward kernel has one signature: it computes one WORK UNIT, i.e. query rows
  * [i0, i1) of query heads [h0, h1) of batch row b (outputs, lse, probs of exactly those rows), with
@@ -11,12 +12,7 @@
 
 #include "internal.h"
 
-/* ISA feature sets, as detected by dispatch.c (cpuid + XGETBV). A set includes what its files are
- * compiled with (CMakeLists.txt): */
-#define MHA_ISA_AVX2 (1u << 0) /* AVX, AVX2, FMA, F16C; OS saves YMM state */
-#define MHA_ISA_AVX512                                                                             \
-    (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; OS saves ZMM/opmask state                      \
-               */
+#include "cpu_features.h"
 
 /* One unit of work. Flash kernels require [h0, h1) to be a whole number of head blocks (see
  * mha__flash_heads_per_block) and (h1 - h0 within a kv group) x (i1 - i0) <= Bq rows per block;
@@ -28,20 +24,13 @@ typedef struct mha__fwd_unit {
     int fresh; /* first unit of this scratch in this call: nothing in scratch is valid */
 } mha__fwd_unit;
 
-typedef void (*mha__fwd_fn)(const mha__problem *p, const mha__fwd_unit *u, void *scratch);
-
-typedef struct mha__kernel_info {
-    const char *name; /* the ISA name is the suffix after "__" */
-    unsigned isa;     /* MHA_ISA_* bits required */
-    int bq, bk;       /* 0, 0 for the reference */
-    int64_t max_d;    /* 0 = unlimited */
-    mha__fwd_fn fn;
-} mha__kernel_info;
-
-#define MHA_KERNEL(name, isa, bq, bk, maxd)                                                        \
-    void name(const mha__problem *p, const mha__fwd_unit *u, void *scratch);
-#include "kernels.def"
-#undef MHA_KERNEL
+/* A registry line (kernels/registry.h). A forward kernel reads its blocking (bq, bk) from its line,
+ * so that the block sizes are written only in registry.def. */
+typedef struct mha__kernel_info mha__kernel_info;
+typedef void (*mha__fwd_fn)(const mha__kernel_info *k,
+                            const mha__problem *p,
+                            const mha__fwd_unit *u,
+                            void *scratch);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Dispatch (dispatch.c).                                                                         */
@@ -53,15 +42,6 @@ typedef struct mha__fwd_shape {
 } mha__fwd_shape;
 void mha__fwd_shape_from_args(const mha_attention_args *a, mha__fwd_shape *s);
 
-/* MHA_ISA_* bits of this CPU, detected once, capped by MHA_MAX_ISA=generic|avx2|avx512. */
-unsigned mha__cpu_isa(void);
-/* MHA_ISA_* bits of this CPU without the MHA_MAX_ISA cap. */
-unsigned mha__cpu_isa_detected(void);
-
-int mha__kernel_count(void);
-const mha__kernel_info *mha__kernel_at(int index); /* NULL when out of range */
-int mha__kernel_index(const mha__kernel_info *k);
-const mha__kernel_info *mha__kernel_reference(void);
 /* MHA_STATUS_OK when kernel k can run a problem of this shape on this CPU; otherwise
  * UNSUPPORTED with a message naming the reason. */
 mha_status mha__kernel_check(const mha__kernel_info *k, const mha__fwd_shape *s, mha_error *err);

@@ -22,7 +22,7 @@
  *   Invisible keys have P_ij = 0, so they contribute nothing; a fully masked row (lse = -inf)
  *   has P = 0 everywhere and a zero gradient (it is skipped, so no exp(-inf - -inf) NaN).
  */
-#include "attention_bwd.h"
+#include "kernels/registry.h"
 
 #include <string.h>
 

@@ -159,9 +159,10 @@ static void dropout_bits(
 static const mha__flash_ops generic_ops = {pack_kt, qk,         softmax_online, softmax_final,
                                            pv,      all_finite, dropout_bits};
 
-/* Bq and Bk here must match this kernel's line in kernels.def. */
-void mha_fwd_f32_flash_q32k32__generic(const mha__problem *p,
+/* Bq and Bk come from this kernel's registry line (kernels/registry.def). */
+void mha_fwd_f32_flash_q32k32__generic(const mha__kernel_info *k,
+                                       const mha__problem *p,
                                        const mha__fwd_unit *u,
                                        void *scratch) {
-    mha__flash_fwd(&generic_ops, 32, 32, p, u, scratch);
+    mha__flash_fwd(&generic_ops, k->bq, k->bk, p, u, scratch);
 }

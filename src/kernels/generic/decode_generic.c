@@ -8,7 +8,7 @@
  *   pass 2: m_r = max_j s_rj, e_rj = exp(s_rj - m_r), l_r = sum_j e_rj
  *   pass 3: o_r = sum_j e_rj v_j            (unnormalised; decode.c merges the units exactly)
  */
-#include "kv_cache.h"
+#include "kernels/registry.h"
 
 #include <string.h>
 

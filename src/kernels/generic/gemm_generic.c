@@ -6,7 +6,7 @@
  * Tile 4 x 16: 64 float accumulators in a local array that the compiler keeps in (SSE) registers
  * or L1; the inner j loop is plain enough to auto-vectorize at -O3.
  */
-#include "gemm.h"
+#include "kernels/registry.h"
 
 #define MR 4
 #define NR 16
@@ -84,15 +84,7 @@ static void dot_generic(int64_t K,
         }
 }
 
-const mha__gemm_kernel mha__gemm_kernel_generic = {
-    "mha_gemm_f32_4x16__generic",
-    MHA__GEMM_GENERIC,
-    MR,
-    NR,
-    256,
-    1024,
-    ukr_4x16,
-    pack_b_16,
-    dot_generic,
-    pack_a_4,
+/* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
+const mha__gemm_kernel mha_gemm_f32_4x16__generic = {
+    MR, NR, 256, 1024, ukr_4x16, pack_b_16, dot_generic, pack_a_4,
 };

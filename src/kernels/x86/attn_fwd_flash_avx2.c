@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* attn_fwd_flash_avx2.c: FlashAttention-2 forward tile operations for AVX2 + FMA (compiled with
- * the AVX2 flags only; dispatch.c calls it only when cpuid + XGETBV report AVX2, FMA and YMM
- * state). The tiling, masking and bookkeeping are the shared driver's (flash_fwd.c); the
- * structure mirrors attn_fwd_flash_avx512.c with 8-float vectors.
+ * the AVX2 flags only; dispatch.c calls it only when cpu_features.c (cpuid + XGETBV) reports
+ * AVX2, FMA and YMM state). The tiling, masking and bookkeeping are the shared driver's
+ * (flash_fwd.c); the structure mirrors attn_fwd_flash_avx512.c with 8-float vectors.
  *
  * Register blocking (16 ymm registers, 2 FMA ports with 4-cycle latency: >= 8 independent
  * accumulators keep both busy):
@@ -435,9 +435,12 @@ static void dropout_bits(
 static const mha__flash_ops avx2_ops = {pack_kt, qk,         softmax_online, softmax_final,
                                         pv,      all_finite, dropout_bits};
 
-/* Bq and Bk here must match this kernel's line in kernels.def. */
-void mha_fwd_f32_flash_q64k64__avx2(const mha__problem *p, const mha__fwd_unit *u, void *scratch) {
-    mha__flash_fwd(&avx2_ops, 64, 64, p, u, scratch);
+/* Bq and Bk come from this kernel's registry line (kernels/registry.def). */
+void mha_fwd_f32_flash_q64k64__avx2(const mha__kernel_info *k,
+                                    const mha__problem *p,
+                                    const mha__fwd_unit *u,
+                                    void *scratch) {
+    mha__flash_fwd(&avx2_ops, k->bq, k->bk, p, u, scratch);
 }
 
 void mha__dropout_bits_avx2(

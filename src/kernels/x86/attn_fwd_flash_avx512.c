@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* attn_fwd_flash_avx512.c: FlashAttention-2 forward tile operations for AVX-512 (compiled with
- * the AVX-512 flags only; dispatch.c calls it only when cpuid + XGETBV report AVX-512 F/DQ/BW/VL).
+ * the AVX-512 flags only; dispatch.c calls it only when cpu_features.c (cpuid + XGETBV) reports
+ * AVX-512 F/DQ/BW/VL).
  * The tiling, masking and bookkeeping are the shared driver's (flash_fwd.c).
  *
  * Register blocking (32 zmm registers, 2 FMA ports with 4-cycle latency, so >= 8 independent
@@ -517,11 +518,12 @@ static void dropout_bits(
 static const mha__flash_ops avx512_ops = {pack_kt, qk,         softmax_online, softmax_final,
                                           pv,      all_finite, dropout_bits};
 
-/* Bq and Bk here must match this kernel's line in kernels.def. */
-void mha_fwd_f32_flash_q64k64__avx512(const mha__problem *p,
+/* Bq and Bk come from this kernel's registry line (kernels/registry.def). */
+void mha_fwd_f32_flash_q64k64__avx512(const mha__kernel_info *k,
+                                      const mha__problem *p,
                                       const mha__fwd_unit *u,
                                       void *scratch) {
-    mha__flash_fwd(&avx512_ops, 64, 64, p, u, scratch);
+    mha__flash_fwd(&avx512_ops, k->bq, k->bk, p, u, scratch);
 }
 
 void mha__dropout_bits_avx512(

@@ -21,7 +21,7 @@
  * threads (bit-identical for any thread count); they differ in rounding from the generic kernel's
  * order (tolerance-tested).
  */
-#include "kv_cache.h"
+#include "kernels/registry.h"
 #include "simd_avx512.h"
 
 #include <string.h>

@@ -172,17 +172,9 @@ static void pack_a_14(const float *x, int64_t ldx, int m, int64_t kc, float *dst
     gemm_pack_rows_x86(x, ldx, m, kc, dst, MR);
 }
 
-const mha__gemm_kernel mha__gemm_kernel_avx512 = {
-    "mha_gemm_f32_14x32__avx512",
-    MHA__GEMM_AVX512,
-    MR,
-    NR,
-    256,
-    1024,
-    ukr_14x32,
-    pack_b_32,
-    dot_avx512,
-    pack_a_14,
+/* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
+const mha__gemm_kernel mha_gemm_f32_14x32__avx512 = {
+    MR, NR, 256, 1024, ukr_14x32, pack_b_32, dot_avx512, pack_a_14,
 };
 
 #endif

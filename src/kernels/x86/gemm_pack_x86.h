@@ -10,7 +10,7 @@
 #ifndef MHA_GEMM_PACK_X86_H
 #define MHA_GEMM_PACK_X86_H
 
-#include "gemm.h"
+#include "kernels/registry.h"
 
 #include <immintrin.h>
 

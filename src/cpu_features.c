@@ -1,0 +1,102 @@
+/* SPDX-License-Identifier: MIT */
+/* cpu_features.c: CPU feature detection (cpuid + XGETBV on x86; nothing to detect yet on other
+ * architectures, whose only tier is generic) and the debug overrides, read once (pthread_once):
+ * the only process-wide state of the library, written once and read-only afterwards. */
+#include "cpu_features.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#    include <cpuid.h>
+#endif
+
+static unsigned g_detected, g_capped;
+static const char *g_forced_name; /* MHA_KERNEL, or NULL */
+static char g_forced_buf[128];
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+#if defined(__x86_64__) || defined(__i386__)
+static uint64_t read_xcr0(void) {
+    uint32_t eax, edx;
+    /* XGETBV with ECX = 0 (only executed when CPUID reports OSXSAVE). */
+    __asm__ volatile(".byte 0x0f, 0x01, 0xd0" : "=a"(eax), "=d"(edx) : "c"(0));
+    return ((uint64_t)edx << 32) | eax;
+}
+
+static unsigned detect_isa(void) {
+    unsigned a, b, c, d, isa = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    const int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1;
+    const int f16c = (c >> 29) & 1;
+    if (!osxsave || !avx)
+        return 0;
+    const uint64_t xcr0 = read_xcr0();
+    const int ymm_state = (xcr0 & 0x6) == 0x6;   /* SSE and AVX state */
+    const int zmm_state = (xcr0 & 0xe6) == 0xe6; /* + opmask, ZMM_Hi256, Hi16_ZMM */
+    if (__get_cpuid_max(0, NULL) < 7)
+        return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512dq = (b >> 17) & 1;
+    const int avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1;
+    if (ymm_state && avx2 && fma && f16c)
+        isa |= MHA_ISA_AVX2;
+    if ((isa & MHA_ISA_AVX2) && zmm_state && avx512f && avx512dq && avx512bw && avx512vl)
+        isa |= MHA_ISA_AVX512;
+    return isa;
+}
+#else
+static unsigned detect_isa(void) {
+    return 0;
+}
+#endif
+
+static void init_once(void) {
+    g_detected = detect_isa();
+    g_capped = g_detected;
+    const char *cap = getenv("MHA_MAX_ISA");
+    /* A tier name caps the bits to those of that tier; unknown values leave the detection. */
+#define MHA_CAP_TO(bits, name)                                                                     \
+    if (cap && strcmp(cap, name) == 0)                                                             \
+        g_capped &= (bits);
+    MHA_ISA_TIERS(MHA_CAP_TO)
+#undef MHA_CAP_TO
+    const char *forced = getenv("MHA_KERNEL");
+    if (forced && forced[0]) {
+        strncpy(g_forced_buf, forced, sizeof g_forced_buf - 1);
+        g_forced_name = g_forced_buf;
+    }
+}
+
+unsigned mha__cpu_isa(void) {
+    pthread_once(&g_once, init_once);
+    return g_capped;
+}
+
+unsigned mha__cpu_isa_detected(void) {
+    pthread_once(&g_once, init_once);
+    return g_detected;
+}
+
+const char *mha__cpu_forced_kernel(void) {
+    pthread_once(&g_once, init_once);
+    return g_forced_name;
+}
+
+const char *mha__cpu_isa_list(unsigned isa) {
+    /* " avx512 avx2 generic": the answer is its tail from the best tier whose bits isa has. */
+    static const char all[] = ""
+#define MHA_TIER_NAME(bits, name) " " name
+        MHA_ISA_TIERS(MHA_TIER_NAME)
+#undef MHA_TIER_NAME
+        ;
+#define MHA_TIER_PICK(bits, name)                                                                  \
+    if (((bits)&isa) == (bits))                                                                    \
+        return strstr(all, " " name) + 1;
+    MHA_ISA_TIERS(MHA_TIER_PICK)
+#undef MHA_TIER_PICK
+    return all + 1;
+}

@@ -1,0 +1,33 @@
+/* SPDX-License-Identifier: MIT */
+/* cpu_features.h: what this CPU (and its OS) can run, as MHA_ISA_* bits, detected once, and the
+ * two debug overrides of the environment (read once, at the first call that needs them):
+ *   MHA_MAX_ISA=generic|avx2|avx512   pretend the CPU has at most this ISA (unknown values: no
+ * cap); MHA_KERNEL=<name>                 the forward dispatch runs exactly this kernel
+ * (dispatch.c). Nothing else in the environment changes what the library does.
+ */
+#ifndef MHA_CPU_FEATURES_H
+#define MHA_CPU_FEATURES_H
+
+/* ISA feature sets. A set includes what the files of its tier are compiled with (CMakeLists.txt,
+ * by file name suffix) and is detected by cpu_features.c: */
+#define MHA_ISA_AVX2   (1u << 0) /* AVX, AVX2, FMA, F16C; the OS saves YMM state */
+#define MHA_ISA_AVX512 (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; the OS saves ZMM/opmask */
+
+/* The tiers, best first: the bits a tier's kernels may use (its own and those below it) and its
+ * name (the suffix of its kernels' names after "__"; MHA_MAX_ISA=<name> caps to those bits).
+ * The generic tier uses none and is always last. */
+#define MHA_ISA_TIERS(X)                                                                           \
+    X(MHA_ISA_AVX512 | MHA_ISA_AVX2, "avx512")                                                     \
+    X(MHA_ISA_AVX2, "avx2")                                                                        \
+    X(0u, "generic")
+
+/* MHA_ISA_* bits of this CPU, capped by MHA_MAX_ISA. */
+unsigned mha__cpu_isa(void);
+/* MHA_ISA_* bits of this CPU, without the cap. */
+unsigned mha__cpu_isa_detected(void);
+/* The tier names a set of bits allows, best first, space separated ("avx2 generic"). */
+const char *mha__cpu_isa_list(unsigned isa);
+/* MHA_KERNEL, or NULL when unset or empty. */
+const char *mha__cpu_forced_kernel(void);
+
+#endif /* MHA_CPU_FEATURES_H */

@@ -1,0 +1,68 @@
+/* SPDX-License-Identifier: MIT */
+/* registry.h: the one kernel registry (registry.def) as a table, with the prototypes of every
+ * kernel of every op generated from it. Each op's driver selects from the table (dispatch.c for
+ * the forward, attention_bwd.c, decode.c, gemm.c); `mha info`, mha_experimental.h and the tests
+ * list it. */
+#ifndef MHA_REGISTRY_H
+#define MHA_REGISTRY_H
+
+#include "attention_bwd.h"
+#include "cpu_features.h"
+#include "gemm.h"
+#include "kernels/kernels.h"
+#include "kv_cache.h"
+
+/* The ops; the enumerator's suffix is the op token of registry.def. */
+typedef enum mha__op {
+    MHA__OP_fwd,
+    MHA__OP_bwd,
+    MHA__OP_decode,
+    MHA__OP_gemm,
+} mha__op;
+
+/* One registry line. */
+struct mha__kernel_info {
+    mha__op op;
+    const char *name; /* the tier is the suffix after "__" ("ref" for the references) */
+    unsigned isa;     /* MHA_ISA_* bits required */
+    int bq, bk;       /* p1, p2 of the line (registry.def says what they are per op) */
+    int64_t max_d;    /* 0 = unlimited */
+    int reference;    /* the plain reference of its op (suffix "__ref", p1 = 0) */
+    union {
+        mha__fwd_fn fwd;
+        mha__bwd_fn bwd;
+        mha__dec_kernel_fn decode;
+        const mha__gemm_kernel *gemm;
+    } run;
+};
+
+/* Prototypes of every kernel: one per op shape. */
+#define MHA_PROTO_fwd(name)                                                                        \
+    void name(const mha__kernel_info *k, const mha__problem *p, const mha__fwd_unit *u,            \
+              void *scratch);
+#define MHA_PROTO_bwd(name)                                                                        \
+    void name(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
+#define MHA_PROTO_decode(name)                                                                     \
+    void name(const mha__dec_problem *p, const mha__dec_unit *u, float *o, float *m, float *l,     \
+              float *scratch);
+#define MHA_PROTO_gemm(name)                    extern const mha__gemm_kernel name;
+#define MHA_KERNEL(op, name, isa, p1, p2, maxd) MHA_PROTO_##op(name)
+#include "kernels/registry.def"
+#undef MHA_KERNEL
+
+/* The whole table, every op, in registry order. */
+int mha__registry_count(void);
+const mha__kernel_info *mha__registry_at(int index); /* NULL when out of range */
+int mha__registry_index(const mha__kernel_info *k);
+const mha__kernel_info *mha__registry_find(const char *name); /* NULL when unknown */
+/* "fwd", "bwd", "decode", "gemm". */
+const char *mha__op_name(mha__op op);
+/* The tier of a kernel: "avx512", "avx2", "generic" or "ref". */
+const char *mha__kernel_tier(const mha__kernel_info *k);
+/* Nonzero when this CPU has k's ISA under MHA_MAX_ISA (detected = 1: without the cap). */
+int mha__kernel_usable(const mha__kernel_info *k, int detected);
+/* The reference of an op, or its best usable non-reference kernel (NULL if none). */
+const mha__kernel_info *mha__registry_reference(mha__op op);
+const mha__kernel_info *mha__registry_best(mha__op op);
+
+#endif /* MHA_REGISTRY_H */
