@@ -75,8 +75,8 @@ typedef struct run_ctx {
 static void run_once(const run_ctx *r) {
     if (r->kern) {
         mha_error err;
-        if (mha__gemm_xwt(r->M, r->N, r->K, r->x, r->K, r->w, r->K, r->b, r->y, r->N, r->threads,
-                          r->kern, NULL, &err) != MHA_STATUS_OK) {
+        if (mha__gemm_xwt(r->M, r->N, r->K, r->x, r->K, r->w, r->K, r->b, r->y, r->N,
+                          mha__team_of(r->threads), r->kern, NULL, &err) != MHA_STATUS_OK) {
             fprintf(stderr, "gemm failed: %s\n", err.message);
             exit(1);
         }

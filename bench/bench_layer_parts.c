@@ -151,13 +151,13 @@ int main(int argc, char **argv) {
             ex.workspace_bytes = 0;
             switch (s) {
             case STAGE_PROJ:
-                st = mha__gemm_xwt(n, d, d, x, d, w.w_q, d, NULL, qkv, d, threads, MHA__GEMM_AUTO,
-                                   NULL, &err);
+                st = mha__gemm_xwt(n, d, d, x, d, w.w_q, d, NULL, qkv, d, mha__team_of(threads),
+                                   MHA__GEMM_AUTO, NULL, &err);
                 break;
             case STAGE_PROJ_FRESH: {
                 float *fresh = malloc(sizeof(float) * (size_t)(n * d));
-                st = fresh ? mha__gemm_xwt(n, d, d, x, d, w.w_q, d, NULL, fresh, d, threads,
-                                           MHA__GEMM_AUTO, NULL, &err)
+                st = fresh ? mha__gemm_xwt(n, d, d, x, d, w.w_q, d, NULL, fresh, d,
+                                           mha__team_of(threads), MHA__GEMM_AUTO, NULL, &err)
                            : MHA_STATUS_NO_MEMORY;
                 free(fresh);
                 break;

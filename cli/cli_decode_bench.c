@@ -12,10 +12,10 @@
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 
 #include "cli.h"
-#include "internal.h" /* mha__parallel_for, mha__f16_to_f32 */
-#include "kv_cache.h"
 #include "mha_experimental.h"
 
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,15 +117,19 @@ static int cmp_d(const void *a, const void *b) {
 }
 
 /* ---- STREAM-like read bandwidth. ------------------------------------------------------------- */
+/* The read-bandwidth probe: each of `threads` threads sums its contiguous share of the buffer
+ * (8 independent chains), started and joined by the CLI itself (the library's threads are not
+ * part of its API). */
 typedef struct stream_job {
     const uint64_t *buf;
-    uint64_t sums[64];
+    int64_t begin, end; /* in words */
+    uint64_t sum;
 } stream_job;
 
-static void stream_part(void *ctx, int part, int64_t begin, int64_t end) {
-    stream_job *j = ctx;
+static void *stream_part(void *arg) {
+    stream_job *j = arg;
     uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
-    for (int64_t i = begin * 8; i < end * 8; i += 8) {
+    for (int64_t i = j->begin; i < j->end; i += 8) {
         a0 += j->buf[i];
         a1 += j->buf[i + 1];
         a2 += j->buf[i + 2];
@@ -135,7 +139,29 @@ static void stream_part(void *ctx, int part, int64_t begin, int64_t end) {
         a6 += j->buf[i + 6];
         a7 += j->buf[i + 7];
     }
-    j->sums[part & 63] += a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+    j->sum += a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7;
+    return NULL;
+}
+
+/* One pass over words [0, words) on `threads` threads (the caller's included). */
+static void stream_pass(const uint64_t *buf, int64_t words, int threads, stream_job *jobs) {
+    pthread_t tid[64];
+    int started[64] = {0};
+    const int64_t lines = words / 8;
+    for (int t = 0; t < threads; t++) {
+        jobs[t].buf = buf;
+        jobs[t].begin = lines * t / threads * 8;
+        jobs[t].end = lines * (t + 1) / threads * 8;
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tid[t], NULL, stream_part, &jobs[t]) == 0;
+    stream_part(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tid[t], NULL);
+        else
+            stream_part(&jobs[t]);
+    }
 }
 
 static double stream_gbs(int64_t mb, int threads) {
@@ -145,20 +171,20 @@ static double stream_gbs(int64_t mb, int threads) {
         return 0.0;
     for (int64_t i = 0; i < words; i++)
         buf[i] = (uint64_t)i;
-    stream_job j;
-    memset(&j, 0, sizeof j);
-    j.buf = buf;
+    stream_job jobs[64];
+    memset(jobs, 0, sizeof jobs);
+    threads = threads < 1 ? 1 : (threads > 64 ? 64 : threads);
     double best = 0.0;
     for (int rep = 0; rep < 5; rep++) {
         const double t0 = now_s();
-        mha__parallel_for(threads, words / 8, stream_part, &j, NULL);
+        stream_pass(buf, words, threads, jobs);
         const double dt = now_s() - t0;
         const double gbs = (double)(words / 8 * 64) / dt * 1e-9;
         best = gbs > best ? gbs : best;
     }
     uint64_t keep = 0;
-    for (int i = 0; i < 64; i++)
-        keep += j.sums[i];
+    for (int t = 0; t < threads; t++)
+        keep += jobs[t].sum;
     free(buf);
     return keep == 1 ? -best : best; /* the sum is used, so the loop is not optimised away */
 }
@@ -166,42 +192,43 @@ static double stream_gbs(int64_t mb, int threads) {
 /* ---- Naive decode attention: per sequence and head, three passes, float32, one thread. ------ */
 static double
 naive_step(const mha_kv_cache *c, int64_t B, int64_t H, const float *q, float *out, float *s) {
+    /* Per sequence: scores of every head over every cached position (pass 1 over K), softmax,
+     * then pass 2 over V; each position read once per pass through mha_kv_cache_read (float32,
+     * all kv heads). s holds [H, L] scores, then one K or V row [G, D]. */
     const mha_kv_cache_config *k = mha_kv_cache_get_config(c);
     const int64_t G = k->num_kv_heads, D = k->head_dim, grp = H / G;
     const float scale = 1.0f / sqrtf((float)D);
     const double t0 = now_s();
     for (int64_t b = 0; b < B; b++) {
         const int64_t L = mha_kv_cache_length(c, b);
-        for (int64_t h = 0; h < H; h++) {
-            const float *qh = q + (b * H + h) * D;
-            float mx = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < L; j++) {
-                const void *kr = mha__kv_k_row(c, b, h / grp, j);
+        float *row = s + H * L;
+        for (int64_t j = 0; j < L; j++) {
+            mha_kv_cache_read(c, b, j, row, NULL, NULL);
+            for (int64_t h = 0; h < H; h++) {
+                const float *qh = q + (b * H + h) * D, *kr = row + (h / grp) * D;
                 float dot = 0.0f;
-                for (int64_t d = 0; d < D; d++) {
-                    const float kv = k->dtype == MHA_DTYPE_F32 ? ((const float *)kr)[d]
-                                     : k->dtype == MHA_DTYPE_F16
-                                         ? mha__f16_to_f32(((const uint16_t *)kr)[d])
-                                         : mha__bf16_to_f32(((const uint16_t *)kr)[d]);
-                    dot += qh[d] * kv;
-                }
-                s[j] = dot * scale;
-                mx = s[j] > mx ? s[j] : mx;
+                for (int64_t d = 0; d < D; d++)
+                    dot += qh[d] * kr[d];
+                s[h * L + j] = dot * scale;
             }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float mx = -INFINITY, sum = 0.0f;
             for (int64_t j = 0; j < L; j++)
-                sum += (s[j] = expf(s[j] - mx));
-            float *o = out + (b * H + h) * D;
-            memset(o, 0, sizeof(float) * (size_t)D);
-            for (int64_t j = 0; j < L; j++) {
-                const void *vr = mha__kv_v_row(c, b, h / grp, j);
-                const float p = s[j] / sum;
-                for (int64_t d = 0; d < D; d++) {
-                    const float vv = k->dtype == MHA_DTYPE_F32 ? ((const float *)vr)[d]
-                                     : k->dtype == MHA_DTYPE_F16
-                                         ? mha__f16_to_f32(((const uint16_t *)vr)[d])
-                                         : mha__bf16_to_f32(((const uint16_t *)vr)[d]);
-                    o[d] += p * vv;
-                }
+                mx = s[h * L + j] > mx ? s[h * L + j] : mx;
+            for (int64_t j = 0; j < L; j++)
+                sum += (s[h * L + j] = expf(s[h * L + j] - mx));
+            for (int64_t j = 0; j < L; j++)
+                s[h * L + j] /= sum;
+            memset(out + (b * H + h) * D, 0, sizeof(float) * (size_t)D);
+        }
+        for (int64_t j = 0; j < L; j++) {
+            mha_kv_cache_read(c, b, j, NULL, row, NULL);
+            for (int64_t h = 0; h < H; h++) {
+                const float p = s[h * L + j], *vr = row + (h / grp) * D;
+                float *o = out + (b * H + h) * D;
+                for (int64_t d = 0; d < D; d++)
+                    o[d] += p * vr[d];
             }
         }
     }
@@ -262,7 +289,7 @@ int cli_decode_bench_main(int argc, char **argv) {
     const int attn_only = args.given[B_ATTN_ONLY];
     if (layer_prefill && attn_only)
         return cli_usage("--prefill-mode layer needs the layer (drop --attention-only)");
-    const int threads = T > 0 ? (int)T : mha__default_threads();
+    const int threads = T > 0 ? (int)T : mha_default_threads();
 
     /* Layer with random weights (scaled like a trained one: unit-variance activations). */
     mha_error err;
@@ -311,7 +338,8 @@ int cli_decode_bench_main(int argc, char **argv) {
     float *ybuf = malloc(sizeof(float) * (size_t)(B * chunk * Q + B * Q));
     float *q = malloc(sizeof(float) * (size_t)(B * H * D));
     float *o = malloc(sizeof(float) * (size_t)(B * H * D));
-    float *scores = malloc(sizeof(float) * (size_t)(L + 2 * N));
+    /* The naive loop's scores [H, L + N] and one K/V row [G, D]. */
+    float *scores = malloc(sizeof(float) * (size_t)(H * (L + 2 * N) + G * D));
     double *times = malloc(sizeof(double) * (size_t)N);
     if (!kv || !xbuf || !ybuf || !q || !o || !scores || !times) {
         rc = cli_fail("out of memory");

@@ -7,7 +7,6 @@
  * sample problems. Exit status: 0 success, 1 failure, 2 usage error (one line on stderr).
  */
 #include "cli.h"
-#include "internal.h" /* mha__default_threads */
 #include "mha_experimental.h"
 
 #include <stdio.h>
@@ -115,7 +114,7 @@ int cli_info_main(int argc, char **argv) {
     }
 
     printf("mha %s (libmha %s)\n", MHA_CLI_VERSION_STRING, mha_version());
-    printf("threads: %d (online CPUs; used by --threads 0)\n", mha__default_threads());
+    printf("threads: %d (online CPUs; used by --threads 0)\n", mha_default_threads());
     print_kernels();
 
     const size_t elems = (size_t)INFO_B * INFO_H * INFO_N * INFO_D;

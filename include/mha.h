@@ -170,17 +170,41 @@ typedef enum mha_impl {
     MHA_IMPL_FAST = 2,
 } mha_impl;
 
+/** A persistent thread pool the caller owns: `size` threads in all, the calling thread being one
+ *  of them (size - 1 workers are started once, at creation, and sleep between calls). Give it to
+ *  calls through mha_exec.pool; a parallel call then starts no thread and allocates nothing for
+ *  its threads. One pool may serve calls from several threads at once: they take turns (one
+ *  parallel region at a time per pool; a call's other regions interleave with other callers').
+ *  Results never depend on the pool or the thread count. Destroy it when no call is using it. */
+typedef struct mha_threadpool mha_threadpool;
+/** n_threads: 0 = number of online CPUs; at most 1024. allocator: NULL = malloc/free (used for the
+ *  pool's own memory, at creation only). *out is NULL on error. */
+MHA_API mha_status mha_threadpool_create(int32_t n_threads,
+                                         const mha_allocator *allocator,
+                                         mha_threadpool **out,
+                                         mha_error *err);
+/** Stops and joins the workers, frees the pool. NULL is a no-op. */
+MHA_API void mha_threadpool_destroy(mha_threadpool *pool);
+/** Threads of the pool, the caller's included (>= 1); 0 for NULL. */
+MHA_API int32_t mha_threadpool_size(const mha_threadpool *pool);
+/** Online CPUs (1 .. 1024): what n_threads = 0 means without a pool. */
+MHA_API int32_t mha_default_threads(void);
+
 /** Execution options of a call. A caller workspace may have any alignment: the size a
  *  *_workspace_size query reports (for the same args and exec) includes the slack for rounding
- *  it up to 64 bytes. With a caller workspace, mha_attention, mha_attention_backward and
- *  mha_layer_forward allocate nothing; without one they allocate it with `allocator` per call
- *  (reusing one workspace across calls saves the page faults of a fresh block every call). */
+ *  it up to 64 bytes. With a caller workspace and a pool, mha_attention, mha_attention_backward
+ *  and mha_layer_forward allocate nothing and start no thread; without a workspace they allocate
+ *  it with `allocator` per call (reusing one workspace across calls saves the page faults of a
+ *  fresh block every call); without a pool every parallel region starts its threads (and
+ *  allocates their records) and joins them. */
 typedef struct mha_exec {
     mha_impl impl;
-    int32_t n_threads; /* 0 = number of online CPUs */
+    int32_t n_threads; /* 0 = the pool's size, or the number of online CPUs without a pool;
+                          with a pool at most its size is used; negative is an error */
     void *workspace;   /* NULL: the library allocates (with `allocator`) */
     size_t workspace_bytes;
     const mha_allocator *allocator; /* NULL: malloc/free */
+    mha_threadpool *pool;           /* NULL: threads started per parallel region */
 } mha_exec;
 
 /* ---------------------------------------------------------------------------------------------- */

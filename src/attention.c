@@ -120,10 +120,6 @@ mha_status mha__problem_from_args(const mha_attention_args *a,
 /* Implementation selection and running (kernels: dispatch.c, kernels/registry.def).            */
 /* ---------------------------------------------------------------------------------------------- */
 
-static int resolve_threads(const mha_exec *exec) {
-    return (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
-}
-
 /* Workspace layout: [deltas: B int64][slopes: H float][per-thread kernel scratch]. */
 typedef struct ws_layout {
     size_t delta_off, slope_off, scratch_off, scratch_stride, total;
@@ -206,8 +202,12 @@ mha_status mha__attention_workspace(const mha_attention_args *args,
     st = choose_kernel(args, exec, forced, &k, &scratch, err);
     if (st)
         return st;
+    mha__team team;
+    st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
     ws_layout l;
-    st = core_layout(args, resolve_threads(exec), scratch, &l, err);
+    st = core_layout(args, team.n, scratch, &l, err);
     if (st)
         return st;
     MHA_RETURN_IF(!mha__workspace_bytes(l.total, bytes), err, OVERFLOW, "workspace size overflows");
@@ -272,10 +272,13 @@ mha_status mha__attention_run(const mha_attention_args *args,
     st = choose_kernel(args, exec, forced, &k, &scratch, err);
     if (st)
         return st;
-    int n_threads = resolve_threads(exec);
+    mha__team team;
+    st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     ws_layout l;
-    st = core_layout(args, n_threads, scratch, &l, err);
+    st = core_layout(args, team.n, scratch, &l, err);
     if (st)
         return st;
     char *ws, *owned;
@@ -288,7 +291,7 @@ mha_status mha__attention_run(const mha_attention_args *args,
     /* Work units, their split over threads and the bit-identical-for-any-thread-count
      * guarantee: mha__kernel_run (dispatch.c). */
     if (st == MHA_STATUS_OK)
-        st = mha__kernel_run(k, &p, n_threads, ws + l.scratch_off, l.scratch_stride, err);
+        st = mha__kernel_run(k, &p, team, ws + l.scratch_off, l.scratch_stride, err);
     mha__free(alloc, owned);
     if (st == MHA_STATUS_OK)
         mha__ok(err);

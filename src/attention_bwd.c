@@ -86,14 +86,10 @@ choose(const mha_exec *exec, int forced, const mha__kernel_info **k, mha_error *
     return MHA_STATUS_OK;
 }
 
-/* Workspace: [deltas B int64][slopes H float][sink partials B*H float][n_threads scratch]. */
+/* Workspace: [deltas B int64][slopes H float][sink partials B*H float][team.n scratch]. */
 typedef struct bwd_layout {
     size_t delta_off, slope_off, sink_off, scratch_off, stride, total;
 } bwd_layout;
-
-static int resolve_threads(const mha_exec *exec) {
-    return (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
-}
 
 /* Everything checkable before any work: fills p (whose deltas/slopes point into `tmp_ws`, or
  * into small private arrays while only sizing), the kernel and the layout. */
@@ -101,13 +97,16 @@ static mha_status validate(const mha_attention_args *a,
                            const mha_attention_grads *g,
                            const mha_exec *exec,
                            int forced,
-                           int n_threads,
+                           mha__team *team,
                            const mha__kernel_info **k,
                            bwd_layout *l,
                            mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "fwd (the forward's args) is NULL");
     MHA_RETURN_IF(!g, err, INVALID_ARG, "grads is NULL");
     mha_status st = mha__attention_check_sizes(a, err);
+    if (st)
+        return st;
+    st = mha__exec_team(exec, team, err);
     if (st)
         return st;
     st = choose(exec, forced, k, err);
@@ -140,7 +139,7 @@ static mha_status validate(const mha_attention_args *a,
     l->stride = mha__align64(scratch);
     int64_t total;
     MHA_RETURN_IF(l->stride > INT64_MAX || l->scratch_off > INT64_MAX ||
-                      !mha__mul_i64((int64_t)l->stride, n_threads, &total) ||
+                      !mha__mul_i64((int64_t)l->stride, team->n, &total) ||
                       !mha__add_i64(total, (int64_t)l->scratch_off, &total),
                   err, OVERFLOW, "backward workspace size overflows");
     l->total = (size_t)total;
@@ -173,7 +172,8 @@ mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
     MHA_RETURN_IF(!bytes, err, INVALID_ARG, "bytes is NULL");
     const mha__kernel_info *k = NULL;
     bwd_layout l = {0};
-    mha_status st = validate(fwd, grads, exec, -1, resolve_threads(exec), &k, &l, err);
+    mha__team team;
+    mha_status st = validate(fwd, grads, exec, -1, &team, &k, &l, err);
     if (st)
         return st;
     MHA_RETURN_IF(!mha__workspace_bytes(l.total, bytes), err, OVERFLOW, "workspace size overflows");
@@ -201,10 +201,10 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
                                        int kernel,
                                        const char **name_out,
                                        mha_error *err) {
-    const int n_threads = resolve_threads(exec);
+    mha__team team;
     const mha__kernel_info *k = NULL;
     bwd_layout l = {0};
-    mha_status st = validate(fwd, grads, exec, kernel, n_threads, &k, &l, err);
+    mha_status st = validate(fwd, grads, exec, kernel, &team, &k, &l, err);
     if (st)
         return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
@@ -232,7 +232,7 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
         bp.sink_part = grads->dsinks ? (float *)(ws + l.sink_off) : NULL;
         bp.accumulate = grads->accumulate != 0;
         bwd_job job = {&bp, k->run.bwd, ws + l.scratch_off, l.stride};
-        st = mha__parallel_for(n_threads, p.B * p.G, run_units, &job, err);
+        st = mha__parallel_for(team, p.B * p.G, run_units, &job, err);
         if (!st && grads->dsinks)
             for (int64_t h = 0; h < p.H; h++) {
                 float s = 0.0f;

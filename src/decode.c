@@ -214,7 +214,7 @@ static void dequant(const struct mha_kv_cache *c, const void *src, int64_t d, fl
 /* The attention core on the dequantised cache, one sequence at a time (impl=reference, and long
  * blocks of new tokens). */
 static mha_status attend_core(
-    const kv_call *a, mha_impl impl, int n_threads, const mha_allocator *alloc, mha_error *err) {
+    const kv_call *a, mha_impl impl, mha__team team, const mha_allocator *alloc, mha_error *err) {
     const struct mha_kv_cache *c = a->cache;
     const int64_t G = c->cfg.num_kv_heads, dk = c->cfg.head_dim, dv = c->cfg.v_head_dim;
     int64_t max_m = 0;
@@ -279,8 +279,9 @@ static mha_status attend_core(
         mha_exec ex;
         memset(&ex, 0, sizeof ex);
         ex.impl = impl == MHA_IMPL_REFERENCE ? MHA_IMPL_REFERENCE : MHA_IMPL_AUTO;
-        ex.n_threads = n_threads;
+        ex.n_threads = team.n;
         ex.allocator = alloc;
+        ex.pool = team.pool;
         st = mha_attention(&ca, &ex, err);
     }
     mha__free(alloc, kbuf);
@@ -289,7 +290,7 @@ static mha_status attend_core(
 
 /* The split-KV decode kernel over all sequences and kv heads. */
 static mha_status
-attend_split(const kv_call *a, int n_threads, const mha_allocator *alloc, mha_error *err) {
+attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_error *err) {
     const struct mha_kv_cache *c = a->cache;
     mha__dec_problem p;
     memset(&p, 0, sizeof p);
@@ -318,7 +319,8 @@ attend_split(const kv_call *a, int n_threads, const mha_allocator *alloc, mha_er
     }
     const int64_t part_stride = ((R * (p.dv + 2)) + 15) & ~(int64_t)15;
     const int64_t scratch_stride = (mha__dec_scratch_floats(&p) + 15) & ~(int64_t)15;
-    const int nt = n_threads > n_units ? (int)n_units : n_threads;
+    const mha__team unit_team = mha__team_at_most(team, n_units);
+    const int nt = unit_team.n;
     int64_t fl;
     size_t ub, fb, pb, sb;
     MHA_RETURN_IF(!mha__bytes(n_units, sizeof(mha__dec_unit), &ub) ||
@@ -380,20 +382,23 @@ attend_split(const kv_call *a, int n_threads, const mha_allocator *alloc, mha_er
                    a->o_ss,  a->o_ts,
                    a->lse,   n_units,
                    chunk,    &next};
-    mha_status st = mha__parallel_for(nt, nt, run_units, &run, err);
+    mha_status st = mha__parallel_for(unit_team, nt, run_units, &run, err);
     if (!st)
-        st = mha__parallel_for(n_threads, SG, merge_pairs, &run, err);
+        st = mha__parallel_for(team, SG, merge_pairs, &run, err);
     mha__free(alloc, ws);
     return st;
 }
 
 static mha_status kv_attend(const kv_call *a, const mha_exec *exec, mha_error *err) {
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
-    const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+    mha__team team;
+    mha_status st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     if (impl == MHA_IMPL_REFERENCE || a->t > MHA_DEC_MAX_TOKENS)
-        return attend_core(a, impl, n_threads, alloc, err);
-    return attend_split(a, n_threads, alloc, err);
+        return attend_core(a, impl, team, alloc, err);
+    return attend_split(a, team, alloc, err);
 }
 
 /* Ids as an array (NULL = 0 .. S-1), in caller-provided storage of S entries. */
@@ -411,9 +416,8 @@ static mha_status check_exec(const mha_exec *exec, mha_error *err) {
     MHA_RETURN_IF(exec->impl != MHA_IMPL_AUTO && exec->impl != MHA_IMPL_REFERENCE &&
                       exec->impl != MHA_IMPL_FAST,
                   err, INVALID_ARG, "exec.impl=%d is not a known implementation", (int)exec->impl);
-    MHA_RETURN_IF(exec->n_threads < 0, err, INVALID_ARG, "exec.n_threads=%d is negative",
-                  (int)exec->n_threads);
-    return MHA_STATUS_OK;
+    mha__team team;
+    return mha__exec_team(exec, &team, err);
 }
 
 mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
@@ -512,13 +516,13 @@ static mha_status project(mha_impl impl,
                           int64_t rows,
                           int64_t in,
                           int64_t out,
-                          int n_threads,
+                          mha__team team,
                           mha_error *err) {
     if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, n_threads, MHA__GEMM_AUTO,
-                             alloc, err);
+        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO, alloc,
+                             err);
     proj_job job = {x, w, bias, y, in, out};
-    return mha__parallel_for(n_threads, rows, project_rows, &job, err);
+    return mha__parallel_for(team, rows, project_rows, &job, err);
 }
 
 static mha_status layer_step(const mha_layer *layer,
@@ -574,7 +578,10 @@ static mha_status layer_step(const mha_layer *layer,
     br = sizeof(double) * (size_t)(3 * (c->rope.rotary_dim / 2) + 1);
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
-    const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+    mha__team team;
+    st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
     size_t off[6], total = 0;
     const size_t sizes[6] = {bq, bk, bv, ba, bl, br};
     for (int i = 0; i < 6; i++) {
@@ -593,13 +600,11 @@ static mha_status layer_step(const mha_layer *layer,
         len0[i] = cache->len[seq[i]];
 
     /* 1. Projections of the new tokens. */
-    st = project(impl, alloc, args->x, w->w_q, w->b_q, q, rows, c->q_dim, h * dk, n_threads, err);
+    st = project(impl, alloc, args->x, w->w_q, w->b_q, q, rows, c->q_dim, h * dk, team, err);
     if (!st)
-        st = project(impl, alloc, args->x, w->w_k, w->b_k, k, rows, c->q_dim, g * dk, n_threads,
-                     err);
+        st = project(impl, alloc, args->x, w->w_k, w->b_k, k, rows, c->q_dim, g * dk, team, err);
     if (!st)
-        st = project(impl, alloc, args->x, w->w_v, w->b_v, v, rows, c->q_dim, g * dv, n_threads,
-                     err);
+        st = project(impl, alloc, args->x, w->w_v, w->b_v, v, rows, c->q_dim, g * dv, team, err);
 
     /* 2. RoPE at the absolute positions len0 + i. */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
@@ -643,8 +648,8 @@ static mha_status layer_step(const mha_layer *layer,
 
     /* 4. Output projection. */
     if (!st)
-        st = project(impl, alloc, att, w->w_o, w->b_o, args->out, rows, h * dv, c->out_dim,
-                     n_threads, err);
+        st = project(impl, alloc, att, w->w_o, w->b_o, args->out, rows, h * dv, c->out_dim, team,
+                     err);
     if (st) /* undo the appends (only allocation can fail this late) */
         for (int64_t i = 0; i < S; i++) {
             cache->len[seq[i]] = len0[i];

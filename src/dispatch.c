@@ -192,7 +192,7 @@ static void run_part(void *ctx, int part, int64_t begin, int64_t end) {
 
 mha_status mha__kernel_run(const mha__kernel_info *k,
                            const mha__problem *p,
-                           int n_threads,
+                           mha__team team,
                            char *scratch,
                            size_t scratch_stride,
                            mha_error *err) {
@@ -214,9 +214,8 @@ mha_status mha__kernel_run(const mha__kernel_info *k,
     us.count = p->B * us.head_blocks * us.q_blocks;
     us.scratch = scratch;
     us.scratch_stride = scratch_stride;
-    if (n_threads < 1)
-        n_threads = 1;
-    us.parts = (int64_t)n_threads < us.count ? n_threads : (int)us.count;
+    team = mha__team_at_most(team, us.count);
+    us.parts = team.n;
     for (int64_t u = 0; u < us.count; u++) {
         mha__fwd_unit unit;
         unit_at(&us, u, &unit);
@@ -232,5 +231,5 @@ mha_status mha__kernel_run(const mha__kernel_info *k,
         }
         return MHA_STATUS_OK;
     }
-    return mha__parallel_for(us.parts, us.parts, run_part, &us, err);
+    return mha__parallel_for(team, us.parts, run_part, &us, err);
 }

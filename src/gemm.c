@@ -168,12 +168,12 @@ static void dot_range(void *ctx, int part, int64_t c0, int64_t c1) {
  * cost more than its share of the work. */
 #define GEMM_MIN_FLOPS_PER_THREAD (1 << 22)
 
-static int clamp_threads(int n_threads, double flops) {
-    if (n_threads <= 0)
-        n_threads = mha__default_threads();
-    if (flops < (double)GEMM_MIN_FLOPS_PER_THREAD * (double)n_threads)
-        n_threads = (int)(flops / (double)GEMM_MIN_FLOPS_PER_THREAD);
-    return n_threads < 1 ? 1 : n_threads;
+static mha__team clamp_threads(mha__team team, double flops) {
+    if (team.n < 1)
+        team.n = 1;
+    if (flops < (double)GEMM_MIN_FLOPS_PER_THREAD * (double)team.n)
+        team = mha__team_at_most(team, (int64_t)(flops / (double)GEMM_MIN_FLOPS_PER_THREAD));
+    return team;
 }
 
 /* Bytes of packed W for kernel kr (plus 64 for aligning any caller buffer). */
@@ -220,7 +220,7 @@ static mha_status run(const mha__gemm_kernel *kr,
                       const float *bias,
                       float *y,
                       int64_t ldy,
-                      int n_threads,
+                      mha__team team,
                       void *workspace,
                       size_t workspace_bytes,
                       const mha_allocator *alloc,
@@ -242,10 +242,11 @@ static mha_status run(const mha__gemm_kernel *kr,
                 y[i * ldy + o] = bias ? bias[o] : 0.0f;
         return MHA_STATUS_OK;
     }
-    const int threads = clamp_threads(n_threads, 2.0 * (double)M * (double)N * (double)K);
+    const mha__team crew = clamp_threads(team, 2.0 * (double)M * (double)N * (double)K);
+    const int threads = crew.n;
     if (!pw && !x_t && !w_t && M <= MHA_GEMM_SMALL_M && kr->dot) {
         dot_job dj = {kr, M, N, K, x, w, bias, ldx, ldw, ldy, y};
-        return mha__parallel_for(threads, (N + MHA_GEMM_DOT_N - 1) / MHA_GEMM_DOT_N, dot_range, &dj,
+        return mha__parallel_for(crew, (N + MHA_GEMM_DOT_N - 1) / MHA_GEMM_DOT_N, dot_range, &dj,
                                  err);
     }
     gemm_job job;
@@ -293,10 +294,10 @@ static mha_status run(const mha__gemm_kernel *kr,
         }
         job.bpack_w = align_up(workspace);
         job.bpack = job.bpack_w;
-        st = mha__parallel_for(threads, job.npan, pack_w_range, &job, err);
+        st = mha__parallel_for(crew, job.npan, pack_w_range, &job, err);
     }
     if (st == MHA_STATUS_OK)
-        st = mha__parallel_for(threads, (int64_t)job.grid_m * job.grid_n, compute_part, &job, err);
+        st = mha__parallel_for(crew, (int64_t)job.grid_m * job.grid_n, compute_part, &job, err);
     mha__free(alloc, owned);
     return st;
 }
@@ -327,10 +328,10 @@ mha_status mha__gemm_run(const mha__gemm_kernel *kr,
                          const float *bias,
                          float *y,
                          int64_t ldy,
-                         int n_threads,
+                         mha__team team,
                          const mha_allocator *alloc,
                          mha_error *err) {
-    return run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, n_threads, NULL, 0,
+    return run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, team, NULL, 0,
                alloc, err);
 }
 
@@ -344,7 +345,7 @@ mha_status mha__gemm_xwt_ws(int64_t M,
                             const float *bias,
                             float *y,
                             int64_t ldy,
-                            int n_threads,
+                            mha__team team,
                             mha__gemm_isa isa,
                             void *workspace,
                             size_t workspace_bytes,
@@ -353,7 +354,7 @@ mha_status mha__gemm_xwt_ws(int64_t M,
     const mha__gemm_kernel *kr = NULL;
     mha_status st = resolve_kernel(isa, &kr, err);
     return st ? st
-              : run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, n_threads,
+              : run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, team,
                     workspace, workspace_bytes, alloc, err);
 }
 
@@ -367,12 +368,11 @@ mha_status mha__gemm_xwt(int64_t M,
                          const float *bias,
                          float *y,
                          int64_t ldy,
-                         int n_threads,
+                         mha__team team,
                          mha__gemm_isa isa,
                          const mha_allocator *alloc,
                          mha_error *err) {
-    return mha__gemm_xwt_ws(M, N, K, x, ldx, w, ldw, bias, y, ldy, n_threads, isa, NULL, 0, alloc,
-                            err);
+    return mha__gemm_xwt_ws(M, N, K, x, ldx, w, ldw, bias, y, ldy, team, isa, NULL, 0, alloc, err);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -395,7 +395,7 @@ mha_status mha__gemm_pack_w(mha__gemm_isa isa,
                             int64_t ldw,
                             void *buffer,
                             size_t bytes,
-                            int n_threads,
+                            mha__team team,
                             mha__gemm_packed_w *out,
                             mha_error *err) {
     size_t need;
@@ -413,9 +413,9 @@ mha_status mha__gemm_pack_w(mha__gemm_isa isa,
     job.ldw = ldw;
     job.npan = (N + job.kr->nr - 1) / job.kr->nr;
     job.bpack_w = align_up(buffer);
-    const int threads = clamp_threads(n_threads, (double)N * (double)K);
+    const mha__team crew = clamp_threads(team, (double)N * (double)K);
     if (N > 0 && K > 0)
-        st = mha__parallel_for(threads, job.npan, pack_w_range, &job, err);
+        st = mha__parallel_for(crew, job.npan, pack_w_range, &job, err);
     out->kr = job.kr;
     out->N = N;
     out->K = K;
@@ -430,11 +430,11 @@ mha_status mha__gemm_xwt_packed(int64_t M,
                                 const float *bias,
                                 float *y,
                                 int64_t ldy,
-                                int n_threads,
+                                mha__team team,
                                 mha_error *err) {
     MHA_RETURN_IF(!pw || !pw->kr, err, INVALID_ARG, "gemm: no packed W");
-    return run(pw->kr, M, pw->N, pw->K, x, ldx, NULL, 0, MHA__GEMM_OP_N, pw, bias, y, ldy,
-               n_threads, NULL, 0, NULL, err);
+    return run(pw->kr, M, pw->N, pw->K, x, ldx, NULL, 0, MHA__GEMM_OP_N, pw, bias, y, ldy, team,
+               NULL, 0, NULL, err);
 }
 
 mha_status mha__gemm_op_run(mha__gemm_op op,
@@ -447,13 +447,12 @@ mha_status mha__gemm_op_run(mha__gemm_op op,
                             int64_t ldw,
                             float *y,
                             int64_t ldy,
-                            int n_threads,
+                            mha__team team,
                             mha__gemm_isa isa,
                             const mha_allocator *alloc,
                             mha_error *err) {
     const mha__gemm_kernel *kr = NULL;
     mha_status st = resolve_kernel(isa, &kr, err);
     return st ? st
-              : run(kr, M, N, K, x, ldx, w, ldw, op, NULL, NULL, y, ldy, n_threads, NULL, 0, alloc,
-                    err);
+              : run(kr, M, N, K, x, ldx, w, ldw, op, NULL, NULL, y, ldy, team, NULL, 0, alloc, err);
 }

@@ -203,11 +203,28 @@ void mha__rope_cos_sin(const mha_rope *resolved,
 /* Rotates one head vector x[0..D) in place with the pairs' cos/sin (pairing from the style). */
 void mha__rope_rotate(const mha_rope *resolved, const double *cos_k, const double *sin_k, float *x);
 
-/* Simple fork-join over [0, count): fn(ctx, part, begin, end) on up to n_threads pthreads; part
- * (0 .. n_threads-1) identifies the contiguous sub-range, e.g. to pick per-thread scratch. */
+/* The threads a call may use (threads.c): up to n (>= 1), from `pool` when it is not NULL,
+ * otherwise started per parallel region. */
+typedef struct mha__team {
+    int n;
+    mha_threadpool *pool;
+} mha__team;
+/* The one resolution of exec's threads: exec->n_threads (0 = the pool's size, or every online
+ * CPU without a pool), at most the pool's size; negative n_threads is INVALID_ARG. */
+mha_status mha__exec_team(const mha_exec *exec, mha__team *team, mha_error *err);
+/* n threads started per region, no pool (tests, benchmarks). */
+static inline mha__team mha__team_of(int n) {
+    mha__team t = {n < 1 ? 1 : n, NULL};
+    return t;
+}
+/* The same team limited to n threads (at least 1). */
+mha__team mha__team_at_most(mha__team team, int64_t n);
+/* Fork-join over [0, count): fn(ctx, part, begin, end) on up to team.n threads; part
+ * (0 .. parts-1) identifies the contiguous sub-range, e.g. to pick per-thread scratch. The split
+ * depends only on count and the number of parts. */
 typedef void (*mha__range_fn)(void *ctx, int part, int64_t begin, int64_t end);
 mha_status
-mha__parallel_for(int n_threads, int64_t count, mha__range_fn fn, void *ctx, mha_error *err);
+mha__parallel_for(mha__team team, int64_t count, mha__range_fn fn, void *ctx, mha_error *err);
 int mha__default_threads(void);
 
 /* Validates public core args into a problem. `scratch` must hold mha__problem_scratch_floats()

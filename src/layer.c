@@ -414,15 +414,15 @@ static mha_status project(mha_impl impl,
                           int64_t rows,
                           int64_t in,
                           int64_t out,
-                          int n_threads,
+                          mha__team team,
                           void *pack,
                           size_t pack_bytes,
                           mha_error *err) {
     if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt_ws(rows, out, in, x, in, w, in, bias, y, out, n_threads,
-                                MHA__GEMM_AUTO, pack, pack_bytes, alloc, err);
+        return mha__gemm_xwt_ws(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO,
+                                pack, pack_bytes, alloc, err);
     proj_job job = {x, w, bias, y, in, out};
-    return mha__parallel_for(n_threads, rows, project_rows, &job, err);
+    return mha__parallel_for(team, rows, project_rows, &job, err);
 }
 
 /* RoPE over a [B, L, heads, d] buffer, positions [B, L] (NULL = 0..L-1). */
@@ -479,7 +479,12 @@ mha_status mha_layer_forward(const mha_layer *layer,
     }
     float *q = (float *)(ws + l.q_off), *k = (float *)(ws + l.k_off);
     float *v = (float *)(ws + l.v_off), *att = (float *)(ws + l.a_off);
-    const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
+    mha__team team;
+    st = mha__exec_team(exec, &team, err);
+    if (st) {
+        mha__free(alloc, owned);
+        return st;
+    }
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
 
     const float *xk = self ? args->query : args->key;
@@ -488,13 +493,13 @@ mha_status mha_layer_forward(const mha_layer *layer,
      * memory after the core has written args->probs. */
     void *pack = ws + l.pack_off;
     st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim,
-                 n_threads, pack, l.pack_bytes, err);
+                 team, pack, l.pack_bytes, err);
     if (!st)
-        st = project(impl, alloc, xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim,
-                     n_threads, pack, l.pack_bytes, err);
+        st = project(impl, alloc, xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim, team,
+                     pack, l.pack_bytes, err);
     if (!st)
-        st = project(impl, alloc, xv, w->w_v, w->b_v, v, B * m, c->v_dim, g * c->v_head_dim,
-                     n_threads, pack, l.pack_bytes, err);
+        st = project(impl, alloc, xv, w->w_v, w->b_v, v, B * m, c->v_dim, g * c->v_head_dim, team,
+                     pack, l.pack_bytes, err);
 
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
@@ -514,7 +519,7 @@ mha_status mha_layer_forward(const mha_layer *layer,
     }
     if (!st)
         st = project(impl, alloc, att, w->w_o, w->b_o, args->out, B * n, h * c->v_head_dim,
-                     c->out_dim, n_threads, pack, l.pack_bytes, err);
+                     c->out_dim, team, pack, l.pack_bytes, err);
     mha__free(alloc, owned);
     if (!st)
         mha__ok(err);

@@ -114,13 +114,13 @@ static mha_status xwt(mha_impl impl,
                       int64_t rows,
                       int64_t in,
                       int64_t out,
-                      int n_threads,
+                      mha__team team,
                       mha_error *err) {
     if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, n_threads, MHA__GEMM_AUTO,
-                             alloc, err);
+        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO, alloc,
+                             err);
     xwt_job job = {x, w, bias, y, in, out};
-    return mha__parallel_for(n_threads, rows, xwt_rows, &job, err);
+    return mha__parallel_for(team, rows, xwt_rows, &job, err);
 }
 
 /* t[c, r] = x[r, c]: x [rows, cols] -> t [cols, rows]. */
@@ -197,6 +197,10 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     size_t bytes;
     MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &bytes), err, OVERFLOW,
                   "training state size overflows");
+    mha__team team;
+    st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     mha_train_state *s = mha__alloc(alloc, sizeof *s);
     MHA_RETURN_IF(!s, err, NO_MEMORY, "cannot allocate the training state");
@@ -222,16 +226,14 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     s->a = s->v + cnt[2];
     s->lse = s->a + cnt[3];
 
-    const int n_threads = (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads();
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
     const float *xk = self ? args->query : args->key;
     const float *xv = self ? args->query : (args->value ? args->value : args->key);
-    st = xwt(impl, alloc, args->query, w->w_q, w->b_q, s->q, B * n, c->q_dim, h * dk, n_threads,
-             err);
+    st = xwt(impl, alloc, args->query, w->w_q, w->b_q, s->q, B * n, c->q_dim, h * dk, team, err);
     if (!st)
-        st = xwt(impl, alloc, xk, w->w_k, w->b_k, s->k, B * m, c->k_dim, g * dk, n_threads, err);
+        st = xwt(impl, alloc, xk, w->w_k, w->b_k, s->k, B * m, c->k_dim, g * dk, team, err);
     if (!st)
-        st = xwt(impl, alloc, xv, w->w_v, w->b_v, s->v, B * m, c->v_dim, g * dv, n_threads, err);
+        st = xwt(impl, alloc, xv, w->w_v, w->b_v, s->v, B * m, c->v_dim, g * dv, team, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
@@ -248,8 +250,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         st = mha_attention(&core, &ce, err);
     }
     if (!st)
-        st = xwt(impl, alloc, s->a, w->w_o, w->b_o, args->out, B * n, h * dv, c->out_dim, n_threads,
-                 err);
+        st =
+            xwt(impl, alloc, s->a, w->w_o, w->b_o, args->out, B * n, h * dv, c->out_dim, team, err);
     if (st) {
         mha_train_state_destroy(s);
         return st;
@@ -266,7 +268,7 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
 typedef struct bwd_ctx {
     mha_impl impl;
     const mha_allocator *alloc;
-    int n_threads;
+    mha__team team;
     int accumulate;
     float *tmp1, *tmp2; /* transposes (impl=reference), each >= max(rows, weight) elements */
 } bwd_ctx;
@@ -290,10 +292,10 @@ static mha_status mm_ab(const bwd_ctx *x,
                         float *tmp,
                         mha_error *err) {
     if (x->impl != MHA_IMPL_REFERENCE) /* B read in place as a transposed W */
-        return mha__gemm_op_run(MHA__GEMM_W_T, M, N, K, A, K, Bm, N, C, N, x->n_threads,
-                                MHA__GEMM_AUTO, x->alloc, err);
+        return mha__gemm_op_run(MHA__GEMM_W_T, M, N, K, A, K, Bm, N, C, N, x->team, MHA__GEMM_AUTO,
+                                x->alloc, err);
     transpose(Bm, tmp, K, N); /* tmp [N, K] */
-    return xwt(x->impl, x->alloc, A, tmp, NULL, C, M, K, N, x->n_threads, err);
+    return xwt(x->impl, x->alloc, A, tmp, NULL, C, M, K, N, x->team, err);
 }
 
 /* C[M, N] = A[K, M]^T B[K, N]. */
@@ -307,10 +309,10 @@ static mha_status mm_atb(const bwd_ctx *x,
                          mha_error *err) {
     if (x->impl != MHA_IMPL_REFERENCE) /* both read in place */
         return mha__gemm_op_run((mha__gemm_op)(MHA__GEMM_X_T | MHA__GEMM_W_T), M, N, K, A, M, Bm, N,
-                                C, N, x->n_threads, MHA__GEMM_AUTO, x->alloc, err);
+                                C, N, x->team, MHA__GEMM_AUTO, x->alloc, err);
     transpose(A, x->tmp1, K, M);  /* [M, K] */
     transpose(Bm, x->tmp2, K, N); /* [N, K] */
-    return xwt(x->impl, x->alloc, x->tmp1, x->tmp2, NULL, C, M, K, N, x->n_threads, err);
+    return xwt(x->impl, x->alloc, x->tmp1, x->tmp2, NULL, C, M, K, N, x->team, err);
 }
 
 static void col_sums(const float *x, int64_t rows, int64_t cols, float *out) {
@@ -403,6 +405,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
     size_t bytes;
     MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &bytes), err, OVERFLOW,
                   "backward scratch overflows");
+    mha__team team;
+    mha_status st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     float *buf = mha__alloc(alloc, bytes);
     MHA_RETURN_IF(!buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch", bytes);
@@ -415,12 +421,7 @@ mha_status mha_layer_backward(const mha_layer *layer,
         }
     }
     float *dA = p[0], *dQ = p[1], *dK = p[2], *dV = p[3], *dxq = p[4], *dxk = p[5], *dxv = p[6];
-    bwd_ctx x = {impl,
-                 alloc,
-                 (exec && exec->n_threads > 0) ? exec->n_threads : mha__default_threads(),
-                 gr->accumulate != 0,
-                 p[7],
-                 p[8]};
+    bwd_ctx x = {impl, alloc, team, gr->accumulate != 0, p[7], p[8]};
     float *wbuf = p[9];
 
     /* The core backward is validated first (it checks the masks, dropout, lse): on its error no
@@ -429,7 +430,7 @@ mha_status mha_layer_backward(const mha_layer *layer,
     core_args(layer, a, m, s->q, s->k, s->v, s->a, s->lse, &core);
     core.probs = NULL;
     /* "y = A W_o^T + b_o": dA = dy W_o. */
-    mha_status st = mm_ab(&x, dy, w->w_o, dA, rq, h * dv, od, x.tmp1, err);
+    st = mm_ab(&x, dy, w->w_o, dA, rq, h * dv, od, x.tmp1, err);
     float *dsinks = NULL;
     if (!st) {
         mha_attention_grads cg;

@@ -216,16 +216,16 @@ static void test_forward_errors(void) {
     b = a, b.mask.q_segment_ids = seg;
     expect(mha_layer_forward(L, &b, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "together",
            "one segment array");
-    mha_exec ex = {(mha_impl)8, 1, NULL, 0, NULL};
+    mha_exec ex = {(mha_impl)8, 1, NULL, 0, NULL, NULL};
     expect(mha_layer_forward(L, &a, &ex, &err), &err, MHA_STATUS_INVALID_ARG, "impl=8",
            "unknown impl");
     char small[16];
-    ex = (mha_exec){MHA_IMPL_AUTO, 1, small, sizeof small, NULL};
+    ex = (mha_exec){MHA_IMPL_AUTO, 1, small, sizeof small, NULL, NULL};
     expect(mha_layer_forward(L, &a, &ex, &err), &err, MHA_STATUS_WORKSPACE_TOO_SMALL,
            "workspace_bytes=16", "workspace too small");
     int budget = 0;
     mha_allocator failing = {&budget, failing_alloc, plain_free};
-    ex = (mha_exec){MHA_IMPL_AUTO, 1, NULL, 0, &failing};
+    ex = (mha_exec){MHA_IMPL_AUTO, 1, NULL, 0, &failing, NULL};
     expect(mha_layer_forward(L, &a, &ex, &err), &err, MHA_STATUS_NO_MEMORY, "allocate",
            "allocation failure");
 
@@ -238,7 +238,7 @@ static void test_forward_errors(void) {
     size_t need = 0;
     CHECK_OK(mha_layer_forward_workspace_size(L, &a, NULL, &need, &err), &err);
     char *ws = malloc(need);
-    ex = (mha_exec){MHA_IMPL_REFERENCE, 1, ws, need, NULL};
+    ex = (mha_exec){MHA_IMPL_REFERENCE, 1, ws, need, NULL, NULL};
     CHECK_OK(mha_layer_forward(L, &a, &ex, &err), &err);
     free(ws);
     CHECK_OK(mha_layer_forward_supported(L, &a, NULL, &err), &err);
@@ -295,7 +295,7 @@ static void test_attention_errors(void) {
     {
         int none = 0;
         mha_allocator no_memory = {&none, failing_alloc, plain_free};
-        mha_exec ref = {MHA_IMPL_REFERENCE, 1, NULL, 0, &no_memory};
+        mha_exec ref = {MHA_IMPL_REFERENCE, 1, NULL, 0, &no_memory, NULL};
         b = a, b.v_head_dim = ((int64_t)1 << 31) + 1;
         expect(mha_attention(&b, &ref, &err), &err, MHA_STATUS_INVALID_ARG,
                "v_head_dim=", "huge v_head_dim refused before allocating");
@@ -310,7 +310,7 @@ static void test_attention_errors(void) {
         memset(&gr, 0, sizeof gr);
         gr.dout = q, gr.dq = dq, gr.dk = dq, gr.dv = dq;
         b = a, b.lse = lse, b.q_len = (int64_t)1 << 40;
-        mha_exec fast = {MHA_IMPL_AUTO, 1, NULL, 0, &no_memory};
+        mha_exec fast = {MHA_IMPL_AUTO, 1, NULL, 0, &no_memory, NULL};
         expect(mha_attention_backward(&b, &gr, &fast, &err), &err, MHA_STATUS_INVALID_ARG,
                "q_len=", "huge q_len refused by the backward before allocating");
         expect(mha_attention_backward_workspace_size(&b, &gr, &fast, &bytes, &err), &err,
@@ -362,7 +362,7 @@ static void test_workspace_alignment(void) {
     CHECK_OK(mha_layer_forward(L, &a, NULL, &err), &err);
     int budget = 0;
     mha_allocator failing = {&budget, failing_alloc, plain_free};
-    mha_exec ex = {MHA_IMPL_AUTO, 2, NULL, 0, &failing};
+    mha_exec ex = {MHA_IMPL_AUTO, 2, NULL, 0, &failing, NULL};
     size_t need = 0;
     CHECK_OK(mha_layer_forward_workspace_size(L, &a, &ex, &need, &err), &err);
     char *buf = malloc(need + 64);
@@ -397,7 +397,7 @@ static void test_workspace_alignment(void) {
     memcpy(g.dk_strides, s, sizeof s), memcpy(g.dv_strides, s, sizeof s);
     CHECK_OK(mha_attention_backward(&at, &g, NULL, &err), &err);
     size_t need_f = 0, need_b = 0;
-    ex = (mha_exec){MHA_IMPL_AUTO, 2, NULL, 0, &failing};
+    ex = (mha_exec){MHA_IMPL_AUTO, 2, NULL, 0, &failing, NULL};
     CHECK_OK(mha_attention_workspace_size(&at, &ex, &need_f, &err), &err);
     CHECK_OK(mha_attention_backward_workspace_size(&at, &g, &ex, &need_b, &err), &err);
     buf = malloc((need_f > need_b ? need_f : need_b) + 64);

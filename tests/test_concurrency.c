@@ -60,7 +60,7 @@ static mha_status forward(job *j, float *y, float *p, mha_error *err) {
         a.q_positions = j->pos;
         a.mask.causal = 1;
     }
-    mha_exec ex = {j->impl, 1, NULL, 0, NULL};
+    mha_exec ex = {j->impl, 1, NULL, 0, NULL, NULL};
     return mha_layer_forward(j->layer, &a, &ex, err);
 }
 
@@ -173,7 +173,7 @@ static mha_status core_run(core_job *j, float *out, int n_threads, mha_error *er
     a.dropout.p = 0.25f;
     a.dropout.training = 1;
     a.dropout.seed = 99;
-    mha_exec ex = {j->impl, n_threads, NULL, 0, NULL};
+    mha_exec ex = {j->impl, n_threads, NULL, 0, NULL, NULL};
     return mha_attention(&a, &ex, err);
 }
 
@@ -241,7 +241,7 @@ static void *load_thread(void *arg) {
         a.q_len = 3;
         a.query = x;
         a.out = y;
-        mha_exec ex = {MHA_IMPL_REFERENCE, 1, NULL, 0, NULL};
+        mha_exec ex = {MHA_IMPL_REFERENCE, 1, NULL, 0, NULL, NULL};
         mha_layer_forward(L, &a, &ex, &err);
         mha_layer_destroy(L);
     }

@@ -160,7 +160,7 @@ static void case_check(core_case *c, mha_impl impl, int threads, const char *lab
     const mha_attention_args *a = &c->a;
     const int64_t B = a->batch, H = a->num_heads, n = a->q_len, m = a->kv_len;
     const int64_t dv = a->v_head_dim;
-    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err;
     mha_status st = mha_attention(a, &ex, &err);
     CHECK(st == MHA_STATUS_OK, "%s: mha_attention: %s", label, err.message);
@@ -312,7 +312,7 @@ static void test_thread_determinism(void) {
     float *first = malloc(bytes);
     mha_error err;
     for (int t = 1; t <= 3; t++) {
-        mha_exec ex = {MHA_IMPL_AUTO, t, NULL, 0, NULL};
+        mha_exec ex = {MHA_IMPL_AUTO, t, NULL, 0, NULL, NULL};
         CHECK_OK(mha_attention(&c.a, &ex, &err), &err);
         if (t == 1)
             memcpy(first, c.out, bytes);
@@ -424,7 +424,7 @@ static void cs336_sdpa(const char *dir, int four_d) {
     a.mask.bool_mask = (mha_mask_tensor){M.data, MHA_DTYPE_U8, 4, {B, H, n, m}};
     const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
     for (int t = 0; t < 2; t++) {
-        mha_exec ex = {impls[t], 0, NULL, 0, NULL};
+        mha_exec ex = {impls[t], 0, NULL, 0, NULL, NULL};
         mha_error err;
         CHECK_OK(mha_attention(&a, &ex, &err), &err);
         char what[128];

@@ -140,7 +140,7 @@ static double run_compare(const char *name, const prob *p, mha_impl impl, double
     for (int64_t i = 0; i < no; i++)
         out[i] = NAN;
     mha_attention_args a = prob_args(p, out, lse);
-    mha_exec ex = {impl, 1, NULL, 0, NULL};
+    mha_exec ex = {impl, 1, NULL, 0, NULL, NULL};
     mha_error err;
     mha_status st = mha_attention(&a, &ex, &err);
     CHECK(st == MHA_STATUS_OK, "%s impl=%d: %s", name, (int)impl, err.message);
@@ -465,14 +465,14 @@ static void test_alloc_failure(void) {
     a.mask.causal = 1;
     const mha_impl impls[] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
     for (int im = 0; im < 2; im++) {
-        mha_exec ex0 = {impls[im], 1, NULL, 0, NULL};
+        mha_exec ex0 = {impls[im], 1, NULL, 0, NULL, NULL};
         a.out = ref;
         a.probs = NULL;
         CHECK_OK(mha_layer_forward(L, &a, &ex0, &err), &err);
         for (k = 0;; k++) {
             failing fa = {0, 0, k};
             mha_allocator al = {&fa, failing_alloc, failing_free};
-            mha_exec ex = {impls[im], 1 + (int32_t)(k % 2), NULL, 0, &al};
+            mha_exec ex = {impls[im], 1 + (int32_t)(k % 2), NULL, 0, &al, NULL};
             for (int i = 0; i < B * N * F; i++)
                 y[i] = -7.0f;
             for (int i = 0; i < B * 4 * N * N; i++)

@@ -86,8 +86,8 @@ static void run_case(test_rng *rng,
         float *yb = alloc_canary(ny);
         float *y = yb + GUARD;
         mha_error err = {0};
-        mha_status st =
-            mha__gemm_xwt(M, N, K, x, ldx, w, K, b, y, ldy, threads[c], isa, NULL, &err);
+        mha_status st = mha__gemm_xwt(M, N, K, x, ldx, w, K, b, y, ldy, mha__team_of(threads[c]),
+                                      isa, NULL, &err);
         CHECK(st == MHA_STATUS_OK, "gemm %s %lldx%lldx%lld: %s", iname, (long long)M, (long long)N,
               (long long)K, err.message);
         /* Guards and the stride gaps (columns N .. ldy-1) untouched. */
@@ -183,9 +183,9 @@ static void test_transposed_operands(test_rng *rng) {
             float *xp = calloc((size_t)(Mp * K), sizeof(float));
             float *yp = malloc(sizeof(float) * Mp * N);
             memcpy(xp, x, sizeof(float) * M * K);
-            CHECK_OK(
-                mha__gemm_op_run(MHA__GEMM_OP_N, Mp, N, K, xp, K, w, K, yp, N, 1, isa, NULL, &err),
-                &err);
+            CHECK_OK(mha__gemm_op_run(MHA__GEMM_OP_N, Mp, N, K, xp, K, w, K, yp, N, mha__team_of(1),
+                                      isa, NULL, &err),
+                     &err);
             memcpy(y0, yp, sizeof(float) * M * N);
             free(xp), free(yp);
             const int ops[3] = {MHA__GEMM_X_T, MHA__GEMM_W_T, MHA__GEMM_X_T | MHA__GEMM_W_T};
@@ -195,7 +195,7 @@ static void test_transposed_operands(test_rng *rng) {
                     memset(y1, 0, sizeof(float) * M * N);
                     CHECK_OK(mha__gemm_op_run((mha__gemm_op)ops[o], M, N, K, xt_on ? xt : x,
                                               xt_on ? M : K, wt_on ? wt : w, wt_on ? N : K, y1, N,
-                                              t, isa, NULL, &err),
+                                              mha__team_of(t), isa, NULL, &err),
                              &err);
                     int same = 1;
                     for (int64_t i = 0; i < M * N; i++)
@@ -293,9 +293,11 @@ int main(void) {
         test_fill_normal(&rng, x, M * K, 1.0f);
         test_fill_normal(&rng, w, N * K, 1.0f);
         mha_error err = {0};
-        CHECK_OK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, 1, MHA__GEMM_AUTO, NULL, &err),
+        CHECK_OK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, mha__team_of(1), MHA__GEMM_AUTO,
+                               NULL, &err),
                  &err);
-        CHECK_OK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y2, N, 2, best, NULL, &err), &err);
+        CHECK_OK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y2, N, mha__team_of(2), best, NULL, &err),
+                 &err);
         CHECK(memcmp(y1, y2, sizeof(float) * M * N) == 0, "AUTO differs from %s", best->name);
         /* Caller-provided packing buffer (deliberately misaligned): same bits; too small is
          * refused before anything is written. */
@@ -305,13 +307,13 @@ int main(void) {
               (long long)K);
         char *ws = malloc(need + 4);
         float *y3 = malloc(sizeof(float) * M * N);
-        CHECK_OK(mha__gemm_xwt_ws(M, N, K, x, K, w, K, NULL, y3, N, 2, MHA__GEMM_AUTO, ws + 4, need,
-                                  NULL, &err),
+        CHECK_OK(mha__gemm_xwt_ws(M, N, K, x, K, w, K, NULL, y3, N, mha__team_of(2), MHA__GEMM_AUTO,
+                                  ws + 4, need, NULL, &err),
                  &err);
         CHECK(memcmp(y1, y3, sizeof(float) * M * N) == 0, "workspace variant differs");
         memset(y3, 0, sizeof(float) * M * N);
-        CHECK(mha__gemm_xwt_ws(M, N, K, x, K, w, K, NULL, y3, N, 2, MHA__GEMM_AUTO, ws, need - 1,
-                               NULL, &err) == MHA_STATUS_WORKSPACE_TOO_SMALL,
+        CHECK(mha__gemm_xwt_ws(M, N, K, x, K, w, K, NULL, y3, N, mha__team_of(2), MHA__GEMM_AUTO,
+                               ws, need - 1, NULL, &err) == MHA_STATUS_WORKSPACE_TOO_SMALL,
               "a workspace one byte short must be refused");
         int untouched = 1;
         for (int64_t i = 0; i < M * N; i++)
@@ -322,13 +324,15 @@ int main(void) {
         CHECK_OK(mha__gemm_pack_w_size(MHA__GEMM_AUTO, N, K, &pbytes, &err), &err);
         char *pbuf = malloc(pbytes);
         mha__gemm_packed_w pw;
-        CHECK(mha__gemm_pack_w(MHA__GEMM_AUTO, N, K, w, K, pbuf, pbytes - 1, 1, &pw, &err) ==
-                  MHA_STATUS_WORKSPACE_TOO_SMALL,
+        CHECK(mha__gemm_pack_w(MHA__GEMM_AUTO, N, K, w, K, pbuf, pbytes - 1, mha__team_of(1), &pw,
+                               &err) == MHA_STATUS_WORKSPACE_TOO_SMALL,
               "a packed-W buffer one byte short must be refused");
-        CHECK_OK(mha__gemm_pack_w(MHA__GEMM_AUTO, N, K, w, K, pbuf, pbytes, 2, &pw, &err), &err);
+        CHECK_OK(
+            mha__gemm_pack_w(MHA__GEMM_AUTO, N, K, w, K, pbuf, pbytes, mha__team_of(2), &pw, &err),
+            &err);
         for (int t = 1; t <= 3; t += 2) {
             memset(y3, 0, sizeof(float) * M * N);
-            CHECK_OK(mha__gemm_xwt_packed(M, x, K, &pw, NULL, y3, N, t, &err), &err);
+            CHECK_OK(mha__gemm_xwt_packed(M, x, K, &pw, NULL, y3, N, mha__team_of(t), &err), &err);
             CHECK(memcmp(y1, y3, sizeof(float) * M * N) == 0,
                   "pre-packed W with %d threads differs", t);
         }
@@ -336,17 +340,17 @@ int main(void) {
         free(ws);
         free(y3);
         /* Bad arguments are refused, not crashed on. */
-        CHECK(mha__gemm_xwt(-1, N, K, x, K, w, K, NULL, y1, N, 1, MHA__GEMM_AUTO, NULL, &err) ==
-                  MHA_STATUS_INVALID_ARG,
+        CHECK(mha__gemm_xwt(-1, N, K, x, K, w, K, NULL, y1, N, mha__team_of(1), MHA__GEMM_AUTO,
+                            NULL, &err) == MHA_STATUS_INVALID_ARG,
               "negative M must be refused");
-        CHECK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, 1,
+        CHECK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, mha__team_of(1),
                             mha__registry_reference(MHA__OP_fwd), NULL,
                             &err) == MHA_STATUS_INVALID_ARG,
               "a registry line that is not a GEMM kernel must be refused");
         for (int t = 0; gemm_tier(t); t++)
             if (!mha__kernel_usable(gemm_tier(t), 1))
-                CHECK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, 1, gemm_tier(t), NULL,
-                                    &err) == MHA_STATUS_UNSUPPORTED &&
+                CHECK(mha__gemm_xwt(M, N, K, x, K, w, K, NULL, y1, N, mha__team_of(1), gemm_tier(t),
+                                    NULL, &err) == MHA_STATUS_UNSUPPORTED &&
                           strstr(err.message, gemm_tier(t)->name),
                       "a tier this CPU lacks must be refused by name");
         free(x);

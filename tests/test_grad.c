@@ -338,7 +338,7 @@ static mha_status run_core_bwd_k(const built *c,
     memcpy(gr.dv_strides, a.v_strides, sizeof gr.dv_strides);
     gr.dsinks = c->sinks ? g->ds : NULL;
     gr.accumulate = accumulate;
-    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err = {0};
     mha_status st = mha__attention_backward_run(&a, &gr, &ex, kernel, name, &err);
     CHECK(st == MHA_STATUS_OK, "[%s] backward: %s", s->name, err.message);
@@ -385,7 +385,7 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
     float *lse = malloc(sizeof(float) * (size_t)(B * H * n));
     mha_attention_args a;
     core_args(&c, out, lse, &a);
-    mha_exec fx = {MHA_IMPL_REFERENCE, 1, NULL, 0, NULL};
+    mha_exec fx = {MHA_IMPL_REFERENCE, 1, NULL, 0, NULL, NULL};
     mha_error err = {0};
     CHECK_OK(mha_attention(&a, &fx, &err), &err);
     /* Oracle on the same float inputs. */
@@ -736,7 +736,7 @@ static int lib_layer(const lbuilt *c, mha_impl impl, int threads, int accumulate
     a.batch = s->B, a.q_len = s->n, a.kv_len = m, a.query = c->xq, a.key = c->xk;
     a.value = c->xv, a.q_positions = c->qpos, a.k_positions = c->kpos, a.mask = c->mask;
     a.dropout = c->drop, a.out = y;
-    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err = {0};
     mha_train_state *st = NULL;
     mha_status rc = mha_layer_forward_train(c->layer, &a, &ex, &st, &err);
@@ -898,9 +898,9 @@ static void test_errors(void) {
     CHECK(mha_attention_backward(&a, &gr, NULL, &err) == MHA_STATUS_INVALID_ARG, "h %% g: %s",
           err.message);
     a.num_kv_heads = s->G;
-    mha_exec bad = {(mha_impl)7, 1, NULL, 0, NULL};
+    mha_exec bad = {(mha_impl)7, 1, NULL, 0, NULL, NULL};
     CHECK(mha_attention_backward(&a, &gr, &bad, &err) == MHA_STATUS_INVALID_ARG, "bad impl");
-    mha_exec small = {MHA_IMPL_AUTO, 1, out, 8, NULL};
+    mha_exec small = {MHA_IMPL_AUTO, 1, out, 8, NULL, NULL};
     CHECK(mha_attention_backward(&a, &gr, &small, &err) == MHA_STATUS_WORKSPACE_TOO_SMALL,
           "small workspace: %s", err.message);
     size_t bytes = 0;
@@ -1048,7 +1048,7 @@ train_run(mha_impl impl, int steps, double *final_loss, float *params_out, int64
         mha_forward_args a;
         memset(&a, 0, sizeof a);
         a.batch = TB, a.q_len = TT, a.query = x, a.out = y, a.mask.causal = 1;
-        mha_exec ex = {impl, 2, NULL, 0, NULL};
+        mha_exec ex = {impl, 2, NULL, 0, NULL, NULL};
         mha_train_state *st = NULL;
         if (mha_layer_forward_train(layer, &a, &ex, &st, &err)) {
             CHECK(0, "train: forward: %s", err.message);
@@ -1171,7 +1171,7 @@ static void test_hidden_nonfinite_key(void) {
     a.mask.key_padding = (mha_mask_tensor){pad, MHA_DTYPE_U8, 1, {M}};
     mha_error err = {0};
     static float want[3][M * D], got[3][M * D];
-    mha_exec ex = {MHA_IMPL_REFERENCE, 1, NULL, 0, NULL};
+    mha_exec ex = {MHA_IMPL_REFERENCE, 1, NULL, 0, NULL, NULL};
     mha_attention_grads gr;
     memset(&gr, 0, sizeof gr);
     gr.dout = dout;

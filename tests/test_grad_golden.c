@@ -322,7 +322,7 @@ static void run_case(const char *golden, const char *grad_root, const char *name
         for (int k = 0; k < N_GRADS; k++)
             for (int64_t e = 0; e < counts[k]; e++)
                 res[k][e] = NAN;
-        mha_exec ex = {impls[w], 0, NULL, 0, NULL};
+        mha_exec ex = {impls[w], 0, NULL, 0, NULL, NULL};
         mha_error err = {0};
         mha_train_state *st = NULL;
         mha_status rc = mha_layer_forward_train(c.layer, &a, &ex, &st, &err);

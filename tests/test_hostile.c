@@ -246,7 +246,7 @@ static void test_window_int64_max(void) {
                     /* pass 0: the huge sides; pass 1: the same with huge -> -1 (unbounded) */
                     a.mask.window_left = pass && sides[s][0] > M + N ? -1 : sides[s][0];
                     a.mask.window_right = pass && sides[s][1] > M + N ? -1 : sides[s][1];
-                    mha_exec ex = {impls[im], 1, NULL, 0, NULL};
+                    mha_exec ex = {impls[im], 1, NULL, 0, NULL, NULL};
                     mha_error err;
                     CHECK_OK(mha_attention(&a, &ex, &err), &err);
                 }

@@ -428,7 +428,7 @@ run_kernel(const tcase *c, tdata *t, int index, int n_threads, const char *what,
     a->lse = r.lse.p;
     a->probs = c->probs ? r.probs.p : NULL;
     a->average_probs = c->avg_probs;
-    mha_exec ex = {MHA_IMPL_AUTO, n_threads, NULL, 0, NULL};
+    mha_exec ex = {MHA_IMPL_AUTO, n_threads, NULL, 0, NULL, NULL};
     mha_error err;
     const mha_status st = mha_experimental_attention_with_kernel(index, a, &ex, &err);
     CHECK(st == MHA_STATUS_OK, "%s threads=%d: status %s (%s) %s", what, n_threads,
@@ -1031,7 +1031,8 @@ static void test_dispatch(void) {
     memcpy(a.v_strides, ks, sizeof ks), memcpy(a.out_strides, qs, sizeof qs);
     mha_error err;
     const char *forced = getenv("MHA_KERNEL");
-    mha_exec fast = {MHA_IMPL_FAST, 1, NULL, 0, NULL}, autox = {MHA_IMPL_AUTO, 1, NULL, 0, NULL};
+    mha_exec fast = {MHA_IMPL_FAST, 1, NULL, 0, NULL, NULL},
+             autox = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
     if (!forced) {
         mha_status st = mha_attention_supported(&a, &fast, &err);
         CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "head_dim"),
@@ -1160,7 +1161,7 @@ static void bench_mode(void) {
                     memcpy(a.q_strides, s, sizeof s), memcpy(a.k_strides, s, sizeof s);
                     memcpy(a.v_strides, s, sizeof s), memcpy(a.out_strides, s, sizeof s);
                     a.mask.causal = causal;
-                    mha_exec ex = {MHA_IMPL_AUTO, th, NULL, 0, NULL};
+                    mha_exec ex = {MHA_IMPL_AUTO, th, NULL, 0, NULL, NULL};
                     mha_error err;
                     double best = HUGE_VAL;
                     for (int rep = 0; rep < 4; rep++) {

@@ -287,7 +287,7 @@ run_layer_case(const layer_case *c, mha_impl impl, int threads, hash64 *fwd, has
     float *probs = c->probs ? new_filled(c->batch * c->cfg.num_heads * c->n * in.m, 0, 0.0f) : NULL;
     a.out = out;
     a.probs = probs;
-    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err;
     if (mha_layer_forward(layer, &a, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
@@ -388,7 +388,7 @@ run_core_case(const core_case *c, mha_impl impl, int threads, hash64 *fwd, hash6
         a.mask.window_left = 40;
         a.mask.window_right = 3;
     }
-    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err;
     if (mha_attention(&a, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
@@ -463,7 +463,7 @@ static void run_decode_case(mha_dtype dtype,
     mha_error err;
     if (mha_kv_cache_create(&kc, layer, NULL, &cache, &err) != MHA_STATUS_OK)
         fail("kv cache", &err);
-    mha_exec ex = {impl, threads, NULL, 0, NULL};
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     int64_t q_dim = c.cfg.q_dim;
     float *x = new_filled(2 * 300 * q_dim, 61, 1.0f);
     float *out = new_filled(2 * 300 * q_dim, 0, 0.0f);

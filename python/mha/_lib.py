@@ -90,7 +90,7 @@ class mha_dropout(Structure):
 
 class mha_exec(Structure):
     _fields_ = [("impl", c_int), ("n_threads", c_int32), ("workspace", c_void_p),
-                ("workspace_bytes", c_size_t), ("allocator", c_void_p)]
+                ("workspace_bytes", c_size_t), ("allocator", c_void_p), ("pool", c_void_p)]
 
 
 class mha_rope(Structure):

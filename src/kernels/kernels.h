@@ -53,13 +53,13 @@ mha_status mha__kernel_select(const mha__fwd_shape *s,
                               mha_error *err);
 /* Per-thread scratch bytes kernel k needs for shape s (false on overflow). */
 bool mha__kernel_scratch_bytes(const mha__kernel_info *k, const mha__fwd_shape *s, size_t *bytes);
-/* Runs the whole problem with kernel k on n_threads threads. scratch holds n_threads blocks of
+/* Runs the whole problem with kernel k on team's threads. scratch holds team.n blocks of
  * scratch_stride bytes (>= mha__kernel_scratch_bytes). Balanced: units are assigned to threads by
  * their cost (causal/window tiles skipped), each output element is computed by one thread in an
  * order that does not depend on the thread count, so results are bit-identical for any count. */
 mha_status mha__kernel_run(const mha__kernel_info *k,
                            const mha__problem *p,
-                           int n_threads,
+                           mha__team team,
                            char *scratch,
                            size_t scratch_stride,
                            mha_error *err);
