@@ -330,6 +330,12 @@ int cli_decode_bench_main(int argc, char **argv) {
     mha_exec ex;
     memset(&ex, 0, sizeof ex);
     ex.n_threads = threads;
+    if (mha_threadpool_create(threads, NULL, &ex.pool, &err) != MHA_STATUS_OK) {
+        mha_kv_cache_destroy(cache);
+        mha_layer_destroy(layer);
+        free(wbuf);
+        return cli_lib_fail(NULL, &err);
+    }
 
     /* Prefill. */
     const int64_t chunk = 256;
@@ -451,6 +457,7 @@ int cli_decode_bench_main(int argc, char **argv) {
                    (long long)stream_mb, threads, stream, 100.0 * gbs / stream);
     }
 done:
+    mha_threadpool_destroy(ex.pool);
     free(kv);
     free(xbuf);
     free(ybuf);

@@ -875,6 +875,11 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
     int rc = CLI_OK;
     if (!s->out || !xs || !ys)
         rc = cli_fail("cannot allocate the decode buffers");
+    /* One pool for every step: a step is short, starting threads per step would show. */
+    mha_exec ex = o->exec;
+    if (rc == CLI_OK && mha_threadpool_create(ex.n_threads < 1024 ? ex.n_threads : 1024, NULL,
+                                              &ex.pool, &err) != MHA_STATUS_OK)
+        rc = cli_lib_fail(NULL, &err);
     for (int64_t t0 = 0; t0 < n && rc == CLI_OK;) {
         const int64_t t = t0 == 0 ? P : 1;
         for (int64_t b = 0; b < B; b++)
@@ -885,8 +890,8 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
         a.num_tokens = t;
         a.x = xs;
         a.out = ys;
-        mha_status st = t0 == 0 ? mha_layer_prefill(s->layer, cache, &a, &o->exec, &err)
-                                : mha_layer_decode_step(s->layer, cache, &a, &o->exec, &err);
+        mha_status st = t0 == 0 ? mha_layer_prefill(s->layer, cache, &a, &ex, &err)
+                                : mha_layer_decode_step(s->layer, cache, &a, &ex, &err);
         if (st != MHA_STATUS_OK) {
             rc = cli_lib_fail(NULL, &err);
             break;
@@ -895,6 +900,7 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
             memcpy(s->out + (b * n + t0) * od, ys + b * t * od, sizeof(float) * (size_t)(t * od));
         t0 += t;
     }
+    mha_threadpool_destroy(ex.pool);
     free(xs);
     free(ys);
     mha_kv_cache_destroy(cache);
