@@ -94,10 +94,26 @@ const char *cli_shape_str(char *buf, size_t size, int32_t ndim, const int64_t *s
 /* a * b for non-negative sizes; 0 on overflow (returns 1 on success). */
 int cli_mul(int64_t a, int64_t b, int64_t *out);
 
+/* ---- Output safety (cli_paths.c). -------------------------------------------------------------
+ * A file named on the command line, with the flag that named it (NULL path = not given). */
+typedef struct cli_path {
+    const char *flag;
+    const char *path;
+} cli_path;
+/* Checks, before any work, that no output is an input or another output (same device and inode,
+ * or the same name in the same directory), that an existing output is a regular file (links,
+ * FIFOs, devices and directories are refused, never replaced) and that each output's directory
+ * exists and is writable. Prints the reason and returns CLI_FAIL, or CLI_OK. */
+int cli_check_outputs(const cli_path *inputs, int n_in, const cli_path *outputs, int n_out);
+
 /* ---- Plots (cli_plot.c). ----------------------------------------------------------------------
  */
 /* Writes per-head attention maps probs [heads, n, m] as FILE.svg or FILE.png (by the name's
  * ending), atomically. Returns 1, or 0 with a reason in msg. */
+/* Whether cli_plot_write can draw this: the file type (.svg or .png) and the size. 1 = yes; 0 =
+ * no, with the reason in msg. */
+int cli_plot_check(
+    const char *path, int64_t heads, int64_t n, int64_t m, char *msg, size_t msg_size);
 int cli_plot_write(const char *path,
                    const float *probs,
                    int64_t heads,

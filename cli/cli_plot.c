@@ -212,14 +212,8 @@ static int ends_with(const char *s, const char *suffix) {
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
-int cli_plot_write(const char *path,
-                   const float *probs,
-                   int64_t heads,
-                   int64_t n,
-                   int64_t m,
-                   const char *title,
-                   char *msg,
-                   size_t msg_size) {
+int cli_plot_check(
+    const char *path, int64_t heads, int64_t n, int64_t m, char *msg, size_t msg_size) {
     const int svg = ends_with(path, ".svg"), png = ends_with(path, ".png");
     if (!svg && !png) {
         snprintf(msg, msg_size, "unknown image type: use a name ending in .svg or .png");
@@ -232,6 +226,22 @@ int cli_plot_write(const char *path,
                  (long long)heads, (long long)n, (long long)m);
         return 0;
     }
+    return 1;
+}
+
+int cli_plot_write(const char *path,
+                   const float *probs,
+                   int64_t heads,
+                   int64_t n,
+                   int64_t m,
+                   const char *title,
+                   char *msg,
+                   size_t msg_size) {
+    if (!cli_plot_check(path, heads, n, m, msg, msg_size))
+        return 0;
+    const int svg = ends_with(path, ".svg");
+    grid g;
+    grid_plan(&g, heads, n, m, svg);
     const size_t tmp_size = strlen(path) + 32;
     char *tmp = malloc(tmp_size);
     if (!tmp) {

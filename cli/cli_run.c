@@ -6,6 +6,7 @@
  * naming the file), run the layer, then write the outputs atomically. When both --out and --attn
  * are given and the second write fails, the first is removed, so nothing half-done is left.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include "cli.h"
 #include "io/npy.h"
 
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum {
     O_HELP,
@@ -60,6 +62,7 @@ enum {
     O_DECODE,
     O_PREFILL,
     O_CACHE_DTYPE,
+    O_VERBOSE,
     O_COUNT
 };
 
@@ -107,6 +110,7 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_ATTN_AVERAGE] = {"--attn-average", CLI_OPT_FLAG},
     [O_PLOT] = {"--plot", CLI_OPT_VALUE},
     [O_THREADS] = {"--threads", CLI_OPT_VALUE},
+    [O_VERBOSE] = {"--verbose", CLI_OPT_FLAG},
     [O_IMPL] = {"--impl", CLI_OPT_VALUE},
     [O_DECODE] = {"--decode", CLI_OPT_FLAG},
     [O_PREFILL] = {"--prefill", CLI_OPT_VALUE},
@@ -195,6 +199,7 @@ void cli_run_usage(void) {
         "",
         "Execution:",
         "  --threads N              threads; 0 = every online CPU (default: 0)",
+        "  --verbose                report each stage and its time on stderr",
         "  --impl I                 reference, fast or auto (default: auto); fast fails, naming",
         "                           the option, when it cannot run the request",
         "  --help                   this text",
@@ -256,7 +261,22 @@ typedef struct run_state {
     float *xf, *kf, *vf, *maskf, *sinksf, *out, *probs;
     int64_t *qpos, *kpos, *offsets;
     int32_t *qseg, *kvseg;
+    double stage_start; /* --verbose: when the current stage began (seconds) */
 } run_state;
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* --verbose: "mha: <stage done> (<seconds> s)" on stderr when a stage ends. */
+static void stage_done(const run_config *o, run_state *s, const char *what) {
+    const double now = seconds_now();
+    if (o->opt[O_VERBOSE])
+        fprintf(stderr, "mha: %s (%.3f s)\n", what, now - s->stage_start);
+    s->stage_start = now;
+}
 
 static void run_free(run_state *s) {
     free(s->names_buf);
@@ -567,6 +587,9 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
     if (v[O_PLOT] &&
         (strcmp(v[O_PLOT], v[O_OUT]) == 0 || (v[O_ATTN] && !strcmp(v[O_PLOT], v[O_ATTN]))))
         return cli_usage("--plot names the same file as another output: '%s'", v[O_PLOT]);
+    char why[160];
+    if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], 1, 1, 1, why, sizeof why))
+        return cli_usage("--plot %s: %s", v[O_PLOT], why);
     if (v[O_THREADS]) {
         int64_t t;
         if ((rc = cli_parse_i64("--threads", v[O_THREADS], 0, 4096, &t)))
@@ -906,7 +929,11 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
     mha_kv_cache_destroy(cache);
     if (rc != CLI_OK)
         return rc;
-    return write_outputs(o, s, x_ndim, B, n, n, c->num_heads, od);
+    stage_done(o, s, "prefill and decode steps computed");
+    rc = write_outputs(o, s, x_ndim, B, n, n, c->num_heads, od);
+    if (rc == CLI_OK)
+        stage_done(o, s, "outputs written");
+    return rc;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -931,6 +958,8 @@ static int run(const run_config *o, run_state *s) {
         return cli_lib_fail(wpath, &err);
     const mha_config *bc = mha_layer_config(s->base);
     const int64_t h = bc->num_heads;
+
+    stage_done(o, s, "weights read");
 
     /* 2. The layer with the command-line options (weights borrowed from the loaded one). */
     if (o->rope.style != MHA_ROPE_NONE && o->rope.rotary_dim > bc->head_dim)
@@ -1026,6 +1055,8 @@ static int run(const run_config *o, run_state *s) {
     if (o->decode)
         return run_decode(o, s, x_ndim, B, n);
 
+    stage_done(o, s, "layer built, inputs read");
+
     /* 4. Masks and positions, checked against (B, h, n, m). */
     mha_forward_args fa;
     memset(&fa, 0, sizeof fa);
@@ -1102,6 +1133,8 @@ static int run(const run_config *o, run_state *s) {
     s->out = malloc((size_t)ycount * sizeof(float));
     if (!s->out)
         return cli_fail("cannot allocate the output (%lld floats)", (long long)ycount);
+    if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], o->average ? 1 : h, n, m, sb, sizeof sb))
+        return cli_fail("%s: %s", v[O_PLOT], sb); /* before the work, not after */
     if (v[O_ATTN] || v[O_PLOT]) {
         if (!cli_mul(B, o->average ? 1 : h, &pcount) || !cli_mul(pcount, n, &pcount) ||
             !cli_mul(pcount, m, &pcount) || pcount > (int64_t)(SIZE_MAX / 8))
@@ -1114,6 +1147,8 @@ static int run(const run_config *o, run_state *s) {
             return cli_fail("%s: cannot allocate the probabilities (%lld floats)",
                             v[O_ATTN] ? v[O_ATTN] : v[O_PLOT], (long long)pcount);
     }
+
+    stage_done(o, s, "masks and positions read, outputs allocated");
 
     /* 6. Run. */
     fa.batch = B;
@@ -1140,8 +1175,29 @@ static int run(const run_config *o, run_state *s) {
     if (st != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &err);
 
+    stage_done(o, s, "forward computed");
+
     /* 7. Write. */
-    return write_outputs(o, s, x_ndim, B, n, m, h, bc->out_dim);
+    rc = write_outputs(o, s, x_ndim, B, n, m, h, bc->out_dim);
+    if (rc == CLI_OK)
+        stage_done(o, s, "outputs written");
+    return rc;
+}
+
+/* Every file `mha run` reads or writes, for cli_check_outputs() before any work. */
+static int check_paths(const run_config *o) {
+    const char *const *v = o->opt;
+    static const int in_ids[] = {O_WEIGHTS,   O_INPUT,         O_KEY,        O_VALUE,
+                                 O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
+                                 O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS};
+    static const int out_ids[] = {O_OUT, O_ATTN, O_PLOT};
+    cli_path in[sizeof in_ids / sizeof in_ids[0]], out[3];
+    const int n_in = (int)(sizeof in_ids / sizeof in_ids[0]);
+    for (int i = 0; i < n_in; i++)
+        in[i] = (cli_path){run_flags[in_ids[i]].name, v[in_ids[i]]};
+    for (int i = 0; i < 3; i++)
+        out[i] = (cli_path){run_flags[out_ids[i]].name, v[out_ids[i]]};
+    return cli_check_outputs(in, n_in, out, 3);
 }
 
 int cli_run_main(int argc, char **argv) {
@@ -1157,6 +1213,9 @@ int cli_run_main(int argc, char **argv) {
     run_state s;
     memset(&s, 0, sizeof s);
     rc = parse_options(&args, &o, &s);
+    if (!rc)
+        rc = check_paths(&o);
+    s.stage_start = seconds_now();
     if (!rc)
         rc = run(&o, &s);
     run_free(&s);

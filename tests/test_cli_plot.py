@@ -89,8 +89,8 @@ def test_svg_averaged_lists_every_cell_value(case):
 
 
 def test_plot_errors_leave_no_file(case):
-    r = run(case, "--plot", case / "maps.jpg")
-    assert r.returncode == 1 and "maps.jpg" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = run(case, "--plot", case / "maps.jpg")  # a usage error, found before any work
+    assert r.returncode == 2 and "maps.jpg" in r.stderr and len(r.stderr.splitlines()) == 1
     r = run(case, "--plot", case / "missing_dir" / "m.svg")
     assert r.returncode == 1 and "m.svg" in r.stderr
     assert sorted(os.listdir(case)) == ["W.safetensors", "X.npy"]

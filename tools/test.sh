@@ -66,7 +66,7 @@ MHA_TEST_QUICK=1 TSAN_OPTIONS=halt_on_error=1 \
     ctest --test-dir build-tsan --output-on-failure -j "$jobs" -E '^py_'
 
 echo "== valgrind memcheck: the CLI tests with every mha run under valgrind (Debug build)"
-# All of test_cli.py, test_hostile_cli.py and test_cli_plot.py; of test_cli_decode.py's 33
+# All of test_cli.py, test_hostile_cli.py, test_cli_plot.py and test_cli_outputs.py; of test_cli_decode.py's 33
 # decode-vs-full-forward cases the plain and everything ones (the rest takes minutes under
 # valgrind and runs the same code). The golden CLI tests are left to the Release and ASan runs.
 cmake -S . -B build-valgrind -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON >/dev/null
@@ -80,7 +80,7 @@ vg_status=0
 env "${vg_env[@]}" "${vg_pytest[@]}" tests/test_cli.py >build-valgrind/pytest-cli.log 2>&1 &
 vg_pid=$!
 env "${vg_env[@]}" "${vg_pytest[@]}" tests/test_hostile_cli.py tests/test_cli_plot.py \
-    tests/test_cli_decode.py -k 'not equals_full_causal_forward or plain or everything' \
+    tests/test_cli_outputs.py tests/test_cli_decode.py -k 'not equals_full_causal_forward or plain or everything' \
     >build-valgrind/pytest-other.log 2>&1 || vg_status=1
 wait "$vg_pid" || vg_status=1
 tail -n 3 build-valgrind/pytest-cli.log build-valgrind/pytest-other.log

@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: MIT
+"""Nothing lost (issue 13, 5b): every output path of `mha run` is checked before any work.
+
+An output may not be an input (same device and inode: the same name, another spelling, a hard
+link) nor another output; an existing output that is not a regular file (symlink, FIFO, device,
+directory) is refused and left as it was; the output's directory must exist and be writable; the
+plot's type and size are checked before the forward. Each case: exit status 1 (2 for usage
+errors), one stderr line naming the file, every file in the directory byte-identical, and (for the
+checks that come before the work) no time spent on the work: a forward that takes seconds with
+--impl reference is refused in well under that.
+
+--verbose reports the stages on stderr. Run by ctest with MHA_CLI=<path to mha>.
+"""
+import os
+import stat
+import time
+
+import numpy as np
+import pytest
+from test_cli import make_weights, run_cli, write_safetensors
+
+CLI = os.environ.get("MHA_CLI")
+pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
+
+
+class Case:
+    pass
+
+
+@pytest.fixture
+def case(tmp_path):
+    """W.safetensors (q_dim 16, 4 heads) and X.npy [2, 5, 16] in tmp_path."""
+    rng = np.random.default_rng(5)
+    write_safetensors(tmp_path / "W.safetensors", make_weights(rng))
+    np.save(tmp_path / "X.npy", rng.standard_normal((2, 5, 16)).astype(np.float32))
+    c = Case()
+    c.dir = tmp_path
+    c.W, c.X, c.Y = (str(tmp_path / n) for n in ("W.safetensors", "X.npy", "Y.npy"))
+    c.base = ["run", "--weights", c.W, "--heads", 4, "--input", c.X]
+    return c
+
+
+def snapshot(d):
+    """Every entry of d: name -> (kind, bytes of a regular file)."""
+    out = {}
+    for name in sorted(os.listdir(d)):
+        p = os.path.join(d, name)
+        st = os.lstat(p)
+        content = open(p, "rb").read() if stat.S_ISREG(st.st_mode) else None
+        out[name] = (stat.S_IFMT(st.st_mode), content)
+    return out
+
+
+def refused(case, args, needle, status=1):
+    before = snapshot(case.dir)
+    r = run_cli(*args)
+    assert r.returncode == status, (r.returncode, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mha: ") and needle in lines[0], r.stderr
+    assert snapshot(case.dir) == before, "a file changed"
+    return lines[0]
+
+
+def test_out_is_the_input(case):
+    line = refused(case, case.base + ["--out", case.X], "X.npy")
+    assert "--input" in line
+
+
+def test_out_is_the_input_spelled_differently(case):
+    other = os.path.join(str(case.dir), ".", "X.npy")
+    refused(case, case.base + ["--out", other], "--input")
+
+
+def test_out_is_a_hard_link_to_the_input(case):
+    os.link(case.X, case.dir / "HL.npy")
+    refused(case, case.base + ["--out", case.dir / "HL.npy"], "--input")
+
+
+def test_out_is_the_weights(case):
+    refused(case, case.base + ["--out", case.W], "--weights")
+
+
+def test_attn_is_the_input(case):
+    refused(case, case.base + ["--out", case.Y, "--attn", case.X], "--input")
+
+
+def test_out_is_a_symlink(case):
+    os.symlink(case.dir / "target.npy", case.dir / "L.npy")
+    line = refused(case, case.base + ["--out", case.dir / "L.npy"], "L.npy")
+    assert "symbolic link" in line
+    assert not os.path.exists(case.dir / "target.npy")
+
+
+def test_out_is_a_fifo(case):
+    os.mkfifo(case.dir / "F.npy")
+    line = refused(case, case.base + ["--out", case.dir / "F.npy"], "F.npy")
+    assert "not a regular file" in line
+
+
+def test_out_is_a_directory(case):
+    os.mkdir(case.dir / "D.npy")
+    refused(case, case.base + ["--out", case.dir / "D.npy"], "directory")
+
+
+def test_out_is_dev_null():
+    """A device node is never replaced: checked on /dev/null (nothing is written to it)."""
+    st = os.stat("/dev/null")
+    r = run_cli("run", "--weights", "/nonexistent.safetensors", "--heads", 4, "--input",
+                "/nonexistent.npy", "--out", "/dev/null")
+    assert r.returncode == 1 and "/dev/null" in r.stderr and "not a regular file" in r.stderr
+    assert os.stat("/dev/null").st_rdev == st.st_rdev
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_out_in_missing_directory(case):
+    refused(case, case.base + ["--out", case.dir / "nodir" / "Y.npy"], "does not exist")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a read-only directory, so "
+                    "the check cannot be observed as root")
+def test_out_in_read_only_directory(case):
+    ro = case.dir / "ro"
+    os.mkdir(ro)
+    os.chmod(ro, 0o555)
+    try:
+        refused(case, case.base + ["--out", ro / "Y.npy"], "not writable")
+    finally:
+        os.chmod(ro, 0o755)
+
+
+def test_two_outputs_same_file(case):
+    other = os.path.join(str(case.dir), ".", "Y.npy")
+    refused(case, case.base + ["--out", case.Y, "--attn", other], "name the same file")
+
+
+def test_plot_bad_type(case):
+    refused(case, case.base + ["--out", case.Y, "--plot", case.dir / "p.jpg"], "p.jpg", status=2)
+
+
+def test_checks_come_before_the_work(tmp_path):
+    """A forward of seconds (--impl reference, n = 2048) is refused at once for a bad output,
+    and for a plot too large to draw, before the forward runs."""
+    rng = np.random.default_rng(6)
+    write_safetensors(tmp_path / "W.safetensors", make_weights(rng, q_dim=64, heads=4))
+    np.save(tmp_path / "X.npy", rng.standard_normal((1, 2048, 64)).astype(np.float32))
+    base = ["run", "--weights", tmp_path / "W.safetensors", "--heads", 4, "--input",
+            tmp_path / "X.npy", "--impl", "reference"]
+    t0 = time.monotonic()
+    r = run_cli(*base, "--out", tmp_path / "Y.npy")
+    work = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    os.remove(tmp_path / "Y.npy")
+    for extra, needle in (((tmp_path / "nodir" / "Y.npy",), "nodir"),
+                          ((tmp_path / "Y.npy", "--plot", tmp_path / "p.png"), "too large")):
+        t0 = time.monotonic()
+        r = run_cli(*base, "--out", *extra)
+        spent = time.monotonic() - t0
+        assert r.returncode == 1 and needle in r.stderr, r.stderr
+        assert spent < 0.5 * work, (spent, work)
+        assert not os.path.exists(tmp_path / "Y.npy")
+
+
+def test_verbose_reports_stages(case):
+    r = run_cli(*case.base, "--out", case.Y, "--verbose")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "mha: weights read", "mha: layer built, inputs read",
+        "mha: masks and positions read, outputs allocated", "mha: forward computed",
+        "mha: outputs written"], lines
+    assert all(line.endswith(" s)") for line in lines)
+    r = run_cli(*case.base, "--out", case.Y)
+    assert r.returncode == 0 and r.stderr == ""
