@@ -8,7 +8,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include "cli.h"
-#include "io/npy.h"
+#include "npy.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -1164,14 +1164,9 @@ static int run(const run_config *o, run_state *s) {
     fa.probs = s->probs;
     fa.average_probs = o->average;
     mha_status st = mha_layer_forward(s->layer, &fa, &o->exec, &err);
-    if (st == MHA_STATUS_UNSUPPORTED) {
-        const char *impl = v[O_IMPL] ? v[O_IMPL] : "auto", *why = err.message;
-        char prefix[32];
-        snprintf(prefix, sizeof prefix, "impl=%s: ", impl); /* the library's own label */
-        if (strncmp(why, prefix, strlen(prefix)) == 0)
-            why += strlen(prefix);
-        return cli_fail("--impl %s: %s", impl, why[0] ? why : mha_status_string(st));
-    }
+    if (st == MHA_STATUS_UNSUPPORTED) /* the library's message as it is, after the flag */
+        return cli_fail("--impl %s: %s", v[O_IMPL] ? v[O_IMPL] : "auto",
+                        err.message[0] ? err.message : mha_status_string(st));
     if (st != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &err);
 

@@ -55,6 +55,7 @@ done
 for h in fuzz_npy fuzz_safetensors fuzz_api fuzz_cli_args; do
     extra=()
     [ "$h" = fuzz_cli_args ] && extra=("${cli_objs[@]}")
+    [ "$h" = fuzz_npy ] && extra=("$out/obj/cli_npy.c.o") # the .npy reader is the CLI's
     echo "$CC -o $out/$h"
     "$CC" "${common[@]}" "${warn[@]}" -Werror -fsanitize=fuzzer "$root/fuzz/$h.c" \
         "${extra[@]}" "${lib_objs[@]}" -lcjson -lpthread -lm -o "$out/$h"

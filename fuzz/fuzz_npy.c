@@ -5,7 +5,7 @@
  * after the header (shape product = count, every element readable), and float arrays convert.
  */
 #include "fuzz_common.h"
-#include "io/npy.h"
+#include "npy.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

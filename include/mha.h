@@ -100,6 +100,10 @@ typedef enum mha_dtype {
 
 /** Size in bytes of one element of `dtype`, or 0 for an unknown value. */
 MHA_API size_t mha_dtype_size(mha_dtype dtype);
+/** float16 (MHA_DTYPE_F16) or bfloat16 (MHA_DTYPE_BF16) values to float32, exactly: dst[i] =
+ *  src[i] for i < count. INVALID_ARG for another dtype, a negative count or a NULL pointer. */
+MHA_API mha_status
+mha_half_to_f32(mha_dtype dtype, const uint16_t *src, float *dst, int64_t count, mha_error *err);
 
 #define MHA_MAX_MASK_DIMS 4
 /** A C-contiguous tensor that broadcasts, NumPy style (dimensions aligned on the right, size 1

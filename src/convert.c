@@ -92,3 +92,15 @@ uint16_t mha__f32_to_bf16(float f) {
      * (values at or above the midpoint past bf16's largest finite become Inf). */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+mha_status
+mha_half_to_f32(mha_dtype dtype, const uint16_t *src, float *dst, int64_t count, mha_error *err) {
+    MHA_RETURN_IF(dtype != MHA_DTYPE_F16 && dtype != MHA_DTYPE_BF16, err, INVALID_ARG,
+                  "dtype %d is not float16 or bfloat16", (int)dtype);
+    MHA_RETURN_IF(count < 0, err, INVALID_ARG, "count=%lld is negative", (long long)count);
+    MHA_RETURN_IF(count > 0 && (!src || !dst), err, INVALID_ARG, "src or dst is NULL");
+    for (int64_t i = 0; i < count; i++)
+        dst[i] = dtype == MHA_DTYPE_F16 ? mha__f16_to_f32(src[i]) : mha__bf16_to_f32(src[i]);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}

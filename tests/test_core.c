@@ -3,7 +3,7 @@
  * Philox known answers, and the properties of issue 2 (causality, permutation equivariance,
  * relative position, h = 1, dropout, thread determinism, fully masked rows). */
 #include "harness.h"
-#include "io/npy.h"
+#include "npy.h"
 #include "oracle_f64.h"
 #include "tolerance.h"
 

@@ -10,8 +10,8 @@
  * Prints the worst errors seen. Needs MHA_SOURCE_DIR (set by ctest) or runs from the repo root.
  */
 #include "harness.h"
-#include "io/npy.h"
 #include "mha.h"
+#include "npy.h"
 #include "tolerance.h"
 
 #include <cjson/cJSON.h>

@@ -12,8 +12,8 @@
  * worst relative errors per implementation.
  */
 #include "harness.h"
-#include "io/npy.h"
 #include "mha.h"
+#include "npy.h"
 #include "tolerance.h"
 
 #include <cjson/cJSON.h>

@@ -12,8 +12,8 @@
 
 #include "harness.h"
 #include "internal.h"
-#include "io/npy.h"
 #include "io/safetensors.h"
+#include "npy.h"
 
 #include <cjson/cJSON.h>
 

@@ -13,7 +13,7 @@
 
 #include "harness.h"
 #include "internal.h"
-#include "io/npy.h"
+#include "npy.h"
 
 #include <dirent.h>
 #include <errno.h>

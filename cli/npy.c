@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* npy.c: NumPy .npy reader and float32 writer (format versions 1.0, 2.0 and 3.0), see npy.h and
- * docs/FORMATS.md.
+ * docs/FORMATS.md. Part of the CLI (and compiled into the tests): it uses the public API only.
  *
  * Files are untrusted. The header dict is parsed strictly (exactly the keys 'descr',
  * 'fortran_order' and 'shape', Python literal syntax); every size is overflow-checked and the data
@@ -10,11 +10,14 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include "io/npy.h"
+#include "npy.h"
 
-#include "internal.h"
+#include <stdarg.h>
+#include <stdbool.h>
 
+#include <assert.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +28,51 @@
 /* Header dicts are a few hundred bytes; numpy itself refuses more than 10000 by default. The limit
  * keeps a hostile version 2.0/3.0 header length (up to 4 GiB) from causing a huge allocation. */
 #define NPY_MAX_HEADER ((size_t)1 << 20)
+
+/* Errors as the library reports them: a status and a message in mha_error (public types only:
+ * this file is part of the CLI and the tests, not of the library). */
+static mha_status npy_fail(mha_error *err, mha_status status, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->message, sizeof err->message, fmt, ap);
+        va_end(ap);
+        err->status = status;
+    }
+    return status;
+}
+
+static void npy_ok(mha_error *err) {
+    if (err) {
+        err->status = MHA_STATUS_OK;
+        err->message[0] = '\0';
+    }
+}
+
+#define NPY_RETURN_IF(cond, err, status, ...)                                                      \
+    do {                                                                                           \
+        if (cond)                                                                                  \
+            return npy_fail((err), MHA_STATUS_##status, __VA_ARGS__);                              \
+    } while (0)
+
+/* Product of n non-negative sizes, and count * elem bytes: false on overflow. */
+static bool npy_prod(const int64_t *factors, int n, int64_t *out) {
+    int64_t p = 1;
+    for (int i = 0; i < n; i++) {
+        if (factors[i] < 0 || (factors[i] != 0 && p > INT64_MAX / factors[i]))
+            return false;
+        p *= factors[i];
+    }
+    *out = p;
+    return true;
+}
+
+static bool npy_bytes(int64_t count, size_t elem, size_t *out) {
+    if (count < 0 || (elem && (uint64_t)count > SIZE_MAX / elem))
+        return false;
+    *out = (size_t)count * elem;
+    return true;
+}
 
 static const unsigned char NPY_MAGIC[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
 
@@ -100,13 +148,13 @@ static mha_status parse_preamble(const unsigned char *buf,
                                  size_t *dict_start,
                                  size_t *dict_len,
                                  mha_error *err) {
-    MHA_RETURN_IF(avail > 0 && memcmp(buf, NPY_MAGIC, avail < 6 ? avail : 6) != 0, err, BAD_FILE,
+    NPY_RETURN_IF(avail > 0 && memcmp(buf, NPY_MAGIC, avail < 6 ? avail : 6) != 0, err, BAD_FILE,
                   "%s: not a .npy file (bad magic bytes)", name);
-    MHA_RETURN_IF(avail < 10, err, BAD_FILE,
+    NPY_RETURN_IF(avail < 10, err, BAD_FILE,
                   "%s: truncated header: the file is %llu bytes, a .npy header needs at least 10",
                   name, (unsigned long long)total);
     const unsigned major = buf[6], minor = buf[7];
-    MHA_RETURN_IF(major < 1 || major > 3 || minor != 0, err, BAD_FILE,
+    NPY_RETURN_IF(major < 1 || major > 3 || minor != 0, err, BAD_FILE,
                   "%s: unsupported .npy format version %u.%u (supported: 1.0, 2.0, 3.0)", name,
                   major, minor);
     size_t start, len;
@@ -114,18 +162,18 @@ static mha_status parse_preamble(const unsigned char *buf,
         start = 10;
         len = (size_t)buf[8] | (size_t)buf[9] << 8;
     } else {
-        MHA_RETURN_IF(avail < 12, err, BAD_FILE,
+        NPY_RETURN_IF(avail < 12, err, BAD_FILE,
                       "%s: truncated header: the file is %llu bytes, a version %u.0 header needs "
                       "at least 12",
                       name, (unsigned long long)total, major);
         start = 12;
         len = (size_t)buf[8] | (size_t)buf[9] << 8 | (size_t)buf[10] << 16 | (size_t)buf[11] << 24;
     }
-    MHA_RETURN_IF((uint64_t)start + len > total, err, BAD_FILE,
+    NPY_RETURN_IF((uint64_t)start + len > total, err, BAD_FILE,
                   "%s: truncated header: the header dict is %zu bytes but the file has only %llu "
                   "after the preamble",
                   name, len, (unsigned long long)(total - start));
-    MHA_RETURN_IF(len > NPY_MAX_HEADER, err, BAD_FILE,
+    NPY_RETURN_IF(len > NPY_MAX_HEADER, err, BAD_FILE,
                   "%s: header dict is %zu bytes, more than the %zu-byte limit", name, len,
                   NPY_MAX_HEADER);
     *dict_start = start;
@@ -164,9 +212,9 @@ static mha_status malformed(cursor *c, const char *what) {
         snippet[n] = (ch >= 0x20 && ch < 0x7f) ? (char)ch : '?';
     }
     snippet[n] = '\0';
-    return mha__fail(c->err, MHA_STATUS_BAD_FILE,
-                     "%s: malformed .npy header dict at byte %zu: %s (near \"%s\")", c->name,
-                     c->pos, what, snippet);
+    return npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                    "%s: malformed .npy header dict at byte %zu: %s (near \"%s\")", c->name, c->pos,
+                    what, snippet);
 }
 
 /* A quoted string without escapes: 'abc' or "abc". Returns its span. */
@@ -206,9 +254,9 @@ static int match_word(cursor *c, const char *word) {
 /* A non-negative decimal integer that fits in int64 (no sign, no leading zeros, no '_'). */
 static mha_status parse_dim(cursor *c, int64_t *out) {
     if (peek(c) == '-')
-        return mha__fail(c->err, MHA_STATUS_BAD_FILE,
-                         "%s: negative dimension in the .npy shape (byte %zu of the header dict)",
-                         c->name, c->pos);
+        return npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                        "%s: negative dimension in the .npy shape (byte %zu of the header dict)",
+                        c->name, c->pos);
     if (peek(c) < '0' || peek(c) > '9')
         return malformed(c, "expected a dimension (a non-negative integer)");
     if (peek(c) == '0' && c->pos + 1 < c->len && c->s[c->pos + 1] >= '0' && c->s[c->pos + 1] <= '9')
@@ -217,8 +265,8 @@ static mha_status parse_dim(cursor *c, int64_t *out) {
     while (peek(c) >= '0' && peek(c) <= '9') {
         int digit = peek(c) - '0';
         if (v > (INT64_MAX - digit) / 10)
-            return mha__fail(c->err, MHA_STATUS_BAD_FILE,
-                             "%s: a dimension in the .npy shape does not fit in 64 bits", c->name);
+            return npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                            "%s: a dimension in the .npy shape does not fit in 64 bits", c->name);
         v = v * 10 + digit;
         c->pos++;
     }
@@ -244,7 +292,7 @@ static mha_status parse_shape(cursor *c, npy_header *h) {
         int64_t dim = 0;
         if ((st = parse_dim(c, &dim)) != MHA_STATUS_OK)
             return st;
-        MHA_RETURN_IF(h->ndim >= MHA_NPY_MAX_DIMS, c->err, BAD_FILE,
+        NPY_RETURN_IF(h->ndim >= MHA_NPY_MAX_DIMS, c->err, BAD_FILE,
                       "%s: the .npy shape has more than %d dimensions", c->name, MHA_NPY_MAX_DIMS);
         h->shape[h->ndim++] = dim;
         skip_ws(c);
@@ -269,8 +317,8 @@ static mha_status parse_descr(cursor *c, npy_header *h) {
     const char *s;
     size_t n;
     if (peek(c) == '[')
-        return mha__fail(c->err, MHA_STATUS_BAD_FILE,
-                         "%s: structured dtypes (a list 'descr') are not supported", c->name);
+        return npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                        "%s: structured dtypes (a list 'descr') are not supported", c->name);
     mha_status st = parse_string(c, &s, &n);
     if (st != MHA_STATUS_OK)
         return st;
@@ -284,13 +332,13 @@ static mha_status parse_descr(cursor *c, npy_header *h) {
     }
     const int shown = n > 32 ? 32 : (int)n;
     if (n > 0 && s[0] == '>')
-        return mha__fail(c->err, MHA_STATUS_BAD_FILE,
-                         "%s: big-endian dtype '%.*s' is not supported (save it as little-endian, "
-                         "e.g. a.astype('<%.*s'))",
-                         c->name, shown, s, shown > 0 ? shown - 1 : 0, s + 1);
-    return mha__fail(c->err, MHA_STATUS_BAD_FILE,
-                     "%s: unsupported dtype '%.*s' (supported: <f4 <f8 <f2 |b1 |u1 <i4 <i8)",
-                     c->name, shown, s);
+        return npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                        "%s: big-endian dtype '%.*s' is not supported (save it as little-endian, "
+                        "e.g. a.astype('<%.*s'))",
+                        c->name, shown, s, shown > 0 ? shown - 1 : 0, s + 1);
+    return npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                    "%s: unsupported dtype '%.*s' (supported: <f4 <f8 <f2 |b1 |u1 <i4 <i8)",
+                    c->name, shown, s);
 }
 
 /* Parses "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }" plus trailing spaces and
@@ -320,28 +368,28 @@ parse_dict(const char *text, size_t len, const char *name, npy_header *h, mha_er
         c.pos++;
         skip_ws(&c);
         if (klen == 5 && memcmp(key, "descr", 5) == 0) {
-            MHA_RETURN_IF(have_descr++, err, BAD_FILE, "%s: duplicate key 'descr' in the header",
+            NPY_RETURN_IF(have_descr++, err, BAD_FILE, "%s: duplicate key 'descr' in the header",
                           name);
             st = parse_descr(&c, h);
         } else if (klen == 13 && memcmp(key, "fortran_order", 13) == 0) {
-            MHA_RETURN_IF(have_order++, err, BAD_FILE,
+            NPY_RETURN_IF(have_order++, err, BAD_FILE,
                           "%s: duplicate key 'fortran_order' in the header", name);
             if (match_word(&c, "True"))
-                st = mha__fail(err, MHA_STATUS_BAD_FILE,
-                               "%s: fortran_order True is not supported: save a C-order array "
-                               "(numpy.ascontiguousarray)",
-                               name);
+                st = npy_fail(err, MHA_STATUS_BAD_FILE,
+                              "%s: fortran_order True is not supported: save a C-order array "
+                              "(numpy.ascontiguousarray)",
+                              name);
             else if (!match_word(&c, "False"))
                 st = malformed(&c, "'fortran_order' must be True or False");
         } else if (klen == 5 && memcmp(key, "shape", 5) == 0) {
-            MHA_RETURN_IF(have_shape++, err, BAD_FILE, "%s: duplicate key 'shape' in the header",
+            NPY_RETURN_IF(have_shape++, err, BAD_FILE, "%s: duplicate key 'shape' in the header",
                           name);
             st = parse_shape(&c, h);
         } else {
-            st = mha__fail(err, MHA_STATUS_BAD_FILE,
-                           "%s: unknown key '%.*s' in the .npy header (expected 'descr', "
-                           "'fortran_order', 'shape')",
-                           name, klen > 32 ? 32 : (int)klen, key);
+            st = npy_fail(err, MHA_STATUS_BAD_FILE,
+                          "%s: unknown key '%.*s' in the .npy header (expected 'descr', "
+                          "'fortran_order', 'shape')",
+                          name, klen > 32 ? 32 : (int)klen, key);
         }
         if (st != MHA_STATUS_OK)
             return st;
@@ -358,14 +406,14 @@ parse_dict(const char *text, size_t len, const char *name, npy_header *h, mha_er
     skip_ws(&c);
     if (!at_end(&c))
         return malformed(&c, "unexpected text after the dict");
-    MHA_RETURN_IF(!have_descr, err, BAD_FILE, "%s: the .npy header has no 'descr'", name);
-    MHA_RETURN_IF(!have_order, err, BAD_FILE, "%s: the .npy header has no 'fortran_order'", name);
-    MHA_RETURN_IF(!have_shape, err, BAD_FILE, "%s: the .npy header has no 'shape'", name);
+    NPY_RETURN_IF(!have_descr, err, BAD_FILE, "%s: the .npy header has no 'descr'", name);
+    NPY_RETURN_IF(!have_order, err, BAD_FILE, "%s: the .npy header has no 'fortran_order'", name);
+    NPY_RETURN_IF(!have_shape, err, BAD_FILE, "%s: the .npy header has no 'shape'", name);
 
     char shape_text[256];
     format_shape(shape_text, sizeof shape_text, h->ndim, h->shape);
-    MHA_RETURN_IF(!mha__prod_i64(h->shape, h->ndim, &h->count) ||
-                      !mha__bytes(h->count, mha_dtype_size(h->dtype), &h->data_bytes),
+    NPY_RETURN_IF(!npy_prod(h->shape, h->ndim, &h->count) ||
+                      !npy_bytes(h->count, mha_dtype_size(h->dtype), &h->data_bytes),
                   err, BAD_FILE, "%s: shape %s of %s is too large (its byte size overflows)", name,
                   shape_text, h->descr);
     return MHA_STATUS_OK;
@@ -377,8 +425,8 @@ check_data_length(const npy_header *h, uint64_t have, const char *name, mha_erro
         return MHA_STATUS_OK;
     char shape_text[256];
     format_shape(shape_text, sizeof shape_text, h->ndim, h->shape);
-    return mha__fail(err, MHA_STATUS_BAD_FILE, "%s: data is %llu bytes, shape %s of %s needs %zu",
-                     name, (unsigned long long)have, shape_text, h->descr, h->data_bytes);
+    return npy_fail(err, MHA_STATUS_BAD_FILE, "%s: data is %llu bytes, shape %s of %s needs %zu",
+                    name, (unsigned long long)have, shape_text, h->descr, h->data_bytes);
 }
 
 static void fill_result(const npy_header *h, void *data, mha__npy *out) {
@@ -396,9 +444,9 @@ mha_status
 mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out, mha_error *err) {
     if (!name)
         name = "<memory>";
-    MHA_RETURN_IF(!out, err, INVALID_ARG, "mha__npy_parse: out is NULL");
+    NPY_RETURN_IF(!out, err, INVALID_ARG, "mha__npy_parse: out is NULL");
     memset(out, 0, sizeof *out);
-    MHA_RETURN_IF(!buf && len > 0, err, INVALID_ARG, "mha__npy_parse: buf is NULL");
+    NPY_RETURN_IF(!buf && len > 0, err, INVALID_ARG, "mha__npy_parse: buf is NULL");
     const unsigned char *p = buf;
     size_t start, dlen;
     npy_header h;
@@ -410,12 +458,12 @@ mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out, mha
     if ((st = check_data_length(&h, len - start - dlen, name, err)) != MHA_STATUS_OK)
         return st;
     void *data = malloc(h.data_bytes ? h.data_bytes : 1);
-    MHA_RETURN_IF(!data, err, NO_MEMORY, "%s: cannot allocate %zu bytes for the data", name,
+    NPY_RETURN_IF(!data, err, NO_MEMORY, "%s: cannot allocate %zu bytes for the data", name,
                   h.data_bytes);
     if (h.data_bytes)
         memcpy(data, p + start + dlen, h.data_bytes);
     fill_result(&h, data, out);
-    mha__ok(err);
+    npy_ok(err);
     return MHA_STATUS_OK;
 }
 
@@ -423,13 +471,13 @@ mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out, mha
 static mha_status read_stream(FILE *f, const char *path, mha__npy *out, mha_error *err) {
     size_t cap = 1 << 16, len = 0;
     unsigned char *buf = malloc(cap);
-    MHA_RETURN_IF(!buf, err, NO_MEMORY, "%s: out of memory", path);
+    NPY_RETURN_IF(!buf, err, NO_MEMORY, "%s: out of memory", path);
     for (;;) {
         if (len == cap) {
             unsigned char *bigger = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
             if (!bigger) {
                 free(buf);
-                return mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
+                return npy_fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
             }
             buf = bigger;
             cap *= 2;
@@ -442,7 +490,7 @@ static mha_status read_stream(FILE *f, const char *path, mha__npy *out, mha_erro
     if (ferror(f)) {
         int e = errno;
         free(buf);
-        return mha__fail(err, MHA_STATUS_IO, "%s: read error: %s", path, strerror(e));
+        return npy_fail(err, MHA_STATUS_IO, "%s: read error: %s", path, strerror(e));
     }
     mha_status st = mha__npy_parse(buf, len, path, out, err);
     free(buf);
@@ -460,16 +508,16 @@ static mha_status
 read_regular(FILE *f, uint64_t total, const char *path, mha__npy *out, mha_error *err) {
     unsigned char pre[12];
     const size_t avail = total < sizeof pre ? (size_t)total : sizeof pre;
-    MHA_RETURN_IF(!read_at(f, 0, pre, avail), err, IO, "%s: read error: %s", path, strerror(errno));
+    NPY_RETURN_IF(!read_at(f, 0, pre, avail), err, IO, "%s: read error: %s", path, strerror(errno));
     size_t start, dlen;
     mha_status st = parse_preamble(pre, avail, total, path, &start, &dlen, err);
     if (st != MHA_STATUS_OK)
         return st;
     char *dict = malloc(dlen ? dlen : 1);
-    MHA_RETURN_IF(!dict, err, NO_MEMORY, "%s: out of memory", path);
+    NPY_RETURN_IF(!dict, err, NO_MEMORY, "%s: out of memory", path);
     npy_header h;
     if (!read_at(f, start, dict, dlen))
-        st = mha__fail(err, MHA_STATUS_IO, "%s: read error in the header", path);
+        st = npy_fail(err, MHA_STATUS_IO, "%s: read error in the header", path);
     else
         st = parse_dict(dict, dlen, path, &h, err);
     free(dict);
@@ -479,35 +527,35 @@ read_regular(FILE *f, uint64_t total, const char *path, mha__npy *out, mha_error
     if ((st = check_data_length(&h, total - start - dlen, path, err)) != MHA_STATUS_OK)
         return st;
     void *data = malloc(h.data_bytes ? h.data_bytes : 1);
-    MHA_RETURN_IF(!data, err, NO_MEMORY, "%s: cannot allocate %zu bytes for the data", path,
+    NPY_RETURN_IF(!data, err, NO_MEMORY, "%s: cannot allocate %zu bytes for the data", path,
                   h.data_bytes);
     if (h.data_bytes && !read_at(f, (uint64_t)start + dlen, data, h.data_bytes)) {
         free(data);
-        return mha__fail(err, MHA_STATUS_IO, "%s: read error in the data (file changed?)", path);
+        return npy_fail(err, MHA_STATUS_IO, "%s: read error in the data (file changed?)", path);
     }
     fill_result(&h, data, out);
     return MHA_STATUS_OK;
 }
 
 mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err) {
-    MHA_RETURN_IF(!out, err, INVALID_ARG, "mha__npy_read: out is NULL");
+    NPY_RETURN_IF(!out, err, INVALID_ARG, "mha__npy_read: out is NULL");
     memset(out, 0, sizeof *out);
-    MHA_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_read: path is NULL");
+    NPY_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_read: path is NULL");
     FILE *f = fopen(path, "rb");
-    MHA_RETURN_IF(!f, err, IO, "%s: cannot open: %s", path, strerror(errno));
+    NPY_RETURN_IF(!f, err, IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat sb;
     mha_status st;
     if (fstat(fileno(f), &sb) != 0)
-        st = mha__fail(err, MHA_STATUS_IO, "%s: cannot stat: %s", path, strerror(errno));
+        st = npy_fail(err, MHA_STATUS_IO, "%s: cannot stat: %s", path, strerror(errno));
     else if (S_ISDIR(sb.st_mode))
-        st = mha__fail(err, MHA_STATUS_IO, "%s: is a directory", path);
+        st = npy_fail(err, MHA_STATUS_IO, "%s: is a directory", path);
     else if (S_ISREG(sb.st_mode))
         st = read_regular(f, (uint64_t)sb.st_size, path, out, err);
     else
         st = read_stream(f, path, out, err);
     fclose(f);
     if (st == MHA_STATUS_OK)
-        mha__ok(err);
+        npy_ok(err);
     return st;
 }
 
@@ -529,20 +577,20 @@ static float narrow_f64(double d) {
 }
 
 mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err) {
-    MHA_RETURN_IF(!a || !out, err, INVALID_ARG, "mha__npy_to_f32: NULL argument");
+    NPY_RETURN_IF(!a || !out, err, INVALID_ARG, "mha__npy_to_f32: NULL argument");
     *out = NULL;
     if (!name)
         name = "<array>";
-    MHA_RETURN_IF(a->dtype != MHA_DTYPE_F32 && a->dtype != MHA_DTYPE_F64 &&
+    NPY_RETURN_IF(a->dtype != MHA_DTYPE_F32 && a->dtype != MHA_DTYPE_F64 &&
                       a->dtype != MHA_DTYPE_F16,
                   err, BAD_FILE, "%s: dtype %s is not a float type (expected <f4, <f8 or <f2)",
                   name, npy_descr_of(a->dtype));
     size_t bytes;
-    MHA_RETURN_IF(a->count < 0 || !mha__bytes(a->count, sizeof(float), &bytes), err, OVERFLOW,
+    NPY_RETURN_IF(a->count < 0 || !npy_bytes(a->count, sizeof(float), &bytes), err, OVERFLOW,
                   "%s: %lld elements do not fit in memory", name, (long long)a->count);
-    MHA_RETURN_IF(a->count > 0 && !a->data, err, INVALID_ARG, "%s: array has no data", name);
+    NPY_RETURN_IF(a->count > 0 && !a->data, err, INVALID_ARG, "%s: array has no data", name);
     float *f = malloc(bytes ? bytes : 1);
-    MHA_RETURN_IF(!f, err, NO_MEMORY, "%s: cannot allocate %zu bytes", name, bytes);
+    NPY_RETURN_IF(!f, err, NO_MEMORY, "%s: cannot allocate %zu bytes", name, bytes);
     if (a->dtype == MHA_DTYPE_F32) {
         if (bytes)
             memcpy(f, a->data, bytes);
@@ -551,12 +599,10 @@ mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha
         for (int64_t i = 0; i < a->count; i++)
             f[i] = narrow_f64(d[i]);
     } else {
-        const uint16_t *h = a->data;
-        for (int64_t i = 0; i < a->count; i++)
-            f[i] = mha__f16_to_f32(h[i]);
+        mha_half_to_f32(MHA_DTYPE_F16, a->data, f, a->count, NULL);
     }
     *out = f;
-    mha__ok(err);
+    npy_ok(err);
     return MHA_STATUS_OK;
 }
 
@@ -575,7 +621,7 @@ static size_t build_header(char *buf, size_t size, int32_t ndim, const int64_t *
     const size_t dict_len = (size_t)n;
     const size_t total = (10 + dict_len + 1 + 63) / 64 * 64;
     const size_t hlen = total - 10;
-    MHA_ASSERT(total <= size && hlen <= 0xffff);
+    assert(total <= size && hlen <= 0xffff);
     (void)size;
     memcpy(buf, NPY_MAGIC, 6);
     buf[6] = 1;
@@ -608,32 +654,32 @@ static int write_floats(FILE *f, const float *data, int64_t count) {
 
 mha_status mha__npy_write_f32(
     const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err) {
-    MHA_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_write_f32: path is NULL");
-    MHA_RETURN_IF(ndim < 0 || ndim > MHA_NPY_MAX_DIMS, err, INVALID_ARG,
+    NPY_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_write_f32: path is NULL");
+    NPY_RETURN_IF(ndim < 0 || ndim > MHA_NPY_MAX_DIMS, err, INVALID_ARG,
                   "%s: ndim=%d is outside [0, %d]", path, (int)ndim, MHA_NPY_MAX_DIMS);
-    MHA_RETURN_IF(ndim > 0 && !shape, err, INVALID_ARG, "%s: shape is NULL", path);
+    NPY_RETURN_IF(ndim > 0 && !shape, err, INVALID_ARG, "%s: shape is NULL", path);
     for (int32_t i = 0; i < ndim; i++)
-        MHA_RETURN_IF(shape[i] < 0, err, INVALID_ARG, "%s: shape[%d]=%lld is negative", path,
+        NPY_RETURN_IF(shape[i] < 0, err, INVALID_ARG, "%s: shape[%d]=%lld is negative", path,
                       (int)i, (long long)shape[i]);
     int64_t count;
     size_t bytes;
-    MHA_RETURN_IF(!mha__prod_i64(shape, ndim, &count) || !mha__bytes(count, 4, &bytes), err,
-                  OVERFLOW, "%s: the shape's size overflows", path);
-    MHA_RETURN_IF(count > 0 && !data, err, INVALID_ARG, "%s: data is NULL", path);
+    NPY_RETURN_IF(!npy_prod(shape, ndim, &count) || !npy_bytes(count, 4, &bytes), err, OVERFLOW,
+                  "%s: the shape's size overflows", path);
+    NPY_RETURN_IF(count > 0 && !data, err, INVALID_ARG, "%s: data is NULL", path);
 
     char header[512];
     const size_t header_len = build_header(header, sizeof header, ndim, shape);
 
     const size_t tmp_size = strlen(path) + 32;
     char *tmp = malloc(tmp_size);
-    MHA_RETURN_IF(!tmp, err, NO_MEMORY, "%s: out of memory", path);
+    NPY_RETURN_IF(!tmp, err, NO_MEMORY, "%s: out of memory", path);
     snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
 
     FILE *f = fopen(tmp, "wb");
     if (!f) {
         int e = errno;
         mha_status st =
-            mha__fail(err, MHA_STATUS_IO, "%s: cannot create '%s': %s", path, tmp, strerror(e));
+            npy_fail(err, MHA_STATUS_IO, "%s: cannot create '%s': %s", path, tmp, strerror(e));
         free(tmp);
         return st;
     }
@@ -652,9 +698,9 @@ mha_status mha__npy_write_f32(
     if (!ok) {
         remove(tmp);
         free(tmp);
-        return mha__fail(err, MHA_STATUS_IO, "%s: cannot write: %s", path, strerror(e));
+        return npy_fail(err, MHA_STATUS_IO, "%s: cannot write: %s", path, strerror(e));
     }
     free(tmp);
-    mha__ok(err);
+    npy_ok(err);
     return MHA_STATUS_OK;
 }

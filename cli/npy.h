@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* npy.h: NumPy .npy reader/writer (format versions 1.0, 2.0 and 3.0), internal to the project
- * (used by the CLI and the tests, not exported from the shared library).
+ * (cli/: used by the CLI and the tests, not part of the library).
  *
  * Files are untrusted: the header dict is parsed strictly, every size is overflow-checked and the
  * data length must match the shape exactly. Writes go to "<path>.tmp.<pid>" and are renamed, so an
