@@ -417,7 +417,27 @@ static void test_workspace_alignment(void) {
     free(buf);
 }
 
+/* The loader with and without safetensors support (-DMHA_SAFETENSORS=OFF): a missing file is an
+ * I/O error naming it, or UNSUPPORTED saying how the library was built; *out is NULL either way. */
+static void test_safetensors_switch(void) {
+    mha_layer *layer = (mha_layer *)&layer;
+    mha_error err;
+    mha_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.num_heads = 4;
+    const mha_status st = mha_layer_load_safetensors("no/such/file.safetensors", NULL, NULL, &cfg,
+                                                     NULL, &layer, &err);
+#if MHA_TEST_SAFETENSORS
+    CHECK(st == MHA_STATUS_IO && strstr(err.message, "no/such/file.safetensors") && !layer,
+          "missing file: %s %s", mha_status_string(st), err.message);
+#else
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "MHA_SAFETENSORS=OFF") && !layer,
+          "built without safetensors: %s %s", mha_status_string(st), err.message);
+#endif
+}
+
 int main(void) {
+    test_safetensors_switch();
     test_status_strings();
     test_layer_create_errors();
     test_forward_errors();

@@ -1,0 +1,37 @@
+/* SPDX-License-Identifier: MIT */
+/* safetensors_off.c: the safetensors entry points of a library built with -DMHA_SAFETENSORS=OFF
+ * (no cJSON needed): each says so, in place of src/io/safetensors.c. */
+#include "io/safetensors.h"
+
+#include "internal.h"
+
+static mha_status built_without(mha_layer **out, mha_error *err) {
+    if (out)
+        *out = NULL;
+    return mha__fail(err, MHA_STATUS_UNSUPPORTED,
+                     "this libmha was built without safetensors support (-DMHA_SAFETENSORS=OFF)");
+}
+
+mha_status mha_layer_load_safetensors(const char *path,
+                                      const char *prefix,
+                                      const mha_name_map *names,
+                                      const mha_config *config,
+                                      const mha_allocator *allocator,
+                                      mha_layer **out,
+                                      mha_error *err) {
+    (void)path, (void)prefix, (void)names, (void)config, (void)allocator;
+    return built_without(out, err);
+}
+
+mha_status mha__safetensors_load_mem(const void *buf,
+                                     size_t len,
+                                     const char *name,
+                                     const char *prefix,
+                                     const mha_name_map *names,
+                                     const mha_config *config,
+                                     const mha_allocator *allocator,
+                                     mha_layer **out,
+                                     mha_error *err) {
+    (void)buf, (void)len, (void)name, (void)prefix, (void)names, (void)config, (void)allocator;
+    return built_without(out, err);
+}
