@@ -116,24 +116,45 @@ static int get_threads(PyObject *o, int32_t *threads) {
     return 0;
 }
 
-/* mha_layer_forward with the GIL released; 0, or -1 with MhaError set. */
-static int run_forward(const mha_layer *layer, const mha_forward_args *a, const mha_exec *ex) {
+/* The one entry both calls share: self-attention mha_layer_forward without masks, positions or
+ * dropout, query [batch, n, q_dim] -> out [batch, n, out_dim] and, unless NULL, probs
+ * [batch, h, n, n] ([batch, n, n] if average), with the GIL released. The structs are filled as
+ * the general path's python/mha/_marshal.py fills them (forward_args, exec_struct): zero, then
+ * the window (-1, -1), the sizes and pointers, impl and threads. 0, or -1 with MhaError set. */
+static int self_forward(const mha_layer *layer,
+                        int64_t batch,
+                        int64_t n,
+                        const float *query,
+                        float *out,
+                        float *probs,
+                        int average,
+                        mha_impl impl,
+                        int32_t threads) {
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.mask.window_left = -1;
+    a.mask.window_right = -1;
+    a.batch = batch;
+    a.q_len = n;
+    a.kv_len = n;
+    a.query = query;
+    a.out = out;
+    a.probs = probs;
+    a.average_probs = average;
+    mha_exec ex;
+    memset(&ex, 0, sizeof ex); /* every field after these two: its default */
+    ex.impl = impl;
+    ex.n_threads = threads;
     mha_error err;
     err.message[0] = '\0';
     PyThreadState *ts = PyEval_SaveThread(); /* Py_BEGIN_ALLOW_THREADS */
-    mha_status st = g_forward(layer, a, ex, &err);
+    mha_status st = g_forward(layer, &a, &ex, &err);
     PyEval_RestoreThread(ts); /* Py_END_ALLOW_THREADS */
     if (st != MHA_STATUS_OK) {
         raise_status(st, &err);
         return -1;
     }
     return 0;
-}
-
-static void init_args(mha_forward_args *a) {
-    memset(a, 0, sizeof *a);
-    a->mask.window_left = -1; /* no masking, no dropout: what the general path passes */
-    a->mask.window_right = -1;
 }
 
 PyDoc_STRVAR(bind_doc,
@@ -223,12 +244,6 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
         PyBuffer_Release(&x);
         Py_RETURN_NOTIMPLEMENTED;
     }
-    mha_forward_args a;
-    init_args(&a);
-    a.batch = x.ndim == 3 ? x.shape[0] : 1;
-    a.q_len = x.shape[x.ndim - 2];
-    a.kv_len = a.q_len;
-    a.query = x.buf;
     PyObject *shape = x.ndim == 3
                           ? Py_BuildValue("(nnL)", x.shape[0], x.shape[1], (long long)c->out_dim)
                           : Py_BuildValue("(nL)", x.shape[0], (long long)c->out_dim);
@@ -247,12 +262,8 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_DECREF(out);
         return NULL;
     }
-    a.out = o.buf;
-    mha_exec ex;
-    memset(&ex, 0, sizeof ex);
-    ex.impl = (mha_impl)impl;
-    ex.n_threads = (int32_t)threads;
-    const int failed = run_forward(layer, &a, &ex);
+    const int failed = self_forward(layer, x.ndim == 3 ? x.shape[0] : 1, x.shape[x.ndim - 2], x.buf,
+                                    o.buf, NULL, 0, (mha_impl)impl, (int32_t)threads);
     PyBuffer_Release(&o);
     PyBuffer_Release(&x);
     if (failed) {
@@ -282,26 +293,19 @@ static PyObject *layer_call(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     void *layer, *query, *out, *probs;
-    mha_forward_args a;
-    init_args(&a);
-    mha_exec ex;
-    memset(&ex, 0, sizeof ex);
+    int64_t batch, n;
+    int32_t threads;
     int average = PyObject_IsTrue(args[6]);
-    if (average < 0 || get_ptr(args[0], &layer) || get_i64(args[1], &a.batch) ||
-        get_i64(args[2], &a.q_len) || get_ptr(args[3], &query) || get_ptr(args[4], &out) ||
-        get_ptr(args[5], &probs) || get_threads(args[7], &ex.n_threads)) {
+    if (average < 0 || get_ptr(args[0], &layer) || get_i64(args[1], &batch) ||
+        get_i64(args[2], &n) || get_ptr(args[3], &query) || get_ptr(args[4], &out) ||
+        get_ptr(args[5], &probs) || get_threads(args[7], &threads)) {
         return NULL;
     }
     if (layer == NULL) {
         PyErr_SetString(PyExc_ValueError, "layer_call: NULL layer");
         return NULL;
     }
-    a.kv_len = a.q_len;
-    a.query = query;
-    a.out = out;
-    a.probs = probs;
-    a.average_probs = average;
-    if (run_forward(layer, &a, &ex)) {
+    if (self_forward(layer, batch, n, query, out, probs, average, MHA_IMPL_AUTO, threads)) {
         return NULL;
     }
     Py_RETURN_NONE;
