@@ -58,12 +58,18 @@ static int get_fn(PyObject *addr, void *fn, size_t fn_size) {
     return 0;
 }
 
-static int bound(void) {
+/* The preamble of an entry point: `want` arguments (else TypeError with its usage line) and
+ * bind() called. 0, or -1 with the exception set. */
+static int entry(Py_ssize_t nargs, Py_ssize_t want, const char *usage) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
     if (g_forward == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "mha._fastcall: bind() was not called");
-        return 0;
+        return -1;
     }
-    return 1;
+    return 0;
 }
 
 /* Raises MhaError(status, message) as _lib.check does; returns NULL. */
@@ -99,6 +105,20 @@ static int get_i64(PyObject *o, int64_t *v) {
         return -1;
     }
     *v = (int64_t)x;
+    return 0;
+}
+
+/* The layer address argument of entry point `fn`: an int, not 0 (ValueError). */
+static int get_layer(PyObject *o, const char *fn, const mha_layer **layer) {
+    void *p;
+    if (get_ptr(o, &p)) {
+        return -1;
+    }
+    if (p == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: NULL layer", fn);
+        return -1;
+    }
+    *layer = p;
     return 0;
 }
 
@@ -206,22 +226,11 @@ PyDoc_STRVAR(layer_forward_doc,
 
 static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "layer_forward(layer, x, impl, threads)");
+    const mha_layer *layer;
+    if (entry(nargs, 4, "layer_forward(layer, x, impl, threads)") ||
+        get_layer(args[0], "layer_forward", &layer)) {
         return NULL;
     }
-    if (!bound()) {
-        return NULL;
-    }
-    void *layer_ptr;
-    if (get_ptr(args[0], &layer_ptr)) {
-        return NULL;
-    }
-    if (layer_ptr == NULL) {
-        PyErr_SetString(PyExc_ValueError, "layer_forward: NULL layer");
-        return NULL;
-    }
-    const mha_layer *layer = layer_ptr;
     int overflow_impl = 0, overflow_threads = 0; /* on overflow the value read is -1 */
     long impl = PyLong_Check(args[2]) ? PyLong_AsLongAndOverflow(args[2], &overflow_impl) : -1;
     long long threads =
@@ -284,25 +293,17 @@ PyDoc_STRVAR(
 
 static PyObject *layer_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError,
-                        "layer_call(layer, batch, n, query, out, probs, average, threads)");
+    if (entry(nargs, 8, "layer_call(layer, batch, n, query, out, probs, average, threads)")) {
         return NULL;
     }
-    if (!bound()) {
-        return NULL;
-    }
-    void *layer, *query, *out, *probs;
+    const mha_layer *layer;
+    void *query, *out, *probs;
     int64_t batch, n;
     int32_t threads;
     int average = PyObject_IsTrue(args[6]);
-    if (average < 0 || get_ptr(args[0], &layer) || get_i64(args[1], &batch) ||
+    if (average < 0 || get_layer(args[0], "layer_call", &layer) || get_i64(args[1], &batch) ||
         get_i64(args[2], &n) || get_ptr(args[3], &query) || get_ptr(args[4], &out) ||
         get_ptr(args[5], &probs) || get_threads(args[7], &threads)) {
-        return NULL;
-    }
-    if (layer == NULL) {
-        PyErr_SetString(PyExc_ValueError, "layer_call: NULL layer");
         return NULL;
     }
     if (self_forward(layer, batch, n, query, out, probs, average, MHA_IMPL_AUTO, threads)) {
