@@ -139,11 +139,12 @@ def _mask_tensor(t: L.mha_mask_tensor, x: ArrayLike, name: str, additive: bool,
 def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignment, mask,
                   mask_means: str, attn_bias, key_padding_mask, window, q_segment_ids,
                   kv_segment_ids, n: int, m: int, insert_head_axis: bool = False) -> None:
+    """The masking options into mk, which comes from M.forward_args or M.attention_args (zeroed:
+    no masking, window already unbounded); keeps what it points at."""
     if (causal is False and alignment is None and mask is None and attn_bias is None
             and key_padding_mask is None and window is None and q_segment_ids is None
             and kv_segment_ids is None):
-        M.no_window(mk)  # no masking (the common call: skip the rest)
-        return
+        return  # no masking (the common call: skip the rest)
     if isinstance(causal, str):
         if causal not in ("bottom-right", "top-left"):
             raise ValueError(f"causal: expected True/False, 'bottom-right' or 'top-left', got {causal!r}")
@@ -168,8 +169,6 @@ def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignmen
             raise ValueError("window: expected (left, right); None or -1 = unbounded")
         left, right = (-1 if w is None else int(w) for w in window)
         mk.window_left, mk.window_right, mk.use_window = left, right, 1
-    else:
-        M.no_window(mk)
     if mask is not None:
         ma = np.asarray(mask)
         if ma.dtype.kind == "f":
@@ -813,7 +812,7 @@ class MultiheadAttention:
             window=window, positions=positions, key_positions=key_positions,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=dropout,
             seed=seed, need_weights=need_weights, average_attn_weights=average_attn_weights)
-        M.layer_forward(self._ptr, a, _exec(impl, threads), train=False)
+        M.layer_forward(self._ptr, a, _exec(impl, threads), False)
         if unbatched:
             out = out[0]
             probs = None if probs is None else probs[0]
@@ -837,7 +836,7 @@ class MultiheadAttention:
             raise TypeError(f"forward_train: unexpected keyword arguments {sorted(bad)}")
         opts.update(options)
         a, out, probs, unbatched = self._forward_args(query, key, value, keep, **opts)
-        st = M.layer_forward(self._ptr, a, _exec(impl, threads), train=True)
+        st = M.layer_forward(self._ptr, a, _exec(impl, threads), True)
         shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len,
                   "self": key is None, "value_is_key": key is not None and value is None,
                   "unbatched": unbatched}

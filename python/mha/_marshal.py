@@ -121,7 +121,9 @@ def forward_args(batch: int, q_len: int, kv_len: int, query: int, key: Optional[
     positions, dropout and outputs are left zeroed (off) except the unbounded window."""
     a = L.mha_forward_args()
     a.batch, a.q_len, a.kv_len = batch, q_len, kv_len
-    a.query, a.key, a.value = query, key, value
+    a.query = query
+    if key is not None:  # (setting a NULL field costs as much as any other)
+        a.key, a.value = key, value
     no_window(a.mask)
     return a
 

@@ -90,7 +90,7 @@ def _layer_forward(layer_ptr: int, a: L.mha_forward_args, threads: int, out_shap
     if probs_shape is not None:
         probs = _empty(probs_shape)
         a.probs = probs.data_ptr()
-    st = M.layer_forward(layer_ptr, a, M.exec_struct(_AUTO, threads), train=spec is not None)
+    st = M.layer_forward(layer_ptr, a, M.exec_struct(_AUTO, threads), spec is not None)
     if spec is not None:
         spec.state = _StateHandle(st)
     return out, probs
@@ -637,8 +637,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                            f"heads in query ({h})")
     scale = M.scale_value(scale, "mha: scale=0 is not supported (0 means the default "
                                  "1/sqrt(E))")
-    a = M.attention_args(*((t.data_ptr(), t.shape, t.stride()[:3]) for t in (q4, k4, v4)),
-                         scale)
+    a = M.attention_args((q4.data_ptr(), q4.shape, q4.stride()[:3]),
+                         (k4.data_ptr(), k4.shape, k4.stride()[:3]),
+                         (v4.data_ptr(), v4.shape, v4.stride()[:3]), scale)
     keep = [q4, k4, v4]
     mk = a.mask
     if is_causal:
