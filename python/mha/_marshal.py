@@ -23,7 +23,8 @@ _EXECS: Dict[Tuple[int, int], L.mha_exec] = {}
 def exec_struct(impl: int, threads: int) -> L.mha_exec:
     """The mha_exec of (impl code, threads), the one place Python fills one. Built once per
     pair and shared (the library only reads it; saves ~1 us per call); threads that are not a
-    plain int are not cached. The caller has checked both values or lets the library do it."""
+    plain int are not cached; the other fields (workspace, allocator, pool) stay NULL. The caller
+    has checked both values or lets the library do it."""
     ex = _EXECS.get((impl, threads))
     if ex is None:
         ex = L.mha_exec()
