@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _lib as L
+from . import _marshal as M
 from ._lib import MhaError
 
 ArrayLike = Any  # numpy arrays, or anything np.asarray accepts (lists, CPU torch tensors, ...)
@@ -132,21 +133,18 @@ def _mask_tensor(t: L.mha_mask_tensor, x: ArrayLike, name: str, additive: bool,
     if a.ndim < 1 or a.ndim > L.MAX_MASK_DIMS:
         raise ValueError(f"{name}: expected 1 to {L.MAX_MASK_DIMS} dimensions, got shape {a.shape}")
     keep.append(a)
-    t.data = _ptr(a)
-    t.dtype = code
-    t.ndim = a.ndim
-    for i, s in enumerate(a.shape):
-        t.shape[i] = s
+    M.set_mask_tensor(t, _ptr(a), code, a.shape)
 
 
 def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignment, mask,
                   mask_means: str, attn_bias, key_padding_mask, window, q_segment_ids,
                   kv_segment_ids, n: int, m: int, insert_head_axis: bool = False) -> None:
+    """The masking options into mk, which comes from M.forward_args or M.attention_args (zeroed:
+    no masking, window already unbounded); keeps what it points at."""
     if (causal is False and alignment is None and mask is None and attn_bias is None
             and key_padding_mask is None and window is None and q_segment_ids is None
             and kv_segment_ids is None):
-        mk.window_left = mk.window_right = -1  # no masking (the common call: skip the rest)
-        return
+        return  # no masking (the common call: skip the rest)
     if isinstance(causal, str):
         if causal not in ("bottom-right", "top-left"):
             raise ValueError(f"causal: expected True/False, 'bottom-right' or 'top-left', got {causal!r}")
@@ -171,8 +169,6 @@ def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignmen
             raise ValueError("window: expected (left, right); None or -1 = unbounded")
         left, right = (-1 if w is None else int(w) for w in window)
         mk.window_left, mk.window_right, mk.use_window = left, right, 1
-    else:
-        mk.window_left, mk.window_right = -1, -1
     if mask is not None:
         ma = np.asarray(mask)
         if ma.dtype.kind == "f":
@@ -198,33 +194,23 @@ def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignmen
         mk.q_segment_ids, mk.kv_segment_ids = _ptr(qs), _ptr(ks)
 
 
-_EXECS: Dict[Tuple[Any, Any], L.mha_exec] = {}
-
-
 def _exec(impl: str, threads: int) -> L.mha_exec:
-    """The mha_exec of (impl, threads); built once and shared (the library only reads it)."""
-    ex = _EXECS.get((impl, threads))
-    if ex is not None:
-        return ex
-    ex = L.mha_exec()
-    try:
-        ex.impl = L.IMPLS[impl]
-    except KeyError:
-        raise ValueError(f"impl: expected 'auto', 'reference' or 'fast', got {impl!r}") from None
+    """The (shared, cached) mha_exec of impl 'auto', 'reference' or 'fast' and threads >= 0."""
+    code = L.IMPLS.get(impl)
+    if code is None:
+        raise ValueError(f"impl: expected 'auto', 'reference' or 'fast', got {impl!r}")
     if threads < 0:
         raise ValueError(f"threads: expected >= 0 (0 = all CPUs), got {threads}")
-    ex.n_threads = int(threads)
-    if type(threads) is int and len(_EXECS) < 256:
-        _EXECS[(impl, threads)] = ex
-    return ex
+    return M.exec_struct(code, threads if type(threads) is int else int(threads))
 
 
 def _dropout(d: L.mha_dropout, p: float, seed: int) -> None:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout: expected a probability in [0, 1), got {p}")
-    d.p = float(p)
-    d.seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    d.training = 1 if p > 0 else 0
+    M.set_dropout(d, p, seed)
+
+
+_SCALE_ZERO = "scale=0 is not supported (0 means the default 1/sqrt(d_k) in libmha)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -325,9 +311,7 @@ def rope(x: ArrayLike, positions: Optional[ArrayLike] = None, *, style: str = "i
         else:
             pos = _int_array(p, "positions", np.int64, (B, T))
             pstride = T
-    err = L.mha_error()
-    L.check(L.mha_rope_apply(ctypes.byref(r), B, T, H, D, _ptr(out), ctypes.byref(strides),
-                             _ptr(pos), pstride, ctypes.byref(err)), err)
+    M.call(L.mha_rope_apply, r, B, T, H, D, _ptr(out), strides, _ptr(pos), pstride)
     return out
 
 
@@ -340,9 +324,7 @@ def rope_frequencies(head_dim: int, *, style: str = "interleaved", theta: float 
     R = rotary_dim or head_dim
     freqs = np.zeros(max(R // 2, 1), dtype=np.float64)
     fac = ctypes.c_double()
-    err = L.mha_error()
-    L.check(L.mha_rope_frequencies(ctypes.byref(r), head_dim, _ptr(freqs), ctypes.byref(fac),
-                                   ctypes.byref(err)), err)
+    M.call(L.mha_rope_frequencies, r, head_dim, _ptr(freqs), ctypes.byref(fac))
     return freqs[:R // 2], fac.value
 
 
@@ -381,12 +363,9 @@ def _core_args(q4, k4, v4, keep: list, *, scale, softcap, alibi, sinks, causal, 
     if (Bk, Bv) != (B, B) or gv != g or mv != m or dk != d:
         raise ValueError(f"q {q4.shape}, k {k4.shape}, v {v4.shape} ([B, heads, L, d]) do not "
                          f"agree: k and v need q's batch and head_dim, the same heads and length")
-    a = L.mha_attention_args()
-    a.batch, a.num_heads, a.num_kv_heads, a.q_len, a.kv_len = B, h, g, n, m
-    a.head_dim, a.v_head_dim = d, dv
-    if scale is not None and scale == 0:
-        raise ValueError("scale=0 is not supported (0 means the default 1/sqrt(d_k) in libmha)")
-    a.scale = float(scale or 0.0)
+    a = M.attention_args((_ptr(q4), q4.shape, _el_strides(q4)),
+                         (_ptr(k4), k4.shape, _el_strides(k4)),
+                         (_ptr(v4), v4.shape, _el_strides(v4)), M.scale_value(scale, _SCALE_ZERO))
     a.softcap = float(softcap or 0.0)
     a.alibi = 1 if alibi else 0
     if sinks is not None:
@@ -395,10 +374,6 @@ def _core_args(q4, k4, v4, keep: list, *, scale, softcap, alibi, sinks, causal, 
             raise ValueError(f"sinks: expected shape ({h},), got {s.shape}")
         keep.append(s)
         a.sinks = _ptr(s)
-    a.q, a.k, a.v = _ptr(q4), _ptr(k4), _ptr(v4)
-    a.q_strides[:] = _el_strides(q4)
-    a.k_strides[:] = _el_strides(k4)
-    a.v_strides[:] = _el_strides(v4)
     _fill_masking(a.mask, keep, batch=B, causal=causal, alignment=alignment, mask=mask,
                   mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
                   window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -453,17 +428,14 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
     else:
         out4 = np.empty((B, h, n, dv), _F32)
         out_user = out4
-    a.out = _ptr(out4)
-    a.out_strides[:] = _el_strides(out4)
+    M.set_strided(a, "out", _ptr(out4), _el_strides(out4))
     lse = np.empty((B, h, n), _F32) if return_lse else None
     probs = None
     if need_weights:
         probs = np.empty((B, n, m) if average_attn_weights else (B, h, n, m), _F32)
         a.average_probs = 1 if average_attn_weights else 0
     a.lse, a.probs = _ptr(lse), _ptr(probs)
-    err = L.mha_error()
-    ex = _exec(impl, threads)
-    L.check(L.mha_attention(a, ex, err), err)
+    M.call(L.mha_attention, a, _exec(impl, threads))
     if nd == 3:
         out_user = out_user[:, 0]
         lse = None if lse is None else lse[:, 0]
@@ -489,8 +461,6 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     (masks, scale, softcap, alibi, dropout and seed, ...). Returns (dq, dk, dv), plus dsinks
     when ``sinks`` is given, shaped like q, k, v (and sinks).
     """
-    if L.mha_attention_backward is None:
-        raise NotImplementedError("this libmha has no mha_attention_backward (library too old)")
     q4, k4, v4, nd = _core_views(q, k, v, layout)
     o4, do4 = _core_views(out, dout, dout, layout)[:2]
     keep: list = []
@@ -506,22 +476,18 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     ls = _float32(lse, "lse").reshape(-1)
     if ls.size != B * h * n:
         raise ValueError(f"lse: expected {B * h * n} values ([B, h, n]), got {ls.size}")
-    a.out, a.lse = _ptr(o4), _ptr(ls)
-    a.out_strides[:] = _el_strides(o4)
+    a.lse = _ptr(ls)
+    M.set_strided(a, "out", _ptr(o4), _el_strides(o4))
     gr = L.mha_attention_grads()
-    gr.dout = _ptr(do4)
-    gr.dout_strides[:] = _el_strides(do4)
+    M.set_strided(gr, "dout", _ptr(do4), _el_strides(do4))
     grads = [np.empty(t.shape, _F32) for t in (q4, k4, v4)]
     for g_, nm in zip(grads, ("dq", "dk", "dv")):
-        setattr(gr, nm, _ptr(g_))
-        getattr(gr, nm + "_strides")[:] = _el_strides(g_)
+        M.set_strided(gr, nm, _ptr(g_), _el_strides(g_))
     dsinks = None
     if sinks is not None:
         dsinks = np.empty((h,), _F32)
         gr.dsinks = _ptr(dsinks)
-    err = L.mha_error()
-    ex = _exec(impl, threads)
-    L.check(L.mha_attention_backward(a, gr, ex, err), err)
+    M.call(L.mha_attention_backward, a, gr, _exec(impl, threads))
     if nd == 4 and layout == "blhd":
         grads = [g_.transpose(0, 2, 1, 3) for g_ in grads]
     elif nd == 3:
@@ -568,9 +534,7 @@ def _options_config(num_heads: int, num_kv_heads: Optional[int], scale, softcap,
     c = L.mha_config()
     c.num_heads = int(num_heads)
     c.num_kv_heads = int(num_kv_heads or 0)
-    if scale is not None and scale == 0:
-        raise ValueError("scale=0 is not supported (0 means the default 1/sqrt(d_k) in libmha)")
-    c.scale = float(scale or 0.0)
+    c.scale = M.scale_value(scale, _SCALE_ZERO)
     c.softcap = float(softcap or 0.0)
     c.alibi = 1 if alibi else 0
     r = _as_rope(rope_opt)
@@ -677,9 +641,7 @@ class MultiheadAttention:
             w.sinks = _ptr(a)
             c.sinks = 1
         ptr = ctypes.c_void_p()
-        err = L.mha_error()
-        L.check(L.mha_layer_create(ctypes.byref(c), ctypes.byref(w), 0, None, ctypes.byref(ptr),
-                                   ctypes.byref(err)), err)
+        M.call(L.mha_layer_create, c, w, 0, None, ptr)
         self._init_handle(ptr.value)
 
     def _init_handle(self, ptr: int) -> None:
@@ -713,11 +675,8 @@ class MultiheadAttention:
                 keep.append(b)
                 setattr(nm, key, b)
         ptr = ctypes.c_void_p()
-        err = L.mha_error()
-        L.check(L.mha_layer_load_safetensors(
-            str(path).encode(), prefix.encode() if prefix else None,
-            ctypes.byref(nm) if nm is not None else None, ctypes.byref(c), None,
-            ctypes.byref(ptr), ctypes.byref(err)), err)
+        M.call(L.mha_layer_load_safetensors, str(path).encode(),
+               prefix.encode() if prefix else None, nm, c, None, ptr)
         self = cls.__new__(cls)
         self._init_handle(ptr.value)
         return self
@@ -760,9 +719,7 @@ class MultiheadAttention:
             raise ValueError(f"query: expected [B, n, {c.q_dim}] or [n, {c.q_dim}], got shape "
                              f"{np.shape(query)}")
         B, n = x.shape[:2]
-        a = L.mha_forward_args()
-        a.batch, a.q_len, a.kv_len = B, n, n
-        a.query = _ptr(x)
+        m = n
         keep.append(x)
         kx = vx = None
         if key is None and value is not None:
@@ -774,8 +731,7 @@ class MultiheadAttention:
                 raise ValueError(f"key: expected [{B}, m, {c.k_dim}]"
                                  f"{' (unbatched: [m, k_dim])' if unbatched else ''}, got shape "
                                  f"{np.shape(key)}")
-            a.kv_len = kx.shape[1]
-            a.key = _ptr(kx)
+            m = kx.shape[1]
             keep.append(kx)
             if value is not None:
                 vx = _float32(value, "value")
@@ -783,14 +739,13 @@ class MultiheadAttention:
                 if vx.shape != (B, kx.shape[1], c.v_dim):
                     raise ValueError(f"value: expected [{B}, {kx.shape[1]}, {c.v_dim}], got "
                                      f"shape {np.shape(value)}")
-                a.value = _ptr(vx)
                 keep.append(vx)
             elif c.v_dim != c.k_dim:
                 raise ValueError(f"value is needed: v_dim={c.v_dim} differs from k_dim={c.k_dim}")
         elif c.k_dim != c.q_dim or c.v_dim != c.q_dim:
             raise ValueError("self-attention (key=None) needs q_dim == k_dim == v_dim; pass key "
                              "and value")
-        m = a.kv_len
+        a = M.forward_args(B, n, m, _ptr(x), _ptr(kx), _ptr(vx))
         if positions is not None:
             p = _int_array(positions, "positions", np.int64, (B, n))
             keep.append(p)
@@ -799,15 +754,10 @@ class MultiheadAttention:
             p = _int_array(key_positions, "key_positions", np.int64, (B, m))
             keep.append(p)
             a.k_positions = _ptr(p)
-        if (causal is False and alignment is None and mask is None and attn_bias is None
-                and key_padding_mask is None and window is None and q_segment_ids is None
-                and kv_segment_ids is None):
-            a.mask.window_left = a.mask.window_right = -1  # no masking: the common call
-        else:
-            _fill_masking(a.mask, keep, batch=B, causal=causal, alignment=alignment, mask=mask,
-                          mask_means=mask_means, attn_bias=attn_bias,
-                          key_padding_mask=key_padding_mask, window=window,
-                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, n=n, m=m)
+        _fill_masking(a.mask, keep, batch=B, causal=causal, alignment=alignment, mask=mask,
+                      mask_means=mask_means, attn_bias=attn_bias,
+                      key_padding_mask=key_padding_mask, window=window,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, n=n, m=m)
         if dropout != 0.0 or seed != 0:  # else the zeroed struct already says "no dropout"
             _dropout(a.dropout, dropout, seed)
         out = np.empty((B, n, c.out_dim), _F32)
@@ -862,11 +812,7 @@ class MultiheadAttention:
             window=window, positions=positions, key_positions=key_positions,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=dropout,
             seed=seed, need_weights=need_weights, average_attn_weights=average_attn_weights)
-        err = L.mha_error()
-        ex = _exec(impl, threads)
-        # Structs are passed as they are (ctypes passes them by reference): ~2 us cheaper
-        # per call than ctypes.byref objects.
-        L.check(L.mha_layer_forward(self._ptr, a, ex, err), err)
+        M.layer_forward(self._ptr, a, _exec(impl, threads), False)
         if unbatched:
             out = out[0]
             probs = None if probs is None else probs[0]
@@ -880,8 +826,6 @@ class MultiheadAttention:
                       **options):
         """Forward in training mode (mha_layer_forward_train): the same outputs as
         :meth:`forward` followed by a :class:`TrainState` for :meth:`backward`."""
-        if L.mha_layer_forward_train is None:
-            raise NotImplementedError("this libmha has no mha_layer_forward_train")
         keep: list = []
         opts = dict(causal=False, alignment=None, mask=None, mask_means="attend",
                     attn_bias=None, key_padding_mask=None, window=None, positions=None,
@@ -892,14 +836,11 @@ class MultiheadAttention:
             raise TypeError(f"forward_train: unexpected keyword arguments {sorted(bad)}")
         opts.update(options)
         a, out, probs, unbatched = self._forward_args(query, key, value, keep, **opts)
-        err = L.mha_error()
-        ex = _exec(impl, threads)
-        st = ctypes.c_void_p()
-        L.check(L.mha_layer_forward_train(self._ptr, a, ex, st, err), err)
+        st = M.layer_forward(self._ptr, a, _exec(impl, threads), True)
         shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len,
                   "self": key is None, "value_is_key": key is not None and value is None,
                   "unbatched": unbatched}
-        state = TrainState(self, st.value, keep, shapes)
+        state = TrainState(self, st, keep, shapes)
         if unbatched:
             out = out[0]
             probs = None if probs is None else probs[0]
@@ -949,9 +890,8 @@ class MultiheadAttention:
                     want(nm, "d" + nm, (shp,))
             if c.sinks:
                 want("sinks", "d_sinks", (c.num_heads,))
-        err = L.mha_error()
-        ex = _exec(impl, threads)
-        L.check(L.mha_layer_backward(self._ptr, state._handle.ptr, _ptr(d), g, ex, err), err)
+        M.call(L.mha_layer_backward, self._ptr, state._handle.ptr, _ptr(d), g,
+               _exec(impl, threads))
         if s["unbatched"]:
             for nm in ("query", "key", "value"):
                 if nm in res:
@@ -990,9 +930,7 @@ class KVCache:
         c.max_seq, c.batch, c.dtype = int(max_seq), int(batch), self._DTYPES[dtype]
         c.window, c.max_step_tokens = int(window), int(max_step_tokens)
         ptr = ctypes.c_void_p()
-        err = L.mha_error()
-        L.check(L.mha_kv_cache_create(ctypes.byref(c), layer._ptr, None, ctypes.byref(ptr),
-                                      ctypes.byref(err)), err)
+        M.call(L.mha_kv_cache_create, c, layer._ptr, None, ptr)
         self._layer = layer
         self._handle = _Handle(ptr.value, L.mha_kv_cache_destroy)
 
@@ -1004,12 +942,10 @@ class KVCache:
         return n
 
     def reset(self, seq: int = 0) -> None:
-        err = L.mha_error()
-        L.check(L.mha_kv_cache_reset(self._handle.ptr, seq, ctypes.byref(err)), err)
+        M.call(L.mha_kv_cache_reset, self._handle.ptr, seq)
 
     def truncate(self, seq: int, new_len: int) -> None:
-        err = L.mha_error()
-        L.check(L.mha_kv_cache_truncate(self._handle.ptr, seq, new_len, ctypes.byref(err)), err)
+        M.call(L.mha_kv_cache_truncate, self._handle.ptr, seq, new_len)
 
     def _run(self, fn, x, seq_ids, impl, threads) -> np.ndarray:
         c = self._layer.config
@@ -1027,9 +963,7 @@ class KVCache:
             d.seq_ids = _ptr(ids)
         out = np.empty((a.shape[0], a.shape[1], c.out_dim), _F32)
         d.x, d.out = _ptr(a), _ptr(out)
-        err = L.mha_error()
-        ex = _exec(impl, threads)
-        L.check(fn(self._layer._ptr, self._handle.ptr, d, ex, err), err)
+        M.call(fn, self._layer._ptr, self._handle.ptr, d, _exec(impl, threads))
         return out[0] if single else out
 
     def prefill(self, x: ArrayLike, seq_ids: Optional[Sequence[int]] = None, *,

@@ -58,12 +58,18 @@ static int get_fn(PyObject *addr, void *fn, size_t fn_size) {
     return 0;
 }
 
-static int bound(void) {
+/* The preamble of an entry point: `want` arguments (else TypeError with its usage line) and
+ * bind() called. 0, or -1 with the exception set. */
+static int entry(Py_ssize_t nargs, Py_ssize_t want, const char *usage) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
     if (g_forward == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "mha._fastcall: bind() was not called");
-        return 0;
+        return -1;
     }
-    return 1;
+    return 0;
 }
 
 /* Raises MhaError(status, message) as _lib.check does; returns NULL. */
@@ -102,6 +108,20 @@ static int get_i64(PyObject *o, int64_t *v) {
     return 0;
 }
 
+/* The layer address argument of entry point `fn`: an int, not 0 (ValueError). */
+static int get_layer(PyObject *o, const char *fn, const mha_layer **layer) {
+    void *p;
+    if (get_ptr(o, &p)) {
+        return -1;
+    }
+    if (p == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: NULL layer", fn);
+        return -1;
+    }
+    *layer = p;
+    return 0;
+}
+
 /* threads: passed to the library as it is (an int32, as the ctypes path passes it). */
 static int get_threads(PyObject *o, int32_t *threads) {
     long long t = PyLong_AsLongLong(o);
@@ -116,24 +136,45 @@ static int get_threads(PyObject *o, int32_t *threads) {
     return 0;
 }
 
-/* mha_layer_forward with the GIL released; 0, or -1 with MhaError set. */
-static int run_forward(const mha_layer *layer, const mha_forward_args *a, const mha_exec *ex) {
+/* The one entry both calls share: self-attention mha_layer_forward without masks, positions or
+ * dropout, query [batch, n, q_dim] -> out [batch, n, out_dim] and, unless NULL, probs
+ * [batch, h, n, n] ([batch, n, n] if average), with the GIL released. The structs are filled as
+ * the general path's python/mha/_marshal.py fills them (forward_args, exec_struct): zero, then
+ * the window (-1, -1), the sizes and pointers, impl and threads. 0, or -1 with MhaError set. */
+static int self_forward(const mha_layer *layer,
+                        int64_t batch,
+                        int64_t n,
+                        const float *query,
+                        float *out,
+                        float *probs,
+                        int average,
+                        mha_impl impl,
+                        int32_t threads) {
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.mask.window_left = -1;
+    a.mask.window_right = -1;
+    a.batch = batch;
+    a.q_len = n;
+    a.kv_len = n;
+    a.query = query;
+    a.out = out;
+    a.probs = probs;
+    a.average_probs = average;
+    mha_exec ex;
+    memset(&ex, 0, sizeof ex); /* every field after these two: its default */
+    ex.impl = impl;
+    ex.n_threads = threads;
     mha_error err;
     err.message[0] = '\0';
     PyThreadState *ts = PyEval_SaveThread(); /* Py_BEGIN_ALLOW_THREADS */
-    mha_status st = g_forward(layer, a, ex, &err);
+    mha_status st = g_forward(layer, &a, &ex, &err);
     PyEval_RestoreThread(ts); /* Py_END_ALLOW_THREADS */
     if (st != MHA_STATUS_OK) {
         raise_status(st, &err);
         return -1;
     }
     return 0;
-}
-
-static void init_args(mha_forward_args *a) {
-    memset(a, 0, sizeof *a);
-    a->mask.window_left = -1; /* no masking, no dropout: what the general path passes */
-    a->mask.window_right = -1;
 }
 
 PyDoc_STRVAR(bind_doc,
@@ -185,22 +226,11 @@ PyDoc_STRVAR(layer_forward_doc,
 
 static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "layer_forward(layer, x, impl, threads)");
+    const mha_layer *layer;
+    if (entry(nargs, 4, "layer_forward(layer, x, impl, threads)") ||
+        get_layer(args[0], "layer_forward", &layer)) {
         return NULL;
     }
-    if (!bound()) {
-        return NULL;
-    }
-    void *layer_ptr;
-    if (get_ptr(args[0], &layer_ptr)) {
-        return NULL;
-    }
-    if (layer_ptr == NULL) {
-        PyErr_SetString(PyExc_ValueError, "layer_forward: NULL layer");
-        return NULL;
-    }
-    const mha_layer *layer = layer_ptr;
     int overflow_impl = 0, overflow_threads = 0; /* on overflow the value read is -1 */
     long impl = PyLong_Check(args[2]) ? PyLong_AsLongAndOverflow(args[2], &overflow_impl) : -1;
     long long threads =
@@ -223,12 +253,6 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
         PyBuffer_Release(&x);
         Py_RETURN_NOTIMPLEMENTED;
     }
-    mha_forward_args a;
-    init_args(&a);
-    a.batch = x.ndim == 3 ? x.shape[0] : 1;
-    a.q_len = x.shape[x.ndim - 2];
-    a.kv_len = a.q_len;
-    a.query = x.buf;
     PyObject *shape = x.ndim == 3
                           ? Py_BuildValue("(nnL)", x.shape[0], x.shape[1], (long long)c->out_dim)
                           : Py_BuildValue("(nL)", x.shape[0], (long long)c->out_dim);
@@ -247,12 +271,8 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_DECREF(out);
         return NULL;
     }
-    a.out = o.buf;
-    mha_exec ex;
-    memset(&ex, 0, sizeof ex);
-    ex.impl = (mha_impl)impl;
-    ex.n_threads = (int32_t)threads;
-    const int failed = run_forward(layer, &a, &ex);
+    const int failed = self_forward(layer, x.ndim == 3 ? x.shape[0] : 1, x.shape[x.ndim - 2], x.buf,
+                                    o.buf, NULL, 0, (mha_impl)impl, (int32_t)threads);
     PyBuffer_Release(&o);
     PyBuffer_Release(&x);
     if (failed) {
@@ -273,35 +293,20 @@ PyDoc_STRVAR(
 
 static PyObject *layer_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError,
-                        "layer_call(layer, batch, n, query, out, probs, average, threads)");
+    if (entry(nargs, 8, "layer_call(layer, batch, n, query, out, probs, average, threads)")) {
         return NULL;
     }
-    if (!bound()) {
-        return NULL;
-    }
-    void *layer, *query, *out, *probs;
-    mha_forward_args a;
-    init_args(&a);
-    mha_exec ex;
-    memset(&ex, 0, sizeof ex);
+    const mha_layer *layer;
+    void *query, *out, *probs;
+    int64_t batch, n;
+    int32_t threads;
     int average = PyObject_IsTrue(args[6]);
-    if (average < 0 || get_ptr(args[0], &layer) || get_i64(args[1], &a.batch) ||
-        get_i64(args[2], &a.q_len) || get_ptr(args[3], &query) || get_ptr(args[4], &out) ||
-        get_ptr(args[5], &probs) || get_threads(args[7], &ex.n_threads)) {
+    if (average < 0 || get_layer(args[0], "layer_call", &layer) || get_i64(args[1], &batch) ||
+        get_i64(args[2], &n) || get_ptr(args[3], &query) || get_ptr(args[4], &out) ||
+        get_ptr(args[5], &probs) || get_threads(args[7], &threads)) {
         return NULL;
     }
-    if (layer == NULL) {
-        PyErr_SetString(PyExc_ValueError, "layer_call: NULL layer");
-        return NULL;
-    }
-    a.kv_len = a.q_len;
-    a.query = query;
-    a.out = out;
-    a.probs = probs;
-    a.average_probs = average;
-    if (run_forward(layer, &a, &ex)) {
+    if (self_forward(layer, batch, n, query, out, probs, average, MHA_IMPL_AUTO, threads)) {
         return NULL;
     }
     Py_RETURN_NONE;

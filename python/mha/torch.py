@@ -19,14 +19,13 @@ masks; ``add_bias_kv`` and ``add_zero_attn`` raise NotImplementedError.
 """
 from __future__ import annotations
 
-import ctypes
-import math
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import _lib as L
+from . import _marshal as M
 from ._api import MultiheadAttention as _Layer
 from ._lib import MhaError
 
@@ -36,20 +35,7 @@ _F32 = torch.float32
 _fast = L.fast  # the compiled hot path (inference forward), or None: ctypes for everything
 _MASK_CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L.DTYPE_I32,
                torch.int64: L.DTYPE_I64, torch.float32: L.DTYPE_F32}
-
-
-_EXECS: dict = {}
-
-
-def _exec(threads: int) -> L.mha_exec:
-    """The mha_exec for `threads`, built once (the library only reads it, so it is shared)."""
-    ex = _EXECS.get(threads)
-    if ex is None:
-        ex = L.mha_exec()
-        ex.n_threads = threads
-        if type(threads) is int and len(_EXECS) < 256:
-            _EXECS[threads] = ex
-    return ex
+_AUTO = L.IMPLS["auto"]
 
 
 def _empty(shape) -> Tensor:
@@ -62,11 +48,7 @@ def _empty(shape) -> Tensor:
 
 def _set_mask(t: L.mha_mask_tensor, m: Tensor) -> None:
     """Points a mha_mask_tensor at a contiguous CPU tensor (bool/uint8/int32/int64/float32)."""
-    t.data = m.data_ptr()
-    t.dtype = _MASK_CODES[m.dtype]
-    t.ndim = m.dim()
-    for i, s in enumerate(m.shape):
-        t.shape[i] = s
+    M.set_mask_tensor(t, m.data_ptr(), _MASK_CODES[m.dtype], m.shape)
 
 
 def _seed() -> int:
@@ -108,16 +90,9 @@ def _layer_forward(layer_ptr: int, a: L.mha_forward_args, threads: int, out_shap
     if probs_shape is not None:
         probs = _empty(probs_shape)
         a.probs = probs.data_ptr()
-    err = L.mha_error()
-    ex = _exec(threads)
-    # Structs are passed as they are (ctypes passes them by reference): ~2 us cheaper per call
-    # than ctypes.byref objects.
+    st = M.layer_forward(layer_ptr, a, M.exec_struct(_AUTO, threads), spec is not None)
     if spec is not None:
-        st = ctypes.c_void_p()
-        L.check(L.mha_layer_forward_train(layer_ptr, a, ex, st, err), err)
-        spec.state = _StateHandle(st.value)
-    else:
-        L.check(L.mha_layer_forward(layer_ptr, a, ex, err), err)
+        spec.state = _StateHandle(st)
     return out, probs
 
 
@@ -167,10 +142,8 @@ class _LayerFunction(torch.autograd.Function):
                     setattr(g, f[0], p)
                     setattr(g, f[1], p + step)
                     setattr(g, f[2], p + 2 * step)
-        err = L.mha_error()
-        ex = _exec(spec.threads)
-        L.check(L.mha_layer_backward(spec.layer._ptr, spec.state.ptr, dy.data_ptr(), g, ex, err),
-                err)
+        M.call(L.mha_layer_backward, spec.layer._ptr, spec.state.ptr, dy.data_ptr(), g,
+               M.exec_struct(_AUTO, spec.threads))
         return tuple(res)
 
 
@@ -201,7 +174,7 @@ class _StateHandle:
         self.ptr = ptr
 
     def __del__(self):
-        if self.ptr and L.mha_train_state_destroy is not None:
+        if self.ptr:
             L.mha_train_state_destroy(self.ptr)
             self.ptr = None
 
@@ -230,8 +203,7 @@ def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
         else:
             add = am
     elif is_causal:
-        mk.causal = 1
-        mk.alignment = L.ALIGN_TOP_LEFT
+        M.causal_top_left(mk)
     if key_padding_mask is not None:
         kp = _mask_arg("key_padding_mask", key_padding_mask)
         if unbatched:
@@ -514,41 +486,33 @@ class MultiheadAttention(nn.Module):
             out_shape = (B, n, E)
         else:
             out_shape = (n, 1, E)
-        a = L.mha_forward_args()
-        a.batch, a.q_len, a.kv_len = B, n, m
         probs_shape = None
         if need_weights:
             if average_attn_weights:
                 probs_shape = (n, m) if unbatched else (B, n, m)
-                a.average_probs = 1
             else:
                 probs_shape = (h, n, m) if unbatched else (B, h, n, m)
-        a.query = q.data_ptr()
         if self_attn:
             mode = "self"
             if self.kdim != E or self.vdim != E:
                 raise AssertionError("self-attention needs kdim == vdim == embed_dim")
+            a = M.forward_args(B, n, m, q.data_ptr())
+        elif kv_same and self.kdim == self.vdim:
+            mode = "kv"
+            a = M.forward_args(B, n, m, q.data_ptr(), k.data_ptr())
         else:
-            a.key = k.data_ptr()
-            if kv_same and self.kdim == self.vdim:
-                mode = "kv"
-            else:
-                mode = "cross"
-                a.value = v.data_ptr()
-        mk = a.mask
-        mk.window_left = mk.window_right = -1
+            mode = "cross"
+            a = M.forward_args(B, n, m, q.data_ptr(), k.data_ptr(), v.data_ptr())
+        a.average_probs = 1 if need_weights and average_attn_weights else 0
         keep = None
         if attn_mask is not None or key_padding_mask is not None:
             keep = []
-            _translate_masks(mk, keep, attn_mask, key_padding_mask, is_causal, B, h, n, m,
+            _translate_masks(a.mask, keep, attn_mask, key_padding_mask, is_causal, B, h, n, m,
                              unbatched)
         elif is_causal:
-            mk.causal = 1
-            mk.alignment = L.ALIGN_TOP_LEFT
+            M.causal_top_left(a.mask)
         if self.training and self.dropout > 0.0:
-            a.dropout.p = self.dropout
-            a.dropout.seed = _seed()
-            a.dropout.training = 1
+            M.set_dropout(a.dropout, self.dropout, _seed())
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or any(p is not None and p.requires_grad
                                                for p in params)):
@@ -588,16 +552,13 @@ class _CoreFunction(torch.autograd.Function):
                 k: Tensor, v: Tensor):
         B, h, n, dv = args.batch, args.num_heads, args.q_len, args.v_head_dim
         out = _empty((B, h, n, dv))
-        args.out = out.data_ptr()
-        args.out_strides[:] = out.stride()[:3]
+        M.set_strided(args, "out", out.data_ptr(), out.stride()[:3])
         train = any(ctx.needs_input_grad)
         lse = None
         if train:
             lse = _empty((B, h, n))
             args.lse = lse.data_ptr()
-        err = L.mha_error()
-        ex = _exec(threads)
-        L.check(L.mha_attention(args, ex, err), err)
+        M.call(L.mha_attention, args, M.exec_struct(_AUTO, threads))
         if train:
             ctx.args, ctx.keep, ctx.threads = args, keep, threads
             ctx.save_for_backward(q, k, v, out, lse)
@@ -609,19 +570,15 @@ class _CoreFunction(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         g = L.mha_attention_grads()
-        g.dout = dout.data_ptr()
-        g.dout_strides[:] = dout.stride()[:3]
+        M.set_strided(g, "dout", dout.data_ptr(), dout.stride()[:3])
         need = ctx.needs_input_grad
         res = [None, None, None, None, None, None]
         for i, t, nm in ((3, q, "dq"), (4, k, "dk"), (5, v, "dv")):
             if need[i]:
                 d = _empty(t.shape)
                 res[i] = d
-                setattr(g, nm, d.data_ptr())
-                getattr(g, nm + "_strides")[:] = d.stride()[:3]
-        err = L.mha_error()
-        ex = _exec(ctx.threads)
-        L.check(L.mha_attention_backward(ctx.args, g, ex, err), err)
+                M.set_strided(g, nm, d.data_ptr(), d.stride()[:3])
+        M.call(L.mha_attention_backward, ctx.args, g, M.exec_struct(_AUTO, ctx.threads))
         return tuple(res)
 
 
@@ -678,23 +635,15 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if g != h and h % g:
         raise RuntimeError(f"number of heads in key/value ({g}) must divide the number of "
                            f"heads in query ({h})")
-    a = L.mha_attention_args()
-    a.batch, a.num_heads, a.num_kv_heads, a.q_len, a.kv_len = B, h, g, n, m
-    a.head_dim, a.v_head_dim = d, v4.shape[3]
-    if scale is not None:
-        if scale == 0:
-            raise ValueError("mha: scale=0 is not supported (0 means the default 1/sqrt(E))")
-        a.scale = float(scale)
-    a.q, a.k, a.v = q4.data_ptr(), k4.data_ptr(), v4.data_ptr()
-    a.q_strides[:] = q4.stride()[:3]
-    a.k_strides[:] = k4.stride()[:3]
-    a.v_strides[:] = v4.stride()[:3]
+    scale = M.scale_value(scale, "mha: scale=0 is not supported (0 means the default "
+                                 "1/sqrt(E))")
+    a = M.attention_args((q4.data_ptr(), q4.shape, q4.stride()[:3]),
+                         (k4.data_ptr(), k4.shape, k4.stride()[:3]),
+                         (v4.data_ptr(), v4.shape, v4.stride()[:3]), scale)
     keep = [q4, k4, v4]
     mk = a.mask
-    mk.window_left = mk.window_right = -1
     if is_causal:
-        mk.causal = 1
-        mk.alignment = L.ALIGN_TOP_LEFT
+        M.causal_top_left(mk)
     if attn_mask is not None:
         am = _mask_arg("attn_mask", attn_mask)
         if am.dim() > nd:
@@ -711,9 +660,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if dropout_p > 0.0:
         if not dropout_p < 1.0:
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-        a.dropout.p = dropout_p
-        a.dropout.seed = _seed()
-        a.dropout.training = 1
+        M.set_dropout(a.dropout, dropout_p, _seed())
     out = _CoreFunction.apply(a, keep, threads, q4, k4, v4)
     if nd != 4:
         out = out.reshape(lead + (n, v4.shape[3]))
