@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
-/* bench_gemm.c: `mha_bench_gemm`, the projection GEMM y = x W^T (+ b) of src/gemm.c per kernel
- * tier, against OpenBLAS cblas_sgemm (loaded with dlopen when libopenblas is installed; never a
- * build dependency) on the same inputs, with the machine's FMA peak measured in the same run.
- * FLOPs = 2 M N K. Each row: median, min and max of R timed runs after 2 warm-ups.
+/* bench_gemm.c: `mha_bench_gemm`, the projection GEMM y = x W^T (+ b) of src/kernels/gemm.c per
+ * kernel tier, against OpenBLAS cblas_sgemm (loaded with dlopen when libopenblas is installed;
+ * never a build dependency) on the same inputs, with the machine's FMA peak measured in the same
+ * run. FLOPs = 2 M N K. Each row: median, min and max of R timed runs after 2 warm-ups.
  *
  * Usage: mha_bench_gemm [--threads 1,2] [--reps R] [--shape M,N,K]... [--jsonl FILE]
  * OpenBLAS is run with openblas_set_num_threads(T) and its own core detection (we never set

@@ -13,7 +13,7 @@
  * Usage: mha_bench_parts [--n N] [--d D] [--heads H] [--causal 0|1] [--threads T] [--reps R] */
 #define _POSIX_C_SOURCE 200809L
 #include "fma_peak.h"
-#include "gemm.h"
+#include "kernels/gemm.h"
 #include "mha.h"
 
 #include <math.h>

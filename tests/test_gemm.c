@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
-/* test_gemm.c: the projection GEMM (src/gemm.c) against a float64 loop, for every kernel tier
- * this CPU can run (generic, avx2, avx512 are each forced through the `isa` argument).
+/* test_gemm.c: the projection GEMM (src/kernels/gemm.c) against a float64 loop, for every kernel
+ * tier this CPU can run (generic, avx2, avx512 are each forced through the `isa` argument).
  *
  * Tolerance: y[i][o] = b[o] + sum_k x[i][k] W[o][k] is a sum of K+1 terms computed in float32 in
  * some order (one FMA or mul+add chain per K block, blocks added in order, bias first). The

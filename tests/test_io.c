@@ -11,8 +11,8 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
+#include "base/internal.h"
 #include "harness.h"
-#include "internal.h"
 #include "npy.h"
 
 #include <dirent.h>

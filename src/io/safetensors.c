@@ -12,7 +12,7 @@
 
 #include "io/safetensors.h"
 
-#include "internal.h"
+#include "base/internal.h"
 
 #include <cjson/cJSON.h>
 

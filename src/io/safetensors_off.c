@@ -3,7 +3,7 @@
  * (no cJSON needed): each says so, in place of src/io/safetensors.c. */
 #include "io/safetensors.h"
 
-#include "internal.h"
+#include "base/internal.h"
 
 static mha_status built_without(mha_layer **out, mha_error *err) {
     if (out)

@@ -10,9 +10,9 @@
 #ifndef MHA_KERNELS_H
 #define MHA_KERNELS_H
 
-#include "internal.h"
+#include "base/internal.h"
 
-#include "cpu_features.h"
+#include "base/cpu_features.h"
 
 /* One unit of work. Flash kernels require [h0, h1) to be a whole number of head blocks (see
  * mha__flash_heads_per_block) and (h1 - h0 within a kv group) x (i1 - i0) <= Bq rows per block;
@@ -63,17 +63,6 @@ mha_status mha__kernel_run(const mha__kernel_info *k,
                            char *scratch,
                            size_t scratch_stride,
                            mha_error *err);
-
-/* The public core with an explicit kernel (attention.c); k == NULL: choose by exec->impl. */
-mha_status mha__attention_run(const mha_attention_args *args,
-                              const mha_exec *exec,
-                              const mha__kernel_info *k,
-                              mha_error *err);
-mha_status mha__attention_workspace(const mha_attention_args *args,
-                                    const mha_exec *exec,
-                                    const mha__kernel_info *k,
-                                    size_t *bytes,
-                                    mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Vectorised elementwise primitives, exported for their ULP tests (tests/test_kernels.c).        */

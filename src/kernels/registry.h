@@ -6,11 +6,11 @@
 #ifndef MHA_REGISTRY_H
 #define MHA_REGISTRY_H
 
-#include "attention_bwd.h"
-#include "cpu_features.h"
-#include "gemm.h"
+#include "base/cpu_features.h"
+#include "cache/kv_cache.h"
+#include "kernels/attention_bwd.h"
+#include "kernels/gemm.h"
 #include "kernels/kernels.h"
-#include "kv_cache.h"
 
 /* The ops; the enumerator's suffix is the op token of registry.def. */
 typedef enum mha__op {

@@ -22,7 +22,7 @@
  * order (tolerance-tested).
  */
 #include "kernels/registry.h"
-#include "simd_avx512.h"
+#include "kernels/x86/simd_avx512.h"
 
 #include <string.h>
 

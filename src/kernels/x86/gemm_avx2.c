@@ -9,7 +9,7 @@
  */
 #if defined(__x86_64__) || defined(__i386__)
 
-#    include "gemm_pack_x86.h"
+#    include "kernels/x86/gemm_pack_x86.h"
 
 #    define MR 6
 #    define NV 2 /* vectors of 8 floats per tile row */

@@ -181,7 +181,7 @@ MHA_INLINE v16 v16_tanh(v16 x) {
     return v16_select(is_small, small, big);
 }
 
-/* Philox4x32-10 (Salmon et al., SC'11; the constants are the paper's, as in src/philox.c), 16
+/* Philox4x32-10 (Salmon et al., SC'11; the constants are the paper's, as in src/base/philox.c), 16
  * counters at once, returning only output word 0 (what dropout uses). 32x32 -> 64-bit products:
  * VPMULUDQ multiplies the even 32-bit lanes; the odd lanes are shifted down and multiplied too. */
 #define MHA_PHILOX_M0 0xD2511F53u

@@ -13,7 +13,7 @@
  *     calloc'ed: the behaviour before pools existed, kept for calls that give none.
  * Nested regions never happen: no part function starts a region of its own.
  */
-#include "internal.h"
+#include "base/internal.h"
 
 #include <pthread.h>
 #include <stdlib.h>

@@ -2,7 +2,7 @@
 /* cpu_features.c: CPU feature detection (cpuid + XGETBV on x86; nothing to detect yet on other
  * architectures, whose only tier is generic) and the debug overrides, read once (pthread_once):
  * the only process-wide state of the library, written once and read-only afterwards. */
-#include "cpu_features.h"
+#include "base/cpu_features.h"
 
 #include <pthread.h>
 #include <stdint.h>

@@ -13,7 +13,7 @@
 #ifndef MHA_GEMM_H
 #define MHA_GEMM_H
 
-#include "internal.h"
+#include "base/internal.h"
 
 /* Full unrolling of the micro-kernels' short fixed-trip loops, so that the accumulator arrays
  * live in registers at -O2 too (gcc 12 -O2 otherwise keeps them on the stack: 8x slower). */

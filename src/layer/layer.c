@@ -6,8 +6,8 @@
  *   y = A W_o^T + b_o     [B, n, out_dim]
  * Projections: impl=reference runs the plain loops below; fast/auto run the packed GEMM of
  * gemm.c (same math, blocked sums; bit-identical for any thread count). */
-#include "gemm.h"
-#include "internal.h"
+#include "base/internal.h"
+#include "kernels/gemm.h"
 
 #include <stdlib.h>
 #include <string.h>

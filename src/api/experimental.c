@@ -2,6 +2,7 @@
 /* experimental.c: mha_experimental.h, the registry seen from outside (every op's kernels, which
  * one each op runs here, the CPU's tiers) and the forward run with a chosen kernel. It sits above
  * the attention core and the registry and calls down into both (nothing calls back into it). */
+#include "core/core.h"
 #include "kernels/registry.h"
 #include "mha_experimental.h"
 

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* util.c: status strings, error messages, overflow-checked size arithmetic and allocation.
  * Nothing here keeps state: errors go into the caller's mha_error. */
-#include "internal.h"
+#include "base/internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>

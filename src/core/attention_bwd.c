@@ -9,7 +9,7 @@
  * the one cross-unit sum: units write per-(b, h) partials, reduced here over b in order.
  * Parallelism is B * G units: a single MQA sequence (B = G = 1) runs on one thread.
  */
-#include "attention_bwd.h"
+#include "kernels/attention_bwd.h"
 #include "kernels/registry.h"
 
 #include <string.h>

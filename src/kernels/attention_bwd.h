@@ -14,7 +14,7 @@
 #ifndef MHA_ATTENTION_BWD_H
 #define MHA_ATTENTION_BWD_H
 
-#include "internal.h"
+#include "base/internal.h"
 
 typedef struct mha__bwd_problem {
     const mha__problem *p; /* the forward problem: sizes, q, k, v, out, lse, masks, dropout */
@@ -29,7 +29,7 @@ typedef struct mha__bwd_problem {
 /* One unit (b, g) with `scratch` of the kernel's scratch size. */
 typedef void (*mha__bwd_fn)(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);
 
-/* The reference backward (src/ref/attention_bwd_ref.c): plain loops, row by row. */
+/* The reference backward (src/kernels/ref/attention_bwd_ref.c): plain loops, row by row. */
 bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes);
 
 /* FlashAttention-2 style backward (src/kernels/generic/attn_bwd_flash_generic.c and the per-ISA

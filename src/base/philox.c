@@ -3,7 +3,7 @@
  * as easy as 1, 2, 3", SC'11): Philox4x32 with 10 rounds. A counter-based generator gives every
  * attention element its own random number from its (b, h, i, j) index, so results never depend
  * on the thread count, the blocking or the order of work. */
-#include "internal.h"
+#include "base/internal.h"
 
 /* Round multipliers and Weyl key increments of Philox4x32 (from the paper). */
 #define PHILOX_M0 0xD2511F53u

@@ -14,8 +14,8 @@
  * transposed copies: everything transposed is O((n + m) d) or a weight). Threads never split a
  * sum, so results are bit-identical for any thread count.
  */
-#include "attention_bwd.h"
-#include "gemm.h"
+#include "kernels/attention_bwd.h"
+#include "kernels/gemm.h"
 
 #include <stdlib.h>
 #include <string.h>

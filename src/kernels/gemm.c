@@ -16,7 +16,7 @@
  * few tokens) nothing is packed: each output is a dot product read straight from x and W, since
  * packing would triple the memory traffic of what is then a matrix-vector product.
  */
-#include "gemm.h"
+#include "kernels/gemm.h"
 
 #include "kernels/registry.h"
 

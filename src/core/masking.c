@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* masking.c: validation of mha_masking and its resolution into broadcast strides, plus the ALiBi
  * slopes. Every mask rule is checked here, once, before any output is written. */
-#include "internal.h"
+#include "base/internal.h"
 
 #include <stdio.h>
 

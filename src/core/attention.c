@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /* attention.c: the public attention core. Validates mha_attention_args once into an
  * mha__problem, sizes the workspace, picks the implementation and splits the work over threads.
- * Implementations: "reference" (src/ref/attention_ref.c) and the fast kernels (dispatch.c). */
-#include "internal.h"
+ * Implementations: "reference" (src/kernels/ref/attention_ref.c) and the fast kernels (dispatch.c).
+ */
+#include "base/internal.h"
+#include "core/core.h"
 #include "kernels/registry.h"
 
 #include <stdlib.h>

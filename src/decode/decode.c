@@ -10,7 +10,8 @@
  * group, and the result is bit-identical for any thread count. Long inputs (prefill) and
  * impl=reference go through the attention core on the dequantised cache instead.
  */
-#include "gemm.h"
+#include "cache/kv_cache.h"
+#include "kernels/gemm.h"
 #include "kernels/registry.h"
 
 #include <stdatomic.h>

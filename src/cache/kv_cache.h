@@ -9,7 +9,7 @@
 #ifndef MHA_KV_CACHE_H
 #define MHA_KV_CACHE_H
 
-#include "internal.h"
+#include "base/internal.h"
 
 struct mha_kv_cache {
     mha_kv_cache_config cfg; /* resolved */

@@ -7,7 +7,7 @@
  * of its payload (made nonzero if they were all dropped), so f16/bf16 -> f32 -> f16/bf16 is the
  * identity.
  */
-#include "internal.h"
+#include "base/internal.h"
 
 #include <string.h>
 

@@ -6,7 +6,7 @@
  * Every call validates all of its arguments before changing anything, so a failing call leaves
  * the cache exactly as it was. Storage is allocated once at creation; appends never allocate.
  */
-#include "kv_cache.h"
+#include "cache/kv_cache.h"
 
 #include <string.h>
 

@@ -6,7 +6,7 @@
  *   INTERLEAVED: (a, b) = (2k, 2k+1)     HALF: (a, b) = (k, k + R/2)
  * Angles and rotations are computed in double and rounded once to float: positions up to 2^31
  * times f_0 = 1 need more than float's 24 bits to keep the angle accurate. */
-#include "internal.h"
+#include "base/internal.h"
 
 #include <stdlib.h>
 
