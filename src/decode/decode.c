@@ -13,6 +13,7 @@
 #include "cache/kv_cache.h"
 #include "kernels/gemm.h"
 #include "kernels/registry.h"
+#include "layer/plan.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -482,49 +483,9 @@ mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* The layer through a cache.                                                                     */
+/* The layer through a cache: the plan's projections and RoPE (layer/plan.c) around the split-KV */
+/* attention. mha_layer_prefill and mha_layer_decode_step are both this function.                 */
 /* ---------------------------------------------------------------------------------------------- */
-
-typedef struct proj_job {
-    const float *x, *w, *bias;
-    float *y;
-    int64_t in, out;
-} proj_job;
-
-static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
-    (void)part;
-    const proj_job *j = ctx;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *x = j->x + r * j->in;
-        float *y = j->y + r * j->out;
-        for (int64_t o = 0; o < j->out; o++) {
-            const float *w = j->w + o * j->in;
-            float acc = 0.0f;
-            for (int64_t c = 0; c < j->in; c++)
-                acc += x[c] * w[c];
-            y[o] = j->bias ? acc + j->bias[o] : acc;
-        }
-    }
-}
-
-/* y = x W^T + b: plain loops for impl=reference, the packed GEMM otherwise (as the forward). */
-static mha_status project(mha_impl impl,
-                          const mha_allocator *alloc,
-                          const float *x,
-                          const float *w,
-                          const float *bias,
-                          float *y,
-                          int64_t rows,
-                          int64_t in,
-                          int64_t out,
-                          mha__team team,
-                          mha_error *err) {
-    if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO, alloc,
-                             err);
-    proj_job job = {x, w, bias, y, in, out};
-    return mha__parallel_for(team, rows, project_rows, &job, err);
-}
 
 static mha_status layer_step(const mha_layer *layer,
                              mha_kv_cache *cache,
@@ -576,7 +537,7 @@ static mha_status layer_step(const mha_layer *layer,
                       !mha__bytes(nv, sizeof(float), &bv) || !mha__bytes(na, sizeof(float), &ba) ||
                       !mha__bytes(2 * S, sizeof(int64_t), &bl),
                   err, OVERFLOW, "decode buffers overflow");
-    br = sizeof(double) * (size_t)(3 * (c->rope.rotary_dim / 2) + 1);
+    br = sizeof(double) * (mha__plan_rope_doubles(&c->rope) + 1);
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
     mha__team team;
@@ -601,25 +562,19 @@ static mha_status layer_step(const mha_layer *layer,
         len0[i] = cache->len[seq[i]];
 
     /* 1. Projections of the new tokens. */
-    st = project(impl, alloc, args->x, w->w_q, w->b_q, q, rows, c->q_dim, h * dk, team, err);
+    st = mha__plan_project(impl, alloc, team, args->x, w->w_q, w->b_q, q, rows, c->q_dim, h * dk,
+                           NULL, 0, err);
     if (!st)
-        st = project(impl, alloc, args->x, w->w_k, w->b_k, k, rows, c->q_dim, g * dk, team, err);
+        st = mha__plan_project(impl, alloc, team, args->x, w->w_k, w->b_k, k, rows, c->q_dim,
+                               g * dk, NULL, 0, err);
     if (!st)
-        st = project(impl, alloc, args->x, w->w_v, w->b_v, v, rows, c->q_dim, g * dv, team, err);
+        st = mha__plan_project(impl, alloc, team, args->x, w->w_v, w->b_v, v, rows, c->q_dim,
+                               g * dv, NULL, 0, err);
 
     /* 2. RoPE at the absolute positions len0 + i. */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
-        const int64_t half = c->rope.rotary_dim / 2;
-        double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
-        mha__rope_freqs(&c->rope, freqs, &cs);
-        for (int64_t s = 0; s < S; s++)
-            for (int64_t i = 0; i < t; i++) {
-                mha__rope_cos_sin(&c->rope, freqs, cs, len0[s] + i, cos_k, sin_k);
-                for (int64_t hh = 0; hh < h; hh++)
-                    mha__rope_rotate(&c->rope, cos_k, sin_k, q + ((s * t + i) * h + hh) * dk);
-                for (int64_t hh = 0; hh < g; hh++)
-                    mha__rope_rotate(&c->rope, cos_k, sin_k, k + ((s * t + i) * g + hh) * dk);
-            }
+        mha__plan_rope(&c->rope, tab, q, S, t, h, dk, NULL, len0, 1);
+        mha__plan_rope(&c->rope, tab, k, S, t, g, dk, NULL, len0, 1);
     }
 
     /* 3. Append and attend, in steps a window ring can hold. */
@@ -649,8 +604,8 @@ static mha_status layer_step(const mha_layer *layer,
 
     /* 4. Output projection. */
     if (!st)
-        st = project(impl, alloc, att, w->w_o, w->b_o, args->out, rows, h * dv, c->out_dim, team,
-                     err);
+        st = mha__plan_project(impl, alloc, team, att, w->w_o, w->b_o, args->out, rows, h * dv,
+                               c->out_dim, NULL, 0, err);
     if (st) /* undo the appends (only allocation can fail this late) */
         for (int64_t i = 0; i < S; i++) {
             cache->len[seq[i]] = len0[i];

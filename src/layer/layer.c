@@ -8,6 +8,7 @@
  * gemm.c (same math, blocked sums; bit-identical for any thread count). */
 #include "base/internal.h"
 #include "kernels/gemm.h"
+#include "layer/plan.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -307,7 +308,7 @@ static mha_status validate_forward(const mha_layer *L,
                       err, OVERFLOW, "intermediate tensor %d of the forward overflows", i);
     size_t rope_bytes = 0;
     if (c->rope.style != MHA_ROPE_NONE)
-        rope_bytes = sizeof(double) * (size_t)(3 * (c->rope.rotary_dim / 2));
+        rope_bytes = sizeof(double) * mha__plan_rope_doubles(&c->rope);
 
     /* The projections' packing buffer: impl=reference runs plain loops and packs nothing. */
     l->pack_bytes = 0;
@@ -380,71 +381,6 @@ mha_status mha_layer_forward_supported(const mha_layer *layer,
     return mha_attention_supported(&core, exec, err);
 }
 
-/* y[r, o] = sum_c x[r, c] W[o, c] + b[o] for rows [r0, r1): the reference projection. */
-typedef struct proj_job {
-    const float *x, *w, *bias;
-    float *y;
-    int64_t in, out;
-} proj_job;
-
-static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
-    (void)part;
-    const proj_job *j = ctx;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *x = j->x + r * j->in;
-        float *y = j->y + r * j->out;
-        for (int64_t o = 0; o < j->out; o++) {
-            const float *w = j->w + o * j->in;
-            float acc = 0.0f;
-            for (int64_t c = 0; c < j->in; c++)
-                acc += x[c] * w[c];
-            y[o] = j->bias ? acc + j->bias[o] : acc;
-        }
-    }
-}
-
-/* One projection y[rows, out] = x[rows, in] W[out, in]^T + b: the plain loops for
- * impl=reference, the packed GEMM (best kernel tier of this CPU) for fast and auto. */
-static mha_status project(mha_impl impl,
-                          const mha_allocator *alloc,
-                          const float *x,
-                          const float *w,
-                          const float *bias,
-                          float *y,
-                          int64_t rows,
-                          int64_t in,
-                          int64_t out,
-                          mha__team team,
-                          void *pack,
-                          size_t pack_bytes,
-                          mha_error *err) {
-    if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt_ws(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO,
-                                pack, pack_bytes, alloc, err);
-    proj_job job = {x, w, bias, y, in, out};
-    return mha__parallel_for(team, rows, project_rows, &job, err);
-}
-
-/* RoPE over a [B, L, heads, d] buffer, positions [B, L] (NULL = 0..L-1). */
-static void rope_buffer(const mha_rope *r,
-                        double *tab,
-                        float *x,
-                        int64_t B,
-                        int64_t Lk,
-                        int64_t heads,
-                        int64_t d,
-                        const int64_t *pos) {
-    const int64_t half = r->rotary_dim / 2;
-    double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
-    mha__rope_freqs(r, freqs, &cs);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = 0; t < Lk; t++) {
-            mha__rope_cos_sin(r, freqs, cs, pos ? pos[b * Lk + t] : t, cos_k, sin_k);
-            for (int64_t hh = 0; hh < heads; hh++)
-                mha__rope_rotate(r, cos_k, sin_k, x + ((b * Lk + t) * heads + hh) * d);
-        }
-}
-
 mha_status mha_layer_forward(const mha_layer *layer,
                              const mha_forward_args *args,
                              const mha_exec *exec,
@@ -492,21 +428,21 @@ mha_status mha_layer_forward(const mha_layer *layer,
     /* Everything comes from the one workspace taken above, so nothing can fail for want of
      * memory after the core has written args->probs. */
     void *pack = ws + l.pack_off;
-    st = project(impl, alloc, args->query, w->w_q, w->b_q, q, B * n, c->q_dim, h * c->head_dim,
-                 team, pack, l.pack_bytes, err);
+    st = mha__plan_project(impl, alloc, team, args->query, w->w_q, w->b_q, q, B * n, c->q_dim,
+                           h * c->head_dim, pack, l.pack_bytes, err);
     if (!st)
-        st = project(impl, alloc, xk, w->w_k, w->b_k, k, B * m, c->k_dim, g * c->head_dim, team,
-                     pack, l.pack_bytes, err);
+        st = mha__plan_project(impl, alloc, team, xk, w->w_k, w->b_k, k, B * m, c->k_dim,
+                               g * c->head_dim, pack, l.pack_bytes, err);
     if (!st)
-        st = project(impl, alloc, xv, w->w_v, w->b_v, v, B * m, c->v_dim, g * c->v_head_dim, team,
-                     pack, l.pack_bytes, err);
+        st = mha__plan_project(impl, alloc, team, xv, w->w_v, w->b_v, v, B * m, c->v_dim,
+                               g * c->v_head_dim, pack, l.pack_bytes, err);
 
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        rope_buffer(&c->rope, tab, q, B, n, h, c->head_dim, args->q_positions);
-        rope_buffer(&c->rope, tab, k, B, m, g, c->head_dim, kpos);
+        mha__plan_rope(&c->rope, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
+        mha__plan_rope(&c->rope, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
 
     if (!st) {
@@ -518,8 +454,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
         st = mha_attention(&core, &core_exec, err);
     }
     if (!st)
-        st = project(impl, alloc, att, w->w_o, w->b_o, args->out, B * n, h * c->v_head_dim,
-                     c->out_dim, team, pack, l.pack_bytes, err);
+        st = mha__plan_project(impl, alloc, team, att, w->w_o, w->b_o, args->out, B * n,
+                               h * c->v_head_dim, c->out_dim, pack, l.pack_bytes, err);
     mha__free(alloc, owned);
     if (!st)
         mha__ok(err);

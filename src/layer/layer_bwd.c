@@ -16,6 +16,7 @@
  */
 #include "kernels/attention_bwd.h"
 #include "kernels/gemm.h"
+#include "layer/plan.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -84,45 +85,6 @@ static void core_args(const mha_layer *L,
 /* Products.                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* y[r, o] = sum_c x[r, c] w[o, c] (+ bias[o]): the reference loops (as layer.c's reference). */
-typedef struct xwt_job {
-    const float *x, *w, *bias;
-    float *y;
-    int64_t in, out;
-} xwt_job;
-
-static void xwt_rows(void *ctx, int part, int64_t r0, int64_t r1) {
-    (void)part;
-    const xwt_job *j = ctx;
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t o = 0; o < j->out; o++) {
-            const float *x = j->x + r * j->in, *w = j->w + o * j->in;
-            float acc = 0.0f;
-            for (int64_t c = 0; c < j->in; c++)
-                acc += x[c] * w[c];
-            j->y[r * j->out + o] = j->bias ? acc + j->bias[o] : acc;
-        }
-}
-
-/* y[rows, out] = x[rows, in] w[out, in]^T (+ bias). */
-static mha_status xwt(mha_impl impl,
-                      const mha_allocator *alloc,
-                      const float *x,
-                      const float *w,
-                      const float *bias,
-                      float *y,
-                      int64_t rows,
-                      int64_t in,
-                      int64_t out,
-                      mha__team team,
-                      mha_error *err) {
-    if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO, alloc,
-                             err);
-    xwt_job job = {x, w, bias, y, in, out};
-    return mha__parallel_for(team, rows, xwt_rows, &job, err);
-}
-
 /* t[c, r] = x[r, c]: x [rows, cols] -> t [cols, rows]. */
 static void transpose(const float *x, float *t, int64_t rows, int64_t cols) {
     const int64_t BS = 32;
@@ -137,10 +99,10 @@ static void transpose(const float *x, float *t, int64_t rows, int64_t cols) {
 /* RoPE and its transpose.                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Rotates every head of a [B, L, heads, d] buffer by +angle (sign = 1) or -angle (sign = -1):
- * the transpose of (x_a, x_b) -> f (x_a cos - x_b sin, x_a sin + x_b cos) is
- * (g_a, g_b) -> f (g_a cos + g_b sin, -g_a sin + g_b cos), i.e. the same with sin negated. */
+/* RoPE (sign = 1) or its transpose (sign = -1, the backward's) over a [B, L, heads, d] buffer
+ * (layer/plan.c), with its tables from the call's allocator. */
 static mha_status rope_buffer(const mha_rope *r,
+                              const mha_allocator *alloc,
                               float *x,
                               int64_t B,
                               int64_t Lk,
@@ -149,21 +111,10 @@ static mha_status rope_buffer(const mha_rope *r,
                               const int64_t *pos,
                               int sign,
                               mha_error *err) {
-    const int64_t half = r->rotary_dim / 2;
-    double *tab = malloc(sizeof(double) * (size_t)(3 * half));
+    double *tab = mha__alloc(alloc, sizeof(double) * mha__plan_rope_doubles(r));
     MHA_RETURN_IF(!tab, err, NO_MEMORY, "cannot allocate RoPE tables");
-    double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
-    mha__rope_freqs(r, freqs, &cs);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t t = 0; t < Lk; t++) {
-            mha__rope_cos_sin(r, freqs, cs, pos ? pos[b * Lk + t] : t, cos_k, sin_k);
-            if (sign < 0)
-                for (int64_t k = 0; k < half; k++)
-                    sin_k[k] = -sin_k[k];
-            for (int64_t hh = 0; hh < heads; hh++)
-                mha__rope_rotate(r, cos_k, sin_k, x + ((b * Lk + t) * heads + hh) * d);
-        }
-    free(tab);
+    mha__plan_rope(r, tab, x, B, Lk, heads, d, pos, NULL, sign);
+    mha__free(alloc, tab);
     return MHA_STATUS_OK;
 }
 
@@ -229,17 +180,20 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
     const float *xk = self ? args->query : args->key;
     const float *xv = self ? args->query : (args->value ? args->value : args->key);
-    st = xwt(impl, alloc, args->query, w->w_q, w->b_q, s->q, B * n, c->q_dim, h * dk, team, err);
+    st = mha__plan_project(impl, alloc, team, args->query, w->w_q, w->b_q, s->q, B * n, c->q_dim,
+                           h * dk, NULL, 0, err);
     if (!st)
-        st = xwt(impl, alloc, xk, w->w_k, w->b_k, s->k, B * m, c->k_dim, g * dk, team, err);
+        st = mha__plan_project(impl, alloc, team, xk, w->w_k, w->b_k, s->k, B * m, c->k_dim, g * dk,
+                               NULL, 0, err);
     if (!st)
-        st = xwt(impl, alloc, xv, w->w_v, w->b_v, s->v, B * m, c->v_dim, g * dv, team, err);
+        st = mha__plan_project(impl, alloc, team, xv, w->w_v, w->b_v, s->v, B * m, c->v_dim, g * dv,
+                               NULL, 0, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        st = rope_buffer(&c->rope, s->q, B, n, h, dk, args->q_positions, 1, err);
+        st = rope_buffer(&c->rope, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
         if (!st)
-            st = rope_buffer(&c->rope, s->k, B, m, g, dk, kpos, 1, err);
+            st = rope_buffer(&c->rope, alloc, s->k, B, m, g, dk, kpos, 1, err);
     }
     if (!st) {
         mha_attention_args core;
@@ -250,8 +204,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         st = mha_attention(&core, &ce, err);
     }
     if (!st)
-        st =
-            xwt(impl, alloc, s->a, w->w_o, w->b_o, args->out, B * n, h * dv, c->out_dim, team, err);
+        st = mha__plan_project(impl, alloc, team, s->a, w->w_o, w->b_o, args->out, B * n, h * dv,
+                               c->out_dim, NULL, 0, err);
     if (st) {
         mha_train_state_destroy(s);
         return st;
@@ -295,7 +249,7 @@ static mha_status mm_ab(const bwd_ctx *x,
         return mha__gemm_op_run(MHA__GEMM_W_T, M, N, K, A, K, Bm, N, C, N, x->team, MHA__GEMM_AUTO,
                                 x->alloc, err);
     transpose(Bm, tmp, K, N); /* tmp [N, K] */
-    return xwt(x->impl, x->alloc, A, tmp, NULL, C, M, K, N, x->team, err);
+    return mha__plan_project(x->impl, x->alloc, x->team, A, tmp, NULL, C, M, K, N, NULL, 0, err);
 }
 
 /* C[M, N] = A[K, M]^T B[K, N]. */
@@ -312,7 +266,8 @@ static mha_status mm_atb(const bwd_ctx *x,
                                 C, N, x->team, MHA__GEMM_AUTO, x->alloc, err);
     transpose(A, x->tmp1, K, M);  /* [M, K] */
     transpose(Bm, x->tmp2, K, N); /* [N, K] */
-    return xwt(x->impl, x->alloc, x->tmp1, x->tmp2, NULL, C, M, K, N, x->team, err);
+    return mha__plan_project(x->impl, x->alloc, x->team, x->tmp1, x->tmp2, NULL, C, M, K, N, NULL,
+                             0, err);
 }
 
 static void col_sums(const float *x, int64_t rows, int64_t cols, float *out) {
@@ -473,9 +428,9 @@ mha_status mha_layer_backward(const mha_layer *layer,
     /* "Q = RoPE(Q')": the transposed rotation. */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);
-        st = rope_buffer(&c->rope, dQ, B, n, h, dk, a->q_positions, -1, err);
+        st = rope_buffer(&c->rope, x.alloc, dQ, B, n, h, dk, a->q_positions, -1, err);
         if (!st)
-            st = rope_buffer(&c->rope, dK, B, m, g, dk, kpos, -1, err);
+            st = rope_buffer(&c->rope, x.alloc, dK, B, m, g, dk, kpos, -1, err);
     }
     const float *xq = a->query;
     const float *xk = s->self ? a->query : a->key;

@@ -1,0 +1,76 @@
+/* SPDX-License-Identifier: MIT */
+/* plan.c: the projection and RoPE steps of the layer's plan (plan.h), shared by the forward, the
+ * backward and the decode step. */
+#include "layer/plan.h"
+
+#include "kernels/gemm.h"
+
+/* y[r, o] = sum_c x[r, c] W[o, c] + b[o] for rows [r0, r1): the reference projection. */
+typedef struct proj_job {
+    const float *x, *w, *bias;
+    float *y;
+    int64_t in, out;
+} proj_job;
+
+static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
+    (void)part;
+    const proj_job *j = ctx;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = j->x + r * j->in;
+        float *y = j->y + r * j->out;
+        for (int64_t o = 0; o < j->out; o++) {
+            const float *w = j->w + o * j->in;
+            float acc = 0.0f;
+            for (int64_t c = 0; c < j->in; c++)
+                acc += x[c] * w[c];
+            y[o] = j->bias ? acc + j->bias[o] : acc;
+        }
+    }
+}
+
+mha_status mha__plan_project(mha_impl impl,
+                             const mha_allocator *alloc,
+                             mha__team team,
+                             const float *x,
+                             const float *w,
+                             const float *bias,
+                             float *y,
+                             int64_t rows,
+                             int64_t in,
+                             int64_t out,
+                             void *pack,
+                             size_t pack_bytes,
+                             mha_error *err) {
+    if (impl != MHA_IMPL_REFERENCE)
+        return mha__gemm_xwt_ws(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO,
+                                pack, pack_bytes, alloc, err);
+    proj_job job = {x, w, bias, y, in, out};
+    return mha__parallel_for(team, rows, project_rows, &job, err);
+}
+
+void mha__plan_rope(const mha_rope *resolved,
+                    double *tab,
+                    float *x,
+                    int64_t B,
+                    int64_t L,
+                    int64_t heads,
+                    int64_t d,
+                    const int64_t *pos,
+                    const int64_t *base,
+                    int sign) {
+    /* The transpose of (x_a, x_b) -> f (x_a cos - x_b sin, x_a sin + x_b cos) is the same map with
+     * sin negated. */
+    const int64_t half = resolved->rotary_dim / 2;
+    double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
+    mha__rope_freqs(resolved, freqs, &cs);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < L; t++) {
+            const int64_t p = pos ? pos[b * L + t] : (base ? base[b] : 0) + t;
+            mha__rope_cos_sin(resolved, freqs, cs, p, cos_k, sin_k);
+            if (sign < 0)
+                for (int64_t k = 0; k < half; k++)
+                    sin_k[k] = -sin_k[k];
+            for (int64_t hh = 0; hh < heads; hh++)
+                mha__rope_rotate(resolved, cos_k, sin_k, x + ((b * L + t) * heads + hh) * d);
+        }
+}

@@ -1,0 +1,51 @@
+/* SPDX-License-Identifier: MIT */
+/* plan.h: the steps of the layer's plan that the forward (layer.c), the training forward and
+ * backward (layer_bwd.c) and the decode step (decode/decode.c) share, written once:
+ *
+ *   x --project--> Q, K, V --rope--> core --(attention)--> A --project--> y
+ *
+ * Each driver owns its buffers and its order of calls; these functions own the arithmetic.
+ */
+#ifndef MHA_LAYER_PLAN_H
+#define MHA_LAYER_PLAN_H
+
+#include "base/internal.h"
+
+/* One projection y[rows, out] = x[rows, in] W[out, in]^T (+ bias[out]): the plain loops (one
+ * float32 chain per element, c in increasing order, then the bias) for impl=reference, the
+ * packed GEMM (the best tier of this CPU) otherwise. pack: W-packing space of
+ * mha__gemm_workspace_size() bytes, or NULL to take it from alloc. */
+mha_status mha__plan_project(mha_impl impl,
+                             const mha_allocator *alloc,
+                             mha__team team,
+                             const float *x,
+                             const float *w,
+                             const float *bias,
+                             float *y,
+                             int64_t rows,
+                             int64_t in,
+                             int64_t out,
+                             void *pack,
+                             size_t pack_bytes,
+                             mha_error *err);
+
+/* Doubles of RoPE tables mha__plan_rope needs: frequencies, cos and sin of one position. */
+static inline size_t mha__plan_rope_doubles(const mha_rope *resolved) {
+    return (size_t)(3 * (resolved->rotary_dim / 2));
+}
+
+/* RoPE over x [B, L, heads, d]: row (b, t) is at position pos[b * L + t] if pos is given, else
+ * base[b] + t (base NULL = 0), and is rotated by +angle (sign = 1) or -angle (sign = -1: the
+ * transposed rotation, the backward's). tab: mha__plan_rope_doubles() doubles of scratch. */
+void mha__plan_rope(const mha_rope *resolved,
+                    double *tab,
+                    float *x,
+                    int64_t B,
+                    int64_t L,
+                    int64_t heads,
+                    int64_t d,
+                    const int64_t *pos,
+                    const int64_t *base,
+                    int sign);
+
+#endif /* MHA_LAYER_PLAN_H */
