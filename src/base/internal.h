@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* internal.h: declarations shared by the library's own files (never installed).
  *
- * The public structs are validated by their entry points (attention.c: mha__attention_check,
- * mha__problem_from_args; layer.c, layer_bwd.c, decode.c for the layer and the cache) and turned
+ * The public structs are validated by their entry points (core/attention.c: mha__core_prepare,
+ * mha__problem_from_args; layer/, decode/, cache/ for the layer and the cache) and turned
  * into an mha__problem whose every field is resolved (defaults filled, masks turned into broadcast
  * strides), so kernels never re-check user input.
  */
@@ -63,13 +63,6 @@ static inline size_t mha__align64(size_t x) {
  * workspace is sized (forward and backward), since the kernels' scratch sizes are computed from
  * these fields: an unchecked one could ask for gigabytes before the call is refused. */
 mha_status mha__attention_check_sizes(const mha_attention_args *args, mha_error *err);
-/* mha_attention_supported with the validation scratch given: `scratch` holds B int64 and, at
- * the next 64-byte boundary, H floats (the start of the core's workspace does), or is NULL to
- * allocate it from exec->allocator. */
-mha_status mha__attention_check(const mha_attention_args *args,
-                                const mha_exec *exec,
-                                void *scratch,
-                                mha_error *err);
 /* Reported workspace size for a layout of `need` bytes; false on overflow. */
 bool mha__workspace_bytes(size_t need, size_t *out);
 /* The 64-byte aligned start of a workspace of `need` bytes: exec->workspace rounded up when the

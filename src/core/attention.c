@@ -224,10 +224,10 @@ mha_status mha_attention_workspace_size(const mha_attention_args *args,
     return mha__attention_workspace(args, exec, NULL, bytes, err);
 }
 
-mha_status mha__attention_check(const mha_attention_args *args,
-                                const mha_exec *exec,
-                                void *scratch,
-                                mha_error *err) {
+/* mha_attention_supported: every check of mha_attention, nothing run; the validation's scratch
+ * (B int64 and, at the next 64-byte boundary, H floats) comes from exec->allocator. */
+static mha_status
+attention_check(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
     mha_status st = check_dims_for_layout(args, err);
     if (st)
         return st;
@@ -236,16 +236,14 @@ mha_status mha__attention_check(const mha_attention_args *args,
      */
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     const size_t slope_off = mha__align64(sizeof(int64_t) * (size_t)args->batch);
-    char *owned = NULL;
-    if (!scratch)
-        scratch = owned = mha__alloc(alloc, slope_off + sizeof(float) * (size_t)args->num_heads);
+    char *scratch = mha__alloc(alloc, slope_off + sizeof(float) * (size_t)args->num_heads);
     mha__problem p;
     if (!scratch)
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate validation scratch");
     else
         st = mha__problem_from_args(args, &p, (int64_t *)scratch,
                                     (float *)((char *)scratch + slope_off), err);
-    mha__free(alloc, owned);
+    mha__free(alloc, scratch);
     if (st == MHA_STATUS_OK) {
         /* Then the implementation: impl=fast says here which option it cannot do. */
         const mha__kernel_info *k;
@@ -259,45 +257,63 @@ mha_status mha__attention_check(const mha_attention_args *args,
 
 mha_status
 mha_attention_supported(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
-    return mha__attention_check(args, exec, NULL, err);
+    return attention_check(args, exec, err);
+}
+
+mha_status mha__core_prepare(const mha_attention_args *args,
+                             const mha_exec *exec,
+                             const mha__kernel_info *forced,
+                             mha__core_call *call,
+                             mha_error *err) {
+    memset(call, 0, sizeof *call);
+    mha_status st = check_dims_for_layout(args, err);
+    if (st)
+        return st;
+    size_t scratch;
+    st = choose_kernel(args, exec, forced, &call->k, &scratch, err);
+    if (st)
+        return st;
+    st = mha__exec_team(exec, &call->team, err);
+    if (st)
+        return st;
+    call->alloc = exec ? exec->allocator : NULL;
+    ws_layout l;
+    st = core_layout(args, call->team.n, scratch, &l, err);
+    if (st)
+        return st;
+    char *ws;
+    st = mha__workspace_take(exec, l.total, "this attention call", &ws, &call->owned, err);
+    if (st)
+        return st;
+    st = mha__problem_from_args(args, &call->p, (int64_t *)(ws + l.delta_off),
+                                (float *)(ws + l.slope_off), err);
+    call->scratch = ws + l.scratch_off;
+    call->stride = l.scratch_stride;
+    if (st)
+        mha__core_finish(call, 0, NULL);
+    return st;
+}
+
+mha_status mha__core_finish(mha__core_call *call, int run, mha_error *err) {
+    /* Work units, their split over threads and the bit-identical-for-any-thread-count
+     * guarantee: mha__kernel_run (dispatch.c). */
+    mha_status st = MHA_STATUS_OK;
+    if (run)
+        st = mha__kernel_run(call->k, &call->p, call->team, call->scratch, call->stride, err);
+    mha__free(call->alloc, call->owned);
+    call->owned = NULL;
+    if (run && st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
 }
 
 mha_status mha__attention_run(const mha_attention_args *args,
                               const mha_exec *exec,
                               const mha__kernel_info *forced,
                               mha_error *err) {
-    mha_status st = check_dims_for_layout(args, err);
-    if (st)
-        return st;
-    const mha__kernel_info *k;
-    size_t scratch;
-    st = choose_kernel(args, exec, forced, &k, &scratch, err);
-    if (st)
-        return st;
-    mha__team team;
-    st = mha__exec_team(exec, &team, err);
-    if (st)
-        return st;
-    const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    ws_layout l;
-    st = core_layout(args, team.n, scratch, &l, err);
-    if (st)
-        return st;
-    char *ws, *owned;
-    st = mha__workspace_take(exec, l.total, "this attention call", &ws, &owned, err);
-    if (st)
-        return st;
-    mha__problem p;
-    st = mha__problem_from_args(args, &p, (int64_t *)(ws + l.delta_off),
-                                (float *)(ws + l.slope_off), err);
-    /* Work units, their split over threads and the bit-identical-for-any-thread-count
-     * guarantee: mha__kernel_run (dispatch.c). */
-    if (st == MHA_STATUS_OK)
-        st = mha__kernel_run(k, &p, team, ws + l.scratch_off, l.scratch_stride, err);
-    mha__free(alloc, owned);
-    if (st == MHA_STATUS_OK)
-        mha__ok(err);
-    return st;
+    mha__core_call call;
+    mha_status st = mha__core_prepare(args, exec, forced, &call, err);
+    return st ? st : mha__core_finish(&call, 1, err);
 }
 
 mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* core.h: the attention core's internal entry points for the parts above it (api/experimental.c):
- * the public core with an explicit forward kernel (a registry line; NULL = choose by exec->impl).
+/* core.h: the attention core's internal entry points for the parts above it (api/, layer/):
+ * the public core with an explicit forward kernel (a registry line; NULL = choose by exec->impl),
+ * and the core validated once and run later (the layer forward).
  */
 #ifndef MHA_CORE_H
 #define MHA_CORE_H
@@ -17,5 +18,26 @@ mha_status mha__attention_workspace(const mha_attention_args *args,
                                     const mha__kernel_info *k,
                                     size_t *bytes,
                                     mha_error *err);
+
+/* The core in two steps, so that a caller validates once and runs later (the layer forward:
+ * validate, project, then run). prepare: every check of mha_attention (sizes, masks, the
+ * implementation, the workspace), the problem built with args' pointers (their data is read only
+ * by finish); finish: runs the kernel (run != 0) and gives back the workspace (always call it
+ * after a successful prepare). */
+typedef struct mha__core_call {
+    mha__problem p;
+    const mha__kernel_info *k;
+    mha__team team;
+    char *scratch; /* team.n blocks of `stride` bytes */
+    size_t stride;
+    char *owned; /* the workspace when the library allocated it */
+    const mha_allocator *alloc;
+} mha__core_call;
+mha_status mha__core_prepare(const mha_attention_args *args,
+                             const mha_exec *exec,
+                             const mha__kernel_info *forced,
+                             mha__core_call *call,
+                             mha_error *err);
+mha_status mha__core_finish(mha__core_call *call, int run, mha_error *err);
 
 #endif /* MHA_CORE_H */

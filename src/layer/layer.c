@@ -7,6 +7,7 @@
  * Projections: impl=reference runs the plain loops below; fast/auto run the packed GEMM of
  * gemm.c (same math, blocked sums; bit-identical for any thread count). */
 #include "base/internal.h"
+#include "core/core.h"
 #include "kernels/gemm.h"
 #include "layer/plan.h"
 
@@ -395,32 +396,29 @@ mha_status mha_layer_forward(const mha_layer *layer,
     const int64_t h = c->num_heads, g = c->num_kv_heads;
     const int self = args->key == NULL;
 
-    /* The workspace, then the masks and the implementation choice are validated before any
-     * work (the validation's scratch is the start of the core's workspace region). */
+    /* The workspace, then the core (sizes, masks, the implementation) is validated before any
+     * work, on the region of the workspace it will run in. */
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     char *ws, *owned;
     st = mha__workspace_take(exec, l.total, "this forward", &ws, &owned, err);
     if (st)
         return st;
-    {
-        mha_attention_args probe;
-        core_args_for(layer, args, m, args->out, args->out, args->out, args->out, &probe);
-        mha_exec probe_exec = exec ? *exec : (mha_exec){0};
-        probe_exec.workspace = NULL;
-        st = mha__attention_check(&probe, &probe_exec, ws + l.core_off, err);
-        if (st) {
-            mha__free(alloc, owned);
-            return st;
-        }
-    }
     float *q = (float *)(ws + l.q_off), *k = (float *)(ws + l.k_off);
     float *v = (float *)(ws + l.v_off), *att = (float *)(ws + l.a_off);
-    mha__team team;
-    st = mha__exec_team(exec, &team, err);
+    /* The core is validated here, once, on the buffers the projections will fill, and run
+     * after them (mha__core_prepare / mha__core_finish). */
+    mha_attention_args core;
+    core_args_for(layer, args, m, q, k, v, att, &core);
+    mha_exec core_exec = exec ? *exec : (mha_exec){0};
+    core_exec.workspace = ws + l.core_off;
+    core_exec.workspace_bytes = l.core_bytes;
+    mha__core_call call;
+    st = mha__core_prepare(&core, &core_exec, NULL, &call, err);
     if (st) {
         mha__free(alloc, owned);
         return st;
     }
+    const mha__team team = call.team;
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
 
     const float *xk = self ? args->query : args->key;
@@ -445,14 +443,9 @@ mha_status mha_layer_forward(const mha_layer *layer,
         mha__plan_rope(&c->rope, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
 
-    if (!st) {
-        mha_attention_args core;
-        core_args_for(layer, args, m, q, k, v, att, &core);
-        mha_exec core_exec = exec ? *exec : (mha_exec){0};
-        core_exec.workspace = ws + l.core_off;
-        core_exec.workspace_bytes = l.core_bytes;
-        st = mha_attention(&core, &core_exec, err);
-    }
+    const mha_status core_st = mha__core_finish(&call, !st, err);
+    if (!st)
+        st = core_st;
     if (!st)
         st = mha__plan_project(impl, alloc, team, att, w->w_o, w->b_o, args->out, B * n,
                                h * c->v_head_dim, c->out_dim, pack, l.pack_bytes, err);
