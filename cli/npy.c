@@ -31,6 +31,8 @@
 
 /* Errors as the library reports them: a status and a message in mha_error (public types only:
  * this file is part of the CLI and the tests, not of the library). */
+static mha_status npy_fail(mha_error *err, mha_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 static mha_status npy_fail(mha_error *err, mha_status status, const char *fmt, ...) {
     if (err) {
         va_list ap;
