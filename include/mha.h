@@ -179,7 +179,8 @@ typedef enum mha_impl {
  *  calls through mha_exec.pool; a parallel call then starts no thread and allocates nothing for
  *  its threads. One pool may serve calls from several threads at once: they take turns (one
  *  parallel region at a time per pool; a call's other regions interleave with other callers').
- *  Results never depend on the pool or the thread count. Destroy it when no call is using it. */
+ *  Results never depend on the pool or the thread count. Destroy it when no call is using it.
+ *  A pool does not survive fork(): its workers exist in the parent only; a child makes its own. */
 typedef struct mha_threadpool mha_threadpool;
 /** n_threads: 0 = number of online CPUs; at most 1024. allocator: NULL = malloc/free (used for the
  *  pool's own memory, at creation only). *out is NULL on error. */

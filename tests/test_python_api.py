@@ -691,24 +691,24 @@ def test_compiled_fast_path_inputs_it_declines_or_refuses(monkeypatch):
     with pytest.raises(TypeError):
         fc.layer_forward(layer._ptr, x)
     with pytest.raises(ValueError, match="NULL"):
-        fc.layer_forward(0, x, 0, 0)
+        fc.layer_forward(0, x, 0, 0, None)
     with pytest.raises(TypeError):
-        fc.layer_forward("layer", x, 0, 0)
-    assert fc.layer_forward(layer._ptr, "not a buffer", 0, 0) is NotImplemented
-    assert fc.layer_forward(layer._ptr, x, 0, -1) is NotImplemented
-    assert fc.layer_forward(layer._ptr, x, 2 ** 70, 0) is NotImplemented
+        fc.layer_forward("layer", x, 0, 0, None)
+    assert fc.layer_forward(layer._ptr, "not a buffer", 0, 0, None) is NotImplemented
+    assert fc.layer_forward(layer._ptr, x, 0, -1, None) is NotImplemented
+    assert fc.layer_forward(layer._ptr, x, 2 ** 70, 0, None) is NotImplemented
     with pytest.raises(TypeError):
         fc.layer_call(layer._ptr, 1, 5)
     with pytest.raises(TypeError):
-        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0)
+        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0, None)
     with pytest.raises(ValueError, match="threads"):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40, None)
     with pytest.raises(OverflowError):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70, None)
     with pytest.raises(ValueError, match="NULL"):
-        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0)
+        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None)
     with pytest.raises(mha.MhaError) as e:
-        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0)   # NULL query
+        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0, None)   # NULL query
     assert e.value.status == 1 and e.value.message
 
 
@@ -987,3 +987,20 @@ def test_example_she_loves_cats_runs(tmp_path):
                           str(tmp_path / "att.png")], check=True, capture_output=True, text=True,
                          env={**os.environ, "MPLBACKEND": "Agg"}).stdout
     assert "head 1" in out and (tmp_path / "att.png").exists()
+
+
+def test_threads_use_one_persistent_pool():
+    """threads=N (N > 1) runs on this process's pool for N threads (mha._marshal.pool_for), made
+    once and reused; the result is bit-identical to one thread, through the compiled fast path
+    and the general path alike."""
+    from mha import _marshal
+    rng = np.random.default_rng(3)
+    layer = build(make_weights(rng, 32, 4, 8), 4)
+    x = rng.standard_normal((2, 9, 32)).astype(np.float32)
+    assert _marshal.pool_for(1) is None and _marshal.pool_for(-1) is None
+    pool = _marshal.pool_for(2)
+    assert isinstance(pool, int) and pool and _marshal.pool_for(2) == pool
+    one, one_causal = layer(x, threads=1), layer(x, threads=1, causal=True)
+    for _ in range(3):
+        assert np.array_equal(layer(x, threads=2), one)                         # fast path
+        assert np.array_equal(layer(x, threads=2, causal=True), one_causal)     # general path

@@ -802,7 +802,8 @@ class MultiheadAttention:
             # the output, the struct and the library call (python/mha/_fastcall.c), or returns
             # NotImplemented (not a float32 C-contiguous [B, n, q_dim] / [n, q_dim] buffer, bad
             # impl or threads) and the general path below converts or raises.
-            out = _fast.layer_forward(self._ptr, query, L.IMPLS.get(impl, -1), threads)
+            out = _fast.layer_forward(self._ptr, query, L.IMPLS.get(impl, -1), threads,
+                                      M.pool_for(threads))
             if out is not NotImplemented:
                 return out
         keep: list = []

@@ -140,7 +140,8 @@ static int get_threads(PyObject *o, int32_t *threads) {
  * dropout, query [batch, n, q_dim] -> out [batch, n, out_dim] and, unless NULL, probs
  * [batch, h, n, n] ([batch, n, n] if average), with the GIL released. The structs are filled as
  * the general path's python/mha/_marshal.py fills them (forward_args, exec_struct): zero, then
- * the window (-1, -1), the sizes and pointers, impl and threads. 0, or -1 with MhaError set. */
+ * the window (-1, -1), the sizes and pointers, impl, threads and the pool (an address from
+ * _marshal.pool_for, or None). 0, or -1 with MhaError set. */
 static int self_forward(const mha_layer *layer,
                         int64_t batch,
                         int64_t n,
@@ -149,7 +150,8 @@ static int self_forward(const mha_layer *layer,
                         float *probs,
                         int average,
                         mha_impl impl,
-                        int32_t threads) {
+                        int32_t threads,
+                        mha_threadpool *pool) {
     mha_forward_args a;
     memset(&a, 0, sizeof a);
     a.mask.window_left = -1;
@@ -165,6 +167,7 @@ static int self_forward(const mha_layer *layer,
     memset(&ex, 0, sizeof ex); /* every field after these two: its default */
     ex.impl = impl;
     ex.n_threads = threads;
+    ex.pool = pool;
     mha_error err;
     err.message[0] = '\0';
     PyThreadState *ts = PyEval_SaveThread(); /* Py_BEGIN_ALLOW_THREADS */
@@ -216,7 +219,7 @@ static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 PyDoc_STRVAR(layer_forward_doc,
-             "layer_forward(layer, x, impl, threads)\n--\n\n"
+             "layer_forward(layer, x, impl, threads, pool)\n--\n\n"
              "Self-attention forward of the layer at address `layer` on x, a float32\n"
              "C-contiguous buffer [B, n, q_dim] or [n, q_dim], without masks, positions or\n"
              "dropout (mha_layer_forward). Returns a new float32 array [B, n, out_dim] (or\n"
@@ -227,8 +230,9 @@ PyDoc_STRVAR(layer_forward_doc,
 static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     const mha_layer *layer;
-    if (entry(nargs, 4, "layer_forward(layer, x, impl, threads)") ||
-        get_layer(args[0], "layer_forward", &layer)) {
+    void *pool;
+    if (entry(nargs, 5, "layer_forward(layer, x, impl, threads, pool)") ||
+        get_layer(args[0], "layer_forward", &layer) || get_ptr(args[4], &pool)) {
         return NULL;
     }
     int overflow_impl = 0, overflow_threads = 0; /* on overflow the value read is -1 */
@@ -272,7 +276,7 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     const int failed = self_forward(layer, x.ndim == 3 ? x.shape[0] : 1, x.shape[x.ndim - 2], x.buf,
-                                    o.buf, NULL, 0, (mha_impl)impl, (int32_t)threads);
+                                    o.buf, NULL, 0, (mha_impl)impl, (int32_t)threads, pool);
     PyBuffer_Release(&o);
     PyBuffer_Release(&x);
     if (failed) {
@@ -284,7 +288,7 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
 
 PyDoc_STRVAR(
     layer_call_doc,
-    "layer_call(layer, batch, n, query, out, probs, average, threads)\n--\n\n"
+    "layer_call(layer, batch, n, query, out, probs, average, threads, pool)\n--\n\n"
     "Self-attention mha_layer_forward on data pointers (ints; probs may be None), without\n"
     "masks, positions or dropout: query [batch, n, q_dim], out [batch, n, out_dim], probs\n"
     "[batch, h, n, n] (or [batch, n, n] if average). The caller guarantees the buffers\n"
@@ -293,20 +297,20 @@ PyDoc_STRVAR(
 
 static PyObject *layer_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (entry(nargs, 8, "layer_call(layer, batch, n, query, out, probs, average, threads)")) {
+    if (entry(nargs, 9, "layer_call(layer, batch, n, query, out, probs, average, threads, pool)")) {
         return NULL;
     }
     const mha_layer *layer;
-    void *query, *out, *probs;
+    void *query, *out, *probs, *pool;
     int64_t batch, n;
     int32_t threads;
     int average = PyObject_IsTrue(args[6]);
     if (average < 0 || get_layer(args[0], "layer_call", &layer) || get_i64(args[1], &batch) ||
         get_i64(args[2], &n) || get_ptr(args[3], &query) || get_ptr(args[4], &out) ||
-        get_ptr(args[5], &probs) || get_threads(args[7], &threads)) {
+        get_ptr(args[5], &probs) || get_threads(args[7], &threads) || get_ptr(args[8], &pool)) {
         return NULL;
     }
-    if (self_forward(layer, batch, n, query, out, probs, average, MHA_IMPL_AUTO, threads)) {
+    if (self_forward(layer, batch, n, query, out, probs, average, MHA_IMPL_AUTO, threads, pool)) {
         return NULL;
     }
     Py_RETURN_NONE;

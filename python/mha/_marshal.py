@@ -11,6 +11,7 @@ fields the same way for its calls. No array library is imported here and no math
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Dict, Optional, Sequence, Tuple
 
 from . import _lib as L
@@ -18,18 +19,49 @@ from . import _lib as L
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF  # mha_dropout.seed is a uint64
 
 _EXECS: Dict[Tuple[int, int], L.mha_exec] = {}
+_POOLS: Dict[int, Optional[int]] = {}
+
+
+def _forget_pools() -> None:
+    """In a child made by fork(): the parent's pool workers do not exist here, so its pools
+    (and the execs pointing at them) are dropped, never used (their memory is not freed)."""
+    _POOLS.clear()
+    _EXECS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
+def pool_for(threads) -> Optional[int]:
+    """The address of this process's thread pool for `threads` threads (0 = every online CPU),
+    made at the first call that asks for it and kept for the life of the process (a decode
+    loop or a training step then starts no thread per call); None for 1 thread, for a value the
+    library will refuse, or when the pool cannot be made (calls then start their threads)."""
+    if type(threads) is not int or threads == 1 or not 0 <= threads <= 1024:
+        return None
+    size = threads or int(L.mha_default_threads())
+    if size == 1:
+        return None
+    if size not in _POOLS and len(_POOLS) < 16:
+        handle = ctypes.c_void_p()
+        err = L.mha_error()
+        ok = L.mha_threadpool_create(size, None, ctypes.byref(handle), err) == 0
+        _POOLS[size] = handle.value if ok else None
+    return _POOLS.get(size)
 
 
 def exec_struct(impl: int, threads: int) -> L.mha_exec:
     """The mha_exec of (impl code, threads), the one place Python fills one. Built once per
     pair and shared (the library only reads it; saves ~1 us per call); threads that are not a
-    plain int are not cached; the other fields (workspace, allocator, pool) stay NULL. The caller
-    has checked both values or lets the library do it."""
+    plain int are not cached; `pool` is this process's pool for that many threads (pool_for),
+    workspace and allocator stay NULL. The caller has checked both values or lets the library
+    do it."""
     ex = _EXECS.get((impl, threads))
     if ex is None:
         ex = L.mha_exec()
         ex.impl = impl
         ex.n_threads = threads
+        ex.pool = pool_for(threads)
         if type(threads) is int and len(_EXECS) < 256:
             _EXECS[(impl, threads)] = ex
     return ex

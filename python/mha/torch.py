@@ -416,7 +416,8 @@ class MultiheadAttention(nn.Module):
             else:
                 probs = _empty((h, n, n) if nd == 2 else (B, h, n, n))
         _fast.layer_call(layer._ptr, B, n, x.data_ptr(), out.data_ptr(),
-                         None if probs is None else probs.data_ptr(), average, d["threads"])
+                         None if probs is None else probs.data_ptr(), average, d["threads"],
+                         M.pool_for(d["threads"]))
         return out, probs
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
