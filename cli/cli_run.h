@@ -1,0 +1,147 @@
+/* SPDX-License-Identifier: MIT */
+/* cli_run.h: what the files of `mha run` share (CLI-private): the options, the parsed
+ * configuration and the run's state, and the functions one file gives the others.
+ *   cli_run.c        options, usage, parsing, output-path checks, the entry points
+ *   cli_run_files.c  reading the input files (.npy) into checked arrays, writing the outputs
+ *   cli_run_job.c    the job: the layer forward (run_forward) or the decode loop
+ */
+#ifndef MHA_CLI_RUN_H
+#define MHA_CLI_RUN_H
+
+#include "cli.h"
+#include "npy.h"
+
+enum {
+    O_HELP,
+    O_WEIGHTS,
+    O_PREFIX,
+    O_NAMES,
+    O_HEADS,
+    O_KV_HEADS,
+    O_INPUT,
+    O_KEY,
+    O_VALUE,
+    O_CAUSAL,
+    O_CAUSAL_OFFSETS,
+    O_WINDOW,
+    O_MASK,
+    O_MASK_MEANS,
+    O_KPM,
+    O_Q_SEGMENTS,
+    O_KV_SEGMENTS,
+    O_ROPE_THETA,
+    O_ROPE_STYLE,
+    O_ROPE_DIM,
+    O_ROPE_SCALING,
+    O_ROPE_FACTOR,
+    O_ROPE_ORIGINAL_MAX,
+    O_ROPE_LOW_FREQ,
+    O_ROPE_HIGH_FREQ,
+    O_ROPE_BETA_FAST,
+    O_ROPE_BETA_SLOW,
+    O_ROPE_ATTENTION_FACTOR,
+    O_POSITIONS,
+    O_KEY_POSITIONS,
+    O_SCALE,
+    O_SOFTCAP,
+    O_ALIBI,
+    O_SINKS,
+    O_DROPOUT,
+    O_SEED,
+    O_OUT,
+    O_ATTN,
+    O_ATTN_AVERAGE,
+    O_PLOT,
+    O_THREADS,
+    O_IMPL,
+    O_DECODE,
+    O_PREFILL,
+    O_CACHE_DTYPE,
+    O_VERBOSE,
+    O_COUNT
+};
+
+_Static_assert(O_COUNT <= CLI_MAX_OPTS, "raise CLI_MAX_OPTS");
+
+/* Everything parsed from the command line. */
+typedef struct run_config {
+    const char *opt[O_COUNT]; /* raw values (NULL = not given) */
+    int64_t heads, kv_heads;
+    mha_name_map names;
+    int use_names;
+    double scale, softcap;
+    int alibi;
+    mha_rope rope;
+    int causal;
+    mha_alignment alignment;
+    int use_window;
+    int64_t window_left, window_right;
+    mha_mask_polarity polarity;
+    mha_dropout dropout;
+    mha_exec exec;
+    int average;
+    int decode;            /* --decode */
+    int64_t prefill;       /* --prefill, default 1 */
+    mha_dtype cache_dtype; /* --cache-dtype */
+} run_config;
+
+/* Everything allocated while running; freed once by run_free(). */
+typedef struct run_state {
+    char *names_buf;
+    mha_layer *base, *layer;
+    mha__npy x, key, value, mask, kpm, sinks;
+    float *xf, *kf, *vf, *maskf, *sinksf, *out, *probs;
+    int64_t *qpos, *kpos, *offsets;
+    int32_t *qseg, *kvseg;
+    double stage_start; /* --verbose: when the current stage began (seconds) */
+} run_state;
+
+/* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run.c). */
+void stage_done(const run_config *o, run_state *s, const char *what);
+
+/* Input files (cli_run_files.c): each prints one line naming the file and returns CLI_FAIL on a
+ * bad file, CLI_OK otherwise. */
+int read_npy(const char *path, mha__npy *a);
+int is_float(mha_dtype t);
+int is_integer(mha_dtype t);
+/* A float array as float32 (a new array). */
+int to_f32(const char *path, const mha__npy *a, float **out);
+/* Integers in [lo, hi] of shape [len] or [B, len] (or broadcastable) into a new int64 [B, len]. */
+int read_index(const char *path,
+               const char *what,
+               int64_t B,
+               int64_t len,
+               int64_t lo,
+               int64_t hi,
+               int64_t **out);
+/* One integer per batch row (causal offsets): [B], [1] or [] into a new int64 [B] array. */
+int read_per_batch(
+    const char *path, const char *what, int64_t B, int64_t lo, int64_t hi, int64_t **out);
+/* Segment ids into a new int32 [B, len]. */
+int read_segments(const char *path, const char *what, int64_t B, int64_t len, int32_t **out);
+/* Fills a mha_mask_tensor from a file array after checking that it broadcasts to target. */
+int mask_tensor(const char *path,
+                const mha__npy *a,
+                const void *data,
+                mha_dtype dtype,
+                int32_t max_ndim,
+                const int64_t *target,
+                int32_t target_ndim,
+                const char *target_desc,
+                mha_mask_tensor *t);
+/* X, K, V: float, 2-d or 3-d, non-empty; returns B, L, features. */
+int input_shape(const char *path, const mha__npy *a, int64_t *B, int64_t *L, int64_t *features);
+/* Writes Y (and A, and the plot); removes what it wrote if a later one fails. */
+int write_outputs(const run_config *o,
+                  const run_state *s,
+                  int x_ndim,
+                  int64_t B,
+                  int64_t n,
+                  int64_t m,
+                  int64_t h,
+                  int64_t out_dim);
+
+/* The job (cli_run_job.c): load, read, check, run, write; CLI_OK or the exit status. */
+int run_forward(const run_config *o, run_state *s);
+
+#endif /* MHA_CLI_RUN_H */

@@ -1,0 +1,261 @@
+/* SPDX-License-Identifier: MIT */
+/* cli_run_files.c: `mha run`'s files: every input array read and checked (shape, dtype, range)
+ * with one error line naming the file, and the outputs written atomically (cli_run.h). */
+#include "cli_run.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Files.                                                                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+int read_npy(const char *path, mha__npy *a) {
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    memset(a, 0, sizeof *a);
+    if (mha__npy_read(path, a, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(path, &err);
+    return CLI_OK;
+}
+
+int is_float(mha_dtype t) {
+    return t == MHA_DTYPE_F32 || t == MHA_DTYPE_F64 || t == MHA_DTYPE_F16;
+}
+
+int is_integer(mha_dtype t) {
+    return t == MHA_DTYPE_BOOL || t == MHA_DTYPE_U8 || t == MHA_DTYPE_I32 || t == MHA_DTYPE_I64;
+}
+
+int to_f32(const char *path, const mha__npy *a, float **out) {
+    if (!is_float(a->dtype))
+        return cli_fail("%s: dtype %s is not supported here (expected float32, float64 or "
+                        "float16)",
+                        path, cli_dtype_name(a->dtype));
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    if (mha__npy_to_f32(a, path, out, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(path, &err);
+    return CLI_OK;
+}
+
+/* Formats the multi-index of flat element `k` of a C-order array. */
+static const char *
+index_str(char *buf, size_t size, int32_t ndim, const int64_t *shape, int64_t k) {
+    int64_t idx[MHA_NPY_MAX_DIMS];
+    for (int32_t d = ndim - 1; d >= 0; d--) {
+        idx[d] = shape[d] ? k % shape[d] : 0;
+        k = shape[d] ? k / shape[d] : 0;
+    }
+    return cli_shape_str(buf, size, ndim, idx);
+}
+
+/* Reads an int32/int64 tensor whose values must all lie in [lo, hi]. */
+static int read_ints(const char *path, const char *what, int64_t lo, int64_t hi, mha__npy *a) {
+    char ib[160];
+    int rc = read_npy(path, a);
+    if (rc)
+        return rc;
+    if (a->dtype != MHA_DTYPE_I32 && a->dtype != MHA_DTYPE_I64)
+        return cli_fail("%s: dtype %s is not supported (expected int32 or int64)", path,
+                        cli_dtype_name(a->dtype));
+    for (int64_t k = 0; k < a->count; k++) {
+        int64_t val = a->dtype == MHA_DTYPE_I32 ? (int64_t)((const int32_t *)a->data)[k]
+                                                : ((const int64_t *)a->data)[k];
+        if (val < lo || val > hi)
+            return cli_fail("%s: %s %lld at index %s is outside [%lld, %lld]", path, what,
+                            (long long)val, index_str(ib, sizeof ib, a->ndim, a->shape, k),
+                            (long long)lo, (long long)hi);
+    }
+    return CLI_OK;
+}
+
+/* Copies element k of an int array viewed as [rows, len] (rows 1 broadcasts) to int64 [B, len]. */
+static int expand_ints(
+    const char *path, const mha__npy *a, int64_t rows, int64_t B, int64_t len, int64_t **out) {
+    int64_t total;
+    if (!cli_mul(B, len, &total) || total > (int64_t)(SIZE_MAX / 16))
+        return cli_fail("%s: size overflow", path);
+    *out = malloc((size_t)total * sizeof(int64_t));
+    if (!*out)
+        return cli_fail("%s: out of memory", path);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < len; t++) {
+            int64_t k = (rows == 1 ? 0 : b) * len + t;
+            (*out)[b * len + t] = a->dtype == MHA_DTYPE_I32 ? (int64_t)((const int32_t *)a->data)[k]
+                                                            : ((const int64_t *)a->data)[k];
+        }
+    return CLI_OK;
+}
+
+/* Per-token integers (positions, segment ids): [len] (broadcast over the batch) or [B, len]
+ * ([1, len] broadcasts too) into a new int64 [B, len] array, each value in [lo, hi]. */
+int read_index(const char *path,
+               const char *what,
+               int64_t B,
+               int64_t len,
+               int64_t lo,
+               int64_t hi,
+               int64_t **out) {
+    mha__npy a;
+    char sb[160];
+    int rc = read_ints(path, what, lo, hi, &a);
+    if (!rc) {
+        int64_t rows = 0;
+        if (a.ndim == 1 && a.shape[0] == len)
+            rows = 1;
+        else if (a.ndim == 2 && (a.shape[0] == B || a.shape[0] == 1) && a.shape[1] == len)
+            rows = a.shape[0];
+        if (rows == 0)
+            rc = cli_fail("%s: shape %s does not fit: expected [%lld] or [%lld, %lld] (%ss)", path,
+                          cli_shape_str(sb, sizeof sb, a.ndim, a.shape), (long long)len,
+                          (long long)B, (long long)len, what);
+        else
+            rc = expand_ints(path, &a, rows, B, len, out);
+    }
+    mha__npy_free(&a);
+    return rc;
+}
+
+/* One integer per batch row (causal offsets): [B], [1] or [] into a new int64 [B] array. */
+int read_per_batch(
+    const char *path, const char *what, int64_t B, int64_t lo, int64_t hi, int64_t **out) {
+    mha__npy a;
+    char sb[160];
+    int rc = read_ints(path, what, lo, hi, &a);
+    if (!rc) {
+        int64_t rows = 0;
+        if (a.ndim == 0 || (a.ndim == 1 && a.shape[0] == 1))
+            rows = 1;
+        else if (a.ndim == 1 && a.shape[0] == B)
+            rows = B;
+        if (rows == 0)
+            rc = cli_fail("%s: shape %s does not fit: expected [%lld] (one %s per batch row)", path,
+                          cli_shape_str(sb, sizeof sb, a.ndim, a.shape), (long long)B, what);
+        else
+            rc = expand_ints(path, &a, rows, B, 1, out);
+    }
+    mha__npy_free(&a);
+    return rc;
+}
+
+int read_segments(const char *path, const char *what, int64_t B, int64_t len, int32_t **out) {
+    int64_t *wide = NULL;
+    int rc = read_index(path, what, B, len, INT32_MIN, INT32_MAX, &wide);
+    if (rc)
+        return rc;
+    *out = malloc((size_t)(B * len) * sizeof(int32_t));
+    if (!*out) {
+        free(wide);
+        return cli_fail("%s: out of memory", path);
+    }
+    for (int64_t k = 0; k < B * len; k++)
+        (*out)[k] = (int32_t)wide[k];
+    free(wide);
+    return CLI_OK;
+}
+
+/* Fills a mha_mask_tensor from a file array after checking that it broadcasts to target. */
+int mask_tensor(const char *path,
+                const mha__npy *a,
+                const void *data,
+                mha_dtype dtype,
+                int32_t max_ndim,
+                const int64_t *target,
+                int32_t target_ndim,
+                const char *target_desc,
+                mha_mask_tensor *t) {
+    char sb[160], tb[160];
+    int ok = a->ndim <= max_ndim && a->ndim <= MHA_MAX_MASK_DIMS;
+    for (int32_t d = 0; ok && d < a->ndim; d++) {
+        int64_t dim = a->shape[a->ndim - 1 - d];
+        int64_t want = target[target_ndim - 1 - d];
+        ok = dim == want || dim == 1;
+    }
+    if (!ok)
+        return cli_fail("%s: shape %s does not broadcast to %s = %s", path,
+                        cli_shape_str(sb, sizeof sb, a->ndim, a->shape), target_desc,
+                        cli_shape_str(tb, sizeof tb, target_ndim, target));
+    memset(t, 0, sizeof *t);
+    t->data = data;
+    t->dtype = dtype;
+    if (a->ndim == 0) { /* a scalar broadcasts like shape [1] */
+        t->ndim = 1;
+        t->shape[0] = 1;
+    } else {
+        t->ndim = a->ndim;
+        for (int32_t d = 0; d < a->ndim; d++)
+            t->shape[d] = a->shape[d];
+    }
+    return CLI_OK;
+}
+
+/* X, K, V: float, 2-d or 3-d, non-empty; returns B, L, features. */
+int input_shape(const char *path, const mha__npy *a, int64_t *B, int64_t *L, int64_t *features) {
+    char sb[160];
+    if (!is_float(a->dtype))
+        return cli_fail("%s: dtype %s is not supported (expected float32, float64 or float16)",
+                        path, cli_dtype_name(a->dtype));
+    if (a->ndim != 2 && a->ndim != 3)
+        return cli_fail("%s: shape %s has %d dimensions, expected 2 ([n, d]) or 3 ([B, n, d])",
+                        path, cli_shape_str(sb, sizeof sb, a->ndim, a->shape), (int)a->ndim);
+    for (int32_t d = 0; d < a->ndim; d++)
+        if (a->shape[d] == 0)
+            return cli_fail("%s: shape %s is empty", path,
+                            cli_shape_str(sb, sizeof sb, a->ndim, a->shape));
+    *B = a->ndim == 3 ? a->shape[0] : 1;
+    *L = a->shape[a->ndim - 2];
+    *features = a->shape[a->ndim - 1];
+    return CLI_OK;
+}
+
+/* Writes Y (and A); removes Y again if A cannot be written. */
+int write_outputs(const run_config *o,
+                  const run_state *s,
+                  int x_ndim,
+                  int64_t B,
+                  int64_t n,
+                  int64_t m,
+                  int64_t h,
+                  int64_t out_dim) {
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    const char *ypath = o->opt[O_OUT], *apath = o->opt[O_ATTN];
+    int64_t yshape[3], ashape[4];
+    int32_t ynd = 0, and_ = 0;
+    if (x_ndim == 3)
+        yshape[ynd++] = B;
+    yshape[ynd++] = n;
+    yshape[ynd++] = out_dim;
+    if (mha__npy_write_f32(ypath, s->out, ynd, yshape, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(ypath, &err);
+    if (!apath && !o->opt[O_PLOT])
+        return CLI_OK;
+    if (x_ndim == 3)
+        ashape[and_++] = B;
+    if (!o->average)
+        ashape[and_++] = h;
+    ashape[and_++] = n;
+    ashape[and_++] = m;
+    if (apath && mha__npy_write_f32(apath, s->probs, and_, ashape, &err) != MHA_STATUS_OK) {
+        int rc = cli_lib_fail(apath, &err);
+        remove(ypath);
+        return rc;
+    }
+    const char *plot = o->opt[O_PLOT];
+    if (plot) {
+        char why[256], title[160];
+        snprintf(title, sizeof title,
+                 "attention probabilities, batch row 0 (%lld queries x %lld keys)", (long long)n,
+                 (long long)m);
+        if (!cli_plot_write(plot, s->probs, o->average ? 1 : h, n, m, title, why, sizeof why)) {
+            remove(ypath);
+            if (apath)
+                remove(apath);
+            return cli_fail("%s: %s", plot, why);
+        }
+    }
+    return CLI_OK;
+}

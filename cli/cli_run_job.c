@@ -1,0 +1,372 @@
+/* SPDX-License-Identifier: MIT */
+/* cli_run_job.c: `mha run`'s job once the options are checked: the weights, the layer with the
+ * command-line options, the inputs, masks and positions checked against (B, h, n, m), then the
+ * forward (or, with --decode, the prefill and decode steps through a KV cache), then the outputs
+ * (cli_run.h). */
+#include "cli_run.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The run itself.                                                                                */
+
+/* --decode: prefill the first P tokens of every row, then one token per step, through a cache of
+ * n positions per row; the rows of Y are written as they come. */
+static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, int64_t n) {
+    const mha_config *c = mha_layer_config(s->layer);
+    const int64_t qd = c->q_dim, od = c->out_dim, P = o->prefill;
+    if (P > n)
+        return cli_fail("--prefill %lld: larger than the %lld tokens of %s", (long long)P,
+                        (long long)n, o->opt[O_INPUT]);
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.max_seq = n;
+    kc.batch = B;
+    kc.dtype = o->cache_dtype;
+    if (o->use_window && o->window_left >= 0)
+        kc.window = o->window_left + 1; /* (L, R): the last L+1 positions; R is moot when causal */
+    mha_kv_cache *cache = NULL;
+    if (mha_kv_cache_create(&kc, s->layer, NULL, &cache, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &err);
+    int64_t ycount;
+    if (!cli_mul(B, n, &ycount) || !cli_mul(ycount, od, &ycount) ||
+        ycount > (int64_t)(SIZE_MAX / 8)) {
+        mha_kv_cache_destroy(cache);
+        return cli_fail("%s: output size overflows", o->opt[O_INPUT]);
+    }
+    s->out = malloc((size_t)ycount * sizeof(float));
+    float *xs = malloc(sizeof(float) * (size_t)(B * P * qd));
+    float *ys = malloc(sizeof(float) * (size_t)(B * P * od));
+    int rc = CLI_OK;
+    if (!s->out || !xs || !ys)
+        rc = cli_fail("cannot allocate the decode buffers");
+    /* One pool for every step: a step is short, starting threads per step would show. */
+    mha_exec ex = o->exec;
+    if (rc == CLI_OK && mha_threadpool_create(ex.n_threads < 1024 ? ex.n_threads : 1024, NULL,
+                                              &ex.pool, &err) != MHA_STATUS_OK)
+        rc = cli_lib_fail(NULL, &err);
+    for (int64_t t0 = 0; t0 < n && rc == CLI_OK;) {
+        const int64_t t = t0 == 0 ? P : 1;
+        for (int64_t b = 0; b < B; b++)
+            memcpy(xs + b * t * qd, s->xf + (b * n + t0) * qd, sizeof(float) * (size_t)(t * qd));
+        mha_decode_args a;
+        memset(&a, 0, sizeof a);
+        a.num_seqs = B;
+        a.num_tokens = t;
+        a.x = xs;
+        a.out = ys;
+        mha_status st = t0 == 0 ? mha_layer_prefill(s->layer, cache, &a, &ex, &err)
+                                : mha_layer_decode_step(s->layer, cache, &a, &ex, &err);
+        if (st != MHA_STATUS_OK) {
+            rc = cli_lib_fail(NULL, &err);
+            break;
+        }
+        for (int64_t b = 0; b < B; b++)
+            memcpy(s->out + (b * n + t0) * od, ys + b * t * od, sizeof(float) * (size_t)(t * od));
+        t0 += t;
+    }
+    mha_threadpool_destroy(ex.pool);
+    free(xs);
+    free(ys);
+    mha_kv_cache_destroy(cache);
+    if (rc != CLI_OK)
+        return rc;
+    stage_done(o, s, "prefill and decode steps computed");
+    rc = write_outputs(o, s, x_ndim, B, n, n, c->num_heads, od);
+    if (rc == CLI_OK)
+        stage_done(o, s, "outputs written");
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Steps 1 and 2: the weights (sizes come from the file), then the layer with the command-line
+ * options, its weights borrowed from the loaded one. */
+static int build_layer(const run_config *o, run_state *s) {
+    const char *const *v = o->opt;
+    const char *wpath = v[O_WEIGHTS];
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    char sb[160];
+    int rc;
+    mha_config lc;
+    memset(&lc, 0, sizeof lc);
+    lc.num_heads = o->heads;
+    lc.num_kv_heads = o->kv_heads;
+    if (mha_layer_load_safetensors(wpath, v[O_PREFIX], o->use_names ? &o->names : NULL, &lc, NULL,
+                                   &s->base, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(wpath, &err);
+    const mha_config *bc = mha_layer_config(s->base);
+    const int64_t h = bc->num_heads;
+    stage_done(o, s, "weights read");
+
+    if (o->rope.style != MHA_ROPE_NONE && o->rope.rotary_dim > bc->head_dim)
+        return cli_fail("--rope-dim %lld: larger than the layer's head_dim %lld (%s)",
+                        (long long)o->rope.rotary_dim, (long long)bc->head_dim, wpath);
+    mha_config cfg = *bc;
+    mha_weights w = *mha_layer_weights(s->base);
+    cfg.scale = o->scale;
+    cfg.softcap = o->softcap;
+    cfg.alibi = o->alibi;
+    cfg.rope = o->rope;
+    if (v[O_SINKS]) {
+        const char *path = v[O_SINKS];
+        if ((rc = read_npy(path, &s->sinks)))
+            return rc;
+        if (s->sinks.ndim != 1 || s->sinks.shape[0] != h)
+            return cli_fail("%s: shape %s, expected [%lld] (one sink logit per head)", path,
+                            cli_shape_str(sb, sizeof sb, s->sinks.ndim, s->sinks.shape),
+                            (long long)h);
+        if ((rc = to_f32(path, &s->sinks, &s->sinksf)))
+            return rc;
+        for (int64_t i = 0; i < h; i++)
+            if (!isfinite(s->sinksf[i]))
+                return cli_fail("%s: sink logit of head %lld is not finite", path, (long long)i);
+        cfg.sinks = 1;
+        w.sinks = s->sinksf;
+    }
+    if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &s->layer, &err) != MHA_STATUS_OK)
+        return cli_fail("%s with the given options: %s", wpath,
+                        err.message[0] ? err.message : mha_status_string(err.status));
+
+    return CLI_OK;
+}
+
+/* The sizes every later step checks against. */
+typedef struct run_dims {
+    int64_t B, n, m, h; /* batch, queries, keys, heads */
+    int x_ndim;         /* 3: [B, n, q_dim] input, 2: [n, q_dim] */
+    int cross;          /* --key given */
+} run_dims;
+
+/* Step 3: X (and K, V for cross-attention) read, checked against each other and the layer, and
+ * converted to float32. */
+static int read_inputs(const run_config *o, run_state *s, run_dims *d) {
+    const char *const *v = o->opt;
+    const char *wpath = v[O_WEIGHTS], *xpath = v[O_INPUT];
+    const mha_config *bc = mha_layer_config(s->base);
+    char sb[160];
+    int rc;
+    int64_t B, n, feat;
+    if ((rc = read_npy(xpath, &s->x)) || (rc = input_shape(xpath, &s->x, &B, &n, &feat)))
+        return rc;
+    if (feat != bc->q_dim)
+        return cli_fail("%s: last dimension %lld does not match the layer's q_dim %lld (%s)", xpath,
+                        (long long)feat, (long long)bc->q_dim, wpath);
+    const int x_ndim = s->x.ndim;
+    int64_t m = n;
+    const int cross = v[O_KEY] != NULL;
+    if (!cross) {
+        if (bc->k_dim != bc->q_dim || bc->v_dim != bc->q_dim)
+            return cli_fail("%s: self-attention needs k_dim = v_dim = q_dim, but %s has "
+                            "q_dim %lld, k_dim %lld, v_dim %lld; give --key and --value",
+                            xpath, wpath, (long long)bc->q_dim, (long long)bc->k_dim,
+                            (long long)bc->v_dim);
+    } else {
+        const char *kpath = v[O_KEY];
+        int64_t kb, kf;
+        if ((rc = read_npy(kpath, &s->key)) || (rc = input_shape(kpath, &s->key, &kb, &m, &kf)))
+            return rc;
+        if (s->key.ndim != x_ndim || kb != B) {
+            char xb[160];
+            return cli_fail("%s: shape %s does not go with %s %s: expected %s", kpath,
+                            cli_shape_str(sb, sizeof sb, s->key.ndim, s->key.shape), xpath,
+                            cli_shape_str(xb, sizeof xb, s->x.ndim, s->x.shape),
+                            x_ndim == 3 ? "[B, m, k_dim] with the same B" : "[m, k_dim]");
+        }
+        if (kf != bc->k_dim)
+            return cli_fail("%s: last dimension %lld does not match the layer's k_dim %lld (%s)",
+                            kpath, (long long)kf, (long long)bc->k_dim, wpath);
+        if ((rc = to_f32(kpath, &s->key, &s->kf)))
+            return rc;
+        if (v[O_VALUE]) {
+            const char *vpath = v[O_VALUE];
+            int64_t vb, vm, vf;
+            if ((rc = read_npy(vpath, &s->value)) ||
+                (rc = input_shape(vpath, &s->value, &vb, &vm, &vf)))
+                return rc;
+            if (s->value.ndim != x_ndim || vb != B || vm != m) {
+                char kb2[160];
+                return cli_fail("%s: shape %s does not go with the keys %s %s: expected the same "
+                                "leading dimensions",
+                                vpath, cli_shape_str(sb, sizeof sb, s->value.ndim, s->value.shape),
+                                kpath, cli_shape_str(kb2, sizeof kb2, s->key.ndim, s->key.shape));
+            }
+            if (vf != bc->v_dim)
+                return cli_fail("%s: last dimension %lld does not match the layer's v_dim %lld "
+                                "(%s)",
+                                vpath, (long long)vf, (long long)bc->v_dim, wpath);
+            if ((rc = to_f32(vpath, &s->value, &s->vf)))
+                return rc;
+        } else if (bc->v_dim != bc->k_dim) {
+            return cli_fail("%s: used as values too, but %s has v_dim %lld != k_dim %lld; "
+                            "give --value",
+                            kpath, wpath, (long long)bc->v_dim, (long long)bc->k_dim);
+        }
+    }
+    if ((rc = to_f32(xpath, &s->x, &s->xf)))
+        return rc;
+    *d = (run_dims){B, n, m, bc->num_heads, x_ndim, cross};
+    return CLI_OK;
+}
+
+/* Step 4: the masks, causal offsets, segment ids and positions, checked against (B, h, n, m). */
+static int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward_args *fa) {
+    const char *const *v = o->opt;
+    const int64_t B = d->B, h = d->h, n = d->n, m = d->m;
+    char sb[160];
+    int rc;
+    mha_masking *mk = &fa->mask;
+    mk->causal = o->causal;
+    mk->alignment = o->alignment;
+    mk->use_window = o->use_window;
+    mk->window_left = o->use_window ? o->window_left : -1;
+    mk->window_right = o->use_window ? o->window_right : -1;
+    const int64_t target4[4] = {B, h, n, m};
+    if (v[O_MASK]) {
+        const char *path = v[O_MASK];
+        if ((rc = read_npy(path, &s->mask)))
+            return rc;
+        if (is_float(s->mask.dtype)) {
+            if ((rc = mask_tensor(path, &s->mask, NULL, MHA_DTYPE_F32, 4, target4, 4,
+                                  "[B, h, n, m]", &mk->additive_mask)) ||
+                (rc = to_f32(path, &s->mask, &s->maskf)))
+                return rc;
+            mk->additive_mask.data = s->maskf;
+        } else if (is_integer(s->mask.dtype)) {
+            if ((rc = mask_tensor(path, &s->mask, s->mask.data, s->mask.dtype, 4, target4, 4,
+                                  "[B, h, n, m]", &mk->bool_mask)))
+                return rc;
+            mk->bool_mask_polarity = o->polarity;
+        } else {
+            return cli_fail("%s: dtype %s is not a mask type (float: additive; bool, uint8, "
+                            "int32, int64: boolean)",
+                            path, cli_dtype_name(s->mask.dtype));
+        }
+    }
+    if (v[O_KPM]) {
+        const char *path = v[O_KPM];
+        const int64_t target2[2] = {B, m};
+        if ((rc = read_npy(path, &s->kpm)))
+            return rc;
+        if (!is_integer(s->kpm.dtype))
+            return cli_fail("%s: dtype %s is not supported for a key padding mask (expected "
+                            "bool, uint8, int32 or int64; nonzero = real token)",
+                            path, cli_dtype_name(s->kpm.dtype));
+        if (s->kpm.ndim < 1 || s->kpm.ndim > 2 || s->kpm.shape[s->kpm.ndim - 1] != m)
+            return cli_fail("%s: shape %s, expected [B, m] or [m] = [%lld, %lld] or [%lld]", path,
+                            cli_shape_str(sb, sizeof sb, s->kpm.ndim, s->kpm.shape), (long long)B,
+                            (long long)m, (long long)m);
+        if ((rc = mask_tensor(path, &s->kpm, s->kpm.data, s->kpm.dtype, 2, target2, 2, "[B, m]",
+                              &mk->key_padding)))
+            return rc;
+    }
+    if (v[O_CAUSAL_OFFSETS]) {
+        if ((rc = read_per_batch(v[O_CAUSAL_OFFSETS], "causal offset", B, -MHA_MAX_POSITION,
+                                 MHA_MAX_POSITION, &s->offsets)))
+            return rc;
+        mk->align_offsets = s->offsets;
+    }
+    if (v[O_Q_SEGMENTS]) {
+        if ((rc = read_segments(v[O_Q_SEGMENTS], "query segment id", B, n, &s->qseg)) ||
+            (rc = read_segments(v[O_KV_SEGMENTS], "key segment id", B, m, &s->kvseg)))
+            return rc;
+        mk->q_segment_ids = s->qseg;
+        mk->kv_segment_ids = s->kvseg;
+    }
+    if (v[O_POSITIONS] &&
+        (rc = read_index(v[O_POSITIONS], "position", B, n, 0, MHA_MAX_POSITION, &s->qpos)))
+        return rc;
+    if (v[O_KEY_POSITIONS] &&
+        (rc = read_index(v[O_KEY_POSITIONS], "position", B, m, 0, MHA_MAX_POSITION, &s->kpos)))
+        return rc;
+
+    return CLI_OK;
+}
+
+/* Step 5: the outputs allocated, and the plot's size checked (before the work, not after). */
+static int alloc_outputs(const run_config *o, run_state *s, const run_dims *d) {
+    const char *const *v = o->opt;
+    const int64_t B = d->B, h = d->h, n = d->n, m = d->m;
+    const mha_config *bc = mha_layer_config(s->base);
+    char sb[160];
+    int64_t ycount, pcount = 0;
+    if (!cli_mul(B, n, &ycount) || !cli_mul(ycount, bc->out_dim, &ycount) ||
+        ycount > (int64_t)(SIZE_MAX / 8))
+        return cli_fail("%s: output size overflows", v[O_INPUT]);
+    s->out = malloc((size_t)ycount * sizeof(float));
+    if (!s->out)
+        return cli_fail("cannot allocate the output (%lld floats)", (long long)ycount);
+    if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], o->average ? 1 : h, n, m, sb, sizeof sb))
+        return cli_fail("%s: %s", v[O_PLOT], sb);
+    if (v[O_ATTN] || v[O_PLOT]) {
+        if (!cli_mul(B, o->average ? 1 : h, &pcount) || !cli_mul(pcount, n, &pcount) ||
+            !cli_mul(pcount, m, &pcount) || pcount > (int64_t)(SIZE_MAX / 8))
+            return cli_fail("%s: probabilities [B, h, n, m] = [%lld, %lld, %lld, %lld] are too "
+                            "large",
+                            v[O_ATTN] ? v[O_ATTN] : v[O_PLOT], (long long)B, (long long)h,
+                            (long long)n, (long long)m);
+        s->probs = malloc((size_t)pcount * sizeof(float));
+        if (!s->probs)
+            return cli_fail("%s: cannot allocate the probabilities (%lld floats)",
+                            v[O_ATTN] ? v[O_ATTN] : v[O_PLOT], (long long)pcount);
+    }
+
+    return CLI_OK;
+}
+
+int run_forward(const run_config *o, run_state *s) {
+    const char *const *v = o->opt;
+    run_dims d = {0, 0, 0, 0, 0, 0};
+    mha_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    int rc = build_layer(o, s);
+    if (!rc)
+        rc = read_inputs(o, s, &d);
+    if (!rc && o->decode)
+        return run_decode(o, s, d.x_ndim, d.B, d.n);
+    if (!rc)
+        stage_done(o, s, "layer built, inputs read");
+    if (!rc)
+        rc = read_masks(o, s, &d, &fa);
+    if (!rc)
+        rc = alloc_outputs(o, s, &d);
+    if (rc)
+        return rc;
+    stage_done(o, s, "masks and positions read, outputs allocated");
+
+    /* Step 6: the forward. */
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    fa.batch = d.B;
+    fa.q_len = d.n;
+    fa.kv_len = d.m;
+    fa.query = s->xf;
+    fa.key = d.cross ? s->kf : NULL;
+    fa.value = d.cross ? (s->vf ? s->vf : s->kf) : NULL;
+    fa.q_positions = s->qpos;
+    fa.k_positions = s->kpos;
+    fa.dropout = o->dropout;
+    fa.out = s->out;
+    fa.probs = s->probs;
+    fa.average_probs = o->average;
+    mha_status st = mha_layer_forward(s->layer, &fa, &o->exec, &err);
+    if (st == MHA_STATUS_UNSUPPORTED) /* the library's message as it is, after the flag */
+        return cli_fail("--impl %s: %s", v[O_IMPL] ? v[O_IMPL] : "auto",
+                        err.message[0] ? err.message : mha_status_string(st));
+    if (st != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &err);
+
+    stage_done(o, s, "forward computed");
+
+    /* Step 7: the outputs. */
+    rc = write_outputs(o, s, d.x_ndim, d.B, d.n, d.m, d.h, mha_layer_config(s->layer)->out_dim);
+    if (rc == CLI_OK)
+        stage_done(o, s, "outputs written");
+    return rc;
+}
