@@ -8,13 +8,14 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 declare -A may=(
     [base]="base"
-    [cache]="base cache"
-    [kernels]="base cache kernels"
-    [core]="base kernels core"
-    [layer]="base kernels core layer"
-    [decode]="base cache kernels core layer decode"
-    [io]="base io"
-    [api]="base kernels core api"
+    [check]="base check"
+    [cache]="base check cache"
+    [kernels]="base check cache kernels"
+    [core]="base check kernels core"
+    [layer]="base check kernels core layer"
+    [decode]="base check cache kernels core layer decode"
+    [io]="base check io"
+    [api]="base check kernels core api"
 )
 bad=0 checked=0
 while IFS= read -r file; do

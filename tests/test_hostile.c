@@ -253,7 +253,7 @@ static void test_window_int64_max(void) {
                 CHECK(
                     memcmp(out[0], out[1], sizeof out[0]) == 0,
                     "window (%lld, %lld) causal=%d impl=%d differs from the unbounded window (fix: "
-                    "src/core/masking.c must map window sides > 2^33 to -1)",
+                    "src/check/attention.c must map window sides > 2^33 to -1)",
                     (long long)sides[s][0], (long long)sides[s][1], causal, (int)impls[im]);
             }
 }

@@ -1,10 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /* internal.h: declarations shared by the library's own files (never installed).
  *
- * The public structs are validated by their entry points (core/attention.c: mha__core_prepare,
- * mha__problem_from_args; layer/, decode/, cache/ for the layer and the cache) and turned
- * into an mha__problem whose every field is resolved (defaults filled, masks turned into broadcast
- * strides), so kernels never re-check user input.
+ * The public structs are checked once per call, by the checks of src/check/ (check/check.h), and
+ * turned into an mha__problem whose every field is resolved (defaults filled, masks turned into
+ * broadcast strides), so the parts below the entry points never re-check user input.
  */
 #ifndef MHA_INTERNAL_H
 #define MHA_INTERNAL_H
@@ -59,10 +58,6 @@ static inline size_t mha__align64(size_t x) {
  * `need` of its 64-byte aligned layout plus MHA_WORKSPACE_SLACK, and the call rounds the caller's
  * pointer up to 64 bytes before carving it. */
 #define MHA_WORKSPACE_SLACK ((size_t)63)
-/* Every size of args in [1, 2^31] and num_heads divisible by num_kv_heads. Checked before any
- * workspace is sized (forward and backward), since the kernels' scratch sizes are computed from
- * these fields: an unchecked one could ask for gigabytes before the call is refused. */
-mha_status mha__attention_check_sizes(const mha_attention_args *args, mha_error *err);
 /* Reported workspace size for a layout of `need` bytes; false on overflow. */
 bool mha__workspace_bytes(size_t need, size_t *out);
 /* The 64-byte aligned start of a workspace of `need` bytes: exec->workspace rounded up when the
@@ -183,19 +178,6 @@ void mha__philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32
 /* ALiBi slopes for h heads (2^(-8(k+1)/h) for powers of two, BLOOM interpolation otherwise). */
 void mha__alibi_slopes(int64_t h, float *slopes);
 
-/* RoPE tables: inverse frequencies [R/2] and the cos/sin factor, from a resolved mha_rope. */
-mha_status mha__rope_resolve(const mha_rope *in, int64_t head_dim, mha_rope *out, mha_error *err);
-void mha__rope_freqs(const mha_rope *resolved, double *freqs, double *cs_factor);
-/* cos/sin of every pair for one position: cos_out[k] = cs_factor * cos(pos * freqs[k]). */
-void mha__rope_cos_sin(const mha_rope *resolved,
-                       const double *freqs,
-                       double cs_factor,
-                       int64_t position,
-                       double *cos_out,
-                       double *sin_out);
-/* Rotates one head vector x[0..D) in place with the pairs' cos/sin (pairing from the style). */
-void mha__rope_rotate(const mha_rope *resolved, const double *cos_k, const double *sin_k, float *x);
-
 /* The threads a call may use (threads.c): up to n (>= 1), from `pool` when it is not NULL,
  * otherwise started per parallel region. */
 typedef struct mha__team {
@@ -219,27 +201,6 @@ typedef void (*mha__range_fn)(void *ctx, int part, int64_t begin, int64_t end);
 mha_status
 mha__parallel_for(mha__team team, int64_t count, mha__range_fn fn, void *ctx, mha_error *err);
 int mha__default_threads(void);
-
-/* Validates public core args into a problem. `scratch` must hold mha__problem_scratch_floats()
- * floats (ALiBi slopes and deltas live there). */
-mha_status mha__problem_from_args(const mha_attention_args *a,
-                                  mha__problem *p,
-                                  int64_t *delta_buf,
-                                  float *slope_buf,
-                                  mha_error *err);
-/* Validates a masking struct against sizes (B, h, n, m). */
-mha_status mha__validate_masking(const mha_masking *mk,
-                                 int64_t B,
-                                 int64_t H,
-                                 int64_t n,
-                                 int64_t m,
-                                 mha__problem *p,
-                                 int64_t *delta_buf,
-                                 mha_error *err);
-
-/* The plain reference core: rows [row_begin, row_end) of the flattened (b, h) pairs.
- * Uses `scratch` of m + d_v floats per call. */
-void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end, float *scratch);
 
 /* float16 / bfloat16 <-> float32, round to nearest even. */
 float mha__f16_to_f32(uint16_t h);

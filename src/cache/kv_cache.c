@@ -3,75 +3,24 @@
  * reset / truncate / copy of sequences, raw append and read-back. The attention over a cache and
  * the layer calls are in decode.c.
  *
- * Every call validates all of its arguments before changing anything, so a failing call leaves
- * the cache exactly as it was. Storage is allocated once at creation; appends never allocate.
+ * Every call checks all of its arguments (check/cache.c) before changing anything, so a failing
+ * call leaves the cache exactly as it was. Storage is allocated once at creation; appends never
+ * allocate.
  */
 #include "cache/kv_cache.h"
 
 #include <string.h>
-
-/* Default most tokens per append of a window cache: a whole speculative draft or a prompt chunk
- * fits, and the ring grows by only 63 positions over the window. */
-#define MHA_KV_DEFAULT_STEP 64
-
-static mha_status resolve(const mha_kv_cache_config *in,
-                          const mha_layer *layer,
-                          mha_kv_cache_config *c,
-                          mha_error *err) {
-    MHA_RETURN_IF(!in, err, INVALID_ARG, "config is NULL");
-    *c = *in;
-    if (layer) {
-        const mha_config *lc = mha_layer_config(layer);
-        const struct {
-            const char *name;
-            int64_t *field;
-            int64_t layer_value;
-        } f[] = {{"num_kv_heads", &c->num_kv_heads, lc->num_kv_heads},
-                 {"head_dim", &c->head_dim, lc->head_dim},
-                 {"v_head_dim", &c->v_head_dim, lc->v_head_dim}};
-        for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
-            if (*f[i].field == 0)
-                *f[i].field = f[i].layer_value;
-            MHA_RETURN_IF(*f[i].field != f[i].layer_value, err, INVALID_ARG,
-                          "kv cache config.%s=%lld does not match the layer's %lld", f[i].name,
-                          (long long)*f[i].field, (long long)f[i].layer_value);
-        }
-    }
-    if (c->v_head_dim == 0)
-        c->v_head_dim = c->head_dim;
-    if (c->max_step_tokens == 0)
-        c->max_step_tokens = MHA_KV_DEFAULT_STEP;
-    const struct {
-        const char *name;
-        int64_t v;
-    } dims[] = {{"num_kv_heads", c->num_kv_heads},
-                {"head_dim", c->head_dim},
-                {"v_head_dim", c->v_head_dim},
-                {"max_seq", c->max_seq},
-                {"batch", c->batch},
-                {"max_step_tokens", c->max_step_tokens}};
-    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
-        MHA_RETURN_IF(dims[i].v < 1 || dims[i].v > MHA_MAX_DIM, err, INVALID_ARG,
-                      "kv cache config.%s=%lld must be in [1, 2^31]", dims[i].name,
-                      (long long)dims[i].v);
-    MHA_RETURN_IF(c->window < 0 || c->window > MHA_MAX_DIM, err, INVALID_ARG,
-                  "kv cache config.window=%lld must be 0 (none) or in [1, 2^31]",
-                  (long long)c->window);
-    MHA_RETURN_IF(
-        c->dtype != MHA_DTYPE_F32 && c->dtype != MHA_DTYPE_F16 && c->dtype != MHA_DTYPE_BF16, err,
-        INVALID_ARG, "kv cache config.dtype=%d must be F32, F16 or BF16", (int)c->dtype);
-    return MHA_STATUS_OK;
-}
 
 mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                                const mha_layer *layer,
                                const mha_allocator *allocator,
                                mha_kv_cache **out,
                                mha_error *err) {
-    MHA_RETURN_IF(!out, err, INVALID_ARG, "out (the cache pointer) is NULL");
-    *out = NULL;
+    if (out)
+        *out = NULL;
     mha_kv_cache_config c;
-    mha_status st = resolve(config, layer, &c, err);
+    mha_status st =
+        mha__check_kv_create(config, layer ? mha_layer_config(layer) : NULL, out, &c, err);
     if (st)
         return st;
     int64_t slots = c.max_seq;
@@ -142,16 +91,9 @@ int64_t mha_kv_cache_length(const mha_kv_cache *cache, int64_t seq) {
     return cache->len[seq];
 }
 
-static mha_status check_seq(const mha_kv_cache *c, int64_t seq, const char *name, mha_error *err) {
-    MHA_RETURN_IF(!c, err, INVALID_ARG, "cache is NULL");
-    MHA_RETURN_IF(seq < 0 || seq >= c->cfg.batch, err, INVALID_ARG,
-                  "%s=%lld is not a sequence of this cache (batch=%lld)", name, (long long)seq,
-                  (long long)c->cfg.batch);
-    return MHA_STATUS_OK;
-}
-
 mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_error *err) {
-    mha_status st = check_seq(cache, seq, "seq", err);
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_seq(&view, seq, "seq", err);
     if (st)
         return st;
     cache->len[seq] = 0;
@@ -162,24 +104,10 @@ mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_error *err) 
 
 mha_status
 mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len, mha_error *err) {
-    mha_status st = check_seq(cache, seq, "seq", err);
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_truncate(&view, seq, new_len, err);
     if (st)
         return st;
-    const int64_t L = cache->len[seq];
-    MHA_RETURN_IF(new_len < 0 || new_len > L, err, INVALID_ARG,
-                  "truncate: new_len=%lld must be in [0, %lld] (the length of sequence %lld)",
-                  (long long)new_len, (long long)L, (long long)seq);
-    /* A window ring holds the positions >= lo[seq]; the next token at new_len needs the keys
-     * new_len - window + 1 .. new_len - 1. */
-    if (cache->cfg.window > 0 && new_len > 0) {
-        const int64_t need = new_len - cache->cfg.window + 1;
-        MHA_RETURN_IF(need < cache->lo[seq], err, INVALID_ARG,
-                      "truncate: sequence %lld of a window-%lld cache cannot roll back to %lld: "
-                      "its keys below position %lld are overwritten (a ring can roll back at "
-                      "most max_step_tokens=%lld positions from its furthest length)",
-                      (long long)seq, (long long)cache->cfg.window, (long long)new_len,
-                      (long long)cache->lo[seq], (long long)cache->cfg.max_step_tokens);
-    }
     cache->len[seq] = new_len;
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -187,9 +115,10 @@ mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len, mha_err
 
 mha_status
 mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_error *err) {
-    mha_status st = check_seq(cache, src_seq, "src_seq", err);
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_seq(&view, src_seq, "src_seq", err);
     if (!st)
-        st = check_seq(cache, dst_seq, "dst_seq", err);
+        st = mha__check_kv_seq(&view, dst_seq, "dst_seq", err);
     if (st)
         return st;
     if (src_seq != dst_seq) {
@@ -246,13 +175,10 @@ static void store_row(const mha_kv_cache *c, const float *src, int64_t d, void *
 
 mha_status mha_kv_cache_read(
     const mha_kv_cache *cache, int64_t seq, int64_t pos, float *k, float *v, mha_error *err) {
-    mha_status st = check_seq(cache, seq, "seq", err);
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_read(&view, seq, pos, err);
     if (st)
         return st;
-    const int64_t L = cache->len[seq];
-    MHA_RETURN_IF(pos < 0 || pos >= L || pos < cache->lo[seq], err, INVALID_ARG,
-                  "read: position %lld of sequence %lld is not stored (length %lld, slots %lld)",
-                  (long long)pos, (long long)seq, (long long)L, (long long)cache->slots);
     const int64_t G = cache->cfg.num_kv_heads, dk = cache->cfg.head_dim;
     const int64_t dv = cache->cfg.v_head_dim;
     for (int64_t g = 0; g < G; g++) {
@@ -262,46 +188,6 @@ mha_status mha_kv_cache_read(
             load_row(cache, mha__kv_v_row(cache, seq, g, pos), dv, v + g * dv);
     }
     mha__ok(err);
-    return MHA_STATUS_OK;
-}
-
-mha_status
-mha__kv_check_seqs(const mha_kv_cache *c, int64_t S, const int64_t *seq_ids, mha_error *err) {
-    MHA_RETURN_IF(!c, err, INVALID_ARG, "cache is NULL");
-    MHA_RETURN_IF(S < 1 || S > c->cfg.batch, err, INVALID_ARG,
-                  "num_seqs=%lld must be in [1, %lld] (the cache's batch)", (long long)S,
-                  (long long)c->cfg.batch);
-    if (!seq_ids)
-        return MHA_STATUS_OK;
-    for (int64_t i = 0; i < S; i++) {
-        MHA_RETURN_IF(seq_ids[i] < 0 || seq_ids[i] >= c->cfg.batch, err, INVALID_ARG,
-                      "seq_ids[%lld]=%lld is not a sequence of this cache (batch=%lld)",
-                      (long long)i, (long long)seq_ids[i], (long long)c->cfg.batch);
-        for (int64_t j = 0; j < i; j++)
-            MHA_RETURN_IF(seq_ids[j] == seq_ids[i], err, INVALID_ARG,
-                          "seq_ids[%lld] and seq_ids[%lld] are both %lld: ids must be distinct",
-                          (long long)j, (long long)i, (long long)seq_ids[i]);
-    }
-    return MHA_STATUS_OK;
-}
-
-mha_status mha__kv_check_append(
-    const mha_kv_cache *c, int64_t S, const int64_t *seq_ids, int64_t t, mha_error *err) {
-    mha_status st = mha__kv_check_seqs(c, S, seq_ids, err);
-    if (st)
-        return st;
-    MHA_RETURN_IF(t < 1 || t > MHA_MAX_DIM, err, INVALID_ARG,
-                  "num_tokens=%lld must be in [1, 2^31]", (long long)t);
-    MHA_RETURN_IF(c->cfg.window > 0 && t > c->cfg.max_step_tokens, err, INVALID_ARG,
-                  "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld", (long long)t,
-                  (long long)c->cfg.max_step_tokens);
-    for (int64_t i = 0; i < S; i++) {
-        const int64_t s = seq_ids ? seq_ids[i] : i;
-        MHA_RETURN_IF(c->len[s] + t > c->cfg.max_seq, err, INVALID_ARG,
-                      "kv cache overflow: sequence %lld has %lld positions, %lld more exceed "
-                      "max_seq=%lld",
-                      (long long)s, (long long)c->len[s], (long long)t, (long long)c->cfg.max_seq);
-    }
     return MHA_STATUS_OK;
 }
 
@@ -340,10 +226,10 @@ mha_status mha_kv_cache_append(mha_kv_cache *cache,
                                const float *k,
                                const float *v,
                                mha_error *err) {
-    mha_status st = mha__kv_check_append(cache, num_seqs, seq_ids, t, err);
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_append(&view, num_seqs, seq_ids, t, k, v, err);
     if (st)
         return st;
-    MHA_RETURN_IF(!k || !v, err, INVALID_ARG, "k and v must not be NULL");
     const int64_t G = cache->cfg.num_kv_heads;
     const int64_t kt = G * cache->cfg.head_dim, vt = G * cache->cfg.v_head_dim;
     mha__kv_append_raw(cache, num_seqs, seq_ids, t, k, t * kt, kt, v, t * vt, vt);

@@ -10,6 +10,7 @@
 #define MHA_KV_CACHE_H
 
 #include "base/internal.h"
+#include "check/check.h"
 
 struct mha_kv_cache {
     mha_kv_cache_config cfg; /* resolved */
@@ -35,11 +36,20 @@ mha__kv_v_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
     return (const char *)c->v + (size_t)(row * c->cfg.v_head_dim) * c->elem;
 }
 
-/* Validates seq_ids (in range, distinct); NULL means 0 .. S-1. */
-mha_status
-mha__kv_check_seqs(const struct mha_kv_cache *c, int64_t S, const int64_t *seq_ids, mha_error *err);
-/* Appends t rows per sequence without validation (mha__kv_check_append first): element
- * (s, i, g, d) of k at k[s*seq_stride + i*tok_stride + g*dk + d] (v likewise with dv). */
+/* What the argument checks (check/cache.c) read of a cache; NULL gives cfg == NULL. */
+static inline mha__kv_view mha__kv_view_of(const struct mha_kv_cache *c) {
+    mha__kv_view v = {NULL, NULL, NULL, 0};
+    if (c) {
+        v.cfg = &c->cfg;
+        v.len = c->len;
+        v.lo = c->lo;
+        v.slots = c->slots;
+    }
+    return v;
+}
+
+/* Appends t rows per sequence without checks (check/: mha__check_kv_append or _decode first):
+ * element (s, i, g, d) of k at k[s*seq_stride + i*tok_stride + g*dk + d] (v likewise with dv). */
 void mha__kv_append_raw(struct mha_kv_cache *c,
                         int64_t S,
                         const int64_t *seq_ids,
@@ -50,10 +60,6 @@ void mha__kv_append_raw(struct mha_kv_cache *c,
                         const float *v,
                         int64_t v_seq_stride,
                         int64_t v_tok_stride);
-/* Checks that t tokens fit in every listed sequence (max_seq, window step limit). */
-mha_status mha__kv_check_append(
-    const struct mha_kv_cache *c, int64_t S, const int64_t *seq_ids, int64_t t, mha_error *err);
-
 /* ---------------------------------------------------------------------------------------------- */
 /* Split-KV decode kernels.                                                                       */
 /* ---------------------------------------------------------------------------------------------- */

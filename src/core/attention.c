@@ -4,119 +4,12 @@
  * Implementations: "reference" (src/kernels/ref/attention_ref.c) and the fast kernels (dispatch.c).
  */
 #include "base/internal.h"
+#include "check/check.h"
 #include "core/core.h"
 #include "kernels/registry.h"
 
 #include <stdlib.h>
 #include <string.h>
-
-/* Largest element offset reachable through a [B, H, L, d] view with strides s; false on
- * overflow or a negative stride. */
-static bool view_extent(const int64_t s[3],
-                        int64_t B,
-                        int64_t H,
-                        int64_t L,
-                        int64_t d,
-                        const char *name,
-                        mha_error *err) {
-    int64_t a, b, c, total;
-    for (int i = 0; i < 3; i++)
-        if (s[i] < 0) {
-            mha__fail(err, MHA_STATUS_INVALID_ARG, "%s_strides[%d]=%lld is negative", name, i,
-                      (long long)s[i]);
-            return false;
-        }
-    if (!mha__mul_i64(B - 1, s[0], &a) || !mha__mul_i64(H - 1, s[1], &b) ||
-        !mha__mul_i64(L - 1, s[2], &c) || !mha__add_i64(a, b, &total) ||
-        !mha__add_i64(total, c, &total) || !mha__add_i64(total, d, &total)) {
-        mha__fail(err, MHA_STATUS_OVERFLOW, "%s: offsets overflow int64 with these strides", name);
-        return false;
-    }
-    return true;
-}
-
-mha_status mha__attention_check_sizes(const mha_attention_args *a, mha_error *err) {
-    const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
-    const int64_t dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
-    const struct {
-        const char *name;
-        int64_t value;
-    } dims[] = {{"batch", a->batch}, {"num_heads", a->num_heads}, {"num_kv_heads", G},
-                {"q_len", a->q_len}, {"kv_len", a->kv_len},       {"head_dim", a->head_dim},
-                {"v_head_dim", dv}};
-    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
-        MHA_RETURN_IF(dims[i].value < 1 || dims[i].value > MHA_MAX_DIM, err, INVALID_ARG,
-                      "%s=%lld must be in [1, 2^31]", dims[i].name, (long long)dims[i].value);
-    MHA_RETURN_IF(a->num_heads % G != 0, err, INVALID_ARG,
-                  "num_heads=%lld is not divisible by num_kv_heads=%lld", (long long)a->num_heads,
-                  (long long)G);
-    return MHA_STATUS_OK;
-}
-
-mha_status mha__problem_from_args(const mha_attention_args *a,
-                                  mha__problem *p,
-                                  int64_t *delta_buf,
-                                  float *slope_buf,
-                                  mha_error *err) {
-    MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
-    memset(p, 0, sizeof *p);
-    mha_status st = mha__attention_check_sizes(a, err);
-    if (st)
-        return st;
-    const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
-    MHA_RETURN_IF(!a->q || !a->k || !a->v || !a->out, err, INVALID_ARG,
-                  "q, k, v and out must not be NULL");
-    p->B = a->batch;
-    p->H = a->num_heads;
-    p->G = G;
-    p->group = a->num_heads / G;
-    p->n = a->q_len;
-    p->m = a->kv_len;
-    p->dk = a->head_dim;
-    p->dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
-
-    int64_t probs_count;
-    const int64_t pf[4] = {p->B, a->average_probs ? 1 : p->H, p->n, p->m};
-    MHA_RETURN_IF(!mha__prod_i64(pf, 4, &probs_count) || probs_count > INT64_MAX / 8, err, OVERFLOW,
-                  "B*h*n*m overflows int64");
-    if (!view_extent(a->q_strides, p->B, p->H, p->n, p->dk, "q", err) ||
-        !view_extent(a->k_strides, p->B, p->G, p->m, p->dk, "k", err) ||
-        !view_extent(a->v_strides, p->B, p->G, p->m, p->dv, "v", err) ||
-        !view_extent(a->out_strides, p->B, p->H, p->n, p->dv, "out", err))
-        return err ? err->status : MHA_STATUS_INVALID_ARG;
-
-    double scale = a->scale == 0.0 ? 1.0 / sqrt((double)p->dk) : a->scale;
-    MHA_RETURN_IF(!isfinite(scale), err, INVALID_ARG, "scale=%g is not finite", scale);
-    p->scale = (float)scale;
-    MHA_RETURN_IF(!isfinite(a->softcap) || a->softcap < 0.0, err, INVALID_ARG,
-                  "softcap=%g must be finite and >= 0 (0 = off)", a->softcap);
-    p->softcap = (float)a->softcap;
-    p->sinks = a->sinks;
-    if (a->alibi) {
-        mha__alibi_slopes(p->H, slope_buf);
-        p->alibi_slopes = slope_buf;
-    }
-
-    memcpy(p->qs, a->q_strides, sizeof p->qs);
-    memcpy(p->ks, a->k_strides, sizeof p->ks);
-    memcpy(p->vs, a->v_strides, sizeof p->vs);
-    memcpy(p->os, a->out_strides, sizeof p->os);
-    p->q = a->q;
-    p->k = a->k;
-    p->v = a->v;
-    p->out = a->out;
-    p->lse = a->lse;
-    p->probs = a->probs;
-    p->average_probs = a->average_probs != 0;
-
-    MHA_RETURN_IF(!(a->dropout.p >= 0.0f && a->dropout.p < 1.0f), err, INVALID_ARG,
-                  "dropout.p=%g must be in [0, 1)", (double)a->dropout.p);
-    p->dropout_on = a->dropout.training && a->dropout.p > 0.0f;
-    p->dropout_p = a->dropout.p;
-    p->dropout_seed = a->dropout.seed;
-
-    return mha__validate_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
-}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Implementation selection and running (kernels: dispatch.c, kernels/registry.def).            */
@@ -148,7 +41,7 @@ static mha_status core_layout(
 
 static mha_status check_dims_for_layout(const mha_attention_args *a, mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
-    return mha__attention_check_sizes(a, err);
+    return mha__check_attention_sizes(a, err);
 }
 
 /* The kernel that runs (args, exec): `forced` if given (it must be able to run the problem),
@@ -241,8 +134,8 @@ attention_check(const mha_attention_args *args, const mha_exec *exec, mha_error 
     if (!scratch)
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate validation scratch");
     else
-        st = mha__problem_from_args(args, &p, (int64_t *)scratch,
-                                    (float *)((char *)scratch + slope_off), err);
+        st = mha__check_attention(args, &p, (int64_t *)scratch,
+                                  (float *)((char *)scratch + slope_off), err);
     mha__free(alloc, scratch);
     if (st == MHA_STATUS_OK) {
         /* Then the implementation: impl=fast says here which option it cannot do. */
@@ -285,8 +178,8 @@ mha_status mha__core_prepare(const mha_attention_args *args,
     st = mha__workspace_take(exec, l.total, "this attention call", &ws, &call->owned, err);
     if (st)
         return st;
-    st = mha__problem_from_args(args, &call->p, (int64_t *)(ws + l.delta_off),
-                                (float *)(ws + l.slope_off), err);
+    st = mha__check_attention(args, &call->p, (int64_t *)(ws + l.delta_off),
+                              (float *)(ws + l.slope_off), err);
     call->scratch = ws + l.scratch_off;
     call->stride = l.scratch_stride;
     if (st)

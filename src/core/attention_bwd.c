@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* attention_bwd.c: the public backward of the attention core. Validates the forward description
- * (through mha__problem_from_args, the same checks as the forward) and the gradient buffers,
+ * (check/: mha__check_attention, the same checks as the forward) and the gradient buffers,
  * picks the implementation, and runs the work units (b, kv head) on threads.
  *
  * Threads: units are disjoint in their outputs (attention_bwd.h), handed out as contiguous
@@ -10,33 +10,10 @@
  * Parallelism is B * G units: a single MQA sequence (B = G = 1) runs on one thread.
  */
 #include "kernels/attention_bwd.h"
+#include "check/check.h"
 #include "kernels/registry.h"
 
 #include <string.h>
-
-static bool extent_ok(const int64_t s[3],
-                      int64_t B,
-                      int64_t H,
-                      int64_t L,
-                      int64_t d,
-                      const char *name,
-                      mha_error *err) {
-    int64_t a, b, c, t;
-    for (int i = 0; i < 3; i++)
-        if (s[i] < 0) {
-            mha__fail(err, MHA_STATUS_INVALID_ARG, "grads.%s_strides[%d]=%lld is negative", name, i,
-                      (long long)s[i]);
-            return false;
-        }
-    if (!mha__mul_i64(B - 1, s[0], &a) || !mha__mul_i64(H - 1, s[1], &b) ||
-        !mha__mul_i64(L - 1, s[2], &c) || !mha__add_i64(a, b, &t) || !mha__add_i64(t, c, &t) ||
-        !mha__add_i64(t, d, &t)) {
-        mha__fail(err, MHA_STATUS_OVERFLOW, "grads.%s: offsets overflow int64 with these strides",
-                  name);
-        return false;
-    }
-    return true;
-}
 
 /* The backward kernels are the registry's lines of op bwd (kernels/registry.def), in priority
  * order, the reference last; `index` counts those lines only. */
@@ -101,9 +78,7 @@ static mha_status validate(const mha_attention_args *a,
                            const mha__kernel_info **k,
                            bwd_layout *l,
                            mha_error *err) {
-    MHA_RETURN_IF(!a, err, INVALID_ARG, "fwd (the forward's args) is NULL");
-    MHA_RETURN_IF(!g, err, INVALID_ARG, "grads is NULL");
-    mha_status st = mha__attention_check_sizes(a, err);
+    mha_status st = mha__check_backward_sizes(a, g, err);
     if (st)
         return st;
     st = mha__exec_team(exec, team, err);
@@ -143,24 +118,6 @@ static mha_status validate(const mha_attention_args *a,
                       !mha__add_i64(total, (int64_t)l->scratch_off, &total),
                   err, OVERFLOW, "backward workspace size overflows");
     l->total = (size_t)total;
-    return MHA_STATUS_OK;
-}
-
-/* Checks of the gradient side against a validated problem. */
-static mha_status check_grads(const mha_attention_args *a,
-                              const mha_attention_grads *g,
-                              const mha__problem *p,
-                              mha_error *err) {
-    MHA_RETURN_IF(!a->lse, err, INVALID_ARG,
-                  "fwd.lse is NULL: the backward needs the log-sum-exp saved by the forward");
-    MHA_RETURN_IF(!g->dout, err, INVALID_ARG, "grads.dout is NULL");
-    MHA_RETURN_IF(g->dsinks && !a->sinks, err, INVALID_ARG,
-                  "grads.dsinks is given but the forward has no sinks");
-    if (!extent_ok(g->dout_strides, p->B, p->H, p->n, p->dv, "dout", err) ||
-        (g->dq && !extent_ok(g->dq_strides, p->B, p->H, p->n, p->dk, "dq", err)) ||
-        (g->dk && !extent_ok(g->dk_strides, p->B, p->G, p->m, p->dk, "dk", err)) ||
-        (g->dv && !extent_ok(g->dv_strides, p->B, p->G, p->m, p->dv, "dv", err)))
-        return err ? err->status : MHA_STATUS_INVALID_ARG;
     return MHA_STATUS_OK;
 }
 
@@ -213,10 +170,10 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
     if (st)
         return st;
     mha__problem p;
-    st = mha__problem_from_args(fwd, &p, (int64_t *)(ws + l.delta_off), (float *)(ws + l.slope_off),
-                                err);
+    st = mha__check_attention(fwd, &p, (int64_t *)(ws + l.delta_off), (float *)(ws + l.slope_off),
+                              err);
     if (!st)
-        st = check_grads(fwd, grads, &p, err);
+        st = mha__check_backward_grads(fwd, grads, &p, err);
     if (!st) {
         mha__bwd_problem bp;
         memset(&bp, 0, sizeof bp);

@@ -40,17 +40,10 @@ mha_status mha_attention_merge(int64_t rows,
                                int64_t o_stride,
                                float *lse,
                                mha_error *err) {
-    MHA_RETURN_IF(rows < 0 || dim < 1 || dim > MHA_MAX_DIM, err, INVALID_ARG,
-                  "merge: rows=%lld must be >= 0 and dim=%lld in [1, 2^31]", (long long)rows,
-                  (long long)dim);
-    MHA_RETURN_IF(!o_a || !o_b || !o || !lse_a || !lse_b, err, INVALID_ARG,
-                  "merge: o_a, lse_a, o_b, lse_b and o must not be NULL");
-    MHA_RETURN_IF(o_a_stride < dim || o_b_stride < dim || o_stride < dim, err, INVALID_ARG,
-                  "merge: row strides (%lld, %lld, %lld) must be >= dim=%lld",
-                  (long long)o_a_stride, (long long)o_b_stride, (long long)o_stride,
-                  (long long)dim);
-    MHA_RETURN_IF((o == o_a && o_stride != o_a_stride) || (o == o_b && o_stride != o_b_stride), err,
-                  INVALID_ARG, "merge: in-place o must have the stride of the input it is");
+    mha_status st = mha__check_merge(rows, dim, o_a, o_a_stride, lse_a, o_b, o_b_stride, lse_b, o,
+                                     o_stride, err);
+    if (st)
+        return st;
     for (int64_t r = 0; r < rows; r++) {
         const float la = lse_a[r], lb = lse_b[r];
         const float mx = la > lb ? la : lb;
@@ -412,51 +405,18 @@ static const int64_t *ids_or_iota(const int64_t *ids, int64_t S, int64_t *buf) {
     return buf;
 }
 
-static mha_status check_exec(const mha_exec *exec, mha_error *err) {
-    if (!exec)
-        return MHA_STATUS_OK;
-    MHA_RETURN_IF(exec->impl != MHA_IMPL_AUTO && exec->impl != MHA_IMPL_REFERENCE &&
-                      exec->impl != MHA_IMPL_FAST,
-                  err, INVALID_ARG, "exec.impl=%d is not a known implementation", (int)exec->impl);
-    mha__team team;
-    return mha__exec_team(exec, &team, err);
-}
-
 mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
                                   const mha_kv_attention_args *args,
                                   const mha_exec *exec,
                                   mha_error *err) {
-    MHA_RETURN_IF(!args, err, INVALID_ARG, "args is NULL");
-    mha_status st = mha__kv_check_seqs(cache, args->num_seqs, args->seq_ids, err);
-    if (!st)
-        st = check_exec(exec, err);
+    const mha__kv_view view = mha__kv_view_of(cache);
+    double scale;
+    mha_status st = mha__check_kv_attention(&view, args, exec, &scale, err);
     if (st)
         return st;
     const mha_kv_cache_config *c = &cache->cfg;
-    MHA_RETURN_IF(!args->q || !args->out, err, INVALID_ARG, "q and out must not be NULL");
-    MHA_RETURN_IF(args->num_heads < 1 || args->num_heads > MHA_MAX_DIM ||
-                      args->num_heads % c->num_kv_heads != 0,
-                  err, INVALID_ARG,
-                  "num_heads=%lld must be a positive multiple of the cache's "
-                  "num_kv_heads=%lld",
-                  (long long)args->num_heads, (long long)c->num_kv_heads);
-    MHA_RETURN_IF(args->num_tokens < 1, err, INVALID_ARG, "num_tokens=%lld must be >= 1",
-                  (long long)args->num_tokens);
-    for (int64_t i = 0; i < args->num_seqs; i++) {
-        const int64_t s = args->seq_ids ? args->seq_ids[i] : i;
-        MHA_RETURN_IF(args->num_tokens > cache->len[s], err, INVALID_ARG,
-                      "num_tokens=%lld exceeds the length %lld of sequence %lld (append the "
-                      "new tokens' K and V first)",
-                      (long long)args->num_tokens, (long long)cache->len[s], (long long)s);
-        MHA_RETURN_IF(c->window > 0 && args->num_tokens > c->max_step_tokens, err, INVALID_ARG,
-                      "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld",
-                      (long long)args->num_tokens, (long long)c->max_step_tokens);
-    }
-    const double scale = args->scale == 0.0 ? 1.0 / sqrt((double)c->head_dim) : args->scale;
-    MHA_RETURN_IF(!isfinite(scale), err, INVALID_ARG, "scale=%g is not finite", scale);
-    MHA_RETURN_IF(!isfinite(args->softcap) || args->softcap < 0.0, err, INVALID_ARG,
-                  "softcap=%g must be finite and >= 0 (0 = off)", args->softcap);
-    int64_t *ids = malloc(sizeof(int64_t) * (size_t)args->num_seqs);
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    int64_t *ids = mha__alloc(alloc, sizeof(int64_t) * (size_t)args->num_seqs);
     MHA_RETURN_IF(!ids, err, NO_MEMORY, "cannot allocate %lld ids", (long long)args->num_seqs);
     const int64_t H = args->num_heads, t = args->num_tokens;
     kv_call a = {cache,
@@ -476,7 +436,7 @@ mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
                  H * c->v_head_dim,
                  args->lse};
     st = kv_attend(&a, exec, err);
-    free(ids);
+    mha__free(alloc, ids);
     if (!st)
         mha__ok(err);
     return st;
@@ -492,41 +452,15 @@ static mha_status layer_step(const mha_layer *layer,
                              const mha_decode_args *args,
                              const mha_exec *exec,
                              mha_error *err) {
-    MHA_RETURN_IF(!layer, err, INVALID_ARG, "layer is NULL");
-    MHA_RETURN_IF(!args, err, INVALID_ARG, "args is NULL");
-    mha_status st = mha__kv_check_seqs(cache, args->num_seqs, args->seq_ids, err);
-    if (!st)
-        st = check_exec(exec, err);
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st =
+        mha__check_decode(layer ? mha_layer_config(layer) : NULL, &view, args, exec, err);
     if (st)
         return st;
     const mha_config *c = mha_layer_config(layer);
     const mha_weights *w = mha_layer_weights(layer);
     const mha_kv_cache_config *kc = &cache->cfg;
-    MHA_RETURN_IF(kc->num_kv_heads != c->num_kv_heads || kc->head_dim != c->head_dim ||
-                      kc->v_head_dim != c->v_head_dim,
-                  err, INVALID_ARG,
-                  "the cache holds g=%lld kv heads of d_k=%lld, d_v=%lld; the layer needs "
-                  "g=%lld, d_k=%lld, d_v=%lld",
-                  (long long)kc->num_kv_heads, (long long)kc->head_dim, (long long)kc->v_head_dim,
-                  (long long)c->num_kv_heads, (long long)c->head_dim, (long long)c->v_head_dim);
-    MHA_RETURN_IF(c->k_dim != c->q_dim || c->v_dim != c->q_dim, err, INVALID_ARG,
-                  "decoding is self-attention: it needs k_dim = v_dim = q_dim, the layer has "
-                  "q_dim=%lld k_dim=%lld v_dim=%lld",
-                  (long long)c->q_dim, (long long)c->k_dim, (long long)c->v_dim);
-    MHA_RETURN_IF(!args->x || !args->out, err, INVALID_ARG, "x and out must not be NULL");
     const int64_t S = args->num_seqs, t = args->num_tokens;
-    MHA_RETURN_IF(t < 1 || t > MHA_MAX_DIM, err, INVALID_ARG,
-                  "num_tokens=%lld must be in [1, 2^31]", (long long)t);
-    for (int64_t i = 0; i < S; i++) {
-        const int64_t s = args->seq_ids ? args->seq_ids[i] : i;
-        MHA_RETURN_IF(cache->len[s] + t > kc->max_seq, err, INVALID_ARG,
-                      "kv cache overflow: sequence %lld has %lld positions, %lld more exceed "
-                      "max_seq=%lld",
-                      (long long)s, (long long)cache->len[s], (long long)t, (long long)kc->max_seq);
-        MHA_RETURN_IF(cache->len[s] + t - 1 > MHA_MAX_POSITION, err, INVALID_ARG,
-                      "positions of sequence %lld would exceed 2^31", (long long)s);
-    }
-
     const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
     const int64_t rows = S * t;
     int64_t nq, nk, nv, na;

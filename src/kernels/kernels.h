@@ -32,6 +32,10 @@ typedef void (*mha__fwd_fn)(const mha__kernel_info *k,
                             const mha__fwd_unit *u,
                             void *scratch);
 
+/* The plain reference core: rows [row_begin, row_end) of the flattened (b, h) pairs.
+ * Uses `scratch` of m + d_v floats per call. */
+void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end, float *scratch);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Dispatch (dispatch.c).                                                                         */
 /* ---------------------------------------------------------------------------------------------- */

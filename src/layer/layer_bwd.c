@@ -14,6 +14,8 @@
  * transposed copies: everything transposed is O((n + m) d) or a weight). Threads never split a
  * sum, so results are bit-identical for any thread count.
  */
+#include "check/check.h"
+#include "core/core.h"
 #include "kernels/attention_bwd.h"
 #include "kernels/gemm.h"
 #include "layer/plan.h"
@@ -39,46 +41,6 @@ void mha_train_state_destroy(mha_train_state *s) {
     const mha_allocator *ap = s->has_allocator ? &a : NULL;
     mha__free(ap, s->block);
     mha__free(ap, s);
-}
-
-/* The core's view of the layer buffers ([B, L, heads, d] seen as [B, heads, L, d]). */
-static void core_args(const mha_layer *L,
-                      const mha_forward_args *a,
-                      int64_t m,
-                      const float *q,
-                      const float *k,
-                      const float *v,
-                      float *att,
-                      float *lse,
-                      mha_attention_args *c) {
-    const mha_config *cfg = mha_layer_config(L);
-    const int64_t h = cfg->num_heads, g = cfg->num_kv_heads, n = a->q_len;
-    const int64_t dk = cfg->head_dim, dv = cfg->v_head_dim;
-    memset(c, 0, sizeof *c);
-    c->batch = a->batch;
-    c->num_heads = h;
-    c->num_kv_heads = g;
-    c->q_len = n;
-    c->kv_len = m;
-    c->head_dim = dk;
-    c->v_head_dim = dv;
-    c->scale = cfg->scale;
-    c->softcap = cfg->softcap;
-    c->alibi = cfg->alibi;
-    c->sinks = mha_layer_weights(L)->sinks;
-    c->q = q;
-    c->q_strides[0] = n * h * dk, c->q_strides[1] = dk, c->q_strides[2] = h * dk;
-    c->k = k;
-    c->k_strides[0] = m * g * dk, c->k_strides[1] = dk, c->k_strides[2] = g * dk;
-    c->v = v;
-    c->v_strides[0] = m * g * dv, c->v_strides[1] = dv, c->v_strides[2] = g * dv;
-    c->out = att;
-    c->out_strides[0] = n * h * dv, c->out_strides[1] = dv, c->out_strides[2] = h * dv;
-    c->lse = lse;
-    c->probs = a->probs;
-    c->average_probs = a->average_probs;
-    c->mask = a->mask;
-    c->dropout = a->dropout;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -129,14 +91,16 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
                                    mha_error *err) {
     MHA_RETURN_IF(!state, err, INVALID_ARG, "state (the output pointer) is NULL");
     *state = NULL;
-    /* Every check of mha_layer_forward (sizes, inputs, positions, masks, implementation). */
-    mha_status st = mha_layer_forward_supported(layer, args, exec, err);
+    /* The layer's checks here, the core's (sizes, masks, implementation) once below, on the
+     * state's buffers, before any projection runs. */
+    int64_t m;
+    mha_status st = mha__check_forward_args(layer ? mha_layer_config(layer) : NULL, args, &m, err);
     if (st)
         return st;
     const mha_config *c = mha_layer_config(layer);
     const mha_weights *w = mha_layer_weights(layer);
     const int self = args->key == NULL;
-    const int64_t B = args->batch, n = args->q_len, m = self ? n : args->kv_len;
+    const int64_t B = args->batch, n = args->q_len;
     const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
     int64_t cnt[5];
     const int64_t f[5][3] = {
@@ -177,6 +141,18 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     s->a = s->v + cnt[2];
     s->lse = s->a + cnt[3];
 
+    mha_attention_args core;
+    mha__plan_core_args(c, w->sinks, args, m, s->q, s->k, s->v, s->a, s->lse, &core);
+    mha_exec ce = exec ? *exec : (mha_exec){0};
+    ce.workspace = NULL;
+    ce.workspace_bytes = 0;
+    mha__core_call call;
+    st = mha__core_prepare(&core, &ce, NULL, &call, err);
+    if (st) {
+        mha_train_state_destroy(s);
+        return st;
+    }
+
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
     const float *xk = self ? args->query : args->key;
     const float *xv = self ? args->query : (args->value ? args->value : args->key);
@@ -195,14 +171,9 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         if (!st)
             st = rope_buffer(&c->rope, alloc, s->k, B, m, g, dk, kpos, 1, err);
     }
-    if (!st) {
-        mha_attention_args core;
-        core_args(layer, args, m, s->q, s->k, s->v, s->a, s->lse, &core);
-        mha_exec ce = exec ? *exec : (mha_exec){0};
-        ce.workspace = NULL;
-        ce.workspace_bytes = 0;
-        st = mha_attention(&core, &ce, err);
-    }
+    const mha_status core_st = mha__core_finish(&call, !st, err);
+    if (!st)
+        st = core_st;
     if (!st)
         st = mha__plan_project(impl, alloc, team, s->a, w->w_o, w->b_o, args->out, B * n, h * dv,
                                c->out_dim, NULL, 0, err);
@@ -314,23 +285,14 @@ mha_status mha_layer_backward(const mha_layer *layer,
                               const mha_layer_grads *gr,
                               const mha_exec *exec,
                               mha_error *err) {
-    MHA_RETURN_IF(!layer || !s || !dy || !gr, err, INVALID_ARG,
-                  "layer, state, dy and grads must not be NULL");
-    MHA_RETURN_IF(s->layer != layer, err, INVALID_ARG,
-                  "state was made by mha_layer_forward_train with another layer");
-    const mha_config *c = mha_layer_config(layer);
+    const mha_config *c = layer ? mha_layer_config(layer) : NULL;
+    const mha__train_view view = {s ? s->layer : NULL, s ? s->self : 0,
+                                  s ? s->args.value != NULL : 0};
+    mha_status st = mha__check_layer_backward(layer, c, s ? &view : NULL, dy, gr, err);
+    if (st)
+        return st;
     const mha_weights *w = mha_layer_weights(layer);
     const mha_forward_args *a = &s->args;
-    MHA_RETURN_IF(s->self && (gr->d_key || gr->d_value), err, INVALID_ARG,
-                  "self-attention: d_query receives all three input paths; d_key and d_value "
-                  "must be NULL");
-    MHA_RETURN_IF(!s->self && !a->value && gr->d_value, err, INVALID_ARG,
-                  "value = key in the forward: d_key receives both paths; d_value must be NULL");
-    MHA_RETURN_IF((gr->db_q && !c->bias_q) || (gr->db_k && !c->bias_k) ||
-                      (gr->db_v && !c->bias_v) || (gr->db_o && !c->bias_o),
-                  err, INVALID_ARG, "a bias gradient is requested for a bias the layer lacks");
-    MHA_RETURN_IF(gr->d_sinks && !c->sinks, err, INVALID_ARG,
-                  "grads.d_sinks is given but the layer has no sinks");
     const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
     const int64_t dk = c->head_dim, dv = c->v_head_dim, od = c->out_dim;
     const int64_t qd = c->q_dim, kd = c->k_dim, vd = c->v_dim;
@@ -361,7 +323,7 @@ mha_status mha_layer_backward(const mha_layer *layer,
     MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &bytes), err, OVERFLOW,
                   "backward scratch overflows");
     mha__team team;
-    mha_status st = mha__exec_team(exec, &team, err);
+    st = mha__exec_team(exec, &team, err);
     if (st)
         return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
@@ -382,7 +344,7 @@ mha_status mha_layer_backward(const mha_layer *layer,
     /* The core backward is validated first (it checks the masks, dropout, lse): on its error no
      * gradient buffer has been touched yet. */
     mha_attention_args core;
-    core_args(layer, a, m, s->q, s->k, s->v, s->a, s->lse, &core);
+    mha__plan_core_args(c, w->sinks, a, m, s->q, s->k, s->v, s->a, s->lse, &core);
     core.probs = NULL;
     /* "y = A W_o^T + b_o": dA = dy W_o. */
     st = mm_ab(&x, dy, w->w_o, dA, rq, h * dv, od, x.tmp1, err);

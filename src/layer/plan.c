@@ -2,8 +2,11 @@
 /* plan.c: the projection and RoPE steps of the layer's plan (plan.h), shared by the forward, the
  * backward and the decode step. */
 #include "layer/plan.h"
+#include "layer/rope.h"
 
 #include "kernels/gemm.h"
+
+#include <string.h>
 
 /* y[r, o] = sum_c x[r, c] W[o, c] + b[o] for rows [r0, r1): the reference projection. */
 typedef struct proj_job {
@@ -73,4 +76,43 @@ void mha__plan_rope(const mha_rope *resolved,
             for (int64_t hh = 0; hh < heads; hh++)
                 mha__rope_rotate(resolved, cos_k, sin_k, x + ((b * L + t) * heads + hh) * d);
         }
+}
+
+void mha__plan_core_args(const mha_config *cfg,
+                         const float *sinks,
+                         const mha_forward_args *a,
+                         int64_t m,
+                         const float *q,
+                         const float *k,
+                         const float *v,
+                         float *att,
+                         float *lse,
+                         mha_attention_args *c) {
+    const int64_t h = cfg->num_heads, g = cfg->num_kv_heads, n = a->q_len;
+    const int64_t dk = cfg->head_dim, dv = cfg->v_head_dim;
+    memset(c, 0, sizeof *c);
+    c->batch = a->batch;
+    c->num_heads = h;
+    c->num_kv_heads = g;
+    c->q_len = n;
+    c->kv_len = m;
+    c->head_dim = dk;
+    c->v_head_dim = dv;
+    c->scale = cfg->scale;
+    c->softcap = cfg->softcap;
+    c->alibi = cfg->alibi;
+    c->sinks = sinks;
+    c->q = q;
+    c->q_strides[0] = n * h * dk, c->q_strides[1] = dk, c->q_strides[2] = h * dk;
+    c->k = k;
+    c->k_strides[0] = m * g * dk, c->k_strides[1] = dk, c->k_strides[2] = g * dk;
+    c->v = v;
+    c->v_strides[0] = m * g * dv, c->v_strides[1] = dv, c->v_strides[2] = g * dv;
+    c->out = att;
+    c->out_strides[0] = n * h * dv, c->out_strides[1] = dv, c->out_strides[2] = h * dv;
+    c->lse = lse;
+    c->probs = a->probs;
+    c->average_probs = a->average_probs;
+    c->mask = a->mask;
+    c->dropout = a->dropout;
 }

@@ -48,4 +48,18 @@ void mha__plan_rope(const mha_rope *resolved,
                     const int64_t *base,
                     int sign);
 
+/* The core's arguments over the plan's buffers: Q [B, n, h, dk], K [B, m, g, dk], V [B, m, g, dv],
+ * A [B, n, h, dv] ([B, L, heads, d] seen as [B, heads, L, d]), the layer's scale, softcap, ALiBi
+ * and sinks, the call's masks, dropout and probabilities; lse [B, h, n] or NULL. */
+void mha__plan_core_args(const mha_config *cfg,
+                         const float *sinks,
+                         const mha_forward_args *a,
+                         int64_t m,
+                         const float *q,
+                         const float *k,
+                         const float *v,
+                         float *att,
+                         float *lse,
+                         mha_attention_args *c);
+
 #endif /* MHA_LAYER_PLAN_H */

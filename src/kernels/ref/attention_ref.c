@@ -14,7 +14,7 @@
  * error grows with the number of terms; test_extremes measured 1.9x its backstop); rows of at
  * most 2048 keys are one block, i.e. exactly the plain loop.
  */
-#include "base/internal.h"
+#include "kernels/kernels.h"
 
 #include <string.h>
 

@@ -6,87 +6,12 @@
  *   INTERLEAVED: (a, b) = (2k, 2k+1)     HALF: (a, b) = (k, k + R/2)
  * Angles and rotations are computed in double and rounded once to float: positions up to 2^31
  * times f_0 = 1 need more than float's 24 bits to keep the angle accurate. */
-#include "base/internal.h"
+#include "layer/rope.h"
+#include "check/check.h"
 
 #include <stdlib.h>
 
 #define MHA_PI 3.14159265358979323846
-
-static bool finite_positive(double x) {
-    return isfinite(x) && x > 0.0;
-}
-
-mha_status mha__rope_resolve(const mha_rope *in, int64_t head_dim, mha_rope *out, mha_error *err) {
-    MHA_RETURN_IF(!in, err, INVALID_ARG, "rope is NULL");
-    mha_rope r = *in;
-    MHA_RETURN_IF(r.style != MHA_ROPE_INTERLEAVED && r.style != MHA_ROPE_HALF, err, INVALID_ARG,
-                  "rope.style=%d is not interleaved (1) or half (2)", (int)r.style);
-    if (r.theta == 0.0)
-        r.theta = 10000.0;
-    MHA_RETURN_IF(!isfinite(r.theta) || r.theta <= 1.0, err, INVALID_ARG,
-                  "rope.theta=%g must be finite and > 1", r.theta);
-    if (r.rotary_dim == 0)
-        r.rotary_dim = head_dim;
-    MHA_RETURN_IF(r.rotary_dim <= 0 || r.rotary_dim % 2 != 0 || r.rotary_dim > head_dim, err,
-                  INVALID_ARG, "rope.rotary_dim=%lld must be even, > 0 and <= head_dim=%lld",
-                  (long long)r.rotary_dim, (long long)head_dim);
-    switch (r.scaling) {
-    case MHA_ROPE_SCALING_NONE:
-        break;
-    case MHA_ROPE_SCALING_LINEAR:
-    case MHA_ROPE_SCALING_NTK:
-    case MHA_ROPE_SCALING_YARN:
-        if (r.factor == 0.0)
-            r.factor = 1.0;
-        break;
-    case MHA_ROPE_SCALING_LLAMA3:
-        if (r.factor == 0.0)
-            r.factor = 8.0;
-        break;
-    default:
-        return mha__fail(err, MHA_STATUS_INVALID_ARG, "rope.scaling=%d is not a known scaling",
-                         (int)r.scaling);
-    }
-    if (r.scaling != MHA_ROPE_SCALING_NONE)
-        MHA_RETURN_IF(!finite_positive(r.factor), err, INVALID_ARG,
-                      "rope.factor=%g must be finite and > 0", r.factor);
-    if (r.scaling == MHA_ROPE_SCALING_NTK)
-        MHA_RETURN_IF(r.rotary_dim <= 2, err, INVALID_ARG,
-                      "NTK-aware scaling needs rotary_dim > 2 (got %lld)", (long long)r.rotary_dim);
-    if (r.scaling == MHA_ROPE_SCALING_LLAMA3) {
-        if (r.original_max_position == 0.0)
-            r.original_max_position = 8192.0;
-        if (r.low_freq_factor == 0.0)
-            r.low_freq_factor = 1.0;
-        if (r.high_freq_factor == 0.0)
-            r.high_freq_factor = 4.0;
-        MHA_RETURN_IF(
-            !finite_positive(r.original_max_position) || !finite_positive(r.low_freq_factor) ||
-                !finite_positive(r.high_freq_factor) || r.high_freq_factor <= r.low_freq_factor,
-            err, INVALID_ARG,
-            "llama3 scaling needs original_max_position > 0 and "
-            "high_freq_factor (%g) > low_freq_factor (%g) > 0",
-            r.high_freq_factor, r.low_freq_factor);
-    }
-    if (r.scaling == MHA_ROPE_SCALING_YARN) {
-        if (r.original_max_position == 0.0)
-            r.original_max_position = 4096.0;
-        if (r.beta_fast == 0.0)
-            r.beta_fast = 32.0;
-        if (r.beta_slow == 0.0)
-            r.beta_slow = 1.0;
-        if (r.attention_factor == 0.0)
-            r.attention_factor = r.factor <= 1.0 ? 1.0 : 0.1 * log(r.factor) + 1.0;
-        MHA_RETURN_IF(!finite_positive(r.original_max_position) || !finite_positive(r.beta_fast) ||
-                          !finite_positive(r.beta_slow) || !finite_positive(r.attention_factor),
-                      err, INVALID_ARG,
-                      "yarn scaling needs original_max_position, beta_fast, beta_slow and "
-                      "attention_factor finite and > 0");
-    }
-    *out = r;
-    mha__ok(err);
-    return MHA_STATUS_OK;
-}
 
 /* YaRN: the (fractional) pair index whose wavelength makes `rotations` turns over the original
  * context: R * ln(L / (rotations * 2 pi)) / (2 ln theta). */
@@ -181,11 +106,8 @@ void mha__rope_rotate(const mha_rope *r, const double *cos_k, const double *sin_
 
 mha_status mha_rope_frequencies(
     const mha_rope *rope, int64_t head_dim, double *freqs, double *cos_sin_factor, mha_error *err) {
-    MHA_RETURN_IF(head_dim <= 0 || head_dim > MHA_MAX_DIM, err, INVALID_ARG,
-                  "head_dim=%lld out of range", (long long)head_dim);
-    MHA_RETURN_IF(!freqs || !cos_sin_factor, err, INVALID_ARG, "freqs or cos_sin_factor is NULL");
     mha_rope r;
-    mha_status st = mha__rope_resolve(rope, head_dim, &r, err);
+    mha_status st = mha__check_rope_frequencies(rope, head_dim, freqs, cos_sin_factor, &r, err);
     if (st != MHA_STATUS_OK)
         return st;
     mha__rope_freqs(&r, freqs, cos_sin_factor);
@@ -202,34 +124,11 @@ mha_status mha_rope_apply(const mha_rope *rope,
                           const int64_t *positions,
                           int64_t pos_batch_stride,
                           mha_error *err) {
-    MHA_RETURN_IF(batch < 0 || seq_len < 0 || num_heads < 0 || batch > MHA_MAX_DIM ||
-                      seq_len > MHA_MAX_DIM || num_heads > MHA_MAX_DIM,
-                  err, INVALID_ARG, "batch=%lld, seq_len=%lld, num_heads=%lld out of range",
-                  (long long)batch, (long long)seq_len, (long long)num_heads);
-    MHA_RETURN_IF(head_dim <= 0 || head_dim > MHA_MAX_DIM, err, INVALID_ARG,
-                  "head_dim=%lld out of range", (long long)head_dim);
-    MHA_RETURN_IF(!x_strides, err, INVALID_ARG, "x_strides is NULL");
-    MHA_RETURN_IF(x_strides[3] != 1, err, INVALID_ARG,
-                  "x_strides[3]=%lld: the head dimension must be contiguous (stride 1)",
-                  (long long)x_strides[3]);
-    MHA_RETURN_IF(pos_batch_stride < 0, err, INVALID_ARG, "pos_batch_stride=%lld is negative",
-                  (long long)pos_batch_stride);
     mha_rope r;
-    mha_status st = mha__rope_resolve(rope, head_dim, &r, err);
-    if (st != MHA_STATUS_OK)
+    mha_status st = mha__check_rope_apply(rope, batch, seq_len, num_heads, head_dim, x, x_strides,
+                                          positions, pos_batch_stride, &r, err);
+    if (st != MHA_STATUS_OK || batch == 0 || seq_len == 0 || num_heads == 0)
         return st;
-    if (batch == 0 || seq_len == 0 || num_heads == 0)
-        return MHA_STATUS_OK;
-    MHA_RETURN_IF(!x, err, INVALID_ARG, "x is NULL");
-    if (positions) {
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t t = 0; t < seq_len; t++) {
-                const int64_t pos = positions[b * pos_batch_stride + t];
-                MHA_RETURN_IF(pos < 0 || pos > MHA_MAX_POSITION, err, INVALID_ARG,
-                              "positions[%lld][%lld]=%lld outside [0, 2^31]", (long long)b,
-                              (long long)t, (long long)pos);
-            }
-    }
     const int64_t half = r.rotary_dim / 2;
     double *tab = malloc(sizeof(double) * (size_t)(3 * half));
     MHA_RETURN_IF(!tab, err, NO_MEMORY, "rope: cannot allocate %lld doubles",

@@ -1,0 +1,299 @@
+/* SPDX-License-Identifier: MIT */
+/* check/attention.c: the checks of the attention core's public calls (mha_attention*,
+ * mha_attention_backward*), resolving mha_attention_args into an mha__problem: sizes, strides,
+ * scalars, dropout, and every mask rule (resolved into broadcast strides), before any output is
+ * written. */
+#include "check/check.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static bool is_bool_dtype(mha_dtype t) {
+    return t == MHA_DTYPE_BOOL || t == MHA_DTYPE_U8 || t == MHA_DTYPE_I32 || t == MHA_DTYPE_I64;
+}
+
+/* Resolves a C-contiguous tensor broadcast (NumPy rules, right-aligned) to `target` (rank 4).
+ * Writes element strides for the target's dims (0 where broadcast). */
+static mha_status broadcast_strides(const mha_mask_tensor *t,
+                                    const char *what,
+                                    const int64_t target[4],
+                                    int64_t strides[4],
+                                    mha_error *err) {
+    MHA_RETURN_IF(t->ndim < 1 || t->ndim > 4, err, INVALID_ARG, "%s.ndim=%d must be 1..4", what,
+                  (int)t->ndim);
+    int64_t count = 1;
+    for (int d = 0; d < t->ndim; d++) {
+        MHA_RETURN_IF(t->shape[d] < 1 || t->shape[d] > MHA_MAX_DIM, err, INVALID_ARG,
+                      "%s.shape[%d]=%lld out of range", what, d, (long long)t->shape[d]);
+        MHA_RETURN_IF(!mha__mul_i64(count, t->shape[d], &count), err, OVERFLOW,
+                      "%s: element count overflows", what);
+    }
+    int64_t stride = 1;
+    for (int k = 3; k >= 0; k--) {
+        const int d = t->ndim - 4 + k; /* the tensor dim aligned with target dim k */
+        if (d < 0) {
+            strides[k] = 0;
+            continue;
+        }
+        const int64_t size = t->shape[d];
+        if (size != target[k] && size != 1) {
+            char shape[128] = "", *p = shape;
+            for (int e = 0; e < t->ndim; e++)
+                p += snprintf(p, sizeof shape - (size_t)(p - shape), "%s%lld", e ? ", " : "",
+                              (long long)t->shape[e]);
+            return mha__fail(err, MHA_STATUS_INVALID_ARG,
+                             "%s of shape (%s) does not broadcast to (%lld, %lld, %lld, %lld): "
+                             "dimension %d is %lld, expected %lld or 1",
+                             what, shape, (long long)target[0], (long long)target[1],
+                             (long long)target[2], (long long)target[3], d, (long long)size,
+                             (long long)target[k]);
+        }
+        strides[k] = (size == 1) ? 0 : stride;
+        stride *= size;
+    }
+    return MHA_STATUS_OK;
+}
+
+/* mha_masking into p: causal alignment (per-batch diagonal offsets in delta_buf [B]), window,
+ * masks as broadcast strides over (B, H, n, m), segment ids. */
+static mha_status check_masking(const mha_masking *mk,
+                                int64_t B,
+                                int64_t H,
+                                int64_t n,
+                                int64_t m,
+                                mha__problem *p,
+                                int64_t *delta_buf,
+                                mha_error *err) {
+    mha_status st;
+    p->causal = mk->causal != 0;
+    switch (mk->alignment) {
+    case MHA_ALIGN_BOTTOM_RIGHT:
+    case MHA_ALIGN_TOP_LEFT:
+        for (int64_t b = 0; b < B; b++)
+            delta_buf[b] = mk->alignment == MHA_ALIGN_TOP_LEFT ? 0 : m - n;
+        break;
+    case MHA_ALIGN_EXPLICIT:
+        MHA_RETURN_IF(!mk->align_offsets, err, INVALID_ARG,
+                      "mask.alignment is EXPLICIT but mask.align_offsets is NULL");
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t off = mk->align_offsets[b];
+            MHA_RETURN_IF(off < -MHA_MAX_DIM || off > MHA_MAX_DIM, err, INVALID_ARG,
+                          "mask.align_offsets[%lld]=%lld outside [-2^31, 2^31]", (long long)b,
+                          (long long)off);
+            delta_buf[b] = off;
+        }
+        break;
+    default:
+        return mha__fail(err, MHA_STATUS_INVALID_ARG, "mask.alignment=%d is not a known alignment",
+                         (int)mk->alignment);
+    }
+    p->delta = delta_buf;
+
+    p->use_window = mk->use_window != 0;
+    p->window_left = mk->window_left;
+    p->window_right = mk->window_right;
+    if (p->use_window)
+        MHA_RETURN_IF(mk->window_left < -1 || mk->window_right < -1, err, INVALID_ARG,
+                      "mask.window (%lld, %lld): each side must be >= 0, or -1 for unbounded",
+                      (long long)mk->window_left, (long long)mk->window_right);
+    /* A side longer than any |i + delta - j| (< 2^33 within the size limits) is unbounded: map it
+     * to -1 so that i + delta + side cannot overflow int64 in any kernel. */
+    if (p->window_left > 4 * MHA_MAX_DIM)
+        p->window_left = -1;
+    if (p->window_right > 4 * MHA_MAX_DIM)
+        p->window_right = -1;
+
+    const int64_t target[4] = {B, H, n, m};
+    p->bool_mask.data = NULL;
+    if (mk->bool_mask.data) {
+        MHA_RETURN_IF(!is_bool_dtype(mk->bool_mask.dtype), err, INVALID_ARG,
+                      "mask.bool_mask.dtype=%d must be BOOL, U8, I32 or I64 "
+                      "(a float mask goes in additive_mask)",
+                      (int)mk->bool_mask.dtype);
+        MHA_RETURN_IF(mk->bool_mask_polarity != MHA_MASK_ATTEND &&
+                          mk->bool_mask_polarity != MHA_MASK_BLOCK,
+                      err, INVALID_ARG, "mask.bool_mask_polarity=%d is not ATTEND or BLOCK",
+                      (int)mk->bool_mask_polarity);
+        st = broadcast_strides(&mk->bool_mask, "bool mask", target, p->bool_mask.strides, err);
+        if (st)
+            return st;
+        p->bool_mask.data = mk->bool_mask.data;
+        p->bool_mask.dtype = mk->bool_mask.dtype;
+    }
+    p->bool_polarity = mk->bool_mask_polarity;
+
+    p->additive.data = NULL;
+    if (mk->additive_mask.data) {
+        MHA_RETURN_IF(mk->additive_mask.dtype != MHA_DTYPE_F32, err, INVALID_ARG,
+                      "mask.additive_mask.dtype=%d must be F32", (int)mk->additive_mask.dtype);
+        st = broadcast_strides(&mk->additive_mask, "additive mask", target, p->additive.strides,
+                               err);
+        if (st)
+            return st;
+        p->additive.data = mk->additive_mask.data;
+        p->additive.dtype = MHA_DTYPE_F32;
+    }
+
+    p->key_padding.data = NULL;
+    if (mk->key_padding.data) {
+        MHA_RETURN_IF(!is_bool_dtype(mk->key_padding.dtype), err, INVALID_ARG,
+                      "mask.key_padding.dtype=%d must be BOOL, U8, I32 or I64",
+                      (int)mk->key_padding.dtype);
+        MHA_RETURN_IF(mk->key_padding.ndim < 1 || mk->key_padding.ndim > 2, err, INVALID_ARG,
+                      "key padding mask must be [B, m] or [m], got %d dimensions",
+                      (int)mk->key_padding.ndim);
+        /* View [B, m] as [B, 1, 1, m] (and [m] as [1, 1, 1, m]); same bytes, C order. */
+        mha_mask_tensor as4 = mk->key_padding;
+        if (as4.ndim == 2) {
+            as4.ndim = 4;
+            as4.shape[3] = mk->key_padding.shape[1];
+            as4.shape[0] = mk->key_padding.shape[0];
+            as4.shape[1] = as4.shape[2] = 1;
+        }
+        const int64_t target_kp[4] = {B, 1, 1, m};
+        st = broadcast_strides(&as4, "key padding mask", target_kp, p->key_padding.strides, err);
+        if (st)
+            return st;
+        p->key_padding.data = mk->key_padding.data;
+        p->key_padding.dtype = mk->key_padding.dtype;
+    }
+
+    MHA_RETURN_IF((mk->q_segment_ids == NULL) != (mk->kv_segment_ids == NULL), err, INVALID_ARG,
+                  "mask.q_segment_ids and mask.kv_segment_ids must be given together");
+    p->q_seg = mk->q_segment_ids;
+    p->kv_seg = mk->kv_segment_ids;
+    return MHA_STATUS_OK;
+}
+
+/* Largest element offset reachable through a [B, H, L, d] view with strides s; false on
+ * overflow or a negative stride. */
+static bool view_extent(const int64_t s[3],
+                        int64_t B,
+                        int64_t H,
+                        int64_t L,
+                        int64_t d,
+                        const char *name,
+                        mha_error *err) {
+    int64_t a, b, c, total;
+    for (int i = 0; i < 3; i++)
+        if (s[i] < 0) {
+            mha__fail(err, MHA_STATUS_INVALID_ARG, "%s_strides[%d]=%lld is negative", name, i,
+                      (long long)s[i]);
+            return false;
+        }
+    if (!mha__mul_i64(B - 1, s[0], &a) || !mha__mul_i64(H - 1, s[1], &b) ||
+        !mha__mul_i64(L - 1, s[2], &c) || !mha__add_i64(a, b, &total) ||
+        !mha__add_i64(total, c, &total) || !mha__add_i64(total, d, &total)) {
+        mha__fail(err, MHA_STATUS_OVERFLOW, "%s: offsets overflow int64 with these strides", name);
+        return false;
+    }
+    return true;
+}
+
+mha_status mha__check_attention_sizes(const mha_attention_args *a, mha_error *err) {
+    const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
+    const int64_t dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
+    const struct {
+        const char *name;
+        int64_t value;
+    } dims[] = {{"batch", a->batch}, {"num_heads", a->num_heads}, {"num_kv_heads", G},
+                {"q_len", a->q_len}, {"kv_len", a->kv_len},       {"head_dim", a->head_dim},
+                {"v_head_dim", dv}};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        MHA_RETURN_IF(dims[i].value < 1 || dims[i].value > MHA_MAX_DIM, err, INVALID_ARG,
+                      "%s=%lld must be in [1, 2^31]", dims[i].name, (long long)dims[i].value);
+    MHA_RETURN_IF(a->num_heads % G != 0, err, INVALID_ARG,
+                  "num_heads=%lld is not divisible by num_kv_heads=%lld", (long long)a->num_heads,
+                  (long long)G);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_attention(const mha_attention_args *a,
+                                mha__problem *p,
+                                int64_t *delta_buf,
+                                float *slope_buf,
+                                mha_error *err) {
+    MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
+    memset(p, 0, sizeof *p);
+    mha_status st = mha__check_attention_sizes(a, err);
+    if (st)
+        return st;
+    const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
+    MHA_RETURN_IF(!a->q || !a->k || !a->v || !a->out, err, INVALID_ARG,
+                  "q, k, v and out must not be NULL");
+    p->B = a->batch;
+    p->H = a->num_heads;
+    p->G = G;
+    p->group = a->num_heads / G;
+    p->n = a->q_len;
+    p->m = a->kv_len;
+    p->dk = a->head_dim;
+    p->dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
+
+    int64_t probs_count;
+    const int64_t pf[4] = {p->B, a->average_probs ? 1 : p->H, p->n, p->m};
+    MHA_RETURN_IF(!mha__prod_i64(pf, 4, &probs_count) || probs_count > INT64_MAX / 8, err, OVERFLOW,
+                  "B*h*n*m overflows int64");
+    if (!view_extent(a->q_strides, p->B, p->H, p->n, p->dk, "q", err) ||
+        !view_extent(a->k_strides, p->B, p->G, p->m, p->dk, "k", err) ||
+        !view_extent(a->v_strides, p->B, p->G, p->m, p->dv, "v", err) ||
+        !view_extent(a->out_strides, p->B, p->H, p->n, p->dv, "out", err))
+        return err ? err->status : MHA_STATUS_INVALID_ARG;
+
+    double scale = a->scale == 0.0 ? 1.0 / sqrt((double)p->dk) : a->scale;
+    MHA_RETURN_IF(!isfinite(scale), err, INVALID_ARG, "scale=%g is not finite", scale);
+    p->scale = (float)scale;
+    MHA_RETURN_IF(!isfinite(a->softcap) || a->softcap < 0.0, err, INVALID_ARG,
+                  "softcap=%g must be finite and >= 0 (0 = off)", a->softcap);
+    p->softcap = (float)a->softcap;
+    p->sinks = a->sinks;
+    if (a->alibi) {
+        mha__alibi_slopes(p->H, slope_buf);
+        p->alibi_slopes = slope_buf;
+    }
+
+    memcpy(p->qs, a->q_strides, sizeof p->qs);
+    memcpy(p->ks, a->k_strides, sizeof p->ks);
+    memcpy(p->vs, a->v_strides, sizeof p->vs);
+    memcpy(p->os, a->out_strides, sizeof p->os);
+    p->q = a->q;
+    p->k = a->k;
+    p->v = a->v;
+    p->out = a->out;
+    p->lse = a->lse;
+    p->probs = a->probs;
+    p->average_probs = a->average_probs != 0;
+
+    MHA_RETURN_IF(!(a->dropout.p >= 0.0f && a->dropout.p < 1.0f), err, INVALID_ARG,
+                  "dropout.p=%g must be in [0, 1)", (double)a->dropout.p);
+    p->dropout_on = a->dropout.training && a->dropout.p > 0.0f;
+    p->dropout_p = a->dropout.p;
+    p->dropout_seed = a->dropout.seed;
+
+    return check_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
+}
+
+mha_status mha__check_backward_sizes(const mha_attention_args *a,
+                                     const mha_attention_grads *g,
+                                     mha_error *err) {
+    MHA_RETURN_IF(!a, err, INVALID_ARG, "fwd (the forward's args) is NULL");
+    MHA_RETURN_IF(!g, err, INVALID_ARG, "grads is NULL");
+    return mha__check_attention_sizes(a, err);
+}
+
+mha_status mha__check_backward_grads(const mha_attention_args *a,
+                                     const mha_attention_grads *g,
+                                     const mha__problem *p,
+                                     mha_error *err) {
+    MHA_RETURN_IF(!a->lse, err, INVALID_ARG,
+                  "fwd.lse is NULL: the backward needs the log-sum-exp saved by the forward");
+    MHA_RETURN_IF(!g->dout, err, INVALID_ARG, "grads.dout is NULL");
+    MHA_RETURN_IF(g->dsinks && !a->sinks, err, INVALID_ARG,
+                  "grads.dsinks is given but the forward has no sinks");
+    if (!view_extent(g->dout_strides, p->B, p->H, p->n, p->dv, "grads.dout", err) ||
+        (g->dq && !view_extent(g->dq_strides, p->B, p->H, p->n, p->dk, "grads.dq", err)) ||
+        (g->dk && !view_extent(g->dk_strides, p->B, p->G, p->m, p->dk, "grads.dk", err)) ||
+        (g->dv && !view_extent(g->dv_strides, p->B, p->G, p->m, p->dv, "grads.dv", err)))
+        return err ? err->status : MHA_STATUS_INVALID_ARG;
+    return MHA_STATUS_OK;
+}

@@ -1,0 +1,262 @@
+/* SPDX-License-Identifier: MIT */
+/* check/cache.c: the checks of the KV cache's public calls (mha_kv_cache_*), of the attention over
+ * a cache (mha_kv_cache_attention), of the layer through a cache (mha_layer_prefill /
+ * mha_layer_decode_step) and of mha_attention_merge. A failing check leaves the cache as it was:
+ * every check runs before the call changes anything. */
+#include "check/check.h"
+
+/* Default most tokens per append of a window cache: a whole speculative draft or a prompt chunk
+ * fits, and the ring grows by only 63 positions over the window. */
+#define MHA_KV_DEFAULT_STEP 64
+
+mha_status mha__check_kv_create(const mha_kv_cache_config *in,
+                                const mha_config *lc,
+                                mha_kv_cache *const *out,
+                                mha_kv_cache_config *c,
+                                mha_error *err) {
+    MHA_RETURN_IF(!out, err, INVALID_ARG, "out (the cache pointer) is NULL");
+    MHA_RETURN_IF(!in, err, INVALID_ARG, "config is NULL");
+    *c = *in;
+    if (lc) {
+        const struct {
+            const char *name;
+            int64_t *field;
+            int64_t layer_value;
+        } f[] = {{"num_kv_heads", &c->num_kv_heads, lc->num_kv_heads},
+                 {"head_dim", &c->head_dim, lc->head_dim},
+                 {"v_head_dim", &c->v_head_dim, lc->v_head_dim}};
+        for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+            if (*f[i].field == 0)
+                *f[i].field = f[i].layer_value;
+            MHA_RETURN_IF(*f[i].field != f[i].layer_value, err, INVALID_ARG,
+                          "kv cache config.%s=%lld does not match the layer's %lld", f[i].name,
+                          (long long)*f[i].field, (long long)f[i].layer_value);
+        }
+    }
+    if (c->v_head_dim == 0)
+        c->v_head_dim = c->head_dim;
+    if (c->max_step_tokens == 0)
+        c->max_step_tokens = MHA_KV_DEFAULT_STEP;
+    const struct {
+        const char *name;
+        int64_t v;
+    } dims[] = {{"num_kv_heads", c->num_kv_heads},
+                {"head_dim", c->head_dim},
+                {"v_head_dim", c->v_head_dim},
+                {"max_seq", c->max_seq},
+                {"batch", c->batch},
+                {"max_step_tokens", c->max_step_tokens}};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        MHA_RETURN_IF(dims[i].v < 1 || dims[i].v > MHA_MAX_DIM, err, INVALID_ARG,
+                      "kv cache config.%s=%lld must be in [1, 2^31]", dims[i].name,
+                      (long long)dims[i].v);
+    MHA_RETURN_IF(c->window < 0 || c->window > MHA_MAX_DIM, err, INVALID_ARG,
+                  "kv cache config.window=%lld must be 0 (none) or in [1, 2^31]",
+                  (long long)c->window);
+    MHA_RETURN_IF(
+        c->dtype != MHA_DTYPE_F32 && c->dtype != MHA_DTYPE_F16 && c->dtype != MHA_DTYPE_BF16, err,
+        INVALID_ARG, "kv cache config.dtype=%d must be F32, F16 or BF16", (int)c->dtype);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_kv_seq(const mha__kv_view *c, int64_t seq, const char *name, mha_error *err) {
+    MHA_RETURN_IF(!c->cfg, err, INVALID_ARG, "cache is NULL");
+    MHA_RETURN_IF(seq < 0 || seq >= c->cfg->batch, err, INVALID_ARG,
+                  "%s=%lld is not a sequence of this cache (batch=%lld)", name, (long long)seq,
+                  (long long)c->cfg->batch);
+    return MHA_STATUS_OK;
+}
+
+mha_status
+mha__check_kv_seqs(const mha__kv_view *c, int64_t S, const int64_t *seq_ids, mha_error *err) {
+    MHA_RETURN_IF(!c->cfg, err, INVALID_ARG, "cache is NULL");
+    MHA_RETURN_IF(S < 1 || S > c->cfg->batch, err, INVALID_ARG,
+                  "num_seqs=%lld must be in [1, %lld] (the cache's batch)", (long long)S,
+                  (long long)c->cfg->batch);
+    if (!seq_ids)
+        return MHA_STATUS_OK;
+    for (int64_t i = 0; i < S; i++) {
+        MHA_RETURN_IF(seq_ids[i] < 0 || seq_ids[i] >= c->cfg->batch, err, INVALID_ARG,
+                      "seq_ids[%lld]=%lld is not a sequence of this cache (batch=%lld)",
+                      (long long)i, (long long)seq_ids[i], (long long)c->cfg->batch);
+        for (int64_t j = 0; j < i; j++)
+            MHA_RETURN_IF(seq_ids[j] == seq_ids[i], err, INVALID_ARG,
+                          "seq_ids[%lld] and seq_ids[%lld] are both %lld: ids must be distinct",
+                          (long long)j, (long long)i, (long long)seq_ids[i]);
+    }
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_kv_append(const mha__kv_view *c,
+                                int64_t S,
+                                const int64_t *seq_ids,
+                                int64_t t,
+                                const float *k,
+                                const float *v,
+                                mha_error *err) {
+    mha_status st = mha__check_kv_seqs(c, S, seq_ids, err);
+    if (st)
+        return st;
+    MHA_RETURN_IF(t < 1 || t > MHA_MAX_DIM, err, INVALID_ARG,
+                  "num_tokens=%lld must be in [1, 2^31]", (long long)t);
+    MHA_RETURN_IF(c->cfg->window > 0 && t > c->cfg->max_step_tokens, err, INVALID_ARG,
+                  "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld", (long long)t,
+                  (long long)c->cfg->max_step_tokens);
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t s = seq_ids ? seq_ids[i] : i;
+        MHA_RETURN_IF(c->len[s] + t > c->cfg->max_seq, err, INVALID_ARG,
+                      "kv cache overflow: sequence %lld has %lld positions, %lld more exceed "
+                      "max_seq=%lld",
+                      (long long)s, (long long)c->len[s], (long long)t, (long long)c->cfg->max_seq);
+    }
+    MHA_RETURN_IF(!k || !v, err, INVALID_ARG, "k and v must not be NULL");
+    return MHA_STATUS_OK;
+}
+
+mha_status
+mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_error *err) {
+    mha_status st = mha__check_kv_seq(c, seq, "seq", err);
+    if (st)
+        return st;
+    const int64_t L = c->len[seq];
+    MHA_RETURN_IF(new_len < 0 || new_len > L, err, INVALID_ARG,
+                  "truncate: new_len=%lld must be in [0, %lld] (the length of sequence %lld)",
+                  (long long)new_len, (long long)L, (long long)seq);
+    /* A window ring holds the positions >= lo[seq]; the next token at new_len needs the keys
+     * new_len - window + 1 .. new_len - 1. */
+    if (c->cfg->window > 0 && new_len > 0) {
+        const int64_t need = new_len - c->cfg->window + 1;
+        MHA_RETURN_IF(need < c->lo[seq], err, INVALID_ARG,
+                      "truncate: sequence %lld of a window-%lld cache cannot roll back to %lld: "
+                      "its keys below position %lld are overwritten (a ring can roll back at "
+                      "most max_step_tokens=%lld positions from its furthest length)",
+                      (long long)seq, (long long)c->cfg->window, (long long)new_len,
+                      (long long)c->lo[seq], (long long)c->cfg->max_step_tokens);
+    }
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, mha_error *err) {
+    mha_status st = mha__check_kv_seq(c, seq, "seq", err);
+    if (st)
+        return st;
+    const int64_t L = c->len[seq];
+    MHA_RETURN_IF(pos < 0 || pos >= L || pos < c->lo[seq], err, INVALID_ARG,
+                  "read: position %lld of sequence %lld is not stored (length %lld, slots %lld)",
+                  (long long)pos, (long long)seq, (long long)L, (long long)c->slots);
+    return MHA_STATUS_OK;
+}
+
+/* exec's implementation is one the decode calls know, and its threads resolve. */
+static mha_status check_exec(const mha_exec *exec, mha_error *err) {
+    if (!exec)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(exec->impl != MHA_IMPL_AUTO && exec->impl != MHA_IMPL_REFERENCE &&
+                      exec->impl != MHA_IMPL_FAST,
+                  err, INVALID_ARG, "exec.impl=%d is not a known implementation", (int)exec->impl);
+    mha__team team;
+    return mha__exec_team(exec, &team, err);
+}
+
+mha_status mha__check_kv_attention(const mha__kv_view *c,
+                                   const mha_kv_attention_args *args,
+                                   const mha_exec *exec,
+                                   double *scale,
+                                   mha_error *err) {
+    MHA_RETURN_IF(!args, err, INVALID_ARG, "args is NULL");
+    mha_status st = mha__check_kv_seqs(c, args->num_seqs, args->seq_ids, err);
+    if (!st)
+        st = check_exec(exec, err);
+    if (st)
+        return st;
+    const mha_kv_cache_config *kc = c->cfg;
+    MHA_RETURN_IF(!args->q || !args->out, err, INVALID_ARG, "q and out must not be NULL");
+    MHA_RETURN_IF(args->num_heads < 1 || args->num_heads > MHA_MAX_DIM ||
+                      args->num_heads % kc->num_kv_heads != 0,
+                  err, INVALID_ARG,
+                  "num_heads=%lld must be a positive multiple of the cache's "
+                  "num_kv_heads=%lld",
+                  (long long)args->num_heads, (long long)kc->num_kv_heads);
+    MHA_RETURN_IF(args->num_tokens < 1, err, INVALID_ARG, "num_tokens=%lld must be >= 1",
+                  (long long)args->num_tokens);
+    for (int64_t i = 0; i < args->num_seqs; i++) {
+        const int64_t s = args->seq_ids ? args->seq_ids[i] : i;
+        MHA_RETURN_IF(args->num_tokens > c->len[s], err, INVALID_ARG,
+                      "num_tokens=%lld exceeds the length %lld of sequence %lld (append the "
+                      "new tokens' K and V first)",
+                      (long long)args->num_tokens, (long long)c->len[s], (long long)s);
+        MHA_RETURN_IF(kc->window > 0 && args->num_tokens > kc->max_step_tokens, err, INVALID_ARG,
+                      "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld",
+                      (long long)args->num_tokens, (long long)kc->max_step_tokens);
+    }
+    *scale = args->scale == 0.0 ? 1.0 / sqrt((double)kc->head_dim) : args->scale;
+    MHA_RETURN_IF(!isfinite(*scale), err, INVALID_ARG, "scale=%g is not finite", *scale);
+    MHA_RETURN_IF(!isfinite(args->softcap) || args->softcap < 0.0, err, INVALID_ARG,
+                  "softcap=%g must be finite and >= 0 (0 = off)", args->softcap);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_decode(const mha_config *lc,
+                             const mha__kv_view *c,
+                             const mha_decode_args *args,
+                             const mha_exec *exec,
+                             mha_error *err) {
+    MHA_RETURN_IF(!lc, err, INVALID_ARG, "layer is NULL");
+    MHA_RETURN_IF(!args, err, INVALID_ARG, "args is NULL");
+    mha_status st = mha__check_kv_seqs(c, args->num_seqs, args->seq_ids, err);
+    if (!st)
+        st = check_exec(exec, err);
+    if (st)
+        return st;
+    const mha_kv_cache_config *kc = c->cfg;
+    MHA_RETURN_IF(kc->num_kv_heads != lc->num_kv_heads || kc->head_dim != lc->head_dim ||
+                      kc->v_head_dim != lc->v_head_dim,
+                  err, INVALID_ARG,
+                  "the cache holds g=%lld kv heads of d_k=%lld, d_v=%lld; the layer needs "
+                  "g=%lld, d_k=%lld, d_v=%lld",
+                  (long long)kc->num_kv_heads, (long long)kc->head_dim, (long long)kc->v_head_dim,
+                  (long long)lc->num_kv_heads, (long long)lc->head_dim, (long long)lc->v_head_dim);
+    MHA_RETURN_IF(lc->k_dim != lc->q_dim || lc->v_dim != lc->q_dim, err, INVALID_ARG,
+                  "decoding is self-attention: it needs k_dim = v_dim = q_dim, the layer has "
+                  "q_dim=%lld k_dim=%lld v_dim=%lld",
+                  (long long)lc->q_dim, (long long)lc->k_dim, (long long)lc->v_dim);
+    MHA_RETURN_IF(!args->x || !args->out, err, INVALID_ARG, "x and out must not be NULL");
+    const int64_t t = args->num_tokens;
+    MHA_RETURN_IF(t < 1 || t > MHA_MAX_DIM, err, INVALID_ARG,
+                  "num_tokens=%lld must be in [1, 2^31]", (long long)t);
+    for (int64_t i = 0; i < args->num_seqs; i++) {
+        const int64_t s = args->seq_ids ? args->seq_ids[i] : i;
+        MHA_RETURN_IF(c->len[s] + t > kc->max_seq, err, INVALID_ARG,
+                      "kv cache overflow: sequence %lld has %lld positions, %lld more exceed "
+                      "max_seq=%lld",
+                      (long long)s, (long long)c->len[s], (long long)t, (long long)kc->max_seq);
+        MHA_RETURN_IF(c->len[s] + t - 1 > MHA_MAX_POSITION, err, INVALID_ARG,
+                      "positions of sequence %lld would exceed 2^31", (long long)s);
+    }
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_merge(int64_t rows,
+                            int64_t dim,
+                            const float *o_a,
+                            int64_t o_a_stride,
+                            const float *lse_a,
+                            const float *o_b,
+                            int64_t o_b_stride,
+                            const float *lse_b,
+                            const float *o,
+                            int64_t o_stride,
+                            mha_error *err) {
+    MHA_RETURN_IF(rows < 0 || dim < 1 || dim > MHA_MAX_DIM, err, INVALID_ARG,
+                  "merge: rows=%lld must be >= 0 and dim=%lld in [1, 2^31]", (long long)rows,
+                  (long long)dim);
+    MHA_RETURN_IF(!o_a || !o_b || !o || !lse_a || !lse_b, err, INVALID_ARG,
+                  "merge: o_a, lse_a, o_b, lse_b and o must not be NULL");
+    MHA_RETURN_IF(o_a_stride < dim || o_b_stride < dim || o_stride < dim, err, INVALID_ARG,
+                  "merge: row strides (%lld, %lld, %lld) must be >= dim=%lld",
+                  (long long)o_a_stride, (long long)o_b_stride, (long long)o_stride,
+                  (long long)dim);
+    MHA_RETURN_IF((o == o_a && o_stride != o_a_stride) || (o == o_b && o_stride != o_b_stride), err,
+                  INVALID_ARG, "merge: in-place o must have the stride of the input it is");
+    return MHA_STATUS_OK;
+}

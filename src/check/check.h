@@ -1,0 +1,195 @@
+/* SPDX-License-Identifier: MIT */
+/* check.h: the argument checks of every public call, in one place (src/check/), and the
+ * resolution of what they check into the library's internal form (an mha__problem, a resolved
+ * config, ...). Each public entry point calls its check once, first, before it changes or
+ * allocates anything; the parts below the entry points (core, layer, decode, kernels) receive
+ * resolved input and never check it again. docs/ARCHITECTURE.md, "Validation", lists which check
+ * serves which call.
+ *
+ * Messages name the argument as the caller spells it (config.q_dim, mask.bool_mask.dtype,
+ * grads.dq_strides[1], seq_ids[3], ...). Sizes are range-checked to [1, 2^31] (MHA_MAX_DIM) and
+ * every product that sizes a buffer is overflow-checked.
+ */
+#ifndef MHA_CHECK_H
+#define MHA_CHECK_H
+
+#include "base/internal.h"
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Attention core (check/attention.c): mha_attention*, mha_attention_backward*.                   */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Every size of args in [1, 2^31] and num_heads divisible by num_kv_heads. Checked before any
+ * workspace is sized (forward and backward), since the kernels' scratch sizes are computed from
+ * these fields: an unchecked one could ask for gigabytes before the call is refused. */
+mha_status mha__check_attention_sizes(const mha_attention_args *args, mha_error *err);
+
+/* Every check of the forward's args, building the resolved problem p: sizes, pointers, strides,
+ * scale, softcap, dropout, masks (causal alignment into delta_buf [B] int64, ALiBi slopes into
+ * slope_buf [H] float). p keeps args' pointers; their data is not read. */
+mha_status mha__check_attention(const mha_attention_args *args,
+                                mha__problem *p,
+                                int64_t *delta_buf,
+                                float *slope_buf,
+                                mha_error *err);
+
+/* The backward's arguments before anything is sized: fwd and grads given, fwd's sizes. */
+mha_status mha__check_backward_sizes(const mha_attention_args *fwd,
+                                     const mha_attention_grads *grads,
+                                     mha_error *err);
+/* The gradient side against the forward's resolved problem: lse, dout, dsinks, every stride. */
+mha_status mha__check_backward_grads(const mha_attention_args *fwd,
+                                     const mha_attention_grads *grads,
+                                     const mha__problem *p,
+                                     mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* RoPE (check/rope.c): mha_rope_frequencies, mha_rope_apply, the layer's config.rope.           */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* rope with its defaults filled in (theta 10000, rotary_dim = head_dim, scaling factors). */
+mha_status mha__check_rope(const mha_rope *in, int64_t head_dim, mha_rope *out, mha_error *err);
+/* Every position in [0, 2^31]: positions[b * batch_stride + t], b < B, t < L (NULL = none). */
+mha_status mha__check_positions(const int64_t *positions,
+                                int64_t B,
+                                int64_t L,
+                                int64_t batch_stride,
+                                const char *name,
+                                mha_error *err);
+/* mha_rope_frequencies' arguments and its resolved rope. */
+mha_status mha__check_rope_frequencies(const mha_rope *rope,
+                                       int64_t head_dim,
+                                       const double *freqs,
+                                       const double *cos_sin_factor,
+                                       mha_rope *resolved,
+                                       mha_error *err);
+/* mha_rope_apply's arguments (sizes, strides, positions) and its resolved rope. */
+mha_status mha__check_rope_apply(const mha_rope *rope,
+                                 int64_t batch,
+                                 int64_t seq_len,
+                                 int64_t num_heads,
+                                 int64_t head_dim,
+                                 const float *x,
+                                 const int64_t x_strides[4],
+                                 const int64_t *positions,
+                                 int64_t pos_batch_stride,
+                                 mha_rope *resolved,
+                                 mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Layer (check/layer.c): mha_layer_create, mha_layer_forward*, mha_layer_backward.              */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* The weight tensors of a resolved config, in one table: name, pointer slot in w, element count,
+ * whether the config has it. */
+typedef struct mha__weight_slot {
+    const char *name;
+    const float **ptr;
+    int64_t count;
+    int present;
+} mha__weight_slot;
+enum { MHA__WEIGHT_SLOTS = 9 };
+void mha__layer_weight_slots(const mha_config *c,
+                             mha_weights *w,
+                             mha__weight_slot slots[MHA__WEIGHT_SLOTS]);
+
+/* mha_layer_create: out given (the caller clears *out), config resolved into *cfg (every default
+ * filled in, rope resolved), ownership known, every weight the config has given and finite, no
+ * weight it lacks; *total = the weights' float count. */
+mha_status mha__check_layer_create(const mha_config *config,
+                                   const mha_weights *weights,
+                                   mha_ownership ownership,
+                                   mha_layer *const *out,
+                                   mha_config *cfg,
+                                   int64_t *total,
+                                   mha_error *err);
+
+/* The forward's arguments against the layer's resolved config (NULL: the layer is): batch, lengths,
+ * inputs (self or cross attention, value = key), positions. *kv_len = the key length (q_len for
+ * self-attention). The core's options (masks, dropout, probs) are the core's check
+ * (mha__check_attention). */
+mha_status mha__check_forward_args(const mha_config *cfg,
+                                   const mha_forward_args *args,
+                                   int64_t *kv_len,
+                                   mha_error *err);
+
+/* What the backward's check reads of a training state (layer/layer_bwd.c). */
+typedef struct mha__train_view {
+    const mha_layer *layer; /* the layer that made it */
+    int self;               /* the forward was self-attention */
+    int value_given;        /* the forward had its own value input */
+} mha__train_view;
+/* mha_layer_backward: layer, state (NULL when the caller's is), dy and grads given, the state made
+ * with this layer, and every gradient requested one the layer and the forward have. cfg: the
+ * layer's resolved config. */
+mha_status mha__check_layer_backward(const mha_layer *layer,
+                                     const mha_config *cfg,
+                                     const mha__train_view *state,
+                                     const float *dy,
+                                     const mha_layer_grads *grads,
+                                     mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* KV cache and decoding (check/cache.c): mha_kv_cache_*, mha_kv_cache_attention,                 */
+/* mha_layer_prefill / mha_layer_decode_step, mha_attention_merge.                                */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* What the cache checks read of a cache (cache/kv_cache.h: mha__kv_view_of); cfg == NULL: the
+ * cache pointer was NULL. */
+typedef struct mha__kv_view {
+    const mha_kv_cache_config *cfg; /* resolved */
+    const int64_t *len, *lo;        /* [batch]: lengths, lowest intact positions */
+    int64_t slots;
+} mha__kv_view;
+
+/* mha_kv_cache_create: out given (the caller clears *out), config resolved into *cfg (defaults
+ * filled in; against layer_cfg, the layer's, when not NULL). */
+mha_status mha__check_kv_create(const mha_kv_cache_config *config,
+                                const mha_config *layer_cfg,
+                                mha_kv_cache *const *out,
+                                mha_kv_cache_config *cfg,
+                                mha_error *err);
+/* seq is a sequence of the cache; name: how the caller calls it. */
+mha_status mha__check_kv_seq(const mha__kv_view *c, int64_t seq, const char *name, mha_error *err);
+/* seq_ids (NULL = 0 .. S-1): S in [1, batch], in range, distinct. */
+mha_status
+mha__check_kv_seqs(const mha__kv_view *c, int64_t S, const int64_t *seq_ids, mha_error *err);
+/* mha_kv_cache_append: the sequences, t tokens fitting in every one (max_seq, a window cache's
+ * max_step_tokens), k and v given. */
+mha_status mha__check_kv_append(const mha__kv_view *c,
+                                int64_t S,
+                                const int64_t *seq_ids,
+                                int64_t t,
+                                const float *k,
+                                const float *v,
+                                mha_error *err);
+mha_status
+mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_error *err);
+mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, mha_error *err);
+
+/* mha_kv_cache_attention's arguments; *scale = the resolved scale (0 = 1/sqrt(d_k)). */
+mha_status mha__check_kv_attention(const mha__kv_view *c,
+                                   const mha_kv_attention_args *args,
+                                   const mha_exec *exec,
+                                   double *scale,
+                                   mha_error *err);
+/* mha_layer_prefill / mha_layer_decode_step: layer_cfg is NULL when the layer pointer is. */
+mha_status mha__check_decode(const mha_config *layer_cfg,
+                             const mha__kv_view *c,
+                             const mha_decode_args *args,
+                             const mha_exec *exec,
+                             mha_error *err);
+
+mha_status mha__check_merge(int64_t rows,
+                            int64_t dim,
+                            const float *o_a,
+                            int64_t o_a_stride,
+                            const float *lse_a,
+                            const float *o_b,
+                            int64_t o_b_stride,
+                            const float *lse_b,
+                            const float *o,
+                            int64_t o_stride,
+                            mha_error *err);
+
+#endif /* MHA_CHECK_H */

@@ -1,0 +1,22 @@
+/* SPDX-License-Identifier: MIT */
+/* rope.h: rotary position embeddings (layer/rope.c): the tables and the rotation of one head
+ * vector, shared by the layer's plan (plan.c), the public mha_rope_* calls and the tests. */
+#ifndef MHA_LAYER_ROPE_H
+#define MHA_LAYER_ROPE_H
+
+#include "base/internal.h"
+
+/* RoPE tables: inverse frequencies [R/2] and the cos/sin factor, from a resolved mha_rope
+ * (check/: mha__check_rope). */
+void mha__rope_freqs(const mha_rope *resolved, double *freqs, double *cs_factor);
+/* cos/sin of every pair for one position: cos_out[k] = cs_factor * cos(pos * freqs[k]). */
+void mha__rope_cos_sin(const mha_rope *resolved,
+                       const double *freqs,
+                       double cs_factor,
+                       int64_t position,
+                       double *cos_out,
+                       double *sin_out);
+/* Rotates one head vector x[0..D) in place with the pairs' cos/sin (pairing from the style). */
+void mha__rope_rotate(const mha_rope *resolved, const double *cos_k, const double *sin_k, float *x);
+
+#endif /* MHA_LAYER_ROPE_H */
