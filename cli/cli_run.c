@@ -6,14 +6,12 @@
  * naming the file), run the layer, then write the outputs atomically. When both --out and --attn
  * are given and the second write fails, the first is removed, so nothing half-done is left.
  */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include "cli_run.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 static const cli_opt run_flags[O_COUNT] = {
     [O_HELP] = {"--help", CLI_OPT_FLAG},
@@ -176,20 +174,6 @@ void cli_run_usage(void) {
     };
     for (size_t i = 0; i < sizeof text / sizeof text[0]; i++)
         printf("%s\n", text[i]);
-}
-
-static double seconds_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-/* --verbose: "mha: <stage done> (<seconds> s)" on stderr when a stage ends. */
-void stage_done(const run_config *o, run_state *s, const char *what) {
-    const double now = seconds_now();
-    if (o->opt[O_VERBOSE])
-        fprintf(stderr, "mha: %s (%.3f s)\n", what, now - s->stage_start);
-    s->stage_start = now;
 }
 
 static void run_free(run_state *s) {
@@ -557,7 +541,7 @@ int cli_run_main(int argc, char **argv) {
     rc = parse_options(&args, &o, &s);
     if (!rc)
         rc = check_paths(&o);
-    s.stage_start = seconds_now();
+    stage_begin(&s);
     if (!rc)
         rc = run_forward(&o, &s);
     run_free(&s);

@@ -96,8 +96,10 @@ typedef struct run_state {
     double stage_start; /* --verbose: when the current stage began (seconds) */
 } run_state;
 
-/* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run.c). */
+/* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run_job.c). */
 void stage_done(const run_config *o, run_state *s, const char *what);
+/* Starts the first stage's clock (cli_run_job.c, with stage_done). */
+void stage_begin(run_state *s);
 
 /* Input files (cli_run_files.c): each prints one line naming the file and returns CLI_FAIL on a
  * bad file, CLI_OK otherwise. */

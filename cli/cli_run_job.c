@@ -3,12 +3,32 @@
  * command-line options, the inputs, masks and positions checked against (B, h, n, m), then the
  * forward (or, with --decode, the prefill and decode steps through a KV cache), then the outputs
  * (cli_run.h). */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include "cli_run.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* --verbose: "mha: <stage done> (<seconds> s)" on stderr when a stage ends. */
+void stage_done(const run_config *o, run_state *s, const char *what) {
+    const double now = seconds_now();
+    if (o->opt[O_VERBOSE])
+        fprintf(stderr, "mha: %s (%.3f s)\n", what, now - s->stage_start);
+    s->stage_start = now;
+}
+
+void stage_begin(run_state *s) {
+    s->stage_start = seconds_now();
+}
 
 /* ---------------------------------------------------------------------------------------------- */
 /* The run itself.                                                                                */

@@ -11,6 +11,7 @@
  *   6. a tiny end-to-end training run (copy the previous token) with REFERENCE and AUTO.
  * MHA_TEST_QUICK=1 shrinks the random sweep (sanitizer runs).
  */
+#include "core/core.h"
 #include "harness.h"
 #include "kernels/attention_bwd.h"
 #include "oracle_f64.h"

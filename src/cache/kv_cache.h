@@ -100,8 +100,12 @@ typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
  * stays in this machine's 2 MiB L2 between the K and V passes. */
 #define MHA_DEC_BLOCK 256
 
-/* Scratch floats a kernel needs: scores [R][BLOCK], then query rows or dequantised K/V rows. */
-int64_t mha__dec_scratch_floats(const mha__dec_problem *p);
+/* Scratch floats a kernel needs: scores [R][BLOCK], then the query rows [R][dk] (vector kernels)
+ * or the generic kernel's dequantised K and V row, rows padded to 16 floats. */
+static inline int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
+    const int64_t R = p->group * p->t, d = p->dk > p->dv ? p->dk : p->dv;
+    return R * MHA_DEC_BLOCK + (R > 2 ? R : 2) * (d + 16) + 32;
+}
 
 /* The kernels (one line each in kernels/registry.def, op decode) are declared by registry.h. */
 

@@ -11,6 +11,7 @@
  */
 #include "kernels/attention_bwd.h"
 #include "check/check.h"
+#include "core/core.h"
 #include "kernels/registry.h"
 
 #include <string.h>

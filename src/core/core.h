@@ -40,4 +40,19 @@ mha_status mha__core_prepare(const mha_attention_args *args,
                              mha_error *err);
 mha_status mha__core_finish(mha__core_call *call, int run, mha_error *err);
 
+/* The backward kernels (core/attention_bwd.c: the registry's bwd lines), in priority order, the
+ * reference last: index -> name (NULL past the end) and whether this CPU (capped by MHA_MAX_ISA)
+ * can run it. */
+const char *mha__bwd_kernel_name(int index);
+int mha__bwd_kernel_usable(int index);
+
+/* The core backward; kernel >= 0 forces that kernel (tests), -1 chooses by exec->impl.
+ * `name_out` (may be NULL) receives the name of the kernel that ran. */
+mha_status mha__attention_backward_run(const mha_attention_args *fwd,
+                                       const mha_attention_grads *grads,
+                                       const mha_exec *exec,
+                                       int kernel,
+                                       const char **name_out,
+                                       mha_error *err);
+
 #endif /* MHA_CORE_H */

@@ -80,13 +80,6 @@ mha_status mha_attention_merge(int64_t rows,
 /* Split-KV driver.                                                                               */
 /* ---------------------------------------------------------------------------------------------- */
 
-int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
-    /* scores [R][BLOCK], then the AVX-512 kernel's query rows [R][dk] or the generic kernel's
-     * dequantised K and V row, rows padded to 16 floats */
-    const int64_t R = p->group * p->t, d = p->dk > p->dv ? p->dk : p->dv;
-    return R * MHA_DEC_BLOCK + (R > 2 ? R : 2) * (d + 16) + 32;
-}
-
 typedef struct dec_run {
     const mha__dec_problem *p;
     mha__dec_kernel_fn fn;

@@ -38,18 +38,4 @@ bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes);
 #define MHA__BWD_BK 64
 bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes);
 
-/* The backward kernels (attention_bwd.c), in priority order, the reference last: index ->
- * name (NULL past the end) and whether this CPU (capped by MHA_MAX_ISA) can run it. */
-const char *mha__bwd_kernel_name(int index);
-int mha__bwd_kernel_usable(int index);
-
-/* The core backward; kernel >= 0 forces that kernel (tests), -1 chooses by exec->impl.
- * `name_out` (may be NULL) receives the name of the kernel that ran. */
-mha_status mha__attention_backward_run(const mha_attention_args *fwd,
-                                       const mha_attention_grads *grads,
-                                       const mha_exec *exec,
-                                       int kernel,
-                                       const char **name_out,
-                                       mha_error *err);
-
 #endif /* MHA_ATTENTION_BWD_H */
