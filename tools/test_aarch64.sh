@@ -2,9 +2,9 @@
 # SPDX-License-Identifier: MIT
 # The aarch64 build: cross-compiles mha with Debian's gcc-aarch64-linux-gnu (warnings as errors,
 # cmake/aarch64-linux-gnu.cmake) and runs every C test under qemu-user (MHA_TEST_QUICK=1: the
-# sweeps are emulated, about 20x slower). Only the generic kernel tier exists on aarch64 so far
-# (issue 14 adds NEON). Build tree: build-aarch64/. tools/install_deps.sh --test installs the
-# compiler, qemu-user and the arm64 cJSON.
+# sweeps are emulated, about 20x slower), once with the best tier (neon) and once capped to the
+# generic tier (MHA_MAX_ISA=generic). Build tree: build-aarch64/. tools/install_deps.sh --test
+# installs the compiler, qemu-user and the arm64 cJSON.
 # needs: aarch64-linux-gnu-gcc qemu-aarch64 cmake ctest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,4 +13,8 @@ cmake -S . -B build-aarch64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake
     -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null
 cmake --build build-aarch64 -j "$jobs"
 qemu-aarch64 -L / build-aarch64/mha info | sed -n '1,3p'
-MHA_TEST_QUICK=1 ctest --test-dir build-aarch64 --output-on-failure -j "$jobs" -E '^py_'
+for isa in neon generic; do
+    echo "== aarch64, MHA_MAX_ISA=$isa"
+    MHA_MAX_ISA=$isa MHA_TEST_QUICK=1 ctest --test-dir build-aarch64 --output-on-failure -j "$jobs" \
+        -E '^py_'
+done

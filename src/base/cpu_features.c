@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
-/* cpu_features.c: CPU feature detection (cpuid + XGETBV on x86; nothing to detect yet on other
- * architectures, whose only tier is generic) and the debug overrides, read once (pthread_once):
- * the only process-wide state of the library, written once and read-only afterwards. */
+/* cpu_features.c: CPU feature detection (cpuid + XGETBV on x86, getauxval(AT_HWCAP) on aarch64;
+ * other architectures have the generic tier only) and the debug overrides, read once
+ * (pthread_once): the only process-wide state of the library, written once and read-only
+ * afterwards. */
 #include "base/cpu_features.h"
 
 #include <pthread.h>
@@ -11,6 +12,11 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #    include <cpuid.h>
+#elif defined(__aarch64__)
+#    include <sys/auxv.h>
+#    ifndef HWCAP_ASIMD
+#        define HWCAP_ASIMD (1ul << 1) /* asm/hwcap.h */
+#    endif
 #endif
 
 static unsigned g_detected, g_capped;
@@ -47,6 +53,12 @@ static unsigned detect_isa(void) {
     if ((isa & MHA_ISA_AVX2) && zmm_state && avx512f && avx512dq && avx512bw && avx512vl)
         isa |= MHA_ISA_AVX512;
     return isa;
+}
+#elif defined(__aarch64__)
+/* Advanced SIMD is architecturally required on Linux/aarch64; the kernel still reports it, and
+ * a kernel built without it (never seen) would leave the generic tier. */
+static unsigned detect_isa(void) {
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMD) ? MHA_ISA_NEON : 0u;
 }
 #else
 static unsigned detect_isa(void) {

@@ -1,9 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /* cpu_features.h: what this CPU (and its OS) can run, as MHA_ISA_* bits, detected once, and the
  * two debug overrides of the environment (read once, at the first call that needs them):
- *   MHA_MAX_ISA=generic|avx2|avx512   pretend the CPU has at most this ISA (unknown values: no
- * cap); MHA_KERNEL=<name>                 the forward dispatch runs exactly this kernel
- * (dispatch.c). Nothing else in the environment changes what the library does.
+ *   MHA_MAX_ISA=generic|avx2|avx512 (x86), generic|neon (aarch64)
+ *                                         pretend the CPU has at most this ISA (unknown values,
+ *                                         another architecture's tiers too: no cap)
+ *   MHA_KERNEL=<name>                     the forward dispatch runs exactly this kernel
+ *                                         (dispatch.c)
+ * Nothing else in the environment changes what the library does.
  */
 #ifndef MHA_CPU_FEATURES_H
 #define MHA_CPU_FEATURES_H
@@ -12,14 +15,23 @@
  * by file name suffix) and is detected by cpu_features.c: */
 #define MHA_ISA_AVX2   (1u << 0) /* AVX, AVX2, FMA, F16C; the OS saves YMM state */
 #define MHA_ISA_AVX512 (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; the OS saves ZMM/opmask */
+#define MHA_ISA_NEON   (1u << 2) /* AArch64 Advanced SIMD with FP (HWCAP_ASIMD; baseline) */
 
-/* The tiers, best first: the bits a tier's kernels may use (its own and those below it) and its
- * name (the suffix of its kernels' names after "__"; MHA_MAX_ISA=<name> caps to those bits).
- * The generic tier uses none and is always last. */
-#define MHA_ISA_TIERS(X)                                                                           \
-    X(MHA_ISA_AVX512 | MHA_ISA_AVX2, "avx512")                                                     \
-    X(MHA_ISA_AVX2, "avx2")                                                                        \
-    X(0u, "generic")
+/* The tiers of the target architecture, best first: the bits a tier's kernels may use (its own
+ * and those below it) and its name (the suffix of its kernels' names after "__";
+ * MHA_MAX_ISA=<name> caps to those bits). The generic tier uses none and is always last. */
+#if defined(__x86_64__) || defined(__i386__)
+#    define MHA_ISA_TIERS(X)                                                                       \
+        X(MHA_ISA_AVX512 | MHA_ISA_AVX2, "avx512")                                                 \
+        X(MHA_ISA_AVX2, "avx2")                                                                    \
+        X(0u, "generic")
+#elif defined(__aarch64__)
+#    define MHA_ISA_TIERS(X)                                                                       \
+        X(MHA_ISA_NEON, "neon")                                                                    \
+        X(0u, "generic")
+#else
+#    define MHA_ISA_TIERS(X) X(0u, "generic")
+#endif
 
 /* MHA_ISA_* bits of this CPU, capped by MHA_MAX_ISA. */
 unsigned mha__cpu_isa(void);

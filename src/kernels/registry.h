@@ -57,7 +57,7 @@ int mha__registry_index(const mha__kernel_info *k);
 const mha__kernel_info *mha__registry_find(const char *name); /* NULL when unknown */
 /* "fwd", "bwd", "decode", "gemm". */
 const char *mha__op_name(mha__op op);
-/* The tier of a kernel: "avx512", "avx2", "generic" or "ref". */
+/* The tier of a kernel: "avx512", "avx2", "neon", "generic" or "ref". */
 const char *mha__kernel_tier(const mha__kernel_info *k);
 /* Nonzero when this CPU has k's ISA under MHA_MAX_ISA (detected = 1: without the cap). */
 int mha__kernel_usable(const mha__kernel_info *k, int detected);
