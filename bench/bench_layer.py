@@ -75,7 +75,7 @@ class Dropout(C.Structure):
 
 class Exec(C.Structure):
     _fields_ = [("impl", C.c_int), ("n_threads", i32), ("workspace", C.c_void_p),
-                ("workspace_bytes", C.c_size_t), ("allocator", C.c_void_p)]
+                ("workspace_bytes", C.c_size_t), ("allocator", C.c_void_p), ("pool", C.c_void_p)]
 
 
 class Rope(C.Structure):

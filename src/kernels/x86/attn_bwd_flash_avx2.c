@@ -2,32 +2,54 @@
 /* attn_bwd_flash_avx2.c: AVX2+FMA arithmetic of the flash backward (bwd_flash.h). Compiled with
  * -mavx2 -mfma; only called when dispatch detects AVX2.
  *
- * gemm_acc: C[R, N] += A[R, K] B[K, N] with a 4-row x 16-column register block (8 ymm
- * accumulators + 2 B vectors + 1 broadcast of the 16 ymm registers); masked column tails, 1-row
- * version for row tails. Each C element is one FMA chain in increasing k. exp_shift uses v8_exp.
+ * gemm_acc: C[R, N] += A[R, K] B[K, N] with a 6-row x 16-column register block (12 ymm
+ * accumulators + 2 B vectors + 1 broadcast of the 16 ymm registers); plain loads and stores for
+ * whole 16-column blocks, masked ones for the column tail, a 1-row version for row tails. Each C
+ * element is one FMA chain in increasing k, whatever the blocking (so changing the blocking keeps
+ * results bit-identical). exp_shift uses v8_exp.
  */
 #include "kernels/bwd_flash.h"
 #include "kernels/x86/simd_avx2.h"
 
-/* Named accumulators (an array stays on the stack with gcc 12, see the AVX-512 file). */
-static void gemm_block_4(int64_t K,
-                         const float *A,
-                         int64_t sa,
-                         int64_t sk,
-                         const float *B,
-                         int64_t ldb,
-                         float *C,
-                         int64_t ldc,
-                         const __m256i mk[2]) {
+/* Loads and stores of a 16-column block: plain when the block is whole (the common case: d and
+ * the key tile are multiples of 16), masked otherwise. VMASKMOVPS costs several times a plain
+ * access on AMD Zen (a masked store is microcoded), so the whole-block path matters there.
+ * Both read and write the same elements, so results do not depend on the path. */
+MHA_INLINE v8 load_cols(int whole, __m256i m, const float *p) {
+    return whole ? v8_loadu(p) : v8_loadu_mask(m, p);
+}
+MHA_INLINE void store_cols(int whole, __m256i m, float *p, v8 x) {
+    if (whole)
+        _mm256_storeu_ps(p, x);
+    else
+        v8_storeu_mask(p, m, x);
+}
+
+/* C[6, 16] += A[6, K] B[K, 16]: 12 accumulators (named: an array stays on the stack with gcc 12)
+ * + 2 B vectors + 1 broadcast of the 16 ymm registers; 12 independent FMA chains cover the FMA
+ * latency (4-5 cycles) at 2 FMAs per cycle. Each C element is one chain in increasing k. */
+MHA_INLINE void gemm_block_6(int whole,
+                             int64_t K,
+                             const float *A,
+                             int64_t sa,
+                             int64_t sk,
+                             const float *B,
+                             int64_t ldb,
+                             float *C,
+                             int64_t ldc,
+                             const __m256i mk[2]) {
     const __m256i m0 = mk[0], m1 = mk[1];
-    float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
-    v8 a00 = v8_loadu_mask(m0, c0), a01 = v8_loadu_mask(m1, c0 + 8);
-    v8 a10 = v8_loadu_mask(m0, c1), a11 = v8_loadu_mask(m1, c1 + 8);
-    v8 a20 = v8_loadu_mask(m0, c2), a21 = v8_loadu_mask(m1, c2 + 8);
-    v8 a30 = v8_loadu_mask(m0, c3), a31 = v8_loadu_mask(m1, c3 + 8);
+    float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc, *c4 = C + 4 * ldc,
+          *c5 = C + 5 * ldc;
+    v8 a00 = load_cols(whole, m0, c0), a01 = load_cols(whole, m1, c0 + 8);
+    v8 a10 = load_cols(whole, m0, c1), a11 = load_cols(whole, m1, c1 + 8);
+    v8 a20 = load_cols(whole, m0, c2), a21 = load_cols(whole, m1, c2 + 8);
+    v8 a30 = load_cols(whole, m0, c3), a31 = load_cols(whole, m1, c3 + 8);
+    v8 a40 = load_cols(whole, m0, c4), a41 = load_cols(whole, m1, c4 + 8);
+    v8 a50 = load_cols(whole, m0, c5), a51 = load_cols(whole, m1, c5 + 8);
     for (int64_t k = 0; k < K; k++) {
         const float *bk = B + k * ldb, *ak = A + k * sk;
-        const v8 b0 = v8_loadu_mask(m0, bk), b1 = v8_loadu_mask(m1, bk + 8);
+        const v8 b0 = load_cols(whole, m0, bk), b1 = load_cols(whole, m1, bk + 8);
         v8 x = v8_set1(ak[0 * sa]);
         a00 = v8_fma(x, b0, a00), a01 = v8_fma(x, b1, a01);
         x = v8_set1(ak[1 * sa]);
@@ -36,31 +58,57 @@ static void gemm_block_4(int64_t K,
         a20 = v8_fma(x, b0, a20), a21 = v8_fma(x, b1, a21);
         x = v8_set1(ak[3 * sa]);
         a30 = v8_fma(x, b0, a30), a31 = v8_fma(x, b1, a31);
+        x = v8_set1(ak[4 * sa]);
+        a40 = v8_fma(x, b0, a40), a41 = v8_fma(x, b1, a41);
+        x = v8_set1(ak[5 * sa]);
+        a50 = v8_fma(x, b0, a50), a51 = v8_fma(x, b1, a51);
     }
-    v8_storeu_mask(c0, m0, a00), v8_storeu_mask(c0 + 8, m1, a01);
-    v8_storeu_mask(c1, m0, a10), v8_storeu_mask(c1 + 8, m1, a11);
-    v8_storeu_mask(c2, m0, a20), v8_storeu_mask(c2 + 8, m1, a21);
-    v8_storeu_mask(c3, m0, a30), v8_storeu_mask(c3 + 8, m1, a31);
+    store_cols(whole, m0, c0, a00), store_cols(whole, m1, c0 + 8, a01);
+    store_cols(whole, m0, c1, a10), store_cols(whole, m1, c1 + 8, a11);
+    store_cols(whole, m0, c2, a20), store_cols(whole, m1, c2 + 8, a21);
+    store_cols(whole, m0, c3, a30), store_cols(whole, m1, c3 + 8, a31);
+    store_cols(whole, m0, c4, a40), store_cols(whole, m1, c4 + 8, a41);
+    store_cols(whole, m0, c5, a50), store_cols(whole, m1, c5 + 8, a51);
 }
 
-static void gemm_block_1(int64_t K,
-                         const float *A,
-                         int64_t sk,
-                         const float *B,
-                         int64_t ldb,
-                         float *C,
-                         int64_t ldc,
-                         const __m256i mk[2]) {
-    (void)ldc;
+/* One row of C (the row tail). */
+MHA_INLINE void gemm_block_1(int whole,
+                             int64_t K,
+                             const float *A,
+                             int64_t sk,
+                             const float *B,
+                             int64_t ldb,
+                             float *C,
+                             const __m256i mk[2]) {
     const __m256i m0 = mk[0], m1 = mk[1];
-    v8 a0 = v8_loadu_mask(m0, C), a1 = v8_loadu_mask(m1, C + 8);
+    v8 a0 = load_cols(whole, m0, C), a1 = load_cols(whole, m1, C + 8);
     for (int64_t k = 0; k < K; k++) {
         const float *bk = B + k * ldb;
         const v8 x = v8_set1(A[k * sk]);
-        a0 = v8_fma(x, v8_loadu_mask(m0, bk), a0);
-        a1 = v8_fma(x, v8_loadu_mask(m1, bk + 8), a1);
+        a0 = v8_fma(x, load_cols(whole, m0, bk), a0);
+        a1 = v8_fma(x, load_cols(whole, m1, bk + 8), a1);
     }
-    v8_storeu_mask(C, m0, a0), v8_storeu_mask(C + 8, m1, a1);
+    store_cols(whole, m0, C, a0), store_cols(whole, m1, C + 8, a1);
+}
+
+/* The rows of one 16-column block; `whole` is a compile-time constant in each call below, so
+ * the plain and the masked paths are separate loops. */
+MHA_INLINE void gemm_cols(int whole,
+                          int64_t R,
+                          int64_t K,
+                          const float *A,
+                          int64_t sa,
+                          int64_t sk,
+                          const float *B,
+                          int64_t ldb,
+                          float *C,
+                          int64_t ldc,
+                          const __m256i mk[2]) {
+    int64_t r = 0;
+    for (; r + 6 <= R; r += 6)
+        gemm_block_6(whole, K, A + r * sa, sa, sk, B, ldb, C + r * ldc, ldc, mk);
+    for (; r < R; r++)
+        gemm_block_1(whole, K, A + r * sa, sk, B, ldb, C + r * ldc, mk);
 }
 
 static void gemm_acc_avx2(int64_t R,
@@ -79,17 +127,19 @@ static void gemm_acc_avx2(int64_t R,
             const int64_t left = N - j0 - 8 * v;
             mk[v] = v8_first(left <= 0 ? 0 : (left >= 8 ? 8 : (int)left));
         }
-        int64_t r = 0;
-        for (; r + 4 <= R; r += 4)
-            gemm_block_4(K, A + r * sa, sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
-        for (; r < R; r++)
-            gemm_block_1(K, A + r * sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
+        if (N - j0 >= 16)
+            gemm_cols(1, R, K, A, sa, sk, B + j0, ldb, C + j0, ldc, mk);
+        else
+            gemm_cols(0, R, K, A, sa, sk, B + j0, ldb, C + j0, ldc, mk);
     }
 }
 
 static void exp_shift_avx2(const float *x, float c, float *y, int64_t count) {
     const v8 cv = v8_set1(c);
-    for (int64_t i = 0; i < count; i += 8) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(y + i, v8_exp(v8_sub(v8_loadu(x + i), cv)));
+    for (; i < count; i += 8) {
         const __m256i k = v8_first(count - i < 8 ? (int)(count - i) : 8);
         v8_storeu_mask(y + i, k, v8_exp(v8_sub(v8_loadu_mask(k, x + i), cv)));
     }
