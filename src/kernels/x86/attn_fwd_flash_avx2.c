@@ -148,7 +148,8 @@ MHA_INLINE void pv_micro(const float *pm,
                          int ldo,
                          __m256i last,
                          const int ROWS,
-                         const int NV) {
+                         const int NV,
+                         const int WHOLE) {
     v8 acc[PV_MR][PV_NV];
     for (int r = 0; r < ROWS; r++) {
         const v8 a = v8_set1(alpha[r]);
@@ -160,7 +161,8 @@ MHA_INLINE void pv_micro(const float *pm,
         v8 vv[PV_NV];
         for (int c = 0; c < NV - 1; c++)
             vv[c] = v8_loadu(vj + 8 * c);
-        vv[NV - 1] = v8_loadu_mask(last, vj + 8 * (NV - 1));
+        /* The last vector of the block: plain when whole (a VMASKMOVPS per key costs on Zen). */
+        vv[NV - 1] = WHOLE ? v8_loadu(vj + 8 * (NV - 1)) : v8_loadu_mask(last, vj + 8 * (NV - 1));
         for (int r = 0; r < ROWS; r++) {
             const v8 pb = v8_set1(pm[r * lds + j]);
             for (int c = 0; c < NV; c++)
@@ -192,26 +194,31 @@ MHA_INLINE void pv_body(const float *pm,
             const float *vc = v + col;
             float *orow = o + r0 * ldo + col;
             const float *al = alpha + r0;
-#    define PV_CASE(R, C)                                                                          \
+#    define PV_CASE(R, C, W)                                                                       \
     case (R)*8 + (C):                                                                              \
-        pv_micro(pr, lds, nk, vc, vs, al, orow, ldo, last, R, C);                                  \
+        pv_micro(pr, lds, nk, vc, vs, al, orow, ldo, last, R, C, W);                               \
         break;
-            switch (rr * 8 + nv) {
-                PV_CASE(6, 2)
-                PV_CASE(6, 1)
-                PV_CASE(5, 2)
-                PV_CASE(5, 1)
-                PV_CASE(4, 2)
-                PV_CASE(4, 1)
-                PV_CASE(3, 2)
-                PV_CASE(3, 1)
-                PV_CASE(2, 2)
-                PV_CASE(2, 1)
-                PV_CASE(1, 2)
-                PV_CASE(1, 1)
-            default:
-                MHA_ASSERT(0);
+#    define PV_CASES(W)                                                                            \
+        PV_CASE(6, 2, W)                                                                           \
+        PV_CASE(6, 1, W)                                                                           \
+        PV_CASE(5, 2, W)                                                                           \
+        PV_CASE(5, 1, W)                                                                           \
+        PV_CASE(4, 2, W)                                                                           \
+        PV_CASE(4, 1, W)                                                                           \
+        PV_CASE(3, 2, W)                                                                           \
+        PV_CASE(3, 1, W)                                                                           \
+        PV_CASE(2, 2, W)                                                                           \
+        PV_CASE(2, 1, W)                                                                           \
+        PV_CASE(1, 2, W)                                                                           \
+        PV_CASE(1, 1, W)                                                                           \
+    default:                                                                                       \
+        MHA_ASSERT(0);
+            if (cols % 8 == 0) {
+                switch (rr * 8 + nv) { PV_CASES(1) }
+            } else {
+                switch (rr * 8 + nv) { PV_CASES(0) }
             }
+#    undef PV_CASES
 #    undef PV_CASE
         }
     }
