@@ -625,20 +625,30 @@ static void test_errors(void) {
 
 static void test_threads_and_long(void) {
     static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
-    /* (G, H, t, dk, dv): R = H / G * t query rows per kv head = 8 (the kernel's general path),
-     * 4, 3, 2, 1 (its contiguous path; t = 2 has rows that do not see every key); dk != dv, and
-     * dk = 48 (the contiguous path for float32 / float16, the general one for bfloat16) */
-    static const int64_t shapes[][5] = {{2, 8, 2, 64, 64},  {2, 8, 1, 64, 64}, {2, 6, 1, 32, 64},
-                                        {2, 4, 2, 48, 128}, {4, 4, 1, 64, 64}, {2, 8, 1, 128, 64}};
+    /* (G, H, t, dk, dv, W): R = H / G * t query rows per kv head = 8 (the AVX-512 kernel's
+     * general path; two groups of 4 rows in the AVX2 one), 4, 3, 2, 1 (the AVX-512 contiguous
+     * path; t = 2 has rows that do not see every key); dk != dv, and dk = 48 (the contiguous path
+     * for float32 / float16, the general one for bfloat16). Then for the AVX2 kernel: R = 5 (a
+     * group of 4 rows and one of 1) with head sizes 72 and 40 (whole 16-element groups, then one
+     * vector of 8), head sizes 20 and 36 (a partial vector: masked float32 loads, float16 /
+     * bfloat16 copied), and windowed ring buffers (W = 200 of 215 slots, 16 tokens per append)
+     * whose units wrap from the last slot to slot 0 (each wrapping unit is two runs of rows). */
+    static const int64_t shapes[][6] = {{2, 8, 2, 64, 64, 0},   {2, 8, 1, 64, 64, 0},
+                                        {2, 6, 1, 32, 64, 0},   {2, 4, 2, 48, 128, 0},
+                                        {4, 4, 1, 64, 64, 0},   {2, 8, 1, 128, 64, 0},
+                                        {2, 10, 1, 72, 40, 0},  {2, 4, 1, 20, 36, 0},
+                                        {2, 8, 2, 64, 64, 200}, {2, 10, 1, 72, 40, 200}};
     for (int di = 0; di < 3; di++)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
             const int64_t G = shapes[si][0], H = shapes[si][1], t = shapes[si][2],
-                          dk = shapes[si][3], dv = shapes[si][4], B = 3, Lmax = 1100;
+                          dk = shapes[si][3], dv = shapes[si][4], W = shapes[si][5], B = 3,
+                          Lmax = 1100;
             const int64_t D = dk > dv ? dk : dv; /* K and V are read from one buffer */
             mha_kv_cache_config kc = {0};
             kc.num_kv_heads = G, kc.head_dim = dk, kc.v_head_dim = dv, kc.max_seq = Lmax;
             kc.batch = B;
             kc.dtype = dts[di];
+            kc.window = W, kc.max_step_tokens = W ? 16 : 0;
             mha_kv_cache *c = NULL;
             mha_error err;
             CHECK_OK(mha_kv_cache_create(&kc, NULL, NULL, &c, &err), &err);
@@ -648,12 +658,19 @@ static void test_threads_and_long(void) {
             float *kv = malloc(sizeof(float) * (size_t)(Lmax * G * D));
             for (int64_t s = 0; s < B; s++) {
                 test_fill_normal(&r, kv, lens[s] * G * D, 1.0f);
-                CHECK_OK(mha_kv_cache_append(c, 1, &s, lens[s], kv, kv, &err), &err);
+                const int64_t step = W ? 16 : lens[s]; /* a window cache takes <= 16 per call */
+                for (int64_t j = 0; j < lens[s]; j += step) {
+                    const int64_t n = lens[s] - j < step ? lens[s] - j : step;
+                    CHECK_OK(
+                        mha_kv_cache_append(c, 1, &s, n, kv + j * G * dk, kv + j * G * dv, &err),
+                        &err);
+                }
             }
             const int64_t qn = B * t * H * dk, on = B * t * H * dv;
             float *q = malloc(sizeof(float) * (size_t)qn);
             test_fill_normal(&r, q, qn, 1.0f);
-            float *o[4], lse[4][3 * 8 * 2];
+            float *o[4], lse[4][3 * 10 * 2];
+            memset(lse, 0, sizeof lse);
             for (int k = 0; k < 4; k++)
                 o[k] = malloc(sizeof(float) * (size_t)on);
             float sinks[8];
@@ -673,16 +690,16 @@ static void test_threads_and_long(void) {
                       memcmp(o[0], o[2], sizeof(float) * (size_t)on) == 0 &&
                       memcmp(lse[0], lse[1], sizeof lse[0]) == 0 &&
                       memcmp(lse[0], lse[2], sizeof lse[0]) == 0,
-                  "%s G=%lld H=%lld t=%lld dk=%lld dv=%lld: split-KV outputs bit-identical for 1, "
-                  "2, 3 threads",
+                  "%s G=%lld H=%lld t=%lld dk=%lld dv=%lld W=%lld: split-KV outputs bit-identical "
+                  "for 1, 2, 3 threads",
                   dt_name(dts[di]), (long long)G, (long long)H, (long long)t, (long long)dk,
-                  (long long)dv);
+                  (long long)dv, (long long)W);
             const double e = max_diff_f(o[0], o[3], on), sc = max_abs_f(o[3], on);
             CHECK(e <= TOL_OUT_REL * sc,
-                  "%s G=%lld H=%lld t=%lld dk=%lld dv=%lld: split-KV vs reference over 1037 keys: "
-                  "%.3g (max %.3g)",
+                  "%s G=%lld H=%lld t=%lld dk=%lld dv=%lld W=%lld: split-KV vs reference over "
+                  "1037 keys: %.3g (max %.3g)",
                   dt_name(dts[di]), (long long)G, (long long)H, (long long)t, (long long)dk,
-                  (long long)dv, e, sc);
+                  (long long)dv, (long long)W, e, sc);
             CHECK(max_diff_f(lse[0], lse[3], B * H * t) <=
                       TOL_OUT_REL * max_abs_f(lse[3], B * H * t),
                   "%s G=%lld H=%lld t=%lld: split-KV lse vs reference", dt_name(dts[di]),
@@ -719,14 +736,17 @@ static void test_threads_and_long(void) {
 
 /* Non-finite cache entries: a NaN key a query sees makes its row NaN (as in the full forward);
  * a NaN key and an infinite value it does not see (a later token of the same call) change
- * nothing. Head sizes 16, 20 and 64 take the split-KV kernel's full-vector, masked-tail and
- * contiguous paths. */
+ * nothing. Head sizes 16, 20, 24, 64 and 72 take the split-KV kernels' load paths: whole vectors,
+ * a masked (float16 / bfloat16: copied) tail, AVX2's vector of 8 after whole groups of 16, the
+ * AVX-512 contiguous path; 2 or 3 query heads per kv head and 2 tokens give 4 or 6 rows (AVX2:
+ * one group of 4 rows, or 4 + 2). The non-finite entries sit in the first and the last 8
+ * elements of the row. */
 static void test_nonfinite_keys(void) {
     static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
-    static const int64_t dims[] = {16, 20, 64};
+    static const int64_t dims[] = {16, 20, 24, 64, 72};
     for (int di = 0; di < 3; di++)
-        for (int dd = 0; dd < 3; dd++) {
-            const int64_t G = 1, H = 2, n = 40, t = 2, D = dims[dd];
+        for (int dd = 0; dd < 10; dd++) {
+            const int64_t G = 1, H = 2 + dd % 2, n = 40, t = 2, D = dims[dd / 2];
             mha_kv_cache_config kc = {0};
             kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = n, kc.batch = 2;
             kc.dtype = dts[di];
@@ -735,7 +755,7 @@ static void test_nonfinite_keys(void) {
             CHECK_OK(mha_kv_cache_create(&kc, NULL, NULL, &c, &err), &err);
             test_rng r;
             test_rng_seed(&r, 7);
-            float k[40 * 64], v[40 * 64], q[2 * 2 * 2 * 64], out[2][2 * 2 * 2 * 64];
+            float k[40 * 72], v[40 * 72], q[2 * 2 * 3 * 72], out[2][2 * 2 * 3 * 72];
             test_fill_normal(&r, k, n * D, 1.0f);
             test_fill_normal(&r, v, n * D, 1.0f);
             test_fill_normal(&r, q, 2 * t * H * D, 1.0f);
@@ -749,8 +769,8 @@ static void test_nonfinite_keys(void) {
              */
             const int64_t s1 = 1;
             CHECK_OK(mha_kv_cache_truncate(c, s1, n - 1, &err), &err);
-            k[(n - 1) * D + 3] = NAN;
-            v[(n - 1) * D + 5] = INFINITY;
+            k[(n - 1) * D + 3] = k[(n - 1) * D + D - 2] = NAN;
+            v[(n - 1) * D + 5] = v[(n - 1) * D + D - 1] = INFINITY;
             CHECK_OK(mha_kv_cache_append(c, 1, &s1, 1, k + (n - 1) * D, v + (n - 1) * D, &err),
                      &err);
             a.out = out[1];
@@ -762,10 +782,10 @@ static void test_nonfinite_keys(void) {
                 token0_same &= memcmp(&o1[e], &out[0][t * row + e], sizeof(float)) == 0;
                 token1_nan &= isnan(o1[row + e]);
             }
-            CHECK(token0_same, "%s d=%lld: a hidden NaN key / Inf value changes nothing",
-                  dt_name(dts[di]), (long long)D);
-            CHECK(token1_nan, "%s d=%lld: a visible NaN key makes the row NaN", dt_name(dts[di]),
-                  (long long)D);
+            CHECK(token0_same, "%s d=%lld H=%lld: a hidden NaN key / Inf value changes nothing",
+                  dt_name(dts[di]), (long long)D, (long long)H);
+            CHECK(token1_nan, "%s d=%lld H=%lld: a visible NaN key makes the row NaN",
+                  dt_name(dts[di]), (long long)D, (long long)H);
             mha_kv_cache_destroy(c);
         }
 }
