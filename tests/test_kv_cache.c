@@ -673,8 +673,8 @@ static void test_threads_and_long(void) {
             memset(lse, 0, sizeof lse);
             for (int k = 0; k < 4; k++)
                 o[k] = malloc(sizeof(float) * (size_t)on);
-            float sinks[8];
-            test_fill_normal(&r, sinks, 8, 1.0f);
+            float sinks[10]; /* one per query head: H <= 10 */
+            test_fill_normal(&r, sinks, 10, 1.0f);
             mha_kv_attention_args a = {0};
             a.num_seqs = B, a.num_tokens = t, a.num_heads = H, a.q = q, a.alibi = 1;
             a.softcap = 20.0, a.sinks = sinks;
