@@ -5,7 +5,8 @@
 
 #include <stddef.h>
 
-/* ISAs in decreasing order of width ("avx512", "avx2", "scalar"), some maybe unusable here. */
+/* ISAs in decreasing order of width ("avx512", "avx2" on x86, "neon" on aarch64, "scalar"), some
+ * maybe unusable here. */
 int bench_peak_isa_count(void);
 const char *bench_peak_isa_name(int i);
 int bench_peak_isa_usable(int i);

@@ -2,7 +2,7 @@
 /* peak.c: `mha_peak` prints this machine's measured fp32 FMA peak per ISA on 1 and T threads
  * (fma_peak.c has the method). bench/bench_layer.py runs it in the same run as the kernels.
  *
- * Usage: mha_peak [--threads T] [--ms MS] [--reps R] [--isa avx512|avx2|scalar] [--json] */
+ * Usage: mha_peak [--threads T] [--ms MS] [--reps R] [--isa avx512|avx2|neon|scalar] [--json] */
 #define _POSIX_C_SOURCE 200809L
 #include "fma_peak.h"
 
@@ -34,7 +34,7 @@ int main(int argc, char **argv) {
                     "usage: mha_peak [--threads T] [--ms MS] [--reps R] [--isa NAME] [--json]\n"
                     "  measures fp32 FMA throughput (GFLOP/s) per ISA on 1 and T threads\n"
                     "  (default T = online CPUs = %ld, MS = 150 per repetition, R = 5;\n"
-                    "  --isa avx512|avx2|scalar measures only that ISA)\n",
+                    "  --isa avx512|avx2|neon|scalar measures only that ISA)\n",
                     ncpu);
             return 2;
         }

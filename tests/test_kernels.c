@@ -862,6 +862,9 @@ static void test_vector_math(void) {
         {"avx512", mha__vexp_avx512, mha__vtanh_avx512},
         {"avx2", mha__vexp_avx2, mha__vtanh_avx2},
 #endif
+#if defined(__aarch64__)
+        {"neon", mha__vexp_neon, mha__vtanh_neon},
+#endif
         {NULL, NULL, NULL},
     };
     const uint32_t stride = g_quick ? 1009 : 61;
@@ -907,6 +910,9 @@ static void test_dropout_bits(void) {
 #if defined(__x86_64__) || defined(__i386__)
         {"avx512", mha__dropout_bits_avx512},
         {"avx2", mha__dropout_bits_avx2},
+#endif
+#if defined(__aarch64__)
+        {"neon", mha__dropout_bits_neon},
 #endif
         {NULL, NULL},
     };

@@ -632,12 +632,13 @@ static void test_threads_and_long(void) {
      * group of 4 rows and one of 1) with head sizes 72 and 40 (whole 16-element groups, then one
      * vector of 8), head sizes 20 and 36 (a partial vector: masked float32 loads, float16 /
      * bfloat16 copied), and windowed ring buffers (W = 200 of 215 slots, 16 tokens per append)
-     * whose units wrap from the last slot to slot 0 (each wrapping unit is two runs of rows). */
-    static const int64_t shapes[][6] = {{2, 8, 2, 64, 64, 0},   {2, 8, 1, 64, 64, 0},
-                                        {2, 6, 1, 32, 64, 0},   {2, 4, 2, 48, 128, 0},
-                                        {4, 4, 1, 64, 64, 0},   {2, 8, 1, 128, 64, 0},
-                                        {2, 10, 1, 72, 40, 0},  {2, 4, 1, 20, 36, 0},
-                                        {2, 8, 2, 64, 64, 200}, {2, 10, 1, 72, 40, 200}};
+     * whose units wrap from the last slot to slot 0 (each wrapping unit is two runs of rows).
+     * dk = 18, dv = 72: tails (NEON: a K tail of 2 and a V column group of 8). */
+    static const int64_t shapes[][6] = {
+        {2, 8, 2, 64, 64, 0},    {2, 8, 1, 64, 64, 0}, {2, 6, 1, 32, 64, 0},
+        {2, 4, 2, 48, 128, 0},   {4, 4, 1, 64, 64, 0}, {2, 8, 1, 128, 64, 0},
+        {2, 10, 1, 72, 40, 0},   {2, 4, 1, 20, 36, 0}, {2, 8, 2, 64, 64, 200},
+        {2, 10, 1, 72, 40, 200}, {2, 6, 1, 18, 72, 0}};
     for (int di = 0; di < 3; di++)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
             const int64_t G = shapes[si][0], H = shapes[si][1], t = shapes[si][2],
@@ -738,14 +739,15 @@ static void test_threads_and_long(void) {
  * a NaN key and an infinite value it does not see (a later token of the same call) change
  * nothing. Head sizes 16, 20, 24, 64 and 72 take the split-KV kernels' load paths: whole vectors,
  * a masked (float16 / bfloat16: copied) tail, AVX2's vector of 8 after whole groups of 16, the
- * AVX-512 contiguous path; 2 or 3 query heads per kv head and 2 tokens give 4 or 6 rows (AVX2:
- * one group of 4 rows, or 4 + 2). The non-finite entries sit in the first and the last 8
- * elements of the row. */
+ * AVX-512 contiguous path; for the NEON kernel 18 has a K tail (d % 4 = 2), 20 and 72 a partial
+ * 16-column group of V. 2 or 3 query heads per kv head and 2 tokens give 4 or 6 rows (AVX2: one
+ * group of 4 rows, or 4 + 2). The non-finite entries sit in the first and the last 8 elements of
+ * the row. */
 static void test_nonfinite_keys(void) {
     static const mha_dtype dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
-    static const int64_t dims[] = {16, 20, 24, 64, 72};
+    static const int64_t dims[] = {16, 18, 20, 24, 64, 72};
     for (int di = 0; di < 3; di++)
-        for (int dd = 0; dd < 10; dd++) {
+        for (int dd = 0; dd < 12; dd++) {
             const int64_t G = 1, H = 2 + dd % 2, n = 40, t = 2, D = dims[dd / 2];
             mha_kv_cache_config kc = {0};
             kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = n, kc.batch = 2;

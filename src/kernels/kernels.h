@@ -83,5 +83,11 @@ void mha__dropout_bits_avx512(
 void mha__dropout_bits_avx2(
     uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j0, int nk, uint64_t *words);
 #endif
+#if defined(__aarch64__)
+void mha__vexp_neon(const float *x, float *y, int64_t count);
+void mha__vtanh_neon(const float *x, float *y, int64_t count);
+void mha__dropout_bits_neon(
+    uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j0, int nk, uint64_t *words);
+#endif
 
 #endif /* MHA_KERNELS_H */
