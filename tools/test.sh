@@ -3,7 +3,8 @@
 # Runs every test of mha: installs missing dependencies, then
 #   0. the clang-format check of every C file, and cppcheck over src/ cli/ tests/
 #      (tools/cppcheck.sh, suppressions with reasons in tools/cppcheck-suppressions.txt);
-#   1. a Release build with warnings as errors, all tests (ctest);
+#   1. a Release build with warnings as errors, all tests (ctest), the ring-attention tests under
+#      mpirun -np 1..4 (Open MPI) included;
 #   2. every C test again with each lower kernel tier forced (MHA_MAX_ISA=generic, and avx2 on an
 #      AVX-512 host), so every kernel of every op (forward, backward, decode, GEMM) runs here;
 #   3. a clang-14 Release build with warnings as errors, the C tests (MHA_TEST_QUICK=1);
@@ -17,7 +18,7 @@
 # Exit status is non-zero if anything fails. Build trees: build/, build-clang/, build-asan/,
 # build-tsan/, build-valgrind/, build-aarch64/, build-fuzz/. Python runs from the virtual environment .venv/
 # that tools/install_deps.sh creates (never the system Python).
-# needs: cc cmake ctest make git xargs nproc clang-14 clang-format-14 python3 pkg-config nm
+# needs: cc cmake ctest make git xargs nproc clang-14 clang-format-14 python3 pkg-config nm mpicc mpirun
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh --test
@@ -31,7 +32,9 @@ echo "== Static analysis (cppcheck, tools/cppcheck-suppressions.txt)"
 bash tools/cppcheck.sh "$jobs"
 
 echo "== Release build (-Werror)"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON -DPython3_EXECUTABLE="$py" >/dev/null
+# -DMHA_MPI=ON: the ring-attention tests (mpirun -np 1..4) must run here, not be skipped
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON -DMHA_MPI=ON \
+    -DPython3_EXECUTABLE="$py" >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 
