@@ -72,6 +72,18 @@ MHA_API mha_status mha_ring_attention(MPI_Comm comm,
                                       const mha_exec *exec,
                                       mha_error *err);
 
+/** Backward of mha_ring_attention over `comm` (every rank calls it): `args` as in the forward,
+ *  with local.out and local.lse the forward's results for this rank's rows (both required);
+ *  `grads` this rank's rows of dout (required), dq, and dk / dv of this rank's K / V rows, as in
+ *  mha_attention_backward (each of dq, dk, dv, dsinks may be NULL; accumulate as there). dsinks
+ *  receives the sum over every rank's rows, on every rank. Equals mha_attention_backward over the
+ *  whole sequence up to float32 rounding (tested). */
+MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
+                                               const mha_ring_args *args,
+                                               const mha_attention_grads *grads,
+                                               const mha_exec *exec,
+                                               mha_error *err);
+
 #ifdef __cplusplus
 }
 #endif

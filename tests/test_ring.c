@@ -75,6 +75,76 @@ static void set_core(mha_attention_args *a, const ring_case *c, int64_t n) {
         a->softcap = 30.0;
 }
 
+/* |got - want| <= TOL_GRAD_REL max|want| for a gradient's rows of this rank. */
+static void check_grad(const char *name,
+                       const float *whole,
+                       int64_t heads,
+                       int64_t d,
+                       const float *got,
+                       const ring_case *c) {
+    const int64_t n = c->B * heads * c->N * d;
+    int64_t rows = 0;
+    for (int p = 0; p < 2; p++) {
+        int64_t s, k;
+        mha_shard_rows(c->layout, c->N, g_ranks, g_rank, p, &s, &k, NULL);
+        rows += k;
+    }
+    float *want = malloc(sizeof(float) * (size_t)(c->B * heads * rows * d));
+    take_shard(whole, c->B, heads, c->N, d, c->layout, g_rank, want);
+    const double e = max_diff(got, want, c->B * heads * rows * d), sc = max_abs(whole, n);
+    CHECK(e <= TOL_GRAD_REL * sc,
+          "rank %d/%d %s causal=%d N=%lld g=%lld sinks=%d: ring backward %s vs one call: %.3g "
+          "(max %.3g)",
+          g_rank, g_ranks, c->layout == MHA_SHARD_ZIGZAG ? "zigzag" : "contiguous", c->causal,
+          (long long)c->N, (long long)c->g, c->sinks, name, e, sc);
+    free(want);
+}
+
+/* The ring backward (from the ring forward's out and lse) against one mha_attention_backward
+ * over the whole sequence: dQ, dK, dV rows of this rank and dsinks (summed over the ranks). */
+static void check_backward(const ring_case *c,
+                           const mha_attention_args *whole,
+                           const mha_ring_args *ring,
+                           test_rng *r) {
+    const int64_t B = c->B, h = c->h, g = c->g, N = c->N, dk = c->dk, dv = c->dv;
+    const int64_t n = ring->local.q_len;
+    float *dout = malloc(sizeof(float) * (size_t)(B * h * N * dv));
+    test_fill_normal(r, dout, B * h * N * dv, 1.0f);
+    float *dq = malloc(sizeof(float) * (size_t)(B * h * N * dk));
+    float *dk_ = malloc(sizeof(float) * (size_t)(B * g * N * dk));
+    float *dv_ = malloc(sizeof(float) * (size_t)(B * g * N * dv));
+    float ds[8] = {0}, lds[8] = {0};
+    mha_attention_grads gw = {0};
+    gw.dout = dout, gw.dq = dq, gw.dk = dk_, gw.dv = dv_, gw.dsinks = c->sinks ? ds : NULL;
+    memcpy(gw.dout_strides, whole->out_strides, sizeof gw.dout_strides);
+    memcpy(gw.dq_strides, whole->q_strides, sizeof gw.dq_strides);
+    memcpy(gw.dk_strides, whole->k_strides, sizeof gw.dk_strides);
+    memcpy(gw.dv_strides, whole->v_strides, sizeof gw.dv_strides);
+    mha_exec ex = {0};
+    ex.n_threads = 1;
+    mha_error err;
+    CHECK_OK(mha_attention_backward(whole, &gw, &ex, &err), &err);
+    float *ldout = malloc(sizeof(float) * (size_t)(B * h * n * dv));
+    float *ldq = malloc(sizeof(float) * (size_t)(B * h * n * dk));
+    float *ldk = malloc(sizeof(float) * (size_t)(B * g * n * dk));
+    float *ldv = malloc(sizeof(float) * (size_t)(B * g * n * dv));
+    take_shard(dout, B, h, N, dv, c->layout, g_rank, ldout);
+    mha_attention_grads gl = {0};
+    gl.dout = ldout, gl.dq = ldq, gl.dk = ldk, gl.dv = ldv, gl.dsinks = c->sinks ? lds : NULL;
+    memcpy(gl.dout_strides, ring->local.out_strides, sizeof gl.dout_strides);
+    memcpy(gl.dq_strides, ring->local.q_strides, sizeof gl.dq_strides);
+    memcpy(gl.dk_strides, ring->local.k_strides, sizeof gl.dk_strides);
+    memcpy(gl.dv_strides, ring->local.v_strides, sizeof gl.dv_strides);
+    CHECK_OK(mha_ring_attention_backward(MPI_COMM_WORLD, ring, &gl, &ex, &err), &err);
+    check_grad("dQ", dq, h, dk, ldq, c);
+    check_grad("dK", dk_, g, dk, ldk, c);
+    check_grad("dV", dv_, g, dv, ldv, c);
+    if (c->sinks)
+        CHECK(max_diff(lds, ds, h) <= TOL_GRAD_REL * max_abs(ds, h),
+              "rank %d/%d: ring dsinks vs one call: %.3g", g_rank, g_ranks, max_diff(lds, ds, h));
+    free(dout), free(dq), free(dk_), free(dv_), free(ldout), free(ldq), free(ldk), free(ldv);
+}
+
 static void run_case(const ring_case *c) {
     const int64_t B = c->B, h = c->h, g = c->g, N = c->N, dk = c->dk, dv = c->dv;
     test_rng r;
@@ -133,12 +203,14 @@ static void run_case(const ring_case *c) {
           g_rank, g_ranks, c->layout == MHA_SHARD_ZIGZAG ? "zigzag" : "contiguous", c->causal,
           (long long)B, (long long)h, (long long)g, (long long)N, (long long)dk, (long long)dv,
           c->sinks, e, el);
+    check_backward(c, &whole, &ra, &r);
     free(q), free(k), free(v), free(out), free(lse);
     free(lq), free(lk), free(lv), free(lo), free(ll), free(want_o), free(want_l);
 }
 
-/* One rank's bad arguments (rank P-1: a wrong local length; then a different seq_len) make every
- * rank fail: a rank that returned early while its peers wait would hang the test. */
+/* One rank's bad arguments (rank P-1: a wrong local length; no grads and no lse in the backward;
+ * a different seq_len) make every rank fail: a rank that returned early while its peers wait
+ * would hang the test. */
 static void test_errors_agreed(void) {
     const ring_case c = {1, 2, 2, 16, 8, 8, 1, 0, MHA_SHARD_CONTIGUOUS};
     int64_t s, n;
@@ -161,7 +233,22 @@ static void test_errors_agreed(void) {
             ra.local.q_len = ra.local.kv_len = n2;
         }
         mha_error err = {0};
-        const mha_status st = mha_ring_attention(MPI_COMM_WORLD, &ra, NULL, &err);
+        mha_status st = mha_ring_attention(MPI_COMM_WORLD, &ra, NULL, &err);
+        if (variant == 0) { /* the backward: no lse and no grads on the culprit */
+            float lse[2 * 16] = {0};
+            ra.local.lse = culprit ? NULL : lse;
+            ra.local.q_len = ra.local.kv_len = n;
+            mha_attention_grads gr = {0};
+            gr.dout = buf, gr.dq = buf + 2 * 2 * c.N * 8;
+            memcpy(gr.dout_strides, ra.local.out_strides, sizeof gr.dout_strides);
+            memcpy(gr.dq_strides, ra.local.q_strides, sizeof gr.dq_strides);
+            mha_error err2 = {0};
+            const mha_status st2 =
+                mha_ring_attention_backward(MPI_COMM_WORLD, &ra, culprit ? NULL : &gr, NULL, &err2);
+            CHECK(st2 == MHA_STATUS_INVALID_ARG && err2.message[0],
+                  "rank %d/%d: the backward fails on every rank (status %d: %s)", g_rank, g_ranks,
+                  (int)st2, err2.message);
+        }
         if (variant == 0 || g_ranks > 1)
             CHECK(st == MHA_STATUS_INVALID_ARG && err.message[0],
                   "rank %d/%d variant %d: every rank fails (status %d: %s)", g_rank, g_ranks,

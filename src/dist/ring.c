@@ -96,8 +96,13 @@ static shard shard_of(mha_shard_layout layout, int64_t seq_len, int ranks, int r
 }
 
 /* Everything a rank can check alone, before any communication. */
-static mha_status
-check_local(const mha_ring_args *a, const mha_exec *exec, int ranks, int rank, mha_error *err) {
+static mha_status check_local(const mha_ring_args *a,
+                              int backward,
+                              const mha_attention_grads *grads,
+                              const mha_exec *exec,
+                              int ranks,
+                              int rank,
+                              mha_error *err) {
     if (!a)
         return fail(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: args is NULL");
     if (a->layout != MHA_SHARD_CONTIGUOUS && a->layout != MHA_SHARD_ZIGZAG)
@@ -124,7 +129,17 @@ check_local(const mha_ring_args *a, const mha_exec *exec, int ranks, int rank, m
                     "mha_ring_attention: only the causal mask (global positions) is supported; "
                     "explicit alignment, windows, masks, key padding, segments, ALiBi, dropout "
                     "and probabilities are not (yet)");
-    return mha_attention_supported(l, exec, err);
+    if (!backward)
+        return mha_attention_supported(l, exec, err);
+    if (!grads || !l->out || !l->lse || !grads->dout)
+        return fail(err, MHA_STATUS_INVALID_ARG,
+                    "mha_ring_attention_backward: grads, grads->dout, and local.out and "
+                    "local.lse (the forward's results) are required");
+    if (l->num_heads > 1024)
+        return fail(err, MHA_STATUS_UNSUPPORTED,
+                    "mha_ring_attention_backward: num_heads=%lld > 1024", (long long)l->num_heads);
+    size_t bytes = 0; /* checks fwd and grads as mha_attention_backward will */
+    return mha_attention_backward_workspace_size(l, grads, exec, &bytes, err);
 }
 
 /* Agrees on the outcome and the global sizes: status is the worst of every rank's, and a field
@@ -169,20 +184,25 @@ static mha_status agree(MPI_Comm comm, mha_status local, const mha_ring_args *a,
  * query piece, and the running lse when the caller does not want it. */
 typedef struct ring_buffers {
     float *kv[2];
+    float *dkv[2]; /* backward: the held shard's dK, then dV, travelling with it */
     float *part_o, *part_lse, *own_lse;
+    int64_t *delta; /* [B]: a pair's causal offset, one per batch row */
 } ring_buffers;
 
 static void free_buffers(ring_buffers *b) {
-    free(b->kv[0]);
-    free(b->kv[1]);
+    for (int i = 0; i < 2; i++) {
+        free(b->kv[i]);
+        free(b->dkv[i]);
+    }
     free(b->part_o);
     free(b->part_lse);
     free(b->own_lse);
+    free(b->delta);
 }
 
 /* Sizes: the largest shard (chunk sizes differ by at most one row per chunk). */
 static mha_status
-alloc_buffers(const mha_ring_args *a, int ranks, ring_buffers *b, mha_error *err) {
+alloc_buffers(const mha_ring_args *a, int ranks, int backward, ring_buffers *b, mha_error *err) {
     const mha_attention_args *l = &a->local;
     const int64_t g = l->num_kv_heads ? l->num_kv_heads : l->num_heads;
     const int64_t dv = l->v_head_dim ? l->v_head_dim : l->head_dim;
@@ -206,7 +226,11 @@ alloc_buffers(const mha_ring_args *a, int ranks, ring_buffers *b, mha_error *err
     b->part_o = malloc(sizeof(float) * (size_t)of);
     b->part_lse = malloc(sizeof(float) * lse_n);
     b->own_lse = l->lse ? NULL : malloc(sizeof(float) * lse_n);
-    if (!b->kv[0] || !b->kv[1] || !b->part_o || !b->part_lse || (!l->lse && !b->own_lse)) {
+    b->delta = malloc(sizeof(int64_t) * (size_t)l->batch);
+    for (int i = 0; i < 2 && backward; i++)
+        b->dkv[i] = malloc(sizeof(float) * (size_t)kvf);
+    if (!b->kv[0] || !b->kv[1] || !b->part_o || !b->part_lse || (!l->lse && !b->own_lse) ||
+        !b->delta || (backward && (!b->dkv[0] || !b->dkv[1]))) {
         free_buffers(b);
         return fail(err, MHA_STATUS_NO_MEMORY, "mha_ring_attention: out of memory (%.0f floats)",
                     2 * kvf + of);
@@ -232,7 +256,7 @@ static void pack_kv(const mha_attention_args *l, float *buf) {
 }
 
 /* One pair: query piece qp of this rank against key piece kp of the held shard (of rank src,
- * `held` packed rows), merged into out / lse. */
+ * `held` packed rows). */
 typedef struct ring_pair {
     const mha_ring_args *a;
     const shard *mine, *held;
@@ -241,43 +265,49 @@ typedef struct ring_pair {
     int with_sinks;
 } ring_pair;
 
-static mha_status
-attend_pair(const ring_pair *p, ring_buffers *b, float *lse, const mha_exec *exec, mha_error *err) {
+/* The core arguments of pair p: Q rows of the query piece (the caller's strides), K / V rows of
+ * the key piece (packed strides), the causal mask in global positions (delta [B] is filled when
+ * it is needed); out and lse are left to the caller. Returns 0 when no row sees a key. */
+static int pair_args(const ring_pair *p, int64_t *delta, mha_attention_args *c) {
     const mha_attention_args *l = &p->a->local;
     const int64_t qs = p->mine->start[p->qp], nq = p->mine->count[p->qp];
     const int64_t ks = p->held->start[p->kp], nk = p->held->count[p->kp];
     if (nq == 0 || nk == 0 || (l->mask.causal && ks > qs + nq - 1))
-        return MHA_STATUS_OK; /* no row of the piece sees a key of the other */
-    const int64_t B = l->batch, h = l->num_heads;
-    const int64_t g = l->num_kv_heads ? l->num_kv_heads : h;
+        return 0;
+    const int64_t B = l->batch, g = l->num_kv_heads ? l->num_kv_heads : l->num_heads;
     const int64_t dk = l->head_dim, dv = l->v_head_dim ? l->v_head_dim : dk, n = p->held->rows;
-    const int64_t q0 = p->mine->offset[p->qp], k0 = p->held->offset[p->kp];
-    mha_attention_args c = *l;
-    c.q = l->q + q0 * l->q_strides[2];
-    c.q_len = nq, c.kv_len = nk;
-    c.k = p->kv + k0 * dk;
-    c.k_strides[0] = g * n * dk, c.k_strides[1] = n * dk, c.k_strides[2] = dk;
-    c.v = p->kv + B * g * n * dk + k0 * dv;
-    c.v_strides[0] = g * n * dv, c.v_strides[1] = n * dv, c.v_strides[2] = dv;
+    const int64_t k0 = p->held->offset[p->kp];
+    *c = *l;
+    c->q = l->q + p->mine->offset[p->qp] * l->q_strides[2];
+    c->q_len = nq, c->kv_len = nk;
+    c->k = p->kv + k0 * dk;
+    c->k_strides[0] = g * n * dk, c->k_strides[1] = n * dk, c->k_strides[2] = dk;
+    c->v = p->kv + B * g * n * dk + k0 * dv;
+    c->v_strides[0] = g * n * dv, c->v_strides[1] = n * dv, c->v_strides[2] = dv;
+    c->sinks = p->with_sinks ? l->sinks : NULL;
+    memset(&c->mask, 0, sizeof c->mask);
+    if (l->mask.causal && ks + nk - 1 > qs) { /* else row 0 already sees every key */
+        for (int64_t i = 0; i < B; i++)
+            delta[i] = qs - ks; /* key j visible to row i iff j <= i + qs - ks */
+        c->mask.causal = 1, c->mask.alignment = MHA_ALIGN_EXPLICIT, c->mask.align_offsets = delta;
+    }
+    return 1;
+}
+
+/* Forward of pair p, merged into the rank's out / lse rows. */
+static mha_status
+attend_pair(const ring_pair *p, ring_buffers *b, float *lse, const mha_exec *exec, mha_error *err) {
+    mha_attention_args c;
+    if (!pair_args(p, b->delta, &c))
+        return MHA_STATUS_OK;
+    const mha_attention_args *l = &p->a->local;
+    const int64_t h = l->num_heads, dv = l->v_head_dim ? l->v_head_dim : l->head_dim;
+    const int64_t nq = c.q_len, q0 = p->mine->offset[p->qp], n_local = p->mine->rows;
     c.out = b->part_o;
     c.out_strides[0] = h * nq * dv, c.out_strides[1] = nq * dv, c.out_strides[2] = dv;
     c.lse = b->part_lse;
-    c.sinks = p->with_sinks ? l->sinks : NULL;
-    int64_t *delta = NULL;
-    const int every_key = !l->mask.causal || ks + nk - 1 <= qs; /* row 0 already sees them all */
-    memset(&c.mask, 0, sizeof c.mask);
-    if (!every_key) {
-        delta = malloc(sizeof(int64_t) * (size_t)B);
-        if (!delta)
-            return fail(err, MHA_STATUS_NO_MEMORY, "mha_ring_attention: out of memory");
-        for (int64_t i = 0; i < B; i++)
-            delta[i] = qs - ks; /* key j visible to row i iff j <= i + qs - ks */
-        c.mask.causal = 1, c.mask.alignment = MHA_ALIGN_EXPLICIT, c.mask.align_offsets = delta;
-    }
     mha_status st = mha_attention(&c, exec, err);
-    free(delta);
-    const int64_t n_local = p->mine->rows;
-    for (int64_t bi = 0; st == MHA_STATUS_OK && bi < B; bi++)
+    for (int64_t bi = 0; st == MHA_STATUS_OK && bi < l->batch; bi++)
         for (int64_t hi = 0; st == MHA_STATUS_OK && hi < h; hi++) {
             float *o =
                 l->out + bi * l->out_strides[0] + hi * l->out_strides[1] + q0 * l->out_strides[2];
@@ -290,82 +320,237 @@ attend_pair(const ring_pair *p, ring_buffers *b, float *lse, const mha_exec *exe
     return st;
 }
 
-/* The P steps of the ring; returns this rank's compute status (communication always completes
- * unless MPI itself fails). */
-static mha_status run_ring(MPI_Comm comm,
-                           int ranks,
-                           int rank,
-                           const mha_ring_args *a,
-                           ring_buffers *b,
-                           const mha_exec *exec,
-                           mha_error *err) {
-    const mha_attention_args *l = &a->local;
-    const shard mine = shard_of(a->layout, a->seq_len, ranks, rank);
-    float *lse = l->lse ? l->lse : b->own_lse;
-    for (int64_t i = 0; i < l->batch * l->num_heads * mine.rows; i++)
-        lse[i] = -INFINITY; /* nothing merged yet: the output rows are ignored until then */
-    pack_kv(l, b->kv[0]);
+/* Posts the receive of the next shard's n_in floats from prev into `in` and the send of the held
+ * shard's n_out floats from `out` to next. */
+static mha_status shift(MPI_Comm comm,
+                        const float *out,
+                        int64_t n_out,
+                        float *in,
+                        int64_t n_in,
+                        int next,
+                        int prev,
+                        MPI_Request req[2],
+                        mha_error *err) {
+    if (MPI_Irecv(in, (int)n_in, MPI_FLOAT, prev, RING_TAG, comm, &req[0]) != MPI_SUCCESS ||
+        MPI_Isend(out, (int)n_out, MPI_FLOAT, next, RING_TAG, comm, &req[1]) != MPI_SUCCESS)
+        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Isend/Irecv failed");
+    return MHA_STATUS_OK;
+}
+
+static mha_status wait2(MPI_Request req[2], mha_error *err) {
+    if (MPI_Waitall(2, req, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
+        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Waitall failed");
+    return MHA_STATUS_OK;
+}
+
+/* One call: who this rank is in the ring, the arguments, and this rank's rows. */
+typedef struct ring_call {
+    MPI_Comm comm; /* a duplicate of the caller's */
+    int ranks, rank, next, prev;
+    const mha_ring_args *a;
+    const mha_attention_grads *grads; /* backward only */
+    shard mine;
+} ring_call;
+
+/* Floats of rank src's packed shard (K then V, or dK then dV). */
+static int64_t shard_floats(const ring_call *r, int src) {
+    const mha_attention_args *l = &r->a->local;
     const int64_t g = l->num_kv_heads ? l->num_kv_heads : l->num_heads;
     const int64_t d = l->head_dim + (l->v_head_dim ? l->v_head_dim : l->head_dim);
-    const int next = (rank + 1) % ranks, prev = (rank + ranks - 1) % ranks;
+    return l->batch * g * shard_of(r->a->layout, r->a->seq_len, r->ranks, src).rows * d;
+}
+
+/* Forward: the P steps; returns this rank's compute status (the communication always completes
+ * unless MPI itself fails). At step t rank r holds rank r - t's K/V; the next one is posted
+ * before the compute on it and completed after. */
+static mha_status
+ring_forward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_error *err) {
+    const mha_attention_args *l = &r->a->local;
+    float *lse = l->lse ? l->lse : b->own_lse;
+    for (int64_t i = 0; i < l->batch * l->num_heads * r->mine.rows; i++)
+        lse[i] = -INFINITY; /* nothing merged yet: the output rows are ignored until then */
+    pack_kv(l, b->kv[0]);
     mha_status st = MHA_STATUS_OK;
-    for (int t = 0; t < ranks; t++) {
-        const int src = (rank - t + ranks) % ranks;
-        const shard held = shard_of(a->layout, a->seq_len, ranks, src);
+    for (int t = 0; t < r->ranks; t++) {
+        const int src = (r->rank - t + r->ranks) % r->ranks, in = (src + r->ranks - 1) % r->ranks;
+        const shard held = shard_of(r->a->layout, r->a->seq_len, r->ranks, src);
+        const int more = t + 1 < r->ranks;
         MPI_Request req[2];
-        int nreq = 0;
-        if (t + 1 < ranks) { /* the next shard comes from prev: it is rank src - 1's */
-            const shard incoming =
-                shard_of(a->layout, a->seq_len, ranks, (src + ranks - 1) % ranks);
-            const int n_in = (int)(l->batch * g * incoming.rows * d);
-            const int n_out = (int)(l->batch * g * held.rows * d);
-            if (MPI_Irecv(b->kv[(t + 1) % 2], n_in, MPI_FLOAT, prev, RING_TAG, comm, &req[0]) !=
-                    MPI_SUCCESS ||
-                MPI_Isend(b->kv[t % 2], n_out, MPI_FLOAT, next, RING_TAG, comm, &req[1]) !=
-                    MPI_SUCCESS)
-                return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Isend/Irecv failed");
-            nreq = 2;
-        }
+        if (more && shift(r->comm, b->kv[t % 2], shard_floats(r, src), b->kv[(t + 1) % 2],
+                          shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK)
+            return MHA_STATUS_INTERNAL;
         for (int qp = 0; qp < 2 && st == MHA_STATUS_OK; qp++)
             for (int kp = 0; kp < 2 && st == MHA_STATUS_OK; kp++) {
-                const ring_pair pair = {a, &mine, &held, b->kv[t % 2], qp, kp, t == 0 && qp == kp};
+                const ring_pair pair = {r->a, &r->mine,          &held, b->kv[t % 2], qp,
+                                        kp,   t == 0 && qp == kp};
                 st = attend_pair(&pair, b, lse, exec, err);
             }
-        if (nreq && MPI_Waitall(nreq, req, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
-            return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Waitall failed");
+        if (more && wait2(req, err) != MHA_STATUS_OK)
+            return MHA_STATUS_INTERNAL;
     }
+    return st;
+}
+
+/* Backward of pair p: dQ rows of the query piece and the held shard's dK / dV rows of the key
+ * piece accumulate. P is recomputed from the forward's final lse and D_i = dO_i . O_i from its
+ * final O, so every pair's share is exact and the shares add up. */
+static mha_status grad_pair(const ring_pair *p,
+                            const mha_attention_grads *grads,
+                            ring_buffers *b,
+                            float *dkv,
+                            float *dsinks,
+                            const mha_exec *exec,
+                            mha_error *err) {
+    mha_attention_args c;
+    if (!pair_args(p, b->delta, &c))
+        return MHA_STATUS_OK;
+    const mha_attention_args *l = &p->a->local;
+    const int64_t h = l->num_heads, g = l->num_kv_heads ? l->num_kv_heads : h;
+    const int64_t dk = l->head_dim, dv = l->v_head_dim ? l->v_head_dim : dk;
+    const int64_t nq = c.q_len, q0 = p->mine->offset[p->qp], n_local = p->mine->rows;
+    const int64_t n = p->held->rows, k0 = p->held->offset[p->kp];
+    c.out = l->out + q0 * l->out_strides[2];
+    for (int64_t bh = 0; bh < l->batch * h; bh++) /* the piece's lse rows, contiguous */
+        memcpy(b->part_lse + bh * nq, l->lse + bh * n_local + q0, sizeof(float) * (size_t)nq);
+    c.lse = b->part_lse;
+    mha_attention_grads gr = *grads;
+    gr.dout = grads->dout + q0 * grads->dout_strides[2];
+    gr.dq = grads->dq ? grads->dq + q0 * grads->dq_strides[2] : NULL;
+    gr.dk = dkv + k0 * dk;
+    gr.dk_strides[0] = g * n * dk, gr.dk_strides[1] = n * dk, gr.dk_strides[2] = dk;
+    gr.dv = dkv + l->batch * g * n * dk + k0 * dv;
+    gr.dv_strides[0] = g * n * dv, gr.dv_strides[1] = n * dv, gr.dv_strides[2] = dv;
+    gr.dsinks = c.sinks ? dsinks : NULL;
+    gr.accumulate = 1;
+    return mha_attention_backward(&c, &gr, exec, err);
+}
+
+/* dst (strided [B, g, n, d]) = (or +=) the packed src [B, g, n, d]. */
+static void unpack_rows(const float *src,
+                        int64_t B,
+                        int64_t g,
+                        int64_t n,
+                        int64_t d,
+                        float *dst,
+                        const int64_t strides[3],
+                        int accumulate) {
+    for (int64_t bi = 0; bi < B; bi++)
+        for (int64_t hi = 0; hi < g; hi++)
+            for (int64_t i = 0; i < n; i++) {
+                float *o = dst + bi * strides[0] + hi * strides[1] + i * strides[2];
+                const float *x = src + ((bi * g + hi) * n + i) * d;
+                for (int64_t e = 0; e < d; e++)
+                    o[e] = accumulate ? o[e] + x[e] : x[e];
+            }
+}
+
+/* Backward: the K/V shards travel as in the forward, each followed by its dK / dV, which every
+ * rank that holds the shard adds to; after step t the dK / dV move on to rank r + 1, which is the
+ * shard's next holder, or after the last step (rank r holds rank r + 1's shard) its owner.
+ * dsinks is summed over the ranks. */
+static mha_status
+ring_backward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_error *err) {
+    const mha_attention_args *l = &r->a->local;
+    const mha_attention_grads *gr = r->grads;
+    const int64_t h = l->num_heads, g = l->num_kv_heads ? l->num_kv_heads : h;
+    const int64_t dk = l->head_dim, dv = l->v_head_dim ? l->v_head_dim : dk, n = r->mine.rows;
+    if (gr->dq && !gr->accumulate)
+        for (int64_t bi = 0; bi < l->batch; bi++)
+            for (int64_t hi = 0; hi < h; hi++)
+                for (int64_t i = 0; i < n; i++)
+                    memset(gr->dq + bi * gr->dq_strides[0] + hi * gr->dq_strides[1] +
+                               i * gr->dq_strides[2],
+                           0, sizeof(float) * (size_t)dk);
+    float dsinks[1024] = {0}; /* h <= 1024 (checked) */
+    pack_kv(l, b->kv[0]);
+    memset(b->dkv[0], 0, sizeof(float) * (size_t)shard_floats(r, r->rank));
+    mha_status st = MHA_STATUS_OK;
+    for (int t = 0; t < r->ranks; t++) {
+        const int src = (r->rank - t + r->ranks) % r->ranks, in = (src + r->ranks - 1) % r->ranks;
+        const shard held = shard_of(r->a->layout, r->a->seq_len, r->ranks, src);
+        const int more = t + 1 < r->ranks;
+        MPI_Request req[2];
+        if (more && shift(r->comm, b->kv[t % 2], shard_floats(r, src), b->kv[(t + 1) % 2],
+                          shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK)
+            return MHA_STATUS_INTERNAL;
+        for (int qp = 0; qp < 2 && st == MHA_STATUS_OK; qp++)
+            for (int kp = 0; kp < 2 && st == MHA_STATUS_OK; kp++) {
+                const ring_pair pair = {r->a, &r->mine,          &held, b->kv[t % 2], qp,
+                                        kp,   t == 0 && qp == kp};
+                st = grad_pair(&pair, gr, b, b->dkv[t % 2], dsinks, exec, err);
+            }
+        if (more && wait2(req, err) != MHA_STATUS_OK)
+            return MHA_STATUS_INTERNAL;
+        if (r->ranks > 1 &&
+            (shift(r->comm, b->dkv[t % 2], shard_floats(r, src), b->dkv[(t + 1) % 2],
+                   shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK ||
+             wait2(req, err) != MHA_STATUS_OK))
+            return MHA_STATUS_INTERNAL;
+    }
+    /* this rank's own dK / dV: the last shift received them into dkv[P % 2]; with P = 1 they
+     * never moved from dkv[0] */
+    const float *own = b->dkv[r->ranks > 1 ? r->ranks % 2 : 0];
+    if (gr->dk)
+        unpack_rows(own, l->batch, g, n, dk, gr->dk, gr->dk_strides, gr->accumulate);
+    if (gr->dv)
+        unpack_rows(own + l->batch * g * n * dk, l->batch, g, n, dv, gr->dv, gr->dv_strides,
+                    gr->accumulate);
+    if (l->sinks &&
+        MPI_Allreduce(MPI_IN_PLACE, dsinks, (int)h, MPI_FLOAT, MPI_SUM, r->comm) != MPI_SUCCESS)
+        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention_backward: MPI_Allreduce failed");
+    for (int64_t i = 0; gr->dsinks && i < h; i++)
+        gr->dsinks[i] = gr->accumulate ? gr->dsinks[i] + dsinks[i] : dsinks[i];
+    return st;
+}
+
+/* Both entry points: the checks, the buffers and their agreement, the ring on a duplicate of
+ * comm, then the agreement on the outcome (a compute error on one rank is everyone's). */
+static mha_status ring_run(MPI_Comm comm,
+                           const mha_ring_args *args,
+                           int backward,
+                           const mha_attention_grads *grads,
+                           const mha_exec *exec,
+                           mha_error *err) {
+    ring_call r;
+    memset(&r, 0, sizeof r);
+    r.a = args, r.grads = grads;
+    if (MPI_Comm_size(comm, &r.ranks) != MPI_SUCCESS || MPI_Comm_rank(comm, &r.rank) != MPI_SUCCESS)
+        return fail(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: not a valid communicator");
+    r.next = (r.rank + 1) % r.ranks, r.prev = (r.rank + r.ranks - 1) % r.ranks;
+    ring_buffers b;
+    memset(&b, 0, sizeof b);
+    mha_status st = check_local(args, backward, grads, exec, r.ranks, r.rank, err);
+    if (st == MHA_STATUS_OK) {
+        r.mine = shard_of(args->layout, args->seq_len, r.ranks, r.rank);
+        st = alloc_buffers(args, r.ranks, backward, &b, err);
+    }
+    st = agree(comm, st, args, err);
+    if (st == MHA_STATUS_OK && MPI_Comm_dup(comm, &r.comm) != MPI_SUCCESS)
+        st = fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Comm_dup failed");
+    if (st != MHA_STATUS_OK) {
+        free_buffers(&b);
+        return st;
+    }
+    st = backward ? ring_backward(&r, &b, exec, err) : ring_forward(&r, &b, exec, err);
+    int worst = (int)st;
+    MPI_Allreduce(MPI_IN_PLACE, &worst, 1, MPI_INT, MPI_MAX, r.comm);
+    MPI_Comm_free(&r.comm);
+    free_buffers(&b);
+    if (st == MHA_STATUS_OK && worst != MHA_STATUS_OK)
+        return fail(err, (mha_status)worst, "mha_ring_attention: another rank's call failed (%s)",
+                    mha_status_string((mha_status)worst));
     return st;
 }
 
 mha_status
 mha_ring_attention(MPI_Comm comm, const mha_ring_args *args, const mha_exec *exec, mha_error *err) {
-    int ranks = 0, rank = 0;
-    if (MPI_Comm_size(comm, &ranks) != MPI_SUCCESS || MPI_Comm_rank(comm, &rank) != MPI_SUCCESS)
-        return fail(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: not a valid communicator");
-    ring_buffers b;
-    memset(&b, 0, sizeof b);
-    mha_status st = check_local(args, exec, ranks, rank, err);
-    if (st == MHA_STATUS_OK)
-        st = alloc_buffers(args, ranks, &b, err);
-    st = agree(comm, st, args, err);
-    if (st != MHA_STATUS_OK) {
-        free_buffers(&b);
-        return st;
-    }
-    MPI_Comm ring;
-    if (MPI_Comm_dup(comm, &ring) != MPI_SUCCESS) {
-        free_buffers(&b);
-        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Comm_dup failed");
-    }
-    st = run_ring(ring, ranks, rank, args, &b, exec, err);
-    /* a compute error on one rank (unexpected after the checks) is everyone's */
-    int worst = (int)st;
-    MPI_Allreduce(MPI_IN_PLACE, &worst, 1, MPI_INT, MPI_MAX, ring);
-    MPI_Comm_free(&ring);
-    free_buffers(&b);
-    if (st == MHA_STATUS_OK && worst != MHA_STATUS_OK)
-        return fail(err, (mha_status)worst,
-                    "mha_ring_attention: another rank's attention failed (%s)",
-                    mha_status_string((mha_status)worst));
-    return st;
+    return ring_run(comm, args, 0, NULL, exec, err);
+}
+
+mha_status mha_ring_attention_backward(MPI_Comm comm,
+                                       const mha_ring_args *args,
+                                       const mha_attention_grads *grads,
+                                       const mha_exec *exec,
+                                       mha_error *err) {
+    return ring_run(comm, args, 1, grads, exec, err);
 }
