@@ -16,6 +16,10 @@
  * the step-0 pair of a piece with itself (the diagonal pair, which every row of a causal piece
  * sees part of).
  *
+ * Backward: the same walk; each pair runs the core's backward with the forward's final lse and O
+ * (P = exp(S - lse), D_i = dO_i . O_i are the whole sequence's), so its shares of dQ, dK, dV are
+ * exact and add up; dK / dV of the held shard travel with it and reach their owner after P steps.
+ *
  * Overlap: at step t the receive of the next shard (from r - 1) and the send of the held one (to
  * r + 1) are posted before the attention on the held shard and completed after it: double
  * buffering, so the transfer runs behind the compute.
