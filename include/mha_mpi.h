@@ -77,7 +77,9 @@ MHA_API mha_status mha_ring_attention(MPI_Comm comm,
  *  `grads` this rank's rows of dout (required), dq, and dk / dv of this rank's K / V rows, as in
  *  mha_attention_backward (each of dq, dk, dv, dsinks may be NULL; accumulate as there). dsinks
  *  receives the sum over every rank's rows, on every rank. Equals mha_attention_backward over the
- *  whole sequence up to float32 rounding (tested). */
+ *  whole sequence up to float32 rounding (tested). dq accumulates in place during the ring: after
+ *  an error found once the ring has started (the checks before it make one unexpected), dq may be
+ *  partly written; dk, dv and dsinks are not. */
 MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
                                                const mha_ring_args *args,
                                                const mha_attention_grads *grads,

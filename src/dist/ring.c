@@ -364,37 +364,6 @@ static int64_t shard_floats(const ring_call *r, int src) {
     return l->batch * g * shard_of(r->a->layout, r->a->seq_len, r->ranks, src).rows * d;
 }
 
-/* Forward: the P steps; returns this rank's compute status (the communication always completes
- * unless MPI itself fails). At step t rank r holds rank r - t's K/V; the next one is posted
- * before the compute on it and completed after. */
-static mha_status
-ring_forward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_error *err) {
-    const mha_attention_args *l = &r->a->local;
-    float *lse = l->lse ? l->lse : b->own_lse;
-    for (int64_t i = 0; i < l->batch * l->num_heads * r->mine.rows; i++)
-        lse[i] = -INFINITY; /* nothing merged yet: the output rows are ignored until then */
-    pack_kv(l, b->kv[0]);
-    mha_status st = MHA_STATUS_OK;
-    for (int t = 0; t < r->ranks; t++) {
-        const int src = (r->rank - t + r->ranks) % r->ranks, in = (src + r->ranks - 1) % r->ranks;
-        const shard held = shard_of(r->a->layout, r->a->seq_len, r->ranks, src);
-        const int more = t + 1 < r->ranks;
-        MPI_Request req[2];
-        if (more && shift(r->comm, b->kv[t % 2], shard_floats(r, src), b->kv[(t + 1) % 2],
-                          shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK)
-            return MHA_STATUS_INTERNAL;
-        for (int qp = 0; qp < 2 && st == MHA_STATUS_OK; qp++)
-            for (int kp = 0; kp < 2 && st == MHA_STATUS_OK; kp++) {
-                const ring_pair pair = {r->a, &r->mine,          &held, b->kv[t % 2], qp,
-                                        kp,   t == 0 && qp == kp};
-                st = attend_pair(&pair, b, lse, exec, err);
-            }
-        if (more && wait2(req, err) != MHA_STATUS_OK)
-            return MHA_STATUS_INTERNAL;
-    }
-    return st;
-}
-
 /* Backward of pair p: dQ rows of the query piece and the held shard's dK / dV rows of the key
  * piece accumulate. P is recomputed from the forward's final lse and D_i = dO_i . O_i from its
  * final O, so every pair's share is exact and the shares add up. */
@@ -448,10 +417,60 @@ static void unpack_rows(const float *src,
             }
 }
 
-/* Backward: the K/V shards travel as in the forward, each followed by its dK / dV, which every
- * rank that holds the shard adds to; after step t the dK / dV move on to rank r + 1, which is the
- * shard's next holder, or after the last step (rank r holds rank r + 1's shard) its owner.
- * dsinks is summed over the ranks. */
+/* The P steps of either direction; returns this rank's compute status (the communication
+ * always completes unless MPI itself fails). At step t rank r holds rank r - t's K/V (the
+ * backward: and its dK / dV, to which every holder adds); the next shard is posted before the
+ * compute on the held one and completed after. The backward then passes the held shard's dK / dV
+ * on to r + 1: its next holder, or after the last step (rank r then holds rank r + 1's shard) its
+ * owner. */
+static mha_status ring_walk(const ring_call *r,
+                            ring_buffers *b,
+                            float *lse,
+                            float *dsinks,
+                            const mha_exec *exec,
+                            mha_error *err) {
+    pack_kv(&r->a->local, b->kv[0]);
+    if (r->grads)
+        memset(b->dkv[0], 0, sizeof(float) * (size_t)shard_floats(r, r->rank));
+    mha_status st = MHA_STATUS_OK;
+    for (int t = 0; t < r->ranks; t++) {
+        const int src = (r->rank - t + r->ranks) % r->ranks, in = (src + r->ranks - 1) % r->ranks;
+        const shard held = shard_of(r->a->layout, r->a->seq_len, r->ranks, src);
+        const int more = t + 1 < r->ranks;
+        MPI_Request req[2];
+        if (more && shift(r->comm, b->kv[t % 2], shard_floats(r, src), b->kv[(t + 1) % 2],
+                          shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK)
+            return MHA_STATUS_INTERNAL;
+        for (int qp = 0; qp < 2 && st == MHA_STATUS_OK; qp++)
+            for (int kp = 0; kp < 2 && st == MHA_STATUS_OK; kp++) {
+                const ring_pair pair = {r->a, &r->mine,          &held, b->kv[t % 2], qp,
+                                        kp,   t == 0 && qp == kp};
+                st = r->grads ? grad_pair(&pair, r->grads, b, b->dkv[t % 2], dsinks, exec, err)
+                              : attend_pair(&pair, b, lse, exec, err);
+            }
+        if (more && wait2(req, err) != MHA_STATUS_OK)
+            return MHA_STATUS_INTERNAL;
+        if (r->grads && r->ranks > 1 &&
+            (shift(r->comm, b->dkv[t % 2], shard_floats(r, src), b->dkv[(t + 1) % 2],
+                   shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK ||
+             wait2(req, err) != MHA_STATUS_OK))
+            return MHA_STATUS_INTERNAL;
+    }
+    return st;
+}
+
+/* Forward: lse starts at -inf (nothing merged yet: the output rows are ignored until then). */
+static mha_status
+ring_forward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_error *err) {
+    const mha_attention_args *l = &r->a->local;
+    float *lse = l->lse ? l->lse : b->own_lse;
+    for (int64_t i = 0; i < l->batch * l->num_heads * r->mine.rows; i++)
+        lse[i] = -INFINITY;
+    return ring_walk(r, b, lse, NULL, exec, err);
+}
+
+/* Backward: dQ starts at 0 unless accumulating; after the walk this rank's own dK / dV are
+ * written (or added) to the caller's, and dsinks is summed over the ranks. */
 static mha_status
 ring_backward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_error *err) {
     const mha_attention_args *l = &r->a->local;
@@ -466,43 +485,19 @@ ring_backward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_err
                                i * gr->dq_strides[2],
                            0, sizeof(float) * (size_t)dk);
     float dsinks[1024] = {0}; /* h <= 1024 (checked) */
-    pack_kv(l, b->kv[0]);
-    memset(b->dkv[0], 0, sizeof(float) * (size_t)shard_floats(r, r->rank));
-    mha_status st = MHA_STATUS_OK;
-    for (int t = 0; t < r->ranks; t++) {
-        const int src = (r->rank - t + r->ranks) % r->ranks, in = (src + r->ranks - 1) % r->ranks;
-        const shard held = shard_of(r->a->layout, r->a->seq_len, r->ranks, src);
-        const int more = t + 1 < r->ranks;
-        MPI_Request req[2];
-        if (more && shift(r->comm, b->kv[t % 2], shard_floats(r, src), b->kv[(t + 1) % 2],
-                          shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK)
-            return MHA_STATUS_INTERNAL;
-        for (int qp = 0; qp < 2 && st == MHA_STATUS_OK; qp++)
-            for (int kp = 0; kp < 2 && st == MHA_STATUS_OK; kp++) {
-                const ring_pair pair = {r->a, &r->mine,          &held, b->kv[t % 2], qp,
-                                        kp,   t == 0 && qp == kp};
-                st = grad_pair(&pair, gr, b, b->dkv[t % 2], dsinks, exec, err);
-            }
-        if (more && wait2(req, err) != MHA_STATUS_OK)
-            return MHA_STATUS_INTERNAL;
-        if (r->ranks > 1 &&
-            (shift(r->comm, b->dkv[t % 2], shard_floats(r, src), b->dkv[(t + 1) % 2],
-                   shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK ||
-             wait2(req, err) != MHA_STATUS_OK))
-            return MHA_STATUS_INTERNAL;
-    }
+    const mha_status st = ring_walk(r, b, NULL, dsinks, exec, err);
     /* this rank's own dK / dV: the last shift received them into dkv[P % 2]; with P = 1 they
      * never moved from dkv[0] */
     const float *own = b->dkv[r->ranks > 1 ? r->ranks % 2 : 0];
-    if (gr->dk)
+    if (st == MHA_STATUS_OK && gr->dk)
         unpack_rows(own, l->batch, g, n, dk, gr->dk, gr->dk_strides, gr->accumulate);
-    if (gr->dv)
+    if (st == MHA_STATUS_OK && gr->dv)
         unpack_rows(own + l->batch * g * n * dk, l->batch, g, n, dv, gr->dv, gr->dv_strides,
                     gr->accumulate);
     if (l->sinks &&
         MPI_Allreduce(MPI_IN_PLACE, dsinks, (int)h, MPI_FLOAT, MPI_SUM, r->comm) != MPI_SUCCESS)
         return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention_backward: MPI_Allreduce failed");
-    for (int64_t i = 0; gr->dsinks && i < h; i++)
+    for (int64_t i = 0; st == MHA_STATUS_OK && gr->dsinks && i < h; i++)
         gr->dsinks[i] = gr->accumulate ? gr->dsinks[i] + dsinks[i] : dsinks[i];
     return st;
 }
