@@ -8,7 +8,8 @@
 #   bash tools/install_deps.sh [--test]  everything tools/test.sh needs: the above, clang-14 (+ its
 #                                        runtime, for libFuzzer and TSan), clang-format-14, cppcheck,
 #                                        valgrind, pkg-config, the aarch64 cross compiler, qemu-user
-#                                        and arm64 cJSON, Python's venv and headers, and the
+#                                        and arm64 cJSON, Python's venv and headers, Open MPI
+#                                        (mpicc, mpirun: ring attention's tests), and the
 #                                        pinned Python test packages (python/requirements-test.txt)
 #                                        in the virtual environment .venv/ of the checkout (never the
 #                                        system Python, which Debian marks externally managed).
@@ -37,6 +38,7 @@ declare -A package=(
     [qemu-aarch64]=qemu-user
     [clang-14]="clang-14 libclang-rt-14-dev" [clang-format-14]=clang-format-14
     [cppcheck]=cppcheck [valgrind]=valgrind [pkg-config]=pkg-config [python3]=python3
+    [mpicc]="openmpi-bin libopenmpi-dev" [mpirun]="openmpi-bin libopenmpi-dev"
 )
 
 need_apt=()

@@ -1,0 +1,87 @@
+/* SPDX-License-Identifier: MIT */
+/* mha_mpi.h: optional public header of libmha_mpi, ring attention over MPI (context parallelism:
+ * the sequence dimension is sharded across the ranks of a communicator). Built only when CMake
+ * finds MPI (option MHA_MPI); libmha itself never depends on MPI. docs/distributed.md has the
+ * algorithm, the shard layouts and what is supported.
+ *
+ * The caller owns MPI: it passes a communicator and calls MPI_Init/MPI_Finalize itself; nothing
+ * here calls MPI_Init, MPI_Abort, exit() or abort(). Every call below that takes a communicator is
+ * COLLECTIVE over it: every rank must make the same call, with the same config and sizes.
+ */
+#ifndef MHA_MPI_H
+#define MHA_MPI_H
+
+#include "mha.h"
+
+#include <mpi.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** How the global sequence of N rows is cut among P ranks. The sequence is split into C chunks
+ *  (C = P contiguous, 2P zigzag), chunk c having floor(N/C) + (c < N mod C) rows, in order.
+ *    CONTIGUOUS: rank r holds chunk r.
+ *    ZIGZAG:     rank r holds chunks r and 2P-1-r (in that order): under a causal mask every rank
+ *                then does the same work (one early and one late chunk), where with CONTIGUOUS
+ *                the last rank does about 2P-1 times the work of the first. */
+typedef enum mha_shard_layout {
+    MHA_SHARD_CONTIGUOUS = 0,
+    MHA_SHARD_ZIGZAG = 1,
+} mha_shard_layout;
+
+/** The distributed problem: the global sequence length and its layout (same on every rank). */
+typedef struct mha_ring_config {
+    int64_t seq_len; /* N, global rows of Q, K and V; N >= C (every chunk non-empty) */
+    mha_shard_layout layout;
+} mha_ring_config;
+
+/** The rows of the global sequence that rank `rank` of `num_ranks` holds: *num_chunks (1 or 2)
+ *  chunks, chunk c being global rows [start[c], start[c] + len[c]); the rank's local rows are
+ *  these chunks one after the other (local length len[0] + len[1]). No communication.
+ *  @return MHA_STATUS_OK, or INVALID_ARG (bad layout, rank, or N < C) with outputs untouched. */
+MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
+                                  int32_t num_ranks,
+                                  int32_t rank,
+                                  int32_t *num_chunks,
+                                  int64_t start[2],
+                                  int64_t len[2],
+                                  mha_error *err);
+
+/** Ring attention, forward, over the ranks of `comm` (collective). `local` is the rank's shard of
+ *  a self-attention core call (mha.h, mha_attention_args) with q_len = kv_len = the rank's local
+ *  length (mha_ring_shard): q [B, h, n_local, d_k], k [B, g, n_local, d_k], v [B, g, n_local,
+ *  d_v], out [B, h, n_local, d_v] (any strides, last dimension contiguous) and the optional lse
+ *  [B, h, n_local]. The result, rows of the rank's chunks, equals mha_attention on the whole
+ *  sequence (N rows of Q, K, V gathered in global order):
+ *    O_i = sum_j softmax_j(scale q_i . k_j [+ softcap]) v_j,  j over all N keys (j <= i if causal)
+ *  computed as P steps: at step t the rank attends to the K/V shard of rank (rank - t) mod P
+ *  while that shard's successor travels one hop (MPI_Isend to rank + 1, MPI_Irecv from rank - 1;
+ *  only the g kv heads travel) and merges the partial results exactly by their log-sum-exp
+ *  (mha_attention_merge). Causal masking uses global positions: a (query chunk, key chunk) pair
+ *  entirely above the diagonal is skipped, one entirely below runs unmasked, one on the diagonal
+ *  runs causal with the explicit alignment delta = query start - key start.
+ *  Supported in this version: batch, GQA/MQA, d_v != d_k, scale, softcap, mask.causal (its
+ *  alignment must be BOTTOM_RIGHT or TOP_LEFT, the same when n = m); anything else in `local`
+ *  (window, ALiBi, sinks, boolean/additive masks, key padding, segment ids, dropout in training,
+ *  probs) gives MHA_STATUS_UNSUPPORTED.
+ *  Errors are agreed collectively: the arguments of every rank are checked (and the ranks'
+ *  configs and sizes compared) before any data moves, then one MPI_Allreduce tells every rank;
+ *  if any rank failed, every rank returns the first failing rank's status and message (prefixed
+ *  by "rank r: "), with its outputs untouched, and none waits on a peer.
+ *  exec is used for the local attention calls (threads, pool, impl, allocator), except
+ *  exec->workspace: scratch (two K/V buffers of the largest shard, one partial output) comes from
+ *  exec->allocator. Traffic goes over a duplicate of comm, so the caller's own messages on comm
+ *  never match the ring's. MPI errors return MHA_STATUS_INTERNAL only if comm's error handler
+ *  returns (MPI's default handler aborts the job).
+ *  @return MHA_STATUS_OK, or an error (the same on every rank) with outputs untouched. */
+MHA_API mha_status mha_ring_attention(MPI_Comm comm,
+                                      const mha_ring_config *cfg,
+                                      const mha_attention_args *local,
+                                      const mha_exec *exec,
+                                      mha_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MHA_MPI_H */

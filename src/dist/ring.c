@@ -1,0 +1,500 @@
+/* SPDX-License-Identifier: MIT */
+/* ring.c: ring attention over MPI (mha_mpi.h), the forward. Built into libmha_mpi only, on top of
+ * libmha's PUBLIC calls: mha_attention_supported checks each rank's local arguments,
+ * mha_attention computes every (query chunk, key chunk) partial result with its lse, and
+ * mha_attention_merge folds the partials into the output exactly. Nothing here includes the
+ * library's internals (tests/check_layout.sh: the dist part includes only public headers).
+ *
+ * Buffers (floats): two K/V blocks of the largest shard, B g n_max (d_k + d_v) each (one being
+ * computed on while the other is received), one partial output B h n_max d_v and its lse
+ * B h n_max, and the lse accumulator B h n_local when the caller passes no lse. */
+#include "mha_mpi.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The tag of the ring's messages, on the call's own duplicate of the caller's communicator. */
+#define RING_TAG 15
+
+static void set_error(mha_error *err, mha_status status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void set_error(mha_error *err, mha_status status, const char *fmt, ...) {
+    if (!err)
+        return;
+    err->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
+}
+
+static void *ring_alloc(const mha_allocator *a, size_t bytes) {
+    if (a && a->alloc)
+        return a->alloc(a->user, bytes, 64);
+    return malloc(bytes);
+}
+
+static void ring_free(const mha_allocator *a, void *p) {
+    if (!p)
+        return;
+    if (a && a->free)
+        a->free(a->user, p);
+    else
+        free(p);
+}
+
+/* Chunk c of C over N rows: floor(N/C) rows, one more for the first N mod C chunks. */
+static int64_t chunk_start(int64_t n, int64_t c_count, int64_t c) {
+    const int64_t base = n / c_count, extra = n % c_count;
+    return c * base + (c < extra ? c : extra);
+}
+
+mha_status mha_ring_shard(const mha_ring_config *cfg,
+                          int32_t num_ranks,
+                          int32_t rank,
+                          int32_t *num_chunks,
+                          int64_t start[2],
+                          int64_t len[2],
+                          mha_error *err) {
+    if (!cfg || !num_chunks || !start || !len) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "mha_ring_shard: cfg, num_chunks, start and len "
+                  "must not be NULL");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    if (cfg->layout != MHA_SHARD_CONTIGUOUS && cfg->layout != MHA_SHARD_ZIGZAG) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_config.layout=%d is not a layout",
+                  (int)cfg->layout);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    if (num_ranks < 1 || rank < 0 || rank >= num_ranks) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "rank %d of %d ranks", (int)rank, (int)num_ranks);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const int64_t c_count = cfg->layout == MHA_SHARD_ZIGZAG ? 2 * (int64_t)num_ranks : num_ranks;
+    if (cfg->seq_len < c_count || cfg->seq_len > ((int64_t)1 << 31)) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "mha_ring_config.seq_len=%lld must be in [%lld, 2^31] (one row per chunk)",
+                  (long long)cfg->seq_len, (long long)c_count);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const int64_t n = cfg->seq_len;
+    const int64_t chunks[2] = {rank, c_count - 1 - rank};
+    *num_chunks = cfg->layout == MHA_SHARD_ZIGZAG ? 2 : 1;
+    for (int32_t c = 0; c < 2; c++) {
+        start[c] = c < *num_chunks ? chunk_start(n, c_count, chunks[c]) : 0;
+        len[c] = c < *num_chunks ? chunk_start(n, c_count, chunks[c] + 1) - start[c] : 0;
+    }
+    return MHA_STATUS_OK;
+}
+
+/* The rank's chunks, and the largest local length of any rank (the size of a K/V buffer). */
+typedef struct ring_shard {
+    int32_t num_chunks;
+    int64_t start[2], len[2], n_local;
+} ring_shard;
+
+static ring_shard shard_of(const mha_ring_config *cfg, int32_t p, int32_t rank) {
+    ring_shard s;
+    mha_ring_shard(cfg, p, rank, &s.num_chunks, s.start, s.len, NULL);
+    s.n_local = s.len[0] + s.len[1];
+    return s;
+}
+
+/* Local checks of one rank, before anything is allocated or sent. */
+static mha_status check_local(const mha_ring_config *cfg,
+                              int32_t p,
+                              int32_t rank,
+                              const mha_attention_args *a,
+                              const mha_exec *exec,
+                              mha_error *err) {
+    int32_t nc;
+    int64_t start[2], len[2];
+    if (!a) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: local args must not be NULL");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    mha_status st = mha_ring_shard(cfg, p, rank, &nc, start, len, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    const int64_t n_local = len[0] + len[1];
+    if (a->q_len != n_local || a->kv_len != n_local) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "local q_len=%lld, kv_len=%lld: this rank's shard has %lld rows "
+                  "(mha_ring_shard)",
+                  (long long)a->q_len, (long long)a->kv_len, (long long)n_local);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const mha_masking *mk = &a->mask;
+    const char *unsupported = NULL;
+    if (mk->causal && mk->alignment == MHA_ALIGN_EXPLICIT)
+        unsupported = "mask.alignment=EXPLICIT";
+    else if (mk->use_window)
+        unsupported = "mask.use_window";
+    else if (mk->bool_mask.data || mk->additive_mask.data)
+        unsupported = "a boolean or additive mask";
+    else if (mk->key_padding.data)
+        unsupported = "mask.key_padding";
+    else if (mk->q_segment_ids || mk->kv_segment_ids)
+        unsupported = "segment ids";
+    else if (a->alibi)
+        unsupported = "alibi";
+    else if (a->sinks)
+        unsupported = "sinks";
+    else if (a->dropout.training && a->dropout.p > 0.0f)
+        unsupported = "dropout in training";
+    else if (a->probs)
+        unsupported = "probs";
+    if (unsupported) {
+        set_error(err, MHA_STATUS_UNSUPPORTED,
+                  "mha_ring_attention: %s is not supported yet (issue 15)", unsupported);
+        return MHA_STATUS_UNSUPPORTED;
+    }
+    /* Everything else (sizes, strides, pointers, scalars, exec) is the core's own check. */
+    return mha_attention_supported(a, exec, err);
+}
+
+/* The values every rank must agree on, in the order of the message that names a mismatch. */
+enum {
+    AGREE_FAIL,
+    AGREE_N,
+    AGREE_LAYOUT,
+    AGREE_B,
+    AGREE_H,
+    AGREE_G,
+    AGREE_DK,
+    AGREE_DV,
+    AGREE_CAUSAL,
+    AGREE_COUNT
+};
+static const char *const agree_name[AGREE_COUNT] = {"",         "seq_len",    "layout",
+                                                    "batch",    "num_heads",  "num_kv_heads",
+                                                    "head_dim", "v_head_dim", "causal"};
+
+/* The collective agreement: one MPI_Allreduce (MAX) of {v, -v} gives every rank the maximum and
+ * the minimum of each value. v[AGREE_FAIL] = P - rank on a failing rank (0 otherwise), so the
+ * maximum names the first failing rank, whose status and message are then broadcast. Returns the
+ * agreed status; on a failure elsewhere err receives "rank r: <its message>". */
+static mha_status agree(MPI_Comm comm,
+                        int32_t p,
+                        int32_t rank,
+                        mha_status local_st,
+                        const int64_t values[AGREE_COUNT],
+                        mha_error *err) {
+    int64_t v[2 * AGREE_COUNT], r[2 * AGREE_COUNT];
+    for (int k = 0; k < AGREE_COUNT; k++) {
+        v[k] = values[k];
+        v[AGREE_COUNT + k] = -values[k];
+    }
+    v[AGREE_FAIL] = local_st != MHA_STATUS_OK ? (int64_t)(p - rank) : 0;
+    v[AGREE_COUNT + AGREE_FAIL] = 0;
+    if (MPI_Allreduce(v, r, 2 * AGREE_COUNT, MPI_INT64_T, MPI_MAX, comm) != MPI_SUCCESS) {
+        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
+        return MHA_STATUS_INTERNAL;
+    }
+    if (r[AGREE_FAIL] > 0) {
+        const int32_t bad = p - (int32_t)r[AGREE_FAIL];
+        struct {
+            int32_t status;
+            char message[MHA_ERROR_MESSAGE_SIZE];
+        } msg = {(int32_t)local_st, ""};
+        if (rank == bad && err)
+            snprintf(msg.message, sizeof msg.message, "%s", err->message);
+        if (MPI_Bcast(&msg, (int)sizeof msg, MPI_BYTE, bad, comm) != MPI_SUCCESS) {
+            set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Bcast failed");
+            return MHA_STATUS_INTERNAL;
+        }
+        msg.message[MHA_ERROR_MESSAGE_SIZE - 1] = '\0';
+        set_error(err, (mha_status)msg.status, "rank %d: %s", (int)bad, msg.message);
+        return (mha_status)msg.status;
+    }
+    for (int k = 1; k < AGREE_COUNT; k++)
+        if (r[k] != -r[AGREE_COUNT + k]) {
+            set_error(err, MHA_STATUS_INVALID_ARG,
+                      "mha_ring_attention: the ranks disagree on %s (from %lld to %lld)",
+                      agree_name[k], (long long)-r[AGREE_COUNT + k], (long long)r[k]);
+            return MHA_STATUS_INVALID_ARG;
+        }
+    return MHA_STATUS_OK;
+}
+
+/* The state of one call: sizes, the buffers, and the rank's accumulator. */
+typedef struct ring_call {
+    const mha_attention_args *a;
+    mha_exec inner; /* the caller's exec without its workspace, for the local calls */
+    int64_t B, h, g, dk, dv, n_max;
+    ring_shard mine;
+    float *kv[2];    /* [B, g, n_src, d_k] then [B, g, n_src, d_v], packed */
+    float *part;     /* partial output [B, h, n_chunk, d_v] */
+    float *part_lse; /* its lse [B, h, n_chunk] */
+    float *lse;      /* the accumulator [B, h, n_local]: the caller's or lse_own */
+    float *lse_own;
+    int64_t *offs; /* [B] explicit causal offsets of a diagonal pair */
+} ring_call;
+
+/* Packs the caller's K and V (any strides) into a K/V block buffer. */
+static void pack_kv(const ring_call *c, float *dst) {
+    const mha_attention_args *a = c->a;
+    const int64_t n = c->mine.n_local;
+    float *dk_dst = dst, *dv_dst = dst + c->B * c->g * n * c->dk;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t j = 0; j < c->g; j++)
+            for (int64_t i = 0; i < n; i++) {
+                memcpy(dk_dst + ((b * c->g + j) * n + i) * c->dk,
+                       a->k + b * a->k_strides[0] + j * a->k_strides[1] + i * a->k_strides[2],
+                       sizeof(float) * (size_t)c->dk);
+                memcpy(dv_dst + ((b * c->g + j) * n + i) * c->dv,
+                       a->v + b * a->v_strides[0] + j * a->v_strides[1] + i * a->v_strides[2],
+                       sizeof(float) * (size_t)c->dv);
+            }
+}
+
+/* The core's arguments for the rank's query rows [q_off, q_off + nq) (global start qs) against
+ * key rows [k_off, k_off + nk) (global start ks) of the block `blk` of n_src rows. Returns 0 when
+ * the causal mask hides the whole pair:
+ *   causal: skipped if ks > qs + nq - 1 (every key after every query), unmasked if
+ *   ks + nk - 1 <= qs (every key at or before every query), else causal with the explicit
+ *   alignment delta = qs - ks (local key j <= local row i + delta <=> global key <= global row).
+ * out and lse are left to the caller. */
+static int pair_args(ring_call *c,
+                     const float *blk,
+                     int64_t n_src,
+                     int64_t q_off,
+                     int64_t nq,
+                     int64_t qs,
+                     int64_t k_off,
+                     int64_t nk,
+                     int64_t ks,
+                     mha_attention_args *p) {
+    const mha_attention_args *a = c->a;
+    *p = *a;
+    if (a->mask.causal) {
+        if (ks > qs + nq - 1)
+            return 0;
+        if (ks + nk - 1 <= qs) {
+            p->mask.causal = 0;
+        } else {
+            /* One offset per batch row, all equal: global positions do not depend on b. */
+            for (int64_t b = 0; b < c->B; b++)
+                c->offs[b] = qs - ks;
+            p->mask.alignment = MHA_ALIGN_EXPLICIT;
+            p->mask.align_offsets = c->offs;
+        }
+    }
+    p->q_len = nq;
+    p->kv_len = nk;
+    p->q = a->q + q_off * a->q_strides[2];
+    p->k = blk + k_off * c->dk;
+    p->k_strides[0] = c->g * n_src * c->dk, p->k_strides[1] = n_src * c->dk;
+    p->k_strides[2] = c->dk;
+    p->v = blk + c->B * c->g * n_src * c->dk + k_off * c->dv;
+    p->v_strides[0] = c->g * n_src * c->dv, p->v_strides[1] = n_src * c->dv;
+    p->v_strides[2] = c->dv;
+    return 1;
+}
+
+/* Forward of one pair (pair_args): the partial (O_p, lse_p) into the scratch, merged into the
+ * rows it covers. A row that sees no key of the pair has lse_p = -inf; the merge leaves it. */
+static mha_status attend_pair(ring_call *c,
+                              const float *blk,
+                              int64_t n_src,
+                              int64_t q_off,
+                              int64_t nq,
+                              int64_t qs,
+                              int64_t k_off,
+                              int64_t nk,
+                              int64_t ks,
+                              mha_error *err) {
+    const mha_attention_args *a = c->a;
+    mha_attention_args p;
+    if (!pair_args(c, blk, n_src, q_off, nq, qs, k_off, nk, ks, &p))
+        return MHA_STATUS_OK;
+    p.out = c->part;
+    p.out_strides[0] = c->h * nq * c->dv, p.out_strides[1] = nq * c->dv, p.out_strides[2] = c->dv;
+    p.lse = c->part_lse;
+    mha_status st = mha_attention(&p, &c->inner, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    /* Merge per (b, head): nq rows of d_v, the accumulator in place. */
+    const int64_t n = c->mine.n_local;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t hh = 0; hh < c->h; hh++) {
+            float *o =
+                a->out + b * a->out_strides[0] + hh * a->out_strides[1] + q_off * a->out_strides[2];
+            float *l = c->lse + (b * c->h + hh) * n + q_off;
+            const float *po = c->part + (b * c->h + hh) * nq * c->dv;
+            const float *pl = c->part_lse + (b * c->h + hh) * nq;
+            st = mha_attention_merge(nq, c->dv, o, a->out_strides[2], l, po, c->dv, pl, o,
+                                     a->out_strides[2], l, err);
+            if (st != MHA_STATUS_OK)
+                return st;
+        }
+    return MHA_STATUS_OK;
+}
+
+/* Attends to the block of rank src: every pair of a query chunk of this rank and a key chunk of
+ * src (without a causal mask, the whole shards at once: the positions do not matter). */
+static mha_status
+attend_block(ring_call *c, const float *blk, const ring_shard *src, mha_error *err) {
+    if (!c->a->mask.causal)
+        return attend_pair(c, blk, src->n_local, 0, c->mine.n_local, 0, 0, src->n_local, 0, err);
+    int64_t q_off = 0;
+    for (int32_t qc = 0; qc < c->mine.num_chunks; qc++) {
+        int64_t k_off = 0;
+        for (int32_t kc = 0; kc < src->num_chunks; kc++) {
+            mha_status st =
+                attend_pair(c, blk, src->n_local, q_off, c->mine.len[qc], c->mine.start[qc], k_off,
+                            src->len[kc], src->start[kc], err);
+            if (st != MHA_STATUS_OK)
+                return st;
+            k_off += src->len[kc];
+        }
+        q_off += c->mine.len[qc];
+    }
+    return MHA_STATUS_OK;
+}
+
+/* The ring: P steps; at step t the rank holds the block of rank (rank - t) mod P in kv[t % 2],
+ * sends it on to rank + 1 and receives the next one (rank - t - 1) from rank - 1 into
+ * kv[(t + 1) % 2] while it computes on kv[t % 2]. After a local failure the rank keeps passing
+ * blocks on (so no peer waits forever) and reports the failure at the final agreement. */
+static mha_status run_ring(ring_call *c,
+                           MPI_Comm comm,
+                           const mha_ring_config *cfg,
+                           int32_t p,
+                           int32_t rank,
+                           mha_error *err) {
+    const int32_t right = (rank + 1) % p, left = (rank + p - 1) % p;
+    mha_status st = MHA_STATUS_OK;
+    for (int32_t t = 0; t < p; t++) {
+        const ring_shard src = shard_of(cfg, p, (rank - t + p) % p);
+        const ring_shard next = shard_of(cfg, p, (rank - t - 1 + 2 * p) % p);
+        MPI_Request req[2];
+        const int more = t + 1 < p;
+        if (more) {
+            const int send_count = (int)(c->B * c->g * src.n_local * (c->dk + c->dv));
+            const int recv_count = (int)(c->B * c->g * next.n_local * (c->dk + c->dv));
+            if (MPI_Irecv(c->kv[(t + 1) % 2], recv_count, MPI_FLOAT, left, RING_TAG, comm,
+                          &req[0]) != MPI_SUCCESS ||
+                MPI_Isend(c->kv[t % 2], send_count, MPI_FLOAT, right, RING_TAG, comm, &req[1]) !=
+                    MPI_SUCCESS) {
+                set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Isend/Irecv failed");
+                return MHA_STATUS_INTERNAL;
+            }
+        }
+        if (st == MHA_STATUS_OK)
+            st = attend_block(c, c->kv[t % 2], &src, err);
+        if (more && MPI_Waitall(2, req, MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+            set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Waitall failed");
+            return MHA_STATUS_INTERNAL;
+        }
+    }
+    return st;
+}
+
+mha_status mha_ring_attention(MPI_Comm comm,
+                              const mha_ring_config *cfg,
+                              const mha_attention_args *local,
+                              const mha_exec *exec,
+                              mha_error *err) {
+    int p_int = 0, rank_int = 0;
+    if (MPI_Comm_size(comm, &p_int) != MPI_SUCCESS ||
+        MPI_Comm_rank(comm, &rank_int) != MPI_SUCCESS) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: comm is not a communicator");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const int32_t p = p_int, rank = rank_int;
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+
+    /* 1. Local checks and scratch, before any data moves. */
+    ring_call c;
+    memset(&c, 0, sizeof c);
+    c.a = local;
+    if (exec)
+        c.inner = *exec;
+    c.inner.workspace = NULL, c.inner.workspace_bytes = 0;
+    int64_t values[AGREE_COUNT] = {0};
+    mha_status st = check_local(cfg, p, rank, local, exec, err);
+    if (st == MHA_STATUS_OK) {
+        const mha_attention_args *a = local;
+        c.B = a->batch, c.h = a->num_heads, c.g = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
+        c.dk = a->head_dim, c.dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
+        c.mine = shard_of(cfg, p, rank);
+        c.n_max = 0;
+        for (int32_t r = 0; r < p; r++) {
+            const int64_t n_r = shard_of(cfg, p, r).n_local;
+            c.n_max = n_r > c.n_max ? n_r : c.n_max;
+        }
+        const int64_t blk = c.B * c.g * c.n_max * (c.dk + c.dv);
+        if (blk > INT_MAX) {
+            st = MHA_STATUS_UNSUPPORTED;
+            set_error(err, st,
+                      "mha_ring_attention: a K/V block of %lld floats exceeds one MPI message "
+                      "(INT_MAX elements)",
+                      (long long)blk);
+        } else {
+            const size_t fb = sizeof(float);
+            c.kv[0] = ring_alloc(alloc, fb * (size_t)blk);
+            c.kv[1] = ring_alloc(alloc, fb * (size_t)blk);
+            c.part = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max * c.dv));
+            c.part_lse = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max));
+            c.offs = ring_alloc(alloc, sizeof(int64_t) * (size_t)c.B);
+            c.lse = a->lse;
+            if (!c.lse)
+                c.lse = c.lse_own = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.mine.n_local));
+            if (!c.kv[0] || !c.kv[1] || !c.part || !c.part_lse || !c.offs || !c.lse) {
+                st = MHA_STATUS_NO_MEMORY;
+                set_error(err, st, "mha_ring_attention: out of memory (%lld floats of scratch)",
+                          (long long)(2 * blk + c.B * c.h * c.n_max * (c.dv + 1)));
+            }
+        }
+        const int64_t mine[AGREE_COUNT] = {0,    cfg->seq_len, cfg->layout,        c.B, c.h, c.g,
+                                           c.dk, c.dv,         a->mask.causal != 0};
+        memcpy(values, mine, sizeof mine);
+    }
+
+    /* 2. Agreement; a private communicator for the ring's messages. */
+    MPI_Comm ring = MPI_COMM_NULL;
+    if (st == MHA_STATUS_OK)
+        st = agree(comm, p, rank, st, values, err);
+    else
+        agree(comm, p, rank, st, values, err);
+    if (st == MHA_STATUS_OK && MPI_Comm_dup(comm, &ring) != MPI_SUCCESS) {
+        st = MHA_STATUS_INTERNAL;
+        set_error(err, st, "mha_ring_attention: MPI_Comm_dup failed");
+    }
+
+    /* 3. The ring: O = 0 and lse = -inf merge with every partial. */
+    if (st == MHA_STATUS_OK) {
+        const mha_attention_args *a = local;
+        for (int64_t b = 0; b < c.B; b++)
+            for (int64_t hh = 0; hh < c.h; hh++)
+                for (int64_t i = 0; i < c.mine.n_local; i++) {
+                    memset(a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                               i * a->out_strides[2],
+                           0, sizeof(float) * (size_t)c.dv);
+                    c.lse[(b * c.h + hh) * c.mine.n_local + i] = -INFINITY;
+                }
+        pack_kv(&c, c.kv[0]);
+        st = run_ring(&c, ring, cfg, p, rank, err);
+        /* A local call that failed mid-ring (out of memory) is reported to every rank. */
+        const mha_status ring_st = agree(ring, p, rank, st, values, err);
+        st = st != MHA_STATUS_OK ? st : ring_st;
+    }
+    if (ring != MPI_COMM_NULL)
+        MPI_Comm_free(&ring);
+    ring_free(alloc, c.kv[0]);
+    ring_free(alloc, c.kv[1]);
+    ring_free(alloc, c.part);
+    ring_free(alloc, c.part_lse);
+    ring_free(alloc, c.lse_own);
+    ring_free(alloc, c.offs);
+    return st;
+}

@@ -1,0 +1,272 @@
+/* SPDX-License-Identifier: MIT */
+/* test_ring.c: ring attention over MPI (mha_mpi.h) against the single-process core. Run by ctest
+ * under mpirun with 1 to 4 processes. Every rank makes the same global Q, K, V (seeded), computes
+ * the single-process mha_attention on the whole sequence, then its shard with mha_ring_attention,
+ * and checks its rows of the output and lse against the single-process ones with the core's gate
+ * (tests/common/tolerance.h): max|o - o_1| <= TOL_OUT_REL max|o_1|, |lse - lse_1| <=
+ * TOL_OUT_REL max(1, |lse_1|). Also: the shard layouts tile the sequence, and bad arguments on
+ * one rank make every rank return that rank's error. Each rank prints its "N passed, N failed". */
+#include "harness.h"
+#include "mha_mpi.h"
+#include "tolerance.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int g_rank, g_size;
+
+/* mha_ring_shard: the chunks of all ranks cover [0, N) once, sizes differ by at most one, and
+ * zigzag's rank r holds chunks r and 2P-1-r. */
+static void test_shards(void) {
+    const int64_t lens[] = {8, 9, 37, 100};
+    for (int layout = 0; layout < 2; layout++)
+        for (int32_t p = 1; p <= 5; p++)
+            for (size_t s = 0; s < sizeof lens / sizeof lens[0]; s++) {
+                mha_ring_config cfg = {lens[s], (mha_shard_layout)layout};
+                const int64_t chunks = layout ? 2 * p : p;
+                if (lens[s] < chunks)
+                    continue;
+                char *seen = calloc((size_t)lens[s], 1);
+                int ok = 1;
+                int64_t lo = lens[s], hi = 0;
+                for (int32_t r = 0; r < p; r++) {
+                    int32_t nc;
+                    int64_t start[2], len[2];
+                    mha_error err;
+                    ok &= mha_ring_shard(&cfg, p, r, &nc, start, len, &err) == MHA_STATUS_OK;
+                    ok &= nc == (layout ? 2 : 1);
+                    for (int32_t c = 0; c < nc; c++) {
+                        for (int64_t i = start[c]; i < start[c] + len[c]; i++)
+                            seen[i]++;
+                        lo = len[c] < lo ? len[c] : lo;
+                        hi = len[c] > hi ? len[c] : hi;
+                    }
+                    if (layout)
+                        ok &= start[0] < start[1];
+                }
+                for (int64_t i = 0; i < lens[s]; i++)
+                    ok &= seen[i] == 1;
+                CHECK(ok && hi - lo <= 1, "shards: layout %d, P=%d, N=%lld", layout, (int)p,
+                      (long long)lens[s]);
+                free(seen);
+            }
+    mha_ring_config small = {3, MHA_SHARD_ZIGZAG};
+    int32_t nc;
+    int64_t start[2], len[2];
+    mha_error err;
+    CHECK(mha_ring_shard(&small, 2, 0, &nc, start, len, &err) == MHA_STATUS_INVALID_ARG,
+          "N=3 < 4 zigzag chunks is refused");
+}
+
+typedef struct ring_case {
+    int64_t B, h, g, n, dk, dv;
+    int causal;
+    mha_shard_layout layout;
+    int blhd;       /* local tensors as [B, L, h, d] (else [B, h, L, d]) */
+    double softcap; /* 0 = off */
+} ring_case;
+
+/* Strides of a [B, heads, L, d] view stored as [B, L, heads, d] (blhd) or [B, heads, L, d]. */
+static void strides_of(int blhd, int64_t heads, int64_t len, int64_t d, int64_t s[3]) {
+    s[0] = heads * len * d;
+    s[1] = blhd ? d : len * d;
+    s[2] = blhd ? heads * d : d;
+}
+
+/* Copies global rows of a [B, heads, N, d] contiguous tensor into the local view. */
+static void gather_rows(const float *g,
+                        int64_t B,
+                        int64_t heads,
+                        int64_t n,
+                        int64_t d,
+                        float *l,
+                        const int64_t ls[3],
+                        int32_t nc,
+                        const int64_t start[2],
+                        const int64_t len[2]) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hh = 0; hh < heads; hh++) {
+            int64_t li = 0;
+            for (int32_t c = 0; c < nc; c++)
+                for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++)
+                    memcpy(l + b * ls[0] + hh * ls[1] + li * ls[2],
+                           g + ((b * heads + hh) * n + i) * d, sizeof(float) * (size_t)d);
+        }
+}
+
+static void run_case(const ring_case *rc, uint64_t seed) {
+    const int64_t B = rc->B, h = rc->h, g = rc->g, n = rc->n, dk = rc->dk, dv = rc->dv;
+    test_rng r;
+    test_rng_seed(&r, seed);
+    float *q = malloc(sizeof(float) * (size_t)(B * h * n * dk));
+    float *k = malloc(sizeof(float) * (size_t)(B * g * n * dk));
+    float *v = malloc(sizeof(float) * (size_t)(B * g * n * dv));
+    float *o1 = malloc(sizeof(float) * (size_t)(B * h * n * dv));
+    float *lse1 = malloc(sizeof(float) * (size_t)(B * h * n));
+    test_fill_normal(&r, q, B * h * n * dk, 1.0f);
+    test_fill_normal(&r, k, B * g * n * dk, 1.0f);
+    test_fill_normal(&r, v, B * g * n * dv, 1.0f);
+
+    /* The single-process call on the whole sequence, [B, heads, N, d] contiguous. */
+    mha_attention_args a = {0};
+    a.batch = B, a.num_heads = h, a.num_kv_heads = g, a.q_len = n, a.kv_len = n;
+    a.head_dim = dk, a.v_head_dim = dv, a.softcap = rc->softcap;
+    a.q = q, a.k = k, a.v = v, a.out = o1, a.lse = lse1;
+    strides_of(0, h, n, dk, a.q_strides);
+    strides_of(0, g, n, dk, a.k_strides);
+    strides_of(0, g, n, dv, a.v_strides);
+    strides_of(0, h, n, dv, a.out_strides);
+    a.mask.causal = rc->causal;
+    mha_error err;
+    CHECK_OK(mha_attention(&a, NULL, &err), &err);
+
+    /* This rank's shard. */
+    mha_ring_config cfg = {n, rc->layout};
+    int32_t nc;
+    int64_t start[2], len[2];
+    CHECK_OK(mha_ring_shard(&cfg, g_size, g_rank, &nc, start, len, &err), &err);
+    const int64_t nl = len[0] + (nc > 1 ? len[1] : 0);
+    mha_attention_args l = a;
+    l.q_len = l.kv_len = nl;
+    float *lq = malloc(sizeof(float) * (size_t)(B * h * nl * dk));
+    float *lk = malloc(sizeof(float) * (size_t)(B * g * nl * dk));
+    float *lv = malloc(sizeof(float) * (size_t)(B * g * nl * dv));
+    float *lo = malloc(sizeof(float) * (size_t)(B * h * nl * dv));
+    float *llse = malloc(sizeof(float) * (size_t)(B * h * nl));
+    strides_of(rc->blhd, h, nl, dk, l.q_strides);
+    strides_of(rc->blhd, g, nl, dk, l.k_strides);
+    strides_of(rc->blhd, g, nl, dv, l.v_strides);
+    strides_of(rc->blhd, h, nl, dv, l.out_strides);
+    gather_rows(q, B, h, n, dk, lq, l.q_strides, nc, start, len);
+    gather_rows(k, B, g, n, dk, lk, l.k_strides, nc, start, len);
+    gather_rows(v, B, g, n, dv, lv, l.v_strides, nc, start, len);
+    l.q = lq, l.k = lk, l.v = lv, l.out = lo, l.lse = llse;
+    mha_exec ex = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
+    CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &l, &ex, &err), &err);
+
+    /* Compare this rank's rows with the single-process ones. */
+    double scale = 0.0, worst = 0.0, worst_lse = 0.0;
+    for (int64_t e = 0; e < B * h * n * dv; e++)
+        scale = fmax(scale, fabs((double)o1[e]));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hh = 0; hh < h; hh++) {
+            int64_t li = 0;
+            for (int32_t c = 0; c < nc; c++)
+                for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++) {
+                    const float *row =
+                        lo + b * l.out_strides[0] + hh * l.out_strides[1] + li * l.out_strides[2];
+                    const float *ref = o1 + ((b * h + hh) * n + i) * dv;
+                    for (int64_t d = 0; d < dv; d++) {
+                        const double e = fabs((double)row[d] - (double)ref[d]);
+                        worst = fmax(worst, isnan(e) ? HUGE_VAL : e);
+                    }
+                    const double l_ref = lse1[(b * h + hh) * n + i];
+                    const double l_got = llse[(b * h + hh) * nl + li];
+                    const double el = fabs(l_got - l_ref) / fmax(1.0, fabs(l_ref));
+                    worst_lse = fmax(worst_lse, isnan(el) ? HUGE_VAL : el);
+                }
+        }
+    CHECK(worst <= TOL_OUT_REL * scale,
+          "rank %d/%d %s %s B=%lld h=%lld g=%lld N=%lld: max|o-o1|=%.3g, max|o1|=%.3g", g_rank,
+          g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
+          (long long)B, (long long)h, (long long)g, (long long)n, worst, scale);
+    CHECK(worst_lse <= TOL_OUT_REL, "rank %d/%d %s %s N=%lld: max|lse-lse1|/max(1,|lse1|)=%.3g",
+          g_rank, g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
+          (long long)n, worst_lse);
+    free(q), free(k), free(v), free(o1), free(lse1);
+    free(lq), free(lk), free(lv), free(lo), free(llse);
+}
+
+static void test_matches_single_process(void) {
+    /* B h g N d_k d_v: GQA (h/g = 2, MQA), N divisible by no chunk count (uneven shards), 1 row
+     * per chunk at the smallest, and a longer sequence whose blocks exceed the kernels' tiles. */
+    const int64_t shapes[][6] = {
+        {2, 4, 2, 37, 16, 8}, {1, 3, 1, 8, 8, 12}, {1, 2, 2, 203, 64, 64}, {2, 2, 1, 16, 32, 32}};
+    uint64_t seed = 1;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int causal = 0; causal < 2; causal++) {
+                const int64_t *sh = shapes[s];
+                if (sh[3] < (layout ? 2 : 1) * g_size)
+                    continue;
+                ring_case rc = {sh[0],         sh[1],
+                                sh[2],         sh[3],
+                                sh[4],         sh[5],
+                                causal,        (mha_shard_layout)layout,
+                                (int)(s & 1u), s == 3 ? 20.0 : 0.0};
+                run_case(&rc, seed++);
+            }
+}
+
+/* One rank with bad arguments: every rank returns that rank's status, with its message. */
+static void test_collective_errors(void) {
+    const int64_t B = 1, h = 2, n = 4 * (int64_t)g_size, d = 8;
+    mha_ring_config cfg = {n, MHA_SHARD_ZIGZAG};
+    int32_t nc;
+    int64_t start[2], len[2];
+    mha_error err;
+    mha_ring_shard(&cfg, g_size, g_rank, &nc, start, len, &err);
+    const int64_t nl = len[0] + len[1];
+    float *x = calloc((size_t)(B * h * nl * d), sizeof(float));
+    float *o = calloc((size_t)(B * h * nl * d), sizeof(float));
+    mha_attention_args a = {0};
+    a.batch = B, a.num_heads = h, a.q_len = a.kv_len = nl, a.head_dim = d;
+    a.q = a.k = a.v = x, a.out = o;
+    strides_of(0, h, nl, d, a.q_strides);
+    memcpy(a.k_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.v_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.out_strides, a.q_strides, sizeof a.q_strides);
+    const int bad = g_size - 1;
+
+    /* A NULL query on the last rank: INVALID_ARG everywhere, "rank P-1: ..." everywhere. */
+    mha_attention_args b = a;
+    if (g_rank == bad)
+        b.q = NULL;
+    mha_status st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "rank %d: ", bad);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
+          "NULL q on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
+    /* An unsupported option on the last rank: UNSUPPORTED everywhere. */
+    b = a;
+    if (g_rank == bad)
+        b.alibi = 1;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED, "alibi on rank %d: rank %d got %s: %s", bad, g_rank,
+          mha_status_string(st), err.message);
+    /* A wrong local length on rank 0. */
+    b = a;
+    if (g_rank == 0)
+        b.q_len = nl + 1;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, "rank 0: ", 8) == 0,
+          "q_len on rank 0: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
+    /* Ranks that disagree on the head count (each valid alone). */
+    if (g_size > 1) {
+        b = a;
+        if (g_rank == bad)
+            b.num_heads = 1;
+        st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+        CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "num_heads"),
+              "num_heads differs on rank %d: rank %d got %s: %s", bad, g_rank,
+              mha_status_string(st), err.message);
+    }
+    /* And the same call with good arguments still works afterwards, without lse. */
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &a, NULL, &err);
+    CHECK(st == MHA_STATUS_OK, "good call after errors: rank %d got %s: %s", g_rank,
+          mha_status_string(st), err.message);
+    free(x), free(o);
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+    test_shards();
+    test_matches_single_process();
+    test_collective_errors();
+    const int rc = test_finish();
+    MPI_Finalize();
+    return rc;
+}
