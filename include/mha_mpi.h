@@ -68,7 +68,9 @@ MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
  *  Errors are agreed collectively: the arguments of every rank are checked (and the ranks'
  *  configs and sizes compared) before any data moves, then one MPI_Allreduce tells every rank;
  *  if any rank failed, every rank returns the first failing rank's status and message (prefixed
- *  by "rank r: "), with its outputs untouched, and none waits on a peer.
+ *  by "rank r: "), with its outputs untouched, and none waits on a peer. A failure inside the
+ *  ring (out of memory in a local call) is agreed the same way at the end; outputs are then
+ *  partly written.
  *  exec is used for the local attention calls (threads, pool, impl, allocator), except
  *  exec->workspace: scratch (two K/V buffers of the largest shard, one partial output) comes from
  *  exec->allocator. Traffic goes over a duplicate of comm, so the caller's own messages on comm
@@ -80,6 +82,24 @@ MHA_API mha_status mha_ring_attention(MPI_Comm comm,
                                       const mha_attention_args *local,
                                       const mha_exec *exec,
                                       mha_error *err);
+
+/** Ring attention, backward (collective): the gradients of mha_ring_attention, equal to those of
+ *  mha_attention_backward on the whole sequence. `local` describes the forward exactly as it ran
+ *  on this rank, with its results: local->out (O) and local->lse (REQUIRED), the rows
+ *  mha_ring_attention wrote. grads (mha.h, mha_attention_grads) are the rank's rows: dout [B, h,
+ *  n_local, d_v] (required), dq [B, h, n_local, d_k], dk [B, g, n_local, d_k], dv [B, g, n_local,
+ *  d_v] (each may be NULL), dsinks NULL; accumulate as in mha_attention_backward.
+ *  The K/V blocks travel the ring as in the forward; each rank adds its share of dQ locally and its
+ *  share of the block's dK/dV (mha_attention_backward on each pair, with P = exp(S - lse) from the
+ *  global lse) into a dK/dV block that travels one step behind its K/V; after P steps each block's
+ *  sum reaches its owner. Scratch: five K/V-sized blocks. The same support, errors and exec as
+ *  mha_ring_attention. */
+MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
+                                               const mha_ring_config *cfg,
+                                               const mha_attention_args *local,
+                                               const mha_attention_grads *grads,
+                                               const mha_exec *exec,
+                                               mha_error *err);
 
 #ifdef __cplusplus
 }

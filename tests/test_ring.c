@@ -4,8 +4,10 @@
  * the single-process mha_attention on the whole sequence, then its shard with mha_ring_attention,
  * and checks its rows of the output and lse against the single-process ones with the core's gate
  * (tests/common/tolerance.h): max|o - o_1| <= TOL_OUT_REL max|o_1|, |lse - lse_1| <=
- * TOL_OUT_REL max(1, |lse_1|). Also: the shard layouts tile the sequence, and bad arguments on
- * one rank make every rank return that rank's error. Each rank prints its "N passed, N failed". */
+ * TOL_OUT_REL max(1, |lse_1|); then the backward (mha_ring_attention_backward vs
+ * mha_attention_backward, each gradient within TOL_GRAD_REL max|g_1|). Also: the shard layouts
+ * tile the sequence, and bad arguments on one rank make every rank return that rank's error.
+ * Each rank prints its "N passed, N failed". */
 #include "harness.h"
 #include "mha_mpi.h"
 #include "tolerance.h"
@@ -63,8 +65,9 @@ typedef struct ring_case {
     int64_t B, h, g, n, dk, dv;
     int causal;
     mha_shard_layout layout;
-    int blhd;       /* local tensors as [B, L, h, d] (else [B, h, L, d]) */
-    double softcap; /* 0 = off */
+    int blhd;           /* local tensors as [B, L, h, d] (else [B, h, L, d]) */
+    double softcap;     /* 0 = off */
+    int accumulate_too; /* also check the backward's accumulate */
 } ring_case;
 
 /* Strides of a [B, heads, L, d] view stored as [B, L, heads, d] (blhd) or [B, heads, L, d]. */
@@ -93,6 +96,39 @@ static void gather_rows(const float *g,
                     memcpy(l + b * ls[0] + hh * ls[1] + li * ls[2],
                            g + ((b * heads + hh) * n + i) * d, sizeof(float) * (size_t)d);
         }
+}
+
+/* max |local - global| over this rank's rows of a [B, heads, N, d] tensor. */
+static double worst_rows(const float *l,
+                         const int64_t ls[3],
+                         const float *g,
+                         int64_t B,
+                         int64_t heads,
+                         int64_t n,
+                         int64_t d,
+                         int32_t nc,
+                         const int64_t start[2],
+                         const int64_t len[2]) {
+    double worst = 0.0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hh = 0; hh < heads; hh++) {
+            int64_t li = 0;
+            for (int32_t c = 0; c < nc; c++)
+                for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++)
+                    for (int64_t e = 0; e < d; e++) {
+                        const double x = fabs((double)l[b * ls[0] + hh * ls[1] + li * ls[2] + e] -
+                                              (double)g[((b * heads + hh) * n + i) * d + e]);
+                        worst = fmax(worst, isnan(x) ? HUGE_VAL : x);
+                    }
+        }
+    return worst;
+}
+
+static double max_abs(const float *x, int64_t count) {
+    double m = 0.0;
+    for (int64_t e = 0; e < count; e++)
+        m = fmax(m, fabs((double)x[e]));
+    return m;
 }
 
 static void run_case(const ring_case *rc, uint64_t seed) {
@@ -146,27 +182,18 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &l, &ex, &err), &err);
 
     /* Compare this rank's rows with the single-process ones. */
-    double scale = 0.0, worst = 0.0, worst_lse = 0.0;
-    for (int64_t e = 0; e < B * h * n * dv; e++)
-        scale = fmax(scale, fabs((double)o1[e]));
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t hh = 0; hh < h; hh++) {
-            int64_t li = 0;
-            for (int32_t c = 0; c < nc; c++)
-                for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++) {
-                    const float *row =
-                        lo + b * l.out_strides[0] + hh * l.out_strides[1] + li * l.out_strides[2];
-                    const float *ref = o1 + ((b * h + hh) * n + i) * dv;
-                    for (int64_t d = 0; d < dv; d++) {
-                        const double e = fabs((double)row[d] - (double)ref[d]);
-                        worst = fmax(worst, isnan(e) ? HUGE_VAL : e);
-                    }
-                    const double l_ref = lse1[(b * h + hh) * n + i];
-                    const double l_got = llse[(b * h + hh) * nl + li];
-                    const double el = fabs(l_got - l_ref) / fmax(1.0, fabs(l_ref));
-                    worst_lse = fmax(worst_lse, isnan(el) ? HUGE_VAL : el);
-                }
-        }
+    const double scale = max_abs(o1, B * h * n * dv);
+    const double worst = worst_rows(lo, l.out_strides, o1, B, h, n, dv, nc, start, len);
+    double worst_lse = 0.0;
+    for (int64_t bh = 0; bh < B * h; bh++) {
+        int64_t li = 0;
+        for (int32_t c = 0; c < nc; c++)
+            for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++) {
+                const double l_ref = lse1[bh * n + i], l_got = llse[bh * nl + li];
+                const double el = fabs(l_got - l_ref) / fmax(1.0, fabs(l_ref));
+                worst_lse = fmax(worst_lse, isnan(el) ? HUGE_VAL : el);
+            }
+    }
     CHECK(worst <= TOL_OUT_REL * scale,
           "rank %d/%d %s %s B=%lld h=%lld g=%lld N=%lld: max|o-o1|=%.3g, max|o1|=%.3g", g_rank,
           g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
@@ -174,6 +201,62 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     CHECK(worst_lse <= TOL_OUT_REL, "rank %d/%d %s %s N=%lld: max|lse-lse1|/max(1,|lse1|)=%.3g",
           g_rank, g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
           (long long)n, worst_lse);
+
+    /* Backward: the single-process gradients of a random dO, then the ring's. */
+    float *dout = malloc(sizeof(float) * (size_t)(B * h * n * dv));
+    float *dq1 = malloc(sizeof(float) * (size_t)(B * h * n * dk));
+    float *dk1 = malloc(sizeof(float) * (size_t)(B * g * n * dk));
+    float *dv1 = malloc(sizeof(float) * (size_t)(B * g * n * dv));
+    test_fill_normal(&r, dout, B * h * n * dv, 1.0f);
+    mha_attention_grads g1 = {0};
+    g1.dout = dout, g1.dq = dq1, g1.dk = dk1, g1.dv = dv1;
+    memcpy(g1.dout_strides, a.out_strides, sizeof a.out_strides);
+    memcpy(g1.dq_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(g1.dk_strides, a.k_strides, sizeof a.k_strides);
+    memcpy(g1.dv_strides, a.v_strides, sizeof a.v_strides);
+    CHECK_OK(mha_attention_backward(&a, &g1, NULL, &err), &err);
+    float *ldout = malloc(sizeof(float) * (size_t)(B * h * nl * dv));
+    float *ldq = malloc(sizeof(float) * (size_t)(B * h * nl * dk));
+    float *ldk = malloc(sizeof(float) * (size_t)(B * g * nl * dk));
+    float *ldv = malloc(sizeof(float) * (size_t)(B * g * nl * dv));
+    gather_rows(dout, B, h, n, dv, ldout, l.out_strides, nc, start, len);
+    mha_attention_grads lg = {0};
+    lg.dout = ldout, lg.dq = ldq, lg.dk = ldk, lg.dv = ldv;
+    memcpy(lg.dout_strides, l.out_strides, sizeof l.out_strides);
+    memcpy(lg.dq_strides, l.q_strides, sizeof l.q_strides);
+    memcpy(lg.dk_strides, l.k_strides, sizeof l.k_strides);
+    memcpy(lg.dv_strides, l.v_strides, sizeof l.v_strides);
+    CHECK_OK(mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &l, &lg, &ex, &err), &err);
+    const struct {
+        const char *name;
+        const float *local, *global;
+        const int64_t *ls;
+        int64_t heads, d;
+    } gt[3] = {{"dq", ldq, dq1, l.q_strides, h, dk},
+               {"dk", ldk, dk1, l.k_strides, g, dk},
+               {"dv", ldv, dv1, l.v_strides, g, dv}};
+    for (int t = 0; t < 3; t++) {
+        const double gs = max_abs(gt[t].global, B * gt[t].heads * n * gt[t].d);
+        const double gw = worst_rows(gt[t].local, gt[t].ls, gt[t].global, B, gt[t].heads, n,
+                                     gt[t].d, nc, start, len);
+        CHECK(gw <= TOL_GRAD_REL * gs, "rank %d/%d %s %s N=%lld: max|%s-%s1|=%.3g, max|%s1|=%.3g",
+              g_rank, g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
+              (long long)n, gt[t].name, gt[t].name, gw, gt[t].name, gs);
+    }
+    /* accumulate: a second call adds the same gradients (dq, dk, dv become 2x, exactly up to the
+     * one rounding of the sum: the second call's sums are the first's bits). */
+    if (rc->accumulate_too) {
+        lg.accumulate = 1;
+        float *copy = malloc(sizeof(float) * (size_t)(B * g * nl * dk));
+        memcpy(copy, ldk, sizeof(float) * (size_t)(B * g * nl * dk));
+        CHECK_OK(mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &l, &lg, &ex, &err), &err);
+        int same = 1;
+        for (int64_t e = 0; e < B * g * nl * dk; e++)
+            same &= ldk[e] == 2.0f * copy[e];
+        CHECK(same, "rank %d/%d: accumulate adds the same dk", g_rank, g_size);
+        free(copy);
+    }
+    free(dout), free(dq1), free(dk1), free(dv1), free(ldout), free(ldq), free(ldk), free(ldv);
     free(q), free(k), free(v), free(o1), free(lse1);
     free(lq), free(lk), free(lv), free(lo), free(llse);
 }
@@ -183,18 +266,22 @@ static void test_matches_single_process(void) {
      * per chunk at the smallest, and a longer sequence whose blocks exceed the kernels' tiles. */
     const int64_t shapes[][6] = {
         {2, 4, 2, 37, 16, 8}, {1, 3, 1, 8, 8, 12}, {1, 2, 2, 203, 64, 64}, {2, 2, 1, 16, 32, 32}};
+    /* MHA_TEST_QUICK=1 (sanitizer builds): without the long sequence. */
+    const char *quick = getenv("MHA_TEST_QUICK");
+    const int skip_long = quick && quick[0] == '1';
     uint64_t seed = 1;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int layout = 0; layout < 2; layout++)
             for (int causal = 0; causal < 2; causal++) {
                 const int64_t *sh = shapes[s];
-                if (sh[3] < (layout ? 2 : 1) * g_size)
+                if (sh[3] < (layout ? 2 : 1) * g_size || (skip_long && sh[3] > 100))
                     continue;
-                ring_case rc = {sh[0],         sh[1],
-                                sh[2],         sh[3],
-                                sh[4],         sh[5],
-                                causal,        (mha_shard_layout)layout,
-                                (int)(s & 1u), s == 3 ? 20.0 : 0.0};
+                const ring_case rc = {sh[0],         sh[1],
+                                      sh[2],         sh[3],
+                                      sh[4],         sh[5],
+                                      causal,        (mha_shard_layout)layout,
+                                      (int)(s & 1u), s == 3 ? 20.0 : 0.0,
+                                      s == 0};
                 run_case(&rc, seed++);
             }
 }
@@ -252,6 +339,23 @@ static void test_collective_errors(void) {
               "num_heads differs on rank %d: rank %d got %s: %s", bad, g_rank,
               mha_status_string(st), err.message);
     }
+    /* The backward without the forward's lse on the last rank. */
+    float *lse = malloc(sizeof(float) * (size_t)(B * h * nl));
+    float *dq = malloc(sizeof(float) * (size_t)(B * h * nl * d));
+    b = a;
+    b.lse = lse;
+    CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err), &err);
+    mha_attention_grads gr = {0};
+    gr.dout = x, gr.dq = dq;
+    memcpy(gr.dout_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(gr.dq_strides, a.q_strides, sizeof a.q_strides);
+    if (g_rank == bad)
+        b.lse = NULL;
+    st = mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &b, &gr, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
+          "backward without lse on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
+          err.message);
+    free(lse), free(dq);
     /* And the same call with good arguments still works afterwards, without lse. */
     st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &a, NULL, &err);
     CHECK(st == MHA_STATUS_OK, "good call after errors: rank %d got %s: %s", g_rank,

@@ -17,9 +17,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The tag of the ring's messages, on the call's own duplicate of the caller's communicator. */
-#define RING_TAG 15
-
 static void set_error(mha_error *err, mha_status status, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 3, 4)))
@@ -113,6 +110,8 @@ static mha_status check_local(const mha_ring_config *cfg,
                               int32_t p,
                               int32_t rank,
                               const mha_attention_args *a,
+                              int bwd,
+                              const mha_attention_grads *grads,
                               const mha_exec *exec,
                               mha_error *err) {
     int32_t nc;
@@ -158,7 +157,18 @@ static mha_status check_local(const mha_ring_config *cfg,
         return MHA_STATUS_UNSUPPORTED;
     }
     /* Everything else (sizes, strides, pointers, scalars, exec) is the core's own check. */
-    return mha_attention_supported(a, exec, err);
+    st = mha_attention_supported(a, exec, err);
+    if (st != MHA_STATUS_OK || !bwd)
+        return st;
+    if (!grads || !grads->dout || !a->lse) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "mha_ring_attention_backward: grads, grads.dout and the forward's lse are "
+                  "required");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    /* The gradients' strides and pointers: the core backward's check (its size query). */
+    size_t bytes;
+    return mha_attention_backward_workspace_size(a, grads, exec, &bytes, err);
 }
 
 /* The values every rank must agree on, in the order of the message that names a mismatch. */
@@ -237,6 +247,10 @@ typedef struct ring_call {
     float *lse;      /* the accumulator [B, h, n_local]: the caller's or lse_own */
     float *lse_own;
     int64_t *offs; /* [B] explicit causal offsets of a diagonal pair */
+    /* Backward only: */
+    const mha_attention_grads *grads;
+    float *acc[2]; /* dK/dV of the block being held, [B, g, n_src, d_k] then [.., d_v] */
+    float *din;    /* the block's dK/dV from the ranks before this one */
 } ring_call;
 
 /* Packs the caller's K and V (any strides) into a K/V block buffer. */
@@ -339,32 +353,81 @@ static mha_status attend_pair(ring_call *c,
     return MHA_STATUS_OK;
 }
 
-/* Attends to the block of rank src: every pair of a query chunk of this rank and a key chunk of
- * src (without a causal mask, the whole shards at once: the positions do not matter). */
+/* Backward of one pair (pair_args) with the forward's global out and lse rows:
+ *   dQ rows += dS K (into the caller's dq), dK/dV rows of the block += (into acc)
+ * the pair's share of the sums of mha_attention_backward (P = exp(S - lse) with the GLOBAL lse
+ * is the pair's exact share of the probabilities; D_i = dO_i . O_i with the global O). */
+static mha_status bwd_pair(ring_call *c,
+                           const float *blk,
+                           float *acc,
+                           int64_t n_src,
+                           int64_t q_off,
+                           int64_t nq,
+                           int64_t qs,
+                           int64_t k_off,
+                           int64_t nk,
+                           int64_t ks,
+                           mha_error *err) {
+    const mha_attention_args *a = c->a;
+    const mha_attention_grads *gr = c->grads;
+    mha_attention_args p;
+    if (!pair_args(c, blk, n_src, q_off, nq, qs, k_off, nk, ks, &p))
+        return MHA_STATUS_OK;
+    p.out = a->out + q_off * a->out_strides[2];
+    /* The core reads lse contiguous [B, h, nq]: copy the chunk's rows. */
+    for (int64_t bh = 0; bh < c->B * c->h; bh++)
+        memcpy(c->part_lse + bh * nq, a->lse + bh * c->mine.n_local + q_off,
+               sizeof(float) * (size_t)nq);
+    p.lse = c->part_lse;
+    mha_attention_grads g = *gr;
+    g.dout = gr->dout + q_off * gr->dout_strides[2];
+    g.dq = gr->dq ? gr->dq + q_off * gr->dq_strides[2] : NULL;
+    g.dk = acc + k_off * c->dk;
+    memcpy(g.dk_strides, p.k_strides, sizeof g.dk_strides);
+    g.dv = acc + c->B * c->g * n_src * c->dk + k_off * c->dv;
+    memcpy(g.dv_strides, p.v_strides, sizeof g.dv_strides);
+    g.dsinks = NULL;
+    g.accumulate = 1;
+    return mha_attention_backward(&p, &g, &c->inner, err);
+}
+
+/* Every pair of a query chunk of this rank and a key chunk of src (without a causal mask, the
+ * whole shards at once: the positions do not matter); acc == NULL is the forward. */
 static mha_status
-attend_block(ring_call *c, const float *blk, const ring_shard *src, mha_error *err) {
-    if (!c->a->mask.causal)
-        return attend_pair(c, blk, src->n_local, 0, c->mine.n_local, 0, 0, src->n_local, 0, err);
+block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, mha_error *err) {
+    const int causal = c->a->mask.causal != 0;
+    const int32_t nqc = causal ? c->mine.num_chunks : 1, nkc = causal ? src->num_chunks : 1;
     int64_t q_off = 0;
-    for (int32_t qc = 0; qc < c->mine.num_chunks; qc++) {
+    for (int32_t qc = 0; qc < nqc; qc++) {
+        const int64_t nq = causal ? c->mine.len[qc] : c->mine.n_local;
         int64_t k_off = 0;
-        for (int32_t kc = 0; kc < src->num_chunks; kc++) {
+        for (int32_t kc = 0; kc < nkc; kc++) {
+            const int64_t nk = causal ? src->len[kc] : src->n_local;
+            const int64_t qs = causal ? c->mine.start[qc] : 0, ks = causal ? src->start[kc] : 0;
             mha_status st =
-                attend_pair(c, blk, src->n_local, q_off, c->mine.len[qc], c->mine.start[qc], k_off,
-                            src->len[kc], src->start[kc], err);
+                acc ? bwd_pair(c, blk, acc, src->n_local, q_off, nq, qs, k_off, nk, ks, err)
+                    : attend_pair(c, blk, src->n_local, q_off, nq, qs, k_off, nk, ks, err);
             if (st != MHA_STATUS_OK)
                 return st;
-            k_off += src->len[kc];
+            k_off += nk;
         }
-        q_off += c->mine.len[qc];
+        q_off += nq;
     }
     return MHA_STATUS_OK;
 }
 
-/* The ring: P steps; at step t the rank holds the block of rank (rank - t) mod P in kv[t % 2],
- * sends it on to rank + 1 and receives the next one (rank - t - 1) from rank - 1 into
- * kv[(t + 1) % 2] while it computes on kv[t % 2]. After a local failure the rank keeps passing
- * blocks on (so no peer waits forever) and reports the failure at the final agreement. */
+/* The ring: P steps; at step t the rank holds the K/V block of rank s = (rank - t) mod P in
+ * kv[t % 2], sends it on to rank + 1 and receives the next one (rank s - 1's) from rank - 1 into
+ * kv[(t + 1) % 2] while it computes on kv[t % 2].
+ * Backward: block s's dK/dV travels one step behind its K/V. The rank computes its share into
+ * acc[t % 2] (zeroed) while the share of the ranks before it arrives in din (sent by rank - 1 at
+ * the end of its step t - 1), adds din, and sends the sum on to rank + 1 (the send overlapping the
+ * next step). After P steps every rank has added its share, and the sum of rank r's block arrives
+ * at its owner from rank r - 1: the last din.
+ * After a local failure the rank keeps passing blocks on (so no peer waits forever) and reports
+ * the failure at the final agreement. */
+#define RING_TAG_KV  15
+#define RING_TAG_DKV 16
 static mha_status run_ring(ring_call *c,
                            MPI_Comm comm,
                            const mha_ring_config *cfg,
@@ -372,42 +435,94 @@ static mha_status run_ring(ring_call *c,
                            int32_t rank,
                            mha_error *err) {
     const int32_t right = (rank + 1) % p, left = (rank + p - 1) % p;
+    const int bwd = c->grads != NULL;
     mha_status st = MHA_STATUS_OK;
-    for (int32_t t = 0; t < p; t++) {
+    MPI_Request dreq[3] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    int mpi_ok = 1;
+    for (int32_t t = 0; t < p && mpi_ok; t++) {
         const ring_shard src = shard_of(cfg, p, (rank - t + p) % p);
         const ring_shard next = shard_of(cfg, p, (rank - t - 1 + 2 * p) % p);
-        MPI_Request req[2];
-        const int more = t + 1 < p;
-        if (more) {
-            const int send_count = (int)(c->B * c->g * src.n_local * (c->dk + c->dv));
-            const int recv_count = (int)(c->B * c->g * next.n_local * (c->dk + c->dv));
-            if (MPI_Irecv(c->kv[(t + 1) % 2], recv_count, MPI_FLOAT, left, RING_TAG, comm,
-                          &req[0]) != MPI_SUCCESS ||
-                MPI_Isend(c->kv[t % 2], send_count, MPI_FLOAT, right, RING_TAG, comm, &req[1]) !=
-                    MPI_SUCCESS) {
-                set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Isend/Irecv failed");
-                return MHA_STATUS_INTERNAL;
-            }
+        const int src_count = (int)(c->B * c->g * src.n_local * (c->dk + c->dv));
+        MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        if (t + 1 < p) {
+            const int next_count = (int)(c->B * c->g * next.n_local * (c->dk + c->dv));
+            mpi_ok &= MPI_Irecv(c->kv[(t + 1) % 2], next_count, MPI_FLOAT, left, RING_TAG_KV, comm,
+                                &req[0]) == MPI_SUCCESS;
+            mpi_ok &= MPI_Isend(c->kv[t % 2], src_count, MPI_FLOAT, right, RING_TAG_KV, comm,
+                                &req[1]) == MPI_SUCCESS;
+        }
+        float *acc = NULL;
+        if (bwd) {
+            /* acc[t % 2] was last sent at step t - 2 (dreq[t % 2]). */
+            acc = c->acc[t % 2];
+            mpi_ok &= MPI_Wait(&dreq[t % 2], MPI_STATUS_IGNORE) == MPI_SUCCESS;
+            memset(acc, 0, sizeof(float) * (size_t)src_count);
         }
         if (st == MHA_STATUS_OK)
-            st = attend_block(c, c->kv[t % 2], &src, err);
-        if (more && MPI_Waitall(2, req, MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
-            set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Waitall failed");
-            return MHA_STATUS_INTERNAL;
+            st = block_pairs(c, c->kv[t % 2], acc, &src, err);
+        if (bwd) {
+            if (t > 0) {
+                mpi_ok &= MPI_Wait(&dreq[2], MPI_STATUS_IGNORE) == MPI_SUCCESS;
+                for (int64_t e = 0; e < src_count; e++)
+                    acc[e] += c->din[e];
+            }
+            mpi_ok &= MPI_Isend(acc, src_count, MPI_FLOAT, right, RING_TAG_DKV, comm,
+                                &dreq[t % 2]) == MPI_SUCCESS;
+            /* Next: the block of rank s - 1 (or, after the last step, this rank's own). */
+            const ring_shard nd = t + 1 < p ? next : c->mine;
+            const int nd_count = (int)(c->B * c->g * nd.n_local * (c->dk + c->dv));
+            mpi_ok &= MPI_Irecv(c->din, nd_count, MPI_FLOAT, left, RING_TAG_DKV, comm, &dreq[2]) ==
+                      MPI_SUCCESS;
         }
+        mpi_ok &= MPI_Waitall(2, req, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
+    }
+    if (bwd)
+        mpi_ok &= MPI_Waitall(3, dreq, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
+    if (!mpi_ok) {
+        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: an MPI call of the ring failed");
+        return MHA_STATUS_INTERNAL;
     }
     return st;
 }
 
-mha_status mha_ring_attention(MPI_Comm comm,
-                              const mha_ring_config *cfg,
-                              const mha_attention_args *local,
-                              const mha_exec *exec,
-                              mha_error *err) {
+/* The backward's result: din holds this rank's dK/dV [B, g, n_local, d_k] ++ [.., d_v]; written
+ * to (or added to, with accumulate) the caller's dk and dv, either of which may be NULL. */
+static void unpack_dkv(const ring_call *c) {
+    const mha_attention_grads *gr = c->grads;
+    const int64_t n = c->mine.n_local;
+    const float *sk = c->din, *sv = c->din + c->B * c->g * n * c->dk;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t j = 0; j < c->g; j++)
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t r = (b * c->g + j) * n + i;
+                if (gr->dk) {
+                    float *d = gr->dk + b * gr->dk_strides[0] + j * gr->dk_strides[1] +
+                               i * gr->dk_strides[2];
+                    for (int64_t e = 0; e < c->dk; e++)
+                        d[e] = gr->accumulate ? d[e] + sk[r * c->dk + e] : sk[r * c->dk + e];
+                }
+                if (gr->dv) {
+                    float *d = gr->dv + b * gr->dv_strides[0] + j * gr->dv_strides[1] +
+                               i * gr->dv_strides[2];
+                    for (int64_t e = 0; e < c->dv; e++)
+                        d[e] = gr->accumulate ? d[e] + sv[r * c->dv + e] : sv[r * c->dv + e];
+                }
+            }
+}
+
+/* Both entry points (bwd: the backward, with grads). */
+static mha_status ring_entry(MPI_Comm comm,
+                             const mha_ring_config *cfg,
+                             const mha_attention_args *local,
+                             int bwd,
+                             const mha_attention_grads *grads,
+                             const mha_exec *exec,
+                             mha_error *err) {
+    const char *fn = bwd ? "mha_ring_attention_backward" : "mha_ring_attention";
     int p_int = 0, rank_int = 0;
     if (MPI_Comm_size(comm, &p_int) != MPI_SUCCESS ||
         MPI_Comm_rank(comm, &rank_int) != MPI_SUCCESS) {
-        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: comm is not a communicator");
+        set_error(err, MHA_STATUS_INVALID_ARG, "%s: comm is not a communicator", fn);
         return MHA_STATUS_INVALID_ARG;
     }
     const int32_t p = p_int, rank = rank_int;
@@ -417,11 +532,12 @@ mha_status mha_ring_attention(MPI_Comm comm,
     ring_call c;
     memset(&c, 0, sizeof c);
     c.a = local;
+    c.grads = grads;
     if (exec)
         c.inner = *exec;
     c.inner.workspace = NULL, c.inner.workspace_bytes = 0;
     int64_t values[AGREE_COUNT] = {0};
-    mha_status st = check_local(cfg, p, rank, local, exec, err);
+    mha_status st = check_local(cfg, p, rank, local, bwd, grads, exec, err);
     if (st == MHA_STATUS_OK) {
         const mha_attention_args *a = local;
         c.B = a->batch, c.h = a->num_heads, c.g = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
@@ -436,23 +552,31 @@ mha_status mha_ring_attention(MPI_Comm comm,
         if (blk > INT_MAX) {
             st = MHA_STATUS_UNSUPPORTED;
             set_error(err, st,
-                      "mha_ring_attention: a K/V block of %lld floats exceeds one MPI message "
-                      "(INT_MAX elements)",
-                      (long long)blk);
+                      "%s: a K/V block of %lld floats exceeds one MPI message (INT_MAX elements)",
+                      fn, (long long)blk);
         } else {
             const size_t fb = sizeof(float);
-            c.kv[0] = ring_alloc(alloc, fb * (size_t)blk);
-            c.kv[1] = ring_alloc(alloc, fb * (size_t)blk);
-            c.part = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max * c.dv));
-            c.part_lse = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max));
-            c.offs = ring_alloc(alloc, sizeof(int64_t) * (size_t)c.B);
-            c.lse = a->lse;
-            if (!c.lse)
-                c.lse = c.lse_own = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.mine.n_local));
-            if (!c.kv[0] || !c.kv[1] || !c.part || !c.part_lse || !c.offs || !c.lse) {
+            int ok = 1;
+            for (int i = 0; i < 2; i++)
+                ok &= (c.kv[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
+            ok &= (c.part_lse = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max))) != NULL;
+            ok &= (c.offs = ring_alloc(alloc, sizeof(int64_t) * (size_t)c.B)) != NULL;
+            if (bwd) {
+                for (int i = 0; i < 2; i++)
+                    ok &= (c.acc[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
+                ok &= (c.din = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
+            } else {
+                ok &=
+                    (c.part = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max * c.dv))) != NULL;
+                c.lse = a->lse;
+                if (!c.lse)
+                    ok &= (c.lse = c.lse_own = ring_alloc(
+                               alloc, fb * (size_t)(c.B * c.h * c.mine.n_local))) != NULL;
+            }
+            if (!ok) {
                 st = MHA_STATUS_NO_MEMORY;
-                set_error(err, st, "mha_ring_attention: out of memory (%lld floats of scratch)",
-                          (long long)(2 * blk + c.B * c.h * c.n_max * (c.dv + 1)));
+                set_error(err, st, "%s: out of memory (scratch of %d blocks of %lld floats)", fn,
+                          bwd ? 5 : 2, (long long)blk);
             }
         }
         const int64_t mine[AGREE_COUNT] = {0,    cfg->seq_len, cfg->layout,        c.B, c.h, c.g,
@@ -468,33 +592,62 @@ mha_status mha_ring_attention(MPI_Comm comm,
         agree(comm, p, rank, st, values, err);
     if (st == MHA_STATUS_OK && MPI_Comm_dup(comm, &ring) != MPI_SUCCESS) {
         st = MHA_STATUS_INTERNAL;
-        set_error(err, st, "mha_ring_attention: MPI_Comm_dup failed");
+        set_error(err, st, "%s: MPI_Comm_dup failed", fn);
     }
 
-    /* 3. The ring: O = 0 and lse = -inf merge with every partial. */
+    /* 3. The ring. Forward: O = 0 and lse = -inf merge with every partial. Backward: dQ = 0
+     * unless accumulating, then every pair adds its share. */
     if (st == MHA_STATUS_OK) {
         const mha_attention_args *a = local;
         for (int64_t b = 0; b < c.B; b++)
             for (int64_t hh = 0; hh < c.h; hh++)
                 for (int64_t i = 0; i < c.mine.n_local; i++) {
-                    memset(a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
-                               i * a->out_strides[2],
-                           0, sizeof(float) * (size_t)c.dv);
-                    c.lse[(b * c.h + hh) * c.mine.n_local + i] = -INFINITY;
+                    if (!bwd) {
+                        memset(a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                                   i * a->out_strides[2],
+                               0, sizeof(float) * (size_t)c.dv);
+                        c.lse[(b * c.h + hh) * c.mine.n_local + i] = -INFINITY;
+                    } else if (grads->dq && !grads->accumulate) {
+                        memset(grads->dq + b * grads->dq_strides[0] + hh * grads->dq_strides[1] +
+                                   i * grads->dq_strides[2],
+                               0, sizeof(float) * (size_t)c.dk);
+                    }
                 }
         pack_kv(&c, c.kv[0]);
         st = run_ring(&c, ring, cfg, p, rank, err);
+        if (bwd && st == MHA_STATUS_OK)
+            unpack_dkv(&c);
         /* A local call that failed mid-ring (out of memory) is reported to every rank. */
         const mha_status ring_st = agree(ring, p, rank, st, values, err);
         st = st != MHA_STATUS_OK ? st : ring_st;
     }
     if (ring != MPI_COMM_NULL)
         MPI_Comm_free(&ring);
-    ring_free(alloc, c.kv[0]);
-    ring_free(alloc, c.kv[1]);
+    for (int i = 0; i < 2; i++) {
+        ring_free(alloc, c.kv[i]);
+        ring_free(alloc, c.acc[i]);
+    }
+    ring_free(alloc, c.din);
     ring_free(alloc, c.part);
     ring_free(alloc, c.part_lse);
     ring_free(alloc, c.lse_own);
     ring_free(alloc, c.offs);
     return st;
+}
+
+mha_status mha_ring_attention(MPI_Comm comm,
+                              const mha_ring_config *cfg,
+                              const mha_attention_args *local,
+                              const mha_exec *exec,
+                              mha_error *err) {
+    return ring_entry(comm, cfg, local, 0, NULL, exec, err);
+}
+
+mha_status mha_ring_attention_backward(MPI_Comm comm,
+                                       const mha_ring_config *cfg,
+                                       const mha_attention_args *local,
+                                       const mha_attention_grads *grads,
+                                       const mha_exec *exec,
+                                       mha_error *err) {
+    return ring_entry(comm, cfg, local, 1, grads, exec, err);
 }
