@@ -58,13 +58,13 @@ MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
  *  computed as P steps: at step t the rank attends to the K/V shard of rank (rank - t) mod P
  *  while that shard's successor travels one hop (MPI_Isend to rank + 1, MPI_Irecv from rank - 1;
  *  only the g kv heads travel) and merges the partial results exactly by their log-sum-exp
- *  (mha_attention_merge). Causal masking uses global positions: a (query chunk, key chunk) pair
- *  entirely above the diagonal is skipped, one entirely below runs unmasked, one on the diagonal
- *  runs causal with the explicit alignment delta = query start - key start.
- *  Supported in this version: batch, GQA/MQA, d_v != d_k, scale, softcap, mask.causal (its
- *  alignment must be BOTTOM_RIGHT or TOP_LEFT, the same when n = m); anything else in `local`
- *  (window, ALiBi, sinks, boolean/additive masks, key padding, segment ids, dropout in training,
- *  probs) gives MHA_STATUS_UNSUPPORTED.
+ *  (mha_attention_merge). Causal masks, windows and ALiBi use global positions: a (query chunk,
+ *  key chunk) pair the mask hides entirely is skipped, one whose keys every row sees runs
+ *  unmasked, others run with the explicit alignment delta = query start - key start.
+ *  Supported in this version: batch, GQA/MQA, d_v != d_k, scale, softcap, mask.causal,
+ *  mask.use_window (window_left/right), alibi (alignment BOTTOM_RIGHT or TOP_LEFT, the same when
+ *  n = m); anything else in `local` (EXPLICIT alignment, sinks, boolean/additive masks, key
+ *  padding, segment ids, dropout in training, probs) gives MHA_STATUS_UNSUPPORTED.
  *  Errors are agreed collectively: the arguments of every rank are checked (and the ranks'
  *  configs and sizes compared) before any data moves, then one MPI_Allreduce tells every rank;
  *  if any rank failed, every rank returns the first failing rank's status and message (prefixed

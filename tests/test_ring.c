@@ -68,6 +68,8 @@ typedef struct ring_case {
     int blhd;           /* local tensors as [B, L, h, d] (else [B, h, L, d]) */
     double softcap;     /* 0 = off */
     int accumulate_too; /* also check the backward's accumulate */
+    int64_t window[2];  /* use_window with (left, right) when either is not -2 */
+    int alibi;
 } ring_case;
 
 /* Strides of a [B, heads, L, d] view stored as [B, L, heads, d] (blhd) or [B, heads, L, d]. */
@@ -154,6 +156,9 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     strides_of(0, g, n, dv, a.v_strides);
     strides_of(0, h, n, dv, a.out_strides);
     a.mask.causal = rc->causal;
+    a.mask.use_window = rc->window[0] != -2 || rc->window[1] != -2;
+    a.mask.window_left = rc->window[0], a.mask.window_right = rc->window[1];
+    a.alibi = rc->alibi;
     mha_error err;
     CHECK_OK(mha_attention(&a, NULL, &err), &err);
 
@@ -189,7 +194,7 @@ static void run_case(const ring_case *rc, uint64_t seed) {
         int64_t li = 0;
         for (int32_t c = 0; c < nc; c++)
             for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++) {
-                const double l_ref = lse1[bh * n + i], l_got = llse[bh * nl + li];
+                const double l_ref = (double)lse1[bh * n + i], l_got = (double)llse[bh * nl + li];
                 const double el = fabs(l_got - l_ref) / fmax(1.0, fabs(l_ref));
                 worst_lse = fmax(worst_lse, isnan(el) ? HUGE_VAL : el);
             }
@@ -266,7 +271,7 @@ static void test_matches_single_process(void) {
      * per chunk at the smallest, and a longer sequence whose blocks exceed the kernels' tiles. */
     const int64_t shapes[][6] = {
         {2, 4, 2, 37, 16, 8}, {1, 3, 1, 8, 8, 12}, {1, 2, 2, 203, 64, 64}, {2, 2, 1, 16, 32, 32}};
-    /* MHA_TEST_QUICK=1 (sanitizer builds): without the long sequence. */
+    /* MHA_TEST_QUICK=1 (sanitizer builds): without the long sequence, fewer window cases. */
     const char *quick = getenv("MHA_TEST_QUICK");
     const int skip_long = quick && quick[0] == '1';
     uint64_t seed = 1;
@@ -276,14 +281,41 @@ static void test_matches_single_process(void) {
                 const int64_t *sh = shapes[s];
                 if (sh[3] < (layout ? 2 : 1) * g_size || (skip_long && sh[3] > 100))
                     continue;
-                const ring_case rc = {sh[0],         sh[1],
-                                      sh[2],         sh[3],
-                                      sh[4],         sh[5],
-                                      causal,        (mha_shard_layout)layout,
-                                      (int)(s & 1u), s == 3 ? 20.0 : 0.0,
-                                      s == 0};
+                const ring_case rc = {sh[0],
+                                      sh[1],
+                                      sh[2],
+                                      sh[3],
+                                      sh[4],
+                                      sh[5],
+                                      causal,
+                                      (mha_shard_layout)layout,
+                                      (int)(s & 1u),
+                                      s == 3 ? 20.0 : 0.0,
+                                      s == 0,
+                                      {-2, -2},
+                                      0};
                 run_case(&rc, seed++);
             }
+    /* Windows and ALiBi (placed by global positions too), on two shapes (MHA_TEST_QUICK: the
+     * smaller one). */
+    const struct {
+        int64_t left, right;
+        int alibi;
+    } extra[] = {{3, 0, 0}, {5, 2, 0}, {-1, 4, 0}, {-2, -2, 1}, {6, -1, 1}};
+    for (size_t s = skip_long ? 1 : 0; s < 2; s++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int causal = 0; causal < 2; causal++)
+                for (size_t x = 0; x < sizeof extra / sizeof extra[0]; x++) {
+                    const int64_t *sh = shapes[s];
+                    if (sh[3] < (layout ? 2 : 1) * g_size)
+                        continue;
+                    const ring_case rc = {
+                        sh[0],         sh[1], sh[2],  sh[3],
+                        sh[4],         sh[5], causal, (mha_shard_layout)layout,
+                        (int)(s & 1u), 0.0,   0,      {extra[x].left, extra[x].right},
+                        extra[x].alibi};
+                    run_case(&rc, seed++);
+                }
 }
 
 /* One rank with bad arguments: every rank returns that rank's status, with its message. */
@@ -316,11 +348,12 @@ static void test_collective_errors(void) {
     CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
           "NULL q on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
     /* An unsupported option on the last rank: UNSUPPORTED everywhere. */
+    const float sinks[2] = {0.0f, 0.0f};
     b = a;
     if (g_rank == bad)
-        b.alibi = 1;
+        b.sinks = sinks;
     st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
-    CHECK(st == MHA_STATUS_UNSUPPORTED, "alibi on rank %d: rank %d got %s: %s", bad, g_rank,
+    CHECK(st == MHA_STATUS_UNSUPPORTED, "sinks on rank %d: rank %d got %s: %s", bad, g_rank,
           mha_status_string(st), err.message);
     /* A wrong local length on rank 0. */
     b = a;

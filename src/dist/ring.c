@@ -133,18 +133,14 @@ static mha_status check_local(const mha_ring_config *cfg,
     }
     const mha_masking *mk = &a->mask;
     const char *unsupported = NULL;
-    if (mk->causal && mk->alignment == MHA_ALIGN_EXPLICIT)
+    if (mk->alignment == MHA_ALIGN_EXPLICIT)
         unsupported = "mask.alignment=EXPLICIT";
-    else if (mk->use_window)
-        unsupported = "mask.use_window";
     else if (mk->bool_mask.data || mk->additive_mask.data)
         unsupported = "a boolean or additive mask";
     else if (mk->key_padding.data)
         unsupported = "mask.key_padding";
     else if (mk->q_segment_ids || mk->kv_segment_ids)
         unsupported = "segment ids";
-    else if (a->alibi)
-        unsupported = "alibi";
     else if (a->sinks)
         unsupported = "sinks";
     else if (a->dropout.training && a->dropout.p > 0.0f)
@@ -182,11 +178,14 @@ enum {
     AGREE_DK,
     AGREE_DV,
     AGREE_CAUSAL,
+    AGREE_WINDOW_LEFT,
+    AGREE_WINDOW_RIGHT,
+    AGREE_ALIBI,
     AGREE_COUNT
 };
-static const char *const agree_name[AGREE_COUNT] = {"",         "seq_len",    "layout",
-                                                    "batch",    "num_heads",  "num_kv_heads",
-                                                    "head_dim", "v_head_dim", "causal"};
+static const char *const agree_name[AGREE_COUNT] = {
+    "",         "seq_len",    "layout", "batch",       "num_heads",    "num_kv_heads",
+    "head_dim", "v_head_dim", "causal", "window_left", "window_right", "alibi"};
 
 /* The collective agreement: one MPI_Allreduce (MAX) of {v, -v} gives every rank the maximum and
  * the minimum of each value. v[AGREE_FAIL] = P - rank on a failing rank (0 otherwise), so the
@@ -270,12 +269,19 @@ static void pack_kv(const ring_call *c, float *dst) {
             }
 }
 
-/* The core's arguments for the rank's query rows [q_off, q_off + nq) (global start qs) against
- * key rows [k_off, k_off + nk) (global start ks) of the block `blk` of n_src rows. Returns 0 when
- * the causal mask hides the whole pair:
- *   causal: skipped if ks > qs + nq - 1 (every key after every query), unmasked if
- *   ks + nk - 1 <= qs (every key at or before every query), else causal with the explicit
- *   alignment delta = qs - ks (local key j <= local row i + delta <=> global key <= global row).
+/* Whether the mask depends on positions: then the pairs are chunk by chunk, with global
+ * positions. */
+static int positional(const mha_attention_args *a) {
+    return a->mask.causal || a->mask.use_window || a->alibi;
+}
+
+/* The core's arguments for the rank's query rows [q_off, q_off + nq) (global rows [qs, qe], qe =
+ * qs + nq - 1) against key rows [k_off, k_off + nk) (global [ks, ke]) of the block `blk` of n_src
+ * rows. Returns 0 when the mask hides the whole pair: the keys some row of the pair may see are
+ * [qs - left, qe + right] (window sides, -1 = unbounded), at most qe if causal, and the pair is
+ * skipped when that range misses [ks, ke]. A pair every key of which every row sees (causal or
+ * window, no ALiBi) runs unmasked; otherwise the rules are placed by the explicit alignment
+ * delta = qs - ks (local key j vs local row i + delta <=> global key vs global row).
  * out and lse are left to the caller. */
 static int pair_args(ring_call *c,
                      const float *blk,
@@ -288,12 +294,29 @@ static int pair_args(ring_call *c,
                      int64_t ks,
                      mha_attention_args *p) {
     const mha_attention_args *a = c->a;
+    const mha_masking *mk = &a->mask;
     *p = *a;
-    if (a->mask.causal) {
-        if (ks > qs + nq - 1)
+    if (positional(a)) {
+        const int64_t qe = qs + nq - 1, ke = ks + nk - 1;
+        /* A side longer than any sequence (N <= 2^31) is unbounded (and cannot overflow). */
+        const int64_t far = (int64_t)1 << 32;
+        const int win = mk->use_window != 0;
+        const int64_t left = win && mk->window_left <= far ? mk->window_left : -1;
+        const int64_t right = win && mk->window_right <= far ? mk->window_right : -1;
+        int64_t hi = right < 0 ? INT64_MAX : qe + right;
+        if (mk->causal && hi > qe)
+            hi = qe;
+        const int64_t lo = left < 0 ? INT64_MIN : qs - left;
+        if (ks > hi || ke < lo)
             return 0;
-        if (ks + nk - 1 <= qs) {
+        /* Every row sees every key: key range within [qe - left, qs + right] (and <= qs). */
+        int64_t all_hi = right < 0 ? INT64_MAX : qs + right;
+        if (mk->causal && all_hi > qs)
+            all_hi = qs;
+        const int64_t all_lo = left < 0 ? INT64_MIN : qe - left;
+        if (!a->alibi && ks >= all_lo && ke <= all_hi) {
             p->mask.causal = 0;
+            p->mask.use_window = 0;
         } else {
             /* One offset per batch row, all equal: global positions do not depend on b. */
             for (int64_t b = 0; b < c->B; b++)
@@ -391,19 +414,19 @@ static mha_status bwd_pair(ring_call *c,
     return mha_attention_backward(&p, &g, &c->inner, err);
 }
 
-/* Every pair of a query chunk of this rank and a key chunk of src (without a causal mask, the
+/* Every pair of a query chunk of this rank and a key chunk of src (without a positional mask, the
  * whole shards at once: the positions do not matter); acc == NULL is the forward. */
 static mha_status
 block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, mha_error *err) {
-    const int causal = c->a->mask.causal != 0;
-    const int32_t nqc = causal ? c->mine.num_chunks : 1, nkc = causal ? src->num_chunks : 1;
+    const int chunked = positional(c->a);
+    const int32_t nqc = chunked ? c->mine.num_chunks : 1, nkc = chunked ? src->num_chunks : 1;
     int64_t q_off = 0;
     for (int32_t qc = 0; qc < nqc; qc++) {
-        const int64_t nq = causal ? c->mine.len[qc] : c->mine.n_local;
+        const int64_t nq = chunked ? c->mine.len[qc] : c->mine.n_local;
         int64_t k_off = 0;
         for (int32_t kc = 0; kc < nkc; kc++) {
-            const int64_t nk = causal ? src->len[kc] : src->n_local;
-            const int64_t qs = causal ? c->mine.start[qc] : 0, ks = causal ? src->start[kc] : 0;
+            const int64_t nk = chunked ? src->len[kc] : src->n_local;
+            const int64_t qs = chunked ? c->mine.start[qc] : 0, ks = chunked ? src->start[kc] : 0;
             mha_status st =
                 acc ? bwd_pair(c, blk, acc, src->n_local, q_off, nq, qs, k_off, nk, ks, err)
                     : attend_pair(c, blk, src->n_local, q_off, nq, qs, k_off, nk, ks, err);
@@ -579,8 +602,18 @@ static mha_status ring_entry(MPI_Comm comm,
                           bwd ? 5 : 2, (long long)blk);
             }
         }
-        const int64_t mine[AGREE_COUNT] = {0,    cfg->seq_len, cfg->layout,        c.B, c.h, c.g,
-                                           c.dk, c.dv,         a->mask.causal != 0};
+        const int64_t mine[AGREE_COUNT] = {0,
+                                           cfg->seq_len,
+                                           cfg->layout,
+                                           c.B,
+                                           c.h,
+                                           c.g,
+                                           c.dk,
+                                           c.dv,
+                                           a->mask.causal != 0,
+                                           a->mask.use_window ? a->mask.window_left : -1,
+                                           a->mask.use_window ? a->mask.window_right : -1,
+                                           a->alibi != 0};
         memcpy(values, mine, sizeof mine);
     }
 
