@@ -1,87 +1,102 @@
 /* SPDX-License-Identifier: MIT */
-/* mha_mpi.h: ring attention over MPI (context parallelism), library libmha_mpi.
+/* mha_mpi.h: optional public header of libmha_mpi, ring attention over MPI (context parallelism:
+ * the sequence dimension is sharded across the ranks of a communicator). Built only when CMake
+ * finds MPI (option MHA_MPI); libmha itself never depends on MPI. docs/distributed.md has the
+ * algorithm, the shard layouts and what is supported.
  *
- * The sequence dimension of a self-attention core is sharded over the P ranks of a communicator:
- * every rank holds its rows of Q, K and V, the K/V shards travel around the ring (rank r sends to
- * r + 1 and receives from r - 1, non-blocking, overlapped with the attention on the shard already
- * received), and every rank merges its partial results exactly by their log-sum-exp
- * (mha_attention_merge), so its output rows equal those of one mha_attention call over the whole
- * sequence (up to float32 rounding of the merge, tested).
- *
- * The caller owns MPI: it initialises it (MPI_Init_thread) and passes the communicator; the
- * library never calls MPI_Init, MPI_Finalize or MPI_Abort. Every rank of the communicator must
- * make the same call with the same global sizes and options. Arguments are checked before any
- * communication and the result is agreed on by every rank (an allreduce), so a rank with bad
- * arguments makes every rank return an error instead of leaving its peers waiting.
- *
- * This header needs <mpi.h>; libmha itself never depends on MPI (see docs/distributed.md). */
+ * The caller owns MPI: it passes a communicator and calls MPI_Init/MPI_Finalize itself; nothing
+ * here calls MPI_Init, MPI_Abort, exit() or abort(). Every call below that takes a communicator is
+ * COLLECTIVE over it: every rank must make the same call, with the same config and sizes.
+ */
 #ifndef MHA_MPI_H
 #define MHA_MPI_H
 
-#include <mpi.h>
-
 #include "mha.h"
+
+#include <mpi.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/** Which global rows a rank holds (N rows, P ranks).
- *    CONTIGUOUS: rank r holds one run of rows, [s_r, s_r + n_r) with n_r = N / P (+1 for the first
- *                N % P ranks). With a causal mask the last rank does about P times the work of
- *                the first.
- *    ZIGZAG:     the rows are cut into 2P chunks of N / (2P) rows (+1 for the first N % (2P)
- *                chunks); rank r holds chunks r and 2P - 1 - r, in that order (its local rows are
- *                chunk r's, then chunk 2P - 1 - r's). Every rank then does the same causal work. */
+/** How the global sequence of N rows is cut among P ranks. The sequence is split into C chunks
+ *  (C = P contiguous, 2P zigzag), chunk c having floor(N/C) + (c < N mod C) rows, in order.
+ *    CONTIGUOUS: rank r holds chunk r.
+ *    ZIGZAG:     rank r holds chunks r and 2P-1-r (in that order): under a causal mask every rank
+ *                then does the same work (one early and one late chunk), where with CONTIGUOUS
+ *                the last rank does about 2P-1 times the work of the first. */
 typedef enum mha_shard_layout {
     MHA_SHARD_CONTIGUOUS = 0,
     MHA_SHARD_ZIGZAG = 1,
 } mha_shard_layout;
 
-/** Rows [*start, *start + *count) of piece `piece` (0 or 1) of rank `rank`'s shard, in global
- *  row numbers; *count is 0 for piece 1 of a CONTIGUOUS shard. The local rows of a rank are its
- *  pieces one after the other. */
-MHA_API mha_status mha_shard_rows(mha_shard_layout layout,
-                                  int64_t seq_len,
-                                  int ranks,
-                                  int rank,
-                                  int piece,
-                                  int64_t *start,
-                                  int64_t *count,
+/** The distributed problem: the global sequence length and its layout (same on every rank). */
+typedef struct mha_ring_config {
+    int64_t seq_len; /* N, global rows of Q, K and V; N >= C (every chunk non-empty) */
+    mha_shard_layout layout;
+} mha_ring_config;
+
+/** The rows of the global sequence that rank `rank` of `num_ranks` holds: *num_chunks (1 or 2)
+ *  chunks, chunk c being global rows [start[c], start[c] + len[c]); the rank's local rows are
+ *  these chunks one after the other (local length len[0] + len[1]). No communication.
+ *  @return MHA_STATUS_OK, or INVALID_ARG (bad layout, rank, or N < C) with outputs untouched. */
+MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
+                                  int32_t num_ranks,
+                                  int32_t rank,
+                                  int32_t *num_chunks,
+                                  int64_t start[2],
+                                  int64_t len[2],
                                   mha_error *err);
 
-/** One rank's part of a ring-attention call. `local` describes this rank's shard exactly as an
- *  mha_attention call would (q_len = kv_len = this rank's row count, from mha_shard_rows; q, k, v,
- *  out and the optional lse in their usual layouts), except:
- *    - mask.causal is the causal mask of the whole sequence (global positions); alignment must be
- *      BOTTOM_RIGHT or TOP_LEFT (identical for self-attention);
- *    - no other mask, window, ALiBi, dropout or probabilities yet (UNSUPPORTED): see
- *      docs/distributed.md;
- *    - GQA / MQA, d_k != d_v, scale, soft-cap and sinks work as in mha_attention. */
-typedef struct mha_ring_args {
-    mha_attention_args local;
-    int64_t seq_len;         /* N, the global sequence length (the same on every rank; at least
-                                one row per chunk: N >= P, ZIGZAG N >= 2P) */
-    mha_shard_layout layout; /* the same on every rank */
-} mha_ring_args;
-
-/** Ring attention forward over `comm` (every rank calls it). exec applies to this rank's local
- *  attention calls (threads, implementation, allocator). Writes local.out (and local.lse). */
+/** Ring attention, forward, over the ranks of `comm` (collective). `local` is the rank's shard of
+ *  a self-attention core call (mha.h, mha_attention_args) with q_len = kv_len = the rank's local
+ *  length (mha_ring_shard): q [B, h, n_local, d_k], k [B, g, n_local, d_k], v [B, g, n_local,
+ *  d_v], out [B, h, n_local, d_v] (any strides, last dimension contiguous) and the optional lse
+ *  [B, h, n_local]. The result, rows of the rank's chunks, equals mha_attention on the whole
+ *  sequence (N rows of Q, K, V gathered in global order):
+ *    O_i = sum_j softmax_j(scale q_i . k_j [+ softcap]) v_j,  j over all N keys (j <= i if causal)
+ *  computed as P steps: at step t the rank attends to the K/V shard of rank (rank - t) mod P
+ *  while that shard's successor travels one hop (MPI_Isend to rank + 1, MPI_Irecv from rank - 1;
+ *  only the g kv heads travel) and merges the partial results exactly by their log-sum-exp
+ *  (mha_attention_merge). Causal masks, windows and ALiBi use global positions: a (query chunk,
+ *  key chunk) pair the mask hides entirely is skipped, one whose keys every row sees runs
+ *  unmasked, others run with the explicit alignment delta = query start - key start.
+ *  Supported in this version: batch, GQA/MQA, d_v != d_k, scale, softcap, mask.causal,
+ *  mask.use_window (window_left/right), alibi (alignment BOTTOM_RIGHT or TOP_LEFT, the same when
+ *  n = m); anything else in `local` (EXPLICIT alignment, sinks, boolean/additive masks, key
+ *  padding, segment ids, dropout in training, probs) gives MHA_STATUS_UNSUPPORTED.
+ *  Errors are agreed collectively: the arguments of every rank are checked (and the ranks'
+ *  configs and sizes compared) before any data moves, then one MPI_Allreduce tells every rank;
+ *  if any rank failed, every rank returns the first failing rank's status and message (prefixed
+ *  by "rank r: "), with its outputs untouched, and none waits on a peer. A failure inside the
+ *  ring (out of memory in a local call) is agreed the same way at the end; outputs are then
+ *  partly written.
+ *  exec is used for the local attention calls (threads, pool, impl, allocator), except
+ *  exec->workspace: scratch (two K/V buffers of the largest shard, one partial output) comes from
+ *  exec->allocator. Traffic goes over a duplicate of comm, so the caller's own messages on comm
+ *  never match the ring's. MPI errors return MHA_STATUS_INTERNAL only if comm's error handler
+ *  returns (MPI's default handler aborts the job).
+ *  @return MHA_STATUS_OK, or an error (the same on every rank) with outputs untouched. */
 MHA_API mha_status mha_ring_attention(MPI_Comm comm,
-                                      const mha_ring_args *args,
+                                      const mha_ring_config *cfg,
+                                      const mha_attention_args *local,
                                       const mha_exec *exec,
                                       mha_error *err);
 
-/** Backward of mha_ring_attention over `comm` (every rank calls it): `args` as in the forward,
- *  with local.out and local.lse the forward's results for this rank's rows (both required);
- *  `grads` this rank's rows of dout (required), dq, and dk / dv of this rank's K / V rows, as in
- *  mha_attention_backward (each of dq, dk, dv, dsinks may be NULL; accumulate as there). dsinks
- *  receives the sum over every rank's rows, on every rank. Equals mha_attention_backward over the
- *  whole sequence up to float32 rounding (tested). dq accumulates in place during the ring: after
- *  an error found once the ring has started (the checks before it make one unexpected), dq may be
- *  partly written; dk, dv and dsinks are not. */
+/** Ring attention, backward (collective): the gradients of mha_ring_attention, equal to those of
+ *  mha_attention_backward on the whole sequence. `local` describes the forward exactly as it ran
+ *  on this rank, with its results: local->out (O) and local->lse (REQUIRED), the rows
+ *  mha_ring_attention wrote. grads (mha.h, mha_attention_grads) are the rank's rows: dout [B, h,
+ *  n_local, d_v] (required), dq [B, h, n_local, d_k], dk [B, g, n_local, d_k], dv [B, g, n_local,
+ *  d_v] (each may be NULL), dsinks NULL; accumulate as in mha_attention_backward.
+ *  The K/V blocks travel the ring as in the forward; each rank adds its share of dQ locally and its
+ *  share of the block's dK/dV (mha_attention_backward on each pair, with P = exp(S - lse) from the
+ *  global lse) into a dK/dV block that travels one step behind its K/V; after P steps each block's
+ *  sum reaches its owner. Scratch: five K/V-sized blocks. The same support, errors and exec as
+ *  mha_ring_attention. */
 MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
-                                               const mha_ring_args *args,
+                                               const mha_ring_config *cfg,
+                                               const mha_attention_args *local,
                                                const mha_attention_grads *grads,
                                                const mha_exec *exec,
                                                mha_error *err);
@@ -89,5 +104,4 @@ MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
 #ifdef __cplusplus
 }
 #endif
-
 #endif /* MHA_MPI_H */

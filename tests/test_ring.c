@@ -1,281 +1,409 @@
 /* SPDX-License-Identifier: MIT */
-/* test_ring.c: ring attention over MPI (mha_mpi.h), run by ctest as `mpirun -np P` for P = 1..4.
- *
- * Every rank draws the same whole Q, K, V (same seed), computes the single-process result with
- * one mha_attention call over the whole sequence, then runs mha_ring_attention on its shard and
- * checks its output and lse rows against that result within the fast path's tolerance
- * (TOL_OUT_REL: the ring adds only the float32 rounding of the lse merges). Cases: causal and
- * not, CONTIGUOUS and ZIGZAG shards, sequence lengths that do not divide evenly, GQA and MQA,
- * d_k != d_v, sinks with soft-capping. Errors: a rank with bad arguments, or ranks that disagree
- * on the sequence length, make every rank return an error (the test would hang otherwise). */
+/* test_ring.c: ring attention over MPI (mha_mpi.h) against the single-process core. Run by ctest
+ * under mpirun with 1 to 4 processes. Every rank makes the same global Q, K, V (seeded), computes
+ * the single-process mha_attention on the whole sequence, then its shard with mha_ring_attention,
+ * and checks its rows of the output and lse against the single-process ones with the core's gate
+ * (tests/common/tolerance.h): max|o - o_1| <= TOL_OUT_REL max|o_1|, |lse - lse_1| <=
+ * TOL_OUT_REL max(1, |lse_1|); then the backward (mha_ring_attention_backward vs
+ * mha_attention_backward, each gradient within TOL_GRAD_REL max|g_1|). Also: the shard layouts
+ * tile the sequence, and bad arguments on one rank make every rank return that rank's error.
+ * Each rank prints its "N passed, N failed". */
 #include "harness.h"
 #include "mha_mpi.h"
 #include "tolerance.h"
 
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int g_rank, g_ranks;
+static int g_rank, g_size;
+
+/* mha_ring_shard: the chunks of all ranks cover [0, N) once, sizes differ by at most one, and
+ * zigzag's rank r holds chunks r and 2P-1-r. */
+static void test_shards(void) {
+    const int64_t lens[] = {8, 9, 37, 100};
+    for (int layout = 0; layout < 2; layout++)
+        for (int32_t p = 1; p <= 5; p++)
+            for (size_t s = 0; s < sizeof lens / sizeof lens[0]; s++) {
+                mha_ring_config cfg = {lens[s], (mha_shard_layout)layout};
+                const int64_t chunks = layout ? 2 * p : p;
+                if (lens[s] < chunks)
+                    continue;
+                char *seen = calloc((size_t)lens[s], 1);
+                int ok = 1;
+                int64_t lo = lens[s], hi = 0;
+                for (int32_t r = 0; r < p; r++) {
+                    int32_t nc;
+                    int64_t start[2], len[2];
+                    mha_error err;
+                    ok &= mha_ring_shard(&cfg, p, r, &nc, start, len, &err) == MHA_STATUS_OK;
+                    ok &= nc == (layout ? 2 : 1);
+                    for (int32_t c = 0; c < nc; c++) {
+                        for (int64_t i = start[c]; i < start[c] + len[c]; i++)
+                            seen[i]++;
+                        lo = len[c] < lo ? len[c] : lo;
+                        hi = len[c] > hi ? len[c] : hi;
+                    }
+                    if (layout)
+                        ok &= start[0] < start[1];
+                }
+                for (int64_t i = 0; i < lens[s]; i++)
+                    ok &= seen[i] == 1;
+                CHECK(ok && hi - lo <= 1, "shards: layout %d, P=%d, N=%lld", layout, (int)p,
+                      (long long)lens[s]);
+                free(seen);
+            }
+    mha_ring_config small = {3, MHA_SHARD_ZIGZAG};
+    int32_t nc;
+    int64_t start[2], len[2];
+    mha_error err;
+    CHECK(mha_ring_shard(&small, 2, 0, &nc, start, len, &err) == MHA_STATUS_INVALID_ARG,
+          "N=3 < 4 zigzag chunks is refused");
+}
 
 typedef struct ring_case {
-    int64_t B, h, g, N, dk, dv;
-    int causal, sinks;
+    int64_t B, h, g, n, dk, dv;
+    int causal;
     mha_shard_layout layout;
+    int blhd;           /* local tensors as [B, L, h, d] (else [B, h, L, d]) */
+    double softcap;     /* 0 = off */
+    int accumulate_too; /* also check the backward's accumulate */
+    int64_t window[2];  /* use_window with (left, right) when either is not -2 */
+    int alibi;
 } ring_case;
 
-/* Copies rows of x [B, heads, N, d] that belong to `rank` into its shard [B, heads, n_local, d]. */
-static void take_shard(const float *x,
-                       int64_t B,
-                       int64_t heads,
-                       int64_t N,
-                       int64_t d,
-                       mha_shard_layout layout,
-                       int rank,
-                       float *dst) {
-    int64_t start[2], count[2], n_local = 0;
-    for (int p = 0; p < 2; p++) {
-        mha_shard_rows(layout, N, g_ranks, rank, p, &start[p], &count[p], NULL);
-        n_local += count[p];
-    }
-    for (int64_t bh = 0; bh < B * heads; bh++) {
-        float *o = dst + bh * n_local * d;
-        for (int p = 0; p < 2; p++) {
-            memcpy(o, x + (bh * N + start[p]) * d, sizeof(float) * (size_t)(count[p] * d));
-            o += count[p] * d;
+/* Strides of a [B, heads, L, d] view stored as [B, L, heads, d] (blhd) or [B, heads, L, d]. */
+static void strides_of(int blhd, int64_t heads, int64_t len, int64_t d, int64_t s[3]) {
+    s[0] = heads * len * d;
+    s[1] = blhd ? d : len * d;
+    s[2] = blhd ? heads * d : d;
+}
+
+/* Copies global rows of a [B, heads, N, d] contiguous tensor into the local view. */
+static void gather_rows(const float *g,
+                        int64_t B,
+                        int64_t heads,
+                        int64_t n,
+                        int64_t d,
+                        float *l,
+                        const int64_t ls[3],
+                        int32_t nc,
+                        const int64_t start[2],
+                        const int64_t len[2]) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hh = 0; hh < heads; hh++) {
+            int64_t li = 0;
+            for (int32_t c = 0; c < nc; c++)
+                for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++)
+                    memcpy(l + b * ls[0] + hh * ls[1] + li * ls[2],
+                           g + ((b * heads + hh) * n + i) * d, sizeof(float) * (size_t)d);
         }
-    }
 }
 
-static double max_abs(const float *x, int64_t n) {
+/* max |local - global| over this rank's rows of a [B, heads, N, d] tensor. */
+static double worst_rows(const float *l,
+                         const int64_t ls[3],
+                         const float *g,
+                         int64_t B,
+                         int64_t heads,
+                         int64_t n,
+                         int64_t d,
+                         int32_t nc,
+                         const int64_t start[2],
+                         const int64_t len[2]) {
+    double worst = 0.0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t hh = 0; hh < heads; hh++) {
+            int64_t li = 0;
+            for (int32_t c = 0; c < nc; c++)
+                for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++)
+                    for (int64_t e = 0; e < d; e++) {
+                        const double x = fabs((double)l[b * ls[0] + hh * ls[1] + li * ls[2] + e] -
+                                              (double)g[((b * heads + hh) * n + i) * d + e]);
+                        worst = fmax(worst, isnan(x) ? HUGE_VAL : x);
+                    }
+        }
+    return worst;
+}
+
+static double max_abs(const float *x, int64_t count) {
     double m = 0.0;
-    for (int64_t i = 0; i < n; i++)
-        m = fmax(m, fabs((double)x[i]));
+    for (int64_t e = 0; e < count; e++)
+        m = fmax(m, fabs((double)x[e]));
     return m;
 }
 
-static double max_diff(const float *a, const float *b, int64_t n) {
-    double m = 0.0;
-    for (int64_t i = 0; i < n; i++)
-        m = fmax(m, fabs((double)a[i] - (double)b[i]));
-    return m;
-}
-
-static void set_core(mha_attention_args *a, const ring_case *c, int64_t n) {
-    memset(a, 0, sizeof *a);
-    a->batch = c->B, a->num_heads = c->h, a->num_kv_heads = c->g;
-    a->q_len = a->kv_len = n, a->head_dim = c->dk, a->v_head_dim = c->dv;
-    a->q_strides[0] = c->h * n * c->dk, a->q_strides[1] = n * c->dk, a->q_strides[2] = c->dk;
-    a->k_strides[0] = c->g * n * c->dk, a->k_strides[1] = n * c->dk, a->k_strides[2] = c->dk;
-    a->v_strides[0] = c->g * n * c->dv, a->v_strides[1] = n * c->dv, a->v_strides[2] = c->dv;
-    a->out_strides[0] = c->h * n * c->dv, a->out_strides[1] = n * c->dv, a->out_strides[2] = c->dv;
-    a->mask.causal = c->causal;
-    if (c->sinks)
-        a->softcap = 30.0;
-}
-
-/* |got - want| <= TOL_GRAD_REL max|want| for a gradient's rows of this rank. */
-static void check_grad(const char *name,
-                       const float *whole,
-                       int64_t heads,
-                       int64_t d,
-                       const float *got,
-                       const ring_case *c) {
-    const int64_t n = c->B * heads * c->N * d;
-    int64_t rows = 0;
-    for (int p = 0; p < 2; p++) {
-        int64_t s, k;
-        mha_shard_rows(c->layout, c->N, g_ranks, g_rank, p, &s, &k, NULL);
-        rows += k;
-    }
-    float *want = malloc(sizeof(float) * (size_t)(c->B * heads * rows * d));
-    take_shard(whole, c->B, heads, c->N, d, c->layout, g_rank, want);
-    const double e = max_diff(got, want, c->B * heads * rows * d), sc = max_abs(whole, n);
-    CHECK(e <= TOL_GRAD_REL * sc,
-          "rank %d/%d %s causal=%d N=%lld g=%lld sinks=%d: ring backward %s vs one call: %.3g "
-          "(max %.3g)",
-          g_rank, g_ranks, c->layout == MHA_SHARD_ZIGZAG ? "zigzag" : "contiguous", c->causal,
-          (long long)c->N, (long long)c->g, c->sinks, name, e, sc);
-    free(want);
-}
-
-/* The ring backward (from the ring forward's out and lse) against one mha_attention_backward
- * over the whole sequence: dQ, dK, dV rows of this rank and dsinks (summed over the ranks). */
-static void check_backward(const ring_case *c,
-                           const mha_attention_args *whole,
-                           const mha_ring_args *ring,
-                           test_rng *r) {
-    const int64_t B = c->B, h = c->h, g = c->g, N = c->N, dk = c->dk, dv = c->dv;
-    const int64_t n = ring->local.q_len;
-    float *dout = malloc(sizeof(float) * (size_t)(B * h * N * dv));
-    test_fill_normal(r, dout, B * h * N * dv, 1.0f);
-    float *dq = malloc(sizeof(float) * (size_t)(B * h * N * dk));
-    float *dk_ = malloc(sizeof(float) * (size_t)(B * g * N * dk));
-    float *dv_ = malloc(sizeof(float) * (size_t)(B * g * N * dv));
-    float ds[8] = {0}, lds[8] = {0};
-    mha_attention_grads gw = {0};
-    gw.dout = dout, gw.dq = dq, gw.dk = dk_, gw.dv = dv_, gw.dsinks = c->sinks ? ds : NULL;
-    memcpy(gw.dout_strides, whole->out_strides, sizeof gw.dout_strides);
-    memcpy(gw.dq_strides, whole->q_strides, sizeof gw.dq_strides);
-    memcpy(gw.dk_strides, whole->k_strides, sizeof gw.dk_strides);
-    memcpy(gw.dv_strides, whole->v_strides, sizeof gw.dv_strides);
-    mha_exec ex = {0};
-    ex.n_threads = 1;
-    mha_error err;
-    CHECK_OK(mha_attention_backward(whole, &gw, &ex, &err), &err);
-    float *ldout = malloc(sizeof(float) * (size_t)(B * h * n * dv));
-    float *ldq = malloc(sizeof(float) * (size_t)(B * h * n * dk));
-    float *ldk = malloc(sizeof(float) * (size_t)(B * g * n * dk));
-    float *ldv = malloc(sizeof(float) * (size_t)(B * g * n * dv));
-    take_shard(dout, B, h, N, dv, c->layout, g_rank, ldout);
-    mha_attention_grads gl = {0};
-    gl.dout = ldout, gl.dq = ldq, gl.dk = ldk, gl.dv = ldv, gl.dsinks = c->sinks ? lds : NULL;
-    memcpy(gl.dout_strides, ring->local.out_strides, sizeof gl.dout_strides);
-    memcpy(gl.dq_strides, ring->local.q_strides, sizeof gl.dq_strides);
-    memcpy(gl.dk_strides, ring->local.k_strides, sizeof gl.dk_strides);
-    memcpy(gl.dv_strides, ring->local.v_strides, sizeof gl.dv_strides);
-    CHECK_OK(mha_ring_attention_backward(MPI_COMM_WORLD, ring, &gl, &ex, &err), &err);
-    check_grad("dQ", dq, h, dk, ldq, c);
-    check_grad("dK", dk_, g, dk, ldk, c);
-    check_grad("dV", dv_, g, dv, ldv, c);
-    if (c->sinks)
-        CHECK(max_diff(lds, ds, h) <= TOL_GRAD_REL * max_abs(ds, h),
-              "rank %d/%d: ring dsinks vs one call: %.3g", g_rank, g_ranks, max_diff(lds, ds, h));
-    free(dout), free(dq), free(dk_), free(dv_), free(ldout), free(ldq), free(ldk), free(ldv);
-}
-
-static void run_case(const ring_case *c) {
-    const int64_t B = c->B, h = c->h, g = c->g, N = c->N, dk = c->dk, dv = c->dv;
+static void run_case(const ring_case *rc, uint64_t seed) {
+    const int64_t B = rc->B, h = rc->h, g = rc->g, n = rc->n, dk = rc->dk, dv = rc->dv;
     test_rng r;
-    test_rng_seed(&r, 1234 + (uint64_t)N);
-    float *q = malloc(sizeof(float) * (size_t)(B * h * N * dk));
-    float *k = malloc(sizeof(float) * (size_t)(B * g * N * dk));
-    float *v = malloc(sizeof(float) * (size_t)(B * g * N * dv));
-    float *out = malloc(sizeof(float) * (size_t)(B * h * N * dv));
-    float *lse = malloc(sizeof(float) * (size_t)(B * h * N));
-    float sinks[8];
-    test_fill_normal(&r, q, B * h * N * dk, 1.0f);
-    test_fill_normal(&r, k, B * g * N * dk, 1.0f);
-    test_fill_normal(&r, v, B * g * N * dv, 1.0f);
-    test_fill_normal(&r, sinks, 8, 1.0f);
-    mha_exec ex = {0};
-    ex.n_threads = 1;
+    test_rng_seed(&r, seed);
+    float *q = malloc(sizeof(float) * (size_t)(B * h * n * dk));
+    float *k = malloc(sizeof(float) * (size_t)(B * g * n * dk));
+    float *v = malloc(sizeof(float) * (size_t)(B * g * n * dv));
+    float *o1 = malloc(sizeof(float) * (size_t)(B * h * n * dv));
+    float *lse1 = malloc(sizeof(float) * (size_t)(B * h * n));
+    test_fill_normal(&r, q, B * h * n * dk, 1.0f);
+    test_fill_normal(&r, k, B * g * n * dk, 1.0f);
+    test_fill_normal(&r, v, B * g * n * dv, 1.0f);
+
+    /* The single-process call on the whole sequence, [B, heads, N, d] contiguous. */
+    mha_attention_args a = {0};
+    a.batch = B, a.num_heads = h, a.num_kv_heads = g, a.q_len = n, a.kv_len = n;
+    a.head_dim = dk, a.v_head_dim = dv, a.softcap = rc->softcap;
+    a.q = q, a.k = k, a.v = v, a.out = o1, a.lse = lse1;
+    strides_of(0, h, n, dk, a.q_strides);
+    strides_of(0, g, n, dk, a.k_strides);
+    strides_of(0, g, n, dv, a.v_strides);
+    strides_of(0, h, n, dv, a.out_strides);
+    a.mask.causal = rc->causal;
+    a.mask.use_window = rc->window[0] != -2 || rc->window[1] != -2;
+    a.mask.window_left = rc->window[0], a.mask.window_right = rc->window[1];
+    a.alibi = rc->alibi;
     mha_error err;
-    mha_attention_args whole;
-    set_core(&whole, c, N);
-    whole.q = q, whole.k = k, whole.v = v, whole.out = out, whole.lse = lse;
-    whole.sinks = c->sinks ? sinks : NULL;
-    CHECK_OK(mha_attention(&whole, &ex, &err), &err);
+    CHECK_OK(mha_attention(&a, NULL, &err), &err);
 
-    int64_t n_local = 0;
-    for (int p = 0; p < 2; p++) {
-        int64_t s, n;
-        mha_shard_rows(c->layout, N, g_ranks, g_rank, p, &s, &n, NULL);
-        n_local += n;
+    /* This rank's shard. */
+    mha_ring_config cfg = {n, rc->layout};
+    int32_t nc;
+    int64_t start[2], len[2];
+    CHECK_OK(mha_ring_shard(&cfg, g_size, g_rank, &nc, start, len, &err), &err);
+    const int64_t nl = len[0] + (nc > 1 ? len[1] : 0);
+    mha_attention_args l = a;
+    l.q_len = l.kv_len = nl;
+    float *lq = malloc(sizeof(float) * (size_t)(B * h * nl * dk));
+    float *lk = malloc(sizeof(float) * (size_t)(B * g * nl * dk));
+    float *lv = malloc(sizeof(float) * (size_t)(B * g * nl * dv));
+    float *lo = malloc(sizeof(float) * (size_t)(B * h * nl * dv));
+    float *llse = malloc(sizeof(float) * (size_t)(B * h * nl));
+    strides_of(rc->blhd, h, nl, dk, l.q_strides);
+    strides_of(rc->blhd, g, nl, dk, l.k_strides);
+    strides_of(rc->blhd, g, nl, dv, l.v_strides);
+    strides_of(rc->blhd, h, nl, dv, l.out_strides);
+    gather_rows(q, B, h, n, dk, lq, l.q_strides, nc, start, len);
+    gather_rows(k, B, g, n, dk, lk, l.k_strides, nc, start, len);
+    gather_rows(v, B, g, n, dv, lv, l.v_strides, nc, start, len);
+    l.q = lq, l.k = lk, l.v = lv, l.out = lo, l.lse = llse;
+    mha_exec ex = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
+    CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &l, &ex, &err), &err);
+
+    /* Compare this rank's rows with the single-process ones. */
+    const double scale = max_abs(o1, B * h * n * dv);
+    const double worst = worst_rows(lo, l.out_strides, o1, B, h, n, dv, nc, start, len);
+    double worst_lse = 0.0;
+    for (int64_t bh = 0; bh < B * h; bh++) {
+        int64_t li = 0;
+        for (int32_t c = 0; c < nc; c++)
+            for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++) {
+                const double l_ref = (double)lse1[bh * n + i], l_got = (double)llse[bh * nl + li];
+                const double el = fabs(l_got - l_ref) / fmax(1.0, fabs(l_ref));
+                worst_lse = fmax(worst_lse, isnan(el) ? HUGE_VAL : el);
+            }
     }
-    float *lq = malloc(sizeof(float) * (size_t)(B * h * n_local * dk));
-    float *lk = malloc(sizeof(float) * (size_t)(B * g * n_local * dk));
-    float *lv = malloc(sizeof(float) * (size_t)(B * g * n_local * dv));
-    float *lo = malloc(sizeof(float) * (size_t)(B * h * n_local * dv));
-    float *ll = malloc(sizeof(float) * (size_t)(B * h * n_local));
-    float *want_o = malloc(sizeof(float) * (size_t)(B * h * n_local * dv));
-    float *want_l = malloc(sizeof(float) * (size_t)(B * h * n_local));
-    take_shard(q, B, h, N, dk, c->layout, g_rank, lq);
-    take_shard(k, B, g, N, dk, c->layout, g_rank, lk);
-    take_shard(v, B, g, N, dv, c->layout, g_rank, lv);
-    take_shard(out, B, h, N, dv, c->layout, g_rank, want_o);
-    take_shard(lse, B, h, N, 1, c->layout, g_rank, want_l);
+    CHECK(worst <= TOL_OUT_REL * scale,
+          "rank %d/%d %s %s B=%lld h=%lld g=%lld N=%lld: max|o-o1|=%.3g, max|o1|=%.3g", g_rank,
+          g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
+          (long long)B, (long long)h, (long long)g, (long long)n, worst, scale);
+    CHECK(worst_lse <= TOL_OUT_REL, "rank %d/%d %s %s N=%lld: max|lse-lse1|/max(1,|lse1|)=%.3g",
+          g_rank, g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
+          (long long)n, worst_lse);
 
-    mha_ring_args ra;
-    memset(&ra, 0, sizeof ra);
-    set_core(&ra.local, c, n_local);
-    ra.local.q = lq, ra.local.k = lk, ra.local.v = lv, ra.local.out = lo, ra.local.lse = ll;
-    ra.local.sinks = c->sinks ? sinks : NULL;
-    ra.seq_len = N, ra.layout = c->layout;
-    CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &ra, &ex, &err), &err);
-    const double e = max_diff(lo, want_o, B * h * n_local * dv);
-    const double el = max_diff(ll, want_l, B * h * n_local);
-    CHECK(e <= TOL_OUT_REL * max_abs(want_o, B * h * n_local * dv) &&
-              el <= TOL_OUT_REL * max_abs(want_l, B * h * n_local),
-          "rank %d/%d %s causal=%d B=%lld h=%lld g=%lld N=%lld dk=%lld dv=%lld sinks=%d: ring vs "
-          "one call: out %.3g, lse %.3g",
-          g_rank, g_ranks, c->layout == MHA_SHARD_ZIGZAG ? "zigzag" : "contiguous", c->causal,
-          (long long)B, (long long)h, (long long)g, (long long)N, (long long)dk, (long long)dv,
-          c->sinks, e, el);
-    check_backward(c, &whole, &ra, &r);
-    free(q), free(k), free(v), free(out), free(lse);
-    free(lq), free(lk), free(lv), free(lo), free(ll), free(want_o), free(want_l);
+    /* Backward: the single-process gradients of a random dO, then the ring's. */
+    float *dout = malloc(sizeof(float) * (size_t)(B * h * n * dv));
+    float *dq1 = malloc(sizeof(float) * (size_t)(B * h * n * dk));
+    float *dk1 = malloc(sizeof(float) * (size_t)(B * g * n * dk));
+    float *dv1 = malloc(sizeof(float) * (size_t)(B * g * n * dv));
+    test_fill_normal(&r, dout, B * h * n * dv, 1.0f);
+    mha_attention_grads g1 = {0};
+    g1.dout = dout, g1.dq = dq1, g1.dk = dk1, g1.dv = dv1;
+    memcpy(g1.dout_strides, a.out_strides, sizeof a.out_strides);
+    memcpy(g1.dq_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(g1.dk_strides, a.k_strides, sizeof a.k_strides);
+    memcpy(g1.dv_strides, a.v_strides, sizeof a.v_strides);
+    CHECK_OK(mha_attention_backward(&a, &g1, NULL, &err), &err);
+    float *ldout = malloc(sizeof(float) * (size_t)(B * h * nl * dv));
+    float *ldq = malloc(sizeof(float) * (size_t)(B * h * nl * dk));
+    float *ldk = malloc(sizeof(float) * (size_t)(B * g * nl * dk));
+    float *ldv = malloc(sizeof(float) * (size_t)(B * g * nl * dv));
+    gather_rows(dout, B, h, n, dv, ldout, l.out_strides, nc, start, len);
+    mha_attention_grads lg = {0};
+    lg.dout = ldout, lg.dq = ldq, lg.dk = ldk, lg.dv = ldv;
+    memcpy(lg.dout_strides, l.out_strides, sizeof l.out_strides);
+    memcpy(lg.dq_strides, l.q_strides, sizeof l.q_strides);
+    memcpy(lg.dk_strides, l.k_strides, sizeof l.k_strides);
+    memcpy(lg.dv_strides, l.v_strides, sizeof l.v_strides);
+    CHECK_OK(mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &l, &lg, &ex, &err), &err);
+    const struct {
+        const char *name;
+        const float *local, *global;
+        const int64_t *ls;
+        int64_t heads, d;
+    } gt[3] = {{"dq", ldq, dq1, l.q_strides, h, dk},
+               {"dk", ldk, dk1, l.k_strides, g, dk},
+               {"dv", ldv, dv1, l.v_strides, g, dv}};
+    for (int t = 0; t < 3; t++) {
+        const double gs = max_abs(gt[t].global, B * gt[t].heads * n * gt[t].d);
+        const double gw = worst_rows(gt[t].local, gt[t].ls, gt[t].global, B, gt[t].heads, n,
+                                     gt[t].d, nc, start, len);
+        CHECK(gw <= TOL_GRAD_REL * gs, "rank %d/%d %s %s N=%lld: max|%s-%s1|=%.3g, max|%s1|=%.3g",
+              g_rank, g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
+              (long long)n, gt[t].name, gt[t].name, gw, gt[t].name, gs);
+    }
+    /* accumulate: a second call adds the same gradients (dq, dk, dv become 2x, exactly up to the
+     * one rounding of the sum: the second call's sums are the first's bits). */
+    if (rc->accumulate_too) {
+        lg.accumulate = 1;
+        float *copy = malloc(sizeof(float) * (size_t)(B * g * nl * dk));
+        memcpy(copy, ldk, sizeof(float) * (size_t)(B * g * nl * dk));
+        CHECK_OK(mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &l, &lg, &ex, &err), &err);
+        int same = 1;
+        for (int64_t e = 0; e < B * g * nl * dk; e++)
+            same &= ldk[e] == 2.0f * copy[e];
+        CHECK(same, "rank %d/%d: accumulate adds the same dk", g_rank, g_size);
+        free(copy);
+    }
+    free(dout), free(dq1), free(dk1), free(dv1), free(ldout), free(ldq), free(ldk), free(ldv);
+    free(q), free(k), free(v), free(o1), free(lse1);
+    free(lq), free(lk), free(lv), free(lo), free(llse);
 }
 
-/* One rank's bad arguments (rank P-1: a wrong local length; no grads and no lse in the backward;
- * a different seq_len) make every rank fail: a rank that returned early while its peers wait
- * would hang the test. */
-static void test_errors_agreed(void) {
-    const ring_case c = {1, 2, 2, 16, 8, 8, 1, 0, MHA_SHARD_CONTIGUOUS};
-    int64_t s, n;
-    mha_shard_rows(c.layout, c.N, g_ranks, g_rank, 0, &s, &n, NULL);
-    float *buf = calloc((size_t)(4 * 2 * c.N * 8), sizeof(float));
-    for (int variant = 0; variant < 2; variant++) {
-        mha_ring_args ra;
-        memset(&ra, 0, sizeof ra);
-        set_core(&ra.local, &c, n);
-        ra.local.q = ra.local.k = ra.local.v = buf;
-        ra.local.out = buf + 2 * 2 * c.N * 8;
-        ra.seq_len = c.N, ra.layout = c.layout;
-        const int culprit = g_rank == g_ranks - 1;
-        if (culprit && variant == 0)
-            ra.local.q_len = ra.local.kv_len = n + 1;
-        if (culprit && variant == 1 && g_ranks > 1) {
-            ra.seq_len = c.N + g_ranks; /* its own rows may still fit: the allreduce must see it */
-            int64_t s2, n2;
-            mha_shard_rows(c.layout, ra.seq_len, g_ranks, g_rank, 0, &s2, &n2, NULL);
-            ra.local.q_len = ra.local.kv_len = n2;
-        }
-        mha_error err = {0};
-        mha_status st = mha_ring_attention(MPI_COMM_WORLD, &ra, NULL, &err);
-        if (variant == 0) { /* the backward: no lse and no grads on the culprit */
-            float lse[2 * 16] = {0};
-            ra.local.lse = culprit ? NULL : lse;
-            ra.local.q_len = ra.local.kv_len = n;
-            mha_attention_grads gr = {0};
-            gr.dout = buf, gr.dq = buf + 2 * 2 * c.N * 8;
-            memcpy(gr.dout_strides, ra.local.out_strides, sizeof gr.dout_strides);
-            memcpy(gr.dq_strides, ra.local.q_strides, sizeof gr.dq_strides);
-            mha_error err2 = {0};
-            const mha_status st2 =
-                mha_ring_attention_backward(MPI_COMM_WORLD, &ra, culprit ? NULL : &gr, NULL, &err2);
-            CHECK(st2 == MHA_STATUS_INVALID_ARG && err2.message[0],
-                  "rank %d/%d: the backward fails on every rank (status %d: %s)", g_rank, g_ranks,
-                  (int)st2, err2.message);
-        }
-        if (variant == 0 || g_ranks > 1)
-            CHECK(st == MHA_STATUS_INVALID_ARG && err.message[0],
-                  "rank %d/%d variant %d: every rank fails (status %d: %s)", g_rank, g_ranks,
-                  variant, (int)st, err.message);
+static void test_matches_single_process(void) {
+    /* B h g N d_k d_v: GQA (h/g = 2, MQA), N divisible by no chunk count (uneven shards), 1 row
+     * per chunk at the smallest, and a longer sequence whose blocks exceed the kernels' tiles. */
+    const int64_t shapes[][6] = {
+        {2, 4, 2, 37, 16, 8}, {1, 3, 1, 8, 8, 12}, {1, 2, 2, 203, 64, 64}, {2, 2, 1, 16, 32, 32}};
+    /* MHA_TEST_QUICK=1 (sanitizer builds): without the long sequence, fewer window cases. */
+    const char *quick = getenv("MHA_TEST_QUICK");
+    const int skip_long = quick && quick[0] == '1';
+    uint64_t seed = 1;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int causal = 0; causal < 2; causal++) {
+                const int64_t *sh = shapes[s];
+                if (sh[3] < (layout ? 2 : 1) * g_size || (skip_long && sh[3] > 100))
+                    continue;
+                const ring_case rc = {sh[0],
+                                      sh[1],
+                                      sh[2],
+                                      sh[3],
+                                      sh[4],
+                                      sh[5],
+                                      causal,
+                                      (mha_shard_layout)layout,
+                                      (int)(s & 1u),
+                                      s == 3 ? 20.0 : 0.0,
+                                      s == 0,
+                                      {-2, -2},
+                                      0};
+                run_case(&rc, seed++);
+            }
+    /* Windows and ALiBi (placed by global positions too), on two shapes (MHA_TEST_QUICK: the
+     * smaller one). */
+    const struct {
+        int64_t left, right;
+        int alibi;
+    } extra[] = {{3, 0, 0}, {5, 2, 0}, {-1, 4, 0}, {-2, -2, 1}, {6, -1, 1}};
+    for (size_t s = skip_long ? 1 : 0; s < 2; s++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int causal = 0; causal < 2; causal++)
+                for (size_t x = 0; x < sizeof extra / sizeof extra[0]; x++) {
+                    const int64_t *sh = shapes[s];
+                    if (sh[3] < (layout ? 2 : 1) * g_size)
+                        continue;
+                    const ring_case rc = {
+                        sh[0],         sh[1], sh[2],  sh[3],
+                        sh[4],         sh[5], causal, (mha_shard_layout)layout,
+                        (int)(s & 1u), 0.0,   0,      {extra[x].left, extra[x].right},
+                        extra[x].alibi};
+                    run_case(&rc, seed++);
+                }
+}
+
+/* One rank with bad arguments: every rank returns that rank's status, with its message. */
+static void test_collective_errors(void) {
+    const int64_t B = 1, h = 2, n = 4 * (int64_t)g_size, d = 8;
+    mha_ring_config cfg = {n, MHA_SHARD_ZIGZAG};
+    int32_t nc;
+    int64_t start[2], len[2];
+    mha_error err;
+    mha_ring_shard(&cfg, g_size, g_rank, &nc, start, len, &err);
+    const int64_t nl = len[0] + len[1];
+    float *x = calloc((size_t)(B * h * nl * d), sizeof(float));
+    float *o = calloc((size_t)(B * h * nl * d), sizeof(float));
+    mha_attention_args a = {0};
+    a.batch = B, a.num_heads = h, a.q_len = a.kv_len = nl, a.head_dim = d;
+    a.q = a.k = a.v = x, a.out = o;
+    strides_of(0, h, nl, d, a.q_strides);
+    memcpy(a.k_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.v_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.out_strides, a.q_strides, sizeof a.q_strides);
+    const int bad = g_size - 1;
+
+    /* A NULL query on the last rank: INVALID_ARG everywhere, "rank P-1: ..." everywhere. */
+    mha_attention_args b = a;
+    if (g_rank == bad)
+        b.q = NULL;
+    mha_status st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "rank %d: ", bad);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
+          "NULL q on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
+    /* An unsupported option on the last rank: UNSUPPORTED everywhere. */
+    const float sinks[2] = {0.0f, 0.0f};
+    b = a;
+    if (g_rank == bad)
+        b.sinks = sinks;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED, "sinks on rank %d: rank %d got %s: %s", bad, g_rank,
+          mha_status_string(st), err.message);
+    /* A wrong local length on rank 0. */
+    b = a;
+    if (g_rank == 0)
+        b.q_len = nl + 1;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, "rank 0: ", 8) == 0,
+          "q_len on rank 0: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
+    /* Ranks that disagree on the head count (each valid alone). */
+    if (g_size > 1) {
+        b = a;
+        if (g_rank == bad)
+            b.num_heads = 1;
+        st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+        CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "num_heads"),
+              "num_heads differs on rank %d: rank %d got %s: %s", bad, g_rank,
+              mha_status_string(st), err.message);
     }
-    free(buf);
+    /* The backward without the forward's lse on the last rank. */
+    float *lse = malloc(sizeof(float) * (size_t)(B * h * nl));
+    float *dq = malloc(sizeof(float) * (size_t)(B * h * nl * d));
+    b = a;
+    b.lse = lse;
+    CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err), &err);
+    mha_attention_grads gr = {0};
+    gr.dout = x, gr.dq = dq;
+    memcpy(gr.dout_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(gr.dq_strides, a.q_strides, sizeof a.q_strides);
+    if (g_rank == bad)
+        b.lse = NULL;
+    st = mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &b, &gr, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
+          "backward without lse on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
+          err.message);
+    free(lse), free(dq);
+    /* And the same call with good arguments still works afterwards, without lse. */
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &a, NULL, &err);
+    CHECK(st == MHA_STATUS_OK, "good call after errors: rank %d got %s: %s", g_rank,
+          mha_status_string(st), err.message);
+    free(x), free(o);
 }
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &g_ranks);
-    static const ring_case shapes[] = {
-        {2, 4, 2, 37, 16, 24, 0, 0, MHA_SHARD_CONTIGUOUS}, /* GQA, d_k != d_v, N % P != 0 */
-        {1, 4, 1, 64, 32, 32, 0, 1, MHA_SHARD_CONTIGUOUS}, /* MQA, sinks + soft-cap */
-        {2, 3, 3, 29, 8, 8, 0, 0, MHA_SHARD_CONTIGUOUS},   /* MHA, 29 rows */
-    };
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
-        for (int causal = 0; causal < 2; causal++)
-            for (int zz = 0; zz < 2; zz++) {
-                ring_case c = shapes[i];
-                c.causal = causal;
-                c.layout = zz ? MHA_SHARD_ZIGZAG : MHA_SHARD_CONTIGUOUS;
-                run_case(&c);
-            }
-    test_errors_agreed();
-    const int failed = test_finish();
+    MPI_Comm_size(MPI_COMM_WORLD, &g_size);
+    test_shards();
+    test_matches_single_process();
+    test_collective_errors();
+    const int rc = test_finish();
     MPI_Finalize();
-    return failed;
+    return rc;
 }

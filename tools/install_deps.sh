@@ -7,8 +7,9 @@
 #                                        cJSON (Debian packages only, no Python package)
 #   bash tools/install_deps.sh [--test]  everything tools/test.sh needs: the above, clang-14 (+ its
 #                                        runtime, for libFuzzer and TSan), clang-format-14, cppcheck,
-#                                        valgrind, pkg-config, Open MPI, the aarch64 cross compiler,
-#                                        qemu-user and arm64 cJSON, Python's venv and headers, and the
+#                                        valgrind, pkg-config, the aarch64 cross compiler, qemu-user
+#                                        and arm64 cJSON, Python's venv and headers, Open MPI
+#                                        (mpicc, mpirun: ring attention's tests), and the
 #                                        pinned Python test packages (python/requirements-test.txt)
 #                                        in the virtual environment .venv/ of the checkout (never the
 #                                        system Python, which Debian marks externally managed).

@@ -1,32 +1,13 @@
 /* SPDX-License-Identifier: MIT */
-/* ring.c: ring attention over MPI (mha_mpi.h), built on the public attention core only.
+/* ring.c: ring attention over MPI (mha_mpi.h), the forward. Built into libmha_mpi only, on top of
+ * libmha's PUBLIC calls: mha_attention_supported checks each rank's local arguments,
+ * mha_attention computes every (query chunk, key chunk) partial result with its lse, and
+ * mha_attention_merge folds the partials into the output exactly. Nothing here includes the
+ * library's internals (tests/check_layout.sh: the dist part includes only public headers).
  *
- * Rank r holds its shard's rows of Q, K, V: one piece (CONTIGUOUS) or two (ZIGZAG) of global
- * rows. The K/V shards travel around the ring in P steps; at step t rank r holds the shard of
- * rank src = r - t (mod P), packed as K [B, g, n_src, d_k] and V [B, g, n_src, d_v] in one buffer.
- * For every pair (local query piece, held key piece) it computes the partial attention
- *   o_p, lse_p = mha_attention(Q piece, K piece, V piece)
- * with the causal mask in global positions: key j of a piece starting at ks is visible to query i
- * of a piece starting at qs iff ks + j <= qs + i, i.e. the core's causal mask with
- * delta = qs - ks (MHA_ALIGN_EXPLICIT). A pair no row of which sees a key is skipped; a pair every
- * row of which sees every key runs without the mask. The partials are merged into the output by
- * their log-sum-exp:
- *   lse = log(e^lse_a + e^lse_b),  o = e^(lse_a - lse) o_a + e^(lse_b - lse) o_b
- * (mha_attention_merge; a partial with lse = -inf contributes nothing). Sinks enter once, with
- * the step-0 pair of a piece with itself (the diagonal pair, which every row of a causal piece
- * sees part of).
- *
- * Backward: the same walk; each pair runs the core's backward with the forward's final lse and O
- * (P = exp(S - lse), D_i = dO_i . O_i are the whole sequence's), so its shares of dQ, dK, dV are
- * exact and add up; dK / dV of the held shard travel with it and reach their owner after P steps.
- *
- * Overlap: at step t the receive of the next shard (from r - 1) and the send of the held one (to
- * r + 1) are posted before the attention on the held shard and completed after it: double
- * buffering, so the transfer runs behind the compute.
- *
- * Failure: every check runs before any communication, and an allreduce agrees on the outcome and
- * on the global sizes; a compute error during the ring (which the checks make unexpected) keeps
- * the communication going and is agreed on at the end, so no rank is left waiting. */
+ * Buffers (floats): two K/V blocks of the largest shard, B g n_max (d_k + d_v) each (one being
+ * computed on while the other is received), one partial output B h n_max d_v and its lse
+ * B h n_max, and the lse accumulator B h n_local when the caller passes no lse. */
 #include "mha_mpi.h"
 
 #include <limits.h>
@@ -36,520 +17,670 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { RING_TAG = 0x6d68 }; /* on a duplicate of the caller's communicator: no clash */
-
+static void set_error(mha_error *err, mha_status status, const char *fmt, ...)
 #if defined(__GNUC__)
-__attribute__((format(printf, 3, 4)))
+    __attribute__((format(printf, 3, 4)))
 #endif
-static mha_status
-fail(mha_error *err, mha_status status, const char *fmt, ...) {
-    if (err) {
-        va_list ap;
-        va_start(ap, fmt);
-        err->status = status;
-        vsnprintf(err->message, sizeof err->message, fmt, ap);
-        va_end(ap);
-    }
-    return status;
+    ;
+static void set_error(mha_error *err, mha_status status, const char *fmt, ...) {
+    if (!err)
+        return;
+    err->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
 }
 
-mha_status mha_shard_rows(mha_shard_layout layout,
-                          int64_t seq_len,
-                          int ranks,
-                          int rank,
-                          int piece,
-                          int64_t *start,
-                          int64_t *count,
+static void *ring_alloc(const mha_allocator *a, size_t bytes) {
+    if (a && a->alloc)
+        return a->alloc(a->user, bytes, 64);
+    return malloc(bytes);
+}
+
+static void ring_free(const mha_allocator *a, void *p) {
+    if (!p)
+        return;
+    if (a && a->free)
+        a->free(a->user, p);
+    else
+        free(p);
+}
+
+/* Chunk c of C over N rows: floor(N/C) rows, one more for the first N mod C chunks. */
+static int64_t chunk_start(int64_t n, int64_t c_count, int64_t c) {
+    const int64_t base = n / c_count, extra = n % c_count;
+    return c * base + (c < extra ? c : extra);
+}
+
+mha_status mha_ring_shard(const mha_ring_config *cfg,
+                          int32_t num_ranks,
+                          int32_t rank,
+                          int32_t *num_chunks,
+                          int64_t start[2],
+                          int64_t len[2],
                           mha_error *err) {
-    if (!start || !count)
-        return fail(err, MHA_STATUS_INVALID_ARG, "mha_shard_rows: start and count are required");
-    if (ranks < 1 || rank < 0 || rank >= ranks || piece < 0 || piece > 1 || seq_len < 0)
-        return fail(err, MHA_STATUS_INVALID_ARG,
-                    "mha_shard_rows: rank=%d of ranks=%d, piece=%d, seq_len=%lld out of range",
-                    rank, ranks, piece, (long long)seq_len);
-    if (layout != MHA_SHARD_CONTIGUOUS && layout != MHA_SHARD_ZIGZAG)
-        return fail(err, MHA_STATUS_INVALID_ARG, "mha_shard_rows: unknown layout %d", (int)layout);
-    /* chunks of N / C rows, the first N % C one longer; chunk c starts at c * base + min(c, rem) */
-    const int64_t chunks = layout == MHA_SHARD_ZIGZAG ? 2 * (int64_t)ranks : ranks;
-    const int64_t base = seq_len / chunks, rem = seq_len % chunks;
-    if (layout == MHA_SHARD_CONTIGUOUS && piece == 1) {
-        *start = seq_len, *count = 0;
-        return MHA_STATUS_OK;
+    if (!cfg || !num_chunks || !start || !len) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "mha_ring_shard: cfg, num_chunks, start and len "
+                  "must not be NULL");
+        return MHA_STATUS_INVALID_ARG;
     }
-    const int64_t c = piece == 0 ? rank : chunks - 1 - rank;
-    *start = c * base + (c < rem ? c : rem);
-    *count = base + (c < rem);
+    if (cfg->layout != MHA_SHARD_CONTIGUOUS && cfg->layout != MHA_SHARD_ZIGZAG) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_config.layout=%d is not a layout",
+                  (int)cfg->layout);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    if (num_ranks < 1 || rank < 0 || rank >= num_ranks) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "rank %d of %d ranks", (int)rank, (int)num_ranks);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const int64_t c_count = cfg->layout == MHA_SHARD_ZIGZAG ? 2 * (int64_t)num_ranks : num_ranks;
+    if (cfg->seq_len < c_count || cfg->seq_len > ((int64_t)1 << 31)) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "mha_ring_config.seq_len=%lld must be in [%lld, 2^31] (one row per chunk)",
+                  (long long)cfg->seq_len, (long long)c_count);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const int64_t n = cfg->seq_len;
+    const int64_t chunks[2] = {rank, c_count - 1 - rank};
+    *num_chunks = cfg->layout == MHA_SHARD_ZIGZAG ? 2 : 1;
+    for (int32_t c = 0; c < 2; c++) {
+        start[c] = c < *num_chunks ? chunk_start(n, c_count, chunks[c]) : 0;
+        len[c] = c < *num_chunks ? chunk_start(n, c_count, chunks[c] + 1) - start[c] : 0;
+    }
     return MHA_STATUS_OK;
 }
 
-/* The (at most two) pieces of a rank's shard: global start, row count, offset in the shard. */
-typedef struct shard {
-    int64_t start[2], count[2], offset[2];
-    int64_t rows;
-} shard;
+/* The rank's chunks, and the largest local length of any rank (the size of a K/V buffer). */
+typedef struct ring_shard {
+    int32_t num_chunks;
+    int64_t start[2], len[2], n_local;
+} ring_shard;
 
-static shard shard_of(mha_shard_layout layout, int64_t seq_len, int ranks, int rank) {
-    shard s;
-    s.rows = 0;
-    for (int p = 0; p < 2; p++) {
-        mha_shard_rows(layout, seq_len, ranks, rank, p, &s.start[p], &s.count[p], NULL);
-        s.offset[p] = s.rows;
-        s.rows += s.count[p];
-    }
+static ring_shard shard_of(const mha_ring_config *cfg, int32_t p, int32_t rank) {
+    ring_shard s;
+    mha_ring_shard(cfg, p, rank, &s.num_chunks, s.start, s.len, NULL);
+    s.n_local = s.len[0] + s.len[1];
     return s;
 }
 
-/* Everything a rank can check alone, before any communication. */
-static mha_status check_local(const mha_ring_args *a,
-                              int backward,
+/* Local checks of one rank, before anything is allocated or sent. */
+static mha_status check_local(const mha_ring_config *cfg,
+                              int32_t p,
+                              int32_t rank,
+                              const mha_attention_args *a,
+                              int bwd,
                               const mha_attention_grads *grads,
                               const mha_exec *exec,
-                              int ranks,
-                              int rank,
                               mha_error *err) {
-    if (!a)
-        return fail(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: args is NULL");
-    if (a->layout != MHA_SHARD_CONTIGUOUS && a->layout != MHA_SHARD_ZIGZAG)
-        return fail(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: unknown layout %d",
-                    (int)a->layout);
-    const int64_t chunks = a->layout == MHA_SHARD_ZIGZAG ? 2 * (int64_t)ranks : ranks;
-    if (a->seq_len < chunks) /* every rank holds at least one row (of each piece) */
-        return fail(err, MHA_STATUS_INVALID_ARG,
-                    "mha_ring_attention: seq_len=%lld is shorter than the %lld chunks of %d ranks",
-                    (long long)a->seq_len, (long long)chunks, ranks);
-    const mha_attention_args *l = &a->local;
-    const shard s = shard_of(a->layout, a->seq_len, ranks, rank);
-    if (l->q_len != s.rows || l->kv_len != s.rows)
-        return fail(err, MHA_STATUS_INVALID_ARG,
-                    "mha_ring_attention: rank %d holds %lld rows of seq_len=%lld, but local.q_len="
-                    "%lld and local.kv_len=%lld",
-                    rank, (long long)s.rows, (long long)a->seq_len, (long long)l->q_len,
-                    (long long)l->kv_len);
-    const mha_masking *m = &l->mask;
-    if (m->alignment == MHA_ALIGN_EXPLICIT || m->use_window || m->bool_mask.data ||
-        m->additive_mask.data || m->key_padding.data || m->q_segment_ids || m->kv_segment_ids ||
-        l->alibi || l->probs || (l->dropout.training && l->dropout.p > 0.0f))
-        return fail(err, MHA_STATUS_UNSUPPORTED,
-                    "mha_ring_attention: only the causal mask (global positions) is supported; "
-                    "explicit alignment, windows, masks, key padding, segments, ALiBi, dropout "
-                    "and probabilities are not (yet)");
-    if (!backward)
-        return mha_attention_supported(l, exec, err);
-    if (!grads || !l->out || !l->lse || !grads->dout)
-        return fail(err, MHA_STATUS_INVALID_ARG,
-                    "mha_ring_attention_backward: grads, grads->dout, and local.out and "
-                    "local.lse (the forward's results) are required");
-    if (l->num_heads > 1024)
-        return fail(err, MHA_STATUS_UNSUPPORTED,
-                    "mha_ring_attention_backward: num_heads=%lld > 1024", (long long)l->num_heads);
-    size_t bytes = 0; /* checks fwd and grads as mha_attention_backward will */
-    return mha_attention_backward_workspace_size(l, grads, exec, &bytes, err);
+    int32_t nc;
+    int64_t start[2], len[2];
+    if (!a) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: local args must not be NULL");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    mha_status st = mha_ring_shard(cfg, p, rank, &nc, start, len, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    const int64_t n_local = len[0] + len[1];
+    if (a->q_len != n_local || a->kv_len != n_local) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "local q_len=%lld, kv_len=%lld: this rank's shard has %lld rows "
+                  "(mha_ring_shard)",
+                  (long long)a->q_len, (long long)a->kv_len, (long long)n_local);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const mha_masking *mk = &a->mask;
+    const char *unsupported = NULL;
+    if (mk->alignment == MHA_ALIGN_EXPLICIT)
+        unsupported = "mask.alignment=EXPLICIT";
+    else if (mk->bool_mask.data || mk->additive_mask.data)
+        unsupported = "a boolean or additive mask";
+    else if (mk->key_padding.data)
+        unsupported = "mask.key_padding";
+    else if (mk->q_segment_ids || mk->kv_segment_ids)
+        unsupported = "segment ids";
+    else if (a->sinks)
+        unsupported = "sinks";
+    else if (a->dropout.training && a->dropout.p > 0.0f)
+        unsupported = "dropout in training";
+    else if (a->probs)
+        unsupported = "probs";
+    if (unsupported) {
+        set_error(err, MHA_STATUS_UNSUPPORTED,
+                  "mha_ring_attention: %s is not supported yet (issue 15)", unsupported);
+        return MHA_STATUS_UNSUPPORTED;
+    }
+    /* Everything else (sizes, strides, pointers, scalars, exec) is the core's own check. */
+    st = mha_attention_supported(a, exec, err);
+    if (st != MHA_STATUS_OK || !bwd)
+        return st;
+    if (!grads || !grads->dout || !a->lse) {
+        set_error(err, MHA_STATUS_INVALID_ARG,
+                  "mha_ring_attention_backward: grads, grads.dout and the forward's lse are "
+                  "required");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    /* The gradients' strides and pointers: the core backward's check (its size query). */
+    size_t bytes;
+    return mha_attention_backward_workspace_size(a, grads, exec, &bytes, err);
 }
 
-/* Agrees on the outcome and the global sizes: status is the worst of every rank's, and a field
- * that differs between ranks is an INVALID_ARG on all of them. */
-static mha_status agree(MPI_Comm comm, mha_status local, const mha_ring_args *a, mha_error *err) {
-    enum { F = 9 };
-    static const char *const names[F] = {"status",   "seq_len",    "layout",
-                                         "batch",    "num_heads",  "num_kv_heads",
-                                         "head_dim", "v_head_dim", "mask.causal"};
-    const mha_attention_args *l = a ? &a->local : NULL;
-    int64_t v[2 * F] = {local};
-    if (l) {
-        const int64_t f[F] = {local,
-                              a->seq_len,
-                              a->layout,
-                              l->batch,
-                              l->num_heads,
-                              l->num_kv_heads ? l->num_kv_heads : l->num_heads,
-                              l->head_dim,
-                              l->v_head_dim ? l->v_head_dim : l->head_dim,
-                              l->mask.causal != 0};
-        for (int i = 0; i < F; i++)
-            v[i] = f[i], v[F + i] = -f[i];
+/* The values every rank must agree on, in the order of the message that names a mismatch. */
+enum {
+    AGREE_FAIL,
+    AGREE_N,
+    AGREE_LAYOUT,
+    AGREE_B,
+    AGREE_H,
+    AGREE_G,
+    AGREE_DK,
+    AGREE_DV,
+    AGREE_CAUSAL,
+    AGREE_WINDOW_LEFT,
+    AGREE_WINDOW_RIGHT,
+    AGREE_ALIBI,
+    AGREE_COUNT
+};
+static const char *const agree_name[AGREE_COUNT] = {
+    "",         "seq_len",    "layout", "batch",       "num_heads",    "num_kv_heads",
+    "head_dim", "v_head_dim", "causal", "window_left", "window_right", "alibi"};
+
+/* The collective agreement: one MPI_Allreduce (MAX) of {v, -v} gives every rank the maximum and
+ * the minimum of each value. v[AGREE_FAIL] = P - rank on a failing rank (0 otherwise), so the
+ * maximum names the first failing rank, whose status and message are then broadcast. Returns the
+ * agreed status; on a failure elsewhere err receives "rank r: <its message>". */
+static mha_status agree(MPI_Comm comm,
+                        int32_t p,
+                        int32_t rank,
+                        mha_status local_st,
+                        const int64_t values[AGREE_COUNT],
+                        mha_error *err) {
+    int64_t v[2 * AGREE_COUNT], r[2 * AGREE_COUNT];
+    for (int k = 0; k < AGREE_COUNT; k++) {
+        v[k] = values[k];
+        v[AGREE_COUNT + k] = -values[k];
     }
-    if (MPI_Allreduce(MPI_IN_PLACE, v, 2 * F, MPI_INT64_T, MPI_MAX, comm) != MPI_SUCCESS)
-        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
-    if (local != MHA_STATUS_OK)
-        return local; /* this rank's own message stands */
-    if (v[0] != MHA_STATUS_OK)
-        return fail(err, (mha_status)v[0],
-                    "mha_ring_attention: another rank's call failed (%s); see its error",
-                    mha_status_string((mha_status)v[0]));
-    for (int i = 1; i < F; i++)
-        if (v[i] != -v[F + i])
-            return fail(err, MHA_STATUS_INVALID_ARG,
-                        "mha_ring_attention: ranks disagree on %s (from %lld to %lld)", names[i],
-                        (long long)-v[F + i], (long long)v[i]);
+    v[AGREE_FAIL] = local_st != MHA_STATUS_OK ? (int64_t)(p - rank) : 0;
+    v[AGREE_COUNT + AGREE_FAIL] = 0;
+    if (MPI_Allreduce(v, r, 2 * AGREE_COUNT, MPI_INT64_T, MPI_MAX, comm) != MPI_SUCCESS) {
+        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
+        return MHA_STATUS_INTERNAL;
+    }
+    if (r[AGREE_FAIL] > 0) {
+        const int32_t bad = p - (int32_t)r[AGREE_FAIL];
+        struct {
+            int32_t status;
+            char message[MHA_ERROR_MESSAGE_SIZE];
+        } msg = {(int32_t)local_st, ""};
+        if (rank == bad && err)
+            snprintf(msg.message, sizeof msg.message, "%s", err->message);
+        if (MPI_Bcast(&msg, (int)sizeof msg, MPI_BYTE, bad, comm) != MPI_SUCCESS) {
+            set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Bcast failed");
+            return MHA_STATUS_INTERNAL;
+        }
+        msg.message[MHA_ERROR_MESSAGE_SIZE - 1] = '\0';
+        set_error(err, (mha_status)msg.status, "rank %d: %s", (int)bad, msg.message);
+        return (mha_status)msg.status;
+    }
+    for (int k = 1; k < AGREE_COUNT; k++)
+        if (r[k] != -r[AGREE_COUNT + k]) {
+            set_error(err, MHA_STATUS_INVALID_ARG,
+                      "mha_ring_attention: the ranks disagree on %s (from %lld to %lld)",
+                      agree_name[k], (long long)-r[AGREE_COUNT + k], (long long)r[k]);
+            return MHA_STATUS_INVALID_ARG;
+        }
     return MHA_STATUS_OK;
 }
 
-/* The buffers of one call: two K/V shard buffers (double buffering), one partial (o, lse) of a
- * query piece, and the running lse when the caller does not want it. */
-typedef struct ring_buffers {
-    float *kv[2];
-    float *dkv[2]; /* backward: the held shard's dK, then dV, travelling with it */
-    float *part_o, *part_lse, *own_lse;
-    int64_t *delta; /* [B]: a pair's causal offset, one per batch row */
-} ring_buffers;
+/* The state of one call: sizes, the buffers, and the rank's accumulator. */
+typedef struct ring_call {
+    const mha_attention_args *a;
+    mha_exec inner; /* the caller's exec without its workspace, for the local calls */
+    int64_t B, h, g, dk, dv, n_max;
+    ring_shard mine;
+    float *kv[2];    /* [B, g, n_src, d_k] then [B, g, n_src, d_v], packed */
+    float *part;     /* partial output [B, h, n_chunk, d_v] */
+    float *part_lse; /* its lse [B, h, n_chunk] */
+    float *lse;      /* the accumulator [B, h, n_local]: the caller's or lse_own */
+    float *lse_own;
+    int64_t *offs; /* [B] explicit causal offsets of a diagonal pair */
+    /* Backward only: */
+    const mha_attention_grads *grads;
+    float *acc[2]; /* dK/dV of the block being held, [B, g, n_src, d_k] then [.., d_v] */
+    float *din;    /* the block's dK/dV from the ranks before this one */
+} ring_call;
 
-static void free_buffers(ring_buffers *b) {
-    for (int i = 0; i < 2; i++) {
-        free(b->kv[i]);
-        free(b->dkv[i]);
-    }
-    free(b->part_o);
-    free(b->part_lse);
-    free(b->own_lse);
-    free(b->delta);
-}
-
-/* Sizes: the largest shard (chunk sizes differ by at most one row per chunk). */
-static mha_status
-alloc_buffers(const mha_ring_args *a, int ranks, int backward, ring_buffers *b, mha_error *err) {
-    const mha_attention_args *l = &a->local;
-    const int64_t g = l->num_kv_heads ? l->num_kv_heads : l->num_heads;
-    const int64_t dv = l->v_head_dim ? l->v_head_dim : l->head_dim;
-    int64_t rows = 0; /* the largest shard */
-    for (int r = 0; r < ranks; r++) {
-        const int64_t n = shard_of(a->layout, a->seq_len, ranks, r).rows;
-        rows = n > rows ? n : rows;
-    }
-    memset(b, 0, sizeof *b);
-    const double kvf = (double)l->batch * (double)g * (double)rows * (double)(l->head_dim + dv);
-    const double of = (double)l->batch * (double)l->num_heads * (double)rows * (double)dv;
-    if (kvf > (double)INT_MAX) /* MPI counts are int */
-        return fail(err, MHA_STATUS_OVERFLOW,
-                    "mha_ring_attention: a K/V shard of %.0f floats exceeds one MPI message "
-                    "(INT_MAX elements)",
-                    kvf);
-    /* of <= B h N d_v, which the caller's own output of the whole sequence would hold */
-    const size_t lse_n = (size_t)(l->batch * l->num_heads * rows);
-    b->kv[0] = malloc(sizeof(float) * (size_t)kvf);
-    b->kv[1] = malloc(sizeof(float) * (size_t)kvf);
-    b->part_o = malloc(sizeof(float) * (size_t)of);
-    b->part_lse = malloc(sizeof(float) * lse_n);
-    b->own_lse = l->lse ? NULL : malloc(sizeof(float) * lse_n);
-    b->delta = malloc(sizeof(int64_t) * (size_t)l->batch);
-    for (int i = 0; i < 2 && backward; i++)
-        b->dkv[i] = malloc(sizeof(float) * (size_t)kvf);
-    if (!b->kv[0] || !b->kv[1] || !b->part_o || !b->part_lse || (!l->lse && !b->own_lse) ||
-        !b->delta || (backward && (!b->dkv[0] || !b->dkv[1]))) {
-        free_buffers(b);
-        return fail(err, MHA_STATUS_NO_MEMORY, "mha_ring_attention: out of memory (%.0f floats)",
-                    2 * kvf + of);
-    }
-    return MHA_STATUS_OK;
-}
-
-/* Packs this rank's K and V ([B, g, n, d] through the caller's strides) into buf. */
-static void pack_kv(const mha_attention_args *l, float *buf) {
-    const int64_t g = l->num_kv_heads ? l->num_kv_heads : l->num_heads;
-    const int64_t dk = l->head_dim, dv = l->v_head_dim ? l->v_head_dim : dk, n = l->kv_len;
-    float *vbuf = buf + l->batch * g * n * dk;
-    for (int64_t b = 0; b < l->batch; b++)
-        for (int64_t h = 0; h < g; h++)
+/* Packs the caller's K and V (any strides) into a K/V block buffer. */
+static void pack_kv(const ring_call *c, float *dst) {
+    const mha_attention_args *a = c->a;
+    const int64_t n = c->mine.n_local;
+    float *dk_dst = dst, *dv_dst = dst + c->B * c->g * n * c->dk;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t j = 0; j < c->g; j++)
             for (int64_t i = 0; i < n; i++) {
-                const float *kr =
-                    l->k + b * l->k_strides[0] + h * l->k_strides[1] + i * l->k_strides[2];
-                const float *vr =
-                    l->v + b * l->v_strides[0] + h * l->v_strides[1] + i * l->v_strides[2];
-                memcpy(buf + ((b * g + h) * n + i) * dk, kr, sizeof(float) * (size_t)dk);
-                memcpy(vbuf + ((b * g + h) * n + i) * dv, vr, sizeof(float) * (size_t)dv);
+                memcpy(dk_dst + ((b * c->g + j) * n + i) * c->dk,
+                       a->k + b * a->k_strides[0] + j * a->k_strides[1] + i * a->k_strides[2],
+                       sizeof(float) * (size_t)c->dk);
+                memcpy(dv_dst + ((b * c->g + j) * n + i) * c->dv,
+                       a->v + b * a->v_strides[0] + j * a->v_strides[1] + i * a->v_strides[2],
+                       sizeof(float) * (size_t)c->dv);
             }
 }
 
-/* One pair: query piece qp of this rank against key piece kp of the held shard (of rank src,
- * `held` packed rows). */
-typedef struct ring_pair {
-    const mha_ring_args *a;
-    const shard *mine, *held;
-    const float *kv; /* the held shard's packed K, then V */
-    int qp, kp;
-    int with_sinks;
-} ring_pair;
+/* Whether the mask depends on positions: then the pairs are chunk by chunk, with global
+ * positions. */
+static int positional(const mha_attention_args *a) {
+    return a->mask.causal || a->mask.use_window || a->alibi;
+}
 
-/* The core arguments of pair p: Q rows of the query piece (the caller's strides), K / V rows of
- * the key piece (packed strides), the causal mask in global positions (delta [B] is filled when
- * it is needed); out and lse are left to the caller. Returns 0 when no row sees a key. */
-static int pair_args(const ring_pair *p, int64_t *delta, mha_attention_args *c) {
-    const mha_attention_args *l = &p->a->local;
-    const int64_t qs = p->mine->start[p->qp], nq = p->mine->count[p->qp];
-    const int64_t ks = p->held->start[p->kp], nk = p->held->count[p->kp];
-    if (nq == 0 || nk == 0 || (l->mask.causal && ks > qs + nq - 1))
-        return 0;
-    const int64_t B = l->batch, g = l->num_kv_heads ? l->num_kv_heads : l->num_heads;
-    const int64_t dk = l->head_dim, dv = l->v_head_dim ? l->v_head_dim : dk, n = p->held->rows;
-    const int64_t k0 = p->held->offset[p->kp];
-    *c = *l;
-    c->q = l->q + p->mine->offset[p->qp] * l->q_strides[2];
-    c->q_len = nq, c->kv_len = nk;
-    c->k = p->kv + k0 * dk;
-    c->k_strides[0] = g * n * dk, c->k_strides[1] = n * dk, c->k_strides[2] = dk;
-    c->v = p->kv + B * g * n * dk + k0 * dv;
-    c->v_strides[0] = g * n * dv, c->v_strides[1] = n * dv, c->v_strides[2] = dv;
-    c->sinks = p->with_sinks ? l->sinks : NULL;
-    memset(&c->mask, 0, sizeof c->mask);
-    if (l->mask.causal && ks + nk - 1 > qs) { /* else row 0 already sees every key */
-        for (int64_t i = 0; i < B; i++)
-            delta[i] = qs - ks; /* key j visible to row i iff j <= i + qs - ks */
-        c->mask.causal = 1, c->mask.alignment = MHA_ALIGN_EXPLICIT, c->mask.align_offsets = delta;
+/* The core's arguments for the rank's query rows [q_off, q_off + nq) (global rows [qs, qe], qe =
+ * qs + nq - 1) against key rows [k_off, k_off + nk) (global [ks, ke]) of the block `blk` of n_src
+ * rows. Returns 0 when the mask hides the whole pair: the keys some row of the pair may see are
+ * [qs - left, qe + right] (window sides, -1 = unbounded), at most qe if causal, and the pair is
+ * skipped when that range misses [ks, ke]. A pair every key of which every row sees (causal or
+ * window, no ALiBi) runs unmasked; otherwise the rules are placed by the explicit alignment
+ * delta = qs - ks (local key j vs local row i + delta <=> global key vs global row).
+ * out and lse are left to the caller. */
+static int pair_args(ring_call *c,
+                     const float *blk,
+                     int64_t n_src,
+                     int64_t q_off,
+                     int64_t nq,
+                     int64_t qs,
+                     int64_t k_off,
+                     int64_t nk,
+                     int64_t ks,
+                     mha_attention_args *p) {
+    const mha_attention_args *a = c->a;
+    const mha_masking *mk = &a->mask;
+    *p = *a;
+    if (positional(a)) {
+        const int64_t qe = qs + nq - 1, ke = ks + nk - 1;
+        /* A side longer than any sequence (N <= 2^31) is unbounded (and cannot overflow). */
+        const int64_t far = (int64_t)1 << 32;
+        const int win = mk->use_window != 0;
+        const int64_t left = win && mk->window_left <= far ? mk->window_left : -1;
+        const int64_t right = win && mk->window_right <= far ? mk->window_right : -1;
+        int64_t hi = right < 0 ? INT64_MAX : qe + right;
+        if (mk->causal && hi > qe)
+            hi = qe;
+        const int64_t lo = left < 0 ? INT64_MIN : qs - left;
+        if (ks > hi || ke < lo)
+            return 0;
+        /* Every row sees every key: key range within [qe - left, qs + right] (and <= qs). */
+        int64_t all_hi = right < 0 ? INT64_MAX : qs + right;
+        if (mk->causal && all_hi > qs)
+            all_hi = qs;
+        const int64_t all_lo = left < 0 ? INT64_MIN : qe - left;
+        if (!a->alibi && ks >= all_lo && ke <= all_hi) {
+            p->mask.causal = 0;
+            p->mask.use_window = 0;
+        } else {
+            /* One offset per batch row, all equal: global positions do not depend on b. */
+            for (int64_t b = 0; b < c->B; b++)
+                c->offs[b] = qs - ks;
+            p->mask.alignment = MHA_ALIGN_EXPLICIT;
+            p->mask.align_offsets = c->offs;
+        }
     }
+    p->q_len = nq;
+    p->kv_len = nk;
+    p->q = a->q + q_off * a->q_strides[2];
+    p->k = blk + k_off * c->dk;
+    p->k_strides[0] = c->g * n_src * c->dk, p->k_strides[1] = n_src * c->dk;
+    p->k_strides[2] = c->dk;
+    p->v = blk + c->B * c->g * n_src * c->dk + k_off * c->dv;
+    p->v_strides[0] = c->g * n_src * c->dv, p->v_strides[1] = n_src * c->dv;
+    p->v_strides[2] = c->dv;
     return 1;
 }
 
-/* Forward of pair p, merged into the rank's out / lse rows. */
-static mha_status
-attend_pair(const ring_pair *p, ring_buffers *b, float *lse, const mha_exec *exec, mha_error *err) {
-    mha_attention_args c;
-    if (!pair_args(p, b->delta, &c))
+/* Forward of one pair (pair_args): the partial (O_p, lse_p) into the scratch, merged into the
+ * rows it covers. A row that sees no key of the pair has lse_p = -inf; the merge leaves it. */
+static mha_status attend_pair(ring_call *c,
+                              const float *blk,
+                              int64_t n_src,
+                              int64_t q_off,
+                              int64_t nq,
+                              int64_t qs,
+                              int64_t k_off,
+                              int64_t nk,
+                              int64_t ks,
+                              mha_error *err) {
+    const mha_attention_args *a = c->a;
+    mha_attention_args p;
+    if (!pair_args(c, blk, n_src, q_off, nq, qs, k_off, nk, ks, &p))
         return MHA_STATUS_OK;
-    const mha_attention_args *l = &p->a->local;
-    const int64_t h = l->num_heads, dv = l->v_head_dim ? l->v_head_dim : l->head_dim;
-    const int64_t nq = c.q_len, q0 = p->mine->offset[p->qp], n_local = p->mine->rows;
-    c.out = b->part_o;
-    c.out_strides[0] = h * nq * dv, c.out_strides[1] = nq * dv, c.out_strides[2] = dv;
-    c.lse = b->part_lse;
-    mha_status st = mha_attention(&c, exec, err);
-    for (int64_t bi = 0; st == MHA_STATUS_OK && bi < l->batch; bi++)
-        for (int64_t hi = 0; st == MHA_STATUS_OK && hi < h; hi++) {
-            float *o =
-                l->out + bi * l->out_strides[0] + hi * l->out_strides[1] + q0 * l->out_strides[2];
-            float *ls = lse + (bi * h + hi) * n_local + q0;
-            const float *po = b->part_o + (bi * h + hi) * nq * dv;
-            st = mha_attention_merge(nq, dv, o, l->out_strides[2], ls, po, dv,
-                                     b->part_lse + (bi * h + hi) * nq, o, l->out_strides[2], ls,
-                                     err);
-        }
-    return st;
-}
-
-/* Posts the receive of the next shard's n_in floats from prev into `in` and the send of the held
- * shard's n_out floats from `out` to next. */
-static mha_status shift(MPI_Comm comm,
-                        const float *out,
-                        int64_t n_out,
-                        float *in,
-                        int64_t n_in,
-                        int next,
-                        int prev,
-                        MPI_Request req[2],
-                        mha_error *err) {
-    if (MPI_Irecv(in, (int)n_in, MPI_FLOAT, prev, RING_TAG, comm, &req[0]) != MPI_SUCCESS ||
-        MPI_Isend(out, (int)n_out, MPI_FLOAT, next, RING_TAG, comm, &req[1]) != MPI_SUCCESS)
-        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Isend/Irecv failed");
-    return MHA_STATUS_OK;
-}
-
-static mha_status wait2(MPI_Request req[2], mha_error *err) {
-    if (MPI_Waitall(2, req, MPI_STATUSES_IGNORE) != MPI_SUCCESS)
-        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Waitall failed");
-    return MHA_STATUS_OK;
-}
-
-/* One call: who this rank is in the ring, the arguments, and this rank's rows. */
-typedef struct ring_call {
-    MPI_Comm comm; /* a duplicate of the caller's */
-    int ranks, rank, next, prev;
-    const mha_ring_args *a;
-    const mha_attention_grads *grads; /* backward only */
-    shard mine;
-} ring_call;
-
-/* Floats of rank src's packed shard (K then V, or dK then dV). */
-static int64_t shard_floats(const ring_call *r, int src) {
-    const mha_attention_args *l = &r->a->local;
-    const int64_t g = l->num_kv_heads ? l->num_kv_heads : l->num_heads;
-    const int64_t d = l->head_dim + (l->v_head_dim ? l->v_head_dim : l->head_dim);
-    return l->batch * g * shard_of(r->a->layout, r->a->seq_len, r->ranks, src).rows * d;
-}
-
-/* Backward of pair p: dQ rows of the query piece and the held shard's dK / dV rows of the key
- * piece accumulate. P is recomputed from the forward's final lse and D_i = dO_i . O_i from its
- * final O, so every pair's share is exact and the shares add up. */
-static mha_status grad_pair(const ring_pair *p,
-                            const mha_attention_grads *grads,
-                            ring_buffers *b,
-                            float *dkv,
-                            float *dsinks,
-                            const mha_exec *exec,
-                            mha_error *err) {
-    mha_attention_args c;
-    if (!pair_args(p, b->delta, &c))
-        return MHA_STATUS_OK;
-    const mha_attention_args *l = &p->a->local;
-    const int64_t h = l->num_heads, g = l->num_kv_heads ? l->num_kv_heads : h;
-    const int64_t dk = l->head_dim, dv = l->v_head_dim ? l->v_head_dim : dk;
-    const int64_t nq = c.q_len, q0 = p->mine->offset[p->qp], n_local = p->mine->rows;
-    const int64_t n = p->held->rows, k0 = p->held->offset[p->kp];
-    c.out = l->out + q0 * l->out_strides[2];
-    for (int64_t bh = 0; bh < l->batch * h; bh++) /* the piece's lse rows, contiguous */
-        memcpy(b->part_lse + bh * nq, l->lse + bh * n_local + q0, sizeof(float) * (size_t)nq);
-    c.lse = b->part_lse;
-    mha_attention_grads gr = *grads;
-    gr.dout = grads->dout + q0 * grads->dout_strides[2];
-    gr.dq = grads->dq ? grads->dq + q0 * grads->dq_strides[2] : NULL;
-    gr.dk = dkv + k0 * dk;
-    gr.dk_strides[0] = g * n * dk, gr.dk_strides[1] = n * dk, gr.dk_strides[2] = dk;
-    gr.dv = dkv + l->batch * g * n * dk + k0 * dv;
-    gr.dv_strides[0] = g * n * dv, gr.dv_strides[1] = n * dv, gr.dv_strides[2] = dv;
-    gr.dsinks = c.sinks ? dsinks : NULL;
-    gr.accumulate = 1;
-    return mha_attention_backward(&c, &gr, exec, err);
-}
-
-/* dst (strided [B, g, n, d]) = (or +=) the packed src [B, g, n, d]. */
-static void unpack_rows(const float *src,
-                        int64_t B,
-                        int64_t g,
-                        int64_t n,
-                        int64_t d,
-                        float *dst,
-                        const int64_t strides[3],
-                        int accumulate) {
-    for (int64_t bi = 0; bi < B; bi++)
-        for (int64_t hi = 0; hi < g; hi++)
-            for (int64_t i = 0; i < n; i++) {
-                float *o = dst + bi * strides[0] + hi * strides[1] + i * strides[2];
-                const float *x = src + ((bi * g + hi) * n + i) * d;
-                for (int64_t e = 0; e < d; e++)
-                    o[e] = accumulate ? o[e] + x[e] : x[e];
-            }
-}
-
-/* The P steps of either direction; returns this rank's compute status (the communication
- * always completes unless MPI itself fails). At step t rank r holds rank r - t's K/V (the
- * backward: and its dK / dV, to which every holder adds); the next shard is posted before the
- * compute on the held one and completed after. The backward then passes the held shard's dK / dV
- * on to r + 1: its next holder, or after the last step (rank r then holds rank r + 1's shard) its
- * owner. */
-static mha_status ring_walk(const ring_call *r,
-                            ring_buffers *b,
-                            float *lse,
-                            float *dsinks,
-                            const mha_exec *exec,
-                            mha_error *err) {
-    pack_kv(&r->a->local, b->kv[0]);
-    if (r->grads)
-        memset(b->dkv[0], 0, sizeof(float) * (size_t)shard_floats(r, r->rank));
-    mha_status st = MHA_STATUS_OK;
-    for (int t = 0; t < r->ranks; t++) {
-        const int src = (r->rank - t + r->ranks) % r->ranks, in = (src + r->ranks - 1) % r->ranks;
-        const shard held = shard_of(r->a->layout, r->a->seq_len, r->ranks, src);
-        const int more = t + 1 < r->ranks;
-        MPI_Request req[2];
-        if (more && shift(r->comm, b->kv[t % 2], shard_floats(r, src), b->kv[(t + 1) % 2],
-                          shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK)
-            return MHA_STATUS_INTERNAL;
-        for (int qp = 0; qp < 2 && st == MHA_STATUS_OK; qp++)
-            for (int kp = 0; kp < 2 && st == MHA_STATUS_OK; kp++) {
-                const ring_pair pair = {r->a, &r->mine,          &held, b->kv[t % 2], qp,
-                                        kp,   t == 0 && qp == kp};
-                st = r->grads ? grad_pair(&pair, r->grads, b, b->dkv[t % 2], dsinks, exec, err)
-                              : attend_pair(&pair, b, lse, exec, err);
-            }
-        if (more && wait2(req, err) != MHA_STATUS_OK)
-            return MHA_STATUS_INTERNAL;
-        if (r->grads && r->ranks > 1 &&
-            (shift(r->comm, b->dkv[t % 2], shard_floats(r, src), b->dkv[(t + 1) % 2],
-                   shard_floats(r, in), r->next, r->prev, req, err) != MHA_STATUS_OK ||
-             wait2(req, err) != MHA_STATUS_OK))
-            return MHA_STATUS_INTERNAL;
-    }
-    return st;
-}
-
-/* Forward: lse starts at -inf (nothing merged yet: the output rows are ignored until then). */
-static mha_status
-ring_forward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_error *err) {
-    const mha_attention_args *l = &r->a->local;
-    float *lse = l->lse ? l->lse : b->own_lse;
-    for (int64_t i = 0; i < l->batch * l->num_heads * r->mine.rows; i++)
-        lse[i] = -INFINITY;
-    return ring_walk(r, b, lse, NULL, exec, err);
-}
-
-/* Backward: dQ starts at 0 unless accumulating; after the walk this rank's own dK / dV are
- * written (or added) to the caller's, and dsinks is summed over the ranks. */
-static mha_status
-ring_backward(const ring_call *r, ring_buffers *b, const mha_exec *exec, mha_error *err) {
-    const mha_attention_args *l = &r->a->local;
-    const mha_attention_grads *gr = r->grads;
-    const int64_t h = l->num_heads, g = l->num_kv_heads ? l->num_kv_heads : h;
-    const int64_t dk = l->head_dim, dv = l->v_head_dim ? l->v_head_dim : dk, n = r->mine.rows;
-    if (gr->dq && !gr->accumulate)
-        for (int64_t bi = 0; bi < l->batch; bi++)
-            for (int64_t hi = 0; hi < h; hi++)
-                for (int64_t i = 0; i < n; i++)
-                    memset(gr->dq + bi * gr->dq_strides[0] + hi * gr->dq_strides[1] +
-                               i * gr->dq_strides[2],
-                           0, sizeof(float) * (size_t)dk);
-    float dsinks[1024] = {0}; /* h <= 1024 (checked) */
-    const mha_status st = ring_walk(r, b, NULL, dsinks, exec, err);
-    /* this rank's own dK / dV: the last shift received them into dkv[P % 2]; with P = 1 they
-     * never moved from dkv[0] */
-    const float *own = b->dkv[r->ranks > 1 ? r->ranks % 2 : 0];
-    if (st == MHA_STATUS_OK && gr->dk)
-        unpack_rows(own, l->batch, g, n, dk, gr->dk, gr->dk_strides, gr->accumulate);
-    if (st == MHA_STATUS_OK && gr->dv)
-        unpack_rows(own + l->batch * g * n * dk, l->batch, g, n, dv, gr->dv, gr->dv_strides,
-                    gr->accumulate);
-    if (l->sinks &&
-        MPI_Allreduce(MPI_IN_PLACE, dsinks, (int)h, MPI_FLOAT, MPI_SUM, r->comm) != MPI_SUCCESS)
-        return fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention_backward: MPI_Allreduce failed");
-    for (int64_t i = 0; st == MHA_STATUS_OK && gr->dsinks && i < h; i++)
-        gr->dsinks[i] = gr->accumulate ? gr->dsinks[i] + dsinks[i] : dsinks[i];
-    return st;
-}
-
-/* Both entry points: the checks, the buffers and their agreement, the ring on a duplicate of
- * comm, then the agreement on the outcome (a compute error on one rank is everyone's). */
-static mha_status ring_run(MPI_Comm comm,
-                           const mha_ring_args *args,
-                           int backward,
-                           const mha_attention_grads *grads,
-                           const mha_exec *exec,
-                           mha_error *err) {
-    ring_call r;
-    memset(&r, 0, sizeof r);
-    r.a = args, r.grads = grads;
-    if (MPI_Comm_size(comm, &r.ranks) != MPI_SUCCESS || MPI_Comm_rank(comm, &r.rank) != MPI_SUCCESS)
-        return fail(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: not a valid communicator");
-    r.next = (r.rank + 1) % r.ranks, r.prev = (r.rank + r.ranks - 1) % r.ranks;
-    ring_buffers b;
-    memset(&b, 0, sizeof b);
-    mha_status st = check_local(args, backward, grads, exec, r.ranks, r.rank, err);
-    if (st == MHA_STATUS_OK) {
-        r.mine = shard_of(args->layout, args->seq_len, r.ranks, r.rank);
-        st = alloc_buffers(args, r.ranks, backward, &b, err);
-    }
-    st = agree(comm, st, args, err);
-    if (st == MHA_STATUS_OK && MPI_Comm_dup(comm, &r.comm) != MPI_SUCCESS)
-        st = fail(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Comm_dup failed");
-    if (st != MHA_STATUS_OK) {
-        free_buffers(&b);
+    p.out = c->part;
+    p.out_strides[0] = c->h * nq * c->dv, p.out_strides[1] = nq * c->dv, p.out_strides[2] = c->dv;
+    p.lse = c->part_lse;
+    mha_status st = mha_attention(&p, &c->inner, err);
+    if (st != MHA_STATUS_OK)
         return st;
+    /* Merge per (b, head): nq rows of d_v, the accumulator in place. */
+    const int64_t n = c->mine.n_local;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t hh = 0; hh < c->h; hh++) {
+            float *o =
+                a->out + b * a->out_strides[0] + hh * a->out_strides[1] + q_off * a->out_strides[2];
+            float *l = c->lse + (b * c->h + hh) * n + q_off;
+            const float *po = c->part + (b * c->h + hh) * nq * c->dv;
+            const float *pl = c->part_lse + (b * c->h + hh) * nq;
+            st = mha_attention_merge(nq, c->dv, o, a->out_strides[2], l, po, c->dv, pl, o,
+                                     a->out_strides[2], l, err);
+            if (st != MHA_STATUS_OK)
+                return st;
+        }
+    return MHA_STATUS_OK;
+}
+
+/* Backward of one pair (pair_args) with the forward's global out and lse rows:
+ *   dQ rows += dS K (into the caller's dq), dK/dV rows of the block += (into acc)
+ * the pair's share of the sums of mha_attention_backward (P = exp(S - lse) with the GLOBAL lse
+ * is the pair's exact share of the probabilities; D_i = dO_i . O_i with the global O). */
+static mha_status bwd_pair(ring_call *c,
+                           const float *blk,
+                           float *acc,
+                           int64_t n_src,
+                           int64_t q_off,
+                           int64_t nq,
+                           int64_t qs,
+                           int64_t k_off,
+                           int64_t nk,
+                           int64_t ks,
+                           mha_error *err) {
+    const mha_attention_args *a = c->a;
+    const mha_attention_grads *gr = c->grads;
+    mha_attention_args p;
+    if (!pair_args(c, blk, n_src, q_off, nq, qs, k_off, nk, ks, &p))
+        return MHA_STATUS_OK;
+    p.out = a->out + q_off * a->out_strides[2];
+    /* The core reads lse contiguous [B, h, nq]: copy the chunk's rows. */
+    for (int64_t bh = 0; bh < c->B * c->h; bh++)
+        memcpy(c->part_lse + bh * nq, a->lse + bh * c->mine.n_local + q_off,
+               sizeof(float) * (size_t)nq);
+    p.lse = c->part_lse;
+    mha_attention_grads g = *gr;
+    g.dout = gr->dout + q_off * gr->dout_strides[2];
+    g.dq = gr->dq ? gr->dq + q_off * gr->dq_strides[2] : NULL;
+    g.dk = acc + k_off * c->dk;
+    memcpy(g.dk_strides, p.k_strides, sizeof g.dk_strides);
+    g.dv = acc + c->B * c->g * n_src * c->dk + k_off * c->dv;
+    memcpy(g.dv_strides, p.v_strides, sizeof g.dv_strides);
+    g.dsinks = NULL;
+    g.accumulate = 1;
+    return mha_attention_backward(&p, &g, &c->inner, err);
+}
+
+/* Every pair of a query chunk of this rank and a key chunk of src (without a positional mask, the
+ * whole shards at once: the positions do not matter); acc == NULL is the forward. */
+static mha_status
+block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, mha_error *err) {
+    const int chunked = positional(c->a);
+    const int32_t nqc = chunked ? c->mine.num_chunks : 1, nkc = chunked ? src->num_chunks : 1;
+    int64_t q_off = 0;
+    for (int32_t qc = 0; qc < nqc; qc++) {
+        const int64_t nq = chunked ? c->mine.len[qc] : c->mine.n_local;
+        int64_t k_off = 0;
+        for (int32_t kc = 0; kc < nkc; kc++) {
+            const int64_t nk = chunked ? src->len[kc] : src->n_local;
+            const int64_t qs = chunked ? c->mine.start[qc] : 0, ks = chunked ? src->start[kc] : 0;
+            mha_status st =
+                acc ? bwd_pair(c, blk, acc, src->n_local, q_off, nq, qs, k_off, nk, ks, err)
+                    : attend_pair(c, blk, src->n_local, q_off, nq, qs, k_off, nk, ks, err);
+            if (st != MHA_STATUS_OK)
+                return st;
+            k_off += nk;
+        }
+        q_off += nq;
     }
-    st = backward ? ring_backward(&r, &b, exec, err) : ring_forward(&r, &b, exec, err);
-    int worst = (int)st;
-    MPI_Allreduce(MPI_IN_PLACE, &worst, 1, MPI_INT, MPI_MAX, r.comm);
-    MPI_Comm_free(&r.comm);
-    free_buffers(&b);
-    if (st == MHA_STATUS_OK && worst != MHA_STATUS_OK)
-        return fail(err, (mha_status)worst, "mha_ring_attention: another rank's call failed (%s)",
-                    mha_status_string((mha_status)worst));
+    return MHA_STATUS_OK;
+}
+
+/* The ring: P steps; at step t the rank holds the K/V block of rank s = (rank - t) mod P in
+ * kv[t % 2], sends it on to rank + 1 and receives the next one (rank s - 1's) from rank - 1 into
+ * kv[(t + 1) % 2] while it computes on kv[t % 2].
+ * Backward: block s's dK/dV travels one step behind its K/V. The rank computes its share into
+ * acc[t % 2] (zeroed) while the share of the ranks before it arrives in din (sent by rank - 1 at
+ * the end of its step t - 1), adds din, and sends the sum on to rank + 1 (the send overlapping the
+ * next step). After P steps every rank has added its share, and the sum of rank r's block arrives
+ * at its owner from rank r - 1: the last din.
+ * After a local failure the rank keeps passing blocks on (so no peer waits forever) and reports
+ * the failure at the final agreement. */
+#define RING_TAG_KV  15
+#define RING_TAG_DKV 16
+static mha_status run_ring(ring_call *c,
+                           MPI_Comm comm,
+                           const mha_ring_config *cfg,
+                           int32_t p,
+                           int32_t rank,
+                           mha_error *err) {
+    const int32_t right = (rank + 1) % p, left = (rank + p - 1) % p;
+    const int bwd = c->grads != NULL;
+    mha_status st = MHA_STATUS_OK;
+    MPI_Request dreq[3] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    int mpi_ok = 1;
+    for (int32_t t = 0; t < p && mpi_ok; t++) {
+        const ring_shard src = shard_of(cfg, p, (rank - t + p) % p);
+        const ring_shard next = shard_of(cfg, p, (rank - t - 1 + 2 * p) % p);
+        const int src_count = (int)(c->B * c->g * src.n_local * (c->dk + c->dv));
+        MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        if (t + 1 < p) {
+            const int next_count = (int)(c->B * c->g * next.n_local * (c->dk + c->dv));
+            mpi_ok &= MPI_Irecv(c->kv[(t + 1) % 2], next_count, MPI_FLOAT, left, RING_TAG_KV, comm,
+                                &req[0]) == MPI_SUCCESS;
+            mpi_ok &= MPI_Isend(c->kv[t % 2], src_count, MPI_FLOAT, right, RING_TAG_KV, comm,
+                                &req[1]) == MPI_SUCCESS;
+        }
+        float *acc = NULL;
+        if (bwd) {
+            /* acc[t % 2] was last sent at step t - 2 (dreq[t % 2]). */
+            acc = c->acc[t % 2];
+            mpi_ok &= MPI_Wait(&dreq[t % 2], MPI_STATUS_IGNORE) == MPI_SUCCESS;
+            memset(acc, 0, sizeof(float) * (size_t)src_count);
+        }
+        if (st == MHA_STATUS_OK)
+            st = block_pairs(c, c->kv[t % 2], acc, &src, err);
+        if (bwd) {
+            if (t > 0) {
+                mpi_ok &= MPI_Wait(&dreq[2], MPI_STATUS_IGNORE) == MPI_SUCCESS;
+                for (int64_t e = 0; e < src_count; e++)
+                    acc[e] += c->din[e];
+            }
+            mpi_ok &= MPI_Isend(acc, src_count, MPI_FLOAT, right, RING_TAG_DKV, comm,
+                                &dreq[t % 2]) == MPI_SUCCESS;
+            /* Next: the block of rank s - 1 (or, after the last step, this rank's own). */
+            const ring_shard nd = t + 1 < p ? next : c->mine;
+            const int nd_count = (int)(c->B * c->g * nd.n_local * (c->dk + c->dv));
+            mpi_ok &= MPI_Irecv(c->din, nd_count, MPI_FLOAT, left, RING_TAG_DKV, comm, &dreq[2]) ==
+                      MPI_SUCCESS;
+        }
+        mpi_ok &= MPI_Waitall(2, req, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
+    }
+    if (bwd)
+        mpi_ok &= MPI_Waitall(3, dreq, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
+    if (!mpi_ok) {
+        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: an MPI call of the ring failed");
+        return MHA_STATUS_INTERNAL;
+    }
     return st;
 }
 
-mha_status
-mha_ring_attention(MPI_Comm comm, const mha_ring_args *args, const mha_exec *exec, mha_error *err) {
-    return ring_run(comm, args, 0, NULL, exec, err);
+/* The backward's result: din holds this rank's dK/dV [B, g, n_local, d_k] ++ [.., d_v]; written
+ * to (or added to, with accumulate) the caller's dk and dv, either of which may be NULL. */
+static void unpack_dkv(const ring_call *c) {
+    const mha_attention_grads *gr = c->grads;
+    const int64_t n = c->mine.n_local;
+    const float *sk = c->din, *sv = c->din + c->B * c->g * n * c->dk;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t j = 0; j < c->g; j++)
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t r = (b * c->g + j) * n + i;
+                if (gr->dk) {
+                    float *d = gr->dk + b * gr->dk_strides[0] + j * gr->dk_strides[1] +
+                               i * gr->dk_strides[2];
+                    for (int64_t e = 0; e < c->dk; e++)
+                        d[e] = gr->accumulate ? d[e] + sk[r * c->dk + e] : sk[r * c->dk + e];
+                }
+                if (gr->dv) {
+                    float *d = gr->dv + b * gr->dv_strides[0] + j * gr->dv_strides[1] +
+                               i * gr->dv_strides[2];
+                    for (int64_t e = 0; e < c->dv; e++)
+                        d[e] = gr->accumulate ? d[e] + sv[r * c->dv + e] : sv[r * c->dv + e];
+                }
+            }
+}
+
+/* Both entry points (bwd: the backward, with grads). */
+static mha_status ring_entry(MPI_Comm comm,
+                             const mha_ring_config *cfg,
+                             const mha_attention_args *local,
+                             int bwd,
+                             const mha_attention_grads *grads,
+                             const mha_exec *exec,
+                             mha_error *err) {
+    const char *fn = bwd ? "mha_ring_attention_backward" : "mha_ring_attention";
+    int p_int = 0, rank_int = 0;
+    if (MPI_Comm_size(comm, &p_int) != MPI_SUCCESS ||
+        MPI_Comm_rank(comm, &rank_int) != MPI_SUCCESS) {
+        set_error(err, MHA_STATUS_INVALID_ARG, "%s: comm is not a communicator", fn);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const int32_t p = p_int, rank = rank_int;
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+
+    /* 1. Local checks and scratch, before any data moves. */
+    ring_call c;
+    memset(&c, 0, sizeof c);
+    c.a = local;
+    c.grads = grads;
+    if (exec)
+        c.inner = *exec;
+    c.inner.workspace = NULL, c.inner.workspace_bytes = 0;
+    int64_t values[AGREE_COUNT] = {0};
+    mha_status st = check_local(cfg, p, rank, local, bwd, grads, exec, err);
+    if (st == MHA_STATUS_OK) {
+        const mha_attention_args *a = local;
+        c.B = a->batch, c.h = a->num_heads, c.g = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
+        c.dk = a->head_dim, c.dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
+        c.mine = shard_of(cfg, p, rank);
+        c.n_max = 0;
+        for (int32_t r = 0; r < p; r++) {
+            const int64_t n_r = shard_of(cfg, p, r).n_local;
+            c.n_max = n_r > c.n_max ? n_r : c.n_max;
+        }
+        const int64_t blk = c.B * c.g * c.n_max * (c.dk + c.dv);
+        if (blk > INT_MAX) {
+            st = MHA_STATUS_UNSUPPORTED;
+            set_error(err, st,
+                      "%s: a K/V block of %lld floats exceeds one MPI message (INT_MAX elements)",
+                      fn, (long long)blk);
+        } else {
+            const size_t fb = sizeof(float);
+            int ok = 1;
+            for (int i = 0; i < 2; i++)
+                ok &= (c.kv[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
+            ok &= (c.part_lse = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max))) != NULL;
+            ok &= (c.offs = ring_alloc(alloc, sizeof(int64_t) * (size_t)c.B)) != NULL;
+            if (bwd) {
+                for (int i = 0; i < 2; i++)
+                    ok &= (c.acc[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
+                ok &= (c.din = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
+            } else {
+                ok &=
+                    (c.part = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max * c.dv))) != NULL;
+                c.lse = a->lse;
+                if (!c.lse)
+                    ok &= (c.lse = c.lse_own = ring_alloc(
+                               alloc, fb * (size_t)(c.B * c.h * c.mine.n_local))) != NULL;
+            }
+            if (!ok) {
+                st = MHA_STATUS_NO_MEMORY;
+                set_error(err, st, "%s: out of memory (scratch of %d blocks of %lld floats)", fn,
+                          bwd ? 5 : 2, (long long)blk);
+            }
+        }
+        const int64_t mine[AGREE_COUNT] = {0,
+                                           cfg->seq_len,
+                                           cfg->layout,
+                                           c.B,
+                                           c.h,
+                                           c.g,
+                                           c.dk,
+                                           c.dv,
+                                           a->mask.causal != 0,
+                                           a->mask.use_window ? a->mask.window_left : -1,
+                                           a->mask.use_window ? a->mask.window_right : -1,
+                                           a->alibi != 0};
+        memcpy(values, mine, sizeof mine);
+    }
+
+    /* 2. Agreement; a private communicator for the ring's messages. */
+    MPI_Comm ring = MPI_COMM_NULL;
+    if (st == MHA_STATUS_OK)
+        st = agree(comm, p, rank, st, values, err);
+    else
+        agree(comm, p, rank, st, values, err);
+    if (st == MHA_STATUS_OK && MPI_Comm_dup(comm, &ring) != MPI_SUCCESS) {
+        st = MHA_STATUS_INTERNAL;
+        set_error(err, st, "%s: MPI_Comm_dup failed", fn);
+    }
+
+    /* 3. The ring. Forward: O = 0 and lse = -inf merge with every partial. Backward: dQ = 0
+     * unless accumulating, then every pair adds its share. */
+    if (st == MHA_STATUS_OK) {
+        const mha_attention_args *a = local;
+        for (int64_t b = 0; b < c.B; b++)
+            for (int64_t hh = 0; hh < c.h; hh++)
+                for (int64_t i = 0; i < c.mine.n_local; i++) {
+                    if (!bwd) {
+                        memset(a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                                   i * a->out_strides[2],
+                               0, sizeof(float) * (size_t)c.dv);
+                        c.lse[(b * c.h + hh) * c.mine.n_local + i] = -INFINITY;
+                    } else if (grads->dq && !grads->accumulate) {
+                        memset(grads->dq + b * grads->dq_strides[0] + hh * grads->dq_strides[1] +
+                                   i * grads->dq_strides[2],
+                               0, sizeof(float) * (size_t)c.dk);
+                    }
+                }
+        pack_kv(&c, c.kv[0]);
+        st = run_ring(&c, ring, cfg, p, rank, err);
+        if (bwd && st == MHA_STATUS_OK)
+            unpack_dkv(&c);
+        /* A local call that failed mid-ring (out of memory) is reported to every rank. */
+        const mha_status ring_st = agree(ring, p, rank, st, values, err);
+        st = st != MHA_STATUS_OK ? st : ring_st;
+    }
+    if (ring != MPI_COMM_NULL)
+        MPI_Comm_free(&ring);
+    for (int i = 0; i < 2; i++) {
+        ring_free(alloc, c.kv[i]);
+        ring_free(alloc, c.acc[i]);
+    }
+    ring_free(alloc, c.din);
+    ring_free(alloc, c.part);
+    ring_free(alloc, c.part_lse);
+    ring_free(alloc, c.lse_own);
+    ring_free(alloc, c.offs);
+    return st;
+}
+
+mha_status mha_ring_attention(MPI_Comm comm,
+                              const mha_ring_config *cfg,
+                              const mha_attention_args *local,
+                              const mha_exec *exec,
+                              mha_error *err) {
+    return ring_entry(comm, cfg, local, 0, NULL, exec, err);
 }
 
 mha_status mha_ring_attention_backward(MPI_Comm comm,
-                                       const mha_ring_args *args,
+                                       const mha_ring_config *cfg,
+                                       const mha_attention_args *local,
                                        const mha_attention_grads *grads,
                                        const mha_exec *exec,
                                        mha_error *err) {
-    return ring_run(comm, args, 1, grads, exec, err);
+    return ring_entry(comm, cfg, local, 1, grads, exec, err);
 }
