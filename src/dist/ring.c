@@ -1,13 +1,15 @@
 /* SPDX-License-Identifier: MIT */
-/* ring.c: ring attention over MPI (mha_mpi.h), the forward. Built into libmha_mpi only, on top of
- * libmha's PUBLIC calls: mha_attention_supported checks each rank's local arguments,
- * mha_attention computes every (query chunk, key chunk) partial result with its lse, and
- * mha_attention_merge folds the partials into the output exactly. Nothing here includes the
+/* ring.c: ring attention over MPI (mha_mpi.h), forward and backward. Built into libmha_mpi only,
+ * on top of libmha's PUBLIC calls: mha_attention_supported (and the backward's size query) check
+ * each rank's local arguments, mha_attention computes every (query chunk, key chunk) partial
+ * result with its lse, mha_attention_merge folds the partials into the output exactly, and
+ * mha_attention_backward gives each pair's share of the gradients. Nothing here includes the
  * library's internals (tests/check_layout.sh: the dist part includes only public headers).
  *
  * Buffers (floats): two K/V blocks of the largest shard, B g n_max (d_k + d_v) each (one being
- * computed on while the other is received), one partial output B h n_max d_v and its lse
- * B h n_max, and the lse accumulator B h n_local when the caller passes no lse. */
+ * computed on while the other is received), the lse of one chunk B h n_max; forward: one partial
+ * output B h n_max d_v and the lse accumulator B h n_local when the caller passes no lse;
+ * backward: three more K/V-sized blocks (two travelling dK/dV, one received). */
 #include "mha_mpi.h"
 
 #include <limits.h>
