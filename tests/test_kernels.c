@@ -760,6 +760,20 @@ static void special_cases(int kindex, const char *kname, kstats *ks) {
             c.special = sp;
             run(&c, kindex, kname, ks);
         }
+    /* Head sizes that are not multiples of 4 (the sweep's are multiples of 8): the run-time-D
+     * path's tails (NEON: the Q K^T d tail, K^T packing of a partial 4 x 4 block, O += P V
+     * column groups ending in a partial vector of 1, 2 or 3 floats, the finiteness scan's tail),
+     * with key tiles that end in a partial vector too. */
+    const int64_t odd[][4] = {{19, 35, 70, 90}, {5, 13, 33, 113}, {30, 6, 65, 39}, {1, 1, 9, 70}};
+    for (int v = 0; v < 4; v++) {
+        tcase c = base_case(93000u + (uint64_t)v);
+        c.B = 1 + v % 2, c.H = 4, c.G = v % 2 ? 1 : 2;
+        c.dk = odd[v][0], c.dv = odd[v][1], c.n = odd[v][2], c.m = odd[v][3];
+        c.causal = v % 2 == 0;
+        c.probs = v == 1;
+        c.sinks = v == 2;
+        run(&c, kindex, kname, ks);
+    }
     /* A kv head too long for the per-thread K^T cache (> 8 MiB packed): tiles packed one at a
      * time; with a window, most tiles are skipped. */
     for (int v = 0; v < 3; v++) {

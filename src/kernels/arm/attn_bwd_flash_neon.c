@@ -31,46 +31,17 @@
  * past 32 (accumulators spilled inside the loop with gcc 12). Emits nothing. */
 #    define SCHED_BARRIER() __asm__ volatile("")
 
-/* The first n floats (0..4) of p, other lanes 0, and the store of the first n lanes of x: lane
- * by lane, touching nothing past p[n - 1]. (v4_loadu_first/v4_storeu_first copy through a stack
- * array, whose loop gcc 12 turns into a memcpy call, which also spills the live accumulators
- * around it.) */
-MHA_INLINE v4 load_part(const float *p, int n) {
-    if (n >= 4)
-        return vld1q_f32(p);
-    v4 x = vdupq_n_f32(0.0f);
-    if (n > 0)
-        x = vld1q_lane_f32(p, x, 0);
-    if (n > 1)
-        x = vld1q_lane_f32(p + 1, x, 1);
-    if (n > 2)
-        x = vld1q_lane_f32(p + 2, x, 2);
-    return x;
-}
-MHA_INLINE void store_part(float *p, int n, v4 x) {
-    if (n >= 4) {
-        vst1q_f32(p, x);
-        return;
-    }
-    if (n > 0)
-        vst1q_lane_f32(p, x, 0);
-    if (n > 1)
-        vst1q_lane_f32(p + 1, x, 1);
-    if (n > 2)
-        vst1q_lane_f32(p + 2, x, 2);
-}
-
 /* Column vector c of a block of NVC vectors: whole, except the last one when LAST < 4, of which
  * only the first LAST floats are read or written (LAST is a compile-time constant, so the lane
  * loads have no branches). */
 MHA_INLINE v4 load_col(const float *p, int c, const int NVC, const int LAST) {
-    return LAST == 4 || c < NVC - 1 ? v4_loadu(p) : load_part(p, LAST);
+    return LAST == 4 || c < NVC - 1 ? v4_loadu(p) : v4_loadu_first(p, LAST);
 }
 MHA_INLINE void store_col(float *p, int c, v4 x, const int NVC, const int LAST) {
     if (LAST == 4 || c < NVC - 1)
         v4_store(p, x);
     else
-        store_part(p, LAST, x);
+        v4_storeu_first(p, LAST, x);
 }
 
 /* C[ROWS, cols] += A[ROWS, K] B[K, cols], cols = 4 (NVC - 1) + LAST. */
@@ -215,7 +186,7 @@ static void exp_shift_neon(const float *x, float c, float *y, int64_t count) {
     }
     for (; i < count; i += 4) {
         const int n = count - i < 4 ? (int)(count - i) : 4;
-        store_part(y + i, n, v4_exp(v4_sub(load_part(x + i, n), cv)));
+        v4_storeu_first(y + i, n, v4_exp(v4_sub(v4_loadu_first(x + i, n), cv)));
     }
 }
 

@@ -45,35 +45,6 @@
  * by itself. */
 #    define SCHED_BARRIER() __asm__ volatile("")
 
-/* The first n floats (0..4) of p, other lanes 0, and the store of the first n lanes of x: lane
- * by lane, touching nothing past p[n - 1]. (v4_loadu_first/v4_storeu_first copy through a stack
- * array, whose loop gcc 12 turns into a memcpy call, which also spills the live accumulators
- * around it.) */
-MHA_INLINE v4 load_part(const float *p, int n) {
-    if (n >= 4)
-        return vld1q_f32(p);
-    v4 x = vdupq_n_f32(0.0f);
-    if (n > 0)
-        x = vld1q_lane_f32(p, x, 0);
-    if (n > 1)
-        x = vld1q_lane_f32(p + 1, x, 1);
-    if (n > 2)
-        x = vld1q_lane_f32(p + 2, x, 2);
-    return x;
-}
-MHA_INLINE void store_part(float *p, int n, v4 x) {
-    if (n >= 4) {
-        vst1q_f32(p, x);
-        return;
-    }
-    if (n > 0)
-        vst1q_lane_f32(p, x, 0);
-    if (n > 1)
-        vst1q_lane_f32(p + 1, x, 1);
-    if (n > 2)
-        vst1q_lane_f32(p + 2, x, 2);
-}
-
 /* acc + b * x with x a scalar: FMLA by element (GCC keeps x in lane 0 of an s register). */
 MHA_INLINE v4 fma_scalar(v4 acc, v4 b, float x) {
     return vfmaq_n_f32(acc, b, x);
@@ -83,17 +54,6 @@ MHA_INLINE v4 fma_scalar(v4 acc, v4 b, float x) {
 /* Packing                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* In-register transpose of 4 vectors of 4 floats: TRN on 32-bit elements interleaves row pairs,
- * TRN on 64-bit elements then pairs the halves. */
-MHA_INLINE void transpose4(v4 r[4]) {
-    const v4 t0 = vtrn1q_f32(r[0], r[1]), t1 = vtrn2q_f32(r[0], r[1]);
-    const v4 t2 = vtrn1q_f32(r[2], r[3]), t3 = vtrn2q_f32(r[2], r[3]);
-    r[0] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
-    r[1] = vreinterpretq_f32_f64(vtrn1q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
-    r[2] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t0), vreinterpretq_f64_f32(t2)));
-    r[3] = vreinterpretq_f32_f64(vtrn2q_f64(vreinterpretq_f64_f32(t1), vreinterpretq_f64_f32(t3)));
-}
-
 static void pack_kt(const float *k, int64_t ks, int nk, int64_t dk, float *kt, int ldk) {
     const int nkp = (nk + 15) / 16 * 16;
     for (int j0 = 0; j0 < nkp; j0 += 4) {
@@ -102,8 +62,8 @@ static void pack_kt(const float *k, int64_t ks, int nk, int64_t dk, float *kt, i
             const int cols = dk - d0 < 4 ? (int)(dk - d0) : 4;
             v4 r[4];
             for (int i = 0; i < 4; i++)
-                r[i] = i < rows ? load_part(k + (j0 + i) * ks + d0, cols) : v4_zero();
-            transpose4(r);
+                r[i] = i < rows ? v4_loadu_first(k + (j0 + i) * ks + d0, cols) : v4_zero();
+            v4_transpose4(r);
             for (int c = 0; c < cols; c++)
                 v4_store(kt + (d0 + c) * ldk + j0, r[c]);
         }
@@ -220,7 +180,7 @@ MHA_INLINE void qk_body(const float *const *q,
             for (int c = 0; c < NV - 1; c++)                                                       \
                 vv[c] = v4_loadu(vj + 4 * c);                                                      \
             vv[NV - 1] =                                                                           \
-                LAST == 4 ? v4_loadu(vj + 4 * (NV - 1)) : load_part(vj + 4 * (NV - 1), LAST);      \
+                LAST == 4 ? v4_loadu(vj + 4 * (NV - 1)) : v4_loadu_first(vj + 4 * (NV - 1), LAST); \
             for (int r = 0; r < ROWS; r++)                                                         \
                 for (int c = 0; c < NV; c++)                                                       \
                     acc[r][c] = v4_fma_lane(vv[c], pv4[r], L, acc[r][c]);                          \
@@ -266,7 +226,8 @@ MHA_INLINE void pv_micro(const float *pm,
         v4 vv[PV_NV];
         for (int c = 0; c < NV - 1; c++)
             vv[c] = v4_loadu(vj + 4 * c);
-        vv[NV - 1] = LAST == 4 ? v4_loadu(vj + 4 * (NV - 1)) : load_part(vj + 4 * (NV - 1), LAST);
+        vv[NV - 1] =
+            LAST == 4 ? v4_loadu(vj + 4 * (NV - 1)) : v4_loadu_first(vj + 4 * (NV - 1), LAST);
         for (int r = 0; r < ROWS; r++) {
             const float x = pr[r][j];
             for (int c = 0; c < NV; c++)
@@ -478,13 +439,13 @@ static void softmax_online(const mha__flash_softmax *args) {
         }
         /* m_new = max(m, tile max) (m is never NaN: NaN scores do not move the max);
          * mu = m_new, or 0 when -inf; alpha = exp(m - mu). */
-        const v4 m_old = load_part(a->m + r0, rr);
+        const v4 m_old = v4_loadu_first(a->m + r0, rr);
         const v4 m_new = v4_max(hmax4(vm[0], vm[1], vm[2], vm[3]), m_old);
         const v4 mu = v4_select(vceqq_f32(m_new, ninf), v4_zero(), m_new);
         const v4 alpha = v4_exp(v4_sub(m_old, mu));
-        store_part(a->alpha + r0, rr, alpha);
-        store_part(a->m + r0, rr, m_new);
-        store_part(a->mu + r0, rr, mu);
+        v4_storeu_first(a->alpha + r0, rr, alpha);
+        v4_storeu_first(a->m + r0, rr, m_new);
+        v4_storeu_first(a->mu + r0, rr, mu);
         /* (C) */
         float mus[4];
         v4_store(mus, mu);
@@ -525,9 +486,9 @@ static void softmax_online(const mha__flash_softmax *args) {
             sum[q] = v4_add(acc0, acc1);
         }
         /* l = l alpha + sum */
-        const v4 l_old = load_part(a->l + r0, rr);
-        store_part(a->l + r0, rr,
-                   v4_add(v4_mul(l_old, alpha), hsum4(sum[0], sum[1], sum[2], sum[3])));
+        const v4 l_old = v4_loadu_first(a->l + r0, rr);
+        v4_storeu_first(a->l + r0, rr,
+                        v4_add(v4_mul(l_old, alpha), hsum4(sum[0], sum[1], sum[2], sum[3])));
     }
 }
 
@@ -560,7 +521,8 @@ static int all_finite(const float *v, int64_t vs, int nk, int64_t dv) {
         }
         for (; d < dv; d += 4) {
             const int n = dv - d < 4 ? (int)(dv - d) : 4;
-            acc0 = vmaxq_u32(acc0, vandq_u32(vreinterpretq_u32_f32(load_part(vj + d, n)), expo));
+            acc0 =
+                vmaxq_u32(acc0, vandq_u32(vreinterpretq_u32_f32(v4_loadu_first(vj + d, n)), expo));
         }
     }
     return vmaxvq_u32(vmaxq_u32(acc0, acc1)) != 0x7f800000u;
@@ -611,14 +573,14 @@ void mha__dropout_bits_neon(
 void mha__vexp_neon(const float *x, float *y, int64_t count) {
     for (int64_t i = 0; i < count; i += 4) {
         const int n = count - i < 4 ? (int)(count - i) : 4;
-        store_part(y + i, n, v4_exp(load_part(x + i, n)));
+        v4_storeu_first(y + i, n, v4_exp(v4_loadu_first(x + i, n)));
     }
 }
 
 void mha__vtanh_neon(const float *x, float *y, int64_t count) {
     for (int64_t i = 0; i < count; i += 4) {
         const int n = count - i < 4 ? (int)(count - i) : 4;
-        store_part(y + i, n, v4_tanh(load_part(x + i, n)));
+        v4_storeu_first(y + i, n, v4_tanh(v4_loadu_first(x + i, n)));
     }
 }
 

@@ -48,24 +48,35 @@
 /* Software prefetch distance in keys (0: none). */
 #    define MHA_DEC_PREFETCH 16
 
-/* Elements [d, d + 4) of a cache row of type DT as float32. */
-MHA_INLINE v4 load4(const mha_dtype DT, const void *row, int64_t d) {
-    if (DT == MHA_DTYPE_F32)
-        return vld1q_f32((const float *)row + d);
-    const uint16x4_t h = vld1_u16((const uint16_t *)row + d);
+/* 4 float16 (FCVTL) or bfloat16 (USHLL #16: the bits are the high half of a float32) values as
+ * float32. */
+MHA_INLINE v4 widen4(const mha_dtype DT, uint16x4_t h) {
     if (DT == MHA_DTYPE_F16)
         return vcvt_f32_f16(vreinterpret_f16_u16(h));
     return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
 }
 
-/* Elements [d, d + n) of a cache row (0 < n < 4), the other lanes 0; nothing past the row is
- * read. */
+/* Elements [d, d + 4) of a cache row of type DT as float32. */
+MHA_INLINE v4 load4(const mha_dtype DT, const void *row, int64_t d) {
+    if (DT == MHA_DTYPE_F32)
+        return vld1q_f32((const float *)row + d);
+    return widen4(DT, vld1_u16((const uint16_t *)row + d));
+}
+
+/* Elements [d, d + n) of a cache row (0 < n < 4), the other lanes 0, loaded lane by lane:
+ * nothing past the row is read. */
 MHA_INLINE v4 load4_first(const mha_dtype DT, const void *row, int64_t d, int64_t n) {
     if (DT == MHA_DTYPE_F32)
         return v4_loadu_first((const float *)row + d, (int)n);
-    uint16_t t[4] = {0, 0, 0, 0};
-    memcpy(t, (const uint16_t *)row + d, sizeof(uint16_t) * (size_t)n);
-    return load4(DT, t, 0);
+    const uint16_t *p = (const uint16_t *)row + d;
+    uint16x4_t h = vdup_n_u16(0);
+    if (n > 0)
+        h = vld1_lane_u16(p, h, 0);
+    if (n > 1)
+        h = vld1_lane_u16(p + 1, h, 1);
+    if (n > 2)
+        h = vld1_lane_u16(p + 2, h, 2);
+    return widen4(DT, h);
 }
 
 /* Rows of one (sequence, kv head) in the cache: logical key j0 + x lives in slot slot0 + x,

@@ -110,19 +110,6 @@ static void ukr_8x12(int64_t kc,
 
 #    undef ROW_FMA
 
-/* In-place 4 x 4 transpose of r[0..3] (rows in, columns out): TRN1/TRN2 on 32-bit lanes pair up
- * rows 0-1 and 2-3, then TRN1/TRN2 on 64-bit lanes join the pairs. */
-MHA_INLINE void transpose4x4(v4 r[4]) {
-    const v4 t0 = vtrn1q_f32(r[0], r[1]), t1 = vtrn2q_f32(r[0], r[1]);
-    const v4 t2 = vtrn1q_f32(r[2], r[3]), t3 = vtrn2q_f32(r[2], r[3]);
-    const float64x2_t d0 = vreinterpretq_f64_f32(t0), d1 = vreinterpretq_f64_f32(t1);
-    const float64x2_t d2 = vreinterpretq_f64_f32(t2), d3 = vreinterpretq_f64_f32(t3);
-    r[0] = vreinterpretq_f32_f64(vtrn1q_f64(d0, d2));
-    r[1] = vreinterpretq_f32_f64(vtrn1q_f64(d1, d3));
-    r[2] = vreinterpretq_f32_f64(vtrn2q_f64(d0, d2));
-    r[3] = vreinterpretq_f32_f64(vtrn2q_f64(d1, d3));
-}
-
 /* dst[k][j] = src[j][k] for j < n, 0 for n <= j < width (a multiple of 4); k < kc. Both the W
  * panels (width NR) and the x micro-panels (width MR) are such transposes; in 4 x 4 blocks it is
  * 4 loads, 8 permutes and 4 stores per 16 floats instead of 16 scalar moves (the x86 kernels
@@ -136,7 +123,7 @@ static void pack_rows(const float *src, int64_t ld, int n, int64_t kc, float *ds
             v4 r[4];
             for (int i = 0; i < 4; i++)
                 r[i] = i < rows ? v4_loadu(s + i * ld + k) : v4_zero();
-            transpose4x4(r);
+            v4_transpose4(r);
             for (int i = 0; i < 4; i++)
                 v4_store(dst + (k + i) * width + j, r[i]);
         }

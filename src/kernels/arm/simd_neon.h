@@ -38,30 +38,33 @@ MHA_INLINE v4 v4_loadu(const float *p) {
 MHA_INLINE void v4_store(float *p, v4 x) {
     vst1q_f32(p, x);
 }
-/* Mask of the first n lanes (0 <= n <= 4). */
-MHA_INLINE v4m v4_first(int n) {
-    const uint32x4_t lane = {0, 1, 2, 3};
-    return vcltq_u32(lane, vdupq_n_u32((uint32_t)(n < 0 ? 0 : n)));
-}
-/* The first n floats of p (0 <= n <= 4), the other lanes 0; nothing past p[n-1] is read. */
+/* The first n floats of p (n <= 4), the other lanes 0, and the store of the first n lanes of x:
+ * lane by lane (LD1/ST1 to a lane), touching nothing past p[n - 1]. (A copy through a stack array
+ * is a loop that gcc 12 turns into a memcpy call, which also spills the live accumulators of the
+ * FMA loops around it.) With n a compile-time constant the tests fold away. */
 MHA_INLINE v4 v4_loadu_first(const float *p, int n) {
     if (n >= 4)
         return vld1q_f32(p);
-    float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int i = 0; i < n; i++)
-        t[i] = p[i];
-    return vld1q_f32(t);
+    v4 x = vdupq_n_f32(0.0f);
+    if (n > 0)
+        x = vld1q_lane_f32(p, x, 0);
+    if (n > 1)
+        x = vld1q_lane_f32(p + 1, x, 1);
+    if (n > 2)
+        x = vld1q_lane_f32(p + 2, x, 2);
+    return x;
 }
-/* Stores the first n lanes of x (0 <= n <= 4); nothing past p[n-1] is written. */
 MHA_INLINE void v4_storeu_first(float *p, int n, v4 x) {
     if (n >= 4) {
         vst1q_f32(p, x);
         return;
     }
-    float t[4];
-    vst1q_f32(t, x);
-    for (int i = 0; i < n; i++)
-        p[i] = t[i];
+    if (n > 0)
+        vst1q_lane_f32(p, x, 0);
+    if (n > 1)
+        vst1q_lane_f32(p + 1, x, 1);
+    if (n > 2)
+        vst1q_lane_f32(p + 2, x, 2);
 }
 MHA_INLINE v4 v4_add(v4 a, v4 b) {
     return vaddq_f32(a, b);
@@ -85,9 +88,6 @@ MHA_INLINE v4 v4_max_nan_ignoring(v4 x, v4 acc) {
 MHA_INLINE v4 v4_max(v4 a, v4 b) {
     return vmaxq_f32(a, b);
 }
-MHA_INLINE v4 v4_min(v4 a, v4 b) {
-    return vminq_f32(a, b);
-}
 /* Lanes whose mask is clear become `other`. */
 MHA_INLINE v4 v4_select(v4m k, v4 x, v4 other) {
     return vbslq_f32(k, x, other);
@@ -98,6 +98,18 @@ MHA_INLINE float v4_hmax(v4 x) {
 /* (x0 + x1) + (x2 + x3): pairwise, as FADDP does it. */
 MHA_INLINE float v4_hsum(v4 x) {
     return vaddvq_f32(x);
+}
+/* In-place transpose of the 4 x 4 block r[0..3] (rows in, columns out): TRN1/TRN2 on 32-bit
+ * elements pair up rows 0-1 and 2-3, TRN1/TRN2 on 64-bit elements then join the pairs. */
+MHA_INLINE void v4_transpose4(v4 r[4]) {
+    const float64x2_t t0 = vreinterpretq_f64_f32(vtrn1q_f32(r[0], r[1]));
+    const float64x2_t t1 = vreinterpretq_f64_f32(vtrn2q_f32(r[0], r[1]));
+    const float64x2_t t2 = vreinterpretq_f64_f32(vtrn1q_f32(r[2], r[3]));
+    const float64x2_t t3 = vreinterpretq_f64_f32(vtrn2q_f32(r[2], r[3]));
+    r[0] = vreinterpretq_f32_f64(vtrn1q_f64(t0, t2));
+    r[1] = vreinterpretq_f32_f64(vtrn1q_f64(t1, t3));
+    r[2] = vreinterpretq_f32_f64(vtrn2q_f64(t0, t2));
+    r[3] = vreinterpretq_f32_f64(vtrn2q_f64(t1, t3));
 }
 
 /* exp: the method and constants of simd_avx2.h (Cody-Waite reduction x = k ln2 + r, degree-6
