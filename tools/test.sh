@@ -27,13 +27,22 @@ bash tools/install_deps.sh --test
 jobs=$(nproc 2>/dev/null || echo 2)
 py="$PWD/.venv/bin/python"
 
-echo "== Format check (clang-format-14, .clang-format)"
+# step "title": prints the time the previous step took and the total so far (CI's budget is 30
+# minutes; these lines show where it goes), then the title.
+step_start=$SECONDS
+step() {
+    [ "$step_start" -eq "$SECONDS" ] || echo "   (step took $((SECONDS - step_start)) s; total $((SECONDS / 60)) min $((SECONDS % 60)) s)"
+    step_start=$SECONDS
+    echo "== $*"
+}
+
+step "Format check (clang-format-14, .clang-format)"
 git ls-files -z '*.c' '*.h' 2>/dev/null | xargs -0 -r clang-format-14 --dry-run -Werror
 
-echo "== Static analysis (cppcheck, tools/cppcheck-suppressions.txt)"
+step "Static analysis (cppcheck, tools/cppcheck-suppressions.txt)"
 bash tools/cppcheck.sh "$jobs"
 
-echo "== Release build (-Werror)"
+step "Release build (-Werror)"
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON -DMHA_MPI=ON \
     -DPython3_EXECUTABLE="$py" >/dev/null
 cmake --build build -j "$jobs"
@@ -45,21 +54,21 @@ tiers=$(build/mha info | sed -n 's/^kernel tiers[^:]*: *//p')
 for isa in avx2 generic; do
     case " $tiers " in *" $isa "*) ;; *) continue ;; esac
     [ "$isa" = "${tiers%% *}" ] && continue # the best tier ran above
-    echo "== every C test with MHA_MAX_ISA=$isa"
+    step "every C test with MHA_MAX_ISA=$isa"
     MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -j "$jobs" -E '^py_|^install|^exported'
 done
 
-echo "== clang-14 build (-Werror), C tests (MHA_TEST_QUICK=1)"
+step "clang-14 build (-Werror), C tests (MHA_TEST_QUICK=1)"
 CC=clang-14 cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null
 cmake --build build-clang -j "$jobs"
 MHA_TEST_QUICK=1 ctest --test-dir build-clang --output-on-failure -j "$jobs" -E '^py_'
 
-echo "== AddressSanitizer + UndefinedBehaviorSanitizer build"
+step "AddressSanitizer + UndefinedBehaviorSanitizer build"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON \
     -DMHA_SANITIZE=address,undefined -DPython3_EXECUTABLE="$py" >/dev/null
 cmake --build build-asan -j "$jobs"
 MHA_TEST_QUICK=1 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j "$jobs"
-echo "== ThreadSanitizer build, every C test (MHA_TEST_QUICK=1)"
+step "ThreadSanitizer build, every C test (MHA_TEST_QUICK=1)"
 # The Python tests are left out: test_python_* cannot load a TSan library into the interpreter,
 # and the CLI tests' code paths are the C tests' (they run under valgrind below).
 # -O1 keeps the assertions and smallest sweeps of a Debug build at about half the -O0 time.
@@ -71,7 +80,7 @@ cmake --build build-tsan -j "$jobs"
 MHA_TEST_QUICK=1 TSAN_OPTIONS=halt_on_error=1 \
     ctest --test-dir build-tsan --output-on-failure -j "$jobs" -E '^py_'
 
-echo "== valgrind memcheck: the CLI tests with every mha run under valgrind (Debug build)"
+step "valgrind memcheck: the CLI tests with every mha run under valgrind (Debug build)"
 # All of test_cli.py, test_hostile_cli.py, test_cli_plot.py and test_cli_outputs.py; of test_cli_decode.py's 33
 # decode-vs-full-forward cases the plain and everything ones (the rest takes minutes under
 # valgrind and runs the same code). The golden CLI tests are left to the Release and ASan runs.
@@ -100,9 +109,9 @@ if [ "$vg_status" -ne 0 ]; then
     exit 1
 fi
 
-echo "== aarch64: cross build (-Werror), every C test under qemu-user (tools/test_aarch64.sh)"
+step "aarch64: cross build (-Werror), every C test under qemu-user (tools/test_aarch64.sh)"
 bash tools/test_aarch64.sh "$jobs"
 
-echo "== Fuzzing: each libFuzzer harness for a bounded time (fuzz/run.sh)"
+step "Fuzzing: each libFuzzer harness for a bounded time (fuzz/run.sh)"
 bash fuzz/run.sh "${MHA_FUZZ_SECONDS:-20}"
-echo "== all tests passed"
+step "all tests passed"
