@@ -101,6 +101,26 @@ MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
                                                const mha_exec *exec,
                                                mha_error *err);
 
+/** The two calls above with the communicator given by its Fortran handle (MPI_Comm_c2f(comm);
+ *  mpi4py: comm.py2f()), widened to int64_t, for bindings through a foreign-function interface
+ *  (the Python package's ctypes): an MPI_Comm is a pointer in Open MPI and an int in MPICH, so
+ *  it cannot be passed portably from outside C, while the Fortran handle is an integer in every
+ *  MPI (and int64_t spares the caller MPI_Fint's width). The handle is converted with
+ *  MPI_Comm_f2c; then everything is as in mha_ring_attention / mha_ring_attention_backward.
+ *  @return as those, or INVALID_ARG, on this rank alone (there is no communicator to agree
+ *  over), when MPI is not initialized, comm_f does not fit MPI_Fint or is MPI_COMM_NULL's. */
+MHA_API mha_status mha_ring_attention_fcomm(int64_t comm_f,
+                                            const mha_ring_config *cfg,
+                                            const mha_attention_args *local,
+                                            const mha_exec *exec,
+                                            mha_error *err);
+MHA_API mha_status mha_ring_attention_backward_fcomm(int64_t comm_f,
+                                                     const mha_ring_config *cfg,
+                                                     const mha_attention_args *local,
+                                                     const mha_attention_grads *grads,
+                                                     const mha_exec *exec,
+                                                     mha_error *err);
+
 #ifdef __cplusplus
 }
 #endif

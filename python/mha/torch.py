@@ -6,6 +6,8 @@
   PyTorch's conventions are translated (bool ``attn_mask``/``key_padding_mask`` True = masked out,
   float masks additive, ``is_causal`` = top-left causal, ``batch_first``).
 - :func:`scaled_dot_product_attention`: ``F.scaled_dot_product_attention``'s signature.
+- :func:`ring_attention`: ring attention over MPI (an mpi4py communicator), each process holding
+  its shard of a long sequence (docs/distributed.md).
 
 Both are ``torch.autograd.Function`` s whose backward calls mha's backward (mha_layer_backward,
 mha_attention_backward), so a model can be trained with them. This module imports torch; the
@@ -668,3 +670,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if in_dtype != _F32:
         out = out.to(in_dtype)
     return out
+
+
+# Ring attention over MPI (an mpi4py communicator): python/mha/_torch_ring.py.
+from ._torch_ring import ring_attention  # noqa: E402
+
+__all__.append("ring_attention")
