@@ -116,10 +116,11 @@ def collective(comm, prepare: Callable[[], object]):
     before any rank calls C: if prepare raised on some rank, every rank raises (the failing rank
     its own exception, the others the same type, "rank r: <message>" of the first failing rank),
     so no rank waits in the ring for a peer that has already given up. One allgather (pickled
-    by mpi4py) of None or (type, message) per call."""
+    by mpi4py) of None or (type, message) per call. Types other than MhaError, TypeError and
+    ValueError reach the other ranks as RuntimeError."""
     try:
         result, failure, exc = prepare(), None, None
-    except (ValueError, TypeError, MhaError) as e:
+    except Exception as e:  # any failure, lest the other ranks wait for this one
         result, exc = None, e
         failure = (type(e).__name__, getattr(e, "status", STATUS_INVALID_ARG),
                    getattr(e, "message", str(e)))
@@ -133,7 +134,7 @@ def collective(comm, prepare: Callable[[], object]):
         text = f"rank {rank}: {message}"
         if kind == "MhaError":
             raise MhaError(status, text)
-        raise (TypeError if kind == "TypeError" else ValueError)(text)
+        raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(text)
     return result
 
 
