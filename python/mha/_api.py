@@ -422,26 +422,25 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
     [B, h, n] if ``return_lse``, then the probabilities [B, h, n, m] (or [B, n, m] averaged) if
     ``need_weights``: a single array when only the output is asked for, else a tuple.
     """
-    opts = dict(layout=layout, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks,
-                causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
-                attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
-                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=dropout,
-                seed=seed, need_weights=need_weights, average=average_attn_weights,
-                return_lse=return_lse, impl=impl, threads=threads)
+    def prepare():  # (positional: the call is on the hot path of small problems)
+        return _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal,
+                                  alignment, mask, mask_means, attn_bias, key_padding_mask,
+                                  window, q_segment_ids, kv_segment_ids, dropout, seed,
+                                  need_weights, average_attn_weights, return_lse, impl, threads)
+
     if comm is None:
-        call = _attention_prepare(q, k, v, **opts)
+        call = prepare()
         M.call(L.mha_attention, call[0], call[1])
     else:
         from . import _mpi
         _mpi.comm_info(comm)
         call, cfg = _mpi.collective(comm, lambda: (
-            _attention_prepare(q, k, v, **opts), _mpi.config(seq_len, shard_layout),
-            _mpi.library()))[:2]
+            prepare(), _mpi.config(seq_len, shard_layout), _mpi.library()))[:2]
         _mpi.forward(comm, cfg, call[0], call[1])
     return _attention_result(*call[2:], return_lse, need_weights, average_attn_weights)
 
 
-def _attention_prepare(q, k, v, *, layout, scale, softcap, alibi, sinks, causal, alignment, mask,
+def _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal, alignment, mask,
                        mask_means, attn_bias, key_padding_mask, window, q_segment_ids,
                        kv_segment_ids, dropout, seed, need_weights, average, return_lse, impl,
                        threads):
