@@ -12,7 +12,8 @@ max|o - o_1| <= TOL_OUT_REL max|o_1|, |lse - lse_1| <= TOL_OUT_REL max(1, |lse_1
 within TOL_GRAD_REL max|g_1| (tests/common/tolerance.h). Every test makes all its collective calls
 before asserting, so a failing check on one rank cannot leave the others waiting.
 Also: a bad argument on one rank (found in Python, or in C) raises on every rank; comm= without
-libmha_mpi raises on every rank; shard_rows tiles the sequence.
+libmha_mpi raises on every rank; the Fortran-handle entry points refuse bad handles; shard_rows
+tiles the sequence.
 """
 import os
 import sys
@@ -153,6 +154,21 @@ def test_not_a_communicator():
     with pytest.raises(TypeError, match="mpi4py"):
         mha.attention(np.zeros((1, 1, 4, 2), np.float32), np.zeros((1, 1, 4, 2), np.float32),
                       np.zeros((1, 1, 4, 2), np.float32), comm=object(), seq_len=4)
+
+
+@pytest.mark.parametrize("handle, why", [(MPI.COMM_NULL.py2f(), "MPI_COMM_NULL"),
+                                         (1 << 40, "does not fit MPI_Fint")])
+def test_fortran_handle_entry_points_refuse_a_bad_handle(handle, why):
+    """mha_ring_attention[_backward]_fcomm (the route from Python) check the handle before
+    converting it (a local error: with no communicator there is no one to wait for)."""
+    from mha import _lib
+    lib = _mpi.library()
+    for fn, extra in ((lib.mha_ring_attention_fcomm, ()),
+                      (lib.mha_ring_attention_backward_fcomm, (None,))):
+        err = _lib.mha_error()
+        status = fn(handle, None, None, *extra, None, err)
+        assert _lib.STATUS_NAMES[status] == "INVALID_ARG"
+        assert why in err.message.decode(), err.message
 
 
 def test_without_libmha_mpi_raises_on_every_rank(monkeypatch):
