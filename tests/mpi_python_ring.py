@@ -150,6 +150,14 @@ def test_bad_argument_on_one_rank_raises_on_every_rank():
     assert np.array_equal(o2, o)
 
 
+def test_ring_arguments_without_comm():
+    x = np.zeros((1, 1, 4, 2), np.float32)
+    with pytest.raises(ValueError, match="go with comm="):
+        mha.attention(x, x, x, seq_len=4)
+    with pytest.raises(ValueError, match="go with comm="):
+        mha.attention_backward(x, x, x, x, x, x[..., 0], shard_layout="contiguous")
+
+
 def test_not_a_communicator():
     with pytest.raises(TypeError, match="mpi4py"):
         mha.attention(np.zeros((1, 1, 4, 2), np.float32), np.zeros((1, 1, 4, 2), np.float32),

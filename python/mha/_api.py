@@ -211,6 +211,7 @@ def _dropout(d: L.mha_dropout, p: float, seed: int) -> None:
 
 
 _SCALE_ZERO = "scale=0 is not supported (0 means the default 1/sqrt(d_k) in libmha)"
+_RING_ONLY = "seq_len and shard_layout go with comm= (ring attention over MPI); comm is None"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -429,6 +430,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
                                   need_weights, average_attn_weights, return_lse, impl, threads)
 
     if comm is None:
+        if seq_len is not None or shard_layout != "zigzag":
+            raise ValueError(_RING_ONLY)
         call = prepare()
         M.call(L.mha_attention, call[0], call[1])
     else:
@@ -504,6 +507,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     single-process backward on the whole sequence.
     """
     if comm is None:
+        if seq_len is not None or shard_layout != "zigzag":
+            raise ValueError(_RING_ONLY)
         call = _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options)
         M.call(L.mha_attention_backward, *call[:3])
     else:
