@@ -71,7 +71,7 @@ typedef struct ring_case {
     int64_t window[2];  /* use_window with (left, right) when either is not -2 */
     int alibi;
     int sinks;       /* learned sink logits */
-    int key_padding; /* 0: none, 1: I64 [B, N], 2: BOOL [N] */
+    int key_padding; /* 0: none, 1: I64 [B, N], 2: BOOL [N], 3: U8 [1, N] */
     int segments;    /* q and kv segment ids [B, N] */
 } ring_case;
 
@@ -95,7 +95,7 @@ static void make_masks(const ring_case *rc, test_rng *r, case_masks *m) {
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < n; j++)
                 m->kp64[b * n + j] = (j + b) % 5 != 0 && !(b == 1 && j >= n - 3) ? 7 : 0;
-    } else if (rc->key_padding == 2) {
+    } else if (rc->key_padding >= 2) {
         m->kp8 = malloc((size_t)n);
         for (int64_t j = 0; j < n; j++)
             m->kp8[j] = j % 4 != 0;
@@ -156,9 +156,10 @@ static void set_masks(const ring_case *rc,
             gather_ids(g, size, wide ? B : 1, n, local[0], nc, start, len);
             mk->key_padding.data = local[0];
         }
-        mk->key_padding.dtype = wide ? MHA_DTYPE_I64 : MHA_DTYPE_BOOL;
-        mk->key_padding.ndim = wide ? 2 : 1;
-        mk->key_padding.shape[0] = wide ? B : rows;
+        const int one_row = rc->key_padding == 3; /* [1, N]: broadcast over the batch */
+        mk->key_padding.dtype = wide ? MHA_DTYPE_I64 : one_row ? MHA_DTYPE_U8 : MHA_DTYPE_BOOL;
+        mk->key_padding.ndim = wide || one_row ? 2 : 1;
+        mk->key_padding.shape[0] = wide ? B : one_row ? 1 : rows;
         mk->key_padding.shape[1] = rows;
     }
     if (rc->segments) {
@@ -442,7 +443,7 @@ static void test_matches_single_process(void) {
                         extra[x].alibi, 0,     0,      0};
                     run_case(&rc, seed++);
                 }
-    /* Sinks, key padding ([B, N] I64 and [N] BOOL) and segment ids, alone and together with a
+    /* Sinks, key padding (I64 [B, N], BOOL [N], U8 [1, N]) and segment ids, alone and with a
      * window or ALiBi, on the same two shapes; all of them on the long one. MHA_TEST_QUICK: the
      * two combinations on the first shape (B = 2, GQA). */
     const struct {
@@ -450,7 +451,7 @@ static void test_matches_single_process(void) {
         int64_t left, right;
         int alibi;
     } masks[] = {{1, 0, 0, -2, -2, 0}, {0, 1, 0, -2, -2, 0}, {0, 2, 0, -2, -2, 0},
-                 {0, 0, 1, -2, -2, 0}, {1, 1, 1, 4, 3, 0},   {1, 2, 0, -2, -2, 1}};
+                 {0, 0, 1, -2, -2, 0}, {1, 1, 1, 4, 3, 0},   {1, 3, 0, -2, -2, 1}};
     for (size_t s = 0; s < 3; s++)
         for (int layout = 0; layout < 2; layout++)
             for (int causal = 0; causal < 2; causal++)

@@ -11,7 +11,7 @@
  * output B h n_max d_v and the lse accumulator B h n_local when the caller passes no lse;
  * backward: three more K/V-sized blocks (two travelling dK/dV, one received). With key padding or
  * segment ids: two key-side blocks (int32, 2 B n_max each) travelling with the K/V blocks, and the
- * slices of one pair (3 B n_max). With sinks: 2h int64 (their agreement) and h doubles (dsinks). */
+ * slices of one pair (3 B n_max). With sinks: 4h int64 (their agreement) and h doubles (dsinks). */
 #include "mha_mpi.h"
 
 #include <limits.h>
@@ -373,7 +373,8 @@ static int positional(const mha_attention_args *a) {
  * skipped when that range misses [ks, ke]. A pair every key of which every row sees (causal or
  * window, no ALiBi) runs unmasked; otherwise the rules are placed by the explicit alignment
  * delta = qs - ks (local key j vs local row i + delta <=> global key vs global row).
- * out and lse are left to the caller. */
+ * Key padding and segment ids are the pair's slices (pair_keys); sinks are left out (fold_sinks,
+ * sink_grads). out and lse are left to the caller. */
 static int pair_args(ring_call *c,
                      const float *blk,
                      int64_t n_src,
