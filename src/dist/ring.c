@@ -652,7 +652,8 @@ static void fold_sinks(const ring_call *c) {
                 float *l = c->lse + (b * c->h + hh) * n + i;
                 if (*l == -INFINITY)
                     continue;
-                const double old = *l, sink = a->sinks[hh], top = old > sink ? old : sink;
+                const double old = (double)*l, sink = (double)a->sinks[hh],
+                             top = old > sink ? old : sink;
                 const double lse = top + log(exp(old - top) + exp(sink - top));
                 const float r = (float)exp(old - lse);
                 float *o =
@@ -676,7 +677,7 @@ static mha_status sink_grads(const ring_call *c, MPI_Comm comm, mha_status st, m
     for (int64_t b = 0; b < c->B; b++)
         for (int64_t hh = 0; hh < c->h; hh++)
             for (int64_t i = 0; i < n; i++) {
-                const double l = a->lse[(b * c->h + hh) * n + i];
+                const double l = (double)a->lse[(b * c->h + hh) * n + i];
                 if (l == -(double)INFINITY) /* fully masked rows contribute nothing */
                     continue;
                 const float *o =
