@@ -11,6 +11,7 @@ path against torch's float64 attention), then its shard through the ring, and co
 max|o - o_1| <= TOL_OUT_REL max|o_1|, |lse - lse_1| <= TOL_OUT_REL max(1, |lse_1|), each gradient
 within TOL_GRAD_REL max|g_1| (tests/common/tolerance.h). Every test makes all its collective calls
 before asserting, so a failing check on one rank cannot leave the others waiting.
+Key padding, segment ids and sinks too (the rank's rows of the first two, the whole sinks).
 Also: a bad argument on one rank (found in Python, or in C) raises on every rank; comm= without
 libmha_mpi raises on every rank; the Fortran-handle entry points refuse bad handles; shard_rows
 tiles the sequence.
@@ -93,6 +94,38 @@ def test_options_and_blhd_layout():
     assert err_rel(lse, l1[:, :, rows], floor=1.0) <= TOL_OUT_REL
     for got, ref in zip(grads, g1):
         assert err_rel(got, ref[:, rows]) <= TOL_GRAD_REL
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shard_layout", ["zigzag", "contiguous"])
+def test_key_padding_segments_and_sinks(causal, shard_layout):
+    """The per-key and per-row masks of the C ring from Python: each rank passes its rows of
+    key_padding_mask and of the segment ids, and the whole sinks [h]; dsinks is the whole
+    gradient on every rank."""
+    B, h, g, N, d, dv = 2, 4, 2, 26, 8, 8
+    q, k, v, do = problem(B, h, g, N, d, dv, seed=3)
+    rng = np.random.default_rng(4)
+    pad = rng.random((B, N)) > 0.25
+    seg = np.sort(rng.integers(0, 3, (B, N)), axis=1).astype(np.int32)
+    sinks = rng.standard_normal(h).astype(np.float32)
+    opts = dict(causal=causal, sinks=sinks)
+    o1, l1 = mha.attention(q, k, v, return_lse=True, key_padding_mask=pad, q_segment_ids=seg,
+                           kv_segment_ids=seg, **opts)
+    g1 = mha.attention_backward(do, q, k, v, o1, l1, key_padding_mask=pad, q_segment_ids=seg,
+                                kv_segment_ids=seg, **opts)
+    rows = mha.shard_rows(N, COMM, shard_layout=shard_layout)
+    sh = [x[:, :, rows] for x in (q, k, v, do)]
+    local = dict(key_padding_mask=pad[:, rows], q_segment_ids=seg[:, rows],
+                 kv_segment_ids=seg[:, rows], comm=COMM, seq_len=N, shard_layout=shard_layout)
+    o, lse = mha.attention(*sh[:3], return_lse=True, **local, **opts)
+    grads = mha.attention_backward(sh[3], *sh[:3], o, lse, **local, **opts)
+    assert err_rel(o, o1[:, :, rows]) <= TOL_OUT_REL
+    finite = np.isfinite(l1[:, :, rows])  # fully masked rows: -inf in both
+    assert np.array_equal(np.isfinite(lse), finite)
+    assert err_rel(lse[finite], l1[:, :, rows][finite], floor=1.0) <= TOL_OUT_REL
+    for got, ref in zip(grads[:3], g1[:3]):
+        assert err_rel(got, ref[:, :, rows]) <= TOL_GRAD_REL
+    assert err_rel(grads[3], g1[3]) <= TOL_GRAD_REL  # dsinks: summed over the ranks
 
 
 @pytest.mark.parametrize("shard_layout", ["zigzag", "contiguous"])

@@ -416,8 +416,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
     self-attention over ``seq_len`` (N) global rows, the rows :func:`shard_rows` gives it for
     ``shard_layout`` ('zigzag' or 'contiguous'), in q, k and v alike; it returns its rows of the
     output (and lse), equal to the single-process call on the whole sequence. Options: those of
-    mha_ring_attention (scale, softcap, alibi, causal, window, GQA); others raise MhaError
-    (UNSUPPORTED). A bad argument on any rank raises on every rank.
+    mha_ring_attention (scale, softcap, alibi, causal, window, GQA, sinks, and the rank's rows of
+    key_padding_mask and of the segment ids); others raise MhaError (UNSUPPORTED). A bad
+    argument on any rank raises on every rank.
 
     Returns the output in the layout and shape of q (head size d_v), then the log-sum-exp
     [B, h, n] if ``return_lse``, then the probabilities [B, h, n, m] (or [B, n, m] averaged) if
