@@ -26,7 +26,8 @@ mode=${1:---test}
 case "$mode" in
 --build) scripts=(tools/demo.sh) ;;
 --test) scripts=(tools/test.sh tools/cppcheck.sh tools/valgrind_cli.sh fuzz/run.sh fuzz/build.sh
-    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh) ;;
+    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh
+    tools/test_python_package.sh) ;;
 *)
     echo "install_deps.sh: unknown mode '$mode' (use --build or --test)" >&2
     exit 2

@@ -26,18 +26,15 @@ from ._api import (Config, KVCache, MultiheadAttention, Rope, TrainState, attent
                    attention_backward, rope, rope_frequencies, shard_rows)
 from ._lib import MhaError
 
-__version__ = "0.1.0"
-
-if _lib.version() != __version__:
-    raise ImportError(f"mha: the Python package is version {__version__} but the C library "
-                      f"{_lib.library_path} is version {_lib.version()}; rebuild or reinstall "
-                      f"(or point MHA_LIBRARY at a matching libmha)")
+# The version is written once, in include/mha.h; the package's is the library's (the wheel's
+# metadata reads the same header at build time: python/version_from_header.py).
+__version__: str = _lib.version()
 
 library_path: str = _lib.library_path
 
 
 def library_version() -> str:
-    """Version of the loaded C library (equals ``__version__``; checked at import)."""
+    """Version of the loaded C library (``__version__``)."""
     return _lib.version()
 
 
