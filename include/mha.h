@@ -157,12 +157,18 @@ typedef struct mha_masking {
 } mha_masking;
 
 /** Dropout on the attention probabilities (training only). Element (b, h, i, j) is kept iff
- *  u >= p, with u = (philox4x32_10(counter = {j, i, h, b}, key = {seed lo, seed hi})[0] >> 8)
- *  * 2^-24; kept values are scaled by 1/(1-p). Independent of threads and blocking. */
+ *  u >= p, with u = (philox4x32_10(counter = {J, I, h, b}, key = {seed lo, seed hi})[0] >> 8)
+ *  * 2^-24, I = i + row_offset, J = j + col_offset; kept values are scaled by 1/(1-p).
+ *  Independent of threads and blocking. The offsets (0 for a whole call) place a call that is one
+ *  block of a larger attention (ring attention's pairs, chunked prefill) at its rows and columns
+ *  of the whole, so the blocks draw exactly the whole's mask; each in [0, 2^32 - extent] (the
+ *  counter holds I and J as 32-bit words). */
 typedef struct mha_dropout {
     float p; /* in [0, 1) */
     uint64_t seed;
-    int32_t training; /* zero: inference, never drops */
+    int32_t training;   /* zero: inference, never drops */
+    int64_t row_offset; /* I = i + row_offset */
+    int64_t col_offset; /* J = j + col_offset */
 } mha_dropout;
 
 /** Which implementation runs. AUTO takes the fastest one that supports the request; REFERENCE

@@ -85,7 +85,8 @@ class mha_masking(Structure):
 
 
 class mha_dropout(Structure):
-    _fields_ = [("p", c_float), ("seed", c_uint64), ("training", c_int32)]
+    _fields_ = [("p", c_float), ("seed", c_uint64), ("training", c_int32),
+                ("row_offset", c_int64), ("col_offset", c_int64)]
 
 
 class mha_exec(Structure):

@@ -269,6 +269,16 @@ mha_status mha__check_attention(const mha_attention_args *a,
     p->dropout_on = a->dropout.training && a->dropout.p > 0.0f;
     p->dropout_p = a->dropout.p;
     p->dropout_seed = a->dropout.seed;
+    /* The counter holds I = i + row_offset and J = j + col_offset as 32-bit words. */
+    const int64_t counter_end = (int64_t)1 << 32;
+    MHA_RETURN_IF(a->dropout.row_offset < 0 || a->dropout.row_offset > counter_end - p->n, err,
+                  INVALID_ARG, "dropout.row_offset=%lld must be in [0, 2^32 - q_len]",
+                  (long long)a->dropout.row_offset);
+    MHA_RETURN_IF(a->dropout.col_offset < 0 || a->dropout.col_offset > counter_end - p->m, err,
+                  INVALID_ARG, "dropout.col_offset=%lld must be in [0, 2^32 - kv_len]",
+                  (long long)a->dropout.col_offset);
+    p->dropout_row0 = a->dropout.row_offset;
+    p->dropout_col0 = a->dropout.col_offset;
 
     return check_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
 }
