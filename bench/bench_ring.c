@@ -28,7 +28,9 @@
  *
  * Usage: mpirun -np P mha_bench_ring [--n N] [--heads H] [--kv-heads G] [--dim D] [--batch B]
  *          [--mask causal|none] [--layout zigzag|contiguous] [--dir fwd|bwd|both] [--reps R]
- *          [--threads T] [--peak GFLOPS] [--cores C] [--label TEXT] [--header] */
+ *          [--threads T] [--peak GFLOPS] [--cores C] [--label TEXT] [--header] [--ranks P]
+ * --ranks P: fail unless the job has P ranks (a launcher of another MPI than the one the program
+ * was built with starts P singletons of 1 rank each). */
 #define _POSIX_C_SOURCE 200809L
 #include "fma_peak.h"
 #include "mha_mpi.h"
@@ -40,7 +42,7 @@
 
 typedef struct opts {
     int64_t B, h, g, n, d;
-    int causal, bwd, fwd, reps, threads, cores, header;
+    int causal, bwd, fwd, reps, threads, cores, header, ranks;
     mha_shard_layout layout;
     double peak; /* GFLOP/s of one thread, 0 = not given */
     const char *label;
@@ -78,7 +80,7 @@ static float *alloc_fill(int64_t count, uint64_t seed) {
 }
 
 static int parse(int argc, char **argv, opts *o) {
-    *o = (opts){1, 8, 0, 8192, 64, 1, 1, 1, 5, 1, 0, 0, MHA_SHARD_ZIGZAG, 0.0, "-"};
+    *o = (opts){1, 8, 0, 8192, 64, 1, 1, 1, 5, 1, 0, 0, 0, MHA_SHARD_ZIGZAG, 0.0, "-"};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(k, "--header")) {
@@ -113,6 +115,8 @@ static int parse(int argc, char **argv, opts *o) {
             o->peak = atof(v);
         else if (!strcmp(k, "--cores"))
             o->cores = atoi(v);
+        else if (!strcmp(k, "--ranks"))
+            o->ranks = atoi(v);
         else if (!strcmp(k, "--label"))
             o->label = v;
         else
@@ -410,7 +414,9 @@ static void header(const bench *b) {
     int len = 0;
     bench_cpu_model(cpu, sizeof cpu);
     MPI_Get_library_version(lib, &len);
-    lib[strcspn(lib, "\n,")] = '\0';
+    lib[strcspn(lib, "\n,")] = '\0'; /* the first line: "Open MPI v4.1.4", "MPICH Version: 4.0.2" */
+    for (char *c = lib; *c; c++)
+        *c = *c == '\t' ? ' ' : *c;
     printf("# mha_bench_ring: ring attention (mha_ring_attention / _backward), %s\n"
            "# CPU: %s; MPI: %s; %d thread(s) per rank; 1-thread FMA peak %.1f GFLOP/s "
            "(mha_peak), %d core(s)\n"
@@ -461,13 +467,22 @@ int main(int argc, char **argv) {
     b.p = p, b.rank = rank;
     if (!parse(argc, argv, &b.o)) {
         if (rank == 0)
-            fprintf(stderr, "usage: mpirun -np P mha_bench_ring [--n N] [--heads H] "
-                            "[--kv-heads G] [--dim D] [--batch B] [--mask causal|none]\n"
-                            "  [--layout zigzag|contiguous] [--dir fwd|bwd|both] [--reps R] "
-                            "[--threads T] [--peak GFLOPS] [--cores C] [--label TEXT] "
-                            "[--header]\n  (the file's top comment defines every column)\n");
+            fprintf(stderr,
+                    "usage: mpirun -np P mha_bench_ring [--n N] [--heads H] "
+                    "[--kv-heads G] [--dim D] [--batch B] [--mask causal|none]\n"
+                    "  [--layout zigzag|contiguous] [--dir fwd|bwd|both] [--reps R] "
+                    "[--threads T] [--peak GFLOPS] [--cores C] [--label TEXT] "
+                    "[--header] [--ranks P]\n  (the file's top comment defines every column)\n");
         MPI_Finalize();
         return 2;
+    }
+    if (b.o.ranks && b.o.ranks != p) {
+        fprintf(stderr,
+                "mha_bench_ring: %d rank(s) in MPI_COMM_WORLD, --ranks %d expected: is the "
+                "launcher the one of the MPI this program was built with?\n",
+                p, b.o.ranks);
+        MPI_Finalize();
+        return 1;
     }
     setup(&b);
     if (b.o.header && rank == 0)

@@ -10,12 +10,13 @@
 # compute/communication overlap fraction and the bytes each rank sends (bench/bench_ring.c's top
 # comment defines each column). Then the cluster model (bench/ring_model.py) from the per-rank
 # rates measured at P = 1 (strong, causal zig-zag), a 25 GB/s link and 5 us per message.
-# All output also goes to build-bench/bench_ring.txt.
+# All output also goes to bench_ring.txt in the build tree.
 #
-#   bash tools/bench_ring.sh            the full sweep (about 10-15 minutes on a quiet 2-core host)
+#   bash tools/bench_ring.sh            the full sweep (about 20 minutes on a quiet 2-core host,
+#                                       estimated from the dry run)
 #   bash tools/bench_ring.sh --quick    N = 2048 strong, 512 P weak, 3 repetitions (a dry run)
-# Environment: MPIRUN (default mpirun; mpiexec.mpich for MPICH: then MHA_BENCH_BUILD should name
-# a tree configured for MPICH), MHA_BENCH_BUILD (default build-bench), MHA_BENCH_REPS,
+# Environment: MPIRUN (default mpirun; mpiexec.mpich runs MPICH, built in build-bench-mpich/),
+# MHA_BENCH_BUILD (default build-bench/, a tree configured with MPI), MHA_BENCH_REPS,
 # MHA_BENCH_N, MHA_BENCH_WEAK_N (rows per rank), MHA_BENCH_HEADS, MHA_BENCH_KV_HEADS,
 # MHA_BENCH_DIM, MHA_BENCH_BW (GB/s), MHA_BENCH_LATENCY (us).
 # With P > cores (4 ranks on 2 cores here) the ranks share cores: time-sliced, not parallel.
@@ -31,8 +32,15 @@ case "${1:-}" in
     exit 2
     ;;
 esac
-build=${MHA_BENCH_BUILD:-build-bench}
 mpirun=${MPIRUN:-mpirun}
+# The tree is built with the launcher's own MPI: Open MPI's (the default mpicc) or MPICH's.
+mpi_flags=()
+build_default=build-bench
+if "$mpirun" --version 2>/dev/null | grep -q 'HYDRA'; then
+    mpi_flags=(-DMPI_C_COMPILER=mpicc.mpich -DMPIEXEC_EXECUTABLE="$(command -v "$mpirun")")
+    build_default=build-bench-mpich
+fi
+build=${MHA_BENCH_BUILD:-$build_default}
 reps=${MHA_BENCH_REPS:-$([ $quick = 1 ] && echo 3 || echo 5)}
 n_strong=${MHA_BENCH_N:-$([ $quick = 1 ] && echo 2048 || echo 8192)}
 n_weak=${MHA_BENCH_WEAK_N:-$([ $quick = 1 ] && echo 512 || echo 2048)}
@@ -42,9 +50,13 @@ dim=${MHA_BENCH_DIM:-64}
 cores=$(nproc 2>/dev/null || echo 1)
 
 if [ ! -f "$build/CMakeCache.txt" ]; then
-    cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMHA_MPI=ON -DMHA_BUILD_TESTS=OFF >/dev/null
+    cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DMHA_MPI=ON -DMHA_BUILD_TESTS=OFF \
+        "${mpi_flags[@]}" >/dev/null
 fi
-cmake --build "$build" -j "$cores" --target mha_bench_ring mha_peak >/dev/null
+cmake --build "$build" -j "$cores" --target mha_bench_ring mha_peak >/dev/null || {
+    echo "bench_ring.sh: cannot build mha_bench_ring in $build (is it configured with MPI, -DMHA_MPI=ON?)" >&2
+    exit 1
+}
 out="$build/bench_ring.txt"
 : >"$out"
 say() { echo "$@" | tee -a "$out"; }
@@ -58,6 +70,10 @@ fi
 
 say "# tools/bench_ring.sh $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 say "# host: $(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //'), $cores core(s); load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+load=$(cut -d' ' -f1 /proc/loadavg)
+if awk -v l="$load" -v c="$cores" 'BEGIN { exit !(l > 0.5 * c) }'; then
+    say "# WARNING: load average $load on $cores core(s): other work is running, the times below are not reliable"
+fi
 peak=$("$build/bench/mha_peak" --threads 1 | awk '$1 !~ /^#/ && $2 == 1 { print $3; exit }')
 say "# measured 1-thread fp32 FMA peak (mha_peak, widest ISA): $peak GFLOP/s"
 
@@ -66,7 +82,7 @@ common=(--heads "$heads" --kv-heads "$kv_heads" --dim "$dim" --reps "$reps" --pe
 header=(--header)
 run() { # run P label N mask layout
     "$mpirun" "${flags[@]}" -np "$1" "$build/bench/mha_bench_ring" "${common[@]}" "${header[@]}" \
-        --label "$2" --n "$3" --mask "$4" --layout "$5" | tee -a "$out"
+        --ranks "$1" --label "$2" --n "$3" --mask "$4" --layout "$5" | tee -a "$out"
     header=()
 }
 for p in 1 2 4; do
@@ -78,7 +94,7 @@ for p in 1 2 4; do
     run $p weak $((n_weak * p)) causal zigzag
     run $p weak $((n_weak * p)) none contiguous
 done
-say "# load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+say "# finished $(date -u '+%H:%M UTC'); load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # Scaling against P = 1 from the rows above (the ideal: strong t_1 / P, weak P t_1, since N = P N_1
 # makes each rank's FLOPs grow as P).
