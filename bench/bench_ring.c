@@ -2,10 +2,11 @@
 /* bench_ring.c: `mha_bench_ring`, the ring attention benchmark (mha_mpi.h; docs/distributed.md,
  * "Performance"). Run under `mpirun -np P`; tools/bench_ring.sh runs the whole sweep. Not a test.
  *
- * Each rank holds its shard (mha_ring_shard) of one self-attention problem, B = 1 by default:
- * q [B, h, n_local, d], k and v [B, g, n_local, d], random in [-1, 1), one thread per rank unless
- * --threads. Three times are measured per repetition, every rank starting together (barrier) and
- * the slowest rank's time kept (MPI_Allreduce MAX), since the ring moves at its slowest rank:
+ * Each rank holds its shard (mha_ring_shard) of one self-attention problem, d_k = d_v = d
+ * (--dim), B = 1 by default: q [B, h, n_local, d], k and v [B, g, n_local, d], random in [-1, 1),
+ * one thread per rank unless --threads. Three times are measured per repetition, every rank
+ * starting together (barrier) and the slowest rank's time kept (MPI_Allreduce MAX), since the
+ * ring moves at its slowest rank:
  *   t_total  mha_ring_attention (or _backward) itself;
  *   t_comp   the same local calls with no communication: for every step t the (query chunk, key
  *            chunk) pairs of the block of rank (rank - t) mod P, skipped / unmasked / causal at
@@ -35,7 +36,6 @@
 #include "fma_peak.h"
 #include "mha_mpi.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
