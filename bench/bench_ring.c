@@ -31,18 +31,21 @@
  *          [--mask causal|none] [--layout zigzag|contiguous] [--dir fwd|bwd|both] [--reps R]
  *          [--threads T] [--peak GFLOPS] [--cores C] [--label TEXT] [--header] [--ranks P]
  * --ranks P: fail unless the job has P ranks (a launcher of another MPI than the one the program
- * was built with starts P singletons of 1 rank each). */
+ * was built with starts P singletons of 1 rank each).
+ * --verify: instead of timing, check that the t_comp replay, run on the true K/V blocks, gives the
+ * ring's own forward (out, lse) and dQ, identical to the bit (verify() below). */
 #define _POSIX_C_SOURCE 200809L
 #include "fma_peak.h"
 #include "mha_mpi.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 typedef struct opts {
     int64_t B, h, g, n, d;
-    int causal, bwd, fwd, reps, threads, cores, header, ranks;
+    int causal, bwd, fwd, reps, threads, cores, header, ranks, verify;
     mha_shard_layout layout;
     double peak; /* GFLOP/s of one thread, 0 = not given */
     const char *label;
@@ -80,11 +83,11 @@ static float *alloc_fill(int64_t count, uint64_t seed) {
 }
 
 static int parse(int argc, char **argv, opts *o) {
-    *o = (opts){1, 8, 0, 8192, 64, 1, 1, 1, 5, 1, 0, 0, 0, MHA_SHARD_ZIGZAG, 0.0, "-"};
+    *o = (opts){1, 8, 0, 8192, 64, 1, 1, 1, 5, 1, 0, 0, 0, 0, MHA_SHARD_ZIGZAG, 0.0, "-"};
     for (int i = 1; i < argc; i++) {
         const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(k, "--header")) {
-            o->header = 1;
+        if (!strcmp(k, "--header") || !strcmp(k, "--verify")) {
+            *(k[2] == 'h' ? &o->header : &o->verify) = 1;
             continue;
         }
         if (!v)
@@ -128,6 +131,9 @@ static int parse(int argc, char **argv, opts *o) {
            o->reps > 0 && o->threads > 0;
 }
 
+/* Rank r's K and V are alloc_fill(.., 1000 r + SEED_K / SEED_V): --verify regenerates them. */
+enum { SEED_K = 2, SEED_V = 3 };
+
 /* The rank's tensors, the forward's args, and the replay's scratch (the ring's own sizes). */
 static void setup(bench *b) {
     const opts *o = &b->o;
@@ -145,8 +151,8 @@ static void setup(bench *b) {
     }
     const int64_t B = o->B, h = o->h, g = o->g, n = b->n_local, d = o->d;
     const uint64_t seed = 1000u * (uint64_t)b->rank;
-    b->q = alloc_fill(B * h * n * d, seed + 1), b->k = alloc_fill(B * g * n * d, seed + 2);
-    b->v = alloc_fill(B * g * n * d, seed + 3), b->out = alloc_fill(B * h * n * d, 0);
+    b->q = alloc_fill(B * h * n * d, seed + 1), b->k = alloc_fill(B * g * n * d, seed + SEED_K);
+    b->v = alloc_fill(B * g * n * d, seed + SEED_V), b->out = alloc_fill(B * h * n * d, 0);
     b->lse = alloc_fill(B * h * n, 0), b->dout = alloc_fill(B * h * n * d, seed + 4);
     b->dq = alloc_fill(B * h * n * d, 0), b->dk = alloc_fill(B * g * n * d, 0);
     b->dv = alloc_fill(B * g * n * d, 0);
@@ -303,13 +309,27 @@ static void step_pairs(bench *b, const float *blk, float *acc, const shard *src)
     }
 }
 
+/* The packed K/V block of rank r ([B, g, n_r, d] K then V, as ring.c packs it: the rank's
+ * contiguous K and V one after the other), regenerated from r's seeds into dst. */
+static void load_block(const bench *b, int32_t r, float *dst) {
+    const int64_t count = b->o.B * b->o.g * shard_of(b, r).n * b->o.d;
+    for (int kv = 0; kv < 2; kv++) {
+        float *x = alloc_fill(count, 1000u * (uint64_t)r + (kv ? SEED_V : SEED_K));
+        memcpy(dst + kv * count, x, sizeof(float) * (size_t)count);
+        free(x);
+    }
+}
+
 /* All P steps' compute: the forward's merges into out/lse (restored by the next ring call), the
- * backward's zeroed acc, pairs, and the add of the travelling dK/dV (din). */
-static void compute_only(bench *b, int bwd) {
+ * backward's zeroed acc, pairs, and the add of the travelling dK/dV (din). With `real`, each
+ * step first loads the true block of its source rank (--verify; not timed). */
+static void compute_only(bench *b, int bwd, int real) {
     for (int32_t t = 0; t < b->p; t++) {
         const shard src = shard_of(b, (b->rank - t + b->p) % b->p);
         const int64_t count = b->o.B * b->o.g * src.n * 2 * b->o.d;
         float *acc = bwd ? b->acc[t % 2] : NULL;
+        if (real)
+            load_block(b, (b->rank - t + b->p) % b->p, b->kv[t % 2]);
         if (bwd)
             memset(acc, 0, sizeof(float) * (size_t)count);
         step_pairs(b, b->kv[t % 2], acc, &src);
@@ -317,6 +337,51 @@ static void compute_only(bench *b, int bwd) {
             for (int64_t e = 0; e < count; e++)
                 acc[e] += b->din[e];
     }
+}
+
+/* --verify: the replay on the true blocks must give the ring's own results: the forward's out and
+ * lse, and the backward's dQ (its dK/dV need the other ranks' shares, which the replay does not
+ * have). Same calls in the same order on one thread: the differences should be exactly 0. Prints
+ * the largest difference over all ranks; returns nonzero if any. */
+static int verify(bench *b) {
+    const int64_t no = b->o.B * b->o.h * b->n_local * b->o.d, nl = b->o.B * b->o.h * b->n_local;
+    float *ref = malloc(sizeof(float) * (size_t)(2 * no + nl));
+    mha_error err;
+    if (!ref)
+        die("malloc", NULL);
+    if (mha_ring_attention(MPI_COMM_WORLD, &b->cfg, &b->a, &b->exec, &err) != MHA_STATUS_OK)
+        die("mha_ring_attention", &err);
+    memcpy(ref, b->out, sizeof(float) * (size_t)no);
+    memcpy(ref + no, b->lse, sizeof(float) * (size_t)nl);
+    if (mha_ring_attention_backward(MPI_COMM_WORLD, &b->cfg, &b->a, &b->gr, &b->exec, &err) !=
+        MHA_STATUS_OK)
+        die("mha_ring_attention_backward", &err);
+    memcpy(ref + no + nl, b->dq, sizeof(float) * (size_t)no);
+    for (int64_t i = 0; i < no; i++)
+        b->out[i] = 0.0f, b->dq[i] = 0.0f;
+    for (int64_t i = 0; i < nl; i++)
+        b->lse[i] = -INFINITY;
+    compute_only(b, 0, 1);
+    double worst[3] = {0.0, 0.0, 0.0}, all[3];
+    for (int64_t i = 0; i < no; i++)
+        worst[0] = fmax(worst[0], fabs((double)b->out[i] - (double)ref[i]));
+    for (int64_t i = 0; i < nl; i++)
+        worst[1] = fmax(worst[1], fabs((double)b->lse[i] - (double)ref[no + i]));
+    /* The backward replay reads the forward's results: the ring's. */
+    memcpy(b->out, ref, sizeof(float) * (size_t)no);
+    memcpy(b->lse, ref + no, sizeof(float) * (size_t)nl);
+    compute_only(b, 1, 1);
+    for (int64_t i = 0; i < no; i++)
+        worst[2] = fmax(worst[2], fabs((double)b->dq[i] - (double)ref[no + nl + i]));
+    free(ref);
+    MPI_Allreduce(worst, all, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    const int same = all[0] == 0.0 && all[1] == 0.0 && all[2] == 0.0;
+    if (b->rank == 0)
+        printf("verify P=%d N=%lld %s %s: replay vs ring, max |diff| out %g, lse %g, dQ %g: %s\n",
+               (int)b->p, (long long)b->o.n, b->o.causal ? "causal" : "none",
+               b->o.layout == MHA_SHARD_ZIGZAG ? "zigzag" : "contiguous", all[0], all[1], all[2],
+               same ? "identical" : "DIFFERENT");
+    return !same;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -375,7 +440,7 @@ static double timed(bench *b, MPI_Comm comm, run_kind kind, int bwd, double *byt
         if (st != MHA_STATUS_OK)
             die(bwd ? "mha_ring_attention_backward" : "mha_ring_attention", &err);
     } else if (kind == RUN_COMP) {
-        compute_only(b, bwd);
+        compute_only(b, bwd, 0);
     } else {
         *bytes = comm_only(b, comm, bwd);
     }
@@ -467,12 +532,12 @@ int main(int argc, char **argv) {
     b.p = p, b.rank = rank;
     if (!parse(argc, argv, &b.o)) {
         if (rank == 0)
-            fprintf(stderr,
-                    "usage: mpirun -np P mha_bench_ring [--n N] [--heads H] "
-                    "[--kv-heads G] [--dim D] [--batch B] [--mask causal|none]\n"
-                    "  [--layout zigzag|contiguous] [--dir fwd|bwd|both] [--reps R] "
-                    "[--threads T] [--peak GFLOPS] [--cores C] [--label TEXT] "
-                    "[--header] [--ranks P]\n  (the file's top comment defines every column)\n");
+            fprintf(stderr, "usage: mpirun -np P mha_bench_ring [--n N] [--heads H] "
+                            "[--kv-heads G] [--dim D] [--batch B] [--mask causal|none]\n"
+                            "  [--layout zigzag|contiguous] [--dir fwd|bwd|both] [--reps R] "
+                            "[--threads T] [--peak GFLOPS] [--cores C] [--label TEXT] "
+                            "[--header] [--ranks P] [--verify]\n  (the file's top comment defines "
+                            "every column)\n");
         MPI_Finalize();
         return 2;
     }
@@ -485,6 +550,12 @@ int main(int argc, char **argv) {
         return 1;
     }
     setup(&b);
+    if (b.o.verify) {
+        const int bad = verify(&b);
+        teardown(&b);
+        MPI_Finalize();
+        return bad;
+    }
     if (b.o.header && rank == 0)
         header(&b);
     /* The backward needs the forward's out and lse; the forward's timed runs rewrite them. */

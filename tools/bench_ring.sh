@@ -85,6 +85,16 @@ run() { # run P label N mask layout
         --ranks "$1" --label "$2" --n "$3" --mask "$4" --layout "$5" | tee -a "$out"
     header=()
 }
+# First the replay's check: t_comp's calls, run on the true K/V blocks, must give the ring's own
+# out, lse and dQ to the bit (mha_bench_ring --verify; small uneven N), or the sweep stops.
+for p in 1 2 4; do
+    for m in "causal zigzag" "causal contiguous" "none contiguous"; do
+        read -r mask layout <<<"$m"
+        "$mpirun" "${flags[@]}" -np $p "$build/bench/mha_bench_ring" --verify --ranks $p --n 203 \
+            --heads "$heads" --kv-heads "$kv_heads" --dim "$dim" --mask "$mask" --layout "$layout" |
+            tee -a "$out"
+    done
+done
 for p in 1 2 4; do
     run $p strong "$n_strong" causal zigzag
     run $p strong "$n_strong" causal contiguous
