@@ -12,9 +12,11 @@
 #                                        (mpicc, mpirun: ring attention's tests) and MPICH beside
 #                                        it (mpicc.mpich, mpiexec.mpich; Open MPI stays the
 #                                        default mpicc/mpirun), and the
-#                                        pinned Python test packages (python/requirements-test.txt)
-#                                        in the virtual environment .venv/ of the checkout (never the
-#                                        system Python, which Debian marks externally managed).
+#                                        pinned Python test packages (python/requirements-test.txt,
+#                                        with mpi4py for ring attention from Python, which runs on
+#                                        that Open MPI) in the virtual environment .venv/ of the
+#                                        checkout (never the system Python, which Debian marks
+#                                        externally managed).
 #
 # The commands each script calls are declared in that script by lines `# needs: cmd ...`; the
 # guard below reads those lines from every script of the mode, so a script that starts calling a
@@ -26,7 +28,8 @@ mode=${1:---test}
 case "$mode" in
 --build) scripts=(tools/demo.sh) ;;
 --test) scripts=(tools/test.sh tools/cppcheck.sh tools/valgrind_cli.sh fuzz/run.sh fuzz/build.sh
-    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh) ;;
+    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh
+    tools/test_python_package.sh) ;;
 *)
     echo "install_deps.sh: unknown mode '$mode' (use --build or --test)" >&2
     exit 2
@@ -80,7 +83,8 @@ fi
 # Open MPI and MPICH both register the alternatives mpi (mpicc, ...), mpirun (mpiexec) and
 # mpi-<multiarch> (the mpi.h directory); Debian ranks Open MPI first on amd64, but where an
 # install (or an earlier choice) left MPICH there, put Open MPI back: the plain mpicc/mpirun are
-# the ones CI's main build uses, and MPICH is always called by its own names (*.mpich).
+# the ones CI's main build uses, mpi4py (below) loads the `mpi` alternative's libmpi, and MPICH is
+# always called by its own names (*.mpich).
 if [ "$mode" = --test ] && command -v update-alternatives >/dev/null 2>&1; then
     for alt in mpi mpirun "mpi-$(gcc -print-multiarch 2>/dev/null)"; do
         choices=$(update-alternatives --list "$alt" 2>/dev/null) || continue
