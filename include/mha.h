@@ -468,6 +468,17 @@ MHA_API mha_status mha_layer_forward(const mha_layer *layer,
                                      const mha_exec *exec,
                                      mha_error *err);
 
+/** mha_attention_statistics of the layer's attention for the forward `args` (the same
+ *  projections, RoPE, masks and options as mha_layer_forward): Q and K are projected (B (n h +
+ *  m g) d_k floats of scratch from exec->allocator; V and the output projection are not
+ *  computed), then the core's statistics run. args->out, probs and dropout are ignored (out may
+ *  be NULL). Shapes as in mha_attention_stats, with h = the layer's heads. */
+MHA_API mha_status mha_layer_attention_statistics(const mha_layer *layer,
+                                                  const mha_forward_args *args,
+                                                  const mha_attention_stats *stats,
+                                                  const mha_exec *exec,
+                                                  mha_error *err);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Files                                                                                          */
 /* ---------------------------------------------------------------------------------------------- */

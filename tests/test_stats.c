@@ -313,8 +313,8 @@ static void test_topk_ties(void) {
     const int64_t qs[3] = {n * d, n * d, d}, ks[3] = {m * d, m * d, d};
     memcpy(a.q_strides, qs, sizeof qs), memcpy(a.k_strides, ks, sizeof ks);
     a.mask.key_padding = (mha_mask_tensor){pad, MHA_DTYPE_U8, 1, {m}};
-    int64_t idx[2 * 5];
-    float p[2 * 5];
+    int64_t idx[2 * 5] = {0};
+    float p[2 * 5] = {0}; /* outputs: written through s */
     mha_attention_stats s = {0};
     s.top_k = k, s.topk_index = idx, s.topk_prob = p;
     mha_error err;
@@ -352,8 +352,8 @@ static void test_fully_masked(void) {
     c.a.q = c.q;
     const int64_t qs[3] = {2 * 6 * 16, 6 * 16, 16};
     memcpy(c.a.q_strides, qs, sizeof qs);
-    float ent[12], pool[2 * 6 * 4], vis[2 * 6 * 4];
-    int64_t idx[12 * 2];
+    float ent[12] = {0}, pool[2 * 6 * 4] = {0}, vis[2 * 6 * 4] = {0}; /* outputs */
+    int64_t idx[12 * 2] = {0};
     mha_attention_stats s = {0};
     s.entropy = ent, s.top_k = 2, s.topk_index = idx, s.pool_rows = 6, s.pool_cols = 4;
     s.pooled = pool, s.pooled_visible = vis;
@@ -378,9 +378,9 @@ static void test_bad_args(void) {
     test_rng_seed(&r, 9);
     scase c;
     scase_make(&c, &r, 0, 1, 2, 1, 5, 7);
-    float ent[10];
-    int64_t idx[5 * 2 * 8];
-    float pool[64];
+    float ent[10] = {0};
+    int64_t idx[5 * 2 * 8] = {0};
+    float pool[64] = {0};
     mha_attention_stats s = {0};
     mha_error err;
     CHECK(mha_attention_statistics(&c.a, &s, NULL, &err) == MHA_STATUS_INVALID_ARG &&

@@ -123,6 +123,13 @@ mha_status mha__check_forward_args(const mha_config *cfg,
                                    int64_t *kv_len,
                                    mha_error *err);
 
+/* mha_layer_attention_statistics: the same checks, except that out may be NULL (not written;
+ * probs and dropout are ignored too). */
+mha_status mha__check_layer_stats_args(const mha_config *cfg,
+                                       const mha_forward_args *args,
+                                       int64_t *kv_len,
+                                       mha_error *err);
+
 /* What the backward's check reads of a training state (layer/layer_bwd.c). */
 typedef struct mha__train_view {
     const mha_layer *layer; /* the layer that made it */

@@ -17,6 +17,7 @@
  */
 #include "base/internal.h"
 #include "check/check.h"
+#include "core/core.h"
 #include "kernels/flash_fwd.h"
 #include "kernels/gemm.h"
 
@@ -103,19 +104,25 @@ static void score_tile(const unit *u, int64_t i0, int rows, int64_t j0, int nk) 
                          MHA__GEMM_AUTO, u->gemm, u->c->L.gemm_bytes, NULL, NULL);
     MHA_ASSERT(st == MHA_STATUS_OK);
     (void)st;
+    /* Causal and window as the row's key range (the flash kernels' rule); the other boolean
+     * rules and the bias per element only when the problem has them. */
+    const int rules = p->bool_mask.data || p->key_padding.data || p->q_seg;
+    const int bias = p->additive.data || p->alibi_slopes;
     for (int r = 0; r < rows; r++) {
         float *s = u->s + (size_t)r * TK;
         const int64_t i = i0 + r;
+        int64_t lo, hi;
+        mha__flash_key_range(p, b, i, &lo, &hi);
         for (int jj = 0; jj < nk; jj++) {
             const int64_t j = j0 + jj;
-            if (!mha__visible(p, b, h, i, j)) {
+            if (j < lo || j > hi || (rules && !mha__visible(p, b, h, i, j))) {
                 s[jj] = -INFINITY;
                 continue;
             }
             float x = p->scale * s[jj];
             if (p->softcap > 0.0f)
                 x = p->softcap * tanhf(x / p->softcap);
-            s[jj] = x + mha__score_bias(p, b, h, i, j);
+            s[jj] = bias ? x + mha__score_bias(p, b, h, i, j) : x;
         }
     }
 }
@@ -241,7 +248,8 @@ static void stats_step(const unit *u, int64_t i0, int rows, int64_t j0, int nk) 
             ent -= (double)pr * (double)d;
             if (recv)
                 recv[jj] += (double)pr;
-            if (c->k)
+            /* A full heap keeps its root against an equal P (keys arrive in increasing j). */
+            if (c->k && (u->cnt[r] < c->k || pr > hp[0]))
                 heap_push(hp, hi, &u->cnt[r], c->k, pr, j0 + jj);
             if (acc) {
                 acc[u->cell[jj]] += (double)pr;
@@ -416,6 +424,49 @@ static mha_status stats_run(stats_ctx *c, mha__team team, mha_error *err) {
     return st;
 }
 
+mha_status mha__attention_stats_run(const mha__problem *p,
+                                    const mha_attention_stats *stats,
+                                    const mha_exec *exec,
+                                    mha_error *err) {
+    mha__team team;
+    mha_status st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
+    team = mha__team_at_most(team, p->B * p->H);
+    stats_ctx c;
+    memset(&c, 0, sizeof c);
+    c.p = p;
+    c.st = stats;
+    c.k = (stats->topk_index || stats->topk_prob) ? stats->top_k : 0;
+    if (stats->pooled || stats->pooled_visible) {
+        c.R = stats->pool_rows;
+        c.C = stats->pool_cols;
+    }
+    st = stats_layout_for(&c, err);
+    if (st)
+        return st;
+    /* One block: [received: B H m doubles][team.n per-thread blocks of c.stride bytes]. */
+    c.stride = c.L.total;
+    size_t recv_bytes = 0, total;
+    int64_t all;
+    const bool ok = (!(stats->received || stats->received_total) ||
+                     mha__bytes(p->B * p->H * p->m, sizeof(double), &recv_bytes)) &&
+                    c.stride <= INT64_MAX && mha__mul_i64((int64_t)c.stride, team.n, &all) &&
+                    mha__add_i64(all, (int64_t)mha__align64(recv_bytes), &all) &&
+                    mha__bytes(all, 1, &total);
+    MHA_RETURN_IF(!ok, err, OVERFLOW, "statistics scratch size overflows");
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    char *block = mha__alloc(alloc, total);
+    MHA_RETURN_IF(!block, err, NO_MEMORY, "cannot allocate %zu bytes of statistics scratch", total);
+    c.received = recv_bytes ? (double *)block : NULL;
+    c.scratch = block + mha__align64(recv_bytes);
+    st = stats_run(&c, team, err);
+    mha__free(alloc, block);
+    if (st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
+}
+
 mha_status mha_attention_statistics(const mha_attention_args *args,
                                     const mha_attention_stats *stats,
                                     const mha_exec *exec,
@@ -424,59 +475,17 @@ mha_status mha_attention_statistics(const mha_attention_args *args,
     mha_status st = mha__check_attention_sizes(args, err);
     if (st)
         return st;
-    mha__team team;
-    st = mha__exec_team(exec, &team, err);
-    if (st)
-        return st;
+    /* The check resolves the causal offsets [B] and the ALiBi slopes [H] into this block (the
+     * sizes are checked, so both are small). */
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    /* The sizes are checked, so B int64 and H floats are small. */
     const size_t slope_off = mha__align64(sizeof(int64_t) * (size_t)args->batch);
-    const size_t recv_off = slope_off + mha__align64(sizeof(float) * (size_t)args->num_heads);
-    char *head = mha__alloc(alloc, recv_off);
+    char *head = mha__alloc(alloc, slope_off + sizeof(float) * (size_t)args->num_heads);
     MHA_RETURN_IF(!head, err, NO_MEMORY, "cannot allocate the statistics' problem");
     mha__problem p;
-    stats_ctx c;
-    memset(&c, 0, sizeof c);
-    char *block = NULL;
     st = mha__check_attention_stats(args, stats, &p, (int64_t *)head, (float *)(head + slope_off),
                                     err);
-    if (st == MHA_STATUS_OK) {
-        c.p = &p;
-        c.st = stats;
-        c.k = (stats->topk_index || stats->topk_prob) ? stats->top_k : 0;
-        if (stats->pooled || stats->pooled_visible) {
-            c.R = stats->pool_rows;
-            c.C = stats->pool_cols;
-        }
-        team = mha__team_at_most(team, p.B * p.H);
-        st = stats_layout_for(&c, err);
-    }
-    size_t recv_bytes = 0, total = 0;
-    if (st == MHA_STATUS_OK) {
-        c.stride = c.L.total;
-        const int want_recv = stats->received || stats->received_total;
-        int64_t all;
-        bool ok = (!want_recv || mha__bytes(p.B * p.H * p.m, sizeof(double), &recv_bytes)) &&
-                  c.stride <= INT64_MAX && mha__mul_i64((int64_t)c.stride, team.n, &all) &&
-                  mha__add_i64(all, (int64_t)mha__align64(recv_bytes), &all) &&
-                  mha__bytes(all, 1, &total);
-        if (!ok)
-            st = mha__fail(err, MHA_STATUS_OVERFLOW, "statistics scratch size overflows");
-    }
-    if (st == MHA_STATUS_OK) {
-        block = mha__alloc(alloc, total);
-        if (!block)
-            st =
-                mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %zu bytes of scratch", total);
-    }
-    if (st == MHA_STATUS_OK) {
-        c.received = recv_bytes ? (double *)block : NULL;
-        c.scratch = block + mha__align64(recv_bytes);
-        st = stats_run(&c, team, err);
-    }
-    mha__free(alloc, block);
-    mha__free(alloc, head);
     if (st == MHA_STATUS_OK)
-        mha__ok(err);
+        st = mha__attention_stats_run(&p, stats, exec, err);
+    mha__free(alloc, head);
     return st;
 }
