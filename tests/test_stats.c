@@ -417,7 +417,54 @@ static void test_bad_args(void) {
     scase_free(&c);
 }
 
+/* The layer's statistics (projections, RoPE, GQA, causal) against the statistics of the probs
+ * the layer forward returns (reference implementation); out may be NULL. */
+static void test_layer(void) {
+    test_rng r;
+    test_rng_seed(&r, 23);
+    const int64_t B = 2, n = 70, q_dim = 16, H = 4, G = 2, d = 4;
+    mha_config cfg = {0};
+    cfg.q_dim = q_dim, cfg.num_heads = H, cfg.num_kv_heads = G, cfg.bias_q = cfg.bias_k = 1;
+    cfg.rope.style = MHA_ROPE_HALF;
+    float *w = malloc(sizeof(float) * 4096), *x = malloc(sizeof(float) * (size_t)(B * n * q_dim));
+    test_fill_normal(&r, w, 4096, 0.5f);
+    test_fill_normal(&r, x, B * n * q_dim, 1.0f);
+    mha_weights wt = {w, w + 1024, w + 2048, w + 3072, w + 3900, w + 3950, NULL, NULL, NULL};
+    (void)d;
+    mha_layer *layer = NULL;
+    mha_error err;
+    CHECK_OK(mha_layer_create(&cfg, &wt, MHA_WEIGHTS_BORROW, NULL, &layer, &err), &err);
+    float *y = malloc(sizeof(float) * (size_t)(B * n * q_dim));
+    float *probs = malloc(sizeof(float) * (size_t)(B * H * n * n));
+    mha_forward_args fa = {0};
+    fa.batch = B, fa.q_len = n, fa.query = x, fa.out = y, fa.probs = probs;
+    fa.mask.causal = 1;
+    mha_exec ref = {MHA_IMPL_REFERENCE, 1, NULL, 0, NULL, NULL};
+    CHECK_OK(mha_layer_forward(layer, &fa, &ref, &err), &err);
+    souts o;
+    mha_attention_args shape = {0};
+    shape.batch = B, shape.num_heads = H, shape.q_len = n, shape.kv_len = n;
+    souts_make(&o, &shape, 5, 6, 9);
+    fa.out = NULL, fa.probs = NULL;
+    CHECK_OK(mha_layer_attention_statistics(layer, &fa, &o.s, NULL, &err), &err);
+    double *pr = malloc(sizeof(double) * (size_t)(B * H * n * n));
+    double *lse = calloc((size_t)n, sizeof(double)); /* no sinks: only used for |s| bounds */
+    for (int64_t e = 0; e < B * H * n * n; e++)
+        pr[e] = (double)probs[e];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            check_pair(&o, &shape, b, h, pr + (b * H + h) * n * n, lse, "layer");
+    mha_attention_stats none = {0};
+    CHECK(mha_layer_attention_statistics(layer, &fa, &none, NULL, &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "no statistic"),
+          "layer, nothing requested: %s", err.message);
+    souts_free(&o);
+    free(pr), free(lse), free(probs), free(y), free(x), free(w);
+    mha_layer_destroy(layer);
+}
+
 int main(void) {
+    test_layer();
     test_random_cases();
     test_topk_ties();
     test_fully_masked();

@@ -154,14 +154,14 @@ static void lse_step(const unit *u, int rows, int nk) {
 static void lse_final(const unit *u, int rows) {
     const mha__problem *p = u->c->p;
     for (int r = 0; r < rows; r++) {
-        const double mx = u->max[r];
+        const double mx = (double)u->max[r];
         if (mx == -(double)INFINITY) {
             u->lse[r] = -INFINITY;
             continue;
         }
         double top = mx, tot = u->sum[r];
         if (p->sinks) {
-            const double sink = p->sinks[u->h];
+            const double sink = (double)p->sinks[u->h];
             top = sink > mx ? sink : mx;
             tot = u->sum[r] * exp(mx - top) + exp(sink - top);
         }
