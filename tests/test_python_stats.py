@@ -149,6 +149,23 @@ def test_python_topk_ties_lower_index_first():
     assert p[0] == p[1] == p[2] > p[3] > 0 and p[4] == 0
 
 
+def test_python_layer_stats_match_its_dense_weights():
+    rng = np.random.default_rng(8)
+    w = make_weights(rng, q_dim=16, heads=4, kv_heads=2)
+    layer = mha.MultiheadAttention(w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"],
+                                   w["o_proj.weight"], w["q_proj.bias"], w["k_proj.bias"],
+                                   w["v_proj.bias"], w["o_proj.bias"], num_heads=4,
+                                   num_kv_heads=2, rope="half")
+    x = rng.standard_normal((2, 70, 16)).astype(np.float32)
+    kw = dict(causal=True, window=(30, 0), key_padding_mask=rng.random((2, 70)) < 0.9)
+    _, P = layer(x, need_weights=True, impl="reference", **kw)
+    got = layer.attention_stats(x, stats="received,entropy,topk=5,pool=6x7", **kw)
+    check_stats(got, P, 5, 6, 7)
+    one = layer.attention_stats(x[1], stats="entropy", causal=True, window=(30, 0),
+                                key_padding_mask=kw["key_padding_mask"][1])
+    np.testing.assert_array_equal(one["entropy"], got["entropy"][1])
+
+
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------

@@ -486,6 +486,33 @@ def parse_stats(spec: Union[str, Sequence[str]], top_k: Optional[int] = None,
     return names, k, grid
 
 
+def _stats_call(fn, lead: tuple, shape: Tuple[int, int, int, int], names: set, top: int, R: int,
+                C: int, ex) -> Dict[str, np.ndarray]:
+    """Allocates the statistics asked for (k and the grid clamped to the map, shape = (B, h, n,
+    m)), runs fn(*lead, stats, exec, error) and returns them by member name."""
+    B, h, n, m = shape
+    top, R, C = min(top, m), min(R, n), min(C, m)
+    out: Dict[str, np.ndarray] = {}
+    s = L.mha_attention_stats()
+    if "received" in names:
+        out["received"] = np.empty((B, h, m), _F32)
+        out["received_total"] = np.empty((B, m), _F32)
+    if "entropy" in names:
+        out["entropy"] = np.empty((B, h, n), _F32)
+    if "topk" in names:
+        out["topk_index"] = np.empty((B, h, n, top), np.int64)
+        out["topk_prob"] = np.empty((B, h, n, top), _F32)
+        s.top_k = top
+    if "pool" in names:
+        out["pooled"] = np.empty((B, h, R, C), _F32)
+        out["pooled_visible"] = np.empty((B, h, R, C), _F32)
+        s.pool_rows, s.pool_cols = R, C
+    for name, arr in out.items():
+        setattr(s, name, _ptr(arr))  # the dict's keys are the struct's field names
+    M.call(fn, *lead, s, ex)
+    return out
+
+
 def attention_stats(q: ArrayLike, k: ArrayLike, *,
                     stats: Union[str, Sequence[str]] = "received,entropy",
                     top_k: Optional[int] = None, pool: Optional[Tuple[int, int]] = None,
@@ -522,26 +549,8 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *,
                    dropout=0.0, seed=0, insert_head_axis=(nd == 3))
     a.v = None  # not read
     B, h, n, _ = q4.shape
-    m = k4.shape[2]
-    top, R, C = min(top, m), min(R, n), min(C, m)
-    out: Dict[str, np.ndarray] = {}
-    s = L.mha_attention_stats()
-    if "received" in names:
-        out["received"] = np.empty((B, h, m), _F32)
-        out["received_total"] = np.empty((B, m), _F32)
-    if "entropy" in names:
-        out["entropy"] = np.empty((B, h, n), _F32)
-    if "topk" in names:
-        out["topk_index"] = np.empty((B, h, n, top), np.int64)
-        out["topk_prob"] = np.empty((B, h, n, top), _F32)
-        s.top_k = top
-    if "pool" in names:
-        out["pooled"] = np.empty((B, h, R, C), _F32)
-        out["pooled_visible"] = np.empty((B, h, R, C), _F32)
-        s.pool_rows, s.pool_cols = R, C
-    for name, arr in out.items():
-        setattr(s, name, _ptr(arr))  # the dict's keys are the struct's field names
-    M.call(L.mha_attention_statistics, a, s, _exec("auto", threads))
+    out = _stats_call(L.mha_attention_statistics, (a,), (B, h, n, k4.shape[2]), names, top, R,
+                      C, _exec("auto", threads))
     if nd < 4:  # one head: drop its axis (and the batch axis of 2-d inputs)
         for name, arr in out.items():
             arr = arr if name == "received_total" else arr[:, 0]
@@ -867,6 +876,38 @@ class MultiheadAttention:
             a.probs = _ptr(probs)
             a.average_probs = 1 if average_attn_weights else 0
         return a, out, probs, unbatched
+
+    def attention_stats(self, query: ArrayLike, key: Optional[ArrayLike] = None,
+                        value: Optional[ArrayLike] = None, *,
+                        stats: Union[str, Sequence[str]] = "received,entropy",
+                        top_k: Optional[int] = None, pool: Optional[Tuple[int, int]] = None,
+                        causal: Union[bool, str] = False, alignment=None,
+                        mask: Optional[ArrayLike] = None, mask_means: str = "attend",
+                        attn_bias: Optional[ArrayLike] = None,
+                        key_padding_mask: Optional[ArrayLike] = None,
+                        window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                        positions: Optional[ArrayLike] = None,
+                        key_positions: Optional[ArrayLike] = None,
+                        q_segment_ids: Optional[ArrayLike] = None,
+                        kv_segment_ids: Optional[ArrayLike] = None,
+                        impl: str = "auto", threads: int = 0) -> Dict[str, np.ndarray]:
+        """Statistics of this layer's attention probabilities for the forward with the same
+        arguments (mha_layer_attention_statistics: Q and K projected and rotated, no n x m
+        matrix). ``stats``, ``top_k``, ``pool`` and the returned dict as in
+        :func:`attention_stats` (h = the layer's heads); unbatched input drops the batch axis."""
+        names, top, (R, C) = parse_stats(stats, top_k, pool)
+        keep: list = []
+        a, _, _, unbatched = self._forward_args(
+            query, key, value, keep, causal=causal, alignment=alignment, mask=mask,
+            mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+            window=window, positions=positions, key_positions=key_positions,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=0.0, seed=0,
+            need_weights=False, average_attn_weights=False)
+        a.out = None  # not written
+        shape = (a.batch, self.config.num_heads, a.q_len, a.kv_len)
+        out = _stats_call(L.mha_layer_attention_statistics, (self._ptr, a), shape, names, top,
+                          R, C, _exec(impl, threads))
+        return {name: arr[0] for name, arr in out.items()} if unbatched else out
 
     def forward(self, query: ArrayLike, key: Optional[ArrayLike] = None,
                 value: Optional[ArrayLike] = None, *, causal: Union[bool, str] = False,

@@ -234,6 +234,9 @@ mha_attention = _fn("mha_attention", [P(mha_attention_args), P(mha_exec), P(mha_
 mha_attention_statistics = _fn("mha_attention_statistics", [P(mha_attention_args),
                                                             P(mha_attention_stats), P(mha_exec),
                                                             P(mha_error)])
+mha_layer_attention_statistics = _fn("mha_layer_attention_statistics",
+                                     [c_void_p, P(mha_forward_args), P(mha_attention_stats),
+                                      P(mha_exec), P(mha_error)])
 mha_attention_supported = _fn("mha_attention_supported",
                               [P(mha_attention_args), P(mha_exec), P(mha_error)])
 mha_layer_create = _fn("mha_layer_create", [P(mha_config), P(mha_weights), c_int, c_void_p,
