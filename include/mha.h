@@ -368,11 +368,12 @@ typedef struct mha_attention_stats {
  *  (batch, head) and block of query rows, one pass over the key tiles computes each row's
  *  log-sum-exp, a second pass recomputes P_ij = exp(s_ij - lse_i) tile by tile and accumulates
  *  the requested statistics. Memory beyond the inputs and outputs: B h m doubles (received), per
- *  thread one score tile and R C doubles and counts (pooled). Only q, k and the score options of
- *  args are read: v, out, lse, probs and dropout are ignored (v and out may be NULL). Threads
- *  split the (batch, head) pairs; every output is computed in an order that does not depend on
- *  the thread count, so results are bit-identical for any n_threads. exec may be NULL;
- *  exec->workspace is not used (scratch comes from exec->allocator).
+ *  thread one 64 x 256 score tile, 64 k top-k entries and R C doubles and counts (pooled). Only
+ *  q, k and the score options of args are read: v, out, lse, probs and dropout are ignored (v
+ *  and out may be NULL). Threads split the (batch, head) pairs; every output is computed in an
+ *  order that does not depend on the thread count, so results are bit-identical for any
+ *  n_threads. exec may be NULL; exec->workspace and exec->impl are not used (the scores go
+ *  through the best GEMM tier of the CPU; scratch comes from exec->allocator).
  *  @return MHA_STATUS_OK, or an error with every output untouched. */
 MHA_API mha_status mha_attention_statistics(const mha_attention_args *args,
                                             const mha_attention_stats *stats,
@@ -470,8 +471,9 @@ MHA_API mha_status mha_layer_forward(const mha_layer *layer,
 
 /** mha_attention_statistics of the layer's attention for the forward `args` (the same
  *  projections, RoPE, masks and options as mha_layer_forward): Q and K are projected (B (n h +
- *  m g) d_k floats of scratch from exec->allocator; V and the output projection are not
- *  computed), then the core's statistics run. args->out, probs and dropout are ignored (out may
+ *  m g) d_k floats of scratch from exec->allocator; exec->impl chooses the projections' code as
+ *  in the forward; V and the output projection are not computed), then the core's statistics
+ *  run. args->out, probs and dropout are ignored (out may
  *  be NULL). Shapes as in mha_attention_stats, with h = the layer's heads. */
 MHA_API mha_status mha_layer_attention_statistics(const mha_layer *layer,
                                                   const mha_forward_args *args,
