@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(SRC, "python"))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most of this file's time is XLA compiling ~60 small programs: without LLVM's optimisations it
-# takes ~30% less CPU (results are the same operations, rounded the same way).
+# takes ~30% less CPU (the float64 references can only move in their last bits).
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 import jax  # noqa: E402  (required: CI installs python/requirements-test.txt)
 
