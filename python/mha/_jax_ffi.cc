@@ -248,10 +248,24 @@ mha_attention_args forward_args(const Call &c, const Attrs &a, int64_t idx, int6
     return args;
 }
 
+/* The pool of every call with threads = 0 (all cores): made at the first such call, kept for the
+ * life of the process and shared by every compiled program (the library lets callers of one pool
+ * take turns), as mha/_marshal.py's pool_for does for the NumPy API. Without it each call would
+ * start and join its threads: ~100 us, more than a small attention costs. NULL (threads started
+ * per call) if it cannot be made. Never destroyed: programs may run until exit. */
+mha_threadpool *shared_pool() {
+    static mha_threadpool *const pool = [] {
+        mha_threadpool *p = nullptr;
+        return mha_threadpool_create(0, nullptr, &p, nullptr) == MHA_STATUS_OK ? p : nullptr;
+    }();
+    return pool;
+}
+
 mha_exec make_exec(const Attrs &a) {
     mha_exec e{};
     e.impl = static_cast<mha_impl>(a.impl);
     e.n_threads = static_cast<int32_t>(a.threads);
+    e.pool = a.threads == 0 ? shared_pool() : nullptr;
     return e;
 }
 
