@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "mha.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -252,13 +254,20 @@ mha_attention_args forward_args(const Call &c, const Attrs &a, int64_t idx, int6
  * life of the process and shared by every compiled program (the library lets callers of one pool
  * take turns), as mha/_marshal.py's pool_for does for the NumPy API. Without it each call would
  * start and join its threads: ~100 us, more than a small attention costs. NULL (threads started
- * per call) if it cannot be made. Never destroyed: programs may run until exit. */
+ * per call) if it cannot be made, and in a child made by fork(), where the parent's workers do
+ * not exist. Never destroyed: programs may run until exit. */
+struct SharedPool {
+    mha_threadpool *pool;
+    pid_t owner;
+};
+
 mha_threadpool *shared_pool() {
-    static mha_threadpool *const pool = [] {
+    static const SharedPool shared = [] {
         mha_threadpool *p = nullptr;
-        return mha_threadpool_create(0, nullptr, &p, nullptr) == MHA_STATUS_OK ? p : nullptr;
+        bool ok = mha_threadpool_create(0, nullptr, &p, nullptr) == MHA_STATUS_OK;
+        return SharedPool{ok ? p : nullptr, getpid()};
     }();
-    return pool;
+    return shared.owner == getpid() ? shared.pool : nullptr;
 }
 
 mha_exec make_exec(const Attrs &a) {
