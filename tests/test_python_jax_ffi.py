@@ -256,6 +256,21 @@ def test_errors():
         f(q, k[:, :, :, :4], v)
 
 
+def test_handler_refuses_inconsistent_shapes():
+    """The FFI target called directly with an output of the wrong shape: an XLA error carrying
+    the handler's message, not a write past the buffer."""
+    (q, k, v), _, _ = make_case({}, 6)
+    q, k, v = (x.astype(F32) for x in (q, k, v))
+    st = mha.jax._Static(0.0, 0.0, False, -1, -1, 0, 0)
+    shapes = (jax.ShapeDtypeStruct((B, T + 1, N, H), F32), jax.ShapeDtypeStruct((B, N, T), F32),
+              jax.ShapeDtypeStruct((0,), F32))
+    call = jax.ffi.ffi_call(mha.jax._FORWARD, shapes, vmap_method="expand_dims")
+    absent_f, absent_b = jnp.zeros((0,), F32), jnp.zeros((0,), jnp.bool_)
+    with pytest.raises(Exception, match="out has the wrong shape"):
+        jax.block_until_ready(call(q, k, v, absent_f, absent_b, absent_b, absent_f,
+                                   **st.attrs()))
+
+
 def test_other_backend_refused(monkeypatch):
     """Under jit the arrays are tracers: the default backend decides, and anything but the CPU is
     refused with a message (no GPU here, so the backend is faked)."""

@@ -104,6 +104,37 @@ int64_t core_dim(const Call &c, Operand which, int i) {
     return o.dims[o.dims.size() - static_cast<size_t>(kCoreRank[which]) + static_cast<size_t>(i)];
 }
 
+/* The core shapes every operand must have, given q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv]
+ * (-1: any; the masks and the bias broadcast, which the library checks). The handlers write the
+ * results and read the operands through these sizes, so a direct ffi_call with inconsistent
+ * shapes is refused here instead of overrunning a buffer. Results are never broadcast. */
+ffi::Error check_shapes(const Call &c) {
+    const int64_t B = c.B, T = c.T, S = c.S, N = c.N, Kh = c.Kh, H = c.H, Hv = c.Hv;
+    const std::vector<int64_t> want[NOPS] = {
+        {B, T, N, H},  {B, S, Kh, H}, {B, S, Kh, Hv}, {-1, -1, -1, -1}, {-1, -1, -1, -1},
+        {B, S},        {N},           {B, T, N, Hv},  {B, N, T},        {B, N, T, S},
+        {B, T, N, Hv}, {B, T, N, H},  {B, S, Kh, H},  {B, S, Kh, Hv},   {N}};
+    for (int w = 0; w < NOPS; ++w) {
+        const Tensor &o = c.op[w];
+        if (!o.present) {
+            continue;
+        }
+        for (int i = 0; i < kCoreRank[w]; ++i) {
+            int64_t got = core_dim(c, static_cast<Operand>(w), i);
+            if (want[w][static_cast<size_t>(i)] >= 0 && got != want[w][static_cast<size_t>(i)]) {
+                return bad(std::string(kName[w]) + " has the wrong shape");
+            }
+        }
+        bool result = w == OUT || w == LSE || w == PROBS || w >= DQ;
+        for (size_t i = 0; result && i < c.lead.size(); ++i) {
+            if (o.dims[i] != c.lead[i]) {
+                return bad(std::string(kName[w]) + " (a result) has broadcast vmapped dimensions");
+            }
+        }
+    }
+    return ffi::Error::Success();
+}
+
 /* The leading (vmapped) dimensions from the first output, sizes from q, k and v, and the check
  * that every present operand has the same number of leading dimensions, each 1 or full. */
 ffi::Error resolve(Call &c, Operand first_out) {
@@ -131,7 +162,7 @@ ffi::Error resolve(Call &c, Operand first_out) {
     c.S = core_dim(c, K, 1);
     c.Kh = core_dim(c, K, 2);
     c.Hv = core_dim(c, V, 3);
-    return ffi::Error::Success();
+    return check_shapes(c);
 }
 
 /* Elements of operand `which`'s core shape. */
