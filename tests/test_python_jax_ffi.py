@@ -254,6 +254,8 @@ def test_errors():
         jax.jit(lambda s: f(q, k, v, scale=s))(0.5)
     with pytest.raises(ValueError, match="shapes do not agree"):
         f(q, k[:, :, :, :4], v)
+    with pytest.raises(ValueError, match="threads"):
+        f(q, k, v, threads=-1)
 
 
 def test_handler_refuses_inconsistent_shapes():

@@ -298,6 +298,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         sinks = _float_input(sinks, "sinks").astype(f32)
         if sinks.shape != (N,):
             raise ValueError(f"mha.jax: sinks must have shape (N,)=({N},), got {sinks.shape}")
+    if type(threads) is not int or threads < 0:
+        raise ValueError(f"mha.jax: threads must be an int >= 0 (0 = all cores), got {threads!r}")
     left, right = _window(local_window_size)
     st = _Static(scale=_static_float(scale, "scale", 1.0 / math.sqrt(H)),
                  softcap=_static_float(softcap, "softcap", 0.0), causal=bool(is_causal),
@@ -313,5 +315,6 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         out = out[0]
     if not return_residual:
         return out
-    residual = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2))  # [B, N, T] -> [B, T, N]
+    # [B, N, T] -> [B, T, N], in the query's dtype (as JAX's residual).
+    residual = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2)).astype(q.dtype)
     return out, (residual[0] if unbatched else residual)
