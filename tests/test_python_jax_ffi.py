@@ -193,8 +193,12 @@ def test_other_dtypes_computed_in_float32(dtype):
 # ------------------------------------------------------------------------------------------------
 # vmap: folded into the batch, or looped when an operand is shared
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shared", ["none", "mask", "key_value", "sinks"])
-def test_vmap_equals_loop(shared):
+# The handler folds the vmapped dimension into the batch when every operand allows it ("none":
+# the sinks shared, "batch1", "mask_batch1": a shared mask of batch 1) and loops otherwise (a
+# shared mask of batch B, shared K/V, per-call sinks; the backward with sinks always loops).
+@pytest.mark.parametrize("case", ["none", "batch1", "mask_batch1", "mask", "key_value",
+                                  "per_call_sinks"])
+def test_vmap_equals_loop(case):
     rng = np.random.default_rng(11)
     V = 3
     q = jnp.asarray(rounded(rng, (V, B, T, N, H)), F32)
@@ -203,11 +207,13 @@ def test_vmap_equals_loop(shared):
     mask = jnp.asarray(rng.random((V, B, 1, T, S)) < 0.8)
     sinks = jnp.asarray(rounded(rng, (V, N)), F32)
     axes = [0, 0, 0, 0, 0]
-    if shared == "mask":
+    if case.endswith("batch1"):  # B = 1: the mask's batch dimension is 1, shared or not
+        q, k, v, mask = q[:, :1], k[:, :1], v[:, :1], mask[:, :1]
+    if case.startswith("mask"):
         mask, axes[3] = mask[0], None
-    elif shared == "key_value":
+    elif case == "key_value":
         k, v, axes[1], axes[2] = k[0], v[0], None, None
-    elif shared == "sinks":
+    if case != "per_call_sinks":
         sinks, axes[4] = sinks[0], None
 
     def f(q, k, v, m, s):
@@ -216,13 +222,23 @@ def test_vmap_equals_loop(shared):
     def pick(x, ax, i):
         return x if ax is None else x[i]
 
+    def each(i):
+        return [pick(x, ax, i) for x, ax in zip((q, k, v, mask, sinks), axes)]
+
     got = jax.jit(jax.vmap(f, in_axes=tuple(axes)))(q, k, v, mask, sinks)
-    ref = [f(*(pick(x, ax, i) for x, ax in zip((q, k, v, mask, sinks), axes))) for i in range(V)]
+    ref = [f(*each(i)) for i in range(V)]
     np.testing.assert_array_equal(np.asarray(got), np.stack([np.asarray(r) for r in ref]))
-    # And the gradient of the vmapped function (per-example sinks gradients stay separate).
-    gs = jax.jit(jax.grad(lambda s: jnp.sum(jnp.sin(jax.vmap(f, in_axes=tuple(axes))(
-        q, k, v, mask, s))), argnums=0))(sinks)
-    assert gs.shape == sinks.shape and np.all(np.isfinite(np.asarray(gs)))
+
+    # Gradients of q and the sinks: per call, and summed over the calls for shared sinks.
+    def loss(q, k, v, m, s):
+        return jnp.sum(jnp.sin(f(q, k, v, m, s)))
+
+    dq, ds = jax.jit(jax.grad(lambda q_, s_: jnp.sum(jax.vmap(loss, in_axes=tuple(axes))(
+        q_, k, v, mask, s_)), (0, 1)))(q, sinks)
+    per = [jax.grad(loss, (0, 4))(*each(i)) for i in range(V)]
+    close(dq, np.stack([np.asarray(g[0]) for g in per]), TOL_GRAD_REL)
+    ds_ref = [np.asarray(g[1], np.float64) for g in per]
+    close(ds, np.stack(ds_ref) if axes[4] == 0 else np.sum(ds_ref, axis=0), TOL_GRAD_REL)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@
  *
  * vmap: mha/jax.py calls ffi_call with vmap_method="expand_dims", so under jax.vmap every operand
  * gains the same number of leading dimensions, of the vmapped size or 1 (not vmapped). When every
- * present operand is vmapped the same way and its batch dimension is the full B, the leading
- * dimensions fold into the batch: one library call. Otherwise (a shared [1, ...] mask, per-call
- * sinks, ...) the handler loops over the leading index, broadcasting the size-1 ones. */
+ * present operand is vmapped the same way (or, for a mask, a bias, the key padding and the sinks,
+ * is shared and broadcasts over the batch anyway), the leading dimensions fold into the batch:
+ * one library call. Otherwise (a shared [B, ...] mask, per-call sinks, ...) the handler loops over
+ * the leading index, broadcasting the size-1 ones (foldable() has the rule). */
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -193,25 +194,32 @@ void *at(const Call &c, Operand which, int64_t idx) {
     return o.data + off * o.elem;
 }
 
-/* True when the vmapped dimensions can fold into the batch: every present operand is vmapped on
- * all of them, its batch dimension (masks, bias, key padding) is the full B, and there are no
- * sinks (their gradient is per vmapped call, while a folded call would sum it). */
+/* True when the vmapped dimensions can fold into the batch (one library call over all of them):
+ * q, k, v and the results vmapped on all of them; a mask, bias or key padding either vmapped on
+ * all of them with the full batch B, or on none with batch 1 (it then broadcasts over the folded
+ * batch as over B); sinks not vmapped, and no sinks gradient (per vmapped call, while a folded
+ * call would sum it over them). */
 bool foldable(const Call &c) {
     for (int w = 0; w < NOPS; ++w) {
         const Tensor &o = c.op[w];
         if (!o.present) {
             continue;
         }
-        if (w == SINKS || w == DSINKS) {
-            return false;
-        }
+        bool full = true, ones = true;
         for (size_t i = 0; i < c.lead.size(); ++i) {
-            if (o.dims[i] != c.lead[i]) {
-                return false;
-            }
+            full = full && o.dims[i] == c.lead[i];
+            ones = ones && o.dims[i] == 1;
         }
-        if ((w == BIAS || w == MASK || w == KV_PAD) &&
-            core_dim(c, static_cast<Operand>(w), 0) != c.B) {
+        bool ok;
+        if (w == BIAS || w == MASK || w == KV_PAD) {
+            int64_t b = core_dim(c, static_cast<Operand>(w), 0);
+            ok = (full && b == c.B) || (ones && b == 1);
+        } else if (w == SINKS) {
+            ok = ones;
+        } else {
+            ok = full && w != DSINKS;
+        }
+        if (!ok) {
             return false;
         }
     }
@@ -230,7 +238,15 @@ mha_mask_tensor mask_tensor(const Call &c, Operand which, const void *data, int6
     for (int i = 0; i < kCoreRank[which]; ++i) {
         t.shape[i] = core_dim(c, which, i);
     }
-    t.shape[0] *= fold;
+    /* Folded: a vmapped operand's batch spans the folded batch; a shared one (batch 1, see
+     * foldable()) broadcasts over it as it is. */
+    const Tensor &o = c.op[which];
+    for (size_t i = 0; i < c.lead.size(); ++i) {
+        if (o.dims[i] != 1) {
+            t.shape[0] *= fold;
+            break;
+        }
+    }
     return t;
 }
 
