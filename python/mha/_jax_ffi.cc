@@ -38,7 +38,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-/* Core (non-vmapped) rank of each operand, in the order of the Operand enum. */
+/* The operands of both handlers and their results, by role. */
 enum Operand {
     Q,
     K,
@@ -57,6 +57,7 @@ enum Operand {
     DSINKS,
     NOPS
 };
+/* Core (non-vmapped) rank and name of each, in the order of the enum. */
 constexpr int kCoreRank[NOPS] = {4, 4, 4, 4, 4, 2, 1, 4, 3, 4, 4, 4, 4, 4, 1};
 constexpr const char *kName[NOPS] = {"query",  "key",   "value", "bias", "mask",
                                      "kv_pad", "sinks", "out",   "lse",  "probs",
