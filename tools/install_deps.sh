@@ -38,7 +38,7 @@ esac
 
 # Debian package of each command that may be missing on a fresh machine.
 declare -A package=(
-    [cc]=gcc [gcc]=gcc [make]=make [cmake]=cmake [ctest]=cmake [git]=git [nm]=binutils
+    [cc]=gcc [gcc]=gcc [c++]=g++ [make]=make [cmake]=cmake [ctest]=cmake [git]=git [nm]=binutils
     [objdump]=binutils [aarch64-linux-gnu-gcc]="gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
     [qemu-aarch64]=qemu-user
     [clang-14]="clang-14 libclang-rt-14-dev" [clang-format-14]=clang-format-14

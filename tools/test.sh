@@ -27,6 +27,8 @@
 # that tools/install_deps.sh creates (never the system Python).
 # needs: cc cmake ctest make git xargs nproc clang-14 clang-format-14 python3 pkg-config nm
 # needs: mpicc mpirun mpicc.mpich mpiexec.mpich
+# (c++: mha.jax's XLA FFI handler, python/mha/_jax_ffi.cc, which test_python_jax_ffi.py loads)
+# needs: c++
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh --test

@@ -13,7 +13,9 @@ NumPy API (float32; float64/float16 inputs are converted; any memory order):
     o = mha.attention(q_shard, k_shard, v_shard, comm=MPI.COMM_WORLD, seq_len=N)  # ring (MPI)
 
 PyTorch drop-ins (optional, imported lazily): ``mha.torch.MultiheadAttention`` and
-``mha.torch.scaled_dot_product_attention``. Plots: ``mha.plot_attention`` (matplotlib).
+``mha.torch.scaled_dot_product_attention``. JAX (optional, lazily, through XLA's FFI):
+``mha.jax.dot_product_attention`` and ``mha.equinox.MultiheadAttention``. Plots:
+``mha.plot_attention`` (matplotlib).
 The contract (mask polarity, causal alignment, RoPE styles, ...) is docs/SEMANTICS.md; the
 Python API is docs/PYTHON.md. Errors from the library raise :class:`MhaError`.
 """
@@ -46,9 +48,9 @@ def plot_attention(*args: Any, **kwargs: Any):
 
 
 def __getattr__(name: str):
-    # `mha.torch` and `mha.plot` are imported on first use, so that neither torch nor matplotlib
-    # is needed to import mha.
-    if name in ("torch", "plot"):
+    # `mha.torch`, `mha.jax`, `mha.equinox` and `mha.plot` are imported on first use, so that
+    # neither torch, jax nor matplotlib is needed to import mha.
+    if name in ("torch", "jax", "equinox", "plot"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'mha' has no attribute {name!r}")
 
