@@ -101,6 +101,32 @@ MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
                                                const mha_exec *exec,
                                                mha_error *err);
 
+/** The whole layer (mha.h, mha_layer_forward) over the ranks of `comm` (collective), for
+ *  self-attention: the global input x [B, N, q_dim] is sharded by rows, rank r holding the rows
+ *  mha_ring_shard gives it, one chunk after the other. `local` is the rank's part of a
+ *  mha_forward_args: batch B (the same on every rank), q_len = the rank's local length,
+ *  query = its rows of x [B, n_local, q_dim], out = its rows of y [B, n_local, out_dim];
+ *  key = value = probs = NULL. Each rank projects its rows (mha_layer_project), applies the
+ *  layer's RoPE to Q and K at GLOBAL positions (its rows' indices in the whole sequence, or, when
+ *  given, local->q_positions / k_positions [B, n_local]: the positions of its rows), runs
+ *  mha_ring_attention on the shards with local->mask and local->dropout, and projects its rows
+ *  of the attention output:
+ *    y = (concat_h Attn_h(RoPE(x W_q^T + b_q), RoPE(x W_k^T + b_k), x W_v^T + b_v)) W_o^T + b_o
+ *  on the whole sequence, i.e. mha_layer_forward of the gathered x, row for row. The masks,
+ *  scores options and what is UNSUPPORTED are those of mha_ring_attention (causal and windows
+ *  use global rows; a layer with sinks, key padding, segment ids and dropout in training follow
+ *  its support). Errors are agreed as in mha_ring_attention: every rank returns the same status,
+ *  with out untouched unless a failure happens after the attention (out of memory in the output
+ *  projection). Scratch: Q, K, V and the attention output of the rank's rows, from
+ *  exec->allocator (exec->workspace is not used).
+ *  @return MHA_STATUS_OK, or an error, the same on every rank. */
+MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
+                                          const mha_ring_config *cfg,
+                                          const mha_layer *layer,
+                                          const mha_forward_args *local,
+                                          const mha_exec *exec,
+                                          mha_error *err);
+
 #ifdef __cplusplus
 }
 #endif

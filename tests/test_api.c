@@ -436,6 +436,60 @@ static void test_safetensors_switch(void) {
 #endif
 }
 
+/* mha_layer_project: each map equals y = x W^T + b computed in double (a 3 x 5 -> 4-head
+ * layer: Q, K, V [3, 4], O [3, 4]), with y untouched on every error. */
+static void test_layer_project(void) {
+    float w[4][16], b[4][4], x[3 * 4];
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 16; j++)
+            w[i][j] = (float)((i + 1) * (j % 5) - 3) * 0.125f;
+        for (int j = 0; j < 4; j++)
+            b[i][j] = (float)(j - i) * 0.5f;
+    }
+    for (int i = 0; i < 12; i++)
+        x[i] = (float)(i % 7) - 2.5f;
+    mha_config cfg = {0};
+    cfg.q_dim = 4, cfg.num_heads = 2, cfg.bias_q = cfg.bias_k = cfg.bias_v = cfg.bias_o = 1;
+    mha_weights wt = {w[0], w[1], w[2], w[3], b[0], b[1], b[2], b[3], NULL};
+    mha_layer *layer = NULL;
+    mha_error err;
+    CHECK_OK(mha_layer_create(&cfg, &wt, MHA_WEIGHTS_BORROW, NULL, &layer, &err), &err);
+    if (!layer)
+        return;
+    for (int which = 0; which < 4; which++)
+        for (int impl = 0; impl < 3; impl++) {
+            float y[12];
+            mha_exec ex = {0};
+            ex.impl = (mha_impl)impl;
+            CHECK_OK(mha_layer_project(layer, (mha_projection)which, 3, x, y, &ex, &err), &err);
+            double worst = 0.0;
+            for (int r = 0; r < 3; r++)
+                for (int o = 0; o < 4; o++) {
+                    double ref = b[which][o];
+                    for (int c = 0; c < 4; c++)
+                        ref += (double)x[r * 4 + c] * (double)w[which][o * 4 + c];
+                    worst = fmax(worst, fabs(ref - (double)y[r * 4 + o]));
+                }
+            CHECK(worst <= 1e-5, "mha_layer_project which=%d impl=%d: max error %.3g", which, impl,
+                  worst);
+        }
+    float y[12] = {0}, zero[12] = {0};
+    CHECK(mha_layer_project(NULL, MHA_PROJ_Q, 3, x, y, NULL, &err) == MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: NULL layer");
+    CHECK(mha_layer_project(layer, (mha_projection)4, 3, x, y, NULL, &err) ==
+              MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: which=4");
+    CHECK(mha_layer_project(layer, MHA_PROJ_Q, -1, x, y, NULL, &err) == MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: negative rows");
+    CHECK(mha_layer_project(layer, MHA_PROJ_Q, 3, NULL, y, NULL, &err) == MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: NULL x");
+    CHECK(mha_layer_project(layer, MHA_PROJ_Q, INT64_MAX / 2, x, y, NULL, &err) ==
+              MHA_STATUS_OVERFLOW,
+          "mha_layer_project: rows overflow");
+    CHECK(memcmp(y, zero, sizeof y) == 0, "mha_layer_project: y untouched on errors");
+    mha_layer_destroy(layer);
+}
+
 int main(void) {
     test_safetensors_switch();
     test_status_strings();
@@ -443,5 +497,6 @@ int main(void) {
     test_forward_errors();
     test_attention_errors();
     test_workspace_alignment();
+    test_layer_project();
     return test_finish();
 }
