@@ -120,7 +120,7 @@ def test_shard_file_errors(files):
     assert r.returncode != 0
     assert "rank 2 of 3: xe_2.npy: cannot open" in r.stderr
     assert "stopped: rank 2 failed" in r.stderr
-    np.save(files / "xe_1.npy", x[:, :5])  # 5 rows: rank 1 of 2 holds 11 of 16 rows
+    np.save(files / "xe_1.npy", x[:, :5])  # 5 rows: of the 16 in all, rank 1 of 2 holds 8
     r = run_mpi(2, *BASE, "--input", "xe_{rank}.npy", "--out", "ye_{rank}.npy", cwd=files)
     assert r.returncode != 0
     assert "xe_1.npy: 5 rows, but rank 1 of 2 holds" in r.stderr
