@@ -439,6 +439,25 @@ MHA_API mha_status mha_layer_project(const mha_layer *layer,
                                      const mha_exec *exec,
                                      mha_error *err);
 
+/** Backward of mha_layer_project: given dy = dL/dy [rows, out] of y = x W^T + b (x [rows, in]),
+ *    dx = dy W  [rows, in]      dW = dy^T x  [out, in]      db = sum over rows of dy  [out]
+ *  each written (accumulate == 0) or added (nonzero) when not NULL; db only when the layer has that
+ *  bias. x is needed only for dW. Buffers must not alias each other, x or dy. The products are the
+ *  ones mha_layer_backward runs (the packed GEMM reading the operands in place, or plain loops
+ *  with impl=REFERENCE). exec may be NULL; scratch comes from exec->allocator.
+ *  @return MHA_STATUS_OK, or an error with every output untouched. */
+MHA_API mha_status mha_layer_project_backward(const mha_layer *layer,
+                                              mha_projection which,
+                                              int64_t rows,
+                                              const float *x,
+                                              const float *dy,
+                                              float *dx,
+                                              float *dw,
+                                              float *db,
+                                              int32_t accumulate,
+                                              const mha_exec *exec,
+                                              mha_error *err);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Files                                                                                          */
 /* ---------------------------------------------------------------------------------------------- */

@@ -127,6 +127,29 @@ MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
                                           const mha_exec *exec,
                                           mha_error *err);
 
+/** Backward of mha_ring_layer_forward (collective): the gradients of the layer on the whole
+ *  sequence, equal to mha_layer_backward's, each rank getting its share. `local` is the forward's
+ *  call on this rank exactly as it ran (the same x rows, positions, masks); dy [B, n_local,
+ *  out_dim] is dL/dy of the rank's rows; grads (mha.h, mha_layer_grads):
+ *    d_query [B, n_local, q_dim]: dL/dx of the rank's rows (every input path: Q, K and V);
+ *    dw_q, dw_k, dw_v, dw_o and db_* (only the biases the layer has): the WHOLE gradient, summed
+ *    over the ranks (one MPI_Allreduce), the same on every rank;
+ *    d_key, d_value, d_sinks: NULL (self-attention; sinks are not supported by the ring);
+ *  each may be NULL (not wanted), written (accumulate == 0) or added. The forward is recomputed
+ *  (nothing is kept between the calls, at the cost of one more forward), then: dA = dy W_o, the
+ *  ring backward (mha_ring_attention_backward) to dQ, dK, dV, RoPE's transposed rotation, and
+ *  dx = dQ W_q + dK W_k + dV W_v, dW = dQ^T x, ... (mha_layer_project_backward). Errors are
+ *  agreed as in the forward, with every gradient untouched (they are written last).
+ *  @return MHA_STATUS_OK, or an error, the same on every rank. */
+MHA_API mha_status mha_ring_layer_backward(MPI_Comm comm,
+                                           const mha_ring_config *cfg,
+                                           const mha_layer *layer,
+                                           const mha_forward_args *local,
+                                           const float *dy,
+                                           const mha_layer_grads *grads,
+                                           const mha_exec *exec,
+                                           mha_error *err);
+
 #ifdef __cplusplus
 }
 #endif

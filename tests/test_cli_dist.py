@@ -9,7 +9,8 @@ timeout (no rank hangs), and leave no output file.
 
 Run by ctest with MHA_CLI=<mha> and, when libmha_mpi is built, MHA_MPIEXEC (the launcher) and
 MHA_MPIEXEC_FLAGS (space-separated: --allow-run-as-root --oversubscribe for Open MPI). Without
-MPI only the "built without MPI" error is checked.
+MPI only the "built without MPI" error is checked. MHA_TEST_QUICK=1 (the sanitizer runs) keeps
+one case of each kind.
 """
 import os
 import subprocess
@@ -25,6 +26,8 @@ MPIFLAGS = os.environ.get("MHA_MPIEXEC_FLAGS", "").split()
 pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
 needs_mpi = pytest.mark.skipif(not MPIEXEC, reason="mha built without MPI (MHA_MPIEXEC unset)")
 TIMEOUT = 120  # seconds; a hang fails the test instead of blocking CI
+# MHA_TEST_QUICK (the sanitizer runs): one case of each kind, each mpirun costs seconds there.
+slow = pytest.mark.skipif(bool(os.environ.get("MHA_TEST_QUICK")), reason="MHA_TEST_QUICK")
 
 
 def run_single(*args, cwd):
@@ -66,12 +69,13 @@ def assert_close(y, ref):
 
 BASE = ["--weights", "w.safetensors", "--heads", "4"]
 CASES = [  # (P, layout, input, options)
-    (2, "zigzag", "x.npy", []),
+    pytest.param(2, "zigzag", "x.npy", [], marks=slow),
     (3, "zigzag", "x.npy", ["--causal", "--rope-theta", "10000"]),
     (2, "contiguous", "x.npy", ["--causal", "--rope-style", "half", "--window", "5,0"]),
-    (3, "contiguous", "x.npy", ["--window", "3,2", "--rope-theta", "500", "--positions",
-                                "pos.npy"]),
-    (3, "zigzag", "x2d.npy", ["--causal", "top-left", "--kv-heads", "2", "--scale", "0.3"]),
+    pytest.param(3, "contiguous", "x.npy", ["--window", "3,2", "--rope-theta", "500",
+                                            "--positions", "pos.npy"], marks=slow),
+    pytest.param(3, "zigzag", "x2d.npy", ["--causal", "top-left", "--kv-heads", "2", "--scale",
+                                          "0.3"], marks=slow),
 ]
 
 
@@ -88,7 +92,7 @@ def test_equals_single_process(files, p, layout, x, opts):
 
 
 @needs_mpi
-@pytest.mark.parametrize("p,layout", [(2, "zigzag"), (3, "contiguous")])
+@pytest.mark.parametrize("p,layout", [(2, "zigzag"), pytest.param(3, "contiguous", marks=slow)])
 def test_shard_files(files, p, layout):
     """Each rank reads x_{rank}.npy (its rows, in order) and writes y_{rank}.npy; reassembled,
     they equal the single-process output."""
@@ -130,11 +134,14 @@ def test_shard_file_errors(files):
 @needs_mpi
 @pytest.mark.parametrize("opts,code,text", [
     (["--input", "missing.npy"], 1, "missing.npy: cannot open"),
-    (["--input", "w.safetensors"], 1, "w.safetensors"),
+    pytest.param(["--input", "w.safetensors"], 1, "w.safetensors", marks=slow),
     (["--input", "x.npy", "--attn", "a.npy"], 2, "--attn cannot be used with --distributed"),
-    (["--input", "x.npy", "--key", "x.npy"], 2, "--key cannot be used with --distributed"),
-    (["--input", "x.npy", "--shard-layout", "stripes"], 2, "is not zigzag or contiguous"),
-    (["--input", "x_{rank}.npy"], 2, "need {rank} in both --input and --out"),
+    pytest.param(["--input", "x.npy", "--key", "x.npy"], 2,
+                 "--key cannot be used with --distributed", marks=slow),
+    pytest.param(["--input", "x.npy", "--shard-layout", "stripes"], 2,
+                 "is not zigzag or contiguous", marks=slow),
+    pytest.param(["--input", "x_{rank}.npy"], 2, "need {rank} in both --input and --out",
+                 marks=slow),
     (["--input", "x.npy", "--key-padding-mask", "pad.npy"], 1, "key_padding"),
 ])
 def test_errors(files, opts, code, text):

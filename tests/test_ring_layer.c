@@ -5,7 +5,9 @@
  * sequence, then its rows through mha_ring_layer_forward, and checks them with the layer's gate
  * (tests/common/tolerance.h): max|y - y_1| <= TOL_OUT_REL max|y_1| over its rows. Cases: both
  * layouts, causal or not, windows, GQA, biases, RoPE (both styles, partial rotary_dim) at global
- * positions and at caller positions, d_v != d_k, uneven N. Errors: a bad argument on one rank
+ * positions and at caller positions, d_v != d_k, uneven N; and the backward
+ * (mha_ring_layer_backward vs mha_layer_backward: dx rows, weight and bias gradients, each within
+ * TOL_GRAD_REL max|g_1|, and accumulate). Errors: a bad argument on one rank
  * (cross-attention, a wrong local length) and key padding (not yet supported by the ring) give
  * every rank the same error. Each rank prints its "N passed, N failed". */
 #include "harness.h"
@@ -61,6 +63,108 @@ static mha_layer *make_layer(const layer_case *c, float **wbuf) {
     mha_error err;
     CHECK_OK(mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &layer, &err), &err);
     return layer;
+}
+
+/* max|a - b| <= TOL_GRAD_REL max|b| over count elements; prints the gradient's name. */
+static void
+check_grad(const char *what, const layer_case *c, const float *a, const float *b, int64_t count) {
+    double worst = 0.0, scale = 0.0;
+    for (int64_t i = 0; i < count; i++) {
+        scale = fmax(scale, fabs((double)b[i]));
+        worst = fmax(worst, fabs((double)a[i] - (double)b[i]));
+    }
+    CHECK(worst <= TOL_GRAD_REL * scale && scale > 0.0,
+          "ring layer backward %s, P=%d rank %d, n=%lld h=%lld g=%lld rope=%d causal=%d "
+          "layout=%d: max err %.3g > %.3g",
+          what, g_size, g_rank, (long long)c->n, (long long)c->h, (long long)c->g, (int)c->rope,
+          c->causal, (int)c->layout, worst, TOL_GRAD_REL * scale);
+}
+
+/* The backward: mha_ring_layer_backward against mha_layer_backward of the whole sequence for the
+ * same random dy: the rank's rows of dx, every weight and bias gradient (summed over the ranks);
+ * then accumulate adds the same dw_q again. fa: the whole-sequence forward, la: the rank's. */
+static void check_backward(const layer_case *c,
+                           const mha_layer *layer,
+                           const mha_forward_args *fa,
+                           const mha_forward_args *la,
+                           const int64_t start[2],
+                           const int64_t len[2],
+                           int32_t nc) {
+    const int64_t B = c->B, n = c->n, nl = la->q_len, qd = c->q_dim;
+    const int64_t hk = c->h * c->dk, gk = c->g * c->dk, gv = c->g * c->dv, hv = c->h * c->dv;
+    const int64_t wl[8] = {hk * qd, gk * qd, gv * qd, qd * hv, hk, gk, gv, qd};
+    float *dy = malloc(sizeof(float) * (size_t)(B * n * qd));
+    float *dyl = malloc(sizeof(float) * (size_t)(B * nl * qd));
+    float *dx1 = malloc(sizeof(float) * (size_t)(B * n * qd));
+    float *dxl = malloc(sizeof(float) * (size_t)(B * nl * qd));
+    float *w1[8], *wr[8];
+    for (int i = 0; i < 8; i++) {
+        w1[i] = malloc(sizeof(float) * (size_t)wl[i]);
+        wr[i] = malloc(sizeof(float) * (size_t)wl[i]);
+    }
+    test_rng rng;
+    test_rng_seed(&rng, 7 + (uint64_t)n);
+    test_fill_normal(&rng, dy, B * n * qd, 1.0f);
+    for (int64_t b = 0; b < B; b++) {
+        int64_t li = 0;
+        for (int32_t k = 0; k < nc; k++)
+            for (int64_t i = start[k]; i < start[k] + len[k]; i++, li++)
+                memcpy(dyl + (b * nl + li) * qd, dy + (b * n + i) * qd, sizeof(float) * (size_t)qd);
+    }
+    mha_error err;
+    mha_train_state *state = NULL;
+    CHECK_OK(mha_layer_forward_train(layer, fa, NULL, &state, &err), &err);
+    mha_layer_grads g1 = {dx1,
+                          NULL,
+                          NULL,
+                          w1[0],
+                          w1[1],
+                          w1[2],
+                          w1[3],
+                          c->bias ? w1[4] : NULL,
+                          c->bias ? w1[5] : NULL,
+                          c->bias ? w1[6] : NULL,
+                          c->bias ? w1[7] : NULL,
+                          NULL,
+                          0};
+    if (state)
+        CHECK_OK(mha_layer_backward(layer, state, dy, &g1, NULL, &err), &err);
+    mha_train_state_destroy(state);
+    mha_layer_grads gr = g1;
+    gr.d_query = dxl;
+    float **slot[8] = {&gr.dw_q, &gr.dw_k, &gr.dw_v, &gr.dw_o,
+                       &gr.db_q, &gr.db_k, &gr.db_v, &gr.db_o};
+    for (int i = 0; i < 8; i++)
+        *slot[i] = *slot[i] ? wr[i] : NULL; /* gr is a copy of g1: the same requests */
+    CHECK_OK(mha_ring_layer_backward(MPI_COMM_WORLD, &(mha_ring_config){n, c->layout}, layer, la,
+                                     dyl, &gr, NULL, &err),
+             &err);
+    /* The rank's rows of dx, in global order. */
+    float *dx1l = malloc(sizeof(float) * (size_t)(B * nl * qd));
+    for (int64_t b = 0; b < B; b++) {
+        int64_t li = 0;
+        for (int32_t k = 0; k < nc; k++)
+            for (int64_t i = start[k]; i < start[k] + len[k]; i++, li++)
+                memcpy(dx1l + (b * nl + li) * qd, dx1 + (b * n + i) * qd,
+                       sizeof(float) * (size_t)qd);
+    }
+    check_grad("dx", c, dxl, dx1l, B * nl * qd);
+    static const char *const names[8] = {"dw_q", "dw_k", "dw_v", "dw_o",
+                                         "db_q", "db_k", "db_v", "db_o"};
+    for (int i = 0; i < (c->bias ? 8 : 4); i++)
+        check_grad(names[i], c, wr[i], w1[i], wl[i]);
+    /* accumulate: dw_q receives the same gradient once more. */
+    mha_layer_grads acc = {0};
+    acc.dw_q = wr[0], acc.accumulate = 1;
+    for (int64_t e = 0; e < wl[0]; e++)
+        w1[0][e] *= 2.0f;
+    CHECK_OK(mha_ring_layer_backward(MPI_COMM_WORLD, &(mha_ring_config){n, c->layout}, layer, la,
+                                     dyl, &acc, NULL, &err),
+             &err);
+    check_grad("dw_q accumulated", c, wr[0], w1[0], wl[0]);
+    for (int i = 0; i < 8; i++)
+        free(w1[i]), free(wr[i]);
+    free(dy), free(dyl), free(dx1), free(dxl), free(dx1l);
 }
 
 static void run_case(const layer_case *c) {
@@ -131,6 +235,7 @@ static void run_case(const layer_case *c) {
           (long long)c->dk, (long long)c->dv, c->bias, c->causal, (int)c->layout, (int)c->rope,
           (long long)c->rotary_dim, (long long)c->window[0], (long long)c->window[1], c->positions,
           worst, TOL_OUT_REL * scale);
+    check_backward(c, layer, &fa, &la, start, len, nc);
     free(xl), free(yl), free(pl), free(x), free(y1), free(pos), free(wbuf);
     mha_layer_destroy(layer);
 }

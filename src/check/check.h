@@ -128,6 +128,19 @@ mha_status mha__check_layer_project(const mha_config *c,
                                     const mha_exec *exec,
                                     mha__projection *p,
                                     mha_error *err);
+/* mha_layer_project_backward's arguments: the projection's, dy, and db only with a bias. */
+mha_status mha__check_layer_project_backward(const mha_config *c,
+                                             const mha_weights *w,
+                                             mha_projection which,
+                                             int64_t rows,
+                                             const float *x,
+                                             const float *dy,
+                                             const float *dx,
+                                             const float *dw,
+                                             const float *db,
+                                             const mha_exec *exec,
+                                             mha__projection *p,
+                                             mha_error *err);
 
 /* What the backward's check reads of a training state (layer/layer_bwd.c). */
 typedef struct mha__train_view {

@@ -194,6 +194,28 @@ mha_status mha__check_layer_project(const mha_config *c,
     return MHA_STATUS_OK;
 }
 
+mha_status mha__check_layer_project_backward(const mha_config *c,
+                                             const mha_weights *w,
+                                             mha_projection which,
+                                             int64_t rows,
+                                             const float *x,
+                                             const float *dy,
+                                             const float *dx,
+                                             const float *dw,
+                                             const float *db,
+                                             const mha_exec *exec,
+                                             mha__projection *p,
+                                             mha_error *err) {
+    MHA_RETURN_IF(rows > 0 && !dy, err, INVALID_ARG, "dy is NULL");
+    /* The forward's checks with dy as the input and dx as the output (x only matters for dW). */
+    mha_status st = mha__check_layer_project(c, w, which, rows, dy, dx ? dx : dy, exec, p, err);
+    if (st)
+        return st;
+    MHA_RETURN_IF(rows > 0 && dw && !x, err, INVALID_ARG, "x is NULL (needed for dw)");
+    MHA_RETURN_IF(db && !p->bias, err, INVALID_ARG, "db is given but the projection has no bias");
+    return MHA_STATUS_OK;
+}
+
 mha_status mha__check_layer_backward(const mha_layer *layer,
                                      const mha_config *c,
                                      const mha__train_view *s,

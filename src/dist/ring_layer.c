@@ -10,6 +10,7 @@
  * A [B, n, h d_v] with n the rank's local rows, plus n int64 positions. */
 #include "mha_mpi.h"
 
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -157,6 +158,52 @@ static mha_status prepare(const mha_ring_config *cfg,
     return MHA_STATUS_OK;
 }
 
+/* Negates the second member of every rotated pair of x [rows, d] (pairs (2k, 2k+1) or
+ * (k, k + R/2), k < R/2): the reflection S with S R(a) S = R(-a), so that the transposed rotation
+ * RoPE^T = S RoPE S is made of the public forward rotation. */
+static void reflect_pairs(const mha_rope *rope, float *x, int64_t rows, int64_t d) {
+    const int64_t half = (rope->rotary_dim ? rope->rotary_dim : d) / 2;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < half; k++) {
+            float *v = x + r * d + (rope->style == MHA_ROPE_INTERLEAVED ? 2 * k + 1 : half + k);
+            *v = -*v;
+        }
+}
+
+/* The layer's RoPE on q [B, n, h, d_k] and k [B, n, g, d_k] at the rows' global positions (or
+ * the caller's); transposed != 0: the transposed rotation (the backward's, on dQ and dK). */
+static mha_status rotate(const mha_layer *layer,
+                         const mha_forward_args *a,
+                         const layer_call *lc,
+                         float *q,
+                         float *k,
+                         int transposed,
+                         mha_error *err) {
+    const mha_rope *rope = &mha_layer_config(layer)->rope;
+    if (rope->style == MHA_ROPE_NONE)
+        return MHA_STATUS_OK;
+    /* Positions: the caller's [B, n] rows, else the global index (one row for the batch). */
+    const int64_t *qpos = a->q_positions ? a->q_positions : lc->pos;
+    const int64_t *kpos = a->k_positions ? a->k_positions : qpos;
+    const int64_t qstride = a->q_positions ? lc->n : 0;
+    const int64_t kstride = a->k_positions ? lc->n : qstride;
+    const int64_t qs[4] = {lc->n * lc->h * lc->dk, lc->h * lc->dk, lc->dk, 1};
+    const int64_t ks[4] = {lc->n * lc->g * lc->dk, lc->g * lc->dk, lc->dk, 1};
+    const int64_t qrows = lc->B * lc->n * lc->h, krows = lc->B * lc->n * lc->g;
+    if (transposed) {
+        reflect_pairs(rope, q, qrows, lc->dk);
+        reflect_pairs(rope, k, krows, lc->dk);
+    }
+    mha_status st = mha_rope_apply(rope, lc->B, lc->n, lc->h, lc->dk, q, qs, qpos, qstride, err);
+    if (!st)
+        st = mha_rope_apply(rope, lc->B, lc->n, lc->g, lc->dk, k, ks, kpos, kstride, err);
+    if (transposed) {
+        reflect_pairs(rope, q, qrows, lc->dk);
+        reflect_pairs(rope, k, krows, lc->dk);
+    }
+    return st;
+}
+
 /* Q, K, V of the rank's rows, Q and K rotated at their global positions (or the caller's). */
 static mha_status project_rotate(const mha_layer *layer,
                                  const mha_forward_args *a,
@@ -169,20 +216,7 @@ static mha_status project_rotate(const mha_layer *layer,
         st = mha_layer_project(layer, MHA_PROJ_K, rows, a->query, lc->k, exec, err);
     if (!st)
         st = mha_layer_project(layer, MHA_PROJ_V, rows, a->query, lc->v, exec, err);
-    const mha_rope *rope = &mha_layer_config(layer)->rope;
-    if (st || rope->style == MHA_ROPE_NONE)
-        return st;
-    /* Positions: the caller's [B, n] rows, else the global index (one row for the batch). */
-    const int64_t *qpos = a->q_positions ? a->q_positions : lc->pos;
-    const int64_t *kpos = a->k_positions ? a->k_positions : qpos;
-    const int64_t qstride = a->q_positions ? lc->n : 0;
-    const int64_t kstride = a->k_positions ? lc->n : qstride;
-    const int64_t qs[4] = {lc->n * lc->h * lc->dk, lc->h * lc->dk, lc->dk, 1};
-    const int64_t ks[4] = {lc->n * lc->g * lc->dk, lc->g * lc->dk, lc->dk, 1};
-    st = mha_rope_apply(rope, lc->B, lc->n, lc->h, lc->dk, lc->q, qs, qpos, qstride, err);
-    if (!st)
-        st = mha_rope_apply(rope, lc->B, lc->n, lc->g, lc->dk, lc->k, ks, kpos, kstride, err);
-    return st;
+    return st ? st : rotate(layer, a, lc, lc->q, lc->k, 0, err);
 }
 
 /* The core arguments over the rank's buffers: [B, n, heads, d] seen as [B, heads, n, d]. */
@@ -260,6 +294,211 @@ mha_status mha_ring_layer_forward(MPI_Comm comm,
     layer_free(alloc, lc.v);
     layer_free(alloc, lc.att);
     layer_free(alloc, lc.pos);
+    if (!st && err) {
+        err->status = MHA_STATUS_OK;
+        err->message[0] = '\0';
+    }
+    return st;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Backward                                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* The backward's buffers: the forward's lse, the gradients of the rank's rows dQ, dK, dV (like Q,
+ * K, V), dA (like A) and dX [B, n, q_dim], and the weight gradients of the rank's rows packed in
+ * one array (summed over the ranks by one MPI_Allreduce): dW_q, dW_k, dW_v, dW_o, then the biases
+ * the layer has. */
+typedef struct bwd_call {
+    float *lse, *dq, *dk, *dv, *da, *dx, *pack;
+    int64_t off[8], len[8], pack_len; /* dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o */
+} bwd_call;
+
+static void bwd_free(const mha_allocator *alloc, bwd_call *bc) {
+    float *bufs[7] = {bc->lse, bc->dq, bc->dk, bc->dv, bc->da, bc->dx, bc->pack};
+    for (int i = 0; i < 7; i++)
+        layer_free(alloc, bufs[i]);
+}
+
+/* The backward's own checks and buffers (after prepare()). */
+static mha_status bwd_prepare(const mha_layer *layer,
+                              const layer_call *lc,
+                              const float *dy,
+                              const mha_layer_grads *gr,
+                              const mha_allocator *alloc,
+                              bwd_call *bc,
+                              mha_error *err) {
+    const char *fn = "mha_ring_layer_backward";
+    const mha_config *c = mha_layer_config(layer);
+    if (!dy || !gr || gr->d_key || gr->d_value || gr->d_sinks) {
+        lset_error(err, MHA_STATUS_INVALID_ARG, "%s: %s", fn,
+                   !dy || !gr ? "dy and grads must not be NULL"
+                              : "self-attention: d_query receives every input path; d_key, "
+                                "d_value (and d_sinks) must be NULL");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    if ((gr->db_q && !c->bias_q) || (gr->db_k && !c->bias_k) || (gr->db_v && !c->bias_v) ||
+        (gr->db_o && !c->bias_o)) {
+        lset_error(err, MHA_STATUS_INVALID_ARG,
+                   "%s: a bias gradient is requested for a bias the layer lacks", fn);
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const int64_t hk = lc->h * lc->dk, gk = lc->g * lc->dk, gv = lc->g * lc->dv;
+    const int64_t hv = lc->h * lc->dv, qd = c->q_dim, od = c->out_dim;
+    const int64_t lens[8] = {hk * qd,
+                             gk * qd,
+                             gv * qd,
+                             od * hv,
+                             c->bias_q ? hk : 0,
+                             c->bias_k ? gk : 0,
+                             c->bias_v ? gv : 0,
+                             c->bias_o ? od : 0};
+    bc->pack_len = 0;
+    for (int i = 0; i < 8; i++) {
+        bc->off[i] = bc->pack_len, bc->len[i] = lens[i];
+        bc->pack_len += lens[i];
+    }
+    const int64_t rows = lc->B * lc->n;
+    const size_t fb = sizeof(float);
+    bc->lse = layer_alloc(alloc, fb * (size_t)(lc->B * lc->h * lc->n));
+    bc->dq = layer_alloc(alloc, fb * (size_t)(rows * hk));
+    bc->dk = layer_alloc(alloc, fb * (size_t)(rows * gk));
+    bc->dv = layer_alloc(alloc, fb * (size_t)(rows * gv));
+    bc->da = layer_alloc(alloc, fb * (size_t)(rows * hv));
+    bc->dx = layer_alloc(alloc, fb * (size_t)(rows * qd));
+    bc->pack = layer_alloc(alloc, fb * (size_t)bc->pack_len);
+    if (!bc->lse || !bc->dq || !bc->dk || !bc->dv || !bc->da || !bc->dx || !bc->pack) {
+        lset_error(err, MHA_STATUS_NO_MEMORY, "%s: out of memory (gradients of %lld rows)", fn,
+                   (long long)rows);
+        return MHA_STATUS_NO_MEMORY;
+    }
+    memset(bc->dx, 0, fb * (size_t)(rows * qd));
+    memset(bc->pack, 0, fb * (size_t)bc->pack_len);
+    return MHA_STATUS_OK;
+}
+
+/* The projection's weight (and bias) gradient slots in the pack: i = 0..3 for Q, K, V, O. */
+static float *pack_w(const bwd_call *bc, int i) {
+    return bc->pack + bc->off[i];
+}
+static float *pack_b(const bwd_call *bc, int i) {
+    return bc->len[4 + i] ? bc->pack + bc->off[4 + i] : NULL;
+}
+
+/* The rank's share, projections after the ring backward: dQ, dK rotated back (RoPE^T), then
+ * dX = dQ W_q + dK W_k + dV W_v and dW_q = dQ^T X, ... added into the zeroed dx and pack. */
+static mha_status input_grads(const mha_layer *layer,
+                              const mha_forward_args *a,
+                              const layer_call *lc,
+                              const bwd_call *bc,
+                              const mha_exec *exec,
+                              mha_error *err) {
+    mha_status st = rotate(layer, a, lc, bc->dq, bc->dk, 1, err);
+    const float *d[3] = {bc->dq, bc->dk, bc->dv};
+    const mha_projection which[3] = {MHA_PROJ_Q, MHA_PROJ_K, MHA_PROJ_V};
+    for (int i = 0; i < 3 && !st; i++)
+        st = mha_layer_project_backward(layer, which[i], lc->B * lc->n, a->query, d[i], bc->dx,
+                                        pack_w(bc, i), pack_b(bc, i), 1, exec, err);
+    return st;
+}
+
+/* Sums the pack over the ranks (in place, in pieces of at most INT_MAX floats). */
+static mha_status sum_pack(MPI_Comm comm, const bwd_call *bc, mha_error *err) {
+    for (int64_t at = 0; at < bc->pack_len;) {
+        const int64_t part = bc->pack_len - at < INT32_MAX ? bc->pack_len - at : INT32_MAX;
+        if (MPI_Allreduce(MPI_IN_PLACE, bc->pack + at, (int)part, MPI_FLOAT, MPI_SUM, comm) !=
+            MPI_SUCCESS) {
+            lset_error(err, MHA_STATUS_INTERNAL, "mha_ring_layer_backward: MPI_Allreduce failed");
+            return MHA_STATUS_INTERNAL;
+        }
+        at += part;
+    }
+    return MHA_STATUS_OK;
+}
+
+/* Writes (or adds) the rank's dX and the summed weight gradients into the caller's buffers. */
+static void
+deliver_grads(const layer_call *lc, const bwd_call *bc, int64_t q_dim, const mha_layer_grads *gr) {
+    float *dst[9] = {gr->dw_q, gr->dw_k, gr->dw_v, gr->dw_o,   gr->db_q,
+                     gr->db_k, gr->db_v, gr->db_o, gr->d_query};
+    for (int i = 0; i < 9; i++) {
+        if (!dst[i])
+            continue;
+        const float *src = i < 8 ? bc->pack + bc->off[i] : bc->dx;
+        const int64_t len = i < 8 ? bc->len[i] : lc->B * lc->n * q_dim;
+        for (int64_t e = 0; e < len; e++)
+            dst[i][e] = gr->accumulate ? dst[i][e] + src[e] : src[e];
+    }
+}
+
+mha_status mha_ring_layer_backward(MPI_Comm comm,
+                                   const mha_ring_config *cfg,
+                                   const mha_layer *layer,
+                                   const mha_forward_args *local,
+                                   const float *dy,
+                                   const mha_layer_grads *grads,
+                                   const mha_exec *exec,
+                                   mha_error *err) {
+    int p = 0, rank = 0;
+    if (MPI_Comm_size(comm, &p) != MPI_SUCCESS || MPI_Comm_rank(comm, &rank) != MPI_SUCCESS) {
+        lset_error(err, MHA_STATUS_INVALID_ARG,
+                   "mha_ring_layer_backward: comm is not a communicator");
+        return MHA_STATUS_INVALID_ARG;
+    }
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    layer_call lc;
+    bwd_call bc;
+    memset(&lc, 0, sizeof lc);
+    memset(&bc, 0, sizeof bc);
+
+    /* 1. The forward recomputed (activation recomputation: nothing is kept between the calls):
+     * checks, buffers, Q, K, V, then ring attention with its lse. */
+    mha_status st = prepare(cfg, p, rank, layer, local, alloc, &lc, err);
+    if (!st)
+        st = bwd_prepare(layer, &lc, dy, grads, alloc, &bc, err);
+    if (!st)
+        st = project_rotate(layer, local, &lc, exec, err);
+    st = agree_status(comm, p, rank, st, err);
+    mha_attention_args core;
+    if (!st) {
+        core_args(layer, local, &lc, &core);
+        core.lse = bc.lse;
+        st = mha_ring_attention(comm, cfg, &core, exec, err);
+    }
+
+    /* 2. dA = dY W_o (and dW_o, db_o), the ring backward to dQ, dK, dV of the rank's rows. */
+    if (!st) {
+        memset(bc.da, 0, sizeof(float) * (size_t)(lc.B * lc.n * lc.h * lc.dv));
+        st = mha_layer_project_backward(layer, MHA_PROJ_O, lc.B * lc.n, lc.att, dy, bc.da,
+                                        pack_w(&bc, 3), pack_b(&bc, 3), 1, exec, err);
+        st = agree_status(comm, p, rank, st, err);
+    }
+    if (!st) {
+        mha_attention_grads g;
+        memset(&g, 0, sizeof g);
+        g.dout = bc.da, g.dq = bc.dq, g.dk = bc.dk, g.dv = bc.dv;
+        memcpy(g.dout_strides, core.out_strides, sizeof g.dout_strides);
+        memcpy(g.dq_strides, core.q_strides, sizeof g.dq_strides);
+        memcpy(g.dk_strides, core.k_strides, sizeof g.dk_strides);
+        memcpy(g.dv_strides, core.v_strides, sizeof g.dv_strides);
+        st = mha_ring_attention_backward(comm, cfg, &core, &g, exec, err);
+    }
+
+    /* 3. The rank's input gradients and weight shares, the weights' sum over the ranks. */
+    if (!st) {
+        st = input_grads(layer, local, &lc, &bc, exec, err);
+        st = agree_status(comm, p, rank, st, err);
+    }
+    if (!st)
+        st = sum_pack(comm, &bc, err);
+    if (!st)
+        deliver_grads(&lc, &bc, mha_layer_config(layer)->q_dim, grads);
+    layer_free(alloc, lc.q);
+    layer_free(alloc, lc.k);
+    layer_free(alloc, lc.v);
+    layer_free(alloc, lc.att);
+    layer_free(alloc, lc.pos);
+    bwd_free(alloc, &bc);
     if (!st && err) {
         err->status = MHA_STATUS_OK;
         err->message[0] = '\0';
