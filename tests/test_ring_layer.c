@@ -130,13 +130,15 @@ static void check_backward(const layer_case *c,
     if (state)
         CHECK_OK(mha_layer_backward(layer, state, dy, &g1, NULL, &err), &err);
     mha_train_state_destroy(state);
+    mha_forward_args lb = *la; /* the backward reads no output */
+    lb.out = NULL;
     mha_layer_grads gr = g1;
     gr.d_query = dxl;
     float **slot[8] = {&gr.dw_q, &gr.dw_k, &gr.dw_v, &gr.dw_o,
                        &gr.db_q, &gr.db_k, &gr.db_v, &gr.db_o};
     for (int i = 0; i < 8; i++)
         *slot[i] = *slot[i] ? wr[i] : NULL; /* gr is a copy of g1: the same requests */
-    CHECK_OK(mha_ring_layer_backward(MPI_COMM_WORLD, &(mha_ring_config){n, c->layout}, layer, la,
+    CHECK_OK(mha_ring_layer_backward(MPI_COMM_WORLD, &(mha_ring_config){n, c->layout}, layer, &lb,
                                      dyl, &gr, NULL, &err),
              &err);
     /* The rank's rows of dx, in global order. */
@@ -158,7 +160,7 @@ static void check_backward(const layer_case *c,
     acc.dw_q = wr[0], acc.accumulate = 1;
     for (int64_t e = 0; e < wl[0]; e++)
         w1[0][e] *= 2.0f;
-    CHECK_OK(mha_ring_layer_backward(MPI_COMM_WORLD, &(mha_ring_config){n, c->layout}, layer, la,
+    CHECK_OK(mha_ring_layer_backward(MPI_COMM_WORLD, &(mha_ring_config){n, c->layout}, layer, &lb,
                                      dyl, &acc, NULL, &err),
              &err);
     check_grad("dw_q accumulated", c, wr[0], w1[0], wl[0]);

@@ -83,8 +83,10 @@ typedef struct layer_call {
     int64_t *pos; /* [n] global indices of the local rows (RoPE without caller positions) */
 } layer_call;
 
-/* The checks of the rank's arguments, then its buffers. */
-static mha_status prepare(const mha_ring_config *cfg,
+/* The checks of the rank's arguments, then its buffers. fn: the public call (its name in the
+ * messages); the backward does not need a->out. */
+static mha_status prepare(const char *fn,
+                          const mha_ring_config *cfg,
                           int p,
                           int rank,
                           const mha_layer *layer,
@@ -92,7 +94,7 @@ static mha_status prepare(const mha_ring_config *cfg,
                           const mha_allocator *alloc,
                           layer_call *lc,
                           mha_error *err) {
-    const char *fn = "mha_ring_layer_forward";
+    const int need_out = strcmp(fn, "mha_ring_layer_forward") == 0;
     if (!cfg || !layer || !a) {
         lset_error(err, MHA_STATUS_INVALID_ARG, "%s: %s is NULL", fn,
                    !cfg ? "cfg" : (!layer ? "layer" : "args"));
@@ -114,7 +116,7 @@ static mha_status prepare(const mha_ring_config *cfg,
     const mha_config *c = mha_layer_config(layer);
     lc->B = a->batch, lc->n = len[0] + (chunks > 1 ? len[1] : 0);
     lc->h = c->num_heads, lc->g = c->num_kv_heads, lc->dk = c->head_dim, lc->dv = c->v_head_dim;
-    if (a->q_len != lc->n || a->batch < 1 || !a->query || !a->out) {
+    if (a->q_len != lc->n || a->batch < 1 || !a->query || (need_out && !a->out)) {
         lset_error(err, MHA_STATUS_INVALID_ARG,
                    a->q_len != lc->n ? "%s: args.q_len=%lld, but rank %d holds %lld rows of "
                                        "seq_len=%lld"
@@ -272,7 +274,7 @@ mha_status mha_ring_layer_forward(MPI_Comm comm,
     memset(&lc, 0, sizeof lc);
 
     /* 1. Local work: checks, buffers, projections and RoPE; then every rank agrees on it. */
-    mha_status st = prepare(cfg, p, rank, layer, local, alloc, &lc, err);
+    mha_status st = prepare("mha_ring_layer_forward", cfg, p, rank, layer, local, alloc, &lc, err);
     if (!st)
         st = project_rotate(layer, local, &lc, exec, err);
     st = agree_status(comm, p, rank, st, err);
@@ -453,7 +455,7 @@ mha_status mha_ring_layer_backward(MPI_Comm comm,
 
     /* 1. The forward recomputed (activation recomputation: nothing is kept between the calls):
      * checks, buffers, Q, K, V, then ring attention with its lse. */
-    mha_status st = prepare(cfg, p, rank, layer, local, alloc, &lc, err);
+    mha_status st = prepare("mha_ring_layer_backward", cfg, p, rank, layer, local, alloc, &lc, err);
     if (!st)
         st = bwd_prepare(layer, &lc, dy, grads, alloc, &bc, err);
     if (!st)
