@@ -8,8 +8,9 @@
  * positions and at caller positions, d_v != d_k, uneven N; and the backward
  * (mha_ring_layer_backward vs mha_layer_backward: dx rows, weight and bias gradients, each within
  * TOL_GRAD_REL max|g_1|, and accumulate). Errors: a bad argument on one rank
- * (cross-attention, a wrong local length) and key padding (not yet supported by the ring) give
- * every rank the same error. Each rank prints its "N passed, N failed". */
+ * (cross-attention, a wrong local length) gives every rank the same error; key padding: the
+ * ring's UNSUPPORTED on every rank, or (once the ring supports it) the single-process result. Each
+ * rank prints its "N passed, N failed". */
 #include "harness.h"
 #include "mha_mpi.h"
 #include "tolerance.h"
@@ -301,19 +302,78 @@ static void test_collective_errors(void) {
     st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, layer, &b, NULL, &err);
     CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "q_len"),
           "q_len on rank 0: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
-    /* Key padding travels with its block only once the ring supports it (docs/distributed.md);
-     * until then every rank gets UNSUPPORTED naming it. */
-    uint8_t *pad = malloc((size_t)nl);
-    memset(pad, 1, (size_t)nl);
-    b = a;
-    b.mask.key_padding = (mha_mask_tensor){pad, MHA_DTYPE_U8, 2, {1, nl, 0, 0}};
-    st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, layer, &b, NULL, &err);
-    CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "key_padding"),
-          "key padding: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
     st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, layer, &a, NULL, &err);
     CHECK(st == MHA_STATUS_OK, "good call after errors: rank %d got %s: %s", g_rank,
           mha_status_string(st), err.message);
-    free(pad), free(x), free(y), free(wbuf);
+    free(x), free(y), free(wbuf);
+    mha_layer_destroy(layer);
+}
+
+/* Key padding [B, N] (every fifth key of each row padded, shifted per row): the rank passes its
+ * keys' slice [B, n_local]. While the ring refuses key padding, every rank must get UNSUPPORTED
+ * naming it; once it supports it (docs/distributed.md), the rows must equal the single-process
+ * layer with the whole mask. */
+static void test_key_padding(void) {
+    const layer_case c = {2, 23,       16, 4, 2, 4, 4, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_HALF,
+                          0, {-2, -2}, 0};
+    float *wbuf;
+    mha_layer *layer = make_layer(&c, &wbuf);
+    const int64_t B = c.B, n = c.n, qd = c.q_dim;
+    float *x = malloc(sizeof(float) * (size_t)(B * n * qd));
+    float *y1 = malloc(sizeof(float) * (size_t)(B * n * qd));
+    uint8_t *pad = malloc((size_t)(B * n));
+    test_rng rng;
+    test_rng_seed(&rng, 5);
+    test_fill_normal(&rng, x, B * n * qd, 1.0f);
+    for (int64_t i = 0; i < B * n; i++)
+        pad[i] = (uint8_t)((i % n + i / n) % 5 != 3);
+    mha_forward_args fa = {0};
+    fa.batch = B, fa.q_len = fa.kv_len = n, fa.query = x, fa.out = y1;
+    fa.mask.causal = c.causal;
+    fa.mask.key_padding = (mha_mask_tensor){pad, MHA_DTYPE_U8, 2, {B, n, 0, 0}};
+    mha_error err;
+    CHECK_OK(mha_layer_forward(layer, &fa, NULL, &err), &err);
+    mha_ring_config rc = {n, c.layout};
+    int32_t nc;
+    int64_t start[2], len[2];
+    CHECK_OK(mha_ring_shard(&rc, g_size, g_rank, &nc, start, len, &err), &err);
+    const int64_t nl = len[0] + (nc > 1 ? len[1] : 0);
+    float *xl = malloc(sizeof(float) * (size_t)(B * nl * qd));
+    float *yl = malloc(sizeof(float) * (size_t)(B * nl * qd));
+    uint8_t *pl = malloc((size_t)(B * nl));
+    for (int64_t b = 0; b < B; b++) {
+        int64_t li = 0;
+        for (int32_t k = 0; k < nc; k++)
+            for (int64_t i = start[k]; i < start[k] + len[k]; i++, li++) {
+                memcpy(xl + (b * nl + li) * qd, x + (b * n + i) * qd, sizeof(float) * (size_t)qd);
+                pl[b * nl + li] = pad[b * n + i];
+            }
+    }
+    mha_forward_args la = fa;
+    la.q_len = la.kv_len = nl, la.query = xl, la.out = yl;
+    la.mask.key_padding = (mha_mask_tensor){pl, MHA_DTYPE_U8, 2, {B, nl, 0, 0}};
+    const mha_status st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, layer, &la, NULL, &err);
+    if (st == MHA_STATUS_UNSUPPORTED) {
+        CHECK(strstr(err.message, "key_padding") != NULL, "key padding refused: rank %d: %s",
+              g_rank, err.message);
+    } else {
+        CHECK(st == MHA_STATUS_OK, "key padding: rank %d got %s: %s", g_rank, mha_status_string(st),
+              err.message);
+        double worst = 0.0, scale = 0.0;
+        for (int64_t i = 0; i < B * n * qd; i++)
+            scale = fmax(scale, fabs((double)y1[i]));
+        for (int64_t b = 0; b < B; b++) {
+            int64_t li = 0;
+            for (int32_t k = 0; k < nc; k++)
+                for (int64_t i = start[k]; i < start[k] + len[k]; i++, li++)
+                    for (int64_t e = 0; e < qd; e++)
+                        worst = fmax(worst, fabs((double)yl[(b * nl + li) * qd + e] -
+                                                 (double)y1[(b * n + i) * qd + e]));
+        }
+        CHECK(worst <= TOL_OUT_REL * scale, "key padding, P=%d rank %d: %.3g > %.3g", g_size,
+              g_rank, worst, TOL_OUT_REL * scale);
+    }
+    free(x), free(y1), free(pad), free(xl), free(yl), free(pl), free(wbuf);
     mha_layer_destroy(layer);
 }
 
@@ -323,6 +383,7 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &g_size);
     test_matches_single_process();
     test_collective_errors();
+    test_key_padding();
     const int rc = test_finish();
     MPI_Finalize();
     return rc;
