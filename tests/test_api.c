@@ -465,7 +465,7 @@ static void test_layer_project(void) {
             double worst = 0.0;
             for (int r = 0; r < 3; r++)
                 for (int o = 0; o < 4; o++) {
-                    double ref = b[which][o];
+                    double ref = (double)b[which][o];
                     for (int c = 0; c < 4; c++)
                         ref += (double)x[r * 4 + c] * (double)w[which][o * 4 + c];
                     worst = fmax(worst, fabs(ref - (double)y[r * 4 + o]));
