@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: MIT
 """`mpirun -np P mha run --distributed ring` (cli/cli_run_dist.c) against the single-process
 `mha run` on the same files: the output file must equal it within the layer's tolerance
-(TOL_OUT_REL * max|y|) for causal and not, RoPE, GQA, windows, both shard layouts, uneven sequence
-lengths, and the per-rank shard-file mode ({rank} in the names); errors on the ranks (a missing
-or wrong file on one rank, an option that cannot run distributed, key padding the ring does not
-support yet) end every rank with a non-zero status and a line naming the problem, within a
-timeout (no rank hangs), and leave no output file.
+(TOL_OUT_REL * max|y|) for causal and not, RoPE, GQA, windows, segment ids with sinks, key
+padding, both shard layouts, uneven sequence lengths, and the per-rank shard-file mode ({rank} in
+the names); errors on the ranks (a missing or wrong file on one rank, an option that cannot run
+distributed) end every rank with a non-zero status and a line naming the problem, within a timeout
+(no rank hangs), and leave no output file.
 
 Run by ctest with MHA_CLI=<mha> and, when libmha_mpi is built, MHA_MPIEXEC (the launcher) and
 MHA_MPIEXEC_FLAGS (space-separated: --allow-run-as-root --oversubscribe for Open MPI). Without
@@ -58,6 +58,8 @@ def files(tmp_path_factory):
     np.save(d / "x.npy", rng.standard_normal((2, 23, 16)).astype(np.float32))  # uneven: 23 rows
     np.save(d / "x2d.npy", rng.standard_normal((19, 16)).astype(np.float32))
     np.save(d / "pos.npy", (np.arange(23) * 2 + 5).astype(np.int64))
+    np.save(d / "seg.npy", np.array([[0] * 9 + [1] * 14, [0] * 15 + [2] * 8], np.int32))
+    np.save(d / "sinks.npy", np.array([0.5, -1.0, 2.0, 0.0], np.float32))
     return d
 
 
@@ -76,6 +78,8 @@ CASES = [  # (P, layout, input, options)
                                             "--positions", "pos.npy"], marks=slow),
     pytest.param(3, "zigzag", "x2d.npy", ["--causal", "top-left", "--kv-heads", "2", "--scale",
                                           "0.3"], marks=slow),
+    (3, "zigzag", "x.npy", ["--causal", "--q-segments", "seg.npy", "--kv-segments", "seg.npy",
+                            "--sinks", "sinks.npy", "--rope-theta", "10000"]),
 ]
 
 
