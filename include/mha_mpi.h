@@ -154,8 +154,8 @@ MHA_API mha_status mha_ring_attention_backward_fcomm(int64_t comm_f,
  *  use global rows; the layer's sinks, key padding [B, n_local] and segment ids [B, n_local] of
  *  the rank's rows, dropout in training: as the ring supports them). Errors are agreed as in
  *  mha_ring_attention: every rank returns the same status, with out untouched unless a failure
- *  happens after the attention (out of memory in the output projection). Scratch: Q, K, V and the attention output of the rank's rows, from
- *  exec->allocator (exec->workspace is not used).
+ *  happens after the attention (out of memory in the output projection). Scratch: Q, K, V and
+ *  the attention output of the rank's rows, from exec->allocator (exec->workspace is unused).
  *  @return MHA_STATUS_OK, or an error, the same on every rank. */
 MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
                                           const mha_ring_config *cfg,
