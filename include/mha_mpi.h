@@ -171,7 +171,8 @@ MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
  *    d_query [B, n_local, q_dim]: dL/dx of the rank's rows (every input path: Q, K and V);
  *    dw_q, dw_k, dw_v, dw_o and db_* (only the biases the layer has): the WHOLE gradient, summed
  *    over the ranks (one MPI_Allreduce), the same on every rank;
- *    d_key, d_value: NULL (self-attention); d_sinks: NULL (not yet for the layer);
+ *    d_sinks [h] (only if the layer has sinks): the whole gradient, the same on every rank;
+ *    d_key, d_value: NULL (self-attention);
  *  each may be NULL (not wanted), written (accumulate == 0) or added. The forward is recomputed
  *  (nothing is kept between the calls, at the cost of one more forward), then: dA = dy W_o, the
  *  ring backward (mha_ring_attention_backward) to dQ, dK, dV, RoPE's transposed rotation, and

@@ -5,7 +5,7 @@
  * sequence, then its rows through mha_ring_layer_forward, and checks them with the layer's gate
  * (tests/common/tolerance.h): max|y - y_1| <= TOL_OUT_REL max|y_1| over its rows. Cases: both
  * layouts, causal or not, windows, GQA, biases, RoPE (both styles, partial rotary_dim) at global
- * positions and at caller positions, d_v != d_k, uneven N; and the backward
+ * positions and at caller positions, d_v != d_k, learned sinks, uneven N; and the backward
  * (mha_ring_layer_backward vs mha_layer_backward: dx rows, weight and bias gradients, each within
  * TOL_GRAD_REL max|g_1|, and accumulate). Errors: a bad argument on one rank
  * (cross-attention, a wrong local length) gives every rank the same error; key padding: the
@@ -29,6 +29,7 @@ typedef struct layer_case {
     int64_t rotary_dim;
     int64_t window[2]; /* use_window when left != -2 */
     int positions;     /* caller positions: global index * 3 + 7 */
+    int sinks;         /* the layer has learned sinks */
 } layer_case;
 
 /* A seeded layer of case c (the same on every rank). */
@@ -38,28 +39,32 @@ static mha_layer *make_layer(const layer_case *c, float **wbuf) {
     cfg.head_dim = c->dk, cfg.v_head_dim = c->dv;
     cfg.bias_q = cfg.bias_k = cfg.bias_v = cfg.bias_o = c->bias;
     cfg.rope.style = c->rope, cfg.rope.rotary_dim = c->rotary_dim;
-    const int64_t sz[8] = {c->h * c->dk * c->q_dim,
+    const int64_t sz[9] = {c->h * c->dk * c->q_dim,
                            c->g * c->dk * c->q_dim,
                            c->g * c->dv * c->q_dim,
                            c->q_dim * c->h * c->dv,
                            c->h * c->dk,
                            c->g * c->dk,
                            c->g * c->dv,
-                           c->q_dim};
+                           c->q_dim,
+                           c->h};
     int64_t total = 0;
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < 9; i++)
         total += sz[i];
     *wbuf = malloc(sizeof(float) * (size_t)total);
     test_rng rng;
     test_rng_seed(&rng, 1234);
     test_fill_normal(&rng, *wbuf, total, 0.3f);
-    const float *p[8];
+    const float *p[9];
     int64_t off = 0;
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < 9; i++)
         p[i] = *wbuf + off, off += sz[i];
     mha_weights w = {p[0], p[1], p[2], p[3], NULL, NULL, NULL, NULL, NULL};
     if (c->bias)
         w.b_q = p[4], w.b_k = p[5], w.b_v = p[6], w.b_o = p[7];
+    if (c->sinks)
+        w.sinks = p[8];
+    cfg.sinks = c->sinks;
     mha_layer *layer = NULL;
     mha_error err;
     CHECK_OK(mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &layer, &err), &err);
@@ -128,6 +133,8 @@ static void check_backward(const layer_case *c,
                           c->bias ? w1[7] : NULL,
                           NULL,
                           0};
+    float ds1[8] = {0}, dsr[8] = {0}; /* h <= 8 */
+    g1.d_sinks = c->sinks ? ds1 : NULL;
     if (state)
         CHECK_OK(mha_layer_backward(layer, state, dy, &g1, NULL, &err), &err);
     mha_train_state_destroy(state);
@@ -139,6 +146,7 @@ static void check_backward(const layer_case *c,
                        &gr.db_q, &gr.db_k, &gr.db_v, &gr.db_o};
     for (int i = 0; i < 8; i++)
         *slot[i] = *slot[i] ? wr[i] : NULL; /* gr is a copy of g1: the same requests */
+    gr.d_sinks = c->sinks ? dsr : NULL;
     CHECK_OK(mha_ring_layer_backward(MPI_COMM_WORLD, &(mha_ring_config){n, c->layout}, layer, &lb,
                                      dyl, &gr, NULL, &err),
              &err);
@@ -156,6 +164,8 @@ static void check_backward(const layer_case *c,
                                          "db_q", "db_k", "db_v", "db_o"};
     for (int i = 0; i < (c->bias ? 8 : 4); i++)
         check_grad(names[i], c, wr[i], w1[i], wl[i]);
+    if (c->sinks)
+        check_grad("d_sinks", c, dsr, ds1, c->h);
     /* accumulate: dw_q receives the same gradient once more. */
     mha_layer_grads acc = {0};
     acc.dw_q = wr[0], acc.accumulate = 1;
@@ -246,11 +256,12 @@ static void run_case(const layer_case *c) {
 static void test_matches_single_process(void) {
     /* B, n, q_dim, h, g, dk, dv, bias, causal, layout, rope, rotary_dim, window, positions */
     const layer_case base[] = {
-        {1, 12, 16, 2, 2, 8, 8, 0, 0, MHA_SHARD_ZIGZAG, MHA_ROPE_NONE, 0, {-2, -2}, 0},
-        {2, 23, 24, 4, 2, 6, 6, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_INTERLEAVED, 0, {-2, -2}, 0},
-        {1, 37, 16, 4, 1, 8, 4, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_HALF, 4, {5, 0}, 0},
-        {2, 19, 12, 3, 3, 4, 4, 0, 0, MHA_SHARD_ZIGZAG, MHA_ROPE_HALF, 0, {3, 2}, 1},
-        {1, 70, 32, 4, 2, 8, 8, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_INTERLEAVED, 0, {-2, -2}, 1},
+        {1, 12, 16, 2, 2, 8, 8, 0, 0, MHA_SHARD_ZIGZAG, MHA_ROPE_NONE, 0, {-2, -2}, 0, 0},
+        {2, 23, 24, 4, 2, 6, 6, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_INTERLEAVED, 0, {-2, -2}, 0, 0},
+        {1, 37, 16, 4, 1, 8, 4, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_HALF, 4, {5, 0}, 0, 0},
+        {2, 19, 12, 3, 3, 4, 4, 0, 0, MHA_SHARD_ZIGZAG, MHA_ROPE_HALF, 0, {3, 2}, 1, 0},
+        {1, 70, 32, 4, 2, 8, 8, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_INTERLEAVED, 0, {-2, -2}, 1, 0},
+        {2, 23, 24, 4, 2, 6, 6, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_INTERLEAVED, 0, {4, 0}, 0, 1},
     };
     /* MHA_TEST_QUICK=1 (sanitizer builds): the GQA + RoPE shape causal and the caller-positions
      * + window shape not, in both layouts (each kind of work once, a fifth of the time). */
@@ -271,7 +282,7 @@ static void test_matches_single_process(void) {
 /* One rank with bad arguments: every rank returns its error, "rank r: ..." on the others. */
 static void test_collective_errors(void) {
     const layer_case c = {1, 12,       16, 2, 2, 8, 8, 0, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_NONE,
-                          0, {-2, -2}, 0};
+                          0, {-2, -2}, 0,  0};
     float *wbuf;
     mha_layer *layer = make_layer(&c, &wbuf);
     mha_ring_config rc = {c.n, c.layout};
@@ -315,7 +326,7 @@ static void test_collective_errors(void) {
  * layer with the whole mask. */
 static void test_key_padding(void) {
     const layer_case c = {2, 23,       16, 4, 2, 4, 4, 1, 1, MHA_SHARD_ZIGZAG, MHA_ROPE_HALF,
-                          0, {-2, -2}, 0};
+                          0, {-2, -2}, 0,  0};
     float *wbuf;
     mha_layer *layer = make_layer(&c, &wbuf);
     const int64_t B = c.B, n = c.n, qd = c.q_dim;

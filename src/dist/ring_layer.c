@@ -313,12 +313,13 @@ mha_status mha_ring_layer_forward(MPI_Comm comm,
  * the layer has. */
 typedef struct bwd_call {
     float *lse, *dq, *dk, *dv, *da, *dx, *pack;
+    float *dsinks; /* [h], the whole gradient (the ring sums it), with sinks only */
     int64_t off[8], len[8], pack_len; /* dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o */
 } bwd_call;
 
 static void bwd_free(const mha_allocator *alloc, bwd_call *bc) {
-    float *bufs[7] = {bc->lse, bc->dq, bc->dk, bc->dv, bc->da, bc->dx, bc->pack};
-    for (int i = 0; i < 7; i++)
+    float *bufs[8] = {bc->lse, bc->dq, bc->dk, bc->dv, bc->da, bc->dx, bc->pack, bc->dsinks};
+    for (int i = 0; i < 8; i++)
         layer_free(alloc, bufs[i]);
 }
 
@@ -332,11 +333,12 @@ static mha_status bwd_prepare(const mha_layer *layer,
                               mha_error *err) {
     const char *fn = "mha_ring_layer_backward";
     const mha_config *c = mha_layer_config(layer);
-    if (!dy || !gr || gr->d_key || gr->d_value || gr->d_sinks) {
+    if (!dy || !gr || gr->d_key || gr->d_value || (gr->d_sinks && !c->sinks)) {
         lset_error(err, MHA_STATUS_INVALID_ARG, "%s: %s", fn,
-                   !dy || !gr ? "dy and grads must not be NULL"
-                              : "self-attention: d_query receives every input path; d_key, "
-                                "d_value (and d_sinks) must be NULL");
+                   !dy || !gr    ? "dy and grads must not be NULL"
+                   : gr->d_sinks ? "grads.d_sinks is given but the layer has no sinks"
+                                 : "self-attention: d_query receives every input path; d_key "
+                                   "and d_value must be NULL");
         return MHA_STATUS_INVALID_ARG;
     }
     if ((gr->db_q && !c->bias_q) || (gr->db_k && !c->bias_k) || (gr->db_v && !c->bias_v) ||
@@ -369,7 +371,10 @@ static mha_status bwd_prepare(const mha_layer *layer,
     bc->da = layer_alloc(alloc, fb * (size_t)(rows * hv));
     bc->dx = layer_alloc(alloc, fb * (size_t)(rows * qd));
     bc->pack = layer_alloc(alloc, fb * (size_t)bc->pack_len);
-    if (!bc->lse || !bc->dq || !bc->dk || !bc->dv || !bc->da || !bc->dx || !bc->pack) {
+    if (c->sinks)
+        bc->dsinks = layer_alloc(alloc, fb * (size_t)lc->h);
+    if (!bc->lse || !bc->dq || !bc->dk || !bc->dv || !bc->da || !bc->dx || !bc->pack ||
+        (c->sinks && !bc->dsinks)) {
         lset_error(err, MHA_STATUS_NO_MEMORY, "%s: out of memory (gradients of %lld rows)", fn,
                    (long long)rows);
         return MHA_STATUS_NO_MEMORY;
@@ -421,13 +426,13 @@ static mha_status sum_pack(MPI_Comm comm, const bwd_call *bc, mha_error *err) {
 /* Writes (or adds) the rank's dX and the summed weight gradients into the caller's buffers. */
 static void
 deliver_grads(const layer_call *lc, const bwd_call *bc, int64_t q_dim, const mha_layer_grads *gr) {
-    float *dst[9] = {gr->dw_q, gr->dw_k, gr->dw_v, gr->dw_o,   gr->db_q,
-                     gr->db_k, gr->db_v, gr->db_o, gr->d_query};
-    for (int i = 0; i < 9; i++) {
+    float *dst[10] = {gr->dw_q, gr->dw_k, gr->dw_v, gr->dw_o,    gr->db_q,
+                      gr->db_k, gr->db_v, gr->db_o, gr->d_query, gr->d_sinks};
+    for (int i = 0; i < 10; i++) {
         if (!dst[i])
             continue;
-        const float *src = i < 8 ? bc->pack + bc->off[i] : bc->dx;
-        const int64_t len = i < 8 ? bc->len[i] : lc->B * lc->n * q_dim;
+        const float *src = i < 8 ? bc->pack + bc->off[i] : (i == 8 ? bc->dx : bc->dsinks);
+        const int64_t len = i < 8 ? bc->len[i] : (i == 8 ? lc->B * lc->n * q_dim : lc->h);
         for (int64_t e = 0; e < len; e++)
             dst[i][e] = gr->accumulate ? dst[i][e] + src[e] : src[e];
     }
@@ -478,7 +483,7 @@ mha_status mha_ring_layer_backward(MPI_Comm comm,
     if (!st) {
         mha_attention_grads g;
         memset(&g, 0, sizeof g);
-        g.dout = bc.da, g.dq = bc.dq, g.dk = bc.dk, g.dv = bc.dv;
+        g.dout = bc.da, g.dq = bc.dq, g.dk = bc.dk, g.dv = bc.dv, g.dsinks = bc.dsinks;
         memcpy(g.dout_strides, core.out_strides, sizeof g.dout_strides);
         memcpy(g.dq_strides, core.q_strides, sizeof g.dq_strides);
         memcpy(g.dk_strides, core.k_strides, sizeof g.dk_strides);
