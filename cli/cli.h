@@ -33,6 +33,9 @@ void cli_demo_usage(void); /* prints `mha demo --help` to stdout */
 /* ---- Error lines. ---------------------------------------------------------------------------- */
 /* Sets the command named in usage hints: "run" gives "try 'mha run --help'", NULL 'mha --help'. */
 void cli_set_help_command(const char *command);
+/* A distributed run (--distributed): every later line reads "mha: rank r of P: <message>" (no
+ * prefix when size is 1), so that the lines of several ranks say which rank failed. */
+void cli_set_rank(int rank, int size);
 /* Prints "mha: <message>" as one line (control characters replaced) and returns CLI_FAIL. */
 int cli_fail(const char *fmt, ...)
 #if defined(__GNUC__)

@@ -62,7 +62,13 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_DECODE] = {"--decode", CLI_OPT_FLAG},
     [O_PREFILL] = {"--prefill", CLI_OPT_VALUE},
     [O_CACHE_DTYPE] = {"--cache-dtype", CLI_OPT_VALUE},
+    [O_DISTRIBUTED] = {"--distributed", CLI_OPT_VALUE},
+    [O_SHARD_LAYOUT] = {"--shard-layout", CLI_OPT_VALUE},
 };
+
+const char *run_flag_name(int id) {
+    return run_flags[id].name;
+}
 
 void cli_run_usage(void) {
     static const char *const text[] = {
@@ -169,6 +175,21 @@ void cli_run_usage(void) {
         "  --prefill P              tokens in the first (prefill) call, 1 <= P <= n (default: 1)",
         "  --cache-dtype T          cache storage f32, f16 or bf16 (default: f32)",
         "",
+        "Distributed: ring attention over MPI ranks (docs/distributed.md):",
+        "  --distributed ring       run as mpirun -np P mha run --distributed ring ...: every",
+        "                           rank reads the inputs and computes its rows of the layer",
+        "                           (self-attention, ring attention between the ranks); rank 0",
+        "                           gathers Y and writes the file a single-process run writes.",
+        "                           Refuses --key, --value, --mask, --causal-offsets, --attn,",
+        "                           --plot, --decode and --dropout. --threads is per rank",
+        "  --shard-layout L         zigzag: rank r holds chunks r and 2P-1-r of 2P (equal causal",
+        "                           work) or contiguous: chunk r of P (default: zigzag)",
+        "  {rank} in --input and --out: per-rank shard files for inputs larger than one machine:",
+        "                           rank r reads its own rows of X (the rows --shard-layout gives",
+        "                           it, in order; [B, n_r, q_dim]) and writes its own rows of Y.",
+        "                           --positions, --key-positions, --key-padding-mask and the",
+        "                           segment files are then per rank too (with {rank})",
+        "",
         "Examples:",
         "  mha run --weights attn.safetensors --heads 8 --input x.npy --out y.npy",
         "  mha run --weights model.safetensors --prefix model.layers.0.self_attn. --heads 32 \\",
@@ -178,6 +199,8 @@ void cli_run_usage(void) {
         "      --names q=attention.self.query,k=attention.self.key,\\",
         "v=attention.self.value,o=attention.output.dense \\",
         "      --key-padding-mask pad.npy",
+        "  mpirun -np 4 mha run --distributed ring --weights attn.safetensors --heads 8 \\",
+        "      --causal --rope-theta 10000 --input x.npy --out y.npy",
         "",
         "Exit status: 0 success, 1 failure (one line on stderr naming the file), 2 usage error.",
     };
@@ -328,6 +351,57 @@ static int parse_decode(run_config *o) {
         else
             return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", t);
     }
+    return CLI_OK;
+}
+
+/* --distributed ring and its options; what cannot run distributed is a usage error. */
+static int parse_distributed(run_config *o) {
+    const char *const *v = o->opt;
+    if (!v[O_DISTRIBUTED])
+        return v[O_SHARD_LAYOUT] ? cli_usage("--shard-layout needs --distributed ring") : CLI_OK;
+    if (strcmp(v[O_DISTRIBUTED], "ring") != 0)
+        return cli_usage("--distributed: '%s' is not ring (the one distributed algorithm)",
+                         v[O_DISTRIBUTED]);
+    static const struct {
+        int id;
+        const char *why;
+    } refused[] = {
+        {O_KEY, "the ring shards one self-attention sequence"},
+        {O_VALUE, "the ring shards one self-attention sequence"},
+        {O_MASK, "a dense mask is not cut into the ring's blocks; use --causal, --window or "
+                 "--key-padding-mask"},
+        {O_CAUSAL_OFFSETS, "the ring places the diagonal by global rows"},
+        {O_ATTN, "no rank holds a whole row of probabilities"},
+        {O_PLOT, "no rank holds a whole row of probabilities"},
+        {O_DECODE, "decoding runs in one process"},
+        {O_DROPOUT, "distributed runs are inference"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
+        if (v[refused[i].id])
+            return cli_usage("%s cannot be used with --distributed (%s)",
+                             run_flags[refused[i].id].name, refused[i].why);
+    o->distributed = 1;
+    o->zigzag = 1;
+    if (v[O_SHARD_LAYOUT]) {
+        if (strcmp(v[O_SHARD_LAYOUT], "contiguous") == 0)
+            o->zigzag = 0;
+        else if (strcmp(v[O_SHARD_LAYOUT], "zigzag") != 0)
+            return cli_usage("--shard-layout: '%s' is not zigzag or contiguous", v[O_SHARD_LAYOUT]);
+    }
+    /* Shard-file mode: {rank} in --input and --out, and then in every per-row file. */
+    o->shard_files = strstr(v[O_INPUT], "{rank}") != NULL;
+    if (o->shard_files != (strstr(v[O_OUT], "{rank}") != NULL))
+        return cli_usage("per-rank shard files need {rank} in both --input and --out (got it in "
+                         "%s only)",
+                         o->shard_files ? "--input" : "--out");
+    static const int per_row[] = {O_POSITIONS, O_KEY_POSITIONS, O_KPM, O_Q_SEGMENTS, O_KV_SEGMENTS};
+    for (size_t i = 0; i < sizeof per_row / sizeof per_row[0]; i++)
+        if (v[per_row[i]] && o->shard_files != (strstr(v[per_row[i]], "{rank}") != NULL))
+            return cli_usage("%s %s: %s", run_flags[per_row[i]].name, v[per_row[i]],
+                             o->shard_files ? "with per-rank input files it is per rank too: "
+                                              "put {rank} in its name"
+                                            : "{rank} in its name needs per-rank --input and "
+                                              "--out files");
     return CLI_OK;
 }
 
@@ -509,7 +583,7 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
             return rc;
         o->exec.n_threads = (int32_t)t;
     }
-    if ((rc = parse_decode(o)))
+    if ((rc = parse_decode(o)) || (rc = parse_distributed(o)))
         return rc;
     o->exec.impl = MHA_IMPL_AUTO;
     if (v[O_IMPL]) {
@@ -526,7 +600,7 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
 }
 
 /* Every file `mha run` reads or writes, for cli_check_outputs() before any work. */
-static int check_paths(const run_config *o) {
+int check_paths(const run_config *o) {
     const char *const *v = o->opt;
     static const int in_ids[] = {O_WEIGHTS,   O_INPUT,         O_KEY,        O_VALUE,
                                  O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
@@ -555,10 +629,10 @@ int cli_run_main(int argc, char **argv) {
     run_state s;
     memset(&s, 0, sizeof s);
     rc = parse_options(&args, &o, &s);
-    if (!rc)
-        rc = check_paths(&o);
     stage_begin(&s);
-    if (!rc)
+    if (!rc && o.distributed) /* its own path checks, per rank */
+        rc = run_distributed(&o, &s);
+    else if (!rc && !(rc = check_paths(&o)))
         rc = run_forward(&o, &s);
     run_free(&s);
     return rc;

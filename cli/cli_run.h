@@ -5,6 +5,7 @@
  *   cli_run_files.c  reading the input files (.npy) into checked arrays, writing the outputs
  *   cli_run_job.c    the job: the layer forward (run_forward) or the decode loop
  *   cli_run_stats.c  --attn-stats / --stats: the attention statistics and their .npz
+ *   cli_run_dist.c   the job under MPI: --distributed ring (run_distributed), when built with MPI
  */
 #ifndef MHA_CLI_RUN_H
 #define MHA_CLI_RUN_H
@@ -61,6 +62,8 @@ enum {
     O_PREFILL,
     O_CACHE_DTYPE,
     O_VERBOSE,
+    O_DISTRIBUTED,
+    O_SHARD_LAYOUT,
     O_COUNT
 };
 
@@ -101,6 +104,9 @@ typedef struct run_config {
     int64_t prefill;       /* --prefill, default 1 */
     mha_dtype cache_dtype; /* --cache-dtype */
     cli_stats_spec stats;  /* --stats (with --attn-stats) */
+    int distributed;       /* --distributed ring */
+    int zigzag;            /* --shard-layout: 1 zigzag (default), 0 contiguous */
+    int shard_files;       /* "{rank}" in --input: per-rank input and output files */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */
@@ -178,7 +184,30 @@ int write_stats(const run_config *o,
                 int64_t m);
 void stats_free(cli_stats *st);
 
+/* Every file `mha run` reads or writes checked by cli_check_outputs() (cli_run.c). */
+int check_paths(const run_config *o);
+/* The option's name, e.g. "--input" (cli_run.c). */
+const char *run_flag_name(int id);
+
+/* The sizes every later step checks against. */
+typedef struct run_dims {
+    int64_t B, n, m, h; /* batch, queries, keys, heads */
+    int x_ndim;         /* 3: [B, n, q_dim] input, 2: [n, q_dim] */
+    int cross;          /* --key given */
+} run_dims;
+
+/* The job's steps (cli_run_job.c), each CLI_OK or the exit status after one line on stderr:
+ * the layer (weights and options), the inputs X (K, V) into s->xf..., the masks, offsets,
+ * segments and positions into fa->mask and s. */
+int build_layer(const run_config *o, run_state *s);
+int read_inputs(const run_config *o, run_state *s, run_dims *d);
+int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward_args *fa);
+
 /* The job (cli_run_job.c): load, read, check, run, write; CLI_OK or the exit status. */
 int run_forward(const run_config *o, run_state *s);
+/* The job over MPI ranks (cli_run_dist.c): MPI_Init, each rank its rows of the layer
+ * (mha_ring_layer_forward), rank 0 gathers and writes Y (or each rank its own shard file),
+ * MPI_Finalize. Without MPI: a one-line error. */
+int run_distributed(const run_config *o, run_state *s);
 
 #endif /* MHA_CLI_RUN_H */

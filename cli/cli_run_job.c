@@ -107,7 +107,7 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
 
 /* Steps 1 and 2: the weights (sizes come from the file), then the layer with the command-line
  * options, its weights borrowed from the loaded one. */
-static int build_layer(const run_config *o, run_state *s) {
+int build_layer(const run_config *o, run_state *s) {
     const char *const *v = o->opt;
     const char *wpath = v[O_WEIGHTS];
     mha_error err;
@@ -157,16 +157,9 @@ static int build_layer(const run_config *o, run_state *s) {
     return CLI_OK;
 }
 
-/* The sizes every later step checks against. */
-typedef struct run_dims {
-    int64_t B, n, m, h; /* batch, queries, keys, heads */
-    int x_ndim;         /* 3: [B, n, q_dim] input, 2: [n, q_dim] */
-    int cross;          /* --key given */
-} run_dims;
-
 /* Step 3: X (and K, V for cross-attention) read, checked against each other and the layer, and
  * converted to float32. */
-static int read_inputs(const run_config *o, run_state *s, run_dims *d) {
+int read_inputs(const run_config *o, run_state *s, run_dims *d) {
     const char *const *v = o->opt;
     const char *wpath = v[O_WEIGHTS], *xpath = v[O_INPUT];
     const mha_config *bc = mha_layer_config(s->base);
@@ -236,7 +229,7 @@ static int read_inputs(const run_config *o, run_state *s, run_dims *d) {
 }
 
 /* Step 4: the masks, causal offsets, segment ids and positions, checked against (B, h, n, m). */
-static int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward_args *fa) {
+int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward_args *fa) {
     const char *const *v = o->opt;
     const int64_t B = d->B, h = d->h, n = d->n, m = d->m;
     char sb[160];

@@ -15,16 +15,24 @@
 #include <string.h>
 
 static const char *help_command; /* set once by main() before any subcommand runs */
+static char rank_prefix[48];     /* "rank r of P: " once a distributed run knows its rank */
 
 void cli_set_help_command(const char *command) {
     help_command = command;
+}
+
+void cli_set_rank(int rank, int size) {
+    if (size > 1)
+        snprintf(rank_prefix, sizeof rank_prefix, "rank %d of %d: ", rank, size);
+    else
+        rank_prefix[0] = '\0';
 }
 
 /* Prints "mha: " + text + suffix + "\n" with control characters (a newline in a file name, say)
  * turned into '?', so the message stays on one line. */
 static void print_line(const char *text, const char *suffix) {
     char line[2048];
-    snprintf(line, sizeof line, "mha: %s%s", text, suffix);
+    snprintf(line, sizeof line, "mha: %s%s%s", rank_prefix, text, suffix);
     for (char *c = line; *c; c++)
         if ((unsigned char)*c < 0x20 || *c == 0x7f)
             *c = '?';

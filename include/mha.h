@@ -487,6 +487,48 @@ MHA_API mha_status mha_layer_attention_statistics(const mha_layer *layer,
                                                   const mha_exec *exec,
                                                   mha_error *err);
 
+/** The layer's four linear maps, for callers that run the layer's steps themselves (the
+ *  distributed layer of mha_mpi.h projects each rank's rows with them). */
+typedef enum mha_projection {
+    MHA_PROJ_Q = 0, /* x [rows, q_dim]      -> [rows, h*d_k]  (w_q, b_q) */
+    MHA_PROJ_K = 1, /* x [rows, k_dim]      -> [rows, g*d_k]  (w_k, b_k) */
+    MHA_PROJ_V = 2, /* x [rows, v_dim]      -> [rows, g*d_v]  (w_v, b_v) */
+    MHA_PROJ_O = 3, /* A [rows, h*d_v]      -> [rows, out_dim] (w_o, b_o) */
+} mha_projection;
+
+/** One of the layer's projections on `rows` rows: y = x W^T (+ b if the layer has that bias),
+ *  x and y contiguous row-major, exactly the arithmetic mha_layer_forward runs for that step (the
+ *  packed GEMM, or plain loops with impl=REFERENCE). No RoPE: apply mha_rope_apply to the Q and
+ *  K rows with their positions. y must not alias x. exec may be NULL; exec->workspace is not used
+ *  (packing space comes from exec->allocator).
+ *  @return MHA_STATUS_OK, or an error (bad argument, overflow, out of memory) with y untouched. */
+MHA_API mha_status mha_layer_project(const mha_layer *layer,
+                                     mha_projection which,
+                                     int64_t rows,
+                                     const float *x,
+                                     float *y,
+                                     const mha_exec *exec,
+                                     mha_error *err);
+
+/** Backward of mha_layer_project: given dy = dL/dy [rows, out] of y = x W^T + b (x [rows, in]),
+ *    dx = dy W  [rows, in]      dW = dy^T x  [out, in]      db = sum over rows of dy  [out]
+ *  each written (accumulate == 0) or added (nonzero) when not NULL; db only when the layer has that
+ *  bias. x is needed only for dW. Buffers must not alias each other, x or dy. The products are the
+ *  ones mha_layer_backward runs (the packed GEMM reading the operands in place, or plain loops
+ *  with impl=REFERENCE). exec may be NULL; scratch comes from exec->allocator.
+ *  @return MHA_STATUS_OK, or an error with every output untouched. */
+MHA_API mha_status mha_layer_project_backward(const mha_layer *layer,
+                                              mha_projection which,
+                                              int64_t rows,
+                                              const float *x,
+                                              const float *dy,
+                                              float *dx,
+                                              float *dw,
+                                              float *db,
+                                              int32_t accumulate,
+                                              const mha_exec *exec,
+                                              mha_error *err);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Files                                                                                          */
 /* ---------------------------------------------------------------------------------------------- */

@@ -139,6 +139,56 @@ MHA_API mha_status mha_ring_attention_backward_fcomm(int64_t comm_f,
                                                      const mha_exec *exec,
                                                      mha_error *err);
 
+/** The whole layer (mha.h, mha_layer_forward) over the ranks of `comm` (collective), for
+ *  self-attention: the global input x [B, N, q_dim] is sharded by rows, rank r holding the rows
+ *  mha_ring_shard gives it, one chunk after the other. `local` is the rank's part of a
+ *  mha_forward_args: batch B (the same on every rank), q_len = the rank's local length,
+ *  query = its rows of x [B, n_local, q_dim], out = its rows of y [B, n_local, out_dim];
+ *  key = value = probs = NULL. Each rank projects its rows (mha_layer_project), applies the
+ *  layer's RoPE to Q and K at GLOBAL positions (its rows' indices in the whole sequence, or, when
+ *  given, local->q_positions / k_positions [B, n_local]: the positions of its rows), runs
+ *  mha_ring_attention on the shards with local->mask and local->dropout, and projects its rows
+ *  of the attention output:
+ *    y = (concat_h Attn_h(RoPE(x W_q^T + b_q), RoPE(x W_k^T + b_k), x W_v^T + b_v)) W_o^T + b_o
+ *  on the whole sequence, i.e. mha_layer_forward of the gathered x, row for row. The masks,
+ *  scores options and what is UNSUPPORTED are those of mha_ring_attention (causal and windows
+ *  use global rows; the layer's sinks, key padding [B, n_local] and segment ids [B, n_local] of
+ *  the rank's rows, dropout in training: as the ring supports them). Errors are agreed as in
+ *  mha_ring_attention: every rank returns the same status, with out untouched unless a failure
+ *  happens after the attention (out of memory in the output projection). Scratch: Q, K, V and
+ *  the attention output of the rank's rows, from exec->allocator (exec->workspace is unused).
+ *  @return MHA_STATUS_OK, or an error, the same on every rank. */
+MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
+                                          const mha_ring_config *cfg,
+                                          const mha_layer *layer,
+                                          const mha_forward_args *local,
+                                          const mha_exec *exec,
+                                          mha_error *err);
+
+/** Backward of mha_ring_layer_forward (collective): the gradients of the layer on the whole
+ *  sequence, equal to mha_layer_backward's, each rank getting its share. `local` is the forward's
+ *  call on this rank exactly as it ran (the same x rows, positions, masks); dy [B, n_local,
+ *  out_dim] is dL/dy of the rank's rows; grads (mha.h, mha_layer_grads):
+ *    d_query [B, n_local, q_dim]: dL/dx of the rank's rows (every input path: Q, K and V);
+ *    dw_q, dw_k, dw_v, dw_o and db_* (only the biases the layer has): the WHOLE gradient, summed
+ *    over the ranks (one MPI_Allreduce), the same on every rank;
+ *    d_sinks [h] (only if the layer has sinks): the whole gradient, the same on every rank;
+ *    d_key, d_value: NULL (self-attention);
+ *  each may be NULL (not wanted), written (accumulate == 0) or added. The forward is recomputed
+ *  (nothing is kept between the calls, at the cost of one more forward), then: dA = dy W_o, the
+ *  ring backward (mha_ring_attention_backward) to dQ, dK, dV, RoPE's transposed rotation, and
+ *  dx = dQ W_q + dK W_k + dV W_v, dW = dQ^T x, ... (mha_layer_project_backward). Errors are
+ *  agreed as in the forward, with every gradient untouched (they are written last).
+ *  @return MHA_STATUS_OK, or an error, the same on every rank. */
+MHA_API mha_status mha_ring_layer_backward(MPI_Comm comm,
+                                           const mha_ring_config *cfg,
+                                           const mha_layer *layer,
+                                           const mha_forward_args *local,
+                                           const float *dy,
+                                           const mha_layer_grads *grads,
+                                           const mha_exec *exec,
+                                           mha_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -436,6 +436,117 @@ static void test_safetensors_switch(void) {
 #endif
 }
 
+/* mha_layer_project: each map equals y = x W^T + b computed in double (a 3 x 5 -> 4-head
+ * layer: Q, K, V [3, 4], O [3, 4]), with y untouched on every error. */
+static void test_layer_project(void) {
+    float w[4][16], b[4][4], x[3 * 4];
+    for (int i = 0; i < 4; i++) {
+        for (int j = 0; j < 16; j++)
+            w[i][j] = (float)((i + 1) * (j % 5) - 3) * 0.125f;
+        for (int j = 0; j < 4; j++)
+            b[i][j] = (float)(j - i) * 0.5f;
+    }
+    for (int i = 0; i < 12; i++)
+        x[i] = (float)(i % 7) - 2.5f;
+    mha_config cfg = {0};
+    cfg.q_dim = 4, cfg.num_heads = 2, cfg.bias_q = cfg.bias_k = cfg.bias_v = cfg.bias_o = 1;
+    mha_weights wt = {w[0], w[1], w[2], w[3], b[0], b[1], b[2], b[3], NULL};
+    mha_layer *layer = NULL;
+    mha_error err;
+    CHECK_OK(mha_layer_create(&cfg, &wt, MHA_WEIGHTS_BORROW, NULL, &layer, &err), &err);
+    if (!layer)
+        return;
+    for (int which = 0; which < 4; which++)
+        for (int impl = 0; impl < 3; impl++) {
+            float y[12];
+            mha_exec ex = {0};
+            ex.impl = (mha_impl)impl;
+            CHECK_OK(mha_layer_project(layer, (mha_projection)which, 3, x, y, &ex, &err), &err);
+            double worst = 0.0;
+            for (int r = 0; r < 3; r++)
+                for (int o = 0; o < 4; o++) {
+                    double ref = (double)b[which][o];
+                    for (int c = 0; c < 4; c++)
+                        ref += (double)x[r * 4 + c] * (double)w[which][o * 4 + c];
+                    worst = fmax(worst, fabs(ref - (double)y[r * 4 + o]));
+                }
+            CHECK(worst <= 1e-5, "mha_layer_project which=%d impl=%d: max error %.3g", which, impl,
+                  worst);
+        }
+    float y[12] = {0}, zero[12] = {0};
+    CHECK(mha_layer_project(NULL, MHA_PROJ_Q, 3, x, y, NULL, &err) == MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: NULL layer");
+    CHECK(mha_layer_project(layer, (mha_projection)4, 3, x, y, NULL, &err) ==
+              MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: which=4");
+    CHECK(mha_layer_project(layer, MHA_PROJ_Q, -1, x, y, NULL, &err) == MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: negative rows");
+    CHECK(mha_layer_project(layer, MHA_PROJ_Q, 3, NULL, y, NULL, &err) == MHA_STATUS_INVALID_ARG,
+          "mha_layer_project: NULL x");
+    CHECK(mha_layer_project(layer, MHA_PROJ_Q, INT64_MAX / 2, x, y, NULL, &err) ==
+              MHA_STATUS_OVERFLOW,
+          "mha_layer_project: rows overflow");
+    CHECK(memcmp(y, zero, sizeof y) == 0, "mha_layer_project: y untouched on errors");
+
+    /* The backward: dx = dy W, dW = dy^T x, db = column sums of dy, written then accumulated. */
+    float dy[12], dx[12], dw[16], db[4];
+    for (int i = 0; i < 12; i++)
+        dy[i] = (float)((i * 5) % 11) * 0.25f - 1.0f;
+    for (int which = 0; which < 4; which++)
+        for (int impl = 0; impl < 3; impl++)
+            for (int acc = 0; acc < 2; acc++) {
+                mha_exec ex = {0};
+                ex.impl = (mha_impl)impl;
+                const float base = acc ? 1.0f : 0.0f;
+                for (int i = 0; i < 16; i++)
+                    dw[i] = base, dx[i % 12] = base, db[i % 4] = base;
+                CHECK_OK(mha_layer_project_backward(layer, (mha_projection)which, 3, x, dy, dx, dw,
+                                                    db, acc, &ex, &err),
+                         &err);
+                double worst = 0.0;
+                for (int o = 0; o < 4; o++) {
+                    double sb = (double)base;
+                    for (int r = 0; r < 3; r++)
+                        sb += (double)dy[r * 4 + o];
+                    worst = fmax(worst, fabs(sb - (double)db[o]));
+                    for (int c = 0; c < 4; c++) {
+                        double sw = (double)base;
+                        for (int r = 0; r < 3; r++)
+                            sw += (double)dy[r * 4 + o] * (double)x[r * 4 + c];
+                        worst = fmax(worst, fabs(sw - (double)dw[o * 4 + c]));
+                    }
+                }
+                for (int r = 0; r < 3; r++)
+                    for (int c = 0; c < 4; c++) {
+                        double sx = (double)base;
+                        for (int o = 0; o < 4; o++)
+                            sx += (double)dy[r * 4 + o] * (double)w[which][o * 4 + c];
+                        worst = fmax(worst, fabs(sx - (double)dx[r * 4 + c]));
+                    }
+                CHECK(worst <= 1e-5, "mha_layer_project_backward which=%d impl=%d acc=%d: %.3g",
+                      which, impl, acc, worst);
+            }
+    float keep[16];
+    memcpy(keep, dw, sizeof keep);
+    CHECK(mha_layer_project_backward(layer, MHA_PROJ_Q, 3, NULL, dy, NULL, dw, NULL, 0, NULL,
+                                     &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "x is NULL"),
+          "mha_layer_project_backward: dw without x");
+    CHECK(mha_layer_project_backward(layer, MHA_PROJ_Q, 3, x, NULL, dx, NULL, NULL, 0, NULL,
+                                     &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "dy is NULL"),
+          "mha_layer_project_backward: NULL dy");
+    CHECK(memcmp(keep, dw, sizeof keep) == 0, "mha_layer_project_backward: untouched on errors");
+    mha_layer_destroy(layer);
+    /* db for a projection without a bias. */
+    cfg.bias_o = 0, wt.b_o = NULL;
+    CHECK_OK(mha_layer_create(&cfg, &wt, MHA_WEIGHTS_BORROW, NULL, &layer, &err), &err);
+    CHECK(mha_layer_project_backward(layer, MHA_PROJ_O, 3, x, dy, NULL, NULL, db, 0, NULL, &err) ==
+              MHA_STATUS_INVALID_ARG,
+          "mha_layer_project_backward: db without a bias");
+    mha_layer_destroy(layer);
+}
+
 int main(void) {
     test_safetensors_switch();
     test_status_strings();
@@ -443,5 +554,6 @@ int main(void) {
     test_forward_errors();
     test_attention_errors();
     test_workspace_alignment();
+    test_layer_project();
     return test_finish();
 }

@@ -130,6 +130,35 @@ mha_status mha__check_layer_stats_args(const mha_config *cfg,
                                        int64_t *kv_len,
                                        mha_error *err);
 
+/* One projection of mha_layer_project, resolved: y[rows, out] = x[rows, in] w^T (+ bias). */
+typedef struct mha__projection {
+    const float *w, *bias;
+    int64_t in, out;
+} mha__projection;
+/* mha_layer_project's arguments (layer, which, rows, x, y, exec->impl) into its projection. */
+mha_status mha__check_layer_project(const mha_config *c,
+                                    const mha_weights *w,
+                                    mha_projection which,
+                                    int64_t rows,
+                                    const float *x,
+                                    const float *y,
+                                    const mha_exec *exec,
+                                    mha__projection *p,
+                                    mha_error *err);
+/* mha_layer_project_backward's arguments: the projection's, dy, and db only with a bias. */
+mha_status mha__check_layer_project_backward(const mha_config *c,
+                                             const mha_weights *w,
+                                             mha_projection which,
+                                             int64_t rows,
+                                             const float *x,
+                                             const float *dy,
+                                             const float *dx,
+                                             const float *dw,
+                                             const float *db,
+                                             const mha_exec *exec,
+                                             mha__projection *p,
+                                             mha_error *err);
+
 /* What the backward's check reads of a training state (layer/layer_bwd.c). */
 typedef struct mha__train_view {
     const mha_layer *layer; /* the layer that made it */

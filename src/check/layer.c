@@ -157,6 +157,67 @@ static mha_status check_forward(
     return st;
 }
 
+mha_status mha__check_layer_project(const mha_config *c,
+                                    const mha_weights *w,
+                                    mha_projection which,
+                                    int64_t rows,
+                                    const float *x,
+                                    const float *y,
+                                    const mha_exec *exec,
+                                    mha__projection *p,
+                                    mha_error *err) {
+    MHA_RETURN_IF(!c || !w, err, INVALID_ARG, "layer is NULL");
+    MHA_RETURN_IF(rows < 0, err, INVALID_ARG, "rows=%lld is negative", (long long)rows);
+    MHA_RETURN_IF(rows > 0 && (!x || !y), err, INVALID_ARG, "%s is NULL", !x ? "x" : "y");
+    switch (which) {
+    case MHA_PROJ_Q:
+        *p = (mha__projection){w->w_q, w->b_q, c->q_dim, c->num_heads * c->head_dim};
+        break;
+    case MHA_PROJ_K:
+        *p = (mha__projection){w->w_k, w->b_k, c->k_dim, c->num_kv_heads * c->head_dim};
+        break;
+    case MHA_PROJ_V:
+        *p = (mha__projection){w->w_v, w->b_v, c->v_dim, c->num_kv_heads * c->v_head_dim};
+        break;
+    case MHA_PROJ_O:
+        *p = (mha__projection){w->w_o, w->b_o, c->num_heads * c->v_head_dim, c->out_dim};
+        break;
+    default:
+        return mha__fail(err, MHA_STATUS_INVALID_ARG, "which=%d is not a projection", (int)which);
+    }
+    const int64_t wide = p->in > p->out ? p->in : p->out;
+    int64_t cnt;
+    MHA_RETURN_IF(!mha__mul_i64(rows, wide, &cnt) || cnt > (int64_t)(SIZE_MAX / sizeof(float)), err,
+                  OVERFLOW, "rows=%lld x %lld features overflows", (long long)rows,
+                  (long long)wide);
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    MHA_RETURN_IF(impl != MHA_IMPL_AUTO && impl != MHA_IMPL_REFERENCE && impl != MHA_IMPL_FAST, err,
+                  INVALID_ARG, "exec.impl=%d is not a known implementation", (int)impl);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_layer_project_backward(const mha_config *c,
+                                             const mha_weights *w,
+                                             mha_projection which,
+                                             int64_t rows,
+                                             const float *x,
+                                             const float *dy,
+                                             const float *dx,
+                                             const float *dw,
+                                             const float *db,
+                                             const mha_exec *exec,
+                                             mha__projection *p,
+                                             mha_error *err) {
+    MHA_RETURN_IF(rows > 0 && !dy, err, INVALID_ARG, "dy is NULL");
+    /* The forward's checks with dy as the input and dx as the output (x only matters for dW). */
+    mha_status st = mha__check_layer_project(c, w, which, rows, dy, dx ? dx : dy, exec, p, err);
+    if (st)
+        return st;
+    MHA_RETURN_IF(rows > 0 && dw && !x, err, INVALID_ARG, "x is NULL (needed for dw)");
+    MHA_RETURN_IF(db && !p->bias, err, INVALID_ARG, "db is given but the projection has no bias");
+    return MHA_STATUS_OK;
+}
+
 mha_status mha__check_layer_backward(const mha_layer *layer,
                                      const mha_config *c,
                                      const mha__train_view *s,
