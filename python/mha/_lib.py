@@ -127,6 +127,18 @@ class mha_config(Structure):
     ]
 
 
+MHA_HF_TEXT_SIZE = 128
+
+
+class mha_hf_layer_info(Structure):
+    _fields_ = [
+        ("model_type", c_char * MHA_HF_TEXT_SIZE), ("layout", c_char * MHA_HF_TEXT_SIZE),
+        ("prefix", c_char * MHA_HF_TEXT_SIZE), ("layer", c_int64), ("num_layers", c_int64),
+        ("config", mha_config), ("causal", c_int32), ("use_window", c_int32),
+        ("window_left", c_int64), ("window_right", c_int64),
+    ]
+
+
 class mha_weights(Structure):
     _fields_ = [(name, c_void_p) for name in
                 ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "sinks")]
@@ -240,6 +252,11 @@ mha_layer_forward_supported = _fn("mha_layer_forward_supported",
 mha_layer_load_safetensors = _fn("mha_layer_load_safetensors",
                                  [c_char_p, c_char_p, P(mha_name_map), P(mha_config), c_void_p,
                                   P(c_void_p), P(mha_error)])
+
+mha_hf_layer_info_read = _fn("mha_hf_layer_info_read",
+                             [c_char_p, c_int64, P(mha_hf_layer_info), P(mha_error)])
+mha_hf_layer_load = _fn("mha_hf_layer_load", [c_char_p, c_int64, P(mha_config), c_void_p,
+                                              P(c_void_p), P(mha_error)])
 
 
 def version() -> str:
