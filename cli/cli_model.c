@@ -27,9 +27,10 @@ static void print_rope(const mha_rope *r) {
         printf(" (factor %g, low_freq_factor %g, high_freq_factor %g, original_max %g)", r->factor,
                r->low_freq_factor, r->high_freq_factor, r->original_max_position);
     else if (r->scaling == MHA_ROPE_SCALING_YARN)
-        printf(" (factor %g, original_max %g, beta_fast %g, beta_slow %g, attention_factor %g)",
-               r->factor, r->original_max_position, r->beta_fast, r->beta_slow,
-               r->attention_factor);
+        printf(" (factor %g, original_max %g, beta_fast %g, beta_slow %g, attention_factor %g, "
+               "truncate %s)",
+               r->factor, r->original_max_position, r->beta_fast, r->beta_slow, r->attention_factor,
+               r->yarn_no_truncate ? "no" : "yes");
     printf("\n");
 }
 

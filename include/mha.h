@@ -245,6 +245,8 @@ typedef struct mha_rope {
     double beta_fast;             /* YARN, 0 = 32 */
     double beta_slow;             /* YARN, 0 = 1 */
     double attention_factor;      /* YARN, 0 = 0.1 ln(factor) + 1; multiplies cos and sin */
+    int32_t yarn_no_truncate;     /* YARN: nonzero keeps the ramp ends unrounded (transformers'
+                                     `truncate: false`, gpt-oss); 0 = floor/ceil them */
 } mha_rope;
 
 /** Largest accepted token position (positions are in [0, MHA_MAX_POSITION]). */

@@ -57,13 +57,14 @@ CASES = {
                                     query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
                                     sliding_window=WINDOW, rope_parameters=_rope()),
                T.Gemma2ForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
+    # gpt-oss's YaRN keeps the ramp ends unrounded (truncate: false); an original context of
+    # 1024 puts them at 1.41 and 4.42 (of 8 pairs), so rounding them would change the result.
     "gpt_oss": (T.GptOssConfig, dict(LLAMA, num_key_value_heads=2, head_dim=16,
                                      num_local_experts=2, num_experts_per_tok=1,
-                                     sliding_window=WINDOW,
-                                     rope_parameters=_rope("yarn", 1e4, factor=4.0,
-                                                           beta_fast=32.0, beta_slow=1.0,
-                                                           truncate=True,
-                                                           original_max_position_embeddings=16)),
+                                     sliding_window=WINDOW, max_position_embeddings=4096,
+                                     rope_parameters=_rope(
+                                         "yarn", 1e4, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                         truncate=False, original_max_position_embeddings=1024)),
                 T.GptOssForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
     "phi3": (T.Phi3Config, dict(LLAMA, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2,
@@ -140,9 +141,12 @@ def build(name, root):
     return d, refs
 
 
+DELETE = object()  # edit_config: remove the key
+
+
 def edit_config(src_dir, dst_dir, **changes):
     """A copy of a model directory (weights linked) whose config.json has `changes` applied
-    (a value None deletes the key)."""
+    (None writes JSON null, transformers' "not set"; DELETE removes the key)."""
     os.makedirs(dst_dir, exist_ok=True)
     for f in os.listdir(src_dir):
         if f != "config.json":
@@ -150,7 +154,7 @@ def edit_config(src_dir, dst_dir, **changes):
     with open(os.path.join(src_dir, "config.json")) as f:
         cfg = json.load(f)
     for k, v in changes.items():
-        if v is None:
+        if v is DELETE:
             cfg.pop(k, None)
         else:
             cfg[k] = v

@@ -73,6 +73,16 @@ def test_window_layers_differ_from_full(models, tmp_path):
     assert H.max_rel_err(y, ref) > 100 * TOL_OUT_REL
 
 
+def test_yarn_truncate_false_is_honoured(models, tmp_path):
+    # gpt-oss's `truncate: false`: the same weights with the rounded ramp miss the oracle.
+    d, refs = models["gpt_oss"]
+    x, ref = refs[0]
+    rp = dict(json.load(open(os.path.join(d, "config.json")))["rope_parameters"], truncate=True)
+    y = run_layer(H.edit_config(d, str(tmp_path / "t"), rope_parameters=rp), 0, x, tmp_path)
+    assert H.max_rel_err(y, ref) > 10 * TOL_OUT_REL
+    assert "truncate no" in run_cli("info", "--model", d).stdout
+
+
 def test_flags_override_the_config(models, tmp_path):
     # --window replaces the config's window: equal to the model with sliding_window removed.
     d, refs = models["mistral"]
@@ -90,7 +100,7 @@ def test_flags_override_the_config(models, tmp_path):
     np.testing.assert_array_equal(y_flag, run_layer(other, 1, x, tmp_path))
 
 
-def test_info_prints_what_it_understood(models):
+def test_info_prints_what_it_understood(models, tmp_path):
     d, _ = models["gemma2"]
     r = run_cli("info", "--model", d, "--layer", 0)
     assert r.returncode == 0, r.stderr
@@ -98,6 +108,15 @@ def test_info_prints_what_it_understood(models):
     assert "model_type: gemma2" in out and "window: 4,0" in out
     assert "softcap: 3" in out and "scale: 0.2041241452319315" in out  # 24 ** -0.5
     assert "model.layers.0.self_attn." in out and "heads: 4, kv heads: 2, head_dim: 16" in out
+    # Keys left out of config.json take the transformers config class's defaults (null: off).
+    r = run_cli("info", "--model",
+                H.edit_config(d, str(tmp_path / "g2"), attn_logit_softcapping=H.DELETE,
+                              query_pre_attn_scalar=H.DELETE, sliding_window=H.DELETE))
+    assert "softcap: 50" in r.stdout and "scale: 0.0625" in r.stdout, r.stdout
+    assert "window: 4095,0" in r.stdout
+    r = run_cli("info", "--model",
+                H.edit_config(d, str(tmp_path / "g2n"), attn_logit_softcapping=None))
+    assert "softcap: 0" in r.stdout, r.stdout
     r = run_cli("info", "--model", models["gpt_neox"][0])
     assert "rotary_dim 8" in r.stdout and "query_key_value" in r.stdout
     r = run_cli("info", "--model", models["bert"][0])
@@ -177,6 +196,7 @@ def test_hostile_model_directories(models, tmp_path):
         hostile(H.edit_config(mistral, str(tmp_path / f"f{i}"), **{field: value}), "config.json")
     hostile(H.edit_config(mistral, str(tmp_path / "nohd"), num_attention_heads=None),
             "num_attention_heads")
+    hostile(H.edit_config(mistral, str(tmp_path / "nomt"), model_type=H.DELETE), "model_type")
     hostile(H.edit_config(mistral, str(tmp_path / "rp"), rope_parameters="yes"),
             "rope_parameters")
     hostile(mistral, "layer 2 does not exist", layer=2)

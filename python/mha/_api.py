@@ -222,7 +222,8 @@ class Rope:
 
     style: 'interleaved' (pairs 2k, 2k+1: RoFormer, CS336, GPT-J) or 'half' (pairs k, k+R/2:
     GPT-NeoX, HF Llama). rotary_dim: R (even, <= head_dim; None = head_dim). scaling: None,
-    'linear', 'ntk', 'llama3' or 'yarn', with its parameters (None = the documented default).
+    'linear', 'ntk', 'llama3' or 'yarn', with its parameters (None = the documented default);
+    yarn_no_truncate keeps YaRN's ramp ends unrounded (transformers' ``truncate: false``).
     """
     style: str = "interleaved"
     theta: float = 10000.0
@@ -235,6 +236,7 @@ class Rope:
     beta_fast: Optional[float] = None
     beta_slow: Optional[float] = None
     attention_factor: Optional[float] = None
+    yarn_no_truncate: bool = False
 
     def _to_c(self) -> L.mha_rope:
         r = L.mha_rope()
@@ -250,6 +252,7 @@ class Rope:
         for f in ("factor", "original_max_position", "low_freq_factor", "high_freq_factor",
                   "beta_fast", "beta_slow", "attention_factor"):
             setattr(r, f, float(getattr(self, f) or 0.0))
+        r.yarn_no_truncate = 1 if self.yarn_no_truncate else 0
         return r
 
     @classmethod
@@ -262,7 +265,7 @@ class Rope:
             "factor", "original_max_position", "low_freq_factor", "high_freq_factor",
             "beta_fast", "beta_slow", "attention_factor")}
         return cls(style=style, theta=r.theta, rotary_dim=r.rotary_dim or None, scaling=scaling,
-                   **kw)
+                   yarn_no_truncate=bool(r.yarn_no_truncate), **kw)
 
 
 def _as_rope(r: Union[None, str, dict, Rope]) -> Optional[Rope]:

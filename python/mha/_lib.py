@@ -99,6 +99,7 @@ class mha_rope(Structure):
         ("factor", c_double), ("original_max_position", c_double),
         ("low_freq_factor", c_double), ("high_freq_factor", c_double),
         ("beta_fast", c_double), ("beta_slow", c_double), ("attention_factor", c_double),
+        ("yarn_no_truncate", c_int32),
     ]
 
 

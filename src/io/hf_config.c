@@ -264,6 +264,11 @@ static const cJSON *field(const cJSON *obj, const char *key) {
     return f && !cJSON_IsNull(f) ? f : NULL;
 }
 
+/* 1 when `key` is present as JSON null ("not set", as opposed to absent: the class default). */
+static int is_null(const cJSON *obj, const char *key) {
+    return cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(obj, key));
+}
+
 /* An integer field in [lo, hi]; *out keeps its value (the default) when absent, unless required. */
 static mha_status get_int(const hf_model *m,
                           const cJSON *obj,
@@ -462,8 +467,8 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
     mha_config *cfg = &info->config;
     const double d = (double)cfg->head_dim;
     cfg->scale = 1.0 / sqrt(d);
-    if (is_type(m, "gemma2")) {
-        double qpas = d, cap = 0.0;
+    if (is_type(m, "gemma2")) { /* absent: Gemma2Config's defaults 256 and 50; null: none */
+        double qpas = 256.0, cap = is_null(c, "attn_logit_softcapping") ? 0.0 : 50.0;
         TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
         cfg->scale = 1.0 / sqrt(qpas);
         TRY(get_num(m, c, "", "attn_logit_softcapping", 0.0, 1, 1e300, &cap, err));
@@ -555,10 +560,7 @@ read_yarn(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha
     TRY(get_num(m, s, where, "beta_slow", 0.0, 1, 1e15, &r->beta_slow, err));
     int truncate = 1;
     TRY(get_bool(m, s, "truncate", &truncate, err));
-    MHA_RETURN_IF(!truncate, err, UNSUPPORTED,
-                  "%s: \"%struncate\": false (YaRN without rounding the correction range) is not "
-                  "implemented by mha",
-                  m->config_path, where);
+    r->yarn_no_truncate = !truncate;
     r->scaling = MHA_ROPE_SCALING_YARN;
     r->factor = factor;
     r->original_max_position = orig;
@@ -692,9 +694,16 @@ static mha_status slides_without_types(const hf_model *m,
     return MHA_STATUS_OK;
 }
 
+/* sliding_window when config.json leaves it out: the transformers config class's default. */
+static int64_t default_window(const hf_model *m) {
+    if (is_type(m, "mistral") || is_type(m, "gemma2") || is_type(m, "qwen2"))
+        return 4096;
+    return is_type(m, "gpt_oss") ? 128 : 0;
+}
+
 static mha_status
 read_window(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_error *err) {
-    int64_t w = 0;
+    int64_t w = is_null(m->config, "sliding_window") ? 0 : default_window(m);
     TRY(get_int(m, m->config, "sliding_window", 0, 1, INT32_MAX, &w, err));
     int slides = 0;
     if (layer_type)
