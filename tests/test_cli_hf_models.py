@@ -58,6 +58,16 @@ def test_layer_matches_transformers(models, name, layer, tmp_path):
     assert err <= TOL_OUT_REL, f"{name} layer {layer}: max error {err:.3g} of max|ref|"
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_decode_matches_transformers(models, name, tmp_path):
+    # KV-cache decoding of a sliding layer (ring-buffer cache; soft-cap / sinks + YaRN).
+    d, refs = models[name]
+    x, ref = refs[0]
+    y = run_layer(d, 0, x, tmp_path, "--decode", "--prefill", 3)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"{name} --decode: max error {err:.3g} of max|ref|"
+
+
 def test_sharded_checkpoint_is_read_through_its_index(models):
     d, _ = models[H.SHARDED]
     files = os.listdir(d)
