@@ -243,5 +243,11 @@ def test_usage_errors(models, tmp_path):
                        ([], "--model")]:
         r = run_cli("run", *args, "--input", tmp_path / "x.npy", "--out", tmp_path / "y.npy")
         assert r.returncode == 2 and word in r.stderr, (args, r.stderr)
+    # An output may not overwrite the model's files.
+    cfg = os.path.join(d, "model.safetensors.index.json")
+    before = open(cfg).read()
+    r = run_cli("run", "--model", d, "--input", tmp_path / "x.npy", "--out", cfg)
+    assert r.returncode == 1 and "refusing to overwrite an input" in r.stderr, r.stderr
+    assert open(cfg).read() == before
     r = run_cli("info", "--layer", 0)
     assert r.returncode == 2 and "--model" in r.stderr
