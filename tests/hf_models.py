@@ -73,7 +73,8 @@ CASES = {
     "gpt2": (T.GPT2Config, dict(vocab_size=64, n_embd=64, n_head=4, n_layer=2, n_positions=64,
                                 scale_attn_by_inverse_layer_idx=True),
              T.GPT2LMHeadModel, "transformer.h.{L}.attn", (1,)),
-    "gpt_neox": (T.GPTNeoXConfig, dict(LLAMA, rope_parameters=_rope(partial_rotary_factor=0.5)),
+    "gpt_neox": (T.GPTNeoXConfig, dict(LLAMA, rope_parameters=_rope(theta=2000.0,
+                                                                   partial_rotary_factor=0.5)),
                  T.GPTNeoXForCausalLM, "gpt_neox.layers.{L}.attention", (0,)),
     "falcon_mq": (T.FalconConfig, dict(SMALL, hidden_size=64, num_attention_heads=4,
                                        multi_query=True, bias=True),
@@ -161,6 +162,27 @@ def edit_config(src_dir, dst_dir, **changes):
     with open(os.path.join(dst_dir, "config.json"), "w") as f:
         json.dump(cfg, f)
     return dst_dir
+
+
+def legacy_config(src_dir, dst_dir):
+    """The same model with a transformers 4.x style config.json, as most hub checkpoints have:
+    rope_theta (GPT-NeoX: rotary_emb_base), partial_rotary_factor (NeoX: rotary_pct) and
+    rope_scaling {"type": ...} at the top level instead of rope_parameters, and no layer_types
+    (which layers slide then follows each architecture's rule)."""
+    with open(os.path.join(src_dir, "config.json")) as f:
+        cfg = json.load(f)
+    neox = cfg["model_type"] == "gpt_neox"
+    changes = {"rope_parameters": DELETE, "layer_types": DELETE}
+    rp = dict(cfg.get("rope_parameters") or {})
+    if "rope_theta" in rp:
+        changes["rotary_emb_base" if neox else "rope_theta"] = rp.pop("rope_theta")
+    if "partial_rotary_factor" in rp:
+        changes["rotary_pct" if neox else "partial_rotary_factor"] = rp.pop(
+            "partial_rotary_factor")
+    kind = rp.pop("rope_type", "default")
+    if rp or kind != "default":
+        changes["rope_scaling"] = dict(rp, type=kind)
+    return edit_config(src_dir, dst_dir, **changes)
 
 
 def max_rel_err(y, ref):

@@ -65,6 +65,16 @@ def test_layer_matches_transformers(models, name, layer, tmp_path):
     assert err <= TOL_OUT_REL, f"{name} layer {layer}: max error {err:.3g} of max|ref|"
 
 
+@pytest.mark.parametrize("name,layer", CASE_LAYERS)
+def test_legacy_config_matches_transformers(models, name, layer, tmp_path):
+    # transformers 4.x config.json (top-level rope_theta / rope_scaling, no layer_types).
+    d, refs = models[name]
+    x, ref = refs[layer]
+    y = run_layer(H.legacy_config(d, str(tmp_path / "legacy")), layer, x, tmp_path)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"{name} layer {layer} (4.x config): max error {err:.3g}"
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
 def test_decode_matches_transformers(models, name, tmp_path):
     # KV-cache decoding of a sliding layer (ring-buffer cache; soft-cap / sinks + YaRN).
