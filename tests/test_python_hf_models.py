@@ -92,3 +92,14 @@ def test_unsupported_configs_raise_naming_the_field(models, tmp_path):
         mha.MultiheadAttention.from_pretrained(models["llama"][0], layer=7)
     with pytest.raises(ValueError, match="layer"):
         mha.MultiheadAttention.from_pretrained(models["llama"][0], layer=-1)
+
+
+def test_torch_compile_is_refused_not_wrong(models):
+    # torch.compile traces the drop-in as nn.MultiheadAttention (no RoPE, GQA, ...): refused.
+    d, refs = models["llama"]
+    t = mt.MultiheadAttention.from_pretrained(d, 0, batch_first=True)
+    xt = torch.from_numpy(refs[0][0].astype(np.float32))
+    f = torch.compile(lambda x: t(x, x, x, need_weights=False)[0], backend="eager",
+                      fullgraph=True)
+    with pytest.raises(Exception, match="from_pretrained layers run eagerly"):
+        f(xt)

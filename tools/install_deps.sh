@@ -10,9 +10,11 @@
 #                                        valgrind, pkg-config, the aarch64 cross compiler, qemu-user
 #                                        and arm64 cJSON, Python's venv and headers, Open MPI
 #                                        (mpicc, mpirun: ring attention's tests), and the
-#                                        pinned Python test packages (python/requirements-test.txt)
-#                                        in the virtual environment .venv/ of the checkout (never the
-#                                        system Python, which Debian marks externally managed).
+#                                        pinned Python test packages (python/requirements-test.txt,
+#                                        with mpi4py for ring attention from Python, which runs on
+#                                        that Open MPI) in the virtual environment .venv/ of the
+#                                        checkout (never the system Python, which Debian marks
+#                                        externally managed).
 #
 # The commands each script calls are declared in that script by lines `# needs: cmd ...`; the
 # guard below reads those lines from every script of the mode, so a script that starts calling a
@@ -24,7 +26,8 @@ mode=${1:---test}
 case "$mode" in
 --build) scripts=(tools/demo.sh) ;;
 --test) scripts=(tools/test.sh tools/cppcheck.sh tools/valgrind_cli.sh fuzz/run.sh fuzz/build.sh
-    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh) ;;
+    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh
+    tools/test_python_package.sh) ;;
 *)
     echo "install_deps.sh: unknown mode '$mode' (use --build or --test)" >&2
     exit 2

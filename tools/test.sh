@@ -5,6 +5,9 @@
 #      (tools/cppcheck.sh, suppressions with reasons in tools/cppcheck-suppressions.txt);
 #   1. a Release build with warnings as errors and libmha_mpi (MHA_MPI=ON), all tests (ctest),
 #      ring attention under mpirun with 1 to 4 processes among them;
+#   1b. the Python package as users install it: sdist, a wheel built from it and repaired into a
+#      manylinux wheel, installed into a fresh venv; an editable install without cJSON
+#      (tools/test_python_package.sh);
 #   2. every C test again with each lower kernel tier forced (MHA_MAX_ISA=generic, and avx2 on an
 #      AVX-512 host), so every kernel of every op (forward, backward, decode, GEMM) runs here;
 #   3. a clang-14 Release build with warnings as errors, the C tests (MHA_TEST_QUICK=1);
@@ -17,7 +20,7 @@
 #      (tools/test_aarch64.sh, MHA_TEST_QUICK=1);
 #   8. every libFuzzer harness for MHA_FUZZ_SECONDS (default 20) seconds (clang-14).
 # Exit status is non-zero if anything fails. Build trees: build/, build-clang/, build-asan/,
-# build-tsan/, build-valgrind/, build-aarch64/, build-fuzz/. Python runs from the virtual environment .venv/
+# build-tsan/, build-valgrind/, build-aarch64/, build-fuzz/, build-python-package/. Python runs from the virtual environment .venv/
 # that tools/install_deps.sh creates (never the system Python).
 # needs: cc cmake ctest make git xargs nproc clang-14 clang-format-14 python3 pkg-config nm
 # needs: mpicc mpirun
@@ -57,6 +60,9 @@ for isa in avx2 generic; do
     step "every C test with MHA_MAX_ISA=$isa"
     MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -j "$jobs" -E '^py_|^install|^exported'
 done
+
+step "Python package: sdist, manylinux wheel, editable install (tools/test_python_package.sh)"
+bash tools/test_python_package.sh "$py"
 
 step "clang-14 build (-Werror), C tests (MHA_TEST_QUICK=1)"
 CC=clang-14 cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null

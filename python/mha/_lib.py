@@ -194,13 +194,27 @@ STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_r
 # ------------------------------------------------------------------------------------------------
 # Loading
 # ------------------------------------------------------------------------------------------------
+def _installed_files(name: str) -> list:
+    """Where the installed distribution `mha` put mha/<name>, from its RECORD: an editable
+    install (`pip install -e ./python`) runs the package from the source tree and keeps the
+    built library in site-packages."""
+    try:
+        from importlib import metadata
+        files = metadata.files("mha") or []
+    except Exception:  # no (or an unreadable) installed distribution
+        return []
+    return [str(f.locate()) for f in files if f.as_posix() == f"mha/{name}"]
+
+
 def _candidates() -> list:
+    """MHA_LIBRARY if set; else the library beside these files (a wheel or `pip install ./python`),
+    then the installed distribution's (an editable install)."""
     env = os.environ.get("MHA_LIBRARY")
     if env:
         return [env]
     here = os.path.dirname(os.path.abspath(__file__))
-    names = ["libmha.dylib"] if sys.platform == "darwin" else ["libmha.so"]
-    return [os.path.join(here, n) for n in names]
+    name = "libmha.dylib" if sys.platform == "darwin" else "libmha.so"
+    return [os.path.join(here, name)] + _installed_files(name)
 
 
 def _load():
