@@ -75,7 +75,7 @@ void cli_run_usage(void) {
         "X [B, n, q_dim] gives Y [B, n, out_dim]. Options also take the form --flag=value.",
         "",
         "Weights:",
-        "  --weights W.safetensors  weights, F32/F64/F16/BF16 (required). Names tried: HF",
+        "  --weights W.safetensors  weights, F32/F64/F16/BF16 (or --model). Names tried: HF",
         "                           q_proj/k_proj/v_proj/o_proj (.weight, .bias); PyTorch",
         "                           nn.MultiheadAttention (in_proj_weight, out_proj.weight, ...);",
         "                           CS336 (q_proj_weight, ...). Sizes come from the tensor shapes.",
