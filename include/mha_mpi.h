@@ -74,10 +74,11 @@ MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
  *  The key side (padding, kv segment ids) travels around the ring beside its K/V block (int32
  *  [B, n] each, a parallel message), so every pair sees the padding and segments of the keys it
  *  attends to. Rows that see no key at all keep the core's contract: O = 0, lse = -inf (also
- *  with sinks). Every rank must give the same options (sinks, key padding, segment ids: agreed).
+ *  with sinks). Dropout in training draws the single-process mask exactly (each pair at its global
+ *  rows and columns: mha_dropout.row_offset, col_offset). Every rank must give the same options
+ *  (sinks, key padding, segment ids, dropout p and seed: agreed).
  *  Still MHA_STATUS_UNSUPPORTED, with a message naming the option: EXPLICIT alignment,
- *  boolean/additive masks (N x N), dropout in training (the core keys its mask by the call's
- *  local (i, j); docs/distributed.md), probs.
+ *  boolean/additive masks (N x N), probs.
  *  Errors are agreed collectively: the arguments of every rank are checked (and the ranks'
  *  configs and sizes compared) before any data moves, then one MPI_Allreduce tells every rank;
  *  if any rank failed, every rank returns the first failing rank's status and message (prefixed

@@ -73,6 +73,7 @@ typedef struct ring_case {
     int sinks;       /* learned sink logits */
     int key_padding; /* 0: none, 1: I64 [B, N], 2: BOOL [N], 3: U8 [1, N] */
     int segments;    /* q and kv segment ids [B, N] */
+    int dropout;     /* dropout in training, p = 0.25 */
 } ring_case;
 
 /* The masks of a case, global ([B, N] / [N] / [h]) and this rank's rows. */
@@ -146,6 +147,8 @@ static void set_masks(const ring_case *rc,
     const int64_t B = rc->B, n = rc->n, rows = a->q_len;
     mha_masking *mk = &a->mask;
     a->sinks = rc->sinks ? m->sinks : NULL;
+    if (rc->dropout) /* the whole sequence's mask: the ring places each pair (row/col offsets) */
+        a->dropout.p = 0.25f, a->dropout.seed = 0x5eed0000abcdull, a->dropout.training = 1;
     if (rc->key_padding) {
         const int wide = rc->key_padding == 1;
         const size_t size = wide ? sizeof(int64_t) : 1;
@@ -431,6 +434,7 @@ static void test_matches_single_process(void) {
                                       0,
                                       0,
                                       0,
+                                      0,
                                       0};
                 run_case(&rc, seed++);
             }
@@ -447,29 +451,43 @@ static void test_matches_single_process(void) {
                     const int64_t *sh = shapes[s];
                     if (sh[3] < (layout ? 2 : 1) * g_size)
                         continue;
-                    const ring_case rc = {
-                        sh[0],          sh[1], sh[2],  sh[3],
-                        sh[4],          sh[5], causal, (mha_shard_layout)layout,
-                        (int)(s & 1u),  0.0,   0,      {extra[x].left, extra[x].right},
-                        extra[x].alibi, 0,     0,      0};
+                    const ring_case rc = {sh[0],
+                                          sh[1],
+                                          sh[2],
+                                          sh[3],
+                                          sh[4],
+                                          sh[5],
+                                          causal,
+                                          (mha_shard_layout)layout,
+                                          (int)(s & 1u),
+                                          0.0,
+                                          0,
+                                          {extra[x].left, extra[x].right},
+                                          extra[x].alibi,
+                                          0,
+                                          0,
+                                          0,
+                                          0};
                     run_case(&rc, seed++);
                 }
-    /* Sinks, key padding (I64 [B, N], BOOL [N], U8 [1, N]) and segment ids, alone and with a
-     * window or ALiBi, on the same two shapes; all of them on the long one. MHA_TEST_QUICK: the
-     * two combinations on the first shape (B = 2, GQA). */
+    /* Sinks, key padding (I64 [B, N], BOOL [N], U8 [1, N]), segment ids and dropout (the whole
+     * sequence's mask, drawn pair by pair at global rows and columns), alone and with a window or
+     * ALiBi, on the same two shapes; all of them on the long one. MHA_TEST_QUICK: the two
+     * combinations on the first shape (B = 2, GQA). */
     const struct {
         int sinks, key_padding, segments;
         int64_t left, right;
-        int alibi;
-    } masks[] = {{1, 0, 0, -2, -2, 0}, {0, 1, 0, -2, -2, 0}, {0, 2, 0, -2, -2, 0},
-                 {0, 0, 1, -2, -2, 0}, {1, 1, 1, 4, 3, 0},   {1, 3, 0, -2, -2, 1}};
+        int alibi, dropout;
+    } masks[] = {{1, 0, 0, -2, -2, 0, 0}, {0, 1, 0, -2, -2, 0, 0}, {0, 2, 0, -2, -2, 0, 0},
+                 {0, 0, 1, -2, -2, 0, 0}, {0, 0, 0, -2, -2, 0, 1}, {1, 1, 1, 4, 3, 0, 1},
+                 {1, 3, 0, -2, -2, 1, 0}};
     for (size_t s = 0; s < 3; s++)
         for (int layout = 0; layout < 2; layout++)
             for (int causal = 0; causal < 2; causal++)
                 for (size_t x = 0; x < sizeof masks / sizeof masks[0]; x++) {
                     const int64_t *sh = shapes[s];
-                    if (sh[3] < (layout ? 2 : 1) * g_size || (skip_long && (s != 0 || x < 4)) ||
-                        (s == 2 && x != 4))
+                    if (sh[3] < (layout ? 2 : 1) * g_size || (skip_long && (s != 0 || x < 5)) ||
+                        (s == 2 && x != 5))
                         continue;
                     const ring_case rc = {.B = sh[0],
                                           .h = sh[1],
@@ -484,7 +502,8 @@ static void test_matches_single_process(void) {
                                           .alibi = masks[x].alibi,
                                           .sinks = masks[x].sinks,
                                           .key_padding = masks[x].key_padding,
-                                          .segments = masks[x].segments};
+                                          .segments = masks[x].segments,
+                                          .dropout = masks[x].dropout};
                     run_case(&rc, seed++);
                 }
 }
@@ -518,32 +537,30 @@ static void test_collective_errors(void) {
     snprintf(prefix, sizeof prefix, "rank %d: ", bad);
     CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
           "NULL q on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
-    /* Unsupported options on the last rank (dropout in training, probs): UNSUPPORTED everywhere,
-     * the message naming the option. */
+    /* An unsupported option on the last rank (probs): UNSUPPORTED everywhere, the message naming
+     * the option. */
     float *probs = calloc((size_t)(B * h * nl * nl), sizeof(float));
-    for (int opt = 0; opt < 2; opt++) {
-        b = a;
-        if (g_rank == bad && opt == 0)
-            b.dropout.training = 1, b.dropout.p = 0.1f;
-        if (g_rank == bad && opt == 1)
-            b.probs = probs;
-        const char *name = opt ? "probs" : "dropout";
-        st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
-        CHECK(st == MHA_STATUS_UNSUPPORTED && strncmp(err.message, prefix, strlen(prefix)) == 0 &&
-                  strstr(err.message, name),
-              "%s on rank %d: rank %d got %s: %s", name, bad, g_rank, mha_status_string(st),
-              err.message);
-    }
+    b = a;
+    if (g_rank == bad)
+        b.probs = probs;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strncmp(err.message, prefix, strlen(prefix)) == 0 &&
+              strstr(err.message, "probs"),
+          "probs on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
     free(probs);
     /* Masks that differ between ranks (each valid alone): sinks on one rank only, other sink
-     * values on one rank, key padding or segment ids on one rank only. INVALID_ARG everywhere,
-     * naming the option. */
+     * values on one rank, key padding or segment ids on one rank only, dropout on one rank only or
+     * with another seed there. INVALID_ARG everywhere, naming the option. */
     if (g_size > 1) {
         const float sinks[2] = {0.5f, -1.0f}, other[2] = {0.5f, -1.5f};
         const uint8_t kp[64] = {1};
         int32_t seg[64] = {0};
-        for (int opt = 0; opt < 4; opt++) {
+        for (int opt = 0; opt < 6; opt++) {
             b = a;
+            if (opt >= 4) /* dropout on the last rank only; another seed there */
+                b.dropout.p = 0.1f, b.dropout.seed = 7, b.dropout.training = g_rank == bad;
+            if (opt == 5)
+                b.dropout.training = 1, b.dropout.seed = g_rank == bad ? 8 : 7;
             b.sinks = opt == 1 ? sinks : NULL;
             if (g_rank == bad && opt == 0)
                 b.sinks = sinks;
@@ -557,7 +574,8 @@ static void test_collective_errors(void) {
             }
             if (g_rank == bad && opt == 3)
                 b.mask.q_segment_ids = b.mask.kv_segment_ids = seg;
-            const char *name[4] = {"sinks", "sinks[1]", "key_padding", "segment ids"};
+            const char *name[6] = {"sinks",       "sinks[1]", "key_padding",
+                                   "segment ids", "dropout",  "dropout.seed"};
             st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
             CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, name[opt]),
                   "%s differ on rank %d: rank %d got %s: %s", name[opt], bad, g_rank,

@@ -9,7 +9,9 @@
 #                                        runtime, for libFuzzer and TSan), clang-format-14, cppcheck,
 #                                        valgrind, pkg-config, the aarch64 cross compiler, qemu-user
 #                                        and arm64 cJSON, Python's venv and headers, Open MPI
-#                                        (mpicc, mpirun: ring attention's tests), and the
+#                                        (mpicc, mpirun: ring attention's tests) and MPICH beside
+#                                        it (mpicc.mpich, mpiexec.mpich; Open MPI stays the
+#                                        default mpicc/mpirun), and the
 #                                        pinned Python test packages (python/requirements-test.txt,
 #                                        with mpi4py for ring attention from Python, which runs on
 #                                        that Open MPI) in the virtual environment .venv/ of the
@@ -42,6 +44,7 @@ declare -A package=(
     [clang-14]="clang-14 libclang-rt-14-dev" [clang-format-14]=clang-format-14
     [cppcheck]=cppcheck [valgrind]=valgrind [pkg-config]=pkg-config [python3]=python3
     [mpicc]="openmpi-bin libopenmpi-dev" [mpirun]="openmpi-bin libopenmpi-dev"
+    [mpicc.mpich]="mpich libmpich-dev" [mpiexec.mpich]="mpich libmpich-dev"
 )
 
 need_apt=()
@@ -75,6 +78,21 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     echo "install_deps.sh: apt-get install ${need_apt[*]}" >&2
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# Open MPI and MPICH both register the alternatives mpi (mpicc, ...), mpirun (mpiexec) and
+# mpi-<multiarch> (the mpi.h directory); Debian ranks Open MPI first on amd64, but where an
+# install (or an earlier choice) left MPICH there, put Open MPI back: the plain mpicc/mpirun are
+# the ones CI's main build uses, mpi4py (below) loads the `mpi` alternative's libmpi, and MPICH is
+# always called by its own names (*.mpich).
+if [ "$mode" = --test ] && command -v update-alternatives >/dev/null 2>&1; then
+    for alt in mpi mpirun "mpi-$(gcc -print-multiarch 2>/dev/null)"; do
+        choices=$(update-alternatives --list "$alt" 2>/dev/null) || continue
+        want=""
+        for c in $choices; do case "$c" in *openmpi*) want=$c ;; esac; done
+        have=$(update-alternatives --query "$alt" | sed -n 's/^Value: //p')
+        [ -z "$want" ] || [ "$have" = "$want" ] || $SUDO update-alternatives --set "$alt" "$want" >/dev/null
+    done
 fi
 
 # Python test packages, pinned (torch exactly: any other version pulls gigabytes of CUDA

@@ -8,6 +8,7 @@ NumPy API (float32; float64/float16 inputs are converted; any memory order):
     y = layer(x, causal=True)                        # [B, n, q_dim] -> [B, n, out_dim]
     y, w = layer(x, need_weights=True)               # attention weights [B, h, n, m]
     o = mha.attention(q, k, v, mask=m)               # the core on projected Q/K/V [B, h, L, d]
+    st = mha.attention_stats(q, k, stats="received,entropy,topk=8,pool=256x256")  # no n x m
     x2 = mha.rope(x, positions, style="half")        # RoPE alone
     o = mha.attention(q_shard, k_shard, v_shard, comm=MPI.COMM_WORLD, seq_len=N)  # ring (MPI)
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from . import _lib
 from ._api import (Config, KVCache, MultiheadAttention, Rope, TrainState, attention,
-                   attention_backward, rope, rope_frequencies, shard_rows)
+                   attention_backward, attention_stats, rope, rope_frequencies, shard_rows)
 from ._lib import MhaError
 
 # The version is written once, in include/mha.h; the package's is the library's (the wheel's
@@ -53,6 +54,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["MhaError", "Config", "Rope", "MultiheadAttention", "TrainState", "KVCache",
-           "attention", "attention_backward", "rope", "rope_frequencies", "shard_rows",
+           "attention", "attention_backward", "attention_stats", "rope", "rope_frequencies",
+           "shard_rows",
            "plot_attention",
            "library_version", "library_path", "__version__"]

@@ -493,6 +493,114 @@ def _attention_result(keep, out_user, lse, probs, nd, return_lse, need_weights, 
     return res[0] if len(res) == 1 else tuple(res)
 
 
+_STAT_NAMES = ("received", "entropy", "topk", "pool")
+
+
+def parse_stats(spec: Union[str, Sequence[str]], top_k: Optional[int] = None,
+                pool: Optional[Tuple[int, int]] = None) -> Tuple[set, int, Tuple[int, int]]:
+    """The statistics asked for: `spec` is "received,entropy,topk=8,pool=256x256" (the CLI's
+    --stats syntax) or a sequence of those items; `top_k` / `pool` give the parameters of "topk"
+    / "pool" written without them (defaults 8 and 256 x 256). Returns (names, k, (R, C))."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names, k, grid = set(), top_k, pool
+    for item in (str(i).strip() for i in items):
+        name, _, value = item.partition("=")
+        if name not in _STAT_NAMES:
+            raise ValueError(f"stats: unknown statistic {item!r} (known: received, entropy, "
+                             f"topk[=K], pool[=RxC])")
+        try:
+            if name == "topk" and value:
+                k = int(value)
+            elif name == "pool" and value:
+                r, _, c = value.partition("x")
+                grid = (int(r), int(c))
+            elif value:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"stats: cannot read {item!r} (topk=K, pool=RxC with integers; "
+                             f"received and entropy take no value)") from None
+        names.add(name)
+    if not names:
+        raise ValueError("stats: no statistic requested")
+    k = 8 if k is None else int(k)
+    grid = (256, 256) if grid is None else (int(grid[0]), int(grid[1]))
+    if k < 1 or grid[0] < 1 or grid[1] < 1:
+        raise ValueError(f"stats: topk={k} and pool={grid[0]}x{grid[1]} must be >= 1")
+    return names, k, grid
+
+
+def _stats_call(fn, lead: tuple, shape: Tuple[int, int, int, int], names: set, top: int, R: int,
+                C: int, ex) -> Dict[str, np.ndarray]:
+    """Allocates the statistics asked for (k and the grid clamped to the map, shape = (B, h, n,
+    m)), runs fn(*lead, stats, exec, error) and returns them by member name."""
+    B, h, n, m = shape
+    top, R, C = min(top, m), min(R, n), min(C, m)
+    out: Dict[str, np.ndarray] = {}
+    s = L.mha_attention_stats()
+    if "received" in names:
+        out["received"] = np.empty((B, h, m), _F32)
+        out["received_total"] = np.empty((B, m), _F32)
+    if "entropy" in names:
+        out["entropy"] = np.empty((B, h, n), _F32)
+    if "topk" in names:
+        out["topk_index"] = np.empty((B, h, n, top), np.int64)
+        out["topk_prob"] = np.empty((B, h, n, top), _F32)
+        s.top_k = top
+    if "pool" in names:
+        out["pooled"] = np.empty((B, h, R, C), _F32)
+        out["pooled_visible"] = np.empty((B, h, R, C), _F32)
+        s.pool_rows, s.pool_cols = R, C
+    for name, arr in out.items():
+        setattr(s, name, _ptr(arr))  # the dict's keys are the struct's field names
+    M.call(fn, *lead, s, ex)
+    return out
+
+
+def attention_stats(q: ArrayLike, k: ArrayLike, *,
+                    stats: Union[str, Sequence[str]] = "received,entropy",
+                    top_k: Optional[int] = None, pool: Optional[Tuple[int, int]] = None,
+                    layout: str = "bhld", scale: Optional[float] = None,
+                    softcap: Optional[float] = None, alibi: bool = False,
+                    sinks: Optional[ArrayLike] = None, causal: Union[bool, str] = False,
+                    alignment=None, mask: Optional[ArrayLike] = None, mask_means: str = "attend",
+                    attn_bias: Optional[ArrayLike] = None,
+                    key_padding_mask: Optional[ArrayLike] = None,
+                    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                    q_segment_ids: Optional[ArrayLike] = None,
+                    kv_segment_ids: Optional[ArrayLike] = None,
+                    threads: int = 0) -> Dict[str, np.ndarray]:
+    """Statistics of the attention probabilities of ``attention(q, k, v, ...)`` with the same
+    options, computed without any n x m matrix (mha_attention_statistics; v is not needed).
+
+    ``stats``: "received,entropy,topk=8,pool=256x256" or a list of those items (``top_k`` and
+    ``pool=(R, C)`` give the parameters otherwise; defaults 8 and 256 x 256). A grid larger than
+    the map is clamped to it (R <= n, C <= m), and top_k to m. Returns a dict of NumPy arrays:
+    "received" [B, h, m] (sum over queries of P, per key) and "received_total" [B, m] (summed over
+    heads); "entropy" [B, h, n] (natural log, the sink counted as one outcome, 0 for fully masked
+    rows); "topk_index" [B, h, n, k] int64 and "topk_prob" [B, h, n, k] (P descending, ties by the
+    lower key index, -1 / 0 past the visible keys); "pooled" [B, h, R, C] (mean P per cell) and
+    "pooled_visible" [B, h, R, C] (fraction of the cell not masked). 3-d inputs drop the head
+    axis, 2-d ones the batch axis too. Bit-identical for any ``threads``.
+    """
+    names, top, (R, C) = parse_stats(stats, top_k, pool)
+    q4, k4, _, nd = _core_views(q, k, k, layout)
+    keep: list = []
+    a = _core_args(q4, k4, k4, keep, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks,
+                   causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
+                   attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   dropout=0.0, seed=0, insert_head_axis=(nd == 3))
+    a.v = None  # not read
+    B, h, n, _ = q4.shape
+    out = _stats_call(L.mha_attention_statistics, (a,), (B, h, n, k4.shape[2]), names, top, R,
+                      C, _exec("auto", threads))
+    if nd < 4:  # one head: drop its axis (and the batch axis of 2-d inputs)
+        for name, arr in out.items():
+            arr = arr if name == "received_total" else arr[:, 0]
+            out[name] = arr[0] if nd == 2 else arr
+    return out
+
+
 def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
                        out: ArrayLike, lse: ArrayLike, *, layout: str = "bhld",
                        sinks: Optional[ArrayLike] = None, impl: str = "auto", threads: int = 0,
@@ -870,6 +978,38 @@ class MultiheadAttention:
             a.probs = _ptr(probs)
             a.average_probs = 1 if average_attn_weights else 0
         return a, out, probs, unbatched
+
+    def attention_stats(self, query: ArrayLike, key: Optional[ArrayLike] = None,
+                        value: Optional[ArrayLike] = None, *,
+                        stats: Union[str, Sequence[str]] = "received,entropy",
+                        top_k: Optional[int] = None, pool: Optional[Tuple[int, int]] = None,
+                        causal: Union[bool, str] = False, alignment=None,
+                        mask: Optional[ArrayLike] = None, mask_means: str = "attend",
+                        attn_bias: Optional[ArrayLike] = None,
+                        key_padding_mask: Optional[ArrayLike] = None,
+                        window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                        positions: Optional[ArrayLike] = None,
+                        key_positions: Optional[ArrayLike] = None,
+                        q_segment_ids: Optional[ArrayLike] = None,
+                        kv_segment_ids: Optional[ArrayLike] = None,
+                        impl: str = "auto", threads: int = 0) -> Dict[str, np.ndarray]:
+        """Statistics of this layer's attention probabilities for the forward with the same
+        arguments (mha_layer_attention_statistics: Q and K projected and rotated, no n x m
+        matrix). ``stats``, ``top_k``, ``pool`` and the returned dict as in
+        :func:`attention_stats` (h = the layer's heads); unbatched input drops the batch axis."""
+        names, top, (R, C) = parse_stats(stats, top_k, pool)
+        keep: list = []
+        a, _, _, unbatched = self._forward_args(
+            query, key, value, keep, causal=causal, alignment=alignment, mask=mask,
+            mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+            window=window, positions=positions, key_positions=key_positions,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=0.0, seed=0,
+            need_weights=False, average_attn_weights=False)
+        a.out = None  # not written
+        shape = (a.batch, self.config.num_heads, a.q_len, a.kv_len)
+        out = _stats_call(L.mha_layer_attention_statistics, (self._ptr, a), shape, names, top,
+                          R, C, _exec(impl, threads))
+        return {name: arr[0] for name, arr in out.items()} if unbatched else out
 
     def forward(self, query: ArrayLike, key: Optional[ArrayLike] = None,
                 value: Optional[ArrayLike] = None, *, causal: Union[bool, str, None] = None,

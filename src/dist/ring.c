@@ -141,10 +141,6 @@ static mha_status check_local(const mha_ring_config *cfg,
         unsupported = "mask.alignment=EXPLICIT";
     else if (mk->bool_mask.data || mk->additive_mask.data)
         unsupported = "a boolean or additive mask";
-    else if (a->dropout.training && a->dropout.p > 0.0f)
-        /* The core keys dropout by the call's local (i, j): a pair would need global indices. */
-        unsupported = "dropout in training (its mask is keyed by local row/column indices; "
-                      "docs/distributed.md)";
     else if (a->probs)
         unsupported = "probs (an N x N output)";
     if (unsupported) {
@@ -184,12 +180,18 @@ enum {
     AGREE_SINKS,
     AGREE_KEY_PADDING,
     AGREE_SEGMENTS,
+    AGREE_DROPOUT,
+    AGREE_DROPOUT_P,
+    AGREE_SEED_LO,
+    AGREE_SEED_HI,
     AGREE_COUNT
 };
 static const char *const agree_name[AGREE_COUNT] = {
-    "",         "seq_len",     "layout",     "batch",       "num_heads",    "num_kv_heads",
-    "head_dim", "v_head_dim",  "causal",     "window_left", "window_right", "alibi",
-    "sinks",    "key_padding", "segment ids"};
+    "",          "seq_len",      "layout",       "batch",
+    "num_heads", "num_kv_heads", "head_dim",     "v_head_dim",
+    "causal",    "window_left",  "window_right", "alibi",
+    "sinks",     "key_padding",  "segment ids",  "dropout",
+    "dropout.p", "dropout.seed", "dropout.seed"};
 
 /* The collective agreement: one MPI_Allreduce (MAX) of {v, -v} gives every rank the maximum and
  * the minimum of each value. v[AGREE_FAIL] = P - rank on a failing rank (0 otherwise), so the
@@ -366,6 +368,16 @@ static int positional(const mha_attention_args *a) {
     return a->mask.causal || a->mask.use_window || a->alibi;
 }
 
+static int64_t float_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits;
+}
+
+static int dropout_on(const mha_attention_args *a) {
+    return a->dropout.training && a->dropout.p > 0.0f;
+}
+
 /* The core's arguments for the rank's query rows [q_off, q_off + nq) (global rows [qs, qe], qe =
  * qs + nq - 1) against key rows [k_off, k_off + nk) (global [ks, ke]) of the block `blk` of n_src
  * rows. Returns 0 when the mask hides the whole pair: the keys some row of the pair may see are
@@ -374,7 +386,8 @@ static int positional(const mha_attention_args *a) {
  * window, no ALiBi) runs unmasked; otherwise the rules are placed by the explicit alignment
  * delta = qs - ks (local key j vs local row i + delta <=> global key vs global row).
  * Key padding and segment ids are the pair's slices (pair_keys); sinks are left out (fold_sinks,
- * sink_grads). out and lse are left to the caller. */
+ * sink_grads); dropout draws the whole sequence's mask at the pair's global rows and columns
+ * (mha_dropout.row_offset, col_offset). out and lse are left to the caller. */
 static int pair_args(ring_call *c,
                      const float *blk,
                      int64_t n_src,
@@ -419,6 +432,8 @@ static int pair_args(ring_call *c,
     }
     /* The sink joins each row's denominator once: folded in after the ring (fold_sinks). */
     p->sinks = NULL;
+    p->dropout.row_offset = a->dropout.row_offset + qs;
+    p->dropout.col_offset = a->dropout.col_offset + ks;
     if (c->keys)
         pair_keys(c, n_src, q_off, nq, k_off, nk, p);
     p->q_len = nq;
@@ -510,11 +525,11 @@ static mha_status bwd_pair(ring_call *c,
     return mha_attention_backward(&p, &g, &c->inner, err);
 }
 
-/* Every pair of a query chunk of this rank and a key chunk of src (without a positional mask, the
- * whole shards at once: the positions do not matter); acc == NULL is the forward. */
+/* Every pair of a query chunk of this rank and a key chunk of src (without a positional mask or
+ * dropout, the whole shards at once: the positions do not matter); acc == NULL is the forward. */
 static mha_status
 block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, mha_error *err) {
-    const int chunked = positional(c->a);
+    const int chunked = positional(c->a) || dropout_on(c->a);
     const int32_t nqc = chunked ? c->mine.num_chunks : 1, nkc = chunked ? src->num_chunks : 1;
     int64_t q_off = 0;
     for (int32_t qc = 0; qc < nqc; qc++) {
@@ -798,7 +813,12 @@ static mha_status ring_entry(MPI_Comm comm,
                                            a->alibi != 0,
                                            a->sinks != NULL,
                                            a->mask.key_padding.data != NULL,
-                                           a->mask.q_segment_ids != NULL};
+                                           a->mask.q_segment_ids != NULL,
+                                           dropout_on(a),
+                                           dropout_on(a) ? float_bits(a->dropout.p) : 0,
+                                           dropout_on(a) ? (int64_t)(a->dropout.seed & 0xffffffffu)
+                                                         : 0,
+                                           dropout_on(a) ? (int64_t)(a->dropout.seed >> 32) : 0};
         memcpy(values, mine, sizeof mine);
     }
 
