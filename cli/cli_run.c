@@ -16,6 +16,8 @@
 static const cli_opt run_flags[O_COUNT] = {
     [O_HELP] = {"--help", CLI_OPT_FLAG},
     [O_WEIGHTS] = {"--weights", CLI_OPT_VALUE},
+    [O_MODEL] = {"--model", CLI_OPT_VALUE},
+    [O_LAYER] = {"--layer", CLI_OPT_VALUE},
     [O_PREFIX] = {"--prefix", CLI_OPT_VALUE},
     [O_NAMES] = {"--names", CLI_OPT_VALUE},
     [O_HEADS] = {"--heads", CLI_OPT_VALUE},
@@ -73,6 +75,7 @@ const char *run_flag_name(int id) {
 void cli_run_usage(void) {
     static const char *const text[] = {
         "Usage: mha run --weights W.safetensors --heads H --input X.npy --out Y.npy [options]",
+        "       mha run --model DIR --layer L --input X.npy --out Y.npy [options]",
         "",
         "Runs one multi-head attention layer (projections, RoPE, masks, attention, output",
         "projection) with weights from a safetensors file on tensors from .npy files.",
@@ -80,7 +83,7 @@ void cli_run_usage(void) {
         "X [B, n, q_dim] gives Y [B, n, out_dim]. Options also take the form --flag=value.",
         "",
         "Weights:",
-        "  --weights W.safetensors  weights, F32/F64/F16/BF16 (required). Names tried: HF",
+        "  --weights W.safetensors  weights, F32/F64/F16/BF16 (or --model). Names tried: HF",
         "                           q_proj/k_proj/v_proj/o_proj (.weight, .bias); PyTorch",
         "                           nn.MultiheadAttention (in_proj_weight, out_proj.weight, ...);",
         "                           CS336 (q_proj_weight, ...). Sizes come from the tensor shapes.",
@@ -88,7 +91,14 @@ void cli_run_usage(void) {
         "                           (default: none)",
         "  --names q=A,k=B,v=C,o=D  explicit stems, \".weight\"/\".bias\" appended; sinks=NAME",
         "                           names the sink logits (default: the built-in search)",
-        "  --heads H                number of query heads (required)",
+        "  --model DIR              a Hugging Face model directory (config.json, model.safetensors",
+        "                           or model.safetensors.index.json + shards): the layer's",
+        "                           weights and every option its config implies (heads, RoPE,",
+        "                           causal, sliding window, soft-cap, scale, sinks). Flags given",
+        "                           explicitly override it; RoPE flags replace its RoPE. See",
+        "                           docs/MODELS.md; `mha info --model DIR` prints what is read.",
+        "  --layer L                the layer of --model, 0-based (default 0)",
+        "  --heads H                number of query heads (required without --model)",
         "  --kv-heads G             key/value heads (GQA/MQA), H % G == 0 (default: from shapes)",
         "",
         "Inputs (float32, float64 or float16, C order):",
@@ -405,6 +415,74 @@ static int parse_distributed(run_config *o) {
     return CLI_OK;
 }
 
+/* --weights (with --heads) or --model (with --layer): exactly one source of weights. */
+static int parse_model(run_config *o) {
+    const char *const *v = o->opt;
+    if (!v[O_WEIGHTS] == !v[O_MODEL])
+        return cli_usage(v[O_MODEL] ? "--weights and --model exclude each other"
+                                    : "--weights (with --heads) or --model is required");
+    if (v[O_WEIGHTS]) {
+        if (v[O_LAYER])
+            return cli_usage("--layer needs --model");
+        if (!v[O_HEADS])
+            return cli_usage("--heads is required with --weights");
+        o->wpath = v[O_WEIGHTS];
+        return CLI_OK;
+    }
+    if (v[O_PREFIX] || v[O_NAMES])
+        return cli_usage("%s cannot be used with --model (the names come from its model_type)",
+                         v[O_PREFIX] ? "--prefix" : "--names");
+    o->wpath = v[O_MODEL];
+    if (v[O_LAYER])
+        return cli_parse_i64("--layer", v[O_LAYER], 0, INT32_MAX, &o->layer);
+    return CLI_OK;
+}
+
+/* --model: reads the layer's options from the model directory (exit 1 naming the file or the
+ * field) and takes each one the command line does not give. */
+static int apply_model(run_config *o) {
+    const char *const *v = o->opt;
+    if (!v[O_MODEL])
+        return CLI_OK;
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    if (mha_hf_layer_info_read(v[O_MODEL], o->layer, &o->hf, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(v[O_MODEL], &err);
+    mha_config *c = &o->hf.config;
+    if (v[O_HEADS])
+        c->num_heads = o->heads;
+    if (v[O_KV_HEADS])
+        c->num_kv_heads = o->kv_heads;
+    if (c->num_heads % c->num_kv_heads != 0)
+        return cli_usage("--heads %lld is not a multiple of the model's %lld kv heads (give "
+                         "--kv-heads)",
+                         (long long)c->num_heads, (long long)c->num_kv_heads);
+    o->heads = c->num_heads;
+    o->kv_heads = c->num_kv_heads;
+    if (!v[O_SCALE])
+        o->scale = c->scale;
+    if (!v[O_SOFTCAP])
+        o->softcap = c->softcap;
+    if (!v[O_ALIBI])
+        o->alibi = c->alibi;
+    if (!v[O_ROPE_THETA] && !v[O_ROPE_STYLE])
+        o->rope = c->rope;
+    if ((v[O_POSITIONS] || v[O_KEY_POSITIONS]) && o->rope.style == MHA_ROPE_NONE)
+        return cli_usage("%s has no effect: the model has no RoPE",
+                         v[O_POSITIONS] ? "--positions" : "--key-positions");
+    if (!v[O_CAUSAL] && !o->decode && o->hf.causal) {
+        o->causal = 1;
+        if (o->alignment != MHA_ALIGN_EXPLICIT)
+            o->alignment = MHA_ALIGN_BOTTOM_RIGHT;
+    }
+    if (!v[O_WINDOW] && o->hf.use_window) {
+        o->use_window = 1;
+        o->window_left = o->hf.window_left;
+        o->window_right = o->hf.window_right;
+    }
+    return CLI_OK;
+}
+
 static int parse_options(const cli_args *a, run_config *o, run_state *st) {
     int rc;
     memset(o, 0, sizeof *o);
@@ -412,17 +490,19 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
         o->opt[i] = a->given[i] ? a->value[i] : NULL;
     const char *const *v = o->opt;
 
-    static const int required[] = {O_WEIGHTS, O_HEADS, O_INPUT, O_OUT};
+    if ((rc = parse_model(o)))
+        return rc;
+    static const int required[] = {O_INPUT, O_OUT};
     for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
         if (!v[required[i]])
             return cli_usage("%s is required", run_flags[required[i]].name);
 
-    if ((rc = cli_parse_i64("--heads", v[O_HEADS], 1, INT32_MAX, &o->heads)))
+    if (v[O_HEADS] && (rc = cli_parse_i64("--heads", v[O_HEADS], 1, INT32_MAX, &o->heads)))
         return rc;
     if (v[O_KV_HEADS]) {
         if ((rc = cli_parse_i64("--kv-heads", v[O_KV_HEADS], 1, INT32_MAX, &o->kv_heads)))
             return rc;
-        if (o->heads % o->kv_heads != 0)
+        if (o->heads && o->heads % o->kv_heads != 0)
             return cli_usage("--kv-heads %lld does not divide --heads %lld", (long long)o->kv_heads,
                              (long long)o->heads);
     }
@@ -479,7 +559,8 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
                                     O_ROPE_LOW_FREQ,  O_ROPE_HIGH_FREQ,       O_ROPE_BETA_FAST,
                                     O_ROPE_BETA_SLOW, O_ROPE_ATTENTION_FACTOR};
     for (size_t i = 0; i < sizeof rope_only / sizeof rope_only[0]; i++)
-        if (v[rope_only[i]] && !rope_on)
+        if (v[rope_only[i]] && !rope_on &&
+            !(v[O_MODEL] && (rope_only[i] == O_POSITIONS || rope_only[i] == O_KEY_POSITIONS)))
             return cli_usage("%s has no effect without RoPE (give --rope-theta or --rope-style)",
                              run_flags[rope_only[i]].name);
     if (rope_on) {
@@ -605,12 +686,23 @@ int check_paths(const run_config *o) {
     static const int in_ids[] = {O_WEIGHTS,   O_INPUT,         O_KEY,        O_VALUE,
                                  O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
                                  O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS};
+    /* --model: its config, single file and index are inputs too (shards are not listed). */
+    static const char *const model_files[] = {"config.json", "model.safetensors",
+                                              "model.safetensors.index.json"};
+    enum { N_IDS = sizeof in_ids / sizeof in_ids[0], N_MODEL = 3 };
     static const int out_ids[] = {O_OUT, O_ATTN, O_PLOT, O_ATTN_STATS};
     enum { N_OUT = sizeof out_ids / sizeof out_ids[0] };
-    cli_path in[sizeof in_ids / sizeof in_ids[0]], out[N_OUT];
-    const int n_in = (int)(sizeof in_ids / sizeof in_ids[0]);
-    for (int i = 0; i < n_in; i++)
-        in[i] = (cli_path){run_flags[in_ids[i]].name, v[in_ids[i]]};
+    cli_path in[N_IDS + N_MODEL], out[N_OUT];
+    char model_paths[N_MODEL][4096];
+    int n_in = 0;
+    for (int i = 0; i < N_IDS; i++)
+        in[n_in++] = (cli_path){run_flags[in_ids[i]].name, v[in_ids[i]]};
+    for (int i = 0; v[O_MODEL] && i < N_MODEL; i++) {
+        int len =
+            snprintf(model_paths[i], sizeof model_paths[i], "%s/%s", v[O_MODEL], model_files[i]);
+        if (len > 0 && (size_t)len < sizeof model_paths[i])
+            in[n_in++] = (cli_path){"--model", model_paths[i]};
+    }
     for (int i = 0; i < N_OUT; i++)
         out[i] = (cli_path){run_flags[out_ids[i]].name, v[out_ids[i]]};
     return cli_check_outputs(in, n_in, out, N_OUT);
@@ -629,6 +721,8 @@ int cli_run_main(int argc, char **argv) {
     run_state s;
     memset(&s, 0, sizeof s);
     rc = parse_options(&args, &o, &s);
+    if (!rc)
+        rc = apply_model(&o);
     stage_begin(&s);
     if (!rc && o.distributed) /* its own path checks, per rank */
         rc = run_distributed(&o, &s);

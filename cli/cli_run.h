@@ -16,6 +16,8 @@
 enum {
     O_HELP,
     O_WEIGHTS,
+    O_MODEL,
+    O_LAYER,
     O_PREFIX,
     O_NAMES,
     O_HEADS,
@@ -86,6 +88,9 @@ typedef struct cli_stats {
 /* Everything parsed from the command line. */
 typedef struct run_config {
     const char *opt[O_COUNT]; /* raw values (NULL = not given) */
+    const char *wpath;        /* --weights, or the --model directory (messages) */
+    int64_t layer;            /* --layer */
+    mha_hf_layer_info hf;     /* --model: what the config says, flags applied on top */
     int64_t heads, kv_heads;
     mha_name_map names;
     int use_names;

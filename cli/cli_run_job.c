@@ -109,7 +109,7 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
  * options, its weights borrowed from the loaded one. */
 int build_layer(const run_config *o, run_state *s) {
     const char *const *v = o->opt;
-    const char *wpath = v[O_WEIGHTS];
+    const char *wpath = o->wpath;
     mha_error err;
     memset(&err, 0, sizeof err);
     char sb[160];
@@ -118,8 +118,13 @@ int build_layer(const run_config *o, run_state *s) {
     memset(&lc, 0, sizeof lc);
     lc.num_heads = o->heads;
     lc.num_kv_heads = o->kv_heads;
-    if (mha_layer_load_safetensors(wpath, v[O_PREFIX], o->use_names ? &o->names : NULL, &lc, NULL,
-                                   &s->base, &err) != MHA_STATUS_OK)
+    mha_status st;
+    if (v[O_MODEL])
+        st = mha_hf_layer_load(wpath, o->layer, &o->hf.config, NULL, &s->base, &err);
+    else
+        st = mha_layer_load_safetensors(wpath, v[O_PREFIX], o->use_names ? &o->names : NULL, &lc,
+                                        NULL, &s->base, &err);
+    if (st != MHA_STATUS_OK)
         return cli_lib_fail(wpath, &err);
     const mha_config *bc = mha_layer_config(s->base);
     const int64_t h = bc->num_heads;
@@ -161,7 +166,7 @@ int build_layer(const run_config *o, run_state *s) {
  * converted to float32. */
 int read_inputs(const run_config *o, run_state *s, run_dims *d) {
     const char *const *v = o->opt;
-    const char *wpath = v[O_WEIGHTS], *xpath = v[O_INPUT];
+    const char *wpath = o->wpath, *xpath = v[O_INPUT];
     const mha_config *bc = mha_layer_config(s->base);
     char sb[160];
     int rc;

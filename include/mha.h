@@ -251,6 +251,8 @@ typedef struct mha_rope {
     double beta_fast;             /* YARN, 0 = 32 */
     double beta_slow;             /* YARN, 0 = 1 */
     double attention_factor;      /* YARN, 0 = 0.1 ln(factor) + 1; multiplies cos and sin */
+    int32_t yarn_no_truncate;     /* YARN: nonzero keeps the ramp ends unrounded (transformers'
+                                     `truncate: false`, gpt-oss); 0 = floor/ceil them */
 } mha_rope;
 
 /** Largest accepted token position (positions are in [0, MHA_MAX_POSITION]). */
@@ -553,6 +555,46 @@ MHA_API mha_status mha_layer_load_safetensors(const char *path,
                                               const mha_allocator *allocator,
                                               mha_layer **out,
                                               mha_error *err);
+
+/** What a Hugging Face model directory says about the attention of one layer
+ *  (mha_hf_layer_info_read; docs/MODELS.md has the table per `model_type`). */
+#define MHA_HF_TEXT_SIZE 128
+typedef struct mha_hf_layer_info {
+    char model_type[MHA_HF_TEXT_SIZE]; /* config.json's model_type, e.g. "llama" */
+    char layout[MHA_HF_TEXT_SIZE];     /* how the projections are stored, e.g. "fused qkv_proj" */
+    char prefix[MHA_HF_TEXT_SIZE];     /* the layer's tensor name prefix, e.g.
+                                          "model.layers.0.self_attn." */
+    int64_t layer;                     /* the layer asked for */
+    int64_t num_layers;                /* num_hidden_layers */
+    mha_config config;    /* heads, kv heads, sizes, biases, scale, softcap, RoPE, sinks */
+    int32_t causal;       /* nonzero: decoder self-attention (causal, bottom-right aligned) */
+    int32_t use_window;   /* nonzero: this layer has a sliding window ... */
+    int64_t window_left;  /* ... of keys i - window_left .. i (HF's sliding_window - 1) */
+    int64_t window_right; /* ... and 0 on the right */
+} mha_hf_layer_info;
+
+/** Reads `dir`/config.json (and the safetensors index or file, to find the layer's tensor names)
+ *  and fills `info` with every attention option the config implies for layer `layer`. A
+ *  model_type it does not know, or a config field that changes the attention in a way mha cannot
+ *  reproduce, is MHA_STATUS_UNSUPPORTED with a message naming the field; malformed files are
+ *  BAD_FILE. config.json is untrusted: every field is type- and range-checked. */
+MHA_API mha_status mha_hf_layer_info_read(const char *dir,
+                                          int64_t layer,
+                                          mha_hf_layer_info *info,
+                                          mha_error *err);
+
+/** Loads layer `layer`'s attention from the model directory `dir` (model.safetensors, or the
+ *  shards listed by model.safetensors.index.json). Fused projections are split (GPT-2's
+ *  transposed Conv1D c_attn, GPT-NeoX's per-head interleaved query_key_value, Phi-3's qkv_proj,
+ *  Falcon's layouts). `config` NULL takes the options from mha_hf_layer_info_read(); otherwise it
+ *  is that info's config with the caller's changes (heads, kv heads and head_dim decide how fused
+ *  tensors are split; scale, softcap, alibi, rope and sinks are taken as given). */
+MHA_API mha_status mha_hf_layer_load(const char *dir,
+                                     int64_t layer,
+                                     const mha_config *config,
+                                     const mha_allocator *allocator,
+                                     mha_layer **out,
+                                     mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Training: backward                                                                             */

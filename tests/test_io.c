@@ -1391,6 +1391,145 @@ static void test_conversions(void) {
           (long long)checked, firstb);
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Hugging Face model directories (mha_hf_layer_info_read / mha_hf_layer_load, docs/MODELS.md)   */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* A model directory g_dir/<name> with this config.json and one model.safetensors of `b`. */
+static const char *hf_dir(const char *name, const char *config, stb *b) {
+    const char *dir = tpath(name);
+    CHECK(mkdir(dir, 0700) == 0, "mkdir %s: %s", dir, strerror(errno));
+    char file[128];
+    snprintf(file, sizeof file, "%s/config.json", name);
+    write_bytes(tpath(file), config, strlen(config));
+    snprintf(file, sizeof file, "%s/model.safetensors", name);
+    stb_write(b, file);
+    return dir;
+}
+
+/* Row r of the layer's [rows, cols] matrix equals row src_row of the file's `src`, or (transposed)
+ * its column src_row. */
+static int same_row(const float *w,
+                    int64_t r,
+                    int64_t cols,
+                    const float *src,
+                    int64_t src_row,
+                    int64_t src_cols,
+                    int transposed) {
+    for (int64_t c = 0; c < cols; c++) {
+        const float want = transposed ? src[c * src_cols + src_row] : src[src_row * cols + c];
+        if (w[r * cols + c] != want)
+            return 0;
+    }
+    return 1;
+}
+
+/* GPT-2: Conv1D c_attn [in 8, 3 out] transposed then split into q, k, v; c_proj transposed. */
+static void test_hf_gpt2(void) {
+    mha_error err;
+    mha_layer *L = NULL;
+    float *attn = values(8 * 24, 11), *attn_b = values(24, 12), *proj = values(8 * 8, 13),
+          *proj_b = values(8, 14);
+    stb b;
+    stb_init(&b);
+    stb_add_f32(&b, "h.0.attn.c_attn.weight", 8, 24, attn);
+    stb_add_f32(&b, "h.0.attn.c_attn.bias", 24, 0, attn_b);
+    stb_add_f32(&b, "h.0.attn.c_proj.weight", 8, 8, proj);
+    stb_add_f32(&b, "h.0.attn.c_proj.bias", 8, 0, proj_b);
+    const char *dir = hf_dir(
+        "gpt2", "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}", &b);
+    mha_hf_layer_info info;
+    CHECK_OK(mha_hf_layer_info_read(dir, 0, &info, &err), &err);
+    CHECK(strcmp(info.prefix, "h.0.attn.") == 0 && info.causal && !info.use_window &&
+              info.config.num_heads == 2 && info.config.head_dim == 4 &&
+              info.config.rope.style == MHA_ROPE_NONE && info.config.scale == 0.5,
+          "gpt2 info: prefix %s causal %d h %lld d %lld scale %g", info.prefix, info.causal,
+          (long long)info.config.num_heads, (long long)info.config.head_dim, info.config.scale);
+    CHECK_OK(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err);
+    if (L) {
+        const mha_weights *w = mha_layer_weights(L);
+        int ok = 1;
+        for (int64_t r = 0; r < 8; r++)
+            ok &= same_row(w->w_q, r, 8, attn, r, 24, 1) &&
+                  same_row(w->w_k, r, 8, attn, 8 + r, 24, 1) &&
+                  same_row(w->w_v, r, 8, attn, 16 + r, 24, 1) &&
+                  same_row(w->w_o, r, 8, proj, r, 8, 1) && w->b_q[r] == attn_b[r] &&
+                  w->b_k[r] == attn_b[8 + r] && w->b_v[r] == attn_b[16 + r] &&
+                  w->b_o[r] == proj_b[r];
+        CHECK(ok, "gpt2: c_attn / c_proj transposed and split into q, k, v, o");
+    }
+    mha_layer_destroy(L);
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 1, &info, &err), &err, MHA_STATUS_INVALID_ARG,
+               "layer 1 does not exist");
+    CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, NULL, &err), &err, MHA_STATUS_INVALID_ARG,
+               "out is NULL");
+    CHECK_FAIL(mha_hf_layer_load(NULL, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_INVALID_ARG,
+               "dir is NULL");
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "NULL");
+    free(attn), free(attn_b), free(proj), free(proj_b);
+}
+
+/* GPT-NeoX rows [h, 3, d] and Falcon's new architecture rows [g, h/g + 2, d]: the block of each
+ * head. */
+static void test_hf_fused_orders(void) {
+    mha_error err;
+    mha_layer *L = NULL;
+    float *qkv = values(24 * 8, 21), *dense = values(8 * 8, 22);
+    stb b;
+    stb_init(&b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.weight", 24, 8, qkv);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.weight", 8, 8, dense);
+    const char *dir = hf_dir("neox",
+                             "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, "
+                             "\"num_attention_heads\": 2, \"num_hidden_layers\": 1, "
+                             "\"rotary_pct\": 0.5, \"attention_bias\": false}",
+                             &b);
+    mha_hf_layer_info info;
+    CHECK_OK(mha_hf_layer_info_read(dir, 0, &info, &err), &err);
+    CHECK(info.config.rope.style == MHA_ROPE_HALF && info.config.rope.rotary_dim == 2,
+          "neox: rotary_pct 0.5 of head_dim 4 = 2, got %lld",
+          (long long)info.config.rope.rotary_dim);
+    CHECK_OK(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err);
+    if (L) {
+        const mha_weights *w = mha_layer_weights(L);
+        int ok = 1;
+        for (int64_t t = 0; t < 2; t++) /* head t: q rows 12t.., k 12t+4.., v 12t+8.. */
+            for (int64_t i = 0; i < 4; i++)
+                ok &= same_row(w->w_q, 4 * t + i, 8, qkv, 12 * t + i, 8, 0) &&
+                      same_row(w->w_k, 4 * t + i, 8, qkv, 12 * t + 4 + i, 8, 0) &&
+                      same_row(w->w_v, 4 * t + i, 8, qkv, 12 * t + 8 + i, 8, 0);
+        CHECK(ok && !w->b_q, "neox: per-head [q, k, v] blocks, no bias");
+    }
+    mha_layer_destroy(L);
+    L = NULL;
+
+    /* Falcon new_decoder_architecture: h = 4, g = 2, d = 2: blocks [q q k v | q q k v]. */
+    stb_init(&b);
+    stb_add_f32(&b, "transformer.h.0.self_attention.query_key_value.weight", 16, 8, qkv);
+    stb_add_f32(&b, "transformer.h.0.self_attention.dense.weight", 8, 8, dense);
+    dir = hf_dir("falcon",
+                 "{\"model_type\": \"falcon\", \"hidden_size\": 8, \"num_attention_heads\": 4, "
+                 "\"num_hidden_layers\": 1, \"new_decoder_architecture\": true, "
+                 "\"num_kv_heads\": 2, \"rope_theta\": 500.0}",
+                 &b);
+    CHECK_OK(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err);
+    if (L) {
+        const mha_weights *w = mha_layer_weights(L);
+        static const int q_block[4] = {0, 1, 4, 5}, k_block[2] = {2, 6}, v_block[2] = {3, 7};
+        int ok = mha_layer_config(L)->num_kv_heads == 2 && mha_layer_config(L)->rope.theta == 500.0;
+        for (int64_t i = 0; i < 2; i++) {
+            for (int64_t t = 0; t < 4; t++)
+                ok &= same_row(w->w_q, 2 * t + i, 8, qkv, 2 * q_block[t] + i, 8, 0);
+            for (int64_t t = 0; t < 2; t++)
+                ok &= same_row(w->w_k, 2 * t + i, 8, qkv, 2 * k_block[t] + i, 8, 0) &&
+                      same_row(w->w_v, 2 * t + i, 8, qkv, 2 * v_block[t] + i, 8, 0);
+        }
+        CHECK(ok, "falcon new architecture: per-group [queries, k, v] blocks");
+    }
+    mha_layer_destroy(L);
+    free(qkv), free(dense);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1406,6 +1545,8 @@ int main(void) {
     test_st_names_prefix_dtypes();
     test_st_allocator();
     test_st_file_errors();
+    test_hf_gpt2();
+    test_hf_fused_orders();
     remove_tree(g_dir);
     return test_finish();
 }

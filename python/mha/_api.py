@@ -223,7 +223,8 @@ class Rope:
 
     style: 'interleaved' (pairs 2k, 2k+1: RoFormer, CS336, GPT-J) or 'half' (pairs k, k+R/2:
     GPT-NeoX, HF Llama). rotary_dim: R (even, <= head_dim; None = head_dim). scaling: None,
-    'linear', 'ntk', 'llama3' or 'yarn', with its parameters (None = the documented default).
+    'linear', 'ntk', 'llama3' or 'yarn', with its parameters (None = the documented default);
+    yarn_no_truncate keeps YaRN's ramp ends unrounded (transformers' ``truncate: false``).
     """
     style: str = "interleaved"
     theta: float = 10000.0
@@ -236,6 +237,7 @@ class Rope:
     beta_fast: Optional[float] = None
     beta_slow: Optional[float] = None
     attention_factor: Optional[float] = None
+    yarn_no_truncate: bool = False
 
     def _to_c(self) -> L.mha_rope:
         r = L.mha_rope()
@@ -251,6 +253,7 @@ class Rope:
         for f in ("factor", "original_max_position", "low_freq_factor", "high_freq_factor",
                   "beta_fast", "beta_slow", "attention_factor"):
             setattr(r, f, float(getattr(self, f) or 0.0))
+        r.yarn_no_truncate = 1 if self.yarn_no_truncate else 0
         return r
 
     @classmethod
@@ -263,7 +266,7 @@ class Rope:
             "factor", "original_max_position", "low_freq_factor", "high_freq_factor",
             "beta_fast", "beta_slow", "attention_factor")}
         return cls(style=style, theta=r.theta, rotary_dim=r.rotary_dim or None, scaling=scaling,
-                   **kw)
+                   yarn_no_truncate=bool(r.yarn_no_truncate), **kw)
 
 
 def _as_rope(r: Union[None, str, dict, Rope]) -> Optional[Rope]:
@@ -854,6 +857,40 @@ class MultiheadAttention:
         self._init_handle(ptr.value)
         return self
 
+    # Masking a layer applies when forward() is not told otherwise: none for layers built from
+    # weights; from_pretrained() sets the model's (causal, sliding window).
+    _causal: Union[bool, str] = False
+    _window: Optional[Tuple[int, int]] = None
+    model_info: Optional[Dict[str, object]] = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, layer: int = 0) -> "MultiheadAttention":
+        """Layer ``layer`` (0-based) of a Hugging Face model directory (config.json with
+        model.safetensors, or model.safetensors.index.json and its shards), with every option
+        its config implies (mha_hf_layer_load; the table per model_type is in docs/MODELS.md).
+        Fused projections (GPT-2, GPT-NeoX, Phi-3, Falcon) are split at load time. The model's
+        causal mask and sliding window become this layer's defaults for :meth:`forward`
+        (``causal=None`` / ``window=None`` there); ``model_info`` says what was read. An
+        unsupported architecture or attention option raises MhaError naming the config field.
+        """
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+            raise ValueError(f"layer: expected a non-negative integer, got {layer!r}")
+        info = L.mha_hf_layer_info()
+        M.call(L.mha_hf_layer_info_read, str(path).encode(), int(layer), info)
+        ptr = ctypes.c_void_p()
+        M.call(L.mha_hf_layer_load, str(path).encode(), int(layer), info.config, None, ptr)
+        self = cls.__new__(cls)
+        self._init_handle(ptr.value)
+        self._causal = bool(info.causal)
+        self._window = (int(info.window_left), int(info.window_right)) if info.use_window \
+            else None
+        self.model_info = {
+            "model_type": info.model_type.decode(), "layout": info.layout.decode(),
+            "prefix": info.prefix.decode(), "layer": int(info.layer),
+            "num_layers": int(info.num_layers), "causal": self._causal, "window": self._window,
+        }
+        return self
+
     def close(self) -> None:
         """Frees the C layer now (it is otherwise freed when garbage-collected)."""
         self._handle.close()
@@ -975,7 +1012,7 @@ class MultiheadAttention:
         return {name: arr[0] for name, arr in out.items()} if unbatched else out
 
     def forward(self, query: ArrayLike, key: Optional[ArrayLike] = None,
-                value: Optional[ArrayLike] = None, *, causal: Union[bool, str] = False,
+                value: Optional[ArrayLike] = None, *, causal: Union[bool, str, None] = None,
                 alignment=None, mask: Optional[ArrayLike] = None, mask_means: str = "attend",
                 attn_bias: Optional[ArrayLike] = None,
                 key_padding_mask: Optional[ArrayLike] = None,
@@ -995,9 +1032,16 @@ class MultiheadAttention:
         ``dropout`` > 0 drops probabilities (training) with the counter-based RNG keyed by
         ``seed``. ``threads`` = 0 uses every CPU; ``impl`` is 'auto', 'reference' or 'fast'.
 
+        ``causal=None`` and ``window=None`` take the layer's defaults: off, or the model's for a
+        layer made by :meth:`from_pretrained`.
+
         Returns y [B, n, out_dim], or (y, weights) with ``need_weights`` (weights [B, h, n, m],
         or [B, n, m] with ``average_attn_weights``; before dropout).
         """
+        if causal is None:
+            causal = self._causal
+        if window is None:
+            window = self._window
         if (key is None and value is None and causal is False and alignment is None
                 and mask is None and attn_bias is None and key_padding_mask is None
                 and window is None and positions is None and key_positions is None
@@ -1033,14 +1077,15 @@ class MultiheadAttention:
         """Forward in training mode (mha_layer_forward_train): the same outputs as
         :meth:`forward` followed by a :class:`TrainState` for :meth:`backward`."""
         keep: list = []
-        opts = dict(causal=False, alignment=None, mask=None, mask_means="attend",
-                    attn_bias=None, key_padding_mask=None, window=None, positions=None,
+        opts = dict(causal=self._causal, alignment=None, mask=None, mask_means="attend",
+                    attn_bias=None, key_padding_mask=None, window=self._window, positions=None,
                     key_positions=None, q_segment_ids=None, kv_segment_ids=None, dropout=0.0,
                     seed=0, need_weights=False, average_attn_weights=False)
         bad = set(options) - set(opts)
         if bad:
             raise TypeError(f"forward_train: unexpected keyword arguments {sorted(bad)}")
-        opts.update(options)
+        opts.update({k: v for k, v in options.items()
+                     if v is not None or k not in ("causal", "window")})
         a, out, probs, unbatched = self._forward_args(query, key, value, keep, **opts)
         st = M.layer_forward(self._ptr, a, _exec(impl, threads), True)
         shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len,

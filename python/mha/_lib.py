@@ -100,6 +100,7 @@ class mha_rope(Structure):
         ("factor", c_double), ("original_max_position", c_double),
         ("low_freq_factor", c_double), ("high_freq_factor", c_double),
         ("beta_fast", c_double), ("beta_slow", c_double), ("attention_factor", c_double),
+        ("yarn_no_truncate", c_int32),
     ]
 
 
@@ -125,6 +126,18 @@ class mha_config(Structure):
         ("bias_q", c_int32), ("bias_k", c_int32), ("bias_v", c_int32), ("bias_o", c_int32),
         ("sinks", c_int32), ("scale", c_double), ("softcap", c_double), ("alibi", c_int32),
         ("rope", mha_rope),
+    ]
+
+
+MHA_HF_TEXT_SIZE = 128
+
+
+class mha_hf_layer_info(Structure):
+    _fields_ = [
+        ("model_type", c_char * MHA_HF_TEXT_SIZE), ("layout", c_char * MHA_HF_TEXT_SIZE),
+        ("prefix", c_char * MHA_HF_TEXT_SIZE), ("layer", c_int64), ("num_layers", c_int64),
+        ("config", mha_config), ("causal", c_int32), ("use_window", c_int32),
+        ("window_left", c_int64), ("window_right", c_int64),
     ]
 
 
@@ -269,6 +282,11 @@ mha_layer_forward_supported = _fn("mha_layer_forward_supported",
 mha_layer_load_safetensors = _fn("mha_layer_load_safetensors",
                                  [c_char_p, c_char_p, P(mha_name_map), P(mha_config), c_void_p,
                                   P(c_void_p), P(mha_error)])
+
+mha_hf_layer_info_read = _fn("mha_hf_layer_info_read",
+                             [c_char_p, c_int64, P(mha_hf_layer_info), P(mha_error)])
+mha_hf_layer_load = _fn("mha_hf_layer_load", [c_char_p, c_int64, P(mha_config), c_void_p,
+                                              P(c_void_p), P(mha_error)])
 
 
 def version() -> str:

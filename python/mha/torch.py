@@ -236,6 +236,16 @@ def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
         _set_mask(mk.additive_mask, add)
 
 
+def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple]) -> None:
+    """A from_pretrained layer's own mask: causal (bottom-right) and its sliding window."""
+    if causal:
+        mk.causal = 1
+        mk.alignment = L.ALIGN_BOTTOM_RIGHT
+    if window is not None:
+        mk.use_window = 1
+        mk.window_left, mk.window_right = window
+
+
 def _param_key(params) -> tuple:
     """What identifies the parameter values: (data_ptr, version counter) of each parameter."""
     in_w, q_w, _, _, in_b, ow, ob = params
@@ -310,6 +320,64 @@ class MultiheadAttention(nn.Module):
         self._layer: Optional[_Layer] = None
         self._reset_parameters()
 
+    # Layer options beyond nn.MultiheadAttention's (from_pretrained: GQA, RoPE, scale, soft-cap,
+    # sinks), and the model's (causal, window) applied when forward() gets no mask.
+    _options: dict = {}
+    _model_mask: Optional[tuple] = None
+    model_info: Optional[dict] = None
+
+    @classmethod
+    def from_pretrained(cls, path: str, layer: int = 0, *, batch_first: bool = False,
+                        threads: int = 0) -> "MultiheadAttention":
+        """Layer ``layer`` of a Hugging Face model directory, as this module (see
+        :meth:`mha.MultiheadAttention.from_pretrained` and docs/MODELS.md).
+
+        The projections become the parameters of nn.MultiheadAttention's separate-weight form:
+        ``q_proj_weight`` [h*d, E], ``k_proj_weight`` / ``v_proj_weight`` [g*d, E] (GQA keeps its
+        g kv heads), ``in_proj_bias`` = [b_q; b_k; b_v] and ``out_proj`` (missing biases of a
+        partly biased model are zeros, which changes nothing). RoPE, scale, soft-cap and the
+        sinks (a buffer, not trained) are fixed options. Without ``attn_mask`` and
+        ``is_causal``, forward() applies the model's own mask: causal (bottom-right) and its
+        sliding window, if any.
+        """
+        src = _Layer.from_pretrained(path, layer)
+        c, w = src.config, src.weights
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        E = c.q_dim
+        self.embed_dim, self.kdim, self.vdim = E, c.k_dim, c.v_dim
+        self._qkv_same_embed_dim = False
+        self.num_heads, self.dropout, self.batch_first = c.num_heads, 0.0, batch_first
+        self.head_dim, self.threads = c.head_dim, threads
+        for nm in ("q", "k", "v"):
+            setattr(self, nm + "_proj_weight", nn.Parameter(torch.from_numpy(w["w_" + nm])))
+        self.register_parameter("in_proj_weight", None)
+        biased = any(k.startswith("b_") for k in w)
+        rows = {"b_q": w["w_q"].shape[0], "b_k": w["w_k"].shape[0], "b_v": w["w_v"].shape[0],
+                "b_o": c.out_dim}
+        b = {k: torch.from_numpy(w[k]) if k in w else torch.zeros(n, dtype=_F32)
+             for k, n in rows.items()}
+        if biased:
+            self.in_proj_bias = nn.Parameter(torch.cat([b["b_q"], b["b_k"], b["b_v"]]))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(w["w_o"].shape[1], c.out_dim, bias=biased, dtype=_F32)
+        with torch.no_grad():
+            self.out_proj.weight.copy_(torch.from_numpy(w["w_o"]))
+            if biased:
+                self.out_proj.bias.copy_(b["b_o"])
+        if "sinks" in w:
+            self.register_buffer("sinks", torch.from_numpy(w["sinks"]))
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        self._cache_key = None
+        self._layer = None
+        self._options = dict(num_kv_heads=c.num_kv_heads, scale=c.scale, softcap=c.softcap,
+                             alibi=c.alibi, rope=c.rope, sinks=w.get("sinks"))
+        self._model_mask = (src._causal, src._window)
+        self.model_info = src.model_info
+        return self
+
     def _reset_parameters(self) -> None:
         # As nn.MultiheadAttention: xavier-uniform projections, zero biases.
         if self._qkv_same_embed_dim:
@@ -356,11 +424,13 @@ class MultiheadAttention(nn.Module):
             if in_w is not None:
                 q_w, k_w, v_w = in_w[:E], in_w[E:2 * E], in_w[2 * E:]
             bq = bk = bv = None
-            if in_b is not None:
-                bq, bk, bv = in_b[:E], in_b[E:2 * E], in_b[2 * E:]
+            if in_b is not None:  # rows of q, k, v (E each, unless from_pretrained's GQA)
+                rq, rk = q_w.shape[0], k_w.shape[0]
+                bq, bk, bv = in_b[:rq], in_b[rq:rq + rk], in_b[rq + rk:]
             # The layer copies the weights (so an in-place optimizer step cannot change a graph
             # that is waiting for its backward); one copy per parameter update.
-            self._layer = _Layer(q_w, k_w, v_w, ow, bq, bk, bv, ob, num_heads=self.num_heads)
+            self._layer = _Layer(q_w, k_w, v_w, ow, bq, bk, bv, ob, num_heads=self.num_heads,
+                                 **self._options)
             self._cache_key = key
         return self._layer
 
@@ -499,6 +569,13 @@ class MultiheadAttention(nn.Module):
         PyTorch does). Weights: (N, L, S) averaged over heads, or (N, num_heads, L, S).
         """
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            if self._options or self._model_mask is not None:
+                # The traced form is nn.MultiheadAttention's (torch projections around the
+                # operator): it has no RoPE, GQA, scale, soft-cap, sinks or model mask, so a
+                # from_pretrained layer would silently become another layer.
+                raise NotImplementedError(
+                    "mha.torch.MultiheadAttention.from_pretrained layers run eagerly only: "
+                    "torch.compile / torch.export of them is not supported")
             return self._forward_traced(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         if (query is key and key is value and attn_mask is None and key_padding_mask is None
@@ -581,6 +658,8 @@ class MultiheadAttention(nn.Module):
                              unbatched)
         elif is_causal:
             M.causal_top_left(a.mask)
+        if self._model_mask is not None and attn_mask is None and not is_causal:
+            _model_mask(a.mask, *self._model_mask)
         if self.training and self.dropout > 0.0:
             M.set_dropout(a.dropout, self.dropout, _seed())
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

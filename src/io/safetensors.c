@@ -257,6 +257,23 @@ st_open_mem(st_file *sf, const void *buf, size_t len, const char *name, mha_erro
  * concurrent loads would race on it (benignly: nothing here reads it). Parses are serialised. */
 static pthread_mutex_t st_json_lock = PTHREAD_MUTEX_INITIALIZER;
 
+struct cJSON *mha__json_parse(const char *text, size_t len, size_t *error_pos) {
+    const char *end = NULL;
+    pthread_mutex_lock(&st_json_lock);
+    cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+    pthread_mutex_unlock(&st_json_lock);
+    size_t pos = end ? (size_t)(end - text) : 0;
+    while (root && pos < len &&
+           (text[pos] == ' ' || text[pos] == '\t' || text[pos] == '\n' || text[pos] == '\r'))
+        pos++;
+    if (root && pos != len) {
+        cJSON_Delete(root);
+        root = NULL;
+    }
+    *error_pos = pos;
+    return root;
+}
+
 /* Reads and checks the length prefix and the JSON header of sf->f, a stream of `size` bytes. */
 static mha_status st_open_header(st_file *sf, uint64_t size, mha_error *err) {
     const char *path = sf->path;
@@ -853,4 +870,80 @@ mha_status mha__safetensors_load_mem(const void *buf,
         *out = NULL;
     MHA_RETURN_IF(!buf, err, INVALID_ARG, "mha__safetensors_load_mem: buf is NULL");
     return load_common(name, buf, len, prefix, names, config, allocator, out, err);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Tensor-level access (safetensors.h)                                                            */
+/* ---------------------------------------------------------------------------------------------- */
+
+struct mha__st_handle {
+    st_file sf;
+    char *path; /* owned copy: messages name it */
+};
+
+/* Longest tensor name looked up (HF names are under 100 characters). */
+#define ST_MAX_NAME 1024
+
+mha_status mha__st_open(const char *path, mha__st_handle **out, mha_error *err) {
+    *out = NULL;
+    mha__st_handle *h = calloc(1, sizeof *h);
+    MHA_RETURN_IF(!h, err, NO_MEMORY, "%s: out of memory", path);
+    h->path = malloc(strlen(path) + 1);
+    h->sf.name_cap = ST_MAX_NAME + 1;
+    h->sf.name_buf = malloc(h->sf.name_cap);
+    h->sf.prefix = "";
+    if (!h->path || !h->sf.name_buf) {
+        mha__st_close(h);
+        return mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
+    }
+    memcpy(h->path, path, strlen(path) + 1);
+    mha_status st = st_open(&h->sf, h->path, err);
+    if (st != MHA_STATUS_OK) {
+        mha__st_close(h);
+        return st;
+    }
+    *out = h;
+    return MHA_STATUS_OK;
+}
+
+void mha__st_close(mha__st_handle *h) {
+    if (!h)
+        return;
+    st_close(&h->sf);
+    free(h->path);
+    free(h);
+}
+
+static const st_tensor *handle_find(mha__st_handle *h, const char *name) {
+    if (strlen(name) > ST_MAX_NAME)
+        return NULL;
+    return st_find(&h->sf, name, NULL);
+}
+
+int mha__st_has(mha__st_handle *h, const char *name, int32_t *ndim, int64_t shape[8]) {
+    const st_tensor *t = handle_find(h, name);
+    if (!t)
+        return 0;
+    *ndim = t->ndim;
+    for (int32_t i = 0; i < t->ndim && i < ST_MAX_DIMS; i++)
+        shape[i] = t->shape[i];
+    return 1;
+}
+
+mha_status mha__st_read(mha__st_handle *h,
+                        const char *name,
+                        int32_t want_ndim,
+                        const mha_allocator *allocator,
+                        float **out,
+                        int64_t shape[2],
+                        mha_error *err) {
+    *out = NULL;
+    const st_tensor *t = handle_find(h, name);
+    MHA_RETURN_IF(!t, err, NOT_FOUND, "%s: no tensor '%s'", h->path, name);
+    mha_status st = check_float_tensor(&h->sf, t, want_ndim, name, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    shape[0] = t->shape[0];
+    shape[1] = want_ndim == 2 ? t->shape[1] : 1;
+    return load_floats(&h->sf, t, 0, t->count, allocator, out, err);
 }

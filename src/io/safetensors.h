@@ -21,4 +21,29 @@ mha_status mha__safetensors_load_mem(const void *buf,
                                      mha_layer **out,
                                      mha_error *err);
 
+/* cJSON_ParseWithLengthOpts under the loader's lock (cJSON 1.7 records parse errors in a global),
+ * requiring the whole text to be one JSON value (trailing whitespace allowed). NULL on error, with
+ * the byte where parsing stopped in *error_pos. Free with cJSON_Delete. */
+struct cJSON;
+struct cJSON *mha__json_parse(const char *text, size_t len, size_t *error_pos);
+
+/* Tensor-level access to one safetensors file, for loaders that assemble a layer themselves
+ * (src/io/hf_config.c: fused and transposed projections). The file gets every check of
+ * mha_layer_load_safetensors() when opened. */
+typedef struct mha__st_handle mha__st_handle;
+mha_status mha__st_open(const char *path, mha__st_handle **out, mha_error *err);
+void mha__st_close(mha__st_handle *h); /* NULL-safe */
+/* 1 when the file has a tensor named `name` (then *ndim and shape[0 .. min(ndim, 8)) are set). */
+int mha__st_has(mha__st_handle *h, const char *name, int32_t *ndim, int64_t shape[8]);
+/* The whole tensor `name` as float32 (F32/F64/F16/BF16, finite values only) in a new buffer from
+ * `allocator`, with its shape; NOT_FOUND when absent, BAD_FILE for another dtype or an empty
+ * tensor, or when its rank is not `want_ndim`. */
+mha_status mha__st_read(mha__st_handle *h,
+                        const char *name,
+                        int32_t want_ndim,
+                        const mha_allocator *allocator,
+                        float **out,
+                        int64_t shape[2],
+                        mha_error *err);
+
 #endif /* MHA_SAFETENSORS_H */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* safetensors_off.c: the safetensors entry points of a library built with -DMHA_SAFETENSORS=OFF
- * (no cJSON needed): each says so, in place of src/io/safetensors.c. */
+ * (no cJSON needed): each says so, in place of src/io/safetensors.c and src/io/hf_config.c. */
 #include "io/safetensors.h"
 
 #include "base/internal.h"
@@ -33,5 +33,21 @@ mha_status mha__safetensors_load_mem(const void *buf,
                                      mha_layer **out,
                                      mha_error *err) {
     (void)buf, (void)len, (void)name, (void)prefix, (void)names, (void)config, (void)allocator;
+    return built_without(out, err);
+}
+
+mha_status
+mha_hf_layer_info_read(const char *dir, int64_t layer, mha_hf_layer_info *info, mha_error *err) {
+    (void)dir, (void)layer, (void)info;
+    return built_without(NULL, err);
+}
+
+mha_status mha_hf_layer_load(const char *dir,
+                             int64_t layer,
+                             const mha_config *config,
+                             const mha_allocator *allocator,
+                             mha_layer **out,
+                             mha_error *err) {
+    (void)dir, (void)layer, (void)config, (void)allocator;
     return built_without(out, err);
 }

@@ -54,10 +54,12 @@ void mha__rope_freqs(const mha_rope *r, double *freqs, double *cs_factor) {
         break;
     }
     case MHA_ROPE_SCALING_YARN: {
-        double low =
-            floor(yarn_correction_dim(r->beta_fast, R, r->theta, r->original_max_position));
-        double high =
-            ceil(yarn_correction_dim(r->beta_slow, R, r->theta, r->original_max_position));
+        double low = yarn_correction_dim(r->beta_fast, R, r->theta, r->original_max_position);
+        double high = yarn_correction_dim(r->beta_slow, R, r->theta, r->original_max_position);
+        if (!r->yarn_no_truncate) { /* the paper's integer ramp ends; gpt-oss keeps them exact */
+            low = floor(low);
+            high = ceil(high);
+        }
         if (low < 0.0)
             low = 0.0;
         if (high > R - 1.0)

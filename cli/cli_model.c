@@ -1,0 +1,67 @@
+/* SPDX-License-Identifier: MIT */
+/* cli_model.c: `mha info --model DIR [--layer L]`, what libmha understood of a Hugging Face model
+ * directory (mha_hf_layer_info_read): the options `mha run --model DIR --layer L` would use. */
+#include "cli.h"
+
+#include <stdio.h>
+
+static const char *rope_style_name(mha_rope_style s) {
+    return s == MHA_ROPE_HALF ? "half" : s == MHA_ROPE_INTERLEAVED ? "interleaved" : "none";
+}
+
+static const char *rope_scaling_name(mha_rope_scaling_type t) {
+    static const char *const names[] = {"none", "linear", "ntk", "llama3", "yarn"};
+    return (unsigned)t < sizeof names / sizeof names[0] ? names[t] : "?";
+}
+
+static void print_rope(const mha_rope *r) {
+    if (r->style == MHA_ROPE_NONE) {
+        printf("rope: none\n");
+        return;
+    }
+    printf("rope: style %s, theta %g, rotary_dim %lld, scaling %s", rope_style_name(r->style),
+           r->theta, (long long)r->rotary_dim, rope_scaling_name(r->scaling));
+    if (r->scaling == MHA_ROPE_SCALING_LINEAR)
+        printf(" (factor %g)", r->factor);
+    else if (r->scaling == MHA_ROPE_SCALING_LLAMA3)
+        printf(" (factor %g, low_freq_factor %g, high_freq_factor %g, original_max %g)", r->factor,
+               r->low_freq_factor, r->high_freq_factor, r->original_max_position);
+    else if (r->scaling == MHA_ROPE_SCALING_YARN)
+        printf(" (factor %g, original_max %g, beta_fast %g, beta_slow %g, attention_factor %g, "
+               "truncate %s)",
+               r->factor, r->original_max_position, r->beta_fast, r->beta_slow, r->attention_factor,
+               r->yarn_no_truncate ? "no" : "yes");
+    printf("\n");
+}
+
+int cli_info_model(const char *dir, const char *layer_arg) {
+    int64_t layer = 0;
+    int rc;
+    if (layer_arg && (rc = cli_parse_i64("--layer", layer_arg, 0, INT32_MAX, &layer)))
+        return rc;
+    mha_hf_layer_info info;
+    mha_error err;
+    if (mha_hf_layer_info_read(dir, layer, &info, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(dir, &err);
+    const mha_config *c = &info.config;
+    printf("model: %s\n", dir);
+    printf("model_type: %s\n", info.model_type);
+    printf("layer: %lld of %lld\n", (long long)info.layer, (long long)info.num_layers);
+    printf("tensors: %s* (%s)\n", info.prefix, info.layout);
+    printf("hidden size: %lld\n", (long long)c->q_dim);
+    printf("heads: %lld, kv heads: %lld, head_dim: %lld\n", (long long)c->num_heads,
+           (long long)c->num_kv_heads, (long long)c->head_dim);
+    printf("biases: q %d, k %d, v %d, o %d\n", c->bias_q != 0, c->bias_k != 0, c->bias_v != 0,
+           c->bias_o != 0);
+    printf("scale: %.17g\n", c->scale);
+    printf("softcap: %g\n", c->softcap);
+    printf("sinks: %s\n", c->sinks ? "yes" : "no");
+    print_rope(&c->rope);
+    printf("causal: %s\n", info.causal ? "yes (bottom-right)" : "no");
+    if (info.use_window)
+        printf("window: %lld,%lld (--window)\n", (long long)info.window_left,
+               (long long)info.window_right);
+    else
+        printf("window: none\n");
+    return CLI_OK;
+}

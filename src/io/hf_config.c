@@ -1,0 +1,1019 @@
+/* SPDX-License-Identifier: MIT */
+/* hf_config.c: a Hugging Face model directory's attention layer by index (mha_hf_layer_info_read,
+ * mha_hf_layer_load). docs/MODELS.md has the table: per config.json `model_type`, the fields read,
+ * the tensor names, how fused projections are split, and what is refused.
+ *
+ * This is the one place where config.json is mapped to mha options (the CLI and Python call it).
+ * config.json and the index are untrusted: sizes are capped before allocation, every field is
+ * type- and range-checked, shard file names may not leave the directory, and every tensor's
+ * shape is checked against the sizes the config implies before a byte of it is used.
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include "io/safetensors.h"
+
+#include "base/internal.h"
+
+#include <cjson/cJSON.h>
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* config.json and the index are a few kilobytes (an index lists a few thousand names). */
+#define HF_MAX_JSON  ((long)64 * 1024 * 1024)
+#define HF_MAX_PATH  4096
+#define HF_MAX_HEADS ((int64_t)1 << 20)
+#define HF_MAX_SIZE  ((int64_t)1 << 24) /* hidden size, head_dim */
+
+/* How an architecture stores the four projections of one layer. */
+typedef enum hf_layout {
+    LAYOUT_QKVO,   /* q_proj, k_proj, v_proj, o_proj (nn.Linear) */
+    LAYOUT_BERT,   /* self.query, self.key, self.value, output.dense */
+    LAYOUT_PHI3,   /* qkv_proj = [q; k; v] rows, o_proj */
+    LAYOUT_GPT2,   /* Conv1D c_attn [in, 3 out] (x W + b), c_proj [in, out] */
+    LAYOUT_NEOX,   /* query_key_value rows [h, 3, d]: per head q, k, v; dense */
+    LAYOUT_FALCON, /* query_key_value in one of Falcon's three orders; dense */
+} hf_layout;
+
+/* The order of the blocks of d rows in a fused qkv matrix. */
+typedef enum hf_fused {
+    FUSED_CONCAT,    /* [q heads; k heads; v heads] (Phi-3, GPT-2, Falcon multi_query) */
+    FUSED_PER_HEAD,  /* [h, 3, d]: q_t, k_t, v_t per head (GPT-NeoX, Falcon classic) */
+    FUSED_PER_GROUP, /* [g, h/g + 2, d]: the group's queries, then its k, its v (Falcon new) */
+} hf_fused;
+
+typedef struct hf_arch {
+    const char *type;
+    hf_layout layout;
+    const char *prefixes[2][2]; /* tensor prefix: [i][0] + layer + [i][1] */
+    const char *layout_text;
+} hf_arch;
+
+#define LLAMA_PREFIXES                                                                             \
+    {                                                                                              \
+        {"model.layers.", ".self_attn."}, {                                                        \
+            "layers.", ".self_attn."                                                               \
+        }                                                                                          \
+    }
+static const hf_arch ARCHS[] = {
+    {"llama", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"mistral", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"mixtral", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"qwen2", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"qwen3", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"gemma", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"gemma2", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"gpt_oss", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj, sinks"},
+    {"phi3", LAYOUT_PHI3, LLAMA_PREFIXES, "fused qkv_proj [q; k; v], o_proj"},
+    {"gpt2",
+     LAYOUT_GPT2,
+     {{"transformer.h.", ".attn."}, {"h.", ".attn."}},
+     "fused Conv1D c_attn [in, 3 out] (transposed), Conv1D c_proj"},
+    {"gpt_neox",
+     LAYOUT_NEOX,
+     {{"gpt_neox.layers.", ".attention."}, {"layers.", ".attention."}},
+     "fused query_key_value, per head [q, k, v], dense"},
+    {"falcon",
+     LAYOUT_FALCON,
+     {{"transformer.h.", ".self_attention."}, {"h.", ".self_attention."}},
+     "fused query_key_value, dense"},
+    {"bert",
+     LAYOUT_BERT,
+     {{"bert.encoder.layer.", ".attention."}, {"encoder.layer.", ".attention."}},
+     "self.query, self.key, self.value, output.dense"},
+    {"roberta",
+     LAYOUT_BERT,
+     {{"roberta.encoder.layer.", ".attention."}, {"encoder.layer.", ".attention."}},
+     "self.query, self.key, self.value, output.dense"},
+};
+#define N_ARCHS (sizeof ARCHS / sizeof ARCHS[0])
+
+/* The tensor stems (".weight" / ".bias" appended) of q, k, v (or the fused qkv in slot 0) and o. */
+static const char *const STEMS[][4] = {
+    [LAYOUT_QKVO] = {"q_proj", "k_proj", "v_proj", "o_proj"},
+    [LAYOUT_BERT] = {"self.query", "self.key", "self.value", "output.dense"},
+    [LAYOUT_PHI3] = {"qkv_proj", NULL, NULL, "o_proj"},
+    [LAYOUT_GPT2] = {"c_attn", NULL, NULL, "c_proj"},
+    [LAYOUT_NEOX] = {"query_key_value", NULL, NULL, "dense"},
+    [LAYOUT_FALCON] = {"query_key_value", NULL, NULL, "dense"},
+};
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The model directory: config.json, the optional index, the open safetensors file              */
+/* ---------------------------------------------------------------------------------------------- */
+
+typedef struct hf_model {
+    const char *dir;
+    char config_path[HF_MAX_PATH];
+    char index_path[HF_MAX_PATH];
+    cJSON *config;
+    cJSON *index;            /* model.safetensors.index.json, or NULL: one model.safetensors */
+    const cJSON *weight_map; /* index["weight_map"] */
+    mha__st_handle *file;    /* the last file opened */
+    char file_name[HF_MAX_PATH];
+    const hf_arch *arch;
+    char prefix[MHA_HF_TEXT_SIZE];
+    /* From the config, for the loader. */
+    hf_fused fused;
+    int64_t hidden;
+} hf_model;
+
+static void model_close(hf_model *m) {
+    cJSON_Delete(m->config);
+    cJSON_Delete(m->index);
+    mha__st_close(m->file);
+}
+
+/* Reads a whole JSON file (at most HF_MAX_JSON bytes) into a cJSON tree. *missing is set (and OK
+ * returned) when the file does not exist and missing is not NULL. */
+static mha_status read_json(const char *path, cJSON **out, int *missing, mha_error *err) {
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f && missing && errno == ENOENT) {
+        *missing = 1;
+        return MHA_STATUS_OK;
+    }
+    MHA_RETURN_IF(!f, err, IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    mha_status st = MHA_STATUS_OK;
+    char *text = NULL;
+    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode))
+        st = mha__fail(err, MHA_STATUS_IO, "%s: not a regular file", path);
+    else if (sb.st_size > HF_MAX_JSON)
+        st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: %lld bytes, more than the limit of %ld", path,
+                       (long long)sb.st_size, HF_MAX_JSON);
+    else if (!(text = malloc((size_t)sb.st_size + 1)))
+        st = mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
+    else if (fread(text, 1, (size_t)sb.st_size, f) != (size_t)sb.st_size)
+        st = mha__fail(err, MHA_STATUS_IO, "%s: read error", path);
+    fclose(f);
+    if (st == MHA_STATUS_OK) {
+        size_t pos = 0;
+        *out = mha__json_parse(text, (size_t)sb.st_size, &pos);
+        if (!*out)
+            st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: not valid JSON (error at byte %zu)", path,
+                           pos);
+        else if (!cJSON_IsObject(*out))
+            st =
+                mha__fail(err, MHA_STATUS_BAD_FILE, "%s: the top level is not a JSON object", path);
+    }
+    free(text);
+    return st;
+}
+
+static mha_status join(char *buf, const char *dir, const char *name, mha_error *err) {
+    int n = snprintf(buf, HF_MAX_PATH, "%s/%s", dir, name);
+    MHA_RETURN_IF(n < 0 || n >= HF_MAX_PATH, err, INVALID_ARG, "%s: path too long", dir);
+    return MHA_STATUS_OK;
+}
+
+static mha_status model_open(hf_model *m, const char *dir, mha_error *err) {
+    memset(m, 0, sizeof *m);
+    m->dir = dir;
+    mha_status st = join(m->config_path, dir, "config.json", err);
+    if (st == MHA_STATUS_OK)
+        st = join(m->index_path, dir, "model.safetensors.index.json", err);
+    if (st == MHA_STATUS_OK)
+        st = read_json(m->config_path, &m->config, NULL, err);
+    int missing = 0;
+    if (st == MHA_STATUS_OK)
+        st = read_json(m->index_path, &m->index, &missing, err);
+    if (st != MHA_STATUS_OK || missing)
+        return st;
+    m->weight_map = cJSON_GetObjectItemCaseSensitive(m->index, "weight_map");
+    MHA_RETURN_IF(!cJSON_IsObject(m->weight_map), err, BAD_FILE, "%s: no \"weight_map\" object",
+                  m->index_path);
+    return MHA_STATUS_OK;
+}
+
+/* The file holding tensor `name`: the index's weight_map entry (NOT_FOUND when absent; it must
+ * be a plain file name: nothing outside the directory), else "model.safetensors". */
+static mha_status file_of(const hf_model *m, const char *name, const char **out, mha_error *err) {
+    *out = "model.safetensors";
+    if (!m->weight_map)
+        return MHA_STATUS_OK;
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(m->weight_map, name);
+    if (!f)
+        return MHA_STATUS_NOT_FOUND; /* callers word the message */
+    MHA_RETURN_IF(!cJSON_IsString(f) || !f->valuestring[0] || strchr(f->valuestring, '/') ||
+                      strcmp(f->valuestring, ".") == 0 || strcmp(f->valuestring, "..") == 0 ||
+                      strlen(f->valuestring) >= HF_MAX_PATH / 2,
+                  err, BAD_FILE,
+                  "%s: \"weight_map\" entry of '%s' is not a file name in the model directory",
+                  m->index_path, name);
+    *out = f->valuestring;
+    return MHA_STATUS_OK;
+}
+
+/* Opens the safetensors file holding `name` (or keeps it open). */
+static mha_status model_file_for(hf_model *m, const char *name, mha_error *err) {
+    const char *file;
+    mha_status st = file_of(m, name, &file, err);
+    MHA_RETURN_IF(st == MHA_STATUS_NOT_FOUND, err, NOT_FOUND,
+                  "%s: no tensor '%s' in \"weight_map\"", m->index_path, name);
+    if (st != MHA_STATUS_OK)
+        return st;
+    if (m->file && strcmp(m->file_name, file) == 0)
+        return MHA_STATUS_OK;
+    mha__st_close(m->file);
+    m->file = NULL;
+    char path[HF_MAX_PATH];
+    st = join(path, m->dir, file, err);
+    if (st == MHA_STATUS_OK)
+        st = mha__st_open(path, &m->file, err);
+    if (st == MHA_STATUS_OK)
+        snprintf(m->file_name, sizeof m->file_name, "%s", file);
+    return st;
+}
+
+/* 1 when the model has a tensor `name` (in the index, or in model.safetensors). */
+static int model_has(hf_model *m, const char *name, mha_status *st, mha_error *err) {
+    const char *file;
+    *st = file_of(m, name, &file, err);
+    if (*st == MHA_STATUS_NOT_FOUND) {
+        *st = MHA_STATUS_OK;
+        return 0;
+    }
+    if (*st != MHA_STATUS_OK)
+        return 0;
+    if (m->weight_map)
+        return 1;
+    if ((*st = model_file_for(m, name, err)) != MHA_STATUS_OK)
+        return 0;
+    int32_t nd;
+    int64_t shape[8];
+    return mha__st_has(m->file, name, &nd, shape);
+}
+
+/* prefix + stem + suffix into buf (sized MHA_HF_TEXT_SIZE * 2). */
+static void tensor_name(char *buf, const hf_model *m, const char *stem, const char *suffix) {
+    snprintf(buf, 2 * MHA_HF_TEXT_SIZE, "%s%s%s", m->prefix, stem, suffix);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* config.json fields                                                                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* The field `key` of `obj`, or NULL when absent or JSON null (HF writes null for "not set"). */
+static const cJSON *field(const cJSON *obj, const char *key) {
+    const cJSON *f = obj ? cJSON_GetObjectItemCaseSensitive(obj, key) : NULL;
+    return f && !cJSON_IsNull(f) ? f : NULL;
+}
+
+/* 1 when `key` is present as JSON null ("not set", as opposed to absent: the class default). */
+static int is_null(const cJSON *obj, const char *key) {
+    return cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(obj, key));
+}
+
+/* An integer field in [lo, hi]; *out keeps its value (the default) when absent, unless required. */
+static mha_status get_int(const hf_model *m,
+                          const cJSON *obj,
+                          const char *key,
+                          int required,
+                          int64_t lo,
+                          int64_t hi,
+                          int64_t *out,
+                          mha_error *err) {
+    const cJSON *f = field(obj, key);
+    MHA_RETURN_IF(!f && required, err, BAD_FILE, "%s: no \"%s\"", m->config_path, key);
+    if (!f)
+        return MHA_STATUS_OK;
+    const double d = cJSON_IsNumber(f) ? f->valuedouble : (double)NAN;
+    MHA_RETURN_IF(!(d >= (double)lo && d <= (double)hi) || d != floor(d), err, BAD_FILE,
+                  "%s: \"%s\" must be an integer in [%lld, %lld]", m->config_path, key,
+                  (long long)lo, (long long)hi);
+    *out = (int64_t)d;
+    return MHA_STATUS_OK;
+}
+
+/* A finite number field in (lo, hi] (lo_open) or [lo, hi]; default kept when absent. */
+static mha_status get_num(const hf_model *m,
+                          const cJSON *obj,
+                          const char *where,
+                          const char *key,
+                          double lo,
+                          int lo_open,
+                          double hi,
+                          double *out,
+                          mha_error *err) {
+    const cJSON *f = field(obj, key);
+    if (!f)
+        return MHA_STATUS_OK;
+    const double d = cJSON_IsNumber(f) ? f->valuedouble : (double)NAN;
+    MHA_RETURN_IF(!(lo_open ? d > lo : d >= lo) || !(d <= hi), err, BAD_FILE,
+                  "%s: \"%s%s\" must be a number in %c%g, %g]", m->config_path, where, key,
+                  lo_open ? '(' : '[', lo, hi);
+    *out = d;
+    return MHA_STATUS_OK;
+}
+
+static mha_status
+get_bool(const hf_model *m, const cJSON *obj, const char *key, int *out, mha_error *err) {
+    const cJSON *f = field(obj, key);
+    if (!f)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(!cJSON_IsBool(f), err, BAD_FILE, "%s: \"%s\" must be true or false",
+                  m->config_path, key);
+    *out = cJSON_IsTrue(f) ? 1 : 0;
+    return MHA_STATUS_OK;
+}
+
+/* A string field, or NULL when absent; BAD_FILE when present and not a string. */
+static mha_status
+get_str(const hf_model *m, const cJSON *obj, const char *key, const char **out, mha_error *err) {
+    const cJSON *f = field(obj, key);
+    *out = NULL;
+    if (!f)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(!cJSON_IsString(f), err, BAD_FILE, "%s: \"%s\" must be a string", m->config_path,
+                  key);
+    *out = f->valuestring;
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Sizes, biases, scale, soft-cap, sinks                                                          */
+/* ---------------------------------------------------------------------------------------------- */
+
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        mha_status st_ = (expr);                                                                   \
+        if (st_ != MHA_STATUS_OK)                                                                  \
+            return st_;                                                                            \
+    } while (0)
+
+static int is_type(const hf_model *m, const char *type) {
+    return strcmp(m->arch->type, type) == 0;
+}
+
+/* hidden size, heads, kv heads, head_dim, layers; Falcon's fused order. */
+static mha_status read_sizes(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
+    const cJSON *c = m->config;
+    const int gpt2 = is_type(m, "gpt2");
+    mha_config *cfg = &info->config;
+    int64_t hidden = 0, h = 0, layers = 0;
+    TRY(get_int(m, c, gpt2 ? "n_embd" : "hidden_size", 1, 1, HF_MAX_SIZE, &hidden, err));
+    TRY(get_int(m, c, gpt2 ? "n_head" : "num_attention_heads", 1, 1, HF_MAX_HEADS, &h, err));
+    TRY(get_int(m, c, gpt2 ? "n_layer" : "num_hidden_layers", 1, 1, INT32_MAX, &layers, err));
+    MHA_RETURN_IF(info->layer < 0 || info->layer >= layers, err, INVALID_ARG,
+                  "%s: layer %lld does not exist (num_hidden_layers = %lld: 0 .. %lld)",
+                  m->config_path, (long long)info->layer, (long long)layers, (long long)layers - 1);
+    int64_t d = 0, g = h;
+    if (m->arch->layout == LAYOUT_QKVO || m->arch->layout == LAYOUT_PHI3) {
+        TRY(get_int(m, c, "head_dim", 0, 1, HF_MAX_SIZE, &d, err));
+        TRY(get_int(m, c, "num_key_value_heads", 0, 1, HF_MAX_HEADS, &g, err));
+    }
+    m->fused = m->arch->layout == LAYOUT_NEOX ? FUSED_PER_HEAD : FUSED_CONCAT;
+    if (m->arch->layout == LAYOUT_FALCON) {
+        int new_arch = 0, multi_query = 1; /* FalconConfig's defaults */
+        TRY(get_bool(m, c, "new_decoder_architecture", &new_arch, err));
+        TRY(get_bool(m, c, "multi_query", &multi_query, err));
+        if (new_arch) {
+            TRY(get_int(m, c, "num_kv_heads", 0, 1, HF_MAX_HEADS, &g, err));
+            m->fused = FUSED_PER_GROUP;
+        } else if (multi_query) {
+            g = 1;
+        } else {
+            m->fused = FUSED_PER_HEAD;
+        }
+    }
+    if (d == 0) {
+        MHA_RETURN_IF(hidden % h != 0, err, BAD_FILE,
+                      "%s: hidden size %lld is not divisible by %lld attention heads",
+                      m->config_path, (long long)hidden, (long long)h);
+        d = hidden / h;
+    }
+    MHA_RETURN_IF(h % g != 0, err, BAD_FILE,
+                  "%s: %lld key/value heads do not divide %lld attention heads", m->config_path,
+                  (long long)g, (long long)h);
+    info->num_layers = layers;
+    cfg->q_dim = cfg->k_dim = cfg->v_dim = cfg->out_dim = hidden;
+    cfg->num_heads = h;
+    cfg->num_kv_heads = g;
+    cfg->head_dim = cfg->v_head_dim = d;
+    m->hidden = hidden;
+    return MHA_STATUS_OK;
+}
+
+/* Bias flags as the architecture builds its projections. */
+static mha_status read_biases(hf_model *m, mha_config *cfg, mha_error *err) {
+    const cJSON *c = m->config;
+    int b = 0;
+    switch (m->arch->layout) {
+    case LAYOUT_QKVO:
+        if (is_type(m, "qwen2")) { /* q, k, v biased, o not: Qwen2Attention */
+            cfg->bias_q = cfg->bias_k = cfg->bias_v = 1;
+            return MHA_STATUS_OK;
+        }
+        b = is_type(m, "gpt_oss"); /* GptOssConfig's default */
+        if (!is_type(m, "mistral") && !is_type(m, "mixtral"))
+            TRY(get_bool(m, c, "attention_bias", &b, err));
+        break;
+    case LAYOUT_BERT:
+    case LAYOUT_GPT2:
+        b = 1;
+        break;
+    case LAYOUT_PHI3:
+        b = 0;
+        break;
+    case LAYOUT_NEOX:
+        b = 1; /* GPTNeoXConfig's default */
+        TRY(get_bool(m, c, "attention_bias", &b, err));
+        break;
+    case LAYOUT_FALCON:
+        TRY(get_bool(m, c, "bias", &b, err));
+        break;
+    }
+    cfg->bias_q = cfg->bias_k = cfg->bias_v = cfg->bias_o = b;
+    return MHA_STATUS_OK;
+}
+
+/* Fields that change the attention in ways mha's layer cannot express: refused by name. */
+static mha_status refuse_unsupported(hf_model *m, mha_error *err) {
+    const cJSON *c = m->config;
+    const char *t = m->arch->type;
+    MHA_RETURN_IF(is_type(m, "qwen3"), err, UNSUPPORTED,
+                  "%s: model_type qwen3 normalises q and k per head (q_norm, k_norm: RMSNorm "
+                  "after the projections), which mha's layer cannot express",
+                  m->config_path);
+    const char *pe = NULL;
+    TRY(get_str(m, c, "position_embedding_type", &pe, err));
+    MHA_RETURN_IF(pe && strcmp(pe, "absolute") != 0, err, UNSUPPORTED,
+                  "%s: \"position_embedding_type\": \"%s\" (relative position scores inside the "
+                  "attention) is not supported by mha (only \"absolute\", which is outside it)",
+                  m->config_path, pe);
+    int alibi = 0;
+    if (is_type(m, "falcon"))
+        TRY(get_bool(m, c, "alibi", &alibi, err));
+    MHA_RETURN_IF(alibi, err, UNSUPPORTED,
+                  "%s: \"alibi\": true: Falcon adds ALiBi before the 1/sqrt(d) scaling (slopes "
+                  "scaled by 1/sqrt(head_dim)), which mha's ALiBi (after scaling) does not match",
+                  m->config_path);
+    if (strcmp(t, "gemma2") != 0) {
+        const cJSON *sc = field(c, "attn_logit_softcapping");
+        MHA_RETURN_IF(sc, err, UNSUPPORTED,
+                      "%s: \"attn_logit_softcapping\" is only read for gemma2, not %s",
+                      m->config_path, t);
+    }
+    return MHA_STATUS_OK;
+}
+
+static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
+    const cJSON *c = m->config;
+    mha_config *cfg = &info->config;
+    const double d = (double)cfg->head_dim;
+    cfg->scale = 1.0 / sqrt(d);
+    if (is_type(m, "gemma2")) { /* absent: Gemma2Config's defaults 256 and 50; null: none */
+        double qpas = 256.0, cap = is_null(c, "attn_logit_softcapping") ? 0.0 : 50.0;
+        TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
+        cfg->scale = 1.0 / sqrt(qpas);
+        TRY(get_num(m, c, "", "attn_logit_softcapping", 0.0, 1, 1e300, &cap, err));
+        cfg->softcap = cap;
+    }
+    if (is_type(m, "gpt2")) {
+        int by_sqrt = 1, by_layer = 0;
+        TRY(get_bool(m, c, "scale_attn_weights", &by_sqrt, err));
+        TRY(get_bool(m, c, "scale_attn_by_inverse_layer_idx", &by_layer, err));
+        cfg->scale = by_sqrt ? 1.0 / sqrt(d) : 1.0;
+        if (by_layer)
+            cfg->scale /= (double)(info->layer + 1);
+    }
+    cfg->sinks = is_type(m, "gpt_oss");
+    info->causal = m->arch->layout != LAYOUT_BERT;
+    if (m->arch->layout == LAYOUT_BERT) {
+        int dec = 0;
+        TRY(get_bool(m, c, "is_decoder", &dec, err));
+        info->causal = dec;
+    }
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* RoPE                                                                                           */
+/* ---------------------------------------------------------------------------------------------- */
+
+static int uses_rope(const hf_model *m) {
+    return m->arch->layout != LAYOUT_BERT && m->arch->layout != LAYOUT_GPT2;
+}
+
+/* The RoPE parameter object of this layer: transformers 5's "rope_parameters" (flat, or one per
+ * layer type), else the config itself (4.x: rope_theta, rope_scaling, partial_rotary_factor at the
+ * top level). *where names it for messages. */
+static mha_status rope_params(const hf_model *m,
+                              const char *layer_type,
+                              const cJSON **params,
+                              const cJSON **scaling,
+                              const char **where,
+                              mha_error *err) {
+    const cJSON *rp = field(m->config, "rope_parameters");
+    *params = m->config;
+    *scaling = field(m->config, "rope_scaling");
+    *where = "rope_scaling.";
+    if (!rp)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(!cJSON_IsObject(rp), err, BAD_FILE, "%s: \"rope_parameters\" is not an object",
+                  m->config_path);
+    if (!field(rp, "rope_type") && !field(rp, "rope_theta") && layer_type &&
+        field(rp, layer_type)) {
+        rp = field(rp, layer_type);
+        MHA_RETURN_IF(!cJSON_IsObject(rp), err, BAD_FILE,
+                      "%s: \"rope_parameters.%s\" is not an object", m->config_path, layer_type);
+    }
+    *params = rp;
+    *scaling = rp;
+    *where = "rope_parameters.";
+    return MHA_STATUS_OK;
+}
+
+/* YaRN's cos/sin factor as transformers computes it: 0.1 ln(s) + 1 (1 for s <= 1), or the ratio
+ * of that with mscale and with mscale_all_dim when both are given. */
+static double yarn_mscale(double factor, double mscale) {
+    return factor <= 1.0 ? 1.0 : 0.1 * mscale * log(factor) + 1.0;
+}
+
+static mha_status
+read_yarn(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
+    double maxpos = 0.0, orig = 0.0, factor = 0.0, af = 0.0, ms = 0.0, msa = 0.0;
+    TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
+    orig = maxpos;
+    TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    MHA_RETURN_IF(orig <= 0.0, err, BAD_FILE,
+                  "%s: YaRN needs \"%soriginal_max_position_embeddings\" or "
+                  "\"max_position_embeddings\"",
+                  m->config_path, where);
+    factor = maxpos / orig;
+    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
+    MHA_RETURN_IF(factor <= 0.0, err, BAD_FILE, "%s: YaRN needs \"%sfactor\"", m->config_path,
+                  where);
+    TRY(get_num(m, s, where, "mscale", 0.0, 0, 1e15, &ms, err));
+    TRY(get_num(m, s, where, "mscale_all_dim", 0.0, 0, 1e15, &msa, err));
+    af = ms != 0.0 && msa != 0.0 ? yarn_mscale(factor, ms) / yarn_mscale(factor, msa)
+                                 : yarn_mscale(factor, 1.0);
+    TRY(get_num(m, s, where, "attention_factor", 0.0, 1, 1e15, &af, err));
+    r->beta_fast = 32.0;
+    r->beta_slow = 1.0;
+    TRY(get_num(m, s, where, "beta_fast", 0.0, 1, 1e15, &r->beta_fast, err));
+    TRY(get_num(m, s, where, "beta_slow", 0.0, 1, 1e15, &r->beta_slow, err));
+    int truncate = 1;
+    TRY(get_bool(m, s, "truncate", &truncate, err));
+    r->yarn_no_truncate = !truncate;
+    r->scaling = MHA_ROPE_SCALING_YARN;
+    r->factor = factor;
+    r->original_max_position = orig;
+    r->attention_factor = af;
+    return MHA_STATUS_OK;
+}
+
+static mha_status
+read_llama3(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
+    static const char *const keys[] = {"factor", "low_freq_factor", "high_freq_factor",
+                                       "original_max_position_embeddings"};
+    double *dst[] = {&r->factor, &r->low_freq_factor, &r->high_freq_factor,
+                     &r->original_max_position};
+    for (int i = 0; i < 4; i++) {
+        *dst[i] = 0.0;
+        TRY(get_num(m, s, where, keys[i], 0.0, 1, 1e15, dst[i], err));
+        MHA_RETURN_IF(*dst[i] == 0.0, err, BAD_FILE, "%s: llama3 RoPE scaling needs \"%s%s\"",
+                      m->config_path, where, keys[i]);
+    }
+    MHA_RETURN_IF(r->high_freq_factor <= r->low_freq_factor, err, BAD_FILE,
+                  "%s: \"%shigh_freq_factor\" must exceed \"%slow_freq_factor\"", m->config_path,
+                  where, where);
+    r->scaling = MHA_ROPE_SCALING_LLAMA3;
+    return MHA_STATUS_OK;
+}
+
+/* The frequency scaling named by rope_type (or 4.x's "type"). */
+static mha_status
+read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
+    const char *type = NULL;
+    if (s && s != m->config) {
+        MHA_RETURN_IF(!cJSON_IsObject(s), err, BAD_FILE, "%s: \"rope_scaling\" is not an object",
+                      m->config_path);
+        TRY(get_str(m, s, "rope_type", &type, err));
+        if (!type)
+            TRY(get_str(m, s, "type", &type, err));
+    }
+    if (!type || strcmp(type, "default") == 0)
+        return MHA_STATUS_OK;
+    if (strcmp(type, "linear") == 0) {
+        r->factor = 0.0;
+        TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &r->factor, err));
+        MHA_RETURN_IF(r->factor == 0.0, err, BAD_FILE, "%s: linear RoPE scaling needs \"%sfactor\"",
+                      m->config_path, where);
+        r->scaling = MHA_ROPE_SCALING_LINEAR;
+        return MHA_STATUS_OK;
+    }
+    if (strcmp(type, "llama3") == 0)
+        return read_llama3(m, s, where, r, err);
+    if (strcmp(type, "yarn") == 0)
+        return read_yarn(m, s, where, r, err);
+    return mha__fail(err, MHA_STATUS_UNSUPPORTED,
+                     "%s: \"%srope_type\": \"%s\" is not supported by mha (supported: default, "
+                     "linear, llama3, yarn; \"dynamic\" NTK depends on the sequence length, "
+                     "\"longrope\" is not implemented)",
+                     m->config_path, where, type);
+}
+
+static mha_status
+read_rope(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_error *err) {
+    mha_rope *r = &info->config.rope;
+    memset(r, 0, sizeof *r);
+    if (!uses_rope(m))
+        return MHA_STATUS_OK;
+    const cJSON *p, *s;
+    const char *where;
+    TRY(rope_params(m, layer_type, &p, &s, &where, err));
+    const char *pw = p == m->config ? "" : "rope_parameters.";
+    r->style = MHA_ROPE_HALF; /* transformers' rotate_half in every architecture listed */
+    r->theta = 10000.0;
+    TRY(get_num(m, p, pw, "rotary_emb_base", 1.0, 1, 1e300, &r->theta, err)); /* NeoX, 4.x */
+    TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
+    double frac = 1.0;
+    TRY(get_num(m, p, pw, "rotary_pct", 0.0, 1, 1.0, &frac, err)); /* NeoX, 4.x */
+    TRY(get_num(m, p, pw, "partial_rotary_factor", 0.0, 1, 1.0, &frac, err));
+    const int64_t d = info->config.head_dim;
+    const int64_t rd = (int64_t)((double)d * frac); /* transformers: int(head_dim * factor) */
+    MHA_RETURN_IF(rd < 2 || rd % 2 != 0, err, UNSUPPORTED,
+                  "%s: \"%spartial_rotary_factor\" %g of head_dim %lld rotates %lld dimensions: "
+                  "mha rotates an even number >= 2",
+                  m->config_path, pw, frac, (long long)d, (long long)rd);
+    r->rotary_dim = rd;
+    return read_scaling(m, s, where, r, err);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Sliding windows                                                                                */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* "sliding_attention", "full_attention" or NULL (no layer_types) for this layer. */
+static mha_status
+layer_type_of(const hf_model *m, const mha_hf_layer_info *info, const char **out, mha_error *err) {
+    *out = NULL;
+    const cJSON *lt = field(m->config, "layer_types");
+    if (!lt)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(!cJSON_IsArray(lt) || cJSON_GetArraySize(lt) != info->num_layers, err, BAD_FILE,
+                  "%s: \"layer_types\" must be a list of num_hidden_layers (%lld) strings",
+                  m->config_path, (long long)info->num_layers);
+    const cJSON *t = cJSON_GetArrayItem(lt, (int)info->layer);
+    MHA_RETURN_IF(!cJSON_IsString(t), err, BAD_FILE, "%s: \"layer_types[%lld]\" is not a string",
+                  m->config_path, (long long)info->layer);
+    MHA_RETURN_IF(strcmp(t->valuestring, "sliding_attention") != 0 &&
+                      strcmp(t->valuestring, "full_attention") != 0,
+                  err, UNSUPPORTED,
+                  "%s: \"layer_types[%lld]\": \"%s\" is not supported by mha (only "
+                  "\"full_attention\" and \"sliding_attention\")",
+                  m->config_path, (long long)info->layer, t->valuestring);
+    *out = t->valuestring;
+    return MHA_STATUS_OK;
+}
+
+/* Whether this layer slides, for configs without layer_types (transformers 4.x rules). */
+static mha_status slides_without_types(const hf_model *m,
+                                       const mha_hf_layer_info *info,
+                                       int *slides,
+                                       mha_error *err) {
+    const int64_t L = info->layer;
+    *slides = 0;
+    if (is_type(m, "mistral") || is_type(m, "mixtral") || is_type(m, "phi3")) {
+        *slides = 1;
+    } else if (is_type(m, "qwen2")) {
+        int use = 0;
+        int64_t max_window_layers = 0;
+        TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
+        TRY(get_int(m, m->config, "max_window_layers", 0, 0, INT32_MAX, &max_window_layers, err));
+        *slides = use && L >= max_window_layers;
+    } else if (is_type(m, "gemma2") || is_type(m, "gpt_oss")) {
+        *slides = L % 2 == 0; /* even layers slide */
+    }
+    return MHA_STATUS_OK;
+}
+
+/* sliding_window when config.json leaves it out: the transformers config class's default. */
+static int64_t default_window(const hf_model *m) {
+    if (is_type(m, "mistral") || is_type(m, "gemma2") || is_type(m, "qwen2"))
+        return 4096;
+    return is_type(m, "gpt_oss") ? 128 : 0;
+}
+
+static mha_status
+read_window(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_error *err) {
+    int64_t w = is_null(m->config, "sliding_window") ? 0 : default_window(m);
+    TRY(get_int(m, m->config, "sliding_window", 0, 1, INT32_MAX, &w, err));
+    int slides = 0;
+    if (layer_type)
+        slides = strcmp(layer_type, "sliding_attention") == 0;
+    else
+        TRY(slides_without_types(m, info, &slides, err));
+    if (!info->causal || !slides || w == 0) {
+        MHA_RETURN_IF(slides && layer_type && w == 0, err, BAD_FILE,
+                      "%s: layer %lld is \"sliding_attention\" but \"sliding_window\" is not set",
+                      m->config_path, (long long)info->layer);
+        return MHA_STATUS_OK;
+    }
+    /* transformers: key j is visible from query i iff i - j < sliding_window. */
+    info->use_window = 1;
+    info->window_left = w - 1;
+    info->window_right = 0;
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Reading the config                                                                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+static mha_status find_arch(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
+    const char *type = NULL;
+    TRY(get_str(m, m->config, "model_type", &type, err));
+    MHA_RETURN_IF(!type, err, BAD_FILE, "%s: no \"model_type\"", m->config_path);
+    for (size_t i = 0; i < N_ARCHS; i++)
+        if (strcmp(ARCHS[i].type, type) == 0)
+            m->arch = &ARCHS[i];
+    MHA_RETURN_IF(!m->arch, err, UNSUPPORTED,
+                  "%s: \"model_type\": \"%.64s\" is not supported (supported: llama, mistral, "
+                  "mixtral, qwen2, gemma, gemma2, gpt_oss, phi3, gpt2, gpt_neox, falcon, bert, "
+                  "roberta)",
+                  m->config_path, type);
+    snprintf(info->model_type, sizeof info->model_type, "%s", type);
+    snprintf(info->layout, sizeof info->layout, "%s", m->arch->layout_text);
+    return MHA_STATUS_OK;
+}
+
+/* The first of the architecture's prefixes under which the layer's first projection exists. */
+static mha_status find_prefix(hf_model *m, int64_t layer, mha_error *err) {
+    char name[2 * MHA_HF_TEXT_SIZE], tried[4 * MHA_HF_TEXT_SIZE] = "";
+    const char *stem = STEMS[m->arch->layout][0];
+    for (int i = 0; i < 2; i++) {
+        snprintf(m->prefix, sizeof m->prefix, "%s%lld%s", m->arch->prefixes[i][0], (long long)layer,
+                 m->arch->prefixes[i][1]);
+        tensor_name(name, m, stem, ".weight");
+        mha_status st;
+        if (model_has(m, name, &st, err))
+            return MHA_STATUS_OK;
+        if (st != MHA_STATUS_OK)
+            return st;
+        size_t used = strlen(tried);
+        snprintf(tried + used, sizeof tried - used, "%s'%s'", i ? ", " : "", name);
+    }
+    return mha__fail(err, MHA_STATUS_NOT_FOUND, "%s: layer %lld of model_type %s: tried %s",
+                     m->weight_map ? m->index_path : m->dir, (long long)layer, m->arch->type,
+                     tried);
+}
+
+static mha_status read_info(hf_model *m, int64_t layer, mha_hf_layer_info *info, mha_error *err) {
+    memset(info, 0, sizeof *info);
+    info->layer = layer;
+    info->window_left = info->window_right = -1;
+    TRY(find_arch(m, info, err));
+    TRY(refuse_unsupported(m, err));
+    TRY(read_sizes(m, info, err));
+    TRY(read_biases(m, &info->config, err));
+    TRY(read_scores(m, info, err));
+    const char *layer_type = NULL;
+    TRY(layer_type_of(m, info, &layer_type, err));
+    TRY(read_rope(m, layer_type, info, err));
+    TRY(read_window(m, layer_type, info, err));
+    TRY(find_prefix(m, layer, err));
+    snprintf(info->prefix, sizeof info->prefix, "%s", m->prefix);
+    return MHA_STATUS_OK;
+}
+
+mha_status
+mha_hf_layer_info_read(const char *dir, int64_t layer, mha_hf_layer_info *info, mha_error *err) {
+    MHA_RETURN_IF(!dir || !info, err, INVALID_ARG, "mha_hf_layer_info_read: dir or info is NULL");
+    hf_model m;
+    mha_status st = model_open(&m, dir, err);
+    if (st == MHA_STATUS_OK)
+        st = read_info(&m, layer, info, err);
+    model_close(&m);
+    if (st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Loading and splitting the weights                                                              */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* The projections being assembled: w_q w_k w_v w_o b_q b_k b_v b_o sinks (allocator's). */
+typedef struct hf_bufs {
+    float *p[9];
+} hf_bufs;
+
+/* Reads prefix + stem + suffix, which must have exactly `rows` x `cols` elements (cols 0: 1-d). */
+static mha_status read_exact(hf_model *m,
+                             const char *stem,
+                             const char *suffix,
+                             int64_t rows,
+                             int64_t cols,
+                             const mha_allocator *a,
+                             float **out,
+                             mha_error *err) {
+    char name[2 * MHA_HF_TEXT_SIZE];
+    tensor_name(name, m, stem, suffix);
+    TRY(model_file_for(m, name, err));
+    int64_t shape[2];
+    TRY(mha__st_read(m->file, name, cols ? 2 : 1, a, out, shape, err));
+    MHA_RETURN_IF(shape[0] != rows || (cols && shape[1] != cols), err, BAD_FILE,
+                  "%s: tensor '%s' has shape [%lld%s%lld], expected [%lld%s%lld] (from %s)",
+                  m->file_name, name, (long long)shape[0], cols ? ", " : "",
+                  cols ? (long long)shape[1] : 0LL, (long long)rows, cols ? ", " : "",
+                  cols ? (long long)cols : 0LL, m->config_path);
+    return MHA_STATUS_OK;
+}
+
+/* Whether prefix + stem + ".bias" exists; required when the config implies it. */
+static mha_status has_bias(hf_model *m, const char *stem, int required, int *out, mha_error *err) {
+    char name[2 * MHA_HF_TEXT_SIZE];
+    tensor_name(name, m, stem, ".bias");
+    mha_status st;
+    *out = model_has(m, name, &st, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    MHA_RETURN_IF(required && !*out, err, NOT_FOUND, "%s: no tensor '%s' (%s implies a bias)",
+                  m->dir, name, m->config_path);
+    return MHA_STATUS_OK;
+}
+
+/* In-place transpose of a [rows, cols] matrix into [cols, rows] through a scratch copy. */
+static mha_status
+transpose(float *x, int64_t rows, int64_t cols, const mha_allocator *a, mha_error *err) {
+    size_t bytes;
+    MHA_RETURN_IF(!mha__bytes(rows * cols, sizeof(float), &bytes), err, OVERFLOW, "too large");
+    float *t = mha__alloc(a, bytes);
+    MHA_RETURN_IF(!t, err, NO_MEMORY, "cannot allocate %zu bytes", bytes);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            t[c * rows + r] = x[r * cols + c];
+    memcpy(x, t, bytes);
+    mha__free(a, t);
+    return MHA_STATUS_OK;
+}
+
+/* The fused block (of d rows) that holds head t of role (0 q, 1 k, 2 v). */
+static int64_t fused_block(hf_fused f, int role, int64_t t, int64_t h, int64_t g) {
+    const int64_t r = h / g;
+    switch (f) {
+    case FUSED_PER_HEAD:
+        return 3 * t + role;
+    case FUSED_PER_GROUP:
+        return role == 0 ? (t / r) * (r + 2) + t % r : t * (r + 2) + r + role - 1;
+    default:
+        return role == 0 ? t : role == 1 ? h + t : h + g + t;
+    }
+}
+
+/* Splits a fused [(h + 2g) d, cols] matrix (cols 1: a bias) into new q [h d], k [g d], v [g d]. */
+static mha_status split_fused(const hf_model *m,
+                              const float *fused,
+                              int64_t cols,
+                              const mha_config *c,
+                              const mha_allocator *a,
+                              float **dst,
+                              mha_error *err) {
+    const int64_t h = c->num_heads, g = c->num_kv_heads, d = c->head_dim;
+    for (int role = 0; role < 3; role++) {
+        const int64_t heads = role == 0 ? h : g;
+        size_t bytes;
+        MHA_RETURN_IF(!mha__bytes(heads * d * cols, sizeof(float), &bytes), err, OVERFLOW,
+                      "%s: projection too large", m->dir);
+        dst[role] = mha__alloc(a, bytes);
+        MHA_RETURN_IF(!dst[role], err, NO_MEMORY, "%s: out of memory", m->dir);
+        for (int64_t t = 0; t < heads; t++) {
+            const int64_t b = fused_block(m->fused, role, t, h, g);
+            memcpy(dst[role] + t * d * cols, fused + b * d * cols,
+                   (size_t)(d * cols) * sizeof(float));
+        }
+    }
+    return MHA_STATUS_OK;
+}
+
+/* q, k, v (and biases) from a fused tensor: Phi-3, GPT-2 (transposed), NeoX, Falcon. */
+static mha_status
+load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
+    const char *stem = STEMS[m->arch->layout][0];
+    const int gpt2 = m->arch->layout == LAYOUT_GPT2;
+    int64_t rows; /* (h + 2g) d */
+    MHA_RETURN_IF(!mha__mul_i64(c->num_heads + 2 * c->num_kv_heads, c->head_dim, &rows), err,
+                  OVERFLOW, "%s: sizes overflow", m->config_path);
+    float *fused = NULL, *fused_bias = NULL;
+    int bias = 0;
+    mha_status st = gpt2 ? read_exact(m, stem, ".weight", m->hidden, rows, a, &fused, err)
+                         : read_exact(m, stem, ".weight", rows, m->hidden, a, &fused, err);
+    if (st == MHA_STATUS_OK && gpt2) /* Conv1D keeps [in, out]: y = x W */
+        st = transpose(fused, m->hidden, rows, a, err);
+    if (st == MHA_STATUS_OK)
+        st = split_fused(m, fused, m->hidden, c, a, b->p, err);
+    if (st == MHA_STATUS_OK)
+        st = has_bias(m, stem, c->bias_q, &bias, err);
+    if (st == MHA_STATUS_OK && bias)
+        st = read_exact(m, stem, ".bias", rows, 0, a, &fused_bias, err);
+    if (st == MHA_STATUS_OK && bias)
+        st = split_fused(m, fused_bias, 1, c, a, b->p + 4, err);
+    mha__free(a, fused);
+    mha__free(a, fused_bias);
+    return st;
+}
+
+static mha_status load_separate(
+    hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
+    const int64_t rows[3] = {c->num_heads * c->head_dim, c->num_kv_heads * c->head_dim,
+                             c->num_kv_heads * c->head_dim};
+    const int32_t want[3] = {c->bias_q, c->bias_k, c->bias_v};
+    for (int r = 0; r < 3; r++) {
+        const char *stem = STEMS[m->arch->layout][r];
+        int bias = 0;
+        TRY(read_exact(m, stem, ".weight", rows[r], m->hidden, a, &b->p[r], err));
+        TRY(has_bias(m, stem, want[r], &bias, err));
+        if (bias)
+            TRY(read_exact(m, stem, ".bias", rows[r], 0, a, &b->p[4 + r], err));
+    }
+    return MHA_STATUS_OK;
+}
+
+static mha_status
+load_output(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
+    const char *stem = STEMS[m->arch->layout][3];
+    const int64_t hd = c->num_heads * c->v_head_dim;
+    int bias = 0;
+    if (m->arch->layout == LAYOUT_GPT2) {
+        TRY(read_exact(m, stem, ".weight", hd, m->hidden, a, &b->p[3], err));
+        TRY(transpose(b->p[3], hd, m->hidden, a, err));
+    } else {
+        TRY(read_exact(m, stem, ".weight", m->hidden, hd, a, &b->p[3], err));
+    }
+    TRY(has_bias(m, stem, c->bias_o, &bias, err));
+    if (bias)
+        TRY(read_exact(m, stem, ".bias", m->hidden, 0, a, &b->p[7], err));
+    if (c->sinks)
+        TRY(read_exact(m, "sinks", "", c->num_heads, 0, a, &b->p[8], err));
+    return MHA_STATUS_OK;
+}
+
+static mha_status load_layer(hf_model *m,
+                             const mha_config *given,
+                             const mha_allocator *a,
+                             hf_bufs *b,
+                             mha_layer **out,
+                             mha_error *err) {
+    mha_config c = *given;
+    MHA_RETURN_IF(c.num_heads < 1 || c.num_heads > HF_MAX_HEADS || c.num_kv_heads < 1 ||
+                      c.num_heads % c.num_kv_heads != 0 || c.head_dim < 1 ||
+                      c.head_dim > HF_MAX_SIZE,
+                  err, INVALID_ARG,
+                  "%s: config: num_heads %lld, num_kv_heads %lld, head_dim %lld are not valid",
+                  m->dir, (long long)c.num_heads, (long long)c.num_kv_heads, (long long)c.head_dim);
+    c.v_head_dim = c.head_dim;
+    if (m->arch->layout == LAYOUT_QKVO || m->arch->layout == LAYOUT_BERT)
+        TRY(load_separate(m, &c, a, b, err));
+    else
+        TRY(load_fused(m, &c, a, b, err));
+    TRY(load_output(m, &c, a, b, err));
+    c.q_dim = c.k_dim = c.v_dim = c.out_dim = m->hidden;
+    c.bias_q = b->p[4] != NULL;
+    c.bias_k = b->p[5] != NULL;
+    c.bias_v = b->p[6] != NULL;
+    c.bias_o = b->p[7] != NULL;
+    c.sinks = b->p[8] != NULL;
+    const mha_weights w = {b->p[0], b->p[1], b->p[2], b->p[3], b->p[4],
+                           b->p[5], b->p[6], b->p[7], b->p[8]};
+    mha_status st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, a, out, err);
+    if (st != MHA_STATUS_OK && err) {
+        char msg[MHA_ERROR_MESSAGE_SIZE];
+        memcpy(msg, err->message, sizeof msg);
+        msg[sizeof msg - 1] = '\0';
+        mha__fail(err, st, "%s: %s", m->dir, msg);
+    }
+    return st;
+}
+
+mha_status mha_hf_layer_load(const char *dir,
+                             int64_t layer,
+                             const mha_config *config,
+                             const mha_allocator *allocator,
+                             mha_layer **out,
+                             mha_error *err) {
+    MHA_RETURN_IF(!out, err, INVALID_ARG, "mha_hf_layer_load: out is NULL");
+    *out = NULL;
+    MHA_RETURN_IF(!dir, err, INVALID_ARG, "mha_hf_layer_load: dir is NULL");
+    hf_model m;
+    mha_hf_layer_info info;
+    hf_bufs b;
+    memset(&b, 0, sizeof b);
+    mha_status st = model_open(&m, dir, err);
+    if (st == MHA_STATUS_OK)
+        st = read_info(&m, layer, &info, err);
+    if (st == MHA_STATUS_OK)
+        st = load_layer(&m, config ? config : &info.config, allocator, &b, out, err);
+    for (int i = 0; i < 9; i++)
+        mha__free(allocator, b.p[i]);
+    model_close(&m);
+    if (st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
+}

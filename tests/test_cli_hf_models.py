@@ -1,0 +1,270 @@
+# SPDX-License-Identifier: MIT
+"""`mha run --model DIR --layer L` and `mha info --model DIR` against Hugging Face transformers.
+
+Tiny random models of every supported model_type are built with transformers at test time
+(tests/hf_models.py: nothing from a hub), their attention module's float64 output is the oracle,
+and mha's output must match it at the layer tolerance (TOL_OUT_REL of max|ref|). Sliding-window
+layers (Mistral, Qwen2's upper layers, Gemma 2's and gpt-oss's alternation) are run with a
+sequence longer than the window. Configs mha cannot honour must be refused naming the field,
+and hostile directories (bad JSON, wrong types, shards outside the directory, shapes that do not
+match the config) must fail with one line naming the file: exit 1, no crash (ASan runs this).
+
+Run by ctest with MHA_CLI=<path to mha>; needs numpy, torch and transformers
+(python/requirements-test.txt).
+"""
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from tolerances import TOL_OUT_REL
+
+import hf_models as H
+
+CLI = os.environ.get("MHA_CLI")
+pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
+
+
+def run_cli(*args):
+    return subprocess.run([CLI, *[str(a) for a in args]], capture_output=True, text=True,
+                          timeout=120)
+
+
+# MHA_TEST_QUICK=1 (the sanitizer runs): the fused layouts, sinks + YaRN, a sliding layer, the
+# sharded save and an encoder, plus every refusal and hostile case (the parsing under ASan).
+QUICK = {"llama", "mistral", "gemma2", "gpt_oss", "phi3", "gpt2", "gpt_neox", "falcon_mq",
+         "falcon_new", "bert"}
+NAMES = [n for n in H.CASES if not os.environ.get("MHA_TEST_QUICK") or n in QUICK]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hf"))
+    return {name: H.build(name, root) for name in NAMES}
+
+
+CASE_LAYERS = [(name, layer) for name in NAMES for layer in H.CASES[name][4]]
+
+
+def run_layer(d, layer, x, tmp_path, *flags):
+    xp, yp = tmp_path / "x.npy", tmp_path / "y.npy"
+    np.save(xp, x)
+    r = run_cli("run", "--model", d, "--layer", layer, "--input", xp, "--out", yp, *flags)
+    assert r.returncode == 0, r.stderr
+    return np.load(yp)
+
+
+@pytest.mark.parametrize("name,layer", CASE_LAYERS)
+def test_layer_matches_transformers(models, name, layer, tmp_path):
+    d, refs = models[name]
+    x, ref = refs[layer]
+    y = run_layer(d, layer, x, tmp_path)
+    assert y.shape == ref.shape
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"{name} layer {layer}: max error {err:.3g} of max|ref|"
+
+
+@pytest.mark.parametrize("name,layer", CASE_LAYERS)
+def test_legacy_config_matches_transformers(models, name, layer, tmp_path):
+    # transformers 4.x config.json (top-level rope_theta / rope_scaling, no layer_types).
+    d, refs = models[name]
+    x, ref = refs[layer]
+    y = run_layer(H.legacy_config(d, str(tmp_path / "legacy")), layer, x, tmp_path)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"{name} layer {layer} (4.x config): max error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_decode_matches_transformers(models, name, tmp_path):
+    # KV-cache decoding of a sliding layer (ring-buffer cache; soft-cap / sinks + YaRN).
+    d, refs = models[name]
+    x, ref = refs[0]
+    y = run_layer(d, 0, x, tmp_path, "--decode", "--prefill", 3)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"{name} --decode: max error {err:.3g} of max|ref|"
+
+
+def test_sharded_checkpoint_is_read_through_its_index(models):
+    d, _ = models[H.SHARDED]
+    files = os.listdir(d)
+    assert "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) > 2
+
+
+def test_window_layers_differ_from_full(models, tmp_path):
+    # The window really bites: the same sliding layer run without it gives another result.
+    d, refs = models["mistral"]
+    x, ref = refs[0]
+    y = run_layer(d, 0, x, tmp_path, "--window=-1,-1")
+    assert H.max_rel_err(y, ref) > 100 * TOL_OUT_REL
+
+
+def test_yarn_truncate_false_is_honoured(models, tmp_path):
+    # gpt-oss's `truncate: false`: the same weights with the rounded ramp miss the oracle.
+    d, refs = models["gpt_oss"]
+    x, ref = refs[0]
+    rp = dict(json.load(open(os.path.join(d, "config.json")))["rope_parameters"], truncate=True)
+    y = run_layer(H.edit_config(d, str(tmp_path / "t"), rope_parameters=rp), 0, x, tmp_path)
+    assert H.max_rel_err(y, ref) > 10 * TOL_OUT_REL
+    assert "truncate no" in run_cli("info", "--model", d).stdout
+
+
+def test_flags_override_the_config(models, tmp_path):
+    # --window replaces the config's window: equal to the model with sliding_window removed.
+    d, refs = models["mistral"]
+    x, _ = refs[0]
+    y_flag = run_layer(d, 0, x, tmp_path, "--window=-1,-1")
+    full = H.edit_config(d, str(tmp_path / "full"), sliding_window=None)
+    y_cfg = run_layer(full, 0, x, tmp_path)
+    np.testing.assert_array_equal(y_flag, y_cfg)
+    # --scale / --softcap replace gemma2's query_pre_attn_scalar / attn_logit_softcapping.
+    d, refs = models["gemma2"]
+    x, _ = refs[1]
+    y_flag = run_layer(d, 1, x, tmp_path, "--scale", 0.25, "--softcap", 7)
+    other = H.edit_config(d, str(tmp_path / "g2"), query_pre_attn_scalar=16,
+                          attn_logit_softcapping=7.0)
+    np.testing.assert_array_equal(y_flag, run_layer(other, 1, x, tmp_path))
+
+
+def test_info_prints_what_it_understood(models, tmp_path):
+    d, _ = models["gemma2"]
+    r = run_cli("info", "--model", d, "--layer", 0)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "model_type: gemma2" in out and "window: 4,0" in out
+    assert "softcap: 3" in out and "scale: 0.2041241452319315" in out  # 24 ** -0.5
+    assert "model.layers.0.self_attn." in out and "heads: 4, kv heads: 2, head_dim: 16" in out
+    # Keys left out of config.json take the transformers config class's defaults (null: off).
+    r = run_cli("info", "--model",
+                H.edit_config(d, str(tmp_path / "g2"), attn_logit_softcapping=H.DELETE,
+                              query_pre_attn_scalar=H.DELETE, sliding_window=H.DELETE))
+    assert "softcap: 50" in r.stdout and "scale: 0.0625" in r.stdout, r.stdout
+    assert "window: 4095,0" in r.stdout
+    r = run_cli("info", "--model",
+                H.edit_config(d, str(tmp_path / "g2n"), attn_logit_softcapping=None))
+    assert "softcap: 0" in r.stdout, r.stdout
+    r = run_cli("info", "--model", models["gpt_neox"][0])
+    assert "rotary_dim 8" in r.stdout and "query_key_value" in r.stdout
+    r = run_cli("info", "--model", models["bert"][0])
+    assert "causal: no" in r.stdout and "rope: none" in r.stdout
+
+
+def refused(d, *fields):
+    """`mha info` and `mha run` both fail with exit 1 and one stderr line naming every field."""
+    r = run_cli("info", "--model", d)
+    assert r.returncode == 1, r.stdout
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith("mha: "), line
+    for f in fields:
+        assert f in line, line
+    r = run_cli("run", "--model", d, "--input", "/nonexistent.npy", "--out", "/tmp/unused.npy")
+    assert r.returncode == 1 and all(f in r.stderr for f in fields), r.stderr
+    return line
+
+
+def test_unsupported_options_are_refused_by_name(models, tmp_path):
+    import transformers as T
+    q3 = str(tmp_path / "qwen3")
+    T.Qwen3Config(**H.LLAMA).save_pretrained(q3)
+    refused(q3, "qwen3", "q_norm")
+    llama = models["llama"][0]
+    refused(H.edit_config(llama, str(tmp_path / "dyn"),
+                          rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                           "rope_theta": 1e4}),
+            "rope_parameters.rope_type", "dynamic")
+    refused(H.edit_config(llama, str(tmp_path / "lr"),
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
+            "longrope")
+    refused(H.edit_config(models["falcon_mq"][0], str(tmp_path / "alibi"), alibi=True),
+            "\"alibi\"")
+    refused(H.edit_config(models["bert"][0], str(tmp_path / "rel"),
+                          position_embedding_type="relative_key"),
+            "position_embedding_type", "relative_key")
+    refused(H.edit_config(llama, str(tmp_path / "mamba"), model_type="mamba"),
+            "model_type", "mamba")
+    refused(H.edit_config(models["gemma2"][0], str(tmp_path / "chunk"),
+                          layer_types=["chunked_attention", "full_attention"]),
+            "layer_types[0]", "chunked_attention")
+    refused(H.edit_config(llama, str(tmp_path / "cap"), attn_logit_softcapping=5.0),
+            "attn_logit_softcapping")
+
+
+def hostile(d, *words, layer=0):
+    r = run_cli("info", "--model", d, "--layer", layer)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith("mha: "), line
+    for w in words:
+        assert w in line, line
+    return line
+
+
+def test_hostile_model_directories(models, tmp_path):
+    llama = models["llama"][0]
+    mistral = models["mistral"][0]
+    hostile(str(tmp_path / "missing"), "config.json", "cannot open")
+    bad = tmp_path / "badjson"
+    bad.mkdir()
+    (bad / "config.json").write_text("{\"model_type\": \"llama\", ")
+    hostile(str(bad), "config.json", "not valid JSON")
+    (bad / "config.json").write_text("[1, 2]")
+    hostile(str(bad), "not a JSON object")
+    for i, (field, value) in enumerate([("num_attention_heads", "four"),
+                                        ("num_attention_heads", -4),
+                                        ("num_attention_heads", 4.5),
+                                        ("num_attention_heads", 1e300),
+                                        ("hidden_size", 0),
+                                        ("num_key_value_heads", 3),
+                                        ("head_dim", [16]),
+                                        ("sliding_window", -1),
+                                        ("layer_types", ["sliding_attention"]),
+                                        ("model_type", 7)]):
+        hostile(H.edit_config(mistral, str(tmp_path / f"f{i}"), **{field: value}), "config.json")
+    hostile(H.edit_config(mistral, str(tmp_path / "nohd"), num_attention_heads=None),
+            "num_attention_heads")
+    hostile(H.edit_config(mistral, str(tmp_path / "nomt"), model_type=H.DELETE), "model_type")
+    hostile(H.edit_config(mistral, str(tmp_path / "rp"), rope_parameters="yes"),
+            "rope_parameters")
+    hostile(mistral, "layer 2 does not exist", layer=2)
+    # A config whose sizes disagree with the tensors: refused naming the tensor and both shapes.
+    line = run_cli("run", "--model",
+                   H.edit_config(mistral, str(tmp_path / "kv"), num_key_value_heads=4),
+                   "--input", "/nonexistent.npy", "--out", str(tmp_path / "y.npy")).stderr
+    assert "k_proj.weight" in line and "[32, 64]" in line and "expected [64, 64]" in line, line
+    # The index may only name files inside the model directory.
+    ev = tmp_path / "evil"
+    H.edit_config(llama, str(ev))
+    idx = json.loads((ev / "model.safetensors.index.json").read_text())
+    os.remove(ev / "model.safetensors.index.json")
+    for name in idx["weight_map"]:
+        idx["weight_map"][name] = "../" + idx["weight_map"][name]
+    (ev / "model.safetensors.index.json").write_text(json.dumps(idx))
+    hostile(str(ev), "weight_map", "not a file name in the model directory")
+    (ev / "model.safetensors.index.json").write_text("{\"weight_map\": []}")
+    hostile(str(ev), "weight_map")
+    # No weights at all.
+    nw = tmp_path / "noweights"
+    nw.mkdir()
+    (nw / "config.json").write_text((ev / "config.json").read_text())
+    hostile(str(nw), "model.safetensors", "cannot open")
+
+
+def test_usage_errors(models, tmp_path):
+    d = models["llama"][0]
+    for args, word in [(["--model", d, "--weights", "w.safetensors"], "exclude"),
+                       (["--model", d, "--prefix", "x."], "--prefix"),
+                       (["--model", d, "--names", "q=a"], "--names"),
+                       (["--weights", "w.safetensors", "--heads", 2, "--layer", 0], "--layer"),
+                       (["--model", d, "--layer", -1], "--layer"),
+                       ([], "--model")]:
+        r = run_cli("run", *args, "--input", tmp_path / "x.npy", "--out", tmp_path / "y.npy")
+        assert r.returncode == 2 and word in r.stderr, (args, r.stderr)
+    # An output may not overwrite the model's files.
+    cfg = os.path.join(d, "model.safetensors.index.json")
+    before = open(cfg).read()
+    r = run_cli("run", "--model", d, "--input", tmp_path / "x.npy", "--out", cfg)
+    assert r.returncode == 1 and "refusing to overwrite an input" in r.stderr, r.stderr
+    assert open(cfg).read() == before
+    r = run_cli("info", "--layer", 0)
+    assert r.returncode == 2 and "--model" in r.stderr

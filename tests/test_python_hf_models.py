@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: MIT
+"""`mha.MultiheadAttention.from_pretrained(DIR, layer=L)` and the torch drop-in's
+`mha.torch.MultiheadAttention.from_pretrained` against Hugging Face transformers: the tiny random
+models of tests/hf_models.py (every supported model_type, sliding-window layers included), the
+attention module's float64 output as the oracle, at the layer tolerance (TOL_OUT_REL of max|ref|).
+Unsupported configs raise MhaError naming the field.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+SRC = os.environ.get("MHA_SOURCE_DIR", os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(SRC, "python"))
+
+import torch  # noqa: E402  (required: CI installs python/requirements-test.txt)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_models as H  # noqa: E402
+import mha  # noqa: E402
+import mha.torch as mt  # noqa: E402
+from tolerances import TOL_OUT_REL  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hf"))
+    return {name: H.build(name, root) for name in H.CASES}
+
+
+CASE_LAYERS = [(name, layer) for name, case in H.CASES.items() for layer in case[4]]
+
+
+@pytest.mark.parametrize("name,layer", CASE_LAYERS)
+def test_from_pretrained_matches_transformers(models, name, layer):
+    d, refs = models[name]
+    x, ref = refs[layer]
+    m = mha.MultiheadAttention.from_pretrained(d, layer=layer)
+    assert m.model_info["model_type"] == H.CASES[name][0].model_type
+    assert m.model_info["layer"] == layer
+    err = H.max_rel_err(m(x), ref)
+    assert err <= TOL_OUT_REL, f"{name} layer {layer}: max error {err:.3g} of max|ref|"
+    # The torch drop-in: the same layer as nn.MultiheadAttention-style parameters.
+    t = mt.MultiheadAttention.from_pretrained(d, layer, batch_first=True)
+    xt = torch.from_numpy(x.astype(np.float32))
+    with torch.no_grad():
+        yt, w = t(xt, xt, xt, need_weights=False)
+    assert w is None
+    err = H.max_rel_err(yt.numpy(), ref)
+    assert err <= TOL_OUT_REL, f"torch {name} layer {layer}: max error {err:.3g}"
+
+
+def test_model_mask_is_the_default_and_can_be_overridden(models):
+    d, refs = models["gemma2"]
+    x, ref = refs[0]  # a sliding layer
+    m = mha.MultiheadAttention.from_pretrained(d, layer=0)
+    assert m.model_info["window"] == (H.WINDOW - 1, 0) and m.model_info["causal"]
+    y_default = m(x)
+    np.testing.assert_array_equal(y_default, m(x, causal=True, window=(H.WINDOW - 1, 0)))
+    assert H.max_rel_err(m(x, window=(-1, -1)), ref) > 100 * TOL_OUT_REL
+    # A layer built from weights keeps the old default: no mask.
+    w = m.weights
+    plain = mha.MultiheadAttention(w["w_q"], w["w_k"], w["w_v"], w["w_o"],
+                                   num_heads=m.config.num_heads, rope=m.config.rope,
+                                   scale=m.config.scale, softcap=m.config.softcap)
+    np.testing.assert_array_equal(plain(x), m(x, causal=False, window=(-1, -1)))
+
+
+def test_torch_drop_in_trains(models):
+    # Gradients flow to the loaded parameters (GQA: k/v weights keep their g kv heads).
+    d, refs = models["llama"]
+    x, _ = refs[0]
+    t = mt.MultiheadAttention.from_pretrained(d, 0, batch_first=True)
+    assert t.k_proj_weight.shape[0] == 2 * 16 and t.q_proj_weight.shape[0] == 4 * 16
+    xt = torch.from_numpy(x.astype(np.float32)).requires_grad_()
+    y, _ = t(xt, xt, xt, need_weights=False)
+    y.square().sum().backward()
+    assert xt.grad is not None and t.k_proj_weight.grad is not None
+    assert torch.isfinite(t.in_proj_bias.grad).all()
+
+
+def test_unsupported_configs_raise_naming_the_field(models, tmp_path):
+    with pytest.raises(mha.MhaError, match="rope_type.*dynamic"):
+        mha.MultiheadAttention.from_pretrained(
+            H.edit_config(models["llama"][0], str(tmp_path / "dyn"),
+                          rope_parameters={"rope_type": "dynamic", "factor": 2.0}))
+    with pytest.raises(mha.MhaError, match="model_type"):
+        mt.MultiheadAttention.from_pretrained(
+            H.edit_config(models["llama"][0], str(tmp_path / "x"), model_type="mamba"))
+    with pytest.raises(mha.MhaError, match="layer 7 does not exist"):
+        mha.MultiheadAttention.from_pretrained(models["llama"][0], layer=7)
+    with pytest.raises(ValueError, match="layer"):
+        mha.MultiheadAttention.from_pretrained(models["llama"][0], layer=-1)
+
+
+def test_torch_compile_is_refused_not_wrong(models):
+    # torch.compile traces the drop-in as nn.MultiheadAttention (no RoPE, GQA, ...): refused.
+    d, refs = models["llama"]
+    t = mt.MultiheadAttention.from_pretrained(d, 0, batch_first=True)
+    xt = torch.from_numpy(refs[0][0].astype(np.float32))
+    f = torch.compile(lambda x: t(x, x, x, need_weights=False)[0], backend="eager",
+                      fullgraph=True)
+    with pytest.raises(Exception, match="from_pretrained layers run eagerly"):
+        f(xt)
