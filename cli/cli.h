@@ -106,21 +106,61 @@ typedef struct cli_path {
  * exists and is writable. Prints the reason and returns CLI_FAIL, or CLI_OK. */
 int cli_check_outputs(const cli_path *inputs, int n_in, const cli_path *outputs, int n_out);
 
-/* ---- Plots (cli_plot.c). ----------------------------------------------------------------------
- */
-/* Writes per-head attention maps probs [heads, n, m] as FILE.svg or FILE.png (by the name's
- * ending), atomically. Returns 1, or 0 with a reason in msg. */
-/* Whether cli_plot_write can draw this: the file type (.svg or .png) and the size. 1 = yes; 0 =
- * no, with the reason in msg. */
+/* ---- Plots (cli_plot.c: files, pooling, checks; cli_plot_cairo.c: drawing through cairo). --- */
+/* Colour scale of each panel: fixed 0..1 (heads comparable) or 0..the panel's largest value (a
+ * diffuse long map, whose probabilities are about 1/m, stays readable). */
+typedef enum cli_plot_scale { CLI_PLOT_SCALE_PANEL, CLI_PLOT_SCALE_FIXED } cli_plot_scale;
+
+enum {
+    CLI_PLOT_MAX_CELLS = 128, /* cells per axis of a panel: beyond, the map is pooled into blocks */
+    CLI_PLOT_MAX_PANELS = 64, /* heads drawn at most (the figure stays bounded: <= 8 x 8 panels) */
+};
+
+/* What the renderer draws, whatever computed it (the dense probabilities pooled by
+ * cli_plot_pool, or a streamed pooled map). Per panel a grid of rows x cols cells; cell (r, c)
+ * covers queries [r row_block, min(n, (r + 1) row_block)) and keys [c col_block, ...).
+ *   value  [panels, rows, cols]: mean probability over the block's VISIBLE cells (any value when
+ *          the block is fully masked);
+ *   masked [panels, rows, cols]: fraction 0..1 of the block's cells that are masked (NULL: none).
+ * A pooled map given as the mean over all cells (masked ones counting 0) converts as
+ * value = mean / (1 - masked). Labels: n query labels and m key labels, or NULL for indices; they
+ * are drawn only when the axis is not pooled (block 1). */
+typedef struct cli_plot_map {
+    int64_t panels, rows, cols;
+    int64_t n, m, row_block, col_block;
+    const float *value, *masked;
+    const char *const *q_labels, *const *k_labels;
+    const char *title;         /* the figure's title line */
+    const char *masked_legend; /* what the hatching means (NULL: "masked") */
+    int panels_are_heads;      /* 1: panel p is "head p"; 0: one panel, the mean over heads */
+    cli_plot_scale scale;
+} cli_plot_map;
+
+/* 1 when this program was built with cairo (--plot works), 0 otherwise. */
+int cli_plot_available(void);
+/* Whether --plot can draw heads maps of n x m into path: cairo present, the file type (.png, .svg
+ * or .pdf by the name's ending), at most CLI_PLOT_MAX_PANELS heads. 1 = yes; 0 = no, reason in
+ * msg. The size is never refused: large maps are pooled. */
 int cli_plot_check(
     const char *path, int64_t heads, int64_t n, int64_t m, char *msg, size_t msg_size);
-int cli_plot_write(const char *path,
-                   const float *probs,
-                   int64_t heads,
-                   int64_t n,
-                   int64_t m,
-                   const char *title,
-                   char *msg,
-                   size_t msg_size);
+/* The pooling of an n x m map: blocks of ceil(n / CLI_PLOT_MAX_CELLS) queries by
+ * ceil(m / CLI_PLOT_MAX_CELLS) keys (1 x 1 for small maps), and the grid they make. */
+void cli_plot_grid(
+    int64_t n, int64_t m, int64_t *row_block, int64_t *col_block, int64_t *rows, int64_t *cols);
+/* Reads --tokens FILE: one token per line (a final newline optional, CR LF accepted), exactly
+ * count lines, each valid UTF-8 without control characters, the file at most 16 MiB. On success
+ * *buf holds the text and *labels the count pointers into it (free both); on failure returns
+ * CLI_FAIL after printing one line naming the file, the line and the problem. */
+int cli_plot_read_tokens(const char *path, int64_t count, char **buf, char ***labels);
+/* Draws map into path (type by the name's ending) through a temporary name renamed at the end:
+ * no half-written file. Returns 1, or 0 with the reason in msg. cli_plot_cairo.c. */
+int cli_plot_render(const char *path, const cli_plot_map *map, char *msg, size_t msg_size);
+/* The dense path of `mha run --plot`: probs [map->panels, map->n, map->m]. The caller fills
+ * map's panels, n, m, labels, title, panels_are_heads and scale; this pools the probabilities into
+ * map's grid (a probability of exactly 0 is taken as masked: the dense map cannot tell a masked
+ * cell from an underflowed one, below 1.4e-45, or one dropout zeroed) and renders it. Returns 1,
+ * or 0 with the reason in msg. */
+int cli_plot_write(
+    const char *path, const float *probs, cli_plot_map *map, char *msg, size_t msg_size);
 
 #endif /* MHA_CLI_H */

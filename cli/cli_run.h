@@ -52,6 +52,8 @@ enum {
     O_ATTN,
     O_ATTN_AVERAGE,
     O_PLOT,
+    O_PLOT_SCALE,
+    O_TOKENS,
     O_THREADS,
     O_IMPL,
     O_DECODE,
@@ -80,9 +82,10 @@ typedef struct run_config {
     mha_dropout dropout;
     mha_exec exec;
     int average;
-    int decode;            /* --decode */
-    int64_t prefill;       /* --prefill, default 1 */
-    mha_dtype cache_dtype; /* --cache-dtype */
+    cli_plot_scale plot_scale; /* --plot-scale (default: panel) */
+    int decode;                /* --decode */
+    int64_t prefill;           /* --prefill, default 1 */
+    mha_dtype cache_dtype;     /* --cache-dtype */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */
@@ -93,7 +96,8 @@ typedef struct run_state {
     float *xf, *kf, *vf, *maskf, *sinksf, *out, *probs;
     int64_t *qpos, *kpos, *offsets;
     int32_t *qseg, *kvseg;
-    double stage_start; /* --verbose: when the current stage began (seconds) */
+    char *tokens_buf, **tokens; /* --tokens: the file's text, n labels into it */
+    double stage_start;         /* --verbose: when the current stage began (seconds) */
 } run_state;
 
 /* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run_job.c). */

@@ -324,6 +324,9 @@ static int alloc_outputs(const run_config *o, run_state *s, const run_dims *d) {
         return cli_fail("cannot allocate the output (%lld floats)", (long long)ycount);
     if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], o->average ? 1 : h, n, m, sb, sizeof sb))
         return cli_fail("%s: %s", v[O_PLOT], sb);
+    int rc;
+    if (v[O_TOKENS] && (rc = cli_plot_read_tokens(v[O_TOKENS], n, &s->tokens_buf, &s->tokens)))
+        return rc;
     if (v[O_ATTN] || v[O_PLOT]) {
         if (!cli_mul(B, o->average ? 1 : h, &pcount) || !cli_mul(pcount, n, &pcount) ||
             !cli_mul(pcount, m, &pcount) || pcount > (int64_t)(SIZE_MAX / 8))

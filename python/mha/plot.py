@@ -1,12 +1,23 @@
 # SPDX-License-Identifier: MIT
-"""Attention-map plots (matplotlib, imported only when a plot is drawn)."""
+"""Attention-map plots (matplotlib, imported only when a plot is drawn).
+
+The same picture as ``mha run --plot`` (cli/cli_plot_cairo.c): one panel per head, token labels,
+a colour bar with its scale, masked cells hatched grey (never the colour of probability 0), and a
+bounded figure: maps with more than ``max_cells`` queries or keys are pooled into blocks (the mean
+of the block's visible probabilities; a block's masked share shows as the hatching through it).
+"""
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["plot_attention"]
+__all__ = ["plot_attention", "pool_map"]
+
+MASKED_FACE = "#d7d7d7"  # the hatching's greys, as in the CLI's pictures
+MASKED_HATCH = "#969696"
+MAX_FIGURE_INCHES = 30.0  # per side: at dpi 100 a saved figure is at most 3000 x 3000 px
 
 
 def _pyplot():
@@ -27,18 +38,29 @@ def _has_display() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
-                   key_tokens: Optional[Sequence[str]] = None, *, path: Optional[str] = None,
-                   heads: Optional[Sequence[int]] = None, title: Optional[str] = None,
-                   cmap: str = "viridis", annotate: Optional[bool] = None, cols: int = 4):
-    """Draws one heatmap per head: rows are queries, columns keys, labelled with the tokens.
+def pool_map(weights, masked=None, max_cells: int = 128):
+    """Pools maps [h, n, m] into blocks of ceil(n / max_cells) x ceil(m / max_cells) cells.
 
-    weights: [h, n, m] (per head), [n, m] (one map, e.g. averaged), or [1, h, n, m] (batch of
-    one), e.g. the probabilities of ``layer(x, need_weights=True)``. tokens: n query labels;
-    key_tokens: m key labels (default: tokens when m == n). path: writes the figure there
-    (.png, .svg, .pdf, ... by extension). annotate: writes each probability in its cell
-    (default: when the maps are at most 12 x 12). Returns the matplotlib Figure.
-    """
+    Returns (value, masked_fraction, row_block, col_block): value [h, R, C] is the mean of each
+    block's visible probabilities (0 where the block is fully masked), masked_fraction [h, R, C]
+    the share of its cells that are masked. masked: bool [h, n, m] (True = masked) or None (no
+    mask). Blocks at the end may be smaller. With max_cells >= n, m: the maps themselves."""
+    w = np.asarray(weights, dtype=np.float64)
+    h, n, m = w.shape
+    mk = np.zeros(w.shape, bool) if masked is None else np.broadcast_to(masked, w.shape)
+    rb, cb = -(-n // max_cells), -(-m // max_cells)
+    rows, cols = -(-n // rb), -(-m // cb)
+    pad = ((0, 0), (0, rows * rb - n), (0, cols * cb - m))
+    vis = np.pad(~mk, pad).reshape(h, rows, rb, cols, cb)  # padding: neither visible...
+    cells = np.pad(np.ones(w.shape, bool), pad).reshape(h, rows, rb, cols, cb)  # ...nor a cell
+    total = np.pad(np.where(mk, 0.0, w), pad).reshape(h, rows, rb, cols, cb).sum(axis=(2, 4))
+    n_vis = vis.sum(axis=(2, 4))
+    n_cells = cells.sum(axis=(2, 4))
+    value = np.where(n_vis > 0, total / np.maximum(n_vis, 1), 0.0)
+    return value, 1.0 - n_vis / n_cells, rb, cb
+
+
+def _as_maps(weights):
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim == 4:
         if w.shape[0] != 1:
@@ -46,8 +68,85 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
         w = w[0]
     if w.ndim == 2:
         w = w[None]
-    if w.ndim != 3:
+    if w.ndim != 3 or 0 in w.shape:
         raise ValueError(f"weights: expected [h, n, m] or [n, m], got shape {np.shape(weights)}")
+    return w
+
+
+def _per_head(name, a, h, length):
+    """A statistic given per head [h, length] or for all heads [length] -> [h, length]."""
+    if a is None:
+        return None
+    a = np.asarray(a, dtype=np.float64)
+    if a.ndim == 1:
+        a = np.broadcast_to(a, (h, a.shape[0]))
+    if a.shape != (h, length):
+        raise ValueError(f"{name}: expected [{length}] or [{h}, {length}], got shape {a.shape}")
+    return a
+
+
+def _block_mean(a, block):
+    """[h, L] -> [h, ceil(L / block)]: the mean of each block of `block` entries."""
+    h, L = a.shape
+    k = -(-L // block)
+    pad = np.pad(a, ((0, 0), (0, k * block - L)))
+    count = np.pad(np.ones(L), (0, k * block - L)).reshape(k, block).sum(axis=1)
+    return pad.reshape(h, k, block).sum(axis=2) / count
+
+
+def _ticks(length, block, labels, max_labels=32):
+    """Tick positions (in cells) and texts: every label when they fit, else thinned; token labels
+    only when the axis is not pooled, indices (1, 2, 5 x 10^k apart) otherwise."""
+    if labels is not None and block == 1:
+        step = max(1, -(-length // max_labels))
+        idx = np.arange(0, length, step)
+        return idx, [str(labels[i]) for i in idx]
+    step = 1
+    while -(-length // step) > max_labels:
+        step = {1: 2, 2: 5}.get(int(str(step)[0]), 10) * 10 ** (len(str(step)) - 1) \
+            if str(step)[0] in "12" else 10 ** len(str(step))
+    idx = np.arange(0, length, step)
+    return (idx + 0.5) / block - 0.5, [str(i) for i in idx]
+
+
+def _scale_top(value, frac, scale):
+    if scale == "fixed":
+        return 1.0, False
+    vis = value[frac < 1.0]
+    if vis.size == 0:
+        return 1.0, False
+    top = float(np.percentile(vis, 99, method="lower"))
+    return (top if top > 0 else 1.0), bool(vis.max() > top)
+
+
+def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
+                   key_tokens: Optional[Sequence[str]] = None, *, path: Optional[str] = None,
+                   heads: Optional[Sequence[int]] = None, title: Optional[str] = None,
+                   cmap: str = "viridis", annotate: Optional[bool] = None, cols: int = 4,
+                   scale: str = "panel", masked=None, max_cells: int = 128,
+                   received=None, entropy=None, dpi: int = 100):
+    """Draws one heatmap per head: rows are queries, columns keys, labelled with the tokens.
+
+    weights: [h, n, m] (per head), [n, m] (one map, e.g. averaged), or [1, h, n, m] (batch of
+    one), e.g. the probabilities of ``layer(x, need_weights=True)``. tokens: n query labels;
+    key_tokens: m key labels (default: tokens when m == n). path: writes the figure there
+    (.png, .svg, .pdf, ... by extension; at most 3000 x 3000 px at the default dpi 100).
+    heads: which heads to draw. annotate: writes each probability in its cell (default: when the
+    maps are at most 12 x 12). scale: "panel" (colours 0..the 99th percentile of each panel,
+    larger values clipped to the top colour: a long diffuse map stays readable) or "fixed" (0..1,
+    heads comparable). masked: bool, broadcastable to weights, True = masked; None takes the
+    cells whose probability is exactly 0 as masked (the probabilities cannot tell a masked cell
+    from an underflowed one); False: none. Masked cells are hatched grey. max_cells: maps with
+    more queries or keys are pooled into blocks (see :func:`pool_map`). received: attention
+    received per key, [m] or [h, m], drawn as a bar strip under each map; entropy: per query,
+    [n] or [h, n], drawn as a bar strip right of each map (e.g. from the attention statistics).
+    Returns the matplotlib Figure (call ``.show()`` or ``.savefig()`` on it, or pass path).
+    """
+    if scale not in ("panel", "fixed"):
+        raise ValueError(f"scale: '{scale}' is not 'panel' or 'fixed'")
+    if max_cells < 1:
+        raise ValueError(f"max_cells: must be >= 1, got {max_cells}")
+    w = _as_maps(weights)
     h, n, m = w.shape
     if tokens is not None and len(tokens) != n:
         raise ValueError(f"tokens: {len(tokens)} labels for {n} query rows")
@@ -55,34 +154,99 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
         key_tokens = tokens
     if key_tokens is not None and len(key_tokens) != m:
         raise ValueError(f"key_tokens: {len(key_tokens)} labels for {m} key columns")
-    sel = list(range(h)) if heads is None else list(heads)
+    if masked is None:
+        mk = w == 0.0
+    elif masked is False:
+        mk = np.zeros(w.shape, bool)
+    else:
+        mk = np.broadcast_to(_as_maps(masked).astype(bool), w.shape)
+    received = _per_head("received", received, h, m)
+    entropy = _per_head("entropy", entropy, h, n)
+    sel = list(range(h)) if heads is None else [int(i) for i in heads]
+    for i in sel:
+        if not 0 <= i < h:
+            raise ValueError(f"heads: {i} is not a head of {h}")
+    value, frac, rb, cb = pool_map(w[sel], mk[sel], max_cells)
+    R, C = value.shape[1:]
     if annotate is None:
-        annotate = n <= 12 and m <= 12
+        annotate = R <= 12 and C <= 12
+
     plt = _pyplot()
     cols = max(1, min(cols, len(sel)))
-    rows = (len(sel) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(0.45 * m * cols + 1.5, 0.45 * n * rows + 1.2),
-                             squeeze=False)
-    for ax in axes.flat[len(sel):]:
-        ax.axis("off")
-    for ax, hd in zip(axes.flat, sel):
-        im = ax.imshow(w[hd], cmap=cmap, vmin=0.0, vmax=1.0, aspect="equal")
-        ax.set_title(f"head {hd}" if h > 1 else "attention")
-        ax.set_xticks(range(m))
-        ax.set_yticks(range(n))
-        ax.set_xticklabels(key_tokens if key_tokens is not None else range(m), rotation=60,
-                           ha="right")
-        ax.set_yticklabels(tokens if tokens is not None else range(n))
-        ax.set_xlabel("key")
-        ax.set_ylabel("query")
-        if annotate:
-            for i in range(n):
-                for j in range(m):
-                    ax.text(j, i, f"{w[hd, i, j]:.2f}", ha="center", va="center", fontsize=7,
-                            color="white" if w[hd, i, j] < 0.6 else "black")
-    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8)
-    if title:
-        fig.suptitle(title)
+    rows = -(-len(sel) // cols)
+    # A panel's inches grow with the grid up to 4.5 (then pooling bounds the cells), shrink so the
+    # whole figure stays within MAX_FIGURE_INCHES; room for labels, bar, strips and the title.
+    side = min(4.5, max(2.5, 0.32 * max(R, C)))
+    extra_w = 1.6 + (1.0 if entropy is not None else 0.0) + (0.8 if scale == "panel" else 0.0)
+    extra_h = 1.6 + (1.0 if received is not None else 0.0)
+    side = min(side, MAX_FIGURE_INCHES / cols - extra_w, MAX_FIGURE_INCHES / rows - extra_h)
+    side = max(side, 1.0)
+    fig = plt.figure(figsize=(cols * (side + extra_w) + (0.8 if scale == "fixed" else 0.0),
+                              rows * (side + extra_h) + (0.6 if title else 0.2)),
+                     layout="constrained")
+    outer = fig.add_gridspec(rows, cols)
+    image = None
+    for k, hd in enumerate(sel):
+        image = _panel(fig, outer[k // cols, k % cols], hd, h, value[k], frac[k], rb, cb, n, m,
+                       tokens, key_tokens, cmap, scale, annotate,
+                       None if received is None else _block_mean(received[hd:hd + 1], cb)[0],
+                       None if entropy is None else _block_mean(entropy[hd:hd + 1], rb)[0])
+    if scale == "fixed":
+        fig.colorbar(image, ax=fig.axes, shrink=0.8, label="probability")
+    fig.suptitle(title or f"attention ({n} queries x {m} keys"
+                 + (f"; pooled: mean of {rb} x {cb} blocks" if rb > 1 or cb > 1 else "")
+                 + "; hatched: masked)")
     if path:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
+        fig.savefig(path, dpi=dpi)
     return fig
+
+
+def _panel(fig, spec, hd, h, value, frac, rb, cb, n, m, tokens, key_tokens, cmap, scale,
+           annotate, received, entropy):
+    """One head: the map (hatched background where masked), its ticks, optional strips."""
+    from matplotlib.patches import Rectangle
+    R, C = value.shape
+    sub = spec.subgridspec(2 if received is not None else 1, 2 if entropy is not None else 1,
+                           height_ratios=[4, 1] if received is not None else None,
+                           width_ratios=[4, 1] if entropy is not None else None)
+    ax = fig.add_subplot(sub[0, 0])
+    top, clipped = _scale_top(value, frac, scale)
+    # Masked cells: transparent over a hatched grey background; partly masked (pooled) blocks
+    # let the hatching through in proportion to their masked share.
+    ax.add_patch(Rectangle((-0.5, -0.5), C, R, facecolor=MASKED_FACE, edgecolor=MASKED_HATCH,
+                           hatch="///", linewidth=0, zorder=0))
+    alpha = np.clip(1.0 - frac, 0.0, 1.0)
+    image = ax.imshow(value, cmap=cmap, vmin=0.0, vmax=top, alpha=alpha, aspect="equal",
+                      interpolation="nearest", zorder=1)
+    ax.set_title(f"head {hd}" if h > 1 else "attention", fontsize=11)
+    yt, yl = _ticks(n, rb, tokens)
+    xt, xl = _ticks(m, cb, key_tokens)
+    ax.set_yticks(yt, yl, fontsize=8)
+    ax.set_ylabel("query")
+    if annotate:
+        for i in range(R):
+            for j in range(C):
+                if frac[i, j] < 1.0:
+                    ax.text(j, i, f"{value[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                            color="white" if value[i, j] < 0.6 * top else "black", zorder=2)
+    if received is not None:
+        strip = fig.add_subplot(sub[1, 0], sharex=ax)
+        strip.bar(np.arange(C), received, width=1.0, color="#3b528b")
+        strip.set_ylabel("received", fontsize=8)
+        strip.tick_params(labelsize=7)
+        ax.tick_params(labelbottom=False)
+        strip.set_xticks(xt, xl, rotation=90, fontsize=8)
+        strip.set_xlabel("key")
+    else:
+        ax.set_xticks(xt, xl, rotation=90, fontsize=8)
+        ax.set_xlabel("key")
+    if entropy is not None:
+        strip = fig.add_subplot(sub[0, 1], sharey=ax)
+        strip.barh(np.arange(R), entropy, height=1.0, color="#21918c")
+        strip.set_xlabel("entropy", fontsize=8)
+        strip.tick_params(labelleft=False, labelsize=7)
+    if scale == "panel":
+        bar = fig.colorbar(image, ax=ax, shrink=0.9)
+        if clipped:
+            bar.ax.set_title("\u2265", fontsize=8)  # values above the top are clipped to it
+    return image
