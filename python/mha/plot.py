@@ -193,9 +193,9 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
                        None if entropy is None else _block_mean(entropy[hd:hd + 1], rb)[0])
     if scale == "fixed":
         fig.colorbar(image, ax=fig.axes, shrink=0.8, label="probability")
-    fig.suptitle(title or f"attention ({n} queries x {m} keys"
-                 + (f"; pooled: mean of {rb} x {cb} blocks" if rb > 1 or cb > 1 else "")
-                 + "; hatched: masked)")
+    fig.suptitle(title or f"attention, {n} queries x {m} keys\n"
+                 + (f"pooled: mean of {rb} x {cb} blocks; " if rb > 1 or cb > 1 else "")
+                 + "hatched: masked", fontsize=11)
     if path:
         fig.savefig(path, dpi=dpi)
     return fig
@@ -206,10 +206,7 @@ def _panel(fig, spec, hd, h, value, frac, rb, cb, n, m, tokens, key_tokens, cmap
     """One head: the map (hatched background where masked), its ticks, optional strips."""
     from matplotlib.patches import Rectangle
     R, C = value.shape
-    sub = spec.subgridspec(2 if received is not None else 1, 2 if entropy is not None else 1,
-                           height_ratios=[4, 1] if received is not None else None,
-                           width_ratios=[4, 1] if entropy is not None else None)
-    ax = fig.add_subplot(sub[0, 0])
+    ax = fig.add_subplot(spec)
     top, clipped = _scale_top(value, frac, scale)
     # Masked cells: transparent over a hatched grey background; partly masked (pooled) blocks
     # let the hatching through in proportion to their masked share.
@@ -229,8 +226,10 @@ def _panel(fig, spec, hd, h, value, frac, rb, cb, n, m, tokens, key_tokens, cmap
                 if frac[i, j] < 1.0:
                     ax.text(j, i, f"{value[i, j]:.2f}", ha="center", va="center", fontsize=7,
                             color="white" if value[i, j] < 0.6 * top else "black", zorder=2)
+    # The strips are inset axes of the map, so they keep its drawn width (or height) whatever
+    # the aspect ratio does to it, and the layout makes room for them as for its labels.
     if received is not None:
-        strip = fig.add_subplot(sub[1, 0], sharex=ax)
+        strip = ax.inset_axes([0.0, -0.27, 1.0, 0.22], sharex=ax)
         strip.bar(np.arange(C), received, width=1.0, color="#3b528b")
         strip.set_ylabel("received", fontsize=8)
         strip.tick_params(labelsize=7)
@@ -241,12 +240,11 @@ def _panel(fig, spec, hd, h, value, frac, rb, cb, n, m, tokens, key_tokens, cmap
         ax.set_xticks(xt, xl, rotation=90, fontsize=8)
         ax.set_xlabel("key")
     if entropy is not None:
-        strip = fig.add_subplot(sub[0, 1], sharey=ax)
+        strip = ax.inset_axes([1.03, 0.0, 0.22, 1.0], sharey=ax)
         strip.barh(np.arange(R), entropy, height=1.0, color="#21918c")
         strip.set_xlabel("entropy", fontsize=8)
         strip.tick_params(labelleft=False, labelsize=7)
     if scale == "panel":
-        bar = fig.colorbar(image, ax=ax, shrink=0.9)
-        if clipped:
-            bar.ax.set_title("\u2265", fontsize=8)  # values above the top are clipped to it
+        fig.colorbar(image, ax=ax, shrink=0.9, pad=0.2 if entropy is not None else 0.05,
+                     label="probability" + (" (larger: top colour)" if clipped else ""))
     return image
