@@ -117,17 +117,21 @@ enum {
 };
 
 /* What the renderer draws, whatever computed it (the dense probabilities pooled by
- * cli_plot_pool, or a streamed pooled map). Per panel a grid of rows x cols cells; cell (r, c)
- * covers queries [r row_block, min(n, (r + 1) row_block)) and keys [c col_block, ...).
- *   value  [panels, rows, cols]: mean probability over the block's VISIBLE cells (any value when
- *          the block is fully masked);
- *   masked [panels, rows, cols]: fraction 0..1 of the block's cells that are masked (NULL: none).
- * A pooled map given as the mean over all cells (masked ones counting 0) converts as
- * value = mean / (1 - masked). Labels: n query labels and m key labels, or NULL for indices; they
- * are drawn only when the axis is not pooled (block 1). */
+ * cli_plot_write, or the streamed pooled map of mha_attention_statistics). Per panel a grid of
+ * rows x cols cells (rows <= n, cols <= m); cell (r, c) holds the queries i with
+ * floor(i rows / n) = r and the keys j with floor(j cols / m) = c, the partition of
+ * mha_attention_stats.pooled (cells differ by at most one row or key).
+ *   value  [panels, rows, cols]: mean probability over the cell's VISIBLE elements (any value
+ *          when the cell is fully masked);
+ *   masked [panels, rows, cols]: fraction 0..1 of the cell's elements that are masked (NULL:
+ *          none).
+ * From mha_attention_stats (pooled = mean over all elements, masked ones counting 0; and
+ * pooled_visible): value = pooled / pooled_visible (where > 0), masked = 1 - pooled_visible.
+ * Labels: n query labels and m key labels, or NULL for indices; tokens are drawn only on an axis
+ * that is not pooled (rows == n, cols == m), indices otherwise. */
 typedef struct cli_plot_map {
     int64_t panels, rows, cols;
-    int64_t n, m, row_block, col_block;
+    int64_t n, m;
     const float *value, *masked;
     const char *const *q_labels, *const *k_labels;
     const char *title;         /* the figure's title line */
@@ -143,10 +147,8 @@ int cli_plot_available(void);
  * msg. The size is never refused: large maps are pooled. */
 int cli_plot_check(
     const char *path, int64_t heads, int64_t n, int64_t m, char *msg, size_t msg_size);
-/* The pooling of an n x m map: blocks of ceil(n / CLI_PLOT_MAX_CELLS) queries by
- * ceil(m / CLI_PLOT_MAX_CELLS) keys (1 x 1 for small maps), and the grid they make. */
-void cli_plot_grid(
-    int64_t n, int64_t m, int64_t *row_block, int64_t *col_block, int64_t *rows, int64_t *cols);
+/* The grid an n x m map is drawn as: min(n, CLI_PLOT_MAX_CELLS) x min(m, CLI_PLOT_MAX_CELLS). */
+void cli_plot_grid(int64_t n, int64_t m, int64_t *rows, int64_t *cols);
 /* Reads --tokens FILE: one token per line (a final newline optional, CR LF accepted), exactly
  * count lines, each valid UTF-8 without control characters, the file at most 16 MiB. On success
  * *buf holds the text and *labels the count pointers into it (free both); on failure returns

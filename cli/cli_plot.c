@@ -38,12 +38,9 @@ int cli_plot_check(
     return 1;
 }
 
-void cli_plot_grid(
-    int64_t n, int64_t m, int64_t *row_block, int64_t *col_block, int64_t *rows, int64_t *cols) {
-    *row_block = (n + CLI_PLOT_MAX_CELLS - 1) / CLI_PLOT_MAX_CELLS;
-    *col_block = (m + CLI_PLOT_MAX_CELLS - 1) / CLI_PLOT_MAX_CELLS;
-    *rows = (n + *row_block - 1) / *row_block;
-    *cols = (m + *col_block - 1) / *col_block;
+void cli_plot_grid(int64_t n, int64_t m, int64_t *rows, int64_t *cols) {
+    *rows = n < CLI_PLOT_MAX_CELLS ? n : CLI_PLOT_MAX_CELLS;
+    *cols = m < CLI_PLOT_MAX_CELLS ? m : CLI_PLOT_MAX_CELLS;
 }
 
 /* ---- --tokens FILE ----------------------------------------------------------------------------
@@ -160,34 +157,38 @@ int cli_plot_read_tokens(const char *path, int64_t count, char **buf, char ***la
 
 /* ---- Pooling of the dense probabilities ---------------------------------------------------- */
 
-/* One panel: value = mean over the block's cells with p != 0, masked = share of cells with
- * p == 0 (the dense map's only trace of a mask). Sums in double: a block has up to n m / 128^2
- * cells. */
+/* One panel [n, m] into the rows x cols grid (cell of query i: floor(i rows / n), as
+ * mha_attention_stats.pooled): value = mean over the cell's elements with p != 0, masked = share
+ * of elements with p == 0 (the dense map's only trace of a mask). sum and zero: rows x cols
+ * scratch; col_of: m. Sums in double: a cell has up to about n m / 128^2 elements. */
 static void pool_panel(const float *p,
                        int64_t n,
                        int64_t m,
-                       int64_t rb,
-                       int64_t cb,
                        int64_t rows,
                        int64_t cols,
+                       double *sum,
+                       int64_t *zero,
+                       int64_t *count,
+                       const int64_t *col_of,
                        float *value,
                        float *masked) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) {
-            const int64_t i1 = (r + 1) * rb < n ? (r + 1) * rb : n;
-            const int64_t j1 = (c + 1) * cb < m ? (c + 1) * cb : m;
-            double sum = 0.0;
-            int64_t zero = 0;
-            for (int64_t i = r * rb; i < i1; i++)
-                for (int64_t j = c * cb; j < j1; j++) {
-                    const float x = p[i * m + j];
-                    sum += (double)x;
-                    zero += x == 0.0f;
-                }
-            const int64_t cells = (i1 - r * rb) * (j1 - c * cb);
-            value[r * cols + c] = zero < cells ? (float)(sum / (double)(cells - zero)) : 0.0f;
-            masked[r * cols + c] = (float)((double)zero / (double)cells);
+    const size_t cells = (size_t)(rows * cols);
+    memset(sum, 0, cells * sizeof *sum);
+    memset(zero, 0, cells * sizeof *zero);
+    memset(count, 0, cells * sizeof *count);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t base = (i * rows / n) * cols;
+        for (int64_t j = 0; j < m; j++) {
+            const float x = p[i * m + j];
+            sum[base + col_of[j]] += (double)x;
+            zero[base + col_of[j]] += x == 0.0f;
+            count[base + col_of[j]]++;
         }
+    }
+    for (size_t k = 0; k < cells; k++) {
+        value[k] = zero[k] < count[k] ? (float)(sum[k] / (double)(count[k] - zero[k])) : 0.0f;
+        masked[k] = (float)((double)zero[k] / (double)count[k]);
+    }
 }
 
 int cli_plot_write(
@@ -195,18 +196,27 @@ int cli_plot_write(
     const int64_t heads = map->panels, n = map->n, m = map->m;
     if (!cli_plot_check(path, heads, n, m, msg, msg_size))
         return 0;
-    cli_plot_grid(n, m, &map->row_block, &map->col_block, &map->rows, &map->cols);
-    /* At most 64 panels of 128 x 128 cells: two small arrays. */
+    cli_plot_grid(n, m, &map->rows, &map->cols);
+    /* At most 64 panels of 128 x 128 cells, and scratch of one panel's grid and m columns. */
     const size_t per = (size_t)(map->rows * map->cols), cells = (size_t)heads * per;
     float *value = malloc(cells * sizeof *value), *masked = malloc(cells * sizeof *masked);
-    if (!value || !masked) {
+    double *sum = malloc(per * sizeof *sum);
+    int64_t *zero = malloc(per * sizeof *zero), *count = malloc(per * sizeof *count);
+    int64_t *col_of = malloc((size_t)m * sizeof *col_of);
+    const int ok_alloc = value && masked && sum && zero && count && col_of;
+    if (ok_alloc) {
+        for (int64_t j = 0; j < m; j++)
+            col_of[j] = j * map->cols / m;
+        for (int64_t h = 0; h < heads; h++)
+            pool_panel(probs + (size_t)h * (size_t)n * (size_t)m, n, m, map->rows, map->cols, sum,
+                       zero, count, col_of, value + (size_t)h * per, masked + (size_t)h * per);
+    }
+    free(sum), free(zero), free(count), free(col_of);
+    if (!ok_alloc) {
         free(value), free(masked);
         snprintf(msg, msg_size, "out of memory");
         return 0;
     }
-    for (int64_t h = 0; h < heads; h++)
-        pool_panel(probs + (size_t)h * (size_t)n * (size_t)m, n, m, map->row_block, map->col_block,
-                   map->rows, map->cols, value + (size_t)h * per, masked + (size_t)h * per);
     map->value = value, map->masked = masked;
     map->masked_legend = "masked (p = 0)";
     const int ok = cli_plot_render(path, map, msg, msg_size);

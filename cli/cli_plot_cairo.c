@@ -143,9 +143,9 @@ static void legend_text(const cli_plot_map *mp, char *line, size_t size) {
                              mp->scale == CLI_PLOT_SCALE_FIXED
                                  ? "probability 0..1"
                                  : "probability, 0..99th percentile of each panel");
-    if (len > 0 && (size_t)len < size && (mp->row_block > 1 || mp->col_block > 1))
-        snprintf(line + len, size - (size_t)len, "; pooled: mean of %lld x %lld blocks",
-                 (long long)mp->row_block, (long long)mp->col_block);
+    if (len > 0 && (size_t)len < size && (mp->rows < mp->n || mp->cols < mp->m))
+        snprintf(line + len, size - (size_t)len, "; pooled: each cell the mean of ~%.3g x %.3g",
+                 (double)mp->n / (double)mp->rows, (double)mp->m / (double)mp->cols);
 }
 
 /* Width of the title and of the legend line with its swatch, whichever is wider. */
@@ -173,10 +173,10 @@ static void plan(cairo_t *cr, const cli_plot_map *mp, layout *L) {
     L->map_w = L->cell * mp->cols, L->map_h = L->cell * mp->rows;
     cairo_select_font_face(cr, "sans-serif", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_NORMAL);
     cairo_set_font_size(cr, LABEL_FONT);
-    const char *const *ql = mp->row_block == 1 ? mp->q_labels : NULL;
-    const char *const *kl = mp->col_block == 1 ? mp->k_labels : NULL;
-    const double qpx = (double)L->cell / (double)mp->row_block;
-    const double kpx = (double)L->cell / (double)mp->col_block;
+    const char *const *ql = mp->rows == mp->n ? mp->q_labels : NULL;
+    const char *const *kl = mp->cols == mp->m ? mp->k_labels : NULL;
+    const double qpx = (double)L->cell * (double)mp->rows / (double)mp->n; /* px per query */
+    const double kpx = (double)L->cell * (double)mp->cols / (double)mp->m;
     L->label_w = 8 + (int64_t)ceil(labels_extent(cr, ql, mp->n, label_step(qpx, !ql)));
     L->label_h = 8 + (int64_t)ceil(labels_extent(cr, kl, mp->m, label_step(kpx, !kl)));
     L->per_panel_bar = mp->scale == CLI_PLOT_SCALE_PANEL;
@@ -256,10 +256,10 @@ static void colour_bar(cairo_t *cr, double x, double y, double h, double vmax, i
 /* Query labels left of the map, key labels below it (reading upward). */
 static void
 axis_labels(cairo_t *cr, const cli_plot_map *mp, const layout *L, double x0, double y0) {
-    const char *const *ql = mp->row_block == 1 ? mp->q_labels : NULL;
-    const char *const *kl = mp->col_block == 1 ? mp->k_labels : NULL;
-    const double qpx = (double)L->cell / (double)mp->row_block;
-    const double kpx = (double)L->cell / (double)mp->col_block;
+    const char *const *ql = mp->rows == mp->n ? mp->q_labels : NULL;
+    const char *const *kl = mp->cols == mp->m ? mp->k_labels : NULL;
+    const double qpx = (double)L->cell * (double)mp->rows / (double)mp->n; /* px per query */
+    const double kpx = (double)L->cell * (double)mp->cols / (double)mp->m;
     char buf[96];
     cairo_set_font_size(cr, LABEL_FONT);
     cairo_set_source_rgb(cr, 0.1, 0.1, 0.1);

@@ -170,9 +170,11 @@ def test_long_map_is_pooled_bounded_and_small(case):
     assert w < 1400 and h < 700  # two panels of at most 384 x 384, whatever n is
 
 
-def test_pooled_blocks_have_the_colour_of_their_visible_mean(case):
-    """n = 300 pools into 100 x 100 blocks of 3 x 3; a block's colour is the mean of its visible
-    probabilities (from --attn, in NumPy), blended toward the hatching by its masked share."""
+def test_pooled_cells_have_the_colour_of_their_visible_mean(case):
+    """n = 300 pools into 128 x 128 cells, cell r holding the queries i with floor(128 i / 300) = r
+    (2 or 3 of them; the partition of mha_attention_stats' pooled map); a cell's colour is the
+    mean of its visible probabilities (from --attn, in NumPy), blended toward the hatching by its
+    masked share."""
     rng = np.random.default_rng(5)
     np.save(case / "X300.npy", rng.standard_normal((300, 16)).astype(np.float32))
     r = run(case, "--causal", "--attn", case / "A.npy", "--attn-average", "--plot-scale", "fixed",
@@ -180,12 +182,13 @@ def test_pooled_blocks_have_the_colour_of_their_visible_mean(case):
     assert r.returncode == 0, r.stderr
     p = np.load(case / "A.npy").astype(np.float64)  # [300, 300]
     img = read_png(case / "pooled.png")
-    x0, y0, cell = map_origin(img, 100)
-    blocks = p.reshape(100, 3, 100, 3).transpose(0, 2, 1, 3).reshape(100, 100, 9)
-    for r_, c_ in [(0, 0), (5, 2), (50, 49), (99, 0), (99, 98), (70, 30), (30, 30)]:
-        b = blocks[r_, c_]
+    x0, y0, cell = map_origin(img, 128)
+    assert cell == 3
+    cell_of = np.arange(300) * 128 // 300
+    for r_, c_ in [(0, 0), (5, 2), (50, 49), (127, 0), (127, 126), (70, 30), (30, 30), (64, 64)]:
+        b = p[np.ix_(cell_of == r_, cell_of == c_)]
         vis = b[b != 0]
-        f = 1 - len(vis) / 9
+        f = 1 - vis.size / b.size
         y, x = y0 + r_ * cell, x0 + c_ * cell  # the block's top-left pixel
         g = HATCH[0] if (x - x0 + y - y0) % 8 < 2 else HATCH[1]
         want = (1 - f) * colour(vis.mean()) + f * g

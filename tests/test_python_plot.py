@@ -95,15 +95,35 @@ def test_long_map_is_pooled_bounded_and_small(tmp_path):
 
 
 def test_pool_map_is_the_mean_of_visible_cells():
+    """30 x 30 maps into 8 x 8 cells, cell r holding the queries i with floor(8 i / 30) = r."""
     rng = np.random.default_rng(5)
     p = causal_probs(rng, 2, 30)
-    value, frac, rb, cb = pool_map(p, p == 0, max_cells=8)
-    assert (rb, cb) == (4, 4) and value.shape == (2, 8, 8)
-    for hd, r, c in [(0, 0, 0), (1, 3, 2), (0, 7, 7), (1, 7, 0), (0, 2, 5)]:
-        b = p[hd, 4 * r:4 * r + 4, 4 * c:4 * c + 4]
+    value, frac = pool_map(p, p == 0, max_cells=8)
+    assert value.shape == frac.shape == (2, 8, 8)
+    cell_of = np.arange(30) * 8 // 30
+    for hd, r, c in [(0, 0, 0), (1, 3, 2), (0, 7, 7), (1, 7, 0), (0, 2, 5), (1, 4, 4)]:
+        b = p[hd][np.ix_(cell_of == r, cell_of == c)]
         vis = b[b != 0]
         assert frac[hd, r, c] == pytest.approx(1 - vis.size / b.size)
         assert value[hd, r, c] == pytest.approx(vis.mean() if vis.size else 0.0)
+
+
+def test_pooled_map_given_with_its_visible_share():
+    """The streamed statistics' pooled map (mean over all elements) and visible share draw as the
+    dense map pooled here: the same cells, the same masked fractions."""
+    p = causal_probs(np.random.default_rng(9), 2, 300)
+    value, frac = pool_map(p, p == 0)
+    vis = 1.0 - frac
+    fig = mha.plot_attention(value * vis, visible=vis, size=(300, 300))
+    dense = mha.plot_attention(p)
+    for a, b in zip(map_axes(fig), map_axes(dense)):
+        ia, ib = a.get_images()[0], b.get_images()[0]
+        assert np.allclose(ia.get_array(), ib.get_array())
+        assert np.allclose(ia.get_alpha(), ib.get_alpha())
+        assert [t.get_text() for t in a.get_yticklabels()] == \
+            [t.get_text() for t in b.get_yticklabels()]
+    with pytest.raises(ValueError, match="size"):
+        mha.plot_attention(value, visible=vis)
 
 
 def test_labels_stay_in_their_panel(tmp_path):

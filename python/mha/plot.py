@@ -39,25 +39,31 @@ def _has_display() -> bool:
 
 
 def pool_map(weights, masked=None, max_cells: int = 128):
-    """Pools maps [h, n, m] into blocks of ceil(n / max_cells) x ceil(m / max_cells) cells.
+    """Pools maps [h, n, m] into a grid of R = min(n, max_cells) x C = min(m, max_cells) cells:
+    cell (r, c) holds the queries i with floor(i R / n) = r and the keys j with
+    floor(j C / m) = c (the partition of the streamed statistics' pooled map, and of the CLI's).
 
-    Returns (value, masked_fraction, row_block, col_block): value [h, R, C] is the mean of each
-    block's visible probabilities (0 where the block is fully masked), masked_fraction [h, R, C]
-    the share of its cells that are masked. masked: bool [h, n, m] (True = masked) or None (no
-    mask). Blocks at the end may be smaller. With max_cells >= n, m: the maps themselves."""
-    w = np.asarray(weights, dtype=np.float64)
+    Returns (value, masked_fraction): value [h, R, C] is the mean of each cell's visible
+    probabilities (0 where the cell is fully masked), masked_fraction [h, R, C] the share of its
+    elements that are masked. masked: bool [h, n, m] (True = masked) or None (no mask). From the
+    statistics' pooled (mean over all elements) and pooled_visible: value = pooled /
+    pooled_visible, masked_fraction = 1 - pooled_visible."""
+    w = np.asarray(weights)
     h, n, m = w.shape
-    mk = np.zeros(w.shape, bool) if masked is None else np.broadcast_to(masked, w.shape)
-    rb, cb = -(-n // max_cells), -(-m // max_cells)
-    rows, cols = -(-n // rb), -(-m // cb)
-    pad = ((0, 0), (0, rows * rb - n), (0, cols * cb - m))
-    vis = np.pad(~mk, pad).reshape(h, rows, rb, cols, cb)  # padding: neither visible...
-    cells = np.pad(np.ones(w.shape, bool), pad).reshape(h, rows, rb, cols, cb)  # ...nor a cell
-    total = np.pad(np.where(mk, 0.0, w), pad).reshape(h, rows, rb, cols, cb).sum(axis=(2, 4))
-    n_vis = vis.sum(axis=(2, 4))
-    n_cells = cells.sum(axis=(2, 4))
+    R, C = min(n, max_cells), min(m, max_cells)
+    row_start = np.searchsorted(np.arange(n) * R // n, np.arange(R))
+    col_start = np.searchsorted(np.arange(m) * C // m, np.arange(C))
+    mk = np.zeros((1, n, m), bool) if masked is None else np.broadcast_to(masked, w.shape)
+
+    def cell_sums(a):
+        return np.add.reduceat(np.add.reduceat(a, row_start, axis=1), col_start, axis=2)
+
+    total = cell_sums(np.where(mk, 0.0, w).astype(np.float64))
+    n_vis = cell_sums((~mk).astype(np.int64))
+    rows, cols = np.diff(np.append(row_start, n)), np.diff(np.append(col_start, m))
+    n_cells = rows[:, None] * cols[None, :]
     value = np.where(n_vis > 0, total / np.maximum(n_vis, 1), 0.0)
-    return value, 1.0 - n_vis / n_cells, rb, cb
+    return value, np.broadcast_to(1.0 - n_vis / n_cells, value.shape)
 
 
 def _as_maps(weights):
@@ -85,28 +91,26 @@ def _per_head(name, a, h, length):
     return a
 
 
-def _block_mean(a, block):
-    """[h, L] -> [h, ceil(L / block)]: the mean of each block of `block` entries."""
-    h, L = a.shape
-    k = -(-L // block)
-    pad = np.pad(a, ((0, 0), (0, k * block - L)))
-    count = np.pad(np.ones(L), (0, k * block - L)).reshape(k, block).sum(axis=1)
-    return pad.reshape(h, k, block).sum(axis=2) / count
+def _cell_mean(a, cells):
+    """[h, L] -> [h, cells]: the mean over each cell of the pooling (floor(i cells / L) = cell)."""
+    L = a.shape[1]
+    start = np.searchsorted(np.arange(L) * cells // L, np.arange(cells))
+    return np.add.reduceat(a, start, axis=1) / np.diff(np.append(start, L))
 
 
-def _ticks(length, block, labels, max_labels=32):
+def _ticks(length, cells, labels, max_labels=32):
     """Tick positions (in cells) and texts: every label when they fit, else thinned; token labels
-    only when the axis is not pooled, indices (1, 2, 5 x 10^k apart) otherwise."""
-    if labels is not None and block == 1:
+    only when the axis is not pooled (cells == length), indices 1, 2, 5 x 10^k apart otherwise."""
+    if labels is not None and cells == length:
         step = max(1, -(-length // max_labels))
         idx = np.arange(0, length, step)
         return idx, [str(labels[i]) for i in idx]
     step = 1
     while -(-length // step) > max_labels:
-        step = {1: 2, 2: 5}.get(int(str(step)[0]), 10) * 10 ** (len(str(step)) - 1) \
-            if str(step)[0] in "12" else 10 ** len(str(step))
+        lead, decade = int(str(step)[0]), 10 ** (len(str(step)) - 1)
+        step = (2 if lead == 1 else 5 if lead == 2 else 10) * decade
     idx = np.arange(0, length, step)
-    return (idx + 0.5) / block - 0.5, [str(i) for i in idx]
+    return (idx + 0.5) * cells / length - 0.5, [str(i) for i in idx]
 
 
 def _scale_top(value, frac, scale):
@@ -124,7 +128,7 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
                    heads: Optional[Sequence[int]] = None, title: Optional[str] = None,
                    cmap: str = "viridis", annotate: Optional[bool] = None, cols: int = 4,
                    scale: str = "panel", masked=None, max_cells: int = 128,
-                   received=None, entropy=None, dpi: int = 100):
+                   received=None, entropy=None, visible=None, size=None, dpi: int = 100):
     """Draws one heatmap per head: rows are queries, columns keys, labelled with the tokens.
 
     weights: [h, n, m] (per head), [n, m] (one map, e.g. averaged), or [1, h, n, m] (batch of
@@ -140,6 +144,9 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
     more queries or keys are pooled into blocks (see :func:`pool_map`). received: attention
     received per key, [m] or [h, m], drawn as a bar strip under each map; entropy: per query,
     [n] or [h, n], drawn as a bar strip right of each map (e.g. from the attention statistics).
+    visible and size: weights is then a pooled map [h, R, C] of means over all the cell's elements
+    (masked ones counting 0), visible [h, R, C] the visible share of each cell, and size = (n, m)
+    the map's queries and keys (the "pooled", "pooled_visible" of ``mha.attention_stats``).
     Returns the matplotlib Figure (call ``.show()`` or ``.savefig()`` on it, or pass path).
     """
     if scale not in ("panel", "fixed"):
@@ -148,13 +155,22 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
         raise ValueError(f"max_cells: must be >= 1, got {max_cells}")
     w = _as_maps(weights)
     h, n, m = w.shape
+    if visible is not None:
+        if size is None or len(size) != 2 or not (size[0] >= n and size[1] >= m):
+            raise ValueError(f"size: give the pooled map's (n, m), at least {(n, m)}, got {size}")
+        vis = _as_maps(visible)
+        if vis.shape != w.shape:
+            raise ValueError(f"visible: expected shape {w.shape}, got {vis.shape}")
+        n, m = int(size[0]), int(size[1])
     if tokens is not None and len(tokens) != n:
         raise ValueError(f"tokens: {len(tokens)} labels for {n} query rows")
     if key_tokens is None and tokens is not None and m == n:
         key_tokens = tokens
     if key_tokens is not None and len(key_tokens) != m:
         raise ValueError(f"key_tokens: {len(key_tokens)} labels for {m} key columns")
-    if masked is None:
+    if visible is not None:
+        mk = None
+    elif masked is None:
         mk = w == 0.0
     elif masked is False:
         mk = np.zeros(w.shape, bool)
@@ -166,7 +182,11 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
     for i in sel:
         if not 0 <= i < h:
             raise ValueError(f"heads: {i} is not a head of {h}")
-    value, frac, rb, cb = pool_map(w[sel], mk[sel], max_cells)
+    if visible is None:
+        value, frac = pool_map(w[sel], mk[sel], max_cells)
+    else:  # already pooled: the mean over the visible elements, and the masked share
+        v = vis[sel]
+        value, frac = np.where(v > 0, w[sel] / np.where(v > 0, v, 1.0), 0.0), 1.0 - v
     R, C = value.shape[1:]
     if annotate is None:
         annotate = R <= 12 and C <= 12
@@ -187,21 +207,22 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
     outer = fig.add_gridspec(rows, cols)
     image = None
     for k, hd in enumerate(sel):
-        image = _panel(fig, outer[k // cols, k % cols], hd, h, value[k], frac[k], rb, cb, n, m,
+        image = _panel(fig, outer[k // cols, k % cols], hd, h, value[k], frac[k], n, m,
                        tokens, key_tokens, cmap, scale, annotate,
-                       None if received is None else _block_mean(received[hd:hd + 1], cb)[0],
-                       None if entropy is None else _block_mean(entropy[hd:hd + 1], rb)[0])
+                       None if received is None else _cell_mean(received[hd:hd + 1], C)[0],
+                       None if entropy is None else _cell_mean(entropy[hd:hd + 1], R)[0])
     if scale == "fixed":
         fig.colorbar(image, ax=fig.axes, shrink=0.8, label="probability")
     fig.suptitle(title or f"attention, {n} queries x {m} keys\n"
-                 + (f"pooled: mean of {rb} x {cb} blocks; " if rb > 1 or cb > 1 else "")
+                 + (f"pooled: each cell the mean of ~{n / R:.3g} x {m / C:.3g}; "
+                    if R < n or C < m else "")
                  + "hatched: masked", fontsize=11)
     if path:
         fig.savefig(path, dpi=dpi)
     return fig
 
 
-def _panel(fig, spec, hd, h, value, frac, rb, cb, n, m, tokens, key_tokens, cmap, scale,
+def _panel(fig, spec, hd, h, value, frac, n, m, tokens, key_tokens, cmap, scale,
            annotate, received, entropy):
     """One head: the map (hatched background where masked), its ticks, optional strips."""
     from matplotlib.patches import Rectangle
@@ -216,8 +237,8 @@ def _panel(fig, spec, hd, h, value, frac, rb, cb, n, m, tokens, key_tokens, cmap
     image = ax.imshow(value, cmap=cmap, vmin=0.0, vmax=top, alpha=alpha, aspect="equal",
                       interpolation="nearest", zorder=1)
     ax.set_title(f"head {hd}" if h > 1 else "attention", fontsize=11)
-    yt, yl = _ticks(n, rb, tokens)
-    xt, xl = _ticks(m, cb, key_tokens)
+    yt, yl = _ticks(n, R, tokens)
+    xt, xl = _ticks(m, C, key_tokens)
     ax.set_yticks(yt, yl, fontsize=8)
     ax.set_ylabel("query")
     if annotate:
