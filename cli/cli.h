@@ -142,6 +142,8 @@ typedef struct cli_plot_map {
 
 /* 1 when this program was built with cairo (--plot works), 0 otherwise. */
 int cli_plot_available(void);
+/* The version of the cairo this program runs with, or NULL when built without cairo. */
+const char *cli_plot_cairo_version(void);
 /* Whether --plot can draw heads maps of n x m into path: cairo present, the file type (.png, .svg
  * or .pdf by the name's ending), at most CLI_PLOT_MAX_PANELS heads. 1 = yes; 0 = no, reason in
  * msg. The size is never refused: large maps are pooled. */

@@ -33,6 +33,10 @@ int cli_plot_available(void) {
     return 1;
 }
 
+const char *cli_plot_cairo_version(void) {
+    return cairo_version_string();
+}
+
 /* A perceptually ordered colour scale (dark blue -> teal -> yellow), 9 stops, interpolated. */
 static const unsigned char k_scale[9][3] = {
     {13, 8, 60},    {50, 30, 110},  {60, 70, 140},  {45, 110, 142}, {33, 145, 140},
@@ -436,6 +440,10 @@ int cli_plot_render(const char *path, const cli_plot_map *map, char *msg, size_t
 
 int cli_plot_available(void) {
     return 0;
+}
+
+const char *cli_plot_cairo_version(void) {
+    return NULL;
 }
 
 int cli_plot_render(const char *path, const cli_plot_map *map, char *msg, size_t msg_size) {

@@ -242,3 +242,7 @@ def test_plot_without_cairo_says_so(case):
     assert len(r.stderr.splitlines()) == 1
     assert sorted(os.listdir(case)) == ["W.safetensors", "X.npy", "tok.txt"]
     assert run(case, cli=cli).returncode == 0
+    info = subprocess.run([cli, "info"], capture_output=True, text=True, timeout=60).stdout
+    assert "plots (run --plot): unavailable, built without cairo" in info
+    info = subprocess.run([CLI, "info"], capture_output=True, text=True, timeout=600).stdout
+    assert "plots (run --plot): cairo 1." in info
