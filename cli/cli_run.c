@@ -143,7 +143,7 @@ void cli_run_usage(void) {
         "  --attn-average           write their mean over the heads instead: [B, n, m] ([n, m])",
         "  --plot FILE.png|.svg|.pdf draw the attention maps of batch row 0, one panel per head",
         "                           (their mean with --attn-average); masked cells hatched grey;",
-        "                           maps over 128 queries or keys pooled into 128 x 128 blocks",
+        "                           maps over 128 queries or keys pooled to 128 x 128 cells",
         "  --plot-scale S           colours: panel (0..max of each panel) or fixed (0..1)",
         "                           (default: panel)",
         "  --tokens FILE            the plot's labels: one token per line, one line per query",
