@@ -56,6 +56,8 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_PLOT] = {"--plot", CLI_OPT_VALUE},
     [O_PLOT_SCALE] = {"--plot-scale", CLI_OPT_VALUE},
     [O_TOKENS] = {"--tokens", CLI_OPT_VALUE},
+    [O_ATTN_STATS] = {"--attn-stats", CLI_OPT_VALUE},
+    [O_STATS] = {"--stats", CLI_OPT_VALUE},
     [O_THREADS] = {"--threads", CLI_OPT_VALUE},
     [O_VERBOSE] = {"--verbose", CLI_OPT_FLAG},
     [O_IMPL] = {"--impl", CLI_OPT_VALUE},
@@ -148,6 +150,13 @@ void cli_run_usage(void) {
         "                           (0..1) (default: panel)",
         "  --tokens FILE            the plot's labels: one token per line, one line per query",
         "                           (for keys too when there are as many)",
+        "  --attn-stats S.npz       attention statistics without any n x m matrix (long inputs),",
+        "                           an .npz (docs/FORMATS.md); choose them with --stats",
+        "  --stats LIST             comma-separated: received (attention per key, per head and",
+        "                           summed over heads), entropy (per query row), topk[=K] (the K",
+        "                           most attended keys per row, default 8), pool[=RxC] (the map",
+        "                           averaged over an R x C grid, default 256x256, with the",
+        "                           visible fraction of each cell). Default: received,entropy",
         "",
         "Execution:",
         "  --threads N              threads; 0 = every online CPU (default: 0)",
@@ -207,6 +216,7 @@ static void run_free(run_state *s) {
     free(s->kvseg);
     free(s->tokens_buf);
     free(s->tokens);
+    stats_free(&s->stats);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -295,6 +305,7 @@ static int parse_decode(run_config *o) {
         {O_KEY_POSITIONS, "decoding places token t at position t"},
         {O_ATTN, "decoding does not keep the probabilities"},
         {O_PLOT, "decoding does not keep the probabilities"},
+        {O_ATTN_STATS, "decoding does not keep the probabilities"},
         {O_DROPOUT, "decoding is inference"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
@@ -494,6 +505,10 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
     if (v[O_PLOT] &&
         (strcmp(v[O_PLOT], v[O_OUT]) == 0 || (v[O_ATTN] && !strcmp(v[O_PLOT], v[O_ATTN]))))
         return cli_usage("--plot names the same file as another output: '%s'", v[O_PLOT]);
+    if (v[O_STATS] && !v[O_ATTN_STATS])
+        return cli_usage("--stats needs --attn-stats");
+    if (v[O_ATTN_STATS] && (rc = parse_stats_spec(v[O_STATS], &o->stats)))
+        return rc;
     char why[160];
     if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], 1, 1, 1, why, sizeof why))
         return cli_usage("--plot %s: %s", v[O_PLOT], why);
@@ -533,14 +548,15 @@ static int check_paths(const run_config *o) {
                                  O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
                                  O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS,
                                  O_TOKENS};
-    static const int out_ids[] = {O_OUT, O_ATTN, O_PLOT};
-    cli_path in[sizeof in_ids / sizeof in_ids[0]], out[3];
+    static const int out_ids[] = {O_OUT, O_ATTN, O_PLOT, O_ATTN_STATS};
+    enum { N_OUT = sizeof out_ids / sizeof out_ids[0] };
+    cli_path in[sizeof in_ids / sizeof in_ids[0]], out[N_OUT];
     const int n_in = (int)(sizeof in_ids / sizeof in_ids[0]);
     for (int i = 0; i < n_in; i++)
         in[i] = (cli_path){run_flags[in_ids[i]].name, v[in_ids[i]]};
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < N_OUT; i++)
         out[i] = (cli_path){run_flags[out_ids[i]].name, v[out_ids[i]]};
-    return cli_check_outputs(in, n_in, out, 3);
+    return cli_check_outputs(in, n_in, out, N_OUT);
 }
 
 int cli_run_main(int argc, char **argv) {

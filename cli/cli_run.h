@@ -4,6 +4,7 @@
  *   cli_run.c        options, usage, parsing, output-path checks, the entry points
  *   cli_run_files.c  reading the input files (.npy) into checked arrays, writing the outputs
  *   cli_run_job.c    the job: the layer forward (run_forward) or the decode loop
+ *   cli_run_stats.c  --attn-stats / --stats: the attention statistics and their .npz
  */
 #ifndef MHA_CLI_RUN_H
 #define MHA_CLI_RUN_H
@@ -54,6 +55,8 @@ enum {
     O_PLOT,
     O_PLOT_SCALE,
     O_TOKENS,
+    O_ATTN_STATS,
+    O_STATS,
     O_THREADS,
     O_IMPL,
     O_DECODE,
@@ -64,6 +67,20 @@ enum {
 };
 
 _Static_assert(O_COUNT <= CLI_MAX_OPTS, "raise CLI_MAX_OPTS");
+
+/* --stats: which statistics (0 = not asked), with their parameters as given (cli_run_stats.c). */
+typedef struct cli_stats_spec {
+    int received, entropy;
+    int64_t topk;                 /* K, 0 = no top-k */
+    int64_t pool_rows, pool_cols; /* 0 = no pooled map */
+} cli_stats_spec;
+
+/* The statistics computed (NULL = not asked); k, R, C clamped to the map. */
+typedef struct cli_stats {
+    float *received, *received_total, *entropy, *topk_prob, *pooled, *pooled_visible;
+    int64_t *topk_index;
+    int64_t k, R, C;
+} cli_stats;
 
 /* Everything parsed from the command line. */
 typedef struct run_config {
@@ -86,6 +103,7 @@ typedef struct run_config {
     int decode;                /* --decode */
     int64_t prefill;           /* --prefill, default 1 */
     mha_dtype cache_dtype;     /* --cache-dtype */
+    cli_stats_spec stats;      /* --stats (with --attn-stats) */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */
@@ -98,6 +116,7 @@ typedef struct run_state {
     int32_t *qseg, *kvseg;
     char *tokens_buf, **tokens; /* --tokens: the file's text, n labels into it */
     double stage_start;         /* --verbose: when the current stage began (seconds) */
+    cli_stats stats;            /* --attn-stats */
 } run_state;
 
 /* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run_job.c). */
@@ -146,6 +165,22 @@ int write_outputs(const run_config *o,
                   int64_t m,
                   int64_t h,
                   int64_t out_dim);
+
+/* --attn-stats (cli_run_stats.c). parse_stats_spec: the --stats list (NULL = the default
+ * "received,entropy"), CLI_USAGE with a message when it is malformed. compute_stats: the
+ * statistics of the forward `fa` into s->stats. write_stats: the .npz, leading B axis only for a
+ * 3-d input. stats_free: what compute_stats allocated. */
+int parse_stats_spec(const char *spec, cli_stats_spec *sp);
+int compute_stats(
+    const run_config *o, run_state *s, const mha_forward_args *fa, int64_t h, int64_t n, int64_t m);
+int write_stats(const run_config *o,
+                const run_state *s,
+                int x_ndim,
+                int64_t B,
+                int64_t h,
+                int64_t n,
+                int64_t m);
+void stats_free(cli_stats *st);
 
 /* The job (cli_run_job.c): load, read, check, run, write; CLI_OK or the exit status. */
 int run_forward(const run_config *o, run_state *s);

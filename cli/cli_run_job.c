@@ -386,9 +386,21 @@ int run_forward(const run_config *o, run_state *s) {
         return cli_lib_fail(NULL, &err);
 
     stage_done(o, s, "forward computed");
+    if (v[O_ATTN_STATS]) { /* before any output is written: a failure leaves no file */
+        if ((rc = compute_stats(o, s, &fa, d.h, d.n, d.m)))
+            return rc;
+        stage_done(o, s, "attention statistics computed");
+    }
 
     /* Step 7: the outputs. */
     rc = write_outputs(o, s, d.x_ndim, d.B, d.n, d.m, d.h, mha_layer_config(s->layer)->out_dim);
+    if (rc == CLI_OK && v[O_ATTN_STATS] &&
+        (rc = write_stats(o, s, d.x_ndim, d.B, d.h, d.n, d.m)) != CLI_OK) {
+        const int written[] = {O_OUT, O_ATTN, O_PLOT};
+        for (size_t i = 0; i < sizeof written / sizeof written[0]; i++)
+            if (v[written[i]])
+                remove(v[written[i]]);
+    }
     if (rc == CLI_OK)
         stage_done(o, s, "outputs written");
     return rc;

@@ -614,12 +614,13 @@ mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha
 
 /* Version 1.0 header: magic, version, u16 length, dict padded with spaces and a final newline so
  * that the data start at a multiple of 64 bytes. Returns the total header size. */
-static size_t build_header(char *buf, size_t size, int32_t ndim, const int64_t *shape) {
+static size_t
+build_header(char *buf, size_t size, const char *descr, int32_t ndim, const int64_t *shape) {
     char shape_text[256];
     format_shape(shape_text, sizeof shape_text, ndim, shape);
     char dict[384];
-    int n = snprintf(dict, sizeof dict, "{'descr': '<f4', 'fortran_order': False, 'shape': %s, }",
-                     shape_text);
+    int n = snprintf(dict, sizeof dict, "{'descr': '%s', 'fortran_order': False, 'shape': %s, }",
+                     descr, shape_text);
     const size_t dict_len = (size_t)n;
     const size_t total = (10 + dict_len + 1 + 63) / 64 * 64;
     const size_t hlen = total - 10;
@@ -634,6 +635,13 @@ static size_t build_header(char *buf, size_t size, int32_t ndim, const int64_t *
     memset(buf + 10 + dict_len, ' ', hlen - dict_len - 1);
     buf[total - 1] = '\n';
     return total;
+}
+
+size_t mha__npy_header(mha_dtype dtype, int32_t ndim, const int64_t *shape, char *buf) {
+    const char *descr = npy_descr_of(dtype);
+    if (descr[0] == '?' || ndim < 0 || ndim > MHA_NPY_MAX_DIMS)
+        return 0;
+    return build_header(buf, MHA_NPY_HEADER_MAX, descr, ndim, shape);
 }
 
 static int write_floats(FILE *f, const float *data, int64_t count) {
@@ -670,7 +678,7 @@ mha_status mha__npy_write_f32(
     NPY_RETURN_IF(count > 0 && !data, err, INVALID_ARG, "%s: data is NULL", path);
 
     char header[512];
-    const size_t header_len = build_header(header, sizeof header, ndim, shape);
+    const size_t header_len = build_header(header, sizeof header, "<f4", ndim, shape);
 
     const size_t tmp_size = strlen(path) + 32;
     char *tmp = malloc(tmp_size);

@@ -30,6 +30,12 @@ mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err);
 void mha__npy_free(mha__npy *a);
 /* Converts a float tensor (F32/F64/F16) to a new malloc'ed float32 array. */
 mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err);
+/* Largest header mha__npy_header writes. */
+#define MHA_NPY_HEADER_MAX 512
+/* The version 1.0 header of a C-order little-endian array of `dtype` and `shape` (data then start
+ * at a multiple of 64 bytes) into buf (MHA_NPY_HEADER_MAX bytes); returns its size, 0 for a dtype
+ * .npy cannot name or a bad ndim. Used by the .npz writer (cli/npz.c). */
+size_t mha__npy_header(mha_dtype dtype, int32_t ndim, const int64_t *shape, char *buf);
 /* Writes a float32 C-order array atomically (temporary file + rename). */
 mha_status mha__npy_write_f32(
     const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err);

@@ -16,8 +16,11 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import mha  # noqa: E402
+try:
+    import mha  # the installed package (pip install ./python)
+except ImportError:  # not installed: the checkout's python/ (with MHA_LIBRARY=build/libmha.so)
+    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import mha
 
 tokens = ["she", "loves", "cats"]
 # Embeddings: [pronoun, verb, noun] features, one row per word.

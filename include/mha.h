@@ -157,12 +157,18 @@ typedef struct mha_masking {
 } mha_masking;
 
 /** Dropout on the attention probabilities (training only). Element (b, h, i, j) is kept iff
- *  u >= p, with u = (philox4x32_10(counter = {j, i, h, b}, key = {seed lo, seed hi})[0] >> 8)
- *  * 2^-24; kept values are scaled by 1/(1-p). Independent of threads and blocking. */
+ *  u >= p, with u = (philox4x32_10(counter = {J, I, h, b}, key = {seed lo, seed hi})[0] >> 8)
+ *  * 2^-24, I = i + row_offset, J = j + col_offset; kept values are scaled by 1/(1-p).
+ *  Independent of threads and blocking. The offsets (0 for a whole call) place a call that is one
+ *  block of a larger attention (ring attention's pairs, chunked prefill) at its rows and columns
+ *  of the whole, so the blocks draw exactly the whole's mask; each in [0, 2^32 - extent] (the
+ *  counter holds I and J as 32-bit words). */
 typedef struct mha_dropout {
     float p; /* in [0, 1) */
     uint64_t seed;
-    int32_t training; /* zero: inference, never drops */
+    int32_t training;   /* zero: inference, never drops */
+    int64_t row_offset; /* I = i + row_offset */
+    int64_t col_offset; /* J = j + col_offset */
 } mha_dropout;
 
 /** Which implementation runs. AUTO takes the fastest one that supports the request; REFERENCE
@@ -328,6 +334,59 @@ MHA_API mha_status mha_attention(const mha_attention_args *args,
                                  mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Attention statistics, streamed (docs/SEMANTICS.md, "Attention statistics")                     */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** What mha_attention_statistics computes; every output is caller-owned, contiguous, and NULL
+ *  means "not wanted" (at least one must be given). P_ij is the probability of the forward with
+ *  the same args (every mask, window, alignment, ALiBi, softcap, sink, GQA and scale; dropout is
+ *  ignored: P is the probability before dropout, as the forward's probs output).
+ *    received        [B, h, m]     r_j = sum_i P_ij (attention key j receives, per head)
+ *    received_total  [B, m]        sum over the h heads of received (in head order)
+ *    entropy         [B, h, n]     H_i = -sum_j P_ij ln P_ij - P_sink,i ln P_sink,i (natural log;
+ *                                  the sink term only with sinks, P_sink,i = exp(sink_h - lse_i):
+ *                                  the entropy of the whole softmax, the sink being one outcome);
+ *                                  0 for a fully masked row
+ *    topk_index      [B, h, n, k]  the k keys of highest P_ij, by P descending, equal P by the
+ *    topk_prob       [B, h, n, k]  lower key index first; only visible keys (score > -inf) are
+ *                                  listed; fewer than k visible keys: index -1 and P 0 after them
+ *    pooled          [B, h, R, C]  mean of P over cell (r, c): query rows i with floor(i R / n) = r
+ *                                  and keys j with floor(j C / m) = c (cells differ by at most one
+ *                                  row or key in size; masked elements count as P = 0)
+ *    pooled_visible  [B, h, R, C]  fraction of the cell's elements that are visible (score > -inf
+ *                                  after every rule): 0 marks a fully masked cell, which a plot
+ *                                  can tell apart from a mean probability of 0
+ *  Sums are accumulated in double in an order that depends only on the sizes. */
+typedef struct mha_attention_stats {
+    float *received;
+    float *received_total;
+    float *entropy;
+    int64_t top_k; /* k in [1, m] when topk_index or topk_prob is given */
+    int64_t *topk_index;
+    float *topk_prob;
+    int64_t pool_rows; /* R in [1, n] when pooled or pooled_visible is given */
+    int64_t pool_cols; /* C in [1, m] */
+    float *pooled;
+    float *pooled_visible;
+} mha_attention_stats;
+
+/** Statistics of the attention probabilities of `args` without storing any n x m matrix: per
+ *  (batch, head) and block of query rows, one pass over the key tiles computes each row's
+ *  log-sum-exp, a second pass recomputes P_ij = exp(s_ij - lse_i) tile by tile and accumulates
+ *  the requested statistics. Memory beyond the inputs and outputs: B h m doubles (received), per
+ *  thread one 64 x 256 score tile, 64 k top-k entries and R C doubles and counts (pooled). Only
+ *  q, k and the score options of args are read: v, out, lse, probs and dropout are ignored (v
+ *  and out may be NULL). Threads split the (batch, head) pairs; every output is computed in an
+ *  order that does not depend on the thread count, so results are bit-identical for any
+ *  n_threads. exec may be NULL; exec->workspace and exec->impl are not used (the scores go
+ *  through the best GEMM tier of the CPU; scratch comes from exec->allocator).
+ *  @return MHA_STATUS_OK, or an error with every output untouched. */
+MHA_API mha_status mha_attention_statistics(const mha_attention_args *args,
+                                            const mha_attention_stats *stats,
+                                            const mha_exec *exec,
+                                            mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* The layer                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
@@ -415,6 +474,18 @@ MHA_API mha_status mha_layer_forward(const mha_layer *layer,
                                      const mha_forward_args *args,
                                      const mha_exec *exec,
                                      mha_error *err);
+
+/** mha_attention_statistics of the layer's attention for the forward `args` (the same
+ *  projections, RoPE, masks and options as mha_layer_forward): Q and K are projected (B (n h +
+ *  m g) d_k floats of scratch from exec->allocator; exec->impl chooses the projections' code as
+ *  in the forward; V and the output projection are not computed), then the core's statistics
+ *  run. args->out, probs and dropout are ignored (out may
+ *  be NULL). Shapes as in mha_attention_stats, with h = the layer's heads. */
+MHA_API mha_status mha_layer_attention_statistics(const mha_layer *layer,
+                                                  const mha_forward_args *args,
+                                                  const mha_attention_stats *stats,
+                                                  const mha_exec *exec,
+                                                  mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Files                                                                                          */

@@ -61,10 +61,24 @@ MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
  *  (mha_attention_merge). Causal masks, windows and ALiBi use global positions: a (query chunk,
  *  key chunk) pair the mask hides entirely is skipped, one whose keys every row sees runs
  *  unmasked, others run with the explicit alignment delta = query start - key start.
- *  Supported in this version: batch, GQA/MQA, d_v != d_k, scale, softcap, mask.causal,
- *  mask.use_window (window_left/right), alibi (alignment BOTTOM_RIGHT or TOP_LEFT, the same when
- *  n = m); anything else in `local` (EXPLICIT alignment, sinks, boolean/additive masks, key
- *  padding, segment ids, dropout in training, probs) gives MHA_STATUS_UNSUPPORTED.
+ *  Supported: batch, GQA/MQA, d_v != d_k, scale, softcap, mask.causal, mask.use_window
+ *  (window_left/right), alibi (alignment BOTTOM_RIGHT or TOP_LEFT, the same when n = m), and the
+ *  masks that are per key or per row, each given for the RANK'S OWN rows (local order: its
+ *  chunks one after the other):
+ *    sinks [h]: the same values on every rank (checked); each row's denominator holds exp(sink_h)
+ *      once: the pairs run without sinks and the sink is folded in after the ring,
+ *      lse' = log(e^lse + e^sink_h), O' = e^(lse - lse') O;
+ *    mask.key_padding: [B, n_local] or [n_local] (or [1, n_local]), BOOL, U8, I32 or I64,
+ *      nonzero = real key, as in the core;
+ *    mask.q_segment_ids, mask.kv_segment_ids: int32 [B, n_local] each, both or neither.
+ *  The key side (padding, kv segment ids) travels around the ring beside its K/V block (int32
+ *  [B, n] each, a parallel message), so every pair sees the padding and segments of the keys it
+ *  attends to. Rows that see no key at all keep the core's contract: O = 0, lse = -inf (also
+ *  with sinks). Dropout in training draws the single-process mask exactly (each pair at its global
+ *  rows and columns: mha_dropout.row_offset, col_offset). Every rank must give the same options
+ *  (sinks, key padding, segment ids, dropout p and seed: agreed).
+ *  Still MHA_STATUS_UNSUPPORTED, with a message naming the option: EXPLICIT alignment,
+ *  boolean/additive masks (N x N), probs.
  *  Errors are agreed collectively: the arguments of every rank are checked (and the ranks'
  *  configs and sizes compared) before any data moves, then one MPI_Allreduce tells every rank;
  *  if any rank failed, every rank returns the first failing rank's status and message (prefixed
@@ -72,10 +86,11 @@ MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
  *  ring (out of memory in a local call) is agreed the same way at the end; outputs are then
  *  partly written.
  *  exec is used for the local attention calls (threads, pool, impl, allocator), except
- *  exec->workspace: scratch (two K/V buffers of the largest shard, one partial output) comes from
- *  exec->allocator. Traffic goes over a duplicate of comm, so the caller's own messages on comm
- *  never match the ring's. MPI errors return MHA_STATUS_INTERNAL only if comm's error handler
- *  returns (MPI's default handler aborts the job).
+ *  exec->workspace: scratch (two K/V buffers of the largest shard, one partial output; with key
+ *  padding or segment ids two key sides and one pair's slices, 7 B n_max int32; with sinks 4h
+ *  int64 and h doubles) comes from exec->allocator. Traffic goes over a duplicate of comm, so
+ *  the caller's own messages on comm never match the ring's. MPI errors return
+ *  MHA_STATUS_INTERNAL only if comm's error handler returns (MPI's default handler aborts).
  *  @return MHA_STATUS_OK, or an error (the same on every rank) with outputs untouched. */
 MHA_API mha_status mha_ring_attention(MPI_Comm comm,
                                       const mha_ring_config *cfg,
@@ -85,10 +100,13 @@ MHA_API mha_status mha_ring_attention(MPI_Comm comm,
 
 /** Ring attention, backward (collective): the gradients of mha_ring_attention, equal to those of
  *  mha_attention_backward on the whole sequence. `local` describes the forward exactly as it ran
- *  on this rank, with its results: local->out (O) and local->lse (REQUIRED), the rows
- *  mha_ring_attention wrote. grads (mha.h, mha_attention_grads) are the rank's rows: dout [B, h,
- *  n_local, d_v] (required), dq [B, h, n_local, d_k], dk [B, g, n_local, d_k], dv [B, g, n_local,
- *  d_v] (each may be NULL), dsinks NULL; accumulate as in mha_attention_backward.
+ *  on this rank (every mask and the sinks included), with its results: local->out (O) and
+ *  local->lse (REQUIRED), the rows mha_ring_attention wrote. grads (mha.h, mha_attention_grads)
+ *  are the rank's rows: dout [B, h, n_local, d_v] (required), dq [B, h, n_local, d_k], dk [B, g,
+ *  n_local, d_k], dv [B, g, n_local, d_v] (each may be NULL); dsinks [h] (with sinks, may be
+ *  NULL) receives the WHOLE gradient on every rank, -sum_{b,i} exp(sink_h - lse_i) dO_i . O_i
+ *  over all N rows (each rank's rows, summed by MPI_Allreduce); accumulate as in
+ *  mha_attention_backward.
  *  The K/V blocks travel the ring as in the forward; each rank adds its share of dQ locally and its
  *  share of the block's dK/dV (mha_attention_backward on each pair, with P = exp(S - lse) from the
  *  global lse) into a dK/dV block that travels one step behind its K/V; after P steps each block's
@@ -100,6 +118,26 @@ MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
                                                const mha_attention_grads *grads,
                                                const mha_exec *exec,
                                                mha_error *err);
+
+/** The two calls above with the communicator given by its Fortran handle (MPI_Comm_c2f(comm);
+ *  mpi4py: comm.py2f()), widened to int64_t, for bindings through a foreign-function interface
+ *  (the Python package's ctypes): an MPI_Comm is a pointer in Open MPI and an int in MPICH, so
+ *  it cannot be passed portably from outside C, while the Fortran handle is an integer in every
+ *  MPI (and int64_t spares the caller MPI_Fint's width). The handle is converted with
+ *  MPI_Comm_f2c; then everything is as in mha_ring_attention / mha_ring_attention_backward.
+ *  @return as those, or INVALID_ARG, on this rank alone (there is no communicator to agree
+ *  over), when MPI is not initialized, comm_f does not fit MPI_Fint or is MPI_COMM_NULL's. */
+MHA_API mha_status mha_ring_attention_fcomm(int64_t comm_f,
+                                            const mha_ring_config *cfg,
+                                            const mha_attention_args *local,
+                                            const mha_exec *exec,
+                                            mha_error *err);
+MHA_API mha_status mha_ring_attention_backward_fcomm(int64_t comm_f,
+                                                     const mha_ring_config *cfg,
+                                                     const mha_attention_args *local,
+                                                     const mha_attention_grads *grads,
+                                                     const mha_exec *exec,
+                                                     mha_error *err);
 
 #ifdef __cplusplus
 }

@@ -145,8 +145,11 @@ static void case_make(core_case *c,
         test_fill_normal(r, c->sinks, H, 1.0f);
         a->sinks = c->sinks;
     }
-    if (features & 4096u) {
-        a->dropout = (mha_dropout){0.3f, test_rng_u64(r), 1};
+    if (features & 4096u) { /* half the cases as a block of a larger attention (offsets) */
+        a->dropout = (mha_dropout){0.3f, test_rng_u64(r), 1, 0, 0};
+        if (test_rng_u64(r) & 1)
+            a->dropout.row_offset = (int64_t)(test_rng_u64(r) % 5000),
+            a->dropout.col_offset = (int64_t)(test_rng_u64(r) % 5000);
     }
     if (features & 8192u)
         a->scale = 0.05 + test_rng_uniform(r);
@@ -346,12 +349,12 @@ static void test_dropout_statistics(void) {
     mha_error err;
     CHECK_OK(mha_attention(&c.a, NULL, &err), &err);
     memcpy(plain, c.out, sizeof(float) * (size_t)cnt);
-    c.a.dropout = (mha_dropout){0.5f, 1, 0}; /* inference: p ignored */
+    c.a.dropout = (mha_dropout){.p = 0.5f, .seed = 1, .training = 0}; /* inference: p ignored */
     CHECK_OK(mha_attention(&c.a, NULL, &err), &err);
     CHECK(memcmp(plain, c.out, sizeof(float) * (size_t)cnt) == 0, "inference mode dropped");
     const int seeds = 400;
     for (int s = 0; s < seeds; s++) {
-        c.a.dropout = (mha_dropout){0.5f, (uint64_t)s * 7919u + 1u, 1};
+        c.a.dropout = (mha_dropout){.p = 0.5f, .seed = (uint64_t)s * 7919u + 1u, .training = 1};
         CHECK_OK(mha_attention(&c.a, NULL, &err), &err);
         for (int64_t e = 0; e < cnt; e++)
             mean[e] += (double)c.out[e] / seeds;

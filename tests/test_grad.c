@@ -128,6 +128,9 @@ static void build(const spec *s, uint64_t seed, built *c) {
         c->drop.p = s->dropout;
         c->drop.seed = 0x5eed0000u + seed;
         c->drop.training = 1;
+        /* Odd seeds: the call as a block of a larger attention (dropout row/col offsets). */
+        c->drop.row_offset = (seed & 1u) ? 1000 + seed : 0;
+        c->drop.col_offset = (seed & 1u) ? 37 * (int64_t)seed : 0;
     }
 }
 
@@ -635,7 +638,7 @@ static int lbuild(const lspec *s, uint64_t seed, lbuilt *c) {
     c->mask.causal = s->causal;
     c->mask.alignment = s->align;
     if (s->dropout > 0.0f)
-        c->drop = (mha_dropout){s->dropout, 1234 + seed, 1};
+        c->drop = (mha_dropout){.p = s->dropout, .seed = 1234 + seed, .training = 1};
     return 1;
 }
 

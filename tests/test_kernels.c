@@ -282,7 +282,7 @@ static int tdata_make(const tcase *c, tdata *t) {
     a->softcap = (double)c->softcap;
     a->alibi = c->alibi;
     if (c->dropout > 0.0f)
-        a->dropout = (mha_dropout){c->dropout, test_rng_u64(&r), 1};
+        a->dropout = (mha_dropout){.p = c->dropout, .seed = test_rng_u64(&r), .training = 1};
 
     /* Specials that edit inputs. */
     if (c->special == SPECIAL_NAN_Q) {

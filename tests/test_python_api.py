@@ -208,12 +208,30 @@ def f32(rng, *shape):
 # ------------------------------------------------------------------------------------------------
 # Binding sanity
 # ------------------------------------------------------------------------------------------------
-def test_version_matches_package_and_cmake():
-    assert mha.library_version() == mha.__version__
-    with open(os.path.join(SRC, "python", "pyproject.toml")) as f:
-        assert f'version = "{mha.__version__}"' in f.read()
-    with open(os.path.join(SRC, "CMakeLists.txt")) as f:
-        assert f"VERSION {mha.__version__}" in f.read()
+def test_version_is_written_once():
+    """include/mha.h is the one place the version is written: the library reports it, the Python
+    package's __version__ is the library's, and the build files read it (pyproject.toml through
+    python/version_from_header.py, CMakeLists.txt by parsing the header) instead of repeating it."""
+    with open(os.path.join(SRC, "include", "mha.h")) as f:
+        header = f.read()
+    parts = [re.search(rf"^#define MHA_VERSION_{p} (\d+)$", header, re.M).group(1)
+             for p in ("MAJOR", "MINOR", "PATCH")]
+    assert mha.library_version() == mha.__version__ == ".".join(parts)
+    sys.path.insert(0, os.path.join(SRC, "python"))
+    try:
+        import version_from_header
+        cwd = os.getcwd()
+        os.chdir(os.path.join(SRC, "python"))
+        try:
+            assert version_from_header.dynamic_metadata("version", {}) == mha.__version__
+        finally:
+            os.chdir(cwd)
+    finally:
+        sys.path.pop(0)
+    for build_file in (os.path.join(SRC, "python", "pyproject.toml"),
+                       os.path.join(SRC, "CMakeLists.txt")):
+        with open(build_file) as f:
+            assert mha.__version__ not in f.read(), f"{build_file} repeats the version"
 
 
 def test_struct_layouts_match_the_c_compiler(tmp_path):

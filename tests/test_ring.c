@@ -70,7 +70,112 @@ typedef struct ring_case {
     int accumulate_too; /* also check the backward's accumulate */
     int64_t window[2];  /* use_window with (left, right) when either is not -2 */
     int alibi;
+    int sinks;       /* learned sink logits */
+    int key_padding; /* 0: none, 1: I64 [B, N], 2: BOOL [N], 3: U8 [1, N] */
+    int segments;    /* q and kv segment ids [B, N] */
+    int dropout;     /* dropout in training, p = 0.25 */
 } ring_case;
+
+/* The masks of a case, global ([B, N] / [N] / [h]) and this rank's rows. */
+typedef struct case_masks {
+    float sinks[8];
+    int64_t *kp64;
+    uint8_t *kp8;
+    int32_t *qseg, *kseg;
+} case_masks;
+
+/* Global masks: key padding hides key 0 on batch row 0 (a causal row 0 there is fully masked),
+ * every 5th key and, on batch row 1, the last 3; segments of 5 queries and 7 keys, so some rows
+ * see no key of their segment (fully masked). */
+static void make_masks(const ring_case *rc, test_rng *r, case_masks *m) {
+    const int64_t B = rc->B, n = rc->n;
+    memset(m, 0, sizeof *m);
+    test_fill_normal(r, m->sinks, rc->h, 1.0f);
+    if (rc->key_padding == 1) {
+        m->kp64 = malloc(sizeof(int64_t) * (size_t)(B * n));
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < n; j++)
+                m->kp64[b * n + j] = (j + b) % 5 != 0 && !(b == 1 && j >= n - 3) ? 7 : 0;
+    } else if (rc->key_padding >= 2) {
+        m->kp8 = malloc((size_t)n);
+        for (int64_t j = 0; j < n; j++)
+            m->kp8[j] = j % 4 != 0;
+    }
+    if (rc->segments) {
+        m->qseg = malloc(sizeof(int32_t) * (size_t)(B * n));
+        m->kseg = malloc(sizeof(int32_t) * (size_t)(B * n));
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < n; i++) {
+                m->qseg[b * n + i] = (int32_t)((i + b) / 5);
+                m->kseg[b * n + i] = (int32_t)((i + b) / 7);
+            }
+    }
+}
+
+static void free_masks(case_masks *m) {
+    free(m->kp64), free(m->kp8), free(m->qseg), free(m->kseg);
+}
+
+/* Copies the rank's rows of per-row arrays [rows, N] of `size`-byte elements into [rows, nl]. */
+static void gather_ids(const void *g,
+                       size_t size,
+                       int64_t rows,
+                       int64_t n,
+                       void *l,
+                       int32_t nc,
+                       const int64_t start[2],
+                       const int64_t len[2]) {
+    const int64_t nl = len[0] + (nc > 1 ? len[1] : 0);
+    for (int64_t b = 0; b < rows; b++) {
+        int64_t li = 0;
+        for (int32_t c = 0; c < nc; c++)
+            for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++)
+                memcpy((char *)l + (size_t)(b * nl + li) * size,
+                       (const char *)g + (size_t)(b * n + i) * size, size);
+    }
+}
+
+/* Sets the masks of `m` on args of `rows` sequence rows (the global call: the arrays of m; the
+ * local one: their rows gathered into `local`, freed by the caller). */
+static void set_masks(const ring_case *rc,
+                      const case_masks *m,
+                      mha_attention_args *a,
+                      int32_t nc,
+                      const int64_t start[2],
+                      const int64_t len[2],
+                      void *local[3]) {
+    const int64_t B = rc->B, n = rc->n, rows = a->q_len;
+    mha_masking *mk = &a->mask;
+    a->sinks = rc->sinks ? m->sinks : NULL;
+    if (rc->dropout) /* the whole sequence's mask: the ring places each pair (row/col offsets) */
+        a->dropout.p = 0.25f, a->dropout.seed = 0x5eed0000abcdull, a->dropout.training = 1;
+    if (rc->key_padding) {
+        const int wide = rc->key_padding == 1;
+        const size_t size = wide ? sizeof(int64_t) : 1;
+        const void *g = wide ? (const void *)m->kp64 : (const void *)m->kp8;
+        mk->key_padding.data = g;
+        if (local) {
+            local[0] = malloc(size * (size_t)((wide ? B : 1) * rows));
+            gather_ids(g, size, wide ? B : 1, n, local[0], nc, start, len);
+            mk->key_padding.data = local[0];
+        }
+        const int one_row = rc->key_padding == 3; /* [1, N]: broadcast over the batch */
+        mk->key_padding.dtype = wide ? MHA_DTYPE_I64 : one_row ? MHA_DTYPE_U8 : MHA_DTYPE_BOOL;
+        mk->key_padding.ndim = wide || one_row ? 2 : 1;
+        mk->key_padding.shape[0] = wide ? B : one_row ? 1 : rows;
+        mk->key_padding.shape[1] = rows;
+    }
+    if (rc->segments) {
+        mk->q_segment_ids = m->qseg, mk->kv_segment_ids = m->kseg;
+        if (local) {
+            local[1] = malloc(sizeof(int32_t) * (size_t)(B * rows));
+            local[2] = malloc(sizeof(int32_t) * (size_t)(B * rows));
+            gather_ids(m->qseg, sizeof(int32_t), B, n, local[1], nc, start, len);
+            gather_ids(m->kseg, sizeof(int32_t), B, n, local[2], nc, start, len);
+            mk->q_segment_ids = local[1], mk->kv_segment_ids = local[2];
+        }
+    }
+}
 
 /* Strides of a [B, heads, L, d] view stored as [B, L, heads, d] (blhd) or [B, heads, L, d]. */
 static void strides_of(int blhd, int64_t heads, int64_t len, int64_t d, int64_t s[3]) {
@@ -159,6 +264,9 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     a.mask.use_window = rc->window[0] != -2 || rc->window[1] != -2;
     a.mask.window_left = rc->window[0], a.mask.window_right = rc->window[1];
     a.alibi = rc->alibi;
+    case_masks cm;
+    make_masks(rc, &r, &cm);
+    set_masks(rc, &cm, &a, 0, NULL, NULL, NULL);
     mha_error err;
     CHECK_OK(mha_attention(&a, NULL, &err), &err);
 
@@ -183,9 +291,22 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     gather_rows(k, B, g, n, dk, lk, l.k_strides, nc, start, len);
     gather_rows(v, B, g, n, dv, lv, l.v_strides, nc, start, len);
     l.q = lq, l.k = lk, l.v = lv, l.out = lo, l.lse = llse;
+    void *lmask[3] = {NULL, NULL, NULL};
+    set_masks(rc, &cm, &l, nc, start, len, lmask);
     mha_exec ex = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
     CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &l, &ex, &err), &err);
 
+    /* With sinks, the fold also runs on the ring's own lse (the caller passes none): the same
+     * output bits. */
+    if (rc->sinks) {
+        float *lo2 = malloc(sizeof(float) * (size_t)(B * h * nl * dv));
+        mha_attention_args l2 = l;
+        l2.out = lo2, l2.lse = NULL;
+        CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &l2, &ex, &err), &err);
+        CHECK(memcmp(lo, lo2, sizeof(float) * (size_t)(B * h * nl * dv)) == 0,
+              "rank %d/%d: sinks without the caller's lse give the same output", g_rank, g_size);
+        free(lo2);
+    }
     /* Compare this rank's rows with the single-process ones. */
     const double scale = max_abs(o1, B * h * n * dv);
     const double worst = worst_rows(lo, l.out_strides, o1, B, h, n, dv, nc, start, len);
@@ -195,7 +316,9 @@ static void run_case(const ring_case *rc, uint64_t seed) {
         for (int32_t c = 0; c < nc; c++)
             for (int64_t i = start[c]; i < start[c] + len[c]; i++, li++) {
                 const double l_ref = (double)lse1[bh * n + i], l_got = (double)llse[bh * nl + li];
-                const double el = fabs(l_got - l_ref) / fmax(1.0, fabs(l_ref));
+                /* equal infinities (fully masked rows: -inf) agree */
+                const double el =
+                    l_got == l_ref ? 0.0 : fabs(l_got - l_ref) / fmax(1.0, fabs(l_ref));
                 worst_lse = fmax(worst_lse, isnan(el) ? HUGE_VAL : el);
             }
     }
@@ -214,7 +337,8 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     float *dv1 = malloc(sizeof(float) * (size_t)(B * g * n * dv));
     test_fill_normal(&r, dout, B * h * n * dv, 1.0f);
     mha_attention_grads g1 = {0};
-    g1.dout = dout, g1.dq = dq1, g1.dk = dk1, g1.dv = dv1;
+    float dsinks1[8] = {0}, ldsinks[8] = {0};
+    g1.dout = dout, g1.dq = dq1, g1.dk = dk1, g1.dv = dv1, g1.dsinks = rc->sinks ? dsinks1 : NULL;
     memcpy(g1.dout_strides, a.out_strides, sizeof a.out_strides);
     memcpy(g1.dq_strides, a.q_strides, sizeof a.q_strides);
     memcpy(g1.dk_strides, a.k_strides, sizeof a.k_strides);
@@ -226,7 +350,7 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     float *ldv = malloc(sizeof(float) * (size_t)(B * g * nl * dv));
     gather_rows(dout, B, h, n, dv, ldout, l.out_strides, nc, start, len);
     mha_attention_grads lg = {0};
-    lg.dout = ldout, lg.dq = ldq, lg.dk = ldk, lg.dv = ldv;
+    lg.dout = ldout, lg.dq = ldq, lg.dk = ldk, lg.dv = ldv, lg.dsinks = rc->sinks ? ldsinks : NULL;
     memcpy(lg.dout_strides, l.out_strides, sizeof l.out_strides);
     memcpy(lg.dq_strides, l.q_strides, sizeof l.q_strides);
     memcpy(lg.dk_strides, l.k_strides, sizeof l.k_strides);
@@ -248,6 +372,18 @@ static void run_case(const ring_case *rc, uint64_t seed) {
               g_rank, g_size, rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full",
               (long long)n, gt[t].name, gt[t].name, gw, gt[t].name, gs);
     }
+    if (rc->sinks) { /* summed over every rank's rows: the whole dsinks on every rank */
+        const double ds = max_abs(dsinks1, h);
+        double dw = 0.0;
+        for (int64_t e = 0; e < h; e++) {
+            const double x = fabs((double)ldsinks[e] - (double)dsinks1[e]);
+            dw = fmax(dw, isnan(x) ? HUGE_VAL : x);
+        }
+        CHECK(dw <= TOL_GRAD_REL * ds,
+              "rank %d/%d %s %s N=%lld: max|dsinks-dsinks1|=%.3g, max=%.3g", g_rank, g_size,
+              rc->layout ? "zigzag" : "contiguous", rc->causal ? "causal" : "full", (long long)n,
+              dw, ds);
+    }
     /* accumulate: a second call adds the same gradients (dq, dk, dv become 2x, exactly up to the
      * one rounding of the sum: the second call's sums are the first's bits). */
     if (rc->accumulate_too) {
@@ -264,6 +400,8 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     free(dout), free(dq1), free(dk1), free(dv1), free(ldout), free(ldq), free(ldk), free(ldv);
     free(q), free(k), free(v), free(o1), free(lse1);
     free(lq), free(lk), free(lv), free(lo), free(llse);
+    free(lmask[0]), free(lmask[1]), free(lmask[2]);
+    free_masks(&cm);
 }
 
 static void test_matches_single_process(void) {
@@ -293,6 +431,10 @@ static void test_matches_single_process(void) {
                                       s == 3 ? 20.0 : 0.0,
                                       s == 0,
                                       {-2, -2},
+                                      0,
+                                      0,
+                                      0,
+                                      0,
                                       0};
                 run_case(&rc, seed++);
             }
@@ -309,11 +451,59 @@ static void test_matches_single_process(void) {
                     const int64_t *sh = shapes[s];
                     if (sh[3] < (layout ? 2 : 1) * g_size)
                         continue;
-                    const ring_case rc = {
-                        sh[0],         sh[1], sh[2],  sh[3],
-                        sh[4],         sh[5], causal, (mha_shard_layout)layout,
-                        (int)(s & 1u), 0.0,   0,      {extra[x].left, extra[x].right},
-                        extra[x].alibi};
+                    const ring_case rc = {sh[0],
+                                          sh[1],
+                                          sh[2],
+                                          sh[3],
+                                          sh[4],
+                                          sh[5],
+                                          causal,
+                                          (mha_shard_layout)layout,
+                                          (int)(s & 1u),
+                                          0.0,
+                                          0,
+                                          {extra[x].left, extra[x].right},
+                                          extra[x].alibi,
+                                          0,
+                                          0,
+                                          0,
+                                          0};
+                    run_case(&rc, seed++);
+                }
+    /* Sinks, key padding (I64 [B, N], BOOL [N], U8 [1, N]), segment ids and dropout (the whole
+     * sequence's mask, drawn pair by pair at global rows and columns), alone and with a window or
+     * ALiBi, on the same two shapes; all of them on the long one. MHA_TEST_QUICK: the two
+     * combinations on the first shape (B = 2, GQA). */
+    const struct {
+        int sinks, key_padding, segments;
+        int64_t left, right;
+        int alibi, dropout;
+    } masks[] = {{1, 0, 0, -2, -2, 0, 0}, {0, 1, 0, -2, -2, 0, 0}, {0, 2, 0, -2, -2, 0, 0},
+                 {0, 0, 1, -2, -2, 0, 0}, {0, 0, 0, -2, -2, 0, 1}, {1, 1, 1, 4, 3, 0, 1},
+                 {1, 3, 0, -2, -2, 1, 0}};
+    for (size_t s = 0; s < 3; s++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int causal = 0; causal < 2; causal++)
+                for (size_t x = 0; x < sizeof masks / sizeof masks[0]; x++) {
+                    const int64_t *sh = shapes[s];
+                    if (sh[3] < (layout ? 2 : 1) * g_size || (skip_long && (s != 0 || x < 5)) ||
+                        (s == 2 && x != 5))
+                        continue;
+                    const ring_case rc = {.B = sh[0],
+                                          .h = sh[1],
+                                          .g = sh[2],
+                                          .n = sh[3],
+                                          .dk = sh[4],
+                                          .dv = sh[5],
+                                          .causal = causal,
+                                          .layout = (mha_shard_layout)layout,
+                                          .blhd = (int)(s & 1u),
+                                          .window = {masks[x].left, masks[x].right},
+                                          .alibi = masks[x].alibi,
+                                          .sinks = masks[x].sinks,
+                                          .key_padding = masks[x].key_padding,
+                                          .segments = masks[x].segments,
+                                          .dropout = masks[x].dropout};
                     run_case(&rc, seed++);
                 }
 }
@@ -347,14 +537,51 @@ static void test_collective_errors(void) {
     snprintf(prefix, sizeof prefix, "rank %d: ", bad);
     CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
           "NULL q on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
-    /* An unsupported option on the last rank: UNSUPPORTED everywhere. */
-    const float sinks[2] = {0.0f, 0.0f};
+    /* An unsupported option on the last rank (probs): UNSUPPORTED everywhere, the message naming
+     * the option. */
+    float *probs = calloc((size_t)(B * h * nl * nl), sizeof(float));
     b = a;
     if (g_rank == bad)
-        b.sinks = sinks;
+        b.probs = probs;
     st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
-    CHECK(st == MHA_STATUS_UNSUPPORTED, "sinks on rank %d: rank %d got %s: %s", bad, g_rank,
-          mha_status_string(st), err.message);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strncmp(err.message, prefix, strlen(prefix)) == 0 &&
+              strstr(err.message, "probs"),
+          "probs on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
+    free(probs);
+    /* Masks that differ between ranks (each valid alone): sinks on one rank only, other sink
+     * values on one rank, key padding or segment ids on one rank only, dropout on one rank only or
+     * with another seed there. INVALID_ARG everywhere, naming the option. */
+    if (g_size > 1) {
+        const float sinks[2] = {0.5f, -1.0f}, other[2] = {0.5f, -1.5f};
+        const uint8_t kp[64] = {1};
+        int32_t seg[64] = {0};
+        for (int opt = 0; opt < 6; opt++) {
+            b = a;
+            if (opt >= 4) /* dropout on the last rank only; another seed there */
+                b.dropout.p = 0.1f, b.dropout.seed = 7, b.dropout.training = g_rank == bad;
+            if (opt == 5)
+                b.dropout.training = 1, b.dropout.seed = g_rank == bad ? 8 : 7;
+            b.sinks = opt == 1 ? sinks : NULL;
+            if (g_rank == bad && opt == 0)
+                b.sinks = sinks;
+            if (g_rank == bad && opt == 1)
+                b.sinks = other;
+            if (g_rank == bad && opt == 2) {
+                b.mask.key_padding.data = kp;
+                b.mask.key_padding.dtype = MHA_DTYPE_U8;
+                b.mask.key_padding.ndim = 1;
+                b.mask.key_padding.shape[0] = nl;
+            }
+            if (g_rank == bad && opt == 3)
+                b.mask.q_segment_ids = b.mask.kv_segment_ids = seg;
+            const char *name[6] = {"sinks",       "sinks[1]", "key_padding",
+                                   "segment ids", "dropout",  "dropout.seed"};
+            st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+            CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, name[opt]),
+                  "%s differ on rank %d: rank %d got %s: %s", name[opt], bad, g_rank,
+                  mha_status_string(st), err.message);
+        }
+    }
     /* A wrong local length on rank 0. */
     b = a;
     if (g_rank == 0)

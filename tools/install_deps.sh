@@ -10,10 +10,14 @@
 #                                        runtime, for libFuzzer and TSan), clang-format-14, cppcheck,
 #                                        valgrind, pkg-config, the aarch64 cross compiler, qemu-user
 #                                        and arm64 cJSON, Python's venv and headers, Open MPI
-#                                        (mpicc, mpirun: ring attention's tests), and the
-#                                        pinned Python test packages (python/requirements-test.txt)
-#                                        in the virtual environment .venv/ of the checkout (never the
-#                                        system Python, which Debian marks externally managed).
+#                                        (mpicc, mpirun: ring attention's tests) and MPICH beside
+#                                        it (mpicc.mpich, mpiexec.mpich; Open MPI stays the
+#                                        default mpicc/mpirun), and the
+#                                        pinned Python test packages (python/requirements-test.txt,
+#                                        with mpi4py for ring attention from Python, which runs on
+#                                        that Open MPI) in the virtual environment .venv/ of the
+#                                        checkout (never the system Python, which Debian marks
+#                                        externally managed).
 #
 # The commands each script calls are declared in that script by lines `# needs: cmd ...`; the
 # guard below reads those lines from every script of the mode, so a script that starts calling a
@@ -25,7 +29,8 @@ mode=${1:---test}
 case "$mode" in
 --build) scripts=(tools/demo.sh) ;;
 --test) scripts=(tools/test.sh tools/cppcheck.sh tools/valgrind_cli.sh fuzz/run.sh fuzz/build.sh
-    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh) ;;
+    tests/install/run.sh tests/check_exports.sh tests/check_layout.sh tools/test_aarch64.sh
+    tools/test_python_package.sh) ;;
 *)
     echo "install_deps.sh: unknown mode '$mode' (use --build or --test)" >&2
     exit 2
@@ -34,12 +39,13 @@ esac
 
 # Debian package of each command that may be missing on a fresh machine.
 declare -A package=(
-    [cc]=gcc [gcc]=gcc [make]=make [cmake]=cmake [ctest]=cmake [git]=git [nm]=binutils
+    [cc]=gcc [gcc]=gcc [c++]=g++ [make]=make [cmake]=cmake [ctest]=cmake [git]=git [nm]=binutils
     [objdump]=binutils [aarch64-linux-gnu-gcc]="gcc-aarch64-linux-gnu libc6-dev-arm64-cross"
     [qemu-aarch64]=qemu-user
     [clang-14]="clang-14 libclang-rt-14-dev" [clang-format-14]=clang-format-14
     [cppcheck]=cppcheck [valgrind]=valgrind [pkg-config]=pkg-config [python3]=python3
     [mpicc]="openmpi-bin libopenmpi-dev" [mpirun]="openmpi-bin libopenmpi-dev"
+    [mpicc.mpich]="mpich libmpich-dev" [mpiexec.mpich]="mpich libmpich-dev"
 )
 
 need_apt=()
@@ -75,6 +81,21 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     echo "install_deps.sh: apt-get install ${need_apt[*]}" >&2
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# Open MPI and MPICH both register the alternatives mpi (mpicc, ...), mpirun (mpiexec) and
+# mpi-<multiarch> (the mpi.h directory); Debian ranks Open MPI first on amd64, but where an
+# install (or an earlier choice) left MPICH there, put Open MPI back: the plain mpicc/mpirun are
+# the ones CI's main build uses, mpi4py (below) loads the `mpi` alternative's libmpi, and MPICH is
+# always called by its own names (*.mpich).
+if [ "$mode" = --test ] && command -v update-alternatives >/dev/null 2>&1; then
+    for alt in mpi mpirun "mpi-$(gcc -print-multiarch 2>/dev/null)"; do
+        choices=$(update-alternatives --list "$alt" 2>/dev/null) || continue
+        want=""
+        for c in $choices; do case "$c" in *openmpi*) want=$c ;; esac; done
+        have=$(update-alternatives --query "$alt" | sed -n 's/^Value: //p')
+        [ -z "$want" ] || [ "$have" = "$want" ] || $SUDO update-alternatives --set "$alt" "$want" >/dev/null
+    done
 fi
 
 # Python test packages, pinned (torch exactly: any other version pulls gigabytes of CUDA

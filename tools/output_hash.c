@@ -282,7 +282,7 @@ run_layer_case(const layer_case *c, mha_impl impl, int threads, hash64 *fwd, has
     a.value = in.xv;
     set_masks(c, &in, &a.mask);
     if (c->dropout)
-        a.dropout = (mha_dropout){0.25f, 1234567ull, 1};
+        a.dropout = (mha_dropout){.p = 0.25f, .seed = 1234567ull, .training = 1};
     float *out = new_filled(c->batch * c->n * in.od, 0, 0.0f);
     float *probs = c->probs ? new_filled(c->batch * c->cfg.num_heads * c->n * in.m, 0, 0.0f) : NULL;
     a.out = out;

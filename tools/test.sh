@@ -4,7 +4,12 @@
 #   0. the clang-format check of every C file, and cppcheck over src/ cli/ tests/
 #      (tools/cppcheck.sh, suppressions with reasons in tools/cppcheck-suppressions.txt);
 #   1. a Release build with warnings as errors and libmha_mpi (MHA_MPI=ON), all tests (ctest),
-#      ring attention under mpirun with 1 to 4 processes among them;
+#      ring attention under mpirun with 1 to 4 processes among them (Open MPI); then libmha_mpi
+#      and test_ring alone built against MPICH (build-mpich/), ring_np1..4 under mpiexec.mpich
+#      (MHA_TEST_QUICK=1);
+#   1b. the Python package as users install it: sdist, a wheel built from it and repaired into a
+#      manylinux wheel, installed into a fresh venv; an editable install without cJSON
+#      (tools/test_python_package.sh);
 #   2. every C test again with each lower kernel tier forced (MHA_MAX_ISA=generic, and avx2 on an
 #      AVX-512 host), so every kernel of every op (forward, backward, decode, GEMM) runs here;
 #   3. a clang-14 Release build with warnings as errors, the C tests (MHA_TEST_QUICK=1);
@@ -16,11 +21,14 @@
 #   7. an aarch64 cross build (gcc-aarch64-linux-gnu, -Werror) and every C test under qemu-user
 #      (tools/test_aarch64.sh, MHA_TEST_QUICK=1);
 #   8. every libFuzzer harness for MHA_FUZZ_SECONDS (default 20) seconds (clang-14).
-# Exit status is non-zero if anything fails. Build trees: build/, build-clang/, build-asan/,
-# build-tsan/, build-valgrind/, build-aarch64/, build-fuzz/. Python runs from the virtual environment .venv/
+# Exit status is non-zero if anything fails. Build trees: build/, build-mpich/, build-clang/,
+# build-asan/, build-tsan/, build-valgrind/, build-aarch64/, build-fuzz/, build-python-package/.
+# Python runs from the virtual environment .venv/
 # that tools/install_deps.sh creates (never the system Python).
 # needs: cc cmake ctest make git xargs nproc clang-14 clang-format-14 python3 pkg-config nm
-# needs: mpicc mpirun
+# needs: mpicc mpirun mpicc.mpich mpiexec.mpich
+# (c++: mha.jax's XLA FFI handler, python/mha/_jax_ffi.cc, which test_python_jax_ffi.py loads)
+# needs: c++
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh --test
@@ -48,6 +56,17 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON -DMHA_MPI=ON \
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 
+step "MPICH: libmha_mpi and test_ring against MPICH (-Werror), ring_np1..4 under mpiexec.mpich"
+# The same ring tests with the other MPI of Debian (Open MPI is the default mpicc/mpirun, above).
+# Only the targets the ring tests need, and MHA_TEST_QUICK=1 (the shapes' full sweep ran above with
+# Open MPI; here it is the MPI layer under test: messages, agreements, errors), to keep CI's time
+# down: MPICH polls busily and 4 ranks on 2 cores cost it several times what they cost Open MPI.
+cmake -S . -B build-mpich -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON -DMHA_MPI=ON \
+    -DMPI_C_COMPILER=mpicc.mpich -DMPIEXEC_EXECUTABLE="$(command -v mpiexec.mpich)" \
+    -DPython3_EXECUTABLE="$py" >/dev/null
+cmake --build build-mpich -j "$jobs" --target test_ring
+MHA_TEST_QUICK=1 ctest --test-dir build-mpich --output-on-failure -j "$jobs" -R '^ring_np'
+
 # Lower tiers: each tier below this CPU's best one (`mha info` names the tiers it has).
 tiers=$(build/mha info | sed -n 's/^kernel tiers[^:]*: *//p')
 [ -n "$tiers" ] || { echo "test.sh: 'mha info' printed no kernel tiers line"; exit 1; }
@@ -57,6 +76,9 @@ for isa in avx2 generic; do
     step "every C test with MHA_MAX_ISA=$isa"
     MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -j "$jobs" -E '^py_|^install|^exported'
 done
+
+step "Python package: sdist, manylinux wheel, editable install (tools/test_python_package.sh)"
+bash tools/test_python_package.sh "$py"
 
 step "clang-14 build (-Werror), C tests (MHA_TEST_QUICK=1)"
 CC=clang-14 cmake -S . -B build-clang -DCMAKE_BUILD_TYPE=Release -DMHA_WERROR=ON >/dev/null

@@ -21,7 +21,7 @@ from ._lib import MhaError
 ArrayLike = Any  # numpy arrays, or anything np.asarray accepts (lists, CPU torch tensors, ...)
 
 __all__ = ["Rope", "Config", "MultiheadAttention", "TrainState", "KVCache", "attention",
-           "attention_backward", "rope", "rope_frequencies"]
+           "attention_backward", "rope", "rope_frequencies", "shard_rows"]
 
 _F32 = np.dtype(np.float32)
 _fast = L.fast  # the compiled hot path, or None (then ctypes serves every call)
@@ -211,6 +211,7 @@ def _dropout(d: L.mha_dropout, p: float, seed: int) -> None:
 
 
 _SCALE_ZERO = "scale=0 is not supported (0 means the default 1/sqrt(d_k) in libmha)"
+_RING_ONLY = "seq_len and shard_layout go with comm= (ring attention over MPI); comm is None"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +394,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
               q_segment_ids: Optional[ArrayLike] = None, kv_segment_ids: Optional[ArrayLike] = None,
               dropout: float = 0.0, seed: int = 0,
               need_weights: bool = False, average_attn_weights: bool = False,
-              return_lse: bool = False, impl: str = "auto", threads: int = 0):
+              return_lse: bool = False, impl: str = "auto", threads: int = 0,
+              comm: Any = None, seq_len: Optional[int] = None, shard_layout: str = "zigzag"):
     """The attention core on already projected Q, K, V (mha_attention).
 
     Shapes: [B, h, L, d] (layout 'bhld', the default) or [B, L, h, d] (layout='blhd'); also
@@ -409,12 +411,46 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
     ``alignment`` may also be per-row offsets [B]. ``window=(left, right)``. Fully masked rows
     give 0 (never NaN).
 
+    Distributed (ring attention over MPI, docs/distributed.md): with ``comm`` (an mpi4py
+    communicator) the call is collective: every rank of comm makes it with its shard of a
+    self-attention over ``seq_len`` (N) global rows, the rows :func:`shard_rows` gives it for
+    ``shard_layout`` ('zigzag' or 'contiguous'), in q, k and v alike; it returns its rows of the
+    output (and lse), equal to the single-process call on the whole sequence. Options: those of
+    mha_ring_attention (scale, softcap, alibi, causal, window, GQA, sinks, and the rank's rows of
+    key_padding_mask and of the segment ids); others raise MhaError (UNSUPPORTED). A bad
+    argument on any rank raises on every rank.
+
     Returns the output in the layout and shape of q (head size d_v), then the log-sum-exp
     [B, h, n] if ``return_lse``, then the probabilities [B, h, n, m] (or [B, n, m] averaged) if
     ``need_weights``: a single array when only the output is asked for, else a tuple.
     """
+    def prepare():  # (positional: the call is on the hot path of small problems)
+        return _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal,
+                                  alignment, mask, mask_means, attn_bias, key_padding_mask,
+                                  window, q_segment_ids, kv_segment_ids, dropout, seed,
+                                  need_weights, average_attn_weights, return_lse, impl, threads)
+
+    if comm is None:
+        if seq_len is not None or shard_layout != "zigzag":
+            raise ValueError(_RING_ONLY)
+        call = prepare()
+        M.call(L.mha_attention, call[0], call[1])
+    else:
+        from . import _mpi
+        _mpi.comm_info(comm)
+        call, cfg = _mpi.collective(comm, lambda: (
+            prepare(), _mpi.config(seq_len, shard_layout), _mpi.library()))[:2]
+        _mpi.forward(comm, cfg, call[0], call[1])
+    return _attention_result(*call[2:], return_lse, need_weights, average_attn_weights)
+
+
+def _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal, alignment, mask,
+                       mask_means, attn_bias, key_padding_mask, window, q_segment_ids,
+                       kv_segment_ids, dropout, seed, need_weights, average, return_lse, impl,
+                       threads):
+    """The checked arguments of :func:`attention`: (args, exec, keep, out, lse, probs, ndim)."""
     q4, k4, v4, nd = _core_views(q, k, v, layout)
-    keep: list = []
+    keep: list = [q4, k4, v4]  # (maybe converted copies) alive until the call returns
     a = _core_args(q4, k4, v4, keep, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks,
                    causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
                    attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
@@ -432,38 +468,181 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
     lse = np.empty((B, h, n), _F32) if return_lse else None
     probs = None
     if need_weights:
-        probs = np.empty((B, n, m) if average_attn_weights else (B, h, n, m), _F32)
-        a.average_probs = 1 if average_attn_weights else 0
+        probs = np.empty((B, n, m) if average else (B, h, n, m), _F32)
+        a.average_probs = 1 if average else 0
     a.lse, a.probs = _ptr(lse), _ptr(probs)
-    M.call(L.mha_attention, a, _exec(impl, threads))
+    return a, _exec(impl, threads), keep, out_user, lse, probs, nd
+
+
+def _attention_result(keep, out_user, lse, probs, nd, return_lse, need_weights, average):
+    """The return value of :func:`attention` from its filled outputs (views for 2-d/3-d q)."""
     if nd == 3:
         out_user = out_user[:, 0]
         lse = None if lse is None else lse[:, 0]
-        if probs is not None and not average_attn_weights:
+        if probs is not None and not average:
             probs = probs[:, 0]
     elif nd == 2:
         out_user = out_user[0, 0]
         lse = None if lse is None else lse[0, 0]
         if probs is not None:
-            probs = probs[0] if average_attn_weights else probs[0, 0]
+            probs = probs[0] if average else probs[0, 0]
     res = [out_user] + ([lse] if return_lse else []) + ([probs] if need_weights else [])
     return res[0] if len(res) == 1 else tuple(res)
+
+
+_STAT_NAMES = ("received", "entropy", "topk", "pool")
+
+
+def parse_stats(spec: Union[str, Sequence[str]], top_k: Optional[int] = None,
+                pool: Optional[Tuple[int, int]] = None) -> Tuple[set, int, Tuple[int, int]]:
+    """The statistics asked for: `spec` is "received,entropy,topk=8,pool=256x256" (the CLI's
+    --stats syntax) or a sequence of those items; `top_k` / `pool` give the parameters of "topk"
+    / "pool" written without them (defaults 8 and 256 x 256). Returns (names, k, (R, C))."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    names, k, grid = set(), top_k, pool
+    for item in (str(i).strip() for i in items):
+        name, _, value = item.partition("=")
+        if name not in _STAT_NAMES:
+            raise ValueError(f"stats: unknown statistic {item!r} (known: received, entropy, "
+                             f"topk[=K], pool[=RxC])")
+        try:
+            if name == "topk" and value:
+                k = int(value)
+            elif name == "pool" and value:
+                r, _, c = value.partition("x")
+                grid = (int(r), int(c))
+            elif value:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"stats: cannot read {item!r} (topk=K, pool=RxC with integers; "
+                             f"received and entropy take no value)") from None
+        names.add(name)
+    if not names:
+        raise ValueError("stats: no statistic requested")
+    k = 8 if k is None else int(k)
+    grid = (256, 256) if grid is None else (int(grid[0]), int(grid[1]))
+    if k < 1 or grid[0] < 1 or grid[1] < 1:
+        raise ValueError(f"stats: topk={k} and pool={grid[0]}x{grid[1]} must be >= 1")
+    return names, k, grid
+
+
+def _stats_call(fn, lead: tuple, shape: Tuple[int, int, int, int], names: set, top: int, R: int,
+                C: int, ex) -> Dict[str, np.ndarray]:
+    """Allocates the statistics asked for (k and the grid clamped to the map, shape = (B, h, n,
+    m)), runs fn(*lead, stats, exec, error) and returns them by member name."""
+    B, h, n, m = shape
+    top, R, C = min(top, m), min(R, n), min(C, m)
+    out: Dict[str, np.ndarray] = {}
+    s = L.mha_attention_stats()
+    if "received" in names:
+        out["received"] = np.empty((B, h, m), _F32)
+        out["received_total"] = np.empty((B, m), _F32)
+    if "entropy" in names:
+        out["entropy"] = np.empty((B, h, n), _F32)
+    if "topk" in names:
+        out["topk_index"] = np.empty((B, h, n, top), np.int64)
+        out["topk_prob"] = np.empty((B, h, n, top), _F32)
+        s.top_k = top
+    if "pool" in names:
+        out["pooled"] = np.empty((B, h, R, C), _F32)
+        out["pooled_visible"] = np.empty((B, h, R, C), _F32)
+        s.pool_rows, s.pool_cols = R, C
+    for name, arr in out.items():
+        setattr(s, name, _ptr(arr))  # the dict's keys are the struct's field names
+    M.call(fn, *lead, s, ex)
+    return out
+
+
+def attention_stats(q: ArrayLike, k: ArrayLike, *,
+                    stats: Union[str, Sequence[str]] = "received,entropy",
+                    top_k: Optional[int] = None, pool: Optional[Tuple[int, int]] = None,
+                    layout: str = "bhld", scale: Optional[float] = None,
+                    softcap: Optional[float] = None, alibi: bool = False,
+                    sinks: Optional[ArrayLike] = None, causal: Union[bool, str] = False,
+                    alignment=None, mask: Optional[ArrayLike] = None, mask_means: str = "attend",
+                    attn_bias: Optional[ArrayLike] = None,
+                    key_padding_mask: Optional[ArrayLike] = None,
+                    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                    q_segment_ids: Optional[ArrayLike] = None,
+                    kv_segment_ids: Optional[ArrayLike] = None,
+                    threads: int = 0) -> Dict[str, np.ndarray]:
+    """Statistics of the attention probabilities of ``attention(q, k, v, ...)`` with the same
+    options, computed without any n x m matrix (mha_attention_statistics; v is not needed).
+
+    ``stats``: "received,entropy,topk=8,pool=256x256" or a list of those items (``top_k`` and
+    ``pool=(R, C)`` give the parameters otherwise; defaults 8 and 256 x 256). A grid larger than
+    the map is clamped to it (R <= n, C <= m), and top_k to m. Returns a dict of NumPy arrays:
+    "received" [B, h, m] (sum over queries of P, per key) and "received_total" [B, m] (summed over
+    heads); "entropy" [B, h, n] (natural log, the sink counted as one outcome, 0 for fully masked
+    rows); "topk_index" [B, h, n, k] int64 and "topk_prob" [B, h, n, k] (P descending, ties by the
+    lower key index, -1 / 0 past the visible keys); "pooled" [B, h, R, C] (mean P per cell) and
+    "pooled_visible" [B, h, R, C] (fraction of the cell not masked). 3-d inputs drop the head
+    axis, 2-d ones the batch axis too. Bit-identical for any ``threads``.
+    """
+    names, top, (R, C) = parse_stats(stats, top_k, pool)
+    q4, k4, _, nd = _core_views(q, k, k, layout)
+    keep: list = []
+    a = _core_args(q4, k4, k4, keep, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks,
+                   causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
+                   attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
+                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                   dropout=0.0, seed=0, insert_head_axis=(nd == 3))
+    a.v = None  # not read
+    B, h, n, _ = q4.shape
+    out = _stats_call(L.mha_attention_statistics, (a,), (B, h, n, k4.shape[2]), names, top, R,
+                      C, _exec("auto", threads))
+    if nd < 4:  # one head: drop its axis (and the batch axis of 2-d inputs)
+        for name, arr in out.items():
+            arr = arr if name == "received_total" else arr[:, 0]
+            out[name] = arr[0] if nd == 2 else arr
+    return out
 
 
 def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
                        out: ArrayLike, lse: ArrayLike, *, layout: str = "bhld",
                        sinks: Optional[ArrayLike] = None, impl: str = "auto", threads: int = 0,
-                       **options) -> Tuple[np.ndarray, ...]:
+                       comm: Any = None, seq_len: Optional[int] = None,
+                       shard_layout: str = "zigzag", **options) -> Tuple[np.ndarray, ...]:
     """Backward of :func:`attention` (mha_attention_backward).
 
     Give the forward's inputs, its output ``out`` and log-sum-exp ``lse`` (``return_lse=True``),
     the upstream gradient ``dout`` (shape of out) and the same keyword options the forward had
     (masks, scale, softcap, alibi, dropout and seed, ...). Returns (dq, dk, dv), plus dsinks
     when ``sinks`` is given, shaped like q, k, v (and sinks).
+
+    With ``comm`` (collective, mha_ring_attention_backward): every rank gives its shard's rows of
+    everything, ``out`` and ``lse`` as the distributed forward returned them, and the same
+    ``seq_len`` and ``shard_layout``; it gets its rows of dq, dk, dv, equal to those of the
+    single-process backward on the whole sequence.
     """
+    if comm is None:
+        if seq_len is not None or shard_layout != "zigzag":
+            raise ValueError(_RING_ONLY)
+        call = _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options)
+        M.call(L.mha_attention_backward, *call[:3])
+    else:
+        from . import _mpi
+        _mpi.comm_info(comm)
+        call, cfg = _mpi.collective(comm, lambda: (
+            _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options),
+            _mpi.config(seq_len, shard_layout), _mpi.library()))[:2]
+        _mpi.backward(comm, cfg, *call[:3])
+    grads, dsinks, nd = call[4:]
+    if nd == 4 and layout == "blhd":
+        grads = [g_.transpose(0, 2, 1, 3) for g_ in grads]
+    elif nd == 3:
+        grads = [g_[:, 0] for g_ in grads]
+    elif nd == 2:
+        grads = [g_[0, 0] for g_ in grads]
+    return tuple(grads) + ((dsinks,) if sinks is not None else ())
+
+
+def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options):
+    """The checked arguments of :func:`attention_backward`: (args, grads, exec, keep, [dq, dk,
+    dv], dsinks, ndim)."""
     q4, k4, v4, nd = _core_views(q, k, v, layout)
     o4, do4 = _core_views(out, dout, dout, layout)[:2]
-    keep: list = []
+    keep: list = [q4, k4, v4, o4, do4]  # (maybe converted copies) alive until the call returns
     a = _core_args(q4, k4, v4, keep, sinks=sinks, insert_head_axis=(nd == 3),
                    **{**dict(scale=None, softcap=None, alibi=False, causal=False, alignment=None,
                              mask=None, mask_means="attend", attn_bias=None,
@@ -476,6 +655,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     ls = _float32(lse, "lse").reshape(-1)
     if ls.size != B * h * n:
         raise ValueError(f"lse: expected {B * h * n} values ([B, h, n]), got {ls.size}")
+    keep.append(ls)
     a.lse = _ptr(ls)
     M.set_strided(a, "out", _ptr(o4), _el_strides(o4))
     gr = L.mha_attention_grads()
@@ -487,14 +667,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     if sinks is not None:
         dsinks = np.empty((h,), _F32)
         gr.dsinks = _ptr(dsinks)
-    M.call(L.mha_attention_backward, a, gr, _exec(impl, threads))
-    if nd == 4 and layout == "blhd":
-        grads = [g_.transpose(0, 2, 1, 3) for g_ in grads]
-    elif nd == 3:
-        grads = [g_[:, 0] for g_ in grads]
-    elif nd == 2:
-        grads = [g_[0, 0] for g_ in grads]
-    return tuple(grads) + ((dsinks,) if sinks is not None else ())
+    return a, gr, _exec(impl, threads), keep, grads, dsinks, nd
 
 
 # ------------------------------------------------------------------------------------------------
@@ -769,6 +942,38 @@ class MultiheadAttention:
             a.average_probs = 1 if average_attn_weights else 0
         return a, out, probs, unbatched
 
+    def attention_stats(self, query: ArrayLike, key: Optional[ArrayLike] = None,
+                        value: Optional[ArrayLike] = None, *,
+                        stats: Union[str, Sequence[str]] = "received,entropy",
+                        top_k: Optional[int] = None, pool: Optional[Tuple[int, int]] = None,
+                        causal: Union[bool, str] = False, alignment=None,
+                        mask: Optional[ArrayLike] = None, mask_means: str = "attend",
+                        attn_bias: Optional[ArrayLike] = None,
+                        key_padding_mask: Optional[ArrayLike] = None,
+                        window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+                        positions: Optional[ArrayLike] = None,
+                        key_positions: Optional[ArrayLike] = None,
+                        q_segment_ids: Optional[ArrayLike] = None,
+                        kv_segment_ids: Optional[ArrayLike] = None,
+                        impl: str = "auto", threads: int = 0) -> Dict[str, np.ndarray]:
+        """Statistics of this layer's attention probabilities for the forward with the same
+        arguments (mha_layer_attention_statistics: Q and K projected and rotated, no n x m
+        matrix). ``stats``, ``top_k``, ``pool`` and the returned dict as in
+        :func:`attention_stats` (h = the layer's heads); unbatched input drops the batch axis."""
+        names, top, (R, C) = parse_stats(stats, top_k, pool)
+        keep: list = []
+        a, _, _, unbatched = self._forward_args(
+            query, key, value, keep, causal=causal, alignment=alignment, mask=mask,
+            mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
+            window=window, positions=positions, key_positions=key_positions,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=0.0, seed=0,
+            need_weights=False, average_attn_weights=False)
+        a.out = None  # not written
+        shape = (a.batch, self.config.num_heads, a.q_len, a.kv_len)
+        out = _stats_call(L.mha_layer_attention_statistics, (self._ptr, a), shape, names, top,
+                          R, C, _exec(impl, threads))
+        return {name: arr[0] for name, arr in out.items()} if unbatched else out
+
     def forward(self, query: ArrayLike, key: Optional[ArrayLike] = None,
                 value: Optional[ArrayLike] = None, *, causal: Union[bool, str] = False,
                 alignment=None, mask: Optional[ArrayLike] = None, mask_means: str = "attend",
@@ -982,3 +1187,19 @@ class KVCache:
 
 
 __all__ += ["MhaError"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Ring attention over MPI: sharding
+# ------------------------------------------------------------------------------------------------
+def shard_rows(seq_len: int, comm: Any = None, *, shard_layout: str = "zigzag",
+               num_ranks: Optional[int] = None, rank: Optional[int] = None) -> np.ndarray:
+    """The global rows (int64 indices into the N = ``seq_len`` rows, in local order) that a rank
+    holds in ring attention (mha_ring_shard; docs/distributed.md): of ``comm`` (an mpi4py
+    communicator: its size and this process's rank), or of ``rank`` of ``num_ranks``. 'zigzag'
+    cuts the sequence into 2P chunks and gives rank r chunks r and 2P-1-r (equal causal work);
+    'contiguous' into P, chunk r. A rank's shard of a [B, h, N, d] array is ``x[:, :, rows]``
+    (``x[:, rows]`` for [B, N, h, d]); the full output is put back with
+    ``full[:, :, rows] = out``. Needs libmha_mpi (MhaError otherwise); no communication."""
+    from . import _mpi
+    return _mpi.shard_rows_of(seq_len, comm, shard_layout, num_ranks, rank)

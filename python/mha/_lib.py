@@ -85,7 +85,8 @@ class mha_masking(Structure):
 
 
 class mha_dropout(Structure):
-    _fields_ = [("p", c_float), ("seed", c_uint64), ("training", c_int32)]
+    _fields_ = [("p", c_float), ("seed", c_uint64), ("training", c_int32),
+                ("row_offset", c_int64), ("col_offset", c_int64)]
 
 
 class mha_exec(Structure):
@@ -173,21 +174,43 @@ class mha_decode_args(Structure):
                 ("x", c_void_p), ("out", c_void_p)]
 
 
+class mha_attention_stats(Structure):
+    _fields_ = [("received", c_void_p), ("received_total", c_void_p), ("entropy", c_void_p),
+                ("top_k", c_int64), ("topk_index", c_void_p), ("topk_prob", c_void_p),
+                ("pool_rows", c_int64), ("pool_cols", c_int64), ("pooled", c_void_p),
+                ("pooled_visible", c_void_p)]
+
+
 # Every struct mirrored here, by C name (tests compare sizes and offsets with the compiler's).
 STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope,
            mha_attention_args, mha_config, mha_weights, mha_forward_args, mha_name_map,
-           mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args]
+           mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args,
+           mha_attention_stats]
 
 # ------------------------------------------------------------------------------------------------
 # Loading
 # ------------------------------------------------------------------------------------------------
+def _installed_files(name: str) -> list:
+    """Where the installed distribution `mha` put mha/<name>, from its RECORD: an editable
+    install (`pip install -e ./python`) runs the package from the source tree and keeps the
+    built library in site-packages."""
+    try:
+        from importlib import metadata
+        files = metadata.files("mha") or []
+    except Exception:  # no (or an unreadable) installed distribution
+        return []
+    return [str(f.locate()) for f in files if f.as_posix() == f"mha/{name}"]
+
+
 def _candidates() -> list:
+    """MHA_LIBRARY if set; else the library beside these files (a wheel or `pip install ./python`),
+    then the installed distribution's (an editable install)."""
     env = os.environ.get("MHA_LIBRARY")
     if env:
         return [env]
     here = os.path.dirname(os.path.abspath(__file__))
-    names = ["libmha.dylib"] if sys.platform == "darwin" else ["libmha.so"]
-    return [os.path.join(here, n) for n in names]
+    name = "libmha.dylib" if sys.platform == "darwin" else "libmha.so"
+    return [os.path.join(here, name)] + _installed_files(name)
 
 
 def _load():
@@ -223,6 +246,12 @@ mha_rope_apply = _fn("mha_rope_apply", [P(mha_rope), c_int64, c_int64, c_int64, 
 mha_rope_frequencies = _fn("mha_rope_frequencies", [P(mha_rope), c_int64, c_void_p, c_void_p,
                                                     P(mha_error)])
 mha_attention = _fn("mha_attention", [P(mha_attention_args), P(mha_exec), P(mha_error)])
+mha_attention_statistics = _fn("mha_attention_statistics", [P(mha_attention_args),
+                                                            P(mha_attention_stats), P(mha_exec),
+                                                            P(mha_error)])
+mha_layer_attention_statistics = _fn("mha_layer_attention_statistics",
+                                     [c_void_p, P(mha_forward_args), P(mha_attention_stats),
+                                      P(mha_exec), P(mha_error)])
 mha_attention_supported = _fn("mha_attention_supported",
                               [P(mha_attention_args), P(mha_exec), P(mha_error)])
 mha_layer_create = _fn("mha_layer_create", [P(mha_config), P(mha_weights), c_int, c_void_p,

@@ -6,9 +6,13 @@
   PyTorch's conventions are translated (bool ``attn_mask``/``key_padding_mask`` True = masked out,
   float masks additive, ``is_causal`` = top-left causal, ``batch_first``).
 - :func:`scaled_dot_product_attention`: ``F.scaled_dot_product_attention``'s signature.
+- :func:`ring_attention`: ring attention over MPI (an mpi4py communicator), each process holding
+  its shard of a long sequence (docs/distributed.md).
 
 Both are ``torch.autograd.Function`` s whose backward calls mha's backward (mha_layer_backward,
-mha_attention_backward), so a model can be trained with them. This module imports torch; the
+mha_attention_backward), so a model can be trained with them. Under torch.compile / torch.export
+they trace to the operator torch.ops.mha.attention (_torch_ops.py; docs/PYTHON.md) instead, with
+no graph break. This module imports torch; the
 rest of the package does not (``import mha`` works without torch).
 
 Differences from PyTorch (docs/PYTHON.md): fully masked query rows give 0 (PyTorch: NaN); the
@@ -26,6 +30,7 @@ from torch import Tensor, nn
 
 from . import _lib as L
 from . import _marshal as M
+from . import _torch_ops  # noqa: F401  (registers torch.ops.mha.attention[_backward])
 from ._api import MultiheadAttention as _Layer
 from ._lib import MhaError
 
@@ -38,12 +43,7 @@ _MASK_CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L
 _AUTO = L.IMPLS["auto"]
 
 
-def _empty(shape) -> Tensor:
-    """torch.empty(shape, dtype=float32), at a third of the cost: torch's argument parser is slow
-    for a shape tuple with a dtype keyword (~5 us) and fast for plain int arguments (~1.5 us)."""
-    if shape and torch.get_default_dtype() is _F32:
-        return torch.empty(*shape)
-    return torch.empty(shape, dtype=_F32)
+_empty = _torch_ops.empty
 
 
 def _set_mask(t: L.mha_mask_tensor, m: Tensor) -> None:
@@ -53,6 +53,12 @@ def _set_mask(t: L.mha_mask_tensor, m: Tensor) -> None:
 
 def _seed() -> int:
     return int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
+
+
+def _seed_tensor() -> Tensor:
+    """A dropout seed drawn from torch's generator, as a tensor: traced, it stays a run-time
+    draw in a compiled graph (an int would be baked in as a constant)."""
+    return torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
 
 
 def _check_cpu_f32(name: str, t: Tensor) -> None:
@@ -420,6 +426,66 @@ class MultiheadAttention(nn.Module):
                          M.pool_for(d["threads"]))
         return out, probs
 
+    def _forward_traced(self, query: Tensor, key: Tensor, value: Tensor,
+                        key_padding_mask: Optional[Tensor], need_weights: bool,
+                        attn_mask: Optional[Tensor], average: bool,
+                        is_causal: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """The forward under torch.compile / torch.export, in traceable operations only: the
+        projections are torch's linear ops (differentiated by torch's autograd) and attention is
+        the operator torch.ops.mha.attention (mha's forward, its backward registered as the
+        autograd formula). Eager calls run the whole layer in libmha (mha_layer_forward), whose
+        C layer object and training state cannot enter a traced graph. Same results within the
+        layer tolerance (the GEMMs differ), same masks, weights and dropout semantics."""
+        E, h, bf = self.embed_dim, self.num_heads, self.batch_first
+        unbatched = query.dim() == 2
+        in_dtype = query.dtype
+
+        def ble(t: Tensor) -> Tensor:  # [B, L, features] float32
+            t = t.to(_F32)
+            return t.unsqueeze(0) if unbatched else (t if bf else t.transpose(0, 1))
+
+        q, k, v = ble(query), ble(key), ble(value)
+        B, n, m = q.shape[0], q.shape[1], k.shape[1]
+        in_w, q_w, k_w, v_w, in_b, ow, ob = self._params()
+        if in_w is not None:
+            q_w, k_w, v_w = in_w.chunk(3)
+        bq = bk = bv = None
+        if in_b is not None:
+            bq, bk, bv = in_b.chunk(3)
+
+        def heads(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:  # [B, h, L, E/h]
+            y = torch.nn.functional.linear(x, w, b)
+            return y.view(y.shape[0], y.shape[1], h, E // h).transpose(1, 2)
+
+        attend = additive = None
+        if attn_mask is not None:
+            am = attn_mask if attn_mask.dim() == 2 else attn_mask.view(B, h, n, m)
+            if am.dtype == torch.bool:
+                attend = torch.logical_not(am)  # nn.MultiheadAttention: True = not allowed
+            else:
+                additive = am.to(_F32)
+        if key_padding_mask is not None:
+            kp = key_padding_mask.reshape(B, 1, 1, m)
+            if kp.dtype == torch.bool:
+                real = torch.logical_not(kp)
+                attend = real if attend is None else torch.logical_and(attend, real)
+            else:
+                kp = kp.to(_F32)
+                additive = kp if additive is None else additive + kp
+        drop = self.dropout if self.training else 0.0
+        seed = _seed_tensor() if drop > 0.0 else None
+        o, _, probs = torch.ops.mha.attention(
+            heads(q, q_w, bq), heads(k, k_w, bk), heads(v, v_w, bv), attend, additive,
+            is_causal and attn_mask is None, 0.0, drop, seed, need_weights, average,
+            self.threads)
+        out = torch.nn.functional.linear(o.transpose(1, 2).reshape(B, n, E), ow, ob)
+        out = out.squeeze(0) if unbatched else (out if bf else out.transpose(0, 1))
+        if not need_weights:
+            probs = None
+        elif unbatched:
+            probs = probs.squeeze(0)
+        return out.to(in_dtype), probs
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
@@ -432,6 +498,9 @@ class MultiheadAttention(nn.Module):
         added. is_causal: top-left causal mask (with attn_mask given, the mask is used, as
         PyTorch does). Weights: (N, L, S) averaged over heads, or (N, num_heads, L, S).
         """
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return self._forward_traced(query, key, value, key_padding_mask, need_weights,
+                                        attn_mask, average_attn_weights, is_causal)
         if (query is key and key is value and attn_mask is None and key_padding_mask is None
                 and not is_causal and _fast is not None):
             res = self._forward_fast(query, need_weights, average_attn_weights)
@@ -548,39 +617,23 @@ class MultiheadAttention(nn.Module):
 # The core: F.scaled_dot_product_attention
 # ------------------------------------------------------------------------------------------------
 class _CoreFunction(torch.autograd.Function):
+    """Eager calls: the operator's implementation without the torch.ops dispatch (half the
+    overhead per call); compiled and exported graphs call torch.ops.mha.attention instead."""
+
     @staticmethod
-    def forward(ctx, args: L.mha_attention_args, keep: list, threads: int, q: Tensor,
-                k: Tensor, v: Tensor):
-        B, h, n, dv = args.batch, args.num_heads, args.q_len, args.v_head_dim
-        out = _empty((B, h, n, dv))
-        M.set_strided(args, "out", out.data_ptr(), out.stride()[:3])
+    def forward(ctx, options: tuple, q: Tensor, k: Tensor, v: Tensor):
         train = any(ctx.needs_input_grad)
-        lse = None
+        out, lse, _ = _torch_ops.forward(q, k, v, options, train)
         if train:
-            lse = _empty((B, h, n))
-            args.lse = lse.data_ptr()
-        M.call(L.mha_attention, args, M.exec_struct(_AUTO, threads))
-        if train:
-            ctx.args, ctx.keep, ctx.threads = args, keep, threads
+            ctx.options = options
             ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors  # also checks nothing was modified in place
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        g = L.mha_attention_grads()
-        M.set_strided(g, "dout", dout.data_ptr(), dout.stride()[:3])
-        need = ctx.needs_input_grad
-        res = [None, None, None, None, None, None]
-        for i, t, nm in ((3, q, "dq"), (4, k, "dk"), (5, v, "dv")):
-            if need[i]:
-                d = _empty(t.shape)
-                res[i] = d
-                M.set_strided(g, nm, d.data_ptr(), d.stride()[:3])
-        M.call(L.mha_attention_backward, ctx.args, g, M.exec_struct(_AUTO, ctx.threads))
-        return tuple(res)
+        dq, dk, dv = _torch_ops.backward(dout, q, k, v, out, lse, ctx.options)
+        return None, dq, dk, dv
 
 
 def _to4(t: Tensor, nd: int) -> Tensor:
@@ -638,33 +691,37 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                            f"heads in query ({h})")
     scale = M.scale_value(scale, "mha: scale=0 is not supported (0 means the default "
                                  "1/sqrt(E))")
-    a = M.attention_args((q4.data_ptr(), q4.shape, q4.stride()[:3]),
-                         (k4.data_ptr(), k4.shape, k4.stride()[:3]),
-                         (v4.data_ptr(), v4.shape, v4.stride()[:3]), scale)
-    keep = [q4, k4, v4]
-    mk = a.mask
-    if is_causal:
-        M.causal_top_left(mk)
+    seed = None
+    if dropout_p > 0.0:
+        if not dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+        seed = _seed_tensor()
+    attend = additive = None
     if attn_mask is not None:
         am = _mask_arg("attn_mask", attn_mask)
         if am.dim() > nd:
             raise RuntimeError(f"attn_mask has {am.dim()} dimensions, more than query's {nd}")
         if am.dim() > 4 or (nd != 4 and am.dim() > 2):
             am = _to4(am.reshape((1,) * (nd - am.dim()) + tuple(am.shape)).expand(
-                lead + (n, m)), nd).contiguous()
-        keep.append(am)
+                lead + (n, m)), nd)
         if am.dtype == torch.bool:
-            _set_mask(mk.bool_mask, am)
-            mk.bool_mask_polarity = L.MASK_ATTEND
+            attend = am
         else:
-            _set_mask(mk.additive_mask, am)
-    if dropout_p > 0.0:
-        if not dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-        M.set_dropout(a.dropout, dropout_p, _seed())
-    out = _CoreFunction.apply(a, keep, threads, q4, k4, v4)
+            additive = am
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        out = torch.ops.mha.attention(q4, k4, v4, attend, additive, is_causal, scale, dropout_p,
+                                      seed, False, False, threads)[0]
+    else:
+        out = _CoreFunction.apply((attend, additive, is_causal, scale, dropout_p, seed, threads),
+                                  q4, k4, v4)
     if nd != 4:
         out = out.reshape(lead + (n, v4.shape[3]))
     if in_dtype != _F32:
         out = out.to(in_dtype)
     return out
+
+
+# Ring attention over MPI (an mpi4py communicator): python/mha/_torch_ring.py.
+from ._torch_ring import ring_attention  # noqa: E402
+
+__all__.append("ring_attention")

@@ -110,6 +110,7 @@ typedef struct mha__problem {
     float dropout_p;
     uint64_t dropout_seed;
     int dropout_on;
+    int64_t dropout_row0, dropout_col0; /* mha_dropout.row_offset, col_offset */
 } mha__problem;
 
 /* Nonzero test of one element of an integer/bool mask. */
@@ -173,6 +174,13 @@ mha__score_bias(const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t 
 
 /* Dropout keep-test for element (b, h, i, j): Philox4x32-10, see mha_dropout in mha.h. */
 int mha__dropout_keep(uint64_t seed, float p, int64_t b, int64_t h, int64_t i, int64_t j);
+
+/* The dropout keep test of element (b, h, i, j) of the call: at its place (I, J) in the whole. */
+static inline int
+mha__problem_keep(const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
+    return mha__dropout_keep(p->dropout_seed, p->dropout_p, b, h, i + p->dropout_row0,
+                             j + p->dropout_col0);
+}
 void mha__philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
 
 /* ALiBi slopes for h heads (2^(-8(k+1)/h) for powers of two, BLOOM interpolation otherwise). */

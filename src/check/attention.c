@@ -208,7 +208,10 @@ mha_status mha__check_attention_sizes(const mha_attention_args *a, mha_error *er
     return MHA_STATUS_OK;
 }
 
-mha_status mha__check_attention(const mha_attention_args *a,
+/* The forward's checks; scores_only (the statistics): v and out may be NULL (they are not read)
+ * and are checked only when given. */
+static mha_status check_problem(const mha_attention_args *a,
+                                int scores_only,
                                 mha__problem *p,
                                 int64_t *delta_buf,
                                 float *slope_buf,
@@ -219,8 +222,11 @@ mha_status mha__check_attention(const mha_attention_args *a,
     if (st)
         return st;
     const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
-    MHA_RETURN_IF(!a->q || !a->k || !a->v || !a->out, err, INVALID_ARG,
-                  "q, k, v and out must not be NULL");
+    if (scores_only)
+        MHA_RETURN_IF(!a->q || !a->k, err, INVALID_ARG, "q and k must not be NULL");
+    else
+        MHA_RETURN_IF(!a->q || !a->k || !a->v || !a->out, err, INVALID_ARG,
+                      "q, k, v and out must not be NULL");
     p->B = a->batch;
     p->H = a->num_heads;
     p->G = G;
@@ -236,8 +242,8 @@ mha_status mha__check_attention(const mha_attention_args *a,
                   "B*h*n*m overflows int64");
     if (!view_extent(a->q_strides, p->B, p->H, p->n, p->dk, "q", err) ||
         !view_extent(a->k_strides, p->B, p->G, p->m, p->dk, "k", err) ||
-        !view_extent(a->v_strides, p->B, p->G, p->m, p->dv, "v", err) ||
-        !view_extent(a->out_strides, p->B, p->H, p->n, p->dv, "out", err))
+        (a->v && !view_extent(a->v_strides, p->B, p->G, p->m, p->dv, "v", err)) ||
+        (a->out && !view_extent(a->out_strides, p->B, p->H, p->n, p->dv, "out", err)))
         return err ? err->status : MHA_STATUS_INVALID_ARG;
 
     double scale = a->scale == 0.0 ? 1.0 / sqrt((double)p->dk) : a->scale;
@@ -269,8 +275,71 @@ mha_status mha__check_attention(const mha_attention_args *a,
     p->dropout_on = a->dropout.training && a->dropout.p > 0.0f;
     p->dropout_p = a->dropout.p;
     p->dropout_seed = a->dropout.seed;
+    /* The counter holds I = i + row_offset and J = j + col_offset as 32-bit words. */
+    const int64_t counter_end = (int64_t)1 << 32;
+    MHA_RETURN_IF(a->dropout.row_offset < 0 || a->dropout.row_offset > counter_end - p->n, err,
+                  INVALID_ARG, "dropout.row_offset=%lld must be in [0, 2^32 - q_len]",
+                  (long long)a->dropout.row_offset);
+    MHA_RETURN_IF(a->dropout.col_offset < 0 || a->dropout.col_offset > counter_end - p->m, err,
+                  INVALID_ARG, "dropout.col_offset=%lld must be in [0, 2^32 - kv_len]",
+                  (long long)a->dropout.col_offset);
+    p->dropout_row0 = a->dropout.row_offset;
+    p->dropout_col0 = a->dropout.col_offset;
 
     return check_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
+}
+
+mha_status mha__check_attention(const mha_attention_args *a,
+                                mha__problem *p,
+                                int64_t *delta_buf,
+                                float *slope_buf,
+                                mha_error *err) {
+    return check_problem(a, 0, p, delta_buf, slope_buf, err);
+}
+
+/* Element count of a [B, h, x, y] statistic, false on overflow (kept below INT64_MAX / 8 so its
+ * bytes fit too). */
+static bool stat_count(int64_t B, int64_t H, int64_t x, int64_t y) {
+    const int64_t f[4] = {B, H, x, y};
+    int64_t count;
+    return mha__prod_i64(f, 4, &count) && count <= INT64_MAX / 8;
+}
+
+mha_status mha__check_attention_stats(const mha_attention_args *a,
+                                      const mha_attention_stats *s,
+                                      mha__problem *p,
+                                      int64_t *delta_buf,
+                                      float *slope_buf,
+                                      mha_error *err) {
+    MHA_RETURN_IF(!s, err, INVALID_ARG, "stats is NULL");
+    mha_status st = check_problem(a, 1, p, delta_buf, slope_buf, err);
+    if (st)
+        return st;
+    p->out = NULL; /* never written: the statistics go to `s` */
+    p->lse = NULL;
+    p->probs = NULL;
+    p->dropout_on = 0;
+    const int topk = s->topk_index || s->topk_prob, pool = s->pooled || s->pooled_visible;
+    MHA_RETURN_IF(!topk && !pool && !s->received && !s->received_total && !s->entropy, err,
+                  INVALID_ARG, "stats: no statistic requested (every output is NULL)");
+    if (topk) {
+        MHA_RETURN_IF(s->top_k < 1 || s->top_k > p->m, err, INVALID_ARG,
+                      "stats.top_k=%lld must be in [1, kv_len=%lld]", (long long)s->top_k,
+                      (long long)p->m);
+        MHA_RETURN_IF(!stat_count(p->B, p->H, p->n, s->top_k), err, OVERFLOW,
+                      "stats: B*h*n*top_k overflows int64");
+    }
+    if (pool) {
+        MHA_RETURN_IF(s->pool_rows < 1 || s->pool_rows > p->n, err, INVALID_ARG,
+                      "stats.pool_rows=%lld must be in [1, q_len=%lld]", (long long)s->pool_rows,
+                      (long long)p->n);
+        MHA_RETURN_IF(s->pool_cols < 1 || s->pool_cols > p->m, err, INVALID_ARG,
+                      "stats.pool_cols=%lld must be in [1, kv_len=%lld]", (long long)s->pool_cols,
+                      (long long)p->m);
+        MHA_RETURN_IF(!stat_count(p->B, p->H, s->pool_rows, s->pool_cols), err, OVERFLOW,
+                      "stats: B*h*pool_rows*pool_cols overflows int64");
+    }
+    return MHA_STATUS_OK;
 }
 
 mha_status mha__check_backward_sizes(const mha_attention_args *a,

@@ -33,6 +33,16 @@ mha_status mha__check_attention(const mha_attention_args *args,
                                 float *slope_buf,
                                 mha_error *err);
 
+/* mha_attention_statistics: the forward's checks on args (v and out may be NULL: only the
+ * scores are computed; dropout, lse and probs are ignored, cleared in p) and the requested
+ * statistics (at least one; top_k in [1, m]; the pool grid in [1, n] x [1, m]). */
+mha_status mha__check_attention_stats(const mha_attention_args *args,
+                                      const mha_attention_stats *stats,
+                                      mha__problem *p,
+                                      int64_t *delta_buf,
+                                      float *slope_buf,
+                                      mha_error *err);
+
 /* The backward's arguments before anything is sized: fwd and grads given, fwd's sizes. */
 mha_status mha__check_backward_sizes(const mha_attention_args *fwd,
                                      const mha_attention_grads *grads,
@@ -112,6 +122,13 @@ mha_status mha__check_forward_args(const mha_config *cfg,
                                    const mha_forward_args *args,
                                    int64_t *kv_len,
                                    mha_error *err);
+
+/* mha_layer_attention_statistics: the same checks, except that out may be NULL (not written;
+ * probs and dropout are ignored too). */
+mha_status mha__check_layer_stats_args(const mha_config *cfg,
+                                       const mha_forward_args *args,
+                                       int64_t *kv_len,
+                                       mha_error *err);
 
 /* What the backward's check reads of a training state (layer/layer_bwd.c). */
 typedef struct mha__train_view {

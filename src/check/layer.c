@@ -124,16 +124,18 @@ mha_status mha__check_layer_create(const mha_config *config,
     return MHA_STATUS_OK;
 }
 
-mha_status mha__check_forward_args(const mha_config *c,
-                                   const mha_forward_args *a,
-                                   int64_t *kv_len,
-                                   mha_error *err) {
+/* The forward's arguments; need_out = 0 (the statistics): out is not written, may be NULL. */
+static mha_status check_forward(
+    const mha_config *c, const mha_forward_args *a, int need_out, int64_t *kv_len, mha_error *err) {
     MHA_RETURN_IF(!c, err, INVALID_ARG, "layer is NULL");
     MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
     MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->q_len < 1 || a->q_len > MHA_MAX_DIM,
                   err, INVALID_ARG, "batch=%lld and q_len=%lld must be in [1, 2^31]",
                   (long long)a->batch, (long long)a->q_len);
-    MHA_RETURN_IF(!a->query || !a->out, err, INVALID_ARG, "query and out must not be NULL");
+    if (need_out)
+        MHA_RETURN_IF(!a->query || !a->out, err, INVALID_ARG, "query and out must not be NULL");
+    else
+        MHA_RETURN_IF(!a->query, err, INVALID_ARG, "query must not be NULL");
     const int self = a->key == NULL;
     const int64_t m = self ? a->q_len : a->kv_len;
     MHA_RETURN_IF(!self && (m < 1 || m > MHA_MAX_DIM), err, INVALID_ARG,
@@ -176,4 +178,18 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
     MHA_RETURN_IF(gr->d_sinks && !c->sinks, err, INVALID_ARG,
                   "grads.d_sinks is given but the layer has no sinks");
     return MHA_STATUS_OK;
+}
+
+mha_status mha__check_forward_args(const mha_config *c,
+                                   const mha_forward_args *a,
+                                   int64_t *kv_len,
+                                   mha_error *err) {
+    return check_forward(c, a, 1, kv_len, err);
+}
+
+mha_status mha__check_layer_stats_args(const mha_config *c,
+                                       const mha_forward_args *a,
+                                       int64_t *kv_len,
+                                       mha_error *err) {
+    return check_forward(c, a, 0, kv_len, err);
 }

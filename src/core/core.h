@@ -40,6 +40,13 @@ mha_status mha__core_prepare(const mha_attention_args *args,
                              mha_error *err);
 mha_status mha__core_finish(mha__core_call *call, int run, mha_error *err);
 
+/* mha_attention_statistics on a problem its check (mha__check_attention_stats) resolved: the
+ * threads of exec, scratch from exec->allocator (core/stats.c). */
+mha_status mha__attention_stats_run(const mha__problem *p,
+                                    const mha_attention_stats *stats,
+                                    const mha_exec *exec,
+                                    mha_error *err);
+
 /* The backward kernels (core/attention_bwd.c: the registry's bwd lines), in priority order, the
  * reference last: index -> name (NULL past the end) and whether this CPU (capped by MHA_MAX_ISA)
  * can run it. */

@@ -9,7 +9,9 @@
  * Buffers (floats): two K/V blocks of the largest shard, B g n_max (d_k + d_v) each (one being
  * computed on while the other is received), the lse of one chunk B h n_max; forward: one partial
  * output B h n_max d_v and the lse accumulator B h n_local when the caller passes no lse;
- * backward: three more K/V-sized blocks (two travelling dK/dV, one received). */
+ * backward: three more K/V-sized blocks (two travelling dK/dV, one received). With key padding or
+ * segment ids: two key-side blocks (int32, 2 B n_max each) travelling with the K/V blocks, and the
+ * slices of one pair (3 B n_max). With sinks: 4h int64 (their agreement) and h doubles (dsinks). */
 #include "mha_mpi.h"
 
 #include <limits.h>
@@ -139,19 +141,11 @@ static mha_status check_local(const mha_ring_config *cfg,
         unsupported = "mask.alignment=EXPLICIT";
     else if (mk->bool_mask.data || mk->additive_mask.data)
         unsupported = "a boolean or additive mask";
-    else if (mk->key_padding.data)
-        unsupported = "mask.key_padding";
-    else if (mk->q_segment_ids || mk->kv_segment_ids)
-        unsupported = "segment ids";
-    else if (a->sinks)
-        unsupported = "sinks";
-    else if (a->dropout.training && a->dropout.p > 0.0f)
-        unsupported = "dropout in training";
     else if (a->probs)
-        unsupported = "probs";
+        unsupported = "probs (an N x N output)";
     if (unsupported) {
-        set_error(err, MHA_STATUS_UNSUPPORTED,
-                  "mha_ring_attention: %s is not supported yet (issue 15)", unsupported);
+        set_error(err, MHA_STATUS_UNSUPPORTED, "mha_ring_attention: %s is not supported",
+                  unsupported);
         return MHA_STATUS_UNSUPPORTED;
     }
     /* Everything else (sizes, strides, pointers, scalars, exec) is the core's own check. */
@@ -183,11 +177,21 @@ enum {
     AGREE_WINDOW_LEFT,
     AGREE_WINDOW_RIGHT,
     AGREE_ALIBI,
+    AGREE_SINKS,
+    AGREE_KEY_PADDING,
+    AGREE_SEGMENTS,
+    AGREE_DROPOUT,
+    AGREE_DROPOUT_P,
+    AGREE_SEED_LO,
+    AGREE_SEED_HI,
     AGREE_COUNT
 };
 static const char *const agree_name[AGREE_COUNT] = {
-    "",         "seq_len",    "layout", "batch",       "num_heads",    "num_kv_heads",
-    "head_dim", "v_head_dim", "causal", "window_left", "window_right", "alibi"};
+    "",          "seq_len",      "layout",       "batch",
+    "num_heads", "num_kv_heads", "head_dim",     "v_head_dim",
+    "causal",    "window_left",  "window_right", "alibi",
+    "sinks",     "key_padding",  "segment ids",  "dropout",
+    "dropout.p", "dropout.seed", "dropout.seed"};
 
 /* The collective agreement: one MPI_Allreduce (MAX) of {v, -v} gives every rank the maximum and
  * the minimum of each value. v[AGREE_FAIL] = P - rank on a failing rank (0 otherwise), so the
@@ -236,6 +240,29 @@ static mha_status agree(MPI_Comm comm,
     return MHA_STATUS_OK;
 }
 
+/* The sink logits must be the same on every rank (each row's denominator holds exp(sink_h)): one
+ * MPI_Allreduce (MAX) of {bits, -bits} of each value, compared bit for bit (so equal NaNs agree).
+ * buf: 4h int64 of scratch. Collective; the result is the same on every rank. */
+static mha_status
+agree_sinks(MPI_Comm comm, int64_t h, const float *sinks, int64_t *buf, mha_error *err) {
+    for (int64_t i = 0; i < h; i++) {
+        uint32_t bits;
+        memcpy(&bits, &sinks[i], sizeof bits);
+        buf[i] = bits, buf[h + i] = -(int64_t)bits;
+    }
+    if (MPI_Allreduce(buf, buf + 2 * h, (int)(2 * h), MPI_INT64_T, MPI_MAX, comm) != MPI_SUCCESS) {
+        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
+        return MHA_STATUS_INTERNAL;
+    }
+    for (int64_t i = 0; i < h; i++)
+        if (buf[2 * h + i] != -buf[3 * h + i]) {
+            set_error(err, MHA_STATUS_INVALID_ARG,
+                      "mha_ring_attention: the ranks disagree on sinks[%lld]", (long long)i);
+            return MHA_STATUS_INVALID_ARG;
+        }
+    return MHA_STATUS_OK;
+}
+
 /* The state of one call: sizes, the buffers, and the rank's accumulator. */
 typedef struct ring_call {
     const mha_attention_args *a;
@@ -248,6 +275,14 @@ typedef struct ring_call {
     float *lse;      /* the accumulator [B, h, n_local]: the caller's or lse_own */
     float *lse_own;
     int64_t *offs; /* [B] explicit causal offsets of a diagonal pair */
+    /* Key padding / segment ids: the key-side arrays of a block travel with it, as int32
+     * [B, n_src] "is a real key" (1 without key padding) then [B, n_src] kv segment ids. */
+    int keys;            /* nonzero: key padding or segment ids are given */
+    int32_t *kinfo[2];   /* the key side of kv[0], kv[1] */
+    const int32_t *held; /* the key side of the block being attended to */
+    int32_t *slice;      /* one pair's [B, nk] padding, [B, nk] kv and [B, nq] q segment ids */
+    int64_t *sink_bits;  /* [4h] scratch of agree_sinks */
+    double *dsinks;      /* [h] backward: this rank's share of dL/dsinks, then the sum */
     /* Backward only: */
     const mha_attention_grads *grads;
     float *acc[2]; /* dK/dV of the block being held, [B, g, n_src, d_k] then [.., d_v] */
@@ -271,10 +306,76 @@ static void pack_kv(const ring_call *c, float *dst) {
             }
 }
 
+/* Reads element (b, j) of the caller's key padding ([B, n] or [n], or [1, n]: broadcast over the
+ * batch; BOOL/U8/I32/I64 as checked by the core) as 0 or 1. */
+static int32_t key_real(const mha_mask_tensor *kp, int64_t b, int64_t j) {
+    const int64_t n = kp->shape[kp->ndim - 1];
+    const int64_t e = (kp->ndim == 2 && kp->shape[0] != 1 ? b * n : 0) + (n != 1 ? j : 0);
+    switch (kp->dtype) {
+    case MHA_DTYPE_I32:
+        return ((const int32_t *)kp->data)[e] != 0;
+    case MHA_DTYPE_I64:
+        return ((const int64_t *)kp->data)[e] != 0;
+    default: /* BOOL, U8: one byte */
+        return ((const uint8_t *)kp->data)[e] != 0;
+    }
+}
+
+/* Packs the key side of the caller's rows (the kinfo layout) into dst. */
+static void pack_keys(const ring_call *c, int32_t *dst) {
+    const mha_masking *mk = &c->a->mask;
+    const int64_t n = c->mine.n_local;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t j = 0; j < n; j++) {
+            dst[b * n + j] = mk->key_padding.data ? key_real(&mk->key_padding, b, j) : 1;
+            dst[(c->B + b) * n + j] = mk->kv_segment_ids ? mk->kv_segment_ids[b * n + j] : 0;
+        }
+}
+
+/* The key padding and segment ids of a pair: query rows [q_off, q_off + nq) of the caller's
+ * q_segment_ids [B, n_local], key rows [k_off, k_off + nk) of the held block's key side, copied
+ * contiguous ([B, nk], [B, nq]: the layouts the core reads) into c->slice. */
+static void pair_keys(ring_call *c,
+                      int64_t n_src,
+                      int64_t q_off,
+                      int64_t nq,
+                      int64_t k_off,
+                      int64_t nk,
+                      mha_attention_args *p) {
+    const mha_masking *mk = &c->a->mask;
+    int32_t *kp = c->slice, *kseg = kp + c->B * nk, *qseg = kseg + c->B * nk;
+    for (int64_t b = 0; b < c->B; b++) {
+        memcpy(kp + b * nk, c->held + b * n_src + k_off, sizeof(int32_t) * (size_t)nk);
+        memcpy(kseg + b * nk, c->held + (c->B + b) * n_src + k_off, sizeof(int32_t) * (size_t)nk);
+        if (mk->q_segment_ids)
+            memcpy(qseg + b * nq, mk->q_segment_ids + b * c->mine.n_local + q_off,
+                   sizeof(int32_t) * (size_t)nq);
+    }
+    if (mk->key_padding.data) {
+        memset(&p->mask.key_padding, 0, sizeof p->mask.key_padding);
+        p->mask.key_padding.data = kp;
+        p->mask.key_padding.dtype = MHA_DTYPE_I32;
+        p->mask.key_padding.ndim = 2;
+        p->mask.key_padding.shape[0] = c->B, p->mask.key_padding.shape[1] = nk;
+    }
+    if (mk->q_segment_ids)
+        p->mask.q_segment_ids = qseg, p->mask.kv_segment_ids = kseg;
+}
+
 /* Whether the mask depends on positions: then the pairs are chunk by chunk, with global
  * positions. */
 static int positional(const mha_attention_args *a) {
     return a->mask.causal || a->mask.use_window || a->alibi;
+}
+
+static int64_t float_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return bits;
+}
+
+static int dropout_on(const mha_attention_args *a) {
+    return a->dropout.training && a->dropout.p > 0.0f;
 }
 
 /* The core's arguments for the rank's query rows [q_off, q_off + nq) (global rows [qs, qe], qe =
@@ -284,7 +385,9 @@ static int positional(const mha_attention_args *a) {
  * skipped when that range misses [ks, ke]. A pair every key of which every row sees (causal or
  * window, no ALiBi) runs unmasked; otherwise the rules are placed by the explicit alignment
  * delta = qs - ks (local key j vs local row i + delta <=> global key vs global row).
- * out and lse are left to the caller. */
+ * Key padding and segment ids are the pair's slices (pair_keys); sinks are left out (fold_sinks,
+ * sink_grads); dropout draws the whole sequence's mask at the pair's global rows and columns
+ * (mha_dropout.row_offset, col_offset). out and lse are left to the caller. */
 static int pair_args(ring_call *c,
                      const float *blk,
                      int64_t n_src,
@@ -327,6 +430,12 @@ static int pair_args(ring_call *c,
             p->mask.align_offsets = c->offs;
         }
     }
+    /* The sink joins each row's denominator once: folded in after the ring (fold_sinks). */
+    p->sinks = NULL;
+    p->dropout.row_offset = a->dropout.row_offset + qs;
+    p->dropout.col_offset = a->dropout.col_offset + ks;
+    if (c->keys)
+        pair_keys(c, n_src, q_off, nq, k_off, nk, p);
     p->q_len = nq;
     p->kv_len = nk;
     p->q = a->q + q_off * a->q_strides[2];
@@ -416,11 +525,11 @@ static mha_status bwd_pair(ring_call *c,
     return mha_attention_backward(&p, &g, &c->inner, err);
 }
 
-/* Every pair of a query chunk of this rank and a key chunk of src (without a positional mask, the
- * whole shards at once: the positions do not matter); acc == NULL is the forward. */
+/* Every pair of a query chunk of this rank and a key chunk of src (without a positional mask or
+ * dropout, the whole shards at once: the positions do not matter); acc == NULL is the forward. */
 static mha_status
 block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, mha_error *err) {
-    const int chunked = positional(c->a);
+    const int chunked = positional(c->a) || dropout_on(c->a);
     const int32_t nqc = chunked ? c->mine.num_chunks : 1, nkc = chunked ? src->num_chunks : 1;
     int64_t q_off = 0;
     for (int32_t qc = 0; qc < nqc; qc++) {
@@ -449,10 +558,12 @@ block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, m
  * the end of its step t - 1), adds din, and sends the sum on to rank + 1 (the send overlapping the
  * next step). After P steps every rank has added its share, and the sum of rank r's block arrives
  * at its owner from rank r - 1: the last din.
+ * With key padding or segment ids the block's key side (kinfo) travels beside it the same way.
  * After a local failure the rank keeps passing blocks on (so no peer waits forever) and reports
  * the failure at the final agreement. */
-#define RING_TAG_KV  15
-#define RING_TAG_DKV 16
+#define RING_TAG_KV   15
+#define RING_TAG_DKV  16
+#define RING_TAG_KEYS 17
 static mha_status run_ring(ring_call *c,
                            MPI_Comm comm,
                            const mha_ring_config *cfg,
@@ -468,14 +579,22 @@ static mha_status run_ring(ring_call *c,
         const ring_shard src = shard_of(cfg, p, (rank - t + p) % p);
         const ring_shard next = shard_of(cfg, p, (rank - t - 1 + 2 * p) % p);
         const int src_count = (int)(c->B * c->g * src.n_local * (c->dk + c->dv));
-        MPI_Request req[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+        MPI_Request req[4] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL,
+                              MPI_REQUEST_NULL};
         if (t + 1 < p) {
             const int next_count = (int)(c->B * c->g * next.n_local * (c->dk + c->dv));
             mpi_ok &= MPI_Irecv(c->kv[(t + 1) % 2], next_count, MPI_FLOAT, left, RING_TAG_KV, comm,
                                 &req[0]) == MPI_SUCCESS;
             mpi_ok &= MPI_Isend(c->kv[t % 2], src_count, MPI_FLOAT, right, RING_TAG_KV, comm,
                                 &req[1]) == MPI_SUCCESS;
+            if (c->keys) { /* the block's key side, a parallel message */
+                mpi_ok &= MPI_Irecv(c->kinfo[(t + 1) % 2], (int)(2 * c->B * next.n_local),
+                                    MPI_INT32_T, left, RING_TAG_KEYS, comm, &req[2]) == MPI_SUCCESS;
+                mpi_ok &= MPI_Isend(c->kinfo[t % 2], (int)(2 * c->B * src.n_local), MPI_INT32_T,
+                                    right, RING_TAG_KEYS, comm, &req[3]) == MPI_SUCCESS;
+            }
         }
+        c->held = c->kinfo[t % 2];
         float *acc = NULL;
         if (bwd) {
             /* acc[t % 2] was last sent at step t - 2 (dreq[t % 2]). */
@@ -499,7 +618,7 @@ static mha_status run_ring(ring_call *c,
             mpi_ok &= MPI_Irecv(c->din, nd_count, MPI_FLOAT, left, RING_TAG_DKV, comm, &dreq[2]) ==
                       MPI_SUCCESS;
         }
-        mpi_ok &= MPI_Waitall(2, req, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
+        mpi_ok &= MPI_Waitall(4, req, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
     }
     if (bwd)
         mpi_ok &= MPI_Waitall(3, dreq, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
@@ -533,6 +652,68 @@ static void unpack_dkv(const ring_call *c) {
                         d[e] = gr->accumulate ? d[e] + sv[r * c->dv + e] : sv[r * c->dv + e];
                 }
             }
+}
+
+/* Forward with sinks: the pairs ran without them, so lse holds log sum_j exp(s_j) over all N keys;
+ * the sink joins each row's denominator once here:
+ *   lse' = log(e^lse + e^sink_h),   O' = e^(lse - lse') O   (the merge with an empty partial).
+ * A fully masked row (lse = -inf) keeps O = 0, lse = -inf, as the core gives it. */
+static void fold_sinks(const ring_call *c) {
+    const mha_attention_args *a = c->a;
+    const int64_t n = c->mine.n_local;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t hh = 0; hh < c->h; hh++)
+            for (int64_t i = 0; i < n; i++) {
+                float *l = c->lse + (b * c->h + hh) * n + i;
+                if (*l == -INFINITY)
+                    continue;
+                const double old = (double)*l, sink = (double)a->sinks[hh],
+                             top = old > sink ? old : sink;
+                const double lse = top + log(exp(old - top) + exp(sink - top));
+                const float r = (float)exp(old - lse);
+                float *o =
+                    a->out + b * a->out_strides[0] + hh * a->out_strides[1] + i * a->out_strides[2];
+                for (int64_t e = 0; e < c->dv; e++)
+                    o[e] *= r;
+                *l = (float)lse;
+            }
+}
+
+/* Backward with sinks: the pairs ran without them (their P = exp(S - lse) already uses the global
+ * lse), and dL/dsink_h = -sum_{b,i} exp(sink_h - lse_i) D_i, D_i = dO_i . O_i, is summed here once
+ * per row over this rank's rows, then over the ranks (MPI_Allreduce, collective: called by every
+ * rank, whatever its local status) and written (or added) to grads->dsinks when st is OK. */
+static mha_status sink_grads(const ring_call *c, MPI_Comm comm, mha_status st, mha_error *err) {
+    const mha_attention_args *a = c->a;
+    const mha_attention_grads *gr = c->grads;
+    const int64_t n = c->mine.n_local;
+    for (int64_t hh = 0; hh < c->h; hh++)
+        c->dsinks[hh] = 0.0;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t hh = 0; hh < c->h; hh++)
+            for (int64_t i = 0; i < n; i++) {
+                const double l = (double)a->lse[(b * c->h + hh) * n + i];
+                if (l == -(double)INFINITY) /* fully masked rows contribute nothing */
+                    continue;
+                const float *o =
+                    a->out + b * a->out_strides[0] + hh * a->out_strides[1] + i * a->out_strides[2];
+                const float *d = gr->dout + b * gr->dout_strides[0] + hh * gr->dout_strides[1] +
+                                 i * gr->dout_strides[2];
+                double dot = 0.0;
+                for (int64_t e = 0; e < c->dv; e++)
+                    dot += (double)d[e] * (double)o[e];
+                c->dsinks[hh] -= exp((double)a->sinks[hh] - l) * dot;
+            }
+    if (MPI_Allreduce(MPI_IN_PLACE, c->dsinks, (int)c->h, MPI_DOUBLE, MPI_SUM, comm) !=
+        MPI_SUCCESS) {
+        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention_backward: MPI_Allreduce failed");
+        return MHA_STATUS_INTERNAL;
+    }
+    if (st == MHA_STATUS_OK && gr->dsinks)
+        for (int64_t hh = 0; hh < c->h; hh++)
+            gr->dsinks[hh] =
+                (float)(gr->accumulate ? (double)gr->dsinks[hh] + c->dsinks[hh] : c->dsinks[hh]);
+    return st;
 }
 
 /* Both entry points (bwd: the backward, with grads). */
@@ -579,6 +760,10 @@ static mha_status ring_entry(MPI_Comm comm,
             set_error(err, st,
                       "%s: a K/V block of %lld floats exceeds one MPI message (INT_MAX elements)",
                       fn, (long long)blk);
+        } else if (a->sinks && 2 * c.h > INT_MAX) {
+            st = MHA_STATUS_UNSUPPORTED;
+            set_error(err, st, "%s: with sinks, num_heads=%lld exceeds one MPI message", fn,
+                      (long long)c.h);
         } else {
             const size_t fb = sizeof(float);
             int ok = 1;
@@ -586,6 +771,16 @@ static mha_status ring_entry(MPI_Comm comm,
                 ok &= (c.kv[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
             ok &= (c.part_lse = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max))) != NULL;
             ok &= (c.offs = ring_alloc(alloc, sizeof(int64_t) * (size_t)c.B)) != NULL;
+            c.keys = a->mask.key_padding.data || a->mask.q_segment_ids;
+            const size_t kb = sizeof(int32_t) * (size_t)(c.B * c.n_max);
+            for (int i = 0; i < 2 && c.keys; i++)
+                ok &= (c.kinfo[i] = ring_alloc(alloc, 2 * kb)) != NULL;
+            if (c.keys)
+                ok &= (c.slice = ring_alloc(alloc, 3 * kb)) != NULL;
+            if (a->sinks) {
+                ok &= (c.sink_bits = ring_alloc(alloc, sizeof(int64_t) * 4 * (size_t)c.h)) != NULL;
+                ok &= (c.dsinks = ring_alloc(alloc, sizeof(double) * (size_t)c.h)) != NULL;
+            }
             if (bwd) {
                 for (int i = 0; i < 2; i++)
                     ok &= (c.acc[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
@@ -615,7 +810,15 @@ static mha_status ring_entry(MPI_Comm comm,
                                            a->mask.causal != 0,
                                            a->mask.use_window ? a->mask.window_left : -1,
                                            a->mask.use_window ? a->mask.window_right : -1,
-                                           a->alibi != 0};
+                                           a->alibi != 0,
+                                           a->sinks != NULL,
+                                           a->mask.key_padding.data != NULL,
+                                           a->mask.q_segment_ids != NULL,
+                                           dropout_on(a),
+                                           dropout_on(a) ? float_bits(a->dropout.p) : 0,
+                                           dropout_on(a) ? (int64_t)(a->dropout.seed & 0xffffffffu)
+                                                         : 0,
+                                           dropout_on(a) ? (int64_t)(a->dropout.seed >> 32) : 0};
         memcpy(values, mine, sizeof mine);
     }
 
@@ -625,6 +828,8 @@ static mha_status ring_entry(MPI_Comm comm,
         st = agree(comm, p, rank, st, values, err);
     else
         agree(comm, p, rank, st, values, err);
+    if (st == MHA_STATUS_OK && local->sinks) /* the same on every rank: agreed above */
+        st = agree_sinks(comm, c.h, local->sinks, c.sink_bits, err);
     if (st == MHA_STATUS_OK && MPI_Comm_dup(comm, &ring) != MPI_SUCCESS) {
         st = MHA_STATUS_INTERNAL;
         set_error(err, st, "%s: MPI_Comm_dup failed", fn);
@@ -649,9 +854,15 @@ static mha_status ring_entry(MPI_Comm comm,
                     }
                 }
         pack_kv(&c, c.kv[0]);
+        if (c.keys)
+            pack_keys(&c, c.kinfo[0]);
         st = run_ring(&c, ring, cfg, p, rank, err);
         if (bwd && st == MHA_STATUS_OK)
             unpack_dkv(&c);
+        if (!bwd && a->sinks && st == MHA_STATUS_OK)
+            fold_sinks(&c);
+        if (bwd && a->sinks)
+            st = sink_grads(&c, ring, st, err);
         /* A local call that failed mid-ring (out of memory) is reported to every rank. */
         const mha_status ring_st = agree(ring, p, rank, st, values, err);
         st = st != MHA_STATUS_OK ? st : ring_st;
@@ -661,7 +872,11 @@ static mha_status ring_entry(MPI_Comm comm,
     for (int i = 0; i < 2; i++) {
         ring_free(alloc, c.kv[i]);
         ring_free(alloc, c.acc[i]);
+        ring_free(alloc, c.kinfo[i]);
     }
+    ring_free(alloc, c.slice);
+    ring_free(alloc, c.sink_bits);
+    ring_free(alloc, c.dsinks);
     ring_free(alloc, c.din);
     ring_free(alloc, c.part);
     ring_free(alloc, c.part_lse);

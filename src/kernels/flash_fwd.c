@@ -229,8 +229,8 @@ static void build_keep(const block *B, int64_t j0, int nk) {
     const mha__problem *p = B->p;
     for (int64_t r = 0; r < B->R; r++) {
         const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
-        B->ops->dropout_bits(p->dropout_seed, p->dropout_p, B->b, h, i, j0, nk,
-                             B->keep + r * MHA_FLASH_WORDS);
+        B->ops->dropout_bits(p->dropout_seed, p->dropout_p, B->b, h, i + p->dropout_row0,
+                             j0 + p->dropout_col0, nk, B->keep + r * MHA_FLASH_WORDS);
     }
 }
 

@@ -272,3 +272,63 @@ mha_status mha_layer_forward(const mha_layer *layer,
         mha__ok(err);
     return st;
 }
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Attention statistics of the layer                                                              */
+/* ---------------------------------------------------------------------------------------------- */
+
+mha_status mha_layer_attention_statistics(const mha_layer *layer,
+                                          const mha_forward_args *args,
+                                          const mha_attention_stats *stats,
+                                          const mha_exec *exec,
+                                          mha_error *err) {
+    int64_t m;
+    mha_status st = mha__check_layer_stats_args(layer ? &layer->cfg : NULL, args, &m, err);
+    if (st)
+        return st;
+    const mha_config *c = &layer->cfg;
+    const int64_t B = args->batch, n = args->q_len, h = c->num_heads, g = c->num_kv_heads;
+    /* Block: Q [B, n, h*dk] | K [B, m, g*dk] | RoPE table | deltas [B] int64 | slopes [h]. */
+    const int64_t fq[4] = {B, n, h, c->head_dim}, fk[4] = {B, m, g, c->head_dim};
+    int64_t cq, ck;
+    size_t bq, bk;
+    MHA_RETURN_IF(!mha__prod_i64(fq, 4, &cq) || !mha__prod_i64(fk, 4, &ck) ||
+                      !mha__bytes(cq, sizeof(float), &bq) || !mha__bytes(ck, sizeof(float), &bk) ||
+                      bq > SIZE_MAX / 4 || bk > SIZE_MAX / 4,
+                  err, OVERFLOW, "Q or K of the statistics overflows");
+    const size_t k_off = mha__align64(bq), rope_off = k_off + mha__align64(bk);
+    const size_t delta_off =
+        rope_off + mha__align64(sizeof(double) * mha__plan_rope_doubles(&c->rope));
+    const size_t slope_off = delta_off + mha__align64(sizeof(int64_t) * (size_t)B);
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    char *ws = mha__alloc(alloc, slope_off + sizeof(float) * (size_t)h);
+    MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate Q and K for the statistics");
+    float *q = (float *)ws, *k = (float *)(ws + k_off);
+    mha_attention_args core;
+    mha__plan_core_args(c, layer->w.sinks, args, m, q, k, NULL, NULL, NULL, &core);
+    mha__problem p;
+    st = mha__check_attention_stats(&core, stats, &p, (int64_t *)(ws + delta_off),
+                                    (float *)(ws + slope_off), err);
+    mha__team team = {1, NULL};
+    if (!st)
+        st = mha__exec_team(exec, &team, err);
+    const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
+    const int self = args->key == NULL;
+    if (!st)
+        st = mha__plan_project(impl, alloc, team, args->query, layer->w.w_q, layer->w.b_q, q, B * n,
+                               c->q_dim, h * c->head_dim, NULL, 0, err);
+    if (!st)
+        st = mha__plan_project(impl, alloc, team, self ? args->query : args->key, layer->w.w_k,
+                               layer->w.b_k, k, B * m, c->k_dim, g * c->head_dim, NULL, 0, err);
+    if (!st && c->rope.style != MHA_ROPE_NONE) {
+        double *tab = (double *)(ws + rope_off);
+        const int64_t *kpos =
+            args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
+        mha__plan_rope(&c->rope, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
+        mha__plan_rope(&c->rope, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
+    }
+    if (!st)
+        st = mha__attention_stats_run(&p, stats, exec, err);
+    mha__free(alloc, ws);
+    return st;
+}

@@ -136,7 +136,8 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                         prow[j] = p;
                     double pd = p;
                     if (drop)
-                        pd = mha__dropout_keep(a->dropout.seed, a->dropout.p, b, h, i, j)
+                        pd = mha__dropout_keep(a->dropout.seed, a->dropout.p, b, h,
+                                               i + a->dropout.row_offset, j + a->dropout.col_offset)
                                  ? p / (1.0 - (double)a->dropout.p)
                                  : 0.0;
                     if (pd == 0.0)

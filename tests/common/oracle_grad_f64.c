@@ -96,7 +96,8 @@ static double row_softmax(const og_core *c, int64_t h, const double *s, double *
 static double keep_factor(const og_core *c, int64_t b, int64_t h, int64_t i, int64_t j) {
     if (!(c->dropout.training && c->dropout.p > 0.0f))
         return 1.0;
-    return mha__dropout_keep(c->dropout.seed, c->dropout.p, b, h, i, j)
+    return mha__dropout_keep(c->dropout.seed, c->dropout.p, b, h, i + c->dropout.row_offset,
+                             j + c->dropout.col_offset)
                ? 1.0 / (1.0 - (double)c->dropout.p)
                : 0.0;
 }

@@ -229,9 +229,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                         }
                         float z = 1.0f;
                         if (p->dropout_on)
-                            z = mha__dropout_keep(p->dropout_seed, p->dropout_p, b, h, i, j0 + c)
-                                    ? keep_scale
-                                    : 0.0f;
+                            z = mha__problem_keep(p, b, h, i, j0 + c) ? keep_scale : 0.0f;
                         float ds = P * (z * dprow[c] - D);
                         if (p->softcap > 0.0f)
                             ds *= trow[c];

@@ -99,9 +99,7 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                     }
                     float z = 1.0f;
                     if (p->dropout_on)
-                        z = mha__dropout_keep(p->dropout_seed, p->dropout_p, b, h, i, j)
-                                ? keep_scale
-                                : 0.0f;
+                        z = mha__problem_keep(p, b, h, i, j) ? keep_scale : 0.0f;
                     const float *v = vb + j * p->vs[2];
                     const float pz = z * P[j];
                     float *dv_j = dV + j * dv;

@@ -92,9 +92,7 @@ attend_row(const mha__problem *p, int64_t b, int64_t h, int64_t i, float *s, flo
             for (int64_t j = j0; j < m && j < j0 + MHA_REF_SUM_BLOCK; j++) {
                 float pj = s[j];
                 if (p->dropout_on)
-                    pj = mha__dropout_keep(p->dropout_seed, p->dropout_p, b, h, i, j)
-                             ? pj * keep_scale
-                             : 0.0f;
+                    pj = mha__problem_keep(p, b, h, i, j) ? pj * keep_scale : 0.0f;
                 if (pj == 0.0f)
                     continue;
                 const float *v = vb + j * p->vs[2];

