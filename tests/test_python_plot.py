@@ -3,7 +3,8 @@
 written as PNG, SVG and PDF parse, have the expected pixel size and panel count and stay small;
 masked cells are hatched (transparent over the hatched patch, never annotated "0.00"); pooling
 equals the block means computed here; token labels do not reach the neighbouring panel; the
-statistics strips have one bar per key / query; bad arguments raise."""
+statistics strips have one bar per key / query; the streamed statistics (mha.attention_stats)
+draw like the dense map; bad arguments raise."""
 import os
 import re
 import struct
@@ -19,6 +20,7 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 import mha  # noqa: E402
 from mha.plot import pool_map  # noqa: E402
+from tolerances import TOL_PROBS_ABS  # noqa: E402
 
 SRC = os.environ.get("MHA_SOURCE_DIR", os.path.join(os.path.dirname(__file__), ".."))
 TOKENS = "The quick brown fox jumps over the lazy dog .".split()
@@ -128,6 +130,30 @@ def test_pooled_map_given_with_its_visible_share():
             [t.get_text() for t in b.get_yticklabels()]
     with pytest.raises(ValueError, match="size"):
         mha.plot_attention(value, visible=vis)
+
+
+def test_streamed_statistics_draw_like_the_dense_map():
+    """mha.attention_stats' pooled map (no n x m matrix) drawn with visible= equals the dense
+    probabilities of mha.attention pooled here, with the exact mask (a window: masked cells are
+    known, not guessed from zeros); received and entropy go to the strips."""
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal((1, 2, 300, 8)).astype(np.float32) for _ in range(3))
+    opts = dict(causal=True, window=(40, 0))
+    st = mha.attention_stats(q, k, stats="received,entropy,pool=128x128", **opts)
+    _, p = mha.attention(q, k, v, need_weights=True, **opts)
+    fig = mha.plot_attention(st["pooled"][0], visible=st["pooled_visible"][0], size=(300, 300),
+                             received=st["received"][0], entropy=st["entropy"][0])
+    dense = mha.plot_attention(p[0])
+    for hd, (a, b) in enumerate(zip(map_axes(fig), map_axes(dense))):
+        ia, ib = a.get_images()[0], b.get_images()[0]
+        vis = st["pooled_visible"][0, hd].astype(np.float64)
+        # Each probability is within TOL_PROBS_ABS on both paths; the streamed mean over all the
+        # cell's elements is divided by its visible share to give the mean over the visible ones.
+        bound = TOL_PROBS_ABS * (1 + 1 / np.where(vis > 0, vis, 1))
+        assert np.all(np.abs(np.asarray(ia.get_array()) - np.asarray(ib.get_array())) <= bound)
+        # The same masked shares (the statistics give them in float32: its rounding only).
+        assert np.abs(ia.get_alpha() - ib.get_alpha()).max() <= np.finfo(np.float32).eps
+        assert len(a.child_axes) == 2
 
 
 def test_labels_stay_in_their_panel(tmp_path):
