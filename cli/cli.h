@@ -134,9 +134,8 @@ typedef struct cli_plot_map {
     int64_t n, m;
     const float *value, *masked;
     const char *const *q_labels, *const *k_labels;
-    const char *title;         /* the figure's title line */
-    const char *masked_legend; /* what the hatching means (NULL: "masked") */
-    int panels_are_heads;      /* 1: panel p is "head p"; 0: one panel, the mean over heads */
+    const char *title;    /* the figure's title line */
+    int panels_are_heads; /* 1: panel p is "head p"; 0: one panel, the mean over heads */
     cli_plot_scale scale;
 } cli_plot_map;
 
@@ -159,12 +158,19 @@ int cli_plot_read_tokens(const char *path, int64_t count, char **buf, char ***la
 /* Draws map into path (type by the name's ending) through a temporary name renamed at the end:
  * no half-written file. Returns 1, or 0 with the reason in msg. cli_plot_cairo.c. */
 int cli_plot_render(const char *path, const cli_plot_map *map, char *msg, size_t msg_size);
-/* The dense path of `mha run --plot`: probs [map->panels, map->n, map->m]. The caller fills
- * map's panels, n, m, labels, title, panels_are_heads and scale; this pools the probabilities into
- * map's grid (a probability of exactly 0 is taken as masked: the dense map cannot tell a masked
- * cell from an underflowed one, below 1.4e-45, or one dropout zeroed) and renders it. Returns 1,
- * or 0 with the reason in msg. */
-int cli_plot_write(
-    const char *path, const float *probs, cli_plot_map *map, char *msg, size_t msg_size);
+/* `mha run --plot`: batch row 0 of the streamed statistics' pooled map, pooled and visible
+ * [heads, R, C] with R x C = cli_plot_grid(n, m) (the grid and partition of cli_plot_map). The
+ * caller fills map's panels (heads, or 1 for the mean over heads), n, m, labels, title,
+ * panels_are_heads and scale; this converts to the renderer's input (value = pooled / visible,
+ * masked = 1 - visible) and renders. The mean over heads: value = mean_h pooled / max_h visible,
+ * masked = 1 - max_h visible (exact when every head has the same mask, as the mean's masked
+ * elements are those no head sees). Returns 1, or 0 with the reason in msg. */
+int cli_plot_write(const char *path,
+                   const float *pooled,
+                   const float *visible,
+                   int64_t heads,
+                   cli_plot_map *map,
+                   char *msg,
+                   size_t msg_size);
 
 #endif /* MHA_CLI_H */

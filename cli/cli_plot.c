@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /* cli_plot.c: what `mha run --plot FILE --tokens FILE` needs besides the drawing itself
- * (cli_plot_cairo.c): the up-front checks, the --tokens file, and the pooling of the dense
- * probabilities into the grid the renderer takes (cli_plot_map in cli.h). The renderer never sees
- * an n x m map larger than CLI_PLOT_MAX_CELLS per axis, so a 32k-token map gives a bounded picture.
+ * (cli_plot_cairo.c): the up-front checks, the --tokens file, and the streamed statistics'
+ * pooled map turned into the grid the renderer takes (cli_plot_map in cli.h). The renderer never
+ * sees an n x m map larger than CLI_PLOT_MAX_CELLS per axis, so a 32k-token map gives a bounded
+ * picture.
  */
 #include "cli.h"
 
@@ -155,70 +156,52 @@ int cli_plot_read_tokens(const char *path, int64_t count, char **buf, char ***la
     return CLI_OK;
 }
 
-/* ---- Pooling of the dense probabilities ---------------------------------------------------- */
+/* ---- The streamed pooled map -> the renderer's input ------------------------------------ */
 
-/* One panel [n, m] into the rows x cols grid (cell of query i: floor(i rows / n), as
- * mha_attention_stats.pooled): value = mean over the cell's elements with p != 0, masked = share
- * of elements with p == 0 (the dense map's only trace of a mask). sum and zero: rows x cols
- * scratch; col_of: m. Sums in double: a cell has up to about n m / 128^2 elements. */
-static void pool_panel(const float *p,
-                       int64_t n,
-                       int64_t m,
-                       int64_t rows,
-                       int64_t cols,
-                       double *sum,
-                       int64_t *zero,
-                       int64_t *count,
-                       const int64_t *col_of,
+/* Cell k of the drawn panel from `heads` panels of pooled means and visible shares (one panel, or
+ * the mean over them). */
+static void cell_value(const float *pooled,
+                       const float *visible,
+                       int64_t heads,
+                       size_t per,
+                       size_t k,
                        float *value,
                        float *masked) {
-    const size_t cells = (size_t)(rows * cols);
-    memset(sum, 0, cells * sizeof *sum);
-    memset(zero, 0, cells * sizeof *zero);
-    memset(count, 0, cells * sizeof *count);
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t base = (i * rows / n) * cols;
-        for (int64_t j = 0; j < m; j++) {
-            const float x = p[i * m + j];
-            sum[base + col_of[j]] += (double)x;
-            zero[base + col_of[j]] += x == 0.0f;
-            count[base + col_of[j]]++;
-        }
+    double sum = 0.0, vis = 0.0;
+    for (int64_t h = 0; h < heads; h++) {
+        sum += (double)pooled[(size_t)h * per + k];
+        if ((double)visible[(size_t)h * per + k] > vis)
+            vis = (double)visible[(size_t)h * per + k];
     }
-    for (size_t k = 0; k < cells; k++) {
-        value[k] = zero[k] < count[k] ? (float)(sum[k] / (double)(count[k] - zero[k])) : 0.0f;
-        masked[k] = (float)((double)zero[k] / (double)count[k]);
-    }
+    sum /= (double)heads;
+    *value = vis > 0.0 ? (float)(sum / vis) : 0.0f;
+    *masked = (float)(1.0 - vis);
 }
 
-int cli_plot_write(
-    const char *path, const float *probs, cli_plot_map *map, char *msg, size_t msg_size) {
-    const int64_t heads = map->panels, n = map->n, m = map->m;
-    if (!cli_plot_check(path, heads, n, m, msg, msg_size))
+int cli_plot_write(const char *path,
+                   const float *pooled,
+                   const float *visible,
+                   int64_t heads,
+                   cli_plot_map *map,
+                   char *msg,
+                   size_t msg_size) {
+    if (!cli_plot_check(path, map->panels, map->n, map->m, msg, msg_size))
         return 0;
-    cli_plot_grid(n, m, &map->rows, &map->cols);
-    /* At most 64 panels of 128 x 128 cells, and scratch of one panel's grid and m columns. */
-    const size_t per = (size_t)(map->rows * map->cols), cells = (size_t)heads * per;
+    cli_plot_grid(map->n, map->m, &map->rows, &map->cols);
+    /* At most 64 panels of 128 x 128 cells: two small arrays. */
+    const size_t per = (size_t)(map->rows * map->cols), cells = (size_t)map->panels * per;
     float *value = malloc(cells * sizeof *value), *masked = malloc(cells * sizeof *masked);
-    double *sum = malloc(per * sizeof *sum);
-    int64_t *zero = malloc(per * sizeof *zero), *count = malloc(per * sizeof *count);
-    int64_t *col_of = malloc((size_t)m * sizeof *col_of);
-    const int ok_alloc = value && masked && sum && zero && count && col_of;
-    if (ok_alloc) {
-        for (int64_t j = 0; j < m; j++)
-            col_of[j] = j * map->cols / m;
-        for (int64_t h = 0; h < heads; h++)
-            pool_panel(probs + (size_t)h * (size_t)n * (size_t)m, n, m, map->rows, map->cols, sum,
-                       zero, count, col_of, value + (size_t)h * per, masked + (size_t)h * per);
-    }
-    free(sum), free(zero), free(count), free(col_of);
-    if (!ok_alloc) {
+    if (!value || !masked) {
         free(value), free(masked);
         snprintf(msg, msg_size, "out of memory");
         return 0;
     }
+    const int64_t merged = map->panels == 1 ? heads : 1; /* heads averaged into each panel */
+    for (int64_t p = 0; p < map->panels; p++)
+        for (size_t k = 0; k < per; k++)
+            cell_value(pooled + (size_t)p * per, visible + (size_t)p * per, merged, per, k,
+                       value + (size_t)p * per + k, masked + (size_t)p * per + k);
     map->value = value, map->masked = masked;
-    map->masked_legend = "masked (p = 0)";
     const int ok = cli_plot_render(path, map, msg, msg_size);
     map->value = map->masked = NULL;
     free(value), free(masked);

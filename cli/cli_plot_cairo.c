@@ -159,7 +159,7 @@ static double header_extent(cairo_t *cr, const cli_plot_map *mp) {
     cairo_text_extents_t e, t, k;
     cairo_set_font_size(cr, 11.0);
     cairo_text_extents(cr, line, &e);
-    cairo_text_extents(cr, mp->masked_legend ? mp->masked_legend : "masked", &k);
+    cairo_text_extents(cr, "masked", &k);
     cairo_select_font_face(cr, "sans-serif", CAIRO_FONT_SLANT_NORMAL, CAIRO_FONT_WEIGHT_BOLD);
     cairo_set_font_size(cr, 14.0);
     cairo_text_extents(cr, mp->title ? mp->title : "attention probabilities", &t);
@@ -370,7 +370,7 @@ static void header(cairo_t *cr, const cli_plot_map *mp, const layout *L) {
     cairo_stroke(cr);
     cairo_restore(cr);
     cairo_set_source_rgb(cr, 0.0, 0.0, 0.0);
-    text_at(cr, sx + 19.0, y, mp->masked_legend ? mp->masked_legend : "masked");
+    text_at(cr, sx + 19.0, y, "masked");
     if (!L->per_panel_bar)
         colour_bar(cr, (double)(MARGIN + L->grid_cols * L->panel_w), HEADER + PANEL_TITLE,
                    (double)L->map_h, 1.0, 0);

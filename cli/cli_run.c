@@ -216,6 +216,8 @@ static void run_free(run_state *s) {
     free(s->kvseg);
     free(s->tokens_buf);
     free(s->tokens);
+    free(s->plot_pooled);
+    free(s->plot_visible);
     stats_free(&s->stats);
 }
 

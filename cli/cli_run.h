@@ -114,9 +114,10 @@ typedef struct run_state {
     float *xf, *kf, *vf, *maskf, *sinksf, *out, *probs;
     int64_t *qpos, *kpos, *offsets;
     int32_t *qseg, *kvseg;
-    char *tokens_buf, **tokens; /* --tokens: the file's text, n labels into it */
-    double stage_start;         /* --verbose: when the current stage began (seconds) */
-    cli_stats stats;            /* --attn-stats */
+    char *tokens_buf, **tokens;        /* --tokens: the file's text, n labels into it */
+    float *plot_pooled, *plot_visible; /* --plot: the pooled map and visible shares [B, h, R, C] */
+    double stage_start;                /* --verbose: when the current stage began (seconds) */
+    cli_stats stats;                   /* --attn-stats */
 } run_state;
 
 /* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run_job.c). */

@@ -256,7 +256,7 @@ int write_outputs(const run_config *o,
         map.q_labels = (const char *const *)s->tokens;
         map.k_labels = m == n ? map.q_labels : NULL;
         map.title = title, map.panels_are_heads = !o->average, map.scale = o->plot_scale;
-        if (!cli_plot_write(plot, s->probs, &map, why, sizeof why)) {
+        if (!cli_plot_write(plot, s->plot_pooled, s->plot_visible, h, &map, why, sizeof why)) {
             remove(ypath);
             if (apath)
                 remove(apath);

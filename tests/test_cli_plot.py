@@ -2,8 +2,9 @@
 """`mha run --plot FILE.png|.svg|.pdf` (drawn through cairo): the files parse (PNG signature, IHDR,
 CRCs and zlib stream; SVG as XML; PDF header and trailer), have the expected size and one panel per
 head, stay small and bounded for a 4096-token map (pooled), cells have the colour of their
-probability (checked against --attn, pooled in NumPy for long maps), masked cells are hatched
-grey (a colour no probability maps to), and bad --tokens files, a missing cairo and bad options
+probability (checked against --attn, pooled in NumPy with the causal mask for long maps: the
+CLI draws the streamed statistics' pooled map), masked cells are hatched grey (a colour no
+probability maps to), and bad --tokens files, a missing cairo and bad options
 give one clear line and no file."""
 import os
 import re
@@ -186,8 +187,9 @@ def test_pooled_cells_have_the_colour_of_their_visible_mean(case):
     assert cell == 3
     cell_of = np.arange(300) * 128 // 300
     for r_, c_ in [(0, 0), (5, 2), (50, 49), (127, 0), (127, 126), (70, 30), (30, 30), (64, 64)]:
-        b = p[np.ix_(cell_of == r_, cell_of == c_)]
-        vis = b[b != 0]
+        rows, cols = np.nonzero(cell_of == r_)[0], np.nonzero(cell_of == c_)[0]
+        b = p[np.ix_(rows, cols)]
+        vis = b[cols[None, :] <= rows[:, None]]  # the causal mask itself, not the zeros of p
         f = 1 - vis.size / b.size
         y, x = y0 + r_ * cell, x0 + c_ * cell  # the block's top-left pixel
         g = HATCH[0] if (x - x0 + y - y0) % 8 < 2 else HATCH[1]
