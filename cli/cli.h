@@ -111,20 +111,70 @@ typedef struct cli_path {
  * exists and is writable. Prints the reason and returns CLI_FAIL, or CLI_OK. */
 int cli_check_outputs(const cli_path *inputs, int n_in, const cli_path *outputs, int n_out);
 
-/* ---- Plots (cli_plot.c). ----------------------------------------------------------------------
- */
-/* Writes per-head attention maps probs [heads, n, m] as FILE.svg or FILE.png (by the name's
- * ending), atomically. Returns 1, or 0 with a reason in msg. */
-/* Whether cli_plot_write can draw this: the file type (.svg or .png) and the size. 1 = yes; 0 =
- * no, with the reason in msg. */
+/* ---- Plots (cli_plot.c: files, pooling, checks; cli_plot_cairo.c: drawing through cairo). --- */
+/* Colour scale of each panel: fixed 0..1 (heads comparable) or 0..the panel's largest value (a
+ * diffuse long map, whose probabilities are about 1/m, stays readable). */
+typedef enum cli_plot_scale { CLI_PLOT_SCALE_PANEL, CLI_PLOT_SCALE_FIXED } cli_plot_scale;
+
+enum {
+    CLI_PLOT_MAX_CELLS = 128, /* cells per axis of a panel: beyond, the map is pooled into blocks */
+    CLI_PLOT_MAX_PANELS = 64, /* heads drawn at most (the figure stays bounded: <= 8 x 8 panels) */
+};
+
+/* What the renderer draws, whatever computed it (the dense probabilities pooled by
+ * cli_plot_write, or the streamed pooled map of mha_attention_statistics). Per panel a grid of
+ * rows x cols cells (rows <= n, cols <= m); cell (r, c) holds the queries i with
+ * floor(i rows / n) = r and the keys j with floor(j cols / m) = c, the partition of
+ * mha_attention_stats.pooled (cells differ by at most one row or key).
+ *   value  [panels, rows, cols]: mean probability over the cell's VISIBLE elements (any value
+ *          when the cell is fully masked);
+ *   masked [panels, rows, cols]: fraction 0..1 of the cell's elements that are masked (NULL:
+ *          none).
+ * From mha_attention_stats (pooled = mean over all elements, masked ones counting 0; and
+ * pooled_visible): value = pooled / pooled_visible (where > 0), masked = 1 - pooled_visible.
+ * Labels: n query labels and m key labels, or NULL for indices; tokens are drawn only on an axis
+ * that is not pooled (rows == n, cols == m), indices otherwise. */
+typedef struct cli_plot_map {
+    int64_t panels, rows, cols;
+    int64_t n, m;
+    const float *value, *masked;
+    const char *const *q_labels, *const *k_labels;
+    const char *title;    /* the figure's title line */
+    int panels_are_heads; /* 1: panel p is "head p"; 0: one panel, the mean over heads */
+    cli_plot_scale scale;
+} cli_plot_map;
+
+/* 1 when this program was built with cairo (--plot works), 0 otherwise. */
+int cli_plot_available(void);
+/* The version of the cairo this program runs with, or NULL when built without cairo. */
+const char *cli_plot_cairo_version(void);
+/* Whether --plot can draw heads maps of n x m into path: cairo present, the file type (.png, .svg
+ * or .pdf by the name's ending), at most CLI_PLOT_MAX_PANELS heads. 1 = yes; 0 = no, reason in
+ * msg. The size is never refused: large maps are pooled. */
 int cli_plot_check(
     const char *path, int64_t heads, int64_t n, int64_t m, char *msg, size_t msg_size);
+/* The grid an n x m map is drawn as: min(n, CLI_PLOT_MAX_CELLS) x min(m, CLI_PLOT_MAX_CELLS). */
+void cli_plot_grid(int64_t n, int64_t m, int64_t *rows, int64_t *cols);
+/* Reads --tokens FILE: one token per line (a final newline optional, CR LF accepted), exactly
+ * count lines, each valid UTF-8 without control characters, the file at most 16 MiB. On success
+ * *buf holds the text and *labels the count pointers into it (free both); on failure returns
+ * CLI_FAIL after printing one line naming the file, the line and the problem. */
+int cli_plot_read_tokens(const char *path, int64_t count, char **buf, char ***labels);
+/* Draws map into path (type by the name's ending) through a temporary name renamed at the end:
+ * no half-written file. Returns 1, or 0 with the reason in msg. cli_plot_cairo.c. */
+int cli_plot_render(const char *path, const cli_plot_map *map, char *msg, size_t msg_size);
+/* `mha run --plot`: batch row 0 of the streamed statistics' pooled map, pooled and visible
+ * [heads, R, C] with R x C = cli_plot_grid(n, m) (the grid and partition of cli_plot_map). The
+ * caller fills map's panels (heads, or 1 for the mean over heads), n, m, labels, title,
+ * panels_are_heads and scale; this converts to the renderer's input (value = pooled / visible,
+ * masked = 1 - visible) and renders. The mean over heads: value = mean_h pooled / max_h visible,
+ * masked = 1 - max_h visible (exact when every head has the same mask, as the mean's masked
+ * elements are those no head sees). Returns 1, or 0 with the reason in msg. */
 int cli_plot_write(const char *path,
-                   const float *probs,
+                   const float *pooled,
+                   const float *visible,
                    int64_t heads,
-                   int64_t n,
-                   int64_t m,
-                   const char *title,
+                   cli_plot_map *map,
                    char *msg,
                    size_t msg_size);
 

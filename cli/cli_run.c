@@ -56,6 +56,8 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_ATTN] = {"--attn", CLI_OPT_VALUE},
     [O_ATTN_AVERAGE] = {"--attn-average", CLI_OPT_FLAG},
     [O_PLOT] = {"--plot", CLI_OPT_VALUE},
+    [O_PLOT_SCALE] = {"--plot-scale", CLI_OPT_VALUE},
+    [O_TOKENS] = {"--tokens", CLI_OPT_VALUE},
     [O_ATTN_STATS] = {"--attn-stats", CLI_OPT_VALUE},
     [O_STATS] = {"--stats", CLI_OPT_VALUE},
     [O_THREADS] = {"--threads", CLI_OPT_VALUE},
@@ -157,8 +159,13 @@ void cli_run_usage(void) {
         "  --out Y.npy              output, float32 (required)",
         "  --attn A.npy             also write the probabilities [B, h, n, m] ([h, n, m], 2-d X)",
         "  --attn-average           write their mean over the heads instead: [B, n, m] ([n, m])",
-        "  --plot FILE.svg|FILE.png draw the attention maps of batch row 0, one per head (or their",
-        "                           mean with --attn-average); SVG has labels and hover values",
+        "  --plot FILE.png|svg|pdf  draw the attention maps of batch row 0, one panel per head",
+        "                           (their mean with --attn-average); masked cells hatched grey;",
+        "                           maps over 128 queries or keys pooled to 128 x 128 cells",
+        "  --plot-scale S           colours: panel (0..99th percentile of each panel) or fixed",
+        "                           (0..1) (default: panel)",
+        "  --tokens FILE            the plot's labels: one token per line, one line per query",
+        "                           (for keys too when there are as many)",
         "  --attn-stats S.npz       attention statistics without any n x m matrix (long inputs),",
         "                           an .npz (docs/FORMATS.md); choose them with --stats",
         "  --stats LIST             comma-separated: received (attention per key, per head and",
@@ -240,6 +247,10 @@ static void run_free(run_state *s) {
     free(s->offsets);
     free(s->qseg);
     free(s->kvseg);
+    free(s->tokens_buf);
+    free(s->tokens);
+    free(s->plot_pooled);
+    free(s->plot_visible);
     stats_free(&s->stats);
 }
 
@@ -658,6 +669,13 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
     char why[160];
     if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], 1, 1, 1, why, sizeof why))
         return cli_usage("--plot %s: %s", v[O_PLOT], why);
+    if ((v[O_TOKENS] || v[O_PLOT_SCALE]) && !v[O_PLOT])
+        return cli_usage("%s needs --plot", v[O_TOKENS] ? "--tokens" : "--plot-scale");
+    o->plot_scale = CLI_PLOT_SCALE_PANEL;
+    if (v[O_PLOT_SCALE] && strcmp(v[O_PLOT_SCALE], "fixed") == 0)
+        o->plot_scale = CLI_PLOT_SCALE_FIXED;
+    else if (v[O_PLOT_SCALE] && strcmp(v[O_PLOT_SCALE], "panel") != 0)
+        return cli_usage("--plot-scale: '%s' is not panel or fixed", v[O_PLOT_SCALE]);
     if (v[O_THREADS]) {
         int64_t t;
         if ((rc = cli_parse_i64("--threads", v[O_THREADS], 0, 4096, &t)))
@@ -685,7 +703,8 @@ int check_paths(const run_config *o) {
     const char *const *v = o->opt;
     static const int in_ids[] = {O_WEIGHTS,   O_INPUT,         O_KEY,        O_VALUE,
                                  O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
-                                 O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS};
+                                 O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS,
+                                 O_TOKENS};
     /* --model: its config, single file and index are inputs too (shards are not listed). */
     static const char *const model_files[] = {"config.json", "model.safetensors",
                                               "model.safetensors.index.json"};

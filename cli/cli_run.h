@@ -56,6 +56,8 @@ enum {
     O_ATTN,
     O_ATTN_AVERAGE,
     O_PLOT,
+    O_PLOT_SCALE,
+    O_TOKENS,
     O_ATTN_STATS,
     O_STATS,
     O_THREADS,
@@ -105,13 +107,14 @@ typedef struct run_config {
     mha_dropout dropout;
     mha_exec exec;
     int average;
-    int decode;            /* --decode */
-    int64_t prefill;       /* --prefill, default 1 */
-    mha_dtype cache_dtype; /* --cache-dtype */
-    cli_stats_spec stats;  /* --stats (with --attn-stats) */
-    int distributed;       /* --distributed ring */
-    int zigzag;            /* --shard-layout: 1 zigzag (default), 0 contiguous */
-    int shard_files;       /* "{rank}" in --input: per-rank input and output files */
+    cli_plot_scale plot_scale; /* --plot-scale (default: panel) */
+    int decode;                /* --decode */
+    int64_t prefill;           /* --prefill, default 1 */
+    mha_dtype cache_dtype;     /* --cache-dtype */
+    cli_stats_spec stats;      /* --stats (with --attn-stats) */
+    int distributed;           /* --distributed ring */
+    int zigzag;                /* --shard-layout: 1 zigzag (default), 0 contiguous */
+    int shard_files;           /* "{rank}" in --input: per-rank input and output files */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */
@@ -122,8 +125,10 @@ typedef struct run_state {
     float *xf, *kf, *vf, *maskf, *sinksf, *out, *probs;
     int64_t *qpos, *kpos, *offsets;
     int32_t *qseg, *kvseg;
-    double stage_start; /* --verbose: when the current stage began (seconds) */
-    cli_stats stats;    /* --attn-stats */
+    char *tokens_buf, **tokens;        /* --tokens: the file's text, n labels into it */
+    float *plot_pooled, *plot_visible; /* --plot: the pooled map and visible shares [B, h, R, C] */
+    double stage_start;                /* --verbose: when the current stage began (seconds) */
+    cli_stats stats;                   /* --attn-stats */
 } run_state;
 
 /* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run_job.c). */

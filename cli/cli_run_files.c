@@ -250,7 +250,13 @@ int write_outputs(const run_config *o,
         snprintf(title, sizeof title,
                  "attention probabilities, batch row 0 (%lld queries x %lld keys)", (long long)n,
                  (long long)m);
-        if (!cli_plot_write(plot, s->probs, o->average ? 1 : h, n, m, title, why, sizeof why)) {
+        cli_plot_map map;
+        memset(&map, 0, sizeof map);
+        map.panels = o->average ? 1 : h, map.n = n, map.m = m;
+        map.q_labels = (const char *const *)s->tokens;
+        map.k_labels = m == n ? map.q_labels : NULL;
+        map.title = title, map.panels_are_heads = !o->average, map.scale = o->plot_scale;
+        if (!cli_plot_write(plot, s->plot_pooled, s->plot_visible, h, &map, why, sizeof why)) {
             remove(ypath);
             if (apath)
                 remove(apath);

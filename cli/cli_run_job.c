@@ -322,19 +322,42 @@ static int alloc_outputs(const run_config *o, run_state *s, const run_dims *d) {
         return cli_fail("cannot allocate the output (%lld floats)", (long long)ycount);
     if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], o->average ? 1 : h, n, m, sb, sizeof sb))
         return cli_fail("%s: %s", v[O_PLOT], sb);
-    if (v[O_ATTN] || v[O_PLOT]) {
+    int rc;
+    if (v[O_TOKENS] && (rc = cli_plot_read_tokens(v[O_TOKENS], n, &s->tokens_buf, &s->tokens)))
+        return rc;
+    if (v[O_ATTN]) { /* --plot needs no n x m array: it draws the streamed pooled map */
         if (!cli_mul(B, o->average ? 1 : h, &pcount) || !cli_mul(pcount, n, &pcount) ||
             !cli_mul(pcount, m, &pcount) || pcount > (int64_t)(SIZE_MAX / 8))
             return cli_fail("%s: probabilities [B, h, n, m] = [%lld, %lld, %lld, %lld] are too "
                             "large",
-                            v[O_ATTN] ? v[O_ATTN] : v[O_PLOT], (long long)B, (long long)h,
-                            (long long)n, (long long)m);
+                            v[O_ATTN], (long long)B, (long long)h, (long long)n, (long long)m);
         s->probs = malloc((size_t)pcount * sizeof(float));
         if (!s->probs)
-            return cli_fail("%s: cannot allocate the probabilities (%lld floats)",
-                            v[O_ATTN] ? v[O_ATTN] : v[O_PLOT], (long long)pcount);
+            return cli_fail("%s: cannot allocate the probabilities (%lld floats)", v[O_ATTN],
+                            (long long)pcount);
     }
 
+    return CLI_OK;
+}
+
+/* --plot: the map pooled to the plot's grid [B, h, R, C] (mean over each cell's elements and its
+ * visible share) by the streamed statistics, with every mask exactly as the forward applies it
+ * and no n x m array, so a 32k-token map plots in O(grid) memory. */
+static int
+plot_statistics(const run_config *o, run_state *s, const mha_forward_args *fa, const run_dims *d) {
+    mha_attention_stats req;
+    memset(&req, 0, sizeof req);
+    cli_plot_grid(d->n, d->m, &req.pool_rows, &req.pool_cols);
+    const size_t count = (size_t)d->B * (size_t)d->h * (size_t)(req.pool_rows * req.pool_cols);
+    s->plot_pooled = malloc(count * sizeof(float));
+    s->plot_visible = malloc(count * sizeof(float));
+    if (!s->plot_pooled || !s->plot_visible)
+        return cli_fail("%s: cannot allocate the pooled map", o->opt[O_PLOT]);
+    req.pooled = s->plot_pooled, req.pooled_visible = s->plot_visible;
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    if (mha_layer_attention_statistics(s->layer, fa, &req, &o->exec, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(o->opt[O_PLOT], &err);
     return CLI_OK;
 }
 
@@ -381,6 +404,11 @@ int run_forward(const run_config *o, run_state *s) {
         return cli_lib_fail(NULL, &err);
 
     stage_done(o, s, "forward computed");
+    if (v[O_PLOT]) {
+        if ((rc = plot_statistics(o, s, &fa, &d)))
+            return rc;
+        stage_done(o, s, "plot's pooled map computed");
+    }
     if (v[O_ATTN_STATS]) { /* before any output is written: a failure leaves no file */
         if ((rc = compute_stats(o, s, &fa, d.h, d.n, d.m)))
             return rc;

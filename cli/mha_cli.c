@@ -121,6 +121,9 @@ int cli_info_main(int argc, char **argv) {
 
     printf("mha %s (libmha %s)\n", MHA_CLI_VERSION_STRING, mha_version());
     printf("threads: %d (online CPUs; used by --threads 0)\n", mha_default_threads());
+    const char *cairo = cli_plot_cairo_version();
+    printf("plots (run --plot): %s%s\n", cairo ? "cairo " : "unavailable, built without cairo",
+           cairo ? cairo : "");
     print_kernels();
 
     const size_t elems = (size_t)INFO_B * INFO_H * INFO_N * INFO_D;

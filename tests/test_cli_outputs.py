@@ -4,7 +4,7 @@
 An output may not be an input (same device and inode: the same name, another spelling, a hard
 link) nor another output; an existing output that is not a regular file (symlink, FIFO, device,
 directory) is refused and left as it was; the output's directory must exist and be writable; the
-plot's type and size are checked before the forward. Each case: exit status 1 (2 for usage
+plot's type and its --tokens file are checked before the forward. Each case: exit status 1 (2 for usage
 errors), one stderr line naming the file, every file in the directory byte-identical, and (for the
 checks that come before the work) no time spent on the work: a forward that takes seconds with
 --impl reference is refused in well under that.
@@ -139,10 +139,12 @@ def test_plot_bad_type(case):
 
 def test_checks_come_before_the_work(tmp_path):
     """A forward of seconds (--impl reference, n = 2048) is refused at once for a bad output,
-    and for a plot too large to draw, before the forward runs."""
+    and for a --tokens file that does not match the plot (3 lines for 2048 queries), before the
+    forward runs."""
     rng = np.random.default_rng(6)
     write_safetensors(tmp_path / "W.safetensors", make_weights(rng, q_dim=64, heads=4))
     np.save(tmp_path / "X.npy", rng.standard_normal((1, 2048, 64)).astype(np.float32))
+    (tmp_path / "tok.txt").write_text("a\nb\nc\n")
     base = ["run", "--weights", tmp_path / "W.safetensors", "--heads", 4, "--input",
             tmp_path / "X.npy", "--impl", "reference"]
     t0 = time.monotonic()
@@ -151,7 +153,8 @@ def test_checks_come_before_the_work(tmp_path):
     assert r.returncode == 0, r.stderr
     os.remove(tmp_path / "Y.npy")
     for extra, needle in (((tmp_path / "nodir" / "Y.npy",), "nodir"),
-                          ((tmp_path / "Y.npy", "--plot", tmp_path / "p.png"), "too large")):
+                          ((tmp_path / "Y.npy", "--plot", tmp_path / "p.png", "--tokens",
+                            tmp_path / "tok.txt"), "3 tokens (lines)")):
         t0 = time.monotonic()
         r = run_cli(*base, "--out", *extra)
         spent = time.monotonic() - t0

@@ -4,7 +4,8 @@
 # then CHECKS that every command those scripts call is on PATH (failing with the missing name).
 #
 #   bash tools/install_deps.sh --build   what tools/demo.sh needs: a C compiler, make, CMake,
-#                                        cJSON (Debian packages only, no Python package)
+#                                        cJSON, cairo for --plot (Debian packages only, no
+#                                        Python package)
 #   bash tools/install_deps.sh [--test]  everything tools/test.sh needs: the above, clang-14 (+ its
 #                                        runtime, for libFuzzer and TSan), clang-format-14, cppcheck,
 #                                        valgrind, pkg-config, the aarch64 cross compiler, qemu-user
@@ -49,6 +50,8 @@ declare -A package=(
 
 need_apt=()
 [ -f /usr/include/cjson/cJSON.h ] || need_apt+=(libcjson-dev)
+# cairo draws `mha run --plot` (CMake finds it with pkg-config; without it --plot says so).
+[ -f /usr/include/cairo/cairo.h ] || need_apt+=(libcairo2-dev pkg-config)
 for cmd in $(sed -n 's/^# needs: //p' "${scripts[@]}" | tr ' ' '\n' | sort -u); do
     command -v "$cmd" >/dev/null 2>&1 && continue
     [ -n "${package[$cmd]:-}" ] && need_apt+=(${package[$cmd]})
@@ -122,6 +125,7 @@ for cmd in $(sed -n 's/^# needs: //p' "${scripts[@]}" | tr ' ' '\n' | sort -u); 
     command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd")
 done
 [ -f /usr/include/cjson/cJSON.h ] || missing+=("cjson/cJSON.h (libcjson-dev)")
+[ -f /usr/include/cairo/cairo.h ] || missing+=("cairo/cairo.h (libcairo2-dev)")
 [ "$mode" != --test ] || [ -f /usr/lib/aarch64-linux-gnu/libcjson.so ] ||
     missing+=("arm64 libcjson.so (libcjson-dev:arm64)")
 if [ ${#missing[@]} -gt 0 ]; then

@@ -16,4 +16,4 @@ set -euo pipefail
 mkdir -p "$MHA_VALGRIND_LOGS"
 exec valgrind -q --tool=memcheck --error-exitcode=99 --leak-check=full \
     --errors-for-leak-kinds=definite --show-leak-kinds=definite \
-    --num-callers=30 ${MHA_VALGRIND_FLAGS:-} --log-file="$MHA_VALGRIND_LOGS/vg.%p.log" "$MHA_VALGRIND_CLI" "$@"
+    --num-callers=30 --suppressions="$(dirname "$0")/valgrind_cairo.supp" ${MHA_VALGRIND_FLAGS:-} --log-file="$MHA_VALGRIND_LOGS/vg.%p.log" "$MHA_VALGRIND_CLI" "$@"
