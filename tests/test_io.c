@@ -674,12 +674,12 @@ static void test_st_hf(void) {
     CHECK(L == NULL, "*out is NULL on error");
     c = cfg_heads(4, 3);
     CHECK_FAIL(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err,
-               MHA_STATUS_INVALID_ARG, "--kv-heads 3 does not divide --heads 4");
+               MHA_STATUS_INVALID_ARG, "num_kv_heads 3 does not divide num_heads 4");
     c = cfg_heads(3, 0);
     CHECK_FAIL(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err,
                MHA_STATUS_BAD_FILE,
                "query weight 'q_proj.weight' has shape [16, 8]: 16 rows are not divisible by "
-               "--heads 3");
+               "num_heads 3");
     c = cfg_heads(16, 0); /* d_k = 1: 8 kv heads, over which the 6 value rows do not split */
     CHECK_FAIL(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err,
                MHA_STATUS_BAD_FILE, "6 rows are not divisible by 8 kv heads");
@@ -748,7 +748,7 @@ static void test_st_hf(void) {
     stb_add_f32(&b, "o_proj.weight", 6, 12, wo);
     p = stb_write(&b, "gdiv.safetensors");
     CHECK_FAIL(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err,
-               MHA_STATUS_BAD_FILE, "3 kv heads of size 4, which does not divide --heads 4");
+               MHA_STATUS_BAD_FILE, "3 kv heads of size 4, which does not divide num_heads 4");
 
     /* Bias of the wrong length; a 1-d weight; an I8 weight. */
     stb_init(&b);

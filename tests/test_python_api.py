@@ -791,8 +791,14 @@ def test_from_safetensors_names_and_errors(tmp_path):
     with pytest.raises(mha.MhaError) as e:
         mha.MultiheadAttention.from_safetensors(tmp_path / "missing.safetensors", 4)
     assert e.value.status_name == "IO"
-    with pytest.raises(mha.MhaError):
+    # The messages speak of the Python arguments (num_heads, num_kv_heads), not of CLI flags.
+    with pytest.raises(mha.MhaError) as e:
         mha.MultiheadAttention.from_safetensors(p2, 3)
+    assert "num_heads 3" in str(e.value) and "--" not in str(e.value), str(e.value)
+    with pytest.raises(mha.MhaError) as e:
+        mha.MultiheadAttention.from_safetensors(p2, 4, num_kv_heads=3)
+    assert "num_kv_heads 3 does not divide num_heads 4" in str(e.value), str(e.value)
+    assert "--" not in str(e.value), str(e.value)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -598,7 +598,7 @@ static mha_status infer_sizes(
     const int64_t h = in->num_heads, rq = p[ROLE_Q].rows, rk = p[ROLE_K].rows, rv = p[ROLE_V].rows;
 
     MHA_RETURN_IF(rq % h != 0, err, BAD_FILE,
-                  "%s: query weight '%s' has shape %s%s: %lld rows are not divisible by --heads "
+                  "%s: query weight '%s' has shape %s%s: %lld rows are not divisible by num_heads "
                   "%lld",
                   path, nq, sq, packed_note, (long long)rq, (long long)h);
     const int64_t dk = rq / h;
@@ -606,23 +606,23 @@ static mha_status infer_sizes(
     if (in->num_kv_heads > 0) {
         g = in->num_kv_heads;
         MHA_RETURN_IF(h % g != 0, err, INVALID_ARG,
-                      "%s: --kv-heads %lld does not divide --heads %lld", path, (long long)g,
+                      "%s: num_kv_heads %lld does not divide num_heads %lld", path, (long long)g,
                       (long long)h);
         MHA_RETURN_IF(rk != g * dk, err, BAD_FILE,
-                      "%s: key weight '%s' has shape %s%s: expected %lld rows (--kv-heads %lld x "
-                      "head size %lld, from query weight '%s' %s and --heads %lld)",
+                      "%s: key weight '%s' has shape %s%s: expected %lld rows (num_kv_heads %lld x "
+                      "head size %lld, from query weight '%s' %s and num_heads %lld)",
                       path, nk, sk, packed_note, (long long)(g * dk), (long long)g, (long long)dk,
                       nq, sq, (long long)h);
     } else {
         MHA_RETURN_IF(rk % dk != 0, err, BAD_FILE,
                       "%s: key weight '%s' has shape %s%s: %lld rows are not a multiple of the "
-                      "head size %lld (query weight '%s' %s / --heads %lld)",
+                      "head size %lld (query weight '%s' %s / num_heads %lld)",
                       path, nk, sk, packed_note, (long long)rk, (long long)dk, nq, sq,
                       (long long)h);
         g = rk / dk;
         MHA_RETURN_IF(h % g != 0, err, BAD_FILE,
                       "%s: key weight '%s' has shape %s: %lld kv heads of size %lld, which does "
-                      "not divide --heads %lld",
+                      "not divide num_heads %lld",
                       path, nk, sk, (long long)g, (long long)dk, (long long)h);
     }
     MHA_RETURN_IF(rv % g != 0, err, BAD_FILE,
@@ -632,7 +632,7 @@ static mha_status infer_sizes(
     const int64_t dv = rv / g;
     int64_t hdv;
     MHA_RETURN_IF(!mha__mul_i64(h, dv, &hdv) || p[ROLE_O].cols != hdv, err, BAD_FILE,
-                  "%s: output weight '%s' has shape %s: expected %lld columns (--heads %lld x "
+                  "%s: output weight '%s' has shape %s: expected %lld columns (num_heads %lld x "
                   "value head size %lld from '%s' %s)",
                   path, no, so, (long long)(h * dv), (long long)h, (long long)dv, nv, sv);
 
@@ -741,7 +741,7 @@ static mha_status load_layer(st_file *sf,
         if ((st = check_float_tensor(sf, sinks, 1, "sinks", err)) != MHA_STATUS_OK)
             return st;
         MHA_RETURN_IF(sinks->shape[0] != config->num_heads, err, BAD_FILE,
-                      "%s: sinks '%s' have shape [%lld], expected [%lld] (--heads)", path,
+                      "%s: sinks '%s' have shape [%lld], expected [%lld] (num_heads)", path,
                       sinks->name, (long long)sinks->shape[0], (long long)config->num_heads);
     }
 
@@ -807,10 +807,9 @@ static mha_status load_common(const char *path,
     MHA_RETURN_IF(!path, err, INVALID_ARG, "mha_layer_load_safetensors: path is NULL");
     MHA_RETURN_IF(!config, err, INVALID_ARG, "mha_layer_load_safetensors: config is NULL");
     MHA_RETURN_IF(config->num_heads <= 0, err, INVALID_ARG,
-                  "%s: config.num_heads=%lld must be positive (--heads)", path,
-                  (long long)config->num_heads);
+                  "%s: config.num_heads=%lld must be positive", path, (long long)config->num_heads);
     MHA_RETURN_IF(config->num_kv_heads < 0, err, INVALID_ARG,
-                  "%s: config.num_kv_heads=%lld is negative (--kv-heads)", path,
+                  "%s: config.num_kv_heads=%lld is negative", path,
                   (long long)config->num_kv_heads);
 
     st_file sf;

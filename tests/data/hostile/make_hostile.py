@@ -212,7 +212,7 @@ case("st_empty_weight.safetensors",
      "zero-sized weight")
 case("st_heads_mismatch.safetensors",
      st(*layer({"q_proj.weight": ent(shape=(3, 4), offsets=(0, 48))})), "BAD_FILE",
-     "3 rows are not divisible by --heads 2", "rows not divisible by the heads")
+     "3 rows are not divisible by num_heads 2", "rows not divisible by the heads")
 case("st_missing_output.safetensors", st(*layer({}, None))[:0] + st(
     {k: v for k, v in layer()[0].items() if k != "o_proj.weight"}, layer()[1][:192]),
      "NOT_FOUND", "no output weight: tried 'o_proj.weight'", "o_proj.weight missing")
