@@ -4,7 +4,8 @@
  * each rank's local arguments, mha_attention computes every (query chunk, key chunk) partial
  * result with its lse, mha_attention_merge folds the partials into the output exactly, and
  * mha_attention_backward gives each pair's share of the gradients. Nothing here includes the
- * library's internals (tests/check_layout.sh: the dist part includes only public headers).
+ * library's internals (tests/check_layout.sh: the dist part includes only the public headers
+ * and its own dist_util.h).
  *
  * Buffers (floats): two K/V blocks of the largest shard, B g n_max (d_k + d_v) each (one being
  * computed on while the other is received), the lse of one chunk B h n_max; forward: one partial
@@ -14,42 +15,13 @@
  * slices of one pair (3 B n_max). With sinks: 4h int64 (their agreement) and h doubles (dsinks). */
 #include "mha_mpi.h"
 
+#include "dist/dist_util.h"
+
 #include <limits.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static void set_error(mha_error *err, mha_status status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
-static void set_error(mha_error *err, mha_status status, const char *fmt, ...) {
-    if (!err)
-        return;
-    err->status = status;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof err->message, fmt, ap);
-    va_end(ap);
-}
-
-static void *ring_alloc(const mha_allocator *a, size_t bytes) {
-    if (a && a->alloc)
-        return a->alloc(a->user, bytes, 64);
-    return malloc(bytes);
-}
-
-static void ring_free(const mha_allocator *a, void *p) {
-    if (!p)
-        return;
-    if (a && a->free)
-        a->free(a->user, p);
-    else
-        free(p);
-}
 
 /* Chunk c of C over N rows: floor(N/C) rows, one more for the first N mod C chunks. */
 static int64_t chunk_start(int64_t n, int64_t c_count, int64_t c) {
@@ -65,25 +37,26 @@ mha_status mha_ring_shard(const mha_ring_config *cfg,
                           int64_t len[2],
                           mha_error *err) {
     if (!cfg || !num_chunks || !start || !len) {
-        set_error(err, MHA_STATUS_INVALID_ARG,
-                  "mha_ring_shard: cfg, num_chunks, start and len "
-                  "must not be NULL");
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "mha_ring_shard: cfg, num_chunks, start and len "
+                        "must not be NULL");
         return MHA_STATUS_INVALID_ARG;
     }
     if (cfg->layout != MHA_SHARD_CONTIGUOUS && cfg->layout != MHA_SHARD_ZIGZAG) {
-        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_config.layout=%d is not a layout",
-                  (int)cfg->layout);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_config.layout=%d is not a layout",
+                        (int)cfg->layout);
         return MHA_STATUS_INVALID_ARG;
     }
     if (num_ranks < 1 || rank < 0 || rank >= num_ranks) {
-        set_error(err, MHA_STATUS_INVALID_ARG, "rank %d of %d ranks", (int)rank, (int)num_ranks);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG, "rank %d of %d ranks", (int)rank,
+                        (int)num_ranks);
         return MHA_STATUS_INVALID_ARG;
     }
     const int64_t c_count = cfg->layout == MHA_SHARD_ZIGZAG ? 2 * (int64_t)num_ranks : num_ranks;
     if (cfg->seq_len < c_count || cfg->seq_len > ((int64_t)1 << 31)) {
-        set_error(err, MHA_STATUS_INVALID_ARG,
-                  "mha_ring_config.seq_len=%lld must be in [%lld, 2^31] (one row per chunk)",
-                  (long long)cfg->seq_len, (long long)c_count);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "mha_ring_config.seq_len=%lld must be in [%lld, 2^31] (one row per chunk)",
+                        (long long)cfg->seq_len, (long long)c_count);
         return MHA_STATUS_INVALID_ARG;
     }
     const int64_t n = cfg->seq_len;
@@ -121,7 +94,8 @@ static mha_status check_local(const mha_ring_config *cfg,
     int32_t nc;
     int64_t start[2], len[2];
     if (!a) {
-        set_error(err, MHA_STATUS_INVALID_ARG, "mha_ring_attention: local args must not be NULL");
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "mha_ring_attention: local args must not be NULL");
         return MHA_STATUS_INVALID_ARG;
     }
     mha_status st = mha_ring_shard(cfg, p, rank, &nc, start, len, err);
@@ -129,10 +103,10 @@ static mha_status check_local(const mha_ring_config *cfg,
         return st;
     const int64_t n_local = len[0] + len[1];
     if (a->q_len != n_local || a->kv_len != n_local) {
-        set_error(err, MHA_STATUS_INVALID_ARG,
-                  "local q_len=%lld, kv_len=%lld: this rank's shard has %lld rows "
-                  "(mha_ring_shard)",
-                  (long long)a->q_len, (long long)a->kv_len, (long long)n_local);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "local q_len=%lld, kv_len=%lld: this rank's shard has %lld rows "
+                        "(mha_ring_shard)",
+                        (long long)a->q_len, (long long)a->kv_len, (long long)n_local);
         return MHA_STATUS_INVALID_ARG;
     }
     const mha_masking *mk = &a->mask;
@@ -144,8 +118,8 @@ static mha_status check_local(const mha_ring_config *cfg,
     else if (a->probs)
         unsupported = "probs (an N x N output)";
     if (unsupported) {
-        set_error(err, MHA_STATUS_UNSUPPORTED, "mha_ring_attention: %s is not supported",
-                  unsupported);
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED, "mha_ring_attention: %s is not supported",
+                        unsupported);
         return MHA_STATUS_UNSUPPORTED;
     }
     /* Everything else (sizes, strides, pointers, scalars, exec) is the core's own check. */
@@ -153,9 +127,9 @@ static mha_status check_local(const mha_ring_config *cfg,
     if (st != MHA_STATUS_OK || !bwd)
         return st;
     if (!grads || !grads->dout || !a->lse) {
-        set_error(err, MHA_STATUS_INVALID_ARG,
-                  "mha_ring_attention_backward: grads, grads.dout and the forward's lse are "
-                  "required");
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "mha_ring_attention_backward: grads, grads.dout and the forward's lse are "
+                        "required");
         return MHA_STATUS_INVALID_ARG;
     }
     /* The gradients' strides and pointers: the core backward's check (its size query). */
@@ -211,7 +185,7 @@ static mha_status agree(MPI_Comm comm,
     v[AGREE_FAIL] = local_st != MHA_STATUS_OK ? (int64_t)(p - rank) : 0;
     v[AGREE_COUNT + AGREE_FAIL] = 0;
     if (MPI_Allreduce(v, r, 2 * AGREE_COUNT, MPI_INT64_T, MPI_MAX, comm) != MPI_SUCCESS) {
-        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
+        mha__dist_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
         return MHA_STATUS_INTERNAL;
     }
     if (r[AGREE_FAIL] > 0) {
@@ -223,18 +197,18 @@ static mha_status agree(MPI_Comm comm,
         if (rank == bad && err)
             snprintf(msg.message, sizeof msg.message, "%s", err->message);
         if (MPI_Bcast(&msg, (int)sizeof msg, MPI_BYTE, bad, comm) != MPI_SUCCESS) {
-            set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Bcast failed");
+            mha__dist_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Bcast failed");
             return MHA_STATUS_INTERNAL;
         }
         msg.message[MHA_ERROR_MESSAGE_SIZE - 1] = '\0';
-        set_error(err, (mha_status)msg.status, "rank %d: %s", (int)bad, msg.message);
+        mha__dist_error(err, (mha_status)msg.status, "rank %d: %s", (int)bad, msg.message);
         return (mha_status)msg.status;
     }
     for (int k = 1; k < AGREE_COUNT; k++)
         if (r[k] != -r[AGREE_COUNT + k]) {
-            set_error(err, MHA_STATUS_INVALID_ARG,
-                      "mha_ring_attention: the ranks disagree on %s (from %lld to %lld)",
-                      agree_name[k], (long long)-r[AGREE_COUNT + k], (long long)r[k]);
+            mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                            "mha_ring_attention: the ranks disagree on %s (from %lld to %lld)",
+                            agree_name[k], (long long)-r[AGREE_COUNT + k], (long long)r[k]);
             return MHA_STATUS_INVALID_ARG;
         }
     return MHA_STATUS_OK;
@@ -251,13 +225,13 @@ agree_sinks(MPI_Comm comm, int64_t h, const float *sinks, int64_t *buf, mha_erro
         buf[i] = bits, buf[h + i] = -(int64_t)bits;
     }
     if (MPI_Allreduce(buf, buf + 2 * h, (int)(2 * h), MPI_INT64_T, MPI_MAX, comm) != MPI_SUCCESS) {
-        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
+        mha__dist_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: MPI_Allreduce failed");
         return MHA_STATUS_INTERNAL;
     }
     for (int64_t i = 0; i < h; i++)
         if (buf[2 * h + i] != -buf[3 * h + i]) {
-            set_error(err, MHA_STATUS_INVALID_ARG,
-                      "mha_ring_attention: the ranks disagree on sinks[%lld]", (long long)i);
+            mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                            "mha_ring_attention: the ranks disagree on sinks[%lld]", (long long)i);
             return MHA_STATUS_INVALID_ARG;
         }
     return MHA_STATUS_OK;
@@ -623,7 +597,8 @@ static mha_status run_ring(ring_call *c,
     if (bwd)
         mpi_ok &= MPI_Waitall(3, dreq, MPI_STATUSES_IGNORE) == MPI_SUCCESS;
     if (!mpi_ok) {
-        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention: an MPI call of the ring failed");
+        mha__dist_error(err, MHA_STATUS_INTERNAL,
+                        "mha_ring_attention: an MPI call of the ring failed");
         return MHA_STATUS_INTERNAL;
     }
     return st;
@@ -706,7 +681,8 @@ static mha_status sink_grads(const ring_call *c, MPI_Comm comm, mha_status st, m
             }
     if (MPI_Allreduce(MPI_IN_PLACE, c->dsinks, (int)c->h, MPI_DOUBLE, MPI_SUM, comm) !=
         MPI_SUCCESS) {
-        set_error(err, MHA_STATUS_INTERNAL, "mha_ring_attention_backward: MPI_Allreduce failed");
+        mha__dist_error(err, MHA_STATUS_INTERNAL,
+                        "mha_ring_attention_backward: MPI_Allreduce failed");
         return MHA_STATUS_INTERNAL;
     }
     if (st == MHA_STATUS_OK && gr->dsinks)
@@ -728,7 +704,7 @@ static mha_status ring_entry(MPI_Comm comm,
     int p_int = 0, rank_int = 0;
     if (MPI_Comm_size(comm, &p_int) != MPI_SUCCESS ||
         MPI_Comm_rank(comm, &rank_int) != MPI_SUCCESS) {
-        set_error(err, MHA_STATUS_INVALID_ARG, "%s: comm is not a communicator", fn);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG, "%s: comm is not a communicator", fn);
         return MHA_STATUS_INVALID_ARG;
     }
     const int32_t p = p_int, rank = rank_int;
@@ -757,46 +733,48 @@ static mha_status ring_entry(MPI_Comm comm,
         const int64_t blk = c.B * c.g * c.n_max * (c.dk + c.dv);
         if (blk > INT_MAX) {
             st = MHA_STATUS_UNSUPPORTED;
-            set_error(err, st,
-                      "%s: a K/V block of %lld floats exceeds one MPI message (INT_MAX elements)",
-                      fn, (long long)blk);
+            mha__dist_error(
+                err, st,
+                "%s: a K/V block of %lld floats exceeds one MPI message (INT_MAX elements)", fn,
+                (long long)blk);
         } else if (a->sinks && 2 * c.h > INT_MAX) {
             st = MHA_STATUS_UNSUPPORTED;
-            set_error(err, st, "%s: with sinks, num_heads=%lld exceeds one MPI message", fn,
-                      (long long)c.h);
+            mha__dist_error(err, st, "%s: with sinks, num_heads=%lld exceeds one MPI message", fn,
+                            (long long)c.h);
         } else {
             const size_t fb = sizeof(float);
             int ok = 1;
             for (int i = 0; i < 2; i++)
-                ok &= (c.kv[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
-            ok &= (c.part_lse = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max))) != NULL;
-            ok &= (c.offs = ring_alloc(alloc, sizeof(int64_t) * (size_t)c.B)) != NULL;
+                ok &= (c.kv[i] = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
+            ok &= (c.part_lse = mha__dist_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max))) != NULL;
+            ok &= (c.offs = mha__dist_alloc(alloc, sizeof(int64_t) * (size_t)c.B)) != NULL;
             c.keys = a->mask.key_padding.data || a->mask.q_segment_ids;
             const size_t kb = sizeof(int32_t) * (size_t)(c.B * c.n_max);
             for (int i = 0; i < 2 && c.keys; i++)
-                ok &= (c.kinfo[i] = ring_alloc(alloc, 2 * kb)) != NULL;
+                ok &= (c.kinfo[i] = mha__dist_alloc(alloc, 2 * kb)) != NULL;
             if (c.keys)
-                ok &= (c.slice = ring_alloc(alloc, 3 * kb)) != NULL;
+                ok &= (c.slice = mha__dist_alloc(alloc, 3 * kb)) != NULL;
             if (a->sinks) {
-                ok &= (c.sink_bits = ring_alloc(alloc, sizeof(int64_t) * 4 * (size_t)c.h)) != NULL;
-                ok &= (c.dsinks = ring_alloc(alloc, sizeof(double) * (size_t)c.h)) != NULL;
+                ok &= (c.sink_bits = mha__dist_alloc(alloc, sizeof(int64_t) * 4 * (size_t)c.h)) !=
+                      NULL;
+                ok &= (c.dsinks = mha__dist_alloc(alloc, sizeof(double) * (size_t)c.h)) != NULL;
             }
             if (bwd) {
                 for (int i = 0; i < 2; i++)
-                    ok &= (c.acc[i] = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
-                ok &= (c.din = ring_alloc(alloc, fb * (size_t)blk)) != NULL;
+                    ok &= (c.acc[i] = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
+                ok &= (c.din = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
             } else {
-                ok &=
-                    (c.part = ring_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max * c.dv))) != NULL;
+                ok &= (c.part = mha__dist_alloc(alloc,
+                                                fb * (size_t)(c.B * c.h * c.n_max * c.dv))) != NULL;
                 c.lse = a->lse;
                 if (!c.lse)
-                    ok &= (c.lse = c.lse_own = ring_alloc(
+                    ok &= (c.lse = c.lse_own = mha__dist_alloc(
                                alloc, fb * (size_t)(c.B * c.h * c.mine.n_local))) != NULL;
             }
             if (!ok) {
                 st = MHA_STATUS_NO_MEMORY;
-                set_error(err, st, "%s: out of memory (scratch of %d blocks of %lld floats)", fn,
-                          bwd ? 5 : 2, (long long)blk);
+                mha__dist_error(err, st, "%s: out of memory (scratch of %d blocks of %lld floats)",
+                                fn, bwd ? 5 : 2, (long long)blk);
             }
         }
         const int64_t mine[AGREE_COUNT] = {0,
@@ -832,7 +810,7 @@ static mha_status ring_entry(MPI_Comm comm,
         st = agree_sinks(comm, c.h, local->sinks, c.sink_bits, err);
     if (st == MHA_STATUS_OK && MPI_Comm_dup(comm, &ring) != MPI_SUCCESS) {
         st = MHA_STATUS_INTERNAL;
-        set_error(err, st, "%s: MPI_Comm_dup failed", fn);
+        mha__dist_error(err, st, "%s: MPI_Comm_dup failed", fn);
     }
 
     /* 3. The ring. Forward: O = 0 and lse = -inf merge with every partial. Backward: dQ = 0
@@ -870,18 +848,18 @@ static mha_status ring_entry(MPI_Comm comm,
     if (ring != MPI_COMM_NULL)
         MPI_Comm_free(&ring);
     for (int i = 0; i < 2; i++) {
-        ring_free(alloc, c.kv[i]);
-        ring_free(alloc, c.acc[i]);
-        ring_free(alloc, c.kinfo[i]);
+        mha__dist_free(alloc, c.kv[i]);
+        mha__dist_free(alloc, c.acc[i]);
+        mha__dist_free(alloc, c.kinfo[i]);
     }
-    ring_free(alloc, c.slice);
-    ring_free(alloc, c.sink_bits);
-    ring_free(alloc, c.dsinks);
-    ring_free(alloc, c.din);
-    ring_free(alloc, c.part);
-    ring_free(alloc, c.part_lse);
-    ring_free(alloc, c.lse_own);
-    ring_free(alloc, c.offs);
+    mha__dist_free(alloc, c.slice);
+    mha__dist_free(alloc, c.sink_bits);
+    mha__dist_free(alloc, c.dsinks);
+    mha__dist_free(alloc, c.din);
+    mha__dist_free(alloc, c.part);
+    mha__dist_free(alloc, c.part_lse);
+    mha__dist_free(alloc, c.lse_own);
+    mha__dist_free(alloc, c.offs);
     return st;
 }
 

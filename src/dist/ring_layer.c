@@ -10,41 +10,12 @@
  * A [B, n, h d_v] with n the rank's local rows, plus n int64 positions. */
 #include "mha_mpi.h"
 
+#include "dist/dist_util.h"
+
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static void lset_error(mha_error *err, mha_status status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
-static void lset_error(mha_error *err, mha_status status, const char *fmt, ...) {
-    if (!err)
-        return;
-    err->status = status;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof err->message, fmt, ap);
-    va_end(ap);
-}
-
-static void *layer_alloc(const mha_allocator *a, size_t bytes) {
-    if (a && a->alloc)
-        return a->alloc(a->user, bytes, 64);
-    return malloc(bytes);
-}
-
-static void layer_free(const mha_allocator *a, void *p) {
-    if (!p)
-        return;
-    if (a && a->free)
-        a->free(a->user, p);
-    else
-        free(p);
-}
 
 /* Every rank learns whether some rank failed: one MPI_Allreduce (MAX) of P - rank on a failing
  * rank (0 elsewhere) names the first failing rank, which broadcasts its status and message; the
@@ -53,7 +24,7 @@ static mha_status agree_status(MPI_Comm comm, int p, int rank, mha_status st, mh
     const int mine = st != MHA_STATUS_OK ? p - rank : 0;
     int first = 0;
     if (MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MAX, comm) != MPI_SUCCESS) {
-        lset_error(err, MHA_STATUS_INTERNAL, "mha_ring_layer_forward: MPI_Allreduce failed");
+        mha__dist_error(err, MHA_STATUS_INTERNAL, "mha_ring_layer_forward: MPI_Allreduce failed");
         return MHA_STATUS_INTERNAL;
     }
     if (first == 0)
@@ -66,12 +37,12 @@ static mha_status agree_status(MPI_Comm comm, int p, int rank, mha_status st, mh
     if (rank == bad && err)
         snprintf(msg.message, sizeof msg.message, "%s", err->message);
     if (MPI_Bcast(&msg, (int)sizeof msg, MPI_BYTE, bad, comm) != MPI_SUCCESS) {
-        lset_error(err, MHA_STATUS_INTERNAL, "mha_ring_layer_forward: MPI_Bcast failed");
+        mha__dist_error(err, MHA_STATUS_INTERNAL, "mha_ring_layer_forward: MPI_Bcast failed");
         return MHA_STATUS_INTERNAL;
     }
     if (rank != bad) {
         msg.message[MHA_ERROR_MESSAGE_SIZE - 1] = '\0';
-        lset_error(err, (mha_status)msg.status, "rank %d: %s", bad, msg.message);
+        mha__dist_error(err, (mha_status)msg.status, "rank %d: %s", bad, msg.message);
     }
     return (mha_status)msg.status;
 }
@@ -96,16 +67,16 @@ static mha_status prepare(const char *fn,
                           mha_error *err) {
     const int need_out = strcmp(fn, "mha_ring_layer_forward") == 0;
     if (!cfg || !layer || !a) {
-        lset_error(err, MHA_STATUS_INVALID_ARG, "%s: %s is NULL", fn,
-                   !cfg ? "cfg" : (!layer ? "layer" : "args"));
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG, "%s: %s is NULL", fn,
+                        !cfg ? "cfg" : (!layer ? "layer" : "args"));
         return MHA_STATUS_INVALID_ARG;
     }
     if (a->key || a->value || a->probs) {
-        lset_error(err, MHA_STATUS_UNSUPPORTED, "%s: %s", fn,
-                   a->probs ? "args.probs is not supported (no rank sees a whole row of "
-                              "probabilities)"
-                            : "cross-attention (args.key/value) is not supported: the ring "
-                              "shards one self-attention sequence");
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED, "%s: %s", fn,
+                        a->probs ? "args.probs is not supported (no rank sees a whole row of "
+                                   "probabilities)"
+                                 : "cross-attention (args.key/value) is not supported: the ring "
+                                   "shards one self-attention sequence");
         return MHA_STATUS_UNSUPPORTED;
     }
     int32_t chunks;
@@ -117,19 +88,20 @@ static mha_status prepare(const char *fn,
     lc->B = a->batch, lc->n = len[0] + (chunks > 1 ? len[1] : 0);
     lc->h = c->num_heads, lc->g = c->num_kv_heads, lc->dk = c->head_dim, lc->dv = c->v_head_dim;
     if (a->q_len != lc->n || a->batch < 1 || !a->query || (need_out && !a->out)) {
-        lset_error(err, MHA_STATUS_INVALID_ARG,
-                   a->q_len != lc->n ? "%s: args.q_len=%lld, but rank %d holds %lld rows of "
-                                       "seq_len=%lld"
-                                     : "%s: args.batch or a tensor is missing (q_len=%lld, rank "
-                                       "%d, %lld rows, seq_len=%lld)",
-                   fn, (long long)a->q_len, rank, (long long)lc->n, (long long)cfg->seq_len);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        a->q_len != lc->n
+                            ? "%s: args.q_len=%lld, but rank %d holds %lld rows of "
+                              "seq_len=%lld"
+                            : "%s: args.batch or a tensor is missing (q_len=%lld, rank "
+                              "%d, %lld rows, seq_len=%lld)",
+                        fn, (long long)a->q_len, rank, (long long)lc->n, (long long)cfg->seq_len);
         return MHA_STATUS_INVALID_ARG;
     }
     if (c->k_dim != c->q_dim || c->v_dim != c->q_dim) {
-        lset_error(err, MHA_STATUS_INVALID_ARG,
-                   "%s: self-attention needs k_dim = v_dim = q_dim (the layer has %lld, %lld, "
-                   "%lld)",
-                   fn, (long long)c->k_dim, (long long)c->v_dim, (long long)c->q_dim);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "%s: self-attention needs k_dim = v_dim = q_dim (the layer has %lld, %lld, "
+                        "%lld)",
+                        fn, (long long)c->k_dim, (long long)c->v_dim, (long long)c->q_dim);
         return MHA_STATUS_INVALID_ARG;
     }
     /* Sizes: B n times the widest row (h d_k, g d_k, g d_v, h d_v), in floats. */
@@ -137,21 +109,22 @@ static mha_status prepare(const char *fn,
     float **bufs[4] = {&lc->q, &lc->k, &lc->v, &lc->att};
     const int64_t rows = lc->B * lc->n;
     if (lc->B > INT64_MAX / lc->n) {
-        lset_error(err, MHA_STATUS_OVERFLOW, "%s: batch x rows overflows", fn);
+        mha__dist_error(err, MHA_STATUS_OVERFLOW, "%s: batch x rows overflows", fn);
         return MHA_STATUS_OVERFLOW;
     }
     for (int i = 0; i < 4; i++) {
         if (widths[i] > 0 && rows > (int64_t)(SIZE_MAX / sizeof(float)) / widths[i]) {
-            lset_error(err, MHA_STATUS_OVERFLOW, "%s: buffer %d of %lld x %lld floats overflows",
-                       fn, i, (long long)rows, (long long)widths[i]);
+            mha__dist_error(err, MHA_STATUS_OVERFLOW,
+                            "%s: buffer %d of %lld x %lld floats overflows", fn, i, (long long)rows,
+                            (long long)widths[i]);
             return MHA_STATUS_OVERFLOW;
         }
-        *bufs[i] = layer_alloc(alloc, sizeof(float) * (size_t)(rows * widths[i]));
+        *bufs[i] = mha__dist_alloc(alloc, sizeof(float) * (size_t)(rows * widths[i]));
     }
-    lc->pos = layer_alloc(alloc, sizeof(int64_t) * (size_t)lc->n);
+    lc->pos = mha__dist_alloc(alloc, sizeof(int64_t) * (size_t)lc->n);
     if (!lc->q || !lc->k || !lc->v || !lc->att || !lc->pos) {
-        lset_error(err, MHA_STATUS_NO_MEMORY, "%s: out of memory (buffers of %lld rows)", fn,
-                   (long long)rows);
+        mha__dist_error(err, MHA_STATUS_NO_MEMORY, "%s: out of memory (buffers of %lld rows)", fn,
+                        (long long)rows);
         return MHA_STATUS_NO_MEMORY;
     }
     /* Local row i of chunk 0 is global row start[0] + i, then chunk 1 continues. */
@@ -265,8 +238,8 @@ mha_status mha_ring_layer_forward(MPI_Comm comm,
                                   mha_error *err) {
     int p = 0, rank = 0;
     if (MPI_Comm_size(comm, &p) != MPI_SUCCESS || MPI_Comm_rank(comm, &rank) != MPI_SUCCESS) {
-        lset_error(err, MHA_STATUS_INVALID_ARG,
-                   "mha_ring_layer_forward: comm is not a communicator");
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "mha_ring_layer_forward: comm is not a communicator");
         return MHA_STATUS_INVALID_ARG;
     }
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
@@ -291,11 +264,11 @@ mha_status mha_ring_layer_forward(MPI_Comm comm,
         st = mha_layer_project(layer, MHA_PROJ_O, lc.B * lc.n, lc.att, local->out, exec, err);
         st = agree_status(comm, p, rank, st, err);
     }
-    layer_free(alloc, lc.q);
-    layer_free(alloc, lc.k);
-    layer_free(alloc, lc.v);
-    layer_free(alloc, lc.att);
-    layer_free(alloc, lc.pos);
+    mha__dist_free(alloc, lc.q);
+    mha__dist_free(alloc, lc.k);
+    mha__dist_free(alloc, lc.v);
+    mha__dist_free(alloc, lc.att);
+    mha__dist_free(alloc, lc.pos);
     if (!st && err) {
         err->status = MHA_STATUS_OK;
         err->message[0] = '\0';
@@ -320,7 +293,7 @@ typedef struct bwd_call {
 static void bwd_free(const mha_allocator *alloc, bwd_call *bc) {
     float *bufs[8] = {bc->lse, bc->dq, bc->dk, bc->dv, bc->da, bc->dx, bc->pack, bc->dsinks};
     for (int i = 0; i < 8; i++)
-        layer_free(alloc, bufs[i]);
+        mha__dist_free(alloc, bufs[i]);
 }
 
 /* The backward's own checks and buffers (after prepare()). */
@@ -334,17 +307,17 @@ static mha_status bwd_prepare(const mha_layer *layer,
     const char *fn = "mha_ring_layer_backward";
     const mha_config *c = mha_layer_config(layer);
     if (!dy || !gr || gr->d_key || gr->d_value || (gr->d_sinks && !c->sinks)) {
-        lset_error(err, MHA_STATUS_INVALID_ARG, "%s: %s", fn,
-                   !dy || !gr    ? "dy and grads must not be NULL"
-                   : gr->d_sinks ? "grads.d_sinks is given but the layer has no sinks"
-                                 : "self-attention: d_query receives every input path; d_key "
-                                   "and d_value must be NULL");
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG, "%s: %s", fn,
+                        !dy || !gr    ? "dy and grads must not be NULL"
+                        : gr->d_sinks ? "grads.d_sinks is given but the layer has no sinks"
+                                      : "self-attention: d_query receives every input path; d_key "
+                                        "and d_value must be NULL");
         return MHA_STATUS_INVALID_ARG;
     }
     if ((gr->db_q && !c->bias_q) || (gr->db_k && !c->bias_k) || (gr->db_v && !c->bias_v) ||
         (gr->db_o && !c->bias_o)) {
-        lset_error(err, MHA_STATUS_INVALID_ARG,
-                   "%s: a bias gradient is requested for a bias the layer lacks", fn);
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "%s: a bias gradient is requested for a bias the layer lacks", fn);
         return MHA_STATUS_INVALID_ARG;
     }
     const int64_t hk = lc->h * lc->dk, gk = lc->g * lc->dk, gv = lc->g * lc->dv;
@@ -364,19 +337,19 @@ static mha_status bwd_prepare(const mha_layer *layer,
     }
     const int64_t rows = lc->B * lc->n;
     const size_t fb = sizeof(float);
-    bc->lse = layer_alloc(alloc, fb * (size_t)(lc->B * lc->h * lc->n));
-    bc->dq = layer_alloc(alloc, fb * (size_t)(rows * hk));
-    bc->dk = layer_alloc(alloc, fb * (size_t)(rows * gk));
-    bc->dv = layer_alloc(alloc, fb * (size_t)(rows * gv));
-    bc->da = layer_alloc(alloc, fb * (size_t)(rows * hv));
-    bc->dx = layer_alloc(alloc, fb * (size_t)(rows * qd));
-    bc->pack = layer_alloc(alloc, fb * (size_t)bc->pack_len);
+    bc->lse = mha__dist_alloc(alloc, fb * (size_t)(lc->B * lc->h * lc->n));
+    bc->dq = mha__dist_alloc(alloc, fb * (size_t)(rows * hk));
+    bc->dk = mha__dist_alloc(alloc, fb * (size_t)(rows * gk));
+    bc->dv = mha__dist_alloc(alloc, fb * (size_t)(rows * gv));
+    bc->da = mha__dist_alloc(alloc, fb * (size_t)(rows * hv));
+    bc->dx = mha__dist_alloc(alloc, fb * (size_t)(rows * qd));
+    bc->pack = mha__dist_alloc(alloc, fb * (size_t)bc->pack_len);
     if (c->sinks)
-        bc->dsinks = layer_alloc(alloc, fb * (size_t)lc->h);
+        bc->dsinks = mha__dist_alloc(alloc, fb * (size_t)lc->h);
     if (!bc->lse || !bc->dq || !bc->dk || !bc->dv || !bc->da || !bc->dx || !bc->pack ||
         (c->sinks && !bc->dsinks)) {
-        lset_error(err, MHA_STATUS_NO_MEMORY, "%s: out of memory (gradients of %lld rows)", fn,
-                   (long long)rows);
+        mha__dist_error(err, MHA_STATUS_NO_MEMORY, "%s: out of memory (gradients of %lld rows)", fn,
+                        (long long)rows);
         return MHA_STATUS_NO_MEMORY;
     }
     memset(bc->dx, 0, fb * (size_t)(rows * qd));
@@ -415,7 +388,8 @@ static mha_status sum_pack(MPI_Comm comm, const bwd_call *bc, mha_error *err) {
         const int64_t part = bc->pack_len - at < INT32_MAX ? bc->pack_len - at : INT32_MAX;
         if (MPI_Allreduce(MPI_IN_PLACE, bc->pack + at, (int)part, MPI_FLOAT, MPI_SUM, comm) !=
             MPI_SUCCESS) {
-            lset_error(err, MHA_STATUS_INTERNAL, "mha_ring_layer_backward: MPI_Allreduce failed");
+            mha__dist_error(err, MHA_STATUS_INTERNAL,
+                            "mha_ring_layer_backward: MPI_Allreduce failed");
             return MHA_STATUS_INTERNAL;
         }
         at += part;
@@ -448,8 +422,8 @@ mha_status mha_ring_layer_backward(MPI_Comm comm,
                                    mha_error *err) {
     int p = 0, rank = 0;
     if (MPI_Comm_size(comm, &p) != MPI_SUCCESS || MPI_Comm_rank(comm, &rank) != MPI_SUCCESS) {
-        lset_error(err, MHA_STATUS_INVALID_ARG,
-                   "mha_ring_layer_backward: comm is not a communicator");
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "mha_ring_layer_backward: comm is not a communicator");
         return MHA_STATUS_INVALID_ARG;
     }
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
@@ -500,11 +474,11 @@ mha_status mha_ring_layer_backward(MPI_Comm comm,
         st = sum_pack(comm, &bc, err);
     if (!st)
         deliver_grads(&lc, &bc, mha_layer_config(layer)->q_dim, grads);
-    layer_free(alloc, lc.q);
-    layer_free(alloc, lc.k);
-    layer_free(alloc, lc.v);
-    layer_free(alloc, lc.att);
-    layer_free(alloc, lc.pos);
+    mha__dist_free(alloc, lc.q);
+    mha__dist_free(alloc, lc.k);
+    mha__dist_free(alloc, lc.v);
+    mha__dist_free(alloc, lc.att);
+    mha__dist_free(alloc, lc.pos);
     bwd_free(alloc, &bc);
     if (!st && err) {
         err->status = MHA_STATUS_OK;
