@@ -31,9 +31,7 @@
 
 /* Errors as the library reports them: a status and a message in mha_error (public types only:
  * this file is part of the CLI and the tests, not of the library). */
-static mha_status npy_fail(mha_error *err, mha_status status, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static mha_status npy_fail(mha_error *err, mha_status status, const char *fmt, ...) {
+mha_status mha__npy_fail(mha_error *err, mha_status status, const char *fmt, ...) {
     if (err) {
         va_list ap;
         va_start(ap, fmt);
@@ -42,6 +40,22 @@ static mha_status npy_fail(mha_error *err, mha_status status, const char *fmt, .
         err->status = status;
     }
     return status;
+}
+
+mha_status mha__npy_commit(FILE *f, int ok, const char *tmp, const char *path, mha_error *err) {
+    int e = ok ? 0 : (errno ? errno : EIO);
+    if (fclose(f) != 0 && ok) {
+        ok = 0;
+        e = errno;
+    }
+    if (ok && rename(tmp, path) != 0) {
+        ok = 0;
+        e = errno;
+    }
+    if (ok)
+        return MHA_STATUS_OK;
+    remove(tmp);
+    return mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot write: %s", path, strerror(e));
 }
 
 static void npy_ok(mha_error *err) {
@@ -54,7 +68,7 @@ static void npy_ok(mha_error *err) {
 #define NPY_RETURN_IF(cond, err, status, ...)                                                      \
     do {                                                                                           \
         if (cond)                                                                                  \
-            return npy_fail((err), MHA_STATUS_##status, __VA_ARGS__);                              \
+            return mha__npy_fail((err), MHA_STATUS_##status, __VA_ARGS__);                         \
     } while (0)
 
 /* Product of n non-negative sizes, and count * elem bytes: false on overflow. */
@@ -214,9 +228,9 @@ static mha_status malformed(cursor *c, const char *what) {
         snippet[n] = (ch >= 0x20 && ch < 0x7f) ? (char)ch : '?';
     }
     snippet[n] = '\0';
-    return npy_fail(c->err, MHA_STATUS_BAD_FILE,
-                    "%s: malformed .npy header dict at byte %zu: %s (near \"%s\")", c->name, c->pos,
-                    what, snippet);
+    return mha__npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                         "%s: malformed .npy header dict at byte %zu: %s (near \"%s\")", c->name,
+                         c->pos, what, snippet);
 }
 
 /* A quoted string without escapes: 'abc' or "abc". Returns its span. */
@@ -256,9 +270,10 @@ static int match_word(cursor *c, const char *word) {
 /* A non-negative decimal integer that fits in int64 (no sign, no leading zeros, no '_'). */
 static mha_status parse_dim(cursor *c, int64_t *out) {
     if (peek(c) == '-')
-        return npy_fail(c->err, MHA_STATUS_BAD_FILE,
-                        "%s: negative dimension in the .npy shape (byte %zu of the header dict)",
-                        c->name, c->pos);
+        return mha__npy_fail(
+            c->err, MHA_STATUS_BAD_FILE,
+            "%s: negative dimension in the .npy shape (byte %zu of the header dict)", c->name,
+            c->pos);
     if (peek(c) < '0' || peek(c) > '9')
         return malformed(c, "expected a dimension (a non-negative integer)");
     if (peek(c) == '0' && c->pos + 1 < c->len && c->s[c->pos + 1] >= '0' && c->s[c->pos + 1] <= '9')
@@ -267,8 +282,9 @@ static mha_status parse_dim(cursor *c, int64_t *out) {
     while (peek(c) >= '0' && peek(c) <= '9') {
         int digit = peek(c) - '0';
         if (v > (INT64_MAX - digit) / 10)
-            return npy_fail(c->err, MHA_STATUS_BAD_FILE,
-                            "%s: a dimension in the .npy shape does not fit in 64 bits", c->name);
+            return mha__npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                                 "%s: a dimension in the .npy shape does not fit in 64 bits",
+                                 c->name);
         v = v * 10 + digit;
         c->pos++;
     }
@@ -319,8 +335,8 @@ static mha_status parse_descr(cursor *c, npy_header *h) {
     const char *s;
     size_t n;
     if (peek(c) == '[')
-        return npy_fail(c->err, MHA_STATUS_BAD_FILE,
-                        "%s: structured dtypes (a list 'descr') are not supported", c->name);
+        return mha__npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                             "%s: structured dtypes (a list 'descr') are not supported", c->name);
     mha_status st = parse_string(c, &s, &n);
     if (st != MHA_STATUS_OK)
         return st;
@@ -334,13 +350,14 @@ static mha_status parse_descr(cursor *c, npy_header *h) {
     }
     const int shown = n > 32 ? 32 : (int)n;
     if (n > 0 && s[0] == '>')
-        return npy_fail(c->err, MHA_STATUS_BAD_FILE,
-                        "%s: big-endian dtype '%.*s' is not supported (save it as little-endian, "
-                        "e.g. a.astype('<%.*s'))",
-                        c->name, shown, s, shown > 0 ? shown - 1 : 0, s + 1);
-    return npy_fail(c->err, MHA_STATUS_BAD_FILE,
-                    "%s: unsupported dtype '%.*s' (supported: <f4 <f8 <f2 |b1 |u1 <i4 <i8)",
-                    c->name, shown, s);
+        return mha__npy_fail(
+            c->err, MHA_STATUS_BAD_FILE,
+            "%s: big-endian dtype '%.*s' is not supported (save it as little-endian, "
+            "e.g. a.astype('<%.*s'))",
+            c->name, shown, s, shown > 0 ? shown - 1 : 0, s + 1);
+    return mha__npy_fail(c->err, MHA_STATUS_BAD_FILE,
+                         "%s: unsupported dtype '%.*s' (supported: <f4 <f8 <f2 |b1 |u1 <i4 <i8)",
+                         c->name, shown, s);
 }
 
 /* Parses "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }" plus trailing spaces and
@@ -377,10 +394,10 @@ parse_dict(const char *text, size_t len, const char *name, npy_header *h, mha_er
             NPY_RETURN_IF(have_order++, err, BAD_FILE,
                           "%s: duplicate key 'fortran_order' in the header", name);
             if (match_word(&c, "True"))
-                st = npy_fail(err, MHA_STATUS_BAD_FILE,
-                              "%s: fortran_order True is not supported: save a C-order array "
-                              "(numpy.ascontiguousarray)",
-                              name);
+                st = mha__npy_fail(err, MHA_STATUS_BAD_FILE,
+                                   "%s: fortran_order True is not supported: save a C-order array "
+                                   "(numpy.ascontiguousarray)",
+                                   name);
             else if (!match_word(&c, "False"))
                 st = malformed(&c, "'fortran_order' must be True or False");
         } else if (klen == 5 && memcmp(key, "shape", 5) == 0) {
@@ -388,10 +405,10 @@ parse_dict(const char *text, size_t len, const char *name, npy_header *h, mha_er
                           name);
             st = parse_shape(&c, h);
         } else {
-            st = npy_fail(err, MHA_STATUS_BAD_FILE,
-                          "%s: unknown key '%.*s' in the .npy header (expected 'descr', "
-                          "'fortran_order', 'shape')",
-                          name, klen > 32 ? 32 : (int)klen, key);
+            st = mha__npy_fail(err, MHA_STATUS_BAD_FILE,
+                               "%s: unknown key '%.*s' in the .npy header (expected 'descr', "
+                               "'fortran_order', 'shape')",
+                               name, klen > 32 ? 32 : (int)klen, key);
         }
         if (st != MHA_STATUS_OK)
             return st;
@@ -427,8 +444,9 @@ check_data_length(const npy_header *h, uint64_t have, const char *name, mha_erro
         return MHA_STATUS_OK;
     char shape_text[256];
     format_shape(shape_text, sizeof shape_text, h->ndim, h->shape);
-    return npy_fail(err, MHA_STATUS_BAD_FILE, "%s: data is %llu bytes, shape %s of %s needs %zu",
-                    name, (unsigned long long)have, shape_text, h->descr, h->data_bytes);
+    return mha__npy_fail(err, MHA_STATUS_BAD_FILE,
+                         "%s: data is %llu bytes, shape %s of %s needs %zu", name,
+                         (unsigned long long)have, shape_text, h->descr, h->data_bytes);
 }
 
 static void fill_result(const npy_header *h, void *data, mha__npy *out) {
@@ -479,7 +497,7 @@ static mha_status read_stream(FILE *f, const char *path, mha__npy *out, mha_erro
             unsigned char *bigger = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
             if (!bigger) {
                 free(buf);
-                return npy_fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
+                return mha__npy_fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
             }
             buf = bigger;
             cap *= 2;
@@ -492,7 +510,7 @@ static mha_status read_stream(FILE *f, const char *path, mha__npy *out, mha_erro
     if (ferror(f)) {
         int e = errno;
         free(buf);
-        return npy_fail(err, MHA_STATUS_IO, "%s: read error: %s", path, strerror(e));
+        return mha__npy_fail(err, MHA_STATUS_IO, "%s: read error: %s", path, strerror(e));
     }
     mha_status st = mha__npy_parse(buf, len, path, out, err);
     free(buf);
@@ -519,7 +537,7 @@ read_regular(FILE *f, uint64_t total, const char *path, mha__npy *out, mha_error
     NPY_RETURN_IF(!dict, err, NO_MEMORY, "%s: out of memory", path);
     npy_header h;
     if (!read_at(f, start, dict, dlen))
-        st = npy_fail(err, MHA_STATUS_IO, "%s: read error in the header", path);
+        st = mha__npy_fail(err, MHA_STATUS_IO, "%s: read error in the header", path);
     else
         st = parse_dict(dict, dlen, path, &h, err);
     free(dict);
@@ -533,7 +551,8 @@ read_regular(FILE *f, uint64_t total, const char *path, mha__npy *out, mha_error
                   h.data_bytes);
     if (h.data_bytes && !read_at(f, (uint64_t)start + dlen, data, h.data_bytes)) {
         free(data);
-        return npy_fail(err, MHA_STATUS_IO, "%s: read error in the data (file changed?)", path);
+        return mha__npy_fail(err, MHA_STATUS_IO, "%s: read error in the data (file changed?)",
+                             path);
     }
     fill_result(&h, data, out);
     return MHA_STATUS_OK;
@@ -548,9 +567,9 @@ mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err) {
     struct stat sb;
     mha_status st;
     if (fstat(fileno(f), &sb) != 0)
-        st = npy_fail(err, MHA_STATUS_IO, "%s: cannot stat: %s", path, strerror(errno));
+        st = mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot stat: %s", path, strerror(errno));
     else if (S_ISDIR(sb.st_mode))
-        st = npy_fail(err, MHA_STATUS_IO, "%s: is a directory", path);
+        st = mha__npy_fail(err, MHA_STATUS_IO, "%s: is a directory", path);
     else if (S_ISREG(sb.st_mode))
         st = read_regular(f, (uint64_t)sb.st_size, path, out, err);
     else
@@ -689,28 +708,16 @@ mha_status mha__npy_write_f32(
     if (!f) {
         int e = errno;
         mha_status st =
-            npy_fail(err, MHA_STATUS_IO, "%s: cannot create '%s': %s", path, tmp, strerror(e));
+            mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot create '%s': %s", path, tmp, strerror(e));
         free(tmp);
         return st;
     }
     errno = 0;
-    int ok = fwrite(header, 1, header_len, f) == header_len && write_floats(f, data, count) &&
-             fflush(f) == 0;
-    int e = ok ? 0 : (errno ? errno : EIO);
-    if (fclose(f) != 0 && ok) {
-        ok = 0;
-        e = errno;
-    }
-    if (ok && rename(tmp, path) != 0) {
-        ok = 0;
-        e = errno;
-    }
-    if (!ok) {
-        remove(tmp);
-        free(tmp);
-        return npy_fail(err, MHA_STATUS_IO, "%s: cannot write: %s", path, strerror(e));
-    }
+    const int ok = fwrite(header, 1, header_len, f) == header_len && write_floats(f, data, count) &&
+                   fflush(f) == 0;
+    const mha_status st = mha__npy_commit(f, ok, tmp, path, err);
     free(tmp);
-    npy_ok(err);
-    return MHA_STATUS_OK;
+    if (st == MHA_STATUS_OK)
+        npy_ok(err);
+    return st;
 }

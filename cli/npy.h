@@ -11,6 +11,8 @@
 
 #include "mha.h"
 
+#include <stdio.h>
+
 #define MHA_NPY_MAX_DIMS 8
 
 typedef struct mha__npy {
@@ -36,6 +38,14 @@ mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha
  * at a multiple of 64 bytes) into buf (MHA_NPY_HEADER_MAX bytes); returns its size, 0 for a dtype
  * .npy cannot name or a bad ndim. Used by the .npz writer (cli/npz.c). */
 size_t mha__npy_header(mha_dtype dtype, int32_t ndim, const int64_t *shape, char *buf);
+/* Errors as the library reports them (public types only: this file is the CLI's and the
+ * tests'): err->status = status and the formatted message (err may be NULL); returns status. */
+mha_status mha__npy_fail(mha_error *err, mha_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* The end of an atomic write: f, written to `tmp` (ok = every write and the flush succeeded,
+ * errno telling why not), is closed and renamed to `path`; on any failure `tmp` is removed and err
+ * names `path` and the reason (MHA_STATUS_IO). */
+mha_status mha__npy_commit(FILE *f, int ok, const char *tmp, const char *path, mha_error *err);
 /* Writes a float32 C-order array atomically (temporary file + rename). */
 mha_status mha__npy_write_f32(
     const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err);

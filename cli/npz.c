@@ -10,28 +10,13 @@
  * be written before the data without a data descriptor. */
 #include "npz.h"
 
+#include "npy.h"
+
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-static mha_status npz_fail(mha_error *err, mha_status status, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
-static mha_status npz_fail(mha_error *err, mha_status status, const char *fmt, ...) {
-    if (err) {
-        err->status = status;
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err->message, sizeof err->message, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 /* CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320), the zip checksum. */
 typedef struct crc32_state {
@@ -148,30 +133,30 @@ describe(const mha__npz_member *m, const char *path, entry *e, crc32_state *crc,
     const int n = snprintf(e->name, sizeof e->name, "%s.npy", m->name ? m->name : "");
     if (!e->elem || !m->name || n <= 4 || (size_t)n >= sizeof e->name || m->ndim < 0 ||
         m->ndim > MHA_NPY_MAX_DIMS)
-        return npz_fail(err, MHA_STATUS_INVALID_ARG, "%s: member '%s' cannot be written", path,
-                        m->name ? m->name : "(null)");
+        return mha__npy_fail(err, MHA_STATUS_INVALID_ARG, "%s: member '%s' cannot be written", path,
+                             m->name ? m->name : "(null)");
     for (int32_t d = 0; d < m->ndim; d++)
         if (m->shape[d] == 0)
             break;
         else if (d == m->ndim - 1 && !m->data)
-            return npz_fail(err, MHA_STATUS_INVALID_ARG, "%s: member '%s' has no data", path,
-                            m->name);
+            return mha__npy_fail(err, MHA_STATUS_INVALID_ARG, "%s: member '%s' has no data", path,
+                                 m->name);
     e->name_len = (size_t)n;
     e->npy_len = mha__npy_header(m->dtype, m->ndim, m->shape, e->npy);
     uint64_t count = 1;
     for (int32_t d = 0; d < m->ndim; d++) {
         if (m->shape[d] < 0 || (m->shape[d] && count > UINT64_MAX / 16 / (uint64_t)m->shape[d]))
-            return npz_fail(err, MHA_STATUS_OVERFLOW, "%s: member '%s' is too large", path,
-                            m->name);
+            return mha__npy_fail(err, MHA_STATUS_OVERFLOW, "%s: member '%s' is too large", path,
+                                 m->name);
         count *= (uint64_t)m->shape[d];
     }
     e->count = (int64_t)count;
     e->size = e->npy_len + count * e->elem;
     if (e->size > 0xFFFFFFFFu)
-        return npz_fail(err, MHA_STATUS_OVERFLOW,
-                        "%s: member '%s' has %llu bytes, more than a zip without ZIP64 holds "
-                        "(4 GiB)",
-                        path, m->name, (unsigned long long)e->size);
+        return mha__npy_fail(err, MHA_STATUS_OVERFLOW,
+                             "%s: member '%s' has %llu bytes, more than a zip without ZIP64 holds "
+                             "(4 GiB)",
+                             path, m->name, (unsigned long long)e->size);
     crc32_init(crc);
     sink s = {NULL, crc, 1};
     put(&s, e->npy, e->npy_len);
@@ -214,13 +199,13 @@ static int write_archive(FILE *f, const mha__npz_member *members, entry *es, int
 mha_status
 mha__npz_write(const char *path, const mha__npz_member *members, int count, mha_error *err) {
     if (!path || !members || count < 1 || count > 1000)
-        return npz_fail(err, MHA_STATUS_INVALID_ARG, "mha__npz_write: bad arguments");
+        return mha__npy_fail(err, MHA_STATUS_INVALID_ARG, "mha__npz_write: bad arguments");
     entry *es = calloc((size_t)count, sizeof *es);
     crc32_state *crc = malloc(sizeof *crc);
     char *tmp = malloc(strlen(path) + 32);
     mha_status st = MHA_STATUS_OK;
     if (!es || !crc || !tmp)
-        st = npz_fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
+        st = mha__npy_fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
     /* Offsets are 32-bit: the archive must stay below 4 GiB as a whole. */
     uint64_t total = 22;
     for (int i = 0; st == MHA_STATUS_OK && i < count; i++) {
@@ -228,30 +213,20 @@ mha__npz_write(const char *path, const mha__npz_member *members, int count, mha_
         total += st ? 0 : 76 + 2 * es[i].name_len + es[i].size;
     }
     if (st == MHA_STATUS_OK && total > 0xFFFFFFFFu)
-        st = npz_fail(err, MHA_STATUS_OVERFLOW,
-                      "%s: %llu bytes, more than a zip without ZIP64 "
-                      "holds (4 GiB)",
-                      path, (unsigned long long)total);
+        st = mha__npy_fail(err, MHA_STATUS_OVERFLOW,
+                           "%s: %llu bytes, more than a zip without ZIP64 "
+                           "holds (4 GiB)",
+                           path, (unsigned long long)total);
     if (st == MHA_STATUS_OK) {
         snprintf(tmp, strlen(path) + 32, "%s.tmp.%ld", path, (long)getpid());
         FILE *f = fopen(tmp, "wb");
-        int ok = f != NULL, e = ok ? 0 : errno;
-        if (ok) {
+        if (!f) {
+            st = mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot create '%s': %s", path, tmp,
+                               strerror(errno));
+        } else {
             errno = 0;
-            ok = write_archive(f, members, es, count) && fflush(f) == 0;
-            e = ok ? 0 : (errno ? errno : EIO);
-            if (fclose(f) != 0 && ok) {
-                ok = 0;
-                e = errno;
-            }
-        }
-        if (ok && rename(tmp, path) != 0) {
-            ok = 0;
-            e = errno;
-        }
-        if (!ok) {
-            remove(tmp);
-            st = npz_fail(err, MHA_STATUS_IO, "%s: cannot write: %s", path, strerror(e));
+            const int ok = write_archive(f, members, es, count) && fflush(f) == 0;
+            st = mha__npy_commit(f, ok, tmp, path, err);
         }
     }
     free(es);
