@@ -189,6 +189,23 @@ MHA_API mha_status mha_ring_layer_backward(MPI_Comm comm,
                                            const mha_exec *exec,
                                            mha_error *err);
 
+/** mha_ring_layer_forward and mha_ring_layer_backward with the communicator given by its Fortran
+ *  handle, as mha_ring_attention_fcomm (for ctypes: Python's MultiheadAttention with comm=). */
+MHA_API mha_status mha_ring_layer_forward_fcomm(int64_t comm_f,
+                                                const mha_ring_config *cfg,
+                                                const mha_layer *layer,
+                                                const mha_forward_args *local,
+                                                const mha_exec *exec,
+                                                mha_error *err);
+MHA_API mha_status mha_ring_layer_backward_fcomm(int64_t comm_f,
+                                                 const mha_ring_config *cfg,
+                                                 const mha_layer *layer,
+                                                 const mha_forward_args *local,
+                                                 const float *dy,
+                                                 const mha_layer_grads *grads,
+                                                 const mha_exec *exec,
+                                                 mha_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -96,6 +96,57 @@ def test_options_and_blhd_layout():
         assert err_rel(got, ref[:, rows]) <= TOL_GRAD_REL
 
 
+def make_layer(E=16, h=4, g=2, d=8, seed=3):
+    """A layer with GQA, biases, RoPE (half style) and sinks."""
+    rng = np.random.default_rng(seed)
+    w = lambda r, c: (rng.standard_normal((r, c)) / np.sqrt(c)).astype(np.float32)  # noqa: E731
+    b = lambda r: (0.1 * rng.standard_normal(r)).astype(np.float32)  # noqa: E731
+    sinks = rng.standard_normal(h).astype(np.float32)
+    return mha.MultiheadAttention(w(h * d, E), w(g * d, E), w(g * d, E), w(E, h * d),
+                                  b(h * d), b(g * d), b(g * d), b(E), num_heads=h,
+                                  num_kv_heads=g, rope="half", sinks=sinks)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shard_layout", ["zigzag", "contiguous"])
+def test_layer_forward_and_backward_equal_single_process(causal, shard_layout):
+    """MultiheadAttention with comm= (mha_ring_layer_forward / _backward): each rank's rows of y
+    and of dL/dx, and the whole parameter gradients, equal the single-process layer's."""
+    layer = make_layer()
+    B, N, E = 2, 29, 16
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((B, N, E)).astype(np.float32)
+    dy = rng.standard_normal((B, N, E)).astype(np.float32)
+    y1, st1 = layer.forward_train(x, causal=causal)
+    g1 = layer.backward(st1, dy)
+    rows = mha.shard_rows(N, COMM, shard_layout=shard_layout)
+    y = layer(x[:, rows], causal=causal, comm=COMM, seq_len=N, shard_layout=shard_layout)
+    assert err_rel(y, y1[:, rows]) <= TOL_OUT_REL
+    y2, st = layer.forward_train(x[:, rows], causal=causal, comm=COMM, seq_len=N,
+                                 shard_layout=shard_layout)
+    np.testing.assert_array_equal(y2, y)
+    grads = layer.backward(st, dy[:, rows])
+    assert sorted(grads) == sorted(g1)
+    for name, ref in g1.items():
+        got = grads[name]
+        assert err_rel(got, ref[:, rows] if name == "query" else ref) <= TOL_GRAD_REL, name
+
+
+def test_layer_bad_argument_on_one_rank_raises_on_every_rank():
+    layer = make_layer()
+    N = 4 * P
+    x = np.ones((1, N, 16), np.float32)
+    rows = mha.shard_rows(N, COMM)
+    bad = P - 1
+    xb = x[:, rows, :8] if RANK == bad else x[:, rows]
+    expect_raise_everywhere(lambda: layer(xb, comm=COMM, seq_len=N), bad,
+                            (ValueError, mha.MhaError), "")
+    expect_raise_everywhere(lambda: layer(x[:, rows], x[:, rows] if RANK == bad else None,
+                                          comm=COMM, seq_len=N), bad, ValueError, "self-attention")
+    with pytest.raises(ValueError, match="comm"):
+        layer(x, seq_len=N)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shard_layout", ["zigzag", "contiguous"])
 def test_key_padding_segments_and_sinks(causal, shard_layout):

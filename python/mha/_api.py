@@ -746,6 +746,22 @@ class TrainState:
         self._handle.close()
 
 
+class RingTrainState:
+    """What :meth:`MultiheadAttention.forward_train` with ``comm`` saved for
+    :meth:`MultiheadAttention.backward`: the rank's forward arguments (the ring backward
+    recomputes the forward; nothing is held in C). It keeps the forward's inputs alive."""
+
+    def __init__(self, layer: "MultiheadAttention", comm: Any, cfg: Any,
+                 args: L.mha_forward_args, keep: list, shapes: dict):
+        self._layer = layer
+        self.comm, self.cfg, self.args = comm, cfg, args
+        self._keep = keep
+        self.shapes = shapes
+
+    def close(self) -> None:
+        self._keep = []
+
+
 class MultiheadAttention:
     """A multi-head attention layer: projections, RoPE, attention, output projection (mha_layer).
 
@@ -1021,7 +1037,8 @@ class MultiheadAttention:
                 q_segment_ids: Optional[ArrayLike] = None,
                 kv_segment_ids: Optional[ArrayLike] = None, dropout: float = 0.0, seed: int = 0,
                 need_weights: bool = False, average_attn_weights: bool = False,
-                impl: str = "auto", threads: int = 0):
+                impl: str = "auto", threads: int = 0, comm: Any = None,
+                seq_len: Optional[int] = None, shard_layout: str = "zigzag"):
         """Runs the layer (mha_layer_forward).
 
         query [B, n, q_dim] (or unbatched [n, q_dim]); key [B, m, k_dim] and value [B, m, v_dim]
@@ -1035,6 +1052,13 @@ class MultiheadAttention:
         ``causal=None`` and ``window=None`` take the layer's defaults: off, or the model's for a
         layer made by :meth:`from_pretrained`.
 
+        Distributed (mha_ring_layer_forward; docs/distributed.md): with ``comm`` (an mpi4py
+        communicator) the call is collective, self-attention only: every rank passes its rows of
+        the input (``mha.shard_rows(seq_len, comm, shard_layout=...)``) and of every per-row
+        option (positions, key padding, segment ids), the same ``seq_len`` (the global N) and
+        ``shard_layout``, and gets its rows of y, equal to those of the single-process forward on
+        the whole sequence (RoPE at global positions unless ``positions`` are given).
+
         Returns y [B, n, out_dim], or (y, weights) with ``need_weights`` (weights [B, h, n, m],
         or [B, n, m] with ``average_attn_weights``; before dropout).
         """
@@ -1042,6 +1066,15 @@ class MultiheadAttention:
             causal = self._causal
         if window is None:
             window = self._window
+        if comm is not None or seq_len is not None or shard_layout != "zigzag":
+            opts = dict(causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
+                        attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
+                        positions=positions, key_positions=key_positions,
+                        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                        dropout=dropout, seed=seed, need_weights=need_weights,
+                        average_attn_weights=average_attn_weights)
+            return self._ring_forward(comm, seq_len, shard_layout, query, key, value, impl,
+                                      threads, opts)[0]
         if (key is None and value is None and causal is False and alignment is None
                 and mask is None and attn_bias is None and key_padding_mask is None
                 and window is None and positions is None and key_positions is None
@@ -1073,9 +1106,12 @@ class MultiheadAttention:
     # -- training --------------------------------------------------------------------------------
     def forward_train(self, query: ArrayLike, key: Optional[ArrayLike] = None,
                       value: Optional[ArrayLike] = None, *, impl: str = "auto", threads: int = 0,
-                      **options):
+                      comm: Any = None, seq_len: Optional[int] = None,
+                      shard_layout: str = "zigzag", **options):
         """Forward in training mode (mha_layer_forward_train): the same outputs as
-        :meth:`forward` followed by a :class:`TrainState` for :meth:`backward`."""
+        :meth:`forward` followed by a :class:`TrainState` for :meth:`backward`. With ``comm``
+        (collective, as :meth:`forward`): the rank's rows of y and a state whose
+        :meth:`backward` runs mha_ring_layer_backward (it recomputes the forward)."""
         keep: list = []
         opts = dict(causal=self._causal, alignment=None, mask=None, mask_means="attend",
                     attn_bias=None, key_padding_mask=None, window=self._window, positions=None,
@@ -1086,6 +1122,10 @@ class MultiheadAttention:
             raise TypeError(f"forward_train: unexpected keyword arguments {sorted(bad)}")
         opts.update({k: v for k, v in options.items()
                      if v is not None or k not in ("causal", "window")})
+        if comm is not None or seq_len is not None or shard_layout != "zigzag":
+            out, state = self._ring_forward(comm, seq_len, shard_layout, query, key, value, impl,
+                                            threads, opts)
+            return out, state
         a, out, probs, unbatched = self._forward_args(query, key, value, keep, **opts)
         st = M.layer_forward(self._ptr, a, _exec(impl, threads), True)
         shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len,
@@ -1104,6 +1144,20 @@ class MultiheadAttention:
         that made ``state``. Returns a dict of gradients: 'query' (and 'key', 'value' for
         cross-attention; in self-attention 'query' is the sum of all three paths), and with
         ``params`` 'w_q', 'w_k', 'w_v', 'w_o', 'b_*' (biases present) and 'sinks'."""
+        if isinstance(state, RingTrainState):
+            return self._ring_backward(state, dy, inputs, params, impl, threads)
+        d, g, res = self._grads_for(state, dy, inputs, params)
+        M.call(L.mha_layer_backward, self._ptr, state._handle.ptr, _ptr(d), g,
+               _exec(impl, threads))
+        if state.shapes["unbatched"]:
+            for nm in ("query", "key", "value"):
+                if nm in res:
+                    res[nm] = res[nm][0]
+        return res
+
+    def _grads_for(self, state, dy: ArrayLike, inputs: bool, params: bool):
+        """(dy as float32 [B, n, out_dim], the mha_layer_grads pointing at new arrays, the dict
+        of those arrays) for a backward of `state`; ValueError for a wrong dy or state."""
         if state._layer is not self:
             raise ValueError("state was made by another layer")
         c = self.config
@@ -1141,12 +1195,45 @@ class MultiheadAttention:
                     want(nm, "d" + nm, (shp,))
             if c.sinks:
                 want("sinks", "d_sinks", (c.num_heads,))
-        M.call(L.mha_layer_backward, self._ptr, state._handle.ptr, _ptr(d), g,
-               _exec(impl, threads))
-        if s["unbatched"]:
-            for nm in ("query", "key", "value"):
-                if nm in res:
-                    res[nm] = res[nm][0]
+        return d, g, res
+
+    # -- distributed (ring attention over MPI, libmha_mpi) ---------------------------------------
+    def _ring_forward(self, comm, seq_len, shard_layout, query, key, value, impl, threads,
+                      opts):
+        """mha_ring_layer_forward (collective): (this rank's rows of y, a RingTrainState)."""
+        if comm is None:
+            raise ValueError(_RING_ONLY)
+        from . import _mpi
+        _mpi.comm_info(comm)
+
+        def prepare():
+            if key is not None or value is not None:
+                raise ValueError("comm=: the distributed layer is self-attention (key and value "
+                                 "must be None)")
+            if opts["need_weights"]:
+                raise ValueError("comm=: need_weights is not available distributed (no rank "
+                                 "holds a whole row of probabilities)")
+            keep: list = []
+            a, out, _, unbatched = self._forward_args(query, None, None, keep, **opts)
+            return a, out, unbatched, keep, _mpi.config(seq_len, shard_layout), _mpi.library()
+
+        a, out, unbatched, keep, cfg, _ = _mpi.collective(comm, prepare)
+        _mpi.layer_forward(comm, cfg, self._ptr, a, _exec(impl, threads))
+        shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len, "self": True,
+                  "value_is_key": False, "unbatched": unbatched}
+        state = RingTrainState(self, comm, cfg, a, keep, shapes)
+        return (out[0] if unbatched else out), state
+
+    def _ring_backward(self, state: "RingTrainState", dy, inputs, params, impl, threads):
+        """mha_ring_layer_backward (collective): the rank's rows of d query, and the whole
+        parameter gradients (summed over the ranks)."""
+        from . import _mpi
+        d, g, res = _mpi.collective(state.comm,
+                                    lambda: self._grads_for(state, dy, inputs, params))
+        _mpi.layer_backward(state.comm, state.cfg, self._ptr, state.args, _ptr(d), g,
+                            _exec(impl, threads))
+        if state.shapes["unbatched"] and "query" in res:
+            res["query"] = res["query"][0]
         return res
 
     # -- decoding --------------------------------------------------------------------------------

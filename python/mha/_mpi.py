@@ -64,8 +64,15 @@ def library():
         lib.mha_ring_attention_backward_fcomm.argtypes = [
             c_int64, P(mha_ring_config), P(L.mha_attention_args), P(L.mha_attention_grads),
             P(L.mha_exec), P(L.mha_error)]
+        lib.mha_ring_layer_forward_fcomm.argtypes = [
+            c_int64, P(mha_ring_config), ctypes.c_void_p, P(L.mha_forward_args), P(L.mha_exec),
+            P(L.mha_error)]
+        lib.mha_ring_layer_backward_fcomm.argtypes = [
+            c_int64, P(mha_ring_config), ctypes.c_void_p, P(L.mha_forward_args),
+            ctypes.c_void_p, P(L.mha_layer_grads), P(L.mha_exec), P(L.mha_error)]
         for f in ("mha_ring_shard", "mha_ring_attention_fcomm",
-                  "mha_ring_attention_backward_fcomm"):
+                  "mha_ring_attention_backward_fcomm", "mha_ring_layer_forward_fcomm",
+                  "mha_ring_layer_backward_fcomm"):
             getattr(lib, f).restype = c_int
         return lib
     raise MhaError(STATUS_UNSUPPORTED,
@@ -150,6 +157,22 @@ def backward(comm, cfg: mha_ring_config, args: L.mha_attention_args,
     err = L.mha_error()
     L.check(library().mha_ring_attention_backward_fcomm(int(comm.py2f()), cfg, args, grads, ex,
                                                         err), err)
+
+
+def layer_forward(comm, cfg: mha_ring_config, layer: int, args: L.mha_forward_args,
+                  ex: L.mha_exec) -> None:
+    """mha_ring_layer_forward_fcomm (collective); MhaError (the same on every rank) on failure."""
+    err = L.mha_error()
+    L.check(library().mha_ring_layer_forward_fcomm(int(comm.py2f()), cfg, layer, args, ex, err),
+            err)
+
+
+def layer_backward(comm, cfg: mha_ring_config, layer: int, args: L.mha_forward_args, dy: int,
+                   grads: L.mha_layer_grads, ex: L.mha_exec) -> None:
+    """mha_ring_layer_backward_fcomm (collective); MhaError on failure."""
+    err = L.mha_error()
+    L.check(library().mha_ring_layer_backward_fcomm(int(comm.py2f()), cfg, layer, args, dy, grads,
+                                                     ex, err), err)
 
 
 def shard_rows_of(seq_len: int, comm=None, shard_layout: str = "zigzag",

@@ -54,3 +54,29 @@ mha_status mha_ring_attention_backward_fcomm(int64_t comm_f,
         return MHA_STATUS_INVALID_ARG;
     return mha_ring_attention_backward(comm, cfg, local, grads, exec, err);
 }
+
+mha_status mha_ring_layer_forward_fcomm(int64_t comm_f,
+                                        const mha_ring_config *cfg,
+                                        const mha_layer *layer,
+                                        const mha_forward_args *local,
+                                        const mha_exec *exec,
+                                        mha_error *err) {
+    const MPI_Comm comm = comm_from_f(comm_f, "mha_ring_layer_forward_fcomm", err);
+    if (comm == MPI_COMM_NULL)
+        return MHA_STATUS_INVALID_ARG;
+    return mha_ring_layer_forward(comm, cfg, layer, local, exec, err);
+}
+
+mha_status mha_ring_layer_backward_fcomm(int64_t comm_f,
+                                         const mha_ring_config *cfg,
+                                         const mha_layer *layer,
+                                         const mha_forward_args *local,
+                                         const float *dy,
+                                         const mha_layer_grads *grads,
+                                         const mha_exec *exec,
+                                         mha_error *err) {
+    const MPI_Comm comm = comm_from_f(comm_f, "mha_ring_layer_backward_fcomm", err);
+    if (comm == MPI_COMM_NULL)
+        return MHA_STATUS_INVALID_ARG;
+    return mha_ring_layer_backward(comm, cfg, layer, local, dy, grads, exec, err);
+}
