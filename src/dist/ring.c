@@ -257,6 +257,8 @@ typedef struct ring_call {
     int32_t *slice;      /* one pair's [B, nk] padding, [B, nk] kv and [B, nq] q segment ids */
     int64_t *sink_bits;  /* [4h] scratch of agree_sinks */
     double *dsinks;      /* [h] backward: this rank's share of dL/dsinks, then the sum */
+    /* The step's messages in flight (poked between local calls: progress), NULL when none. */
+    MPI_Request *kv_req, *dkv_req; /* [4] K/V + key side; [3] dK/dV (backward) */
     /* Backward only: */
     const mha_attention_grads *grads;
     float *acc[2]; /* dK/dV of the block being held, [B, g, n_src, d_k] then [.., d_v] */
@@ -499,24 +501,51 @@ static mha_status bwd_pair(ring_call *c,
     return mha_attention_backward(&p, &g, &c->inner, err);
 }
 
+/* Progress: most MPI libraries move a message only inside an MPI call (Open MPI's shared-memory
+ * and TCP transports, MPICH without its progress thread), so a transfer posted before a long local
+ * computation would otherwise wait for MPI_Waitall and not overlap it. Testing the step's
+ * requests between local calls lets them advance (completed ones become MPI_REQUEST_NULL, which
+ * the later waits accept). */
+static void progress(const ring_call *c) {
+    int done;
+    if (c->kv_req)
+        MPI_Testall(4, c->kv_req, &done, MPI_STATUSES_IGNORE);
+    if (c->dkv_req)
+        MPI_Testall(3, c->dkv_req, &done, MPI_STATUSES_IGNORE);
+}
+
+/* While messages are in flight, a pair's query rows run in up to RING_SLICES local calls (each of
+ * at least RING_MIN_SLICE rows) with progress() between them. A row's result does not depend on
+ * the other rows of its call, so the slices compute what one call would. */
+#define RING_SLICES    4
+#define RING_MIN_SLICE 128
+
 /* Every pair of a query chunk of this rank and a key chunk of src (without a positional mask or
  * dropout, the whole shards at once: the positions do not matter); acc == NULL is the forward. */
 static mha_status
 block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, mha_error *err) {
     const int chunked = positional(c->a) || dropout_on(c->a);
     const int32_t nqc = chunked ? c->mine.num_chunks : 1, nkc = chunked ? src->num_chunks : 1;
+    const int in_flight = c->kv_req || c->dkv_req;
     int64_t q_off = 0;
     for (int32_t qc = 0; qc < nqc; qc++) {
         const int64_t nq = chunked ? c->mine.len[qc] : c->mine.n_local;
+        int64_t slice = in_flight ? (nq + RING_SLICES - 1) / RING_SLICES : nq;
+        slice = slice < RING_MIN_SLICE ? RING_MIN_SLICE : slice;
         int64_t k_off = 0;
         for (int32_t kc = 0; kc < nkc; kc++) {
             const int64_t nk = chunked ? src->len[kc] : src->n_local;
             const int64_t qs = chunked ? c->mine.start[qc] : 0, ks = chunked ? src->start[kc] : 0;
-            mha_status st =
-                acc ? bwd_pair(c, blk, acc, src->n_local, q_off, nq, qs, k_off, nk, ks, err)
-                    : attend_pair(c, blk, src->n_local, q_off, nq, qs, k_off, nk, ks, err);
-            if (st != MHA_STATUS_OK)
-                return st;
+            for (int64_t r0 = 0; r0 < nq; r0 += slice) {
+                const int64_t rows = nq - r0 < slice ? nq - r0 : slice;
+                mha_status st = acc ? bwd_pair(c, blk, acc, src->n_local, q_off + r0, rows, qs + r0,
+                                               k_off, nk, ks, err)
+                                    : attend_pair(c, blk, src->n_local, q_off + r0, rows, qs + r0,
+                                                  k_off, nk, ks, err);
+                if (st != MHA_STATUS_OK)
+                    return st;
+                progress(c);
+            }
             k_off += nk;
         }
         q_off += nq;
@@ -576,8 +605,11 @@ static mha_status run_ring(ring_call *c,
             mpi_ok &= MPI_Wait(&dreq[t % 2], MPI_STATUS_IGNORE) == MPI_SUCCESS;
             memset(acc, 0, sizeof(float) * (size_t)src_count);
         }
+        c->kv_req = t + 1 < p ? req : NULL;
+        c->dkv_req = bwd && t > 0 ? dreq : NULL;
         if (st == MHA_STATUS_OK)
             st = block_pairs(c, c->kv[t % 2], acc, &src, err);
+        c->kv_req = c->dkv_req = NULL;
         if (bwd) {
             if (t > 0) {
                 mpi_ok &= MPI_Wait(&dreq[2], MPI_STATUS_IGNORE) == MPI_SUCCESS;
