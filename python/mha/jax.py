@@ -47,8 +47,9 @@ def _load_handlers() -> str:
     if not os.path.exists(path):
         raise ImportError(
             f"mha.jax: the XLA FFI handler {path} was not found. It is built with the package "
-            "when jaxlib is installed at build time: `pip install jax` then reinstall mha "
-            "(`pip install ./python`), or set MHA_JAX_FFI=/path/to/_jax_ffi.so.")
+            "when jaxlib's headers are visible at build time, which pip's isolated build hides: "
+            "with jax installed, `pip install --no-build-isolation ./python`, or set "
+            "MHA_JAX_FFI=/path/to/_jax_ffi.so.")
     # _lib has loaded libmha (same SONAME, so the handler's dependency resolves to that copy).
     try:
         handlers = ctypes.CDLL(path)
