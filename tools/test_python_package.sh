@@ -34,9 +34,13 @@ for member in _csrc/include/mha.h _csrc/src/core/attention.c _csrc/CMakeLists.tx
 done
 
 echo "-- wheel from the sdist, auditwheel repair"
-"$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$sdist" -Ccmake.define.MHA_MPI=OFF \
+"$py" -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$sdist" \
+    --config-settings=cmake.define.MHA_MPI=OFF \
     >"$work/wheel.log" 2>&1 || { tail -30 "$work/wheel.log"; exit 1; }
-"$py" -m auditwheel repair -w "$work/repaired" "$work"/dist/mha-*-linux_*.whl \
+# --exclude libmha.so.0: the JAX handler (mha/_jax_ffi.so, when jax was there at build time) needs
+# libmha by its SONAME, which the package's own libmha.so (loaded first by mha/_lib.py) answers.
+"$py" -m auditwheel repair --exclude libmha.so.0 -w "$work/repaired" \
+    "$work"/dist/mha-*-linux_*.whl \
     >"$work/repair.log" 2>&1 || { tail -30 "$work/repair.log"; exit 1; }
 wheel=$(ls "$work"/repaired/mha-*manylinux*.whl)
 "$py" -m zipfile -l "$wheel" >"$work/wheel.list"
@@ -67,7 +71,8 @@ skb=$("$py" -c 'import scikit_build_core as s; print(s.__version__)')
     >"$work/editable-deps.log" 2>&1 || { tail -30 "$work/editable-deps.log"; exit 1; }
 # MHA_SAFETENSORS=OFF: what python/CMakeLists.txt chooses when it finds no cJSON.
 "$work/venv-editable/bin/python" -m pip install -q --no-build-isolation -e ./python \
-    -Ccmake.define.MHA_SAFETENSORS=OFF -Cbuild-dir="$work/editable-build" \
+    --config-settings=cmake.define.MHA_SAFETENSORS=OFF \
+    --config-settings=build-dir="$work/editable-build" \
     >"$work/editable.log" 2>&1 || { tail -30 "$work/editable.log"; exit 1; }
 (cd "$work" && env -u MHA_LIBRARY "$work/venv-editable/bin/python" - "$root" <<'EOF'
 import os, sys
