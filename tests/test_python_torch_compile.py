@@ -9,6 +9,8 @@ torch.ops.mha.attention_backward, torch.library custom ops) under torch.compile 
   the eager ones and PyTorch's own modules (float64 reference).
 - torch.export of that module: the exported program holds torch.ops.mha.attention and gives the
   eager outputs.
+- from_pretrained layers (RoPE, GQA, scale, soft-cap, sinks, the model's causal and sliding-window
+  mask): compiled and exported, equal to the eager libmha layer (outputs, weights, gradients).
 
 Backends: aot_eager (dynamo's graph capture and AOT autograd, without code generation) for the
 sweep; one inductor (the default backend, which compiles C++) case outside MHA_TEST_QUICK.
@@ -61,7 +63,10 @@ def test_opcheck_forward_and_backward_operators():
                  (q, k, v, attend, None, False, 0.3, 0.0, None, True, True, 2),
                  (q, k, v, None, torch.randn(7, 9, generator=gen), False, 0.0, 0.0, None, False,
                   False, 1),
-                 (q, k, v, None, None, True, 0.0, 0.25, seed, False, False, 1)):
+                 (q, k, v, None, None, True, 0.0, 0.25, seed, False, False, 1),
+                 # a model layer's options: soft-cap, ALiBi, sinks, window, bottom-right
+                 (q, k, v, None, None, True, 0.0, 0.0, None, True, False, 1, 2.5, True,
+                  torch.randn(4, generator=gen), 3, 0, True)):
         torch.library.opcheck(torch.ops.mha.attention.default, args)
 
 
@@ -189,3 +194,58 @@ def test_compiled_dropout_draws_a_new_mask_per_call():
     a2 = cf(q)
     assert not torch.equal(a, b)
     assert torch.equal(a, a2)
+
+
+# from_pretrained layers (tests/hf_models.py builds the tiny models with HF transformers):
+# gemma2 (GQA, scale, soft-cap, RoPE half, the sliding window on alternate layers), gpt_oss
+# (sinks, YaRN, window), phi3 (partial rotary: dimensions beyond R pass unrotated).
+PRETRAINED = (("gemma2", 0), ("gemma2", 1), ("gpt_oss", 0), ("gpt_oss", 1), ("phi3", 0))
+
+
+@pytest.fixture(scope="module")
+def pretrained_dirs(tmp_path_factory):
+    import hf_models  # transformers is imported only for these tests
+    root = tmp_path_factory.mktemp("hf")
+    return {name: hf_models.build(name, str(root))[0] for name in {nm for nm, _ in PRETRAINED}}
+
+
+class PretrainedBlock(torch.nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x, kpm):
+        y, w = self.attn(x, x, x, key_padding_mask=kpm, need_weights=True,
+                         average_attn_weights=False)
+        return x + y, w
+
+
+@pytest.mark.parametrize("name,layer", PRETRAINED)
+def test_from_pretrained_compiles_and_exports_as_eager(pretrained_dirs, name, layer):
+    """The traced form of a from_pretrained layer (torch projections and RoPE around the
+    operator with the model's options) equals the eager libmha layer: outputs, per-head weights
+    (the model's causal / window mask included), dx and every parameter's gradient; and
+    torch.export gives the eager outputs."""
+    attn = mt.MultiheadAttention.from_pretrained(pretrained_dirs[name], layer, batch_first=True)
+    block = PretrainedBlock(attn)
+    gen = torch.Generator().manual_seed(layer + 11)
+    x = torch.randn(2, 12, attn.embed_dim, generator=gen)
+    kpm = torch.zeros(2, 12, dtype=torch.bool)
+    kpm[1, 10:] = True
+    eager, eager_gx = grads_of(lambda x: block(x, kpm), x)
+    eager_gp = _param_grads(block)
+    block.zero_grad()
+    torch._dynamo.reset()  # a new code cache per case (dynamo's recompile limit is 8)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    comp, comp_gx = grads_of(lambda x: compiled(x, kpm), x)
+    comp_gp = _param_grads(block)
+    close(comp[0], eager[0], f"{name}[{layer}] compiled vs eager out")
+    close(comp[1], eager[1], f"{name}[{layer}] compiled vs eager weights")
+    close(comp_gx[0], eager_gx[0], f"{name}[{layer}] compiled vs eager dx")
+    for a, b, (pname, _) in zip(comp_gp, eager_gp, block.named_parameters()):
+        close(a, b, f"{name}[{layer}] compiled vs eager d{pname}")
+    ep = torch.export.export(block, (x, kpm))
+    assert "torch.ops.mha.attention" in ep.graph_module.code
+    got = ep.module()(x, kpm)
+    close(got[0], eager[0], f"{name}[{layer}] exported vs eager out")
+    close(got[1], eager[1], f"{name}[{layer}] exported vs eager weights")

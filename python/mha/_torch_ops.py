@@ -14,6 +14,11 @@ the key takes part (broadcastable to [B, h, n, m] as the C API broadcasts: [n, m
 [1, h, n, m], ...); ``additive`` a float32 mask added to the scores; ``causal`` the top-left
 causal mask. ``seed`` is an int64 tensor of one element (a tensor, so that a compiled program
 draws it from torch's generator at run time instead of baking one constant into the graph).
+Trailing options (defaults: off), those of a model's layer (``MultiheadAttention.from_pretrained``
+traces to them): ``softcap`` (tanh soft-capping of the scores), ``alibi``, ``sinks`` (float32 [h],
+a constant: no gradient is returned for it), and a sliding window ``window_left`` /
+``window_right`` (-1 = unbounded on that side); ``bottom_right`` aligns the causal mask and the
+window to the last key (docs/SEMANTICS.md) instead of the first.
 
 attention(...) -> (out [B, h, n, d_v], lse [B, h, n], probs): probs is [B, h, n, m], [B, n, m]
 averaged over heads (average_probs), or an empty tensor when need_probs is False.
@@ -30,10 +35,13 @@ from . import _marshal as M
 
 _F32 = torch.float32
 _AUTO = L.IMPLS["auto"]
+# A model layer's options beyond an SDPA call's: (softcap, alibi, sinks, window_left,
+# window_right, bottom_right); NO_MODEL turns them all off.
+NO_MODEL = (0.0, False, None, -1, -1, False)
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: Optional[Tensor],
-          causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor]):
+          causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor], model: tuple):
     """The mha_attention_args of one call, and the tensors it points at (kept alive by the
     caller for the duration of the call)."""
     keep = [q.contiguous() if q.stride(-1) != 1 else q,
@@ -45,6 +53,8 @@ def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: O
                          (v.data_ptr(), v.shape, v.stride()[:3]), scale)
     if causal:
         M.causal_top_left(a.mask)
+    if model is not NO_MODEL:
+        _set_model(a, model, keep)
     if attend is not None:
         attend = attend.contiguous()
         keep.append(attend)
@@ -59,6 +69,20 @@ def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: O
     return a, keep
 
 
+def _set_model(a: L.mha_attention_args, model: tuple, keep: list) -> None:
+    softcap, alibi, sinks, window_left, window_right, bottom_right = model
+    a.softcap, a.alibi = softcap, 1 if alibi else 0
+    if sinks is not None:
+        sinks = sinks.detach().to(_F32).contiguous()
+        keep.append(sinks)
+        a.sinks = sinks.data_ptr()
+    if window_left >= 0 or window_right >= 0:
+        a.mask.use_window = 1
+        a.mask.window_left, a.mask.window_right = window_left, window_right
+    if bottom_right:
+        a.mask.alignment = L.ALIGN_BOTTOM_RIGHT
+
+
 def empty(shape) -> Tensor:
     """torch.empty(shape, dtype=float32), at a third of the cost: torch's argument parser is slow
     for a shape tuple with a dtype keyword (~5 us) and fast for plain int arguments (~1.5 us)."""
@@ -70,10 +94,10 @@ def empty(shape) -> Tensor:
 def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
             probs_shape: Optional[tuple] = None):
     """mha_attention: (out [B, h, n, d_v], lse [B, h, n] or None, probs or None). options =
-    (attend, additive, causal, scale, dropout_p, seed, threads); probs_shape [B, h, n, m], or
-    [B, n, m] for probabilities averaged over the heads."""
-    attend, additive, causal, scale, dropout_p, seed, threads = options
-    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed)
+    (attend, additive, causal, scale, dropout_p, seed, threads, model) (model: NO_MODEL or its
+    form); probs_shape [B, h, n, m], or [B, n, m] for probabilities averaged over the heads."""
+    attend, additive, causal, scale, dropout_p, seed, threads, model = options
+    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model)
     out = empty((a.batch, a.num_heads, a.q_len, a.v_head_dim))
     M.set_strided(a, "out", out.data_ptr(), out.stride()[:3])
     lse = probs = None
@@ -89,6 +113,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
     return out, lse, probs
 
 
+def _model(*model) -> tuple:
+    return NO_MODEL if model == NO_MODEL else model
+
+
 def _probs_shape(q: Tensor, m: int, need_probs: bool, average_probs: bool) -> Optional[tuple]:
     B, h, n, _ = q.shape
     if not need_probs:
@@ -98,10 +126,13 @@ def _probs_shape(q: Tensor, m: int, need_probs: bool, average_probs: bool) -> Op
 
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
                   additive: Optional[Tensor], causal: bool, scale: float, dropout_p: float,
-                  seed: Optional[Tensor], need_probs: bool, average_probs: bool,
-                  threads: int) -> Tuple[Tensor, Tensor, Tensor]:
+                  seed: Optional[Tensor], need_probs: bool, average_probs: bool, threads: int,
+                  softcap: float = 0.0, alibi: bool = False, sinks: Optional[Tensor] = None,
+                  window_left: int = -1, window_right: int = -1,
+                  bottom_right: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.mha.attention: see the module docstring."""
-    options = (attend, additive, causal, scale, dropout_p, seed, threads)
+    options = (attend, additive, causal, scale, dropout_p, seed, threads,
+               _model(softcap, alibi, sinks, window_left, window_right, bottom_right))
     out, lse, probs = forward(q, k, v, options, True,
                               _probs_shape(q, v.shape[2], need_probs, average_probs))
     return out, lse, (probs if probs is not None else empty((0,)))
@@ -113,7 +144,8 @@ attention = torch.library.custom_op("mha::attention", _attention_op, mutates_arg
 
 @attention.register_fake
 def _attention_fake(q, k, v, attend, additive, causal, scale, dropout_p, seed, need_probs,
-                    average_probs, threads):
+                    average_probs, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
+                    window_right=-1, bottom_right=False):
     B, h, n, _ = q.shape
     probs_shape = _probs_shape(q, v.shape[2], need_probs, average_probs)
     return (q.new_empty((B, h, n, v.shape[3])), q.new_empty((B, h, n)),
@@ -124,8 +156,8 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              options: tuple) -> Tuple[Tensor, Tensor, Tensor]:
     """mha_attention_backward: (dq, dk, dv) of the forward(q, k, v, options, ...) call that gave
     out and lse."""
-    attend, additive, causal, scale, dropout_p, seed, threads = options
-    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed)
+    attend, additive, causal, scale, dropout_p, seed, threads, model = options
+    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model)
     out = out if out.stride(-1) == 1 else out.contiguous()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     lse = lse.contiguous()
@@ -144,10 +176,14 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                            lse: Tensor, attend: Optional[Tensor], additive: Optional[Tensor],
                            causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor],
-                           threads: int) -> Tuple[Tensor, Tensor, Tensor]:
+                           threads: int, softcap: float = 0.0, alibi: bool = False,
+                           sinks: Optional[Tensor] = None, window_left: int = -1,
+                           window_right: int = -1,
+                           bottom_right: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.mha.attention_backward: the gradients of one torch.ops.mha.attention call."""
     return backward(dout, q, k, v, out, lse,
-                    (attend, additive, causal, scale, dropout_p, seed, threads))
+                    (attend, additive, causal, scale, dropout_p, seed, threads,
+                     _model(softcap, alibi, sinks, window_left, window_right, bottom_right)))
 
 
 attention_backward = torch.library.custom_op("mha::attention_backward", _attention_backward_op,
@@ -156,23 +192,28 @@ attention_backward = torch.library.custom_op("mha::attention_backward", _attenti
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p,
-                             seed, threads):
+                             seed, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
+                             window_right=-1, bottom_right=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attend, additive, causal, scale, dropout_p, seed, _, _, threads = inputs
+    (q, k, v, attend, additive, causal, scale, dropout_p, seed, _, _, threads, softcap, alibi,
+     sinks, window_left, window_right, bottom_right) = inputs
     out, lse, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, attend, additive, seed)
-    ctx.options = (causal, scale, dropout_p, threads)
+    ctx.save_for_backward(q, k, v, out, lse, attend, additive, seed, sinks)
+    ctx.options = (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
+                   bottom_right)
 
 
 def _backward(ctx, dout, _dlse, _dprobs):
-    q, k, v, out, lse, attend, additive, seed = ctx.saved_tensors
-    causal, scale, dropout_p, threads = ctx.options
-    dq, dk, dv = torch.ops.mha.attention_backward(dout, q, k, v, out, lse, attend, additive,
-                                                  causal, scale, dropout_p, seed, threads)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, attend, additive, seed, sinks = ctx.saved_tensors
+    (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
+     bottom_right) = ctx.options
+    dq, dk, dv = torch.ops.mha.attention_backward(
+        dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p, seed, threads,
+        softcap, alibi, sinks, window_left, window_right, bottom_right)
+    return (dq, dk, dv) + (None,) * 15
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

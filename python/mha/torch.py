@@ -23,11 +23,13 @@ masks; ``add_bias_kv`` and ``add_zero_attn`` raise NotImplementedError.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
+from . import _api
 from . import _lib as L
 from . import _marshal as M
 from . import _torch_ops  # noqa: F401  (registers torch.ops.mha.attention[_backward])
@@ -103,7 +105,8 @@ def _layer_forward(layer_ptr: int, a: L.mha_forward_args, threads: int, out_shap
 
 
 # mha_layer_grads fields of each parameter, in the order of MultiheadAttention._params(); a
-# triple is a packed [3E, ...] parameter whose thirds are the q, k and v parts.
+# triple is a packed parameter holding the q, k and v parts one after the other: in_proj_weight's
+# thirds, in_proj_bias's [b_q; b_k; b_v] (thirds, except from_pretrained's GQA: h*d, g*d, g*d_v).
 _PARAM_GRAD_FIELDS = (("dw_q", "dw_k", "dw_v"), "dw_q", "dw_k", "dw_v", ("db_q", "db_k", "db_v"),
                       "dw_o", "db_o")
 
@@ -143,11 +146,11 @@ class _LayerFunction(torch.autograd.Function):
                 p = t.data_ptr()
                 if type(f) is str:
                     setattr(g, f, p)
-                else:  # in_proj_weight / in_proj_bias: q, k, v thirds
-                    step = t.numel() // 3 * 4
-                    setattr(g, f[0], p)
-                    setattr(g, f[1], p + step)
-                    setattr(g, f[2], p + 2 * step)
+                else:  # in_proj_weight / in_proj_bias: q, k, v parts at element offsets
+                    names, (k_at, v_at) = f
+                    setattr(g, names[0], p)
+                    setattr(g, names[1], p + 4 * k_at)
+                    setattr(g, names[2], p + 4 * v_at)
         M.call(L.mha_layer_backward, spec.layer._ptr, spec.state.ptr, dy.data_ptr(), g,
                M.exec_struct(_AUTO, spec.threads))
         return tuple(res)
@@ -244,6 +247,37 @@ def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple]) -> Non
     if window is not None:
         mk.use_window = 1
         mk.window_left, mk.window_right = window
+
+
+def _qkv_offsets(packed: Tensor, params) -> Tuple[int, int]:
+    """Element offsets of the k and v parts of a packed q/k/v parameter (see _PARAM_GRAD_FIELDS)."""
+    q_w, k_w = params[1], params[2]
+    if packed.dim() == 1 and q_w is not None:
+        return q_w.shape[0], q_w.shape[0] + k_w.shape[0]
+    third = packed.numel() // 3
+    return third, 2 * third
+
+
+def _traced_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], B: int,
+                  h: int, n: int, m: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """nn.MultiheadAttention's attn_mask and key_padding_mask as the operator's (attend,
+    additive): bool masks say True = not allowed there, True = takes part here."""
+    attend = additive = None
+    if attn_mask is not None:
+        am = attn_mask if attn_mask.dim() == 2 else attn_mask.view(B, h, n, m)
+        if am.dtype == torch.bool:
+            attend = torch.logical_not(am)
+        else:
+            additive = am.to(_F32)
+    if key_padding_mask is not None:
+        kp = key_padding_mask.reshape(B, 1, 1, m)
+        if kp.dtype == torch.bool:
+            real = torch.logical_not(kp)
+            attend = real if attend is None else torch.logical_and(attend, real)
+        else:
+            kp = kp.to(_F32)
+            additive = kp if additive is None else additive + kp
+    return attend, additive
 
 
 def _param_key(params) -> tuple:
@@ -376,6 +410,9 @@ class MultiheadAttention(nn.Module):
                              alibi=c.alibi, rope=c.rope, sinks=w.get("sinks"))
         self._model_mask = (src._causal, src._window)
         self.model_info = src.model_info
+        if c.rope is not None:  # for the traced forward (the eager one runs libmha's RoPE)
+            freqs, factor = _api.rope_frequencies(c.head_dim, **dataclasses.asdict(c.rope))
+            self._rope_traced_freqs = (c.rope.style, torch.from_numpy(freqs), factor)
         return self
 
     def _reset_parameters(self) -> None:
@@ -505,8 +542,13 @@ class MultiheadAttention(nn.Module):
         the operator torch.ops.mha.attention (mha's forward, its backward registered as the
         autograd formula). Eager calls run the whole layer in libmha (mha_layer_forward), whose
         C layer object and training state cannot enter a traced graph. Same results within the
-        layer tolerance (the GEMMs differ), same masks, weights and dropout semantics."""
-        E, h, bf = self.embed_dim, self.num_heads, self.batch_first
+        layer tolerance (the GEMMs differ), same masks, weights and dropout semantics.
+
+        A from_pretrained layer traces the same way, with its options: GQA (the operator reads
+        g kv heads), RoPE in torch ops (the frequencies and cos/sin factor are libmha's own,
+        mha_rope_frequencies; angles in float64 as the C code computes them), and scale,
+        soft-cap, sinks and the model's causal / sliding-window mask as operator arguments."""
+        h, bf, opts = self.num_heads, self.batch_first, self._options
         unbatched = query.dim() == 2
         in_dtype = query.dtype
 
@@ -520,41 +562,54 @@ class MultiheadAttention(nn.Module):
         if in_w is not None:
             q_w, k_w, v_w = in_w.chunk(3)
         bq = bk = bv = None
-        if in_b is not None:
-            bq, bk, bv = in_b.chunk(3)
+        if in_b is not None:  # rows of q, k, v (E each, unless from_pretrained's GQA)
+            rq, rk = q_w.shape[0], k_w.shape[0]
+            bq, bk, bv = in_b[:rq], in_b[rq:rq + rk], in_b[rq + rk:]
+        g = opts.get("num_kv_heads") or h
 
-        def heads(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:  # [B, h, L, E/h]
+        def heads(x: Tensor, w: Tensor, b: Optional[Tensor], nh: int) -> Tensor:  # [B, nh, L, d]
             y = torch.nn.functional.linear(x, w, b)
-            return y.view(y.shape[0], y.shape[1], h, E // h).transpose(1, 2)
+            return y.view(y.shape[0], y.shape[1], nh, w.shape[0] // nh).transpose(1, 2)
 
-        attend = additive = None
-        if attn_mask is not None:
-            am = attn_mask if attn_mask.dim() == 2 else attn_mask.view(B, h, n, m)
-            if am.dtype == torch.bool:
-                attend = torch.logical_not(am)  # nn.MultiheadAttention: True = not allowed
-            else:
-                additive = am.to(_F32)
-        if key_padding_mask is not None:
-            kp = key_padding_mask.reshape(B, 1, 1, m)
-            if kp.dtype == torch.bool:
-                real = torch.logical_not(kp)
-                attend = real if attend is None else torch.logical_and(attend, real)
-            else:
-                kp = kp.to(_F32)
-                additive = kp if additive is None else additive + kp
+        qh, kh, vh = heads(q, q_w, bq, h), heads(k, k_w, bk, g), heads(v, v_w, bv, g)
+        if opts.get("rope") is not None:
+            qh, kh = self._rope_traced(qh), self._rope_traced(kh)
+        attend, additive = _traced_masks(attn_mask, key_padding_mask, B, h, n, m)
         drop = self.dropout if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
+        causal = is_causal and attn_mask is None
+        window, bottom_right = (-1, -1), False
+        if self._model_mask is not None and attn_mask is None and not is_causal:
+            causal, bottom_right = self._model_mask[0], True
+            window = self._model_mask[1] or window
         o, _, probs = torch.ops.mha.attention(
-            heads(q, q_w, bq), heads(k, k_w, bk), heads(v, v_w, bv), attend, additive,
-            is_causal and attn_mask is None, 0.0, drop, seed, need_weights, average,
-            self.threads)
-        out = torch.nn.functional.linear(o.transpose(1, 2).reshape(B, n, E), ow, ob)
+            qh, kh, vh, attend, additive, causal, float(opts.get("scale") or 0.0), drop, seed,
+            need_weights, average, self.threads, float(opts.get("softcap") or 0.0),
+            bool(opts.get("alibi")), self._buffers.get("sinks"), window[0], window[1],
+            bottom_right)
+        out = torch.nn.functional.linear(o.transpose(1, 2).reshape(B, n, -1), ow, ob)
         out = out.squeeze(0) if unbatched else (out if bf else out.transpose(0, 1))
         if not need_weights:
             probs = None
         elif unbatched:
             probs = probs.squeeze(0)
         return out.to(in_dtype), probs
+
+    def _rope_traced(self, x: Tensor) -> Tensor:
+        """RoPE of x [B, heads, L, d] at positions 0 .. L-1 in torch operations
+        (docs/SEMANTICS.md, "RoPE"): pair (a, b) -> (a cos - b sin, a sin + b cos) with the
+        angle position * f_k in float64, cos and sin times libmha's factor, then float32."""
+        style, freqs, factor = self._rope_traced_freqs
+        R = 2 * freqs.shape[0]
+        angle = torch.arange(x.shape[2], dtype=torch.float64).unsqueeze(1) * freqs
+        cos, sin = (torch.cos(angle) * factor).to(_F32), (torch.sin(angle) * factor).to(_F32)
+        if style == "half":
+            a, b = x[..., :R // 2], x[..., R // 2:R]
+            rotated = torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+        else:
+            a, b = x[..., 0:R:2], x[..., 1:R:2]
+            rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+        return torch.cat([rotated, x[..., R:]], -1)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
@@ -569,13 +624,6 @@ class MultiheadAttention(nn.Module):
         PyTorch does). Weights: (N, L, S) averaged over heads, or (N, num_heads, L, S).
         """
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            if self._options or self._model_mask is not None:
-                # The traced form is nn.MultiheadAttention's (torch projections around the
-                # operator): it has no RoPE, GQA, scale, soft-cap, sinks or model mask, so a
-                # from_pretrained layer would silently become another layer.
-                raise NotImplementedError(
-                    "mha.torch.MultiheadAttention.from_pretrained layers run eagerly only: "
-                    "torch.compile / torch.export of them is not supported")
             return self._forward_traced(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
         if (query is key and key is value and attn_mask is None and key_padding_mask is None
@@ -674,7 +722,7 @@ class MultiheadAttention(nn.Module):
             for f, p in zip(_PARAM_GRAD_FIELDS, params):
                 if p is not None:
                     ins.append(p)
-                    fields.append(f)
+                    fields.append(f if type(f) is str else (f, _qkv_offsets(p, params)))
             spec = _LayerSpec()
             spec.layer, spec.args, spec.threads = layer, a, self.threads
             spec.out_shape, spec.probs_shape = out_shape, probs_shape
@@ -791,8 +839,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         out = torch.ops.mha.attention(q4, k4, v4, attend, additive, is_causal, scale, dropout_p,
                                       seed, False, False, threads)[0]
     else:
-        out = _CoreFunction.apply((attend, additive, is_causal, scale, dropout_p, seed, threads),
-                                  q4, k4, v4)
+        out = _CoreFunction.apply((attend, additive, is_causal, scale, dropout_p, seed, threads,
+                                   _torch_ops.NO_MODEL), q4, k4, v4)
     if nd != 4:
         out = out.reshape(lead + (n, v4.shape[3]))
     if in_dtype != _F32:
