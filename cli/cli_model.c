@@ -10,7 +10,7 @@ static const char *rope_style_name(mha_rope_style s) {
 }
 
 static const char *rope_scaling_name(mha_rope_scaling_type t) {
-    static const char *const names[] = {"none", "linear", "ntk", "llama3", "yarn"};
+    static const char *const names[] = {"none", "linear", "ntk", "llama3", "yarn", "dynamic"};
     return (unsigned)t < sizeof names / sizeof names[0] ? names[t] : "?";
 }
 
@@ -23,6 +23,9 @@ static void print_rope(const mha_rope *r) {
            r->theta, (long long)r->rotary_dim, rope_scaling_name(r->scaling));
     if (r->scaling == MHA_ROPE_SCALING_LINEAR)
         printf(" (factor %g)", r->factor);
+    else if (r->scaling == MHA_ROPE_SCALING_DYNAMIC)
+        printf(" (factor %g, original_max %g: NTK at each call's length beyond it)", r->factor,
+               r->original_max_position);
     else if (r->scaling == MHA_ROPE_SCALING_LLAMA3)
         printf(" (factor %g, low_freq_factor %g, high_freq_factor %g, original_max %g)", r->factor,
                r->low_freq_factor, r->high_freq_factor, r->original_max_position);

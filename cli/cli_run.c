@@ -136,9 +136,10 @@ void cli_run_usage(void) {
         "                           (default: 0..n-1)",
         "  --key-positions KPOS.npy key positions [m] or [B, m] (default: the query positions for",
         "                           self-attention, 0..m-1 for cross-attention)",
-        "  --rope-scaling TYPE      none, linear, ntk, llama3 or yarn (default: none)",
-        "  --rope-factor F          scaling factor (default: 1 for linear and ntk, 8 for llama3)",
-        "  --rope-original-max N    original context length (default: 8192 llama3, 4096 yarn)",
+        "  --rope-scaling TYPE      none, linear, ntk, dynamic, llama3 or yarn (default: none)",
+        "  --rope-factor F          scaling factor (default: 1 for linear, ntk, dynamic; 8 llama3)",
+        "  --rope-original-max N    original context length (default: 8192 llama3, 4096 yarn;",
+        "                           dynamic: required, transformers' max_position_embeddings)",
         "  --rope-low-freq F        llama3 low_freq_factor (default: 1)",
         "  --rope-high-freq F       llama3 high_freq_factor (default: 4)",
         "  --rope-beta-fast F       yarn beta_fast (default: 32)",
@@ -600,16 +601,15 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
             static const struct {
                 const char *name;
                 mha_rope_scaling_type type;
-            } kinds[] = {{"none", MHA_ROPE_SCALING_NONE},
-                         {"linear", MHA_ROPE_SCALING_LINEAR},
-                         {"ntk", MHA_ROPE_SCALING_NTK},
-                         {"llama3", MHA_ROPE_SCALING_LLAMA3},
-                         {"yarn", MHA_ROPE_SCALING_YARN}};
+            } kinds[] = {{"none", MHA_ROPE_SCALING_NONE}, {"linear", MHA_ROPE_SCALING_LINEAR},
+                         {"ntk", MHA_ROPE_SCALING_NTK},   {"llama3", MHA_ROPE_SCALING_LLAMA3},
+                         {"yarn", MHA_ROPE_SCALING_YARN}, {"dynamic", MHA_ROPE_SCALING_DYNAMIC}};
             size_t k = 0;
             while (k < sizeof kinds / sizeof kinds[0] && strcmp(kinds[k].name, v[O_ROPE_SCALING]))
                 k++;
             if (k == sizeof kinds / sizeof kinds[0])
-                return cli_usage("--rope-scaling: '%s' is not none, linear, ntk, llama3 or yarn",
+                return cli_usage("--rope-scaling: '%s' is not none, linear, ntk, dynamic, "
+                                 "llama3 or yarn",
                                  v[O_ROPE_SCALING]);
             o->rope.scaling = kinds[k].type;
         }

@@ -229,10 +229,14 @@ typedef enum mha_rope_style {
 
 typedef enum mha_rope_scaling_type {
     MHA_ROPE_SCALING_NONE = 0,
-    MHA_ROPE_SCALING_LINEAR = 1, /* position interpolation: freq_i / factor */
-    MHA_ROPE_SCALING_NTK = 2,    /* NTK-aware: theta' = theta * factor^(R/(R-2)) */
-    MHA_ROPE_SCALING_LLAMA3 = 3, /* Llama 3.1 per-wavelength blend */
-    MHA_ROPE_SCALING_YARN = 4,   /* YaRN ramp + attention factor */
+    MHA_ROPE_SCALING_LINEAR = 1,  /* position interpolation: freq_i / factor */
+    MHA_ROPE_SCALING_NTK = 2,     /* NTK-aware: theta' = theta * factor^(R/(R-2)) */
+    MHA_ROPE_SCALING_LLAMA3 = 3,  /* Llama 3.1 per-wavelength blend */
+    MHA_ROPE_SCALING_YARN = 4,    /* YaRN ramp + attention factor */
+    MHA_ROPE_SCALING_DYNAMIC = 5, /* dynamic NTK (transformers' "dynamic"): NTK at the length L
+                                     of the call (1 + its largest position): factor' =
+                                     factor L / original_max - (factor - 1) when L >
+                                     original_max, unscaled otherwise (mha_rope_at_length) */
 } mha_rope_scaling_type;
 
 /** RoPE: pair k (k = 0 .. R/2-1, R = rotary_dim) has frequency f_k = theta^(-2k/R) (then the
@@ -244,8 +248,9 @@ typedef struct mha_rope {
     double theta;       /* 0 = 10000 */
     int64_t rotary_dim; /* even, <= head_dim; 0 = head_dim */
     mha_rope_scaling_type scaling;
-    double factor;                /* > 0 for every scaling; 0 = 1 for LINEAR/NTK, 8 for LLAMA3 */
-    double original_max_position; /* LLAMA3 (0 = 8192) and YARN (0 = 4096) */
+    double factor; /* > 0 for every scaling; 0 = 1 for LINEAR/NTK/DYNAMIC, 8 for LLAMA3 */
+    double original_max_position; /* LLAMA3 (0 = 8192), YARN (0 = 4096), DYNAMIC (required:
+                                     transformers' max_position_embeddings) */
     double low_freq_factor;       /* LLAMA3, 0 = 1 */
     double high_freq_factor;      /* LLAMA3, 0 = 4 */
     double beta_fast;             /* YARN, 0 = 32 */
@@ -260,7 +265,8 @@ typedef struct mha_rope {
 
 /** Applies RoPE in place to x viewed as [B, L, H, D] with element strides x_strides (D stride 1).
  *  positions: element (b, t) at positions[b * pos_batch_stride + t]; pos_batch_stride = 0
- *  broadcasts one row over the batch; positions == NULL means t. */
+ *  broadcasts one row over the batch; positions == NULL means t. A DYNAMIC rope is taken at
+ *  length 1 + the largest position given (mha_rope_at_length). */
 MHA_API mha_status mha_rope_apply(const mha_rope *rope,
                                   int64_t batch,
                                   int64_t seq_len,
@@ -273,9 +279,19 @@ MHA_API mha_status mha_rope_apply(const mha_rope *rope,
                                   mha_error *err);
 
 /** The (possibly scaled) inverse frequencies f_k, k = 0 .. rotary_dim/2-1, and the factor that
- *  multiplies cos and sin (1 except YaRN). For inspection and tests. */
+ *  multiplies cos and sin (1 except YaRN). For inspection and tests. A DYNAMIC rope has no
+ *  frequencies of its own (INVALID_ARG): take mha_rope_at_length first. */
 MHA_API mha_status mha_rope_frequencies(
     const mha_rope *rope, int64_t head_dim, double *freqs, double *cos_sin_factor, mha_error *err);
+
+/** The fixed rope a rope becomes for a call of length `length` (1 + its largest position): a
+ *  DYNAMIC rope becomes NTK with factor' = factor length / original_max - (factor - 1) when
+ *  length > original_max, and unscaled otherwise (transformers' dynamic NTK of a module that
+ *  has seen no longer sequence); any other rope comes back as it is, defaults filled in. The
+ *  layer, decode and ring calls do this themselves with the length of the positions they rotate.
+ */
+MHA_API mha_status mha_rope_at_length(
+    const mha_rope *rope, int64_t head_dim, int64_t length, mha_rope *out, mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* The attention core                                                                             */

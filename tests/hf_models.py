@@ -40,6 +40,10 @@ CASES = {
                                            "yarn", 1e4, factor=4.0,
                                            original_max_position_embeddings=16)),
                    T.LlamaForCausalLM, "model.layers.{L}.self_attn", (0,)),
+    # dynamic NTK compares the length with max_position_embeddings: 8 < SEQ, so it scales.
+    "llama_dynamic": (T.LlamaConfig, dict(LLAMA, num_key_value_heads=2, max_position_embeddings=8,
+                                          rope_parameters=_rope("dynamic", 1e4, factor=2.0)),
+                      T.LlamaForCausalLM, "model.layers.{L}.self_attn", (0,)),
     "mistral": (T.MistralConfig, dict(LLAMA, num_key_value_heads=2, sliding_window=WINDOW,
                                       rope_parameters=_rope("linear", 1e4, factor=2.0)),
                 T.MistralForCausalLM, "model.layers.{L}.self_attn", (0,)),

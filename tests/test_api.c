@@ -547,6 +547,76 @@ static void test_layer_project(void) {
     mha_layer_destroy(layer);
 }
 
+/* Dynamic NTK RoPE (docs/SEMANTICS.md, "RoPE"): mha_rope_at_length against the formula written
+ * out here; mha_rope_apply and the layer's forward and backward take the rope at the call's length
+ * (1 + the largest position): bit-identical to the same calls with the fixed rope it becomes. */
+static void test_dynamic_rope(void) {
+    enum { N = 40, D = 16, H = 2, DK = 8 };
+    mha_error err;
+    mha_rope dyn = {0}, at, fixed;
+    dyn.style = MHA_ROPE_HALF, dyn.scaling = MHA_ROPE_SCALING_DYNAMIC, dyn.factor = 4.0;
+    expect(mha_rope_at_length(&dyn, DK, N, &at, &err), &err, MHA_STATUS_INVALID_ARG,
+           "original_max_position", "dynamic rope without its original length");
+    dyn.original_max_position = 16.0;
+    double freqs[DK / 2], cs;
+    expect(mha_rope_frequencies(&dyn, DK, freqs, &cs, &err), &err, MHA_STATUS_INVALID_ARG,
+           "mha_rope_at_length", "a dynamic rope has no frequencies of its own");
+    CHECK_OK(mha_rope_at_length(&dyn, DK, 16, &at, &err), &err);
+    CHECK(at.scaling == MHA_ROPE_SCALING_NONE, "dynamic rope at its original length: unscaled");
+    CHECK_OK(mha_rope_at_length(&dyn, DK, N, &at, &err), &err);
+    CHECK(at.scaling == MHA_ROPE_SCALING_NTK && at.factor == 4.0 * N / 16.0 - 3.0,
+          "dynamic rope at %d: scaling %d factor %g", N, (int)at.scaling, at.factor);
+    CHECK_OK(mha_rope_frequencies(&at, DK, freqs, &cs, &err), &err);
+    const double theta = 10000.0 * pow(7.0, DK / (DK - 2.0)); /* factor 4 * 40/16 - 3 = 7 */
+    for (int k = 0; k < DK / 2; k++)
+        CHECK(fabs(freqs[k] - pow(theta, -2.0 * k / DK)) <= 1e-15 * freqs[k],
+              "dynamic rope f_%d = %.17g", k, freqs[k]);
+
+    /* mha_rope_apply: positions up to 39 (length 40), then up to 15 (unscaled). */
+    static float x[N * D], y[N * D], wts[4 * D * D], out_d[N * D], out_f[N * D];
+    for (int i = 0; i < N * D; i++)
+        x[i] = (float)((i * 37 % 101) - 50) / 50.0f;
+    const int64_t xs[4] = {5 * DK, DK, DK, 1};
+    int64_t pos[5] = {0, 3, 39, 7, 2};
+    mha_rope plain = dyn;
+    plain.scaling = MHA_ROPE_SCALING_NONE;
+    for (int round = 0; round < 2; round++) {
+        memcpy(y, x, sizeof(float) * 5 * DK);
+        CHECK_OK(mha_rope_apply(&dyn, 1, 5, 1, DK, y, xs, pos, 0, &err), &err);
+        memcpy(out_f, x, sizeof(float) * 5 * DK);
+        CHECK_OK(mha_rope_apply(round ? &plain : &at, 1, 5, 1, DK, out_f, xs, pos, 0, &err), &err);
+        CHECK(!memcmp(y, out_f, sizeof(float) * 5 * DK), "dynamic mha_rope_apply, round %d", round);
+        pos[2] = 15;
+    }
+
+    /* The layer, causal self-attention over positions 0 .. N-1: forward and backward. */
+    for (int i = 0; i < 4 * D * D; i++)
+        wts[i] = (float)((i * 53 % 97) - 48) / 400.0f;
+    mha_weights w = {0};
+    w.w_q = wts, w.w_k = wts + D * D, w.w_v = wts + 2 * D * D, w.w_o = wts + 3 * D * D;
+    CHECK_OK(mha_rope_at_length(&dyn, DK, N, &fixed, &err), &err);
+    const mha_rope *ropes[2] = {&dyn, &fixed};
+    static float grads[2][3][N * D];
+    for (int i = 0; i < 2; i++) {
+        mha_config c = {0};
+        c.q_dim = D, c.num_heads = H, c.rope = *ropes[i];
+        mha_layer *L = NULL;
+        CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+        mha_forward_args a = {0};
+        a.batch = 1, a.q_len = N, a.query = x, a.mask.causal = 1;
+        a.out = i ? out_f : out_d;
+        mha_train_state *st = NULL;
+        CHECK_OK(mha_layer_forward_train(L, &a, NULL, &st, &err), &err);
+        mha_layer_grads g = {0};
+        g.d_query = grads[i][0], g.dw_q = grads[i][1], g.dw_k = grads[i][2];
+        CHECK_OK(mha_layer_backward(L, st, x, &g, NULL, &err), &err);
+        mha_train_state_destroy(st);
+        mha_layer_destroy(L);
+    }
+    CHECK(!memcmp(out_d, out_f, sizeof out_d), "dynamic rope layer forward == fixed rope at N");
+    CHECK(!memcmp(grads[0], grads[1], sizeof grads[0]), "dynamic rope layer backward == fixed");
+}
+
 int main(void) {
     test_safetensors_switch();
     test_status_strings();
@@ -555,5 +625,6 @@ int main(void) {
     test_attention_errors();
     test_workspace_alignment();
     test_layer_project();
+    test_dynamic_rope();
     return test_finish();
 }

@@ -395,6 +395,24 @@ def test_run_rope_scalings_run(case, scaling):
     assert np.all(np.isfinite(np.load(case.Y)))
 
 
+def test_run_rope_dynamic_is_ntk_at_the_call_length(case):
+    """--rope-scaling dynamic over n = 5 positions with original max 3: NTK with factor
+    3 * 5/3 - (3 - 1) = 3, bit for bit; without --rope-original-max, an error naming it."""
+    rope = ["--rope-theta", "500", "--rope-dim", "4", "--causal"]
+    outs = []
+    for scaling in (["dynamic", "--rope-factor", "3", "--rope-original-max", "3"],
+                    ["ntk", "--rope-factor", "3"],
+                    ["dynamic", "--rope-factor", "3", "--rope-original-max", "5"],
+                    ["none"]):
+        r = run_cli(*case.base, *rope, "--rope-scaling", *scaling)
+        assert r.returncode == 0, r.stderr
+        outs.append(np.load(case.Y))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[2], outs[3])
+    assert not np.array_equal(outs[0], outs[3])
+    r = run_cli(*case.base, *rope, "--rope-scaling", "dynamic", "--rope-factor", "3")
+    assert r.returncode != 0 and "original_max_position" in r.stderr, r.stderr
+
+
 def test_run_overwrites_existing_output(case):
     np.save(case.Y, np.zeros(3))
     r = run_cli(*case.base)

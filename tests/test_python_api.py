@@ -476,6 +476,16 @@ def test_rope_vs_formula(style):
     assert fac == 1.0
     freqs2, _ = mha.rope_frequencies(8, scaling="linear", factor=4.0)
     np.testing.assert_allclose(freqs2, freqs / 4, rtol=1e-12)
+    # dynamic NTK: unscaled up to the original length, NTK at factor' = 2 * 40/16 - 1 beyond it.
+    dyn = dict(scaling="dynamic", factor=2.0, original_max_position=16)
+    with pytest.raises(mha.MhaError, match="mha_rope_at_length"):
+        mha.rope_frequencies(8, **dyn)
+    np.testing.assert_array_equal(mha.rope_frequencies(8, length=16, **dyn)[0], freqs)
+    f40, _ = mha.rope_frequencies(8, length=40, **dyn)
+    np.testing.assert_allclose(f40, (1e4 * 4.0 ** (8 / 6)) ** (-np.arange(4) / 4), rtol=1e-12)
+    pos40 = np.array([[0, 39, 5, 7, 1]] * 2)
+    np.testing.assert_array_equal(mha.rope(x, pos40, style=style, **dyn),
+                                  mha.rope(x, pos40, style=style, scaling="ntk", factor=4.0))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -223,7 +223,8 @@ class Rope:
 
     style: 'interleaved' (pairs 2k, 2k+1: RoFormer, CS336, GPT-J) or 'half' (pairs k, k+R/2:
     GPT-NeoX, HF Llama). rotary_dim: R (even, <= head_dim; None = head_dim). scaling: None,
-    'linear', 'ntk', 'llama3' or 'yarn', with its parameters (None = the documented default);
+    'linear', 'ntk', 'dynamic' (NTK at each call's length beyond original_max_position, which it
+    requires), 'llama3' or 'yarn', with its parameters (None = the documented default);
     yarn_no_truncate keeps YaRN's ramp ends unrounded (transformers' ``truncate: false``).
     """
     style: str = "interleaved"
@@ -244,8 +245,8 @@ class Rope:
         if self.style not in ("interleaved", "half"):
             raise ValueError(f"rope style: expected 'interleaved' or 'half', got {self.style!r}")
         if self.scaling not in L.ROPE_SCALINGS:
-            raise ValueError(f"rope scaling: expected None, 'linear', 'ntk', 'llama3' or 'yarn', "
-                             f"got {self.scaling!r}")
+            raise ValueError(f"rope scaling: expected None, 'linear', 'ntk', 'dynamic', 'llama3' "
+                             f"or 'yarn', got {self.scaling!r}")
         r.style = L.ROPE_STYLES[self.style]
         r.theta = float(self.theta)
         r.rotary_dim = int(self.rotary_dim or 0)
@@ -261,7 +262,7 @@ class Rope:
         if r.style == 0:
             return None
         style = {1: "interleaved", 2: "half"}[r.style]
-        scaling = {0: None, 1: "linear", 2: "ntk", 3: "llama3", 4: "yarn"}[r.scaling]
+        scaling = {0: None, 1: "linear", 2: "ntk", 3: "llama3", 4: "yarn", 5: "dynamic"}[r.scaling]
         kw = {f: (getattr(r, f) or None) for f in (
             "factor", "original_max_position", "low_freq_factor", "high_freq_factor",
             "beta_fast", "beta_slow", "attention_factor")}
@@ -321,10 +322,17 @@ def rope(x: ArrayLike, positions: Optional[ArrayLike] = None, *, style: str = "i
 
 def rope_frequencies(head_dim: int, *, style: str = "interleaved", theta: float = 10000.0,
                      rotary_dim: Optional[int] = None, scaling: Optional[str] = None,
+                     length: Optional[int] = None,
                      **scaling_params: float) -> Tuple[np.ndarray, float]:
-    """The (scaled) inverse frequencies f_k (float64, R/2 of them) and the cos/sin factor."""
+    """The (scaled) inverse frequencies f_k (float64, R/2 of them) and the cos/sin factor.
+    length: the call's length (1 + its largest position), which scaling='dynamic' needs
+    (mha_rope_at_length)."""
     rp = Rope(style=style, theta=theta, rotary_dim=rotary_dim, scaling=scaling, **scaling_params)
     r = rp._to_c()
+    if length is not None:
+        fixed = L.mha_rope()
+        M.call(L.mha_rope_at_length, r, head_dim, int(length), ctypes.byref(fixed))
+        r = fixed
     R = rotary_dim or head_dim
     freqs = np.zeros(max(R // 2, 1), dtype=np.float64)
     fac = ctypes.c_double()

@@ -43,7 +43,8 @@ IMPLS = {"auto": 0, "reference": 1, "fast": 2}
 # mha_rope_style
 ROPE_STYLES = {None: 0, "none": 0, "interleaved": 1, "half": 2}
 # mha_rope_scaling_type
-ROPE_SCALINGS = {None: 0, "none": 0, "linear": 1, "ntk": 2, "llama3": 3, "yarn": 4}
+ROPE_SCALINGS = {None: 0, "none": 0, "linear": 1, "ntk": 2, "llama3": 3, "yarn": 4,
+                 "dynamic": 5}
 
 
 class MhaError(RuntimeError):
@@ -258,6 +259,8 @@ mha_rope_apply = _fn("mha_rope_apply", [P(mha_rope), c_int64, c_int64, c_int64, 
                                         P(c_int64 * 4), c_void_p, c_int64, P(mha_error)])
 mha_rope_frequencies = _fn("mha_rope_frequencies", [P(mha_rope), c_int64, c_void_p, c_void_p,
                                                     P(mha_error)])
+mha_rope_at_length = _fn("mha_rope_at_length", [P(mha_rope), c_int64, c_int64, P(mha_rope),
+                                                P(mha_error)])
 mha_attention = _fn("mha_attention", [P(mha_attention_args), P(mha_exec), P(mha_error)])
 mha_attention_statistics = _fn("mha_attention_statistics", [P(mha_attention_args),
                                                             P(mha_attention_stats), P(mha_exec),

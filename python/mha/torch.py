@@ -411,7 +411,10 @@ class MultiheadAttention(nn.Module):
         self._model_mask = (src._causal, src._window)
         self.model_info = src.model_info
         if c.rope is not None:  # for the traced forward (the eager one runs libmha's RoPE)
-            freqs, factor = _api.rope_frequencies(c.head_dim, **dataclasses.asdict(c.rope))
+            r = dataclasses.asdict(c.rope)
+            if c.rope.scaling == "dynamic":  # its frequencies unscaled, up to original_max
+                r.update(scaling=None, factor=None, original_max_position=None)
+            freqs, factor = _api.rope_frequencies(c.head_dim, **r)
             self._rope_traced_freqs = (c.rope.style, torch.from_numpy(freqs), factor)
         return self
 
@@ -573,7 +576,7 @@ class MultiheadAttention(nn.Module):
 
         qh, kh, vh = heads(q, q_w, bq, h), heads(k, k_w, bk, g), heads(v, v_w, bv, g)
         if opts.get("rope") is not None:
-            qh, kh = self._rope_traced(qh), self._rope_traced(kh)
+            qh, kh = self._rope_traced(qh, max(n, m)), self._rope_traced(kh, max(n, m))
         attend, additive = _traced_masks(attn_mask, key_padding_mask, B, h, n, m)
         drop = self.dropout if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
@@ -595,12 +598,20 @@ class MultiheadAttention(nn.Module):
             probs = probs.squeeze(0)
         return out.to(in_dtype), probs
 
-    def _rope_traced(self, x: Tensor) -> Tensor:
+    def _rope_traced(self, x: Tensor, length: int) -> Tensor:
         """RoPE of x [B, heads, L, d] at positions 0 .. L-1 in torch operations
         (docs/SEMANTICS.md, "RoPE"): pair (a, b) -> (a cos - b sin, a sin + b cos) with the
-        angle position * f_k in float64, cos and sin times libmha's factor, then float32."""
+        angle position * f_k in float64, cos and sin times libmha's factor, then float32. A
+        dynamic rope is taken at the call's `length` (mha_rope_at_length): NTK-aware,
+        theta' = theta factor'^(R/(R-2)) with factor' = factor length / original_max -
+        (factor - 1), beyond original_max."""
         style, freqs, factor = self._rope_traced_freqs
         R = 2 * freqs.shape[0]
+        rope = self._options["rope"]
+        if rope.scaling == "dynamic" and length > rope.original_max_position:
+            f = rope.factor * length / rope.original_max_position - (rope.factor - 1.0)
+            theta = rope.theta * f ** (R / (R - 2.0))
+            freqs = theta ** (torch.arange(R // 2, dtype=torch.float64) * (-2.0 / R))
         angle = torch.arange(x.shape[2], dtype=torch.float64).unsqueeze(1) * freqs
         cos, sin = (torch.cos(angle) * factor).to(_F32), (torch.sin(angle) * factor).to(_F32)
         if style == "half":

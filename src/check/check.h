@@ -66,7 +66,10 @@ mha_status mha__check_positions(const int64_t *positions,
                                 int64_t batch_stride,
                                 const char *name,
                                 mha_error *err);
-/* mha_rope_frequencies' arguments and its resolved rope. */
+/* mha_rope_at_length's arguments and its resolved rope. */
+mha_status mha__check_rope_at_length(
+    const mha_rope *rope, int64_t head_dim, int64_t length, mha_rope *resolved, mha_error *err);
+/* mha_rope_frequencies' arguments and its resolved rope (a fixed one: not DYNAMIC). */
 mha_status mha__check_rope_frequencies(const mha_rope *rope,
                                        int64_t head_dim,
                                        const double *freqs,

@@ -28,6 +28,7 @@ mha_status mha__check_rope(const mha_rope *in, int64_t head_dim, mha_rope *out, 
     case MHA_ROPE_SCALING_LINEAR:
     case MHA_ROPE_SCALING_NTK:
     case MHA_ROPE_SCALING_YARN:
+    case MHA_ROPE_SCALING_DYNAMIC:
         if (r.factor == 0.0)
             r.factor = 1.0;
         break;
@@ -42,9 +43,14 @@ mha_status mha__check_rope(const mha_rope *in, int64_t head_dim, mha_rope *out, 
     if (r.scaling != MHA_ROPE_SCALING_NONE)
         MHA_RETURN_IF(!finite_positive(r.factor), err, INVALID_ARG,
                       "rope.factor=%g must be finite and > 0", r.factor);
-    if (r.scaling == MHA_ROPE_SCALING_NTK)
+    if (r.scaling == MHA_ROPE_SCALING_NTK || r.scaling == MHA_ROPE_SCALING_DYNAMIC)
         MHA_RETURN_IF(r.rotary_dim <= 2, err, INVALID_ARG,
                       "NTK-aware scaling needs rotary_dim > 2 (got %lld)", (long long)r.rotary_dim);
+    if (r.scaling == MHA_ROPE_SCALING_DYNAMIC)
+        MHA_RETURN_IF(!finite_positive(r.original_max_position), err, INVALID_ARG,
+                      "dynamic scaling needs original_max_position > 0 (transformers' "
+                      "max_position_embeddings), got %g",
+                      r.original_max_position);
     if (r.scaling == MHA_ROPE_SCALING_LLAMA3) {
         if (r.original_max_position == 0.0)
             r.original_max_position = 8192.0;
@@ -107,6 +113,18 @@ mha_status mha__check_rope_frequencies(const mha_rope *rope,
     MHA_RETURN_IF(head_dim <= 0 || head_dim > MHA_MAX_DIM, err, INVALID_ARG,
                   "head_dim=%lld out of range", (long long)head_dim);
     MHA_RETURN_IF(!freqs || !cos_sin_factor, err, INVALID_ARG, "freqs or cos_sin_factor is NULL");
+    mha_status st = mha__check_rope(rope, head_dim, resolved, err);
+    MHA_RETURN_IF(!st && resolved->scaling == MHA_ROPE_SCALING_DYNAMIC, err, INVALID_ARG,
+                  "dynamic scaling depends on the call's length: take mha_rope_at_length first");
+    return st;
+}
+
+mha_status mha__check_rope_at_length(
+    const mha_rope *rope, int64_t head_dim, int64_t length, mha_rope *resolved, mha_error *err) {
+    MHA_RETURN_IF(head_dim <= 0 || head_dim > MHA_MAX_DIM, err, INVALID_ARG,
+                  "head_dim=%lld out of range", (long long)head_dim);
+    MHA_RETURN_IF(length < 0 || length > MHA_MAX_POSITION + 1, err, INVALID_ARG,
+                  "length=%lld outside [0, 2^31 + 1]", (long long)length);
     return mha__check_rope(rope, head_dim, resolved, err);
 }
 

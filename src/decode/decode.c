@@ -498,10 +498,14 @@ static mha_status layer_step(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, args->x, w->w_v, w->b_v, v, rows, c->q_dim,
                                g * dv, NULL, 0, err);
 
-    /* 2. RoPE at the absolute positions len0 + i. */
+    /* 2. RoPE at the absolute positions len0 + i (a DYNAMIC rope at this call's length: the
+     *    cached keys keep the rotation of the call that appended them, as transformers' do). */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
-        mha__plan_rope(&c->rope, tab, q, S, t, h, dk, NULL, len0, 1);
-        mha__plan_rope(&c->rope, tab, k, S, t, g, dk, NULL, len0, 1);
+        int64_t len = 0;
+        for (int64_t i = 0; i < S; i++)
+            len = len0[i] + t > len ? len0[i] + t : len;
+        mha__plan_rope(&c->rope, len, tab, q, S, t, h, dk, NULL, len0, 1);
+        mha__plan_rope(&c->rope, len, tab, k, S, t, g, dk, NULL, len0, 1);
     }
 
     /* 3. Append and attend, in steps a window ring can hold. */

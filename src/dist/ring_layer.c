@@ -97,6 +97,14 @@ static mha_status prepare(const char *fn,
                         fn, (long long)a->q_len, rank, (long long)lc->n, (long long)cfg->seq_len);
         return MHA_STATUS_INVALID_ARG;
     }
+    if (c->rope.style != MHA_ROPE_NONE && c->rope.scaling == MHA_ROPE_SCALING_DYNAMIC) {
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "%s: rope scaling dynamic is not supported (its length is the whole "
+                        "sequence's, no rank's): make the layer with mha_rope_at_length(rope, "
+                        "head_dim, seq_len) instead",
+                        fn);
+        return MHA_STATUS_UNSUPPORTED;
+    }
     if (c->k_dim != c->q_dim || c->v_dim != c->q_dim) {
         mha__dist_error(err, MHA_STATUS_INVALID_ARG,
                         "%s: self-attention needs k_dim = v_dim = q_dim (the layer has %lld, %lld, "

@@ -587,6 +587,23 @@ read_llama3(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, m
     return MHA_STATUS_OK;
 }
 
+/* transformers' "dynamic" NTK: the length it compares with is max_position_embeddings (not an
+ * original_max_position_embeddings); the layer takes the rope at each call's length. */
+static mha_status
+read_dynamic(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
+    r->factor = 0.0;
+    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &r->factor, err));
+    MHA_RETURN_IF(r->factor == 0.0, err, BAD_FILE, "%s: dynamic RoPE scaling needs \"%sfactor\"",
+                  m->config_path, where);
+    r->original_max_position = 0.0;
+    TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15,
+                &r->original_max_position, err));
+    MHA_RETURN_IF(r->original_max_position == 0.0, err, BAD_FILE,
+                  "%s: dynamic RoPE scaling needs \"max_position_embeddings\"", m->config_path);
+    r->scaling = MHA_ROPE_SCALING_DYNAMIC;
+    return MHA_STATUS_OK;
+}
+
 /* The frequency scaling named by rope_type (or 4.x's "type"). */
 static mha_status
 read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
@@ -612,10 +629,12 @@ read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, 
         return read_llama3(m, s, where, r, err);
     if (strcmp(type, "yarn") == 0)
         return read_yarn(m, s, where, r, err);
+    if (strcmp(type, "dynamic") == 0)
+        return read_dynamic(m, s, where, r, err);
     return mha__fail(err, MHA_STATUS_UNSUPPORTED,
                      "%s: \"%srope_type\": \"%s\" is not supported by mha (supported: default, "
-                     "linear, llama3, yarn; \"dynamic\" NTK depends on the sequence length, "
-                     "\"longrope\" is not implemented)",
+                     "linear, dynamic, llama3, yarn; \"longrope\"'s per-pair factor lists are "
+                     "not implemented)",
                      m->config_path, where, type);
 }
 

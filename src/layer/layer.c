@@ -257,8 +257,9 @@ mha_status mha_layer_forward(const mha_layer *layer,
         double *tab = (double *)(ws + l.rope_off);
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        mha__plan_rope(&c->rope, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
-        mha__plan_rope(&c->rope, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
+        const int64_t len = mha__plan_rope_length(args->q_positions, B, n, kpos, m);
+        mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
+        mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
 
     const mha_status core_st = mha__core_finish(&call, !st, err);
@@ -324,8 +325,9 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         double *tab = (double *)(ws + rope_off);
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        mha__plan_rope(&c->rope, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
-        mha__plan_rope(&c->rope, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
+        const int64_t len = mha__plan_rope_length(args->q_positions, B, n, kpos, m);
+        mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
+        mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
     if (!st)
         st = mha__attention_stats_run(&p, stats, exec, err);

@@ -64,6 +64,7 @@ static void transpose(const float *x, float *t, int64_t rows, int64_t cols) {
 /* RoPE (sign = 1) or its transpose (sign = -1, the backward's) over a [B, L, heads, d] buffer
  * (layer/plan.c), with its tables from the call's allocator. */
 static mha_status rope_buffer(const mha_rope *r,
+                              int64_t length,
                               const mha_allocator *alloc,
                               float *x,
                               int64_t B,
@@ -75,7 +76,7 @@ static mha_status rope_buffer(const mha_rope *r,
                               mha_error *err) {
     double *tab = mha__alloc(alloc, sizeof(double) * mha__plan_rope_doubles(r));
     MHA_RETURN_IF(!tab, err, NO_MEMORY, "cannot allocate RoPE tables");
-    mha__plan_rope(r, tab, x, B, Lk, heads, d, pos, NULL, sign);
+    mha__plan_rope(r, length, tab, x, B, Lk, heads, d, pos, NULL, sign);
     mha__free(alloc, tab);
     return MHA_STATUS_OK;
 }
@@ -167,9 +168,10 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        st = rope_buffer(&c->rope, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
+        const int64_t len = mha__plan_rope_length(args->q_positions, B, n, kpos, m);
+        st = rope_buffer(&c->rope, len, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
         if (!st)
-            st = rope_buffer(&c->rope, alloc, s->k, B, m, g, dk, kpos, 1, err);
+            st = rope_buffer(&c->rope, len, alloc, s->k, B, m, g, dk, kpos, 1, err);
     }
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
@@ -390,9 +392,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
     /* "Q = RoPE(Q')": the transposed rotation. */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);
-        st = rope_buffer(&c->rope, x.alloc, dQ, B, n, h, dk, a->q_positions, -1, err);
+        const int64_t len = mha__plan_rope_length(a->q_positions, B, n, kpos, m);
+        st = rope_buffer(&c->rope, len, x.alloc, dQ, B, n, h, dk, a->q_positions, -1, err);
         if (!st)
-            st = rope_buffer(&c->rope, x.alloc, dK, B, m, g, dk, kpos, -1, err);
+            st = rope_buffer(&c->rope, len, x.alloc, dK, B, m, g, dk, kpos, -1, err);
     }
     const float *xq = a->query;
     const float *xk = s->self ? a->query : a->key;

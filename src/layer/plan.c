@@ -51,7 +51,15 @@ mha_status mha__plan_project(mha_impl impl,
     return mha__parallel_for(team, rows, project_rows, &job, err);
 }
 
+int64_t
+mha__plan_rope_length(const int64_t *q_pos, int64_t B, int64_t n, const int64_t *k_pos, int64_t m) {
+    const int64_t lq = mha__positions_length(q_pos, NULL, B, n, n);
+    const int64_t lk = mha__positions_length(k_pos, NULL, B, m, m);
+    return lq > lk ? lq : lk;
+}
+
 void mha__plan_rope(const mha_rope *resolved,
+                    int64_t length,
                     double *tab,
                     float *x,
                     int64_t B,
@@ -65,16 +73,17 @@ void mha__plan_rope(const mha_rope *resolved,
      * sin negated. */
     const int64_t half = resolved->rotary_dim / 2;
     double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
-    mha__rope_freqs(resolved, freqs, &cs);
+    const mha_rope r = mha__rope_at_length(resolved, length);
+    mha__rope_freqs(&r, freqs, &cs);
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < L; t++) {
             const int64_t p = pos ? pos[b * L + t] : (base ? base[b] : 0) + t;
-            mha__rope_cos_sin(resolved, freqs, cs, p, cos_k, sin_k);
+            mha__rope_cos_sin(&r, freqs, cs, p, cos_k, sin_k);
             if (sign < 0)
                 for (int64_t k = 0; k < half; k++)
                     sin_k[k] = -sin_k[k];
             for (int64_t hh = 0; hh < heads; hh++)
-                mha__rope_rotate(resolved, cos_k, sin_k, x + ((b * L + t) * heads + hh) * d);
+                mha__rope_rotate(&r, cos_k, sin_k, x + ((b * L + t) * heads + hh) * d);
         }
 }
 

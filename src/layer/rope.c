@@ -81,6 +81,33 @@ void mha__rope_freqs(const mha_rope *r, double *freqs, double *cs_factor) {
     }
 }
 
+mha_rope mha__rope_at_length(const mha_rope *r, int64_t length) {
+    mha_rope fixed = *r;
+    if (r->scaling != MHA_ROPE_SCALING_DYNAMIC)
+        return fixed;
+    /* transformers' _compute_dynamic_ntk_parameters: theta (factor L/L_0 - (factor-1))^(R/(R-2))
+     * for L > L_0, i.e. NTK with that factor; below L_0 the factor is 1 (unscaled). */
+    const double len = (double)length, orig = r->original_max_position;
+    fixed.scaling = len > orig ? MHA_ROPE_SCALING_NTK : MHA_ROPE_SCALING_NONE;
+    fixed.factor = len > orig ? r->factor * len / orig - (r->factor - 1.0) : 1.0;
+    return fixed;
+}
+
+int64_t mha__positions_length(
+    const int64_t *pos, const int64_t *base, int64_t B, int64_t L, int64_t batch_stride) {
+    int64_t last = -1;
+    for (int64_t b = 0; b < B; b++) {
+        if (!pos) {
+            const int64_t p = (base ? base[b] : 0) + L - 1;
+            last = p > last ? p : last;
+            continue;
+        }
+        for (int64_t t = 0; t < L; t++)
+            last = pos[b * batch_stride + t] > last ? pos[b * batch_stride + t] : last;
+    }
+    return last + 1;
+}
+
 void mha__rope_cos_sin(const mha_rope *r,
                        const double *freqs,
                        double cs_factor,
@@ -116,6 +143,16 @@ mha_status mha_rope_frequencies(
     return MHA_STATUS_OK;
 }
 
+mha_status mha_rope_at_length(
+    const mha_rope *rope, int64_t head_dim, int64_t length, mha_rope *out, mha_error *err) {
+    mha_rope r;
+    mha_status st = mha__check_rope_at_length(rope, head_dim, length, &r, err);
+    MHA_RETURN_IF(st == MHA_STATUS_OK && !out, err, INVALID_ARG, "out is NULL");
+    if (st == MHA_STATUS_OK)
+        *out = mha__rope_at_length(&r, length);
+    return st;
+}
+
 mha_status mha_rope_apply(const mha_rope *rope,
                           int64_t batch,
                           int64_t seq_len,
@@ -136,6 +173,8 @@ mha_status mha_rope_apply(const mha_rope *rope,
     MHA_RETURN_IF(!tab, err, NO_MEMORY, "rope: cannot allocate %lld doubles",
                   (long long)(3 * half));
     double *freqs = tab, *cos_k = tab + half, *sin_k = tab + 2 * half, cs;
+    r = mha__rope_at_length(
+        &r, mha__positions_length(positions, NULL, batch, seq_len, pos_batch_stride));
     mha__rope_freqs(&r, freqs, &cs);
     for (int64_t b = 0; b < batch; b++)
         for (int64_t t = 0; t < seq_len; t++) {
