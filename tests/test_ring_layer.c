@@ -316,6 +316,19 @@ static void test_collective_errors(void) {
     st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, layer, &a, NULL, &err);
     CHECK(st == MHA_STATUS_OK, "good call after errors: rank %d got %s: %s", g_rank,
           mha_status_string(st), err.message);
+    /* A dynamic rope's length is the whole sequence's: refused on every rank, before any message
+     * (the weights are the first layer's: same sizes). */
+    mha_config dyn = *mha_layer_config(layer);
+    dyn.rope.style = MHA_ROPE_HALF, dyn.rope.scaling = MHA_ROPE_SCALING_DYNAMIC;
+    dyn.rope.original_max_position = 4.0;
+    mha_layer *dyn_layer = NULL;
+    CHECK_OK(
+        mha_layer_create(&dyn, mha_layer_weights(layer), MHA_WEIGHTS_COPY, NULL, &dyn_layer, &err),
+        &err);
+    st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, dyn_layer, &a, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "dynamic"),
+          "dynamic rope: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
+    mha_layer_destroy(dyn_layer);
     free(x), free(y), free(wbuf);
     mha_layer_destroy(layer);
 }
