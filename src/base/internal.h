@@ -202,6 +202,11 @@ static inline mha__team mha__team_of(int n) {
 }
 /* The same team limited to n threads (at least 1). */
 mha__team mha__team_at_most(mha__team team, int64_t n);
+/* Below this many flops per thread a region uses fewer threads: waking or starting one (~20-50
+ * us) would cost more than its share of the work. */
+#define MHA__MIN_FLOPS_PER_THREAD (1 << 22)
+/* The team limited so that each thread gets at least MHA__MIN_FLOPS_PER_THREAD of `flops`. */
+mha__team mha__team_for_flops(mha__team team, double flops);
 /* Fork-join over [0, count): fn(ctx, part, begin, end) on up to team.n threads; part
  * (0 .. parts-1) identifies the contiguous sub-range, e.g. to pick per-thread scratch. The split
  * depends only on count and the number of parts. */

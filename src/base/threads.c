@@ -201,6 +201,14 @@ mha__team mha__team_at_most(mha__team team, int64_t n) {
     return team;
 }
 
+mha__team mha__team_for_flops(mha__team team, double flops) {
+    if (team.n < 1)
+        team.n = 1;
+    if (flops < (double)MHA__MIN_FLOPS_PER_THREAD * (double)team.n)
+        team = mha__team_at_most(team, (int64_t)(flops / (double)MHA__MIN_FLOPS_PER_THREAD));
+    return team;
+}
+
 typedef struct range_job {
     mha__range_fn fn;
     void *ctx;

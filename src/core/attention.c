@@ -83,6 +83,21 @@ static mha_status choose_kernel(const mha_attention_args *a,
     return MHA_STATUS_OK;
 }
 
+/* The call's threads: exec's; with n_threads = 0 (the library's choice) no more than the flops
+ * keep busy, 2 B h n m (d_k + d_v) (masks not counted): a tiny call runs on the caller's thread
+ * instead of waking the pool. Results do not depend on the thread count. */
+static mha_status
+core_team(const mha_attention_args *a, const mha_exec *exec, mha__team *team, mha_error *err) {
+    mha_status st = mha__exec_team(exec, team, err);
+    if (st || (exec && exec->n_threads != 0))
+        return st;
+    const double dv = (double)(a->v_head_dim ? a->v_head_dim : a->head_dim);
+    *team = mha__team_for_flops(*team, 2.0 * (double)a->batch * (double)a->num_heads *
+                                           (double)a->q_len * (double)a->kv_len *
+                                           ((double)a->head_dim + dv));
+    return st;
+}
+
 mha_status mha__attention_workspace(const mha_attention_args *args,
                                     const mha_exec *exec,
                                     const mha__kernel_info *forced,
@@ -98,7 +113,7 @@ mha_status mha__attention_workspace(const mha_attention_args *args,
     if (st)
         return st;
     mha__team team;
-    st = mha__exec_team(exec, &team, err);
+    st = core_team(args, exec, &team, err);
     if (st)
         return st;
     ws_layout l;
@@ -166,7 +181,7 @@ mha_status mha__core_prepare(const mha_attention_args *args,
     st = choose_kernel(args, exec, forced, &call->k, &scratch, err);
     if (st)
         return st;
-    st = mha__exec_team(exec, &call->team, err);
+    st = core_team(args, exec, &call->team, err);
     if (st)
         return st;
     call->alloc = exec ? exec->allocator : NULL;

@@ -85,6 +85,12 @@ static mha_status validate(const mha_attention_args *a,
     st = mha__exec_team(exec, team, err);
     if (st)
         return st;
+    if (!exec || exec->n_threads == 0) /* the library's choice: no more than the flops keep busy */
+        *team = mha__team_for_flops(
+            *team, 2.0 * (double)a->batch * (double)a->num_heads * (double)a->q_len *
+                       (double)a->kv_len *
+                       (3.0 * (double)a->head_dim +
+                        2.0 * (double)(a->v_head_dim ? a->v_head_dim : a->head_dim)));
     st = choose(exec, forced, k, err);
     if (st)
         return st;

@@ -164,18 +164,6 @@ static void dot_range(void *ctx, int part, int64_t c0, int64_t c1) {
     }
 }
 
-/* Below this many flops per thread a call uses fewer threads: starting one (~20-50 us) would
- * cost more than its share of the work. */
-#define GEMM_MIN_FLOPS_PER_THREAD (1 << 22)
-
-static mha__team clamp_threads(mha__team team, double flops) {
-    if (team.n < 1)
-        team.n = 1;
-    if (flops < (double)GEMM_MIN_FLOPS_PER_THREAD * (double)team.n)
-        team = mha__team_at_most(team, (int64_t)(flops / (double)GEMM_MIN_FLOPS_PER_THREAD));
-    return team;
-}
-
 /* Bytes of packed W for kernel kr (plus 64 for aligning any caller buffer). */
 static mha_status
 packed_w_bytes(const mha__gemm_kernel *kr, int64_t N, int64_t K, size_t *bytes, mha_error *err) {
@@ -242,7 +230,7 @@ static mha_status run(const mha__gemm_kernel *kr,
                 y[i * ldy + o] = bias ? bias[o] : 0.0f;
         return MHA_STATUS_OK;
     }
-    const mha__team crew = clamp_threads(team, 2.0 * (double)M * (double)N * (double)K);
+    const mha__team crew = mha__team_for_flops(team, 2.0 * (double)M * (double)N * (double)K);
     const int threads = crew.n;
     if (!pw && !x_t && !w_t && M <= MHA_GEMM_SMALL_M && kr->dot) {
         dot_job dj = {kr, M, N, K, x, w, bias, ldx, ldw, ldy, y};
@@ -413,7 +401,7 @@ mha_status mha__gemm_pack_w(mha__gemm_isa isa,
     job.ldw = ldw;
     job.npan = (N + job.kr->nr - 1) / job.kr->nr;
     job.bpack_w = align_up(buffer);
-    const mha__team crew = clamp_threads(team, (double)N * (double)K);
+    const mha__team crew = mha__team_for_flops(team, (double)N * (double)K);
     if (N > 0 && K > 0)
         st = mha__parallel_for(crew, job.npan, pack_w_range, &job, err);
     out->kr = job.kr;
