@@ -70,7 +70,8 @@ class Masking(C.Structure):
 
 
 class Dropout(C.Structure):
-    _fields_ = [("p", f32), ("seed", C.c_uint64), ("training", i32)]
+    _fields_ = [("p", f32), ("seed", C.c_uint64), ("training", i32), ("row_offset", i64),
+                ("col_offset", i64)]
 
 
 class Exec(C.Structure):
