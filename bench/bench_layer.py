@@ -83,7 +83,8 @@ class Rope(C.Structure):
     _fields_ = [("style", C.c_int), ("theta", f64), ("rotary_dim", i64), ("scaling", C.c_int),
                 ("factor", f64), ("original_max_position", f64), ("low_freq_factor", f64),
                 ("high_freq_factor", f64), ("beta_fast", f64), ("beta_slow", f64),
-                ("attention_factor", f64), ("yarn_no_truncate", i32)]
+                ("attention_factor", f64), ("yarn_no_truncate", i32),
+                ("short_factor", f64 * 128), ("long_factor", f64 * 128)]  # MHA_ROPE_MAX_PAIRS
 
 
 class Config(C.Structure):

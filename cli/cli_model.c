@@ -10,7 +10,8 @@ static const char *rope_style_name(mha_rope_style s) {
 }
 
 static const char *rope_scaling_name(mha_rope_scaling_type t) {
-    static const char *const names[] = {"none", "linear", "ntk", "llama3", "yarn", "dynamic"};
+    static const char *const names[] = {"none", "linear",  "ntk",     "llama3",
+                                        "yarn", "dynamic", "longrope"};
     return (unsigned)t < sizeof names / sizeof names[0] ? names[t] : "?";
 }
 
@@ -23,6 +24,13 @@ static void print_rope(const mha_rope *r) {
            r->theta, (long long)r->rotary_dim, rope_scaling_name(r->scaling));
     if (r->scaling == MHA_ROPE_SCALING_LINEAR)
         printf(" (factor %g)", r->factor);
+    else if (r->scaling == MHA_ROPE_SCALING_LONGROPE)
+        printf(" (factor %g, original_max %g, attention_factor %g, short_factor[0..%lld] %g .. %g, "
+               "long_factor %g .. %g: the long list beyond original_max)",
+               r->factor, r->original_max_position, r->attention_factor,
+               (long long)(r->rotary_dim / 2 - 1), r->short_factor[0],
+               r->short_factor[r->rotary_dim / 2 - 1], r->long_factor[0],
+               r->long_factor[r->rotary_dim / 2 - 1]);
     else if (r->scaling == MHA_ROPE_SCALING_DYNAMIC)
         printf(" (factor %g, original_max %g: NTK at each call's length beyond it)", r->factor,
                r->original_max_position);

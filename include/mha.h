@@ -231,15 +231,21 @@ typedef enum mha_rope_style {
 
 typedef enum mha_rope_scaling_type {
     MHA_ROPE_SCALING_NONE = 0,
-    MHA_ROPE_SCALING_LINEAR = 1,  /* position interpolation: freq_i / factor */
-    MHA_ROPE_SCALING_NTK = 2,     /* NTK-aware: theta' = theta * factor^(R/(R-2)) */
-    MHA_ROPE_SCALING_LLAMA3 = 3,  /* Llama 3.1 per-wavelength blend */
-    MHA_ROPE_SCALING_YARN = 4,    /* YaRN ramp + attention factor */
-    MHA_ROPE_SCALING_DYNAMIC = 5, /* dynamic NTK (transformers' "dynamic"): NTK at the length L
-                                     of the call (1 + its largest position): factor' =
-                                     factor L / original_max - (factor - 1) when L >
-                                     original_max, unscaled otherwise (mha_rope_at_length) */
+    MHA_ROPE_SCALING_LINEAR = 1,   /* position interpolation: freq_i / factor */
+    MHA_ROPE_SCALING_NTK = 2,      /* NTK-aware: theta' = theta * factor^(R/(R-2)) */
+    MHA_ROPE_SCALING_LLAMA3 = 3,   /* Llama 3.1 per-wavelength blend */
+    MHA_ROPE_SCALING_YARN = 4,     /* YaRN ramp + attention factor */
+    MHA_ROPE_SCALING_DYNAMIC = 5,  /* dynamic NTK (transformers' "dynamic"): NTK at the length L
+                                      of the call (1 + its largest position): factor' =
+                                      factor L / original_max - (factor - 1) when L >
+                                      original_max, unscaled otherwise (mha_rope_at_length) */
+    MHA_ROPE_SCALING_LONGROPE = 6, /* LongRoPE (Phi-3 128k, Phi-3.5): f_k / long_factor[k] when
+                                      the call's length L > original_max, f_k / short_factor[k]
+                                      otherwise; cos and sin times attention_factor */
 } mha_rope_scaling_type;
+
+/** Most pairs (rotary_dim / 2) a LONGROPE rope can have factors for. */
+#define MHA_ROPE_MAX_PAIRS 128
 
 /** RoPE: pair k (k = 0 .. R/2-1, R = rotary_dim) has frequency f_k = theta^(-2k/R) (then the
  *  scaling below), angle = position * f_k, and (x_a, x_b) -> (x_a cos - x_b sin, x_a sin + x_b cos)
@@ -250,16 +256,24 @@ typedef struct mha_rope {
     double theta;       /* 0 = 10000 */
     int64_t rotary_dim; /* even, <= head_dim; 0 = head_dim */
     mha_rope_scaling_type scaling;
-    double factor; /* > 0 for every scaling; 0 = 1 for LINEAR/NTK/DYNAMIC, 8 for LLAMA3 */
+    double factor; /* > 0 for every scaling; 0 = 1 for LINEAR/NTK/DYNAMIC/LONGROPE, 8 for
+                      LLAMA3 (LONGROPE: the context extension, max / original_max) */
     double original_max_position; /* LLAMA3 (0 = 8192), YARN (0 = 4096), DYNAMIC (required:
-                                     transformers' max_position_embeddings) */
+                                     transformers' max_position_embeddings), LONGROPE
+                                     (required) */
     double low_freq_factor;       /* LLAMA3, 0 = 1 */
     double high_freq_factor;      /* LLAMA3, 0 = 4 */
     double beta_fast;             /* YARN, 0 = 32 */
     double beta_slow;             /* YARN, 0 = 1 */
-    double attention_factor;      /* YARN, 0 = 0.1 ln(factor) + 1; multiplies cos and sin */
+    double attention_factor;      /* multiplies cos and sin: YARN, 0 = 0.1 ln(factor) + 1;
+                                     LONGROPE, 0 = sqrt(1 + ln(factor) / ln(original_max)) (1 if
+                                     factor <= 1) */
     int32_t yarn_no_truncate;     /* YARN: nonzero keeps the ramp ends unrounded (transformers'
                                      `truncate: false`, gpt-oss); 0 = floor/ceil them */
+    /* LONGROPE: the divisors of f_k, k < rotary_dim / 2 (<= MHA_ROPE_MAX_PAIRS), each finite and
+     * > 0: short_factor for calls of length <= original_max, long_factor beyond. */
+    double short_factor[MHA_ROPE_MAX_PAIRS];
+    double long_factor[MHA_ROPE_MAX_PAIRS];
 } mha_rope;
 
 /** Largest accepted token position (positions are in [0, MHA_MAX_POSITION]). */
@@ -281,17 +295,19 @@ MHA_API mha_status mha_rope_apply(const mha_rope *rope,
                                   mha_error *err);
 
 /** The (possibly scaled) inverse frequencies f_k, k = 0 .. rotary_dim/2-1, and the factor that
- *  multiplies cos and sin (1 except YaRN). For inspection and tests. A DYNAMIC rope has no
- *  frequencies of its own (INVALID_ARG): take mha_rope_at_length first. */
+ *  multiplies cos and sin (1 except YaRN and LongRoPE). For inspection and tests. A DYNAMIC rope,
+ *  or a LONGROPE one whose two lists differ, has no frequencies of its own (INVALID_ARG): take
+ *  mha_rope_at_length first. */
 MHA_API mha_status mha_rope_frequencies(
     const mha_rope *rope, int64_t head_dim, double *freqs, double *cos_sin_factor, mha_error *err);
 
 /** The fixed rope a rope becomes for a call of length `length` (1 + its largest position): a
  *  DYNAMIC rope becomes NTK with factor' = factor length / original_max - (factor - 1) when
  *  length > original_max, and unscaled otherwise (transformers' dynamic NTK of a module that
- *  has seen no longer sequence); any other rope comes back as it is, defaults filled in. The
- *  layer, decode and ring calls do this themselves with the length of the positions they rotate.
- */
+ *  has seen no longer sequence); a LONGROPE rope gets the list of that length in both lists
+ *  (its frequencies no longer depend on the length); any other rope comes back as it is,
+ *  defaults filled in. The layer and decode calls and mha_rope_apply do this themselves with
+ *  the length of the positions they rotate. */
 MHA_API mha_status mha_rope_at_length(
     const mha_rope *rope, int64_t head_dim, int64_t length, mha_rope *out, mha_error *err);
 

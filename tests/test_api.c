@@ -617,6 +617,44 @@ static void test_dynamic_rope(void) {
     CHECK(!memcmp(grads[0], grads[1], sizeof grads[0]), "dynamic rope layer backward == fixed");
 }
 
+/* LongRoPE: per-pair divisors, the long list for calls longer than original_max_position, cos and
+ * sin times the attention factor (default sqrt(1 + ln(factor) / ln(original_max))). */
+static void test_longrope(void) {
+    enum { DK = 8 };
+    mha_error err;
+    mha_rope lr = {0}, at;
+    lr.style = MHA_ROPE_HALF, lr.scaling = MHA_ROPE_SCALING_LONGROPE;
+    lr.factor = 8.0, lr.original_max_position = 16.0;
+    const double shrt[DK / 2] = {1.0, 1.5, 2.0, 3.0}, lng[DK / 2] = {1.0, 2.0, 4.0, 8.0};
+    memcpy(lr.short_factor, shrt, sizeof shrt);
+    expect(mha_rope_at_length(&lr, DK, 20, &at, &err), &err, MHA_STATUS_INVALID_ARG,
+           "long_factor[0]=0", "longrope without its long list");
+    memcpy(lr.long_factor, lng, sizeof lng);
+    double freqs[DK / 2], cs;
+    expect(mha_rope_frequencies(&lr, DK, freqs, &cs, &err), &err, MHA_STATUS_INVALID_ARG,
+           "mha_rope_at_length", "longrope frequencies depend on the length");
+    for (int len = 16; len <= 17; len++) {
+        CHECK_OK(mha_rope_at_length(&lr, DK, len, &at, &err), &err);
+        CHECK_OK(mha_rope_frequencies(&at, DK, freqs, &cs, &err), &err);
+        const double *ext = len > 16 ? lng : shrt;
+        for (int k = 0; k < DK / 2; k++)
+            CHECK(fabs(freqs[k] - pow(10000.0, -2.0 * k / DK) / ext[k]) <= 1e-15 * freqs[k],
+                  "longrope at %d: f_%d = %.17g", len, k, freqs[k]);
+        CHECK(fabs(cs - sqrt(1.0 + log(8.0) / log(16.0))) < 1e-15, "longrope factor %.17g", cs);
+    }
+    /* mha_rope_apply takes the list of its positions' length. */
+    float x[3 * DK], y[3 * DK];
+    for (int i = 0; i < 3 * DK; i++)
+        x[i] = (float)(i % 7) - 3.0f;
+    const int64_t xs[4] = {3 * DK, DK, DK, 1};
+    const int64_t pos[3] = {2, 19, 5};
+    memcpy(y, x, sizeof x);
+    CHECK_OK(mha_rope_apply(&lr, 1, 3, 1, DK, y, xs, pos, 0, &err), &err);
+    CHECK_OK(mha_rope_at_length(&lr, DK, 20, &at, &err), &err);
+    CHECK_OK(mha_rope_apply(&at, 1, 3, 1, DK, x, xs, pos, 0, &err), &err);
+    CHECK(!memcmp(x, y, sizeof x), "longrope mha_rope_apply takes the long list at length 20");
+}
+
 int main(void) {
     test_safetensors_switch();
     test_status_strings();
@@ -626,5 +664,6 @@ int main(void) {
     test_workspace_alignment();
     test_layer_project();
     test_dynamic_rope();
+    test_longrope();
     return test_finish();
 }

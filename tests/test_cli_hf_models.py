@@ -169,9 +169,9 @@ def test_unsupported_options_are_refused_by_name(models, tmp_path):
     T.Qwen3Config(**H.LLAMA).save_pretrained(q3)
     refused(q3, "qwen3", "q_norm")
     llama = models["llama"][0]
-    refused(H.edit_config(llama, str(tmp_path / "lr"),
-                          rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}),
-            "rope_parameters.rope_type", "longrope")
+    refused(H.edit_config(llama, str(tmp_path / "unknown"),
+                          rope_parameters={"rope_type": "not_a_scaling", "rope_theta": 1e4}),
+            "rope_parameters.rope_type", "not_a_scaling")
     refused(H.edit_config(models["falcon_mq"][0], str(tmp_path / "alibi"), alibi=True),
             "\"alibi\"")
     refused(H.edit_config(models["bert"][0], str(tmp_path / "rel"),

@@ -81,11 +81,15 @@ def test_torch_drop_in_trains(models):
 
 
 def test_unsupported_configs_raise_naming_the_field(models, tmp_path):
-    with pytest.raises(mha.MhaError, match="rope_type.*longrope"):
+    with pytest.raises(mha.MhaError, match="rope_type.*not_a_scaling"):
+        mha.MultiheadAttention.from_pretrained(
+            H.edit_config(models["llama"][0], str(tmp_path / "unknown"),
+                          rope_parameters={"rope_type": "not_a_scaling", "factor": 2.0}))
+    with pytest.raises(mha.MhaError, match="long_factor.*8 numbers"):
         mha.MultiheadAttention.from_pretrained(
             H.edit_config(models["llama"][0], str(tmp_path / "long"),
                           rope_parameters={"rope_type": "longrope", "short_factor": [1.0] * 8,
-                                           "long_factor": [2.0] * 8,
+                                           "long_factor": [2.0] * 7,
                                            "original_max_position_embeddings": 16}))
     with pytest.raises(mha.MhaError, match="model_type"):
         mt.MultiheadAttention.from_pretrained(

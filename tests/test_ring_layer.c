@@ -329,6 +329,25 @@ static void test_collective_errors(void) {
     CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "dynamic"),
           "dynamic rope: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
     mha_layer_destroy(dyn_layer);
+    /* LongRoPE too, unless its two lists are the same (mha_rope_at_length's fixed form). */
+    dyn.rope.scaling = MHA_ROPE_SCALING_LONGROPE;
+    dyn.rope.original_max_position = 4.0, dyn.rope.factor = 2.0;
+    for (int k = 0; k < MHA_ROPE_MAX_PAIRS; k++)
+        dyn.rope.short_factor[k] = 1.0, dyn.rope.long_factor[k] = 1.0 + k;
+    for (int fixed = 0; fixed < 2; fixed++) {
+        if (fixed)
+            CHECK_OK(mha_rope_at_length(&dyn.rope, dyn.head_dim, rc.seq_len, &dyn.rope, &err),
+                     &err);
+        CHECK_OK(mha_layer_create(&dyn, mha_layer_weights(layer), MHA_WEIGHTS_COPY, NULL,
+                                  &dyn_layer, &err),
+                 &err);
+        st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, dyn_layer, &a, NULL, &err);
+        CHECK(fixed ? st == MHA_STATUS_OK
+                    : st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "longrope"),
+              "longrope (fixed %d): rank %d got %s: %s", fixed, g_rank, mha_status_string(st),
+              err.message);
+        mha_layer_destroy(dyn_layer);
+    }
     free(x), free(y), free(wbuf);
     mha_layer_destroy(layer);
 }

@@ -224,8 +224,10 @@ class Rope:
     style: 'interleaved' (pairs 2k, 2k+1: RoFormer, CS336, GPT-J) or 'half' (pairs k, k+R/2:
     GPT-NeoX, HF Llama). rotary_dim: R (even, <= head_dim; None = head_dim). scaling: None,
     'linear', 'ntk', 'dynamic' (NTK at each call's length beyond original_max_position, which it
-    requires), 'llama3' or 'yarn', with its parameters (None = the documented default);
-    yarn_no_truncate keeps YaRN's ramp ends unrounded (transformers' ``truncate: false``).
+    requires), 'llama3', 'yarn' or 'longrope' (each pair's frequency divided by its entry of
+    short_factor, or of long_factor for calls longer than original_max_position: R/2 numbers
+    each), with its parameters (None = the documented default); yarn_no_truncate keeps YaRN's
+    ramp ends unrounded (transformers' ``truncate: false``).
     """
     style: str = "interleaved"
     theta: float = 10000.0
@@ -239,14 +241,16 @@ class Rope:
     beta_slow: Optional[float] = None
     attention_factor: Optional[float] = None
     yarn_no_truncate: bool = False
+    short_factor: Optional[Sequence[float]] = None
+    long_factor: Optional[Sequence[float]] = None
 
     def _to_c(self) -> L.mha_rope:
         r = L.mha_rope()
         if self.style not in ("interleaved", "half"):
             raise ValueError(f"rope style: expected 'interleaved' or 'half', got {self.style!r}")
         if self.scaling not in L.ROPE_SCALINGS:
-            raise ValueError(f"rope scaling: expected None, 'linear', 'ntk', 'dynamic', 'llama3' "
-                             f"or 'yarn', got {self.scaling!r}")
+            raise ValueError(f"rope scaling: expected None, 'linear', 'ntk', 'dynamic', 'llama3', "
+                             f"'yarn' or 'longrope', got {self.scaling!r}")
         r.style = L.ROPE_STYLES[self.style]
         r.theta = float(self.theta)
         r.rotary_dim = int(self.rotary_dim or 0)
@@ -255,6 +259,15 @@ class Rope:
                   "beta_fast", "beta_slow", "attention_factor"):
             setattr(r, f, float(getattr(self, f) or 0.0))
         r.yarn_no_truncate = 1 if self.yarn_no_truncate else 0
+        for name in ("short_factor", "long_factor"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            values = [float(v) for v in values]
+            if len(values) > L.ROPE_MAX_PAIRS:
+                raise ValueError(f"rope {name}: at most {L.ROPE_MAX_PAIRS} entries, got "
+                                 f"{len(values)}")
+            getattr(r, name)[:len(values)] = values
         return r
 
     @classmethod
@@ -262,10 +275,16 @@ class Rope:
         if r.style == 0:
             return None
         style = {1: "interleaved", 2: "half"}[r.style]
-        scaling = {0: None, 1: "linear", 2: "ntk", 3: "llama3", 4: "yarn", 5: "dynamic"}[r.scaling]
+        scaling = {0: None, 1: "linear", 2: "ntk", 3: "llama3", 4: "yarn", 5: "dynamic",
+                   6: "longrope"}[r.scaling]
         kw = {f: (getattr(r, f) or None) for f in (
             "factor", "original_max_position", "low_freq_factor", "high_freq_factor",
             "beta_fast", "beta_slow", "attention_factor")}
+        if scaling == "longrope":  # R/2 entries (R = 0: head_dim, unknown here: the given ones)
+            pairs = r.rotary_dim // 2 or next(
+                (k for k in range(L.ROPE_MAX_PAIRS) if r.short_factor[k] == 0.0), L.ROPE_MAX_PAIRS)
+            kw["short_factor"] = tuple(r.short_factor[:pairs])
+            kw["long_factor"] = tuple(r.long_factor[:pairs])
         return cls(style=style, theta=r.theta, rotary_dim=r.rotary_dim or None, scaling=scaling,
                    yarn_no_truncate=bool(r.yarn_no_truncate), **kw)
 

@@ -44,7 +44,8 @@ IMPLS = {"auto": 0, "reference": 1, "fast": 2}
 ROPE_STYLES = {None: 0, "none": 0, "interleaved": 1, "half": 2}
 # mha_rope_scaling_type
 ROPE_SCALINGS = {None: 0, "none": 0, "linear": 1, "ntk": 2, "llama3": 3, "yarn": 4,
-                 "dynamic": 5}
+                 "dynamic": 5, "longrope": 6}
+ROPE_MAX_PAIRS = 128  # MHA_ROPE_MAX_PAIRS
 
 
 class MhaError(RuntimeError):
@@ -101,7 +102,8 @@ class mha_rope(Structure):
         ("factor", c_double), ("original_max_position", c_double),
         ("low_freq_factor", c_double), ("high_freq_factor", c_double),
         ("beta_fast", c_double), ("beta_slow", c_double), ("attention_factor", c_double),
-        ("yarn_no_truncate", c_int32),
+        ("yarn_no_truncate", c_int32), ("short_factor", c_double * ROPE_MAX_PAIRS),
+        ("long_factor", c_double * ROPE_MAX_PAIRS),
     ]
 
 

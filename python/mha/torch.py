@@ -414,8 +414,13 @@ class MultiheadAttention(nn.Module):
             r = dataclasses.asdict(c.rope)
             if c.rope.scaling == "dynamic":  # its frequencies unscaled, up to original_max
                 r.update(scaling=None, factor=None, original_max_position=None)
-            freqs, factor = _api.rope_frequencies(c.head_dim, **r)
+            orig = int(c.rope.original_max_position or 0)
+            length = orig if c.rope.scaling == "longrope" else None  # the short list's
+            freqs, factor = _api.rope_frequencies(c.head_dim, length=length, **r)
             self._rope_traced_freqs = (c.rope.style, torch.from_numpy(freqs), factor)
+            if c.rope.scaling == "longrope":  # the long list's, for calls beyond orig
+                freqs, factor = _api.rope_frequencies(c.head_dim, length=orig + 1, **r)
+                self._rope_traced_long = (torch.from_numpy(freqs), factor)
         return self
 
     def _reset_parameters(self) -> None:
@@ -602,12 +607,14 @@ class MultiheadAttention(nn.Module):
         """RoPE of x [B, heads, L, d] at positions 0 .. L-1 in torch operations
         (docs/SEMANTICS.md, "RoPE"): pair (a, b) -> (a cos - b sin, a sin + b cos) with the
         angle position * f_k in float64, cos and sin times libmha's factor, then float32. A
-        dynamic rope is taken at the call's `length` (mha_rope_at_length): NTK-aware,
-        theta' = theta factor'^(R/(R-2)) with factor' = factor length / original_max -
-        (factor - 1), beyond original_max."""
+        longrope or dynamic rope is taken at the call's `length` (mha_rope_at_length): longrope's
+        long-list table beyond original_max; dynamic's NTK-aware theta' = theta factor'^(R/(R-2))
+        with factor' = factor length / original_max - (factor - 1) there."""
         style, freqs, factor = self._rope_traced_freqs
         R = 2 * freqs.shape[0]
         rope = self._options["rope"]
+        if rope.scaling == "longrope" and length > rope.original_max_position:
+            freqs, factor = self._rope_traced_long
         if rope.scaling == "dynamic" and length > rope.original_max_position:
             f = rope.factor * length / rope.original_max_position - (rope.factor - 1.0)
             theta = rope.theta * f ** (R / (R - 2.0))

@@ -59,6 +59,9 @@ mha_status mha__check_backward_grads(const mha_attention_args *fwd,
 
 /* rope with its defaults filled in (theta 10000, rotary_dim = head_dim, scaling factors). */
 mha_status mha__check_rope(const mha_rope *in, int64_t head_dim, mha_rope *out, mha_error *err);
+/* Whether a resolved rope's frequencies depend on the call's length (DYNAMIC; LONGROPE whose two
+ * lists differ): mha_rope_at_length fixes them. */
+bool mha__rope_depends_on_length(const mha_rope *resolved);
 /* Every position in [0, 2^31]: positions[b * batch_stride + t], b < B, t < L (NULL = none). */
 mha_status mha__check_positions(const int64_t *positions,
                                 int64_t B,

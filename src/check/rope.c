@@ -29,6 +29,7 @@ mha_status mha__check_rope(const mha_rope *in, int64_t head_dim, mha_rope *out, 
     case MHA_ROPE_SCALING_NTK:
     case MHA_ROPE_SCALING_YARN:
     case MHA_ROPE_SCALING_DYNAMIC:
+    case MHA_ROPE_SCALING_LONGROPE:
         if (r.factor == 0.0)
             r.factor = 1.0;
         break;
@@ -81,9 +82,39 @@ mha_status mha__check_rope(const mha_rope *in, int64_t head_dim, mha_rope *out, 
                       "yarn scaling needs original_max_position, beta_fast, beta_slow and "
                       "attention_factor finite and > 0");
     }
+    if (r.scaling == MHA_ROPE_SCALING_LONGROPE) {
+        MHA_RETURN_IF(!finite_positive(r.original_max_position), err, INVALID_ARG,
+                      "longrope scaling needs original_max_position > 0, got %g",
+                      r.original_max_position);
+        MHA_RETURN_IF(r.rotary_dim / 2 > MHA_ROPE_MAX_PAIRS, err, INVALID_ARG,
+                      "longrope scaling has factors for at most %d pairs (rotary_dim %lld)",
+                      MHA_ROPE_MAX_PAIRS, (long long)r.rotary_dim);
+        for (int64_t k = 0; k < r.rotary_dim / 2; k++)
+            MHA_RETURN_IF(!finite_positive(r.short_factor[k]) || !finite_positive(r.long_factor[k]),
+                          err, INVALID_ARG,
+                          "longrope short_factor[%lld]=%g and long_factor[%lld]=%g must be "
+                          "finite and > 0",
+                          (long long)k, r.short_factor[k], (long long)k, r.long_factor[k]);
+        if (r.attention_factor == 0.0)
+            r.attention_factor =
+                r.factor <= 1.0 ? 1.0 : sqrt(1.0 + log(r.factor) / log(r.original_max_position));
+        MHA_RETURN_IF(!finite_positive(r.attention_factor), err, INVALID_ARG,
+                      "longrope attention_factor=%g must be finite and > 0", r.attention_factor);
+    }
     *out = r;
     mha__ok(err);
     return MHA_STATUS_OK;
+}
+
+bool mha__rope_depends_on_length(const mha_rope *r) {
+    if (r->scaling == MHA_ROPE_SCALING_DYNAMIC)
+        return true;
+    if (r->scaling != MHA_ROPE_SCALING_LONGROPE)
+        return false;
+    for (int64_t k = 0; k < r->rotary_dim / 2 && k < MHA_ROPE_MAX_PAIRS; k++)
+        if (r->short_factor[k] != r->long_factor[k])
+            return true;
+    return false;
 }
 
 mha_status mha__check_positions(const int64_t *pos,
@@ -114,8 +145,9 @@ mha_status mha__check_rope_frequencies(const mha_rope *rope,
                   "head_dim=%lld out of range", (long long)head_dim);
     MHA_RETURN_IF(!freqs || !cos_sin_factor, err, INVALID_ARG, "freqs or cos_sin_factor is NULL");
     mha_status st = mha__check_rope(rope, head_dim, resolved, err);
-    MHA_RETURN_IF(!st && resolved->scaling == MHA_ROPE_SCALING_DYNAMIC, err, INVALID_ARG,
-                  "dynamic scaling depends on the call's length: take mha_rope_at_length first");
+    MHA_RETURN_IF(!st && mha__rope_depends_on_length(resolved), err, INVALID_ARG,
+                  "%s scaling depends on the call's length: take mha_rope_at_length first",
+                  resolved->scaling == MHA_ROPE_SCALING_DYNAMIC ? "dynamic" : "longrope");
     return st;
 }
 

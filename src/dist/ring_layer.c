@@ -54,6 +54,16 @@ typedef struct layer_call {
     int64_t *pos; /* [n] global indices of the local rows (RoPE without caller positions) */
 } layer_call;
 
+/* Whether a layer's rope changes with the call's length (DYNAMIC, or LONGROPE whose two lists
+ * differ), which no rank knows alone. */
+static int rope_depends_on_length(const mha_rope *r) {
+    if (r->scaling == MHA_ROPE_SCALING_DYNAMIC)
+        return 1;
+    if (r->scaling != MHA_ROPE_SCALING_LONGROPE)
+        return 0;
+    return memcmp(r->short_factor, r->long_factor, sizeof(double) * (size_t)(r->rotary_dim / 2));
+}
+
 /* The checks of the rank's arguments, then its buffers. fn: the public call (its name in the
  * messages); the backward does not need a->out. */
 static mha_status prepare(const char *fn,
@@ -97,12 +107,12 @@ static mha_status prepare(const char *fn,
                         fn, (long long)a->q_len, rank, (long long)lc->n, (long long)cfg->seq_len);
         return MHA_STATUS_INVALID_ARG;
     }
-    if (c->rope.style != MHA_ROPE_NONE && c->rope.scaling == MHA_ROPE_SCALING_DYNAMIC) {
+    if (c->rope.style != MHA_ROPE_NONE && rope_depends_on_length(&c->rope)) {
         mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
-                        "%s: rope scaling dynamic is not supported (its length is the whole "
+                        "%s: rope scaling %s is not supported (its length is the whole "
                         "sequence's, no rank's): make the layer with mha_rope_at_length(rope, "
                         "head_dim, seq_len) instead",
-                        fn);
+                        fn, c->rope.scaling == MHA_ROPE_SCALING_DYNAMIC ? "dynamic" : "longrope");
         return MHA_STATUS_UNSUPPORTED;
     }
     if (c->k_dim != c->q_dim || c->v_dim != c->q_dim) {

@@ -604,6 +604,63 @@ read_dynamic(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, 
     return MHA_STATUS_OK;
 }
 
+/* One of LongRoPE's factor lists: exactly rotary_dim / 2 numbers, each finite and > 0. */
+static mha_status read_factor_list(const hf_model *m,
+                                   const cJSON *s,
+                                   const char *where,
+                                   const char *key,
+                                   int64_t pairs,
+                                   double *out,
+                                   mha_error *err) {
+    const cJSON *f = field(s, key);
+    MHA_RETURN_IF(!cJSON_IsArray(f) || cJSON_GetArraySize(f) != pairs, err, BAD_FILE,
+                  "%s: \"%s%s\" must be a list of %lld numbers (rotary_dim / 2)", m->config_path,
+                  where, key, (long long)pairs);
+    int64_t k = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, f) {
+        const double v = cJSON_IsNumber(e) ? e->valuedouble : (double)NAN;
+        MHA_RETURN_IF(!isfinite(v) || v <= 0.0, err, BAD_FILE,
+                      "%s: \"%s%s\"[%lld] must be a finite number > 0", m->config_path, where, key,
+                      (long long)k);
+        out[k++] = v;
+    }
+    return MHA_STATUS_OK;
+}
+
+/* transformers' "longrope" (_compute_longrope_parameters): per-pair divisors, the long list for
+ * calls longer than original_max_position_embeddings; factor defaults to max_position_embeddings
+ * / original, the attention factor to sqrt(1 + ln(factor) / ln(original)) (1 if factor <= 1). */
+static mha_status
+read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
+    const int64_t pairs = r->rotary_dim / 2;
+    MHA_RETURN_IF(pairs > MHA_ROPE_MAX_PAIRS, err, UNSUPPORTED,
+                  "%s: longrope RoPE over %lld pairs: mha keeps factors for at most %d",
+                  m->config_path, (long long)pairs, MHA_ROPE_MAX_PAIRS);
+    TRY(read_factor_list(m, s, where, "short_factor", pairs, r->short_factor, err));
+    TRY(read_factor_list(m, s, where, "long_factor", pairs, r->long_factor, err));
+    double maxpos = 0.0, orig = 0.0, factor = 0.0, af = 0.0;
+    TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
+    TRY(get_num(m, m->config, "", "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    MHA_RETURN_IF(orig == 0.0, err, BAD_FILE,
+                  "%s: longrope RoPE scaling needs \"%soriginal_max_position_embeddings\"",
+                  m->config_path, where);
+    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
+    MHA_RETURN_IF(factor == 0.0 && maxpos == 0.0, err, BAD_FILE,
+                  "%s: longrope RoPE scaling needs \"%sfactor\" or \"max_position_embeddings\"",
+                  m->config_path, where);
+    TRY(get_num(m, s, where, "attention_factor", 0.0, 1, 1e15, &af, err));
+    r->scaling = MHA_ROPE_SCALING_LONGROPE;
+    r->factor = factor != 0.0 ? factor : maxpos / orig;
+    r->original_max_position = orig;
+    r->attention_factor = af != 0.0 ? af
+                          : r->factor <= 1.0
+                              ? 1.0
+                              : sqrt(1.0 + log(r->factor) / log(orig)); /* as transformers */
+    return MHA_STATUS_OK;
+}
+
 /* The frequency scaling named by rope_type (or 4.x's "type"). */
 static mha_status
 read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
@@ -631,10 +688,11 @@ read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, 
         return read_yarn(m, s, where, r, err);
     if (strcmp(type, "dynamic") == 0)
         return read_dynamic(m, s, where, r, err);
+    if (strcmp(type, "longrope") == 0)
+        return read_longrope(m, s, where, r, err);
     return mha__fail(err, MHA_STATUS_UNSUPPORTED,
                      "%s: \"%srope_type\": \"%s\" is not supported by mha (supported: default, "
-                     "linear, dynamic, llama3, yarn; \"longrope\"'s per-pair factor lists are "
-                     "not implemented)",
+                     "linear, dynamic, llama3, yarn, longrope)",
                      m->config_path, where, type);
 }
 

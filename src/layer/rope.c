@@ -10,6 +10,7 @@
 #include "check/check.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define MHA_PI 3.14159265358979323846
 
@@ -76,6 +77,11 @@ void mha__rope_freqs(const mha_rope *r, double *freqs, double *cs_factor) {
         *cs_factor = r->attention_factor;
         break;
     }
+    case MHA_ROPE_SCALING_LONGROPE: /* fixed by mha__rope_at_length: both lists are the call's */
+        for (int64_t k = 0; k < half; k++)
+            freqs[k] /= r->short_factor[k];
+        *cs_factor = r->attention_factor;
+        break;
     default:
         break;
     }
@@ -83,6 +89,14 @@ void mha__rope_freqs(const mha_rope *r, double *freqs, double *cs_factor) {
 
 mha_rope mha__rope_at_length(const mha_rope *r, int64_t length) {
     mha_rope fixed = *r;
+    if (r->scaling == MHA_ROPE_SCALING_LONGROPE) {
+        /* transformers' longrope_frequency_update: the long list beyond the original length. */
+        const double *list =
+            (double)length > r->original_max_position ? r->long_factor : r->short_factor;
+        memcpy(fixed.short_factor, list, sizeof fixed.short_factor);
+        memcpy(fixed.long_factor, list, sizeof fixed.long_factor);
+        return fixed;
+    }
     if (r->scaling != MHA_ROPE_SCALING_DYNAMIC)
         return fixed;
     /* transformers' _compute_dynamic_ntk_parameters: theta (factor L/L_0 - (factor-1))^(R/(R-2))

@@ -9,8 +9,9 @@
 /* RoPE tables: inverse frequencies [R/2] and the cos/sin factor, from a resolved mha_rope
  * (check/: mha__check_rope). */
 void mha__rope_freqs(const mha_rope *resolved, double *freqs, double *cs_factor);
-/* The fixed rope `resolved` becomes for a call of `length` = 1 + its largest position (only
- * DYNAMIC changes: NTK at that length, or unscaled up to original_max_position). */
+/* The fixed rope `resolved` becomes for a call of `length` = 1 + its largest position: DYNAMIC
+ * becomes NTK at that length (or unscaled up to original_max_position); LONGROPE gets that
+ * length's list in both lists; the others are unchanged. */
 mha_rope mha__rope_at_length(const mha_rope *resolved, int64_t length);
 /* 1 + the largest position rotated: positions pos[b * batch_stride + t] (b < B, t < L), or
  * base[b] + t without pos (base NULL: t); 0 when there are none. */
