@@ -27,6 +27,17 @@ def _rope(kind="default", theta=10000.0, **kw):
     return dict(rope_type=kind, rope_theta=theta, **kw)
 
 
+def _phi3_longrope(original):
+    """A Phi-3 case with LongRoPE over an original context of `original` tokens (Phi3Config keeps
+    original_max_position_embeddings at the top level); factor 64 / original sets the attention
+    factor sqrt(1 + ln(factor) / ln(original))."""
+    rope = _rope("longrope", 1e4, short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                 long_factor=[1.0, 1.4, 2.2, 3.5, 5.0, 7.5, 9.0, 12.0])
+    kw = dict(LLAMA, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              original_max_position_embeddings=original, rope_parameters=rope)
+    return (T.Phi3Config, kw, T.Phi3ForCausalLM, "model.layers.{L}.self_attn", (0,))
+
+
 # name: (config class, kwargs, model class, attention module path ({L} = layer), layers tested).
 CASES = {
     "llama": (T.LlamaConfig, dict(LLAMA, num_key_value_heads=2, attention_bias=True,
@@ -74,27 +85,9 @@ CASES = {
                                 eos_token_id=2,
                                 rope_parameters=_rope(partial_rotary_factor=0.5)),
              T.Phi3ForCausalLM, "model.layers.{L}.self_attn", (0,)),
-    # LongRoPE: SEQ > 8 takes the long list, SEQ <= 16 the short one; factor 64 / 8 (or 4) sets
-    # the attention factor sqrt(1 + ln(factor) / ln(original)).
-    # (Phi3Config keeps original_max_position_embeddings at the top level.)
-    "phi3_longrope": (T.Phi3Config, dict(LLAMA, num_key_value_heads=2, pad_token_id=0,
-                                         bos_token_id=1, eos_token_id=2,
-                                         original_max_position_embeddings=8,
-                                         rope_parameters=_rope(
-                                             "longrope", 1e4,
-                                             short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
-                                             long_factor=[1.0, 1.4, 2.2, 3.5, 5.0, 7.5, 9.0, 12.0])),
-                      T.Phi3ForCausalLM, "model.layers.{L}.self_attn", (0,)),
-    "phi3_longrope_short": (T.Phi3Config, dict(LLAMA, num_key_value_heads=2, pad_token_id=0,
-                                               bos_token_id=1, eos_token_id=2,
-                                               original_max_position_embeddings=16,
-                                               rope_parameters=_rope(
-                                                   "longrope", 1e4,
-                                                   short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5,
-                                                                 3.1, 3.8],
-                                                   long_factor=[1.0, 1.4, 2.2, 3.5, 5.0, 7.5, 9.0,
-                                                                12.0])),
-                            T.Phi3ForCausalLM, "model.layers.{L}.self_attn", (0,)),
+    # LongRoPE: SEQ > 8 takes the long list, SEQ <= 16 the short one.
+    "phi3_longrope": _phi3_longrope(8),
+    "phi3_longrope_short": _phi3_longrope(16),
     "gpt2": (T.GPT2Config, dict(vocab_size=64, n_embd=64, n_head=4, n_layer=2, n_positions=64,
                                 scale_attn_by_inverse_layer_idx=True),
              T.GPT2LMHeadModel, "transformer.h.{L}.attn", (1,)),

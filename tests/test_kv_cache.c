@@ -264,6 +264,45 @@ static void test_decode_matches_full(void) {
         }
 }
 
+/* A dynamic NTK rope is taken at each call's length (docs/MODELS.md): a prefill of the whole
+ * sequence equals the full forward (one length, n); 1-token steps past the original length 8
+ * rotate each new key at its own step's length, as transformers' cache does, so they differ. */
+static void test_decode_dynamic_rope(void) {
+    const opts o = {"dynamic", 32, 4, 2, 8, MHA_ROPE_HALF, 0, 0, 0, 0.0, 0, 0, MHA_DTYPE_F32};
+    const int64_t B = 2, n = 23;
+    mha_layer *plain = make_layer(&o, 99);
+    mha_config cfg = *mha_layer_config(plain);
+    cfg.rope.scaling = MHA_ROPE_SCALING_DYNAMIC; /* factor 4 over an original length of 8 */
+    cfg.rope.factor = 4.0, cfg.rope.original_max_position = 8.0;
+    mha_layer *L = NULL;
+    mha_error err;
+    CHECK_OK(mha_layer_create(&cfg, mha_layer_weights(plain), MHA_WEIGHTS_COPY, NULL, &L, &err),
+             &err);
+    mha_layer_destroy(plain);
+    const int64_t od = cfg.out_dim;
+    test_rng r;
+    test_rng_seed(&r, 5);
+    float *x = malloc(sizeof(float) * (size_t)(B * n * o.q_dim));
+    float *ref = malloc(sizeof(float) * (size_t)(B * n * od));
+    float *y = malloc(sizeof(float) * (size_t)(B * n * od));
+    test_fill_normal(&r, x, B * n * o.q_dim, 1.0f);
+    full_forward(L, &o, B, n, x, ref);
+    const double scale = max_abs_f(ref, B * n * od);
+    for (int steps = 0; steps < 2; steps++) {
+        mha_kv_cache *c = make_cache(L, &o, B, 32);
+        decode_all(L, c, B, n, steps ? 1 : n, 1, x, y, MHA_IMPL_AUTO, 2);
+        const double e = max_diff_f(y, ref, B * n * od) / scale;
+        CHECK(steps ? e > 100 * tol_for(o.dtype) : e <= tol_for(o.dtype),
+              "dynamic rope decode, %s: relative error %.3g", steps ? "1-token steps" : "prefill",
+              e);
+        mha_kv_cache_destroy(c);
+    }
+    free(x);
+    free(ref);
+    free(y);
+    mha_layer_destroy(L);
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* 2. Mixed lengths; truncate, reset, copy.                                                       */
 /* ---------------------------------------------------------------------------------------------- */
@@ -797,6 +836,7 @@ static void test_nonfinite_keys(void) {
 
 int main(void) {
     test_decode_matches_full();
+    test_decode_dynamic_rope();
     test_mixed_and_edit();
     test_gqa_equals_repeated();
     test_merge();

@@ -501,9 +501,7 @@ static mha_status layer_step(const mha_layer *layer,
     /* 2. RoPE at the absolute positions len0 + i (a DYNAMIC rope at this call's length: the
      *    cached keys keep the rotation of the call that appended them, as transformers' do). */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
-        int64_t len = 0;
-        for (int64_t i = 0; i < S; i++)
-            len = len0[i] + t > len ? len0[i] + t : len;
+        const int64_t len = mha__plan_rope_length(&c->rope, NULL, NULL, len0, S, t, t);
         mha__plan_rope(&c->rope, len, tab, q, S, t, h, dk, NULL, len0, 1);
         mha__plan_rope(&c->rope, len, tab, k, S, t, g, dk, NULL, len0, 1);
     }

@@ -257,7 +257,7 @@ mha_status mha_layer_forward(const mha_layer *layer,
         double *tab = (double *)(ws + l.rope_off);
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        const int64_t len = mha__plan_rope_length(args->q_positions, B, n, kpos, m);
+        const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
@@ -325,7 +325,7 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         double *tab = (double *)(ws + rope_off);
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        const int64_t len = mha__plan_rope_length(args->q_positions, B, n, kpos, m);
+        const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }

@@ -168,7 +168,7 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
-        const int64_t len = mha__plan_rope_length(args->q_positions, B, n, kpos, m);
+        const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
         st = rope_buffer(&c->rope, len, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
         if (!st)
             st = rope_buffer(&c->rope, len, alloc, s->k, B, m, g, dk, kpos, 1, err);
@@ -392,7 +392,7 @@ mha_status mha_layer_backward(const mha_layer *layer,
     /* "Q = RoPE(Q')": the transposed rotation. */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);
-        const int64_t len = mha__plan_rope_length(a->q_positions, B, n, kpos, m);
+        const int64_t len = mha__plan_rope_length(&c->rope, a->q_positions, kpos, NULL, B, n, m);
         st = rope_buffer(&c->rope, len, x.alloc, dQ, B, n, h, dk, a->q_positions, -1, err);
         if (!st)
             st = rope_buffer(&c->rope, len, x.alloc, dK, B, m, g, dk, kpos, -1, err);

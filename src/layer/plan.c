@@ -2,6 +2,7 @@
 /* plan.c: the projection and RoPE steps of the layer's plan (plan.h), shared by the forward, the
  * backward and the decode step. */
 #include "layer/plan.h"
+#include "check/check.h"
 #include "layer/rope.h"
 
 #include "kernels/gemm.h"
@@ -51,10 +52,17 @@ mha_status mha__plan_project(mha_impl impl,
     return mha__parallel_for(team, rows, project_rows, &job, err);
 }
 
-int64_t
-mha__plan_rope_length(const int64_t *q_pos, int64_t B, int64_t n, const int64_t *k_pos, int64_t m) {
-    const int64_t lq = mha__positions_length(q_pos, NULL, B, n, n);
-    const int64_t lk = mha__positions_length(k_pos, NULL, B, m, m);
+int64_t mha__plan_rope_length(const mha_rope *resolved,
+                              const int64_t *q_pos,
+                              const int64_t *k_pos,
+                              const int64_t *base,
+                              int64_t B,
+                              int64_t n,
+                              int64_t m) {
+    if (!mha__rope_depends_on_length(resolved))
+        return 0;
+    const int64_t lq = mha__positions_length(q_pos, base, B, n, n);
+    const int64_t lk = mha__positions_length(k_pos, base, B, m, m);
     return lq > lk ? lq : lk;
 }
 

@@ -34,10 +34,16 @@ static inline size_t mha__plan_rope_doubles(const mha_rope *resolved) {
     return (size_t)(3 * (resolved->rotary_dim / 2));
 }
 
-/* The length a call's RoPE is taken at (a DYNAMIC rope's L): 1 + the largest query or key
- * position, positions as mha__plan_rope reads them (pos [B, L], or 0 .. L-1 when NULL). */
-int64_t
-mha__plan_rope_length(const int64_t *q_pos, int64_t B, int64_t n, const int64_t *k_pos, int64_t m);
+/* The length a call's RoPE is taken at, a DYNAMIC or LONGROPE rope's L: 1 + the largest query or
+ * key position, positions as mha__plan_rope reads them (q_pos [B, n] and k_pos [B, m], or
+ * base[b] + t when NULL, base NULL = 0). 0 for a rope that does not depend on it (no scan). */
+int64_t mha__plan_rope_length(const mha_rope *resolved,
+                              const int64_t *q_pos,
+                              const int64_t *k_pos,
+                              const int64_t *base,
+                              int64_t B,
+                              int64_t n,
+                              int64_t m);
 
 /* RoPE over x [B, L, heads, d]: row (b, t) is at position pos[b * L + t] if pos is given, else
  * base[b] + t (base NULL = 0), and is rotated by +angle (sign = 1) or -angle (sign = -1: the
