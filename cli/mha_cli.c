@@ -47,6 +47,7 @@ static void usage(void) {
 static void print_kernels(void) {
     printf("cpu tiers (detected): %s\n", mha_experimental_cpu_isas(0));
     printf("kernel tiers (under MHA_MAX_ISA): %s\n", mha_experimental_cpu_isas(1));
+    printf("decode prefetch: fills the L%d\n", (int)mha_experimental_cpu_prefetch_level());
     printf("kernels by op, priority order (* = what the op runs here; the forward's choice also\n"
            "depends on the problem: the first usable one whose limits take it):\n");
     for (int32_t i = 0; i < mha_experimental_kernel_count(); ++i) {

@@ -986,6 +986,10 @@ static void test_dropout_bits(void) {
  * generic kernel for every op, exactly one reference for fwd and bwd (the last line of its op),
  * and the kernel each op runs here. */
 static void test_registry(void) {
+    /* the decode kernels' prefetch level: the L2 only on a CPU with AVX-512 (AMD's) */
+    const int32_t level = mha_experimental_cpu_prefetch_level();
+    CHECK(level == 1 || (level == 2 && strstr(mha_experimental_cpu_isas(0), "avx512")),
+          "decode prefetch level %d on a CPU with %s", (int)level, mha_experimental_cpu_isas(0));
     const int32_t count = mha_experimental_kernel_count();
     const char *ops[] = {"fwd", "bwd", "decode", "gemm"};
     for (int o = 0; o < 4; o++) {

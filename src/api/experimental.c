@@ -49,6 +49,10 @@ const char *mha_experimental_cpu_isas(int32_t capped) {
     return mha__cpu_isa_list(capped ? mha__cpu_isa() : mha__cpu_isa_detected());
 }
 
+int32_t mha_experimental_cpu_prefetch_level(void) {
+    return mha__cpu_prefetch_to_l2() ? 2 : 1;
+}
+
 mha_status mha_experimental_attention_select(const mha_attention_args *args,
                                              const mha_exec *exec,
                                              int32_t *index,

@@ -20,6 +20,7 @@
 #endif
 
 static unsigned g_detected, g_capped;
+static int g_prefetch_l2;
 static const char *g_forced_name; /* MHA_KERNEL, or NULL */
 static char g_forced_buf[128];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -54,6 +55,17 @@ static unsigned detect_isa(void) {
         isa |= MHA_ISA_AVX512;
     return isa;
 }
+
+/* CPUID leaf 0's vendor string is "AuthenticAMD" (EBX, EDX, ECX = "Auth", "enti", "cAMD"). */
+static int vendor_is_amd(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u &&
+           c == 0x444d4163u;
+}
+
+static int detect_prefetch_l2(unsigned isa) {
+    return (isa & MHA_ISA_AVX512) && vendor_is_amd();
+}
 #elif defined(__aarch64__)
 /* Advanced SIMD is architecturally required on Linux/aarch64; the kernel still reports it, and
  * a kernel built without it (never seen) would leave the generic tier. */
@@ -65,10 +77,17 @@ static unsigned detect_isa(void) {
     return 0;
 }
 #endif
+#if !defined(__x86_64__) && !defined(__i386__)
+static int detect_prefetch_l2(unsigned isa) {
+    (void)isa;
+    return 0;
+}
+#endif
 
 static void init_once(void) {
     g_detected = detect_isa();
     g_capped = g_detected;
+    g_prefetch_l2 = detect_prefetch_l2(g_detected);
     const char *cap = getenv("MHA_MAX_ISA");
     /* A tier name caps the bits to those of that tier; unknown values leave the detection. */
 #define MHA_CAP_TO(bits, name)                                                                     \
@@ -91,6 +110,11 @@ unsigned mha__cpu_isa(void) {
 unsigned mha__cpu_isa_detected(void) {
     pthread_once(&g_once, init_once);
     return g_detected;
+}
+
+int mha__cpu_prefetch_to_l2(void) {
+    pthread_once(&g_once, init_once);
+    return g_prefetch_l2;
 }
 
 const char *mha__cpu_forced_kernel(void) {

@@ -76,6 +76,7 @@ typedef struct mha__dec_problem {
     int64_t window;       /* 0 = none */
     const float *q;       /* element (s, i, h, d) at q[s*q_ss + i*q_ts + h*dk + d] */
     int64_t q_ss, q_ts;
+    int prefetch_l2; /* software prefetches fill the L2, not the L1 (mha__cpu_prefetch_to_l2) */
 } mha__dec_problem;
 
 /* A work unit: keys [j0, j1) (logical positions) of kv head g of seq row s. */

@@ -47,8 +47,18 @@ load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mma
 /* Software prefetch distance in keys. The K pass prefetches the K rows MHA_DEC_PREFETCH keys
  * ahead and, near its end, the first V rows; the V pass likewise the V rows ahead; each block's
  * prefetches are spread over its arithmetic (a burst of them fills the line-fill buffers and
- * stalls). The hardware prefetcher alone keeps too few misses in flight. */
+ * stalls). The hardware prefetcher alone keeps too few misses in flight. The level they fill is
+ * the CPU's (mha__cpu_prefetch_to_l2): the L1 on Intel, the L2 on AMD Zen 4, where filling the L1
+ * ran this kernel at 55-65% of the speed (distances 64 and 128 measured no better there). */
 #define MHA_DEC_PREFETCH 32
+
+/* Prefetches the line at `at` into the L2 (l2) or the L1. */
+MHA_INLINE void prefetch_line(const char *at, int l2) {
+    if (l2)
+        _mm_prefetch(at, _MM_HINT_T1);
+    else
+        _mm_prefetch(at, _MM_HINT_T0);
+}
 
 /* Keys of the block starting at key j of a unit of nb keys (0 past the end). */
 MHA_INLINE int64_t block_len(int64_t nb, int64_t j) {
@@ -62,6 +72,7 @@ typedef struct row_stream {
     const char *base; /* slot 0 */
     size_t row_bytes;
     int64_t slots;
+    int prefetch_l2; /* prefetches fill the L2 (see prefetch_line) */
 } row_stream;
 
 MHA_INLINE const void *stream_row(const row_stream *st, int64_t slot0, int64_t x) {
@@ -77,7 +88,7 @@ prefetch_rows(const row_stream *st, int64_t slot0, int64_t n, int64_t x0, int64_
     for (int64_t x = x0; x < x1 && x < n; x++) {
         const char *row = stream_row(st, slot0, x);
         for (size_t b = 0; b < st->row_bytes; b += 64)
-            _mm_prefetch(row + b, _MM_HINT_T0);
+            prefetch_line(row + b, st->prefetch_l2);
     }
 }
 
@@ -241,7 +252,8 @@ MHA_INLINE void scores_contig(const int NR,
                               int64_t nb,
                               const float *qil,
                               int64_t dk,
-                              float *S) {
+                              float *S,
+                              int l2) {
     const int E = DT == MHA_DTYPE_F32 ? 4 : 2;       /* lines per 16 elements of 4 rows */
     const int STEP = DT == MHA_DTYPE_BF16 ? 32 : 16; /* elements per load of a row */
     for (int64_t y0 = 0; y0 < nb; y0 += 4) {
@@ -260,7 +272,7 @@ MHA_INLINE void scores_contig(const int NR,
         for (int64_t d = 0; d < dk; d += STEP, q += STEP * NR, pf += 4 * STEP * E) {
 #pragma GCC unroll 8
             for (int e = 0; e < STEP / 16 * E; e++)
-                _mm_prefetch(pf + 64 * e, _MM_HINT_T0);
+                prefetch_line(pf + 64 * e, l2);
 #pragma GCC unroll 2
             for (int half = 0; half < STEP / 16; half++) {
                 v16 c0, c1, c2, c3;
@@ -295,6 +307,7 @@ MHA_INLINE void axpy_contig(const int NR,
                             size_t rbv,
                             int64_t nkb,
                             const char *const pf[MHA_DEC_SUB],
+                            int l2,
                             const float *e,
                             const __mmask16 seen[4],
                             float *o,
@@ -308,7 +321,7 @@ MHA_INLINE void axpy_contig(const int NR,
     for (int64_t y = 0; y < nkb; y++, row += rbv) {
 #pragma GCC unroll 4
         for (int l = 0; l < E; l++)
-            _mm_prefetch(pf[y] + c0 * E + 64 * l, _MM_HINT_T0);
+            prefetch_line(pf[y] + c0 * E + 64 * l, l2);
         v16 v[4];
         for (int c = 0; c < 4; c++)
             v[c] = DT == MHA_DTYPE_BF16 ? bf16_half(row, c0 + 32 * (c >> 1), c & 1)
@@ -334,7 +347,8 @@ MHA_INLINE void values_contig(const int NR,
                               int64_t nb,
                               const float *S,
                               float *o,
-                              int64_t dv) {
+                              int64_t dv,
+                              int l2) {
     const int E = DT == MHA_DTYPE_F32 ? 4 : 2; /* lines per 64 columns of a row */
     for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
         const int64_t nkb = block_len(nb, jb);
@@ -360,9 +374,9 @@ MHA_INLINE void values_contig(const int NR,
         const char *rows = vrow + (size_t)jb * rbv;
         for (int64_t c0 = 0; c0 < dv; c0 += 64) {
             if (all == in)
-                axpy_contig(NR, DT, E, 0, rows, rbv, nkb, pf, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 0, rows, rbv, nkb, pf, l2, e, seen, o + c0, dv, c0);
             else
-                axpy_contig(NR, DT, E, 1, rows, rbv, nkb, pf, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 1, rows, rbv, nkb, pf, l2, e, seen, o + c0, dv, c0);
         }
     }
     if (DT == MHA_DTYPE_BF16) { /* even/odd halves of each 32 columns back to natural order */
@@ -380,21 +394,21 @@ MHA_INLINE void values_contig(const int NR,
 }
 
 typedef void (*scores_contig_fn)(
-    const char *, size_t, const char *, size_t, int64_t, const float *, int64_t, float *);
+    const char *, size_t, const char *, size_t, int64_t, const float *, int64_t, float *, int);
 typedef void (*values_contig_fn)(
-    const char *, size_t, const char *, size_t, int64_t, const float *, float *, int64_t);
+    const char *, size_t, const char *, size_t, int64_t, const float *, float *, int64_t, int);
 
 /* One non-inlined instance per (dtype, rows). */
 #define CONTIG_FNS_(tag, dt, nr)                                                                   \
     static __attribute__((noinline)) void scores_##tag##nr(                                        \
         const char *krow, size_t rb, const char *vrow, size_t rbv, int64_t nb, const float *qil,   \
-        int64_t dk, float *S) {                                                                    \
-        scores_contig(nr, dt, krow, rb, vrow, rbv, nb, qil, dk, S);                                \
+        int64_t dk, float *S, int l2) {                                                            \
+        scores_contig(nr, dt, krow, rb, vrow, rbv, nb, qil, dk, S, l2);                            \
     }                                                                                              \
     static __attribute__((noinline)) void values_##tag##nr(                                        \
         const char *vrow, size_t rbv, const char *knext, size_t rb, int64_t nb, const float *S,    \
-        float *o, int64_t dv) {                                                                    \
-        values_contig(nr, dt, vrow, rbv, knext, rb, nb, S, o, dv);                                 \
+        float *o, int64_t dv, int l2) {                                                            \
+        values_contig(nr, dt, vrow, rbv, knext, rb, nb, S, o, dv, l2);                             \
     }
 #define CONTIG_DTYPE_(tag, dt)                                                                     \
     CONTIG_FNS_(tag, dt, 1) CONTIG_FNS_(tag, dt, 2) CONTIG_FNS_(tag, dt, 3) CONTIG_FNS_(tag, dt, 4)
@@ -433,9 +447,9 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                     vtail = v16_first((int)(dv - (dvp - 16)));
     const int64_t pair = seq * c->cfg.num_kv_heads + u->g, slot_j0 = u->j0 % c->slots;
     const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots * dk) * c->elem,
-                           (size_t)dk * c->elem, c->slots};
+                           (size_t)dk * c->elem, c->slots, p->prefetch_l2};
     const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots * dv) * c->elem,
-                           (size_t)dv * c->elem, c->slots};
+                           (size_t)dv * c->elem, c->slots, p->prefetch_l2};
     /* Slot of key j0 + jj (jj < nb <= slots). */
 #define SLOT_(jj) (slot_j0 + (jj) >= c->slots ? slot_j0 + (jj)-c->slots : slot_j0 + (jj))
 
@@ -472,7 +486,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
      * first V rows (pass 3 reads them next). */
     const int kfull = dk % 16 == 0;
     if (contig)
-        scores_contig_table[dti][R - 1](krow, ks.row_bytes, vrow, vs.row_bytes, nb, qbuf, dk, S);
+        scores_contig_table[dti][R - 1](krow, ks.row_bytes, vrow, vs.row_bytes, nb, qbuf, dk, S,
+                                        p->prefetch_l2);
     else
         for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
             const int64_t nkb = block_len(nb, jb);
@@ -567,7 +582,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
         const char *knext = u->j1 < L && slot_j0 + nb + MHA_DEC_PREFETCH <= c->slots
                                 ? krow + (size_t)nb * ks.row_bytes
                                 : NULL;
-        values_contig_table[dti][R - 1](vrow, vs.row_bytes, knext, ks.row_bytes, nb, S, o, dv);
+        values_contig_table[dti][R - 1](vrow, vs.row_bytes, knext, ks.row_bytes, nb, S, o, dv,
+                                        p->prefetch_l2);
         return;
     }
     const int vfull = dv % 64 == 0;
