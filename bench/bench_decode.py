@@ -18,6 +18,7 @@ Effective bandwidth = bytes of K and V in the cache / step time.
 
 Usage: python3 bench/bench_decode.py [--mha build/mha] [--steps 20] [--dtypes f32,bf16]
                                      [--quick] [--markdown out.md]
+       (--lengths 32768 --kv-heads 8 --batches 1 --threads 1,2: the issue's shape only)
 Needs torch (2.13.0 here) and numpy; nothing is installed by this script.
 """
 import argparse
@@ -62,6 +63,10 @@ def main():
     ap.add_argument("--dtypes", default="f32")
     ap.add_argument("--stream-mb", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="cache lengths 512 and 4096 only")
+    ap.add_argument("--lengths", help="cache lengths, comma separated (default 512,4096,32768)")
+    ap.add_argument("--kv-heads", default="8,32", help="kv heads g, comma separated")
+    ap.add_argument("--batches", default="1,8", help="batch sizes B, comma separated")
+    ap.add_argument("--threads", default="1,2", help="thread counts, comma separated")
     ap.add_argument("--no-naive", action="store_true")
     ap.add_argument("--markdown", help="also write the table to this file")
     args = ap.parse_args()
@@ -69,24 +74,27 @@ def main():
 
     h, d = 32, 128
     lengths = [512, 4096] if args.quick else [512, 4096, 32768]
+    if args.lengths:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    threads = [int(x) for x in args.threads.split(",")]
     stream = {}
-    for t in (1, 2):
+    for t in threads:
         stream[t] = mha_run(args.mha, "--attention-only", "--json", "--heads", 2, "--kv-heads", 1,
                             "--head-dim", 16, "--cache-len", 16, "--steps", 1, "--threads", t,
                             "--stream", args.stream_mb)["stream_gbs"]
     header = (f"# decode step, h={h}, d={d}; torch {torch.__version__}; memory read bandwidth "
-              f"(--stream {args.stream_mb} MB): 1 thread {stream[1]:.1f} GB/s, 2 threads "
-              f"{stream[2]:.1f} GB/s")
+              f"(--stream {args.stream_mb} MB): " +
+              ", ".join(f"{t} thread(s) {stream[t]:.1f} GB/s" for t in threads))
     print(header)
     cols = ("dtype", "g", "L", "B", "thr", "KV MB", "mha ms", "GB/s", "%bw", "torch ms",
             "x torch", "naive ms", "x naive")
     print(" | ".join(cols))
     rows = []
     for dtype in args.dtypes.split(","):
-        for g in (8, 32):
+        for g in (int(x) for x in args.kv_heads.split(",")):
             for L in lengths:
-                for B in (1, 8):
-                    for t in (1, 2):
+                for B in (int(x) for x in args.batches.split(",")):
+                    for t in threads:
                         kv_bytes = B * g * L * 2 * d * (4 if dtype == "f32" else 2)
                         naive = not args.no_naive and t == 1
                         rec = mha_run(args.mha, "--attention-only", "--json", "--heads", h,
