@@ -51,8 +51,9 @@ MHA_API int32_t mha_experimental_kernel_active(const char *op);
 /** The ISAs this CPU has, best first, space separated ("avx512 avx2 generic"), as detected by
  *  cpuid/XGETBV when capped == 0, or after the MHA_MAX_ISA cap when capped != 0. Static string. */
 MHA_API const char *mha_experimental_cpu_isas(int32_t capped);
-/** The cache level (1 or 2) the x86 decode kernels' software prefetches fill on this CPU: 2 on AMD
- *  with AVX-512 (Zen 4 and later), 1 elsewhere (docs/performance.md). Changes no result. */
+/** The cache level (1 or 2) the decode kernels' software prefetches fill on this CPU: 2 on AMD
+ *  with AVX-512 (Zen 4 and later), 1 elsewhere, aarch64 included (docs/performance.md). Changes
+ *  no result. */
 MHA_API int32_t mha_experimental_cpu_prefetch_level(void);
 
 /** The kernel mha_attention() would run for (args, exec): *index receives its registry index.
