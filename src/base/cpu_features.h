@@ -42,7 +42,7 @@ const char *mha__cpu_isa_list(unsigned isa);
 /* 1 when software prefetches of data streamed from memory (the decode kernels' K and V rows) should
  * fill the L2 (PREFETCHT1) rather than the L1 (PREFETCHT0): AMD CPUs with AVX-512 (Zen 4 and
  * later; detected, not capped by MHA_MAX_ISA: a property of the memory system). On Zen 4 the
- * L1-filling hint ran the decode step at 35-55% of the read bandwidth, the L2 one at 55-65%
+ * L1-filling hint ran the decode step at 35-55% of the read bandwidth, the L2 one at 50-75%
  * (docs/performance.md). 0 elsewhere: Intel, where the L1 hint was tuned, and AMD Zen 1, where it
  * measured 79-85%. Prefetch hints change no result. */
 int mha__cpu_prefetch_to_l2(void);

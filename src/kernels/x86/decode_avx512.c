@@ -49,7 +49,7 @@ load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mma
  * prefetches are spread over its arithmetic (a burst of them fills the line-fill buffers and
  * stalls). The hardware prefetcher alone keeps too few misses in flight. The level they fill is
  * the CPU's (mha__cpu_prefetch_to_l2): the L1 on Intel, the L2 on AMD Zen 4, where filling the L1
- * ran this kernel at 55-65% of the speed (distances 64 and 128 measured no better there). */
+ * ran this kernel at 55-75% of the speed (distances 64 and 128 measured no better there). */
 #define MHA_DEC_PREFETCH 32
 
 /* Prefetches the line at `at` into the L2 (l2) or the L1. */
