@@ -58,7 +58,7 @@ static unsigned detect_isa(void) {
 
 /* CPUID leaf 0's vendor string is "AuthenticAMD" (EBX, EDX, ECX = "Auth", "enti", "cAMD"). */
 static int vendor_is_amd(void) {
-    unsigned a, b, c, d;
+    unsigned a = 0, b = 0, c = 0, d = 0;
     return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u && d == 0x69746e65u &&
            c == 0x444d4163u;
 }
