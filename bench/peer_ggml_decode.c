@@ -39,6 +39,7 @@
  * (bench/CMakeLists.txt); never part of the normal build. docs/INFERENCE.md, "Peer: ggml".
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
+#define _DEFAULT_SOURCE         /* madvise */
 
 #include "mha.h"
 #include "mha_experimental.h"
@@ -52,6 +53,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 
 enum { P_MM, P_FA, P_MHA, P_COUNT }; /* ggml mul_mat graph, ggml flash_attn_ext, mha */
@@ -175,7 +177,15 @@ static double stream_pass(const uint64_t *buf, size_t words, int threads) {
 /* Median, min and max GB/s of `passes` passes. */
 static stats stream_gbs(int64_t mb, int threads, int passes) {
     const size_t words = (size_t)mb * 1024 * 1024 / 8;
-    uint64_t *buf = xalloc(words * 8);
+    /* in 2 MiB pages where the OS gives them, as mha asks for its KV caches (mha decode-bench's
+     * read loop does the same) */
+    const size_t huge = (size_t)2 << 20, bytes = (words * 8 + huge - 1) / huge * huge;
+    uint64_t *buf = aligned_alloc(huge, bytes);
+    if (!buf) {
+        fprintf(stderr, "mha_peer_ggml_decode: cannot allocate %zu bytes\n", bytes);
+        exit(1);
+    }
+    (void)madvise(buf, bytes, MADV_HUGEPAGE);
     for (size_t i = 0; i < words; i++)
         buf[i] = i;
     double g[MAX_REPS];

@@ -1,11 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /* util.c: status strings, error messages, overflow-checked size arithmetic and allocation.
  * Nothing here keeps state: errors go into the caller's mha_error. */
+#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
 #include "base/internal.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#    include <sys/mman.h>
+#endif
 
 const char *mha_version(void) {
 #define MHA_STR_(x)  #x
@@ -110,6 +115,19 @@ void *mha__alloc(const mha_allocator *a, size_t bytes) {
     if (bytes > SIZE_MAX - 63)
         return NULL;
     return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+}
+
+void mha__advise_huge_pages(void *p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    const uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1);
+    const uintptr_t end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (end > begin)
+        (void)madvise((void *)begin, (size_t)(end - begin), MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
 }
 
 void mha__free(const mha_allocator *a, void *ptr) {

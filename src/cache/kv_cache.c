@@ -60,6 +60,10 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                          kb + vb);
     }
     memset(kc->len, 0, lb);
+    if (!allocator) { /* the library's own storage (a caller's allocator gives its own memory) */
+        mha__advise_huge_pages(kc->k, kb);
+        mha__advise_huge_pages(kc->v, vb);
+    }
     kc->lo = kc->len + c.batch;
     *out = kc;
     mha__ok(err);

@@ -56,6 +56,8 @@ mha_status mha_layer_create(const mha_config *config,
             return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld weight floats",
                              (long long)total);
         }
+        if (!allocator) /* a decode step streams every weight once per token */
+            mha__advise_huge_pages(L->owned, bytes);
         float *dst = L->owned;
         for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
             if (!slots[i].present)
