@@ -164,5 +164,7 @@ mha_status mha__workspace_take(
     }
     *ws = *owned = mha__alloc(exec ? exec->allocator : NULL, need);
     MHA_RETURN_IF(!*ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace for %s", need, what);
+    if (!(exec && exec->allocator))
+        mha__advise_huge_pages(*ws, need);
     return MHA_STATUS_OK;
 }
