@@ -48,10 +48,12 @@ bool mha__bytes(int64_t count, size_t elem_size, size_t *out);
 void *mha__alloc(const mha_allocator *a, size_t bytes);
 /* Advice to the OS: back the 2 MiB-aligned extents of [p, p + bytes) with huge pages (Linux
  * transparent huge pages, MADV_HUGEPAGE, which Debian's default THP mode "madvise" honours; a
- * no-op elsewhere; failures ignored). For large buffers streamed from memory: a 4 KiB page
- * holds only 8-16 rows of a KV cache, and software prefetches run ahead across pages whose
- * translations are not cached yet; with huge pages a decode step over a 32768-key cache ran
- * 1.1-1.3x faster on AMD Zen 4 (docs/performance.md). Changes no result. */
+ * no-op elsewhere; failures ignored). Given for the library's own large buffers: KV caches and
+ * copied weights, streamed from memory (a 4 KiB page holds only 8-16 rows of a KV cache, and
+ * the prefetches run ahead into pages whose translations are not cached yet: a decode step over
+ * a 32768-key cache ran 1.13-1.35x faster on AMD Zen 4), and per-call workspaces (1/512 of the
+ * page faults: the layer forward at (2048, 1024, 16) 1.06x there). docs/performance.md. Changes
+ * no result. */
 void mha__advise_huge_pages(void *p, size_t bytes);
 void mha__free(const mha_allocator *a, void *ptr);
 
