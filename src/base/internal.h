@@ -46,15 +46,17 @@ bool mha__bytes(int64_t count, size_t elem_size, size_t *out);
 
 /* Allocation through an optional mha_allocator (NULL = malloc/free), 64-byte aligned. */
 void *mha__alloc(const mha_allocator *a, size_t bytes);
-/* Advice to the OS: back the 2 MiB-aligned extents of [p, p + bytes) with huge pages (Linux
- * transparent huge pages, MADV_HUGEPAGE, which Debian's default THP mode "madvise" honours; a
- * no-op elsewhere; failures ignored). Given for the library's own large buffers: KV caches and
- * copied weights, streamed from memory (a 4 KiB page holds only 8-16 rows of a KV cache, and
- * the prefetches run ahead into pages whose translations are not cached yet: a decode step over
- * a 32768-key cache ran 1.13-1.35x faster on AMD Zen 4), and per-call workspaces (1/512 of the
- * page faults: the layer forward at (2048, 1024, 16) 1.06x there). docs/performance.md. Changes
- * no result. */
-void mha__advise_huge_pages(void *p, size_t bytes);
+/* mha__alloc for a large buffer the library streams through. When the memory is the library's
+ * own (no caller allocator: a caller's memory is the caller's to advise), its 2 MiB-aligned
+ * extents are advised to the OS as huge pages (Linux transparent huge pages, MADV_HUGEPAGE, which
+ * Debian's default THP mode "madvise" honours; a no-op elsewhere; failures ignored). Used for KV
+ * caches and copied weights, streamed from memory (a 4 KiB page holds only 8-16 rows of a KV
+ * cache, and the prefetches run ahead into pages whose translations are not cached yet: a decode
+ * step over a 32768-key cache ran 1.13-1.35x faster on AMD Zen 4), and for per-call buffers
+ * (workspaces, the GEMM's packed W, backward scratch): 1/512 of the first-touch page faults (the
+ * layer forward at (2048, 1024, 16) 1.06x there, a projection GEMM 1.04-1.05x).
+ * docs/performance.md. Changes no result. */
+void *mha__alloc_large(const mha_allocator *a, size_t bytes);
 void mha__free(const mha_allocator *a, void *ptr);
 
 /* x rounded up to a multiple of 64 (workspace layouts put every part on a cache line). The

@@ -117,7 +117,7 @@ void *mha__alloc(const mha_allocator *a, size_t bytes) {
     return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
 }
 
-void mha__advise_huge_pages(void *p, size_t bytes) {
+static void advise_huge_pages(void *p, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     const uintptr_t huge = (uintptr_t)2 << 20;
     const uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1);
@@ -128,6 +128,13 @@ void mha__advise_huge_pages(void *p, size_t bytes) {
     (void)p;
     (void)bytes;
 #endif
+}
+
+void *mha__alloc_large(const mha_allocator *a, size_t bytes) {
+    void *p = mha__alloc(a, bytes);
+    if (p && !(a && a->alloc))
+        advise_huge_pages(p, bytes);
+    return p;
 }
 
 void mha__free(const mha_allocator *a, void *ptr) {
@@ -162,9 +169,7 @@ mha_status mha__workspace_take(
         *ws = (char *)exec->workspace + skip;
         return MHA_STATUS_OK;
     }
-    *ws = *owned = mha__alloc(exec ? exec->allocator : NULL, need);
+    *ws = *owned = mha__alloc_large(exec ? exec->allocator : NULL, need);
     MHA_RETURN_IF(!*ws, err, NO_MEMORY, "cannot allocate a %zu-byte workspace for %s", need, what);
-    if (!(exec && exec->allocator))
-        mha__advise_huge_pages(*ws, need);
     return MHA_STATUS_OK;
 }

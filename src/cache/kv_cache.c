@@ -49,8 +49,8 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
         kc->allocator = *allocator;
         kc->has_allocator = 1;
     }
-    kc->k = mha__alloc(allocator, kb);
-    kc->v = mha__alloc(allocator, vb);
+    kc->k = mha__alloc_large(allocator, kb);
+    kc->v = mha__alloc_large(allocator, vb);
     kc->len = mha__alloc(allocator, lb);
     if (!kc->k || !kc->v || !kc->len) {
         mha_kv_cache_destroy(kc);
@@ -60,10 +60,6 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                          kb + vb);
     }
     memset(kc->len, 0, lb);
-    if (!allocator) { /* the library's own storage (a caller's allocator gives its own memory) */
-        mha__advise_huge_pages(kc->k, kb);
-        mha__advise_huge_pages(kc->v, vb);
-    }
     kc->lo = kc->len + c.batch;
     *out = kc;
     mha__ok(err);

@@ -213,7 +213,7 @@ static mha_status attend_core(
     size_t bytes;
     MHA_RETURN_IF(!mha__bytes(max_m * G * (dk + dv), sizeof(float), &bytes), err, OVERFLOW,
                   "dequantised cache size overflows");
-    float *kbuf = mha__alloc(alloc, bytes);
+    float *kbuf = mha__alloc_large(alloc, bytes);
     MHA_RETURN_IF(!kbuf, err, NO_MEMORY, "cannot allocate %zu bytes for the dequantised cache",
                   bytes);
     mha_status st = MHA_STATUS_OK;

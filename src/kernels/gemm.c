@@ -276,7 +276,7 @@ static mha_status run(const mha__gemm_kernel *kr,
             MHA_RETURN_IF(workspace_bytes < bytes, err, WORKSPACE_TOO_SMALL,
                           "gemm: workspace of %zu bytes, %zu needed", workspace_bytes, bytes);
         } else {
-            workspace = owned = mha__alloc(alloc, bytes);
+            workspace = owned = mha__alloc_large(alloc, bytes);
             MHA_RETURN_IF(!owned, err, NO_MEMORY, "gemm: cannot allocate %zu bytes for packing W",
                           bytes);
         }

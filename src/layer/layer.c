@@ -51,13 +51,11 @@ mha_status mha_layer_create(const mha_config *config,
     if (ownership == MHA_WEIGHTS_COPY) {
         size_t bytes;
         if (!mha__bytes(total, sizeof(float), &bytes) ||
-            !(L->owned = mha__alloc(allocator, bytes))) {
+            !(L->owned = mha__alloc_large(allocator, bytes))) {
             mha__free(allocator, L);
             return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld weight floats",
                              (long long)total);
         }
-        if (!allocator) /* a decode step streams every weight once per token */
-            mha__advise_huge_pages(L->owned, bytes);
         float *dst = L->owned;
         for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
             if (!slots[i].present)

@@ -125,7 +125,7 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         s->allocator = *alloc;
         s->has_allocator = 1;
     }
-    s->block = mha__alloc(alloc, bytes);
+    s->block = mha__alloc_large(alloc, bytes);
     if (!s->block) {
         mha_train_state_destroy(s);
         return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %zu bytes of training state",
@@ -329,7 +329,7 @@ mha_status mha_layer_backward(const mha_layer *layer,
     if (st)
         return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    float *buf = mha__alloc(alloc, bytes);
+    float *buf = mha__alloc_large(alloc, bytes);
     MHA_RETURN_IF(!buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch", bytes);
     float *p[10];
     {

@@ -72,8 +72,8 @@ mha_status mha_layer_project_backward(const mha_layer *layer,
     const int ref = exec && exec->impl == MHA_IMPL_REFERENCE;
     /* Scratch: dW [out, in] and dx [rows, in], so that an error leaves the outputs untouched. */
     const int64_t nw = dw ? p.out * p.in : 0, nx = dx ? rows * p.in : 0;
-    float *sw = nw ? mha__alloc(alloc, sizeof(float) * (size_t)nw) : NULL;
-    float *sx = nx ? mha__alloc(alloc, sizeof(float) * (size_t)nx) : NULL;
+    float *sw = nw ? mha__alloc_large(alloc, sizeof(float) * (size_t)nw) : NULL;
+    float *sx = nx ? mha__alloc_large(alloc, sizeof(float) * (size_t)nx) : NULL;
     if ((nw && !sw) || (nx && !sx))
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "out of memory (%lld floats of scratch)",
                        (long long)(nw + nx));
