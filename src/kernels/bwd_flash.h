@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* bwd_flash.h: the FlashAttention-2 style backward, split like the forward into an
- * ISA-independent driver (attn_bwd_flash_generic.c: tiling, visibility, masks, dropout, the
- * softmax backward elementwise) and per-ISA arithmetic (mha__bwd_flash_ops: a small
- * accumulating GEMM and a shifted exp).
+ * ISA-independent driver (attn_bwd_flash_generic.c: tiling, visibility, masks, dropout, softcap)
+ * and per-ISA arithmetic (mha__bwd_flash_ops: a small accumulating GEMM, a scaled and shifted exp,
+ * and the softmax backward of a row, which run on every score of a visited block).
  *
  * One work unit is (batch row b, kv head g) (attention_bwd.h). For each key tile of Bk keys the
  * driver packs K^T and V^T, zeroes the tile's dK, dV accumulators, and visits every query block
@@ -35,8 +35,13 @@ typedef struct mha__bwd_flash_ops {
                      int64_t ldb,
                      float *C,
                      int64_t ldc);
-    /* y[i] = exp(x[i] - c) for i < count (x = -inf gives 0). */
-    void (*exp_shift)(const float *x, float c, float *y, int64_t count);
+    /* y[i] = exp(scale x[i] - c) for i < count (x = -inf gives 0): the product rounded, then the
+     * difference (scale 1 leaves x as it is). y may be x. */
+    void (*exp_shift)(const float *x, float scale, float c, float *y, int64_t count);
+    /* The softmax backward of one row: dp[i] = P[i] != 0 ? scale (P[i] (dp[i] - D)) : 0 for
+     * i < count, each product rounded in that order (no fused multiply-add). P = 0 (a hidden key)
+     * gives 0 even when dp[i] is not finite. */
+    void (*softmax_grad)(const float *P, float D, float scale, float *dp, int64_t count);
 } mha__bwd_flash_ops;
 
 /* Runs unit (b, g) with the given arithmetic. */

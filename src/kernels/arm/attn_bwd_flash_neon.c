@@ -175,22 +175,40 @@ static void gemm_acc_neon(int64_t R,
         gemm_tail(R, K, A, sa, sk, B + j0, ldb, C + j0, ldc, (int)(N - j0));
 }
 
-static void exp_shift_neon(const float *x, float c, float *y, int64_t count) {
-    const v4 cv = v4_set1(c);
+static void exp_shift_neon(const float *x, float scale, float c, float *y, int64_t count) {
+    const v4 sv = v4_set1(scale), cv = v4_set1(c);
     int64_t i = 0;
     for (; i + 8 <= count; i += 8) {
-        const v4 e0 = v4_exp(v4_sub(v4_loadu(x + i), cv));
-        const v4 e1 = v4_exp(v4_sub(v4_loadu(x + i + 4), cv));
+        const v4 e0 = v4_exp(v4_sub(v4_mul(sv, v4_loadu(x + i)), cv));
+        const v4 e1 = v4_exp(v4_sub(v4_mul(sv, v4_loadu(x + i + 4)), cv));
         v4_store(y + i, e0);
         v4_store(y + i + 4, e1);
     }
     for (; i < count; i += 4) {
         const int n = count - i < 4 ? (int)(count - i) : 4;
-        v4_storeu_first(y + i, n, v4_exp(v4_sub(v4_loadu_first(x + i, n), cv)));
+        v4_storeu_first(y + i, n, v4_exp(v4_sub(v4_mul(sv, v4_loadu_first(x + i, n)), cv)));
     }
 }
 
-static const mha__bwd_flash_ops neon_ops = {gemm_acc_neon, exp_shift_neon};
+/* 4 lanes of softmax_grad: P != 0 ? scale (P (dp - D)) : 0 (NaN P counts as != 0). */
+MHA_INLINE v4 softmax_grad4(v4 P, v4 dp, v4 D, v4 scale) {
+    const v4 g = v4_mul(scale, v4_mul(P, v4_sub(dp, D)));
+    return vbslq_f32(vceqq_f32(P, v4_zero()), v4_zero(), g);
+}
+
+static void softmax_grad_neon(const float *P, float D, float scale, float *dp, int64_t count) {
+    const v4 dv = v4_set1(D), sv = v4_set1(scale);
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4)
+        v4_store(dp + i, softmax_grad4(v4_loadu(P + i), v4_loadu(dp + i), dv, sv));
+    if (i < count) {
+        const int n = (int)(count - i);
+        v4_storeu_first(dp + i, n,
+                        softmax_grad4(v4_loadu_first(P + i, n), v4_loadu_first(dp + i, n), dv, sv));
+    }
+}
+
+static const mha__bwd_flash_ops neon_ops = {gemm_acc_neon, exp_shift_neon, softmax_grad_neon};
 
 void mha_bwd_f32_flash_q32k64__neon(const mha__bwd_problem *bp,
                                     int64_t b,

@@ -178,10 +178,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                             srow[c] = 0.0f;
                         continue;
                     }
-                    if (whole) {
-                        for (int64_t c = 0; c < nk; c++)
-                            srow[c] = p->scale * srow[c];
-                    } else {
+                    if (!whole) {
                         int64_t lo, hi;
                         key_range(p, b, i, &lo, &hi);
                         for (int64_t c = 0; c < nk; c++) {
@@ -199,7 +196,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                             srow[c] = x;
                         }
                     }
-                    ops->exp_shift(srow, lse, srow, nk);
+                    ops->exp_shift(srow, whole ? p->scale : 1.0f, lse, srow, nk);
                 }
 
                 /* dP = dO V^T. */
@@ -216,9 +213,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                     /* P = 0 (hidden key) gives dS = 0 even if dP is not finite (a NaN value
                      * row behind a mask must not leak), as the reference's skip does. */
                     if (!p->dropout_on && p->softcap == 0.0f) {
-                        for (int64_t c = 0; c < nk; c++)
-                            dprow[c] =
-                                srow[c] != 0.0f ? p->scale * (srow[c] * (dprow[c] - D)) : 0.0f;
+                        ops->softmax_grad(srow, D, p->scale, dprow, nk);
                         continue;
                     }
                     for (int64_t c = 0; c < nk; c++) {
@@ -301,12 +296,18 @@ static void gemm_acc_generic(int64_t R,
     }
 }
 
-static void exp_shift_generic(const float *x, float c, float *y, int64_t count) {
+static void exp_shift_generic(const float *x, float scale, float c, float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++)
-        y[i] = expf(x[i] - c);
+        y[i] = expf(scale * x[i] - c);
 }
 
-static const mha__bwd_flash_ops generic_ops = {gemm_acc_generic, exp_shift_generic};
+static void softmax_grad_generic(const float *P, float D, float scale, float *dp, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        dp[i] = P[i] != 0.0f ? scale * (P[i] * (dp[i] - D)) : 0.0f;
+}
+
+static const mha__bwd_flash_ops generic_ops = {gemm_acc_generic, exp_shift_generic,
+                                               softmax_grad_generic};
 
 void mha_bwd_f32_flash_q32k64__generic(const mha__bwd_problem *bp,
                                        int64_t b,

@@ -134,18 +134,36 @@ static void gemm_acc_avx2(int64_t R,
     }
 }
 
-static void exp_shift_avx2(const float *x, float c, float *y, int64_t count) {
-    const v8 cv = v8_set1(c);
+static void exp_shift_avx2(const float *x, float scale, float c, float *y, int64_t count) {
+    const v8 sv = v8_set1(scale), cv = v8_set1(c);
     int64_t i = 0;
     for (; i + 8 <= count; i += 8)
-        _mm256_storeu_ps(y + i, v8_exp(v8_sub(v8_loadu(x + i), cv)));
+        _mm256_storeu_ps(y + i, v8_exp(v8_sub(v8_mul(sv, v8_loadu(x + i)), cv)));
     for (; i < count; i += 8) {
         const __m256i k = v8_first(count - i < 8 ? (int)(count - i) : 8);
-        v8_storeu_mask(y + i, k, v8_exp(v8_sub(v8_loadu_mask(k, x + i), cv)));
+        v8_storeu_mask(y + i, k, v8_exp(v8_sub(v8_mul(sv, v8_loadu_mask(k, x + i)), cv)));
     }
 }
 
-static const mha__bwd_flash_ops avx2_ops = {gemm_acc_avx2, exp_shift_avx2};
+/* 8 lanes of softmax_grad: P != 0 ? scale (P (dp - D)) : 0 (NaN P counts as != 0). */
+MHA_INLINE v8 softmax_grad8(v8 P, v8 dp, v8 D, v8 scale) {
+    const v8 g = v8_mul(scale, v8_mul(P, v8_sub(dp, D)));
+    return _mm256_and_ps(_mm256_cmp_ps(P, v8_zero(), _CMP_NEQ_UQ), g);
+}
+
+static void softmax_grad_avx2(const float *P, float D, float scale, float *dp, int64_t count) {
+    const v8 dv = v8_set1(D), sv = v8_set1(scale);
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(dp + i, softmax_grad8(v8_loadu(P + i), v8_loadu(dp + i), dv, sv));
+    for (; i < count; i += 8) {
+        const __m256i k = v8_first(count - i < 8 ? (int)(count - i) : 8);
+        v8_storeu_mask(dp + i, k,
+                       softmax_grad8(v8_loadu_mask(k, P + i), v8_loadu_mask(k, dp + i), dv, sv));
+    }
+}
+
+static const mha__bwd_flash_ops avx2_ops = {gemm_acc_avx2, exp_shift_avx2, softmax_grad_avx2};
 
 void mha_bwd_f32_flash_q32k64__avx2(const mha__bwd_problem *bp,
                                     int64_t b,

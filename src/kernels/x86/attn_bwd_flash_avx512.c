@@ -6,7 +6,8 @@
  * accumulators in named variables, 4 B loads and 4 broadcasts per 16 FMAs); column tails use
  * masked loads/stores, row tails a 1-row version of the same loop. Every call of the backward has N
  * <= max(64, d), so one or a few column blocks cover it. Each C element is one FMA chain in
- * increasing k. exp_shift uses the forward kernels' v16_exp (simd_avx512.h, 1 ULP on [-87.3, 0]).
+ * increasing k. exp_shift uses the forward kernels' v16_exp (simd_avx512.h, 1 ULP on [-87.3, 0]);
+ * softmax_grad is the generic formula 16 lanes at a time, each product rounded as there.
  */
 #include "kernels/bwd_flash.h"
 #include "kernels/x86/simd_avx512.h"
@@ -108,15 +109,27 @@ static void gemm_acc_avx512(int64_t R,
     }
 }
 
-static void exp_shift_avx512(const float *x, float c, float *y, int64_t count) {
-    const v16 cv = v16_set1(c);
+static void exp_shift_avx512(const float *x, float scale, float c, float *y, int64_t count) {
+    const v16 sv = v16_set1(scale), cv = v16_set1(c);
     for (int64_t i = 0; i < count; i += 16) {
         const __mmask16 k = v16_first(count - i < 16 ? (int)(count - i) : 16);
-        v16_storeu_mask(y + i, k, v16_exp(v16_sub(v16_loadu_mask(k, x + i), cv)));
+        v16_storeu_mask(y + i, k, v16_exp(v16_sub(v16_mul(sv, v16_loadu_mask(k, x + i)), cv)));
     }
 }
 
-static const mha__bwd_flash_ops avx512_ops = {gemm_acc_avx512, exp_shift_avx512};
+static void softmax_grad_avx512(const float *P, float D, float scale, float *dp, int64_t count) {
+    const v16 dv = v16_set1(D), sv = v16_set1(scale);
+    for (int64_t i = 0; i < count; i += 16) {
+        const __mmask16 k = v16_first(count - i < 16 ? (int)(count - i) : 16);
+        const v16 pv = v16_loadu_mask(k, P + i);
+        const __mmask16 seen = _mm512_cmp_ps_mask(pv, v16_zero(), _CMP_NEQ_UQ);
+        const v16 g = v16_mul(sv, v16_mul(pv, v16_sub(v16_loadu_mask(k, dp + i), dv)));
+        v16_storeu_mask(dp + i, k, _mm512_maskz_mov_ps(seen, g));
+    }
+}
+
+static const mha__bwd_flash_ops avx512_ops = {gemm_acc_avx512, exp_shift_avx512,
+                                              softmax_grad_avx512};
 
 void mha_bwd_f32_flash_q32k64__avx512(const mha__bwd_problem *bp,
                                       int64_t b,
