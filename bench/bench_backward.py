@@ -6,6 +6,7 @@ In one process, on the same inputs and weights, times one training step (forward
 input/weight/bias gradients) of
   mha        mha_layer_forward_train + mha_layer_backward (impl=AUTO: packed GEMM projections,
              flash backward of the core)
+  mha_cache  the same with an mha_block_cache as exec.allocator (steps reuse their memory)
   torch_mha  torch.nn.MultiheadAttention (batch_first, causal attn_mask + is_causal), .backward()
   torch_sdpa F.linear + F.scaled_dot_product_attention(is_causal) + F.linear, .backward()
 with torch.set_num_threads = mha n_threads, median of >= 3 runs after a warm-up, round robin.
@@ -56,6 +57,11 @@ class Mha:
         L.mha_layer_backward.argtypes = [C.c_void_p, C.c_void_p, P_f32, C.POINTER(LayerGrads),
                                          C.POINTER(Exec), C.POINTER(MhaError)]
         L.mha_train_state_destroy.argtypes = [C.c_void_p]
+        L.mha_block_cache_create.argtypes = [C.c_size_t, C.POINTER(C.c_void_p),
+                                             C.POINTER(MhaError)]
+        L.mha_block_cache_allocator.argtypes = [C.c_void_p]
+        L.mha_block_cache_allocator.restype = C.c_void_p
+        L.mha_block_cache_destroy.argtypes = [C.c_void_p]
 
     @staticmethod
     def check(st, err, what):
@@ -77,7 +83,10 @@ def make(n, dm, h, seed=1234):
 
 
 class MhaStep:
-    def __init__(self, mha, x, dy, w, dm, h, threads):
+    """One training step of mha; with `cache`, every allocation goes through an mha_block_cache
+    (exec.allocator), so steps after the first reuse the first step's memory."""
+
+    def __init__(self, mha, x, dy, w, dm, h, threads, cache=False):
         self.mha, self.x, self.dy, self.w = mha, x, dy, w
         cfg = Config(q_dim=dm, num_heads=h, bias_q=1, bias_k=1, bias_v=1, bias_o=1)
         wt = Weights(w_q=fptr(w["wq"]), w_k=fptr(w["wk"]), w_v=fptr(w["wv"]), w_o=fptr(w["wo"]),
@@ -90,6 +99,11 @@ class MhaStep:
         self.g = {k: np.empty_like(v) for k, v in w.items()}
         self.dx = np.empty_like(x)
         self.ex = Exec(impl=0, n_threads=threads)
+        self.cache = C.c_void_p()
+        if cache:
+            mha.check(mha.lib.mha_block_cache_create(0, C.byref(self.cache), C.byref(err)), err,
+                      "block cache")
+            self.ex.allocator = mha.lib.mha_block_cache_allocator(self.cache)
 
     def __call__(self):
         B, n, _ = self.x.shape
@@ -110,6 +124,7 @@ class MhaStep:
 
     def close(self):
         self.mha.lib.mha_layer_destroy(self.layer)
+        self.mha.lib.mha_block_cache_destroy(self.cache)
 
 
 def torch_steps(torch, x, dy, w, dm, h):
@@ -219,14 +234,15 @@ def main():
     print("# FLOPs: 3.5 x attention forward (2*h*n(n+1)/2*(dk+dv)) + 3 x projection forward "
           "(8*n*d^2); B=1, d_model=1024, h=16, d_k=64, causal, all gradients")
     print(f"{'n':>6} {'thr':>3} {'impl':>10} {'ms':>10} {'GFLOP/s':>8} {'%peak':>6} "
-          f"{'mha speed-up':>12}")
+          f"{'mha, mha_cache speed-up':>23}")
     rows = []
     for n in ns:
         x, dy, w, _ = make(n, dm, h)
         fl = flops(n, dm, h)
         for t in threads:
             step = MhaStep(mha, x, dy, w, dm, h, t)
-            fns, names = [step], ["mha"]
+            cached = MhaStep(mha, x, dy, w, dm, h, t, cache=True)
+            fns, names = [step, cached], ["mha", "mha_cache"]
             if torch is not None:
                 torch.set_num_threads(t)
                 a, b = torch_steps(torch, x, dy, w, dm, h)
@@ -234,11 +250,13 @@ def main():
                 names += ["torch_mha", "torch_sdpa"]
             ts = timeit(fns, args.reps)
             step.close()
+            cached.close()
             pk = peak.get(t, (None, None))[1]
             for name, s in zip(names, ts):
                 gf = fl / s / 1e9
                 pct = f"{100 * gf / pk:5.1f}" if pk else "   - "
-                sp = f"{s / ts[0]:11.2f}x" if name != "mha" else f"{'':>12}"
+                sp = (f"{s / ts[0]:6.2f}x {s / ts[1]:5.2f}x" if name.startswith("torch")
+                      else f"{'':>14}")
                 print(f"{n:>6} {t:>3} {name:>10} {1e3 * s:10.1f} {gf:8.1f} {pct:>6} {sp}")
                 rows.append(dict(n=n, threads=t, impl=name, ms=1e3 * s, gflops=gf))
     for n in ns:

@@ -198,6 +198,26 @@ MHA_API mha_status mha_threadpool_create(int32_t n_threads,
 MHA_API void mha_threadpool_destroy(mha_threadpool *pool);
 /** Threads of the pool, the caller's included (>= 1); 0 for NULL. */
 MHA_API int32_t mha_threadpool_size(const mha_threadpool *pool);
+
+/** A caller-owned caching allocator for calls repeated with the same shapes, above all a training
+ *  loop: mha_layer_forward_train and mha_layer_backward allocate their training state, scratch and
+ *  GEMM packing buffers per call, and memory fresh from the OS is zeroed on first touch (4-5% of
+ *  a layer training step (2048, 1024, 16) on AMD Zen 4). Put mha_block_cache_allocator(cache) in
+ *  mha_exec.allocator: a block freed through it is kept and handed out again to a request of at
+ *  least half its size, so steady-state calls touch no fresh page. Idle blocks beyond
+ *  max_idle_bytes (0 = no cap) are returned to the system. Thread-safe (one mutex); results do
+ *  not depend on it. Objects made with its allocator (training states, layers, KV caches) must be
+ *  destroyed before the cache, which frees every block it holds. *out is NULL on error. */
+typedef struct mha_block_cache mha_block_cache;
+MHA_API mha_status mha_block_cache_create(size_t max_idle_bytes,
+                                          mha_block_cache **out,
+                                          mha_error *err);
+/** The allocator to put in mha_exec.allocator (lives as long as the cache); NULL for NULL. */
+MHA_API const mha_allocator *mha_block_cache_allocator(const mha_block_cache *cache);
+/** Bytes the cache holds, in use and idle; 0 for NULL. */
+MHA_API size_t mha_block_cache_bytes(mha_block_cache *cache);
+/** Frees every block and the cache. NULL is a no-op. */
+MHA_API void mha_block_cache_destroy(mha_block_cache *cache);
 /** Online CPUs (1 .. 1024): what n_threads = 0 means without a pool. */
 MHA_API int32_t mha_default_threads(void);
 

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* test_api.c: every error path of the C API gives its status and a message naming the argument,
  * never a crash, and leaves outputs untouched. Also: status strings, version, NULL handling,
- * workspaces, allocator hooks. */
+ * workspaces, allocator hooks, the block cache. */
 #include "harness.h"
 
 #include <math.h>
@@ -655,6 +655,75 @@ static void test_longrope(void) {
     CHECK(!memcmp(x, y, sizeof x), "longrope mha_rope_apply takes the long list at length 20");
 }
 
+/* mha_block_cache: a training step (forward_train + backward, 2 threads) through the cache gives
+ * the bits of the default allocator; the blocks of one step are reused by the next (the bytes held
+ * stop growing); with a 1-byte idle cap every freed block goes back to the system. */
+enum { BC_D = 64, BC_N = 48 };
+static void block_cache_step(const mha_layer *L, const mha_allocator *alloc, float *out) {
+    static float x[BC_N * BC_D], dy[BC_N * BC_D];
+    for (int i = 0; i < BC_N * BC_D; i++) {
+        x[i] = (float)((i * 37 % 101) - 50) / 50.0f;
+        dy[i] = (float)((i * 59 % 89) - 44) / 44.0f;
+    }
+    mha_error err;
+    mha_exec ex = {0};
+    ex.n_threads = 2, ex.allocator = alloc;
+    mha_forward_args a = {0};
+    a.batch = 1, a.q_len = BC_N, a.query = x, a.out = out, a.mask.causal = 1;
+    mha_train_state *st = NULL;
+    CHECK_OK(mha_layer_forward_train(L, &a, &ex, &st, &err), &err);
+    mha_layer_grads g = {0};
+    g.d_query = out + BC_N * BC_D, g.dw_q = out + 2 * BC_N * BC_D;
+    g.dw_o = out + 2 * BC_N * BC_D + BC_D * BC_D;
+    CHECK_OK(mha_layer_backward(L, st, dy, &g, &ex, &err), &err);
+    mha_train_state_destroy(st);
+}
+
+static void test_block_cache(void) {
+    enum { OUT = 2 * BC_N * BC_D + 2 * BC_D * BC_D };
+    static float wts[4 * BC_D * BC_D], ref[OUT], got[OUT];
+    for (int i = 0; i < 4 * BC_D * BC_D; i++)
+        wts[i] = (float)((i * 53 % 97) - 48) / 800.0f;
+    mha_weights w = {0};
+    w.w_q = wts, w.w_k = wts + BC_D * BC_D, w.w_v = wts + 2 * BC_D * BC_D;
+    w.w_o = wts + 3 * BC_D * BC_D;
+    mha_config c = {0};
+    c.q_dim = BC_D, c.num_heads = 4;
+    mha_error err;
+    mha_layer *L = NULL;
+    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    block_cache_step(L, NULL, ref);
+
+    mha_block_cache *cache = NULL;
+    CHECK_OK(mha_block_cache_create(0, &cache, &err), &err);
+    const mha_allocator *alloc = mha_block_cache_allocator(cache);
+    size_t held[4];
+    for (int step = 0; step < 4; step++) {
+        memset(got, 0, sizeof got);
+        block_cache_step(L, alloc, got);
+        CHECK(!memcmp(got, ref, sizeof ref), "block cache step %d: outputs differ", step);
+        held[step] = mha_block_cache_bytes(cache);
+    }
+    CHECK(held[0] > 0, "block cache holds the first step's blocks");
+    CHECK(held[3] == held[1] && held[2] == held[1], "block cache: steady state (%zu %zu %zu %zu)",
+          held[0], held[1], held[2], held[3]);
+    mha_block_cache_destroy(cache);
+
+    CHECK_OK(mha_block_cache_create(1, &cache, &err), &err); /* idle cap 1 byte: keeps nothing */
+    block_cache_step(L, mha_block_cache_allocator(cache), got);
+    CHECK(!memcmp(got, ref, sizeof ref), "block cache with a 1-byte cap: outputs differ");
+    CHECK(mha_block_cache_bytes(cache) == 0, "a 1-byte cap holds %zu bytes",
+          mha_block_cache_bytes(cache));
+    mha_block_cache_destroy(cache);
+    mha_layer_destroy(L);
+
+    expect(mha_block_cache_create(0, NULL, &err), &err, MHA_STATUS_INVALID_ARG, "out",
+           "block cache without out");
+    CHECK(mha_block_cache_allocator(NULL) == NULL && mha_block_cache_bytes(NULL) == 0,
+          "block cache NULL handling");
+    mha_block_cache_destroy(NULL);
+}
+
 int main(void) {
     test_safetensors_switch();
     test_status_strings();
@@ -665,5 +734,6 @@ int main(void) {
     test_layer_project();
     test_dynamic_rope();
     test_longrope();
+    test_block_cache();
     return test_finish();
 }
