@@ -883,6 +883,32 @@ def test_layer_backward_self_attention_sums_paths():
           tol=1e-4)
 
 
+def test_training_calls_reuse_memory_through_the_block_cache():
+    """Calls through _marshal.exec_struct allocate through this process's mha_block_cache; the
+    training steps it serves give the bits of steps with the default allocator (None)."""
+    from mha import _marshal
+    alloc = _marshal.block_cache_allocator()
+    assert isinstance(alloc, int) and alloc and _marshal.block_cache_allocator() == alloc
+    assert _marshal.exec_struct(0, 2).allocator == alloc
+    rng = np.random.default_rng(31)
+    layer = build(make_weights(rng, 64, 4, 16), 4)
+    x, dy = f32(rng, 1, 40, 64), f32(rng, 1, 40, 64)
+
+    def step():
+        y, state = layer.forward_train(x, causal=True, threads=2)
+        return y, layer.backward(state, dy)
+    cached = [step() for _ in range(3)]
+    ex = _marshal.exec_struct(0, 2)
+    ex.allocator = None
+    try:
+        y0, g0 = step()
+    finally:
+        ex.allocator = alloc
+    for y, g in cached:
+        assert np.array_equal(y, y0) and g.keys() == g0.keys()
+        assert all(np.array_equal(g[k], g0[k]) for k in g0)
+
+
 # ------------------------------------------------------------------------------------------------
 # KV cache
 # ------------------------------------------------------------------------------------------------

@@ -278,6 +278,9 @@ mha_layer_destroy = _fn("mha_layer_destroy", [c_void_p], None)
 mha_threadpool_create = _fn("mha_threadpool_create",
                             [c_int32, c_void_p, ctypes.POINTER(c_void_p), P(mha_error)])
 mha_default_threads = _fn("mha_default_threads", [], c_int32)
+mha_block_cache_create = _fn("mha_block_cache_create",
+                             [c_size_t, ctypes.POINTER(c_void_p), P(mha_error)])
+mha_block_cache_allocator = _fn("mha_block_cache_allocator", [c_void_p], c_void_p)
 mha_layer_config = _fn("mha_layer_config", [c_void_p], P(mha_config))
 mha_layer_weights = _fn("mha_layer_weights", [c_void_p], P(mha_weights))
 mha_layer_forward = _fn("mha_layer_forward", [c_void_p, P(mha_forward_args), P(mha_exec),
