@@ -3,8 +3,9 @@
  *
  * 1. Eight threads call mha_layer_forward() on the SAME layer at once, each on its own input
  *    (self-attention with RoPE, causal, probabilities requested, and cross-attention), several
- *    rounds, for impl REFERENCE and AUTO; every result must be bit-identical to the one computed
- *    alone beforehand.
+ *    rounds, for impl REFERENCE and AUTO, and AUTO with one mha_block_cache shared by all eight
+ *    threads as exec.allocator; every result must be bit-identical to the one computed alone
+ *    beforehand (with the default allocator).
  * 2. Four caller threads each run mha_attention() with n_threads = 2 (the library's own threads
  *    nested under the callers' threads); results bit-identical to a single-threaded run.
  * 3. Four threads load the same safetensors file at once (the cJSON parse is serialised) and
@@ -36,6 +37,7 @@ static int rounds(void) {
 typedef struct job {
     const mha_layer *layer;
     mha_impl impl;
+    const mha_allocator *alloc; /* the threads' allocator (NULL: the default) */
     int cross;
     float x[BATCH * LQ * E], kv[BATCH * LK * E];
     float want_y[BATCH * LQ * E], want_p[BATCH * HEADS * LQ * LK];
@@ -45,7 +47,7 @@ typedef struct job {
     pthread_barrier_t *barrier;
 } job;
 
-static mha_status forward(job *j, float *y, float *p, mha_error *err) {
+static mha_status forward(job *j, const mha_allocator *alloc, float *y, float *p, mha_error *err) {
     mha_forward_args a;
     memset(&a, 0, sizeof a);
     a.batch = BATCH;
@@ -60,7 +62,7 @@ static mha_status forward(job *j, float *y, float *p, mha_error *err) {
         a.q_positions = j->pos;
         a.mask.causal = 1;
     }
-    mha_exec ex = {j->impl, 1, NULL, 0, NULL, NULL};
+    mha_exec ex = {j->impl, 1, NULL, 0, alloc, NULL};
     return mha_layer_forward(j->layer, &a, &ex, err);
 }
 
@@ -70,7 +72,7 @@ static void *forward_thread(void *arg) {
     for (int r = 0; r < rounds(); r++) {
         mha_error err;
         memset(j->y, 0, sizeof j->y);
-        if (forward(j, j->y, j->p, &err) != MHA_STATUS_OK ||
+        if (forward(j, j->alloc, j->y, j->p, &err) != MHA_STATUS_OK ||
             memcmp(j->y, j->want_y, sizeof j->y) != 0 ||
             (!j->cross && memcmp(j->p, j->want_p, sizeof(float) * BATCH * HEADS * LQ * LQ)) ||
             (j->cross && memcmp(j->p, j->want_p, sizeof j->p) != 0))
@@ -105,8 +107,11 @@ static void test_shared_layer(void) {
     mha_layer *L = make_layer();
     if (!L)
         return;
-    const mha_impl impls[] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
-    for (int im = 0; im < 2; im++) {
+    const mha_impl impls[] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO, MHA_IMPL_AUTO};
+    mha_block_cache *cache = NULL;
+    mha_error cerr;
+    CHECK_OK(mha_block_cache_create(0, &cache, &cerr), &cerr);
+    for (int im = 0; im < 3; im++) {
         job *jobs = calloc(N_THREADS, sizeof *jobs);
         pthread_barrier_t barrier;
         pthread_barrier_init(&barrier, NULL, N_THREADS);
@@ -116,6 +121,7 @@ static void test_shared_layer(void) {
             job *j = &jobs[t];
             j->layer = L;
             j->impl = impls[im];
+            j->alloc = im == 2 ? mha_block_cache_allocator(cache) : NULL;
             j->cross = t % 2;
             j->barrier = &barrier;
             test_fill_normal(&rng, j->x, BATCH * LQ * E, 1.0f);
@@ -123,7 +129,7 @@ static void test_shared_layer(void) {
             for (int i = 0; i < BATCH * LQ; i++)
                 j->pos[i] = (i % LQ) * (t + 1) + t;
             mha_error err;
-            CHECK_OK(forward(j, j->want_y, j->want_p, &err), &err);
+            CHECK_OK(forward(j, NULL, j->want_y, j->want_p, &err), &err);
         }
         pthread_t tid[N_THREADS];
         for (int t = 0; t < N_THREADS; t++)
@@ -133,11 +139,13 @@ static void test_shared_layer(void) {
             pthread_join(tid[t], NULL);
             failures += jobs[t].failures;
         }
-        CHECK(failures == 0, "impl %d: %d concurrent forwards differ from the single-threaded run",
-              (int)impls[im], failures);
+        CHECK(failures == 0, "run %d: %d concurrent forwards differ from the single-threaded run",
+              im, failures);
         pthread_barrier_destroy(&barrier);
         free(jobs);
     }
+    CHECK(mha_block_cache_bytes(cache) > 0, "the shared block cache served no allocation");
+    mha_block_cache_destroy(cache);
     mha_layer_destroy(L);
 }
 
@@ -189,8 +197,11 @@ static void *core_thread(void *arg) {
 }
 
 static void test_nested_threads(void) {
-    const mha_impl impls[] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
-    for (int im = 0; im < 2; im++) {
+    const mha_impl impls[] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO, MHA_IMPL_AUTO};
+    mha_block_cache *cache = NULL;
+    mha_error cerr;
+    CHECK_OK(mha_block_cache_create(0, &cache, &cerr), &cerr);
+    for (int im = 0; im < 3; im++) {
         core_job *jobs = calloc(CALLERS, sizeof *jobs);
         test_rng rng;
         test_rng_seed(&rng, 200 + (uint64_t)im);
