@@ -212,7 +212,8 @@ typedef struct mha_block_cache mha_block_cache;
 MHA_API mha_status mha_block_cache_create(size_t max_idle_bytes,
                                           mha_block_cache **out,
                                           mha_error *err);
-/** The allocator to put in mha_exec.allocator (lives as long as the cache); NULL for NULL. */
+/** The allocator to put in mha_exec.allocator (lives as long as the cache); NULL for NULL. It
+ *  serves alignments up to 64 bytes (what the library asks) and returns NULL for larger ones. */
 MHA_API const mha_allocator *mha_block_cache_allocator(const mha_block_cache *cache);
 /** Bytes the cache holds, in use and idle; 0 for NULL. */
 MHA_API size_t mha_block_cache_bytes(mha_block_cache *cache);
