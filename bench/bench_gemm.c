@@ -5,6 +5,7 @@
  * run. FLOPs = 2 M N K. Each row: median, min and max of R timed runs after 2 warm-ups.
  *
  * Usage: mha_bench_gemm [--threads 1,2] [--reps R] [--shape M,N,K]... [--jsonl FILE]
+ *        mha_bench_gemm --ukr   (each tier's micro-kernel alone: micro_kernel_ceiling)
  * OpenBLAS is run with openblas_set_num_threads(T) and its own core detection (we never set
  * OPENBLAS_CORETYPE); its detected core name is printed. */
 #define _POSIX_C_SOURCE 200809L
@@ -107,6 +108,55 @@ static stats time_runs(const run_ctx *r, int reps) {
     return s;
 }
 
+/* --ukr: the micro-kernel of every GEMM tier this CPU has, alone on one thread, its operands
+ * reused from cache: one MR x KC panel of x against one KC x NR panel of packed W (all in L1), and
+ * against the NC / NR panels of one KC x NC block (W from L2, as in a GEMM). The ceiling of the
+ * whole GEMM: what it loses beyond this is packing, C traffic and page faults (performance.md). */
+static void micro_kernel_ceiling(void) {
+    const char *pisa = "";
+    const double peak = bench_peak_best_gflops(1, 100.0, 5, &pisa);
+    printf("# micro-kernel alone, 1 thread, operands reused from cache; %s FMA peak %.1f GFLOP/s\n",
+           pisa, peak);
+    printf("%-28s %-22s %9s %7s\n", "kernel", "W panels", "GFLOP/s", "%peak");
+    for (int i = 0; i < mha__registry_count(); i++) {
+        const mha__kernel_info *kern = mha__registry_at(i);
+        if (kern->op != MHA__OP_gemm || !kern->isa || !mha__kernel_usable(kern, 1))
+            continue;
+        const mha__gemm_kernel *kr = kern->run.gemm;
+        const int64_t kc = kr->kc, ncp = kr->nc / kr->nr > 0 ? kr->nc / kr->nr : 1;
+        float *a = aligned_alloc(64, sizeof(float) * (size_t)(kr->mr * kc));
+        float *bp = aligned_alloc(64, sizeof(float) * (size_t)(kc * kr->nr * ncp));
+        float *c = aligned_alloc(64, sizeof(float) * (size_t)(kr->mr * kr->nr * ncp));
+        for (int64_t j = 0; j < kr->mr * kc; j++)
+            a[j] = (float)(j % 7) * 1e-3f;
+        for (int64_t j = 0; j < kc * kr->nr * ncp; j++)
+            bp[j] = (float)(j % 5) * 1e-3f;
+        memset(c, 0, sizeof(float) * (size_t)(kr->mr * kr->nr * ncp));
+        for (int l2 = 0; l2 < 2; l2++) {
+            const int64_t npan = l2 ? ncp : 1, calls = 200000 / npan;
+            double best = 1e30;
+            for (int rep = 0; rep < 5; rep++) {
+                const double t0 = bench_now_s();
+                for (int64_t it = 0; it < calls; it++)
+                    for (int64_t p = 0; p < npan; p++)
+                        kr->ukr(kc, a, bp + p * kc * kr->nr, c + p * kr->nr, kr->nr * npan, kr->mr,
+                                kr->nr, NULL, 0);
+                const double t = bench_now_s() - t0;
+                best = t < best ? t : best;
+            }
+            const double gf =
+                2.0 * kr->mr * kr->nr * (double)kc * (double)(npan * calls) / best * 1e-9;
+            char what[48] = "1 (L1)";
+            if (l2)
+                snprintf(what, sizeof what, "%lld (KC x NC, L2)", (long long)npan);
+            printf("%-28s %-22s %9.1f %6.0f%%\n", kern->name, what, gf, 100.0 * gf / peak);
+        }
+        free(a);
+        free(bp);
+        free(c);
+    }
+}
+
 int main(int argc, char **argv) {
     int threads_list[8] = {1, 2}, n_threads = 2, reps = 7;
     int64_t shapes[32][3];
@@ -131,9 +181,12 @@ int main(int argc, char **argv) {
             n_shapes++;
         } else if (!strcmp(argv[i], "--jsonl") && i + 1 < argc) {
             jsonl = argv[++i];
+        } else if (!strcmp(argv[i], "--ukr")) {
+            micro_kernel_ceiling();
+            return 0;
         } else {
             fprintf(stderr, "usage: mha_bench_gemm [--threads 1,2] [--reps 7] [--shape M,N,K]... "
-                            "[--jsonl FILE]\n");
+                            "[--jsonl FILE] | --ukr\n");
             return 2;
         }
     }
