@@ -3,9 +3,10 @@
  *
  * Why: a training loop calls mha_layer_forward_train and mha_layer_backward with the same shapes
  * every step, and each call allocates the same large buffers (training state, backward scratch,
- * the GEMM's packed W). Fresh memory from the OS is zeroed by the kernel on first touch: 4-5% of a
- * layer training step (2048, 1024, 16) on AMD Zen 4 (docs/performance.md). A block freed through
- * the cache is kept and handed out again, so steady-state steps touch no fresh page.
+ * the GEMM's packed W). Fresh memory from the OS is zeroed by the kernel on first touch (3-5% of
+ * the samples of a layer training step (2048, 1024, 16) on AMD Zen 4). A block freed through the
+ * cache is kept and handed out again, so steady-state steps touch no fresh page: the step ran
+ * 1.03-1.05x faster on 1 thread, 1.11-1.12x on 2 (docs/performance.md).
  *
  * Policy: best fit among the idle blocks whose capacity is at least the request and at most
  * twice it (a small request never pins a large block); otherwise a new block (the library's
