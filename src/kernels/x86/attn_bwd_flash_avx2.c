@@ -3,10 +3,11 @@
  * -mavx2 -mfma; only called when dispatch detects AVX2.
  *
  * gemm_acc: C[R, N] += A[R, K] B[K, N] with a 6-row x 16-column register block (12 ymm
- * accumulators + 2 B vectors + 1 broadcast of the 16 ymm registers); plain loads and stores for
- * whole 16-column blocks, masked ones for the column tail, a 1-row version for row tails. Each C
- * element is one FMA chain in increasing k, whatever the blocking (so changing the blocking keeps
- * results bit-identical). exp_shift uses v8_exp.
+ * accumulators + 2 B vectors + 1 broadcast of the 16 ymm registers), a 4-row block for the row
+ * tails of R = 32 and 64 and a 1-row version for any other; plain loads and stores for whole
+ * 16-column blocks, masked ones for the column tail. Each C element is one FMA chain in
+ * increasing k, whatever the blocking (so changing the blocking keeps results bit-identical).
+ * exp_shift uses v8_exp.
  */
 #include "kernels/bwd_flash.h"
 #include "kernels/x86/simd_avx2.h"
@@ -71,6 +72,43 @@ MHA_INLINE void gemm_block_6(int whole,
     store_cols(whole, m0, c5, a50), store_cols(whole, m1, c5 + 8, a51);
 }
 
+/* C[4, 16] += A[4, K] B[K, 16]: the row tail of R = 32 or 64 (32 = 4 x 6 + 2 x 4, 64 = 10 x 6 +
+ * 4), 8 independent chains, enough for the FMA latency; the 1-row loop below has 2 and runs at a
+ * quarter of the rate. */
+MHA_INLINE void gemm_block_4(int whole,
+                             int64_t K,
+                             const float *A,
+                             int64_t sa,
+                             int64_t sk,
+                             const float *B,
+                             int64_t ldb,
+                             float *C,
+                             int64_t ldc,
+                             const __m256i mk[2]) {
+    const __m256i m0 = mk[0], m1 = mk[1];
+    float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
+    v8 a00 = load_cols(whole, m0, c0), a01 = load_cols(whole, m1, c0 + 8);
+    v8 a10 = load_cols(whole, m0, c1), a11 = load_cols(whole, m1, c1 + 8);
+    v8 a20 = load_cols(whole, m0, c2), a21 = load_cols(whole, m1, c2 + 8);
+    v8 a30 = load_cols(whole, m0, c3), a31 = load_cols(whole, m1, c3 + 8);
+    for (int64_t k = 0; k < K; k++) {
+        const float *bk = B + k * ldb, *ak = A + k * sk;
+        const v8 b0 = load_cols(whole, m0, bk), b1 = load_cols(whole, m1, bk + 8);
+        v8 x = v8_set1(ak[0 * sa]);
+        a00 = v8_fma(x, b0, a00), a01 = v8_fma(x, b1, a01);
+        x = v8_set1(ak[1 * sa]);
+        a10 = v8_fma(x, b0, a10), a11 = v8_fma(x, b1, a11);
+        x = v8_set1(ak[2 * sa]);
+        a20 = v8_fma(x, b0, a20), a21 = v8_fma(x, b1, a21);
+        x = v8_set1(ak[3 * sa]);
+        a30 = v8_fma(x, b0, a30), a31 = v8_fma(x, b1, a31);
+    }
+    store_cols(whole, m0, c0, a00), store_cols(whole, m1, c0 + 8, a01);
+    store_cols(whole, m0, c1, a10), store_cols(whole, m1, c1 + 8, a11);
+    store_cols(whole, m0, c2, a20), store_cols(whole, m1, c2 + 8, a21);
+    store_cols(whole, m0, c3, a30), store_cols(whole, m1, c3 + 8, a31);
+}
+
 /* One row of C (the row tail). */
 MHA_INLINE void gemm_block_1(int whole,
                              int64_t K,
@@ -105,8 +143,11 @@ MHA_INLINE void gemm_cols(int whole,
                           int64_t ldc,
                           const __m256i mk[2]) {
     int64_t r = 0;
-    for (; r + 6 <= R; r += 6)
+    /* 6-row blocks while they leave 0 or at least 4 rows, then 4-row blocks, then single rows. */
+    for (; R - r >= 6 && (R - r == 6 || R - r >= 10); r += 6)
         gemm_block_6(whole, K, A + r * sa, sa, sk, B, ldb, C + r * ldc, ldc, mk);
+    for (; R - r >= 4; r += 4)
+        gemm_block_4(whole, K, A + r * sa, sa, sk, B, ldb, C + r * ldc, ldc, mk);
     for (; r < R; r++)
         gemm_block_1(whole, K, A + r * sa, sk, B, ldb, C + r * ldc, mk);
 }
