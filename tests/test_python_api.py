@@ -617,10 +617,12 @@ class FastSpy:
         from mha import _api
         assert _lib.fast is not None, "mha._fastcall is not built: the fast path is not tested"
         self.hits = self.declined = 0
+        self.last_args = None
         self._fast = _lib.fast
         monkeypatch.setattr(_api, "_fast", self)
 
     def layer_forward(self, *args):
+        self.last_args = args
         try:
             out = self._fast.layer_forward(*args)
         except Exception:
@@ -719,24 +721,24 @@ def test_compiled_fast_path_inputs_it_declines_or_refuses(monkeypatch):
     with pytest.raises(TypeError):
         fc.layer_forward(layer._ptr, x)
     with pytest.raises(ValueError, match="NULL"):
-        fc.layer_forward(0, x, 0, 0, None)
+        fc.layer_forward(0, x, 0, 0, None, None)
     with pytest.raises(TypeError):
-        fc.layer_forward("layer", x, 0, 0, None)
-    assert fc.layer_forward(layer._ptr, "not a buffer", 0, 0, None) is NotImplemented
-    assert fc.layer_forward(layer._ptr, x, 0, -1, None) is NotImplemented
-    assert fc.layer_forward(layer._ptr, x, 2 ** 70, 0, None) is NotImplemented
+        fc.layer_forward("layer", x, 0, 0, None, None)
+    assert fc.layer_forward(layer._ptr, "not a buffer", 0, 0, None, None) is NotImplemented
+    assert fc.layer_forward(layer._ptr, x, 0, -1, None, None) is NotImplemented
+    assert fc.layer_forward(layer._ptr, x, 2 ** 70, 0, None, None) is NotImplemented
     with pytest.raises(TypeError):
         fc.layer_call(layer._ptr, 1, 5)
     with pytest.raises(TypeError):
-        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0, None)
+        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0, None, None)
     with pytest.raises(ValueError, match="threads"):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40, None)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40, None, None)
     with pytest.raises(OverflowError):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70, None)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70, None, None)
     with pytest.raises(ValueError, match="NULL"):
-        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None)
+        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None, None)
     with pytest.raises(mha.MhaError) as e:
-        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0, None)   # NULL query
+        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0, None, None)   # NULL query
     assert e.value.status == 1 and e.value.message
 
 
@@ -907,6 +909,25 @@ def test_training_calls_reuse_memory_through_the_block_cache():
     for y, g in cached:
         assert np.array_equal(y, y0) and g.keys() == g0.keys()
         assert all(np.array_equal(g[k], g0[k]) for k in g0)
+
+
+def test_fast_path_allocates_through_the_block_cache(monkeypatch):
+    """layer(x) on the compiled fast path gives the library this process's block cache as its
+    allocator (a workspace is then reused, not faulted in fresh every call); the bits are those
+    of the same call with the default allocator."""
+    from mha import _marshal
+    rng = np.random.default_rng(32)
+    layer = build(make_weights(rng, 64, 4, 16), 4)
+    x = f32(rng, 2, 96, 64)
+    spy = FastSpy(monkeypatch)
+    y = layer(x, threads=2)
+    assert spy.hits == 1 and spy.last_args[-1] == _marshal.block_cache_allocator()
+    fc = _lib.fast
+    pool = _marshal.pool_for(2)
+    y_malloc = fc.layer_forward(layer._ptr, x, 0, 2, pool, None)
+    y_cache = fc.layer_forward(layer._ptr, x, 0, 2, pool, _marshal.block_cache_allocator())
+    np.testing.assert_array_equal(y, y_malloc)
+    np.testing.assert_array_equal(y, y_cache)
 
 
 # ------------------------------------------------------------------------------------------------

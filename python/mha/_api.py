@@ -1112,7 +1112,7 @@ class MultiheadAttention:
             # NotImplemented (not a float32 C-contiguous [B, n, q_dim] / [n, q_dim] buffer, bad
             # impl or threads) and the general path below converts or raises.
             out = _fast.layer_forward(self._ptr, query, L.IMPLS.get(impl, -1), threads,
-                                      M.pool_for(threads))
+                                      M.pool_for(threads), M.block_cache_allocator())
             if out is not NotImplemented:
                 return out
         keep: list = []

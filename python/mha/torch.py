@@ -538,7 +538,7 @@ class MultiheadAttention(nn.Module):
                 probs = _empty((h, n, n) if nd == 2 else (B, h, n, n))
         _fast.layer_call(layer._ptr, B, n, x.data_ptr(), out.data_ptr(),
                          None if probs is None else probs.data_ptr(), average, d["threads"],
-                         M.pool_for(d["threads"]))
+                         M.pool_for(d["threads"]), M.block_cache_allocator())
         return out, probs
 
     def _forward_traced(self, query: Tensor, key: Tensor, value: Tensor,
