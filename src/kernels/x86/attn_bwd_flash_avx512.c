@@ -3,8 +3,9 @@
  * -mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma; only called when dispatch detects AVX-512.
  *
  * gemm_acc: C[R, N] += A[R, K] B[K, N] with a 4-row x 64-column register block (16 zmm
- * accumulators in named variables, 4 B loads and 4 broadcasts per 16 FMAs); column tails use
- * masked loads/stores, row tails a 1-row version of the same loop. Every call of the backward has N
+ * accumulators in named variables, 4 B loads and 4 broadcasts per 16 FMAs), a 4 x 32 block for
+ * a column tail of at most 32; column tails use masked loads/stores, row tails a 1-row version of
+ * the same loop. Every call of the backward has N
  * <= max(64, d), so one or a few column blocks cover it. Each C element is one FMA chain in
  * increasing k. exp_shift uses the forward kernels' v16_exp (simd_avx512.h, 1 ULP on [-87.3, 0]);
  * softmax_grad is the generic formula 16 lanes at a time, each product rounded as there.
@@ -61,6 +62,42 @@ static void gemm_block_4(int64_t K,
     v16_storeu_mask(c3 + 32, m2, a32), v16_storeu_mask(c3 + 48, m3, a33);
 }
 
+/* Rows [0, 4), columns [0, 32) clipped by mk[0..1]: the column tail of N = 80, 96, 160 (d = 96
+ * ran its dV, dK, dQ products at 3/4 of the FMAs in a 64-column block). 8 accumulators are as
+ * many chains as the FMA latency needs at two 512-bit FMAs per cycle. */
+static void gemm_block_4x32(int64_t K,
+                            const float *A,
+                            int64_t sa,
+                            int64_t sk,
+                            const float *B,
+                            int64_t ldb,
+                            float *C,
+                            int64_t ldc,
+                            const __mmask16 mk[4]) {
+    const __mmask16 m0 = mk[0], m1 = mk[1];
+    float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
+    v16 a00 = v16_loadu_mask(m0, c0), a01 = v16_loadu_mask(m1, c0 + 16);
+    v16 a10 = v16_loadu_mask(m0, c1), a11 = v16_loadu_mask(m1, c1 + 16);
+    v16 a20 = v16_loadu_mask(m0, c2), a21 = v16_loadu_mask(m1, c2 + 16);
+    v16 a30 = v16_loadu_mask(m0, c3), a31 = v16_loadu_mask(m1, c3 + 16);
+    for (int64_t k = 0; k < K; k++) {
+        const float *bk = B + k * ldb, *ak = A + k * sk;
+        const v16 b0 = v16_loadu_mask(m0, bk), b1 = v16_loadu_mask(m1, bk + 16);
+        v16 x = v16_set1(ak[0 * sa]);
+        a00 = v16_fma(x, b0, a00), a01 = v16_fma(x, b1, a01);
+        x = v16_set1(ak[1 * sa]);
+        a10 = v16_fma(x, b0, a10), a11 = v16_fma(x, b1, a11);
+        x = v16_set1(ak[2 * sa]);
+        a20 = v16_fma(x, b0, a20), a21 = v16_fma(x, b1, a21);
+        x = v16_set1(ak[3 * sa]);
+        a30 = v16_fma(x, b0, a30), a31 = v16_fma(x, b1, a31);
+    }
+    v16_storeu_mask(c0, m0, a00), v16_storeu_mask(c0 + 16, m1, a01);
+    v16_storeu_mask(c1, m0, a10), v16_storeu_mask(c1 + 16, m1, a11);
+    v16_storeu_mask(c2, m0, a20), v16_storeu_mask(c2 + 16, m1, a21);
+    v16_storeu_mask(c3, m0, a30), v16_storeu_mask(c3 + 16, m1, a31);
+}
+
 static void gemm_block_1(int64_t K,
                          const float *A,
                          int64_t sk,
@@ -102,6 +139,9 @@ static void gemm_acc_avx512(int64_t R,
             mk[v] = v16_first(left <= 0 ? 0 : (left >= 16 ? 16 : (int)left));
         }
         int64_t r = 0;
+        if (N - j0 <= 32)
+            for (; r + 4 <= R; r += 4)
+                gemm_block_4x32(K, A + r * sa, sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
         for (; r + 4 <= R; r += 4)
             gemm_block_4(K, A + r * sa, sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
         for (; r < R; r++)
