@@ -26,19 +26,24 @@ MHA_INLINE void store_cols(int whole, __m256i m, float *p, v8 x) {
         v8_storeu_mask(p, m, x);
 }
 
-/* C[6, 16] += A[6, K] B[K, 16]: 12 accumulators (named: an array stays on the stack with gcc 12)
- * + 2 B vectors + 1 broadcast of the 16 ymm registers; 12 independent FMA chains cover the FMA
- * latency (4-5 cycles) at 2 FMAs per cycle. Each C element is one chain in increasing k. */
-MHA_INLINE void gemm_block_6(int whole,
-                             int64_t K,
-                             const float *A,
-                             int64_t sa,
-                             int64_t sk,
-                             const float *B,
-                             int64_t ldb,
-                             float *C,
-                             int64_t ldc,
-                             const __m256i mk[2]) {
+/* C[ROWS, 16] += A[ROWS, K] B[K, 16] for ROWS = 6 or 4 (a compile-time constant in every call:
+ * the rows 4 and 5 then vanish from the 4-row version). 6 rows: 12 accumulators (named: an array
+ * stays on the stack with gcc 12) + 2 B vectors + 1 broadcast of the 16 ymm registers, 12
+ * independent FMA chains for the FMA latency (4-5 cycles) at 2 FMAs per cycle. 4 rows: the row
+ * tail of R = 32 or 64 (32 = 4 x 6 + 2 x 4, 64 = 10 x 6 + 4), 8 chains, still enough; the 1-row
+ * loop below has 2 and runs at a quarter of the rate. Each C element is one chain in
+ * increasing k. */
+MHA_INLINE void gemm_block(const int ROWS,
+                           int whole,
+                           int64_t K,
+                           const float *A,
+                           int64_t sa,
+                           int64_t sk,
+                           const float *B,
+                           int64_t ldb,
+                           float *C,
+                           int64_t ldc,
+                           const __m256i mk[2]) {
     const __m256i m0 = mk[0], m1 = mk[1];
     float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc, *c4 = C + 4 * ldc,
           *c5 = C + 5 * ldc;
@@ -46,8 +51,11 @@ MHA_INLINE void gemm_block_6(int whole,
     v8 a10 = load_cols(whole, m0, c1), a11 = load_cols(whole, m1, c1 + 8);
     v8 a20 = load_cols(whole, m0, c2), a21 = load_cols(whole, m1, c2 + 8);
     v8 a30 = load_cols(whole, m0, c3), a31 = load_cols(whole, m1, c3 + 8);
-    v8 a40 = load_cols(whole, m0, c4), a41 = load_cols(whole, m1, c4 + 8);
-    v8 a50 = load_cols(whole, m0, c5), a51 = load_cols(whole, m1, c5 + 8);
+    v8 a40 = v8_zero(), a41 = v8_zero(), a50 = v8_zero(), a51 = v8_zero();
+    if (ROWS == 6) {
+        a40 = load_cols(whole, m0, c4), a41 = load_cols(whole, m1, c4 + 8);
+        a50 = load_cols(whole, m0, c5), a51 = load_cols(whole, m1, c5 + 8);
+    }
     for (int64_t k = 0; k < K; k++) {
         const float *bk = B + k * ldb, *ak = A + k * sk;
         const v8 b0 = load_cols(whole, m0, bk), b1 = load_cols(whole, m1, bk + 8);
@@ -59,54 +67,21 @@ MHA_INLINE void gemm_block_6(int whole,
         a20 = v8_fma(x, b0, a20), a21 = v8_fma(x, b1, a21);
         x = v8_set1(ak[3 * sa]);
         a30 = v8_fma(x, b0, a30), a31 = v8_fma(x, b1, a31);
-        x = v8_set1(ak[4 * sa]);
-        a40 = v8_fma(x, b0, a40), a41 = v8_fma(x, b1, a41);
-        x = v8_set1(ak[5 * sa]);
-        a50 = v8_fma(x, b0, a50), a51 = v8_fma(x, b1, a51);
+        if (ROWS == 6) {
+            x = v8_set1(ak[4 * sa]);
+            a40 = v8_fma(x, b0, a40), a41 = v8_fma(x, b1, a41);
+            x = v8_set1(ak[5 * sa]);
+            a50 = v8_fma(x, b0, a50), a51 = v8_fma(x, b1, a51);
+        }
     }
     store_cols(whole, m0, c0, a00), store_cols(whole, m1, c0 + 8, a01);
     store_cols(whole, m0, c1, a10), store_cols(whole, m1, c1 + 8, a11);
     store_cols(whole, m0, c2, a20), store_cols(whole, m1, c2 + 8, a21);
     store_cols(whole, m0, c3, a30), store_cols(whole, m1, c3 + 8, a31);
-    store_cols(whole, m0, c4, a40), store_cols(whole, m1, c4 + 8, a41);
-    store_cols(whole, m0, c5, a50), store_cols(whole, m1, c5 + 8, a51);
-}
-
-/* C[4, 16] += A[4, K] B[K, 16]: the row tail of R = 32 or 64 (32 = 4 x 6 + 2 x 4, 64 = 10 x 6 +
- * 4), 8 independent chains, enough for the FMA latency; the 1-row loop below has 2 and runs at a
- * quarter of the rate. */
-MHA_INLINE void gemm_block_4(int whole,
-                             int64_t K,
-                             const float *A,
-                             int64_t sa,
-                             int64_t sk,
-                             const float *B,
-                             int64_t ldb,
-                             float *C,
-                             int64_t ldc,
-                             const __m256i mk[2]) {
-    const __m256i m0 = mk[0], m1 = mk[1];
-    float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
-    v8 a00 = load_cols(whole, m0, c0), a01 = load_cols(whole, m1, c0 + 8);
-    v8 a10 = load_cols(whole, m0, c1), a11 = load_cols(whole, m1, c1 + 8);
-    v8 a20 = load_cols(whole, m0, c2), a21 = load_cols(whole, m1, c2 + 8);
-    v8 a30 = load_cols(whole, m0, c3), a31 = load_cols(whole, m1, c3 + 8);
-    for (int64_t k = 0; k < K; k++) {
-        const float *bk = B + k * ldb, *ak = A + k * sk;
-        const v8 b0 = load_cols(whole, m0, bk), b1 = load_cols(whole, m1, bk + 8);
-        v8 x = v8_set1(ak[0 * sa]);
-        a00 = v8_fma(x, b0, a00), a01 = v8_fma(x, b1, a01);
-        x = v8_set1(ak[1 * sa]);
-        a10 = v8_fma(x, b0, a10), a11 = v8_fma(x, b1, a11);
-        x = v8_set1(ak[2 * sa]);
-        a20 = v8_fma(x, b0, a20), a21 = v8_fma(x, b1, a21);
-        x = v8_set1(ak[3 * sa]);
-        a30 = v8_fma(x, b0, a30), a31 = v8_fma(x, b1, a31);
+    if (ROWS == 6) {
+        store_cols(whole, m0, c4, a40), store_cols(whole, m1, c4 + 8, a41);
+        store_cols(whole, m0, c5, a50), store_cols(whole, m1, c5 + 8, a51);
     }
-    store_cols(whole, m0, c0, a00), store_cols(whole, m1, c0 + 8, a01);
-    store_cols(whole, m0, c1, a10), store_cols(whole, m1, c1 + 8, a11);
-    store_cols(whole, m0, c2, a20), store_cols(whole, m1, c2 + 8, a21);
-    store_cols(whole, m0, c3, a30), store_cols(whole, m1, c3 + 8, a31);
 }
 
 /* One row of C (the row tail). */
@@ -145,9 +120,9 @@ MHA_INLINE void gemm_cols(int whole,
     int64_t r = 0;
     /* 6-row blocks while they leave 0 or at least 4 rows, then 4-row blocks, then single rows. */
     for (; R - r >= 6 && (R - r == 6 || R - r >= 10); r += 6)
-        gemm_block_6(whole, K, A + r * sa, sa, sk, B, ldb, C + r * ldc, ldc, mk);
+        gemm_block(6, whole, K, A + r * sa, sa, sk, B, ldb, C + r * ldc, ldc, mk);
     for (; R - r >= 4; r += 4)
-        gemm_block_4(whole, K, A + r * sa, sa, sk, B, ldb, C + r * ldc, ldc, mk);
+        gemm_block(4, whole, K, A + r * sa, sa, sk, B, ldb, C + r * ldc, ldc, mk);
     for (; r < R; r++)
         gemm_block_1(whole, K, A + r * sa, sk, B, ldb, C + r * ldc, mk);
 }

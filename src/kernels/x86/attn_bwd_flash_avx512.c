@@ -13,89 +13,64 @@
 #include "kernels/bwd_flash.h"
 #include "kernels/x86/simd_avx512.h"
 
-/* Rows [0, 4) (or 1), columns [0, 64) clipped to N by the masks. The accumulators are named
- * variables, not an array: gcc 12 keeps an acc[4][4] array on the stack and stores it every
- * iteration (measured 2.5x slower). */
-static void gemm_block_4(int64_t K,
-                         const float *A,
-                         int64_t sa,
-                         int64_t sk,
-                         const float *B,
-                         int64_t ldb,
-                         float *C,
-                         int64_t ldc,
-                         const __mmask16 mk[4]) {
-    const __mmask16 m0 = mk[0], m1 = mk[1], m2 = mk[2], m3 = mk[3];
-    float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
-    v16 a00 = v16_loadu_mask(m0, c0), a01 = v16_loadu_mask(m1, c0 + 16);
-    v16 a02 = v16_loadu_mask(m2, c0 + 32), a03 = v16_loadu_mask(m3, c0 + 48);
-    v16 a10 = v16_loadu_mask(m0, c1), a11 = v16_loadu_mask(m1, c1 + 16);
-    v16 a12 = v16_loadu_mask(m2, c1 + 32), a13 = v16_loadu_mask(m3, c1 + 48);
-    v16 a20 = v16_loadu_mask(m0, c2), a21 = v16_loadu_mask(m1, c2 + 16);
-    v16 a22 = v16_loadu_mask(m2, c2 + 32), a23 = v16_loadu_mask(m3, c2 + 48);
-    v16 a30 = v16_loadu_mask(m0, c3), a31 = v16_loadu_mask(m1, c3 + 16);
-    v16 a32 = v16_loadu_mask(m2, c3 + 32), a33 = v16_loadu_mask(m3, c3 + 48);
-    for (int64_t k = 0; k < K; k++) {
-        const float *bk = B + k * ldb, *ak = A + k * sk;
-        const v16 b0 = v16_loadu_mask(m0, bk), b1 = v16_loadu_mask(m1, bk + 16);
-        const v16 b2 = v16_loadu_mask(m2, bk + 32), b3 = v16_loadu_mask(m3, bk + 48);
-        v16 x = v16_set1(ak[0 * sa]);
-        a00 = v16_fma(x, b0, a00), a01 = v16_fma(x, b1, a01);
-        a02 = v16_fma(x, b2, a02), a03 = v16_fma(x, b3, a03);
-        x = v16_set1(ak[1 * sa]);
-        a10 = v16_fma(x, b0, a10), a11 = v16_fma(x, b1, a11);
-        a12 = v16_fma(x, b2, a12), a13 = v16_fma(x, b3, a13);
-        x = v16_set1(ak[2 * sa]);
-        a20 = v16_fma(x, b0, a20), a21 = v16_fma(x, b1, a21);
-        a22 = v16_fma(x, b2, a22), a23 = v16_fma(x, b3, a23);
-        x = v16_set1(ak[3 * sa]);
-        a30 = v16_fma(x, b0, a30), a31 = v16_fma(x, b1, a31);
-        a32 = v16_fma(x, b2, a32), a33 = v16_fma(x, b3, a33);
-    }
-    v16_storeu_mask(c0, m0, a00), v16_storeu_mask(c0 + 16, m1, a01);
-    v16_storeu_mask(c0 + 32, m2, a02), v16_storeu_mask(c0 + 48, m3, a03);
-    v16_storeu_mask(c1, m0, a10), v16_storeu_mask(c1 + 16, m1, a11);
-    v16_storeu_mask(c1 + 32, m2, a12), v16_storeu_mask(c1 + 48, m3, a13);
-    v16_storeu_mask(c2, m0, a20), v16_storeu_mask(c2 + 16, m1, a21);
-    v16_storeu_mask(c2 + 32, m2, a22), v16_storeu_mask(c2 + 48, m3, a23);
-    v16_storeu_mask(c3, m0, a30), v16_storeu_mask(c3 + 16, m1, a31);
-    v16_storeu_mask(c3 + 32, m2, a32), v16_storeu_mask(c3 + 48, m3, a33);
-}
-
-/* Rows [0, 4), columns [0, 32) clipped by mk[0..1]: the column tail of N = 80, 96, 160 (d = 96
- * ran its dV, dK, dQ products at 3/4 of the FMAs in a 64-column block). 8 accumulators are as
- * many chains as the FMA latency needs at two 512-bit FMAs per cycle. */
-static void gemm_block_4x32(int64_t K,
-                            const float *A,
-                            int64_t sa,
-                            int64_t sk,
-                            const float *B,
-                            int64_t ldb,
-                            float *C,
-                            int64_t ldc,
-                            const __mmask16 mk[4]) {
-    const __mmask16 m0 = mk[0], m1 = mk[1];
+/* Rows [0, 4), columns [0, 16 NV) clipped to N by the masks, NV = 4 or 2 (a compile-time
+ * constant in every call: columns 32-63 then vanish from the 2-vector version, which takes a
+ * column tail of at most 32, as at d = 80, 96, 160, where the 64-column block spent half or a
+ * quarter of its FMAs on masked-off lanes). 16 or 8 accumulators, as many chains as the FMA
+ * latency needs at two 512-bit FMAs per cycle. The accumulators are named variables, not an
+ * array: gcc 12 keeps an acc[4][4] array on the stack and stores it every iteration (measured
+ * 2.5x slower). */
+MHA_INLINE void gemm_block_4(const int NV,
+                             int64_t K,
+                             const float *A,
+                             int64_t sa,
+                             int64_t sk,
+                             const float *B,
+                             int64_t ldb,
+                             float *C,
+                             int64_t ldc,
+                             const __mmask16 mk[4]) {
+    const __mmask16 m0 = mk[0], m1 = mk[1], m2 = NV == 4 ? mk[2] : 0, m3 = NV == 4 ? mk[3] : 0;
     float *c0 = C, *c1 = C + ldc, *c2 = C + 2 * ldc, *c3 = C + 3 * ldc;
     v16 a00 = v16_loadu_mask(m0, c0), a01 = v16_loadu_mask(m1, c0 + 16);
     v16 a10 = v16_loadu_mask(m0, c1), a11 = v16_loadu_mask(m1, c1 + 16);
     v16 a20 = v16_loadu_mask(m0, c2), a21 = v16_loadu_mask(m1, c2 + 16);
     v16 a30 = v16_loadu_mask(m0, c3), a31 = v16_loadu_mask(m1, c3 + 16);
+    v16 a02 = v16_zero(), a03 = v16_zero(), a12 = v16_zero(), a13 = v16_zero();
+    v16 a22 = v16_zero(), a23 = v16_zero(), a32 = v16_zero(), a33 = v16_zero();
+    if (NV == 4) {
+        a02 = v16_loadu_mask(m2, c0 + 32), a03 = v16_loadu_mask(m3, c0 + 48);
+        a12 = v16_loadu_mask(m2, c1 + 32), a13 = v16_loadu_mask(m3, c1 + 48);
+        a22 = v16_loadu_mask(m2, c2 + 32), a23 = v16_loadu_mask(m3, c2 + 48);
+        a32 = v16_loadu_mask(m2, c3 + 32), a33 = v16_loadu_mask(m3, c3 + 48);
+    }
     for (int64_t k = 0; k < K; k++) {
         const float *bk = B + k * ldb, *ak = A + k * sk;
         const v16 b0 = v16_loadu_mask(m0, bk), b1 = v16_loadu_mask(m1, bk + 16);
-        v16 x = v16_set1(ak[0 * sa]);
-        a00 = v16_fma(x, b0, a00), a01 = v16_fma(x, b1, a01);
-        x = v16_set1(ak[1 * sa]);
-        a10 = v16_fma(x, b0, a10), a11 = v16_fma(x, b1, a11);
-        x = v16_set1(ak[2 * sa]);
-        a20 = v16_fma(x, b0, a20), a21 = v16_fma(x, b1, a21);
-        x = v16_set1(ak[3 * sa]);
-        a30 = v16_fma(x, b0, a30), a31 = v16_fma(x, b1, a31);
+        const v16 x0 = v16_set1(ak[0 * sa]), x1 = v16_set1(ak[1 * sa]);
+        const v16 x2 = v16_set1(ak[2 * sa]), x3 = v16_set1(ak[3 * sa]);
+        a00 = v16_fma(x0, b0, a00), a01 = v16_fma(x0, b1, a01);
+        a10 = v16_fma(x1, b0, a10), a11 = v16_fma(x1, b1, a11);
+        a20 = v16_fma(x2, b0, a20), a21 = v16_fma(x2, b1, a21);
+        a30 = v16_fma(x3, b0, a30), a31 = v16_fma(x3, b1, a31);
+        if (NV == 4) {
+            const v16 b2 = v16_loadu_mask(m2, bk + 32), b3 = v16_loadu_mask(m3, bk + 48);
+            a02 = v16_fma(x0, b2, a02), a03 = v16_fma(x0, b3, a03);
+            a12 = v16_fma(x1, b2, a12), a13 = v16_fma(x1, b3, a13);
+            a22 = v16_fma(x2, b2, a22), a23 = v16_fma(x2, b3, a23);
+            a32 = v16_fma(x3, b2, a32), a33 = v16_fma(x3, b3, a33);
+        }
     }
     v16_storeu_mask(c0, m0, a00), v16_storeu_mask(c0 + 16, m1, a01);
     v16_storeu_mask(c1, m0, a10), v16_storeu_mask(c1 + 16, m1, a11);
     v16_storeu_mask(c2, m0, a20), v16_storeu_mask(c2 + 16, m1, a21);
     v16_storeu_mask(c3, m0, a30), v16_storeu_mask(c3 + 16, m1, a31);
+    if (NV == 4) {
+        v16_storeu_mask(c0 + 32, m2, a02), v16_storeu_mask(c0 + 48, m3, a03);
+        v16_storeu_mask(c1 + 32, m2, a12), v16_storeu_mask(c1 + 48, m3, a13);
+        v16_storeu_mask(c2 + 32, m2, a22), v16_storeu_mask(c2 + 48, m3, a23);
+        v16_storeu_mask(c3 + 32, m2, a32), v16_storeu_mask(c3 + 48, m3, a33);
+    }
 }
 
 static void gemm_block_1(int64_t K,
@@ -141,9 +116,9 @@ static void gemm_acc_avx512(int64_t R,
         int64_t r = 0;
         if (N - j0 <= 32)
             for (; r + 4 <= R; r += 4)
-                gemm_block_4x32(K, A + r * sa, sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
+                gemm_block_4(2, K, A + r * sa, sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
         for (; r + 4 <= R; r += 4)
-            gemm_block_4(K, A + r * sa, sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
+            gemm_block_4(4, K, A + r * sa, sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
         for (; r < R; r++)
             gemm_block_1(K, A + r * sa, sk, B + j0, ldb, C + r * ldc + j0, ldc, mk);
     }
