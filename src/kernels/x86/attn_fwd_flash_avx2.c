@@ -261,11 +261,21 @@ static void softmax_online(const mha__flash_softmax *args) {
      * registers. */
     const mha__flash_softmax local = *args, *a = &local;
     const int nv = (a->nk + 7) / 8, rows = a->rows;
+    /* Whole vectors of a tile with no visibility bits, bias or softcap: score() would select
+     * every lane of x = scale S, so they skip the mask (the same values). */
+    const int plain_nv = !a->vis && !a->bias && a->softcap <= 0.0f ? a->nk / 8 : 0;
+    const v8 scale = v8_set1(a->scale);
     /* (A) The new max goes to a->mu for now. */
     for (int r = 0; r < rows; r++) {
         float *s = a->s + r * a->lds;
         v8 vmax = v8_set1(-INFINITY);
-        for (int c = 0; c < nv; c++) {
+        int c = 0;
+        for (; c < plain_nv; c++) {
+            const v8 x = v8_mul(scale, v8_load(s + 8 * c));
+            v8_store(s + 8 * c, x);
+            vmax = v8_max_nan_ignoring(x, vmax);
+        }
+        for (; c < nv; c++) {
             const v8 x = score(a, s, r, c, lane_bits(a, r, c));
             v8_store(s + 8 * c, x);
             vmax = v8_max_nan_ignoring(x, vmax);
