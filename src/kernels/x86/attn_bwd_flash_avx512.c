@@ -5,21 +5,21 @@
  * gemm_acc: C[R, N] += A[R, K] B[K, N] with a 4-row x 64-column register block (16 zmm
  * accumulators in named variables, 4 B loads and 4 broadcasts per 16 FMAs), a 4 x 32 block for
  * a column tail of at most 32; column tails use masked loads/stores, row tails a 1-row version of
- * the same loop. Every call of the backward has N
- * <= max(64, d), so one or a few column blocks cover it. Each C element is one FMA chain in
- * increasing k. exp_shift uses the forward kernels' v16_exp (simd_avx512.h, 1 ULP on [-87.3, 0]);
- * softmax_grad is the generic formula 16 lanes at a time, each product rounded as there.
+ * the same loop. Every call of the backward has N <= max(64, d), so one or a few column blocks
+ * cover it. Each C element is one FMA chain in increasing k. exp_shift uses the forward kernels'
+ * v16_exp (simd_avx512.h, 1 ULP on [-87.3, 0]); softmax_grad is the generic formula 16 lanes at a
+ * time, each product rounded as there.
  */
 #include "kernels/bwd_flash.h"
 #include "kernels/x86/simd_avx512.h"
 
 /* Rows [0, 4), columns [0, 16 NV) clipped to N by the masks, NV = 4 or 2 (a compile-time
  * constant in every call: columns 32-63 then vanish from the 2-vector version, which takes a
- * column tail of at most 32, as at d = 80, 96, 160, where the 64-column block spent half or a
- * quarter of its FMAs on masked-off lanes). 16 or 8 accumulators, as many chains as the FMA
- * latency needs at two 512-bit FMAs per cycle. The accumulators are named variables, not an
- * array: gcc 12 keeps an acc[4][4] array on the stack and stores it every iteration (measured
- * 2.5x slower). */
+ * column tail of at most 32, as at d = 80, 96, 160, where the 64-column block spent three
+ * quarters (d 80) or half (d 96, 160) of its FMAs on masked-off lanes). 16 or 8 accumulators, as
+ * many chains as the FMA latency needs at two 512-bit FMAs per cycle. The accumulators are named
+ * variables, not an array: gcc 12 keeps an acc[4][4] array on the stack and stores it every
+ * iteration (measured 2.5x slower). */
 MHA_INLINE void gemm_block_4(const int NV,
                              int64_t K,
                              const float *A,
