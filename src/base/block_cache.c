@@ -74,10 +74,12 @@ static void *cache_alloc(void *user, size_t bytes, size_t align) {
     pthread_mutex_lock(&c->lock);
     const ptrdiff_t hit = best_fit(c, bytes, align ? align : 1);
     if (hit >= 0) {
+        /* Read under the lock: another thread's add_block may move the array once it is open. */
+        void *p = c->blocks[hit].ptr;
         c->blocks[hit].in_use = 1;
         c->idle_bytes -= c->blocks[hit].bytes;
         pthread_mutex_unlock(&c->lock);
-        return c->blocks[hit].ptr;
+        return p;
     }
     pthread_mutex_unlock(&c->lock);
     void *p = mha__alloc_large(NULL, bytes);
