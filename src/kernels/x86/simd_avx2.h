@@ -97,13 +97,11 @@ MHA_INLINE float v8_hsum(v8 x) {
 #define MHA_EXP_XMAX   0x1.633334p+6f
 #define MHA_EXP_ROUND  0x1.8p+23f
 
-/* exp for x in [XMIN, XMAX] or NaN (no clamping). */
-MHA_INLINE v8 v8_exp_unclamped(v8 x) {
-    const v8 t = v8_fma(x, v8_set1(MHA_EXP_LOG2E), v8_set1(MHA_EXP_ROUND));
-    const v8 k = v8_sub(t, v8_set1(MHA_EXP_ROUND));
-    /* the low bits of t hold k as a two's-complement integer */
-    const __m256i ki =
-        _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(v8_set1(MHA_EXP_ROUND)));
+/* e^r for x = k ln 2 + r, |r| <= ln 2 / 2; *t holds k in the low bits of its float (t = k +
+ * ROUND, an integer-valued float with exponent 23). */
+MHA_INLINE v8 v8_exp_reduced(v8 x, v8 *t) {
+    *t = v8_fma(x, v8_set1(MHA_EXP_LOG2E), v8_set1(MHA_EXP_ROUND));
+    const v8 k = v8_sub(*t, v8_set1(MHA_EXP_ROUND));
     v8 r = v8_fma(k, v8_set1(-MHA_EXP_LN2_HI), x);
     r = v8_fma(k, v8_set1(-MHA_EXP_LN2_LO), r);
     v8 q = v8_set1(MHA_EXP_C6);
@@ -112,7 +110,16 @@ MHA_INLINE v8 v8_exp_unclamped(v8 x) {
     q = v8_fma(q, r, v8_set1(MHA_EXP_C3));
     q = v8_fma(q, r, v8_set1(MHA_EXP_C2));
     q = v8_fma(q, r, v8_set1(1.0f));
-    const v8 p = v8_fma(q, r, v8_set1(1.0f));
+    return v8_fma(q, r, v8_set1(1.0f));
+}
+
+/* exp for x in [XMIN, XMAX] or NaN (no clamping). */
+MHA_INLINE v8 v8_exp_unclamped(v8 x) {
+    v8 t;
+    const v8 p = v8_exp_reduced(x, &t);
+    /* the low bits of t hold k as a two's-complement integer */
+    const __m256i ki =
+        _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_castps_si256(v8_set1(MHA_EXP_ROUND)));
     const __m256i k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
     const __m256i bias = _mm256_set1_epi32(127);
     const v8 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, bias), 23));
@@ -120,9 +127,14 @@ MHA_INLINE v8 v8_exp_unclamped(v8 x) {
     return v8_mul(v8_mul(p, s1), s2);
 }
 
-MHA_INLINE v8 v8_exp(v8 x) {
-    x = _mm256_max_ps(v8_set1(MHA_EXP_XMIN), x); /* NaN x passes (second operand) */
-    return v8_exp_unclamped(_mm256_min_ps(v8_set1(MHA_EXP_XMAX), x));
+/* 2^k as one float, (k + 127) << 23, for the k in t (see v8_exp_reduced) in [-126, 127]. Where
+ * p 2^k is normal (or overflows) the product is exact (or +inf) and has the bits of the two-factor
+ * product of v8_exp_unclamped, in 3 operations instead of 9. bits(t) - bits(ROUND) = k, so
+ * k + 127 = bits(t) + (127 - bits(ROUND)); 0x4B400000 is the bits of MHA_EXP_ROUND = 1.5 2^23. */
+MHA_INLINE v8 v8_pow2_normal(v8 t) {
+    const __m256i bias = _mm256_set1_epi32(127 - 0x4B400000);
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(t), bias), 23));
 }
 
 /* exp(x) for x <= 0 or NaN, flushed to 0 below MHA_EXP_FLUSH (see simd_avx512.h: results under
@@ -132,7 +144,27 @@ MHA_INLINE v8 v8_exp(v8 x) {
 MHA_INLINE v8 v8_exp_nonpos(v8 x) {
     const v8 keep = _mm256_cmp_ps(x, v8_set1(MHA_EXP_FLUSH), _CMP_NLT_UQ);
     x = _mm256_max_ps(v8_set1(MHA_EXP_FLUSH), x); /* NaN x passes (second operand) */
-    return _mm256_and_ps(v8_exp_unclamped(x), keep);
+    /* x >= -86 gives k >= -124: p 2^k is normal, and exact */
+    v8 t;
+    const v8 p = v8_exp_reduced(x, &t);
+    return _mm256_and_ps(v8_mul(p, v8_pow2_normal(t)), keep);
+}
+
+/* exp for every float. A vector whose lanes are all in [MHA_EXP_FLUSH, 88] (or NaN) takes the
+ * one-factor scaling of v8_exp_nonpos: k is in [-124, 127] there, 2^k is normal and the product
+ * is exact or overflows alike, so the bits are those of v8_exp_unclamped. Any other vector takes
+ * v8_exp_unclamped, whose two factors round subnormal results correctly and keep e^x finite up to
+ * 88.72 (k = 128 has no one-factor float). */
+MHA_INLINE v8 v8_exp(v8 x) {
+    const v8 out = _mm256_or_ps(_mm256_cmp_ps(x, v8_set1(MHA_EXP_FLUSH), _CMP_LT_OQ),
+                                _mm256_cmp_ps(x, v8_set1(88.0f), _CMP_GT_OQ));
+    if (_mm256_movemask_ps(out)) {
+        x = _mm256_max_ps(v8_set1(MHA_EXP_XMIN), x); /* NaN x passes (second operand) */
+        return v8_exp_unclamped(_mm256_min_ps(v8_set1(MHA_EXP_XMAX), x));
+    }
+    v8 t;
+    const v8 p = v8_exp_reduced(x, &t);
+    return v8_mul(p, v8_pow2_normal(t));
 }
 
 /* tanh: see simd_avx512.h. */
