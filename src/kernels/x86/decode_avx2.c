@@ -66,7 +66,7 @@
 /* Keys per block: pass 1 runs the row groups of 4 over a block (its K rows stay in L1: 32 rows
  * of 128 float32 or 64 rows of 128 16-bit elements = 16 KiB) and pass 3 keeps o in registers over
  * a block; each block prefetches the next one, so the block is also the prefetch distance. 64
- * float16 / bfloat16 keys per block ran a step beyond the L3 1.06-1.09x faster than 32 on AMD Zen 4
+ * float16 / bfloat16 keys per block ran a step beyond the L3 1.03-1.10x faster than 32 on AMD Zen 4
  * (1 thread); float32 measured the same with 32 and 64, and 64 of its rows would fill the L1. At
  * most 64 (the per-key visibility bits of a block are one uint64_t). */
 #    define DEC_KB(DT) ((DT) == MHA_DTYPE_F32 ? 32 : 64)

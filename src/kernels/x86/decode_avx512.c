@@ -245,7 +245,7 @@ MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
  * MHA_DEC_PREFETCH keys ahead over the K rows, then over the first V rows (pass 3 reads them).
  * How many K rows one sweep over d reads in 64-byte steps, per group of four keys:
  *   float32: two, then the other two (each q vector loaded for 2 FMAs). With a cache beyond the
- *     L3, four interleaved rows ran a step 5-8% slower on AMD Zen 4 (1 thread; one row at a time
+ *     L3, four interleaved rows ran a step 5-10% slower on AMD Zen 4 (1 thread; one row at a time
  *     was as fast as two, but loads q for every FMA). The AVX2 kernel reads two as well.
  *   float16 / bfloat16: four (each q vector loaded for 4 FMAs). They are bound by the arithmetic
  *     on one thread (4 flops per byte read, against 2 for float32), and one row at a time ran
