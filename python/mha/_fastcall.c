@@ -150,8 +150,10 @@ static int get_threads(PyObject *o, int32_t *threads) {
  * the general path's python/mha/_marshal.py fills them (forward_args, exec_struct): zero, then
  * the window (-1, -1), the sizes and pointers, impl, threads, the pool and, for inputs of
  * FAST_CACHE_MIN_FLOATS or more, the allocator (addresses from _marshal.pool_for and
- * _marshal.block_cache_allocator, or None). 0, or -1 with MhaError set. */
+ * _marshal.block_cache_allocator, or None). c is the layer's mha_layer_config (the caller has it
+ * already), or NULL. 0, or -1 with MhaError set. */
 static int self_forward(const mha_layer *layer,
+                        const mha_config *c,
                         int64_t batch,
                         int64_t n,
                         const float *query,
@@ -178,7 +180,6 @@ static int self_forward(const mha_layer *layer,
     ex.impl = impl;
     ex.n_threads = threads;
     ex.pool = pool;
-    const mha_config *c = g_config(layer);
     const double floats = (double)batch * (double)n * (double)(c ? c->q_dim : 0);
     ex.allocator = floats >= (double)FAST_CACHE_MIN_FLOATS ? allocator : NULL;
     mha_error err;
@@ -291,8 +292,8 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     const int failed =
-        self_forward(layer, x.ndim == 3 ? x.shape[0] : 1, x.shape[x.ndim - 2], x.buf, o.buf, NULL,
-                     0, (mha_impl)impl, (int32_t)threads, pool, allocator);
+        self_forward(layer, c, x.ndim == 3 ? x.shape[0] : 1, x.shape[x.ndim - 2], x.buf, o.buf,
+                     NULL, 0, (mha_impl)impl, (int32_t)threads, pool, allocator);
     PyBuffer_Release(&o);
     PyBuffer_Release(&x);
     if (failed) {
@@ -329,8 +330,8 @@ static PyObject *layer_call(PyObject *self, PyObject *const *args, Py_ssize_t na
         get_ptr(args[9], &allocator)) {
         return NULL;
     }
-    if (self_forward(layer, batch, n, query, out, probs, average, MHA_IMPL_AUTO, threads, pool,
-                     allocator)) {
+    if (self_forward(layer, g_config(layer), batch, n, query, out, probs, average, MHA_IMPL_AUTO,
+                     threads, pool, allocator)) {
         return NULL;
     }
     Py_RETURN_NONE;
