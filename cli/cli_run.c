@@ -70,10 +70,6 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_SHARD_LAYOUT] = {"--shard-layout", CLI_OPT_VALUE},
 };
 
-const char *run_flag_name(int id) {
-    return run_flags[id].name;
-}
-
 void cli_run_usage(void) {
     static const char *const text[] = {
         "Usage: mha run --weights W.safetensors --heads H --input X.npy --out Y.npy [options]",
@@ -500,6 +496,7 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
     memset(o, 0, sizeof *o);
     for (int i = 0; i < O_COUNT; i++)
         o->opt[i] = a->given[i] ? a->value[i] : NULL;
+    o->flags = run_flags;
     const char *const *v = o->opt;
 
     if ((rc = parse_model(o)))
@@ -696,35 +693,6 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
             return cli_usage("--impl: '%s' is not reference, fast or auto", v[O_IMPL]);
     }
     return CLI_OK;
-}
-
-/* Every file `mha run` reads or writes, for cli_check_outputs() before any work. */
-int check_paths(const run_config *o) {
-    const char *const *v = o->opt;
-    static const int in_ids[] = {O_WEIGHTS,   O_INPUT,         O_KEY,        O_VALUE,
-                                 O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
-                                 O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS,
-                                 O_TOKENS};
-    /* --model: its config, single file and index are inputs too (shards are not listed). */
-    static const char *const model_files[] = {"config.json", "model.safetensors",
-                                              "model.safetensors.index.json"};
-    enum { N_IDS = sizeof in_ids / sizeof in_ids[0], N_MODEL = 3 };
-    static const int out_ids[] = {O_OUT, O_ATTN, O_PLOT, O_ATTN_STATS};
-    enum { N_OUT = sizeof out_ids / sizeof out_ids[0] };
-    cli_path in[N_IDS + N_MODEL], out[N_OUT];
-    char model_paths[N_MODEL][4096];
-    int n_in = 0;
-    for (int i = 0; i < N_IDS; i++)
-        in[n_in++] = (cli_path){run_flags[in_ids[i]].name, v[in_ids[i]]};
-    for (int i = 0; v[O_MODEL] && i < N_MODEL; i++) {
-        int len =
-            snprintf(model_paths[i], sizeof model_paths[i], "%s/%s", v[O_MODEL], model_files[i]);
-        if (len > 0 && (size_t)len < sizeof model_paths[i])
-            in[n_in++] = (cli_path){"--model", model_paths[i]};
-    }
-    for (int i = 0; i < N_OUT; i++)
-        out[i] = (cli_path){run_flags[out_ids[i]].name, v[out_ids[i]]};
-    return cli_check_outputs(in, n_in, out, N_OUT);
 }
 
 int cli_run_main(int argc, char **argv) {

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /* cli_run.h: what the files of `mha run` share (CLI-private): the options, the parsed
  * configuration and the run's state, and the functions one file gives the others.
- *   cli_run.c        options, usage, parsing, output-path checks, the entry points
- *   cli_run_files.c  reading the input files (.npy) into checked arrays, writing the outputs
+ *   cli_run.c        options, usage, parsing, the entry points
+ *   cli_run_files.c  checking every path, reading the input files (.npy) into checked arrays,
+ *                    writing the outputs
  *   cli_run_job.c    the job: the layer forward (run_forward) or the decode loop
  *   cli_run_stats.c  --attn-stats / --stats: the attention statistics and their .npz
  *   cli_run_dist.c   the job under MPI: --distributed ring (run_distributed), when built with MPI
@@ -90,6 +91,7 @@ typedef struct cli_stats {
 /* Everything parsed from the command line. */
 typedef struct run_config {
     const char *opt[O_COUNT]; /* raw values (NULL = not given) */
+    const cli_opt *flags;     /* the option table (cli_run.c): names for messages */
     const char *wpath;        /* --weights, or the --model directory (messages) */
     int64_t layer;            /* --layer */
     mha_hf_layer_info hf;     /* --model: what the config says, flags applied on top */
@@ -194,10 +196,8 @@ int write_stats(const run_config *o,
                 int64_t m);
 void stats_free(cli_stats *st);
 
-/* Every file `mha run` reads or writes checked by cli_check_outputs() (cli_run.c). */
+/* Every file `mha run` reads or writes checked by cli_check_outputs() (cli_run_files.c). */
 int check_paths(const run_config *o);
-/* The option's name, e.g. "--input" (cli_run.c). */
-const char *run_flag_name(int id);
 
 /* The sizes every later step checks against. */
 typedef struct run_dims {

@@ -265,3 +265,32 @@ int write_outputs(const run_config *o,
     }
     return CLI_OK;
 }
+
+/* Every file `mha run` reads or writes, for cli_check_outputs() before any work. */
+int check_paths(const run_config *o) {
+    const char *const *v = o->opt;
+    static const int in_ids[] = {O_WEIGHTS,   O_INPUT,         O_KEY,        O_VALUE,
+                                 O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
+                                 O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS,
+                                 O_TOKENS};
+    /* --model: its config, single file and index are inputs too (shards are not listed). */
+    static const char *const model_files[] = {"config.json", "model.safetensors",
+                                              "model.safetensors.index.json"};
+    enum { N_IDS = sizeof in_ids / sizeof in_ids[0], N_MODEL = 3 };
+    static const int out_ids[] = {O_OUT, O_ATTN, O_PLOT, O_ATTN_STATS};
+    enum { N_OUT = sizeof out_ids / sizeof out_ids[0] };
+    cli_path in[N_IDS + N_MODEL], out[N_OUT];
+    char model_paths[N_MODEL][4096];
+    int n_in = 0;
+    for (int i = 0; i < N_IDS; i++)
+        in[n_in++] = (cli_path){o->flags[in_ids[i]].name, v[in_ids[i]]};
+    for (int i = 0; v[O_MODEL] && i < N_MODEL; i++) {
+        int len =
+            snprintf(model_paths[i], sizeof model_paths[i], "%s/%s", v[O_MODEL], model_files[i]);
+        if (len > 0 && (size_t)len < sizeof model_paths[i])
+            in[n_in++] = (cli_path){"--model", model_paths[i]};
+    }
+    for (int i = 0; i < N_OUT; i++)
+        out[i] = (cli_path){o->flags[out_ids[i]].name, v[out_ids[i]]};
+    return cli_check_outputs(in, n_in, out, N_OUT);
+}
