@@ -305,24 +305,6 @@ mha_status mha__gemm_workspace_size(
     return packed_w_bytes(kr, N, K, bytes, err);
 }
 
-mha_status mha__gemm_run(const mha__gemm_kernel *kr,
-                         int64_t M,
-                         int64_t N,
-                         int64_t K,
-                         const float *x,
-                         int64_t ldx,
-                         const float *w,
-                         int64_t ldw,
-                         const float *bias,
-                         float *y,
-                         int64_t ldy,
-                         mha__team team,
-                         const mha_allocator *alloc,
-                         mha_error *err) {
-    return run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, team, NULL, 0,
-               alloc, err);
-}
-
 mha_status mha__gemm_xwt_ws(int64_t M,
                             int64_t N,
                             int64_t K,

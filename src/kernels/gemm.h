@@ -184,22 +184,6 @@ mha_status mha__gemm_op_run(mha__gemm_op op,
                             const mha_allocator *alloc,
                             mha_error *err);
 
-/* The same with an explicit kernel table (tests, tuning of kc / nc); kr must be usable. */
-mha_status mha__gemm_run(const mha__gemm_kernel *kr,
-                         int64_t M,
-                         int64_t N,
-                         int64_t K,
-                         const float *x,
-                         int64_t ldx,
-                         const float *w,
-                         int64_t ldw,
-                         const float *bias,
-                         float *y,
-                         int64_t ldy,
-                         mha__team team,
-                         const mha_allocator *alloc,
-                         mha_error *err);
-
 /* Portable packer of rows [0, n) of any operand (W panels, NR; x micro-panels, MR) into
  * [kc][nr], rows n .. nr-1 zero: the generic tier's pack_b and pack_a. */
 void mha__gemm_pack_b_ref(const float *w, int64_t ldw, int n, int64_t kc, float *dst, int nr);
