@@ -6,7 +6,7 @@
  * naming the file), run the layer, then write the outputs atomically. When both --out and --attn
  * are given and the second write fails, the first is removed, so nothing half-done is left.
  */
-#include "cli_run.h"
+#include "cli_run_common.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -491,39 +491,10 @@ static int apply_model(run_config *o) {
     return CLI_OK;
 }
 
-static int parse_options(const cli_args *a, run_config *o, run_state *st) {
-    int rc;
-    memset(o, 0, sizeof *o);
-    for (int i = 0; i < O_COUNT; i++)
-        o->opt[i] = a->given[i] ? a->value[i] : NULL;
-    o->flags = run_flags;
+/* --causal, --causal-offsets, --window, --mask-means and the segments. */
+static int parse_masks(run_config *o) {
     const char *const *v = o->opt;
-
-    if ((rc = parse_model(o)))
-        return rc;
-    static const int required[] = {O_INPUT, O_OUT};
-    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
-        if (!v[required[i]])
-            return cli_usage("%s is required", run_flags[required[i]].name);
-
-    if (v[O_HEADS] && (rc = cli_parse_i64("--heads", v[O_HEADS], 1, INT32_MAX, &o->heads)))
-        return rc;
-    if (v[O_KV_HEADS]) {
-        if ((rc = cli_parse_i64("--kv-heads", v[O_KV_HEADS], 1, INT32_MAX, &o->kv_heads)))
-            return rc;
-        if (o->heads && o->heads % o->kv_heads != 0)
-            return cli_usage("--kv-heads %lld does not divide --heads %lld", (long long)o->kv_heads,
-                             (long long)o->heads);
-    }
-    if (v[O_NAMES]) {
-        if ((rc = parse_names(v[O_NAMES], st, &o->names)))
-            return rc;
-        o->use_names = 1;
-    }
-    if (v[O_VALUE] && !v[O_KEY])
-        return cli_usage("--value needs --key (cross-attention)");
-
-    /* Masks. */
+    int rc;
     if (v[O_CAUSAL]) {
         o->causal = 1;
         const char *c = v[O_CAUSAL];
@@ -560,8 +531,14 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
     if (!v[O_Q_SEGMENTS] != !v[O_KV_SEGMENTS])
         return cli_usage("%s needs %s", v[O_Q_SEGMENTS] ? "--q-segments" : "--kv-segments",
                          v[O_Q_SEGMENTS] ? "--kv-segments" : "--q-segments");
+    return CLI_OK;
+}
 
-    /* RoPE. */
+/* RoPE: --rope-theta or --rope-style turns it on; the other --rope-* options and --positions /
+ * --key-positions need it (the positions also serve --model). */
+static int parse_rope(run_config *o) {
+    const char *const *v = o->opt;
+    int rc;
     const int rope_on = v[O_ROPE_THETA] || v[O_ROPE_STYLE];
     static const int rope_only[] = {O_ROPE_DIM,       O_ROPE_SCALING,         O_POSITIONS,
                                     O_KEY_POSITIONS,  O_ROPE_FACTOR,          O_ROPE_ORIGINAL_MAX,
@@ -627,8 +604,13 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
                 return rc;
         }
     }
+    return CLI_OK;
+}
 
-    /* Scores. */
+/* --scale, --softcap, --alibi, --dropout and --seed. */
+static int parse_scores(run_config *o) {
+    const char *const *v = o->opt;
+    int rc;
     if (v[O_SCALE] && (rc = pos_f64(o, O_SCALE, &o->scale)))
         return rc;
     if (v[O_SOFTCAP] && (rc = pos_f64(o, O_SOFTCAP, &o->softcap)))
@@ -649,8 +631,14 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
         if ((rc = cli_parse_u64("--seed", v[O_SEED], &o->dropout.seed)))
             return rc;
     }
+    return CLI_OK;
+}
 
-    /* Outputs and execution. */
+/* The outputs (--attn, --plot, --attn-stats and what goes with them) and the execution (--threads,
+ * --decode, --distributed, --impl). */
+static int parse_outputs(run_config *o) {
+    const char *const *v = o->opt;
+    int rc;
     if (v[O_ATTN_AVERAGE] && !v[O_ATTN] && !v[O_PLOT])
         return cli_usage("--attn-average needs --attn or --plot");
     o->average = v[O_ATTN_AVERAGE] != NULL;
@@ -692,6 +680,47 @@ static int parse_options(const cli_args *a, run_config *o, run_state *st) {
         else
             return cli_usage("--impl: '%s' is not reference, fast or auto", v[O_IMPL]);
     }
+    return CLI_OK;
+}
+
+/* Every option of `mha run` into o: CLI_OK, or CLI_USAGE after one line. The model, the required
+ * options, heads and names, then the masks, RoPE, the scores and the outputs, in this order: the
+ * first problem found is the one reported. */
+static int parse_options(const cli_args *a, run_config *o, run_state *st) {
+    int rc;
+    memset(o, 0, sizeof *o);
+    for (int i = 0; i < O_COUNT; i++)
+        o->opt[i] = a->given[i] ? a->value[i] : NULL;
+    o->flags = run_flags;
+    const char *const *v = o->opt;
+
+    if ((rc = parse_model(o)))
+        return rc;
+    static const int required[] = {O_INPUT, O_OUT};
+    for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
+        if (!v[required[i]])
+            return cli_usage("%s is required", run_flags[required[i]].name);
+
+    if (v[O_HEADS] && (rc = cli_parse_i64("--heads", v[O_HEADS], 1, INT32_MAX, &o->heads)))
+        return rc;
+    if (v[O_KV_HEADS]) {
+        if ((rc = cli_parse_i64("--kv-heads", v[O_KV_HEADS], 1, INT32_MAX, &o->kv_heads)))
+            return rc;
+        if (o->heads && o->heads % o->kv_heads != 0)
+            return cli_usage("--kv-heads %lld does not divide --heads %lld", (long long)o->kv_heads,
+                             (long long)o->heads);
+    }
+    if (v[O_NAMES]) {
+        if ((rc = parse_names(v[O_NAMES], st, &o->names)))
+            return rc;
+        o->use_names = 1;
+    }
+    if (v[O_VALUE] && !v[O_KEY])
+        return cli_usage("--value needs --key (cross-attention)");
+
+    if ((rc = parse_masks(o)) || (rc = parse_rope(o)) || (rc = parse_scores(o)) ||
+        (rc = parse_outputs(o)))
+        return rc;
     return CLI_OK;
 }
 

@@ -1,16 +1,16 @@
 /* SPDX-License-Identifier: MIT */
-/* cli_run_dist.c: `mpirun -np P mha run --distributed ring ...` (cli_run.h). Every rank parses the
- * same options, loads the weights and either reads the whole input and keeps its rows (the rows
- * mha_ring_shard gives it), or, with {rank} in the file names, reads only its own rows. It runs
- * its rows of the layer with mha_ring_layer_forward (libmha_mpi: projections of its rows, RoPE at
- * global positions, ring attention), then rank 0 gathers Y and writes the file a single-process
- * run writes (atomically, as ever), or each rank writes its own rows.
+/* cli_run_dist.c: `mpirun -np P mha run --distributed ring ...` (cli_run_common.h). Every rank
+ * parses the same options, loads the weights and either reads the whole input and keeps its rows
+ * (the rows mha_ring_shard gives it), or, with {rank} in the file names, reads only its own rows.
+ * It runs its rows of the layer with mha_ring_layer_forward (libmha_mpi: projections of its rows,
+ * RoPE at global positions, ring attention), then rank 0 gathers Y and writes the file a
+ * single-process run writes (atomically, as ever), or each rank writes its own rows.
  *
  * Errors: every step that can fail on one rank alone (a file, an allocation) ends with an
  * agreement (one MPI_Allreduce), so a failure anywhere stops every rank with a non-zero status and
  * no rank waits on a peer that already stopped; the failing rank prints its line ("mha: rank r of
  * P: ..."), rank 0 says which rank stopped the run. MPI_Abort only when MPI itself fails. */
-#include "cli_run.h"
+#include "cli_run_common.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* cli_run_files.c: `mha run`'s files: every input array read and checked (shape, dtype, range)
- * with one error line naming the file, and the outputs written atomically (cli_run.h). */
-#include "cli_run.h"
+ * with one error line naming the file, and the outputs written atomically (cli_run_common.h). */
+#include "cli_run_common.h"
 
 #include <math.h>
 #include <stdio.h>

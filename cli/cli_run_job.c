@@ -2,9 +2,9 @@
 /* cli_run_job.c: `mha run`'s job once the options are checked: the weights, the layer with the
  * command-line options, the inputs, masks and positions checked against (B, h, n, m), then the
  * forward (or, with --decode, the prefill and decode steps through a KV cache), then the outputs
- * (cli_run.h). */
+ * (cli_run_common.h). */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
-#include "cli_run.h"
+#include "cli_run_common.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -4,7 +4,7 @@
  * (docs/FORMATS.md). LIST: comma-separated received, entropy, topk[=K], pool[=RxC]; default
  * "received,entropy"; K defaults to 8, the grid to 256x256, both clamped to the map (K <= m,
  * R <= n, C <= m) so that one command line serves any length. */
-#include "cli_run.h"
+#include "cli_run_common.h"
 
 #include "npz.h"
 

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* cli_run.h: what the files of `mha run` share (CLI-private): the options, the parsed
+/* cli_run_common.h: what the files of `mha run` share (CLI-private): the options, the parsed
  * configuration and the run's state, and the functions one file gives the others.
  *   cli_run.c        options, usage, parsing, the entry points
  *   cli_run_files.c  checking every path, reading the input files (.npy) into checked arrays,
@@ -8,8 +8,8 @@
  *   cli_run_stats.c  --attn-stats / --stats: the attention statistics and their .npz
  *   cli_run_dist.c   the job under MPI: --distributed ring (run_distributed), when built with MPI
  */
-#ifndef MHA_CLI_RUN_H
-#define MHA_CLI_RUN_H
+#ifndef MHA_CLI_RUN_COMMON_H
+#define MHA_CLI_RUN_COMMON_H
 
 #include "cli.h"
 #include "npy.h"
@@ -220,4 +220,4 @@ int run_forward(const run_config *o, run_state *s);
  * MPI_Finalize. Without MPI: a one-line error. */
 int run_distributed(const run_config *o, run_state *s);
 
-#endif /* MHA_CLI_RUN_H */
+#endif /* MHA_CLI_RUN_COMMON_H */
