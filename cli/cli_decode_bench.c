@@ -101,16 +101,14 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
-static float rnd(void) { /* uniform in [-1, 1) */
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (float)(rng_state >> 40) * (2.0f / 16777216.0f) - 1.0f;
-}
-static void fill(float *x, int64_t n, float scale) {
-    for (int64_t i = 0; i < n; i++)
-        x[i] = scale * rnd();
+/* xorshift64: uniform in [-1, 1) times scale, the run's own generator (seeded once per run). */
+static void fill(uint64_t *rng, float *x, int64_t n, float scale) {
+    for (int64_t i = 0; i < n; i++) {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        x[i] = scale * ((float)(*rng >> 40) * (2.0f / 16777216.0f) - 1.0f);
+    }
 }
 
 static int cmp_d(const void *a, const void *b) {
@@ -196,6 +194,9 @@ static double stream_gbs(int64_t mb, int threads) {
     return keep == 1 ? -best : best; /* the sum is used, so the loop is not optimised away */
 }
 
+/* Positions per prefill call. */
+#define BENCH_CHUNK 256
+
 /* ---- Naive decode attention: per sequence and head, three passes, float32, one thread. ------ */
 static double
 naive_step(const mha_kv_cache *c, int64_t B, int64_t H, const float *q, float *out, float *s) {
@@ -242,6 +243,254 @@ naive_step(const mha_kv_cache *c, int64_t B, int64_t H, const float *q, float *o
     return now_s() - t0;
 }
 
+/* ---- The benchmark. ---------------------------------------------------------------------------
+ */
+/* What the command line asks for. */
+typedef struct bench_opts {
+    int64_t H, G, D, Q, L, B, N,
+        stream_mb; /* heads, kv heads, head dim, q_dim, cache, batch, steps */
+    int threads;
+    mha_dtype dt;
+    const char *dtn; /* the cache dtype's name */
+    int layer_prefill, attn_only, naive, json;
+} bench_opts;
+
+/* What a run holds (bench_free releases it) and what it measures. */
+typedef struct bench_run {
+    mha_layer *layer; /* NULL with --attention-only */
+    mha_kv_cache *cache;
+    mha_exec ex;
+    mha_error err;
+    uint64_t rng;
+    float *wbuf, *kv, *xbuf, *ybuf, *q, *o, *scores;
+    double *times;
+    double prefill_s, attn_med, attn_min, kv_bytes, naive_s, layer_med, stream;
+} bench_run;
+
+static int parse_bench(const cli_args *args, bench_opts *b) {
+    int rc;
+    int64_t T = 0;
+    *b = (bench_opts){
+        .H = 32, .G = 8, .D = 128, .L = 4096, .B = 1, .N = 32, .dt = MHA_DTYPE_F32, .dtn = "f32"};
+    const struct {
+        int id;
+        int64_t *dst, lo, hi;
+    } ints[] = {{B_HEADS, &b->H, 1, 4096},
+                {B_KV_HEADS, &b->G, 1, 4096},
+                {B_HEAD_DIM, &b->D, 1, 4096},
+                {B_Q_DIM, &b->Q, 1, 1 << 20},
+                {B_CACHE_LEN, &b->L, 1, 1 << 24},
+                {B_BATCH, &b->B, 1, 4096},
+                {B_STEPS, &b->N, 1, 1 << 20},
+                {B_THREADS, &T, 0, 4096},
+                {B_STREAM_MB, &b->stream_mb, 1, 1 << 20}};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        if (args->given[ints[i].id] &&
+            (rc = cli_parse_i64(bench_flags[ints[i].id].name, args->value[ints[i].id], ints[i].lo,
+                                ints[i].hi, ints[i].dst)))
+            return rc;
+    if (b->H % b->G != 0)
+        return cli_usage("--kv-heads %lld does not divide --heads %lld", (long long)b->G,
+                         (long long)b->H);
+    if (b->Q == 0)
+        b->Q = b->H * b->D;
+    if (args->given[B_CACHE_DTYPE]) {
+        b->dtn = args->value[B_CACHE_DTYPE];
+        if (strcmp(b->dtn, "f16") == 0)
+            b->dt = MHA_DTYPE_F16;
+        else if (strcmp(b->dtn, "bf16") == 0)
+            b->dt = MHA_DTYPE_BF16;
+        else if (strcmp(b->dtn, "f32") != 0)
+            return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", b->dtn);
+    }
+    if (args->given[B_PREFILL_MODE]) {
+        if (strcmp(args->value[B_PREFILL_MODE], "layer") == 0)
+            b->layer_prefill = 1;
+        else if (strcmp(args->value[B_PREFILL_MODE], "random") != 0)
+            return cli_usage("--prefill-mode: '%s' is not random or layer",
+                             args->value[B_PREFILL_MODE]);
+    }
+    b->attn_only = args->given[B_ATTN_ONLY];
+    if (b->layer_prefill && b->attn_only)
+        return cli_usage("--prefill-mode layer needs the layer (drop --attention-only)");
+    b->threads = T > 0 ? (int)T : mha_default_threads();
+    b->naive = args->given[B_NAIVE];
+    b->json = args->given[B_JSON];
+    return CLI_OK;
+}
+
+/* The layer with random weights (scaled like a trained one: unit-variance activations), unless
+ * --attention-only; the cache; the thread pool; the buffers. */
+static int bench_setup(const bench_opts *b, bench_run *r) {
+    const int64_t H = b->H, G = b->G, D = b->D, Q = b->Q, L = b->L, B = b->B, N = b->N;
+    mha_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.q_dim = Q, cfg.num_heads = H, cfg.num_kv_heads = G, cfg.head_dim = D;
+    cfg.rope.style = MHA_ROPE_HALF;
+    cfg.rope.theta = 500000.0;
+    if (!b->attn_only) {
+        const int64_t nw = 2 * H * D * Q + 2 * G * D * Q;
+        r->wbuf = malloc(sizeof(float) * (size_t)nw);
+        if (!r->wbuf)
+            return cli_fail("cannot allocate %lld weights", (long long)nw);
+        fill(&r->rng, r->wbuf, nw, 1.0f / sqrtf((float)Q));
+        mha_weights w;
+        memset(&w, 0, sizeof w);
+        w.w_q = r->wbuf;
+        w.w_k = r->wbuf + H * D * Q;
+        w.w_v = w.w_k + G * D * Q;
+        w.w_o = w.w_v + G * D * Q;
+        if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &r->layer, &r->err) !=
+            MHA_STATUS_OK)
+            return cli_lib_fail(NULL, &r->err);
+    }
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N, kc.batch = B, kc.dtype = b->dt;
+    if (mha_kv_cache_create(&kc, r->layer, NULL, &r->cache, &r->err) != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &r->err);
+    r->ex.n_threads = b->threads;
+    if (mha_threadpool_create(b->threads, NULL, &r->ex.pool, &r->err) != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &r->err);
+    const int64_t chunk = BENCH_CHUNK;
+    r->kv = malloc(sizeof(float) * (size_t)(chunk * G * D * (b->layer_prefill ? 1 : 2)));
+    /* The layer's input and output: [B, chunk, Q] for a prefill call, [B, 1, Q] for a step. */
+    const int64_t rows = B * (b->layer_prefill ? chunk : 1);
+    r->xbuf = malloc(sizeof(float) * (size_t)(rows * Q));
+    r->ybuf = malloc(sizeof(float) * (size_t)(rows * Q));
+    r->q = malloc(sizeof(float) * (size_t)(B * H * D));
+    r->o = malloc(sizeof(float) * (size_t)(B * H * D));
+    /* The naive loop's scores [H, L + N] and one K/V row [G, D]. */
+    r->scores = malloc(sizeof(float) * (size_t)(H * (L + 2 * N) + G * D));
+    r->times = malloc(sizeof(double) * (size_t)N);
+    if (!r->kv || !r->xbuf || !r->ybuf || !r->q || !r->o || !r->scores || !r->times)
+        return cli_fail("out of memory");
+    return CLI_OK;
+}
+
+/* --cache-len positions per sequence, in chunks: random post-RoPE K/V, or the layer's prefill. */
+static int bench_prefill(const bench_opts *b, bench_run *r) {
+    const int64_t G = b->G, D = b->D, Q = b->Q, L = b->L, B = b->B, chunk = BENCH_CHUNK;
+    const double t0 = now_s();
+    for (int64_t p0 = 0; p0 < L; p0 += chunk) {
+        const int64_t tc = L - p0 < chunk ? L - p0 : chunk;
+        mha_status st = MHA_STATUS_OK;
+        if (b->layer_prefill) {
+            fill(&r->rng, r->xbuf, B * tc * Q, 1.0f);
+            mha_decode_args a = {B, NULL, tc, r->xbuf, r->ybuf};
+            st = mha_layer_prefill(r->layer, r->cache, &a, &r->ex, &r->err);
+        } else {
+            for (int64_t seq = 0; seq < B && !st; seq++) {
+                fill(&r->rng, r->kv, 2 * tc * G * D, 1.0f);
+                st = mha_kv_cache_append(r->cache, 1, &seq, tc, r->kv, r->kv + tc * G * D, &r->err);
+            }
+        }
+        if (st != MHA_STATUS_OK)
+            return cli_lib_fail(NULL, &r->err);
+    }
+    r->prefill_s = now_s() - t0;
+    return CLI_OK;
+}
+
+/* --steps attention-only steps: append one token's K/V per sequence, attend (timed); the median
+ * and minimum, and the K and V bytes a step reads on average. */
+static int bench_attention(const bench_opts *b, bench_run *r) {
+    const int64_t H = b->H, G = b->G, D = b->D, L = b->L, B = b->B, N = b->N;
+    fill(&r->rng, r->q, B * H * D, 1.0f);
+    mha_kv_attention_args ka;
+    memset(&ka, 0, sizeof ka);
+    ka.num_seqs = B, ka.num_tokens = 1, ka.num_heads = H, ka.q = r->q, ka.out = r->o;
+    double kv_bytes = 0.0;
+    for (int64_t s = 0; s < N; s++) {
+        fill(&r->rng, r->kv, 2 * G * D, 1.0f);
+        mha_status st = MHA_STATUS_OK;
+        for (int64_t seq = 0; seq < B && !st; seq++)
+            st = mha_kv_cache_append(r->cache, 1, &seq, 1, r->kv, r->kv + G * D, &r->err);
+        const double ts = now_s();
+        if (!st)
+            st = mha_kv_cache_attention(r->cache, &ka, &r->ex, &r->err);
+        r->times[s] = now_s() - ts;
+        if (st != MHA_STATUS_OK)
+            return cli_lib_fail(NULL, &r->err);
+        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) *
+                    (double)mha_dtype_size(b->dt);
+    }
+    r->kv_bytes = kv_bytes / (double)N;
+    qsort(r->times, (size_t)N, sizeof(double), cmp_d);
+    r->attn_med = r->times[N / 2], r->attn_min = r->times[0];
+    return CLI_OK;
+}
+
+/* --steps whole layer steps (projections + RoPE + attention) from the cache cut back to
+ * --cache-len; the median. */
+static int bench_layer(const bench_opts *b, bench_run *r) {
+    for (int64_t seq = 0; seq < b->B; seq++)
+        mha_kv_cache_truncate(r->cache, seq, b->L, NULL);
+    for (int64_t s = 0; s < b->N; s++) {
+        fill(&r->rng, r->xbuf, b->B * b->Q, 1.0f);
+        mha_decode_args a = {b->B, NULL, 1, r->xbuf, r->ybuf};
+        const double ts = now_s();
+        mha_status st = mha_layer_decode_step(r->layer, r->cache, &a, &r->ex, &r->err);
+        r->times[s] = now_s() - ts;
+        if (st != MHA_STATUS_OK)
+            return cli_lib_fail(NULL, &r->err);
+    }
+    qsort(r->times, (size_t)b->N, sizeof(double), cmp_d);
+    r->layer_med = r->times[b->N / 2];
+    return CLI_OK;
+}
+
+static void bench_report(const bench_opts *b, const bench_run *r) {
+    const double gbs = r->kv_bytes / r->attn_med * 1e-9, B = (double)b->B;
+    if (b->json) {
+        printf("{\"kernel\": \"%s\", \"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
+               "\"cache_len\": %lld, \"batch\": %lld, \"steps\": %lld, \"threads\": %d, "
+               "\"cache_dtype\": \"%s\", \"prefill_s\": %.6g, \"attn_median_s\": %.6g, "
+               "\"attn_min_s\": %.6g, \"kv_bytes_per_step\": %.6g, \"attn_gbs\": %.6g, "
+               "\"attn_tokens_per_s\": %.6g, \"layer_median_s\": %.6g, "
+               "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g}\n",
+               decode_kernel_name(), (long long)b->H, (long long)b->G, (long long)b->D,
+               (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
+               r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
+               r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream);
+        return;
+    }
+    printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
+           "threads=%d cache=%s kernel=%s\n",
+           (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->Q, (long long)b->L,
+           (long long)b->B, b->threads, b->dtn, decode_kernel_name());
+    printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
+           b->layer_prefill ? "layer" : "random K/V", r->prefill_s, (long long)b->L,
+           (long long)b->B);
+    printf("  attention step: median %.3f ms, min %.3f ms, %.0f tokens/s, K+V read %.1f MB "
+           "-> %.1f GB/s\n",
+           r->attn_med * 1e3, r->attn_min * 1e3, B / r->attn_med, r->kv_bytes * 1e-6, gbs);
+    if (r->naive_s > 0.0)
+        printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", r->naive_s * 1e3,
+               r->naive_s / r->attn_med);
+    if (!b->attn_only)
+        printf("  layer step (projections + RoPE + attention): median %.3f ms, %.1f tokens/s\n",
+               r->layer_med * 1e3, B / r->layer_med);
+    if (r->stream > 0.0)
+        printf("  memory read bandwidth (%lld MB buffer, %d threads): %.1f GB/s; attention "
+               "reaches %.0f%%\n",
+               (long long)b->stream_mb, b->threads, r->stream, 100.0 * gbs / r->stream);
+}
+
+static void bench_free(bench_run *r) {
+    mha_threadpool_destroy(r->ex.pool);
+    free(r->kv);
+    free(r->xbuf);
+    free(r->ybuf);
+    free(r->q);
+    free(r->o);
+    free(r->scores);
+    free(r->times);
+    mha_kv_cache_destroy(r->cache);
+    mha_layer_destroy(r->layer);
+    free(r->wbuf);
+}
+
 int cli_decode_bench_main(int argc, char **argv) {
     cli_args args;
     int rc = cli_parse(argc, argv, bench_flags, B_COUNT, &args);
@@ -251,229 +500,23 @@ int cli_decode_bench_main(int argc, char **argv) {
         bench_usage();
         return CLI_OK;
     }
-    int64_t H = 32, G = 8, D = 128, Q = 0, L = 4096, B = 1, N = 32, T = 0, stream_mb = 0;
-    const struct {
-        int id;
-        int64_t *dst, lo, hi;
-    } ints[] = {{B_HEADS, &H, 1, 4096},
-                {B_KV_HEADS, &G, 1, 4096},
-                {B_HEAD_DIM, &D, 1, 4096},
-                {B_Q_DIM, &Q, 1, 1 << 20},
-                {B_CACHE_LEN, &L, 1, 1 << 24},
-                {B_BATCH, &B, 1, 4096},
-                {B_STEPS, &N, 1, 1 << 20},
-                {B_THREADS, &T, 0, 4096},
-                {B_STREAM_MB, &stream_mb, 1, 1 << 20}};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
-        if (args.given[ints[i].id] &&
-            (rc = cli_parse_i64(bench_flags[ints[i].id].name, args.value[ints[i].id], ints[i].lo,
-                                ints[i].hi, ints[i].dst)))
-            return rc;
-    if (H % G != 0)
-        return cli_usage("--kv-heads %lld does not divide --heads %lld", (long long)G,
-                         (long long)H);
-    if (Q == 0)
-        Q = H * D;
-    mha_dtype dt = MHA_DTYPE_F32;
-    const char *dtn = "f32";
-    if (args.given[B_CACHE_DTYPE]) {
-        dtn = args.value[B_CACHE_DTYPE];
-        if (strcmp(dtn, "f16") == 0)
-            dt = MHA_DTYPE_F16;
-        else if (strcmp(dtn, "bf16") == 0)
-            dt = MHA_DTYPE_BF16;
-        else if (strcmp(dtn, "f32") != 0)
-            return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", dtn);
+    bench_opts b;
+    if ((rc = parse_bench(&args, &b)))
+        return rc;
+    bench_run r;
+    memset(&r, 0, sizeof r);
+    r.rng = 0x9E3779B97F4A7C15ull;
+    if (!(rc = bench_setup(&b, &r)) && !(rc = bench_prefill(&b, &r)) &&
+        !(rc = bench_attention(&b, &r))) {
+        if (b.naive)
+            r.naive_s = naive_step(r.cache, b.B, b.H, r.q, r.o, r.scores);
+        if (!b.attn_only)
+            rc = bench_layer(&b, &r);
     }
-    int layer_prefill = 0;
-    if (args.given[B_PREFILL_MODE]) {
-        if (strcmp(args.value[B_PREFILL_MODE], "layer") == 0)
-            layer_prefill = 1;
-        else if (strcmp(args.value[B_PREFILL_MODE], "random") != 0)
-            return cli_usage("--prefill-mode: '%s' is not random or layer",
-                             args.value[B_PREFILL_MODE]);
+    if (!rc) {
+        r.stream = b.stream_mb ? stream_gbs(b.stream_mb, b.threads) : 0.0;
+        bench_report(&b, &r);
     }
-    const int attn_only = args.given[B_ATTN_ONLY];
-    if (layer_prefill && attn_only)
-        return cli_usage("--prefill-mode layer needs the layer (drop --attention-only)");
-    const int threads = T > 0 ? (int)T : mha_default_threads();
-
-    /* Layer with random weights (scaled like a trained one: unit-variance activations). */
-    mha_error err;
-    memset(&err, 0, sizeof err);
-    mha_layer *layer = NULL;
-    mha_kv_cache *cache = NULL;
-    float *wbuf = NULL;
-    mha_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.q_dim = Q, cfg.num_heads = H, cfg.num_kv_heads = G, cfg.head_dim = D;
-    cfg.rope.style = MHA_ROPE_HALF;
-    cfg.rope.theta = 500000.0;
-    if (!attn_only) {
-        const int64_t nw = 2 * H * D * Q + 2 * G * D * Q;
-        wbuf = malloc(sizeof(float) * (size_t)nw);
-        if (!wbuf)
-            return cli_fail("cannot allocate %lld weights", (long long)nw);
-        fill(wbuf, nw, 1.0f / sqrtf((float)Q));
-        mha_weights w;
-        memset(&w, 0, sizeof w);
-        w.w_q = wbuf;
-        w.w_k = wbuf + H * D * Q;
-        w.w_v = w.w_k + G * D * Q;
-        w.w_o = w.w_v + G * D * Q;
-        if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &layer, &err) != MHA_STATUS_OK) {
-            free(wbuf);
-            return cli_lib_fail(NULL, &err);
-        }
-    }
-    mha_kv_cache_config kc;
-    memset(&kc, 0, sizeof kc);
-    kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N, kc.batch = B, kc.dtype = dt;
-    if (mha_kv_cache_create(&kc, layer, NULL, &cache, &err) != MHA_STATUS_OK) {
-        mha_layer_destroy(layer);
-        free(wbuf);
-        return cli_lib_fail(NULL, &err);
-    }
-    mha_exec ex;
-    memset(&ex, 0, sizeof ex);
-    ex.n_threads = threads;
-    if (mha_threadpool_create(threads, NULL, &ex.pool, &err) != MHA_STATUS_OK) {
-        mha_kv_cache_destroy(cache);
-        mha_layer_destroy(layer);
-        free(wbuf);
-        return cli_lib_fail(NULL, &err);
-    }
-
-    /* Prefill. */
-    const int64_t chunk = 256;
-    float *kv = malloc(sizeof(float) * (size_t)(chunk * G * D * (layer_prefill ? 1 : 2)));
-    float *xbuf = malloc(sizeof(float) * (size_t)(B * (chunk > Q ? chunk : 1) * Q + B * Q));
-    float *ybuf = malloc(sizeof(float) * (size_t)(B * chunk * Q + B * Q));
-    float *q = malloc(sizeof(float) * (size_t)(B * H * D));
-    float *o = malloc(sizeof(float) * (size_t)(B * H * D));
-    /* The naive loop's scores [H, L + N] and one K/V row [G, D]. */
-    float *scores = malloc(sizeof(float) * (size_t)(H * (L + 2 * N) + G * D));
-    double *times = malloc(sizeof(double) * (size_t)N);
-    if (!kv || !xbuf || !ybuf || !q || !o || !scores || !times) {
-        rc = cli_fail("out of memory");
-        goto done;
-    }
-    double t0 = now_s();
-    for (int64_t p0 = 0; p0 < L; p0 += chunk) {
-        const int64_t tc = L - p0 < chunk ? L - p0 : chunk;
-        mha_status st;
-        if (layer_prefill) {
-            fill(xbuf, B * tc * Q, 1.0f);
-            mha_decode_args a = {B, NULL, tc, xbuf, ybuf};
-            st = mha_layer_prefill(layer, cache, &a, &ex, &err);
-        } else {
-            st = MHA_STATUS_OK;
-            for (int64_t b = 0; b < B && !st; b++) {
-                fill(kv, 2 * tc * G * D, 1.0f);
-                st = mha_kv_cache_append(cache, 1, &b, tc, kv, kv + tc * G * D, &err);
-            }
-        }
-        if (st != MHA_STATUS_OK) {
-            rc = cli_lib_fail(NULL, &err);
-            goto done;
-        }
-    }
-    const double prefill_s = now_s() - t0;
-
-    /* Attention-only steps: append one token's K/V, attend. */
-    fill(q, B * H * D, 1.0f);
-    mha_kv_attention_args ka;
-    memset(&ka, 0, sizeof ka);
-    ka.num_seqs = B, ka.num_tokens = 1, ka.num_heads = H, ka.q = q, ka.out = o;
-    double kv_bytes = 0.0;
-    for (int64_t s = 0; s < N; s++) {
-        fill(kv, 2 * G * D, 1.0f);
-        mha_status st = MHA_STATUS_OK;
-        for (int64_t b = 0; b < B && !st; b++)
-            st = mha_kv_cache_append(cache, 1, &b, 1, kv, kv + G * D, &err);
-        const double ts = now_s();
-        if (!st)
-            st = mha_kv_cache_attention(cache, &ka, &ex, &err);
-        times[s] = now_s() - ts;
-        if (st != MHA_STATUS_OK) {
-            rc = cli_lib_fail(NULL, &err);
-            goto done;
-        }
-        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) *
-                    (double)mha_dtype_size(dt);
-    }
-    kv_bytes /= (double)N;
-    qsort(times, (size_t)N, sizeof(double), cmp_d);
-    const double attn_med = times[N / 2], attn_min = times[0];
-    double naive_s = 0.0;
-    if (args.given[B_NAIVE])
-        naive_s = naive_step(cache, B, H, q, o, scores);
-
-    /* Layer steps. */
-    double layer_med = 0.0;
-    if (!attn_only) {
-        for (int64_t b = 0; b < B; b++)
-            mha_kv_cache_truncate(cache, b, L, NULL);
-        for (int64_t s = 0; s < N; s++) {
-            fill(xbuf, B * Q, 1.0f);
-            mha_decode_args a = {B, NULL, 1, xbuf, ybuf};
-            const double ts = now_s();
-            mha_status st = mha_layer_decode_step(layer, cache, &a, &ex, &err);
-            times[s] = now_s() - ts;
-            if (st != MHA_STATUS_OK) {
-                rc = cli_lib_fail(NULL, &err);
-                goto done;
-            }
-        }
-        qsort(times, (size_t)N, sizeof(double), cmp_d);
-        layer_med = times[N / 2];
-    }
-    const double stream = stream_mb ? stream_gbs(stream_mb, threads) : 0.0;
-    const double gbs = kv_bytes / attn_med * 1e-9;
-
-    if (args.given[B_JSON]) {
-        printf("{\"kernel\": \"%s\", \"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
-               "\"cache_len\": %lld, \"batch\": %lld, \"steps\": %lld, \"threads\": %d, "
-               "\"cache_dtype\": \"%s\", \"prefill_s\": %.6g, \"attn_median_s\": %.6g, "
-               "\"attn_min_s\": %.6g, \"kv_bytes_per_step\": %.6g, \"attn_gbs\": %.6g, "
-               "\"attn_tokens_per_s\": %.6g, \"layer_median_s\": %.6g, "
-               "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g}\n",
-               decode_kernel_name(), (long long)H, (long long)G, (long long)D, (long long)L,
-               (long long)B, (long long)N, threads, dtn, prefill_s, attn_med, attn_min, kv_bytes,
-               gbs, (double)B / attn_med, layer_med, layer_med > 0.0 ? (double)B / layer_med : 0.0,
-               naive_s, stream);
-    } else {
-        printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
-               "threads=%d cache=%s kernel=%s\n",
-               (long long)H, (long long)G, (long long)D, (long long)Q, (long long)L, (long long)B,
-               threads, dtn, decode_kernel_name());
-        printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
-               layer_prefill ? "layer" : "random K/V", prefill_s, (long long)L, (long long)B);
-        printf("  attention step: median %.3f ms, min %.3f ms, %.0f tokens/s, K+V read %.1f MB "
-               "-> %.1f GB/s\n",
-               attn_med * 1e3, attn_min * 1e3, (double)B / attn_med, kv_bytes * 1e-6, gbs);
-        if (naive_s > 0.0)
-            printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", naive_s * 1e3,
-                   naive_s / attn_med);
-        if (!attn_only)
-            printf("  layer step (projections + RoPE + attention): median %.3f ms, %.1f tokens/s\n",
-                   layer_med * 1e3, (double)B / layer_med);
-        if (stream > 0.0)
-            printf("  memory read bandwidth (%lld MB buffer, %d threads): %.1f GB/s; attention "
-                   "reaches %.0f%%\n",
-                   (long long)stream_mb, threads, stream, 100.0 * gbs / stream);
-    }
-done:
-    mha_threadpool_destroy(ex.pool);
-    free(kv);
-    free(xbuf);
-    free(ybuf);
-    free(q);
-    free(o);
-    free(scores);
-    free(times);
-    mha_kv_cache_destroy(cache);
-    mha_layer_destroy(layer);
-    free(wbuf);
+    bench_free(&r);
     return rc;
 }
