@@ -161,14 +161,15 @@ def test_decode_bench_runs(dtype):
 def test_decode_bench_layer_prefill():
     # The cache filled by the layer's own prefill, in calls of up to 256 positions: q_dim 512 (more
     # than one call's positions) and 300 positions (a full call and a partial one), 2 sequences.
-    # The input buffer once held only 2 q_dim rows when q_dim > 256, and this run crashed.
+    # The input buffer once held only 2 q_dim rows when q_dim > 256, and this run crashed. Also the
+    # read-bandwidth probe (--stream, 8 MB).
     r = run_cli("decode-bench", "--prefill-mode", "layer", "--q-dim", 512, "--heads", 8,
                 "--kv-heads", 2, "--head-dim", 64, "--cache-len", 300, "--batch", 2,
-                "--steps", 2, "--json")
+                "--steps", 2, "--stream", 8, "--json")
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout)
     assert rec["batch"] == 2 and rec["cache_len"] == 300 and rec["prefill_s"] > 0
-    assert rec["layer_tokens_per_s"] > 0
+    assert rec["layer_tokens_per_s"] > 0 and rec["stream_gbs"] > 0
     r = run_cli("decode-bench", "--prefill-mode", "layer", "--attention-only")
     assert r.returncode == 2 and "needs the layer" in r.stderr, r.stderr
 
