@@ -95,10 +95,10 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     /* The layer's checks here, the core's (sizes, masks, implementation) once below, on the
      * state's buffers, before any projection runs. */
     int64_t m;
-    mha_status st = mha__check_forward_args(layer ? mha_layer_config(layer) : NULL, args, &m, err);
+    const mha_config *c = layer ? mha_layer_config(layer) : NULL;
+    mha_status st = mha__check_forward_args(c, args, &m, err);
     if (st)
         return st;
-    const mha_config *c = mha_layer_config(layer);
     const mha_weights *w = mha_layer_weights(layer);
     const int self = args->key == NULL;
     const int64_t B = args->batch, n = args->q_len;
@@ -281,6 +281,162 @@ static mha_status proj_backward(const bwd_ctx *x,
     return st;
 }
 
+/* The backward's scratch, one allocation (floats): dA [rq, h dv]; dQ [rq, h dk]; dK [rk, g dk];
+ * dV [rk, g dv]; the input gradients of the q, k and v paths [rq, qd], [rk, kd], [rk, vd]; two
+ * transpose buffers (the reference products only: the packed GEMM reads transposed operands in
+ * place); one weight-sized buffer. Each part is followed by 16 floats of slack. */
+enum { SCRATCH_PARTS = 10 };
+typedef struct bwd_scratch {
+    int64_t sizes[SCRATCH_PARTS];
+    size_t bytes;
+    float *buf;
+    float *dA, *dQ, *dK, *dV, *dxq, *dxk, *dxv, *tmp1, *tmp2, *wbuf;
+} bwd_scratch;
+
+/* The parts' sizes and the total bytes (OVERFLOW when they do not fit). */
+static mha_status scratch_size(
+    const mha_config *c, const mha_train_state *s, mha_impl impl, bwd_scratch *sc, mha_error *err) {
+    const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
+    const int64_t od = c->out_dim, qd = c->q_dim, kd = c->k_dim, vd = c->v_dim;
+    const int64_t rq = s->B * s->n, rk = s->B * s->m;
+    const int64_t wmax_parts[] = {h * dk * qd, g * dk * kd, g * dv * vd, od * h * dv};
+    int64_t wmax = od;
+    for (int i = 0; i < 4; i++)
+        wmax = wmax_parts[i] > wmax ? wmax_parts[i] : wmax;
+    int64_t tmax = wmax;
+    const int64_t act[] = {rq * od,     rq * h * dv, rq * h * dk, rk * g * dk,
+                           rk * g * dv, rq * qd,     rk * kd,     rk * vd};
+    for (int i = 0; i < 8; i++)
+        tmax = act[i] > tmax ? act[i] : tmax;
+    const int64_t tsz = impl == MHA_IMPL_REFERENCE ? tmax : 0;
+    const int64_t sizes[SCRATCH_PARTS] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv,
+                                          rq * qd,     rk * kd,     rk * vd,     tsz,
+                                          tsz,         wmax};
+    int64_t total = 0;
+    for (int i = 0; i < SCRATCH_PARTS; i++) {
+        sc->sizes[i] = sizes[i];
+        MHA_RETURN_IF(!mha__add_i64(total, sizes[i] + 16, &total), err, OVERFLOW,
+                      "backward scratch overflows");
+    }
+    MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &sc->bytes), err, OVERFLOW,
+                  "backward scratch overflows");
+    return MHA_STATUS_OK;
+}
+
+/* Allocates the scratch sized by scratch_size and points its parts into it. */
+static mha_status scratch_alloc(const mha_allocator *alloc, bwd_scratch *sc, mha_error *err) {
+    sc->buf = mha__alloc_large(alloc, sc->bytes);
+    MHA_RETURN_IF(!sc->buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch",
+                  sc->bytes);
+    float **parts[SCRATCH_PARTS] = {&sc->dA,  &sc->dQ,  &sc->dK,   &sc->dV,   &sc->dxq,
+                                    &sc->dxk, &sc->dxv, &sc->tmp1, &sc->tmp2, &sc->wbuf};
+    float *cur = sc->buf;
+    for (int i = 0; i < SCRATCH_PARTS; i++) {
+        *parts[i] = cur;
+        cur += sc->sizes[i] + 16;
+    }
+    return MHA_STATUS_OK;
+}
+
+/* "y = A W_o^T + b_o": dA = dy W_o, then the core backward of dA into dQ, dK, dV and, when the
+ * caller wants it, the sinks' gradient into a small private buffer (*dsinks, freed by the caller).
+ * The core validates first (masks, dropout, lse): on its error no gradient buffer is touched. */
+static mha_status core_backward(const mha_config *c,
+                                const mha_weights *w,
+                                const mha_train_state *s,
+                                const float *dy,
+                                const mha_layer_grads *gr,
+                                const mha_exec *exec,
+                                const bwd_ctx *x,
+                                const bwd_scratch *sc,
+                                float **dsinks,
+                                mha_error *err) {
+    const int64_t h = c->num_heads, dv = c->v_head_dim;
+    mha_attention_args core;
+    mha__plan_core_args(c, w->sinks, &s->args, s->m, s->q, s->k, s->v, s->a, s->lse, &core);
+    core.probs = NULL;
+    mha_status st = mm_ab(x, dy, w->w_o, sc->dA, s->B * s->n, h * dv, c->out_dim, x->tmp1, err);
+    if (st)
+        return st;
+    mha_attention_grads cg;
+    memset(&cg, 0, sizeof cg);
+    cg.dout = sc->dA;
+    memcpy(cg.dout_strides, core.out_strides, sizeof cg.dout_strides);
+    cg.dq = sc->dQ;
+    memcpy(cg.dq_strides, core.q_strides, sizeof cg.dq_strides);
+    cg.dk = sc->dK;
+    memcpy(cg.dk_strides, core.k_strides, sizeof cg.dk_strides);
+    cg.dv = sc->dV;
+    memcpy(cg.dv_strides, core.v_strides, sizeof cg.dv_strides);
+    mha_exec ce = exec ? *exec : (mha_exec){0};
+    ce.workspace = NULL;
+    ce.workspace_bytes = 0;
+    if (gr->d_sinks) {
+        *dsinks = malloc(sizeof(float) * (size_t)h);
+        if (!*dsinks)
+            return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld floats",
+                             (long long)h);
+        cg.dsinks = *dsinks;
+    }
+    return mha_attention_backward(&core, &cg, &ce, err);
+}
+
+/* The output projection's gradients (dW_o = dy^T A, db_o = column sums of dy) and the sinks'. */
+static mha_status out_grads(const mha_train_state *s,
+                            const mha_config *c,
+                            const float *dy,
+                            const mha_layer_grads *gr,
+                            const bwd_ctx *x,
+                            const float *dsinks,
+                            float *wbuf,
+                            mha_error *err) {
+    const int64_t rq = s->B * s->n, od = c->out_dim, hdv = c->num_heads * c->v_head_dim;
+    if (gr->dw_o) {
+        const mha_status st = mm_atb(x, dy, s->a, wbuf, od, hdv, rq, err);
+        if (st)
+            return st;
+        deliver(gr->dw_o, wbuf, od * hdv, x->accumulate);
+    }
+    if (gr->db_o) {
+        col_sums(dy, rq, od, wbuf);
+        deliver(gr->db_o, wbuf, od, x->accumulate);
+    }
+    if (gr->d_sinks)
+        deliver(gr->d_sinks, dsinks, c->num_heads, x->accumulate);
+    return MHA_STATUS_OK;
+}
+
+/* The input gradients, each path's dx computed by proj_backward: one input that fed all three
+ * projections gets their sum in the order q, k, v; a key that also served as the value gets
+ * k + v; otherwise each input its own. */
+static void deliver_inputs(const mha_train_state *s,
+                           const mha_config *c,
+                           const mha_layer_grads *gr,
+                           const bwd_ctx *x,
+                           const bwd_scratch *sc) {
+    const int64_t rq = s->B * s->n, rk = s->B * s->m;
+    const int64_t qd = c->q_dim, kd = c->k_dim, vd = c->v_dim;
+    if (s->self) {
+        if (gr->d_query) {
+            for (int64_t i = 0; i < rq * qd; i++)
+                sc->dxq[i] = (sc->dxq[i] + sc->dxk[i]) + sc->dxv[i];
+            deliver(gr->d_query, sc->dxq, rq * qd, x->accumulate);
+        }
+        return;
+    }
+    deliver(gr->d_query, sc->dxq, rq * qd, x->accumulate);
+    if (!s->args.value) {
+        if (gr->d_key) {
+            for (int64_t i = 0; i < rk * kd; i++)
+                sc->dxk[i] += sc->dxv[i];
+            deliver(gr->d_key, sc->dxk, rk * kd, x->accumulate);
+        }
+    } else {
+        deliver(gr->d_key, sc->dxk, rk * kd, x->accumulate);
+        deliver(gr->d_value, sc->dxv, rk * vd, x->accumulate);
+    }
+}
+
 mha_status mha_layer_backward(const mha_layer *layer,
                               const mha_train_state *s,
                               const float *dy,
@@ -296,106 +452,34 @@ mha_status mha_layer_backward(const mha_layer *layer,
     const mha_weights *w = mha_layer_weights(layer);
     const mha_forward_args *a = &s->args;
     const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
-    const int64_t dk = c->head_dim, dv = c->v_head_dim, od = c->out_dim;
-    const int64_t qd = c->q_dim, kd = c->k_dim, vd = c->v_dim;
+    const int64_t dk = c->head_dim, dv = c->v_head_dim;
     const int64_t rq = B * n, rk = B * m;
-
-    /* Scratch (floats): dA [rq, h dv]; dQ [rq, h dk]; dK [rk, g dk]; dV [rk, g dv];
-     * dx buffers for q, k, v; two transpose buffers; one weight-sized buffer. */
-    const int64_t wmax_parts[] = {h * dk * qd, g * dk * kd, g * dv * vd, od * h * dv};
-    int64_t wmax = od;
-    for (int i = 0; i < 4; i++)
-        wmax = wmax_parts[i] > wmax ? wmax_parts[i] : wmax;
-    int64_t tmax = wmax;
-    const int64_t act[] = {rq * od,     rq * h * dv, rq * h * dk, rk * g * dk,
-                           rk * g * dv, rq * qd,     rk * kd,     rk * vd};
-    for (int i = 0; i < 8; i++)
-        tmax = act[i] > tmax ? act[i] : tmax;
-    /* The transposed copies serve the reference products only: the packed GEMM reads
-     * transposed operands in place. */
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
-    const int64_t tsz = impl == MHA_IMPL_REFERENCE ? tmax : 0;
-    const int64_t sizes[] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv, rq * qd,
-                             rk * kd,     rk * vd,     tsz,         tsz,         wmax};
-    int64_t total = 0;
-    for (int i = 0; i < 10; i++)
-        MHA_RETURN_IF(!mha__add_i64(total, sizes[i] + 16, &total), err, OVERFLOW,
-                      "backward scratch overflows");
-    size_t bytes;
-    MHA_RETURN_IF(!mha__bytes(total, sizeof(float), &bytes), err, OVERFLOW,
-                  "backward scratch overflows");
+    bwd_scratch sc;
+    memset(&sc, 0, sizeof sc);
+    st = scratch_size(c, s, impl, &sc, err);
     mha__team team;
-    st = mha__exec_team(exec, &team, err);
+    if (!st)
+        st = mha__exec_team(exec, &team, err);
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    if (!st)
+        st = scratch_alloc(alloc, &sc, err);
     if (st)
         return st;
-    const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    float *buf = mha__alloc_large(alloc, bytes);
-    MHA_RETURN_IF(!buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch", bytes);
-    float *p[10];
-    {
-        float *cur = buf;
-        for (int i = 0; i < 10; i++) {
-            p[i] = cur;
-            cur += sizes[i] + 16;
-        }
-    }
-    float *dA = p[0], *dQ = p[1], *dK = p[2], *dV = p[3], *dxq = p[4], *dxk = p[5], *dxv = p[6];
-    bwd_ctx x = {impl, alloc, team, gr->accumulate != 0, p[7], p[8]};
-    float *wbuf = p[9];
+    const bwd_ctx x = {impl, alloc, team, gr->accumulate != 0, sc.tmp1, sc.tmp2};
 
-    /* The core backward is validated first (it checks the masks, dropout, lse): on its error no
-     * gradient buffer has been touched yet. */
-    mha_attention_args core;
-    mha__plan_core_args(c, w->sinks, a, m, s->q, s->k, s->v, s->a, s->lse, &core);
-    core.probs = NULL;
-    /* "y = A W_o^T + b_o": dA = dy W_o. */
-    st = mm_ab(&x, dy, w->w_o, dA, rq, h * dv, od, x.tmp1, err);
     float *dsinks = NULL;
-    if (!st) {
-        mha_attention_grads cg;
-        memset(&cg, 0, sizeof cg);
-        cg.dout = dA;
-        memcpy(cg.dout_strides, core.out_strides, sizeof cg.dout_strides);
-        cg.dq = dQ;
-        memcpy(cg.dq_strides, core.q_strides, sizeof cg.dq_strides);
-        cg.dk = dK;
-        memcpy(cg.dk_strides, core.k_strides, sizeof cg.dk_strides);
-        cg.dv = dV;
-        memcpy(cg.dv_strides, core.v_strides, sizeof cg.dv_strides);
-        mha_exec ce = exec ? *exec : (mha_exec){0};
-        ce.workspace = NULL;
-        ce.workspace_bytes = 0;
-        if (gr->d_sinks) {
-            /* Sinks go straight into a small private buffer. */
-            dsinks = malloc(sizeof(float) * (size_t)h);
-            if (!dsinks)
-                st = mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld floats",
-                               (long long)h);
-            cg.dsinks = dsinks;
-        }
-        if (!st)
-            st = mha_attention_backward(&core, &cg, &ce, err);
-    }
+    st = core_backward(c, w, s, dy, gr, exec, &x, &sc, &dsinks, err);
     /* From here on nothing can fail but allocation inside the GEMM. */
-    if (!st) {
-        if (gr->dw_o)
-            st = mm_atb(&x, dy, s->a, wbuf, od, h * dv, rq, err);
-        if (!st && gr->dw_o)
-            deliver(gr->dw_o, wbuf, od * h * dv, x.accumulate);
-        if (!st && gr->db_o) {
-            col_sums(dy, rq, od, wbuf);
-            deliver(gr->db_o, wbuf, od, x.accumulate);
-        }
-        if (!st && gr->d_sinks)
-            deliver(gr->d_sinks, dsinks, h, x.accumulate);
-    }
+    if (!st)
+        st = out_grads(s, c, dy, gr, &x, dsinks, sc.wbuf, err);
     /* "Q = RoPE(Q')": the transposed rotation. */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);
         const int64_t len = mha__plan_rope_length(&c->rope, a->q_positions, kpos, NULL, B, n, m);
-        st = rope_buffer(&c->rope, len, x.alloc, dQ, B, n, h, dk, a->q_positions, -1, err);
+        st = rope_buffer(&c->rope, len, x.alloc, sc.dQ, B, n, h, dk, a->q_positions, -1, err);
         if (!st)
-            st = rope_buffer(&c->rope, len, x.alloc, dK, B, m, g, dk, kpos, -1, err);
+            st = rope_buffer(&c->rope, len, x.alloc, sc.dK, B, m, g, dk, kpos, -1, err);
     }
     const float *xq = a->query;
     const float *xk = s->self ? a->query : a->key;
@@ -404,38 +488,18 @@ mha_status mha_layer_backward(const mha_layer *layer,
     const int want_k = s->self ? want_q : gr->d_key != NULL;
     const int want_v = s->self ? want_q : (a->value ? gr->d_value != NULL : gr->d_key != NULL);
     if (!st)
-        st = proj_backward(&x, dQ, xq, w->w_q, rq, qd, h * dk, gr->dw_q, gr->db_q,
-                           want_q ? dxq : NULL, wbuf, err);
+        st = proj_backward(&x, sc.dQ, xq, w->w_q, rq, c->q_dim, h * dk, gr->dw_q, gr->db_q,
+                           want_q ? sc.dxq : NULL, sc.wbuf, err);
     if (!st)
-        st = proj_backward(&x, dK, xk, w->w_k, rk, kd, g * dk, gr->dw_k, gr->db_k,
-                           want_k ? dxk : NULL, wbuf, err);
+        st = proj_backward(&x, sc.dK, xk, w->w_k, rk, c->k_dim, g * dk, gr->dw_k, gr->db_k,
+                           want_k ? sc.dxk : NULL, sc.wbuf, err);
     if (!st)
-        st = proj_backward(&x, dV, xv, w->w_v, rk, vd, g * dv, gr->dw_v, gr->db_v,
-                           want_v ? dxv : NULL, wbuf, err);
-    if (!st) {
-        if (s->self) {
-            /* One input fed all three projections: the sum of the paths, in the order q, k, v. */
-            if (want_q) {
-                for (int64_t i = 0; i < rq * qd; i++)
-                    dxq[i] = (dxq[i] + dxk[i]) + dxv[i];
-                deliver(gr->d_query, dxq, rq * qd, x.accumulate);
-            }
-        } else {
-            deliver(gr->d_query, dxq, rq * qd, x.accumulate);
-            if (!a->value) {
-                if (want_k) {
-                    for (int64_t i = 0; i < rk * kd; i++)
-                        dxk[i] += dxv[i];
-                    deliver(gr->d_key, dxk, rk * kd, x.accumulate);
-                }
-            } else {
-                deliver(gr->d_key, dxk, rk * kd, x.accumulate);
-                deliver(gr->d_value, dxv, rk * vd, x.accumulate);
-            }
-        }
-    }
+        st = proj_backward(&x, sc.dV, xv, w->w_v, rk, c->v_dim, g * dv, gr->dw_v, gr->db_v,
+                           want_v ? sc.dxv : NULL, sc.wbuf, err);
+    if (!st)
+        deliver_inputs(s, c, gr, &x, &sc);
     free(dsinks);
-    mha__free(alloc, buf);
+    mha__free(alloc, sc.buf);
     if (!st)
         mha__ok(err);
     return st;
