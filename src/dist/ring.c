@@ -724,6 +724,140 @@ static mha_status sink_grads(const ring_call *c, MPI_Comm comm, mha_status st, m
     return st;
 }
 
+/* The call's sizes (from the checked local arguments), the limits of one MPI message, and the
+ * scratch: two K/V blocks, the partial lse, the offsets, the key side when key padding or segment
+ * ids are given, the sinks' bits and gradient, and the forward's partial output and lse or the
+ * backward's dK/dV accumulators. */
+static mha_status ring_setup(ring_call *c,
+                             const mha_ring_config *cfg,
+                             int32_t p,
+                             int32_t rank,
+                             int bwd,
+                             const mha_allocator *alloc,
+                             const char *fn,
+                             mha_error *err) {
+    const mha_attention_args *a = c->a;
+    c->B = a->batch, c->h = a->num_heads, c->g = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
+    c->dk = a->head_dim, c->dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
+    c->mine = shard_of(cfg, p, rank);
+    c->n_max = 0;
+    for (int32_t r = 0; r < p; r++) {
+        const int64_t n_r = shard_of(cfg, p, r).n_local;
+        c->n_max = n_r > c->n_max ? n_r : c->n_max;
+    }
+    const int64_t blk = c->B * c->g * c->n_max * (c->dk + c->dv);
+    if (blk > INT_MAX) {
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "%s: a K/V block of %lld floats exceeds one MPI message (INT_MAX elements)",
+                        fn, (long long)blk);
+        return MHA_STATUS_UNSUPPORTED;
+    }
+    if (a->sinks && 2 * c->h > INT_MAX) {
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "%s: with sinks, num_heads=%lld exceeds one MPI message", fn,
+                        (long long)c->h);
+        return MHA_STATUS_UNSUPPORTED;
+    }
+    const size_t fb = sizeof(float);
+    int ok = 1;
+    for (int i = 0; i < 2; i++)
+        ok &= (c->kv[i] = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
+    ok &= (c->part_lse = mha__dist_alloc(alloc, fb * (size_t)(c->B * c->h * c->n_max))) != NULL;
+    ok &= (c->offs = mha__dist_alloc(alloc, sizeof(int64_t) * (size_t)c->B)) != NULL;
+    c->keys = a->mask.key_padding.data || a->mask.q_segment_ids;
+    const size_t kb = sizeof(int32_t) * (size_t)(c->B * c->n_max);
+    for (int i = 0; i < 2 && c->keys; i++)
+        ok &= (c->kinfo[i] = mha__dist_alloc(alloc, 2 * kb)) != NULL;
+    if (c->keys)
+        ok &= (c->slice = mha__dist_alloc(alloc, 3 * kb)) != NULL;
+    if (a->sinks) {
+        ok &= (c->sink_bits = mha__dist_alloc(alloc, sizeof(int64_t) * 4 * (size_t)c->h)) != NULL;
+        ok &= (c->dsinks = mha__dist_alloc(alloc, sizeof(double) * (size_t)c->h)) != NULL;
+    }
+    if (bwd) {
+        for (int i = 0; i < 2; i++)
+            ok &= (c->acc[i] = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
+        ok &= (c->din = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
+    } else {
+        ok &= (c->part = mha__dist_alloc(alloc, fb * (size_t)(c->B * c->h * c->n_max * c->dv))) !=
+              NULL;
+        c->lse = a->lse;
+        if (!c->lse)
+            ok &= (c->lse = c->lse_own = mha__dist_alloc(
+                       alloc, fb * (size_t)(c->B * c->h * c->mine.n_local))) != NULL;
+    }
+    if (!ok) {
+        mha__dist_error(err, MHA_STATUS_NO_MEMORY,
+                        "%s: out of memory (scratch of %d blocks of %lld floats)", fn, bwd ? 5 : 2,
+                        (long long)blk);
+        return MHA_STATUS_NO_MEMORY;
+    }
+    return MHA_STATUS_OK;
+}
+
+/* What every rank must agree on (agree fills slot AGREE_FAIL with the local status). */
+static void
+agreement_values(const ring_call *c, const mha_ring_config *cfg, int64_t values[AGREE_COUNT]) {
+    const mha_attention_args *a = c->a;
+    const int64_t mine[AGREE_COUNT] = {0,
+                                       cfg->seq_len,
+                                       cfg->layout,
+                                       c->B,
+                                       c->h,
+                                       c->g,
+                                       c->dk,
+                                       c->dv,
+                                       a->mask.causal != 0,
+                                       a->mask.use_window ? a->mask.window_left : -1,
+                                       a->mask.use_window ? a->mask.window_right : -1,
+                                       a->alibi != 0,
+                                       a->sinks != NULL,
+                                       a->mask.key_padding.data != NULL,
+                                       a->mask.q_segment_ids != NULL,
+                                       dropout_on(a),
+                                       dropout_on(a) ? float_bits(a->dropout.p) : 0,
+                                       dropout_on(a) ? (int64_t)(a->dropout.seed & 0xffffffffu) : 0,
+                                       dropout_on(a) ? (int64_t)(a->dropout.seed >> 32) : 0};
+    memcpy(values, mine, sizeof mine);
+}
+
+/* Before the ring: the forward's O = 0 and lse = -inf (every partial merges into them); the
+ * backward's dQ = 0 unless accumulating (every pair adds its share). */
+static void zero_outputs(const ring_call *c, int bwd) {
+    const mha_attention_args *a = c->a;
+    const mha_attention_grads *grads = c->grads;
+    for (int64_t b = 0; b < c->B; b++)
+        for (int64_t hh = 0; hh < c->h; hh++)
+            for (int64_t i = 0; i < c->mine.n_local; i++) {
+                if (!bwd) {
+                    memset(a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                               i * a->out_strides[2],
+                           0, sizeof(float) * (size_t)c->dv);
+                    c->lse[(b * c->h + hh) * c->mine.n_local + i] = -INFINITY;
+                } else if (grads->dq && !grads->accumulate) {
+                    memset(grads->dq + b * grads->dq_strides[0] + hh * grads->dq_strides[1] +
+                               i * grads->dq_strides[2],
+                           0, sizeof(float) * (size_t)c->dk);
+                }
+            }
+}
+
+static void ring_free(ring_call *c, const mha_allocator *alloc) {
+    for (int i = 0; i < 2; i++) {
+        mha__dist_free(alloc, c->kv[i]);
+        mha__dist_free(alloc, c->acc[i]);
+        mha__dist_free(alloc, c->kinfo[i]);
+    }
+    mha__dist_free(alloc, c->slice);
+    mha__dist_free(alloc, c->sink_bits);
+    mha__dist_free(alloc, c->dsinks);
+    mha__dist_free(alloc, c->din);
+    mha__dist_free(alloc, c->part);
+    mha__dist_free(alloc, c->part_lse);
+    mha__dist_free(alloc, c->lse_own);
+    mha__dist_free(alloc, c->offs);
+}
+
 /* Both entry points (bwd: the backward, with grads). */
 static mha_status ring_entry(MPI_Comm comm,
                              const mha_ring_config *cfg,
@@ -753,83 +887,8 @@ static mha_status ring_entry(MPI_Comm comm,
     int64_t values[AGREE_COUNT] = {0};
     mha_status st = check_local(cfg, p, rank, local, bwd, grads, exec, err);
     if (st == MHA_STATUS_OK) {
-        const mha_attention_args *a = local;
-        c.B = a->batch, c.h = a->num_heads, c.g = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
-        c.dk = a->head_dim, c.dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
-        c.mine = shard_of(cfg, p, rank);
-        c.n_max = 0;
-        for (int32_t r = 0; r < p; r++) {
-            const int64_t n_r = shard_of(cfg, p, r).n_local;
-            c.n_max = n_r > c.n_max ? n_r : c.n_max;
-        }
-        const int64_t blk = c.B * c.g * c.n_max * (c.dk + c.dv);
-        if (blk > INT_MAX) {
-            st = MHA_STATUS_UNSUPPORTED;
-            mha__dist_error(
-                err, st,
-                "%s: a K/V block of %lld floats exceeds one MPI message (INT_MAX elements)", fn,
-                (long long)blk);
-        } else if (a->sinks && 2 * c.h > INT_MAX) {
-            st = MHA_STATUS_UNSUPPORTED;
-            mha__dist_error(err, st, "%s: with sinks, num_heads=%lld exceeds one MPI message", fn,
-                            (long long)c.h);
-        } else {
-            const size_t fb = sizeof(float);
-            int ok = 1;
-            for (int i = 0; i < 2; i++)
-                ok &= (c.kv[i] = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
-            ok &= (c.part_lse = mha__dist_alloc(alloc, fb * (size_t)(c.B * c.h * c.n_max))) != NULL;
-            ok &= (c.offs = mha__dist_alloc(alloc, sizeof(int64_t) * (size_t)c.B)) != NULL;
-            c.keys = a->mask.key_padding.data || a->mask.q_segment_ids;
-            const size_t kb = sizeof(int32_t) * (size_t)(c.B * c.n_max);
-            for (int i = 0; i < 2 && c.keys; i++)
-                ok &= (c.kinfo[i] = mha__dist_alloc(alloc, 2 * kb)) != NULL;
-            if (c.keys)
-                ok &= (c.slice = mha__dist_alloc(alloc, 3 * kb)) != NULL;
-            if (a->sinks) {
-                ok &= (c.sink_bits = mha__dist_alloc(alloc, sizeof(int64_t) * 4 * (size_t)c.h)) !=
-                      NULL;
-                ok &= (c.dsinks = mha__dist_alloc(alloc, sizeof(double) * (size_t)c.h)) != NULL;
-            }
-            if (bwd) {
-                for (int i = 0; i < 2; i++)
-                    ok &= (c.acc[i] = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
-                ok &= (c.din = mha__dist_alloc(alloc, fb * (size_t)blk)) != NULL;
-            } else {
-                ok &= (c.part = mha__dist_alloc(alloc,
-                                                fb * (size_t)(c.B * c.h * c.n_max * c.dv))) != NULL;
-                c.lse = a->lse;
-                if (!c.lse)
-                    ok &= (c.lse = c.lse_own = mha__dist_alloc(
-                               alloc, fb * (size_t)(c.B * c.h * c.mine.n_local))) != NULL;
-            }
-            if (!ok) {
-                st = MHA_STATUS_NO_MEMORY;
-                mha__dist_error(err, st, "%s: out of memory (scratch of %d blocks of %lld floats)",
-                                fn, bwd ? 5 : 2, (long long)blk);
-            }
-        }
-        const int64_t mine[AGREE_COUNT] = {0,
-                                           cfg->seq_len,
-                                           cfg->layout,
-                                           c.B,
-                                           c.h,
-                                           c.g,
-                                           c.dk,
-                                           c.dv,
-                                           a->mask.causal != 0,
-                                           a->mask.use_window ? a->mask.window_left : -1,
-                                           a->mask.use_window ? a->mask.window_right : -1,
-                                           a->alibi != 0,
-                                           a->sinks != NULL,
-                                           a->mask.key_padding.data != NULL,
-                                           a->mask.q_segment_ids != NULL,
-                                           dropout_on(a),
-                                           dropout_on(a) ? float_bits(a->dropout.p) : 0,
-                                           dropout_on(a) ? (int64_t)(a->dropout.seed & 0xffffffffu)
-                                                         : 0,
-                                           dropout_on(a) ? (int64_t)(a->dropout.seed >> 32) : 0};
-        memcpy(values, mine, sizeof mine);
+        st = ring_setup(&c, cfg, p, rank, bwd, alloc, fn, err);
+        agreement_values(&c, cfg, values);
     }
 
     /* 2. Agreement; a private communicator for the ring's messages. */
@@ -845,33 +904,18 @@ static mha_status ring_entry(MPI_Comm comm,
         mha__dist_error(err, st, "%s: MPI_Comm_dup failed", fn);
     }
 
-    /* 3. The ring. Forward: O = 0 and lse = -inf merge with every partial. Backward: dQ = 0
-     * unless accumulating, then every pair adds its share. */
+    /* 3. The ring. */
     if (st == MHA_STATUS_OK) {
-        const mha_attention_args *a = local;
-        for (int64_t b = 0; b < c.B; b++)
-            for (int64_t hh = 0; hh < c.h; hh++)
-                for (int64_t i = 0; i < c.mine.n_local; i++) {
-                    if (!bwd) {
-                        memset(a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
-                                   i * a->out_strides[2],
-                               0, sizeof(float) * (size_t)c.dv);
-                        c.lse[(b * c.h + hh) * c.mine.n_local + i] = -INFINITY;
-                    } else if (grads->dq && !grads->accumulate) {
-                        memset(grads->dq + b * grads->dq_strides[0] + hh * grads->dq_strides[1] +
-                                   i * grads->dq_strides[2],
-                               0, sizeof(float) * (size_t)c.dk);
-                    }
-                }
+        zero_outputs(&c, bwd);
         pack_kv(&c, c.kv[0]);
         if (c.keys)
             pack_keys(&c, c.kinfo[0]);
         st = run_ring(&c, ring, cfg, p, rank, err);
         if (bwd && st == MHA_STATUS_OK)
             unpack_dkv(&c);
-        if (!bwd && a->sinks && st == MHA_STATUS_OK)
+        if (!bwd && local->sinks && st == MHA_STATUS_OK)
             fold_sinks(&c);
-        if (bwd && a->sinks)
+        if (bwd && local->sinks)
             st = sink_grads(&c, ring, st, err);
         /* A local call that failed mid-ring (out of memory) is reported to every rank. */
         const mha_status ring_st = agree(ring, p, rank, st, values, err);
@@ -879,19 +923,7 @@ static mha_status ring_entry(MPI_Comm comm,
     }
     if (ring != MPI_COMM_NULL)
         MPI_Comm_free(&ring);
-    for (int i = 0; i < 2; i++) {
-        mha__dist_free(alloc, c.kv[i]);
-        mha__dist_free(alloc, c.acc[i]);
-        mha__dist_free(alloc, c.kinfo[i]);
-    }
-    mha__dist_free(alloc, c.slice);
-    mha__dist_free(alloc, c.sink_bits);
-    mha__dist_free(alloc, c.dsinks);
-    mha__dist_free(alloc, c.din);
-    mha__dist_free(alloc, c.part);
-    mha__dist_free(alloc, c.part_lse);
-    mha__dist_free(alloc, c.lse_own);
-    mha__dist_free(alloc, c.offs);
+    ring_free(&c, alloc);
     return st;
 }
 
