@@ -81,6 +81,179 @@ static void store(float *dst, const float *acc, int64_t len, int accumulate) {
         dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
 }
 
+/* One unit's state: the problem, its (b, g), the scratch's buffers (bwd_layout) and what every
+ * block asks of the problem. */
+typedef struct bwd_unit {
+    const mha__bwd_flash_ops *ops;
+    const mha__bwd_problem *bp;
+    const mha__problem *p;
+    int64_t b, g;
+    float *Drow, *dQ, *Qp, *dOp, *Kr, *Kt, *Vt, *dKa, *dVa, *S, *dP, *T;
+    const float *lse_b; /* [H, n] of batch b */
+    int elem_rules, has_bias;
+    float keep_scale;
+} bwd_unit;
+
+/* Pass 1: D_i = dO_i . O_i per row of the group's heads, Q and dO packed, the sink gradient,
+ * dQ = 0. */
+static void unit_rows(const bwd_unit *u) {
+    const mha__problem *p = u->p;
+    const mha__bwd_problem *bp = u->bp;
+    const int64_t n = p->n, dk = p->dk, dv = p->dv, group = p->group, b = u->b;
+    for (int64_t hh = 0; hh < group; hh++) {
+        const int64_t h = u->g * group + hh;
+        float sink_grad = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float *o = p->out + b * p->os[0] + h * p->os[1] + i * p->os[2];
+            const float *dO = bp->dout + b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2];
+            const float lse = u->lse_b[h * n + i];
+            float D = 0.0f;
+            if (lse != -INFINITY)
+                for (int64_t d = 0; d < dv; d++)
+                    D += dO[d] * o[d];
+            u->Drow[hh * n + i] = D;
+            memcpy(u->Qp + (hh * n + i) * dk, p->q + b * p->qs[0] + h * p->qs[1] + i * p->qs[2],
+                   sizeof(float) * (size_t)dk);
+            memcpy(u->dOp + (hh * n + i) * dv, dO, sizeof(float) * (size_t)dv);
+            if (p->sinks && lse != -INFINITY)
+                sink_grad -= expf(p->sinks[h] - lse) * D;
+        }
+        if (bp->sink_part)
+            bp->sink_part[b * p->H + h] = sink_grad;
+    }
+    if (bp->dq)
+        memset(u->dQ, 0, sizeof(float) * (size_t)(group * n * dk));
+}
+
+/* The key tile [j0, j0 + nk): K rows (Kr), K^T and V^T (Kt, Vt, row stride BK), the tile's dK / dV
+ * accumulators zeroed. Returns whether every K element is finite. */
+static int load_key_tile(const bwd_unit *u, int64_t j0, int64_t nk) {
+    const mha__problem *p = u->p;
+    const int64_t dk = p->dk, dv = p->dv, BK = MHA__BWD_BK;
+    const float *ktile = p->k + u->b * p->ks[0] + u->g * p->ks[1] + j0 * p->ks[2];
+    const float *vtile = p->v + u->b * p->vs[0] + u->g * p->vs[1] + j0 * p->vs[2];
+    int k_finite = 1;
+    for (int64_t c = 0; c < nk; c++) {
+        memcpy(u->Kr + c * dk, ktile + c * p->ks[2], sizeof(float) * (size_t)dk);
+        for (int64_t d = 0; d < dk; d++)
+            k_finite &= isfinite(u->Kr[c * dk + d]) != 0;
+        for (int64_t d = 0; d < dk; d++)
+            u->Kt[d * BK + c] = ktile[c * p->ks[2] + d];
+        for (int64_t d = 0; d < dv; d++)
+            u->Vt[d * BK + c] = vtile[c * p->vs[2] + d];
+    }
+    memset(u->dKa, 0, sizeof(float) * (size_t)(BK * dk));
+    memset(u->dVa, 0, sizeof(float) * (size_t)(BK * dv));
+    return k_finite;
+}
+
+/* Rows [i0, i0 + R) of head h (hh in the group) against the tile: S = Q K^T (forward: dot +=
+ * q[d] * k[d]), then P = exp(s - lse) with the forward's score pipeline: scale, softcap, bias,
+ * -inf where invisible; T = d s / d r (softcap derivative, only with softcap). `whole`: every row
+ * sees the whole tile and no per-element rule or modifier applies, so a plain (vectorisable) loop
+ * does it. */
+static void block_probs(
+    const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t j0, int64_t nk, int whole) {
+    const mha__problem *p = u->p;
+    const int64_t n = p->n, dk = p->dk, BK = MHA__BWD_BK, h = u->g * p->group + hh;
+    memset(u->S, 0, sizeof(float) * (size_t)(R * BK));
+    u->ops->gemm_acc(R, dk, nk, u->Qp + (hh * n + i0) * dk, dk, 1, u->Kt, BK, u->S, BK);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = i0 + r;
+        const float lse = u->lse_b[h * n + i];
+        float *srow = u->S + r * BK, *trow = u->T + r * BK;
+        if (lse == -INFINITY) { /* fully masked row: P = 0 */
+            for (int64_t c = 0; c < nk; c++)
+                srow[c] = 0.0f;
+            continue;
+        }
+        if (!whole) {
+            int64_t lo, hi;
+            key_range(p, u->b, i, &lo, &hi);
+            for (int64_t c = 0; c < nk; c++) {
+                const int64_t j = j0 + c;
+                float x = p->scale * srow[c];
+                if (p->softcap > 0.0f) {
+                    const float t = tanhf(x / p->softcap);
+                    x = p->softcap * t;
+                    trow[c] = 1.0f - t * t;
+                }
+                if (u->has_bias)
+                    x += mha__score_bias(p, u->b, h, i, j);
+                if (j < lo || j > hi || (u->elem_rules && !mha__visible(p, u->b, h, i, j)))
+                    x = -INFINITY;
+                srow[c] = x;
+            }
+        }
+        u->ops->exp_shift(srow, whole ? p->scale : 1.0f, lse, srow, nk);
+    }
+}
+
+/* dP = dO V^T; then dropout (forward: pj = keep ? pj * keep_scale : 0) and
+ * dS = scale P (z dP - D) tanh' into dP, and z P into S (for dV). */
+static void
+block_dscores(const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t j0, int64_t nk) {
+    const mha__problem *p = u->p;
+    const int64_t n = p->n, dv = p->dv, BK = MHA__BWD_BK, h = u->g * p->group + hh;
+    memset(u->dP, 0, sizeof(float) * (size_t)(R * BK));
+    u->ops->gemm_acc(R, dv, nk, u->dOp + (hh * n + i0) * dv, dv, 1, u->Vt, BK, u->dP, BK);
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = i0 + r;
+        const float D = u->Drow[hh * n + i];
+        float *srow = u->S + r * BK, *dprow = u->dP + r * BK;
+        const float *trow = u->T + r * BK;
+        /* P = 0 (hidden key) gives dS = 0 even if dP is not finite (a NaN value row behind a
+         * mask must not leak), as the reference's skip does. */
+        if (!p->dropout_on && p->softcap == 0.0f) {
+            u->ops->softmax_grad(srow, D, p->scale, dprow, nk);
+            continue;
+        }
+        for (int64_t c = 0; c < nk; c++) {
+            const float P = srow[c];
+            if (P == 0.0f) {
+                dprow[c] = 0.0f;
+                continue;
+            }
+            float z = 1.0f;
+            if (p->dropout_on)
+                z = mha__problem_keep(p, u->b, h, i, j0 + c) ? u->keep_scale : 0.0f;
+            float ds = P * (z * dprow[c] - D);
+            if (p->softcap > 0.0f)
+                ds *= trow[c];
+            dprow[c] = p->scale * ds;
+            srow[c] = z * P;
+        }
+    }
+}
+
+/* dV += (z P)^T dO;  dK += dS^T Q;  dQ += dS K. With a non-finite key in the tile, dQ skips the
+ * dS = 0 terms as the reference does, so a hidden non-finite key never reaches dQ. */
+static void
+block_accumulate(const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t nk, int k_finite) {
+    const mha__problem *p = u->p;
+    const mha__bwd_problem *bp = u->bp;
+    const int64_t n = p->n, dk = p->dk, dv = p->dv, BK = MHA__BWD_BK;
+    const float *qh = u->Qp + (hh * n + i0) * dk, *dOh = u->dOp + (hh * n + i0) * dv;
+    float *dQ = u->dQ + (hh * n + i0) * dk;
+    if (bp->dv)
+        u->ops->gemm_acc(nk, R, dv, u->S, 1, BK, dOh, dv, u->dVa, dv);
+    if (bp->dk)
+        u->ops->gemm_acc(nk, R, dk, u->dP, 1, BK, qh, dk, u->dKa, dk);
+    if (bp->dq && k_finite)
+        u->ops->gemm_acc(R, nk, dk, u->dP, BK, 1, u->Kr, dk, dQ, dk);
+    else if (bp->dq)
+        for (int64_t r = 0; r < R; r++) {
+            float *dq = dQ + r * dk;
+            for (int64_t c = 0; c < nk; c++) {
+                const float ds = u->dP[r * BK + c];
+                if (ds == 0.0f)
+                    continue;
+                for (int64_t d = 0; d < dk; d++)
+                    dq[d] += ds * u->Kr[c * dk + d];
+            }
+        }
+}
+
 void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                          const mha__bwd_problem *bp,
                          int64_t b,
@@ -93,63 +266,36 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
     if (!layout_for(p, &L)) /* validated by mha__bwd_flash_scratch before any unit runs */
         return;
     char *ws = scratch;
-    float *Drow = (float *)(ws + L.D), *dQ = (float *)(ws + L.dq);
-    float *Qp = (float *)(ws + L.qp), *dOp = (float *)(ws + L.dop), *Kr = (float *)(ws + L.kr);
-    float *Kt = (float *)(ws + L.kt), *Vt = (float *)(ws + L.vt);
-    float *dKa = (float *)(ws + L.dka), *dVa = (float *)(ws + L.dva);
-    float *S = (float *)(ws + L.s), *dP = (float *)(ws + L.dp), *T = (float *)(ws + L.tp);
-    const float *kb = p->k + b * p->ks[0] + g * p->ks[1];
-    const float *vb = p->v + b * p->vs[0] + g * p->vs[1];
-    const float *lse_b = p->lse + b * p->H * n;
-    const int elem_rules = p->bool_mask.data || p->key_padding.data || p->q_seg;
-    const int has_bias = p->additive.data || p->alibi_slopes;
-    const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
+    const bwd_unit u = {
+        .ops = ops,
+        .bp = bp,
+        .p = p,
+        .b = b,
+        .g = g,
+        .Drow = (float *)(ws + L.D),
+        .dQ = (float *)(ws + L.dq),
+        .Qp = (float *)(ws + L.qp),
+        .dOp = (float *)(ws + L.dop),
+        .Kr = (float *)(ws + L.kr),
+        .Kt = (float *)(ws + L.kt),
+        .Vt = (float *)(ws + L.vt),
+        .dKa = (float *)(ws + L.dka),
+        .dVa = (float *)(ws + L.dva),
+        .S = (float *)(ws + L.s),
+        .dP = (float *)(ws + L.dp),
+        .T = (float *)(ws + L.tp),
+        .lse_b = p->lse + b * p->H * n,
+        .elem_rules = p->bool_mask.data || p->key_padding.data || p->q_seg,
+        .has_bias = p->additive.data || p->alibi_slopes,
+        .keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f,
+    };
+    unit_rows(&u);
 
-    /* Pass 1: D_i = dO_i . O_i per row of the group's heads, the sink gradient, dQ = 0. */
-    for (int64_t hh = 0; hh < group; hh++) {
-        const int64_t h = g * group + hh;
-        float sink_grad = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
-            const float *o = p->out + b * p->os[0] + h * p->os[1] + i * p->os[2];
-            const float *dO = bp->dout + b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2];
-            const float lse = lse_b[h * n + i];
-            float D = 0.0f;
-            if (lse != -INFINITY)
-                for (int64_t d = 0; d < dv; d++)
-                    D += dO[d] * o[d];
-            Drow[hh * n + i] = D;
-            memcpy(Qp + (hh * n + i) * dk, p->q + b * p->qs[0] + h * p->qs[1] + i * p->qs[2],
-                   sizeof(float) * (size_t)dk);
-            memcpy(dOp + (hh * n + i) * dv, dO, sizeof(float) * (size_t)dv);
-            if (p->sinks && lse != -INFINITY)
-                sink_grad -= expf(p->sinks[h] - lse) * D;
-        }
-        if (bp->sink_part)
-            bp->sink_part[b * p->H + h] = sink_grad;
-    }
-    if (bp->dq)
-        memset(dQ, 0, sizeof(float) * (size_t)(group * n * dk));
-
-    /* Pass 2: key tiles. */
+    /* Pass 2: key tiles; each row block that can see the tile adds its share. */
     for (int64_t j0 = 0; j0 < m; j0 += BK) {
         const int64_t nk = m - j0 < BK ? m - j0 : BK;
-        const float *ktile = kb + j0 * p->ks[2], *vtile = vb + j0 * p->vs[2];
-        int k_finite = 1;
-        for (int64_t c = 0; c < nk; c++) {
-            memcpy(Kr + c * dk, ktile + c * p->ks[2], sizeof(float) * (size_t)dk);
-            for (int64_t d = 0; d < dk; d++)
-                k_finite &= isfinite(Kr[c * dk + d]) != 0;
-            for (int64_t d = 0; d < dk; d++)
-                Kt[d * BK + c] = ktile[c * p->ks[2] + d];
-            for (int64_t d = 0; d < dv; d++)
-                Vt[d * BK + c] = vtile[c * p->vs[2] + d];
-        }
-        memset(dKa, 0, sizeof(float) * (size_t)(BK * dk));
-        memset(dVa, 0, sizeof(float) * (size_t)(BK * dv));
-
-        for (int64_t hh = 0; hh < group; hh++) {
-            const int64_t h = g * group + hh;
-            const float *qh = Qp + hh * n * dk, *dOh = dOp + hh * n * dv; /* row strides dk, dv */
+        const int k_finite = load_key_tile(&u, j0, nk);
+        for (int64_t hh = 0; hh < group; hh++)
             for (int64_t i0 = 0; i0 < n; i0 += BQ) {
                 const int64_t R = n - i0 < BQ ? n - i0 : BQ;
                 /* Skip blocks that cannot see the tile (ranges grow with i). */
@@ -158,108 +304,19 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                 key_range(p, b, i0 + R - 1, &lo1, &hi1);
                 if (hi1 < j0 || lo0 > j0 + nk - 1 || lo0 > hi1)
                     continue;
-
-                /* S = Q K^T (forward: dot += q[d] * k[d]). */
-                memset(S, 0, sizeof(float) * (size_t)(R * BK));
-                ops->gemm_acc(R, dk, nk, qh + i0 * dk, dk, 1, Kt, BK, S, BK);
-
-                /* P = exp(s - lse) with the forward's score pipeline: scale, softcap, bias,
-                 * -inf where invisible; T = d s / d r (softcap derivative, only with softcap).
-                 * Blocks whose every row sees the whole tile, with no per-element rule or
-                 * modifier, take a plain (vectorisable) loop. */
-                const int whole = !elem_rules && !has_bias && p->softcap == 0.0f &&
+                const int whole = !u.elem_rules && !u.has_bias && p->softcap == 0.0f &&
                                   hi0 >= j0 + nk - 1 && lo1 <= j0;
-                for (int64_t r = 0; r < R; r++) {
-                    const int64_t i = i0 + r;
-                    const float lse = lse_b[h * n + i];
-                    float *srow = S + r * BK, *trow = T + r * BK;
-                    if (lse == -INFINITY) { /* fully masked row: P = 0 */
-                        for (int64_t c = 0; c < nk; c++)
-                            srow[c] = 0.0f;
-                        continue;
-                    }
-                    if (!whole) {
-                        int64_t lo, hi;
-                        key_range(p, b, i, &lo, &hi);
-                        for (int64_t c = 0; c < nk; c++) {
-                            const int64_t j = j0 + c;
-                            float x = p->scale * srow[c];
-                            if (p->softcap > 0.0f) {
-                                const float t = tanhf(x / p->softcap);
-                                x = p->softcap * t;
-                                trow[c] = 1.0f - t * t;
-                            }
-                            if (has_bias)
-                                x += mha__score_bias(p, b, h, i, j);
-                            if (j < lo || j > hi || (elem_rules && !mha__visible(p, b, h, i, j)))
-                                x = -INFINITY;
-                            srow[c] = x;
-                        }
-                    }
-                    ops->exp_shift(srow, whole ? p->scale : 1.0f, lse, srow, nk);
-                }
-
-                /* dP = dO V^T. */
-                memset(dP, 0, sizeof(float) * (size_t)(R * BK));
-                ops->gemm_acc(R, dv, nk, dOh + i0 * dv, dv, 1, Vt, BK, dP, BK);
-
-                /* Dropout (forward: pj = keep ? pj * keep_scale : 0), then
-                 * dS = scale P (z dP - D) tanh' into dP, and z P into S (for dV). */
-                for (int64_t r = 0; r < R; r++) {
-                    const int64_t i = i0 + r;
-                    const float D = Drow[hh * n + i];
-                    float *srow = S + r * BK, *dprow = dP + r * BK;
-                    const float *trow = T + r * BK;
-                    /* P = 0 (hidden key) gives dS = 0 even if dP is not finite (a NaN value
-                     * row behind a mask must not leak), as the reference's skip does. */
-                    if (!p->dropout_on && p->softcap == 0.0f) {
-                        ops->softmax_grad(srow, D, p->scale, dprow, nk);
-                        continue;
-                    }
-                    for (int64_t c = 0; c < nk; c++) {
-                        const float P = srow[c];
-                        if (P == 0.0f) {
-                            dprow[c] = 0.0f;
-                            continue;
-                        }
-                        float z = 1.0f;
-                        if (p->dropout_on)
-                            z = mha__problem_keep(p, b, h, i, j0 + c) ? keep_scale : 0.0f;
-                        float ds = P * (z * dprow[c] - D);
-                        if (p->softcap > 0.0f)
-                            ds *= trow[c];
-                        dprow[c] = p->scale * ds;
-                        srow[c] = z * P;
-                    }
-                }
-                /* dV += (z P)^T dO;  dK += dS^T Q;  dQ += dS K. */
-                if (bp->dv)
-                    ops->gemm_acc(nk, R, dv, S, 1, BK, dOh + i0 * dv, dv, dVa, dv);
-                if (bp->dk)
-                    ops->gemm_acc(nk, R, dk, dP, 1, BK, qh + i0 * dk, dk, dKa, dk);
-                if (bp->dq && k_finite)
-                    ops->gemm_acc(R, nk, dk, dP, BK, 1, Kr, dk, dQ + (hh * n + i0) * dk, dk);
-                else if (bp->dq) /* a key with Inf/NaN: skip dS = 0 terms as the reference
-                                  * does, so a hidden non-finite key never reaches dQ */
-                    for (int64_t r = 0; r < R; r++) {
-                        float *dq = dQ + (hh * n + i0 + r) * dk;
-                        for (int64_t c = 0; c < nk; c++) {
-                            const float ds = dP[r * BK + c];
-                            if (ds == 0.0f)
-                                continue;
-                            for (int64_t d = 0; d < dk; d++)
-                                dq[d] += ds * Kr[c * dk + d];
-                        }
-                    }
+                block_probs(&u, hh, i0, R, j0, nk, whole);
+                block_dscores(&u, hh, i0, R, j0, nk);
+                block_accumulate(&u, hh, i0, R, nk, k_finite);
             }
-        }
         for (int64_t c = 0; c < nk; c++) {
             if (bp->dk)
                 store(bp->dk + b * bp->dks[0] + g * bp->dks[1] + (j0 + c) * bp->dks[2],
-                      dKa + c * dk, dk, bp->accumulate);
+                      u.dKa + c * dk, dk, bp->accumulate);
             if (bp->dv)
                 store(bp->dv + b * bp->dvs[0] + g * bp->dvs[1] + (j0 + c) * bp->dvs[2],
-                      dVa + c * dv, dv, bp->accumulate);
+                      u.dVa + c * dv, dv, bp->accumulate);
         }
     }
 
@@ -268,7 +325,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
         for (int64_t hh = 0; hh < group; hh++)
             for (int64_t i = 0; i < n; i++)
                 store(bp->dq + b * bp->dqs[0] + (g * group + hh) * bp->dqs[1] + i * bp->dqs[2],
-                      dQ + (hh * n + i) * dk, dk, bp->accumulate);
+                      u.dQ + (hh * n + i) * dk, dk, bp->accumulate);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
