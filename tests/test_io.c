@@ -1530,6 +1530,51 @@ static void test_hf_fused_orders(void) {
     free(qkv), free(dense);
 }
 
+/* A fused per-head [h, 3, d] tensor with a num_kv_heads override (the CLI's --kv-heads): the
+ * tensor [12, 8] of 4 heads of 2 rows, 1 kv head, passes the (h + 2g) d row count but holds 3h
+ * blocks only when g = h. It was read past its end (ASan: heap-buffer-overflow); now refused
+ * naming the tensor. The same for Falcon's classic order (multi_query: false). */
+static void test_hf_fused_override(void) {
+    mha_error err;
+    mha_layer *L = NULL;
+    float *qkv = values(12 * 8, 31), *qkv_b = values(12, 32), *dense = values(8 * 8, 33);
+    static const struct {
+        const char *name, *prefix, *config;
+    } cases[] = {
+        {"neox_kv1", "gpt_neox.layers.0.attention.",
+         "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, \"num_attention_heads\": 4, "
+         "\"num_hidden_layers\": 1}"},
+        {"falcon_kv1", "transformer.h.0.self_attention.",
+         "{\"model_type\": \"falcon\", \"hidden_size\": 8, \"num_attention_heads\": 4, "
+         "\"num_hidden_layers\": 1, \"multi_query\": false, \"bias\": true}"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char w[128], bn[128], o[128];
+        snprintf(w, sizeof w, "%squery_key_value.weight", cases[i].prefix);
+        snprintf(bn, sizeof bn, "%squery_key_value.bias", cases[i].prefix);
+        snprintf(o, sizeof o, "%sdense.weight", cases[i].prefix);
+        stb b;
+        stb_init(&b);
+        stb_add_f32(&b, w, 12, 8, qkv);
+        stb_add_f32(&b, bn, 12, 0, qkv_b);
+        stb_add_f32(&b, o, 8, 8, dense);
+        const char *dir = hf_dir(cases[i].name, cases[i].config, &b);
+        mha_hf_layer_info info;
+        CHECK_OK(mha_hf_layer_info_read(dir, 0, &info, &err), &err);
+        mha_config c = info.config;
+        c.num_kv_heads = 1;
+        CHECK_FAIL(mha_hf_layer_load(dir, 0, &c, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
+                   "query_key_value.weight' stores q, k, v per head");
+        CHECK(L == NULL, "%s: no layer", cases[i].name);
+        CHECK(strstr(err.message, "num_kv_heads must equal num_heads 4, not 1") != NULL, "%s: %s",
+              cases[i].name, err.message);
+        /* Without the override the [12, 8] tensor is the wrong size for 4 heads: refused too. */
+        CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
+                   "has shape [12, 8], expected [24, 8]");
+    }
+    free(qkv), free(qkv_b), free(dense);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1547,6 +1592,7 @@ int main(void) {
     test_st_file_errors();
     test_hf_gpt2();
     test_hf_fused_orders();
+    test_hf_fused_override();
     remove_tree(g_dir);
     return test_finish();
 }

@@ -945,9 +945,13 @@ static int64_t fused_block(hf_fused f, int role, int64_t t, int64_t h, int64_t g
     }
 }
 
-/* Splits a fused [(h + 2g) d, cols] matrix (cols 1: a bias) into new q [h d], k [g d], v [g d]. */
+/* Splits a fused [fused_rows, cols] matrix (cols 1: a bias), named `name`, into new q [h d],
+ * k [g d], v [g d]. Every block read is checked against fused_rows, the tensor's own row count,
+ * whatever the sizes in `c` say (they may come from flags or the caller's config). */
 static mha_status split_fused(const hf_model *m,
+                              const char *name,
                               const float *fused,
+                              int64_t fused_rows,
                               int64_t cols,
                               const mha_config *c,
                               const mha_allocator *a,
@@ -963,6 +967,11 @@ static mha_status split_fused(const hf_model *m,
         MHA_RETURN_IF(!dst[role], err, NO_MEMORY, "%s: out of memory", m->dir);
         for (int64_t t = 0; t < heads; t++) {
             const int64_t b = fused_block(m->fused, role, t, h, g);
+            MHA_RETURN_IF(b < 0 || b >= fused_rows / d, err, BAD_FILE,
+                          "%s: tensor '%s' has %lld rows, but %lld heads and %lld key/value "
+                          "heads of %lld rows read its row block %lld",
+                          m->file_name, name, (long long)fused_rows, (long long)h, (long long)g,
+                          (long long)d, (long long)b);
             memcpy(dst[role] + t * d * cols, fused + b * d * cols,
                    (size_t)(d * cols) * sizeof(float));
         }
@@ -975,6 +984,15 @@ static mha_status
 load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
     const char *stem = STEMS[m->arch->layout][0];
     const int gpt2 = m->arch->layout == LAYOUT_GPT2;
+    char wname[2 * MHA_HF_TEXT_SIZE], bname[2 * MHA_HF_TEXT_SIZE];
+    tensor_name(wname, m, stem, ".weight");
+    tensor_name(bname, m, stem, ".bias");
+    /* [h, 3, d] holds one k and one v per query head: no override can make it grouped. */
+    MHA_RETURN_IF(m->fused == FUSED_PER_HEAD && c->num_kv_heads != c->num_heads, err, BAD_FILE,
+                  "%s: tensor '%s' stores q, k, v per head ([h, 3, d], %s): num_kv_heads must "
+                  "equal num_heads %lld, not %lld",
+                  m->dir, wname, m->config_path, (long long)c->num_heads,
+                  (long long)c->num_kv_heads);
     int64_t rows; /* (h + 2g) d */
     MHA_RETURN_IF(!mha__mul_i64(c->num_heads + 2 * c->num_kv_heads, c->head_dim, &rows), err,
                   OVERFLOW, "%s: sizes overflow", m->config_path);
@@ -985,13 +1003,13 @@ load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b,
     if (st == MHA_STATUS_OK && gpt2) /* Conv1D keeps [in, out]: y = x W */
         st = transpose(fused, m->hidden, rows, a, err);
     if (st == MHA_STATUS_OK)
-        st = split_fused(m, fused, m->hidden, c, a, b->p, err);
+        st = split_fused(m, wname, fused, rows, m->hidden, c, a, b->p, err);
     if (st == MHA_STATUS_OK)
         st = has_bias(m, stem, c->bias_q, &bias, err);
     if (st == MHA_STATUS_OK && bias)
         st = read_exact(m, stem, ".bias", rows, 0, a, &fused_bias, err);
     if (st == MHA_STATUS_OK && bias)
-        st = split_fused(m, fused_bias, 1, c, a, b->p + 4, err);
+        st = split_fused(m, bname, fused_bias, rows, 1, c, a, b->p + 4, err);
     mha__free(a, fused);
     mha__free(a, fused_bias);
     return st;
