@@ -359,27 +359,17 @@ static void test_npy_dtypes(void) {
                "truncated header");
     free(img);
 
-    /* A pipe (not seekable) is read to the end, then parsed. */
+    /* A FIFO is refused, never waited on (issue 28: the open blocked forever without a writer).
+     * alarm: a hang fails the test instead of stalling it. */
     const char *fifo = tpath("pipe.npy");
     CHECK(mkfifo(fifo, 0600) == 0, "mkfifo: %s", strerror(errno));
-    img =
-        npy_image(1, 0, "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", 0, fb, 8, &n);
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        FILE *w = fopen(fifo, "wb");
-        if (w) {
-            fwrite(img, 1, n, w);
-            fclose(w);
-        }
-        _exit(0);
-    }
-    CHECK_OK(mha__npy_read(fifo, &a, &err), &err);
-    CHECK(a.count == 2 && a.data && ((float *)a.data)[1] == -7.0f, "read from a pipe");
-    mha__npy_free(&a);
-    int status;
-    waitpid(pid, &status, 0);
-    free(img);
+    alarm(30);
+    CHECK_FAIL(mha__npy_read(fifo, &a, &err), &err, MHA_STATUS_IO,
+               "pipe.npy: not a regular file (a FIFO)");
+    alarm(0);
+    CHECK(a.data == NULL, "FIFO: no data");
+    CHECK_FAIL(mha__npy_read("/dev/null", &a, &err), &err, MHA_STATUS_IO,
+               "/dev/null: not a regular file (a device or socket)");
     remove(fifo);
 }
 
@@ -1216,6 +1206,18 @@ static void test_st_file_errors(void) {
          "\"b\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [8, 24]}}",
          "tensors 'a' and 'b' overlap"},
         {"{\"__metadata__\": [1]}", "\"__metadata__\" is not a JSON object"},
+        /* One JSON policy (issue 28): duplicate keys at any depth, NUL in a key or a string. */
+        {"{\"a\": {\"dtype\": \"F32\", \"dtype\": \"BF16\", \"shape\": [4], "
+         "\"data_offsets\": [0, 16]}}",
+         "duplicate key \"dtype\" (in \"a\")"},
+        {"{\"__metadata__\": {\"format\": \"pt\"}, \"__metadata__\": {}}",
+         "duplicate key \"__metadata__\""},
+        {"{\"__metadata__\": {\"format\": \"pt\", \"format\": \"np\"}}",
+         "duplicate key \"format\" (in \"__metadata__\")"},
+        {"{\"a\\u0000b\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [0, 16]}}",
+         "key \"a\\u0000b\" contains a NUL character"},
+        {"{\"a\": {\"dtype\": \"F32\\u0000x\", \"shape\": [4], \"data_offsets\": [0, 16]}}",
+         "the value of \"dtype\" contains a NUL character"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         stb_write_raw(p, bad[i].json, strlen(bad[i].json), data, sizeof data);
@@ -1575,6 +1577,94 @@ static void test_hf_fused_override(void) {
     free(qkv), free(qkv_b), free(dense);
 }
 
+/* Every file the library reads is opened without blocking and refused unless regular (issue
+ * 28: a FIFO as config.json, the index or model.safetensors blocked in fopen forever). The test
+ * arms an alarm: a hang kills it (SIGALRM) instead of stalling. */
+static void test_hf_fifo_inputs(void) {
+    mha_error err;
+    mha_hf_layer_info info;
+    mha_layer *L = NULL;
+    const char *gpt2 = "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}";
+    alarm(60);
+    const char *dir = tpath("fifo_config");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    CHECK(mkfifo(tpath("fifo_config/config.json"), 0600) == 0, "mkfifo");
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_IO,
+               "config.json: not a regular file (a FIFO)");
+    CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_IO,
+               "config.json: not a regular file (a FIFO)");
+
+    dir = tpath("fifo_index");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    write_bytes(tpath("fifo_index/config.json"), gpt2, strlen(gpt2));
+    CHECK(mkfifo(tpath("fifo_index/model.safetensors.index.json"), 0600) == 0, "mkfifo");
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_IO,
+               "model.safetensors.index.json: not a regular file (a FIFO)");
+
+    dir = tpath("fifo_weights");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    write_bytes(tpath("fifo_weights/config.json"), gpt2, strlen(gpt2));
+    CHECK(mkfifo(tpath("fifo_weights/model.safetensors"), 0600) == 0, "mkfifo");
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_IO,
+               "model.safetensors: not a regular file (a FIFO)");
+    mha_config c;
+    memset(&c, 0, sizeof c);
+    c.num_heads = 2;
+    CHECK_FAIL(mha_layer_load_safetensors(tpath("fifo_weights/model.safetensors"), NULL, NULL, &c,
+                                          NULL, &L, &err),
+               &err, MHA_STATUS_IO, "model.safetensors: not a regular file (a FIFO)");
+    CHECK_FAIL(mha_layer_load_safetensors("/dev/zero", NULL, NULL, &c, NULL, &L, &err), &err,
+               MHA_STATUS_IO, "/dev/zero: not a regular file (a device or socket)");
+    CHECK(L == NULL, "no layer");
+    alarm(0);
+}
+
+/* config.json and the index under the one JSON policy: duplicate keys (cJSON took the first,
+ * Python the last) and NUL characters (cJSON cut the string there) are refused by key name. */
+static void test_hf_json_policy(void) {
+    static const struct {
+        const char *config, *want;
+    } bad[] = {
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_head\": 4, "
+         "\"n_layer\": 1}",
+         "config.json: duplicate key \"n_head\""},
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1, "
+         "\"task_specific_params\": {\"x\": [{\"y\": 1, \"y\": 2}]}}",
+         "duplicate key \"y\""},
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_head\\u0000x\": 4, "
+         "\"n_layer\": 1}",
+         "config.json: key \"n_head\\u0000x\" contains a NUL character"},
+        {"{\"model_type\": \"gpt2\\u0000evil\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}",
+         "config.json: the value of \"model_type\" contains a NUL character"},
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1, "
+         "\"architectures\": [\"GPT2\\u0000LMHeadModel\"]}",
+         "the value of \"architectures\" contains a NUL character"},
+    };
+    mha_error err;
+    mha_hf_layer_info info;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char name[64], file[96];
+        snprintf(name, sizeof name, "json_%zu", i);
+        const char *dir = tpath(name);
+        CHECK(mkdir(dir, 0700) == 0, "mkdir");
+        snprintf(file, sizeof file, "%s/config.json", name);
+        write_bytes(tpath(file), bad[i].config, strlen(bad[i].config));
+        CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
+                   bad[i].want);
+    }
+    /* The index: a tensor listed twice in weight_map. */
+    const char *gpt2 = "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}";
+    const char *index = "{\"weight_map\": {\"h.0.attn.c_attn.weight\": \"a.safetensors\", "
+                        "\"h.0.attn.c_attn.weight\": \"b.safetensors\"}}";
+    const char *dir = tpath("json_index");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    write_bytes(tpath("json_index/config.json"), gpt2, strlen(gpt2));
+    write_bytes(tpath("json_index/model.safetensors.index.json"), index, strlen(index));
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
+               "model.safetensors.index.json: duplicate key \"h.0.attn.c_attn.weight\" (in "
+               "\"weight_map\")");
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1593,6 +1683,8 @@ int main(void) {
     test_hf_gpt2();
     test_hf_fused_orders();
     test_hf_fused_override();
+    test_hf_json_policy();
+    test_hf_fifo_inputs();
     remove_tree(g_dir);
     return test_finish();
 }

@@ -12,6 +12,8 @@
 
 #include "io/safetensors.h"
 
+#include "io/file.h"
+
 #include "base/internal.h"
 
 #include <cjson/cJSON.h>
@@ -21,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 /* config.json and the index are a few kilobytes (an index lists a few thousand names). */
 #define HF_MAX_JSON  ((long)64 * 1024 * 1024)
@@ -129,37 +130,38 @@ static void model_close(hf_model *m) {
 }
 
 /* Reads a whole JSON file (at most HF_MAX_JSON bytes) into a cJSON tree. *missing is set (and OK
- * returned) when the file does not exist and missing is not NULL. */
+ * returned) when the file does not exist and missing is not NULL. The file is opened as every
+ * input is (io/file.h: regular files only, never blocking) and parsed under the one JSON policy
+ * (safetensors.h: no duplicate keys, no NUL in a string). */
 static mha_status read_json(const char *path, cJSON **out, int *missing, mha_error *err) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f && missing && errno == ENOENT) {
-        *missing = 1;
-        return MHA_STATUS_OK;
-    }
-    MHA_RETURN_IF(!f, err, IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    mha_status st = MHA_STATUS_OK;
+    FILE *f = NULL;
+    uint64_t size = 0;
+    mha_status st = mha__open_regular(path, &f, &size, missing, err);
+    if (st != MHA_STATUS_OK || !f)
+        return st;
     char *text = NULL;
-    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode))
-        st = mha__fail(err, MHA_STATUS_IO, "%s: not a regular file", path);
-    else if (sb.st_size > HF_MAX_JSON)
-        st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: %lld bytes, more than the limit of %ld", path,
-                       (long long)sb.st_size, HF_MAX_JSON);
-    else if (!(text = malloc((size_t)sb.st_size + 1)))
+    if (size > (uint64_t)HF_MAX_JSON)
+        st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: %llu bytes, more than the limit of %ld", path,
+                       (unsigned long long)size, HF_MAX_JSON);
+    else if (!(text = malloc((size_t)size + 1)))
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
-    else if (fread(text, 1, (size_t)sb.st_size, f) != (size_t)sb.st_size)
+    else if (fread(text, 1, (size_t)size, f) != (size_t)size)
         st = mha__fail(err, MHA_STATUS_IO, "%s: read error", path);
     fclose(f);
+    if (st == MHA_STATUS_OK)
+        st = mha__json_check_text(text, (size_t)size, path, err);
     if (st == MHA_STATUS_OK) {
         size_t pos = 0;
-        *out = mha__json_parse(text, (size_t)sb.st_size, &pos);
+        *out = mha__json_parse(text, (size_t)size, &pos);
         if (!*out)
             st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: not valid JSON (error at byte %zu)", path,
                            pos);
         else if (!cJSON_IsObject(*out))
             st =
                 mha__fail(err, MHA_STATUS_BAD_FILE, "%s: the top level is not a JSON object", path);
+        else
+            st = mha__json_check_keys(*out, path, err);
     }
     free(text);
     return st;
