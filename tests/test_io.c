@@ -1665,6 +1665,47 @@ static void test_hf_json_policy(void) {
                "\"weight_map\")");
 }
 
+/* config.json numbers that leave float's range where they are used (issue 28): they gave a
+ * non-finite value in the info (LongRoPE's attention factor) or NaN outputs with exit 0. Each is
+ * refused by mha_hf_layer_info_read naming the field. */
+static void test_hf_float_range(void) {
+#define PHI3                                                                                       \
+    "{\"model_type\": \"phi3\", \"hidden_size\": 8, \"num_attention_heads\": 2, "                  \
+    "\"num_hidden_layers\": 1, \"max_position_embeddings\": 64, \"rope_scaling\": {\"type\": "     \
+    "\"longrope\", \"short_factor\": [1.0, 1.5], \"long_factor\": [2.0, 3.0]}, "
+#define GEMMA2                                                                                     \
+    "{\"model_type\": \"gemma2\", \"hidden_size\": 8, \"num_attention_heads\": 2, "                \
+    "\"num_hidden_layers\": 1, \"head_dim\": 4, "
+    static const struct {
+        const char *config, *want;
+    } bad[] = {
+        {PHI3 "\"original_max_position_embeddings\": 0.5}",
+         "\"rope_scaling.original_max_position_embeddings\" 0.5 must be > 1"},
+        {PHI3 "\"original_max_position_embeddings\": 1}",
+         "\"rope_scaling.original_max_position_embeddings\" 1 must be > 1"},
+        {GEMMA2 "\"attn_logit_softcapping\": 4e38}", "\"attn_logit_softcapping\" 4e+38 is outside"},
+        {GEMMA2 "\"attn_logit_softcapping\": 1e-300}",
+         "\"attn_logit_softcapping\" 1e-300 is outside"},
+        {GEMMA2 "\"query_pre_attn_scalar\": 1e-300}",
+         "\"query_pre_attn_scalar\" 1e-300 gives the scale 1/sqrt(1e-300) = 1e+150, outside"},
+        {GEMMA2 "\"query_pre_attn_scalar\": 1e300}", "\"query_pre_attn_scalar\" 1e+300 gives"},
+    };
+#undef PHI3
+#undef GEMMA2
+    mha_error err;
+    mha_hf_layer_info info;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char name[64], file[96];
+        snprintf(name, sizeof name, "float_%zu", i);
+        const char *dir = tpath(name);
+        CHECK(mkdir(dir, 0700) == 0, "mkdir");
+        snprintf(file, sizeof file, "%s/config.json", name);
+        write_bytes(tpath(file), bad[i].config, strlen(bad[i].config));
+        CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
+                   bad[i].want);
+    }
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1683,6 +1724,7 @@ int main(void) {
     test_hf_gpt2();
     test_hf_fused_orders();
     test_hf_fused_override();
+    test_hf_float_range();
     test_hf_json_policy();
     test_hf_fifo_inputs();
     remove_tree(g_dir);

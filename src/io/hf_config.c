@@ -19,6 +19,7 @@
 #include <cjson/cJSON.h>
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -473,7 +474,18 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
         double qpas = 256.0, cap = is_null(c, "attn_logit_softcapping") ? 0.0 : 50.0;
         TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
         cfg->scale = 1.0 / sqrt(qpas);
+        /* Both are used in float arithmetic: outside float's normal range they give inf or 0
+         * there (NaN outputs), so they are refused here, naming the field. */
+        MHA_RETURN_IF(!(cfg->scale >= (double)FLT_MIN && cfg->scale <= (double)FLT_MAX), err,
+                      BAD_FILE,
+                      "%s: \"query_pre_attn_scalar\" %g gives the scale 1/sqrt(%g) = %g, outside "
+                      "float's range [%g, %g]",
+                      m->config_path, qpas, qpas, cfg->scale, (double)FLT_MIN, (double)FLT_MAX);
         TRY(get_num(m, c, "", "attn_logit_softcapping", 0.0, 1, 1e300, &cap, err));
+        MHA_RETURN_IF(cap != 0.0 && !(cap >= (double)FLT_MIN && cap <= (double)FLT_MAX), err,
+                      BAD_FILE,
+                      "%s: \"attn_logit_softcapping\" %g is outside float's range [%g, %g]",
+                      m->config_path, cap, (double)FLT_MIN, (double)FLT_MAX);
         cfg->softcap = cap;
     }
     if (is_type(m, "gpt2")) {
@@ -648,6 +660,11 @@ read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r,
     MHA_RETURN_IF(orig == 0.0, err, BAD_FILE,
                   "%s: longrope RoPE scaling needs \"%soriginal_max_position_embeddings\"",
                   m->config_path, where);
+    /* A context length; ln(original) divides the attention factor: 1 gave inf, < 1 NaN. */
+    MHA_RETURN_IF(orig <= 1.0, err, BAD_FILE,
+                  "%s: longrope \"%soriginal_max_position_embeddings\" %g must be > 1 (a context "
+                  "length; ln of it divides the attention factor)",
+                  m->config_path, where, orig);
     TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
     MHA_RETURN_IF(factor == 0.0 && maxpos == 0.0, err, BAD_FILE,
                   "%s: longrope RoPE scaling needs \"%sfactor\" or \"max_position_embeddings\"",
@@ -660,6 +677,29 @@ read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r,
                           : r->factor <= 1.0
                               ? 1.0
                               : sqrt(1.0 + log(r->factor) / log(orig)); /* as transformers */
+    return MHA_STATUS_OK;
+}
+
+/* No non-finite number lands in the info: the scaling's numbers computed above (factor /
+ * original, attention factors, ...) must be finite, and finite in float, where the RoPE tables
+ * use them. */
+static mha_status check_rope_floats(const hf_model *m, const mha_rope *r, mha_error *err) {
+    const struct {
+        const char *name;
+        double v;
+    } vals[] = {
+        {"factor", r->factor},
+        {"original_max_position_embeddings", r->original_max_position},
+        {"attention_factor", r->attention_factor},
+        {"low_freq_factor", r->low_freq_factor},
+        {"high_freq_factor", r->high_freq_factor},
+        {"beta_fast", r->beta_fast},
+        {"beta_slow", r->beta_slow},
+    };
+    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++)
+        MHA_RETURN_IF(!isfinite(vals[i].v) || fabs(vals[i].v) > (double)FLT_MAX, err, BAD_FILE,
+                      "%s: the RoPE scaling's %s is %g (from the config), not finite in float",
+                      m->config_path, vals[i].name, vals[i].v);
     return MHA_STATUS_OK;
 }
 
@@ -722,7 +762,8 @@ read_rope(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_erro
                   "mha rotates an even number >= 2",
                   m->config_path, pw, frac, (long long)d, (long long)rd);
     r->rotary_dim = rd;
-    return read_scaling(m, s, where, r, err);
+    TRY(read_scaling(m, s, where, r, err));
+    return check_rope_floats(m, r, err);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
