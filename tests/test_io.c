@@ -14,6 +14,7 @@
 #include "base/internal.h"
 #include "harness.h"
 #include "npy.h"
+#include "npz.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -1706,6 +1707,40 @@ static void test_hf_float_range(void) {
     }
 }
 
+/* mha__npz_write (cli/npz.c): a 0-d member (one element) with data == NULL dereferenced NULL
+ * (issue 28); now INVALID_ARG naming the member, nothing written. A valid 0-d member is stored. */
+static void test_npz_write_null_data(void) {
+    mha_error err;
+    const char *p = tpath("s.npz");
+    const float one = 1.5f;
+    mha__npz_member m;
+    memset(&m, 0, sizeof m);
+    m.name = "scalar";
+    m.dtype = MHA_DTYPE_F32;
+    m.ndim = 0;
+    m.data = NULL;
+    CHECK_FAIL(mha__npz_write(p, &m, 1, &err), &err, MHA_STATUS_INVALID_ARG,
+               "member 'scalar' has no data");
+    CHECK(access(p, F_OK) != 0, "nothing written for a member without data");
+    m.ndim = 2;
+    m.shape[0] = 3;
+    m.shape[1] = 0; /* no elements: no data needed */
+    CHECK_OK(mha__npz_write(p, &m, 1, &err), &err);
+    m.shape[1] = 2;
+    CHECK_FAIL(mha__npz_write(p, &m, 1, &err), &err, MHA_STATUS_INVALID_ARG,
+               "member 'scalar' has no data");
+    m.ndim = 0;
+    m.data = &one;
+    CHECK_OK(mha__npz_write(p, &m, 1, &err), &err);
+    unsigned char head[4] = {0};
+    FILE *f = fopen(p, "rb");
+    CHECK(f && fread(head, 1, 4, f) == 4 && memcmp(head, "PK\3\4", 4) == 0,
+          "a 0-d member is written as a zip");
+    if (f)
+        fclose(f);
+    remove(p);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1724,6 +1759,7 @@ int main(void) {
     test_hf_gpt2();
     test_hf_fused_orders();
     test_hf_fused_override();
+    test_npz_write_null_data();
     test_hf_float_range();
     test_hf_json_policy();
     test_hf_fifo_inputs();
