@@ -264,3 +264,33 @@ def test_usage_errors(models, tmp_path):
     assert open(cfg).read() == before
     r = run_cli("info", "--layer", 0)
     assert r.returncode == 2 and "--model" in r.stderr
+
+
+def test_bias_absent_from_config_is_ignored_as_transformers_does(models, tmp_path):
+    """A bias tensor in the file that the config does not imply (mistral builds no biases):
+    transformers does not build it and ignores the tensor ("weights not used"), so its output is
+    the model's without it; mha agrees (it applied it before issue 28). Checked on transformers
+    itself: from_pretrained of the modified directory has no q_proj bias, and mha's output equals
+    the reference of the bias-free model."""
+    import torch
+    import transformers as T
+    from safetensors.numpy import load_file, save_file
+    d, refs = models["mistral"]
+    x, ref = refs[0]
+    dst = tmp_path / "extra_bias"
+    dst.mkdir()
+    for f in os.listdir(d):
+        if f != "model.safetensors":
+            os.symlink(os.path.join(d, f), dst / f)
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    rng = np.random.default_rng(5)
+    for stem in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        w = tensors[f"model.layers.0.self_attn.{stem}.weight"]
+        tensors[f"model.layers.0.self_attn.{stem}.bias"] = rng.normal(
+            0, 3.0, w.shape[0]).astype(w.dtype)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    m = T.AutoModelForCausalLM.from_pretrained(str(dst), torch_dtype=torch.float64)
+    assert m.model.layers[0].self_attn.q_proj.bias is None  # transformers ignores the tensor
+    y = run_layer(str(dst), 0, x, tmp_path)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"the file's bias was applied: max error {err:.3g} of max|ref|"

@@ -1741,6 +1741,47 @@ static void test_npz_write_null_data(void) {
     remove(p);
 }
 
+/* A bias tensor in the file that the config does not imply is not applied (issue 28: it was):
+ * transformers builds no such bias and ignores the tensor, and mha agrees with it
+ * (docs/MODELS.md). A bias the config implies is still required. */
+static void test_hf_bias_follows_config(void) {
+    mha_error err;
+    mha_layer *L = NULL;
+    float *qkv = values(24 * 8, 41), *qkv_b = values(24, 42), *dense = values(8 * 8, 43),
+          *dense_b = values(8, 44);
+    stb b;
+    stb_init(&b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.weight", 24, 8, qkv);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.bias", 24, 0, qkv_b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.weight", 8, 8, dense);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.bias", 8, 0, dense_b);
+    const char *dir = hf_dir("neox_nobias",
+                             "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, "
+                             "\"num_attention_heads\": 2, \"num_hidden_layers\": 1, "
+                             "\"attention_bias\": false}",
+                             &b);
+    CHECK_OK(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err);
+    if (L) {
+        const mha_weights *w = mha_layer_weights(L);
+        const mha_config *c = mha_layer_config(L);
+        CHECK(!w->b_q && !w->b_k && !w->b_v && !w->b_o && !c->bias_q && !c->bias_o,
+              "attention_bias false: the file's biases are not applied");
+    }
+    mha_layer_destroy(L);
+    L = NULL;
+    /* The config implies biases the file lacks: refused. */
+    stb_init(&b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.weight", 24, 8, qkv);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.weight", 8, 8, dense);
+    dir = hf_dir("neox_bias_missing",
+                 "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, \"num_attention_heads\": 2, "
+                 "\"num_hidden_layers\": 1}",
+                 &b);
+    CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_NOT_FOUND,
+               "query_key_value.bias' (");
+    free(qkv), free(qkv_b), free(dense), free(dense_b);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1760,6 +1801,7 @@ int main(void) {
     test_hf_fused_orders();
     test_hf_fused_override();
     test_npz_write_null_data();
+    test_hf_bias_follows_config();
     test_hf_float_range();
     test_hf_json_policy();
     test_hf_fifo_inputs();

@@ -947,16 +947,22 @@ static mha_status read_exact(hf_model *m,
     return MHA_STATUS_OK;
 }
 
-/* Whether prefix + stem + ".bias" exists; required when the config implies it. */
-static mha_status has_bias(hf_model *m, const char *stem, int required, int *out, mha_error *err) {
+/* Whether the layer has the bias prefix + stem + ".bias": exactly when the config implies it
+ * (`wanted`), as transformers builds the module; then the tensor must exist. A bias tensor the
+ * config does not imply is not read: transformers does not build that bias and ignores the
+ * tensor, so mha does too and the outputs agree (docs/MODELS.md, "Biases"). */
+static mha_status has_bias(hf_model *m, const char *stem, int wanted, int *out, mha_error *err) {
+    *out = 0;
+    if (!wanted)
+        return MHA_STATUS_OK;
     char name[2 * MHA_HF_TEXT_SIZE];
     tensor_name(name, m, stem, ".bias");
     mha_status st;
     *out = model_has(m, name, &st, err);
     if (st != MHA_STATUS_OK)
         return st;
-    MHA_RETURN_IF(required && !*out, err, NOT_FOUND, "%s: no tensor '%s' (%s implies a bias)",
-                  m->dir, name, m->config_path);
+    MHA_RETURN_IF(!*out, err, NOT_FOUND, "%s: no tensor '%s' (%s implies a bias)", m->dir, name,
+                  m->config_path);
     return MHA_STATUS_OK;
 }
 
