@@ -1575,6 +1575,14 @@ static void test_hf_fused_override(void) {
         CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
                    "has shape [12, 8], expected [24, 8]");
     }
+    /* The concatenated orders (GPT-2's c_attn, Phi-3, Falcon multi_query / new) hold h + 2g
+     * blocks: an override is checked by the tensor's exact shape (test_hf_gpt2's directory). */
+    mha_hf_layer_info info;
+    CHECK_OK(mha_hf_layer_info_read(tpath("gpt2"), 0, &info, &err), &err);
+    mha_config c = info.config;
+    c.num_kv_heads = 1;
+    CHECK_FAIL(mha_hf_layer_load(tpath("gpt2"), 0, &c, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
+               "tensor 'h.0.attn.c_attn.weight' has shape [8, 24], expected [8, 16]");
     free(qkv), free(qkv_b), free(dense);
 }
 
