@@ -6,6 +6,7 @@
  * picture.
  */
 #include "cli.h"
+#include "npy.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -91,9 +92,11 @@ static const char *token_problem(const char *s, size_t len) {
 
 static int read_all(const char *path, char **out, size_t *len) {
     enum { MAX_BYTES = 16 << 20 };
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return cli_fail("%s: cannot open: %s", path, strerror(errno));
+    FILE *f = NULL;
+    uint64_t size = 0;
+    mha_error err;
+    if (mha__npy_open_input(path, &f, &size, &err) != MHA_STATUS_OK)
+        return cli_fail("%s", err.message); /* regular files only, as every input */
     char *buf = malloc((size_t)MAX_BYTES + 2);
     if (!buf) {
         fclose(f);

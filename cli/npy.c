@@ -17,6 +17,7 @@
 
 #include <assert.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,13 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
+
+#ifndef O_CLOEXEC
+#    define O_CLOEXEC 0
+#endif
+#ifndef O_NOCTTY
+#    define O_NOCTTY 0
+#endif
 
 /* Header dicts are a few hundred bytes; numpy itself refuses more than 10000 by default. The limit
  * keeps a hostile version 2.0/3.0 header length (up to 4 GiB) from causing a huge allocation. */
@@ -487,36 +495,6 @@ mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out, mha
     return MHA_STATUS_OK;
 }
 
-/* Reads all of a non-seekable stream (a pipe) into memory, then parses it. */
-static mha_status read_stream(FILE *f, const char *path, mha__npy *out, mha_error *err) {
-    size_t cap = 1 << 16, len = 0;
-    unsigned char *buf = malloc(cap);
-    NPY_RETURN_IF(!buf, err, NO_MEMORY, "%s: out of memory", path);
-    for (;;) {
-        if (len == cap) {
-            unsigned char *bigger = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
-            if (!bigger) {
-                free(buf);
-                return mha__npy_fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
-            }
-            buf = bigger;
-            cap *= 2;
-        }
-        size_t got = fread(buf + len, 1, cap - len, f);
-        len += got;
-        if (got == 0)
-            break;
-    }
-    if (ferror(f)) {
-        int e = errno;
-        free(buf);
-        return mha__npy_fail(err, MHA_STATUS_IO, "%s: read error: %s", path, strerror(e));
-    }
-    mha_status st = mha__npy_parse(buf, len, path, out, err);
-    free(buf);
-    return st;
-}
-
 /* Reads exactly n bytes at `offset`; false on a short read. */
 static int read_at(FILE *f, uint64_t offset, void *dst, size_t n) {
     if (offset > (uint64_t)INT64_MAX || fseeko(f, (off_t)offset, SEEK_SET) != 0)
@@ -558,22 +536,53 @@ read_regular(FILE *f, uint64_t total, const char *path, mha__npy *out, mha_error
     return MHA_STATUS_OK;
 }
 
+mha_status mha__npy_open_input(const char *path, FILE **out, uint64_t *size, mha_error *err) {
+    *out = NULL;
+    *size = 0;
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever. */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+    NPY_RETURN_IF(fd < 0, err, IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    const char *bad = NULL;
+    int e = 0;
+    if (fstat(fd, &sb) != 0)
+        e = errno, bad = "cannot stat";
+    else if (S_ISDIR(sb.st_mode))
+        bad = "is a directory";
+    else if (!S_ISREG(sb.st_mode))
+        bad = S_ISFIFO(sb.st_mode) ? "not a regular file (a FIFO): refused, inputs must be files"
+                                   : "not a regular file (a device or socket): refused, inputs "
+                                     "must be files";
+    else if (sb.st_size < 0)
+        bad = "negative size";
+    if (!bad) {
+        const int flags = fcntl(fd, F_GETFL);
+        if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
+            e = errno, bad = "cannot clear O_NONBLOCK";
+    }
+    FILE *f = NULL;
+    if (!bad && !(f = fdopen(fd, "rb")))
+        e = errno, bad = "cannot open";
+    if (bad) {
+        close(fd);
+        return e ? mha__npy_fail(err, MHA_STATUS_IO, "%s: %s: %s", path, bad, strerror(e))
+                 : mha__npy_fail(err, MHA_STATUS_IO, "%s: %s", path, bad);
+    }
+    *out = f;
+    *size = (uint64_t)sb.st_size;
+    return MHA_STATUS_OK;
+}
+
 mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err) {
     NPY_RETURN_IF(!out, err, INVALID_ARG, "mha__npy_read: out is NULL");
     memset(out, 0, sizeof *out);
     NPY_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_read: path is NULL");
-    FILE *f = fopen(path, "rb");
-    NPY_RETURN_IF(!f, err, IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    mha_status st;
-    if (fstat(fileno(f), &sb) != 0)
-        st = mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot stat: %s", path, strerror(errno));
-    else if (S_ISDIR(sb.st_mode))
-        st = mha__npy_fail(err, MHA_STATUS_IO, "%s: is a directory", path);
-    else if (S_ISREG(sb.st_mode))
-        st = read_regular(f, (uint64_t)sb.st_size, path, out, err);
-    else
-        st = read_stream(f, path, out, err);
+    FILE *f = NULL;
+    uint64_t size = 0;
+    mha_status st = mha__npy_open_input(path, &f, &size, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    st = read_regular(f, size, path, out, err);
     fclose(f);
     if (st == MHA_STATUS_OK)
         npy_ok(err);

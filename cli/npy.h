@@ -27,7 +27,12 @@ typedef struct mha__npy {
  * copy. `name` is used in messages (a file path). */
 mha_status
 mha__npy_parse(const void *buf, size_t len, const char *name, mha__npy *out, mha_error *err);
-/* Reads a whole file; messages start with the path. */
+/* Opens an input file for reading the way the library opens its own (src/io/file.h): without
+ * blocking (a FIFO without a writer cannot hang the open), fstat on the open descriptor, and
+ * anything but a regular file (directory, FIFO, device, socket) refused with IO. *size is the
+ * file's size. Every file the CLI reads goes through it (.npy inputs and masks, --tokens). */
+mha_status mha__npy_open_input(const char *path, FILE **out, uint64_t *size, mha_error *err);
+/* Reads a whole regular file (mha__npy_open_input); messages start with the path. */
 mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err);
 void mha__npy_free(mha__npy *a);
 /* Converts a float tensor (F32/F64/F16) to a new malloc'ed float32 array. */

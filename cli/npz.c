@@ -135,12 +135,6 @@ describe(const mha__npz_member *m, const char *path, entry *e, crc32_state *crc,
         m->ndim > MHA_NPY_MAX_DIMS)
         return mha__npy_fail(err, MHA_STATUS_INVALID_ARG, "%s: member '%s' cannot be written", path,
                              m->name ? m->name : "(null)");
-    for (int32_t d = 0; d < m->ndim; d++)
-        if (m->shape[d] == 0)
-            break;
-        else if (d == m->ndim - 1 && !m->data)
-            return mha__npy_fail(err, MHA_STATUS_INVALID_ARG, "%s: member '%s' has no data", path,
-                                 m->name);
     e->name_len = (size_t)n;
     e->npy_len = mha__npy_header(m->dtype, m->ndim, m->shape, e->npy);
     uint64_t count = 1;
@@ -150,6 +144,10 @@ describe(const mha__npz_member *m, const char *path, entry *e, crc32_state *crc,
                                  m->name);
         count *= (uint64_t)m->shape[d];
     }
+    /* Checked on the element count, so a 0-d member (one element) without data is refused too. */
+    if (count > 0 && !m->data)
+        return mha__npy_fail(err, MHA_STATUS_INVALID_ARG, "%s: member '%s' has no data", path,
+                             m->name);
     e->count = (int64_t)count;
     e->size = e->npy_len + count * e->elem;
     if (e->size > 0xFFFFFFFFu)

@@ -264,3 +264,61 @@ def test_usage_errors(models, tmp_path):
     assert open(cfg).read() == before
     r = run_cli("info", "--layer", 0)
     assert r.returncode == 2 and "--model" in r.stderr
+
+
+def test_bias_absent_from_config_is_ignored_as_transformers_does(models, tmp_path):
+    """A bias tensor in the file that the config does not imply (mistral builds no biases):
+    transformers does not build it and ignores the tensor ("weights not used"), so its output is
+    the model's without it; mha agrees (it applied it before issue 28). Checked on transformers
+    itself: from_pretrained of the modified directory has no q_proj bias, and mha's output equals
+    the reference of the bias-free model."""
+    import torch
+    import transformers as T
+    from safetensors.numpy import load_file, save_file
+    d, refs = models["mistral"]
+    x, ref = refs[0]
+    dst = tmp_path / "extra_bias"
+    dst.mkdir()
+    for f in os.listdir(d):
+        if f != "model.safetensors":
+            os.symlink(os.path.join(d, f), dst / f)
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    rng = np.random.default_rng(5)
+    for stem in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        w = tensors[f"model.layers.0.self_attn.{stem}.weight"]
+        tensors[f"model.layers.0.self_attn.{stem}.bias"] = rng.normal(
+            0, 3.0, w.shape[0]).astype(w.dtype)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    m = T.AutoModelForCausalLM.from_pretrained(str(dst), torch_dtype=torch.float64)
+    assert m.model.layers[0].self_attn.q_proj.bias is None  # transformers ignores the tensor
+    y = run_layer(str(dst), 0, x, tmp_path)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"the file's bias was applied: max error {err:.3g} of max|ref|"
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "falcon"])
+def test_kv_heads_flag_contradicting_a_fused_tensor_is_refused(model_type, tmp_path):
+    """Issue 28: a per-head fused query_key_value [12, 8] (4 heads of 2 rows, bias [12]) with
+    --kv-heads 1 passed the (h + 2g) d row count and was read as 3h blocks, past its end (exit 0
+    with garbage; ASan heap-buffer-overflow). Refused now, naming the tensor and the heads."""
+    from safetensors.numpy import save_file
+    d = tmp_path / model_type
+    d.mkdir()
+    cfg = {"model_type": model_type, "hidden_size": 8, "num_attention_heads": 4,
+           "num_hidden_layers": 1}
+    pre = "gpt_neox.layers.0.attention." if model_type == "gpt_neox" else \
+        "transformer.h.0.self_attention."
+    if model_type == "falcon":
+        cfg.update(multi_query=False, bias=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(1)
+    f = lambda *s: rng.normal(0, 1, s).astype(np.float32)  # noqa: E731
+    save_file({pre + "query_key_value.weight": f(12, 8), pre + "query_key_value.bias": f(12),
+               pre + "dense.weight": f(8, 8), pre + "dense.bias": f(8)}, str(d / "model.safetensors"))
+    np.save(tmp_path / "x.npy", f(1, 5, 8))
+    r = run_cli("run", "--model", d, "--layer", 0, "--kv-heads", 1, "--input", tmp_path / "x.npy",
+                "--out", tmp_path / "y.npy")
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert pre + "query_key_value.weight' stores q, k, v per head" in r.stderr, r.stderr
+    assert "num_kv_heads must equal num_heads 4, not 1" in r.stderr, r.stderr
+    assert not (tmp_path / "y.npy").exists()

@@ -63,3 +63,90 @@ def test_case_list_is_complete():
     on_disk = {f for f in os.listdir(HOSTILE) if f.endswith((".npy", ".safetensors"))}
     assert on_disk - listed == {"valid_weights.safetensors", "valid_input.npy"}
     assert len(CASES) >= 50
+
+
+# Every input the CLI reads is opened without blocking and refused unless it is a regular file
+# (issue 28: a FIFO without a writer blocked the open forever). Each case puts a FIFO (or a
+# device) where one input goes; the subprocess timeout turns a hang into a failure.
+FIFO_ARGS = {
+    "input": ["--input", "{F}"],
+    "weights": ["--weights", "{F}"],
+    "mask": ["--mask", "{F}"],
+    "key_padding_mask": ["--key-padding-mask", "{F}"],
+    "tokens": ["--plot", "{D}/p.png", "--tokens", "{F}"],
+}
+
+
+def _run_args(args, tmp_path):
+    weights = os.path.join(HOSTILE, "valid_weights.safetensors")
+    x = os.path.join(HOSTILE, "valid_input.npy")
+    base = {"--weights": weights, "--input": x}
+    for i in range(0, len(args), 2):
+        base[args[i]] = args[i + 1]
+    cmd = [CLI, "run", "--heads", "2", "--out", str(tmp_path / "out" / "y.npy")]
+    for k, v in base.items():
+        cmd += [k, v]
+    return cmd
+
+
+@pytest.mark.parametrize("kind", sorted(FIFO_ARGS))
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_special_file_input_is_refused(kind, special, tmp_path):
+    (tmp_path / "out").mkdir()
+    if special == "fifo":
+        f = str(tmp_path / "in.fifo")
+        os.mkfifo(f)
+        want = "not a regular file (a FIFO)"
+    else:
+        f = special
+        want = "not a regular file (a device or socket)"
+    args = [a.format(F=f, D=str(tmp_path / "out")) for a in FIFO_ARGS[kind]]
+    proc = subprocess.run(_run_args(args, tmp_path), capture_output=True, timeout=30)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 1, "exit %d, stderr %r" % (proc.returncode, err)
+    assert len(err.splitlines()) == 1 and f in err and want in err, err
+    assert os.listdir(str(tmp_path / "out")) == [], os.listdir(str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json",
+                                  "model.safetensors"])
+def test_special_file_in_model_directory_is_refused(name, tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    if name != "config.json":
+        (d / "config.json").write_text(json.dumps(
+            {"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1}))
+    os.mkfifo(str(d / name))
+    for cmd in (["info", "--model", str(d)],
+                ["run", "--model", str(d), "--input", os.path.join(HOSTILE, "valid_input.npy"),
+                 "--out", str(tmp_path / "y.npy")]):
+        proc = subprocess.run([CLI] + cmd, capture_output=True, timeout=30)
+        err = proc.stderr.decode("utf-8", "replace")
+        assert proc.returncode == 1, "exit %d, stderr %r" % (proc.returncode, err)
+        assert name + ": not a regular file (a FIFO)" in err, err
+    assert not (tmp_path / "y.npy").exists()
+
+
+# One JSON policy (issue 28): cJSON took the first of duplicate keys (Python's json, and so
+# transformers, the last) and cut strings at a NUL; both are refused naming the key.
+GPT2_CONFIG = '"model_type": "gpt2", "n_embd": 8, "n_head": 2, "n_layer": 1'
+JSON_CASES = {
+    "duplicate": ('{%s, "n_head": 4}' % GPT2_CONFIG, 'duplicate key "n_head"'),
+    "nested_duplicate": ('{%s, "rope_scaling": {"type": "linear", "type": "yarn"}}' % GPT2_CONFIG,
+                         'duplicate key "type" (in "rope_scaling")'),
+    "nul_key": ('{%s, "n_head\\u0000x": 4}' % GPT2_CONFIG, 'key "n_head\\u0000x" contains a NUL'),
+    "nul_value": ('{"model_type": "gpt2\\u0000evil", "n_embd": 8, "n_head": 2, "n_layer": 1}',
+                  'the value of "model_type" contains a NUL'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JSON_CASES))
+def test_config_json_policy(case, tmp_path):
+    text, want = JSON_CASES[case]
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    proc = subprocess.run([CLI, "info", "--model", str(d)], capture_output=True, timeout=30)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 1 and len(err.splitlines()) == 1, err
+    assert "config.json" in err and want in err, err

@@ -14,6 +14,7 @@
 #include "base/internal.h"
 #include "harness.h"
 #include "npy.h"
+#include "npz.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -359,27 +360,17 @@ static void test_npy_dtypes(void) {
                "truncated header");
     free(img);
 
-    /* A pipe (not seekable) is read to the end, then parsed. */
+    /* A FIFO is refused, never waited on (issue 28: the open blocked forever without a writer).
+     * alarm: a hang fails the test instead of stalling it. */
     const char *fifo = tpath("pipe.npy");
     CHECK(mkfifo(fifo, 0600) == 0, "mkfifo: %s", strerror(errno));
-    img =
-        npy_image(1, 0, "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", 0, fb, 8, &n);
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        FILE *w = fopen(fifo, "wb");
-        if (w) {
-            fwrite(img, 1, n, w);
-            fclose(w);
-        }
-        _exit(0);
-    }
-    CHECK_OK(mha__npy_read(fifo, &a, &err), &err);
-    CHECK(a.count == 2 && a.data && ((float *)a.data)[1] == -7.0f, "read from a pipe");
-    mha__npy_free(&a);
-    int status;
-    waitpid(pid, &status, 0);
-    free(img);
+    alarm(30);
+    CHECK_FAIL(mha__npy_read(fifo, &a, &err), &err, MHA_STATUS_IO,
+               "pipe.npy: not a regular file (a FIFO)");
+    alarm(0);
+    CHECK(a.data == NULL, "FIFO: no data");
+    CHECK_FAIL(mha__npy_read("/dev/null", &a, &err), &err, MHA_STATUS_IO,
+               "/dev/null: not a regular file (a device or socket)");
     remove(fifo);
 }
 
@@ -1216,6 +1207,18 @@ static void test_st_file_errors(void) {
          "\"b\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [8, 24]}}",
          "tensors 'a' and 'b' overlap"},
         {"{\"__metadata__\": [1]}", "\"__metadata__\" is not a JSON object"},
+        /* One JSON policy (issue 28): duplicate keys at any depth, NUL in a key or a string. */
+        {"{\"a\": {\"dtype\": \"F32\", \"dtype\": \"BF16\", \"shape\": [4], "
+         "\"data_offsets\": [0, 16]}}",
+         "duplicate key \"dtype\" (in \"a\")"},
+        {"{\"__metadata__\": {\"format\": \"pt\"}, \"__metadata__\": {}}",
+         "duplicate key \"__metadata__\""},
+        {"{\"__metadata__\": {\"format\": \"pt\", \"format\": \"np\"}}",
+         "duplicate key \"format\" (in \"__metadata__\")"},
+        {"{\"a\\u0000b\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [0, 16]}}",
+         "key \"a\\u0000b\" contains a NUL character"},
+        {"{\"a\": {\"dtype\": \"F32\\u0000x\", \"shape\": [4], \"data_offsets\": [0, 16]}}",
+         "the value of \"dtype\" contains a NUL character"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         stb_write_raw(p, bad[i].json, strlen(bad[i].json), data, sizeof data);
@@ -1530,6 +1533,263 @@ static void test_hf_fused_orders(void) {
     free(qkv), free(dense);
 }
 
+/* A fused per-head [h, 3, d] tensor with a num_kv_heads override (the CLI's --kv-heads): the
+ * tensor [12, 8] of 4 heads of 2 rows, 1 kv head, passes the (h + 2g) d row count but holds 3h
+ * blocks only when g = h. It was read past its end (ASan: heap-buffer-overflow); now refused
+ * naming the tensor. The same for Falcon's classic order (multi_query: false). */
+static void test_hf_fused_override(void) {
+    mha_error err;
+    mha_layer *L = NULL;
+    float *qkv = values(12 * 8, 31), *qkv_b = values(12, 32), *dense = values(8 * 8, 33);
+    static const struct {
+        const char *name, *prefix, *config;
+    } cases[] = {
+        {"neox_kv1", "gpt_neox.layers.0.attention.",
+         "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, \"num_attention_heads\": 4, "
+         "\"num_hidden_layers\": 1}"},
+        {"falcon_kv1", "transformer.h.0.self_attention.",
+         "{\"model_type\": \"falcon\", \"hidden_size\": 8, \"num_attention_heads\": 4, "
+         "\"num_hidden_layers\": 1, \"multi_query\": false, \"bias\": true}"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char w[128], bn[128], o[128];
+        snprintf(w, sizeof w, "%squery_key_value.weight", cases[i].prefix);
+        snprintf(bn, sizeof bn, "%squery_key_value.bias", cases[i].prefix);
+        snprintf(o, sizeof o, "%sdense.weight", cases[i].prefix);
+        stb b;
+        stb_init(&b);
+        stb_add_f32(&b, w, 12, 8, qkv);
+        stb_add_f32(&b, bn, 12, 0, qkv_b);
+        stb_add_f32(&b, o, 8, 8, dense);
+        const char *dir = hf_dir(cases[i].name, cases[i].config, &b);
+        mha_hf_layer_info info;
+        CHECK_OK(mha_hf_layer_info_read(dir, 0, &info, &err), &err);
+        mha_config c = info.config;
+        c.num_kv_heads = 1;
+        CHECK_FAIL(mha_hf_layer_load(dir, 0, &c, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
+                   "query_key_value.weight' stores q, k, v per head");
+        CHECK(L == NULL, "%s: no layer", cases[i].name);
+        CHECK(strstr(err.message, "num_kv_heads must equal num_heads 4, not 1") != NULL, "%s: %s",
+              cases[i].name, err.message);
+        /* Without the override the [12, 8] tensor is the wrong size for 4 heads: refused too. */
+        CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
+                   "has shape [12, 8], expected [24, 8]");
+    }
+    /* The concatenated orders (GPT-2's c_attn, Phi-3, Falcon multi_query / new) hold h + 2g
+     * blocks: an override is checked by the tensor's exact shape (test_hf_gpt2's directory). */
+    mha_hf_layer_info info;
+    CHECK_OK(mha_hf_layer_info_read(tpath("gpt2"), 0, &info, &err), &err);
+    mha_config c = info.config;
+    c.num_kv_heads = 1;
+    CHECK_FAIL(mha_hf_layer_load(tpath("gpt2"), 0, &c, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
+               "tensor 'h.0.attn.c_attn.weight' has shape [8, 24], expected [8, 16]");
+    free(qkv), free(qkv_b), free(dense);
+}
+
+/* Every file the library reads is opened without blocking and refused unless regular (issue
+ * 28: a FIFO as config.json, the index or model.safetensors blocked in fopen forever). The test
+ * arms an alarm: a hang kills it (SIGALRM) instead of stalling. */
+static void test_hf_fifo_inputs(void) {
+    mha_error err;
+    mha_hf_layer_info info;
+    mha_layer *L = NULL;
+    const char *gpt2 = "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}";
+    alarm(60);
+    const char *dir = tpath("fifo_config");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    CHECK(mkfifo(tpath("fifo_config/config.json"), 0600) == 0, "mkfifo");
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_IO,
+               "config.json: not a regular file (a FIFO)");
+    CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_IO,
+               "config.json: not a regular file (a FIFO)");
+
+    dir = tpath("fifo_index");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    write_bytes(tpath("fifo_index/config.json"), gpt2, strlen(gpt2));
+    CHECK(mkfifo(tpath("fifo_index/model.safetensors.index.json"), 0600) == 0, "mkfifo");
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_IO,
+               "model.safetensors.index.json: not a regular file (a FIFO)");
+
+    dir = tpath("fifo_weights");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    write_bytes(tpath("fifo_weights/config.json"), gpt2, strlen(gpt2));
+    CHECK(mkfifo(tpath("fifo_weights/model.safetensors"), 0600) == 0, "mkfifo");
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_IO,
+               "model.safetensors: not a regular file (a FIFO)");
+    mha_config c;
+    memset(&c, 0, sizeof c);
+    c.num_heads = 2;
+    CHECK_FAIL(mha_layer_load_safetensors(tpath("fifo_weights/model.safetensors"), NULL, NULL, &c,
+                                          NULL, &L, &err),
+               &err, MHA_STATUS_IO, "model.safetensors: not a regular file (a FIFO)");
+    CHECK_FAIL(mha_layer_load_safetensors("/dev/zero", NULL, NULL, &c, NULL, &L, &err), &err,
+               MHA_STATUS_IO, "/dev/zero: not a regular file (a device or socket)");
+    CHECK(L == NULL, "no layer");
+    alarm(0);
+}
+
+/* config.json and the index under the one JSON policy: duplicate keys (cJSON took the first,
+ * Python the last) and NUL characters (cJSON cut the string there) are refused by key name. */
+static void test_hf_json_policy(void) {
+    static const struct {
+        const char *config, *want;
+    } bad[] = {
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_head\": 4, "
+         "\"n_layer\": 1}",
+         "config.json: duplicate key \"n_head\""},
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1, "
+         "\"task_specific_params\": {\"x\": [{\"y\": 1, \"y\": 2}]}}",
+         "duplicate key \"y\""},
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_head\\u0000x\": 4, "
+         "\"n_layer\": 1}",
+         "config.json: key \"n_head\\u0000x\" contains a NUL character"},
+        {"{\"model_type\": \"gpt2\\u0000evil\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}",
+         "config.json: the value of \"model_type\" contains a NUL character"},
+        {"{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1, "
+         "\"architectures\": [\"GPT2\\u0000LMHeadModel\"]}",
+         "the value of \"architectures\" contains a NUL character"},
+    };
+    mha_error err;
+    mha_hf_layer_info info;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char name[64], file[96];
+        snprintf(name, sizeof name, "json_%zu", i);
+        const char *dir = tpath(name);
+        CHECK(mkdir(dir, 0700) == 0, "mkdir");
+        snprintf(file, sizeof file, "%s/config.json", name);
+        write_bytes(tpath(file), bad[i].config, strlen(bad[i].config));
+        CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
+                   bad[i].want);
+    }
+    /* The index: a tensor listed twice in weight_map. */
+    const char *gpt2 = "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}";
+    const char *index = "{\"weight_map\": {\"h.0.attn.c_attn.weight\": \"a.safetensors\", "
+                        "\"h.0.attn.c_attn.weight\": \"b.safetensors\"}}";
+    const char *dir = tpath("json_index");
+    CHECK(mkdir(dir, 0700) == 0, "mkdir");
+    write_bytes(tpath("json_index/config.json"), gpt2, strlen(gpt2));
+    write_bytes(tpath("json_index/model.safetensors.index.json"), index, strlen(index));
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
+               "model.safetensors.index.json: duplicate key \"h.0.attn.c_attn.weight\" (in "
+               "\"weight_map\")");
+}
+
+/* config.json numbers that leave float's range where they are used (issue 28): they gave a
+ * non-finite value in the info (LongRoPE's attention factor) or NaN outputs with exit 0. Each is
+ * refused by mha_hf_layer_info_read naming the field. */
+static void test_hf_float_range(void) {
+#define PHI3                                                                                       \
+    "{\"model_type\": \"phi3\", \"hidden_size\": 8, \"num_attention_heads\": 2, "                  \
+    "\"num_hidden_layers\": 1, \"max_position_embeddings\": 64, \"rope_scaling\": {\"type\": "     \
+    "\"longrope\", \"short_factor\": [1.0, 1.5], \"long_factor\": [2.0, 3.0]}, "
+#define GEMMA2                                                                                     \
+    "{\"model_type\": \"gemma2\", \"hidden_size\": 8, \"num_attention_heads\": 2, "                \
+    "\"num_hidden_layers\": 1, \"head_dim\": 4, "
+    static const struct {
+        const char *config, *want;
+    } bad[] = {
+        {PHI3 "\"original_max_position_embeddings\": 0.5}",
+         "\"rope_scaling.original_max_position_embeddings\" 0.5 must be > 1"},
+        {PHI3 "\"original_max_position_embeddings\": 1}",
+         "\"rope_scaling.original_max_position_embeddings\" 1 must be > 1"},
+        {GEMMA2 "\"attn_logit_softcapping\": 4e38}", "\"attn_logit_softcapping\" 4e+38 is outside"},
+        {GEMMA2 "\"attn_logit_softcapping\": 1e-300}",
+         "\"attn_logit_softcapping\" 1e-300 is outside"},
+        {GEMMA2 "\"query_pre_attn_scalar\": 1e-300}",
+         "\"query_pre_attn_scalar\" 1e-300 gives the scale 1/sqrt(1e-300) = 1e+150, outside"},
+        {GEMMA2 "\"query_pre_attn_scalar\": 1e300}", "\"query_pre_attn_scalar\" 1e+300 gives"},
+    };
+#undef PHI3
+#undef GEMMA2
+    mha_error err;
+    mha_hf_layer_info info;
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char name[64], file[96];
+        snprintf(name, sizeof name, "float_%zu", i);
+        const char *dir = tpath(name);
+        CHECK(mkdir(dir, 0700) == 0, "mkdir");
+        snprintf(file, sizeof file, "%s/config.json", name);
+        write_bytes(tpath(file), bad[i].config, strlen(bad[i].config));
+        CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
+                   bad[i].want);
+    }
+}
+
+/* mha__npz_write (cli/npz.c): a 0-d member (one element) with data == NULL dereferenced NULL
+ * (issue 28); now INVALID_ARG naming the member, nothing written. A valid 0-d member is stored. */
+static void test_npz_write_null_data(void) {
+    mha_error err;
+    const char *p = tpath("s.npz");
+    const float one = 1.5f;
+    mha__npz_member m;
+    memset(&m, 0, sizeof m);
+    m.name = "scalar";
+    m.dtype = MHA_DTYPE_F32;
+    m.ndim = 0;
+    m.data = NULL;
+    CHECK_FAIL(mha__npz_write(p, &m, 1, &err), &err, MHA_STATUS_INVALID_ARG,
+               "member 'scalar' has no data");
+    CHECK(access(p, F_OK) != 0, "nothing written for a member without data");
+    m.ndim = 2;
+    m.shape[0] = 3;
+    m.shape[1] = 0; /* no elements: no data needed */
+    CHECK_OK(mha__npz_write(p, &m, 1, &err), &err);
+    m.shape[1] = 2;
+    CHECK_FAIL(mha__npz_write(p, &m, 1, &err), &err, MHA_STATUS_INVALID_ARG,
+               "member 'scalar' has no data");
+    m.ndim = 0;
+    m.data = &one;
+    CHECK_OK(mha__npz_write(p, &m, 1, &err), &err);
+    unsigned char head[4] = {0};
+    FILE *f = fopen(p, "rb");
+    CHECK(f && fread(head, 1, 4, f) == 4 && memcmp(head, "PK\3\4", 4) == 0,
+          "a 0-d member is written as a zip");
+    if (f)
+        fclose(f);
+    remove(p);
+}
+
+/* A bias tensor in the file that the config does not imply is not applied (issue 28: it was):
+ * transformers builds no such bias and ignores the tensor, and mha agrees with it
+ * (docs/MODELS.md). A bias the config implies is still required. */
+static void test_hf_bias_follows_config(void) {
+    mha_error err;
+    mha_layer *L = NULL;
+    float *qkv = values(24 * 8, 41), *qkv_b = values(24, 42), *dense = values(8 * 8, 43),
+          *dense_b = values(8, 44);
+    stb b;
+    stb_init(&b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.weight", 24, 8, qkv);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.bias", 24, 0, qkv_b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.weight", 8, 8, dense);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.bias", 8, 0, dense_b);
+    const char *dir = hf_dir("neox_nobias",
+                             "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, "
+                             "\"num_attention_heads\": 2, \"num_hidden_layers\": 1, "
+                             "\"attention_bias\": false}",
+                             &b);
+    CHECK_OK(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err);
+    if (L) {
+        const mha_weights *w = mha_layer_weights(L);
+        const mha_config *c = mha_layer_config(L);
+        CHECK(!w->b_q && !w->b_k && !w->b_v && !w->b_o && !c->bias_q && !c->bias_o,
+              "attention_bias false: the file's biases are not applied");
+    }
+    mha_layer_destroy(L);
+    L = NULL;
+    /* The config implies biases the file lacks: refused. */
+    stb_init(&b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.weight", 24, 8, qkv);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.weight", 8, 8, dense);
+    dir = hf_dir("neox_bias_missing",
+                 "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, \"num_attention_heads\": 2, "
+                 "\"num_hidden_layers\": 1}",
+                 &b);
+    CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_NOT_FOUND,
+               "query_key_value.bias' (");
+    free(qkv), free(qkv_b), free(dense), free(dense_b);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1547,6 +1807,12 @@ int main(void) {
     test_st_file_errors();
     test_hf_gpt2();
     test_hf_fused_orders();
+    test_hf_fused_override();
+    test_npz_write_null_data();
+    test_hf_bias_follows_config();
+    test_hf_float_range();
+    test_hf_json_policy();
+    test_hf_fifo_inputs();
     remove_tree(g_dir);
     return test_finish();
 }

@@ -12,16 +12,18 @@
 
 #include "io/safetensors.h"
 
+#include "io/file.h"
+
 #include "base/internal.h"
 
 #include <cjson/cJSON.h>
 
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 /* config.json and the index are a few kilobytes (an index lists a few thousand names). */
 #define HF_MAX_JSON  ((long)64 * 1024 * 1024)
@@ -129,37 +131,38 @@ static void model_close(hf_model *m) {
 }
 
 /* Reads a whole JSON file (at most HF_MAX_JSON bytes) into a cJSON tree. *missing is set (and OK
- * returned) when the file does not exist and missing is not NULL. */
+ * returned) when the file does not exist and missing is not NULL. The file is opened as every
+ * input is (io/file.h: regular files only, never blocking) and parsed under the one JSON policy
+ * (safetensors.h: no duplicate keys, no NUL in a string). */
 static mha_status read_json(const char *path, cJSON **out, int *missing, mha_error *err) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f && missing && errno == ENOENT) {
-        *missing = 1;
-        return MHA_STATUS_OK;
-    }
-    MHA_RETURN_IF(!f, err, IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    mha_status st = MHA_STATUS_OK;
+    FILE *f = NULL;
+    uint64_t size = 0;
+    mha_status st = mha__open_regular(path, &f, &size, missing, err);
+    if (st != MHA_STATUS_OK || !f)
+        return st;
     char *text = NULL;
-    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode))
-        st = mha__fail(err, MHA_STATUS_IO, "%s: not a regular file", path);
-    else if (sb.st_size > HF_MAX_JSON)
-        st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: %lld bytes, more than the limit of %ld", path,
-                       (long long)sb.st_size, HF_MAX_JSON);
-    else if (!(text = malloc((size_t)sb.st_size + 1)))
+    if (size > (uint64_t)HF_MAX_JSON)
+        st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: %llu bytes, more than the limit of %ld", path,
+                       (unsigned long long)size, HF_MAX_JSON);
+    else if (!(text = malloc((size_t)size + 1)))
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: out of memory", path);
-    else if (fread(text, 1, (size_t)sb.st_size, f) != (size_t)sb.st_size)
+    else if (fread(text, 1, (size_t)size, f) != (size_t)size)
         st = mha__fail(err, MHA_STATUS_IO, "%s: read error", path);
     fclose(f);
+    if (st == MHA_STATUS_OK)
+        st = mha__json_check_text(text, (size_t)size, path, err);
     if (st == MHA_STATUS_OK) {
         size_t pos = 0;
-        *out = mha__json_parse(text, (size_t)sb.st_size, &pos);
+        *out = mha__json_parse(text, (size_t)size, &pos);
         if (!*out)
             st = mha__fail(err, MHA_STATUS_BAD_FILE, "%s: not valid JSON (error at byte %zu)", path,
                            pos);
         else if (!cJSON_IsObject(*out))
             st =
                 mha__fail(err, MHA_STATUS_BAD_FILE, "%s: the top level is not a JSON object", path);
+        else
+            st = mha__json_check_keys(*out, path, err);
     }
     free(text);
     return st;
@@ -471,7 +474,18 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
         double qpas = 256.0, cap = is_null(c, "attn_logit_softcapping") ? 0.0 : 50.0;
         TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
         cfg->scale = 1.0 / sqrt(qpas);
+        /* Both are used in float arithmetic: outside float's normal range they give inf or 0
+         * there (NaN outputs), so they are refused here, naming the field. */
+        MHA_RETURN_IF(!(cfg->scale >= (double)FLT_MIN && cfg->scale <= (double)FLT_MAX), err,
+                      BAD_FILE,
+                      "%s: \"query_pre_attn_scalar\" %g gives the scale 1/sqrt(%g) = %g, outside "
+                      "float's range [%g, %g]",
+                      m->config_path, qpas, qpas, cfg->scale, (double)FLT_MIN, (double)FLT_MAX);
         TRY(get_num(m, c, "", "attn_logit_softcapping", 0.0, 1, 1e300, &cap, err));
+        MHA_RETURN_IF(cap != 0.0 && !(cap >= (double)FLT_MIN && cap <= (double)FLT_MAX), err,
+                      BAD_FILE,
+                      "%s: \"attn_logit_softcapping\" %g is outside float's range [%g, %g]",
+                      m->config_path, cap, (double)FLT_MIN, (double)FLT_MAX);
         cfg->softcap = cap;
     }
     if (is_type(m, "gpt2")) {
@@ -646,6 +660,11 @@ read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r,
     MHA_RETURN_IF(orig == 0.0, err, BAD_FILE,
                   "%s: longrope RoPE scaling needs \"%soriginal_max_position_embeddings\"",
                   m->config_path, where);
+    /* A context length; ln(original) divides the attention factor: 1 gave inf, < 1 NaN. */
+    MHA_RETURN_IF(orig <= 1.0, err, BAD_FILE,
+                  "%s: longrope \"%soriginal_max_position_embeddings\" %g must be > 1 (a context "
+                  "length; ln of it divides the attention factor)",
+                  m->config_path, where, orig);
     TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
     MHA_RETURN_IF(factor == 0.0 && maxpos == 0.0, err, BAD_FILE,
                   "%s: longrope RoPE scaling needs \"%sfactor\" or \"max_position_embeddings\"",
@@ -658,6 +677,29 @@ read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r,
                           : r->factor <= 1.0
                               ? 1.0
                               : sqrt(1.0 + log(r->factor) / log(orig)); /* as transformers */
+    return MHA_STATUS_OK;
+}
+
+/* No non-finite number lands in the info: the scaling's numbers computed above (factor /
+ * original, attention factors, ...) must be finite, and finite in float, where the RoPE tables
+ * use them. */
+static mha_status check_rope_floats(const hf_model *m, const mha_rope *r, mha_error *err) {
+    const struct {
+        const char *name;
+        double v;
+    } vals[] = {
+        {"factor", r->factor},
+        {"original_max_position_embeddings", r->original_max_position},
+        {"attention_factor", r->attention_factor},
+        {"low_freq_factor", r->low_freq_factor},
+        {"high_freq_factor", r->high_freq_factor},
+        {"beta_fast", r->beta_fast},
+        {"beta_slow", r->beta_slow},
+    };
+    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++)
+        MHA_RETURN_IF(!isfinite(vals[i].v) || fabs(vals[i].v) > (double)FLT_MAX, err, BAD_FILE,
+                      "%s: the RoPE scaling's %s is %g (from the config), not finite in float",
+                      m->config_path, vals[i].name, vals[i].v);
     return MHA_STATUS_OK;
 }
 
@@ -720,7 +762,8 @@ read_rope(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_erro
                   "mha rotates an even number >= 2",
                   m->config_path, pw, frac, (long long)d, (long long)rd);
     r->rotary_dim = rd;
-    return read_scaling(m, s, where, r, err);
+    TRY(read_scaling(m, s, where, r, err));
+    return check_rope_floats(m, r, err);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -904,16 +947,22 @@ static mha_status read_exact(hf_model *m,
     return MHA_STATUS_OK;
 }
 
-/* Whether prefix + stem + ".bias" exists; required when the config implies it. */
-static mha_status has_bias(hf_model *m, const char *stem, int required, int *out, mha_error *err) {
+/* Whether the layer has the bias prefix + stem + ".bias": exactly when the config implies it
+ * (`wanted`), as transformers builds the module; then the tensor must exist. A bias tensor the
+ * config does not imply is not read: transformers does not build that bias and ignores the
+ * tensor, so mha does too and the outputs agree (docs/MODELS.md, "Biases"). */
+static mha_status has_bias(hf_model *m, const char *stem, int wanted, int *out, mha_error *err) {
+    *out = 0;
+    if (!wanted)
+        return MHA_STATUS_OK;
     char name[2 * MHA_HF_TEXT_SIZE];
     tensor_name(name, m, stem, ".bias");
     mha_status st;
     *out = model_has(m, name, &st, err);
     if (st != MHA_STATUS_OK)
         return st;
-    MHA_RETURN_IF(required && !*out, err, NOT_FOUND, "%s: no tensor '%s' (%s implies a bias)",
-                  m->dir, name, m->config_path);
+    MHA_RETURN_IF(!*out, err, NOT_FOUND, "%s: no tensor '%s' (%s implies a bias)", m->dir, name,
+                  m->config_path);
     return MHA_STATUS_OK;
 }
 
@@ -945,9 +994,13 @@ static int64_t fused_block(hf_fused f, int role, int64_t t, int64_t h, int64_t g
     }
 }
 
-/* Splits a fused [(h + 2g) d, cols] matrix (cols 1: a bias) into new q [h d], k [g d], v [g d]. */
+/* Splits a fused [fused_rows, cols] matrix (cols 1: a bias), named `name`, into new q [h d],
+ * k [g d], v [g d]. Every block read is checked against fused_rows, the tensor's own row count,
+ * whatever the sizes in `c` say (they may come from flags or the caller's config). */
 static mha_status split_fused(const hf_model *m,
+                              const char *name,
                               const float *fused,
+                              int64_t fused_rows,
                               int64_t cols,
                               const mha_config *c,
                               const mha_allocator *a,
@@ -963,6 +1016,11 @@ static mha_status split_fused(const hf_model *m,
         MHA_RETURN_IF(!dst[role], err, NO_MEMORY, "%s: out of memory", m->dir);
         for (int64_t t = 0; t < heads; t++) {
             const int64_t b = fused_block(m->fused, role, t, h, g);
+            MHA_RETURN_IF(b < 0 || b >= fused_rows / d, err, BAD_FILE,
+                          "%s: tensor '%s' has %lld rows, but %lld heads and %lld key/value "
+                          "heads of %lld rows read its row block %lld",
+                          m->file_name, name, (long long)fused_rows, (long long)h, (long long)g,
+                          (long long)d, (long long)b);
             memcpy(dst[role] + t * d * cols, fused + b * d * cols,
                    (size_t)(d * cols) * sizeof(float));
         }
@@ -975,6 +1033,15 @@ static mha_status
 load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
     const char *stem = STEMS[m->arch->layout][0];
     const int gpt2 = m->arch->layout == LAYOUT_GPT2;
+    char wname[2 * MHA_HF_TEXT_SIZE], bname[2 * MHA_HF_TEXT_SIZE];
+    tensor_name(wname, m, stem, ".weight");
+    tensor_name(bname, m, stem, ".bias");
+    /* [h, 3, d] holds one k and one v per query head: no override can make it grouped. */
+    MHA_RETURN_IF(m->fused == FUSED_PER_HEAD && c->num_kv_heads != c->num_heads, err, BAD_FILE,
+                  "%s: tensor '%s' stores q, k, v per head ([h, 3, d], %s): num_kv_heads must "
+                  "equal num_heads %lld, not %lld",
+                  m->dir, wname, m->config_path, (long long)c->num_heads,
+                  (long long)c->num_kv_heads);
     int64_t rows; /* (h + 2g) d */
     MHA_RETURN_IF(!mha__mul_i64(c->num_heads + 2 * c->num_kv_heads, c->head_dim, &rows), err,
                   OVERFLOW, "%s: sizes overflow", m->config_path);
@@ -985,13 +1052,13 @@ load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b,
     if (st == MHA_STATUS_OK && gpt2) /* Conv1D keeps [in, out]: y = x W */
         st = transpose(fused, m->hidden, rows, a, err);
     if (st == MHA_STATUS_OK)
-        st = split_fused(m, fused, m->hidden, c, a, b->p, err);
+        st = split_fused(m, wname, fused, rows, m->hidden, c, a, b->p, err);
     if (st == MHA_STATUS_OK)
         st = has_bias(m, stem, c->bias_q, &bias, err);
     if (st == MHA_STATUS_OK && bias)
         st = read_exact(m, stem, ".bias", rows, 0, a, &fused_bias, err);
     if (st == MHA_STATUS_OK && bias)
-        st = split_fused(m, fused_bias, 1, c, a, b->p + 4, err);
+        st = split_fused(m, bname, fused_bias, rows, 1, c, a, b->p + 4, err);
     mha__free(a, fused);
     mha__free(a, fused_bias);
     return st;

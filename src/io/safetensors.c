@@ -12,6 +12,8 @@
 
 #include "io/safetensors.h"
 
+#include "io/file.h"
+
 #include "base/internal.h"
 
 #include <cjson/cJSON.h>
@@ -228,16 +230,14 @@ static mha_status index_tensors(st_file *sf, mha_error *err) {
 
 static mha_status st_open_header(st_file *sf, uint64_t size, mha_error *err);
 
-/* Opens the file at `path` (a regular file) and parses its header. */
+/* Opens the file at `path` (a regular file, io/file.h) and parses its header. */
 static mha_status st_open(st_file *sf, const char *path, mha_error *err) {
     sf->path = path;
-    sf->f = fopen(path, "rb");
-    MHA_RETURN_IF(!sf->f, err, IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    MHA_RETURN_IF(fstat(fileno(sf->f), &sb) != 0, err, IO, "%s: cannot stat: %s", path,
-                  strerror(errno));
-    MHA_RETURN_IF(!S_ISREG(sb.st_mode), err, IO, "%s: not a regular file", path);
-    return st_open_header(sf, (uint64_t)sb.st_size, err);
+    uint64_t size = 0;
+    mha_status st = mha__open_regular(path, &sf->f, &size, NULL, err);
+    if (st != MHA_STATUS_OK)
+        return st;
+    return st_open_header(sf, size, err);
 }
 
 /* The same over an in-memory image (fmemopen), so both paths share every check. */
@@ -256,6 +256,85 @@ st_open_mem(st_file *sf, const void *buf, size_t len, const char *name, mha_erro
 /* cJSON 1.7.x records the position of a parse error in a process-wide variable on every parse, so
  * concurrent loads would race on it (benignly: nothing here reads it). Parses are serialised. */
 static pthread_mutex_t st_json_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The JSON policy (safetensors.h): a NUL inside a string, raw or as \u0000, is refused, since
+ * cJSON would cut the string there and Python keeps it whole. Named by its key (for a value: the
+ * last key before it). */
+mha_status mha__json_check_text(const char *text, size_t len, const char *path, mha_error *err) {
+    const char *key = NULL;
+    int key_len = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (text[i] != '"') /* a NUL outside strings is a syntax error for the parser */
+            continue;
+        const size_t start = ++i;
+        int nul = 0;
+        for (; i < len && text[i] != '"'; i++) {
+            nul |= text[i] == '\0';
+            if (text[i] == '\\' && i + 1 < len) {
+                nul |= i + 5 < len && text[i + 1] == 'u' && memcmp(text + i + 2, "0000", 4) == 0;
+                i++;
+            }
+        }
+        const int n = i - start > 80 ? 80 : (int)(i - start);
+        size_t j = i + 1;
+        while (j < len && (text[j] == ' ' || text[j] == '\t' || text[j] == '\n' || text[j] == '\r'))
+            j++;
+        const int is_key = j < len && text[j] == ':';
+        if (nul && is_key)
+            return mha__fail(err, MHA_STATUS_BAD_FILE,
+                             "%s: key \"%.*s\" contains a NUL character (\\u0000): refused (the "
+                             "key would be cut short)",
+                             path, n, text + start);
+        if (nul)
+            return mha__fail(err, MHA_STATUS_BAD_FILE,
+                             "%s: the value of \"%.*s\" contains a NUL character (\\u0000): "
+                             "refused (the string \"%.*s\" would be cut short)",
+                             path, key ? key_len : 0, key ? key : "", n, text + start);
+        if (is_key)
+            key = text + start, key_len = n;
+    }
+    return MHA_STATUS_OK;
+}
+
+static int cmp_str_ptr(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The other half of the policy: no object, at any depth, has the same key twice (cJSON would
+ * take the first, Python's json the last). */
+mha_status mha__json_check_keys(const cJSON *node, const char *path, mha_error *err) {
+    size_t n = 0;
+    for (const cJSON *c = node->child; c; c = c->next) {
+        if (c->child) {
+            mha_status st = mha__json_check_keys(c, path, err);
+            if (st != MHA_STATUS_OK)
+                return st;
+        }
+        n++;
+    }
+    if (!cJSON_IsObject(node) || n < 2)
+        return MHA_STATUS_OK;
+    const char **keys = malloc(n * sizeof *keys);
+    MHA_RETURN_IF(!keys, err, NO_MEMORY, "%s: out of memory", path);
+    size_t k = 0;
+    for (const cJSON *c = node->child; c; c = c->next)
+        keys[k++] = c->string ? c->string : "";
+    qsort(keys, n, sizeof *keys, cmp_str_ptr);
+    mha_status st = MHA_STATUS_OK;
+    for (size_t i = 1; i < n && st == MHA_STATUS_OK; i++)
+        if (strcmp(keys[i - 1], keys[i]) == 0)
+            st = node->string
+                     ? mha__fail(err, MHA_STATUS_BAD_FILE,
+                                 "%s: duplicate key \"%.80s\" (in \"%.80s\"): refused (readers "
+                                 "disagree on which one counts)",
+                                 path, keys[i], node->string)
+                     : mha__fail(err, MHA_STATUS_BAD_FILE,
+                                 "%s: duplicate key \"%.80s\": refused (readers disagree on which "
+                                 "one counts)",
+                                 path, keys[i]);
+    free(keys);
+    return st;
+}
 
 struct cJSON *mha__json_parse(const char *text, size_t len, size_t *error_pos) {
     const char *end = NULL;
@@ -302,6 +381,11 @@ static mha_status st_open_header(st_file *sf, uint64_t size, mha_error *err) {
         return mha__fail(err, MHA_STATUS_IO, "%s: read error in the header", path);
     }
     text[n] = '\0';
+    mha_status st = mha__json_check_text(text, (size_t)n, path, err);
+    if (st != MHA_STATUS_OK) {
+        free(text);
+        return st;
+    }
     const char *end = NULL;
     pthread_mutex_lock(&st_json_lock);
     sf->root = cJSON_ParseWithLengthOpts(text, (size_t)n, &end, 0);
@@ -321,7 +405,8 @@ static mha_status st_open_header(st_file *sf, uint64_t size, mha_error *err) {
     MHA_RETURN_IF(pos != n, err, BAD_FILE,
                   "%s: unexpected bytes after the JSON header (at byte %zu of %llu)", path, pos,
                   (unsigned long long)n);
-    return index_tensors(sf, err);
+    st = index_tensors(sf, err); /* duplicate tensor names are named as such there */
+    return st == MHA_STATUS_OK ? mha__json_check_keys(sf->root, path, err) : st;
 }
 
 static void st_close(st_file *sf) {

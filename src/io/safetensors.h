@@ -26,6 +26,13 @@ mha_status mha__safetensors_load_mem(const void *buf,
  * the byte where parsing stopped in *error_pos. Free with cJSON_Delete. */
 struct cJSON;
 struct cJSON *mha__json_parse(const char *text, size_t len, size_t *error_pos);
+/* The one policy for every JSON the library reads (config.json, the index, safetensors headers):
+ * mha__json_check_text, before parsing, refuses a NUL in a key or string (raw or \u0000: cJSON
+ * would cut it short); mha__json_check_keys, after, refuses an object with the same key twice at
+ * any depth (cJSON takes the first, Python the last). Each message names the key; `path` names
+ * the file. */
+mha_status mha__json_check_text(const char *text, size_t len, const char *path, mha_error *err);
+mha_status mha__json_check_keys(const struct cJSON *node, const char *path, mha_error *err);
 
 /* Tensor-level access to one safetensors file, for loaders that assemble a layer themselves
  * (src/io/hf_config.c: fused and transposed projections). The file gets every check of
