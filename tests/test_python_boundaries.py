@@ -407,3 +407,28 @@ def test_numpy_non_contiguous_and_read_only():
     np.testing.assert_array_equal(mha.attention(*ro), ref)  # inputs are only read
     out = mha.attention(q, k, v)
     assert out.flags.writeable and out.flags.c_contiguous
+
+
+def test_numpy_bfloat16_and_float8_converted():
+    """ml_dtypes' bfloat16 / float8 arrays (kind 'V'; what np.asarray gives for JAX bfloat16) are
+    floats: converted to float32 like float16, as inputs, additive masks and layer inputs; other
+    'V' dtypes (ml_dtypes' int4, a structured dtype) are refused."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v = np_qkv(5)
+    for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        r = [a.astype(dt) for a in (q, k, v)]
+        np.testing.assert_array_equal(mha.attention(*r),
+                                      mha.attention(*(a.astype(np.float32) for a in r)))
+    bias = np.random.default_rng(6).standard_normal((8, 8)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(mha.attention(q, k, v, mask=bias),
+                                  mha.attention(q, k, v, attn_bias=bias.astype(np.float32)))
+    np.testing.assert_array_equal(mha.attention(q, k, v, attn_bias=bias),
+                                  mha.attention(q, k, v, attn_bias=bias.astype(np.float32)))
+    for bad in (q.astype(ml_dtypes.int4), np.zeros(q.shape, [("a", np.float32)])):
+        with pytest.raises(TypeError, match="floating-point"):
+            mha.attention(bad, k, v)
+    rng = np.random.default_rng(7)
+    w = [rng.standard_normal((16, 16)).astype(np.float32) for _ in range(4)]
+    layer = mha.MultiheadAttention(*w, num_heads=2)
+    x = rng.standard_normal((2, 5, 16)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(layer.forward(x), layer.forward(x.astype(np.float32)))
