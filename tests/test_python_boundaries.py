@@ -432,3 +432,24 @@ def test_numpy_bfloat16_and_float8_converted():
     layer = mha.MultiheadAttention(*w, num_heads=2)
     x = rng.standard_normal((2, 5, 16)).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(layer.forward(x), layer.forward(x.astype(np.float32)))
+
+
+def test_torch_layouts_and_traced_mask_dtypes():
+    """Sparse and mkldnn tensors (no strided memory C could read) are refused with TypeError by
+    the drop-ins; the traced layer refuses an integer mask as the eager one does (it was added
+    to the scores as a float mask)."""
+    q, k, v = qkv()
+    layer = mt.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(1, 4, 16)
+    for t in (q.to_sparse(), q.to_mkldnn()):
+        with pytest.raises(TypeError, match="dense \\(strided\\)"):
+            mt.scaled_dot_product_attention(t, k, v)
+    for t in (x.to_sparse(), x.to_mkldnn()):
+        with pytest.raises(TypeError, match="dense \\(strided\\)"):
+            with torch.no_grad():
+                layer(t, t, t)
+    with pytest.raises(TypeError, match="dense \\(strided\\)"):
+        mt.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16).to_sparse())
+    f = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.no_grad(), pytest.raises(Exception, match="only bool and floating types"):
+        f(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.int32))

@@ -132,6 +132,8 @@ def _where(t: Tensor, name: str, op: str) -> None:
     if t.device.type != "cpu" and not (t.device.type == "meta" and "fake" in op):
         raise TypeError(f"{op}: {name} must be a CPU tensor (mha runs on the CPU), got device "
                         f"{t.device}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got layout {t.layout}")
 
 
 def _float_operand(t: Tensor, name: str, op: str, ndim: Optional[int]) -> Tensor:

@@ -26,6 +26,9 @@ def _np(t: Tensor) -> np.ndarray:
     """A NumPy view (no copy) of a CPU tensor; other float dtypes are converted to float32."""
     if not t.is_cpu:
         raise TypeError(f"mha.torch.ring_attention: tensors must be on the CPU, got {t.device}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"mha.torch.ring_attention: expected dense (strided) tensors, got "
+                        f"{t.layout}")
     if not t.is_floating_point():
         raise TypeError(f"mha.torch.ring_attention: expected floating-point tensors, got {t.dtype}")
     return t.detach().to(_F32).numpy()
