@@ -453,3 +453,13 @@ def test_torch_layouts_and_traced_mask_dtypes():
     f = torch.compile(layer, backend="eager", fullgraph=True)
     with torch.no_grad(), pytest.raises(Exception, match="only bool and floating types"):
         f(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_opcheck_other_dtypes(dtype):
+    """torch.library.opcheck with bfloat16 / float64 operands: the fake kernel's dtypes and shapes
+    agree with the real one's, and the autograd formula's (what aot_eager checked and failed)."""
+    q, k, v = (t.requires_grad_() for t in qkv(dtype=dtype, seed=11))
+    add = torch.randn(16, 16, dtype=dtype)
+    args = (q, k, v, None, add, True, 0.0, 0.0, None, True, False, 1)
+    torch.library.opcheck(OP.default, args)
