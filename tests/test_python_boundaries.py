@@ -453,6 +453,9 @@ def test_torch_layouts_and_traced_mask_dtypes():
     f = torch.compile(layer, backend="eager", fullgraph=True)
     with torch.no_grad(), pytest.raises(Exception, match="only bool and floating types"):
         f(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.int32))
+    xi = torch.ones(1, 4, 16, dtype=torch.int32)  # converted by .to(float32) before
+    with torch.no_grad(), pytest.raises(Exception, match="query must be a floating-point"):
+        f(xi, xi, xi)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
@@ -463,3 +466,26 @@ def test_opcheck_other_dtypes(dtype):
     add = torch.randn(16, 16, dtype=dtype)
     args = (q, k, v, None, add, True, 0.0, 0.0, None, True, False, 1)
     torch.library.opcheck(OP.default, args)
+
+
+def test_compiled_layer_under_autocast_trains():
+    """The backward of the compiled layer under autocast (aot_eager): bfloat16 gradients of the
+    operator's operands flow back, finite and close to PyTorch's float64 layer."""
+    torch.manual_seed(3)
+    torch._dynamo.reset()
+    layer = mt.MultiheadAttention(32, 2, batch_first=True)
+    ref_layer = torch.nn.MultiheadAttention(32, 2, batch_first=True).double()
+    ref_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 12, 32).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x, x, x,
+                                                                       need_weights=False)[0]
+    out.float().square().sum().backward()
+    x64 = x.detach().bfloat16().double().requires_grad_()
+    with torch.no_grad():
+        for p in ref_layer.parameters():
+            p.copy_(p.bfloat16().double())
+    ref_layer(x64, x64, x64, need_weights=False)[0].square().sum().backward()
+    assert x.grad.dtype == torch.float32
+    close(x.grad, x64.grad, 0.1)  # bfloat16 projections forward and backward
+    close(layer.in_proj_weight.grad, ref_layer.in_proj_weight.grad, 0.1)

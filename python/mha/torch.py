@@ -568,6 +568,10 @@ class MultiheadAttention(nn.Module):
         mha_rope_frequencies; angles in float64 as the C code computes them), and scale,
         soft-cap, sinks and the model's causal / sliding-window mask as operator arguments."""
         h, bf, opts = self.num_heads, self.batch_first, self._options
+        for nm, t in (("query", query), ("key", key), ("value", value)):
+            if not t.is_floating_point():  # (as the eager path; .to(float32) would accept it)
+                raise TypeError(f"mha.torch.MultiheadAttention: {nm} must be a floating-point "
+                                f"tensor, got {t.dtype}")
         unbatched = query.dim() == 2
         in_dtype = query.dtype
 
