@@ -301,3 +301,30 @@ def test_torch_autograd(shard_layout):
     assert err_rel(out.detach(), ref.detach()[:, :, rows]) <= TOL_OUT_REL
     for got, full in ((ql, q64), (kl, k64), (vl, v64)):
         assert err_rel(got.grad, full.grad[:, :, rows]) <= TOL_GRAD_REL
+
+
+def test_torch_shards_checked_on_every_rank():
+    """mha.torch.ring_attention's shards (the mpi4py path's torch boundary): a shard C cannot
+    read on one rank (a meta tensor, an integer one) raises on every rank (the others used to
+    wait in the ring); a bfloat16 or non-contiguous shard is converted to float32 and gives the
+    result of the float32 shards."""
+    torch = pytest.importorskip("torch")
+    import mha.torch as mt
+    N = 12
+    q, k, v, _ = (torch.from_numpy(x) for x in problem(1, 2, 2, N, 8, 8, seed=3))
+    rows = torch.from_numpy(mha.shard_rows(N, COMM))
+    ql, kl, vl = (t[:, :, rows].contiguous() for t in (q, k, v))
+    ref = mt.ring_attention(ql, kl, vl, comm=COMM, seq_len=N)
+    bad = P - 1
+    for wrong, text in ((vl.to("meta"), "must be on the CPU"),
+                        (vl.to(torch.int32), "floating-point")):
+        vb = wrong if RANK == bad else vl
+        expect_raise_everywhere(lambda: mt.ring_attention(ql, kl, vb, comm=COMM, seq_len=N), bad,
+                                TypeError, text)
+    # bfloat16 values (rounded) on one rank, a strided view on another: converted.
+    qb = ql.bfloat16() if RANK == bad else ql
+    kt = kl.transpose(-1, -2).contiguous().transpose(-1, -2)
+    out = mt.ring_attention(qb, kt, vl, comm=COMM, seq_len=N)
+    ref_b = mt.ring_attention(qb.float(), kl, vl, comm=COMM, seq_len=N)
+    assert out.dtype == torch.float32 and torch.equal(out, ref_b)
+    assert RANK == bad or torch.equal(out, ref)

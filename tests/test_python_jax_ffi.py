@@ -289,6 +289,78 @@ def test_handler_refuses_inconsistent_shapes():
                                    **st.attrs()))
 
 
+def _direct_forward(q, k, v, out_shape, out_dtype=F32, bias=None, mask=None):
+    """The forward FFI target called directly (no mha.jax checks or conversions in between)."""
+    st = mha.jax._Static(0.0, 0.0, False, -1, -1, 0, 0)
+    shapes = (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((B, N, T), F32),
+              jax.ShapeDtypeStruct((0,), F32))
+    call = jax.ffi.ffi_call(mha.jax._FORWARD, shapes, vmap_method="expand_dims")
+    absent_f, absent_b = jnp.zeros((0,), F32), jnp.zeros((0,), jnp.bool_)
+    return jax.block_until_ready(call(q, k, v, absent_f if bias is None else bias,
+                                      absent_b if mask is None else mask, absent_b, absent_f,
+                                      **st.attrs()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float64, jnp.int32])
+def test_handler_refuses_element_types(dtype):
+    """The handler reads float32 (bool masks): any other element type it is handed, operand or
+    result, is an XLA error naming it, not a reinterpretation of the buffer."""
+    (q, k, v), _, _ = make_case({}, 6)
+    q, k, v = (x.astype(F32) for x in (q, k, v))
+    with pytest.raises(Exception, match="query must be float32"):
+        _direct_forward(q.astype(dtype), k, v, (B, T, N, H))
+    with pytest.raises(Exception, match="value must be float32"):
+        _direct_forward(q, k, v.astype(dtype), (B, T, N, H))
+    with pytest.raises(Exception, match="out must be float32"):
+        _direct_forward(q, k, v, (B, T, N, H), dtype)
+    with pytest.raises(Exception, match="bias must be float32"):
+        _direct_forward(q, k, v, (B, T, N, H), bias=jnp.zeros((1, 1, T, S), dtype))
+    with pytest.raises(Exception, match="mask must be bool"):
+        _direct_forward(q, k, v, (B, T, N, H), mask=jnp.ones((1, 1, T, S), dtype))
+
+
+def test_handler_refuses_empty_or_short_results():
+    """A result of zero size or fewer dimensions than the handler reads its sizes from: refused
+    (the handler used to take the vmapped dimensions from it before any check)."""
+    (q, k, v), _, _ = make_case({}, 6)
+    q, k, v = (x.astype(F32) for x in (q, k, v))
+    for shape in ((0,), (B, 0, N, H), (T, N, H)):
+        with pytest.raises(Exception, match="out"):
+            _direct_forward(q, k, v, shape)
+    with pytest.raises(Exception, match="key has the wrong shape"):  # too short for q's H
+        _direct_forward(q, k[:, :, :, :4], v, (B, T, N, H))
+    with pytest.raises(Exception, match="too few dimensions"):
+        _direct_forward(q[0], k, v, (B, T, N, H))
+    # The backward: every gradient and its inputs out, lse, dout must be there.
+    st = mha.jax._Static(0.0, 0.0, False, -1, -1, 0, 0)
+    out, lse = mha.jax._attention(st, q, k, v, None, None, None, None)
+    absent_f, absent_b = jnp.zeros((0,), F32), jnp.zeros((0,), jnp.bool_)
+    for dq_shape, lse_in, what in (((0,), lse, "dq"), (q.shape, absent_f, "lse")):
+        shapes = (jax.ShapeDtypeStruct(dq_shape, F32), jax.ShapeDtypeStruct(k.shape, F32),
+                  jax.ShapeDtypeStruct(v.shape, F32), jax.ShapeDtypeStruct((0,), F32))
+        call = jax.ffi.ffi_call(mha.jax._BACKWARD, shapes, vmap_method="expand_dims")
+        with pytest.raises(Exception, match=f"{what}.*must not be empty"):
+            jax.block_until_ready(call(q, k, v, absent_f, absent_b, absent_b, absent_f, out,
+                                       lse_in, out, **st.attrs()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float64])
+def test_other_dtypes_against_float64(dtype):
+    """bf16 / f16 / f64 (x64 on) into dot_product_attention: converted, computed in float32, a
+    correct result in the input's dtype (against JAX's float64 attention on the same values)."""
+    (q, k, v), _, _ = make_case({}, 7)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    got = mha.jax.dot_product_attention(q, k, v)
+    assert got.dtype == dtype
+    ref = jax.nn.dot_product_attention(*(x.astype(F64) for x in (q, k, v)), implementation="xla")
+    eps = {jnp.float16: 2.0 ** -10, jnp.bfloat16: 2.0 ** -7, jnp.float64: 0.0}[dtype]
+    close(got, ref, TOL_OUT_REL + eps)
+    with pytest.raises(TypeError, match="floating-point"):
+        mha.jax.dot_product_attention(q, k, v, bias=jnp.zeros((1, 1, T, S), jnp.int32))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        mha.jax.dot_product_attention(q, k, v, mask=jnp.ones((T, S), jnp.float32))
+
+
 def test_other_backend_refused(monkeypatch):
     """Under jit the arrays are tracers: the default backend decides, and anything but the CPU is
     refused with a message (no GPU here, so the backend is faked)."""

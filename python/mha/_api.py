@@ -74,11 +74,20 @@ def _make_ptr():
 _ptr = _make_ptr()
 
 
+def _is_float(dt: np.dtype) -> bool:
+    """A floating dtype: NumPy's (float16/32/64, longdouble, any byte order), or one of ml_dtypes'
+    (bfloat16, the float8 types: what np.asarray gives for a JAX bfloat16 array), whose kind is
+    'V'."""
+    return dt.kind == "f" or (dt.kind == "V" and dt.type.__module__.startswith("ml_dtypes")
+                              and dt.name.startswith(("bfloat16", "float")))
+
+
 def _float32(x: ArrayLike, name: str, contiguous: bool = True) -> np.ndarray:
-    """x as a float32 array (converted from other float types), C-contiguous if asked."""
+    """x as a float32 array (converted from other float types, bfloat16 included), C-contiguous
+    if asked; TypeError for any other dtype."""
     a = np.asarray(x)
     if a.dtype != _F32:
-        if a.dtype.kind != "f":
+        if not _is_float(a.dtype):
             raise TypeError(f"{name}: expected a floating-point array, got dtype {a.dtype}")
         a = a.astype(_F32)
     if contiguous and not a.flags.c_contiguous:
@@ -171,7 +180,7 @@ def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignmen
         mk.window_left, mk.window_right, mk.use_window = left, right, 1
     if mask is not None:
         ma = np.asarray(mask)
-        if ma.dtype.kind == "f":
+        if _is_float(ma.dtype):
             if attn_bias is not None:
                 raise ValueError("mask is a float (additive) mask and attn_bias is also given; "
                                  "add them, or pass a boolean mask")

@@ -141,6 +141,11 @@ ffi::Error check_shapes(const Call &c) {
  * that every present operand has the same number of leading dimensions, each 1 or full. */
 ffi::Error resolve(Call &c, Operand first_out) {
     const Tensor &f = c.op[first_out];
+    /* The vmapped dimensions are read from it: it must have its core rank (an empty one may have
+     * any shape, even fewer dimensions). */
+    if (!f.present) {
+        return bad(std::string(kName[first_out]) + " (a result) must not be empty");
+    }
     c.lead.assign(f.dims.begin(), f.dims.end() - kCoreRank[first_out]);
     for (int w = 0; w < NOPS; ++w) {
         const Tensor &o = c.op[w];
@@ -456,6 +461,11 @@ ffi::Error backward_impl(ffi::AnyBuffer q,
     for (const auto &r : rest) {
         if (e.success()) {
             e = take(c, r.first, *r.second);
+        }
+    }
+    for (Operand w : {OUT, LSE, DOUT, DK, DV}) {
+        if (e.success() && !c.op[w].present) {
+            e = bad(std::string(kName[w]) + " must not be empty");
         }
     }
     if (e.success()) {

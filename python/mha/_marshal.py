@@ -112,7 +112,11 @@ def causal_top_left(mk: L.mha_masking) -> None:
 
 
 def set_mask_tensor(t: L.mha_mask_tensor, data: int, dtype: int, shape: Sequence[int]) -> None:
-    """Points a mha_mask_tensor at C-order memory: data pointer, mha_dtype code, 1 to 4 dims."""
+    """Points a mha_mask_tensor at C-order memory: data pointer, mha_dtype code, 1 to 4 dims
+    (ValueError otherwise: the struct holds 4, and C reads the product of them from data)."""
+    if not 1 <= len(shape) <= L.MAX_MASK_DIMS:
+        raise ValueError(f"a mask has 1 to {L.MAX_MASK_DIMS} dimensions, got shape "
+                         f"{tuple(shape)}")
     t.data = data
     t.dtype = dtype
     t.ndim = len(shape)

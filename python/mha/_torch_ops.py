@@ -8,10 +8,16 @@ autograd formula, they are opaque nodes that ``torch.compile(fullgraph=True)`` a
 ``torch.export`` trace through without a graph break (a ctypes call inside a Python
 ``autograd.Function`` cannot be traced: dynamo breaks the graph there and export refuses it).
 
-Operands (float32 CPU): q [B, h, n, d], k [B, g, m, d], v [B, g, m, d_v], last dimension
-contiguous (other strides are passed to mha as they are). Masks: ``attend`` is a bool mask, True =
-the key takes part (broadcastable to [B, h, n, m] as the C API broadcasts: [n, m], [B, 1, n, m],
-[1, h, n, m], ...); ``additive`` a float32 mask added to the scores; ``causal`` the top-left
+Operands (CPU): q [B, h, n, d], k [B, g, m, d], v [B, g, m, d_v] of one floating dtype, last
+dimension contiguous (other strides are passed to mha as they are; a copy otherwise). float32 is
+computed as it is; float64, float16 and bfloat16 (what autocast hands a traced layer) are
+converted to float32 and out and probs are returned in q's dtype, lse in float32 (the fake
+implementation says the same dtypes). Any other dtype, device or rank, shapes that do not agree,
+a non-bool ``attend``, a non-float ``additive`` or ``sinks`` of another size than [h] raise
+TypeError / ValueError before C reads anything (docs/PYTHON.md). Masks: ``attend`` is a bool
+mask, True = the key takes part (broadcastable to [B, h, n, m] as the C API broadcasts: [n, m],
+[B, 1, n, m], [1, h, n, m], ...); ``additive`` a float mask added to the scores (computed in
+float32); ``causal`` the top-left
 causal mask. ``seed`` is an int64 tensor of one element (a tensor, so that a compiled program
 draws it from torch's generator at run time instead of baking one constant into the graph).
 Trailing options (defaults: off), those of a model's layer (``MultiheadAttention.from_pretrained``
@@ -34,6 +40,7 @@ from . import _lib as L
 from . import _marshal as M
 
 _F32 = torch.float32
+_STRIDED = torch.strided
 _AUTO = L.IMPLS["auto"]
 # A model layer's options beyond an SDPA call's: (softcap, alibi, sinks, window_left,
 # window_right, bottom_right); NO_MODEL turns them all off.
@@ -113,6 +120,99 @@ def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
     return out, lse, probs
 
 
+# Operands the operators convert: computed in float32, out and probs returned in the query's
+# dtype (lse always float32); anything else (integer, bool, complex) raises TypeError.
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _where(t: Tensor, name: str, op: str) -> None:
+    """TypeError unless t is a tensor on the CPU (mha reads CPU memory only); the fake (meta)
+    implementation's checks ("fake" in op) take meta tensors too."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" and not (t.device.type == "meta" and "fake" in op):
+        raise TypeError(f"{op}: {name} must be a CPU tensor (mha runs on the CPU), got device "
+                        f"{t.device}")
+    if t.layout is not _STRIDED:
+        raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def _float_operand(t: Tensor, name: str, op: str, ndim: Optional[int]) -> Tensor:
+    """t as float32 (converted from float64/float16/bfloat16), its last dimension contiguous;
+    TypeError for another dtype or device, ValueError for another number of dimensions."""
+    _where(t, name, op)
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{op}: {name} must be floating point (float32; float64, float16 and "
+                        f"bfloat16 are computed in float32), got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype is not _F32:
+        t = t.detach().to(_F32)
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _checked(op: str, q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
+             additive: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
+             sinks: Optional[Tensor]):
+    """The operator's tensors checked against what mha_attention reads (dtype, device, rank,
+    sizes), float ones converted to float32: (q, k, v, attend, additive, sinks). Mask shapes that
+    do not broadcast to [B, h, n, m] are refused by the library (MhaError)."""
+    if (attend is None and additive is None and sinks is None and dropout_p <= 0.0
+            and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+            and q.dtype is _F32 and k.dtype is _F32 and v.dtype is _F32
+            and q.is_cpu and k.is_cpu and v.is_cpu
+            and q.layout is _STRIDED and k.layout is _STRIDED and v.layout is _STRIDED
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+            and q.stride(3) == 1 and k.stride(3) == 1 and v.stride(3) == 1):
+        # The usual call (float32 CPU operands, no mask tensors): the same checks, spelled out
+        # (the general path below costs ~10 us; this ~2 us).
+        (B, h, n, d), (Bk, g, m, dk), (Bv, gv, mv, _) = q.shape, k.shape, v.shape
+        if Bk == B and Bv == B and gv == g and mv == m and dk == d and g and not h % g:
+            return q, k, v, None, None, None
+    dtypes = {q.dtype, k.dtype, v.dtype} if all(isinstance(t, Tensor) for t in (q, k, v)) else ()
+    devices = {t.device for t in (q, k, v, attend, additive, seed, sinks)
+               if isinstance(t, Tensor)}
+    if len(devices) > 1:  # (a meta tensor among CPU ones sends the call to the fake kernel)
+        raise TypeError(f"{op}: all tensors must be on one device (the CPU), got "
+                        f"{', '.join(sorted(str(d) for d in devices))}")
+    q, k, v = (_float_operand(t, nm, op, 4) for t, nm in ((q, "q"), (k, "k"), (v, "v")))
+    if len(dtypes) > 1:
+        raise TypeError(f"{op}: q, k and v must have the same dtype, got "
+                        f"{', '.join(sorted(str(d) for d in dtypes))}")
+    B, h, n, d = q.shape
+    Bk, g, m, dk = k.shape
+    if (Bk != B or tuple(v.shape[:3]) != (B, g, m) or dk != d or g == 0 or h % g):
+        raise ValueError(f"{op}: shapes do not agree: q {tuple(q.shape)} [B, h, n, d], k "
+                         f"{tuple(k.shape)} [B, g, m, d], v {tuple(v.shape)} [B, g, m, d_v] "
+                         f"(g dividing h)")
+    if attend is not None:
+        _where(attend, "attend", op)
+        if attend.dtype != torch.bool:
+            raise TypeError(f"{op}: attend must be a bool mask (True = takes part), got "
+                            f"{attend.dtype}")
+        if not 1 <= attend.dim() <= 4:
+            raise ValueError(f"{op}: attend must have 1 to 4 dimensions, got shape "
+                             f"{tuple(attend.shape)}")
+    if additive is not None:
+        additive = _float_operand(additive, "additive", op, None)
+        if not 1 <= additive.dim() <= 4:
+            raise ValueError(f"{op}: additive must have 1 to 4 dimensions, got shape "
+                             f"{tuple(additive.shape)}")
+    if dropout_p > 0.0:
+        if seed is None:
+            raise ValueError(f"{op}: dropout_p > 0 needs a seed (an int64 tensor of one element)")
+        _where(seed, "seed", op)
+        if seed.dtype not in (torch.int64, torch.int32) or seed.numel() != 1:
+            raise TypeError(f"{op}: seed must be an int64 tensor of one element, got {seed.dtype} "
+                            f"{tuple(seed.shape)}")
+    if sinks is not None:
+        sinks = _float_operand(sinks, "sinks", op, None)
+        if tuple(sinks.shape) != (h,):
+            raise ValueError(f"{op}: sinks must have shape ({h},) (one per query head), got "
+                             f"{tuple(sinks.shape)}")
+    return q, k, v, attend, additive, sinks
+
+
 def _model(*model) -> tuple:
     return NO_MODEL if model == NO_MODEL else model
 
@@ -131,11 +231,17 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
                   window_left: int = -1, window_right: int = -1,
                   bottom_right: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.mha.attention: see the module docstring."""
+    dtype = q.dtype if isinstance(q, Tensor) else None
+    q, k, v, attend, additive, sinks = _checked("mha::attention", q, k, v, attend, additive,
+                                                dropout_p, seed, sinks)
     options = (attend, additive, causal, scale, dropout_p, seed, threads,
                _model(softcap, alibi, sinks, window_left, window_right, bottom_right))
     out, lse, probs = forward(q, k, v, options, True,
                               _probs_shape(q, v.shape[2], need_probs, average_probs))
-    return out, lse, (probs if probs is not None else empty((0,)))
+    probs = probs if probs is not None else empty((0,))
+    if dtype is not _F32:  # computed in float32; returned in the query's dtype (lse: float32)
+        out, probs = out.to(dtype), probs.to(dtype)
+    return out, lse, probs
 
 
 attention = torch.library.custom_op("mha::attention", _attention_op, mutates_args=(),
@@ -146,9 +252,12 @@ attention = torch.library.custom_op("mha::attention", _attention_op, mutates_arg
 def _attention_fake(q, k, v, attend, additive, causal, scale, dropout_p, seed, need_probs,
                     average_probs, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
                     window_right=-1, bottom_right=False):
+    # The real implementation's checks, so that a traced program refuses at trace time what the
+    # call would refuse at run time; outputs of the dtypes the real one returns.
+    _checked("mha::attention (fake)", q, k, v, attend, additive, dropout_p, seed, sinks)
     B, h, n, _ = q.shape
     probs_shape = _probs_shape(q, v.shape[2], need_probs, average_probs)
-    return (q.new_empty((B, h, n, v.shape[3])), q.new_empty((B, h, n)),
+    return (q.new_empty((B, h, n, v.shape[3])), q.new_empty((B, h, n), dtype=_F32),
             q.new_empty(probs_shape if probs_shape is not None else (0,)))
 
 
@@ -181,9 +290,23 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            window_right: int = -1,
                            bottom_right: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.mha.attention_backward: the gradients of one torch.ops.mha.attention call."""
-    return backward(dout, q, k, v, out, lse,
-                    (attend, additive, causal, scale, dropout_p, seed, threads,
-                     _model(softcap, alibi, sinks, window_left, window_right, bottom_right)))
+    op = "mha::attention_backward"
+    dtypes = tuple(t.dtype if isinstance(t, Tensor) else None for t in (q, k, v))
+    q, k, v, attend, additive, sinks = _checked(op, q, k, v, attend, additive, dropout_p, seed,
+                                                sinks)
+    B, h, n, _ = q.shape
+    want = (B, h, n, v.shape[3])
+    out, dout = _float_operand(out, "out", op, 4), _float_operand(dout, "dout", op, 4)
+    lse = _float_operand(lse, "lse", op, 3)
+    if len({t.device for t in (q, out, dout, lse)}) > 1:
+        raise TypeError(f"{op}: all tensors must be on one device (the CPU)")
+    if tuple(out.shape) != want or tuple(dout.shape) != want or tuple(lse.shape) != want[:3]:
+        raise ValueError(f"{op}: out and dout must have shape {want} and lse {want[:3]}, got "
+                         f"{tuple(out.shape)}, {tuple(dout.shape)} and {tuple(lse.shape)}")
+    grads = backward(dout, q, k, v, out, lse,
+                     (attend, additive, causal, scale, dropout_p, seed, threads,
+                      _model(softcap, alibi, sinks, window_left, window_right, bottom_right)))
+    return tuple(g if dt is _F32 else g.to(dt) for g, dt in zip(grads, dtypes))
 
 
 attention_backward = torch.library.custom_op("mha::attention_backward", _attention_backward_op,
@@ -194,6 +317,9 @@ attention_backward = torch.library.custom_op("mha::attention_backward", _attenti
 def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p,
                              seed, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
                              window_right=-1, bottom_right=False):
+    _checked("mha::attention_backward (fake)", q, k, v, attend, additive, dropout_p, seed, sinks)
+    if len({t.device for t in (q, dout, out, lse) if isinstance(t, Tensor)}) > 1:
+        raise TypeError("mha::attention_backward: all tensors must be on one device (the CPU)")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

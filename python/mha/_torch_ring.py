@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _api
+from . import _api, _mpi
 
 __all__ = ["ring_attention"]
 
@@ -26,15 +26,27 @@ def _np(t: Tensor) -> np.ndarray:
     """A NumPy view (no copy) of a CPU tensor; other float dtypes are converted to float32."""
     if not t.is_cpu:
         raise TypeError(f"mha.torch.ring_attention: tensors must be on the CPU, got {t.device}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"mha.torch.ring_attention: expected dense (strided) tensors, got "
+                        f"{t.layout}")
     if not t.is_floating_point():
         raise TypeError(f"mha.torch.ring_attention: expected floating-point tensors, got {t.dtype}")
     return t.detach().to(_F32).numpy()
 
 
+def _shards(comm: Any, *tensors: Tensor):
+    """The NumPy views of this rank's tensors, checked collectively: a tensor refused on one
+    rank (wrong device or dtype) raises on every rank instead of leaving the others waiting in
+    the ring (one allgather)."""
+    _mpi.comm_info(comm)
+    return _mpi.collective(comm, lambda: tuple(_np(t) for t in tensors))
+
+
 class _RingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, options: dict, q: Tensor, k: Tensor, v: Tensor):
-        out, lse = _api.attention(_np(q), _np(k), _np(v), return_lse=True, **options)
+        out, lse = _api.attention(*_shards(options["comm"], q, k, v), return_lse=True,
+                                  **options)
         out_t = torch.from_numpy(out)
         ctx.options = options
         ctx.save_for_backward(q, k, v, out_t, torch.from_numpy(lse))
@@ -44,7 +56,7 @@ class _RingFunction(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         o = dict(ctx.options)
-        dq, dk, dv = _api.attention_backward(_np(dout), _np(q), _np(k), _np(v), out.numpy(),
+        dq, dk, dv = _api.attention_backward(*_shards(o["comm"], dout, q, k, v), out.numpy(),
                                              lse.numpy(), **o)
         need = ctx.needs_input_grad
         res = [torch.from_numpy(np.ascontiguousarray(g)) if need[i + 1] else None

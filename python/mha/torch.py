@@ -39,6 +39,7 @@ from ._lib import MhaError
 __all__ = ["MultiheadAttention", "scaled_dot_product_attention", "MhaError"]
 
 _F32 = torch.float32
+_STRIDED = torch.strided
 _fast = L.fast  # the compiled hot path (inference forward), or None: ctypes for everything
 _MASK_CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L.DTYPE_I32,
                torch.int64: L.DTYPE_I64, torch.float32: L.DTYPE_F32}
@@ -64,9 +65,14 @@ def _seed_tensor() -> Tensor:
 
 
 def _check_cpu_f32(name: str, t: Tensor) -> None:
+    """TypeError unless t is a dense (strided) CPU tensor: mha reads CPU memory through a data
+    pointer and strides (a sparse, mkldnn or meta tensor has none it could read)."""
     if not t.is_cpu:
         raise TypeError(f"mha.torch: {name} must be a CPU tensor (mha runs on the CPU), got "
                         f"device {t.device}")
+    if t.layout is not _STRIDED:
+        raise TypeError(f"mha.torch: {name} must be a dense (strided) tensor, got layout "
+                        f"{t.layout}")
 
 
 def _mask_arg(name: str, m: Tensor) -> Tensor:
@@ -263,6 +269,10 @@ def _traced_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor
     """nn.MultiheadAttention's attn_mask and key_padding_mask as the operator's (attend,
     additive): bool masks say True = not allowed there, True = takes part here."""
     attend = additive = None
+    for nm, t in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if t is not None and t.dtype != torch.bool and not t.is_floating_point():
+            raise TypeError(f"mha.torch: only bool and floating types of {nm} are supported, "
+                            f"got {t.dtype}")  # (as the eager path: _mask_arg)
     if attn_mask is not None:
         am = attn_mask if attn_mask.dim() == 2 else attn_mask.view(B, h, n, m)
         if am.dtype == torch.bool:
@@ -491,7 +501,8 @@ class MultiheadAttention(nn.Module):
         cache), and the usual layer's cache key is spelled out (as in _param_key)."""
         d = self.__dict__
         if ((d["training"] and d["dropout"] > 0.0) or not d["_qkv_same_embed_dim"]
-                or x.dtype is not _F32 or not x.is_cpu or not x.is_contiguous()):
+                or x.dtype is not _F32 or not x.is_cpu or x.layout is not _STRIDED
+                or not x.is_contiguous()):
             return None
         shape = x.shape
         nd = len(shape)
@@ -557,6 +568,10 @@ class MultiheadAttention(nn.Module):
         mha_rope_frequencies; angles in float64 as the C code computes them), and scale,
         soft-cap, sinks and the model's causal / sliding-window mask as operator arguments."""
         h, bf, opts = self.num_heads, self.batch_first, self._options
+        for nm, t in (("query", query), ("key", key), ("value", value)):
+            if not t.is_floating_point():  # (as the eager path; .to(float32) would accept it)
+                raise TypeError(f"mha.torch.MultiheadAttention: {nm} must be a floating-point "
+                                f"tensor, got {t.dtype}")
         unbatched = query.dim() == 2
         in_dtype = query.dtype
 
