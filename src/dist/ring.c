@@ -548,7 +548,7 @@ block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, m
         for (int32_t kc = 0; kc < nkc; kc++) {
             const int64_t nk = chunked ? src->len[kc] : src->n_local;
             const int64_t qs = chunked ? c->mine.start[qc] : 0, ks = chunked ? src->start[kc] : 0;
-            /* An empty chunk (N < C) has no pair: no row loops, and no key skips nk = 0. */
+            /* An empty chunk (N < C) forms no pair: nq = 0 loops no row, nk = 0 is skipped. */
             for (int64_t r0 = 0; nk > 0 && r0 < nq; r0 += slice) {
                 const int64_t rows = nq - r0 < slice ? nq - r0 : slice;
                 mha_status st = acc ? bwd_pair(c, blk, acc, src->n_local, q_off + r0, rows, qs + r0,
