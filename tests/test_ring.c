@@ -62,8 +62,8 @@ static void test_shards(void) {
                 mha_ring_config cfg = {n, (mha_shard_layout)layout};
                 int seen[10] = {0}, ok = 1;
                 for (int32_t r = 0; r < p; r++) {
-                    int32_t nc;
-                    int64_t start[2], len[2];
+                    int32_t nc = 0; /* as if empty when refused (f265811 refused N < C) */
+                    int64_t start[2] = {0, 0}, len[2] = {0, 0};
                     mha_error err;
                     ok &= mha_ring_shard(&cfg, p, r, &nc, start, len, &err) == MHA_STATUS_OK;
                     ok &= nc == (layout ? 2 : 1);
@@ -304,8 +304,8 @@ static void run_case(const ring_case *rc, uint64_t seed) {
 
     /* This rank's shard. */
     mha_ring_config cfg = {n, rc->layout};
-    int32_t nc;
-    int64_t start[2], len[2];
+    int32_t nc = 1; /* an empty shard if mha_ring_shard fails */
+    int64_t start[2] = {0, 0}, len[2] = {0, 0};
     CHECK_OK(mha_ring_shard(&cfg, g_size, g_rank, &nc, start, len, &err), &err);
     const int64_t nl = len[0] + (nc > 1 ? len[1] : 0);
     mha_attention_args l = a;
@@ -703,6 +703,62 @@ static void test_collective_errors(void) {
     free(x), free(o);
 }
 
+/* A rank without rows (N = 1: every rank but 0) is still checked: its local length must be 0,
+ * and its sizes and options must agree with the others' (here: another head count, or no key
+ * padding where rank 0 gives it), each an error on every rank; a good call afterwards works. */
+static void test_empty_rank_errors(void) {
+    if (g_size < 2)
+        return;
+    const int64_t B = 1, h = 2, d = 8;
+    mha_ring_config cfg = {1, MHA_SHARD_ZIGZAG};
+    const int64_t nl = g_rank == 0 ? 1 : 0;
+    float x[16] = {0}, o[16] = {0};
+    const uint8_t kp[1] = {1};
+    mha_attention_args a = {0};
+    a.batch = B, a.num_heads = h, a.q_len = a.kv_len = nl, a.head_dim = d;
+    a.q = a.k = a.v = x, a.out = o;
+    strides_of(0, h, 1, d, a.q_strides);
+    memcpy(a.k_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.v_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.out_strides, a.q_strides, sizeof a.q_strides);
+    const int bad = g_size - 1;
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "rank %d: ", bad);
+    mha_error err;
+    mha_attention_args b = a;
+    if (g_rank == bad)
+        b.q_len = b.kv_len = 1;
+    mha_status st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, prefix) &&
+              strstr(err.message, "q_len"),
+          "N=1, one row on empty rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
+          err.message);
+    b = a;
+    if (g_rank == bad)
+        b.num_heads = 1;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "num_heads"),
+          "N=1, num_heads differs on empty rank %d: rank %d got %s: %s", bad, g_rank,
+          mha_status_string(st), err.message);
+    b = a;
+    if (g_rank == 0) {
+        b.mask.key_padding.data = kp;
+        b.mask.key_padding.dtype = MHA_DTYPE_U8;
+        b.mask.key_padding.ndim = 1;
+        b.mask.key_padding.shape[0] = 1;
+    }
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "key_padding"),
+          "N=1, key padding on rank 0 only: rank %d got %s: %s", g_rank, mha_status_string(st),
+          err.message);
+    b = a;
+    if (g_rank != 0)
+        b.q = b.k = b.v = NULL, b.out = NULL;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_OK, "N=1, good call: rank %d got %s: %s", g_rank, mha_status_string(st),
+          err.message);
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
@@ -711,6 +767,7 @@ int main(int argc, char **argv) {
     test_matches_single_process();
     test_short_sequences();
     test_collective_errors();
+    test_empty_rank_errors();
     const int rc = test_finish();
     MPI_Finalize();
     return rc;

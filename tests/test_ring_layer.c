@@ -210,8 +210,8 @@ static void run_case(const layer_case *c) {
 
     /* 2. This rank's rows through the ring. */
     mha_ring_config rc = {n, c->layout};
-    int32_t nc;
-    int64_t start[2], len[2];
+    int32_t nc = 1; /* an empty shard if mha_ring_shard fails */
+    int64_t start[2] = {0, 0}, len[2] = {0, 0};
     CHECK_OK(mha_ring_shard(&rc, g_size, g_rank, &nc, start, len, &err), &err);
     const int64_t nl = len[0] + (nc > 1 ? len[1] : 0);
     float *xl = malloc(sizeof(float) * (size_t)(B * nl * qd));
