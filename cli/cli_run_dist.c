@@ -80,16 +80,14 @@ static int64_t global_row(const dist *d, int64_t li) {
     return li < d->len[0] ? d->start[0] + li : d->start[1] + (li - d->len[0]);
 }
 
-/* The rank's chunks of an N-row sequence; fails on every rank alike when N < the chunk count. */
+/* The rank's chunks of an N-row sequence (any N >= 1: with fewer rows than chunks, some ranks
+ * hold none); fails on every rank alike otherwise. */
 static int set_shard(dist *d, int64_t N, const char *what) {
     d->cfg.seq_len = N;
     mha_error err;
-    if (mha_ring_shard(&d->cfg, d->size, d->rank, &d->nc, d->start, d->len, &err) !=
-        MHA_STATUS_OK) {
-        const int chunks = d->cfg.layout == MHA_SHARD_ZIGZAG ? 2 * d->size : d->size;
-        return fail0(d, "%s: %lld rows cannot be cut into the %d chunks of %d ranks (%s layout)",
-                     what, (long long)N, chunks, d->size, layout_name(d));
-    }
+    if (mha_ring_shard(&d->cfg, d->size, d->rank, &d->nc, d->start, d->len, &err) != MHA_STATUS_OK)
+        return fail0(d, "%s: %lld rows cannot be sharded over %d ranks (%s layout): %s", what,
+                     (long long)N, d->size, layout_name(d), err.message);
     if (d->nc < 2)
         d->len[1] = 0;
     d->n_local = d->len[0] + d->len[1];
@@ -124,10 +122,16 @@ static int shard_sizes(const run_config *o, dist *d, const run_dims *dm) {
     return CLI_OK;
 }
 
+/* malloc that answers a rank without rows (n_local = 0) with a pointer too (malloc(0) may be
+ * NULL). */
+static void *alloc_rows(size_t bytes) {
+    return malloc(bytes ? bytes : 1);
+}
+
 /* This rank's rows of a [B, N, w] array of `elem`-byte elements, as a new [B, n_local, w] one. */
 static void *
 take_rows(const dist *d, const void *src, int64_t B, int64_t N, int64_t w, size_t elem) {
-    char *dst = malloc(elem * (size_t)(B * d->n_local * w));
+    char *dst = alloc_rows(elem * (size_t)(B * d->n_local * w));
     if (!dst)
         return NULL;
     const size_t row = elem * (size_t)w;
@@ -140,7 +144,7 @@ take_rows(const dist *d, const void *src, int64_t B, int64_t N, int64_t w, size_
 
 /* Key padding [B, N] or [N] (broadcast over the batch) at this rank's keys, as uint8 [B, n]. */
 static uint8_t *take_padding(const dist *d, const mha_mask_tensor *t, int64_t B, int64_t N) {
-    uint8_t *dst = malloc((size_t)(B * d->n_local));
+    uint8_t *dst = alloc_rows((size_t)(B * d->n_local));
     if (!dst)
         return NULL;
     const int per_batch = t->ndim == 2 && t->shape[0] > 1;
@@ -245,7 +249,7 @@ alloc_y(const run_config *o, run_state *s, const dist *d, int64_t B, int64_t od,
                      "per-rank shard files ({rank} in --input and --out)",
                      o->opt[O_INPUT], (long long)(B * n_max * od));
     const size_t fb = sizeof(float);
-    int ok = (bf->y = malloc(fb * (size_t)(B * d->n_local * od))) != NULL;
+    int ok = (bf->y = alloc_rows(fb * (size_t)(B * d->n_local * od))) != NULL;
     if (!o->shard_files && d->rank == 0) {
         ok &= (s->out = malloc(fb * (size_t)(B * N * od))) != NULL;
         ok &= (bf->stage = malloc(fb * (size_t)(B * n_max * od))) != NULL;

@@ -21,6 +21,9 @@ extern "C" {
 
 /** How the global sequence of N rows is cut among P ranks. The sequence is split into C chunks
  *  (C = P contiguous, 2P zigzag), chunk c having floor(N/C) + (c < N mod C) rows, in order.
+ *  Any N >= 1 works: when N < C, chunks 0 .. N-1 hold one row each and the others none (an empty
+ *  chunk starts at N), so a rank may hold no row at all; it still takes part in every
+ *  collective call, with an empty shard (local length 0).
  *    CONTIGUOUS: rank r holds chunk r.
  *    ZIGZAG:     rank r holds chunks r and 2P-1-r (in that order): under a causal mask every rank
  *                then does the same work (one early and one late chunk), where with CONTIGUOUS
@@ -32,14 +35,16 @@ typedef enum mha_shard_layout {
 
 /** The distributed problem: the global sequence length and its layout (same on every rank). */
 typedef struct mha_ring_config {
-    int64_t seq_len; /* N, global rows of Q, K and V; N >= C (every chunk non-empty) */
+    int64_t seq_len; /* N >= 1, global rows of Q, K and V (N < C leaves some chunks empty) */
     mha_shard_layout layout;
 } mha_ring_config;
 
 /** The rows of the global sequence that rank `rank` of `num_ranks` holds: *num_chunks (1 or 2)
  *  chunks, chunk c being global rows [start[c], start[c] + len[c]); the rank's local rows are
- *  these chunks one after the other (local length len[0] + len[1]). No communication.
- *  @return MHA_STATUS_OK, or INVALID_ARG (bad layout, rank, or N < C) with outputs untouched. */
+ *  these chunks one after the other (local length len[0] + len[1], which is 0 for a rank whose
+ *  chunks are empty, N < C). No communication.
+ *  @return MHA_STATUS_OK, or INVALID_ARG (bad layout, rank, or N outside [1, 2^31]) with outputs
+ *  untouched. */
 MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
                                   int32_t num_ranks,
                                   int32_t rank,
@@ -52,7 +57,11 @@ MHA_API mha_status mha_ring_shard(const mha_ring_config *cfg,
  *  a self-attention core call (mha.h, mha_attention_args) with q_len = kv_len = the rank's local
  *  length (mha_ring_shard): q [B, h, n_local, d_k], k [B, g, n_local, d_k], v [B, g, n_local,
  *  d_v], out [B, h, n_local, d_v] (any strides, last dimension contiguous) and the optional lse
- *  [B, h, n_local]. The result, rows of the rank's chunks, equals mha_attention on the whole
+ *  [B, h, n_local]. A rank whose shard is empty (n_local = 0, when N < C) passes q_len = kv_len
+ *  = 0 and the same sizes and options as the others (its key padding and segment-id pointers
+ *  non-NULL when the others give them, though nothing is read); its row tensors (q, k, v, out,
+ *  lse) are never touched and may be NULL; it only passes the K/V blocks on. The result, rows of
+ *  the rank's chunks, equals mha_attention on the whole
  *  sequence (N rows of Q, K, V gathered in global order):
  *    O_i = sum_j softmax_j(scale q_i . k_j [+ softcap]) v_j,  j over all N keys (j <= i if causal)
  *  computed as P steps: at step t the rank attends to the K/V shard of rank (rank - t) mod P
@@ -111,7 +120,8 @@ MHA_API mha_status mha_ring_attention(MPI_Comm comm,
  *  share of the block's dK/dV (mha_attention_backward on each pair, with P = exp(S - lse) from the
  *  global lse) into a dK/dV block that travels one step behind its K/V; after P steps each block's
  *  sum reaches its owner. Scratch: five K/V-sized blocks. The same support, errors and exec as
- *  mha_ring_attention. */
+ *  mha_ring_attention; a rank with an empty shard passes grads (its dout, dq, dk, dv and its
+ *  out and lse may be NULL: there are no rows) and gets dsinks like the others. */
 MHA_API mha_status mha_ring_attention_backward(MPI_Comm comm,
                                                const mha_ring_config *cfg,
                                                const mha_attention_args *local,
@@ -155,7 +165,8 @@ MHA_API mha_status mha_ring_attention_backward_fcomm(int64_t comm_f,
  *  use global rows; the layer's sinks, key padding [B, n_local] and segment ids [B, n_local] of
  *  the rank's rows, dropout in training: as the ring supports them). Errors are agreed as in
  *  mha_ring_attention: every rank returns the same status, with out untouched unless a failure
- *  happens after the attention (out of memory in the output projection). Scratch: Q, K, V and
+ *  happens after the attention (out of memory in the output projection). A rank with an empty
+ *  shard (N < C) passes q_len = 0; its query, out and positions may be NULL. Scratch: Q, K, V and
  *  the attention output of the rank's rows, from exec->allocator (exec->workspace is unused).
  *  @return MHA_STATUS_OK, or an error, the same on every rank. */
 MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
@@ -178,7 +189,8 @@ MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
  *  (nothing is kept between the calls, at the cost of one more forward), then: dA = dy W_o, the
  *  ring backward (mha_ring_attention_backward) to dQ, dK, dV, RoPE's transposed rotation, and
  *  dx = dQ W_q + dK W_k + dV W_v, dW = dQ^T x, ... (mha_layer_project_backward). Errors are
- *  agreed as in the forward, with every gradient untouched (they are written last).
+ *  agreed as in the forward, with every gradient untouched (they are written last). On a rank
+ *  with an empty shard dy and d_query may be NULL; it receives the summed weight gradients too.
  *  @return MHA_STATUS_OK, or an error, the same on every rank. */
 MHA_API mha_status mha_ring_layer_backward(MPI_Comm comm,
                                            const mha_ring_config *cfg,

@@ -95,6 +95,35 @@ def test_equals_single_process(files, p, layout, x, opts):
     assert not [f for f in os.listdir(files) if f.startswith(".") or ".tmp" in f]
 
 
+SHORT = [  # (P, layout, N, options): fewer rows than chunks, some ranks hold none
+    (3, "zigzag", 5, ["--causal", "--rope-theta", "10000"]),  # the report: 5 rows, 6 chunks
+    (3, "zigzag", 1, ["--causal"]),  # a single token: ranks 1 and 2 hold nothing
+    pytest.param(2, "zigzag", 3, ["--causal", "--q-segments", "seg_short.npy", "--kv-segments",
+                                  "seg_short.npy", "--sinks", "sinks.npy"], marks=slow),
+    pytest.param(4, "zigzag", 7, ["--window", "2,1", "--rope-theta", "500"], marks=slow),
+    pytest.param(4, "contiguous", 2, ["--causal", "--rope-theta", "10000"], marks=slow),
+    pytest.param(4, "contiguous", 4, [], marks=slow),
+    pytest.param(2, "contiguous", 1, [], marks=slow),
+    pytest.param(1, "zigzag", 1, ["--causal"], marks=slow),
+]
+
+
+@needs_mpi
+@pytest.mark.parametrize("p,layout,n,opts", SHORT)
+def test_short_sequences(files, p, layout, n, opts):
+    """N < the chunk count (P contiguous, 2P zigzag) and around it: the ranks without rows take
+    part with an empty shard and the output equals the single-process run's."""
+    x = np.load(files / "x.npy")[:, :n]
+    np.save(files / f"x_short{n}.npy", x)
+    np.save(files / "seg_short.npy", np.array([[0, 0, 1][:n]] * 2, np.int32)[:, :n])
+    io = ["--input", f"x_short{n}.npy"]
+    r1 = run_single(*BASE, *io, "--out", "y1s.npy", *opts, cwd=files)
+    assert r1.returncode == 0, r1.stderr
+    rp = run_mpi(p, *BASE, "--shard-layout", layout, *io, "--out", "yps.npy", *opts, cwd=files)
+    assert rp.returncode == 0, rp.stderr
+    assert_close(np.load(files / "yps.npy"), np.load(files / "y1s.npy").astype(np.float64))
+
+
 @needs_mpi
 @pytest.mark.parametrize("p,layout", [(2, "zigzag"), pytest.param(3, "contiguous", marks=slow)])
 def test_shard_files(files, p, layout):

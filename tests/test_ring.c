@@ -53,12 +53,44 @@ static void test_shards(void) {
                       (long long)lens[s]);
                 free(seen);
             }
+    /* N < C (docs/distributed.md): the same formula, chunks 0 .. N-1 of one row and the others
+     * empty; every row once, and N = 0 refused. Zigzag N = 3 over P = 2: rank 0 holds chunk 0 =
+     * [0, 1) and the empty chunk 3 (at 3), rank 1 chunks 1 = [1, 2) and 2 = [2, 3). */
+    for (int layout = 0; layout < 2; layout++)
+        for (int32_t p = 1; p <= 5; p++)
+            for (int64_t n = 1; n < (layout ? 2 : 1) * p; n++) {
+                mha_ring_config cfg = {n, (mha_shard_layout)layout};
+                int seen[10] = {0}, ok = 1;
+                for (int32_t r = 0; r < p; r++) {
+                    int32_t nc = 0; /* as if empty when refused (f265811 refused N < C) */
+                    int64_t start[2] = {0, 0}, len[2] = {0, 0};
+                    mha_error err;
+                    ok &= mha_ring_shard(&cfg, p, r, &nc, start, len, &err) == MHA_STATUS_OK;
+                    ok &= nc == (layout ? 2 : 1);
+                    const int64_t chunk[2] = {r, 2 * (int64_t)p - 1 - r};
+                    for (int32_t c = 0; c < nc; c++) {
+                        ok &= len[c] == (chunk[c] < n ? 1 : 0);
+                        ok &= start[c] == (chunk[c] < n ? chunk[c] : n);
+                        for (int64_t i = start[c]; i < start[c] + len[c]; i++)
+                            seen[i]++;
+                    }
+                }
+                for (int64_t i = 0; i < n; i++)
+                    ok &= seen[i] == 1;
+                CHECK(ok, "shards: layout %d, P=%d, N=%lld < C: one row per chunk, then empty",
+                      layout, (int)p, (long long)n);
+            }
     mha_ring_config small = {3, MHA_SHARD_ZIGZAG};
     int32_t nc;
     int64_t start[2], len[2];
     mha_error err;
-    CHECK(mha_ring_shard(&small, 2, 0, &nc, start, len, &err) == MHA_STATUS_INVALID_ARG,
-          "N=3 < 4 zigzag chunks is refused");
+    CHECK(mha_ring_shard(&small, 2, 0, &nc, start, len, &err) == MHA_STATUS_OK && nc == 2 &&
+              start[0] == 0 && len[0] == 1 && start[1] == 3 && len[1] == 0,
+          "N=3 zigzag over 2 ranks: rank 0 holds row 0 and an empty chunk");
+    small.seq_len = 0;
+    CHECK(mha_ring_shard(&small, 2, 0, &nc, start, len, &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "seq_len=0"),
+          "N=0 is refused: %s", err.message);
 }
 
 typedef struct ring_case {
@@ -272,8 +304,8 @@ static void run_case(const ring_case *rc, uint64_t seed) {
 
     /* This rank's shard. */
     mha_ring_config cfg = {n, rc->layout};
-    int32_t nc;
-    int64_t start[2], len[2];
+    int32_t nc = 1; /* an empty shard if mha_ring_shard fails */
+    int64_t start[2] = {0, 0}, len[2] = {0, 0};
     CHECK_OK(mha_ring_shard(&cfg, g_size, g_rank, &nc, start, len, &err), &err);
     const int64_t nl = len[0] + (nc > 1 ? len[1] : 0);
     mha_attention_args l = a;
@@ -291,6 +323,10 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     gather_rows(k, B, g, n, dk, lk, l.k_strides, nc, start, len);
     gather_rows(v, B, g, n, dv, lv, l.v_strides, nc, start, len);
     l.q = lq, l.k = lk, l.v = lv, l.out = lo, l.lse = llse;
+    if (nl == 0) { /* a rank without rows (N < C) may pass no row tensor at all */
+        l.q = l.k = l.v = NULL;
+        l.out = l.lse = NULL;
+    }
     void *lmask[3] = {NULL, NULL, NULL};
     set_masks(rc, &cm, &l, nc, start, len, lmask);
     mha_exec ex = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
@@ -351,6 +387,8 @@ static void run_case(const ring_case *rc, uint64_t seed) {
     gather_rows(dout, B, h, n, dv, ldout, l.out_strides, nc, start, len);
     mha_attention_grads lg = {0};
     lg.dout = ldout, lg.dq = ldq, lg.dk = ldk, lg.dv = ldv, lg.dsinks = rc->sinks ? ldsinks : NULL;
+    if (nl == 0)
+        lg.dout = NULL, lg.dq = lg.dk = lg.dv = NULL;
     memcpy(lg.dout_strides, l.out_strides, sizeof l.out_strides);
     memcpy(lg.dq_strides, l.q_strides, sizeof l.q_strides);
     memcpy(lg.dk_strides, l.k_strides, sizeof l.k_strides);
@@ -508,6 +546,48 @@ static void test_matches_single_process(void) {
                 }
 }
 
+/* Sequences shorter than the chunk count (N < C: some chunks empty, some ranks without any row)
+ * and the lengths around it: N = 1, 2, 3, P, 2P - 1, 2P, 2P + 1, both layouts, causal and not,
+ * the forward and the backward against the single-process calls; plain (with accumulate), with
+ * every per-row mask at once (sinks, key padding I64 [B, N], segment ids, a window, dropout) and
+ * with ALiBi, softcap and key padding U8 [1, N]. The masks leave some rows no key (lse = -inf).
+ * MHA_TEST_QUICK=1: the masks' kind at every N, the other two at N = 1 only. */
+static void test_short_sequences(void) {
+    const int64_t p = g_size, lens[] = {1, 2, 3, p, 2 * p - 1, 2 * p, 2 * p + 1};
+    const char *quick = getenv("MHA_TEST_QUICK");
+    const int few = quick && quick[0] == '1';
+    uint64_t seed = 1000;
+    for (size_t s = 0; s < sizeof lens / sizeof lens[0]; s++) {
+        int again = 0;
+        for (size_t t = 0; t < s; t++)
+            again |= lens[t] == lens[s];
+        for (int layout = 0; layout < 2 && !again; layout++)
+            for (int causal = 0; causal < 2; causal++)
+                for (int kind = 0; kind < 3; kind++) {
+                    if (few && kind != 1 && lens[s] != 1)
+                        continue;
+                    ring_case rc = {.B = 2,
+                                    .h = 2,
+                                    .g = 1,
+                                    .n = lens[s],
+                                    .dk = 8,
+                                    .dv = 4,
+                                    .causal = causal,
+                                    .layout = (mha_shard_layout)layout,
+                                    .blhd = kind == 1,
+                                    .accumulate_too = kind == 0,
+                                    .window = {-2, -2}};
+                    if (kind == 1) {
+                        rc.sinks = 1, rc.key_padding = 1, rc.segments = 1, rc.dropout = 1;
+                        rc.window[0] = 2, rc.window[1] = causal ? 0 : 1;
+                    } else if (kind == 2) {
+                        rc.alibi = 1, rc.key_padding = 3, rc.softcap = 5.0;
+                    }
+                    run_case(&rc, seed++);
+                }
+    }
+}
+
 /* One rank with bad arguments: every rank returns that rank's status, with its message. */
 static void test_collective_errors(void) {
     const int64_t B = 1, h = 2, n = 4 * (int64_t)g_size, d = 8;
@@ -623,13 +703,71 @@ static void test_collective_errors(void) {
     free(x), free(o);
 }
 
+/* A rank without rows (N = 1: every rank but 0) is still checked: its local length must be 0,
+ * and its sizes and options must agree with the others' (here: another head count, or no key
+ * padding where rank 0 gives it), each an error on every rank; a good call afterwards works. */
+static void test_empty_rank_errors(void) {
+    if (g_size < 2)
+        return;
+    const int64_t B = 1, h = 2, d = 8;
+    mha_ring_config cfg = {1, MHA_SHARD_ZIGZAG};
+    const int64_t nl = g_rank == 0 ? 1 : 0;
+    float x[16] = {0}, o[16] = {0};
+    const uint8_t kp[1] = {1};
+    mha_attention_args a = {0};
+    a.batch = B, a.num_heads = h, a.q_len = a.kv_len = nl, a.head_dim = d;
+    a.q = a.k = a.v = x, a.out = o;
+    strides_of(0, h, 1, d, a.q_strides);
+    memcpy(a.k_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.v_strides, a.q_strides, sizeof a.q_strides);
+    memcpy(a.out_strides, a.q_strides, sizeof a.q_strides);
+    const int bad = g_size - 1;
+    char prefix[32];
+    snprintf(prefix, sizeof prefix, "rank %d: ", bad);
+    mha_error err;
+    mha_attention_args b = a;
+    if (g_rank == bad)
+        b.q_len = b.kv_len = 1;
+    mha_status st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, prefix) &&
+              strstr(err.message, "q_len"),
+          "N=1, one row on empty rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
+          err.message);
+    b = a;
+    if (g_rank == bad)
+        b.num_heads = 1;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "num_heads"),
+          "N=1, num_heads differs on empty rank %d: rank %d got %s: %s", bad, g_rank,
+          mha_status_string(st), err.message);
+    b = a;
+    if (g_rank == 0) {
+        b.mask.key_padding.data = kp;
+        b.mask.key_padding.dtype = MHA_DTYPE_U8;
+        b.mask.key_padding.ndim = 1;
+        b.mask.key_padding.shape[0] = 1;
+    }
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "key_padding"),
+          "N=1, key padding on rank 0 only: rank %d got %s: %s", g_rank, mha_status_string(st),
+          err.message);
+    b = a;
+    if (g_rank != 0)
+        b.q = b.k = b.v = NULL, b.out = NULL;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_OK, "N=1, good call: rank %d got %s: %s", g_rank, mha_status_string(st),
+          err.message);
+}
+
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &g_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &g_size);
     test_shards();
     test_matches_single_process();
+    test_short_sequences();
     test_collective_errors();
+    test_empty_rank_errors();
     const int rc = test_finish();
     MPI_Finalize();
     return rc;

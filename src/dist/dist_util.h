@@ -15,7 +15,8 @@ void mha__dist_error(mha_error *err, mha_status status, const char *fmt, ...)
 #endif
     ;
 
-/* `bytes` from a (64-byte aligned), or malloc without one; NULL when out of memory. */
+/* `bytes` from a (64-byte aligned), or malloc without one; NULL when out of memory. bytes = 0
+ * (a rank with an empty shard) asks for 1 byte: never NULL but for lack of memory. */
 void *mha__dist_alloc(const mha_allocator *a, size_t bytes);
 
 /* Frees what mha__dist_alloc returned (NULL is a no-op). */

@@ -23,7 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Chunk c of C over N rows: floor(N/C) rows, one more for the first N mod C chunks. */
+/* Chunk c of C over N rows: floor(N/C) rows, one more for the first N mod C chunks (so when
+ * N < C, chunks 0 .. N-1 hold one row each and the others none). */
 static int64_t chunk_start(int64_t n, int64_t c_count, int64_t c) {
     const int64_t base = n / c_count, extra = n % c_count;
     return c * base + (c < extra ? c : extra);
@@ -53,10 +54,10 @@ mha_status mha_ring_shard(const mha_ring_config *cfg,
         return MHA_STATUS_INVALID_ARG;
     }
     const int64_t c_count = cfg->layout == MHA_SHARD_ZIGZAG ? 2 * (int64_t)num_ranks : num_ranks;
-    if (cfg->seq_len < c_count || cfg->seq_len > ((int64_t)1 << 31)) {
+    if (cfg->seq_len < 1 || cfg->seq_len > ((int64_t)1 << 31)) {
         mha__dist_error(err, MHA_STATUS_INVALID_ARG,
-                        "mha_ring_config.seq_len=%lld must be in [%lld, 2^31] (one row per chunk)",
-                        (long long)cfg->seq_len, (long long)c_count);
+                        "mha_ring_config.seq_len=%lld must be in [1, 2^31]",
+                        (long long)cfg->seq_len);
         return MHA_STATUS_INVALID_ARG;
     }
     const int64_t n = cfg->seq_len;
@@ -110,6 +111,11 @@ static mha_status check_local(const mha_ring_config *cfg,
         return MHA_STATUS_INVALID_ARG;
     }
     const mha_masking *mk = &a->mask;
+    if (n_local == 0 && bwd && !grads) {
+        mha__dist_error(err, MHA_STATUS_INVALID_ARG,
+                        "mha_ring_attention_backward: grads must not be NULL");
+        return MHA_STATUS_INVALID_ARG;
+    }
     const char *unsupported = NULL;
     if (mk->alignment == MHA_ALIGN_EXPLICIT)
         unsupported = "mask.alignment=EXPLICIT";
@@ -122,6 +128,12 @@ static mha_status check_local(const mha_ring_config *cfg,
                         unsupported);
         return MHA_STATUS_UNSUPPORTED;
     }
+    /* An empty shard (N < C) computes nothing: it passes the blocks on and sums its (empty)
+     * share. Its row tensors (q, k, v, out, lse; dout, dq, dk, dv) are never touched and may be
+     * NULL; its sizes and options are agreed with the other ranks (agree), and rank 0, which
+     * always holds a row, checks them through the core. */
+    if (n_local == 0)
+        return MHA_STATUS_OK;
     /* Everything else (sizes, strides, pointers, scalars, exec) is the core's own check. */
     st = mha_attention_supported(a, exec, err);
     if (st != MHA_STATUS_OK || !bwd)
@@ -536,7 +548,8 @@ block_pairs(ring_call *c, const float *blk, float *acc, const ring_shard *src, m
         for (int32_t kc = 0; kc < nkc; kc++) {
             const int64_t nk = chunked ? src->len[kc] : src->n_local;
             const int64_t qs = chunked ? c->mine.start[qc] : 0, ks = chunked ? src->start[kc] : 0;
-            for (int64_t r0 = 0; r0 < nq; r0 += slice) {
+            /* An empty chunk (N < C) forms no pair: nq = 0 loops no row, nk = 0 is skipped. */
+            for (int64_t r0 = 0; nk > 0 && r0 < nq; r0 += slice) {
                 const int64_t rows = nq - r0 < slice ? nq - r0 : slice;
                 mha_status st = acc ? bwd_pair(c, blk, acc, src->n_local, q_off + r0, rows, qs + r0,
                                                k_off, nk, ks, err)

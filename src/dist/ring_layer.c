@@ -97,7 +97,8 @@ static mha_status prepare(const char *fn,
     const mha_config *c = mha_layer_config(layer);
     lc->B = a->batch, lc->n = len[0] + (chunks > 1 ? len[1] : 0);
     lc->h = c->num_heads, lc->g = c->num_kv_heads, lc->dk = c->head_dim, lc->dv = c->v_head_dim;
-    if (a->q_len != lc->n || a->batch < 1 || !a->query || (need_out && !a->out)) {
+    /* A rank with an empty shard (N < C) has no rows: its query and out may be NULL. */
+    if (a->q_len != lc->n || a->batch < 1 || (lc->n > 0 && (!a->query || (need_out && !a->out)))) {
         mha__dist_error(err, MHA_STATUS_INVALID_ARG,
                         a->q_len != lc->n
                             ? "%s: args.q_len=%lld, but rank %d holds %lld rows of "
@@ -126,7 +127,7 @@ static mha_status prepare(const char *fn,
     const int64_t widths[4] = {lc->h * lc->dk, lc->g * lc->dk, lc->g * lc->dv, lc->h * lc->dv};
     float **bufs[4] = {&lc->q, &lc->k, &lc->v, &lc->att};
     const int64_t rows = lc->B * lc->n;
-    if (lc->B > INT64_MAX / lc->n) {
+    if (lc->n > 0 && lc->B > INT64_MAX / lc->n) {
         mha__dist_error(err, MHA_STATUS_OVERFLOW, "%s: batch x rows overflows", fn);
         return MHA_STATUS_OVERFLOW;
     }
@@ -324,9 +325,11 @@ static mha_status bwd_prepare(const mha_layer *layer,
                               mha_error *err) {
     const char *fn = "mha_ring_layer_backward";
     const mha_config *c = mha_layer_config(layer);
-    if (!dy || !gr || gr->d_key || gr->d_value || (gr->d_sinks && !c->sinks)) {
+    /* dy may be NULL on a rank without rows (N < C). */
+    const int missing = !gr || (!dy && lc->n > 0);
+    if (missing || gr->d_key || gr->d_value || (gr->d_sinks && !c->sinks)) {
         mha__dist_error(err, MHA_STATUS_INVALID_ARG, "%s: %s", fn,
-                        !dy || !gr    ? "dy and grads must not be NULL"
+                        missing       ? "dy and grads must not be NULL"
                         : gr->d_sinks ? "grads.d_sinks is given but the layer has no sinks"
                                       : "self-attention: d_query receives every input path; d_key "
                                         "and d_value must be NULL");
@@ -394,7 +397,8 @@ static mha_status input_grads(const mha_layer *layer,
     mha_status st = rotate(layer, a, lc, bc->dq, bc->dk, 1, err);
     const float *d[3] = {bc->dq, bc->dk, bc->dv};
     const mha_projection which[3] = {MHA_PROJ_Q, MHA_PROJ_K, MHA_PROJ_V};
-    for (int i = 0; i < 3 && !st; i++)
+    /* A rank without rows (N < C) has no share: its dx is empty and its pack stays zero. */
+    for (int i = 0; i < 3 && !st && lc->n > 0; i++)
         st = mha_layer_project_backward(layer, which[i], lc->B * lc->n, a->query, d[i], bc->dx,
                                         pack_w(bc, i), pack_b(bc, i), 1, exec, err);
     return st;
@@ -468,8 +472,9 @@ mha_status mha_ring_layer_backward(MPI_Comm comm,
     /* 2. dA = dY W_o (and dW_o, db_o), the ring backward to dQ, dK, dV of the rank's rows. */
     if (!st) {
         memset(bc.da, 0, sizeof(float) * (size_t)(lc.B * lc.n * lc.h * lc.dv));
-        st = mha_layer_project_backward(layer, MHA_PROJ_O, lc.B * lc.n, lc.att, dy, bc.da,
-                                        pack_w(&bc, 3), pack_b(&bc, 3), 1, exec, err);
+        if (lc.n > 0) /* without rows: no share of dW_o, db_o (dy may be NULL) */
+            st = mha_layer_project_backward(layer, MHA_PROJ_O, lc.B * lc.n, lc.att, dy, bc.da,
+                                            pack_w(&bc, 3), pack_b(&bc, 3), 1, exec, err);
         st = agree_status(comm, p, rank, st, err);
     }
     if (!st) {
