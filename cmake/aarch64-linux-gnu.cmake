@@ -9,11 +9,25 @@
 set(CMAKE_SYSTEM_NAME Linux)
 set(CMAKE_SYSTEM_PROCESSOR aarch64)
 set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
+set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
+# Only target libraries, headers and packages: the cross toolchain's own tree and Debian's
+# multiarch arm64 directories (/usr/lib/aarch64-linux-gnu, reached through "/" and
+# CMAKE_LIBRARY_ARCHITECTURE). The root "/" also holds the host's libraries, which find_library
+# never looks at here (it searches <root>/usr/lib/aarch64-linux-gnu, not .../x86_64-linux-gnu);
+# pkg-config would report them, so it reads only the arm64 .pc files (below).
 set(CMAKE_FIND_ROOT_PATH /usr/aarch64-linux-gnu /)
 set(CMAKE_LIBRARY_ARCHITECTURE aarch64-linux-gnu)
 set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
 set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)
-set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE BOTH)
+set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE ONLY)
+set(CMAKE_FIND_ROOT_PATH_MODE_PACKAGE ONLY)
+# pkg-config (cairo for the CLI's plots, MHA_CAIRO=AUTO): the arm64 modules only, so that
+# cairo is used when libcairo2-dev:arm64 is installed and not found (not the host's x86-64
+# libcairo.so, "file in wrong format" at link) when it is not.
+set(ENV{PKG_CONFIG_LIBDIR} "/usr/lib/aarch64-linux-gnu/pkgconfig:/usr/aarch64-linux-gnu/lib/pkgconfig:/usr/share/pkgconfig")
+set(ENV{PKG_CONFIG_PATH} "")
+# MPI (MHA_MPI=AUTO): FindMPI would ask the host's mpicc; the target's MPI is not looked for.
+set(MPI_C_COMPILER MPI_C_COMPILER-NOTFOUND CACHE FILEPATH "")
 if(EXISTS /lib/ld-linux-aarch64.so.1)
   set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64 -L /)
 else()

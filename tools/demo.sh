@@ -9,6 +9,6 @@ cd "$(dirname "$0")/.."
 bash tools/install_deps.sh --build >/dev/null
 if [ ! -x build/mha ]; then
     cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
-    cmake --build build -j "$(nproc 2>/dev/null || echo 2)" --target mha_cli >/dev/null
+    cmake --build build -j "$(nproc 2>/dev/null || echo 2)" --target mha >/dev/null
 fi
 exec build/mha demo "$@"

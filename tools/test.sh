@@ -107,7 +107,7 @@ step "valgrind memcheck: the CLI tests with every mha run under valgrind (Debug 
 # decode-vs-full-forward cases the plain and everything ones (the rest takes minutes under
 # valgrind and runs the same code). The golden CLI tests are left to the Release and ASan runs.
 cmake -S . -B build-valgrind -DCMAKE_BUILD_TYPE=Debug -DMHA_WERROR=ON >/dev/null
-cmake --build build-valgrind -j "$jobs" --target mha_cli
+cmake --build build-valgrind -j "$jobs" --target mha
 vg_logs="$PWD/build-valgrind/vg-logs"
 rm -rf "$vg_logs"
 vg_env=(MHA_CLI="$PWD/tools/valgrind_cli.sh" MHA_VALGRIND_CLI="$PWD/build-valgrind/mha"

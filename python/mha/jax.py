@@ -46,9 +46,10 @@ def _load_handlers() -> str:
     path = os.path.abspath(os.environ.get("MHA_JAX_FFI") or os.path.join(here, "_jax_ffi.so"))
     if not os.path.exists(path):
         raise ImportError(
-            f"mha.jax: the XLA FFI handler {path} was not found. It is built with the package "
-            "when jaxlib's headers are visible at build time, which pip's isolated build hides: "
-            "with jax installed, `pip install --no-build-isolation ./python`, or set "
+            f"mha.jax: the XLA FFI handler {path} was not found: this mha was built without it "
+            "(MHA_JAX=OFF, no C++ compiler, or no jaxlib 0.10.2 wheel for this Python and "
+            "platform at build time: the build's log says which; docs/PYTHON.md, \"JAX: "
+            "packaging\"). Reinstall mha with a C++ compiler, or set "
             "MHA_JAX_FFI=/path/to/_jax_ffi.so.")
     # _lib has loaded libmha (same SONAME, so the handler's dependency resolves to that copy).
     try:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
 # Installs the build tree given as $1 into a temporary prefix with `cmake --install`, then builds
-# tests/install/consumer.c against that prefix four ways and runs each: pkg-config (shared, and
-# --static against the archive with Libs.private) and find_package(mha) (mha::mha, mha::mha_static).
+# tests/install/consumer.c against that prefix four ways and runs each: the README's two
+# `cc app.c ...` lines as written (pkg-config mha with the rpath, run without LD_LIBRARY_PATH;
+# pkg-config mha-static, which must not need libmha.so) and find_package(mha) (mha::mha,
+# mha::mha_static).
 # When the build has libmha_mpi (ring attention over MPI), also consumer_mpi.c through pkg-config
 # mha_mpi and find_package(mha COMPONENTS mpi) (mha::mha_mpi), each run under mpirun -np 2 (the
 # launcher CMake found, with Open MPI's --oversubscribe and, as root, --allow-run-as-root).
@@ -29,14 +31,22 @@ check() { # name command...
         cat "$tmp/$name.log"
     fi
 }
-build_pc_shared() {
-    cc -o "$tmp/pc_shared" "$here/consumer.c" $(pkg-config --cflags --libs mha) -lm &&
-        LD_LIBRARY_PATH="$libdir" "$tmp/pc_shared"
+# The README's lines (section "Build by hand"), each run as written in a directory of its own
+# where consumer.c is app.c, the program a.out.
+readme=$here/../../README.md
+mapfile -t readme_cc < <(grep -E '^cc app\.c ' "$readme" | sed 's/ *#.*$//')
+[ "${#readme_cc[@]}" -eq 2 ] || { echo "README.md: expected 2 'cc app.c' lines"; exit 1; }
+readme_line() { # index: build with the README's line, run the program without LD_LIBRARY_PATH
+    local dir=$tmp/readme$1
+    mkdir -p "$dir" && cp "$here/consumer.c" "$dir/app.c" &&
+        (cd "$dir" && echo "${readme_cc[$1]}" && eval "${readme_cc[$1]}" &&
+            env -u LD_LIBRARY_PATH ./a.out)
 }
-build_pc_static() {
-    cc -static-libgcc -o "$tmp/pc_static" "$here/consumer.c" $(pkg-config --cflags mha) \
-        "$libdir/libmha.a" $(pkg-config --static --libs-only-l mha | sed 's/-lmha//') &&
-        "$tmp/pc_static"
+build_pc_shared() { # the first line: linked to the installed libmha.so.0, found through the rpath
+    readme_line 0 && objdump -p "$tmp/readme0/a.out" | grep -q 'NEEDED *libmha\.so\.0'
+}
+build_pc_static() { # the second: libmha.a inside, no libmha.so needed
+    readme_line 1 && ! objdump -p "$tmp/readme1/a.out" | grep -q 'NEEDED *libmha'
 }
 have_mpi=OFF
 [ -f "$libdir/pkgconfig/mha_mpi.pc" ] && have_mpi=ON
@@ -61,8 +71,8 @@ build_pc_mpi() {
     cc -o "$tmp/pc_mpi" "$here/consumer_mpi.c" $(pkg-config --cflags --libs mha_mpi) -lm &&
         mpirun_2 "$tmp/pc_mpi"
 }
-check pkg-config-shared build_pc_shared
-check pkg-config-static build_pc_static
+check readme-pkg-config-shared build_pc_shared
+check readme-pkg-config-static build_pc_static
 check find_package build_cmake
 if [ $have_mpi = ON ]; then
     check pkg-config-mpi build_pc_mpi
