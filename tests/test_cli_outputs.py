@@ -258,3 +258,38 @@ def test_help_says_float32_and_exit_3():
     text = " ".join(r.stdout.split())
     assert "Everything is computed in float32" in text and "1e-7" in text, text
     assert "--allow-nonfinite" in text and "3 an output holds NaN or inf" in text
+
+
+def gemma2_dir(d, **fields):
+    """A one-layer gemma2 model directory (hidden 16, 4 heads, 2 kv heads) with config fields
+    replaced by `fields`."""
+    import json
+    d.mkdir()
+    cfg = {"model_type": "gemma2", "hidden_size": 16, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1,
+           "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0,
+           "sliding_window": 8, "max_position_embeddings": 64}
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    p = "model.layers.0.self_attn."
+    shapes = {"q_proj": (16, 16), "k_proj": (8, 16), "v_proj": (8, 16), "o_proj": (16, 16)}
+    write_safetensors(d / "model.safetensors",
+                      {p + k + ".weight": rng.standard_normal(s).astype(np.float32)
+                       for k, s in shapes.items()})
+    return d
+
+
+@pytest.mark.parametrize("field,value,needle", [("attn_logit_softcapping", 4e38, "softcap"),
+                                                ("query_pre_attn_scalar", 1e-300, "scal")])
+def test_model_config_scalars_beyond_float32(case, field, value, needle):
+    """From config.json: a soft-cap of 4e38 (inf in float32) or query_pre_attn_scalar 1e-300
+    (scale 1e150) gave an all-NaN Y with exit 0; the layer's own check refuses them (the loader
+    may already), exit 1 naming the field."""
+    d = gemma2_dir(case.dir / "g2", **{field: value})
+    r = run_cli("run", "--model", d, "--layer", 0, "--input", case.X, "--out", case.Y)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert needle in r.stderr and not os.path.exists(case.Y), r.stderr
+    ok = gemma2_dir(case.dir / "g2ok")
+    r = run_cli("run", "--model", ok, "--layer", 0, "--input", case.X, "--out", case.Y)
+    assert r.returncode == 0 and np.isfinite(np.load(case.Y)).all(), r.stderr
