@@ -295,11 +295,33 @@ static void test_layer_aliasing(void) {
     gb = gr, gb.dw_o = dwq + 8;
     refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err, "overlaps", "dw_o in dw_q");
     mha_train_state_destroy(state);
+
+    /* The layer's statistics: their outputs against the layer's inputs. */
+    float recv[2 * 3], ent[2 * 3];
+    mha_attention_stats st;
+    memset(&st, 0, sizeof st);
+    st.received = recv, st.entropy = ent;
+    fb = fa, fb.out = NULL;
+    CHECK_OK(mha_layer_attention_statistics(L, &fb, &st, NULL, &err), &err);
+    st.entropy = x + 3;
+    refused(mha_layer_attention_statistics(L, &fb, &st, NULL, &err), &err,
+            "stats.entropy overlaps query", "layer stats over the query");
     mha_layer_destroy(L);
 }
 
 static void test_small_calls_aliasing(void) {
     mha_error err;
+    /* Half to float: dst (4 bytes an element) must not overlap src (2 bytes). */
+    union {
+        uint16_t h[8];
+        float f[4];
+    } hv = {{0x3c00, 0x4000, 0, 0, 0, 0, 0, 0}};
+    float hf[4];
+    CHECK_OK(mha_half_to_f32(MHA_DTYPE_F16, hv.h, hf, 2, &err), &err);
+    CHECK(hf[0] == 1.0f && hf[1] == 2.0f, "half_to_f32 values");
+    refused(mha_half_to_f32(MHA_DTYPE_F16, hv.h + 2, hv.f, 2, &err), &err, "dst overlaps src",
+            "half_to_f32 dst over src");
+
     /* Merge: o may be exactly o_a (same stride), never shifted into it or over an lse. */
     float oa[8] = {1, 2, 3, 4, 5, 6, 7, 8}, ob[8] = {8, 7, 6, 5, 4, 3, 2, 1};
     float la[2] = {0.5f, -1}, lb[2] = {0, 0}, o[8], l[2];

@@ -172,6 +172,7 @@ mha_status mha__check_forward_args(const mha_config *cfg,
  * probs and dropout are ignored too). */
 mha_status mha__check_layer_stats_args(const mha_config *cfg,
                                        const mha_forward_args *args,
+                                       const mha_attention_stats *stats,
                                        int64_t *kv_len,
                                        mha_error *err);
 

@@ -124,9 +124,14 @@ mha_status mha__check_layer_create(const mha_config *config,
     return MHA_STATUS_OK;
 }
 
-/* The forward's arguments; need_out = 0 (the statistics): out is not written, may be NULL. */
-static mha_status check_forward(
-    const mha_config *c, const mha_forward_args *a, int need_out, int64_t *kv_len, mha_error *err) {
+/* The forward's arguments; need_out = 0 (the statistics): out is not written, may be NULL, and
+ * the outputs are the statistics' (st, checked against the inputs when not NULL). */
+static mha_status check_forward(const mha_config *c,
+                                const mha_forward_args *a,
+                                int need_out,
+                                const mha_attention_stats *st_out,
+                                int64_t *kv_len,
+                                mha_error *err) {
     MHA_RETURN_IF(!c, err, INVALID_ARG, "layer is NULL");
     MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
     MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->q_len < 1 || a->q_len > MHA_MAX_DIM,
@@ -154,7 +159,7 @@ static mha_status check_forward(
     if (!st)
         st = mha__check_positions(a->k_positions, a->batch, m, m, "k_positions", err);
     *kv_len = m;
-    if (st || !need_out) /* the statistics' outputs: the core's check */
+    if (st || (!need_out && !st_out))
         return st;
     const int64_t B = a->batch, n = a->q_len;
     const mha__span in[5] = {
@@ -163,6 +168,25 @@ static mha_status check_forward(
         mha__span_of("value", a->value, mha__count3(B, m, c->v_dim), sizeof(float)),
         mha__span_of("q_positions", a->q_positions, mha__count3(B, n, 1), sizeof(int64_t)),
         mha__span_of("k_positions", a->k_positions, mha__count3(B, m, 1), sizeof(int64_t))};
+    if (!need_out) { /* the statistics' outputs (their sizes are the core's check, later) */
+        const int64_t h = c->num_heads, k = st_out->top_k > 0 ? st_out->top_k : 0;
+        const int64_t cells = st_out->pool_rows > 0 && st_out->pool_cols > 0
+                                  ? mha__count3(st_out->pool_rows, st_out->pool_cols, 1)
+                                  : 0;
+        const mha__span so[7] = {
+            mha__span_of("stats.received", st_out->received, mha__count3(B, h, m), sizeof(float)),
+            mha__span_of("stats.received_total", st_out->received_total, mha__count3(B, m, 1),
+                         sizeof(float)),
+            mha__span_of("stats.entropy", st_out->entropy, mha__count3(B, h, n), sizeof(float)),
+            mha__span_of("stats.topk_index", st_out->topk_index, mha__count3(B * h, n, k),
+                         sizeof(int64_t)),
+            mha__span_of("stats.topk_prob", st_out->topk_prob, mha__count3(B * h, n, k),
+                         sizeof(float)),
+            mha__span_of("stats.pooled", st_out->pooled, mha__count3(B, h, cells), sizeof(float)),
+            mha__span_of("stats.pooled_visible", st_out->pooled_visible, mha__count3(B, h, cells),
+                         sizeof(float))};
+        return mha__check_no_overlap(so, 7, in, 5, err);
+    }
     const int64_t heads = a->average_probs ? 1 : c->num_heads;
     const mha__span out[2] = {
         mha__span_of("out", a->out, mha__count3(B, n, c->out_dim), sizeof(float)),
@@ -320,12 +344,13 @@ mha_status mha__check_forward_args(const mha_config *c,
                                    const mha_forward_args *a,
                                    int64_t *kv_len,
                                    mha_error *err) {
-    return check_forward(c, a, 1, kv_len, err);
+    return check_forward(c, a, 1, NULL, kv_len, err);
 }
 
 mha_status mha__check_layer_stats_args(const mha_config *c,
                                        const mha_forward_args *a,
+                                       const mha_attention_stats *stats,
                                        int64_t *kv_len,
                                        mha_error *err) {
-    return check_forward(c, a, 0, kv_len, err);
+    return check_forward(c, a, 0, stats, kv_len, err);
 }

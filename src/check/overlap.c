@@ -13,7 +13,11 @@ mha__span mha__span_of(const char *name, const void *ptr, int64_t count, size_t 
     if (!ptr || count <= 0)
         return s; /* empty: overlaps nothing */
     s.lo = (uintptr_t)ptr;
-    const uintptr_t bytes = (uintptr_t)count * (uintptr_t)elem; /* counts are checked < 2^60 */
+    if ((uint64_t)count > UINTPTR_MAX / (elem ? elem : 1)) {
+        s.hi = UINTPTR_MAX; /* more bytes than an address holds: reaches every later byte */
+        return s;
+    }
+    const uintptr_t bytes = (uintptr_t)count * (uintptr_t)elem;
     s.hi = s.lo + bytes < s.lo ? UINTPTR_MAX : s.lo + bytes;
     return s;
 }

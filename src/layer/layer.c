@@ -284,7 +284,7 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
                                           const mha_exec *exec,
                                           mha_error *err) {
     int64_t m;
-    mha_status st = mha__check_layer_stats_args(layer ? &layer->cfg : NULL, args, &m, err);
+    mha_status st = mha__check_layer_stats_args(layer ? &layer->cfg : NULL, args, stats, &m, err);
     if (st)
         return st;
     const mha_config *c = &layer->cfg;
