@@ -370,9 +370,9 @@ typedef struct mha_attention_args {
      * scale * q.k itself must stay below FLT_MAX: the library does not scan activations, and a
      * score that overflows gives NaN in its row (the CLI reports such outputs). */
     double scale;
-    double softcap; /* 0 = off; otherwise in [FLT_MIN, FLT_MAX] (used as a float32) */
-    int32_t alibi;  /* slopes 2^(-8(k+1)/h), BLOOM interpolation when h is not a power of 2 */
-    const float *sinks;   /* [h] or NULL */
+    double softcap;     /* 0 = off; otherwise in [FLT_MIN, FLT_MAX] (used as a float32) */
+    int32_t alibi;      /* slopes 2^(-8(k+1)/h), BLOOM interpolation when h is not a power of 2 */
+    const float *sinks; /* [h] or NULL */
 
     /* Tensors, viewed as [B, heads, L, d] with element strides {b, head, row, 1}. */
     const float *q;
