@@ -147,6 +147,10 @@ static void test_layer_scalars(void) {
     refused(mha_layer_prefill(L, cache, &da, NULL, &err), &err, "overlaps", "prefill out in x");
     da.out = o;
     CHECK_OK(mha_layer_decode_step(L, cache, &da, NULL, &err), &err);
+    float kr[16];
+    CHECK_OK(mha_kv_cache_read(cache, 0, 0, kr, kr + 8, &err), &err); /* g d_k = g d_v = 8 */
+    refused(mha_kv_cache_read(cache, 0, 0, kr, kr + 4, &err), &err, "k overlaps v",
+            "read: v inside k");
     mha_kv_cache_destroy(cache);
     mha_layer_destroy(L);
 }

@@ -136,7 +136,12 @@ mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_
     return MHA_STATUS_OK;
 }
 
-mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, mha_error *err) {
+mha_status mha__check_kv_read(const mha__kv_view *c,
+                              int64_t seq,
+                              int64_t pos,
+                              const float *k,
+                              const float *v,
+                              mha_error *err) {
     mha_status st = mha__check_kv_seq(c, seq, "seq", err);
     if (st)
         return st;
@@ -144,7 +149,10 @@ mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, m
     MHA_RETURN_IF(pos < 0 || pos >= L || pos < c->lo[seq], err, INVALID_ARG,
                   "read: position %lld of sequence %lld is not stored (length %lld, slots %lld)",
                   (long long)pos, (long long)seq, (long long)L, (long long)c->slots);
-    return MHA_STATUS_OK;
+    const int64_t G = c->cfg->num_kv_heads;
+    const mha__span out[2] = {mha__span_of("k", k, G * c->cfg->head_dim, sizeof(float)),
+                              mha__span_of("v", v, G * c->cfg->v_head_dim, sizeof(float))};
+    return mha__check_no_overlap(out, 2, NULL, 0, err);
 }
 
 /* exec's implementation is one the decode calls know, and its threads resolve. */

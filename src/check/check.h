@@ -259,7 +259,13 @@ mha_status mha__check_kv_append(const mha__kv_view *c,
                                 mha_error *err);
 mha_status
 mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_error *err);
-mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, mha_error *err);
+/* mha_kv_cache_read: pos stored in seq; k [g, d_k] and v [g, d_v] (either NULL) do not overlap. */
+mha_status mha__check_kv_read(const mha__kv_view *c,
+                              int64_t seq,
+                              int64_t pos,
+                              const float *k,
+                              const float *v,
+                              mha_error *err);
 
 /* mha_kv_cache_attention's arguments; *scale = the resolved scale (0 = 1/sqrt(d_k)). */
 mha_status mha__check_kv_attention(const mha__kv_view *c,
