@@ -2,8 +2,10 @@
 /* cli.h: declarations shared by the .c files of the `mha` program in cli/ (never installed).
  *
  * Every subcommand returns its exit status: 0 success, 1 failure (bad file, library error),
- * 2 usage error. The one line on stderr that explains a failure is printed where the failure is
- * found, with cli_fail() / cli_usage() / cli_lib_fail(), so callers only propagate the status.
+ * 2 usage error, 3 a non-finite value in an output computed from finite inputs (`mha run`, unless
+ * --allow-nonfinite; nothing is written). The one line on stderr that explains a failure is printed
+ * where the failure is found, with cli_fail() / cli_usage() / cli_lib_fail(), so callers only
+ * propagate the status.
  */
 #ifndef MHA_CLI_H
 #define MHA_CLI_H
@@ -12,7 +14,7 @@
 
 #include <stdint.h>
 
-enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2 };
+enum { CLI_OK = 0, CLI_FAIL = 1, CLI_USAGE = 2, CLI_NONFINITE = 3 };
 
 /* Version the program was built with (mha_version() gives the library actually linked). */
 #define CLI_STR_(x)  #x

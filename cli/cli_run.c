@@ -8,6 +8,7 @@
  */
 #include "cli_run_common.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,6 +69,7 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_CACHE_DTYPE] = {"--cache-dtype", CLI_OPT_VALUE},
     [O_DISTRIBUTED] = {"--distributed", CLI_OPT_VALUE},
     [O_SHARD_LAYOUT] = {"--shard-layout", CLI_OPT_VALUE},
+    [O_ALLOW_NONFINITE] = {"--allow-nonfinite", CLI_OPT_FLAG},
 };
 
 void cli_run_usage(void) {
@@ -99,7 +101,10 @@ void cli_run_usage(void) {
         "  --heads H                number of query heads (required without --model)",
         "  --kv-heads G             key/value heads (GQA/MQA), H % G == 0 (default: from shapes)",
         "",
-        "Inputs (float32, float64 or float16, C order):",
+        "Inputs (float32, float64 or float16, C order). Everything is computed in float32:",
+        "float64 inputs are rounded to float32 first, so expect float32's accuracy (relative",
+        "error about 1e-7 times the problem's condition), not float64's; a float64 value beyond",
+        "float32's range (3.4e38) becomes inf.",
         "  --input X.npy            queries [n, q_dim] or [B, n, q_dim] (required)",
         "  --key K.npy              cross-attention keys [m, k_dim] or [B, m, k_dim] (default: X)",
         "  --value V.npy            values [m, v_dim] or [B, m, v_dim] (default: K)",
@@ -143,8 +148,10 @@ void cli_run_usage(void) {
         "  --rope-attention-factor F  yarn factor on cos and sin (default: 0.1 ln(factor) + 1)",
         "",
         "Scores:",
-        "  --scale S                score scale (default: 1/sqrt(d_k))",
-        "  --softcap C              logit soft-capping s = C tanh(s/C), Gemma 2 (default: off)",
+        "  --scale S                score scale, in [1.2e-38, 3.4e38] (float32's normal range)",
+        "                           (default: 1/sqrt(d_k))",
+        "  --softcap C              logit soft-capping s = C tanh(s/C), Gemma 2, C in",
+        "                           [1.2e-38, 3.4e38] (default: off)",
         "  --alibi                  ALiBi: add -slope_h |p - j| (default: off)",
         "  --sinks S.npy            float [h], one learned sink logit per head, gpt-oss",
         "                           (default: none, or the weights file's \"sinks\" tensor)",
@@ -163,6 +170,10 @@ void cli_run_usage(void) {
         "                           (0..1) (default: panel)",
         "  --tokens FILE            the plot's labels: one token per line, one line per query",
         "                           (for keys too when there are as many)",
+        "  --allow-nonfinite        write outputs holding NaN or inf although every input is",
+        "                           finite (default: such an output is reported on stderr --",
+        "                           which output, how many values, the first index -- nothing",
+        "                           is written and the exit status is 3; docs/FORMATS.md)",
         "  --attn-stats S.npz       attention statistics without any n x m matrix (long inputs),",
         "                           an .npz (docs/FORMATS.md); choose them with --stats",
         "  --stats LIST             comma-separated: received (attention per key, per head and",
@@ -216,7 +227,9 @@ void cli_run_usage(void) {
         "  mpirun -np 4 mha run --distributed ring --weights attn.safetensors --heads 8 \\",
         "      --causal --rope-theta 10000 --input x.npy --out y.npy",
         "",
-        "Exit status: 0 success, 1 failure (one line on stderr naming the file), 2 usage error.",
+        "Exit status: 0 success, 1 failure (one line on stderr naming the file), 2 usage error,",
+        "3 an output holds NaN or inf although every input is finite (float32 overflow; one line",
+        "naming the output, nothing written; --allow-nonfinite writes it and exits 0).",
     };
     for (size_t i = 0; i < sizeof text / sizeof text[0]; i++)
         printf("%s\n", text[i]);
@@ -257,6 +270,13 @@ static void run_free(run_state *s) {
 
 static int pos_f64(const run_config *o, int id, double *out) {
     return cli_parse_f64(run_flags[id].name, o->opt[id], 0.0, 1, HUGE_VAL, 0, out);
+}
+
+/* A positive value the library uses as a float32 (--scale, --softcap, --rope-attention-factor):
+ * in [FLT_MIN, FLT_MAX], so that it is neither inf nor rounded to 0 in float. */
+static int pos_f32(const run_config *o, int id, double *out) {
+    return cli_parse_f64(run_flags[id].name, o->opt[id], (double)FLT_MIN, 0, (double)FLT_MAX, 0,
+                         out);
 }
 
 static int parse_window(const char *s, int64_t *left, int64_t *right) {
@@ -600,7 +620,7 @@ static int parse_rope(run_config *o) {
                 continue;
             if (o->rope.scaling == MHA_ROPE_SCALING_NONE)
                 return cli_usage("%s needs --rope-scaling", run_flags[id].name);
-            if ((rc = pos_f64(o, id, fields[i])))
+            if ((rc = (id == O_ROPE_ATTENTION_FACTOR ? pos_f32 : pos_f64)(o, id, fields[i])))
                 return rc;
         }
     }
@@ -611,11 +631,12 @@ static int parse_rope(run_config *o) {
 static int parse_scores(run_config *o) {
     const char *const *v = o->opt;
     int rc;
-    if (v[O_SCALE] && (rc = pos_f64(o, O_SCALE, &o->scale)))
+    if (v[O_SCALE] && (rc = pos_f32(o, O_SCALE, &o->scale)))
         return rc;
-    if (v[O_SOFTCAP] && (rc = pos_f64(o, O_SOFTCAP, &o->softcap)))
+    if (v[O_SOFTCAP] && (rc = pos_f32(o, O_SOFTCAP, &o->softcap)))
         return rc;
     o->alibi = v[O_ALIBI] != NULL;
+    o->allow_nonfinite = v[O_ALLOW_NONFINITE] != NULL;
     if (v[O_DROPOUT]) {
         double p;
         if ((rc = cli_parse_f64("--dropout", v[O_DROPOUT], 0.0, 0, 1.0, 1, &p)))

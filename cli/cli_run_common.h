@@ -69,6 +69,7 @@ enum {
     O_VERBOSE,
     O_DISTRIBUTED,
     O_SHARD_LAYOUT,
+    O_ALLOW_NONFINITE,
     O_COUNT
 };
 
@@ -117,6 +118,7 @@ typedef struct run_config {
     int distributed;           /* --distributed ring */
     int zigzag;                /* --shard-layout: 1 zigzag (default), 0 contiguous */
     int shard_files;           /* "{rank}" in --input: per-rank input and output files */
+    int allow_nonfinite;       /* --allow-nonfinite: write non-finite outputs, exit 0 */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */
@@ -131,6 +133,9 @@ typedef struct run_state {
     float *plot_pooled, *plot_visible; /* --plot: the pooled map and visible shares [B, h, R, C] */
     double stage_start;                /* --verbose: when the current stage began (seconds) */
     cli_stats stats;                   /* --attn-stats */
+    int inputs_nonfinite;              /* X, K, V or a float mask holds NaN / +-inf (-inf in a
+                                          mask blocks and counts as finite): then non-finite
+                                          outputs are expected and not reported */
 } run_state;
 
 /* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run_job.c). */
@@ -170,7 +175,21 @@ int mask_tensor(const char *path,
                 mha_mask_tensor *t);
 /* X, K, V: float, 2-d or 3-d, non-empty; returns B, L, features. */
 int input_shape(const char *path, const mha__npy *a, int64_t *B, int64_t *L, int64_t *features);
-/* Writes Y (and A, and the plot); removes what it wrote if a later one fails. */
+/* Non-finite values in an output of finite inputs (docs/FORMATS.md, "Output check"): when
+ * s->inputs_nonfinite is 0 and --allow-nonfinite is not given, the first float array of `count`
+ * values holding NaN or +-inf gives one line (the output, how many, the first index) and
+ * CLI_NONFINITE. `what` names the output ("--out y.npy"). */
+int check_finite_output(const run_config *o,
+                        const run_state *s,
+                        const char *what,
+                        const float *x,
+                        int32_t ndim,
+                        const int64_t *shape);
+/* Whether every element of a float input is finite: its file values (float64 before the
+ * conversion) and the float32 values computed from them (f32). */
+int input_all_finite(const mha__npy *a, const float *f32);
+/* Writes Y (and A, and the plot); removes what it wrote if a later one fails. Checks them first
+ * (check_finite_output): CLI_NONFINITE with nothing written. */
 int write_outputs(const run_config *o,
                   const run_state *s,
                   int x_ndim,
@@ -195,6 +214,14 @@ int write_stats(const run_config *o,
                 int64_t n,
                 int64_t m);
 void stats_free(cli_stats *st);
+/* check_finite_output on every float member of the statistics (before anything is written). */
+int check_stats_finite(const run_config *o,
+                       const run_state *s,
+                       int x_ndim,
+                       int64_t B,
+                       int64_t h,
+                       int64_t n,
+                       int64_t m);
 
 /* Every file `mha run` reads or writes checked by cli_check_outputs() (cli_run_files.c). */
 int check_paths(const run_config *o);

@@ -211,6 +211,46 @@ int input_shape(const char *path, const mha__npy *a, int64_t *B, int64_t *L, int
     return CLI_OK;
 }
 
+int input_all_finite(const mha__npy *a, const float *f32) {
+    if (a->dtype == MHA_DTYPE_F64) {
+        const double *d = (const double *)a->data;
+        for (int64_t i = 0; i < a->count; i++)
+            if (!isfinite(d[i]))
+                return 0;
+        return 1; /* a finite double beyond float's range is inf in f32: still a finite input */
+    }
+    for (int64_t i = 0; f32 && i < a->count; i++)
+        if (!isfinite(f32[i]))
+            return 0;
+    return 1;
+}
+
+int check_finite_output(const run_config *o,
+                        const run_state *s,
+                        const char *what,
+                        const float *x,
+                        int32_t ndim,
+                        const int64_t *shape) {
+    if (o->allow_nonfinite || s->inputs_nonfinite || !x)
+        return CLI_OK;
+    int64_t count = 1;
+    for (int32_t d = 0; d < ndim; d++)
+        count *= shape[d];
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < count; i++)
+        if (!isfinite(x[i]) && bad++ == 0)
+            first = i;
+    if (!bad)
+        return CLI_OK;
+    char idx[160];
+    cli_fail("%s: %lld of %lld values are not finite (NaN or inf), the first at %s = %g, although "
+             "every input is finite: float32 overflowed (scores or values beyond 3.4e38?); "
+             "nothing written (--allow-nonfinite writes the outputs anyway)",
+             what, (long long)bad, (long long)count, index_str(idx, sizeof idx, ndim, shape, first),
+             (double)x[first]);
+    return CLI_NONFINITE;
+}
+
 /* Writes Y (and A); removes Y again if A cannot be written. */
 int write_outputs(const run_config *o,
                   const run_state *s,
@@ -229,18 +269,27 @@ int write_outputs(const run_config *o,
         yshape[ynd++] = B;
     yshape[ynd++] = n;
     yshape[ynd++] = out_dim;
-    if (mha__npy_write_f32(ypath, s->out, ynd, yshape, &err) != MHA_STATUS_OK)
-        return cli_lib_fail(ypath, &err);
-    if (!apath && !o->opt[O_PLOT])
-        return CLI_OK;
     if (x_ndim == 3)
         ashape[and_++] = B;
     if (!o->average)
         ashape[and_++] = h;
     ashape[and_++] = n;
     ashape[and_++] = m;
+    char what[64 + 4096];
+    snprintf(what, sizeof what, "--out %s", ypath);
+    int rc = check_finite_output(o, s, what, s->out, ynd, yshape);
+    if (!rc && apath) {
+        snprintf(what, sizeof what, "--attn %s", apath);
+        rc = check_finite_output(o, s, what, s->probs, and_, ashape);
+    }
+    if (rc)
+        return rc;
+    if (mha__npy_write_f32(ypath, s->out, ynd, yshape, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(ypath, &err);
+    if (!apath && !o->opt[O_PLOT])
+        return CLI_OK;
     if (apath && mha__npy_write_f32(apath, s->probs, and_, ashape, &err) != MHA_STATUS_OK) {
-        int rc = cli_lib_fail(apath, &err);
+        rc = cli_lib_fail(apath, &err);
         remove(ypath);
         return rc;
     }

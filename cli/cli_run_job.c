@@ -229,6 +229,9 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
     }
     if ((rc = to_f32(xpath, &s->x, &s->xf)))
         return rc;
+    s->inputs_nonfinite = !input_all_finite(&s->x, s->xf) ||
+                          (s->kf && !input_all_finite(&s->key, s->kf)) ||
+                          (s->vf && !input_all_finite(&s->value, s->vf));
     *d = (run_dims){B, n, m, bc->num_heads, x_ndim, cross};
     return CLI_OK;
 }
@@ -256,6 +259,9 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
                 (rc = to_f32(path, &s->mask, &s->maskf)))
                 return rc;
             mk->additive_mask.data = s->maskf;
+            for (int64_t i = 0; i < s->mask.count; i++) /* -inf blocks: a finite outcome */
+                if (isnan(s->maskf[i]) || s->maskf[i] == INFINITY)
+                    s->inputs_nonfinite = 1;
         } else if (is_integer(s->mask.dtype)) {
             if ((rc = mask_tensor(path, &s->mask, s->mask.data, s->mask.dtype, 4, target4, 4,
                                   "[B, h, n, m]", &mk->bool_mask)))
@@ -414,6 +420,9 @@ int run_forward(const run_config *o, run_state *s) {
             return rc;
         stage_done(o, s, "attention statistics computed");
     }
+
+    if (v[O_ATTN_STATS] && (rc = check_stats_finite(o, s, d.x_ndim, d.B, d.h, d.n, d.m)))
+        return rc; /* nothing written */
 
     /* Step 7: the outputs. */
     rc = write_outputs(o, s, d.x_ndim, d.B, d.n, d.m, d.h, mha_layer_config(s->layer)->out_dim);

@@ -150,16 +150,16 @@ static mha__npz_member member(const char *name,
     return mb;
 }
 
-int write_stats(const run_config *o,
-                const run_state *s,
-                int x_ndim,
-                int64_t B,
-                int64_t h,
-                int64_t n,
-                int64_t m) {
+/* The .npz's members (at most 7) into mb; returns their number. */
+static int stats_members(const run_state *s,
+                         int x_ndim,
+                         int64_t B,
+                         int64_t h,
+                         int64_t n,
+                         int64_t m,
+                         mha__npz_member *mb) {
     const cli_stats *st = &s->stats;
     const int bat = x_ndim == 3;
-    mha__npz_member mb[7];
     int count = 0;
     const int64_t hm[2] = {h, m}, hn[2] = {h, n}, hnk[3] = {h, n, st->k},
                   grid[3] = {h, st->R, st->C};
@@ -177,6 +177,41 @@ int write_stats(const run_config *o,
         mb[count++] = member("pooled", MHA_DTYPE_F32, st->pooled, bat, B, 3, grid);
         mb[count++] = member("pooled_visible", MHA_DTYPE_F32, st->pooled_visible, bat, B, 3, grid);
     }
+    return count;
+}
+
+int check_stats_finite(const run_config *o,
+                       const run_state *s,
+                       int x_ndim,
+                       int64_t B,
+                       int64_t h,
+                       int64_t n,
+                       int64_t m) {
+    mha__npz_member mb[7];
+    const int count = stats_members(s, x_ndim, B, h, n, m, mb);
+    for (int i = 0; i < count; i++) {
+        if (mb[i].dtype != MHA_DTYPE_F32)
+            continue;
+        char what[64 + 4096];
+        snprintf(what, sizeof what, "--attn-stats %s (member %s)", o->opt[O_ATTN_STATS],
+                 mb[i].name);
+        const int rc =
+            check_finite_output(o, s, what, (const float *)mb[i].data, mb[i].ndim, mb[i].shape);
+        if (rc)
+            return rc;
+    }
+    return CLI_OK;
+}
+
+int write_stats(const run_config *o,
+                const run_state *s,
+                int x_ndim,
+                int64_t B,
+                int64_t h,
+                int64_t n,
+                int64_t m) {
+    mha__npz_member mb[7];
+    const int count = stats_members(s, x_ndim, B, h, n, m, mb);
     mha_error err;
     memset(&err, 0, sizeof err);
     if (mha__npz_write(o->opt[O_ATTN_STATS], mb, count, &err) != MHA_STATUS_OK)

@@ -10,10 +10,17 @@
  * Conventions (docs/SEMANTICS.md has the full contract, with formulas):
  *   - Sizes, strides and indices are int64_t; strides are in ELEMENTS, not bytes.
  *   - Tensors are float32 unless a dtype says otherwise; inputs are const, caller-owned.
- *   - Outputs are OVERWRITTEN, never accumulated. Outputs must not alias inputs.
- *   - Every fallible function returns mha_status and, when `err` is not NULL, fills it with the
- *     status and a one-line message naming the offending argument. On error, outputs are untouched
- *     (validation happens before any output is written).
+ *   - Outputs are OVERWRITTEN, never accumulated. No output may share a byte with an input or
+ *     with another output: the address ranges the sizes and strides reach are compared, and the
+ *     same pointer or any partial overlap is refused (INVALID_ARG naming both). Inputs may share
+ *     memory. The only in-place forms are mha_rope_apply (x is rotated in place) and
+ *     mha_attention_merge (o exactly o_a or o_b, lse exactly lse_a or lse_b).
+ *   - Every fallible function returns mha_status and, when `err` is not NULL, fills it: on
+ *     failure with the status and a one-line message naming the offending argument, on success
+ *     with MHA_STATUS_OK and an empty message. On error, outputs are untouched (validation
+ *     happens before any output is written).
+ *   - Scalars are double in the API but float32 in the kernels: scale, softcap and RoPE's
+ *     attention_factor must be representable as normal float32 values (see mha_attention_args).
  *   - No global mutable state. A layer is immutable after creation: any number of threads may call
  *     mha_layer_forward() on the same layer at once, as long as their outputs differ.
  *   - Nothing here calls exit() or abort().
@@ -69,9 +76,11 @@ typedef enum mha_status {
 MHA_API const char *mha_status_string(mha_status status);
 
 #define MHA_ERROR_MESSAGE_SIZE 512
-/** Filled by a failing call when the caller passes one: the status and a message naming what was
- *  wrong, e.g. "mha_config.num_heads=12 is not divisible by num_kv_heads=5". Caller-owned, so
- *  errors are thread-safe without any global or thread-local state. */
+/** Filled by every call the caller passes one to: a failing call writes the status and a message
+ *  naming what was wrong, e.g. "config.num_heads=12 is not divisible by num_kv_heads=5"; a
+ *  successful call clears it (status MHA_STATUS_OK, empty message), so a stale message never
+ *  survives a later success. Caller-owned, so errors are thread-safe without any global or
+ *  thread-local state. */
 typedef struct mha_error {
     mha_status status;
     char message[MHA_ERROR_MESSAGE_SIZE];
@@ -289,7 +298,8 @@ typedef struct mha_rope {
     double beta_slow;             /* YARN, 0 = 1 */
     double attention_factor;      /* multiplies cos and sin: YARN, 0 = 0.1 ln(factor) + 1;
                                      LONGROPE, 0 = sqrt(1 + ln(factor) / ln(original_max)) (1 if
-                                     factor <= 1) */
+                                     factor <= 1); at most FLT_MAX (the rotated Q and K are
+                                     float32) */
     int32_t yarn_no_truncate;     /* YARN: nonzero keeps the ramp ends unrounded (transformers'
                                      `truncate: false`, gpt-oss); 0 = floor/ceil them */
     /* LONGROPE: the divisors of f_k, k < rotary_dim / 2 (<= MHA_ROPE_MAX_PAIRS), each finite and
@@ -354,10 +364,15 @@ typedef struct mha_attention_args {
     int64_t kv_len;       /* m */
     int64_t head_dim;     /* d_k */
     int64_t v_head_dim;   /* d_v; 0 = d_k */
-    double scale;         /* 0 = 1/sqrt(d_k) */
-    double softcap;       /* 0 = off */
-    int32_t alibi;        /* slopes 2^(-8(k+1)/h), BLOOM interpolation when h is not a power of 2 */
-    const float *sinks;   /* [h] or NULL */
+    /* scale: 0 = 1/sqrt(d_k); otherwise |scale| in [FLT_MIN, FLT_MAX] (about [1.2e-38, 3.4e38]):
+     * it multiplies the scores in float32, so a larger value (inf in float) or a smaller one
+     * (0 or subnormal) is refused with INVALID_ARG; negative values are allowed. The product
+     * scale * q.k itself must stay below FLT_MAX: the library does not scan activations, and a
+     * score that overflows gives NaN in its row (the CLI reports such outputs). */
+    double scale;
+    double softcap;     /* 0 = off; otherwise in [FLT_MIN, FLT_MAX] (used as a float32) */
+    int32_t alibi;      /* slopes 2^(-8(k+1)/h), BLOOM interpolation when h is not a power of 2 */
+    const float *sinks; /* [h] or NULL */
 
     /* Tensors, viewed as [B, heads, L, d] with element strides {b, head, row, 1}. */
     const float *q;
@@ -461,8 +476,8 @@ typedef struct mha_config {
     int64_t out_dim;                        /* 0 = q_dim */
     int32_t bias_q, bias_k, bias_v, bias_o; /* nonzero: that projection has a bias */
     int32_t sinks;                          /* nonzero: learned per-head attention sink logits */
-    double scale;                           /* 0 = 1/sqrt(d_k) */
-    double softcap;                         /* 0 = off */
+    double scale;   /* 0 = 1/sqrt(d_k); else |scale| in [FLT_MIN, FLT_MAX] (mha_attention_args) */
+    double softcap; /* 0 = off; else in [FLT_MIN, FLT_MAX] */
     int32_t alibi;
     mha_rope rope; /* style NONE = no RoPE */
 } mha_config;
@@ -857,8 +872,8 @@ typedef struct mha_kv_attention_args {
     const int64_t *seq_ids; /* [num_seqs] or NULL = 0 .. num_seqs-1 */
     int64_t num_tokens;     /* t >= 1, <= each listed sequence's length */
     int64_t num_heads;      /* h, a multiple of the cache's g */
-    double scale;           /* 0 = 1/sqrt(d_k) */
-    double softcap;         /* 0 = off */
+    double scale;   /* 0 = 1/sqrt(d_k); else |scale| in [FLT_MIN, FLT_MAX] (mha_attention_args) */
+    double softcap; /* 0 = off; else in [FLT_MIN, FLT_MAX] */
     int32_t alibi;
     const float *sinks; /* [h] or NULL */
     const float *q;
@@ -908,7 +923,8 @@ MHA_API mha_status mha_layer_decode_step(const mha_layer *layer,
  *    o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
  *  A partial with lse = -inf (all its keys masked) contributes nothing; both -inf gives o = 0,
  *  lse = -inf. Row strides in elements (>= dim). o may be exactly o_a or o_b (same pointer and
- *  stride) and lse exactly lse_a or lse_b: the merge then runs in place. lse may be NULL. */
+ *  stride) and lse exactly lse_a or lse_b: the merge then runs in place; any other overlap (o
+ *  shifted into o_a, lse inside an o) is refused. lse may be NULL. */
 MHA_API mha_status mha_attention_merge(int64_t rows,
                                        int64_t dim,
                                        const float *o_a,

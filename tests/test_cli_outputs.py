@@ -174,3 +174,122 @@ def test_verbose_reports_stages(case):
     assert all(line.endswith(" s)") for line in lines)
     r = run_cli(*case.base, "--out", case.Y)
     assert r.returncode == 0 and r.stderr == ""
+
+
+# Nothing silent (issue 28): a non-finite output of finite inputs is an error (exit 3), and the
+# scalars of the command line are checked in float32.
+
+def huge_case(case, scale=3e38):
+    """The case's weights all multiplied up to about `scale`: finite, but the projections (and so
+    the scores) overflow float32."""
+    rng = np.random.default_rng(5)
+    t = make_weights(rng)
+    t = {k: (np.sign(v) * scale).astype(np.float32) for k, v in t.items()}
+    write_safetensors(case.dir / "H.safetensors", t)
+    return ["run", "--weights", case.dir / "H.safetensors", "--heads", 4, "--input", case.X]
+
+
+def test_nonfinite_output_of_finite_inputs_is_refused(case):
+    base = huge_case(case)
+    line = refused(case, base + ["--out", case.Y], "--out", status=3)
+    assert "Y.npy" in line and "not finite" in line and "of 160 values" in line, line
+    assert "first at [0, 0, 0]" in line and "--allow-nonfinite" in line, line
+    # The same with --attn: neither file is written.
+    refused(case, base + ["--out", case.Y, "--attn", case.dir / "A.npy"], "not finite", status=3)
+    # --attn-stats members are checked before anything is written.
+    refused(case, base + ["--out", case.Y, "--attn-stats", case.dir / "S.npz"], "not finite",
+            status=3)
+    # --decode writes through the same check.
+    refused(case, base + ["--out", case.Y, "--decode"], "not finite", status=3)
+
+
+def test_allow_nonfinite_writes_them(case):
+    r = run_cli(*huge_case(case), "--out", case.Y, "--allow-nonfinite")
+    assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+    y = np.load(case.Y)
+    assert y.shape == (2, 5, 16) and not np.isfinite(y).any()
+
+
+def test_nonfinite_inputs_propagate_without_report(case):
+    x = np.load(case.X)
+    x[1, 2, 3] = np.nan
+    np.save(case.dir / "XN.npy", x)
+    r = run_cli("run", "--weights", case.W, "--heads", 4, "--input", case.dir / "XN.npy",
+                "--out", case.Y)
+    assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+    y = np.load(case.Y)
+    assert np.isnan(y[1]).any() and np.isfinite(y[0]).all()
+    # -inf in an additive mask blocks a key: a finite outcome, and the check stays on.
+    mask = np.zeros((5, 5), np.float32)
+    mask[:, 0] = -np.inf
+    np.save(case.dir / "M.npy", mask)
+    base = huge_case(case)
+    refused(case, base + ["--out", case.Y, "--mask", case.dir / "M.npy"], "not finite", status=3)
+
+
+def test_float64_input_beyond_float32_is_reported(case):
+    """A float64 value of 1e39 is finite in the file and inf in float32: the output's NaN is the
+    float32 computation's, so it is reported."""
+    x = np.load(case.X).astype(np.float64)
+    x[0, 0, 0] = 1e39
+    np.save(case.dir / "X64.npy", x)
+    refused(case, ["run", "--weights", case.W, "--heads", 4, "--input", case.dir / "X64.npy",
+                   "--out", case.Y], "not finite", status=3)
+
+
+@pytest.mark.parametrize("flag,value", [("--softcap", "4e38"), ("--scale", "1e39"),
+                                        ("--scale", "1e-300"), ("--softcap", "1e-300"),
+                                        ("--scale", "3.5e38")])
+def test_scalars_checked_in_float32(case, flag, value):
+    line = refused(case, case.base + ["--out", case.Y, flag, value], flag, status=2)
+    assert value in line, line
+
+
+def test_scalar_limits_accepted(case):
+    r = run_cli(*case.base, "--out", case.Y, "--scale", "3.4e38", "--allow-nonfinite")
+    assert r.returncode == 0, r.stderr
+    r = run_cli(*case.base, "--out", case.Y, "--softcap", "3.4e38")
+    assert r.returncode == 0 and np.isfinite(np.load(case.Y)).all(), r.stderr
+
+
+def test_help_says_float32_and_exit_3():
+    r = run_cli("run", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "Everything is computed in float32" in text and "1e-7" in text, text
+    assert "--allow-nonfinite" in text and "3 an output holds NaN or inf" in text
+
+
+def gemma2_dir(d, **fields):
+    """A one-layer gemma2 model directory (hidden 16, 4 heads, 2 kv heads) with config fields
+    replaced by `fields`."""
+    import json
+    d.mkdir()
+    cfg = {"model_type": "gemma2", "hidden_size": 16, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 4, "num_hidden_layers": 1,
+           "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0, "rope_theta": 10000.0,
+           "sliding_window": 8, "max_position_embeddings": 64}
+    cfg.update(fields)
+    (d / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    p = "model.layers.0.self_attn."
+    shapes = {"q_proj": (16, 16), "k_proj": (8, 16), "v_proj": (8, 16), "o_proj": (16, 16)}
+    write_safetensors(d / "model.safetensors",
+                      {p + k + ".weight": rng.standard_normal(s).astype(np.float32)
+                       for k, s in shapes.items()})
+    return d
+
+
+@pytest.mark.parametrize("field,value,needle", [("attn_logit_softcapping", 4e38, "softcap"),
+                                                ("query_pre_attn_scalar", 1e-300, "scal")])
+def test_model_config_scalars_beyond_float32(case, field, value, needle):
+    """From config.json: a soft-cap of 4e38 (inf in float32) or query_pre_attn_scalar 1e-300
+    (scale 1e150) gave an all-NaN Y with exit 0; the layer's own check refuses them (the loader
+    may already), exit 1 naming the field."""
+    d = gemma2_dir(case.dir / "g2", **{field: value})
+    r = run_cli("run", "--model", d, "--layer", 0, "--input", case.X, "--out", case.Y)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert needle in r.stderr and not os.path.exists(case.Y), r.stderr
+    ok = gemma2_dir(case.dir / "g2ok")
+    r = run_cli("run", "--model", ok, "--layer", 0, "--input", case.X, "--out", case.Y)
+    assert r.returncode == 0 and np.isfinite(np.load(case.Y)).all(), r.stderr

@@ -99,6 +99,17 @@ mha_half_to_f32(mha_dtype dtype, const uint16_t *src, float *dst, int64_t count,
                   "dtype %d is not float16 or bfloat16", (int)dtype);
     MHA_RETURN_IF(count < 0, err, INVALID_ARG, "count=%lld is negative", (long long)count);
     MHA_RETURN_IF(count > 0 && (!src || !dst), err, INVALID_ARG, "src or dst is NULL");
+    /* dst [count floats] must not overlap src [count halves] (docs/SEMANTICS.md, "Aliasing"; the
+     * rule of check/overlap.c, which base cannot include). */
+    if (count > 0) {
+        const uintptr_t s0 = (uintptr_t)src, d0 = (uintptr_t)dst;
+        const uintptr_t big = UINTPTR_MAX / 8, n = (uint64_t)count > big ? big : (uintptr_t)count;
+        const uintptr_t s1 = s0 + 2 * n < s0 ? UINTPTR_MAX : s0 + 2 * n;
+        const uintptr_t d1 = d0 + 4 * n < d0 ? UINTPTR_MAX : d0 + 4 * n;
+        MHA_RETURN_IF(s0 < d1 && d0 < s1, err, INVALID_ARG,
+                      "dst overlaps src in memory: an output must not alias an input (dst holds "
+                      "count floats, src count halves)");
+    }
     for (int64_t i = 0; i < count; i++)
         dst[i] = dtype == MHA_DTYPE_F16 ? mha__f16_to_f32(src[i]) : mha__bf16_to_f32(src[i]);
     mha__ok(err);

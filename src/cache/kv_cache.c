@@ -176,7 +176,7 @@ static void store_row(const mha_kv_cache *c, const float *src, int64_t d, void *
 mha_status mha_kv_cache_read(
     const mha_kv_cache *cache, int64_t seq, int64_t pos, float *k, float *v, mha_error *err) {
     const mha__kv_view view = mha__kv_view_of(cache);
-    mha_status st = mha__check_kv_read(&view, seq, pos, err);
+    mha_status st = mha__check_kv_read(&view, seq, pos, k, v, err);
     if (st)
         return st;
     const int64_t G = cache->cfg.num_kv_heads, dk = cache->cfg.head_dim;

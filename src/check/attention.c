@@ -5,8 +5,23 @@
  * written. */
 #include "check/check.h"
 
+#include <float.h>
 #include <stdio.h>
 #include <string.h>
+
+mha_status
+mha__check_scale_softcap(double scale, double softcap, const char *prefix, mha_error *err) {
+    const double mag = fabs(scale);
+    MHA_RETURN_IF(!(mag >= (double)FLT_MIN && mag <= (double)FLT_MAX), err, INVALID_ARG,
+                  "%sscale=%g is outside float32's range: scores are computed in float32, so "
+                  "|scale| must be in [%g, %g] (0 = 1/sqrt(head_dim))",
+                  prefix, scale, (double)FLT_MIN, (double)FLT_MAX);
+    MHA_RETURN_IF(!(softcap == 0.0 || (softcap >= (double)FLT_MIN && softcap <= (double)FLT_MAX)),
+                  err, INVALID_ARG,
+                  "%ssoftcap=%g must be 0 (off) or in [%g, %g]: the cap is applied in float32",
+                  prefix, softcap, (double)FLT_MIN, (double)FLT_MAX);
+    return MHA_STATUS_OK;
+}
 
 static bool is_bool_dtype(mha_dtype t) {
     return t == MHA_DTYPE_BOOL || t == MHA_DTYPE_U8 || t == MHA_DTYPE_I32 || t == MHA_DTYPE_I64;
@@ -167,13 +182,14 @@ static mha_status check_masking(const mha_masking *mk,
 
 /* Largest element offset reachable through a [B, H, L, d] view with strides s; false on
  * overflow or a negative stride. */
-static bool view_extent(const int64_t s[3],
-                        int64_t B,
-                        int64_t H,
-                        int64_t L,
-                        int64_t d,
-                        const char *name,
-                        mha_error *err) {
+static bool view_extent_n(const int64_t s[3],
+                          int64_t B,
+                          int64_t H,
+                          int64_t L,
+                          int64_t d,
+                          const char *name,
+                          int64_t *extent,
+                          mha_error *err) {
     int64_t a, b, c, total;
     for (int i = 0; i < 3; i++)
         if (s[i] < 0) {
@@ -187,7 +203,64 @@ static bool view_extent(const int64_t s[3],
         mha__fail(err, MHA_STATUS_OVERFLOW, "%s: offsets overflow int64 with these strides", name);
         return false;
     }
+    if (extent)
+        *extent = total;
     return true;
+}
+
+static bool view_extent(const int64_t s[3],
+                        int64_t B,
+                        int64_t H,
+                        int64_t L,
+                        int64_t d,
+                        const char *name,
+                        mha_error *err) {
+    return view_extent_n(s, B, H, L, d, name, NULL, err);
+}
+
+/* The byte range of a strided [B, heads, L, d] float view (its strides already checked). */
+static mha__span view_span(const char *name,
+                           const float *ptr,
+                           const int64_t s[3],
+                           int64_t B,
+                           int64_t H,
+                           int64_t L,
+                           int64_t d) {
+    int64_t extent = 0;
+    if (ptr && !view_extent_n(s, B, H, L, d, name, &extent, NULL))
+        extent = INT64_MAX / 8; /* cannot happen: checked before */
+    return mha__span_of(name, ptr, extent, sizeof(float));
+}
+
+static mha__span mask_span(const char *name, const mha_mask_tensor *t) {
+    int64_t count = 1;
+    for (int d = 0; d < t->ndim && d < MHA_MAX_MASK_DIMS; d++)
+        count *= t->shape[d]; /* checked by broadcast_strides */
+    return mha__span_of(name, t->data, count, mha_dtype_size(t->dtype));
+}
+
+enum { CORE_INPUTS = 11 };
+/* Every tensor the core reads besides the ones of its outputs (after check_problem resolved p). */
+static int core_inputs(const mha_attention_args *a, const mha__problem *p, mha__span *in) {
+    int n = 0;
+    in[n++] = view_span("q", a->q, a->q_strides, p->B, p->H, p->n, p->dk);
+    in[n++] = view_span("k", a->k, a->k_strides, p->B, p->G, p->m, p->dk);
+    in[n++] = view_span("v", a->v, a->v_strides, p->B, p->G, p->m, p->dv);
+    in[n++] = mha__span_of("sinks", a->sinks, p->H, sizeof(float));
+    in[n++] = a->mask.additive_mask.data ? mask_span("mask.additive_mask", &a->mask.additive_mask)
+                                         : mha__span_of("", NULL, 0, 1);
+    in[n++] = a->mask.bool_mask.data ? mask_span("mask.bool_mask", &a->mask.bool_mask)
+                                     : mha__span_of("", NULL, 0, 1);
+    in[n++] = a->mask.key_padding.data ? mask_span("mask.key_padding", &a->mask.key_padding)
+                                       : mha__span_of("", NULL, 0, 1);
+    in[n++] =
+        mha__span_of("mask.q_segment_ids", a->mask.q_segment_ids, p->B * p->n, sizeof(int32_t));
+    in[n++] =
+        mha__span_of("mask.kv_segment_ids", a->mask.kv_segment_ids, p->B * p->m, sizeof(int32_t));
+    in[n++] = mha__span_of("mask.align_offsets",
+                           a->mask.alignment == MHA_ALIGN_EXPLICIT ? a->mask.align_offsets : NULL,
+                           p->B, sizeof(int64_t));
+    return n;
 }
 
 mha_status mha__check_attention_sizes(const mha_attention_args *a, mha_error *err) {
@@ -212,6 +285,7 @@ mha_status mha__check_attention_sizes(const mha_attention_args *a, mha_error *er
  * and are checked only when given. */
 static mha_status check_problem(const mha_attention_args *a,
                                 int scores_only,
+                                int check_alias,
                                 mha__problem *p,
                                 int64_t *delta_buf,
                                 float *slope_buf,
@@ -247,10 +321,10 @@ static mha_status check_problem(const mha_attention_args *a,
         return err ? err->status : MHA_STATUS_INVALID_ARG;
 
     double scale = a->scale == 0.0 ? 1.0 / sqrt((double)p->dk) : a->scale;
-    MHA_RETURN_IF(!isfinite(scale), err, INVALID_ARG, "scale=%g is not finite", scale);
+    st = mha__check_scale_softcap(scale, a->softcap, "", err);
+    if (st)
+        return st;
     p->scale = (float)scale;
-    MHA_RETURN_IF(!isfinite(a->softcap) || a->softcap < 0.0, err, INVALID_ARG,
-                  "softcap=%g must be finite and >= 0 (0 = off)", a->softcap);
     p->softcap = (float)a->softcap;
     p->sinks = a->sinks;
     if (a->alibi) {
@@ -286,7 +360,15 @@ static mha_status check_problem(const mha_attention_args *a,
     p->dropout_row0 = a->dropout.row_offset;
     p->dropout_col0 = a->dropout.col_offset;
 
-    return check_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
+    st = check_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
+    if (st || scores_only || !check_alias) /* the statistics check their own outputs */
+        return st;
+    mha__span in[CORE_INPUTS];
+    const int n_in = core_inputs(a, p, in);
+    const mha__span out[3] = {view_span("out", a->out, a->out_strides, p->B, p->H, p->n, p->dv),
+                              mha__span_of("lse", a->lse, p->B * p->H * p->n, sizeof(float)),
+                              mha__span_of("probs", a->probs, probs_count, sizeof(float))};
+    return mha__check_no_overlap(out, 3, in, n_in, err);
 }
 
 mha_status mha__check_attention(const mha_attention_args *a,
@@ -294,7 +376,15 @@ mha_status mha__check_attention(const mha_attention_args *a,
                                 int64_t *delta_buf,
                                 float *slope_buf,
                                 mha_error *err) {
-    return check_problem(a, 0, p, delta_buf, slope_buf, err);
+    return check_problem(a, 0, 1, p, delta_buf, slope_buf, err);
+}
+
+mha_status mha__check_attention_layout(const mha_attention_args *a,
+                                       mha__problem *p,
+                                       int64_t *delta_buf,
+                                       float *slope_buf,
+                                       mha_error *err) {
+    return check_problem(a, 0, 0, p, delta_buf, slope_buf, err);
 }
 
 /* Element count of a [B, h, x, y] statistic, false on overflow (kept below INT64_MAX / 8 so its
@@ -312,7 +402,7 @@ mha_status mha__check_attention_stats(const mha_attention_args *a,
                                       float *slope_buf,
                                       mha_error *err) {
     MHA_RETURN_IF(!s, err, INVALID_ARG, "stats is NULL");
-    mha_status st = check_problem(a, 1, p, delta_buf, slope_buf, err);
+    mha_status st = check_problem(a, 1, 1, p, delta_buf, slope_buf, err);
     if (st)
         return st;
     p->out = NULL; /* never written: the statistics go to `s` */
@@ -339,7 +429,19 @@ mha_status mha__check_attention_stats(const mha_attention_args *a,
         MHA_RETURN_IF(!stat_count(p->B, p->H, s->pool_rows, s->pool_cols), err, OVERFLOW,
                       "stats: B*h*pool_rows*pool_cols overflows int64");
     }
-    return MHA_STATUS_OK;
+    mha__span in[CORE_INPUTS];
+    const int n_in = core_inputs(a, p, in);
+    const int64_t B = p->B, H = p->H, k = topk ? s->top_k : 0;
+    const int64_t cells = pool ? s->pool_rows * s->pool_cols : 0;
+    const mha__span out[7] = {
+        mha__span_of("stats.received", s->received, B * H * p->m, sizeof(float)),
+        mha__span_of("stats.received_total", s->received_total, B * p->m, sizeof(float)),
+        mha__span_of("stats.entropy", s->entropy, B * H * p->n, sizeof(float)),
+        mha__span_of("stats.topk_index", s->topk_index, B * H * p->n * k, sizeof(int64_t)),
+        mha__span_of("stats.topk_prob", s->topk_prob, B * H * p->n * k, sizeof(float)),
+        mha__span_of("stats.pooled", s->pooled, B * H * cells, sizeof(float)),
+        mha__span_of("stats.pooled_visible", s->pooled_visible, B * H * cells, sizeof(float))};
+    return mha__check_no_overlap(out, 7, in, n_in, err);
 }
 
 mha_status mha__check_backward_sizes(const mha_attention_args *a,
@@ -364,5 +466,14 @@ mha_status mha__check_backward_grads(const mha_attention_args *a,
         (g->dk && !view_extent(g->dk_strides, p->B, p->G, p->m, p->dk, "grads.dk", err)) ||
         (g->dv && !view_extent(g->dv_strides, p->B, p->G, p->m, p->dv, "grads.dv", err)))
         return err ? err->status : MHA_STATUS_INVALID_ARG;
-    return MHA_STATUS_OK;
+    mha__span in[CORE_INPUTS + 3];
+    int n_in = core_inputs(a, p, in);
+    in[n_in++] = view_span("fwd.out", a->out, a->out_strides, p->B, p->H, p->n, p->dv);
+    in[n_in++] = mha__span_of("fwd.lse", a->lse, p->B * p->H * p->n, sizeof(float));
+    in[n_in++] = view_span("grads.dout", g->dout, g->dout_strides, p->B, p->H, p->n, p->dv);
+    const mha__span out[4] = {view_span("grads.dq", g->dq, g->dq_strides, p->B, p->H, p->n, p->dk),
+                              view_span("grads.dk", g->dk, g->dk_strides, p->B, p->G, p->m, p->dk),
+                              view_span("grads.dv", g->dv, g->dv_strides, p->B, p->G, p->m, p->dv),
+                              mha__span_of("grads.dsinks", g->dsinks, p->H, sizeof(float))};
+    return mha__check_no_overlap(out, 4, in, n_in, err);
 }

@@ -136,7 +136,12 @@ mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_
     return MHA_STATUS_OK;
 }
 
-mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, mha_error *err) {
+mha_status mha__check_kv_read(const mha__kv_view *c,
+                              int64_t seq,
+                              int64_t pos,
+                              const float *k,
+                              const float *v,
+                              mha_error *err) {
     mha_status st = mha__check_kv_seq(c, seq, "seq", err);
     if (st)
         return st;
@@ -144,7 +149,10 @@ mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, m
     MHA_RETURN_IF(pos < 0 || pos >= L || pos < c->lo[seq], err, INVALID_ARG,
                   "read: position %lld of sequence %lld is not stored (length %lld, slots %lld)",
                   (long long)pos, (long long)seq, (long long)L, (long long)c->slots);
-    return MHA_STATUS_OK;
+    const int64_t G = c->cfg->num_kv_heads;
+    const mha__span out[2] = {mha__span_of("k", k, G * c->cfg->head_dim, sizeof(float)),
+                              mha__span_of("v", v, G * c->cfg->v_head_dim, sizeof(float))};
+    return mha__check_no_overlap(out, 2, NULL, 0, err);
 }
 
 /* exec's implementation is one the decode calls know, and its threads resolve. */
@@ -189,11 +197,19 @@ mha_status mha__check_kv_attention(const mha__kv_view *c,
                       "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld",
                       (long long)args->num_tokens, (long long)kc->max_step_tokens);
     }
+    const int64_t S = args->num_seqs, t = args->num_tokens, h = args->num_heads;
+    const mha__span in[3] = {
+        mha__span_of("q", args->q, mha__count3(S * t, h, kc->head_dim), sizeof(float)),
+        mha__span_of("sinks", args->sinks, h, sizeof(float)),
+        mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t))};
+    const mha__span out[2] = {
+        mha__span_of("out", args->out, mha__count3(S * t, h, kc->v_head_dim), sizeof(float)),
+        mha__span_of("lse", args->lse, mha__count3(S, h, t), sizeof(float))};
+    st = mha__check_no_overlap(out, 2, in, 3, err);
+    if (st)
+        return st;
     *scale = args->scale == 0.0 ? 1.0 / sqrt((double)kc->head_dim) : args->scale;
-    MHA_RETURN_IF(!isfinite(*scale), err, INVALID_ARG, "scale=%g is not finite", *scale);
-    MHA_RETURN_IF(!isfinite(args->softcap) || args->softcap < 0.0, err, INVALID_ARG,
-                  "softcap=%g must be finite and >= 0 (0 = off)", args->softcap);
-    return MHA_STATUS_OK;
+    return mha__check_scale_softcap(*scale, args->softcap, "args.", err);
 }
 
 mha_status mha__check_decode(const mha_config *lc,
@@ -233,7 +249,13 @@ mha_status mha__check_decode(const mha_config *lc,
         MHA_RETURN_IF(c->len[s] + t - 1 > MHA_MAX_POSITION, err, INVALID_ARG,
                       "positions of sequence %lld would exceed 2^31", (long long)s);
     }
-    return MHA_STATUS_OK;
+    const int64_t S = args->num_seqs;
+    const mha__span in[2] = {
+        mha__span_of("x", args->x, mha__count3(S, t, lc->q_dim), sizeof(float)),
+        mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t))};
+    const mha__span out =
+        mha__span_of("out", args->out, mha__count3(S, t, lc->out_dim), sizeof(float));
+    return mha__check_no_overlap(&out, 1, in, 2, err);
 }
 
 mha_status mha__check_merge(int64_t rows,
@@ -246,6 +268,7 @@ mha_status mha__check_merge(int64_t rows,
                             const float *lse_b,
                             const float *o,
                             int64_t o_stride,
+                            const float *lse,
                             mha_error *err) {
     MHA_RETURN_IF(rows < 0 || dim < 1 || dim > MHA_MAX_DIM, err, INVALID_ARG,
                   "merge: rows=%lld must be >= 0 and dim=%lld in [1, 2^31]", (long long)rows,
@@ -258,5 +281,17 @@ mha_status mha__check_merge(int64_t rows,
                   (long long)dim);
     MHA_RETURN_IF((o == o_a && o_stride != o_a_stride) || (o == o_b && o_stride != o_b_stride), err,
                   INVALID_ARG, "merge: in-place o must have the stride of the input it is");
-    return MHA_STATUS_OK;
+    /* In place means exactly: o is o_a or o_b (same pointer and stride), lse is lse_a or lse_b;
+     * every other overlap (a shifted row, o over an lse) is refused. */
+    const int64_t n_a = rows > 0 ? (rows - 1) * o_a_stride + dim : 0;
+    const int64_t n_b = rows > 0 ? (rows - 1) * o_b_stride + dim : 0;
+    const int64_t n_o = rows > 0 ? (rows - 1) * o_stride + dim : 0;
+    const mha__span in[4] = {
+        mha__span_of("o_a", o == o_a ? NULL : o_a, n_a, sizeof(float)),
+        mha__span_of("o_b", o == o_b ? NULL : o_b, n_b, sizeof(float)),
+        mha__span_of("lse_a", lse == lse_a ? NULL : lse_a, rows, sizeof(float)),
+        mha__span_of("lse_b", lse == lse_b ? NULL : lse_b, rows, sizeof(float))};
+    const mha__span out[2] = {mha__span_of("o", o, n_o, sizeof(float)),
+                              mha__span_of("lse", lse, rows, sizeof(float))};
+    return mha__check_no_overlap(out, 2, in, 4, err);
 }

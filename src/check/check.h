@@ -16,6 +16,37 @@
 #include "base/internal.h"
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Scalars (check/attention.c): every double of the API that the kernels use as a float is        */
+/* checked in float, the precision it is used in.                                                 */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* scale (already resolved: 0 replaced by 1/sqrt(d_k)) and softcap (0 = off) as the kernels use
+ * them: |scale| in [FLT_MIN, FLT_MAX] (a larger one is inf in float, a smaller one rounds to 0 or
+ * a subnormal), softcap 0 or in [FLT_MIN, FLT_MAX] (1/softcap and s/softcap are taken in float).
+ * prefix names the struct in messages ("config.", "" for the core's args). */
+mha_status
+mha__check_scale_softcap(double scale, double softcap, const char *prefix, mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Aliasing (check/overlap.c): no output may share a byte with an input or another output.        */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* A buffer's byte range [lo, hi) and its name as the caller spells it; empty (lo = hi) for a NULL
+ * pointer or a zero count. */
+typedef struct mha__span {
+    const char *name;
+    uintptr_t lo, hi;
+} mha__span;
+/* The range of `count` elements of `elem` bytes at ptr (count: the largest reachable element
+ * offset + 1 of a strided view). */
+mha__span mha__span_of(const char *name, const void *ptr, int64_t count, size_t elem);
+/* a * b * c, or 0 when it overflows (an empty span: the size checks refuse such a call). */
+int64_t mha__count3(int64_t a, int64_t b, int64_t c);
+/* INVALID_ARG naming both when an output overlaps an input or another output. */
+mha_status mha__check_no_overlap(
+    const mha__span *outs, int n_out, const mha__span *ins, int n_in, mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Attention core (check/attention.c): mha_attention*, mha_attention_backward*.                   */
 /* ---------------------------------------------------------------------------------------------- */
 
@@ -32,6 +63,14 @@ mha_status mha__check_attention(const mha_attention_args *args,
                                 int64_t *delta_buf,
                                 float *slope_buf,
                                 mha_error *err);
+
+/* The same checks without the aliasing rule, for a caller whose q, k, v and out are placeholders
+ * (mha_layer_forward_supported: the layer's scratch does not exist yet). */
+mha_status mha__check_attention_layout(const mha_attention_args *args,
+                                       mha__problem *p,
+                                       int64_t *delta_buf,
+                                       float *slope_buf,
+                                       mha_error *err);
 
 /* mha_attention_statistics: the forward's checks on args (v and out may be NULL: only the
  * scores are computed; dropout, lse and probs are ignored, cleared in p) and the requested
@@ -133,6 +172,7 @@ mha_status mha__check_forward_args(const mha_config *cfg,
  * probs and dropout are ignored too). */
 mha_status mha__check_layer_stats_args(const mha_config *cfg,
                                        const mha_forward_args *args,
+                                       const mha_attention_stats *stats,
                                        int64_t *kv_len,
                                        mha_error *err);
 
@@ -167,9 +207,11 @@ mha_status mha__check_layer_project_backward(const mha_config *c,
 
 /* What the backward's check reads of a training state (layer/layer_bwd.c). */
 typedef struct mha__train_view {
-    const mha_layer *layer; /* the layer that made it */
-    int self;               /* the forward was self-attention */
-    int value_given;        /* the forward had its own value input */
+    const mha_layer *layer;       /* the layer that made it */
+    int self;                     /* the forward was self-attention */
+    int value_given;              /* the forward had its own value input */
+    const mha_forward_args *args; /* the forward's arguments (its input pointers) */
+    int64_t B, n, m;              /* its batch, query and key lengths */
 } mha__train_view;
 /* mha_layer_backward: layer, state (NULL when the caller's is), dy and grads given, the state made
  * with this layer, and every gradient requested one the layer and the forward have. cfg: the
@@ -217,7 +259,13 @@ mha_status mha__check_kv_append(const mha__kv_view *c,
                                 mha_error *err);
 mha_status
 mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_error *err);
-mha_status mha__check_kv_read(const mha__kv_view *c, int64_t seq, int64_t pos, mha_error *err);
+/* mha_kv_cache_read: pos stored in seq; k [g, d_k] and v [g, d_v] (either NULL) do not overlap. */
+mha_status mha__check_kv_read(const mha__kv_view *c,
+                              int64_t seq,
+                              int64_t pos,
+                              const float *k,
+                              const float *v,
+                              mha_error *err);
 
 /* mha_kv_cache_attention's arguments; *scale = the resolved scale (0 = 1/sqrt(d_k)). */
 mha_status mha__check_kv_attention(const mha__kv_view *c,
@@ -242,6 +290,7 @@ mha_status mha__check_merge(int64_t rows,
                             const float *lse_b,
                             const float *o,
                             int64_t o_stride,
+                            const float *lse,
                             mha_error *err);
 
 #endif /* MHA_CHECK_H */

@@ -53,9 +53,9 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
                   err, OVERFLOW, "config: weight sizes overflow int64");
     if (c->scale == 0.0)
         c->scale = 1.0 / sqrt((double)c->head_dim);
-    MHA_RETURN_IF(!isfinite(c->scale), err, INVALID_ARG, "config.scale=%g is not finite", c->scale);
-    MHA_RETURN_IF(!isfinite(c->softcap) || c->softcap < 0.0, err, INVALID_ARG,
-                  "config.softcap=%g must be finite and >= 0 (0 = off)", c->softcap);
+    mha_status sc = mha__check_scale_softcap(c->scale, c->softcap, "config.", err);
+    if (sc)
+        return sc;
     if (c->rope.style != MHA_ROPE_NONE) {
         mha_status st = mha__check_rope(&in->rope, c->head_dim, &c->rope, err);
         if (st)
@@ -124,9 +124,14 @@ mha_status mha__check_layer_create(const mha_config *config,
     return MHA_STATUS_OK;
 }
 
-/* The forward's arguments; need_out = 0 (the statistics): out is not written, may be NULL. */
-static mha_status check_forward(
-    const mha_config *c, const mha_forward_args *a, int need_out, int64_t *kv_len, mha_error *err) {
+/* The forward's arguments; need_out = 0 (the statistics): out is not written, may be NULL, and
+ * the outputs are the statistics' (st, checked against the inputs when not NULL). */
+static mha_status check_forward(const mha_config *c,
+                                const mha_forward_args *a,
+                                int need_out,
+                                const mha_attention_stats *st_out,
+                                int64_t *kv_len,
+                                mha_error *err) {
     MHA_RETURN_IF(!c, err, INVALID_ARG, "layer is NULL");
     MHA_RETURN_IF(!a, err, INVALID_ARG, "args is NULL");
     MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->q_len < 1 || a->q_len > MHA_MAX_DIM,
@@ -154,18 +159,51 @@ static mha_status check_forward(
     if (!st)
         st = mha__check_positions(a->k_positions, a->batch, m, m, "k_positions", err);
     *kv_len = m;
-    return st;
+    if (st || (!need_out && !st_out))
+        return st;
+    const int64_t B = a->batch, n = a->q_len;
+    const mha__span in[5] = {
+        mha__span_of("query", a->query, mha__count3(B, n, c->q_dim), sizeof(float)),
+        mha__span_of("key", a->key, mha__count3(B, m, c->k_dim), sizeof(float)),
+        mha__span_of("value", a->value, mha__count3(B, m, c->v_dim), sizeof(float)),
+        mha__span_of("q_positions", a->q_positions, mha__count3(B, n, 1), sizeof(int64_t)),
+        mha__span_of("k_positions", a->k_positions, mha__count3(B, m, 1), sizeof(int64_t))};
+    if (!need_out) { /* the statistics' outputs (their sizes are the core's check, later) */
+        const int64_t h = c->num_heads, k = st_out->top_k > 0 ? st_out->top_k : 0;
+        const int64_t cells = st_out->pool_rows > 0 && st_out->pool_cols > 0
+                                  ? mha__count3(st_out->pool_rows, st_out->pool_cols, 1)
+                                  : 0;
+        const mha__span so[7] = {
+            mha__span_of("stats.received", st_out->received, mha__count3(B, h, m), sizeof(float)),
+            mha__span_of("stats.received_total", st_out->received_total, mha__count3(B, m, 1),
+                         sizeof(float)),
+            mha__span_of("stats.entropy", st_out->entropy, mha__count3(B, h, n), sizeof(float)),
+            mha__span_of("stats.topk_index", st_out->topk_index, mha__count3(B * h, n, k),
+                         sizeof(int64_t)),
+            mha__span_of("stats.topk_prob", st_out->topk_prob, mha__count3(B * h, n, k),
+                         sizeof(float)),
+            mha__span_of("stats.pooled", st_out->pooled, mha__count3(B, h, cells), sizeof(float)),
+            mha__span_of("stats.pooled_visible", st_out->pooled_visible, mha__count3(B, h, cells),
+                         sizeof(float))};
+        return mha__check_no_overlap(so, 7, in, 5, err);
+    }
+    const int64_t heads = a->average_probs ? 1 : c->num_heads;
+    const mha__span out[2] = {
+        mha__span_of("out", a->out, mha__count3(B, n, c->out_dim), sizeof(float)),
+        mha__span_of("probs", a->probs, mha__count3(B * heads, n, m), sizeof(float))};
+    return mha__check_no_overlap(out, 2, in, 5, err);
 }
 
-mha_status mha__check_layer_project(const mha_config *c,
-                                    const mha_weights *w,
-                                    mha_projection which,
-                                    int64_t rows,
-                                    const float *x,
-                                    const float *y,
-                                    const mha_exec *exec,
-                                    mha__projection *p,
-                                    mha_error *err) {
+/* mha_layer_project's checks but the aliasing rule, shared with the backward. */
+static mha_status resolve_projection(const mha_config *c,
+                                     const mha_weights *w,
+                                     mha_projection which,
+                                     int64_t rows,
+                                     const float *x,
+                                     const float *y,
+                                     const mha_exec *exec,
+                                     mha__projection *p,
+                                     mha_error *err) {
     MHA_RETURN_IF(!c || !w, err, INVALID_ARG, "layer is NULL");
     MHA_RETURN_IF(rows < 0, err, INVALID_ARG, "rows=%lld is negative", (long long)rows);
     MHA_RETURN_IF(rows > 0 && (!x || !y), err, INVALID_ARG, "%s is NULL", !x ? "x" : "y");
@@ -196,6 +234,26 @@ mha_status mha__check_layer_project(const mha_config *c,
     return MHA_STATUS_OK;
 }
 
+mha_status mha__check_layer_project(const mha_config *c,
+                                    const mha_weights *w,
+                                    mha_projection which,
+                                    int64_t rows,
+                                    const float *x,
+                                    const float *y,
+                                    const mha_exec *exec,
+                                    mha__projection *p,
+                                    mha_error *err) {
+    mha_status st = resolve_projection(c, w, which, rows, x, y, exec, p, err);
+    if (st)
+        return st;
+    const mha__span in[3] = {
+        mha__span_of("x", x, rows * p->in, sizeof(float)),
+        mha__span_of("the layer's weight", p->w, p->in * p->out, sizeof(float)),
+        mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
+    const mha__span out = mha__span_of("y", y, rows * p->out, sizeof(float));
+    return mha__check_no_overlap(&out, 1, in, 3, err);
+}
+
 mha_status mha__check_layer_project_backward(const mha_config *c,
                                              const mha_weights *w,
                                              mha_projection which,
@@ -210,12 +268,21 @@ mha_status mha__check_layer_project_backward(const mha_config *c,
                                              mha_error *err) {
     MHA_RETURN_IF(rows > 0 && !dy, err, INVALID_ARG, "dy is NULL");
     /* The forward's checks with dy as the input and dx as the output (x only matters for dW). */
-    mha_status st = mha__check_layer_project(c, w, which, rows, dy, dx ? dx : dy, exec, p, err);
+    mha_status st = resolve_projection(c, w, which, rows, dy, dx ? dx : dy, exec, p, err);
     if (st)
         return st;
     MHA_RETURN_IF(rows > 0 && dw && !x, err, INVALID_ARG, "x is NULL (needed for dw)");
     MHA_RETURN_IF(db && !p->bias, err, INVALID_ARG, "db is given but the projection has no bias");
-    return MHA_STATUS_OK;
+    /* dy is [rows, out] and x, dx [rows, in]: the forward's names swapped. */
+    const mha__span in[4] = {
+        mha__span_of("x", dw ? x : NULL, rows * p->in, sizeof(float)),
+        mha__span_of("dy", dy, rows * p->out, sizeof(float)),
+        mha__span_of("the layer's weight", p->w, p->in * p->out, sizeof(float)),
+        mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
+    const mha__span out[3] = {mha__span_of("dx", dx, rows * p->in, sizeof(float)),
+                              mha__span_of("dw", dw, p->in * p->out, sizeof(float)),
+                              mha__span_of("db", db, p->out, sizeof(float))};
+    return mha__check_no_overlap(out, 3, in, 4, err);
 }
 
 mha_status mha__check_layer_backward(const mha_layer *layer,
@@ -238,19 +305,52 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
                   err, INVALID_ARG, "a bias gradient is requested for a bias the layer lacks");
     MHA_RETURN_IF(gr->d_sinks && !c->sinks, err, INVALID_ARG,
                   "grads.d_sinks is given but the layer has no sinks");
-    return MHA_STATUS_OK;
+    /* Every gradient against dy, the forward's inputs, the layer's weights and each other. */
+    const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
+    const int64_t dk = c->head_dim, dv = c->v_head_dim;
+    const mha_forward_args *a = s->args;
+    mha__span in[4 + MHA__WEIGHT_SLOTS];
+    int n_in = 0;
+    in[n_in++] = mha__span_of("dy", dy, mha__count3(B, n, c->out_dim), sizeof(float));
+    in[n_in++] = mha__span_of("the forward's query", a ? a->query : NULL,
+                              mha__count3(B, n, c->q_dim), sizeof(float));
+    in[n_in++] = mha__span_of("the forward's key", a ? a->key : NULL, mha__count3(B, m, c->k_dim),
+                              sizeof(float));
+    in[n_in++] = mha__span_of("the forward's value", a ? a->value : NULL,
+                              mha__count3(B, m, c->v_dim), sizeof(float));
+    mha_weights w = *mha_layer_weights(layer);
+    mha__weight_slot slots[MHA__WEIGHT_SLOTS];
+    mha__layer_weight_slots(c, &w, slots);
+    for (int i = 0; i < MHA__WEIGHT_SLOTS; i++)
+        in[n_in++] = mha__span_of(slots[i].name, slots[i].present ? *slots[i].ptr : NULL,
+                                  slots[i].count, sizeof(float));
+    const mha__span out[12] = {
+        mha__span_of("grads.d_query", gr->d_query, mha__count3(B, n, c->q_dim), sizeof(float)),
+        mha__span_of("grads.d_key", gr->d_key, mha__count3(B, m, c->k_dim), sizeof(float)),
+        mha__span_of("grads.d_value", gr->d_value, mha__count3(B, m, c->v_dim), sizeof(float)),
+        mha__span_of("grads.dw_q", gr->dw_q, mha__count3(h, dk, c->q_dim), sizeof(float)),
+        mha__span_of("grads.dw_k", gr->dw_k, mha__count3(g, dk, c->k_dim), sizeof(float)),
+        mha__span_of("grads.dw_v", gr->dw_v, mha__count3(g, dv, c->v_dim), sizeof(float)),
+        mha__span_of("grads.dw_o", gr->dw_o, mha__count3(c->out_dim, h, dv), sizeof(float)),
+        mha__span_of("grads.db_q", gr->db_q, h * dk, sizeof(float)),
+        mha__span_of("grads.db_k", gr->db_k, g * dk, sizeof(float)),
+        mha__span_of("grads.db_v", gr->db_v, g * dv, sizeof(float)),
+        mha__span_of("grads.db_o", gr->db_o, c->out_dim, sizeof(float)),
+        mha__span_of("grads.d_sinks", gr->d_sinks, h, sizeof(float))};
+    return mha__check_no_overlap(out, 12, in, n_in, err);
 }
 
 mha_status mha__check_forward_args(const mha_config *c,
                                    const mha_forward_args *a,
                                    int64_t *kv_len,
                                    mha_error *err) {
-    return check_forward(c, a, 1, kv_len, err);
+    return check_forward(c, a, 1, NULL, kv_len, err);
 }
 
 mha_status mha__check_layer_stats_args(const mha_config *c,
                                        const mha_forward_args *a,
+                                       const mha_attention_stats *stats,
                                        int64_t *kv_len,
                                        mha_error *err) {
-    return check_forward(c, a, 0, kv_len, err);
+    return check_forward(c, a, 0, stats, kv_len, err);
 }

@@ -4,6 +4,8 @@
  */
 #include "check/check.h"
 
+#include <float.h>
+
 static bool finite_positive(double x) {
     return isfinite(x) && x > 0.0;
 }
@@ -101,6 +103,13 @@ mha_status mha__check_rope(const mha_rope *in, int64_t head_dim, mha_rope *out, 
         MHA_RETURN_IF(!finite_positive(r.attention_factor), err, INVALID_ARG,
                       "longrope attention_factor=%g must be finite and > 0", r.attention_factor);
     }
+    /* attention_factor multiplies cos and sin, and the rotated values are rounded to float: a
+     * factor beyond float's range makes every rotated element inf. */
+    if (r.scaling == MHA_ROPE_SCALING_YARN || r.scaling == MHA_ROPE_SCALING_LONGROPE)
+        MHA_RETURN_IF(r.attention_factor > (double)FLT_MAX, err, INVALID_ARG,
+                      "rope.attention_factor=%g exceeds float32's range (%g): the rotated "
+                      "queries and keys are float32",
+                      r.attention_factor, (double)FLT_MAX);
     *out = r;
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -144,7 +153,18 @@ mha_status mha__check_rope_frequencies(const mha_rope *rope,
     MHA_RETURN_IF(head_dim <= 0 || head_dim > MHA_MAX_DIM, err, INVALID_ARG,
                   "head_dim=%lld out of range", (long long)head_dim);
     MHA_RETURN_IF(!freqs || !cos_sin_factor, err, INVALID_ARG, "freqs or cos_sin_factor is NULL");
-    mha_status st = mha__check_rope(rope, head_dim, resolved, err);
+    const mha__span out[2] = {
+        mha__span_of("freqs", freqs,
+                     (rope && rope->rotary_dim > 0 && rope->rotary_dim <= head_dim
+                          ? rope->rotary_dim
+                          : head_dim) /
+                         2,
+                     sizeof(double)),
+        mha__span_of("cos_sin_factor", cos_sin_factor, 1, sizeof(double))};
+    mha_status st = mha__check_no_overlap(out, 2, NULL, 0, err);
+    if (st)
+        return st;
+    st = mha__check_rope(rope, head_dim, resolved, err);
     MHA_RETURN_IF(!st && mha__rope_depends_on_length(resolved), err, INVALID_ARG,
                   "%s scaling depends on the call's length: take mha_rope_at_length first",
                   resolved->scaling == MHA_ROPE_SCALING_DYNAMIC ? "dynamic" : "longrope");
@@ -187,5 +207,18 @@ mha_status mha__check_rope_apply(const mha_rope *rope,
     if (st != MHA_STATUS_OK || batch == 0 || seq_len == 0 || num_heads == 0)
         return st; /* nothing to rotate: x and positions are not read */
     MHA_RETURN_IF(!x, err, INVALID_ARG, "x is NULL");
-    return mha__check_positions(positions, batch, seq_len, pos_batch_stride, "positions", err);
+    st = mha__check_positions(positions, batch, seq_len, pos_batch_stride, "positions", err);
+    if (st)
+        return st;
+    /* x is rotated in place (its only output); it must not overlap the positions it reads. */
+    int64_t ext = head_dim, t;
+    const int64_t f[3] = {batch - 1, seq_len - 1, num_heads - 1};
+    for (int i = 0; i < 3; i++)
+        if (x_strides[i] < 0 || !mha__mul_i64(f[i], x_strides[i], &t) ||
+            !mha__add_i64(ext, t, &ext))
+            return MHA_STATUS_OK; /* a view running backwards: its range is not [x, x + ext) */
+    const int64_t pos_n = positions ? mha__count3(batch - 1, pos_batch_stride, 1) + seq_len : 0;
+    const mha__span in = mha__span_of("positions", positions, pos_n, sizeof(int64_t));
+    const mha__span out = mha__span_of("x", x, ext, sizeof(float));
+    return mha__check_no_overlap(&out, 1, &in, 1, err);
 }

@@ -134,8 +134,10 @@ mha_status mha_attention_workspace_size(const mha_attention_args *args,
 
 /* mha_attention_supported: every check of mha_attention, nothing run; the validation's scratch
  * (B int64 and, at the next 64-byte boundary, H floats) comes from exec->allocator. */
-static mha_status
-attention_check(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
+static mha_status attention_check(const mha_attention_args *args,
+                                  const mha_exec *exec,
+                                  int placeholders,
+                                  mha_error *err) {
     mha_status st = check_dims_for_layout(args, err);
     if (st)
         return st;
@@ -148,6 +150,9 @@ attention_check(const mha_attention_args *args, const mha_exec *exec, mha_error 
     mha__problem p;
     if (!scratch)
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate validation scratch");
+    else if (placeholders)
+        st = mha__check_attention_layout(args, &p, (int64_t *)scratch,
+                                         (float *)((char *)scratch + slope_off), err);
     else
         st = mha__check_attention(args, &p, (int64_t *)scratch,
                                   (float *)((char *)scratch + slope_off), err);
@@ -165,7 +170,13 @@ attention_check(const mha_attention_args *args, const mha_exec *exec, mha_error 
 
 mha_status
 mha_attention_supported(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
-    return attention_check(args, exec, err);
+    return attention_check(args, exec, 0, err);
+}
+
+mha_status mha__attention_supported_layout(const mha_attention_args *args,
+                                           const mha_exec *exec,
+                                           mha_error *err) {
+    return attention_check(args, exec, 1, err);
 }
 
 mha_status mha__core_prepare(const mha_attention_args *args,

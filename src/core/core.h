@@ -33,6 +33,11 @@ typedef struct mha__core_call {
     char *owned; /* the workspace when the library allocated it */
     const mha_allocator *alloc;
 } mha__core_call;
+/* mha_attention_supported without the aliasing rule: q, k, v and out are placeholders (the
+ * layer's support query, before its scratch exists). */
+mha_status mha__attention_supported_layout(const mha_attention_args *args,
+                                           const mha_exec *exec,
+                                           mha_error *err);
 mha_status mha__core_prepare(const mha_attention_args *args,
                              const mha_exec *exec,
                              const mha__kernel_info *forced,

@@ -41,7 +41,7 @@ mha_status mha_attention_merge(int64_t rows,
                                float *lse,
                                mha_error *err) {
     mha_status st = mha__check_merge(rows, dim, o_a, o_a_stride, lse_a, o_b, o_b_stride, lse_b, o,
-                                     o_stride, err);
+                                     o_stride, lse, err);
     if (st)
         return st;
     for (int64_t r = 0; r < rows; r++) {

@@ -197,7 +197,7 @@ mha_status mha_layer_forward_supported(const mha_layer *layer,
     mha_attention_args core;
     mha__plan_core_args(&layer->cfg, layer->w.sinks, args, l.m, args->out, args->out, args->out,
                         args->out, NULL, &core);
-    return mha_attention_supported(&core, exec, err);
+    return mha__attention_supported_layout(&core, exec, err); /* core's buffers: placeholders */
 }
 
 mha_status mha_layer_forward(const mha_layer *layer,
@@ -284,7 +284,7 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
                                           const mha_exec *exec,
                                           mha_error *err) {
     int64_t m;
-    mha_status st = mha__check_layer_stats_args(layer ? &layer->cfg : NULL, args, &m, err);
+    mha_status st = mha__check_layer_stats_args(layer ? &layer->cfg : NULL, args, stats, &m, err);
     if (st)
         return st;
     const mha_config *c = &layer->cfg;

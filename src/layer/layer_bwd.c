@@ -444,8 +444,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
                               const mha_exec *exec,
                               mha_error *err) {
     const mha_config *c = layer ? mha_layer_config(layer) : NULL;
-    const mha__train_view view = {s ? s->layer : NULL, s ? s->self : 0,
-                                  s ? s->args.value != NULL : 0};
+    const mha__train_view view = {
+        s ? s->layer : NULL, s ? s->self : 0, s ? s->args.value != NULL : 0,
+        s ? &s->args : NULL, s ? s->B : 0,    s ? s->n : 0,
+        s ? s->m : 0};
     mha_status st = mha__check_layer_backward(layer, c, s ? &view : NULL, dy, gr, err);
     if (st)
         return st;

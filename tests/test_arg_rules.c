@@ -1,0 +1,468 @@
+/* SPDX-License-Identifier: MIT */
+/* test_arg_rules.c: the argument rules a C user relies on (issue 28, "Nothing silent").
+ *
+ *   - Scalars in the precision they are used in: scale, softcap and RoPE's attention_factor are
+ *     doubles in the API but float32 in the kernels. A value beyond float's range (scale 1e39,
+ *     softcap 4e38: inf in float) or one that rounds to zero (scale or softcap 1e-300) is refused
+ *     by every call that takes it (core, layer config, KV-cache attention), never an all-NaN
+ *     result with status OK.
+ *   - Aliasing: an output whose byte range overlaps an input or another output is refused
+ *     (INVALID_ARG naming both), for the same pointer and for a partial overlap, in every call
+ *     with outputs; the documented in-place forms (mha_rope_apply's x, mha_attention_merge's o
+ *     exactly o_a) still work, and inputs may share memory.
+ *   - mha_error: a successful call clears it; the message is the one the header shows.
+ */
+#include "harness.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Checks status INVALID_ARG and that the message contains `needle`. */
+static void refused(mha_status got, const mha_error *err, const char *needle, const char *what) {
+    CHECK(got == MHA_STATUS_INVALID_ARG, "%s: status %s, expected invalid argument (%s)", what,
+          mha_status_string(got), err->message);
+    CHECK(strstr(err->message, needle) != NULL, "%s: message '%s' lacks '%s'", what, err->message,
+          needle);
+}
+
+static int all_finite(const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return 0;
+    return 1;
+}
+
+/* A contiguous core problem B = 1, H = 1, n = m = 4, d = 4 over one buffer of 64 floats: q at 0,
+ * k at 16, v at 32, out at 48 (so that a test can move one of them onto another). */
+static float buf[64 + 64];
+static mha_attention_args core_args(void) {
+    for (int i = 0; i < 128; i++)
+        buf[i] = (float)((i * 37) % 11) / 11.0f - 0.5f;
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1, a.num_heads = 1, a.q_len = 4, a.kv_len = 4, a.head_dim = 4;
+    a.q = buf, a.k = buf + 16, a.v = buf + 32, a.out = buf + 48;
+    const int64_t s[3] = {16, 16, 4};
+    memcpy(a.q_strides, s, sizeof s), memcpy(a.k_strides, s, sizeof s);
+    memcpy(a.v_strides, s, sizeof s), memcpy(a.out_strides, s, sizeof s);
+    return a;
+}
+
+static void test_core_scalars(void) {
+    mha_error err;
+    mha_attention_args a = core_args(), b;
+    CHECK_OK(mha_attention(&a, NULL, &err), &err);
+    const double bad_scale[] = {1e39, -1e39, 1e150, 1e-300, -1e-300, 1e-39};
+    for (size_t i = 0; i < sizeof bad_scale / sizeof bad_scale[0]; i++) {
+        b = a, b.scale = bad_scale[i];
+        for (int k = 0; k < 16; k++)
+            buf[48 + k] = 7.0f;
+        refused(mha_attention(&b, NULL, &err), &err, "scale=", "core scale outside float");
+        CHECK(buf[48] == 7.0f, "out untouched after a refused scale");
+        refused(mha_attention_supported(&b, NULL, &err), &err, "scale=", "supported: scale");
+    }
+    const double bad_cap[] = {4e38, 1e300, 1e-300, 1e-39, -1.0};
+    for (size_t i = 0; i < sizeof bad_cap / sizeof bad_cap[0]; i++) {
+        b = a, b.softcap = bad_cap[i];
+        refused(mha_attention(&b, NULL, &err), &err, "softcap=", "core softcap outside float");
+    }
+    /* The limits themselves are valid, and give finite results on these inputs. */
+    const double ok_scale[] = {(double)FLT_MAX, -(double)FLT_MIN, (double)FLT_MIN, -2.0};
+    for (size_t i = 0; i < sizeof ok_scale / sizeof ok_scale[0]; i++) {
+        b = core_args(), b.scale = ok_scale[i], b.softcap = 30.0;
+        CHECK_OK(mha_attention(&b, NULL, &err), &err);
+        CHECK(all_finite(buf + 48, 16), "scale %g with softcap: finite", ok_scale[i]);
+    }
+    b = core_args(), b.softcap = (double)FLT_MAX;
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+    b = core_args(), b.softcap = (double)FLT_MIN;
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+    CHECK(all_finite(buf + 48, 16), "softcap FLT_MIN: finite");
+}
+
+static float W[1024];
+
+static void test_layer_scalars(void) {
+    mha_error err;
+    mha_config c;
+    memset(&c, 0, sizeof c);
+    c.q_dim = 8, c.num_heads = 2;
+    mha_weights w = {W, W, W, W, NULL, NULL, NULL, NULL, NULL};
+    mha_layer *L = NULL;
+    mha_config b = c;
+    b.scale = 1e39;
+    refused(mha_layer_create(&b, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err,
+            "config.scale=", "layer scale 1e39");
+    CHECK(L == NULL, "no layer");
+    b = c, b.scale = 1e150; /* query_pre_attn_scalar 1e-300 */
+    refused(mha_layer_create(&b, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err,
+            "config.scale=", "layer scale 1e150");
+    b = c, b.softcap = 4e38;
+    refused(mha_layer_create(&b, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err,
+            "config.softcap=", "layer softcap 4e38");
+    b = c, b.softcap = 1e-300;
+    refused(mha_layer_create(&b, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err,
+            "config.softcap=", "layer softcap 1e-300 (0 in float: silently off)");
+    b = c, b.rope.style = MHA_ROPE_HALF, b.rope.scaling = MHA_ROPE_SCALING_YARN;
+    b.rope.factor = 4.0, b.rope.attention_factor = 1e39;
+    refused(mha_layer_create(&b, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err, "attention_factor",
+            "yarn attention_factor beyond float");
+    b.rope.attention_factor = 2.0;
+    CHECK_OK(mha_layer_create(&b, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    mha_layer_destroy(L);
+    L = NULL;
+
+    /* The KV-cache attention takes its own scale and softcap. */
+    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.max_seq = 8, kc.batch = 1;
+    mha_kv_cache *cache = NULL;
+    CHECK_OK(mha_kv_cache_create(&kc, L, NULL, &cache, &err), &err);
+    float kv[2 * 4] = {0.5f, -1, 2, 0, 1, 1, 0, -0.5f}, q[2 * 4] = {1, 2, 3, 4, 5, 6, 7, 8};
+    float o[8];
+    CHECK_OK(mha_kv_cache_append(cache, 1, NULL, 1, kv, kv, &err), &err);
+    mha_kv_attention_args ka;
+    memset(&ka, 0, sizeof ka);
+    ka.num_seqs = 1, ka.num_tokens = 1, ka.num_heads = 2, ka.q = q, ka.out = o;
+    CHECK_OK(mha_kv_cache_attention(cache, &ka, NULL, &err), &err);
+    mha_kv_attention_args kb = ka;
+    kb.scale = 1e39;
+    refused(mha_kv_cache_attention(cache, &kb, NULL, &err), &err, "scale=", "kv scale 1e39");
+    kb = ka, kb.softcap = 4e38;
+    refused(mha_kv_cache_attention(cache, &kb, NULL, &err), &err, "softcap=", "kv softcap 4e38");
+
+    /* Aliasing through the cache calls. */
+    kb = ka, kb.out = q; /* out == q */
+    refused(mha_kv_cache_attention(cache, &kb, NULL, &err), &err, "overlaps", "kv out == q");
+    kb = ka, kb.lse = o + 1; /* lse inside out */
+    refused(mha_kv_cache_attention(cache, &kb, NULL, &err), &err, "overlaps", "kv lse in out");
+    float x[8] = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f};
+    mha_decode_args da = {1, NULL, 1, x, x};
+    refused(mha_layer_decode_step(L, cache, &da, NULL, &err), &err, "overlaps", "decode out == x");
+    CHECK(mha_kv_cache_length(cache, 0) == 1, "nothing appended by a refused step");
+    da.out = x + 4; /* partial overlap */
+    refused(mha_layer_prefill(L, cache, &da, NULL, &err), &err, "overlaps", "prefill out in x");
+    da.out = o;
+    CHECK_OK(mha_layer_decode_step(L, cache, &da, NULL, &err), &err);
+    float kr[16];
+    CHECK_OK(mha_kv_cache_read(cache, 0, 0, kr, kr + 8, &err), &err); /* g d_k = g d_v = 8 */
+    refused(mha_kv_cache_read(cache, 0, 0, kr, kr + 4, &err), &err, "k overlaps v",
+            "read: v inside k");
+    mha_kv_cache_destroy(cache);
+    mha_layer_destroy(L);
+}
+
+static void test_core_aliasing(void) {
+    mha_error err;
+    mha_attention_args a = core_args(), b;
+    /* out == q, out == k, out == v: the same pointer. */
+    const float *in[3] = {buf, buf + 16, buf + 32};
+    const char *names[3] = {"q", "k", "v"};
+    for (int i = 0; i < 3; i++) {
+        b = a, b.out = (float *)in[i];
+        refused(mha_attention(&b, NULL, &err), &err, names[i], "out aliases an input");
+        CHECK(strstr(err.message, "out overlaps") != NULL, "message names out: %s", err.message);
+    }
+    /* Partial overlap: out starts inside v (its last rows) or ends inside q. */
+    b = a, b.out = buf + 40;
+    refused(mha_attention(&b, NULL, &err), &err, "out overlaps v", "out over the end of v");
+    b = a, b.q = buf + 56; /* q [56, 72) overlaps out [48, 64) */
+    refused(mha_attention(&b, NULL, &err), &err, "out overlaps q", "q over the end of out");
+    /* A strided view: out rows every 8 floats reach past 16 floats. */
+    b = a, b.out = buf + 64, b.out_strides[2] = 8; /* [64, 92) */
+    b.q = buf + 88;
+    refused(mha_attention(&b, NULL, &err), &err, "out overlaps q", "strided out reaches q");
+    /* lse and probs against the inputs and each other. */
+    b = a, b.lse = (float *)buf + 2;
+    refused(mha_attention(&b, NULL, &err), &err, "lse overlaps q", "lse in q");
+    b = a, b.probs = buf + 64, b.lse = buf + 70;
+    refused(mha_attention(&b, NULL, &err), &err, "overlaps", "lse in probs");
+    b = a, b.probs = buf + 56; /* probs [56, 72) over out [48, 64) */
+    refused(mha_attention(&b, NULL, &err), &err, "out overlaps probs", "probs over out");
+    /* Inputs may share memory (self-attention on one tensor), and adjacent ranges are fine. */
+    b = a, b.k = b.v = b.q;
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+    b = a, b.lse = buf + 64, b.probs = buf + 68;
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+
+    /* Statistics: outputs against q, k. */
+    float recv[4], ent[4];
+    mha_attention_stats st;
+    memset(&st, 0, sizeof st);
+    st.received = recv, st.entropy = ent;
+    CHECK_OK(mha_attention_statistics(&a, &st, NULL, &err), &err);
+    st.entropy = buf + 17;
+    refused(mha_attention_statistics(&a, &st, NULL, &err), &err, "stats.entropy overlaps k",
+            "stats in k");
+    st.entropy = recv + 2;
+    refused(mha_attention_statistics(&a, &st, NULL, &err), &err, "overlaps", "stats in stats");
+
+    /* Backward: gradients against every forward tensor, dout and each other. */
+    float lse[4], dq[16], dk[16], dv[16], dout[16];
+    for (int i = 0; i < 16; i++)
+        dout[i] = 0.25f * (float)(i % 5) - 0.5f;
+    b = a, b.lse = lse;
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+    mha_attention_grads g;
+    memset(&g, 0, sizeof g);
+    const int64_t s[3] = {16, 16, 4};
+    g.dout = dout, g.dq = dq, g.dk = dk, g.dv = dv;
+    memcpy(g.dout_strides, s, sizeof s), memcpy(g.dq_strides, s, sizeof s);
+    memcpy(g.dk_strides, s, sizeof s), memcpy(g.dv_strides, s, sizeof s);
+    CHECK_OK(mha_attention_backward(&b, &g, NULL, &err), &err);
+    mha_attention_grads h = g;
+    h.dq = (float *)dout;
+    refused(mha_attention_backward(&b, &h, NULL, &err), &err, "grads.dq overlaps grads.dout",
+            "dq == dout");
+    h = g, h.dk = buf + 20; /* inside k */
+    refused(mha_attention_backward(&b, &h, NULL, &err), &err, "grads.dk overlaps k", "dk in k");
+    h = g, h.dv = b.out;
+    refused(mha_attention_backward(&b, &h, NULL, &err), &err, "fwd.out", "dv == out");
+    h = g, h.dv = dk + 8;
+    refused(mha_attention_backward(&b, &h, NULL, &err), &err, "overlaps", "dv in dk");
+    h = g, h.dq = lse - 0; /* dq [lse, +16) covers lse */
+    refused(mha_attention_backward(&b, &h, NULL, &err), &err, "fwd.lse", "dq over lse");
+}
+
+static void test_layer_aliasing(void) {
+    mha_error err;
+    for (int i = 0; i < 1024; i++)
+        W[i] = (float)((i * 13) % 7) / 7.0f - 0.4f;
+    mha_config c;
+    memset(&c, 0, sizeof c);
+    c.q_dim = 8, c.num_heads = 2;
+    mha_weights w = {W, W + 64, W + 128, W + 192, NULL, NULL, NULL, NULL, NULL};
+    mha_layer *L = NULL;
+    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    float x[3 * 8], y[3 * 8], p[2 * 9];
+    for (int i = 0; i < 24; i++)
+        x[i] = 0.1f * (float)(i % 9) - 0.3f;
+    mha_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    fa.batch = 1, fa.q_len = 3, fa.query = x, fa.out = y;
+    CHECK_OK(mha_layer_forward(L, &fa, NULL, &err), &err);
+    mha_forward_args fb = fa;
+    fb.out = x; /* the issue's case: out == query returned OK */
+    for (int i = 0; i < 24; i++)
+        x[i] = 0.1f * (float)(i % 9) - 0.3f;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps query", "out == query");
+    CHECK(x[0] == -0.3f && x[23] == 0.1f * 5 - 0.3f, "query untouched");
+    fb = fa, fb.out = x + 8;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps query", "out in query");
+    fb = fa, fb.probs = y + 4;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "overlaps", "probs in out");
+    fb = fa, fb.probs = p;
+    CHECK_OK(mha_layer_forward(L, &fb, NULL, &err), &err);
+    /* Cross-attention: out against key and value. */
+    float kx[2 * 8] = {0};
+    fb = fa, fb.key = kx, fb.kv_len = 2, fb.out = kx;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps key", "out == key");
+
+    /* Projections. */
+    float yq[3 * 8];
+    CHECK_OK(mha_layer_project(L, MHA_PROJ_Q, 3, x, yq, NULL, &err), &err);
+    refused(mha_layer_project(L, MHA_PROJ_Q, 3, x, x, NULL, &err), &err, "y overlaps x", "y == x");
+    refused(mha_layer_project(L, MHA_PROJ_Q, 3, x, x + 8, NULL, &err), &err, "y overlaps x",
+            "y in x");
+    refused(mha_layer_project(L, MHA_PROJ_Q, 3, x, W + 60, NULL, &err), &err, "weight",
+            "y over a borrowed weight");
+    float dx[3 * 8], dw[64];
+    CHECK_OK(mha_layer_project_backward(L, MHA_PROJ_Q, 3, x, yq, dx, dw, NULL, 0, NULL, &err),
+             &err);
+    refused(mha_layer_project_backward(L, MHA_PROJ_Q, 3, x, yq, yq, dw, NULL, 0, NULL, &err), &err,
+            "dx overlaps dy", "dx == dy");
+    refused(mha_layer_project_backward(L, MHA_PROJ_Q, 3, x, yq, dx, x, NULL, 0, NULL, &err), &err,
+            "dw overlaps x", "dw == x");
+
+    /* Layer backward: gradients against dy, the forward's inputs, the weights, each other. */
+    mha_train_state *state = NULL;
+    CHECK_OK(mha_layer_forward_train(L, &fa, NULL, &state, &err), &err);
+    float dy[24], dq[24], dwq[64];
+    for (int i = 0; i < 24; i++)
+        dy[i] = 0.05f * (float)(i % 7);
+    mha_layer_grads gr;
+    memset(&gr, 0, sizeof gr);
+    gr.d_query = dq, gr.dw_q = dwq;
+    CHECK_OK(mha_layer_backward(L, state, dy, &gr, NULL, &err), &err);
+    mha_layer_grads gb = gr;
+    gb.d_query = dy;
+    refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err, "grads.d_query overlaps dy",
+            "d_query == dy");
+    gb = gr, gb.d_query = x;
+    refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err, "query", "d_query == query");
+    gb = gr, gb.dw_q = W + 32;
+    refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err, "grads.dw_q overlaps w_",
+            "dw_q over a borrowed weight");
+    gb = gr, gb.dw_o = dwq + 8;
+    refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err, "overlaps", "dw_o in dw_q");
+    mha_train_state_destroy(state);
+
+    /* The layer's statistics: their outputs against the layer's inputs. */
+    float recv[2 * 3], ent[2 * 3];
+    mha_attention_stats st;
+    memset(&st, 0, sizeof st);
+    st.received = recv, st.entropy = ent;
+    fb = fa, fb.out = NULL;
+    CHECK_OK(mha_layer_attention_statistics(L, &fb, &st, NULL, &err), &err);
+    st.entropy = x + 3;
+    refused(mha_layer_attention_statistics(L, &fb, &st, NULL, &err), &err,
+            "stats.entropy overlaps query", "layer stats over the query");
+    mha_layer_destroy(L);
+}
+
+static void test_small_calls_aliasing(void) {
+    mha_error err;
+    /* Half to float: dst (4 bytes an element) must not overlap src (2 bytes). */
+    union {
+        uint16_t h[8];
+        float f[4];
+    } hv = {{0x3c00, 0x4000, 0, 0, 0, 0, 0, 0}};
+    float hf[4];
+    CHECK_OK(mha_half_to_f32(MHA_DTYPE_F16, hv.h, hf, 2, &err), &err);
+    CHECK(hf[0] == 1.0f && hf[1] == 2.0f, "half_to_f32 values");
+    refused(mha_half_to_f32(MHA_DTYPE_F16, hv.h + 2, hv.f, 2, &err), &err, "dst overlaps src",
+            "half_to_f32 dst over src");
+
+    /* Merge: o may be exactly o_a (same stride), never shifted into it or over an lse. */
+    float oa[8] = {1, 2, 3, 4, 5, 6, 7, 8}, ob[8] = {8, 7, 6, 5, 4, 3, 2, 1};
+    float la[2] = {0.5f, -1}, lb[2] = {0, 0}, o[8], l[2];
+    CHECK_OK(mha_attention_merge(2, 4, oa, 4, la, ob, 4, lb, o, 4, l, &err), &err);
+    CHECK_OK(mha_attention_merge(2, 4, oa, 4, la, ob, 4, lb, oa, 4, la, &err), &err);
+    refused(mha_attention_merge(2, 4, oa, 4, la, ob, 4, lb, oa + 1, 4, NULL, &err), &err,
+            "o overlaps o_a", "merge o shifted into o_a");
+    refused(mha_attention_merge(2, 4, oa, 4, la, ob, 4, lb, o, 4, (float *)ob + 6, &err), &err,
+            "lse overlaps o_b", "merge lse in o_b");
+    refused(mha_attention_merge(2, 4, oa, 4, la, ob, 4, lb, o, 4, o + 2, &err), &err, "overlaps",
+            "merge lse in o");
+
+    /* RoPE: frequencies' two outputs; apply's in-place x (allowed) against its positions. */
+    mha_rope r;
+    memset(&r, 0, sizeof r);
+    r.style = MHA_ROPE_HALF;
+    double f[4];
+    refused(mha_rope_frequencies(&r, 8, f, f + 3, &err), &err, "overlaps",
+            "cos_sin_factor inside freqs");
+    double cs;
+    CHECK_OK(mha_rope_frequencies(&r, 8, f, &cs, &err), &err);
+    union {
+        int64_t pos[8];
+        float x[16];
+    } u;
+    memset(&u, 0, sizeof u);
+    const int64_t xs[4] = {16, 8, 8, 1};
+    float xr[16] = {1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8};
+    CHECK_OK(mha_rope_apply(&r, 1, 2, 1, 8, xr, xs, NULL, 0, &err), &err);
+    refused(mha_rope_apply(&r, 1, 2, 1, 8, u.x, xs, u.pos, 2, &err), &err, "x overlaps positions",
+            "rope x over its positions");
+}
+
+static void test_error_contract(void) {
+    mha_error err;
+    mha_config c;
+    memset(&c, 0, sizeof c);
+    c.q_dim = 24, c.num_heads = 12, c.num_kv_heads = 5;
+    mha_weights w = {W, W, W, W, NULL, NULL, NULL, NULL, NULL};
+    mha_layer *L = NULL;
+    CHECK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err) == MHA_STATUS_INVALID_ARG,
+          "12 heads over 5 kv heads");
+    /* The header's example, verbatim. */
+    CHECK(strcmp(err.message, "config.num_heads=12 is not divisible by num_kv_heads=5") == 0,
+          "message '%s'", err.message);
+    CHECK(err.status == MHA_STATUS_INVALID_ARG, "status filled");
+
+    /* A successful call clears a previous error, for every kind of call. */
+    c.num_kv_heads = 4;
+    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    CHECK(err.status == MHA_STATUS_OK && err.message[0] == '\0', "create cleared err: '%s'",
+          err.message);
+    mha_error stale;
+    float x[2 * 24], y[2 * 24];
+    memset(x, 0, sizeof x);
+    mha_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    fa.batch = 1, fa.q_len = 2, fa.query = x, fa.out = y;
+    stale.status = MHA_STATUS_INTERNAL, strcpy(stale.message, "stale");
+    CHECK_OK(mha_layer_forward(L, &fa, NULL, &stale), &stale);
+    CHECK(stale.status == MHA_STATUS_OK && stale.message[0] == '\0', "forward cleared err");
+    mha_attention_args a = core_args();
+    stale.status = MHA_STATUS_INTERNAL, strcpy(stale.message, "stale");
+    CHECK_OK(mha_attention(&a, NULL, &stale), &stale);
+    CHECK(stale.status == MHA_STATUS_OK && stale.message[0] == '\0', "attention cleared err");
+    mha_rope r;
+    memset(&r, 0, sizeof r);
+    r.style = MHA_ROPE_HALF;
+    const int64_t xs[4] = {24, 24, 2, 1};
+    stale.status = MHA_STATUS_INTERNAL, strcpy(stale.message, "stale");
+    CHECK_OK(mha_rope_apply(&r, 1, 2, 12, 2, x, xs, NULL, 0, &stale), &stale);
+    CHECK(stale.status == MHA_STATUS_OK && stale.message[0] == '\0', "rope_apply cleared err");
+    float oa[4] = {1, 2, 3, 4}, la[1] = {0}, o[4];
+    stale.status = MHA_STATUS_INTERNAL, strcpy(stale.message, "stale");
+    CHECK_OK(mha_attention_merge(1, 4, oa, 4, la, oa, 4, la, o, 4, NULL, &stale), &stale);
+    CHECK(stale.status == MHA_STATUS_OK && stale.message[0] == '\0', "merge cleared err");
+
+    /* The rest of the API: each call after a stale error. */
+#define CLEARS(call)                                                                               \
+    do {                                                                                           \
+        stale.status = MHA_STATUS_INTERNAL;                                                        \
+        strcpy(stale.message, "stale");                                                            \
+        CHECK_OK(call, &stale);                                                                    \
+        CHECK(stale.status == MHA_STATUS_OK && stale.message[0] == '\0', "%s left '%s'", #call,    \
+              stale.message);                                                                      \
+    } while (0)
+    float lse[4], dq[16], dout[16] = {0}, recv[4], yq[2 * 24];
+    a.lse = lse;
+    CLEARS(mha_attention(&a, NULL, &stale));
+    mha_attention_grads g;
+    memset(&g, 0, sizeof g);
+    const int64_t s4[3] = {16, 16, 4};
+    g.dout = dout, g.dq = dq;
+    memcpy(g.dout_strides, s4, sizeof s4), memcpy(g.dq_strides, s4, sizeof s4);
+    CLEARS(mha_attention_backward(&a, &g, NULL, &stale));
+    mha_attention_stats st;
+    memset(&st, 0, sizeof st);
+    st.received = recv;
+    CLEARS(mha_attention_statistics(&a, &st, NULL, &stale));
+    CLEARS(mha_layer_project(L, MHA_PROJ_Q, 2, x, yq, NULL, &stale));
+    double freqs[2], cs;
+    CLEARS(mha_rope_frequencies(&r, 2, freqs, &cs, &stale));
+    mha_train_state *state = NULL;
+    CLEARS(mha_layer_forward_train(L, &fa, NULL, &state, &stale));
+    mha_layer_grads gr;
+    memset(&gr, 0, sizeof gr);
+    gr.d_query = yq;
+    CLEARS(mha_layer_backward(L, state, y, &gr, NULL, &stale));
+    mha_train_state_destroy(state);
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.max_seq = 8, kc.batch = 1;
+    mha_kv_cache *cache = NULL;
+    CLEARS(mha_kv_cache_create(&kc, L, NULL, &cache, &stale));
+    mha_decode_args da = {1, NULL, 1, x, y};
+    CLEARS(mha_layer_prefill(L, cache, &da, NULL, &stale));
+    CLEARS(mha_layer_decode_step(L, cache, &da, NULL, &stale));
+    float kv[4 * 2];
+    memset(kv, 0, sizeof kv);
+    CLEARS(mha_kv_cache_append(cache, 1, NULL, 1, kv, kv, &stale));
+    mha_kv_attention_args ka;
+    memset(&ka, 0, sizeof ka);
+    ka.num_seqs = 1, ka.num_tokens = 1, ka.num_heads = 12, ka.q = yq, ka.out = y;
+    CLEARS(mha_kv_cache_attention(cache, &ka, NULL, &stale));
+    CLEARS(mha_kv_cache_read(cache, 0, 0, kv, NULL, &stale));
+    CLEARS(mha_kv_cache_truncate(cache, 0, 1, &stale));
+    mha_kv_cache_destroy(cache);
+#undef CLEARS
+    mha_layer_destroy(L);
+}
+
+int main(void) {
+    test_core_scalars();
+    test_layer_scalars();
+    test_core_aliasing();
+    test_layer_aliasing();
+    test_small_calls_aliasing();
+    test_error_contract();
+    return test_finish();
+}
