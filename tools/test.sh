@@ -77,7 +77,7 @@ for isa in avx2 generic; do
     MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -j "$jobs" -E '^py_|^install|^exported'
 done
 
-step "Python package: sdist, manylinux wheel, editable install (tools/test_python_package.sh)"
+step "Python package: sdist, manylinux wheels (mha.jax under jit and grad in a fresh venv), editable install (tools/test_python_package.sh)"
 bash tools/test_python_package.sh "$py"
 
 step "clang-14 build (-Werror), C tests (MHA_TEST_QUICK=1)"
