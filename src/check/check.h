@@ -214,10 +214,11 @@ typedef struct mha__train_view {
     int64_t B, n, m;              /* its batch, query and key lengths */
 } mha__train_view;
 /* mha_layer_backward: layer, state (NULL when the caller's is), dy and grads given, the state made
- * with this layer, and every gradient requested one the layer and the forward have. cfg: the
- * layer's resolved config. */
+ * with this layer, and every gradient requested one the layer and the forward have. cfg and w:
+ * the layer's resolved config and weights (the gradients must not overlap the weights). */
 mha_status mha__check_layer_backward(const mha_layer *layer,
                                      const mha_config *cfg,
+                                     const mha_weights *w,
                                      const mha__train_view *state,
                                      const float *dy,
                                      const mha_layer_grads *grads,

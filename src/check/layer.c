@@ -287,11 +287,12 @@ mha_status mha__check_layer_project_backward(const mha_config *c,
 
 mha_status mha__check_layer_backward(const mha_layer *layer,
                                      const mha_config *c,
+                                     const mha_weights *w,
                                      const mha__train_view *s,
                                      const float *dy,
                                      const mha_layer_grads *gr,
                                      mha_error *err) {
-    MHA_RETURN_IF(!layer || !s || !dy || !gr, err, INVALID_ARG,
+    MHA_RETURN_IF(!layer || !w || !s || !dy || !gr, err, INVALID_ARG,
                   "layer, state, dy and grads must not be NULL");
     MHA_RETURN_IF(s->layer != layer, err, INVALID_ARG,
                   "state was made by mha_layer_forward_train with another layer");
@@ -318,9 +319,9 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
                               sizeof(float));
     in[n_in++] = mha__span_of("the forward's value", a ? a->value : NULL,
                               mha__count3(B, m, c->v_dim), sizeof(float));
-    mha_weights w = *mha_layer_weights(layer);
+    mha_weights wc = *w; /* the slots point into their struct */
     mha__weight_slot slots[MHA__WEIGHT_SLOTS];
-    mha__layer_weight_slots(c, &w, slots);
+    mha__layer_weight_slots(c, &wc, slots);
     for (int i = 0; i < MHA__WEIGHT_SLOTS; i++)
         in[n_in++] = mha__span_of(slots[i].name, slots[i].present ? *slots[i].ptr : NULL,
                                   slots[i].count, sizeof(float));

@@ -448,10 +448,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
         s ? s->layer : NULL, s ? s->self : 0, s ? s->args.value != NULL : 0,
         s ? &s->args : NULL, s ? s->B : 0,    s ? s->n : 0,
         s ? s->m : 0};
-    mha_status st = mha__check_layer_backward(layer, c, s ? &view : NULL, dy, gr, err);
+    const mha_weights *w = mha_layer_weights(layer);
+    mha_status st = mha__check_layer_backward(layer, c, w, s ? &view : NULL, dy, gr, err);
     if (st)
         return st;
-    const mha_weights *w = mha_layer_weights(layer);
     const mha_forward_args *a = &s->args;
     const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
     const int64_t dk = c->head_dim, dv = c->v_head_dim;
