@@ -94,8 +94,9 @@ static int set_shard(dist *d, int64_t N, const char *what) {
     return CLI_OK;
 }
 
-/* Shard files: the global length is the sum of the ranks' rows; the ranks must agree on the
- * batch and rank of their files, and each must hold exactly its rows of the layout. */
+/* Shard files: the global length is the sum of the ranks' rows (a rank may hold none: a zero-row
+ * file); the ranks must agree on the batch and rank of their files, and each must hold exactly its
+ * rows of the layout. */
 static int shard_sizes(const run_config *o, dist *d, const run_dims *dm) {
     const char *xpath = o->opt[O_INPUT];
     int64_t v[5] = {dm->B, -dm->B, dm->x_ndim, -dm->x_ndim, 0}, r[5], n = dm->n, total = 0;
@@ -109,6 +110,11 @@ static int shard_sizes(const run_config *o, dist *d, const run_dims *dm) {
                         "dimensions); each must be [B, n_r, q_dim] with the same B",
                         xpath, (long long)-r[1], (long long)r[0], (long long)-r[3],
                         (long long)r[2]);
+    if (total == 0)
+        return fail0(d,
+                     "%s: the ranks' input files hold no rows (each has zero rows); the "
+                     "sequence needs at least one",
+                     xpath);
     int rc = set_shard(d, total, "the ranks' input files together");
     if (rc)
         return rc;
