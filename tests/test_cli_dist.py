@@ -226,6 +226,40 @@ def test_empty_input_refused_outside_shard_files(files):
 
 
 @needs_mpi
+def test_shard_files_nonfinite_input_on_another_rank(files):
+    """The output check (docs/FORMATS.md) judges "every input finite" over all ranks' inputs:
+    a NaN in rank 1's shard only reaches rank 0's rows of Y through the ring (no causal mask),
+    which is the expected propagation, not float32 overflow: every rank writes, exit 0. With
+    finite shards the run exits 0 with finite outputs, and huge finite weights still fail with
+    exit 3 on every rank, writing nothing."""
+    x = np.load(files / "x.npy")
+    rows = [shard_rows(23, 2, r, "zigzag") for r in range(2)]
+    np.save(files / "xn_0.npy", x[:, rows[0]])
+    x1 = x[:, rows[1]].copy()
+    x1[0, 2, 5] = np.nan
+    np.save(files / "xn_1.npy", x1)
+    io = ["--input", "xn_{rank}.npy", "--out", "yn_{rank}.npy"]
+    r = run_mpi(2, *BASE, *io, cwd=files)
+    assert r.returncode == 0 and "not finite" not in r.stderr, (r.returncode, r.stderr)
+    y0 = np.load(files / "yn_0.npy")
+    assert np.isnan(y0[0]).all() and np.isfinite(y0[1]).all()
+    np.save(files / "xn_1.npy", x[:, rows[1]])
+    r = run_mpi(2, *BASE, *io, cwd=files)
+    assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+    assert all(np.isfinite(np.load(files / f"yn_{rk}.npy")).all() for rk in range(2))
+    for rk in range(2):
+        os.remove(files / f"yn_{rk}.npy")
+    rng = np.random.default_rng(5)
+    huge = {k: (np.sign(v) * 3e38).astype(np.float32)
+            for k, v in make_weights(rng, q_dim=16, heads=4, kv_heads=2).items()}
+    write_safetensors(files / "wh.safetensors", huge)
+    r = run_mpi(2, "--weights", "wh.safetensors", "--heads", "4", *io, cwd=files)
+    assert r.returncode != 0 and "although every input is finite" in r.stderr, r.stderr
+    assert "exit code:    3" in r.stderr.lower() or r.returncode == 3, r.stderr
+    assert not [f for f in os.listdir(files) if f.startswith("yn_")]
+
+
+@needs_mpi
 def test_shard_file_errors(files):
     """A missing file on rank 2 only, then files with the wrong rows for the layout: every rank
     stops (non-zero), the line names the file, and no rank leaves its output behind."""
