@@ -240,12 +240,12 @@ def test_shard_files_nonfinite_input_on_another_rank(files):
     np.save(files / "xn_1.npy", x1)
     io = ["--input", "xn_{rank}.npy", "--out", "yn_{rank}.npy"]
     r = run_mpi(2, *BASE, *io, cwd=files)
-    assert r.returncode == 0 and "not finite" not in r.stderr, (r.returncode, r.stderr)
+    assert r.returncode == 0 and "mha:" not in r.stderr, (r.returncode, r.stderr)
     y0 = np.load(files / "yn_0.npy")
     assert np.isnan(y0[0]).all() and np.isfinite(y0[1]).all()
     np.save(files / "xn_1.npy", x[:, rows[1]])
     r = run_mpi(2, *BASE, *io, cwd=files)
-    assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+    assert r.returncode == 0 and "mha:" not in r.stderr, (r.returncode, r.stderr)
     assert all(np.isfinite(np.load(files / f"yn_{rk}.npy")).all() for rk in range(2))
     for rk in range(2):
         os.remove(files / f"yn_{rk}.npy")
