@@ -206,7 +206,8 @@ void cli_run_usage(void) {
         "                           (self-attention, ring attention between the ranks); rank 0",
         "                           gathers Y and writes the file a single-process run writes.",
         "                           Refuses --key, --value, --mask, --causal-offsets, --attn,",
-        "                           --plot, --decode and --dropout. --threads is per rank",
+        "                           --plot, --attn-stats, --decode and --dropout. --threads is",
+        "                           per rank",
         "  --shard-layout L         zigzag: rank r holds chunks r and 2P-1-r of 2P (equal causal",
         "                           work) or contiguous: chunk r of P (default: zigzag)",
         "  {rank} in --input and --out: per-rank shard files for inputs larger than one machine:",
@@ -413,6 +414,7 @@ static int parse_distributed(run_config *o) {
         {O_CAUSAL_OFFSETS, "the ring places the diagonal by global rows"},
         {O_ATTN, "no rank holds a whole row of probabilities"},
         {O_PLOT, "no rank holds a whole row of probabilities"},
+        {O_ATTN_STATS, "no rank holds a whole row of probabilities"},
         {O_DECODE, "decoding runs in one process"},
         {O_DROPOUT, "distributed runs are inference"},
     };

@@ -282,6 +282,8 @@ def test_shard_file_errors(files):
     (["--input", "missing.npy"], 1, "missing.npy: cannot open"),
     pytest.param(["--input", "w.safetensors"], 1, "w.safetensors", marks=slow),
     (["--input", "x.npy", "--attn", "a.npy"], 2, "--attn cannot be used with --distributed"),
+    (["--input", "x.npy", "--attn-stats", "s.npz"], 2,
+     "--attn-stats cannot be used with --distributed"),
     pytest.param(["--input", "x.npy", "--key", "x.npy"], 2,
                  "--key cannot be used with --distributed", marks=slow),
     pytest.param(["--input", "x.npy", "--shard-layout", "stripes"], 2,
