@@ -173,8 +173,11 @@ int mask_tensor(const char *path,
                 int32_t target_ndim,
                 const char *target_desc,
                 mha_mask_tensor *t);
-/* X, K, V: float, 2-d or 3-d, non-empty; returns B, L, features. */
-int input_shape(const char *path, const mha__npy *a, int64_t *B, int64_t *L, int64_t *features);
+/* X, K, V: float, 2-d or 3-d, non-empty; returns B, L, features. empty_rows: L may be 0 (a
+ * rank's shard file in shard-file mode, whose rows of the layout are none); every other dimension
+ * must still be positive. */
+int input_shape(
+    const char *path, const mha__npy *a, int empty_rows, int64_t *B, int64_t *L, int64_t *features);
 /* Non-finite values in an output of finite inputs (docs/FORMATS.md, "Output check"): when
  * s->inputs_nonfinite is 0 and --allow-nonfinite is not given, the first float array of `count`
  * values holding NaN or +-inf gives one line (the output, how many, the first index) and

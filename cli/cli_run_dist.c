@@ -94,21 +94,31 @@ static int set_shard(dist *d, int64_t N, const char *what) {
     return CLI_OK;
 }
 
-/* Shard files: the global length is the sum of the ranks' rows; the ranks must agree on the
- * batch and rank of their files, and each must hold exactly its rows of the layout. */
-static int shard_sizes(const run_config *o, dist *d, const run_dims *dm) {
+/* Shard files: the global length is the sum of the ranks' rows (a rank may hold none: a zero-row
+ * file); the ranks must agree on the batch and rank of their files, and each must hold exactly its
+ * rows of the layout. "Every input finite" is agreed here too (the largest inputs_nonfinite), so
+ * that no rank reports a NaN that came through the ring from another rank's input as overflow
+ * (--mask, the only other input that sets it, is refused with --distributed). */
+static int shard_sizes(const run_config *o, run_state *s, dist *d, const run_dims *dm) {
     const char *xpath = o->opt[O_INPUT];
-    int64_t v[5] = {dm->B, -dm->B, dm->x_ndim, -dm->x_ndim, 0}, r[5], n = dm->n, total = 0;
-    if (MPI_Allreduce(v, r, 4, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS ||
+    int64_t v[5] = {dm->B, -dm->B, dm->x_ndim, -dm->x_ndim, s->inputs_nonfinite}, r[5];
+    int64_t n = dm->n, total = 0;
+    if (MPI_Allreduce(v, r, 5, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD) != MPI_SUCCESS ||
         MPI_Allreduce(&n, &total, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD) != MPI_SUCCESS) {
         cli_fail("MPI_Allreduce failed: stopping every rank");
         MPI_Abort(MPI_COMM_WORLD, CLI_FAIL);
     }
+    s->inputs_nonfinite = r[4] != 0;
     if (r[0] != -r[1] || r[2] != -r[3])
         return cli_fail("%s: the ranks' input files disagree (batch %lld to %lld, %lld to %lld "
                         "dimensions); each must be [B, n_r, q_dim] with the same B",
                         xpath, (long long)-r[1], (long long)r[0], (long long)-r[3],
                         (long long)r[2]);
+    if (total == 0)
+        return fail0(d,
+                     "%s: the ranks' input files hold no rows (each has zero rows); the "
+                     "sequence needs at least one",
+                     xpath);
     int rc = set_shard(d, total, "the ranks' input files together");
     if (rc)
         return rc;
@@ -291,8 +301,8 @@ static int dist_forward(const run_config *o, run_state *s, dist *d) {
     memset(&bf, 0, sizeof bf);
     int rc = agree(d, read_inputs(o, s, &dm));
     if (!rc)
-        rc =
-            agree(d, o->shard_files ? shard_sizes(o, d, &dm) : set_shard(d, dm.n, o->opt[O_INPUT]));
+        rc = agree(d, o->shard_files ? shard_sizes(o, s, d, &dm)
+                                     : set_shard(d, dm.n, o->opt[O_INPUT]));
     if (!rc)
         rc = agree(d, read_masks(o, s, &dm, &fa));
     const mha_config *c = rc ? NULL : mha_layer_config(s->layer);

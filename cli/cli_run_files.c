@@ -78,7 +78,7 @@ static int expand_ints(
     int64_t total;
     if (!cli_mul(B, len, &total) || total > (int64_t)(SIZE_MAX / 16))
         return cli_fail("%s: size overflow", path);
-    *out = malloc((size_t)total * sizeof(int64_t));
+    *out = malloc(total ? (size_t)total * sizeof(int64_t) : 1); /* 0: a rank without rows */
     if (!*out)
         return cli_fail("%s: out of memory", path);
     for (int64_t b = 0; b < B; b++)
@@ -146,7 +146,8 @@ int read_segments(const char *path, const char *what, int64_t B, int64_t len, in
     int rc = read_index(path, what, B, len, INT32_MIN, INT32_MAX, &wide);
     if (rc)
         return rc;
-    *out = malloc((size_t)(B * len) * sizeof(int32_t));
+    const size_t count = (size_t)(B * len); /* 0: a rank without rows, malloc(1) then */
+    *out = malloc(count ? count * sizeof(int32_t) : 1);
     if (!*out) {
         free(wide);
         return cli_fail("%s: out of memory", path);
@@ -192,8 +193,14 @@ int mask_tensor(const char *path,
     return CLI_OK;
 }
 
-/* X, K, V: float, 2-d or 3-d, non-empty; returns B, L, features. */
-int input_shape(const char *path, const mha__npy *a, int64_t *B, int64_t *L, int64_t *features) {
+/* X, K, V: float, 2-d or 3-d, non-empty (but for zero rows when empty_rows is set); returns B, L,
+ * features. */
+int input_shape(const char *path,
+                const mha__npy *a,
+                int empty_rows,
+                int64_t *B,
+                int64_t *L,
+                int64_t *features) {
     char sb[160];
     if (!is_float(a->dtype))
         return cli_fail("%s: dtype %s is not supported (expected float32, float64 or float16)",
@@ -202,7 +209,7 @@ int input_shape(const char *path, const mha__npy *a, int64_t *B, int64_t *L, int
         return cli_fail("%s: shape %s has %d dimensions, expected 2 ([n, d]) or 3 ([B, n, d])",
                         path, cli_shape_str(sb, sizeof sb, a->ndim, a->shape), (int)a->ndim);
     for (int32_t d = 0; d < a->ndim; d++)
-        if (a->shape[d] == 0)
+        if (a->shape[d] == 0 && !(empty_rows && d == a->ndim - 2))
             return cli_fail("%s: shape %s is empty", path,
                             cli_shape_str(sb, sizeof sb, a->ndim, a->shape));
     *B = a->ndim == 3 ? a->shape[0] : 1;

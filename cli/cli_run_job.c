@@ -171,7 +171,8 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
     char sb[160];
     int rc;
     int64_t B, n, feat;
-    if ((rc = read_npy(xpath, &s->x)) || (rc = input_shape(xpath, &s->x, &B, &n, &feat)))
+    if ((rc = read_npy(xpath, &s->x)) ||
+        (rc = input_shape(xpath, &s->x, o->shard_files, &B, &n, &feat)))
         return rc;
     if (feat != bc->q_dim)
         return cli_fail("%s: last dimension %lld does not match the layer's q_dim %lld (%s)", xpath,
@@ -188,7 +189,7 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
     } else {
         const char *kpath = v[O_KEY];
         int64_t kb, kf;
-        if ((rc = read_npy(kpath, &s->key)) || (rc = input_shape(kpath, &s->key, &kb, &m, &kf)))
+        if ((rc = read_npy(kpath, &s->key)) || (rc = input_shape(kpath, &s->key, 0, &kb, &m, &kf)))
             return rc;
         if (s->key.ndim != x_ndim || kb != B) {
             char xb[160];
@@ -206,7 +207,7 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
             const char *vpath = v[O_VALUE];
             int64_t vb, vm, vf;
             if ((rc = read_npy(vpath, &s->value)) ||
-                (rc = input_shape(vpath, &s->value, &vb, &vm, &vf)))
+                (rc = input_shape(vpath, &s->value, 0, &vb, &vm, &vf)))
                 return rc;
             if (s->value.ndim != x_ndim || vb != B || vm != m) {
                 char kb2[160];

@@ -146,6 +146,119 @@ def test_shard_files(files, p, layout):
     assert_close(y, np.load(files / "y1.npy").astype(np.float64))
 
 
+def shard_case_params():
+    """N = 1, 2 and 2P - 1 for P = 2, 3 in both layouts: ranks whose shard file has no rows
+    (N = 1 over any P, N = 2 over 3 ranks, ...), next to ranks that hold some. MHA_TEST_QUICK keeps
+    two (a 3-d and a 2-d input, each with empty shards)."""
+    quick = {(3, "zigzag", 1), (2, "contiguous", 1)}
+    for p in (2, 3):
+        for layout in ("zigzag", "contiguous"):
+            for n in (1, 2, 2 * p - 1):
+                ndim = 2 if layout == "contiguous" and n == 1 else 3
+                marks = () if (p, layout, n) in quick else (slow,)
+                yield pytest.param(p, layout, n, ndim, marks=marks,
+                                   id=f"P{p}-{layout}-N{n}-{ndim}d")
+
+
+@needs_mpi
+@pytest.mark.parametrize("p,layout,n,ndim", list(shard_case_params()))
+def test_shard_files_without_rows(files, p, layout, n, ndim):
+    """Shard-file mode with a rank whose rows are none: its files are zero-row .npy ([B, 0, F] or
+    [0, F] for X, [0] or [B, 0] for the per-row files), it takes part in the ring with an empty
+    shard and writes a zero-row Y ([B, 0, out_dim] or [0, out_dim]); the ranks' outputs put
+    together equal the single-process run on the N rows."""
+    x = np.load(files / "x.npy")[:, :n]
+    pos = (np.arange(n) * 3 + 2).astype(np.int64)
+    seg = np.array([[0, 1, 1, 1, 2][:n], [0, 0, 0, 3, 3][:n]], np.int32)
+    opts = ["--causal", "--rope-theta", "10000"]
+    per_rank = []
+    if ndim == 2:
+        x = x[0]
+    else:
+        per_rank = ["--positions", "pp_{rank}.npy", "--q-segments", "sg_{rank}.npy",
+                    "--kv-segments", "sg_{rank}.npy", "--sinks", "sinks.npy"]
+        np.save(files / "pp.npy", pos)
+        np.save(files / "sg.npy", seg)
+    np.save(files / "xz.npy", x)
+    rows = [shard_rows(n, p, r, layout) for r in range(p)]
+    for r in range(p):
+        np.save(files / f"xz_{r}.npy", np.ascontiguousarray(x[..., rows[r], :]))
+        np.save(files / f"pp_{r}.npy", pos[rows[r]])
+        np.save(files / f"sg_{r}.npy", np.ascontiguousarray(seg[:, rows[r]]))
+    single = [a.replace("_{rank}", "") for a in per_rank]
+    r1 = run_single(*BASE, "--input", "xz.npy", "--out", "yz1.npy", *opts, *single, cwd=files)
+    assert r1.returncode == 0, r1.stderr
+    rp = run_mpi(p, *BASE, "--shard-layout", layout, "--input", "xz_{rank}.npy", "--out",
+                 "yz_{rank}.npy", *opts, *per_rank, cwd=files)
+    assert rp.returncode == 0, rp.stderr
+    ref = np.load(files / "yz1.npy")
+    y = np.full(ref.shape, np.nan, np.float32)
+    for r in range(p):
+        yr = np.load(files / f"yz_{r}.npy")
+        assert yr.shape == ref[..., rows[r], :].shape and yr.dtype == np.float32, (r, yr.shape)
+        y[..., rows[r], :] = yr
+        os.remove(files / f"yz_{r}.npy")
+    assert_close(y, ref.astype(np.float64))
+
+
+@needs_mpi
+def test_empty_input_refused_outside_shard_files(files):
+    """A zero-row X is a rank's empty shard only in shard-file mode: as the whole input of a
+    distributed run it is refused ("is empty", exit 1, no output), and so are shard files that
+    hold no row at all (no sequence), or a zero-row file where the layout gives the rank rows."""
+    np.save(files / "x0.npy", np.zeros((2, 0, 16), np.float32))
+    r = run_mpi(2, *BASE, "--input", "x0.npy", "--out", "ye.npy", cwd=files)
+    assert r.returncode != 0 and "x0.npy: shape [2, 0, 16] is empty" in r.stderr, r.stderr
+    assert not os.path.exists(files / "ye.npy")
+    for rk in range(2):
+        np.save(files / f"x0_{rk}.npy", np.zeros((2, 0, 16), np.float32))
+    r = run_mpi(2, *BASE, "--input", "x0_{rank}.npy", "--out", "ye_{rank}.npy", cwd=files)
+    assert r.returncode != 0 and "no rows" in r.stderr, r.stderr
+    x = np.load(files / "x.npy")
+    np.save(files / "x0_0.npy", x[:, :3])  # 3 rows: rank 1 of 2 (zigzag) holds 2 of them
+    r = run_mpi(2, *BASE, "--input", "x0_{rank}.npy", "--out", "ye_{rank}.npy", cwd=files)
+    assert r.returncode != 0 and "x0_1.npy: 0 rows, but rank 1 of 2 holds 2 rows" in r.stderr, \
+        r.stderr
+    # A zero-row array stays an error everywhere else: the single-process run.
+    r = run_single(*BASE, "--input", "x0_1.npy", "--out", "ye.npy", cwd=files)
+    assert r.returncode == 1 and "is empty" in r.stderr, r.stderr
+    assert not [f for f in os.listdir(files) if f.startswith("ye")]
+
+
+@needs_mpi
+def test_shard_files_nonfinite_input_on_another_rank(files):
+    """The output check (docs/FORMATS.md) judges "every input finite" over all ranks' inputs:
+    a NaN in rank 1's shard only reaches rank 0's rows of Y through the ring (no causal mask),
+    which is the expected propagation, not float32 overflow: every rank writes, exit 0. With
+    finite shards the run exits 0 with finite outputs, and huge finite weights still fail with
+    exit 3 on every rank, writing nothing."""
+    x = np.load(files / "x.npy")
+    rows = [shard_rows(23, 2, r, "zigzag") for r in range(2)]
+    np.save(files / "xn_0.npy", x[:, rows[0]])
+    x1 = x[:, rows[1]].copy()
+    x1[0, 2, 5] = np.nan
+    np.save(files / "xn_1.npy", x1)
+    io = ["--input", "xn_{rank}.npy", "--out", "yn_{rank}.npy"]
+    r = run_mpi(2, *BASE, *io, cwd=files)
+    assert r.returncode == 0 and "mha:" not in r.stderr, (r.returncode, r.stderr)
+    y0 = np.load(files / "yn_0.npy")
+    assert np.isnan(y0[0]).all() and np.isfinite(y0[1]).all()
+    np.save(files / "xn_1.npy", x[:, rows[1]])
+    r = run_mpi(2, *BASE, *io, cwd=files)
+    assert r.returncode == 0 and "mha:" not in r.stderr, (r.returncode, r.stderr)
+    assert all(np.isfinite(np.load(files / f"yn_{rk}.npy")).all() for rk in range(2))
+    for rk in range(2):
+        os.remove(files / f"yn_{rk}.npy")
+    rng = np.random.default_rng(5)
+    huge = {k: (np.sign(v) * 3e38).astype(np.float32)
+            for k, v in make_weights(rng, q_dim=16, heads=4, kv_heads=2).items()}
+    write_safetensors(files / "wh.safetensors", huge)
+    r = run_mpi(2, "--weights", "wh.safetensors", "--heads", "4", *io, cwd=files)
+    assert r.returncode != 0 and "although every input is finite" in r.stderr, r.stderr
+    assert "exit code:    3" in r.stderr.lower() or r.returncode == 3, r.stderr
+    assert not [f for f in os.listdir(files) if f.startswith("yn_")]
+
+
 @needs_mpi
 def test_shard_file_errors(files):
     """A missing file on rank 2 only, then files with the wrong rows for the layout: every rank
@@ -169,6 +282,8 @@ def test_shard_file_errors(files):
     (["--input", "missing.npy"], 1, "missing.npy: cannot open"),
     pytest.param(["--input", "w.safetensors"], 1, "w.safetensors", marks=slow),
     (["--input", "x.npy", "--attn", "a.npy"], 2, "--attn cannot be used with --distributed"),
+    (["--input", "x.npy", "--attn-stats", "s.npz"], 2,
+     "--attn-stats cannot be used with --distributed"),
     pytest.param(["--input", "x.npy", "--key", "x.npy"], 2,
                  "--key cannot be used with --distributed", marks=slow),
     pytest.param(["--input", "x.npy", "--shard-layout", "stripes"], 2,
