@@ -385,6 +385,11 @@ check_weights(const run *r, const arch *a, const mha_layer *L, const layer_tenso
                     src = &r->t[lt->idx[0]];
                     bsrc = lt->idx[4] >= 0 ? &r->t[lt->idx[4]] : NULL;
                     src_row = fused_block(a->lay, role, t, h, g) * d + i;
+                    FUZZ_REQUIRE(src_row < (gpt2 ? src->cols : src->rows),
+                                 "%s: loaded with %lld heads and %lld kv heads from a fused "
+                                 "tensor of %lld rows: its [h, 3, d] split needs row %lld",
+                                 a->type, (long long)h, (long long)g,
+                                 (long long)(gpt2 ? src->cols : src->rows), (long long)src_row);
                 }
                 for (int64_t k = 0; k < hid; k++) {
                     const float got = mats[role][row * hid + k];
@@ -550,7 +555,7 @@ static void load_and_run(run *r,
     FUZZ_REQUIRE(c->num_heads == cfg.num_heads && c->num_kv_heads == cfg.num_kv_heads &&
                      c->head_dim == cfg.head_dim && c->q_dim == cfg.q_dim,
                  "loaded sizes differ from the config");
-    if (lt && !override)
+    if (lt)
         check_weights(r, a, L, lt);
     forward(L, &info, n);
     mha_layer_destroy(L);
@@ -608,8 +613,24 @@ static void fuzz_dir(run *r,
     char *z = strstr(prefix[1], ".0.");
     FUZZ_REQUIRE(z != NULL, "prefix '%s' has no layer number", info.prefix);
     z[1] = '1';
+    /* The CLI's --heads / --kv-heads (0: keep); bit 7: the tensors are sized by the overridden
+     * config (the file agrees with the override), else by config.json (they contradict it). */
+    mha_config ov;
+    memset(&ov, 0, sizeof ov);
+    ov.num_heads = s2 & 7;
+    ov.num_kv_heads = (s2 >> 3) & 7;
+    const int use_ov = (s2 & 0x40) != 0;
+    mha_hf_layer_info gen = info;
+    int sized_by_ov = 0;
+    if (use_ov && (s2 & 0x80)) {
+        gen.config.num_heads = ov.num_heads ? ov.num_heads : gen.config.num_heads;
+        gen.config.num_kv_heads = ov.num_kv_heads ? ov.num_kv_heads : gen.config.num_kv_heads;
+        sized_by_ov = gen.config.num_heads % gen.config.num_kv_heads == 0 && small(&gen.config);
+        if (!sized_by_ov)
+            gen = info;
+    }
     for (int layer = 0; layer < 2; layer++)
-        gen_layer(r, a, &info, prefix[layer], bias_mode == 3 ? 0 : bias_mode,
+        gen_layer(r, a, &gen, prefix[layer], bias_mode == 3 ? 0 : bias_mode,
                   (uint32_t)(7 + 31 * layer + s3), &lt[layer]);
     int perturbed[2] = {0, 0};
     if (perturb) { /* one weight matrix of one layer gets a wrong shape */
@@ -627,14 +648,10 @@ static void fuzz_dir(run *r,
         perturbed[layer] = 1;
     }
     write_tensors(r);
-    mha_config ov;
-    memset(&ov, 0, sizeof ov);
-    ov.num_heads = s2 & 7;
-    ov.num_kv_heads = (s2 >> 3) & 7;
-    const int use_ov = (s2 & 0x40) != 0;
+    const int matches = !use_ov || sized_by_ov; /* the file has the shapes the load asks for */
     for (int layer = 0; layer < 2; layer++)
-        load_and_run(r, a, layer, use_ov ? &ov : NULL, perturbed[layer] && !use_ov,
-                     bias_mode == 0 || bias_mode == 3 ? &lt[layer] : NULL, n);
+        load_and_run(r, a, layer, use_ov ? &ov : NULL, perturbed[layer] && matches,
+                     (bias_mode == 0 || bias_mode == 3) && matches ? &lt[layer] : NULL, n);
     free_tensors(r);
     cJSON_Delete(index);
 }
