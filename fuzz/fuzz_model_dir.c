@@ -555,7 +555,7 @@ static void load_and_run(run *r,
     FUZZ_REQUIRE(c->num_heads == cfg.num_heads && c->num_kv_heads == cfg.num_kv_heads &&
                      c->head_dim == cfg.head_dim && c->q_dim == cfg.q_dim,
                  "loaded sizes differ from the config");
-    if (lt)
+    if (lt && a)
         check_weights(r, a, L, lt);
     forward(L, &info, n);
     mha_layer_destroy(L);

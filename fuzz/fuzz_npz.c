@@ -206,6 +206,15 @@ static void make_member(fuzz_reader *r, mha__npz_member *m, char *name, void **b
     const int huge = !neg && bytes > MAX_BYTES;
     if (huge)
         *ok = bytes + 128 > 0xFFFFFFFFu ? 0 : -1; /* -1: at the limit, either answer */
+    /* Zero-size with other dims whose product overflows (numpy refuses such a shape, "array is
+     * too big"): either answer; if written, it must still read back. */
+    unsigned __int128 nonzero = 1;
+    for (int32_t d = 0; d < dims && !neg && count == 0; d++)
+        if (m->shape[d] &&
+            (nonzero *= (unsigned __int128)m->shape[d]) > ((unsigned __int128)1 << 64))
+            nonzero = (unsigned __int128)1 << 64;
+    if (*ok == 1 && count == 0 && nonzero * es >= ((unsigned __int128)1 << 59))
+        *ok = -1;
     /* data: NULL (flag), or the input's bytes; a member beyond 4 GiB gets a 1-byte buffer: the
      * writer must refuse it from its size, before reading a byte (so must it with a negative dim).
      */
