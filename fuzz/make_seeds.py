@@ -182,6 +182,17 @@ def main():
     model("llama_override", dict(small, model_type="llama", num_key_value_heads=2),
           sel=b"\x00\x00\x4a")  # --heads 2 --kv-heads 1 (0x40 | 1 << 3 | 2)
     model("neox_wrong_shape", dict(small, model_type="gpt_neox"), sel=b"\x20\x09")
+    # Issue 28's known loader bugs (fixed on the loader branch): a per-head fused qkv loaded with
+    # --kv-heads 1 and a file sized for it (split_fused read past the tensor), LongRoPE with
+    # original_max_position_embeddings 1 (an infinite attention factor in the info).
+    model("regress-neox-kv-override", dict(small, model_type="gpt_neox"), sel=b"\0\0\xc8")
+    model("regress-falcon-kv-override", dict(small, model_type="falcon", multi_query=False),
+          sel=b"\0\0\xc8")
+    model("regress-longrope-original-1", dict(small, model_type="phi3", num_key_value_heads=2,
+                                              original_max_position_embeddings=1,
+                                              rope_parameters=rope("longrope", 1e4,
+                                                                   short_factor=[1.0, 1.5],
+                                                                   long_factor=[1.0, 4.0])))
     model("unknown_type", dict(small, model_type="t5"))
     model("not_json", b'{"model_type": "llama",')
     # ---- npz members: count byte, then per member: flags (dtype in bits 0-2, NULL data when
@@ -195,6 +206,8 @@ def main():
         member(b"scalar", 0, [], data=b"\0\0\x80\x3f"))
     out("npz", "zero_size", bytes([2]) + member(b"empty", 3, [2, 0, 4]) +
         member(b"e1", 1, [0], dtype=3) + member(b"ok", 1, [1], data=b"1234"))
+    # a 0-d member without data (issue 28: mha__npz_write read through NULL; loader branch)
+    out("npz", "regress-0d-null-data", bytes([0]) + member(b"s", 0, [], flags=0x18))
     out("npz", "eight_dims", bytes([0]) + member(b"d8", 8, [1, 2, 1, 1, 2, 1, 1, 1],
                                                data=bytes(16)))
     out("npz", "huge_dim", bytes([0]) + member(b"big", 2, [245, 0, 0, 0, 0, 0, 0, 1, 0, 1],
