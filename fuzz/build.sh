@@ -4,7 +4,8 @@
 # gcc): the library sources, the CLI's option code and each harness, all with
 # -fsanitize=fuzzer,address,undefined. Needs clang-14 and libclang-rt-14-dev (Debian), and
 # libcjson-dev. Usage: fuzz/build.sh [BUILD_DIR]   (default: build-fuzz/ at the repo root).
-# The harness binaries are BUILD_DIR/fuzz_npy, fuzz_safetensors, fuzz_cli_args, fuzz_api.
+# The harness binaries are BUILD_DIR/fuzz_npy, fuzz_safetensors, fuzz_cli_args, fuzz_api,
+# fuzz_model_dir, fuzz_npz.
 # needs: clang-14 nproc find
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -56,10 +57,11 @@ for o in "${objs[@]}"; do
     esac
 done
 
-for h in fuzz_npy fuzz_safetensors fuzz_api fuzz_cli_args; do
+for h in fuzz_npy fuzz_safetensors fuzz_api fuzz_cli_args fuzz_model_dir fuzz_npz; do
     extra=()
     [ "$h" = fuzz_cli_args ] && extra=("${cli_objs[@]}")
     [ "$h" = fuzz_npy ] && extra=("$out/obj/cli_npy.c.o") # the .npy reader is the CLI's
+    [ "$h" = fuzz_npz ] && extra=("$out/obj/cli_npz.c.o" "$out/obj/cli_npy.c.o") # and the .npz writer
     echo "$CC -o $out/$h"
     "$CC" "${common[@]}" "${warn[@]}" -Werror -fsanitize=fuzzer "$root/fuzz/$h.c" \
         "${extra[@]}" "${lib_objs[@]}" -lcjson -lpthread -lm -o "$out/$h"

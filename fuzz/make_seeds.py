@@ -109,6 +109,113 @@ def main():
     out("api", "layer_plain", bytes([0, 8, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]) + bytes(120))
     out("api", "core_plain", bytes([1, 1, 2, 0, 3, 3, 4, 0, 0, 0]) + bytes(120))
 
+    # ---- model directories: config.json \0 model.safetensors.index.json (may be empty) \0
+    # selector bytes (fuzz_model_dir.c: prefix scheme, dtype, biases, a wrong shape, overrides).
+    # Small sizes (hidden 16, 4 heads of 4) so that the harness writes and runs the layers.
+    small = dict(vocab_size=64, num_hidden_layers=2, max_position_embeddings=64,
+                 hidden_size=16, intermediate_size=32, num_attention_heads=4)
+
+    def model(name, cfg, index=None, sel=b""):
+        text = cfg if isinstance(cfg, bytes) else json.dumps(cfg, indent=1).encode()
+        tail = b"" if index is None and not sel else b"\0" + (
+            json.dumps(index).encode() if index is not None else b"") + b"\0" + sel
+        out("model_dir", name, text + tail)
+
+    def rope(kind="default", theta=10000.0, **kw):
+        return dict(rope_type=kind, rope_theta=theta, **kw)
+
+    model("llama3", dict(small, model_type="llama", num_key_value_heads=2, attention_bias=True,
+                         rope_parameters=rope("llama3", 5e5, factor=8.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0,
+                                              original_max_position_embeddings=16)))
+    model("llama_legacy_yarn", dict(small, model_type="llama", num_key_value_heads=1,
+                                    rope_theta=1e4, rope_scaling=dict(type="yarn", factor=4.0,
+                                    original_max_position_embeddings=16)), sel=b"\x02")
+    model("llama_dynamic", dict(small, model_type="llama", max_position_embeddings=8,
+                                rope_parameters=rope("dynamic", 1e4, factor=2.0)), sel=b"\x04")
+    model("mistral", dict(small, model_type="mistral", num_key_value_heads=2, sliding_window=5,
+                          rope_parameters=rope("linear", 1e4, factor=2.0)), sel=b"\x01")
+    model("mixtral", dict(small, model_type="mixtral", num_key_value_heads=2, num_local_experts=2,
+                          num_experts_per_tok=1, rope_theta=1e6, sliding_window=None))
+    model("qwen2_yarn", dict(small, model_type="qwen2", num_key_value_heads=2,
+                             use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                             rope_parameters=rope("yarn", 1e6, factor=4.0,
+                                                  original_max_position_embeddings=16)))
+    model("gemma", dict(small, model_type="gemma", num_key_value_heads=1, head_dim=8,
+                        rope_parameters=rope()), sel=b"\x06")
+    model("gemma2", dict(small, model_type="gemma2", num_key_value_heads=2, head_dim=8,
+                         query_pre_attn_scalar=24, attn_logit_softcapping=3.0, sliding_window=5,
+                         layer_types=["sliding_attention", "full_attention"],
+                         rope_parameters=rope()))
+    model("gpt_oss", dict(small, model_type="gpt_oss", num_key_value_heads=2, head_dim=8,
+                          num_local_experts=2, num_experts_per_tok=1, sliding_window=5,
+                          max_position_embeddings=4096,
+                          rope_parameters=rope("yarn", 1e4, factor=4.0, beta_fast=32.0,
+                                               beta_slow=1.0, truncate=False,
+                                               original_max_position_embeddings=1024)))
+    model("phi3", dict(small, model_type="phi3", num_key_value_heads=2, sliding_window=None,
+                       rope_parameters=rope(partial_rotary_factor=0.5)))
+    model("phi3_longrope", dict(small, model_type="phi3", num_key_value_heads=2,
+                                original_max_position_embeddings=8,
+                                rope_parameters=rope("longrope", 1e4, short_factor=[1.0, 1.5],
+                                                     long_factor=[1.0, 4.0])), sel=b"\x08")
+    model("gpt2", dict(model_type="gpt2", vocab_size=64, n_embd=16, n_head=4, n_layer=2,
+                       n_positions=64, scale_attn_by_inverse_layer_idx=True), sel=b"\x03")
+    model("gpt_neox", dict(small, model_type="gpt_neox", rotary_pct=0.5, rotary_emb_base=2000,
+                           use_parallel_residual=True))
+    model("falcon_old_mq", dict(small, model_type="falcon", multi_query=True, bias=True,
+                                alibi=False), sel=b"\x01")
+    model("falcon_old_mha", dict(small, model_type="falcon", multi_query=False))
+    model("falcon_new", dict(small, model_type="falcon", new_decoder_architecture=True,
+                             num_kv_heads=2, rope_theta=1e4))
+    model("bert", dict(small, model_type="bert", position_embedding_type="absolute",
+                       type_vocab_size=2), sel=b"\x01")
+    model("roberta_decoder", dict(small, model_type="roberta", is_decoder=True))
+    shards = {}
+    for layer in (0, 1):
+        for stem in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shards["model.layers.%d.self_attn.%s.weight" % (layer, stem)] = \
+                "model-%05d-of-00002.safetensors" % (layer + 1)
+    model("llama_sharded", dict(small, model_type="llama", num_key_value_heads=2,
+                                rope_parameters=rope()),
+          index=dict(metadata=dict(total_size=4096), weight_map=shards))
+    model("llama_override", dict(small, model_type="llama", num_key_value_heads=2),
+          sel=b"\x00\x00\x4a")  # --heads 2 --kv-heads 1 (0x40 | 1 << 3 | 2)
+    model("neox_wrong_shape", dict(small, model_type="gpt_neox"), sel=b"\x20\x09")
+    # Issue 28's known loader bugs (fixed on the loader branch): a per-head fused qkv loaded with
+    # --kv-heads 1 and a file sized for it (split_fused read past the tensor), LongRoPE with
+    # original_max_position_embeddings 1 (an infinite attention factor in the info).
+    model("regress-neox-kv-override", dict(small, model_type="gpt_neox"), sel=b"\0\0\xc8")
+    model("regress-falcon-kv-override", dict(small, model_type="falcon", multi_query=False),
+          sel=b"\0\0\xc8")
+    model("regress-longrope-original-1", dict(small, model_type="phi3", num_key_value_heads=2,
+                                              original_max_position_embeddings=1,
+                                              rope_parameters=rope("longrope", 1e4,
+                                                                   short_factor=[1.0, 1.5],
+                                                                   long_factor=[1.0, 4.0])))
+    model("unknown_type", dict(small, model_type="t5"))
+    model("not_json", b'{"model_type": "llama",')
+    # ---- npz members: count byte, then per member: flags (dtype in bits 0-2, NULL data when
+    # bits 3-4 are set), name length, name, [dtype byte], ndim byte, dims, data (fuzz_npz.c)
+    def member(name, ndim, dims, dtype=0, flags=0, data=b"", dtype_byte=b""):
+        return (bytes([dtype | flags, len(name)]) + name + dtype_byte + bytes([ndim]) + bytes(dims)
+                + data)
+
+    out("npz", "f32_2x3", bytes([0]) + member(b"x", 2, [2, 3], data=bytes(range(24))))
+    out("npz", "i64_and_0d", bytes([1]) + member(b"idx", 1, [3], dtype=3, data=bytes(24)) +
+        member(b"scalar", 0, [], data=b"\0\0\x80\x3f"))
+    out("npz", "zero_size", bytes([2]) + member(b"empty", 3, [2, 0, 4]) +
+        member(b"e1", 1, [0], dtype=3) + member(b"ok", 1, [1], data=b"1234"))
+    # a 0-d member without data (issue 28: mha__npz_write read through NULL; loader branch)
+    out("npz", "regress-0d-null-data", bytes([0]) + member(b"s", 0, [], flags=0x18))
+    out("npz", "eight_dims", bytes([0]) + member(b"d8", 8, [1, 2, 1, 1, 2, 1, 1, 1],
+                                               data=bytes(16)))
+    out("npz", "huge_dim", bytes([0]) + member(b"big", 2, [245, 0, 0, 0, 0, 0, 0, 1, 0, 1],
+                                               data=b"\1"))
+    out("npz", "bad_members", bytes([3]) + member(b"", 1, [1], data=bytes(4)) +
+        member(b"n" * 100, 1, [1], data=bytes(4)) + member(b"dt", 1, [1], dtype=6, dtype_byte=b"\x09") +
+        member(b"neg", 1, [251]))
+
 
 if __name__ == "__main__":
     main()
