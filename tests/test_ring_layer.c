@@ -79,7 +79,12 @@ check_grad(const char *what, const layer_case *c, const float *a, const float *b
         scale = fmax(scale, fabs((double)b[i]));
         worst = fmax(worst, fabs((double)a[i] - (double)b[i]));
     }
-    CHECK(worst <= TOL_GRAD_REL * scale && (scale > 0.0 || count == 0),
+    /* A zero reference proves nothing, except where zero is the exact answer: with one row
+     * (n = 1) each query sees one key, its probability is 1 whatever the score, so every gradient
+     * through the scores (dw_q, dw_k, db_q, db_k) is 0; the generic tier computes it exactly 0,
+     * the SIMD tiers as rounding noise. */
+    const int exact_zero = c->n == 1 && worst == 0.0;
+    CHECK(worst <= TOL_GRAD_REL * scale && (scale > 0.0 || count == 0 || exact_zero),
           "ring layer backward %s, P=%d rank %d, n=%lld h=%lld g=%lld rope=%d causal=%d "
           "layout=%d: max err %.3g > %.3g",
           what, g_size, g_rank, (long long)c->n, (long long)c->h, (long long)c->g, (int)c->rope,
