@@ -1410,6 +1410,21 @@ static const char *hf_dir(const char *name, const char *config, stb *b) {
     return dir;
 }
 
+/* A model directory g_dir/<prefix>_<i> holding only this config.json: mha_hf_layer_info_read
+ * refuses it as BAD_FILE with `want` in the message. */
+static void
+expect_config_refused(const char *prefix, size_t i, const char *config, const char *want) {
+    char name[64], file[96];
+    snprintf(name, sizeof name, "%s_%zu", prefix, i);
+    const char *dir = tpath(name);
+    CHECK(mkdir(dir, 0700) == 0, "mkdir %s: %s", dir, strerror(errno));
+    snprintf(file, sizeof file, "%s/config.json", name);
+    write_bytes(tpath(file), config, strlen(config));
+    mha_error err;
+    mha_hf_layer_info info;
+    CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE, want);
+}
+
 /* Row r of the layer's [rows, cols] matrix equals row src_row of the file's `src`, or (transposed)
  * its column src_row. */
 static int same_row(const float *w,
@@ -1649,18 +1664,10 @@ static void test_hf_json_policy(void) {
          "\"architectures\": [\"GPT2\\u0000LMHeadModel\"]}",
          "the value of \"architectures\" contains a NUL character"},
     };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        expect_config_refused("json", i, bad[i].config, bad[i].want);
     mha_error err;
     mha_hf_layer_info info;
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        char name[64], file[96];
-        snprintf(name, sizeof name, "json_%zu", i);
-        const char *dir = tpath(name);
-        CHECK(mkdir(dir, 0700) == 0, "mkdir");
-        snprintf(file, sizeof file, "%s/config.json", name);
-        write_bytes(tpath(file), bad[i].config, strlen(bad[i].config));
-        CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
-                   bad[i].want);
-    }
     /* The index: a tensor listed twice in weight_map. */
     const char *gpt2 = "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}";
     const char *index = "{\"weight_map\": {\"h.0.attn.c_attn.weight\": \"a.safetensors\", "
@@ -1701,18 +1708,8 @@ static void test_hf_float_range(void) {
     };
 #undef PHI3
 #undef GEMMA2
-    mha_error err;
-    mha_hf_layer_info info;
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        char name[64], file[96];
-        snprintf(name, sizeof name, "float_%zu", i);
-        const char *dir = tpath(name);
-        CHECK(mkdir(dir, 0700) == 0, "mkdir");
-        snprintf(file, sizeof file, "%s/config.json", name);
-        write_bytes(tpath(file), bad[i].config, strlen(bad[i].config));
-        CHECK_FAIL(mha_hf_layer_info_read(dir, 0, &info, &err), &err, MHA_STATUS_BAD_FILE,
-                   bad[i].want);
-    }
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        expect_config_refused("float", i, bad[i].config, bad[i].want);
 }
 
 /* mha__npz_write (cli/npz.c): a 0-d member (one element) with data == NULL dereferenced NULL
