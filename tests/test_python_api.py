@@ -996,9 +996,16 @@ def test_gil_is_released_by_the_fast_layer_forward(monkeypatch):
     rng = np.random.default_rng(19)
     layer = build(make_weights(rng, 128, 2, 64), 2)
     x = f32(rng, 1, 1024, 128)
+    calls = []
+
+    def call():
+        calls.append(1)
+        layer(x, impl="reference", threads=1)
+
     spy = FastSpy(monkeypatch)
-    assert_gil_released(lambda: layer(x, impl="reference", threads=1))
-    assert spy.hits == 2 and spy.declined == 0
+    assert_gil_released(call)
+    # Every call (one timing call, then one per attempt: 1 to 3) went through the fast path.
+    assert spy.hits == len(calls) >= 2 and spy.declined == 0
 
 
 def test_concurrent_forward_on_one_layer_is_consistent():

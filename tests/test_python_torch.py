@@ -438,13 +438,17 @@ def test_compiled_inference_forward_releases_the_gil(monkeypatch):
     m = mt.MultiheadAttention(128, 2, batch_first=True, threads=1).eval()
     x = torch.randn(1, 2048, 128)
 
+    calls = []
+
     def call():
+        calls.append(1)
         with torch.no_grad():  # grad mode is per thread
             m(x, x, x, need_weights=False)
 
     spy = FastSpy(monkeypatch)
     assert_gil_released(call)
-    assert spy.hits == 2
+    # Every call (one timing call, then one per attempt: 1 to 3) went through the fast path.
+    assert spy.hits == len(calls) >= 2
 
 
 # ------------------------------------------------------------------------------------------------
