@@ -61,12 +61,17 @@ class MaskTensor(C.Structure):
     _fields_ = [("data", C.c_void_p), ("dtype", C.c_int), ("ndim", i32), ("shape", i64 * 4)]
 
 
+class MaskFn(C.Structure):
+    _fields_ = [("visible", C.c_void_p), ("classify", C.c_void_p), ("ctx", C.c_void_p),
+                ("per_batch", i32), ("per_head", i32)]
+
+
 class Masking(C.Structure):
     _fields_ = [("causal", i32), ("alignment", C.c_int), ("align_offsets", P_i64),
                 ("window_left", i64), ("window_right", i64), ("use_window", i32),
                 ("bool_mask", MaskTensor), ("bool_mask_polarity", C.c_int),
                 ("additive_mask", MaskTensor), ("key_padding", MaskTensor),
-                ("q_segment_ids", P_i32), ("kv_segment_ids", P_i32)]
+                ("q_segment_ids", P_i32), ("kv_segment_ids", P_i32), ("mask_fn", MaskFn)]
 
 
 class Dropout(C.Structure):

@@ -149,6 +149,35 @@ typedef enum mha_mask_polarity {
     MHA_MASK_BLOCK = 1,
 } mha_mask_polarity;
 
+/** The class of a tile of rows x keys under a mask (mha_mask_fn.classify; the library's block
+ *  masks, docs/SEMANTICS.md "Block masks"). */
+typedef enum mha_tile_class {
+    MHA_TILE_HIDDEN = 0,  /* no row sees any key of the tile */
+    MHA_TILE_VISIBLE = 1, /* every row sees every key */
+    MHA_TILE_MIXED = 2,   /* anything else: asked per element */
+} mha_tile_class;
+
+/** A mask given as a function instead of an n x m tensor (prefix-LM, packed documents, trees:
+ *  docs/SEMANTICS.md "Mask functions"). The library evaluates it once per call to build its block
+ *  mask (a bit per score), so it costs no more than a tensor and skips what it hides. Both
+ *  functions must be pure (same answer for the same arguments, for the whole call, and for the
+ *  backward of that call) and may be called from several threads at once.
+ *    visible(ctx, b, h, i, j):  nonzero when query row i of batch row b, query head h may see key
+ *                               j (i < n, j < m: the call's own rows and keys).
+ *    classify (optional):       the class of rows [i0, i1) x keys [j0, j1) of (b, h); HIDDEN and
+ *                               VISIBLE must be exact (every element), MIXED is always allowed.
+ *                               visible() is then asked only inside MIXED tiles.
+ *  per_batch == 0: the answer does not depend on b (called with b = 0 only); per_head likewise
+ *  for h. It combines with every other rule (a key is visible only if all rules allow it). */
+typedef struct mha_mask_fn {
+    int32_t (*visible)(void *ctx, int64_t b, int64_t h, int64_t i, int64_t j);
+    mha_tile_class (*classify)(
+        void *ctx, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1);
+    void *ctx;
+    int32_t per_batch;
+    int32_t per_head;
+} mha_mask_fn;
+
 typedef struct mha_masking {
     int32_t causal;               /* nonzero: key j visible iff j <= i + delta */
     mha_alignment alignment;      /* how delta is chosen (also used by window and ALiBi) */
@@ -163,6 +192,7 @@ typedef struct mha_masking {
     mha_mask_tensor key_padding;  /* BOOL/U8/I32/I64 [B, m] or [m]; nonzero = real token */
     const int32_t *q_segment_ids; /* [B, n]: query i sees key j only if segments are equal */
     const int32_t *kv_segment_ids; /* [B, m]; both or neither */
+    mha_mask_fn mask_fn;           /* visible == NULL: none */
 } mha_masking;
 
 /** Dropout on the attention probabilities (training only). Element (b, h, i, j) is kept iff

@@ -76,6 +76,12 @@ class mha_mask_tensor(Structure):
                 ("shape", c_int64 * MAX_MASK_DIMS)]
 
 
+class mha_mask_fn(Structure):
+    """mha_mask_fn: a mask given as C functions (visible, optional classify); None = absent."""
+    _fields_ = [("visible", c_void_p), ("classify", c_void_p), ("ctx", c_void_p),
+                ("per_batch", c_int32), ("per_head", c_int32)]
+
+
 class mha_masking(Structure):
     _fields_ = [
         ("causal", c_int32), ("alignment", c_int), ("align_offsets", c_void_p),
@@ -83,6 +89,7 @@ class mha_masking(Structure):
         ("bool_mask", mha_mask_tensor), ("bool_mask_polarity", c_int),
         ("additive_mask", mha_mask_tensor), ("key_padding", mha_mask_tensor),
         ("q_segment_ids", c_void_p), ("kv_segment_ids", c_void_p),
+        ("mask_fn", mha_mask_fn),
     ]
 
 

@@ -90,6 +90,63 @@ typedef struct mha__mask_view {
     int64_t strides[4];
 } mha__mask_view;
 
+/* The block mask of a call (core/mask_map.c): every ELEMENT rule (bool mask, key padding, segment
+ * ids, an additive mask's -inf, the mask function) resolved once per call into a bit per score,
+ *   bit (j % 64) of vis[plane_b * b + plane_h * h + row_i * i + j / 64] = row i of (b, h) sees key j,
+ * with shared planes and rows wherever no rule varies along b, h or i (stride 0), so a [n, m]
+ * mask broadcast over batch and heads costs n m / 8 bytes once. need_bias (same offsets, a byte
+ * per 64 keys; NULL without an additive mask) is 1 where the additive mask is nonzero (and not
+ * -inf) for some key of the word: a tile whose words are all 0 there needs no bias. The causal and
+ * window bands stay rules (mha__flash_key_range): a tile's class is the band's AND the map's.
+ * Kernels read only this, never the element masks (the additive values excepted, in tiles whose
+ * need_bias says so), so a tile is hidden (skipped), visible (the unmasked kernel) or mixed (its
+ * bits) at the cost of a few words per row. */
+typedef struct mha__mask_map {
+    int64_t words; /* per row: ceil(m / 64) */
+    int64_t plane_b, plane_h, row_i; /* word offsets (0: shared along that dimension) */
+    uint64_t *vis;
+    uint8_t *need_bias;
+} mha__mask_map;
+
+/* Keys [j0, j0 + 64) of one row of the map as one word (bit t = key j0 + t; 0 past the row). */
+static inline uint64_t mha__map_word(const mha__mask_map *mm, int64_t at, int64_t j0) {
+    const int64_t k = j0 / 64;
+    const int sh = (int)(j0 % 64);
+    const uint64_t lo = k < mm->words ? mm->vis[at + k] : 0;
+    const uint64_t hi = sh && k + 1 < mm->words ? mm->vis[at + k + 1] : 0;
+    return sh ? (lo >> sh) | (hi << (64 - sh)) : lo;
+}
+
+/* The map's part of the class of keys [j0, j0 + nk) (nk <= 64 nwords) for row i of (b, h):
+ * w[0 .. nwords) comes in with the band's bits (causal / window, or all ones) and leaves ANDed
+ * with the map's; *bias is set (never cleared) when the additive mask must be added somewhere
+ * there. HIDDEN: no bit; VISIBLE: all nk bits. */
+static inline mha_tile_class mha__map_row_words(const mha__mask_map *mm,
+                                                int64_t b,
+                                                int64_t h,
+                                                int64_t i,
+                                                int64_t j0,
+                                                int nk,
+                                                int nwords,
+                                                uint64_t *w,
+                                                int *bias) {
+    const int64_t at = b * mm->plane_b + h * mm->plane_h + i * mm->row_i;
+    uint64_t any = 0;
+    int all = 1;
+    for (int k = 0; k < nwords; k++) {
+        const int rem = nk - 64 * k;
+        const uint64_t full = rem >= 64 ? ~(uint64_t)0 : rem > 0 ? (((uint64_t)1 << rem) - 1) : 0;
+        const uint64_t x = mha__map_word(mm, at, j0 + 64 * k) & w[k] & full;
+        w[k] = x;
+        any |= x;
+        all &= x == full;
+    }
+    if (mm->need_bias) /* the bytes of every word the keys touch */
+        for (int64_t k = j0 / 64; k <= (j0 + nk - 1) / 64 && k < mm->words; k++)
+            *bias |= mm->need_bias[at + k];
+    return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
+}
+
 /* The resolved attention problem. Tensors are [B, heads, L, d] with strides {b, head, row}. */
 typedef struct mha__problem {
     int64_t B, H, G, n, m, dk, dv;
@@ -117,6 +174,8 @@ typedef struct mha__problem {
     mha__mask_view additive;    /* F32 */
     mha__mask_view key_padding; /* strides over (b, -, -, j): only [0] and [3] used */
     const int32_t *q_seg, *kv_seg;
+    mha_mask_fn mask_fn;        /* visible == NULL: none */
+    const mha__mask_map *map;   /* NULL: no element rule (or not built: the reference) */
 
     float dropout_p;
     uint64_t dropout_seed;
@@ -163,7 +222,23 @@ static inline int mha__visible(const mha__problem *p, int64_t b, int64_t h, int6
     }
     if (p->q_seg && p->q_seg[b * p->n + i] != p->kv_seg[b * p->m + j])
         return 0;
+    if (p->additive.data) { /* -inf hides the key like a boolean rule (docs/SEMANTICS.md) */
+        const int64_t *s = p->additive.strides;
+        if (((const float *)p->additive.data)[b * s[0] + h * s[1] + i * s[2] + j * s[3]] ==
+            -INFINITY)
+            return 0;
+    }
+    if (p->mask_fn.visible &&
+        !p->mask_fn.visible(p->mask_fn.ctx, p->mask_fn.per_batch ? b : 0,
+                            p->mask_fn.per_head ? h : 0, i, j))
+        return 0;
     return 1;
+}
+
+/* Nonzero when the problem has an element rule (one the block mask holds). */
+static inline int mha__has_element_rules(const mha__problem *p) {
+    return p->bool_mask.data || p->key_padding.data || p->q_seg || p->additive.data ||
+           p->mask_fn.visible;
 }
 
 /* Additive bias on the (soft-capped) score: float mask + ALiBi. */

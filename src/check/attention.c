@@ -177,6 +177,11 @@ static mha_status check_masking(const mha_masking *mk,
                   "mask.q_segment_ids and mask.kv_segment_ids must be given together");
     p->q_seg = mk->q_segment_ids;
     p->kv_seg = mk->kv_segment_ids;
+    MHA_RETURN_IF(!mk->mask_fn.visible && (mk->mask_fn.classify || mk->mask_fn.ctx), err,
+                  INVALID_ARG, "mask.mask_fn has %s but no visible function",
+                  mk->mask_fn.classify ? "a classify function" : "a ctx");
+    p->mask_fn = mk->mask_fn;
+    p->map = NULL; /* built by the core (core/mask_map.c) when it runs a fast kernel */
     return MHA_STATUS_OK;
 }
 

@@ -6,6 +6,7 @@
 #include "base/internal.h"
 #include "check/check.h"
 #include "core/core.h"
+#include "core/mask_map.h"
 #include "kernels/registry.h"
 
 #include <stdlib.h>
@@ -15,27 +16,45 @@
 /* Implementation selection and running (kernels: dispatch.c, kernels/registry.def).            */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Workspace layout: [deltas: B int64][slopes: H float][per-thread kernel scratch]. */
+/* Workspace layout: [deltas: B int64][slopes: H float][block mask, when the kernel reads one]
+ * [per-thread kernel scratch]. */
 typedef struct ws_layout {
-    size_t delta_off, slope_off, scratch_off, scratch_stride, total;
+    size_t delta_off, slope_off, map_off, scratch_off, scratch_stride, total;
 } ws_layout;
 
-static mha_status core_layout(
-    const mha_attention_args *a, int n_threads, size_t scratch, ws_layout *l, mha_error *err) {
+static mha_status core_layout(const mha_attention_args *a,
+                              int n_threads,
+                              size_t map,
+                              size_t scratch,
+                              ws_layout *l,
+                              mha_error *err) {
     size_t deltas, slopes;
     MHA_RETURN_IF(!mha__bytes(a->batch, sizeof(int64_t), &deltas) ||
-                      !mha__bytes(a->num_heads, sizeof(float), &slopes) || scratch > SIZE_MAX - 64,
+                      !mha__bytes(a->num_heads, sizeof(float), &slopes) || scratch > SIZE_MAX - 64 ||
+                      map > SIZE_MAX / 4,
                   err, OVERFLOW, "workspace size overflows");
     l->delta_off = 0;
     l->slope_off = mha__align64(deltas);
-    l->scratch_off = l->slope_off + mha__align64(slopes);
+    l->map_off = l->slope_off + mha__align64(slopes);
+    l->scratch_off = l->map_off + mha__align64(map);
     l->scratch_stride = mha__align64(scratch);
     int64_t total;
-    MHA_RETURN_IF(l->scratch_stride > INT64_MAX ||
+    MHA_RETURN_IF(l->scratch_stride > INT64_MAX || l->scratch_off > INT64_MAX ||
                       !mha__mul_i64((int64_t)l->scratch_stride, n_threads, &total) ||
                       !mha__add_i64(total, (int64_t)l->scratch_off, &total),
                   err, OVERFLOW, "workspace size overflows");
     l->total = (size_t)total;
+    return MHA_STATUS_OK;
+}
+
+/* Bytes of the block mask kernel k reads for args (the reference reads the masks themselves). */
+static mha_status core_map_bytes(const mha_attention_args *a,
+                                 const mha__kernel_info *k,
+                                 size_t *bytes,
+                                 mha_error *err) {
+    *bytes = 0;
+    MHA_RETURN_IF(!k->reference && !mha__mask_map_bytes(a, bytes), err, OVERFLOW,
+                  "block mask size overflows");
     return MHA_STATUS_OK;
 }
 
@@ -116,8 +135,11 @@ mha_status mha__attention_workspace(const mha_attention_args *args,
     st = core_team(args, exec, &team, err);
     if (st)
         return st;
+    size_t map;
     ws_layout l;
-    st = core_layout(args, team.n, scratch, &l, err);
+    st = core_map_bytes(args, k, &map, err);
+    if (!st)
+        st = core_layout(args, team.n, map, scratch, &l, err);
     if (st)
         return st;
     MHA_RETURN_IF(!mha__workspace_bytes(l.total, bytes), err, OVERFLOW, "workspace size overflows");
@@ -196,8 +218,11 @@ mha_status mha__core_prepare(const mha_attention_args *args,
     if (st)
         return st;
     call->alloc = exec ? exec->allocator : NULL;
+    size_t map;
     ws_layout l;
-    st = core_layout(args, call->team.n, scratch, &l, err);
+    st = core_map_bytes(args, call->k, &map, err);
+    if (!st)
+        st = core_layout(args, call->team.n, map, scratch, &l, err);
     if (st)
         return st;
     char *ws;
@@ -206,6 +231,8 @@ mha_status mha__core_prepare(const mha_attention_args *args,
         return st;
     st = mha__check_attention(args, &call->p, (int64_t *)(ws + l.delta_off),
                               (float *)(ws + l.slope_off), err);
+    if (!st && map)
+        st = mha__mask_map_build(&call->p, ws + l.map_off, call->team, err);
     call->scratch = ws + l.scratch_off;
     call->stride = l.scratch_stride;
     if (st)

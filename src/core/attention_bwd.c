@@ -12,6 +12,7 @@
 #include "kernels/attention_bwd.h"
 #include "check/check.h"
 #include "core/core.h"
+#include "core/mask_map.h"
 #include "kernels/registry.h"
 
 #include <string.h>
@@ -64,9 +65,10 @@ choose(const mha_exec *exec, int forced, const mha__kernel_info **k, mha_error *
     return MHA_STATUS_OK;
 }
 
-/* Workspace: [deltas B int64][slopes H float][sink partials B*H float][team.n scratch]. */
+/* Workspace: [deltas B int64][slopes H float][sink partials B*H float][block mask, flash only]
+ * [team.n scratch]. */
 typedef struct bwd_layout {
-    size_t delta_off, slope_off, sink_off, scratch_off, stride, total;
+    size_t delta_off, slope_off, sink_off, map_off, map, scratch_off, stride, total;
 } bwd_layout;
 
 /* Everything checkable before any work: fills p (whose deltas/slopes point into `tmp_ws`, or
@@ -114,10 +116,14 @@ static mha_status validate(const mha_attention_args *a,
     const bool ok = (*k)->reference ? mha__attention_bwd_ref_scratch(&sz, &scratch)
                                     : mha__bwd_flash_scratch(&sz, &scratch);
     MHA_RETURN_IF(!ok || scratch > SIZE_MAX / 2, err, OVERFLOW, "backward scratch overflows");
+    l->map = 0;
+    MHA_RETURN_IF(!(*k)->reference && (!mha__mask_map_bytes(a, &l->map) || l->map > SIZE_MAX / 4),
+                  err, OVERFLOW, "block mask size overflows");
     l->delta_off = 0;
     l->slope_off = mha__align64(deltas);
     l->sink_off = l->slope_off + mha__align64(slopes);
-    l->scratch_off = l->sink_off + mha__align64(sinks);
+    l->map_off = l->sink_off + mha__align64(sinks);
+    l->scratch_off = l->map_off + mha__align64(l->map);
     l->stride = mha__align64(scratch);
     int64_t total;
     MHA_RETURN_IF(l->stride > INT64_MAX || l->scratch_off > INT64_MAX ||
@@ -181,6 +187,8 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
                               err);
     if (!st)
         st = mha__check_backward_grads(fwd, grads, &p, err);
+    if (!st && l.map)
+        st = mha__mask_map_build(&p, ws + l.map_off, team, err);
     if (!st) {
         mha__bwd_problem bp;
         memset(&bp, 0, sizeof bp);

@@ -18,6 +18,7 @@
 #include "base/internal.h"
 #include "check/check.h"
 #include "core/core.h"
+#include "core/mask_map.h"
 #include "kernels/flash_fwd.h"
 #include "kernels/gemm.h"
 
@@ -106,16 +107,18 @@ static void score_tile(const unit *u, int64_t i0, int rows, int64_t j0, int nk) 
     (void)st;
     /* Causal and window as the row's key range (the flash kernels' rule); the other boolean
      * rules and the bias per element only when the problem has them. */
-    const int rules = p->bool_mask.data || p->key_padding.data || p->q_seg;
+    const mha__mask_map *mm = p->map; /* the element rules, a bit per score */
     const int bias = p->additive.data || p->alibi_slopes;
     for (int r = 0; r < rows; r++) {
         float *s = u->s + (size_t)r * TK;
         const int64_t i = i0 + r;
+        const uint64_t *seen =
+            mm ? mm->vis + b * mm->plane_b + h * mm->plane_h + i * mm->row_i : NULL;
         int64_t lo, hi;
         mha__flash_key_range(p, b, i, &lo, &hi);
         for (int jj = 0; jj < nk; jj++) {
             const int64_t j = j0 + jj;
-            if (j < lo || j > hi || (rules && !mha__visible(p, b, h, i, j))) {
+            if (j < lo || j > hi || (seen && !((seen[j >> 6] >> (j & 63)) & 1))) {
                 s[jj] = -INFINITY;
                 continue;
             }
@@ -445,22 +448,28 @@ mha_status mha__attention_stats_run(const mha__problem *p,
     st = stats_layout_for(&c, err);
     if (st)
         return st;
-    /* One block: [received: B H m doubles][team.n per-thread blocks of c.stride bytes]. */
+    /* One block: [received: B H m doubles][block mask][team.n per-thread blocks of c.stride]. */
     c.stride = c.L.total;
-    size_t recv_bytes = 0, total;
+    size_t recv_bytes = 0, map_bytes = 0, total;
     int64_t all;
     const bool ok = (!(stats->received || stats->received_total) ||
                      mha__bytes(p->B * p->H * p->m, sizeof(double), &recv_bytes)) &&
-                    c.stride <= INT64_MAX && mha__mul_i64((int64_t)c.stride, team.n, &all) &&
+                    mha__mask_map_problem_bytes(p, &map_bytes) && c.stride <= INT64_MAX &&
+                    mha__mul_i64((int64_t)c.stride, team.n, &all) &&
                     mha__add_i64(all, (int64_t)mha__align64(recv_bytes), &all) &&
+                    mha__add_i64(all, (int64_t)mha__align64(map_bytes), &all) &&
                     mha__bytes(all, 1, &total);
     MHA_RETURN_IF(!ok, err, OVERFLOW, "statistics scratch size overflows");
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     char *block = mha__alloc(alloc, total);
     MHA_RETURN_IF(!block, err, NO_MEMORY, "cannot allocate %zu bytes of statistics scratch", total);
     c.received = recv_bytes ? (double *)block : NULL;
-    c.scratch = block + mha__align64(recv_bytes);
-    st = stats_run(&c, team, err);
+    mha__problem with_map = *p;
+    st = mha__mask_map_build(&with_map, block + mha__align64(recv_bytes), team, err);
+    c.p = &with_map;
+    c.scratch = block + mha__align64(recv_bytes) + mha__align64(map_bytes);
+    if (!st)
+        st = stats_run(&c, team, err);
     mha__free(alloc, block);
     if (st == MHA_STATUS_OK)
         mha__ok(err);

@@ -113,6 +113,7 @@ typedef struct block {
     int64_t ldo;
     int cached;
     uint8_t *state; /* per tile, when cached */
+    int need_bias;  /* the current tile's additive mask is not all 0 (build_vis) */
 } block;
 
 /* Bits [a, b] (lanes, clipped to [0, nk - 1]) set, others clear. */
@@ -141,57 +142,41 @@ static int bits_any(const uint64_t *w) {
     return x != 0;
 }
 
-/* Visibility bits of every row of the block for keys [j0, j0 + nk). Returns 0 when no row sees
- * any key of the tile (the tile is then skipped). */
-static int build_vis(const block *B, int64_t j0, int nk) {
+/* Visibility bits of every row of the block for keys [j0, j0 + nk): the causal / window band
+ * ANDed with the block mask (the element rules, base/internal.h). Returns the tile's class:
+ * HIDDEN (no row sees any key: skipped), VISIBLE (every row sees every key: the unmasked kernel)
+ * or MIXED (the bits); sets B->need_bias when the additive mask is not 0 somewhere in the tile. */
+static mha_tile_class build_vis(block *B, int64_t j0, int nk) {
     const mha__problem *p = B->p;
-    uint64_t kp[MHA_FLASH_WORDS];
-    if (p->key_padding.data) {
-        for (int k = 0; k < MHA_FLASH_WORDS; k++)
-            kp[k] = 0;
-        const int64_t base = B->b * p->key_padding.strides[0], s3 = p->key_padding.strides[3];
-        for (int j = 0; j < nk; j++)
-            if (mha__mask_nonzero(&p->key_padding, base + (j0 + j) * s3))
-                kp[j >> 6] |= (uint64_t)1 << (j & 63);
-        if (!bits_any(kp))
-            return 0;
-    }
-    const int head_dependent = p->bool_mask.data && p->bool_mask.strides[1] != 0;
-    uint64_t any = 0;
+    const mha__mask_map *mm = p->map;
+    const int nwords = (nk + 63) / 64;
+    const int head_dependent = mm && mm->plane_h != 0;
+    int any = 0, all = 1, bias = 0;
     for (int64_t r = 0; r < B->R; r++) {
         const int64_t hh = r / B->nq, ii = r % B->nq, i = B->i0 + ii, h = B->h0 + hh;
         uint64_t *w = B->vis + r * MHA_FLASH_WORDS;
-        if (hh > 0 && !head_dependent) {
+        if (hh > 0 && !head_dependent) { /* the rows of the first head, repeated */
             memcpy(w, B->vis + ii * MHA_FLASH_WORDS, sizeof(uint64_t) * MHA_FLASH_WORDS);
+            continue;
+        }
+        int64_t lo, hi;
+        mha__flash_key_range(p, B->b, i, &lo, &hi);
+        range_bits(w, lo - j0, hi - j0, nk);
+        mha_tile_class c;
+        if (mm) {
+            c = mha__map_row_words(mm, B->b, h, i, j0, nk, nwords, w, &bias);
         } else {
-            int64_t lo, hi;
-            mha__flash_key_range(p, B->b, i, &lo, &hi);
-            range_bits(w, lo - j0, hi - j0, nk);
-            if (p->key_padding.data)
-                for (int k = 0; k < MHA_FLASH_WORDS; k++)
-                    w[k] &= kp[k];
-            if (p->bool_mask.data) {
-                const int64_t *st = p->bool_mask.strides;
-                const int64_t base = B->b * st[0] + h * st[1] + i * st[2] + j0 * st[3];
-                const int attend = p->bool_polarity == MHA_MASK_ATTEND;
-                for (int j = 0; j < nk; j++) {
-                    const int nz = mha__mask_nonzero(&p->bool_mask, base + j * st[3]);
-                    if (attend ? !nz : nz)
-                        w[j >> 6] &= ~((uint64_t)1 << (j & 63));
-                }
-            }
-            if (p->q_seg) {
-                const int32_t qs = p->q_seg[B->b * p->n + i];
-                const int32_t *ks = p->kv_seg + B->b * p->m + j0;
-                for (int j = 0; j < nk; j++)
-                    if (ks[j] != qs)
-                        w[j >> 6] &= ~((uint64_t)1 << (j & 63));
+            c = bits_any(w) ? MHA_TILE_VISIBLE : MHA_TILE_HIDDEN;
+            for (int k = 0; k < nwords; k++) {
+                const int rem = nk - 64 * k;
+                all &= w[k] == (rem >= 64 ? ~(uint64_t)0 : (((uint64_t)1 << rem) - 1));
             }
         }
-        for (int k = 0; k < MHA_FLASH_WORDS; k++)
-            any |= w[k];
+        any |= c != MHA_TILE_HIDDEN;
+        all &= c == MHA_TILE_VISIBLE;
     }
-    return any != 0;
+    B->need_bias = bias;
+    return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
 }
 
 /* bias[r][j] = additive mask + ALiBi, the same float operations as mha__score_bias. */
@@ -202,7 +187,7 @@ static void build_bias(const block *B, int64_t j0, int nk) {
         float *br = B->bias + r * B->bk;
         const float *add = NULL;
         int64_t s3 = 0;
-        if (p->additive.data) {
+        if (p->additive.data && B->need_bias) {
             const int64_t *st = p->additive.strides;
             add =
                 (const float *)p->additive.data + B->b * st[0] + h * st[1] + i * st[2] + j0 * st[3];
@@ -325,7 +310,7 @@ static void softmax_args(const block *B, int64_t j0, int nk, int vis, mha__flash
     a->nk = nk;
     a->scale = p->scale;
     a->softcap = p->softcap;
-    if (p->additive.data || p->alibi_slopes) {
+    if ((p->additive.data && B->need_bias) || p->alibi_slopes) {
         build_bias(B, j0, nk);
         a->bias = B->bias;
         a->ldb = B->bk;
@@ -374,7 +359,7 @@ static void finalize(const block *B) {
 
 /* Second pass when probabilities are requested: P = exp(x - mu) / l per tile, recomputed from
  * the scores with the final max and sum (nothing n x m is kept between passes). */
-static void probs_pass(const block *B, int64_t tlo, int64_t thi) {
+static void probs_pass(block *B, int64_t tlo, int64_t thi) {
     const mha__problem *p = B->p;
     const int64_t ntiles = (p->m + B->bk - 1) / B->bk;
     const float inv_h = 1.0f / (float)p->H;
@@ -382,7 +367,7 @@ static void probs_pass(const block *B, int64_t tlo, int64_t thi) {
         const int64_t j0 = t * B->bk;
         const int nk = (int)(p->m - j0 < B->bk ? p->m - j0 : B->bk);
         int computed = 0;
-        if (t >= tlo && t <= thi && build_vis(B, j0, nk)) {
+        if (t >= tlo && t <= thi && build_vis(B, j0, nk) != MHA_TILE_HIDDEN) {
             mha__flash_softmax a;
             scores(B, j0, nk);
             softmax_args(B, j0, nk, 1, &a);
@@ -446,6 +431,7 @@ static void unfold(const block *B) {
 
 static void run_block(block *B) {
     const mha__problem *p = B->p;
+    MHA_ASSERT(p->map || !mha__has_element_rules(p)); /* the core builds it (core/mask_map.c) */
     const mha__flash_ops *ops = B->ops;
     for (int64_t r = 0; r < B->R; r++) {
         const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
@@ -470,7 +456,8 @@ static void run_block(block *B) {
     mha__flash_key_range(p, B->b, B->i0 + B->nq - 1, &lo1, &hi1);
     /* Tiles [tlo, thi] meet the band of some row; the others are never read. */
     const int64_t tlo = lo0 / B->bk, thi = lo0 <= hi1 ? hi1 / B->bk : -1;
-    const int elem_masks = p->bool_mask.data || p->key_padding.data || p->q_seg;
+    const int elem_masks = p->map != NULL;
+    B->need_bias = 0;
     const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
 
     for (int64_t t = tlo; t <= thi; t++) {
@@ -479,9 +466,13 @@ static void run_block(block *B) {
         /* Every row sees every key of the tile through causal/window when the latest lower
          * bound and the earliest upper bound enclose it. */
         const int interior = lo1 <= j0 && hi0 >= j0 + nk - 1;
-        const int vis = elem_masks || !interior;
-        if (vis && !build_vis(B, j0, nk))
-            continue;
+        int vis = elem_masks || !interior;
+        if (vis) {
+            const mha_tile_class c = build_vis(B, j0, nk);
+            if (c == MHA_TILE_HIDDEN)
+                continue;
+            vis = c == MHA_TILE_MIXED;
+        }
         mha__flash_softmax a;
         if (t < thi)
             prefetch_tile(B, j0 + B->bk, !B->cached || !(B->state[t + 1] & TILE_PACKED));

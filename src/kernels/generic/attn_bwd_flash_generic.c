@@ -90,7 +90,7 @@ typedef struct bwd_unit {
     int64_t b, g;
     float *Drow, *dQ, *Qp, *dOp, *Kr, *Kt, *Vt, *dKa, *dVa, *S, *dP, *T;
     const float *lse_b; /* [H, n] of batch b */
-    int elem_rules, has_bias;
+    int has_bias;
     float keep_scale;
 } bwd_unit;
 
@@ -147,13 +147,49 @@ static int load_key_tile(const bwd_unit *u, int64_t j0, int64_t nk) {
     return k_finite;
 }
 
+/* Visibility of rows [i0, i0 + R) of head h against keys [j0, j0 + nk) (nk <= BK = 64: one word
+ * per row): the causal / window band ANDed with the block mask. Returns the block's class; *bias
+ * is set when the additive mask is not 0 somewhere in it. */
+static mha_tile_class block_vis(const bwd_unit *u,
+                                int64_t h,
+                                int64_t i0,
+                                int64_t R,
+                                int64_t j0,
+                                int64_t nk,
+                                uint64_t *vis,
+                                int *bias) {
+    const mha__problem *p = u->p;
+    const uint64_t full = nk == 64 ? ~(uint64_t)0 : (((uint64_t)1 << nk) - 1);
+    int any = 0, all = 1;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t lo, hi;
+        key_range(p, u->b, i0 + r, &lo, &hi);
+        lo = lo > j0 ? lo - j0 : 0;
+        hi = hi < j0 + nk - 1 ? hi - j0 : nk - 1;
+        vis[r] = lo > hi ? 0 : (~(uint64_t)0 >> (63 - (hi - lo))) << lo;
+        mha_tile_class c = vis[r] == full ? MHA_TILE_VISIBLE : vis[r] ? MHA_TILE_MIXED
+                                                                      : MHA_TILE_HIDDEN;
+        if (p->map)
+            c = mha__map_row_words(p->map, u->b, h, i0 + r, j0, (int)nk, 1, &vis[r], bias);
+        any |= c != MHA_TILE_HIDDEN;
+        all &= c == MHA_TILE_VISIBLE;
+    }
+    return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
+}
+
 /* Rows [i0, i0 + R) of head h (hh in the group) against the tile: S = Q K^T (forward: dot +=
  * q[d] * k[d]), then P = exp(s - lse) with the forward's score pipeline: scale, softcap, bias,
  * -inf where invisible; T = d s / d r (softcap derivative, only with softcap). `whole`: every row
  * sees the whole tile and no per-element rule or modifier applies, so a plain (vectorisable) loop
  * does it. */
-static void block_probs(
-    const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t j0, int64_t nk, int whole) {
+static void block_probs(const bwd_unit *u,
+                        int64_t hh,
+                        int64_t i0,
+                        int64_t R,
+                        int64_t j0,
+                        int64_t nk,
+                        int whole,
+                        const uint64_t *vis) {
     const mha__problem *p = u->p;
     const int64_t n = p->n, dk = p->dk, BK = MHA__BWD_BK, h = u->g * p->group + hh;
     memset(u->S, 0, sizeof(float) * (size_t)(R * BK));
@@ -168,8 +204,6 @@ static void block_probs(
             continue;
         }
         if (!whole) {
-            int64_t lo, hi;
-            key_range(p, u->b, i, &lo, &hi);
             for (int64_t c = 0; c < nk; c++) {
                 const int64_t j = j0 + c;
                 float x = p->scale * srow[c];
@@ -180,7 +214,7 @@ static void block_probs(
                 }
                 if (u->has_bias)
                     x += mha__score_bias(p, u->b, h, i, j);
-                if (j < lo || j > hi || (u->elem_rules && !mha__visible(p, u->b, h, i, j)))
+                if (!((vis[r] >> c) & 1))
                     x = -INFINITY;
                 srow[c] = x;
             }
@@ -285,10 +319,10 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
         .dP = (float *)(ws + L.dp),
         .T = (float *)(ws + L.tp),
         .lse_b = p->lse + b * p->H * n,
-        .elem_rules = p->bool_mask.data || p->key_padding.data || p->q_seg,
         .has_bias = p->additive.data || p->alibi_slopes,
         .keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f,
     };
+    MHA_ASSERT(p->map || !mha__has_element_rules(p)); /* the core builds it (core/mask_map.c) */
     unit_rows(&u);
 
     /* Pass 2: key tiles; each row block that can see the tile adds its share. */
@@ -304,9 +338,14 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                 key_range(p, b, i0 + R - 1, &lo1, &hi1);
                 if (hi1 < j0 || lo0 > j0 + nk - 1 || lo0 > hi1)
                     continue;
-                const int whole = !u.elem_rules && !u.has_bias && p->softcap == 0.0f &&
-                                  hi0 >= j0 + nk - 1 && lo1 <= j0;
-                block_probs(&u, hh, i0, R, j0, nk, whole);
+                uint64_t vis[MHA__BWD_BQ];
+                int bias = 0;
+                const mha_tile_class c = block_vis(&u, g * group + hh, i0, R, j0, nk, vis, &bias);
+                if (c == MHA_TILE_HIDDEN)
+                    continue;
+                const int whole = c == MHA_TILE_VISIBLE && !bias && !p->alibi_slopes &&
+                                  p->softcap == 0.0f;
+                block_probs(&u, hh, i0, R, j0, nk, whole, vis);
                 block_dscores(&u, hh, i0, R, j0, nk);
                 block_accumulate(&u, hh, i0, R, nk, k_finite);
             }
