@@ -92,29 +92,55 @@ typedef struct mha__mask_view {
 
 /* The block mask of a call (core/mask_map.c): every ELEMENT rule (bool mask, key padding, segment
  * ids, an additive mask's -inf, the mask function) resolved once per call into a bit per score,
- *   bit (j % 64) of vis[plane_b * b + plane_h * h + row_i * i + j / 64] = row i of (b, h) sees key j,
+ *   bit (j % 64) of vis[b plane_b + h plane_h + i row_i + (j / 64) word_k] = row i of (b, h) sees
+ *   key j,
  * with shared planes and rows wherever no rule varies along b, h or i (stride 0), so a [n, m]
- * mask broadcast over batch and heads costs n m / 8 bytes once. need_bias (same offsets, a byte
- * per 64 keys; NULL without an additive mask) is 1 where the additive mask is nonzero (and not
- * -inf) for some key of the word: a tile whose words are all 0 there needs no bias. The causal and
- * window bands stay rules (mha__flash_key_range): a tile's class is the band's AND the map's.
+ * mask broadcast over batch and heads costs n m / 8 bytes once. Words are stored column-major in
+ * a plane (row_i = 1, word_k = rows): the 64 rows of a tile against one word of keys are 512
+ * contiguous bytes, 8 cache lines, where a row-major map would touch 64. need_bias (same offsets,
+ * a byte per 64 keys; NULL without an additive mask) is 1 where the additive mask is nonzero (and
+ * not -inf) for some key of the word: a tile whose words are all 0 there needs no bias. The causal
+ * and window bands stay rules (mha__flash_key_range): a tile's class is the band's AND the map's.
  * Kernels read only this, never the element masks (the additive values excepted, in tiles whose
  * need_bias says so), so a tile is hidden (skipped), visible (the unmasked kernel) or mixed (its
- * bits) at the cost of a few words per row. */
+ * bits) at the cost of a word per row. */
 typedef struct mha__mask_map {
-    int64_t words; /* per row: ceil(m / 64) */
-    int64_t plane_b, plane_h, row_i; /* word offsets (0: shared along that dimension) */
+    int64_t words;                           /* per row: ceil(m / 64) */
+    int64_t plane_b, plane_h, row_i, word_k; /* element offsets (0: shared along that dimension) */
     uint64_t *vis;
     uint8_t *need_bias;
+    int64_t *span; /* per map row: first and last key it sees (first > last: none), at
+                      2 (b span_b + h span_h + i span_i): a unit's tiles outside every row's span
+                      are never visited */
+    int64_t span_b, span_h, span_i;
 } mha__mask_map;
 
-/* Keys [j0, j0 + 64) of one row of the map as one word (bit t = key j0 + t; 0 past the row). */
+/* The span of row i of (b, h) in the map: [*lo, *hi], empty when *lo > *hi. */
+static inline void
+mha__map_span(const mha__mask_map *mm, int64_t b, int64_t h, int64_t i, int64_t *lo, int64_t *hi) {
+    const int64_t row = b * mm->span_b + h * mm->span_h + i * mm->span_i;
+    *lo = mm->span[2 * row];
+    *hi = mm->span[2 * row + 1];
+}
+
+/* The offset of row i of (b, h) (its word 0). */
+static inline int64_t mha__map_at(const mha__mask_map *mm, int64_t b, int64_t h, int64_t i) {
+    return b * mm->plane_b + h * mm->plane_h + i * mm->row_i;
+}
+
+/* Keys [j0, j0 + 64) of the map row at `at` as one word (bit t = key j0 + t; 0 past the row). */
 static inline uint64_t mha__map_word(const mha__mask_map *mm, int64_t at, int64_t j0) {
     const int64_t k = j0 / 64;
     const int sh = (int)(j0 % 64);
-    const uint64_t lo = k < mm->words ? mm->vis[at + k] : 0;
-    const uint64_t hi = sh && k + 1 < mm->words ? mm->vis[at + k + 1] : 0;
+    const uint64_t lo = k < mm->words ? mm->vis[at + k * mm->word_k] : 0;
+    const uint64_t hi = sh && k + 1 < mm->words ? mm->vis[at + (k + 1) * mm->word_k] : 0;
     return sh ? (lo >> sh) | (hi << (64 - sh)) : lo;
+}
+
+/* need_bias of the words that keys [j0, j0 + nk) of the map row at `at` touch. */
+static inline int mha__map_bias(const mha__mask_map *mm, int64_t at, int64_t j0, int nk) {
+    return mm->need_bias[at + (j0 / 64) * mm->word_k] |
+           mm->need_bias[at + ((j0 + nk - 1) / 64) * mm->word_k];
 }
 
 /* The map's part of the class of keys [j0, j0 + nk) (nk <= 64 nwords) for row i of (b, h):
@@ -130,7 +156,7 @@ static inline mha_tile_class mha__map_row_words(const mha__mask_map *mm,
                                                 int nwords,
                                                 uint64_t *w,
                                                 int *bias) {
-    const int64_t at = b * mm->plane_b + h * mm->plane_h + i * mm->row_i;
+    const int64_t at = mha__map_at(mm, b, h, i);
     uint64_t any = 0;
     int all = 1;
     for (int k = 0; k < nwords; k++) {
@@ -140,10 +166,9 @@ static inline mha_tile_class mha__map_row_words(const mha__mask_map *mm,
         w[k] = x;
         any |= x;
         all &= x == full;
+        if (mm->need_bias && rem > 0)
+            *bias |= mha__map_bias(mm, at, j0 + 64 * k, rem < 64 ? rem : 64);
     }
-    if (mm->need_bias) /* the bytes of every word the keys touch */
-        for (int64_t k = j0 / 64; k <= (j0 + nk - 1) / 64 && k < mm->words; k++)
-            *bias |= mm->need_bias[at + k];
     return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
 }
 
@@ -174,8 +199,8 @@ typedef struct mha__problem {
     mha__mask_view additive;    /* F32 */
     mha__mask_view key_padding; /* strides over (b, -, -, j): only [0] and [3] used */
     const int32_t *q_seg, *kv_seg;
-    mha_mask_fn mask_fn;        /* visible == NULL: none */
-    const mha__mask_map *map;   /* NULL: no element rule (or not built: the reference) */
+    mha_mask_fn mask_fn;      /* visible == NULL: none */
+    const mha__mask_map *map; /* NULL: no element rule (or not built: the reference) */
 
     float dropout_p;
     uint64_t dropout_seed;
@@ -228,9 +253,8 @@ static inline int mha__visible(const mha__problem *p, int64_t b, int64_t h, int6
             -INFINITY)
             return 0;
     }
-    if (p->mask_fn.visible &&
-        !p->mask_fn.visible(p->mask_fn.ctx, p->mask_fn.per_batch ? b : 0,
-                            p->mask_fn.per_head ? h : 0, i, j))
+    if (p->mask_fn.visible && !p->mask_fn.visible(p->mask_fn.ctx, p->mask_fn.per_batch ? b : 0,
+                                                  p->mask_fn.per_head ? h : 0, i, j))
         return 0;
     return 1;
 }

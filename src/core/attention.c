@@ -30,8 +30,8 @@ static mha_status core_layout(const mha_attention_args *a,
                               mha_error *err) {
     size_t deltas, slopes;
     MHA_RETURN_IF(!mha__bytes(a->batch, sizeof(int64_t), &deltas) ||
-                      !mha__bytes(a->num_heads, sizeof(float), &slopes) || scratch > SIZE_MAX - 64 ||
-                      map > SIZE_MAX / 4,
+                      !mha__bytes(a->num_heads, sizeof(float), &slopes) ||
+                      scratch > SIZE_MAX - 64 || map > SIZE_MAX / 4,
                   err, OVERFLOW, "workspace size overflows");
     l->delta_off = 0;
     l->slope_off = mha__align64(deltas);

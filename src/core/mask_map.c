@@ -3,7 +3,8 @@
  * element rule so that the kernels classify a tile by reading a few words per row.
  *
  * Layout (in the memory the caller sizes with mha__mask_map_bytes):
- *   [mha__mask_map header, 64 B][vis: planes x rows x words uint64][need_bias: same count, bytes]
+ *   [mha__mask_map header][vis: planes x rows x words uint64][need_bias: the same count of bytes]
+ *   [span: 2 int64 per row]
  * planes = (B if a rule varies along b, else 1) x (H if one varies along h, else 1), rows = n if
  * a rule varies along the query row, else 1. A rule varies along a dimension when its tensor is
  * not broadcast there (segment ids vary along b and i; key padding along b; a mask function along
@@ -18,6 +19,7 @@
 #include <string.h>
 
 #define MAP_TILE_ROWS 64 /* rows per classify() call and per parallel unit */
+#define MAP_HEADER    mha__align64(sizeof(mha__mask_map))
 
 typedef struct map_dims {
     int vary_b, vary_h, vary_i;
@@ -69,8 +71,8 @@ static void dims_from_problem(const mha__problem *p, map_dims *d) {
 }
 
 /* Counts and bytes for dims d of a (B, H, n, m) problem; false on overflow. */
-static bool dims_size(map_dims *d, int64_t B, int64_t H, int64_t n, int64_t m, int additive,
-                      size_t *bytes) {
+static bool
+dims_size(map_dims *d, int64_t B, int64_t H, int64_t n, int64_t m, int additive, size_t *bytes) {
     int64_t count;
     size_t vis, bias = 0;
     d->words = (m + 63) / 64;
@@ -81,7 +83,7 @@ static bool dims_size(map_dims *d, int64_t B, int64_t H, int64_t n, int64_t m, i
         return false;
     if (vis > SIZE_MAX / 2 || bias > SIZE_MAX / 4)
         return false;
-    *bytes = 64 + mha__align64(vis) + mha__align64(bias);
+    *bytes = MAP_HEADER + mha__align64(vis) + mha__align64(bias) + mha__align64(vis / d->words * 2);
     return true;
 }
 
@@ -108,39 +110,52 @@ bool mha__mask_map_bytes(const mha_attention_args *a, size_t *bytes) {
 /* Building.                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Bits j < nk: element off + j s3 of an integer mask is nonzero. */
-static uint64_t nonzero_bits(const mha__mask_view *v, int64_t off, int64_t s3, int nk) {
+/* Bit t of the result = byte t of flags (each 0 or 1), t < nk: eight bytes at a time, the
+ * multiply gathering byte t's low bit into bit 56 + t. */
+static uint64_t pack_flags(const uint8_t *flags, int nk) {
     uint64_t bits = 0;
+    for (int t = 0; t < nk; t += 8) {
+        uint64_t x = 0;
+        memcpy(&x, flags + t, 8); /* flags holds 64 bytes; bytes past nk are 0 */
+        bits |= ((x * 0x0102040810204080ull) >> 56) << t;
+    }
+    return bits;
+}
+
+/* Bits j < nk: element off + j s3 of an integer mask is nonzero. The byte flags first (a loop
+ * the compiler vectorises), then packed. */
+static uint64_t nonzero_bits(const mha__mask_view *v, int64_t off, int64_t s3, int nk) {
+    uint8_t flags[64] = {0};
     switch (v->dtype) {
     case MHA_DTYPE_BOOL:
     case MHA_DTYPE_U8: {
         const uint8_t *x = (const uint8_t *)v->data + off;
         for (int j = 0; j < nk; j++)
-            bits |= (uint64_t)(x[j * s3] != 0) << j;
+            flags[j] = x[j * s3] != 0;
         break;
     }
     case MHA_DTYPE_I32: {
         const int32_t *x = (const int32_t *)v->data + off;
         for (int j = 0; j < nk; j++)
-            bits |= (uint64_t)(x[j * s3] != 0) << j;
+            flags[j] = x[j * s3] != 0;
         break;
     }
     case MHA_DTYPE_I64: {
         const int64_t *x = (const int64_t *)v->data + off;
         for (int j = 0; j < nk; j++)
-            bits |= (uint64_t)(x[j * s3] != 0) << j;
+            flags[j] = x[j * s3] != 0;
         break;
     }
     default:
         break;
     }
-    return bits;
+    return pack_flags(flags, nk);
 }
 
 /* Keys j0 .. j0 + nk - 1 of row i of (b, h) under the tensor rules: the visible bits, and in
  * *bias whether the additive mask needs adding there (a value other than +-0 and -inf). */
-static uint64_t tensor_bits(const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t j0,
-                            int nk, uint8_t *bias) {
+static uint64_t tensor_bits(
+    const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t j0, int nk, uint8_t *bias) {
     uint64_t bits = nk == 64 ? ~(uint64_t)0 : (((uint64_t)1 << nk) - 1);
     if (p->bool_mask.data) {
         const int64_t *s = p->bool_mask.strides;
@@ -154,24 +169,25 @@ static uint64_t tensor_bits(const mha__problem *p, int64_t b, int64_t h, int64_t
     }
     if (p->q_seg) {
         const int32_t qs = p->q_seg[b * p->n + i], *ks = p->kv_seg + b * p->m + j0;
-        uint64_t eq = 0;
+        uint8_t eq[64] = {0};
         for (int j = 0; j < nk; j++)
-            eq |= (uint64_t)(ks[j] == qs) << j;
-        bits &= eq;
+            eq[j] = ks[j] == qs;
+        bits &= pack_flags(eq, nk);
     }
     *bias = 0;
     if (p->additive.data) {
         const int64_t *s = p->additive.strides;
-        const float *x = (const float *)p->additive.data + b * s[0] + h * s[1] + i * s[2] +
-                         j0 * s[3];
-        uint64_t hidden = 0;
-        uint8_t any = 0;
+        const float *x =
+            (const float *)p->additive.data + b * s[0] + h * s[1] + i * s[2] + j0 * s[3];
+        uint8_t hidden[64] = {0}, add[64] = {0}, any = 0;
         for (int j = 0; j < nk; j++) {
             const float v = x[j * s[3]];
-            hidden |= (uint64_t)(v == -INFINITY) << j;
-            any |= v != 0.0f && v != -INFINITY; /* NaN and +inf need adding too */
+            hidden[j] = v == -INFINITY;
+            add[j] = v != 0.0f && v != -INFINITY; /* NaN and +inf need adding too */
         }
-        bits &= ~hidden;
+        for (int j = 0; j < nk; j++)
+            any |= add[j];
+        bits &= ~pack_flags(hidden, nk);
         *bias = any;
     }
     return bits;
@@ -179,7 +195,12 @@ static uint64_t tensor_bits(const mha__problem *p, int64_t b, int64_t h, int64_t
 
 /* The mask function's bits for keys j0 .. j0 + nk - 1 of row i, under the tile class cls of the
  * 64 x 64 tile holding them. */
-static uint64_t fn_bits(const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t j0, int nk,
+static uint64_t fn_bits(const mha__problem *p,
+                        int64_t b,
+                        int64_t h,
+                        int64_t i,
+                        int64_t j0,
+                        int nk,
                         mha_tile_class cls) {
     if (cls == MHA_TILE_HIDDEN)
         return 0;
@@ -198,6 +219,25 @@ typedef struct build_job {
     int64_t row_blocks; /* per plane */
 } build_job;
 
+/* The span of row i of (b, h): the first and last set bit of its words. */
+static void row_span(mha__mask_map *mm, int64_t b, int64_t h, int64_t i) {
+    const int64_t at = mha__map_at(mm, b, h, i),
+                  row = b * mm->span_b + h * mm->span_h + i * mm->span_i;
+    int64_t first = 1, last = 0;
+    for (int64_t k = 0; k < mm->words; k++)
+        if (mm->vis[at + k * mm->word_k]) {
+            first = 64 * k + __builtin_ctzll(mm->vis[at + k * mm->word_k]);
+            break;
+        }
+    for (int64_t k = mm->words - 1; k >= 0; k--)
+        if (mm->vis[at + k * mm->word_k]) {
+            last = 64 * k + 63 - __builtin_clzll(mm->vis[at + k * mm->word_k]);
+            break;
+        }
+    mm->span[2 * row] = first;
+    mm->span[2 * row + 1] = last;
+}
+
 /* Rows [i0, i1) of plane (b, h): the representative b, h (0 where shared) are the ones the rules
  * and the mask function are read at. */
 static void build_rows(const build_job *job, int64_t b, int64_t h, int64_t i0, int64_t i1) {
@@ -214,7 +254,7 @@ static void build_rows(const build_job *job, int64_t b, int64_t h, int64_t i0, i
                 cls = MHA_TILE_MIXED; /* anything else is read as "ask per element" */
         }
         for (int64_t i = i0; i < i1; i++) {
-            const int64_t at = b * mm->plane_b + h * mm->plane_h + i * mm->row_i + k;
+            const int64_t at = mha__map_at(mm, b, h, i) + k * mm->word_k;
             uint8_t bias;
             uint64_t bits = tensor_bits(p, b, h, i, j0, nk, &bias);
             if (fn && bits)
@@ -224,6 +264,8 @@ static void build_rows(const build_job *job, int64_t b, int64_t h, int64_t i0, i
                 mm->need_bias[at] = bias;
         }
     }
+    for (int64_t i = i0; i < i1; i++)
+        row_span(mm, b, h, i);
 }
 
 static void build_range(void *ctx, int part, int64_t begin, int64_t end) {
@@ -246,18 +288,23 @@ mha_status mha__mask_map_build(mha__problem *p, void *mem, mha__team team, mha_e
     build_job job = {.p = p};
     size_t bytes;
     dims_from_problem(p, &job.d);
-    MHA_RETURN_IF(!dims_size(&job.d, p->B, p->H, p->n, p->m, p->additive.data != NULL, &bytes),
-                  err, OVERFLOW, "block mask size overflows");
+    MHA_RETURN_IF(!dims_size(&job.d, p->B, p->H, p->n, p->m, p->additive.data != NULL, &bytes), err,
+                  OVERFLOW, "block mask size overflows");
     mha__mask_map *mm = mem;
     const int64_t count = job.d.planes * job.d.rows * job.d.words;
+    /* Column-major planes: word k of row i at i + k rows (internal.h). */
     mm->words = job.d.words;
-    mm->row_i = job.d.vary_i ? mm->words : 0;
+    mm->row_i = job.d.vary_i ? 1 : 0;
+    mm->word_k = job.d.rows;
     mm->plane_h = job.d.vary_h ? job.d.rows * mm->words : 0;
     mm->plane_b = job.d.vary_b ? (job.d.vary_h ? p->H : 1) * job.d.rows * mm->words : 0;
-    mm->vis = (uint64_t *)((char *)mem + 64);
-    mm->need_bias = p->additive.data
-                        ? (uint8_t *)((char *)mm->vis + mha__align64(sizeof(uint64_t) * count))
-                        : NULL;
+    mm->span_i = mm->row_i;
+    mm->span_h = job.d.vary_h ? job.d.rows : 0;
+    mm->span_b = job.d.vary_b ? (job.d.vary_h ? p->H : 1) * job.d.rows : 0;
+    mm->vis = (uint64_t *)((char *)mem + MAP_HEADER);
+    char *after_vis = (char *)mm->vis + mha__align64(sizeof(uint64_t) * (size_t)count);
+    mm->need_bias = p->additive.data ? (uint8_t *)after_vis : NULL;
+    mm->span = (int64_t *)(after_vis + (p->additive.data ? mha__align64((size_t)count) : 0));
     job.mm = mm;
     job.row_blocks = (job.d.rows + MAP_TILE_ROWS - 1) / MAP_TILE_ROWS;
     /* ~m element reads per row: a thread per 2^16 rows' worth of reads at least. */

@@ -112,13 +112,13 @@ static void score_tile(const unit *u, int64_t i0, int rows, int64_t j0, int nk) 
     for (int r = 0; r < rows; r++) {
         float *s = u->s + (size_t)r * TK;
         const int64_t i = i0 + r;
-        const uint64_t *seen =
-            mm ? mm->vis + b * mm->plane_b + h * mm->plane_h + i * mm->row_i : NULL;
+        const int64_t at = mm ? mha__map_at(mm, b, h, i) : 0;
         int64_t lo, hi;
         mha__flash_key_range(p, b, i, &lo, &hi);
         for (int jj = 0; jj < nk; jj++) {
             const int64_t j = j0 + jj;
-            if (j < lo || j > hi || (seen && !((seen[j >> 6] >> (j & 63)) & 1))) {
+            if (j < lo || j > hi ||
+                (mm && !((mm->vis[at + (j >> 6) * mm->word_k] >> (j & 63)) & 1))) {
                 s[jj] = -INFINITY;
                 continue;
             }

@@ -161,7 +161,9 @@ static double unit_cost(const unit_space *us, const mha__fwd_unit *u) {
     const double rows = (double)(u->h1 - u->h0) * (double)(u->i1 - u->i0);
     if (us->k->reference)
         return rows * (double)us->p->m;
-    return rows * (double)(mha__flash_visible_tiles(us->p, u->b, u->i0, u->i1, us->k->bk) + 1);
+    return rows *
+           (double)(mha__flash_visible_tiles(us->p, u->b, u->h0, u->h1, u->i0, u->i1, us->k->bk) +
+                    1);
 }
 
 /* Part t runs the units whose cost midpoint falls in its share [t/T, (t+1)/T) of the total:

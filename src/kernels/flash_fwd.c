@@ -86,14 +86,40 @@ bool mha__flash_scratch_bytes(int bq, int bk, int64_t dk, int64_t dv, int64_t m,
     return true;
 }
 
-int64_t mha__flash_visible_tiles(const mha__problem *p, int64_t b, int64_t i0, int64_t i1, int bk) {
-    int64_t lo, hi, lo1, hi1;
-    mha__flash_key_range(p, b, i0, &lo, &hi);
-    mha__flash_key_range(p, b, i1 - 1, &lo1, &hi1);
-    /* lo and hi grow with i, so the block's union is [lo(i0), hi(i1 - 1)]. */
-    if (lo > hi1)
-        return 0;
-    return hi1 / bk - lo / bk + 1;
+void mha__flash_unit_keys(const mha__problem *p,
+                          int64_t b,
+                          int64_t h0,
+                          int64_t h1,
+                          int64_t i0,
+                          int64_t i1,
+                          int64_t *lo,
+                          int64_t *hi) {
+    int64_t hi0, lo1;
+    mha__flash_key_range(p, b, i0, lo, &hi0);
+    mha__flash_key_range(p, b, i1 - 1, &lo1, hi);
+    /* lo and hi grow with i, so the band's union is [lo(i0), hi(i1 - 1)]. */
+    const mha__mask_map *mm = p->map;
+    if (!mm || *lo > *hi)
+        return;
+    int64_t first = INT64_MAX, last = -1;
+    for (int64_t h = h0; h < (mm->span_h ? h1 : h0 + 1); h++)
+        for (int64_t i = i0; i < (mm->span_i ? i1 : i0 + 1); i++) {
+            int64_t f, l;
+            mha__map_span(mm, b, h, i, &f, &l);
+            if (f <= l) {
+                first = f < first ? f : first;
+                last = l > last ? l : last;
+            }
+        }
+    *lo = first > *lo ? first : *lo;
+    *hi = last < *hi ? last : *hi;
+}
+
+int64_t mha__flash_visible_tiles(
+    const mha__problem *p, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, int bk) {
+    int64_t lo, hi;
+    mha__flash_unit_keys(p, b, h0, h1, i0, i1, &lo, &hi);
+    return lo > hi ? 0 : hi / bk - lo / bk + 1;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -142,15 +168,46 @@ static int bits_any(const uint64_t *w) {
     return x != 0;
 }
 
+/* build_vis for a tile inside the band of every row, of at most 64 keys (the SIMD kernels'
+ * Bk): the map's word per row, nothing else (this runs for every tile of every block). */
+static mha_tile_class map_tile(block *B, int64_t j0, int nk, int head_dependent) {
+    const mha__mask_map *mm = B->p->map;
+    const uint64_t full = nk == 64 ? ~(uint64_t)0 : (((uint64_t)1 << nk) - 1);
+    uint64_t any = 0;
+    int all = 1, bias = 0;
+    for (int64_t hh = 0; hh < B->nh; hh++) {
+        uint64_t *w = B->vis + hh * B->nq * MHA_FLASH_WORDS;
+        if (hh > 0 && !head_dependent) { /* the first head's rows, repeated */
+            memcpy(w, B->vis, sizeof(uint64_t) * MHA_FLASH_WORDS * (size_t)B->nq);
+            continue;
+        }
+        const int64_t base = B->b * mm->plane_b + (B->h0 + hh) * mm->plane_h;
+        for (int64_t ii = 0; ii < B->nq; ii++, w += MHA_FLASH_WORDS) {
+            const int64_t at = base + (B->i0 + ii) * mm->row_i;
+            const uint64_t x = mha__map_word(mm, at, j0) & full;
+            w[0] = x;
+            w[1] = 0;
+            any |= x;
+            all &= x == full;
+            if (mm->need_bias)
+                bias |= mha__map_bias(mm, at, j0, nk);
+        }
+    }
+    B->need_bias = bias;
+    return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
+}
+
 /* Visibility bits of every row of the block for keys [j0, j0 + nk): the causal / window band
  * ANDed with the block mask (the element rules, base/internal.h). Returns the tile's class:
  * HIDDEN (no row sees any key: skipped), VISIBLE (every row sees every key: the unmasked kernel)
  * or MIXED (the bits); sets B->need_bias when the additive mask is not 0 somewhere in the tile. */
-static mha_tile_class build_vis(block *B, int64_t j0, int nk) {
+static mha_tile_class build_vis(block *B, int64_t j0, int nk, int band_interior) {
     const mha__problem *p = B->p;
     const mha__mask_map *mm = p->map;
     const int nwords = (nk + 63) / 64;
     const int head_dependent = mm && mm->plane_h != 0;
+    if (mm && band_interior && nwords == 1)
+        return map_tile(B, j0, nk, head_dependent);
     int any = 0, all = 1, bias = 0;
     for (int64_t r = 0; r < B->R; r++) {
         const int64_t hh = r / B->nq, ii = r % B->nq, i = B->i0 + ii, h = B->h0 + hh;
@@ -367,7 +424,7 @@ static void probs_pass(block *B, int64_t tlo, int64_t thi) {
         const int64_t j0 = t * B->bk;
         const int nk = (int)(p->m - j0 < B->bk ? p->m - j0 : B->bk);
         int computed = 0;
-        if (t >= tlo && t <= thi && build_vis(B, j0, nk) != MHA_TILE_HIDDEN) {
+        if (t >= tlo && t <= thi && build_vis(B, j0, nk, 0) != MHA_TILE_HIDDEN) {
             mha__flash_softmax a;
             scores(B, j0, nk);
             softmax_args(B, j0, nk, 1, &a);
@@ -451,11 +508,13 @@ static void run_block(block *B) {
     int64_t since_fold = 0;
     int folded = 0;
 
-    int64_t lo0, hi0, lo1, hi1;
+    int64_t lo0, hi0, lo1, hi1, klo, khi;
     mha__flash_key_range(p, B->b, B->i0, &lo0, &hi0);
     mha__flash_key_range(p, B->b, B->i0 + B->nq - 1, &lo1, &hi1);
-    /* Tiles [tlo, thi] meet the band of some row; the others are never read. */
-    const int64_t tlo = lo0 / B->bk, thi = lo0 <= hi1 ? hi1 / B->bk : -1;
+    /* Tiles [tlo, thi] meet the band and the block mask's span of some row; the others are
+     * never read. */
+    mha__flash_unit_keys(p, B->b, B->h0, B->h0 + B->nh, B->i0, B->i0 + B->nq, &klo, &khi);
+    const int64_t tlo = klo <= khi ? klo / B->bk : 0, thi = klo <= khi ? khi / B->bk : -1;
     const int elem_masks = p->map != NULL;
     B->need_bias = 0;
     const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
@@ -468,7 +527,7 @@ static void run_block(block *B) {
         const int interior = lo1 <= j0 && hi0 >= j0 + nk - 1;
         int vis = elem_masks || !interior;
         if (vis) {
-            const mha_tile_class c = build_vis(B, j0, nk);
+            const mha_tile_class c = build_vis(B, j0, nk, interior);
             if (c == MHA_TILE_HIDDEN)
                 continue;
             vis = c == MHA_TILE_MIXED;

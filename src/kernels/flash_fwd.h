@@ -128,8 +128,20 @@ mha__flash_key_range(const mha__problem *p, int64_t b, int64_t i, int64_t *lo, i
     *hi = h;
 }
 
-/* Number of key tiles of width bk that rows [i0, i1) of batch row b may see (causal/window). */
-int64_t mha__flash_visible_tiles(const mha__problem *p, int64_t b, int64_t i0, int64_t i1, int bk);
+/* Keys [lo, hi] that some row of rows [i0, i1) of heads [h0, h1) of batch row b may see: the
+ * causal / window band's union narrowed by the block mask's row spans (empty when lo > hi). */
+void mha__flash_unit_keys(const mha__problem *p,
+                          int64_t b,
+                          int64_t h0,
+                          int64_t h1,
+                          int64_t i0,
+                          int64_t i1,
+                          int64_t *lo,
+                          int64_t *hi);
+
+/* Number of key tiles of width bk in mha__flash_unit_keys (the cost model of dispatch.c). */
+int64_t mha__flash_visible_tiles(
+    const mha__problem *p, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, int bk);
 
 /* Runs one work unit (kernels.h) with the given tile operations. */
 void mha__flash_fwd(const mha__flash_ops *ops,

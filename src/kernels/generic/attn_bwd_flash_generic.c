@@ -167,8 +167,9 @@ static mha_tile_class block_vis(const bwd_unit *u,
         lo = lo > j0 ? lo - j0 : 0;
         hi = hi < j0 + nk - 1 ? hi - j0 : nk - 1;
         vis[r] = lo > hi ? 0 : (~(uint64_t)0 >> (63 - (hi - lo))) << lo;
-        mha_tile_class c = vis[r] == full ? MHA_TILE_VISIBLE : vis[r] ? MHA_TILE_MIXED
-                                                                      : MHA_TILE_HIDDEN;
+        mha_tile_class c = vis[r] == full ? MHA_TILE_VISIBLE
+                           : vis[r]       ? MHA_TILE_MIXED
+                                          : MHA_TILE_HIDDEN;
         if (p->map)
             c = mha__map_row_words(p->map, u->b, h, i0 + r, j0, (int)nk, 1, &vis[r], bias);
         any |= c != MHA_TILE_HIDDEN;
@@ -343,8 +344,8 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                 const mha_tile_class c = block_vis(&u, g * group + hh, i0, R, j0, nk, vis, &bias);
                 if (c == MHA_TILE_HIDDEN)
                     continue;
-                const int whole = c == MHA_TILE_VISIBLE && !bias && !p->alibi_slopes &&
-                                  p->softcap == 0.0f;
+                const int whole =
+                    c == MHA_TILE_VISIBLE && !bias && !p->alibi_slopes && p->softcap == 0.0f;
                 block_probs(&u, hh, i0, R, j0, nk, whole, vis);
                 block_dscores(&u, hh, i0, R, j0, nk);
                 block_accumulate(&u, hh, i0, R, nk, k_finite);
