@@ -436,6 +436,26 @@ MHA_API mha_status mha_attention(const mha_attention_args *args,
                                  const mha_exec *exec,
                                  mha_error *err);
 
+/** How a call's masks divide its scores into tiles (docs/SEMANTICS.md "Block masks"): tiles of 64
+ *  query rows x 64 keys of every (batch row, query head), classified under every rule (causal,
+ *  window, bool mask, key padding, segment ids, additive -inf, mask function) exactly as the fast
+ *  kernels do: HIDDEN tiles are skipped (no load, no exp), VISIBLE ones run the unmasked kernel,
+ *  MIXED ones read a bit per score. */
+typedef struct mha_mask_summary {
+    int64_t tiles_hidden, tiles_visible, tiles_mixed;
+    int64_t map_bytes;  /* memory of the call's block mask (0: no element rule, none is built) */
+    int64_t map_planes; /* (batch row, head) planes it stores: 1 for a mask shared by all */
+    int64_t map_rows;   /* query rows per plane: 1 when no rule depends on the row */
+} mha_mask_summary;
+
+/** Fills *out for `args` (the checks of mha_attention; q, k, v and out are not read and may be
+ *  NULL, lse and probs are ignored). Costs one
+ *  build of the block mask plus a pass over its words; scratch from exec->allocator. */
+MHA_API mha_status mha_attention_mask_summary(const mha_attention_args *args,
+                                              const mha_exec *exec,
+                                              mha_mask_summary *out,
+                                              mha_error *err);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Attention statistics, streamed (docs/SEMANTICS.md, "Attention statistics")                     */
 /* ---------------------------------------------------------------------------------------------- */

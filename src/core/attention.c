@@ -204,6 +204,7 @@ mha_status mha__attention_supported_layout(const mha_attention_args *args,
 mha_status mha__core_prepare(const mha_attention_args *args,
                              const mha_exec *exec,
                              const mha__kernel_info *forced,
+                             void *map_mem,
                              mha__core_call *call,
                              mha_error *err) {
     memset(call, 0, sizeof *call);
@@ -222,7 +223,7 @@ mha_status mha__core_prepare(const mha_attention_args *args,
     ws_layout l;
     st = core_map_bytes(args, call->k, &map, err);
     if (!st)
-        st = core_layout(args, call->team.n, map, scratch, &l, err);
+        st = core_layout(args, call->team.n, map_mem ? 0 : map, scratch, &l, err);
     if (st)
         return st;
     char *ws;
@@ -232,7 +233,7 @@ mha_status mha__core_prepare(const mha_attention_args *args,
     st = mha__check_attention(args, &call->p, (int64_t *)(ws + l.delta_off),
                               (float *)(ws + l.slope_off), err);
     if (!st && map)
-        st = mha__mask_map_build(&call->p, ws + l.map_off, call->team, err);
+        st = mha__mask_map_build(&call->p, map_mem ? map_mem : ws + l.map_off, call->team, err);
     call->scratch = ws + l.scratch_off;
     call->stride = l.scratch_stride;
     if (st)
@@ -258,10 +259,82 @@ mha_status mha__attention_run(const mha_attention_args *args,
                               const mha__kernel_info *forced,
                               mha_error *err) {
     mha__core_call call;
-    mha_status st = mha__core_prepare(args, exec, forced, &call, err);
+    mha_status st = mha__core_prepare(args, exec, forced, NULL, &call, err);
     return st ? st : mha__core_finish(&call, 1, err);
 }
 
 mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
     return mha__attention_run(args, exec, NULL, err);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The block mask's summary.                                                                      */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Counts the classes of p's 64 x 64 tiles (p->map built, or no element rule). */
+static void count_tiles(const mha__problem *p, mha_mask_summary *out) {
+    for (int64_t b = 0; b < p->B; b++)
+        for (int64_t h = 0; h < p->H; h++)
+            for (int64_t i0 = 0; i0 < p->n; i0 += 64)
+                for (int64_t j0 = 0; j0 < p->m; j0 += 64) {
+                    const int64_t i1 = i0 + 64 < p->n ? i0 + 64 : p->n;
+                    const int nk = (int)(p->m - j0 < 64 ? p->m - j0 : 64);
+                    switch (mha__tile_class(p, b, h, i0, i1, j0, nk)) {
+                    case MHA_TILE_HIDDEN:
+                        out->tiles_hidden++;
+                        break;
+                    case MHA_TILE_VISIBLE:
+                        out->tiles_visible++;
+                        break;
+                    default:
+                        out->tiles_mixed++;
+                    }
+                }
+}
+
+mha_status mha_attention_mask_summary(const mha_attention_args *args,
+                                      const mha_exec *exec,
+                                      mha_mask_summary *out,
+                                      mha_error *err) {
+    MHA_RETURN_IF(!out, err, INVALID_ARG, "out is NULL");
+    memset(out, 0, sizeof *out);
+    mha_status st = check_dims_for_layout(args, err);
+    if (st)
+        return st;
+    mha__team team;
+    st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
+    size_t map;
+    MHA_RETURN_IF(!mha__mask_map_bytes(args, &map), err, OVERFLOW, "block mask size overflows");
+    ws_layout l;
+    st = core_layout(args, 0, map, 0, &l, err);
+    if (st)
+        return st;
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    char *ws = mha__alloc(alloc, l.total ? l.total : 1);
+    MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate %zu bytes for the block mask", l.total);
+    /* The tensors are not read: NULL ones are replaced by a placeholder for the checks. */
+    static const float placeholder;
+    mha_attention_args a = *args;
+    a.q = a.q ? a.q : &placeholder;
+    a.k = a.k ? a.k : &placeholder;
+    a.v = a.v ? a.v : &placeholder;
+    a.out = a.out ? a.out : (float *)&placeholder;
+    mha__problem p;
+    st = mha__check_attention_layout(&a, &p, (int64_t *)(ws + l.delta_off),
+                                     (float *)(ws + l.slope_off), err);
+    if (!st && map)
+        st = mha__mask_map_build(&p, ws + l.map_off, team, err);
+    if (!st) {
+        count_tiles(&p, out);
+        if (p.map) {
+            out->map_bytes = (int64_t)map;
+            out->map_rows = p.map->word_k;
+            out->map_planes = (p.map->plane_b ? p.B : 1) * (p.map->plane_h ? p.H : 1);
+        }
+        mha__ok(err);
+    }
+    mha__free(alloc, ws);
+    return st;
 }

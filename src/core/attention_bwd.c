@@ -165,12 +165,14 @@ static void run_units(void *ctx, int part, int64_t begin, int64_t end) {
         job->fn(job->bp, u / job->bp->p->G, u % job->bp->p->G, scratch);
 }
 
-mha_status mha__attention_backward_run(const mha_attention_args *fwd,
-                                       const mha_attention_grads *grads,
-                                       const mha_exec *exec,
-                                       int kernel,
-                                       const char **name_out,
-                                       mha_error *err) {
+/* The backward; kernel >= 0 forces that line; map: the forward's block mask, or NULL. */
+static mha_status backward(const mha_attention_args *fwd,
+                           const mha_attention_grads *grads,
+                           const mha_exec *exec,
+                           int kernel,
+                           const mha__mask_map *map,
+                           const char **name_out,
+                           mha_error *err) {
     mha__team team;
     const mha__kernel_info *k = NULL;
     bwd_layout l = {0};
@@ -187,7 +189,9 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
                               err);
     if (!st)
         st = mha__check_backward_grads(fwd, grads, &p, err);
-    if (!st && l.map)
+    if (!st && l.map && map)
+        p.map = map;
+    else if (!st && l.map)
         st = mha__mask_map_build(&p, ws + l.map_off, team, err);
     if (!st) {
         mha__bwd_problem bp;
@@ -222,9 +226,26 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
     return st;
 }
 
+mha_status mha__attention_backward_run(const mha_attention_args *fwd,
+                                       const mha_attention_grads *grads,
+                                       const mha_exec *exec,
+                                       int kernel,
+                                       const char **name_out,
+                                       mha_error *err) {
+    return backward(fwd, grads, exec, kernel, NULL, name_out, err);
+}
+
+mha_status mha__attention_backward_with_map(const mha_attention_args *fwd,
+                                            const mha_attention_grads *grads,
+                                            const mha_exec *exec,
+                                            const mha__mask_map *map,
+                                            mha_error *err) {
+    return backward(fwd, grads, exec, -1, map, NULL, err);
+}
+
 mha_status mha_attention_backward(const mha_attention_args *fwd,
                                   const mha_attention_grads *grads,
                                   const mha_exec *exec,
                                   mha_error *err) {
-    return mha__attention_backward_run(fwd, grads, exec, -1, NULL, err);
+    return backward(fwd, grads, exec, -1, NULL, NULL, err);
 }

@@ -121,6 +121,9 @@ static mha_status check_local(const mha_ring_config *cfg,
         unsupported = "mask.alignment=EXPLICIT";
     else if (mk->bool_mask.data || mk->additive_mask.data)
         unsupported = "a boolean or additive mask";
+    else if (mk->mask_fn.visible || mk->mask_fn.classify)
+        unsupported = "a mask function (mask.mask_fn: it sees each pair's local rows and keys, "
+                      "not the sequence's)";
     else if (a->probs)
         unsupported = "probs (an N x N output)";
     if (unsupported) {

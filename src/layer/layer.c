@@ -231,7 +231,7 @@ mha_status mha_layer_forward(const mha_layer *layer,
     core_exec.workspace = ws + l.core_off;
     core_exec.workspace_bytes = l.core_bytes;
     mha__core_call call;
-    st = mha__core_prepare(&core, &core_exec, NULL, &call, err);
+    st = mha__core_prepare(&core, &core_exec, NULL, NULL, &call, err);
     if (st) {
         mha__free(alloc, owned);
         return st;
