@@ -184,7 +184,9 @@ void cli_run_usage(void) {
         "",
         "Execution:",
         "  --threads N              threads; 0 = every online CPU (default: 0)",
-        "  --verbose                report each stage and its time on stderr",
+        "  --verbose                report each stage and its time on stderr, and the built-in "
+        "rule",
+        "                           a --mask equals (then run instead of the tensor)",
         "  --impl I                 reference, fast or auto (default: auto); fast fails, naming",
         "                           the option, when it cannot run the request",
         "  --help                   this text",
@@ -258,6 +260,8 @@ static void run_free(run_state *s) {
     free(s->qpos);
     free(s->kpos);
     free(s->offsets);
+    free(s->rule_keys);
+    free(s->rule_offsets);
     free(s->qseg);
     free(s->kvseg);
     free(s->tokens_buf);

@@ -128,6 +128,8 @@ typedef struct run_state {
     mha__npy x, key, value, mask, kpm, sinks;
     float *xf, *kf, *vf, *maskf, *sinksf, *out, *probs;
     int64_t *qpos, *kpos, *offsets;
+    uint8_t *rule_keys;    /* --mask recognised with key padding: the key vector [B, m] */
+    int64_t *rule_offsets; /* --mask recognised as a band at another delta: [B] */
     int32_t *qseg, *kvseg;
     char *tokens_buf, **tokens;        /* --tokens: the file's text, n labels into it */
     float *plot_pooled, *plot_visible; /* --plot: the pooled map and visible shares [B, h, R, C] */

@@ -237,6 +237,57 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
     return CLI_OK;
 }
 
+/* --mask recognised as a built-in rule (mha_mask_recognize, docs/SEMANTICS.md "Recognised
+ * masks"): the rule replaces the tensor when the run has no rule of its own for it to combine
+ * with (--causal, --window, --causal-offsets, --key-padding-mask, ALiBi, which the alignment
+ * places) and, for an additive mask, when every row's hidden keys follow its visible ones (then
+ * the outputs are the tensor's bit for bit). --verbose says which. */
+static int recognise_mask(const run_config *o, run_state *s, const run_dims *d, mha_masking *mk) {
+    const char *const *v = o->opt;
+    const int additive = mk->additive_mask.data != NULL;
+    const mha_mask_tensor *t = additive ? &mk->additive_mask : &mk->bool_mask;
+    mha_mask_rule rule;
+    mha_error err;
+    char desc[160];
+    s->rule_keys = malloc((size_t)(d->B * d->m));
+    s->rule_offsets = malloc(sizeof(int64_t) * (size_t)d->B);
+    if (!s->rule_keys || !s->rule_offsets)
+        return cli_fail("cannot allocate the mask's key vector (%lld bytes)",
+                        (long long)(d->B * d->m));
+    if (mha_mask_recognize(t, additive, mk->bool_mask_polarity, d->B, d->h, d->n, d->m, &rule,
+                           s->rule_keys, &err))
+        return cli_fail("%s: %s", v[O_MASK], err.message);
+    mha_mask_rule_describe(&rule, desc, sizeof desc);
+    if (rule.kind == MHA_MASK_RULE_NONE) {
+        if (o->opt[O_VERBOSE])
+            fprintf(stderr, "mha: mask: no built-in rule (tensor read per tile)\n");
+        return CLI_OK;
+    }
+    const int own_rule = o->causal || o->use_window || v[O_CAUSAL_OFFSETS] || v[O_KPM] || o->alibi;
+    const int keys_before = rule.kind != MHA_MASK_RULE_ALL_VISIBLE &&
+                            (rule.kind != MHA_MASK_RULE_BAND || !rule.causal || rule.use_window);
+    if (own_rule || (additive && keys_before)) {
+        if (o->opt[O_VERBOSE])
+            fprintf(stderr, "mha: mask: recognised as %s, kept as a tensor (read per tile): %s\n",
+                    desc,
+                    own_rule ? "the run has its own --causal, --window, --causal-offsets, "
+                               "--key-padding-mask or ALiBi"
+                             : "an additive mask hiding keys before visible ones");
+        return CLI_OK;
+    }
+    mha_masking with = *mk;
+    with.bool_mask.data = NULL;
+    with.additive_mask.data = NULL;
+    if (mha_mask_rule_apply(&rule, d->B, d->n, d->m, s->rule_keys, s->rule_offsets, &with, &err))
+        return cli_fail("%s: %s", v[O_MASK], err.message);
+    *mk = with;
+    if (o->opt[O_VERBOSE])
+        fprintf(stderr,
+                "mha: mask: recognised as %s: the rule runs, the tensor is not read per score\n",
+                desc);
+    return CLI_OK;
+}
+
 /* Step 4: the masks, causal offsets, segment ids and positions, checked against (B, h, n, m). */
 int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward_args *fa) {
     const char *const *v = o->opt;
@@ -304,6 +355,8 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
         mk->q_segment_ids = s->qseg;
         mk->kv_segment_ids = s->kvseg;
     }
+    if (v[O_MASK] && (rc = recognise_mask(o, s, d, mk)))
+        return rc;
     if (v[O_POSITIONS] &&
         (rc = read_index(v[O_POSITIONS], "position", B, n, 0, MHA_MAX_POSITION, &s->qpos)))
         return rc;

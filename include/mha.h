@@ -988,6 +988,84 @@ MHA_API mha_status mha_attention_merge(int64_t rows,
                                        float *lse,
                                        mha_error *err);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Mask recognition (docs/SEMANTICS.md, "Recognised masks")                                       */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** What a mask tensor equals, element for element, over its whole broadcast [B, h, n, m]. */
+typedef enum mha_mask_rule_kind {
+    MHA_MASK_RULE_NONE = 0,        /* no built-in rule: keep the tensor */
+    MHA_MASK_RULE_ALL_VISIBLE = 1, /* every key visible: drop the tensor */
+    MHA_MASK_RULE_BAND = 2,        /* causal and/or sliding window, one delta for every (b, h) */
+    MHA_MASK_RULE_KEY_PADDING = 3, /* visible iff key_padding[b, j] != 0, for every (h, i) */
+    MHA_MASK_RULE_BAND_AND_KEY_PADDING = 4, /* the band AND the key padding (HF 4-d masks) */
+} mha_mask_rule_kind;
+
+/** A recognised mask as mha_masking's fields. With p = i + delta, key j is visible from query
+ *  row i iff (causal == 0 or j <= p) and (use_window == 0 or p - window_left <= j <= p +
+ *  window_right, a side -1 = unbounded), and, for the kinds with key padding, key_padding[b, j].
+ *  Canonical form: a band with an upper edge is causal (delta = that edge; a lower edge adds the
+ *  window (window_left, 0)); a band with only a lower edge is the window (0, -1) at delta = that
+ *  edge. Fields of a kind without a band: causal = use_window = 0, delta = 0, window (-1, -1). */
+typedef struct mha_mask_rule {
+    mha_mask_rule_kind kind;
+    int32_t causal;
+    int64_t delta; /* the same for every batch row: see mha_mask_rule_apply for the alignment */
+    int32_t use_window;
+    int64_t window_left;
+    int64_t window_right;
+} mha_mask_rule;
+
+/** Recognises a mask tensor broadcast to [batch, num_heads, q_len, kv_len] as a built-in rule,
+ *  exactly: every distinct element is read once (broadcast dimensions once), stopping at the
+ *  first element that contradicts every rule. A BOOL/U8/I32/I64 mask (is_additive = 0) is read
+ *  with `polarity`; an additive F32 mask (is_additive != 0, polarity ignored) qualifies only if
+ *  every element is 0 (either sign: visible) or -inf (hidden); any other value gives NONE.
+ *  key_padding_out [batch * kv_len] (may be NULL): on success, key_padding_out[b * kv_len + j] =
+ *  1 for a real key and 0 for a padded one for the kinds with key padding, all 1 for the others
+ *  (NONE included). Cost: O(distinct elements) time, O(kv_len) scratch (malloc).
+ *  The rule gives the tensor's visibility for every (b, h, i, j). With a bool/integer mask the
+ *  outputs are the same bit for bit; with an additive one too when every row's hidden keys come
+ *  after its visible ones (causal), else equal to float rounding (docs/SEMANTICS.md, "Recognised
+ *  masks", which also lists NaN / +inf scores at positions an additive -inf hides).
+ *  @return OK (rule filled; NONE is a success), INVALID_ARG (NULL mask, data or rule, a size
+ *  outside [1, 2^31], a dtype or polarity that is not a mask's, a shape that does not broadcast,
+ *  key_padding_out overlapping the mask), OVERFLOW, NO_MEMORY; on error rule and key_padding_out
+ *  are untouched. Thread-safe (no shared state). */
+MHA_API mha_status mha_mask_recognize(const mha_mask_tensor *mask,
+                                      int32_t is_additive,
+                                      mha_mask_polarity polarity,
+                                      int64_t batch,
+                                      int64_t num_heads,
+                                      int64_t q_len,
+                                      int64_t kv_len,
+                                      mha_mask_rule *rule,
+                                      uint8_t *key_padding_out,
+                                      mha_error *err);
+
+/** Writes a recognised rule (kind != NONE) into `mask`, which must have no causal, window or key
+ *  padding of its own; its bool_mask / additive_mask (the tensor the rule replaces) is the
+ *  caller's to clear. Alignment: BOTTOM_RIGHT when delta == kv_len - q_len, else TOP_LEFT when
+ *  delta == 0, else EXPLICIT with align_offsets[b] = delta for b < batch (align_offsets [batch],
+ *  caller-owned, needed only then). The kinds with key padding point mask->key_padding at
+ *  key_padding [batch, kv_len] U8 (mha_mask_recognize's key_padding_out; kept alive by the
+ *  caller). The alignment also places ALiBi: with ALiBi on, apply a rule only when the call's
+ *  own alignment gives the same delta. @return OK, or INVALID_ARG naming the field; on error
+ *  mask is untouched. */
+MHA_API mha_status mha_mask_rule_apply(const mha_mask_rule *rule,
+                                       int64_t batch,
+                                       int64_t q_len,
+                                       int64_t kv_len,
+                                       const uint8_t *key_padding,
+                                       int64_t *align_offsets,
+                                       mha_masking *mask,
+                                       mha_error *err);
+
+/** One line describing a rule, e.g. "causal (delta 0)", "causal (delta 2) + window (5, 0) + key
+ *  padding", "all keys visible", "no built-in rule"; never NULL. Writes at most `size` bytes
+ *  (NUL included) into buf and returns buf. */
+MHA_API const char *mha_mask_rule_describe(const mha_mask_rule *rule, char *buf, size_t size);
+
 #ifdef __cplusplus
 }
 #endif

@@ -283,6 +283,47 @@ def test_run_mask_block_polarity_and_additive(case):
     close(np.load(case.Y), ref_mha(case.x, case.w, 4, additive=add)[0])
 
 
+def test_run_verbose_says_what_the_mask_is(case):
+    """--verbose names the built-in rule a --mask equals (issue 29, mha_mask_recognize); the rule
+    then runs instead of the tensor, with the same output bit for bit."""
+    n = 5
+    tril = np.tril(np.ones((n, n), bool))
+    runs = {}
+    for name, arr, extra in (
+            ("bool", tril, []),
+            ("block", ~tril, ["--mask-means", "block"]),
+            ("float", np.where(tril, 0.0, -np.inf).astype(np.float32), [])):
+        np.save(case.dir / "M.npy", arr)
+        r = run_cli(*case.base, "--mask", case.dir / "M.npy", *extra, "--verbose")
+        assert r.returncode == 0, r.stderr
+        assert ("mha: mask: recognised as causal (delta 0): the rule runs, the tensor is not "
+                "read per score") in r.stderr, (name, r.stderr)
+        runs[name] = np.load(case.Y)
+    r = run_cli(*case.base, "--causal", "top-left")
+    assert r.returncode == 0, r.stderr
+    for name, y in runs.items():
+        assert np.array_equal(y, np.load(case.Y)), name
+    # HF's 4-d mask: causal AND left padding (batch row 1's first two keys).
+    hf = np.broadcast_to(tril, (2, 1, n, n)).copy()
+    hf[1, :, :, :2] = False
+    np.save(case.dir / "M.npy", hf)
+    r = run_cli(*case.base, "--mask", case.dir / "M.npy", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert "mask: recognised as causal (delta 0) + key padding: the rule runs" in r.stderr
+    close(np.load(case.Y), ref_mha(case.x, case.w, 4, bool_mask=hf)[0])
+    # With a rule of the run's own, the tensor is kept; a mask that is no rule says so.
+    r = run_cli(*case.base, "--mask", case.dir / "M.npy", "--causal", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert "mask: recognised as causal (delta 0) + key padding, kept as a tensor" in r.stderr
+    other = tril.copy()
+    other[4, 1] = False
+    np.save(case.dir / "M.npy", other)
+    r = run_cli(*case.base, "--mask", case.dir / "M.npy", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert "mha: mask: no built-in rule (tensor read per tile)" in r.stderr
+    close(np.load(case.Y), ref_mha(case.x, case.w, 4, bool_mask=other)[0])
+
+
 # Each option of `mha run` against the numpy formula: (id, extra CLI args built in dir d,
 # keyword arguments of ref_mha). Self-attention on X [2, 5, 16], 4 heads.
 def _opt_cases():

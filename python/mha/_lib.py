@@ -205,10 +205,20 @@ class mha_attention_stats(Structure):
 
 
 # Every struct mirrored here, by C name (tests compare sizes and offsets with the compiler's).
+# mha_mask_rule_kind (mha_mask_recognize)
+(MASK_RULE_NONE, MASK_RULE_ALL_VISIBLE, MASK_RULE_BAND, MASK_RULE_KEY_PADDING,
+ MASK_RULE_BAND_AND_KEY_PADDING) = range(5)
+
+
+class mha_mask_rule(Structure):
+    _fields_ = [("kind", c_int), ("causal", c_int32), ("delta", c_int64), ("use_window", c_int32),
+                ("window_left", c_int64), ("window_right", c_int64)]
+
+
 STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope,
            mha_attention_args, mha_config, mha_weights, mha_forward_args, mha_name_map,
            mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args,
-           mha_attention_stats]
+           mha_attention_stats, mha_mask_rule]
 
 # ------------------------------------------------------------------------------------------------
 # Loading
@@ -341,6 +351,10 @@ mha_layer_prefill = _fn(
 mha_layer_decode_step = _fn(
     "mha_layer_decode_step", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec),
                               P(mha_error)])
+
+mha_mask_recognize = _fn("mha_mask_recognize",
+                         [P(mha_mask_tensor), c_int32, c_int, c_int64, c_int64, c_int64, c_int64,
+                          P(mha_mask_rule), c_void_p, P(mha_error)])
 
 
 # ------------------------------------------------------------------------------------------------

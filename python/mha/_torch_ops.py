@@ -38,6 +38,7 @@ from torch import Tensor
 
 from . import _lib as L
 from . import _marshal as M
+from . import _mask_rule
 
 _F32 = torch.float32
 _STRIDED = torch.strided
@@ -62,6 +63,9 @@ def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: O
         M.causal_top_left(a.mask)
     if model is not NO_MODEL:
         _set_model(a, model, keep)
+    if (attend is None) != (additive is None) and _as_rule(a, keep, attend, additive, causal,
+                                                           model):
+        attend = additive = None  # the rule runs instead (exactly the same results)
     if attend is not None:
         attend = attend.contiguous()
         keep.append(attend)
@@ -74,6 +78,30 @@ def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: O
     if dropout_p > 0.0:
         M.set_dropout(a.dropout, dropout_p, int(seed.item()))
     return a, keep
+
+
+def _as_rule(a: L.mha_attention_args, keep: list, attend: Optional[Tensor],
+             additive: Optional[Tensor], causal: bool, model: tuple) -> bool:
+    """The one mask tensor of the call replaced by the built-in rule it equals, combined with the
+    call's causal flag and the model's window and alignment (python/mha/_mask_rule.py), when
+    that gives exactly the tensor's results; False: keep the tensor."""
+    src = attend if attend is not None else additive
+    data = src.contiguous()
+    B, h, n = a.batch, a.num_heads, a.q_len
+    m = a.kv_len
+    rule = _mask_rule.lookup(src, data, additive is not None, L.MASK_ATTEND, B, h, n, m)
+    if rule is None:
+        return False
+    _, alibi, _, window_left, window_right, _ = model
+    # The call's own diagonal offset, as the lines above left the alignment (the default is
+    # bottom-right: a window without the causal flag is placed there even if not bottom_right).
+    delta = m - n if a.mask.alignment == L.ALIGN_BOTTOM_RIGHT else 0
+    own_hi = delta if causal else None
+    if window_right >= 0:
+        own_hi = delta + window_right if own_hi is None else min(own_hi, delta + window_right)
+    own_lo = delta - window_left if window_left >= 0 else None
+    return _mask_rule.substitute(a.mask, keep, rule, additive is not None, B, n, m, delta, own_lo,
+                                 own_hi, bool(alibi))
 
 
 def _set_model(a: L.mha_attention_args, model: tuple, keep: list) -> None:

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from . import _api
 from . import _lib as L
 from . import _marshal as M
+from . import _mask_rule
 from . import _torch_ops  # noqa: F401  (registers torch.ops.mha.attention[_backward])
 from ._api import MultiheadAttention as _Layer
 from ._lib import MhaError
@@ -80,7 +81,8 @@ def _mask_arg(name: str, m: Tensor) -> Tensor:
     if m.dtype == torch.bool:
         return m.contiguous()
     if m.is_floating_point():
-        return m.detach().to(_F32).contiguous()
+        # (no detach unless needed: a mask's identity is what _mask_rule caches its rule under)
+        return (m.detach() if m.requires_grad else m).to(_F32).contiguous()
     raise TypeError(f"mha.torch: only bool and floating types of {name} are supported, got "
                     f"{m.dtype}")
 
@@ -196,10 +198,14 @@ class _StateHandle:
 
 def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
                      key_padding_mask: Optional[Tensor], is_causal: bool, B: int, h: int, n: int,
-                     m: int, unbatched: bool) -> None:
-    """nn.MultiheadAttention's masks in mha's terms (docs/PYTHON.md); keeps what it points at."""
+                     m: int, unbatched: bool, alibi: bool = False) -> None:
+    """nn.MultiheadAttention's masks in mha's terms (docs/PYTHON.md); keeps what it points at.
+    An attn_mask that equals a built-in rule (causal, sliding window, key padding: _mask_rule)
+    runs as that rule when the results are exactly the tensor's."""
     add = None
     blk = None
+    ruled = False  # attn_mask replaced by its rule (mk's causal/window/key padding)
+    rule = None
     if attn_mask is not None:
         am = _mask_arg("attn_mask", attn_mask)
         if am.dim() == 2:
@@ -213,7 +219,14 @@ def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
             am = am.view(B, h, n, m)
         else:
             raise RuntimeError(f"attn_mask's dimension {am.dim()} is not supported")
-        if am.dtype == torch.bool:
+        additive = am.dtype != torch.bool
+        rule = _mask_rule.lookup(attn_mask, am, additive, L.MASK_BLOCK, B, h, n, m)
+        # No rule of the call's own (is_causal is ignored with a mask; the model's mask is not
+        # applied); the default alignment (bottom-right, delta m - n) places ALiBi.
+        ruled = _mask_rule.substitute(mk, keep, rule, additive, B, n, m, m - n, None, None, alibi)
+        if ruled:
+            pass
+        elif am.dtype == torch.bool:
             blk = am
         else:
             add = am
@@ -227,10 +240,12 @@ def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
             raise AssertionError(f"expecting key_padding_mask shape of {(B, m)}, but got "
                                  f"{tuple(kp.shape)}")
         if kp.dtype == torch.bool:
-            if blk is None:
+            if blk is None and not ruled:
                 blk = kp.view(B, 1, 1, m)  # True = padding: a block-polarity mask, no copy
             else:
                 kp = torch.logical_not(kp)  # mha's key padding: nonzero = real token
+                if ruled and rule.keys is not None:  # the rule's keys AND these
+                    kp = torch.logical_and(kp, rule.keys.bool())
                 keep.append(kp)
                 _set_mask(mk.key_padding, kp)
         else:
@@ -736,7 +751,7 @@ class MultiheadAttention(nn.Module):
         if attn_mask is not None or key_padding_mask is not None:
             keep = []
             _translate_masks(a.mask, keep, attn_mask, key_padding_mask, is_causal, B, h, n, m,
-                             unbatched)
+                             unbatched, bool(self._options.get("alibi")))
         elif is_causal:
             M.causal_top_left(a.mask)
         if self._model_mask is not None and attn_mask is None and not is_causal:

@@ -69,6 +69,15 @@ static mha_status broadcast_strides(const mha_mask_tensor *t,
     return MHA_STATUS_OK;
 }
 
+/* The same check for a caller outside this file (mha_mask_recognize, core/mask_rule.c). */
+mha_status mha__check_mask_broadcast(const mha_mask_tensor *t,
+                                     const char *what,
+                                     const int64_t target[4],
+                                     int64_t strides[4],
+                                     mha_error *err) {
+    return broadcast_strides(t, what, target, strides, err);
+}
+
 /* mha_masking into p: causal alignment (per-batch diagonal offsets in delta_buf [B]), window,
  * masks as broadcast strides over (B, H, n, m), segment ids. */
 static mha_status check_masking(const mha_masking *mk,

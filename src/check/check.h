@@ -294,4 +294,17 @@ mha_status mha__check_merge(int64_t rows,
                             const float *lse,
                             mha_error *err);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Mask tensors (check/attention.c), for mha_mask_recognize (core/mask_rule.c).                   */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* A C-contiguous mask tensor t (1 to 4 dims, each in [1, 2^31], element count in int64) that
+ * broadcasts, NumPy style, to target[4]: its element strides over the target's dims (0 where
+ * broadcast). `what` names it in messages. */
+mha_status mha__check_mask_broadcast(const mha_mask_tensor *t,
+                                     const char *what,
+                                     const int64_t target[4],
+                                     int64_t strides[4],
+                                     mha_error *err);
+
 #endif /* MHA_CHECK_H */

@@ -1,0 +1,172 @@
+# SPDX-License-Identifier: MIT
+"""Mask tensors that equal a built-in rule (issue 29), for the PyTorch drop-ins.
+
+Before a mask tensor goes to C, :func:`lookup` asks ``mha_mask_recognize`` (one exact pass over the
+tensor's distinct elements; docs/SEMANTICS.md, "Recognised masks") whether it is a causal /
+sliding-window band, key padding, both, or hides nothing, and :func:`substitute` turns the answer
+into ``mha_masking`` fields (causal, alignment, window, key padding) when they give exactly the
+tensor's results together with the call's own rules; the kernels then never read the tensor per
+score.
+
+The answer is cached per process for the last ``CACHE_SIZE`` tensors (LRU), keyed by the tensor's
+identity AND contents version: a weak reference to the tensor object (checked with ``is``: a freed
+tensor's entry dies with it, and a new tensor at the same address is never taken for it),
+data_ptr, storage_offset, shape, stride, dtype and ``t._version`` (bumped by every in-place
+operation torch sees), plus the sizes it was recognised for. Writes that bypass torch's version
+counter (through ``.numpy()``, a DLPack capsule, ctypes) are not seen: docs/PYTHON.md.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _lib as L
+from . import _marshal as M
+
+CACHE_SIZE = 32
+# False: never recognise (every mask tensor goes to C as it is; the tests compare both paths).
+enabled = True
+# Calls made to the C recognizer in this process (the cache's tests count hits with it).
+recognize_calls = 0
+
+_CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L.DTYPE_I32,
+          torch.int64: L.DTYPE_I64, torch.float32: L.DTYPE_F32}
+_cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+_lock = threading.Lock()
+
+
+class Rule:
+    """A recognised mask: visible iff lo <= j - i <= hi (None = unbounded) and keys[b, j] != 0
+    (keys: uint8 [B, m], None = every key real)."""
+    __slots__ = ("lo", "hi", "keys")
+
+    def __init__(self, lo: Optional[int], hi: Optional[int], keys: Optional[Tensor]):
+        self.lo, self.hi, self.keys = lo, hi, keys
+
+
+def _edges(r: L.mha_mask_rule):
+    """(lo, hi) of a C rule: the band's diagonal offsets, None where unbounded (mha.h's formula
+    j <= p (causal), p - left <= j <= p + right (window), p = i + delta)."""
+    lo = hi = None
+    if r.causal:
+        hi = r.delta
+    if r.use_window:
+        if r.window_right >= 0:
+            hi = r.delta + r.window_right if hi is None else min(hi, r.delta + r.window_right)
+        if r.window_left >= 0:
+            lo = r.delta - r.window_left
+    return lo, hi
+
+
+def _recognise(data: Tensor, additive: bool, polarity: int, B: int, h: int, n: int,
+               m: int) -> Optional[Rule]:
+    global recognize_calls
+    recognize_calls += 1
+    t = L.mha_mask_tensor()
+    M.set_mask_tensor(t, data.data_ptr(), _CODES[data.dtype], data.shape)
+    rule = L.mha_mask_rule()
+    keys = torch.empty((B, m), dtype=torch.uint8)
+    M.call(L.mha_mask_recognize, t, 1 if additive else 0, polarity, B, h, n, m, rule,
+           keys.data_ptr())
+    if rule.kind == L.MASK_RULE_NONE:
+        return None
+    lo, hi = _edges(rule)
+    padded = rule.kind in (L.MASK_RULE_KEY_PADDING, L.MASK_RULE_BAND_AND_KEY_PADDING)
+    return Rule(lo, hi, keys if padded else None)
+
+
+def lookup(src: Tensor, data: Tensor, additive: bool, polarity: int, B: int, h: int, n: int,
+           m: int) -> Optional[Rule]:
+    """The rule the mask `data` (C-contiguous, broadcastable to [B, h, n, m]; a bool/integer mask
+    read with `polarity`, or an additive float32 one) equals, or None; cached under the identity
+    of `src`, the caller's tensor that `data` was made from (often `data` itself)."""
+    if not enabled:
+        return None
+    key = (id(src), src.data_ptr(), src.storage_offset(), tuple(src.shape), src.stride(),
+           src.dtype, src._version, data.dtype, additive, polarity, B, h, n, m)
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None and hit[0]() is src:
+            _cache.move_to_end(key)
+            return hit[1]
+    rule = _recognise(data, additive, polarity, B, h, n, m)
+
+    def forget(_ref, key=key):
+        with _lock:
+            entry = _cache.get(key)
+            if entry is not None and entry[0] is _ref:
+                del _cache[key]
+
+    with _lock:
+        _cache[key] = (weakref.ref(src, forget), rule)
+        _cache.move_to_end(key)
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return rule
+
+
+def clear() -> None:
+    """Forgets every cached recognition."""
+    with _lock:
+        _cache.clear()
+
+
+def substitute(mk: L.mha_masking, keep: list, rule: Optional[Rule], additive: bool, B: int,
+               n: int, m: int, own_delta: int, own_lo: Optional[int], own_hi: Optional[int],
+               alibi: bool) -> bool:
+    """Writes `rule` AND the call's own band (own_lo <= j - i <= own_hi, None = unbounded; the
+    call's diagonal offset own_delta) into mk's causal, alignment, window and key padding, and
+    returns True, when that is exactly the tensor's result; False (mk untouched: keep the tensor)
+    otherwise. Exactly means:
+      - the intersection of two bands is one band, lo = max, hi = min; an empty one is kept as a
+        tensor (rare);
+      - with ALiBi the alignment also places the ALiBi distance, so the delta stays the call's:
+        the band must then be a window around it (lo <= own_delta <= hi);
+      - an additive mask's hidden tiles go through the kernel (as exact zeros) where a rule skips
+        them, which moves where the kernel folds its partial sums on long rows when keys are
+        hidden BEFORE a row's first visible one: an additive mask is replaced only by a rule
+        without a lower edge or key padding (causal, all visible), bit for bit the same
+        (docs/SEMANTICS.md, "Recognised masks").
+    mk must have no key padding of its own; keep gets the tensors mk points at."""
+    if rule is None or (additive and (rule.lo is not None or rule.keys is not None)):
+        return False
+    los = [x for x in (rule.lo, own_lo) if x is not None]
+    his = [x for x in (rule.hi, own_hi) if x is not None]
+    lo, hi = (max(los) if los else None), (min(his) if his else None)
+    if lo is not None and hi is not None and lo > hi:
+        return False
+    if alibi:
+        if (hi is not None and hi < own_delta) or (lo is not None and lo > own_delta):
+            return False
+        delta = own_delta
+        causal = hi == delta
+        left = -1 if lo is None else delta - lo
+        right = -1 if hi is None else hi - delta
+    elif hi is not None:
+        delta, causal, left, right = hi, True, (-1 if lo is None else hi - lo), 0
+    else:
+        delta, causal, left, right = (0 if lo is None else lo), False, 0, -1
+    mk.causal = 1 if causal else 0
+    mk.use_window = 1 if (left >= 0 or right > 0) and (lo is not None or hi is not None) else 0
+    mk.window_left, mk.window_right = (left, right) if mk.use_window else (-1, -1)
+    if lo is None and hi is None:
+        mk.causal = 0
+    if not alibi and (mk.causal or mk.use_window):
+        if delta == m - n:
+            mk.alignment = L.ALIGN_BOTTOM_RIGHT
+        elif delta == 0:
+            mk.alignment = L.ALIGN_TOP_LEFT
+        else:
+            offsets = torch.full((B,), delta, dtype=torch.int64)
+            keep.append(offsets)
+            mk.alignment = L.ALIGN_EXPLICIT
+            mk.align_offsets = offsets.data_ptr()
+    if rule.keys is not None:
+        keep.append(rule.keys)
+        M.set_mask_tensor(mk.key_padding, rule.keys.data_ptr(), L.DTYPE_U8, rule.keys.shape)
+    return True
