@@ -240,8 +240,7 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
 /* --mask recognised as a built-in rule (mha_mask_recognize, docs/SEMANTICS.md "Recognised
  * masks"): the rule replaces the tensor when the run has no rule of its own for it to combine
  * with (--causal, --window, --causal-offsets, --key-padding-mask, ALiBi, which the alignment
- * places) and, for an additive mask, when every row's hidden keys follow its visible ones (then
- * the outputs are the tensor's bit for bit). --verbose says which. */
+ * places); the outputs are then the tensor's bit for bit. --verbose says which. */
 static int recognise_mask(const run_config *o, run_state *s, const run_dims *d, mha_masking *mk) {
     const char *const *v = o->opt;
     const int additive = mk->additive_mask.data != NULL;
@@ -264,15 +263,12 @@ static int recognise_mask(const run_config *o, run_state *s, const run_dims *d, 
         return CLI_OK;
     }
     const int own_rule = o->causal || o->use_window || v[O_CAUSAL_OFFSETS] || v[O_KPM] || o->alibi;
-    const int keys_before = rule.kind != MHA_MASK_RULE_ALL_VISIBLE &&
-                            (rule.kind != MHA_MASK_RULE_BAND || !rule.causal || rule.use_window);
-    if (own_rule || (additive && keys_before)) {
+    if (own_rule) {
         if (o->opt[O_VERBOSE])
-            fprintf(stderr, "mha: mask: recognised as %s, kept as a tensor (read per tile): %s\n",
-                    desc,
-                    own_rule ? "the run has its own --causal, --window, --causal-offsets, "
-                               "--key-padding-mask or ALiBi"
-                             : "an additive mask hiding keys before visible ones");
+            fprintf(stderr,
+                    "mha: mask: recognised as %s, kept as a tensor (read per tile): the run has "
+                    "its own --causal, --window, --causal-offsets, --key-padding-mask or ALiBi\n",
+                    desc);
         return CLI_OK;
     }
     mha_masking with = *mk;

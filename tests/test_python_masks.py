@@ -86,6 +86,13 @@ SDPA_MASKS = {
     "float causal": lambda n, m, B: torch.zeros(n, m).masked_fill(
         torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf")),
     "HF causal+padding": lambda n, m, B: hf_mask(B, n, m, [0, 2][:B] + [1] * (B - 2)),
+    # Float (0 / -inf) masks hiding keys before visible ones (a window's lower edge, left
+    # padding): substituted too, the block mask skipping their hidden tiles as the rule does.
+    "float window": lambda n, m, B: torch.zeros(n, m).masked_fill(
+        ~(torch.tril(torch.ones(n, m, dtype=torch.bool)) &
+          torch.triu(torch.ones(n, m, dtype=torch.bool), -3)), float("-inf")),
+    "float HF causal+padding": lambda n, m, B: torch.zeros(B, 1, n, m).masked_fill(
+        ~hf_mask(B, n, m, [0, 2][:B] + [1] * (B - 2)), float("-inf")),
     "all true": lambda n, m, B: torch.ones(1, 1, n, m, dtype=torch.bool),
     "not a rule": lambda n, m, B: torch.rand(n, m, generator=torch.Generator().manual_seed(3)) > .3,
 }

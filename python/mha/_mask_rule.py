@@ -127,13 +127,10 @@ def substitute(mk: L.mha_masking, keep: list, rule: Optional[Rule], additive: bo
         tensor (rare);
       - with ALiBi the alignment also places the ALiBi distance, so the delta stays the call's:
         the band must then be a window around it (lo <= own_delta <= hi);
-      - an additive mask's hidden tiles go through the kernel (as exact zeros) where a rule skips
-        them, which moves where the kernel folds its partial sums on long rows when keys are
-        hidden BEFORE a row's first visible one: an additive mask is replaced only by a rule
-        without a lower edge or key padding (causal, all visible), bit for bit the same
-        (docs/SEMANTICS.md, "Recognised masks").
+      - a tensor's fully hidden tiles are skipped as a rule's are (the block mask), so a bool or
+        additive mask and its rule give the same bits (docs/SEMANTICS.md, "Recognised masks").
     mk must have no key padding of its own; keep gets the tensors mk points at."""
-    if rule is None or (additive and (rule.lo is not None or rule.keys is not None)):
+    if rule is None:
         return False
     los = [x for x in (rule.lo, own_lo) if x is not None]
     his = [x for x in (rule.hi, own_hi) if x is not None]
