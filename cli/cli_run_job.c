@@ -285,6 +285,27 @@ static int recognise_mask(const run_config *o, run_state *s, const run_dims *d, 
 }
 
 /* Step 4: the masks, causal offsets, segment ids and positions, checked against (B, h, n, m). */
+/* --verbose: how the call's masks divide its scores (mha_attention_mask_summary). */
+static void print_block_mask(const run_state *s, const run_dims *d, const mha_masking *mk) {
+    const mha_config *c = mha_layer_config(s->base);
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = d->B, a.num_heads = d->h, a.num_kv_heads = c->num_kv_heads;
+    a.q_len = d->n, a.kv_len = d->m, a.head_dim = c->head_dim, a.v_head_dim = c->v_head_dim;
+    a.mask = *mk;
+    mha_mask_summary sm;
+    mha_error err;
+    if (mha_attention_mask_summary(&a, NULL, &sm, &err)) {
+        fprintf(stderr, "mha: block mask: %s\n", err.message);
+        return;
+    }
+    fprintf(stderr,
+            "mha: block mask: %lld tiles of 64 x 64 (all heads) hidden (skipped), %lld visible "
+            "(unmasked kernel), %lld mixed; %lld bytes for the element rules\n",
+            (long long)sm.tiles_hidden, (long long)sm.tiles_visible, (long long)sm.tiles_mixed,
+            (long long)sm.map_bytes);
+}
+
 int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward_args *fa) {
     const char *const *v = o->opt;
     const int64_t B = d->B, h = d->h, n = d->n, m = d->m;
@@ -353,6 +374,8 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
     }
     if (v[O_MASK] && (rc = recognise_mask(o, s, d, mk)))
         return rc;
+    if (o->opt[O_VERBOSE])
+        print_block_mask(s, d, mk);
     if (v[O_POSITIONS] &&
         (rc = read_index(v[O_POSITIONS], "position", B, n, 0, MHA_MAX_POSITION, &s->qpos)))
         return rc;

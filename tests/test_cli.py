@@ -9,6 +9,7 @@ elsewhere (the golden tests); here the reference is a plain float64 numpy formul
 """
 import json
 import os
+import re
 import struct
 import subprocess
 
@@ -322,6 +323,13 @@ def test_run_verbose_says_what_the_mask_is(case):
     assert r.returncode == 0, r.stderr
     assert "mha: mask: no built-in rule (tensor read per tile)" in r.stderr
     close(np.load(case.Y), ref_mha(case.x, case.w, 4, bool_mask=other)[0])
+    # ... and how the block mask divides the scores: one 64 x 64 tile per (batch row, head),
+    # mixed (the mask hides some of its elements, not all).
+    got = re.search(r"mha: block mask: (\d+) tiles of 64 x 64 \(all heads\) hidden \(skipped\), "
+                    r"(\d+) visible \(unmasked kernel\), (\d+) mixed; (\d+) bytes", r.stderr)
+    assert got, r.stderr
+    B = case.x.shape[0] if case.x.ndim == 3 else 1
+    assert [int(g) for g in got.groups()[:3]] == [0, 0, B * 4], r.stderr
 
 
 # Each option of `mha run` against the numpy formula: (id, extra CLI args built in dir d,
