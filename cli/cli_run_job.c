@@ -374,7 +374,8 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
     }
     if (v[O_MASK] && (rc = recognise_mask(o, s, d, mk)))
         return rc;
-    if (o->opt[O_VERBOSE])
+    if (o->opt[O_VERBOSE] && (mk->causal || mk->use_window || mk->bool_mask.data ||
+                              mk->additive_mask.data || mk->key_padding.data || mk->q_segment_ids))
         print_block_mask(s, d, mk);
     if (v[O_POSITIONS] &&
         (rc = read_index(v[O_POSITIONS], "position", B, n, 0, MHA_MAX_POSITION, &s->qpos)))
