@@ -363,6 +363,21 @@ static void test_against_reference(int64_t n, int64_t m, int64_t g) {
         check_fast_vs_reference(what, &P, &t);
     }
 
+    /* A U8 mask whose nonzero bytes are not all 1 (2, 128, 255: the block mask reads nonzero,
+     * not the low bit), mostly visible with hidden runs. */
+    test_rng rr;
+    test_rng_seed(&rr, 5);
+    static const unsigned char bytes[5] = {0, 1, 2, 128, 255};
+    for (int64_t e = 0; e < B * n * m; e++)
+        P.mask[e] = (e / 97) % 4 == 0 ? 0 : bytes[1 + test_rng_u64(&rr) % 4];
+    for (int64_t e = 0; e < B * n * m; e += 13)
+        P.mask[e] = 0;
+    t.mask.bool_mask.dtype = MHA_DTYPE_U8;
+    snprintf(what, sizeof what, "n=%lld m=%lld u8 mask of 0, 1, 2, 128, 255", (long long)n,
+             (long long)m);
+    check_fast_vs_reference(what, &P, &t);
+    t.mask.bool_mask.dtype = MHA_DTYPE_BOOL;
+
     /* Documents as a tensor, with the window rule on top, and as segment ids with causal. */
     docs_ctx dc = {50, 1};
     fill_docs(&P, &dc);

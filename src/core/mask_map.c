@@ -112,7 +112,8 @@ bool mha__mask_map_bytes(const mha_attention_args *a, size_t *bytes) {
 /* ---------------------------------------------------------------------------------------------- */
 
 /* Bit t of the result = byte t of flags (each 0 or 1), t < nk: eight bytes at a time, the
- * multiply gathering byte t's low bit into bit 56 + t. */
+ * multiply gathering byte t's low bit into bit 56 + t (byte t is bits 8t.. of the little-endian
+ * word, as on every target of the library). */
 static uint64_t pack_flags(const uint8_t *flags, int nk) {
     uint64_t bits = 0;
     for (int t = 0; t < nk; t += 8) {
@@ -127,6 +128,20 @@ static uint64_t pack_flags(const uint8_t *flags, int nk) {
  * the compiler vectorises), then packed. */
 static uint64_t nonzero_bits(const mha__mask_view *v, int64_t off, int64_t s3, int nk) {
     uint8_t flags[64] = {0};
+    if ((v->dtype == MHA_DTYPE_BOOL || v->dtype == MHA_DTYPE_U8) && s3 == 1 && nk == 64) {
+        /* Contiguous bytes, eight at a time: bit 7 of ((x & 0x7f..) + 0x7f..) | x is set exactly
+         * for the nonzero bytes of x; shifted down, each byte is 0 or 1. */
+        const uint8_t *x = (const uint8_t *)v->data + off;
+        uint64_t bits = 0;
+        for (int t = 0; t < 64; t += 8) {
+            uint64_t w;
+            memcpy(&w, x + t, 8);
+            const uint64_t low7 = 0x7f7f7f7f7f7f7f7full;
+            w = ((((w & low7) + low7) | w) >> 7) & 0x0101010101010101ull;
+            bits |= ((w * 0x0102040810204080ull) >> 56) << t;
+        }
+        return bits;
+    }
     switch (v->dtype) {
     case MHA_DTYPE_BOOL:
     case MHA_DTYPE_U8: {
