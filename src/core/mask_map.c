@@ -127,7 +127,6 @@ static uint64_t pack_flags(const uint8_t *flags, int nk) {
 /* Bits j < nk: element off + j s3 of an integer mask is nonzero. The byte flags first (a loop
  * the compiler vectorises), then packed. */
 static uint64_t nonzero_bits(const mha__mask_view *v, int64_t off, int64_t s3, int nk) {
-    uint8_t flags[64] = {0};
     if ((v->dtype == MHA_DTYPE_BOOL || v->dtype == MHA_DTYPE_U8) && s3 == 1 && nk == 64) {
         /* Contiguous bytes, eight at a time: bit 7 of ((x & 0x7f..) + 0x7f..) | x is set exactly
          * for the nonzero bytes of x; shifted down, each byte is 0 or 1. */
@@ -142,6 +141,7 @@ static uint64_t nonzero_bits(const mha__mask_view *v, int64_t off, int64_t s3, i
         }
         return bits;
     }
+    uint8_t flags[64] = {0};
     switch (v->dtype) {
     case MHA_DTYPE_BOOL:
     case MHA_DTYPE_U8: {
@@ -260,24 +260,32 @@ static void build_rows(const build_job *job, int64_t b, int64_t h, int64_t i0, i
     const mha__problem *p = job->p;
     mha__mask_map *mm = job->mm;
     const int fn = p->mask_fn.visible != NULL;
-    for (int64_t k = 0; k < mm->words; k++) {
-        const int64_t j0 = 64 * k;
-        const int nk = (int)(p->m - j0 < 64 ? p->m - j0 : 64);
-        mha_tile_class cls = MHA_TILE_MIXED;
-        if (fn && p->mask_fn.classify) {
-            cls = p->mask_fn.classify(p->mask_fn.ctx, b, h, i0, i1, j0, j0 + nk);
-            if (cls != MHA_TILE_HIDDEN && cls != MHA_TILE_VISIBLE)
-                cls = MHA_TILE_MIXED; /* anything else is read as "ask per element" */
+    /* Chunks of 64 words: their tile classes first (one classify() per 64 x 64 tile), then row
+     * by row, so that a mask tensor is read in its own order (each row's keys contiguous). */
+    for (int64_t k0 = 0; k0 < mm->words; k0 += 64) {
+        const int64_t k1 = k0 + 64 < mm->words ? k0 + 64 : mm->words;
+        mha_tile_class cls[64];
+        for (int64_t k = k0; k < k1; k++) {
+            const int64_t j0 = 64 * k, j1 = j0 + 64 < p->m ? j0 + 64 : p->m;
+            cls[k - k0] = fn && p->mask_fn.classify
+                              ? p->mask_fn.classify(p->mask_fn.ctx, b, h, i0, i1, j0, j1)
+                              : MHA_TILE_MIXED;
+            if (cls[k - k0] != MHA_TILE_HIDDEN && cls[k - k0] != MHA_TILE_VISIBLE)
+                cls[k - k0] = MHA_TILE_MIXED; /* anything else is read as "ask per element" */
         }
         for (int64_t i = i0; i < i1; i++) {
-            const int64_t at = mha__map_at(mm, b, h, i) + k * mm->word_k;
-            uint8_t bias;
-            uint64_t bits = tensor_bits(p, b, h, i, j0, nk, &bias);
-            if (fn && bits)
-                bits &= fn_bits(p, b, h, i, j0, nk, cls);
-            mm->vis[at] = bits;
-            if (mm->need_bias)
-                mm->need_bias[at] = bias;
+            const int64_t row = mha__map_at(mm, b, h, i);
+            for (int64_t k = k0; k < k1; k++) {
+                const int64_t j0 = 64 * k, at = row + k * mm->word_k;
+                const int nk = (int)(p->m - j0 < 64 ? p->m - j0 : 64);
+                uint8_t bias;
+                uint64_t bits = tensor_bits(p, b, h, i, j0, nk, &bias);
+                if (fn && bits)
+                    bits &= fn_bits(p, b, h, i, j0, nk, cls[k - k0]);
+                mm->vis[at] = bits;
+                if (mm->need_bias)
+                    mm->need_bias[at] = bias;
+            }
         }
     }
     for (int64_t i = i0; i < i1; i++)
