@@ -456,6 +456,27 @@ MHA_API mha_status mha_attention_mask_summary(const mha_attention_args *args,
                                               mha_mask_summary *out,
                                               mha_error *err);
 
+/** A call's block mask built once for several calls: the forward and the backward of a training
+ *  step, or every step that uses the same masks. Built from args' element rules (bool mask,
+ *  additive mask, key padding, segment ids, mask function) for its (B, h, n, m); the causal and
+ *  window bands stay each call's own. It keeps the POINTERS of those masks, not their contents:
+ *  the caller keeps them alive and unchanged while the block mask is used. Memory from
+ *  exec->allocator; q, k, v and out are not read (may be NULL). */
+typedef struct mha_block_mask mha_block_mask;
+MHA_API mha_status mha_block_mask_create(const mha_attention_args *args,
+                                         const mha_exec *exec,
+                                         mha_block_mask **out,
+                                         mha_error *err);
+/** NULL-safe. */
+MHA_API void mha_block_mask_destroy(mha_block_mask *mask);
+/** mha_attention with a block mask from mha_block_mask_create: INVALID_ARG when it was built for
+ *  other sizes or other element rules (pointers, shapes, dtypes, polarity, mask function) than
+ *  args'. Same results, bit for bit, as mha_attention. */
+MHA_API mha_status mha_attention_masked(const mha_attention_args *args,
+                                        const mha_block_mask *mask,
+                                        const mha_exec *exec,
+                                        mha_error *err);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Attention statistics, streamed (docs/SEMANTICS.md, "Attention statistics")                     */
 /* ---------------------------------------------------------------------------------------------- */
@@ -769,6 +790,13 @@ MHA_API mha_status mha_attention_backward(const mha_attention_args *fwd,
                                           const mha_attention_grads *grads,
                                           const mha_exec *exec,
                                           mha_error *err);
+
+/** mha_attention_backward with the forward's block mask (mha_attention_masked). */
+MHA_API mha_status mha_attention_backward_masked(const mha_attention_args *fwd,
+                                                 const mha_attention_grads *grads,
+                                                 const mha_block_mask *mask,
+                                                 const mha_exec *exec,
+                                                 mha_error *err);
 
 /** What a training forward saved for the backward (opaque). It owns float copies of the
  *  post-RoPE Q [B, n, h*d_k], K [B, m, g*d_k], the V [B, m, g*d_v], the concatenated attention

@@ -487,11 +487,69 @@ static void test_functions(void) {
     prob_free(&P);
 }
 
+/* A block mask built once (mha_block_mask_create) and used by the forward and the backward:
+ * the same bits as the calls that build their own; refused for other masks or sizes. */
+static void test_block_mask_handle(void) {
+    prob P;
+    prob_init(&P, 150, 170, 2, 11);
+    docs_ctx dc = {40, 1};
+    fill_docs(&P, &dc);
+    mha_attention_args t;
+    memset(&t, 0, sizeof t);
+    use_tensor(&t, &P);
+    t.mask.use_window = 1, t.mask.window_left = 50, t.mask.window_right = 0;
+    result own;
+    run(&P, &t, MHA_IMPL_AUTO, &own);
+
+    const int64_t no = B * H * P.n * D, nkv = B * P.g * P.m * D;
+    result R = {calloc((size_t)no, 4), calloc((size_t)(B * H * P.n), 4), calloc((size_t)no, 4),
+                calloc((size_t)nkv, 4), calloc((size_t)nkv, 4)};
+    mha_attention_args a = core_args(&P, R.out, R.lse);
+    a.mask = t.mask;
+    mha_block_mask *bm = NULL;
+    mha_error err;
+    CHECK_OK(mha_block_mask_create(&a, NULL, &bm, &err), &err);
+    mha_exec ex = {.impl = MHA_IMPL_AUTO, .n_threads = 2};
+    CHECK_OK(mha_attention_masked(&a, bm, &ex, &err), &err);
+    mha_attention_grads g;
+    memset(&g, 0, sizeof g);
+    g.dout = P.dout;
+    memcpy(g.dout_strides, a.out_strides, sizeof g.dout_strides);
+    g.dq = R.dq, g.dk = R.dk, g.dv = R.dv;
+    memcpy(g.dq_strides, a.q_strides, sizeof g.dq_strides);
+    memcpy(g.dk_strides, a.k_strides, sizeof g.dk_strides);
+    memcpy(g.dv_strides, a.v_strides, sizeof g.dv_strides);
+    CHECK_OK(mha_attention_backward_masked(&a, &g, bm, &ex, &err), &err);
+    CHECK(same_bits(R.out, own.out, no) && same_bits(R.lse, own.lse, B * H * P.n) &&
+              same_bits(R.dq, own.dq, no) && same_bits(R.dk, own.dk, nkv) &&
+              same_bits(R.dv, own.dv, nkv),
+          "a block mask built once: forward and backward bit-identical to building per call");
+
+    /* Other masks (another tensor, another polarity) or other sizes: refused, nothing run. */
+    mha_attention_args other = a;
+    other.mask.bool_mask_polarity = MHA_MASK_BLOCK;
+    CHECK(mha_attention_masked(&other, bm, &ex, &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "other masks"),
+          "a block mask used with another polarity: INVALID_ARG (%s)", err.message);
+    other = a;
+    other.q_len = P.n - 1;
+    CHECK(mha_attention_backward_masked(&other, &g, bm, &ex, &err) == MHA_STATUS_INVALID_ARG,
+          "a block mask used for other sizes: INVALID_ARG (%s)", err.message);
+    CHECK(mha_attention_masked(&a, NULL, &ex, &err) == MHA_STATUS_INVALID_ARG,
+          "a NULL block mask: INVALID_ARG");
+    mha_block_mask_destroy(bm);
+    mha_block_mask_destroy(NULL);
+    result_free(&own);
+    result_free(&R);
+    prob_free(&P);
+}
+
 int main(void) {
     test_tile_classes();
     test_against_reference(150, 200, H);
     test_against_reference(256, 256, 2);
     test_against_reference(130, 70, 1);
     test_functions();
+    test_block_mask_handle();
     return test_finish();
 }

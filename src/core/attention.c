@@ -204,7 +204,7 @@ mha_status mha__attention_supported_layout(const mha_attention_args *args,
 mha_status mha__core_prepare(const mha_attention_args *args,
                              const mha_exec *exec,
                              const mha__kernel_info *forced,
-                             void *map_mem,
+                             const mha_block_mask *built,
                              mha__core_call *call,
                              mha_error *err) {
     memset(call, 0, sizeof *call);
@@ -223,7 +223,7 @@ mha_status mha__core_prepare(const mha_attention_args *args,
     ws_layout l;
     st = core_map_bytes(args, call->k, &map, err);
     if (!st)
-        st = core_layout(args, call->team.n, map_mem ? 0 : map, scratch, &l, err);
+        st = core_layout(args, call->team.n, built ? 0 : map, scratch, &l, err);
     if (st)
         return st;
     char *ws;
@@ -232,8 +232,10 @@ mha_status mha__core_prepare(const mha_attention_args *args,
         return st;
     st = mha__check_attention(args, &call->p, (int64_t *)(ws + l.delta_off),
                               (float *)(ws + l.slope_off), err);
-    if (!st && map)
-        st = mha__mask_map_build(&call->p, map_mem ? map_mem : ws + l.map_off, call->team, err);
+    if (!st && map && built)
+        st = mha__block_mask_use(built, args, &call->p, err);
+    else if (!st && map)
+        st = mha__mask_map_build(&call->p, ws + l.map_off, call->team, err);
     call->scratch = ws + l.scratch_off;
     call->stride = l.scratch_stride;
     if (st)
@@ -337,4 +339,124 @@ mha_status mha_attention_mask_summary(const mha_attention_args *args,
     }
     mha__free(alloc, ws);
     return st;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Block masks built once, used by several calls (the forward and the backward of a step).       */
+/* ---------------------------------------------------------------------------------------------- */
+
+struct mha_block_mask {
+    mha_masking rules; /* the element rules it was built from (the caller's pointers) */
+    int64_t B, H, n, m;
+    const mha__mask_map *map; /* in mem; NULL: no element rule */
+    void *mem;
+    mha_allocator allocator;
+    int has_allocator;
+};
+
+void mha_block_mask_destroy(mha_block_mask *bm) {
+    if (!bm)
+        return;
+    mha_allocator a = bm->allocator;
+    const mha_allocator *ap = bm->has_allocator ? &a : NULL;
+    mha__free(ap, bm->mem);
+    mha__free(ap, bm);
+}
+
+/* The rules a block mask holds: everything of mha_masking but the bands (causal, window,
+ * alignment), which stay rules of each call. */
+static bool same_element_rules(const mha_masking *a, const mha_masking *b) {
+    return !memcmp(&a->bool_mask, &b->bool_mask, sizeof a->bool_mask) &&
+           (!a->bool_mask.data || a->bool_mask_polarity == b->bool_mask_polarity) &&
+           !memcmp(&a->additive_mask, &b->additive_mask, sizeof a->additive_mask) &&
+           !memcmp(&a->key_padding, &b->key_padding, sizeof a->key_padding) &&
+           a->q_segment_ids == b->q_segment_ids && a->kv_segment_ids == b->kv_segment_ids &&
+           a->mask_fn.visible == b->mask_fn.visible && a->mask_fn.classify == b->mask_fn.classify &&
+           a->mask_fn.ctx == b->mask_fn.ctx && a->mask_fn.per_batch == b->mask_fn.per_batch &&
+           a->mask_fn.per_head == b->mask_fn.per_head;
+}
+
+mha_status mha__block_mask_use(const mha_block_mask *bm,
+                               const mha_attention_args *args,
+                               mha__problem *p,
+                               mha_error *err) {
+    MHA_RETURN_IF(bm->B != p->B || bm->H != p->H || bm->n != p->n || bm->m != p->m, err,
+                  INVALID_ARG,
+                  "block mask: built for (B, h, n, m) = (%lld, %lld, %lld, %lld), the call is "
+                  "(%lld, %lld, %lld, %lld)",
+                  (long long)bm->B, (long long)bm->H, (long long)bm->n, (long long)bm->m,
+                  (long long)p->B, (long long)p->H, (long long)p->n, (long long)p->m);
+    MHA_RETURN_IF(!same_element_rules(&bm->rules, &args->mask), err, INVALID_ARG,
+                  "block mask: built from other masks (bool mask, additive mask, key padding, "
+                  "segment ids or mask function) than the call's");
+    p->map = bm->map;
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_block_mask_create(const mha_attention_args *args,
+                                 const mha_exec *exec,
+                                 mha_block_mask **out,
+                                 mha_error *err) {
+    MHA_RETURN_IF(!out, err, INVALID_ARG, "out is NULL");
+    *out = NULL;
+    mha_status st = check_dims_for_layout(args, err);
+    if (st)
+        return st;
+    mha__team team;
+    st = mha__exec_team(exec, &team, err);
+    if (st)
+        return st;
+    size_t map;
+    ws_layout l;
+    MHA_RETURN_IF(!mha__mask_map_bytes(args, &map), err, OVERFLOW, "block mask size overflows");
+    st = core_layout(args, 0, 0, 0, &l, err); /* deltas and slopes of the check */
+    if (st)
+        return st;
+    const mha_allocator *alloc = exec ? exec->allocator : NULL;
+    mha_block_mask *bm = mha__alloc(alloc, sizeof *bm);
+    char *tmp = mha__alloc(alloc, l.total ? l.total : 1);
+    if (bm) {
+        memset(bm, 0, sizeof *bm);
+        if (alloc)
+            bm->allocator = *alloc, bm->has_allocator = 1;
+        bm->mem = map ? mha__alloc(alloc, map) : NULL;
+    }
+    if (!bm || !tmp || (map && !bm->mem)) {
+        mha__free(alloc, tmp);
+        mha_block_mask_destroy(bm);
+        return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %zu bytes of block mask", map);
+    }
+    /* The tensors are not read: NULL ones are replaced by a placeholder for the checks. */
+    static const float placeholder;
+    mha_attention_args a = *args;
+    a.q = a.q ? a.q : &placeholder;
+    a.k = a.k ? a.k : &placeholder;
+    a.v = a.v ? a.v : &placeholder;
+    a.out = a.out ? a.out : (float *)&placeholder;
+    mha__problem p;
+    st = mha__check_attention_layout(&a, &p, (int64_t *)(tmp + l.delta_off),
+                                     (float *)(tmp + l.slope_off), err);
+    if (!st && map)
+        st = mha__mask_map_build(&p, bm->mem, team, err);
+    mha__free(alloc, tmp);
+    if (st) {
+        mha_block_mask_destroy(bm);
+        return st;
+    }
+    bm->rules = args->mask;
+    bm->B = p.B, bm->H = p.H, bm->n = p.n, bm->m = p.m;
+    bm->map = p.map;
+    *out = bm;
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_attention_masked(const mha_attention_args *args,
+                                const mha_block_mask *mask,
+                                const mha_exec *exec,
+                                mha_error *err) {
+    MHA_RETURN_IF(!mask, err, INVALID_ARG, "mask (the block mask) is NULL");
+    mha__core_call call;
+    mha_status st = mha__core_prepare(args, exec, NULL, mask, &call, err);
+    return st ? st : mha__core_finish(&call, 1, err);
 }

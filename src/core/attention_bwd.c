@@ -165,12 +165,12 @@ static void run_units(void *ctx, int part, int64_t begin, int64_t end) {
         job->fn(job->bp, u / job->bp->p->G, u % job->bp->p->G, scratch);
 }
 
-/* The backward; kernel >= 0 forces that line; map: the forward's block mask, or NULL. */
+/* The backward; kernel >= 0 forces that line; built: the caller's block mask, or NULL. */
 static mha_status backward(const mha_attention_args *fwd,
                            const mha_attention_grads *grads,
                            const mha_exec *exec,
                            int kernel,
-                           const mha__mask_map *map,
+                           const mha_block_mask *built,
                            const char **name_out,
                            mha_error *err) {
     mha__team team;
@@ -189,8 +189,8 @@ static mha_status backward(const mha_attention_args *fwd,
                               err);
     if (!st)
         st = mha__check_backward_grads(fwd, grads, &p, err);
-    if (!st && l.map && map)
-        p.map = map;
+    if (!st && l.map && built)
+        st = mha__block_mask_use(built, fwd, &p, err);
     else if (!st && l.map)
         st = mha__mask_map_build(&p, ws + l.map_off, team, err);
     if (!st) {
@@ -235,12 +235,13 @@ mha_status mha__attention_backward_run(const mha_attention_args *fwd,
     return backward(fwd, grads, exec, kernel, NULL, name_out, err);
 }
 
-mha_status mha__attention_backward_with_map(const mha_attention_args *fwd,
-                                            const mha_attention_grads *grads,
-                                            const mha_exec *exec,
-                                            const mha__mask_map *map,
-                                            mha_error *err) {
-    return backward(fwd, grads, exec, -1, map, NULL, err);
+mha_status mha_attention_backward_masked(const mha_attention_args *fwd,
+                                         const mha_attention_grads *grads,
+                                         const mha_block_mask *mask,
+                                         const mha_exec *exec,
+                                         mha_error *err) {
+    MHA_RETURN_IF(!mask, err, INVALID_ARG, "mask (the block mask) is NULL");
+    return backward(fwd, grads, exec, -1, mask, NULL, err);
 }
 
 mha_status mha_attention_backward(const mha_attention_args *fwd,

@@ -38,13 +38,12 @@ typedef struct mha__core_call {
 mha_status mha__attention_supported_layout(const mha_attention_args *args,
                                            const mha_exec *exec,
                                            mha_error *err);
-/* map_mem: NULL, or mha__mask_map_bytes(args) bytes (64-byte aligned) of the caller's into which
- * the block mask is built instead of the workspace, so that it outlives the call (the training
- * state keeps it for the backward). */
+/* built: NULL, or a block mask of the caller's (mha_block_mask_create on args with the same
+ * element rules), used instead of building one in the workspace. */
 mha_status mha__core_prepare(const mha_attention_args *args,
                              const mha_exec *exec,
                              const mha__kernel_info *forced,
-                             void *map_mem,
+                             const mha_block_mask *built,
                              mha__core_call *call,
                              mha_error *err);
 mha_status mha__core_finish(mha__core_call *call, int run, mha_error *err);
@@ -64,13 +63,13 @@ int mha__bwd_kernel_usable(int index);
 
 /* The core backward; kernel >= 0 forces that kernel (tests), -1 chooses by exec->impl.
  * `name_out` (may be NULL) receives the name of the kernel that ran. */
-/* The core backward with the block mask the forward built (mha__core_prepare's map_mem; NULL =
- * build it), chosen by exec->impl. */
-mha_status mha__attention_backward_with_map(const mha_attention_args *fwd,
-                                            const mha_attention_grads *grads,
-                                            const mha_exec *exec,
-                                            const mha__mask_map *map,
-                                            mha_error *err);
+/* p->map from a caller's block mask, after checking that it was built for args' sizes and
+ * element rules (INVALID_ARG otherwise). */
+mha_status mha__block_mask_use(const mha_block_mask *bm,
+                               const mha_attention_args *args,
+                               mha__problem *p,
+                               mha_error *err);
+
 mha_status mha__attention_backward_run(const mha_attention_args *fwd,
                                        const mha_attention_grads *grads,
                                        const mha_exec *exec,

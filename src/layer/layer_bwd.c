@@ -16,7 +16,6 @@
  */
 #include "check/check.h"
 #include "core/core.h"
-#include "core/mask_map.h"
 #include "kernels/attention_bwd.h"
 #include "kernels/gemm.h"
 #include "layer/plan.h"
@@ -31,8 +30,7 @@ struct mha_train_state {
     int self;
     float *q, *k, *v, *a, *lse; /* [B,n,h*dk] [B,m,g*dk] [B,m,g*dv] [B,n,h*dv] [B,h,n] */
     void *block;
-    void *map_block;          /* the block mask the forward built, kept for the backward */
-    const mha__mask_map *map; /* in map_block, or NULL (no element rule, or the reference ran) */
+    mha_block_mask *mask; /* the forward's block mask, kept for the backward */
     mha_allocator allocator;
     int has_allocator;
 };
@@ -43,7 +41,7 @@ void mha_train_state_destroy(mha_train_state *s) {
     mha_allocator a = s->allocator;
     const mha_allocator *ap = s->has_allocator ? &a : NULL;
     mha__free(ap, s->block);
-    mha__free(ap, s->map_block);
+    mha_block_mask_destroy(s->mask);
     mha__free(ap, s);
 }
 
@@ -152,23 +150,14 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     ce.workspace = NULL;
     ce.workspace_bytes = 0;
     /* The block mask lives in the state: built once here, read again by the backward. */
-    size_t map_bytes = 0;
-    if (!mha__mask_map_bytes(&core, &map_bytes)) {
-        mha_train_state_destroy(s);
-        return mha__fail(err, MHA_STATUS_OVERFLOW, "block mask size overflows");
-    }
-    if (map_bytes && !(s->map_block = mha__alloc(alloc, map_bytes))) {
-        mha_train_state_destroy(s);
-        return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %zu bytes of block mask",
-                         map_bytes);
-    }
     mha__core_call call;
-    st = mha__core_prepare(&core, &ce, NULL, s->map_block, &call, err);
+    st = mha_block_mask_create(&core, &ce, &s->mask, err);
+    if (!st)
+        st = mha__core_prepare(&core, &ce, NULL, s->mask, &call, err);
     if (st) {
         mha_train_state_destroy(s);
         return st;
     }
-    s->map = call.p.map;
 
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
     const float *xk = self ? args->query : args->key;
@@ -394,7 +383,7 @@ static mha_status core_backward(const mha_config *c,
                              (long long)h);
         cg.dsinks = *dsinks;
     }
-    return mha__attention_backward_with_map(&core, &cg, &ce, s->map, err);
+    return mha_attention_backward_masked(&core, &cg, s->mask, &ce, err);
 }
 
 /* The output projection's gradients (dW_o = dy^T A, db_o = column sums of dy) and the sinks'. */
