@@ -222,3 +222,57 @@ def test_cache_is_bounded():
     calls = _mask_rule.recognize_calls
     mt.scaled_dot_product_attention(q, k, v, attn_mask=masks[-1])
     assert _mask_rule.recognize_calls == calls
+
+
+def random_mask(n=9, m=9, seed=3):
+    """A bool mask that is no rule (random holes), every row seeing its diagonal."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n, m, generator=g) > 0.4
+    mask |= torch.eye(n, m, dtype=torch.bool)
+    return mask
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_block_mask_built_once_per_tensor(contiguous):
+    """A mask tensor that is no rule: its block mask (mha_block_mask) is built once and serves
+    the forward, the backward and the next step with the same tensor; results bit for bit those
+    of the calls that build their own (block_masks off), and PyTorch's within the tolerance."""
+    mask = random_mask() if contiguous else random_mask().t().contiguous().t()
+    assert mask.is_contiguous() == contiguous
+
+    def step():
+        q, k, v = qkv(grad=True)
+        out = mt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return (out.detach(),) + torch.autograd.grad(out.sum(), (q, k, v))
+
+    builds = _mask_rule.block_mask_builds
+    first = step()
+    assert _mask_rule.block_mask_builds == builds + 1  # forward and backward: one build
+    second = step()
+    # The next step: none for a contiguous tensor. A strided one reaches the operator as a new
+    # contiguous copy per call (the drop-in's conversion), which the cache cannot tell from a new
+    # tensor: its forward and backward still share one build.
+    assert _mask_rule.block_mask_builds == builds + (1 if contiguous else 2)
+    _mask_rule.block_masks = False
+    try:
+        own = step()
+    finally:
+        _mask_rule.block_masks = True
+    for a, b, c in zip(first, second, own):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    q, k, v = qkv()
+    close(first[0], F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_block_mask_follows_in_place_edits_and_frees():
+    q, k, v = qkv()
+    mask = random_mask()
+    mt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    builds = _mask_rule.block_mask_builds
+    mask[2, 7] = not mask[2, 7]  # version bumped: rebuilt
+    got = mt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert _mask_rule.block_mask_builds == builds + 1
+    close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    del mask
+    gc.collect()
+    assert len(_mask_rule._blocks) == 0  # the entries died with the tensor

@@ -352,6 +352,15 @@ mha_layer_decode_step = _fn(
     "mha_layer_decode_step", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec),
                               P(mha_error)])
 
+mha_block_mask_create = _fn("mha_block_mask_create", [P(mha_attention_args), P(mha_exec),
+                                                      P(c_void_p), P(mha_error)])
+mha_block_mask_destroy = _fn("mha_block_mask_destroy", [c_void_p], None)
+mha_attention_masked = _fn("mha_attention_masked", [P(mha_attention_args), c_void_p, P(mha_exec),
+                                                    P(mha_error)])
+mha_attention_backward_masked = _fn(
+    "mha_attention_backward_masked", [P(mha_attention_args), P(mha_attention_grads), c_void_p,
+                                      P(mha_exec), P(mha_error)])
+
 mha_mask_recognize = _fn("mha_mask_recognize",
                          [P(mha_mask_tensor), c_int32, c_int, c_int64, c_int64, c_int64, c_int64,
                           P(mha_mask_rule), c_void_p, P(mha_error)])

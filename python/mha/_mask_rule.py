@@ -14,9 +14,15 @@ tensor's entry dies with it, and a new tensor at the same address is never taken
 data_ptr, storage_offset, shape, stride, dtype and ``t._version`` (bumped by every in-place
 operation torch sees), plus the sizes it was recognised for. Writes that bypass torch's version
 counter (through ``.numpy()``, a DLPack capsule, ctypes) are not seen: docs/PYTHON.md.
+
+A mask tensor that is no rule gets its block mask (``mha_block_mask``, a bit per score:
+docs/SEMANTICS.md, "Block masks") built once and cached the same way (:func:`block_mask`, the last
+``BLOCK_CACHE_SIZE`` tensors), so the forward and the backward of a step, and the steps after it
+with the same tensor, read the tensor once.
 """
 from __future__ import annotations
 
+import ctypes as C
 import threading
 import weakref
 from collections import OrderedDict
@@ -29,14 +35,20 @@ from . import _lib as L
 from . import _marshal as M
 
 CACHE_SIZE = 32
+BLOCK_CACHE_SIZE = 8  # a block mask is n m / 8 bytes per distinct (batch row, head) plane
 # False: never recognise (every mask tensor goes to C as it is; the tests compare both paths).
 enabled = True
+# False: no block mask cache (every call builds its own in C).
+block_masks = True
 # Calls made to the C recognizer in this process (the cache's tests count hits with it).
 recognize_calls = 0
 
 _CODES = {torch.bool: L.DTYPE_BOOL, torch.uint8: L.DTYPE_U8, torch.int32: L.DTYPE_I32,
           torch.int64: L.DTYPE_I64, torch.float32: L.DTYPE_F32}
 _cache: "OrderedDict[tuple, tuple]" = OrderedDict()
+_blocks: "OrderedDict[tuple, tuple]" = OrderedDict()
+# Block masks built in this process (the tests count reuse with it).
+block_mask_builds = 0
 _lock = threading.Lock()
 
 
@@ -111,9 +123,10 @@ def lookup(src: Tensor, data: Tensor, additive: bool, polarity: int, B: int, h: 
 
 
 def clear() -> None:
-    """Forgets every cached recognition."""
+    """Forgets every cached recognition and block mask."""
     with _lock:
         _cache.clear()
+        _blocks.clear()
 
 
 def substitute(mk: L.mha_masking, keep: list, rule: Optional[Rule], additive: bool, B: int,
@@ -167,3 +180,49 @@ def substitute(mk: L.mha_masking, keep: list, rule: Optional[Rule], additive: bo
         keep.append(rule.keys)
         M.set_mask_tensor(mk.key_padding, rule.keys.data_ptr(), L.DTYPE_U8, rule.keys.shape)
     return True
+
+
+class BlockMask:
+    """A C block mask (mha_block_mask) and, when the caller's tensor was not contiguous, the
+    contiguous copy it points at (a contiguous tensor is the caller's own: not held here, so the
+    cache entry dies with it). Destroyed when the last call holding it is done."""
+    __slots__ = ("ptr", "data")
+
+    def __init__(self, ptr: int, data: Optional[Tensor]):
+        self.ptr, self.data = ptr, data
+
+    def __del__(self):
+        L.mha_block_mask_destroy(self.ptr)
+
+
+def block_mask(src: Tensor, data: Tensor, additive: bool, a: L.mha_attention_args,
+               ex: L.mha_exec) -> BlockMask:
+    """The block mask of the call `a`, whose one mask tensor `data` (C-contiguous, made from the
+    caller's `src`) is already set in a.mask: from the cache (same tensor, same version, same
+    sizes) or built now. The caller points a.mask at the returned .data when it is not None."""
+    global block_mask_builds
+    key = (id(src), src.data_ptr(), src.storage_offset(), tuple(src.shape), src.stride(),
+           src.dtype, src._version, additive, a.mask.bool_mask_polarity, a.batch, a.num_heads,
+           a.q_len, a.kv_len)
+    with _lock:
+        hit = _blocks.get(key)
+        if hit is not None and hit[0]() is src:
+            _blocks.move_to_end(key)
+            return hit[1]
+    ptr = C.c_void_p()
+    M.call(L.mha_block_mask_create, a, ex, C.byref(ptr))
+    bm = BlockMask(ptr.value, None if data is src else data)
+    block_mask_builds += 1
+
+    def forget(_ref, key=key):
+        with _lock:
+            entry = _blocks.get(key)
+            if entry is not None and entry[0] is _ref:
+                del _blocks[key]
+
+    with _lock:
+        _blocks[key] = (weakref.ref(src, forget), bm)
+        _blocks.move_to_end(key)
+        while len(_blocks) > BLOCK_CACHE_SIZE:
+            _blocks.popitem(last=False)
+    return bm

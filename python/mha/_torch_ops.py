@@ -49,9 +49,12 @@ NO_MODEL = (0.0, False, None, -1, -1, False)
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: Optional[Tensor],
-          causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor], model: tuple):
-    """The mha_attention_args of one call, and the tensors it points at (kept alive by the
-    caller for the duration of the call)."""
+          causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor], model: tuple,
+          threads: int):
+    """The mha_attention_args of one call, the tensors it points at (kept alive by the caller for
+    the duration of the call) and its block mask (or None): a single mask tensor that is no rule
+    has its block mask built once and cached (python/mha/_mask_rule.py), so that the forward and
+    the backward, and later steps with the same tensor, read it once."""
     keep = [q.contiguous() if q.stride(-1) != 1 else q,
             k.contiguous() if k.stride(-1) != 1 else k,
             v.contiguous() if v.stride(-1) != 1 else v]
@@ -66,6 +69,7 @@ def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: O
     if (attend is None) != (additive is None) and _as_rule(a, keep, attend, additive, causal,
                                                            model):
         attend = additive = None  # the rule runs instead (exactly the same results)
+    src = attend if attend is not None else additive
     if attend is not None:
         attend = attend.contiguous()
         keep.append(attend)
@@ -77,7 +81,16 @@ def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: O
         M.set_mask_tensor(a.mask.additive_mask, additive.data_ptr(), L.DTYPE_F32, additive.shape)
     if dropout_p > 0.0:
         M.set_dropout(a.dropout, dropout_p, int(seed.item()))
-    return a, keep
+    bm = None
+    if (attend is None) != (additive is None) and _mask_rule.block_masks:
+        data = attend if attend is not None else additive
+        bm = _mask_rule.block_mask(src, data, additive is not None, a,
+                                   M.exec_struct(_AUTO, threads))
+        if bm.data is not None:  # the copy it was built on (src is not contiguous)
+            t = a.mask.bool_mask if attend is not None else a.mask.additive_mask
+            t.data = bm.data.data_ptr()
+        keep.append(bm)
+    return a, keep, bm
 
 
 def _as_rule(a: L.mha_attention_args, keep: list, attend: Optional[Tensor],
@@ -132,7 +145,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
     (attend, additive, causal, scale, dropout_p, seed, threads, model) (model: NO_MODEL or its
     form); probs_shape [B, h, n, m], or [B, n, m] for probabilities averaged over the heads."""
     attend, additive, causal, scale, dropout_p, seed, threads, model = options
-    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model)
+    a, keep, bm = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model, threads)
     out = empty((a.batch, a.num_heads, a.q_len, a.v_head_dim))
     M.set_strided(a, "out", out.data_ptr(), out.stride()[:3])
     lse = probs = None
@@ -143,7 +156,10 @@ def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
         probs = empty(probs_shape)
         a.probs = probs.data_ptr()
         a.average_probs = 1 if len(probs_shape) == 3 else 0
-    M.call(L.mha_attention, a, M.exec_struct(_AUTO, threads))
+    if bm is not None:
+        M.call(L.mha_attention_masked, a, bm.ptr, M.exec_struct(_AUTO, threads))
+    else:
+        M.call(L.mha_attention, a, M.exec_struct(_AUTO, threads))
     del keep
     return out, lse, probs
 
@@ -294,7 +310,7 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     """mha_attention_backward: (dq, dk, dv) of the forward(q, k, v, options, ...) call that gave
     out and lse."""
     attend, additive, causal, scale, dropout_p, seed, threads, model = options
-    a, keep = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model)
+    a, keep, bm = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model, threads)
     out = out if out.stride(-1) == 1 else out.contiguous()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     lse = lse.contiguous()
@@ -305,7 +321,10 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     grads = tuple(empty(t.shape) for t in keep[:3])
     for name, d in zip(("dq", "dk", "dv"), grads):
         M.set_strided(g, name, d.data_ptr(), d.stride()[:3])
-    M.call(L.mha_attention_backward, a, g, M.exec_struct(_AUTO, threads))
+    if bm is not None:
+        M.call(L.mha_attention_backward_masked, a, g, bm.ptr, M.exec_struct(_AUTO, threads))
+    else:
+        M.call(L.mha_attention_backward, a, g, M.exec_struct(_AUTO, threads))
     del keep
     return grads
 
