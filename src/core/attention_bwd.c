@@ -4,15 +4,16 @@
  * picks the implementation, and runs the work units (b, kv head) on threads.
  *
  * Threads: units are disjoint in their outputs (attention_bwd.h), handed out as contiguous
- * ranges by mha__parallel_for, so no two threads write the same element and the arithmetic of
- * every element is the same for any thread count (bit-identical results). The sink gradient is
- * the one cross-unit sum: units write per-(b, h) partials, reduced here over b in order.
- * Parallelism is B * G units: a single MQA sequence (B = G = 1) runs on one thread.
+ * ranges of about equal cost (split_units), so no two threads write the same element and the
+ * arithmetic of every element is the same for any thread count (bit-identical results). The sink
+ * gradient is the one cross-unit sum: units write per-(b, h) partials, reduced here over b in
+ * order. Parallelism is B * G units: a single MQA sequence (B = G = 1) runs on one thread.
  */
 #include "kernels/attention_bwd.h"
 #include "check/check.h"
 #include "core/core.h"
 #include "core/mask_map.h"
+#include "kernels/flash_fwd.h"
 #include "kernels/registry.h"
 
 #include <string.h>
@@ -151,18 +152,71 @@ mha_status mha_attention_backward_workspace_size(const mha_attention_args *fwd,
     return MHA_STATUS_OK;
 }
 
+#define MHA_BWD_MAX_PARTS 1024 /* the largest team (mha_threadpool's limit) */
+
 typedef struct bwd_job {
     const mha__bwd_problem *bp;
     mha__bwd_fn fn;
     char *scratch;
     size_t stride;
+    int64_t first[MHA_BWD_MAX_PARTS + 1]; /* part t runs units [first[t], first[t + 1]) */
 } bwd_job;
 
 static void run_units(void *ctx, int part, int64_t begin, int64_t end) {
     const bwd_job *job = ctx;
+    (void)begin, (void)end;
     void *scratch = job->scratch + (size_t)part * job->stride;
-    for (int64_t u = begin; u < end; u++)
+    for (int64_t u = job->first[part]; u < job->first[part + 1]; u++)
         job->fn(job->bp, u / job->bp->p->G, u % job->bp->p->G, scratch);
+}
+
+/* The relative cost of unit (b, g): the keys its rows may see (the causal / window band
+ * narrowed by the block mask's row spans), plus a fixed 64 keys' worth per row. */
+static double unit_cost(const mha__problem *p, int64_t b, int64_t g) {
+    const mha__mask_map *mm = p->map;
+    double first_head = 0.0, total = 0.0;
+    for (int64_t h = g * p->group; h < (g + 1) * p->group; h++) {
+        if (h > g * p->group && !(mm && mm->span_h)) { /* the same rows as the first head */
+            total += first_head;
+            continue;
+        }
+        double c = 0.0;
+        for (int64_t i = 0; i < p->n; i++) {
+            int64_t lo, hi, f, l;
+            mha__flash_key_range(p, b, i, &lo, &hi);
+            if (mm) {
+                mha__map_span(mm, b, h, i, &f, &l);
+                lo = f > lo ? f : lo;
+                hi = l < hi ? l : hi;
+            }
+            c += 64.0 + (lo <= hi ? (double)(hi - lo + 1) : 0.0);
+        }
+        first_head = c;
+        total += c;
+    }
+    return total;
+}
+
+/* Contiguous ranges of units of about equal cost, one per part (masked units differ: key
+ * padding, documents, windows). Which thread runs a unit changes no result. */
+static void split_units(const mha__problem *p, int parts, bwd_job *job) {
+    const int64_t count = p->B * p->G;
+    double all = 0.0, prefix = 0.0;
+    for (int64_t u = 0; u < count; u++)
+        all += unit_cost(p, u / p->G, u % p->G);
+    int t = 0;
+    job->first[0] = 0;
+    for (int64_t u = 0; u < count; u++) {
+        const double c = unit_cost(p, u / p->G, u % p->G);
+        /* the unit goes to the part its cost midpoint falls in */
+        int owner = all > 0.0 ? (int)((prefix + 0.5 * c) / all * parts) : 0;
+        owner = owner >= parts ? parts - 1 : owner;
+        while (t < owner)
+            job->first[++t] = u;
+        prefix += c;
+    }
+    while (t < parts)
+        job->first[++t] = count;
 }
 
 /* The backward; kernel >= 0 forces that line; built: the caller's block mask, or NULL. */
@@ -207,8 +261,11 @@ static mha_status backward(const mha_attention_args *fwd,
         memcpy(bp.dvs, grads->dv_strides, sizeof bp.dvs);
         bp.sink_part = grads->dsinks ? (float *)(ws + l.sink_off) : NULL;
         bp.accumulate = grads->accumulate != 0;
-        bwd_job job = {&bp, k->run.bwd, ws + l.scratch_off, l.stride};
-        st = mha__parallel_for(team, p.B * p.G, run_units, &job, err);
+        bwd_job job = {
+            .bp = &bp, .fn = k->run.bwd, .scratch = ws + l.scratch_off, .stride = l.stride};
+        team = mha__team_at_most(team, p.B * p.G);
+        split_units(&p, team.n, &job);
+        st = mha__parallel_for(team, team.n, run_units, &job, err);
         if (!st && grads->dsinks)
             for (int64_t h = 0; h < p.H; h++) {
                 float s = 0.0f;
