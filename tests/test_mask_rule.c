@@ -249,7 +249,7 @@ static void lower_edge_only(pattern *p) { /* torch.triu(ones, -2): j >= i - 2 */
 }
 static void padding_only(pattern *p) { /* batch row b: its last b + 1 keys are padding */
     for (int64_t b = 0; b < p->B; b++)
-        for (int64_t j = p->m - 1 - b; j < p->m; j++)
+        for (int64_t j = p->m - 1 - b > 0 ? p->m - 1 - b : 0; j < p->m; j++)
             p->keys[b][j] = 0;
 }
 static void hf_left_padded(pattern *p) { /* HF: causal (bottom-right) AND left padding */
