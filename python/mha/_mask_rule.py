@@ -99,27 +99,39 @@ def lookup(src: Tensor, data: Tensor, additive: bool, polarity: int, B: int, h: 
     of `src`, the caller's tensor that `data` was made from (often `data` itself)."""
     if not enabled:
         return None
-    key = (id(src), src.data_ptr(), src.storage_offset(), tuple(src.shape), src.stride(),
-           src.dtype, src._version, data.dtype, additive, polarity, B, h, n, m)
+    key = _identity(src) + (data.dtype, additive, polarity, B, h, n, m)
+    return _cached(_cache, CACHE_SIZE, key, src,
+                   lambda: _recognise(data, additive, polarity, B, h, n, m))
+
+
+def _identity(src: Tensor) -> tuple:
+    """What a cache entry is keyed by: the tensor object and its contents version."""
+    return (id(src), src.data_ptr(), src.storage_offset(), tuple(src.shape), src.stride(),
+            src.dtype, src._version)
+
+
+def _cached(table: "OrderedDict[tuple, tuple]", size: int, key: tuple, src: Tensor, make):
+    """table[key]'s value when its weak reference still is `src`, else make()'s, stored under
+    key (LRU, at most `size` entries; the entry dies with `src`)."""
     with _lock:
-        hit = _cache.get(key)
+        hit = table.get(key)
         if hit is not None and hit[0]() is src:
-            _cache.move_to_end(key)
+            table.move_to_end(key)
             return hit[1]
-    rule = _recognise(data, additive, polarity, B, h, n, m)
+    value = make()
 
     def forget(_ref, key=key):
         with _lock:
-            entry = _cache.get(key)
+            entry = table.get(key)
             if entry is not None and entry[0] is _ref:
-                del _cache[key]
+                del table[key]
 
     with _lock:
-        _cache[key] = (weakref.ref(src, forget), rule)
-        _cache.move_to_end(key)
-        while len(_cache) > CACHE_SIZE:
-            _cache.popitem(last=False)
-    return rule
+        table[key] = (weakref.ref(src, forget), value)
+        table.move_to_end(key)
+        while len(table) > size:
+            table.popitem(last=False)
+    return value
 
 
 def clear() -> None:
@@ -200,29 +212,14 @@ def block_mask(src: Tensor, data: Tensor, additive: bool, a: L.mha_attention_arg
     """The block mask of the call `a`, whose one mask tensor `data` (C-contiguous, made from the
     caller's `src`) is already set in a.mask: from the cache (same tensor, same version, same
     sizes) or built now. The caller points a.mask at the returned .data when it is not None."""
-    global block_mask_builds
-    key = (id(src), src.data_ptr(), src.storage_offset(), tuple(src.shape), src.stride(),
-           src.dtype, src._version, additive, a.mask.bool_mask_polarity, a.batch, a.num_heads,
-           a.q_len, a.kv_len)
-    with _lock:
-        hit = _blocks.get(key)
-        if hit is not None and hit[0]() is src:
-            _blocks.move_to_end(key)
-            return hit[1]
-    ptr = C.c_void_p()
-    M.call(L.mha_block_mask_create, a, ex, C.byref(ptr))
-    bm = BlockMask(ptr.value, None if data is src else data)
-    block_mask_builds += 1
+    key = _identity(src) + (additive, a.mask.bool_mask_polarity, a.batch, a.num_heads, a.q_len,
+                            a.kv_len)
 
-    def forget(_ref, key=key):
-        with _lock:
-            entry = _blocks.get(key)
-            if entry is not None and entry[0] is _ref:
-                del _blocks[key]
+    def build() -> BlockMask:
+        global block_mask_builds
+        ptr = C.c_void_p()
+        M.call(L.mha_block_mask_create, a, ex, C.byref(ptr))
+        block_mask_builds += 1
+        return BlockMask(ptr.value, None if data is src else data)
 
-    with _lock:
-        _blocks[key] = (weakref.ref(src, forget), bm)
-        _blocks.move_to_end(key)
-        while len(_blocks) > BLOCK_CACHE_SIZE:
-            _blocks.popitem(last=False)
-    return bm
+    return _cached(_blocks, BLOCK_CACHE_SIZE, key, src, build)

@@ -273,6 +273,43 @@ mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, m
 /* The block mask's summary.                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
+/* The sizes checked, exec's threads and the bytes of args' block mask. */
+static mha_status masks_sizes(const mha_attention_args *args,
+                              const mha_exec *exec,
+                              mha__team *team,
+                              size_t *map,
+                              mha_error *err) {
+    mha_status st = check_dims_for_layout(args, err);
+    if (!st)
+        st = mha__exec_team(exec, team, err);
+    MHA_RETURN_IF(!st && !mha__mask_map_bytes(args, map), err, OVERFLOW,
+                  "block mask size overflows");
+    return st;
+}
+
+/* args' masks checked and resolved into p (its deltas and slopes in ws at l's offsets) and, when
+ * map_mem is not NULL, its block mask built there. The tensors are not read: NULL ones are
+ * replaced by a placeholder for the checks. */
+static mha_status masks_only(const mha_attention_args *args,
+                             const ws_layout *l,
+                             char *ws,
+                             void *map_mem,
+                             mha__team team,
+                             mha__problem *p,
+                             mha_error *err) {
+    static const float placeholder;
+    mha_attention_args a = *args;
+    a.q = a.q ? a.q : &placeholder;
+    a.k = a.k ? a.k : &placeholder;
+    a.v = a.v ? a.v : &placeholder;
+    a.out = a.out ? a.out : (float *)&placeholder;
+    mha_status st = mha__check_attention_layout(&a, p, (int64_t *)(ws + l->delta_off),
+                                                (float *)(ws + l->slope_off), err);
+    if (!st && map_mem)
+        st = mha__mask_map_build(p, map_mem, team, err);
+    return st;
+}
+
 /* Counts the classes of p's 64 x 64 tiles (p->map built, or no element rule). */
 static void count_tiles(const mha__problem *p, mha_mask_summary *out) {
     for (int64_t b = 0; b < p->B; b++)
@@ -300,15 +337,11 @@ mha_status mha_attention_mask_summary(const mha_attention_args *args,
                                       mha_error *err) {
     MHA_RETURN_IF(!out, err, INVALID_ARG, "out is NULL");
     memset(out, 0, sizeof *out);
-    mha_status st = check_dims_for_layout(args, err);
-    if (st)
-        return st;
     mha__team team;
-    st = mha__exec_team(exec, &team, err);
+    size_t map;
+    mha_status st = masks_sizes(args, exec, &team, &map, err);
     if (st)
         return st;
-    size_t map;
-    MHA_RETURN_IF(!mha__mask_map_bytes(args, &map), err, OVERFLOW, "block mask size overflows");
     ws_layout l;
     st = core_layout(args, 0, map, 0, &l, err);
     if (st)
@@ -316,18 +349,8 @@ mha_status mha_attention_mask_summary(const mha_attention_args *args,
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
     char *ws = mha__alloc(alloc, l.total ? l.total : 1);
     MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate %zu bytes for the block mask", l.total);
-    /* The tensors are not read: NULL ones are replaced by a placeholder for the checks. */
-    static const float placeholder;
-    mha_attention_args a = *args;
-    a.q = a.q ? a.q : &placeholder;
-    a.k = a.k ? a.k : &placeholder;
-    a.v = a.v ? a.v : &placeholder;
-    a.out = a.out ? a.out : (float *)&placeholder;
     mha__problem p;
-    st = mha__check_attention_layout(&a, &p, (int64_t *)(ws + l.delta_off),
-                                     (float *)(ws + l.slope_off), err);
-    if (!st && map)
-        st = mha__mask_map_build(&p, ws + l.map_off, team, err);
+    st = masks_only(args, &l, ws, map ? ws + l.map_off : NULL, team, &p, err);
     if (!st) {
         count_tiles(&p, out);
         if (p.map) {
@@ -399,16 +422,12 @@ mha_status mha_block_mask_create(const mha_attention_args *args,
                                  mha_error *err) {
     MHA_RETURN_IF(!out, err, INVALID_ARG, "out is NULL");
     *out = NULL;
-    mha_status st = check_dims_for_layout(args, err);
-    if (st)
-        return st;
     mha__team team;
-    st = mha__exec_team(exec, &team, err);
+    size_t map;
+    mha_status st = masks_sizes(args, exec, &team, &map, err);
     if (st)
         return st;
-    size_t map;
     ws_layout l;
-    MHA_RETURN_IF(!mha__mask_map_bytes(args, &map), err, OVERFLOW, "block mask size overflows");
     st = core_layout(args, 0, 0, 0, &l, err); /* deltas and slopes of the check */
     if (st)
         return st;
@@ -426,18 +445,8 @@ mha_status mha_block_mask_create(const mha_attention_args *args,
         mha_block_mask_destroy(bm);
         return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %zu bytes of block mask", map);
     }
-    /* The tensors are not read: NULL ones are replaced by a placeholder for the checks. */
-    static const float placeholder;
-    mha_attention_args a = *args;
-    a.q = a.q ? a.q : &placeholder;
-    a.k = a.k ? a.k : &placeholder;
-    a.v = a.v ? a.v : &placeholder;
-    a.out = a.out ? a.out : (float *)&placeholder;
     mha__problem p;
-    st = mha__check_attention_layout(&a, &p, (int64_t *)(tmp + l.delta_off),
-                                     (float *)(tmp + l.slope_off), err);
-    if (!st && map)
-        st = mha__mask_map_build(&p, bm->mem, team, err);
+    st = masks_only(args, &l, tmp, bm->mem, team, &p, err);
     mha__free(alloc, tmp);
     if (st) {
         mha_block_mask_destroy(bm);

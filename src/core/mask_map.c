@@ -342,24 +342,11 @@ mha_status mha__mask_map_build(mha__problem *p, void *mem, mha__team team, mha_e
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Classification of a tile (the summary; the kernels classify their own tiles inline).           */
+/* Classification of a tile (the summary; the kernels ask mha__rows_class themselves). */
 /* ---------------------------------------------------------------------------------------------- */
 
 mha_tile_class mha__tile_class(
     const mha__problem *p, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int nk) {
-    const uint64_t full = nk == 64 ? ~(uint64_t)0 : (((uint64_t)1 << nk) - 1);
-    int any = 0, all = 1, bias = 0;
-    for (int64_t i = i0; i < i1; i++) {
-        int64_t lo, hi;
-        mha__flash_key_range(p, b, i, &lo, &hi);
-        lo = lo > j0 ? lo - j0 : 0;
-        hi = hi < j0 + nk - 1 ? hi - j0 : nk - 1;
-        uint64_t w = lo > hi ? 0 : (~(uint64_t)0 >> (63 - (hi - lo))) << lo;
-        mha_tile_class c = w == full ? MHA_TILE_VISIBLE : w ? MHA_TILE_MIXED : MHA_TILE_HIDDEN;
-        if (p->map)
-            c = mha__map_row_words(p->map, b, h, i, j0, nk, 1, &w, &bias);
-        any |= c != MHA_TILE_HIDDEN;
-        all &= c == MHA_TILE_VISIBLE;
-    }
-    return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
+    int bias = 0;
+    return mha__rows_class(p, b, h, i0, i1 - i0, j0, nk, NULL, &bias);
 }

@@ -139,6 +139,43 @@ void mha__flash_unit_keys(const mha__problem *p,
                           int64_t *lo,
                           int64_t *hi);
 
+/* The band [lo, hi] of one row (mha__flash_key_range) as the bits of keys j0 .. j0 + nk - 1
+ * (nk <= 64): bit t set when lo <= j0 + t <= hi. */
+static inline uint64_t mha__band_word(int64_t lo, int64_t hi, int64_t j0, int64_t nk) {
+    lo = lo > j0 ? lo - j0 : 0;
+    hi = hi < j0 + nk - 1 ? hi - j0 : nk - 1;
+    return lo > hi ? 0 : (~(uint64_t)0 >> (63 - (hi - lo))) << lo;
+}
+
+/* The class of rows [i0, i0 + R) of (b, h) against keys [j0, j0 + nk) (nk <= 64) under every
+ * rule: the band (mha__flash_key_range) AND the block mask (p->map, when built). vis (NULL: not
+ * wanted) receives each row's word; *bias is set when the additive mask is not 0 there. */
+static inline mha_tile_class mha__rows_class(const mha__problem *p,
+                                             int64_t b,
+                                             int64_t h,
+                                             int64_t i0,
+                                             int64_t R,
+                                             int64_t j0,
+                                             int nk,
+                                             uint64_t *vis,
+                                             int *bias) {
+    const uint64_t full = nk == 64 ? ~(uint64_t)0 : (((uint64_t)1 << nk) - 1);
+    int any = 0, all = 1;
+    for (int64_t r = 0; r < R; r++) {
+        int64_t lo, hi;
+        mha__flash_key_range(p, b, i0 + r, &lo, &hi);
+        uint64_t w = mha__band_word(lo, hi, j0, nk);
+        mha_tile_class c = w == full ? MHA_TILE_VISIBLE : w ? MHA_TILE_MIXED : MHA_TILE_HIDDEN;
+        if (p->map)
+            c = mha__map_row_words(p->map, b, h, i0 + r, j0, nk, 1, &w, bias);
+        if (vis)
+            vis[r] = w;
+        any |= c != MHA_TILE_HIDDEN;
+        all &= c == MHA_TILE_VISIBLE;
+    }
+    return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
+}
+
 /* Number of key tiles of width bk in mha__flash_unit_keys (the cost model of dispatch.c). */
 int64_t mha__flash_visible_tiles(
     const mha__problem *p, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, int bk);

@@ -13,6 +13,7 @@
  * as the B operand (the forward measured 30% on O += P V for the same reason).
  */
 #include "kernels/bwd_flash.h"
+#include "kernels/flash_fwd.h"
 
 #include <string.h>
 
@@ -59,22 +60,6 @@ bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes) {
 /* ---------------------------------------------------------------------------------------------- */
 /* The driver.                                                                                    */
 /* ---------------------------------------------------------------------------------------------- */
-
-/* Visible key range of row i from causal and window alone (empty when lo > hi). */
-static void key_range(const mha__problem *p, int64_t b, int64_t i, int64_t *lo, int64_t *hi) {
-    const int64_t pos = i + p->delta[b];
-    int64_t l = 0, h = p->m - 1;
-    if (p->causal && pos < h)
-        h = pos;
-    if (p->use_window) {
-        if (p->window_left >= 0 && pos - p->window_left > l)
-            l = pos - p->window_left;
-        if (p->window_right >= 0 && pos + p->window_right < h)
-            h = pos + p->window_right;
-    }
-    *lo = l;
-    *hi = h;
-}
 
 static void store(float *dst, const float *acc, int64_t len, int accumulate) {
     for (int64_t d = 0; d < len; d++)
@@ -145,37 +130,6 @@ static int load_key_tile(const bwd_unit *u, int64_t j0, int64_t nk) {
     memset(u->dKa, 0, sizeof(float) * (size_t)(BK * dk));
     memset(u->dVa, 0, sizeof(float) * (size_t)(BK * dv));
     return k_finite;
-}
-
-/* Visibility of rows [i0, i0 + R) of head h against keys [j0, j0 + nk) (nk <= BK = 64: one word
- * per row): the causal / window band ANDed with the block mask. Returns the block's class; *bias
- * is set when the additive mask is not 0 somewhere in it. */
-static mha_tile_class block_vis(const bwd_unit *u,
-                                int64_t h,
-                                int64_t i0,
-                                int64_t R,
-                                int64_t j0,
-                                int64_t nk,
-                                uint64_t *vis,
-                                int *bias) {
-    const mha__problem *p = u->p;
-    const uint64_t full = nk == 64 ? ~(uint64_t)0 : (((uint64_t)1 << nk) - 1);
-    int any = 0, all = 1;
-    for (int64_t r = 0; r < R; r++) {
-        int64_t lo, hi;
-        key_range(p, u->b, i0 + r, &lo, &hi);
-        lo = lo > j0 ? lo - j0 : 0;
-        hi = hi < j0 + nk - 1 ? hi - j0 : nk - 1;
-        vis[r] = lo > hi ? 0 : (~(uint64_t)0 >> (63 - (hi - lo))) << lo;
-        mha_tile_class c = vis[r] == full ? MHA_TILE_VISIBLE
-                           : vis[r]       ? MHA_TILE_MIXED
-                                          : MHA_TILE_HIDDEN;
-        if (p->map)
-            c = mha__map_row_words(p->map, u->b, h, i0 + r, j0, (int)nk, 1, &vis[r], bias);
-        any |= c != MHA_TILE_HIDDEN;
-        all &= c == MHA_TILE_VISIBLE;
-    }
-    return !any ? MHA_TILE_HIDDEN : all ? MHA_TILE_VISIBLE : MHA_TILE_MIXED;
 }
 
 /* Rows [i0, i0 + R) of head h (hh in the group) against the tile: S = Q K^T (forward: dot +=
@@ -335,13 +289,15 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
                 const int64_t R = n - i0 < BQ ? n - i0 : BQ;
                 /* Skip blocks that cannot see the tile (ranges grow with i). */
                 int64_t lo0, hi0, lo1, hi1;
-                key_range(p, b, i0, &lo0, &hi0);
-                key_range(p, b, i0 + R - 1, &lo1, &hi1);
+                mha__flash_key_range(p, b, i0, &lo0, &hi0);
+                mha__flash_key_range(p, b, i0 + R - 1, &lo1, &hi1);
                 if (hi1 < j0 || lo0 > j0 + nk - 1 || lo0 > hi1)
                     continue;
                 uint64_t vis[MHA__BWD_BQ];
                 int bias = 0;
-                const mha_tile_class c = block_vis(&u, g * group + hh, i0, R, j0, nk, vis, &bias);
+                /* Every rule: the band AND the block mask, a word per row (BK = 64). */
+                const mha_tile_class c =
+                    mha__rows_class(p, b, g * group + hh, i0, R, j0, (int)nk, vis, &bias);
                 if (c == MHA_TILE_HIDDEN)
                     continue;
                 const int whole =
