@@ -13,6 +13,9 @@ train    one training step, y = layer(x, x, x, attn_mask, is_causal, need_weight
            mha_is_causal     is_causal=True, no tensor (mha.torch: top-left causal from the flag)
            mha_bool_causal   attn_mask = triu(ones(n, n), 1).bool() (True = masked)
            mha_float_causal  attn_mask = nn.Transformer.generate_square_subsequent_mask(n)
+                             (both recognised as the causal rule: python/mha/_mask_rule.py)
+           mha_bool_blockmask, mha_float_blockmask: the same with recognition off (the tensor
+                             goes to C; the block mask alone skips its hidden tiles)
            mha_none          no mask
            torch_bool_causal, torch_float_causal, torch_none: the same tensors in torch
            torch_causal_hint the bool tensor + is_causal=True (torch then drops the tensor and
@@ -225,6 +228,20 @@ def train_step_fn(torch, layer, x, dy, attn_mask, is_causal, keep):
     return step
 
 
+def without_rules(step):
+    """step() with mha's mask recognition off: the tensor goes to C, where the block mask alone
+    skips its hidden tiles (the rows *_blockmask)."""
+    from mha import _mask_rule
+
+    def run():
+        _mask_rule.enabled = False
+        try:
+            step()
+        finally:
+            _mask_rule.enabled = True
+    return run
+
+
 def bench_train(ctx, mha, args, threads):
     """Group train: the layer's training step with each causal mask form and without a mask."""
     torch = ctx.torch
@@ -245,6 +262,7 @@ def bench_train(ctx, mha, args, threads):
         torch.set_num_threads(T)
         ours.threads = T
         k = {name: {} for name in ("mha_is_causal", "mha_bool_causal", "mha_float_causal",
+                                   "mha_bool_blockmask", "mha_float_blockmask",
                                    "mha_none", "torch_bool_causal", "torch_float_causal",
                                    "torch_none", "torch_causal_hint")}
         spec = [  # name, layer, mask, is_causal, flops, note, torch row to check against
@@ -254,6 +272,10 @@ def bench_train(ctx, mha, args, threads):
              "torch_bool_causal"),
             ("mha_float_causal", ours, float_mask, False, fl_causal,
              "float [n, n] generate_square_subsequent_mask", "torch_float_causal"),
+            ("mha_bool_blockmask", ours, bool_mask, False, fl_causal,
+             "bool [n, n], recognition off: the block mask alone", "torch_bool_causal"),
+            ("mha_float_blockmask", ours, float_mask, False, fl_causal,
+             "float [n, n], recognition off: the block mask alone", "torch_float_causal"),
             ("mha_none", ours, None, False, fl_full, "no mask", "torch_none"),
             ("torch_bool_causal", ref, bool_mask, False, fl_causal, "nn.MHA, bool [n, n]", None),
             ("torch_float_causal", ref, float_mask, False, fl_causal, "nn.MHA, float [n, n]",
@@ -264,8 +286,8 @@ def bench_train(ctx, mha, args, threads):
         ]
         rows = []
         for name, layer, mask, causal, fl, note, against in spec:
-            rows.append(dict(name=name, fn=train_step_fn(torch, layer, x, dy, mask, causal,
-                                                         k[name]),
+            fn = train_step_fn(torch, layer, x, dy, mask, causal, k[name])
+            rows.append(dict(name=name, fn=without_rules(fn) if "blockmask" in name else fn,
                              flops=fl, note=note, check=train_check(k[name], k.get(against))
                              if against else None))
         print("\n### train n=%d threads=%d" % (n, T))
@@ -275,6 +297,8 @@ def bench_train(ctx, mha, args, threads):
         print_ratios(ctx, "train", "n%d" % n, T, med, [
             ("bool/is_causal", "mha_bool_causal", "mha_is_causal"),
             ("float/is_causal", "mha_float_causal", "mha_is_causal"),
+            ("bool_blockmask/is_causal", "mha_bool_blockmask", "mha_is_causal"),
+            ("float_blockmask/is_causal", "mha_float_blockmask", "mha_is_causal"),
             ("none/is_causal", "mha_none", "mha_is_causal"),
             ("torch_bool/mha_bool", "torch_bool_causal", "mha_bool_causal"),
             ("torch_float/mha_float", "torch_float_causal", "mha_float_causal"),
