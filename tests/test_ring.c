@@ -589,6 +589,12 @@ static void test_short_sequences(void) {
 }
 
 /* One rank with bad arguments: every rank returns that rank's status, with its message. */
+
+/* A mask function for the refusal check (the ring never calls it). */
+static int32_t ring_fn_visible(void *ctx, int64_t b, int64_t h, int64_t i, int64_t j) {
+    (void)ctx, (void)b, (void)h;
+    return j <= i;
+}
 static void test_collective_errors(void) {
     const int64_t B = 1, h = 2, n = 4 * (int64_t)g_size, d = 8;
     mha_ring_config cfg = {n, MHA_SHARD_ZIGZAG};
@@ -628,6 +634,12 @@ static void test_collective_errors(void) {
               strstr(err.message, "probs"),
           "probs on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st), err.message);
     free(probs);
+    /* A mask function (issue 29) on every rank: UNSUPPORTED, the message naming it. */
+    b = a;
+    b.mask.mask_fn.visible = ring_fn_visible;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "mask function"),
+          "mask_fn: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
     /* Masks that differ between ranks (each valid alone): sinks on one rank only, other sink
      * values on one rank, key padding or segment ids on one rank only, dropout on one rank only or
      * with another seed there. INVALID_ARG everywhere, naming the option. */
