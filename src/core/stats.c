@@ -328,17 +328,6 @@ static void pool_out(const unit *u) {
     }
 }
 
-/* Key range [lo, hi] that causal and window leave to some row of [i0, i0 + rows). */
-static void
-tile_keys(const mha__problem *p, int64_t b, int64_t i0, int rows, int64_t *lo, int64_t *hi) {
-    int64_t l0, h0, l1, h1;
-    mha__flash_key_range(p, b, i0, &l0, &h0);
-    mha__flash_key_range(p, b, i0 + rows - 1, &l1, &h1);
-    /* Both ends move monotonically with the row, so the first and last rows bound the tile. */
-    *lo = l0 < l1 ? l0 : l1;
-    *hi = h0 > h1 ? h0 : h1;
-}
-
 static void run_unit(unit *u) {
     const stats_ctx *c = u->c;
     const mha__problem *p = c->p;
@@ -354,8 +343,10 @@ static void run_unit(unit *u) {
             u->ent[r] = 0.0;
             u->cnt[r] = 0;
         }
+        /* Keys [lo, hi] some row of the tile may see: the causal / window band narrowed by the
+         * block mask's row spans (keys outside are hidden from every row: P = 0, no term). */
         int64_t lo, hi;
-        tile_keys(p, u->b, i0, rows, &lo, &hi);
+        mha__flash_unit_keys(p, u->b, u->h, u->h + 1, i0, i0 + rows, &lo, &hi);
         for (int64_t j0 = lo; j0 <= hi; j0 += TK) {
             const int nk = (int)(hi + 1 - j0 < TK ? hi + 1 - j0 : TK);
             score_tile(u, i0, rows, j0, nk);
