@@ -460,7 +460,9 @@ static void probs_pass(block *B, int64_t tlo, int64_t thi) {
  * Rows up to 32 tiles (2048 keys) never fold and are bit-identical to the plain recurrence. */
 #define MHA_FLASH_FOLD_TILES 32
 
-static void fold_partial(const block *B) {
+static void fold_partial(const block *B, int first) {
+    if (first) /* O_main starts at 0 (zeroed here, not per block: most blocks never fold) */
+        memset(B->o_main, 0, sizeof(float) * (size_t)(B->R * B->ldo));
     for (int64_t r = 0; r < B->R; r++) {
         float *om = B->o_main + r * B->ldo, *o = B->o + r * B->ldo;
         const float beta = B->beta[r];
@@ -504,7 +506,6 @@ static void run_block(block *B) {
         B->beta[r] = 1.0f;
     }
     memset(B->o, 0, sizeof(float) * (size_t)(B->R * B->ldo));
-    memset(B->o_main, 0, sizeof(float) * (size_t)(B->R * B->ldo));
     int64_t since_fold = 0;
     int folded = 0;
 
@@ -554,7 +555,7 @@ static void run_block(block *B) {
         for (int64_t r = 0; r < B->R; r++)
             B->beta[r] *= B->alpha[r];
         if (++since_fold == MHA_FLASH_FOLD_TILES) {
-            fold_partial(B);
+            fold_partial(B, !folded);
             since_fold = 0;
             folded = 1;
         }
