@@ -184,9 +184,10 @@ void cli_run_usage(void) {
         "",
         "Execution:",
         "  --threads N              threads; 0 = every online CPU (default: 0)",
-        "  --verbose                report each stage and its time on stderr, and the built-in "
-        "rule",
-        "                           a --mask equals (then run instead of the tensor)",
+        "  --verbose                report each stage and its time on stderr, the built-in",
+        "                           rule a --mask equals (then run instead of the tensor) and",
+        "                           how the masks divide the scores into hidden, visible and",
+        "                           mixed tiles",
         "  --impl I                 reference, fast or auto (default: auto); fast fails, naming",
         "                           the option, when it cannot run the request",
         "  --help                   this text",
