@@ -487,6 +487,47 @@ static void test_functions(void) {
     prob_free(&P);
 }
 
+/* An additive -inf hides its key as a bool mask does (docs/SEMANTICS.md, "Mask polarity"): a NaN
+ * key behind it reaches no row. Before issue 29 it was added like a bias (NaN + -inf = NaN): every
+ * row of that head came out NaN. Fast and reference, against the same key hidden by a bool mask. */
+static void test_additive_inf_hides(void) {
+    prob P;
+    prob_init(&P, 70, 90, 2, 13);
+    const int64_t hidden = 37;
+    for (int64_t d = 0; d < D; d++) /* key 37 of batch row 0, kv head 0 */
+        P.k[hidden * D + d] = NAN;
+    float *add = calloc((size_t)(P.n * P.m), sizeof(float));
+    for (int64_t i = 0; i < P.n; i++) {
+        add[i * P.m + hidden] = -INFINITY;
+        add[i * P.m + (i * 7) % P.m] += 0.5f; /* a bias elsewhere: the tiles stay mixed */
+    }
+    for (int64_t e = 0; e < B * P.n * P.m; e++)
+        P.mask[e] = e % P.m != hidden;
+    const int64_t no = B * H * P.n * D;
+    for (int impl = 0; impl < 2; impl++) {
+        const mha_impl im = impl ? MHA_IMPL_REFERENCE : MHA_IMPL_AUTO;
+        mha_attention_args ta, tb;
+        memset(&ta, 0, sizeof ta);
+        ta.mask.additive_mask = (mha_mask_tensor){add, MHA_DTYPE_F32, 2, {P.n, P.m}};
+        tb = ta;
+        use_tensor(&tb, &P); /* the bool mask on top: the same key hidden twice */
+        result ra, rb;
+        run(&P, &ta, im, &ra);
+        run(&P, &tb, im, &rb);
+        int finite = 1;
+        for (int64_t e = 0; e < no; e++)
+            finite &= isfinite(ra.out[e]) != 0 && isfinite(ra.dq[e]) != 0;
+        CHECK(finite && same_bits(ra.out, rb.out, no) && same_bits(ra.lse, rb.lse, B * H * P.n),
+              "%s: an additive -inf hides a NaN key as a bool mask does (finite out and dq, the "
+              "same bits as with the bool mask)",
+              impl ? "reference" : "fast");
+        result_free(&ra);
+        result_free(&rb);
+    }
+    free(add);
+    prob_free(&P);
+}
+
 /* A block mask built once (mha_block_mask_create) and used by the forward and the backward:
  * the same bits as the calls that build their own; refused for other masks or sizes. */
 static void test_block_mask_handle(void) {
@@ -551,5 +592,6 @@ int main(void) {
     test_against_reference(130, 70, 1);
     test_functions();
     test_block_mask_handle();
+    test_additive_inf_hides();
     return test_finish();
 }
