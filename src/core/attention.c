@@ -256,13 +256,22 @@ mha_status mha__core_finish(mha__core_call *call, int run, mha_error *err) {
     return st;
 }
 
+/* The core in one step: prepared (with the caller's block mask, if any) and run. */
+static mha_status core_run(const mha_attention_args *args,
+                           const mha_exec *exec,
+                           const mha__kernel_info *forced,
+                           const mha_block_mask *built,
+                           mha_error *err) {
+    mha__core_call call;
+    mha_status st = mha__core_prepare(args, exec, forced, built, &call, err);
+    return st ? st : mha__core_finish(&call, 1, err);
+}
+
 mha_status mha__attention_run(const mha_attention_args *args,
                               const mha_exec *exec,
                               const mha__kernel_info *forced,
                               mha_error *err) {
-    mha__core_call call;
-    mha_status st = mha__core_prepare(args, exec, forced, NULL, &call, err);
-    return st ? st : mha__core_finish(&call, 1, err);
+    return core_run(args, exec, forced, NULL, err);
 }
 
 mha_status mha_attention(const mha_attention_args *args, const mha_exec *exec, mha_error *err) {
@@ -465,7 +474,5 @@ mha_status mha_attention_masked(const mha_attention_args *args,
                                 const mha_exec *exec,
                                 mha_error *err) {
     MHA_RETURN_IF(!mask, err, INVALID_ARG, "mask (the block mask) is NULL");
-    mha__core_call call;
-    mha_status st = mha__core_prepare(args, exec, NULL, mask, &call, err);
-    return st ? st : mha__core_finish(&call, 1, err);
+    return core_run(args, exec, NULL, mask, err);
 }
