@@ -117,7 +117,8 @@ class AttentionArgs(C.Structure):
                 ("softcap", f64), ("alibi", i32), ("sinks", P_f32),
                 ("q", P_f32), ("q_strides", i64 * 3), ("k", P_f32), ("k_strides", i64 * 3),
                 ("v", P_f32), ("v_strides", i64 * 3), ("out", P_f32), ("out_strides", i64 * 3),
-                ("lse", P_f32), ("probs", P_f32), ("average_probs", i32),
+                ("q_dtype", C.c_int), ("k_dtype", C.c_int), ("v_dtype", C.c_int),
+                ("out_dtype", C.c_int), ("lse", P_f32), ("probs", P_f32), ("average_probs", i32),
                 ("mask", Masking), ("dropout", Dropout)]
 
 

@@ -242,7 +242,7 @@ static const float *out_of(const row *r, int64_t b, const int64_t **st) {
         return r->call[b].out;
     }
     *st = r->call[0].out_strides + 1;
-    return r->call[0].out + b * r->call[0].out_strides[0];
+    return (float *)r->call[0].out + b * r->call[0].out_strides[0];
 }
 
 /* Compares row x with its reference over every head, query row i < rows(b) and column:

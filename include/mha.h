@@ -404,15 +404,21 @@ typedef struct mha_attention_args {
     int32_t alibi;      /* slopes 2^(-8(k+1)/h), BLOOM interpolation when h is not a power of 2 */
     const float *sinks; /* [h] or NULL */
 
-    /* Tensors, viewed as [B, heads, L, d] with element strides {b, head, row, 1}. */
-    const float *q;
+    /* Tensors, viewed as [B, heads, L, d] with element strides {b, head, row, 1}, each stored
+     * in its own dtype (below): float32 by default. */
+    const void *q;
     int64_t q_strides[3];
-    const float *k;
+    const void *k;
     int64_t k_strides[3];
-    const float *v;
+    const void *v;
     int64_t v_strides[3];
-    float *out; /* [B, h, n, d_v] */
+    void *out; /* [B, h, n, d_v] */
     int64_t out_strides[3];
+    /* Storage dtype of each tensor: MHA_DTYPE_F32 (0, the default), MHA_DTYPE_BF16 or
+     * MHA_DTYPE_F16, any mix (docs/SEMANTICS.md "Half precision"). The arithmetic is float32
+     * whatever they are: inputs are widened exactly, out is rounded once to its dtype (nearest
+     * even); lse and probs are always float32. */
+    mha_dtype q_dtype, k_dtype, v_dtype, out_dtype;
     float *lse;   /* optional, contiguous [B, h, n] */
     float *probs; /* optional, contiguous [B, h, n, m], or [B, n, m] if average_probs */
     int32_t average_probs;
@@ -754,16 +760,20 @@ MHA_API mha_status mha_hf_layer_load(const char *dir,
  *  what the buffer holds (llm.c style += made explicit). Gradient buffers must not alias each
  *  other or any forward tensor. */
 typedef struct mha_attention_grads {
-    const float *dout;
+    const void *dout;
     int64_t dout_strides[3];
-    float *dq;
+    void *dq;
     int64_t dq_strides[3];
-    float *dk;
+    void *dk;
     int64_t dk_strides[3];
-    float *dv;
+    void *dv;
     int64_t dv_strides[3];
     float *dsinks;
     int32_t accumulate;
+    /* Storage dtypes as in mha_attention_args (0 = float32). Gradients are accumulated in
+     * float32 and rounded once to their dtype; with accumulate, the sum old + new is formed in
+     * float32 and rounded once. */
+    mha_dtype dout_dtype, dq_dtype, dk_dtype, dv_dtype;
 } mha_attention_grads;
 
 /** Workspace mha_attention_backward needs for (fwd, grads) under exec (O(threads * m * d), never

@@ -178,8 +178,8 @@ static void case_check(core_case *c, mha_impl impl, int threads, const char *lab
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++)
             for (int64_t i = 0; i < n; i++) {
-                const float *row =
-                    a->out + b * a->out_strides[0] + h * a->out_strides[1] + i * a->out_strides[2];
+                const float *row = (float *)a->out + b * a->out_strides[0] + h * a->out_strides[1] +
+                                   i * a->out_strides[2];
                 for (int64_t d = 0; d < dv; d++) {
                     const double ref = o[((b * H + h) * n + i) * dv + d];
                     double e = fabs((double)row[d] - ref);

@@ -123,6 +123,7 @@ class mha_attention_args(Structure):
         ("k", c_void_p), ("k_strides", c_int64 * 3),
         ("v", c_void_p), ("v_strides", c_int64 * 3),
         ("out", c_void_p), ("out_strides", c_int64 * 3),
+        ("q_dtype", c_int), ("k_dtype", c_int), ("v_dtype", c_int), ("out_dtype", c_int),
         ("lse", c_void_p), ("probs", c_void_p), ("average_probs", c_int32),
         ("mask", mha_masking), ("dropout", mha_dropout),
     ]
@@ -177,6 +178,7 @@ class mha_attention_grads(Structure):
         ("dk", c_void_p), ("dk_strides", c_int64 * 3),
         ("dv", c_void_p), ("dv_strides", c_int64 * 3),
         ("dsinks", c_void_p), ("accumulate", c_int32),
+        ("dout_dtype", c_int), ("dq_dtype", c_int), ("dk_dtype", c_int), ("dv_dtype", c_int),
     ]
 
 

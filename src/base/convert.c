@@ -93,6 +93,30 @@ uint16_t mha__f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+void mha__widen(mha_dtype dt, const void *src, float *dst, int64_t count) {
+    if (dt == MHA_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+        return;
+    }
+    const uint16_t *h = src;
+    if (dt == MHA_DTYPE_BF16) /* a shift: the compiler vectorises it */
+        for (int64_t i = 0; i < count; i++)
+            dst[i] = bits_to_f32((uint32_t)h[i] << 16);
+    else
+        for (int64_t i = 0; i < count; i++)
+            dst[i] = mha__f16_to_f32(h[i]);
+}
+
+void mha__narrow(mha_dtype dt, const float *src, void *dst, int64_t count) {
+    if (dt == MHA_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+        return;
+    }
+    uint16_t *h = dst;
+    for (int64_t i = 0; i < count; i++)
+        h[i] = dt == MHA_DTYPE_BF16 ? mha__f32_to_bf16(src[i]) : mha__f32_to_f16(src[i]);
+}
+
 mha_status
 mha_half_to_f32(mha_dtype dtype, const uint16_t *src, float *dst, int64_t count, mha_error *err) {
     MHA_RETURN_IF(dtype != MHA_DTYPE_F16 && dtype != MHA_DTYPE_BF16, err, INVALID_ARG,

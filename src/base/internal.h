@@ -181,10 +181,11 @@ typedef struct mha__problem {
     const float *alibi_slopes; /* [H] or NULL */
     const float *sinks;        /* [H] or NULL */
 
-    const float *q, *k, *v;
+    const void *q, *k, *v; /* each of its storage dtype (F32, BF16 or F16) */
     int64_t qs[3], ks[3], vs[3];
-    float *out;
+    void *out;
     int64_t os[3];
+    mha_dtype q_dt, k_dt, v_dt, o_dt;
     float *lse;
     float *probs;
     int average_probs;
@@ -330,5 +331,40 @@ float mha__f16_to_f32(uint16_t h);
 float mha__bf16_to_f32(uint16_t h);
 uint16_t mha__f32_to_f16(float f);
 uint16_t mha__f32_to_bf16(float f);
+
+/* Storage of activations (docs/SEMANTICS.md "Half precision"): F32, BF16 or F16. The arithmetic
+ * is float32: a tensor is widened exactly where it is read (copied, packed) and rounded once to
+ * nearest even where it is written. */
+static inline int mha__is_float_storage(mha_dtype dt) {
+    return dt == MHA_DTYPE_F32 || dt == MHA_DTYPE_BF16 || dt == MHA_DTYPE_F16;
+}
+static inline size_t mha__storage_size(mha_dtype dt) {
+    return dt == MHA_DTYPE_F32 ? 4 : 2;
+}
+/* Element `off` of a tensor of dtype dt at base (pointer arithmetic in elements). */
+static inline const void *mha__elem(mha_dtype dt, const void *base, int64_t off) {
+    return (const char *)base + off * (int64_t)mha__storage_size(dt);
+}
+static inline void *mha__elem_mut(mha_dtype dt, void *base, int64_t off) {
+    return (char *)base + off * (int64_t)mha__storage_size(dt);
+}
+/* One element, widened. */
+static inline float mha__load(mha_dtype dt, const void *base, int64_t off) {
+    if (dt == MHA_DTYPE_F32)
+        return ((const float *)base)[off];
+    const uint16_t h = ((const uint16_t *)base)[off];
+    return dt == MHA_DTYPE_BF16 ? mha__bf16_to_f32(h) : mha__f16_to_f32(h);
+}
+/* One element, rounded to dt. */
+static inline void mha__store(mha_dtype dt, void *base, int64_t off, float x) {
+    if (dt == MHA_DTYPE_F32)
+        ((float *)base)[off] = x;
+    else
+        ((uint16_t *)base)[off] = dt == MHA_DTYPE_BF16 ? mha__f32_to_bf16(x) : mha__f32_to_f16(x);
+}
+/* dst[i] = src[i] widened, i < count (a memcpy for F32). */
+void mha__widen(mha_dtype dt, const void *src, float *dst, int64_t count);
+/* dst[i] = src[i] rounded to dt, i < count (a memcpy for F32). */
+void mha__narrow(mha_dtype dt, const float *src, void *dst, int64_t count);
 
 #endif /* MHA_INTERNAL_H */

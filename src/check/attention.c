@@ -232,9 +232,10 @@ static bool view_extent(const int64_t s[3],
     return view_extent_n(s, B, H, L, d, name, NULL, err);
 }
 
-/* The byte range of a strided [B, heads, L, d] float view (its strides already checked). */
+/* The byte range of a strided [B, heads, L, d] view of dtype dt (its strides already checked). */
 static mha__span view_span(const char *name,
-                           const float *ptr,
+                           mha_dtype dt,
+                           const void *ptr,
                            const int64_t s[3],
                            int64_t B,
                            int64_t H,
@@ -243,7 +244,7 @@ static mha__span view_span(const char *name,
     int64_t extent = 0;
     if (ptr && !view_extent_n(s, B, H, L, d, name, &extent, NULL))
         extent = INT64_MAX / 8; /* cannot happen: checked before */
-    return mha__span_of(name, ptr, extent, sizeof(float));
+    return mha__span_of(name, ptr, extent, mha__storage_size(dt));
 }
 
 static mha__span mask_span(const char *name, const mha_mask_tensor *t) {
@@ -257,9 +258,9 @@ enum { CORE_INPUTS = 11 };
 /* Every tensor the core reads besides the ones of its outputs (after check_problem resolved p). */
 static int core_inputs(const mha_attention_args *a, const mha__problem *p, mha__span *in) {
     int n = 0;
-    in[n++] = view_span("q", a->q, a->q_strides, p->B, p->H, p->n, p->dk);
-    in[n++] = view_span("k", a->k, a->k_strides, p->B, p->G, p->m, p->dk);
-    in[n++] = view_span("v", a->v, a->v_strides, p->B, p->G, p->m, p->dv);
+    in[n++] = view_span("q", p->q_dt, a->q, a->q_strides, p->B, p->H, p->n, p->dk);
+    in[n++] = view_span("k", p->k_dt, a->k, a->k_strides, p->B, p->G, p->m, p->dk);
+    in[n++] = view_span("v", p->v_dt, a->v, a->v_strides, p->B, p->G, p->m, p->dv);
     in[n++] = mha__span_of("sinks", a->sinks, p->H, sizeof(float));
     in[n++] = a->mask.additive_mask.data ? mask_span("mask.additive_mask", &a->mask.additive_mask)
                                          : mha__span_of("", NULL, 0, 1);
@@ -354,6 +355,21 @@ static mha_status check_problem(const mha_attention_args *a,
     p->k = a->k;
     p->v = a->v;
     p->out = a->out;
+    const struct {
+        const char *name;
+        mha_dtype dt;
+    } dts[] = {{"q_dtype", a->q_dtype},
+               {"k_dtype", a->k_dtype},
+               {"v_dtype", a->v_dtype},
+               {"out_dtype", a->out_dtype}};
+    for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++)
+        MHA_RETURN_IF(!mha__is_float_storage(dts[t].dt), err, INVALID_ARG,
+                      "%s=%d is not a storage dtype of activations (MHA_DTYPE_F32, BF16 or F16)",
+                      dts[t].name, (int)dts[t].dt);
+    p->q_dt = a->q_dtype;
+    p->k_dt = a->k_dtype;
+    p->v_dt = a->v_dtype;
+    p->o_dt = a->out_dtype;
     p->lse = a->lse;
     p->probs = a->probs;
     p->average_probs = a->average_probs != 0;
@@ -379,9 +395,10 @@ static mha_status check_problem(const mha_attention_args *a,
         return st;
     mha__span in[CORE_INPUTS];
     const int n_in = core_inputs(a, p, in);
-    const mha__span out[3] = {view_span("out", a->out, a->out_strides, p->B, p->H, p->n, p->dv),
-                              mha__span_of("lse", a->lse, p->B * p->H * p->n, sizeof(float)),
-                              mha__span_of("probs", a->probs, probs_count, sizeof(float))};
+    const mha__span out[3] = {
+        view_span("out", p->o_dt, a->out, a->out_strides, p->B, p->H, p->n, p->dv),
+        mha__span_of("lse", a->lse, p->B * p->H * p->n, sizeof(float)),
+        mha__span_of("probs", a->probs, probs_count, sizeof(float))};
     return mha__check_no_overlap(out, 3, in, n_in, err);
 }
 
@@ -417,6 +434,11 @@ mha_status mha__check_attention_stats(const mha_attention_args *a,
                                       mha_error *err) {
     MHA_RETURN_IF(!s, err, INVALID_ARG, "stats is NULL");
     mha_status st = check_problem(a, 1, 1, p, delta_buf, slope_buf, err);
+    if (!st && (p->q_dt != MHA_DTYPE_F32 || p->k_dt != MHA_DTYPE_F32))
+        MHA_RETURN_IF(1, err, UNSUPPORTED,
+                      "the statistics take float32 q and k (q_dtype=%d, k_dtype=%d): widen them "
+                      "first (mha_half_to_f32)",
+                      (int)p->q_dt, (int)p->k_dt);
     if (st)
         return st;
     p->out = NULL; /* never written: the statistics go to `s` */
@@ -480,14 +502,27 @@ mha_status mha__check_backward_grads(const mha_attention_args *a,
         (g->dk && !view_extent(g->dk_strides, p->B, p->G, p->m, p->dk, "grads.dk", err)) ||
         (g->dv && !view_extent(g->dv_strides, p->B, p->G, p->m, p->dv, "grads.dv", err)))
         return err ? err->status : MHA_STATUS_INVALID_ARG;
+    const struct {
+        const char *name;
+        mha_dtype dt;
+    } dts[] = {{"grads.dout_dtype", g->dout_dtype},
+               {"grads.dq_dtype", g->dq_dtype},
+               {"grads.dk_dtype", g->dk_dtype},
+               {"grads.dv_dtype", g->dv_dtype}};
+    for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++)
+        MHA_RETURN_IF(!mha__is_float_storage(dts[t].dt), err, INVALID_ARG,
+                      "%s=%d is not a storage dtype of activations (MHA_DTYPE_F32, BF16 or F16)",
+                      dts[t].name, (int)dts[t].dt);
     mha__span in[CORE_INPUTS + 3];
     int n_in = core_inputs(a, p, in);
-    in[n_in++] = view_span("fwd.out", a->out, a->out_strides, p->B, p->H, p->n, p->dv);
+    in[n_in++] = view_span("fwd.out", p->o_dt, a->out, a->out_strides, p->B, p->H, p->n, p->dv);
     in[n_in++] = mha__span_of("fwd.lse", a->lse, p->B * p->H * p->n, sizeof(float));
-    in[n_in++] = view_span("grads.dout", g->dout, g->dout_strides, p->B, p->H, p->n, p->dv);
-    const mha__span out[4] = {view_span("grads.dq", g->dq, g->dq_strides, p->B, p->H, p->n, p->dk),
-                              view_span("grads.dk", g->dk, g->dk_strides, p->B, p->G, p->m, p->dk),
-                              view_span("grads.dv", g->dv, g->dv_strides, p->B, p->G, p->m, p->dv),
-                              mha__span_of("grads.dsinks", g->dsinks, p->H, sizeof(float))};
+    in[n_in++] =
+        view_span("grads.dout", g->dout_dtype, g->dout, g->dout_strides, p->B, p->H, p->n, p->dv);
+    const mha__span out[4] = {
+        view_span("grads.dq", g->dq_dtype, g->dq, g->dq_strides, p->B, p->H, p->n, p->dk),
+        view_span("grads.dk", g->dk_dtype, g->dk, g->dk_strides, p->B, p->G, p->m, p->dk),
+        view_span("grads.dv", g->dv_dtype, g->dv, g->dv_strides, p->B, p->G, p->m, p->dv),
+        mha__span_of("grads.dsinks", g->dsinks, p->H, sizeof(float))};
     return mha__check_no_overlap(out, 4, in, n_in, err);
 }

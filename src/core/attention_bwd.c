@@ -259,6 +259,10 @@ static mha_status backward(const mha_attention_args *fwd,
         memcpy(bp.dqs, grads->dq_strides, sizeof bp.dqs);
         memcpy(bp.dks, grads->dk_strides, sizeof bp.dks);
         memcpy(bp.dvs, grads->dv_strides, sizeof bp.dvs);
+        bp.do_dt = grads->dout_dtype;
+        bp.dq_dt = grads->dq_dtype;
+        bp.dk_dt = grads->dk_dtype;
+        bp.dv_dt = grads->dv_dtype;
         bp.sink_part = grads->dsinks ? (float *)(ws + l.sink_off) : NULL;
         bp.accumulate = grads->accumulate != 0;
         bwd_job job = {

@@ -97,8 +97,9 @@ static mha_status stats_layout_for(stats_ctx *c, mha_error *err) {
 static void score_tile(const unit *u, int64_t i0, int rows, int64_t j0, int nk) {
     const mha__problem *p = u->c->p;
     const int64_t b = u->b, h = u->h;
-    const float *q = p->q + b * p->qs[0] + h * p->qs[1] + i0 * p->qs[2];
-    const float *k = p->k + b * p->ks[0] + (h / p->group) * p->ks[1] + j0 * p->ks[2];
+    /* float32 only (mha__check_attention_stats) */
+    const float *q = (const float *)p->q + b * p->qs[0] + h * p->qs[1] + i0 * p->qs[2];
+    const float *k = (const float *)p->k + b * p->ks[0] + (h / p->group) * p->ks[1] + j0 * p->ks[2];
     /* One thread, a caller buffer large enough for TQ x TK: this cannot fail. */
     mha_status st =
         mha__gemm_xwt_ws(rows, nk, p->dk, q, p->qs[2], k, p->ks[2], NULL, u->s, TK, mha__team_of(1),

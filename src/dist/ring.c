@@ -126,6 +126,11 @@ static mha_status check_local(const mha_ring_config *cfg,
                       "not the sequence's)";
     else if (a->probs)
         unsupported = "probs (an N x N output)";
+    else if (a->q_dtype || a->k_dtype || a->v_dtype || a->out_dtype ||
+             (bwd && grads &&
+              (grads->dout_dtype || grads->dq_dtype || grads->dk_dtype || grads->dv_dtype)))
+        unsupported = "a half-precision tensor (the ring exchanges float32 blocks; every *_dtype "
+                      "must be MHA_DTYPE_F32)";
     if (unsupported) {
         mha__dist_error(err, MHA_STATUS_UNSUPPORTED, "mha_ring_attention: %s is not supported",
                         unsupported);
@@ -289,10 +294,12 @@ static void pack_kv(const ring_call *c, float *dst) {
         for (int64_t j = 0; j < c->g; j++)
             for (int64_t i = 0; i < n; i++) {
                 memcpy(dk_dst + ((b * c->g + j) * n + i) * c->dk,
-                       a->k + b * a->k_strides[0] + j * a->k_strides[1] + i * a->k_strides[2],
+                       (const float *)a->k + b * a->k_strides[0] + j * a->k_strides[1] +
+                           i * a->k_strides[2],
                        sizeof(float) * (size_t)c->dk);
                 memcpy(dv_dst + ((b * c->g + j) * n + i) * c->dv,
-                       a->v + b * a->v_strides[0] + j * a->v_strides[1] + i * a->v_strides[2],
+                       (const float *)a->v + b * a->v_strides[0] + j * a->v_strides[1] +
+                           i * a->v_strides[2],
                        sizeof(float) * (size_t)c->dv);
             }
 }
@@ -429,7 +436,7 @@ static int pair_args(ring_call *c,
         pair_keys(c, n_src, q_off, nq, k_off, nk, p);
     p->q_len = nq;
     p->kv_len = nk;
-    p->q = a->q + q_off * a->q_strides[2];
+    p->q = (const float *)a->q + q_off * a->q_strides[2];
     p->k = blk + k_off * c->dk;
     p->k_strides[0] = c->g * n_src * c->dk, p->k_strides[1] = n_src * c->dk;
     p->k_strides[2] = c->dk;
@@ -465,8 +472,8 @@ static mha_status attend_pair(ring_call *c,
     const int64_t n = c->mine.n_local;
     for (int64_t b = 0; b < c->B; b++)
         for (int64_t hh = 0; hh < c->h; hh++) {
-            float *o =
-                a->out + b * a->out_strides[0] + hh * a->out_strides[1] + q_off * a->out_strides[2];
+            float *o = (float *)a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                       q_off * a->out_strides[2];
             float *l = c->lse + (b * c->h + hh) * n + q_off;
             const float *po = c->part + (b * c->h + hh) * nq * c->dv;
             const float *pl = c->part_lse + (b * c->h + hh) * nq;
@@ -498,15 +505,15 @@ static mha_status bwd_pair(ring_call *c,
     mha_attention_args p;
     if (!pair_args(c, blk, n_src, q_off, nq, qs, k_off, nk, ks, &p))
         return MHA_STATUS_OK;
-    p.out = a->out + q_off * a->out_strides[2];
+    p.out = (float *)a->out + q_off * a->out_strides[2];
     /* The core reads lse contiguous [B, h, nq]: copy the chunk's rows. */
     for (int64_t bh = 0; bh < c->B * c->h; bh++)
         memcpy(c->part_lse + bh * nq, a->lse + bh * c->mine.n_local + q_off,
                sizeof(float) * (size_t)nq);
     p.lse = c->part_lse;
     mha_attention_grads g = *gr;
-    g.dout = gr->dout + q_off * gr->dout_strides[2];
-    g.dq = gr->dq ? gr->dq + q_off * gr->dq_strides[2] : NULL;
+    g.dout = (const float *)gr->dout + q_off * gr->dout_strides[2];
+    g.dq = gr->dq ? (float *)gr->dq + q_off * gr->dq_strides[2] : NULL;
     g.dk = acc + k_off * c->dk;
     memcpy(g.dk_strides, p.k_strides, sizeof g.dk_strides);
     g.dv = acc + c->B * c->g * n_src * c->dk + k_off * c->dv;
@@ -663,13 +670,13 @@ static void unpack_dkv(const ring_call *c) {
             for (int64_t i = 0; i < n; i++) {
                 const int64_t r = (b * c->g + j) * n + i;
                 if (gr->dk) {
-                    float *d = gr->dk + b * gr->dk_strides[0] + j * gr->dk_strides[1] +
+                    float *d = (float *)gr->dk + b * gr->dk_strides[0] + j * gr->dk_strides[1] +
                                i * gr->dk_strides[2];
                     for (int64_t e = 0; e < c->dk; e++)
                         d[e] = gr->accumulate ? d[e] + sk[r * c->dk + e] : sk[r * c->dk + e];
                 }
                 if (gr->dv) {
-                    float *d = gr->dv + b * gr->dv_strides[0] + j * gr->dv_strides[1] +
+                    float *d = (float *)gr->dv + b * gr->dv_strides[0] + j * gr->dv_strides[1] +
                                i * gr->dv_strides[2];
                     for (int64_t e = 0; e < c->dv; e++)
                         d[e] = gr->accumulate ? d[e] + sv[r * c->dv + e] : sv[r * c->dv + e];
@@ -694,8 +701,8 @@ static void fold_sinks(const ring_call *c) {
                              top = old > sink ? old : sink;
                 const double lse = top + log(exp(old - top) + exp(sink - top));
                 const float r = (float)exp(old - lse);
-                float *o =
-                    a->out + b * a->out_strides[0] + hh * a->out_strides[1] + i * a->out_strides[2];
+                float *o = (float *)a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                           i * a->out_strides[2];
                 for (int64_t e = 0; e < c->dv; e++)
                     o[e] *= r;
                 *l = (float)lse;
@@ -718,10 +725,10 @@ static mha_status sink_grads(const ring_call *c, MPI_Comm comm, mha_status st, m
                 const double l = (double)a->lse[(b * c->h + hh) * n + i];
                 if (l == -(double)INFINITY) /* fully masked rows contribute nothing */
                     continue;
-                const float *o =
-                    a->out + b * a->out_strides[0] + hh * a->out_strides[1] + i * a->out_strides[2];
-                const float *d = gr->dout + b * gr->dout_strides[0] + hh * gr->dout_strides[1] +
-                                 i * gr->dout_strides[2];
+                const float *o = (float *)a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                                 i * a->out_strides[2];
+                const float *d = (const float *)gr->dout + b * gr->dout_strides[0] +
+                                 hh * gr->dout_strides[1] + i * gr->dout_strides[2];
                 double dot = 0.0;
                 for (int64_t e = 0; e < c->dv; e++)
                     dot += (double)d[e] * (double)o[e];
@@ -846,13 +853,13 @@ static void zero_outputs(const ring_call *c, int bwd) {
         for (int64_t hh = 0; hh < c->h; hh++)
             for (int64_t i = 0; i < c->mine.n_local; i++) {
                 if (!bwd) {
-                    memset(a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
+                    memset((float *)a->out + b * a->out_strides[0] + hh * a->out_strides[1] +
                                i * a->out_strides[2],
                            0, sizeof(float) * (size_t)c->dv);
                     c->lse[(b * c->h + hh) * c->mine.n_local + i] = -INFINITY;
                 } else if (grads->dq && !grads->accumulate) {
-                    memset(grads->dq + b * grads->dq_strides[0] + hh * grads->dq_strides[1] +
-                               i * grads->dq_strides[2],
+                    memset((float *)grads->dq + b * grads->dq_strides[0] +
+                               hh * grads->dq_strides[1] + i * grads->dq_strides[2],
                            0, sizeof(float) * (size_t)c->dk);
                 }
             }

@@ -18,10 +18,11 @@
 
 typedef struct mha__bwd_problem {
     const mha__problem *p; /* the forward problem: sizes, q, k, v, out, lse, masks, dropout */
-    const float *dout;
+    const void *dout;
     int64_t dos[3];
-    float *dq, *dk, *dv; /* NULL = not wanted */
+    void *dq, *dk, *dv; /* NULL = not wanted */
     int64_t dqs[3], dks[3], dvs[3];
+    mha_dtype do_dt, dq_dt, dk_dt, dv_dt; /* storage dtypes (F32, BF16, F16) */
     float *sink_part; /* [B * H] per (b, h) partial dL/dsink, or NULL (no sinks wanted) */
     int accumulate;
 } mha__bwd_problem;

@@ -34,6 +34,9 @@ void mha__fwd_shape_from_args(const mha_attention_args *a, mha__fwd_shape *s) {
     s->m = a->kv_len > 0 ? a->kv_len : 1;
     s->dk = a->head_dim > 0 ? a->head_dim : 1;
     s->dv = a->v_head_dim > 0 ? a->v_head_dim : s->dk;
+    s->q_dt = a->q_dtype;
+    s->k_dt = a->k_dtype;
+    s->v_dt = a->v_dtype;
 }
 
 mha_status mha__kernel_check(const mha__kernel_info *k, const mha__fwd_shape *s, mha_error *err) {
@@ -112,9 +115,11 @@ mha_status mha__kernel_select(const mha__fwd_shape *s,
 }
 
 bool mha__kernel_scratch_bytes(const mha__kernel_info *k, const mha__fwd_shape *s, size_t *bytes) {
-    if (k->reference) /* the row's scores and one block sum of O (attention_ref.c) */
-        return s->dv <= INT64_MAX - s->m && mha__bytes(s->m + s->dv, sizeof(float), bytes);
-    return mha__flash_scratch_bytes(k->bq, k->bk, s->dk, s->dv, s->m, bytes);
+    if (k->reference) /* the row's scores, one block sum of O and O (attention_ref.c) */
+        return s->dv <= (INT64_MAX - s->m) / 2 &&
+               mha__bytes(s->m + 2 * s->dv, sizeof(float), bytes);
+    return mha__flash_scratch_bytes(k->bq, k->bk, s->dk, s->dv, s->m, s->k_dt != MHA_DTYPE_F32,
+                                    bytes);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -36,8 +36,8 @@ typedef struct cache_header {
 } cache_header;
 
 typedef struct flash_layout {
-    size_t kt, vt, qp, s, o, o_main, l_main, beta, m, l, alpha, mu, inv_l, bias, vis, keep, qptr,
-        header, state, total;
+    size_t kt, vt, kw, qp, s, o, o_main, l_main, beta, m, l, alpha, mu, inv_l, bias, vis, keep,
+        qptr, header, state, total;
     int64_t ldo, ntiles; /* ldo: row stride of O and of the packed V tiles */
     int cached;
 } flash_layout;
@@ -51,7 +51,10 @@ static bool carve(size_t *cursor, int64_t count, size_t elem, size_t *off) {
     return true;
 }
 
-static bool flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, flash_layout *L) {
+/* widen_k: K is not float32, and each tile's rows are widened into kw ([Bk][dk]) before the
+ * ISA's pack_kt transposes them. */
+static bool
+flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k, flash_layout *L) {
     size_t c = 0;
     int64_t kt_n, vt_n, qp_n, s_n, o_n, kv_all, kt_all = 0, vt_all = 0;
     L->ldo = (dv + 15) / 16 * 16;
@@ -65,6 +68,7 @@ static bool flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, 
     if (L->cached)
         kt_n = kt_all, vt_n = vt_all;
     return carve(&c, kt_n, sizeof(float), &L->kt) && carve(&c, vt_n, sizeof(float), &L->vt) &&
+           carve(&c, widen_k ? (int64_t)bk * dk : 0, sizeof(float), &L->kw) &&
            carve(&c, qp_n, sizeof(float), &L->qp) && carve(&c, s_n, sizeof(float), &L->s) &&
            carve(&c, o_n, sizeof(float), &L->o) && carve(&c, o_n, sizeof(float), &L->o_main) &&
            carve(&c, bq, sizeof(float), &L->l_main) && carve(&c, bq, sizeof(float), &L->beta) &&
@@ -78,9 +82,10 @@ static bool flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, 
            carve(&c, L->cached ? L->ntiles : 1, 1, &L->state) && ((L->total = c), true);
 }
 
-bool mha__flash_scratch_bytes(int bq, int bk, int64_t dk, int64_t dv, int64_t m, size_t *bytes) {
+bool mha__flash_scratch_bytes(
+    int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k, size_t *bytes) {
     flash_layout L;
-    if (!flash_layout_for(bq, bk, dk, dv, m, &L))
+    if (!flash_layout_for(bq, bk, dk, dv, m, widen_k, &L))
         return false;
     *bytes = L.total;
     return true;
@@ -131,9 +136,9 @@ typedef struct block {
     const mha__problem *p;
     int bq, bk;
     int64_t b, g, h0, nh, i0, nq, R;
-    const float *kb, *vb;          /* K and V of (b, g) */
+    const void *kb, *vb;           /* K and V of (b, g), of dtypes p->k_dt and p->v_dt */
     float *o_main, *l_main, *beta; /* blocked accumulation over long rows (fold_partial) */
-    float *kt, *vt, *qp, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
+    float *kt, *vt, *kw, *qp, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
     uint64_t *vis, *keep;
     const float **qptr;
     int64_t ldo;
@@ -302,14 +307,30 @@ static void pv_exact(const block *B, int nk, const float *v, int64_t vs) {
 static void prefetch_tile(const block *B, int64_t j0, int keys) {
     const mha__problem *p = B->p;
     const int64_t nk = p->m - j0 < B->bk ? p->m - j0 : B->bk;
+    const int64_t kbytes = p->dk * (int64_t)mha__storage_size(p->k_dt);
+    const int64_t vbytes = p->dv * (int64_t)mha__storage_size(p->v_dt);
     for (int64_t j = 0; j < nk; j++) {
-        const char *kr = (const char *)(B->kb + (j0 + j) * p->ks[2]);
-        const char *vr = (const char *)(B->vb + (j0 + j) * p->vs[2]);
-        for (int64_t off = 0; keys && off < p->dk * (int64_t)sizeof(float); off += 64)
+        const char *kr = mha__elem(p->k_dt, B->kb, (j0 + j) * p->ks[2]);
+        const char *vr = mha__elem(p->v_dt, B->vb, (j0 + j) * p->vs[2]);
+        for (int64_t off = 0; keys && off < kbytes; off += 64)
             __builtin_prefetch(kr + off);
-        for (int64_t off = 0; off < p->dv * (int64_t)sizeof(float); off += 64)
+        for (int64_t off = 0; off < vbytes; off += 64)
             __builtin_prefetch(vr + off);
     }
+}
+
+/* K^T of tile [j0, j0 + nk) into kt: a half-precision K is widened row by row first (exactly),
+ * so every ISA's pack_kt and qk run on float32. */
+static void pack_keys(const block *B, int64_t j0, int nk, float *kt) {
+    const mha__problem *p = B->p;
+    if (p->k_dt == MHA_DTYPE_F32) {
+        B->ops->pack_kt((const float *)B->kb + j0 * p->ks[2], p->ks[2], nk, p->dk, kt, B->bk);
+        return;
+    }
+    for (int j = 0; j < nk; j++)
+        mha__widen(p->k_dt, mha__elem(p->k_dt, B->kb, (j0 + j) * p->ks[2]), B->kw + j * p->dk,
+                   p->dk);
+    B->ops->pack_kt(B->kw, p->dk, nk, p->dk, kt, B->bk);
 }
 
 /* Scores of the block against key tile t = [j0, j0 + nk) into S. */
@@ -320,11 +341,11 @@ static void scores(const block *B, int64_t j0, int nk) {
     if (B->cached) {
         kt += t * p->dk * B->bk;
         if (!(B->state[t] & TILE_PACKED)) {
-            B->ops->pack_kt(B->kb + j0 * p->ks[2], p->ks[2], nk, p->dk, kt, B->bk);
+            pack_keys(B, j0, nk, kt);
             B->state[t] |= TILE_PACKED;
         }
     } else {
-        B->ops->pack_kt(B->kb + j0 * p->ks[2], p->ks[2], nk, p->dk, kt, B->bk);
+        pack_keys(B, j0, nk, kt);
     }
     B->ops->qk(B->qptr, (int)B->R, kt, B->bk, nk, p->dk, B->s, B->bk);
 }
@@ -341,9 +362,8 @@ static const float *packed_values(const block *B, int64_t j0, int nk) {
             return vt;
         B->state[t] |= TILE_V_PACKED;
     }
-    const float *v = B->vb + j0 * p->vs[2];
-    for (int j = 0; j < nk; j++)
-        memcpy(vt + j * B->ldo, v + j * p->vs[2], sizeof(float) * (size_t)p->dv);
+    for (int j = 0; j < nk; j++) /* widened exactly when V is half precision */
+        mha__widen(p->v_dt, mha__elem(p->v_dt, B->vb, (j0 + j) * p->vs[2]), vt + j * B->ldo, p->dv);
     return vt;
 }
 
@@ -384,14 +404,14 @@ static void finalize(const block *B) {
         const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
         const float m = B->m[r], l = B->l[r];
         const float sink = p->sinks ? p->sinks[h] : -INFINITY;
-        float *out = p->out + B->b * p->os[0] + h * p->os[1] + i * p->os[2];
+        void *out = mha__elem_mut(p->o_dt, p->out, B->b * p->os[0] + h * p->os[1] + i * p->os[2]);
         const float *o = B->o + r * B->ldo;
         float *lse = p->lse ? p->lse + (B->b * p->H + h) * p->n + i : NULL;
         /* Fully masked: every score -inf, no NaN anywhere (a NaN score makes l NaN). The sink
          * alone does not make a row visible, as in the reference. */
         if (m == -INFINITY && l == 0.0f && !isnan(sink)) {
             for (int64_t d = 0; d < p->dv; d++)
-                out[d] = 0.0f;
+                mha__store(p->o_dt, out, d, 0.0f);
             if (lse)
                 *lse = -INFINITY;
             B->mu[r] = 0.0f;
@@ -405,8 +425,12 @@ static void finalize(const block *B) {
         const float lf = l * c + (p->sinks ? expf(sink - mu) : 0.0f);
         const float inv = 1.0f / lf;
         const float factor = c * inv;
-        for (int64_t d = 0; d < p->dv; d++)
-            out[d] = o[d] * factor;
+        if (p->o_dt == MHA_DTYPE_F32)
+            for (int64_t d = 0; d < p->dv; d++)
+                ((float *)out)[d] = o[d] * factor;
+        else /* rounded once, from the float32 value */
+            for (int64_t d = 0; d < p->dv; d++)
+                mha__store(p->o_dt, out, d, o[d] * factor);
         if (lse)
             *lse = mu + logf(lf);
         B->mu[r] = mu;
@@ -497,8 +521,8 @@ static void run_block(block *B) {
         /* Q rows copied together: in place they may sit a power of two apart (4 KiB in the
          * layer's layout), and every key tile rereads them. */
         float *qr = B->qp + r * p->dk;
-        memcpy(qr, p->q + B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2],
-               sizeof(float) * (size_t)p->dk);
+        mha__widen(p->q_dt, mha__elem(p->q_dt, p->q, B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2]),
+                   qr, p->dk);
         B->qptr[r] = qr;
         B->m[r] = -INFINITY;
         B->l[r] = 0.0f;
@@ -574,7 +598,7 @@ void mha__flash_fwd(const mha__flash_ops *ops,
                     const mha__fwd_unit *u,
                     void *scratch) {
     flash_layout L = {0};
-    const bool ok = flash_layout_for(bq, bk, p->dk, p->dv, p->m, &L);
+    const bool ok = flash_layout_for(bq, bk, p->dk, p->dv, p->m, p->k_dt != MHA_DTYPE_F32, &L);
     MHA_ASSERT(ok && bk % 16 == 0 && bk <= MHA_FLASH_MAX_BK);
     (void)ok;
     char *base = scratch;
@@ -588,6 +612,7 @@ void mha__flash_fwd(const mha__flash_ops *ops,
     B.nq = u->i1 - u->i0;
     B.kt = (float *)(base + L.kt);
     B.vt = (float *)(base + L.vt);
+    B.kw = (float *)(base + L.kw);
     B.o_main = (float *)(base + L.o_main);
     B.l_main = (float *)(base + L.l_main);
     B.beta = (float *)(base + L.beta);
@@ -628,8 +653,8 @@ void mha__flash_fwd(const mha__flash_ops *ops,
             hdr->b = B.b;
             hdr->g = g;
         }
-        B.kb = p->k + B.b * p->ks[0] + g * p->ks[1];
-        B.vb = p->v + B.b * p->vs[0] + g * p->vs[1];
+        B.kb = mha__elem(p->k_dt, p->k, B.b * p->ks[0] + g * p->ks[1]);
+        B.vb = mha__elem(p->v_dt, p->v, B.b * p->vs[0] + g * p->vs[1]);
         run_block(&B);
         h = hend;
     }

@@ -105,8 +105,9 @@ static inline int64_t mha__flash_rows_per_block(int64_t bq, int64_t group) {
 
 /* Scratch bytes of the driver for blocks of Bq rows and key tiles of Bk, kv length m (false on
  * overflow). Scratch carries packed K tiles from one unit to the next of the same thread; a unit
- * with `fresh` set starts from nothing. */
-bool mha__flash_scratch_bytes(int bq, int bk, int64_t dk, int64_t dv, int64_t m, size_t *bytes);
+ * with `fresh` set starts from nothing. widen_k: K is half precision (a row buffer widens it). */
+bool mha__flash_scratch_bytes(
+    int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k, size_t *bytes);
 
 /* Visible key range [lo, hi] of query row i of batch row b from causal and window alone (empty
  * when lo > hi). Clipped to [0, m - 1]. */

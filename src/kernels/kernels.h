@@ -33,7 +33,7 @@ typedef void (*mha__fwd_fn)(const mha__kernel_info *k,
                             void *scratch);
 
 /* The plain reference core: rows [row_begin, row_end) of the flattened (b, h) pairs.
- * Uses `scratch` of m + d_v floats per call. */
+ * Uses `scratch` of m + 2 d_v floats per call. */
 void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end, float *scratch);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -43,6 +43,7 @@ void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end,
 /* The sizes selection and scratch depend on, read from (unvalidated) public args. */
 typedef struct mha__fwd_shape {
     int64_t H, G, group, n, m, dk, dv;
+    mha_dtype q_dt, k_dt, v_dt; /* storage of the inputs */
 } mha__fwd_shape;
 void mha__fwd_shape_from_args(const mha_attention_args *a, mha__fwd_shape *s);
 

@@ -34,6 +34,26 @@ double oracle_mask_elem(const mha_mask_tensor *t, const int64_t idx[4]) {
     }
 }
 
+double oracle_elem(mha_dtype dt, const void *base, int64_t off) {
+    if (dt == MHA_DTYPE_F32)
+        return (double)((const float *)base)[off];
+    const uint16_t h = ((const uint16_t *)base)[off];
+    if (dt == MHA_DTYPE_BF16) { /* the top half of a float32 */
+        const uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return (double)f;
+    }
+    /* IEEE binary16 by its definition (independent of the library's bit manipulation). */
+    const int sign = h >> 15, e = (h >> 10) & 31, f = h & 1023;
+    double x;
+    if (e == 31)
+        x = f ? (double)NAN : (double)INFINITY;
+    else
+        x = e == 0 ? ldexp((double)f, -24) : ldexp(1.0 + f / 1024.0, e - 15);
+    return sign ? -x : x;
+}
+
 double oracle_alibi_slope(int64_t H, int64_t h) {
     int64_t c = 1;
     while (c * 2 <= H)
@@ -61,8 +81,7 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
             if (mk->alignment == MHA_ALIGN_EXPLICIT)
                 delta = mk->align_offsets[b];
             for (int64_t i = 0; i < n; i++) {
-                const float *q =
-                    a->q + b * a->q_strides[0] + h * a->q_strides[1] + i * a->q_strides[2];
+                const int64_t q0 = b * a->q_strides[0] + h * a->q_strides[1] + i * a->q_strides[2];
                 double mx = -HUGE_VAL;
                 int any_nan = 0;
                 for (int64_t j = 0; j < m; j++) {
@@ -92,11 +111,12 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                         s[j] = -HUGE_VAL;
                         continue;
                     }
-                    const float *k =
-                        a->k + b * a->k_strides[0] + g * a->k_strides[1] + j * a->k_strides[2];
+                    const int64_t k0 =
+                        b * a->k_strides[0] + g * a->k_strides[1] + j * a->k_strides[2];
                     double dot = 0.0;
                     for (int64_t d = 0; d < dk; d++)
-                        dot += (double)q[d] * (double)k[d];
+                        dot += oracle_elem(a->q_dtype, a->q, q0 + d) *
+                               oracle_elem(a->k_dtype, a->k, k0 + d);
                     double sj = scale * dot;
                     if (a->softcap > 0.0)
                         sj = a->softcap * tanh(sj / a->softcap);
@@ -142,10 +162,10 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                                  : 0.0;
                     if (pd == 0.0)
                         continue;
-                    const float *v =
-                        a->v + b * a->v_strides[0] + g * a->v_strides[1] + j * a->v_strides[2];
+                    const int64_t v0 =
+                        b * a->v_strides[0] + g * a->v_strides[1] + j * a->v_strides[2];
                     for (int64_t d = 0; d < dv; d++)
-                        o[d] += pd * (double)v[d];
+                        o[d] += pd * oracle_elem(a->v_dtype, a->v, v0 + d);
                 }
             }
         }

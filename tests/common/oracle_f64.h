@@ -10,6 +10,8 @@
 /* Element idx = (b, h, i, j) of a mask broadcast NumPy-style to [B, h, n, m], as a double. */
 double oracle_mask_elem(const mha_mask_tensor *t, const int64_t idx[4]);
 /* ALiBi slope of head h of H (powers of two; BLOOM's interpolation otherwise). */
+/* Element off of a tensor of dtype dt (F32, BF16 or F16), exactly, as a double. */
+double oracle_elem(mha_dtype dt, const void *base, int64_t off);
 double oracle_alibi_slope(int64_t H, int64_t h);
 
 /* The attention core in float64. Same inputs as mha_attention (args->out/lse/probs ignored);

@@ -55,4 +55,23 @@
  * (docs/TRAINING.md); the gate is the forward's TOL_OUT_REL, ~6x the worst case seen. */
 #define TOL_GRAD_REL TOL_OUT_REL
 
+/* Half-precision storage (bf16 / f16 inputs and outputs, float32 arithmetic) vs the float64
+ * oracle on the SAME rounded inputs (test_half.c, and the Python faces), per output tensor:
+ *   max|y - ref| <= TOL_HALF_C * u_s * max|ref| + TOL_OUT_REL * max|ref|
+ * u_s is the storage's unit roundoff (bfloat16 2^-8 = 3.9e-3, float16 2^-11 = 4.9e-4). Because the
+ * oracle sees the same rounded inputs, the only storage error left is the ONE rounding of each
+ * output to its dtype: at most u_s |y| <= u_s max|ref| (round to nearest: half an ulp, i.e. u_s
+ * relative). The float32 arithmetic adds the f32 term (TOL_OUT_REL). TOL_HALF_C = 2 leaves 2x over
+ * that bound; a kernel that rounded an intermediate (Q K^T scores or P to bf16, as FlashAttention
+ * does) would add about u_s |S| and fail it, which is the point: such a kernel must say so and use
+ * TOL_HALF_TILE_C instead. Gradients: the same with TOL_OUT_REL replaced by the backward's f32
+ * backstop (tests compute both and take the sum). */
+#define TOL_HALF_C      2.0
+#define TOL_HALF_U_BF16 0x1.0p-8
+#define TOL_HALF_U_F16  0x1.0p-11
+/* A kernel that rounds P to the storage before P V (bf16 dot products: AVX512-BF16, AMX) adds u_s
+ * per probability, i.e. up to u_s max|V| per output, plus u_s |S| through the score when Q K^T is
+ * rounded: gate at TOL_HALF_TILE_C u_s max|ref| (1 + max|S|) with max|S| <= 8 in the tests. */
+#define TOL_HALF_TILE_C 4.0
+
 #endif

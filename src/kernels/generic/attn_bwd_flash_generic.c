@@ -61,9 +61,17 @@ bool mha__bwd_flash_scratch(const mha__problem *p, size_t *bytes) {
 /* The driver.                                                                                    */
 /* ---------------------------------------------------------------------------------------------- */
 
-static void store(float *dst, const float *acc, int64_t len, int accumulate) {
+/* dst[d] (dtype dt, element offset at) = acc[d], or + acc[d]: the sum in float32, rounded once. */
+static void
+store(mha_dtype dt, void *base, int64_t at, const float *acc, int64_t len, int accumulate) {
+    if (dt == MHA_DTYPE_F32) {
+        float *dst = (float *)base + at;
+        for (int64_t d = 0; d < len; d++)
+            dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
+        return;
+    }
     for (int64_t d = 0; d < len; d++)
-        dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
+        mha__store(dt, base, at + d, accumulate ? mha__load(dt, base, at + d) + acc[d] : acc[d]);
 }
 
 /* One unit's state: the problem, its (b, g), the scratch's buffers (bwd_layout) and what every
@@ -79,8 +87,8 @@ typedef struct bwd_unit {
     float keep_scale;
 } bwd_unit;
 
-/* Pass 1: D_i = dO_i . O_i per row of the group's heads, Q and dO packed, the sink gradient,
- * dQ = 0. */
+/* Pass 1: D_i = dO_i . O_i per row of the group's heads, Q and dO packed (widened exactly when
+ * half precision), the sink gradient, dQ = 0. */
 static void unit_rows(const bwd_unit *u) {
     const mha__problem *p = u->p;
     const mha__bwd_problem *bp = u->bp;
@@ -89,17 +97,21 @@ static void unit_rows(const bwd_unit *u) {
         const int64_t h = u->g * group + hh;
         float sink_grad = 0.0f;
         for (int64_t i = 0; i < n; i++) {
-            const float *o = p->out + b * p->os[0] + h * p->os[1] + i * p->os[2];
-            const float *dO = bp->dout + b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2];
+            const int64_t o0 = b * p->os[0] + h * p->os[1] + i * p->os[2];
+            float *dO = u->dOp + (hh * n + i) * dv;
+            mha__widen(
+                bp->do_dt,
+                mha__elem(bp->do_dt, bp->dout, b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2]),
+                dO, dv);
             const float lse = u->lse_b[h * n + i];
             float D = 0.0f;
             if (lse != -INFINITY)
                 for (int64_t d = 0; d < dv; d++)
-                    D += dO[d] * o[d];
+                    D += dO[d] * mha__load(p->o_dt, p->out, o0 + d);
             u->Drow[hh * n + i] = D;
-            memcpy(u->Qp + (hh * n + i) * dk, p->q + b * p->qs[0] + h * p->qs[1] + i * p->qs[2],
-                   sizeof(float) * (size_t)dk);
-            memcpy(u->dOp + (hh * n + i) * dv, dO, sizeof(float) * (size_t)dv);
+            mha__widen(p->q_dt,
+                       mha__elem(p->q_dt, p->q, b * p->qs[0] + h * p->qs[1] + i * p->qs[2]),
+                       u->Qp + (hh * n + i) * dk, dk);
             if (p->sinks && lse != -INFINITY)
                 sink_grad -= expf(p->sinks[h] - lse) * D;
         }
@@ -115,17 +127,24 @@ static void unit_rows(const bwd_unit *u) {
 static int load_key_tile(const bwd_unit *u, int64_t j0, int64_t nk) {
     const mha__problem *p = u->p;
     const int64_t dk = p->dk, dv = p->dv, BK = MHA__BWD_BK;
-    const float *ktile = p->k + u->b * p->ks[0] + u->g * p->ks[1] + j0 * p->ks[2];
-    const float *vtile = p->v + u->b * p->vs[0] + u->g * p->vs[1] + j0 * p->vs[2];
+    const int64_t k0 = u->b * p->ks[0] + u->g * p->ks[1] + j0 * p->ks[2];
+    const int64_t v0 = u->b * p->vs[0] + u->g * p->vs[1] + j0 * p->vs[2];
     int k_finite = 1;
     for (int64_t c = 0; c < nk; c++) {
-        memcpy(u->Kr + c * dk, ktile + c * p->ks[2], sizeof(float) * (size_t)dk);
+        const float *kr = u->Kr + c * dk;
+        mha__widen(p->k_dt, mha__elem(p->k_dt, p->k, k0 + c * p->ks[2]), u->Kr + c * dk, dk);
         for (int64_t d = 0; d < dk; d++)
-            k_finite &= isfinite(u->Kr[c * dk + d]) != 0;
+            k_finite &= isfinite(kr[d]) != 0;
         for (int64_t d = 0; d < dk; d++)
-            u->Kt[d * BK + c] = ktile[c * p->ks[2] + d];
-        for (int64_t d = 0; d < dv; d++)
-            u->Vt[d * BK + c] = vtile[c * p->vs[2] + d];
+            u->Kt[d * BK + c] = kr[d];
+        if (p->v_dt == MHA_DTYPE_F32) {
+            const float *vr = (const float *)p->v + v0 + c * p->vs[2];
+            for (int64_t d = 0; d < dv; d++)
+                u->Vt[d * BK + c] = vr[d];
+        } else {
+            for (int64_t d = 0; d < dv; d++)
+                u->Vt[d * BK + c] = mha__load(p->v_dt, p->v, v0 + c * p->vs[2] + d);
+        }
     }
     memset(u->dKa, 0, sizeof(float) * (size_t)(BK * dk));
     memset(u->dVa, 0, sizeof(float) * (size_t)(BK * dv));
@@ -308,10 +327,10 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
             }
         for (int64_t c = 0; c < nk; c++) {
             if (bp->dk)
-                store(bp->dk + b * bp->dks[0] + g * bp->dks[1] + (j0 + c) * bp->dks[2],
+                store(bp->dk_dt, bp->dk, b * bp->dks[0] + g * bp->dks[1] + (j0 + c) * bp->dks[2],
                       u.dKa + c * dk, dk, bp->accumulate);
             if (bp->dv)
-                store(bp->dv + b * bp->dvs[0] + g * bp->dvs[1] + (j0 + c) * bp->dvs[2],
+                store(bp->dv_dt, bp->dv, b * bp->dvs[0] + g * bp->dvs[1] + (j0 + c) * bp->dvs[2],
                       u.dVa + c * dv, dv, bp->accumulate);
         }
     }
@@ -320,7 +339,8 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
     if (bp->dq)
         for (int64_t hh = 0; hh < group; hh++)
             for (int64_t i = 0; i < n; i++)
-                store(bp->dq + b * bp->dqs[0] + (g * group + hh) * bp->dqs[1] + i * bp->dqs[2],
+                store(bp->dq_dt, bp->dq,
+                      b * bp->dqs[0] + (g * group + hh) * bp->dqs[1] + i * bp->dqs[2],
                       u.dQ + (hh * n + i) * dk, dk, bp->accumulate);
 }
 

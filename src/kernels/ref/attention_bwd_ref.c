@@ -26,37 +26,54 @@
 
 #include <string.h>
 
-/* Scratch per unit: P, dP, tanh' rows [m], dK and dV accumulators [m, dk] + [m, dv], dQ row. */
+/* Scratch per unit: P, dP, tanh' rows [m], dK and dV accumulators [m, dk] + [m, dv], K and V
+ * of the kv head widened to float32 [m, dk] + [m, dv], the rows dQ, Q [dk], O and dO [dv]. */
 bool mha__attention_bwd_ref_scratch(const mha__problem *p, size_t *bytes) {
-    int64_t per_key, total;
-    if (!mha__add_i64(p->dk, p->dv, &per_key) || !mha__add_i64(per_key, 3, &per_key) ||
-        !mha__mul_i64(per_key, p->m, &total) || !mha__add_i64(total, p->dk, &total))
+    int64_t per_key, total, rows;
+    if (!mha__add_i64(p->dk, p->dv, &rows) || !mha__mul_i64(rows, 2, &per_key) ||
+        !mha__add_i64(per_key, 3, &per_key) || !mha__mul_i64(per_key, p->m, &total) ||
+        !mha__mul_i64(rows, 2, &rows) || !mha__add_i64(total, rows, &total))
         return false;
     return mha__bytes(total, sizeof(float), bytes);
 }
 
-/* Writes (or adds) acc[0..len) into dst. */
-static void store(float *dst, const float *acc, int64_t len, int accumulate) {
+/* Writes (or adds, in float32) acc[0..len) into elements at.. of base (dtype dt), rounded once. */
+static void
+store(mha_dtype dt, void *base, int64_t at, const float *acc, int64_t len, int accumulate) {
     for (int64_t d = 0; d < len; d++)
-        dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
+        mha__store(dt, base, at + d, accumulate ? mha__load(dt, base, at + d) + acc[d] : acc[d]);
+}
+
+/* Rows [0, rows) of length len with row stride `stride` from base (dtype dt), widened into dst. */
+static void widen_rows(mha_dtype dt,
+                       const void *base,
+                       int64_t at,
+                       int64_t rows,
+                       int64_t stride,
+                       int64_t len,
+                       float *dst) {
+    for (int64_t r = 0; r < rows; r++)
+        mha__widen(dt, mha__elem(dt, base, at + r * stride), dst + r * len, len);
 }
 
 void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch) {
     const mha__problem *p = bp->p;
     const int64_t m = p->m, n = p->n, dk = p->dk, dv = p->dv;
     float *P = scratch, *dP = P + m, *tp = dP + m;
-    float *dK = tp + m, *dV = dK + m * dk, *dq = dV + m * dv;
+    float *dK = tp + m, *dV = dK + m * dk, *kb = dV + m * dv, *vb = kb + m * dk;
+    float *dq = vb + m * dv, *q = dq + dk, *o = q + dk, *dO = o + dv;
     memset(dK, 0, sizeof(float) * (size_t)(m * (dk + dv)));
-    const float *kb = p->k + b * p->ks[0] + g * p->ks[1];
-    const float *vb = p->v + b * p->vs[0] + g * p->vs[1];
+    widen_rows(p->k_dt, p->k, b * p->ks[0] + g * p->ks[1], m, p->ks[2], dk, kb);
+    widen_rows(p->v_dt, p->v, b * p->vs[0] + g * p->vs[1], m, p->vs[2], dv, vb);
     const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
 
     for (int64_t h = g * p->group; h < (g + 1) * p->group; h++) {
         float sink_grad = 0.0f;
         for (int64_t i = 0; i < n; i++) {
-            const float *q = p->q + b * p->qs[0] + h * p->qs[1] + i * p->qs[2];
-            const float *o = p->out + b * p->os[0] + h * p->os[1] + i * p->os[2];
-            const float *dO = bp->dout + b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2];
+            widen_rows(p->q_dt, p->q, b * p->qs[0] + h * p->qs[1] + i * p->qs[2], 1, 0, dk, q);
+            widen_rows(p->o_dt, p->out, b * p->os[0] + h * p->os[1] + i * p->os[2], 1, 0, dv, o);
+            widen_rows(bp->do_dt, bp->dout, b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2], 1, 0,
+                       dv, dO);
             const float lse = p->lse[(b * p->H + h) * n + i];
             for (int64_t d = 0; d < dk; d++)
                 dq[d] = 0.0f;
@@ -70,7 +87,7 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                         P[j] = 0.0f;
                         continue;
                     }
-                    const float *k = kb + j * p->ks[2];
+                    const float *k = kb + j * dk;
                     float dot = 0.0f;
                     for (int64_t d = 0; d < dk; d++)
                         dot += q[d] * k[d];
@@ -100,7 +117,7 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                     float z = 1.0f;
                     if (p->dropout_on)
                         z = mha__problem_keep(p, b, h, i, j) ? keep_scale : 0.0f;
-                    const float *v = vb + j * p->vs[2];
+                    const float *v = vb + j * dv;
                     const float pz = z * P[j];
                     float *dv_j = dV + j * dv;
                     float dot = 0.0f;
@@ -120,7 +137,7 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                         continue;
                     const float ds = P[j] * (dP[j] - D) * tp[j];
                     const float dr = p->scale * ds;
-                    const float *k = kb + j * p->ks[2];
+                    const float *k = kb + j * dk;
                     float *dk_j = dK + j * dk;
                     for (int64_t d = 0; d < dk; d++) {
                         dq[d] += dr * k[d];
@@ -134,7 +151,7 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                     sink_grad -= expf(p->sinks[h] - lse) * D;
             }
             if (bp->dq)
-                store(bp->dq + b * bp->dqs[0] + h * bp->dqs[1] + i * bp->dqs[2], dq, dk,
+                store(bp->dq_dt, bp->dq, b * bp->dqs[0] + h * bp->dqs[1] + i * bp->dqs[2], dq, dk,
                       bp->accumulate);
         }
         if (bp->sink_part)
@@ -144,10 +161,10 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
     /* dK, dV of kv head g: the sums over its query heads, written once. */
     for (int64_t j = 0; j < m; j++) {
         if (bp->dk)
-            store(bp->dk + b * bp->dks[0] + g * bp->dks[1] + j * bp->dks[2], dK + j * dk, dk,
-                  bp->accumulate);
+            store(bp->dk_dt, bp->dk, b * bp->dks[0] + g * bp->dks[1] + j * bp->dks[2], dK + j * dk,
+                  dk, bp->accumulate);
         if (bp->dv)
-            store(bp->dv + b * bp->dvs[0] + g * bp->dvs[1] + j * bp->dvs[2], dV + j * dv, dv,
-                  bp->accumulate);
+            store(bp->dv_dt, bp->dv, b * bp->dvs[0] + g * bp->dvs[1] + j * bp->dvs[2], dV + j * dv,
+                  dv, bp->accumulate);
     }
 }

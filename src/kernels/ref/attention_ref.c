@@ -20,14 +20,14 @@
 
 #define MHA_REF_SUM_BLOCK 2048
 
-/* One query row (b, h, i); s is scratch for m scores, ob for dv floats. */
+/* One query row (b, h, i); s is scratch for m scores, ob and o for dv floats each. Every input
+ * element is read through mha__load (widened exactly when it is half precision); the output row
+ * is formed in float32 in o and rounded once to its dtype at the end. */
 static void
-attend_row(const mha__problem *p, int64_t b, int64_t h, int64_t i, float *s, float *ob) {
+attend_row(const mha__problem *p, int64_t b, int64_t h, int64_t i, float *s, float *ob, float *o) {
     const int64_t m = p->m, g = h / p->group;
-    const float *q = p->q + b * p->qs[0] + h * p->qs[1] + i * p->qs[2];
-    const float *kb = p->k + b * p->ks[0] + g * p->ks[1];
-    const float *vb = p->v + b * p->vs[0] + g * p->vs[1];
-    float *o = p->out + b * p->os[0] + h * p->os[1] + i * p->os[2];
+    const int64_t q0 = b * p->qs[0] + h * p->qs[1] + i * p->qs[2];
+    const int64_t k0 = b * p->ks[0] + g * p->ks[1], v0 = b * p->vs[0] + g * p->vs[1];
 
     /* Pass 1: scores s_j = scale * q.k_j, soft-capped, plus additive mask and ALiBi; -inf where
      * a boolean rule (causal, window, bool mask, key padding, segments) hides key j. */
@@ -38,10 +38,10 @@ attend_row(const mha__problem *p, int64_t b, int64_t h, int64_t i, float *s, flo
             s[j] = -INFINITY;
             continue;
         }
-        const float *k = kb + j * p->ks[2];
+        const int64_t kj = k0 + j * p->ks[2];
         float dot = 0.0f;
         for (int64_t d = 0; d < p->dk; d++)
-            dot += q[d] * k[d];
+            dot += mha__load(p->q_dt, p->q, q0 + d) * mha__load(p->k_dt, p->k, kj + d);
         float sj = p->scale * dot;
         if (p->softcap > 0.0f)
             sj = p->softcap * tanhf(sj / p->softcap);
@@ -95,14 +95,18 @@ attend_row(const mha__problem *p, int64_t b, int64_t h, int64_t i, float *s, flo
                     pj = mha__problem_keep(p, b, h, i, j) ? pj * keep_scale : 0.0f;
                 if (pj == 0.0f)
                     continue;
-                const float *v = vb + j * p->vs[2];
+                const int64_t vj = v0 + j * p->vs[2];
                 for (int64_t d = 0; d < p->dv; d++)
-                    ob[d] += pj * v[d];
+                    ob[d] += pj * mha__load(p->v_dt, p->v, vj + d);
             }
             for (int64_t d = 0; d < p->dv; d++)
                 o[d] += ob[d];
         }
     }
+
+    const int64_t o0 = b * p->os[0] + h * p->os[1] + i * p->os[2];
+    for (int64_t d = 0; d < p->dv; d++)
+        mha__store(p->o_dt, p->out, o0 + d, o[d]);
 
     /* Pass 4: probabilities as requested (before dropout). */
     if (p->probs) {
@@ -121,6 +125,6 @@ void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end,
     for (int64_t bh = bh_begin; bh < bh_end; bh++) {
         const int64_t b = bh / p->H, h = bh % p->H;
         for (int64_t i = 0; i < p->n; i++)
-            attend_row(p, b, h, i, scratch, scratch + p->m);
+            attend_row(p, b, h, i, scratch, scratch + p->m, scratch + p->m + p->dv);
     }
 }
