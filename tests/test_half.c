@@ -12,6 +12,9 @@
  *   3. 1 and 2 threads bit-identical.
  *   4. A dtype that is not a storage of activations is refused naming its field; the statistics
  *      refuse half q and k.
+ *   5. The kernels' vector conversions (mha__widen_rows, mha__narrow_rows of the tier allowed)
+ *      give the portable conversions' bits on every float32 class: random bit patterns (NaNs
+ *      with any payload, infinities, subnormals) and rounding ties.
  * A kernel that computes in bf16 tiles (rounding P) is exempt from 1 and has its own test.
  */
 #include "base/internal.h"
@@ -373,6 +376,42 @@ static void errors(void) {
     half_case_free(&hc);
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* 5: vector conversions = portable conversions, bit for bit.                                     */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void conversions(void) {
+    enum { N = 1 << 16 };
+    uint32_t *bits = malloc(sizeof(uint32_t) * N);
+    uint16_t *a = malloc(sizeof(uint16_t) * N), *b = malloc(sizeof(uint16_t) * N);
+    float *fa = malloc(sizeof(float) * N), *fb = malloc(sizeof(float) * N);
+    test_rng r;
+    test_rng_seed(&r, 0xc0ffee);
+    for (int i = 0; i < N; i++) {
+        bits[i] = (uint32_t)test_rng_u64(&r);
+        if (i % 4 == 1) /* ties and near-ties of both roundings: low bits 0x8000 / 0x1000 */
+            bits[i] = (bits[i] & 0xffff0000u) | 0x8000u | (uint32_t)(i & 8) << 12;
+        if (i % 4 == 2) /* the f16 range, where float16 is normal, subnormal or overflows */
+            bits[i] = (bits[i] & 0x8fffffffu) | 0x30000000u;
+    }
+    const mha_dtype dts[2] = {BF16, F16};
+    for (int t = 0; t < 2; t++) {
+        for (int64_t len = N; len >= N - 7; len -= 7) { /* vector bodies and every tail length */
+            mha__narrow_rows(dts[t], (const float *)(const void *)bits, a, len);
+            mha__narrow(dts[t], (const float *)(const void *)bits, b, len);
+            CHECK(memcmp(a, b, sizeof(uint16_t) * (size_t)len) == 0,
+                  "narrow_rows = narrow, %s, %lld values", dts[t] == BF16 ? "bf16" : "f16",
+                  (long long)len);
+        }
+        const uint16_t *h = (const uint16_t *)(const void *)bits;
+        mha__widen_rows(dts[t], h, fa, N - 3);
+        mha__widen(dts[t], h, fb, N - 3);
+        CHECK(memcmp(fa, fb, sizeof(float) * (N - 3)) == 0, "widen_rows = widen, %s",
+              dts[t] == BF16 ? "bf16" : "f16");
+    }
+    free(bits), free(a), free(b), free(fa), free(fb);
+}
+
 int main(void) {
     const char *quick = getenv("MHA_TEST_QUICK");
     const int q = quick && quick[0] && quick[0] != '0';
@@ -394,5 +433,6 @@ int main(void) {
            "worst gradient err / max|ref| %.3g (bf16 u = %.3g, f16 u = %.3g)\n",
            g_worst_fwd, g_worst_bwd, TOL_HALF_U_BF16, TOL_HALF_U_F16);
     errors();
+    conversions();
     return test_finish();
 }

@@ -328,8 +328,8 @@ static void pack_keys(const block *B, int64_t j0, int nk, float *kt) {
         return;
     }
     for (int j = 0; j < nk; j++)
-        mha__widen(p->k_dt, mha__elem(p->k_dt, B->kb, (j0 + j) * p->ks[2]), B->kw + j * p->dk,
-                   p->dk);
+        mha__widen_rows(p->k_dt, mha__elem(p->k_dt, B->kb, (j0 + j) * p->ks[2]), B->kw + j * p->dk,
+                        p->dk);
     B->ops->pack_kt(B->kw, p->dk, nk, p->dk, kt, B->bk);
 }
 
@@ -363,7 +363,8 @@ static const float *packed_values(const block *B, int64_t j0, int nk) {
         B->state[t] |= TILE_V_PACKED;
     }
     for (int j = 0; j < nk; j++) /* widened exactly when V is half precision */
-        mha__widen(p->v_dt, mha__elem(p->v_dt, B->vb, (j0 + j) * p->vs[2]), vt + j * B->ldo, p->dv);
+        mha__widen_rows(p->v_dt, mha__elem(p->v_dt, B->vb, (j0 + j) * p->vs[2]), vt + j * B->ldo,
+                        p->dv);
     return vt;
 }
 
@@ -405,7 +406,7 @@ static void finalize(const block *B) {
         const float m = B->m[r], l = B->l[r];
         const float sink = p->sinks ? p->sinks[h] : -INFINITY;
         void *out = mha__elem_mut(p->o_dt, p->out, B->b * p->os[0] + h * p->os[1] + i * p->os[2]);
-        const float *o = B->o + r * B->ldo;
+        float *o = B->o + r * B->ldo;
         float *lse = p->lse ? p->lse + (B->b * p->H + h) * p->n + i : NULL;
         /* Fully masked: every score -inf, no NaN anywhere (a NaN score makes l NaN). The sink
          * alone does not make a row visible, as in the reference. */
@@ -428,9 +429,11 @@ static void finalize(const block *B) {
         if (p->o_dt == MHA_DTYPE_F32)
             for (int64_t d = 0; d < p->dv; d++)
                 ((float *)out)[d] = o[d] * factor;
-        else /* rounded once, from the float32 value */
+        else { /* rounded once, from the float32 value (O is not read after this) */
             for (int64_t d = 0; d < p->dv; d++)
-                mha__store(p->o_dt, out, d, o[d] * factor);
+                o[d] *= factor;
+            mha__narrow_rows(p->o_dt, o, out, p->dv);
+        }
         if (lse)
             *lse = mu + logf(lf);
         B->mu[r] = mu;
@@ -521,8 +524,9 @@ static void run_block(block *B) {
         /* Q rows copied together: in place they may sit a power of two apart (4 KiB in the
          * layer's layout), and every key tile rereads them. */
         float *qr = B->qp + r * p->dk;
-        mha__widen(p->q_dt, mha__elem(p->q_dt, p->q, B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2]),
-                   qr, p->dk);
+        mha__widen_rows(p->q_dt,
+                        mha__elem(p->q_dt, p->q, B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2]), qr,
+                        p->dk);
         B->qptr[r] = qr;
         B->m[r] = -INFINITY;
         B->l[r] = 0.0f;

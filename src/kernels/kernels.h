@@ -73,6 +73,19 @@ mha_status mha__kernel_run(const mha__kernel_info *k,
 /* Vectorised elementwise primitives, exported for their ULP tests (tests/test_kernels.c).        */
 /* y[i] = exp(x[i]) / tanh(x[i]) for i < count, with the kernels' own inline code. */
 /* ---------------------------------------------------------------------------------------------- */
+/* dst[i] = src[i] (dtype dt) widened to float32, i < count, exactly: mha__widen in the widest
+ * vector form this CPU has under MHA_MAX_ISA (half_rows.c). */
+void mha__widen_rows(mha_dtype dt, const void *src, float *dst, int64_t count);
+/* dst[i] = src[i] rounded to dt (nearest even), i < count: mha__narrow's bits, vectorised. */
+void mha__narrow_rows(mha_dtype dt, const float *src, void *dst, int64_t count);
+#if defined(__x86_64__) || defined(__i386__)
+void mha__widen_avx2(mha_dtype dt, const void *src, float *dst, int64_t count);
+void mha__narrow_avx2(mha_dtype dt, const float *src, void *dst, int64_t count);
+#elif defined(__aarch64__)
+void mha__widen_neon(mha_dtype dt, const void *src, float *dst, int64_t count);
+void mha__narrow_neon(mha_dtype dt, const float *src, void *dst, int64_t count);
+#endif
+
 #if defined(__x86_64__) || defined(__i386__)
 void mha__vexp_avx512(const float *x, float *y, int64_t count);
 void mha__vtanh_avx512(const float *x, float *y, int64_t count);

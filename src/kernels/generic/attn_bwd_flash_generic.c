@@ -22,7 +22,7 @@
 /* ---------------------------------------------------------------------------------------------- */
 
 typedef struct bwd_layout {
-    size_t D, dq, qp, dop, kr, kt, vt, dka, dva, s, dp, tp, total;
+    size_t D, dq, qp, dop, orow, kr, kt, vt, dka, dva, s, dp, tp, total;
 } bwd_layout;
 
 static bool carve(size_t *cursor, int64_t count, size_t *off) {
@@ -42,7 +42,7 @@ static bool layout_for(const mha__problem *p, bwd_layout *L) {
         return false;
     size_t c = 0;
     return carve(&c, rows, &L->D) && carve(&c, dqn, &L->dq) && carve(&c, dqn, &L->qp) &&
-           carve(&c, don, &L->dop) && carve(&c, BK * p->dk, &L->kr) &&
+           carve(&c, don, &L->dop) && carve(&c, p->dv, &L->orow) && carve(&c, BK * p->dk, &L->kr) &&
            carve(&c, p->dk * BK, &L->kt) && carve(&c, p->dv * BK, &L->vt) &&
            carve(&c, BK * p->dk, &L->dka) && carve(&c, BK * p->dv, &L->dva) &&
            carve(&c, BQ * BK, &L->s) && carve(&c, BQ * BK, &L->dp) && carve(&c, BQ * BK, &L->tp) &&
@@ -70,8 +70,12 @@ store(mha_dtype dt, void *base, int64_t at, const float *acc, int64_t len, int a
             dst[d] = accumulate ? dst[d] + acc[d] : acc[d];
         return;
     }
+    if (!accumulate) {
+        mha__narrow_rows(dt, acc, mha__elem_mut(dt, base, at), len);
+        return;
+    }
     for (int64_t d = 0; d < len; d++)
-        mha__store(dt, base, at + d, accumulate ? mha__load(dt, base, at + d) + acc[d] : acc[d]);
+        mha__store(dt, base, at + d, mha__load(dt, base, at + d) + acc[d]);
 }
 
 /* One unit's state: the problem, its (b, g), the scratch's buffers (bwd_layout) and what every
@@ -81,7 +85,7 @@ typedef struct bwd_unit {
     const mha__bwd_problem *bp;
     const mha__problem *p;
     int64_t b, g;
-    float *Drow, *dQ, *Qp, *dOp, *Kr, *Kt, *Vt, *dKa, *dVa, *S, *dP, *T;
+    float *Drow, *dQ, *Qp, *dOp, *Orow, *Kr, *Kt, *Vt, *dKa, *dVa, *S, *dP, *T;
     const float *lse_b; /* [H, n] of batch b */
     int has_bias;
     float keep_scale;
@@ -99,19 +103,25 @@ static void unit_rows(const bwd_unit *u) {
         for (int64_t i = 0; i < n; i++) {
             const int64_t o0 = b * p->os[0] + h * p->os[1] + i * p->os[2];
             float *dO = u->dOp + (hh * n + i) * dv;
-            mha__widen(
+            mha__widen_rows(
                 bp->do_dt,
                 mha__elem(bp->do_dt, bp->dout, b * bp->dos[0] + h * bp->dos[1] + i * bp->dos[2]),
                 dO, dv);
             const float lse = u->lse_b[h * n + i];
             float D = 0.0f;
-            if (lse != -INFINITY)
+            if (lse != -INFINITY) {
+                const float *o = u->Orow;
+                if (p->o_dt == MHA_DTYPE_F32)
+                    o = (const float *)p->out + o0;
+                else
+                    mha__widen_rows(p->o_dt, mha__elem(p->o_dt, p->out, o0), u->Orow, dv);
                 for (int64_t d = 0; d < dv; d++)
-                    D += dO[d] * mha__load(p->o_dt, p->out, o0 + d);
+                    D += dO[d] * o[d];
+            }
             u->Drow[hh * n + i] = D;
-            mha__widen(p->q_dt,
-                       mha__elem(p->q_dt, p->q, b * p->qs[0] + h * p->qs[1] + i * p->qs[2]),
-                       u->Qp + (hh * n + i) * dk, dk);
+            mha__widen_rows(p->q_dt,
+                            mha__elem(p->q_dt, p->q, b * p->qs[0] + h * p->qs[1] + i * p->qs[2]),
+                            u->Qp + (hh * n + i) * dk, dk);
             if (p->sinks && lse != -INFINITY)
                 sink_grad -= expf(p->sinks[h] - lse) * D;
         }
@@ -132,19 +142,18 @@ static int load_key_tile(const bwd_unit *u, int64_t j0, int64_t nk) {
     int k_finite = 1;
     for (int64_t c = 0; c < nk; c++) {
         const float *kr = u->Kr + c * dk;
-        mha__widen(p->k_dt, mha__elem(p->k_dt, p->k, k0 + c * p->ks[2]), u->Kr + c * dk, dk);
+        mha__widen_rows(p->k_dt, mha__elem(p->k_dt, p->k, k0 + c * p->ks[2]), u->Kr + c * dk, dk);
         for (int64_t d = 0; d < dk; d++)
             k_finite &= isfinite(kr[d]) != 0;
         for (int64_t d = 0; d < dk; d++)
             u->Kt[d * BK + c] = kr[d];
-        if (p->v_dt == MHA_DTYPE_F32) {
-            const float *vr = (const float *)p->v + v0 + c * p->vs[2];
-            for (int64_t d = 0; d < dv; d++)
-                u->Vt[d * BK + c] = vr[d];
-        } else {
-            for (int64_t d = 0; d < dv; d++)
-                u->Vt[d * BK + c] = mha__load(p->v_dt, p->v, v0 + c * p->vs[2] + d);
+        const float *vr = (const float *)p->v + v0 + c * p->vs[2];
+        if (p->v_dt != MHA_DTYPE_F32) { /* widened into dVa, zeroed below */
+            mha__widen_rows(p->v_dt, mha__elem(p->v_dt, p->v, v0 + c * p->vs[2]), u->dVa, dv);
+            vr = u->dVa;
         }
+        for (int64_t d = 0; d < dv; d++)
+            u->Vt[d * BK + c] = vr[d];
     }
     memset(u->dKa, 0, sizeof(float) * (size_t)(BK * dk));
     memset(u->dVa, 0, sizeof(float) * (size_t)(BK * dv));
@@ -284,6 +293,7 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
         .dQ = (float *)(ws + L.dq),
         .Qp = (float *)(ws + L.qp),
         .dOp = (float *)(ws + L.dop),
+        .Orow = (float *)(ws + L.orow),
         .Kr = (float *)(ws + L.kr),
         .Kt = (float *)(ws + L.kt),
         .Vt = (float *)(ws + L.vt),
