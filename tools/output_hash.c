@@ -347,12 +347,47 @@ static const core_case core_cases[] = {
     {"core_topleft_d80", 1, 2, 2, 90, 40, 80, 80, 1, 0, 0, 0, 0, 1},
 };
 
-static void
-run_core_case(const core_case *c, mha_impl impl, int threads, hash64 *fwd, hash64 *bwd) {
+/* Half-precision storage of x in [-1, 1) (inputs only: truncated, which is as good as any rounding
+ * for a hash's inputs): bfloat16 = the high half of the float32 bits; float16 built from the
+ * exponent and the top 10 mantissa bits (0 below float16's normal range). */
+static uint16_t to_half(mha_dtype dt, float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (dt == MHA_DTYPE_BF16)
+        return (uint16_t)(u >> 16);
+    const int e = (int)((u >> 23) & 0xff) - 127 + 15;
+    return e <= 0 ? (uint16_t)((u >> 16) & 0x8000u)
+                  : (uint16_t)(((u >> 16) & 0x8000u) | (uint32_t)e << 10 | ((u >> 13) & 0x3ffu));
+}
+
+/* x in storage dt: x itself for F32, else a new half copy (x is freed by the caller). */
+static void *stored(mha_dtype dt, float *x, int64_t n) {
+    if (dt == MHA_DTYPE_F32)
+        return x;
+    uint16_t *h = (uint16_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(uint16_t));
+    if (!h) {
+        fprintf(stderr, "output_hash: out of memory\n");
+        exit(2);
+    }
+    for (int64_t i = 0; i < n; ++i)
+        h[i] = to_half(dt, x[i]);
+    return h;
+}
+
+static void hash_stored(hash64 *s, mha_dtype dt, const void *x, int64_t n) {
+    if (x)
+        hash_bytes(s, x, (size_t)n * (dt == MHA_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t)));
+}
+
+/* dt: the storage of q, k, v, out, dout and the gradients (F32: the float32 hashes of before). */
+static void run_core_case(
+    const core_case *c, mha_dtype dt, mha_impl impl, int threads, hash64 *fwd, hash64 *bwd) {
     int64_t nq = c->batch * c->h * c->n * c->dk, nk = c->batch * c->g * c->m * c->dk;
     int64_t nv = c->batch * c->g * c->m * c->dv, no = c->batch * c->h * c->n * c->dv;
     float *q = new_filled(nq, 51, 1.0f), *k = new_filled(nk, 52, 1.0f);
     float *v = new_filled(nv, 53, 1.0f), *o = new_filled(no, 0, 0.0f);
+    void *qs_ = stored(dt, q, nq), *ks_ = stored(dt, k, nk), *vs_ = stored(dt, v, nv);
+    void *os_ = stored(dt, o, no);
     float *lse = new_filled(c->batch * c->h * c->n, 0, 0.0f);
     float *sinks = c->sinks ? new_filled(c->h, 54, 1.0f) : NULL;
     mha_attention_args a;
@@ -367,10 +402,11 @@ run_core_case(const core_case *c, mha_impl impl, int threads, hash64 *fwd, hash6
     a.softcap = c->softcap ? 20.0 : 0.0;
     a.alibi = c->alibi;
     a.sinks = sinks;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.out = o;
+    a.q = qs_;
+    a.k = ks_;
+    a.v = vs_;
+    a.out = os_;
+    a.q_dtype = a.k_dtype = a.v_dtype = a.out_dtype = dt;
     a.lse = lse;
     /* [B, heads, L, d] contiguous */
     int64_t qs[3] = {c->h * c->n * c->dk, c->n * c->dk, c->dk};
@@ -392,29 +428,37 @@ run_core_case(const core_case *c, mha_impl impl, int threads, hash64 *fwd, hash6
     mha_error err;
     if (mha_attention(&a, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
-    hash_floats(fwd, o, no);
+    hash_stored(fwd, dt, os_, no);
     hash_floats(fwd, lse, c->batch * c->h * c->n);
 
     float *dout = new_filled(no, 55, 1.0f);
     float *dq = new_filled(nq, 0, 0.0f), *dk = new_filled(nk, 0, 0.0f);
     float *dv = new_filled(nv, 0, 0.0f), *ds = sinks ? new_filled(c->h, 0, 0.0f) : NULL;
+    void *dos_ = stored(dt, dout, no), *dqs_ = stored(dt, dq, nq), *dks_ = stored(dt, dk, nk);
+    void *dvs_ = stored(dt, dv, nv);
     mha_attention_grads gr;
     memset(&gr, 0, sizeof gr);
-    gr.dout = dout;
+    gr.dout_dtype = gr.dq_dtype = gr.dk_dtype = gr.dv_dtype = dt;
+    gr.dout = dos_;
     memcpy(gr.dout_strides, os, sizeof os);
-    gr.dq = dq;
+    gr.dq = dqs_;
     memcpy(gr.dq_strides, qs, sizeof qs);
-    gr.dk = dk;
+    gr.dk = dks_;
     memcpy(gr.dk_strides, ks, sizeof ks);
-    gr.dv = dv;
+    gr.dv = dvs_;
     memcpy(gr.dv_strides, vs, sizeof vs);
     gr.dsinks = ds;
     if (mha_attention_backward(&a, &gr, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
-    hash_floats(bwd, dq, nq);
-    hash_floats(bwd, dk, nk);
-    hash_floats(bwd, dv, nv);
+    hash_stored(bwd, dt, dqs_, nq);
+    hash_stored(bwd, dt, dks_, nk);
+    hash_stored(bwd, dt, dvs_, nv);
     hash_floats(bwd, ds, ds ? c->h : 0);
+    if (dt != MHA_DTYPE_F32) {
+        void *halves[] = {qs_, ks_, vs_, os_, dos_, dqs_, dks_, dvs_};
+        for (size_t i = 0; i < sizeof halves / sizeof halves[0]; ++i)
+            free(halves[i]);
+    }
     float *all[] = {q, k, v, o, lse, sinks, dout, dq, dk, dv, ds};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)
         free(all[i]);
@@ -513,19 +557,23 @@ static void run_decode_case(mha_dtype dtype,
 }
 
 static void report(const char *section, const hash64 *s, hash64 *total) {
-    printf("%-10s %016llx  (%lld bytes)\n", section, (unsigned long long)s->h, (long long)s->bytes);
+    printf("%-13s %016llx  (%lld bytes)\n", section, (unsigned long long)s->h, (long long)s->bytes);
     hash_bytes(total, &s->h, sizeof s->h);
 }
 
 int main(void) {
-    hash64 fwd, bwd, core_fwd, core_bwd, dec, total;
+    hash64 fwd, bwd, core_fwd, core_bwd, dec, total, half_fwd[2], half_bwd[2];
     hash_init(&fwd);
     hash_init(&bwd);
     hash_init(&core_fwd);
     hash_init(&core_bwd);
+    for (int i = 0; i < 2; ++i) {
+        hash_init(&half_fwd[i]);
+        hash_init(&half_bwd[i]);
+    }
     hash_init(&dec);
     hash_init(&total);
-    printf("tiers      %s\n", mha_experimental_cpu_isas(1));
+    printf("tiers         %s\n", mha_experimental_cpu_isas(1));
     const mha_impl impls[] = {MHA_IMPL_AUTO, MHA_IMPL_REFERENCE};
     const int thread_counts[] = {1, 2};
     const mha_dtype dtypes[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
@@ -533,8 +581,13 @@ int main(void) {
         for (int ti = 0; ti < 2; ++ti) {
             for (size_t c = 0; c < sizeof layer_cases / sizeof layer_cases[0]; ++c)
                 run_layer_case(&layer_cases[c], impls[ii], thread_counts[ti], &fwd, &bwd);
-            for (size_t c = 0; c < sizeof core_cases / sizeof core_cases[0]; ++c)
-                run_core_case(&core_cases[c], impls[ii], thread_counts[ti], &core_fwd, &core_bwd);
+            for (size_t c = 0; c < sizeof core_cases / sizeof core_cases[0]; ++c) {
+                run_core_case(&core_cases[c], MHA_DTYPE_F32, impls[ii], thread_counts[ti],
+                              &core_fwd, &core_bwd);
+                for (int hi = 0; hi < 2; ++hi) /* dtypes[1 + hi]: F16, BF16 */
+                    run_core_case(&core_cases[c], dtypes[1 + hi], impls[ii], thread_counts[ti],
+                                  &half_fwd[hi], &half_bwd[hi]);
+            }
             for (int di = 0; di < 3; ++di)
                 for (int wi = 0; wi < 2; ++wi) {
                     run_decode_case(dtypes[di], wi ? 100 : 0, 64, wi, impls[ii], thread_counts[ti],
@@ -548,6 +601,10 @@ int main(void) {
     report("layer_bwd", &bwd, &total);
     report("core_fwd", &core_fwd, &total);
     report("core_bwd", &core_bwd, &total);
+    report("core_f16_fwd", &half_fwd[0], &total);
+    report("core_f16_bwd", &half_bwd[0], &total);
+    report("core_bf16_fwd", &half_fwd[1], &total);
+    report("core_bf16_bwd", &half_bwd[1], &total);
     report("decode", &dec, &total);
     report("all", &total, &total);
     return 0;
