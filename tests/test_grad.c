@@ -57,7 +57,7 @@ static void fd_core(const spec *s, uint64_t seed) {
     int finite = 1;
     for (int t = 0; t < 4; t++) {
         double worst = 0.0;
-        const double scale = maxabs_d(grads[t], counts[t]);
+        const double scale = test_max_abs(grads[t], counts[t]);
         for (int64_t e = 0; e < counts[t]; e++) {
             finite &= isfinite(grads[t][e]);
             const double x0 = params[t][e];
@@ -192,8 +192,8 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
     /* Natural magnitude of each gradient (STYLE 4.6: max|dO| max|V| ... in place of max|V|):
      * a gradient that is zero in exact arithmetic (one key: softmax constant) still carries
      * rounding of that size. */
-    const double mdo = maxabs_d(dO, no), mv = maxabs_d(v, nv), mk = maxabs_d(k, nk);
-    const double mq = maxabs_d(q, nq), sc = 1.0 / sqrt((double)s->dk);
+    const double mdo = test_max_abs(dO, no), mv = test_max_abs(v, nv), mk = test_max_abs(k, nk);
+    const double mq = test_max_abs(q, nq), sc = 1.0 / sqrt((double)s->dk);
     const double floor_t[4] = {sc * mdo * mv * mk, sc * mdo * mv * mq, mdo, mdo * mv};
     double errs[2][4] = {{0}}, denom[4];
     for (int t = 0; t < 4; t++)
@@ -482,9 +482,9 @@ static void fd_layer(const lspec *s, uint64_t seed) {
             continue;
         /* A bias gradient can be zero in exact arithmetic (b_k shifts every score of a row
          * equally): measure it against its weight's gradient. */
-        double scale = maxabs_d(grads[t], counts[t]);
+        double scale = test_max_abs(grads[t], counts[t]);
         if (t >= 7 && t <= 10 && grads[t - 4])
-            scale = fmax(scale, maxabs_d(grads[t - 4], counts[t - 4]));
+            scale = fmax(scale, test_max_abs(grads[t - 4], counts[t - 4]));
         double worst = 0.0;
         int finite = 1;
         for (int64_t e = 0; e < counts[t]; e++) {

@@ -278,6 +278,17 @@ static int core_inputs(const mha_attention_args *a, const mha__problem *p, mha__
     return n;
 }
 
+mha_status mha__check_storage_dtypes(const char *const *names,
+                                     const mha_dtype *dts,
+                                     int count,
+                                     mha_error *err) {
+    for (int t = 0; t < count; t++)
+        MHA_RETURN_IF(!mha__is_float_storage(dts[t]), err, INVALID_ARG,
+                      "%s=%d is not a storage dtype of activations (MHA_DTYPE_F32, BF16 or F16)",
+                      names[t], (int)dts[t]);
+    return MHA_STATUS_OK;
+}
+
 mha_status mha__check_attention_sizes(const mha_attention_args *a, mha_error *err) {
     const int64_t G = a->num_kv_heads ? a->num_kv_heads : a->num_heads;
     const int64_t dv = a->v_head_dim ? a->v_head_dim : a->head_dim;
@@ -355,17 +366,11 @@ static mha_status check_problem(const mha_attention_args *a,
     p->k = a->k;
     p->v = a->v;
     p->out = a->out;
-    const struct {
-        const char *name;
-        mha_dtype dt;
-    } dts[] = {{"q_dtype", a->q_dtype},
-               {"k_dtype", a->k_dtype},
-               {"v_dtype", a->v_dtype},
-               {"out_dtype", a->out_dtype}};
-    for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++)
-        MHA_RETURN_IF(!mha__is_float_storage(dts[t].dt), err, INVALID_ARG,
-                      "%s=%d is not a storage dtype of activations (MHA_DTYPE_F32, BF16 or F16)",
-                      dts[t].name, (int)dts[t].dt);
+    const char *names[4] = {"q_dtype", "k_dtype", "v_dtype", "out_dtype"};
+    const mha_dtype dts[4] = {a->q_dtype, a->k_dtype, a->v_dtype, a->out_dtype};
+    st = mha__check_storage_dtypes(names, dts, 4, err);
+    if (st)
+        return st;
     p->q_dt = a->q_dtype;
     p->k_dt = a->k_dtype;
     p->v_dt = a->v_dtype;
@@ -502,17 +507,12 @@ mha_status mha__check_backward_grads(const mha_attention_args *a,
         (g->dk && !view_extent(g->dk_strides, p->B, p->G, p->m, p->dk, "grads.dk", err)) ||
         (g->dv && !view_extent(g->dv_strides, p->B, p->G, p->m, p->dv, "grads.dv", err)))
         return err ? err->status : MHA_STATUS_INVALID_ARG;
-    const struct {
-        const char *name;
-        mha_dtype dt;
-    } dts[] = {{"grads.dout_dtype", g->dout_dtype},
-               {"grads.dq_dtype", g->dq_dtype},
-               {"grads.dk_dtype", g->dk_dtype},
-               {"grads.dv_dtype", g->dv_dtype}};
-    for (size_t t = 0; t < sizeof dts / sizeof dts[0]; t++)
-        MHA_RETURN_IF(!mha__is_float_storage(dts[t].dt), err, INVALID_ARG,
-                      "%s=%d is not a storage dtype of activations (MHA_DTYPE_F32, BF16 or F16)",
-                      dts[t].name, (int)dts[t].dt);
+    const char *names[4] = {"grads.dout_dtype", "grads.dq_dtype", "grads.dk_dtype",
+                            "grads.dv_dtype"};
+    const mha_dtype dts[4] = {g->dout_dtype, g->dq_dtype, g->dk_dtype, g->dv_dtype};
+    mha_status st = mha__check_storage_dtypes(names, dts, 4, err);
+    if (st)
+        return st;
     mha__span in[CORE_INPUTS + 3];
     int n_in = core_inputs(a, p, in);
     in[n_in++] = view_span("fwd.out", p->o_dt, a->out, a->out_strides, p->B, p->H, p->n, p->dv);

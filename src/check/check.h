@@ -43,6 +43,12 @@ mha__span mha__span_of(const char *name, const void *ptr, int64_t count, size_t 
 /* a * b * c, or 0 when it overflows (an empty span: the size checks refuse such a call). */
 int64_t mha__count3(int64_t a, int64_t b, int64_t c);
 /* INVALID_ARG naming both when an output overlaps an input or another output. */
+/* Each dts[i] is a storage dtype of activations (F32, BF16 or F16), else INVALID_ARG naming
+ * names[i] (docs/SEMANTICS.md "Half precision"). */
+mha_status mha__check_storage_dtypes(const char *const *names,
+                                     const mha_dtype *dts,
+                                     int count,
+                                     mha_error *err);
 mha_status mha__check_no_overlap(
     const mha__span *outs, int n_out, const mha__span *ins, int n_in, mha_error *err);
 

@@ -133,14 +133,6 @@ double dsum(const double *a, const double *b, int64_t count) {
     return s;
 }
 
-double maxabs_d(const double *x, int64_t count) {
-    double m = 0.0;
-    for (int64_t i = 0; i < count; i++)
-        if (fabs(x[i]) > m)
-            m = fabs(x[i]);
-    return m;
-}
-
 /* Max |S| of the case (for the backstop), from the oracle's raw scores. */
 double max_score(const built *c) {
     const spec *s = &c->s;

@@ -45,7 +45,6 @@ void core_args(const built *c, float *out, float *lse, mha_attention_args *a);
 double *to_d(const float *x, int64_t count);
 void og_from(const built *c, og_core *o, double *q, double *k, double *v, double *sk);
 double dsum(const double *a, const double *b, int64_t count);
-double maxabs_d(const double *x, int64_t count);
 /* Max |S| of the case, S = scale q.k in double (the backstops' score term), capped by softcap. */
 double max_score(const built *c);
 
