@@ -14,7 +14,7 @@ buffers, with no Python and no host callback. It works under ``jax.jit``, ``jax.
 Semantics are those of ``jax.nn.dot_product_attention`` (jax 0.10), with these documented
 differences (docs/PYTHON.md, "JAX"): a row whose keys are all masked gives zeros (JAX: the average
 of the values), and its residual is -inf; computation is float32 whatever the input dtype (the
-result has the input's dtype). Extras: value heads of another size than the query's, ``softcap``,
+result has the input's dtype; bfloat16/float16 arrays reach the handler without conversion). Extras: value heads of another size than the query's, ``softcap``,
 ``sinks`` (per-head sink logits, differentiable), ``implementation`` naming mha's kernels
 ("auto", "fast", "reference"), ``threads``.
 """
@@ -248,8 +248,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
 
     Args (as JAX's; B batch, T query length, S key length, N query heads, K kv heads):
         query: [B, T, N, H] (or [T, N, H]); key: [B, S, K, H]; value: [B, S, K, Hv]
-            (N a multiple of K: GQA/MQA; Hv may differ from H). float32 is computed as is;
-            float16/bfloat16/float64 are converted to float32 and the result converted back.
+            (N a multiple of K: GQA/MQA; Hv may differ from H). float32, bfloat16 and float16
+            go to the library as they are (float32 arithmetic, the output rounded once to the
+            query's dtype, gradients in the operands' dtypes); float64 is converted to float32
+            and the result converted back.
         bias: added to the scores, broadcasting to [B, N, T, S] (at most 4 dims). Differentiable.
         mask: bool, broadcasting to [B, N, T, S]; True = may attend.
         scale: a Python number; None = 1/sqrt(H).
