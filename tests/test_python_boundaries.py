@@ -356,10 +356,14 @@ def np_qkv(seed=0, B=1, h=2, n=8, m=8, d=4):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float16])
 def test_numpy_converts_float_dtypes(dtype):
+    """float64 is converted to float32 (a float32 result); float16 is a storage dtype: read as it
+    is, the result in float16, the float32 call's result rounded once (tests/test_python_half.py
+    has the rest)."""
     q, k, v = (a.astype(dtype) for a in np_qkv(1))
     got = mha.attention(q, k, v)
-    assert got.dtype == np.float32
-    np.testing.assert_array_equal(got, mha.attention(*(a.astype(np.float32) for a in (q, k, v))))
+    want = mha.attention(*(a.astype(np.float32) for a in (q, k, v)))
+    assert got.dtype == (np.float16 if dtype == np.float16 else np.float32)
+    np.testing.assert_array_equal(got, want.astype(got.dtype))
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64, object, "U1"])
@@ -411,14 +415,17 @@ def test_numpy_non_contiguous_and_read_only():
 
 def test_numpy_bfloat16_and_float8_converted():
     """ml_dtypes' bfloat16 / float8 arrays (kind 'V'; what np.asarray gives for JAX bfloat16) are
-    floats: converted to float32 like float16, as inputs, additive masks and layer inputs; other
-    'V' dtypes (ml_dtypes' int4, a structured dtype) are refused."""
+    floats: the core reads bfloat16 as it is (a bfloat16 result, the float32 result rounded
+    once), float8 is converted to float32; additive masks and layer inputs of either are
+    converted to float32; other 'V' dtypes (ml_dtypes' int4, a structured dtype) are refused."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     q, k, v = np_qkv(5)
     for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
         r = [a.astype(dt) for a in (q, k, v)]
-        np.testing.assert_array_equal(mha.attention(*r),
-                                      mha.attention(*(a.astype(np.float32) for a in r)))
+        got = mha.attention(*r)
+        want = mha.attention(*(a.astype(np.float32) for a in r))
+        assert got.dtype == (np.dtype(dt) if dt is ml_dtypes.bfloat16 else np.float32)
+        np.testing.assert_array_equal(got, want.astype(got.dtype))
     bias = np.random.default_rng(6).standard_normal((8, 8)).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(mha.attention(q, k, v, mask=bias),
                                   mha.attention(q, k, v, attn_bias=bias.astype(np.float32)))

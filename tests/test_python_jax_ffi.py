@@ -182,6 +182,8 @@ def test_softcap_sinks_gqa_value_size():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float64])
 def test_other_dtypes_computed_in_float32(dtype):
+    """float16/bfloat16 read as stored, float64 converted: computed in float32 either way, the
+    float32 call's result rounded once to the input's dtype."""
     (q, k, v), _, _ = make_case({}, 5)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     got = mha.jax.dot_product_attention(q, k, v, is_causal=True)
@@ -303,16 +305,20 @@ def _direct_forward(q, k, v, out_shape, out_dtype=F32, bias=None, mask=None):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float64, jnp.int32])
 def test_handler_refuses_element_types(dtype):
-    """The handler reads float32 (bool masks): any other element type it is handed, operand or
-    result, is an XLA error naming it, not a reinterpretation of the buffer."""
+    """The handler reads q, k, v and out as float32, bfloat16 or float16 (each as it is stored;
+    tests/test_python_half.py), the bias as float32 and masks as bool: any other element type it
+    is handed, operand or result, is an XLA error naming it, not a reinterpretation of the
+    buffer."""
     (q, k, v), _, _ = make_case({}, 6)
     q, k, v = (x.astype(F32) for x in (q, k, v))
-    with pytest.raises(Exception, match="query must be float32"):
-        _direct_forward(q.astype(dtype), k, v, (B, T, N, H))
-    with pytest.raises(Exception, match="value must be float32"):
-        _direct_forward(q, k, v.astype(dtype), (B, T, N, H))
-    with pytest.raises(Exception, match="out must be float32"):
-        _direct_forward(q, k, v, (B, T, N, H), dtype)
+    if dtype not in (jnp.bfloat16, jnp.float16):
+        storage = "must be float32, bfloat16 or float16"
+        with pytest.raises(Exception, match=f"query {storage}"):
+            _direct_forward(q.astype(dtype), k, v, (B, T, N, H))
+        with pytest.raises(Exception, match=f"value {storage}"):
+            _direct_forward(q, k, v.astype(dtype), (B, T, N, H))
+        with pytest.raises(Exception, match=f"out {storage}"):
+            _direct_forward(q, k, v, (B, T, N, H), dtype)
     with pytest.raises(Exception, match="bias must be float32"):
         _direct_forward(q, k, v, (B, T, N, H), bias=jnp.zeros((1, 1, T, S), dtype))
     with pytest.raises(Exception, match="mask must be bool"):
@@ -346,8 +352,9 @@ def test_handler_refuses_empty_or_short_results():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float64])
 def test_other_dtypes_against_float64(dtype):
-    """bf16 / f16 / f64 (x64 on) into dot_product_attention: converted, computed in float32, a
-    correct result in the input's dtype (against JAX's float64 attention on the same values)."""
+    """bf16 / f16 / f64 (x64 on) into dot_product_attention: computed in float32 (bf16 / f16 read
+    as stored, f64 converted), a correct result in the input's dtype (against JAX's float64
+    attention on the same values)."""
     (q, k, v), _, _ = make_case({}, 7)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     got = mha.jax.dot_product_attention(q, k, v)

@@ -3,7 +3,9 @@
 
 Everything here marshals NumPy arrays into the C structs of ``_lib`` and calls libmha; the math is
 in C (docs/SEMANTICS.md is the contract). Arrays: float32 (float64/float16 are converted), any
-memory order (copied when the C side needs C order or a contiguous last dimension).
+memory order (copied when the C side needs C order or a contiguous last dimension). The attention
+core (:func:`attention`, :func:`attention_backward`) also reads float16 and bfloat16
+(``ml_dtypes.bfloat16``, what JAX uses) as they are stored, and writes its outputs in them.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ __all__ = ["Rope", "Config", "MultiheadAttention", "TrainState", "KVCache", "att
 
 _F32 = np.dtype(np.float32)
 _fast = L.fast  # the compiled hot path, or None (then ctypes serves every call)
+# Storage dtypes of the core's tensors (mha_attention_args.q_dtype, ...): the rest is converted to
+# float32. ml_dtypes' bfloat16 is added at its first sight (_storage_code).
+_STORAGE_CODES = {_F32: L.DTYPE_F32, np.dtype(np.float16): L.DTYPE_F16}
 _MASK_DTYPES = {np.dtype(np.bool_): L.DTYPE_BOOL, np.dtype(np.uint8): L.DTYPE_U8,
                 np.dtype(np.int32): L.DTYPE_I32, np.dtype(np.int64): L.DTYPE_I64}
 
@@ -82,6 +87,19 @@ def _is_float(dt: np.dtype) -> bool:
                               and dt.name.startswith(("bfloat16", "float")))
 
 
+def _storage_code(dt: np.dtype) -> Optional[int]:
+    """The mha_dtype the core reads an array of dtype dt in as it is stored: float32, float16, or
+    ml_dtypes' bfloat16 (kind 'V', named 'bfloat16'; ml_dtypes itself is not imported: an array
+    of that dtype exists only if it is installed), in native byte order; None for any other."""
+    if not dt.isnative:
+        return None
+    code = _STORAGE_CODES.get(dt)
+    if code is None and dt.kind == "V" and dt.name == "bfloat16" and \
+            dt.type.__module__.startswith("ml_dtypes"):
+        _STORAGE_CODES[dt] = code = L.DTYPE_BF16
+    return code
+
+
 def _float32(x: ArrayLike, name: str, contiguous: bool = True) -> np.ndarray:
     """x as a float32 array (converted from other float types, bfloat16 included), C-contiguous
     if asked; TypeError for any other dtype."""
@@ -107,21 +125,30 @@ def _int_array(x: ArrayLike, name: str, dtype, shape: Tuple[int, ...]) -> np.nda
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def _strided(x: ArrayLike, name: str, ndim: int = 4) -> np.ndarray:
-    """float32 array with a contiguous last dimension and non-negative element strides (copied
-    otherwise); other strides are kept as they are."""
-    a = _float32(x, name, contiguous=False)
+def _core_operand(x: ArrayLike, name: str, native: bool) -> np.ndarray:
+    """x as an array the core reads: as it is if `native` and its dtype is a storage dtype
+    (_storage_code: float32, float16, bfloat16), else converted to float32 (float64, float8, ...;
+    TypeError for a non-float dtype). Any strides (_strided fixes them)."""
+    a = np.asarray(x)
+    if a.dtype is _F32 or (native and _storage_code(a.dtype) is not None):
+        return a
+    return _float32(a, name, contiguous=False)
+
+
+def _strided(a: np.ndarray, name: str, ndim: int = 4) -> np.ndarray:
+    """a (float32/float16/bfloat16) with a contiguous last dimension and non-negative strides
+    that are whole elements (copied otherwise); other strides are kept as they are."""
     if a.ndim != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-    st = a.strides
-    if (a.shape[-1] > 1 and st[-1] != 4) or any(s < 0 or s % 4 for s in st):
+    st, size = a.strides, a.itemsize
+    if (a.shape[-1] > 1 and st[-1] != size) or any(s < 0 or s % size for s in st):
         a = np.ascontiguousarray(a)
     return a
 
 
 def _el_strides(a: np.ndarray) -> Tuple[int, int, int]:
-    s = a.strides
-    return (s[0] // 4, s[1] // 4, s[2] // 4)
+    s, size = a.strides, a.itemsize
+    return (s[0] // size, s[1] // size, s[2] // size)
 
 
 def _mask_tensor(t: L.mha_mask_tensor, x: ArrayLike, name: str, additive: bool,
@@ -371,11 +398,14 @@ def rope_frequencies(head_dim: int, *, style: str = "interleaved", theta: float 
 # ------------------------------------------------------------------------------------------------
 # The attention core
 # ------------------------------------------------------------------------------------------------
-def _core_views(q, k, v, layout: str):
-    """Returns (q4, k4, v4, ndim_in) with every tensor viewed as [B, heads, L, d]."""
-    qa = _float32(q, "q", contiguous=False)
+def _core_views(q, k, v, layout: str, native: bool = True):
+    """Returns (q4, k4, v4, ndim_in) with every tensor viewed as [B, heads, L, d], each in its
+    storage dtype (float32, float16, bfloat16; others converted to float32), or all in float32
+    unless `native`."""
+    arrs = [_core_operand(q, "q", native), _core_operand(k, "k", native),
+            _core_operand(v, "v", native)]
+    qa = arrs[0]
     nd = qa.ndim
-    arrs = [qa, _float32(k, "k", contiguous=False), _float32(v, "v", contiguous=False)]
     for a, nm in zip(arrs, "qkv"):
         if a.ndim != nd:
             raise ValueError(f"{nm}: expected {nd} dimensions like q, got shape {a.shape}")
@@ -406,6 +436,8 @@ def _core_args(q4, k4, v4, keep: list, *, scale, softcap, alibi, sinks, causal, 
     a = M.attention_args((_ptr(q4), q4.shape, _el_strides(q4)),
                          (_ptr(k4), k4.shape, _el_strides(k4)),
                          (_ptr(v4), v4.shape, _el_strides(v4)), M.scale_value(scale, _SCALE_ZERO))
+    if q4.dtype is not _F32 or k4.dtype is not _F32 or v4.dtype is not _F32:
+        a.q_dtype, a.k_dtype, a.v_dtype = (_storage_code(t.dtype) for t in (q4, k4, v4))
     a.softcap = float(softcap or 0.0)
     a.alibi = 1 if alibi else 0
     if sinks is not None:
@@ -467,7 +499,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
         return _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal,
                                   alignment, mask, mask_means, attn_bias, key_padding_mask,
                                   window, q_segment_ids, kv_segment_ids, dropout, seed,
-                                  need_weights, average_attn_weights, return_lse, impl, threads)
+                                  need_weights, average_attn_weights, return_lse, impl, threads,
+                                  comm is None)
 
     if comm is None:
         if seq_len is not None or shard_layout != "zigzag":
@@ -480,15 +513,26 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
         call, cfg = _mpi.collective(comm, lambda: (
             prepare(), _mpi.config(seq_len, shard_layout), _mpi.library()))[:2]
         _mpi.forward(comm, cfg, call[0], call[1])
+        call = call[:3] + (_as_storage(call[3], q),) + call[4:]
     return _attention_result(*call[2:], return_lse, need_weights, average_attn_weights)
+
+
+def _as_storage(a: np.ndarray, like: ArrayLike) -> np.ndarray:
+    """a (float32, computed by the ring, which reads float32 only) in the storage dtype the
+    single-process call would have given for an operand like `like` (rounded once)."""
+    dt = getattr(like, "dtype", None)
+    dt = dt if isinstance(dt, np.dtype) else np.asarray(like).dtype
+    return a if _storage_code(dt) in (None, L.DTYPE_F32) else a.astype(dt)
 
 
 def _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal, alignment, mask,
                        mask_means, attn_bias, key_padding_mask, window, q_segment_ids,
                        kv_segment_ids, dropout, seed, need_weights, average, return_lse, impl,
-                       threads):
-    """The checked arguments of :func:`attention`: (args, exec, keep, out, lse, probs, ndim)."""
-    q4, k4, v4, nd = _core_views(q, k, v, layout)
+                       threads, native=True):
+    """The checked arguments of :func:`attention`: (args, exec, keep, out, lse, probs, ndim).
+    The output is in q's storage dtype (float32 for any other, or for every one unless
+    `native`); lse and probs in float32."""
+    q4, k4, v4, nd = _core_views(q, k, v, layout, native)
     keep: list = [q4, k4, v4]  # (maybe converted copies) alive until the call returns
     a = _core_args(q4, k4, v4, keep, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks,
                    causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
@@ -498,12 +542,14 @@ def _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal, al
     B, h, n, _ = q4.shape
     m, dv = k4.shape[2], v4.shape[3]
     if nd == 4 and layout == "blhd":
-        out_user = np.empty((B, n, h, dv), _F32)
+        out_user = np.empty((B, n, h, dv), q4.dtype)
         out4 = out_user.transpose(0, 2, 1, 3)
     else:
-        out4 = np.empty((B, h, n, dv), _F32)
+        out4 = np.empty((B, h, n, dv), q4.dtype)
         out_user = out4
     M.set_strided(a, "out", _ptr(out4), _el_strides(out4))
+    if q4.dtype is not _F32:
+        a.out_dtype = a.q_dtype
     lse = np.empty((B, h, n), _F32) if return_lse else None
     probs = None
     if need_weights:
@@ -619,7 +665,7 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *,
     axis, 2-d ones the batch axis too. Bit-identical for any ``threads``.
     """
     names, top, (R, C) = parse_stats(stats, top_k, pool)
-    q4, k4, _, nd = _core_views(q, k, k, layout)
+    q4, k4, _, nd = _core_views(q, k, k, layout, native=False)  # (the statistics read float32)
     keep: list = []
     a = _core_args(q4, k4, k4, keep, scale=scale, softcap=softcap, alibi=alibi, sinks=sinks,
                    causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
@@ -663,9 +709,11 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         from . import _mpi
         _mpi.comm_info(comm)
         call, cfg = _mpi.collective(comm, lambda: (
-            _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options),
-            _mpi.config(seq_len, shard_layout), _mpi.library()))[:2]
+            _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options,
+                              False), _mpi.config(seq_len, shard_layout), _mpi.library()))[:2]
         _mpi.backward(comm, cfg, *call[:3])
+        call = call[:4] + ([_as_storage(g_, t) for g_, t in zip(call[4], (q, k, v))],) + \
+            call[5:]
     grads, dsinks, nd = call[4:]
     if nd == 4 and layout == "blhd":
         grads = [g_.transpose(0, 2, 1, 3) for g_ in grads]
@@ -676,11 +724,13 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     return tuple(grads) + ((dsinks,) if sinks is not None else ())
 
 
-def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options):
+def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options,
+                      native=True):
     """The checked arguments of :func:`attention_backward`: (args, grads, exec, keep, [dq, dk,
-    dv], dsinks, ndim)."""
-    q4, k4, v4, nd = _core_views(q, k, v, layout)
-    o4, do4 = _core_views(out, dout, dout, layout)[:2]
+    dv], dsinks, ndim). q, k, v, out and dout are read in their storage dtypes (float32 for
+    others, or for every one unless `native`); dq, dk, dv are in those of q, k, v."""
+    q4, k4, v4, nd = _core_views(q, k, v, layout, native)
+    o4, do4 = _core_views(out, dout, dout, layout, native)[:2]
     keep: list = [q4, k4, v4, o4, do4]  # (maybe converted copies) alive until the call returns
     a = _core_args(q4, k4, v4, keep, sinks=sinks, insert_head_axis=(nd == 3),
                    **{**dict(scale=None, softcap=None, alibi=False, causal=False, alignment=None,
@@ -697,11 +747,14 @@ def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, opt
     keep.append(ls)
     a.lse = _ptr(ls)
     M.set_strided(a, "out", _ptr(o4), _el_strides(o4))
+    a.out_dtype = _storage_code(o4.dtype)
     gr = L.mha_attention_grads()
     M.set_strided(gr, "dout", _ptr(do4), _el_strides(do4))
-    grads = [np.empty(t.shape, _F32) for t in (q4, k4, v4)]
+    grads = [np.empty(t.shape, t.dtype) for t in (q4, k4, v4)]
     for g_, nm in zip(grads, ("dq", "dk", "dv")):
         M.set_strided(gr, nm, _ptr(g_), _el_strides(g_))
+    gr.dout_dtype, gr.dq_dtype, gr.dk_dtype, gr.dv_dtype = (
+        _storage_code(t.dtype) for t in (do4, q4, k4, v4))
     dsinks = None
     if sinks is not None:
         dsinks = np.empty((h,), _F32)

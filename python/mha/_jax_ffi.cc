@@ -9,7 +9,9 @@
  * [B, T, N, H] is mha's [B, heads, L, d] view with strides {T*N*H, H, N*H}, so nothing is copied.
  *
  * Operands (the order mha/jax.py passes them; an absent optional operand is a zero-size array):
- *   q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out/dout [B, T, N, Hv]: float32
+ *   q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv], out/dout [B, T, N, Hv]: float32, bfloat16
+ *     or float16, each in its own (dq, dk, dv: any of them too); mha reads and writes them as
+ *     they are stored (float32 arithmetic, each output rounded once: docs/SEMANTICS.md)
  *   bias: float32, 4 dims broadcasting to [B, N, T, S] (added to the scores)
  *   mask: bool, 4 dims broadcasting to [B, N, T, S] (true = may attend)
  *   kv_pad: bool [B, S] (true = real key)      sinks: float32 [N] (per-head sink logits)
@@ -63,13 +65,42 @@ constexpr const char *kName[NOPS] = {"query",  "key",   "value", "bias", "mask",
                                      "kv_pad", "sinks", "out",   "lse",  "probs",
                                      "dout",   "dq",    "dk",    "dv",   "dsinks"};
 
-/* One operand: its data, dimensions and element size; absent when it has no element. */
+/* One operand: its data, dimensions, element size and storage dtype (for the tensors that may
+ * be half precision); absent when it has no element. */
 struct Tensor {
     char *data = nullptr;
     std::vector<int64_t> dims;
     int64_t elem = 0;
+    mha_dtype dtype = MHA_DTYPE_F32;
     bool present = false;
 };
+
+/* The operands mha reads or writes in a storage dtype of their own (mha_attention_args.q_dtype,
+ * ..., mha_attention_grads.dout_dtype, ...): float32, bfloat16 or float16. */
+bool half_capable(Operand which) {
+    return which == Q || which == K || which == V || which == OUT || which == DOUT || which == DQ ||
+           which == DK || which == DV;
+}
+
+/* The mha_dtype and element size of a half-capable operand's element type; false for others. */
+bool storage_dtype(ffi::DataType t, mha_dtype *dtype, int64_t *elem) {
+    switch (t) {
+    case ffi::DataType::F32:
+        *dtype = MHA_DTYPE_F32;
+        *elem = 4;
+        return true;
+    case ffi::DataType::BF16:
+        *dtype = MHA_DTYPE_BF16;
+        *elem = 2;
+        return true;
+    case ffi::DataType::F16:
+        *dtype = MHA_DTYPE_F16;
+        *elem = 2;
+        return true;
+    default:
+        return false;
+    }
+}
 
 struct Call {
     Tensor op[NOPS];
@@ -81,18 +112,25 @@ ffi::Error bad(const std::string &what) {
     return ffi::Error::InvalidArgument("mha.jax: " + what);
 }
 
-/* Records buffer `b` as operand `which`, checking its element type (F32, or PRED for masks). */
+/* Records buffer `b` as operand `which`, checking its element type (F32, BF16 or F16 for the
+ * half-capable tensors, PRED for masks, F32 for the rest). */
 ffi::Error take(Call &c, Operand which, const ffi::AnyBuffer &b) {
     Tensor &o = c.op[which];
     auto dims = b.dimensions();
     o.dims.assign(dims.begin(), dims.end());
     o.data = static_cast<char *>(b.untyped_data());
     o.present = b.element_count() > 0;
-    bool boolean = which == MASK || which == KV_PAD;
-    ffi::DataType want = boolean ? ffi::DataType::PRED : ffi::DataType::F32;
-    o.elem = boolean ? 1 : 4;
-    if (o.present && b.element_type() != want) {
-        return bad(std::string(kName[which]) + " must be " + (boolean ? "bool" : "float32"));
+    if (half_capable(which)) {
+        if (!storage_dtype(b.element_type(), &o.dtype, &o.elem) && o.present) {
+            return bad(std::string(kName[which]) + " must be float32, bfloat16 or float16");
+        }
+    } else {
+        bool boolean = which == MASK || which == KV_PAD;
+        ffi::DataType want = boolean ? ffi::DataType::PRED : ffi::DataType::F32;
+        o.elem = boolean ? 1 : 4;
+        if (o.present && b.element_type() != want) {
+            return bad(std::string(kName[which]) + " must be " + (boolean ? "bool" : "float32"));
+        }
     }
     if (o.present && static_cast<int64_t>(o.dims.size()) < kCoreRank[which]) {
         return bad(std::string(kName[which]) + " has too few dimensions");
@@ -281,10 +319,14 @@ mha_attention_args forward_args(const Call &c, const Attrs &a, int64_t idx, int6
     const int64_t k_s[3] = {c.S * c.Kh * c.H, c.H, c.Kh * c.H};
     const int64_t v_s[3] = {c.S * c.Kh * c.Hv, c.Hv, c.Kh * c.Hv};
     const int64_t o_s[3] = {c.T * c.N * c.Hv, c.Hv, c.N * c.Hv};
-    args.q = static_cast<const float *>(at(c, Q, idx));
-    args.k = static_cast<const float *>(at(c, K, idx));
-    args.v = static_cast<const float *>(at(c, V, idx));
-    args.out = static_cast<float *>(at(c, OUT, idx));
+    args.q = at(c, Q, idx);
+    args.k = at(c, K, idx);
+    args.v = at(c, V, idx);
+    args.out = at(c, OUT, idx);
+    args.q_dtype = c.op[Q].dtype;
+    args.k_dtype = c.op[K].dtype;
+    args.v_dtype = c.op[V].dtype;
+    args.out_dtype = c.op[OUT].dtype;
     std::memcpy(args.q_strides, q_s, sizeof q_s);
     std::memcpy(args.k_strides, k_s, sizeof k_s);
     std::memcpy(args.v_strides, v_s, sizeof v_s);
@@ -480,14 +522,18 @@ ffi::Error backward_impl(ffi::AnyBuffer q,
         mha_attention_args args = forward_args(c, a, idx, fold);
         /* Gradients share the layouts of the tensors they differentiate. */
         mha_attention_grads g{};
-        g.dout = static_cast<const float *>(at(c, DOUT, idx));
+        g.dout = at(c, DOUT, idx);
         std::memcpy(g.dout_strides, args.out_strides, sizeof g.dout_strides);
-        g.dq = static_cast<float *>(at(c, DQ, idx));
+        g.dq = at(c, DQ, idx);
         std::memcpy(g.dq_strides, args.q_strides, sizeof g.dq_strides);
-        g.dk = static_cast<float *>(at(c, DK, idx));
+        g.dk = at(c, DK, idx);
         std::memcpy(g.dk_strides, args.k_strides, sizeof g.dk_strides);
-        g.dv = static_cast<float *>(at(c, DV, idx));
+        g.dv = at(c, DV, idx);
         std::memcpy(g.dv_strides, args.v_strides, sizeof g.dv_strides);
+        g.dout_dtype = c.op[DOUT].dtype;
+        g.dq_dtype = c.op[DQ].dtype;
+        g.dk_dtype = c.op[DK].dtype;
+        g.dv_dtype = c.op[DV].dtype;
         g.dsinks = static_cast<float *>(at(c, DSINKS, idx));
         mha_error err{};
         return status(mha_attention_backward(&args, &g, &ex, &err), err);

@@ -9,10 +9,14 @@ autograd formula, they are opaque nodes that ``torch.compile(fullgraph=True)`` a
 ``autograd.Function`` cannot be traced: dynamo breaks the graph there and export refuses it).
 
 Operands (CPU): q [B, h, n, d], k [B, g, m, d], v [B, g, m, d_v] of one floating dtype, last
-dimension contiguous (other strides are passed to mha as they are; a copy otherwise). float32 is
-computed as it is; float64, float16 and bfloat16 (what autocast hands a traced layer) are
-converted to float32 and out and probs are returned in q's dtype, lse in float32 (the fake
-implementation says the same dtypes). Any other dtype, device or rank, shapes that do not agree,
+dimension contiguous (other strides are passed to mha as they are; a copy otherwise). float32,
+bfloat16 and float16 are read as they are stored (arithmetic in float32, docs/SEMANTICS.md "Half
+precision") and out is written in that dtype (rounded once); float64 is converted to float32 and
+out converted back. probs is returned in q's dtype, lse in float32; the backward returns dq, dk,
+dv in the operands' dtype (the fake implementations say the same dtypes). Under
+``torch.autocast('cpu')`` the attention operator computes in the autocast dtype as
+torch's scaled_dot_product_attention does: float32/float16/bfloat16 q, k, v are cast to it
+(float64 ones are not), so out is in that dtype; masks and sinks are not cast. Any other dtype, device or rank, shapes that do not agree,
 a non-bool ``attend``, a non-float ``additive`` or ``sinks`` of another size than [h] raise
 TypeError / ValueError before C reads anything (docs/PYTHON.md). Masks: ``attend`` is a bool
 mask, True = the key takes part (broadcastable to [B, h, n, m] as the C API broadcasts: [n, m],
@@ -41,6 +45,9 @@ from . import _marshal as M
 from . import _mask_rule
 
 _F32 = torch.float32
+# Storage dtypes the library reads and writes as they are (mha_attention_args.q_dtype, ...).
+_STORAGE = {torch.float32: L.DTYPE_F32, torch.bfloat16: L.DTYPE_BF16,
+            torch.float16: L.DTYPE_F16}
 _STRIDED = torch.strided
 _AUTO = L.IMPLS["auto"]
 # A model layer's options beyond an SDPA call's: (softcap, alibi, sinks, window_left,
@@ -62,6 +69,8 @@ def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: O
     a = M.attention_args((q.data_ptr(), q.shape, q.stride()[:3]),
                          (k.data_ptr(), k.shape, k.stride()[:3]),
                          (v.data_ptr(), v.shape, v.stride()[:3]), scale)
+    if q.dtype is not _F32 or k.dtype is not _F32 or v.dtype is not _F32:
+        a.q_dtype, a.k_dtype, a.v_dtype = _STORAGE[q.dtype], _STORAGE[k.dtype], _STORAGE[v.dtype]
     if causal:
         M.causal_top_left(a.mask)
     if model is not NO_MODEL:
@@ -131,23 +140,27 @@ def _set_model(a: L.mha_attention_args, model: tuple, keep: list) -> None:
         a.mask.alignment = L.ALIGN_BOTTOM_RIGHT
 
 
-def empty(shape) -> Tensor:
-    """torch.empty(shape, dtype=float32), at a third of the cost: torch's argument parser is slow
-    for a shape tuple with a dtype keyword (~5 us) and fast for plain int arguments (~1.5 us)."""
-    if shape and torch.get_default_dtype() is _F32:
+def empty(shape, dtype: torch.dtype = _F32) -> Tensor:
+    """torch.empty(shape, dtype=dtype), for float32 at a third of the cost: torch's argument
+    parser is slow for a shape tuple with a dtype keyword (~5 us) and fast for plain int
+    arguments (~1.5 us)."""
+    if shape and dtype is _F32 and torch.get_default_dtype() is _F32:
         return torch.empty(*shape)
-    return torch.empty(shape, dtype=_F32)
+    return torch.empty(shape, dtype=dtype)
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
             probs_shape: Optional[tuple] = None):
     """mha_attention: (out [B, h, n, d_v], lse [B, h, n] or None, probs or None). options =
     (attend, additive, causal, scale, dropout_p, seed, threads, model) (model: NO_MODEL or its
-    form); probs_shape [B, h, n, m], or [B, n, m] for probabilities averaged over the heads."""
+    form); probs_shape [B, h, n, m], or [B, n, m] for probabilities averaged over the heads.
+    q, k, v: float32, bfloat16 or float16 (any mix); out is in q's dtype, lse and probs in
+    float32."""
     attend, additive, causal, scale, dropout_p, seed, threads, model = options
     a, keep, bm = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model, threads)
-    out = empty((a.batch, a.num_heads, a.q_len, a.v_head_dim))
+    out = empty((a.batch, a.num_heads, a.q_len, a.v_head_dim), q.dtype)
     M.set_strided(a, "out", out.data_ptr(), out.stride()[:3])
+    a.out_dtype = a.q_dtype
     lse = probs = None
     if want_lse:
         lse = empty((a.batch, a.num_heads, a.q_len))
@@ -164,8 +177,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, options: tuple, want_lse: bool,
     return out, lse, probs
 
 
-# Operands the operators convert: computed in float32, out and probs returned in the query's
-# dtype (lse always float32); anything else (integer, bool, complex) raises TypeError.
+# Operands the operators take: float32, bfloat16 and float16 as they are stored, float64 converted
+# to float32 (out and probs returned in the query's dtype, lse always float32); anything else
+# (integer, bool, complex) raises TypeError.
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -181,16 +195,19 @@ def _where(t: Tensor, name: str, op: str) -> None:
         raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got layout {t.layout}")
 
 
-def _float_operand(t: Tensor, name: str, op: str, ndim: Optional[int]) -> Tensor:
-    """t as float32 (converted from float64/float16/bfloat16), its last dimension contiguous;
-    TypeError for another dtype or device, ValueError for another number of dimensions."""
+def _float_operand(t: Tensor, name: str, op: str, ndim: Optional[int],
+                   native: bool = False) -> Tensor:
+    """t as float32 (converted from float64/float16/bfloat16; with `native`, float16 and
+    bfloat16 are kept as they are, storage dtypes of the library), its last dimension
+    contiguous; TypeError for another dtype or device, ValueError for another number of
+    dimensions."""
     _where(t, name, op)
     if t.dtype not in _FLOATS:
-        raise TypeError(f"{op}: {name} must be floating point (float32; float64, float16 and "
-                        f"bfloat16 are computed in float32), got {t.dtype}")
+        raise TypeError(f"{op}: {name} must be floating point (float32, bfloat16, float16; "
+                        f"float64 is computed in float32), got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{op}: {name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype is not _F32:
+    if t.dtype is not _F32 and not (native and t.dtype in _STORAGE):
         t = t.detach().to(_F32)
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
@@ -199,8 +216,9 @@ def _checked(op: str, q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
              additive: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
              sinks: Optional[Tensor]):
     """The operator's tensors checked against what mha_attention reads (dtype, device, rank,
-    sizes), float ones converted to float32: (q, k, v, attend, additive, sinks). Mask shapes that
-    do not broadcast to [B, h, n, m] are refused by the library (MhaError)."""
+    sizes): (q, k, v, attend, additive, sinks), q, k, v in their storage dtype (float64 ones
+    converted to float32), additive and sinks in float32. Mask shapes that do not broadcast to
+    [B, h, n, m] are refused by the library (MhaError)."""
     if (attend is None and additive is None and sinks is None and dropout_p <= 0.0
             and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
             and q.dtype is _F32 and k.dtype is _F32 and v.dtype is _F32
@@ -219,7 +237,7 @@ def _checked(op: str, q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
     if len(devices) > 1:  # (a meta tensor among CPU ones sends the call to the fake kernel)
         raise TypeError(f"{op}: all tensors must be on one device (the CPU), got "
                         f"{', '.join(sorted(str(d) for d in devices))}")
-    q, k, v = (_float_operand(t, nm, op, 4) for t, nm in ((q, "q"), (k, "k"), (v, "v")))
+    q, k, v = (_float_operand(t, nm, op, 4, True) for t, nm in ((q, "q"), (k, "k"), (v, "v")))
     if len(dtypes) > 1:
         raise TypeError(f"{op}: q, k and v must have the same dtype, got "
                         f"{', '.join(sorted(str(d) for d in dtypes))}")
@@ -282,10 +300,10 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
                _model(softcap, alibi, sinks, window_left, window_right, bottom_right))
     out, lse, probs = forward(q, k, v, options, True,
                               _probs_shape(q, v.shape[2], need_probs, average_probs))
-    probs = probs if probs is not None else empty((0,))
-    if dtype is not _F32:  # computed in float32; returned in the query's dtype (lse: float32)
-        out, probs = out.to(dtype), probs.to(dtype)
-    return out, lse, probs
+    # out is in q's storage dtype (float64: computed in float32, converted back); probs (float32)
+    # returned in q's dtype; lse float32.
+    probs = probs.to(dtype) if probs is not None else empty((0,), dtype)
+    return (out if out.dtype is dtype else out.to(dtype)), lse, probs
 
 
 attention = torch.library.custom_op("mha::attention", _attention_op, mutates_args=(),
@@ -308,19 +326,23 @@ def _attention_fake(q, k, v, attend, additive, causal, scale, dropout_p, seed, n
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              options: tuple) -> Tuple[Tensor, Tensor, Tensor]:
     """mha_attention_backward: (dq, dk, dv) of the forward(q, k, v, options, ...) call that gave
-    out and lse."""
+    out and lse. q, k, v, out, dout: float32, bfloat16 or float16 (any mix); dq, dk, dv are in
+    the dtypes of q, k, v."""
     attend, additive, causal, scale, dropout_p, seed, threads, model = options
     a, keep, bm = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model, threads)
     out = out if out.stride(-1) == 1 else out.contiguous()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     lse = lse.contiguous()
     M.set_strided(a, "out", out.data_ptr(), out.stride()[:3])
+    a.out_dtype = _STORAGE[out.dtype]
     a.lse = lse.data_ptr()
     g = L.mha_attention_grads()
     M.set_strided(g, "dout", dout.data_ptr(), dout.stride()[:3])
-    grads = tuple(empty(t.shape) for t in keep[:3])
+    grads = tuple(empty(t.shape, t.dtype) for t in keep[:3])
     for name, d in zip(("dq", "dk", "dv"), grads):
         M.set_strided(g, name, d.data_ptr(), d.stride()[:3])
+    g.dout_dtype, g.dq_dtype, g.dk_dtype, g.dv_dtype = (
+        _STORAGE[t.dtype] for t in (dout,) + grads)
     if bm is not None:
         M.call(L.mha_attention_backward_masked, a, g, bm.ptr, M.exec_struct(_AUTO, threads))
     else:
@@ -343,7 +365,7 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                                                 sinks)
     B, h, n, _ = q.shape
     want = (B, h, n, v.shape[3])
-    out, dout = _float_operand(out, "out", op, 4), _float_operand(dout, "dout", op, 4)
+    out, dout = _float_operand(out, "out", op, 4, True), _float_operand(dout, "dout", op, 4, True)
     lse = _float_operand(lse, "lse", op, 3)
     if len({t.device for t in (q, out, dout, lse)}) > 1:
         raise TypeError(f"{op}: all tensors must be on one device (the CPU)")
@@ -353,7 +375,7 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     grads = backward(dout, q, k, v, out, lse,
                      (attend, additive, causal, scale, dropout_p, seed, threads,
                       _model(softcap, alibi, sinks, window_left, window_right, bottom_right)))
-    return tuple(g if dt is _F32 else g.to(dt) for g, dt in zip(grads, dtypes))
+    return tuple(g if g.dtype is dt else g.to(dt) for g, dt in zip(grads, dtypes))
 
 
 attention_backward = torch.library.custom_op("mha::attention_backward", _attention_backward_op,
@@ -390,3 +412,22 @@ def _backward(ctx, dout, _dlse, _dprobs):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _autocast_attention(keyset, q: Tensor, k: Tensor, v: Tensor, *rest):
+    """torch.ops.mha.attention under torch.autocast('cpu'): what the autocast kernel of torch's
+    scaled_dot_product_attention does (a "lower precision" op): q, k, v that are float32,
+    float16 or bfloat16 are cast to the autocast dtype (float64 stays, as torch leaves it), the
+    operator runs below autocast and its out is then in that dtype. Masks and sinks are not
+    cast (the library reads them in float32 anyway, so they lose no bits). Registered by hand
+    rather than with register_autocast, which casts to one dtype fixed at registration."""
+    dt = torch.get_autocast_dtype("cpu")
+    q, k, v = (t.to(dt) if isinstance(t, Tensor) and t.dtype in _STORAGE else t
+               for t in (q, k, v))
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST_CPU)):
+        return torch.ops.mha.attention.default(q, k, v, *rest)
+
+
+_AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
+_LIB = torch.library.Library("mha", "IMPL")  # (kept: a registration lives as long as its Library)
+_LIB.impl("attention", _autocast_attention, "AutocastCPU", with_keyset=True)

@@ -14,7 +14,7 @@ buffers, with no Python and no host callback. It works under ``jax.jit``, ``jax.
 Semantics are those of ``jax.nn.dot_product_attention`` (jax 0.10), with these documented
 differences (docs/PYTHON.md, "JAX"): a row whose keys are all masked gives zeros (JAX: the average
 of the values), and its residual is -inf; computation is float32 whatever the input dtype (the
-result has the input's dtype). Extras: value heads of another size than the query's, ``softcap``,
+result has the input's dtype; bfloat16/float16 arrays reach the handler without conversion). Extras: value heads of another size than the query's, ``softcap``,
 ``sinks`` (per-head sink logits, differentiable), ``implementation`` naming mha's kernels
 ("auto", "fast", "reference"), ``threads``.
 """
@@ -96,7 +96,8 @@ def _ffi_forward(st: _Static, q, k, v, bias, mask, kv_pad, sinks, want_probs: bo
     B, T, N, _ = q.shape
     S, Hv = k.shape[1], v.shape[3]
     f32 = jnp.float32
-    shapes = (jax.ShapeDtypeStruct((B, T, N, Hv), f32), jax.ShapeDtypeStruct((B, N, T), f32),
+    # out in q's dtype (float32, bfloat16 or float16: the handler writes it as it is stored).
+    shapes = (jax.ShapeDtypeStruct((B, T, N, Hv), q.dtype), jax.ShapeDtypeStruct((B, N, T), f32),
               jax.ShapeDtypeStruct((B, N, T, S) if want_probs else _ABSENT, f32))
     call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="expand_dims")
     return call(q, k, v, _or_absent(bias, f32), _or_absent(mask, jnp.bool_),
@@ -121,8 +122,9 @@ def _attention_bwd(st, res, cts):
     dout = cts[0]
     f32 = jnp.float32
     N = q.shape[2]
-    shapes = (jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(k.shape, f32),
-              jax.ShapeDtypeStruct(v.shape, f32),
+    # dq, dk, dv in the dtypes of q, k, v (written by the handler as they are stored).
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+              jax.ShapeDtypeStruct(v.shape, v.dtype),
               jax.ShapeDtypeStruct((N,) if sinks is not None else _ABSENT, f32))
     call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="expand_dims")
     dq, dk, dv, dsinks = call(q, k, v, _or_absent(bias, f32), _or_absent(mask, jnp.bool_),
@@ -154,6 +156,15 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # The public function: validation and conversion, then _attention.
 # ------------------------------------------------------------------------------------------------
 _FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float64)
+
+
+def _storage(x):
+    """x as the handler reads it: float32, bfloat16 and float16 as they are (no conversion),
+    float64 converted to float32."""
+    return x if x.dtype in _STORAGE else x.astype(jnp.float32)
+
+
+_STORAGE = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _float_input(x, name):
@@ -237,8 +248,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
 
     Args (as JAX's; B batch, T query length, S key length, N query heads, K kv heads):
         query: [B, T, N, H] (or [T, N, H]); key: [B, S, K, H]; value: [B, S, K, Hv]
-            (N a multiple of K: GQA/MQA; Hv may differ from H). float32 is computed as is;
-            float16/bfloat16/float64 are converted to float32 and the result converted back.
+            (N a multiple of K: GQA/MQA; Hv may differ from H). float32, bfloat16 and float16
+            go to the library as they are (float32 arithmetic, the output rounded once to the
+            query's dtype, gradients in the operands' dtypes); float64 is converted to float32
+            and the result converted back.
         bias: added to the scores, broadcasting to [B, N, T, S] (at most 4 dims). Differentiable.
         mask: bool, broadcasting to [B, N, T, S]; True = may attend.
         scale: a Python number; None = 1/sqrt(H).
@@ -310,9 +323,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     if st.scale == 0:
         raise ValueError("mha.jax: scale must be > 0")
     _check_cpu(q, k, v, bias, mask, sinks)
-    out, lse = _attention(st, q.astype(f32), k.astype(f32), v.astype(f32), bias, mask, kv_pad,
-                          sinks)
-    out = out.astype(q.dtype)
+    out, lse = _attention(st, _storage(q), _storage(k), _storage(v), bias, mask, kv_pad, sinks)
+    out = out.astype(q.dtype)  # (float64: computed in float32)
     if unbatched:
         out = out[0]
     if not return_residual:

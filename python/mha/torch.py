@@ -821,6 +821,21 @@ def _to4(t: Tensor, nd: int) -> Tensor:
     return t.reshape((-1,) + tuple(t.shape[-3:]))
 
 
+def _sdpa_operands(query: Tensor, key: Tensor, value: Tensor):
+    """(q, k, v, the output's dtype): under torch.autocast('cpu') the float32, float16 and
+    bfloat16 operands cast to the autocast dtype (as PyTorch's autocast does for its SDPA;
+    float64 stays); then kept if they share one storage dtype (float32, bfloat16, float16),
+    else all converted to float32. The output is in the dtype of query after the cast."""
+    qkv = (query, key, value)
+    if torch.is_autocast_enabled("cpu"):
+        dt = torch.get_autocast_dtype("cpu")
+        qkv = tuple(t.to(dt) if t.dtype in _torch_ops._STORAGE else t for t in qkv)
+    q, k, v = qkv
+    if q.dtype is k.dtype and q.dtype is v.dtype and q.dtype in _torch_ops._STORAGE:
+        return q, k, v, q.dtype
+    return tuple(t if t.dtype is _F32 else t.to(_F32) for t in qkv) + (q.dtype,)
+
+
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None,
@@ -831,8 +846,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     the heads (key/value may have fewer with ``enable_gqa``). attn_mask broadcasts to
     (N, ..., L, S): bool True = takes part in attention, float = added. ``is_causal``: top-left
     causal (PyTorch's). ``dropout_p`` is applied whenever > 0 (as in PyTorch), seeded from
-    torch's generator. Differentiable in query, key and value. float32 CPU tensors (other float
-    dtypes are computed in float32 and cast back). Fully masked rows give 0 (PyTorch: NaN or 0).
+    torch's generator. Differentiable in query, key and value. CPU tensors of one dtype:
+    float32, bfloat16 or float16 are read and written as they are (float32 arithmetic; the output
+    and the gradients in that dtype), float64 is computed in float32 and cast back, as are
+    operands of mixed dtypes (the output in query's). Under ``torch.autocast('cpu')`` float32,
+    float16 and bfloat16 operands are cast to the autocast dtype first, as PyTorch's does. Fully
+    masked rows give 0 (PyTorch: NaN or 0).
     """
     for nm, t in (("query", query), ("key", key), ("value", value)):
         _check_cpu_f32(nm, t)
@@ -846,9 +865,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     if attn_mask is not None and is_causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set "
                            "when is_causal=True")
-    in_dtype = query.dtype
     lead = tuple(query.shape[:-2])
-    q, k, v = (t if t.dtype == _F32 else t.to(_F32) for t in (query, key, value))
+    q, k, v, out_dtype = _sdpa_operands(query, key, value)
     q4, k4, v4 = (_to4(t, nd) for t in (q, k, v))
     q4, k4, v4 = (t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
                   for t in (q4, k4, v4))
@@ -891,8 +909,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                    _torch_ops.NO_MODEL), q4, k4, v4)
     if nd != 4:
         out = out.reshape(lead + (n, v4.shape[3]))
-    if in_dtype != _F32:
-        out = out.to(in_dtype)
+    if out.dtype != out_dtype:
+        out = out.to(out_dtype)
     return out
 
 
