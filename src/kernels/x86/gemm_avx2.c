@@ -168,13 +168,15 @@ static inline __m256 load_half8(const uint16_t *p, int bf16, int64_t left) {
 }
 
 /* dot_avx2 over half W (mha__gemm_dot_h_fn): the same loop, lanes and chains, each W vector
- * widened in registers. Specialised per dtype (bf16 constant in each caller). */
+ * widened in registers. Specialised per dtype and row count mm (1 or 2), constants in each
+ * caller, as in gemm_avx512.c. */
 static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
                                                              const float *x,
                                                              int64_t ldx,
                                                              int m,
                                                              const uint16_t *w,
                                                              const int bf16,
+                                                             const int mm,
                                                              int64_t ldw,
                                                              int n,
                                                              const float *bias,
@@ -198,21 +200,26 @@ static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
         const __m256i mk = lane_mask(left >= 8 ? 8 : (int)left);
         __m256 a[MHA_GEMM_DOT_M];
         MHA_UNROLL
-        for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+        for (int i = 0; i < mm; i++)
             a[i] = left >= 8 ? _mm256_loadu_ps(xr[i] + k) : _mm256_maskload_ps(xr[i] + k, mk);
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
             const __m256 b = load_half8(wr[j] + k, bf16, left);
             MHA_UNROLL
-            for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+            for (int i = 0; i < mm; i++)
                 acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
         }
     }
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) {
-            const float s = hsum8(acc[i][j]);
-            y[i * ldy + j] = bias ? s + bias[j] : s;
-        }
+    /* Fully unrolled with a condition: the accumulators stay in registers (see gemm_avx512.c). */
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            if (i < mm && i < m && j < n) {
+                const float s = hsum8(acc[i][j]);
+                y[i * ldy + j] = bias ? s + bias[j] : s;
+            }
+    }
 }
 
 static void dot_h_avx2(int64_t K,
@@ -226,10 +233,14 @@ static void dot_h_avx2(int64_t K,
                        const float *bias,
                        float *y,
                        int64_t ldy) {
-    if (bf16)
-        dot_h_body(K, x, ldx, m, w, 1, ldw, n, bias, y, ldy);
+    if (bf16 && m == 1)
+        dot_h_body(K, x, ldx, m, w, 1, 1, ldw, n, bias, y, ldy);
+    else if (bf16)
+        dot_h_body(K, x, ldx, m, w, 1, MHA_GEMM_DOT_M, ldw, n, bias, y, ldy);
+    else if (m == 1)
+        dot_h_body(K, x, ldx, m, w, 0, 1, ldw, n, bias, y, ldy);
     else
-        dot_h_body(K, x, ldx, m, w, 0, ldw, n, bias, y, ldy);
+        dot_h_body(K, x, ldx, m, w, 0, MHA_GEMM_DOT_M, ldw, n, bias, y, ldy);
 }
 
 static void pack_a_6(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {

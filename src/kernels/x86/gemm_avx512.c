@@ -178,13 +178,16 @@ static inline __m512 load_half16(const uint16_t *p, int bf16, __mmask16 mk) {
 
 /* dot_avx512 over half W (mha__gemm_dot_h_fn): the same loop, lanes and chains, each W vector
  * widened in registers; only W's bytes are halved (x is float32). Specialised per dtype (bf16
- * is a compile-time constant in each caller) so that the inner loop has no branch. */
+ * is a compile-time constant in each caller) so that the inner loop has no branch, and per row
+ * count mm (1 or 2, constant): a decode step (m = 1) then does not compute a second, discarded
+ * row (measured at batch 1 on a 4096-wide layer: 1.3x faster than always computing two). */
 static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
                                                              const float *x,
                                                              int64_t ldx,
                                                              int m,
                                                              const uint16_t *w,
                                                              const int bf16,
+                                                             const int mm,
                                                              int64_t ldw,
                                                              int n,
                                                              const float *bias,
@@ -208,7 +211,7 @@ static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
     for (; k + 32 <= K; k += 32) {
         __m512 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
         MHA_UNROLL
-        for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        for (int i = 0; i < mm; i++) {
             a0[i] = _mm512_loadu_ps(xr[i] + k);
             a1[i] = _mm512_loadu_ps(xr[i] + k + 16);
         }
@@ -217,7 +220,7 @@ static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
             const __m512 b0 = load_half16(wr[j] + k, bf16, all);
             const __m512 b1 = load_half16(wr[j] + k + 16, bf16, all);
             MHA_UNROLL
-            for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+            for (int i = 0; i < mm; i++) {
                 acc0[i][j] = _mm512_fmadd_ps(a0[i], b0, acc0[i][j]);
                 acc1[i][j] = _mm512_fmadd_ps(a1[i], b1, acc1[i][j]);
             }
@@ -228,21 +231,28 @@ static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
         const __mmask16 mk = left >= 16 ? all : (__mmask16)((1u << left) - 1u);
         __m512 a0[MHA_GEMM_DOT_M];
         MHA_UNROLL
-        for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+        for (int i = 0; i < mm; i++)
             a0[i] = _mm512_maskz_loadu_ps(mk, xr[i] + k);
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
             const __m512 b0 = load_half16(wr[j] + k, bf16, mk);
             MHA_UNROLL
-            for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+            for (int i = 0; i < mm; i++)
                 acc0[i][j] = _mm512_fmadd_ps(a0[i], b0, acc0[i][j]);
         }
     }
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) {
-            const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i][j], acc1[i][j]));
-            y[i * ldy + j] = bias ? s + bias[j] : s;
-        }
+    /* Fully unrolled with a condition (not loops up to m, n): indexed by constants, the
+     * accumulators stay in registers (with variable bounds gcc 12 stored all 16 to the stack in
+     * every iteration of the main loop: 1.7x slower). */
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            if (i < mm && i < m && j < n) {
+                const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i][j], acc1[i][j]));
+                y[i * ldy + j] = bias ? s + bias[j] : s;
+            }
+    }
 }
 
 static void dot_h_avx512(int64_t K,
@@ -256,10 +266,14 @@ static void dot_h_avx512(int64_t K,
                          const float *bias,
                          float *y,
                          int64_t ldy) {
-    if (bf16)
-        dot_h_body(K, x, ldx, m, w, 1, ldw, n, bias, y, ldy);
+    if (bf16 && m == 1)
+        dot_h_body(K, x, ldx, m, w, 1, 1, ldw, n, bias, y, ldy);
+    else if (bf16)
+        dot_h_body(K, x, ldx, m, w, 1, MHA_GEMM_DOT_M, ldw, n, bias, y, ldy);
+    else if (m == 1)
+        dot_h_body(K, x, ldx, m, w, 0, 1, ldw, n, bias, y, ldy);
     else
-        dot_h_body(K, x, ldx, m, w, 0, ldw, n, bias, y, ldy);
+        dot_h_body(K, x, ldx, m, w, 0, MHA_GEMM_DOT_M, ldw, n, bias, y, ldy);
 }
 
 static void pack_a_14(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
