@@ -258,8 +258,13 @@ enum { NG = 11 }; /* d_query d_key dw_q dw_k dw_v dw_o db_q db_k db_v db_o d_sin
 
 /* Training forward + backward of layer L on a (inputs of a.x_dtype), dy of a.out_dtype; grads
  * g[NG] (d_query / d_key of x_dtype, the rest float32). */
-static int
-run_bwd(const built *c, mha_layer *L, int widened, mha_impl impl, int threads, void **g) {
+static int run_bwd(const built *c,
+                   mha_layer *L,
+                   int widened,
+                   mha_impl impl,
+                   int threads,
+                   int accumulate,
+                   void **g) {
     const spec *s = &c->s;
     void *y = malloc(4 * (size_t)(s->B * s->n * s->qd));
     mha_forward_args a = fwd_args(c, widened, y);
@@ -274,6 +279,7 @@ run_bwd(const built *c, mha_layer *L, int widened, mha_impl impl, int threads, v
         gr.d_query = g[0], gr.d_key = g[1];
         gr.dw_q = g[2], gr.dw_k = g[3], gr.dw_v = g[4], gr.dw_o = g[5];
         gr.db_q = g[6], gr.db_k = g[7], gr.db_v = g[8], gr.db_o = g[9], gr.d_sinks = g[10];
+        gr.accumulate = accumulate;
         rc = mha_layer_backward(L, st, widened ? (const void *)c->dy.f : c->dy.st, &gr, &ex, &err);
         CHECK(rc == MHA_STATUS_OK, "[%s] backward: %s", s->name, err.message);
     }
@@ -318,7 +324,8 @@ static void test_backward(const built *c) {
     const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
     for (int k = 0; k < 2; k++) {
         const char *iname = k ? "auto" : "reference";
-        if (!run_bwd(c, c->L, 0, impls[k], 2, g[0]) || !run_bwd(c, c->L32, 1, impls[k], 2, g[1]))
+        if (!run_bwd(c, c->L, 0, impls[k], 2, 0, g[0]) ||
+            !run_bwd(c, c->L32, 1, impls[k], 2, 0, g[1]))
             continue;
         for (int t = 0; t < NG; t++) {
             if (!counts[t])
@@ -340,13 +347,30 @@ static void test_backward(const built *c) {
         }
     }
     /* 1 thread gives the bits of 2 (auto). */
-    if (run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 1, g[2])) {
+    if (run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 1, 0, g[2])) {
         int same = 1;
         for (int t = 0; t < NG; t++)
             if (counts[t])
                 same &= memcmp(g[0][t], g[2][t],
                                (t < 2 ? mha__storage_size(s->xdt) : 4) * (size_t)counts[t]) == 0;
         CHECK(same, "[%s] backward: 1 thread differs from 2", s->name);
+    }
+    /* accumulate into ones: a half input gradient is 1 + g in float32 rounded once, i.e. the
+     * float32 layer's 1 + g rounded to the dtype (g[0], g[1] reused; auto, 2 threads). */
+    for (int k = 0; k < 2; k++)
+        for (int t = 0; t < NG; t++) {
+            const mha_dtype dt = t < 2 && k == 0 ? s->xdt : F32;
+            for (int64_t e = 0; e < counts[t]; e++)
+                mha__store(dt, g[k][t], e, 1.0f);
+        }
+    if (run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 2, 1, g[0]) &&
+        run_bwd(c, c->L32, 1, MHA_IMPL_AUTO, 2, 1, g[1])) {
+        int same = 1;
+        for (int t = 0; t < NG; t++)
+            if (counts[t])
+                same &= same_as_rounded(t < 2 ? s->xdt : F32, g[0][t], g[1][t], counts[t]);
+        CHECK(same, "[%s] backward accumulate: not the float32 layer's 1 + g rounded once",
+              s->name);
     }
     for (int k = 0; k < 3; k++)
         for (int t = 0; t < NG; t++)
@@ -356,6 +380,27 @@ static void test_backward(const built *c) {
     for (int i = 0; i < 9; i++)
         free(wd[i]);
     free(xq), free(xk), free(dy);
+}
+
+/* The layer's attention statistics with half inputs and weights: the float32 twin's on the
+ * widened values, bit for bit (Q and K are projected into float32). */
+static void test_stats(const built *c) {
+    const spec *s = &c->s;
+    const int64_t m = s->m ? s->m : s->n, cnt = s->B * s->h * s->n;
+    float *ent = malloc(sizeof(float) * (size_t)cnt), *ent32 = malloc(sizeof(float) * (size_t)cnt);
+    float *rec = malloc(sizeof(float) * (size_t)(s->B * s->h * m));
+    float *rec32 = malloc(sizeof(float) * (size_t)(s->B * s->h * m));
+    mha_attention_stats st = {0}, st32 = {0};
+    st.entropy = ent, st.received = rec;
+    st32.entropy = ent32, st32.received = rec32;
+    mha_forward_args a = fwd_args(c, 0, NULL), a32 = fwd_args(c, 1, NULL);
+    mha_error err = {0};
+    CHECK_OK(mha_layer_attention_statistics(c->L, &a, &st, NULL, &err), &err);
+    CHECK_OK(mha_layer_attention_statistics(c->L32, &a32, &st32, NULL, &err), &err);
+    CHECK(memcmp(ent, ent32, sizeof(float) * (size_t)cnt) == 0 &&
+              memcmp(rec, rec32, sizeof(float) * (size_t)(s->B * s->h * m)) == 0,
+          "[%s] attention statistics differ from the float32 layer's", s->name);
+    free(ent), free(ent32), free(rec), free(rec32);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -565,6 +610,7 @@ int main(void) {
         if (build(&SPECS[i], 1000 + (uint64_t)i, &c)) {
             test_forward(&c);
             test_backward(&c);
+            test_stats(&c);
             test_project(&c);
             test_decode(&c);
         }
