@@ -96,7 +96,8 @@ class Config(C.Structure):
     _fields_ = [("q_dim", i64), ("k_dim", i64), ("v_dim", i64), ("num_heads", i64),
                 ("num_kv_heads", i64), ("head_dim", i64), ("v_head_dim", i64), ("out_dim", i64),
                 ("bias_q", i32), ("bias_k", i32), ("bias_v", i32), ("bias_o", i32),
-                ("sinks", i32), ("scale", f64), ("softcap", f64), ("alibi", i32), ("rope", Rope)]
+                ("sinks", i32), ("scale", f64), ("softcap", f64), ("alibi", i32), ("rope", Rope),
+                ("weight_dtype", C.c_int)]
 
 
 class Weights(C.Structure):
@@ -108,7 +109,7 @@ class ForwardArgs(C.Structure):
     _fields_ = [("batch", i64), ("q_len", i64), ("kv_len", i64), ("query", P_f32),
                 ("key", P_f32), ("value", P_f32), ("q_positions", P_i64), ("k_positions", P_i64),
                 ("mask", Masking), ("dropout", Dropout), ("out", P_f32), ("probs", P_f32),
-                ("average_probs", i32)]
+                ("average_probs", i32), ("x_dtype", C.c_int), ("out_dtype", C.c_int)]
 
 
 class AttentionArgs(C.Structure):

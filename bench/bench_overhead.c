@@ -60,8 +60,8 @@ static mha_layer *make_layer(int64_t q_dim, int64_t h, int64_t g, float *w) {
     fill(w, 2 * q_dim * q_dim + 2 * g * d * q_dim, 1.0f / sqrtf((float)q_dim));
     mha_weights wt;
     memset(&wt, 0, sizeof wt);
-    wt.w_q = w, wt.w_k = w + q_dim * q_dim, wt.w_v = wt.w_k + g * d * q_dim;
-    wt.w_o = wt.w_v + g * d * q_dim;
+    wt.w_q = w, wt.w_k = w + q_dim * q_dim, wt.w_v = w + q_dim * q_dim + g * d * q_dim;
+    wt.w_o = w + q_dim * q_dim + 2 * g * d * q_dim;
     mha_layer *layer = NULL;
     mha_error err;
     if (mha_layer_create(&c, &wt, MHA_WEIGHTS_COPY, NULL, &layer, &err))

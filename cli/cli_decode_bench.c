@@ -46,6 +46,7 @@ enum {
     B_NAIVE,
     B_STREAM_MB,
     B_JSON,
+    B_WEIGHT_DTYPE,
     B_COUNT
 };
 
@@ -65,6 +66,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_NAIVE] = {"--naive", CLI_OPT_FLAG},
     [B_STREAM_MB] = {"--stream", CLI_OPT_VALUE},
     [B_JSON] = {"--json", CLI_OPT_FLAG},
+    [B_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
 };
 
 static void bench_usage(void) {
@@ -89,6 +91,8 @@ static void bench_usage(void) {
         "  --naive             also time a plain single-threaded loop over the same cache\n"
         "  --stream MB         also measure memory read bandwidth over an MB-megabyte buffer\n"
         "  --json              one JSON line instead of the table\n"
+        "  --weight-dtype T    the layer's weights: f32, f16 or bf16 (default: f32); the layer\n"
+        "                      step then reports the weights' bytes per second\n"
         "\n"
         "Example:\n"
         "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 \\\n"
@@ -250,8 +254,8 @@ typedef struct bench_opts {
     int64_t H, G, D, Q, L, B, N,
         stream_mb; /* heads, kv heads, head dim, q_dim, cache, batch, steps */
     int threads;
-    mha_dtype dt;
-    const char *dtn; /* the cache dtype's name */
+    mha_dtype dt, wdt;
+    const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
     int layer_prefill, attn_only, naive, json;
 } bench_opts;
 
@@ -263,15 +267,25 @@ typedef struct bench_run {
     mha_error err;
     uint64_t rng;
     float *wbuf, *kv, *xbuf, *ybuf, *q, *o, *scores;
+    uint16_t *whalf; /* the weights rounded to --weight-dtype bf16 / f16 */
     double *times;
-    double prefill_s, attn_med, attn_min, kv_bytes, naive_s, layer_med, stream;
+    double prefill_s, attn_med, attn_min, kv_bytes, naive_s, layer_med, layer_min, stream;
+    double weight_bytes;
 } bench_run;
 
 static int parse_bench(const cli_args *args, bench_opts *b) {
     int rc;
     int64_t T = 0;
-    *b = (bench_opts){
-        .H = 32, .G = 8, .D = 128, .L = 4096, .B = 1, .N = 32, .dt = MHA_DTYPE_F32, .dtn = "f32"};
+    *b = (bench_opts){.H = 32,
+                      .G = 8,
+                      .D = 128,
+                      .L = 4096,
+                      .B = 1,
+                      .N = 32,
+                      .dt = MHA_DTYPE_F32,
+                      .dtn = "f32",
+                      .wdt = MHA_DTYPE_F32,
+                      .wdtn = "f32"};
     const struct {
         int id;
         int64_t *dst, lo, hi;
@@ -303,6 +317,15 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
         else if (strcmp(b->dtn, "f32") != 0)
             return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", b->dtn);
     }
+    if (args->given[B_WEIGHT_DTYPE]) {
+        b->wdtn = args->value[B_WEIGHT_DTYPE];
+        if (strcmp(b->wdtn, "f16") == 0)
+            b->wdt = MHA_DTYPE_F16;
+        else if (strcmp(b->wdtn, "bf16") == 0)
+            b->wdt = MHA_DTYPE_BF16;
+        else if (strcmp(b->wdtn, "f32") != 0)
+            return cli_usage("--weight-dtype: '%s' is not f32, f16 or bf16", b->wdtn);
+    }
     if (args->given[B_PREFILL_MODE]) {
         if (strcmp(args->value[B_PREFILL_MODE], "layer") == 0)
             b->layer_prefill = 1;
@@ -317,6 +340,24 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
     b->naive = args->given[B_NAIVE];
     b->json = args->given[B_JSON];
     return CLI_OK;
+}
+
+/* float32 to bfloat16 / float16, round to nearest even (finite inputs; the library's own
+ * conversions are internal: the CLI stands on the public API). */
+static uint16_t round_half(float f, int bf16) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (bf16)
+        return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x47800000u) /* beyond float16's range */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) /* subnormal: |f| 2^24 is exact, lrintf rounds it to nearest even */
+        return (uint16_t)(sign | (uint16_t)lrintf(fabsf(f) * 16777216.0f));
+    uint32_t v = a - (112u << 23);
+    v += 0xfffu + ((v >> 13) & 1u);
+    return (uint16_t)(sign | (v >> 13));
 }
 
 /* The layer with random weights (scaled like a trained one: unit-variance activations), unless
@@ -334,12 +375,25 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
         if (!r->wbuf)
             return cli_fail("cannot allocate %lld weights", (long long)nw);
         fill(&r->rng, r->wbuf, nw, 1.0f / sqrtf((float)Q));
+        cfg.weight_dtype = b->wdt;
+        const char *base = (const char *)r->wbuf;
+        size_t es = sizeof(float);
+        if (b->wdt != MHA_DTYPE_F32) {
+            r->whalf = malloc(sizeof(uint16_t) * (size_t)nw);
+            if (!r->whalf)
+                return cli_fail("cannot allocate %lld weights", (long long)nw);
+            for (int64_t i = 0; i < nw; i++)
+                r->whalf[i] = round_half(r->wbuf[i], b->wdt == MHA_DTYPE_BF16);
+            base = (const char *)r->whalf;
+            es = sizeof(uint16_t);
+        }
+        r->weight_bytes = (double)nw * (double)es;
         mha_weights w;
         memset(&w, 0, sizeof w);
-        w.w_q = r->wbuf;
-        w.w_k = r->wbuf + H * D * Q;
-        w.w_v = w.w_k + G * D * Q;
-        w.w_o = w.w_v + G * D * Q;
+        w.w_q = base;
+        w.w_k = base + es * (size_t)(H * D * Q);
+        w.w_v = base + es * (size_t)(H * D * Q + G * D * Q);
+        w.w_o = base + es * (size_t)(H * D * Q + 2 * G * D * Q);
         if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &r->layer, &r->err) !=
             MHA_STATUS_OK)
             return cli_lib_fail(NULL, &r->err);
@@ -437,6 +491,7 @@ static int bench_layer(const bench_opts *b, bench_run *r) {
     }
     qsort(r->times, (size_t)b->N, sizeof(double), cmp_d);
     r->layer_med = r->times[b->N / 2];
+    r->layer_min = r->times[0];
     return CLI_OK;
 }
 
@@ -448,11 +503,15 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"cache_dtype\": \"%s\", \"prefill_s\": %.6g, \"attn_median_s\": %.6g, "
                "\"attn_min_s\": %.6g, \"kv_bytes_per_step\": %.6g, \"attn_gbs\": %.6g, "
                "\"attn_tokens_per_s\": %.6g, \"layer_median_s\": %.6g, "
-               "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g}\n",
+               "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g, "
+               "\"weight_dtype\": \"%s\", \"weight_bytes\": %.6g, \"layer_min_s\": %.6g, "
+               "\"layer_weight_gbs\": %.6g}\n",
                decode_kernel_name(), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
-               r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream);
+               r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream, b->wdtn,
+               r->weight_bytes, r->layer_min,
+               r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0);
         return;
     }
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
@@ -469,8 +528,10 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
         printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", r->naive_s * 1e3,
                r->naive_s / r->attn_med);
     if (!b->attn_only)
-        printf("  layer step (projections + RoPE + attention): median %.3f ms, %.1f tokens/s\n",
-               r->layer_med * 1e3, B / r->layer_med);
+        printf("  layer step (projections + RoPE + attention): median %.3f ms, %.1f tokens/s; "
+               "%s weights %.1f MB -> %.1f GB/s\n",
+               r->layer_med * 1e3, B / r->layer_med, b->wdtn, r->weight_bytes * 1e-6,
+               r->weight_bytes / r->layer_med * 1e-9);
     if (r->stream > 0.0)
         printf("  memory read bandwidth (%lld MB buffer, %d threads): %.1f GB/s; attention "
                "reaches %.0f%%\n",
@@ -489,6 +550,7 @@ static void bench_free(bench_run *r) {
     mha_kv_cache_destroy(r->cache);
     mha_layer_destroy(r->layer);
     free(r->wbuf);
+    free(r->whalf);
 }
 
 int cli_decode_bench_main(int argc, char **argv) {

@@ -557,21 +557,26 @@ typedef struct mha_config {
     double softcap; /* 0 = off; else in [FLT_MIN, FLT_MAX] */
     int32_t alibi;
     mha_rope rope; /* style NONE = no RoPE */
+    /* Storage dtype of every tensor of mha_weights (projections, biases, sinks): MHA_DTYPE_F32
+     * (0, the default), MHA_DTYPE_BF16 or MHA_DTYPE_F16. The arithmetic is float32 whatever it
+     * is: weights are widened exactly where they are read (docs/SEMANTICS.md "Half precision"). */
+    mha_dtype weight_dtype;
 } mha_config;
 
 /** Weights in PyTorch nn.Linear layout (y = x W^T + b). Rows [i*d_k, (i+1)*d_k) of w_q belong to
- *  head i. Biases must be given exactly when the config enables them. */
+ *  head i. Biases must be given exactly when the config enables them. Every tensor is stored in
+ *  config.weight_dtype (float32 by default: float arrays). */
 typedef struct mha_weights {
-    const float *w_q; /* [h*d_k, q_dim] */
-    const float *w_k; /* [g*d_k, k_dim] */
-    const float *w_v; /* [g*d_v, v_dim] */
-    const float *w_o; /* [out_dim, h*d_v] */
-    const float *b_q, *b_k, *b_v, *b_o;
-    const float *sinks; /* [h] */
+    const void *w_q; /* [h*d_k, q_dim] */
+    const void *w_k; /* [g*d_k, k_dim] */
+    const void *w_v; /* [g*d_v, v_dim] */
+    const void *w_o; /* [out_dim, h*d_v] */
+    const void *b_q, *b_k, *b_v, *b_o;
+    const void *sinks; /* [h] */
 } mha_weights;
 
 typedef enum mha_ownership {
-    MHA_WEIGHTS_COPY = 0, /* the layer keeps its own copy */
+    MHA_WEIGHTS_COPY = 0, /* the layer keeps its own copy, in config.weight_dtype */
     MHA_WEIGHTS_BORROW =
         1, /* the layer keeps the pointers; caller keeps them alive and unchanged */
 } mha_ownership;
@@ -590,23 +595,28 @@ MHA_API mha_status mha_layer_create(const mha_config *config,
 MHA_API void mha_layer_destroy(mha_layer *layer);
 /** The resolved configuration (every default filled in). */
 MHA_API const mha_config *mha_layer_config(const mha_layer *layer);
-/** The weights the layer uses (its copy, or the borrowed pointers). */
+/** The weights the layer uses (its copy, or the borrowed pointers), in config.weight_dtype. */
 MHA_API const mha_weights *mha_layer_weights(const mha_layer *layer);
 
 typedef struct mha_forward_args {
     int64_t batch;              /* B */
     int64_t q_len;              /* n */
     int64_t kv_len;             /* m; ignored (= n) for self-attention */
-    const float *query;         /* [B, n, q_dim] */
-    const float *key;           /* [B, m, k_dim]; NULL = self-attention (key = value = query) */
-    const float *value;         /* [B, m, v_dim]; NULL = key */
+    const void *query;          /* [B, n, q_dim] */
+    const void *key;            /* [B, m, k_dim]; NULL = self-attention (key = value = query) */
+    const void *value;          /* [B, m, v_dim]; NULL = key */
     const int64_t *q_positions; /* [B, n] RoPE positions; NULL = 0..n-1 */
     const int64_t *k_positions; /* [B, m]; NULL = q_positions for self-attention, else 0..m-1 */
     mha_masking mask;
     mha_dropout dropout;
-    float *out;   /* [B, n, out_dim] */
-    float *probs; /* optional [B, h, n, m], or [B, n, m] if average_probs */
+    void *out;    /* [B, n, out_dim] */
+    float *probs; /* optional [B, h, n, m], or [B, n, m] if average_probs; always float32 */
     int32_t average_probs;
+    /* Storage dtypes: x_dtype of query, key and value, out_dtype of out; MHA_DTYPE_F32 (0, the
+     * default), MHA_DTYPE_BF16 or MHA_DTYPE_F16, independent of the layer's weight_dtype. Q, K,
+     * V, RoPE and the core run in float32 inside the layer; out is rounded once to out_dtype.
+     * mha_layer_backward's dy has out_dtype and its d_query / d_key / d_value have x_dtype. */
+    mha_dtype x_dtype, out_dtype;
 } mha_forward_args;
 
 MHA_API mha_status mha_layer_forward_workspace_size(const mha_layer *layer,
@@ -647,10 +657,11 @@ typedef enum mha_projection {
 } mha_projection;
 
 /** One of the layer's projections on `rows` rows: y = x W^T (+ b if the layer has that bias),
- *  x and y contiguous row-major, exactly the arithmetic mha_layer_forward runs for that step (the
- *  packed GEMM, or plain loops with impl=REFERENCE). No RoPE: apply mha_rope_apply to the Q and
- *  K rows with their positions. y must not alias x. exec may be NULL; exec->workspace is not used
- *  (packing space comes from exec->allocator).
+ *  x and y contiguous row-major float32 (the weights in the layer's weight_dtype, widened), exactly
+ * the arithmetic mha_layer_forward runs for that step (the packed GEMM, or plain loops with
+ * impl=REFERENCE). No RoPE: apply mha_rope_apply to the Q and K rows with their positions. y must
+ * not alias x. exec may be NULL; exec->workspace is not used (packing space comes from
+ * exec->allocator).
  *  @return MHA_STATUS_OK, or an error (bad argument, overflow, out of memory) with y untouched. */
 MHA_API mha_status mha_layer_project(const mha_layer *layer,
                                      mha_projection which,
@@ -836,25 +847,28 @@ MHA_API mha_status mha_layer_forward_train(const mha_layer *layer,
  *  Self-attention (forward key == NULL): one input fed all three projections, so d_query
  *  receives the SUM of the query, key and value paths; d_key and d_value must be NULL. Cross-
  *  attention with value == NULL (value = key): d_key receives the key and value paths; d_value
- *  must be NULL. accumulate == 0 overwrites every requested buffer; nonzero adds into it. */
+ *  must be NULL. accumulate == 0 overwrites every requested buffer; nonzero adds into it.
+ *  Dtypes: d_query, d_key, d_value have the forward's x_dtype (a gradient has its tensor's dtype,
+ *  as in PyTorch; accumulate adds in float32 and rounds once); the weight, bias and sink
+ *  gradients are float32 whatever the layer's weight_dtype (mixed precision's master weights). */
 typedef struct mha_layer_grads {
-    float *d_query, *d_key, *d_value;
+    void *d_query, *d_key, *d_value; /* of the training forward's x_dtype */
     float *dw_q, *dw_k, *dw_v, *dw_o;
     float *db_q, *db_k, *db_v, *db_o;
     float *d_sinks;
     int32_t accumulate;
 } mha_layer_grads;
 
-/** Backward of the layer given dy = dL/dy [B, n, out_dim] and the state of the training forward
- *  that produced y (RoPE's backward is the transposed rotation). The state is not modified: the
- *  same state may be used for several backward calls. exec may be NULL; exec->workspace is not
- *  used (scratch of O((n + m) d + weights) floats comes from exec->allocator). Bit-identical
- *  results for any n_threads.
+/** Backward of the layer given dy = dL/dy [B, n, out_dim] (of the forward's out_dtype) and the
+ * state of the training forward that produced y (RoPE's backward is the transposed rotation). The
+ * state is not modified: the same state may be used for several backward calls. exec may be NULL;
+ * exec->workspace is not used (scratch of O((n + m) d + weights) floats comes from
+ * exec->allocator). Bit-identical results for any n_threads.
  *  @return MHA_STATUS_OK, or an error with every gradient buffer untouched (every check runs
  *  first; only an out-of-memory inside a later product can leave them partly written). */
 MHA_API mha_status mha_layer_backward(const mha_layer *layer,
                                       const mha_train_state *state,
-                                      const float *dy,
+                                      const void *dy,
                                       const mha_layer_grads *grads,
                                       const mha_exec *exec,
                                       mha_error *err);
@@ -980,7 +994,8 @@ MHA_API mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
  *  out [num_seqs, t, out_dim] = the rows the full causal forward over the whole sequence would
  *  give, with every option of the layer (GQA, RoPE, ALiBi, sinks, softcap, scale; the window is
  *  the cache's). Sequences may have different lengths. On error nothing is appended and out is
- *  untouched. exec may be NULL. */
+ *  untouched. exec may be NULL. x and out are float32; the weights are read in the layer's
+ *  weight_dtype (a batch-1 step is a matrix-vector product bound by the weights' bytes). */
 typedef struct mha_decode_args {
     int64_t num_seqs;
     const int64_t *seq_ids; /* [num_seqs] distinct, or NULL = 0 .. num_seqs-1 */

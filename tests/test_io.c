@@ -1471,9 +1471,11 @@ static void test_hf_gpt2(void) {
             ok &= same_row(w->w_q, r, 8, attn, r, 24, 1) &&
                   same_row(w->w_k, r, 8, attn, 8 + r, 24, 1) &&
                   same_row(w->w_v, r, 8, attn, 16 + r, 24, 1) &&
-                  same_row(w->w_o, r, 8, proj, r, 8, 1) && w->b_q[r] == attn_b[r] &&
-                  w->b_k[r] == attn_b[8 + r] && w->b_v[r] == attn_b[16 + r] &&
-                  w->b_o[r] == proj_b[r];
+                  same_row(w->w_o, r, 8, proj, r, 8, 1) &&
+                  ((const float *)w->b_q)[r] == attn_b[r] &&
+                  ((const float *)w->b_k)[r] == attn_b[8 + r] &&
+                  ((const float *)w->b_v)[r] == attn_b[16 + r] &&
+                  ((const float *)w->b_o)[r] == proj_b[r];
         CHECK(ok, "gpt2: c_attn / c_proj transposed and split into q, k, v, o");
     }
     mha_layer_destroy(L);

@@ -415,10 +415,12 @@ static void test_gqa_equals_repeated(void) {
     const int64_t qd = 32, dk = 8;
     float wk[4 * 8 * 32], wv[4 * 8 * 32], bk[32], bv[32];
     for (int64_t i = 0; i < 4; i++) {
-        memcpy(wk + i * dk * qd, wg->w_k + (i / 2) * dk * qd, sizeof(float) * (size_t)(dk * qd));
-        memcpy(wv + i * dk * qd, wg->w_v + (i / 2) * dk * qd, sizeof(float) * (size_t)(dk * qd));
-        memcpy(bk + i * dk, wg->b_k + (i / 2) * dk, sizeof(float) * (size_t)dk);
-        memcpy(bv + i * dk, wg->b_v + (i / 2) * dk, sizeof(float) * (size_t)dk);
+        memcpy(wk + i * dk * qd, (const float *)wg->w_k + (i / 2) * dk * qd,
+               sizeof(float) * (size_t)(dk * qd));
+        memcpy(wv + i * dk * qd, (const float *)wg->w_v + (i / 2) * dk * qd,
+               sizeof(float) * (size_t)(dk * qd));
+        memcpy(bk + i * dk, (const float *)wg->b_k + (i / 2) * dk, sizeof(float) * (size_t)dk);
+        memcpy(bv + i * dk, (const float *)wg->b_v + (i / 2) * dk, sizeof(float) * (size_t)dk);
     }
     mha_config cm = *cg;
     cm.num_kv_heads = 4;

@@ -136,7 +136,7 @@ class mha_config(Structure):
         ("out_dim", c_int64),
         ("bias_q", c_int32), ("bias_k", c_int32), ("bias_v", c_int32), ("bias_o", c_int32),
         ("sinks", c_int32), ("scale", c_double), ("softcap", c_double), ("alibi", c_int32),
-        ("rope", mha_rope),
+        ("rope", mha_rope), ("weight_dtype", c_int),
     ]
 
 
@@ -164,6 +164,7 @@ class mha_forward_args(Structure):
         ("q_positions", c_void_p), ("k_positions", c_void_p),
         ("mask", mha_masking), ("dropout", mha_dropout),
         ("out", c_void_p), ("probs", c_void_p), ("average_probs", c_int32),
+        ("x_dtype", c_int), ("out_dtype", c_int),
     ]
 
 

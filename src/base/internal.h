@@ -367,4 +367,15 @@ void mha__widen(mha_dtype dt, const void *src, float *dst, int64_t count);
 /* dst[i] = src[i] rounded to dt, i < count (a memcpy for F32). */
 void mha__narrow(mha_dtype dt, const float *src, void *dst, int64_t count);
 
+/* The layer's weights as the arithmetic reads them (layer.c): the four projections in their
+ * storage dtype wdt (the caller's or the layer's copy, never widened: half the bytes), the
+ * biases and sinks widened once to float32 at creation (O(h d) floats; the GEMM adds a float32
+ * bias and the core takes float32 sinks). */
+typedef struct mha__layer_w {
+    const void *w_q, *w_k, *w_v, *w_o;
+    mha_dtype wdt;
+    const float *b_q, *b_k, *b_v, *b_o, *sinks;
+} mha__layer_w;
+const mha__layer_w *mha__layer_compute_weights(const mha_layer *layer);
+
 #endif /* MHA_INTERNAL_H */

@@ -145,7 +145,7 @@ mha_status mha__check_rope_apply(const mha_rope *rope,
  * whether the config has it. */
 typedef struct mha__weight_slot {
     const char *name;
-    const float **ptr;
+    const void **ptr;
     int64_t count;
     int present;
 } mha__weight_slot;
@@ -184,12 +184,14 @@ mha_status mha__check_layer_stats_args(const mha_config *cfg,
 
 /* One projection of mha_layer_project, resolved: y[rows, out] = x[rows, in] w^T (+ bias). */
 typedef struct mha__projection {
-    const float *w, *bias;
+    const void *w; /* of dtype wdt (the layer's weight_dtype) */
+    mha_dtype wdt;
+    const float *bias; /* float32 (mha__layer_w) */
     int64_t in, out;
 } mha__projection;
 /* mha_layer_project's arguments (layer, which, rows, x, y, exec->impl) into its projection. */
 mha_status mha__check_layer_project(const mha_config *c,
-                                    const mha_weights *w,
+                                    const mha__layer_w *w,
                                     mha_projection which,
                                     int64_t rows,
                                     const float *x,
@@ -199,7 +201,7 @@ mha_status mha__check_layer_project(const mha_config *c,
                                     mha_error *err);
 /* mha_layer_project_backward's arguments: the projection's, dy, and db only with a bias. */
 mha_status mha__check_layer_project_backward(const mha_config *c,
-                                             const mha_weights *w,
+                                             const mha__layer_w *w,
                                              mha_projection which,
                                              int64_t rows,
                                              const float *x,
@@ -226,7 +228,7 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
                                      const mha_config *cfg,
                                      const mha_weights *w,
                                      const mha__train_view *state,
-                                     const float *dy,
+                                     const void *dy,
                                      const mha_layer_grads *grads,
                                      mha_error *err);
 

@@ -67,6 +67,10 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
     c->bias_o = c->bias_o != 0;
     c->sinks = c->sinks != 0;
     c->alibi = c->alibi != 0;
+    MHA_RETURN_IF(
+        !mha__is_float_storage(c->weight_dtype), err, INVALID_ARG,
+        "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or MHA_DTYPE_F16",
+        (int)c->weight_dtype);
     return MHA_STATUS_OK;
 }
 
@@ -106,18 +110,19 @@ mha_status mha__check_layer_create(const mha_config *config,
     mha__weight_slot slots[MHA__WEIGHT_SLOTS];
     mha__layer_weight_slots(c, &w, slots);
     *total = 0;
+    const mha_dtype dt = c->weight_dtype;
     for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
-        const float *ptr = *slots[i].ptr;
+        const void *ptr = *slots[i].ptr;
         if (!slots[i].present) {
             MHA_RETURN_IF(ptr != NULL, err, INVALID_ARG,
                           "weights.%s is given but the config does not enable it", slots[i].name);
             continue;
         }
         MHA_RETURN_IF(!ptr, err, INVALID_ARG, "weights.%s is NULL", slots[i].name);
-        for (int64_t e = 0; e < slots[i].count; e++)
-            MHA_RETURN_IF(!isfinite(ptr[e]), err, INVALID_ARG,
+        for (int64_t e = 0; e < slots[i].count; e++) /* halves read as halves (widened) */
+            MHA_RETURN_IF(!isfinite(mha__load(dt, ptr, e)), err, INVALID_ARG,
                           "weights.%s[%lld] is %g: weights must be finite", slots[i].name,
-                          (long long)e, (double)ptr[e]);
+                          (long long)e, (double)mha__load(dt, ptr, e));
         MHA_RETURN_IF(!mha__add_i64(*total, slots[i].count, total), err, OVERFLOW,
                       "weights: total size overflows");
     }
@@ -141,6 +146,12 @@ static mha_status check_forward(const mha_config *c,
         MHA_RETURN_IF(!a->query || !a->out, err, INVALID_ARG, "query and out must not be NULL");
     else
         MHA_RETURN_IF(!a->query, err, INVALID_ARG, "query must not be NULL");
+    MHA_RETURN_IF(!mha__is_float_storage(a->x_dtype), err, INVALID_ARG,
+                  "args.x_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or MHA_DTYPE_F16",
+                  (int)a->x_dtype);
+    MHA_RETURN_IF(need_out && !mha__is_float_storage(a->out_dtype), err, INVALID_ARG,
+                  "args.out_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or MHA_DTYPE_F16",
+                  (int)a->out_dtype);
     const int self = a->key == NULL;
     const int64_t m = self ? a->q_len : a->kv_len;
     MHA_RETURN_IF(!self && (m < 1 || m > MHA_MAX_DIM), err, INVALID_ARG,
@@ -162,10 +173,11 @@ static mha_status check_forward(const mha_config *c,
     if (st || (!need_out && !st_out))
         return st;
     const int64_t B = a->batch, n = a->q_len;
+    const size_t xs = mha__storage_size(a->x_dtype);
     const mha__span in[5] = {
-        mha__span_of("query", a->query, mha__count3(B, n, c->q_dim), sizeof(float)),
-        mha__span_of("key", a->key, mha__count3(B, m, c->k_dim), sizeof(float)),
-        mha__span_of("value", a->value, mha__count3(B, m, c->v_dim), sizeof(float)),
+        mha__span_of("query", a->query, mha__count3(B, n, c->q_dim), xs),
+        mha__span_of("key", a->key, mha__count3(B, m, c->k_dim), xs),
+        mha__span_of("value", a->value, mha__count3(B, m, c->v_dim), xs),
         mha__span_of("q_positions", a->q_positions, mha__count3(B, n, 1), sizeof(int64_t)),
         mha__span_of("k_positions", a->k_positions, mha__count3(B, m, 1), sizeof(int64_t))};
     if (!need_out) { /* the statistics' outputs (their sizes are the core's check, later) */
@@ -189,14 +201,14 @@ static mha_status check_forward(const mha_config *c,
     }
     const int64_t heads = a->average_probs ? 1 : c->num_heads;
     const mha__span out[2] = {
-        mha__span_of("out", a->out, mha__count3(B, n, c->out_dim), sizeof(float)),
+        mha__span_of("out", a->out, mha__count3(B, n, c->out_dim), mha__storage_size(a->out_dtype)),
         mha__span_of("probs", a->probs, mha__count3(B * heads, n, m), sizeof(float))};
     return mha__check_no_overlap(out, 2, in, 5, err);
 }
 
 /* mha_layer_project's checks but the aliasing rule, shared with the backward. */
 static mha_status resolve_projection(const mha_config *c,
-                                     const mha_weights *w,
+                                     const mha__layer_w *w,
                                      mha_projection which,
                                      int64_t rows,
                                      const float *x,
@@ -209,16 +221,16 @@ static mha_status resolve_projection(const mha_config *c,
     MHA_RETURN_IF(rows > 0 && (!x || !y), err, INVALID_ARG, "%s is NULL", !x ? "x" : "y");
     switch (which) {
     case MHA_PROJ_Q:
-        *p = (mha__projection){w->w_q, w->b_q, c->q_dim, c->num_heads * c->head_dim};
+        *p = (mha__projection){w->w_q, w->wdt, w->b_q, c->q_dim, c->num_heads * c->head_dim};
         break;
     case MHA_PROJ_K:
-        *p = (mha__projection){w->w_k, w->b_k, c->k_dim, c->num_kv_heads * c->head_dim};
+        *p = (mha__projection){w->w_k, w->wdt, w->b_k, c->k_dim, c->num_kv_heads * c->head_dim};
         break;
     case MHA_PROJ_V:
-        *p = (mha__projection){w->w_v, w->b_v, c->v_dim, c->num_kv_heads * c->v_head_dim};
+        *p = (mha__projection){w->w_v, w->wdt, w->b_v, c->v_dim, c->num_kv_heads * c->v_head_dim};
         break;
     case MHA_PROJ_O:
-        *p = (mha__projection){w->w_o, w->b_o, c->num_heads * c->v_head_dim, c->out_dim};
+        *p = (mha__projection){w->w_o, w->wdt, w->b_o, c->num_heads * c->v_head_dim, c->out_dim};
         break;
     default:
         return mha__fail(err, MHA_STATUS_INVALID_ARG, "which=%d is not a projection", (int)which);
@@ -235,7 +247,7 @@ static mha_status resolve_projection(const mha_config *c,
 }
 
 mha_status mha__check_layer_project(const mha_config *c,
-                                    const mha_weights *w,
+                                    const mha__layer_w *w,
                                     mha_projection which,
                                     int64_t rows,
                                     const float *x,
@@ -248,14 +260,14 @@ mha_status mha__check_layer_project(const mha_config *c,
         return st;
     const mha__span in[3] = {
         mha__span_of("x", x, rows * p->in, sizeof(float)),
-        mha__span_of("the layer's weight", p->w, p->in * p->out, sizeof(float)),
+        mha__span_of("the layer's weight", p->w, p->in * p->out, mha__storage_size(p->wdt)),
         mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
     const mha__span out = mha__span_of("y", y, rows * p->out, sizeof(float));
     return mha__check_no_overlap(&out, 1, in, 3, err);
 }
 
 mha_status mha__check_layer_project_backward(const mha_config *c,
-                                             const mha_weights *w,
+                                             const mha__layer_w *w,
                                              mha_projection which,
                                              int64_t rows,
                                              const float *x,
@@ -277,7 +289,7 @@ mha_status mha__check_layer_project_backward(const mha_config *c,
     const mha__span in[4] = {
         mha__span_of("x", dw ? x : NULL, rows * p->in, sizeof(float)),
         mha__span_of("dy", dy, rows * p->out, sizeof(float)),
-        mha__span_of("the layer's weight", p->w, p->in * p->out, sizeof(float)),
+        mha__span_of("the layer's weight", p->w, p->in * p->out, mha__storage_size(p->wdt)),
         mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
     const mha__span out[3] = {mha__span_of("dx", dx, rows * p->in, sizeof(float)),
                               mha__span_of("dw", dw, p->in * p->out, sizeof(float)),
@@ -289,7 +301,7 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
                                      const mha_config *c,
                                      const mha_weights *w,
                                      const mha__train_view *s,
-                                     const float *dy,
+                                     const void *dy,
                                      const mha_layer_grads *gr,
                                      mha_error *err) {
     MHA_RETURN_IF(!layer || !w || !s || !dy || !gr, err, INVALID_ARG,
@@ -312,23 +324,27 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
     const mha_forward_args *a = s->args;
     mha__span in[4 + MHA__WEIGHT_SLOTS];
     int n_in = 0;
-    in[n_in++] = mha__span_of("dy", dy, mha__count3(B, n, c->out_dim), sizeof(float));
-    in[n_in++] = mha__span_of("the forward's query", a ? a->query : NULL,
-                              mha__count3(B, n, c->q_dim), sizeof(float));
-    in[n_in++] = mha__span_of("the forward's key", a ? a->key : NULL, mha__count3(B, m, c->k_dim),
-                              sizeof(float));
-    in[n_in++] = mha__span_of("the forward's value", a ? a->value : NULL,
-                              mha__count3(B, m, c->v_dim), sizeof(float));
+    /* dy has the forward's out_dtype, the inputs and their gradients its x_dtype. */
+    const size_t ys = mha__storage_size(a ? a->out_dtype : MHA_DTYPE_F32);
+    const size_t xs = mha__storage_size(a ? a->x_dtype : MHA_DTYPE_F32);
+    const size_t ws = mha__storage_size(c->weight_dtype);
+    in[n_in++] = mha__span_of("dy", dy, mha__count3(B, n, c->out_dim), ys);
+    in[n_in++] =
+        mha__span_of("the forward's query", a ? a->query : NULL, mha__count3(B, n, c->q_dim), xs);
+    in[n_in++] =
+        mha__span_of("the forward's key", a ? a->key : NULL, mha__count3(B, m, c->k_dim), xs);
+    in[n_in++] =
+        mha__span_of("the forward's value", a ? a->value : NULL, mha__count3(B, m, c->v_dim), xs);
     mha_weights wc = *w; /* the slots point into their struct */
     mha__weight_slot slots[MHA__WEIGHT_SLOTS];
     mha__layer_weight_slots(c, &wc, slots);
     for (int i = 0; i < MHA__WEIGHT_SLOTS; i++)
         in[n_in++] = mha__span_of(slots[i].name, slots[i].present ? *slots[i].ptr : NULL,
-                                  slots[i].count, sizeof(float));
+                                  slots[i].count, ws);
     const mha__span out[12] = {
-        mha__span_of("grads.d_query", gr->d_query, mha__count3(B, n, c->q_dim), sizeof(float)),
-        mha__span_of("grads.d_key", gr->d_key, mha__count3(B, m, c->k_dim), sizeof(float)),
-        mha__span_of("grads.d_value", gr->d_value, mha__count3(B, m, c->v_dim), sizeof(float)),
+        mha__span_of("grads.d_query", gr->d_query, mha__count3(B, n, c->q_dim), xs),
+        mha__span_of("grads.d_key", gr->d_key, mha__count3(B, m, c->k_dim), xs),
+        mha__span_of("grads.d_value", gr->d_value, mha__count3(B, m, c->v_dim), xs),
         mha__span_of("grads.dw_q", gr->dw_q, mha__count3(h, dk, c->q_dim), sizeof(float)),
         mha__span_of("grads.dw_k", gr->dw_k, mha__count3(g, dk, c->k_dim), sizeof(float)),
         mha__span_of("grads.dw_v", gr->dw_v, mha__count3(g, dv, c->v_dim), sizeof(float)),

@@ -452,7 +452,8 @@ static mha_status layer_step(const mha_layer *layer,
     if (st)
         return st;
     const mha_config *c = mha_layer_config(layer);
-    const mha_weights *w = mha_layer_weights(layer);
+    const mha__layer_w *w = mha__layer_compute_weights(layer); /* projections in their dtype */
+    const mha_dtype wdt = w->wdt, f32 = MHA_DTYPE_F32;
     const mha_kv_cache_config *kc = &cache->cfg;
     const int64_t S = args->num_seqs, t = args->num_tokens;
     const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
@@ -490,14 +491,14 @@ static mha_status layer_step(const mha_layer *layer,
         len0[i] = cache->len[seq[i]];
 
     /* 1. Projections of the new tokens. */
-    st = mha__plan_project(impl, alloc, team, args->x, w->w_q, w->b_q, q, rows, c->q_dim, h * dk,
-                           NULL, 0, err);
+    st = mha__plan_project(impl, alloc, team, args->x, f32, w->w_q, wdt, w->b_q, q, rows, c->q_dim,
+                           h * dk, NULL, 0, err);
     if (!st)
-        st = mha__plan_project(impl, alloc, team, args->x, w->w_k, w->b_k, k, rows, c->q_dim,
-                               g * dk, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, args->x, f32, w->w_k, wdt, w->b_k, k, rows,
+                               c->q_dim, g * dk, NULL, 0, err);
     if (!st)
-        st = mha__plan_project(impl, alloc, team, args->x, w->w_v, w->b_v, v, rows, c->q_dim,
-                               g * dv, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, args->x, f32, w->w_v, wdt, w->b_v, v, rows,
+                               c->q_dim, g * dv, NULL, 0, err);
 
     /* 2. RoPE at the absolute positions len0 + i (a DYNAMIC rope at this call's length: the
      *    cached keys keep the rotation of the call that appended them, as transformers' do). */
@@ -534,8 +535,8 @@ static mha_status layer_step(const mha_layer *layer,
 
     /* 4. Output projection. */
     if (!st)
-        st = mha__plan_project(impl, alloc, team, att, w->w_o, w->b_o, args->out, rows, h * dv,
-                               c->out_dim, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, att, f32, w->w_o, wdt, w->b_o, args->out, rows,
+                               h * dv, c->out_dim, NULL, 0, err);
     if (st) /* undo the appends (only allocation can fail this late) */
         for (int64_t i = 0; i < S; i++) {
             cache->len[seq[i]] = len0[i];

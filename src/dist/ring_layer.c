@@ -89,6 +89,15 @@ static mha_status prepare(const char *fn,
                                    "shards one self-attention sequence");
         return MHA_STATUS_UNSUPPORTED;
     }
+    if (a->x_dtype != MHA_DTYPE_F32 || a->out_dtype != MHA_DTYPE_F32 ||
+        mha_layer_config(layer)->weight_dtype != MHA_DTYPE_F32) {
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "%s: %s is half precision: the ring takes float32 layers and tensors", fn,
+                        a->x_dtype
+                            ? "args.x_dtype"
+                            : (a->out_dtype ? "args.out_dtype" : "the layer's weight_dtype"));
+        return MHA_STATUS_UNSUPPORTED;
+    }
     int32_t chunks;
     int64_t start[2], len[2];
     mha_status st = mha_ring_shard(cfg, p, rank, &chunks, start, len, err);

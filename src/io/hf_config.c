@@ -1124,6 +1124,7 @@ static mha_status load_layer(hf_model *m,
     c.bias_v = b->p[6] != NULL;
     c.bias_o = b->p[7] != NULL;
     c.sinks = b->p[8] != NULL;
+    c.weight_dtype = MHA_DTYPE_F32; /* read as float32 above, whatever the file's dtype */
     const mha_weights w = {b->p[0], b->p[1], b->p[2], b->p[3], b->p[4],
                            b->p[5], b->p[6], b->p[7], b->p[8]};
     mha_status st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, a, out, err);

@@ -840,6 +840,7 @@ static mha_status load_layer(st_file *sf,
     c.bias_v = p[ROLE_V].b != NULL;
     c.bias_o = p[ROLE_O].b != NULL;
     c.sinks = sinks != NULL;
+    c.weight_dtype = MHA_DTYPE_F32; /* read as float32 above, whatever the file's dtype */
     c.scale = config->scale;
     c.softcap = config->softcap;
     c.alibi = config->alibi;

@@ -51,6 +51,31 @@ static void pack_t(const float *x, int64_t ldx, int m, int64_t kc, float *dst, i
     }
 }
 
+/* Half operands (bf16/f16) are widened while they are packed: the panels are float32 either way
+ * and the micro-kernels do not change. */
+
+/* pack_t from a half operand: each k's run of m elements widened into the panel. */
+static void
+pack_t_half(const void *x, mha_dtype dt, int64_t ldx, int m, int64_t kc, float *dst, int mr) {
+    for (int64_t k = 0; k < kc; k++) {
+        mha__widen(dt, mha__elem(dt, x, k * ldx), dst + k * mr, m);
+        for (int i = m; i < mr; i++)
+            dst[k * mr + i] = 0.0f;
+    }
+}
+
+/* A tier packer (pack_b or pack_a: rows [0, n) of a row-major operand into [kc][nr]) over a half
+ * operand: its n rows are widened into a contiguous [n][kc] float block first (contiguous runs:
+ * the bf16 shift vectorises), then the tier's own packer transposes that block. n * kc <=
+ * GEMM_MAX_APANEL (checked by the driver). */
+static void pack_rows_half(mha__gemm_pack_b_fn pack,
+                           const void *src,
+                           mha_dtype dt,
+                           int64_t ld,
+                           int n,
+                           int64_t kc,
+                           float *dst);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Driver                                                                                         */
 /* ---------------------------------------------------------------------------------------------- */
@@ -59,10 +84,26 @@ static void pack_t(const float *x, int64_t ldx, int m, int64_t kc, float *dst, i
  * allocation), 32 KB. */
 #define GEMM_MAX_APANEL (16 * 512)
 
+static void pack_rows_half(mha__gemm_pack_b_fn pack,
+                           const void *src,
+                           mha_dtype dt,
+                           int64_t ld,
+                           int n,
+                           int64_t kc,
+                           float *dst) {
+    _Alignas(64) float tmp[GEMM_MAX_APANEL];
+    MHA_ASSERT((int64_t)n * kc <= GEMM_MAX_APANEL);
+    for (int r = 0; r < n; r++)
+        mha__widen(dt, mha__elem(dt, src, r * ld), tmp + r * kc, kc);
+    pack(tmp, kc, n, kc, dst);
+}
+
 typedef struct gemm_job {
     const mha__gemm_kernel *kr;
     int64_t M, N, K;
-    const float *x, *w, *bias;
+    const void *x, *w; /* of dtypes xdt, wdt (F32, BF16 or F16) */
+    mha_dtype xdt, wdt;
+    const float *bias;
     int64_t ldx, ldw, ldy;
     int x_t, w_t; /* operands stored transposed (mha__gemm_op) */
     float *y;
@@ -96,10 +137,16 @@ static void pack_w_range(void *ctx, int part, int64_t p0, int64_t p1) {
             const int64_t kc = min64(kr->kc, j->K - k0);
             const int n = (int)min64(nr, j->N - p * nr);
             float *dst = j->bpack_w + k0 * j->npan * nr + p * kc * nr;
-            if (j->w_t)
-                pack_t(j->w + k0 * j->ldw + p * nr, j->ldw, n, kc, dst, (int)nr);
+            const int64_t off = j->w_t ? k0 * j->ldw + p * nr : p * nr * j->ldw + k0;
+            const void *src = mha__elem(j->wdt, j->w, off);
+            if (j->wdt != MHA_DTYPE_F32 && j->w_t)
+                pack_t_half(src, j->wdt, j->ldw, n, kc, dst, (int)nr);
+            else if (j->wdt != MHA_DTYPE_F32)
+                pack_rows_half(kr->pack_b, src, j->wdt, j->ldw, n, kc, dst);
+            else if (j->w_t)
+                pack_t(src, j->ldw, n, kc, dst, (int)nr);
             else
-                kr->pack_b(j->w + p * nr * j->ldw + k0, j->ldw, n, kc, dst);
+                kr->pack_b(src, j->ldw, n, kc, dst);
         }
 }
 
@@ -125,10 +172,16 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
                 for (int64_t t = t0; t < t1; t++) {
                     const int64_t i0 = t * mr;
                     const int m = (int)min64(mr, j->M - i0);
-                    if (j->x_t)
-                        pack_t(j->x + k0 * j->ldx + i0, j->ldx, m, kc, abuf, (int)mr);
+                    const int64_t off = j->x_t ? k0 * j->ldx + i0 : i0 * j->ldx + k0;
+                    const void *src = mha__elem(j->xdt, j->x, off);
+                    if (j->xdt != MHA_DTYPE_F32 && j->x_t)
+                        pack_t_half(src, j->xdt, j->ldx, m, kc, abuf, (int)mr);
+                    else if (j->xdt != MHA_DTYPE_F32)
+                        pack_rows_half(kr->pack_a, src, j->xdt, j->ldx, m, kc, abuf);
+                    else if (j->x_t)
+                        pack_t(src, j->ldx, m, kc, abuf, (int)mr);
                     else
-                        kr->pack_a(j->x + i0 * j->ldx + k0, j->ldx, m, kc, abuf);
+                        kr->pack_a(src, j->ldx, m, kc, abuf);
                     float *yrow = j->y + i0 * j->ldy;
                     for (int64_t p = jc; p < jend; p++)
                         kr->ukr(kc, abuf, blk + p * kc * nr, yrow + p * nr, j->ldy, m,
@@ -145,9 +198,12 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
 typedef struct dot_job {
     const mha__gemm_kernel *kr;
     int64_t M, N, K;
-    const float *x, *w, *bias;
+    const float *x;
+    const void *w; /* of dtype wdt */
+    const float *bias;
     int64_t ldx, ldw, ldy;
     float *y;
+    mha_dtype wdt;
 } dot_job;
 
 static void dot_range(void *ctx, int part, int64_t c0, int64_t c1) {
@@ -158,8 +214,15 @@ static void dot_range(void *ctx, int part, int64_t c0, int64_t c1) {
         const int n = (int)(j->N - o < MHA_GEMM_DOT_N ? j->N - o : MHA_GEMM_DOT_N);
         for (int64_t i = 0; i < j->M; i += MHA_GEMM_DOT_M) {
             const int m = (int)(j->M - i < MHA_GEMM_DOT_M ? j->M - i : MHA_GEMM_DOT_M);
-            j->kr->dot(j->K, j->x + i * j->ldx, j->ldx, m, j->w + o * j->ldw, j->ldw, n,
-                       j->bias ? j->bias + o : NULL, j->y + i * j->ldy + o, j->ldy);
+            const float *bias = j->bias ? j->bias + o : NULL;
+            if (j->wdt == MHA_DTYPE_F32) {
+                j->kr->dot(j->K, j->x + i * j->ldx, j->ldx, m, (const float *)j->w + o * j->ldw,
+                           j->ldw, n, bias, j->y + i * j->ldy + o, j->ldy);
+            } else {
+                const mha__gemm_dot_h_fn dot = j->kr->dot_h ? j->kr->dot_h : mha__gemm_dot_h_ref;
+                dot(j->K, j->x + i * j->ldx, j->ldx, m, (const uint16_t *)j->w + o * j->ldw,
+                    j->wdt == MHA_DTYPE_BF16, j->ldw, n, bias, j->y + i * j->ldy + o, j->ldy);
+            }
         }
     }
 }
@@ -199,9 +262,11 @@ static mha_status run(const mha__gemm_kernel *kr,
                       int64_t M,
                       int64_t N,
                       int64_t K,
-                      const float *x,
+                      const void *x,
+                      mha_dtype xdt,
                       int64_t ldx,
-                      const float *w,
+                      const void *w,
+                      mha_dtype wdt,
                       int64_t ldw,
                       mha__gemm_op op,
                       const mha__gemm_packed_w *pw,
@@ -224,6 +289,9 @@ static mha_status run(const mha__gemm_kernel *kr,
     MHA_RETURN_IF((int64_t)kr->mr * kr->kc > GEMM_MAX_APANEL || kr->kc < 1 || kr->nc < 1, err,
                   INVALID_ARG, "gemm: kernel blocking mr=%d kc=%lld exceeds the %d-float panel",
                   kr->mr, (long long)kr->kc, GEMM_MAX_APANEL);
+    MHA_RETURN_IF(wdt != MHA_DTYPE_F32 && (int64_t)kr->nr * kr->kc > GEMM_MAX_APANEL, err,
+                  INVALID_ARG, "gemm: half W needs nr=%d x kc=%lld <= %d floats of widening space",
+                  kr->nr, (long long)kr->kc, GEMM_MAX_APANEL);
     if (K == 0) {
         for (int64_t i = 0; i < M; i++)
             for (int64_t o = 0; o < N; o++)
@@ -233,9 +301,26 @@ static mha_status run(const mha__gemm_kernel *kr,
     const mha__team crew = mha__team_for_flops(team, 2.0 * (double)M * (double)N * (double)K);
     const int threads = crew.n;
     if (!pw && !x_t && !w_t && M <= MHA_GEMM_SMALL_M && kr->dot) {
-        dot_job dj = {kr, M, N, K, x, w, bias, ldx, ldw, ldy, y};
-        return mha__parallel_for(crew, (N + MHA_GEMM_DOT_N - 1) / MHA_GEMM_DOT_N, dot_range, &dj,
-                                 err);
+        /* A half x: its <= MHA_GEMM_SMALL_M rows widened into the workspace first (M K floats),
+         * so that the dot products are the float32 path's chains. */
+        float *xw = NULL, *owned_x = NULL;
+        if (xdt != MHA_DTYPE_F32) {
+            const size_t need = sizeof(float) * (size_t)(M * K) + 64;
+            MHA_RETURN_IF(workspace && workspace_bytes < need, err, WORKSPACE_TOO_SMALL,
+                          "gemm: workspace of %zu bytes, %zu needed", workspace_bytes, need);
+            if (!workspace)
+                workspace = owned_x = mha__alloc(alloc, need);
+            MHA_RETURN_IF(!workspace, err, NO_MEMORY,
+                          "gemm: cannot allocate %zu bytes for the rows of x", need);
+            xw = align_up(workspace);
+            for (int64_t i = 0; i < M; i++)
+                mha__widen(xdt, mha__elem(xdt, x, i * ldx), xw + i * K, K);
+        }
+        dot_job dj = {kr, M, N, K, xw ? xw : x, w, bias, xw ? K : ldx, ldw, ldy, y, wdt};
+        const mha_status st =
+            mha__parallel_for(crew, (N + MHA_GEMM_DOT_N - 1) / MHA_GEMM_DOT_N, dot_range, &dj, err);
+        mha__free(alloc, owned_x);
+        return st;
     }
     gemm_job job;
     memset(&job, 0, sizeof job);
@@ -245,6 +330,8 @@ static mha_status run(const mha__gemm_kernel *kr,
     job.K = K;
     job.x = x;
     job.w = w;
+    job.xdt = xdt;
+    job.wdt = wdt;
     job.bias = bias;
     job.y = y;
     job.ldx = ldx;
@@ -290,8 +377,14 @@ static mha_status run(const mha__gemm_kernel *kr,
     return st;
 }
 
-mha_status mha__gemm_workspace_size(
-    mha__gemm_isa isa, int64_t M, int64_t N, int64_t K, size_t *bytes, mha_error *err) {
+/* The few-rows path packs nothing; a half x there needs its M rows widened (M K floats). */
+static mha_status workspace_size_dt(mha__gemm_isa isa,
+                                    int64_t M,
+                                    int64_t N,
+                                    int64_t K,
+                                    mha_dtype xdt,
+                                    size_t *bytes,
+                                    mha_error *err) {
     MHA_RETURN_IF(M < 0 || N < 0 || K < 0, err, INVALID_ARG,
                   "gemm: negative size %lld x %lld x %lld", (long long)M, (long long)N,
                   (long long)K);
@@ -300,9 +393,26 @@ mha_status mha__gemm_workspace_size(
         return MHA_STATUS_OK;
     const mha__gemm_kernel *kr = NULL;
     mha_status st = resolve_kernel(isa, &kr, err);
+    if (!st && M <= MHA_GEMM_SMALL_M && kr->dot && xdt != MHA_DTYPE_F32)
+        *bytes = sizeof(float) * (size_t)(M * K) + 64;
     if (st || (M <= MHA_GEMM_SMALL_M && kr->dot))
         return st;
     return packed_w_bytes(kr, N, K, bytes, err);
+}
+
+mha_status mha__gemm_workspace_size(
+    mha__gemm_isa isa, int64_t M, int64_t N, int64_t K, size_t *bytes, mha_error *err) {
+    return workspace_size_dt(isa, M, N, K, MHA_DTYPE_F32, bytes, err);
+}
+
+mha_status mha__gemm_workspace_size_dt(mha__gemm_isa isa,
+                                       int64_t M,
+                                       int64_t N,
+                                       int64_t K,
+                                       mha_dtype xdt,
+                                       size_t *bytes,
+                                       mha_error *err) {
+    return workspace_size_dt(isa, M, N, K, xdt, bytes, err);
 }
 
 mha_status mha__gemm_xwt_ws(int64_t M,
@@ -324,8 +434,8 @@ mha_status mha__gemm_xwt_ws(int64_t M,
     const mha__gemm_kernel *kr = NULL;
     mha_status st = resolve_kernel(isa, &kr, err);
     return st ? st
-              : run(kr, M, N, K, x, ldx, w, ldw, MHA__GEMM_OP_N, NULL, bias, y, ldy, team,
-                    workspace, workspace_bytes, alloc, err);
+              : run(kr, M, N, K, x, MHA_DTYPE_F32, ldx, w, MHA_DTYPE_F32, ldw, MHA__GEMM_OP_N, NULL,
+                    bias, y, ldy, team, workspace, workspace_bytes, alloc, err);
 }
 
 mha_status mha__gemm_xwt(int64_t M,
@@ -403,8 +513,8 @@ mha_status mha__gemm_xwt_packed(int64_t M,
                                 mha__team team,
                                 mha_error *err) {
     MHA_RETURN_IF(!pw || !pw->kr, err, INVALID_ARG, "gemm: no packed W");
-    return run(pw->kr, M, pw->N, pw->K, x, ldx, NULL, 0, MHA__GEMM_OP_N, pw, bias, y, ldy, team,
-               NULL, 0, NULL, err);
+    return run(pw->kr, M, pw->N, pw->K, x, MHA_DTYPE_F32, ldx, NULL, MHA_DTYPE_F32, 0,
+               MHA__GEMM_OP_N, pw, bias, y, ldy, team, NULL, 0, NULL, err);
 }
 
 mha_status mha__gemm_op_run(mha__gemm_op op,
@@ -424,5 +534,67 @@ mha_status mha__gemm_op_run(mha__gemm_op op,
     const mha__gemm_kernel *kr = NULL;
     mha_status st = resolve_kernel(isa, &kr, err);
     return st ? st
-              : run(kr, M, N, K, x, ldx, w, ldw, op, NULL, NULL, y, ldy, team, NULL, 0, alloc, err);
+              : run(kr, M, N, K, x, MHA_DTYPE_F32, ldx, w, MHA_DTYPE_F32, ldw, op, NULL, NULL, y,
+                    ldy, team, NULL, 0, alloc, err);
+}
+
+mha_status mha__gemm_run_dt(mha__gemm_op op,
+                            int64_t M,
+                            int64_t N,
+                            int64_t K,
+                            const void *x,
+                            mha_dtype xdt,
+                            int64_t ldx,
+                            const void *w,
+                            mha_dtype wdt,
+                            int64_t ldw,
+                            const float *bias,
+                            float *y,
+                            int64_t ldy,
+                            mha__team team,
+                            mha__gemm_isa isa,
+                            void *workspace,
+                            size_t workspace_bytes,
+                            const mha_allocator *alloc,
+                            mha_error *err) {
+    MHA_RETURN_IF(!mha__is_float_storage(xdt) || !mha__is_float_storage(wdt), err, INVALID_ARG,
+                  "gemm: operand dtypes %d, %d are not F32, BF16 or F16", (int)xdt, (int)wdt);
+    const mha__gemm_kernel *kr = NULL;
+    mha_status st = resolve_kernel(isa, &kr, err);
+    return st ? st
+              : run(kr, M, N, K, x, xdt, ldx, w, wdt, ldw, op, NULL, bias, y, ldy, team, workspace,
+                    workspace_bytes, alloc, err);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Portable few-rows path over half W                                                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+void mha__gemm_dot_h_ref(int64_t K,
+                         const float *x,
+                         int64_t ldx,
+                         int m,
+                         const uint16_t *w,
+                         int bf16,
+                         int64_t ldw,
+                         int n,
+                         const float *bias,
+                         float *y,
+                         int64_t ldy) {
+    const mha_dtype dt = bf16 ? MHA_DTYPE_BF16 : MHA_DTYPE_F16;
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            const float *a = x + i * ldx;
+            const uint16_t *b = w + j * ldw;
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            int64_t k = 0;
+            for (; k + 8 <= K; k += 8)
+                for (int l = 0; l < 8; l++)
+                    acc[l] += a[k + l] * mha__load(dt, b, k + l);
+            for (int l = 0; k < K; k++, l++)
+                acc[l] += a[k] * mha__load(dt, b, k);
+            const float s =
+                ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+            y[i * ldy + j] = bias ? s + bias[j] : s;
+        }
 }

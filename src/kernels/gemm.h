@@ -66,6 +66,22 @@ typedef void (*mha__gemm_dot_fn)(int64_t K,
                                  float *y,
                                  int64_t ldy);
 
+/* The few-rows path with W stored as halves (the decode step with bf16/f16 weights: reading half
+ * the bytes of a bandwidth-bound matrix-vector product): the same m x n dot products, each W
+ * element widened exactly in registers (bf16: a 16-bit shift; f16: the hardware conversion where
+ * the tier has one) before its FMA. bf16 != 0: W is bfloat16, else float16. */
+typedef void (*mha__gemm_dot_h_fn)(int64_t K,
+                                   const float *x,
+                                   int64_t ldx,
+                                   int m,
+                                   const uint16_t *w,
+                                   int bf16,
+                                   int64_t ldw,
+                                   int n,
+                                   const float *bias,
+                                   float *y,
+                                   int64_t ldy);
+
 typedef struct mha__gemm_kernel {
     int mr, nr;
     int64_t kc; /* K block: keeps an MR x kc micro-panel of x in L1 (see the kernel file) */
@@ -76,6 +92,8 @@ typedef struct mha__gemm_kernel {
     /* Packs x rows [0, m) (m <= MR, row stride ldx), columns [0, kc) into dst [kc][MR], rows m ..
      * MR-1 zero. */
     mha__gemm_pack_b_fn pack_a;
+    /* The few-rows path over half W; NULL = the portable mha__gemm_dot_h_ref. */
+    mha__gemm_dot_h_fn dot_h;
 } mha__gemm_kernel;
 
 /* Calls with at most this many rows take the dot path (measured: see gemm.c). */
@@ -104,6 +122,15 @@ mha_status mha__gemm_xwt(int64_t M,
  * the packed copy of W. It does not depend on M or on the thread count. */
 mha_status mha__gemm_workspace_size(
     mha__gemm_isa isa, int64_t M, int64_t N, int64_t K, size_t *bytes, mha_error *err);
+/* mha__gemm_workspace_size for an x stored in xdt (a half x on the few-rows path: its rows
+ * widened, M K floats). */
+mha_status mha__gemm_workspace_size_dt(mha__gemm_isa isa,
+                                       int64_t M,
+                                       int64_t N,
+                                       int64_t K,
+                                       mha_dtype xdt,
+                                       size_t *bytes,
+                                       mha_error *err);
 /* mha__gemm_xwt with a caller-provided packing buffer (any alignment) of workspace_bytes >=
  * mha__gemm_workspace_size() for the same isa and sizes; NULL = allocate from `alloc`. */
 mha_status mha__gemm_xwt_ws(int64_t M,
@@ -183,6 +210,48 @@ mha_status mha__gemm_op_run(mha__gemm_op op,
                             mha__gemm_isa isa,
                             const mha_allocator *alloc,
                             mha_error *err);
+
+/* Half-precision operands (docs/SEMANTICS.md "Half precision"). y = op(x) op(W)^T (+ bias) as
+ * mha__gemm_op_run / mha__gemm_xwt_ws, with x stored in xdt and W in wdt (each F32, BF16 or F16;
+ * strides in elements). The arithmetic is the float32 GEMM's: halves are widened exactly while
+ * they are PACKED into the float32 panels (the micro-kernels are unchanged), so the result is
+ * bit-identical to the float32 GEMM on the widened operands. The few-rows path reads half W in
+ * place (kernel dot_h, widening in registers) and a half x through a widened copy of its <=
+ * MHA_GEMM_SMALL_M rows (in the workspace: M K floats, mha__gemm_workspace_size_dt).
+ * bias and y are float32. With xdt = wdt = F32 this is exactly the float32 call. */
+mha_status mha__gemm_run_dt(mha__gemm_op op,
+                            int64_t M,
+                            int64_t N,
+                            int64_t K,
+                            const void *x,
+                            mha_dtype xdt,
+                            int64_t ldx,
+                            const void *w,
+                            mha_dtype wdt,
+                            int64_t ldw,
+                            const float *bias,
+                            float *y,
+                            int64_t ldy,
+                            mha__team team,
+                            mha__gemm_isa isa,
+                            void *workspace,
+                            size_t workspace_bytes,
+                            const mha_allocator *alloc,
+                            mha_error *err);
+
+/* Portable few-rows path over half W (the generic tier's dot_h, and every tier's without one):
+ * the chains of the generic dot (8 partial sums per dot, k mod 8). */
+void mha__gemm_dot_h_ref(int64_t K,
+                         const float *x,
+                         int64_t ldx,
+                         int m,
+                         const uint16_t *w,
+                         int bf16,
+                         int64_t ldw,
+                         int n,
+                         const float *bias,
+                         float *y,
+                         int64_t ldy);
 
 /* Portable packer of rows [0, n) of any operand (W panels, NR; x micro-panels, MR) into
  * [kc][nr], rows n .. nr-1 zero: the generic tier's pack_b and pack_a. */

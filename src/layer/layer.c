@@ -16,12 +16,51 @@
 #include <string.h>
 
 struct mha_layer {
-    mha_config cfg; /* resolved: every default filled in */
-    mha_weights w;  /* the pointers in use (own copy or borrowed) */
-    float *owned;   /* the copy, when MHA_WEIGHTS_COPY */
+    mha_config cfg;   /* resolved: every default filled in */
+    mha_weights w;    /* the pointers in use (own copy or borrowed), in cfg.weight_dtype */
+    mha__layer_w cw;  /* what the arithmetic reads: w's projections, float32 biases and sinks */
+    void *owned;      /* the copy, when MHA_WEIGHTS_COPY, in cfg.weight_dtype (not widened) */
+    float *small_f32; /* half weights: biases and sinks widened once (else NULL: w's own) */
     mha_allocator allocator;
     int has_allocator;
 };
+
+const mha__layer_w *mha__layer_compute_weights(const mha_layer *layer) {
+    return layer ? &layer->cw : NULL;
+}
+
+/* The arithmetic's view of the weights: half biases and sinks widened into L->small_f32 (slots
+ * 4..8: b_q b_k b_v b_o sinks), projections as stored. */
+static mha_status compute_view(mha_layer *L, const mha_allocator *allocator, mha_error *err) {
+    const mha_dtype dt = L->cfg.weight_dtype;
+    mha_weights w = L->w;
+    mha__weight_slot slots[MHA__WEIGHT_SLOTS];
+    mha__layer_weight_slots(&L->cfg, &w, slots);
+    const float *small[5] = {NULL, NULL, NULL, NULL, NULL};
+    int64_t count = 0;
+    for (int i = 4; i < MHA__WEIGHT_SLOTS; i++)
+        count += slots[i].present ? slots[i].count : 0;
+    if (dt != MHA_DTYPE_F32 && count > 0) {
+        L->small_f32 = mha__alloc(allocator, sizeof(float) * (size_t)count);
+        MHA_RETURN_IF(!L->small_f32, err, NO_MEMORY, "cannot allocate %lld bias/sink floats",
+                      (long long)count);
+    }
+    float *dst = L->small_f32;
+    for (int i = 4; i < MHA__WEIGHT_SLOTS; i++) {
+        if (!slots[i].present)
+            continue;
+        if (dt == MHA_DTYPE_F32) {
+            small[i - 4] = *slots[i].ptr;
+            continue;
+        }
+        mha__widen(dt, *slots[i].ptr, dst, slots[i].count);
+        small[i - 4] = dst;
+        dst += slots[i].count;
+    }
+    L->cw = (mha__layer_w){w.w_q,    w.w_k,    w.w_v,    w.w_o,    dt,
+                           small[0], small[1], small[2], small[3], small[4]};
+    return MHA_STATUS_OK;
+}
 
 mha_status mha_layer_create(const mha_config *config,
                             const mha_weights *weights,
@@ -48,24 +87,30 @@ mha_status mha_layer_create(const mha_config *config,
         L->has_allocator = 1;
     }
     L->cfg = c;
+    const size_t esize = mha__storage_size(c.weight_dtype);
     if (ownership == MHA_WEIGHTS_COPY) {
         size_t bytes;
-        if (!mha__bytes(total, sizeof(float), &bytes) ||
-            !(L->owned = mha__alloc_large(allocator, bytes))) {
+        if (!mha__bytes(total, esize, &bytes) || !(L->owned = mha__alloc_large(allocator, bytes))) {
             mha__free(allocator, L);
-            return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld weight floats",
+            return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld weights",
                              (long long)total);
         }
-        float *dst = L->owned;
+        char *dst = L->owned;
         for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
             if (!slots[i].present)
                 continue;
-            memcpy(dst, *slots[i].ptr, sizeof(float) * (size_t)slots[i].count);
+            memcpy(dst, *slots[i].ptr, esize * (size_t)slots[i].count);
             *slots[i].ptr = dst;
-            dst += slots[i].count;
+            dst += esize * (size_t)slots[i].count;
         }
     }
     L->w = w;
+    mha_status st2 = compute_view(L, allocator, err);
+    if (st2) {
+        mha__free(allocator, L->owned);
+        mha__free(allocator, L);
+        return st2;
+    }
     *out = L;
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -77,6 +122,7 @@ void mha_layer_destroy(mha_layer *layer) {
     const mha_allocator *a = layer->has_allocator ? &layer->allocator : NULL;
     mha_allocator copy = layer->allocator;
     mha__free(a, layer->owned);
+    mha__free(a, layer->small_f32);
     mha__free(a ? &copy : NULL, layer);
 }
 
@@ -94,10 +140,11 @@ const mha_weights *mha_layer_weights(const mha_layer *layer) {
 
 /* Workspace: Q [B,n,h*dk] | K [B,m,g*dk] | V [B,m,g*dv] | A [B,n,h*dv] | rope tables |
  * GEMM packing buffer (the largest of the four projections'; they run one after the other) |
- * core ws. With a caller workspace the forward allocates nothing. */
+ * core ws | Y [B,n,out_dim] float32 when out is half (the output projection's result, rounded
+ * once into out). With a caller workspace the forward allocates nothing. */
 typedef struct fwd_layout {
     int64_t m;
-    size_t q_off, k_off, v_off, a_off, rope_off, pack_off, core_off, total;
+    size_t q_off, k_off, v_off, a_off, rope_off, pack_off, core_off, y_off, total;
     size_t pack_bytes, core_bytes;
 } fwd_layout;
 
@@ -138,8 +185,8 @@ static mha_status plan_forward(const mha_layer *L,
                                     {B * n, c->out_dim, h * c->v_head_dim}};
         for (int i = 0; i < 4; i++) {
             size_t pb;
-            st = mha__gemm_workspace_size(MHA__GEMM_AUTO, proj[i][0], proj[i][1], proj[i][2], &pb,
-                                          err);
+            st = mha__gemm_workspace_size_dt(MHA__GEMM_AUTO, proj[i][0], proj[i][1], proj[i][2],
+                                             i < 3 ? a->x_dtype : MHA_DTYPE_F32, &pb, err);
             if (st)
                 return st;
             l->pack_bytes = pb > l->pack_bytes ? pb : l->pack_bytes;
@@ -147,7 +194,7 @@ static mha_status plan_forward(const mha_layer *L,
     }
 
     mha_attention_args core;
-    mha__plan_core_args(c, L->w.sinks, a, m, a->out, a->out, a->out, a->out, NULL, &core);
+    mha__plan_core_args(c, L->cw.sinks, a, m, a->out, a->out, a->out, a->out, NULL, &core);
     mha_exec core_exec = exec ? *exec : (mha_exec){0};
     core_exec.workspace = NULL;
     st = mha_attention_workspace_size(&core, &core_exec, &l->core_bytes, err);
@@ -164,9 +211,17 @@ static mha_status plan_forward(const mha_layer *L,
     MHA_RETURN_IF(l->pack_bytes > SIZE_MAX - 64 - l->pack_off, err, OVERFLOW,
                   "forward workspace size overflows");
     l->core_off = l->pack_off + mha__align64(l->pack_bytes);
-    MHA_RETURN_IF(l->core_off > SIZE_MAX - l->core_bytes, err, OVERFLOW,
+    MHA_RETURN_IF(l->core_off > SIZE_MAX - 64 - l->core_bytes, err, OVERFLOW,
                   "forward workspace size overflows");
-    l->total = l->core_off + l->core_bytes;
+    l->y_off = l->core_off + mha__align64(l->core_bytes);
+    size_t y_bytes = 0;
+    int64_t ycnt;
+    if (a->out_dtype != MHA_DTYPE_F32)
+        MHA_RETURN_IF(!mha__mul_i64(B * n, c->out_dim, &ycnt) ||
+                          !mha__bytes(ycnt, sizeof(float), &y_bytes) ||
+                          l->y_off > SIZE_MAX - y_bytes,
+                      err, OVERFLOW, "forward workspace size overflows");
+    l->total = a->out_dtype != MHA_DTYPE_F32 ? l->y_off + y_bytes : l->core_off + l->core_bytes;
     return MHA_STATUS_OK;
 }
 
@@ -195,7 +250,7 @@ mha_status mha_layer_forward_supported(const mha_layer *layer,
     if (st)
         return st;
     mha_attention_args core;
-    mha__plan_core_args(&layer->cfg, layer->w.sinks, args, l.m, args->out, args->out, args->out,
+    mha__plan_core_args(&layer->cfg, layer->cw.sinks, args, l.m, args->out, args->out, args->out,
                         args->out, NULL, &core);
     return mha__attention_supported_layout(&core, exec, err); /* core's buffers: placeholders */
 }
@@ -209,8 +264,9 @@ mha_status mha_layer_forward(const mha_layer *layer,
     if (st)
         return st;
     const mha_config *c = &layer->cfg;
-    const mha_weights *w = &layer->w;
+    const mha__layer_w *w = &layer->cw;
     const int64_t B = args->batch, n = args->q_len, m = l.m;
+    const mha_dtype xdt = args->x_dtype, wdt = w->wdt;
     const int64_t h = c->num_heads, g = c->num_kv_heads;
     const int self = args->key == NULL;
 
@@ -239,18 +295,18 @@ mha_status mha_layer_forward(const mha_layer *layer,
     const mha__team team = call.team;
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
 
-    const float *xk = self ? args->query : args->key;
-    const float *xv = self ? args->query : (args->value ? args->value : args->key);
+    const void *xk = self ? args->query : args->key;
+    const void *xv = self ? args->query : (args->value ? args->value : args->key);
     /* Everything comes from the one workspace taken above, so nothing can fail for want of
      * memory after the core has written args->probs. */
     void *pack = ws + l.pack_off;
-    st = mha__plan_project(impl, alloc, team, args->query, w->w_q, w->b_q, q, B * n, c->q_dim,
-                           h * c->head_dim, pack, l.pack_bytes, err);
+    st = mha__plan_project(impl, alloc, team, args->query, xdt, w->w_q, wdt, w->b_q, q, B * n,
+                           c->q_dim, h * c->head_dim, pack, l.pack_bytes, err);
     if (!st)
-        st = mha__plan_project(impl, alloc, team, xk, w->w_k, w->b_k, k, B * m, c->k_dim,
+        st = mha__plan_project(impl, alloc, team, xk, xdt, w->w_k, wdt, w->b_k, k, B * m, c->k_dim,
                                g * c->head_dim, pack, l.pack_bytes, err);
     if (!st)
-        st = mha__plan_project(impl, alloc, team, xv, w->w_v, w->b_v, v, B * m, c->v_dim,
+        st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, v, B * m, c->v_dim,
                                g * c->v_head_dim, pack, l.pack_bytes, err);
 
     if (!st && c->rope.style != MHA_ROPE_NONE) {
@@ -265,9 +321,14 @@ mha_status mha_layer_forward(const mha_layer *layer,
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
+    /* The output projection into out, or into float32 Y rounded once into a half out. */
+    const int half_out = args->out_dtype != MHA_DTYPE_F32;
+    float *y = half_out ? (float *)(ws + l.y_off) : args->out;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, att, w->w_o, w->b_o, args->out, B * n,
+        st = mha__plan_project(impl, alloc, team, att, MHA_DTYPE_F32, w->w_o, wdt, w->b_o, y, B * n,
                                h * c->v_head_dim, c->out_dim, pack, l.pack_bytes, err);
+    if (!st && half_out)
+        mha__narrow(args->out_dtype, y, args->out, B * n * c->out_dim);
     mha__free(alloc, owned);
     if (!st)
         mha__ok(err);
@@ -306,7 +367,7 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
     MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate Q and K for the statistics");
     float *q = (float *)ws, *k = (float *)(ws + k_off);
     mha_attention_args core;
-    mha__plan_core_args(c, layer->w.sinks, args, m, q, k, NULL, NULL, NULL, &core);
+    mha__plan_core_args(c, layer->cw.sinks, args, m, q, k, NULL, NULL, NULL, &core);
     mha__problem p;
     st = mha__check_attention_stats(&core, stats, &p, (int64_t *)(ws + delta_off),
                                     (float *)(ws + slope_off), err);
@@ -315,12 +376,14 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         st = mha__exec_team(exec, &team, err);
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
     const int self = args->key == NULL;
+    const mha__layer_w *w = &layer->cw;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, args->query, layer->w.w_q, layer->w.b_q, q, B * n,
-                               c->q_dim, h * c->head_dim, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, args->query, args->x_dtype, w->w_q, w->wdt,
+                               w->b_q, q, B * n, c->q_dim, h * c->head_dim, NULL, 0, err);
     if (!st)
-        st = mha__plan_project(impl, alloc, team, self ? args->query : args->key, layer->w.w_k,
-                               layer->w.b_k, k, B * m, c->k_dim, g * c->head_dim, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, self ? args->query : args->key, args->x_dtype,
+                               w->w_k, w->wdt, w->b_k, k, B * m, c->k_dim, g * c->head_dim, NULL, 0,
+                               err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + rope_off);
         const int64_t *kpos =

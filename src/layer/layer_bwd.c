@@ -49,14 +49,14 @@ void mha_train_state_destroy(mha_train_state *s) {
 /* Products.                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* t[c, r] = x[r, c]: x [rows, cols] -> t [cols, rows]. */
-static void transpose(const float *x, float *t, int64_t rows, int64_t cols) {
+/* t[c, r] = x[r, c]: x [rows, cols] of dtype dt -> t [cols, rows] float32 (widened). */
+static void transpose(const void *x, mha_dtype dt, float *t, int64_t rows, int64_t cols) {
     const int64_t BS = 32;
     for (int64_t r0 = 0; r0 < rows; r0 += BS)
         for (int64_t c0 = 0; c0 < cols; c0 += BS)
             for (int64_t r = r0; r < rows && r < r0 + BS; r++)
                 for (int64_t c = c0; c < cols && c < c0 + BS; c++)
-                    t[c * rows + r] = x[r * cols + c];
+                    t[c * rows + r] = mha__load(dt, x, r * cols + c);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -101,15 +101,17 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     mha_status st = mha__check_forward_args(c, args, &m, err);
     if (st)
         return st;
-    const mha_weights *w = mha_layer_weights(layer);
+    const mha__layer_w *w = mha__layer_compute_weights(layer);
     const int self = args->key == NULL;
     const int64_t B = args->batch, n = args->q_len;
+    const mha_dtype xdt = args->x_dtype, wdt = w->wdt;
     const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
-    int64_t cnt[5];
-    const int64_t f[5][3] = {
-        {B * n, h, dk}, {B * m, g, dk}, {B * m, g, dv}, {B * n, h, dv}, {B, h, n}};
-    int64_t total = 0;
-    for (int i = 0; i < 5; i++)
+    /* The state, then (a half out only) Y [B*n, out_dim] float32 for the output projection. */
+    const int64_t f[6][3] = {{B * n, h, dk}, {B * m, g, dk}, {B * m, g, dv},
+                             {B * n, h, dv}, {B, h, n},      {B * n, c->out_dim, 1}};
+    const int nparts = args->out_dtype != MHA_DTYPE_F32 ? 6 : 5;
+    int64_t cnt[6], total = 0;
+    for (int i = 0; i < nparts; i++)
         MHA_RETURN_IF(!mha__prod_i64(f[i], 3, &cnt[i]) || !mha__add_i64(total, cnt[i], &total), err,
                       OVERFLOW, "training state size overflows");
     size_t bytes;
@@ -160,16 +162,16 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     }
 
     const mha_impl impl = exec ? exec->impl : MHA_IMPL_AUTO;
-    const float *xk = self ? args->query : args->key;
-    const float *xv = self ? args->query : (args->value ? args->value : args->key);
-    st = mha__plan_project(impl, alloc, team, args->query, w->w_q, w->b_q, s->q, B * n, c->q_dim,
-                           h * dk, NULL, 0, err);
+    const void *xk = self ? args->query : args->key;
+    const void *xv = self ? args->query : (args->value ? args->value : args->key);
+    st = mha__plan_project(impl, alloc, team, args->query, xdt, w->w_q, wdt, w->b_q, s->q, B * n,
+                           c->q_dim, h * dk, NULL, 0, err);
     if (!st)
-        st = mha__plan_project(impl, alloc, team, xk, w->w_k, w->b_k, s->k, B * m, c->k_dim, g * dk,
-                               NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, xk, xdt, w->w_k, wdt, w->b_k, s->k, B * m,
+                               c->k_dim, g * dk, NULL, 0, err);
     if (!st)
-        st = mha__plan_project(impl, alloc, team, xv, w->w_v, w->b_v, s->v, B * m, c->v_dim, g * dv,
-                               NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, s->v, B * m,
+                               c->v_dim, g * dv, NULL, 0, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
@@ -181,9 +183,13 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
+    /* A half out: the float32 projection goes to the block's tail, rounded once into out. */
+    float *y = nparts == 6 ? s->lse + cnt[4] : args->out;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, s->a, w->w_o, w->b_o, args->out, B * n, h * dv,
-                               c->out_dim, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, s->a, MHA_DTYPE_F32, w->w_o, wdt, w->b_o, y,
+                               B * n, h * dv, c->out_dim, NULL, 0, err);
+    if (!st && nparts == 6)
+        mha__narrow(args->out_dtype, y, args->out, cnt[5]);
     if (st) {
         mha_train_state_destroy(s);
         return st;
@@ -213,10 +219,23 @@ static void deliver(float *dst, const float *src, int64_t count, int accumulate)
         dst[i] = accumulate ? dst[i] + src[i] : src[i];
 }
 
-/* C[M, N] = A[M, K] B[K, N]  (B is transposed into tmp for the x W^T product). */
+/* deliver into dst of dtype dt: the float32 value (dst + src when accumulating, dst widened)
+ * rounded once to dt. */
+static void deliver_dt(void *dst, mha_dtype dt, const float *src, int64_t count, int accumulate) {
+    if (!dst || dt == MHA_DTYPE_F32) {
+        deliver(dst, src, count, accumulate);
+        return;
+    }
+    for (int64_t i = 0; i < count; i++)
+        mha__store(dt, dst, i, accumulate ? mha__load(dt, dst, i) + src[i] : src[i]);
+}
+
+/* C[M, N] = A[M, K] B[K, N], B of dtype bdt (a weight: widened in the GEMM's packing, or by
+ * the transpose into tmp for the reference's x W^T product). */
 static mha_status mm_ab(const bwd_ctx *x,
                         const float *A,
-                        const float *Bm,
+                        const void *Bm,
+                        mha_dtype bdt,
                         float *C,
                         int64_t M,
                         int64_t N,
@@ -224,28 +243,31 @@ static mha_status mm_ab(const bwd_ctx *x,
                         float *tmp,
                         mha_error *err) {
     if (x->impl != MHA_IMPL_REFERENCE) /* B read in place as a transposed W */
-        return mha__gemm_op_run(MHA__GEMM_W_T, M, N, K, A, K, Bm, N, C, N, x->team, MHA__GEMM_AUTO,
-                                x->alloc, err);
-    transpose(Bm, tmp, K, N); /* tmp [N, K] */
-    return mha__plan_project(x->impl, x->alloc, x->team, A, tmp, NULL, C, M, K, N, NULL, 0, err);
+        return mha__gemm_run_dt(MHA__GEMM_W_T, M, N, K, A, MHA_DTYPE_F32, K, Bm, bdt, N, NULL, C, N,
+                                x->team, MHA__GEMM_AUTO, NULL, 0, x->alloc, err);
+    transpose(Bm, bdt, tmp, K, N); /* tmp [N, K] */
+    return mha__plan_project(x->impl, x->alloc, x->team, A, MHA_DTYPE_F32, tmp, MHA_DTYPE_F32, NULL,
+                             C, M, K, N, NULL, 0, err);
 }
 
-/* C[M, N] = A[K, M]^T B[K, N]. */
+/* C[M, N] = A[K, M]^T B[K, N], B of dtype bdt (a forward input). */
 static mha_status mm_atb(const bwd_ctx *x,
                          const float *A,
-                         const float *Bm,
+                         const void *Bm,
+                         mha_dtype bdt,
                          float *C,
                          int64_t M,
                          int64_t N,
                          int64_t K,
                          mha_error *err) {
     if (x->impl != MHA_IMPL_REFERENCE) /* both read in place */
-        return mha__gemm_op_run((mha__gemm_op)(MHA__GEMM_X_T | MHA__GEMM_W_T), M, N, K, A, M, Bm, N,
-                                C, N, x->team, MHA__GEMM_AUTO, x->alloc, err);
-    transpose(A, x->tmp1, K, M);  /* [M, K] */
-    transpose(Bm, x->tmp2, K, N); /* [N, K] */
-    return mha__plan_project(x->impl, x->alloc, x->team, x->tmp1, x->tmp2, NULL, C, M, K, N, NULL,
-                             0, err);
+        return mha__gemm_run_dt((mha__gemm_op)(MHA__GEMM_X_T | MHA__GEMM_W_T), M, N, K, A,
+                                MHA_DTYPE_F32, M, Bm, bdt, N, NULL, C, N, x->team, MHA__GEMM_AUTO,
+                                NULL, 0, x->alloc, err);
+    transpose(A, MHA_DTYPE_F32, x->tmp1, K, M); /* [M, K] */
+    transpose(Bm, bdt, x->tmp2, K, N);          /* [N, K] */
+    return mha__plan_project(x->impl, x->alloc, x->team, x->tmp1, MHA_DTYPE_F32, x->tmp2,
+                             MHA_DTYPE_F32, NULL, C, M, K, N, NULL, 0, err);
 }
 
 static void col_sums(const float *x, int64_t rows, int64_t cols, float *out) {
@@ -260,8 +282,10 @@ static void col_sums(const float *x, int64_t rows, int64_t cols, float *out) {
  * (a scratch buffer [rows, in]) when dx_out != NULL. wbuf: scratch >= out*in and >= in. */
 static mha_status proj_backward(const bwd_ctx *x,
                                 const float *dP,
-                                const float *xin,
-                                const float *W,
+                                const void *xin,
+                                mha_dtype xdt,
+                                const void *W,
+                                mha_dtype wdt,
                                 int64_t rows,
                                 int64_t in,
                                 int64_t out,
@@ -272,7 +296,7 @@ static mha_status proj_backward(const bwd_ctx *x,
                                 mha_error *err) {
     mha_status st = MHA_STATUS_OK;
     if (dW) {
-        st = mm_atb(x, dP, xin, wbuf, out, in, rows, err);
+        st = mm_atb(x, dP, xin, xdt, wbuf, out, in, rows, err);
         if (st)
             return st;
         deliver(dW, wbuf, out * in, x->accumulate);
@@ -282,20 +306,21 @@ static mha_status proj_backward(const bwd_ctx *x,
         deliver(db, wbuf, out, x->accumulate);
     }
     if (dx_out)
-        st = mm_ab(x, dP, W, dx_out, rows, in, out, x->tmp1, err);
+        st = mm_ab(x, dP, W, wdt, dx_out, rows, in, out, x->tmp1, err);
     return st;
 }
 
 /* The backward's scratch, one allocation (floats): dA [rq, h dv]; dQ [rq, h dk]; dK [rk, g dk];
  * dV [rk, g dv]; the input gradients of the q, k and v paths [rq, qd], [rk, kd], [rk, vd]; two
  * transpose buffers (the reference products only: the packed GEMM reads transposed operands in
- * place); one weight-sized buffer. Each part is followed by 16 floats of slack. */
-enum { SCRATCH_PARTS = 10 };
+ * place); one weight-sized buffer; dy widened [rq, od] (a half dy only: the products and column
+ * sums that read dy then read float32). Each part is followed by 16 floats of slack. */
+enum { SCRATCH_PARTS = 11 };
 typedef struct bwd_scratch {
     int64_t sizes[SCRATCH_PARTS];
     size_t bytes;
     float *buf;
-    float *dA, *dQ, *dK, *dV, *dxq, *dxk, *dxv, *tmp1, *tmp2, *wbuf;
+    float *dA, *dQ, *dK, *dV, *dxq, *dxk, *dxv, *tmp1, *tmp2, *wbuf, *dy32;
 } bwd_scratch;
 
 /* The parts' sizes and the total bytes (OVERFLOW when they do not fit). */
@@ -314,9 +339,10 @@ static mha_status scratch_size(
     for (int i = 0; i < 8; i++)
         tmax = act[i] > tmax ? act[i] : tmax;
     const int64_t tsz = impl == MHA_IMPL_REFERENCE ? tmax : 0;
+    const int64_t dysz = s->args.out_dtype != MHA_DTYPE_F32 ? rq * od : 0;
     const int64_t sizes[SCRATCH_PARTS] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv,
                                           rq * qd,     rk * kd,     rk * vd,     tsz,
-                                          tsz,         wmax};
+                                          tsz,         wmax,        dysz};
     int64_t total = 0;
     for (int i = 0; i < SCRATCH_PARTS; i++) {
         sc->sizes[i] = sizes[i];
@@ -333,8 +359,8 @@ static mha_status scratch_alloc(const mha_allocator *alloc, bwd_scratch *sc, mha
     sc->buf = mha__alloc_large(alloc, sc->bytes);
     MHA_RETURN_IF(!sc->buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch",
                   sc->bytes);
-    float **parts[SCRATCH_PARTS] = {&sc->dA,  &sc->dQ,  &sc->dK,   &sc->dV,   &sc->dxq,
-                                    &sc->dxk, &sc->dxv, &sc->tmp1, &sc->tmp2, &sc->wbuf};
+    float **parts[SCRATCH_PARTS] = {&sc->dA,  &sc->dQ,   &sc->dK,   &sc->dV,   &sc->dxq, &sc->dxk,
+                                    &sc->dxv, &sc->tmp1, &sc->tmp2, &sc->wbuf, &sc->dy32};
     float *cur = sc->buf;
     for (int i = 0; i < SCRATCH_PARTS; i++) {
         *parts[i] = cur;
@@ -347,7 +373,7 @@ static mha_status scratch_alloc(const mha_allocator *alloc, bwd_scratch *sc, mha
  * caller wants it, the sinks' gradient into a small private buffer (*dsinks, freed by the caller).
  * The core validates first (masks, dropout, lse): on its error no gradient buffer is touched. */
 static mha_status core_backward(const mha_config *c,
-                                const mha_weights *w,
+                                const mha__layer_w *w,
                                 const mha_train_state *s,
                                 const float *dy,
                                 const mha_layer_grads *gr,
@@ -360,7 +386,8 @@ static mha_status core_backward(const mha_config *c,
     mha_attention_args core;
     mha__plan_core_args(c, w->sinks, &s->args, s->m, s->q, s->k, s->v, s->a, s->lse, &core);
     core.probs = NULL;
-    mha_status st = mm_ab(x, dy, w->w_o, sc->dA, s->B * s->n, h * dv, c->out_dim, x->tmp1, err);
+    mha_status st =
+        mm_ab(x, dy, w->w_o, w->wdt, sc->dA, s->B * s->n, h * dv, c->out_dim, x->tmp1, err);
     if (st)
         return st;
     mha_attention_grads cg;
@@ -397,7 +424,7 @@ static mha_status out_grads(const mha_train_state *s,
                             mha_error *err) {
     const int64_t rq = s->B * s->n, od = c->out_dim, hdv = c->num_heads * c->v_head_dim;
     if (gr->dw_o) {
-        const mha_status st = mm_atb(x, dy, s->a, wbuf, od, hdv, rq, err);
+        const mha_status st = mm_atb(x, dy, s->a, MHA_DTYPE_F32, wbuf, od, hdv, rq, err);
         if (st)
             return st;
         deliver(gr->dw_o, wbuf, od * hdv, x->accumulate);
@@ -421,30 +448,31 @@ static void deliver_inputs(const mha_train_state *s,
                            const bwd_scratch *sc) {
     const int64_t rq = s->B * s->n, rk = s->B * s->m;
     const int64_t qd = c->q_dim, kd = c->k_dim, vd = c->v_dim;
+    const mha_dtype dt = s->args.x_dtype; /* the gradients have their inputs' dtype */
     if (s->self) {
         if (gr->d_query) {
             for (int64_t i = 0; i < rq * qd; i++)
                 sc->dxq[i] = (sc->dxq[i] + sc->dxk[i]) + sc->dxv[i];
-            deliver(gr->d_query, sc->dxq, rq * qd, x->accumulate);
+            deliver_dt(gr->d_query, dt, sc->dxq, rq * qd, x->accumulate);
         }
         return;
     }
-    deliver(gr->d_query, sc->dxq, rq * qd, x->accumulate);
+    deliver_dt(gr->d_query, dt, sc->dxq, rq * qd, x->accumulate);
     if (!s->args.value) {
         if (gr->d_key) {
             for (int64_t i = 0; i < rk * kd; i++)
                 sc->dxk[i] += sc->dxv[i];
-            deliver(gr->d_key, sc->dxk, rk * kd, x->accumulate);
+            deliver_dt(gr->d_key, dt, sc->dxk, rk * kd, x->accumulate);
         }
     } else {
-        deliver(gr->d_key, sc->dxk, rk * kd, x->accumulate);
-        deliver(gr->d_value, sc->dxv, rk * vd, x->accumulate);
+        deliver_dt(gr->d_key, dt, sc->dxk, rk * kd, x->accumulate);
+        deliver_dt(gr->d_value, dt, sc->dxv, rk * vd, x->accumulate);
     }
 }
 
 mha_status mha_layer_backward(const mha_layer *layer,
                               const mha_train_state *s,
-                              const float *dy,
+                              const void *dy_in,
                               const mha_layer_grads *gr,
                               const mha_exec *exec,
                               mha_error *err) {
@@ -453,8 +481,8 @@ mha_status mha_layer_backward(const mha_layer *layer,
         s ? s->layer : NULL, s ? s->self : 0, s ? s->args.value != NULL : 0,
         s ? &s->args : NULL, s ? s->B : 0,    s ? s->n : 0,
         s ? s->m : 0};
-    const mha_weights *w = mha_layer_weights(layer);
-    mha_status st = mha__check_layer_backward(layer, c, w, s ? &view : NULL, dy, gr, err);
+    mha_status st = mha__check_layer_backward(layer, c, mha_layer_weights(layer), s ? &view : NULL,
+                                              dy_in, gr, err);
     if (st)
         return st;
     const mha_forward_args *a = &s->args;
@@ -474,6 +502,14 @@ mha_status mha_layer_backward(const mha_layer *layer,
     if (st)
         return st;
     const bwd_ctx x = {impl, alloc, team, gr->accumulate != 0, sc.tmp1, sc.tmp2};
+    const mha__layer_w *w = mha__layer_compute_weights(layer);
+    const mha_dtype xdt = a->x_dtype;
+    /* A half dy is widened once: every product and sum below reads float32 dy. */
+    const float *dy = dy_in;
+    if (a->out_dtype != MHA_DTYPE_F32) {
+        mha__widen(a->out_dtype, dy_in, sc.dy32, rq * c->out_dim);
+        dy = sc.dy32;
+    }
 
     float *dsinks = NULL;
     st = core_backward(c, w, s, dy, gr, exec, &x, &sc, &dsinks, err);
@@ -488,21 +524,21 @@ mha_status mha_layer_backward(const mha_layer *layer,
         if (!st)
             st = rope_buffer(&c->rope, len, x.alloc, sc.dK, B, m, g, dk, kpos, -1, err);
     }
-    const float *xq = a->query;
-    const float *xk = s->self ? a->query : a->key;
-    const float *xv = s->self ? a->query : (a->value ? a->value : a->key);
+    const void *xq = a->query;
+    const void *xk = s->self ? a->query : a->key;
+    const void *xv = s->self ? a->query : (a->value ? a->value : a->key);
     const int want_q = gr->d_query != NULL;
     const int want_k = s->self ? want_q : gr->d_key != NULL;
     const int want_v = s->self ? want_q : (a->value ? gr->d_value != NULL : gr->d_key != NULL);
     if (!st)
-        st = proj_backward(&x, sc.dQ, xq, w->w_q, rq, c->q_dim, h * dk, gr->dw_q, gr->db_q,
-                           want_q ? sc.dxq : NULL, sc.wbuf, err);
+        st = proj_backward(&x, sc.dQ, xq, xdt, w->w_q, w->wdt, rq, c->q_dim, h * dk, gr->dw_q,
+                           gr->db_q, want_q ? sc.dxq : NULL, sc.wbuf, err);
     if (!st)
-        st = proj_backward(&x, sc.dK, xk, w->w_k, rk, c->k_dim, g * dk, gr->dw_k, gr->db_k,
-                           want_k ? sc.dxk : NULL, sc.wbuf, err);
+        st = proj_backward(&x, sc.dK, xk, xdt, w->w_k, w->wdt, rk, c->k_dim, g * dk, gr->dw_k,
+                           gr->db_k, want_k ? sc.dxk : NULL, sc.wbuf, err);
     if (!st)
-        st = proj_backward(&x, sc.dV, xv, w->w_v, rk, c->v_dim, g * dv, gr->dw_v, gr->db_v,
-                           want_v ? sc.dxv : NULL, sc.wbuf, err);
+        st = proj_backward(&x, sc.dV, xv, xdt, w->w_v, w->wdt, rk, c->v_dim, g * dv, gr->dw_v,
+                           gr->db_v, want_v ? sc.dxv : NULL, sc.wbuf, err);
     if (!st)
         deliver_inputs(s, c, gr, &x, &sc);
     free(dsinks);

@@ -11,7 +11,9 @@
 
 /* y[r, o] = sum_c x[r, c] W[o, c] + b[o] for rows [r0, r1): the reference projection. */
 typedef struct proj_job {
-    const float *x, *w, *bias;
+    const void *x, *w; /* of dtypes xdt, wdt */
+    mha_dtype xdt, wdt;
+    const float *bias;
     float *y;
     int64_t in, out;
 } proj_job;
@@ -20,13 +22,12 @@ static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
     (void)part;
     const proj_job *j = ctx;
     for (int64_t r = r0; r < r1; r++) {
-        const float *x = j->x + r * j->in;
         float *y = j->y + r * j->out;
         for (int64_t o = 0; o < j->out; o++) {
-            const float *w = j->w + o * j->in;
             float acc = 0.0f;
             for (int64_t c = 0; c < j->in; c++)
-                acc += x[c] * w[c];
+                acc +=
+                    mha__load(j->xdt, j->x, r * j->in + c) * mha__load(j->wdt, j->w, o * j->in + c);
             y[o] = j->bias ? acc + j->bias[o] : acc;
         }
     }
@@ -35,8 +36,10 @@ static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
 mha_status mha__plan_project(mha_impl impl,
                              const mha_allocator *alloc,
                              mha__team team,
-                             const float *x,
-                             const float *w,
+                             const void *x,
+                             mha_dtype xdt,
+                             const void *w,
+                             mha_dtype wdt,
                              const float *bias,
                              float *y,
                              int64_t rows,
@@ -46,9 +49,9 @@ mha_status mha__plan_project(mha_impl impl,
                              size_t pack_bytes,
                              mha_error *err) {
     if (impl != MHA_IMPL_REFERENCE)
-        return mha__gemm_xwt_ws(rows, out, in, x, in, w, in, bias, y, out, team, MHA__GEMM_AUTO,
-                                pack, pack_bytes, alloc, err);
-    proj_job job = {x, w, bias, y, in, out};
+        return mha__gemm_run_dt(MHA__GEMM_OP_N, rows, out, in, x, xdt, in, w, wdt, in, bias, y, out,
+                                team, MHA__GEMM_AUTO, pack, pack_bytes, alloc, err);
+    proj_job job = {x, w, xdt, wdt, bias, y, in, out};
     return mha__parallel_for(team, rows, project_rows, &job, err);
 }
 

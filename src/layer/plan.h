@@ -13,13 +13,17 @@
 
 /* One projection y[rows, out] = x[rows, in] W[out, in]^T (+ bias[out]): the plain loops (one
  * float32 chain per element, c in increasing order, then the bias) for impl=reference, the
- * packed GEMM (the best tier of this CPU) otherwise. pack: W-packing space of
- * mha__gemm_workspace_size() bytes, or NULL to take it from alloc. */
+ * packed GEMM (the best tier of this CPU) otherwise. x is stored in xdt and W in wdt (F32, BF16
+ * or F16, widened exactly where read: the GEMM's packing, the loops' loads); bias and y are
+ * float32. pack: W-packing space of mha__gemm_workspace_size_dt() bytes, or NULL to take it from
+ * alloc. */
 mha_status mha__plan_project(mha_impl impl,
                              const mha_allocator *alloc,
                              mha__team team,
-                             const float *x,
-                             const float *w,
+                             const void *x,
+                             mha_dtype xdt,
+                             const void *w,
+                             mha_dtype wdt,
                              const float *bias,
                              float *y,
                              int64_t rows,

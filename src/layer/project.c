@@ -16,14 +16,15 @@ mha_status mha_layer_project(const mha_layer *layer,
                              mha_error *err) {
     mha__projection p;
     mha_status st = mha__check_layer_project(layer ? mha_layer_config(layer) : NULL,
-                                             layer ? mha_layer_weights(layer) : NULL, which, rows,
-                                             x, y, exec, &p, err);
+                                             layer ? mha__layer_compute_weights(layer) : NULL,
+                                             which, rows, x, y, exec, &p, err);
     mha__team team;
     if (!st)
         st = mha__exec_team(exec, &team, err);
     if (!st && rows > 0)
         st = mha__plan_project(exec ? exec->impl : MHA_IMPL_AUTO, exec ? exec->allocator : NULL,
-                               team, x, p.w, p.bias, y, rows, p.in, p.out, NULL, 0, err);
+                               team, x, MHA_DTYPE_F32, p.w, p.wdt, p.bias, y, rows, p.in, p.out,
+                               NULL, 0, err);
     if (!st)
         mha__ok(err);
     return st;
@@ -35,15 +36,21 @@ static void deliver(float *dst, const float *src, int64_t count, int accumulate)
         dst[i] = accumulate ? dst[i] + src[i] : src[i];
 }
 
-/* impl=reference: y[M, N] = A^T B (at = 1: A [K, M]) or A B (at = 0: A [M, K]), B [K, N], one
- * float chain per element in increasing k. */
-static void
-plain_product(const float *A, const float *Bm, float *y, int64_t M, int64_t N, int64_t K, int at) {
+/* impl=reference: y[M, N] = A^T B (at = 1: A [K, M]) or A B (at = 0: A [M, K]), B [K, N] of
+ * dtype bdt (widened per element), one float chain per element in increasing k. */
+static void plain_product(const float *A,
+                          const void *Bm,
+                          mha_dtype bdt,
+                          float *y,
+                          int64_t M,
+                          int64_t N,
+                          int64_t K,
+                          int at) {
     for (int64_t i = 0; i < M; i++)
         for (int64_t j = 0; j < N; j++) {
             float acc = 0.0f;
             for (int64_t k = 0; k < K; k++)
-                acc += (at ? A[k * M + i] : A[i * K + k]) * Bm[k * N + j];
+                acc += (at ? A[k * M + i] : A[i * K + k]) * mha__load(bdt, Bm, k * N + j);
             y[i * N + j] = acc;
         }
 }
@@ -61,8 +68,8 @@ mha_status mha_layer_project_backward(const mha_layer *layer,
                                       mha_error *err) {
     mha__projection p;
     mha_status st = mha__check_layer_project_backward(
-        layer ? mha_layer_config(layer) : NULL, layer ? mha_layer_weights(layer) : NULL, which,
-        rows, x, dy, dx, dw, db, exec, &p, err);
+        layer ? mha_layer_config(layer) : NULL, layer ? mha__layer_compute_weights(layer) : NULL,
+        which, rows, x, dy, dx, dw, db, exec, &p, err);
     mha__team team;
     if (!st)
         st = mha__exec_team(exec, &team, err);
@@ -82,13 +89,14 @@ mha_status mha_layer_project_backward(const mha_layer *layer,
         st = mha__gemm_op_run((mha__gemm_op)(MHA__GEMM_X_T | MHA__GEMM_W_T), p.out, p.in, rows, dy,
                               p.out, x, p.in, sw, p.in, team, MHA__GEMM_AUTO, alloc, err);
     else if (!st && nw)
-        plain_product(dy, x, sw, p.out, p.in, rows, 1);
+        plain_product(dy, x, MHA_DTYPE_F32, sw, p.out, p.in, rows, 1);
     /* dx[rows, in] = dy W: W [out, in] read as W^T of an x W^T product. */
     if (!st && nx && !ref)
-        st = mha__gemm_op_run(MHA__GEMM_W_T, rows, p.in, p.out, dy, p.out, p.w, p.in, sx, p.in,
-                              team, MHA__GEMM_AUTO, alloc, err);
+        st =
+            mha__gemm_run_dt(MHA__GEMM_W_T, rows, p.in, p.out, dy, MHA_DTYPE_F32, p.out, p.w, p.wdt,
+                             p.in, NULL, sx, p.in, team, MHA__GEMM_AUTO, NULL, 0, alloc, err);
     else if (!st && nx)
-        plain_product(dy, p.w, sx, rows, p.in, p.out, 0);
+        plain_product(dy, p.w, p.wdt, sx, rows, p.in, p.out, 0);
     if (!st) {
         if (sw)
             deliver(dw, sw, nw, accumulate);

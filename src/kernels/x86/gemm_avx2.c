@@ -151,13 +151,105 @@ static void dot_avx2(int64_t K,
         }
 }
 
+/* 8 half W elements widened exactly (bf16: a 16-bit shift; f16: F16C's vcvtph2ps); `left` < 8
+ * reads only the first `left` (a scalar copy: no 16-bit masked load in AVX2), the rest are 0. */
+static inline __m256 load_half8(const uint16_t *p, int bf16, int64_t left) {
+    __m128i h;
+    if (left >= 8) {
+        h = _mm_loadu_si128((const __m128i *)p);
+    } else {
+        uint16_t t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int64_t i = 0; i < left; i++)
+            t[i] = p[i];
+        h = _mm_loadu_si128((const __m128i *)t);
+    }
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                : _mm256_cvtph_ps(h);
+}
+
+/* dot_avx2 over half W (mha__gemm_dot_h_fn): the same loop, lanes and chains, each W vector
+ * widened in registers. Specialised per dtype and row count mm (1 or 2), constants in each
+ * caller, as in gemm_avx512.c. */
+static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
+                                                             const float *x,
+                                                             int64_t ldx,
+                                                             int m,
+                                                             const uint16_t *w,
+                                                             const int bf16,
+                                                             const int mm,
+                                                             int64_t ldw,
+                                                             int n,
+                                                             const float *bias,
+                                                             float *y,
+                                                             int64_t ldy) {
+    __m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    }
+    const float *xr[MHA_GEMM_DOT_M];
+    const uint16_t *wr[MHA_GEMM_DOT_N];
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+        xr[i] = x + (i < m ? i : 0) * ldx;
+    for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+        wr[j] = w + (j < n ? j : 0) * ldw;
+    for (int64_t k = 0; k < K; k += 8) {
+        const int64_t left = K - k;
+        const __m256i mk = lane_mask(left >= 8 ? 8 : (int)left);
+        __m256 a[MHA_GEMM_DOT_M];
+        MHA_UNROLL
+        for (int i = 0; i < mm; i++)
+            a[i] = left >= 8 ? _mm256_loadu_ps(xr[i] + k) : _mm256_maskload_ps(xr[i] + k, mk);
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+            const __m256 b = load_half8(wr[j] + k, bf16, left);
+            MHA_UNROLL
+            for (int i = 0; i < mm; i++)
+                acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
+        }
+    }
+    /* Fully unrolled with a condition: the accumulators stay in registers (see gemm_avx512.c). */
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            if (i < mm && i < m && j < n) {
+                const float s = hsum8(acc[i][j]);
+                y[i * ldy + j] = bias ? s + bias[j] : s;
+            }
+    }
+}
+
+static void dot_h_avx2(int64_t K,
+                       const float *x,
+                       int64_t ldx,
+                       int m,
+                       const uint16_t *w,
+                       int bf16,
+                       int64_t ldw,
+                       int n,
+                       const float *bias,
+                       float *y,
+                       int64_t ldy) {
+    if (bf16 && m == 1)
+        dot_h_body(K, x, ldx, m, w, 1, 1, ldw, n, bias, y, ldy);
+    else if (bf16)
+        dot_h_body(K, x, ldx, m, w, 1, MHA_GEMM_DOT_M, ldw, n, bias, y, ldy);
+    else if (m == 1)
+        dot_h_body(K, x, ldx, m, w, 0, 1, ldw, n, bias, y, ldy);
+    else
+        dot_h_body(K, x, ldx, m, w, 0, MHA_GEMM_DOT_M, ldw, n, bias, y, ldy);
+}
+
 static void pack_a_6(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
     gemm_pack_rows_x86(x, ldx, m, kc, dst, MR);
 }
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_6x16__avx2 = {
-    MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2, pack_a_6,
+    MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2, pack_a_6, dot_h_avx2,
 };
 
 #endif

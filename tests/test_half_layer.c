@@ -1,0 +1,621 @@
+/* SPDX-License-Identifier: MIT */
+/* test_half_layer.c: the layer with half-precision storage (docs/SEMANTICS.md "Half precision"):
+ * weights in config.weight_dtype, query/key/value in args.x_dtype, out in args.out_dtype (F32,
+ * BF16 or F16, any mix), float32 arithmetic inside.
+ *
+ * For every case (GQA, RoPE, causal, biases, sinks, cross-attention; bf16 and f16 end to end,
+ * f32 weights with bf16 activations = autocast, bf16 weights with an f32 out, f16 weights with
+ * bf16 inputs) and both implementations (reference, auto):
+ *   1. forward, training forward + backward, mha_layer_project (+ backward) and the decode step
+ *      against the float64 oracles given the SAME rounded values (the halves widened), at the
+ *      half tolerance of tolerance.h (TOL_HALF_C u_s on a half output, plus the float32 term);
+ *   2. bit-identical to the float32 layer run on the widened weights and inputs, its outputs
+ *      rounded once to the output dtype: halves are widened exactly where they are read and
+ *      nothing else changes (the GEMM widens while packing; the few-rows path in registers);
+ *   3. bit-identical for 1 and 2 threads;
+ *   4. hostile dtypes refused with a message naming the field; a NaN / Inf half weight refused
+ *      with its tensor and index; a COPY layer keeps the weights in their dtype (not widened).
+ */
+#include "base/internal.h"
+#include "harness.h"
+#include "oracle_f64.h"
+#include "oracle_grad_f64.h"
+#include "tolerance.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct spec {
+    const char *name;
+    int64_t B, n, m; /* m: cross-attention keys (0 = self-attention) */
+    int64_t qd, h, g, dk;
+    int bias, sinks, causal;
+    mha_rope_style rope;
+    mha_dtype wdt, xdt, odt;
+} spec;
+
+#define F32  MHA_DTYPE_F32
+#define BF16 MHA_DTYPE_BF16
+#define F16  MHA_DTYPE_F16
+
+// clang-format off
+static const spec SPECS[] = {
+    /* name                   B  n   m  qd  h  g  dk  bias sinks causal rope               w     x     out */
+    {"bf16_end_to_end_gqa",   2, 13, 0, 64, 4, 2, 16, 1,   0,    1,     MHA_ROPE_HALF,     BF16, BF16, BF16},
+    {"f16_end_to_end_gqa",    2, 13, 0, 64, 4, 2, 16, 1,   0,    1,     MHA_ROPE_HALF,     F16,  F16,  F16 },
+    {"autocast_f32_w",        2, 11, 0, 48, 4, 4, 12, 1,   0,    1,     MHA_ROPE_INTERLEAVED, F32, BF16, BF16},
+    {"bf16_w_f32_out",        1, 17, 0, 64, 8, 2, 8,  0,   1,    1,     MHA_ROPE_HALF,     BF16, F32,  F32 },
+    {"f16_w_bf16_x_f32_out",  2, 9,  0, 32, 2, 1, 16, 1,   0,    0,     MHA_ROPE_NONE,     F16,  BF16, F32 },
+    {"cross_bf16_sinks",      2, 7,  10, 40, 4, 2, 10, 1,  1,    0,     MHA_ROPE_NONE,     BF16, BF16, F16 },
+    {"one_row_bf16",          1, 3,  0, 64, 4, 2, 16, 1,   0,    1,     MHA_ROPE_HALF,     BF16, BF16, BF16},
+};
+// clang-format on
+#define N_SPECS ((int)(sizeof SPECS / sizeof SPECS[0]))
+
+static double unit(mha_dtype dt) {
+    return dt == BF16 ? TOL_HALF_U_BF16 : dt == F16 ? TOL_HALF_U_F16 : 0.0;
+}
+static const char *dname(mha_dtype dt) {
+    return dt == BF16 ? "bf16" : dt == F16 ? "f16" : "f32";
+}
+
+/* A tensor in its storage dtype and its exact float32 widening (the SAME rounded values). */
+typedef struct tensor {
+    void *st;
+    float *f;
+    int64_t n;
+    mha_dtype dt;
+} tensor;
+
+static tensor make_tensor(test_rng *r, mha_dtype dt, int64_t n, float stddev) {
+    tensor t = {NULL, NULL, n, dt};
+    if (n == 0)
+        return t;
+    float *raw = malloc(sizeof(float) * (size_t)n);
+    test_fill_normal(r, raw, n, stddev);
+    t.st = malloc(mha__storage_size(dt) * (size_t)n);
+    t.f = malloc(sizeof(float) * (size_t)n);
+    mha__narrow(dt, raw, t.st, n);
+    mha__widen(dt, t.st, t.f, n);
+    free(raw);
+    return t;
+}
+
+static void free_tensor(tensor *t) {
+    free(t->st);
+    free(t->f);
+}
+
+static double *to_d(const float *x, int64_t n) {
+    double *d = malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+    for (int64_t i = 0; i < n; i++)
+        d[i] = (double)x[i];
+    return d;
+}
+
+/* A case built: the half layer, the float32 twin on the widened weights, inputs and dy. */
+typedef struct built {
+    spec s;
+    mha_config cfg; /* resolved, of the half layer */
+    tensor w[9];    /* w_q w_k w_v w_o b_q b_k b_v b_o sinks, in s.wdt */
+    tensor xq, xk, dy;
+    mha_layer *L, *L32;
+} built;
+
+static int build(const spec *s, uint64_t seed, built *c) {
+    memset(c, 0, sizeof *c);
+    c->s = *s;
+    test_rng r;
+    test_rng_seed(&r, seed);
+    mha_config cfg = {0};
+    cfg.q_dim = s->qd, cfg.num_heads = s->h, cfg.num_kv_heads = s->g, cfg.head_dim = s->dk;
+    cfg.bias_q = cfg.bias_k = cfg.bias_v = cfg.bias_o = s->bias;
+    cfg.sinks = s->sinks;
+    cfg.rope.style = s->rope;
+    const int64_t hd = s->h * s->dk, gd = s->g * s->dk;
+    const int64_t sizes[9] = {hd * s->qd,       gd * s->qd,          gd * s->qd,
+                              s->qd * hd,       s->bias ? hd : 0,    s->bias ? gd : 0,
+                              s->bias ? gd : 0, s->bias ? s->qd : 0, s->sinks ? s->h : 0};
+    for (int i = 0; i < 9; i++)
+        c->w[i] =
+            make_tensor(&r, s->wdt, sizes[i], i < 4 ? (float)(1.2 / sqrt((double)s->qd)) : 0.5f);
+    const int64_t m = s->m ? s->m : s->n;
+    c->xq = make_tensor(&r, s->xdt, s->B * s->n * s->qd, 1.0f);
+    c->xk = make_tensor(&r, s->xdt, s->m ? s->B * m * s->qd : 0, 1.0f);
+    c->dy = make_tensor(&r, s->odt, s->B * s->n * s->qd, 1.0f);
+    mha_weights w = {c->w[0].st, c->w[1].st, c->w[2].st, c->w[3].st, c->w[4].st,
+                     c->w[5].st, c->w[6].st, c->w[7].st, c->w[8].st};
+    mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f,
+                       c->w[5].f, c->w[6].f, c->w[7].f, c->w[8].f};
+    mha_error err = {0};
+    cfg.weight_dtype = s->wdt;
+    CHECK_OK(mha_layer_create(&cfg, &w, MHA_WEIGHTS_COPY, NULL, &c->L, &err), &err);
+    cfg.weight_dtype = F32;
+    CHECK_OK(mha_layer_create(&cfg, &w32, MHA_WEIGHTS_BORROW, NULL, &c->L32, &err), &err);
+    if (!c->L || !c->L32)
+        return 0;
+    c->cfg = *mha_layer_config(c->L);
+    /* COPY keeps the weights in their dtype: same bytes, the layer's own buffer. */
+    const mha_weights *lw = mha_layer_weights(c->L);
+    const void *got[9] = {lw->w_q, lw->w_k, lw->w_v, lw->w_o,  lw->b_q,
+                          lw->b_k, lw->b_v, lw->b_o, lw->sinks};
+    int same = c->cfg.weight_dtype == s->wdt;
+    for (int i = 0; i < 9; i++)
+        if (sizes[i])
+            same &= got[i] != c->w[i].st &&
+                    memcmp(got[i], c->w[i].st, mha__storage_size(s->wdt) * (size_t)sizes[i]) == 0;
+    CHECK(same, "[%s] a COPY layer keeps its weights in %s, unchanged", s->name, dname(s->wdt));
+    return 1;
+}
+
+static void unbuild(built *c) {
+    for (int i = 0; i < 9; i++)
+        free_tensor(&c->w[i]);
+    free_tensor(&c->xq);
+    free_tensor(&c->xk);
+    free_tensor(&c->dy);
+    mha_layer_destroy(c->L);
+    mha_layer_destroy(c->L32);
+}
+
+static mha_forward_args fwd_args(const built *c, int widened, void *out) {
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = c->s.B, a.q_len = c->s.n, a.kv_len = c->s.m;
+    a.query = widened ? (const void *)c->xq.f : c->xq.st;
+    a.key = c->s.m ? (widened ? (const void *)c->xk.f : c->xk.st) : NULL;
+    a.mask.causal = c->s.causal;
+    a.out = out;
+    a.x_dtype = widened ? F32 : c->s.xdt;
+    a.out_dtype = widened ? F32 : c->s.odt;
+    return a;
+}
+
+/* out (storage of dtype dt) against the float32 twin's y32 rounded once to dt: same bits. */
+static int same_as_rounded(mha_dtype dt, const void *out, const float *y32, int64_t n) {
+    void *r = malloc(mha__storage_size(dt) * (size_t)n);
+    mha__narrow(dt, y32, r, n);
+    const int same = memcmp(r, out, mha__storage_size(dt) * (size_t)n) == 0;
+    free(r);
+    return same;
+}
+
+/* max|widen(out) - ref| <= (TOL_HALF_C u_s (half out) + f32 term) max|ref|. */
+static void check_close(const char *what,
+                        const spec *s,
+                        const char *impl,
+                        mha_dtype dt,
+                        const void *out,
+                        const double *ref,
+                        int64_t n,
+                        double f32_rel) {
+    float *o = malloc(sizeof(float) * (size_t)n);
+    mha__widen(dt, out, o, n);
+    const double e = test_max_abs_diff(o, ref, n), scale = test_max_abs(ref, n);
+    const double tol = (TOL_HALF_C * unit(dt) + f32_rel) * scale;
+    CHECK(e <= tol && scale > 0.0, "[%s] %s %s (%s): max err %.3e > tol %.3e (max|ref| %.3e)",
+          s->name, impl, what, dname(dt), e, tol, scale);
+    free(o);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Forward                                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void test_forward(const built *c) {
+    const spec *s = &c->s;
+    const int64_t ny = s->B * s->n * s->qd;
+    /* The oracle on the widened weights and inputs. */
+    mha_config cf = c->cfg;
+    cf.weight_dtype = F32;
+    mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f,
+                       c->w[5].f, c->w[6].f, c->w[7].f, c->w[8].f};
+    mha_forward_args af = fwd_args(c, 1, NULL);
+    double *ref = malloc(sizeof(double) * (size_t)ny);
+    CHECK(oracle_layer(&cf, &w32, &af, ref, NULL) == 0, "[%s] oracle", s->name);
+    const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
+    void *out = malloc(4 * (size_t)ny), *out1 = malloc(4 * (size_t)ny);
+    float *y32 = malloc(sizeof(float) * (size_t)ny);
+    mha_error err = {0};
+    for (int k = 0; k < 2; k++) {
+        const char *iname = k ? "auto" : "reference";
+        mha_exec ex = {impls[k], 2, NULL, 0, NULL, NULL};
+        mha_forward_args a = fwd_args(c, 0, out);
+        CHECK_OK(mha_layer_forward(c->L, &a, &ex, &err), &err);
+        check_close("forward", s, iname, s->odt, out, ref, ny, TOL_OUT_REL);
+        mha_forward_args a32 = fwd_args(c, 1, y32);
+        CHECK_OK(mha_layer_forward(c->L32, &a32, &ex, &err), &err);
+        CHECK(same_as_rounded(s->odt, out, y32, ny),
+              "[%s] %s forward: not the float32 layer's output on the widened values rounded "
+              "once to %s",
+              s->name, iname, dname(s->odt));
+        /* With a caller workspace of the size asked for, the same bits. */
+        size_t bytes = 0;
+        CHECK_OK(mha_layer_forward_workspace_size(c->L, &a, &ex, &bytes, &err), &err);
+        mha_exec exw = ex;
+        exw.workspace = malloc(bytes ? bytes : 1);
+        exw.workspace_bytes = bytes;
+        a.out = out1;
+        CHECK_OK(mha_layer_forward(c->L, &a, &exw, &err), &err);
+        CHECK(memcmp(out, out1, mha__storage_size(s->odt) * (size_t)ny) == 0,
+              "[%s] %s forward with a caller workspace differs", s->name, iname);
+        free(exw.workspace);
+        /* 1 thread gives the bits of 2. */
+        ex.n_threads = 1;
+        CHECK_OK(mha_layer_forward(c->L, &a, &ex, &err), &err);
+        CHECK(memcmp(out, out1, mha__storage_size(s->odt) * (size_t)ny) == 0,
+              "[%s] %s forward: 1 thread differs from 2", s->name, iname);
+    }
+    free(out), free(out1), free(y32), free(ref);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Training forward and backward                                                                  */
+/* ---------------------------------------------------------------------------------------------- */
+
+enum { NG = 11 }; /* d_query d_key dw_q dw_k dw_v dw_o db_q db_k db_v db_o d_sinks */
+
+/* Training forward + backward of layer L on a (inputs of a.x_dtype), dy of a.out_dtype; grads
+ * g[NG] (d_query / d_key of x_dtype, the rest float32). */
+static int run_bwd(const built *c,
+                   mha_layer *L,
+                   int widened,
+                   mha_impl impl,
+                   int threads,
+                   int accumulate,
+                   void **g) {
+    const spec *s = &c->s;
+    void *y = malloc(4 * (size_t)(s->B * s->n * s->qd));
+    mha_forward_args a = fwd_args(c, widened, y);
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
+    mha_error err = {0};
+    mha_train_state *st = NULL;
+    mha_status rc = mha_layer_forward_train(L, &a, &ex, &st, &err);
+    CHECK(rc == MHA_STATUS_OK, "[%s] forward_train: %s", s->name, err.message);
+    if (!rc) {
+        mha_layer_grads gr;
+        memset(&gr, 0, sizeof gr);
+        gr.d_query = g[0], gr.d_key = g[1];
+        gr.dw_q = g[2], gr.dw_k = g[3], gr.dw_v = g[4], gr.dw_o = g[5];
+        gr.db_q = g[6], gr.db_k = g[7], gr.db_v = g[8], gr.db_o = g[9], gr.d_sinks = g[10];
+        gr.accumulate = accumulate;
+        rc = mha_layer_backward(L, st, widened ? (const void *)c->dy.f : c->dy.st, &gr, &ex, &err);
+        CHECK(rc == MHA_STATUS_OK, "[%s] backward: %s", s->name, err.message);
+    }
+    mha_train_state_destroy(st);
+    free(y);
+    return rc == MHA_STATUS_OK;
+}
+
+static void test_backward(const built *c) {
+    const spec *s = &c->s;
+    const mha_config *cfg = &c->cfg;
+    const int64_t B = s->B, n = s->n, m = s->m ? s->m : s->n;
+    const int64_t counts[NG] = {B * n * s->qd, s->m ? B * m * s->qd : 0,
+                                c->w[0].n,     c->w[1].n,
+                                c->w[2].n,     c->w[3].n,
+                                c->w[4].n,     c->w[5].n,
+                                c->w[6].n,     c->w[7].n,
+                                c->w[8].n};
+    const char *names[NG] = {"d_query", "d_key", "dw_q", "dw_k", "dw_v",   "dw_o",
+                             "db_q",    "db_k",  "db_v", "db_o", "d_sinks"};
+    /* The float64 oracle on the widened values. */
+    double *wd[9];
+    for (int i = 0; i < 9; i++)
+        wd[i] = c->w[i].n ? to_d(c->w[i].f, c->w[i].n) : NULL;
+    double *xq = to_d(c->xq.f, c->xq.n), *xk = s->m ? to_d(c->xk.f, c->xk.n) : NULL;
+    double *dy = to_d(c->dy.f, c->dy.n);
+    og_weights ow = {wd[0], wd[1], wd[2], wd[3], wd[4], wd[5], wd[6], wd[7], wd[8]};
+    double *og[NG];
+    for (int t = 0; t < NG; t++)
+        og[t] = counts[t] ? malloc(sizeof(double) * (size_t)counts[t]) : NULL;
+    og_layer_grads ogr = {og[0], og[1], NULL,  og[2], og[3], og[4],
+                          og[5], og[6], og[7], og[8], og[9], og[10]};
+    mha_masking mask = {0};
+    mask.causal = s->causal;
+    mha_dropout drop = {0};
+    og_layer_backward(cfg, &ow, B, n, m, xq, xk, NULL, NULL, NULL, &mask, &drop, dy, &ogr);
+
+    void *g[3][NG];
+    for (int k = 0; k < 3; k++)
+        for (int t = 0; t < NG; t++)
+            g[k][t] = counts[t] ? calloc((size_t)counts[t], 4) : NULL;
+    const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
+    for (int k = 0; k < 2; k++) {
+        const char *iname = k ? "auto" : "reference";
+        if (!run_bwd(c, c->L, 0, impls[k], 2, 0, g[0]) ||
+            !run_bwd(c, c->L32, 1, impls[k], 2, 0, g[1]))
+            continue;
+        for (int t = 0; t < NG; t++) {
+            if (!counts[t])
+                continue;
+            const mha_dtype dt = t < 2 ? s->xdt : F32; /* the inputs' gradients: their dtype */
+            double scale = test_max_abs(og[t], counts[t]);
+            if (t >= 6 && t <= 9 && og[t - 4]) /* a bias gradient: scale of its weight's */
+                scale = fmax(scale, test_max_abs(og[t - 4], counts[t - 4]));
+            float *gf = malloc(sizeof(float) * (size_t)counts[t]);
+            mha__widen(dt, g[0][t], gf, counts[t]);
+            const double e = test_max_abs_diff(gf, og[t], counts[t]);
+            const double tol = (TOL_HALF_C * unit(dt) + TOL_GRAD_REL) * scale;
+            CHECK(e <= tol, "[%s] %s %s (%s): max err %.3e > tol %.3e", s->name, iname, names[t],
+                  dname(dt), e, tol);
+            free(gf);
+            CHECK(same_as_rounded(dt, g[0][t], g[1][t], counts[t]),
+                  "[%s] %s %s: not the float32 layer's gradient on the widened values", s->name,
+                  iname, names[t]);
+        }
+    }
+    /* 1 thread gives the bits of 2 (auto). */
+    if (run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 1, 0, g[2])) {
+        int same = 1;
+        for (int t = 0; t < NG; t++)
+            if (counts[t])
+                same &= memcmp(g[0][t], g[2][t],
+                               (t < 2 ? mha__storage_size(s->xdt) : 4) * (size_t)counts[t]) == 0;
+        CHECK(same, "[%s] backward: 1 thread differs from 2", s->name);
+    }
+    /* accumulate into ones: a half input gradient is 1 + g in float32 rounded once, i.e. the
+     * float32 layer's 1 + g rounded to the dtype (g[0], g[1] reused; auto, 2 threads). */
+    for (int k = 0; k < 2; k++)
+        for (int t = 0; t < NG; t++) {
+            const mha_dtype dt = t < 2 && k == 0 ? s->xdt : F32;
+            for (int64_t e = 0; e < counts[t]; e++)
+                mha__store(dt, g[k][t], e, 1.0f);
+        }
+    if (run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 2, 1, g[0]) &&
+        run_bwd(c, c->L32, 1, MHA_IMPL_AUTO, 2, 1, g[1])) {
+        int same = 1;
+        for (int t = 0; t < NG; t++)
+            if (counts[t])
+                same &= same_as_rounded(t < 2 ? s->xdt : F32, g[0][t], g[1][t], counts[t]);
+        CHECK(same, "[%s] backward accumulate: not the float32 layer's 1 + g rounded once",
+              s->name);
+    }
+    for (int k = 0; k < 3; k++)
+        for (int t = 0; t < NG; t++)
+            free(g[k][t]);
+    for (int t = 0; t < NG; t++)
+        free(og[t]);
+    for (int i = 0; i < 9; i++)
+        free(wd[i]);
+    free(xq), free(xk), free(dy);
+}
+
+/* The layer's attention statistics with half inputs and weights: the float32 twin's on the
+ * widened values, bit for bit (Q and K are projected into float32). */
+static void test_stats(const built *c) {
+    const spec *s = &c->s;
+    const int64_t m = s->m ? s->m : s->n, cnt = s->B * s->h * s->n;
+    float *ent = malloc(sizeof(float) * (size_t)cnt), *ent32 = malloc(sizeof(float) * (size_t)cnt);
+    float *rec = malloc(sizeof(float) * (size_t)(s->B * s->h * m));
+    float *rec32 = malloc(sizeof(float) * (size_t)(s->B * s->h * m));
+    mha_attention_stats st = {0}, st32 = {0};
+    st.entropy = ent, st.received = rec;
+    st32.entropy = ent32, st32.received = rec32;
+    mha_forward_args a = fwd_args(c, 0, NULL), a32 = fwd_args(c, 1, NULL);
+    mha_error err = {0};
+    CHECK_OK(mha_layer_attention_statistics(c->L, &a, &st, NULL, &err), &err);
+    CHECK_OK(mha_layer_attention_statistics(c->L32, &a32, &st32, NULL, &err), &err);
+    CHECK(memcmp(ent, ent32, sizeof(float) * (size_t)cnt) == 0 &&
+              memcmp(rec, rec32, sizeof(float) * (size_t)(s->B * s->h * m)) == 0,
+          "[%s] attention statistics differ from the float32 layer's", s->name);
+    free(ent), free(ent32), free(rec), free(rec32);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* mha_layer_project and its backward (float32 x, y; the layer's weights in their dtype)          */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void test_project(const built *c) {
+    const spec *s = &c->s;
+    const int64_t hd = s->h * s->dk, gd = s->g * s->dk;
+    const int64_t ins[4] = {s->qd, s->qd, s->qd, hd}, outs[4] = {hd, gd, gd, s->qd};
+    test_rng r;
+    test_rng_seed(&r, 99);
+    mha_error err = {0};
+    for (int p = 0; p < 4; p++)
+        for (int64_t rows = 2; rows <= 20; rows += 18) { /* the few-rows path, then packed */
+            const int64_t in = ins[p], out = outs[p];
+            float *x = malloc(sizeof(float) * (size_t)(rows * in));
+            float *dy = malloc(sizeof(float) * (size_t)(rows * out));
+            float *y = malloc(sizeof(float) * (size_t)(rows * out));
+            float *y32 = malloc(sizeof(float) * (size_t)(rows * out));
+            float *dx = malloc(sizeof(float) * (size_t)(rows * in));
+            float *dx32 = malloc(sizeof(float) * (size_t)(rows * in));
+            test_fill_normal(&r, x, rows * in, 1.0f);
+            test_fill_normal(&r, dy, rows * out, 1.0f);
+            for (int k = 0; k < 2; k++) {
+                mha_exec ex = {k ? MHA_IMPL_AUTO : MHA_IMPL_REFERENCE, 2, NULL, 0, NULL, NULL};
+                CHECK_OK(mha_layer_project(c->L, (mha_projection)p, rows, x, y, &ex, &err), &err);
+                CHECK_OK(mha_layer_project(c->L32, (mha_projection)p, rows, x, y32, &ex, &err),
+                         &err);
+                CHECK(memcmp(y, y32, sizeof(float) * (size_t)(rows * out)) == 0,
+                      "[%s] project %d rows %lld impl %d: differs from the float32 layer", s->name,
+                      p, (long long)rows, k);
+                /* Against float64 on the widened weights. */
+                const float *wf = c->w[p].f, *bf = c->w[4 + p].f;
+                double *ref = malloc(sizeof(double) * (size_t)(rows * out));
+                for (int64_t i = 0; i < rows; i++)
+                    for (int64_t o = 0; o < out; o++) {
+                        double acc = bf ? (double)bf[o] : 0.0;
+                        for (int64_t e = 0; e < in; e++)
+                            acc += (double)x[i * in + e] * (double)wf[o * in + e];
+                        ref[i * out + o] = acc;
+                    }
+                check_close("project", s, k ? "auto" : "reference", F32, y, ref, rows * out,
+                            TOL_OUT_REL);
+                free(ref);
+                CHECK_OK(mha_layer_project_backward(c->L, (mha_projection)p, rows, x, dy, dx, NULL,
+                                                    NULL, 0, &ex, &err),
+                         &err);
+                CHECK_OK(mha_layer_project_backward(c->L32, (mha_projection)p, rows, x, dy, dx32,
+                                                    NULL, NULL, 0, &ex, &err),
+                         &err);
+                CHECK(memcmp(dx, dx32, sizeof(float) * (size_t)(rows * in)) == 0,
+                      "[%s] project_backward %d rows %lld impl %d: dx differs from float32",
+                      s->name, p, (long long)rows, k);
+            }
+            free(x), free(dy), free(y), free(y32), free(dx), free(dx32);
+        }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Decode step with half weights                                                                  */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void test_decode(const built *c) {
+    const spec *s = &c->s;
+    if (s->m) /* the decode step is causal self-attention */
+        return;
+    const int64_t S = s->B, L = s->n, prompt = L - 2, qd = s->qd;
+    mha_error err = {0};
+    mha_kv_cache_config kc = {0};
+    kc.max_seq = L;
+    kc.batch = S;
+    mha_kv_cache *cache = NULL, *cache32 = NULL;
+    CHECK_OK(mha_kv_cache_create(&kc, c->L, NULL, &cache, &err), &err);
+    CHECK_OK(mha_kv_cache_create(&kc, c->L32, NULL, &cache32, &err), &err);
+    float *x = malloc(sizeof(float) * (size_t)(S * L * qd));
+    float *out = malloc(sizeof(float) * (size_t)(S * L * qd));
+    float *out32 = malloc(sizeof(float) * (size_t)(S * L * qd));
+    float *tmp = malloc(sizeof(float) * (size_t)(S * L * qd));
+    /* x: the widened query rows (so the oracle's full forward sees the same tokens). */
+    mha__widen(s->xdt, c->xq.st, x, S * L * qd);
+    if (!cache || !cache32)
+        goto done;
+    for (int64_t t0 = 0; t0 < L;) {
+        const int64_t t = t0 == 0 ? prompt : 1;
+        for (int64_t b = 0; b < S; b++)
+            memcpy(tmp + b * t * qd, x + (b * L + t0) * qd, sizeof(float) * (size_t)(t * qd));
+        mha_decode_args d = {S, NULL, t, tmp, NULL};
+        float *o = malloc(sizeof(float) * (size_t)(S * t * qd));
+        float *o32 = malloc(sizeof(float) * (size_t)(S * t * qd));
+        mha_exec ex = {MHA_IMPL_AUTO, 2, NULL, 0, NULL, NULL};
+        d.out = o;
+        CHECK_OK(t0 ? mha_layer_decode_step(c->L, cache, &d, &ex, &err)
+                    : mha_layer_prefill(c->L, cache, &d, &ex, &err),
+                 &err);
+        d.out = o32;
+        CHECK_OK(t0 ? mha_layer_decode_step(c->L32, cache32, &d, &ex, &err)
+                    : mha_layer_prefill(c->L32, cache32, &d, &ex, &err),
+                 &err);
+        CHECK(memcmp(o, o32, sizeof(float) * (size_t)(S * t * qd)) == 0,
+              "[%s] decode at %lld: differs from the float32 layer", s->name, (long long)t0);
+        for (int64_t b = 0; b < S; b++) {
+            memcpy(out + (b * L + t0) * qd, o + b * t * qd, sizeof(float) * (size_t)(t * qd));
+            memcpy(out32 + (b * L + t0) * qd, o32 + b * t * qd, sizeof(float) * (size_t)(t * qd));
+        }
+        free(o), free(o32);
+        t0 += t;
+    }
+    {
+        /* Against the float64 oracle of the full causal forward over the whole sequence. */
+        mha_config cf = c->cfg;
+        cf.weight_dtype = F32;
+        mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f,
+                           c->w[5].f, c->w[6].f, c->w[7].f, c->w[8].f};
+        mha_forward_args a;
+        memset(&a, 0, sizeof a);
+        a.batch = S, a.q_len = L, a.query = x, a.mask.causal = 1;
+        double *ref = malloc(sizeof(double) * (size_t)(S * L * qd));
+        CHECK(oracle_layer(&cf, &w32, &a, ref, NULL) == 0, "[%s] oracle", s->name);
+        check_close("decode", s, "auto", F32, out, ref, S * L * qd, TOL_OUT_REL);
+        free(ref);
+    }
+done:
+    free(x), free(out), free(out32), free(tmp);
+    mha_kv_cache_destroy(cache);
+    mha_kv_cache_destroy(cache32);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Hostile dtypes and half weights that are not finite                                            */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void test_hostile(void) {
+    mha_config cfg = {0};
+    cfg.q_dim = 8, cfg.num_heads = 2, cfg.bias_q = 1;
+    uint16_t w[64], b[8];
+    for (int i = 0; i < 64; i++)
+        w[i] = mha__f32_to_bf16(0.01f * (float)(i % 7));
+    for (int i = 0; i < 8; i++)
+        b[i] = mha__f32_to_bf16(0.5f);
+    mha_weights wt = {w, w, w, w, b, NULL, NULL, NULL, NULL};
+    mha_layer *L = NULL;
+    mha_error err = {0};
+    const mha_dtype bad[4] = {MHA_DTYPE_F64, MHA_DTYPE_BOOL, MHA_DTYPE_I32, (mha_dtype)99};
+    for (int i = 0; i < 4; i++) {
+        cfg.weight_dtype = bad[i];
+        const mha_status st = mha_layer_create(&cfg, &wt, MHA_WEIGHTS_BORROW, NULL, &L, &err);
+        CHECK(st == MHA_STATUS_INVALID_ARG && !L && strstr(err.message, "config.weight_dtype"),
+              "weight_dtype %d refused naming the field: %s", (int)bad[i], err.message);
+    }
+    /* A NaN bf16 weight and an Inf f16 bias, read as halves: refused with tensor and index. */
+    cfg.weight_dtype = BF16;
+    w[37] = 0x7FC1;
+    CHECK(mha_layer_create(&cfg, &wt, MHA_WEIGHTS_BORROW, NULL, &L, &err) ==
+                  MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "weights.w_q[37]"),
+          "a NaN bf16 weight is refused: %s", err.message);
+    w[37] = mha__f32_to_bf16(0.25f);
+    uint16_t wf16[64], bf16_inf[8];
+    for (int i = 0; i < 64; i++)
+        wf16[i] = mha__f32_to_f16(0.01f * (float)(i % 5));
+    for (int i = 0; i < 8; i++)
+        bf16_inf[i] = mha__f32_to_f16(-65504.0f); /* finite: the largest f16 */
+    bf16_inf[5] = 0xFC00;                         /* -Inf in f16 */
+    mha_weights wh = {wf16, wf16, wf16, wf16, bf16_inf, NULL, NULL, NULL, NULL};
+    cfg.weight_dtype = F16;
+    CHECK(mha_layer_create(&cfg, &wh, MHA_WEIGHTS_BORROW, NULL, &L, &err) ==
+                  MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "weights.b_q[5]"),
+          "an Inf f16 bias is refused: %s", err.message);
+    bf16_inf[5] = mha__f32_to_f16(1.0f);
+    CHECK_OK(mha_layer_create(&cfg, &wh, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    if (!L)
+        return;
+    /* Activation dtypes. */
+    uint16_t x[2 * 3 * 8] = {0}, out[2 * 3 * 8];
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 2, a.q_len = 3, a.query = x, a.out = out, a.x_dtype = BF16, a.out_dtype = F16;
+    CHECK_OK(mha_layer_forward(L, &a, NULL, &err), &err);
+    for (int i = 0; i < 4; i++) {
+        a.x_dtype = bad[i];
+        CHECK(mha_layer_forward(L, &a, NULL, &err) == MHA_STATUS_INVALID_ARG &&
+                  strstr(err.message, "args.x_dtype"),
+              "x_dtype %d refused naming the field: %s", (int)bad[i], err.message);
+        a.x_dtype = BF16;
+        a.out_dtype = bad[i];
+        CHECK(mha_layer_forward(L, &a, NULL, &err) == MHA_STATUS_INVALID_ARG &&
+                  strstr(err.message, "args.out_dtype"),
+              "out_dtype %d refused naming the field: %s", (int)bad[i], err.message);
+        a.out_dtype = F16;
+    }
+    /* A half out of n*out_dim halves may sit right after the input (no overlap); one element
+     * into it is an overlap. */
+    uint16_t buf[2 * 2 * 3 * 8];
+    a.query = buf, a.out = buf + 2 * 3 * 8;
+    CHECK_OK(mha_layer_forward(L, &a, NULL, &err), &err);
+    a.out = buf + 2 * 3 * 8 - 1;
+    CHECK(mha_layer_forward(L, &a, NULL, &err) == MHA_STATUS_INVALID_ARG,
+          "out overlapping a half query by one element is refused: %s", err.message);
+    mha_layer_destroy(L);
+}
+
+int main(void) {
+    for (int i = 0; i < N_SPECS; i++) {
+        built c;
+        if (build(&SPECS[i], 1000 + (uint64_t)i, &c)) {
+            test_forward(&c);
+            test_backward(&c);
+            test_stats(&c);
+            test_project(&c);
+            test_decode(&c);
+        }
+        unbuild(&c);
+    }
+    test_hostile();
+    return test_finish();
+}
