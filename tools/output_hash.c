@@ -65,6 +65,38 @@ static void fail(const char *what, const mha_error *err) {
     exit(1);
 }
 
+/* Half-precision storage of x in [-1, 1) (inputs only: truncated, which is as good as any rounding
+ * for a hash's inputs): bfloat16 = the high half of the float32 bits; float16 built from the
+ * exponent and the top 10 mantissa bits (0 below float16's normal range). */
+static uint16_t to_half(mha_dtype dt, float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (dt == MHA_DTYPE_BF16)
+        return (uint16_t)(u >> 16);
+    const int e = (int)((u >> 23) & 0xff) - 127 + 15;
+    return e <= 0 ? (uint16_t)((u >> 16) & 0x8000u)
+                  : (uint16_t)(((u >> 16) & 0x8000u) | (uint32_t)e << 10 | ((u >> 13) & 0x3ffu));
+}
+
+/* x in storage dt: x itself for F32, else a new half copy (x is freed by the caller). */
+static void *stored(mha_dtype dt, float *x, int64_t n) {
+    if (dt == MHA_DTYPE_F32)
+        return x;
+    uint16_t *h = (uint16_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(uint16_t));
+    if (!h) {
+        fprintf(stderr, "output_hash: out of memory\n");
+        exit(2);
+    }
+    for (int64_t i = 0; i < n; ++i)
+        h[i] = to_half(dt, x[i]);
+    return h;
+}
+
+static void hash_stored(hash64 *s, mha_dtype dt, const void *x, int64_t n) {
+    if (x)
+        hash_bytes(s, x, (size_t)n * (dt == MHA_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t)));
+}
+
 /* ---- the layer configurations ---------------------------------------------------------------- */
 
 typedef struct layer_case {
@@ -258,48 +290,74 @@ static void set_masks(const layer_case *c, const layer_inputs *in, mha_masking *
     }
 }
 
-static mha_layer *make_layer(const layer_case *c, const layer_inputs *in) {
-    mha_weights w = {in->wq, in->wk, in->wv, in->wo, in->bq, in->bk, in->bv, in->bo, in->sinks};
+/* The layer over in's weights stored in dt (a COPY: the half copies are freed here). */
+static mha_layer *make_layer(const layer_case *c, const layer_inputs *in, mha_dtype dt) {
+    float *f[9] = {in->wq, in->wk, in->wv, in->wo, in->bq, in->bk, in->bv, in->bo, in->sinks};
+    const int64_t n[9] = {in->hdk * c->cfg.q_dim,
+                          in->gdk * in->kd,
+                          in->gdv * in->vd,
+                          in->od * in->hdv,
+                          in->hdk,
+                          in->gdk,
+                          in->gdv,
+                          in->od,
+                          c->cfg.num_heads};
+    const void *h[9];
+    for (int i = 0; i < 9; ++i)
+        h[i] = f[i] ? stored(dt, f[i], n[i]) : NULL;
+    mha_weights w = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8]};
+    mha_config cfg = c->cfg;
+    cfg.weight_dtype = dt;
     mha_layer *layer = NULL;
     mha_error err;
-    if (mha_layer_create(&c->cfg, &w, MHA_WEIGHTS_BORROW, NULL, &layer, &err) != MHA_STATUS_OK)
+    if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_COPY, NULL, &layer, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
+    for (int i = 0; dt != MHA_DTYPE_F32 && i < 9; ++i)
+        free((void *)h[i]);
     return layer;
 }
 
-static void
-run_layer_case(const layer_case *c, mha_impl impl, int threads, hash64 *fwd, hash64 *bwd) {
+/* dt: the storage of the weights, inputs, out, dy and the input gradients (F32: the float32
+ * hashes of before). */
+static void run_layer_case(
+    const layer_case *c, mha_dtype dt, mha_impl impl, int threads, hash64 *fwd, hash64 *bwd) {
     layer_inputs in;
     make_layer_inputs(c, &in);
-    mha_layer *layer = make_layer(c, &in);
+    mha_layer *layer = make_layer(c, &in, dt);
     mha_forward_args a;
     memset(&a, 0, sizeof a);
     a.batch = c->batch;
     a.q_len = c->n;
     a.kv_len = in.m;
-    a.query = in.x;
-    a.key = in.xk;
-    a.value = in.xv;
+    void *xs = stored(dt, in.x, c->batch * c->n * c->cfg.q_dim);
+    void *xks = in.xk ? stored(dt, in.xk, c->batch * c->m * in.kd) : NULL;
+    void *xvs = in.xv ? stored(dt, in.xv, c->batch * c->m * in.vd) : NULL;
+    a.query = xs;
+    a.key = xks;
+    a.value = xvs;
+    a.x_dtype = a.out_dtype = dt;
     set_masks(c, &in, &a.mask);
     if (c->dropout)
         a.dropout = (mha_dropout){.p = 0.25f, .seed = 1234567ull, .training = 1};
     float *out = new_filled(c->batch * c->n * in.od, 0, 0.0f);
+    void *outs = stored(dt, out, c->batch * c->n * in.od);
     float *probs = c->probs ? new_filled(c->batch * c->cfg.num_heads * c->n * in.m, 0, 0.0f) : NULL;
-    a.out = out;
+    a.out = outs;
     a.probs = probs;
     mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err;
     if (mha_layer_forward(layer, &a, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
-    hash_floats(fwd, out, c->batch * c->n * in.od);
+    hash_stored(fwd, dt, outs, c->batch * c->n * in.od);
     hash_floats(fwd, probs, probs ? c->batch * c->cfg.num_heads * c->n * in.m : 0);
 
     /* Training forward + backward of every gradient the layer has. */
     mha_train_state *st = NULL;
     if (mha_layer_forward_train(layer, &a, &ex, &st, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
-    hash_floats(fwd, out, c->batch * c->n * in.od);
+    hash_stored(fwd, dt, outs, c->batch * c->n * in.od);
     float *dy = new_filled(c->batch * c->n * in.od, 41, 1.0f);
+    void *dys = stored(dt, dy, c->batch * c->n * in.od);
     int64_t sizes[12] = {c->batch * c->n * c->cfg.q_dim,
                          c->m ? c->batch * in.m * in.kd : 0,
                          c->m ? c->batch * in.m * in.vd : 0,
@@ -313,15 +371,25 @@ run_layer_case(const layer_case *c, mha_impl impl, int threads, hash64 *fwd, has
                          in.bo ? in.od : 0,
                          in.sinks ? c->cfg.num_heads : 0};
     float *buf[12];
-    for (int i = 0; i < 12; ++i)
+    void *g[12]; /* the input gradients in dt, the weight gradients float32 */
+    for (int i = 0; i < 12; ++i) {
         buf[i] = sizes[i] ? new_filled(sizes[i], 0, 0.0f) : NULL;
-    mha_layer_grads gr = {buf[0], buf[1], buf[2], buf[3],  buf[4],  buf[5], buf[6],
-                          buf[7], buf[8], buf[9], buf[10], buf[11], 0};
-    if (mha_layer_backward(layer, st, dy, &gr, &ex, &err) != MHA_STATUS_OK)
+        g[i] = buf[i] && i < 3 ? stored(dt, buf[i], sizes[i]) : buf[i];
+    }
+    mha_layer_grads gr = {g[0], g[1], g[2], g[3],  g[4],  g[5], g[6],
+                          g[7], g[8], g[9], g[10], g[11], 0};
+    if (mha_layer_backward(layer, st, dys, &gr, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
     for (int i = 0; i < 12; ++i) {
-        hash_floats(bwd, buf[i], sizes[i]);
+        hash_stored(bwd, i < 3 ? dt : MHA_DTYPE_F32, g[i], sizes[i]);
+        if (g[i] != buf[i])
+            free(g[i]);
         free(buf[i]);
+    }
+    if (dt != MHA_DTYPE_F32) {
+        void *halves[] = {xs, xks, xvs, outs, dys};
+        for (size_t i = 0; i < sizeof halves / sizeof halves[0]; ++i)
+            free(halves[i]);
     }
     free(dy);
     mha_train_state_destroy(st);
@@ -346,38 +414,6 @@ static const core_case core_cases[] = {
     {"core_tail_d20_dv36", 1, 3, 1, 33, 65, 20, 36, 0, 0, 1, 1, 1, 0},
     {"core_topleft_d80", 1, 2, 2, 90, 40, 80, 80, 1, 0, 0, 0, 0, 1},
 };
-
-/* Half-precision storage of x in [-1, 1) (inputs only: truncated, which is as good as any rounding
- * for a hash's inputs): bfloat16 = the high half of the float32 bits; float16 built from the
- * exponent and the top 10 mantissa bits (0 below float16's normal range). */
-static uint16_t to_half(mha_dtype dt, float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if (dt == MHA_DTYPE_BF16)
-        return (uint16_t)(u >> 16);
-    const int e = (int)((u >> 23) & 0xff) - 127 + 15;
-    return e <= 0 ? (uint16_t)((u >> 16) & 0x8000u)
-                  : (uint16_t)(((u >> 16) & 0x8000u) | (uint32_t)e << 10 | ((u >> 13) & 0x3ffu));
-}
-
-/* x in storage dt: x itself for F32, else a new half copy (x is freed by the caller). */
-static void *stored(mha_dtype dt, float *x, int64_t n) {
-    if (dt == MHA_DTYPE_F32)
-        return x;
-    uint16_t *h = (uint16_t *)calloc((size_t)(n > 0 ? n : 1), sizeof(uint16_t));
-    if (!h) {
-        fprintf(stderr, "output_hash: out of memory\n");
-        exit(2);
-    }
-    for (int64_t i = 0; i < n; ++i)
-        h[i] = to_half(dt, x[i]);
-    return h;
-}
-
-static void hash_stored(hash64 *s, mha_dtype dt, const void *x, int64_t n) {
-    if (x)
-        hash_bytes(s, x, (size_t)n * (dt == MHA_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t)));
-}
 
 /* dt: the storage of q, k, v, out, dout and the gradients (F32: the float32 hashes of before). */
 static void run_core_case(
@@ -497,7 +533,7 @@ static void run_decode_case(mha_dtype dtype,
                     0};
     layer_inputs in;
     make_layer_inputs(&c, &in);
-    mha_layer *layer = make_layer(&c, &in);
+    mha_layer *layer = make_layer(&c, &in, MHA_DTYPE_F32);
     mha_kv_cache_config kc = {0};
     kc.max_seq = 400;
     kc.batch = 2;
@@ -557,12 +593,13 @@ static void run_decode_case(mha_dtype dtype,
 }
 
 static void report(const char *section, const hash64 *s, hash64 *total) {
-    printf("%-13s %016llx  (%lld bytes)\n", section, (unsigned long long)s->h, (long long)s->bytes);
+    printf("%-14s %016llx  (%lld bytes)\n", section, (unsigned long long)s->h, (long long)s->bytes);
     hash_bytes(total, &s->h, sizeof s->h);
 }
 
 int main(void) {
-    hash64 fwd, bwd, core_fwd, core_bwd, dec, total, half_fwd[2], half_bwd[2];
+    hash64 fwd, bwd, core_fwd, core_bwd, dec, total, half_fwd[2], half_bwd[2], lhalf_fwd[2],
+        lhalf_bwd[2];
     hash_init(&fwd);
     hash_init(&bwd);
     hash_init(&core_fwd);
@@ -570,17 +607,24 @@ int main(void) {
     for (int i = 0; i < 2; ++i) {
         hash_init(&half_fwd[i]);
         hash_init(&half_bwd[i]);
+        hash_init(&lhalf_fwd[i]);
+        hash_init(&lhalf_bwd[i]);
     }
     hash_init(&dec);
     hash_init(&total);
-    printf("tiers         %s\n", mha_experimental_cpu_isas(1));
+    printf("tiers          %s\n", mha_experimental_cpu_isas(1));
     const mha_impl impls[] = {MHA_IMPL_AUTO, MHA_IMPL_REFERENCE};
     const int thread_counts[] = {1, 2};
     const mha_dtype dtypes[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
     for (int ii = 0; ii < 2; ++ii)
         for (int ti = 0; ti < 2; ++ti) {
-            for (size_t c = 0; c < sizeof layer_cases / sizeof layer_cases[0]; ++c)
-                run_layer_case(&layer_cases[c], impls[ii], thread_counts[ti], &fwd, &bwd);
+            for (size_t c = 0; c < sizeof layer_cases / sizeof layer_cases[0]; ++c) {
+                run_layer_case(&layer_cases[c], MHA_DTYPE_F32, impls[ii], thread_counts[ti], &fwd,
+                               &bwd);
+                for (int hi = 0; hi < 2; ++hi) /* dtypes[1 + hi]: F16, BF16 */
+                    run_layer_case(&layer_cases[c], dtypes[1 + hi], impls[ii], thread_counts[ti],
+                                   &lhalf_fwd[hi], &lhalf_bwd[hi]);
+            }
             for (size_t c = 0; c < sizeof core_cases / sizeof core_cases[0]; ++c) {
                 run_core_case(&core_cases[c], MHA_DTYPE_F32, impls[ii], thread_counts[ti],
                               &core_fwd, &core_bwd);
@@ -601,6 +645,10 @@ int main(void) {
     report("layer_bwd", &bwd, &total);
     report("core_fwd", &core_fwd, &total);
     report("core_bwd", &core_bwd, &total);
+    report("layer_f16_fwd", &lhalf_fwd[0], &total);
+    report("layer_f16_bwd", &lhalf_bwd[0], &total);
+    report("layer_bf16_fwd", &lhalf_fwd[1], &total);
+    report("layer_bf16_bwd", &lhalf_bwd[1], &total);
     report("core_f16_fwd", &half_fwd[0], &total);
     report("core_f16_bwd", &half_bwd[0], &total);
     report("core_bf16_fwd", &half_fwd[1], &total);
