@@ -1012,6 +1012,10 @@ static void test_registry(void) {
                   "kernel %s: isa %s is not its name's suffix", d.name, d.isa);
             if (strcmp(d.isa, "generic") == 0 || d.reference)
                 CHECK(d.usable, "%s must be usable everywhere", d.name);
+            /* The generic tier and the references compute in float32 from any storage dtype. */
+            CHECK(d.dtypes && (!(strcmp(d.isa, "generic") == 0 || d.reference) ||
+                               strcmp(d.dtypes, o == 3 ? "f32" : "f32,bf16,f16") == 0),
+                  "kernel %s: dtypes %s", d.name, d.dtypes ? d.dtypes : "NULL");
             if (strcmp(d.op, "fwd") != 0) { /* only forward kernels run through this API */
                 const mha_status st = mha_experimental_attention_with_kernel(i, NULL, NULL, &err);
                 CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, d.name),
