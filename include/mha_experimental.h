@@ -9,9 +9,9 @@
  * impl=AUTO/FAST takes the first kernel of the op, in registry order, that this CPU can run,
  * whose limits accept the problem and whose dtypes take its q, k and v. Two environment variables
  * exist for debugging and CI (the only ones the library reads, once, at the first call):
- * MHA_MAX_ISA=generic|avx2|avx512   pretend the CPU has at most this ISA; MHA_KERNEL=<name> the
- * attention forward with impl=AUTO/FAST runs exactly this kernel, or fails with
- * MHA_STATUS_UNSUPPORTED when it cannot run the problem here.
+ * MHA_MAX_ISA=generic|avx2|avx512|avx512bf16 pretend the CPU has at most this ISA;
+ * MHA_KERNEL=<name> the attention forward with impl=AUTO/FAST runs exactly this kernel, or fails
+ * with MHA_STATUS_UNSUPPORTED when it cannot run the problem here.
  */
 #ifndef MHA_EXPERIMENTAL_H
 #define MHA_EXPERIMENTAL_H
