@@ -2,6 +2,8 @@
 /* registry.c: the table of every kernel (registry.def), and the queries the ops' drivers share. */
 #include "kernels/registry.h"
 
+#include "kernels/flash_fwd.h"
+
 #include <string.h>
 
 #define MHA_RUN_fwd(name)    .fwd = name
@@ -26,7 +28,8 @@ static const mha__kernel_info registry[] = {
 #define REGISTRY_SIZE ((int)(sizeof registry / sizeof registry[0]))
 
 /* The blocking the backward and decode code is written for is the registry's (one value each). */
-#define MHA_CHECK_fwd(name, p1, p2)
+#define MHA_CHECK_fwd(name, p1, p2)                                                                \
+    _Static_assert((p1) <= MHA_FLASH_MAX_BQ, #name ": Bq above MHA_FLASH_MAX_BQ");
 #define MHA_CHECK_gemm(name, p1, p2)
 #define MHA_CHECK_bwd(name, p1, p2)                                                                \
     _Static_assert((p1) == 0 || ((p1) == MHA__BWD_BQ && (p2) == MHA__BWD_BK),                      \
