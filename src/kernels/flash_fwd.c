@@ -442,9 +442,12 @@ static void finalize(const block *B) {
         if (p->o_dt == MHA_DTYPE_F32)
             for (int64_t d = 0; d < p->dv; d++)
                 ((float *)out)[d] = o[d] * factor;
-        else /* rounded once, from the float32 value */
+        else { /* rounded once, from the float32 value (O is not needed after this) */
+            float *os = B->o + r * B->ldo;
             for (int64_t d = 0; d < p->dv; d++)
-                mha__store(p->o_dt, out, d, o[d] * factor);
+                os[d] *= factor;
+            mha__narrow(p->o_dt, os, out, p->dv);
+        }
         if (lse)
             *lse = mu + logf(lf);
         B->mu[r] = mu;
