@@ -190,8 +190,8 @@ int main(int argc, char **argv) {
             }
             double dmax = 0.0, fmax_ = 0.0;
             for (int64_t e = 0; e < cnt; e++) {
-                const double f = ((float *)rows[0].out)[e];
-                const double h = from_bf16(((uint16_t *)rows[1].out)[e]);
+                const double f = (double)((float *)rows[0].out)[e];
+                const double h = (double)from_bf16(((uint16_t *)rows[1].out)[e]);
                 dmax = fabs(h - f) > dmax ? fabs(h - f) : dmax;
                 fmax_ = fabs(f) > fmax_ ? fabs(f) : fmax_;
             }
