@@ -373,22 +373,50 @@ static void selection(int32_t index, const char *name) {
           "forcing %s on f32 inputs: %s (%s)", name, mha_status_string(st), err.message);
 }
 
+/* A half kernel this CPU cannot run (index < 0: this build has none): forcing it is refused by
+ * name, and bf16 inputs still run (on a float32 line, which widens them). */
+static void unusable(int32_t index, const char *name) {
+    uint16_t h[64 * 4] = {0};
+    float o[64 * 4];
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1, a.num_heads = 1, a.q_len = 4, a.kv_len = 4, a.head_dim = 64;
+    a.q = h, a.k = h, a.v = h, a.out = o;
+    a.q_dtype = a.k_dtype = a.v_dtype = MHA_DTYPE_BF16;
+    mha_error err;
+    if (index >= 0) {
+        const mha_status st = mha_experimental_attention_with_kernel(index, &a, NULL, &err);
+        CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, name),
+              "forcing unusable %s: %s (%s)", name, mha_status_string(st), err.message);
+    }
+    if (!getenv("MHA_KERNEL")) {
+        CHECK_OK(mha_attention(&a, NULL, &err), &err);
+        CHECK(o[0] == 0.0f, "bf16 zeros in, %g out", (double)o[0]);
+    }
+}
+
 int main(void) {
-    int ran = 0;
+    int ran = 0, lines = 0;
     for (int32_t i = 0; i < mha_experimental_kernel_count(); i++) {
         mha_kernel_desc d;
         if (mha_experimental_kernel_describe(i, &d, NULL) != MHA_STATUS_OK ||
             strcmp(d.op, "fwd") != 0 || strstr(d.dtypes, "f32"))
             continue;
+        lines++;
         if (!d.usable) {
             printf("kernel %s (%s): skipped, this CPU (under MHA_MAX_ISA) lacks %s\n", d.name,
                    d.dtypes, d.isa);
+            unusable(i, d.name);
             continue;
         }
         printf("kernel %s (dtypes %s):\n", d.name, d.dtypes);
         selection(i, d.name);
         feature_matrix(i);
         ran++;
+    }
+    if (lines == 0) {
+        printf("this build has no half-tile forward kernel (x86-64 has the AVX512-BF16 one)\n");
+        unusable(-1, "");
     }
     printf("half-tile kernels run: %d; worst out error %.2f u_s (max|V| + max|o*|) (gate %.1f)\n",
            ran, g_worst_out, TOL_HALF_TILE_C);
