@@ -49,13 +49,14 @@ static void print_kernels(void) {
     printf("kernel tiers (under MHA_MAX_ISA): %s\n", mha_experimental_cpu_isas(1));
     printf("decode prefetch: fills the L%d\n", (int)mha_experimental_cpu_prefetch_level());
     printf("kernels by op, priority order (* = what the op runs here; the forward's choice also\n"
-           "depends on the problem: the first usable one whose limits take it):\n");
+           "depends on the problem: the first usable one whose limits and dtypes take it);\n"
+           "columns: op, name, storage dtypes of the activations it takes, status:\n");
     for (int32_t i = 0; i < mha_experimental_kernel_count(); ++i) {
         mha_kernel_desc d;
         if (mha_experimental_kernel_describe(i, &d, NULL) != MHA_STATUS_OK)
             continue;
         const int active = mha_experimental_kernel_active(d.op) == i;
-        printf("  %-6s %c %-38s %s\n", d.op, active ? '*' : ' ', d.name,
+        printf("  %-6s %c %-38s %-12s %s\n", d.op, active ? '*' : ' ', d.name, d.dtypes,
                d.usable ? (d.reference ? "reference" : "usable") : "not on this CPU");
     }
 }

@@ -6,12 +6,12 @@
  * mha.h.
  *
  * Kernels are named mha_<op>_<types>_<algo>[_<blocks>]__<isa> (docs/KERNELS.md). Selection for
- * impl=AUTO/FAST takes the first kernel of the op, in registry order, that this CPU can run and
- * whose limits accept the problem. Two environment variables exist for debugging and CI (the only
- * ones the library reads, once, at the first call): MHA_MAX_ISA=generic|avx2|avx512   pretend the
- * CPU has at most this ISA; MHA_KERNEL=<name>                 the attention forward with
- * impl=AUTO/FAST runs exactly this kernel, or fails with MHA_STATUS_UNSUPPORTED when it cannot run
- * the problem here.
+ * impl=AUTO/FAST takes the first kernel of the op, in registry order, that this CPU can run,
+ * whose limits accept the problem and whose dtypes take its q, k and v. Two environment variables
+ * exist for debugging and CI (the only ones the library reads, once, at the first call):
+ * MHA_MAX_ISA=generic|avx2|avx512|avx512bf16 pretend the CPU has at most this ISA;
+ * MHA_KERNEL=<name> the attention forward with impl=AUTO/FAST runs exactly this kernel, or fails
+ * with MHA_STATUS_UNSUPPORTED when it cannot run the problem here.
  */
 #ifndef MHA_EXPERIMENTAL_H
 #define MHA_EXPERIMENTAL_H
@@ -33,6 +33,10 @@ typedef struct mha_kernel_desc {
     int32_t usable;       /* nonzero: this CPU (under MHA_MAX_ISA) can run it */
     int32_t reference;    /* nonzero: the reference implementation (impl=REFERENCE) */
     const char *op;       /* "fwd", "bwd", "decode" or "gemm" */
+    const char *dtypes;   /* storage dtypes of the activations it takes, comma separated, from
+                             "f32,bf16,f16" (fwd/bwd: q, k and v each; decode: the KV cache;
+                             gemm: its operands); a forward kernel runs a problem only when
+                             q, k and v are all in it */
 } mha_kernel_desc;
 
 /** Number of kernels in the registry (all built kernels of every op, usable here or not). */

@@ -1012,6 +1012,10 @@ static void test_registry(void) {
                   "kernel %s: isa %s is not its name's suffix", d.name, d.isa);
             if (strcmp(d.isa, "generic") == 0 || d.reference)
                 CHECK(d.usable, "%s must be usable everywhere", d.name);
+            /* The generic tier and the references compute in float32 from any storage dtype. */
+            CHECK(d.dtypes && (!(strcmp(d.isa, "generic") == 0 || d.reference) ||
+                               strcmp(d.dtypes, o == 3 ? "f32" : "f32,bf16,f16") == 0),
+                  "kernel %s: dtypes %s", d.name, d.dtypes ? d.dtypes : "NULL");
             if (strcmp(d.op, "fwd") != 0) { /* only forward kernels run through this API */
                 const mha_status st = mha_experimental_attention_with_kernel(i, NULL, NULL, &err);
                 CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, d.name),
@@ -1082,7 +1086,7 @@ static void test_dispatch(void) {
         for (int32_t i = 0; i < count; i++) {
             mha_kernel_desc e;
             mha_experimental_kernel_describe(i, &e, NULL);
-            if (strcmp(e.op, "fwd") == 0 && e.usable && !e.reference) {
+            if (strcmp(e.op, "fwd") == 0 && e.usable && !e.reference && strstr(e.dtypes, "f32")) {
                 CHECK(i == idx, "impl=fast selected %s, not the first usable %s", d.name, e.name);
                 break;
             }
@@ -1094,7 +1098,9 @@ static void test_dispatch(void) {
         const mha_status st = mha_experimental_attention_select(&a, &autox, &idx, &err);
         const int32_t want = mha_experimental_kernel_find(forced);
         mha_kernel_desc d;
-        if (want >= 0 && mha_experimental_kernel_describe(want, &d, NULL) == 0 && d.usable)
+        /* (a's q, k, v are float32: a forced line must take f32 to run it) */
+        if (want >= 0 && mha_experimental_kernel_describe(want, &d, NULL) == 0 && d.usable &&
+            strstr(d.dtypes, "f32"))
             CHECK(st == MHA_STATUS_OK && idx == want, "MHA_KERNEL=%s: selected %d", forced,
                   (int)idx);
         else
@@ -1164,7 +1170,7 @@ static void bench_mode(void) {
     for (int32_t ki = 0; ki < count; ki++) {
         mha_kernel_desc kd;
         mha_experimental_kernel_describe(ki, &kd, NULL);
-        if (strcmp(kd.op, "fwd") != 0 || !kd.usable || kd.reference ||
+        if (strcmp(kd.op, "fwd") != 0 || !kd.usable || kd.reference || !strstr(kd.dtypes, "f32") ||
             (g_only_kernel && strcmp(g_only_kernel, kd.name)))
             continue;
         for (int di = 0; di < 2; di++)
@@ -1253,6 +1259,11 @@ int main(int argc, char **argv) {
             continue;
         if (!d.usable) {
             printf("kernel %s: skipped (no %s here, or MHA_MAX_ISA caps it)\n", d.name, d.isa);
+            continue;
+        }
+        if (!strstr(d.dtypes, "f32")) { /* this sweep's inputs are float32 */
+            printf("kernel %s: takes %s inputs only, tested by test_half_kernel\n", d.name,
+                   d.dtypes);
             continue;
         }
         kstats ks;

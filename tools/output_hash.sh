@@ -12,7 +12,7 @@ bin="$build/mha_output_hash"
     echo "output_hash.sh: $bin is not built (cmake --build $build --target mha_output_hash)" >&2
     exit 2
 }
-for isa in avx512 avx2 neon generic; do
+for isa in avx512bf16 avx512 avx2 neon generic; do
     echo "== MHA_MAX_ISA=$isa"
     MHA_MAX_ISA=$isa "$bin"
 done

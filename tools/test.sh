@@ -10,8 +10,9 @@
 #   1b. the Python package as users install it: sdist, a wheel built from it and repaired into a
 #      manylinux wheel, installed into a fresh venv; an editable install without cJSON
 #      (tools/test_python_package.sh);
-#   2. every C test again with each lower kernel tier forced (MHA_MAX_ISA=generic, and avx2 on an
-#      AVX-512 host), so every kernel of every op (forward, backward, decode, GEMM) runs here;
+#   2. every C test again with each lower kernel tier forced (MHA_MAX_ISA=generic, avx2 on an
+#      AVX-512 host, avx512 on an AVX512-BF16 host), so every kernel of every op (forward, backward,
+#      decode, GEMM) runs here;
 #   3. a clang-14 Release build with warnings as errors, the C tests (MHA_TEST_QUICK=1);
 #   4. an AddressSanitizer + UndefinedBehaviorSanitizer build, all tests again;
 #   5. a ThreadSanitizer build without MPI (MHA_MPI=OFF: also the check that everything builds
@@ -70,7 +71,7 @@ MHA_TEST_QUICK=1 ctest --test-dir build-mpich --output-on-failure -j "$jobs" -R 
 # Lower tiers: each tier below this CPU's best one (`mha info` names the tiers it has).
 tiers=$(build/mha info | sed -n 's/^kernel tiers[^:]*: *//p')
 [ -n "$tiers" ] || { echo "test.sh: 'mha info' printed no kernel tiers line"; exit 1; }
-for isa in avx2 generic; do
+for isa in avx512 avx2 generic; do
     case " $tiers " in *" $isa "*) ;; *) continue ;; esac
     [ "$isa" = "${tiers%% *}" ] && continue # the best tier ran above
     step "every C test with MHA_MAX_ISA=$isa"

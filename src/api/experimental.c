@@ -25,6 +25,7 @@ mha_status mha_experimental_kernel_describe(int32_t index, mha_kernel_desc *desc
     desc->usable = mha__kernel_usable(k, 0);
     desc->reference = k->reference;
     desc->op = mha__op_name(k->op);
+    desc->dtypes = mha__dts_name(k->dtypes);
     mha__ok(err);
     return MHA_STATUS_OK;
 }

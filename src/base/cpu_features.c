@@ -53,6 +53,13 @@ static unsigned detect_isa(void) {
         isa |= MHA_ISA_AVX2;
     if ((isa & MHA_ISA_AVX2) && zmm_state && avx512f && avx512dq && avx512bw && avx512vl)
         isa |= MHA_ISA_AVX512;
+    /* Leaf 7's subleaf count is EAX of subleaf 0; AVX512_BF16 is subleaf 1's EAX bit 5. */
+    if ((isa & MHA_ISA_AVX512) && a >= 1) {
+        unsigned a1, b1, c1, d1;
+        __cpuid_count(7, 1, a1, b1, c1, d1);
+        if ((a1 >> 5) & 1)
+            isa |= MHA_ISA_AVX512BF16;
+    }
     return isa;
 }
 
@@ -123,15 +130,18 @@ const char *mha__cpu_forced_kernel(void) {
 }
 
 const char *mha__cpu_isa_list(unsigned isa) {
-    /* " avx512 avx2 generic": the answer is its tail from the best tier whose bits isa has. */
+    /* " avx512bf16 avx512 avx2 generic": the answer is its tail from the best tier whose bits isa
+     * has, found by offset (a name may be a prefix of another's: avx512, avx512bf16). */
     static const char all[] = ""
 #define MHA_TIER_NAME(bits, name) " " name
         MHA_ISA_TIERS(MHA_TIER_NAME)
 #undef MHA_TIER_NAME
         ;
+    size_t at = 0;
 #define MHA_TIER_PICK(bits, name)                                                                  \
     if (((bits)&isa) == (bits))                                                                    \
-        return strstr(all, " " name) + 1;
+        return all + at + 1;                                                                       \
+    at += sizeof(name); /* the name and its leading space */
     MHA_ISA_TIERS(MHA_TIER_PICK)
 #undef MHA_TIER_PICK
     return all + 1;

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* cpu_features.h: what this CPU (and its OS) can run, as MHA_ISA_* bits, detected once, and the
  * two debug overrides of the environment (read once, at the first call that needs them):
- *   MHA_MAX_ISA=generic|avx2|avx512 (x86), generic|neon (aarch64)
+ *   MHA_MAX_ISA=generic|avx2|avx512|avx512bf16 (x86), generic|neon (aarch64)
  *                                         pretend the CPU has at most this ISA (unknown values,
  *                                         another architecture's tiers too: no cap)
  *   MHA_KERNEL=<name>                     the forward dispatch runs exactly this kernel
@@ -13,15 +13,19 @@
 
 /* ISA feature sets. A set includes what the files of its tier are compiled with (CMakeLists.txt,
  * by file name suffix) and is detected by cpu_features.c: */
-#define MHA_ISA_AVX2   (1u << 0) /* AVX, AVX2, FMA, F16C; the OS saves YMM state */
-#define MHA_ISA_AVX512 (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; the OS saves ZMM/opmask */
-#define MHA_ISA_NEON   (1u << 2) /* AArch64 Advanced SIMD with FP (HWCAP_ASIMD; baseline) */
+#define MHA_ISA_AVX2       (1u << 0) /* AVX, AVX2, FMA, F16C; the OS saves YMM state */
+#define MHA_ISA_AVX512     (1u << 1) /* MHA_ISA_AVX2 + AVX-512 F/DQ/BW/VL; the OS saves ZMM/opmask */
+#define MHA_ISA_NEON       (1u << 2) /* AArch64 Advanced SIMD with FP (HWCAP_ASIMD; baseline) */
+/* MHA_ISA_AVX512 + AVX512_BF16 (CPUID.(EAX=7, ECX=1):EAX[5]: vcvtne2ps2bf16, vdpbf16ps; Zen 4/5,
+ * Cooper Lake, Sapphire Rapids and later) */
+#define MHA_ISA_AVX512BF16 (1u << 3)
 
 /* The tiers of the target architecture, best first: the bits a tier's kernels may use (its own
  * and those below it) and its name (the suffix of its kernels' names after "__";
  * MHA_MAX_ISA=<name> caps to those bits). The generic tier uses none and is always last. */
 #if defined(__x86_64__) || defined(__i386__)
 #    define MHA_ISA_TIERS(X)                                                                       \
+        X(MHA_ISA_AVX512BF16 | MHA_ISA_AVX512 | MHA_ISA_AVX2, "avx512bf16")                        \
         X(MHA_ISA_AVX512 | MHA_ISA_AVX2, "avx512")                                                 \
         X(MHA_ISA_AVX2, "avx2")                                                                    \
         X(0u, "generic")

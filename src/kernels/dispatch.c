@@ -48,6 +48,11 @@ mha_status mha__kernel_check(const mha__kernel_info *k, const mha__fwd_shape *s,
                          "kernel %s needs the %s instruction set, which this CPU %s", k->name,
                          mha__kernel_tier(k),
                          mha__kernel_usable(k, 1) ? "has but MHA_MAX_ISA caps" : "does not have");
+    if (!(mha__dts_bit(s->q_dt) & k->dtypes) || !(mha__dts_bit(s->k_dt) & k->dtypes) ||
+        !(mha__dts_bit(s->v_dt) & k->dtypes))
+        return mha__fail(err, MHA_STATUS_UNSUPPORTED, "q/k/v dtypes %s/%s/%s: kernel %s takes %s",
+                         mha__dts_name(mha__dts_bit(s->q_dt)), mha__dts_name(mha__dts_bit(s->k_dt)),
+                         mha__dts_name(mha__dts_bit(s->v_dt)), k->name, mha__dts_name(k->dtypes));
     if (k->max_d && (s->dk > k->max_d || s->dv > k->max_d))
         return mha__fail(err, MHA_STATUS_UNSUPPORTED,
                          "head_dim=%lld, v_head_dim=%lld: kernel %s takes head sizes up to %lld",

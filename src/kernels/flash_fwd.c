@@ -37,7 +37,7 @@ typedef struct cache_header {
 
 typedef struct flash_layout {
     size_t kt, vt, kw, qp, s, o, o_main, l_main, beta, m, l, alpha, mu, inv_l, bias, vis, keep,
-        qptr, header, state, total;
+        header, state, total;
     int64_t ldo, ntiles; /* ldo: row stride of O and of the packed V tiles */
     int cached;
 } flash_layout;
@@ -77,7 +77,6 @@ flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k,
            carve(&c, bq, sizeof(float), &L->inv_l) && carve(&c, s_n, sizeof(float), &L->bias) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->vis) &&
            carve(&c, (int64_t)bq * MHA_FLASH_WORDS, sizeof(uint64_t), &L->keep) &&
-           carve(&c, bq, sizeof(const float *), &L->qptr) &&
            carve(&c, 1, sizeof(cache_header), &L->header) &&
            carve(&c, L->cached ? L->ntiles : 1, 1, &L->state) && ((L->total = c), true);
 }
@@ -132,16 +131,17 @@ int64_t mha__flash_visible_tiles(
 /* ---------------------------------------------------------------------------------------------- */
 
 typedef struct block {
-    const mha__flash_ops *ops;
+    const mha__flash_softmax_ops *sm;
+    const mha__flash_tile_ops *tile;
     const mha__problem *p;
     int bq, bk;
     int64_t b, g, h0, nh, i0, nq, R;
     const void *kb, *vb;           /* K and V of (b, g), of dtypes p->k_dt and p->v_dt */
     float *o_main, *l_main, *beta; /* blocked accumulation over long rows (fold_partial) */
-    float *kt, *vt, *kw, *qp, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
+    float *kt, *vt, *kw, *s, *o, *m, *l, *alpha, *mu, *inv_l, *bias;
+    void *qp; /* the block's Q rows, [R][ldq] of the tile dtype (flash_fwd.h) */
     uint64_t *vis, *keep;
-    const float **qptr;
-    int64_t ldo;
+    int64_t ldo, ldq;
     int cached;
     uint8_t *state; /* per tile, when cached */
     int need_bias;  /* the current tile's additive mask is not all 0 (build_vis) */
@@ -276,15 +276,18 @@ static void build_keep(const block *B, int64_t j0, int nk) {
     const mha__problem *p = B->p;
     for (int64_t r = 0; r < B->R; r++) {
         const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
-        B->ops->dropout_bits(p->dropout_seed, p->dropout_p, B->b, h, i + p->dropout_row0,
-                             j0 + p->dropout_col0, nk, B->keep + r * MHA_FLASH_WORDS);
+        B->sm->dropout_bits(p->dropout_seed, p->dropout_p, B->b, h, i + p->dropout_row0,
+                            j0 + p->dropout_col0, nk, B->keep + r * MHA_FLASH_WORDS);
     }
 }
 
 /* O = alpha O + P V for a value tile with Inf/NaN: like the reference, a term with P = 0
- * (masked, dropped or underflowed) is skipped, so 0 * Inf never turns into NaN. */
-static void pv_exact(const block *B, int nk, const float *v, int64_t vs) {
-    const int64_t dv = B->p->dv;
+ * (masked, dropped or underflowed) is skipped, so 0 * Inf never turns into NaN. v: the float32
+ * tile (rows of vs floats), or NULL when the tiles are half precision: then the rows of keys
+ * j0 .. j0 + nk - 1 are read from storage (widened exactly; P is not rounded on this path). */
+static void pv_exact(const block *B, int64_t j0, int nk, const float *v, int64_t vs) {
+    const mha__problem *p = B->p;
+    const int64_t dv = p->dv;
     for (int64_t r = 0; r < B->R; r++) {
         float *o = B->o + r * B->ldo;
         const float a = B->alpha[r];
@@ -295,9 +298,15 @@ static void pv_exact(const block *B, int nk, const float *v, int64_t vs) {
             const float pj = pr[j];
             if (pj == 0.0f)
                 continue;
-            const float *vj = v + j * vs;
-            for (int64_t d = 0; d < dv; d++)
-                o[d] += pj * vj[d];
+            if (v) {
+                const float *vj = v + j * vs;
+                for (int64_t d = 0; d < dv; d++)
+                    o[d] += pj * vj[d];
+            } else {
+                const void *vj = mha__elem(p->v_dt, B->vb, (j0 + j) * p->vs[2]);
+                for (int64_t d = 0; d < dv; d++)
+                    o[d] += pj * mha__load(p->v_dt, vj, d);
+            }
         }
     }
 }
@@ -319,18 +328,19 @@ static void prefetch_tile(const block *B, int64_t j0, int keys) {
     }
 }
 
-/* K^T of tile [j0, j0 + nk) into kt: a half-precision K is widened row by row first (exactly),
- * so every ISA's pack_kt and qk run on float32. */
+/* K^T of tile [j0, j0 + nk) into kt: for float32 tiles a half-precision K is widened row by row
+ * first (exactly), so every ISA's f32 pack_kt and qk run on float32; bf16 tiles are packed from
+ * the storage as it is. */
 static void pack_keys(const block *B, int64_t j0, int nk, float *kt) {
     const mha__problem *p = B->p;
-    if (p->k_dt == MHA_DTYPE_F32) {
-        B->ops->pack_kt((const float *)B->kb + j0 * p->ks[2], p->ks[2], nk, p->dk, kt, B->bk);
+    if (p->k_dt == MHA_DTYPE_F32 || B->tile->dt != MHA_DTYPE_F32) {
+        B->tile->pack_kt(mha__elem(p->k_dt, B->kb, j0 * p->ks[2]), p->ks[2], nk, p->dk, kt, B->bk);
         return;
     }
     for (int j = 0; j < nk; j++)
         mha__widen_rows(p->k_dt, mha__elem(p->k_dt, B->kb, (j0 + j) * p->ks[2]), B->kw + j * p->dk,
                         p->dk);
-    B->ops->pack_kt(B->kw, p->dk, nk, p->dk, kt, B->bk);
+    B->tile->pack_kt(B->kw, p->dk, nk, p->dk, kt, B->bk);
 }
 
 /* Scores of the block against key tile t = [j0, j0 + nk) into S. */
@@ -347,7 +357,7 @@ static void scores(const block *B, int64_t j0, int nk) {
     } else {
         pack_keys(B, j0, nk, kt);
     }
-    B->ops->qk(B->qptr, (int)B->R, kt, B->bk, nk, p->dk, B->s, B->bk);
+    B->tile->qk(B->qp, B->ldq, (int)B->R, kt, B->bk, nk, p->dk, B->s, B->bk);
 }
 
 /* The V rows of tile [j0, j0 + nk), packed contiguous with row stride ldo (see the cache note
@@ -362,6 +372,10 @@ static const float *packed_values(const block *B, int64_t j0, int nk) {
             return vt;
         B->state[t] |= TILE_V_PACKED;
     }
+    if (B->tile->pack_v) {
+        B->tile->pack_v(mha__elem(p->v_dt, B->vb, j0 * p->vs[2]), p->vs[2], nk, p->dv, vt, B->ldo);
+        return vt;
+    }
     for (int j = 0; j < nk; j++) /* widened exactly when V is half precision */
         mha__widen_rows(p->v_dt, mha__elem(p->v_dt, B->vb, (j0 + j) * p->vs[2]), vt + j * B->ldo,
                         p->dv);
@@ -371,11 +385,11 @@ static const float *packed_values(const block *B, int64_t j0, int nk) {
 static int values_finite(const block *B, int64_t j0, int nk, const float *v) {
     const mha__problem *p = B->p;
     if (!B->cached)
-        return B->ops->all_finite(v, B->ldo, nk, p->dv);
+        return B->tile->all_finite(v, B->ldo, nk, p->dv);
     uint8_t *st = B->state + j0 / B->bk;
     if (!(*st & TILE_FINITE_KNOWN))
         *st |= (uint8_t)(TILE_FINITE_KNOWN |
-                         (B->ops->all_finite(v, B->ldo, nk, p->dv) ? TILE_FINITE : 0));
+                         (B->tile->all_finite(v, B->ldo, nk, p->dv) ? TILE_FINITE : 0));
     return (*st & TILE_FINITE) != 0;
 }
 
@@ -429,10 +443,11 @@ static void finalize(const block *B) {
         if (p->o_dt == MHA_DTYPE_F32)
             for (int64_t d = 0; d < p->dv; d++)
                 ((float *)out)[d] = o[d] * factor;
-        else { /* rounded once, from the float32 value (O is not read after this) */
+        else { /* rounded once, from the float32 value (O is not needed after this) */
+            float *os = B->o + r * B->ldo;
             for (int64_t d = 0; d < p->dv; d++)
-                o[d] *= factor;
-            mha__narrow_rows(p->o_dt, o, out, p->dv);
+                os[d] *= factor;
+            mha__narrow_rows(p->o_dt, os, out, p->dv);
         }
         if (lse)
             *lse = mu + logf(lf);
@@ -456,7 +471,7 @@ static void probs_pass(block *B, int64_t tlo, int64_t thi) {
             scores(B, j0, nk);
             softmax_args(B, j0, nk, 1, &a);
             a.inv_l = B->inv_l;
-            B->ops->softmax_final(&a);
+            B->sm->softmax_final(&a);
             computed = 1;
         }
         for (int64_t r = 0; r < B->R; r++) {
@@ -518,16 +533,19 @@ static void unfold(const block *B) {
 static void run_block(block *B) {
     const mha__problem *p = B->p;
     MHA_ASSERT(p->map || !mha__has_element_rules(p)); /* the core builds it (core/mask_map.c) */
-    const mha__flash_ops *ops = B->ops;
     for (int64_t r = 0; r < B->R; r++) {
         const int64_t h = B->h0 + r / B->nq, i = B->i0 + r % B->nq;
         /* Q rows copied together: in place they may sit a power of two apart (4 KiB in the
          * layer's layout), and every key tile rereads them. */
-        float *qr = B->qp + r * p->dk;
-        mha__widen_rows(p->q_dt,
-                        mha__elem(p->q_dt, p->q, B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2]), qr,
-                        p->dk);
-        B->qptr[r] = qr;
+        const void *q = mha__elem(p->q_dt, p->q, B->b * p->qs[0] + h * p->qs[1] + i * p->qs[2]);
+        if (B->tile->dt == MHA_DTYPE_F32) {
+            mha__widen_rows(p->q_dt, q, (float *)B->qp + r * B->ldq, p->dk);
+        } else { /* bf16 rows as they are, a zero appended to complete the last pair */
+            uint16_t *qr = (uint16_t *)B->qp + r * B->ldq;
+            memcpy(qr, q, sizeof(uint16_t) * (size_t)p->dk);
+            if (B->ldq > p->dk)
+                qr[p->dk] = 0;
+        }
         B->m[r] = -INFINITY;
         B->l[r] = 0.0f;
         B->l_main[r] = 0.0f;
@@ -574,12 +592,12 @@ static void run_block(block *B) {
             a.keep = B->keep;
             a.keep_scale = keep_scale;
         }
-        ops->softmax_online(&a);
+        B->sm->softmax_online(&a);
         const float *v = packed_values(B, j0, nk);
         if (values_finite(B, j0, nk, v))
-            ops->pv(B->s, B->bk, (int)B->R, nk, v, B->ldo, p->dv, B->alpha, B->o, (int)B->ldo);
+            B->tile->pv(B->s, B->bk, (int)B->R, nk, v, B->ldo, p->dv, B->alpha, B->o, (int)B->ldo);
         else
-            pv_exact(B, nk, v, B->ldo);
+            pv_exact(B, j0, nk, B->tile->dt == MHA_DTYPE_F32 ? v : NULL, B->ldo);
         for (int64_t r = 0; r < B->R; r++)
             B->beta[r] *= B->alpha[r];
         if (++since_fold == MHA_FLASH_FOLD_TILES) {
@@ -595,7 +613,8 @@ static void run_block(block *B) {
         probs_pass(B, tlo, thi);
 }
 
-void mha__flash_fwd(const mha__flash_ops *ops,
+void mha__flash_fwd(const mha__flash_softmax_ops *sm,
+                    const mha__flash_tile_ops *tile,
                     int bq,
                     int bk,
                     const mha__problem *p,
@@ -603,11 +622,14 @@ void mha__flash_fwd(const mha__flash_ops *ops,
                     void *scratch) {
     flash_layout L = {0};
     const bool ok = flash_layout_for(bq, bk, p->dk, p->dv, p->m, p->k_dt != MHA_DTYPE_F32, &L);
-    MHA_ASSERT(ok && bk % 16 == 0 && bk <= MHA_FLASH_MAX_BK);
+    MHA_ASSERT(ok && bk % 16 == 0 && bk <= MHA_FLASH_MAX_BK && bq <= MHA_FLASH_MAX_BQ);
+    MHA_ASSERT(tile->dt == MHA_DTYPE_F32 ||
+               (p->q_dt == tile->dt && p->k_dt == tile->dt && p->v_dt == tile->dt));
     (void)ok;
     char *base = scratch;
     block B;
-    B.ops = ops;
+    B.sm = sm;
+    B.tile = tile;
     B.p = p;
     B.bq = bq;
     B.bk = bk;
@@ -620,7 +642,8 @@ void mha__flash_fwd(const mha__flash_ops *ops,
     B.o_main = (float *)(base + L.o_main);
     B.l_main = (float *)(base + L.l_main);
     B.beta = (float *)(base + L.beta);
-    B.qp = (float *)(base + L.qp);
+    B.qp = base + L.qp; /* bq x dk floats hold bq x round_up(dk, 2) bf16 */
+    B.ldq = tile->dt == MHA_DTYPE_F32 ? p->dk : (p->dk + 1) / 2 * 2;
     B.s = (float *)(base + L.s);
     B.o = (float *)(base + L.o);
     B.m = (float *)(base + L.m);
@@ -631,7 +654,6 @@ void mha__flash_fwd(const mha__flash_ops *ops,
     B.bias = (float *)(base + L.bias);
     B.vis = (uint64_t *)(base + L.vis);
     B.keep = (uint64_t *)(base + L.keep);
-    B.qptr = (const float **)(base + L.qptr);
     B.ldo = L.ldo;
     B.cached = L.cached;
     B.state = (uint8_t *)(base + L.state);

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /* flash_fwd.h: the FlashAttention-2 forward, split into an ISA-independent driver (flash_fwd.c:
  * tiling, causal/window tile skipping, mask and dropout preparation, the online-softmax
- * bookkeeping, finalisation, probabilities) and per-ISA tile operations (mha__flash_ops) that do
- * the arithmetic: pack a key tile, S = Q K^T, the softmax step, O = alpha O + P V.
+ * bookkeeping, finalisation, probabilities) and the operations that do the arithmetic: the
+ * softmax steps (mha__flash_softmax_ops, per ISA: float32 scores whatever the storage) and pack a
+ * key tile, S = Q K^T, O = alpha O + P V (mha__flash_tile_ops, per ISA and dtype of the tiles).
  *
  * One query BLOCK is R <= Bq rows: query positions [i0, i1) of nh consecutive query heads of ONE
  * kv group, row r = hh * (i1 - i0) + ii. Every key/value tile is loaded (and K packed) once per
@@ -46,36 +47,12 @@ typedef struct mha__flash_softmax {
     const float *inv_l;
 } mha__flash_softmax;
 
-typedef struct mha__flash_ops {
-    /* Kt[d * ldk + j] = k[j * ks + d] for d < dk, j < nk; lanes nk .. round_up(nk, 16) - 1 are
-     * zeroed so that S stays finite there. */
-    void (*pack_kt)(const float *k, int64_t ks, int nk, int64_t dk, float *kt, int ldk);
-    /* S[r * lds + j] = sum_d q[r][d] * Kt[d][j] for r < rows, j < nk (lanes up to
-     * round_up(nk, 16) may be written). */
-    void (*qk)(const float *const *q,
-               int rows,
-               const float *kt,
-               int ldk,
-               int nk,
-               int64_t dk,
-               float *s,
-               int lds);
+/* The operations split by what they depend on (docs/KERNELS.md, "The forward's operations"):
+ * the softmax steps and the dropout bits depend on the ISA only (they work on float32 scores);
+ * the packing and the tile products depend on the ISA and on the dtype the tiles hold. */
+typedef struct mha__flash_softmax_ops {
     void (*softmax_online)(const mha__flash_softmax *a);
     void (*softmax_final)(const mha__flash_softmax *a);
-    /* O[r][:dv] = O[r][:dv] * alpha[r] + sum_{j < nk} P[r][j] * v[j * vs + :dv]. */
-    void (*pv)(const float *pm,
-               int lds,
-               int rows,
-               int nk,
-               const float *v,
-               int64_t vs,
-               int64_t dv,
-               const float *alpha,
-               float *o,
-               int ldo);
-    /* 1 when v[j * vs + d] is finite for every j < nk, d < dv. A tile with Inf/NaN values goes
-     * through the driver's exact path, which skips P = 0 terms as the reference does. */
-    int (*all_finite)(const float *v, int64_t vs, int nk, int64_t dv);
     /* Dropout keep bits of row (b, h, i), keys j0 .. j0+nk-1: bit j of words[] is
      * mha__dropout_keep(seed, p, b, h, i, j0 + j); bits from nk on are 0. */
     void (*dropout_bits)(uint64_t seed,
@@ -86,7 +63,85 @@ typedef struct mha__flash_ops {
                          int64_t j0,
                          int nk,
                          uint64_t *words);
-} mha__flash_ops;
+} mha__flash_softmax_ops;
+
+/* Tile operations for tiles of dtype dt. Element types of q, k, kt, v below:
+ *   dt = MHA_DTYPE_F32:  float. The driver widens half-precision Q, K and V rows exactly before
+ *                        they reach these (Q rows and V tiles into its buffers, K rows into a
+ *                        row buffer that pack_kt transposes); pack_v is NULL (the driver's V
+ *                        buffer is the packed tile: rows of ldv floats).
+ *   dt = MHA_DTYPE_BF16: uint16_t bf16 bits, the storage of q, k and v as the caller gave them
+ *                        (the kernel's registry line takes BF16 only). Q rows are copied with a
+ *                        zero appended when dk is odd (ldq = dk rounded up to even); K^T and V are
+ *                        packed as bf16 PAIRS (uint32_t: low half the even element), see
+ *                        attn_fwd_flash_avx512bf16.c. The f32 scores and P stay float32. */
+typedef struct mha__flash_tile_ops {
+    mha_dtype dt;
+    /* F32: Kt[d * ldk + j] = k[j * ks + d] for d < dk, j < nk; lanes nk .. round_up(nk, 16) - 1
+     * are zeroed so that S stays finite there. BF16: the pairs of d, Kt2[d/2 * ldk + j]. */
+    void (*pack_kt)(const void *k, int64_t ks, int nk, int64_t dk, void *kt, int ldk);
+    /* S[r * lds + j] = sum_d q[r * ldq + d] * Kt[d][j] for r < rows, j < nk (lanes up to
+     * round_up(nk, 16) may be written). */
+    void (*qk)(const void *q,
+               int64_t ldq,
+               int rows,
+               const void *kt,
+               int ldk,
+               int nk,
+               int64_t dk,
+               float *s,
+               int lds);
+    /* The V tile rows [0, nk) (v[j * vs + d]) into the layout pv reads, rows of ldv elements
+     * (ldv >= dv, a multiple of 16; lanes beyond dv and rows beyond nk zeroed). NULL: F32. */
+    void (*pack_v)(const void *v, int64_t vs, int nk, int64_t dv, void *vt, int64_t ldv);
+    /* O[r][:dv] = O[r][:dv] * alpha[r] + sum_{j < nk} P[r][j] * V[j][:dv] (V packed, vs = its
+     * row stride: ldv). */
+    void (*pv)(const float *pm,
+               int lds,
+               int rows,
+               int nk,
+               const void *v,
+               int64_t vs,
+               int64_t dv,
+               const float *alpha,
+               float *o,
+               int ldo);
+    /* 1 when V[j][d] of the packed tile is finite for every j < nk, d < dv. A tile with Inf/NaN
+     * values goes through the driver's exact path, which skips P = 0 terms as the reference
+     * does. */
+    int (*all_finite)(const void *v, int64_t vs, int nk, int64_t dv);
+} mha__flash_tile_ops;
+
+/* Largest Bq of a forward line (registry.c checks it): the f32 adapter's row pointers. */
+#define MHA_FLASH_MAX_BQ 64
+
+/* The tile operations of a float32 kernel file, from its static float-typed pack_kt, qk (rows by
+ * pointer), pv and all_finite: thin adapters, so the f32 kernels' code is unchanged. */
+#define MHA_FLASH_F32_TILE_OPS(name)                                                               \
+    static void name##_pack_kt(const void *k, int64_t ks, int nk, int64_t dk, void *kt, int ldk) { \
+        pack_kt(k, ks, nk, dk, kt, ldk);                                                           \
+    }                                                                                              \
+    static void name##_qk(const void *q, int64_t ldq, int rows, const void *kt, int ldk, int nk,   \
+                          int64_t dk, float *s, int lds) {                                         \
+        const float *qr[MHA_FLASH_MAX_BQ];                                                         \
+        for (int r = 0; r < rows; r++)                                                             \
+            qr[r] = (const float *)q + r * ldq;                                                    \
+        qk(qr, rows, kt, ldk, nk, dk, s, lds);                                                     \
+    }                                                                                              \
+    static void name##_pv(const float *pm, int lds, int rows, int nk, const void *v, int64_t vs,   \
+                          int64_t dv, const float *alpha, float *o, int ldo) {                     \
+        pv(pm, lds, rows, nk, v, vs, dv, alpha, o, ldo);                                           \
+    }                                                                                              \
+    static int name##_all_finite(const void *v, int64_t vs, int nk, int64_t dv) {                  \
+        return all_finite(v, vs, nk, dv);                                                          \
+    }                                                                                              \
+    static const mha__flash_tile_ops name = {MHA_DTYPE_F32, name##_pack_kt, name##_qk,             \
+                                             NULL,          name##_pv,      name##_all_finite};
+
+#if defined(__x86_64__) || defined(__i386__)
+/* The AVX-512 softmax steps (attn_fwd_flash_avx512.c), shared by the AVX512-BF16 kernel. */
+extern const mha__flash_softmax_ops mha__flash_softmax_avx512;
+#endif
 
 /* The keep test of mha__dropout_keep as an integer compare on Philox word 0: u = (w >> 8) 2^-24
  * >= p  <=>  w >= ceil(p 2^24) 2^8 (p 2^24 is exact; p < 1 keeps the bound below 2^32). */
@@ -181,8 +236,9 @@ static inline mha_tile_class mha__rows_class(const mha__problem *p,
 int64_t mha__flash_visible_tiles(
     const mha__problem *p, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1, int bk);
 
-/* Runs one work unit (kernels.h) with the given tile operations. */
-void mha__flash_fwd(const mha__flash_ops *ops,
+/* Runs one work unit (kernels.h) with the given softmax and tile operations. */
+void mha__flash_fwd(const mha__flash_softmax_ops *sm,
+                    const mha__flash_tile_ops *tile,
                     int bq,
                     int bk,
                     const mha__problem *p,

@@ -2,6 +2,8 @@
 /* registry.c: the table of every kernel (registry.def), and the queries the ops' drivers share. */
 #include "kernels/registry.h"
 
+#include "kernels/flash_fwd.h"
+
 #include <string.h>
 
 #define MHA_RUN_fwd(name)    .fwd = name
@@ -10,8 +12,9 @@
 #define MHA_RUN_gemm(name)   .gemm = &name
 
 static const mha__kernel_info registry[] = {
-#define MHA_KERNEL(op_, name_, isa_, p1_, p2_, maxd_)                                              \
+#define MHA_KERNEL(op_, dts_, name_, isa_, p1_, p2_, maxd_)                                        \
     {.op = MHA__OP_##op_,                                                                          \
+     .dtypes = (dts_),                                                                             \
      .name = #name_,                                                                               \
      .isa = (isa_),                                                                                \
      .bq = (p1_),                                                                                  \
@@ -25,14 +28,15 @@ static const mha__kernel_info registry[] = {
 #define REGISTRY_SIZE ((int)(sizeof registry / sizeof registry[0]))
 
 /* The blocking the backward and decode code is written for is the registry's (one value each). */
-#define MHA_CHECK_fwd(name, p1, p2)
+#define MHA_CHECK_fwd(name, p1, p2)                                                                \
+    _Static_assert((p1) <= MHA_FLASH_MAX_BQ, #name ": Bq above MHA_FLASH_MAX_BQ");
 #define MHA_CHECK_gemm(name, p1, p2)
 #define MHA_CHECK_bwd(name, p1, p2)                                                                \
     _Static_assert((p1) == 0 || ((p1) == MHA__BWD_BQ && (p2) == MHA__BWD_BK),                      \
                    #name ": registry blocking differs from MHA__BWD_BQ/BK");
 #define MHA_CHECK_decode(name, p1, p2)                                                             \
     _Static_assert((p1) == MHA_DEC_BLOCK, #name ": registry blocking differs from MHA_DEC_BLOCK");
-#define MHA_KERNEL(op, name, isa, p1, p2, maxd) MHA_CHECK_##op(name, p1, p2)
+#define MHA_KERNEL(op, dts, name, isa, p1, p2, maxd) MHA_CHECK_##op(name, p1, p2)
 #include "kernels/registry.def"
 #undef MHA_KERNEL
 
@@ -59,6 +63,13 @@ const mha__kernel_info *mha__registry_find(const char *name) {
 const char *mha__op_name(mha__op op) {
     static const char *const names[] = {"fwd", "bwd", "decode", "gemm"};
     return (unsigned)op < sizeof names / sizeof names[0] ? names[op] : "?";
+}
+
+const char *mha__dts_name(unsigned dtypes) {
+    /* Every subset of the three bits, in the order f32, bf16, f16. */
+    static const char *const names[8] = {"none", "f32",     "bf16",     "f32,bf16",
+                                         "f16",  "f32,f16", "bf16,f16", "f32,bf16,f16"};
+    return names[dtypes & MHA_DTS_ALL];
 }
 
 const char *mha__kernel_tier(const mha__kernel_info *k) {

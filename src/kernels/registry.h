@@ -20,9 +20,24 @@ typedef enum mha__op {
     MHA__OP_gemm,
 } mha__op;
 
+/* Storage dtype sets of the registry's dtypes column: one bit per storage dtype. */
+#define MHA_DTS_F32  (1u << 0)
+#define MHA_DTS_BF16 (1u << 1)
+#define MHA_DTS_F16  (1u << 2)
+#define MHA_DTS_ALL  (MHA_DTS_F32 | MHA_DTS_BF16 | MHA_DTS_F16)
+
+/* The MHA_DTS_* bit of a storage dtype (0 for a dtype no tensor role stores: F64, ints...). */
+static inline unsigned mha__dts_bit(mha_dtype dt) {
+    return dt == MHA_DTYPE_F32    ? MHA_DTS_F32
+           : dt == MHA_DTYPE_BF16 ? MHA_DTS_BF16
+           : dt == MHA_DTYPE_F16  ? MHA_DTS_F16
+                                  : 0u;
+}
+
 /* One registry line. */
 struct mha__kernel_info {
     mha__op op;
+    unsigned dtypes;  /* MHA_DTS_* bits: the storage dtypes of the activations it takes */
     const char *name; /* the tier is the suffix after "__" ("ref" for the references) */
     unsigned isa;     /* MHA_ISA_* bits required */
     int bq, bk;       /* p1, p2 of the line (registry.def says what they are per op) */
@@ -45,8 +60,8 @@ struct mha__kernel_info {
 #define MHA_PROTO_decode(name)                                                                     \
     void name(const mha__dec_problem *p, const mha__dec_unit *u, float *o, float *m, float *l,     \
               float *scratch);
-#define MHA_PROTO_gemm(name)                    extern const mha__gemm_kernel name;
-#define MHA_KERNEL(op, name, isa, p1, p2, maxd) MHA_PROTO_##op(name)
+#define MHA_PROTO_gemm(name)                         extern const mha__gemm_kernel name;
+#define MHA_KERNEL(op, dts, name, isa, p1, p2, maxd) MHA_PROTO_##op(name)
 #include "kernels/registry.def"
 #undef MHA_KERNEL
 
@@ -55,6 +70,8 @@ int mha__registry_count(void);
 const mha__kernel_info *mha__registry_at(int index); /* NULL when out of range */
 int mha__registry_index(const mha__kernel_info *k);
 const mha__kernel_info *mha__registry_find(const char *name); /* NULL when unknown */
+/* The dtype set as text, e.g. "f32,bf16,f16" or "bf16" (static string). */
+const char *mha__dts_name(unsigned dtypes);
 /* "fwd", "bwd", "decode", "gemm". */
 const char *mha__op_name(mha__op op);
 /* The tier of a kernel: "avx512", "avx2", "neon", "generic" or "ref". */

@@ -156,13 +156,14 @@ static void dropout_bits(
             words[j >> 6] |= (uint64_t)1 << (j & 63);
 }
 
-static const mha__flash_ops generic_ops = {pack_kt, qk,         softmax_online, softmax_final,
-                                           pv,      all_finite, dropout_bits};
+MHA_FLASH_F32_TILE_OPS(generic_tile_ops)
+static const mha__flash_softmax_ops generic_softmax_ops = {softmax_online, softmax_final,
+                                                           dropout_bits};
 
 /* Bq and Bk come from this kernel's registry line (kernels/registry.def). */
 void mha_fwd_f32_flash_q32k32__generic(const mha__kernel_info *k,
                                        const mha__problem *p,
                                        const mha__fwd_unit *u,
                                        void *scratch) {
-    mha__flash_fwd(&generic_ops, k->bq, k->bk, p, u, scratch);
+    mha__flash_fwd(&generic_softmax_ops, &generic_tile_ops, k->bq, k->bk, p, u, scratch);
 }

@@ -366,15 +366,16 @@ static void dropout_bits(
     }
 }
 
-static const mha__flash_ops avx2_ops = {pack_kt, qk,         softmax_online, softmax_final,
-                                        pv,      all_finite, dropout_bits};
+MHA_FLASH_F32_TILE_OPS(avx2_tile_ops)
+static const mha__flash_softmax_ops avx2_softmax_ops = {softmax_online, softmax_final,
+                                                        dropout_bits};
 
 /* Bq and Bk come from this kernel's registry line (kernels/registry.def). */
 void mha_fwd_f32_flash_q64k64__avx2(const mha__kernel_info *k,
                                     const mha__problem *p,
                                     const mha__fwd_unit *u,
                                     void *scratch) {
-    mha__flash_fwd(&avx2_ops, k->bq, k->bk, p, u, scratch);
+    mha__flash_fwd(&avx2_softmax_ops, &avx2_tile_ops, k->bq, k->bk, p, u, scratch);
 }
 
 void mha__dropout_bits_avx2(

@@ -31,36 +31,6 @@
 /* Packing: K tile rows [0, nk) x [0, dk) -> Kt[d][j].                                            */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* In-register transpose of 16 vectors of 16 floats (r[i][c] -> r[c][i]): pairs of rows are
- * interleaved (unpack ps), then pairs of pairs (unpack pd); each 128-bit lane then holds 4x4
- * blocks, which two rounds of 128-bit lane shuffles put in place. */
-MHA_INLINE void transpose16(v16 r[16]) {
-    v16 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    /* u[4q + k] holds, in lane L, column 4L + k of rows 4q .. 4q+3. */
-    for (int q = 0; q < 4; q++) {
-        const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
-        const __m512d c = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
-        u[4 * q + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int k = 0; k < 4; k++) {
-        const v16 v = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
-        const v16 w = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
-        const v16 x = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-        const v16 y = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
-        r[k] = _mm512_shuffle_f32x4(v, x, 0x88);
-        r[8 + k] = _mm512_shuffle_f32x4(v, x, 0xdd);
-        r[4 + k] = _mm512_shuffle_f32x4(w, y, 0x88);
-        r[12 + k] = _mm512_shuffle_f32x4(w, y, 0xdd);
-    }
-}
-
 static void pack_kt(const float *k, int64_t ks, int nk, int64_t dk, float *kt, int ldk) {
     const int nkp = (nk + 15) / 16 * 16;
     for (int j0 = 0; j0 < nkp; j0 += 16) {
@@ -71,7 +41,7 @@ static void pack_kt(const float *k, int64_t ks, int nk, int64_t dk, float *kt, i
             v16 r[16];
             for (int i = 0; i < 16; i++)
                 r[i] = i < rows ? v16_loadu_mask(cm, k + (j0 + i) * ks + d0) : v16_zero();
-            transpose16(r);
+            v16_transpose16(r);
             for (int c = 0; c < cols; c++)
                 v16_store(kt + (d0 + c) * ldk + j0, r[c]);
         }
@@ -432,15 +402,16 @@ static void dropout_bits(
     }
 }
 
-static const mha__flash_ops avx512_ops = {pack_kt, qk,         softmax_online, softmax_final,
-                                          pv,      all_finite, dropout_bits};
+MHA_FLASH_F32_TILE_OPS(avx512_tile_ops)
+const mha__flash_softmax_ops mha__flash_softmax_avx512 = {softmax_online, softmax_final,
+                                                          dropout_bits};
 
 /* Bq and Bk come from this kernel's registry line (kernels/registry.def). */
 void mha_fwd_f32_flash_q64k64__avx512(const mha__kernel_info *k,
                                       const mha__problem *p,
                                       const mha__fwd_unit *u,
                                       void *scratch) {
-    mha__flash_fwd(&avx512_ops, k->bq, k->bk, p, u, scratch);
+    mha__flash_fwd(&mha__flash_softmax_avx512, &avx512_tile_ops, k->bq, k->bk, p, u, scratch);
 }
 
 void mha__dropout_bits_avx512(

@@ -217,4 +217,34 @@ v16i_philox_word0(__m512i c0, __m512i c1, __m512i c2, __m512i c3, uint32_t k0, u
     return _mm512_ternarylogic_epi32(hi1, c1, _mm512_set1_epi32((int)k0), 0x96);
 }
 
+/* In-register transpose of 16 vectors of 16 floats (r[i][c] -> r[c][i]; any 32-bit lanes): pairs of
+ * rows are interleaved (unpack ps), then pairs of pairs (unpack pd); each 128-bit lane then holds
+ * 4x4 blocks, which two rounds of 128-bit lane shuffles put in place. */
+MHA_INLINE void v16_transpose16(v16 r[16]) {
+    v16 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4q + k] holds, in lane L, column 4L + k of rows 4q .. 4q+3. */
+    for (int q = 0; q < 4; q++) {
+        const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
+        u[4 * q + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int k = 0; k < 4; k++) {
+        const v16 v = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+        const v16 w = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
+        const v16 x = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        const v16 y = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+        r[k] = _mm512_shuffle_f32x4(v, x, 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(v, x, 0xdd);
+        r[4 + k] = _mm512_shuffle_f32x4(w, y, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(w, y, 0xdd);
+    }
+}
+
 #endif /* MHA_SIMD_AVX512_H */
