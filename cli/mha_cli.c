@@ -48,6 +48,10 @@ static void print_kernels(void) {
     printf("cpu tiers (detected): %s\n", mha_experimental_cpu_isas(0));
     printf("kernel tiers (under MHA_MAX_ISA): %s\n", mha_experimental_cpu_isas(1));
     printf("decode prefetch: fills the L%d\n", (int)mha_experimental_cpu_prefetch_level());
+    printf("amx-bf16: %s\n", mha_experimental_cpu_amx_bf16()
+                                 ? "present, unused: no AMX kernel is registered yet (none has "
+                                   "passed its tests on an AMX host; docs/KERNELS.md)"
+                                 : "absent on this CPU (no AMX kernel is registered yet either)");
     printf("kernels by op, priority order (* = what the op runs here; the forward's choice also\n"
            "depends on the problem: the first usable one whose limits and dtypes take it);\n"
            "columns: op, name, storage dtypes of the activations it takes, status:\n");

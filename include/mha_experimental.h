@@ -59,6 +59,9 @@ MHA_API const char *mha_experimental_cpu_isas(int32_t capped);
  *  with AVX-512 (Zen 4 and later), 1 elsewhere, aarch64 included (docs/performance.md). Changes
  *  no result. */
 MHA_API int32_t mha_experimental_cpu_prefetch_level(void);
+/** 1 when this CPU has AMX-BF16 tiles (cpuid) and the OS saves tile state (XCR0), else 0. No
+ *  AMX kernel is registered yet (docs/KERNELS.md, "Waiting for hardware"): `mha info` says so. */
+MHA_API int32_t mha_experimental_cpu_amx_bf16(void);
 
 /** The kernel mha_attention() would run for (args, exec): *index receives its registry index.
  *  Fails like mha_attention_supported() when nothing can run it. Does no work. */

@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
+from half_kernels import assert_tile_close, bf16_tiles_active  # noqa: E402
 from mha import _torch_ops  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from tolerances import TOL_HALF_C, TOL_HALF_U_BF16, TOL_HALF_U_F16, TOL_OUT_REL  # noqa: E402
@@ -165,6 +166,9 @@ def test_numpy_equals_float32_call_rounded_once(np_dtype):
     got = mha.attention(q, k, v, causal=True)
     want = mha.attention(*(a.astype(np.float32) for a in (q, k, v)), causal=True)
     assert got.dtype == np_dtype
+    if np_dtype == BF16_NP and bf16_tiles_active():  # P is rounded: the kernel's own bound
+        assert_tile_close(got.astype(np.float32), want, v.astype(np.float32))
+        return
     np.testing.assert_array_equal(got, want.astype(np_dtype))
 
 
@@ -244,7 +248,11 @@ def test_torch_half_is_read_natively():
     out, lse, _ = OP(q, k, v, None, None, True, 0.0, 0.0, None, False, False, 0)
     out32, lse32, _ = OP(q.float(), k.float(), v.float(), None, None, True, 0.0, 0.0, None, False,
                          False, 0)
-    assert torch.equal(out, out32.bfloat16()) and torch.equal(lse, lse32)
+    if bf16_tiles_active():  # P is rounded, scores summed in another order: the kernel's bound
+        assert_tile_close(out.float().numpy(), out32.numpy(), v.float().numpy())
+        assert torch.allclose(lse, lse32, rtol=0, atol=TOL_OUT_REL * float(lse32.abs().max()))
+    else:
+        assert torch.equal(out, out32.bfloat16()) and torch.equal(lse, lse32)
     bw = torch.ops.mha.attention_backward
     grads = bw(dout, q, k, v, out, lse, None, None, True, 0.0, 0.0, None, 0)
     grads32 = bw(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, None, None,

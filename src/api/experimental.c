@@ -54,6 +54,10 @@ int32_t mha_experimental_cpu_prefetch_level(void) {
     return mha__cpu_prefetch_to_l2() ? 2 : 1;
 }
 
+int32_t mha_experimental_cpu_amx_bf16(void) {
+    return mha__cpu_has_amx_bf16();
+}
+
 mha_status mha_experimental_attention_select(const mha_attention_args *args,
                                              const mha_exec *exec,
                                              int32_t *index,

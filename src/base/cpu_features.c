@@ -21,6 +21,7 @@
 
 static unsigned g_detected, g_capped;
 static int g_prefetch_l2;
+static int g_amx_bf16;            /* detected only: no AMX kernel is registered (docs/KERNELS.md) */
 static const char *g_forced_name; /* MHA_KERNEL, or NULL */
 static char g_forced_buf[128];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -73,6 +74,16 @@ static int vendor_is_amd(void) {
 static int detect_prefetch_l2(unsigned isa) {
     return (isa & MHA_ISA_AVX512) && vendor_is_amd();
 }
+
+/* AMX-TILE and AMX-BF16: CPUID leaf 7 subleaf 0 EDX bits 24 and 22, and the OS saving tile state
+ * (XCR0 bits 17, 18). Linux still grants the tiles per process (arch_prctl); nothing asks yet. */
+static int detect_amx_bf16(void) {
+    unsigned a, b, c, d;
+    if (__get_cpuid_max(0, NULL) < 7 || !__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1))
+        return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return ((d >> 24) & 1) && ((d >> 22) & 1) && (read_xcr0() & 0x60000) == 0x60000;
+}
 #elif defined(__aarch64__)
 /* Advanced SIMD is architecturally required on Linux/aarch64; the kernel still reports it, and
  * a kernel built without it (never seen) would leave the generic tier. */
@@ -89,12 +100,16 @@ static int detect_prefetch_l2(unsigned isa) {
     (void)isa;
     return 0;
 }
+static int detect_amx_bf16(void) {
+    return 0;
+}
 #endif
 
 static void init_once(void) {
     g_detected = detect_isa();
     g_capped = g_detected;
     g_prefetch_l2 = detect_prefetch_l2(g_detected);
+    g_amx_bf16 = detect_amx_bf16();
     const char *cap = getenv("MHA_MAX_ISA");
     /* A tier name caps the bits to those of that tier; unknown values leave the detection. */
 #define MHA_CAP_TO(bits, name)                                                                     \
@@ -117,6 +132,11 @@ unsigned mha__cpu_isa(void) {
 unsigned mha__cpu_isa_detected(void) {
     pthread_once(&g_once, init_once);
     return g_detected;
+}
+
+int mha__cpu_has_amx_bf16(void) {
+    pthread_once(&g_once, init_once);
+    return g_amx_bf16;
 }
 
 int mha__cpu_prefetch_to_l2(void) {

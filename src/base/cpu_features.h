@@ -50,6 +50,9 @@ const char *mha__cpu_isa_list(unsigned isa);
  * (docs/performance.md). 0 elsewhere: Intel, where the L1 hint was tuned, and AMD Zen 1, where it
  * measured 79-85%. Prefetch hints change no result. */
 int mha__cpu_prefetch_to_l2(void);
+/* 1 when this CPU has AMX-BF16 tiles and the OS saves their state. Reported by `mha info` only:
+ * no AMX kernel is registered yet (none has passed its tests on an AMX host; docs/KERNELS.md). */
+int mha__cpu_has_amx_bf16(void);
 /* MHA_KERNEL, or NULL when unset or empty. */
 const char *mha__cpu_forced_kernel(void);
 
