@@ -8,8 +8,9 @@
  * round; outputs and workspaces are allocated once and reused.
  *
  * FLOPs = 2 B h P (d_k + d_v), P = the visible (query, key) pairs per (batch row, head): n m, or
- * n (n + 1) / 2 causal. % of peak: the float32 FMA peak of T threads (bench/fma_peak.h) measured
- * in this run; a bf16 vdpbf16ps does twice an FMA's multiply-adds, so its own peak is 2x that.
+ * n (n + 1) / 2 causal. % of peak, measured in this run on T threads (bench/fma_peak.h): of the
+ * float32 FMA peak for a float32-arithmetic kernel, of the vdpbf16ps peak for a bf16-tile kernel
+ * (whose line takes no float32), the float32 FMA peak where the CPU lacks AVX512-BF16.
  * Check: the bf16 output (rounded to bf16) against the float32 one on the same (bf16-rounded)
  * inputs, max|diff| / max|f32| (expected: a few bf16 ulps, 2^-8 = 3.9e-3).
  * torch beside it, in one process: bench/bench_half.py.
@@ -136,6 +137,7 @@ int main(int argc, char **argv) {
             const int T = threads[ti];
             const char *isa = "";
             const double peak = bench_peak_best_gflops(T, 20.0, 3, &isa);
+            const double bf16_peak = bench_peak_bf16_gflops(T, 20.0, 3);
             row rows[2];
             memset(rows, 0, sizeof rows);
             for (int r = 0; r < 2; r++) {
@@ -183,10 +185,12 @@ int main(int argc, char **argv) {
                 row *w = &rows[r];
                 qsort(w->t, (size_t)reps, sizeof(double), cmp_double);
                 med[r] = w->t[reps / 2];
+                const char *kn = kernel_of(&w->a, &w->ex);
+                const double pk = strstr(kn, "_bf16_") && bf16_peak > 0.0 ? bf16_peak : peak;
                 printf("%-7s %-2d %-5s %-40s %10.2f %9.2f, %8.2f %8.1f %6.1f%%\n",
-                       causal ? "yes" : "no", T, w->name, kernel_of(&w->a, &w->ex), 1e3 * med[r],
-                       1e3 * w->t[0], 1e3 * w->t[reps - 1], flop / med[r] * 1e-9,
-                       100.0 * flop / med[r] * 1e-9 / peak);
+                       causal ? "yes" : "no", T, w->name, kn, 1e3 * med[r], 1e3 * w->t[0],
+                       1e3 * w->t[reps - 1], flop / med[r] * 1e-9,
+                       100.0 * flop / med[r] * 1e-9 / pk);
             }
             double dmax = 0.0, fmax_ = 0.0;
             for (int64_t e = 0; e < cnt; e++) {
@@ -196,8 +200,8 @@ int main(int argc, char **argv) {
                 fmax_ = fabs(f) > fmax_ ? fabs(f) : fmax_;
             }
             printf("        f32/bf16 time %.2fx; bf16 vs f32 output max|diff|/max|f32| %.2e; fp32 "
-                   "FMA peak %d thread(s) %.1f GFLOP/s (%s)\n",
-                   med[0] / med[1], dmax / fmax_, T, peak, isa);
+                   "FMA peak %d thread(s) %.1f GFLOP/s (%s), bf16 dot peak %.1f\n",
+                   med[0] / med[1], dmax / fmax_, T, peak, isa, bf16_peak);
             for (int r = 0; r < 2; r++)
                 free(rows[r].out), free(rows[r].ex.workspace);
         }

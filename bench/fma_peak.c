@@ -105,6 +105,31 @@ __attribute__((target("avx2,fma"))) static double loop_avx2(int64_t iters) {
     return (double)iters * 12.0 * 8.0 * 2.0;
 }
 
+/* vdpbf16ps: per lane two bf16 products added into an f32 accumulator, i.e. 2 multiply-adds (4
+ * FLOPs) per f32 lane, 64 FLOPs per zmm instruction; 16 independent chains as the FMA loop. */
+__attribute__((target("avx512f,avx512bf16"))) static double loop_avx512bf16(int64_t iters) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3c00);
+    __m512 c0 = _mm512_set1_ps(1.00f), c1 = _mm512_set1_ps(1.01f), c2 = _mm512_set1_ps(1.02f),
+           c3 = _mm512_set1_ps(1.03f), c4 = _mm512_set1_ps(1.04f), c5 = _mm512_set1_ps(1.05f),
+           c6 = _mm512_set1_ps(1.06f), c7 = _mm512_set1_ps(1.07f);
+    __m512 d0 = _mm512_set1_ps(1.10f), d1 = _mm512_set1_ps(1.11f), d2 = _mm512_set1_ps(1.12f),
+           d3 = _mm512_set1_ps(1.13f), d4 = _mm512_set1_ps(1.14f), d5 = _mm512_set1_ps(1.15f),
+           d6 = _mm512_set1_ps(1.16f), d7 = _mm512_set1_ps(1.17f);
+#    define DPBF(x) _mm512_dpbf16_ps(x, a, b)
+    for (int64_t it = 0; it < iters; it++) {
+        PEAK_CHAINS8(c, DPBF);
+        PEAK_CHAINS8(d, DPBF);
+    }
+#    undef DPBF
+    __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                             _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7)));
+    s = _mm512_add_ps(s,
+                      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(d0, d1), _mm512_add_ps(d2, d3)),
+                                    _mm512_add_ps(_mm512_add_ps(d4, d5), _mm512_add_ps(d6, d7))));
+    g_sink = _mm512_reduce_add_ps(s);
+    return (double)iters * 16.0 * 16.0 * 4.0;
+}
+
 static int cpu_has_avx512f(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f");
@@ -272,6 +297,16 @@ double bench_peak_gflops(int i, int threads, double ms, int reps) {
     if (!bench_peak_isa_usable(i) || threads < 1)
         return 0.0;
     return measure(loops[i].fn, threads, ms, reps);
+}
+
+double bench_peak_bf16_gflops(int threads, double ms, int reps) {
+#if PEAK_X86
+    __builtin_cpu_init();
+    if (threads >= 1 && __builtin_cpu_supports("avx512bf16"))
+        return measure(loop_avx512bf16, threads, ms, reps);
+#endif
+    (void)threads, (void)ms, (void)reps;
+    return 0.0;
 }
 
 double bench_peak_best_gflops(int threads, double ms, int reps, const char **isa) {

@@ -12,6 +12,10 @@ const char *bench_peak_isa_name(int i);
 int bench_peak_isa_usable(int i);
 /* GFLOP/s of `threads` threads running ISA i's FMA loop at once, best of `reps` runs of ~ms. */
 double bench_peak_gflops(int i, int threads, double ms, int reps);
+/* The bf16 dot-product peak (AVX512-BF16 vdpbf16ps: 4 FLOPs per f32 lane and instruction) of
+ * `threads` threads, or 0 when the CPU lacks it: the denominator of the bf16-tile kernels'
+ * "% of peak" (the FMA peak stays the f32 kernels'). */
+double bench_peak_bf16_gflops(int threads, double ms, int reps);
 /* The same for the widest usable ISA; *isa (if not NULL) gets its name. */
 double bench_peak_best_gflops(int threads, double ms, int reps, const char **isa);
 /* Monotonic clock in seconds, and a qsort comparator of doubles (for medians), shared by the

@@ -66,6 +66,17 @@ int main(int argc, char **argv) {
             first = 0;
         }
     }
+    /* The bf16 dot-product peak (what the bf16-tile kernels are measured against). */
+    for (int c = 0; c < (threads > 1 ? 2 : 1) && !only; c++) {
+        const int t = c ? threads : 1;
+        const double g = bench_peak_bf16_gflops(t, ms, reps < 1 ? 1 : reps);
+        if (g <= 0.0)
+            break;
+        if (json)
+            printf(", {\"isa\": \"avx512bf16-dot\", \"threads\": %d, \"gflops\": %.2f}", t, g);
+        else
+            printf("%-8s %8d %12.1f  (vdpbf16ps: 4 FLOPs per lane)\n", "bf16dot", t, g);
+    }
     if (json)
         printf("]}\n");
     return 0;
