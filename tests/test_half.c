@@ -25,6 +25,7 @@
 #include "core_cases.h"
 #include "harness.h"
 #include "kernels/registry.h"
+#include "mha_experimental.h"
 #include "oracle_f64.h"
 #include "tolerance.h"
 
@@ -456,6 +457,10 @@ int main(void) {
     printf("half precision vs float64 (same rounded inputs): worst out err / max|ref| %.3g, "
            "worst gradient err / max|ref| %.3g (bf16 u = %.3g, f16 u = %.3g)\n",
            g_worst_fwd, g_worst_bwd, TOL_HALF_U_BF16, TOL_HALF_U_F16);
+    /* No AMX kernel exists yet (docs/KERNELS.md, "Waiting for hardware"): say what this CPU has,
+     * so a run on an AMX host shows that its tiles went unused. */
+    printf("AMX tier: not built (no AMX kernel is registered); this CPU %s AMX-BF16\n",
+           mha_experimental_cpu_amx_bf16() ? "HAS" : "has no");
     if (g_tile_exempt)
         printf("%d cases of AUTO ran a bf16-tile kernel (checked by test_half_kernel, not here)\n",
                g_tile_exempt);
