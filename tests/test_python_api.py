@@ -732,15 +732,18 @@ def test_compiled_fast_path_inputs_it_declines_or_refuses(monkeypatch):
     with pytest.raises(TypeError):
         fc.layer_call(layer._ptr, 1, 5)
     with pytest.raises(TypeError):
-        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0, None, None)
+        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0, None, None, 0)
     with pytest.raises(ValueError, match="threads"):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40, None, None)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40, None, None, 0)
     with pytest.raises(OverflowError):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70, None, None)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70, None, None, 0)
     with pytest.raises(ValueError, match="NULL"):
-        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None, None)
+        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None, None, 0)
+    with pytest.raises(mha.MhaError, match="x_dtype"):  # not an mha_dtype code
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None, None,
+                      99)
     with pytest.raises(mha.MhaError) as e:
-        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0, None, None)   # NULL query
+        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0, None, None, 0)   # NULL query
     assert e.value.status == 1 and e.value.message
 
 
