@@ -11,6 +11,16 @@ input/weight/bias gradients) of
   torch_sdpa F.linear + F.scaled_dot_product_attention(is_causal) + F.linear, .backward()
 with torch.set_num_threads = mha n_threads, median of >= 3 runs after a warm-up, round robin.
 
+--dtype bf16 (issue 30) adds, on the same bfloat16-rounded inputs and weights (every row gets them):
+  mha_bf16_cache      the step with bf16 weights (weight_dtype), bf16 x, y, dy and dx, float32
+                      weight gradients (the C contract), block cache allocator
+  mha_torch_autocast  mha.torch.MultiheadAttention (float32 parameters) under
+                      torch.autocast('cpu', bf16): the drop-in's step as a user runs it (the C
+                      layer with the weights in bf16 is built once: the weights do not change)
+  torch_mha_autocast  nn.MultiheadAttention under the same autocast, .backward()
+  torch_sdpa_autocast F.linear + SDPA + F.linear under the same autocast, .backward()
+--out FILE writes one JSON row per (n, threads, impl) with host, tier, dtype, median/min/max ms.
+
 FLOPs (FlashAttention convention, docs/BENCHMARKS.md): attention forward 2*B*h*P*(d_k + d_v) with
 P = n(n+1)/2 unmasked pairs (causal), backward = 2.5 x forward; projections 2*rows*in*out forward
 and 2x that backward (dX and dW). fwd+bwd = 3.5 x attn_fwd + 3 x proj_fwd.
@@ -19,11 +29,13 @@ Peak RSS of one mha training step is measured in a fresh process per n (VmHWM).
 
 Usage: python3 bench/bench_backward.py [--lib build/libmha.so] [--threads 1,2] [--reps 3]
                                        [--n 2048,8192] [--no-torch] [--peak build/bench/mha_peak]
+                                       [--dtype f32|bf16] [--out results.jsonl] [--no-rss]
 """
 import argparse
 import ctypes as C
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -33,8 +45,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_layer import (Config, Exec, ForwardArgs, MhaError, Weights, fptr,  # noqa: E402
-                         machine_info, measure_peak, vm_hwm_kb)
+from bench_layer import (MHA_DTYPE_BF16, MHA_DTYPE_F32, Config, Exec,  # noqa: E402
+                         ForwardArgs, MhaError, Weights, fptr, from_bf16, machine_info,
+                         measure_peak, to_bf16, vm_hwm_kb)
 
 P_f32 = C.POINTER(C.c_float)
 
@@ -86,9 +99,12 @@ class MhaStep:
     """One training step of mha; with `cache`, every allocation goes through an mha_block_cache
     (exec.allocator), so steps after the first reuse the first step's memory."""
 
-    def __init__(self, mha, x, dy, w, dm, h, threads, cache=False):
-        self.mha, self.x, self.dy, self.w = mha, x, dy, w
-        cfg = Config(q_dim=dm, num_heads=h, bias_q=1, bias_k=1, bias_v=1, bias_o=1)
+    def __init__(self, mha, x, dy, w, dm, h, threads, cache=False, dtype=MHA_DTYPE_F32):
+        # dtype: of the weights, x, y, dy and dx (bf16: uint16 arrays of bits, to_bf16);
+        # the weight gradients are float32 whatever it is.
+        self.mha, self.x, self.dy, self.w, self.dtype = mha, x, dy, w, dtype
+        cfg = Config(q_dim=dm, num_heads=h, bias_q=1, bias_k=1, bias_v=1, bias_o=1,
+                     weight_dtype=dtype)
         wt = Weights(w_q=fptr(w["wq"]), w_k=fptr(w["wk"]), w_v=fptr(w["wv"]), w_o=fptr(w["wo"]),
                      b_q=fptr(w["bq"]), b_k=fptr(w["bk"]), b_v=fptr(w["bv"]), b_o=fptr(w["bo"]))
         self.layer = C.c_void_p()
@@ -96,7 +112,7 @@ class MhaStep:
         mha.check(mha.lib.mha_layer_create(C.byref(cfg), C.byref(wt), 1, None,
                                            C.byref(self.layer), C.byref(err)), err, "create")
         self.y = np.empty_like(x)
-        self.g = {k: np.empty_like(v) for k, v in w.items()}
+        self.g = {k: np.empty(v.shape, np.float32) for k, v in w.items()}
         self.dx = np.empty_like(x)
         self.ex = Exec(impl=0, n_threads=threads)
         self.cache = C.c_void_p()
@@ -107,7 +123,8 @@ class MhaStep:
 
     def __call__(self):
         B, n, _ = self.x.shape
-        a = ForwardArgs(batch=B, q_len=n, kv_len=n, query=fptr(self.x), out=fptr(self.y))
+        a = ForwardArgs(batch=B, q_len=n, kv_len=n, query=fptr(self.x), out=fptr(self.y),
+                        x_dtype=self.dtype, out_dtype=self.dtype)
         a.mask.causal = 1
         st, err = C.c_void_p(), MhaError()
         L = self.mha.lib
@@ -161,6 +178,55 @@ def torch_steps(torch, x, dy, w, dm, h):
     return run_mha, run_sdpa
 
 
+def torch_autocast_steps(torch, x, dy, w, dm, h, lib):
+    """(mha.torch drop-in step, nn.MultiheadAttention step, SDPA step), each under
+    torch.autocast('cpu', bf16) with float32 parameters holding w."""
+    import torch.nn.functional as F
+    os.environ.setdefault("MHA_LIBRARY", lib)
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import mha.torch as mt
+    n = x.shape[1]
+    dk = dm // h
+    t = {k: torch.from_numpy(v.copy()).requires_grad_(True) for k, v in w.items()}
+    X = torch.from_numpy(x.copy()).requires_grad_(True)
+    DY = torch.from_numpy(dy).to(torch.bfloat16)
+    mods = []
+    for cls in (mt.MultiheadAttention, torch.nn.MultiheadAttention):
+        m = cls(dm, h, bias=True, batch_first=True)
+        with torch.no_grad():
+            m.in_proj_weight.copy_(torch.cat([t["wq"], t["wk"], t["wv"]], 0))
+            m.in_proj_bias.copy_(torch.cat([t["bq"], t["bk"], t["bv"]], 0))
+            m.out_proj.weight.copy_(t["wo"])
+            m.out_proj.bias.copy_(t["bo"])
+        mods.append(m)
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+
+    def module_step(m, ours):
+        def run():
+            m.zero_grad(set_to_none=True)
+            X.grad = None
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if ours:  # (mha's is_causal is its rule; torch's module needs the mask)
+                    y = m(X, X, X, need_weights=False, is_causal=True)[0]
+                else:
+                    y = m(X, X, X, need_weights=False, attn_mask=mask, is_causal=True)[0]
+            y.backward(DY)
+        return run
+
+    def run_sdpa():
+        for v in t.values():
+            v.grad = None
+        X.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            q = F.linear(X, t["wq"], t["bq"]).view(1, n, h, dk).transpose(1, 2)
+            k = F.linear(X, t["wk"], t["bk"]).view(1, n, h, dk).transpose(1, 2)
+            v = F.linear(X, t["wv"], t["bv"]).view(1, n, h, dk).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.linear(o.transpose(1, 2).reshape(1, n, dm), t["wo"], t["bo"])
+        y.backward(DY)
+    return module_step(mods[0], True), module_step(mods[1], False), run_sdpa
+
+
 def flops(n, dm, h):
     dk = dm // h
     attn_fwd = 2 * h * (n * (n + 1) // 2) * (dk + dk)
@@ -177,7 +243,7 @@ def timeit(fns, reps):
             t0 = time.perf_counter()
             f()
             ts[i].append(time.perf_counter() - t0)
-    return [sorted(t)[len(t) // 2] for t in ts]
+    return [dict(median=sorted(t)[len(t) // 2], min=min(t), max=max(t)) for t in ts]
 
 
 def rss_child(lib, n, dm, h, threads):
@@ -203,8 +269,12 @@ def main():
     ap.add_argument("--n", default="2048,8192")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--dtype", default="f32", choices=("f32", "bf16"))
+    ap.add_argument("--out", default=None, help="JSONL file for the rows")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child runs")
     ap.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    bf16 = args.dtype == "bf16"
     lib = find([args.lib, os.path.join(ROOT, "build", "libmha.so"),
                 os.path.join(ROOT, "build-bwd", "libmha.so")])
     dm, h = 1024, 16
@@ -231,35 +301,58 @@ def main():
         except ImportError:
             print("# torch not importable: no PyTorch columns")
     mha = Mha(lib)
+    host = "%s (%s)" % (info.get("cpu"), platform.node())
+    tier = os.environ.get("MHA_MAX_ISA") or (peak[threads[0]][0] if peak else None)
+    fout = open(args.out, "a") if args.out else None
     print("# FLOPs: 3.5 x attention forward (2*h*n(n+1)/2*(dk+dv)) + 3 x projection forward "
           "(8*n*d^2); B=1, d_model=1024, h=16, d_k=64, causal, all gradients")
-    print(f"{'n':>6} {'thr':>3} {'impl':>10} {'ms':>10} {'GFLOP/s':>8} {'%peak':>6} "
-          f"{'mha, mha_cache speed-up':>23}")
+    print(f"{'n':>6} {'thr':>3} {'impl':>19} {'ms':>10} {'min':>8} {'max':>8} {'GFLOP/s':>8} "
+          f"{'%peak':>6} {'mha, mha_cache speed-up':>23}")
     rows = []
     for n in ns:
         x, dy, w, _ = make(n, dm, h)
+        if bf16:  # every row gets the same bf16-rounded values (float32 rows: widened)
+            xb, dyb, wb = to_bf16(x), to_bf16(dy), {k: to_bf16(v) for k, v in w.items()}
+            x, dy, w = from_bf16(xb), from_bf16(dyb), {k: from_bf16(v) for k, v in wb.items()}
         fl = flops(n, dm, h)
         for t in threads:
             step = MhaStep(mha, x, dy, w, dm, h, t)
             cached = MhaStep(mha, x, dy, w, dm, h, t, cache=True)
-            fns, names = [step, cached], ["mha", "mha_cache"]
+            fns, names, steps = [step, cached], ["mha", "mha_cache"], [step, cached]
+            if bf16:
+                sb = MhaStep(mha, xb, dyb, wb, dm, h, t, cache=True, dtype=MHA_DTYPE_BF16)
+                fns.append(sb)
+                steps.append(sb)
+                names.append("mha_bf16_cache")
             if torch is not None:
                 torch.set_num_threads(t)
                 a, b = torch_steps(torch, x, dy, w, dm, h)
                 fns += [a, b]
                 names += ["torch_mha", "torch_sdpa"]
+                if bf16:
+                    fns += list(torch_autocast_steps(torch, x, dy, w, dm, h, lib))
+                    names += ["mha_torch_autocast", "torch_mha_autocast", "torch_sdpa_autocast"]
             ts = timeit(fns, args.reps)
-            step.close()
-            cached.close()
+            for st in steps:
+                st.close()
             pk = peak.get(t, (None, None))[1]
-            for name, s in zip(names, ts):
+            for name, tt in zip(names, ts):
+                s = tt["median"]
                 gf = fl / s / 1e9
                 pct = f"{100 * gf / pk:5.1f}" if pk else "   - "
-                sp = (f"{s / ts[0]:6.2f}x {s / ts[1]:5.2f}x" if name.startswith("torch")
-                      else f"{'':>14}")
-                print(f"{n:>6} {t:>3} {name:>10} {1e3 * s:10.1f} {gf:8.1f} {pct:>6} {sp}")
-                rows.append(dict(n=n, threads=t, impl=name, ms=1e3 * s, gflops=gf))
-    for n in ns:
+                sp = (f"{s / ts[0]['median']:6.2f}x {s / ts[1]['median']:5.2f}x"
+                      if name.startswith("torch") else f"{'':>14}")
+                print(f"{n:>6} {t:>3} {name:>19} {1e3 * s:10.1f} {1e3 * tt['min']:8.1f} "
+                      f"{1e3 * tt['max']:8.1f} {gf:8.1f} {pct:>6} {sp}")
+                r = dict(bench="train_step", host=host, tier=tier, dtype=args.dtype, n=n,
+                         d_model=dm, h=h, causal=True, threads=t, impl=name, ms=1e3 * s,
+                         median_ms=1e3 * s, min_ms=1e3 * tt["min"], max_ms=1e3 * tt["max"],
+                         runs=args.reps, gflops=gf)
+                rows.append(r)
+                if fout:
+                    fout.write(json.dumps(r) + "\n")
+                    fout.flush()
+    for n in ([] if args.no_rss else ns):
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--lib", lib,
                               "--rss-child", str(n), "--threads", str(threads[0])],
                              capture_output=True, text=True, check=True).stdout

@@ -22,8 +22,20 @@ causal counted exactly; each projection 2*rows*in*out. The layer's count is the 
 
 Peak RSS of the mha layer forward is measured in a fresh process per n (VmHWM, see vm_hwm_kb).
 
+--dtype bf16 (issue 30) times, on the same bfloat16-rounded inputs and weights,
+  mha_layer_bf16   libmha's layer with bf16 weights (mha_config.weight_dtype), bf16 input and output
+                   (x_dtype/out_dtype; float32 arithmetic inside)
+  mha_layer        mha's own float32 layer on the same values widened (the 1.5x target's base)
+  mha_core_bf16    the core alone on bf16 Q/K/V/out (q_dtype...), beside mha_core (float32)
+  torch_sdpa_bf16  F.linear + F.scaled_dot_product_attention + F.linear on bf16 tensors
+  torch_mha_autocast  nn.MultiheadAttention (float32 parameters) under torch.autocast('cpu', bf16)
+and the float32 torch rows; blas_layer, mha_layer_ref and mha_layer_alloc are left out. rel_err is
+then against torch_sdpa in float32 on the widened values. Each JSONL row names the host (CPU model,
+hostname) and the tier (MHA_MAX_ISA if set, else the widest ISA mha_peak found).
+
 Usage: python3 bench/bench_layer.py [--lib build/libmha.so] [--peak build/bench/mha_peak]
          [--threads 1,2] [--reps 5] [--cases NAME,...] [--quick] [--no-torch] [--rss 2048,8192]
+         [--dtype f32|bf16]
 """
 import argparse
 import ctypes as C
@@ -51,6 +63,7 @@ P_i64 = C.POINTER(C.c_int64)
 P_i32 = C.POINTER(C.c_int32)
 
 MHA_IMPL_AUTO, MHA_IMPL_REFERENCE, MHA_IMPL_FAST = 0, 1, 2
+MHA_DTYPE_F32, MHA_DTYPE_BF16 = 0, 3  # mha_dtype (include/mha.h)
 
 
 class MhaError(C.Structure):
@@ -124,8 +137,21 @@ class AttentionArgs(C.Structure):
 
 
 def fptr(a):
-    assert a.dtype == np.float32 and a.flags.c_contiguous
+    """The data pointer of a float32 array, or of a bfloat16 one (its bits in a uint16 array:
+    numpy has no bfloat16; the call's dtype field says which), typed as the struct field."""
+    assert a.dtype in (np.float32, np.uint16) and a.flags.c_contiguous
     return a.ctypes.data_as(P_f32)
+
+
+def to_bf16(a):
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even (finite inputs)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(b):
+    """bfloat16 bits (uint16) -> float32, exact."""
+    return (b.astype(np.uint32) << 16).view(np.float32)
 
 
 class Mha:
@@ -153,10 +179,10 @@ class Mha:
 class MhaLayer:
     """A borrowed-weights layer: the numpy weight arrays must outlive it (kept in self.w)."""
 
-    def __init__(self, mha, w, d_model, h, g, dk):
-        self.mha, self.w = mha, w
+    def __init__(self, mha, w, d_model, h, g, dk, dtype=MHA_DTYPE_F32):
+        self.mha, self.w, self.dtype = mha, w, dtype  # dtype: the weights' (and x/out's)
         cfg = Config(q_dim=d_model, num_heads=h, num_kv_heads=g, head_dim=dk, bias_q=1, bias_k=1,
-                     bias_v=1, bias_o=1)
+                     bias_v=1, bias_o=1, weight_dtype=dtype)
         wt = Weights(w_q=fptr(w["wq"]), w_k=fptr(w["wk"]), w_v=fptr(w["wv"]), w_o=fptr(w["wo"]),
                      b_q=fptr(w["bq"]), b_k=fptr(w["bk"]), b_v=fptr(w["bv"]), b_o=fptr(w["bo"]))
         self.handle = C.c_void_p()
@@ -169,7 +195,8 @@ class MhaLayer:
         kept, as an application calling the layer in a loop would (docs/performance.md): the
         forward then allocates nothing. Without it libmha allocates and frees it per call."""
         B, n, _ = x.shape
-        a = ForwardArgs(batch=B, q_len=n, kv_len=n, query=fptr(x), out=fptr(out))
+        a = ForwardArgs(batch=B, q_len=n, kv_len=n, query=fptr(x), out=fptr(out),
+                        x_dtype=self.dtype, out_dtype=self.dtype)
         a.mask.causal = 1 if causal else 0
         ex = Exec(impl=impl, n_threads=threads)
         err = MhaError()
@@ -193,12 +220,13 @@ class MhaLayer:
             self.handle = C.c_void_p()
 
 
-def mha_core(mha, q, k, v, out, causal, impl, threads):
-    """q [B, n, h, dk], k [B, m, g, dk], v [B, m, g, dv], out [B, n, h, dv] (the layer's layout)."""
+def mha_core(mha, q, k, v, out, causal, impl, threads, dtype=MHA_DTYPE_F32):
+    """q [B, n, h, dk], k [B, m, g, dk], v [B, m, g, dv], out [B, n, h, dv] (the layer's layout),
+    all of `dtype`."""
     B, n, h, dk = q.shape
     _, m, g, dv = v.shape
     a = AttentionArgs(batch=B, num_heads=h, num_kv_heads=g, q_len=n, kv_len=m, head_dim=dk,
-                      v_head_dim=dv)
+                      v_head_dim=dv, q_dtype=dtype, k_dtype=dtype, v_dtype=dtype, out_dtype=dtype)
     a.q, a.k, a.v, a.out = fptr(q), fptr(k), fptr(v), fptr(out)
     a.q_strides[:] = [n * h * dk, dk, h * dk]
     a.k_strides[:] = [m * g * dk, dk, g * dk]
@@ -335,15 +363,37 @@ class TorchPeers:
                                                        is_causal=c["causal"],
                                                        enable_gqa=c["g"] != c["h"])
 
-    def run_sdpa(self):
-        c, t, F = self.c, self.t, self.F
+    def run_sdpa(self, bf16=False):
+        c, F = self.c, self.F
+        t, x = (self.tb, self.xb) if bf16 else (self.t, self.x)
         B, n, dm, h, g, dk = c["B"], c["n"], c["d_model"], c["h"], c["g"], c["dk"]
         with self.torch.inference_mode():
-            q = F.linear(self.x, t["wq"], t["bq"]).view(B, n, h, dk).transpose(1, 2)
-            k = F.linear(self.x, t["wk"], t["bk"]).view(B, n, g, dk).transpose(1, 2)
-            v = F.linear(self.x, t["wv"], t["bv"]).view(B, n, g, dk).transpose(1, 2)
+            q = F.linear(x, t["wq"], t["bq"]).view(B, n, h, dk).transpose(1, 2)
+            k = F.linear(x, t["wk"], t["bk"]).view(B, n, g, dk).transpose(1, 2)
+            v = F.linear(x, t["wv"], t["bv"]).view(B, n, g, dk).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"], enable_gqa=g != h)
             return F.linear(o.transpose(1, 2).reshape(B, n, h * dk), t["wo"], t["bo"])
+
+    # bfloat16 peers (--dtype bf16): the same values (already bf16-rounded) in bf16 tensors.
+    def prepare_bf16(self):
+        bf = self.torch.bfloat16
+        self.tb = {k: v.to(bf) for k, v in self.t.items()}
+        self.xb = self.x.to(bf)
+        self.cqb, self.ckb, self.cvb = (u.to(bf) for u in (self.cq, self.ck, self.cv))
+
+    def run_sdpa_bf16(self):
+        return self.run_sdpa(bf16=True)
+
+    def run_sdpa_core_bf16(self):
+        c = self.c
+        with self.torch.inference_mode():
+            return self.F.scaled_dot_product_attention(self.cqb, self.ckb, self.cvb,
+                                                       is_causal=c["causal"],
+                                                       enable_gqa=c["g"] != c["h"])
+
+    def run_mha_autocast(self):
+        with self.torch.autocast("cpu", dtype=self.torch.bfloat16):
+            return self.run_mha()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -474,6 +524,8 @@ def main():
     ap.add_argument("--rss", default="2048,8192", help="n values for the peak-RSS runs ('' = none)")
     ap.add_argument("--rss-torch", action="store_true", help="also measure torch's RSS")
     ap.add_argument("--out", default=None, help="JSONL file (default bench/results/layer-<date>)")
+    ap.add_argument("--dtype", default="f32", choices=("f32", "bf16"),
+                    help="bf16: mha's bf16 layer and core beside torch's bf16 peers (docstring)")
     ap.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rss-impl", default="mha", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -505,12 +557,17 @@ def main():
     mha = Mha(args.lib)
     info = machine_info()
     info.update(lib=args.lib, mha_version=mha.version, torch=torch.__version__ if torch else None,
-                threads=threads, reps=reps)
+                threads=threads, reps=reps, dtype=args.dtype)
     peak_json, peak = measure_peak(args.peak, threads)
+    host = "%s (%s)" % (info.get("cpu"), platform.node())
+    tier = os.environ.get("MHA_MAX_ISA") or peak[threads[0]][0]
+    info.update(host=host, tier=tier)
+    bf16 = args.dtype == "bf16"
     info["peak_start"] = peak_json["peak"]
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_path = args.out or os.path.join(HERE, "results", "layer-%s.jsonl" % stamp)
+    out_path = args.out or os.path.join(HERE, "results", "layer-%s%s.jsonl" % (
+        "bf16-" if bf16 else "", stamp))
     fout = open(out_path, "w")
     fout.write(json.dumps(dict(bench="env", **info)) + "\n")
 
@@ -535,6 +592,10 @@ def main():
         proj_f, attn_f = flops(c)
         x, w = make_inputs(c)
         B, n, dm, h, g, dk = c["B"], c["n"], c["d_model"], c["h"], c["g"], c["dk"]
+        if bf16:  # every row gets the same bf16-rounded values (float32 rows: widened)
+            xb, wb = to_bf16(x), {k: to_bf16(v) for k, v in w.items()}
+            x, w = from_bf16(xb), {k: from_bf16(v) for k, v in wb.items()}
+            layer_bf = MhaLayer(mha, wb, dm, h, g, dk, MHA_DTYPE_BF16)
         layer = MhaLayer(mha, w, dm, h, g, dk)
         # Projected inputs for the core-only row (same as the layer computes; no RoPE).
         X = x.reshape(B * n, dm)
@@ -542,11 +603,14 @@ def main():
         k = np.ascontiguousarray((X @ w["wk"].T + w["bk"]).reshape(B, n, g, dk))
         v = np.ascontiguousarray((X @ w["wv"].T + w["bv"]).reshape(B, n, g, dk))
         core_out = np.empty((B, n, h, dk), np.float32)
+        if bf16:
+            qb, kb, vb = to_bf16(q), to_bf16(k), to_bf16(v)
+            core_out_b = np.empty((B, n, h, dk), np.uint16)
         peers = TorchPeers(torch, x, w, c) if torch else None
         print("\n## %s: B=%d n=%d d_model=%d h=%d g=%d d_k=%d causal=%s | GFLOP: layer %.2f "
               "(proj %.2f + attn %.2f)" % (c["name"], B, n, dm, h, g, dk, c["causal"],
                                            (proj_f + attn_f) / 1e9, proj_f / 1e9, attn_f / 1e9))
-        print("%-14s %3s %10s %10s %10s %9s %7s %8s %s" % ("impl", "thr", "median_ms", "min_ms",
+        print("%-20s %3s %10s %10s %10s %9s %7s %8s %s" % ("impl", "thr", "median_ms", "min_ms",
                                                            "max_ms", "GFLOP/s", "%peak",
                                                            "rel_err", "note"))
         # Reference output for the error column: torch SDPA if present, else the BLAS layer.
@@ -560,18 +624,32 @@ def main():
             case_peak = max(pk[T][1], peak[T][1])
             y, yr, core_out = np.empty_like(x), np.empty_like(x), core_out
             impls = []  # (name, fn, flops, output-or-None, note)
+            if bf16:
+                yb = np.empty(x.shape, np.uint16)
+                impls.append(("mha_layer_bf16", lambda: layer_bf.forward(xb, yb, c["causal"],
+                                                                        MHA_IMPL_AUTO, T),
+                              proj_f + attn_f, lambda: from_bf16(yb),
+                              "bf16 weights/x/out, impl=auto, workspace reused"))
+                impls.append(("mha_core_bf16", lambda: mha_core(mha, qb, kb, vb, core_out_b,
+                                                                c["causal"], MHA_IMPL_AUTO, T,
+                                                                MHA_DTYPE_BF16),
+                              attn_f, None, "attention core only, bf16 q/k/v/out, impl=auto"))
             impls.append(("mha_layer", lambda: layer.forward(x, y, c["causal"], MHA_IMPL_AUTO, T),
                           proj_f + attn_f, lambda: y, "impl=auto, workspace reused"))
-            impls.append(("mha_layer_alloc", lambda: layer.forward(x, y, c["causal"],
-                                                                   MHA_IMPL_AUTO, T, False),
-                          proj_f + attn_f, lambda: y, "impl=auto, workspace allocated per call"))
+            if not bf16:
+                impls.append(("mha_layer_alloc", lambda: layer.forward(x, y, c["causal"],
+                                                                       MHA_IMPL_AUTO, T, False),
+                              proj_f + attn_f, lambda: y,
+                              "impl=auto, workspace allocated per call"))
             impls.append(("mha_core", lambda: mha_core(mha, q, k, v, core_out, c["causal"],
                                                        MHA_IMPL_AUTO, T),
                           attn_f, None, "attention core only (no projections), impl=auto"))
             # impl=REFERENCE only where one run takes a few seconds at most, estimated from the
             # flop count at the reference loops' ~2 GFLOP/s per thread.
             est_s = (proj_f + attn_f) / 2e9 / T
-            if est_s <= args.ref_max_s:
+            if bf16:
+                pass
+            elif est_s <= args.ref_max_s:
                 impls.append(("mha_layer_ref", lambda: layer.forward(x, yr, c["causal"],
                                                                      MHA_IMPL_REFERENCE, T),
                               proj_f + attn_f, lambda: yr, "impl=reference"))
@@ -586,8 +664,9 @@ def main():
                         blas_out["y"] = blas_layer(x, w, c)
                 else:
                     blas_out["y"] = blas_layer(x, w, c)
-            impls.append(("blas_layer", run_blas, proj_f + attn_f, lambda: blas_out["y"],
-                          "numpy %s OpenBLAS sgemm + numpy softmax" % np.__version__))
+            if not bf16:
+                impls.append(("blas_layer", run_blas, proj_f + attn_f, lambda: blas_out["y"],
+                              "numpy %s OpenBLAS sgemm + numpy softmax" % np.__version__))
             if peers:
                 if peers.mha is not None:
                     impls.append(("torch_mha", peers.run_mha, proj_f + attn_f,
@@ -602,6 +681,20 @@ def main():
                 peers.prepare_core()
                 impls.append(("torch_sdpa_core", peers.run_sdpa_core, attn_f, None,
                               "F.scaled_dot_product_attention alone (peer of mha_core)"))
+                if bf16:
+                    peers.prepare_bf16()
+                    impls.append(("torch_sdpa_bf16", peers.run_sdpa_bf16, proj_f + attn_f,
+                                  lambda: peers.run_sdpa_bf16().float().numpy(),
+                                  "F.linear + F.scaled_dot_product_attention, bf16 tensors"))
+                    impls.append(("torch_sdpa_core_bf16", peers.run_sdpa_core_bf16, attn_f, None,
+                                  "F.scaled_dot_product_attention alone, bf16 (peer of "
+                                  "mha_core_bf16)"))
+                    if peers.mha is not None:
+                        impls.append(("torch_mha_autocast", peers.run_mha_autocast,
+                                      proj_f + attn_f,
+                                      lambda: peers.run_mha_autocast().float().numpy(),
+                                      "nn.MultiheadAttention (f32 params) under "
+                                      "autocast('cpu', bf16)"))
             sts = time_round_robin([im[1] for im in impls], reps)
             results = {}
             for (name, _, fl, outf, note), st in zip(impls, sts):
@@ -610,7 +703,8 @@ def main():
                 if outf is not None:
                     out = np.asarray(outf(), np.float32)
                     err = float(np.max(np.abs(out - ref_y)) / np.max(np.abs(ref_y)))
-                r = dict(bench="layer", case=c["name"], impl=name, threads=T, B=B, n=n,
+                r = dict(bench="layer", host=host, tier=tier, dtype=args.dtype,
+                         case=c["name"], impl=name, threads=T, B=B, n=n,
                          d_model=dm, h=h, g=g, dk=dk, causal=c["causal"], flops=fl, gflops=gf,
                          peak_gflops=case_peak, pct_peak=100 * gf / case_peak,
                          rel_err_vs_ref=err, note=note, **st)
@@ -618,19 +712,26 @@ def main():
                 rows.append(r)
                 fout.write(json.dumps(r) + "\n")
                 fout.flush()
-                print("%-14s %3d %10.2f %10.2f %10.2f %9.1f %6.1f%% %8s %s" % (
+                print("%-20s %3d %10.2f %10.2f %10.2f %9.1f %6.1f%% %8s %s" % (
                     name, T, st["median_ms"], st["min_ms"], st["max_ms"], gf, r["pct_peak"],
                     "%.1e" % err if err is not None else "-", note), flush=True)
-            base = results["mha_layer"]["median_ms"]
+            lead = "mha_layer_bf16" if bf16 else "mha_layer"
+            base = results[lead]["median_ms"]
+            cores = ("mha_core", "torch_sdpa_core", "mha_core_bf16", "torch_sdpa_core_bf16")
             ratios = ["%s %.2fx" % (k, r["median_ms"] / base) for k, r in results.items()
-                      if k not in ("mha_layer", "mha_core", "torch_sdpa_core")]
-            line = "   (peak used: %.1f GFLOP/s) mha_layer speed-up over: %s" % (
-                case_peak, ", ".join(ratios))
-            if "torch_sdpa_core" in results:
-                line += "; mha_core over torch_sdpa_core %.2fx" % (
-                    results["torch_sdpa_core"]["median_ms"] / results["mha_core"]["median_ms"])
+                      if k != lead and k not in cores]
+            line = "   (peak used: %.1f GFLOP/s) %s speed-up over: %s" % (
+                case_peak, lead, ", ".join(ratios))
+            for core, peer in (("mha_core", "torch_sdpa_core"),
+                               ("mha_core_bf16", "torch_sdpa_core_bf16"),
+                               ("mha_core_bf16", "mha_core")):
+                if core in results and peer in results:
+                    line += "; %s over %s %.2fx" % (core, peer, results[peer]["median_ms"] /
+                                                    results[core]["median_ms"])
             print(line, flush=True)
         layer.close()
+        if bf16:
+            layer_bf.close()
         del peers
 
     # Peak again at the end: the machine is shared, so print how much it moved.

@@ -375,8 +375,10 @@ def test_layer_inputs_converted_noncontiguous_unbatched():
     x = f32(rng, 2, 5, 16)
     y = layer(x)
     np.testing.assert_allclose(layer(x.astype(np.float64)), y, rtol=0, atol=0)
-    y16 = layer(x.astype(np.float16))
-    close(y16, ref_layer(w, x.astype(np.float16).astype(np.float64), h=4)[0])
+    y16 = layer(x.astype(np.float16))  # read as float16, output in it (rounded once)
+    assert y16.dtype == np.float16
+    np.testing.assert_array_equal(y16, layer(x.astype(np.float16).astype(np.float32))
+                                  .astype(np.float16))
     xt = np.asfortranarray(x)                      # another memory order
     np.testing.assert_array_equal(layer(xt), y)
     big = f32(rng, 2, 5, 32)[:, :, ::2]            # strided view
@@ -730,15 +732,18 @@ def test_compiled_fast_path_inputs_it_declines_or_refuses(monkeypatch):
     with pytest.raises(TypeError):
         fc.layer_call(layer._ptr, 1, 5)
     with pytest.raises(TypeError):
-        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0, None, None)
+        fc.layer_call(layer._ptr, 1, 5, "x", 0, None, False, 0, None, None, 0)
     with pytest.raises(ValueError, match="threads"):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40, None, None)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 40, None, None, 0)
     with pytest.raises(OverflowError):
-        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70, None, None)
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 2 ** 70, None, None, 0)
     with pytest.raises(ValueError, match="NULL"):
-        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None, None)
+        fc.layer_call(None, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None, None, 0)
+    with pytest.raises(mha.MhaError, match="x_dtype"):  # not an mha_dtype code
+        fc.layer_call(layer._ptr, 1, 5, x.ctypes.data, y.ctypes.data, None, False, 0, None, None,
+                      99)
     with pytest.raises(mha.MhaError) as e:
-        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0, None, None)   # NULL query
+        fc.layer_call(layer._ptr, 1, 5, 0, y.ctypes.data, None, False, 0, None, None, 0)   # NULL query
     assert e.value.status == 1 and e.value.message
 
 

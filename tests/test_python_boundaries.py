@@ -254,7 +254,8 @@ def test_compiled_layer_under_autocast(backend):
         got, w = torch.compile(layer, backend=backend, fullgraph=True)(x, x, x)
         ref_layer = torch.nn.MultiheadAttention(32, 2, batch_first=True).eval()
         ref_layer.load_state_dict(layer.state_dict())
-    assert got.dtype == torch.float32 and not torch.isnan(got).any()
+    # torch's module answers in the autocast dtype under autocast (issue 30), and so does mha's
+    assert got.dtype == torch.bfloat16 and not torch.isnan(got).any()
     # The reference: torch's layer in float64 on the parameters autocast rounds to bfloat16.
     ref_layer = ref_layer.double()
     with torch.no_grad():
@@ -339,10 +340,15 @@ def test_fastcall_declines_what_it_cannot_read():
                 x[None], bytearray(x.tobytes())]
     for bad in declined:
         assert fast.layer_forward(layer._ptr, bad, 0, 1, None, None) is NotImplemented
-    # The public call on each of them: converted (float) or refused (TypeError / ValueError).
+    # The public call on each of them: converted (float; float16 is read as it is stored and
+    # answered in: the float32 result rounded once) or refused (TypeError / ValueError).
     for bad in declined[:2] + declined[3:6]:
-        np.testing.assert_allclose(layer.forward(bad), layer.forward(np.array(bad, np.float32)),
-                                   rtol=0, atol=0)
+        want = layer.forward(np.array(bad, np.float32))
+        if np.asarray(bad).dtype == np.float16:
+            want = want.astype(np.float16)
+        got = layer.forward(bad)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
     with pytest.raises(TypeError, match="floating-point"):
         layer.forward(declined[2])
     with pytest.raises((ValueError, mha.MhaError)):
@@ -420,8 +426,9 @@ def test_numpy_non_contiguous_and_read_only():
 def test_numpy_bfloat16_and_float8_converted():
     """ml_dtypes' bfloat16 / float8 arrays (kind 'V'; what np.asarray gives for JAX bfloat16) are
     floats: the core reads bfloat16 as it is (a bfloat16 result, the float32 result rounded
-    once), float8 is converted to float32; additive masks and layer inputs of either are
-    converted to float32; other 'V' dtypes (ml_dtypes' int4, a structured dtype) are refused."""
+    once), float8 is converted to float32; additive masks of either are converted to float32;
+    the layer reads bfloat16 input as it is too (its result the float32 one rounded once) and
+    converts float8 input to float32; other 'V' dtypes (ml_dtypes' int4, a structured dtype) are refused."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     q, k, v = np_qkv(5)
     for dt in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
@@ -445,7 +452,11 @@ def test_numpy_bfloat16_and_float8_converted():
     w = [rng.standard_normal((16, 16)).astype(np.float32) for _ in range(4)]
     layer = mha.MultiheadAttention(*w, num_heads=2)
     x = rng.standard_normal((2, 5, 16)).astype(ml_dtypes.bfloat16)
-    np.testing.assert_array_equal(layer.forward(x), layer.forward(x.astype(np.float32)))
+    got = layer.forward(x)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(got, layer.forward(x.astype(np.float32)).astype(x.dtype))
+    x8 = x.astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(layer.forward(x8), layer.forward(x8.astype(np.float32)))
 
 
 def test_torch_layouts_and_traced_mask_dtypes():

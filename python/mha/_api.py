@@ -135,6 +135,52 @@ def _core_operand(x: ArrayLike, name: str, native: bool) -> np.ndarray:
     return _float32(a, name, contiguous=False)
 
 
+def _layer_arrays(arrays: Dict[str, ArrayLike], storage: Optional[int]):
+    """({name: C-contiguous array}, weight_dtype) of a layer's weights, biases and sinks (one
+    mha_config.weight_dtype for all of them). storage None: kept in their dtype if they all have
+    one storage dtype (float32, float16, ml_dtypes' bfloat16), else all converted to float32
+    (widening is exact: nothing is rounded). storage = a code: the arrays hold that dtype's bits
+    already (2-byte integers for a half, as the PyTorch drop-in passes torch's bfloat16)."""
+    arrs = {nm: np.asarray(x) for nm, x in arrays.items()}
+    if storage is not None:
+        return {nm: np.ascontiguousarray(a) for nm, a in arrs.items()}, storage
+    codes = {_storage_code(a.dtype) for a in arrs.values()}
+    if len(codes) == 1 and None not in codes:
+        return {nm: np.ascontiguousarray(a) for nm, a in arrs.items()}, codes.pop()
+    return {nm: _float32(a, nm) for nm, a in arrs.items()}, L.DTYPE_F32
+
+
+def _layer_inputs(xs: Dict[str, ArrayLike]):
+    """({name: C-contiguous array}, x_dtype, out dtype) of the layer's query/key/value: kept in
+    their dtype if they share one storage dtype (float32, float16, bfloat16), else all converted
+    to float32 (exact). The output has query's dtype when it is a storage dtype, else float32
+    (float64 input: computed in float32 as before)."""
+    arrs = {nm: np.asarray(x) for nm, x in xs.items() if x is not None}
+    for nm, a in arrs.items():
+        if not _is_float(a.dtype):
+            raise TypeError(f"{nm}: expected a floating-point array, got dtype {a.dtype}")
+    qdt = arrs["query"].dtype
+    out_dt = qdt if _storage_code(qdt) is not None else _F32
+    codes = {_storage_code(a.dtype) for a in arrs.values()}
+    if len(codes) == 1 and None not in codes:
+        code = codes.pop()
+        return {nm: np.ascontiguousarray(a) for nm, a in arrs.items()}, code, out_dt
+    return {nm: _float32(a, nm) for nm, a in arrs.items()}, L.DTYPE_F32, out_dt
+
+
+def _half_to_f32(a: np.ndarray, code: int) -> np.ndarray:
+    """A copy of a layer's stored weights (2-byte bits for a half) as an array of their dtype:
+    float16, ml_dtypes' bfloat16 when it is installed, else bfloat16 widened to float32 (exact:
+    its bits are float32's top half)."""
+    if code == L.DTYPE_F16:
+        return a.view(np.float16).copy()
+    try:
+        import ml_dtypes
+        return a.view(ml_dtypes.bfloat16).copy()
+    except ImportError:
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(_F32)
+
+
 def _strided(a: np.ndarray, name: str, ndim: int = 4) -> np.ndarray:
     """a (float32/float16/bfloat16) with a contiguous last dimension and non-negative strides
     that are whole elements (copied otherwise); other strides are kept as they are."""
@@ -785,13 +831,19 @@ class Config:
     softcap: float
     alibi: bool
     rope: Optional[Rope]
+    weight_dtype: str = "float32"  # the storage of weights, biases, sinks: float16, bfloat16
 
     @classmethod
     def _from_c(cls, c: L.mha_config) -> "Config":
-        kw = {f.name: getattr(c, f.name) for f in fields(cls) if f.name != "rope"}
+        kw = {f.name: getattr(c, f.name) for f in fields(cls)
+              if f.name not in ("rope", "weight_dtype")}
         for b in ("bias_q", "bias_k", "bias_v", "bias_o", "sinks", "alibi"):
             kw[b] = bool(kw[b])
-        return cls(rope=Rope._from_c(c.rope), **kw)
+        return cls(rope=Rope._from_c(c.rope), weight_dtype=_DTYPE_NAMES[c.weight_dtype], **kw)
+
+
+_DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16"}
+_DTYPE_CODES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
 def _options_config(num_heads: int, num_kv_heads: Optional[int], scale, softcap, alibi,
@@ -857,8 +909,14 @@ class MultiheadAttention:
     Weights are in PyTorch ``nn.Linear`` layout (``y = x W^T + b``): w_q [h*d_k, q_dim],
     w_k [g*d_k, k_dim], w_v [g*d_v, v_dim], w_o [out_dim, h*d_v]; every size is inferred from
     them and ``num_heads`` (and ``num_kv_heads`` for GQA/MQA, else inferred). Biases are optional.
-    The layer keeps its own float32 copy of the weights and is immutable: it may be called from
-    several threads at once (the GIL is released during the C call).
+    The layer keeps its own copy of the weights and is immutable: it may be called from several
+    threads at once (the GIL is released during the C call).
+
+    Half precision (docs/PYTHON.md): when every weight, bias and sinks array has one storage dtype
+    (float32, float16, or ``ml_dtypes.bfloat16``) the layer keeps them in it
+    (mha_config.weight_dtype), else all are converted to float32. Inputs likewise: query, key
+    and value are read in their common storage dtype (else converted to float32); the output has
+    query's dtype (float32 for float64 input). Arithmetic is float32, the output rounded once.
 
     Options: ``scale`` (None = 1/sqrt(d_k)), ``softcap``, ``alibi``, ``sinks`` ([h] logits),
     ``rope`` (a :class:`Rope`, a dict of its fields, or a style name; None = no RoPE).
@@ -870,13 +928,22 @@ class MultiheadAttention:
                  num_heads: int, num_kv_heads: Optional[int] = None,
                  sinks: Optional[ArrayLike] = None, scale: Optional[float] = None,
                  softcap: Optional[float] = None, alibi: bool = False,
-                 rope: Union[None, str, dict, Rope] = None):
+                 rope: Union[None, str, dict, Rope] = None, _weight_dtype: Optional[int] = None):
+        # (_weight_dtype: the PyTorch drop-in's arrays hold that mha_dtype's bits: _layer_arrays)
         if num_heads is None or int(num_heads) < 1:
             raise ValueError(f"num_heads: expected a positive integer, got {num_heads!r}")
         c = _options_config(num_heads, num_kv_heads, scale, softcap, alibi, rope)
+        given = {nm: x for nm, x in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o),
+                                     ("b_q", b_q), ("b_k", b_k), ("b_v", b_v), ("b_o", b_o),
+                                     ("sinks", sinks)) if x is not None}
+        for nm, x in given.items():
+            if _weight_dtype is None and not _is_float(np.asarray(x).dtype):
+                raise TypeError(f"{nm}: expected a floating-point array, got dtype "
+                                f"{np.asarray(x).dtype}")
+        arrs, c.weight_dtype = _layer_arrays(given, _weight_dtype)
         ws = {}
-        for nm, x in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o)):
-            a = _float32(x, nm)
+        for nm in ("w_q", "w_k", "w_v", "w_o"):
+            a = arrs[nm]
             if a.ndim != 2:
                 raise ValueError(f"{nm}: expected a 2-d [out, in] matrix, got shape {a.shape}")
             ws[nm] = a
@@ -906,16 +973,16 @@ class MultiheadAttention:
         for nm in ws:
             setattr(w, nm, _ptr(ws[nm]))
         rows = {"b_q": h * dk, "b_k": g * dk, "b_v": g * dv, "b_o": c.out_dim}
-        for nm, x in (("b_q", b_q), ("b_k", b_k), ("b_v", b_v), ("b_o", b_o)):
-            if x is not None:
-                a = _float32(x, nm)
+        for nm in ("b_q", "b_k", "b_v", "b_o"):
+            if nm in arrs:
+                a = arrs[nm]
                 if a.shape != (rows[nm],):
                     raise ValueError(f"{nm}: expected shape ({rows[nm]},), got {a.shape}")
                 ws[nm] = a
                 setattr(w, nm, _ptr(a))
                 setattr(c, "bias_" + nm[2], 1)
         if sinks is not None:
-            a = _float32(sinks, "sinks")
+            a = arrs["sinks"]
             if a.shape != (h,):
                 raise ValueError(f"sinks: expected shape ({h},), got {a.shape}")
             ws["sinks"] = a
@@ -1013,11 +1080,15 @@ class MultiheadAttention:
                   "b_v": (c.num_kv_heads * c.v_head_dim,), "b_o": (c.out_dim,),
                   "sinks": (c.num_heads,)}
         res = {}
+        code = _DTYPE_CODES[c.weight_dtype]
+        half = code != L.DTYPE_F32  # (a half layer's: 2-byte elements of that dtype)
         for nm, shp in shapes.items():
             p = getattr(w, nm)
             if p:
-                buf = (ctypes.c_float * int(np.prod(shp))).from_address(p)
-                res[nm] = np.array(np.frombuffer(buf, _F32).reshape(shp))
+                ct = ctypes.c_uint16 if half else ctypes.c_float
+                buf = (ct * int(np.prod(shp))).from_address(p)
+                a = np.frombuffer(buf, np.uint16 if half else _F32).reshape(shp)
+                res[nm] = _half_to_f32(a, code) if half else np.array(a)
         return res
 
     # -- forward ---------------------------------------------------------------------------------
@@ -1026,7 +1097,8 @@ class MultiheadAttention:
                       q_segment_ids, kv_segment_ids, dropout, seed, need_weights,
                       average_attn_weights):
         c = self.config
-        x = _float32(query, "query")
+        xs, x_code, out_dt = _layer_inputs({"query": query, "key": key, "value": value})
+        x = xs["query"]
         unbatched = x.ndim == 2
         if unbatched:
             x = x[None]
@@ -1040,7 +1112,7 @@ class MultiheadAttention:
         if key is None and value is not None:
             raise ValueError("value given without key")
         if key is not None:
-            kx = _float32(key, "key")
+            kx = xs["key"]
             kx = kx[None] if unbatched else kx
             if kx.ndim != 3 or kx.shape[0] != B or kx.shape[2] != c.k_dim:
                 raise ValueError(f"key: expected [{B}, m, {c.k_dim}]"
@@ -1049,7 +1121,7 @@ class MultiheadAttention:
             m = kx.shape[1]
             keep.append(kx)
             if value is not None:
-                vx = _float32(value, "value")
+                vx = xs["value"]
                 vx = vx[None] if unbatched else vx
                 if vx.shape != (B, kx.shape[1], c.v_dim):
                     raise ValueError(f"value: expected [{B}, {kx.shape[1]}, {c.v_dim}], got "
@@ -1061,6 +1133,7 @@ class MultiheadAttention:
             raise ValueError("self-attention (key=None) needs q_dim == k_dim == v_dim; pass key "
                              "and value")
         a = M.forward_args(B, n, m, _ptr(x), _ptr(kx), _ptr(vx))
+        a.x_dtype, a.out_dtype = x_code, _storage_code(out_dt)
         if positions is not None:
             p = _int_array(positions, "positions", np.int64, (B, n))
             keep.append(p)
@@ -1075,7 +1148,7 @@ class MultiheadAttention:
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, n=n, m=m)
         if dropout != 0.0 or seed != 0:  # else the zeroed struct already says "no dropout"
             _dropout(a.dropout, dropout, seed)
-        out = np.empty((B, n, c.out_dim), _F32)
+        out = np.empty((B, n, c.out_dim), out_dt)
         a.out = _ptr(out)
         probs = None
         if need_weights:
@@ -1219,7 +1292,7 @@ class MultiheadAttention:
         st = M.layer_forward(self._ptr, a, _exec(impl, threads), True)
         shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len,
                   "self": key is None, "value_is_key": key is not None and value is None,
-                  "unbatched": unbatched}
+                  "unbatched": unbatched, "x_dtype": keep[0].dtype, "out_dtype": out.dtype}
         state = TrainState(self, st, keep, shapes)
         if unbatched:
             out = out[0]
@@ -1245,14 +1318,23 @@ class MultiheadAttention:
         return res
 
     def _grads_for(self, state, dy: ArrayLike, inputs: bool, params: bool):
-        """(dy as float32 [B, n, out_dim], the mha_layer_grads pointing at new arrays, the dict
-        of those arrays) for a backward of `state`; ValueError for a wrong dy or state."""
+        """(dy [B, n, out_dim] in the forward's output dtype, the mha_layer_grads pointing at
+        new arrays, the dict of those arrays) for a backward of `state`; ValueError for a wrong
+        dy or state. The input gradients have the inputs' dtype as the layer read them (a half
+        dtype, else float32), the parameter gradients are float32 (docs/SEMANTICS.md)."""
         if state._layer is not self:
             raise ValueError("state was made by another layer")
         c = self.config
         s = state.shapes
         B, n, m = s["batch"], s["q_len"], s["kv_len"]
-        d = _float32(dy, "dy")
+        out_dt, x_dt = s.get("out_dtype", _F32), s.get("x_dtype", _F32)
+        if out_dt == _F32:
+            d = _float32(dy, "dy")
+        else:  # dy has the forward output's dtype (mha_layer_backward reads it so)
+            d = np.asarray(dy)
+            if not _is_float(d.dtype):
+                raise TypeError(f"dy: expected a floating-point array, got dtype {d.dtype}")
+            d = np.ascontiguousarray(d if d.dtype == out_dt else d.astype(out_dt))
         if s["unbatched"]:
             d = d[None]
         if d.shape != (B, n, c.out_dim):
@@ -1261,7 +1343,7 @@ class MultiheadAttention:
         res: Dict[str, np.ndarray] = {}
 
         def want(nm, field, shape):
-            arr = np.empty(shape, _F32)
+            arr = np.empty(shape, x_dt if nm in ("query", "key", "value") else _F32)
             res[nm] = arr
             setattr(g, field, _ptr(arr))
 

@@ -151,13 +151,15 @@ static int get_threads(PyObject *o, int32_t *threads) {
  * the window (-1, -1), the sizes and pointers, impl, threads, the pool and, for inputs of
  * FAST_CACHE_MIN_FLOATS or more, the allocator (addresses from _marshal.pool_for and
  * _marshal.block_cache_allocator, or None). c is the layer's mha_layer_config (the caller has it
- * already), or NULL. 0, or -1 with MhaError set. */
+ * already), or NULL. dtype is the storage of query and out (mha_forward_args.x_dtype and
+ * out_dtype; the library checks the value). 0, or -1 with MhaError set. */
 static int self_forward(const mha_layer *layer,
                         const mha_config *c,
                         int64_t batch,
                         int64_t n,
-                        const float *query,
-                        float *out,
+                        mha_dtype dtype,
+                        const void *query,
+                        void *out,
                         float *probs,
                         int average,
                         mha_impl impl,
@@ -173,6 +175,8 @@ static int self_forward(const mha_layer *layer,
     a.kv_len = n;
     a.query = query;
     a.out = out;
+    a.x_dtype = dtype;
+    a.out_dtype = dtype;
     a.probs = probs;
     a.average_probs = average;
     mha_exec ex;
@@ -292,8 +296,8 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     const int failed =
-        self_forward(layer, c, x.ndim == 3 ? x.shape[0] : 1, x.shape[x.ndim - 2], x.buf, o.buf,
-                     NULL, 0, (mha_impl)impl, (int32_t)threads, pool, allocator);
+        self_forward(layer, c, x.ndim == 3 ? x.shape[0] : 1, x.shape[x.ndim - 2], MHA_DTYPE_F32,
+                     x.buf, o.buf, NULL, 0, (mha_impl)impl, (int32_t)threads, pool, allocator);
     PyBuffer_Release(&o);
     PyBuffer_Release(&x);
     if (failed) {
@@ -305,33 +309,35 @@ static PyObject *layer_forward(PyObject *self, PyObject *const *args, Py_ssize_t
 
 PyDoc_STRVAR(
     layer_call_doc,
-    "layer_call(layer, batch, n, query, out, probs, average, threads, pool, allocator)\n--\n\n"
+    "layer_call(layer, batch, n, query, out, probs, average, threads, pool, allocator, dtype)\n"
+    "--\n\n"
     "Self-attention mha_layer_forward on data pointers (ints; probs may be None), without\n"
-    "masks, positions or dropout: query [batch, n, q_dim], out [batch, n, out_dim], probs\n"
+    "masks, positions or dropout: query [batch, n, q_dim], out [batch, n, out_dim] in the\n"
+    "storage dtype `dtype` (an mha_dtype code: float32, bfloat16, float16), float32 probs\n"
     "[batch, h, n, n] (or [batch, n, n] if average). The caller guarantees the buffers\n"
     "(the PyTorch drop-in, which checks its input and allocates the outputs). Returns\n"
     "None; raises MhaError for a library error.");
 
 static PyObject *layer_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (entry(
-            nargs, 10,
-            "layer_call(layer, batch, n, query, out, probs, average, threads, pool, allocator)")) {
+    if (entry(nargs, 11,
+              "layer_call(layer, batch, n, query, out, probs, average, threads, pool, allocator, "
+              "dtype)")) {
         return NULL;
     }
     const mha_layer *layer;
     void *query, *out, *probs, *pool, *allocator;
-    int64_t batch, n;
+    int64_t batch, n, dtype;
     int32_t threads;
     int average = PyObject_IsTrue(args[6]);
     if (average < 0 || get_layer(args[0], "layer_call", &layer) || get_i64(args[1], &batch) ||
         get_i64(args[2], &n) || get_ptr(args[3], &query) || get_ptr(args[4], &out) ||
         get_ptr(args[5], &probs) || get_threads(args[7], &threads) || get_ptr(args[8], &pool) ||
-        get_ptr(args[9], &allocator)) {
+        get_ptr(args[9], &allocator) || get_i64(args[10], &dtype)) {
         return NULL;
     }
-    if (self_forward(layer, g_config(layer), batch, n, query, out, probs, average, MHA_IMPL_AUTO,
-                     threads, pool, allocator)) {
+    if (self_forward(layer, g_config(layer), batch, n, (mha_dtype)dtype, query, out, probs, average,
+                     MHA_IMPL_AUTO, threads, pool, allocator)) {
         return NULL;
     }
     Py_RETURN_NONE;

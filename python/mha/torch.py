@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: MIT
-"""PyTorch drop-ins running forward and backward through libmha (float32 CPU tensors).
+"""PyTorch drop-ins running forward and backward through libmha (float32, bfloat16 and float16
+CPU tensors).
 
 - :class:`MultiheadAttention`: a ``torch.nn.Module`` with ``nn.MultiheadAttention``'s constructor
   arguments, parameter names (so its ``state_dict`` loads both ways) and ``forward`` signature;
@@ -93,14 +94,14 @@ def _mask_arg(name: str, m: Tensor) -> Tensor:
 class _LayerSpec:
     """Everything of one layer call that is not a differentiable tensor."""
     __slots__ = ("layer", "args", "keep", "threads", "out_shape", "probs_shape", "state", "fields",
-                 "shapes")
+                 "shapes", "dtypes", "n_inputs", "out_dtype")
 
 
 def _layer_forward(layer_ptr: int, a: L.mha_forward_args, threads: int, out_shape,
-                   probs_shape, spec: Optional[_LayerSpec] = None):
-    """Allocates the outputs and runs mha_layer_forward, or with `spec` mha_layer_forward_train
-    (the state goes to spec.state)."""
-    out = _empty(out_shape)
+                   probs_shape, spec: Optional[_LayerSpec] = None, out_dtype=_F32):
+    """Allocates the outputs (out in out_dtype, a.out_dtype's) and runs mha_layer_forward, or
+    with `spec` mha_layer_forward_train (the state goes to spec.state)."""
+    out = _empty(out_shape, out_dtype)
     a.out = out.data_ptr()
     probs = None
     if probs_shape is not None:
@@ -128,7 +129,7 @@ class _LayerFunction(torch.autograd.Function):
     def forward(ctx, spec: _LayerSpec, *tensors: Tensor):
         train = any(ctx.needs_input_grad)
         out, probs = _layer_forward(spec.layer._ptr, spec.args, spec.threads, spec.out_shape,
-                                    spec.probs_shape, spec if train else None)
+                                    spec.probs_shape, spec if train else None, spec.out_dtype)
         if train:
             ctx.spec = spec
         if probs is None:  # need_weights=False: one output, no empty weights tensor to make
@@ -147,9 +148,12 @@ class _LayerFunction(torch.autograd.Function):
         shapes = spec.shapes
         # Gradients have the shapes of the tensors given to apply; for query/key/value their
         # memory is the [B, L, features] order mha writes.
+        # Input gradients are written in the inputs' dtype (x_dtype); parameter gradients are
+        # float32 in C (the master weights' dtype) and converted to a half parameter's dtype.
+        dtypes = spec.dtypes
         for i, f in enumerate(spec.fields, 1):
             if need[i]:
-                t = _empty(shapes[i - 1])
+                t = _empty(shapes[i - 1], dtypes[i - 1] if i <= spec.n_inputs else _F32)
                 res[i] = t
                 p = t.data_ptr()
                 if type(f) is str:
@@ -159,18 +163,24 @@ class _LayerFunction(torch.autograd.Function):
                     setattr(g, names[0], p)
                     setattr(g, names[1], p + 4 * k_at)
                     setattr(g, names[2], p + 4 * v_at)
+        if dy.dtype is not spec.out_dtype:  # (mha reads dy in the forward output's dtype)
+            dy = dy.to(spec.out_dtype)
         M.call(L.mha_layer_backward, spec.layer._ptr, spec.state.ptr, dy.data_ptr(), g,
                M.exec_struct(_AUTO, spec.threads))
+        for i in range(spec.n_inputs + 1, len(res)):
+            if res[i] is not None and dtypes[i - 1] is not _F32:
+                res[i] = res[i].to(dtypes[i - 1])
         return tuple(res)
 
 
-def _as_ble(t: Tensor, unbatched: bool, batch_first: bool):
-    """(tensor, B, L, features): a float32 tensor whose memory is C-order [B, L, features], the
-    layout mha reads. No copy and no view op (each costs microseconds in torch) when the input
-    is already float32 and laid out so: batch_first or unbatched contiguous inputs, and (L, 1, E)
-    inputs (one sequence, batch_first=False). Otherwise (L, N, E) is transposed and copied."""
-    if t.dtype is not _F32:
-        t = t.to(_F32)
+def _as_ble(t: Tensor, unbatched: bool, batch_first: bool, dtype=_F32):
+    """(tensor, B, L, features): a tensor of `dtype` (a storage dtype: float32, bfloat16,
+    float16) whose memory is C-order [B, L, features], the layout mha reads. No copy and no view
+    op (each costs microseconds in torch) when the input is already of that dtype and laid out
+    so: batch_first or unbatched contiguous inputs, and (L, 1, E) inputs (one sequence,
+    batch_first=False). Otherwise (L, N, E) is transposed and copied."""
+    if t.dtype is not dtype:
+        t = t.to(dtype)
     if unbatched:
         n, e = t.shape
         b = 1
@@ -181,6 +191,60 @@ def _as_ble(t: Tensor, unbatched: bool, batch_first: bool):
         if b != 1:
             return t.transpose(0, 1).contiguous(), b, n, e
     return t.contiguous(), b, n, e
+
+
+_STORAGE = _torch_ops._STORAGE  # torch dtype -> mha_dtype: float32, bfloat16, float16
+
+
+def _autocast_dtype() -> Optional[torch.dtype]:
+    """torch.autocast('cpu')'s dtype when it is on (bfloat16 or float16), else None."""
+    if torch.is_autocast_enabled("cpu"):
+        dt = torch.get_autocast_dtype("cpu")
+        if dt in _STORAGE and dt is not _F32:
+            return dt
+    return None
+
+
+def _input_dtype(ts, autocast: Optional[torch.dtype]) -> torch.dtype:
+    """The storage dtype the layer reads query, key and value in (mha_forward_args.x_dtype; the
+    output is written in it too): under autocast its dtype if they are float32/bfloat16/float16
+    (cast to it, as torch's autocast casts a linear's input; float64 stays), else their common
+    dtype when it is a storage dtype, else float32 (all converted: widening loses nothing)."""
+    if autocast is not None and all(t.dtype in _STORAGE for t in ts):
+        return autocast
+    dt = ts[0].dtype
+    if dt in _STORAGE and all(t.dtype is dt for t in ts):
+        return dt
+    return _F32
+
+
+def _weight_dtype(params, autocast: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype the C layer keeps the weights in (mha_config.weight_dtype): under autocast its
+    dtype (torch's autocast runs a linear on the weights cast to it), else the parameters' own,
+    which must be one storage dtype (TypeError otherwise)."""
+    if autocast is not None:
+        return autocast
+    dt = None
+    for p in params:
+        if p is not None:
+            if dt is None:
+                dt = p.dtype
+            elif p.dtype is not dt:
+                raise TypeError(f"mha.torch.MultiheadAttention: parameters must share one dtype, "
+                                f"got {dt} and {p.dtype}")
+    if dt not in _STORAGE:
+        raise TypeError(f"mha.torch.MultiheadAttention: parameters must be float32, bfloat16 or "
+                        f"float16, got {dt}")
+    return dt
+
+
+def _weight_array(t: Tensor):
+    """A parameter (detached, already in the layer's weight dtype) as a NumPy array of its bits:
+    NumPy has no bfloat16, so a bfloat16 tensor is viewed as int16 (the layer is told the
+    dtype); no copy for a contiguous tensor."""
+    if t.dtype is torch.bfloat16:
+        return t.contiguous().view(torch.int16).numpy()
+    return t.contiguous().numpy()
 
 
 class _StateHandle:
@@ -321,8 +385,12 @@ class MultiheadAttention(nn.Module):
     Same constructor arguments, parameters (``in_proj_weight``, ``in_proj_bias``,
     ``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` when kdim/vdim differ from embed_dim,
     ``out_proj.weight``/``out_proj.bias``), initialisation and ``forward`` signature; forward and
-    backward run in mha. float32 CPU tensors (other float dtypes are computed in float32 and cast
-    back). ``add_bias_kv`` and ``add_zero_attn`` are not supported (NotImplementedError).
+    backward run in mha. Parameters in float32, bfloat16 or float16 (``dtype=`` or ``.to()``),
+    kept by the C layer in that dtype; inputs in float32, bfloat16 or float16 are read as they
+    are (others converted to float32), the output in the input's dtype; under
+    ``torch.autocast('cpu')`` inputs and weights are taken in the autocast dtype and the output
+    is in it, as torch's module gives; arithmetic is float32 (docs/PYTHON.md, "Half precision").
+    ``add_bias_kv`` and ``add_zero_attn`` are not supported (NotImplementedError).
     ``threads`` (an extra keyword) is the number of threads mha uses (0 = all CPUs).
     """
 
@@ -345,8 +413,9 @@ class MultiheadAttention(nn.Module):
             raise AssertionError("embed_dim must be divisible by num_heads")
         if device is not None and torch.device(device).type != "cpu":
             raise TypeError("mha.torch.MultiheadAttention runs on the CPU only")
-        if dtype is not None and dtype != _F32:
-            raise TypeError("mha.torch.MultiheadAttention holds float32 parameters only")
+        if dtype is not None and dtype not in _STORAGE:
+            raise TypeError(f"mha.torch.MultiheadAttention holds float32, bfloat16 or float16 "
+                            f"parameters, got dtype={dtype}")
         super().__init__()
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
@@ -357,7 +426,7 @@ class MultiheadAttention(nn.Module):
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
         self.threads = threads
-        fk = {"dtype": _F32}
+        fk = {"dtype": dtype or _F32}
         if not self._qkv_same_embed_dim:
             self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **fk))
             self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **fk))
@@ -479,16 +548,18 @@ class MultiheadAttention(nn.Module):
         return (None, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight,
                 self.in_proj_bias, ow, ob)
 
-    def _mha_layer(self, params) -> _Layer:
-        """The C layer for the current parameter values (rebuilt when any of them changed)."""
-        key = _param_key(params)
+    def _mha_layer(self, params, wdt: Optional[torch.dtype] = None) -> _Layer:
+        """The C layer for the current parameter values, its weights in wdt (default: the
+        parameters' dtype; _weight_dtype), rebuilt when any of them or wdt changed."""
+        if wdt is None:
+            wdt = _weight_dtype(params, None)
+        key = _param_key(params) + (wdt,)
         if key != self._cache_key or self._layer is None:
             for p in params:
                 if p is not None:
                     _check_cpu_f32("parameter", p)
-                    if p.dtype != _F32:
-                        raise TypeError("mha.torch.MultiheadAttention: parameters must be float32")
-            in_w, q_w, k_w, v_w, in_b, ow, ob = (None if p is None else p.detach().numpy()
+            in_w, q_w, k_w, v_w, in_b, ow, ob = (None if p is None else
+                                                 _weight_array(p.detach().to(wdt))
                                                  for p in params)
             E = self.embed_dim
             if in_w is not None:
@@ -499,14 +570,18 @@ class MultiheadAttention(nn.Module):
                 bq, bk, bv = in_b[:rq], in_b[rq:rq + rk], in_b[rq + rk:]
             # The layer copies the weights (so an in-place optimizer step cannot change a graph
             # that is waiting for its backward); one copy per parameter update.
+            opts = self._options
+            if opts.get("sinks") is not None and wdt is not _F32:  # (one dtype for all weights)
+                opts = dict(opts, sinks=_weight_array(torch.from_numpy(opts["sinks"]).to(wdt)))
             self._layer = _Layer(q_w, k_w, v_w, ow, bq, bk, bv, ob, num_heads=self.num_heads,
-                                 **self._options)
+                                 _weight_dtype=_STORAGE[wdt], **opts)
             self._cache_key = key
         return self._layer
 
     def _forward_fast(self, x: Tensor, need_weights: bool, average: bool):
         """Self-attention without masks or dropout, in inference (no gradient wanted), on a
-        contiguous float32 CPU input whose memory is mha's [B, n, E] order (batch_first, unbatched,
+        contiguous CPU input (float32, bfloat16 or float16, outside autocast: the output in its
+        dtype) whose memory is mha's [B, n, E] order (batch_first, unbatched,
         or (L, 1, E)): one compiled call (mha._fastcall), no ctypes struct, the output made with
         empty_like (mha writes it in the input's layout). Returns None for anything else: the
         general path handles it.
@@ -516,8 +591,8 @@ class MultiheadAttention(nn.Module):
         cache), and the usual layer's cache key is spelled out (as in _param_key)."""
         d = self.__dict__
         if ((d["training"] and d["dropout"] > 0.0) or not d["_qkv_same_embed_dim"]
-                or x.dtype is not _F32 or not x.is_cpu or x.layout is not _STRIDED
-                or not x.is_contiguous()):
+                or x.dtype not in _STORAGE or not x.is_cpu or x.layout is not _STRIDED
+                or not x.is_contiguous() or torch.is_autocast_enabled("cpu")):
             return None
         shape = x.shape
         nd = len(shape)
@@ -547,9 +622,9 @@ class MultiheadAttention(nn.Module):
                 p is not None and p.requires_grad for p in (in_b, ow, ob))):
             return None
         layer = d["_layer"]
-        if in_b is not None and ob is not None:
+        if in_b is not None and ob is not None:  # (as _param_key + the weights' dtype)
             key = (in_w.data_ptr(), in_w._version, in_b.data_ptr(), in_b._version,
-                   ow.data_ptr(), ow._version, ob.data_ptr(), ob._version)
+                   ow.data_ptr(), ow._version, ob.data_ptr(), ob._version, in_w.dtype)
         else:
             key = None
         if layer is None or key is None or key != d["_cache_key"]:
@@ -564,7 +639,9 @@ class MultiheadAttention(nn.Module):
                 probs = _empty((h, n, n) if nd == 2 else (B, h, n, n))
         _fast.layer_call(layer._ptr, B, n, x.data_ptr(), out.data_ptr(),
                          None if probs is None else probs.data_ptr(), average, d["threads"],
-                         M.pool_for(d["threads"]), M.block_cache_allocator())
+                         M.pool_for(d["threads"]), M.block_cache_allocator(), _STORAGE[x.dtype])
+        if probs is not None and x.dtype is not _F32:
+            probs = probs.to(x.dtype)  # (torch's weights have the computation's dtype)
         return out, probs
 
     def _forward_traced(self, query: Tensor, key: Tensor, value: Tensor,
@@ -589,6 +666,13 @@ class MultiheadAttention(nn.Module):
                                 f"tensor, got {t.dtype}")
         unbatched = query.dim() == 2
         in_dtype = query.dtype
+        autocast = _autocast_dtype()
+        # The eager path's dtypes (forward): under autocast torch's linear ops cast inputs and
+        # weights to the autocast dtype and the operator reads them so; otherwise float32
+        # arithmetic on the widened inputs and weights (the eager layer's: its GEMMs widen half
+        # operands), the output rounded once to the input's dtype.
+        xdt = _input_dtype((query, key, value), autocast)
+        res_dtype = xdt if (autocast is not None and xdt is autocast) else in_dtype
 
         def ble(t: Tensor) -> Tensor:  # [B, L, features] float32
             t = t.to(_F32)
@@ -596,7 +680,9 @@ class MultiheadAttention(nn.Module):
 
         q, k, v = ble(query), ble(key), ble(value)
         B, n, m = q.shape[0], q.shape[1], k.shape[1]
-        in_w, q_w, k_w, v_w, in_b, ow, ob = self._params()
+        in_w, q_w, k_w, v_w, in_b, ow, ob = (
+            p if p is None or autocast is not None or p.dtype is _F32 else p.to(_F32)
+            for p in self._params())
         if in_w is not None:
             q_w, k_w, v_w = in_w.chunk(3)
         bq = bk = bv = None
@@ -629,9 +715,12 @@ class MultiheadAttention(nn.Module):
         out = out.squeeze(0) if unbatched else (out if bf else out.transpose(0, 1))
         if not need_weights:
             probs = None
-        elif unbatched:
-            probs = probs.squeeze(0)
-        return out.to(in_dtype), probs
+        else:
+            if unbatched:
+                probs = probs.squeeze(0)
+            if res_dtype in (torch.bfloat16, torch.float16):
+                probs = probs.to(res_dtype)  # (as the eager path)
+        return out.to(res_dtype), probs
 
     def _rope_traced(self, x: Tensor, length: int) -> Tensor:
         """RoPE of x [B, heads, L, d] at positions 0 .. L-1 in torch operations
@@ -697,15 +786,20 @@ class MultiheadAttention(nn.Module):
                                  f"received {nd}-D query tensor")
         unbatched = nd == 2
         bf = self.batch_first
-        q, B, n, E = _as_ble(query, unbatched, bf)
+        autocast = _autocast_dtype()
+        xdt = _input_dtype((query, key, value), autocast)
+        # The output's dtype: the inputs' (as read); under autocast the autocast dtype (float64
+        # inputs stay float64, as torch's autocast leaves them).
+        res_dtype = xdt if (autocast is not None and xdt is autocast) else in_dtype
+        q, B, n, E = _as_ble(query, unbatched, bf, xdt)
         if self_attn:
             k, Bk, m, Ek = q, B, n, E
         else:
-            k, Bk, m, Ek = _as_ble(key, unbatched, bf)
+            k, Bk, m, Ek = _as_ble(key, unbatched, bf, xdt)
         if kv_same:
             v, Bv, mv, Ev = k, Bk, m, Ek
         else:
-            v, Bv, mv, Ev = _as_ble(value, unbatched, bf)
+            v, Bv, mv, Ev = _as_ble(value, unbatched, bf, xdt)
         if E != self.embed_dim:
             raise AssertionError(f"was expecting embedding dimension of {self.embed_dim}, but "
                                  f"got {E}")
@@ -717,7 +811,7 @@ class MultiheadAttention(nn.Module):
             raise AssertionError(f"key/value feature sizes {Ek}/{Ev} differ from "
                                  f"kdim={self.kdim}/vdim={self.vdim}")
         params = self._params()
-        layer = self._mha_layer(params)
+        layer = self._mha_layer(params, _weight_dtype(params, autocast))
 
         h = self.num_heads
         # Outputs are allocated in the caller's layout when mha's [B, n, E] memory order is it
@@ -746,6 +840,8 @@ class MultiheadAttention(nn.Module):
         else:
             mode = "cross"
             a = M.forward_args(B, n, m, q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if xdt is not _F32:
+            a.x_dtype = a.out_dtype = _STORAGE[xdt]
         a.average_probs = 1 if need_weights and average_attn_weights else 0
         keep = None
         if attn_mask is not None or key_padding_mask is not None:
@@ -767,6 +863,7 @@ class MultiheadAttention(nn.Module):
                 ins, fields = [q, k], ["d_query", "d_key"]
             else:
                 ins, fields = [q, k, v], ["d_query", "d_key", "d_value"]
+            n_in = len(ins)
             for f, p in zip(_PARAM_GRAD_FIELDS, params):
                 if p is not None:
                     ins.append(p)
@@ -775,16 +872,20 @@ class MultiheadAttention(nn.Module):
             spec.layer, spec.args, spec.threads = layer, a, self.threads
             spec.out_shape, spec.probs_shape = out_shape, probs_shape
             spec.fields, spec.shapes = fields, [t.shape for t in ins]
+            spec.dtypes, spec.n_inputs, spec.out_dtype = [t.dtype for t in ins], n_in, xdt
             spec.keep = (q, k, v, keep)  # the training state points at them until backward
             spec.state = None
             res = _LayerFunction.apply(spec, *ins)
             out, probs = (res, None) if probs_shape is None else res
         else:  # inference: no autograd node, no training state (saves the Function overhead)
-            out, probs = _layer_forward(layer._ptr, a, self.threads, out_shape, probs_shape)
+            out, probs = _layer_forward(layer._ptr, a, self.threads, out_shape, probs_shape,
+                                        None, xdt)
         if transpose_out:
             out = out.transpose(0, 1)
-        if in_dtype is not _F32:
-            out = out.to(in_dtype)
+        if res_dtype is not xdt:
+            out = out.to(res_dtype)
+        if probs is not None and res_dtype in (torch.bfloat16, torch.float16):
+            probs = probs.to(res_dtype)  # (torch's weights have the computation's dtype)
         return out, probs
 
 
