@@ -374,6 +374,64 @@ static void test_npy_dtypes(void) {
     remove(fifo);
 }
 
+/* bfloat16 .npy ('<V2', as np.save of an ml_dtypes.bfloat16 array writes it) read, written and
+ * read back; '|V2' (a plain 2-byte void) refused; and the CLI's conversions (mha__npy_convert)
+ * against the library's float32 -> half rounding (itself checked against the rint() oracles in
+ * test_conversions) on random float32 bit patterns, plus float64 rounded ONCE to a half. */
+static void test_npy_half(void) {
+    mha_error err;
+    mha__npy a;
+    const uint16_t h[3] = {0x3f80, 0xc000, 0x7f7f}; /* 1, -2, bf16 max */
+    unsigned char hb[6];
+    for (int i = 0; i < 3; i++) {
+        hb[2 * i] = (unsigned char)(h[i] & 0xff);
+        hb[2 * i + 1] = (unsigned char)(h[i] >> 8);
+    }
+    const char *p = write_npy(
+        "bf16.npy", 1, "{'descr': '<V2', 'fortran_order': False, 'shape': (3,), }", hb, sizeof hb);
+    CHECK_OK(mha__npy_read(p, &a, &err), &err);
+    CHECK(a.dtype == MHA_DTYPE_BF16 && a.count == 3 && memcmp(a.data, h, sizeof h) == 0,
+          "<V2 read as bfloat16");
+    float *f = NULL;
+    CHECK_OK(mha__npy_to_f32(&a, p, &f, &err), &err);
+    CHECK(f && f[0] == 1.0f && f[1] == -2.0f && f[2] == bits_f32(0x7f7f0000u), "<V2 -> f32");
+    free(f);
+    const int64_t shape[2] = {1, 3};
+    CHECK_OK(mha__npy_write(tpath("bf16w.npy"), MHA_DTYPE_BF16, a.data, 2, shape, &err), &err);
+    mha__npy_free(&a);
+    CHECK_OK(mha__npy_read(tpath("bf16w.npy"), &a, &err), &err);
+    CHECK(a.dtype == MHA_DTYPE_BF16 && a.ndim == 2 && memcmp(a.data, h, sizeof h) == 0,
+          "bf16 written and read back");
+    mha__npy_free(&a);
+    p = write_npy("v2.npy", 1, "{'descr': '|V2', 'fortran_order': False, 'shape': (3,), }", hb,
+                  sizeof hb);
+    CHECK_FAIL(mha__npy_read(p, &a, &err), &err, MHA_STATUS_BAD_FILE, "unsupported dtype '|V2'");
+
+    test_rng rng;
+    test_rng_seed(&rng, 30);
+    int bad = 0;
+    for (int i = 0; i < 200000; i++) {
+        const float x = bits_f32((uint32_t)test_rng_u64(&rng));
+        if (isnan(x))
+            continue;
+        uint16_t b16, f16;
+        mha__npy_convert(MHA_DTYPE_F32, &x, MHA_DTYPE_BF16, &b16, 1);
+        mha__npy_convert(MHA_DTYPE_F32, &x, MHA_DTYPE_F16, &f16, 1);
+        bad += b16 != mha__f32_to_bf16(x) || f16 != mha__f32_to_f16(x);
+        float back;
+        mha__npy_convert(MHA_DTYPE_F16, &f16, MHA_DTYPE_F32, &back, 1);
+        bad += !(back == mha__f16_to_f32(f16) || (isnan(back) && isnan(mha__f16_to_f32(f16))));
+    }
+    CHECK(bad == 0, "mha__npy_convert = the library's rounding (%d mismatches)", bad);
+    /* 1 + half an ulp + 2^-30: once rounded, up (float32 would tie to even, down). */
+    const double d[4] = {1.0 + 0x1p-8 + 0x1p-30, -(1.0 + 0x1p-11 + 0x1p-30), 65520.0, 1e-30};
+    uint16_t o[4];
+    mha__npy_convert(MHA_DTYPE_F64, d, MHA_DTYPE_BF16, o, 1);
+    mha__npy_convert(MHA_DTYPE_F64, d + 1, MHA_DTYPE_F16, o + 1, 3);
+    CHECK(o[0] == 0x3f81 && o[1] == 0xbc01 && o[2] == 0x7c00 && o[3] == 0,
+          "float64 rounded once: %04x %04x %04x %04x", o[0], o[1], o[2], o[3]);
+}
+
 static void test_npy_errors(void) {
     mha_error err;
     mha__npy a;
@@ -1999,6 +2057,7 @@ int main(void) {
     test_conversions();
     test_npy_write_roundtrip();
     test_npy_dtypes();
+    test_npy_half();
     test_npy_errors();
     test_st_hf();
     test_st_torch_mha();
