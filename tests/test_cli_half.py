@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -26,6 +27,12 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 CLI = os.environ.get("MHA_CLI")
 pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
+
+# The mha package from the source tree (ctest: MHA_SOURCE_DIR, MHA_LIBRARY), for ctypes access to
+# the loaded layer's weights.
+sys.path.insert(0, os.path.join(os.environ.get("MHA_SOURCE_DIR",
+                                               os.path.join(os.path.dirname(__file__), "..")),
+                                "python"))
 
 DT = {"bf16": (BF16, TOL_HALF_U_BF16), "f16": (np.dtype(np.float16), TOL_HALF_U_F16)}
 
