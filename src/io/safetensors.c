@@ -528,6 +528,18 @@ static mha_status read_elems(st_file *sf,
         MHA_RETURN_IF(fread(chunk, es, (size_t)k, sf->f) != (size_t)k, err, IO,
                       "%s: tensor '%s': read error (file truncated while reading?)", sf->path,
                       t->name);
+        if (same && to != MHA_DTYPE_F32) { /* the file's halves: finite iff exponent not all 1s */
+            const uint16_t inf = to == MHA_DTYPE_BF16 ? 0x7f80u : 0x7c00u;
+            uint16_t *d = (uint16_t *)dst + done;
+            for (int64_t i = 0; i < k; i++) {
+                const unsigned char *p = chunk + 2 * (size_t)i;
+                d[i] = (uint16_t)(p[0] | p[1] << 8);
+                if ((d[i] & inf) == inf)
+                    return nonfinite_elem(sf, t, first + done + i, decode_elem(t, p, to), to, err);
+            }
+            done += k;
+            continue;
+        }
         for (int64_t i = 0; i < k; i++) {
             const unsigned char *p = chunk + (size_t)i * es;
             const float v = decode_elem(t, p, to);
@@ -538,9 +550,7 @@ static mha_status read_elems(st_file *sf,
                 ((float *)dst)[at] = v;
                 continue;
             }
-            const uint16_t h = same                   ? (uint16_t)(p[0] | p[1] << 8)
-                               : to == MHA_DTYPE_BF16 ? mha__f32_to_bf16(v)
-                                                      : mha__f32_to_f16(v);
+            const uint16_t h = to == MHA_DTYPE_BF16 ? mha__f32_to_bf16(v) : mha__f32_to_f16(v);
             const uint16_t inf = to == MHA_DTYPE_BF16 ? 0x7f80u : 0x7c00u;
             if ((h & inf) == inf)
                 return nonfinite_elem(sf, t, first + at, v, to, err);
