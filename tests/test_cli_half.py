@@ -7,14 +7,13 @@ half-precision tolerance of tests/common/tolerance.h:
     max|y - ref| <= (TOL_HALF_C u_s + TOL_OUT_REL) max|ref|      u_s = 2^-8 (bf16), 2^-11 (f16)
 Also: the .npy dtypes written (bf16 as ml_dtypes writes it, '<V2'), inputs of another dtype
 rounded once, a bf16 .npy with --dtype f32 widened exactly, bf16 safetensors and a bf16 Hugging
-Face checkpoint loaded without widening (the layer's weights are the file's bytes), the decode
+Face checkpoint run (that the loaded layer holds the files' bytes is checked in
+test_python_half_loaders.py, which loads libmha into Python: not run under sanitizers), the decode
 path and the usage errors. Needs numpy and ml_dtypes (torch and transformers for the HF case).
 """
-import ctypes
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,12 +26,6 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 CLI = os.environ.get("MHA_CLI")
 pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
-
-# The mha package from the source tree (ctest: MHA_SOURCE_DIR, MHA_LIBRARY), for ctypes access to
-# the loaded layer's weights.
-sys.path.insert(0, os.path.join(os.environ.get("MHA_SOURCE_DIR",
-                                               os.path.join(os.path.dirname(__file__), "..")),
-                                "python"))
 
 DT = {"bf16": (BF16, TOL_HALF_U_BF16), "f16": (np.dtype(np.float16), TOL_HALF_U_F16)}
 
@@ -221,52 +214,24 @@ def test_plain_void_npy_is_refused(tmp_path, half_case):
     assert not os.path.exists(tmp_path / "Y.npy")
 
 
-def _layer_weights_u16(path, weight_dtype, heads):
-    """Loads `path` through mha_layer_load_safetensors with config.weight_dtype and returns the
-    layer's weight_dtype and its w_q, w_k, w_v, w_o as uint16 arrays (ctypes on libmha)."""
-    lib = os.environ.get("MHA_LIBRARY")
-    if not lib:
-        pytest.skip("MHA_LIBRARY is not set")
-    from mha import _lib as L
-    c = L.mha_config()
-    c.num_heads = heads
-    c.weight_dtype = weight_dtype
-    ptr, err = ctypes.c_void_p(), L.mha_error()
-    st = L.mha_layer_load_safetensors(str(path).encode(), None, None, ctypes.byref(c), None,
-                                      ctypes.byref(ptr), ctypes.byref(err))
-    assert st == 0, err.message
-    try:
-        cfg = L.mha_layer_config(ptr).contents
-        w = L.mha_layer_weights(ptr).contents
-        out = {}
-        for nm, rows, cols in (("w_q", cfg.num_heads * cfg.head_dim, cfg.q_dim),
-                               ("w_k", cfg.num_kv_heads * cfg.head_dim, cfg.k_dim),
-                               ("w_v", cfg.num_kv_heads * cfg.v_head_dim, cfg.v_dim),
-                               ("w_o", cfg.out_dim, cfg.num_heads * cfg.v_head_dim)):
-            buf = (ctypes.c_uint16 * (rows * cols)).from_address(getattr(w, nm))
-            out[nm] = np.array(np.frombuffer(buf, np.uint16).reshape(rows, cols))
-        return cfg.weight_dtype, out
-    finally:
-        L.mha_layer_destroy(ptr)
-
-
-def test_bf16_safetensors_loaded_without_widening(tmp_path):
+def bf16_safetensors(path, rng):
+    """A BF16 safetensors file written by safetensors.numpy (q_dim 32, 4 heads); its weights."""
     safetensors_numpy = pytest.importorskip("safetensors.numpy")
-    rng = np.random.default_rng(7)
     w = {k: v.astype(BF16) for k, v in make_weights(rng, q_dim=32, heads=4, bias=False).items()}
-    p = tmp_path / "Wb.safetensors"
-    safetensors_numpy.save_file(w, str(p))
-    with open(p, "rb") as f:
+    safetensors_numpy.save_file(w, str(path))
+    with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         assert all(e["dtype"] == "BF16" for k, e in json.loads(f.read(n)).items()
                    if k != "__metadata__")
-    dtype, got = _layer_weights_u16(p, 3, 4)  # MHA_DTYPE_BF16
-    assert dtype == 3
-    names = {"w_q": "q_proj.weight", "w_k": "k_proj.weight", "w_v": "v_proj.weight",
-             "w_o": "o_proj.weight"}
-    for nm, t in names.items():
-        assert got[nm].tobytes() == w[t].tobytes(), nm  # the file's bytes, not widened
-    # The CLI on it, against the reference with those exact weights.
+    return w
+
+
+def test_bf16_safetensors_file(tmp_path):
+    # The CLI on a BF16 file, against the reference with those exact weights (that the layer
+    # holds the file's bytes is test_python_half_loaders.py's: it loads libmha in Python).
+    rng = np.random.default_rng(7)
+    p = tmp_path / "Wb.safetensors"
+    w = bf16_safetensors(p, rng)
     x = rng.standard_normal((7, 32)).astype(np.float32)
     np.save(tmp_path / "X.npy", x)
     r = run_cli("run", "--weights", p, "--heads", 4, "--input", tmp_path / "X.npy", "--out",
@@ -341,11 +306,9 @@ def test_help_documents_dtype():
     assert r.returncode == 0 and "--dtype T" in r.stdout and "f32, bf16 or f16" in r.stdout
 
 
-def test_hf_bf16_checkpoint(tmp_path):
-    # A tiny Llama saved in bfloat16 (torch_dtype=bfloat16, as most checkpoints): --dtype bf16
-    # loads it as it is; the run equals the float32 run of the same checkpoint (weights widened
-    # exactly) on the same bf16 input within the half tolerance, and the f32 run is the
-    # float64 transformers oracle's (test_cli_hf_models.py).
+def llama_bf16(d):
+    """A tiny Llama (hidden 32, 4 heads, 2 kv heads) saved by transformers in bfloat16
+    (torch_dtype=bfloat16, as most checkpoints) in directory d."""
     torch = pytest.importorskip("torch")
     T = pytest.importorskip("transformers")
     torch.manual_seed(3)
@@ -355,10 +318,18 @@ def test_hf_bf16_checkpoint(tmp_path):
     with torch.no_grad():
         for prm in model.parameters():
             prm.normal_(0.0, 0.2)
-    d = tmp_path / "llama_bf16"
     model.to(torch.bfloat16).save_pretrained(d)
-    conf = json.load(open(d / "config.json"))
+    conf = json.load(open(os.path.join(d, "config.json")))
     assert "bfloat16" in (conf.get("torch_dtype"), conf.get("dtype"))
+
+
+def test_hf_bf16_checkpoint(tmp_path):
+    # --dtype bf16 loads a bf16 checkpoint as it is (its bytes: test_python_half_loaders.py); the
+    # run equals the float32 run of the same checkpoint (weights widened exactly) on the same
+    # bf16 input within the half tolerance, and the f32 run is the float64 transformers oracle's
+    # (test_cli_hf_models.py).
+    d = tmp_path / "llama_bf16"
+    llama_bf16(d)
     x = np.random.default_rng(9).standard_normal((2, 12, 32)).astype(BF16)
     np.save(tmp_path / "X.npy", x)
     ys = {}
@@ -369,26 +340,3 @@ def test_hf_bf16_checkpoint(tmp_path):
         ys[name] = load_out(tmp_path / f"Y{name}.npy", BF16 if name == "bf16" else np.float32)
     assert ys["bf16"].dtype == BF16 and ys["f32"].dtype == np.float32
     check_half(ys["bf16"].astype(np.float64), ys["f32"].astype(np.float64), TOL_HALF_U_BF16)
-    # The model's weights in the file are bf16 and the layer mha_hf_layer_load builds with
-    # weight_dtype BF16 holds the same bytes.
-    with open(d / "model.safetensors", "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        hdr = json.loads(f.read(n))
-        data = f.read()
-    from mha import _lib as L
-    info, err, ptr = L.mha_hf_layer_info(), L.mha_error(), ctypes.c_void_p()
-    assert L.mha_hf_layer_info_read(str(d).encode(), 0, ctypes.byref(info),
-                                    ctypes.byref(err)) == 0, err.message
-    info.config.weight_dtype = 3  # MHA_DTYPE_BF16
-    assert L.mha_hf_layer_load(str(d).encode(), 0, ctypes.byref(info.config), None,
-                               ctypes.byref(ptr), ctypes.byref(err)) == 0, err.message
-    try:
-        assert L.mha_layer_config(ptr).contents.weight_dtype == 3
-        w = L.mha_layer_weights(ptr).contents
-        for nm, t in (("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_o", "o_proj")):
-            e = hdr[f"model.layers.0.self_attn.{t}.weight"]
-            assert e["dtype"] == "BF16"
-            lo, hi = e["data_offsets"]
-            assert ctypes.string_at(getattr(w, nm), hi - lo) == data[lo:hi], nm
-    finally:
-        L.mha_layer_destroy(ptr)
