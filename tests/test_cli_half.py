@@ -92,6 +92,26 @@ def test_run_half_matches_reference(half_case, name):
 
 
 @pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_run_half_with_sinks_and_cross_attention(half_case, name):
+    # --sinks (float32 file) rounded once to the weight dtype with the other weights; K given in
+    # another dtype than X (each converted once).
+    d, w, x = half_case
+    dt, u = DT[name]
+    sinks = np.array([0.3, -1.1, 2.05, 0.7], np.float32)
+    np.save(d / "S.npy", sinks)
+    kv = np.random.default_rng(8).standard_normal((2, 6, 32))
+    np.save(d / "K.npy", kv)  # float64
+    r = run_cli("run", "--weights", d / "W.safetensors", "--heads", 4, "--input", d / "X.npy",
+                "--key", d / "K.npy", "--out", d / "Y.npy", "--sinks", d / "S.npy", "--dtype",
+                name)
+    assert r.returncode == 0, r.stderr
+    ref, _ = ref_mha(rounded(x, dt), {k: rounded(v, dt) for k, v in w.items()}, 4,
+                     kv=kv.astype(dt).astype(np.float64), kv_heads=2,
+                     sinks=rounded(sinks, dt))
+    check_half(load_out(d / "Y.npy", dt).astype(np.float64), ref, u)
+
+
+@pytest.mark.parametrize("name", ["bf16", "f16"])
 def test_inputs_of_every_float_dtype_are_rounded_once(half_case, name):
     d, w, x = half_case
     dt, _ = DT[name]
