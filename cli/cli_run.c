@@ -70,6 +70,7 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_DISTRIBUTED] = {"--distributed", CLI_OPT_VALUE},
     [O_SHARD_LAYOUT] = {"--shard-layout", CLI_OPT_VALUE},
     [O_ALLOW_NONFINITE] = {"--allow-nonfinite", CLI_OPT_FLAG},
+    [O_DTYPE] = {"--dtype", CLI_OPT_VALUE},
 };
 
 void cli_run_usage(void) {
@@ -79,8 +80,9 @@ void cli_run_usage(void) {
         "",
         "Runs one multi-head attention layer (projections, RoPE, masks, attention, output",
         "projection) with weights from a safetensors file on tensors from .npy files.",
-        "Y.npy is float32 with X's leading shape: X [n, q_dim] gives Y [n, out_dim] and",
-        "X [B, n, q_dim] gives Y [B, n, out_dim]. Options also take the form --flag=value.",
+        "Y.npy has the dtype of --dtype (float32 by default) and X's leading shape: X [n, q_dim]",
+        "gives Y [n, out_dim] and X [B, n, q_dim] gives Y [B, n, out_dim]. Options also take the",
+        "form --flag=value.",
         "",
         "Weights:",
         "  --weights W.safetensors  weights, F32/F64/F16/BF16 (or --model). Names tried: HF",
@@ -101,10 +103,12 @@ void cli_run_usage(void) {
         "  --heads H                number of query heads (required without --model)",
         "  --kv-heads G             key/value heads (GQA/MQA), H % G == 0 (default: from shapes)",
         "",
-        "Inputs (float32, float64 or float16, C order). Everything is computed in float32:",
-        "float64 inputs are rounded to float32 first, so expect float32's accuracy (relative",
-        "error about 1e-7 times the problem's condition), not float64's; a float64 value beyond",
-        "float32's range (3.4e38) becomes inf.",
+        "Inputs (float32, float64, float16 or bfloat16 (ml_dtypes, '<V2'), C order). Everything",
+        "is computed in float32; X, K, V are stored in --dtype: an input of another dtype is",
+        "rounded to it once (nearest even), so with the default f32 a float64 input gives",
+        "float32's accuracy (relative error about 1e-7 times the problem's condition), not",
+        "float64's, and a bfloat16 input is widened exactly; a value beyond the dtype's range",
+        "(3.4e38 for f32 and bf16, 65504 for f16) becomes inf.",
         "  --input X.npy            queries [n, q_dim] or [B, n, q_dim] (required)",
         "  --key K.npy              cross-attention keys [m, k_dim] or [B, m, k_dim] (default: X)",
         "  --value V.npy            values [m, v_dim] or [B, m, v_dim] (default: K)",
@@ -160,8 +164,9 @@ void cli_run_usage(void) {
         "  --seed S                 dropout seed, 0 .. 2^64-1 (default: 0)",
         "",
         "Outputs (written to a temporary name, then renamed):",
-        "  --out Y.npy              output, float32 (required)",
-        "  --attn A.npy             also write the probabilities [B, h, n, m] ([h, n, m], 2-d X)",
+        "  --out Y.npy              output, in --dtype (required)",
+        "  --attn A.npy             also write the probabilities [B, h, n, m] ([h, n, m], 2-d X),",
+        "                           float32 whatever --dtype (as --attn-stats)",
         "  --attn-average           write their mean over the heads instead: [B, n, m] ([n, m])",
         "  --plot FILE.png|svg|pdf  draw the attention maps of batch row 0, one panel per head",
         "                           (their mean with --attn-average); masked cells hatched grey;",
@@ -188,6 +193,10 @@ void cli_run_usage(void) {
         "                           rule a --mask equals (then run instead of the tensor) and",
         "                           how the masks divide the scores into hidden, visible and",
         "                           mixed tiles",
+        "  --dtype T                f32, bf16 or f16: storage of the weights (a safetensors or",
+        "                           --model checkpoint already in T is kept as it is, other",
+        "                           tensors are rounded once), of X, K, V and of Y; the",
+        "                           arithmetic is float32 (docs/FORMATS.md) (default: f32)",
         "  --impl I                 reference, fast or auto (default: auto); fast fails, naming",
         "                           the option, when it cannot run the request",
         "  --help                   this text",
@@ -202,6 +211,8 @@ void cli_run_usage(void) {
         "                           --causal-offsets, --attn and --dropout",
         "  --prefill P              tokens in the first (prefill) call, 1 <= P <= n (default: 1)",
         "  --cache-dtype T          cache storage f32, f16 or bf16 (default: f32)",
+        "  With --dtype bf16 or f16 the weights are half and X is rounded to it, but the decode",
+        "  steps compute on float32 activations (X widened exactly); Y is rounded once to T",
         "",
         "Distributed: ring attention over MPI ranks (docs/distributed.md):",
         "  --distributed ring       run as mpirun -np P mha run --distributed ring ...: every",
@@ -257,6 +268,7 @@ static void run_free(run_state *s) {
     free(s->maskf);
     free(s->sinksf);
     free(s->out);
+    free(s->sinksw);
     free(s->probs);
     free(s->qpos);
     free(s->kpos);
@@ -400,6 +412,27 @@ static int parse_decode(run_config *o) {
     return CLI_OK;
 }
 
+/* --dtype f32|bf16|f16: the storage of the weights, of X, K, V as the layer reads them and of Y
+ * (docs/FORMATS.md "Half precision"). After parse_decode and parse_distributed: the ring runs in
+ * float32 only. */
+static int parse_dtype(run_config *o) {
+    const char *t = o->opt[O_DTYPE];
+    o->dtype = MHA_DTYPE_F32;
+    if (!t)
+        return CLI_OK;
+    if (strcmp(t, "bf16") == 0)
+        o->dtype = MHA_DTYPE_BF16;
+    else if (strcmp(t, "f16") == 0)
+        o->dtype = MHA_DTYPE_F16;
+    else if (strcmp(t, "f32") != 0)
+        return cli_usage("--dtype: '%s' is not f32, bf16 or f16", t);
+    if (o->distributed && o->dtype != MHA_DTYPE_F32)
+        return cli_usage("--dtype %s cannot be used with --distributed (the ring layer runs in "
+                         "float32 only)",
+                         t);
+    return CLI_OK;
+}
+
 /* --distributed ring and its options; what cannot run distributed is a usage error. */
 static int parse_distributed(run_config *o) {
     const char *const *v = o->opt;
@@ -486,6 +519,7 @@ static int apply_model(run_config *o) {
     if (mha_hf_layer_info_read(v[O_MODEL], o->layer, &o->hf, &err) != MHA_STATUS_OK)
         return cli_lib_fail(v[O_MODEL], &err);
     mha_config *c = &o->hf.config;
+    c->weight_dtype = o->dtype; /* tensors already in it are kept as they are */
     if (v[O_HEADS])
         c->num_heads = o->heads;
     if (v[O_KV_HEADS])
@@ -697,7 +731,7 @@ static int parse_outputs(run_config *o) {
             return rc;
         o->exec.n_threads = (int32_t)t;
     }
-    if ((rc = parse_decode(o)) || (rc = parse_distributed(o)))
+    if ((rc = parse_decode(o)) || (rc = parse_distributed(o)) || (rc = parse_dtype(o)))
         return rc;
     o->exec.impl = MHA_IMPL_AUTO;
     if (v[O_IMPL]) {

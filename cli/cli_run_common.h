@@ -70,6 +70,7 @@ enum {
     O_DISTRIBUTED,
     O_SHARD_LAYOUT,
     O_ALLOW_NONFINITE,
+    O_DTYPE,
     O_COUNT
 };
 
@@ -119,6 +120,7 @@ typedef struct run_config {
     int zigzag;                /* --shard-layout: 1 zigzag (default), 0 contiguous */
     int shard_files;           /* "{rank}" in --input: per-rank input and output files */
     int allow_nonfinite;       /* --allow-nonfinite: write non-finite outputs, exit 0 */
+    mha_dtype dtype;           /* --dtype: weights, X/K/V as the layer reads them, Y (f32) */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */
@@ -126,7 +128,10 @@ typedef struct run_state {
     char *names_buf;
     mha_layer *base, *layer;
     mha__npy x, key, value, mask, kpm, sinks;
-    float *xf, *kf, *vf, *maskf, *sinksf, *out, *probs;
+    void *xf, *kf, *vf; /* X, K, V in o->dtype (copies or conversions of x, key, value) */
+    void *out;          /* Y [B, n, out_dim] in o->dtype */
+    float *maskf, *sinksf, *probs;
+    void *sinksw; /* the sink logits in o->dtype (the layer's weight_dtype); NULL: sinksf is it */
     int64_t *qpos, *kpos, *offsets;
     uint8_t *rule_keys;    /* --mask recognised with key padding: the key vector [B, m] */
     int64_t *rule_offsets; /* --mask recognised as a band at another delta: [B] */
@@ -152,6 +157,8 @@ int is_float(mha_dtype t);
 int is_integer(mha_dtype t);
 /* A float array as float32 (a new array). */
 int to_f32(const char *path, const mha__npy *a, float **out);
+/* A float array as `dtype` (a new array; each value rounded once when the dtypes differ). */
+int to_dtype(const char *path, const mha__npy *a, mha_dtype dtype, void **out);
 /* Integers in [lo, hi] of shape [len] or [B, len] (or broadcastable) into a new int64 [B, len]. */
 int read_index(const char *path,
                const char *what,
@@ -187,12 +194,13 @@ int input_shape(
 int check_finite_output(const run_config *o,
                         const run_state *s,
                         const char *what,
-                        const float *x,
+                        const void *x,
+                        mha_dtype dtype,
                         int32_t ndim,
                         const int64_t *shape);
-/* Whether every element of a float input is finite: its file values (float64 before the
- * conversion) and the float32 values computed from them (f32). */
-int input_all_finite(const mha__npy *a, const float *f32);
+/* Whether every element of a float input is finite, as the file holds it (a finite value that
+ * becomes inf when rounded to --dtype still counts as finite: the output check then reports). */
+int input_all_finite(const mha__npy *a);
 /* Writes Y (and A, and the plot); removes what it wrote if a later one fails. Checks them first
  * (check_finite_output): CLI_NONFINITE with nothing written. */
 int write_outputs(const run_config *o,

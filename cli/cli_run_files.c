@@ -22,23 +22,30 @@ int read_npy(const char *path, mha__npy *a) {
 }
 
 int is_float(mha_dtype t) {
-    return t == MHA_DTYPE_F32 || t == MHA_DTYPE_F64 || t == MHA_DTYPE_F16;
+    return t == MHA_DTYPE_F32 || t == MHA_DTYPE_F64 || t == MHA_DTYPE_F16 || t == MHA_DTYPE_BF16;
 }
 
 int is_integer(mha_dtype t) {
     return t == MHA_DTYPE_BOOL || t == MHA_DTYPE_U8 || t == MHA_DTYPE_I32 || t == MHA_DTYPE_I64;
 }
 
-int to_f32(const char *path, const mha__npy *a, float **out) {
+int to_dtype(const char *path, const mha__npy *a, mha_dtype dtype, void **out) {
     if (!is_float(a->dtype))
-        return cli_fail("%s: dtype %s is not supported here (expected float32, float64 or "
-                        "float16)",
+        return cli_fail("%s: dtype %s is not supported here (expected float32, float64, float16 "
+                        "or bfloat16)",
                         path, cli_dtype_name(a->dtype));
     mha_error err;
     memset(&err, 0, sizeof err);
-    if (mha__npy_to_f32(a, path, out, &err) != MHA_STATUS_OK)
+    if (mha__npy_to_dtype(a, dtype, path, out, &err) != MHA_STATUS_OK)
         return cli_lib_fail(path, &err);
     return CLI_OK;
+}
+
+int to_f32(const char *path, const mha__npy *a, float **out) {
+    void *f = NULL;
+    const int rc = to_dtype(path, a, MHA_DTYPE_F32, &f);
+    *out = f;
+    return rc;
 }
 
 /* Formats the multi-index of flat element `k` of a C-order array. */
@@ -203,7 +210,8 @@ int input_shape(const char *path,
                 int64_t *features) {
     char sb[160];
     if (!is_float(a->dtype))
-        return cli_fail("%s: dtype %s is not supported (expected float32, float64 or float16)",
+        return cli_fail("%s: dtype %s is not supported (expected float32, float64, float16 or "
+                        "bfloat16)",
                         path, cli_dtype_name(a->dtype));
     if (a->ndim != 2 && a->ndim != 3)
         return cli_fail("%s: shape %s has %d dimensions, expected 2 ([n, d]) or 3 ([B, n, d])",
@@ -218,24 +226,41 @@ int input_shape(const char *path,
     return CLI_OK;
 }
 
-int input_all_finite(const mha__npy *a, const float *f32) {
-    if (a->dtype == MHA_DTYPE_F64) {
-        const double *d = (const double *)a->data;
-        for (int64_t i = 0; i < a->count; i++)
-            if (!isfinite(d[i]))
-                return 0;
-        return 1; /* a finite double beyond float's range is inf in f32: still a finite input */
+/* Whether element i of a float array (F32 F64 F16 BF16) is finite: from its bits for the halves
+ * (exponent field all ones = inf or NaN). */
+static int elem_finite(mha_dtype dt, const void *data, int64_t i) {
+    switch (dt) {
+    case MHA_DTYPE_F64:
+        return isfinite(((const double *)data)[i]);
+    case MHA_DTYPE_F32:
+        return isfinite(((const float *)data)[i]);
+    case MHA_DTYPE_F16:
+        return (((const uint16_t *)data)[i] & 0x7c00u) != 0x7c00u;
+    default:
+        return (((const uint16_t *)data)[i] & 0x7f80u) != 0x7f80u;
     }
-    for (int64_t i = 0; f32 && i < a->count; i++)
-        if (!isfinite(f32[i]))
+}
+
+/* Element i of a float array as a double, for messages. */
+static double elem_value(mha_dtype dt, const void *data, int64_t i) {
+    double d = 0.0;
+    mha__npy_convert(dt, mha_dtype_size(dt) * (size_t)i + (const char *)data, MHA_DTYPE_F64, &d, 1);
+    return d;
+}
+
+int input_all_finite(const mha__npy *a) {
+    for (int64_t i = 0; i < a->count; i++)
+        if (!elem_finite(a->dtype, a->data, i))
             return 0;
-    return 1;
+    return 1; /* a finite value beyond --dtype's range is inf once converted: still a finite input
+               */
 }
 
 int check_finite_output(const run_config *o,
                         const run_state *s,
                         const char *what,
-                        const float *x,
+                        const void *x,
+                        mha_dtype dtype,
                         int32_t ndim,
                         const int64_t *shape) {
     if (o->allow_nonfinite || s->inputs_nonfinite || !x)
@@ -245,16 +270,17 @@ int check_finite_output(const run_config *o,
         count *= shape[d];
     int64_t bad = 0, first = -1;
     for (int64_t i = 0; i < count; i++)
-        if (!isfinite(x[i]) && bad++ == 0)
+        if (!elem_finite(dtype, x, i) && bad++ == 0)
             first = i;
     if (!bad)
         return CLI_OK;
     char idx[160];
     cli_fail("%s: %lld of %lld values are not finite (NaN or inf), the first at %s = %g, although "
-             "every input is finite: float32 overflowed (scores or values beyond 3.4e38?); "
-             "nothing written (--allow-nonfinite writes the outputs anyway)",
+             "every input is finite: %s overflowed (scores or values beyond %s?); nothing written "
+             "(--allow-nonfinite writes the outputs anyway)",
              what, (long long)bad, (long long)count, index_str(idx, sizeof idx, ndim, shape, first),
-             (double)x[first]);
+             elem_value(dtype, x, first), cli_dtype_name(dtype),
+             dtype == MHA_DTYPE_F16 ? "65504" : "3.4e38");
     return CLI_NONFINITE;
 }
 
@@ -284,14 +310,14 @@ int write_outputs(const run_config *o,
     ashape[and_++] = m;
     char what[64 + 4096];
     snprintf(what, sizeof what, "--out %s", ypath);
-    int rc = check_finite_output(o, s, what, s->out, ynd, yshape);
+    int rc = check_finite_output(o, s, what, s->out, o->dtype, ynd, yshape);
     if (!rc && apath) {
         snprintf(what, sizeof what, "--attn %s", apath);
-        rc = check_finite_output(o, s, what, s->probs, and_, ashape);
+        rc = check_finite_output(o, s, what, s->probs, MHA_DTYPE_F32, and_, ashape);
     }
     if (rc)
         return rc;
-    if (mha__npy_write_f32(ypath, s->out, ynd, yshape, &err) != MHA_STATUS_OK)
+    if (mha__npy_write(ypath, o->dtype, s->out, ynd, yshape, &err) != MHA_STATUS_OK)
         return cli_lib_fail(ypath, &err);
     if (!apath && !o->opt[O_PLOT])
         return CLI_OK;

@@ -34,10 +34,13 @@ void stage_begin(run_state *s) {
 /* The run itself.                                                                                */
 
 /* --decode: prefill the first P tokens of every row, then one token per step, through a cache of
- * n positions per row; the rows of Y are written as they come. */
+ * n positions per row; the rows of Y are written as they come. The decode calls take float32
+ * activations (the weights are read in the layer's weight_dtype): with --dtype bf16/f16, X (already
+ * rounded to it) is widened exactly per call and each row of Y rounded once to it. */
 static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, int64_t n) {
     const mha_config *c = mha_layer_config(s->layer);
     const int64_t qd = c->q_dim, od = c->out_dim, P = o->prefill;
+    const size_t es = mha_dtype_size(o->dtype);
     if (P > n)
         return cli_fail("--prefill %lld: larger than the %lld tokens of %s", (long long)P,
                         (long long)n, o->opt[O_INPUT]);
@@ -59,7 +62,7 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
         mha_kv_cache_destroy(cache);
         return cli_fail("%s: output size overflows", o->opt[O_INPUT]);
     }
-    s->out = malloc((size_t)ycount * sizeof(float));
+    s->out = malloc((size_t)ycount * es);
     float *xs = malloc(sizeof(float) * (size_t)(B * P * qd));
     float *ys = malloc(sizeof(float) * (size_t)(B * P * od));
     int rc = CLI_OK;
@@ -70,10 +73,13 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
     if (rc == CLI_OK && mha_threadpool_create(ex.n_threads < 1024 ? ex.n_threads : 1024, NULL,
                                               &ex.pool, &err) != MHA_STATUS_OK)
         rc = cli_lib_fail(NULL, &err);
+    const char *xin = s->xf;
+    char *yout = s->out;
     for (int64_t t0 = 0; t0 < n && rc == CLI_OK;) {
         const int64_t t = t0 == 0 ? P : 1;
         for (int64_t b = 0; b < B; b++)
-            memcpy(xs + b * t * qd, s->xf + (b * n + t0) * qd, sizeof(float) * (size_t)(t * qd));
+            mha__npy_convert(o->dtype, xin + (size_t)((b * n + t0) * qd) * es, MHA_DTYPE_F32,
+                             xs + b * t * qd, t * qd);
         mha_decode_args a;
         memset(&a, 0, sizeof a);
         a.num_seqs = B;
@@ -87,7 +93,8 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
             break;
         }
         for (int64_t b = 0; b < B; b++)
-            memcpy(s->out + (b * n + t0) * od, ys + b * t * od, sizeof(float) * (size_t)(t * od));
+            mha__npy_convert(MHA_DTYPE_F32, ys + b * t * od, o->dtype,
+                             yout + (size_t)((b * n + t0) * od) * es, t * od);
         t0 += t;
     }
     mha_threadpool_destroy(ex.pool);
@@ -118,6 +125,7 @@ int build_layer(const run_config *o, run_state *s) {
     memset(&lc, 0, sizeof lc);
     lc.num_heads = o->heads;
     lc.num_kv_heads = o->kv_heads;
+    lc.weight_dtype = o->dtype; /* --model: apply_model set o->hf.config's */
     mha_status st;
     if (v[O_MODEL])
         st = mha_hf_layer_load(wpath, o->layer, &o->hf.config, NULL, &s->base, &err);
@@ -154,6 +162,11 @@ int build_layer(const run_config *o, run_state *s) {
                 return cli_fail("%s: sink logit of head %lld is not finite", path, (long long)i);
         cfg.sinks = 1;
         w.sinks = s->sinksf;
+        if (o->dtype != MHA_DTYPE_F32) { /* the layer's weights are all in its weight_dtype */
+            if ((rc = to_dtype(path, &s->sinks, o->dtype, &s->sinksw)))
+                return rc;
+            w.sinks = s->sinksw;
+        }
     }
     if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &s->layer, &err) != MHA_STATUS_OK)
         return cli_fail("%s with the given options: %s", wpath,
@@ -163,7 +176,7 @@ int build_layer(const run_config *o, run_state *s) {
 }
 
 /* Step 3: X (and K, V for cross-attention) read, checked against each other and the layer, and
- * converted to float32. */
+ * converted to --dtype (a copy when the file has it). */
 int read_inputs(const run_config *o, run_state *s, run_dims *d) {
     const char *const *v = o->opt;
     const char *wpath = o->wpath, *xpath = v[O_INPUT];
@@ -201,7 +214,7 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
         if (kf != bc->k_dim)
             return cli_fail("%s: last dimension %lld does not match the layer's k_dim %lld (%s)",
                             kpath, (long long)kf, (long long)bc->k_dim, wpath);
-        if ((rc = to_f32(kpath, &s->key, &s->kf)))
+        if ((rc = to_dtype(kpath, &s->key, o->dtype, &s->kf)))
             return rc;
         if (v[O_VALUE]) {
             const char *vpath = v[O_VALUE];
@@ -220,7 +233,7 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
                 return cli_fail("%s: last dimension %lld does not match the layer's v_dim %lld "
                                 "(%s)",
                                 vpath, (long long)vf, (long long)bc->v_dim, wpath);
-            if ((rc = to_f32(vpath, &s->value, &s->vf)))
+            if ((rc = to_dtype(vpath, &s->value, o->dtype, &s->vf)))
                 return rc;
         } else if (bc->v_dim != bc->k_dim) {
             return cli_fail("%s: used as values too, but %s has v_dim %lld != k_dim %lld; "
@@ -228,11 +241,10 @@ int read_inputs(const run_config *o, run_state *s, run_dims *d) {
                             kpath, wpath, (long long)bc->v_dim, (long long)bc->k_dim);
         }
     }
-    if ((rc = to_f32(xpath, &s->x, &s->xf)))
+    if ((rc = to_dtype(xpath, &s->x, o->dtype, &s->xf)))
         return rc;
-    s->inputs_nonfinite = !input_all_finite(&s->x, s->xf) ||
-                          (s->kf && !input_all_finite(&s->key, s->kf)) ||
-                          (s->vf && !input_all_finite(&s->value, s->vf));
+    s->inputs_nonfinite = !input_all_finite(&s->x) || (s->kf && !input_all_finite(&s->key)) ||
+                          (s->vf && !input_all_finite(&s->value));
     *d = (run_dims){B, n, m, bc->num_heads, x_ndim, cross};
     return CLI_OK;
 }
@@ -397,9 +409,9 @@ static int alloc_outputs(const run_config *o, run_state *s, const run_dims *d) {
     if (!cli_mul(B, n, &ycount) || !cli_mul(ycount, bc->out_dim, &ycount) ||
         ycount > (int64_t)(SIZE_MAX / 8))
         return cli_fail("%s: output size overflows", v[O_INPUT]);
-    s->out = malloc((size_t)ycount * sizeof(float));
+    s->out = malloc((size_t)ycount * mha_dtype_size(o->dtype));
     if (!s->out)
-        return cli_fail("cannot allocate the output (%lld floats)", (long long)ycount);
+        return cli_fail("cannot allocate the output (%lld values)", (long long)ycount);
     if (v[O_PLOT] && !cli_plot_check(v[O_PLOT], o->average ? 1 : h, n, m, sb, sizeof sb))
         return cli_fail("%s: %s", v[O_PLOT], sb);
     int rc;
@@ -476,6 +488,8 @@ int run_forward(const run_config *o, run_state *s) {
     fa.out = s->out;
     fa.probs = s->probs;
     fa.average_probs = o->average;
+    fa.x_dtype = o->dtype;
+    fa.out_dtype = o->dtype;
     mha_status st = mha_layer_forward(s->layer, &fa, &o->exec, &err);
     if (st == MHA_STATUS_UNSUPPORTED) /* the library's message as it is, after the flag */
         return cli_fail("--impl %s: %s", v[O_IMPL] ? v[O_IMPL] : "auto",

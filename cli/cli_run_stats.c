@@ -196,7 +196,7 @@ int check_stats_finite(const run_config *o,
         snprintf(what, sizeof what, "--attn-stats %s (member %s)", o->opt[O_ATTN_STATS],
                  mb[i].name);
         const int rc =
-            check_finite_output(o, s, what, (const float *)mb[i].data, mb[i].ndim, mb[i].shape);
+            check_finite_output(o, s, what, mb[i].data, MHA_DTYPE_F32, mb[i].ndim, mb[i].shape);
         if (rc)
             return rc;
     }

@@ -105,8 +105,17 @@ static const struct {
     const char *descr;
     mha_dtype dtype;
 } NPY_DTYPES[] = {
-    {"<f4", MHA_DTYPE_F32}, {"<f8", MHA_DTYPE_F64}, {"<f2", MHA_DTYPE_F16}, {"|b1", MHA_DTYPE_BOOL},
-    {"|u1", MHA_DTYPE_U8},  {"<i4", MHA_DTYPE_I32}, {"<i8", MHA_DTYPE_I64},
+    {"<f4", MHA_DTYPE_F32},
+    {"<f8", MHA_DTYPE_F64},
+    {"<f2", MHA_DTYPE_F16},
+    {"|b1", MHA_DTYPE_BOOL},
+    {"|u1", MHA_DTYPE_U8},
+    {"<i4", MHA_DTYPE_I32},
+    {"<i8", MHA_DTYPE_I64},
+    /* bfloat16: numpy has no name for it; np.save of an ml_dtypes.bfloat16 array (ml_dtypes 0.5,
+     * numpy 2) writes this descr (a plain 2-byte void is '|V2', refused), and np.load gives a '|V2'
+     * array that .view(ml_dtypes.bfloat16) reads back. */
+    {"<V2", MHA_DTYPE_BF16},
 };
 #define NPY_NUM_DTYPES (sizeof NPY_DTYPES / sizeof NPY_DTYPES[0])
 
@@ -363,9 +372,10 @@ static mha_status parse_descr(cursor *c, npy_header *h) {
             "%s: big-endian dtype '%.*s' is not supported (save it as little-endian, "
             "e.g. a.astype('<%.*s'))",
             c->name, shown, s, shown > 0 ? shown - 1 : 0, s + 1);
-    return mha__npy_fail(c->err, MHA_STATUS_BAD_FILE,
-                         "%s: unsupported dtype '%.*s' (supported: <f4 <f8 <f2 |b1 |u1 <i4 <i8)",
-                         c->name, shown, s);
+    return mha__npy_fail(
+        c->err, MHA_STATUS_BAD_FILE,
+        "%s: unsupported dtype '%.*s' (supported: <f4 <f8 <f2 <V2 (bfloat16) |b1 |u1 <i4 <i8)",
+        c->name, shown, s);
 }
 
 /* Parses "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }" plus trailing spaces and
@@ -606,34 +616,102 @@ static float narrow_f64(double d) {
     return (float)d;
 }
 
-mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err) {
-    NPY_RETURN_IF(!a || !out, err, INVALID_ARG, "mha__npy_to_f32: NULL argument");
+/* Element i of a float array as a double (exact: every F32, F16 and BF16 value is a double). */
+static double load_double(mha_dtype dt, const void *src, int64_t i) {
+    if (dt == MHA_DTYPE_F64)
+        return ((const double *)src)[i];
+    if (dt == MHA_DTYPE_F32)
+        return (double)((const float *)src)[i];
+    const uint16_t h = ((const uint16_t *)src)[i];
+    if (dt == MHA_DTYPE_BF16) { /* the top half of a float32 */
+        const uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return (double)f;
+    }
+    const int e = (h >> 10) & 31, mant = h & 1023; /* float16: 1 + 5 + 10 bits, bias 15 */
+    const double a = e == 31  ? (mant ? (double)NAN : (double)INFINITY)
+                     : e == 0 ? ldexp(mant, -24)
+                              : ldexp(mant + 1024, e - 25);
+    return h & 0x8000 ? -a : a;
+}
+
+/* The bfloat16 (bf16 != 0: 8 significant bits, exponents -126..127) or float16 (11 bits,
+ * -14..15) bits of d rounded once to nearest even; beyond the largest finite value +-inf, NaN a
+ * quiet NaN. With e = max(floor(log2 |d|), emin), r = rint(|d| 2^(p-1-e)) counts quanta of
+ * 2^(e-p+1) (rint: nearest even in the default rounding mode); the bits are then
+ * (e - emin) << (p-1) plus r, a sum that carries a mantissa overflow into the exponent and needs
+ * no special case for subnormals (e = emin, field 0). */
+static uint16_t half_bits(double d, int bf16) {
+    const int mbits = bf16 ? 7 : 10, emin = bf16 ? -126 : -14;
+    const uint32_t inf = bf16 ? 0x7f80u : 0x7c00u, sign = signbit(d) ? 0x8000u : 0u;
+    if (isnan(d))
+        return (uint16_t)(sign | inf | (bf16 ? 0x40u : 0x200u));
+    const double a = fabs(d);
+    if (a == 0.0 || isinf(a))
+        return (uint16_t)(sign | (a == 0.0 ? 0u : inf));
+    int e;
+    frexp(a, &e); /* a = f 2^e, f in [0.5, 1) */
+    e = e - 1 < emin ? emin : e - 1;
+    if (e > 1024) /* cannot happen for a finite double; keeps the shift below defined */
+        return (uint16_t)(sign | inf);
+    const double r = rint(ldexp(a, mbits - e));
+    uint32_t bits = ((uint32_t)(e - emin) << mbits) + (uint32_t)r;
+    if (bits >= inf)
+        bits = inf;
+    return (uint16_t)(sign | bits);
+}
+
+void mha__npy_convert(mha_dtype from, const void *src, mha_dtype to, void *dst, int64_t count) {
+    if (from == to) {
+        if (count > 0)
+            memcpy(dst, src, (size_t)count * mha_dtype_size(to));
+        return;
+    }
+    for (int64_t i = 0; i < count; i++) {
+        const double d = load_double(from, src, i);
+        if (to == MHA_DTYPE_F32)
+            ((float *)dst)[i] = narrow_f64(d);
+        else if (to == MHA_DTYPE_F64)
+            ((double *)dst)[i] = d;
+        else
+            ((uint16_t *)dst)[i] = half_bits(d, to == MHA_DTYPE_BF16);
+    }
+}
+
+static int npy_is_float(mha_dtype t) {
+    return t == MHA_DTYPE_F32 || t == MHA_DTYPE_F64 || t == MHA_DTYPE_F16 || t == MHA_DTYPE_BF16;
+}
+
+mha_status mha__npy_to_dtype(
+    const mha__npy *a, mha_dtype dtype, const char *name, void **out, mha_error *err) {
+    NPY_RETURN_IF(!a || !out, err, INVALID_ARG, "mha__npy_to_dtype: NULL argument");
     *out = NULL;
     if (!name)
         name = "<array>";
-    NPY_RETURN_IF(a->dtype != MHA_DTYPE_F32 && a->dtype != MHA_DTYPE_F64 &&
-                      a->dtype != MHA_DTYPE_F16,
-                  err, BAD_FILE, "%s: dtype %s is not a float type (expected <f4, <f8 or <f2)",
+    NPY_RETURN_IF(!npy_is_float(dtype), err, INVALID_ARG,
+                  "mha__npy_to_dtype: target dtype %d is not a float type", (int)dtype);
+    NPY_RETURN_IF(!npy_is_float(a->dtype), err, BAD_FILE,
+                  "%s: dtype %s is not a float type (expected <f4, <f8, <f2 or <V2 (bfloat16))",
                   name, npy_descr_of(a->dtype));
     size_t bytes;
-    NPY_RETURN_IF(a->count < 0 || !npy_bytes(a->count, sizeof(float), &bytes), err, OVERFLOW,
-                  "%s: %lld elements do not fit in memory", name, (long long)a->count);
+    NPY_RETURN_IF(a->count < 0 || !npy_bytes(a->count, mha_dtype_size(dtype), &bytes), err,
+                  OVERFLOW, "%s: %lld elements do not fit in memory", name, (long long)a->count);
     NPY_RETURN_IF(a->count > 0 && !a->data, err, INVALID_ARG, "%s: array has no data", name);
-    float *f = malloc(bytes ? bytes : 1);
+    void *f = malloc(bytes ? bytes : 1);
     NPY_RETURN_IF(!f, err, NO_MEMORY, "%s: cannot allocate %zu bytes", name, bytes);
-    if (a->dtype == MHA_DTYPE_F32) {
-        if (bytes)
-            memcpy(f, a->data, bytes);
-    } else if (a->dtype == MHA_DTYPE_F64) {
-        const double *d = a->data;
-        for (int64_t i = 0; i < a->count; i++)
-            f[i] = narrow_f64(d[i]);
-    } else {
-        mha_half_to_f32(MHA_DTYPE_F16, a->data, f, a->count, NULL);
-    }
+    mha__npy_convert(a->dtype, a->data, dtype, f, a->count);
     *out = f;
     npy_ok(err);
     return MHA_STATUS_OK;
+}
+
+mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err) {
+    void *f = NULL;
+    mha_status st = mha__npy_to_dtype(a, MHA_DTYPE_F32, name, &f, err);
+    if (out)
+        *out = f;
+    return st;
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -672,41 +750,48 @@ size_t mha__npy_header(mha_dtype dtype, int32_t ndim, const int64_t *shape, char
     return build_header(buf, MHA_NPY_HEADER_MAX, descr, ndim, shape);
 }
 
-static int write_floats(FILE *f, const float *data, int64_t count) {
-    if (host_is_little_endian())
-        return count == 0 || fwrite(data, sizeof(float), (size_t)count, f) == (size_t)count;
+/* count elements of `size` bytes, little-endian on disk (bytes reversed on a big-endian host). */
+static int write_elems(FILE *f, const void *data, int64_t count, size_t size) {
+    if (host_is_little_endian() || size < 2)
+        return count == 0 || fwrite(data, size, (size_t)count, f) == (size_t)count;
     unsigned char chunk[4096];
+    const unsigned char *p = data;
     for (int64_t i = 0; i < count;) {
         size_t n = 0;
-        for (; n < sizeof chunk / 4 && i < count; n++, i++) {
-            uint32_t u;
-            memcpy(&u, &data[i], 4);
-            for (int b = 0; b < 4; b++)
-                chunk[4 * n + (size_t)b] = (unsigned char)(u >> (8 * b));
-        }
-        if (fwrite(chunk, 4, n, f) != n)
+        for (; n < sizeof chunk / size && i < count; n++, i++)
+            for (size_t b = 0; b < size; b++)
+                chunk[n * size + b] = p[(size_t)i * size + size - 1 - b];
+        if (fwrite(chunk, size, n, f) != n)
             return 0;
     }
     return 1;
 }
 
-mha_status mha__npy_write_f32(
-    const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err) {
-    NPY_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_write_f32: path is NULL");
+mha_status mha__npy_write(const char *path,
+                          mha_dtype dtype,
+                          const void *data,
+                          int32_t ndim,
+                          const int64_t *shape,
+                          mha_error *err) {
+    NPY_RETURN_IF(!path, err, INVALID_ARG, "mha__npy_write: path is NULL");
+    const char *descr = npy_descr_of(dtype);
+    NPY_RETURN_IF(descr[0] == '?', err, INVALID_ARG, "%s: dtype %d has no .npy name", path,
+                  (int)dtype);
     NPY_RETURN_IF(ndim < 0 || ndim > MHA_NPY_MAX_DIMS, err, INVALID_ARG,
                   "%s: ndim=%d is outside [0, %d]", path, (int)ndim, MHA_NPY_MAX_DIMS);
     NPY_RETURN_IF(ndim > 0 && !shape, err, INVALID_ARG, "%s: shape is NULL", path);
     for (int32_t i = 0; i < ndim; i++)
         NPY_RETURN_IF(shape[i] < 0, err, INVALID_ARG, "%s: shape[%d]=%lld is negative", path,
                       (int)i, (long long)shape[i]);
+    const size_t esize = mha_dtype_size(dtype);
     int64_t count;
     size_t bytes;
-    NPY_RETURN_IF(!npy_prod(shape, ndim, &count) || !npy_bytes(count, 4, &bytes), err, OVERFLOW,
+    NPY_RETURN_IF(!npy_prod(shape, ndim, &count) || !npy_bytes(count, esize, &bytes), err, OVERFLOW,
                   "%s: the shape's size overflows", path);
     NPY_RETURN_IF(count > 0 && !data, err, INVALID_ARG, "%s: data is NULL", path);
 
     char header[512];
-    const size_t header_len = build_header(header, sizeof header, "<f4", ndim, shape);
+    const size_t header_len = build_header(header, sizeof header, descr, ndim, shape);
 
     const size_t tmp_size = strlen(path) + 32;
     char *tmp = malloc(tmp_size);
@@ -722,11 +807,16 @@ mha_status mha__npy_write_f32(
         return st;
     }
     errno = 0;
-    const int ok = fwrite(header, 1, header_len, f) == header_len && write_floats(f, data, count) &&
-                   fflush(f) == 0;
+    const int ok = fwrite(header, 1, header_len, f) == header_len &&
+                   write_elems(f, data, count, esize) && fflush(f) == 0;
     const mha_status st = mha__npy_commit(f, ok, tmp, path, err);
     free(tmp);
     if (st == MHA_STATUS_OK)
         npy_ok(err);
     return st;
+}
+
+mha_status mha__npy_write_f32(
+    const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err) {
+    return mha__npy_write(path, MHA_DTYPE_F32, data, ndim, shape, err);
 }

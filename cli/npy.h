@@ -16,7 +16,7 @@
 #define MHA_NPY_MAX_DIMS 8
 
 typedef struct mha__npy {
-    mha_dtype dtype; /* F32 F64 F16 BOOL U8 I32 I64 (little-endian only) */
+    mha_dtype dtype; /* F32 F64 F16 BF16 BOOL U8 I32 I64 (little-endian only; BF16 is '<V2') */
     int32_t ndim;
     int64_t shape[MHA_NPY_MAX_DIMS];
     int64_t count; /* product of shape */
@@ -35,8 +35,16 @@ mha_status mha__npy_open_input(const char *path, FILE **out, uint64_t *size, mha
 /* Reads a whole regular file (mha__npy_open_input); messages start with the path. */
 mha_status mha__npy_read(const char *path, mha__npy *out, mha_error *err);
 void mha__npy_free(mha__npy *a);
-/* Converts a float tensor (F32/F64/F16) to a new malloc'ed float32 array. */
+/* Converts a float tensor (F32/F64/F16/BF16) to a new malloc'ed float32 array. */
 mha_status mha__npy_to_f32(const mha__npy *a, const char *name, float **out, mha_error *err);
+/* Converts a float tensor (F32/F64/F16/BF16) to a new malloc'ed array of `dtype` (F32, F64, F16 or
+ * BF16): a copy when the dtypes agree, else each value rounded once to nearest even (float64 to
+ * a half directly, never through float32); a finite value beyond the target's range becomes
+ * +-inf (float16: |x| >= 65520), as numpy's astype does. */
+mha_status
+mha__npy_to_dtype(const mha__npy *a, mha_dtype dtype, const char *name, void **out, mha_error *err);
+/* The conversion of mha__npy_to_dtype on `count` elements (dst must not overlap src). */
+void mha__npy_convert(mha_dtype from, const void *src, mha_dtype to, void *dst, int64_t count);
 /* Largest header mha__npy_header writes. */
 #define MHA_NPY_HEADER_MAX 512
 /* The version 1.0 header of a C-order little-endian array of `dtype` and `shape` (data then start
@@ -51,7 +59,15 @@ mha_status mha__npy_fail(mha_error *err, mha_status status, const char *fmt, ...
  * errno telling why not), is closed and renamed to `path`; on any failure `tmp` is removed and err
  * names `path` and the reason (MHA_STATUS_IO). */
 mha_status mha__npy_commit(FILE *f, int ok, const char *tmp, const char *path, mha_error *err);
-/* Writes a float32 C-order array atomically (temporary file + rename). */
+/* Writes a C-order array of `dtype` (F32, F64, F16, BF16 as '<V2', or an integer type) atomically
+ * (temporary file + rename). */
+mha_status mha__npy_write(const char *path,
+                          mha_dtype dtype,
+                          const void *data,
+                          int32_t ndim,
+                          const int64_t *shape,
+                          mha_error *err);
+/* mha__npy_write of a float32 array. */
 mha_status mha__npy_write_f32(
     const char *path, const float *data, int32_t ndim, const int64_t *shape, mha_error *err);
 

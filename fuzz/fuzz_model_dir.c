@@ -410,16 +410,17 @@ check_weights(const run *r, const arch *a, const mha_layer *L, const layer_tenso
             }
     }
     const tensor *o = &r->t[lt->idx[3]];
+    const float *wo = w->w_o, *bo = w->b_o, *sinks = w->sinks; /* float32: the default dtype */
     for (int64_t row = 0; row < c->out_dim; row++)
         for (int64_t k = 0; k < h * c->v_head_dim; k++)
-            FUZZ_REQUIRE(w->w_o[row * h * c->v_head_dim + k] == elem(o, gpt2, row, k),
+            FUZZ_REQUIRE(wo[row * h * c->v_head_dim + k] == elem(o, gpt2, row, k),
                          "w_o (%lld, %lld)", (long long)row, (long long)k);
     FUZZ_REQUIRE((w->b_o != NULL) == (lt->idx[7] >= 0), "b_o presence");
     for (int64_t i = 0; w->b_o && i < c->out_dim; i++)
-        FUZZ_REQUIRE(w->b_o[i] == r->t[lt->idx[7]].v[i], "b_o[%lld]", (long long)i);
+        FUZZ_REQUIRE(bo[i] == r->t[lt->idx[7]].v[i], "b_o[%lld]", (long long)i);
     FUZZ_REQUIRE((w->sinks != NULL) == (lt->idx[8] >= 0), "sinks presence");
     for (int64_t i = 0; w->sinks && i < h; i++)
-        FUZZ_REQUIRE(w->sinks[i] == r->t[lt->idx[8]].v[i], "sinks[%lld]", (long long)i);
+        FUZZ_REQUIRE(sinks[i] == r->t[lt->idx[8]].v[i], "sinks[%lld]", (long long)i);
 }
 
 /* MHA_FUZZ_VERBOSE=1 prints what each step of a run gave (to check what a seed reaches). */

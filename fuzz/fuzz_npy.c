@@ -37,13 +37,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (size_t i = 0; i < (size_t)a.count * es; i++)
         sum += b[i];
     (void)sum;
-    if (a.dtype == MHA_DTYPE_F32 || a.dtype == MHA_DTYPE_F64 || a.dtype == MHA_DTYPE_F16) {
+    if (a.dtype == MHA_DTYPE_F32 || a.dtype == MHA_DTYPE_F64 || a.dtype == MHA_DTYPE_F16 ||
+        a.dtype == MHA_DTYPE_BF16) {
         float *f = NULL;
         st = mha__npy_to_f32(&a, "fuzz.npy", &f, &err);
         FUZZ_REQUIRE(st == MHA_STATUS_OK, "to_f32 failed: %s", err.message);
         if (a.count > 0)
             FUZZ_REQUIRE(f != NULL, "to_f32 gave NULL");
         free(f);
+        /* and to each half (mha run --dtype): any bit pattern converts, NaN and Inf included */
+        for (int h = 0; h < 2; h++) {
+            void *d = NULL;
+            st = mha__npy_to_dtype(&a, h ? MHA_DTYPE_F16 : MHA_DTYPE_BF16, "fuzz.npy", &d, &err);
+            FUZZ_REQUIRE(st == MHA_STATUS_OK, "to_dtype failed: %s", err.message);
+            free(d);
+        }
     }
     mha__npy_free(&a);
     return 0;

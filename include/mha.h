@@ -702,11 +702,14 @@ typedef struct mha_name_map {
     const char *sinks; /* full tensor name of the sink logits; NULL = "sinks" if present */
 } mha_name_map;
 
-/** Loads a layer from a safetensors file (F32/F64/F16/BF16 tensors, converted to float32).
- *  `config` gives num_heads (required), num_kv_heads (0 = inferred from the shapes), and every
- *  non-size option (scale, rope, softcap, alibi); sizes and biases are inferred from the tensor
- *  shapes and checked against it. `prefix` (may be NULL) is prepended to every name. The file is
- *  untrusted: every offset and size is checked. */
+/** Loads a layer from a safetensors file (F32/F64/F16/BF16 tensors).
+ *  `config` gives num_heads (required), num_kv_heads (0 = inferred from the shapes), every
+ *  non-size option (scale, rope, softcap, alibi) and weight_dtype, the storage of the layer's
+ *  weights (F32 default, BF16 or F16): a tensor already in it is copied as its file bytes (never
+ *  widened), any other is rounded once to nearest even (docs/FORMATS.md, "safetensors"); a value
+ *  beyond the half's range is BAD_FILE. Sizes and biases are inferred from the tensor shapes and
+ *  checked against it. `prefix` (may be NULL) is prepended to every name. The file is untrusted:
+ *  every offset and size is checked. */
 MHA_API mha_status mha_layer_load_safetensors(const char *path,
                                               const char *prefix,
                                               const mha_name_map *names,
@@ -747,7 +750,9 @@ MHA_API mha_status mha_hf_layer_info_read(const char *dir,
  *  transposed Conv1D c_attn, GPT-NeoX's per-head interleaved query_key_value, Phi-3's qkv_proj,
  *  Falcon's layouts). `config` NULL takes the options from mha_hf_layer_info_read(); otherwise it
  *  is that info's config with the caller's changes (heads, kv heads and head_dim decide how fused
- *  tensors are split; scale, softcap, alibi, rope and sinks are taken as given). */
+ *  tensors are split; scale, softcap, alibi, rope and sinks are taken as given; weight_dtype is
+ *  the weights' storage as in mha_layer_load_safetensors: set it to MHA_DTYPE_BF16 to keep a bf16
+ *  checkpoint's bytes; the info's is MHA_DTYPE_F32 whatever the checkpoint's torch_dtype). */
 MHA_API mha_status mha_hf_layer_load(const char *dir,
                                      int64_t layer,
                                      const mha_config *config,

@@ -374,6 +374,64 @@ static void test_npy_dtypes(void) {
     remove(fifo);
 }
 
+/* bfloat16 .npy ('<V2', as np.save of an ml_dtypes.bfloat16 array writes it) read, written and
+ * read back; '|V2' (a plain 2-byte void) refused; and the CLI's conversions (mha__npy_convert)
+ * against the library's float32 -> half rounding (itself checked against the rint() oracles in
+ * test_conversions) on random float32 bit patterns, plus float64 rounded ONCE to a half. */
+static void test_npy_half(void) {
+    mha_error err;
+    mha__npy a;
+    const uint16_t h[3] = {0x3f80, 0xc000, 0x7f7f}; /* 1, -2, bf16 max */
+    unsigned char hb[6];
+    for (int i = 0; i < 3; i++) {
+        hb[2 * i] = (unsigned char)(h[i] & 0xff);
+        hb[2 * i + 1] = (unsigned char)(h[i] >> 8);
+    }
+    const char *p = write_npy(
+        "bf16.npy", 1, "{'descr': '<V2', 'fortran_order': False, 'shape': (3,), }", hb, sizeof hb);
+    CHECK_OK(mha__npy_read(p, &a, &err), &err);
+    CHECK(a.dtype == MHA_DTYPE_BF16 && a.count == 3 && memcmp(a.data, h, sizeof h) == 0,
+          "<V2 read as bfloat16");
+    float *f = NULL;
+    CHECK_OK(mha__npy_to_f32(&a, p, &f, &err), &err);
+    CHECK(f && f[0] == 1.0f && f[1] == -2.0f && f[2] == bits_f32(0x7f7f0000u), "<V2 -> f32");
+    free(f);
+    const int64_t shape[2] = {1, 3};
+    CHECK_OK(mha__npy_write(tpath("bf16w.npy"), MHA_DTYPE_BF16, a.data, 2, shape, &err), &err);
+    mha__npy_free(&a);
+    CHECK_OK(mha__npy_read(tpath("bf16w.npy"), &a, &err), &err);
+    CHECK(a.dtype == MHA_DTYPE_BF16 && a.ndim == 2 && memcmp(a.data, h, sizeof h) == 0,
+          "bf16 written and read back");
+    mha__npy_free(&a);
+    p = write_npy("v2.npy", 1, "{'descr': '|V2', 'fortran_order': False, 'shape': (3,), }", hb,
+                  sizeof hb);
+    CHECK_FAIL(mha__npy_read(p, &a, &err), &err, MHA_STATUS_BAD_FILE, "unsupported dtype '|V2'");
+
+    test_rng rng;
+    test_rng_seed(&rng, 30);
+    int bad = 0;
+    for (int i = 0; i < 200000; i++) {
+        const float x = bits_f32((uint32_t)test_rng_u64(&rng));
+        if (isnan(x))
+            continue;
+        uint16_t b16, f16;
+        mha__npy_convert(MHA_DTYPE_F32, &x, MHA_DTYPE_BF16, &b16, 1);
+        mha__npy_convert(MHA_DTYPE_F32, &x, MHA_DTYPE_F16, &f16, 1);
+        bad += b16 != mha__f32_to_bf16(x) || f16 != mha__f32_to_f16(x);
+        float back;
+        mha__npy_convert(MHA_DTYPE_F16, &f16, MHA_DTYPE_F32, &back, 1);
+        bad += !(back == mha__f16_to_f32(f16) || (isnan(back) && isnan(mha__f16_to_f32(f16))));
+    }
+    CHECK(bad == 0, "mha__npy_convert = the library's rounding (%d mismatches)", bad);
+    /* 1 + half an ulp + 2^-30: once rounded, up (float32 would tie to even, down). */
+    const double d[4] = {1.0 + 0x1p-8 + 0x1p-30, -(1.0 + 0x1p-11 + 0x1p-30), 65520.0, 1e-30};
+    uint16_t o[4];
+    mha__npy_convert(MHA_DTYPE_F64, d, MHA_DTYPE_BF16, o, 1);
+    mha__npy_convert(MHA_DTYPE_F64, d + 1, MHA_DTYPE_F16, o + 1, 3);
+    CHECK(o[0] == 0x3f81 && o[1] == 0xbc01 && o[2] == 0x7c00 && o[3] == 0,
+          "float64 rounded once: %04x %04x %04x %04x", o[0], o[1], o[2], o[3]);
+}
+
 static void test_npy_errors(void) {
     mha_error err;
     mha__npy a;
@@ -1220,14 +1278,19 @@ static void test_st_file_errors(void) {
         {"{\"a\": {\"dtype\": \"F32\\u0000x\", \"shape\": [4], \"data_offsets\": [0, 16]}}",
          "the value of \"dtype\" contains a NUL character"},
     };
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        stb_write_raw(p, bad[i].json, strlen(bad[i].json), data, sizeof data);
+    /* Every hostile header is refused whatever the weight_dtype asked for (half: no widening). */
+    for (size_t i = 0; i < 3 * (sizeof bad / sizeof bad[0]); i++) {
+        const size_t k = i % (sizeof bad / sizeof bad[0]);
+        static const mha_dtype dts[3] = {MHA_DTYPE_F32, MHA_DTYPE_BF16, MHA_DTYPE_F16};
+        c.weight_dtype = dts[i / (sizeof bad / sizeof bad[0])];
+        stb_write_raw(p, bad[k].json, strlen(bad[k].json), data, sizeof data);
         mha_status st = mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err);
-        CHECK(st == MHA_STATUS_BAD_FILE && strstr(err.message, bad[i].want) &&
+        CHECK(st == MHA_STATUS_BAD_FILE && strstr(err.message, bad[k].want) &&
                   strncmp(err.message, p, strlen(p)) == 0 && L == NULL,
-              "header %s -> %s \"%s\"; want BAD_FILE with \"%s\"", bad[i].json,
-              mha_status_string(st), err.message, bad[i].want);
+              "header %s (weight_dtype %d) -> %s \"%s\"; want BAD_FILE with \"%s\"", bad[k].json,
+              (int)c.weight_dtype, mha_status_string(st), err.message, bad[k].want);
     }
+    c.weight_dtype = MHA_DTYPE_F32;
     /* An embedded NUL inside the header is junk too. */
     {
         unsigned char buf[16];
@@ -1789,6 +1852,202 @@ static void test_hf_bias_follows_config(void) {
     free(qkv), free(qkv_b), free(dense), free(dense_b);
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Half-precision weights (config.weight_dtype BF16 / F16): no widening                           */
+/* ---------------------------------------------------------------------------------------------- */
+
+static void put_halves(unsigned char *dst, const uint16_t *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        dst[2 * i] = (unsigned char)(h[i] & 0xff);
+        dst[2 * i + 1] = (unsigned char)(h[i] >> 8);
+    }
+}
+
+static uint16_t to_half(mha_dtype dt, float x) {
+    return dt == MHA_DTYPE_BF16 ? mha__f32_to_bf16(x) : mha__f32_to_f16(x);
+}
+
+/* One file of every dtype: q F16, k BF16, v F64, o F32, biases on q (BF16) and o (F32), F32
+ * sinks; values multiples of 1/64 in [-2, 2) (exact in every format) but for v[0], a float64 just
+ * above the midpoint of two halves of `dt` that float32 cannot tell from the midpoint: rounded
+ * once it goes up, through float32 it would tie to even and go down. Loaded with weight_dtype
+ * `dt`: the tensors already in dt are their file bytes, the others are rounded once. */
+static void check_half_weights(mha_dtype dt) {
+    const char *dn = dt == MHA_DTYPE_BF16 ? "bf16" : "f16";
+    mha_error err;
+    mha_layer *L = NULL;
+    float *q = values(64, 41), *k = values(64, 42), *v = values(64, 43), *o = values(64, 44),
+          *bq = values(8, 45), *bo = values(8, 46);
+    const float sinks[2] = {0.5f, -1.25f};
+    uint16_t q16[64], k16[64], bq16[8];
+    unsigned char qb[128], kb[128], bqb[16], vb[512];
+    for (int i = 0; i < 64; i++) {
+        q16[i] = mha__f32_to_f16(q[i]);
+        k16[i] = mha__f32_to_bf16(k[i]);
+    }
+    for (int i = 0; i < 8; i++)
+        bq16[i] = mha__f32_to_bf16(bq[i]);
+    put_halves(qb, q16, 64);
+    put_halves(kb, k16, 64);
+    put_halves(bqb, bq16, 8);
+    /* 1 + half an ulp of dt at 1 (2^-8 bf16, 2^-11 f16) + 2^-30: below float32's resolution. */
+    const double v0 = 1.0 + (dt == MHA_DTYPE_BF16 ? 0x1p-8 : 0x1p-11) + 0x1p-30;
+    for (int i = 0; i < 64; i++) {
+        const double d = i == 0 ? v0 : (double)v[i];
+        uint64_t u;
+        memcpy(&u, &d, 8);
+        put_u64le(vb + 8 * i, u);
+    }
+    stb b;
+    stb_init(&b);
+    stb_add(&b, "q_proj.weight", "F16", "[8, 8]", qb, sizeof qb);
+    stb_add(&b, "q_proj.bias", "BF16", "[8]", bqb, sizeof bqb);
+    stb_add(&b, "k_proj.weight", "BF16", "[8, 8]", kb, sizeof kb);
+    stb_add(&b, "v_proj.weight", "F64", "[8, 8]", vb, sizeof vb);
+    stb_add_f32(&b, "o_proj.weight", 8, 8, o);
+    stb_add_f32(&b, "o_proj.bias", 8, 0, bo);
+    stb_add_f32(&b, "sinks", 2, 0, sinks);
+    const char *p =
+        stb_write(&b, dt == MHA_DTYPE_BF16 ? "half_bf16.safetensors" : "half_f16.safetensors");
+    mha_config c = cfg_heads(2, 0);
+    c.weight_dtype = dt;
+    CHECK_OK(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err);
+    if (L) {
+        const mha_config *r = mha_layer_config(L);
+        const mha_weights *w = mha_layer_weights(L);
+        const uint16_t *wq = w->w_q, *wk = w->w_k, *wv = w->w_v, *wo = w->w_o, *wbq = w->b_q,
+                       *wbo = w->b_o, *ws = w->sinks;
+        CHECK(r->weight_dtype == dt, "%s: the layer's weight_dtype is %d", dn,
+              (int)r->weight_dtype);
+        int q_ok = 1, k_ok = 1, v_ok = 1, o_ok = 1, b_ok = 1;
+        for (int i = 0; i < 64; i++) {
+            q_ok &= wq[i] == to_half(dt, q[i]);
+            k_ok &= wk[i] == to_half(dt, k[i]);
+            v_ok &= i == 0 || wv[i] == to_half(dt, v[i]);
+            o_ok &= wo[i] == to_half(dt, o[i]);
+        }
+        for (int i = 0; i < 8; i++)
+            b_ok &= wbq[i] == to_half(dt, bq[i]) && wbo[i] == to_half(dt, bo[i]);
+        CHECK(q_ok && k_ok && o_ok && b_ok, "%s: every tensor in %s", dn, dn);
+        if (dt == MHA_DTYPE_F16)
+            CHECK(memcmp(wq, qb, sizeof qb) == 0, "f16: the F16 weight is the file's bytes");
+        else
+            CHECK(memcmp(wk, kb, sizeof kb) == 0 && memcmp(wbq, bqb, sizeof bqb) == 0,
+                  "bf16: the BF16 weight and bias are the file's bytes");
+        const uint16_t up = dt == MHA_DTYPE_BF16 ? 0x3f81 : 0x3c01; /* 1 + one ulp */
+        CHECK(v_ok && wv[0] == up, "%s: F64 rounded once (v[0] = 0x%04x, want 0x%04x)", dn, wv[0],
+              up);
+        CHECK(ws[0] == to_half(dt, 0.5f) && ws[1] == to_half(dt, -1.25f), "%s: sinks", dn);
+    }
+    mha_layer_destroy(L);
+    free(q), free(k), free(v), free(o), free(bq), free(bo);
+}
+
+static void test_st_half_weights(void) {
+    check_half_weights(MHA_DTYPE_BF16);
+    check_half_weights(MHA_DTYPE_F16);
+    mha_error err;
+    mha_layer *L = NULL;
+    mha_config c = cfg_heads(2, 0);
+    /* A float32 weight beyond float16's range, and a BF16 Inf kept as its bytes: refused. */
+    float *w = values(64, 47);
+    w[9] = 70000.0f;
+    stb b;
+    stb_init(&b);
+    stb_add_f32(&b, "q_proj.weight", 8, 8, w);
+    stb_add_f32(&b, "k_proj.weight", 8, 8, w);
+    stb_add_f32(&b, "v_proj.weight", 8, 8, w);
+    stb_add_f32(&b, "o_proj.weight", 8, 8, w);
+    const char *p = stb_write(&b, "half_range.safetensors");
+    c.weight_dtype = MHA_DTYPE_F16;
+    CHECK_FAIL(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err,
+               MHA_STATUS_BAD_FILE,
+               "tensor 'q_proj.weight' element [1, 1] = 70000 is beyond float16's range");
+    c.weight_dtype = MHA_DTYPE_BF16;
+    CHECK_OK(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err);
+    mha_layer_destroy(L);
+    L = NULL;
+    uint16_t inf16[64];
+    unsigned char infb[128];
+    for (int i = 0; i < 64; i++)
+        inf16[i] = i == 5 ? 0x7f80 : mha__f32_to_bf16(w[i]);
+    put_halves(infb, inf16, 64);
+    stb_init(&b);
+    stb_add(&b, "q_proj.weight", "BF16", "[8, 8]", infb, sizeof infb);
+    stb_add_f32(&b, "k_proj.weight", 8, 8, w);
+    stb_add_f32(&b, "v_proj.weight", 8, 8, w);
+    stb_add_f32(&b, "o_proj.weight", 8, 8, w);
+    p = stb_write(&b, "half_inf.safetensors");
+    CHECK_FAIL(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err,
+               MHA_STATUS_BAD_FILE, "tensor 'q_proj.weight' element [0, 5] is infinite");
+    c.weight_dtype = MHA_DTYPE_F64;
+    CHECK_FAIL(mha_layer_load_safetensors(p, NULL, NULL, &c, NULL, &L, &err), &err,
+               MHA_STATUS_INVALID_ARG, "config.weight_dtype=1 is not");
+    CHECK(L == NULL, "*out stays NULL");
+    free(w);
+}
+
+/* GPT-2 in BF16 loaded with weight_dtype BF16: c_attn [8, 24] transposed and split, c_proj
+ * transposed, all as the file's 16-bit patterns (moved, never widened). */
+static void test_hf_half_gpt2(void) {
+    mha_error err;
+    mha_layer *L = NULL;
+    float *attn = values(8 * 24, 51), *attn_b = values(24, 52), *proj = values(8 * 8, 53),
+          *proj_b = values(8, 54);
+    uint16_t a16[8 * 24], ab16[24], p16[64], pb16[8];
+    unsigned char ab[2 * 8 * 24], abb[48], pb[128], pbb[16];
+    for (int i = 0; i < 8 * 24; i++)
+        a16[i] = mha__f32_to_bf16(attn[i]) ^ (uint16_t)(i & 1); /* a low bit set: not values() */
+    for (int i = 0; i < 24; i++)
+        ab16[i] = mha__f32_to_bf16(attn_b[i]);
+    for (int i = 0; i < 64; i++)
+        p16[i] = mha__f32_to_bf16(proj[i]) ^ (uint16_t)(i & 1);
+    for (int i = 0; i < 8; i++)
+        pb16[i] = mha__f32_to_bf16(proj_b[i]);
+    put_halves(ab, a16, 8 * 24);
+    put_halves(abb, ab16, 24);
+    put_halves(pb, p16, 64);
+    put_halves(pbb, pb16, 8);
+    stb b;
+    stb_init(&b);
+    stb_add(&b, "h.0.attn.c_attn.weight", "BF16", "[8, 24]", ab, sizeof ab);
+    stb_add(&b, "h.0.attn.c_attn.bias", "BF16", "[24]", abb, sizeof abb);
+    stb_add(&b, "h.0.attn.c_proj.weight", "BF16", "[8, 8]", pb, sizeof pb);
+    stb_add(&b, "h.0.attn.c_proj.bias", "BF16", "[8]", pbb, sizeof pbb);
+    const char *dir =
+        hf_dir("gpt2_bf16",
+               "{\"model_type\": \"gpt2\", \"n_embd\": 8, \"n_head\": 2, \"n_layer\": 1}", &b);
+    mha_hf_layer_info info;
+    CHECK_OK(mha_hf_layer_info_read(dir, 0, &info, &err), &err);
+    CHECK(info.config.weight_dtype == MHA_DTYPE_F32, "info: weight_dtype float32 by default");
+    mha_config c = info.config;
+    c.weight_dtype = MHA_DTYPE_BF16;
+    CHECK_OK(mha_hf_layer_load(dir, 0, &c, NULL, &L, &err), &err);
+    if (L) {
+        const mha_weights *w = mha_layer_weights(L);
+        const uint16_t *wq = w->w_q, *wk = w->w_k, *wv = w->w_v, *wo = w->w_o;
+        int ok = mha_layer_config(L)->weight_dtype == MHA_DTYPE_BF16;
+        for (int64_t r = 0; r < 8; r++) {
+            for (int64_t col = 0; col < 8; col++)
+                ok &= wq[r * 8 + col] == a16[col * 24 + r] &&
+                      wk[r * 8 + col] == a16[col * 24 + 8 + r] &&
+                      wv[r * 8 + col] == a16[col * 24 + 16 + r] &&
+                      wo[r * 8 + col] == p16[col * 8 + r];
+            ok &= ((const uint16_t *)w->b_q)[r] == ab16[r] &&
+                  ((const uint16_t *)w->b_k)[r] == ab16[8 + r] &&
+                  ((const uint16_t *)w->b_v)[r] == ab16[16 + r] &&
+                  ((const uint16_t *)w->b_o)[r] == pb16[r];
+        }
+        CHECK(ok, "gpt2 bf16: transposed and split as the file's bytes");
+    }
+    mha_layer_destroy(L);
+    L = NULL;
+    c.weight_dtype = MHA_DTYPE_I32;
+    CHECK_FAIL(mha_hf_layer_load(dir, 0, &c, NULL, &L, &err), &err, MHA_STATUS_INVALID_ARG,
+               "config.weight_dtype=6 is not");
+    free(attn), free(attn_b), free(proj), free(proj_b);
+}
+
 int main(void) {
     snprintf(g_dir, sizeof g_dir, "/tmp/mha_test_io_XXXXXX");
     if (!mkdtemp(g_dir)) {
@@ -1798,12 +2057,15 @@ int main(void) {
     test_conversions();
     test_npy_write_roundtrip();
     test_npy_dtypes();
+    test_npy_half();
     test_npy_errors();
     test_st_hf();
     test_st_torch_mha();
     test_st_names_prefix_dtypes();
     test_st_allocator();
     test_st_file_errors();
+    test_st_half_weights();
+    test_hf_half_gpt2();
     test_hf_gpt2();
     test_hf_fused_orders();
     test_hf_fused_override();

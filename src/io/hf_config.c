@@ -920,25 +920,28 @@ mha_hf_layer_info_read(const char *dir, int64_t layer, mha_hf_layer_info *info, 
 /* Loading and splitting the weights                                                              */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* The projections being assembled: w_q w_k w_v w_o b_q b_k b_v b_o sinks (allocator's). */
+/* The projections being assembled: w_q w_k w_v w_o b_q b_k b_v b_o sinks (allocator's), in the
+ * config's weight_dtype (a tensor already in it is its file bytes: no widening). */
 typedef struct hf_bufs {
-    float *p[9];
+    void *p[9];
 } hf_bufs;
 
-/* Reads prefix + stem + suffix, which must have exactly `rows` x `cols` elements (cols 0: 1-d). */
+/* Reads prefix + stem + suffix, which must have exactly `rows` x `cols` elements (cols 0: 1-d),
+ * in the storage dtype `to` (mha__st_read). */
 static mha_status read_exact(hf_model *m,
                              const char *stem,
                              const char *suffix,
                              int64_t rows,
                              int64_t cols,
+                             mha_dtype to,
                              const mha_allocator *a,
-                             float **out,
+                             void **out,
                              mha_error *err) {
     char name[2 * MHA_HF_TEXT_SIZE];
     tensor_name(name, m, stem, suffix);
     TRY(model_file_for(m, name, err));
     int64_t shape[2];
-    TRY(mha__st_read(m->file, name, cols ? 2 : 1, a, out, shape, err));
+    TRY(mha__st_read(m->file, name, cols ? 2 : 1, to, a, out, shape, err));
     MHA_RETURN_IF(shape[0] != rows || (cols && shape[1] != cols), err, BAD_FILE,
                   "%s: tensor '%s' has shape [%lld%s%lld], expected [%lld%s%lld] (from %s)",
                   m->file_name, name, (long long)shape[0], cols ? ", " : "",
@@ -966,16 +969,18 @@ static mha_status has_bias(hf_model *m, const char *stem, int wanted, int *out, 
     return MHA_STATUS_OK;
 }
 
-/* In-place transpose of a [rows, cols] matrix into [cols, rows] through a scratch copy. */
+/* In-place transpose of a [rows, cols] matrix of `es`-byte elements into [cols, rows] through a
+ * scratch copy (elements moved as bytes: any storage dtype). */
 static mha_status
-transpose(float *x, int64_t rows, int64_t cols, const mha_allocator *a, mha_error *err) {
+transpose(void *x, int64_t rows, int64_t cols, size_t es, const mha_allocator *a, mha_error *err) {
     size_t bytes;
-    MHA_RETURN_IF(!mha__bytes(rows * cols, sizeof(float), &bytes), err, OVERFLOW, "too large");
-    float *t = mha__alloc(a, bytes);
+    MHA_RETURN_IF(!mha__bytes(rows * cols, es, &bytes), err, OVERFLOW, "too large");
+    char *t = mha__alloc(a, bytes);
     MHA_RETURN_IF(!t, err, NO_MEMORY, "cannot allocate %zu bytes", bytes);
+    const char *src = x;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++)
-            t[c * rows + r] = x[r * cols + c];
+            memcpy(t + (size_t)(c * rows + r) * es, src + (size_t)(r * cols + c) * es, es);
     memcpy(x, t, bytes);
     mha__free(a, t);
     return MHA_STATUS_OK;
@@ -994,23 +999,25 @@ static int64_t fused_block(hf_fused f, int role, int64_t t, int64_t h, int64_t g
     }
 }
 
-/* Splits a fused [fused_rows, cols] matrix (cols 1: a bias), named `name`, into new q [h d],
- * k [g d], v [g d]. Every block read is checked against fused_rows, the tensor's own row count,
- * whatever the sizes in `c` say (they may come from flags or the caller's config). */
+/* Splits a fused [fused_rows, cols] matrix (cols 1: a bias), named `name`, in c->weight_dtype,
+ * into new q [h d], k [g d], v [g d]. Every block read is checked against fused_rows, the
+ * tensor's own row count, whatever the sizes in `c` say (they may come from flags or the
+ * caller's config). */
 static mha_status split_fused(const hf_model *m,
                               const char *name,
-                              const float *fused,
+                              const void *fused,
                               int64_t fused_rows,
                               int64_t cols,
                               const mha_config *c,
                               const mha_allocator *a,
-                              float **dst,
+                              void **dst,
                               mha_error *err) {
     const int64_t h = c->num_heads, g = c->num_kv_heads, d = c->head_dim;
+    const size_t es = mha__storage_size(c->weight_dtype);
     for (int role = 0; role < 3; role++) {
         const int64_t heads = role == 0 ? h : g;
         size_t bytes;
-        MHA_RETURN_IF(!mha__bytes(heads * d * cols, sizeof(float), &bytes), err, OVERFLOW,
+        MHA_RETURN_IF(!mha__bytes(heads * d * cols, es, &bytes), err, OVERFLOW,
                       "%s: projection too large", m->dir);
         dst[role] = mha__alloc(a, bytes);
         MHA_RETURN_IF(!dst[role], err, NO_MEMORY, "%s: out of memory", m->dir);
@@ -1021,8 +1028,8 @@ static mha_status split_fused(const hf_model *m,
                           "heads of %lld rows read its row block %lld",
                           m->file_name, name, (long long)fused_rows, (long long)h, (long long)g,
                           (long long)d, (long long)b);
-            memcpy(dst[role] + t * d * cols, fused + b * d * cols,
-                   (size_t)(d * cols) * sizeof(float));
+            memcpy((char *)dst[role] + (size_t)(t * d * cols) * es,
+                   (const char *)fused + (size_t)(b * d * cols) * es, (size_t)(d * cols) * es);
         }
     }
     return MHA_STATUS_OK;
@@ -1045,18 +1052,19 @@ load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b,
     int64_t rows; /* (h + 2g) d */
     MHA_RETURN_IF(!mha__mul_i64(c->num_heads + 2 * c->num_kv_heads, c->head_dim, &rows), err,
                   OVERFLOW, "%s: sizes overflow", m->config_path);
-    float *fused = NULL, *fused_bias = NULL;
+    const mha_dtype dt = c->weight_dtype;
+    void *fused = NULL, *fused_bias = NULL;
     int bias = 0;
-    mha_status st = gpt2 ? read_exact(m, stem, ".weight", m->hidden, rows, a, &fused, err)
-                         : read_exact(m, stem, ".weight", rows, m->hidden, a, &fused, err);
+    mha_status st = gpt2 ? read_exact(m, stem, ".weight", m->hidden, rows, dt, a, &fused, err)
+                         : read_exact(m, stem, ".weight", rows, m->hidden, dt, a, &fused, err);
     if (st == MHA_STATUS_OK && gpt2) /* Conv1D keeps [in, out]: y = x W */
-        st = transpose(fused, m->hidden, rows, a, err);
+        st = transpose(fused, m->hidden, rows, mha__storage_size(dt), a, err);
     if (st == MHA_STATUS_OK)
         st = split_fused(m, wname, fused, rows, m->hidden, c, a, b->p, err);
     if (st == MHA_STATUS_OK)
         st = has_bias(m, stem, c->bias_q, &bias, err);
     if (st == MHA_STATUS_OK && bias)
-        st = read_exact(m, stem, ".bias", rows, 0, a, &fused_bias, err);
+        st = read_exact(m, stem, ".bias", rows, 0, dt, a, &fused_bias, err);
     if (st == MHA_STATUS_OK && bias)
         st = split_fused(m, bname, fused_bias, rows, 1, c, a, b->p + 4, err);
     mha__free(a, fused);
@@ -1072,10 +1080,10 @@ static mha_status load_separate(
     for (int r = 0; r < 3; r++) {
         const char *stem = STEMS[m->arch->layout][r];
         int bias = 0;
-        TRY(read_exact(m, stem, ".weight", rows[r], m->hidden, a, &b->p[r], err));
+        TRY(read_exact(m, stem, ".weight", rows[r], m->hidden, c->weight_dtype, a, &b->p[r], err));
         TRY(has_bias(m, stem, want[r], &bias, err));
         if (bias)
-            TRY(read_exact(m, stem, ".bias", rows[r], 0, a, &b->p[4 + r], err));
+            TRY(read_exact(m, stem, ".bias", rows[r], 0, c->weight_dtype, a, &b->p[4 + r], err));
     }
     return MHA_STATUS_OK;
 }
@@ -1084,18 +1092,19 @@ static mha_status
 load_output(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
     const char *stem = STEMS[m->arch->layout][3];
     const int64_t hd = c->num_heads * c->v_head_dim;
+    const mha_dtype dt = c->weight_dtype;
     int bias = 0;
     if (m->arch->layout == LAYOUT_GPT2) {
-        TRY(read_exact(m, stem, ".weight", hd, m->hidden, a, &b->p[3], err));
-        TRY(transpose(b->p[3], hd, m->hidden, a, err));
+        TRY(read_exact(m, stem, ".weight", hd, m->hidden, dt, a, &b->p[3], err));
+        TRY(transpose(b->p[3], hd, m->hidden, mha__storage_size(dt), a, err));
     } else {
-        TRY(read_exact(m, stem, ".weight", m->hidden, hd, a, &b->p[3], err));
+        TRY(read_exact(m, stem, ".weight", m->hidden, hd, dt, a, &b->p[3], err));
     }
     TRY(has_bias(m, stem, c->bias_o, &bias, err));
     if (bias)
-        TRY(read_exact(m, stem, ".bias", m->hidden, 0, a, &b->p[7], err));
+        TRY(read_exact(m, stem, ".bias", m->hidden, 0, dt, a, &b->p[7], err));
     if (c->sinks)
-        TRY(read_exact(m, "sinks", "", c->num_heads, 0, a, &b->p[8], err));
+        TRY(read_exact(m, "sinks", "", c->num_heads, 0, dt, a, &b->p[8], err));
     return MHA_STATUS_OK;
 }
 
@@ -1112,6 +1121,10 @@ static mha_status load_layer(hf_model *m,
                   err, INVALID_ARG,
                   "%s: config: num_heads %lld, num_kv_heads %lld, head_dim %lld are not valid",
                   m->dir, (long long)c.num_heads, (long long)c.num_kv_heads, (long long)c.head_dim);
+    MHA_RETURN_IF(!mha__is_float_storage(c.weight_dtype), err, INVALID_ARG,
+                  "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or "
+                  "MHA_DTYPE_F16",
+                  m->dir, (int)c.weight_dtype);
     c.v_head_dim = c.head_dim;
     if (m->arch->layout == LAYOUT_QKVO || m->arch->layout == LAYOUT_BERT)
         TRY(load_separate(m, &c, a, b, err));
@@ -1124,7 +1137,7 @@ static mha_status load_layer(hf_model *m,
     c.bias_v = b->p[6] != NULL;
     c.bias_o = b->p[7] != NULL;
     c.sinks = b->p[8] != NULL;
-    c.weight_dtype = MHA_DTYPE_F32; /* read as float32 above, whatever the file's dtype */
+    /* c.weight_dtype: the caller's (info's: float32); every tensor was read in it above. */
     const mha_weights w = {b->p[0], b->p[1], b->p[2], b->p[3], b->p[4],
                            b->p[5], b->p[6], b->p[7], b->p[8]};
     mha_status st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, a, out, err);

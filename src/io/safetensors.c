@@ -6,7 +6,8 @@
  * anything is allocated, the JSON header is parsed with cJSON, and every tensor entry (dtype,
  * shape, data_offsets) is validated: integer offsets inside the data buffer, sizes that match the
  * shape, no overlapping ranges, no duplicate names. Only the tensors the layer uses are read, each
- * straight into its float32 destination in small chunks.
+ * straight into its destination in config.weight_dtype in small chunks (a tensor already in that
+ * dtype is copied as its bytes; the others are rounded once).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -444,53 +445,116 @@ static float narrow_f64(double d) {
     return (float)d;
 }
 
-/* Reads elements [first, first + count) of t, converted to float32, into dst, and refuses
- * non-finite values (naming the element). Chunked, so only dst is ever large. */
-static mha_status read_floats(
-    st_file *sf, const st_tensor *t, int64_t first, int64_t count, float *dst, mha_error *err) {
+/* Double to float rounding to odd: the nearest float toward zero, its last bit set when the
+ * conversion is inexact. Rounding that to a half (11 or 8 significant bits, 13 or more below
+ * float32's 24) to nearest even gives d rounded once to the half, as a direct conversion would.
+ * Beyond float's range: +-Inf (refused later as non-finite). */
+static float f64_to_f32_odd(double d) {
+    const float f = narrow_f64(d);
+    if (!isfinite(f) || (double)f == d)
+        return f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (fabs((double)f) > fabs(d)) /* rounded away from zero: one step back (sign-magnitude) */
+        u--;
+    u |= 1u;
+    float r;
+    memcpy(&r, &u, sizeof r);
+    return r;
+}
+
+/* Element p (little-endian, of t's dtype) as float32 (F64: rounded to odd when `to` is a half,
+ * see f64_to_f32_odd, else to nearest even). */
+static float decode_elem(const st_tensor *t, const unsigned char *p, mha_dtype to) {
+    if (t->type == MHA_DTYPE_F32) {
+        uint32_t u =
+            (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+        float v;
+        memcpy(&v, &u, sizeof v);
+        return v;
+    }
+    if (t->type == MHA_DTYPE_F64) {
+        uint64_t u = 0;
+        for (int b = 7; b >= 0; b--)
+            u = u << 8 | p[b];
+        double d;
+        memcpy(&d, &u, sizeof d);
+        return to == MHA_DTYPE_F32 ? narrow_f64(d) : f64_to_f32_odd(d);
+    }
+    const uint16_t u = (uint16_t)(p[0] | p[1] << 8);
+    return t->type == MHA_DTYPE_F16 ? mha__f16_to_f32(u) : mha__bf16_to_f32(u);
+}
+
+static mha_status nonfinite_elem(
+    const st_file *sf, const st_tensor *t, int64_t idx, float v, mha_dtype to, mha_error *err) {
+    char where[64];
+    if (t->ndim == 2 && t->shape[1] > 0)
+        snprintf(where, sizeof where, "[%lld, %lld]", (long long)(idx / t->shape[1]),
+                 (long long)(idx % t->shape[1]));
+    else
+        snprintf(where, sizeof where, "[%lld]", (long long)idx);
+    if (isfinite(v)) /* finite in float32, beyond the half's range */
+        return mha__fail(err, MHA_STATUS_BAD_FILE,
+                         "%s: tensor '%s' element %s = %g is beyond %s's range (the layer's "
+                         "weight_dtype): weights must be finite",
+                         sf->path, t->name, where, (double)v,
+                         to == MHA_DTYPE_F16 ? "float16" : "bfloat16");
+    return mha__fail(err, MHA_STATUS_BAD_FILE,
+                     "%s: tensor '%s' element %s is %s in float32: weights must be finite",
+                     sf->path, t->name, where, isnan(v) ? "NaN" : "infinite");
+}
+
+/* Reads elements [first, first + count) of t into dst in the storage dtype `to` (F32, BF16 or
+ * F16) and refuses non-finite values (naming the element). A tensor already in `to` is copied
+ * as its bytes (no widening; its values are checked through float32, which holds every half
+ * exactly); any other is rounded once to `to`, to nearest even (F64 to a half through a float32
+ * rounded to odd, F16 <-> BF16 through float32, exact). Chunked, so only dst is ever large. */
+static mha_status read_elems(st_file *sf,
+                             const st_tensor *t,
+                             int64_t first,
+                             int64_t count,
+                             mha_dtype to,
+                             void *dst,
+                             mha_error *err) {
     const size_t es = t->elem_size;
     const uint64_t offset = sf->data_start + t->begin + (uint64_t)first * es;
     MHA_RETURN_IF(offset > (uint64_t)INT64_MAX || fseeko(sf->f, (off_t)offset, SEEK_SET) != 0, err,
                   IO, "%s: tensor '%s': seek failed: %s", sf->path, t->name, strerror(errno));
     unsigned char chunk[1 << 16];
     const int64_t per_chunk = (int64_t)(sizeof chunk / es);
+    const int same = t->type == to;
     for (int64_t done = 0; done < count;) {
         const int64_t k = count - done < per_chunk ? count - done : per_chunk;
         MHA_RETURN_IF(fread(chunk, es, (size_t)k, sf->f) != (size_t)k, err, IO,
                       "%s: tensor '%s': read error (file truncated while reading?)", sf->path,
                       t->name);
+        if (same && to != MHA_DTYPE_F32) { /* the file's halves: finite iff exponent not all 1s */
+            const uint16_t inf = to == MHA_DTYPE_BF16 ? 0x7f80u : 0x7c00u;
+            uint16_t *d = (uint16_t *)dst + done;
+            for (int64_t i = 0; i < k; i++) {
+                const unsigned char *p = chunk + 2 * (size_t)i;
+                d[i] = (uint16_t)(p[0] | p[1] << 8);
+                if ((d[i] & inf) == inf)
+                    return nonfinite_elem(sf, t, first + done + i, decode_elem(t, p, to), to, err);
+            }
+            done += k;
+            continue;
+        }
         for (int64_t i = 0; i < k; i++) {
             const unsigned char *p = chunk + (size_t)i * es;
-            float v;
-            if (t->type == MHA_DTYPE_F32) {
-                uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                             (uint32_t)p[3] << 24;
-                memcpy(&v, &u, sizeof v);
-            } else if (t->type == MHA_DTYPE_F64) {
-                uint64_t u = 0;
-                for (int b = 7; b >= 0; b--)
-                    u = u << 8 | p[b];
-                double d;
-                memcpy(&d, &u, sizeof d);
-                v = narrow_f64(d);
-            } else {
-                const uint16_t u = (uint16_t)(p[0] | p[1] << 8);
-                v = t->type == MHA_DTYPE_F16 ? mha__f16_to_f32(u) : mha__bf16_to_f32(u);
+            const float v = decode_elem(t, p, to);
+            const int64_t at = done + i;
+            if (!isfinite(v))
+                return nonfinite_elem(sf, t, first + at, v, to, err);
+            if (to == MHA_DTYPE_F32) {
+                ((float *)dst)[at] = v;
+                continue;
             }
-            if (!isfinite(v)) {
-                const int64_t idx = first + done + i;
-                if (t->ndim == 2 && t->shape[1] > 0)
-                    return mha__fail(err, MHA_STATUS_BAD_FILE,
-                                     "%s: tensor '%s' element [%lld, %lld] is %s in float32: "
-                                     "weights must be finite",
-                                     sf->path, t->name, (long long)(idx / t->shape[1]),
-                                     (long long)(idx % t->shape[1]), isnan(v) ? "NaN" : "infinite");
-                return mha__fail(err, MHA_STATUS_BAD_FILE,
-                                 "%s: tensor '%s' element [%lld] is %s in float32: weights must "
-                                 "be finite",
-                                 sf->path, t->name, (long long)idx, isnan(v) ? "NaN" : "infinite");
-            }
-            dst[done + i] = v;
+            const uint16_t h = to == MHA_DTYPE_BF16 ? mha__f32_to_bf16(v) : mha__f32_to_f16(v);
+            const uint16_t inf = to == MHA_DTYPE_BF16 ? 0x7f80u : 0x7c00u;
+            if ((h & inf) == inf)
+                return nonfinite_elem(sf, t, first + at, v, to, err);
+            ((uint16_t *)dst)[at] = h;
         }
         done += k;
     }
@@ -758,21 +822,22 @@ static size_t max_len(size_t a, const char *s) {
     return n > a ? n : a;
 }
 
-/* Allocates and reads count elements of t from `first` into *out (float32). */
-static mha_status load_floats(st_file *sf,
-                              const st_tensor *t,
-                              int64_t first,
-                              int64_t count,
-                              const mha_allocator *allocator,
-                              float **out,
-                              mha_error *err) {
+/* Allocates and reads count elements of t from `first` into *out, in `to` (read_elems). */
+static mha_status load_elems(st_file *sf,
+                             const st_tensor *t,
+                             int64_t first,
+                             int64_t count,
+                             mha_dtype to,
+                             const mha_allocator *allocator,
+                             void **out,
+                             mha_error *err) {
     size_t bytes;
-    MHA_RETURN_IF(!mha__bytes(count, sizeof(float), &bytes), err, OVERFLOW,
+    MHA_RETURN_IF(!mha__bytes(count, mha__storage_size(to), &bytes), err, OVERFLOW,
                   "%s: tensor '%s' is too large", sf->path, t->name);
-    float *dst = mha__alloc(allocator, bytes);
+    void *dst = mha__alloc(allocator, bytes);
     MHA_RETURN_IF(!dst, err, NO_MEMORY, "%s: cannot allocate %zu bytes for tensor '%s'", sf->path,
                   bytes, t->name);
-    mha_status st = read_floats(sf, t, first, count, dst, err);
+    mha_status st = read_elems(sf, t, first, count, to, dst, err);
     if (st != MHA_STATUS_OK) {
         mha__free(allocator, dst);
         return st;
@@ -785,7 +850,7 @@ static mha_status load_layer(st_file *sf,
                              const mha_name_map *names,
                              const mha_config *config,
                              const mha_allocator *allocator,
-                             float **bufs,
+                             void **bufs,
                              mha_layer **out,
                              mha_error *err) {
     const char *path = sf->path;
@@ -840,27 +905,28 @@ static mha_status load_layer(st_file *sf,
     c.bias_v = p[ROLE_V].b != NULL;
     c.bias_o = p[ROLE_O].b != NULL;
     c.sinks = sinks != NULL;
-    c.weight_dtype = MHA_DTYPE_F32; /* read as float32 above, whatever the file's dtype */
+    c.weight_dtype = config->weight_dtype; /* checked by load_common */
     c.scale = config->scale;
     c.softcap = config->softcap;
     c.alibi = config->alibi;
     c.rope = config->rope;
 
-    /* 4. Read everything as float32 (bufs: w_q w_k w_v w_o b_q b_k b_v b_o sinks). */
+    /* 4. Read everything in the weight_dtype (bufs: w_q w_k w_v w_o b_q b_k b_v b_o sinks). */
+    const mha_dtype to = c.weight_dtype;
     for (int r = 0; r < NUM_ROLES; r++) {
         int64_t count;
         MHA_RETURN_IF(!mha__mul_i64(p[r].rows, p[r].cols, &count), err, OVERFLOW,
                       "%s: tensor '%s' is too large", path, p[r].w->name);
-        st = load_floats(sf, p[r].w, p[r].row0 * p[r].cols, count, allocator, &bufs[r], err);
+        st = load_elems(sf, p[r].w, p[r].row0 * p[r].cols, count, to, allocator, &bufs[r], err);
         if (st != MHA_STATUS_OK)
             return st;
         if (p[r].b) {
-            st = load_floats(sf, p[r].b, p[r].bias0, p[r].rows, allocator, &bufs[4 + r], err);
+            st = load_elems(sf, p[r].b, p[r].bias0, p[r].rows, to, allocator, &bufs[4 + r], err);
             if (st != MHA_STATUS_OK)
                 return st;
         }
     }
-    if (sinks && (st = load_floats(sf, sinks, 0, sinks->shape[0], allocator, &bufs[8], err)) !=
+    if (sinks && (st = load_elems(sf, sinks, 0, sinks->shape[0], to, allocator, &bufs[8], err)) !=
                      MHA_STATUS_OK)
         return st;
 
@@ -897,6 +963,10 @@ static mha_status load_common(const char *path,
     MHA_RETURN_IF(config->num_kv_heads < 0, err, INVALID_ARG,
                   "%s: config.num_kv_heads=%lld is negative", path,
                   (long long)config->num_kv_heads);
+    MHA_RETURN_IF(!mha__is_float_storage(config->weight_dtype), err, INVALID_ARG,
+                  "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or "
+                  "MHA_DTYPE_F16",
+                  path, (int)config->weight_dtype);
 
     st_file sf;
     memset(&sf, 0, sizeof sf);
@@ -919,7 +989,7 @@ static mha_status load_common(const char *path,
     else
         st = st_open(&sf, path, err);
 
-    float *bufs[9] = {NULL};
+    void *bufs[9] = {NULL};
     if (st == MHA_STATUS_OK)
         st = load_layer(&sf, names, config, allocator, bufs, out, err);
     for (int i = 0; i < 9; i++)
@@ -1018,8 +1088,9 @@ int mha__st_has(mha__st_handle *h, const char *name, int32_t *ndim, int64_t shap
 mha_status mha__st_read(mha__st_handle *h,
                         const char *name,
                         int32_t want_ndim,
+                        mha_dtype to,
                         const mha_allocator *allocator,
-                        float **out,
+                        void **out,
                         int64_t shape[2],
                         mha_error *err) {
     *out = NULL;
@@ -1030,5 +1101,5 @@ mha_status mha__st_read(mha__st_handle *h,
         return st;
     shape[0] = t->shape[0];
     shape[1] = want_ndim == 2 ? t->shape[1] : 1;
-    return load_floats(&h->sf, t, 0, t->count, allocator, out, err);
+    return load_elems(&h->sf, t, 0, t->count, to, allocator, out, err);
 }

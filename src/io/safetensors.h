@@ -42,14 +42,17 @@ mha_status mha__st_open(const char *path, mha__st_handle **out, mha_error *err);
 void mha__st_close(mha__st_handle *h); /* NULL-safe */
 /* 1 when the file has a tensor named `name` (then *ndim and shape[0 .. min(ndim, 8)) are set). */
 int mha__st_has(mha__st_handle *h, const char *name, int32_t *ndim, int64_t shape[8]);
-/* The whole tensor `name` as float32 (F32/F64/F16/BF16, finite values only) in a new buffer from
- * `allocator`, with its shape; NOT_FOUND when absent, BAD_FILE for another dtype or an empty
- * tensor, or when its rank is not `want_ndim`. */
+/* The whole tensor `name` (F32/F64/F16/BF16, finite values only) in the storage dtype `to` (F32,
+ * BF16 or F16: the file's bytes when it has that dtype, else each value rounded once to nearest
+ * even; a value beyond `to`'s range is BAD_FILE) in a new buffer from `allocator`, with its shape;
+ * NOT_FOUND when absent, BAD_FILE for another dtype or an empty tensor, or when its rank is not
+ * `want_ndim`. */
 mha_status mha__st_read(mha__st_handle *h,
                         const char *name,
                         int32_t want_ndim,
+                        mha_dtype to,
                         const mha_allocator *allocator,
-                        float **out,
+                        void **out,
                         int64_t shape[2],
                         mha_error *err);
 
