@@ -24,6 +24,7 @@ warn=(-Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes -Wmissing-prototypes
 isa_flags() {
     case "$1" in
     *_avx512.c) echo "-mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma -mavx2 -mf16c" ;;
+    *_avx512bf16.c) echo "-mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma -mavx2 -mf16c -mavx512bf16" ;;
     *_avx2.c) echo "-mavx2 -mfma -mf16c" ;;
     *) echo "" ;;
     esac

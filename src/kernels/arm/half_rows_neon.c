@@ -2,9 +2,10 @@
 /* half_rows_neon.c: float16 / bfloat16 -> float32 with NEON, 4 values per instruction (FCVTL for
  * float16, USHLL #16 for bfloat16: its bits are the high half of a float32). Exact, as the
  * portable mha__widen, which does the tail. */
-#include "kernels/kernels.h"
+#if defined(__aarch64__)
+#    include "kernels/kernels.h"
 
-#include <arm_neon.h>
+#    include <arm_neon.h>
 
 void mha__widen_neon(mha_dtype dt, const void *src, float *dst, int64_t count) {
     const uint16_t *h = src;
@@ -40,3 +41,4 @@ void mha__narrow_neon(mha_dtype dt, const float *src, void *dst, int64_t count) 
         }
     mha__narrow(dt, src + i, h + i, count - i);
 }
+#endif

@@ -3,9 +3,10 @@
  * half_rows.c). Widening: VCVTPH2PS for float16, a zero-extension and a 16-bit shift for bfloat16
  * (its bits are the high half of a float32); exact, as the portable mha__widen, which does the
  * tail. Narrowing: below. */
-#include "kernels/kernels.h"
+#if defined(__x86_64__) || defined(__i386__)
+#    include "kernels/kernels.h"
 
-#include <immintrin.h>
+#    include <immintrin.h>
 
 void mha__widen_avx2(mha_dtype dt, const void *src, float *dst, int64_t count) {
     const uint16_t *h = src;
@@ -67,3 +68,4 @@ void mha__narrow_avx2(mha_dtype dt, const float *src, void *dst, int64_t count) 
     }
     mha__narrow(dt, src + i, h + i, count - i);
 }
+#endif
