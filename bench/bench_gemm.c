@@ -3,6 +3,8 @@
  * kernel tier, against OpenBLAS cblas_sgemm (loaded with dlopen when libopenblas is installed;
  * never a build dependency) on the same inputs, with the machine's FMA peak measured in the same
  * run. FLOPs = 2 M N K. Each row: median, min and max of R timed runs after 2 warm-ups.
+ * bf16 (issue 30): the pair kernel (vdpbf16ps) runs on bf16 copies of x and W, and each float32
+ * tier also on those copies ("+bf16w": widened while packing, the path bf16 took before it).
  *
  * Usage: mha_bench_gemm [--threads 1,2] [--reps R] [--shape M,N,K]... [--jsonl FILE]
  *        mha_bench_gemm --ukr   (each tier's micro-kernel alone: micro_kernel_ceiling)
@@ -67,6 +69,8 @@ typedef struct stats {
 typedef struct run_ctx {
     int64_t M, N, K;
     const float *x, *w, *b;
+    const uint16_t *xh, *wh; /* x, W rounded to bf16 */
+    int half;                /* run on xh, wh (mha__gemm_run_dt) */
     float *y;
     int threads;
     const mha__kernel_info *kern; /* an mha GEMM tier (registry line); NULL: OpenBLAS */
@@ -74,7 +78,15 @@ typedef struct run_ctx {
 } run_ctx;
 
 static void run_once(const run_ctx *r) {
-    if (r->kern) {
+    if (r->kern && r->half) {
+        mha_error err;
+        if (mha__gemm_run_dt(MHA__GEMM_OP_N, r->M, r->N, r->K, r->xh, MHA_DTYPE_BF16, r->K, r->wh,
+                             MHA_DTYPE_BF16, r->K, r->b, r->y, r->N, mha__team_of(r->threads),
+                             r->kern, NULL, 0, NULL, &err) != MHA_STATUS_OK) {
+            fprintf(stderr, "gemm failed: %s\n", err.message);
+            exit(1);
+        }
+    } else if (r->kern) {
         mha_error err;
         if (mha__gemm_xwt(r->M, r->N, r->K, r->x, r->K, r->w, r->K, r->b, r->y, r->N,
                           mha__team_of(r->threads), r->kern, NULL, &err) != MHA_STATUS_OK) {
@@ -214,7 +226,7 @@ int main(int argc, char **argv) {
         const char *pisa = "";
         const double peak = bench_peak_best_gflops(T, 100.0, 5, &pisa);
         printf("# threads=%d: measured %s FMA peak %.1f GFLOP/s\n", T, pisa, peak);
-        printf("%-28s %6s %6s %6s %8s %8s %8s %9s %7s\n", "kernel", "M", "N", "K", "med_ms",
+        printf("%-36s %6s %6s %6s %8s %8s %8s %9s %7s\n", "kernel", "M", "N", "K", "med_ms",
                "min_ms", "max_ms", "GFLOP/s", "%peak");
         for (int s = 0; s < n_shapes; s++) {
             const int64_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
@@ -228,10 +240,19 @@ int main(int argc, char **argv) {
                 w[i] = (float)((i * 104729) % 1000) * 1e-3f - 0.5f;
             for (int64_t i = 0; i < N; i++)
                 b[i] = 0.01f * (float)i;
+            uint16_t *xh = malloc(2 * (size_t)(M * K)), *wh = malloc(2 * (size_t)(N * K));
+            mha__narrow(MHA_DTYPE_BF16, x, xh, M * K);
+            mha__narrow(MHA_DTYPE_BF16, w, wh, N * K);
             const double flops = 2.0 * (double)M * (double)N * (double)K;
             /* Every GEMM line of the registry this CPU has, best first, then OpenBLAS. */
-            for (int i = 0; i <= mha__registry_count(); i++) {
+            for (int row = 0; row <= 2 * mha__registry_count(); row++) {
+                const int i = row / 2, half = row % 2;
                 const mha__kernel_info *kern = mha__registry_at(i);
+                if (!kern && half)
+                    continue;
+                /* The pair kernel takes bf16 only; float32 tiers both (bf16 widened). */
+                if (kern && kern->op == MHA__OP_gemm && !(kern->dtypes & MHA_DTS_F32) && !half)
+                    continue;
                 if (kern && (kern->op != MHA__OP_gemm || !mha__kernel_usable(kern, 1)))
                     continue;
                 if (kern && !kern->isa && flops > 2e10)
@@ -240,11 +261,13 @@ int main(int argc, char **argv) {
                     continue;
                 if (!kern && bl.set_threads)
                     bl.set_threads(T);
-                run_ctx r = {M, N, K, x, w, b, y, T, kern, &bl};
+                run_ctx r = {M, N, K, x, w, b, xh, wh, half, y, T, kern, &bl};
                 const stats st = time_runs(&r, reps);
-                const char *name = kern ? kern->name : "openblas_sgemm+bias";
+                char name[96];
+                snprintf(name, sizeof name, "%s%s", kern ? kern->name : "openblas_sgemm+bias",
+                         half && (kern->dtypes & MHA_DTS_F32) ? "+bf16w" : "");
                 const double gf = flops / st.med * 1e-9;
-                printf("%-28s %6lld %6lld %6lld %8.2f %8.2f %8.2f %9.1f %6.0f%%\n", name,
+                printf("%-36s %6lld %6lld %6lld %8.2f %8.2f %8.2f %9.1f %6.0f%%\n", name,
                        (long long)M, (long long)N, (long long)K, st.med * 1e3, st.min * 1e3,
                        st.max * 1e3, gf, 100.0 * gf / peak);
                 fflush(stdout);
@@ -260,6 +283,8 @@ int main(int argc, char **argv) {
             }
             free(x);
             free(w);
+            free(xh);
+            free(wh);
             free(b);
             free(y);
         }

@@ -12,6 +12,11 @@
  * are bit-identical for 1, 2, 3 and 4 threads (threads split rows or columns, never K). Calls with
  * M <= MHA_GEMM_SMALL_M take the unpacked dot path; both paths are covered. MHA_TEST_QUICK=1
  * (the sanitizer run) checks 1 and 3 threads only.
+ * A line whose dtypes lack F32 (the vdpbf16ps pair kernel, bf16 x and W only) refuses float32
+ * operands and runs the same shapes on bf16 operands (mha__gemm_run_dt) against float64 on the
+ * same bf16 values, at the same gamma_{K+1} bound: the bf16 products are exact in float32 and
+ * only the order of the K additions (in pairs) differs; DAZ/FTZ does not matter for these
+ * normal-sized values.
  */
 #include "harness.h"
 #include "kernels/registry.h"
@@ -154,14 +159,106 @@ static void run_case(test_rng *rng,
     free(w0);
 }
 
+/* run_case for a pair kernel: x [M, ldx] and W [N, K] stored as bf16 (rounded from normal
+ * values), y float32; float64 on the same bf16 values at the gamma_{K+1} bound; bit-identical
+ * for every thread count; guards untouched. Float32 operands are refused by name. */
+static void run_case_bf16(test_rng *rng,
+                          const shape *s,
+                          int with_bias,
+                          mha__gemm_isa isa,
+                          const int *threads,
+                          int n_counts) {
+    const int64_t M = s->M, N = s->N, K = s->K;
+    const int64_t ldx = K + s->ldx_pad, ldy = N + s->ldy_pad;
+    const int64_t nx = M * ldx, nw = N * K, ny = M * ldy;
+    float *xf = malloc(sizeof(float) * (size_t)(nx + 1)),
+          *wf = malloc(sizeof(float) * (size_t)(nw + 1));
+    uint16_t *x = malloc(2 * (size_t)(nx + 1)), *w = malloc(2 * (size_t)(nw + 1));
+    float *b = with_bias ? malloc(sizeof(float) * (size_t)N) : NULL;
+    test_fill_normal(rng, xf, nx, 1.0f);
+    test_fill_normal(rng, wf, nw, 0.5f);
+    if (b)
+        test_fill_normal(rng, b, N, 1.0f);
+    mha__narrow(MHA_DTYPE_BF16, xf, x, nx);
+    mha__narrow(MHA_DTYPE_BF16, wf, w, nw);
+    mha__widen(MHA_DTYPE_BF16, x, xf, nx); /* the values the kernel multiplies */
+    mha__widen(MHA_DTYPE_BF16, w, wf, nw);
+    float *first = NULL;
+    for (int c = 0; c < n_counts; c++) {
+        float *yb = alloc_canary(ny);
+        float *y = yb + GUARD;
+        mha_error err = {0};
+        CHECK_OK(mha__gemm_run_dt(MHA__GEMM_OP_N, M, N, K, x, MHA_DTYPE_BF16, ldx, w,
+                                  MHA_DTYPE_BF16, K, b, y, ldy, mha__team_of(threads[c]), isa, NULL,
+                                  0, NULL, &err),
+                 &err);
+        int64_t bad = canary_damage(yb, 0, GUARD) + canary_damage(yb, GUARD + ny, ny + 2 * GUARD);
+        for (int64_t i = 0; i < M; i++)
+            bad += canary_damage(y, i * ldy + N, i * ldy + ldy);
+        CHECK(bad == 0, "gemm %s bf16 %lldx%lldx%lld: %lld guard floats overwritten", isa->name,
+              (long long)M, (long long)N, (long long)K, (long long)bad);
+        if (c == 0) {
+            const double u = ldexp(1.0, -24), n1 = (double)(K + 1);
+            const double gamma = n1 * u / (1.0 - n1 * u);
+            int64_t nfail = 0;
+            double worst = 0.0;
+            for (int64_t i = 0; i < M; i++)
+                for (int64_t o = 0; o < N; o++) {
+                    double ref = b ? (double)b[o] : 0.0, mag = b ? fabs((double)b[o]) : 0.0;
+                    for (int64_t k = 0; k < K; k++) {
+                        const double t = (double)xf[i * ldx + k] * (double)wf[o * K + k];
+                        ref += t;
+                        mag += fabs(t);
+                    }
+                    const double e = fabs((double)y[i * ldy + o] - ref), bound = gamma * mag;
+                    nfail += !(e <= bound);
+                    const double r = bound > 0 ? e / bound : (e > 0 ? (double)INFINITY : 0.0);
+                    worst = r > worst || r != r ? r : worst;
+                }
+            CHECK(nfail == 0,
+                  "gemm %s bf16 %lldx%lldx%lld bias=%d: %lld elements beyond gamma_{K+1} bound, "
+                  "worst error/bound=%.3g",
+                  isa->name, (long long)M, (long long)N, (long long)K, with_bias, (long long)nfail,
+                  worst);
+            if (worst > worst_ratio_seen)
+                worst_ratio_seen = worst;
+            first = yb;
+        } else {
+            int64_t diff = 0;
+            for (int64_t i = 0; i < M; i++)
+                diff +=
+                    memcmp(first + GUARD + i * ldy, y + i * ldy, sizeof(float) * (size_t)N) != 0;
+            CHECK(diff == 0, "gemm %s bf16 %lldx%lldx%lld: %d threads differ from %d in %lld rows",
+                  isa->name, (long long)M, (long long)N, (long long)K, threads[c], threads[0],
+                  (long long)diff);
+            free(yb);
+        }
+    }
+    if (M > 0 && N > 0 && K > 0) {
+        mha_error err = {0};
+        float *y = malloc(sizeof(float) * (size_t)ny);
+        CHECK(mha__gemm_xwt(M, N, K, xf, ldx, wf, K, b, y, ldy, mha__team_of(1), isa, NULL, &err) ==
+                      MHA_STATUS_INVALID_ARG &&
+                  strstr(err.message, isa->name),
+              "%s must refuse float32 operands by name", isa->name);
+        CHECK(mha__gemm_run_dt(MHA__GEMM_OP_N, M, N, K, x, MHA_DTYPE_BF16, ldx, xf, MHA_DTYPE_F32,
+                               K, b, y, ldy, mha__team_of(1), isa, NULL, 0, NULL,
+                               &err) == MHA_STATUS_INVALID_ARG,
+              "%s must refuse a float32 W", isa->name);
+        free(y);
+    }
+    free(first);
+    free(xf), free(wf), free(x), free(w), free(b);
+}
+
 /* Transposed operands (mha__gemm_op_run) give exactly the bits of the plain layout on explicit
  * transposed copies, on every tier and for 1 and 3 threads: the packers change, not the sums. */
 static void test_transposed_operands(test_rng *rng) {
     const int64_t sizes[][3] = {{1, 1, 1}, {15, 33, 257}, {2, 3, 5}, {200, 129, 96}, {5, 70, 600}};
     for (int tier = 0; gemm_tier(tier); tier++) {
         const mha__gemm_isa isa = gemm_tier(tier);
-        if (!mha__kernel_usable(isa, 1))
-            continue;
+        if (!mha__kernel_usable(isa, 1) || !(isa->dtypes & MHA_DTS_F32))
+            continue; /* a pair kernel packs row-major bf16 only */
         for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
             const int64_t M = sizes[s][0], N = sizes[s][1], K = sizes[s][2];
             float *x = malloc(sizeof(float) * M * K), *xt = malloc(sizeof(float) * M * K);
@@ -270,6 +367,17 @@ int main(void) {
             printf("skip: %s GEMM kernel not usable on this CPU\n", isa->name);
             continue;
         }
+        if (!(isa->dtypes & MHA_DTS_F32)) { /* the pair kernel: bf16 operands */
+            printf("tier %s (bf16 x and W): MR=%d NR=%d KC=%lld NC=%lld\n", isa->name, kr->mr,
+                   kr->nr, (long long)kr->kc, (long long)kr->nc);
+            for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+                for (int bias = 0; bias < 2; bias++)
+                    run_case_bf16(&rng, &shapes[s], bias, isa, one, 1);
+            for (size_t s = 0; s < sizeof thread_shapes / sizeof thread_shapes[0]; s++)
+                run_case_bf16(&rng, &thread_shapes[s], (int)(s & 1), isa,
+                              quick ? quick_counts : counts, quick ? 2 : 4);
+            continue;
+        }
         tiers++;
         printf("tier %s: MR=%d NR=%d KC=%lld NC=%lld\n", isa->name, kr->mr, kr->nr,
                (long long)kr->kc, (long long)kr->nc);
@@ -282,7 +390,7 @@ int main(void) {
     }
     CHECK(tiers >= 1, "no GEMM tier usable (generic must always be)");
     CHECK(generic && mha__kernel_usable(generic, 0), "the generic tier must always be usable");
-    const mha__gemm_isa best = mha__registry_best(MHA__OP_gemm);
+    const mha__gemm_isa best = mha__registry_best_dt(MHA__OP_gemm, MHA_DTS_F32);
     CHECK(best && mha__kernel_usable(best, 0), "the AUTO tier must be usable");
 
     /* AUTO gives exactly the bits of the tier it picks. */

@@ -98,6 +98,11 @@ static void pack_rows_half(mha__gemm_pack_b_fn pack,
     pack(tmp, kc, n, kc, dst);
 }
 
+/* Rows of a packed panel holding kc values of k: kc, or ceil(kc/2) pairs for a pair kernel. */
+static int64_t panel_rows(const mha__gemm_kernel *kr, int64_t kc) {
+    return kr->pack_pairs ? (kc + 1) / 2 : kc;
+}
+
 typedef struct gemm_job {
     const mha__gemm_kernel *kr;
     int64_t M, N, K;
@@ -136,10 +141,13 @@ static void pack_w_range(void *ctx, int part, int64_t p0, int64_t p1) {
         for (int64_t k0 = 0; k0 < j->K; k0 += kr->kc) {
             const int64_t kc = min64(kr->kc, j->K - k0);
             const int n = (int)min64(nr, j->N - p * nr);
-            float *dst = j->bpack_w + k0 * j->npan * nr + p * kc * nr;
+            float *dst =
+                j->bpack_w + panel_rows(kr, k0) * j->npan * nr + p * panel_rows(kr, kc) * nr;
             const int64_t off = j->w_t ? k0 * j->ldw + p * nr : p * nr * j->ldw + k0;
             const void *src = mha__elem(j->wdt, j->w, off);
-            if (j->wdt != MHA_DTYPE_F32 && j->w_t)
+            if (kr->pack_pairs)
+                kr->pack_pairs(src, j->ldw, n, kc, dst, (int)nr);
+            else if (j->wdt != MHA_DTYPE_F32 && j->w_t)
                 pack_t_half(src, j->wdt, j->ldw, n, kc, dst, (int)nr);
             else if (j->wdt != MHA_DTYPE_F32)
                 pack_rows_half(kr->pack_b, src, j->wdt, j->ldw, n, kc, dst);
@@ -166,7 +174,8 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
         for (int64_t k0 = 0; k0 < j->K; k0 += kr->kc) {
             const int64_t kc = min64(kr->kc, j->K - k0);
             const int first = k0 == 0;
-            const float *blk = j->bpack + k0 * j->npan * nr;
+            const float *blk = j->bpack + panel_rows(kr, k0) * j->npan * nr;
+            const int64_t pstride = panel_rows(kr, kc) * nr; /* floats per packed W panel */
             for (int64_t jc = p0; jc < p1; jc += ncp) {
                 const int64_t jend = min64(jc + ncp, p1);
                 for (int64_t t = t0; t < t1; t++) {
@@ -174,7 +183,9 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
                     const int m = (int)min64(mr, j->M - i0);
                     const int64_t off = j->x_t ? k0 * j->ldx + i0 : i0 * j->ldx + k0;
                     const void *src = mha__elem(j->xdt, j->x, off);
-                    if (j->xdt != MHA_DTYPE_F32 && j->x_t)
+                    if (kr->pack_pairs)
+                        kr->pack_pairs(src, j->ldx, m, kc, abuf, (int)mr);
+                    else if (j->xdt != MHA_DTYPE_F32 && j->x_t)
                         pack_t_half(src, j->xdt, j->ldx, m, kc, abuf, (int)mr);
                     else if (j->xdt != MHA_DTYPE_F32)
                         pack_rows_half(kr->pack_a, src, j->xdt, j->ldx, m, kc, abuf);
@@ -184,7 +195,7 @@ static void compute_part(void *ctx, int part_lo, int64_t q0, int64_t q1) {
                         kr->pack_a(src, j->ldx, m, kc, abuf);
                     float *yrow = j->y + i0 * j->ldy;
                     for (int64_t p = jc; p < jend; p++)
-                        kr->ukr(kc, abuf, blk + p * kc * nr, yrow + p * nr, j->ldy, m,
+                        kr->ukr(kc, abuf, blk + p * pstride, yrow + p * nr, j->ldy, m,
                                 (int)min64(nr, j->N - p * nr), j->bias ? j->bias + p * nr : NULL,
                                 first);
                 }
@@ -245,16 +256,39 @@ static float *align_up(void *p) {
 
 /* The tier's micro-kernels. CPU features come from cpu_features.c, as for every op, so the
  * projections and the attention core agree on the tier and on MHA_MAX_ISA. An explicit tier
- * (tests, benchmarks) needs only the CPU to have it, whatever the cap. */
-static mha_status resolve_kernel(mha__gemm_isa isa, const mha__gemm_kernel **kr, mha_error *err) {
+ * (tests, benchmarks) needs only the CPU to have it, whatever the cap. `dts` (MHA_DTS_*) is what
+ * the panels must hold: MHA_DTS_BF16 for bf16 pairs (see pick_dts), else MHA_DTS_F32 (float32
+ * panels, half operands widened while packing); a pair kernel never takes float32 panels. */
+static mha_status
+resolve_kernel_dt(mha__gemm_isa isa, unsigned dts, const mha__gemm_kernel **kr, mha_error *err) {
+    /* AUTO: a CPU (or MHA_MAX_ISA cap) without a pair kernel runs bf16 on float32 panels. */
     if (isa == MHA__GEMM_AUTO)
-        isa = mha__registry_best(MHA__OP_gemm);
+        isa = mha__registry_best_dt(MHA__OP_gemm, dts);
+    if (!isa && dts == MHA_DTS_BF16)
+        isa = mha__registry_best_dt(MHA__OP_gemm, dts = MHA_DTS_F32);
     MHA_RETURN_IF(!isa || isa->op != MHA__OP_gemm, err, INVALID_ARG,
                   "gemm: %s is not a GEMM kernel", isa ? isa->name : "(none)");
     MHA_RETURN_IF(!mha__kernel_usable(isa, 1), err, UNSUPPORTED,
                   "gemm: the %s kernel cannot run on this CPU", isa->name);
+    MHA_RETURN_IF(isa->run.gemm->pack_pairs && dts != MHA_DTS_BF16, err, INVALID_ARG,
+                  "gemm: the %s kernel takes row-major bf16 x and bf16 W only", isa->name);
     *kr = isa->run.gemm;
     return MHA_STATUS_OK;
+}
+
+static mha_status resolve_kernel(mha__gemm_isa isa, const mha__gemm_kernel **kr, mha_error *err) {
+    return resolve_kernel_dt(isa, MHA_DTS_F32, kr, err);
+}
+
+/* The panels' dtype for operands x (xdt), W (wdt) in layout op with M rows: bf16 pairs when both
+ * are bf16, row-major and M is above the few-rows path's (decode-sized calls keep the float32
+ * tier's dot_h, which reads half W in place); else float32. Rounding an f32 or f16 operand to
+ * bf16 would change results, so nothing else goes to a pair kernel. */
+static unsigned pick_dts(mha__gemm_op op, int64_t M, mha_dtype xdt, mha_dtype wdt) {
+    return xdt == MHA_DTYPE_BF16 && wdt == MHA_DTYPE_BF16 && op == MHA__GEMM_OP_N &&
+                   M > MHA_GEMM_SMALL_M
+               ? MHA_DTS_BF16
+               : MHA_DTS_F32;
 }
 
 /* Phase 2 (and phase 1 when pw == NULL: W is packed into `workspace`). */
@@ -289,6 +323,8 @@ static mha_status run(const mha__gemm_kernel *kr,
     MHA_RETURN_IF((int64_t)kr->mr * kr->kc > GEMM_MAX_APANEL || kr->kc < 1 || kr->nc < 1, err,
                   INVALID_ARG, "gemm: kernel blocking mr=%d kc=%lld exceeds the %d-float panel",
                   kr->mr, (long long)kr->kc, GEMM_MAX_APANEL);
+    MHA_RETURN_IF(kr->pack_pairs && kr->kc % 2 != 0, err, INVALID_ARG,
+                  "gemm: a pair kernel needs an even kc, not %lld", (long long)kr->kc);
     MHA_RETURN_IF(wdt != MHA_DTYPE_F32 && (int64_t)kr->nr * kr->kc > GEMM_MAX_APANEL, err,
                   INVALID_ARG, "gemm: half W needs nr=%d x kc=%lld <= %d floats of widening space",
                   kr->nr, (long long)kr->kc, GEMM_MAX_APANEL);
@@ -391,6 +427,20 @@ static mha_status workspace_size_dt(mha__gemm_isa isa,
     *bytes = 0;
     if (M == 0 || N == 0 || K == 0)
         return MHA_STATUS_OK;
+    /* W's dtype is not known here: a bf16 x may run on a pair kernel (with a bf16 W), whose
+     * packed W then must fit too (it needs at most the float32 panels' bytes at equal NR). */
+    if (isa == MHA__GEMM_AUTO && pick_dts(MHA__GEMM_OP_N, M, xdt, xdt) == MHA_DTS_BF16) {
+        const mha__gemm_kernel *kp = NULL;
+        size_t pair_bytes = 0;
+        if (resolve_kernel_dt(isa, MHA_DTS_BF16, &kp, NULL) == MHA_STATUS_OK) {
+            mha_status st = packed_w_bytes(kp, N, K, &pair_bytes, err);
+            if (st)
+                return st;
+        }
+        mha_status st = workspace_size_dt(isa, M, N, K, MHA_DTYPE_F32, bytes, err);
+        *bytes = *bytes > pair_bytes ? *bytes : pair_bytes;
+        return st;
+    }
     const mha__gemm_kernel *kr = NULL;
     mha_status st = resolve_kernel(isa, &kr, err);
     if (!st && M <= MHA_GEMM_SMALL_M && kr->dot && xdt != MHA_DTYPE_F32)
@@ -560,7 +610,12 @@ mha_status mha__gemm_run_dt(mha__gemm_op op,
     MHA_RETURN_IF(!mha__is_float_storage(xdt) || !mha__is_float_storage(wdt), err, INVALID_ARG,
                   "gemm: operand dtypes %d, %d are not F32, BF16 or F16", (int)xdt, (int)wdt);
     const mha__gemm_kernel *kr = NULL;
-    mha_status st = resolve_kernel(isa, &kr, err);
+    unsigned dts = pick_dts(op, M, xdt, wdt);
+    /* An explicit pair kernel (tests, benchmarks) also takes few rows (packed path). */
+    if (isa && isa->op == MHA__OP_gemm && isa->run.gemm->pack_pairs && xdt == MHA_DTYPE_BF16 &&
+        wdt == MHA_DTYPE_BF16 && op == MHA__GEMM_OP_N)
+        dts = MHA_DTS_BF16;
+    mha_status st = resolve_kernel_dt(isa, dts, &kr, err);
     return st ? st
               : run(kr, M, N, K, x, xdt, ldx, w, wdt, ldw, op, NULL, bias, y, ldy, team, workspace,
                     workspace_bytes, alloc, err);

@@ -82,6 +82,13 @@ typedef void (*mha__gemm_dot_h_fn)(int64_t K,
                                    float *y,
                                    int64_t ldy);
 
+/* Packs rows [0, n) (n <= width, row stride ld elements) of a row-major bf16 operand, columns
+ * [0, kc), into dst as [ceil(kc/2)][width] 32-bit slots, each the bf16 pair (k even in the low
+ * half, k odd in the high half; an odd kc's last pair has a zero high half), rows n .. width-1
+ * zero. Both the W panels (width NR) and the x micro-panels (width MR) of a pair kernel. */
+typedef void (*mha__gemm_pack_pairs_fn)(
+    const uint16_t *src, int64_t ld, int n, int64_t kc, float *dst, int width);
+
 typedef struct mha__gemm_kernel {
     int mr, nr;
     int64_t kc; /* K block: keeps an MR x kc micro-panel of x in L1 (see the kernel file) */
@@ -94,6 +101,11 @@ typedef struct mha__gemm_kernel {
     mha__gemm_pack_b_fn pack_a;
     /* The few-rows path over half W; NULL = the portable mha__gemm_dot_h_ref. */
     mha__gemm_dot_h_fn dot_h;
+    /* Non-NULL: a pair kernel (bf16 x and bf16 W, vdpbf16ps): both operands are packed by this
+     * function into bf16-pair panels (a K block of kc k then takes ceil(kc/2) panel rows; kc is
+     * even), ukr reads the 32-bit slots of ap and bp as pairs, and pack_b, pack_a, dot, dot_h are
+     * NULL. Row-major operands only (no MHA__GEMM_X_T / W_T), no pre-packed W. */
+    mha__gemm_pack_pairs_fn pack_pairs;
 } mha__gemm_kernel;
 
 /* Calls with at most this many rows take the dot path (measured: see gemm.c). */

@@ -89,6 +89,14 @@ const mha__kernel_info *mha__registry_reference(mha__op op) {
     return NULL;
 }
 
+const mha__kernel_info *mha__registry_best_dt(mha__op op, unsigned dts) {
+    for (int i = 0; i < REGISTRY_SIZE; i++)
+        if (registry[i].op == op && !registry[i].reference && (registry[i].dtypes & dts) == dts &&
+            mha__kernel_usable(&registry[i], 0))
+            return &registry[i];
+    return NULL;
+}
+
 const mha__kernel_info *mha__registry_best(mha__op op) {
     for (int i = 0; i < REGISTRY_SIZE; i++)
         if (registry[i].op == op && !registry[i].reference && mha__kernel_usable(&registry[i], 0))

@@ -81,5 +81,8 @@ int mha__kernel_usable(const mha__kernel_info *k, int detected);
 /* The reference of an op, or its best usable non-reference kernel (NULL if none). */
 const mha__kernel_info *mha__registry_reference(mha__op op);
 const mha__kernel_info *mha__registry_best(mha__op op);
+/* mha__registry_best among the lines whose dtypes hold every bit of dts (MHA_DTS_*): the gemm
+ * driver's pick for its operands' dtypes (a bf16-only line never takes a float32 operand). */
+const mha__kernel_info *mha__registry_best_dt(mha__op op, unsigned dts);
 
 #endif /* MHA_REGISTRY_H */

@@ -210,7 +210,8 @@ static void dot_neon(int64_t K,
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_8x12__neon = {
-    MR, NR, 256, 480, ukr_8x12, pack_b_12, dot_neon, pack_a_8, NULL, /* dot_h: the portable one */
+    MR,   NR, 256, 480, ukr_8x12, pack_b_12, dot_neon, pack_a_8, NULL, /* dot_h: the portable one */
+    NULL, /* pack_pairs: not a bf16 pair kernel */
 };
 
 #endif

@@ -249,7 +249,7 @@ static void pack_a_6(const float *x, int64_t ldx, int m, int64_t kc, float *dst)
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_6x16__avx2 = {
-    MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2, pack_a_6, dot_h_avx2,
+    MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2, pack_a_6, dot_h_avx2, NULL,
 };
 
 #endif
