@@ -27,6 +27,8 @@
 #    include "kernels/arm/simd_neon.h"
 #    include "kernels/registry.h"
 
+#    include <string.h>
+
 #    define MR 8
 #    define NV 3 /* vectors of 4 floats per tile row */
 #    define NR (4 * NV)
@@ -141,21 +143,43 @@ static void pack_a_8(const float *x, int64_t ldx, int m, int64_t kc, float *dst)
     pack_rows(x, ldx, m, kc, dst, MR);
 }
 
+/* Four W values of storage wdt (F32, or bf16 / f16 widened exactly in registers: USHLL #16 /
+ * FCVTL), the first `left` of them (1..4) when left < 4, the rest zero. */
+MHA_INLINE v4 load_w4(const void *w, int64_t k, const mha_dtype wdt, int left) {
+    if (wdt == MHA_DTYPE_F32)
+        return left >= 4 ? v4_loadu((const float *)w + k)
+                         : v4_loadu_first((const float *)w + k, left);
+    uint16_t t[4] = {0, 0, 0, 0};
+    const uint16_t *h = (const uint16_t *)w + k;
+    uint16x4_t x;
+    if (left >= 4) {
+        x = vld1_u16(h);
+    } else {
+        memcpy(t, h, sizeof(uint16_t) * (size_t)left);
+        x = vld1_u16(t);
+    }
+    return wdt == MHA_DTYPE_BF16 ? vreinterpretq_f32_u32(vshll_n_u16(x, 16))
+                                 : vcvt_f32_f16(vreinterpret_f16_u16(x));
+}
+
 /* Dot path (few rows): m x n (<= 2 x 4) dot products, 4 lanes each, 2 accumulators per dot (k in
  * steps of 8): 16 independent FMA chains, enough for 4 pipes of 4-cycle latency; 16 accumulators,
  * 4 x values and 2 W values live at a time (22 registers). The K tail (K % 4) is loaded into
  * zero-filled vectors. Memory-bound on W, as a matrix-vector product is. Sums: lanes of the two
- * accumulators added, then pairwise across lanes, in a fixed order. */
-static void dot_neon(int64_t K,
-                     const float *x,
-                     int64_t ldx,
-                     int m,
-                     const float *w,
-                     int64_t ldw,
-                     int n,
-                     const float *bias,
-                     float *y,
-                     int64_t ldy) {
+ * accumulators added, then pairwise across lanes, in a fixed order. W is float32 or, for the
+ * decode step with half weights (dot_h), bf16 / f16 widened in registers: the same chains, so the
+ * result is the float32 dot's on the widened W, bit for bit. wdt is a constant at each caller. */
+MHA_INLINE void dot_body(int64_t K,
+                         const float *x,
+                         int64_t ldx,
+                         int m,
+                         const void *w,
+                         const mha_dtype wdt,
+                         int64_t ldw,
+                         int n,
+                         const float *bias,
+                         float *y,
+                         int64_t ldy) {
     v4 acc0[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N], acc1[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
     MHA_UNROLL
     for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
@@ -164,11 +188,13 @@ static void dot_neon(int64_t K,
             acc0[i][j] = acc1[i][j] = v4_zero();
     }
     /* Rows / columns beyond m / n re-read row 0 / column 0 (valid memory) and are not stored. */
-    const float *xr[MHA_GEMM_DOT_M], *wr[MHA_GEMM_DOT_N];
+    const size_t wsize = wdt == MHA_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    const float *xr[MHA_GEMM_DOT_M];
+    const void *wr[MHA_GEMM_DOT_N];
     for (int i = 0; i < MHA_GEMM_DOT_M; i++)
         xr[i] = x + (i < m ? i : 0) * ldx;
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-        wr[j] = w + (j < n ? j : 0) * ldw;
+        wr[j] = (const char *)w + (size_t)((j < n ? j : 0) * ldw) * wsize;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
         v4 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
@@ -179,7 +205,7 @@ static void dot_neon(int64_t K,
         }
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            const v4 b0 = v4_loadu(wr[j] + k), b1 = v4_loadu(wr[j] + k + 4);
+            const v4 b0 = load_w4(wr[j], k, wdt, 4), b1 = load_w4(wr[j], k + 4, wdt, 4);
             MHA_UNROLL
             for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
                 acc0[i][j] = v4_fma(a0[i], b0, acc0[i][j]);
@@ -195,7 +221,7 @@ static void dot_neon(int64_t K,
             a0[i] = v4_loadu_first(xr[i] + k, left);
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            const v4 b0 = v4_loadu_first(wr[j] + k, left);
+            const v4 b0 = load_w4(wr[j], k, wdt, left);
             MHA_UNROLL
             for (int i = 0; i < MHA_GEMM_DOT_M; i++)
                 acc0[i][j] = v4_fma(a0[i], b0, acc0[i][j]);
@@ -208,10 +234,40 @@ static void dot_neon(int64_t K,
         }
 }
 
+static void dot_neon(int64_t K,
+                     const float *x,
+                     int64_t ldx,
+                     int m,
+                     const float *w,
+                     int64_t ldw,
+                     int n,
+                     const float *bias,
+                     float *y,
+                     int64_t ldy) {
+    dot_body(K, x, ldx, m, w, MHA_DTYPE_F32, ldw, n, bias, y, ldy);
+}
+
+static void dot_h_neon(int64_t K,
+                       const float *x,
+                       int64_t ldx,
+                       int m,
+                       const uint16_t *w,
+                       int bf16,
+                       int64_t ldw,
+                       int n,
+                       const float *bias,
+                       float *y,
+                       int64_t ldy) {
+    if (bf16)
+        dot_body(K, x, ldx, m, w, MHA_DTYPE_BF16, ldw, n, bias, y, ldy);
+    else
+        dot_body(K, x, ldx, m, w, MHA_DTYPE_F16, ldw, n, bias, y, ldy);
+}
+
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_8x12__neon = {
-    MR,   NR, 256, 480, ukr_8x12, pack_b_12, dot_neon, pack_a_8, NULL, /* dot_h: the portable one */
-    NULL, /* pack_pairs: not a bf16 pair kernel */
+    MR,        NR,       256,      480,        ukr_8x12,
+    pack_b_12, dot_neon, pack_a_8, dot_h_neon, NULL, /* pack_pairs: not a bf16 pair kernel */
 };
 
 #endif
