@@ -931,8 +931,8 @@ static mha_status load_layer(st_file *sf,
         return st;
 
     /* 5. The layer takes its own copy. */
-    mha_weights w = {bufs[0], bufs[1], bufs[2], bufs[3], bufs[4],
-                     bufs[5], bufs[6], bufs[7], bufs[8]};
+    mha_weights w = {bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5],
+                     bufs[6], bufs[7], bufs[8], NULL,    NULL};
     st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, allocator, out, err);
     if (st != MHA_STATUS_OK && err) {
         char msg[MHA_ERROR_MESSAGE_SIZE];
