@@ -26,8 +26,6 @@ static mha_status check_qk_norm(mha_config *c, mha_error *err) {
                       "config.qk_norm.unit_offset is set but L2_AFTER_ROPE has no weights");
         q->unit_offset = q->unit_offset != 0;
     }
-    MHA_RETURN_IF(q->kind != MHA_QK_NORM_NONE, err, UNSUPPORTED,
-                  "config.qk_norm is not implemented yet (the next commit of branch i31-norm)");
     c->output_gate = c->output_gate != 0;
     MHA_RETURN_IF(c->output_gate, err, UNSUPPORTED,
                   "config.output_gate is not implemented yet (docs/SEMANTICS.md \"Output gate\")");

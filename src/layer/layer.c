@@ -309,6 +309,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, v, B * m, c->v_dim,
                                g * c->v_head_dim, pack, l.pack_bytes, err);
 
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
         const int64_t *kpos =
@@ -317,6 +319,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
 
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
@@ -384,6 +388,8 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, self ? args->query : args->key, args->x_dtype,
                                w->w_k, w->wdt, w->b_k, k, B * m, c->k_dim, g * c->head_dim, NULL, 0,
                                err);
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + rope_off);
         const int64_t *kpos =
@@ -392,6 +398,8 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
     if (!st)
         st = mha__attention_stats_run(&p, stats, exec, err);
     mha__free(alloc, ws);
