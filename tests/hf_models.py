@@ -105,6 +105,15 @@ CASES = {
         rope_parameters={"sliding_attention": _rope(theta=1e4),
                          "full_attention": _rope("linear", 1e6, factor=2.0)}),
         T.Gemma3ForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
+    # Qwen3-Next's full-attention layer: the output gate (q_proj [h, 2, d]), 1 + w QK-norm,
+    # partial rotary 0.25 (its layer 1 is a linear-attention layer, refused by name).
+    "qwen3_next": (T.Qwen3NextConfig, dict(
+        LLAMA, num_key_value_heads=2, head_dim=16, attention_bias=True,
+        layer_types=["full_attention", "linear_attention"], num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, rope_parameters=_rope(partial_rotary_factor=0.25)),
+        T.Qwen3NextForCausalLM, "model.layers.{L}.self_attn", (0,)),
     "olmo2": (T.Olmo2Config, dict(LLAMA, num_key_value_heads=2, pad_token_id=1, eos_token_id=2,
                                   rope_parameters=_rope(theta=5e5)),
               T.Olmo2ForCausalLM, "model.layers.{L}.self_attn", (0,)),

@@ -75,7 +75,8 @@ def test_legacy_config_matches_transformers(models, name, layer, tmp_path):
     assert err <= TOL_OUT_REL, f"{name} layer {layer} (4.x config): max error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "qwen3", "gemma3_text", "olmo2"])
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "qwen3", "gemma3_text", "olmo2",
+                                  "qwen3_next"])
 def test_decode_matches_transformers(models, name, tmp_path):
     if name not in models:
         pytest.skip("not in the quick set")

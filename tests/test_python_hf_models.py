@@ -51,7 +51,7 @@ def test_from_pretrained_matches_transformers(models, name, layer):
     assert err <= TOL_OUT_REL, f"torch {name} layer {layer}: max error {err:.3g}"
 
 
-NORM_CASES = [(name, layer) for name in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
+NORM_CASES = [(name, layer) for name in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "qwen3_next")
               for layer in H.CASES[name][4]]
 # mha's gradient names of the attention module's parameters (nn.Linear layout on both sides).
 GRAD_NAMES = {"q_proj.weight": "w_q", "k_proj.weight": "w_k", "v_proj.weight": "w_v",
@@ -74,10 +74,20 @@ def test_gradients_match_torch_autograd(models, name, layer):
     g = m.backward(state, dy)
     assert set(GRAD_NAMES[k] for k in g_ref if k != "query") | {"query"} == set(g)
     assert "q_norm" in g and "k_norm" in g
+    c = m.config
     for k, ref_g in g_ref.items():
         nm = GRAD_NAMES.get(k, k)
-        err = H.max_rel_err(g[nm], ref_g)
+        got = g[nm]
+        if c.output_gate and nm in ("w_q", "b_q"):  # mha's [q; gate] rows as HF's [h, 2, d]
+            got = got.reshape(2, c.num_heads, c.head_dim, -1).transpose(1, 0, 2, 3).reshape(
+                ref_g.shape)
+        err = H.max_rel_err(got, ref_g)
         assert err <= TOL_GRAD_REL, f"{name} layer {layer}: d{nm} max error {err:.3g}"
+
+
+def test_qwen3_next_linear_attention_layer_is_refused(models):
+    with pytest.raises(mha.MhaError, match=r"layer_types\[1\].*linear_attention"):
+        mha.MultiheadAttention.from_pretrained(models["qwen3_next"][0], layer=1)
 
 
 def test_model_mask_is_the_default_and_can_be_overridden(models):

@@ -979,7 +979,8 @@ class MultiheadAttention:
                  softcap: Optional[float] = None, alibi: bool = False,
                  rope: Union[None, str, dict, Rope] = None,
                  qk_norm: Union[None, dict, QKNorm] = None, q_norm: Optional[ArrayLike] = None,
-                 k_norm: Optional[ArrayLike] = None, _weight_dtype: Optional[int] = None):
+                 k_norm: Optional[ArrayLike] = None, output_gate: bool = False,
+                 _weight_dtype: Optional[int] = None):
         # (_weight_dtype: the PyTorch drop-in's arrays hold that mha_dtype's bits: _layer_arrays)
         if num_heads is None or int(num_heads) < 1:
             raise ValueError(f"num_heads: expected a positive integer, got {num_heads!r}")
@@ -1009,10 +1010,12 @@ class MultiheadAttention:
                 raise ValueError(f"{nm}: expected a 2-d [out, in] matrix, got shape {a.shape}")
             ws[nm] = a
         h = int(num_heads)
-        if ws["w_q"].shape[0] % h:
+        gq = 2 if output_gate else 1  # w_q: the query's rows, then the gate's
+        c.output_gate = 1 if output_gate else 0
+        if ws["w_q"].shape[0] % (gq * h):
             raise ValueError(f"w_q: {ws['w_q'].shape[0]} rows are not divisible by "
-                             f"num_heads={h}")
-        dk = ws["w_q"].shape[0] // h
+                             f"{'2 x ' if output_gate else ''}num_heads={h}")
+        dk = ws["w_q"].shape[0] // (gq * h)
         if ws["w_k"].shape[0] % dk:
             raise ValueError(f"w_k: {ws['w_k'].shape[0]} rows are not a multiple of "
                              f"head_dim={dk}")
@@ -1033,7 +1036,7 @@ class MultiheadAttention:
         w = L.mha_weights()
         for nm in ws:
             setattr(w, nm, _ptr(ws[nm]))
-        rows = {"b_q": h * dk, "b_k": g * dk, "b_v": g * dv, "b_o": c.out_dim}
+        rows = {"b_q": gq * h * dk, "b_k": g * dk, "b_v": g * dv, "b_o": c.out_dim}
         for nm in ("b_q", "b_k", "b_v", "b_o"):
             if nm in arrs:
                 a = arrs[nm]
@@ -1142,11 +1145,13 @@ class MultiheadAttention:
         """Copies of the layer's weights: w_q, w_k, w_v, w_o, and b_* / sinks when present."""
         c = self.config
         w = L.mha_layer_weights(self._ptr).contents
-        shapes = {"w_q": (c.num_heads * c.head_dim, c.q_dim),
+        gq = 2 if c.output_gate else 1  # (the gate's rows follow the query's)
+        shapes = {"w_q": (gq * c.num_heads * c.head_dim, c.q_dim),
                   "w_k": (c.num_kv_heads * c.head_dim, c.k_dim),
                   "w_v": (c.num_kv_heads * c.v_head_dim, c.v_dim),
                   "w_o": (c.out_dim, c.num_heads * c.v_head_dim),
-                  "b_q": (c.num_heads * c.head_dim,), "b_k": (c.num_kv_heads * c.head_dim,),
+                  "b_q": (gq * c.num_heads * c.head_dim,),
+                  "b_k": (c.num_kv_heads * c.head_dim,),
                   "b_v": (c.num_kv_heads * c.v_head_dim,), "b_o": (c.out_dim,),
                   "sinks": (c.num_heads,)}
         if c.qk_norm is not None and c.qk_norm.has_weights:
@@ -1430,11 +1435,12 @@ class MultiheadAttention:
         if params:
             hk, gk, gv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, \
                 c.num_kv_heads * c.v_head_dim
-            want("w_q", "dw_q", (hk, c.q_dim))
+            gq = 2 if c.output_gate else 1  # (the gate's rows follow the query's)
+            want("w_q", "dw_q", (gq * hk, c.q_dim))
             want("w_k", "dw_k", (gk, c.k_dim))
             want("w_v", "dw_v", (gv, c.v_dim))
             want("w_o", "dw_o", (c.out_dim, c.num_heads * c.v_head_dim))
-            for nm, on, shp in (("b_q", c.bias_q, hk), ("b_k", c.bias_k, gk),
+            for nm, on, shp in (("b_q", c.bias_q, gq * hk), ("b_k", c.bias_k, gk),
                                 ("b_v", c.bias_v, gv), ("b_o", c.bias_o, c.out_dim)):
                 if on:
                     want(nm, "d" + nm, (shp,))

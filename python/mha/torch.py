@@ -514,6 +514,8 @@ class MultiheadAttention(nn.Module):
         self._layer = None
         self._options = dict(num_kv_heads=c.num_kv_heads, scale=c.scale, softcap=c.softcap,
                              alibi=c.alibi, rope=c.rope, sinks=w.get("sinks"))
+        if c.output_gate:  # Qwen3-Next: q_proj_weight's rows are the query's, then the gate's
+            self._options["output_gate"] = True
         if c.qk_norm is not None:  # QK-norm: its weights are buffers (not trained), as sinks
             self._options.update(qk_norm=c.qk_norm, q_norm=w.get("q_norm"),
                                  k_norm=w.get("k_norm"))
@@ -723,6 +725,11 @@ class MultiheadAttention(nn.Module):
                 y = _qk_norm_traced(qn, y, self._buffers.get(norm))
             return y
 
+        gate = None
+        if opts.get("output_gate"):  # the gate's rows of w_q (and b_q) after the query's
+            hd = h * self.head_dim
+            gate = torch.nn.functional.linear(q, q_w[hd:], None if bq is None else bq[hd:])
+            q_w, bq = q_w[:hd], None if bq is None else bq[:hd]
         norms = ("q_norm", "k_norm") if qn is not None else (None, None)
         qh, kh = heads(q, q_w, bq, h, norms[0]), heads(k, k_w, bk, g, norms[1])
         vh = heads(v, v_w, bv, g)
@@ -743,7 +750,10 @@ class MultiheadAttention(nn.Module):
             need_weights, average, self.threads, float(opts.get("softcap") or 0.0),
             bool(opts.get("alibi")), self._buffers.get("sinks"), window[0], window[1],
             bottom_right)
-        out = torch.nn.functional.linear(o.transpose(1, 2).reshape(B, n, -1), ow, ob)
+        att = o.transpose(1, 2).reshape(B, n, -1)
+        if gate is not None:
+            att = att * torch.sigmoid(gate)
+        out = torch.nn.functional.linear(att, ow, ob)
         out = out.squeeze(0) if unbatched else (out if bf else out.transpose(0, 1))
         if not need_weights:
             probs = None

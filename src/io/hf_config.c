@@ -70,6 +70,9 @@ static const hf_arch ARCHS[] = {
     {"qwen3_moe", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj, q_norm, k_norm"},
     {"gemma3_text", LAYOUT_QKVO, LLAMA_PREFIXES,
      "q_proj, k_proj, v_proj, o_proj, q_norm, k_norm (1 + w)"},
+    {"qwen3_next", LAYOUT_QKVO, LLAMA_PREFIXES,
+     "q_proj [h, 2, d]: per head q then gate (split), k_proj, v_proj, o_proj, q_norm, k_norm "
+     "(1 + w)"},
     {"olmo2", LAYOUT_QKVO, LLAMA_PREFIXES,
      "q_proj, k_proj, v_proj, o_proj, q_norm, k_norm (whole projection)"},
     {"gemma", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
@@ -479,10 +482,12 @@ static mha_status refuse_unsupported(hf_model *m, mha_error *err) {
  * the whole projection (OLMo 2), eps = rms_norm_eps (the config class's default when absent). */
 static mha_status read_qk_norm(hf_model *m, mha_config *cfg, mha_error *err) {
     mha_qk_norm *q = &cfg->qk_norm;
-    if (is_type(m, "qwen3") || is_type(m, "qwen3_moe") || is_type(m, "gemma3_text")) {
+    if (is_type(m, "qwen3") || is_type(m, "qwen3_moe") || is_type(m, "gemma3_text") ||
+        is_type(m, "qwen3_next")) {
         q->kind = MHA_QK_NORM_RMS_HEAD;
         q->eps = 1e-6;
-        q->unit_offset = is_type(m, "gemma3_text");
+        q->unit_offset = is_type(m, "gemma3_text") || is_type(m, "qwen3_next");
+        cfg->output_gate = is_type(m, "qwen3_next"); /* Qwen3NextAttention's gated output */
     } else if (is_type(m, "olmo2")) {
         q->kind = MHA_QK_NORM_RMS_ALL;
         q->eps = 1e-5;
@@ -915,8 +920,8 @@ static mha_status find_arch(hf_model *m, mha_hf_layer_info *info, mha_error *err
             m->arch = &ARCHS[i];
     MHA_RETURN_IF(!m->arch, err, UNSUPPORTED,
                   "%s: \"model_type\": \"%.64s\" is not supported (supported: llama, mistral, "
-                  "mixtral, qwen2, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, olmo2, gpt_oss, "
-                  "phi3, gpt2, gpt_neox, falcon, bert, roberta)",
+                  "mixtral, qwen2, qwen3, qwen3_moe, qwen3_next, gemma, gemma2, gemma3_text, "
+                  "olmo2, gpt_oss, phi3, gpt2, gpt_neox, falcon, bert, roberta)",
                   m->config_path, type);
     snprintf(info->model_type, sizeof info->model_type, "%s", type);
     snprintf(info->layout, sizeof info->layout, "%s", m->arch->layout_text);
@@ -1135,9 +1140,33 @@ load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b,
     return st;
 }
 
+/* Qwen3-Next's q_proj rows [h, 2, d] (head i's query rows, then its gate rows; cols 1: the
+ * bias) reordered in place into [q (h d); gate (h d)], the layer's output_gate layout. */
+static mha_status ungate_interleave(void *x,
+                                    int64_t h,
+                                    int64_t d,
+                                    int64_t cols,
+                                    size_t es,
+                                    const mha_allocator *a,
+                                    mha_error *err) {
+    size_t bytes;
+    MHA_RETURN_IF(!mha__bytes(2 * h * d * cols, es, &bytes), err, OVERFLOW, "too large");
+    char *t = mha__alloc(a, bytes);
+    MHA_RETURN_IF(!t, err, NO_MEMORY, "cannot allocate %zu bytes", bytes);
+    const size_t blk = (size_t)(d * cols) * es;
+    for (int64_t i = 0; i < h; i++)
+        for (int part = 0; part < 2; part++)
+            memcpy(t + (size_t)(part * h + i) * blk, (const char *)x + (size_t)(2 * i + part) * blk,
+                   blk);
+    memcpy(x, t, bytes);
+    mha__free(a, t);
+    return MHA_STATUS_OK;
+}
+
 static mha_status load_separate(
     hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
-    const int64_t rows[3] = {c->num_heads * c->head_dim, c->num_kv_heads * c->head_dim,
+    const int64_t gq = c->output_gate ? 2 : 1; /* q_proj holds the gate's rows too */
+    const int64_t rows[3] = {gq * c->num_heads * c->head_dim, c->num_kv_heads * c->head_dim,
                              c->num_kv_heads * c->head_dim};
     const int32_t want[3] = {c->bias_q, c->bias_k, c->bias_v};
     for (int r = 0; r < 3; r++) {
@@ -1148,6 +1177,11 @@ static mha_status load_separate(
         if (bias)
             TRY(read_exact(m, stem, ".bias", rows[r], 0, c->weight_dtype, a, &b->p[4 + r], err));
     }
+    const size_t es = mha__storage_size(c->weight_dtype);
+    if (c->output_gate)
+        TRY(ungate_interleave(b->p[0], c->num_heads, c->head_dim, m->hidden, es, a, err));
+    if (c->output_gate && b->p[4])
+        TRY(ungate_interleave(b->p[4], c->num_heads, c->head_dim, 1, es, a, err));
     return MHA_STATUS_OK;
 }
 
@@ -1198,6 +1232,10 @@ static mha_status load_layer(hf_model *m,
                   "MHA_DTYPE_F16",
                   m->dir, (int)c.weight_dtype);
     c.v_head_dim = c.head_dim;
+    MHA_RETURN_IF(c.output_gate && m->arch->layout != LAYOUT_QKVO, err, INVALID_ARG,
+                  "%s: config.output_gate: the gate's rows are read from a separate q_proj, which "
+                  "model_type %s does not have",
+                  m->dir, m->arch->type);
     if (m->arch->layout == LAYOUT_QKVO || m->arch->layout == LAYOUT_BERT)
         TRY(load_separate(m, &c, a, b, err));
     else
