@@ -45,6 +45,19 @@ static void print_rope(const mha_rope *r) {
     printf("\n");
 }
 
+/* "qk-norm: rms per head (eps 1e-06, scale 1 + w), before RoPE" (docs/SEMANTICS.md). */
+static void print_qk_norm(const mha_qk_norm *q) {
+    static const char *const what[] = {"none", "rms per head, before RoPE",
+                                       "rms over the projection, before RoPE",
+                                       "l2 per head (no weights), after RoPE"};
+    if (q->kind <= MHA_QK_NORM_NONE || q->kind > MHA_QK_NORM_L2_AFTER_ROPE) {
+        printf("qk-norm: none\n");
+        return;
+    }
+    printf("qk-norm: %s (eps %g%s)\n", what[q->kind], q->eps,
+           q->unit_offset ? ", scale 1 + w" : "");
+}
+
 int cli_info_model(const char *dir, const char *layer_arg) {
     int64_t layer = 0;
     int rc;
@@ -67,6 +80,11 @@ int cli_info_model(const char *dir, const char *layer_arg) {
     printf("scale: %.17g\n", c->scale);
     printf("softcap: %g\n", c->softcap);
     printf("sinks: %s\n", c->sinks ? "yes" : "no");
+    print_qk_norm(&c->qk_norm);
+    if (c->output_gate)
+        printf("output gate: A * sigmoid(x W_gate^T + b_gate) (w_q rows %lld..%lld)\n",
+               (long long)(c->num_heads * c->head_dim),
+               (long long)(2 * c->num_heads * c->head_dim - 1));
     print_rope(&c->rope);
     printf("causal: %s\n", info.causal ? "yes (bottom-right)" : "no");
     if (info.use_window)

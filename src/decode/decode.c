@@ -473,9 +473,9 @@ static mha_status layer_step(const mha_layer *layer,
     st = mha__exec_team(exec, &team, err);
     if (st)
         return st;
-    size_t off[6], total = 0;
-    const size_t sizes[6] = {bq, bk, bv, ba, bl, br};
-    for (int i = 0; i < 6; i++) {
+    size_t off[7], total = 0;
+    const size_t sizes[7] = {bq, bk, bv, ba, bl, br, c->output_gate ? bq : 0}; /* 6: the gate */
+    for (int i = 0; i < 7; i++) {
         off[i] = total;
         MHA_RETURN_IF(total > SIZE_MAX - sizes[i] - 64, err, OVERFLOW, "decode buffers overflow");
         total += (sizes[i] + 63) & ~(size_t)63;
@@ -500,13 +500,18 @@ static mha_status layer_step(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, args->x, f32, w->w_v, wdt, w->b_v, v, rows,
                                c->q_dim, g * dv, NULL, 0, err);
 
-    /* 2. RoPE at the absolute positions len0 + i (a DYNAMIC rope at this call's length: the
-     *    cached keys keep the rotation of the call that appended them, as transformers' do). */
+    /* 2. QK-norm and RoPE at the absolute positions len0 + i (a DYNAMIC rope at this call's
+     *    length: the cached keys keep the rotation of the call that appended them, as
+     *    transformers' do): the cache receives K normed and rotated. */
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 0, q, rows, k, rows);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t len = mha__plan_rope_length(&c->rope, NULL, NULL, len0, S, t, t);
         mha__plan_rope(&c->rope, len, tab, q, S, t, h, dk, NULL, len0, 1);
         mha__plan_rope(&c->rope, len, tab, k, S, t, g, dk, NULL, len0, 1);
     }
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, q, rows, k, rows);
 
     /* 3. Append and attend, in steps a window ring can hold. */
     const int64_t step = kc->window > 0 ? kc->max_step_tokens : t;
@@ -533,7 +538,17 @@ static mha_status layer_step(const mha_layer *layer,
         st = kv_attend(&a, exec, err);
     }
 
-    /* 4. Output projection. */
+    /* 4. The output gate (its rows of w_q), then the output projection. */
+    if (!st && c->output_gate) {
+        float *gate = (float *)(ws + off[6]);
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(c, w, &wg, &bg);
+        st = mha__plan_project(impl, alloc, team, args->x, f32, wg, wdt, bg, gate, rows, c->q_dim,
+                               h * dk, NULL, 0, err);
+        if (!st)
+            mha__plan_gate_apply(gate, att, rows * h * dv);
+    }
     if (!st)
         st = mha__plan_project(impl, alloc, team, att, f32, w->w_o, wdt, w->b_o, args->out, rows,
                                h * dv, c->out_dim, NULL, 0, err);

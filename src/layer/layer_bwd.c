@@ -20,6 +20,7 @@
 #include "kernels/gemm.h"
 #include "layer/plan.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,6 +30,8 @@ struct mha_train_state {
     int64_t B, n, m;
     int self;
     float *q, *k, *v, *a, *lse; /* [B,n,h*dk] [B,m,g*dk] [B,m,g*dv] [B,n,h*dv] [B,h,n] */
+    float *qx, *kx;             /* QK-norm: the norm's inputs, [B,n,h*dk] [B,m,g*dk] (else NULL) */
+    float *g, *ag; /* output gate: G [B,n,h*dk] and A * sigmoid(G) [B,n,h*dv] (else NULL) */
     void *block;
     mha_block_mask *mask; /* the forward's block mask, kept for the backward */
     mha_allocator allocator;
@@ -83,6 +86,16 @@ static mha_status rope_buffer(const mha_rope *r,
     return MHA_STATUS_OK;
 }
 
+/* The QK-norm's inputs (Q and K as the norm receives them at its stage) copied into the state:
+ * the backward differentiates the norm at them. */
+static void keep_norm_input(const mha_config *c, mha_train_state *s, int after_rope) {
+    if (!mha__plan_qk_norm_at(c, after_rope))
+        return;
+    const int64_t dk = c->head_dim;
+    memcpy(s->qx, s->q, sizeof(float) * (size_t)(s->B * s->n * c->num_heads * dk));
+    memcpy(s->kx, s->k, sizeof(float) * (size_t)(s->B * s->m * c->num_kv_heads * dk));
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Training forward.                                                                              */
 /* ---------------------------------------------------------------------------------------------- */
@@ -106,11 +119,22 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     const int64_t B = args->batch, n = args->q_len;
     const mha_dtype xdt = args->x_dtype, wdt = w->wdt;
     const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
-    /* The state, then (a half out only) Y [B*n, out_dim] float32 for the output projection. */
-    const int64_t f[6][3] = {{B * n, h, dk}, {B * m, g, dk}, {B * m, g, dv},
-                             {B * n, h, dv}, {B, h, n},      {B * n, c->out_dim, 1}};
-    const int nparts = args->out_dtype != MHA_DTYPE_F32 ? 6 : 5;
-    int64_t cnt[6], total = 0;
+    /* The state, then (a half out only) Y [B*n, out_dim] float32 for the output projection,
+     * then (QK-norm only) the norm's inputs Q_x [B*n, h*dk] and K_x [B*m, g*dk]. */
+    const int half_out = args->out_dtype != MHA_DTYPE_F32;
+    const int64_t has_norm = c->qk_norm.kind != MHA_QK_NORM_NONE, gated = c->output_gate;
+    const int64_t f[10][3] = {{B * n, h, dk},
+                              {B * m, g, dk},
+                              {B * m, g, dv},
+                              {B * n, h, dv},
+                              {B, h, n},
+                              {B * n, c->out_dim, half_out},
+                              {B * n, h, dk * has_norm},
+                              {B * m, g, dk * has_norm},
+                              {B * n, h, dk * gated},
+                              {B * n, h, dv * gated}};
+    const int nparts = 10;
+    int64_t cnt[10], total = 0;
     for (int i = 0; i < nparts; i++)
         MHA_RETURN_IF(!mha__prod_i64(f[i], 3, &cnt[i]) || !mha__add_i64(total, cnt[i], &total), err,
                       OVERFLOW, "training state size overflows");
@@ -145,6 +169,10 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     s->v = s->k + cnt[1];
     s->a = s->v + cnt[2];
     s->lse = s->a + cnt[3];
+    s->qx = has_norm ? s->lse + cnt[4] + cnt[5] : NULL;
+    s->kx = has_norm ? s->qx + cnt[6] : NULL;
+    s->g = gated ? s->lse + cnt[4] + cnt[5] + cnt[6] + cnt[7] : NULL;
+    s->ag = gated ? s->g + cnt[8] : NULL;
 
     mha_attention_args core;
     mha__plan_core_args(c, w->sinks, args, m, s->q, s->k, s->v, s->a, s->lse, &core);
@@ -172,6 +200,9 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     if (!st)
         st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, s->v, B * m,
                                c->v_dim, g * dv, NULL, 0, err);
+    if (!st)
+        keep_norm_input(c, s, 0);
+    mha__plan_qk_norm_stage(c, w, 0, s->q, B * n, s->k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
@@ -180,15 +211,30 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         if (!st)
             st = rope_buffer(&c->rope, len, alloc, s->k, B, m, g, dk, kpos, 1, err);
     }
+    if (!st)
+        keep_norm_input(c, s, 1);
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, s->q, B * n, s->k, B * m);
+    if (!st && gated) { /* G = x W_gate^T + b_gate (the gate's rows of w_q) */
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(c, w, &wg, &bg);
+        st = mha__plan_project(impl, alloc, team, args->query, xdt, wg, wdt, bg, s->g, B * n,
+                               c->q_dim, h * dk, NULL, 0, err);
+    }
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
-    /* A half out: the float32 projection goes to the block's tail, rounded once into out. */
-    float *y = nparts == 6 ? s->lse + cnt[4] : args->out;
+    if (!st && gated) {
+        memcpy(s->ag, s->a, sizeof(float) * (size_t)cnt[9]);
+        mha__plan_gate_apply(s->g, s->ag, cnt[9]);
+    }
+    /* A half out: the float32 projection goes to the block after lse, rounded once into out. */
+    float *y = half_out ? s->lse + cnt[4] : args->out;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, s->a, MHA_DTYPE_F32, w->w_o, wdt, w->b_o, y,
-                               B * n, h * dv, c->out_dim, NULL, 0, err);
-    if (!st && nparts == 6)
+        st = mha__plan_project(impl, alloc, team, gated ? s->ag : s->a, MHA_DTYPE_F32, w->w_o, wdt,
+                               w->b_o, y, B * n, h * dv, c->out_dim, NULL, 0, err);
+    if (!st && half_out)
         mha__narrow(args->out_dtype, y, args->out, cnt[5]);
     if (st) {
         mha_train_state_destroy(s);
@@ -315,12 +361,13 @@ static mha_status proj_backward(const bwd_ctx *x,
  * transpose buffers (the reference products only: the packed GEMM reads transposed operands in
  * place); one weight-sized buffer; dy widened [rq, od] (a half dy only: the products and column
  * sums that read dy then read float32). Each part is followed by 16 floats of slack. */
-enum { SCRATCH_PARTS = 11 };
+enum { SCRATCH_PARTS = 13 };
 typedef struct bwd_scratch {
     int64_t sizes[SCRATCH_PARTS];
     size_t bytes;
     float *buf;
     float *dA, *dQ, *dK, *dV, *dxq, *dxk, *dxv, *tmp1, *tmp2, *wbuf, *dy32;
+    float *dG, *dxg; /* output gate: dL/dG [rq, h dk] and the gate path's dx [rq, qd] */
 } bwd_scratch;
 
 /* The parts' sizes and the total bytes (OVERFLOW when they do not fit). */
@@ -340,9 +387,10 @@ static mha_status scratch_size(
         tmax = act[i] > tmax ? act[i] : tmax;
     const int64_t tsz = impl == MHA_IMPL_REFERENCE ? tmax : 0;
     const int64_t dysz = s->args.out_dtype != MHA_DTYPE_F32 ? rq * od : 0;
-    const int64_t sizes[SCRATCH_PARTS] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv,
-                                          rq * qd,     rk * kd,     rk * vd,     tsz,
-                                          tsz,         wmax,        dysz};
+    const int64_t gsz = c->output_gate ? rq * h * dk : 0, gxsz = c->output_gate ? rq * qd : 0;
+    const int64_t sizes[SCRATCH_PARTS] = {
+        rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv, rq * qd, rk * kd, rk * vd,
+        tsz,         tsz,         wmax,        dysz,        gsz,     gxsz};
     int64_t total = 0;
     for (int i = 0; i < SCRATCH_PARTS; i++) {
         sc->sizes[i] = sizes[i];
@@ -359,8 +407,9 @@ static mha_status scratch_alloc(const mha_allocator *alloc, bwd_scratch *sc, mha
     sc->buf = mha__alloc_large(alloc, sc->bytes);
     MHA_RETURN_IF(!sc->buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch",
                   sc->bytes);
-    float **parts[SCRATCH_PARTS] = {&sc->dA,  &sc->dQ,   &sc->dK,   &sc->dV,   &sc->dxq, &sc->dxk,
-                                    &sc->dxv, &sc->tmp1, &sc->tmp2, &sc->wbuf, &sc->dy32};
+    float **parts[SCRATCH_PARTS] = {&sc->dA,   &sc->dQ,  &sc->dK,   &sc->dV,   &sc->dxq,
+                                    &sc->dxk,  &sc->dxv, &sc->tmp1, &sc->tmp2, &sc->wbuf,
+                                    &sc->dy32, &sc->dG,  &sc->dxg};
     float *cur = sc->buf;
     for (int i = 0; i < SCRATCH_PARTS; i++) {
         *parts[i] = cur;
@@ -390,6 +439,12 @@ static mha_status core_backward(const mha_config *c,
         mm_ab(x, dy, w->w_o, w->wdt, sc->dA, s->B * s->n, h * dv, c->out_dim, x->tmp1, err);
     if (st)
         return st;
+    if (c->output_gate) /* "A_g = A * sigmoid(G)": dG = dA_g A s (1 - s), dA = dA_g s */
+        for (int64_t i = 0; i < s->B * s->n * h * dv; i++) {
+            const float sg = 1.0f / (1.0f + expf(-s->g[i]));
+            sc->dG[i] = sc->dA[i] * s->a[i] * (sg * (1.0f - sg));
+            sc->dA[i] *= sg;
+        }
     mha_attention_grads cg;
     memset(&cg, 0, sizeof cg);
     cg.dout = sc->dA;
@@ -424,7 +479,8 @@ static mha_status out_grads(const mha_train_state *s,
                             mha_error *err) {
     const int64_t rq = s->B * s->n, od = c->out_dim, hdv = c->num_heads * c->v_head_dim;
     if (gr->dw_o) {
-        const mha_status st = mm_atb(x, dy, s->a, MHA_DTYPE_F32, wbuf, od, hdv, rq, err);
+        const float *a_in = c->output_gate ? s->ag : s->a; /* the output projection's input */
+        const mha_status st = mm_atb(x, dy, a_in, MHA_DTYPE_F32, wbuf, od, hdv, rq, err);
         if (st)
             return st;
         deliver(gr->dw_o, wbuf, od * hdv, x->accumulate);
@@ -435,6 +491,41 @@ static mha_status out_grads(const mha_train_state *s,
     }
     if (gr->d_sinks)
         deliver(gr->d_sinks, dsinks, c->num_heads, x->accumulate);
+    return MHA_STATUS_OK;
+}
+
+/* "Q = norm(Q_x)", "K = norm(K_x)" at one stage of the plan (mha__plan_qk_norm_stage): dQ and dK
+ * (scratch) become the gradients of the norm's inputs; the weights' gradients are summed in
+ * double and delivered into grads.d_q_norm / d_k_norm. */
+static mha_status norm_backward(const mha_config *c,
+                                const mha__layer_w *w,
+                                const mha_train_state *s,
+                                const mha_layer_grads *gr,
+                                const bwd_ctx *x,
+                                const bwd_scratch *sc,
+                                int after_rope,
+                                mha_error *err) {
+    if (!mha__plan_qk_norm_at(c, after_rope))
+        return MHA_STATUS_OK;
+    const mha_qk_norm *nrm = &c->qk_norm;
+    const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim;
+    const int64_t nq = nrm->kind == MHA_QK_NORM_RMS_ALL ? h * dk : dk;
+    const int64_t nk = nrm->kind == MHA_QK_NORM_RMS_ALL ? g * dk : dk;
+    double *acc = NULL;
+    if (gr->d_q_norm || gr->d_k_norm) {
+        acc = mha__alloc(x->alloc, sizeof(double) * (size_t)(nq + nk));
+        MHA_RETURN_IF(!acc, err, NO_MEMORY, "cannot allocate %lld doubles", (long long)(nq + nk));
+        memset(acc, 0, sizeof(double) * (size_t)(nq + nk));
+    }
+    mha__plan_qk_norm_backward(nrm, w->q_norm, s->qx, sc->dQ, gr->d_q_norm ? acc : NULL,
+                               s->B * s->n, h, dk);
+    mha__plan_qk_norm_backward(nrm, w->k_norm, s->kx, sc->dK, gr->d_k_norm ? acc + nq : NULL,
+                               s->B * s->m, g, dk);
+    for (int64_t j = 0; gr->d_q_norm && j < nq; j++)
+        gr->d_q_norm[j] = x->accumulate ? gr->d_q_norm[j] + (float)acc[j] : (float)acc[j];
+    for (int64_t j = 0; gr->d_k_norm && j < nk; j++)
+        gr->d_k_norm[j] = x->accumulate ? gr->d_k_norm[j] + (float)acc[nq + j] : (float)acc[nq + j];
+    mha__free(x->alloc, acc);
     return MHA_STATUS_OK;
 }
 
@@ -516,7 +607,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
     /* From here on nothing can fail but allocation inside the GEMM. */
     if (!st)
         st = out_grads(s, c, dy, gr, &x, dsinks, sc.wbuf, err);
-    /* "Q = RoPE(Q')": the transposed rotation. */
+    /* "Q = norm(Q')" after RoPE (L2_AFTER_ROPE), "Q = RoPE(Q')": the transposed rotation, then
+     * "Q = norm(Q')" before RoPE (the RMS kinds). */
+    if (!st)
+        st = norm_backward(c, w, s, gr, &x, &sc, 1, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);
         const int64_t len = mha__plan_rope_length(&c->rope, a->q_positions, kpos, NULL, B, n, m);
@@ -524,6 +618,8 @@ mha_status mha_layer_backward(const mha_layer *layer,
         if (!st)
             st = rope_buffer(&c->rope, len, x.alloc, sc.dK, B, m, g, dk, kpos, -1, err);
     }
+    if (!st)
+        st = norm_backward(c, w, s, gr, &x, &sc, 0, err);
     const void *xq = a->query;
     const void *xk = s->self ? a->query : a->key;
     const void *xv = s->self ? a->query : (a->value ? a->value : a->key);
@@ -539,6 +635,17 @@ mha_status mha_layer_backward(const mha_layer *layer,
     if (!st)
         st = proj_backward(&x, sc.dV, xv, xdt, w->w_v, w->wdt, rk, c->v_dim, g * dv, gr->dw_v,
                            gr->db_v, want_v ? sc.dxv : NULL, sc.wbuf, err);
+    if (!st && c->output_gate) { /* "G = x_q W_gate^T + b_gate": the gate's rows of w_q, b_q */
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(c, w, &wg, &bg);
+        const int64_t off = h * dk;
+        st = proj_backward(&x, sc.dG, xq, xdt, wg, w->wdt, rq, c->q_dim, h * dk,
+                           gr->dw_q ? gr->dw_q + off * c->q_dim : NULL,
+                           gr->db_q ? gr->db_q + off : NULL, want_q ? sc.dxg : NULL, sc.wbuf, err);
+        for (int64_t i = 0; !st && want_q && i < rq * c->q_dim; i++)
+            sc.dxq[i] += sc.dxg[i];
+    }
     if (!st)
         deliver_inputs(s, c, gr, &x, &sc);
     free(dsinks);

@@ -65,6 +65,49 @@ void mha__plan_rope(const mha_rope *resolved,
                     const int64_t *base,
                     int sign);
 
+/* QK-norm (docs/SEMANTICS.md "QK-norm") of x [rows, heads * d] in place: groups of d values (each
+ * head's; RMS_HEAD, L2_AFTER_ROPE) or heads * d (the whole row; RMS_ALL), each scaled by
+ * r = 1 / sqrt(sum(x^2) / G + eps) (sum of squares in double), then by w, 1 + w (unit_offset) or
+ * nothing (w NULL); w float32 [d] or [heads * d]. */
+void mha__plan_qk_norm(
+    const mha_qk_norm *nrm, const float *w, float *x, int64_t rows, int64_t heads, int64_t d);
+
+/* The layer's QK-norm at one stage of the plan: after_rope = 0 right after the projections (the
+ * RMS kinds), 1 after RoPE (L2_AFTER_ROPE); nothing when the layer's kind is not of that stage.
+ * q [rows_q, h*dk], k [rows_k, g*dk] (either may be NULL: not normed). */
+void mha__plan_qk_norm_stage(const mha_config *cfg,
+                             const mha__layer_w *w,
+                             int after_rope,
+                             float *q,
+                             int64_t rows_q,
+                             float *k,
+                             int64_t rows_k);
+
+/* 1 when the layer's QK-norm runs at that stage (see mha__plan_qk_norm_stage). */
+int mha__plan_qk_norm_at(const mha_config *cfg, int after_rope);
+
+/* The transpose of mha__plan_qk_norm: x [rows, heads * d] is the norm's INPUT, g holds dL/dy on
+ * entry and dL/dx on return; dw (NULL = not wanted) accumulates dL/dw in double, [G] (the
+ * weight's length), with u = x r and t = g s: dx = r (t - u sum(t u) / G), dw += g u. */
+void mha__plan_qk_norm_backward(const mha_qk_norm *nrm,
+                                const float *w,
+                                const float *x,
+                                float *g,
+                                double *dw,
+                                int64_t rows,
+                                int64_t heads,
+                                int64_t d);
+
+/* The output gate's weights (config.output_gate, docs/SEMANTICS.md): rows h*d_k .. 2*h*d_k of
+ * w_q (stored in w->wdt) and of the float32 b_q (NULL without bias). */
+void mha__plan_gate_weights(const mha_config *cfg,
+                            const mha__layer_w *w,
+                            const void **w_gate,
+                            const float **b_gate);
+
+/* a[i] *= sigmoid(g[i]) for i < count: the gate on the attention output, in float32. */
+void mha__plan_gate_apply(const float *g, float *a, int64_t count);
+
 /* The core's arguments over the plan's buffers: Q [B, n, h, dk], K [B, m, g, dk], V [B, m, g, dv],
  * A [B, n, h, dv] ([B, L, heads, d] seen as [B, heads, L, d]), the layer's scale, softcap, ALiBi
  * and sinks, the call's masks, dropout and probabilities; lse [B, h, n] or NULL. */
