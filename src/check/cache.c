@@ -53,6 +53,9 @@ mha_status mha__check_kv_create(const mha_kv_cache_config *in,
     MHA_RETURN_IF(c->window < 0 || c->window > MHA_MAX_DIM, err, INVALID_ARG,
                   "kv cache config.window=%lld must be 0 (none) or in [1, 2^31]",
                   (long long)c->window);
+    MHA_RETURN_IF(c->chunk_size < 0 || c->chunk_size > MHA_MAX_DIM, err, INVALID_ARG,
+                  "kv cache config.chunk_size=%lld must be 0 (none) or in [1, 2^31]",
+                  (long long)c->chunk_size);
     MHA_RETURN_IF(
         c->dtype != MHA_DTYPE_F32 && c->dtype != MHA_DTYPE_F16 && c->dtype != MHA_DTYPE_BF16, err,
         INVALID_ARG, "kv cache config.dtype=%d must be F32, F16 or BF16", (int)c->dtype);
