@@ -116,3 +116,40 @@ def test_refused():
         layer.kv_cache(16, chunk_size=-4)
     with pytest.raises(mha.MhaError, match="chunk_size"):
         layer.kv_cache(16, chunk_size=4, window=2)
+
+
+def test_cli_chunk_size(tmp_path):
+    """mha run --chunk-size C (forward and --decode) equals the same run with the explicit mask
+    (--mask) and the Python layer; a bad value is refused naming --chunk-size."""
+    import subprocess
+    from test_cli import make_weights, write_safetensors
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    rng = np.random.default_rng(3)
+    w = make_weights(rng)
+    w = {k: v.astype(np.float32) for k, v in w.items()}
+    write_safetensors(tmp_path / "W.safetensors", w)
+    n, C = 37, 8
+    x = rng.standard_normal((1, n, 16)).astype(np.float32)
+    np.save(tmp_path / "X.npy", x)
+    np.save(tmp_path / "M.npy", chunk_mask(n, n, C))
+
+    def run(*extra):
+        out = tmp_path / "Y.npy"
+        r = subprocess.run([cli, "run", "--weights", str(tmp_path / "W.safetensors"), "--heads",
+                            "4", "--input", str(tmp_path / "X.npy"), "--out", str(out),
+                            *extra], capture_output=True, text=True, timeout=120)
+        return r, (np.load(out) if r.returncode == 0 else None)
+
+    r1, y1 = run("--causal", "--chunk-size", str(C))
+    assert r1.returncode == 0, r1.stderr
+    r2, y2 = run("--mask", str(tmp_path / "M.npy"))
+    assert r2.returncode == 0, r2.stderr
+    np.testing.assert_array_equal(y1, y2)
+    r3, y3 = run("--decode", "--prefill", "3", "--chunk-size", str(C))
+    assert r3.returncode == 0, r3.stderr
+    close(y3, y1.astype(np.float64))
+    for bad in ("0", "-2", "x"):
+        r, _ = run("--causal", "--chunk-size", bad)
+        assert r.returncode != 0 and "--chunk-size" in r.stderr, r.stderr
