@@ -349,6 +349,21 @@ static void hostile(void) {
     st = mha_kv_cache_create(&cfg, NULL, NULL, &kc, &err);
     CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "chunk_size") && !kc,
           "cache chunk_size -3 refused: %s", err.message);
+    /* truncate on a chunk ring: back to 16 of 20 keeps chunk [16, 24) (slots 8 + 2 - 1 = 9 hold
+     * positions 11 .. 19); back to 12 would need chunk [8, 16), partly overwritten: refused */
+    cfg.chunk_size = 8, cfg.max_step_tokens = 2, cfg.max_seq = 32;
+    CHECK_OK(mha_kv_cache_create(&cfg, NULL, NULL, &kc, &err), &err);
+    if (kc) {
+        for (int i = 0; i < 20; i++)
+            CHECK_OK(mha_kv_cache_append(kc, 1, NULL, 1, x, x, &err), &err);
+        CHECK_OK(mha_kv_cache_truncate(kc, 0, 16, &err), &err);
+        st = mha_kv_cache_truncate(kc, 0, 12, &err);
+        CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, "chunk-8"),
+              "chunk cache truncate into an overwritten chunk refused: %s", err.message);
+        CHECK(mha_kv_cache_length(kc, 0) == 16, "length unchanged by the refused truncate");
+        mha_kv_cache_destroy(kc);
+        kc = NULL;
+    }
     cfg.chunk_size = 4, cfg.window = 2;
     st = mha_kv_cache_create(&cfg, NULL, NULL, &kc, &err);
     CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "chunk_size") && !kc,
