@@ -184,3 +184,16 @@ def test_attention_stats_equal_explicit_mask():
     b = mha.attention_stats(q, k, stats="received,entropy,topk=4", mask=chunk_mask(n, n, C))
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_equals_explicit_mask(dtype):
+    """Half-precision inputs (the bf16 tile kernel where the CPU has AVX512-BF16): the chunk rule
+    gives the bits of the explicit mask, with the K/V tile cache's window moving (C + 64 < m)."""
+    ml = pytest.importorskip("ml_dtypes")
+    dt = np.dtype(getattr(ml, dtype)) if dtype == "bfloat16" else np.float16
+    n, C = 400, 96
+    q, k, v = (rand((1, 2, n, 32), s).astype(dt) for s in (11, 12, 13))
+    got = mha.attention(q, k, v, causal=True, chunk_size=C)
+    ref = mha.attention(q, k, v, mask=chunk_mask(n, n, C))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref, np.float32))
