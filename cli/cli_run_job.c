@@ -53,6 +53,7 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
     kc.dtype = o->cache_dtype;
     if (o->use_window && o->window_left >= 0)
         kc.window = o->window_left + 1; /* (L, R): the last L+1 positions; R is moot when causal */
+    kc.chunk_size = o->chunk_size;
     mha_kv_cache *cache = NULL;
     if (mha_kv_cache_create(&kc, s->layer, NULL, &cache, &err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &err);
@@ -274,12 +275,14 @@ static int recognise_mask(const run_config *o, run_state *s, const run_dims *d, 
             fprintf(stderr, "mha: mask: no built-in rule (tensor read per tile)\n");
         return CLI_OK;
     }
-    const int own_rule = o->causal || o->use_window || v[O_CAUSAL_OFFSETS] || v[O_KPM] || o->alibi;
+    const int own_rule =
+        o->causal || o->use_window || o->chunk_size || v[O_CAUSAL_OFFSETS] || v[O_KPM] || o->alibi;
     if (own_rule) {
         if (o->opt[O_VERBOSE])
             fprintf(stderr,
                     "mha: mask: recognised as %s, kept as a tensor (read per tile): the run has "
-                    "its own --causal, --window, --causal-offsets, --key-padding-mask or ALiBi\n",
+                    "its own --causal, --window, --chunk-size, --causal-offsets, "
+                    "--key-padding-mask or ALiBi\n",
                     desc);
         return CLI_OK;
     }
@@ -329,6 +332,7 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
     mk->use_window = o->use_window;
     mk->window_left = o->use_window ? o->window_left : -1;
     mk->window_right = o->use_window ? o->window_right : -1;
+    mk->chunk_size = o->chunk_size;
     const int64_t target4[4] = {B, h, n, m};
     if (v[O_MASK]) {
         const char *path = v[O_MASK];
@@ -386,8 +390,9 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
     }
     if (v[O_MASK] && (rc = recognise_mask(o, s, d, mk)))
         return rc;
-    if (o->opt[O_VERBOSE] && (mk->causal || mk->use_window || mk->bool_mask.data ||
-                              mk->additive_mask.data || mk->key_padding.data || mk->q_segment_ids))
+    if (o->opt[O_VERBOSE] &&
+        (mk->causal || mk->use_window || mk->chunk_size || mk->bool_mask.data ||
+         mk->additive_mask.data || mk->key_padding.data || mk->q_segment_ids))
         print_block_mask(s, d, mk);
     if (v[O_POSITIONS] &&
         (rc = read_index(v[O_POSITIONS], "position", B, n, 0, MHA_MAX_POSITION, &s->qpos)))

@@ -336,8 +336,11 @@ def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
         _set_mask(mk.additive_mask, add)
 
 
-def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple]) -> None:
-    """A from_pretrained layer's own mask: causal (bottom-right) and its sliding window."""
+def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple],
+                chunk_size: int = 0) -> None:
+    """A from_pretrained layer's own mask: causal (bottom-right), its sliding window and its
+    chunk size (Llama 4's chunked attention)."""
+    mk.chunk_size = chunk_size
     if causal:
         mk.causal = 1
         mk.alignment = L.ALIGN_BOTTOM_RIGHT
@@ -522,7 +525,7 @@ class MultiheadAttention(nn.Module):
             for nm in ("q_norm", "k_norm"):
                 if nm in w:
                     self.register_buffer(nm, torch.from_numpy(w[nm]))
-        self._model_mask = (src._causal, src._window)
+        self._model_mask = (src._causal, src._window, src._chunk_size)
         self.model_info = src.model_info
         if c.rope is not None:  # for the traced forward (the eager one runs libmha's RoPE)
             r = dataclasses.asdict(c.rope)
@@ -741,15 +744,16 @@ class MultiheadAttention(nn.Module):
         drop = self.dropout if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
         causal = is_causal and attn_mask is None
-        window, bottom_right = (-1, -1), False
+        window, bottom_right, chunk = (-1, -1), False, 0
         if self._model_mask is not None and attn_mask is None and not is_causal:
             causal, bottom_right = self._model_mask[0], True
             window = self._model_mask[1] or window
+            chunk = self._model_mask[2]
         o, _, probs = torch.ops.mha.attention(
             qh, kh, vh, attend, additive, causal, float(opts.get("scale") or 0.0), drop, seed,
             need_weights, average, self.threads, float(opts.get("softcap") or 0.0),
             bool(opts.get("alibi")), self._buffers.get("sinks"), window[0], window[1],
-            bottom_right)
+            bottom_right, chunk)
         att = o.transpose(1, 2).reshape(B, n, -1)
         if gate is not None:
             att = att * torch.sigmoid(gate)
