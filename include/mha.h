@@ -1133,6 +1133,15 @@ MHA_API int64_t mha_mla_cache_length(const mha_mla_cache *cache, int64_t seq);
 MHA_API int64_t mha_mla_cache_bytes_per_token(const mha_mla_cache *cache);
 /** Empties sequence seq. */
 MHA_API mha_status mha_mla_cache_reset(mha_mla_cache *cache, int64_t seq, mha_error *err);
+/** Core level, for callers with their own projections (and benchmarks): appends t rows [c, k_pe]
+ *  (c after its RMSNorm, k_pe rotated at its position) to each listed sequence, rows [num_seqs,
+ *  t, r + dr] float32 rounded to the cache's dtype. seq_ids as mha_kv_cache_append's. */
+MHA_API mha_status mha_mla_cache_append(mha_mla_cache *cache,
+                                        int64_t num_seqs,
+                                        const int64_t *seq_ids,
+                                        int64_t t,
+                                        const float *rows,
+                                        mha_error *err);
 
 /** The next t tokens of each listed sequence through the compressed cache (the absorbed form):
  *  appends their [c, k_pe] (positions L .. L+t-1, L = the length before the call), then per head

@@ -336,5 +336,14 @@ mha_status mha__check_mla_decode(const mha_mla_config *cfg,
                                  int64_t max_seq,
                                  const mha_decode_args *args,
                                  mha_error *err);
+/* mha_mla_cache_append: the sequences as the decode step's, rows given. */
+mha_status mha__check_mla_append(int64_t batch,
+                                 const int64_t *len,
+                                 int64_t max_seq,
+                                 int64_t num_seqs,
+                                 const int64_t *ids,
+                                 int64_t t,
+                                 const float *rows,
+                                 mha_error *err);
 
 #endif /* MHA_CHECK_H */

@@ -140,6 +140,35 @@ mha__check_mla_forward(const mha_mla_config *c, const mha_mla_forward_args *a, m
     return mha__check_no_overlap(outs, 1, ins, 2, err);
 }
 
+/* num_seqs in [1, batch], t in [1, max_seq], seq ids distinct and in the cache, room for t more
+ * tokens in each. */
+static mha_status check_seqs(int64_t batch,
+                             const int64_t *len,
+                             int64_t max_seq,
+                             int64_t num_seqs,
+                             const int64_t *ids,
+                             int64_t t,
+                             mha_error *err) {
+    MHA_RETURN_IF(num_seqs < 1 || num_seqs > batch, err, INVALID_ARG,
+                  "num_seqs=%lld must be in [1, the cache's batch %lld]", (long long)num_seqs,
+                  (long long)batch);
+    MHA_RETURN_IF(t < 1 || t > max_seq, err, INVALID_ARG,
+                  "num_tokens=%lld must be in [1, max_seq %lld]", (long long)t, (long long)max_seq);
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t s = ids ? ids[i] : i;
+        MHA_RETURN_IF(s < 0 || s >= batch, err, INVALID_ARG,
+                      "seq_ids[%lld]=%lld is not a sequence of the cache (batch %lld)",
+                      (long long)i, (long long)s, (long long)batch);
+        for (int64_t j = 0; j < i && ids; j++)
+            MHA_RETURN_IF(ids[j] == s, err, INVALID_ARG, "seq_ids lists sequence %lld twice",
+                          (long long)s);
+        MHA_RETURN_IF(len[s] + t > max_seq, err, INVALID_ARG,
+                      "sequence %lld: %lld + %lld tokens exceed the cache's max_seq %lld",
+                      (long long)s, (long long)len[s], (long long)t, (long long)max_seq);
+    }
+    return MHA_STATUS_OK;
+}
+
 mha_status mha__check_mla_decode(const mha_mla_config *c,
                                  int64_t batch,
                                  const int64_t *len,
@@ -147,30 +176,25 @@ mha_status mha__check_mla_decode(const mha_mla_config *c,
                                  const mha_decode_args *a,
                                  mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "mha_mla_decode_step: args is NULL");
-    MHA_RETURN_IF(a->num_seqs < 1 || a->num_seqs > batch, err, INVALID_ARG,
-                  "args.num_seqs=%lld must be in [1, the cache's batch %lld]",
-                  (long long)a->num_seqs, (long long)batch);
-    MHA_RETURN_IF(a->num_tokens < 1 || a->num_tokens > max_seq, err, INVALID_ARG,
-                  "args.num_tokens=%lld must be in [1, max_seq %lld]", (long long)a->num_tokens,
-                  (long long)max_seq);
+    TRY(check_seqs(batch, len, max_seq, a->num_seqs, a->seq_ids, a->num_tokens, err));
     MHA_RETURN_IF(!a->x || !a->out, err, INVALID_ARG, "args.x or args.out is NULL");
-    for (int64_t i = 0; i < a->num_seqs; i++) {
-        const int64_t s = a->seq_ids ? a->seq_ids[i] : i;
-        MHA_RETURN_IF(s < 0 || s >= batch, err, INVALID_ARG,
-                      "args.seq_ids[%lld]=%lld is not a sequence of the cache (batch %lld)",
-                      (long long)i, (long long)s, (long long)batch);
-        for (int64_t j = 0; j < i && a->seq_ids; j++)
-            MHA_RETURN_IF(a->seq_ids[j] == s, err, INVALID_ARG,
-                          "args.seq_ids lists sequence %lld twice", (long long)s);
-        MHA_RETURN_IF(len[s] + a->num_tokens > max_seq, err, INVALID_ARG,
-                      "sequence %lld: %lld + %lld tokens exceed the cache's max_seq %lld",
-                      (long long)s, (long long)len[s], (long long)a->num_tokens,
-                      (long long)max_seq);
-    }
     const int64_t n = mha__count3(a->num_seqs, a->num_tokens, c->hidden);
     MHA_RETURN_IF(n == 0 || n > ((int64_t)1 << 40), err, OVERFLOW,
                   "args: num_seqs x num_tokens x hidden is too large");
     const mha__span outs[] = {mha__span_of("args.out", a->out, n, sizeof(float))};
     const mha__span ins[] = {mha__span_of("args.x", a->x, n, sizeof(float))};
     return mha__check_no_overlap(outs, 1, ins, 1, err);
+}
+
+mha_status mha__check_mla_append(int64_t batch,
+                                 const int64_t *len,
+                                 int64_t max_seq,
+                                 int64_t num_seqs,
+                                 const int64_t *ids,
+                                 int64_t t,
+                                 const float *rows,
+                                 mha_error *err) {
+    TRY(check_seqs(batch, len, max_seq, num_seqs, ids, t, err));
+    MHA_RETURN_IF(!rows, err, INVALID_ARG, "mha_mla_cache_append: rows is NULL");
+    return MHA_STATUS_OK;
 }

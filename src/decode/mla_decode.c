@@ -111,6 +111,23 @@ static void *row_of(const mha_mla_cache *c, int64_t s, int64_t pos) {
     return mha__elem_mut(c->dtype, c->data, (s * c->max_seq + pos) * c->width);
 }
 
+mha_status mha_mla_cache_append(mha_mla_cache *c,
+                                int64_t num_seqs,
+                                const int64_t *ids,
+                                int64_t t,
+                                const float *rows,
+                                mha_error *err) {
+    MHA_RETURN_IF(!c, err, INVALID_ARG, "mha_mla_cache_append: cache is NULL");
+    TRY(mha__check_mla_append(c->batch, c->len, c->max_seq, num_seqs, ids, t, rows, err));
+    for (int64_t i = 0; i < num_seqs; i++) {
+        const int64_t s = ids ? ids[i] : i;
+        mha__narrow(c->dtype, rows + i * t * c->width, row_of(c, s, c->len[s]), t * c->width);
+        c->len[s] += t;
+    }
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
 /* Scratch of a step of T = S t tokens. */
 typedef struct step_bufs {
     mha__mla_rows rows; /* q [T, h, dq], kv [T, r + dr] */

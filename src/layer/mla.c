@@ -110,9 +110,7 @@ const mha_mla_config *mha_mla_get_config(const mha_mla *mla) {
     return mla ? &mla->cfg : NULL;
 }
 
-/* RMSNorm of T rows of d values at x (row stride ld), in place: x = w * x / sqrt(mean(x^2) +
- * eps). The mean is summed in double (in order), the products rounded once to float. */
-static void rms_norm(float *x, int64_t T, int64_t d, int64_t ld, const float *w, double eps) {
+void mha__mla_rms_norm(float *x, int64_t T, int64_t d, int64_t ld, const float *w, double eps) {
     for (int64_t t = 0; t < T; t++) {
         float *row = x + t * ld;
         double ss = 0.0;
@@ -124,15 +122,14 @@ static void rms_norm(float *x, int64_t T, int64_t d, int64_t ld, const float *w,
     }
 }
 
-/* RoPE on q_pe (the last dr values of each head's dq) and k_pe (the last dr of each kv row) of
- * T = B * L tokens at positions pos[b L + t], or base[b] + t. */
-static mha_status rotate(const struct mha_mla *m,
-                         int64_t B,
-                         int64_t L,
-                         const int64_t *pos,
-                         const int64_t *base,
-                         mha__mla_rows rows,
-                         mha_error *err) {
+mha_status mha__mla_rotate(const struct mha_mla *m,
+                           int64_t B,
+                           int64_t L,
+                           const int64_t *pos,
+                           const int64_t *base,
+                           mha__mla_rows rows,
+                           int inverse,
+                           mha_error *err) {
     const mha_mla_config *c = &m->cfg;
     const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim;
     const int64_t dq = dn + dr, r = c->kv_lora_rank, half = dr / 2;
@@ -146,6 +143,8 @@ static mha_status rotate(const struct mha_mla *m,
         for (int64_t t = 0; t < L; t++) {
             const int64_t i = b * L + t, p = pos ? pos[i] : (base ? base[b] : 0) + t;
             mha__rope_cos_sin(&rope, freqs, cs, p, cos_k, sin_k);
+            for (int64_t k = 0; inverse && k < half; k++)
+                sin_k[k] = -sin_k[k]; /* the transpose: rotation by -angle, same factor */
             for (int64_t hh = 0; hh < h; hh++)
                 mha__rope_rotate(&rope, cos_k, sin_k, rows.q + (i * h + hh) * dq + dn);
             mha__rope_rotate(&rope, cos_k, sin_k, rows.kv + i * (r + dr) + r);
@@ -188,17 +187,16 @@ mha_status mha__mla_project(const struct mha_mla *m,
         TRY(gemm(T, h * dq, E, x, E, m->w.w_q, E, NULL, rows.q, h * dq, team, err));
     } else {
         TRY(gemm(T, rq, E, x, E, m->w.w_q_a, E, m->w.b_q_a, tmp, rq, team, err));
-        rms_norm(tmp, T, rq, rq, m->w.q_a_norm, c->rms_eps);
+        mha__mla_rms_norm(tmp, T, rq, rq, m->w.q_a_norm, c->rms_eps);
         TRY(gemm(T, h * dq, rq, tmp, rq, m->w.w_q_b, rq, NULL, rows.q, h * dq, team, err));
     }
     TRY(gemm(T, r + dr, E, x, E, m->w.w_kv_a, E, m->w.b_kv_a, rows.kv, r + dr, team, err));
-    rms_norm(rows.kv, T, r, r + dr, m->w.kv_a_norm, c->rms_eps);
-    return rotate(m, B, L, pos, base, rows, err);
+    mha__mla_rms_norm(rows.kv, T, r, r + dr, m->w.kv_a_norm, c->rms_eps);
+    return mha__mla_rotate(m, B, L, pos, base, rows, 0, err);
 }
 
-/* The expanded keys: K [T, h, dq] = [k_nope_h (from kvb [T, h, dn + dv]), k_pe (shared)]. */
-static void
-expand_keys(const mha_mla_config *c, int64_t T, const float *kvb, const float *kv, float *k) {
+void mha__mla_expand_keys(
+    const mha_mla_config *c, int64_t T, const float *kvb, const float *kv, float *k) {
     const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim;
     const int64_t dq = dn + dr, dnv = dn + c->v_head_dim, r = c->kv_lora_rank;
     for (int64_t t = 0; t < T; t++)
@@ -209,15 +207,13 @@ expand_keys(const mha_mla_config *c, int64_t T, const float *kvb, const float *k
         }
 }
 
-/* The core on the expanded per-head q, k, v ([B, L, h, .] token-major views). */
-static mha_status attend(const struct mha_mla *m,
-                         const mha_mla_forward_args *a,
-                         const float *q,
-                         const float *k,
-                         const float *kvb,
-                         float *o,
-                         const mha_exec *exec,
-                         mha_error *err) {
+void mha__mla_core_args(const struct mha_mla *m,
+                        const mha_mla_forward_args *a,
+                        const float *q,
+                        const float *k,
+                        const float *kvb,
+                        float *o,
+                        mha_attention_args *out) {
     const mha_mla_config *c = &m->cfg;
     const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dv = c->v_head_dim;
     const int64_t dq = dn + c->qk_rope_head_dim, dnv = dn + dv, L = a->seq_len;
@@ -241,7 +237,7 @@ static mha_status attend(const struct mha_mla *m,
     memcpy(ca.out_strides, os, sizeof os);
     ca.mask.causal = a->causal != 0;
     ca.mask.window_left = ca.mask.window_right = -1;
-    return mha_attention(&ca, exec, err);
+    *out = ca;
 }
 
 mha_status mha_mla_forward(const mha_mla *m,
@@ -275,8 +271,10 @@ mha_status mha_mla_forward(const mha_mla *m,
         st = gemm(T, h * (dn + dv), r, rows.kv, r + c->qk_rope_head_dim, m->w.w_kv_b, r, NULL, kvb,
                   h * (dn + dv), team, err);
     if (st == MHA_STATUS_OK) {
-        expand_keys(c, T, kvb, rows.kv, k);
-        st = attend(m, a, rows.q, k, kvb, o, exec, err);
+        mha__mla_expand_keys(c, T, kvb, rows.kv, k);
+        mha_attention_args ca;
+        mha__mla_core_args(m, a, rows.q, k, kvb, o, &ca);
+        st = mha_attention(&ca, exec, err);
     }
     if (st == MHA_STATUS_OK)
         st = gemm(T, c->hidden, h * dv, o, h * dv, m->w.w_o, h * dv, m->w.b_o, a->out, c->hidden,

@@ -36,4 +36,31 @@ mha_status mha__mla_project(const struct mha_mla *m,
                             mha__team team,
                             mha_error *err);
 
+/* RMSNorm of T rows of d values at x (row stride ld), in place: x = w * x / sqrt(mean(x^2) +
+ * eps). The mean is summed in double (in order), the products rounded once to float. */
+void mha__mla_rms_norm(float *x, int64_t T, int64_t d, int64_t ld, const float *w, double eps);
+/* RoPE on q_pe (the last dr values of each head's dq in rows.q) and k_pe (the last dr of each
+ * rows.kv row) of T = B * L tokens at positions pos[b L + t], or base[b] + t; inverse != 0
+ * applies the transpose (rotation by -angle), the backward's. */
+mha_status mha__mla_rotate(const struct mha_mla *m,
+                           int64_t B,
+                           int64_t L,
+                           const int64_t *pos,
+                           const int64_t *base,
+                           mha__mla_rows rows,
+                           int inverse,
+                           mha_error *err);
+/* The expanded keys: k [T, h, dq] = [k_nope_h (from kvb [T, h, dn + dv]), k_pe (kv's, shared)]. */
+void mha__mla_expand_keys(
+    const mha_mla_config *c, int64_t T, const float *kvb, const float *kv, float *k);
+/* The core's arguments of the expanded form: q, k [B, L, h, dq], v = kvb + dn ([B, L, h, dn +
+ * dv] rows), o [B, L, h, dv]; causal as args; lse not set. */
+void mha__mla_core_args(const struct mha_mla *m,
+                        const mha_mla_forward_args *a,
+                        const float *q,
+                        const float *k,
+                        const float *kvb,
+                        float *o,
+                        mha_attention_args *out);
+
 #endif /* MHA_LAYER_MLA_H */
