@@ -1115,6 +1115,24 @@ MHA_API mha_status mha_mla_forward(const mha_mla *mla,
                                    const mha_exec *exec,
                                    mha_error *err);
 
+/** Gradients of mha_mla_forward (the expanded form; the same args, whose out is not written):
+ *  given dy = dL/dout [B, n, hidden], each non-NULL buffer is OVERWRITTEN with dL/d of its
+ *  tensor, shaped as that tensor (dx as x; the weights as mha_mla_weights, norm weights
+ *  included). A gradient of a tensor the config does not have must be NULL. The forward is
+ *  recomputed (nothing is saved between the calls); the attention's through
+ *  mha_attention_backward, RMSNorm's and RoPE's in closed form (docs/SEMANTICS.md). */
+typedef struct mha_mla_grads {
+    const float *dy;
+    float *dx;
+    float *w_q, *w_q_a, *b_q_a, *q_a_norm, *w_q_b, *w_kv_a, *b_kv_a, *kv_a_norm, *w_kv_b, *w_o,
+        *b_o;
+} mha_mla_grads;
+MHA_API mha_status mha_mla_backward(const mha_mla *mla,
+                                    const mha_mla_forward_args *args,
+                                    const mha_mla_grads *grads,
+                                    const mha_exec *exec,
+                                    mha_error *err);
+
 /** The compressed cache: per token the latent c (r values, after its RMSNorm) and the rotated
  *  k_pe (dr values), r + dr in all (576 for DeepSeek-V3) whatever the heads, in `dtype` (F32, F16
  *  or BF16). batch sequences of at most max_seq tokens each. */

@@ -27,7 +27,7 @@ import transformers as T  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_models as H  # noqa: E402
 import mha  # noqa: E402
-from tolerances import TOL_KV_BF16_REL, TOL_KV_F16_REL, TOL_OUT_REL  # noqa: E402
+from tolerances import TOL_GRAD_REL, TOL_KV_BF16_REL, TOL_KV_F16_REL, TOL_OUT_REL  # noqa: E402
 
 SEQ, BATCH = 12, 2
 BASE = dict(vocab_size=64, num_hidden_layers=2, max_position_embeddings=64, hidden_size=32,
@@ -78,7 +78,11 @@ def build(name, root):
             h.remove()
         refs[layer] = (store["x"], store["y"])
     model.save_pretrained(d)
+    MODELS[name] = model
     return d, refs
+
+
+MODELS = {}  # name: the float64 transformers model (the backward test runs its attention)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +155,45 @@ def test_decode_sequences_apart(models):
     assert cache.length(1) == SEQ
     cache.reset(1)
     assert cache.length(1) == 0
+
+
+HF_NAMES = {"q_proj.weight": "w_q", "q_a_proj.weight": "w_q_a", "q_a_proj.bias": "b_q_a",
+            "q_a_layernorm.weight": "q_a_norm", "q_b_proj.weight": "w_q_b",
+            "kv_a_proj_with_mqa.weight": "w_kv_a", "kv_a_proj_with_mqa.bias": "b_kv_a",
+            "kv_a_layernorm.weight": "kv_a_norm", "kv_b_proj.weight": "w_kv_b",
+            "o_proj.weight": "w_o", "o_proj.bias": "b_o"}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_matches_torch_autograd(models, name):
+    """Gradients of every weight (norm weights included) and of x against torch autograd of
+    transformers' attention module (float64, causal mask), each within TOL_GRAD_REL of its own
+    max|ref| (the layer's gradient tolerance)."""
+    d, refs = models[name]
+    x, _ = refs[1]
+    model = MODELS[name]
+    attn = model.model.layers[1].self_attn
+    xt = torch.tensor(x, requires_grad=True)
+    pos = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+    pe = model.model.rotary_emb(xt, pos)
+    mask = torch.full((SEQ, SEQ), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    rng = np.random.default_rng(3)
+    dy = rng.standard_normal(x.shape)
+    attn.zero_grad()
+    y = attn(hidden_states=xt, position_embeddings=pe, attention_mask=mask)[0]
+    assert H.max_rel_err(y.detach().numpy(), refs[1][1]) < 1e-12  # the module as the hooks saw
+    y.backward(torch.tensor(dy))
+    ref = {HF_NAMES[n]: p.grad.numpy() for n, p in attn.named_parameters()}
+    ref["x"] = xt.grad.numpy()
+    m = mha.MLA.from_pretrained(d, 1)
+    got = m.backward(x, dy)
+    assert set(got) == set(ref)
+    for k in ref:
+        err = H.max_rel_err(got[k], ref[k])
+        print(f"{name}: d{k} max rel err {err:.2e}")
+        assert err <= TOL_GRAD_REL, k
+    # The gradients move with the upstream gradient (the check can fail).
+    assert H.max_rel_err(m.backward(x, -dy)["kv_a_norm"], ref["kv_a_norm"]) > 1.0
 
 
 def _edit(src, dst, **changes):

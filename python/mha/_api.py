@@ -1563,6 +1563,54 @@ class MLA:
 
     __call__ = forward
 
+    def weight_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """The shape of every weight this layer has, by mha_mla_weights' names."""
+        c = self.config
+        h, dn, dr, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        E, r, rq, b = c.hidden, c.kv_lora_rank, c.q_lora_rank, bool(c.bias)
+        s = {"w_kv_a": (r + dr, E), "kv_a_norm": (r,), "w_kv_b": (h * (dn + dv), r),
+             "w_o": (E, h * dv)}
+        if rq:
+            s.update(w_q_a=(rq, E), q_a_norm=(rq,), w_q_b=(h * (dn + dr), rq))
+            if b:
+                s["b_q_a"] = (rq,)
+        else:
+            s["w_q"] = (h * (dn + dr), E)
+        if b:
+            s.update(b_kv_a=(r + dr,), b_o=(E,))
+        return s
+
+    def backward(self, x: ArrayLike, dy: ArrayLike, positions: Optional[ArrayLike] = None, *,
+                 causal: bool = True, threads: int = 0) -> Dict[str, np.ndarray]:
+        """Gradients of :meth:`forward` (mha_mla_backward): {"x": dL/dx, and every weight of
+        :meth:`weight_shapes` (norm weights included)} for the upstream gradient dy."""
+        E = self.config.hidden
+        a = _float32(x, "x")
+        g = _float32(dy, "dy")
+        single = a.ndim == 2
+        if single:
+            a, g = a[None], g[None]
+        if a.ndim != 3 or a.shape[2] != E or g.shape != a.shape:
+            raise ValueError(f"x, dy: expected [B, n, {E}] each, got {np.shape(x)}, "
+                             f"{np.shape(dy)}")
+        args = L.mha_mla_forward_args()
+        args.batch, args.seq_len, args.causal = a.shape[0], a.shape[1], int(bool(causal))
+        pos = None
+        if positions is not None:
+            pos = _int_array(positions, "positions", np.int64, a.shape[:2])
+            args.positions = _ptr(pos)
+        args.x = _ptr(a)
+        out = {"x": np.empty(a.shape, _F32)}
+        gr = L.mha_mla_grads()
+        gr.dy, gr.dx = _ptr(g), _ptr(out["x"])
+        for name, shape in self.weight_shapes().items():
+            out[name] = np.empty(shape, _F32)
+            setattr(gr, name, _ptr(out[name]))
+        M.call(L.mha_mla_backward, self._ptr, args, gr, _exec("auto", threads))
+        if single:
+            out["x"] = out["x"][0]
+        return out
+
     def close(self) -> None:
         self._handle.close()
 

@@ -427,3 +427,13 @@ mha_mla_decode_step = _fn("mha_mla_decode_step", [c_void_p, c_void_p, P(mha_deco
                                                   P(mha_exec), P(mha_error)])
 mha_hf_mla_load = _fn("mha_hf_mla_load", [c_char_p, c_int64, c_void_p, P(c_void_p),
                                           P(mha_hf_layer_info), P(mha_error)])
+
+
+class mha_mla_grads(Structure):
+    _fields_ = [("dy", c_void_p), ("dx", c_void_p)] + [(n, c_void_p) for n in MLA_WEIGHT_NAMES]
+
+
+mha_mla_backward = _fn("mha_mla_backward", [c_void_p, P(mha_mla_forward_args), P(mha_mla_grads),
+                                            P(mha_exec), P(mha_error)])
+mha_mla_cache_append = _fn("mha_mla_cache_append", [c_void_p, c_int64, c_void_p, c_int64,
+                                                    c_void_p, P(mha_error)])
