@@ -135,6 +135,7 @@ typedef struct step_bufs {
     float *qa;          /* [T, h, r + dr]: the absorbed queries [q_lat_h, q_pe_h] */
     float *olat;        /* [T, h, r] */
     float *o;           /* [T, h, dv] */
+    uint16_t *qh;       /* [T, h, r + dr]: qa rounded to bfloat16 (a bfloat16 cache only) */
 } step_bufs;
 
 /* qa[t, h] = [q_nope_h W_uk,h (r values), q_pe_h]. */
@@ -176,6 +177,10 @@ static mha_status attend_seq(const struct mha_mla *m,
     a.v_head_dim = r;
     a.scale = cf->scale;
     a.q = b->qa + i * t * h * w;
+    if (c->dtype == MHA_DTYPE_BF16) { /* all three bf16: the bf16 tile kernel (SEMANTICS.md) */
+        a.q = b->qh + i * t * h * w;
+        a.q_dtype = MHA_DTYPE_BF16;
+    }
     a.k = a.v = row_of(c, s, 0);
     a.k_dtype = a.v_dtype = c->dtype;
     a.out = b->olat + i * t * h * r;
@@ -225,6 +230,8 @@ static mha_status run_step(const struct mha_mla *m,
             mha__narrow(c->dtype, b->rows.kv + (i * t + j) * c->width,
                         row_of(c, ids[i], base[i] + j), c->width);
     TRY(absorb_q(m, T, b, team, err));
+    if (c->dtype == MHA_DTYPE_BF16)
+        mha__narrow(MHA_DTYPE_BF16, b->qa, b->qh, T * m->cfg.num_heads * c->width);
     for (int64_t i = 0; i < S; i++)
         TRY(attend_seq(m, c, i, ids[i], t, b, exec, err));
     return unabsorb(m, T, b, a->out, team, err);
@@ -244,8 +251,8 @@ mha_status mha_mla_decode_step(const mha_mla *m,
     const mha_mla_config *cf = &m->cfg;
     const int64_t S = a->num_seqs, T = S * a->num_tokens, h = cf->num_heads;
     const int64_t dq = cf->qk_nope_head_dim + cf->qk_rope_head_dim, r = cf->kv_lora_rank;
-    const int64_t per =
-        h * dq + c->width + cf->q_lora_rank + h * c->width + h * r + h * cf->v_head_dim;
+    const int64_t per = h * dq + c->width + cf->q_lora_rank + h * c->width + h * r +
+                        h * cf->v_head_dim + (h * c->width + 1) / 2; /* qh: bf16 halves */
     int64_t total;
     size_t bytes;
     MHA_RETURN_IF(!mha__mul_i64(per, T, &total) || !mha__add_i64(total, 2 * S, &total) ||
@@ -262,6 +269,7 @@ mha_status mha_mla_decode_step(const mha_mla *m,
     b.qa = b.tmp + T * cf->q_lora_rank;
     b.olat = b.qa + T * h * c->width;
     b.o = b.olat + T * h * r;
+    b.qh = (uint16_t *)(void *)(b.o + T * h * cf->v_head_dim);
     int64_t *ids = (int64_t *)(void *)((char *)buf + bytes), *base = ids + S;
     for (int64_t i = 0; i < S; i++) {
         ids[i] = a->seq_ids ? a->seq_ids[i] : i;
