@@ -1101,6 +1101,8 @@ MHA_API mha_status mha_mla_create(const mha_mla_config *config,
 MHA_API void mha_mla_destroy(mha_mla *mla); /* NULL-safe */
 /** The resolved configuration (defaults filled in). */
 MHA_API const mha_mla_config *mha_mla_get_config(const mha_mla *mla);
+/** The weights the layer uses (its float32 copy; NULL for the tensors the config lacks). */
+MHA_API const mha_mla_weights *mha_mla_get_weights(const mha_mla *mla);
 
 /** The expanded form (per-head k and v), for prefill and training: x, out [B, n, hidden]. */
 typedef struct mha_mla_forward_args {

@@ -275,3 +275,34 @@ def test_create_checks_name_the_argument():
     c.rope.style, c.qk_rope_head_dim = 1, 3
     with pytest.raises(mha.MhaError, match="qk_rope_head_dim=3"):
         mha.MLA(c, w)
+
+
+def test_torch_module_trains_like_transformers(models):
+    """mha.torch.MLA: forward equal to the HF module, and loss.backward() fills every
+    parameter's .grad with torch autograd's of the HF module (TOL_GRAD_REL)."""
+    import mha.torch as mt
+    d, refs = models["v3_lora_yarn"]
+    x, ref = refs[1]
+    model = MODELS["v3_lora_yarn"]
+    attn = model.model.layers[1].self_attn
+    mod = mt.MLA.from_pretrained(d, 1)
+    xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
+    y = mod(xt)
+    assert H.max_rel_err(y.detach().numpy(), ref) <= TOL_OUT_REL
+    dy = np.random.default_rng(5).standard_normal(x.shape)
+    y.backward(torch.tensor(dy, dtype=torch.float32))
+    x64 = torch.tensor(x, requires_grad=True)
+    pe = model.model.rotary_emb(x64, torch.arange(SEQ)[None].expand(BATCH, SEQ))
+    mask = torch.full((SEQ, SEQ), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    attn.zero_grad()
+    attn(hidden_states=x64, position_embeddings=pe, attention_mask=mask)[0].backward(
+        torch.tensor(dy))
+    for n, p in attn.named_parameters():
+        assert H.max_rel_err(getattr(mod, HF_NAMES[n]).grad.numpy(), p.grad.numpy()) \
+            <= TOL_GRAD_REL, n
+    assert H.max_rel_err(xt.grad.numpy(), x64.grad.numpy()) <= TOL_GRAD_REL
+    # A parameter update changes the output (the module reads its parameters at every call).
+    with torch.no_grad():
+        mod.w_o.mul_(2.0)
+        mod.b_o.mul_(2.0)
+    assert H.max_rel_err(mod(xt).detach().numpy(), 2 * ref) <= TOL_OUT_REL

@@ -437,3 +437,4 @@ mha_mla_backward = _fn("mha_mla_backward", [c_void_p, P(mha_mla_forward_args), P
                                             P(mha_exec), P(mha_error)])
 mha_mla_cache_append = _fn("mha_mla_cache_append", [c_void_p, c_int64, c_void_p, c_int64,
                                                     c_void_p, P(mha_error)])
+mha_mla_get_weights = _fn("mha_mla_get_weights", [c_void_p], P(mha_mla_weights))

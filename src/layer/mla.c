@@ -110,6 +110,10 @@ const mha_mla_config *mha_mla_get_config(const mha_mla *mla) {
     return mla ? &mla->cfg : NULL;
 }
 
+const mha_mla_weights *mha_mla_get_weights(const mha_mla *mla) {
+    return mla ? &mla->w : NULL;
+}
+
 void mha__mla_rms_norm(float *x, int64_t T, int64_t d, int64_t ld, const float *w, double eps) {
     for (int64_t t = 0; t < T; t++) {
         float *row = x + t * ld;
