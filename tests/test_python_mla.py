@@ -306,3 +306,27 @@ def test_torch_module_trains_like_transformers(models):
         mod.w_o.mul_(2.0)
         mod.b_o.mul_(2.0)
     assert H.max_rel_err(mod(xt).detach().numpy(), 2 * ref) <= TOL_OUT_REL
+
+
+def test_cli_run_model(models, tmp_path):
+    """`mha run --model DIR --layer L` on a deepseek_v3 directory: the expanded forward, equal to
+    the HF module; options an MLA layer does not take are refused naming them."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    d, refs = models["v3_lora_yarn"]
+    x, ref = refs[1]
+    np.save(tmp_path / "x.npy", x.astype(np.float32))
+    r = subprocess.run([cli, "run", "--model", d, "--layer", "1", "--input",
+                        str(tmp_path / "x.npy"), "--out", str(tmp_path / "y.npy")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert H.max_rel_err(np.load(tmp_path / "y.npy"), ref) <= TOL_OUT_REL
+    r = subprocess.run([cli, "run", "--model", d, "--input", str(tmp_path / "x.npy"), "--out",
+                        str(tmp_path / "y.npy"), "--softcap", "3"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--softcap" in r.stderr
+    bad = _edit(d, str(tmp_path / "bad"), kv_lora_rank=0)
+    r = subprocess.run([cli, "run", "--model", bad, "--input", str(tmp_path / "x.npy"), "--out",
+                        str(tmp_path / "y.npy")], capture_output=True, text=True)
+    assert r.returncode == 1 and "kv_lora_rank" in r.stderr
