@@ -326,7 +326,14 @@ def test_cli_run_model(models, tmp_path):
     r = subprocess.run([cli, "run", "--model", d, "--input", str(tmp_path / "x.npy"), "--out",
                         str(tmp_path / "y.npy"), "--softcap", "3"], capture_output=True, text=True)
     assert r.returncode == 2 and "--softcap" in r.stderr
+    r = subprocess.run([cli, "info", "--model", d, "--layer", "1"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "kv_lora_rank: 16" in r.stdout and "style interleaved" in r.stdout
+    assert "compressed cache: 24 values per token" in r.stdout
     bad = _edit(d, str(tmp_path / "bad"), kv_lora_rank=0)
     r = subprocess.run([cli, "run", "--model", bad, "--input", str(tmp_path / "x.npy"), "--out",
                         str(tmp_path / "y.npy")], capture_output=True, text=True)
+    assert r.returncode == 1 and "kv_lora_rank" in r.stderr
+    r = subprocess.run([cli, "info", "--model", bad], capture_output=True, text=True)
     assert r.returncode == 1 and "kv_lora_rank" in r.stderr
