@@ -58,6 +58,34 @@ static void print_qk_norm(const mha_qk_norm *q) {
            q->unit_offset ? ", scale 1 + w" : "");
 }
 
+/* A multi-head latent attention model (mha_hf_mla_load): *handled = 1 when the directory's
+ * model_type is one (then its layer is printed, or the loader's error). */
+static int info_mla(const char *dir, int64_t layer, int *handled) {
+    mha_hf_layer_info info = {0};
+    mha_error err;
+    mha_mla *m = NULL;
+    const mha_status st = mha_hf_mla_load(dir, layer, NULL, &m, &info, &err);
+    *handled = info.model_type[0] != '\0';
+    if (!*handled || st != MHA_STATUS_OK)
+        return *handled ? cli_lib_fail(dir, &err) : CLI_FAIL;
+    const mha_mla_config *c = mha_mla_get_config(m);
+    printf("model: %s\nmodel_type: %s (multi-head latent attention)\n", dir, info.model_type);
+    printf("layer: %lld of %lld\n", (long long)info.layer, (long long)info.num_layers);
+    printf("tensors: %s* (%s)\n", info.prefix, info.layout);
+    printf("hidden size: %lld, heads: %lld\n", (long long)c->hidden, (long long)c->num_heads);
+    printf("q_lora_rank: %lld%s, kv_lora_rank: %lld\n", (long long)c->q_lora_rank,
+           c->q_lora_rank ? "" : " (plain q_proj)", (long long)c->kv_lora_rank);
+    printf("qk_nope_head_dim: %lld, qk_rope_head_dim: %lld, v_head_dim: %lld\n",
+           (long long)c->qk_nope_head_dim, (long long)c->qk_rope_head_dim,
+           (long long)c->v_head_dim);
+    printf("biases: %s\nrms_eps: %g\nscale: %.17g\n", c->bias ? "yes" : "no", c->rms_eps, c->scale);
+    print_rope(&c->rope);
+    printf("causal: yes\ncompressed cache: %lld values per token\n",
+           (long long)(c->kv_lora_rank + c->qk_rope_head_dim));
+    mha_mla_destroy(m);
+    return CLI_OK;
+}
+
 int cli_info_model(const char *dir, const char *layer_arg) {
     int64_t layer = 0;
     int rc;
@@ -65,8 +93,11 @@ int cli_info_model(const char *dir, const char *layer_arg) {
         return rc;
     mha_hf_layer_info info;
     mha_error err;
-    if (mha_hf_layer_info_read(dir, layer, &info, &err) != MHA_STATUS_OK)
-        return cli_lib_fail(dir, &err);
+    if (mha_hf_layer_info_read(dir, layer, &info, &err) != MHA_STATUS_OK) {
+        int handled = 0;
+        rc = info_mla(dir, layer, &handled);
+        return handled ? rc : cli_lib_fail(dir, &err);
+    }
     const mha_config *c = &info.config;
     printf("model: %s\n", dir);
     printf("model_type: %s\n", info.model_type);

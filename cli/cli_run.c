@@ -809,6 +809,13 @@ int cli_run_main(int argc, char **argv) {
     run_state s;
     memset(&s, 0, sizeof s);
     rc = parse_options(&args, &o, &s);
+    int mla = 0;
+    if (!rc)
+        rc = cli_run_mla(&o, &mla);
+    if (mla) {
+        run_free(&s);
+        return rc;
+    }
     if (!rc)
         rc = apply_model(&o);
     stage_begin(&s);

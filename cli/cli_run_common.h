@@ -147,6 +147,9 @@ typedef struct run_state {
                                           outputs are expected and not reported */
 } run_state;
 
+/* --model of a multi-head latent attention model (cli_run_mla.c): *handled = 1 when it is one
+ * (then the return value is the command's), 0 otherwise (the ordinary layer path runs). */
+int cli_run_mla(const run_config *o, int *handled);
 /* --verbose: "mha: <what> (<seconds> s)" on stderr as a stage ends (cli_run_job.c). */
 void stage_done(const run_config *o, run_state *s, const char *what);
 /* Starts the first stage's clock (cli_run_job.c, with stage_done). */

@@ -1088,6 +1088,150 @@ MHA_API mha_status mha_attention_merge(int64_t rows,
                                        mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Multi-head latent attention (DeepSeek-V2/V3; docs/SEMANTICS.md "Multi-head latent attention")  */
+/* ---------------------------------------------------------------------------------------------- */
+
+/** An MLA layer (its own handle: its weights, cache and decode differ from mha_layer's). With
+ *  dn = qk_nope_head_dim, dr = qk_rope_head_dim, dq = dn + dr, r = kv_lora_rank, per token x:
+ *    q    = x W_q^T                                   (q_lora_rank == 0)
+ *         = RMSNorm(x W_qa^T + b_qa; w_qn) W_qb^T      (otherwise)       [h, dq] = [q_nope, q_pe]
+ *    a    = x W_kva^T + b_kva = [a_c (r), k_pe (dr)];  c = RMSNorm(a_c; w_kvn)
+ *    q_pe, k_pe rotated by `rope` at the token's position (k_pe once, shared by every head)
+ *    [k_nope_h, v_h] = c W_kvb,h^T   (rows h (dn + dv) .. of W_kvb: dn rows of k, then dv of v)
+ *    k_h = [k_nope_h, k_pe];  o_h = Attn(q_h, k_h, v_h) (scale, causal);  y = concat_h o_h W_o^T
+ *  RMSNorm(z; w) = w * z / sqrt(mean(z^2) + rms_eps). Float32 weights, copied at creation. */
+typedef struct mha_mla_config {
+    int64_t hidden;           /* input and output features (required) */
+    int64_t num_heads;        /* h (required) */
+    int64_t q_lora_rank;      /* 0 = plain q_proj; else the rank of q_a_proj */
+    int64_t kv_lora_rank;     /* r (required): the latent c per token */
+    int64_t qk_nope_head_dim; /* dn (required) */
+    int64_t qk_rope_head_dim; /* dr (required, even) */
+    int64_t v_head_dim;       /* dv (required) */
+    int32_t bias;             /* nonzero: q_a_proj, kv_a_proj_with_mqa and o_proj have biases
+                                 (transformers' attention_bias; q_proj, q_b_proj, kv_b_proj never) */
+    double rms_eps;           /* 0 = 1e-6 (the attention norms' eps in transformers) */
+    double scale;             /* 0 = 1/sqrt(dq); else as mha_attention_args.scale */
+    mha_rope rope;            /* on the dr rotary dimensions: rotary_dim 0 or dr; style NONE is
+                                 refused (MLA always rotates k_pe) */
+} mha_mla_config;
+
+/** nn.Linear layout (y = x W^T + b). NULL for the tensors the config does not use. */
+typedef struct mha_mla_weights {
+    const float *w_q;       /* [h dq, hidden] (q_lora_rank == 0) */
+    const float *w_q_a;     /* [q_lora_rank, hidden] */
+    const float *b_q_a;     /* [q_lora_rank] (bias) */
+    const float *q_a_norm;  /* [q_lora_rank] */
+    const float *w_q_b;     /* [h dq, q_lora_rank] */
+    const float *w_kv_a;    /* [r + dr, hidden] */
+    const float *b_kv_a;    /* [r + dr] (bias) */
+    const float *kv_a_norm; /* [r] */
+    const float *w_kv_b;    /* [h (dn + dv), r] */
+    const float *w_o;       /* [hidden, h dv] */
+    const float *b_o;       /* [hidden] (bias) */
+} mha_mla_weights;
+
+typedef struct mha_mla mha_mla;
+
+/** Checks config and weights (every size, overflow, finite weights) and copies the weights. */
+MHA_API mha_status mha_mla_create(const mha_mla_config *config,
+                                  const mha_mla_weights *weights,
+                                  const mha_allocator *allocator,
+                                  mha_mla **out,
+                                  mha_error *err);
+MHA_API void mha_mla_destroy(mha_mla *mla); /* NULL-safe */
+/** The resolved configuration (defaults filled in). */
+MHA_API const mha_mla_config *mha_mla_get_config(const mha_mla *mla);
+/** The weights the layer uses (its float32 copy; NULL for the tensors the config lacks). */
+MHA_API const mha_mla_weights *mha_mla_get_weights(const mha_mla *mla);
+
+/** The expanded form (per-head k and v), for prefill and training: x, out [B, n, hidden]. */
+typedef struct mha_mla_forward_args {
+    int64_t batch, seq_len;
+    const float *x;
+    const int64_t *positions; /* [B, n] RoPE positions; NULL = 0 .. n-1 */
+    int32_t causal;           /* nonzero: key j visible from query i iff j <= i */
+    float *out;
+} mha_mla_forward_args;
+MHA_API mha_status mha_mla_forward(const mha_mla *mla,
+                                   const mha_mla_forward_args *args,
+                                   const mha_exec *exec,
+                                   mha_error *err);
+
+/** Gradients of mha_mla_forward (the expanded form; the same args, whose out is not written):
+ *  given dy = dL/dout [B, n, hidden], each non-NULL buffer is OVERWRITTEN with dL/d of its
+ *  tensor, shaped as that tensor (dx as x; the weights as mha_mla_weights, norm weights
+ *  included). A gradient of a tensor the config does not have must be NULL. The forward is
+ *  recomputed (nothing is saved between the calls); the attention's through
+ *  mha_attention_backward, RMSNorm's and RoPE's in closed form (docs/SEMANTICS.md). */
+typedef struct mha_mla_grads {
+    const float *dy;
+    float *dx;
+    float *w_q, *w_q_a, *b_q_a, *q_a_norm, *w_q_b, *w_kv_a, *b_kv_a, *kv_a_norm, *w_kv_b, *w_o,
+        *b_o;
+} mha_mla_grads;
+MHA_API mha_status mha_mla_backward(const mha_mla *mla,
+                                    const mha_mla_forward_args *args,
+                                    const mha_mla_grads *grads,
+                                    const mha_exec *exec,
+                                    mha_error *err);
+
+/** The compressed cache: per token the latent c (r values, after its RMSNorm) and the rotated
+ *  k_pe (dr values), r + dr in all (576 for DeepSeek-V3) whatever the heads, in `dtype` (F32, F16
+ *  or BF16). batch sequences of at most max_seq tokens each. */
+typedef struct mha_mla_cache mha_mla_cache;
+MHA_API mha_status mha_mla_cache_create(const mha_mla *mla,
+                                        int64_t batch,
+                                        int64_t max_seq,
+                                        mha_dtype dtype,
+                                        const mha_allocator *allocator,
+                                        mha_mla_cache **out,
+                                        mha_error *err);
+MHA_API void mha_mla_cache_destroy(mha_mla_cache *cache); /* NULL-safe */
+/** Tokens held by sequence seq, or -1 for a bad cache or id. */
+MHA_API int64_t mha_mla_cache_length(const mha_mla_cache *cache, int64_t seq);
+/** Bytes the cache stores per token: (r + dr) * the dtype's size. */
+MHA_API int64_t mha_mla_cache_bytes_per_token(const mha_mla_cache *cache);
+/** Empties sequence seq. */
+MHA_API mha_status mha_mla_cache_reset(mha_mla_cache *cache, int64_t seq, mha_error *err);
+/** Core level, for callers with their own projections (and benchmarks): appends t rows [c, k_pe]
+ *  (c after its RMSNorm, k_pe rotated at its position) to each listed sequence, rows [num_seqs,
+ *  t, r + dr] float32 rounded to the cache's dtype. seq_ids as mha_kv_cache_append's. */
+MHA_API mha_status mha_mla_cache_append(mha_mla_cache *cache,
+                                        int64_t num_seqs,
+                                        const int64_t *seq_ids,
+                                        int64_t t,
+                                        const float *rows,
+                                        mha_error *err);
+
+/** The next t tokens of each listed sequence through the compressed cache (the absorbed form):
+ *  appends their [c, k_pe] (positions L .. L+t-1, L = the length before the call), then per head
+ *    q_lat_h = W_uk,h^T q_nope_h  (r values; W_uk,h = the k rows of W_kvb,h),
+ *    o_lat_h = Attn([q_lat_h, q_pe_h], keys [c_j, k_pe_j], values c_j)   (MQA, d_k = r + dr,
+ *              d_v = r, causal, the layer's scale),
+ *    o_h = W_uv,h o_lat_h (W_uv,h = the v rows of W_kvb,h);  out = concat_h o_h W_o^T + b_o,
+ *  which equals mha_mla_forward over the whole sequence up to rounding (q_nope_h . k_nope_h =
+ *  q_lat_h . c). args as mha_layer_decode_step's: x, out [num_seqs, t, hidden]. On error nothing
+ *  is appended and out is untouched. */
+MHA_API mha_status mha_mla_decode_step(const mha_mla *mla,
+                                       mha_mla_cache *cache,
+                                       const mha_decode_args *args,
+                                       const mha_exec *exec,
+                                       mha_error *err);
+
+/** Loads layer `layer`'s MLA attention from a Hugging Face model directory of model_type
+ *  deepseek_v2 or deepseek_v3 (docs/MODELS.md): sizes, biases, RoPE (interleaved unless
+ *  deepseek_v3's rope_interleave is false; YaRN with the mscale_all_dim factor in the scale) from
+ *  config.json, tensors by their transformers names, every shape checked. info may be NULL; it
+ *  gets the prefix, layer count and model_type (its config and window fields are zero). */
+MHA_API mha_status mha_hf_mla_load(const char *dir,
+                                   int64_t layer,
+                                   const mha_allocator *allocator,
+                                   mha_mla **out,
+                                   mha_hf_layer_info *info,
+                                   mha_error *err);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Mask recognition (docs/SEMANTICS.md, "Recognised masks")                                       */
 /* ---------------------------------------------------------------------------------------------- */
 

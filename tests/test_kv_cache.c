@@ -676,13 +676,14 @@ static void test_threads_and_long(void) {
      * whose units wrap from the last slot to slot 0 (each wrapping unit is two runs of rows).
      * dk = 18, dv = 72: tails (NEON: a K tail of 2 and a V column group of 8); dk = 15, dv = 35
      * and dk = 17, dv = 33: K tails of 3 and 1, V column groups ending in a partial vector of 3
-     * and 1 (R = 6: row groups of 4 and 2; R = 3). */
+     * and 1 (R = 6: row groups of 4 and 2; R = 3). dk = 576, dv = 512, one kv head: multi-head
+     * latent attention's absorbed decode (issue 31: [c, k_pe] keys, c values). */
     static const int64_t shapes[][6] = {
-        {2, 8, 2, 64, 64, 0},    {2, 8, 1, 64, 64, 0}, {2, 6, 1, 32, 64, 0},
-        {2, 4, 2, 48, 128, 0},   {4, 4, 1, 64, 64, 0}, {2, 8, 1, 128, 64, 0},
-        {2, 10, 1, 72, 40, 0},   {2, 4, 1, 20, 36, 0}, {2, 8, 2, 64, 64, 200},
-        {2, 10, 1, 72, 40, 200}, {2, 6, 1, 18, 72, 0}, {2, 6, 2, 15, 35, 0},
-        {2, 6, 1, 17, 33, 0}};
+        {2, 8, 2, 64, 64, 0},    {2, 8, 1, 64, 64, 0},  {2, 6, 1, 32, 64, 0},
+        {2, 4, 2, 48, 128, 0},   {4, 4, 1, 64, 64, 0},  {2, 8, 1, 128, 64, 0},
+        {2, 10, 1, 72, 40, 0},   {2, 4, 1, 20, 36, 0},  {2, 8, 2, 64, 64, 200},
+        {2, 10, 1, 72, 40, 200}, {2, 6, 1, 18, 72, 0},  {2, 6, 2, 15, 35, 0},
+        {2, 6, 1, 17, 33, 0},    {1, 8, 1, 576, 512, 0}};
     for (int di = 0; di < 3; di++)
         for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
             const int64_t G = shapes[si][0], H = shapes[si][1], t = shapes[si][2],

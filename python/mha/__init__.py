@@ -25,7 +25,8 @@ import importlib
 from typing import Any
 
 from . import _lib
-from ._api import (Config, KVCache, MultiheadAttention, QKNorm, Rope, TrainState, attention,
+from ._api import (MLA, Config, KVCache, MLACache, MultiheadAttention, QKNorm, Rope, TrainState,
+                   attention,
                    attention_backward, attention_stats, rope, rope_frequencies, shard_rows)
 from ._lib import MhaError
 
@@ -56,6 +57,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["MhaError", "Config", "Rope", "QKNorm", "MultiheadAttention", "TrainState", "KVCache",
+           "MLA", "MLACache",
            "attention", "attention_backward", "attention_stats", "rope", "rope_frequencies",
            "shard_rows",
            "plot_attention",

@@ -22,7 +22,8 @@ from ._lib import MhaError
 
 ArrayLike = Any  # numpy arrays, or anything np.asarray accepts (lists, CPU torch tensors, ...)
 
-__all__ = ["Rope", "Config", "MultiheadAttention", "TrainState", "KVCache", "attention",
+__all__ = ["Rope", "Config", "MultiheadAttention", "TrainState", "KVCache", "MLA", "MLACache",
+           "attention",
            "attention_backward", "rope", "rope_frequencies", "shard_rows"]
 
 _F32 = np.dtype(np.float32)
@@ -1610,6 +1611,182 @@ class KVCache:
              impl: str = "auto", threads: int = 0) -> np.ndarray:
         """One decoding step (mha_layer_decode_step): usually t = 1 new token per sequence."""
         return self._run(L.mha_layer_decode_step, x, seq_ids, impl, threads)
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class MLA:
+    """Multi-head latent attention (DeepSeek-V2/V3; mha.h "Multi-head latent attention",
+    docs/SEMANTICS.md). ``MLA.from_pretrained(dir, layer)`` loads a deepseek_v2 / deepseek_v3
+    layer; ``MLA(config, weights)`` builds one from an :class:`mha._lib.mha_mla_config` and a
+    dict of float32 arrays named as mha_mla_weights' fields (w_q or w_q_a/b_q_a/q_a_norm/w_q_b,
+    w_kv_a, b_kv_a, kv_a_norm, w_kv_b, w_o, b_o). ``forward`` is the expanded form (per-head k
+    and v); :class:`MLACache` decodes through the compressed cache."""
+
+    model_info: Optional[Dict[str, object]] = None
+
+    def __init__(self, config: "L.mha_mla_config", weights: Dict[str, ArrayLike]):
+        w = L.mha_mla_weights()
+        keep = []
+        for name in L.MLA_WEIGHT_NAMES:
+            if weights.get(name) is not None:
+                a = _float32(weights[name], name)
+                keep.append(a)
+                setattr(w, name, _ptr(a))
+        unknown = set(weights) - set(L.MLA_WEIGHT_NAMES)
+        if unknown:
+            raise ValueError(f"weights: unknown names {sorted(unknown)}")
+        ptr = ctypes.c_void_p()
+        M.call(L.mha_mla_create, config, w, None, ptr)
+        self._handle = _Handle(ptr.value, L.mha_mla_destroy)
+        self._ptr = ptr.value
+
+    @classmethod
+    def from_pretrained(cls, path: str, layer: int = 0) -> "MLA":
+        """Layer ``layer`` of a Hugging Face deepseek_v2 / deepseek_v3 model directory
+        (mha_hf_mla_load; docs/MODELS.md). Hostile configs raise MhaError naming the field."""
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+            raise ValueError(f"layer: expected a non-negative integer, got {layer!r}")
+        info = L.mha_hf_layer_info()
+        ptr = ctypes.c_void_p()
+        M.call(L.mha_hf_mla_load, str(path).encode(), int(layer), None, ptr, info)
+        self = cls.__new__(cls)
+        self._handle = _Handle(ptr.value, L.mha_mla_destroy)
+        self._ptr = ptr.value
+        self.model_info = {"model_type": info.model_type.decode(), "layout": info.layout.decode(),
+                           "prefix": info.prefix.decode(), "layer": int(info.layer),
+                           "num_layers": int(info.num_layers), "causal": True}
+        return self
+
+    @property
+    def config(self) -> "L.mha_mla_config":
+        """The resolved mha_mla_config (a copy)."""
+        c = L.mha_mla_config()
+        ctypes.pointer(c)[0] = L.mha_mla_get_config(self._ptr).contents
+        return c
+
+    def forward(self, x: ArrayLike, positions: Optional[ArrayLike] = None, *,
+                causal: bool = True, threads: int = 0) -> np.ndarray:
+        """x [B, n, hidden] (or [n, hidden]) -> out of the same shape (mha_mla_forward)."""
+        E = self.config.hidden
+        a = _float32(x, "x")
+        single = a.ndim == 2
+        if single:
+            a = a[None]
+        if a.ndim != 3 or a.shape[2] != E:
+            raise ValueError(f"x: expected [B, n, {E}], got shape {np.shape(x)}")
+        args = L.mha_mla_forward_args()
+        args.batch, args.seq_len, args.causal = a.shape[0], a.shape[1], int(bool(causal))
+        pos = None
+        if positions is not None:
+            pos = _int_array(positions, "positions", np.int64, a.shape[:2])
+            args.positions = _ptr(pos)
+        out = np.empty(a.shape, _F32)
+        args.x, args.out = _ptr(a), _ptr(out)
+        M.call(L.mha_mla_forward, self._ptr, args, _exec("auto", threads))
+        return out[0] if single else out
+
+    __call__ = forward
+
+    def weight_shapes(self) -> Dict[str, Tuple[int, ...]]:
+        """The shape of every weight this layer has, by mha_mla_weights' names."""
+        c = self.config
+        h, dn, dr, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        E, r, rq, b = c.hidden, c.kv_lora_rank, c.q_lora_rank, bool(c.bias)
+        s = {"w_kv_a": (r + dr, E), "kv_a_norm": (r,), "w_kv_b": (h * (dn + dv), r),
+             "w_o": (E, h * dv)}
+        if rq:
+            s.update(w_q_a=(rq, E), q_a_norm=(rq,), w_q_b=(h * (dn + dr), rq))
+            if b:
+                s["b_q_a"] = (rq,)
+        else:
+            s["w_q"] = (h * (dn + dr), E)
+        if b:
+            s.update(b_kv_a=(r + dr,), b_o=(E,))
+        return s
+
+    def backward(self, x: ArrayLike, dy: ArrayLike, positions: Optional[ArrayLike] = None, *,
+                 causal: bool = True, threads: int = 0) -> Dict[str, np.ndarray]:
+        """Gradients of :meth:`forward` (mha_mla_backward): {"x": dL/dx, and every weight of
+        :meth:`weight_shapes` (norm weights included)} for the upstream gradient dy."""
+        E = self.config.hidden
+        a = _float32(x, "x")
+        g = _float32(dy, "dy")
+        single = a.ndim == 2
+        if single:
+            a, g = a[None], g[None]
+        if a.ndim != 3 or a.shape[2] != E or g.shape != a.shape:
+            raise ValueError(f"x, dy: expected [B, n, {E}] each, got {np.shape(x)}, "
+                             f"{np.shape(dy)}")
+        args = L.mha_mla_forward_args()
+        args.batch, args.seq_len, args.causal = a.shape[0], a.shape[1], int(bool(causal))
+        pos = None
+        if positions is not None:
+            pos = _int_array(positions, "positions", np.int64, a.shape[:2])
+            args.positions = _ptr(pos)
+        args.x = _ptr(a)
+        out = {"x": np.empty(a.shape, _F32)}
+        gr = L.mha_mla_grads()
+        gr.dy, gr.dx = _ptr(g), _ptr(out["x"])
+        for name, shape in self.weight_shapes().items():
+            out[name] = np.empty(shape, _F32)
+            setattr(gr, name, _ptr(out[name]))
+        M.call(L.mha_mla_backward, self._ptr, args, gr, _exec("auto", threads))
+        if single:
+            out["x"] = out["x"][0]
+        return out
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class MLACache:
+    """The compressed cache of an :class:`MLA` layer: per token [c, k_pe] (kv_lora_rank +
+    qk_rope_head_dim values) in float32, float16 or bfloat16. ``step(x)`` appends t tokens per
+    sequence and returns their outputs through the absorbed form (mha_mla_decode_step)."""
+
+    def __init__(self, mla: MLA, max_seq: int, batch: int = 1, *, dtype: str = "float32"):
+        if dtype not in KVCache._DTYPES:
+            raise ValueError(f"dtype: expected one of {sorted(KVCache._DTYPES)}, got {dtype!r}")
+        ptr = ctypes.c_void_p()
+        M.call(L.mha_mla_cache_create, mla._ptr, int(batch), int(max_seq),
+               KVCache._DTYPES[dtype], None, ptr)
+        self._mla = mla
+        self._handle = _Handle(ptr.value, L.mha_mla_cache_destroy)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return int(L.mha_mla_cache_bytes_per_token(self._handle.ptr))
+
+    def length(self, seq: int = 0) -> int:
+        n = L.mha_mla_cache_length(self._handle.ptr, seq)
+        if n < 0:
+            raise ValueError(f"seq={seq} is not a sequence of this cache")
+        return n
+
+    def reset(self, seq: int = 0) -> None:
+        M.call(L.mha_mla_cache_reset, self._handle.ptr, seq)
+
+    def step(self, x: ArrayLike, seq_ids: Optional[Sequence[int]] = None, *,
+             threads: int = 0) -> np.ndarray:
+        E = self._mla.config.hidden
+        a = _float32(x, "x")
+        single = a.ndim == 2
+        if single:
+            a = a[None]
+        if a.ndim != 3 or a.shape[2] != E:
+            raise ValueError(f"x: expected [num_seqs, t, {E}], got shape {np.shape(x)}")
+        d = L.mha_decode_args()
+        d.num_seqs, d.num_tokens = a.shape[0], a.shape[1]
+        ids = None
+        if seq_ids is not None:
+            ids = _int_array(seq_ids, "seq_ids", np.int64, (a.shape[0],))
+            d.seq_ids = _ptr(ids)
+        out = np.empty(a.shape, _F32)
+        d.x, d.out = _ptr(a), _ptr(out)
+        M.call(L.mha_mla_decode_step, self._mla._ptr, self._handle.ptr, d, _exec("auto", threads))
+        return out[0] if single else out
 
     def close(self) -> None:
         self._handle.close()

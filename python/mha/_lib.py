@@ -397,3 +397,55 @@ def _bind_fast():
 
 
 fast = _bind_fast()
+
+
+# Multi-head latent attention (mha.h "Multi-head latent attention").
+class mha_mla_config(Structure):
+    _fields_ = [
+        ("hidden", c_int64), ("num_heads", c_int64), ("q_lora_rank", c_int64),
+        ("kv_lora_rank", c_int64), ("qk_nope_head_dim", c_int64), ("qk_rope_head_dim", c_int64),
+        ("v_head_dim", c_int64), ("bias", c_int32), ("rms_eps", c_double), ("scale", c_double),
+        ("rope", mha_rope),
+    ]
+
+
+MLA_WEIGHT_NAMES = ("w_q", "w_q_a", "b_q_a", "q_a_norm", "w_q_b", "w_kv_a", "b_kv_a",
+                    "kv_a_norm", "w_kv_b", "w_o", "b_o")
+
+
+class mha_mla_weights(Structure):
+    _fields_ = [(name, c_void_p) for name in MLA_WEIGHT_NAMES]
+
+
+class mha_mla_forward_args(Structure):
+    _fields_ = [("batch", c_int64), ("seq_len", c_int64), ("x", c_void_p),
+                ("positions", c_void_p), ("causal", c_int32), ("out", c_void_p)]
+
+
+mha_mla_create = _fn("mha_mla_create", [P(mha_mla_config), P(mha_mla_weights), c_void_p,
+                                        P(c_void_p), P(mha_error)])
+mha_mla_destroy = _fn("mha_mla_destroy", [c_void_p], None)
+mha_mla_get_config = _fn("mha_mla_get_config", [c_void_p], P(mha_mla_config))
+mha_mla_forward = _fn("mha_mla_forward", [c_void_p, P(mha_mla_forward_args), P(mha_exec),
+                                          P(mha_error)])
+mha_mla_cache_create = _fn("mha_mla_cache_create", [c_void_p, c_int64, c_int64, c_int, c_void_p,
+                                                    P(c_void_p), P(mha_error)])
+mha_mla_cache_destroy = _fn("mha_mla_cache_destroy", [c_void_p], None)
+mha_mla_cache_length = _fn("mha_mla_cache_length", [c_void_p, c_int64], c_int64)
+mha_mla_cache_bytes_per_token = _fn("mha_mla_cache_bytes_per_token", [c_void_p], c_int64)
+mha_mla_cache_reset = _fn("mha_mla_cache_reset", [c_void_p, c_int64, P(mha_error)])
+mha_mla_decode_step = _fn("mha_mla_decode_step", [c_void_p, c_void_p, P(mha_decode_args),
+                                                  P(mha_exec), P(mha_error)])
+mha_hf_mla_load = _fn("mha_hf_mla_load", [c_char_p, c_int64, c_void_p, P(c_void_p),
+                                          P(mha_hf_layer_info), P(mha_error)])
+
+
+class mha_mla_grads(Structure):
+    _fields_ = [("dy", c_void_p), ("dx", c_void_p)] + [(n, c_void_p) for n in MLA_WEIGHT_NAMES]
+
+
+mha_mla_backward = _fn("mha_mla_backward", [c_void_p, P(mha_mla_forward_args), P(mha_mla_grads),
+                                            P(mha_exec), P(mha_error)])
+mha_mla_cache_append = _fn("mha_mla_cache_append", [c_void_p, c_int64, c_void_p, c_int64,
+                                                    c_void_p, P(mha_error)])
+mha_mla_get_weights = _fn("mha_mla_get_weights", [c_void_p], P(mha_mla_weights))

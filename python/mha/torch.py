@@ -1065,3 +1065,81 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
 from ._torch_ring import ring_attention  # noqa: E402
 
 __all__.append("ring_attention")
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-head latent attention (DeepSeek-V2/V3): mha.MLA as a torch module (eager only)
+# ------------------------------------------------------------------------------------------------
+class _MLAFunction(torch.autograd.Function):
+    """y = MLA(x; weights) through mha_mla_forward, its backward through mha_mla_backward (every
+    weight's gradient, the norm weights included). float32 CPU tensors."""
+
+    @staticmethod
+    def forward(ctx, spec, x, *weights):
+        mla = spec.make(weights)
+        y = mla.forward(x.detach().numpy(), causal=spec.causal, threads=spec.threads)
+        ctx.spec, ctx.mla = spec, mla
+        ctx.save_for_backward(x)
+        return torch.from_numpy(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        g = ctx.mla.backward(x.detach().numpy(), dy.detach().contiguous().numpy(),
+                             causal=ctx.spec.causal, threads=ctx.spec.threads)
+        return (None, torch.from_numpy(g["x"]),
+                *(torch.from_numpy(g[n]) for n in ctx.spec.names))
+
+
+@dataclasses.dataclass
+class _MLASpec:
+    config: object
+    names: tuple
+    causal: bool
+    threads: int
+
+    def make(self, weights):
+        return _api.MLA(self.config, {n: w.detach().numpy() for n, w in zip(self.names, weights)})
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention as a ``torch.nn.Module``: the weights are parameters named
+    as mha_mla_weights' fields (``w_q`` or ``w_q_a``/``b_q_a``/``q_a_norm``/``w_q_b``,
+    ``w_kv_a``, ``b_kv_a``, ``kv_a_norm``, ``w_kv_b``, ``w_o``, ``b_o``), ``forward(x)`` is the
+    causal expanded form (x [B, n, hidden] float32 CPU) and its backward gives every parameter's
+    gradient (mha_mla_backward). ``MLA.from_pretrained(dir, layer)`` loads a deepseek_v2 /
+    deepseek_v3 layer. Eager only (torch.compile / torch.export are not supported for MLA)."""
+
+    def __init__(self, mla: "_api.MLA", threads: int = 0):
+        super().__init__()
+        self._config = mla.config
+        self._threads = threads
+        self._names = tuple(mla.weight_shapes())
+        got = _mla_weights(mla)
+        for n in self._names:
+            self.register_parameter(n, nn.Parameter(torch.from_numpy(got[n])))
+
+    @classmethod
+    def from_pretrained(cls, path: str, layer: int = 0, threads: int = 0) -> "MLA":
+        return cls(_api.MLA.from_pretrained(path, layer), threads)
+
+    def forward(self, x: Tensor, causal: bool = True) -> Tensor:
+        _check_cpu_f32("x", x)
+        spec = _MLASpec(self._config, self._names, bool(causal), self._threads)
+        return _MLAFunction.apply(spec, x, *(getattr(self, n) for n in self._names))
+
+
+def _mla_weights(mla: "_api.MLA"):
+    """Copies of an mha.MLA's weights (mha_mla_get_weights: the layer's own copy), by name."""
+    import ctypes
+
+    import numpy as np
+    w = L.mha_mla_get_weights(mla._ptr).contents
+    out = {}
+    for n, shape in mla.weight_shapes().items():
+        p = ctypes.cast(getattr(w, n), ctypes.POINTER(ctypes.c_float))
+        out[n] = np.ctypeslib.as_array(p, shape=shape).copy()
+    return out
+
+
+__all__.append("MLA")

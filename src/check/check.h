@@ -333,4 +333,35 @@ mha_status mha__check_mask_broadcast(const mha_mask_tensor *t,
                                      int64_t strides[4],
                                      mha_error *err);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Multi-head latent attention (check/mla.c): mha_mla_create, mha_mla_forward, the decode step. */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* config resolved into *cfg (scale, rms_eps, rope), every weight the config uses given and
+ * finite. */
+mha_status mha__check_mla_create(const mha_mla_config *config,
+                                 const mha_mla_weights *weights,
+                                 mha_mla_config *cfg,
+                                 mha_error *err);
+/* The forward's sizes, pointers, positions and the aliasing rule. */
+mha_status
+mha__check_mla_forward(const mha_mla_config *cfg, const mha_mla_forward_args *args, mha_error *err);
+/* The decode step's sequences (ids distinct, room in a cache of `batch` sequences of max_seq
+ * tokens, lengths len[]), x and out. */
+mha_status mha__check_mla_decode(const mha_mla_config *cfg,
+                                 int64_t batch,
+                                 const int64_t *len,
+                                 int64_t max_seq,
+                                 const mha_decode_args *args,
+                                 mha_error *err);
+/* mha_mla_cache_append: the sequences as the decode step's, rows given. */
+mha_status mha__check_mla_append(int64_t batch,
+                                 const int64_t *len,
+                                 int64_t max_seq,
+                                 int64_t num_seqs,
+                                 const int64_t *ids,
+                                 int64_t t,
+                                 const float *rows,
+                                 mha_error *err);
+
 #endif /* MHA_CHECK_H */

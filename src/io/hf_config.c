@@ -918,6 +918,12 @@ static mha_status find_arch(hf_model *m, mha_hf_layer_info *info, mha_error *err
     for (size_t i = 0; i < N_ARCHS; i++)
         if (strcmp(ARCHS[i].type, type) == 0)
             m->arch = &ARCHS[i];
+    MHA_RETURN_IF(!m->arch &&
+                      (strcmp(type, "deepseek_v2") == 0 || strcmp(type, "deepseek_v3") == 0),
+                  err, UNSUPPORTED,
+                  "%s: \"model_type\": \"%s\" is multi-head latent attention, which is not an "
+                  "mha_layer: load it with mha_hf_mla_load (Python mha.MLA.from_pretrained)",
+                  m->config_path, type);
     MHA_RETURN_IF(!m->arch, err, UNSUPPORTED,
                   "%s: \"model_type\": \"%.64s\" is not supported (supported: llama, mistral, "
                   "mixtral, qwen2, qwen3, qwen3_moe, qwen3_next, gemma, gemma2, gemma3_text, "
@@ -1280,6 +1286,217 @@ mha_status mha_hf_layer_load(const char *dir,
         st = load_layer(&m, config ? config : &info.config, allocator, &b, out, err);
     for (int i = 0; i < 11; i++)
         mha__free(allocator, b.p[i]);
+    model_close(&m);
+    if (st == MHA_STATUS_OK)
+        mha__ok(err);
+    return st;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Multi-head latent attention: deepseek_v2, deepseek_v3 (docs/MODELS.md)                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+static const hf_arch MLA_ARCHS[] = {
+    {"deepseek_v2", LAYOUT_QKVO, LLAMA_PREFIXES,
+     "MLA: q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, "
+     "kv_b_proj, o_proj"},
+    {"deepseek_v3", LAYOUT_QKVO, LLAMA_PREFIXES,
+     "MLA: q_a_proj, q_a_layernorm, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_a_layernorm, "
+     "kv_b_proj, o_proj"},
+};
+
+/* The MLA sizes, biases and layer count of config.json (each rank and head size an integer
+ * >= 1, q_lora_rank null or absent = plain q_proj). */
+static mha_status
+mla_sizes(hf_model *m, mha_hf_layer_info *info, mha_mla_config *c, mha_error *err) {
+    const cJSON *j = m->config;
+    int64_t layers = 0;
+    TRY(get_int(m, j, "hidden_size", 1, 1, HF_MAX_SIZE, &c->hidden, err));
+    TRY(get_int(m, j, "num_attention_heads", 1, 1, HF_MAX_HEADS, &c->num_heads, err));
+    TRY(get_int(m, j, "num_hidden_layers", 1, 1, INT32_MAX, &layers, err));
+    MHA_RETURN_IF(info->layer < 0 || info->layer >= layers, err, INVALID_ARG,
+                  "%s: layer %lld does not exist (num_hidden_layers = %lld: 0 .. %lld)",
+                  m->config_path, (long long)info->layer, (long long)layers, (long long)layers - 1);
+    info->num_layers = layers;
+    /* transformers' class defaults (DeepSeek-V2/V3 sizes) when a field is absent. */
+    c->q_lora_rank = is_null(j, "q_lora_rank") ? 0 : 1536;
+    c->kv_lora_rank = 512;
+    c->qk_nope_head_dim = 128;
+    c->qk_rope_head_dim = 64;
+    c->v_head_dim = 128;
+    TRY(get_int(m, j, "q_lora_rank", 0, 1, HF_MAX_SIZE, &c->q_lora_rank, err));
+    TRY(get_int(m, j, "kv_lora_rank", 0, 1, HF_MAX_SIZE, &c->kv_lora_rank, err));
+    TRY(get_int(m, j, "qk_nope_head_dim", 0, 1, HF_MAX_SIZE, &c->qk_nope_head_dim, err));
+    TRY(get_int(m, j, "qk_rope_head_dim", 0, 2, HF_MAX_SIZE, &c->qk_rope_head_dim, err));
+    TRY(get_int(m, j, "v_head_dim", 0, 1, HF_MAX_SIZE, &c->v_head_dim, err));
+    MHA_RETURN_IF(c->qk_rope_head_dim % 2 != 0, err, BAD_FILE,
+                  "%s: \"qk_rope_head_dim\" %lld must be even (RoPE rotates pairs)", m->config_path,
+                  (long long)c->qk_rope_head_dim);
+    int bias = 0;
+    TRY(get_bool(m, j, "attention_bias", &bias, err));
+    c->bias = bias;
+    m->hidden = c->hidden;
+    return MHA_STATUS_OK;
+}
+
+/* RoPE on the qk_rope_head_dim dimensions (read_rope's parameters), interleaved pairs unless
+ * deepseek_v3's rope_interleave is false (then transformers' rotate_half), and the softmax scale
+ * dq^-1/2 times mscale(factor, mscale_all_dim)^2 when the rope is scaled and mscale_all_dim set
+ * (transformers' yarn_apply_mscale). */
+static mha_status mla_rope(hf_model *m, mha_mla_config *c, mha_error *err) {
+    mha_hf_layer_info tmp;
+    memset(&tmp, 0, sizeof tmp);
+    tmp.config.head_dim = c->qk_rope_head_dim;
+    TRY(read_rope(m, NULL, &tmp, err));
+    c->rope = tmp.config.rope;
+    int interleave = 1;
+    if (is_type(m, "deepseek_v3"))
+        TRY(get_bool(m, m->config, "rope_interleave", &interleave, err));
+    c->rope.style = interleave ? MHA_ROPE_INTERLEAVED : MHA_ROPE_HALF;
+    c->scale = 1.0 / sqrt((double)(c->qk_nope_head_dim + c->qk_rope_head_dim));
+    const cJSON *p, *s;
+    const char *where;
+    TRY(rope_params(m, NULL, &p, &s, &where, err));
+    double msa = 0.0, factor = 0.0;
+    if (c->rope.scaling == MHA_ROPE_SCALING_NONE || !s || s == m->config)
+        return MHA_STATUS_OK;
+    TRY(get_num(m, s, where, "mscale_all_dim", 0.0, 0, 1e15, &msa, err));
+    if (msa == 0.0)
+        return MHA_STATUS_OK;
+    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
+    MHA_RETURN_IF(factor == 0.0, err, BAD_FILE, "%s: \"%smscale_all_dim\" needs \"%sfactor\"",
+                  m->config_path, where, where);
+    const double ms = yarn_mscale(factor, msa);
+    c->scale *= ms * ms;
+    MHA_RETURN_IF(!(c->scale >= (double)FLT_MIN && c->scale <= (double)FLT_MAX), err, BAD_FILE,
+                  "%s: the softmax scale %g (from \"%smscale_all_dim\") is not a normal float",
+                  m->config_path, c->scale, where);
+    return MHA_STATUS_OK;
+}
+
+/* Tensor stems of mha_mla_weights' fields, in order; suffix ".weight" or ".bias". */
+static const struct {
+    const char *stem, *suffix;
+} MLA_TENSORS[11] = {{"q_proj", ".weight"},
+                     {"q_a_proj", ".weight"},
+                     {"q_a_proj", ".bias"},
+                     {"q_a_layernorm", ".weight"},
+                     {"q_b_proj", ".weight"},
+                     {"kv_a_proj_with_mqa", ".weight"},
+                     {"kv_a_proj_with_mqa", ".bias"},
+                     {"kv_a_layernorm", ".weight"},
+                     {"kv_b_proj", ".weight"},
+                     {"o_proj", ".weight"},
+                     {"o_proj", ".bias"}};
+
+/* Reads the tensors the config uses, each of exactly its shape (rows x cols, cols 0: 1-d). */
+static mha_status mla_read(
+    hf_model *m, const mha_mla_config *c, const mha_allocator *a, float *p[11], mha_error *err) {
+    const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim;
+    const int64_t dq = dn + dr, r = c->kv_lora_rank, rq = c->q_lora_rank, E = c->hidden;
+    const int lq = rq > 0, b = c->bias;
+    const int64_t shape[11][3] = {{!lq, h * dq, E},
+                                  {lq, rq, E},
+                                  {lq && b, rq, 0},
+                                  {lq, rq, 0},
+                                  {lq, h * dq, rq},
+                                  {1, r + dr, E},
+                                  {b, r + dr, 0},
+                                  {1, r, 0},
+                                  {1, h * (dn + c->v_head_dim), r},
+                                  {1, E, h * c->v_head_dim},
+                                  {b, E, 0}};
+    for (int i = 0; i < 11; i++)
+        if (shape[i][0])
+            TRY(read_exact(m, MLA_TENSORS[i].stem, MLA_TENSORS[i].suffix, shape[i][1], shape[i][2],
+                           MHA_DTYPE_F32, a, (void **)&p[i], err));
+    return MHA_STATUS_OK;
+}
+
+static mha_status mla_find(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
+    const char *type = NULL;
+    TRY(get_str(m, m->config, "model_type", &type, err));
+    MHA_RETURN_IF(!type, err, BAD_FILE, "%s: no \"model_type\"", m->config_path);
+    for (size_t i = 0; i < sizeof MLA_ARCHS / sizeof MLA_ARCHS[0]; i++)
+        if (strcmp(MLA_ARCHS[i].type, type) == 0)
+            m->arch = &MLA_ARCHS[i];
+    MHA_RETURN_IF(!m->arch, err, UNSUPPORTED,
+                  "%s: \"model_type\": \"%.64s\" is not a multi-head latent attention model mha "
+                  "loads (deepseek_v2, deepseek_v3)",
+                  m->config_path, type);
+    snprintf(info->model_type, sizeof info->model_type, "%s", type);
+    snprintf(info->layout, sizeof info->layout, "%s", m->arch->layout_text);
+    return MHA_STATUS_OK;
+}
+
+/* The first of the prefixes under which the layer's kv_a_proj_with_mqa exists. */
+static mha_status mla_prefix(hf_model *m, int64_t layer, mha_error *err) {
+    char name[2 * MHA_HF_TEXT_SIZE];
+    for (int i = 0; i < 2; i++) {
+        snprintf(m->prefix, sizeof m->prefix, "%s%lld%s", m->arch->prefixes[i][0], (long long)layer,
+                 m->arch->prefixes[i][1]);
+        tensor_name(name, m, "kv_a_proj_with_mqa", ".weight");
+        mha_status st;
+        if (model_has(m, name, &st, err))
+            return MHA_STATUS_OK;
+        if (st != MHA_STATUS_OK)
+            return st;
+    }
+    return mha__fail(
+        err, MHA_STATUS_NOT_FOUND,
+        "%s: layer %lld of model_type %s: no tensor "
+        "'model.layers.%lld.self_attn.kv_a_proj_with_mqa.weight' (nor 'layers.%lld...')",
+        m->weight_map ? m->index_path : m->dir, (long long)layer, m->arch->type, (long long)layer,
+        (long long)layer);
+}
+
+static mha_status mla_load(hf_model *m,
+                           int64_t layer,
+                           const mha_allocator *a,
+                           float *p[11],
+                           mha_mla **out,
+                           mha_hf_layer_info *info,
+                           mha_error *err) {
+    memset(info, 0, sizeof *info);
+    info->layer = layer;
+    info->causal = 1;
+    info->window_left = info->window_right = -1;
+    mha_mla_config c;
+    memset(&c, 0, sizeof c);
+    TRY(mla_find(m, info, err));
+    TRY(mla_sizes(m, info, &c, err));
+    TRY(mla_rope(m, &c, err));
+    TRY(mla_prefix(m, layer, err));
+    snprintf(info->prefix, sizeof info->prefix, "%s", m->prefix);
+    TRY(mla_read(m, &c, a, p, err));
+    const mha_mla_weights w = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10]};
+    mha_status st = mha_mla_create(&c, &w, a, out, err);
+    if (st != MHA_STATUS_OK && err) {
+        char msg[MHA_ERROR_MESSAGE_SIZE];
+        memcpy(msg, err->message, sizeof msg);
+        msg[sizeof msg - 1] = '\0';
+        mha__fail(err, st, "%s: %s", m->dir, msg);
+    }
+    return st;
+}
+
+mha_status mha_hf_mla_load(const char *dir,
+                           int64_t layer,
+                           const mha_allocator *allocator,
+                           mha_mla **out,
+                           mha_hf_layer_info *info,
+                           mha_error *err) {
+    MHA_RETURN_IF(!out, err, INVALID_ARG, "mha_hf_mla_load: out is NULL");
+    *out = NULL;
+    MHA_RETURN_IF(!dir, err, INVALID_ARG, "mha_hf_mla_load: dir is NULL");
+    hf_model m;
+    mha_hf_layer_info tmp;
+    float *p[11] = {0};
+    mha_status st = model_open(&m, dir, err);
+    if (st == MHA_STATUS_OK)
+        st = mla_load(&m, layer, allocator, p, out, info ? info : &tmp, err);
+    for (int i = 0; i < 11; i++)
+        mha__free(allocator, p[i]);
     model_close(&m);
     if (st == MHA_STATUS_OK)
         mha__ok(err);

@@ -51,3 +51,15 @@ mha_status mha_hf_layer_load(const char *dir,
     (void)dir, (void)layer, (void)config, (void)allocator;
     return built_without(out, err);
 }
+
+mha_status mha_hf_mla_load(const char *dir,
+                           int64_t layer,
+                           const mha_allocator *allocator,
+                           mha_mla **out,
+                           mha_hf_layer_info *info,
+                           mha_error *err) {
+    (void)dir, (void)layer, (void)allocator, (void)info;
+    if (out)
+        *out = NULL;
+    return built_without(NULL, err);
+}

@@ -1,0 +1,102 @@
+/* SPDX-License-Identifier: MIT */
+/* cli_run_mla.c: `mha run --model DIR --layer L` for a multi-head latent attention model
+ * (deepseek_v2, deepseek_v3: mha_hf_mla_load): the layer's causal expanded forward
+ * (mha_mla_forward) of --input [n, hidden] or [B, n, hidden] into --out (float32), with
+ * --positions and --threads; every other option of `mha run` is refused naming it (docs/MODELS.md
+ * "Multi-head latent attention"). */
+#include "cli_run_common.h"
+
+#include "npy.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* The options an MLA layer takes; any other given one is a usage error naming it. */
+static int check_mla_options(const run_config *o) {
+    static const int ok[] = {O_MODEL, O_LAYER, O_INPUT, O_OUT, O_THREADS, O_POSITIONS, O_VERBOSE};
+    for (int i = 0; i < O_COUNT; i++) {
+        int allowed = i == O_HELP;
+        for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++)
+            allowed |= ok[k] == i;
+        if (o->opt[i] && !allowed)
+            return cli_usage("%s is not supported with a multi-head latent attention model "
+                             "(--model %s)",
+                             o->flags[i].name, o->opt[O_MODEL]);
+    }
+    return CLI_OK;
+}
+
+/* x [B, n, hidden] (2-d: B = 1) as float32; positions [B, n] or [n] int64 when given. */
+static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
+    mha__npy x = {0}, p = {0};
+    float *xf = NULL, *y = NULL;
+    int rc = CLI_FAIL;
+    const int64_t E = mha_mla_get_config(m)->hidden;
+    if (mha__npy_read(o->opt[O_INPUT], &x, err) != MHA_STATUS_OK ||
+        mha__npy_to_f32(&x, "--input", &xf, err) != MHA_STATUS_OK) {
+        rc = cli_lib_fail(o->opt[O_INPUT], err);
+        goto done;
+    }
+    if ((x.ndim != 2 && x.ndim != 3) || x.shape[x.ndim - 1] != E) {
+        rc = cli_fail("--input: expected [n, %lld] or [B, n, %lld], got %d dimensions",
+                      (long long)E, (long long)E, (int)x.ndim);
+        goto done;
+    }
+    mha_mla_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = x.ndim == 3 ? x.shape[0] : 1;
+    a.seq_len = x.shape[x.ndim - 2];
+    a.x = xf;
+    a.causal = 1;
+    if (o->opt[O_POSITIONS]) {
+        if (mha__npy_read(o->opt[O_POSITIONS], &p, err) != MHA_STATUS_OK) {
+            rc = cli_lib_fail(o->opt[O_POSITIONS], err);
+            goto done;
+        }
+        if (p.dtype != MHA_DTYPE_I64 || p.count != a.batch * a.seq_len) {
+            rc = cli_fail("--positions: expected int64 [B, n] (%lld values), got %lld",
+                          (long long)(a.batch * a.seq_len), (long long)p.count);
+            goto done;
+        }
+        a.positions = p.data;
+    }
+    y = malloc(sizeof(float) * (size_t)x.count);
+    a.out = y;
+    mha_exec ex;
+    memset(&ex, 0, sizeof ex);
+    ex.n_threads = o->opt[O_THREADS] ? atoi(o->opt[O_THREADS]) : 0;
+    if (!y || mha_mla_forward(m, &a, &ex, err) != MHA_STATUS_OK)
+        rc = y ? cli_lib_fail(o->opt[O_MODEL], err) : cli_fail("out of memory");
+    else if (mha__npy_write_f32(o->opt[O_OUT], y, x.ndim, x.shape, err) != MHA_STATUS_OK)
+        rc = cli_lib_fail(o->opt[O_OUT], err);
+    else
+        rc = CLI_OK;
+done:
+    free(xf);
+    free(y);
+    mha__npy_free(&x);
+    mha__npy_free(&p);
+    return rc;
+}
+
+int cli_run_mla(const run_config *o, int *handled) {
+    *handled = 0;
+    if (!o->opt[O_MODEL])
+        return CLI_OK;
+    mha_hf_layer_info info;
+    memset(&info, 0, sizeof info);
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    mha_mla *m = NULL;
+    const mha_status st = mha_hf_mla_load(o->opt[O_MODEL], o->layer, NULL, &m, &info, &err);
+    if (st != MHA_STATUS_OK && !info.model_type[0])
+        return CLI_OK; /* not an MLA model_type: the ordinary layer path reads it */
+    *handled = 1;
+    if (st != MHA_STATUS_OK)
+        return cli_lib_fail(o->opt[O_MODEL], &err);
+    int rc = check_mla_options(o);
+    if (!rc)
+        rc = run_layer(o, m, &err);
+    mha_mla_destroy(m);
+    return rc;
+}

@@ -1,0 +1,339 @@
+# SPDX-License-Identifier: MIT
+"""Multi-head latent attention (mha.MLA, mha.MLACache; mha_mla_* and mha_hf_mla_load) against
+transformers 5.24's DeepseekV2Attention / DeepseekV3Attention: tiny random deepseek_v2 and
+deepseek_v3 models (with and without q_lora_rank, interleaved and rotate_half RoPE, YaRN with
+mscale / mscale_all_dim, attention biases) built in float64, the attention module's own output
+recorded with hooks as the oracle.
+  - the expanded forward (from_pretrained) within TOL_OUT_REL of max|ref|;
+  - the compressed-cache decode, token by token and in chunks, equal to the same rows of the full
+    causal forward (TOL_OUT_REL for a float32 cache, TOL_KV_F16_REL / TOL_KV_BF16_REL for half
+    caches: each cached value is rounded once, as in the KV cache's tests);
+  - hostile config.json / checkpoints refused naming the field or tensor.
+"""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+SRC = os.environ.get("MHA_SOURCE_DIR", os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(SRC, "python"))
+
+import torch  # noqa: E402
+import transformers as T  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_models as H  # noqa: E402
+import mha  # noqa: E402
+from tolerances import TOL_GRAD_REL, TOL_KV_BF16_REL, TOL_KV_F16_REL, TOL_OUT_REL  # noqa: E402
+
+SEQ, BATCH = 12, 2
+BASE = dict(vocab_size=64, num_hidden_layers=2, max_position_embeddings=64, hidden_size=32,
+            intermediate_size=32, moe_intermediate_size=16, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=12, n_routed_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1,
+            first_k_dense_replace=2)
+YARN = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16,
+            mscale=0.8, mscale_all_dim=0.9)
+
+# name: (config class, kwargs, model class)
+CASES = {
+    "v3_lora_yarn": (T.DeepseekV3Config, dict(BASE, q_lora_rank=24, attention_bias=True,
+                                              rope_parameters=YARN), T.DeepseekV3ForCausalLM),
+    "v3_no_lora_half": (T.DeepseekV3Config, dict(BASE, q_lora_rank=None, rope_interleave=False,
+                                                 rope_parameters=dict(rope_type="default",
+                                                                      rope_theta=1e4)),
+                        T.DeepseekV3ForCausalLM),
+    "v2_no_lora": (T.DeepseekV2Config, dict(BASE, q_lora_rank=None,
+                                            rope_parameters=dict(rope_type="default",
+                                                                 rope_theta=1e4)),
+                   T.DeepseekV2ForCausalLM),
+}
+
+
+def build(name, root):
+    cfg_cls, kw, model_cls = CASES[name]
+    d = os.path.join(root, name)
+    torch.manual_seed(sum(map(ord, name)))
+    cfg = cfg_cls(**kw)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    model = model_cls(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+        for n, p in model.named_parameters():
+            if "layernorm" in n and "self_attn" in n:
+                p.add_(1.0)  # norm weights around 1, not 0: every element shows
+    refs = {}
+    for layer in (0, 1):
+        store = {}
+        handles = H._hooks(model, "model.layers.{L}.self_attn", layer, store)
+        ids = torch.randint(3, 64, (BATCH, SEQ))
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        for h in handles:
+            h.remove()
+        refs[layer] = (store["x"], store["y"])
+    model.save_pretrained(d)
+    MODELS[name] = model
+    return d, refs
+
+
+MODELS = {}  # name: the float64 transformers model (the backward test runs its attention)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("mla"))
+    return {name: build(name, root) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("layer", [0, 1])
+def test_forward_matches_transformers(models, name, layer):
+    d, refs = models[name]
+    x, ref = refs[layer]
+    m = mha.MLA.from_pretrained(d, layer)
+    assert m.model_info["model_type"] == CASES[name][0].model_type
+    assert m.model_info["prefix"] == f"model.layers.{layer}.self_attn."
+    err = H.max_rel_err(m.forward(x), ref)
+    print(f"{name} layer {layer}: forward max rel err {err:.2e}")
+    assert err <= TOL_OUT_REL
+    # Not causal differs (the check can fail).
+    assert H.max_rel_err(m.forward(x, causal=False), ref) > 100 * TOL_OUT_REL
+
+
+def test_config_is_read(models):
+    c = mha.MLA.from_pretrained(models["v3_lora_yarn"][0], 0).config
+    assert (c.hidden, c.num_heads, c.q_lora_rank, c.kv_lora_rank) == (32, 4, 24, 16)
+    assert (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.bias) == (8, 8, 12, 1)
+    assert c.rope.style == 1 and c.rope.scaling == 4  # interleaved, YaRN
+    ms = 0.1 * 0.9 * np.log(4.0) + 1.0
+    assert c.scale == pytest.approx(16 ** -0.5 * ms * ms, rel=1e-15)
+    c2 = mha.MLA.from_pretrained(models["v3_no_lora_half"][0], 0).config
+    assert c2.q_lora_rank == 0 and c2.rope.style == 2 and c2.bias == 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype,tol", [("float32", TOL_OUT_REL), ("float16", TOL_KV_F16_REL),
+                                       ("bfloat16", TOL_KV_BF16_REL)])
+def test_compressed_decode_matches_full_forward(models, name, dtype, tol):
+    d, refs = models[name]
+    x, ref = refs[1]
+    m = mha.MLA.from_pretrained(d, 1)
+    c = m.config
+    cache = mha.MLACache(m, SEQ, batch=BATCH, dtype=dtype)
+    size = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    assert cache.bytes_per_token == (c.kv_lora_rank + c.qk_rope_head_dim) * size
+    out = np.empty_like(x)
+    out[:, :5] = cache.step(x[:, :5])  # a prompt of 5 tokens, then one by one
+    for t in range(5, SEQ):
+        out[:, t:t + 1] = cache.step(x[:, t:t + 1])
+    assert cache.length(0) == cache.length(1) == SEQ
+    err = H.max_rel_err(out, ref)
+    print(f"{name} {dtype}: compressed-cache decode max rel err {err:.2e}, "
+          f"{cache.bytes_per_token} bytes per token")
+    assert err <= tol
+    # The expanded forward agrees too (the two forms are the same function).
+    assert H.max_rel_err(out, m.forward(x).astype(np.float64)) <= tol
+
+
+def test_decode_sequences_apart(models):
+    """seq_ids: the sequences of one cache advance separately; a full cache is refused."""
+    d, refs = models["v3_lora_yarn"]
+    x, ref = refs[0]
+    m = mha.MLA.from_pretrained(d, 0)
+    cache = mha.MLACache(m, SEQ, batch=2)
+    out1 = np.concatenate([cache.step(x[1:2, t:t + 1], seq_ids=[1]) for t in range(SEQ)], 1)
+    assert cache.length(0) == 0 and cache.length(1) == SEQ
+    assert H.max_rel_err(out1[0], ref[1]) <= TOL_OUT_REL
+    with pytest.raises(mha.MhaError, match="max_seq"):
+        cache.step(x[1:2, :1], seq_ids=[1])
+    assert cache.length(1) == SEQ
+    cache.reset(1)
+    assert cache.length(1) == 0
+
+
+HF_NAMES = {"q_proj.weight": "w_q", "q_a_proj.weight": "w_q_a", "q_a_proj.bias": "b_q_a",
+            "q_a_layernorm.weight": "q_a_norm", "q_b_proj.weight": "w_q_b",
+            "kv_a_proj_with_mqa.weight": "w_kv_a", "kv_a_proj_with_mqa.bias": "b_kv_a",
+            "kv_a_layernorm.weight": "kv_a_norm", "kv_b_proj.weight": "w_kv_b",
+            "o_proj.weight": "w_o", "o_proj.bias": "b_o"}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_backward_matches_torch_autograd(models, name):
+    """Gradients of every weight (norm weights included) and of x against torch autograd of
+    transformers' attention module (float64, causal mask), each within TOL_GRAD_REL of its own
+    max|ref| (the layer's gradient tolerance)."""
+    d, refs = models[name]
+    x, _ = refs[1]
+    model = MODELS[name]
+    attn = model.model.layers[1].self_attn
+    xt = torch.tensor(x, requires_grad=True)
+    pos = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+    pe = model.model.rotary_emb(xt, pos)
+    mask = torch.full((SEQ, SEQ), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    rng = np.random.default_rng(3)
+    dy = rng.standard_normal(x.shape)
+    attn.zero_grad()
+    y = attn(hidden_states=xt, position_embeddings=pe, attention_mask=mask)[0]
+    assert H.max_rel_err(y.detach().numpy(), refs[1][1]) < 1e-12  # the module as the hooks saw
+    y.backward(torch.tensor(dy))
+    ref = {HF_NAMES[n]: p.grad.numpy() for n, p in attn.named_parameters()}
+    ref["x"] = xt.grad.numpy()
+    m = mha.MLA.from_pretrained(d, 1)
+    got = m.backward(x, dy)
+    assert set(got) == set(ref)
+    for k in ref:
+        err = H.max_rel_err(got[k], ref[k])
+        print(f"{name}: d{k} max rel err {err:.2e}")
+        assert err <= TOL_GRAD_REL, k
+    # The gradients move with the upstream gradient (the check can fail).
+    assert H.max_rel_err(m.backward(x, -dy)["kv_a_norm"], ref["kv_a_norm"]) > 1.0
+
+
+def _edit(src, dst, **changes):
+    return H.edit_config(src, dst, **changes)
+
+
+@pytest.mark.parametrize("field,value,status", [
+    ("kv_lora_rank", 0, "kv_lora_rank"),
+    ("q_lora_rank", -3, "q_lora_rank"),
+    ("qk_rope_head_dim", 7, "qk_rope_head_dim"),
+    ("qk_nope_head_dim", 0, "qk_nope_head_dim"),
+    ("v_head_dim", 2.5, "v_head_dim"),
+    ("num_attention_heads", "4", "num_attention_heads"),
+])
+def test_hostile_config_names_the_field(models, tmp_path, field, value, status):
+    d = _edit(models["v3_lora_yarn"][0], str(tmp_path / "m"), **{field: value})
+    with pytest.raises(mha.MhaError, match=status):
+        mha.MLA.from_pretrained(d, 0)
+
+
+@pytest.mark.parametrize("field,value,tensor", [
+    ("v_head_dim", 10, "kv_b_proj.weight"),       # sizes that contradict the tensors' shapes
+    ("qk_rope_head_dim", 6, "q_b_proj.weight"),
+    ("kv_lora_rank", 12, "kv_a_proj_with_mqa.weight"),
+    ("q_lora_rank", None, "q_proj.weight"),      # a missing tensor
+    ("attention_bias", False, None),             # biases in the file, not in the config: unused
+])
+def test_config_contradicting_the_tensors(models, tmp_path, field, value, tensor):
+    src, refs = models["v3_lora_yarn"]
+    d = _edit(src, str(tmp_path / "m"), **{field: value})
+    if tensor is None:
+        m = mha.MLA.from_pretrained(d, 0)
+        assert m.config.bias == 0  # transformers builds no bias either: a different layer
+        assert H.max_rel_err(m.forward(refs[0][0]), refs[0][1]) > 100 * TOL_OUT_REL
+        return
+    with pytest.raises(mha.MhaError, match=tensor.replace(".", r"\.")):
+        mha.MLA.from_pretrained(d, 0)
+
+
+def test_refusals(models, tmp_path):
+    src = models["v3_lora_yarn"][0]
+    with pytest.raises(mha.MhaError, match="mha_hf_mla_load"):
+        mha.MultiheadAttention.from_pretrained(src, 0)  # not an mha_layer: says where to go
+    d = _edit(src, str(tmp_path / "k"), model_type="kimi_k2")
+    with pytest.raises(mha.MhaError, match="kimi_k2"):
+        mha.MLA.from_pretrained(d, 0)
+    with pytest.raises(mha.MhaError, match="layer 2 does not exist"):
+        mha.MLA.from_pretrained(src, 2)
+    # transformers reads rope_parameters["factor"] for the mscale_all_dim scale: required then.
+    d = _edit(src, str(tmp_path / "y"), rope_parameters=dict(YARN, factor=None))
+    with pytest.raises(mha.MhaError, match="mscale_all_dim.*factor"):
+        mha.MLA.from_pretrained(d, 0)
+    d2 = str(tmp_path / "nofile")
+    shutil.copytree(src, d2)
+    os.remove(os.path.join(d2, "model.safetensors"))
+    with pytest.raises(mha.MhaError):
+        mha.MLA.from_pretrained(d2, 0)
+
+
+def test_create_checks_name_the_argument():
+    from mha import _lib as L
+    c = L.mha_mla_config()
+    c.hidden, c.num_heads, c.kv_lora_rank = 8, 2, 4
+    c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim = 4, 4, 4
+    c.rope.style = 1
+    rng = np.random.default_rng(0)
+    w = {"w_q": rng.standard_normal((16, 8)), "w_kv_a": rng.standard_normal((8, 8)),
+         "kv_a_norm": np.ones(4), "w_kv_b": rng.standard_normal((16, 4)),
+         "w_o": rng.standard_normal((8, 8))}
+    mha.MLA(c, w)
+    with pytest.raises(mha.MhaError, match="weights.kv_a_norm is NULL"):
+        mha.MLA(c, {k: v for k, v in w.items() if k != "kv_a_norm"})
+    bad = dict(w, w_o=np.full((8, 8), np.nan))
+    with pytest.raises(mha.MhaError, match=r"weights.w_o\[0\] is nan"):
+        mha.MLA(c, bad)
+    c.rope.style = 0
+    with pytest.raises(mha.MhaError, match="rope.style"):
+        mha.MLA(c, w)
+    c.rope.style, c.qk_rope_head_dim = 1, 3
+    with pytest.raises(mha.MhaError, match="qk_rope_head_dim=3"):
+        mha.MLA(c, w)
+
+
+def test_torch_module_trains_like_transformers(models):
+    """mha.torch.MLA: forward equal to the HF module, and loss.backward() fills every
+    parameter's .grad with torch autograd's of the HF module (TOL_GRAD_REL)."""
+    import mha.torch as mt
+    d, refs = models["v3_lora_yarn"]
+    x, ref = refs[1]
+    model = MODELS["v3_lora_yarn"]
+    attn = model.model.layers[1].self_attn
+    mod = mt.MLA.from_pretrained(d, 1)
+    xt = torch.tensor(x, dtype=torch.float32, requires_grad=True)
+    y = mod(xt)
+    assert H.max_rel_err(y.detach().numpy(), ref) <= TOL_OUT_REL
+    dy = np.random.default_rng(5).standard_normal(x.shape)
+    y.backward(torch.tensor(dy, dtype=torch.float32))
+    x64 = torch.tensor(x, requires_grad=True)
+    pe = model.model.rotary_emb(x64, torch.arange(SEQ)[None].expand(BATCH, SEQ))
+    mask = torch.full((SEQ, SEQ), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    attn.zero_grad()
+    attn(hidden_states=x64, position_embeddings=pe, attention_mask=mask)[0].backward(
+        torch.tensor(dy))
+    for n, p in attn.named_parameters():
+        assert H.max_rel_err(getattr(mod, HF_NAMES[n]).grad.numpy(), p.grad.numpy()) \
+            <= TOL_GRAD_REL, n
+    assert H.max_rel_err(xt.grad.numpy(), x64.grad.numpy()) <= TOL_GRAD_REL
+    # A parameter update changes the output (the module reads its parameters at every call).
+    with torch.no_grad():
+        mod.w_o.mul_(2.0)
+        mod.b_o.mul_(2.0)
+    assert H.max_rel_err(mod(xt).detach().numpy(), 2 * ref) <= TOL_OUT_REL
+
+
+def test_cli_run_model(models, tmp_path):
+    """`mha run --model DIR --layer L` on a deepseek_v3 directory: the expanded forward, equal to
+    the HF module; options an MLA layer does not take are refused naming them."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    d, refs = models["v3_lora_yarn"]
+    x, ref = refs[1]
+    np.save(tmp_path / "x.npy", x.astype(np.float32))
+    r = subprocess.run([cli, "run", "--model", d, "--layer", "1", "--input",
+                        str(tmp_path / "x.npy"), "--out", str(tmp_path / "y.npy")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert H.max_rel_err(np.load(tmp_path / "y.npy"), ref) <= TOL_OUT_REL
+    r = subprocess.run([cli, "run", "--model", d, "--input", str(tmp_path / "x.npy"), "--out",
+                        str(tmp_path / "y.npy"), "--softcap", "3"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--softcap" in r.stderr
+    r = subprocess.run([cli, "info", "--model", d, "--layer", "1"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "kv_lora_rank: 16" in r.stdout and "style interleaved" in r.stdout
+    assert "compressed cache: 24 values per token" in r.stdout
+    bad = _edit(d, str(tmp_path / "bad"), kv_lora_rank=0)
+    r = subprocess.run([cli, "run", "--model", bad, "--input", str(tmp_path / "x.npy"), "--out",
+                        str(tmp_path / "y.npy")], capture_output=True, text=True)
+    assert r.returncode == 1 and "kv_lora_rank" in r.stderr
+    r = subprocess.run([cli, "info", "--model", bad], capture_output=True, text=True)
+    assert r.returncode == 1 and "kv_lora_rank" in r.stderr
