@@ -26,8 +26,8 @@ from typing import Any
 
 from . import _lib
 from ._api import (MLA, Config, KVCache, MLACache, MultiheadAttention, QKNorm, Rope, TrainState,
-                   attention,
-                   attention_backward, attention_stats, rope, rope_frequencies, shard_rows)
+                   attention, attention_backward, attention_stats, rope, rope_frequencies,
+                   shard_rows)
 from ._lib import MhaError
 
 # The version is written once, in include/mha.h; the package's is the library's (the wheel's
