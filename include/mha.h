@@ -542,6 +542,18 @@ MHA_API mha_status mha_attention_statistics(const mha_attention_args *args,
 
 /** Layer configuration. Zero means "default" for every optional field, so
  *  `mha_config c = {0}; c.q_dim = 512; c.num_heads = 8;` is a valid self-attention layer. */
+/** Attention temperature tuning (Llama 4's NoPE layers; docs/SEMANTICS.md "Temperature
+ *  tuning"): the query row at position p (the RoPE position: q_positions, t when NULL, the cache
+ *  position in decode) is multiplied by
+ *      tau(p) = ln(floor((fl32(p) + 1) / fl32(floor_scale)) + 1) * attn_scale + 1
+ *  (the sum, quotient and floor in float32, as transformers forms them; the rest in double,
+ *  rounded once to float32) after the projection, RoPE and any QK-norm, before the core. */
+typedef struct mha_temperature_tuning {
+    int32_t enabled;    /* nonzero: on; 0: off, the other fields ignored */
+    double floor_scale; /* in [2^-32, FLT_MAX] when enabled (Llama 4: 8192) */
+    double attn_scale;  /* finite, |attn_scale| <= 2^100 when enabled (Llama 4: 0.1) */
+} mha_temperature_tuning;
+
 typedef struct mha_config {
     int64_t q_dim;                          /* query input features (required) */
     int64_t k_dim;                          /* key input features; 0 = q_dim */
@@ -561,6 +573,7 @@ typedef struct mha_config {
      * (0, the default), MHA_DTYPE_BF16 or MHA_DTYPE_F16. The arithmetic is float32 whatever it
      * is: weights are widened exactly where they are read (docs/SEMANTICS.md "Half precision"). */
     mha_dtype weight_dtype;
+    mha_temperature_tuning temperature; /* enabled 0 = off (every earlier caller) */
 } mha_config;
 
 /** Weights in PyTorch nn.Linear layout (y = x W^T + b). Rows [i*d_k, (i+1)*d_k) of w_q belong to

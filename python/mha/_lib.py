@@ -129,6 +129,10 @@ class mha_attention_args(Structure):
     ]
 
 
+class mha_temperature_tuning(Structure):
+    _fields_ = [("enabled", c_int32), ("floor_scale", c_double), ("attn_scale", c_double)]
+
+
 class mha_config(Structure):
     _fields_ = [
         ("q_dim", c_int64), ("k_dim", c_int64), ("v_dim", c_int64), ("num_heads", c_int64),
@@ -136,7 +140,7 @@ class mha_config(Structure):
         ("out_dim", c_int64),
         ("bias_q", c_int32), ("bias_k", c_int32), ("bias_v", c_int32), ("bias_o", c_int32),
         ("sinks", c_int32), ("scale", c_double), ("softcap", c_double), ("alibi", c_int32),
-        ("rope", mha_rope), ("weight_dtype", c_int),
+        ("rope", mha_rope), ("weight_dtype", c_int), ("temperature", mha_temperature_tuning),
     ]
 
 
@@ -221,7 +225,7 @@ class mha_mask_rule(Structure):
 STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope,
            mha_attention_args, mha_config, mha_weights, mha_forward_args, mha_name_map,
            mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args,
-           mha_attention_stats, mha_mask_rule]
+           mha_attention_stats, mha_mask_rule, mha_temperature_tuning, mha_hf_layer_info]
 
 # ------------------------------------------------------------------------------------------------
 # Loading

@@ -4,7 +4,29 @@
  * check/attention.c on the core's arguments), the gradient requests of mha_layer_backward. */
 #include "check/check.h"
 
+#include <float.h>
+#include <math.h>
 #include <string.h>
+
+/* Temperature tuning (docs/SEMANTICS.md): off, or floor_scale in [2^-32, FLT_MAX] (the float32
+ * quotient (p + 1) / floor_scale then stays below 2^64, its log below 45) and attn_scale finite
+ * with |attn_scale| <= 2^100 (tau finite in float32). Off zeroes the fields it ignores. */
+static mha_status check_temperature(mha_temperature_tuning *t, mha_error *err) {
+    if (!t->enabled) {
+        memset(t, 0, sizeof *t);
+        return MHA_STATUS_OK;
+    }
+    t->enabled = 1;
+    MHA_RETURN_IF(!(t->floor_scale >= 0x1p-32 && t->floor_scale <= (double)FLT_MAX), err,
+                  INVALID_ARG,
+                  "config.temperature.floor_scale=%g must be in [2^-32, %g]: positions are "
+                  "divided by it in float32",
+                  t->floor_scale, (double)FLT_MAX);
+    MHA_RETURN_IF(!(fabs(t->attn_scale) <= 0x1p100), err, INVALID_ARG,
+                  "config.temperature.attn_scale=%g must be finite with |attn_scale| <= 2^100",
+                  t->attn_scale);
+    return MHA_STATUS_OK;
+}
 
 /* config with every default filled in: k_dim = v_dim = q_dim, num_kv_heads = num_heads, head_dim
  * = q_dim / num_heads, v_head_dim = head_dim, out_dim = q_dim, scale = 1/sqrt(head_dim), rope. */
@@ -67,6 +89,9 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
     c->bias_o = c->bias_o != 0;
     c->sinks = c->sinks != 0;
     c->alibi = c->alibi != 0;
+    mha_status tt = check_temperature(&c->temperature, err);
+    if (tt)
+        return tt;
     MHA_RETURN_IF(
         !mha__is_float_storage(c->weight_dtype), err, INVALID_ARG,
         "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or MHA_DTYPE_F16",

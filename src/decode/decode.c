@@ -507,6 +507,9 @@ static mha_status layer_step(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, S, t, h, dk, NULL, len0, 1);
         mha__plan_rope(&c->rope, len, tab, k, S, t, g, dk, NULL, len0, 1);
     }
+    /* 2b. Temperature tuning: each new query times tau(len0 + i), its cache position. */
+    if (!st)
+        mha__plan_temperature(&c->temperature, q, S, t, h, dk, NULL, len0);
 
     /* 3. Append and attend, in steps a window ring can hold. */
     const int64_t step = kc->window > 0 ? kc->max_step_tokens : t;

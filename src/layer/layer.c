@@ -317,6 +317,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
+    if (!st) /* temperature tuning: Q's rows times tau(position) */
+        mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
 
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
@@ -392,6 +394,8 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
+    if (!st) /* temperature tuning: Q's rows times tau(position) */
+        mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
     if (!st)
         st = mha__attention_stats_run(&p, stats, exec, err);
     mha__free(alloc, ws);

@@ -180,6 +180,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         if (!st)
             st = rope_buffer(&c->rope, len, alloc, s->k, B, m, g, dk, kpos, 1, err);
     }
+    if (!st) /* temperature tuning: Q's rows times tau(position) */
+        mha__plan_temperature(&c->temperature, s->q, B, n, h, dk, args->q_positions, NULL);
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
@@ -516,6 +518,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
     /* From here on nothing can fail but allocation inside the GEMM. */
     if (!st)
         st = out_grads(s, c, dy, gr, &x, dsinks, sc.wbuf, err);
+    /* "Q = tau(p) Q'": dQ' = tau(p) dQ, a constant per row (before or after RoPE's transpose:
+     * a scalar per row commutes with the rotation). */
+    if (!st)
+        mha__plan_temperature(&c->temperature, sc.dQ, B, n, h, dk, a->q_positions, NULL);
     /* "Q = RoPE(Q')": the transposed rotation. */
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);

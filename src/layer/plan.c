@@ -7,6 +7,7 @@
 
 #include "kernels/gemm.h"
 
+#include <math.h>
 #include <string.h>
 
 /* y[r, o] = sum_c x[r, c] W[o, c] + b[o] for rows [r0, r1): the reference projection. */
@@ -95,6 +96,35 @@ void mha__plan_rope(const mha_rope *resolved,
                     sin_k[k] = -sin_k[k];
             for (int64_t hh = 0; hh < heads; hh++)
                 mha__rope_rotate(&r, cos_k, sin_k, x + ((b * L + t) * heads + hh) * d);
+        }
+}
+
+float mha__temperature_factor(const mha_temperature_tuning *t, int64_t p) {
+    /* transformers: torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) *
+     * attn_scale + 1.0; float32 up to the floor, whose result (an integer < 2^64) is exact in
+     * double. */
+    const float k = floorf(((float)p + 1.0f) / (float)t->floor_scale);
+    return (float)(log1p((double)k) * t->attn_scale + 1.0);
+}
+
+void mha__plan_temperature(const mha_temperature_tuning *t,
+                           float *x,
+                           int64_t B,
+                           int64_t L,
+                           int64_t heads,
+                           int64_t d,
+                           const int64_t *pos,
+                           const int64_t *base) {
+    if (!t->enabled)
+        return;
+    const int64_t row = heads * d;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < L; i++) {
+            const int64_t p = pos ? pos[b * L + i] : (base ? base[b] : 0) + i;
+            const float tau = mha__temperature_factor(t, p);
+            float *xr = x + (b * L + i) * row;
+            for (int64_t e = 0; e < row; e++)
+                xr[e] *= tau;
         }
 }
 
