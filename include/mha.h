@@ -540,8 +540,29 @@ MHA_API mha_status mha_attention_statistics(const mha_attention_args *args,
 /* The layer                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
-/** Layer configuration. Zero means "default" for every optional field, so
- *  `mha_config c = {0}; c.q_dim = 512; c.num_heads = 8;` is a valid self-attention layer. */
+/** Normalization of q and k inside the layer (docs/SEMANTICS.md "QK-norm"). Over a group x of
+ *  G values: r = 1 / sqrt(sum(x^2) / G + eps), y = x r s, s = w (unit_offset = 0), 1 + w
+ *  (unit_offset != 0: Gemma's scaling) or 1 (no weights); float32 arithmetic, the sum of squares
+ *  accumulated in double. */
+typedef enum mha_qk_norm_kind {
+    MHA_QK_NORM_NONE = 0,
+    /* RMSNorm of each head's q and k over head_dim, before RoPE; weights q_norm and k_norm [d_k]
+     * (shared by the heads): Qwen3, Qwen3-MoE, Qwen3-Next, Gemma 3 */
+    MHA_QK_NORM_RMS_HEAD = 1,
+    /* RMSNorm over the whole projection before the head split, before RoPE; weights q_norm
+     * [h*d_k] and k_norm [g*d_k]: OLMo 2 */
+    MHA_QK_NORM_RMS_ALL = 2,
+    /* weightless x / sqrt(mean(x^2) + eps) of each head's q and k over head_dim AFTER RoPE (a
+     * layer without RoPE: after the projection): Llama 4 use_qk_norm (Llama4TextL2Norm) */
+    MHA_QK_NORM_L2_AFTER_ROPE = 3,
+} mha_qk_norm_kind;
+
+typedef struct mha_qk_norm {
+    mha_qk_norm_kind kind;
+    double eps;          /* finite, in (0, FLT_MAX] when kind != NONE */
+    int32_t unit_offset; /* nonzero: scale by (1 + w) (Gemma 3, Qwen3-Next); RMS kinds only */
+} mha_qk_norm;
+
 /** Attention temperature tuning (Llama 4's NoPE layers; docs/SEMANTICS.md "Temperature
  *  tuning"): the query row at position p (the RoPE position: q_positions, t when NULL, the cache
  *  position in decode) is multiplied by
@@ -554,6 +575,8 @@ typedef struct mha_temperature_tuning {
     double attn_scale;  /* finite, |attn_scale| <= 2^100 when enabled (Llama 4: 0.1) */
 } mha_temperature_tuning;
 
+/** Layer configuration. Zero means "default" for every optional field, so
+ *  `mha_config c = {0}; c.q_dim = 512; c.num_heads = 8;` is a valid self-attention layer. */
 typedef struct mha_config {
     int64_t q_dim;                          /* query input features (required) */
     int64_t k_dim;                          /* key input features; 0 = q_dim */
@@ -573,6 +596,11 @@ typedef struct mha_config {
      * (0, the default), MHA_DTYPE_BF16 or MHA_DTYPE_F16. The arithmetic is float32 whatever it
      * is: weights are widened exactly where they are read (docs/SEMANTICS.md "Half precision"). */
     mha_dtype weight_dtype;
+    mha_qk_norm qk_norm; /* kind NONE (0) = no normalization of q and k */
+    /* nonzero: an output gate (Qwen3-Next): w_q has 2*h*d_k rows, the first h*d_k the query's and
+     * the next h*d_k the gate's (b_q likewise [2*h*d_k]); the output projection reads
+     * A * sigmoid(x W_gate^T + b_gate) instead of A. Needs v_head_dim = head_dim. */
+    int32_t output_gate;
     mha_temperature_tuning temperature; /* enabled 0 = off (every earlier caller) */
 } mha_config;
 
@@ -586,6 +614,9 @@ typedef struct mha_weights {
     const void *w_o; /* [out_dim, h*d_v] */
     const void *b_q, *b_k, *b_v, *b_o;
     const void *sinks; /* [h] */
+    /* QK-norm weights (config.qk_norm): [d_k] each for RMS_HEAD, [h*d_k] and [g*d_k] for
+     * RMS_ALL; given exactly when the kind has weights (NULL for NONE and L2_AFTER_ROPE). */
+    const void *q_norm, *k_norm;
 } mha_weights;
 
 typedef enum mha_ownership {
@@ -875,6 +906,7 @@ typedef struct mha_layer_grads {
     float *db_q, *db_k, *db_v, *db_o;
     float *d_sinks;
     int32_t accumulate;
+    float *d_q_norm, *d_k_norm; /* the QK-norm weights' gradients (shapes of q_norm, k_norm) */
 } mha_layer_grads;
 
 /** Backward of the layer given dy = dL/dy [B, n, out_dim] (of the forward's out_dtype) and the

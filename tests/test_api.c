@@ -450,7 +450,7 @@ static void test_layer_project(void) {
         x[i] = (float)(i % 7) - 2.5f;
     mha_config cfg = {0};
     cfg.q_dim = 4, cfg.num_heads = 2, cfg.bias_q = cfg.bias_k = cfg.bias_v = cfg.bias_o = 1;
-    mha_weights wt = {w[0], w[1], w[2], w[3], b[0], b[1], b[2], b[3], NULL};
+    mha_weights wt = {w[0], w[1], w[2], w[3], b[0], b[1], b[2], b[3], NULL, NULL, NULL};
     mha_layer *layer = NULL;
     mha_error err;
     CHECK_OK(mha_layer_create(&cfg, &wt, MHA_WEIGHTS_BORROW, NULL, &layer, &err), &err);

@@ -89,7 +89,7 @@ static void test_layer_scalars(void) {
     mha_config c;
     memset(&c, 0, sizeof c);
     c.q_dim = 8, c.num_heads = 2;
-    mha_weights w = {W, W, W, W, NULL, NULL, NULL, NULL, NULL};
+    mha_weights w = {W, W, W, W, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     mha_layer *L = NULL;
     mha_config b = c;
     b.scale = 1e39;
@@ -234,7 +234,7 @@ static void test_layer_aliasing(void) {
     mha_config c;
     memset(&c, 0, sizeof c);
     c.q_dim = 8, c.num_heads = 2;
-    mha_weights w = {W, W + 64, W + 128, W + 192, NULL, NULL, NULL, NULL, NULL};
+    mha_weights w = {W, W + 64, W + 128, W + 192, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     mha_layer *L = NULL;
     CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
     float x[3 * 8], y[3 * 8], p[2 * 9];
@@ -364,7 +364,7 @@ static void test_error_contract(void) {
     mha_config c;
     memset(&c, 0, sizeof c);
     c.q_dim = 24, c.num_heads = 12, c.num_kv_heads = 5;
-    mha_weights w = {W, W, W, W, NULL, NULL, NULL, NULL, NULL};
+    mha_weights w = {W, W, W, W, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     mha_layer *L = NULL;
     CHECK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err) == MHA_STATUS_INVALID_ARG,
           "12 heads over 5 kv heads");

@@ -94,8 +94,8 @@ static mha_layer *make_layer(void) {
     test_rng_seed(&rng, 3);
     test_fill_normal(&rng, w, 4 * E * E + 2 * E, 0.2f);
     /* GQA: w_k and w_v have num_kv_heads * head_dim = 16 rows. */
-    mha_weights wt = {w,    w + E * E, w + 2 * E * E,     w + 3 * E * E, w + 4 * E * E,
-                      NULL, NULL,      w + 4 * E * E + E, NULL};
+    mha_weights wt = {w,    w + E * E,         w + 2 * E * E, w + 3 * E * E, w + 4 * E * E, NULL,
+                      NULL, w + 4 * E * E + E, NULL,          NULL,          NULL};
     mha_layer *L = NULL;
     mha_error err;
     CHECK_OK(mha_layer_create(&c, &wt, MHA_WEIGHTS_COPY, NULL, &L, &err), &err);

@@ -391,8 +391,8 @@ static int lbuild(const lspec *s, uint64_t seed, lbuilt *c) {
         const double fan = i < 4 ? (double)fans[i] : 4.0;
         test_fill_normal(&r, c->w[i], sizes[i], (float)(1.2 / sqrt(fan)));
     }
-    mha_weights w = {c->w[0], c->w[1], c->w[2], c->w[3], c->w[4],
-                     c->w[5], c->w[6], c->w[7], c->w[8]};
+    mha_weights w = {c->w[0], c->w[1], c->w[2], c->w[3], c->w[4], c->w[5],
+                     c->w[6], c->w[7], c->w[8], NULL,    NULL};
     mha_error err = {0};
     mha_status st = mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &c->layer, &err);
     CHECK(st == MHA_STATUS_OK, "[%s] layer create: %s", s->name, err.message);
@@ -537,9 +537,9 @@ static int lib_layer(const lbuilt *c, mha_impl impl, int threads, int accumulate
         CHECK(memcmp(y, y2, sizeof(float) * (size_t)(s->B * s->n * c->cfg.out_dim)) == 0,
               "[%s] forward_train output differs from mha_layer_forward", s->name);
         free(y2);
-        mha_layer_grads g = {grads[0],  grads[1],  grads[2],  grads[3], grads[4],
-                             grads[5],  grads[6],  grads[7],  grads[8], grads[9],
-                             grads[10], grads[11], accumulate};
+        mha_layer_grads g = {grads[0],  grads[1],  grads[2],   grads[3], grads[4],
+                             grads[5],  grads[6],  grads[7],   grads[8], grads[9],
+                             grads[10], grads[11], accumulate, NULL,     NULL};
         rc = mha_layer_backward(c->layer, st, c->dy, &g, &ex, &err);
         CHECK(rc == MHA_STATUS_OK, "[%s] layer backward: %s", s->name, err.message);
     }
@@ -826,7 +826,8 @@ train_run(mha_impl impl, int steps, double *final_loss, float *params_out, int64
             tok[e] = (int32_t)(test_rng_u64(&data) % TV);
         for (int e = 0; e < TB * TT; e++)
             memcpy(x + e * TD, P[0].p + tok[e] * TD, sizeof(float) * TD);
-        mha_weights w = {P[2].p, P[3].p, P[4].p, P[5].p, P[6].p, P[7].p, P[8].p, P[9].p, NULL};
+        mha_weights w = {P[2].p, P[3].p, P[4].p, P[5].p, P[6].p, P[7].p,
+                         P[8].p, P[9].p, NULL,   NULL,   NULL};
         mha_layer *layer = NULL;
         mha_error err = {0};
         if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &layer, &err)) {
@@ -876,8 +877,8 @@ train_run(mha_impl impl, int steps, double *final_loss, float *params_out, int64
         loss /= (double)(TB * (TT - 1));
         if (step == 1)
             first = loss;
-        mha_layer_grads g = {dx,     NULL,   NULL,   P[2].g, P[3].g, P[4].g, P[5].g,
-                             P[6].g, P[7].g, P[8].g, P[9].g, NULL,   0};
+        mha_layer_grads g = {dx,     NULL,   NULL,   P[2].g, P[3].g, P[4].g, P[5].g, P[6].g,
+                             P[7].g, P[8].g, P[9].g, NULL,   0,      NULL,   NULL};
         mha_status rc = mha_layer_backward(layer, st, dy, &g, &ex, &err);
         CHECK(rc == MHA_STATUS_OK, "train: backward: %s", err.message);
         mha_train_state_destroy(st);

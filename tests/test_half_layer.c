@@ -128,10 +128,10 @@ static int build(const spec *s, uint64_t seed, built *c) {
     c->xq = make_tensor(&r, s->xdt, s->B * s->n * s->qd, 1.0f);
     c->xk = make_tensor(&r, s->xdt, s->m ? s->B * m * s->qd : 0, 1.0f);
     c->dy = make_tensor(&r, s->odt, s->B * s->n * s->qd, 1.0f);
-    mha_weights w = {c->w[0].st, c->w[1].st, c->w[2].st, c->w[3].st, c->w[4].st,
-                     c->w[5].st, c->w[6].st, c->w[7].st, c->w[8].st};
-    mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f,
-                       c->w[5].f, c->w[6].f, c->w[7].f, c->w[8].f};
+    mha_weights w = {c->w[0].st, c->w[1].st, c->w[2].st, c->w[3].st, c->w[4].st, c->w[5].st,
+                     c->w[6].st, c->w[7].st, c->w[8].st, NULL,       NULL};
+    mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f, c->w[5].f,
+                       c->w[6].f, c->w[7].f, c->w[8].f, NULL,      NULL};
     mha_error err = {0};
     cfg.weight_dtype = s->wdt;
     CHECK_OK(mha_layer_create(&cfg, &w, MHA_WEIGHTS_COPY, NULL, &c->L, &err), &err);
@@ -224,8 +224,8 @@ static void test_forward(const built *c) {
     /* The oracle on the widened weights and inputs. */
     mha_config cf = c->cfg;
     cf.weight_dtype = F32;
-    mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f,
-                       c->w[5].f, c->w[6].f, c->w[7].f, c->w[8].f};
+    mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f, c->w[5].f,
+                       c->w[6].f, c->w[7].f, c->w[8].f, NULL,      NULL};
     mha_forward_args af = fwd_args(c, 1, NULL);
     double *ref = malloc(sizeof(double) * (size_t)ny);
     CHECK(oracle_layer(&cf, &w32, &af, ref, NULL) == 0, "[%s] oracle", s->name);
@@ -548,8 +548,8 @@ static void test_decode(const built *c) {
         /* Against the float64 oracle of the full causal forward over the whole sequence. */
         mha_config cf = c->cfg;
         cf.weight_dtype = F32;
-        mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f,
-                           c->w[5].f, c->w[6].f, c->w[7].f, c->w[8].f};
+        mha_weights w32 = {c->w[0].f, c->w[1].f, c->w[2].f, c->w[3].f, c->w[4].f, c->w[5].f,
+                           c->w[6].f, c->w[7].f, c->w[8].f, NULL,      NULL};
         mha_forward_args a;
         memset(&a, 0, sizeof a);
         a.batch = S, a.q_len = L, a.query = x, a.mask.causal = 1;
@@ -576,7 +576,7 @@ static void test_hostile(void) {
         w[i] = mha__f32_to_bf16(0.01f * (float)(i % 7));
     for (int i = 0; i < 8; i++)
         b[i] = mha__f32_to_bf16(0.5f);
-    mha_weights wt = {w, w, w, w, b, NULL, NULL, NULL, NULL};
+    mha_weights wt = {w, w, w, w, b, NULL, NULL, NULL, NULL, NULL, NULL};
     mha_layer *L = NULL;
     mha_error err = {0};
     const mha_dtype bad[4] = {MHA_DTYPE_F64, MHA_DTYPE_BOOL, MHA_DTYPE_I32, (mha_dtype)99};
@@ -600,7 +600,7 @@ static void test_hostile(void) {
     for (int i = 0; i < 8; i++)
         bf16_inf[i] = mha__f32_to_f16(-65504.0f); /* finite: the largest f16 */
     bf16_inf[5] = 0xFC00;                         /* -Inf in f16 */
-    mha_weights wh = {wf16, wf16, wf16, wf16, bf16_inf, NULL, NULL, NULL, NULL};
+    mha_weights wh = {wf16, wf16, wf16, wf16, bf16_inf, NULL, NULL, NULL, NULL, NULL, NULL};
     cfg.weight_dtype = F16;
     CHECK(mha_layer_create(&cfg, &wh, MHA_WEIGHTS_BORROW, NULL, &L, &err) ==
                   MHA_STATUS_INVALID_ARG &&

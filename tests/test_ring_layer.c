@@ -59,7 +59,7 @@ static mha_layer *make_layer(const layer_case *c, float **wbuf) {
     int64_t off = 0;
     for (int i = 0; i < 9; i++)
         p[i] = *wbuf + off, off += sz[i];
-    mha_weights w = {p[0], p[1], p[2], p[3], NULL, NULL, NULL, NULL, NULL};
+    mha_weights w = {p[0], p[1], p[2], p[3], NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     if (c->bias)
         w.b_q = p[4], w.b_k = p[5], w.b_v = p[6], w.b_o = p[7];
     if (c->sinks)
@@ -137,7 +137,9 @@ static void check_backward(const layer_case *c,
                           c->bias ? w1[6] : NULL,
                           c->bias ? w1[7] : NULL,
                           NULL,
-                          0};
+                          0,
+                          NULL,
+                          NULL};
     float ds1[8] = {0}, dsr[8] = {0}; /* h <= 8 */
     g1.d_sinks = c->sinks ? ds1 : NULL;
     if (state)

@@ -429,7 +429,8 @@ static void test_layer(void) {
     float *w = malloc(sizeof(float) * 4096), *x = malloc(sizeof(float) * (size_t)(B * n * q_dim));
     test_fill_normal(&r, w, 4096, 0.5f);
     test_fill_normal(&r, x, B * n * q_dim, 1.0f);
-    mha_weights wt = {w, w + 1024, w + 2048, w + 3072, w + 3900, w + 3950, NULL, NULL, NULL};
+    mha_weights wt = {w,    w + 1024, w + 2048, w + 3072, w + 3900, w + 3950,
+                      NULL, NULL,     NULL,     NULL,     NULL};
     (void)d;
     mha_layer *layer = NULL;
     mha_error err;

@@ -305,7 +305,7 @@ static mha_layer *make_layer(const layer_case *c, const layer_inputs *in, mha_dt
     const void *h[9];
     for (int i = 0; i < 9; ++i)
         h[i] = f[i] ? stored(dt, f[i], n[i]) : NULL;
-    mha_weights w = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8]};
+    mha_weights w = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8], NULL, NULL};
     mha_config cfg = c->cfg;
     cfg.weight_dtype = dt;
     mha_layer *layer = NULL;
@@ -376,8 +376,8 @@ static void run_layer_case(
         buf[i] = sizes[i] ? new_filled(sizes[i], 0, 0.0f) : NULL;
         g[i] = buf[i] && i < 3 ? stored(dt, buf[i], sizes[i]) : buf[i];
     }
-    mha_layer_grads gr = {g[0], g[1], g[2], g[3],  g[4],  g[5], g[6],
-                          g[7], g[8], g[9], g[10], g[11], 0};
+    mha_layer_grads gr = {g[0], g[1], g[2],  g[3],  g[4], g[5], g[6], g[7],
+                          g[8], g[9], g[10], g[11], 0,    NULL, NULL};
     if (mha_layer_backward(layer, st, dys, &gr, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
     for (int i = 0; i < 12; ++i) {

@@ -129,6 +129,11 @@ class mha_attention_args(Structure):
     ]
 
 
+QK_NORM_NONE, QK_NORM_RMS_HEAD, QK_NORM_RMS_ALL, QK_NORM_L2_AFTER_ROPE = 0, 1, 2, 3
+
+
+class mha_qk_norm(Structure):
+    _fields_ = [("kind", c_int), ("eps", c_double), ("unit_offset", c_int32)]
 class mha_temperature_tuning(Structure):
     _fields_ = [("enabled", c_int32), ("floor_scale", c_double), ("attn_scale", c_double)]
 
@@ -140,7 +145,9 @@ class mha_config(Structure):
         ("out_dim", c_int64),
         ("bias_q", c_int32), ("bias_k", c_int32), ("bias_v", c_int32), ("bias_o", c_int32),
         ("sinks", c_int32), ("scale", c_double), ("softcap", c_double), ("alibi", c_int32),
-        ("rope", mha_rope), ("weight_dtype", c_int), ("temperature", mha_temperature_tuning),
+        ("rope", mha_rope), ("weight_dtype", c_int),
+        ("qk_norm", mha_qk_norm), ("output_gate", c_int32),
+        ("temperature", mha_temperature_tuning),
     ]
 
 
@@ -158,7 +165,8 @@ class mha_hf_layer_info(Structure):
 
 class mha_weights(Structure):
     _fields_ = [(name, c_void_p) for name in
-                ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "sinks")]
+                ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o", "sinks",
+                 "q_norm", "k_norm")]
 
 
 class mha_forward_args(Structure):
@@ -190,7 +198,8 @@ class mha_attention_grads(Structure):
 class mha_layer_grads(Structure):
     _fields_ = [(name, c_void_p) for name in
                 ("d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v", "dw_o",
-                 "db_q", "db_k", "db_v", "db_o", "d_sinks")] + [("accumulate", c_int32)]
+                 "db_q", "db_k", "db_v", "db_o", "d_sinks")] + [("accumulate", c_int32)] + [
+                    (name, c_void_p) for name in ("d_q_norm", "d_k_norm")]
 
 
 class mha_kv_cache_config(Structure):
@@ -222,7 +231,7 @@ class mha_mask_rule(Structure):
                 ("window_left", c_int64), ("window_right", c_int64)]
 
 
-STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope,
+STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope, mha_qk_norm,
            mha_attention_args, mha_config, mha_weights, mha_forward_args, mha_name_map,
            mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args,
            mha_attention_stats, mha_mask_rule, mha_temperature_tuning, mha_hf_layer_info]

@@ -375,6 +375,7 @@ typedef struct mha__layer_w {
     const void *w_q, *w_k, *w_v, *w_o;
     mha_dtype wdt;
     const float *b_q, *b_k, *b_v, *b_o, *sinks;
+    const float *q_norm, *k_norm; /* QK-norm weights (NULL when the kind has none) */
 } mha__layer_w;
 const mha__layer_w *mha__layer_compute_weights(const mha_layer *layer);
 

@@ -149,7 +149,9 @@ typedef struct mha__weight_slot {
     int64_t count;
     int present;
 } mha__weight_slot;
-enum { MHA__WEIGHT_SLOTS = 9 };
+/* w_q w_k w_v w_o | b_q b_k b_v b_o sinks q_norm k_norm: from slot 4 on, the small tensors that a
+ * half layer widens once to float32 (layer.c). */
+enum { MHA__WEIGHT_SLOTS = 11, MHA__SMALL_SLOT0 = 4 };
 void mha__layer_weight_slots(const mha_config *c,
                              mha_weights *w,
                              mha__weight_slot slots[MHA__WEIGHT_SLOTS]);

@@ -8,6 +8,31 @@
 #include <math.h>
 #include <string.h>
 
+/* config.qk_norm (docs/SEMANTICS.md "QK-norm") and config.output_gate, resolved in place: a kind
+ * NONE keeps eps = 0 and unit_offset = 0; unit_offset becomes 0 or 1. */
+static mha_status check_qk_norm(mha_config *c, mha_error *err) {
+    mha_qk_norm *q = &c->qk_norm;
+    MHA_RETURN_IF(q->kind < MHA_QK_NORM_NONE || q->kind > MHA_QK_NORM_L2_AFTER_ROPE, err,
+                  INVALID_ARG,
+                  "config.qk_norm.kind=%d is not NONE (0), RMS_HEAD (1), RMS_ALL (2) or "
+                  "L2_AFTER_ROPE (3)",
+                  (int)q->kind);
+    if (q->kind == MHA_QK_NORM_NONE) {
+        q->eps = 0.0;
+        q->unit_offset = 0;
+    } else {
+        MHA_RETURN_IF(!(q->eps > 0.0 && q->eps <= (double)FLT_MAX), err, INVALID_ARG,
+                      "config.qk_norm.eps=%g must be finite and in (0, FLT_MAX]", q->eps);
+        MHA_RETURN_IF(q->kind == MHA_QK_NORM_L2_AFTER_ROPE && q->unit_offset, err, INVALID_ARG,
+                      "config.qk_norm.unit_offset is set but L2_AFTER_ROPE has no weights");
+        q->unit_offset = q->unit_offset != 0;
+    }
+    c->output_gate = c->output_gate != 0;
+    MHA_RETURN_IF(c->output_gate, err, UNSUPPORTED,
+                  "config.output_gate is not implemented yet (docs/SEMANTICS.md \"Output gate\")");
+    return MHA_STATUS_OK;
+}
+
 /* Temperature tuning (docs/SEMANTICS.md): off, or floor_scale in [2^-32, FLT_MAX] (the float32
  * quotient (p + 1) / floor_scale then stays below 2^64, its log below 45) and attn_scale finite
  * with |attn_scale| <= 2^100 (tau finite in float32). Off zeroes the fields it ignores. */
@@ -89,6 +114,9 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
     c->bias_o = c->bias_o != 0;
     c->sinks = c->sinks != 0;
     c->alibi = c->alibi != 0;
+    mha_status qk = check_qk_norm(c, err);
+    if (qk)
+        return qk;
     mha_status tt = check_temperature(&c->temperature, err);
     if (tt)
         return tt;
@@ -103,6 +131,8 @@ void mha__layer_weight_slots(const mha_config *c,
                              mha_weights *w,
                              mha__weight_slot slots[MHA__WEIGHT_SLOTS]) {
     const int64_t h = c->num_heads, g = c->num_kv_heads;
+    const int norm_w =
+        c->qk_norm.kind == MHA_QK_NORM_RMS_HEAD || c->qk_norm.kind == MHA_QK_NORM_RMS_ALL;
     const mha__weight_slot s[MHA__WEIGHT_SLOTS] = {
         {"w_q", &w->w_q, h * c->head_dim * c->q_dim, 1},
         {"w_k", &w->w_k, g * c->head_dim * c->k_dim, 1},
@@ -113,6 +143,10 @@ void mha__layer_weight_slots(const mha_config *c,
         {"b_v", &w->b_v, g * c->v_head_dim, c->bias_v},
         {"b_o", &w->b_o, c->out_dim, c->bias_o},
         {"sinks", &w->sinks, h, c->sinks},
+        {"q_norm", &w->q_norm,
+         c->qk_norm.kind == MHA_QK_NORM_RMS_ALL ? h * c->head_dim : c->head_dim, norm_w},
+        {"k_norm", &w->k_norm,
+         c->qk_norm.kind == MHA_QK_NORM_RMS_ALL ? g * c->head_dim : c->head_dim, norm_w},
     };
     memcpy(slots, s, sizeof s);
 }
@@ -343,6 +377,15 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
                   err, INVALID_ARG, "a bias gradient is requested for a bias the layer lacks");
     MHA_RETURN_IF(gr->d_sinks && !c->sinks, err, INVALID_ARG,
                   "grads.d_sinks is given but the layer has no sinks");
+    const int norm_w =
+        c->qk_norm.kind == MHA_QK_NORM_RMS_HEAD || c->qk_norm.kind == MHA_QK_NORM_RMS_ALL;
+    MHA_RETURN_IF((gr->d_q_norm || gr->d_k_norm) && !norm_w, err, INVALID_ARG,
+                  "grads.d_%s_norm is given but the layer has no QK-norm weights",
+                  gr->d_q_norm ? "q" : "k");
+    const int64_t nq =
+        c->qk_norm.kind == MHA_QK_NORM_RMS_ALL ? c->num_heads * c->head_dim : c->head_dim;
+    const int64_t nk =
+        c->qk_norm.kind == MHA_QK_NORM_RMS_ALL ? c->num_kv_heads * c->head_dim : c->head_dim;
     /* Every gradient against dy, the forward's inputs, the layer's weights and each other. */
     const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
     const int64_t dk = c->head_dim, dv = c->v_head_dim;
@@ -366,7 +409,7 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
     for (int i = 0; i < MHA__WEIGHT_SLOTS; i++)
         in[n_in++] = mha__span_of(slots[i].name, slots[i].present ? *slots[i].ptr : NULL,
                                   slots[i].count, ws);
-    const mha__span out[12] = {
+    const mha__span out[14] = {
         mha__span_of("grads.d_query", gr->d_query, mha__count3(B, n, c->q_dim), xs),
         mha__span_of("grads.d_key", gr->d_key, mha__count3(B, m, c->k_dim), xs),
         mha__span_of("grads.d_value", gr->d_value, mha__count3(B, m, c->v_dim), xs),
@@ -378,8 +421,10 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
         mha__span_of("grads.db_k", gr->db_k, g * dk, sizeof(float)),
         mha__span_of("grads.db_v", gr->db_v, g * dv, sizeof(float)),
         mha__span_of("grads.db_o", gr->db_o, c->out_dim, sizeof(float)),
-        mha__span_of("grads.d_sinks", gr->d_sinks, h, sizeof(float))};
-    return mha__check_no_overlap(out, 12, in, n_in, err);
+        mha__span_of("grads.d_sinks", gr->d_sinks, h, sizeof(float)),
+        mha__span_of("grads.d_q_norm", gr->d_q_norm, nq, sizeof(float)),
+        mha__span_of("grads.d_k_norm", gr->d_k_norm, nk, sizeof(float))};
+    return mha__check_no_overlap(out, 14, in, n_in, err);
 }
 
 mha_status mha__check_forward_args(const mha_config *c,

@@ -500,13 +500,18 @@ static mha_status layer_step(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, args->x, f32, w->w_v, wdt, w->b_v, v, rows,
                                c->q_dim, g * dv, NULL, 0, err);
 
-    /* 2. RoPE at the absolute positions len0 + i (a DYNAMIC rope at this call's length: the
-     *    cached keys keep the rotation of the call that appended them, as transformers' do). */
+    /* 2. QK-norm and RoPE at the absolute positions len0 + i (a DYNAMIC rope at this call's
+     *    length: the cached keys keep the rotation of the call that appended them, as
+     *    transformers' do): the cache receives K normed and rotated. */
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 0, q, rows, k, rows);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t len = mha__plan_rope_length(&c->rope, NULL, NULL, len0, S, t, t);
         mha__plan_rope(&c->rope, len, tab, q, S, t, h, dk, NULL, len0, 1);
         mha__plan_rope(&c->rope, len, tab, k, S, t, g, dk, NULL, len0, 1);
     }
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, q, rows, k, rows);
     /* 2b. Temperature tuning: each new query times tau(len0 + i), its cache position. */
     if (!st)
         mha__plan_temperature(&c->temperature, q, S, t, h, dk, NULL, len0);

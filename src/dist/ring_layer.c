@@ -125,6 +125,13 @@ static mha_status prepare(const char *fn,
                         fn, c->rope.scaling == MHA_ROPE_SCALING_DYNAMIC ? "dynamic" : "longrope");
         return MHA_STATUS_UNSUPPORTED;
     }
+    if (c->qk_norm.kind != MHA_QK_NORM_NONE || c->output_gate) {
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "%s: config.%s is not supported by the distributed layer (it projects "
+                        "and rotates with the public per-projection calls, which do not apply it)",
+                        fn, c->output_gate ? "output_gate" : "qk_norm");
+        return MHA_STATUS_UNSUPPORTED;
+    }
     if (c->temperature.enabled) {
         mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
                         "%s: the layer's temperature tuning (config.temperature) is not "

@@ -1138,8 +1138,8 @@ static mha_status load_layer(hf_model *m,
     c.bias_o = b->p[7] != NULL;
     c.sinks = b->p[8] != NULL;
     /* c.weight_dtype: the caller's (info's: float32); every tensor was read in it above. */
-    const mha_weights w = {b->p[0], b->p[1], b->p[2], b->p[3], b->p[4],
-                           b->p[5], b->p[6], b->p[7], b->p[8]};
+    const mha_weights w = {b->p[0], b->p[1], b->p[2], b->p[3], b->p[4], b->p[5],
+                           b->p[6], b->p[7], b->p[8], NULL,    NULL};
     mha_status st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, a, out, err);
     if (st != MHA_STATUS_OK && err) {
         char msg[MHA_ERROR_MESSAGE_SIZE];

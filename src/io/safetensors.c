@@ -846,6 +846,32 @@ static mha_status load_elems(st_file *sf,
     return MHA_STATUS_OK;
 }
 
+/* The QK-norm weights a config's kind needs (docs/FORMATS.md): "q_norm.weight" [G_q] and
+ * "k_norm.weight" [G_k] (after the prefix, transformers' names), G = head_dim (RMS_HEAD) or
+ * heads * head_dim (RMS_ALL); t[0], t[1] stay NULL for a kind without weights. */
+static mha_status
+find_qk_norm(st_file *sf, const mha_config *c, const st_tensor *t[2], mha_error *err) {
+    const mha_qk_norm_kind kind = c->qk_norm.kind;
+    if (kind != MHA_QK_NORM_RMS_HEAD && kind != MHA_QK_NORM_RMS_ALL)
+        return MHA_STATUS_OK;
+    const char *stem[2] = {"q_norm", "k_norm"};
+    const int64_t heads[2] = {c->num_heads, c->num_kv_heads};
+    for (int i = 0; i < 2; i++) {
+        t[i] = st_find(sf, stem[i], ".weight");
+        MHA_RETURN_IF(!t[i], err, NOT_FOUND, "%s: config.qk_norm needs '%s%s.weight': not found",
+                      sf->path, sf->prefix, stem[i]);
+        mha_status st = check_float_tensor(sf, t[i], 1, stem[i], err);
+        if (st != MHA_STATUS_OK)
+            return st;
+        const int64_t want = kind == MHA_QK_NORM_RMS_ALL ? heads[i] * c->head_dim : c->head_dim;
+        MHA_RETURN_IF(t[i]->shape[0] != want, err, BAD_FILE,
+                      "%s: tensor '%s' has shape [%lld], expected [%lld] (%s)", sf->path,
+                      t[i]->name, (long long)t[i]->shape[0], (long long)want,
+                      kind == MHA_QK_NORM_RMS_ALL ? "heads x head_dim" : "head_dim");
+    }
+    return MHA_STATUS_OK;
+}
+
 static mha_status load_layer(st_file *sf,
                              const mha_name_map *names,
                              const mha_config *config,
@@ -910,8 +936,14 @@ static mha_status load_layer(st_file *sf,
     c.softcap = config->softcap;
     c.alibi = config->alibi;
     c.rope = config->rope;
+    c.qk_norm = config->qk_norm;
+    c.output_gate = config->output_gate;
+    const st_tensor *norm_t[2] = {NULL, NULL};
+    if ((st = find_qk_norm(sf, &c, norm_t, err)) != MHA_STATUS_OK)
+        return st;
 
-    /* 4. Read everything in the weight_dtype (bufs: w_q w_k w_v w_o b_q b_k b_v b_o sinks). */
+    /* 4. Read everything in the weight_dtype (bufs: w_q w_k w_v w_o b_q b_k b_v b_o sinks q_norm
+     *    k_norm). */
     const mha_dtype to = c.weight_dtype;
     for (int r = 0; r < NUM_ROLES; r++) {
         int64_t count;
@@ -930,9 +962,14 @@ static mha_status load_layer(st_file *sf,
                      MHA_STATUS_OK)
         return st;
 
+    for (int i = 0; i < 2 && norm_t[i]; i++)
+        if ((st = load_elems(sf, norm_t[i], 0, norm_t[i]->shape[0], to, allocator, &bufs[9 + i],
+                             err)) != MHA_STATUS_OK)
+            return st;
+
     /* 5. The layer takes its own copy. */
-    mha_weights w = {bufs[0], bufs[1], bufs[2], bufs[3], bufs[4],
-                     bufs[5], bufs[6], bufs[7], bufs[8]};
+    mha_weights w = {bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5],
+                     bufs[6], bufs[7], bufs[8], bufs[9], bufs[10]};
     st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, allocator, out, err);
     if (st != MHA_STATUS_OK && err) {
         char msg[MHA_ERROR_MESSAGE_SIZE];
@@ -989,10 +1026,10 @@ static mha_status load_common(const char *path,
     else
         st = st_open(&sf, path, err);
 
-    void *bufs[9] = {NULL};
+    void *bufs[11] = {NULL};
     if (st == MHA_STATUS_OK)
         st = load_layer(&sf, names, config, allocator, bufs, out, err);
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 11; i++)
         mha__free(allocator, bufs[i]);
     st_close(&sf);
     if (st == MHA_STATUS_OK)

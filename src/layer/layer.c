@@ -29,16 +29,16 @@ const mha__layer_w *mha__layer_compute_weights(const mha_layer *layer) {
     return layer ? &layer->cw : NULL;
 }
 
-/* The arithmetic's view of the weights: half biases and sinks widened into L->small_f32 (slots
- * 4..8: b_q b_k b_v b_o sinks), projections as stored. */
+/* The arithmetic's view of the weights: half biases, sinks and QK-norm weights widened into
+ * L->small_f32 (slots 4..10: b_q b_k b_v b_o sinks q_norm k_norm), projections as stored. */
 static mha_status compute_view(mha_layer *L, const mha_allocator *allocator, mha_error *err) {
     const mha_dtype dt = L->cfg.weight_dtype;
     mha_weights w = L->w;
     mha__weight_slot slots[MHA__WEIGHT_SLOTS];
     mha__layer_weight_slots(&L->cfg, &w, slots);
-    const float *small[5] = {NULL, NULL, NULL, NULL, NULL};
+    const float *small[MHA__WEIGHT_SLOTS - MHA__SMALL_SLOT0] = {NULL};
     int64_t count = 0;
-    for (int i = 4; i < MHA__WEIGHT_SLOTS; i++)
+    for (int i = MHA__SMALL_SLOT0; i < MHA__WEIGHT_SLOTS; i++)
         count += slots[i].present ? slots[i].count : 0;
     if (dt != MHA_DTYPE_F32 && count > 0) {
         L->small_f32 = mha__alloc(allocator, sizeof(float) * (size_t)count);
@@ -46,19 +46,19 @@ static mha_status compute_view(mha_layer *L, const mha_allocator *allocator, mha
                       (long long)count);
     }
     float *dst = L->small_f32;
-    for (int i = 4; i < MHA__WEIGHT_SLOTS; i++) {
+    for (int i = MHA__SMALL_SLOT0; i < MHA__WEIGHT_SLOTS; i++) {
         if (!slots[i].present)
             continue;
         if (dt == MHA_DTYPE_F32) {
-            small[i - 4] = *slots[i].ptr;
+            small[i - MHA__SMALL_SLOT0] = *slots[i].ptr;
             continue;
         }
         mha__widen(dt, *slots[i].ptr, dst, slots[i].count);
-        small[i - 4] = dst;
+        small[i - MHA__SMALL_SLOT0] = dst;
         dst += slots[i].count;
     }
-    L->cw = (mha__layer_w){w.w_q,    w.w_k,    w.w_v,    w.w_o,    dt,
-                           small[0], small[1], small[2], small[3], small[4]};
+    L->cw = (mha__layer_w){w.w_q,    w.w_k,    w.w_v,    w.w_o,    dt,       small[0],
+                           small[1], small[2], small[3], small[4], small[5], small[6]};
     return MHA_STATUS_OK;
 }
 
@@ -309,6 +309,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, v, B * m, c->v_dim,
                                g * c->v_head_dim, pack, l.pack_bytes, err);
 
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
         const int64_t *kpos =
@@ -317,6 +319,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
 
@@ -386,6 +390,8 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, self ? args->query : args->key, args->x_dtype,
                                w->w_k, w->wdt, w->b_k, k, B * m, c->k_dim, g * c->head_dim, NULL, 0,
                                err);
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + rope_off);
         const int64_t *kpos =
@@ -394,6 +400,8 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
     if (!st)

@@ -29,6 +29,7 @@ struct mha_train_state {
     int64_t B, n, m;
     int self;
     float *q, *k, *v, *a, *lse; /* [B,n,h*dk] [B,m,g*dk] [B,m,g*dv] [B,n,h*dv] [B,h,n] */
+    float *qx, *kx;             /* QK-norm: the norm's inputs, [B,n,h*dk] [B,m,g*dk] (else NULL) */
     void *block;
     mha_block_mask *mask; /* the forward's block mask, kept for the backward */
     mha_allocator allocator;
@@ -83,6 +84,16 @@ static mha_status rope_buffer(const mha_rope *r,
     return MHA_STATUS_OK;
 }
 
+/* The QK-norm's inputs (Q and K as the norm receives them at its stage) copied into the state:
+ * the backward differentiates the norm at them. */
+static void keep_norm_input(const mha_config *c, mha_train_state *s, int after_rope) {
+    if (!mha__plan_qk_norm_at(c, after_rope))
+        return;
+    const int64_t dk = c->head_dim;
+    memcpy(s->qx, s->q, sizeof(float) * (size_t)(s->B * s->n * c->num_heads * dk));
+    memcpy(s->kx, s->k, sizeof(float) * (size_t)(s->B * s->m * c->num_kv_heads * dk));
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Training forward.                                                                              */
 /* ---------------------------------------------------------------------------------------------- */
@@ -106,11 +117,20 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     const int64_t B = args->batch, n = args->q_len;
     const mha_dtype xdt = args->x_dtype, wdt = w->wdt;
     const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim, dv = c->v_head_dim;
-    /* The state, then (a half out only) Y [B*n, out_dim] float32 for the output projection. */
-    const int64_t f[6][3] = {{B * n, h, dk}, {B * m, g, dk}, {B * m, g, dv},
-                             {B * n, h, dv}, {B, h, n},      {B * n, c->out_dim, 1}};
-    const int nparts = args->out_dtype != MHA_DTYPE_F32 ? 6 : 5;
-    int64_t cnt[6], total = 0;
+    /* The state, then (a half out only) Y [B*n, out_dim] float32 for the output projection,
+     * then (QK-norm only) the norm's inputs Q_x [B*n, h*dk] and K_x [B*m, g*dk]. */
+    const int half_out = args->out_dtype != MHA_DTYPE_F32;
+    const int64_t has_norm = c->qk_norm.kind != MHA_QK_NORM_NONE;
+    const int64_t f[8][3] = {{B * n, h, dk},
+                             {B * m, g, dk},
+                             {B * m, g, dv},
+                             {B * n, h, dv},
+                             {B, h, n},
+                             {B * n, c->out_dim, half_out},
+                             {B * n, h, dk * has_norm},
+                             {B * m, g, dk * has_norm}};
+    const int nparts = 8;
+    int64_t cnt[8], total = 0;
     for (int i = 0; i < nparts; i++)
         MHA_RETURN_IF(!mha__prod_i64(f[i], 3, &cnt[i]) || !mha__add_i64(total, cnt[i], &total), err,
                       OVERFLOW, "training state size overflows");
@@ -145,6 +165,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     s->v = s->k + cnt[1];
     s->a = s->v + cnt[2];
     s->lse = s->a + cnt[3];
+    s->qx = has_norm ? s->lse + cnt[4] + cnt[5] : NULL;
+    s->kx = has_norm ? s->qx + cnt[6] : NULL;
 
     mha_attention_args core;
     mha__plan_core_args(c, w->sinks, args, m, s->q, s->k, s->v, s->a, s->lse, &core);
@@ -172,6 +194,9 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     if (!st)
         st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, s->v, B * m,
                                c->v_dim, g * dv, NULL, 0, err);
+    if (!st)
+        keep_norm_input(c, s, 0);
+    mha__plan_qk_norm_stage(c, w, 0, s->q, B * n, s->k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
@@ -180,17 +205,21 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         if (!st)
             st = rope_buffer(&c->rope, len, alloc, s->k, B, m, g, dk, kpos, 1, err);
     }
+    if (!st)
+        keep_norm_input(c, s, 1);
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 1, s->q, B * n, s->k, B * m);
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, s->q, B, n, h, dk, args->q_positions, NULL);
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
-    /* A half out: the float32 projection goes to the block's tail, rounded once into out. */
-    float *y = nparts == 6 ? s->lse + cnt[4] : args->out;
+    /* A half out: the float32 projection goes to the block after lse, rounded once into out. */
+    float *y = half_out ? s->lse + cnt[4] : args->out;
     if (!st)
         st = mha__plan_project(impl, alloc, team, s->a, MHA_DTYPE_F32, w->w_o, wdt, w->b_o, y,
                                B * n, h * dv, c->out_dim, NULL, 0, err);
-    if (!st && nparts == 6)
+    if (!st && half_out)
         mha__narrow(args->out_dtype, y, args->out, cnt[5]);
     if (st) {
         mha_train_state_destroy(s);
@@ -440,6 +469,41 @@ static mha_status out_grads(const mha_train_state *s,
     return MHA_STATUS_OK;
 }
 
+/* "Q = norm(Q_x)", "K = norm(K_x)" at one stage of the plan (mha__plan_qk_norm_stage): dQ and dK
+ * (scratch) become the gradients of the norm's inputs; the weights' gradients are summed in
+ * double and delivered into grads.d_q_norm / d_k_norm. */
+static mha_status norm_backward(const mha_config *c,
+                                const mha__layer_w *w,
+                                const mha_train_state *s,
+                                const mha_layer_grads *gr,
+                                const bwd_ctx *x,
+                                const bwd_scratch *sc,
+                                int after_rope,
+                                mha_error *err) {
+    if (!mha__plan_qk_norm_at(c, after_rope))
+        return MHA_STATUS_OK;
+    const mha_qk_norm *nrm = &c->qk_norm;
+    const int64_t h = c->num_heads, g = c->num_kv_heads, dk = c->head_dim;
+    const int64_t nq = nrm->kind == MHA_QK_NORM_RMS_ALL ? h * dk : dk;
+    const int64_t nk = nrm->kind == MHA_QK_NORM_RMS_ALL ? g * dk : dk;
+    double *acc = NULL;
+    if (gr->d_q_norm || gr->d_k_norm) {
+        acc = mha__alloc(x->alloc, sizeof(double) * (size_t)(nq + nk));
+        MHA_RETURN_IF(!acc, err, NO_MEMORY, "cannot allocate %lld doubles", (long long)(nq + nk));
+        memset(acc, 0, sizeof(double) * (size_t)(nq + nk));
+    }
+    mha__plan_qk_norm_backward(nrm, w->q_norm, s->qx, sc->dQ, gr->d_q_norm ? acc : NULL,
+                               s->B * s->n, h, dk);
+    mha__plan_qk_norm_backward(nrm, w->k_norm, s->kx, sc->dK, gr->d_k_norm ? acc + nq : NULL,
+                               s->B * s->m, g, dk);
+    for (int64_t j = 0; gr->d_q_norm && j < nq; j++)
+        gr->d_q_norm[j] = x->accumulate ? gr->d_q_norm[j] + (float)acc[j] : (float)acc[j];
+    for (int64_t j = 0; gr->d_k_norm && j < nk; j++)
+        gr->d_k_norm[j] = x->accumulate ? gr->d_k_norm[j] + (float)acc[nq + j] : (float)acc[nq + j];
+    mha__free(x->alloc, acc);
+    return MHA_STATUS_OK;
+}
+
 /* The input gradients, each path's dx computed by proj_backward: one input that fed all three
  * projections gets their sum in the order q, k, v; a key that also served as the value gets
  * k + v; otherwise each input its own. */
@@ -522,7 +586,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
      * a scalar per row commutes with the rotation). */
     if (!st)
         mha__plan_temperature(&c->temperature, sc.dQ, B, n, h, dk, a->q_positions, NULL);
-    /* "Q = RoPE(Q')": the transposed rotation. */
+    /* "Q = norm(Q')" after RoPE (L2_AFTER_ROPE), "Q = RoPE(Q')": the transposed rotation, then
+     * "Q = norm(Q')" before RoPE (the RMS kinds). */
+    if (!st)
+        st = norm_backward(c, w, s, gr, &x, &sc, 1, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (s->self ? a->q_positions : NULL);
         const int64_t len = mha__plan_rope_length(&c->rope, a->q_positions, kpos, NULL, B, n, m);
@@ -530,6 +597,8 @@ mha_status mha_layer_backward(const mha_layer *layer,
         if (!st)
             st = rope_buffer(&c->rope, len, x.alloc, sc.dK, B, m, g, dk, kpos, -1, err);
     }
+    if (!st)
+        st = norm_backward(c, w, s, gr, &x, &sc, 0, err);
     const void *xq = a->query;
     const void *xk = s->self ? a->query : a->key;
     const void *xv = s->self ? a->query : (a->value ? a->value : a->key);

@@ -99,6 +99,96 @@ void mha__plan_rope(const mha_rope *resolved,
         }
 }
 
+/* sum(x[0..G)^2) in double: four chains (an order that depends on G only), then their sum. */
+static double sum_squares(const float *x, int64_t G) {
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    int64_t j = 0;
+    for (; j + 4 <= G; j += 4) {
+        a0 += (double)x[j] * (double)x[j];
+        a1 += (double)x[j + 1] * (double)x[j + 1];
+        a2 += (double)x[j + 2] * (double)x[j + 2];
+        a3 += (double)x[j + 3] * (double)x[j + 3];
+    }
+    for (; j < G; j++)
+        a0 += (double)x[j] * (double)x[j];
+    return (a0 + a1) + (a2 + a3);
+}
+
+/* The group size and the number of groups of a [rows, heads * d] buffer. */
+static int64_t norm_group(const mha_qk_norm *nrm, int64_t heads, int64_t d) {
+    return nrm->kind == MHA_QK_NORM_RMS_ALL ? heads * d : d;
+}
+
+static float norm_rstd(const mha_qk_norm *nrm, const float *x, int64_t G) {
+    return (float)(1.0 / sqrt(sum_squares(x, G) / (double)G + nrm->eps));
+}
+
+void mha__plan_qk_norm(
+    const mha_qk_norm *nrm, const float *w, float *x, int64_t rows, int64_t heads, int64_t d) {
+    const int64_t G = norm_group(nrm, heads, d), groups = rows * heads * d / G;
+    const float off = nrm->unit_offset ? 1.0f : 0.0f;
+    for (int64_t i = 0; i < groups; i++) {
+        float *xg = x + i * G;
+        const float r = norm_rstd(nrm, xg, G);
+        if (w)
+            for (int64_t j = 0; j < G; j++)
+                xg[j] = (xg[j] * r) * (off + w[j]);
+        else
+            for (int64_t j = 0; j < G; j++)
+                xg[j] *= r;
+    }
+}
+
+int mha__plan_qk_norm_at(const mha_config *cfg, int after_rope) {
+    const mha_qk_norm_kind kind = cfg->qk_norm.kind;
+    return after_rope ? kind == MHA_QK_NORM_L2_AFTER_ROPE
+                      : kind == MHA_QK_NORM_RMS_HEAD || kind == MHA_QK_NORM_RMS_ALL;
+}
+
+void mha__plan_qk_norm_stage(const mha_config *cfg,
+                             const mha__layer_w *w,
+                             int after_rope,
+                             float *q,
+                             int64_t rows_q,
+                             float *k,
+                             int64_t rows_k) {
+    if (!mha__plan_qk_norm_at(cfg, after_rope))
+        return;
+    if (q)
+        mha__plan_qk_norm(&cfg->qk_norm, w->q_norm, q, rows_q, cfg->num_heads, cfg->head_dim);
+    if (k)
+        mha__plan_qk_norm(&cfg->qk_norm, w->k_norm, k, rows_k, cfg->num_kv_heads, cfg->head_dim);
+}
+
+void mha__plan_qk_norm_backward(const mha_qk_norm *nrm,
+                                const float *w,
+                                const float *x,
+                                float *g,
+                                double *dw,
+                                int64_t rows,
+                                int64_t heads,
+                                int64_t d) {
+    const int64_t G = norm_group(nrm, heads, d), groups = rows * heads * d / G;
+    const float off = nrm->unit_offset ? 1.0f : 0.0f;
+    for (int64_t i = 0; i < groups; i++) {
+        const float *xg = x + i * G;
+        float *gg = g + i * G;
+        const float r = norm_rstd(nrm, xg, G);
+        double tu = 0.0; /* sum(t u) */
+        for (int64_t j = 0; j < G; j++) {
+            const float u = xg[j] * r, t = w ? gg[j] * (off + w[j]) : gg[j];
+            tu += (double)t * (double)u;
+            if (dw)
+                dw[j] += (double)gg[j] * (double)u;
+        }
+        const float c = (float)(tu / (double)G);
+        for (int64_t j = 0; j < G; j++) {
+            const float u = xg[j] * r, t = w ? gg[j] * (off + w[j]) : gg[j];
+            gg[j] = r * (t - u * c);
+        }
+    }
+}
+
 float mha__temperature_factor(const mha_temperature_tuning *t, int64_t p) {
     /* transformers: torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) *
      * attn_scale + 1.0; float32 up to the floor, whose result (an integer < 2^64) is exact in

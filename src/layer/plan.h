@@ -65,6 +65,38 @@ void mha__plan_rope(const mha_rope *resolved,
                     const int64_t *base,
                     int sign);
 
+/* QK-norm (docs/SEMANTICS.md "QK-norm") of x [rows, heads * d] in place: groups of d values (each
+ * head's; RMS_HEAD, L2_AFTER_ROPE) or heads * d (the whole row; RMS_ALL), each scaled by
+ * r = 1 / sqrt(sum(x^2) / G + eps) (sum of squares in double), then by w, 1 + w (unit_offset) or
+ * nothing (w NULL); w float32 [d] or [heads * d]. */
+void mha__plan_qk_norm(
+    const mha_qk_norm *nrm, const float *w, float *x, int64_t rows, int64_t heads, int64_t d);
+
+/* The layer's QK-norm at one stage of the plan: after_rope = 0 right after the projections (the
+ * RMS kinds), 1 after RoPE (L2_AFTER_ROPE); nothing when the layer's kind is not of that stage.
+ * q [rows_q, h*dk], k [rows_k, g*dk] (either may be NULL: not normed). */
+void mha__plan_qk_norm_stage(const mha_config *cfg,
+                             const mha__layer_w *w,
+                             int after_rope,
+                             float *q,
+                             int64_t rows_q,
+                             float *k,
+                             int64_t rows_k);
+
+/* 1 when the layer's QK-norm runs at that stage (see mha__plan_qk_norm_stage). */
+int mha__plan_qk_norm_at(const mha_config *cfg, int after_rope);
+
+/* The transpose of mha__plan_qk_norm: x [rows, heads * d] is the norm's INPUT, g holds dL/dy on
+ * entry and dL/dx on return; dw (NULL = not wanted) accumulates dL/dw in double, [G] (the
+ * weight's length), with u = x r and t = g s: dx = r (t - u sum(t u) / G), dw += g u. */
+void mha__plan_qk_norm_backward(const mha_qk_norm *nrm,
+                                const float *w,
+                                const float *x,
+                                float *g,
+                                double *dw,
+                                int64_t rows,
+                                int64_t heads,
+                                int64_t d);
 /* Temperature tuning's factor at position p (docs/SEMANTICS.md):
  * tau(p) = ln(floor((fl32(p) + 1) / fl32(floor_scale)) + 1) * attn_scale + 1, the sum, quotient
  * and floor in float32 (transformers'), the rest in double rounded once. */

@@ -223,6 +223,21 @@ static double *to_double(const float *x, int64_t count) {
     return d;
 }
 
+/* QK-norm (docs/SEMANTICS.md) of x [rows, heads * d] in double: groups of d (per head) or
+ * heads * d (RMS_ALL), y = x / sqrt(mean(x^2) + eps) * s, s = w, 1 + w or 1. */
+static void
+qk_norm(const mha_qk_norm *nrm, const float *w, double *x, int64_t rows, int64_t heads, int64_t d) {
+    const int64_t G = nrm->kind == MHA_QK_NORM_RMS_ALL ? heads * d : d;
+    for (int64_t i = 0; i < rows * heads * d / G; i++) {
+        double ss = 0.0, *xg = x + i * G;
+        for (int64_t j = 0; j < G; j++)
+            ss += xg[j] * xg[j];
+        const double r = 1.0 / sqrt(ss / (double)G + nrm->eps);
+        for (int64_t j = 0; j < G; j++)
+            xg[j] *= r * (w ? (nrm->unit_offset ? 1.0 : 0.0) + (double)w[j] : 1.0);
+    }
+}
+
 int oracle_layer(const mha_config *cfg,
                  const mha_weights *w,
                  const mha_forward_args *a,
@@ -256,10 +271,19 @@ int oracle_layer(const mha_config *cfg,
     project(xq, w->w_q, w->b_q, q, B * n, qd, H * dk);
     project(xk, w->w_k, w->b_k, k, B * m, kd, G * dk);
     project(xv, w->w_v, w->b_v, v, B * m, vd, G * dv);
+    const mha_qk_norm_kind nk = cfg->qk_norm.kind;
+    if (nk == MHA_QK_NORM_RMS_HEAD || nk == MHA_QK_NORM_RMS_ALL) {
+        qk_norm(&cfg->qk_norm, w->q_norm, q, B * n, H, dk);
+        qk_norm(&cfg->qk_norm, w->k_norm, k, B * m, G, dk);
+    }
     if (cfg->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (self ? a->q_positions : NULL);
         rope(&cfg->rope, dk, q, B, n, H, a->q_positions);
         rope(&cfg->rope, dk, k, B, m, G, kpos);
+    }
+    if (nk == MHA_QK_NORM_L2_AFTER_ROPE) {
+        qk_norm(&cfg->qk_norm, NULL, q, B * n, H, dk);
+        qk_norm(&cfg->qk_norm, NULL, k, B * m, G, dk);
     }
     /* The core oracle takes float inputs, so Q, K, V are rounded once to float here. That adds
      * a relative error of 2^-24 to each, two orders of magnitude below the 1e-5 gate this layer
