@@ -193,6 +193,11 @@ typedef struct mha_masking {
     const int32_t *q_segment_ids; /* [B, n]: query i sees key j only if segments are equal */
     const int32_t *kv_segment_ids; /* [B, m]; both or neither */
     mha_mask_fn mask_fn;           /* visible == NULL: none */
+    /* Chunked attention (Llama 4's attention_chunk_size); 0 = off, negative is an error. With
+     * C = chunk_size > 0, query i (at position p = i + delta, the causal alignment's) sees key j
+     * only if floor(j / C) == floor(p / C): causal + chunk_size is Llama 4's chunked causal mask.
+     * ANDed with every other rule; a band like the window (fully hidden tiles are skipped). */
+    int64_t chunk_size;
 } mha_masking;
 
 /** Dropout on the attention probabilities (training only). Element (b, h, i, j) is kept iff
@@ -953,6 +958,9 @@ typedef struct mha_kv_cache_config {
                              min(max_seq, W + max_step_tokens - 1) slots per sequence */
     int64_t max_step_tokens; /* window caches: most tokens one mha_kv_cache_append may add to a
                                 sequence (the layer calls split longer inputs); 0 = 64 */
+    int64_t chunk_size; /* 0 = none. C > 0: chunked attention (Llama 4), a token at p attends to
+                           the keys C floor(p / C) .. p only (mha_masking.chunk_size); storage is
+                           then a ring like a window-C cache's (ANDed with window if both) */
 } mha_kv_cache_config;
 
 typedef struct mha_kv_cache mha_kv_cache;
@@ -1011,7 +1019,8 @@ MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache,
 
 /** Core-level attention of the LAST t positions of each listed sequence (whose K/V are already
  *  appended) to everything the cache holds for it, causal, bottom-right aligned:
- *    query row i (position p = L - t + i) sees key j iff j <= p (and j > p - W with a window);
+ *    query row i (position p = L - t + i) sees key j iff j <= p (and j > p - W with a window,
+ *    and floor(j / C) == floor(p / C) with a chunk size C);
  *    s = scale q.k_j, soft-capped, minus ALiBi slope_h |p - j|; sinks as in the core.
  *  q [num_seqs, t, h, d_k] (post-RoPE), out [num_seqs, t, h, d_v], lse optional
  *  [num_seqs, h, t]. Query head i reads kv head i / (h/g): each kv head's K/V is read once for

@@ -90,6 +90,7 @@ class mha_masking(Structure):
         ("additive_mask", mha_mask_tensor), ("key_padding", mha_mask_tensor),
         ("q_segment_ids", c_void_p), ("kv_segment_ids", c_void_p),
         ("mask_fn", mha_mask_fn),
+        ("chunk_size", c_int64),
     ]
 
 
@@ -205,7 +206,7 @@ class mha_layer_grads(Structure):
 class mha_kv_cache_config(Structure):
     _fields_ = [("num_kv_heads", c_int64), ("head_dim", c_int64), ("v_head_dim", c_int64),
                 ("max_seq", c_int64), ("batch", c_int64), ("dtype", c_int),
-                ("window", c_int64), ("max_step_tokens", c_int64)]
+                ("window", c_int64), ("max_step_tokens", c_int64), ("chunk_size", c_int64)]
 
 
 class mha_decode_args(Structure):

@@ -195,6 +195,7 @@ typedef struct mha__problem {
     const int64_t *delta; /* [B]: row i's diagonal is i + delta[b] */
     int use_window;
     int64_t window_left, window_right; /* -1 = unbounded */
+    int64_t chunk;                     /* 0 = none; C > 0: floor(j / C) == floor(pos / C) */
     mha__mask_view bool_mask;          /* strides over (b, h, i, j) */
     mha_mask_polarity bool_polarity;
     mha__mask_view additive;    /* F32 */
@@ -224,6 +225,17 @@ static inline int mha__mask_nonzero(const mha__mask_view *m, int64_t off) {
     }
 }
 
+/* floor(a / c) for c > 0 (C's / truncates toward zero; a row's position may be negative). */
+static inline int64_t mha__floor_div(int64_t a, int64_t c) {
+    const int64_t q = a / c;
+    return q - (a % c < 0);
+}
+
+/* First key of the chunk of position pos (chunked attention, chunk size c > 0): c floor(pos/c). */
+static inline int64_t mha__chunk_start(int64_t pos, int64_t c) {
+    return c * mha__floor_div(pos, c);
+}
+
 /* True when every boolean rule lets query row i of (b, h) see key j. */
 static inline int mha__visible(const mha__problem *p, int64_t b, int64_t h, int64_t i, int64_t j) {
     const int64_t pos = i + p->delta[b];
@@ -235,6 +247,8 @@ static inline int mha__visible(const mha__problem *p, int64_t b, int64_t h, int6
         if (p->window_right >= 0 && j > pos + p->window_right)
             return 0;
     }
+    if (p->chunk && mha__floor_div(j, p->chunk) != mha__floor_div(pos, p->chunk))
+        return 0;
     if (p->bool_mask.data) {
         const int64_t *s = p->bool_mask.strides;
         int nz = mha__mask_nonzero(&p->bool_mask, b * s[0] + h * s[1] + i * s[2] + j * s[3]);

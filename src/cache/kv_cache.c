@@ -24,8 +24,12 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     if (st)
         return st;
     int64_t slots = c.max_seq;
-    if (c.window > 0 && c.window + c.max_step_tokens - 1 < slots)
-        slots = c.window + c.max_step_tokens - 1;
+    /* A ring of span W (window, or chunk size C: a token sees at most C keys) and steps of at
+     * most T tokens: the first token of a step at p needs keys >= p - W + 1, the ring holds the
+     * last W + T - 1 positions after the step's append. */
+    const int64_t span = mha__kv_ring_span(&c);
+    if (span > 0 && span + c.max_step_tokens - 1 < slots)
+        slots = span + c.max_step_tokens - 1;
     const size_t elem = mha_dtype_size(c.dtype);
     const int64_t kf[4] = {c.batch, c.num_kv_heads, slots, c.head_dim};
     const int64_t vf[4] = {c.batch, c.num_kv_heads, slots, c.v_head_dim};

@@ -74,6 +74,7 @@ typedef struct mha__dec_problem {
     float scale, softcap; /* softcap 0 = off */
     const float *slopes;  /* [H] ALiBi slopes or NULL */
     int64_t window;       /* 0 = none */
+    int64_t chunk;        /* 0 = none; C > 0: keys C floor(pos / C) .. pos */
     const float *q;       /* element (s, i, h, d) at q[s*q_ss + i*q_ts + h*dk + d] */
     int64_t q_ss, q_ts;
     int prefetch_l2; /* software prefetches fill the L2, not the L1 (mha__cpu_prefetch_to_l2) */
@@ -110,9 +111,19 @@ static inline int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
 
 /* The kernels (one line each in kernels/registry.def, op decode) are declared by registry.h. */
 
-/* Visibility of logical key j for the query at position pos (causal, window). */
+/* Visibility of logical key j for the query at position pos >= 0 (causal, window, chunk). */
 static inline int mha__dec_visible(const mha__dec_problem *p, int64_t pos, int64_t j) {
-    return j <= pos && (p->window == 0 || j > pos - p->window);
+    return j <= pos && (p->window == 0 || j > pos - p->window) &&
+           (p->chunk == 0 || j >= pos - pos % p->chunk);
+}
+
+/* The lowest logical key the query at position pos >= 0 may see (window, chunk; else 0): with
+ * causal the visible keys are [mha__dec_first_key, pos]. */
+static inline int64_t mha__dec_first_key(const mha__dec_problem *p, int64_t pos) {
+    int64_t lo = p->window > 0 ? pos - p->window + 1 : 0;
+    if (p->chunk > 0 && pos - pos % p->chunk > lo)
+        lo = pos - pos % p->chunk;
+    return lo;
 }
 
 #endif /* MHA_KV_CACHE_H */

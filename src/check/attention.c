@@ -126,6 +126,11 @@ static mha_status check_masking(const mha_masking *mk,
         p->window_left = -1;
     if (p->window_right > 4 * MHA_MAX_DIM)
         p->window_right = -1;
+    MHA_RETURN_IF(mk->chunk_size < 0, err, INVALID_ARG,
+                  "mask.chunk_size=%lld must be 0 (off) or positive", (long long)mk->chunk_size);
+    /* |p| <= 2^32: every chunk size beyond 2^33 puts the rows p < 0 in chunk -1 and the others
+     * in chunk 0, as 2^33 does; capping keeps C floor(p / C) + C inside int64. */
+    p->chunk = mk->chunk_size > 4 * MHA_MAX_DIM ? 4 * MHA_MAX_DIM : mk->chunk_size;
 
     const int64_t target[4] = {B, H, n, m};
     p->bool_mask.data = NULL;

@@ -53,6 +53,13 @@ mha_status mha__check_kv_create(const mha_kv_cache_config *in,
     MHA_RETURN_IF(c->window < 0 || c->window > MHA_MAX_DIM, err, INVALID_ARG,
                   "kv cache config.window=%lld must be 0 (none) or in [1, 2^31]",
                   (long long)c->window);
+    MHA_RETURN_IF(c->chunk_size < 0 || c->chunk_size > MHA_MAX_DIM, err, INVALID_ARG,
+                  "kv cache config.chunk_size=%lld must be 0 (none) or in [1, 2^31]",
+                  (long long)c->chunk_size);
+    MHA_RETURN_IF(c->chunk_size > 0 && c->window > 0, err, UNSUPPORTED,
+                  "kv cache config: window=%lld and chunk_size=%lld together are not supported "
+                  "(a cache keeps one ring; give one of them)",
+                  (long long)c->window, (long long)c->chunk_size);
     MHA_RETURN_IF(
         c->dtype != MHA_DTYPE_F32 && c->dtype != MHA_DTYPE_F16 && c->dtype != MHA_DTYPE_BF16, err,
         INVALID_ARG, "kv cache config.dtype=%d must be F32, F16 or BF16", (int)c->dtype);
@@ -99,8 +106,8 @@ mha_status mha__check_kv_append(const mha__kv_view *c,
         return st;
     MHA_RETURN_IF(t < 1 || t > MHA_MAX_DIM, err, INVALID_ARG,
                   "num_tokens=%lld must be in [1, 2^31]", (long long)t);
-    MHA_RETURN_IF(c->cfg->window > 0 && t > c->cfg->max_step_tokens, err, INVALID_ARG,
-                  "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld", (long long)t,
+    MHA_RETURN_IF(mha__kv_ring_span(c->cfg) > 0 && t > c->cfg->max_step_tokens, err, INVALID_ARG,
+                  "num_tokens=%lld exceeds the ring cache's max_step_tokens=%lld", (long long)t,
                   (long long)c->cfg->max_step_tokens);
     for (int64_t i = 0; i < S; i++) {
         const int64_t s = seq_ids ? seq_ids[i] : i;
@@ -122,15 +129,18 @@ mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_
     MHA_RETURN_IF(new_len < 0 || new_len > L, err, INVALID_ARG,
                   "truncate: new_len=%lld must be in [0, %lld] (the length of sequence %lld)",
                   (long long)new_len, (long long)L, (long long)seq);
-    /* A window ring holds the positions >= lo[seq]; the next token at new_len needs the keys
-     * new_len - window + 1 .. new_len - 1. */
-    if (c->cfg->window > 0 && new_len > 0) {
-        const int64_t need = new_len - c->cfg->window + 1;
-        MHA_RETURN_IF(need < c->lo[seq], err, INVALID_ARG,
-                      "truncate: sequence %lld of a window-%lld cache cannot roll back to %lld: "
-                      "its keys below position %lld are overwritten (a ring can roll back at "
-                      "most max_step_tokens=%lld positions from its furthest length)",
-                      (long long)seq, (long long)c->cfg->window, (long long)new_len,
+    /* A ring (window or chunk) holds the positions >= lo[seq]; the next token at new_len needs
+     * the keys mha__kv_first_key(new_len) .. new_len - 1. */
+    if (mha__kv_ring_span(c->cfg) > 0 && new_len > 0) {
+        const int64_t need = mha__kv_first_key(c->cfg, new_len);
+        MHA_RETURN_IF(need<c->lo[seq], err, INVALID_ARG,
+                           "truncate: sequence %lld of a %s-%lld cache cannot roll back to %lld: "
+                           "its keys below position %lld are overwritten (a ring can roll back at "
+                           "most max_step_tokens=%lld positions from its furthest length)",
+                           (long long)seq, c->cfg->window> 0
+                          ? "window"
+                          : "chunk",
+                      (long long)mha__kv_ring_span(c->cfg), (long long)new_len,
                       (long long)c->lo[seq], (long long)c->cfg->max_step_tokens);
     }
     return MHA_STATUS_OK;
@@ -193,8 +203,8 @@ mha_status mha__check_kv_attention(const mha__kv_view *c,
                       "num_tokens=%lld exceeds the length %lld of sequence %lld (append the "
                       "new tokens' K and V first)",
                       (long long)args->num_tokens, (long long)c->len[s], (long long)s);
-        MHA_RETURN_IF(kc->window > 0 && args->num_tokens > kc->max_step_tokens, err, INVALID_ARG,
-                      "num_tokens=%lld exceeds the window cache's max_step_tokens=%lld",
+        MHA_RETURN_IF(mha__kv_ring_span(kc) > 0 && args->num_tokens > kc->max_step_tokens, err,
+                      INVALID_ARG, "num_tokens=%lld exceeds the ring cache's max_step_tokens=%lld",
                       (long long)args->num_tokens, (long long)kc->max_step_tokens);
     }
     const int64_t S = args->num_seqs, t = args->num_tokens, h = args->num_heads;

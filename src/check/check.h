@@ -241,6 +241,22 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
 
 /* What the cache checks read of a cache (cache/kv_cache.h: mha__kv_view_of); cfg == NULL: the
  * cache pointer was NULL. */
+/* The span a ring cache keeps per token: the window W, or the chunk size C (a token at p sees at
+ * most C keys, C floor(p / C) .. p); 0 = no ring (slots = max_seq). Never both (check_kv_create).
+ */
+static inline int64_t mha__kv_ring_span(const mha_kv_cache_config *c) {
+    return c->window > 0 ? c->window : c->chunk_size;
+}
+
+/* The lowest key a token at position pos of a cache with config c sees (window, chunk). */
+static inline int64_t mha__kv_first_key(const mha_kv_cache_config *c, int64_t pos) {
+    if (c->window > 0)
+        return pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
+    if (c->chunk_size > 0)
+        return pos - pos % c->chunk_size; /* pos >= 0 */
+    return 0;
+}
+
 typedef struct mha__kv_view {
     const mha_kv_cache_config *cfg; /* resolved */
     const int64_t *len, *lo;        /* [batch]: lengths, lowest intact positions */

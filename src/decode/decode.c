@@ -169,10 +169,7 @@ static void merge_pairs(void *ctx, int part, int64_t begin, int64_t end) {
 
 /* Lowest key any of the last t positions of a sequence of length L can see. */
 static int64_t lowest_key(const struct mha_kv_cache *c, int64_t L, int64_t t) {
-    if (c->cfg.window == 0)
-        return 0;
-    const int64_t lo = L - t - c->cfg.window + 1;
-    return lo > 0 ? lo : 0;
+    return mha__kv_first_key(&c->cfg, L - t); /* a chunk cache: a multiple of C */
 }
 
 /* Everything mha__kv_attend needs about the call. */
@@ -264,6 +261,9 @@ static mha_status attend_core(
             ca.mask.use_window = 1;
             ca.mask.window_left = c->cfg.window - 1;
         }
+        /* Local key 0 is position lo, a multiple of C (lowest_key): local chunks are the
+         * sequence's. */
+        ca.mask.chunk_size = c->cfg.chunk_size;
         mha_exec ex;
         memset(&ex, 0, sizeof ex);
         ex.impl = impl == MHA_IMPL_REFERENCE ? MHA_IMPL_REFERENCE : MHA_IMPL_AUTO;
@@ -294,6 +294,7 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
     p.scale = (float)a->scale;
     p.softcap = (float)a->softcap;
     p.window = c->cfg.window;
+    p.chunk = c->cfg.chunk_size;
     p.q = a->q;
     p.q_ss = a->q_ss;
     p.q_ts = a->q_ts;
@@ -517,7 +518,7 @@ static mha_status layer_step(const mha_layer *layer,
         mha__plan_temperature(&c->temperature, q, S, t, h, dk, NULL, len0);
 
     /* 3. Append and attend, in steps a window ring can hold. */
-    const int64_t step = kc->window > 0 ? kc->max_step_tokens : t;
+    const int64_t step = mha__kv_ring_span(kc) > 0 ? kc->max_step_tokens : t;
     for (int64_t c0 = 0; c0 < t && !st; c0 += step) {
         const int64_t tc = t - c0 < step ? t - c0 : step;
         mha__kv_append_raw(cache, S, seq, tc, k + c0 * g * dk, t * g * dk, g * dk, v + c0 * g * dv,

@@ -124,6 +124,9 @@ static mha_status check_local(const mha_ring_config *cfg,
     else if (mk->mask_fn.visible || mk->mask_fn.classify)
         unsupported = "a mask function (mask.mask_fn: it sees each pair's local rows and keys, "
                       "not the sequence's)";
+    else if (mk->chunk_size)
+        unsupported = "mask.chunk_size (chunked attention: a pair's call numbers its keys from 0, "
+                      "not from the sequence's position)";
     else if (a->probs)
         unsupported = "probs (an N x N output)";
     else if (a->q_dtype || a->k_dtype || a->v_dtype || a->out_dtype ||

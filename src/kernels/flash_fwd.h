@@ -164,8 +164,9 @@ static inline int64_t mha__flash_rows_per_block(int64_t bq, int64_t group) {
 bool mha__flash_scratch_bytes(
     int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k, size_t *bytes);
 
-/* Visible key range [lo, hi] of query row i of batch row b from causal and window alone (empty
- * when lo > hi). Clipped to [0, m - 1]. */
+/* Visible key range [lo, hi] of query row i of batch row b from causal, window and chunk alone
+ * (empty when lo > hi). Clipped to [0, m - 1]. Both edges grow with i (the chunk's start
+ * C floor(pos / C) and end too), which the tile skipping of every caller relies on. */
 static inline void
 mha__flash_key_range(const mha__problem *p, int64_t b, int64_t i, int64_t *lo, int64_t *hi) {
     /* |pos| <= 2^32 (indices and offsets are bounded by MHA_MAX_DIM); the window sides may be
@@ -179,6 +180,13 @@ mha__flash_key_range(const mha__problem *p, int64_t b, int64_t i, int64_t *lo, i
             l = pos - p->window_left;
         if (p->window_right >= 0 && p->window_right < h - pos) /* pos + right < h */
             h = pos + p->window_right;
+    }
+    if (p->chunk) { /* keys [c0, c0 + C - 1]: |c0| <= |pos| + C, C <= 2^33 (check/attention.c) */
+        const int64_t c0 = mha__chunk_start(pos, p->chunk);
+        if (c0 > l)
+            l = c0;
+        if (c0 + p->chunk - 1 < h)
+            h = c0 + p->chunk - 1;
     }
     *lo = l;
     *hi = h;

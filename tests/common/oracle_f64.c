@@ -94,6 +94,10 @@ int oracle_attention(const mha_attention_args *a, double *out, double *lse, doub
                         visible = 0;
                     if (mk->use_window && mk->window_right >= 0 && j > pos + mk->window_right)
                         visible = 0;
+                    /* chunk: same chunk of C positions, floor division written in doubles */
+                    if (mk->chunk_size > 0 && floor((double)j / (double)mk->chunk_size) !=
+                                                  floor((double)pos / (double)mk->chunk_size))
+                        visible = 0;
                     if (mk->bool_mask.data) {
                         const int nz = oracle_mask_elem(&mk->bool_mask, idx) != 0.0;
                         if (mk->bool_mask_polarity == MHA_MASK_ATTEND ? !nz : nz)

@@ -37,6 +37,9 @@ static int row_scores(const og_core *c, int64_t b, int64_t h, int64_t i, double 
             vis = 0;
         if (mk->use_window && mk->window_right >= 0 && j > pos + mk->window_right)
             vis = 0;
+        if (mk->chunk_size > 0 && floor((double)j / (double)mk->chunk_size) !=
+                                      floor((double)pos / (double)mk->chunk_size))
+            vis = 0; /* chunk: same chunk of C positions */
         if (mk->bool_mask.data) {
             const int nz = oracle_mask_elem(&mk->bool_mask, idx) != 0.0;
             if (mk->bool_mask_polarity == MHA_MASK_ATTEND ? !nz : nz)

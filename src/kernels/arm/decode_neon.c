@@ -391,7 +391,7 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
         const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
         const int64_t pos = L - p->t + i;
         /* Visible keys, relative to j0: [lo, hi] (clamped to the unit). */
-        int64_t hi = pos - u->j0, lo = p->window > 0 ? pos - p->window + 1 - u->j0 : 0;
+        int64_t hi = pos - u->j0, lo = mha__dec_first_key(p, pos) - u->j0;
         hi = hi > nb - 1 ? nb - 1 : hi;
         lo = lo < 0 ? 0 : lo;
         float *sr = S + r * MHA_DEC_BLOCK;

@@ -387,7 +387,7 @@ static void softmax_row(const mha__dec_problem *p,
     const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
     const int64_t pos = L - p->t + i;
     /* visible keys, relative to j0: [lo, hi], clamped to [0, nb - 1] (hi < lo: none) */
-    int64_t hi = pos - u->j0, lo = p->window > 0 ? pos - p->window + 1 - u->j0 : 0;
+    int64_t hi = pos - u->j0, lo = mha__dec_first_key(p, pos) - u->j0;
     hi = hi > nb - 1 ? nb - 1 : hi < -1 ? -1 : hi;
     lo = lo < 0 ? 0 : lo > nb ? nb : lo;
     const v8 scale = v8_set1(p->scale), ninf = v8_set1(-INFINITY);

@@ -557,7 +557,7 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
         const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
         const int64_t pos = L - p->t + i;
         /* Visible keys, relative to j0: [lo, hi] (clamped to the block). */
-        int64_t hi = pos - u->j0, lo = p->window > 0 ? pos - p->window + 1 - u->j0 : 0;
+        int64_t hi = pos - u->j0, lo = mha__dec_first_key(p, pos) - u->j0;
         hi = hi > nb - 1 ? nb - 1 : hi;
         lo = lo < 0 ? 0 : lo;
         float *sr = S + r * MHA_DEC_BLOCK;
