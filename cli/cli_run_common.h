@@ -107,6 +107,7 @@ typedef struct run_config {
     mha_alignment alignment;
     int use_window;
     int64_t window_left, window_right;
+    int64_t chunk_size; /* --model: the layer's chunked attention (0 = none) */
     mha_mask_polarity polarity;
     mha_dropout dropout;
     mha_exec exec;

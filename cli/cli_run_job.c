@@ -53,6 +53,7 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
     kc.dtype = o->cache_dtype;
     if (o->use_window && o->window_left >= 0)
         kc.window = o->window_left + 1; /* (L, R): the last L+1 positions; R is moot when causal */
+    kc.chunk_size = o->chunk_size;
     mha_kv_cache *cache = NULL;
     if (mha_kv_cache_create(&kc, s->layer, NULL, &cache, &err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &err);
@@ -329,6 +330,7 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
     mk->use_window = o->use_window;
     mk->window_left = o->use_window ? o->window_left : -1;
     mk->window_right = o->use_window ? o->window_right : -1;
+    mk->chunk_size = o->chunk_size;
     const int64_t target4[4] = {B, h, n, m};
     if (v[O_MASK]) {
         const char *path = v[O_MASK];

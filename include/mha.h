@@ -782,6 +782,9 @@ typedef struct mha_hf_layer_info {
     int32_t use_window;   /* nonzero: this layer has a sliding window ... */
     int64_t window_left;  /* ... of keys i - window_left .. i (HF's sliding_window - 1) */
     int64_t window_right; /* ... and 0 on the right */
+    int64_t chunk_size;   /* > 0: chunked causal attention (Llama 4's attention_chunk_size): pass
+                             it as mha_masking.chunk_size (and mha_kv_cache_config.chunk_size);
+                             0: none */
 } mha_hf_layer_info;
 
 /** Reads `dir`/config.json (and the safetensors index or file, to find the layer's tensor names)

@@ -832,14 +832,19 @@ class Config:
     alibi: bool
     rope: Optional[Rope]
     weight_dtype: str = "float32"  # the storage of weights, biases, sinks: float16, bfloat16
+    # Llama 4's temperature tuning (docs/SEMANTICS.md): (floor_scale, attn_scale), or None
+    temperature: Optional[Tuple[float, float]] = None
 
     @classmethod
     def _from_c(cls, c: L.mha_config) -> "Config":
         kw = {f.name: getattr(c, f.name) for f in fields(cls)
-              if f.name not in ("rope", "weight_dtype")}
+              if f.name not in ("rope", "weight_dtype", "temperature")}
         for b in ("bias_q", "bias_k", "bias_v", "bias_o", "sinks", "alibi"):
             kw[b] = bool(kw[b])
-        return cls(rope=Rope._from_c(c.rope), weight_dtype=_DTYPE_NAMES[c.weight_dtype], **kw)
+        t = c.temperature
+        temp = (float(t.floor_scale), float(t.attn_scale)) if t.enabled else None
+        return cls(rope=Rope._from_c(c.rope), weight_dtype=_DTYPE_NAMES[c.weight_dtype],
+                   temperature=temp, **kw)
 
 
 _DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16"}
@@ -1033,6 +1038,7 @@ class MultiheadAttention:
     # weights; from_pretrained() sets the model's (causal, sliding window).
     _causal: Union[bool, str] = False
     _window: Optional[Tuple[int, int]] = None
+    _chunk: int = 0  # the model's chunked attention (Llama 4), applied with its causal mask
     model_info: Optional[Dict[str, object]] = None
 
     @classmethod
@@ -1056,10 +1062,13 @@ class MultiheadAttention:
         self._causal = bool(info.causal)
         self._window = (int(info.window_left), int(info.window_right)) if info.use_window \
             else None
+        self._chunk = int(info.chunk_size)
         self.model_info = {
             "model_type": info.model_type.decode(), "layout": info.layout.decode(),
             "prefix": info.prefix.decode(), "layer": int(info.layer),
             "num_layers": int(info.num_layers), "causal": self._causal, "window": self._window,
+            "chunk_size": self._chunk or None, "rope": info.config.rope.style != 0,
+            "temperature": self.config.temperature,
         }
         return self
 
@@ -1146,6 +1155,8 @@ class MultiheadAttention:
                       mask_means=mask_means, attn_bias=attn_bias,
                       key_padding_mask=key_padding_mask, window=window,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, n=n, m=m)
+        if self._chunk and a.mask.causal:  # the model's chunked causal mask (Llama 4)
+            a.mask.chunk_size = self._chunk
         if dropout != 0.0 or seed != 0:  # else the zeroed struct already says "no dropout"
             _dropout(a.dropout, dropout, seed)
         out = np.empty((B, n, c.out_dim), out_dt)
@@ -1432,12 +1443,15 @@ class KVCache:
     _DTYPES = {"float32": L.DTYPE_F32, "float16": L.DTYPE_F16, "bfloat16": L.DTYPE_BF16}
 
     def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
-                 dtype: str = "float32", window: int = 0, max_step_tokens: int = 0):
+                 dtype: str = "float32", window: int = 0, max_step_tokens: int = 0,
+                 chunk_size: Optional[int] = None):
         if dtype not in self._DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(self._DTYPES)}, got {dtype!r}")
         c = L.mha_kv_cache_config()
         c.max_seq, c.batch, c.dtype = int(max_seq), int(batch), self._DTYPES[dtype]
         c.window, c.max_step_tokens = int(window), int(max_step_tokens)
+        # chunked attention (Llama 4): None = the layer's model's (from_pretrained), 0 = none
+        c.chunk_size = int(layer._chunk if chunk_size is None else chunk_size)
         ptr = ctypes.c_void_p()
         M.call(L.mha_kv_cache_create, c, layer._ptr, None, ptr)
         self._layer = layer

@@ -160,7 +160,7 @@ class mha_hf_layer_info(Structure):
         ("model_type", c_char * MHA_HF_TEXT_SIZE), ("layout", c_char * MHA_HF_TEXT_SIZE),
         ("prefix", c_char * MHA_HF_TEXT_SIZE), ("layer", c_int64), ("num_layers", c_int64),
         ("config", mha_config), ("causal", c_int32), ("use_window", c_int32),
-        ("window_left", c_int64), ("window_right", c_int64),
+        ("window_left", c_int64), ("window_right", c_int64), ("chunk_size", c_int64),
     ]
 
 
