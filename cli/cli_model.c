@@ -46,6 +46,19 @@ static void print_rope(const mha_rope *r) {
     printf("\n");
 }
 
+/* "qk-norm: rms per head (eps 1e-06, scale 1 + w), before RoPE" (docs/SEMANTICS.md). */
+static void print_qk_norm(const mha_qk_norm *q) {
+    static const char *const what[] = {"none", "rms per head, before RoPE",
+                                       "rms over the projection, before RoPE",
+                                       "l2 per head (no weights), after RoPE"};
+    if (q->kind <= MHA_QK_NORM_NONE || q->kind > MHA_QK_NORM_L2_AFTER_ROPE) {
+        printf("qk-norm: none\n");
+        return;
+    }
+    printf("qk-norm: %s (eps %g%s)\n", what[q->kind], q->eps,
+           q->unit_offset ? ", scale 1 + w" : "");
+}
+
 int cli_info_model(const char *dir, const char *layer_arg) {
     int64_t layer = 0;
     int rc;
@@ -68,6 +81,7 @@ int cli_info_model(const char *dir, const char *layer_arg) {
     printf("scale: %.17g\n", c->scale);
     printf("softcap: %g\n", c->softcap);
     printf("sinks: %s\n", c->sinks ? "yes" : "no");
+    print_qk_norm(&c->qk_norm);
     const int nope_model = !strcmp(info.model_type, "smollm3") ||
                            !strcmp(info.model_type, "cohere2") ||
                            !strcmp(info.model_type, "llama4_text");
@@ -84,8 +98,6 @@ int cli_info_model(const char *dir, const char *layer_arg) {
     if (info.chunk_size > 0)
         printf("chunked attention: %lld (keys of the query's chunk of %lld positions)\n",
                (long long)info.chunk_size, (long long)info.chunk_size);
-    if (c->qk_norm.kind == MHA_QK_NORM_L2_AFTER_ROPE)
-        printf("qk_norm: L2 after RoPE, eps %g\n", c->qk_norm.eps);
     if (c->temperature.enabled)
         printf("temperature tuning: q times ln(floor((p + 1) / %g) + 1) * %g + 1\n",
                c->temperature.floor_scale, c->temperature.attn_scale);

@@ -109,6 +109,35 @@ CASES = {
     # LongRoPE: SEQ > 8 takes the long list, SEQ <= 16 the short one.
     "phi3_longrope": _phi3_longrope(8),
     "phi3_longrope_short": _phi3_longrope(16),
+    # QK-norm (issue 31): RMSNorm of q and k per head (Qwen3, Qwen3-MoE; Gemma 3 with 1 + w,
+    # query_pre_attn_scalar, its sliding layer 0 at the local theta and its full layer 1 at the
+    # global theta with linear scaling) or over the whole projection (OLMo 2).
+    "qwen3": (T.Qwen3Config, dict(LLAMA, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                                  use_sliding_window=True, sliding_window=WINDOW,
+                                  max_window_layers=1, rope_parameters=_rope()),
+              T.Qwen3ForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
+    "qwen3_moe": (T.Qwen3MoeConfig, dict(LLAMA, num_key_value_heads=2, head_dim=16,
+                                         num_experts=2, num_experts_per_tok=1,
+                                         moe_intermediate_size=32, rope_parameters=_rope()),
+                  T.Qwen3MoeForCausalLM, "model.layers.{L}.self_attn", (0,)),
+    "gemma3_text": (T.Gemma3TextConfig, dict(
+        LLAMA, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": _rope(theta=1e4),
+                         "full_attention": _rope("linear", 1e6, factor=2.0)}),
+        T.Gemma3ForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
+    # Qwen3-Next's full-attention layer: the output gate (q_proj [h, 2, d]), 1 + w QK-norm,
+    # partial rotary 0.25 (its layer 1 is a linear-attention layer, refused by name).
+    "qwen3_next": (T.Qwen3NextConfig, dict(
+        LLAMA, num_key_value_heads=2, head_dim=16, attention_bias=True,
+        layer_types=["full_attention", "linear_attention"], num_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, rope_parameters=_rope(partial_rotary_factor=0.25)),
+        T.Qwen3NextForCausalLM, "model.layers.{L}.self_attn", (0,)),
+    "olmo2": (T.Olmo2Config, dict(LLAMA, num_key_value_heads=2, pad_token_id=1, eos_token_id=2,
+                                  rope_parameters=_rope(theta=5e5)),
+              T.Olmo2ForCausalLM, "model.layers.{L}.self_attn", (0,)),
     "gpt2": (T.GPT2Config, dict(vocab_size=64, n_embd=64, n_head=4, n_layer=2, n_positions=64,
                                 scale_attn_by_inverse_layer_idx=True),
              T.GPT2LMHeadModel, "transformer.h.{L}.attn", (1,)),
@@ -181,6 +210,40 @@ def build(name, root):
     return d, refs
 
 
+def autograd_grads(d, name, layer, x, dy):
+    """The attention module of layer `layer` of the saved model `d`, in float64, run inside the
+    model on hidden states x (a pre-hook swaps its input for a leaf tensor holding x) and
+    differentiated by torch autograd against dy: (y, {"query": dL/dx, "<param name>": grad})
+    with the module's own parameter names (q_proj.weight, q_norm.weight, ...)."""
+    _, _, model_cls, path, _ = CASES[name]
+    model = model_cls.from_pretrained(d, attn_implementation="eager")
+    model.config._experts_implementation = "eager"  # (grouped_mm has no float64)
+    model = model.to(torch.float64).eval()
+    mod = dict(model.named_modules())[path.format(L=layer)]
+    leaf = torch.from_numpy(np.asarray(x, np.float64)).requires_grad_()
+    store = {}
+
+    def swap(_m, args, kwargs):
+        if args:
+            return (leaf,) + tuple(args[1:]), kwargs
+        return args, dict(kwargs, hidden_states=leaf)
+
+    def keep(_m, _args, _kwargs, out):
+        store["y"] = out[0] if isinstance(out, tuple) else out
+
+    hs = [mod.register_forward_pre_hook(swap, with_kwargs=True),
+          mod.register_forward_hook(keep, with_kwargs=True)]
+    ids = torch.randint(3, 64, tuple(leaf.shape[:2]))
+    model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for h in hs:
+        h.remove()
+    names, params = zip(*mod.named_parameters())
+    gs = torch.autograd.grad(store["y"], (leaf,) + params, torch.from_numpy(dy))
+    res = {"query": gs[0].numpy()}
+    res.update({nm: g.numpy() for nm, g in zip(names, gs[1:])})
+    return store["y"].detach().numpy(), res
+
+
 DELETE = object()  # edit_config: remove the key
 
 
@@ -213,6 +276,10 @@ def legacy_config(src_dir, dst_dir):
     neox = cfg["model_type"] == "gpt_neox"
     changes = {"rope_parameters": DELETE, "layer_types": DELETE}
     rp = dict(cfg.get("rope_parameters") or {})
+    if cfg["model_type"] == "gemma3_text":  # 4.x: rope_local_base_freq, a sliding pattern
+        local, rp = rp["sliding_attention"], dict(rp["full_attention"])
+        changes["rope_local_base_freq"] = local["rope_theta"]
+        changes["sliding_window_pattern"] = cfg["layer_types"].index("full_attention") + 1
     if "rope_theta" in rp:
         changes["rotary_emb_base" if neox else "rope_theta"] = rp.pop("rope_theta")
     if "partial_rotary_factor" in rp:

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_models as H  # noqa: E402
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
-from tolerances import TOL_OUT_REL  # noqa: E402
+from tolerances import TOL_GRAD_REL, TOL_OUT_REL  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,45 @@ def test_from_pretrained_matches_transformers(models, name, layer):
     assert w is None
     err = H.max_rel_err(yt.numpy(), ref)
     assert err <= TOL_OUT_REL, f"torch {name} layer {layer}: max error {err:.3g}"
+
+
+NORM_CASES = [(name, layer) for name in ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "qwen3_next")
+              for layer in H.CASES[name][4]]
+# mha's gradient names of the attention module's parameters (nn.Linear layout on both sides).
+GRAD_NAMES = {"q_proj.weight": "w_q", "k_proj.weight": "w_k", "v_proj.weight": "w_v",
+              "o_proj.weight": "w_o", "q_proj.bias": "b_q", "k_proj.bias": "b_k",
+              "v_proj.bias": "b_v", "o_proj.bias": "b_o", "q_norm.weight": "q_norm",
+              "k_norm.weight": "k_norm"}
+
+
+@pytest.mark.parametrize("name,layer", NORM_CASES)
+def test_gradients_match_torch_autograd(models, name, layer):
+    # QK-norm layers (issue 31): every weight's gradient, the norm weights' included, and the
+    # input's, against torch autograd of transformers' module in float64.
+    d, refs = models[name]
+    x, ref = refs[layer]
+    dy = np.random.default_rng(layer).standard_normal(ref.shape)
+    y_ref, g_ref = H.autograd_grads(d, name, layer, x, dy)
+    assert H.max_rel_err(y_ref, ref) < 1e-12  # the same module as the recorded oracle
+    m = mha.MultiheadAttention.from_pretrained(d, layer=layer)
+    y, state = m.forward_train(x)
+    g = m.backward(state, dy)
+    assert set(GRAD_NAMES[k] for k in g_ref if k != "query") | {"query"} == set(g)
+    assert "q_norm" in g and "k_norm" in g
+    c = m.config
+    for k, ref_g in g_ref.items():
+        nm = GRAD_NAMES.get(k, k)
+        got = g[nm]
+        if c.output_gate and nm in ("w_q", "b_q"):  # mha's [q; gate] rows as HF's [h, 2, d]
+            got = got.reshape(2, c.num_heads, c.head_dim, -1).transpose(1, 0, 2, 3).reshape(
+                ref_g.shape)
+        err = H.max_rel_err(got, ref_g)
+        assert err <= TOL_GRAD_REL, f"{name} layer {layer}: d{nm} max error {err:.3g}"
+
+
+def test_qwen3_next_linear_attention_layer_is_refused(models):
+    with pytest.raises(mha.MhaError, match=r"layer_types\[1\].*linear_attention"):
+        mha.MultiheadAttention.from_pretrained(models["qwen3_next"][0], layer=1)
 
 
 def test_model_mask_is_the_default_and_can_be_overridden(models):

@@ -10,6 +10,8 @@
  *   3. prefill of 5 tokens then one decode step per token equals the full causal forward (the
  *      cache holds K normed and rotated) at TOL_OUT_REL;
  *   4. a bf16 layer equals the float32 layer given the same bf16-rounded weights, widened;
+ * The output gate (Qwen3-Next: A * sigmoid(x W_gate^T + b_gate), W_gate the second half of w_q)
+ * with and without the norm runs through the same checks 1 to 4.
  *   5. hostile configs refused, naming the field: kind out of range, eps 0, negative, NaN, Inf,
  *      unit_offset with L2, absent norm weights, norm weights the kind does not have, a NaN norm
  *      weight, a norm-weight gradient for a layer without norm weights.
@@ -30,18 +32,22 @@ typedef struct kcase {
     const char *name;
     mha_qk_norm_kind kind;
     int unit_offset;
+    int output_gate;
 } kcase;
 
 static const kcase CASES[] = {
-    {"rms_head", MHA_QK_NORM_RMS_HEAD, 0},
-    {"rms_head_unit_offset", MHA_QK_NORM_RMS_HEAD, 1},
-    {"rms_all", MHA_QK_NORM_RMS_ALL, 0},
-    {"l2_after_rope", MHA_QK_NORM_L2_AFTER_ROPE, 0},
+    {"rms_head", MHA_QK_NORM_RMS_HEAD, 0, 0},
+    {"rms_head_unit_offset", MHA_QK_NORM_RMS_HEAD, 1, 0},
+    {"rms_all", MHA_QK_NORM_RMS_ALL, 0, 0},
+    {"l2_after_rope", MHA_QK_NORM_L2_AFTER_ROPE, 0, 0},
+    {"gate_rms_head_unit_offset", MHA_QK_NORM_RMS_HEAD, 1, 1}, /* Qwen3-Next */
+    {"gate_only", MHA_QK_NORM_NONE, 0, 1},
 };
 
+/* wq and bq hold the gate's rows after the query's (used with output_gate only). */
 typedef struct weights {
-    float wq[H * DK * E], wk[G * DK * E], wv[G * DK * E], wo[E * H * DK];
-    float bq[H * DK], qn[H * DK], kn[G * DK];
+    float wq[2 * H * DK * E], wk[G * DK * E], wv[G * DK * E], wo[E * H * DK];
+    float bq[2 * H * DK], qn[H * DK], kn[G * DK];
 } weights;
 
 static mha_config make_config(const kcase *k) {
@@ -53,6 +59,8 @@ static mha_config make_config(const kcase *k) {
     c.qk_norm.kind = k->kind;
     c.qk_norm.eps = 1e-6;
     c.qk_norm.unit_offset = k->unit_offset;
+    c.qk_norm.eps = k->kind ? c.qk_norm.eps : 0.0;
+    c.output_gate = k->output_gate;
     return c;
 }
 
@@ -89,6 +97,7 @@ static void forward_vs_oracle(const kcase *k, const weights *w, const float *x) 
     CHECK(oracle_layer(mha_layer_config(L), &mw, &a, ref, NULL) == 0, "[%s] oracle", k->name);
     mha_config c0 = *mha_layer_config(L);
     c0.qk_norm.kind = MHA_QK_NORM_NONE;
+    c0.output_gate = 0;
     CHECK(oracle_layer(&c0, &mw, &a, plain, NULL) == 0, "[%s] oracle without norm", k->name);
     const double gate = TOL_OUT_REL * test_max_abs(ref, B * N * E);
     double changed = 0.0;
@@ -222,6 +231,16 @@ static void hostile(const weights *w) {
     bad.kn[3] = NAN;
     mha_weights wb = weights_of(&c, &bad);
     refused("NaN norm weight", &c, &wb, "weights.k_norm[3]");
+    b = c;
+    b.output_gate = 1;
+    b.v_head_dim = DK / 2;
+    refused("gate with v_head_dim != head_dim", &b, &mw, "config.output_gate");
+    weights bg = *w;
+    bg.wq[2 * H * DK * E - 1] = NAN; /* the gate's last weight */
+    mha_weights wbg = weights_of(&c, &bg);
+    b = c;
+    b.output_gate = 1;
+    refused("NaN gate weight", &b, &wbg, "weights.w_q[2047]");
 
     /* A norm-weight gradient for a layer without norm weights. */
     mha_error err;

@@ -25,7 +25,7 @@ import importlib
 from typing import Any
 
 from . import _lib
-from ._api import (Config, KVCache, MultiheadAttention, Rope, TrainState, attention,
+from ._api import (Config, KVCache, MultiheadAttention, QKNorm, Rope, TrainState, attention,
                    attention_backward, attention_stats, rope, rope_frequencies, shard_rows)
 from ._lib import MhaError
 
@@ -55,7 +55,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mha' has no attribute {name!r}")
 
 
-__all__ = ["MhaError", "Config", "Rope", "MultiheadAttention", "TrainState", "KVCache",
+__all__ = ["MhaError", "Config", "Rope", "QKNorm", "MultiheadAttention", "TrainState", "KVCache",
            "attention", "attention_backward", "attention_stats", "rope", "rope_frequencies",
            "shard_rows",
            "plot_attention",

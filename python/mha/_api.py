@@ -811,6 +811,50 @@ def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, opt
 # ------------------------------------------------------------------------------------------------
 # The layer
 # ------------------------------------------------------------------------------------------------
+_QK_NORM_KINDS = {"rms_head": L.QK_NORM_RMS_HEAD, "rms_all": L.QK_NORM_RMS_ALL,
+                  "l2_after_rope": L.QK_NORM_L2_AFTER_ROPE}
+
+
+@dataclass
+class QKNorm:
+    """Normalization of q and k in the layer (mha_qk_norm; docs/SEMANTICS.md "QK-norm"):
+    ``kind`` 'rms_head' (RMSNorm per head before RoPE, weights q_norm / k_norm [head_dim]: Qwen3,
+    Gemma 3), 'rms_all' (RMSNorm over the whole projection, weights [h*head_dim] and
+    [g*head_dim]: OLMo 2) or 'l2_after_rope' (weightless, per head, after RoPE: Llama 4);
+    ``eps`` > 0; ``unit_offset`` scales by 1 + w (Gemma 3)."""
+    kind: str
+    eps: float = 1e-6
+    unit_offset: bool = False
+
+    def _to_c(self) -> L.mha_qk_norm:
+        if self.kind not in _QK_NORM_KINDS:
+            raise ValueError(f"qk_norm.kind: expected one of {sorted(_QK_NORM_KINDS)}, got "
+                             f"{self.kind!r}")
+        q = L.mha_qk_norm()
+        q.kind, q.eps, q.unit_offset = _QK_NORM_KINDS[self.kind], float(self.eps), \
+            1 if self.unit_offset else 0
+        return q
+
+    @classmethod
+    def _from_c(cls, q: L.mha_qk_norm) -> Optional["QKNorm"]:
+        names = {v: k for k, v in _QK_NORM_KINDS.items()}
+        if q.kind == L.QK_NORM_NONE:
+            return None
+        return cls(names[q.kind], float(q.eps), bool(q.unit_offset))
+
+    @property
+    def has_weights(self) -> bool:
+        return self.kind in ("rms_head", "rms_all")
+
+
+def _as_qk_norm(x) -> Optional[QKNorm]:
+    if x is None or isinstance(x, QKNorm):
+        return x
+    if isinstance(x, dict):
+        return QKNorm(**x)
+    raise TypeError(f"qk_norm: expected a QKNorm, a dict of its fields or None, got {x!r}")
+
+
 @dataclass
 class Config:
     """The resolved configuration of a layer (mha_config with every default filled in)."""
@@ -832,19 +876,21 @@ class Config:
     alibi: bool
     rope: Optional[Rope]
     weight_dtype: str = "float32"  # the storage of weights, biases, sinks: float16, bfloat16
+    qk_norm: Optional[QKNorm] = None
+    output_gate: bool = False
     # Llama 4's temperature tuning (docs/SEMANTICS.md): (floor_scale, attn_scale), or None
     temperature: Optional[Tuple[float, float]] = None
 
     @classmethod
     def _from_c(cls, c: L.mha_config) -> "Config":
         kw = {f.name: getattr(c, f.name) for f in fields(cls)
-              if f.name not in ("rope", "weight_dtype", "temperature")}
-        for b in ("bias_q", "bias_k", "bias_v", "bias_o", "sinks", "alibi"):
+              if f.name not in ("rope", "weight_dtype", "qk_norm", "temperature")}
+        for b in ("bias_q", "bias_k", "bias_v", "bias_o", "sinks", "alibi", "output_gate"):
             kw[b] = bool(kw[b])
         t = c.temperature
         temp = (float(t.floor_scale), float(t.attn_scale)) if t.enabled else None
         return cls(rope=Rope._from_c(c.rope), weight_dtype=_DTYPE_NAMES[c.weight_dtype],
-                   temperature=temp, **kw)
+                   qk_norm=QKNorm._from_c(c.qk_norm), temperature=temp, **kw)
 
 
 _DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16"}
@@ -924,7 +970,9 @@ class MultiheadAttention:
     query's dtype (float32 for float64 input). Arithmetic is float32, the output rounded once.
 
     Options: ``scale`` (None = 1/sqrt(d_k)), ``softcap``, ``alibi``, ``sinks`` ([h] logits),
-    ``rope`` (a :class:`Rope`, a dict of its fields, or a style name; None = no RoPE).
+    ``rope`` (a :class:`Rope`, a dict of its fields, or a style name; None = no RoPE),
+    ``qk_norm`` (a :class:`QKNorm` or a dict of its fields; None = none) with its weights
+    ``q_norm`` / ``k_norm`` when its kind has them.
     """
 
     def __init__(self, w_q: ArrayLike, w_k: ArrayLike, w_v: ArrayLike, w_o: ArrayLike,
@@ -933,14 +981,27 @@ class MultiheadAttention:
                  num_heads: int, num_kv_heads: Optional[int] = None,
                  sinks: Optional[ArrayLike] = None, scale: Optional[float] = None,
                  softcap: Optional[float] = None, alibi: bool = False,
-                 rope: Union[None, str, dict, Rope] = None, _weight_dtype: Optional[int] = None):
+                 rope: Union[None, str, dict, Rope] = None,
+                 qk_norm: Union[None, dict, QKNorm] = None, q_norm: Optional[ArrayLike] = None,
+                 k_norm: Optional[ArrayLike] = None, output_gate: bool = False,
+                 _weight_dtype: Optional[int] = None):
         # (_weight_dtype: the PyTorch drop-in's arrays hold that mha_dtype's bits: _layer_arrays)
         if num_heads is None or int(num_heads) < 1:
             raise ValueError(f"num_heads: expected a positive integer, got {num_heads!r}")
         c = _options_config(num_heads, num_kv_heads, scale, softcap, alibi, rope)
+        qn = _as_qk_norm(qk_norm)
+        if qn is not None:
+            c.qk_norm = qn._to_c()
+            if qn.has_weights != (q_norm is not None and k_norm is not None) or (
+                    not qn.has_weights and (q_norm is not None or k_norm is not None)):
+                raise ValueError(f"q_norm, k_norm: qk_norm kind {qn.kind!r} "
+                                 f"{'needs both' if qn.has_weights else 'has no weights: give neither'}")
+        elif q_norm is not None or k_norm is not None:
+            raise ValueError("q_norm, k_norm given without qk_norm")
         given = {nm: x for nm, x in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v), ("w_o", w_o),
                                      ("b_q", b_q), ("b_k", b_k), ("b_v", b_v), ("b_o", b_o),
-                                     ("sinks", sinks)) if x is not None}
+                                     ("sinks", sinks), ("q_norm", q_norm), ("k_norm", k_norm))
+                 if x is not None}
         for nm, x in given.items():
             if _weight_dtype is None and not _is_float(np.asarray(x).dtype):
                 raise TypeError(f"{nm}: expected a floating-point array, got dtype "
@@ -953,10 +1014,12 @@ class MultiheadAttention:
                 raise ValueError(f"{nm}: expected a 2-d [out, in] matrix, got shape {a.shape}")
             ws[nm] = a
         h = int(num_heads)
-        if ws["w_q"].shape[0] % h:
+        gq = 2 if output_gate else 1  # w_q: the query's rows, then the gate's
+        c.output_gate = 1 if output_gate else 0
+        if ws["w_q"].shape[0] % (gq * h):
             raise ValueError(f"w_q: {ws['w_q'].shape[0]} rows are not divisible by "
-                             f"num_heads={h}")
-        dk = ws["w_q"].shape[0] // h
+                             f"{'2 x ' if output_gate else ''}num_heads={h}")
+        dk = ws["w_q"].shape[0] // (gq * h)
         if ws["w_k"].shape[0] % dk:
             raise ValueError(f"w_k: {ws['w_k'].shape[0]} rows are not a multiple of "
                              f"head_dim={dk}")
@@ -977,7 +1040,7 @@ class MultiheadAttention:
         w = L.mha_weights()
         for nm in ws:
             setattr(w, nm, _ptr(ws[nm]))
-        rows = {"b_q": h * dk, "b_k": g * dk, "b_v": g * dv, "b_o": c.out_dim}
+        rows = {"b_q": gq * h * dk, "b_k": g * dk, "b_v": g * dv, "b_o": c.out_dim}
         for nm in ("b_q", "b_k", "b_v", "b_o"):
             if nm in arrs:
                 a = arrs[nm]
@@ -993,6 +1056,15 @@ class MultiheadAttention:
             ws["sinks"] = a
             w.sinks = _ptr(a)
             c.sinks = 1
+        if q_norm is not None:
+            per_head = qn.kind == "rms_head"
+            for nm, heads in (("q_norm", h), ("k_norm", g)):
+                a = arrs[nm]
+                want = (dk,) if per_head else (heads * dk,)
+                if a.shape != want:
+                    raise ValueError(f"{nm}: expected shape {want}, got {a.shape}")
+                ws[nm] = a
+                setattr(w, nm, _ptr(a))
         ptr = ctypes.c_void_p()
         M.call(L.mha_layer_create, c, w, 0, None, ptr)
         self._init_handle(ptr.value)
@@ -1081,13 +1153,19 @@ class MultiheadAttention:
         """Copies of the layer's weights: w_q, w_k, w_v, w_o, and b_* / sinks when present."""
         c = self.config
         w = L.mha_layer_weights(self._ptr).contents
-        shapes = {"w_q": (c.num_heads * c.head_dim, c.q_dim),
+        gq = 2 if c.output_gate else 1  # (the gate's rows follow the query's)
+        shapes = {"w_q": (gq * c.num_heads * c.head_dim, c.q_dim),
                   "w_k": (c.num_kv_heads * c.head_dim, c.k_dim),
                   "w_v": (c.num_kv_heads * c.v_head_dim, c.v_dim),
                   "w_o": (c.out_dim, c.num_heads * c.v_head_dim),
-                  "b_q": (c.num_heads * c.head_dim,), "b_k": (c.num_kv_heads * c.head_dim,),
+                  "b_q": (gq * c.num_heads * c.head_dim,),
+                  "b_k": (c.num_kv_heads * c.head_dim,),
                   "b_v": (c.num_kv_heads * c.v_head_dim,), "b_o": (c.out_dim,),
                   "sinks": (c.num_heads,)}
+        if c.qk_norm is not None and c.qk_norm.has_weights:
+            all_ = c.qk_norm.kind == "rms_all"
+            shapes["q_norm"] = (c.num_heads * c.head_dim if all_ else c.head_dim,)
+            shapes["k_norm"] = (c.num_kv_heads * c.head_dim if all_ else c.head_dim,)
         res = {}
         code = _DTYPE_CODES[c.weight_dtype]
         half = code != L.DTYPE_F32  # (a half layer's: 2-byte elements of that dtype)
@@ -1367,16 +1445,22 @@ class MultiheadAttention:
         if params:
             hk, gk, gv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, \
                 c.num_kv_heads * c.v_head_dim
-            want("w_q", "dw_q", (hk, c.q_dim))
+            gq = 2 if c.output_gate else 1  # (the gate's rows follow the query's)
+            want("w_q", "dw_q", (gq * hk, c.q_dim))
             want("w_k", "dw_k", (gk, c.k_dim))
             want("w_v", "dw_v", (gv, c.v_dim))
             want("w_o", "dw_o", (c.out_dim, c.num_heads * c.v_head_dim))
-            for nm, on, shp in (("b_q", c.bias_q, hk), ("b_k", c.bias_k, gk),
+            for nm, on, shp in (("b_q", c.bias_q, gq * hk), ("b_k", c.bias_k, gk),
                                 ("b_v", c.bias_v, gv), ("b_o", c.bias_o, c.out_dim)):
                 if on:
                     want(nm, "d" + nm, (shp,))
             if c.sinks:
                 want("sinks", "d_sinks", (c.num_heads,))
+            if c.qk_norm is not None and c.qk_norm.has_weights:
+                all_ = c.qk_norm.kind == "rms_all"
+                want("q_norm", "d_q_norm", (c.num_heads * c.head_dim if all_ else c.head_dim,))
+                want("k_norm", "d_k_norm",
+                     (c.num_kv_heads * c.head_dim if all_ else c.head_dim,))
         return d, g, res
 
     # -- distributed (ring attention over MPI, libmha_mpi) ---------------------------------------

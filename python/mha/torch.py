@@ -120,6 +120,18 @@ _PARAM_GRAD_FIELDS = (("dw_q", "dw_k", "dw_v"), "dw_q", "dw_k", "dw_v", ("db_q",
                       "dw_o", "db_o")
 
 
+def _qk_norm_traced(qn, x: Tensor, w: Optional[Tensor]) -> Tensor:
+    """QK-norm over x's last axis in torch operations (docs/SEMANTICS.md "QK-norm"): x / sqrt(
+    mean(x^2) + eps) times w, 1 + w (unit_offset) or 1 (w None); the sum of squares in float64
+    as libmha's."""
+    ms = x.to(torch.float64).square().mean(-1, keepdim=True)
+    y = x * torch.rsqrt(ms + qn.eps).to(x.dtype)
+    if w is None:
+        return y
+    w = w.to(x.dtype)
+    return y * (1.0 + w if qn.unit_offset else w)
+
+
 class _LayerFunction(torch.autograd.Function):
     """apply(spec, *tensors): the distinct differentiable inputs only (query; key and value when
     they are other tensors; the parameters that exist), whose mha_layer_grads fields are
@@ -502,6 +514,14 @@ class MultiheadAttention(nn.Module):
         self._layer = None
         self._options = dict(num_kv_heads=c.num_kv_heads, scale=c.scale, softcap=c.softcap,
                              alibi=c.alibi, rope=c.rope, sinks=w.get("sinks"))
+        if c.output_gate:  # Qwen3-Next: q_proj_weight's rows are the query's, then the gate's
+            self._options["output_gate"] = True
+        if c.qk_norm is not None:  # QK-norm: its weights are buffers (not trained), as sinks
+            self._options.update(qk_norm=c.qk_norm, q_norm=w.get("q_norm"),
+                                 k_norm=w.get("k_norm"))
+            for nm in ("q_norm", "k_norm"):
+                if nm in w:
+                    self.register_buffer(nm, torch.from_numpy(w[nm]))
         self._model_mask = (src._causal, src._window)
         self.model_info = src.model_info
         if c.rope is not None:  # for the traced forward (the eager one runs libmha's RoPE)
@@ -571,8 +591,10 @@ class MultiheadAttention(nn.Module):
             # The layer copies the weights (so an in-place optimizer step cannot change a graph
             # that is waiting for its backward); one copy per parameter update.
             opts = self._options
-            if opts.get("sinks") is not None and wdt is not _F32:  # (one dtype for all weights)
-                opts = dict(opts, sinks=_weight_array(torch.from_numpy(opts["sinks"]).to(wdt)))
+            if wdt is not _F32:  # (one dtype for all weights)
+                opts = dict(opts, **{nm: _weight_array(torch.from_numpy(opts[nm]).to(wdt))
+                                     for nm in ("sinks", "q_norm", "k_norm")
+                                     if opts.get(nm) is not None})
             self._layer = _Layer(q_w, k_w, v_w, ow, bq, bk, bv, ob, num_heads=self.num_heads,
                                  _weight_dtype=_STORAGE[wdt], **opts)
             self._cache_key = key
@@ -691,13 +713,30 @@ class MultiheadAttention(nn.Module):
             bq, bk, bv = in_b[:rq], in_b[rq:rq + rk], in_b[rq + rk:]
         g = opts.get("num_kv_heads") or h
 
-        def heads(x: Tensor, w: Tensor, b: Optional[Tensor], nh: int) -> Tensor:  # [B, nh, L, d]
-            y = torch.nn.functional.linear(x, w, b)
-            return y.view(y.shape[0], y.shape[1], nh, w.shape[0] // nh).transpose(1, 2)
+        qn = opts.get("qk_norm")
 
-        qh, kh, vh = heads(q, q_w, bq, h), heads(k, k_w, bk, g), heads(v, v_w, bv, g)
+        def heads(x: Tensor, w: Tensor, b: Optional[Tensor], nh: int,
+                  norm: Optional[str] = None) -> Tensor:  # [B, nh, L, d]
+            y = torch.nn.functional.linear(x, w, b)
+            if norm is not None and qn.kind == "rms_all":  # over the whole projection
+                y = _qk_norm_traced(qn, y, self._buffers.get(norm))
+            y = y.view(y.shape[0], y.shape[1], nh, w.shape[0] // nh).transpose(1, 2)
+            if norm is not None and qn.kind == "rms_head":  # per head, before RoPE
+                y = _qk_norm_traced(qn, y, self._buffers.get(norm))
+            return y
+
+        gate = None
+        if opts.get("output_gate"):  # the gate's rows of w_q (and b_q) after the query's
+            hd = h * self.head_dim
+            gate = torch.nn.functional.linear(q, q_w[hd:], None if bq is None else bq[hd:])
+            q_w, bq = q_w[:hd], None if bq is None else bq[:hd]
+        norms = ("q_norm", "k_norm") if qn is not None else (None, None)
+        qh, kh = heads(q, q_w, bq, h, norms[0]), heads(k, k_w, bk, g, norms[1])
+        vh = heads(v, v_w, bv, g)
         if opts.get("rope") is not None:
             qh, kh = self._rope_traced(qh, max(n, m)), self._rope_traced(kh, max(n, m))
+        if qn is not None and qn.kind == "l2_after_rope":
+            qh, kh = _qk_norm_traced(qn, qh, None), _qk_norm_traced(qn, kh, None)
         attend, additive = _traced_masks(attn_mask, key_padding_mask, B, h, n, m)
         drop = self.dropout if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
@@ -711,7 +750,10 @@ class MultiheadAttention(nn.Module):
             need_weights, average, self.threads, float(opts.get("softcap") or 0.0),
             bool(opts.get("alibi")), self._buffers.get("sinks"), window[0], window[1],
             bottom_right)
-        out = torch.nn.functional.linear(o.transpose(1, 2).reshape(B, n, -1), ow, ob)
+        att = o.transpose(1, 2).reshape(B, n, -1)
+        if gate is not None:
+            att = att * torch.sigmoid(gate)
+        out = torch.nn.functional.linear(att, ow, ob)
         out = out.squeeze(0) if unbatched else (out if bf else out.transpose(0, 1))
         if not need_weights:
             probs = None

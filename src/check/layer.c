@@ -28,8 +28,14 @@ static mha_status check_qk_norm(mha_config *c, mha_error *err) {
         q->unit_offset = q->unit_offset != 0;
     }
     c->output_gate = c->output_gate != 0;
-    MHA_RETURN_IF(c->output_gate, err, UNSUPPORTED,
-                  "config.output_gate is not implemented yet (docs/SEMANTICS.md \"Output gate\")");
+    MHA_RETURN_IF(c->output_gate && c->v_head_dim != c->head_dim, err, INVALID_ARG,
+                  "config.output_gate multiplies A [h*v_head_dim] by a gate [h*head_dim]: "
+                  "v_head_dim=%lld must equal head_dim=%lld",
+                  (long long)c->v_head_dim, (long long)c->head_dim);
+    int64_t t;
+    MHA_RETURN_IF(c->output_gate && (!mha__mul_i64(2 * c->num_heads, c->head_dim, &t) ||
+                                     !mha__mul_i64(t, c->q_dim, &t)),
+                  err, OVERFLOW, "config: w_q with the output gate's rows overflows int64");
     return MHA_STATUS_OK;
 }
 
@@ -133,12 +139,13 @@ void mha__layer_weight_slots(const mha_config *c,
     const int64_t h = c->num_heads, g = c->num_kv_heads;
     const int norm_w =
         c->qk_norm.kind == MHA_QK_NORM_RMS_HEAD || c->qk_norm.kind == MHA_QK_NORM_RMS_ALL;
+    const int64_t gq = c->output_gate ? 2 : 1; /* w_q, b_q: the query's rows, then the gate's */
     const mha__weight_slot s[MHA__WEIGHT_SLOTS] = {
-        {"w_q", &w->w_q, h * c->head_dim * c->q_dim, 1},
+        {"w_q", &w->w_q, gq * h * c->head_dim * c->q_dim, 1},
         {"w_k", &w->w_k, g * c->head_dim * c->k_dim, 1},
         {"w_v", &w->w_v, g * c->v_head_dim * c->v_dim, 1},
         {"w_o", &w->w_o, c->out_dim * h * c->v_head_dim, 1},
-        {"b_q", &w->b_q, h * c->head_dim, c->bias_q},
+        {"b_q", &w->b_q, gq * h * c->head_dim, c->bias_q},
         {"b_k", &w->b_k, g * c->head_dim, c->bias_k},
         {"b_v", &w->b_v, g * c->v_head_dim, c->bias_v},
         {"b_o", &w->b_o, c->out_dim, c->bias_o},
@@ -388,7 +395,7 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
         c->qk_norm.kind == MHA_QK_NORM_RMS_ALL ? c->num_kv_heads * c->head_dim : c->head_dim;
     /* Every gradient against dy, the forward's inputs, the layer's weights and each other. */
     const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
-    const int64_t dk = c->head_dim, dv = c->v_head_dim;
+    const int64_t dk = c->head_dim, dv = c->v_head_dim, gq = c->output_gate ? 2 : 1;
     const mha_forward_args *a = s->args;
     mha__span in[4 + MHA__WEIGHT_SLOTS];
     int n_in = 0;
@@ -413,11 +420,11 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
         mha__span_of("grads.d_query", gr->d_query, mha__count3(B, n, c->q_dim), xs),
         mha__span_of("grads.d_key", gr->d_key, mha__count3(B, m, c->k_dim), xs),
         mha__span_of("grads.d_value", gr->d_value, mha__count3(B, m, c->v_dim), xs),
-        mha__span_of("grads.dw_q", gr->dw_q, mha__count3(h, dk, c->q_dim), sizeof(float)),
+        mha__span_of("grads.dw_q", gr->dw_q, mha__count3(gq * h, dk, c->q_dim), sizeof(float)),
         mha__span_of("grads.dw_k", gr->dw_k, mha__count3(g, dk, c->k_dim), sizeof(float)),
         mha__span_of("grads.dw_v", gr->dw_v, mha__count3(g, dv, c->v_dim), sizeof(float)),
         mha__span_of("grads.dw_o", gr->dw_o, mha__count3(c->out_dim, h, dv), sizeof(float)),
-        mha__span_of("grads.db_q", gr->db_q, h * dk, sizeof(float)),
+        mha__span_of("grads.db_q", gr->db_q, gq * h * dk, sizeof(float)),
         mha__span_of("grads.db_k", gr->db_k, g * dk, sizeof(float)),
         mha__span_of("grads.db_v", gr->db_v, g * dv, sizeof(float)),
         mha__span_of("grads.db_o", gr->db_o, c->out_dim, sizeof(float)),

@@ -474,9 +474,9 @@ static mha_status layer_step(const mha_layer *layer,
     st = mha__exec_team(exec, &team, err);
     if (st)
         return st;
-    size_t off[6], total = 0;
-    const size_t sizes[6] = {bq, bk, bv, ba, bl, br};
-    for (int i = 0; i < 6; i++) {
+    size_t off[7], total = 0;
+    const size_t sizes[7] = {bq, bk, bv, ba, bl, br, c->output_gate ? bq : 0}; /* 6: the gate */
+    for (int i = 0; i < 7; i++) {
         off[i] = total;
         MHA_RETURN_IF(total > SIZE_MAX - sizes[i] - 64, err, OVERFLOW, "decode buffers overflow");
         total += (sizes[i] + 63) & ~(size_t)63;
@@ -542,7 +542,17 @@ static mha_status layer_step(const mha_layer *layer,
         st = kv_attend(&a, exec, err);
     }
 
-    /* 4. Output projection. */
+    /* 4. The output gate (its rows of w_q), then the output projection. */
+    if (!st && c->output_gate) {
+        float *gate = (float *)(ws + off[6]);
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(c, w, &wg, &bg);
+        st = mha__plan_project(impl, alloc, team, args->x, f32, wg, wdt, bg, gate, rows, c->q_dim,
+                               h * dk, NULL, 0, err);
+        if (!st)
+            mha__plan_gate_apply(gate, att, rows * h * dv);
+    }
     if (!st)
         st = mha__plan_project(impl, alloc, team, att, f32, w->w_o, wdt, w->b_o, args->out, rows,
                                h * dv, c->out_dim, NULL, 0, err);

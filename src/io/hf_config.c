@@ -66,7 +66,15 @@ static const hf_arch ARCHS[] = {
     {"mistral", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
     {"mixtral", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
     {"qwen2", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
-    {"qwen3", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"qwen3", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj, q_norm, k_norm"},
+    {"qwen3_moe", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj, q_norm, k_norm"},
+    {"gemma3_text", LAYOUT_QKVO, LLAMA_PREFIXES,
+     "q_proj, k_proj, v_proj, o_proj, q_norm, k_norm (1 + w)"},
+    {"qwen3_next", LAYOUT_QKVO, LLAMA_PREFIXES,
+     "q_proj [h, 2, d]: per head q then gate (split), k_proj, v_proj, o_proj, q_norm, k_norm "
+     "(1 + w)"},
+    {"olmo2", LAYOUT_QKVO, LLAMA_PREFIXES,
+     "q_proj, k_proj, v_proj, o_proj, q_norm, k_norm (whole projection)"},
     {"gemma", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
     {"gemma2", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
     {"gpt_oss", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj, sinks"},
@@ -442,9 +450,12 @@ static mha_status read_biases(hf_model *m, mha_config *cfg, mha_error *err) {
 static mha_status refuse_unsupported(hf_model *m, mha_error *err) {
     const cJSON *c = m->config;
     const char *t = m->arch->type;
-    MHA_RETURN_IF(is_type(m, "qwen3"), err, UNSUPPORTED,
-                  "%s: model_type qwen3 normalises q and k per head (q_norm, k_norm: RMSNorm "
-                  "after the projections), which mha's layer cannot express",
+    int bidi = 0;
+    if (is_type(m, "gemma3_text"))
+        TRY(get_bool(m, c, "use_bidirectional_attention", &bidi, err));
+    MHA_RETURN_IF(bidi, err, UNSUPPORTED,
+                  "%s: \"use_bidirectional_attention\": true (Gemma 3 as an encoder, with its "
+                  "own window rule) is not supported by mha",
                   m->config_path);
     const char *pe = NULL;
     TRY(get_str(m, c, "position_embedding_type", &pe, err));
@@ -459,7 +470,9 @@ static mha_status refuse_unsupported(hf_model *m, mha_error *err) {
                   "%s: \"alibi\": true: Falcon adds ALiBi before the 1/sqrt(d) scaling (slopes "
                   "scaled by 1/sqrt(head_dim)), which mha's ALiBi (after scaling) does not match",
                   m->config_path);
-    if (strcmp(t, "gemma2") != 0) {
+    /* gemma3_text has the field but Gemma3Attention never applies it (transformers 5.24): read
+     * and ignored, as there. */
+    if (strcmp(t, "gemma2") != 0 && strcmp(t, "gemma3_text") != 0) {
         const cJSON *sc = field(c, "attn_logit_softcapping");
         MHA_RETURN_IF(sc, err, UNSUPPORTED,
                       "%s: \"attn_logit_softcapping\" is only read for gemma2, not %s",
@@ -468,11 +481,41 @@ static mha_status refuse_unsupported(hf_model *m, mha_error *err) {
     return MHA_STATUS_OK;
 }
 
+/* QK-norm (docs/SEMANTICS.md): RMSNorm per head (Qwen3, Qwen3-MoE; Gemma 3 with 1 + w) or over
+ * the whole projection (OLMo 2), eps = rms_norm_eps (the config class's default when absent). */
+static mha_status read_qk_norm(hf_model *m, mha_config *cfg, mha_error *err) {
+    mha_qk_norm *q = &cfg->qk_norm;
+    if (is_type(m, "qwen3") || is_type(m, "qwen3_moe") || is_type(m, "gemma3_text") ||
+        is_type(m, "qwen3_next")) {
+        q->kind = MHA_QK_NORM_RMS_HEAD;
+        q->eps = 1e-6;
+        q->unit_offset = is_type(m, "gemma3_text") || is_type(m, "qwen3_next");
+        cfg->output_gate = is_type(m, "qwen3_next"); /* Qwen3NextAttention's gated output */
+    } else if (is_type(m, "olmo2")) {
+        q->kind = MHA_QK_NORM_RMS_ALL;
+        q->eps = 1e-5;
+    } else {
+        return MHA_STATUS_OK;
+    }
+    TRY(get_num(m, m->config, "", "rms_norm_eps", 0.0, 1, (double)FLT_MAX, &q->eps, err));
+    return MHA_STATUS_OK;
+}
+
 static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
     const cJSON *c = m->config;
     mha_config *cfg = &info->config;
     const double d = (double)cfg->head_dim;
     cfg->scale = 1.0 / sqrt(d);
+    if (is_type(m, "gemma3_text")) { /* Gemma3TextConfig's default 256; no soft-cap */
+        double qpas = 256.0;
+        TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
+        cfg->scale = 1.0 / sqrt(qpas);
+        MHA_RETURN_IF(!(cfg->scale >= (double)FLT_MIN && cfg->scale <= (double)FLT_MAX), err,
+                      BAD_FILE,
+                      "%s: \"query_pre_attn_scalar\" %g gives the scale 1/sqrt(%g) = %g, outside "
+                      "float's range [%g, %g]",
+                      m->config_path, qpas, qpas, cfg->scale, (double)FLT_MIN, (double)FLT_MAX);
+    }
     if (is_type(m, "gemma2")) { /* absent: Gemma2Config's defaults 256 and 50; null: none */
         double qpas = 256.0, cap = is_null(c, "attn_logit_softcapping") ? 0.0 : 50.0;
         TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
@@ -500,6 +543,7 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
             cfg->scale /= (double)(info->layer + 1);
     }
     cfg->sinks = is_type(m, "gpt_oss");
+    TRY(read_qk_norm(m, cfg, err));
     info->causal = m->arch->layout != LAYOUT_BERT;
     if (m->arch->layout == LAYOUT_BERT) {
         int dec = 0;
@@ -756,8 +800,19 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
     r->style =
         is_type(m, "cohere2") || is_type(m, "llama4_text") ? MHA_ROPE_INTERLEAVED : MHA_ROPE_HALF;
     r->theta = 10000.0;
+    /* Gemma 3: sliding layers rotate at rope_local_base_freq (10^4) without scaling, full ones at
+     * rope_theta (10^6) with rope_scaling; transformers 5 writes one rope_parameters per type. */
+    const int gemma3_local =
+        is_type(m, "gemma3_text") && layer_type && strcmp(layer_type, "sliding_attention") == 0;
+    if (is_type(m, "gemma3_text") && !gemma3_local)
+        r->theta = 1e6;
     TRY(get_num(m, p, pw, "rotary_emb_base", 1.0, 1, 1e300, &r->theta, err)); /* NeoX, 4.x */
-    TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
+    if (gemma3_local && p == m->config) {
+        TRY(get_num(m, p, pw, "rope_local_base_freq", 1.0, 1, 1e300, &r->theta, err));
+        s = NULL; /* 4.x's rope_scaling is the full layers' */
+    } else {
+        TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
+    }
     double frac = 1.0;
     TRY(get_num(m, p, pw, "rotary_pct", 0.0, 1, 1.0, &frac, err)); /* NeoX, 4.x */
     TRY(get_num(m, p, pw, "partial_rotary_factor", 0.0, 1, 1.0, &frac, err));
@@ -781,6 +836,12 @@ static mha_status
 layer_type_of(const hf_model *m, const mha_hf_layer_info *info, const char **out, mha_error *err) {
     *out = NULL;
     const cJSON *lt = field(m->config, "layer_types");
+    if (!lt && is_type(m, "gemma3_text")) { /* 4.x: every sliding_window_pattern-th is full */
+        int64_t pattern = 6;
+        TRY(get_int(m, m->config, "sliding_window_pattern", 0, 1, INT32_MAX, &pattern, err));
+        *out = (info->layer + 1) % pattern ? "sliding_attention" : "full_attention";
+        return MHA_STATUS_OK;
+    }
     if (!lt)
         return MHA_STATUS_OK;
     MHA_RETURN_IF(!cJSON_IsArray(lt) || cJSON_GetArraySize(lt) != info->num_layers, err, BAD_FILE,
@@ -837,7 +898,9 @@ static mha_status slides_without_types(const hf_model *m,
     *slides = 0;
     if (is_type(m, "mistral") || is_type(m, "mixtral") || is_type(m, "phi3")) {
         *slides = 1;
-    } else if (is_type(m, "qwen2")) {
+    } else if (is_type(m, "qwen3_moe")) { /* Qwen3MoeAttention: every layer when enabled */
+        TRY(get_bool(m, m->config, "use_sliding_window", slides, err));
+    } else if (is_type(m, "qwen2") || is_type(m, "qwen3")) {
         int use = 0;
         int64_t max_window_layers = 0;
         TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
@@ -865,7 +928,7 @@ static mha_status slides_without_types(const hf_model *m,
 /* sliding_window when config.json leaves it out: the transformers config class's default. */
 static int64_t default_window(const hf_model *m) {
     if (is_type(m, "mistral") || is_type(m, "gemma2") || is_type(m, "qwen2") ||
-        is_type(m, "cohere2"))
+        is_type(m, "gemma3_text") || is_type(m, "cohere2"))
         return 4096;
     return is_type(m, "gpt_oss") ? 128 : 0;
 }
@@ -965,8 +1028,9 @@ static mha_status find_arch(hf_model *m, mha_hf_layer_info *info, mha_error *err
             m->arch = &ARCHS[i];
     MHA_RETURN_IF(!m->arch, err, UNSUPPORTED,
                   "%s: \"model_type\": \"%.64s\" is not supported (supported: llama, mistral, "
-                  "mixtral, qwen2, gemma, gemma2, gpt_oss, smollm3, cohere2, llama4_text, phi3, "
-                  "gpt2, gpt_neox, falcon, bert, roberta)",
+                  "mixtral, qwen2, qwen3, qwen3_moe, qwen3_next, gemma, gemma2, gemma3_text, "
+                  "olmo2, gpt_oss, smollm3, cohere2, llama4_text, phi3, gpt2, gpt_neox, falcon, "
+                  "bert, roberta)",
                   m->config_path, type);
     snprintf(info->model_type, sizeof info->model_type, "%s", type);
     snprintf(info->layout, sizeof info->layout, "%s", m->arch->layout_text);
@@ -1036,7 +1100,7 @@ mha_hf_layer_info_read(const char *dir, int64_t layer, mha_hf_layer_info *info, 
 /* The projections being assembled: w_q w_k w_v w_o b_q b_k b_v b_o sinks (allocator's), in the
  * config's weight_dtype (a tensor already in it is its file bytes: no widening). */
 typedef struct hf_bufs {
-    void *p[9];
+    void *p[11]; /* ... sinks, q_norm, k_norm */
 } hf_bufs;
 
 /* Reads prefix + stem + suffix, which must have exactly `rows` x `cols` elements (cols 0: 1-d),
@@ -1055,11 +1119,15 @@ static mha_status read_exact(hf_model *m,
     TRY(model_file_for(m, name, err));
     int64_t shape[2];
     TRY(mha__st_read(m->file, name, cols ? 2 : 1, to, a, out, shape, err));
+    /* (a 1-d tensor's shape is printed [n]: its second number is left out, not printed 0) */
+    char got[48] = "", want[48] = "";
+    if (cols) {
+        snprintf(got, sizeof got, ", %lld", (long long)shape[1]);
+        snprintf(want, sizeof want, ", %lld", (long long)cols);
+    }
     MHA_RETURN_IF(shape[0] != rows || (cols && shape[1] != cols), err, BAD_FILE,
-                  "%s: tensor '%s' has shape [%lld%s%lld], expected [%lld%s%lld] (from %s)",
-                  m->file_name, name, (long long)shape[0], cols ? ", " : "",
-                  cols ? (long long)shape[1] : 0LL, (long long)rows, cols ? ", " : "",
-                  cols ? (long long)cols : 0LL, m->config_path);
+                  "%s: tensor '%s' has shape [%lld%s], expected [%lld%s] (from %s)", m->file_name,
+                  name, (long long)shape[0], got, (long long)rows, want, m->config_path);
     return MHA_STATUS_OK;
 }
 
@@ -1185,9 +1253,33 @@ load_fused(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b,
     return st;
 }
 
+/* Qwen3-Next's q_proj rows [h, 2, d] (head i's query rows, then its gate rows; cols 1: the
+ * bias) reordered in place into [q (h d); gate (h d)], the layer's output_gate layout. */
+static mha_status ungate_interleave(void *x,
+                                    int64_t h,
+                                    int64_t d,
+                                    int64_t cols,
+                                    size_t es,
+                                    const mha_allocator *a,
+                                    mha_error *err) {
+    size_t bytes;
+    MHA_RETURN_IF(!mha__bytes(2 * h * d * cols, es, &bytes), err, OVERFLOW, "too large");
+    char *t = mha__alloc(a, bytes);
+    MHA_RETURN_IF(!t, err, NO_MEMORY, "cannot allocate %zu bytes", bytes);
+    const size_t blk = (size_t)(d * cols) * es;
+    for (int64_t i = 0; i < h; i++)
+        for (int part = 0; part < 2; part++)
+            memcpy(t + (size_t)(part * h + i) * blk, (const char *)x + (size_t)(2 * i + part) * blk,
+                   blk);
+    memcpy(x, t, bytes);
+    mha__free(a, t);
+    return MHA_STATUS_OK;
+}
+
 static mha_status load_separate(
     hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
-    const int64_t rows[3] = {c->num_heads * c->head_dim, c->num_kv_heads * c->head_dim,
+    const int64_t gq = c->output_gate ? 2 : 1; /* q_proj holds the gate's rows too */
+    const int64_t rows[3] = {gq * c->num_heads * c->head_dim, c->num_kv_heads * c->head_dim,
                              c->num_kv_heads * c->head_dim};
     const int32_t want[3] = {c->bias_q, c->bias_k, c->bias_v};
     for (int r = 0; r < 3; r++) {
@@ -1198,6 +1290,11 @@ static mha_status load_separate(
         if (bias)
             TRY(read_exact(m, stem, ".bias", rows[r], 0, c->weight_dtype, a, &b->p[4 + r], err));
     }
+    const size_t es = mha__storage_size(c->weight_dtype);
+    if (c->output_gate)
+        TRY(ungate_interleave(b->p[0], c->num_heads, c->head_dim, m->hidden, es, a, err));
+    if (c->output_gate && b->p[4])
+        TRY(ungate_interleave(b->p[4], c->num_heads, c->head_dim, 1, es, a, err));
     return MHA_STATUS_OK;
 }
 
@@ -1218,6 +1315,15 @@ load_output(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b
         TRY(read_exact(m, stem, ".bias", m->hidden, 0, dt, a, &b->p[7], err));
     if (c->sinks)
         TRY(read_exact(m, "sinks", "", c->num_heads, 0, dt, a, &b->p[8], err));
+    /* QK-norm weights: [head_dim] (per head) or [heads * head_dim] (OLMo 2). */
+    const mha_qk_norm_kind nk = c->qk_norm.kind;
+    if (nk == MHA_QK_NORM_RMS_HEAD || nk == MHA_QK_NORM_RMS_ALL) {
+        const int64_t all = nk == MHA_QK_NORM_RMS_ALL;
+        TRY(read_exact(m, "q_norm", ".weight", all ? c->num_heads * c->head_dim : c->head_dim, 0,
+                       dt, a, &b->p[9], err));
+        TRY(read_exact(m, "k_norm", ".weight", all ? c->num_kv_heads * c->head_dim : c->head_dim, 0,
+                       dt, a, &b->p[10], err));
+    }
     return MHA_STATUS_OK;
 }
 
@@ -1239,6 +1345,10 @@ static mha_status load_layer(hf_model *m,
                   "MHA_DTYPE_F16",
                   m->dir, (int)c.weight_dtype);
     c.v_head_dim = c.head_dim;
+    MHA_RETURN_IF(c.output_gate && m->arch->layout != LAYOUT_QKVO, err, INVALID_ARG,
+                  "%s: config.output_gate: the gate's rows are read from a separate q_proj, which "
+                  "model_type %s does not have",
+                  m->dir, m->arch->type);
     if (m->arch->layout == LAYOUT_QKVO || m->arch->layout == LAYOUT_BERT)
         TRY(load_separate(m, &c, a, b, err));
     else
@@ -1252,7 +1362,7 @@ static mha_status load_layer(hf_model *m,
     c.sinks = b->p[8] != NULL;
     /* c.weight_dtype: the caller's (info's: float32); every tensor was read in it above. */
     const mha_weights w = {b->p[0], b->p[1], b->p[2], b->p[3], b->p[4], b->p[5],
-                           b->p[6], b->p[7], b->p[8], NULL,    NULL};
+                           b->p[6], b->p[7], b->p[8], b->p[9], b->p[10]};
     mha_status st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, a, out, err);
     if (st != MHA_STATUS_OK && err) {
         char msg[MHA_ERROR_MESSAGE_SIZE];
@@ -1281,7 +1391,7 @@ mha_status mha_hf_layer_load(const char *dir,
         st = read_info(&m, layer, &info, err);
     if (st == MHA_STATUS_OK)
         st = load_layer(&m, config ? config : &info.config, allocator, &b, out, err);
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 11; i++)
         mha__free(allocator, b.p[i]);
     model_close(&m);
     if (st == MHA_STATUS_OK)

@@ -144,7 +144,7 @@ const mha_weights *mha_layer_weights(const mha_layer *layer) {
  * once into out). With a caller workspace the forward allocates nothing. */
 typedef struct fwd_layout {
     int64_t m;
-    size_t q_off, k_off, v_off, a_off, rope_off, pack_off, core_off, y_off, total;
+    size_t q_off, k_off, v_off, a_off, rope_off, pack_off, core_off, y_off, g_off, total;
     size_t pack_bytes, core_bytes;
 } fwd_layout;
 
@@ -222,6 +222,13 @@ static mha_status plan_forward(const mha_layer *L,
                           l->y_off > SIZE_MAX - y_bytes,
                       err, OVERFLOW, "forward workspace size overflows");
     l->total = a->out_dtype != MHA_DTYPE_F32 ? l->y_off + y_bytes : l->core_off + l->core_bytes;
+    /* The output gate's G [B, n, h*dk] (config.output_gate), at the end. */
+    l->g_off = mha__align64(l->total);
+    if (c->output_gate)
+        MHA_RETURN_IF(l->g_off < l->total || l->g_off > SIZE_MAX - bytes[0], err, OVERFLOW,
+                      "forward workspace size overflows");
+    if (c->output_gate)
+        l->total = l->g_off + bytes[0];
     return MHA_STATUS_OK;
 }
 
@@ -324,9 +331,20 @@ mha_status mha_layer_forward(const mha_layer *layer,
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
 
+    float *gate = c->output_gate ? (float *)(ws + l.g_off) : NULL;
+    if (!st && gate) {
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(c, w, &wg, &bg);
+        st = mha__plan_project(impl, alloc, team, args->query, xdt, wg, wdt, bg, gate, B * n,
+                               c->q_dim, h * c->head_dim, pack, l.pack_bytes, err);
+    }
+
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
+    if (!st && gate)
+        mha__plan_gate_apply(gate, att, B * n * h * c->v_head_dim);
     /* The output projection into out, or into float32 Y rounded once into a half out. */
     const int half_out = args->out_dtype != MHA_DTYPE_F32;
     float *y = half_out ? (float *)(ws + l.y_off) : args->out;

@@ -20,6 +20,7 @@
 #include "kernels/gemm.h"
 #include "layer/plan.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,6 +31,7 @@ struct mha_train_state {
     int self;
     float *q, *k, *v, *a, *lse; /* [B,n,h*dk] [B,m,g*dk] [B,m,g*dv] [B,n,h*dv] [B,h,n] */
     float *qx, *kx;             /* QK-norm: the norm's inputs, [B,n,h*dk] [B,m,g*dk] (else NULL) */
+    float *g, *ag; /* output gate: G [B,n,h*dk] and A * sigmoid(G) [B,n,h*dv] (else NULL) */
     void *block;
     mha_block_mask *mask; /* the forward's block mask, kept for the backward */
     mha_allocator allocator;
@@ -120,17 +122,19 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     /* The state, then (a half out only) Y [B*n, out_dim] float32 for the output projection,
      * then (QK-norm only) the norm's inputs Q_x [B*n, h*dk] and K_x [B*m, g*dk]. */
     const int half_out = args->out_dtype != MHA_DTYPE_F32;
-    const int64_t has_norm = c->qk_norm.kind != MHA_QK_NORM_NONE;
-    const int64_t f[8][3] = {{B * n, h, dk},
-                             {B * m, g, dk},
-                             {B * m, g, dv},
-                             {B * n, h, dv},
-                             {B, h, n},
-                             {B * n, c->out_dim, half_out},
-                             {B * n, h, dk * has_norm},
-                             {B * m, g, dk * has_norm}};
-    const int nparts = 8;
-    int64_t cnt[8], total = 0;
+    const int64_t has_norm = c->qk_norm.kind != MHA_QK_NORM_NONE, gated = c->output_gate;
+    const int64_t f[10][3] = {{B * n, h, dk},
+                              {B * m, g, dk},
+                              {B * m, g, dv},
+                              {B * n, h, dv},
+                              {B, h, n},
+                              {B * n, c->out_dim, half_out},
+                              {B * n, h, dk * has_norm},
+                              {B * m, g, dk * has_norm},
+                              {B * n, h, dk * gated},
+                              {B * n, h, dv * gated}};
+    const int nparts = 10;
+    int64_t cnt[10], total = 0;
     for (int i = 0; i < nparts; i++)
         MHA_RETURN_IF(!mha__prod_i64(f[i], 3, &cnt[i]) || !mha__add_i64(total, cnt[i], &total), err,
                       OVERFLOW, "training state size overflows");
@@ -167,6 +171,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     s->lse = s->a + cnt[3];
     s->qx = has_norm ? s->lse + cnt[4] + cnt[5] : NULL;
     s->kx = has_norm ? s->qx + cnt[6] : NULL;
+    s->g = gated ? s->lse + cnt[4] + cnt[5] + cnt[6] + cnt[7] : NULL;
+    s->ag = gated ? s->g + cnt[8] : NULL;
 
     mha_attention_args core;
     mha__plan_core_args(c, w->sinks, args, m, s->q, s->k, s->v, s->a, s->lse, &core);
@@ -211,14 +217,25 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         mha__plan_qk_norm_stage(c, w, 1, s->q, B * n, s->k, B * m);
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, s->q, B, n, h, dk, args->q_positions, NULL);
+    if (!st && gated) { /* G = x W_gate^T + b_gate (the gate's rows of w_q) */
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(c, w, &wg, &bg);
+        st = mha__plan_project(impl, alloc, team, args->query, xdt, wg, wdt, bg, s->g, B * n,
+                               c->q_dim, h * dk, NULL, 0, err);
+    }
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
+    if (!st && gated) {
+        memcpy(s->ag, s->a, sizeof(float) * (size_t)cnt[9]);
+        mha__plan_gate_apply(s->g, s->ag, cnt[9]);
+    }
     /* A half out: the float32 projection goes to the block after lse, rounded once into out. */
     float *y = half_out ? s->lse + cnt[4] : args->out;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, s->a, MHA_DTYPE_F32, w->w_o, wdt, w->b_o, y,
-                               B * n, h * dv, c->out_dim, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, gated ? s->ag : s->a, MHA_DTYPE_F32, w->w_o, wdt,
+                               w->b_o, y, B * n, h * dv, c->out_dim, NULL, 0, err);
     if (!st && half_out)
         mha__narrow(args->out_dtype, y, args->out, cnt[5]);
     if (st) {
@@ -346,12 +363,13 @@ static mha_status proj_backward(const bwd_ctx *x,
  * transpose buffers (the reference products only: the packed GEMM reads transposed operands in
  * place); one weight-sized buffer; dy widened [rq, od] (a half dy only: the products and column
  * sums that read dy then read float32). Each part is followed by 16 floats of slack. */
-enum { SCRATCH_PARTS = 11 };
+enum { SCRATCH_PARTS = 13 };
 typedef struct bwd_scratch {
     int64_t sizes[SCRATCH_PARTS];
     size_t bytes;
     float *buf;
     float *dA, *dQ, *dK, *dV, *dxq, *dxk, *dxv, *tmp1, *tmp2, *wbuf, *dy32;
+    float *dG, *dxg; /* output gate: dL/dG [rq, h dk] and the gate path's dx [rq, qd] */
 } bwd_scratch;
 
 /* The parts' sizes and the total bytes (OVERFLOW when they do not fit). */
@@ -371,9 +389,10 @@ static mha_status scratch_size(
         tmax = act[i] > tmax ? act[i] : tmax;
     const int64_t tsz = impl == MHA_IMPL_REFERENCE ? tmax : 0;
     const int64_t dysz = s->args.out_dtype != MHA_DTYPE_F32 ? rq * od : 0;
-    const int64_t sizes[SCRATCH_PARTS] = {rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv,
-                                          rq * qd,     rk * kd,     rk * vd,     tsz,
-                                          tsz,         wmax,        dysz};
+    const int64_t gsz = c->output_gate ? rq * h * dk : 0, gxsz = c->output_gate ? rq * qd : 0;
+    const int64_t sizes[SCRATCH_PARTS] = {
+        rq * h * dv, rq * h * dk, rk * g * dk, rk * g * dv, rq * qd, rk * kd, rk * vd,
+        tsz,         tsz,         wmax,        dysz,        gsz,     gxsz};
     int64_t total = 0;
     for (int i = 0; i < SCRATCH_PARTS; i++) {
         sc->sizes[i] = sizes[i];
@@ -390,8 +409,9 @@ static mha_status scratch_alloc(const mha_allocator *alloc, bwd_scratch *sc, mha
     sc->buf = mha__alloc_large(alloc, sc->bytes);
     MHA_RETURN_IF(!sc->buf, err, NO_MEMORY, "cannot allocate %zu bytes of backward scratch",
                   sc->bytes);
-    float **parts[SCRATCH_PARTS] = {&sc->dA,  &sc->dQ,   &sc->dK,   &sc->dV,   &sc->dxq, &sc->dxk,
-                                    &sc->dxv, &sc->tmp1, &sc->tmp2, &sc->wbuf, &sc->dy32};
+    float **parts[SCRATCH_PARTS] = {&sc->dA,   &sc->dQ,  &sc->dK,   &sc->dV,   &sc->dxq,
+                                    &sc->dxk,  &sc->dxv, &sc->tmp1, &sc->tmp2, &sc->wbuf,
+                                    &sc->dy32, &sc->dG,  &sc->dxg};
     float *cur = sc->buf;
     for (int i = 0; i < SCRATCH_PARTS; i++) {
         *parts[i] = cur;
@@ -421,6 +441,12 @@ static mha_status core_backward(const mha_config *c,
         mm_ab(x, dy, w->w_o, w->wdt, sc->dA, s->B * s->n, h * dv, c->out_dim, x->tmp1, err);
     if (st)
         return st;
+    if (c->output_gate) /* "A_g = A * sigmoid(G)": dG = dA_g A s (1 - s), dA = dA_g s */
+        for (int64_t i = 0; i < s->B * s->n * h * dv; i++) {
+            const float sg = 1.0f / (1.0f + expf(-s->g[i]));
+            sc->dG[i] = sc->dA[i] * s->a[i] * (sg * (1.0f - sg));
+            sc->dA[i] *= sg;
+        }
     mha_attention_grads cg;
     memset(&cg, 0, sizeof cg);
     cg.dout = sc->dA;
@@ -455,7 +481,8 @@ static mha_status out_grads(const mha_train_state *s,
                             mha_error *err) {
     const int64_t rq = s->B * s->n, od = c->out_dim, hdv = c->num_heads * c->v_head_dim;
     if (gr->dw_o) {
-        const mha_status st = mm_atb(x, dy, s->a, MHA_DTYPE_F32, wbuf, od, hdv, rq, err);
+        const float *a_in = c->output_gate ? s->ag : s->a; /* the output projection's input */
+        const mha_status st = mm_atb(x, dy, a_in, MHA_DTYPE_F32, wbuf, od, hdv, rq, err);
         if (st)
             return st;
         deliver(gr->dw_o, wbuf, od * hdv, x->accumulate);
@@ -614,6 +641,17 @@ mha_status mha_layer_backward(const mha_layer *layer,
     if (!st)
         st = proj_backward(&x, sc.dV, xv, xdt, w->w_v, w->wdt, rk, c->v_dim, g * dv, gr->dw_v,
                            gr->db_v, want_v ? sc.dxv : NULL, sc.wbuf, err);
+    if (!st && c->output_gate) { /* "G = x_q W_gate^T + b_gate": the gate's rows of w_q, b_q */
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(c, w, &wg, &bg);
+        const int64_t off = h * dk;
+        st = proj_backward(&x, sc.dG, xq, xdt, wg, w->wdt, rq, c->q_dim, h * dk,
+                           gr->dw_q ? gr->dw_q + off * c->q_dim : NULL,
+                           gr->db_q ? gr->db_q + off : NULL, want_q ? sc.dxg : NULL, sc.wbuf, err);
+        for (int64_t i = 0; !st && want_q && i < rq * c->q_dim; i++)
+            sc.dxq[i] += sc.dxg[i];
+    }
     if (!st)
         deliver_inputs(s, c, gr, &x, &sc);
     free(dsinks);

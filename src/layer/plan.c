@@ -218,6 +218,20 @@ void mha__plan_temperature(const mha_temperature_tuning *t,
         }
 }
 
+void mha__plan_gate_weights(const mha_config *cfg,
+                            const mha__layer_w *w,
+                            const void **w_gate,
+                            const float **b_gate) {
+    const int64_t rows = cfg->num_heads * cfg->head_dim;
+    *w_gate = (const char *)w->w_q + (size_t)(rows * cfg->q_dim) * mha__storage_size(w->wdt);
+    *b_gate = w->b_q ? w->b_q + rows : NULL;
+}
+
+void mha__plan_gate_apply(const float *g, float *a, int64_t count) {
+    for (int64_t i = 0; i < count; i++)
+        a[i] *= 1.0f / (1.0f + expf(-g[i]));
+}
+
 void mha__plan_core_args(const mha_config *cfg,
                          const float *sinks,
                          const mha_forward_args *a,

@@ -114,6 +114,16 @@ void mha__plan_temperature(const mha_temperature_tuning *t,
                            const int64_t *pos,
                            const int64_t *base);
 
+/* The output gate's weights (config.output_gate, docs/SEMANTICS.md): rows h*d_k .. 2*h*d_k of
+ * w_q (stored in w->wdt) and of the float32 b_q (NULL without bias). */
+void mha__plan_gate_weights(const mha_config *cfg,
+                            const mha__layer_w *w,
+                            const void **w_gate,
+                            const float **b_gate);
+
+/* a[i] *= sigmoid(g[i]) for i < count: the gate on the attention output, in float32. */
+void mha__plan_gate_apply(const float *g, float *a, int64_t count);
+
 /* The core's arguments over the plan's buffers: Q [B, n, h, dk], K [B, m, g, dk], V [B, m, g, dv],
  * A [B, n, h, dv] ([B, L, heads, d] seen as [B, heads, L, d]), the layer's scale, softcap, ALiBi
  * and sinks, the call's masks, dropout and probabilities; lse [B, h, n] or NULL. */

@@ -315,6 +315,16 @@ int oracle_layer(const mha_config *cfg,
             for (int64_t i = 0; i < n; i++)
                 for (int64_t d = 0; d < dv; d++)
                     cat[((b * n + i) * H + h) * dv + d] = att[((b * H + h) * n + i) * dv + d];
+    if (cfg->output_gate) { /* cat *= sigmoid(x_q W_gate^T + b_gate), W_gate = w_q's 2nd half */
+        double *gate = malloc(sizeof(double) * (size_t)(B * n * H * dk));
+        if (!gate)
+            goto done;
+        const float *wq = w->w_q, *bq = w->b_q;
+        project(xq, wq + H * dk * qd, bq ? bq + H * dk : NULL, gate, B * n, qd, H * dk);
+        for (int64_t i = 0; i < B * n * H * dv; i++)
+            cat[i] *= 1.0 / (1.0 + exp(-gate[i]));
+        free(gate);
+    }
     project(cat, w->w_o, w->b_o, out, B * n, H * dv, od);
     rc = 0;
 done:
