@@ -984,11 +984,19 @@ class MultiheadAttention:
                  rope: Union[None, str, dict, Rope] = None,
                  qk_norm: Union[None, dict, QKNorm] = None, q_norm: Optional[ArrayLike] = None,
                  k_norm: Optional[ArrayLike] = None, output_gate: bool = False,
+                 temperature: Optional[Tuple[float, float]] = None,
                  _weight_dtype: Optional[int] = None):
         # (_weight_dtype: the PyTorch drop-in's arrays hold that mha_dtype's bits: _layer_arrays)
         if num_heads is None or int(num_heads) < 1:
             raise ValueError(f"num_heads: expected a positive integer, got {num_heads!r}")
         c = _options_config(num_heads, num_kv_heads, scale, softcap, alibi, rope)
+        if temperature is not None:  # Llama 4's temperature tuning: (floor_scale, attn_scale)
+            try:
+                fs, ats = (float(v) for v in temperature)
+            except (TypeError, ValueError):
+                raise TypeError(f"temperature: expected (floor_scale, attn_scale) or None, got "
+                                f"{temperature!r}") from None
+            c.temperature.enabled, c.temperature.floor_scale, c.temperature.attn_scale = 1, fs, ats
         qn = _as_qk_norm(qk_norm)
         if qn is not None:
             c.qk_norm = qn._to_c()

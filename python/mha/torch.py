@@ -336,11 +336,23 @@ def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
         _set_mask(mk.additive_mask, add)
 
 
-def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple]) -> None:
-    """A from_pretrained layer's own mask: causal (bottom-right) and its sliding window."""
+def _temperature_traced(temperature: Tuple[float, float], n: int) -> Tensor:
+    """Temperature tuning's factors tau(p), p = 0 .. n-1 (docs/SEMANTICS.md), as libmha forms
+    them: (float32(p) + 1) / float32(floor_scale) and its floor in float32, then
+    ln(k + 1) attn_scale + 1 in float64, rounded to float32."""
+    floor_scale, attn_scale = temperature
+    p = torch.arange(n, dtype=_F32)
+    k = torch.floor((p + 1.0) / torch.tensor(floor_scale, dtype=_F32))
+    return (torch.log1p(k.to(torch.float64)) * attn_scale + 1.0).to(_F32)
+
+
+def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple], chunk: int = 0) -> None:
+    """A from_pretrained layer's own mask: causal (bottom-right), its sliding window, and its
+    chunks (Llama 4's attention_chunk_size)."""
     if causal:
         mk.causal = 1
         mk.alignment = L.ALIGN_BOTTOM_RIGHT
+        mk.chunk_size = chunk
     if window is not None:
         mk.use_window = 1
         mk.window_left, mk.window_right = window
@@ -522,7 +534,9 @@ class MultiheadAttention(nn.Module):
             for nm in ("q_norm", "k_norm"):
                 if nm in w:
                     self.register_buffer(nm, torch.from_numpy(w[nm]))
-        self._model_mask = (src._causal, src._window)
+        self._model_mask = (src._causal, src._window, src._chunk)
+        if c.temperature is not None:  # Llama 4's NoPE layers
+            self._options["temperature"] = c.temperature
         self.model_info = src.model_info
         if c.rope is not None:  # for the traced forward (the eager one runs libmha's RoPE)
             r = dataclasses.asdict(c.rope)
@@ -737,6 +751,8 @@ class MultiheadAttention(nn.Module):
             qh, kh = self._rope_traced(qh, max(n, m)), self._rope_traced(kh, max(n, m))
         if qn is not None and qn.kind == "l2_after_rope":
             qh, kh = _qk_norm_traced(qn, qh, None), _qk_norm_traced(qn, kh, None)
+        if opts.get("temperature") is not None:
+            qh = qh * _temperature_traced(opts["temperature"], n).view(1, 1, n, 1)
         attend, additive = _traced_masks(attn_mask, key_padding_mask, B, h, n, m)
         drop = self.dropout if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
@@ -745,6 +761,16 @@ class MultiheadAttention(nn.Module):
         if self._model_mask is not None and attn_mask is None and not is_causal:
             causal, bottom_right = self._model_mask[0], True
             window = self._model_mask[1] or window
+            if causal and self._model_mask[2]:
+                # Llama 4's chunks as an [n, m] bool mask (the operator has no chunk argument):
+                # key j is visible from query i at p = i + m - n (bottom-right) iff
+                # floor(j / C) == floor(p / C) (docs/SEMANTICS.md); causal does the rest.
+                C = self._model_mask[2]
+                p = torch.arange(n).unsqueeze(1) + (m - n)
+                j = torch.arange(m).unsqueeze(0)
+                same = torch.div(p, C, rounding_mode="floor") == torch.div(j, C,
+                                                                           rounding_mode="floor")
+                attend = same if attend is None else torch.logical_and(attend, same)
         o, _, probs = torch.ops.mha.attention(
             qh, kh, vh, attend, additive, causal, float(opts.get("scale") or 0.0), drop, seed,
             need_weights, average, self.threads, float(opts.get("softcap") or 0.0),
