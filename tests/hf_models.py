@@ -280,6 +280,8 @@ def legacy_config(src_dir, dst_dir):
         local, rp = rp["sliding_attention"], dict(rp["full_attention"])
         changes["rope_local_base_freq"] = local["rope_theta"]
         changes["sliding_window_pattern"] = cfg["layer_types"].index("full_attention") + 1
+    if cfg["model_type"] == "cohere2":  # 4.x: every sliding_window_pattern-th layer is full
+        changes["sliding_window_pattern"] = cfg["layer_types"].index("full_attention") + 1
     if "rope_theta" in rp:
         changes["rotary_emb_base" if neox else "rope_theta"] = rp.pop("rope_theta")
     if "partial_rotary_factor" in rp:
