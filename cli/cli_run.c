@@ -29,6 +29,7 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_CAUSAL] = {"--causal", CLI_OPT_OPTIONAL},
     [O_CAUSAL_OFFSETS] = {"--causal-offsets", CLI_OPT_VALUE},
     [O_WINDOW] = {"--window", CLI_OPT_VALUE},
+    [O_CHUNK_SIZE] = {"--chunk-size", CLI_OPT_VALUE},
     [O_MASK] = {"--mask", CLI_OPT_VALUE},
     [O_MASK_MEANS] = {"--mask-means", CLI_OPT_VALUE},
     [O_KPM] = {"--key-padding-mask", CLI_OPT_VALUE},
@@ -122,6 +123,8 @@ void cli_run_usage(void) {
         "                           p = i + OFF[b] for --causal (plain), --window and --alibi",
         "  --window L,R             sliding window p-L <= j <= p+R; -1 = unbounded on that side",
         "                           (default: none)",
+        "  --chunk-size C           chunked attention (Llama 4): key j visible iff",
+        "                           floor(j/C) == floor(p/C); with --causal, Llama 4's mask",
         "  --mask M.npy             any shape that broadcasts to [B, h, n, m]. float: added to the",
         "                           scores (-inf blocks); bool/uint8/int32/int64: see --mask-means",
         "  --mask-means attend|block  nonzero = may attend (attend: SDPA, ONNX) or = masked out",
@@ -205,7 +208,8 @@ void cli_run_usage(void) {
         "  --decode                 run the input as autoregressive decoding: the first P tokens",
         "                           as one prefill, then one token per step, through a KV cache.",
         "                           Y is the full causal forward's output (same options: RoPE,",
-        "                           GQA, --window L,R (keeps the last L+1 positions), ALiBi,",
+        "                           GQA, --window L,R (keeps the last L+1 positions),",
+        "                           --chunk-size C (keeps the current chunk), ALiBi,",
         "                           sinks, softcap, scale, batch). Implies --causal; refuses",
         "                           --key, masks, segments, positions, --causal top-left,",
         "                           --causal-offsets, --attn and --dropout",
@@ -450,6 +454,7 @@ static int parse_distributed(run_config *o) {
         {O_MASK, "a dense mask is not cut into the ring's blocks; use --causal, --window or "
                  "--key-padding-mask"},
         {O_CAUSAL_OFFSETS, "the ring places the diagonal by global rows"},
+        {O_CHUNK_SIZE, "a pair's call numbers its keys from 0, not from the sequence's position"},
         {O_ATTN, "no rank holds a whole row of probabilities"},
         {O_PLOT, "no rank holds a whole row of probabilities"},
         {O_ATTN_STATS, "no rank holds a whole row of probabilities"},
@@ -547,7 +552,8 @@ static int apply_model(run_config *o) {
         if (o->alignment != MHA_ALIGN_EXPLICIT)
             o->alignment = MHA_ALIGN_BOTTOM_RIGHT;
     }
-    o->chunk_size = o->hf.chunk_size; /* Llama 4's chunked layers */
+    if (!v[O_CHUNK_SIZE]) /* Llama 4's chunked layers */
+        o->chunk_size = o->hf.chunk_size;
     if (!v[O_WINDOW] && o->hf.use_window) {
         o->use_window = 1;
         o->window_left = o->hf.window_left;
@@ -573,9 +579,9 @@ static int parse_masks(run_config *o) {
             return cli_usage("--causal %s conflicts with --causal-offsets", c);
     }
     if (v[O_CAUSAL_OFFSETS]) { /* the diagonal of --causal, --window and --alibi */
-        if (!v[O_CAUSAL] && !v[O_WINDOW] && !v[O_ALIBI])
-            return cli_usage("--causal-offsets has no effect without --causal, --window or "
-                             "--alibi");
+        if (!v[O_CAUSAL] && !v[O_WINDOW] && !v[O_ALIBI] && !v[O_CHUNK_SIZE])
+            return cli_usage("--causal-offsets has no effect without --causal, --window, "
+                             "--chunk-size or --alibi");
         o->alignment = MHA_ALIGN_EXPLICIT;
     }
     if (v[O_WINDOW]) {
@@ -583,6 +589,9 @@ static int parse_masks(run_config *o) {
             return rc;
         o->use_window = 1;
     }
+    if (v[O_CHUNK_SIZE] &&
+        (rc = cli_parse_i64("--chunk-size", v[O_CHUNK_SIZE], 1, INT32_MAX, &o->chunk_size)))
+        return rc;
     if (v[O_MASK_MEANS]) {
         if (!v[O_MASK])
             return cli_usage("--mask-means needs --mask");

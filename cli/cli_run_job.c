@@ -275,12 +275,14 @@ static int recognise_mask(const run_config *o, run_state *s, const run_dims *d, 
             fprintf(stderr, "mha: mask: no built-in rule (tensor read per tile)\n");
         return CLI_OK;
     }
-    const int own_rule = o->causal || o->use_window || v[O_CAUSAL_OFFSETS] || v[O_KPM] || o->alibi;
+    const int own_rule =
+        o->causal || o->use_window || o->chunk_size || v[O_CAUSAL_OFFSETS] || v[O_KPM] || o->alibi;
     if (own_rule) {
         if (o->opt[O_VERBOSE])
             fprintf(stderr,
                     "mha: mask: recognised as %s, kept as a tensor (read per tile): the run has "
-                    "its own --causal, --window, --causal-offsets, --key-padding-mask or ALiBi\n",
+                    "its own --causal, --window, --chunk-size, --causal-offsets, "
+                    "--key-padding-mask or ALiBi\n",
                     desc);
         return CLI_OK;
     }
@@ -388,8 +390,9 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
     }
     if (v[O_MASK] && (rc = recognise_mask(o, s, d, mk)))
         return rc;
-    if (o->opt[O_VERBOSE] && (mk->causal || mk->use_window || mk->bool_mask.data ||
-                              mk->additive_mask.data || mk->key_padding.data || mk->q_segment_ids))
+    if (o->opt[O_VERBOSE] &&
+        (mk->causal || mk->use_window || mk->chunk_size || mk->bool_mask.data ||
+         mk->additive_mask.data || mk->key_padding.data || mk->q_segment_ids))
         print_block_mask(s, d, mk);
     if (v[O_POSITIONS] &&
         (rc = read_index(v[O_POSITIONS], "position", B, n, 0, MHA_MAX_POSITION, &s->qpos)))

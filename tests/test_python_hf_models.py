@@ -121,7 +121,7 @@ def test_llama4_layers_use_what_their_config_says(models):
     assert m1.model_info["chunk_size"] is None and m1.config.qk_norm is None
     x0, ref0 = refs[0]
     assert H.max_rel_err(m0(x0, causal=True), ref0) <= TOL_OUT_REL  # causal brings the chunks
-    m0._chunk = 0
+    m0._chunk_size = 0
     assert H.max_rel_err(m0(x0), ref0) > 100 * TOL_OUT_REL
     x1, ref1 = refs[1]
     w = m1.weights

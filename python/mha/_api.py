@@ -218,15 +218,29 @@ def _mask_tensor(t: L.mha_mask_tensor, x: ArrayLike, name: str, additive: bool,
     M.set_mask_tensor(t, _ptr(a), code, a.shape)
 
 
+def _chunk_size(c) -> int:
+    """chunk_size as an int64 (None = 0); a bool or non-integer raises naming it."""
+    if c is None:
+        return 0
+    if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+        raise TypeError(f"chunk_size: expected an integer (0 = off), got {c!r}")
+    if not -2**63 <= int(c) < 2**63:
+        raise ValueError(f"chunk_size={c} is outside int64")
+    return int(c)
+
+
 def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignment, mask,
                   mask_means: str, attn_bias, key_padding_mask, window, q_segment_ids,
-                  kv_segment_ids, n: int, m: int, insert_head_axis: bool = False) -> None:
+                  kv_segment_ids, n: int, m: int, insert_head_axis: bool = False,
+                  chunk_size: Optional[int] = 0) -> None:
     """The masking options into mk, which comes from M.forward_args or M.attention_args (zeroed:
     no masking, window already unbounded); keeps what it points at."""
     if (causal is False and alignment is None and mask is None and attn_bias is None
             and key_padding_mask is None and window is None and q_segment_ids is None
-            and kv_segment_ids is None):
+            and kv_segment_ids is None and not chunk_size):
         return  # no masking (the common call: skip the rest)
+    if chunk_size:  # the library refuses a negative one naming mask.chunk_size
+        mk.chunk_size = _chunk_size(chunk_size)
     if isinstance(causal, str):
         if causal not in ("bottom-right", "top-left"):
             raise ValueError(f"causal: expected True/False, 'bottom-right' or 'top-left', got {causal!r}")
@@ -472,7 +486,8 @@ def _core_views(q, k, v, layout: str, native: bool = True):
 
 def _core_args(q4, k4, v4, keep: list, *, scale, softcap, alibi, sinks, causal, alignment,
                mask, mask_means, attn_bias, key_padding_mask, window, q_segment_ids,
-               kv_segment_ids, dropout, seed, insert_head_axis) -> L.mha_attention_args:
+               kv_segment_ids, dropout, seed, insert_head_axis,
+               chunk_size=0) -> L.mha_attention_args:
     B, h, n, d = q4.shape
     Bk, g, m, dk = k4.shape
     Bv, gv, mv, dv = v4.shape
@@ -495,7 +510,7 @@ def _core_args(q4, k4, v4, keep: list, *, scale, softcap, alibi, sinks, causal, 
     _fill_masking(a.mask, keep, batch=B, causal=causal, alignment=alignment, mask=mask,
                   mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
                   window=window, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                  n=n, m=m, insert_head_axis=insert_head_axis)
+                  n=n, m=m, insert_head_axis=insert_head_axis, chunk_size=chunk_size)
     if dropout != 0.0 or seed != 0:  # else the zeroed struct already says "no dropout"
         _dropout(a.dropout, dropout, seed)
     return a
@@ -512,7 +527,8 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
               dropout: float = 0.0, seed: int = 0,
               need_weights: bool = False, average_attn_weights: bool = False,
               return_lse: bool = False, impl: str = "auto", threads: int = 0,
-              comm: Any = None, seq_len: Optional[int] = None, shard_layout: str = "zigzag"):
+              comm: Any = None, seq_len: Optional[int] = None, shard_layout: str = "zigzag",
+              chunk_size: int = 0):
     """The attention core on already projected Q, K, V (mha_attention).
 
     Shapes: [B, h, L, d] (layout 'bhld', the default) or [B, L, h, d] (layout='blhd'); also
@@ -525,8 +541,9 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
     nonzero = masked out); a float ``mask`` is additive (same as ``attn_bias``; -inf blocks).
     ``key_padding_mask`` [B, m]: nonzero = real token. ``causal``: True (bottom-right alignment,
     query i sees key j <= i + m - n), 'top-left' (PyTorch is_causal) or 'bottom-right';
-    ``alignment`` may also be per-row offsets [B]. ``window=(left, right)``. Fully masked rows
-    give 0 (never NaN).
+    ``alignment`` may also be per-row offsets [B]. ``window=(left, right)``. ``chunk_size=C``
+    (Llama 4's chunked attention): query i (at p = i + delta) sees key j only if j // C == p // C
+    (0 = off). Fully masked rows give 0 (never NaN).
 
     Distributed (ring attention over MPI, docs/distributed.md): with ``comm`` (an mpi4py
     communicator) the call is collective: every rank of comm makes it with its shard of a
@@ -546,7 +563,7 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, layout: str = "bhld",
                                   alignment, mask, mask_means, attn_bias, key_padding_mask,
                                   window, q_segment_ids, kv_segment_ids, dropout, seed,
                                   need_weights, average_attn_weights, return_lse, impl, threads,
-                                  comm is None)
+                                  comm is None, chunk_size)
 
     if comm is None:
         if seq_len is not None or shard_layout != "zigzag":
@@ -574,7 +591,7 @@ def _as_storage(a: np.ndarray, like: ArrayLike) -> np.ndarray:
 def _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal, alignment, mask,
                        mask_means, attn_bias, key_padding_mask, window, q_segment_ids,
                        kv_segment_ids, dropout, seed, need_weights, average, return_lse, impl,
-                       threads, native=True):
+                       threads, native=True, chunk_size=0):
     """The checked arguments of :func:`attention`: (args, exec, keep, out, lse, probs, ndim).
     The output is in q's storage dtype (float32 for any other, or for every one unless
     `native`); lse and probs in float32."""
@@ -584,7 +601,7 @@ def _attention_prepare(q, k, v, layout, scale, softcap, alibi, sinks, causal, al
                    causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
                    attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                   dropout=dropout, seed=seed, insert_head_axis=(nd == 3))
+                   dropout=dropout, seed=seed, insert_head_axis=(nd == 3), chunk_size=chunk_size)
     B, h, n, _ = q4.shape
     m, dv = k4.shape[2], v4.shape[3]
     if nd == 4 and layout == "blhd":
@@ -696,7 +713,7 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *,
                     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
                     q_segment_ids: Optional[ArrayLike] = None,
                     kv_segment_ids: Optional[ArrayLike] = None,
-                    threads: int = 0) -> Dict[str, np.ndarray]:
+                    threads: int = 0, chunk_size: int = 0) -> Dict[str, np.ndarray]:
     """Statistics of the attention probabilities of ``attention(q, k, v, ...)`` with the same
     options, computed without any n x m matrix (mha_attention_statistics; v is not needed).
 
@@ -717,7 +734,7 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *,
                    causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
                    attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                   dropout=0.0, seed=0, insert_head_axis=(nd == 3))
+                   dropout=0.0, seed=0, insert_head_axis=(nd == 3), chunk_size=chunk_size)
     a.v = None  # not read
     B, h, n, _ = q4.shape
     out = _stats_call(L.mha_attention_statistics, (a,), (B, h, n, k4.shape[2]), names, top, R,
@@ -782,7 +799,8 @@ def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, opt
                    **{**dict(scale=None, softcap=None, alibi=False, causal=False, alignment=None,
                              mask=None, mask_means="attend", attn_bias=None,
                              key_padding_mask=None, window=None, q_segment_ids=None,
-                             kv_segment_ids=None, dropout=0.0, seed=0), **options})
+                             kv_segment_ids=None, dropout=0.0, seed=0, chunk_size=0),
+                      **options})
     B, h, n, _ = q4.shape
     if o4.shape != (B, h, n, v4.shape[3]) or do4.shape != o4.shape:
         raise ValueError(f"out and dout: expected [B, h, n, d_v] = {(B, h, n, v4.shape[3])} "
@@ -1118,7 +1136,7 @@ class MultiheadAttention:
     # weights; from_pretrained() sets the model's (causal, sliding window).
     _causal: Union[bool, str] = False
     _window: Optional[Tuple[int, int]] = None
-    _chunk: int = 0  # the model's chunked attention (Llama 4), applied with its causal mask
+    _chunk_size: int = 0  # chunked attention (Llama 4's attention_chunk_size); 0 = none
     model_info: Optional[Dict[str, object]] = None
 
     @classmethod
@@ -1142,12 +1160,12 @@ class MultiheadAttention:
         self._causal = bool(info.causal)
         self._window = (int(info.window_left), int(info.window_right)) if info.use_window \
             else None
-        self._chunk = int(info.chunk_size)
+        self._chunk_size = int(info.chunk_size)  # Llama 4's chunked layers
         self.model_info = {
             "model_type": info.model_type.decode(), "layout": info.layout.decode(),
             "prefix": info.prefix.decode(), "layer": int(info.layer),
             "num_layers": int(info.num_layers), "causal": self._causal, "window": self._window,
-            "chunk_size": self._chunk or None, "rope": info.config.rope.style != 0,
+            "chunk_size": self._chunk_size or None, "rope": info.config.rope.style != 0,
             "temperature": self.config.temperature,
         }
         return self
@@ -1190,7 +1208,7 @@ class MultiheadAttention:
     def _forward_args(self, query, key, value, keep: list, *, causal, alignment, mask,
                       mask_means, attn_bias, key_padding_mask, window, positions, key_positions,
                       q_segment_ids, kv_segment_ids, dropout, seed, need_weights,
-                      average_attn_weights):
+                      average_attn_weights, chunk_size=0):
         c = self.config
         xs, x_code, out_dt = _layer_inputs({"query": query, "key": key, "value": value})
         x = xs["query"]
@@ -1240,9 +1258,8 @@ class MultiheadAttention:
         _fill_masking(a.mask, keep, batch=B, causal=causal, alignment=alignment, mask=mask,
                       mask_means=mask_means, attn_bias=attn_bias,
                       key_padding_mask=key_padding_mask, window=window,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, n=n, m=m)
-        if self._chunk and a.mask.causal:  # the model's chunked causal mask (Llama 4)
-            a.mask.chunk_size = self._chunk
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, n=n, m=m,
+                      chunk_size=chunk_size)
         if dropout != 0.0 or seed != 0:  # else the zeroed struct already says "no dropout"
             _dropout(a.dropout, dropout, seed)
         out = np.empty((B, n, c.out_dim), out_dt)
@@ -1267,7 +1284,8 @@ class MultiheadAttention:
                         key_positions: Optional[ArrayLike] = None,
                         q_segment_ids: Optional[ArrayLike] = None,
                         kv_segment_ids: Optional[ArrayLike] = None,
-                        impl: str = "auto", threads: int = 0) -> Dict[str, np.ndarray]:
+                        impl: str = "auto", threads: int = 0,
+                        chunk_size: Optional[int] = None) -> Dict[str, np.ndarray]:
         """Statistics of this layer's attention probabilities for the forward with the same
         arguments (mha_layer_attention_statistics: Q and K projected and rotated, no n x m
         matrix). ``stats``, ``top_k``, ``pool`` and the returned dict as in
@@ -1279,7 +1297,8 @@ class MultiheadAttention:
             mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
             window=window, positions=positions, key_positions=key_positions,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=0.0, seed=0,
-            need_weights=False, average_attn_weights=False)
+            need_weights=False, average_attn_weights=False,
+            chunk_size=self._chunk_size if chunk_size is None else chunk_size)
         a.out = None  # not written
         shape = (a.batch, self.config.num_heads, a.q_len, a.kv_len)
         out = _stats_call(L.mha_layer_attention_statistics, (self._ptr, a), shape, names, top,
@@ -1297,7 +1316,8 @@ class MultiheadAttention:
                 kv_segment_ids: Optional[ArrayLike] = None, dropout: float = 0.0, seed: int = 0,
                 need_weights: bool = False, average_attn_weights: bool = False,
                 impl: str = "auto", threads: int = 0, comm: Any = None,
-                seq_len: Optional[int] = None, shard_layout: str = "zigzag"):
+                seq_len: Optional[int] = None, shard_layout: str = "zigzag",
+                chunk_size: Optional[int] = None):
         """Runs the layer (mha_layer_forward).
 
         query [B, n, q_dim] (or unbatched [n, q_dim]); key [B, m, k_dim] and value [B, m, v_dim]
@@ -1308,8 +1328,9 @@ class MultiheadAttention:
         ``dropout`` > 0 drops probabilities (training) with the counter-based RNG keyed by
         ``seed``. ``threads`` = 0 uses every CPU; ``impl`` is 'auto', 'reference' or 'fast'.
 
-        ``causal=None`` and ``window=None`` take the layer's defaults: off, or the model's for a
-        layer made by :meth:`from_pretrained`.
+        ``chunk_size=C``: chunked attention (Llama 4), as in :func:`attention`.
+        ``causal=None``, ``window=None`` and ``chunk_size=None`` take the layer's defaults: off,
+        or the model's for a layer made by :meth:`from_pretrained`.
 
         Distributed (mha_ring_layer_forward; docs/distributed.md): with ``comm`` (an mpi4py
         communicator) the call is collective, self-attention only: every rank passes its rows of
@@ -1325,8 +1346,11 @@ class MultiheadAttention:
             causal = self._causal
         if window is None:
             window = self._window
+        if chunk_size is None:
+            chunk_size = self._chunk_size
         if comm is not None or seq_len is not None or shard_layout != "zigzag":
             opts = dict(causal=causal, alignment=alignment, mask=mask, mask_means=mask_means,
+                        chunk_size=chunk_size,
                         attn_bias=attn_bias, key_padding_mask=key_padding_mask, window=window,
                         positions=positions, key_positions=key_positions,
                         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -1338,7 +1362,7 @@ class MultiheadAttention:
                 and mask is None and attn_bias is None and key_padding_mask is None
                 and window is None and positions is None and key_positions is None
                 and q_segment_ids is None and kv_segment_ids is None and not need_weights
-                and dropout == 0.0 and seed == 0 and _fast is not None):
+                and dropout == 0.0 and seed == 0 and not chunk_size and _fast is not None):
             # The common call (self-attention, no options): one compiled call does the checks,
             # the output, the struct and the library call (python/mha/_fastcall.c), or returns
             # NotImplemented (not a float32 C-contiguous [B, n, q_dim] / [n, q_dim] buffer, bad
@@ -1353,7 +1377,8 @@ class MultiheadAttention:
             mask_means=mask_means, attn_bias=attn_bias, key_padding_mask=key_padding_mask,
             window=window, positions=positions, key_positions=key_positions,
             q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, dropout=dropout,
-            seed=seed, need_weights=need_weights, average_attn_weights=average_attn_weights)
+            seed=seed, need_weights=need_weights, average_attn_weights=average_attn_weights,
+            chunk_size=chunk_size)
         M.layer_forward(self._ptr, a, _exec(impl, threads), False)
         if unbatched:
             out = out[0]
@@ -1375,12 +1400,13 @@ class MultiheadAttention:
         opts = dict(causal=self._causal, alignment=None, mask=None, mask_means="attend",
                     attn_bias=None, key_padding_mask=None, window=self._window, positions=None,
                     key_positions=None, q_segment_ids=None, kv_segment_ids=None, dropout=0.0,
-                    seed=0, need_weights=False, average_attn_weights=False)
+                    seed=0, need_weights=False, average_attn_weights=False,
+                    chunk_size=self._chunk_size)
         bad = set(options) - set(opts)
         if bad:
             raise TypeError(f"forward_train: unexpected keyword arguments {sorted(bad)}")
         opts.update({k: v for k, v in options.items()
-                     if v is not None or k not in ("causal", "window")})
+                     if v is not None or k not in ("causal", "window", "chunk_size")})
         if comm is not None or seq_len is not None or shard_layout != "zigzag":
             out, state = self._ring_forward(comm, seq_len, shard_layout, query, key, value, impl,
                                             threads, opts)
@@ -1512,11 +1538,15 @@ class MultiheadAttention:
 
     # -- decoding --------------------------------------------------------------------------------
     def kv_cache(self, max_seq: int, batch: int = 1, *, dtype: str = "float32",
-                 window: int = 0, max_step_tokens: int = 0) -> "KVCache":
+                 window: int = 0, max_step_tokens: int = 0,
+                 chunk_size: Optional[int] = None) -> "KVCache":
         """A KV cache for this layer (mha_kv_cache_create): ``batch`` sequences of up to
-        ``max_seq`` positions, stored as 'float32', 'float16' or 'bfloat16'."""
+        ``max_seq`` positions, stored as 'float32', 'float16' or 'bfloat16'. ``chunk_size=C``:
+        chunked attention (a token at p sees the keys C (p // C) .. p; the cache is a ring);
+        None takes the layer's default."""
         return KVCache(self, max_seq, batch, dtype=dtype, window=window,
-                       max_step_tokens=max_step_tokens)
+                       max_step_tokens=max_step_tokens,
+                       chunk_size=self._chunk_size if chunk_size is None else chunk_size)
 
     def __repr__(self) -> str:
         c = self.config
@@ -1536,14 +1566,13 @@ class KVCache:
 
     def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
                  dtype: str = "float32", window: int = 0, max_step_tokens: int = 0,
-                 chunk_size: Optional[int] = None):
+                 chunk_size: int = 0):
         if dtype not in self._DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(self._DTYPES)}, got {dtype!r}")
         c = L.mha_kv_cache_config()
         c.max_seq, c.batch, c.dtype = int(max_seq), int(batch), self._DTYPES[dtype]
         c.window, c.max_step_tokens = int(window), int(max_step_tokens)
-        # chunked attention (Llama 4): None = the layer's model's (from_pretrained), 0 = none
-        c.chunk_size = int(layer._chunk if chunk_size is None else chunk_size)
+        c.chunk_size = _chunk_size(chunk_size)
         ptr = ctypes.c_void_p()
         M.call(L.mha_kv_cache_create, c, layer._ptr, None, ptr)
         self._layer = layer

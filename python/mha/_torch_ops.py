@@ -28,7 +28,8 @@ Trailing options (defaults: off), those of a model's layer (``MultiheadAttention
 traces to them): ``softcap`` (tanh soft-capping of the scores), ``alibi``, ``sinks`` (float32 [h],
 a constant: no gradient is returned for it), and a sliding window ``window_left`` /
 ``window_right`` (-1 = unbounded on that side); ``bottom_right`` aligns the causal mask and the
-window to the last key (docs/SEMANTICS.md) instead of the first.
+window to the last key (docs/SEMANTICS.md) instead of the first; ``chunk_size`` (0 = off) is
+Llama 4's chunked attention (key j visible iff j // C == p // C, p the query's diagonal).
 
 attention(...) -> (out [B, h, n, d_v], lse [B, h, n], probs): probs is [B, h, n, m], [B, n, m]
 averaged over heads (average_probs), or an empty tensor when need_probs is False.
@@ -51,8 +52,8 @@ _STORAGE = {torch.float32: L.DTYPE_F32, torch.bfloat16: L.DTYPE_BF16,
 _STRIDED = torch.strided
 _AUTO = L.IMPLS["auto"]
 # A model layer's options beyond an SDPA call's: (softcap, alibi, sinks, window_left,
-# window_right, bottom_right); NO_MODEL turns them all off.
-NO_MODEL = (0.0, False, None, -1, -1, False)
+# window_right, bottom_right, chunk_size); NO_MODEL turns them all off.
+NO_MODEL = (0.0, False, None, -1, -1, False, 0)
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor], additive: Optional[Tensor],
@@ -114,7 +115,7 @@ def _as_rule(a: L.mha_attention_args, keep: list, attend: Optional[Tensor],
     rule = _mask_rule.lookup(src, data, additive is not None, L.MASK_ATTEND, B, h, n, m)
     if rule is None:
         return False
-    _, alibi, _, window_left, window_right, _ = model
+    _, alibi, _, window_left, window_right, _, _ = model  # (a chunk_size stays ANDed)
     # The call's own diagonal offset, as the lines above left the alignment (the default is
     # bottom-right: a window without the causal flag is placed there even if not bottom_right).
     delta = m - n if a.mask.alignment == L.ALIGN_BOTTOM_RIGHT else 0
@@ -127,7 +128,8 @@ def _as_rule(a: L.mha_attention_args, keep: list, attend: Optional[Tensor],
 
 
 def _set_model(a: L.mha_attention_args, model: tuple, keep: list) -> None:
-    softcap, alibi, sinks, window_left, window_right, bottom_right = model
+    softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size = model
+    a.mask.chunk_size = chunk_size
     a.softcap, a.alibi = softcap, 1 if alibi else 0
     if sinks is not None:
         sinks = sinks.detach().to(_F32).contiguous()
@@ -291,13 +293,14 @@ def _attention_op(q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
                   seed: Optional[Tensor], need_probs: bool, average_probs: bool, threads: int,
                   softcap: float = 0.0, alibi: bool = False, sinks: Optional[Tensor] = None,
                   window_left: int = -1, window_right: int = -1,
-                  bottom_right: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                  bottom_right: bool = False, chunk_size: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.mha.attention: see the module docstring."""
     dtype = q.dtype if isinstance(q, Tensor) else None
     q, k, v, attend, additive, sinks = _checked("mha::attention", q, k, v, attend, additive,
                                                 dropout_p, seed, sinks)
     options = (attend, additive, causal, scale, dropout_p, seed, threads,
-               _model(softcap, alibi, sinks, window_left, window_right, bottom_right))
+               _model(softcap, alibi, sinks, window_left, window_right, bottom_right,
+                      chunk_size))
     out, lse, probs = forward(q, k, v, options, True,
                               _probs_shape(q, v.shape[2], need_probs, average_probs))
     # out is in q's storage dtype (float64: computed in float32, converted back); probs (float32)
@@ -313,7 +316,7 @@ attention = torch.library.custom_op("mha::attention", _attention_op, mutates_arg
 @attention.register_fake
 def _attention_fake(q, k, v, attend, additive, causal, scale, dropout_p, seed, need_probs,
                     average_probs, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
-                    window_right=-1, bottom_right=False):
+                    window_right=-1, bottom_right=False, chunk_size=0):
     # The real implementation's checks, so that a traced program refuses at trace time what the
     # call would refuse at run time; outputs of the dtypes the real one returns.
     _checked("mha::attention (fake)", q, k, v, attend, additive, dropout_p, seed, sinks)
@@ -356,8 +359,8 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor],
                            threads: int, softcap: float = 0.0, alibi: bool = False,
                            sinks: Optional[Tensor] = None, window_left: int = -1,
-                           window_right: int = -1,
-                           bottom_right: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                           window_right: int = -1, bottom_right: bool = False,
+                           chunk_size: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.mha.attention_backward: the gradients of one torch.ops.mha.attention call."""
     op = "mha::attention_backward"
     dtypes = tuple(t.dtype if isinstance(t, Tensor) else None for t in (q, k, v))
@@ -374,7 +377,8 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                          f"{tuple(out.shape)}, {tuple(dout.shape)} and {tuple(lse.shape)}")
     grads = backward(dout, q, k, v, out, lse,
                      (attend, additive, causal, scale, dropout_p, seed, threads,
-                      _model(softcap, alibi, sinks, window_left, window_right, bottom_right)))
+                      _model(softcap, alibi, sinks, window_left, window_right, bottom_right,
+                             chunk_size)))
     return tuple(g if g.dtype is dt else g.to(dt) for g, dt in zip(grads, dtypes))
 
 
@@ -385,7 +389,7 @@ attention_backward = torch.library.custom_op("mha::attention_backward", _attenti
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p,
                              seed, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
-                             window_right=-1, bottom_right=False):
+                             window_right=-1, bottom_right=False, chunk_size=0):
     _checked("mha::attention_backward (fake)", q, k, v, attend, additive, dropout_p, seed, sinks)
     if len({t.device for t in (q, dout, out, lse) if isinstance(t, Tensor)}) > 1:
         raise TypeError("mha::attention_backward: all tensors must be on one device (the CPU)")
@@ -394,21 +398,21 @@ def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, 
 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, attend, additive, causal, scale, dropout_p, seed, _, _, threads, softcap, alibi,
-     sinks, window_left, window_right, bottom_right) = inputs
+     sinks, window_left, window_right, bottom_right, chunk_size) = inputs
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, attend, additive, seed, sinks)
     ctx.options = (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
-                   bottom_right)
+                   bottom_right, chunk_size)
 
 
 def _backward(ctx, dout, _dlse, _dprobs):
     q, k, v, out, lse, attend, additive, seed, sinks = ctx.saved_tensors
     (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
-     bottom_right) = ctx.options
+     bottom_right, chunk_size) = ctx.options
     dq, dk, dv = torch.ops.mha.attention_backward(
         dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p, seed, threads,
-        softcap, alibi, sinks, window_left, window_right, bottom_right)
-    return (dq, dk, dv) + (None,) * 15
+        softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size)
+    return (dq, dk, dv) + (None,) * 16
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)

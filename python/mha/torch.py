@@ -346,13 +346,14 @@ def _temperature_traced(temperature: Tuple[float, float], n: int) -> Tensor:
     return (torch.log1p(k.to(torch.float64)) * attn_scale + 1.0).to(_F32)
 
 
-def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple], chunk: int = 0) -> None:
-    """A from_pretrained layer's own mask: causal (bottom-right), its sliding window, and its
-    chunks (Llama 4's attention_chunk_size)."""
+def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple],
+                chunk_size: int = 0) -> None:
+    """A from_pretrained layer's own mask: causal (bottom-right), its sliding window and its
+    chunk size (Llama 4's chunked attention)."""
+    mk.chunk_size = chunk_size
     if causal:
         mk.causal = 1
         mk.alignment = L.ALIGN_BOTTOM_RIGHT
-        mk.chunk_size = chunk
     if window is not None:
         mk.use_window = 1
         mk.window_left, mk.window_right = window
@@ -534,7 +535,7 @@ class MultiheadAttention(nn.Module):
             for nm in ("q_norm", "k_norm"):
                 if nm in w:
                     self.register_buffer(nm, torch.from_numpy(w[nm]))
-        self._model_mask = (src._causal, src._window, src._chunk)
+        self._model_mask = (src._causal, src._window, src._chunk_size)
         if c.temperature is not None:  # Llama 4's NoPE layers
             self._options["temperature"] = c.temperature
         self.model_info = src.model_info
@@ -757,25 +758,16 @@ class MultiheadAttention(nn.Module):
         drop = self.dropout if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
         causal = is_causal and attn_mask is None
-        window, bottom_right = (-1, -1), False
+        window, bottom_right, chunk = (-1, -1), False, 0
         if self._model_mask is not None and attn_mask is None and not is_causal:
             causal, bottom_right = self._model_mask[0], True
             window = self._model_mask[1] or window
-            if causal and self._model_mask[2]:
-                # Llama 4's chunks as an [n, m] bool mask (the operator has no chunk argument):
-                # key j is visible from query i at p = i + m - n (bottom-right) iff
-                # floor(j / C) == floor(p / C) (docs/SEMANTICS.md); causal does the rest.
-                C = self._model_mask[2]
-                p = torch.arange(n).unsqueeze(1) + (m - n)
-                j = torch.arange(m).unsqueeze(0)
-                same = torch.div(p, C, rounding_mode="floor") == torch.div(j, C,
-                                                                           rounding_mode="floor")
-                attend = same if attend is None else torch.logical_and(attend, same)
+            chunk = self._model_mask[2]
         o, _, probs = torch.ops.mha.attention(
             qh, kh, vh, attend, additive, causal, float(opts.get("scale") or 0.0), drop, seed,
             need_weights, average, self.threads, float(opts.get("softcap") or 0.0),
             bool(opts.get("alibi")), self._buffers.get("sinks"), window[0], window[1],
-            bottom_right)
+            bottom_right, chunk)
         att = o.transpose(1, 2).reshape(B, n, -1)
         if gate is not None:
             att = att * torch.sigmoid(gate)
