@@ -53,7 +53,7 @@ static void tau_vs_oracle(void) {
             const mha_temperature_tuning t = {1, fs[f], as[a]};
             for (int i = 0; i < np; i++) {
                 const double ref = oracle_temperature(&t, pos[i]);
-                const double got = mha__temperature_factor(&t, pos[i]);
+                const double got = (double)mha__temperature_factor(&t, pos[i]);
                 const double rel = fabs(got - ref) / fabs(ref);
                 worst = fmax(worst, rel);
                 CHECK(rel <= 0x1p-24, "tau(%lld) floor_scale %g attn_scale %g: %.9g vs %.17g",
@@ -245,13 +245,13 @@ refused(const char *what, const mha_config *c, const mha_weights *w, const char 
 
 static void hostile(const weights *w) {
     const mha_weights mw = weights_of(w);
-    const double bad_fs[6] = {0.0, -8192.0, NAN, INFINITY, 1e-12, 1e39};
+    const double bad_fs[6] = {0.0, -8192.0, (double)NAN, (double)INFINITY, 1e-12, 1e39};
     for (int i = 0; i < 6; i++) {
         mha_config c = make_config(0);
         c.temperature.floor_scale = bad_fs[i];
         refused("bad floor_scale", &c, &mw, "config.temperature.floor_scale");
     }
-    const double bad_as[4] = {NAN, INFINITY, -INFINITY, 2e30};
+    const double bad_as[4] = {(double)NAN, (double)INFINITY, -(double)INFINITY, 2e30};
     for (int i = 0; i < 4; i++) {
         mha_config c = make_config(0);
         c.temperature.attn_scale = bad_as[i];
@@ -259,7 +259,8 @@ static void hostile(const weights *w) {
     }
     mha_config c = make_config(0);
     c.temperature.enabled = 0;
-    c.temperature.floor_scale = NAN; /* ignored when off, and zeroed in the resolved config */
+    c.temperature.floor_scale =
+        (double)NAN; /* ignored when off, and zeroed in the resolved config */
     mha_error err;
     mha_layer *L = NULL;
     CHECK_OK(mha_layer_create(&c, &mw, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
