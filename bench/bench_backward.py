@@ -55,7 +55,7 @@ P_f32 = C.POINTER(C.c_float)
 class LayerGrads(C.Structure):
     _fields_ = [(n, P_f32) for n in ("d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v",
                                      "dw_o", "db_q", "db_k", "db_v", "db_o", "d_sinks")] + \
-               [("accumulate", C.c_int32)]
+               [("accumulate", C.c_int32)] + [(n, P_f32) for n in ("d_q_norm", "d_k_norm")]
 
 
 class Mha:

@@ -105,6 +105,10 @@ class Rope(C.Structure):
                 ("short_factor", f64 * 128), ("long_factor", f64 * 128)]  # MHA_ROPE_MAX_PAIRS
 
 
+class QKNorm(C.Structure):
+    _fields_ = [("kind", C.c_int), ("eps", f64), ("unit_offset", i32)]
+
+
 class Temperature(C.Structure):
     _fields_ = [("enabled", i32), ("floor_scale", f64), ("attn_scale", f64)]
 
@@ -114,12 +118,13 @@ class Config(C.Structure):
                 ("num_kv_heads", i64), ("head_dim", i64), ("v_head_dim", i64), ("out_dim", i64),
                 ("bias_q", i32), ("bias_k", i32), ("bias_v", i32), ("bias_o", i32),
                 ("sinks", i32), ("scale", f64), ("softcap", f64), ("alibi", i32), ("rope", Rope),
-                ("weight_dtype", C.c_int), ("temperature", Temperature)]
+                ("weight_dtype", C.c_int), ("qk_norm", QKNorm), ("output_gate", i32),
+                ("temperature", Temperature)]
 
 
 class Weights(C.Structure):
     _fields_ = [(n, P_f32) for n in ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o",
-                                     "sinks")]
+                                     "sinks", "q_norm", "k_norm")]
 
 
 class ForwardArgs(C.Structure):

@@ -7,6 +7,8 @@
  *   core         the attention core alone (mha_attention) on warm Q, K, V, caller workspace
  *   layer_ws     mha_layer_forward with a caller workspace reused across calls
  *   layer        mha_layer_forward with no workspace (the library allocates per call)
+ *   qk_norm      the QK-norm step alone (RMS per head, issue 31) on warm Q and K [n, d] each
+ *   layer_qkn_ws layer_ws of the same layer with that QK-norm (its cost: layer_qkn_ws / layer_ws)
  * FLOPs: projection 2 n d^2, attention 2 h P (d_k + d_v) with P the unmasked pairs, the layer
  * four projections plus attention. The FMA peak is measured before and after.
  *
@@ -14,6 +16,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "fma_peak.h"
 #include "kernels/gemm.h"
+#include "layer/plan.h"
 #include "mha.h"
 
 #include <math.h>
@@ -21,9 +24,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { STAGE_PROJ, STAGE_PROJ_FRESH, STAGE_CORE, STAGE_LAYER_WS, STAGE_LAYER, STAGE_COUNT };
-static const char *const stage_names[STAGE_COUNT] = {"proj_q", "proj_q_fresh", "core", "layer_ws",
-                                                     "layer"};
+enum {
+    STAGE_PROJ,
+    STAGE_PROJ_FRESH,
+    STAGE_CORE,
+    STAGE_LAYER_WS,
+    STAGE_LAYER,
+    STAGE_QK_NORM,
+    STAGE_LAYER_QKN_WS,
+    STAGE_COUNT
+};
+static const char *const stage_names[STAGE_COUNT] = {
+    "proj_q", "proj_q_fresh", "core", "layer_ws", "layer", "qk_norm", "layer_qkn_ws"};
 
 static float *random_floats(int64_t count, unsigned *seed, float amp) {
     float *p = malloc(sizeof(float) * (size_t)count);
@@ -103,6 +115,24 @@ int main(int argc, char **argv) {
         return 1;
     }
     void *layer_ws = malloc(layer_ws_bytes);
+    /* The same layer with QK-norm (RMS per head, weights around 1) and its own workspace. */
+    float *norm_w = random_floats(dk, &seed, 0.1f);
+    for (int64_t i = 0; norm_w && i < dk; i++)
+        norm_w[i] += 1.0f;
+    mha_config cfg_n = cfg;
+    cfg_n.qk_norm.kind = MHA_QK_NORM_RMS_HEAD;
+    cfg_n.qk_norm.eps = 1e-6;
+    mha_weights w_n = w;
+    w_n.q_norm = w_n.k_norm = norm_w;
+    mha_layer *layer_n = NULL;
+    size_t layer_n_ws_bytes = 0;
+    if (!norm_w || mha_layer_create(&cfg_n, &w_n, MHA_WEIGHTS_BORROW, NULL, &layer_n, &err) ||
+        mha_layer_forward_workspace_size(layer_n, &fa, &ex, &layer_n_ws_bytes, &err)) {
+        fprintf(stderr, "mha_bench_parts: QK-norm layer: %s\n", err.message);
+        return 1;
+    }
+    void *layer_n_ws = malloc(layer_n_ws_bytes);
+    const mha_qk_norm *qkn = &mha_layer_config(layer_n)->qk_norm;
 
     /* The core on [1, n, h, dk] buffers (the layer's layout), strides {b, head, row}. */
     mha_attention_args ca = {0};
@@ -128,7 +158,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     void *core_ws = malloc(core_ws_bytes ? core_ws_bytes : 1);
-    if (!layer_ws || !core_ws) {
+    if (!layer_ws || !core_ws || !layer_n_ws) {
         fprintf(stderr, "mha_bench_parts: out of memory\n");
         return 1;
     }
@@ -136,8 +166,13 @@ int main(int argc, char **argv) {
     const double pairs = causal ? (double)n * (double)(n + 1) / 2.0 : (double)n * (double)n;
     const double proj_gflop = 2.0 * (double)n * (double)d * (double)d * 1e-9;
     const double attn_gflop = 2.0 * (double)h * pairs * (double)(2 * dk) * 1e-9;
-    const double gflop[STAGE_COUNT] = {proj_gflop, proj_gflop, attn_gflop,
-                                       4 * proj_gflop + attn_gflop, 4 * proj_gflop + attn_gflop};
+    const double gflop[STAGE_COUNT] = {proj_gflop,
+                                       proj_gflop,
+                                       attn_gflop,
+                                       4 * proj_gflop + attn_gflop,
+                                       4 * proj_gflop + attn_gflop,
+                                       0.0,
+                                       4 * proj_gflop + attn_gflop};
     const char *isa = "";
     const double peak0 = bench_peak_best_gflops(threads, 20.0, 5, &isa);
     double *times = malloc(sizeof(double) * (size_t)(STAGE_COUNT * reps));
@@ -172,6 +207,15 @@ int main(int argc, char **argv) {
                 ex.workspace_bytes = layer_ws_bytes;
                 st = mha_layer_forward(layer, &fa, &ex, &err);
                 break;
+            case STAGE_QK_NORM: /* on the warm Q and K buffers, as the forward runs it */
+                mha__plan_qk_norm(qkn, norm_w, qkv, n, h, dk);
+                mha__plan_qk_norm(qkn, norm_w, qkv + n * d, n, h, dk);
+                break;
+            case STAGE_LAYER_QKN_WS:
+                ex.workspace = layer_n_ws;
+                ex.workspace_bytes = layer_n_ws_bytes;
+                st = mha_layer_forward(layer_n, &fa, &ex, &err);
+                break;
             default:
                 st = mha_layer_forward(layer, &fa, &ex, &err);
                 break;
@@ -190,17 +234,25 @@ int main(int argc, char **argv) {
            (long long)n, (long long)d, (long long)h, causal, threads, isa, peak0, peak1, reps);
     printf("%-13s %9s %9s %9s %8s %6s\n", "stage", "med_ms", "min_ms", "max_ms", "GFLOP/s",
            "%peak");
+    double med_of[STAGE_COUNT];
     for (int s = 0; s < STAGE_COUNT; s++) {
         double *t = times + s * reps;
         qsort(t, (size_t)reps, sizeof *t, bench_cmp_double);
         const double med = t[reps / 2];
+        med_of[s] = med;
         printf("%-13s %9.2f %9.2f %9.2f %8.1f %5.1f%%\n", stage_names[s], 1e3 * med, 1e3 * t[0],
                1e3 * t[reps - 1], gflop[s] / med, 100.0 * gflop[s] / med / peak);
     }
+    printf("# QK-norm: qk_norm / layer_ws = %.2f%%, layer_qkn_ws / layer_ws = %.3f (medians)\n",
+           100.0 * med_of[STAGE_QK_NORM] / med_of[STAGE_LAYER_WS],
+           med_of[STAGE_LAYER_QKN_WS] / med_of[STAGE_LAYER_WS]);
     free(times);
     free(core_ws);
     free(layer_ws);
+    free(layer_n_ws);
+    free(norm_w);
     mha_layer_destroy(layer);
+    mha_layer_destroy(layer_n);
     free(out);
     free(qkv);
     free(wts);

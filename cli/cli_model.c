@@ -82,6 +82,10 @@ int cli_info_model(const char *dir, const char *layer_arg) {
     printf("softcap: %g\n", c->softcap);
     printf("sinks: %s\n", c->sinks ? "yes" : "no");
     print_qk_norm(&c->qk_norm);
+    if (c->output_gate)
+        printf("output gate: A * sigmoid(x W_gate^T + b_gate) (w_q rows %lld..%lld)\n",
+               (long long)(c->num_heads * c->head_dim),
+               (long long)(2 * c->num_heads * c->head_dim - 1));
     const int nope_model = !strcmp(info.model_type, "smollm3") ||
                            !strcmp(info.model_type, "cohere2") ||
                            !strcmp(info.model_type, "llama4_text");

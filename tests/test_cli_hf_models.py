@@ -287,6 +287,9 @@ def test_qk_norm_info_and_hostile(models, tmp_path):
     out = run_cli("info", "--model", d).stdout
     assert "qk-norm: rms per head, before RoPE (eps 1e-06, scale 1 + w)" in out, out
     assert "theta 10000" in out and "window: 4,0" in out, out
+    if "qwen3_next" in models:
+        out_n = run_cli("info", "--model", models["qwen3_next"][0]).stdout
+        assert "output gate: A * sigmoid" in out_n and "scale 1 + w" in out_n, out_n
     out1 = run_cli("info", "--model", d, "--layer", 1).stdout
     assert "theta 1e+06" in out1 and "linear" in out1 and "window: none" in out1, out1
     for bad in (0, -1e-6, "x", 1e300):

@@ -161,6 +161,28 @@ def test_hostile_nope_chunk_temperature_configs_are_refused(models, tmp_path, na
         mha.MultiheadAttention.from_pretrained(bad, layer=layer)
 
 
+def test_from_safetensors_reads_the_norm_weights(models, tmp_path):
+    # The generic loader (no config.json) with the QK-norm given by the caller: q_norm.weight
+    # and k_norm.weight found under the prefix; without qk_norm the same file is another layer.
+    d, refs = models["qwen3"]
+    x, ref = refs[0]  # layer 0: full attention
+    path = os.path.join(d, "model.safetensors")
+    kw = dict(prefix="model.layers.0.self_attn.", rope=mha.Rope(style="half", theta=1e4))
+    m = mha.MultiheadAttention.from_safetensors(path, 4, qk_norm=mha.QKNorm("rms_head", 1e-6),
+                                                **kw)
+    assert m.config.qk_norm == mha.QKNorm("rms_head", 1e-6)
+    assert H.max_rel_err(m(x, causal=True), ref) <= TOL_OUT_REL
+    plain = mha.MultiheadAttention.from_safetensors(path, 4, **kw)
+    assert H.max_rel_err(plain(x, causal=True), ref) > 100 * TOL_OUT_REL
+    from safetensors.numpy import load_file, save_file
+    t = load_file(path)
+    del t["model.layers.0.self_attn.k_norm.weight"]
+    bad = str(tmp_path / "no_k_norm.safetensors")
+    save_file(t, bad)
+    with pytest.raises(mha.MhaError, match="k_norm.weight"):
+        mha.MultiheadAttention.from_safetensors(bad, 4, qk_norm={"kind": "rms_head"}, **kw)
+
+
 def test_qwen3_next_linear_attention_layer_is_refused(models):
     with pytest.raises(mha.MhaError, match=r"layer_types\[1\].*linear_attention"):
         mha.MultiheadAttention.from_pretrained(models["qwen3_next"][0], layer=1)

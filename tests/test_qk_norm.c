@@ -206,7 +206,7 @@ static void hostile(const weights *w) {
     mha_config b = c;
     b.qk_norm.kind = (mha_qk_norm_kind)7;
     refused("kind 7", &b, &mw, "config.qk_norm.kind");
-    const double bad_eps[4] = {0.0, -1e-6, NAN, INFINITY};
+    const double bad_eps[4] = {0.0, -1e-6, (double)NAN, (double)INFINITY};
     for (int i = 0; i < 4; i++) {
         b = c;
         b.qk_norm.eps = bad_eps[i];

@@ -1105,15 +1105,21 @@ class MultiheadAttention:
                          prefix: Optional[str] = None, names: Optional[Dict[str, str]] = None,
                          scale: Optional[float] = None, softcap: Optional[float] = None,
                          alibi: bool = False,
-                         rope: Union[None, str, dict, Rope] = None) -> "MultiheadAttention":
+                         rope: Union[None, str, dict, Rope] = None,
+                         qk_norm: Union[None, dict, QKNorm] = None) -> "MultiheadAttention":
         """Loads a layer from a safetensors file (mha_layer_load_safetensors).
 
         Tensor names are searched as documented in docs/FORMATS.md (HF q_proj/k_proj/v_proj/
         o_proj, PyTorch nn.MultiheadAttention's in_proj_weight..., CS336's q_proj_weight...)
         under ``prefix``, or given by ``names`` = {'q': stem, 'k': ..., 'v': ..., 'o': ...,
         'sinks': full name} (stems get '.weight'/'.bias'). Sizes and biases come from the file.
+        ``qk_norm`` (a :class:`QKNorm`): its weights are read from 'q_norm.weight' and
+        'k_norm.weight' under ``prefix`` (transformers' names).
         """
         c = _options_config(num_heads, num_kv_heads, scale, softcap, alibi, rope)
+        qn = _as_qk_norm(qk_norm)
+        if qn is not None:
+            c.qk_norm = qn._to_c()
         nm = None
         keep = []
         if names:
