@@ -75,7 +75,7 @@ static void args_of(const ccase *c, cbuf *b, mha_attention_args *a) {
 static double *to_double(const float *x, int64_t n) {
     double *y = malloc(sizeof(double) * (size_t)n);
     for (int64_t i = 0; i < n; i++)
-        y[i] = x[i];
+        y[i] = (double)x[i];
     return y;
 }
 

@@ -174,3 +174,13 @@ def test_torch_op_chunk_size():
 
     for a, b in zip(run(None, C), run(mask, 0)):
         assert torch.equal(a, b)
+
+
+def test_attention_stats_equal_explicit_mask():
+    """The statistics (no n x m matrix) with chunk_size equal those with the explicit mask."""
+    n, C = 160, 40
+    q, k = rand((1, 2, n, 16), 7), rand((1, 2, n, 16), 8)
+    a = mha.attention_stats(q, k, stats="received,entropy,topk=4", causal=True, chunk_size=C)
+    b = mha.attention_stats(q, k, stats="received,entropy,topk=4", mask=chunk_mask(n, n, C))
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -640,6 +640,12 @@ static void test_collective_errors(void) {
     st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
     CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "mask function"),
           "mask_fn: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
+    /* A chunk size (issue 31) on every rank: UNSUPPORTED, the message naming it. */
+    b = a;
+    b.mask.chunk_size = 4;
+    st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strstr(err.message, "chunk_size"),
+          "chunk_size: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
     /* Masks that differ between ranks (each valid alone): sinks on one rank only, other sink
      * values on one rank, key padding or segment ids on one rank only, dropout on one rank only or
      * with another seed there. INVALID_ARG everywhere, naming the option. */

@@ -37,6 +37,9 @@ void mha__fwd_shape_from_args(const mha_attention_args *a, mha__fwd_shape *s) {
     s->q_dt = a->q_dtype;
     s->k_dt = a->k_dtype;
     s->v_dt = a->v_dtype;
+    /* as check/attention.c resolves it (capped; negative is refused there) */
+    s->chunk = a->mask.chunk_size > 0 ? a->mask.chunk_size : 0;
+    s->causal = a->mask.causal != 0;
 }
 
 mha_status mha__kernel_check(const mha__kernel_info *k, const mha__fwd_shape *s, mha_error *err) {
@@ -123,8 +126,9 @@ bool mha__kernel_scratch_bytes(const mha__kernel_info *k, const mha__fwd_shape *
     if (k->reference) /* the row's scores, one block sum of O and O (attention_ref.c) */
         return s->dv <= (INT64_MAX - s->m) / 2 &&
                mha__bytes(s->m + 2 * s->dv, sizeof(float), bytes);
-    return mha__flash_scratch_bytes(k->bq, k->bk, s->dk, s->dv, s->m, s->k_dt != MHA_DTYPE_F32,
-                                    bytes);
+    return mha__flash_scratch_bytes(k->bq, k->bk, s->dk, s->dv, s->m,
+                                    mha__flash_key_span(s->m, s->chunk, s->causal),
+                                    s->k_dt != MHA_DTYPE_F32, bytes);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

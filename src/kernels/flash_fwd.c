@@ -27,12 +27,16 @@
  * while the block's row groups reread them (perf: O += P V took 30% longer than S = Q K^T on the
  * same flop count; packed, they match). The cap bounds the workspace (it is per thread) to 8 MiB
  * per thread (m = 8192 keys at d = 128); beyond it the packed tiles would not stay in cache
- * anyway. */
+ * anyway. With a chunk size C < m a block's keys span at most mha__flash_key_span(m, C, causal)
+ * keys (C + Bq causal, 2C + Bq otherwise), so the cache holds a window of that many tiles,
+ * [base, base + ntiles), moved (and emptied) when a block's tiles leave it: a chunked call at
+ * m = 32768, C = 8192 packs each chunk's tiles once per thread, as four 8192-long calls do. */
 #define MHA_FLASH_KT_CACHE_BYTES ((int64_t)8 << 20)
 enum { TILE_PACKED = 1, TILE_FINITE_KNOWN = 2, TILE_FINITE = 4, TILE_V_PACKED = 8 };
 
 typedef struct cache_header {
     int64_t b, g; /* the kv head whose tiles the cache holds; -1 = none */
+    int64_t base; /* its first tile (tile t lives at t - base) */
 } cache_header;
 
 typedef struct flash_layout {
@@ -53,12 +57,14 @@ static bool carve(size_t *cursor, int64_t count, size_t elem, size_t *off) {
 
 /* widen_k: K is not float32, and each tile's rows are widened into kw ([Bk][dk]) before the
  * ISA's pack_kt transposes them. */
-static bool
-flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k, flash_layout *L) {
+static bool flash_layout_for(
+    int bq, int bk, int64_t dk, int64_t dv, int64_t m, int64_t span, int widen_k, flash_layout *L) {
     size_t c = 0;
     int64_t kt_n, vt_n, qp_n, s_n, o_n, kv_all, kt_all = 0, vt_all = 0;
     L->ldo = (dv + 15) / 16 * 16;
     L->ntiles = (m + bk - 1) / bk;
+    if (span < m && (span + bk - 1) / bk + 1 < L->ntiles) /* a window: + 1 for an unaligned lo */
+        L->ntiles = (span + bk - 1) / bk + 1;
     if (!mha__mul_i64(dk, bk, &kt_n) || !mha__mul_i64(bk, L->ldo, &vt_n) ||
         !mha__mul_i64(bq, bk, &s_n) || !mha__mul_i64(bq, L->ldo, &o_n) ||
         !mha__mul_i64(bq, dk, &qp_n))
@@ -82,9 +88,9 @@ flash_layout_for(int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k,
 }
 
 bool mha__flash_scratch_bytes(
-    int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k, size_t *bytes) {
+    int bq, int bk, int64_t dk, int64_t dv, int64_t m, int64_t span, int widen_k, size_t *bytes) {
     flash_layout L;
-    if (!flash_layout_for(bq, bk, dk, dv, m, widen_k, &L))
+    if (!flash_layout_for(bq, bk, dk, dv, m, span, widen_k, &L))
         return false;
     *bytes = L.total;
     return true;
@@ -142,8 +148,11 @@ typedef struct block {
     void *qp; /* the block's Q rows, [R][ldq] of the tile dtype (flash_fwd.h) */
     uint64_t *vis, *keep;
     int64_t ldo, ldq;
-    int cached;
-    uint8_t *state; /* per tile, when cached */
+    int cached;            /* this block reads and fills the cache */
+    int cache_on;          /* the layout has one (ctiles tiles at hdr->base) */
+    int64_t ctiles, cbase; /* its tiles; the block's copy of hdr->base */
+    struct cache_header *hdr;
+    uint8_t *state; /* per tile, when cached: tile t at state[t - cbase] */
     int need_bias;  /* the current tile's additive mask is not all 0 (build_vis) */
 } block;
 
@@ -343,10 +352,30 @@ static void pack_keys(const block *B, int64_t j0, int nk, float *kt) {
     B->tile->pack_kt(B->kw, p->dk, nk, p->dk, kt, B->bk);
 }
 
+/* Places the cache's window over the block's tiles [tlo, thi]: kept when they lie in it, else
+ * moved to start at tlo and emptied; a block wider than the window (never, within
+ * mha__flash_key_span) runs uncached and leaves the cache empty. */
+static void cache_window(block *B, int64_t tlo, int64_t thi) {
+    B->cached = B->cache_on;
+    if (!B->cache_on || thi < tlo)
+        return;
+    cache_header *hdr = B->hdr;
+    if (thi - tlo + 1 > B->ctiles) {
+        B->cached = 0;
+        hdr->b = hdr->g = -1; /* the packing below overwrites the first tiles */
+        return;
+    }
+    if (tlo < hdr->base || thi >= hdr->base + B->ctiles) {
+        memset(B->state, 0, (size_t)B->ctiles);
+        hdr->base = tlo;
+    }
+    B->cbase = hdr->base;
+}
+
 /* Scores of the block against key tile t = [j0, j0 + nk) into S. */
 static void scores(const block *B, int64_t j0, int nk) {
     const mha__problem *p = B->p;
-    const int64_t t = j0 / B->bk;
+    const int64_t t = j0 / B->bk - B->cbase;
     float *kt = B->kt;
     if (B->cached) {
         kt += t * p->dk * B->bk;
@@ -364,7 +393,7 @@ static void scores(const block *B, int64_t j0, int nk) {
  * above): from the cache when it holds them. */
 static const float *packed_values(const block *B, int64_t j0, int nk) {
     const mha__problem *p = B->p;
-    const int64_t t = j0 / B->bk;
+    const int64_t t = j0 / B->bk - B->cbase;
     float *vt = B->vt;
     if (B->cached) {
         vt += t * B->bk * B->ldo;
@@ -386,7 +415,7 @@ static int values_finite(const block *B, int64_t j0, int nk, const float *v) {
     const mha__problem *p = B->p;
     if (!B->cached)
         return B->tile->all_finite(v, B->ldo, nk, p->dv);
-    uint8_t *st = B->state + j0 / B->bk;
+    uint8_t *st = B->state + (j0 / B->bk - B->cbase);
     if (!(*st & TILE_FINITE_KNOWN))
         *st |= (uint8_t)(TILE_FINITE_KNOWN |
                          (B->tile->all_finite(v, B->ldo, nk, p->dv) ? TILE_FINITE : 0));
@@ -562,6 +591,7 @@ static void run_block(block *B) {
      * never read. */
     mha__flash_unit_keys(p, B->b, B->h0, B->h0 + B->nh, B->i0, B->i0 + B->nq, &klo, &khi);
     const int64_t tlo = klo <= khi ? klo / B->bk : 0, thi = klo <= khi ? khi / B->bk : -1;
+    cache_window(B, tlo, thi);
     const int elem_masks = p->map != NULL;
     B->need_bias = 0;
     const float keep_scale = p->dropout_on ? 1.0f / (1.0f - p->dropout_p) : 1.0f;
@@ -581,7 +611,7 @@ static void run_block(block *B) {
         }
         mha__flash_softmax a;
         if (t < thi)
-            prefetch_tile(B, j0 + B->bk, !B->cached || !(B->state[t + 1] & TILE_PACKED));
+            prefetch_tile(B, j0 + B->bk, !B->cached || !(B->state[t + 1 - B->cbase] & TILE_PACKED));
         scores(B, j0, nk);
         softmax_args(B, j0, nk, vis, &a);
         a.m = B->m;
@@ -621,7 +651,9 @@ void mha__flash_fwd(const mha__flash_softmax_ops *sm,
                     const mha__fwd_unit *u,
                     void *scratch) {
     flash_layout L = {0};
-    const bool ok = flash_layout_for(bq, bk, p->dk, p->dv, p->m, p->k_dt != MHA_DTYPE_F32, &L);
+    const bool ok =
+        flash_layout_for(bq, bk, p->dk, p->dv, p->m, mha__flash_key_span(p->m, p->chunk, p->causal),
+                         p->k_dt != MHA_DTYPE_F32, &L);
     MHA_ASSERT(ok && bk % 16 == 0 && bk <= MHA_FLASH_MAX_BK && bq <= MHA_FLASH_MAX_BQ);
     MHA_ASSERT(tile->dt == MHA_DTYPE_F32 ||
                (p->q_dt == tile->dt && p->k_dt == tile->dt && p->v_dt == tile->dt));
@@ -655,9 +687,12 @@ void mha__flash_fwd(const mha__flash_softmax_ops *sm,
     B.vis = (uint64_t *)(base + L.vis);
     B.keep = (uint64_t *)(base + L.keep);
     B.ldo = L.ldo;
-    B.cached = L.cached;
+    B.cache_on = B.cached = L.cached;
+    B.ctiles = L.ntiles;
+    B.cbase = 0;
     B.state = (uint8_t *)(base + L.state);
     cache_header *hdr = (cache_header *)(base + L.header);
+    B.hdr = hdr;
     if (u->fresh)
         hdr->b = hdr->g = -1;
 
@@ -674,10 +709,11 @@ void mha__flash_fwd(const mha__flash_softmax_ops *sm,
         B.nh = hend - h;
         B.R = B.nh * B.nq;
         MHA_ASSERT(B.R <= bq);
-        if (B.cached && (hdr->b != B.b || hdr->g != g)) {
+        if (B.cache_on && (hdr->b != B.b || hdr->g != g)) {
             memset(B.state, 0, (size_t)L.ntiles);
             hdr->b = B.b;
             hdr->g = g;
+            hdr->base = 0;
         }
         B.kb = mha__elem(p->k_dt, p->k, B.b * p->ks[0] + g * p->ks[1]);
         B.vb = mha__elem(p->v_dt, p->v, B.b * p->vs[0] + g * p->vs[1]);

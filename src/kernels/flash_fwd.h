@@ -162,7 +162,18 @@ static inline int64_t mha__flash_rows_per_block(int64_t bq, int64_t group) {
  * overflow). Scratch carries packed K tiles from one unit to the next of the same thread; a unit
  * with `fresh` set starts from nothing. widen_k: K is half precision (a row buffer widens it). */
 bool mha__flash_scratch_bytes(
-    int bq, int bk, int64_t dk, int64_t dv, int64_t m, int widen_k, size_t *bytes);
+    int bq, int bk, int64_t dk, int64_t dv, int64_t m, int64_t span, int widen_k, size_t *bytes);
+
+/* Most keys one query block (<= MHA_FLASH_MAX_BQ rows) may see with chunk size `chunk` (0 =
+ * none): its rows' chunks are one or two consecutive ones, and with causal the last row sees no
+ * key past its own position, so C + Bq keys (causal) or 2C + Bq; m without a chunk (or C >= m).
+ * The size of the flash kernels' K/V tile cache (flash_fwd.c). */
+static inline int64_t mha__flash_key_span(int64_t m, int64_t chunk, int causal) {
+    if (chunk <= 0 || chunk >= m)
+        return m;
+    const int64_t span = (causal ? chunk : 2 * chunk) + MHA_FLASH_MAX_BQ;
+    return span < m ? span : m;
+}
 
 /* Visible key range [lo, hi] of query row i of batch row b from causal, window and chunk alone
  * (empty when lo > hi). Clipped to [0, m - 1]. Both edges grow with i (the chunk's start

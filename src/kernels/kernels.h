@@ -44,6 +44,8 @@ void mha__attention_ref(const mha__problem *p, int64_t bh_begin, int64_t bh_end,
 typedef struct mha__fwd_shape {
     int64_t H, G, group, n, m, dk, dv;
     mha_dtype q_dt, k_dt, v_dt; /* storage of the inputs */
+    int64_t chunk;              /* mask.chunk_size (0 = none; its key span sizes the scratch) */
+    int causal;
 } mha__fwd_shape;
 void mha__fwd_shape_from_args(const mha_attention_args *a, mha__fwd_shape *s);
 
