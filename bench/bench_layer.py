@@ -84,7 +84,8 @@ class Masking(C.Structure):
                 ("window_left", i64), ("window_right", i64), ("use_window", i32),
                 ("bool_mask", MaskTensor), ("bool_mask_polarity", C.c_int),
                 ("additive_mask", MaskTensor), ("key_padding", MaskTensor),
-                ("q_segment_ids", P_i32), ("kv_segment_ids", P_i32), ("mask_fn", MaskFn)]
+                ("q_segment_ids", P_i32), ("kv_segment_ids", P_i32), ("mask_fn", MaskFn),
+                ("chunk_size", i64)]
 
 
 class Dropout(C.Structure):

@@ -449,7 +449,7 @@ MHA_API mha_status mha_attention(const mha_attention_args *args,
 
 /** How a call's masks divide its scores into tiles (docs/SEMANTICS.md "Block masks"): tiles of 64
  *  query rows x 64 keys of every (batch row, query head), classified under every rule (causal,
- *  window, bool mask, key padding, segment ids, additive -inf, mask function) exactly as the fast
+ *  window, chunk, bool mask, key padding, segment ids, additive -inf, mask function) as the fast
  *  kernels do: HIDDEN tiles are skipped (no load, no exp), VISIBLE ones run the unmasked kernel,
  *  MIXED ones read a bit per score. */
 typedef struct mha_mask_summary {
@@ -469,8 +469,8 @@ MHA_API mha_status mha_attention_mask_summary(const mha_attention_args *args,
 
 /** A call's block mask built once for several calls: the forward and the backward of a training
  *  step, or every step that uses the same masks. Built from args' element rules (bool mask,
- *  additive mask, key padding, segment ids, mask function) for its (B, h, n, m); the causal and
- *  window bands stay each call's own. It keeps the POINTERS of those masks, not their contents:
+ *  additive mask, key padding, segment ids, mask function) for its (B, h, n, m); the causal,
+ *  window and chunk bands stay each call's own. It keeps the POINTERS of those masks, not their contents:
  *  the caller keeps them alive and unchanged while the block mask is used. Memory from
  *  exec->allocator; q, k, v and out are not read (may be NULL). */
 typedef struct mha_block_mask mha_block_mask;
