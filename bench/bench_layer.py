@@ -110,12 +110,17 @@ class QKNorm(C.Structure):
     _fields_ = [("kind", C.c_int), ("eps", f64), ("unit_offset", i32)]
 
 
+class Temperature(C.Structure):
+    _fields_ = [("enabled", i32), ("floor_scale", f64), ("attn_scale", f64)]
+
+
 class Config(C.Structure):
     _fields_ = [("q_dim", i64), ("k_dim", i64), ("v_dim", i64), ("num_heads", i64),
                 ("num_kv_heads", i64), ("head_dim", i64), ("v_head_dim", i64), ("out_dim", i64),
                 ("bias_q", i32), ("bias_k", i32), ("bias_v", i32), ("bias_o", i32),
                 ("sinks", i32), ("scale", f64), ("softcap", f64), ("alibi", i32), ("rope", Rope),
-                ("weight_dtype", C.c_int), ("qk_norm", QKNorm), ("output_gate", i32)]
+                ("weight_dtype", C.c_int), ("qk_norm", QKNorm), ("output_gate", i32),
+                ("temperature", Temperature)]
 
 
 class Weights(C.Structure):

@@ -9,6 +9,8 @@
  *   layer        mha_layer_forward with no workspace (the library allocates per call)
  *   qk_norm      the QK-norm step alone (RMS per head, issue 31) on warm Q and K [n, d] each
  *   layer_qkn_ws layer_ws of the same layer with that QK-norm (its cost: layer_qkn_ws / layer_ws)
+ *   temperature  temperature tuning's step alone (Llama 4's NoPE layers, issue 31: n factors
+ *                tau(p) and Q [n, d] scaled) on the warm Q
  * FLOPs: projection 2 n d^2, attention 2 h P (d_k + d_v) with P the unmasked pairs, the layer
  * four projections plus attention. The FMA peak is measured before and after.
  *
@@ -32,10 +34,12 @@ enum {
     STAGE_LAYER,
     STAGE_QK_NORM,
     STAGE_LAYER_QKN_WS,
+    STAGE_TEMPERATURE,
     STAGE_COUNT
 };
-static const char *const stage_names[STAGE_COUNT] = {
-    "proj_q", "proj_q_fresh", "core", "layer_ws", "layer", "qk_norm", "layer_qkn_ws"};
+static const char *const stage_names[STAGE_COUNT] = {"proj_q",       "proj_q_fresh", "core",
+                                                     "layer_ws",     "layer",        "qk_norm",
+                                                     "layer_qkn_ws", "temperature"};
 
 static float *random_floats(int64_t count, unsigned *seed, float amp) {
     float *p = malloc(sizeof(float) * (size_t)count);
@@ -133,6 +137,7 @@ int main(int argc, char **argv) {
     }
     void *layer_n_ws = malloc(layer_n_ws_bytes);
     const mha_qk_norm *qkn = &mha_layer_config(layer_n)->qk_norm;
+    const mha_temperature_tuning temp = {1, 8192.0, 0.1}; /* Llama 4's */
 
     /* The core on [1, n, h, dk] buffers (the layer's layout), strides {b, head, row}. */
     mha_attention_args ca = {0};
@@ -172,7 +177,8 @@ int main(int argc, char **argv) {
                                        4 * proj_gflop + attn_gflop,
                                        4 * proj_gflop + attn_gflop,
                                        0.0,
-                                       4 * proj_gflop + attn_gflop};
+                                       4 * proj_gflop + attn_gflop,
+                                       0.0};
     const char *isa = "";
     const double peak0 = bench_peak_best_gflops(threads, 20.0, 5, &isa);
     double *times = malloc(sizeof(double) * (size_t)(STAGE_COUNT * reps));
@@ -211,6 +217,9 @@ int main(int argc, char **argv) {
                 mha__plan_qk_norm(qkn, norm_w, qkv, n, h, dk);
                 mha__plan_qk_norm(qkn, norm_w, qkv + n * d, n, h, dk);
                 break;
+            case STAGE_TEMPERATURE: /* on the warm Q, as the forward runs it */
+                mha__plan_temperature(&temp, qkv, 1, n, h, dk, NULL, NULL);
+                break;
             case STAGE_LAYER_QKN_WS:
                 ex.workspace = layer_n_ws;
                 ex.workspace_bytes = layer_n_ws_bytes;
@@ -246,6 +255,8 @@ int main(int argc, char **argv) {
     printf("# QK-norm: qk_norm / layer_ws = %.2f%%, layer_qkn_ws / layer_ws = %.3f (medians)\n",
            100.0 * med_of[STAGE_QK_NORM] / med_of[STAGE_LAYER_WS],
            med_of[STAGE_LAYER_QKN_WS] / med_of[STAGE_LAYER_WS]);
+    printf("# temperature: temperature / layer_ws = %.3f%% (medians)\n",
+           100.0 * med_of[STAGE_TEMPERATURE] / med_of[STAGE_LAYER_WS]);
     free(times);
     free(core_ws);
     free(layer_ws);

@@ -4,6 +4,7 @@
 #include "cli.h"
 
 #include <stdio.h>
+#include <string.h>
 
 static const char *rope_style_name(mha_rope_style s) {
     return s == MHA_ROPE_HALF ? "half" : s == MHA_ROPE_INTERLEAVED ? "interleaved" : "none";
@@ -116,12 +117,26 @@ int cli_info_model(const char *dir, const char *layer_arg) {
         printf("output gate: A * sigmoid(x W_gate^T + b_gate) (w_q rows %lld..%lld)\n",
                (long long)(c->num_heads * c->head_dim),
                (long long)(2 * c->num_heads * c->head_dim - 1));
-    print_rope(&c->rope);
+    const int nope_model = !strcmp(info.model_type, "smollm3") ||
+                           !strcmp(info.model_type, "cohere2") ||
+                           !strcmp(info.model_type, "llama4_text");
+    if (nope_model && c->rope.style == MHA_ROPE_NONE)
+        printf("rope: none (a NoPE layer: this model's other layers may rotate)\n");
+    else
+        print_rope(&c->rope);
     printf("causal: %s\n", info.causal ? "yes (bottom-right)" : "no");
     if (info.use_window)
         printf("window: %lld,%lld (--window)\n", (long long)info.window_left,
                (long long)info.window_right);
     else
         printf("window: none\n");
+    if (info.chunk_size > 0)
+        printf("chunked attention: %lld (keys of the query's chunk of %lld positions)\n",
+               (long long)info.chunk_size, (long long)info.chunk_size);
+    if (c->temperature.enabled)
+        printf("temperature tuning: q times ln(floor((p + 1) / %g) + 1) * %g + 1\n",
+               c->temperature.floor_scale, c->temperature.attn_scale);
+    else
+        printf("temperature tuning: none\n");
     return CLI_OK;
 }

@@ -543,7 +543,8 @@ static int apply_model(run_config *o) {
         o->alibi = c->alibi;
     if (!v[O_ROPE_THETA] && !v[O_ROPE_STYLE])
         o->rope = c->rope;
-    if ((v[O_POSITIONS] || v[O_KEY_POSITIONS]) && o->rope.style == MHA_ROPE_NONE)
+    if ((v[O_POSITIONS] || v[O_KEY_POSITIONS]) && o->rope.style == MHA_ROPE_NONE &&
+        !(v[O_POSITIONS] && c->temperature.enabled))
         return cli_usage("%s has no effect: the model has no RoPE",
                          v[O_POSITIONS] ? "--positions" : "--key-positions");
     if (!v[O_CAUSAL] && !o->decode && o->hf.causal) {
@@ -551,6 +552,8 @@ static int apply_model(run_config *o) {
         if (o->alignment != MHA_ALIGN_EXPLICIT)
             o->alignment = MHA_ALIGN_BOTTOM_RIGHT;
     }
+    if (!v[O_CHUNK_SIZE]) /* Llama 4's chunked layers */
+        o->chunk_size = o->hf.chunk_size;
     if (!v[O_WINDOW] && o->hf.use_window) {
         o->use_window = 1;
         o->window_left = o->hf.window_left;

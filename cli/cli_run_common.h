@@ -108,7 +108,7 @@ typedef struct run_config {
     mha_alignment alignment;
     int use_window;
     int64_t window_left, window_right;
-    int64_t chunk_size; /* --chunk-size; 0 = none */
+    int64_t chunk_size; /* --chunk-size, else --model's chunked layer; 0 = none */
     mha_mask_polarity polarity;
     mha_dropout dropout;
     mha_exec exec;

@@ -568,6 +568,18 @@ typedef struct mha_qk_norm {
     int32_t unit_offset; /* nonzero: scale by (1 + w) (Gemma 3, Qwen3-Next); RMS kinds only */
 } mha_qk_norm;
 
+/** Attention temperature tuning (Llama 4's NoPE layers; docs/SEMANTICS.md "Temperature
+ *  tuning"): the query row at position p (the RoPE position: q_positions, t when NULL, the cache
+ *  position in decode) is multiplied by
+ *      tau(p) = ln(floor((fl32(p) + 1) / fl32(floor_scale)) + 1) * attn_scale + 1
+ *  (the sum, quotient and floor in float32, as transformers forms them; the rest in double,
+ *  rounded once to float32) after the projection, RoPE and any QK-norm, before the core. */
+typedef struct mha_temperature_tuning {
+    int32_t enabled;    /* nonzero: on; 0: off, the other fields ignored */
+    double floor_scale; /* in [2^-32, FLT_MAX] when enabled (Llama 4: 8192) */
+    double attn_scale;  /* finite, |attn_scale| <= 2^100 when enabled (Llama 4: 0.1) */
+} mha_temperature_tuning;
+
 /** Layer configuration. Zero means "default" for every optional field, so
  *  `mha_config c = {0}; c.q_dim = 512; c.num_heads = 8;` is a valid self-attention layer. */
 typedef struct mha_config {
@@ -594,6 +606,7 @@ typedef struct mha_config {
      * the next h*d_k the gate's (b_q likewise [2*h*d_k]); the output projection reads
      * A * sigmoid(x W_gate^T + b_gate) instead of A. Needs v_head_dim = head_dim. */
     int32_t output_gate;
+    mha_temperature_tuning temperature; /* enabled 0 = off (every earlier caller) */
 } mha_config;
 
 /** Weights in PyTorch nn.Linear layout (y = x W^T + b). Rows [i*d_k, (i+1)*d_k) of w_q belong to
@@ -769,6 +782,9 @@ typedef struct mha_hf_layer_info {
     int32_t use_window;   /* nonzero: this layer has a sliding window ... */
     int64_t window_left;  /* ... of keys i - window_left .. i (HF's sliding_window - 1) */
     int64_t window_right; /* ... and 0 on the right */
+    int64_t chunk_size;   /* > 0: chunked causal attention (Llama 4's attention_chunk_size): pass
+                             it as mha_masking.chunk_size (and mha_kv_cache_config.chunk_size);
+                             0: none */
 } mha_hf_layer_info;
 
 /** Reads `dir`/config.json (and the safetensors index or file, to find the layer's tensor names)

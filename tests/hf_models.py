@@ -85,6 +85,27 @@ CASES = {
                                 eos_token_id=2,
                                 rope_parameters=_rope(partial_rotary_factor=0.5)),
              T.Phi3ForCausalLM, "model.layers.{L}.self_attn", (0,)),
+    # NoPE layers (issue 31): SmolLM3's no_rope_layers (1 = RoPE), layer 1 NoPE and sliding;
+    # Cohere2's sliding layer 0 rotates (interleaved pairs), its full layer 1 has no RoPE;
+    # Llama 4: layer 0 RoPE (interleaved) + L2 QK-norm + chunks of 5, layer 1 NoPE + temperature
+    # tuning with floor_scale 4 (tau goes from 1 to 1 + 0.5 ln 4 over the 12 positions).
+    "smollm3": (T.SmolLM3Config, dict(LLAMA, num_key_value_heads=2, no_rope_layers=[1, 0],
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      use_sliding_window=True, sliding_window=WINDOW,
+                                      rope_parameters=_rope(theta=2e4)),
+                T.SmolLM3ForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
+    "cohere2": (T.Cohere2Config, dict(LLAMA, num_key_value_heads=2, sliding_window=WINDOW,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      layer_types=["sliding_attention", "full_attention"],
+                                      rope_parameters=_rope()),
+                T.Cohere2ForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
+    "llama4_text": (T.Llama4TextConfig, dict(LLAMA, num_key_value_heads=2, head_dim=16,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                             intermediate_size_mlp=64, num_local_experts=2,
+                                             num_experts_per_tok=1, no_rope_layers=[1, 0],
+                                             attention_chunk_size=WINDOW, floor_scale=4,
+                                             attn_scale=0.5, rope_parameters=_rope(theta=5e5)),
+                    T.Llama4ForCausalLM, "model.layers.{L}.self_attn", (0, 1)),
     # LongRoPE: SEQ > 8 takes the long list, SEQ <= 16 the short one.
     "phi3_longrope": _phi3_longrope(8),
     "phi3_longrope_short": _phi3_longrope(16),
@@ -258,6 +279,8 @@ def legacy_config(src_dir, dst_dir):
     if cfg["model_type"] == "gemma3_text":  # 4.x: rope_local_base_freq, a sliding pattern
         local, rp = rp["sliding_attention"], dict(rp["full_attention"])
         changes["rope_local_base_freq"] = local["rope_theta"]
+        changes["sliding_window_pattern"] = cfg["layer_types"].index("full_attention") + 1
+    if cfg["model_type"] == "cohere2":  # 4.x: every sliding_window_pattern-th layer is full
         changes["sliding_window_pattern"] = cfg["layer_types"].index("full_attention") + 1
     if "rope_theta" in rp:
         changes["rotary_emb_base" if neox else "rope_theta"] = rp.pop("rope_theta")

@@ -88,6 +88,20 @@ def test_decode_matches_transformers(models, name, tmp_path):
     assert err <= TOL_OUT_REL, f"{name} --decode: max error {err:.3g} of max|ref|"
 
 
+@pytest.mark.parametrize("name,layer", [(n, L) for n in ("smollm3", "cohere2", "llama4_text")
+                                          for L in (0, 1)])
+def test_nope_chunk_temperature_decode_matches_transformers(models, name, layer, tmp_path):
+    # Token-by-token decode after a prefill of 3 (issue 31): NoPE layers, sliding ones, Llama 4's
+    # chunks (the cache keeps the current chunk) and temperature tuning at the cache positions.
+    if name not in models:
+        pytest.skip("not in the quick set")
+    d, refs = models[name]
+    x, ref = refs[layer]
+    y = run_layer(d, layer, x, tmp_path, "--decode", "--prefill", 3)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"{name} layer {layer} --decode: max error {err:.3g}"
+
+
 def test_sharded_checkpoint_is_read_through_its_index(models):
     d, _ = models[H.SHARDED]
     files = os.listdir(d)

@@ -85,6 +85,82 @@ def test_gradients_match_torch_autograd(models, name, layer):
         assert err <= TOL_GRAD_REL, f"{name} layer {layer}: d{nm} max error {err:.3g}"
 
 
+NOPE_CASES = [(name, layer) for name in ("smollm3", "cohere2", "llama4_text")
+              for layer in H.CASES[name][4]]
+
+
+@pytest.mark.parametrize("name,layer", NOPE_CASES)
+def test_nope_chunk_temperature_gradients_match_torch_autograd(models, name, layer):
+    # NoPE layers, Llama 4's chunks, L2 QK-norm and temperature tuning (issue 31): every
+    # weight's gradient and the input's against torch autograd of transformers' module (float64).
+    d, refs = models[name]
+    x, ref = refs[layer]
+    dy = np.random.default_rng(layer).standard_normal(ref.shape)
+    y_ref, g_ref = H.autograd_grads(d, name, layer, x, dy)
+    assert H.max_rel_err(y_ref, ref) < 1e-12  # the same module as the recorded oracle
+    m = mha.MultiheadAttention.from_pretrained(d, layer=layer)
+    y, state = m.forward_train(x)
+    assert H.max_rel_err(y, ref) <= TOL_OUT_REL
+    g = m.backward(state, dy)
+    assert set(GRAD_NAMES[k] for k in g_ref if k != "query") | {"query"} == set(g)
+    for k, ref_g in g_ref.items():
+        nm = GRAD_NAMES.get(k, k)
+        err = H.max_rel_err(g[nm], ref_g)
+        assert err <= TOL_GRAD_REL, f"{name} layer {layer}: d{nm} max error {err:.3g}"
+
+
+def test_llama4_layers_use_what_their_config_says(models):
+    # Layer 0 rotates, normalises (L2 after RoPE) and attends in chunks; layer 1 is NoPE with
+    # temperature tuning; each feature changes the output (so each test above can fail).
+    d, refs = models["llama4_text"]
+    m0 = mha.MultiheadAttention.from_pretrained(d, layer=0)
+    m1 = mha.MultiheadAttention.from_pretrained(d, layer=1)
+    assert m0.model_info["chunk_size"] == H.WINDOW and m0.config.qk_norm.kind == "l2_after_rope"
+    assert m0.config.rope is not None and m0.config.temperature is None
+    assert m1.config.rope is None and m1.config.temperature == (4.0, 0.5)
+    assert m1.model_info["chunk_size"] is None and m1.config.qk_norm is None
+    x0, ref0 = refs[0]
+    assert H.max_rel_err(m0(x0, causal=True), ref0) <= TOL_OUT_REL  # causal brings the chunks
+    m0._chunk_size = 0
+    assert H.max_rel_err(m0(x0), ref0) > 100 * TOL_OUT_REL
+    x1, ref1 = refs[1]
+    w = m1.weights
+    plain = mha.MultiheadAttention(w["w_q"], w["w_k"], w["w_v"], w["w_o"],
+                                   num_heads=m1.config.num_heads,
+                                   num_kv_heads=m1.config.num_kv_heads)
+    assert H.max_rel_err(plain(x1, causal="bottom-right"), ref1) > 100 * TOL_OUT_REL
+    tuned = mha.MultiheadAttention(w["w_q"], w["w_k"], w["w_v"], w["w_o"],
+                                   num_heads=m1.config.num_heads,
+                                   num_kv_heads=m1.config.num_kv_heads, temperature=(4, 0.5))
+    np.testing.assert_array_equal(tuned(x1, causal="bottom-right"), m1(x1))
+
+
+@pytest.mark.parametrize("name,layer,changes,match", [
+    ("llama4_text", 1, {"floor_scale": 0}, "floor_scale"),
+    ("llama4_text", 1, {"floor_scale": -8192}, "floor_scale"),
+    ("llama4_text", 1, {"attn_scale": "0.1"}, "attn_scale"),
+    ("llama4_text", 1, {"attn_scale": 1e300}, "attn_scale"),
+    ("llama4_text", 1, {"attn_temperature_tuning": 1}, "attn_temperature_tuning"),
+    ("llama4_text", 0, {"attention_chunk_size": 0}, "attention_chunk_size"),
+    ("llama4_text", 0, {"attention_chunk_size": -5}, "attention_chunk_size"),
+    ("llama4_text", 0, {"attention_chunk_size": None}, "attention_chunk_size"),
+    ("llama4_text", 0, {"use_qk_norm": "yes"}, "use_qk_norm"),
+    ("llama4_text", 0, {"layer_types": ["sliding_attention", "full_attention"]},
+     r"layer_types\[0\]"),
+    ("llama4_text", 0, {"no_rope_layers": [1, 0, 1]}, "no_rope_layers"),
+    ("smollm3", 1, {"no_rope_layers": [1, 2]}, r"no_rope_layers\[1\]"),
+    ("smollm3", 0, {"no_rope_layers": "1, 0"}, "no_rope_layers"),
+    ("smollm3", 0, {"layer_types": ["chunked_attention", "full_attention"]},
+     r"layer_types\[0\]"),
+    ("cohere2", 0, {"layer_types": None, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+])
+def test_hostile_nope_chunk_temperature_configs_are_refused(models, tmp_path, name, layer,
+                                                             changes, match):
+    bad = H.edit_config(models[name][0], str(tmp_path / "bad"), **changes)
+    with pytest.raises(mha.MhaError, match=match):
+        mha.MultiheadAttention.from_pretrained(bad, layer=layer)
+
+
 def test_from_safetensors_reads_the_norm_weights(models, tmp_path):
     # The generic loader (no config.json) with the QK-norm given by the caller: q_norm.weight
     # and k_norm.weight found under the prefix; without qk_norm the same file is another layer.

@@ -897,15 +897,19 @@ class Config:
     weight_dtype: str = "float32"  # the storage of weights, biases, sinks: float16, bfloat16
     qk_norm: Optional[QKNorm] = None
     output_gate: bool = False
+    # Llama 4's temperature tuning (docs/SEMANTICS.md): (floor_scale, attn_scale), or None
+    temperature: Optional[Tuple[float, float]] = None
 
     @classmethod
     def _from_c(cls, c: L.mha_config) -> "Config":
         kw = {f.name: getattr(c, f.name) for f in fields(cls)
-              if f.name not in ("rope", "weight_dtype", "qk_norm")}
+              if f.name not in ("rope", "weight_dtype", "qk_norm", "temperature")}
         for b in ("bias_q", "bias_k", "bias_v", "bias_o", "sinks", "alibi", "output_gate"):
             kw[b] = bool(kw[b])
+        t = c.temperature
+        temp = (float(t.floor_scale), float(t.attn_scale)) if t.enabled else None
         return cls(rope=Rope._from_c(c.rope), weight_dtype=_DTYPE_NAMES[c.weight_dtype],
-                   qk_norm=QKNorm._from_c(c.qk_norm), **kw)
+                   qk_norm=QKNorm._from_c(c.qk_norm), temperature=temp, **kw)
 
 
 _DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16"}
@@ -999,11 +1003,19 @@ class MultiheadAttention:
                  rope: Union[None, str, dict, Rope] = None,
                  qk_norm: Union[None, dict, QKNorm] = None, q_norm: Optional[ArrayLike] = None,
                  k_norm: Optional[ArrayLike] = None, output_gate: bool = False,
+                 temperature: Optional[Tuple[float, float]] = None,
                  _weight_dtype: Optional[int] = None):
         # (_weight_dtype: the PyTorch drop-in's arrays hold that mha_dtype's bits: _layer_arrays)
         if num_heads is None or int(num_heads) < 1:
             raise ValueError(f"num_heads: expected a positive integer, got {num_heads!r}")
         c = _options_config(num_heads, num_kv_heads, scale, softcap, alibi, rope)
+        if temperature is not None:  # Llama 4's temperature tuning: (floor_scale, attn_scale)
+            try:
+                fs, ats = (float(v) for v in temperature)
+            except (TypeError, ValueError):
+                raise TypeError(f"temperature: expected (floor_scale, attn_scale) or None, got "
+                                f"{temperature!r}") from None
+            c.temperature.enabled, c.temperature.floor_scale, c.temperature.attn_scale = 1, fs, ats
         qn = _as_qk_norm(qk_norm)
         if qn is not None:
             c.qk_norm = qn._to_c()
@@ -1155,10 +1167,13 @@ class MultiheadAttention:
         self._causal = bool(info.causal)
         self._window = (int(info.window_left), int(info.window_right)) if info.use_window \
             else None
+        self._chunk_size = int(info.chunk_size)  # Llama 4's chunked layers
         self.model_info = {
             "model_type": info.model_type.decode(), "layout": info.layout.decode(),
             "prefix": info.prefix.decode(), "layer": int(info.layer),
             "num_layers": int(info.num_layers), "causal": self._causal, "window": self._window,
+            "chunk_size": self._chunk_size or None, "rope": info.config.rope.style != 0,
+            "temperature": self.config.temperature,
         }
         return self
 

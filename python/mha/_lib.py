@@ -135,6 +135,8 @@ QK_NORM_NONE, QK_NORM_RMS_HEAD, QK_NORM_RMS_ALL, QK_NORM_L2_AFTER_ROPE = 0, 1, 2
 
 class mha_qk_norm(Structure):
     _fields_ = [("kind", c_int), ("eps", c_double), ("unit_offset", c_int32)]
+class mha_temperature_tuning(Structure):
+    _fields_ = [("enabled", c_int32), ("floor_scale", c_double), ("attn_scale", c_double)]
 
 
 class mha_config(Structure):
@@ -146,6 +148,7 @@ class mha_config(Structure):
         ("sinks", c_int32), ("scale", c_double), ("softcap", c_double), ("alibi", c_int32),
         ("rope", mha_rope), ("weight_dtype", c_int),
         ("qk_norm", mha_qk_norm), ("output_gate", c_int32),
+        ("temperature", mha_temperature_tuning),
     ]
 
 
@@ -157,7 +160,7 @@ class mha_hf_layer_info(Structure):
         ("model_type", c_char * MHA_HF_TEXT_SIZE), ("layout", c_char * MHA_HF_TEXT_SIZE),
         ("prefix", c_char * MHA_HF_TEXT_SIZE), ("layer", c_int64), ("num_layers", c_int64),
         ("config", mha_config), ("causal", c_int32), ("use_window", c_int32),
-        ("window_left", c_int64), ("window_right", c_int64),
+        ("window_left", c_int64), ("window_right", c_int64), ("chunk_size", c_int64),
     ]
 
 
@@ -232,7 +235,7 @@ class mha_mask_rule(Structure):
 STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope, mha_qk_norm,
            mha_attention_args, mha_config, mha_weights, mha_forward_args, mha_name_map,
            mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args,
-           mha_attention_stats, mha_mask_rule]
+           mha_attention_stats, mha_mask_rule, mha_temperature_tuning, mha_hf_layer_info]
 
 # ------------------------------------------------------------------------------------------------
 # Loading

@@ -336,6 +336,16 @@ def _translate_masks(mk: L.mha_masking, keep: list, attn_mask: Optional[Tensor],
         _set_mask(mk.additive_mask, add)
 
 
+def _temperature_traced(temperature: Tuple[float, float], n: int) -> Tensor:
+    """Temperature tuning's factors tau(p), p = 0 .. n-1 (docs/SEMANTICS.md), as libmha forms
+    them: (float32(p) + 1) / float32(floor_scale) and its floor in float32, then
+    ln(k + 1) attn_scale + 1 in float64, rounded to float32."""
+    floor_scale, attn_scale = temperature
+    p = torch.arange(n, dtype=_F32)
+    k = torch.floor((p + 1.0) / torch.tensor(floor_scale, dtype=_F32))
+    return (torch.log1p(k.to(torch.float64)) * attn_scale + 1.0).to(_F32)
+
+
 def _model_mask(mk: L.mha_masking, causal: bool, window: Optional[tuple],
                 chunk_size: int = 0) -> None:
     """A from_pretrained layer's own mask: causal (bottom-right), its sliding window and its
@@ -526,6 +536,8 @@ class MultiheadAttention(nn.Module):
                 if nm in w:
                     self.register_buffer(nm, torch.from_numpy(w[nm]))
         self._model_mask = (src._causal, src._window, src._chunk_size)
+        if c.temperature is not None:  # Llama 4's NoPE layers
+            self._options["temperature"] = c.temperature
         self.model_info = src.model_info
         if c.rope is not None:  # for the traced forward (the eager one runs libmha's RoPE)
             r = dataclasses.asdict(c.rope)
@@ -740,6 +752,8 @@ class MultiheadAttention(nn.Module):
             qh, kh = self._rope_traced(qh, max(n, m)), self._rope_traced(kh, max(n, m))
         if qn is not None and qn.kind == "l2_after_rope":
             qh, kh = _qk_norm_traced(qn, qh, None), _qk_norm_traced(qn, kh, None)
+        if opts.get("temperature") is not None:
+            qh = qh * _temperature_traced(opts["temperature"], n).view(1, 1, n, 1)
         attend, additive = _traced_masks(attn_mask, key_padding_mask, B, h, n, m)
         drop = self.dropout if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None

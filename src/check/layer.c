@@ -5,6 +5,7 @@
 #include "check/check.h"
 
 #include <float.h>
+#include <math.h>
 #include <string.h>
 
 /* config.qk_norm (docs/SEMANTICS.md "QK-norm") and config.output_gate, resolved in place: a kind
@@ -35,6 +36,26 @@ static mha_status check_qk_norm(mha_config *c, mha_error *err) {
     MHA_RETURN_IF(c->output_gate && (!mha__mul_i64(2 * c->num_heads, c->head_dim, &t) ||
                                      !mha__mul_i64(t, c->q_dim, &t)),
                   err, OVERFLOW, "config: w_q with the output gate's rows overflows int64");
+    return MHA_STATUS_OK;
+}
+
+/* Temperature tuning (docs/SEMANTICS.md): off, or floor_scale in [2^-32, FLT_MAX] (the float32
+ * quotient (p + 1) / floor_scale then stays below 2^64, its log below 45) and attn_scale finite
+ * with |attn_scale| <= 2^100 (tau finite in float32). Off zeroes the fields it ignores. */
+static mha_status check_temperature(mha_temperature_tuning *t, mha_error *err) {
+    if (!t->enabled) {
+        memset(t, 0, sizeof *t);
+        return MHA_STATUS_OK;
+    }
+    t->enabled = 1;
+    MHA_RETURN_IF(!(t->floor_scale >= 0x1p-32 && t->floor_scale <= (double)FLT_MAX), err,
+                  INVALID_ARG,
+                  "config.temperature.floor_scale=%g must be in [2^-32, %g]: positions are "
+                  "divided by it in float32",
+                  t->floor_scale, (double)FLT_MAX);
+    MHA_RETURN_IF(!(fabs(t->attn_scale) <= 0x1p100), err, INVALID_ARG,
+                  "config.temperature.attn_scale=%g must be finite with |attn_scale| <= 2^100",
+                  t->attn_scale);
     return MHA_STATUS_OK;
 }
 
@@ -102,6 +123,9 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
     mha_status qk = check_qk_norm(c, err);
     if (qk)
         return qk;
+    mha_status tt = check_temperature(&c->temperature, err);
+    if (tt)
+        return tt;
     MHA_RETURN_IF(
         !mha__is_float_storage(c->weight_dtype), err, INVALID_ARG,
         "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or MHA_DTYPE_F16",

@@ -513,6 +513,9 @@ static mha_status layer_step(const mha_layer *layer,
     }
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, q, rows, k, rows);
+    /* 2b. Temperature tuning: each new query times tau(len0 + i), its cache position. */
+    if (!st)
+        mha__plan_temperature(&c->temperature, q, S, t, h, dk, NULL, len0);
 
     /* 3. Append and attend, in steps a window ring can hold. */
     const int64_t step = mha__kv_ring_span(kc) > 0 ? kc->max_step_tokens : t;

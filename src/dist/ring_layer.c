@@ -132,6 +132,13 @@ static mha_status prepare(const char *fn,
                         fn, c->output_gate ? "output_gate" : "qk_norm");
         return MHA_STATUS_UNSUPPORTED;
     }
+    if (c->temperature.enabled) {
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "%s: the layer's temperature tuning (config.temperature) is not "
+                        "supported by the ring",
+                        fn);
+        return MHA_STATUS_UNSUPPORTED;
+    }
     if (c->k_dim != c->q_dim || c->v_dim != c->q_dim) {
         mha__dist_error(err, MHA_STATUS_INVALID_ARG,
                         "%s: self-attention needs k_dim = v_dim = q_dim (the layer has %lld, %lld, "

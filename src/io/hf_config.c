@@ -78,6 +78,9 @@ static const hf_arch ARCHS[] = {
     {"gemma", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
     {"gemma2", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
     {"gpt_oss", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj, sinks"},
+    {"smollm3", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"cohere2", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
+    {"llama4_text", LAYOUT_QKVO, LLAMA_PREFIXES, "q_proj, k_proj, v_proj, o_proj"},
     {"phi3", LAYOUT_PHI3, LLAMA_PREFIXES, "fused qkv_proj [q; k; v], o_proj"},
     {"gpt2",
      LAYOUT_GPT2,
@@ -783,16 +786,19 @@ read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, 
 }
 
 static mha_status
-read_rope(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_error *err) {
+read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info, mha_error *err) {
     mha_rope *r = &info->config.rope;
     memset(r, 0, sizeof *r);
-    if (!uses_rope(m))
+    if (!rope) /* no RoPE in the architecture, or a NoPE layer */
         return MHA_STATUS_OK;
     const cJSON *p, *s;
     const char *where;
     TRY(rope_params(m, layer_type, &p, &s, &where, err));
     const char *pw = p == m->config ? "" : "rope_parameters.";
-    r->style = MHA_ROPE_HALF; /* transformers' rotate_half in every architecture listed */
+    /* transformers' rotate_half, except Cohere2 (its rotate_half pairs x[2k], x[2k+1]) and
+     * Llama 4 (complex multiplication over adjacent pairs) */
+    r->style =
+        is_type(m, "cohere2") || is_type(m, "llama4_text") ? MHA_ROPE_INTERLEAVED : MHA_ROPE_HALF;
     r->theta = 10000.0;
     /* Gemma 3: sliding layers rotate at rope_local_base_freq (10^4) without scaling, full ones at
      * rope_theta (10^6) with rope_scaling; transformers 5 writes one rope_parameters per type. */
@@ -844,13 +850,42 @@ layer_type_of(const hf_model *m, const mha_hf_layer_info *info, const char **out
     const cJSON *t = cJSON_GetArrayItem(lt, (int)info->layer);
     MHA_RETURN_IF(!cJSON_IsString(t), err, BAD_FILE, "%s: \"layer_types[%lld]\" is not a string",
                   m->config_path, (long long)info->layer);
-    MHA_RETURN_IF(strcmp(t->valuestring, "sliding_attention") != 0 &&
+    /* Llama4TextModel makes full and chunked masks only; the others full and sliding ones. */
+    const int l4 = is_type(m, "llama4_text");
+    const char *other = l4 ? "chunked_attention" : "sliding_attention";
+    MHA_RETURN_IF(strcmp(t->valuestring, other) != 0 &&
                       strcmp(t->valuestring, "full_attention") != 0,
                   err, UNSUPPORTED,
-                  "%s: \"layer_types[%lld]\": \"%s\" is not supported by mha (only "
-                  "\"full_attention\" and \"sliding_attention\")",
-                  m->config_path, (long long)info->layer, t->valuestring);
+                  "%s: \"layer_types[%lld]\": \"%s\" is not supported by mha for %s (only "
+                  "\"full_attention\" and \"%s\")",
+                  m->config_path, (long long)info->layer, t->valuestring, m->arch->type, other);
     *out = t->valuestring;
+    return MHA_STATUS_OK;
+}
+
+/* SmolLM3 and Llama 4: whether layer L rotates q and k. no_rope_layers[L] is 1 for a RoPE layer
+ * and 0 for a NoPE one, despite its name (transformers: use_rope = no_rope_layers[layer_idx]);
+ * absent (or, for llama4_text, empty: Llama4TextConfig falls back on a falsy list), every
+ * no_rope_layer_interval-th layer (default 4) is NoPE: L uses RoPE iff (L + 1) % interval != 0. */
+static mha_status
+nope_list_has_rope(const hf_model *m, const mha_hf_layer_info *info, int *rope, mha_error *err) {
+    const cJSON *l = field(m->config, "no_rope_layers");
+    if (l && !(is_type(m, "llama4_text") && cJSON_IsArray(l) && cJSON_GetArraySize(l) == 0)) {
+        MHA_RETURN_IF(!cJSON_IsArray(l) || cJSON_GetArraySize(l) != info->num_layers, err, BAD_FILE,
+                      "%s: \"no_rope_layers\" must be a list of num_hidden_layers (%lld) "
+                      "entries 0 or 1",
+                      m->config_path, (long long)info->num_layers);
+        const cJSON *e = cJSON_GetArrayItem(l, (int)info->layer);
+        const int is_int = cJSON_IsNumber(e) && (e->valuedouble == 0.0 || e->valuedouble == 1.0);
+        MHA_RETURN_IF(!is_int && !cJSON_IsBool(e), err, BAD_FILE,
+                      "%s: \"no_rope_layers[%lld]\" must be 0 (NoPE) or 1 (RoPE)", m->config_path,
+                      (long long)info->layer);
+        *rope = is_int ? e->valuedouble == 1.0 : cJSON_IsTrue(e);
+        return MHA_STATUS_OK;
+    }
+    int64_t interval = 4;
+    TRY(get_int(m, m->config, "no_rope_layer_interval", 0, 1, INT32_MAX, &interval, err));
+    *rope = (info->layer + 1) % interval != 0;
     return MHA_STATUS_OK;
 }
 
@@ -873,6 +908,19 @@ static mha_status slides_without_types(const hf_model *m,
         *slides = use && L >= max_window_layers;
     } else if (is_type(m, "gemma2") || is_type(m, "gpt_oss")) {
         *slides = L % 2 == 0; /* even layers slide */
+    } else if (is_type(m, "cohere2")) {
+        /* Cohere2Config without layer_types: sliding_window_pattern (default 4), every
+         * pattern-th layer full */
+        int64_t pattern = 4;
+        TRY(get_int(m, m->config, "sliding_window_pattern", 0, 1, INT32_MAX, &pattern, err));
+        *slides = (L + 1) % pattern != 0;
+    } else if (is_type(m, "smollm3")) {
+        /* SmolLM3Config without layer_types: the NoPE layers slide when use_sliding_window and
+         * sliding_window are set */
+        int use = 0, rope = 1;
+        TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
+        TRY(nope_list_has_rope(m, info, &rope, err));
+        *slides = use && !rope && field(m->config, "sliding_window") != NULL;
     }
     return MHA_STATUS_OK;
 }
@@ -880,7 +928,7 @@ static mha_status slides_without_types(const hf_model *m,
 /* sliding_window when config.json leaves it out: the transformers config class's default. */
 static int64_t default_window(const hf_model *m) {
     if (is_type(m, "mistral") || is_type(m, "gemma2") || is_type(m, "qwen2") ||
-        is_type(m, "gemma3_text"))
+        is_type(m, "gemma3_text") || is_type(m, "cohere2"))
         return 4096;
     return is_type(m, "gpt_oss") ? 128 : 0;
 }
@@ -908,6 +956,66 @@ read_window(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_er
 }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* NoPE layers, Llama 4's QK-norm, chunks and temperature                                         */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* Whether this layer has RoPE: SmolLM3 and Llama 4 by no_rope_layers, Cohere2 on its sliding
+ * layers only (Cohere2Attention rotates iff the layer has a sliding window), every other
+ * architecture with RoPE on every layer. */
+static mha_status layer_has_rope(const hf_model *m,
+                                 const mha_hf_layer_info *info,
+                                 const char *layer_type,
+                                 int *rope,
+                                 mha_error *err) {
+    *rope = uses_rope(m);
+    if (is_type(m, "smollm3") || is_type(m, "llama4_text"))
+        return nope_list_has_rope(m, info, rope, err);
+    if (!is_type(m, "cohere2"))
+        return MHA_STATUS_OK;
+    if (layer_type) {
+        *rope = strcmp(layer_type, "sliding_attention") == 0;
+        return MHA_STATUS_OK;
+    }
+    return slides_without_types(m, info, rope, err);
+}
+
+/* Llama 4 (Llama4TextAttention): RoPE layers take the weightless L2 norm of q and k after RoPE
+ * (use_qk_norm, default true; eps = rms_norm_eps, default 1e-5) and, when chunked
+ * (layer_types[L] "chunked_attention"; without layer_types the RoPE layers when
+ * attention_chunk_size, default 8192, is not null), the chunked causal mask; NoPE layers scale q
+ * by the temperature (attn_temperature_tuning, default true; floor_scale 8192, attn_scale 0.1). */
+static mha_status read_llama4(
+    hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info, mha_error *err) {
+    const cJSON *c = m->config;
+    mha_config *cfg = &info->config;
+    int64_t chunk = is_null(c, "attention_chunk_size") ? 0 : 8192;
+    TRY(get_int(m, c, "attention_chunk_size", 0, 1, INT32_MAX, &chunk, err));
+    const int chunked = layer_type ? strcmp(layer_type, "chunked_attention") == 0 : rope && chunk;
+    MHA_RETURN_IF(chunked && chunk == 0, err, BAD_FILE,
+                  "%s: layer %lld is \"chunked_attention\" but \"attention_chunk_size\" is null",
+                  m->config_path, (long long)info->layer);
+    info->chunk_size = chunked ? chunk : 0;
+    if (rope) {
+        int qk = 1;
+        double eps = 1e-5;
+        TRY(get_bool(m, c, "use_qk_norm", &qk, err));
+        TRY(get_num(m, c, "", "rms_norm_eps", 0.0, 1, (double)FLT_MAX, &eps, err));
+        cfg->qk_norm.kind = qk ? MHA_QK_NORM_L2_AFTER_ROPE : MHA_QK_NORM_NONE;
+        cfg->qk_norm.eps = qk ? eps : 0.0;
+        return MHA_STATUS_OK;
+    }
+    int tune = 1;
+    double floor_scale = 8192.0, attn_scale = 0.1;
+    TRY(get_bool(m, c, "attn_temperature_tuning", &tune, err));
+    TRY(get_num(m, c, "", "floor_scale", 0x1p-32, 0, (double)FLT_MAX, &floor_scale, err));
+    TRY(get_num(m, c, "", "attn_scale", -0x1p100, 0, 0x1p100, &attn_scale, err));
+    cfg->temperature.enabled = tune;
+    cfg->temperature.floor_scale = tune ? floor_scale : 0.0;
+    cfg->temperature.attn_scale = tune ? attn_scale : 0.0;
+    return MHA_STATUS_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Reading the config                                                                             */
 /* ---------------------------------------------------------------------------------------------- */
 
@@ -927,7 +1035,8 @@ static mha_status find_arch(hf_model *m, mha_hf_layer_info *info, mha_error *err
     MHA_RETURN_IF(!m->arch, err, UNSUPPORTED,
                   "%s: \"model_type\": \"%.64s\" is not supported (supported: llama, mistral, "
                   "mixtral, qwen2, qwen3, qwen3_moe, qwen3_next, gemma, gemma2, gemma3_text, "
-                  "olmo2, gpt_oss, phi3, gpt2, gpt_neox, falcon, bert, roberta)",
+                  "olmo2, gpt_oss, smollm3, cohere2, llama4_text, phi3, gpt2, gpt_neox, falcon, "
+                  "bert, roberta)",
                   m->config_path, type);
     snprintf(info->model_type, sizeof info->model_type, "%s", type);
     snprintf(info->layout, sizeof info->layout, "%s", m->arch->layout_text);
@@ -965,9 +1074,13 @@ static mha_status read_info(hf_model *m, int64_t layer, mha_hf_layer_info *info,
     TRY(read_biases(m, &info->config, err));
     TRY(read_scores(m, info, err));
     const char *layer_type = NULL;
+    int rope = 0;
     TRY(layer_type_of(m, info, &layer_type, err));
-    TRY(read_rope(m, layer_type, info, err));
+    TRY(layer_has_rope(m, info, layer_type, &rope, err));
+    TRY(read_rope(m, layer_type, rope, info, err));
     TRY(read_window(m, layer_type, info, err));
+    if (is_type(m, "llama4_text"))
+        TRY(read_llama4(m, layer_type, rope, info, err));
     TRY(find_prefix(m, layer, err));
     snprintf(info->prefix, sizeof info->prefix, "%s", m->prefix);
     return MHA_STATUS_OK;

@@ -328,6 +328,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
     }
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
+    if (!st) /* temperature tuning: Q's rows times tau(position) */
+        mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
 
     float *gate = c->output_gate ? (float *)(ws + l.g_off) : NULL;
     if (!st && gate) {
@@ -418,6 +420,8 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
     }
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
+    if (!st) /* temperature tuning: Q's rows times tau(position) */
+        mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
     if (!st)
         st = mha__attention_stats_run(&p, stats, exec, err);
     mha__free(alloc, ws);

@@ -215,6 +215,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         keep_norm_input(c, s, 1);
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, s->q, B * n, s->k, B * m);
+    if (!st) /* temperature tuning: Q's rows times tau(position) */
+        mha__plan_temperature(&c->temperature, s->q, B, n, h, dk, args->q_positions, NULL);
     if (!st && gated) { /* G = x W_gate^T + b_gate (the gate's rows of w_q) */
         const void *wg;
         const float *bg;
@@ -607,6 +609,10 @@ mha_status mha_layer_backward(const mha_layer *layer,
     /* From here on nothing can fail but allocation inside the GEMM. */
     if (!st)
         st = out_grads(s, c, dy, gr, &x, dsinks, sc.wbuf, err);
+    /* "Q = tau(p) Q'": dQ' = tau(p) dQ, a constant per row (before or after RoPE's transpose:
+     * a scalar per row commutes with the rotation). */
+    if (!st)
+        mha__plan_temperature(&c->temperature, sc.dQ, B, n, h, dk, a->q_positions, NULL);
     /* "Q = norm(Q')" after RoPE (L2_AFTER_ROPE), "Q = RoPE(Q')": the transposed rotation, then
      * "Q = norm(Q')" before RoPE (the RMS kinds). */
     if (!st)

@@ -189,6 +189,35 @@ void mha__plan_qk_norm_backward(const mha_qk_norm *nrm,
     }
 }
 
+float mha__temperature_factor(const mha_temperature_tuning *t, int64_t p) {
+    /* transformers: torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) *
+     * attn_scale + 1.0; float32 up to the floor, whose result (an integer < 2^64) is exact in
+     * double. */
+    const float k = floorf(((float)p + 1.0f) / (float)t->floor_scale);
+    return (float)(log1p((double)k) * t->attn_scale + 1.0);
+}
+
+void mha__plan_temperature(const mha_temperature_tuning *t,
+                           float *x,
+                           int64_t B,
+                           int64_t L,
+                           int64_t heads,
+                           int64_t d,
+                           const int64_t *pos,
+                           const int64_t *base) {
+    if (!t->enabled)
+        return;
+    const int64_t row = heads * d;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < L; i++) {
+            const int64_t p = pos ? pos[b * L + i] : (base ? base[b] : 0) + i;
+            const float tau = mha__temperature_factor(t, p);
+            float *xr = x + (b * L + i) * row;
+            for (int64_t e = 0; e < row; e++)
+                xr[e] *= tau;
+        }
+}
+
 void mha__plan_gate_weights(const mha_config *cfg,
                             const mha__layer_w *w,
                             const void **w_gate,

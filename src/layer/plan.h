@@ -97,6 +97,22 @@ void mha__plan_qk_norm_backward(const mha_qk_norm *nrm,
                                 int64_t rows,
                                 int64_t heads,
                                 int64_t d);
+/* Temperature tuning's factor at position p (docs/SEMANTICS.md):
+ * tau(p) = ln(floor((fl32(p) + 1) / fl32(floor_scale)) + 1) * attn_scale + 1, the sum, quotient
+ * and floor in float32 (transformers'), the rest in double rounded once. */
+float mha__temperature_factor(const mha_temperature_tuning *t, int64_t p);
+
+/* Temperature tuning over x [B, L, heads, d] (Q after RoPE, or dQ in the backward): row (b, t)
+ * times tau(its position), positions as mha__plan_rope reads them (pos [B, L], or base[b] + t
+ * when NULL, base NULL = 0). Nothing when t->enabled is 0. */
+void mha__plan_temperature(const mha_temperature_tuning *t,
+                           float *x,
+                           int64_t B,
+                           int64_t L,
+                           int64_t heads,
+                           int64_t d,
+                           const int64_t *pos,
+                           const int64_t *base);
 
 /* The output gate's weights (config.output_gate, docs/SEMANTICS.md): rows h*d_k .. 2*h*d_k of
  * w_q (stored in w->wdt) and of the float32 b_q (NULL without bias). */

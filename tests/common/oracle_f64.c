@@ -242,6 +242,13 @@ qk_norm(const mha_qk_norm *nrm, const float *w, double *x, int64_t rows, int64_t
     }
 }
 
+double oracle_temperature(const mha_temperature_tuning *t, int64_t p) {
+    /* docs/SEMANTICS.md: the sum, quotient and floor in float32 (transformers' positions.float()),
+     * ln(k + 1) attn_scale + 1 in double, not rounded. */
+    const float k = floorf(((float)p + 1.0f) / (float)t->floor_scale);
+    return log((double)k + 1.0) * t->attn_scale + 1.0;
+}
+
 int oracle_layer(const mha_config *cfg,
                  const mha_weights *w,
                  const mha_forward_args *a,
@@ -289,6 +296,14 @@ int oracle_layer(const mha_config *cfg,
         qk_norm(&cfg->qk_norm, NULL, q, B * n, H, dk);
         qk_norm(&cfg->qk_norm, NULL, k, B * m, G, dk);
     }
+    if (cfg->temperature.enabled) /* each query row times tau(its position), in double */
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t p = a->q_positions ? a->q_positions[b * n + i] : i;
+                const double tau = oracle_temperature(&cfg->temperature, p);
+                for (int64_t e = 0; e < H * dk; e++)
+                    q[(b * n + i) * H * dk + e] *= tau;
+            }
     /* The core oracle takes float inputs, so Q, K, V are rounded once to float here. That adds
      * a relative error of 2^-24 to each, two orders of magnitude below the 1e-5 gate this layer
      * oracle is used with (tolerance.h); the PyTorch goldens check the layer in pure float64. */

@@ -19,6 +19,9 @@ double oracle_alibi_slope(int64_t H, int64_t h);
  * all contiguous. Returns 0, or -1 if args are outside what the oracle handles. */
 int oracle_attention(const mha_attention_args *args, double *out, double *lse, double *probs);
 
+/* Temperature tuning's tau(p) in double (the float32 floor of the definition included). */
+double oracle_temperature(const mha_temperature_tuning *t, int64_t p);
+
 /* The layer in float64 (RoPE without frequency scaling only): x_q [B, n, q_dim], x_k/x_v as in
  * mha_forward_args; out [B, n, out_dim], probs [B, H, n, m] (NULL to skip). */
 int oracle_layer(const mha_config *cfg,
