@@ -1460,7 +1460,7 @@ static mha_status mla_rope(hf_model *m, mha_mla_config *c, mha_error *err) {
     mha_hf_layer_info tmp;
     memset(&tmp, 0, sizeof tmp);
     tmp.config.head_dim = c->qk_rope_head_dim;
-    TRY(read_rope(m, NULL, &tmp, err));
+    TRY(read_rope(m, NULL, 1, &tmp, err));
     c->rope = tmp.config.rope;
     int interleave = 1;
     if (is_type(m, "deepseek_v3"))
