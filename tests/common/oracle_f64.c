@@ -236,7 +236,7 @@ static double round_to(mha_dtype dt, double x) {
     frexp(x, &e); /* |x| in [2^(e-1), 2^e) */
     const int lead = e - 1 < emin ? emin : e - 1;
     const double ulp = ldexp(1.0, lead - (p - 1)), r = nearbyint(x / ulp) * ulp;
-    return fabs(r) > max ? copysign(INFINITY, r) : r;
+    return fabs(r) > max ? copysign((double)INFINITY, r) : r;
 }
 
 static void round_all(mha_dtype dt, double *x, int64_t count) {
