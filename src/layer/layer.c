@@ -341,7 +341,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
-    /* Half intermediates: Q, K (after RoPE) and V rounded once more, into what the core reads. */
+    /* Half intermediates: Q and K (after RoPE: their second rounding) and V rounded to adt, into
+     * the buffers the core reads. */
     if (!st && half_act)
         st = mha__plan_narrow(team, adt, q, cq, nq, err);
     if (!st && half_act)
