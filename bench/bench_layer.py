@@ -24,7 +24,8 @@ Peak RSS of the mha layer forward is measured in a fresh process per n (VmHWM, s
 
 --dtype bf16 (issue 30) times, on the same bfloat16-rounded inputs and weights,
   mha_layer_bf16   libmha's layer with bf16 weights (mha_config.weight_dtype), bf16 input and output
-                   (x_dtype/out_dtype; float32 arithmetic inside)
+                   (x_dtype/out_dtype; float32 arithmetic, Q/K/V and the attention output stored
+                   in bf16 as in torch's bf16 module: docs/SEMANTICS.md)
   mha_layer        mha's own float32 layer on the same values widened (the 1.5x target's base)
   mha_core_bf16    the core alone on bf16 Q/K/V/out (q_dtype...), beside mha_core (float32)
   torch_sdpa_bf16  F.linear + F.scaled_dot_product_attention + F.linear on bf16 tensors

@@ -662,8 +662,11 @@ typedef struct mha_forward_args {
     float *probs; /* optional [B, h, n, m], or [B, n, m] if average_probs; always float32 */
     int32_t average_probs;
     /* Storage dtypes: x_dtype of query, key and value, out_dtype of out; MHA_DTYPE_F32 (0, the
-     * default), MHA_DTYPE_BF16 or MHA_DTYPE_F16, independent of the layer's weight_dtype. Q, K,
-     * V, RoPE and the core run in float32 inside the layer; out is rounded once to out_dtype.
+     * default), MHA_DTYPE_BF16 or MHA_DTYPE_F16, independent of the layer's weight_dtype. The
+     * arithmetic is float32; Q, K, V, the attention output are stored in float32, except when
+     * x_dtype equals a half weight_dtype (a bf16/f16 module): then each is rounded once to that
+     * dtype, as PyTorch's bf16 module stores them (docs/SEMANTICS.md "Half precision in the
+     * layer"); out is rounded once to out_dtype.
      * mha_layer_backward's dy has out_dtype and its d_query / d_key / d_value have x_dtype. */
     mha_dtype x_dtype, out_dtype;
 } mha_forward_args;

@@ -67,9 +67,13 @@ def make_weights(rng, q_dim=16, heads=4, d_k=None, out_dim=None, k_dim=None, v_d
 
 def ref_mha(x, w, heads, kv=None, kv_heads=None, causal=False, align="bottom-right",
             offsets=None, window=None, bool_mask=None, additive=None, key_padding=None,
-            q_seg=None, kv_seg=None, scale=None, softcap=None, alibi=False, sinks=None):
+            q_seg=None, kv_seg=None, scale=None, softcap=None, alibi=False, sinks=None,
+            act=None):
     """Multi-head attention in float64 (no RoPE), written from the formulas of the issue.
-    x: [B, n, q_dim], kv: [B, m, k_dim]; masks broadcast to [B, h, n, m]. Returns (y, p)."""
+    x: [B, n, q_dim], kv: [B, m, k_dim]; masks broadcast to [B, h, n, m]. Returns (y, p).
+    act: a function rounding the intermediates (Q, K, V and the attention output, as a half
+    module stores them: docs/SEMANTICS.md "Half precision in the layer"), or None."""
+    rnd = act or (lambda a: a)
     f = {k: v.astype(np.float64) for k, v in w.items()}
     x = x.astype(np.float64)
     kv = x if kv is None else kv.astype(np.float64)
@@ -81,9 +85,9 @@ def ref_mha(x, w, heads, kv=None, kv_heads=None, causal=False, align="bottom-rig
 
     B, n, _ = x.shape
     m = kv.shape[1]
-    q = lin(x, "q_proj").reshape(B, n, heads, -1).transpose(0, 2, 1, 3)
-    k = lin(kv, "k_proj").reshape(B, m, g, -1).transpose(0, 2, 1, 3)
-    v = lin(kv, "v_proj").reshape(B, m, g, -1).transpose(0, 2, 1, 3)
+    q = rnd(lin(x, "q_proj")).reshape(B, n, heads, -1).transpose(0, 2, 1, 3)
+    k = rnd(lin(kv, "k_proj")).reshape(B, m, g, -1).transpose(0, 2, 1, 3)
+    v = rnd(lin(kv, "v_proj")).reshape(B, m, g, -1).transpose(0, 2, 1, 3)
     k = np.repeat(k, heads // g, axis=1)
     v = np.repeat(v, heads // g, axis=1)
     scale = scale or 1.0 / np.sqrt(q.shape[-1])
@@ -132,7 +136,7 @@ def ref_mha(x, w, heads, kv=None, kv_heads=None, causal=False, align="bottom-rig
     if sink is not None:
         tot = tot + np.exp(sink - mx)
     p = np.where(tot > 0, e / np.where(tot > 0, tot, 1), 0.0)
-    o = (p @ v).transpose(0, 2, 1, 3).reshape(B, n, -1)
+    o = rnd((p @ v).transpose(0, 2, 1, 3).reshape(B, n, -1))
     return lin(o, "o_proj"), p
 
 

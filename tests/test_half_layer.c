@@ -15,6 +15,13 @@
  *      (except bf16 x with bf16 W under impl=auto where the CPU has the vdpbf16ps pair GEMM:
  *      its projections sum the exact products in pairs, with DAZ/FTZ; pair_gemm() below; the
  *      float64-oracle checks still apply to it, and tests/test_gemm.c checks the kernel itself);
+ *      A half module (x_dtype == weight_dtype, bf16 or f16) stores its intermediates in that
+ *      dtype (Q, K, V rounded after the projection and again after RoPE, the attention output
+ *      rounded): there the twin is the layer composed of its steps with those roundings
+ *      (twin_forward: projections, round, RoPE, round, the core on half Q/K/V/out, the output
+ *      projection), bit for bit, and the oracle rounds at the same points (oracle_layer_dt);
+ *      its gradients are checked against the float64 gradient of the unrounded layer at
+ *      TOL_HALF_LAYER_C u_s (the roundings differentiated as the identity);
  *   3. bit-identical for 1 and 2 threads;
  *   4. hostile dtypes refused with a message naming the field; a NaN / Inf half weight refused
  *      with its tensor and index; a COPY layer keeps the weights in their dtype (not widened).
@@ -22,6 +29,7 @@
 #include "base/internal.h"
 #include "harness.h"
 #include "kernels/registry.h"
+#include "layer/plan.h"
 #include "oracle_f64.h"
 #include "oracle_grad_f64.h"
 #include "tolerance.h"
@@ -181,10 +189,76 @@ static mha_forward_args fwd_args(const built *c, int widened, void *out) {
  * not the float32 arithmetic (pairs of exact products; DAZ/FTZ), so its results are not the
  * float32 twin's bits. Counted, and printed, never silently skipped. */
 static int g_pair_exempt;
+/* Worst errors of the half modules, in units of u_a max|ref| (printed: the constants' headroom). */
+static double g_worst_fwd, g_worst_fwd_tile, g_worst_grad, g_worst_stats;
 static int pair_gemm(const spec *s, mha_impl impl) {
     const int64_t rows = s->B * (s->n > s->m ? s->n : s->m);
     return impl != MHA_IMPL_REFERENCE && s->xdt == BF16 && s->wdt == BF16 &&
            rows > MHA_GEMM_SMALL_M && mha__registry_best_dt(MHA__OP_gemm, MHA_DTS_BF16) != NULL;
+}
+
+/* 1 for a half module: its intermediates are stored in its dtype (docs/SEMANTICS.md). */
+static int half_act(const spec *s) {
+    return s->xdt == s->wdt && s->xdt != F32;
+}
+static mha_dtype act_dtype(const spec *s) {
+    return half_act(s) ? s->xdt : F32;
+}
+
+/* 1 when this CPU has a half-only (tile) attention kernel for bf16: AUTO's core may take it. */
+static int bf16_tile_cpu(void) {
+    const mha__kernel_info *kf = mha__registry_best_dt(MHA__OP_fwd, MHA_DTS_BF16);
+    return kf && !(kf->dtypes & MHA_DTS_F32);
+}
+
+/* x[0, n) rounded to dt in place (float32 kept). */
+static void round_f32(mha_dtype dt, float *x, int64_t n) {
+    uint16_t *t = malloc(2 * (size_t)n + 2);
+    mha__narrow(dt, x, t, n);
+    mha__widen(dt, t, x, n);
+    free(t);
+}
+
+/* The half module's forward composed of its steps (docs/SEMANTICS.md "Half precision in the
+ * layer"), each rounding where the contract says: Q' = round(x W_q^T + b_q) (mha_layer_project
+ * on the widened x: the same GEMM arithmetic unless the pair GEMM runs), RoPE in float32, round;
+ * V rounded; the core on half Q, K, V into a half A; y = A W_o^T + b_o rounded to out_dtype. */
+static void twin_forward(const built *c, mha_impl impl, void *out) {
+    const spec *s = &c->s;
+    const mha_dtype adt = act_dtype(s);
+    const int64_t B = s->B, n = s->n, m = s->m ? s->m : s->n, hd = s->h * s->dk, gd = s->g * s->dk;
+    const float *xk = s->m ? c->xk.f : c->xq.f;
+    float *q = malloc(sizeof(float) * (size_t)(B * n * hd));
+    float *k = malloc(sizeof(float) * (size_t)(B * m * gd));
+    float *v = malloc(sizeof(float) * (size_t)(B * m * gd));
+    float *a32 = malloc(sizeof(float) * (size_t)(B * n * hd));
+    float *y = malloc(sizeof(float) * (size_t)(B * n * s->qd));
+    uint16_t *qh = malloc(2 * (size_t)(B * n * hd)), *kh = malloc(2 * (size_t)(B * m * gd));
+    uint16_t *vh = malloc(2 * (size_t)(B * m * gd)), *ah = malloc(2 * (size_t)(B * n * hd));
+    mha_exec ex = {impl, 2, NULL, 0, NULL, NULL};
+    mha_error err = {0};
+    CHECK_OK(mha_layer_project(c->L, MHA_PROJ_Q, B * n, c->xq.f, q, &ex, &err), &err);
+    CHECK_OK(mha_layer_project(c->L, MHA_PROJ_K, B * m, xk, k, &ex, &err), &err);
+    CHECK_OK(mha_layer_project(c->L, MHA_PROJ_V, B * m, xk, v, &ex, &err), &err);
+    if (s->rope != MHA_ROPE_NONE) {
+        double tab[64 * 3];
+        round_f32(adt, q, B * n * hd);
+        round_f32(adt, k, B * m * gd);
+        const int64_t len = mha__plan_rope_length(&c->cfg.rope, NULL, NULL, NULL, B, n, m);
+        mha__plan_rope(&c->cfg.rope, len, tab, q, B, n, s->h, s->dk, NULL, NULL, 1);
+        mha__plan_rope(&c->cfg.rope, len, tab, k, B, m, s->g, s->dk, NULL, NULL, 1);
+    }
+    mha__narrow(adt, q, qh, B * n * hd);
+    mha__narrow(adt, k, kh, B * m * gd);
+    mha__narrow(adt, v, vh, B * m * gd);
+    mha_forward_args fa = fwd_args(c, 0, NULL);
+    mha_attention_args core;
+    mha__plan_core_args(&c->cfg, c->w[8].f, &fa, m, qh, kh, vh, ah, NULL, adt, &core);
+    CHECK_OK(mha_attention(&core, &ex, &err), &err);
+    mha__widen(adt, ah, a32, B * n * hd);
+    CHECK_OK(mha_layer_project(c->L, MHA_PROJ_O, B * n, a32, y, &ex, &err), &err);
+    mha__narrow(s->odt, y, out, B * n * s->qd);
+    free(q), free(k), free(v), free(a32), free(y), free(qh), free(kh), free(vh), free(ah);
 }
 
 /* out (storage of dtype dt) against the float32 twin's y32 rounded once to dt: same bits. */
@@ -228,7 +302,7 @@ static void test_forward(const built *c) {
                        c->w[6].f, c->w[7].f, c->w[8].f, NULL,      NULL};
     mha_forward_args af = fwd_args(c, 1, NULL);
     double *ref = malloc(sizeof(double) * (size_t)ny);
-    CHECK(oracle_layer(&cf, &w32, &af, ref, NULL) == 0, "[%s] oracle", s->name);
+    CHECK(oracle_layer_dt(&cf, &w32, &af, act_dtype(s), ref, NULL) == 0, "[%s] oracle", s->name);
     const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
     void *out = malloc(4 * (size_t)ny), *out1 = malloc(4 * (size_t)ny);
     float *y32 = malloc(sizeof(float) * (size_t)ny);
@@ -238,16 +312,47 @@ static void test_forward(const built *c) {
         mha_exec ex = {impls[k], 2, NULL, 0, NULL, NULL};
         mha_forward_args a = fwd_args(c, 0, out);
         CHECK_OK(mha_layer_forward(c->L, &a, &ex, &err), &err);
-        check_close("forward", s, iname, s->odt, out, ref, ny, TOL_OUT_REL);
+        /* Half intermediates: the oracle rounds them too, but a float32 value near a rounding
+         * boundary may round the other way than the float64 one (one half-ulp of one element),
+         * and the bf16 tile kernel (AUTO) rounds P: TOL_HALF_LAYER_C u_a (tolerance.h). */
+        const int tile = k && s->xdt == BF16 && bf16_tile_cpu();
+        if (half_act(s)) {
+            float *o = malloc(sizeof(float) * (size_t)ny);
+            mha__widen(s->odt, out, o, ny);
+            const double r = test_max_abs_diff(o, ref, ny) / (unit(s->xdt) * test_max_abs(ref, ny));
+            if (tile)
+                g_worst_fwd_tile = fmax(g_worst_fwd_tile, r);
+            else
+                g_worst_fwd = fmax(g_worst_fwd, r);
+            free(o);
+        }
+        check_close("forward", s, iname, s->odt, out, ref, ny,
+                    TOL_OUT_REL + (half_act(s) ? (tile ? TOL_HALF_LAYER_TILE_C : TOL_HALF_LAYER_C) *
+                                                     unit(s->xdt)
+                                               : 0.0));
         mha_forward_args a32 = fwd_args(c, 1, y32);
         CHECK_OK(mha_layer_forward(c->L32, &a32, &ex, &err), &err);
         if (pair_gemm(s, impls[k]))
             g_pair_exempt++;
-        else
+        else if (half_act(s)) {
+            twin_forward(c, impls[k], out1);
+            CHECK(memcmp(out, out1, mha__storage_size(s->odt) * (size_t)ny) == 0,
+                  "[%s] %s forward: not its steps composed with the half roundings (twin)", s->name,
+                  iname);
+        } else
             CHECK(same_as_rounded(s->odt, out, y32, ny),
                   "[%s] %s forward: not the float32 layer's output on the widened values rounded "
                   "once to %s",
                   s->name, iname, dname(s->odt));
+        /* The training forward computes the same output, bit for bit (the half roundings and
+         * the core's kernel included). */
+        mha_train_state *ts = NULL;
+        a.out = out1;
+        CHECK_OK(mha_layer_forward_train(c->L, &a, &ex, &ts, &err), &err);
+        CHECK(memcmp(out, out1, mha__storage_size(s->odt) * (size_t)ny) == 0,
+              "[%s] %s training forward differs from the forward", s->name, iname);
+        mha_train_state_destroy(ts);
+        a.out = out;
         /* With a caller workspace of the size asked for, the same bits. */
         size_t bytes = 0;
         CHECK_OK(mha_layer_forward_workspace_size(c->L, &a, &ex, &bytes, &err), &err);
@@ -355,11 +460,16 @@ static void test_backward(const built *c) {
             float *gf = malloc(sizeof(float) * (size_t)counts[t]);
             mha__widen(dt, g[0][t], gf, counts[t]);
             const double e = test_max_abs_diff(gf, og[t], counts[t]);
-            const double tol = (TOL_HALF_C * unit(dt) + TOL_GRAD_REL) * scale;
+            /* A half module: against the gradient of the unrounded layer (tolerance.h). */
+            const double tol = (TOL_HALF_C * unit(dt) + TOL_HALF_LAYER_GRAD_C * unit(act_dtype(s)) +
+                                TOL_GRAD_REL) *
+                               scale;
             CHECK(e <= tol, "[%s] %s %s (%s): max err %.3e > tol %.3e", s->name, iname, names[t],
                   dname(dt), e, tol);
+            if (half_act(s))
+                g_worst_grad = fmax(g_worst_grad, e / (unit(act_dtype(s)) * scale));
             free(gf);
-            if (!pair_gemm(s, impls[k]))
+            if (!pair_gemm(s, impls[k]) && !half_act(s))
                 CHECK(same_as_rounded(dt, g[0][t], g[1][t], counts[t]),
                       "[%s] %s %s: not the float32 layer's gradient on the widened values", s->name,
                       iname, names[t]);
@@ -382,8 +492,22 @@ static void test_backward(const built *c) {
             for (int64_t e = 0; e < counts[t]; e++)
                 mha__store(dt, g[k][t], e, 1.0f);
         }
-    if (pair_gemm(s, MHA_IMPL_AUTO)) {
-        g_pair_exempt++;
+    if (pair_gemm(s, MHA_IMPL_AUTO) || half_act(s)) {
+        /* A half module has no float32 twin: its float32 gradients are 1 + g exactly. */
+        g_pair_exempt += pair_gemm(s, MHA_IMPL_AUTO);
+        void *g0[NG];
+        for (int t = 0; t < NG; t++)
+            g0[t] = counts[t] ? calloc((size_t)counts[t], 4) : NULL;
+        if (run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 2, 0, g0) &&
+            run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 2, 1, g[0])) {
+            int same = 1;
+            for (int t = 2; t < NG; t++)
+                for (int64_t e = 0; e < counts[t]; e++)
+                    same &= ((float *)g[0][t])[e] == 1.0f + ((float *)g0[t])[e];
+            CHECK(same, "[%s] backward accumulate: the float32 gradients are not 1 + g", s->name);
+        }
+        for (int t = 0; t < NG; t++)
+            free(g0[t]);
     } else if (run_bwd(c, c->L, 0, MHA_IMPL_AUTO, 2, 1, g[0]) &&
                run_bwd(c, c->L32, 1, MHA_IMPL_AUTO, 2, 1, g[1])) {
         int same = 1;
@@ -418,9 +542,10 @@ static void test_stats(const built *c) {
     mha_error err = {0};
     CHECK_OK(mha_layer_attention_statistics(c->L, &a, &st, NULL, &err), &err);
     CHECK_OK(mha_layer_attention_statistics(c->L32, &a32, &st32, NULL, &err), &err);
-    if (pair_gemm(s, MHA_IMPL_AUTO)) {
-        /* Q and K from the pair GEMM: the float32 twin's statistics up to float32 rounding. */
-        g_pair_exempt++;
+    if (pair_gemm(s, MHA_IMPL_AUTO) || half_act(s)) {
+        /* Q and K from the pair GEMM: the float32 twin's statistics up to float32 rounding; a
+         * half module rounds Q and K (u_a relative each): up to TOL_HALF_LAYER_GRAD_C u_a. */
+        g_pair_exempt += pair_gemm(s, MHA_IMPL_AUTO);
         double e = 0.0, sc = 0.0;
         for (int64_t i = 0; i < cnt; i++)
             e = fmax(e, fabs((double)ent[i] - (double)ent32[i])),
@@ -428,8 +553,11 @@ static void test_stats(const built *c) {
         for (int64_t i = 0; i < s->B * s->h * m; i++)
             e = fmax(e, fabs((double)rec[i] - (double)rec32[i])),
             sc = fmax(sc, fabs((double)rec32[i]));
-        CHECK(e <= TOL_OUT_REL * sc, "[%s] attention statistics: %.3e from the float32 layer's",
-              s->name, e);
+        const double u = unit(act_dtype(s));
+        if (half_act(s))
+            g_worst_stats = fmax(g_worst_stats, e / (u * sc));
+        CHECK(e <= (TOL_OUT_REL + TOL_HALF_LAYER_GRAD_C * u) * sc,
+              "[%s] attention statistics: %.3e from the float32 layer's", s->name, e);
     } else {
         CHECK(memcmp(ent, ent32, sizeof(float) * (size_t)cnt) == 0 &&
                   memcmp(rec, rec32, sizeof(float) * (size_t)(s->B * s->h * m)) == 0,
@@ -656,5 +784,10 @@ int main(void) {
         printf("%d bf16-bf16 checks of AUTO ran the vdpbf16ps pair GEMM: float64 oracle only, "
                "not the float32 twin's bits (the kernel: test_gemm)\n",
                g_pair_exempt);
+    printf("half modules, worst error / (u_a max|ref|): forward %.3f (bound TOL_HALF_C + "
+           "TOL_HALF_LAYER_C = %.1f), with the bf16 tile kernel %.3f (%.1f), gradients %.3f "
+           "(TOL_HALF_LAYER_GRAD_C %.1f), statistics %.3f\n",
+           g_worst_fwd, TOL_HALF_C + TOL_HALF_LAYER_C, g_worst_fwd_tile,
+           TOL_HALF_C + TOL_HALF_LAYER_TILE_C, g_worst_grad, TOL_HALF_LAYER_GRAD_C, g_worst_stats);
     return test_finish();
 }

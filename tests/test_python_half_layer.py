@@ -13,7 +13,12 @@ torch's autograd; the gate is tests/common/tolerance.h's half-precision one, per
     max|y - ref| <= (TOL_HALF_C * u_s + TOL_OUT_REL) * max|ref|,  u_s = 2^-8 (bf16), 2^-11 (f16)
 
 with u_s = 0 for a tensor the library returns in float32 (autocast's weight gradients, the
-NumPy layer's parameter gradients: only the float32 error is left). Output and gradient dtypes
+NumPy layer's parameter gradients: only the float32 error is left). A half module (inputs and
+weights in the same half dtype: a bf16/f16 module, autocast) stores Q, K, V and the attention
+output in that dtype: the NumPy GQA oracle rounds them too (ste, straight through in the
+backward); where the oracle is torch's unrounded float64 module, the float32 gradients get
+TOL_HALF_LAYER_GRAD_C u_s more (tolerance.h). The bit-exact check of those roundings (and that
+a missing one fails) is tests/test_half_layer.c's twin. Output and gradient dtypes
 are checked against torch's own module under the same autocast.
 """
 import os
@@ -33,7 +38,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
-from tolerances import TOL_HALF_C, TOL_HALF_U_BF16, TOL_HALF_U_F16, TOL_OUT_REL  # noqa: E402
+from tolerances import (TOL_HALF_C, TOL_HALF_LAYER_GRAD_C, TOL_HALF_LAYER_TILE_C,  # noqa: E402
+                        TOL_HALF_U_BF16, TOL_HALF_U_F16, TOL_OUT_REL)
 
 BF16_NP = np.dtype(ml_dtypes.bfloat16)
 U = {torch.bfloat16: TOL_HALF_U_BF16, torch.float16: TOL_HALF_U_F16, torch.float32: 0.0}
@@ -50,10 +56,13 @@ def bound(ref: torch.Tensor, dtype) -> float:
     return (TOL_HALF_C * U[dtype] + TOL_OUT_REL) * ref.abs().max().item()
 
 
-def close(got: torch.Tensor, ref: torch.Tensor, dtype, what: str, scale=None) -> None:
-    """The half gate relative to max|ref|, or to max|scale| (a reference that is 0)."""
-    err, tol = (got.double() - ref).abs().max().item(), bound(ref if scale is None else scale,
-                                                              dtype)
+def close(got: torch.Tensor, ref: torch.Tensor, dtype, what: str, scale=None, act=None,
+          c_act=TOL_HALF_LAYER_GRAD_C) -> None:
+    """The half gate relative to max|ref|, or to max|scale| (a reference that is 0); act: a half
+    module's intermediate dtype, adding c_act u_a (tolerance.h: TOL_HALF_LAYER_*)."""
+    top = (ref if scale is None else scale).abs().max().item()
+    err = (got.double() - ref).abs().max().item()
+    tol = bound(ref if scale is None else scale, dtype) + (c_act * U[act] * top if act else 0.0)
     assert err <= tol, f"{what}: max|y - ref| = {err:.3e} > {tol:.3e}"
 
 
@@ -239,7 +248,10 @@ def test_autocast_vs_float64(case, dtype):
         close(g, g64, dtype, f"d input {i}")
     for n, g in gp.items():
         assert g.dtype is torch.float32, n
-        close(g, gp64[n], torch.float32, f"d {n}")
+        # Autocast makes a half module (inputs and weights both in dtype): its intermediates are
+        # rounded, which torch's float64 module does not do, so the float32 gradients carry
+        # those roundings (tolerance.h, TOL_HALF_LAYER_GRAD_C u_a).
+        close(g, gp64[n], torch.float32, f"d {n}", act=dtype)
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
@@ -328,20 +340,27 @@ def np_of(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().numpy()
 
 
-def reference_gqa(x, ws, h, g, causal, dy):
+def ste(t: torch.Tensor, act) -> torch.Tensor:
+    """t rounded to act in the forward, the identity in the backward (a half module's
+    intermediates: docs/SEMANTICS.md "Half precision in the layer"); act None: t."""
+    return t if act is None else t + (t.to(act).double() - t).detach()
+
+
+def reference_gqa(x, ws, h, g, causal, dy, act=None):
     """The layer in float64 torch ops (x W^T + b, GQA attention, output projection), with
-    autograd: (y, {name: gradient})."""
+    autograd: (y, {name: gradient}); act: the dtype a half module rounds Q, K, V and the
+    attention output to (straight through in the backward, as mha differentiates them)."""
     x = x.double().requires_grad_()
     ws = {n: t.double().requires_grad_() for n, t in ws.items()}
     B, n, _ = x.shape
 
     def heads(w, b, nh):
-        return F.linear(x, w, b).view(B, n, nh, -1).transpose(1, 2)
+        return ste(F.linear(x, w, b), act).view(B, n, nh, -1).transpose(1, 2)
 
     qh, kh, vh = (heads(ws["w_" + c], ws["b_" + c], nh) for c, nh in (("q", h), ("k", g),
                                                                        ("v", g)))
     o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, enable_gqa=True)
-    y = F.linear(o.transpose(1, 2).reshape(B, n, -1), ws["w_o"], ws["b_o"])
+    y = F.linear(ste(o.transpose(1, 2).reshape(B, n, -1), act), ws["w_o"], ws["b_o"])
     y.backward(dy.double())
     return y.detach(), dict({n: t.grad for n, t in ws.items()}, query=x.grad)
 
@@ -364,10 +383,16 @@ def test_numpy_gqa_layer_vs_float64(dtype, causal):
     assert layer.config.weight_dtype == str(dtype).split(".")[1]
     y, st = layer.forward_train(np_of(x), causal=causal)
     grads = layer.backward(st, np_of(dy))
-    y64, g64 = reference_gqa(x, ws, h, g, causal, dy)
+    y64, g64 = reference_gqa(x, ws, h, g, causal, dy, act=dtype)
     want = BF16_NP if dtype is torch.bfloat16 else np.dtype(np.float16)
     assert y.dtype == want and grads["query"].dtype == want
-    close(torch.from_numpy(y.astype(np.float64)), y64, dtype, "output")
+    # The reference rounds the intermediates as the half module does (ste): the output is then
+    # within its own rounding plus TOL_HALF_LAYER_TILE_C u_a (a float32 value rounding the other
+    # way; the bf16 tile kernel's P); the gradients within TOL_HALF_LAYER_GRAD_C u_a (the
+    # backward reads the rounded attention output in D = dO.O where autograd of the float64
+    # SDPA reads its unrounded one; the tile kernel's A).
+    close(torch.from_numpy(y.astype(np.float64)), y64, dtype, "output", act=dtype,
+          c_act=TOL_HALF_LAYER_TILE_C)
     for n, ref in g64.items():
         got = grads[n]
         assert got.dtype == (want if n == "query" else np.float32), n
@@ -375,7 +400,7 @@ def test_numpy_gqa_layer_vs_float64(dtype, causal):
         # its float32 noise is gated at the scale of d b_q)
         close(torch.from_numpy(got.astype(np.float64)), ref,
               dtype if n == "query" else torch.float32, f"d {n}",
-              g64["b_q"] if n == "b_k" else None)
+              g64["b_q"] if n == "b_k" else None, act=dtype)
     y_inf = layer(np_of(x), causal=causal)
     assert y_inf.dtype == want and np.array_equal(y_inf.view(np.uint16), y.view(np.uint16))
 

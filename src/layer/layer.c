@@ -138,13 +138,17 @@ const mha_weights *mha_layer_weights(const mha_layer *layer) {
 /* Forward                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
 
-/* Workspace: Q [B,n,h*dk] | K [B,m,g*dk] | V [B,m,g*dv] | A [B,n,h*dv] | rope tables |
- * GEMM packing buffer (the largest of the four projections'; they run one after the other) |
- * core ws | Y [B,n,out_dim] float32 when out is half (the output projection's result, rounded
- * once into out). With a caller workspace the forward allocates nothing. */
+/* Workspace: Q [B,n,h*dk] | K [B,m,g*dk] | V [B,m,g*dv] (float32, the projections' results) |
+ * A [B,n,h*dv] (in the intermediates' dtype adt) | Q, K, V in adt (half intermediates only: what
+ * the core reads) | rope tables | GEMM packing buffer (the largest of the four projections'; they
+ * run one after the other) | core ws | Y [B,n,out_dim] float32 when out is half (the output
+ * projection's result, rounded once into out). With a caller workspace the forward allocates
+ * nothing. */
 typedef struct fwd_layout {
     int64_t m;
-    size_t q_off, k_off, v_off, a_off, rope_off, pack_off, core_off, y_off, g_off, total;
+    mha_dtype adt; /* the intermediates' dtype: mha__plan_act_dtype(cfg, x_dtype, weight_dtype) */
+    size_t q_off, k_off, v_off, a_off, qh_off, kh_off, vh_off, rope_off, pack_off, core_off, y_off,
+        g_off, total;
     size_t pack_bytes, core_bytes;
 } fwd_layout;
 
@@ -162,16 +166,21 @@ static mha_status plan_forward(const mha_layer *L,
 
     /* Sizes of the intermediate buffers, overflow-checked. */
     const int64_t B = a->batch, n = a->q_len, h = c->num_heads, g = c->num_kv_heads;
+    const mha_dtype adt = mha__plan_act_dtype(c, a->x_dtype, c->weight_dtype);
+    const size_t hsize = adt == MHA_DTYPE_F32 ? 0 : mha__storage_size(adt);
     int64_t cnt[4];
     const int64_t f[4][4] = {{B, n, h, c->head_dim},
                              {B, m, g, c->head_dim},
                              {B, m, g, c->v_head_dim},
                              {B, n, h, c->v_head_dim}};
-    size_t bytes[4];
+    size_t bytes[4], hbytes[3] = {0, 0, 0};
     for (int i = 0; i < 4; i++)
         MHA_RETURN_IF(!mha__prod_i64(f[i], 4, &cnt[i]) ||
-                          !mha__bytes(cnt[i], sizeof(float), &bytes[i]),
+                          !mha__bytes(cnt[i], sizeof(float), &bytes[i]) ||
+                          (i < 3 && !mha__bytes(cnt[i], hsize, &hbytes[i])),
                       err, OVERFLOW, "intermediate tensor %d of the forward overflows", i);
+    if (hsize)
+        bytes[3] /= 2; /* A in adt */
     size_t rope_bytes = 0;
     if (c->rope.style != MHA_ROPE_NONE)
         rope_bytes = sizeof(double) * mha__plan_rope_doubles(&c->rope);
@@ -186,7 +195,7 @@ static mha_status plan_forward(const mha_layer *L,
         for (int i = 0; i < 4; i++) {
             size_t pb;
             st = mha__gemm_workspace_size_dt(MHA__GEMM_AUTO, proj[i][0], proj[i][1], proj[i][2],
-                                             i < 3 ? a->x_dtype : MHA_DTYPE_F32, &pb, err);
+                                             i < 3 ? a->x_dtype : adt, &pb, err);
             if (st)
                 return st;
             l->pack_bytes = pb > l->pack_bytes ? pb : l->pack_bytes;
@@ -194,7 +203,7 @@ static mha_status plan_forward(const mha_layer *L,
     }
 
     mha_attention_args core;
-    mha__plan_core_args(c, L->cw.sinks, a, m, a->out, a->out, a->out, a->out, NULL, &core);
+    mha__plan_core_args(c, L->cw.sinks, a, m, a->out, a->out, a->out, a->out, NULL, adt, &core);
     mha_exec core_exec = exec ? *exec : (mha_exec){0};
     core_exec.workspace = NULL;
     st = mha_attention_workspace_size(&core, &core_exec, &l->core_bytes, err);
@@ -202,11 +211,15 @@ static mha_status plan_forward(const mha_layer *L,
         return st;
 
     l->m = m;
+    l->adt = adt;
     l->q_off = 0;
     l->k_off = l->q_off + mha__align64(bytes[0]);
     l->v_off = l->k_off + mha__align64(bytes[1]);
     l->a_off = l->v_off + mha__align64(bytes[2]);
-    l->rope_off = l->a_off + mha__align64(bytes[3]);
+    l->qh_off = l->a_off + mha__align64(bytes[3]);
+    l->kh_off = l->qh_off + mha__align64(hbytes[0]);
+    l->vh_off = l->kh_off + mha__align64(hbytes[1]);
+    l->rope_off = l->vh_off + mha__align64(hbytes[2]);
     l->pack_off = l->rope_off + mha__align64(rope_bytes);
     MHA_RETURN_IF(l->pack_bytes > SIZE_MAX - 64 - l->pack_off, err, OVERFLOW,
                   "forward workspace size overflows");
@@ -258,7 +271,7 @@ mha_status mha_layer_forward_supported(const mha_layer *layer,
         return st;
     mha_attention_args core;
     mha__plan_core_args(&layer->cfg, layer->cw.sinks, args, l.m, args->out, args->out, args->out,
-                        args->out, NULL, &core);
+                        args->out, NULL, l.adt, &core);
     return mha__attention_supported_layout(&core, exec, err); /* core's buffers: placeholders */
 }
 
@@ -284,12 +297,18 @@ mha_status mha_layer_forward(const mha_layer *layer,
     st = mha__workspace_take(exec, l.total, "this forward", &ws, &owned, err);
     if (st)
         return st;
+    const mha_dtype adt = l.adt;
+    const int half_act = adt != MHA_DTYPE_F32;
     float *q = (float *)(ws + l.q_off), *k = (float *)(ws + l.k_off);
-    float *v = (float *)(ws + l.v_off), *att = (float *)(ws + l.a_off);
+    float *v = (float *)(ws + l.v_off);
+    void *att = ws + l.a_off;
+    /* What the core reads: the float32 buffers, or their copies rounded to a half adt. */
+    void *cq = half_act ? (void *)(ws + l.qh_off) : q, *ck = half_act ? (void *)(ws + l.kh_off) : k;
+    void *cv = half_act ? (void *)(ws + l.vh_off) : v;
     /* The core is validated here, once, on the buffers the projections will fill, and run
      * after them (mha__core_prepare / mha__core_finish). */
     mha_attention_args core;
-    mha__plan_core_args(c, w->sinks, args, m, q, k, v, att, NULL, &core);
+    mha__plan_core_args(c, w->sinks, args, m, cq, ck, cv, att, NULL, adt, &core);
     mha_exec core_exec = exec ? *exec : (mha_exec){0};
     core_exec.workspace = ws + l.core_off;
     core_exec.workspace_bytes = l.core_bytes;
@@ -316,6 +335,7 @@ mha_status mha_layer_forward(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, v, B * m, c->v_dim,
                                g * c->v_head_dim, pack, l.pack_bytes, err);
 
+    const int64_t nq = B * n * h * c->head_dim, nk = B * m * g * c->head_dim;
     if (!st)
         mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
@@ -323,6 +343,10 @@ mha_status mha_layer_forward(const mha_layer *layer,
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
         const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
+        /* RoPE rotates the projections as stored: rounded to a half adt. */
+        st = mha__plan_round(team, adt, q, nq, err);
+        if (!st)
+            st = mha__plan_round(team, adt, k, nk, err);
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
     }
@@ -339,6 +363,14 @@ mha_status mha_layer_forward(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, args->query, xdt, wg, wdt, bg, gate, B * n,
                                c->q_dim, h * c->head_dim, pack, l.pack_bytes, err);
     }
+    /* Half intermediates: Q and K (after RoPE: their second rounding) and V rounded to adt, into
+     * the buffers the core reads. */
+    if (!st && half_act)
+        st = mha__plan_narrow(team, adt, q, cq, nq, err);
+    if (!st && half_act)
+        st = mha__plan_narrow(team, adt, k, ck, nk, err);
+    if (!st && half_act)
+        st = mha__plan_narrow(team, adt, v, cv, B * m * g * c->v_head_dim, err);
 
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
@@ -349,10 +381,10 @@ mha_status mha_layer_forward(const mha_layer *layer,
     const int half_out = args->out_dtype != MHA_DTYPE_F32;
     float *y = half_out ? (float *)(ws + l.y_off) : args->out;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, att, MHA_DTYPE_F32, w->w_o, wdt, w->b_o, y, B * n,
+        st = mha__plan_project(impl, alloc, team, att, adt, w->w_o, wdt, w->b_o, y, B * n,
                                h * c->v_head_dim, c->out_dim, pack, l.pack_bytes, err);
     if (!st && half_out)
-        mha__narrow(args->out_dtype, y, args->out, B * n * c->out_dim);
+        st = mha__plan_narrow(team, args->out_dtype, y, args->out, B * n * c->out_dim, err);
     mha__free(alloc, owned);
     if (!st)
         mha__ok(err);
@@ -391,7 +423,7 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
     MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate Q and K for the statistics");
     float *q = (float *)ws, *k = (float *)(ws + k_off);
     mha_attention_args core;
-    mha__plan_core_args(c, layer->cw.sinks, args, m, q, k, NULL, NULL, NULL, &core);
+    mha__plan_core_args(c, layer->cw.sinks, args, m, q, k, NULL, NULL, NULL, MHA_DTYPE_F32, &core);
     mha__problem p;
     st = mha__check_attention_stats(&core, stats, &p, (int64_t *)(ws + delta_off),
                                     (float *)(ws + slope_off), err);
@@ -408,6 +440,13 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, self ? args->query : args->key, args->x_dtype,
                                w->w_k, w->wdt, w->b_k, k, B * m, c->k_dim, g * c->head_dim, NULL, 0,
                                err);
+    /* Half intermediates (the forward's): Q and K rounded as the forward rounds them, kept in
+     * float32 (the statistics read float32). */
+    const mha_dtype adt = mha__plan_act_dtype(c, args->x_dtype, w->wdt);
+    if (!st)
+        st = mha__plan_round(team, adt, q, cq, err);
+    if (!st)
+        st = mha__plan_round(team, adt, k, ck, err);
     if (!st)
         mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
@@ -417,6 +456,9 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
+        st = mha__plan_round(team, adt, q, cq, err);
+        if (!st)
+            st = mha__plan_round(team, adt, k, ck, err);
     }
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);

@@ -18,6 +18,7 @@
 #include "core/core.h"
 #include "kernels/attention_bwd.h"
 #include "kernels/gemm.h"
+#include "kernels/kernels.h"
 #include "layer/plan.h"
 
 #include <math.h>
@@ -174,8 +175,21 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     s->g = gated ? s->lse + cnt[4] + cnt[5] + cnt[6] + cnt[7] : NULL;
     s->ag = gated ? s->g + cnt[8] : NULL;
 
+    /* Half intermediates (mha__plan_act_dtype): the core reads and writes copies in adt, as the
+     * inference forward does (same kernel, same bits); the state keeps their float32 widening. */
+    const mha_dtype adt = mha__plan_act_dtype(c, xdt, wdt);
+    const int half_act = adt != MHA_DTYPE_F32;
+    uint16_t *hb = NULL;
+    if (half_act &&
+        !(hb = mha__alloc_large(alloc, 2 * (size_t)(cnt[0] + cnt[1] + cnt[2] + cnt[3])))) {
+        mha_train_state_destroy(s);
+        return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate the half Q, K, V, A");
+    }
+    void *cq = half_act ? (void *)hb : s->q, *ck = half_act ? (void *)(hb + cnt[0]) : s->k;
+    void *cv = half_act ? (void *)(hb + cnt[0] + cnt[1]) : s->v;
+    void *ca = half_act ? (void *)(hb + cnt[0] + cnt[1] + cnt[2]) : s->a;
     mha_attention_args core;
-    mha__plan_core_args(c, w->sinks, args, m, s->q, s->k, s->v, s->a, s->lse, &core);
+    mha__plan_core_args(c, w->sinks, args, m, cq, ck, cv, ca, s->lse, adt, &core);
     mha_exec ce = exec ? *exec : (mha_exec){0};
     ce.workspace = NULL;
     ce.workspace_bytes = 0;
@@ -185,6 +199,7 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     if (!st)
         st = mha__core_prepare(&core, &ce, NULL, s->mask, &call, err);
     if (st) {
+        mha__free(alloc, hb);
         mha_train_state_destroy(s);
         return st;
     }
@@ -207,7 +222,12 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
         const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
-        st = rope_buffer(&c->rope, len, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
+        /* RoPE rotates the projections as stored: rounded to a half adt (layer.c). */
+        st = mha__plan_round(team, adt, s->q, cnt[0], err);
+        if (!st)
+            st = mha__plan_round(team, adt, s->k, cnt[1], err);
+        if (!st)
+            st = rope_buffer(&c->rope, len, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
         if (!st)
             st = rope_buffer(&c->rope, len, alloc, s->k, B, m, g, dk, kpos, 1, err);
     }
@@ -224,20 +244,33 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, args->query, xdt, wg, wdt, bg, s->g, B * n,
                                c->q_dim, h * dk, NULL, 0, err);
     }
+    /* Half intermediates: the state's Q, K, V rounded in place, and copied (exactly) into the
+     * half buffers the core reads. */
+    float *sv[3] = {s->q, s->k, s->v};
+    void *hv[3] = {cq, ck, cv};
+    for (int i = 0; half_act && i < 3; i++) {
+        if (!st)
+            st = mha__plan_round(team, adt, sv[i], cnt[i], err);
+        if (!st)
+            st = mha__plan_narrow(team, adt, sv[i], hv[i], cnt[i], err);
+    }
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
-    if (!st && gated) {
+    if (!st && half_act)
+        mha__widen_rows(adt, ca, s->a, cnt[3]);
+    if (!st && gated) { /* gated layers have float32 intermediates: ca is s->a */
         memcpy(s->ag, s->a, sizeof(float) * (size_t)cnt[9]);
         mha__plan_gate_apply(s->g, s->ag, cnt[9]);
     }
     /* A half out: the float32 projection goes to the block after lse, rounded once into out. */
     float *y = half_out ? s->lse + cnt[4] : args->out;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, gated ? s->ag : s->a, MHA_DTYPE_F32, w->w_o, wdt,
-                               w->b_o, y, B * n, h * dv, c->out_dim, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, gated ? (const void *)s->ag : ca, adt, w->w_o,
+                               wdt, w->b_o, y, B * n, h * dv, c->out_dim, NULL, 0, err);
     if (!st && half_out)
-        mha__narrow(args->out_dtype, y, args->out, cnt[5]);
+        st = mha__plan_narrow(team, args->out_dtype, y, args->out, cnt[5], err);
+    mha__free(alloc, hb);
     if (st) {
         mha_train_state_destroy(s);
         return st;
@@ -435,7 +468,10 @@ static mha_status core_backward(const mha_config *c,
                                 mha_error *err) {
     const int64_t h = c->num_heads, dv = c->v_head_dim;
     mha_attention_args core;
-    mha__plan_core_args(c, w->sinks, &s->args, s->m, s->q, s->k, s->v, s->a, s->lse, &core);
+    /* The saved Q, K, V, A are float32 (holding the rounded values of half intermediates): the
+     * float32 core backward differentiates through the roundings as the identity. */
+    mha__plan_core_args(c, w->sinks, &s->args, s->m, s->q, s->k, s->v, s->a, s->lse, MHA_DTYPE_F32,
+                        &core);
     core.probs = NULL;
     mha_status st =
         mm_ab(x, dy, w->w_o, w->wdt, sc->dA, s->B * s->n, h * dv, c->out_dim, x->tmp1, err);

@@ -6,6 +6,7 @@
 #include "layer/rope.h"
 
 #include "kernels/gemm.h"
+#include "kernels/kernels.h"
 
 #include <math.h>
 #include <string.h>
@@ -54,6 +55,47 @@ mha_status mha__plan_project(mha_impl impl,
                                 team, MHA__GEMM_AUTO, pack, pack_bytes, alloc, err);
     proj_job job = {x, w, xdt, wdt, bias, y, in, out};
     return mha__parallel_for(team, rows, project_rows, &job, err);
+}
+
+/* Rounding the intermediates, in chunks of CHUNK elements the threads share out. */
+enum { CHUNK = 4096 };
+typedef struct round_job {
+    mha_dtype dt;
+    const float *src;
+    void *dst; /* NULL: round src in place (through a stack chunk) */
+    int64_t count;
+} round_job;
+
+static void round_chunks(void *ctx, int part, int64_t c0, int64_t c1) {
+    (void)part;
+    const round_job *j = ctx;
+    uint16_t tmp[CHUNK];
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t i = c * CHUNK, len = j->count - i < CHUNK ? j->count - i : CHUNK;
+        if (j->dst) {
+            mha__narrow_rows(j->dt, j->src + i, (char *)j->dst + i * 2, len);
+        } else {
+            mha__narrow_rows(j->dt, j->src + i, tmp, len);
+            mha__widen_rows(j->dt, tmp, (float *)j->src + i, len);
+        }
+    }
+}
+
+mha_status mha__plan_round(mha__team team, mha_dtype dt, float *x, int64_t count, mha_error *err) {
+    if (dt == MHA_DTYPE_F32)
+        return MHA_STATUS_OK;
+    round_job j = {dt, x, NULL, count};
+    return mha__parallel_for(team, (count + CHUNK - 1) / CHUNK, round_chunks, &j, err);
+}
+
+mha_status mha__plan_narrow(
+    mha__team team, mha_dtype dt, const float *src, void *dst, int64_t count, mha_error *err) {
+    if (dt == MHA_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+        return MHA_STATUS_OK;
+    }
+    round_job j = {dt, src, dst, count};
+    return mha__parallel_for(team, (count + CHUNK - 1) / CHUNK, round_chunks, &j, err);
 }
 
 int64_t mha__plan_rope_length(const mha_rope *resolved,
@@ -236,11 +278,12 @@ void mha__plan_core_args(const mha_config *cfg,
                          const float *sinks,
                          const mha_forward_args *a,
                          int64_t m,
-                         const float *q,
-                         const float *k,
-                         const float *v,
-                         float *att,
+                         const void *q,
+                         const void *k,
+                         const void *v,
+                         void *att,
                          float *lse,
+                         mha_dtype dt,
                          mha_attention_args *c) {
     const int64_t h = cfg->num_heads, g = cfg->num_kv_heads, n = a->q_len;
     const int64_t dk = cfg->head_dim, dv = cfg->v_head_dim;
@@ -264,6 +307,7 @@ void mha__plan_core_args(const mha_config *cfg,
     c->v_strides[0] = m * g * dv, c->v_strides[1] = dv, c->v_strides[2] = g * dv;
     c->out = att;
     c->out_strides[0] = n * h * dv, c->out_strides[1] = dv, c->out_strides[2] = h * dv;
+    c->q_dtype = c->k_dtype = c->v_dtype = c->out_dtype = dt;
     c->lse = lse;
     c->probs = a->probs;
     c->average_probs = a->average_probs;

@@ -33,6 +33,25 @@ mha_status mha__plan_project(mha_impl impl,
                              size_t pack_bytes,
                              mha_error *err);
 
+/* The storage dtype of the layer's intermediates (Q and K after RoPE, V, the attention output A;
+ * docs/SEMANTICS.md "Half precision in the layer"): the half dtype when x and W are both stored
+ * in it (a bf16 or f16 module, torch.autocast), else F32. Layers with a QK-norm, temperature
+ * tuning or an output gate keep float32 intermediates (their stages between the projections and
+ * the core are float32 code; rounding after each of them as torch does is not implemented). */
+static inline mha_dtype mha__plan_act_dtype(const mha_config *cfg, mha_dtype xdt, mha_dtype wdt) {
+    const int extra_stages = cfg->qk_norm.kind != MHA_QK_NORM_NONE || cfg->temperature.enabled ||
+                             cfg->output_gate;
+    return xdt == wdt && !extra_stages ? xdt : MHA_DTYPE_F32;
+}
+
+/* x[0, count) rounded to dt's precision in place, x stays float32: x = widen(narrow(x)), the
+ * projection's half output as RoPE reads it (F32: nothing). Threads split the range. */
+mha_status mha__plan_round(mha__team team, mha_dtype dt, float *x, int64_t count, mha_error *err);
+/* dst[i] = src[i] rounded to dt (nearest even), i < count: mha__narrow's bits, threads split the
+ * range (F32: a copy). */
+mha_status mha__plan_narrow(
+    mha__team team, mha_dtype dt, const float *src, void *dst, int64_t count, mha_error *err);
+
 /* Doubles of RoPE tables mha__plan_rope needs: frequencies, cos and sin of one position. */
 static inline size_t mha__plan_rope_doubles(const mha_rope *resolved) {
     return (size_t)(3 * (resolved->rotary_dim / 2));
@@ -125,17 +144,19 @@ void mha__plan_gate_weights(const mha_config *cfg,
 void mha__plan_gate_apply(const float *g, float *a, int64_t count);
 
 /* The core's arguments over the plan's buffers: Q [B, n, h, dk], K [B, m, g, dk], V [B, m, g, dv],
- * A [B, n, h, dv] ([B, L, heads, d] seen as [B, heads, L, d]), the layer's scale, softcap, ALiBi
- * and sinks, the call's masks, dropout and probabilities; lse [B, h, n] or NULL. */
+ * A [B, n, h, dv] ([B, L, heads, d] seen as [B, heads, L, d]), all four stored in dt (the
+ * intermediates' dtype, mha__plan_act_dtype), the layer's scale, softcap, ALiBi and sinks, the
+ * call's masks, dropout and probabilities; lse [B, h, n] or NULL. */
 void mha__plan_core_args(const mha_config *cfg,
                          const float *sinks,
                          const mha_forward_args *a,
                          int64_t m,
-                         const float *q,
-                         const float *k,
-                         const float *v,
-                         float *att,
+                         const void *q,
+                         const void *k,
+                         const void *v,
+                         void *att,
                          float *lse,
+                         mha_dtype dt,
                          mha_attention_args *c);
 
 #endif /* MHA_LAYER_PLAN_H */

@@ -249,11 +249,41 @@ double oracle_temperature(const mha_temperature_tuning *t, int64_t p) {
     return log((double)k + 1.0) * t->attn_scale + 1.0;
 }
 
+/* x rounded to dt (nearest even; subnormals, overflow to inf), from double: x / ulp is exact
+ * (ulp a power of two), so nearbyint's nearest-even rounding is the storage's. F32: to float. */
+static double round_to(mha_dtype dt, double x) {
+    if (dt == MHA_DTYPE_F32)
+        return (double)(float)x;
+    if (!isfinite(x) || x == 0.0)
+        return x;
+    const int p = dt == MHA_DTYPE_BF16 ? 8 : 11, emin = dt == MHA_DTYPE_BF16 ? -126 : -14;
+    const double max = dt == MHA_DTYPE_BF16 ? 0x1.fep127 : 65504.0;
+    int e;
+    frexp(x, &e); /* |x| in [2^(e-1), 2^e) */
+    const int lead = e - 1 < emin ? emin : e - 1;
+    const double ulp = ldexp(1.0, lead - (p - 1)), r = nearbyint(x / ulp) * ulp;
+    return fabs(r) > max ? copysign((double)INFINITY, r) : r;
+}
+
+static void round_all(mha_dtype dt, double *x, int64_t count) {
+    for (int64_t i = 0; dt != MHA_DTYPE_F32 && i < count; i++)
+        x[i] = round_to(dt, x[i]);
+}
+
 int oracle_layer(const mha_config *cfg,
                  const mha_weights *w,
                  const mha_forward_args *a,
                  double *out,
                  double *probs) {
+    return oracle_layer_dt(cfg, w, a, MHA_DTYPE_F32, out, probs);
+}
+
+int oracle_layer_dt(const mha_config *cfg,
+                    const mha_weights *w,
+                    const mha_forward_args *a,
+                    mha_dtype act,
+                    double *out,
+                    double *probs) {
     if (cfg->rope.scaling != MHA_ROPE_SCALING_NONE)
         return -1;
     const int self = a->key == NULL;
@@ -282,6 +312,10 @@ int oracle_layer(const mha_config *cfg,
     project(xq, w->w_q, w->b_q, q, B * n, qd, H * dk);
     project(xk, w->w_k, w->b_k, k, B * m, kd, G * dk);
     project(xv, w->w_v, w->b_v, v, B * m, vd, G * dv);
+    /* Half intermediates (act): each step's result rounded to act, RoPE on the rounded ones. */
+    round_all(act, q, B * n * H * dk);
+    round_all(act, k, B * m * G * dk);
+    round_all(act, v, B * m * G * dv);
     const mha_qk_norm_kind nk = cfg->qk_norm.kind;
     if (nk == MHA_QK_NORM_RMS_HEAD || nk == MHA_QK_NORM_RMS_ALL) {
         qk_norm(&cfg->qk_norm, w->q_norm, q, B * n, H, dk);
@@ -291,6 +325,8 @@ int oracle_layer(const mha_config *cfg,
         const int64_t *kpos = a->k_positions ? a->k_positions : (self ? a->q_positions : NULL);
         rope(&cfg->rope, dk, q, B, n, H, a->q_positions);
         rope(&cfg->rope, dk, k, B, m, G, kpos);
+        round_all(act, q, B * n * H * dk);
+        round_all(act, k, B * m * G * dk);
     }
     if (nk == MHA_QK_NORM_L2_AFTER_ROPE) {
         qk_norm(&cfg->qk_norm, NULL, q, B * n, H, dk);
@@ -340,6 +376,7 @@ int oracle_layer(const mha_config *cfg,
             cat[i] *= 1.0 / (1.0 + exp(-gate[i]));
         free(gate);
     }
+    round_all(act, cat, B * n * H * dv);
     project(cat, w->w_o, w->b_o, out, B * n, H * dv, od);
     rc = 0;
 done:

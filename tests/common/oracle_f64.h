@@ -29,5 +29,14 @@ int oracle_layer(const mha_config *cfg,
                  const mha_forward_args *args,
                  double *out,
                  double *probs);
+/* oracle_layer with the layer's intermediates stored in act (docs/SEMANTICS.md "Half precision
+ * in the layer"): the projections, RoPE's results and the attention output rounded to act
+ * (F32: as oracle_layer, which this is with act = F32). */
+int oracle_layer_dt(const mha_config *cfg,
+                    const mha_weights *w,
+                    const mha_forward_args *a,
+                    mha_dtype act,
+                    double *out,
+                    double *probs);
 
 #endif

@@ -70,15 +70,31 @@
  * does) would add about u_s |S| and fail it, which is the point: such a kernel must say so and use
  * TOL_HALF_TILE_C instead. Gradients: the same with TOL_OUT_REL replaced by the backward's f32
  * backstop (tests compute both and take the sum). */
-#define TOL_HALF_C      2.0
-#define TOL_HALF_U_BF16 0x1.0p-8
-#define TOL_HALF_U_F16  0x1.0p-11
+#define TOL_HALF_C            2.0
+#define TOL_HALF_U_BF16       0x1.0p-8
+#define TOL_HALF_U_F16        0x1.0p-11
 /* A kernel that rounds P to the storage before P V (bf16 dot products: AVX512-BF16, AMX) adds up
  * to u_s p_j per probability, i.e. at most u_s max|V| per output (sum_j p_j = 1); Q K^T on bf16
  * inputs is exact products with float32 sums (no u_s term); the output's own rounding adds
  * u_s |o|. test_half_kernel.c gates
  *   max|o - o*| <= TOL_HALF_TILE_C u_s (max|V| + max|o*|) + TOL_OUT_REL max|o*|
  * (measured worst 0.39 of the u_s (max|V| + max|o*|) unit: about 10x headroom). */
-#define TOL_HALF_TILE_C 4.0
+#define TOL_HALF_TILE_C       4.0
+/* The layer of a half module (x_dtype == weight_dtype half): Q, K, V, RoPE's results and the
+ * attention output A are stored in that dtype (docs/SEMANTICS.md "Half precision in the layer").
+ * The float64 oracle rounds at the same points (oracle_layer_dt), so what is left beyond the
+ * output's own rounding (TOL_HALF_C u_s) is (a) an element whose float32 and float64 values fall
+ * on the two sides of a rounding boundary: a difference of one half-ulp (2 u_a |e|) in it, which
+ * reaches y through one row of W_o (or one score), and (b) with the bf16 tile kernel (AUTO on an
+ * AVX512-BF16 CPU) its P rounding, u_a max|V| per element of A, summed through W_o's row.
+ *   max|y - ref| <= (TOL_HALF_C u_out + C u_a + TOL_OUT_REL) max|ref|
+ * with C = TOL_HALF_LAYER_C without the tile kernel and TOL_HALF_LAYER_TILE_C with it (measured
+ * worst in test_half_layer, printed by it: see the constants' values for the headroom).
+ * Gradients of a half module against the float64 gradient of the UNROUNDED layer (the roundings
+ * are differentiated as the identity, so the gradient sees the forward's rounding errors: every
+ * rounded intermediate perturbs it by about u_a relative): TOL_HALF_LAYER_GRAD_C u_a. */
+#define TOL_HALF_LAYER_C      1.0
+#define TOL_HALF_LAYER_TILE_C 4.0
+#define TOL_HALF_LAYER_GRAD_C 8.0
 
 #endif
