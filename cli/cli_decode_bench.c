@@ -394,9 +394,14 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
         w.w_k = base + es * (size_t)(H * D * Q);
         w.w_v = base + es * (size_t)(H * D * Q + G * D * Q);
         w.w_o = base + es * (size_t)(H * D * Q + 2 * G * D * Q);
-        if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_BORROW, NULL, &r->layer, &r->err) !=
-            MHA_STATUS_OK)
+        /* Copied, as the safetensors and Hugging Face loaders do: the layer's own storage (in 2
+         * MiB pages where the OS gives them, like the read loop of --stream). */
+        if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_COPY, NULL, &r->layer, &r->err) != MHA_STATUS_OK)
             return cli_lib_fail(NULL, &r->err);
+        free(r->wbuf);
+        free(r->whalf);
+        r->wbuf = NULL;
+        r->whalf = NULL;
     }
     mha_kv_cache_config kc;
     memset(&kc, 0, sizeof kc);
