@@ -97,6 +97,8 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtypes", default="f32,bf16,f16")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--base", default=None,
+                   help="another mha program (e.g. a build before a change): its rows interleaved")
     a = p.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     tiers = a.tiers.split(",")
@@ -105,19 +107,21 @@ def main():
         import torch as _t
         torch = _t
     dtypes = a.dtypes.split(",")
-    rows = [(tier, t, d) for t in threads for tier in tiers for d in dtypes]
-    res = {r: [] for r in rows}  # (step s, read bandwidth GB/s) per run
+    whos = [("mha", a.mha)] + ([("base", a.base)] if a.base else [])
+    rows = [(who, tier, t, d) for t in threads for tier in tiers for d in dtypes for who, _ in whos]
+    exe = dict(whos)
+    res = {r: [] for r in rows}  # (median step s, read bandwidth GB/s, best step s) per run
     tres = {(t, d): [] for t in threads for d in dtypes}
     nbytes, kernel = {}, {}
     for _ in range(a.repeats):  # interleaved: the shared host's load hits every row alike
         for r in rows:
-            tier, t, d = r
-            j = mha_run(a.mha, d, tier, t, a)
+            who, tier, t, d = r
+            j = mha_run(exe[who], d, tier, t, a)
             bw = max(j["stream_gbs"], j.get("stream_pf_gbs", 0.0))
             res[r].append((j["layer_median_s"], bw, j["layer_min_s"]))
             nbytes[d] = j["weight_bytes"]
             kernel[tier] = j["kernel"].rsplit("__", 1)[-1]
-            if torch is not None and tier == tiers[0]:
+            if torch is not None and tier == tiers[0] and who == "mha":
                 torch.set_num_threads(t)
                 tm, nb = torch_run(torch, d, a)
                 tres[(t, d)].append(tm)
@@ -134,18 +138,17 @@ def main():
         return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
 
     for t in threads:
-        for tier in tiers:
-            for d in dtypes:
-                runs = res[(tier, t, d)]
-                nb = nbytes[d]
-                ms = [s * 1e3 for s, _, _ in runs]
-                gbs = [nb / s * 1e-9 for s, _, _ in runs]
-                bw = [b for _, b, _ in runs]
-                pct = [100.0 * nb / s * 1e-9 / b for s, b, _ in runs]
-                best = [100.0 * nb / s * 1e-9 / b for _, b, s in runs]
-                print(f"{kernel[tier]:8} {t:3} {'mha':6} {d:7} {nb * 1e-6:6.1f} {cell(ms, '{:.3f}'):>22} "
-                      f"{cell(gbs, '{:.1f}'):>20} {cell(bw, '{:.1f}'):>20} {cell(pct, '{:.0f}'):>18} "
-                      f"{cell(best, '{:.0f}'):>16}")
+        for tier, d, who in [(tr, d, w) for tr in tiers for d in dtypes for w, _ in whos]:
+            runs = res[(who, tier, t, d)]
+            nb = nbytes[d]
+            ms = [s * 1e3 for s, _, _ in runs]
+            gbs = [nb / s * 1e-9 for s, _, _ in runs]
+            bw = [b for _, b, _ in runs]
+            pct = [100.0 * nb / s * 1e-9 / b for s, b, _ in runs]
+            best = [100.0 * nb / s * 1e-9 / b for _, b, s in runs]
+            print(f"{kernel[tier]:8} {t:3} {who:6} {d:7} {nb * 1e-6:6.1f} {cell(ms, '{:.3f}'):>22} "
+                  f"{cell(gbs, '{:.1f}'):>20} {cell(bw, '{:.1f}'):>20} {cell(pct, '{:.0f}'):>18} "
+                  f"{cell(best, '{:.0f}'):>16}")
         for d in dtypes:
             ts = tres[(t, d)]
             if not ts:
