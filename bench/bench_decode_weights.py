@@ -8,10 +8,20 @@ half-precision weights should approach half the time. Runs, interleaved in one p
          append, split-KV attention over --cache-len positions, output projection);
   torch: the same four products as F.linear on a [1, Q] input with T weights (bf16/f16 torch
          runs them natively; no attention: a lower bound on torch's layer step).
-Reports per dtype the median and [min, max] over --repeats runs of the median step time, and
-GB/s of weight bytes. One thread by default (torch.set_num_threads, mha --threads).
+Each mha run also measures this machine's memory read bandwidth (`--stream MB`: two read loops
+over a buffer far beyond the caches, in 2 MiB pages, on the same thread count, the plain one and
+one with software prefetches, the best pass of each; the read bandwidth is the higher of the
+two: on AMD Zen 5 the prefetched loop reads 1.1-1.2x the plain one, and the GEMV, which
+prefetches, beat the plain loop). decode-bench copies the weights into the layer's own storage,
+as the loaders do, also in 2 MiB pages. So `% bw` = weight bytes / median step time / that run's
+read bandwidth compares like with like on a shared host (a median step against the best read
+pass: conservative). `best %` uses the run's best step instead.
+Reports per (kernel tier, threads, dtype) the median and [min, max] over --repeats runs of the
+median step time, GB/s of weight bytes and % of the read bandwidth. The tiers are MHA_MAX_ISA
+caps ("default" = none); torch (optional) runs only in the default tier's rows.
 
-  python bench/bench_decode_weights.py --mha build/mha --repeats 5
+  python bench/bench_decode_weights.py --mha build/mha --repeats 5 --tiers default,avx2 \
+      --threads 1,2
 """
 import argparse
 import json
@@ -33,12 +43,16 @@ def cpu_name():
     return platform.processor()
 
 
-def mha_run(exe, dtype, a):
+def mha_run(exe, dtype, tier, threads, a):
     cmd = [exe, "decode-bench", "--heads", str(a.heads), "--kv-heads", str(a.kv_heads),
            "--head-dim", str(a.head_dim), "--cache-len", str(a.cache_len), "--batch", "1",
-           "--steps", str(a.steps), "--threads", str(a.threads), "--weight-dtype", dtype,
-           "--json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+           "--steps", str(a.steps), "--threads", str(threads), "--weight-dtype", dtype,
+           "--stream", str(a.stream_mb), "--json"]
+    env = dict(os.environ)
+    env.pop("MHA_MAX_ISA", None)
+    if tier != "default":
+        env["MHA_MAX_ISA"] = tier
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -75,44 +89,75 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--cache-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", default="1", help="comma-separated thread counts")
+    p.add_argument("--tiers", default="default",
+                   help="comma-separated MHA_MAX_ISA caps, 'default' = none (e.g. default,avx2)")
+    p.add_argument("--stream-mb", type=int, default=1024,
+                   help="the read-bandwidth loop's buffer (MB), measured in every mha run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtypes", default="f32,bf16,f16")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--base", default=None,
+                   help="another mha program (e.g. a build before a change): its rows interleaved")
     a = p.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    tiers = a.tiers.split(",")
     torch = None
     if not a.no_torch:
         import torch as _t
         torch = _t
-        torch.set_num_threads(a.threads)
     dtypes = a.dtypes.split(",")
-    res = {(who, d): [] for who in ("mha", "torch") for d in dtypes}
-    nbytes = {}
+    whos = [("mha", a.mha)] + ([("base", a.base)] if a.base else [])
+    rows = [(who, tier, t, d) for t in threads for tier in tiers for d in dtypes for who, _ in whos]
+    exe = dict(whos)
+    res = {r: [] for r in rows}  # (median step s, read bandwidth GB/s, best step s) per run
+    tres = {(t, d): [] for t in threads for d in dtypes}
+    nbytes, kernel = {}, {}
     for _ in range(a.repeats):  # interleaved: the shared host's load hits every row alike
-        for d in dtypes:
-            j = mha_run(a.mha, d, a)
-            res[("mha", d)].append(j["layer_median_s"])
-            nbytes[("mha", d)] = j["weight_bytes"]
-            if torch is not None:
-                t, nb = torch_run(torch, d, a)
-                res[("torch", d)].append(t)
+        for r in rows:
+            who, tier, t, d = r
+            j = mha_run(exe[who], d, tier, t, a)
+            bw = max(j["stream_gbs"], j.get("stream_pf_gbs", 0.0))
+            res[r].append((j["layer_median_s"], bw, j["layer_min_s"]))
+            nbytes[d] = j["weight_bytes"]
+            kernel[tier] = j["kernel"].rsplit("__", 1)[-1]
+            if torch is not None and tier == tiers[0] and who == "mha":
+                torch.set_num_threads(t)
+                tm, nb = torch_run(torch, d, a)
+                tres[(t, d)].append(tm)
                 nbytes[("torch", d)] = nb
-    print(f"# host: {cpu_name()}, {os.cpu_count()} CPUs; threads {a.threads}; "
+    print(f"# host: {cpu_name()}, {os.cpu_count()} CPUs; "
           f"torch {torch.__version__ if torch else '-'}")
     print(f"# layer h={a.heads} g={a.kv_heads} d={a.head_dim} q_dim={a.heads * a.head_dim} "
           f"cache_len={a.cache_len} batch=1; median step over {a.steps} steps, "
-          f"{a.repeats} repeats: median [min, max]")
-    print(f"{'who':6} {'weights':8} {'MB':>7} {'step ms':>22} {'GB/s of weights':>24}")
-    for who in ("mha", "torch"):
+          f"{a.repeats} repeats: median [min, max]; read bw: --stream {a.stream_mb} in each run")
+    print(f"{'tier':8} {'thr':>3} {'who':6} {'weights':7} {'MB':>6} {'step ms':>22} "
+          f"{'GB/s of weights':>20} {'read bw GB/s':>20} {'% of read bw':>18} {'best %':>16}")
+
+    def cell(v, fmt):
+        return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
+
+    for t in threads:
+        for tier, d, who in [(tr, d, w) for tr in tiers for d in dtypes for w, _ in whos]:
+            runs = res[(who, tier, t, d)]
+            nb = nbytes[d]
+            ms = [s * 1e3 for s, _, _ in runs]
+            gbs = [nb / s * 1e-9 for s, _, _ in runs]
+            bw = [b for _, b, _ in runs]
+            pct = [100.0 * nb / s * 1e-9 / b for s, b, _ in runs]
+            best = [100.0 * nb / s * 1e-9 / b for _, b, s in runs]
+            print(f"{kernel[tier]:8} {t:3} {who:6} {d:7} {nb * 1e-6:6.1f} {cell(ms, '{:.3f}'):>22} "
+                  f"{cell(gbs, '{:.1f}'):>20} {cell(bw, '{:.1f}'):>20} {cell(pct, '{:.0f}'):>18} "
+                  f"{cell(best, '{:.0f}'):>16}")
         for d in dtypes:
-            ts = res[(who, d)]
+            ts = tres[(t, d)]
             if not ts:
                 continue
-            mb = nbytes[(who, d)] * 1e-6
-            med, lo, hi = statistics.median(ts), min(ts), max(ts)
-            gb = lambda t: nbytes[(who, d)] / t * 1e-9  # noqa: E731
-            print(f"{who:6} {d:8} {mb:7.1f} {med * 1e3:8.3f} [{lo * 1e3:.3f}, {hi * 1e3:.3f}]"
-                  f" {gb(med):8.1f} [{gb(hi):.1f}, {gb(lo):.1f}]")
+            nb = nbytes[("torch", d)]
+            ms = [s * 1e3 for s in ts]
+            gbs = [nb / s * 1e-9 for s in ts]
+            print(f"{'-':8} {t:3} {'torch':6} {d:7} {nb * 1e-6:6.1f} {cell(ms, '{:.3f}'):>22} "
+                  f"{cell(gbs, '{:.1f}'):>20}")
 
 
 if __name__ == "__main__":
