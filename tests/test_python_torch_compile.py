@@ -198,8 +198,13 @@ def test_compiled_dropout_draws_a_new_mask_per_call():
 
 # from_pretrained layers (tests/hf_models.py builds the tiny models with HF transformers):
 # gemma2 (GQA, scale, soft-cap, RoPE half, the sliding window on alternate layers), gpt_oss
-# (sinks, YaRN, window), phi3 (partial rotary: dimensions beyond R pass unrotated).
-PRETRAINED = (("gemma2", 0), ("gemma2", 1), ("gpt_oss", 0), ("gpt_oss", 1), ("phi3", 0))
+# (sinks, YaRN, window), phi3 (partial rotary: dimensions beyond R pass unrotated); issue 31's:
+# qwen3 (QK-norm per head), gemma3_text (1 + w norm, per-layer RoPE), olmo2 (norm over the
+# projection), qwen3_next (output gate), llama4_text (layer 0: chunked, L2 norm after RoPE;
+# layer 1: NoPE with temperature tuning), cohere2 (layer 1: a NoPE global layer).
+PRETRAINED = (("gemma2", 0), ("gemma2", 1), ("gpt_oss", 0), ("gpt_oss", 1), ("phi3", 0),
+              ("qwen3", 0), ("gemma3_text", 0), ("olmo2", 0), ("qwen3_next", 0),
+              ("llama4_text", 0), ("llama4_text", 1), ("cohere2", 1))
 
 
 @pytest.fixture(scope="module")
