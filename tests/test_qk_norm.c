@@ -121,28 +121,8 @@ static void forward_vs_oracle(const kcase *k, const weights *w, const float *x) 
     }
 
     /* Decode: prefill 5 tokens, then one token per step, against the full causal forward. */
-    mha_kv_cache_config kc;
-    memset(&kc, 0, sizeof kc);
-    kc.max_seq = N, kc.batch = B;
-    mha_kv_cache *cache = NULL;
-    CHECK_OK(mha_kv_cache_create(&kc, L, NULL, &cache, &err), &err);
-    float xs[B * N * E], ys[B * N * E], yd[B * N * E];
-    int64_t t0 = 0;
-    while (cache && t0 < N) {
-        const int64_t t = t0 == 0 ? 5 : 1;
-        for (int b = 0; b < B; b++)
-            memcpy(xs + b * t * E, x + (b * N + t0) * E, sizeof(float) * (size_t)(t * E));
-        mha_decode_args d;
-        memset(&d, 0, sizeof d);
-        d.num_seqs = B, d.num_tokens = t, d.x = xs, d.out = ys;
-        CHECK_OK(t0 == 0 ? mha_layer_prefill(L, cache, &d, NULL, &err)
-                         : mha_layer_decode_step(L, cache, &d, NULL, &err),
-                 &err);
-        for (int b = 0; b < B; b++)
-            memcpy(yd + (b * N + t0) * E, ys + b * t * E, sizeof(float) * (size_t)(t * E));
-        t0 += t;
-    }
-    mha_kv_cache_destroy(cache);
+    float yd[B * N * E];
+    test_layer_decode_steps(L, x, B, N, E, 5, yd);
     const double ed = test_max_abs_diff(yd, ref, B * N * E);
     CHECK(ed <= gate, "[%s] decode vs oracle: %g > %g", k->name, ed, gate);
     mha_layer_destroy(L);

@@ -150,28 +150,8 @@ static void decode_vs_oracle(const weights *w, const float *x, int with_rope) {
     float y[B * N * E];
     mha_forward_args a = args_of(x, y, NULL);
     CHECK(oracle_layer(mha_layer_config(L), &mw, &a, ref, NULL) == 0, "decode oracle");
-    mha_kv_cache_config kc;
-    memset(&kc, 0, sizeof kc);
-    kc.max_seq = N, kc.batch = B;
-    mha_kv_cache *cache = NULL;
-    CHECK_OK(mha_kv_cache_create(&kc, L, NULL, &cache, &err), &err);
-    float xs[B * N * E], ys[B * N * E], yd[B * N * E];
-    int64_t t0 = 0;
-    while (cache && t0 < N) {
-        const int64_t t = t0 == 0 ? 5 : 1;
-        for (int b = 0; b < B; b++)
-            memcpy(xs + b * t * E, x + (b * N + t0) * E, sizeof(float) * (size_t)(t * E));
-        mha_decode_args d;
-        memset(&d, 0, sizeof d);
-        d.num_seqs = B, d.num_tokens = t, d.x = xs, d.out = ys;
-        CHECK_OK(t0 == 0 ? mha_layer_prefill(L, cache, &d, NULL, &err)
-                         : mha_layer_decode_step(L, cache, &d, NULL, &err),
-                 &err);
-        for (int b = 0; b < B; b++)
-            memcpy(yd + (b * N + t0) * E, ys + b * t * E, sizeof(float) * (size_t)(t * E));
-        t0 += t;
-    }
-    mha_kv_cache_destroy(cache);
+    float yd[B * N * E];
+    test_layer_decode_steps(L, x, B, N, E, 5, yd);
     const double gate = TOL_OUT_REL * test_max_abs(ref, B * N * E);
     const double ed = test_max_abs_diff(yd, ref, B * N * E);
     CHECK(ed <= gate, "[rope %d] decode vs oracle: %g > %g", with_rope, ed, gate);

@@ -102,3 +102,32 @@ double test_max_abs(const double *b, int64_t n) {
             worst = fabs(b[i]);
     return worst;
 }
+
+void test_layer_decode_steps(
+    mha_layer *L, const float *x, int64_t B, int64_t N, int64_t E, int64_t prefill, float *y) {
+    mha_error err;
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.max_seq = N, kc.batch = B;
+    mha_kv_cache *cache = NULL;
+    CHECK_OK(mha_kv_cache_create(&kc, L, NULL, &cache, &err), &err);
+    float *xs = malloc(sizeof(float) * (size_t)(B * N * E));
+    float *ys = malloc(sizeof(float) * (size_t)(B * N * E));
+    CHECK(xs && ys, "decode steps: out of memory");
+    for (int64_t t0 = 0, t; cache && xs && ys && t0 < N; t0 += t) {
+        t = t0 == 0 ? (prefill < N ? prefill : N) : 1;
+        for (int64_t b = 0; b < B; b++)
+            memcpy(xs + b * t * E, x + (b * N + t0) * E, sizeof(float) * (size_t)(t * E));
+        mha_decode_args d;
+        memset(&d, 0, sizeof d);
+        d.num_seqs = B, d.num_tokens = t, d.x = xs, d.out = ys;
+        CHECK_OK(t0 == 0 ? mha_layer_prefill(L, cache, &d, NULL, &err)
+                         : mha_layer_decode_step(L, cache, &d, NULL, &err),
+                 &err);
+        for (int64_t b = 0; b < B; b++)
+            memcpy(y + (b * N + t0) * E, ys + b * t * E, sizeof(float) * (size_t)(t * E));
+    }
+    free(xs);
+    free(ys);
+    mha_kv_cache_destroy(cache);
+}

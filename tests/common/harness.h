@@ -45,4 +45,11 @@ char *test_source_path(const char *relative);
 double test_max_abs_diff(const float *a, const double *b, int64_t n);
 double test_max_abs(const double *b, int64_t n);
 
+/* Runs self-attention layer L (q_dim = out_dim = E) over x [B, N, E] through a float32 KV cache:
+ * mha_layer_prefill of the first `prefill` tokens, then mha_layer_decode_step one token at a
+ * time, each step's output written at its rows of y [B, N, E]. A failing call is a failed check
+ * (its rows of y are left as they were). */
+void test_layer_decode_steps(
+    mha_layer *L, const float *x, int64_t B, int64_t N, int64_t E, int64_t prefill, float *y);
+
 #endif
