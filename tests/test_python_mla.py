@@ -308,6 +308,98 @@ def test_torch_module_trains_like_transformers(models):
     assert H.max_rel_err(mod(xt).detach().numpy(), 2 * ref) <= TOL_OUT_REL
 
 
+def _grads(mod, fn, x, dy):
+    """(y, dx, {name: d param}) of fn(x) with upstream gradient dy."""
+    mod.zero_grad()
+    xt = x.clone().requires_grad_(True)
+    y = fn(xt)
+    y.backward(dy)
+    return y.detach(), xt.grad, {n: p.grad.clone() for n, p in mod.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["v3_lora_yarn", "v2_no_lora"])
+def test_torch_module_compiles_and_exports(models, name):
+    """mha.torch.MLA under torch.compile(fullgraph=True) (aot_eager: dynamo and AOT autograd) and
+    torch.export: the forward and backward are torch.ops.mha.mla / mla_backward (opaque custom
+    ops with fake kernels), so the compiled module's output and every gradient equal eager's bit
+    for bit, and the exported program holds torch.ops.mha.mla and gives the eager output."""
+    import mha.torch as mt
+    d, refs = models[name]
+    x = torch.tensor(refs[1][0], dtype=torch.float32)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    mod = mt.MLA.from_pretrained(d, 1)
+    y0, dx0, g0 = _grads(mod, mod, x, dy)
+    assert H.max_rel_err(y0.numpy(), refs[1][1]) <= TOL_OUT_REL
+    torch._dynamo.reset()
+    comp = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    y1, dx1, g1 = _grads(mod, comp, x, dy)
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g0)
+    # The compiled module reads its parameters at every call (no stale layer).
+    with torch.no_grad():
+        mod.w_o.mul_(2.0)
+    assert torch.equal(comp(x), mod(x)) and not torch.equal(comp(x), y0)
+    with torch.no_grad():
+        mod.w_o.mul_(0.5)
+    ep = torch.export.export(mod, (x,))
+    assert "torch.ops.mha.mla.default" in str(ep.graph_module.code)
+    assert torch.equal(ep.module()(x), y0)
+    # Another batch and length than traced with (the fake kernel's shapes are symbolic-safe).
+    x2 = x[:1, :5].contiguous()
+    assert torch.equal(comp(x2), mod(x2))
+
+
+def test_torch_op_caches_the_layer_until_a_weight_changes(models):
+    """torch.ops.mha.mla builds the C layer once per weights' version: repeated calls (and the
+    backward) reuse it; an optimizer step (in-place update: version bumped) rebuilds it, and the
+    output is the new weights'."""
+    import mha.torch as mt
+    from mha import _torch_ops as O
+    O.mla_cache_clear()
+    d, refs = models["v3_lora_yarn"]
+    x = torch.tensor(refs[0][0], dtype=torch.float32)
+    mod = mt.MLA.from_pretrained(d, 0)
+    mod(x).sum().backward()
+    assert len(O._MLA_CACHE) == 1
+    layer = next(iter(O._MLA_CACHE.values()))[1]
+    y = mod(x)
+    assert next(iter(O._MLA_CACHE.values()))[1] is layer and len(O._MLA_CACHE) == 1
+    torch.optim.SGD(mod.parameters(), lr=0.1).step()
+    y2 = mod(x)
+    assert len(O._MLA_CACHE) == 2 and not torch.equal(y2, y)
+    fresh = mha.MLA(mod._config, {n: getattr(mod, n).detach().numpy() for n in mod._names})
+    assert torch.equal(y2, torch.from_numpy(fresh.forward(x.numpy())))
+    O.mla_cache_clear()
+    assert not O._MLA_CACHE
+
+
+def test_torch_ops_refuse_bad_operands(models):
+    """torch.ops.mha.mla refuses, naming the argument, what mha_mla_forward cannot read."""
+    import mha.torch as mt
+    from mha import _torch_ops as O
+    mod = mt.MLA.from_pretrained(models["v2_no_lora"][0], 0)
+    x = torch.zeros(1, 3, mod._config.hidden)
+    ws = [getattr(mod, n) for n in mod._names]
+    cfg = mod._config_str
+    with pytest.raises(TypeError, match="x must be float32"):
+        torch.ops.mha.mla(x.double(), ws, cfg, True, 0)
+    with pytest.raises(ValueError, match="x must have shape"):
+        torch.ops.mha.mla(x[..., :5], ws, cfg, True, 0)
+    i = mod._names.index("w_o")
+    with pytest.raises(ValueError, match="w_o must have shape"):
+        torch.ops.mha.mla(x, ws[:i] + [ws[i][:, :3]] + ws[i + 1:], cfg, True, 0)
+    with pytest.raises(ValueError, match="expected .* weights"):
+        torch.ops.mha.mla(x, ws[:-1], cfg, True, 0)
+    with pytest.raises(ValueError, match="config must be"):
+        torch.ops.mha.mla(x, ws, cfg[:-2], True, 0)
+    with pytest.raises(TypeError, match="must be float32"):
+        torch.ops.mha.mla(x, [w.double() for w in ws], cfg, True, 0)
+    assert O.mla_config_string(mod._config) == cfg
+    torch.library.opcheck(torch.ops.mha.mla.default, (x.normal_().requires_grad_(),
+                                                       [w.detach().requires_grad_() for w in ws],
+                                                       cfg, True, 0))
+
+
 def test_cli_run_model(models, tmp_path):
     """`mha run --model DIR --layer L` on a deepseek_v3 directory: the expanded forward, equal to
     the HF module; options an MLA layer does not take are refused naming them."""
