@@ -8,7 +8,12 @@ recorded with hooks as the oracle.
   - the compressed-cache decode, token by token and in chunks, equal to the same rows of the full
     causal forward (TOL_OUT_REL for a float32 cache, TOL_KV_F16_REL / TOL_KV_BF16_REL for half
     caches: each cached value is rounded once, as in the KV cache's tests);
-  - hostile config.json / checkpoints refused naming the field or tensor.
+  - hostile config.json / checkpoints refused naming the field or tensor;
+  - mha.torch.MLA (torch.ops.mha.mla): gradients against torch autograd of the HF module,
+    torch.compile(fullgraph=True) and torch.export equal to eager bit for bit, the C layer cached
+    until a weight changes;
+  - `mha run --model DIR --layer L` (forward, and --decode through the compressed cache at each
+    --cache-dtype within that dtype's tolerance).
 """
 import json
 import os
@@ -429,3 +434,55 @@ def test_cli_run_model(models, tmp_path):
     assert r.returncode == 1 and "kv_lora_rank" in r.stderr
     r = subprocess.run([cli, "info", "--model", bad], capture_output=True, text=True)
     assert r.returncode == 1 and "kv_lora_rank" in r.stderr
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", TOL_OUT_REL), ("f16", TOL_KV_F16_REL),
+                                       ("bf16", TOL_KV_BF16_REL)])
+def test_cli_run_model_decode(models, tmp_path, dtype, tol):
+    """`mha run --model DIR --layer L --decode [--prefill P] [--cache-dtype T]` on deepseek
+    models: a prompt of P tokens then one token per step through the compressed cache (the
+    absorbed form), equal to the HF module and to the CLI's own full forward within the cache
+    dtype's tolerance; the decode's usage errors name the option."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    for name in ("v3_lora_yarn", "v2_no_lora"):
+        d, refs = models[name]
+        x, ref = refs[1]
+        np.save(tmp_path / "x.npy", x.astype(np.float32))
+        base = [cli, "run", "--model", d, "--layer", "1", "--input", str(tmp_path / "x.npy")]
+        r = subprocess.run(base + ["--out", str(tmp_path / "full.npy")], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        for prefill in ("1", "5", str(SEQ)):
+            r = subprocess.run(base + ["--out", str(tmp_path / "y.npy"), "--decode", "--prefill",
+                                       prefill, "--cache-dtype", dtype], capture_output=True,
+                               text=True)
+            assert r.returncode == 0, r.stderr
+            y = np.load(tmp_path / "y.npy")
+            assert y.shape == x.shape and y.dtype == np.float32
+            err = H.max_rel_err(y, ref)
+            print(f"{name} --cache-dtype {dtype} --prefill {prefill}: max rel err {err:.2e}")
+            assert err <= tol, (name, prefill)
+            assert H.max_rel_err(y, np.load(tmp_path / "full.npy").astype(np.float64)) <= tol
+    # 2-d input (one sequence).
+    np.save(tmp_path / "x1.npy", x[0].astype(np.float32))
+    r = subprocess.run(base[:-1] + [str(tmp_path / "x1.npy"), "--out", str(tmp_path / "y1.npy"),
+                                    "--decode", "--cache-dtype", dtype], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert H.max_rel_err(np.load(tmp_path / "y1.npy"), ref[0]) <= tol
+    if dtype != "f32":
+        return
+    out = ["--out", str(tmp_path / "y.npy"), "--decode"]
+    r = subprocess.run(base + out + ["--prefill", str(SEQ + 1)], capture_output=True, text=True)
+    assert r.returncode == 1 and "--prefill" in r.stderr
+    r = subprocess.run(base + out + ["--cache-dtype", "f8"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--cache-dtype" in r.stderr
+    np.save(tmp_path / "p.npy", np.zeros((BATCH, SEQ), np.int64))
+    r = subprocess.run(base + out + ["--positions", str(tmp_path / "p.npy")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--positions" in r.stderr
+    r = subprocess.run(base + out + ["--dtype", "bf16"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--dtype" in r.stderr
