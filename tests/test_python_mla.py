@@ -354,6 +354,22 @@ def test_torch_module_compiles_and_exports(models, name):
     assert torch.equal(comp(x2), mod(x2))
 
 
+@pytest.mark.skipif(os.environ.get("MHA_TEST_QUICK") == "1", reason="inductor compiles C++")
+def test_torch_module_compiles_with_inductor(models):
+    """The default backend (inductor, which generates code around the opaque operator): output
+    and gradients equal eager's bit for bit."""
+    import mha.torch as mt
+    d, refs = models["v3_no_lora_half"]
+    x = torch.tensor(refs[0][0], dtype=torch.float32)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    mod = mt.MLA.from_pretrained(d, 0)
+    y0, dx0, g0 = _grads(mod, mod, x, dy)
+    torch._dynamo.reset()
+    y1, dx1, g1 = _grads(mod, torch.compile(mod, fullgraph=True), x, dy)
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert all(torch.equal(g1[n], g0[n]) for n in g0)
+
+
 def test_torch_op_caches_the_layer_until_a_weight_changes(models):
     """torch.ops.mha.mla builds the C layer once per weights' version: repeated calls (and the
     backward) reuse it; an optimizer step (in-place update: version bumped) rebuilds it, and the
