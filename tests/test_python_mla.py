@@ -382,14 +382,18 @@ def test_torch_op_caches_the_layer_until_a_weight_changes(models):
     mod = mt.MLA.from_pretrained(d, 0)
     mod(x).sum().backward()
     assert len(O._MLA_CACHE) == 1
-    layer = next(iter(O._MLA_CACHE.values()))[1]
+    layer = next(iter(O._MLA_CACHE.values()))[2]
     y = mod(x)
-    assert next(iter(O._MLA_CACHE.values()))[1] is layer and len(O._MLA_CACHE) == 1
+    assert next(iter(O._MLA_CACHE.values()))[2] is layer and len(O._MLA_CACHE) == 1
     torch.optim.SGD(mod.parameters(), lr=0.1).step()
-    y2 = mod(x)
-    assert len(O._MLA_CACHE) == 2 and not torch.equal(y2, y)
+    y2 = mod(x)  # rebuilt, in place of the old version's layer (one entry per module)
+    assert len(O._MLA_CACHE) == 1 and next(iter(O._MLA_CACHE.values()))[2] is not layer
+    assert not torch.equal(y2, y)
     fresh = mha.MLA(mod._config, {n: getattr(mod, n).detach().numpy() for n in mod._names})
     assert torch.equal(y2, torch.from_numpy(fresh.forward(x.numpy())))
+    other = mt.MLA.from_pretrained(d, 1)
+    other(x)
+    assert len(O._MLA_CACHE) == 2  # another module's weights: their own entry
     O.mla_cache_clear()
     assert not O._MLA_CACHE
 

@@ -449,12 +449,14 @@ _LIB.impl("attention", _autocast_attention, "AutocastCPU", with_keyset=True)
 # constant and needs no Python object beside it). mla_backward(dy, x, weights, config, causal,
 # threads) -> [dx, d weight for each weight] (mha_mla_backward). The C layer (mha_mla_create:
 # checks and copies the weights, ~10 ms for DeepSeek-V2-Lite's 14 M weights of one layer, more
-# than a one-token forward) is cached, keyed on the config and each weight's data pointer, shape,
-# strides and version counter (torch bumps it at every in-place change: an optimizer step,
-# load_state_dict, any in-place op under torch.no_grad()), so a call after an update rebuilds it
-# and the forward and backward of one step share one. The cache holds its weight tensors (so that
-# no other tensor can take their addresses) and the last MLA_CACHE_SIZE layers; mla_cache_clear()
-# empties it. A change through `.data` bypasses the version counter and is not seen: change
+# than a one-token forward) is cached, keyed on the config and each weight's data pointer, shape
+# and strides, and valid while each weight's version counter is the one it was built at (torch
+# bumps it at every in-place change: an optimizer step, load_state_dict, any in-place op under
+# torch.no_grad()): a call after an update rebuilds it in place of the old one (one entry per set
+# of weights, however many steps), and the forward and backward of one step share one. The cache
+# holds its weight tensors (so that no other tensor can take their addresses) and the layers of
+# the last MLA_CACHE_SIZE sets of weights (each a copy of its weights); mla_cache_clear() empties
+# it. A change through `.data` bypasses the version counter and is not seen: change
 # parameters in place under torch.no_grad() (as torch's optimizers do), or call mla_cache_clear().
 MLA_CACHE_SIZE = 8
 _MLA_CACHE: "collections.OrderedDict" = collections.OrderedDict()
@@ -516,16 +518,17 @@ def _mla_layer(c, names, weights, config: str):
     from ._api import MLA
     if any(w.is_inference() for w in weights):  # (no version counter: not cached)
         return MLA(c, {n: w.detach().contiguous().numpy() for n, w in zip(names, weights)})
-    key = (config,) + tuple((w.data_ptr(), tuple(w.shape), w.stride(), w._version)
-                            for w in weights)
+    key = (config,) + tuple((w.data_ptr(), tuple(w.shape), w.stride()) for w in weights)
+    versions = tuple(w._version for w in weights)
     with _MLA_LOCK:
         hit = _MLA_CACHE.get(key)
-        if hit is not None:
+        if hit is not None and hit[1] == versions:
             _MLA_CACHE.move_to_end(key)
-            return hit[1]
+            return hit[2]
+        _MLA_CACHE.pop(key, None)  # (an older version of these weights: replaced, not kept)
     layer = MLA(c, {n: w.detach().contiguous().numpy() for n, w in zip(names, weights)})
     with _MLA_LOCK:
-        _MLA_CACHE[key] = (tuple(weights), layer)
+        _MLA_CACHE[key] = (tuple(weights), versions, layer)
         while len(_MLA_CACHE) > max(int(MLA_CACHE_SIZE), 0):
             _MLA_CACHE.popitem(last=False)
     return layer
