@@ -215,6 +215,8 @@ void cli_run_usage(void) {
         "                           --causal-offsets, --attn and --dropout",
         "  --prefill P              tokens in the first (prefill) call, 1 <= P <= n (default: 1)",
         "  --cache-dtype T          cache storage f32, f16 or bf16 (default: f32)",
+        "  A deepseek_v2/v3 --model (multi-head latent attention) decodes through its compressed",
+        "  cache ([c, k_pe] per token, mha_mla_decode_step) with --prefill and --cache-dtype",
         "  With --dtype bf16 or f16 the weights are half and X is rounded to it, but the decode",
         "  steps compute on float32 activations (X widened exactly); Y is rounded once to T",
         "",

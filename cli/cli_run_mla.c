@@ -2,8 +2,10 @@
 /* cli_run_mla.c: `mha run --model DIR --layer L` for a multi-head latent attention model
  * (deepseek_v2, deepseek_v3: mha_hf_mla_load): the layer's causal expanded forward
  * (mha_mla_forward) of --input [n, hidden] or [B, n, hidden] into --out (float32), with
- * --positions and --threads; every other option of `mha run` is refused naming it (docs/MODELS.md
- * "Multi-head latent attention"). */
+ * --positions and --threads; with --decode (--prefill P, --cache-dtype T) the same rows through
+ * the compressed cache (mha_mla_cache, mha_mla_decode_step: the absorbed form): the first P tokens
+ * of every sequence in one call, then one token per call. Every other option of `mha run` is
+ * refused naming it (docs/MODELS.md "Multi-head latent attention"). */
 #include "cli_run_common.h"
 
 #include "npy.h"
@@ -13,7 +15,8 @@
 
 /* The options an MLA layer takes; any other given one is a usage error naming it. */
 static int check_mla_options(const run_config *o) {
-    static const int ok[] = {O_MODEL, O_LAYER, O_INPUT, O_OUT, O_THREADS, O_POSITIONS, O_VERBOSE};
+    static const int ok[] = {O_MODEL,     O_LAYER,   O_INPUT,  O_OUT,     O_THREADS,
+                             O_POSITIONS, O_VERBOSE, O_DECODE, O_PREFILL, O_CACHE_DTYPE};
     for (int i = 0; i < O_COUNT; i++) {
         int allowed = i == O_HELP;
         for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++)
@@ -24,6 +27,54 @@ static int check_mla_options(const run_config *o) {
                              o->flags[i].name, o->opt[O_MODEL]);
     }
     return CLI_OK;
+}
+
+/* --decode: a cache of n tokens per sequence (o->cache_dtype), the first P = o->prefill tokens of
+ * every sequence in one mha_mla_decode_step, then one token per step; y [B, n, hidden] gets each
+ * call's rows. One thread pool for every step (a step is short: starting threads would show). */
+static int run_decode(const run_config *o,
+                      const mha_mla *m,
+                      const mha_mla_forward_args *fa,
+                      float *y,
+                      const mha_exec *exec,
+                      mha_error *err) {
+    const int64_t B = fa->batch, n = fa->seq_len, E = mha_mla_get_config(m)->hidden;
+    const int64_t P = o->prefill;
+    if (P > n)
+        return cli_fail("--prefill %lld: larger than the %lld tokens of %s", (long long)P,
+                        (long long)n, o->opt[O_INPUT]);
+    mha_mla_cache *cache = NULL;
+    mha_exec ex = *exec;
+    float *xs = malloc(sizeof(float) * (size_t)(B * P * E)); /* B P E <= x's count: no overflow */
+    float *ys = malloc(sizeof(float) * (size_t)(B * P * E));
+    int rc = xs && ys ? CLI_OK : cli_fail("cannot allocate the decode buffers");
+    if (!rc &&
+        (mha_mla_cache_create(m, B, n, o->cache_dtype, NULL, &cache, err) ||
+         mha_threadpool_create(ex.n_threads < 1024 ? ex.n_threads : 1024, NULL, &ex.pool, err)))
+        rc = cli_lib_fail(o->opt[O_MODEL], err);
+    for (int64_t t0 = 0; t0 < n && !rc;) {
+        const int64_t t = t0 == 0 ? P : 1;
+        for (int64_t b = 0; b < B; b++)
+            memcpy(xs + b * t * E, fa->x + (b * n + t0) * E, sizeof(float) * (size_t)(t * E));
+        mha_decode_args a;
+        memset(&a, 0, sizeof a);
+        a.num_seqs = B;
+        a.num_tokens = t;
+        a.x = xs;
+        a.out = ys;
+        if (mha_mla_decode_step(m, cache, &a, &ex, err) != MHA_STATUS_OK) {
+            rc = cli_lib_fail(o->opt[O_MODEL], err);
+            break;
+        }
+        for (int64_t b = 0; b < B; b++)
+            memcpy(y + (b * n + t0) * E, ys + b * t * E, sizeof(float) * (size_t)(t * E));
+        t0 += t;
+    }
+    mha_threadpool_destroy(ex.pool);
+    mha_mla_cache_destroy(cache);
+    free(xs);
+    free(ys);
+    return rc;
 }
 
 /* x [B, n, hidden] (2-d: B = 1) as float32; positions [B, n] or [n] int64 when given. */
@@ -65,9 +116,16 @@ static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
     mha_exec ex;
     memset(&ex, 0, sizeof ex);
     ex.n_threads = o->opt[O_THREADS] ? atoi(o->opt[O_THREADS]) : 0;
-    if (!y || mha_mla_forward(m, &a, &ex, err) != MHA_STATUS_OK)
-        rc = y ? cli_lib_fail(o->opt[O_MODEL], err) : cli_fail("out of memory");
-    else if (mha__npy_write_f32(o->opt[O_OUT], y, x.ndim, x.shape, err) != MHA_STATUS_OK)
+    if (!y)
+        rc = cli_fail("out of memory");
+    else if (o->decode)
+        rc = run_decode(o, m, &a, y, &ex, err);
+    else
+        rc = mha_mla_forward(m, &a, &ex, err) == MHA_STATUS_OK ? CLI_OK
+                                                               : cli_lib_fail(o->opt[O_MODEL], err);
+    if (rc)
+        goto done;
+    if (mha__npy_write_f32(o->opt[O_OUT], y, x.ndim, x.shape, err) != MHA_STATUS_OK)
         rc = cli_lib_fail(o->opt[O_OUT], err);
     else
         rc = CLI_OK;

@@ -8,7 +8,12 @@ recorded with hooks as the oracle.
   - the compressed-cache decode, token by token and in chunks, equal to the same rows of the full
     causal forward (TOL_OUT_REL for a float32 cache, TOL_KV_F16_REL / TOL_KV_BF16_REL for half
     caches: each cached value is rounded once, as in the KV cache's tests);
-  - hostile config.json / checkpoints refused naming the field or tensor.
+  - hostile config.json / checkpoints refused naming the field or tensor;
+  - mha.torch.MLA (torch.ops.mha.mla): gradients against torch autograd of the HF module,
+    torch.compile(fullgraph=True) and torch.export equal to eager bit for bit, the C layer cached
+    until a weight changes;
+  - `mha run --model DIR --layer L` (forward, and --decode through the compressed cache at each
+    --cache-dtype within that dtype's tolerance).
 """
 import json
 import os
@@ -308,6 +313,118 @@ def test_torch_module_trains_like_transformers(models):
     assert H.max_rel_err(mod(xt).detach().numpy(), 2 * ref) <= TOL_OUT_REL
 
 
+def _grads(mod, fn, x, dy):
+    """(y, dx, {name: d param}) of fn(x) with upstream gradient dy."""
+    mod.zero_grad()
+    xt = x.clone().requires_grad_(True)
+    y = fn(xt)
+    y.backward(dy)
+    return y.detach(), xt.grad, {n: p.grad.clone() for n, p in mod.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["v3_lora_yarn", "v2_no_lora"])
+def test_torch_module_compiles_and_exports(models, name):
+    """mha.torch.MLA under torch.compile(fullgraph=True) (aot_eager: dynamo and AOT autograd) and
+    torch.export: the forward and backward are torch.ops.mha.mla / mla_backward (opaque custom
+    ops with fake kernels), so the compiled module's output and every gradient equal eager's bit
+    for bit, and the exported program holds torch.ops.mha.mla and gives the eager output."""
+    import mha.torch as mt
+    d, refs = models[name]
+    x = torch.tensor(refs[1][0], dtype=torch.float32)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    mod = mt.MLA.from_pretrained(d, 1)
+    y0, dx0, g0 = _grads(mod, mod, x, dy)
+    assert H.max_rel_err(y0.numpy(), refs[1][1]) <= TOL_OUT_REL
+    torch._dynamo.reset()
+    comp = torch.compile(mod, fullgraph=True, backend="aot_eager")
+    y1, dx1, g1 = _grads(mod, comp, x, dy)
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g0)
+    # The compiled module reads its parameters at every call (no stale layer).
+    with torch.no_grad():
+        mod.w_o.mul_(2.0)
+    assert torch.equal(comp(x), mod(x)) and not torch.equal(comp(x), y0)
+    with torch.no_grad():
+        mod.w_o.mul_(0.5)
+    ep = torch.export.export(mod, (x,))
+    assert "torch.ops.mha.mla.default" in str(ep.graph_module.code)
+    assert torch.equal(ep.module()(x), y0)
+    # Another batch and length than traced with (the fake kernel's shapes are symbolic-safe).
+    x2 = x[:1, :5].contiguous()
+    assert torch.equal(comp(x2), mod(x2))
+
+
+@pytest.mark.skipif(os.environ.get("MHA_TEST_QUICK") == "1", reason="inductor compiles C++")
+def test_torch_module_compiles_with_inductor(models):
+    """The default backend (inductor, which generates code around the opaque operator): output
+    and gradients equal eager's bit for bit."""
+    import mha.torch as mt
+    d, refs = models["v3_no_lora_half"]
+    x = torch.tensor(refs[0][0], dtype=torch.float32)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    mod = mt.MLA.from_pretrained(d, 0)
+    y0, dx0, g0 = _grads(mod, mod, x, dy)
+    torch._dynamo.reset()
+    y1, dx1, g1 = _grads(mod, torch.compile(mod, fullgraph=True), x, dy)
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0)
+    assert all(torch.equal(g1[n], g0[n]) for n in g0)
+
+
+def test_torch_op_caches_the_layer_until_a_weight_changes(models):
+    """torch.ops.mha.mla builds the C layer once per weights' version: repeated calls (and the
+    backward) reuse it; an optimizer step (in-place update: version bumped) rebuilds it, and the
+    output is the new weights'."""
+    import mha.torch as mt
+    from mha import _torch_ops as O
+    O.mla_cache_clear()
+    d, refs = models["v3_lora_yarn"]
+    x = torch.tensor(refs[0][0], dtype=torch.float32)
+    mod = mt.MLA.from_pretrained(d, 0)
+    mod(x).sum().backward()
+    assert len(O._MLA_CACHE) == 1
+    layer = next(iter(O._MLA_CACHE.values()))[2]
+    y = mod(x)
+    assert next(iter(O._MLA_CACHE.values()))[2] is layer and len(O._MLA_CACHE) == 1
+    torch.optim.SGD(mod.parameters(), lr=0.1).step()
+    y2 = mod(x)  # rebuilt, in place of the old version's layer (one entry per module)
+    assert len(O._MLA_CACHE) == 1 and next(iter(O._MLA_CACHE.values()))[2] is not layer
+    assert not torch.equal(y2, y)
+    fresh = mha.MLA(mod._config, {n: getattr(mod, n).detach().numpy() for n in mod._names})
+    assert torch.equal(y2, torch.from_numpy(fresh.forward(x.numpy())))
+    other = mt.MLA.from_pretrained(d, 1)
+    other(x)
+    assert len(O._MLA_CACHE) == 2  # another module's weights: their own entry
+    O.mla_cache_clear()
+    assert not O._MLA_CACHE
+
+
+def test_torch_ops_refuse_bad_operands(models):
+    """torch.ops.mha.mla refuses, naming the argument, what mha_mla_forward cannot read."""
+    import mha.torch as mt
+    from mha import _torch_ops as O
+    mod = mt.MLA.from_pretrained(models["v2_no_lora"][0], 0)
+    x = torch.zeros(1, 3, mod._config.hidden)
+    ws = [getattr(mod, n) for n in mod._names]
+    cfg = mod._config_str
+    with pytest.raises(TypeError, match="x must be float32"):
+        torch.ops.mha.mla(x.double(), ws, cfg, True, 0)
+    with pytest.raises(ValueError, match="x must have shape"):
+        torch.ops.mha.mla(x[..., :5], ws, cfg, True, 0)
+    i = mod._names.index("w_o")
+    with pytest.raises(ValueError, match="w_o must have shape"):
+        torch.ops.mha.mla(x, ws[:i] + [ws[i][:, :3]] + ws[i + 1:], cfg, True, 0)
+    with pytest.raises(ValueError, match="expected .* weights"):
+        torch.ops.mha.mla(x, ws[:-1], cfg, True, 0)
+    with pytest.raises(ValueError, match="config must be"):
+        torch.ops.mha.mla(x, ws, cfg[:-2], True, 0)
+    with pytest.raises(TypeError, match="must be float32"):
+        torch.ops.mha.mla(x, [w.double() for w in ws], cfg, True, 0)
+    assert O.mla_config_string(mod._config) == cfg
+    torch.library.opcheck(torch.ops.mha.mla.default, (x.normal_().requires_grad_(),
+                                                       [w.detach().requires_grad_() for w in ws],
+                                                       cfg, True, 0))
+
+
 def test_cli_run_model(models, tmp_path):
     """`mha run --model DIR --layer L` on a deepseek_v3 directory: the expanded forward, equal to
     the HF module; options an MLA layer does not take are refused naming them."""
@@ -337,3 +454,55 @@ def test_cli_run_model(models, tmp_path):
     assert r.returncode == 1 and "kv_lora_rank" in r.stderr
     r = subprocess.run([cli, "info", "--model", bad], capture_output=True, text=True)
     assert r.returncode == 1 and "kv_lora_rank" in r.stderr
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", TOL_OUT_REL), ("f16", TOL_KV_F16_REL),
+                                       ("bf16", TOL_KV_BF16_REL)])
+def test_cli_run_model_decode(models, tmp_path, dtype, tol):
+    """`mha run --model DIR --layer L --decode [--prefill P] [--cache-dtype T]` on deepseek
+    models: a prompt of P tokens then one token per step through the compressed cache (the
+    absorbed form), equal to the HF module and to the CLI's own full forward within the cache
+    dtype's tolerance; the decode's usage errors name the option."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    for name in ("v3_lora_yarn", "v2_no_lora"):
+        d, refs = models[name]
+        x, ref = refs[1]
+        np.save(tmp_path / "x.npy", x.astype(np.float32))
+        base = [cli, "run", "--model", d, "--layer", "1", "--input", str(tmp_path / "x.npy")]
+        r = subprocess.run(base + ["--out", str(tmp_path / "full.npy")], capture_output=True,
+                           text=True)
+        assert r.returncode == 0, r.stderr
+        for prefill in ("1", "5", str(SEQ)):
+            r = subprocess.run(base + ["--out", str(tmp_path / "y.npy"), "--decode", "--prefill",
+                                       prefill, "--cache-dtype", dtype], capture_output=True,
+                               text=True)
+            assert r.returncode == 0, r.stderr
+            y = np.load(tmp_path / "y.npy")
+            assert y.shape == x.shape and y.dtype == np.float32
+            err = H.max_rel_err(y, ref)
+            print(f"{name} --cache-dtype {dtype} --prefill {prefill}: max rel err {err:.2e}")
+            assert err <= tol, (name, prefill)
+            assert H.max_rel_err(y, np.load(tmp_path / "full.npy").astype(np.float64)) <= tol
+    # 2-d input (one sequence).
+    np.save(tmp_path / "x1.npy", x[0].astype(np.float32))
+    r = subprocess.run(base[:-1] + [str(tmp_path / "x1.npy"), "--out", str(tmp_path / "y1.npy"),
+                                    "--decode", "--cache-dtype", dtype], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert H.max_rel_err(np.load(tmp_path / "y1.npy"), ref[0]) <= tol
+    if dtype != "f32":
+        return
+    out = ["--out", str(tmp_path / "y.npy"), "--decode"]
+    r = subprocess.run(base + out + ["--prefill", str(SEQ + 1)], capture_output=True, text=True)
+    assert r.returncode == 1 and "--prefill" in r.stderr
+    r = subprocess.run(base + out + ["--cache-dtype", "f8"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--cache-dtype" in r.stderr
+    np.save(tmp_path / "p.npy", np.zeros((BATCH, SEQ), np.int64))
+    r = subprocess.run(base + out + ["--positions", str(tmp_path / "p.npy")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--positions" in r.stderr
+    r = subprocess.run(base + out + ["--dtype", "bf16"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--dtype" in r.stderr

@@ -1631,6 +1631,24 @@ class KVCache:
         self._handle.close()
 
 
+def mla_weight_shapes(c: "L.mha_mla_config") -> Dict[str, Tuple[int, ...]]:
+    """The shape of every weight an MLA layer of config c has, by mha_mla_weights' names (in the
+    order of mha.torch.MLA's parameters and of torch.ops.mha.mla's weights)."""
+    h, dn, dr, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    E, r, rq, b = c.hidden, c.kv_lora_rank, c.q_lora_rank, bool(c.bias)
+    s = {"w_kv_a": (r + dr, E), "kv_a_norm": (r,), "w_kv_b": (h * (dn + dv), r),
+         "w_o": (E, h * dv)}
+    if rq:
+        s.update(w_q_a=(rq, E), q_a_norm=(rq,), w_q_b=(h * (dn + dr), rq))
+        if b:
+            s["b_q_a"] = (rq,)
+    else:
+        s["w_q"] = (h * (dn + dr), E)
+    if b:
+        s.update(b_kv_a=(r + dr,), b_o=(E,))
+    return s
+
+
 class MLA:
     """Multi-head latent attention (DeepSeek-V2/V3; mha.h "Multi-head latent attention",
     docs/SEMANTICS.md). ``MLA.from_pretrained(dir, layer)`` loads a deepseek_v2 / deepseek_v3
@@ -1706,20 +1724,7 @@ class MLA:
 
     def weight_shapes(self) -> Dict[str, Tuple[int, ...]]:
         """The shape of every weight this layer has, by mha_mla_weights' names."""
-        c = self.config
-        h, dn, dr, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        E, r, rq, b = c.hidden, c.kv_lora_rank, c.q_lora_rank, bool(c.bias)
-        s = {"w_kv_a": (r + dr, E), "kv_a_norm": (r,), "w_kv_b": (h * (dn + dv), r),
-             "w_o": (E, h * dv)}
-        if rq:
-            s.update(w_q_a=(rq, E), q_a_norm=(rq,), w_q_b=(h * (dn + dr), rq))
-            if b:
-                s["b_q_a"] = (rq,)
-        else:
-            s["w_q"] = (h * (dn + dr), E)
-        if b:
-            s.update(b_kv_a=(r + dr,), b_o=(E,))
-        return s
+        return mla_weight_shapes(self.config)
 
     def backward(self, x: ArrayLike, dy: ArrayLike, positions: Optional[ArrayLike] = None, *,
                  causal: bool = True, threads: int = 0) -> Dict[str, np.ndarray]:

@@ -36,6 +36,8 @@ averaged over heads (average_probs), or an empty tensor when need_probs is False
 """
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -435,3 +437,152 @@ def _autocast_attention(keyset, q: Tensor, k: Tensor, v: Tensor, *rest):
 _AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
 _LIB = torch.library.Library("mha", "IMPL")  # (kept: a registration lives as long as its Library)
 _LIB.impl("attention", _autocast_attention, "AutocastCPU", with_keyset=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-head latent attention (mha.torch.MLA): torch.ops.mha.mla and torch.ops.mha.mla_backward
+# ------------------------------------------------------------------------------------------------
+# mla(x [B, n, hidden], weights, config, causal, threads) -> y [B, n, hidden]: mha_mla_forward of
+# the layer built from `weights` (float32 CPU tensors, mha_mla_weights' fields the config uses, in
+# mha.MLA.weight_shapes' order, each of its shape) and `config` (the mha_mla_config's bytes in
+# hex: a string, so that a traced or exported program holds the whole layer description as a
+# constant and needs no Python object beside it). mla_backward(dy, x, weights, config, causal,
+# threads) -> [dx, d weight for each weight] (mha_mla_backward). The C layer (mha_mla_create:
+# checks and copies the weights, ~10 ms for DeepSeek-V2-Lite's 14 M weights of one layer, more
+# than a one-token forward) is cached, keyed on the config and each weight's data pointer, shape
+# and strides, and valid while each weight's version counter is the one it was built at (torch
+# bumps it at every in-place change: an optimizer step, load_state_dict, any in-place op under
+# torch.no_grad()): a call after an update rebuilds it in place of the old one (one entry per set
+# of weights, however many steps), and the forward and backward of one step share one. The cache
+# holds its weight tensors (so that no other tensor can take their addresses) and the layers of
+# the last MLA_CACHE_SIZE sets of weights (each a copy of its weights); mla_cache_clear() empties
+# it. A change through `.data` bypasses the version counter and is not seen: change
+# parameters in place under torch.no_grad() (as torch's optimizers do), or call mla_cache_clear().
+MLA_CACHE_SIZE = 8
+_MLA_CACHE: "collections.OrderedDict" = collections.OrderedDict()
+_MLA_LOCK = threading.Lock()
+
+
+def mla_cache_clear() -> None:
+    """Drops every cached MLA layer (torch.ops.mha.mla rebuilds them at their next call)."""
+    with _MLA_LOCK:
+        _MLA_CACHE.clear()
+
+
+def mla_config_string(config: "L.mha_mla_config") -> str:
+    """The operator's `config` argument for an mha_mla_config."""
+    import ctypes
+    return bytes(ctypes.string_at(ctypes.addressof(config), ctypes.sizeof(config))).hex()
+
+
+def _mla_config(s: str, op: str) -> "L.mha_mla_config":
+    import ctypes
+    try:
+        raw = bytes.fromhex(s)
+    except (TypeError, ValueError):
+        raw = b""
+    size = ctypes.sizeof(L.mha_mla_config)
+    if len(raw) != size:
+        raise ValueError(f"{op}: config must be an mha_mla_config's {size} bytes in hex "
+                         f"(mla_config_string), got {len(str(s))} characters")
+    return L.mha_mla_config.from_buffer_copy(raw)
+
+
+def _mla_checked(op: str, x: Tensor, weights, config: str, extra=()):
+    """(config, weight names, shapes): x [B, n, hidden] and every weight float32 on the CPU, the
+    weights the config uses in their order and shapes; TypeError / ValueError naming the tensor."""
+    from ._api import mla_weight_shapes
+    c = _mla_config(config, op)
+    shapes = mla_weight_shapes(c)
+    for name, t in (("x", x),) + tuple(extra):
+        _where(t, name, op)
+        if t.dtype is not _F32:
+            raise TypeError(f"{op}: {name} must be float32, got {t.dtype}")
+        if t.dim() != 3 or t.shape[2] != c.hidden or t.shape != x.shape:
+            raise ValueError(f"{op}: {name} must have shape [B, n, {c.hidden}] (as x), got "
+                             f"{tuple(t.shape)}")
+    if len(weights) != len(shapes):
+        raise ValueError(f"{op}: expected {len(shapes)} weights ({', '.join(shapes)}), got "
+                         f"{len(weights)}")
+    for (name, shape), w in zip(shapes.items(), weights):
+        _where(w, name, op)
+        if w.dtype is not _F32:
+            raise TypeError(f"{op}: {name} must be float32, got {w.dtype}")
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(w.shape)}")
+    return c, tuple(shapes)
+
+
+def _mla_layer(c, names, weights, config: str):
+    """The mha.MLA of these weights: the cached one if no weight changed since it was made."""
+    from ._api import MLA
+    if any(w.is_inference() for w in weights):  # (no version counter: not cached)
+        return MLA(c, {n: w.detach().contiguous().numpy() for n, w in zip(names, weights)})
+    key = (config,) + tuple((w.data_ptr(), tuple(w.shape), w.stride()) for w in weights)
+    versions = tuple(w._version for w in weights)
+    with _MLA_LOCK:
+        hit = _MLA_CACHE.get(key)
+        if hit is not None and hit[1] == versions:
+            _MLA_CACHE.move_to_end(key)
+            return hit[2]
+        _MLA_CACHE.pop(key, None)  # (an older version of these weights: replaced, not kept)
+    layer = MLA(c, {n: w.detach().contiguous().numpy() for n, w in zip(names, weights)})
+    with _MLA_LOCK:
+        _MLA_CACHE[key] = (tuple(weights), versions, layer)
+        while len(_MLA_CACHE) > max(int(MLA_CACHE_SIZE), 0):
+            _MLA_CACHE.popitem(last=False)
+    return layer
+
+
+def _mla_op(x: Tensor, weights: list[Tensor], config: str, causal: bool,
+            threads: int) -> Tensor:
+    """torch.ops.mha.mla: see above."""
+    c, names = _mla_checked("mha::mla", x, weights, config)
+    layer = _mla_layer(c, names, weights, config)
+    return torch.from_numpy(layer.forward(x.detach().contiguous().numpy(), causal=causal,
+                                          threads=threads))
+
+
+mla = torch.library.custom_op("mha::mla", _mla_op, mutates_args=(), device_types="cpu")
+
+
+@mla.register_fake
+def _mla_fake(x, weights, config, causal, threads):
+    _mla_checked("mha::mla (fake)", x, weights, config)
+    return x.new_empty(x.shape)
+
+
+def _mla_backward_op(dy: Tensor, x: Tensor, weights: list[Tensor], config: str, causal: bool,
+                     threads: int) -> list[Tensor]:
+    """torch.ops.mha.mla_backward: [dx] + the weights' gradients of one torch.ops.mha.mla call."""
+    c, names = _mla_checked("mha::mla_backward", x, weights, config, (("dy", dy),))
+    layer = _mla_layer(c, names, weights, config)
+    g = layer.backward(x.detach().contiguous().numpy(), dy.detach().contiguous().numpy(),
+                       causal=causal, threads=threads)
+    return [torch.from_numpy(g["x"])] + [torch.from_numpy(g[n]) for n in names]
+
+
+mla_backward = torch.library.custom_op("mha::mla_backward", _mla_backward_op, mutates_args=(),
+                                       device_types="cpu")
+
+
+@mla_backward.register_fake
+def _mla_backward_fake(dy, x, weights, config, causal, threads):
+    _mla_checked("mha::mla_backward (fake)", x, weights, config, (("dy", dy),))
+    return [x.new_empty(x.shape)] + [w.new_empty(w.shape) for w in weights]
+
+
+def _mla_setup_context(ctx, inputs, output) -> None:
+    x, weights, config, causal, threads = inputs
+    ctx.save_for_backward(x, *weights)
+    ctx.options = (config, causal, threads)
+
+
+def _mla_backward(ctx, dy):
+    x, *weights = ctx.saved_tensors
+    config, causal, threads = ctx.options
+    g = torch.ops.mha.mla_backward(dy, x, weights, config, causal, threads)
+    return g[0], list(g[1:]), None, None, None
+
+
+mla.register_autograd(_mla_backward, setup_context=_mla_setup_context)

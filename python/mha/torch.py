@@ -1082,51 +1082,23 @@ __all__.append("ring_attention")
 
 
 # ------------------------------------------------------------------------------------------------
-# Multi-head latent attention (DeepSeek-V2/V3): mha.MLA as a torch module (eager only)
+# Multi-head latent attention (DeepSeek-V2/V3): mha.MLA as a torch module
 # ------------------------------------------------------------------------------------------------
-class _MLAFunction(torch.autograd.Function):
-    """y = MLA(x; weights) through mha_mla_forward, its backward through mha_mla_backward (every
-    weight's gradient, the norm weights included). float32 CPU tensors."""
-
-    @staticmethod
-    def forward(ctx, spec, x, *weights):
-        mla = spec.make(weights)
-        y = mla.forward(x.detach().numpy(), causal=spec.causal, threads=spec.threads)
-        ctx.spec, ctx.mla = spec, mla
-        ctx.save_for_backward(x)
-        return torch.from_numpy(y)
-
-    @staticmethod
-    def backward(ctx, dy):
-        (x,) = ctx.saved_tensors
-        g = ctx.mla.backward(x.detach().numpy(), dy.detach().contiguous().numpy(),
-                             causal=ctx.spec.causal, threads=ctx.spec.threads)
-        return (None, torch.from_numpy(g["x"]),
-                *(torch.from_numpy(g[n]) for n in ctx.spec.names))
-
-
-@dataclasses.dataclass
-class _MLASpec:
-    config: object
-    names: tuple
-    causal: bool
-    threads: int
-
-    def make(self, weights):
-        return _api.MLA(self.config, {n: w.detach().numpy() for n, w in zip(self.names, weights)})
-
-
 class MLA(nn.Module):
     """Multi-head latent attention as a ``torch.nn.Module``: the weights are parameters named
     as mha_mla_weights' fields (``w_q`` or ``w_q_a``/``b_q_a``/``q_a_norm``/``w_q_b``,
     ``w_kv_a``, ``b_kv_a``, ``kv_a_norm``, ``w_kv_b``, ``w_o``, ``b_o``), ``forward(x)`` is the
     causal expanded form (x [B, n, hidden] float32 CPU) and its backward gives every parameter's
     gradient (mha_mla_backward). ``MLA.from_pretrained(dir, layer)`` loads a deepseek_v2 /
-    deepseek_v3 layer. Eager only (torch.compile / torch.export are not supported for MLA)."""
+    deepseek_v3 layer. The forward is the operator ``torch.ops.mha.mla`` (its backward
+    ``torch.ops.mha.mla_backward``, python/mha/_torch_ops.py) with the parameters as its inputs,
+    in eager mode as under ``torch.compile(fullgraph=True)`` and ``torch.export``: one code path,
+    so that a compiled or exported module gives the eager results bit for bit."""
 
     def __init__(self, mla: "_api.MLA", threads: int = 0):
         super().__init__()
         self._config = mla.config
+        self._config_str = _torch_ops.mla_config_string(self._config)
         self._threads = threads
         self._names = tuple(mla.weight_shapes())
         got = _mla_weights(mla)
@@ -1139,8 +1111,8 @@ class MLA(nn.Module):
 
     def forward(self, x: Tensor, causal: bool = True) -> Tensor:
         _check_cpu_f32("x", x)
-        spec = _MLASpec(self._config, self._names, bool(causal), self._threads)
-        return _MLAFunction.apply(spec, x, *(getattr(self, n) for n in self._names))
+        return torch.ops.mha.mla(x, [getattr(self, n) for n in self._names], self._config_str,
+                                 bool(causal), self._threads)
 
 
 def _mla_weights(mla: "_api.MLA"):
