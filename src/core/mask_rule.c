@@ -15,12 +15,26 @@
  * with different visible columns, mean "no rule". Otherwise every column's visible rows are the
  * band's rows for that column (and its K is "visible somewhere"), which is V = band AND K
  * element for element: no sampling, no tolerance.
+ *
+ * Chunked causal (the second pass, run only when the first failed at the lower edge): the model is
+ *     V[b, h, i, j] = [j <= i + hi] AND [floor(j / C) == floor((i + hi) / C)] AND K_b[j],
+ * under which a real key j is visible in exactly the rows [max(0, j - hi), min(n - 1, E_j - hi)],
+ * E_j = C floor(j / C) + C - 1 its chunk's last position: the same first rows as the band, and a
+ * last row set by the chunk instead of lo. A column last visible at row r < n - 1 so says
+ * C (floor(j / C) + 1) = r + hi + 1 =: v; the first such column j0 leaves the divisors C of v0
+ * with C >= v0 - j0 (its chunk holds j0) as candidates, and every further column removes those
+ * that contradict it. A column visible down to row n - 1 needs E_j - hi >= n - 1, which E_j's
+ * growth in j reduces to the smallest such column. A candidate left at the end satisfies every
+ * column's interval, so again V = chunked band AND K element for element.
  */
 #include "check/check.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The most divisors an int64 v <= 2^33 has is below 2048 (1536 under 2^32, 2304 is beyond). */
+#define MAX_CANDS 2048
 
 /* The state of one recognition: the resolved tensor and the band's edges found so far. */
 typedef struct scan {
@@ -34,9 +48,14 @@ typedef struct scan {
     uint8_t *row;          /* [m]: visibility of the row being read */
     uint8_t *keys;         /* [distinct batch rows, m]: K_b[j] = column j visible somewhere */
     bool hi_known, lo_known;
-    int64_t hi, lo; /* the edges, when known */
-    int64_t hi_min; /* hi >= hi_min (INT64_MIN: no bound yet) */
-    int64_t lo_max; /* lo <= lo_max (INT64_MAX: no bound yet) */
+    int64_t hi, lo;  /* the edges, when known */
+    int64_t hi_min;  /* hi >= hi_min (INT64_MIN: no bound yet) */
+    int64_t lo_max;  /* lo <= lo_max (INT64_MAX: no bound yet) */
+    bool lo_failed;  /* the band pass failed at the lower edge: a chunk may explain it */
+    bool chunk_mode; /* the second pass: chunked causal instead of a lower edge */
+    int64_t ncands;  /* -1: no chunk edge seen yet; else the candidate chunk sizes left */
+    int64_t cands[MAX_CANDS];
+    int64_t full_min; /* the smallest column visible down to row n - 1 (INT64_MAX: none) */
 } scan;
 
 /* row[j] = whether element j of the row at `off` is visible, j < m (the last dimension is
@@ -104,17 +123,71 @@ static bool bound_hi(scan *S, int64_t bound) {
 /* lo = value (a column last visible at row r < n - 1: value = j - r). */
 static bool fix_lo(scan *S, int64_t value) {
     if (S->lo_known && S->lo != value)
-        return false;
+        return !(S->lo_failed = true);
     S->lo_known = true;
     S->lo = value;
-    return value <= S->lo_max;
+    S->lo_failed = value > S->lo_max;
+    return !S->lo_failed;
 }
 
 /* lo <= bound (a column visible down to row n - 1: bound = j - (n - 1)). */
 static bool bound_lo(scan *S, int64_t bound) {
     if (bound < S->lo_max)
         S->lo_max = bound;
-    return !S->lo_known || S->lo <= S->lo_max;
+    S->lo_failed = S->lo_known && S->lo > S->lo_max;
+    return !S->lo_failed;
+}
+
+/* The candidates of a first chunk edge: the divisors C of v = C (floor(j / C) + 1) whose chunk
+ * [v - C, v) holds j, i.e. C >= v - j; largest first. */
+static void chunk_candidates(scan *S, int64_t j, int64_t v) {
+    S->ncands = 0;
+    for (int64_t d = 1; d * d <= v; d++) {
+        if (v % d)
+            continue;
+        const int64_t pair[2] = {v / d, d};
+        for (int k = 0; k < (d * d == v ? 1 : 2); k++)
+            if (pair[k] >= v - j && S->ncands < MAX_CANDS)
+                S->cands[S->ncands++] = pair[k];
+    }
+}
+
+/* Column j of a slice, visible in rows [first, last], under the chunked causal model (hi
+ * known): the candidates that put its last row at min(n - 1, E_j - hi) are kept; false when
+ * none is left. */
+static bool chunk_column(scan *S, int64_t j, int64_t last) {
+    if (last == S->n - 1) { /* needs E_j - hi >= n - 1: checked at the end, smallest j */
+        if (j < S->full_min)
+            S->full_min = j;
+        return true;
+    }
+    const int64_t v = last + S->hi + 1; /* = C (floor(j / C) + 1) */
+    if (S->ncands < 0)
+        chunk_candidates(S, j, v);
+    int64_t kept = 0;
+    for (int64_t k = 0; k < S->ncands; k++) {
+        const int64_t C = S->cands[k];
+        if (C * (j / C + 1) == v)
+            S->cands[kept++] = C;
+    }
+    S->ncands = kept;
+    return kept > 0;
+}
+
+/* The chunk size the whole tensor agrees on, or 0 when none: the smallest candidate left whose
+ * chunks reach row n - 1 for the smallest full column (the smallest C reaches the fewest keys, so
+ * a key is padded only where a row would see it: canonical, like the band's edges). */
+static int64_t chunk_found(const scan *S) {
+    if (!S->hi_known || S->ncands <= 0)
+        return 0;
+    int64_t best = 0;
+    for (int64_t k = 0; k < S->ncands; k++) {
+        const int64_t C = S->cands[k], j = S->full_min;
+        const bool fits = j == INT64_MAX || C * (j / C) + C - 1 - S->hi >= S->n - 1;
+        if (fits && (best == 0 || C < best))
+            best = C;
+    }
+    return best;
 }
 
 /* Row i's visibility (S->row) into the column intervals: a column's rows must be contiguous. */
@@ -150,8 +223,13 @@ static bool scan_slice(scan *S, int64_t base) {
             continue;
         if (rows == 1)
             S->last[j] = S->n - 1;
-        if (!(S->last[j] < S->n - 1 ? fix_lo(S, j - S->last[j]) : bound_lo(S, j - (S->n - 1))))
+        if (S->chunk_mode) {
+            if (!S->hi_known || !chunk_column(S, j, S->last[j]))
+                return false;
+        } else if (!(S->last[j] < S->n - 1 ? fix_lo(S, j - S->last[j])
+                                           : bound_lo(S, j - (S->n - 1)))) {
             return false;
+        }
     }
     return true;
 }
@@ -179,10 +257,13 @@ static bool scan_all(scan *S, int64_t batches, int64_t heads) {
 /* The rule of the edges found (canonical form, mha.h) and the key vectors: a column that no row
  * of the band reaches (j - hi > n - 1 or j - lo < 0) is hidden whatever K says, so its K is set
  * to 1 (real), keeping padding only where it matters. */
-static void finish_rule(scan *S, int64_t batches, mha_mask_rule *rule) {
+static void finish_rule(scan *S, int64_t batches, int64_t chunk, mha_mask_rule *rule) {
     bool all_real = true;
     for (int64_t j = 0; j < S->m; j++) {
-        const bool unreached = (S->hi_known && j - S->hi > S->n - 1) || (S->lo_known && j < S->lo);
+        /* chunk: j's chunk ends before row 0's position hi */
+        const bool unreached = (S->hi_known && j - S->hi > S->n - 1) ||
+                               (S->lo_known && j < S->lo) ||
+                               (chunk > 0 && chunk * (j / chunk) + chunk - 1 < S->hi);
         for (int64_t b = 0; b < batches; b++) {
             if (unreached)
                 S->keys[b * S->m + j] = 1;
@@ -192,6 +273,7 @@ static void finish_rule(scan *S, int64_t batches, mha_mask_rule *rule) {
     const bool band = S->hi_known || S->lo_known;
     memset(rule, 0, sizeof *rule);
     rule->window_left = rule->window_right = -1;
+    rule->chunk_size = chunk;
     if (S->hi_known) { /* j <= i + hi: causal at delta = hi; a lower edge adds (hi - lo, 0) */
         rule->causal = 1;
         rule->delta = S->hi;
@@ -209,6 +291,17 @@ static void finish_rule(scan *S, int64_t batches, mha_mask_rule *rule) {
         rule->kind = all_real ? MHA_MASK_RULE_BAND : MHA_MASK_RULE_BAND_AND_KEY_PADDING;
     else
         rule->kind = all_real ? MHA_MASK_RULE_ALL_VISIBLE : MHA_MASK_RULE_KEY_PADDING;
+}
+
+/* The state of a second pass, chunked causal: the edges and bounds start over. */
+static void rescan_chunked(scan *S) {
+    S->hi_known = S->lo_known = false;
+    S->hi = S->lo = 0;
+    S->hi_min = INT64_MIN;
+    S->lo_max = INT64_MAX;
+    S->chunk_mode = true;
+    S->ncands = -1;
+    S->full_min = INT64_MAX;
 }
 
 static bool is_mask_dtype(mha_dtype t) {
@@ -294,10 +387,18 @@ mha_status mha_mask_recognize(const mha_mask_tensor *mask,
     S.keys = S.row + kv_len;
     S.hi_min = INT64_MIN;
     S.lo_max = INT64_MAX;
+    S.ncands = -1;
+    S.full_min = INT64_MAX;
 
     mha_mask_rule found;
-    if (scan_all(&S, batches, heads)) {
-        finish_rule(&S, batches, &found);
+    bool ok = scan_all(&S, batches, heads);
+    int64_t chunk = 0;
+    if (!ok && S.lo_failed) { /* a chunked causal mask fails the band at its chunk ends */
+        rescan_chunked(&S);
+        ok = scan_all(&S, batches, heads) && (chunk = chunk_found(&S)) > 0;
+    }
+    if (ok) {
+        finish_rule(&S, batches, chunk, &found);
     } else {
         memset(&found, 0, sizeof found);
         found.kind = MHA_MASK_RULE_NONE;
@@ -343,6 +444,13 @@ mha_status mha_mask_rule_apply(const mha_mask_rule *rule,
     /* The C API's alignment limit for a delta (mha_masking.align_offsets). */
     MHA_RETURN_IF(band && (rule->delta < -MHA_MAX_DIM || rule->delta > MHA_MAX_DIM), err,
                   INVALID_ARG, "rule.delta=%lld outside [-2^31, 2^31]", (long long)rule->delta);
+    MHA_RETURN_IF(rule->chunk_size < 0 || (rule->chunk_size > 0 && (!band || !rule->causal)), err,
+                  INVALID_ARG, "rule.chunk_size=%lld: a chunk is >= 0 and only on a causal band",
+                  (long long)rule->chunk_size);
+    MHA_RETURN_IF(rule->chunk_size > 0 && mask->chunk_size != 0, err, INVALID_ARG,
+                  "mask already has chunk_size=%lld: a rule with a chunk replaces a tensor only in "
+                  "a masking without one",
+                  (long long)mask->chunk_size);
     const bool explicit_delta = band && rule->delta != kv_len - q_len && rule->delta != 0;
     MHA_RETURN_IF(explicit_delta && !align_offsets, err, INVALID_ARG,
                   "rule.delta=%lld is neither 0 nor kv_len - q_len: align_offsets [batch] needed",
@@ -352,6 +460,8 @@ mha_status mha_mask_rule_apply(const mha_mask_rule *rule,
         mask->use_window = rule->use_window;
         mask->window_left = rule->window_left;
         mask->window_right = rule->window_right;
+        if (rule->chunk_size > 0)
+            mask->chunk_size = rule->chunk_size;
         if (explicit_delta) {
             for (int64_t b = 0; b < batch; b++)
                 align_offsets[b] = rule->delta;
@@ -389,6 +499,9 @@ const char *mha_mask_rule_describe(const mha_mask_rule *rule, char *buf, size_t 
         used += (size_t)snprintf(buf + used, size - used, "%swindow (%lld, %lld)",
                                  rule->causal ? " + " : "", (long long)rule->window_left,
                                  (long long)rule->window_right);
+    if (band && rule->chunk_size > 0 && used < size)
+        used +=
+            (size_t)snprintf(buf + used, size - used, " + chunk %lld", (long long)rule->chunk_size);
     if (band && !rule->causal && used < size)
         used += (size_t)snprintf(buf + used, size - used, " at delta %lld", (long long)rule->delta);
     if (rule->kind != MHA_MASK_RULE_BAND && used < size)
