@@ -16,7 +16,8 @@
  * band's rows for that column (and its K is "visible somewhere"), which is V = band AND K
  * element for element: no sampling, no tolerance.
  *
- * Chunked causal (the second pass, run only when the first failed at the lower edge): the model is
+ * Chunked causal (a second hypothesis checked in the same pass, on the same column intervals,
+ * and taken when the band fails at its lower edge): the model is
  *     V[b, h, i, j] = [j <= i + hi] AND [floor(j / C) == floor((i + hi) / C)] AND K_b[j],
  * under which a real key j is visible in exactly the rows [max(0, j - hi), min(n - 1, E_j - hi)],
  * E_j = C floor(j / C) + C - 1 its chunk's last position: the same first rows as the band, and a
@@ -48,12 +49,12 @@ typedef struct scan {
     uint8_t *row;          /* [m]: visibility of the row being read */
     uint8_t *keys;         /* [distinct batch rows, m]: K_b[j] = column j visible somewhere */
     bool hi_known, lo_known;
-    int64_t hi, lo;  /* the edges, when known */
-    int64_t hi_min;  /* hi >= hi_min (INT64_MIN: no bound yet) */
-    int64_t lo_max;  /* lo <= lo_max (INT64_MAX: no bound yet) */
-    bool lo_failed;  /* the band pass failed at the lower edge: a chunk may explain it */
-    bool chunk_mode; /* the second pass: chunked causal instead of a lower edge */
-    int64_t ncands;  /* -1: no chunk edge seen yet; else the candidate chunk sizes left */
+    int64_t hi, lo;   /* the edges, when known */
+    int64_t hi_min;   /* hi >= hi_min (INT64_MIN: no bound yet) */
+    int64_t lo_max;   /* lo <= lo_max (INT64_MAX: no bound yet) */
+    bool band_alive;  /* the band's lower edge still fits every column read */
+    bool chunk_alive; /* the chunked causal model still fits every column read */
+    int64_t ncands;   /* -1: no chunk edge seen yet; else the candidate chunk sizes left */
     int64_t cands[MAX_CANDS];
     int64_t full_min; /* the smallest column visible down to row n - 1 (INT64_MAX: none) */
 } scan;
@@ -123,19 +124,17 @@ static bool bound_hi(scan *S, int64_t bound) {
 /* lo = value (a column last visible at row r < n - 1: value = j - r). */
 static bool fix_lo(scan *S, int64_t value) {
     if (S->lo_known && S->lo != value)
-        return !(S->lo_failed = true);
+        return false;
     S->lo_known = true;
     S->lo = value;
-    S->lo_failed = value > S->lo_max;
-    return !S->lo_failed;
+    return value <= S->lo_max;
 }
 
 /* lo <= bound (a column visible down to row n - 1: bound = j - (n - 1)). */
 static bool bound_lo(scan *S, int64_t bound) {
     if (bound < S->lo_max)
         S->lo_max = bound;
-    S->lo_failed = S->lo_known && S->lo > S->lo_max;
-    return !S->lo_failed;
+    return !S->lo_known || S->lo <= S->lo_max;
 }
 
 /* The candidates of a first chunk edge: the divisors C of v = C (floor(j / C) + 1) whose chunk
@@ -152,15 +151,17 @@ static void chunk_candidates(scan *S, int64_t j, int64_t v) {
     }
 }
 
-/* Column j of a slice, visible in rows [first, last], under the chunked causal model (hi
- * known): the candidates that put its last row at min(n - 1, E_j - hi) are kept; false when
- * none is left. */
+/* Column j of a slice, visible in rows [first, last], under the chunked causal model (a chunk
+ * edge needs hi known): the candidates that put its last row at min(n - 1, E_j - hi) are kept;
+ * false when none is left. */
 static bool chunk_column(scan *S, int64_t j, int64_t last) {
     if (last == S->n - 1) { /* needs E_j - hi >= n - 1: checked at the end, smallest j */
         if (j < S->full_min)
             S->full_min = j;
         return true;
     }
+    if (!S->hi_known)
+        return false;
     const int64_t v = last + S->hi + 1; /* = C (floor(j / C) + 1) */
     if (S->ncands < 0)
         chunk_candidates(S, j, v);
@@ -223,13 +224,13 @@ static bool scan_slice(scan *S, int64_t base) {
             continue;
         if (rows == 1)
             S->last[j] = S->n - 1;
-        if (S->chunk_mode) {
-            if (!S->hi_known || !chunk_column(S, j, S->last[j]))
-                return false;
-        } else if (!(S->last[j] < S->n - 1 ? fix_lo(S, j - S->last[j])
-                                           : bound_lo(S, j - (S->n - 1)))) {
+        const int64_t last = S->last[j];
+        if (S->band_alive)
+            S->band_alive = last < S->n - 1 ? fix_lo(S, j - last) : bound_lo(S, j - (S->n - 1));
+        if (S->chunk_alive)
+            S->chunk_alive = chunk_column(S, j, last);
+        if (!S->band_alive && !S->chunk_alive)
             return false;
-        }
     }
     return true;
 }
@@ -291,17 +292,6 @@ static void finish_rule(scan *S, int64_t batches, int64_t chunk, mha_mask_rule *
         rule->kind = all_real ? MHA_MASK_RULE_BAND : MHA_MASK_RULE_BAND_AND_KEY_PADDING;
     else
         rule->kind = all_real ? MHA_MASK_RULE_ALL_VISIBLE : MHA_MASK_RULE_KEY_PADDING;
-}
-
-/* The state of a second pass, chunked causal: the edges and bounds start over. */
-static void rescan_chunked(scan *S) {
-    S->hi_known = S->lo_known = false;
-    S->hi = S->lo = 0;
-    S->hi_min = INT64_MIN;
-    S->lo_max = INT64_MAX;
-    S->chunk_mode = true;
-    S->ncands = -1;
-    S->full_min = INT64_MAX;
 }
 
 static bool is_mask_dtype(mha_dtype t) {
@@ -387,15 +377,17 @@ mha_status mha_mask_recognize(const mha_mask_tensor *mask,
     S.keys = S.row + kv_len;
     S.hi_min = INT64_MIN;
     S.lo_max = INT64_MAX;
+    S.band_alive = S.chunk_alive = true;
     S.ncands = -1;
     S.full_min = INT64_MAX;
 
     mha_mask_rule found;
     bool ok = scan_all(&S, batches, heads);
     int64_t chunk = 0;
-    if (!ok && S.lo_failed) { /* a chunked causal mask fails the band at its chunk ends */
-        rescan_chunked(&S);
-        ok = scan_all(&S, batches, heads) && (chunk = chunk_found(&S)) > 0;
+    if (ok && !S.band_alive) { /* a chunked causal mask fails the band at its chunk ends */
+        chunk = chunk_found(&S);
+        ok = chunk > 0;
+        S.lo_known = false; /* the chunks end the columns, not a lower edge */
     }
     if (ok) {
         finish_rule(&S, batches, chunk, &found);
