@@ -46,7 +46,8 @@ typedef struct scan {
     int64_t strides[4]; /* element strides over (b, h, i, j); 0 = broadcast */
     int64_t n, m;
     int64_t *first, *last; /* [m]: first / last row column j is visible in; -1 = none yet */
-    uint8_t *row;          /* [m]: visibility of the row being read */
+    uint8_t *row;          /* [m]: visibility of the row being read (0 / 1) */
+    uint8_t *prev;         /* [m]: the previous row's (all 0 before a slice's row 0) */
     uint8_t *keys;         /* [distinct batch rows, m]: K_b[j] = column j visible somewhere */
     bool hi_known, lo_known;
     int64_t hi, lo;   /* the edges, when known */
@@ -68,14 +69,15 @@ static bool read_row(scan *S, int64_t off) {
     switch (S->dtype) {
     case MHA_DTYPE_F32: {
         const float *x = (const float *)S->data + off;
+        /* Branch-free (vectorised): other != 0 when some value is neither 0 nor -inf. */
+        int32_t other = 0; /* a finite bias or NaN is not a visibility rule */
         for (int64_t j = 0; j < count; j++) {
-            if (x[j] == 0.0f)
-                row[j] = 1;
-            else if (x[j] == -INFINITY)
-                row[j] = 0;
-            else
-                return false; /* a finite bias or NaN is not a visibility rule */
+            const int32_t visible = x[j] == 0.0f, hidden = x[j] == -INFINITY;
+            row[j] = (uint8_t)visible;
+            other |= 1 - (visible | hidden);
         }
+        if (other)
+            return false;
         break;
     }
     case MHA_DTYPE_I32: {
@@ -191,21 +193,40 @@ static int64_t chunk_found(const scan *S) {
     return best;
 }
 
-/* Row i's visibility (S->row) into the column intervals: a column's rows must be contiguous. */
-static bool add_row(scan *S, int64_t i) {
-    for (int64_t j = 0; j < S->m; j++) {
-        if (!S->row[j])
-            continue;
-        if (S->first[j] < 0) {
-            S->first[j] = S->last[j] = i;
-            if (!(i > 0 ? fix_hi(S, j - i) : bound_hi(S, j)))
-                return false;
-        } else if (S->last[j] == i - 1) {
-            S->last[j] = i;
-        } else {
-            return false; /* visible again after hidden rows: not an interval */
-        }
+/* Column j changes at row i: now visible (its interval opens at i, and it must never have been
+ * visible before: else it is visible again after hidden rows, not an interval) or now hidden
+ * (its interval closes at i - 1). */
+static bool toggle(scan *S, int64_t j, int64_t i, uint8_t visible) {
+    if (!visible) {
+        S->last[j] = i - 1;
+        return true;
     }
+    if (S->first[j] >= 0)
+        return false;
+    S->first[j] = i;
+    return i > 0 ? fix_hi(S, j - i) : bound_hi(S, j);
+}
+
+/* Row i's visibility (S->row) into the column intervals, through the columns where it differs
+ * from the previous row (S->prev): compared 8 bytes at a time, so a band row (a few columns
+ * change per row) costs about m / 8 word compares. Then the row becomes the previous one. */
+static bool add_row(scan *S, int64_t i) {
+    const uint8_t *row = S->row, *prev = S->prev;
+    for (int64_t j = 0; j < S->m; j += 8) {
+        if (j + 8 <= S->m) {
+            uint64_t a, b;
+            memcpy(&a, row + j, 8);
+            memcpy(&b, prev + j, 8);
+            if (a == b)
+                continue;
+        }
+        const int64_t end = j + 8 < S->m ? j + 8 : S->m;
+        for (int64_t c = j; c < end; c++)
+            if (row[c] != prev[c] && !toggle(S, c, i, row[c]))
+                return false;
+    }
+    S->prev = S->row;
+    S->row = (uint8_t *)prev;
     return true;
 }
 
@@ -215,6 +236,7 @@ static bool add_row(scan *S, int64_t i) {
 static bool scan_slice(scan *S, int64_t base) {
     for (int64_t j = 0; j < S->m; j++)
         S->first[j] = S->last[j] = -1;
+    memset(S->prev, 0, (size_t)S->m);
     const int64_t rows = S->strides[2] ? S->n : 1;
     for (int64_t i = 0; i < rows; i++)
         if (!read_row(S, base + i * S->strides[2]) || !add_row(S, i))
@@ -222,7 +244,7 @@ static bool scan_slice(scan *S, int64_t base) {
     for (int64_t j = 0; j < S->m; j++) {
         if (S->first[j] < 0)
             continue;
-        if (rows == 1)
+        if (S->prev[j]) /* still open after the last row read (all rows, or the broadcast one) */
             S->last[j] = S->n - 1;
         const int64_t last = S->last[j];
         if (S->band_alive)
@@ -356,8 +378,9 @@ mha_status mha_mask_recognize(const mha_mask_tensor *mask,
         return st;
     /* Distinct slices: a broadcast batch or head dimension is read once. */
     const int64_t batches = S.strides[0] ? batch : 1, heads = S.strides[1] ? num_heads : 1;
-    /* Scratch: first and last [m] int64, the row [m] and the key vectors [batches, m] bytes. */
-    int64_t per_col = 2 * (int64_t)sizeof(int64_t) + 1 + batches, total;
+    /* Scratch: first and last [m] int64, the row and the previous one [m] and the key vectors
+     * [batches, m] bytes. */
+    int64_t per_col = 2 * (int64_t)sizeof(int64_t) + 2 + batches, total;
     size_t bytes;
     MHA_RETURN_IF(!mha__mul_i64(per_col, kv_len, &total) || !mha__bytes(total, 1, &bytes), err,
                   OVERFLOW, "mask recognition scratch (%lld bytes per key) overflows",
@@ -374,7 +397,8 @@ mha_status mha_mask_recognize(const mha_mask_tensor *mask,
     S.first = scratch;
     S.last = S.first + kv_len;
     S.row = (uint8_t *)(S.last + kv_len);
-    S.keys = S.row + kv_len;
+    S.prev = S.row + kv_len;
+    S.keys = S.prev + kv_len;
     S.hi_min = INT64_MIN;
     S.lo_max = INT64_MAX;
     S.band_alive = S.chunk_alive = true;
