@@ -117,7 +117,8 @@ SDPA_MASKS = {
         (torch.arange(n).view(n, 1) == min(n, m) - 1) &
         (torch.arange(m) == (min(n, m) - 1) // 3 * 3)),  # a row's chunk start hidden
     "all true": lambda n, m, B: torch.ones(1, 1, n, m, dtype=torch.bool),
-    "not a rule (random)": lambda n, m, B: torch.rand(n, m, generator=torch.Generator().manual_seed(3)) > .3,
+    "not a rule (random)": lambda n, m, B: torch.rand(
+        n, m, generator=torch.Generator().manual_seed(3)) > .3,
 }
 
 
