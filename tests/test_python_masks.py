@@ -372,3 +372,32 @@ def test_block_mask_follows_in_place_edits_and_frees():
     del mask
     gc.collect()
     assert len(_mask_rule._blocks) == 0  # the entries died with the tensor
+
+
+@pytest.mark.parametrize("right_pad", [False, True])
+def test_transformers_chunked_mask(right_pad):
+    """Llama 4's chunked mask as the installed transformers builds it (sdpa_mask with
+    chunked_causal_mask_function, [B, 1, n, m]; right padding in batch row 1): recognised as
+    causal + chunk (+ key padding), SDPA bit for bit equal to the tensor path."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    B, h, n, C = 2, 2, 24, 8
+    am = torch.ones(B, n, dtype=torch.long)
+    if right_pad:
+        am[1, -3:] = 0
+    fn = mu.chunked_causal_mask_function(C, torch.zeros(B, dtype=torch.long))
+    mask = mu.sdpa_mask(batch_size=B, q_length=n, kv_length=n, mask_function=fn,
+                        attention_mask=am, allow_is_causal_skip=False).bool()
+    assert tuple(mask.shape) == (B, 1, n, n)
+    rule = _mask_rule.lookup(mask, mask, False, 0, B, h, n, n)
+    assert rule is not None and (rule.lo, rule.hi, rule.chunk) == (None, 0, C)
+    assert (rule.keys is not None) == right_pad
+    q, k, v = qkv(B=B, h=h, n=n, m=n, grad=True)
+
+    def run():
+        out = mt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return (out.detach(),) + torch.autograd.grad(out.sum(), (q, k, v))
+
+    ruled, tensor = both_paths(run)
+    assert SUBSTITUTED and SUBSTITUTED == [True] * len(SUBSTITUTED)
+    for a, b in zip(ruled, tensor):
+        assert torch.equal(a, b)
