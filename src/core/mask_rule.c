@@ -9,9 +9,9 @@
  *     [max(0, j - hi), min(n - 1, j - lo)]                  (an interval, possibly empty)
  * and a padded key in none. The pass records for every column the first and last row it is
  * visible in (reading only the columns where a row differs from the row before: a band changes
- * a few per row), refusing a column that becomes visible again after a gap. A column first visible at
- * row r > 0 fixes hi = j - r; one visible from row 0 only bounds hi >= j. A column last visible at
- * row r < n - 1 fixes lo = j - r; one visible down to row n - 1 only bounds lo <= j - (n - 1).
+ * a few per row), refusing a column that becomes visible again after a gap. A column first visible
+ * at row r > 0 fixes hi = j - r; one visible from row 0 only bounds hi >= j. A column last visible
+ * at row r < n - 1 fixes lo = j - r; one visible down to row n - 1 only bounds lo <= j - (n - 1).
  * Two different values for an edge, or a value against a bound, or two heads of one batch row
  * with different visible columns, mean "no rule". Otherwise every column's visible rows are the
  * band's rows for that column (and its K is "visible somewhere"), which is V = band AND K
