@@ -1265,7 +1265,8 @@ typedef enum mha_mask_rule_kind {
 
 /** A recognised mask as mha_masking's fields. With p = i + delta, key j is visible from query
  *  row i iff (causal == 0 or j <= p) and (use_window == 0 or p - window_left <= j <= p +
- *  window_right, a side -1 = unbounded), and, for the kinds with key padding, key_padding[b, j].
+ *  window_right, a side -1 = unbounded) and (chunk_size == 0 or floor(j / C) == floor(p / C)),
+ *  and, for the kinds with key padding, key_padding[b, j].
  *  Canonical form: a band with an upper edge is causal (delta = that edge; a lower edge adds the
  *  window (window_left, 0)); a band with only a lower edge is the window (0, -1) at delta = that
  *  edge. Fields of a kind without a band: causal = use_window = 0, delta = 0, window (-1, -1). */
@@ -1276,20 +1277,25 @@ typedef struct mha_mask_rule {
     int32_t use_window;
     int64_t window_left;
     int64_t window_right;
+    /* Chunked causal (mha_masking.chunk_size): 0 = none. C > 0 only with causal (the kinds with a
+     * band): key j is also hidden unless floor(j / C) == floor(p / C), p = i + delta (Llama 4's
+     * chunked mask); use_window is then 0. Appended last: a zeroed rule is the old one. */
+    int64_t chunk_size;
 } mha_mask_rule;
 
-/** Recognises a mask tensor broadcast to [batch, num_heads, q_len, kv_len] as a built-in rule,
- *  exactly: every distinct element is read once (broadcast dimensions once), stopping at the
- *  first element that contradicts every rule. A BOOL/U8/I32/I64 mask (is_additive = 0) is read
- *  with `polarity`; an additive F32 mask (is_additive != 0, polarity ignored) qualifies only if
- *  every element is 0 (either sign: visible) or -inf (hidden); any other value gives NONE.
- *  key_padding_out [batch * kv_len] (may be NULL): on success, key_padding_out[b * kv_len + j] =
- *  1 for a real key and 0 for a padded one for the kinds with key padding, all 1 for the others
- *  (NONE included). Cost: O(distinct elements) time, O(kv_len) scratch (malloc).
- *  The rule gives the tensor's visibility for every (b, h, i, j). With a bool/integer mask the
- *  outputs are the same bit for bit; with an additive one too when every row's hidden keys come
- *  after its visible ones (causal), else equal to float rounding (docs/SEMANTICS.md, "Recognised
- *  masks", which also lists NaN / +inf scores at positions an additive -inf hides).
+/** Recognises a mask tensor broadcast to [batch, num_heads, q_len, kv_len] as a built-in rule
+ *  (a band, a causal chunked band, key padding, both, nothing hidden), exactly: every distinct
+ * element is read once (broadcast dimensions once), stopping at the first element that contradicts
+ * every rule. A BOOL/U8/I32/I64 mask (is_additive = 0) is read with `polarity`; an additive F32
+ * mask (is_additive != 0, polarity ignored) qualifies only if every element is 0 (either sign:
+ * visible) or -inf (hidden); any other value gives NONE. key_padding_out [batch * kv_len] (may be
+ * NULL): on success, key_padding_out[b * kv_len + j] = 1 for a real key and 0 for a padded one for
+ * the kinds with key padding, all 1 for the others (NONE included). Cost: O(distinct elements)
+ * time, O(kv_len) scratch (malloc). The rule gives the tensor's visibility for every (b, h, i, j).
+ * With a bool/integer mask the outputs are the same bit for bit; with an additive one too when
+ * every row's hidden keys come after its visible ones (causal), else equal to float rounding
+ * (docs/SEMANTICS.md, "Recognised masks", which also lists NaN / +inf scores at positions an
+ * additive -inf hides).
  *  @return OK (rule filled; NONE is a success), INVALID_ARG (NULL mask, data or rule, a size
  *  outside [1, 2^31], a dtype or polarity that is not a mask's, a shape that does not broadcast,
  *  key_padding_out overlapping the mask), OVERFLOW, NO_MEMORY; on error rule and key_padding_out
@@ -1311,8 +1317,10 @@ MHA_API mha_status mha_mask_recognize(const mha_mask_tensor *mask,
  *  delta == 0, else EXPLICIT with align_offsets[b] = delta for b < batch (align_offsets [batch],
  *  caller-owned, needed only then). The kinds with key padding point mask->key_padding at
  *  key_padding [batch, kv_len] U8 (mha_mask_recognize's key_padding_out; kept alive by the
- *  caller). The alignment also places ALiBi: with ALiBi on, apply a rule only when the call's
- *  own alignment gives the same delta. @return OK, or INVALID_ARG naming the field; on error
+ *  caller). A rule's chunk_size goes to mask->chunk_size (placed by the same alignment), which
+ *  must then be 0. The alignment also places ALiBi (and a chunk of the mask's own): with ALiBi
+ *  on, apply a rule only when the call's own alignment gives the same delta. @return OK, or
+ *  INVALID_ARG naming the field; on error
  *  mask is untouched. */
 MHA_API mha_status mha_mask_rule_apply(const mha_mask_rule *rule,
                                        int64_t batch,

@@ -308,6 +308,18 @@ def test_run_verbose_says_what_the_mask_is(case):
     assert r.returncode == 0, r.stderr
     for name, y in runs.items():
         assert np.array_equal(y, np.load(case.Y)), name
+    # A chunked causal mask (Llama 4, chunk 2): the rule causal + chunk_size, bit for bit.
+    pos = np.arange(n)
+    chunked = tril & (pos[None, :] // 2 == pos[:, None] // 2)
+    np.save(case.dir / "M.npy", chunked)
+    r = run_cli(*case.base, "--mask", case.dir / "M.npy", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert "mask: recognised as causal (delta 0) + chunk 2: the rule runs" in r.stderr, r.stderr
+    y = np.load(case.Y)
+    r = run_cli(*case.base, "--causal", "top-left", "--chunk-size", "2")
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(y, np.load(case.Y))
+    close(y, ref_mha(case.x, case.w, 4, bool_mask=chunked)[0])
     # HF's 4-d mask: causal AND left padding (batch row 1's first two keys).
     hf = np.broadcast_to(tril, (2, 1, n, n)).copy()
     hf[1, :, :, :2] = False

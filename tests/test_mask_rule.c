@@ -24,6 +24,7 @@ typedef struct pattern {
     int64_t B, H, n, m;
     int hi_on, lo_on;
     int64_t hi, lo;
+    int64_t chunk; /* > 0 (with hi_on): also floor(j / chunk) == floor((i + hi) / chunk) */
     uint8_t keys[MAXB][MAXM];
     int nflip;
     int64_t flip[4][4]; /* (b, h, i, j) */
@@ -37,8 +38,15 @@ static pattern pattern_new(int64_t B, int64_t H, int64_t n, int64_t m) {
     return p;
 }
 
+/* floor(a / c), c > 0, also for a negative a. */
+static int64_t floor_div(int64_t a, int64_t c) {
+    return a >= 0 ? a / c : -((-a + c - 1) / c);
+}
+
 static int pattern_visible(const pattern *p, int64_t b, int64_t h, int64_t i, int64_t j) {
     int v = (!p->hi_on || j <= i + p->hi) && (!p->lo_on || j >= i + p->lo) && p->keys[b][j];
+    if (p->chunk > 0 && floor_div(j, p->chunk) != floor_div(i + p->hi, p->chunk))
+        v = 0;
     for (int f = 0; f < p->nflip; f++)
         if (p->flip[f][0] == b && p->flip[f][1] == h && p->flip[f][2] == i && p->flip[f][3] == j)
             v = !v;
@@ -53,6 +61,8 @@ static int rule_visible(
         return 0;
     if (r->use_window && ((r->window_left >= 0 && j < p - r->window_left) ||
                           (r->window_right >= 0 && j > p + r->window_right)))
+        return 0;
+    if (r->chunk_size > 0 && floor_div(j, r->chunk_size) != floor_div(p, r->chunk_size))
         return 0;
     return kp[b * m + j] != 0;
 }
@@ -396,10 +406,10 @@ static void test_fields(void) {
         free(x.buf);
     }
     char desc[160];
-    mha_mask_rule r = {MHA_MASK_RULE_BAND, 1, 0, 0, -1, -1};
+    mha_mask_rule r = {MHA_MASK_RULE_BAND, 1, 0, 0, -1, -1, 0};
     CHECK(strcmp(mha_mask_rule_describe(&r, desc, sizeof desc), "causal (delta 0)") == 0, "%s",
           desc);
-    r = (mha_mask_rule){MHA_MASK_RULE_BAND_AND_KEY_PADDING, 1, 2, 1, 5, 0};
+    r = (mha_mask_rule){MHA_MASK_RULE_BAND_AND_KEY_PADDING, 1, 2, 1, 5, 0, 0};
     CHECK(strcmp(mha_mask_rule_describe(&r, desc, sizeof desc),
                  "causal (delta 2) + window (5, 0) + key padding") == 0,
           "%s", desc);
@@ -544,14 +554,14 @@ static void test_arguments(void) {
     /* mha_mask_rule_apply's checks. */
     mha_masking mk;
     memset(&mk, 0, sizeof mk);
-    mha_mask_rule band = {MHA_MASK_RULE_BAND, 1, 3, 0, -1, -1};
+    mha_mask_rule band = {MHA_MASK_RULE_BAND, 1, 3, 0, -1, -1, 0};
     CHECK(mha_mask_rule_apply(&band, 2, 4, 5, NULL, NULL, &mk, &err) == MHA_STATUS_INVALID_ARG &&
               strstr(err.message, "align_offsets"),
           "delta 3 without offsets: '%s'", err.message);
-    mha_mask_rule none_rule = {MHA_MASK_RULE_NONE, 0, 0, 0, -1, -1};
+    mha_mask_rule none_rule = {MHA_MASK_RULE_NONE, 0, 0, 0, -1, -1, 0};
     CHECK(mha_mask_rule_apply(&none_rule, 2, 4, 5, NULL, NULL, &mk, &err) == MHA_STATUS_INVALID_ARG,
           "NONE applied: '%s'", err.message);
-    mha_mask_rule pad = {MHA_MASK_RULE_KEY_PADDING, 0, 0, 0, -1, -1};
+    mha_mask_rule pad = {MHA_MASK_RULE_KEY_PADDING, 0, 0, 0, -1, -1, 0};
     CHECK(mha_mask_rule_apply(&pad, 2, 4, 5, NULL, NULL, &mk, &err) == MHA_STATUS_INVALID_ARG,
           "key padding without the vector: '%s'", err.message);
     mk.causal = 1;
@@ -597,10 +607,129 @@ static void test_long_rows(void) {
     }
 }
 
+/* Chunked causal masks (Llama 4's chunked layers): recognised as causal + chunk_size C with the
+ * causal delta, in every dtype / polarity / broadcast shape; the rule reproduces every element
+ * (recognise) and gives the tensor's out and lse bit for bit; a chunk that hides nothing is plain
+ * causal, C = 1 is the diagonal band; one flipped element anywhere gives NONE. */
+typedef struct chunk_case {
+    const char *name;
+    int64_t n, m, hi, C, want_chunk; /* want_chunk -1: a band without a chunk */
+    int pad;                         /* 1: right padding per batch row; 2: leading keys padded */
+} chunk_case;
+
+static void test_chunks(void) {
+    static const chunk_case cases[] = {
+        {"n=m=16 C=4", 16, 16, 0, 4, 4, 0},
+        {"n=m=17 C=5 (ragged last chunk)", 17, 17, 0, 5, 5, 0},
+        {"bottom-right n<m C=6", 12, 20, 8, 6, 6, 0},
+        {"bottom-right n<m, row 0 past chunk 0", 5, 23, 18, 7, 7, 0},
+        {"bottom-right n>m C=4", 20, 12, -8, 4, 4, 0},
+        {"tril(+3) C=4", 12, 16, 3, 4, 4, 0},
+        {"right padded C=4", 16, 16, 0, 4, 4, 1},
+        {"leading keys padded C=4", 16, 16, 0, 4, 4, 2},
+        {"tiles: n=m=200 C=64", 200, 200, 0, 64, 64, 0},
+        {"tiles: bottom-right 130 x 300 C=48", 130, 300, 170, 48, 48, 1},
+        {"C=1: the diagonal (a band)", 9, 9, 0, 1, -1, 0},
+        {"C >= m: plain causal", 8, 8, 0, 8, -1, 0},
+    };
+    static const mha_dtype dtypes[] = {MHA_DTYPE_BOOL, MHA_DTYPE_U8, MHA_DTYPE_I32, MHA_DTYPE_I64};
+    const int64_t B = 2, H = 2;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const chunk_case *k = &cases[c];
+        pattern p = pattern_new(B, H, k->n, k->m);
+        p.hi_on = 1, p.hi = k->hi, p.chunk = k->C;
+        for (int64_t b = 0; b < B && k->pad; b++)
+            for (int64_t j = 0; j < k->m; j++)
+                p.keys[b][j] = k->pad == 1 ? j < k->m - 1 - 3 * b : j > 4 + b;
+        const int64_t shapes[4][4] = {
+            {k->n, k->m}, {1, 1, k->n, k->m}, {B, 1, k->n, k->m}, {B, H, k->n, k->m}};
+        const int ndims[4] = {2, 4, 4, 4};
+        for (int sh = k->pad ? 2 : 0; sh < 4; sh++) {
+            for (int dt = 0; dt < 5; dt++) {
+                for (int pol = 0; pol < (dt < 4 ? 2 : 1); pol++) {
+                    const int additive = dt == 4;
+                    tensor x = tensor_make(&p, ndims[sh], shapes[sh],
+                                           additive ? MHA_DTYPE_F32 : dtypes[dt], additive,
+                                           pol ? MHA_MASK_BLOCK : MHA_MASK_ATTEND);
+                    char what[200];
+                    snprintf(what, sizeof what, "%s shape#%d dtype#%d pol %d", k->name, sh, dt,
+                             pol);
+                    uint8_t kp[MAXB * MAXM];
+                    const mha_mask_rule r = recognise(&p, &x, ANY_RULE, kp, what);
+                    const int64_t want = k->want_chunk < 0 ? 0 : k->want_chunk;
+                    const mha_mask_rule_kind kind =
+                        k->pad ? MHA_MASK_RULE_BAND_AND_KEY_PADDING : MHA_MASK_RULE_BAND;
+                    CHECK(r.kind == kind && r.causal && r.chunk_size == want &&
+                              (want == 0 || (r.delta == k->hi && !r.use_window)),
+                          "%s: kind %d causal %d delta %lld chunk %lld window %d", what,
+                          (int)r.kind, r.causal, (long long)r.delta, (long long)r.chunk_size,
+                          r.use_window);
+                    if (pol == 0 && (dt == 0 || additive)) {
+                        attention_same(&p, &x, &r, kp, MHA_IMPL_AUTO, 0.0, what);
+                        if (sh == 3)
+                            attention_same(&p, &x, &r, kp, MHA_IMPL_REFERENCE, 0.0, what);
+                    }
+                    free(x.buf);
+                }
+            }
+        }
+        if (k->want_chunk < 0)
+            continue;
+        /* Near misses: one element flipped (a visible one inside a chunk, the hidden one just
+         * before a chunk's start, the first hidden one after the diagonal, the last row's chunk
+         * start), in one head of the last batch row. */
+        const int64_t i1 = k->n - 1, p1 = i1 + k->hi, start = floor_div(p1, k->C) * k->C;
+        const int64_t flips[4][2] = {
+            {i1, start + 1 < p1 ? start + 1 : start}, {i1, start - 1}, {0, k->hi + 1}, {i1, start}};
+        for (int f = 0; f < 4; f++) {
+            const int64_t fi = flips[f][0], fj = flips[f][1];
+            if (fj < 0 || fj >= k->m || fi + k->hi < 0)
+                continue;
+            pattern q = p;
+            q.nflip = 1;
+            q.flip[0][0] = B - 1, q.flip[0][1] = H - 1, q.flip[0][2] = fi, q.flip[0][3] = fj;
+            const int64_t shape[4] = {B, H, k->n, k->m};
+            for (int additive = 0; additive < 2; additive++) {
+                tensor x = tensor_make(&q, 4, shape, MHA_DTYPE_BOOL, additive, MHA_MASK_ATTEND);
+                char what[200];
+                snprintf(what, sizeof what, "%s, element (%lld, %lld) flipped, additive %d",
+                         k->name, (long long)fi, (long long)fj, additive);
+                uint8_t kp[MAXB * MAXM];
+                recognise(&q, &x, MHA_MASK_RULE_NONE, kp, what);
+                free(x.buf);
+            }
+        }
+    }
+    /* mha_mask_rule_apply carries the chunk; refuses one on a masking with its own chunk, or on
+     * a rule without causal. */
+    mha_error err;
+    mha_masking mk;
+    memset(&mk, 0, sizeof mk);
+    mha_mask_rule r = {MHA_MASK_RULE_BAND, 1, 0, 0, -1, -1, 4};
+    CHECK_OK(mha_mask_rule_apply(&r, 1, 8, 10, NULL, NULL, &mk, &err), &err);
+    CHECK(mk.causal && mk.chunk_size == 4 && mk.alignment == MHA_ALIGN_TOP_LEFT,
+          "applied chunk rule: causal %d chunk %lld", mk.causal, (long long)mk.chunk_size);
+    memset(&mk, 0, sizeof mk);
+    mk.chunk_size = 8;
+    CHECK(mha_mask_rule_apply(&r, 1, 8, 8, NULL, NULL, &mk, &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "chunk_size"),
+          "a second chunk: '%s'", err.message);
+    memset(&mk, 0, sizeof mk);
+    r.causal = 0;
+    CHECK(mha_mask_rule_apply(&r, 1, 8, 8, NULL, NULL, &mk, &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "chunk_size"),
+          "a chunk without causal: '%s'", err.message);
+    char desc[160];
+    r.causal = 1, r.delta = 2;
+    CHECK(strcmp(mha_mask_rule_describe(&r, desc, sizeof desc), "causal (delta 2) + chunk 4") == 0,
+          "%s", desc);
+}
+
 int main(void) {
     test_long_rows();
     test_kinds();
     test_fields();
+    test_chunks();
     test_adversarial();
     test_arguments();
     return test_finish();

@@ -77,6 +77,19 @@ def hf_mask(B, n, m, pad):
     return (causal.unsqueeze(0) & keys.view(B, 1, m)).unsqueeze(1)
 
 
+def chunk_mask(n, m, C, delta=0):
+    """Chunked causal (Llama 4): key j visible from row i iff j <= p and j // C == p // C,
+    p = i + delta."""
+    p = torch.arange(n).view(n, 1) + delta
+    j = torch.arange(m).view(1, m)
+    return (j <= p) & (torch.div(j, C, rounding_mode="floor") ==
+                       torch.div(p, C, rounding_mode="floor"))
+
+
+def additive(visible):
+    return torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+
+
 SDPA_MASKS = {
     "tril bool": lambda n, m, B: torch.tril(torch.ones(n, m, dtype=torch.bool)),
     "tril(2) bool": lambda n, m, B: torch.tril(torch.ones(n, m, dtype=torch.bool), 2),
@@ -93,8 +106,19 @@ SDPA_MASKS = {
           torch.triu(torch.ones(n, m, dtype=torch.bool), -3)), float("-inf")),
     "float HF causal+padding": lambda n, m, B: torch.zeros(B, 1, n, m).masked_fill(
         ~hf_mask(B, n, m, [0, 2][:B] + [1] * (B - 2)), float("-inf")),
+    # Chunked causal (Llama 4's chunked layers): recognised as causal + chunk_size.
+    "chunked bool": lambda n, m, B: chunk_mask(n, m, 3),
+    "chunked bool bottom-right 4-D": lambda n, m, B: chunk_mask(n, m, 4, m - n).view(1, 1, n, m),
+    "float chunked": lambda n, m, B: additive(chunk_mask(n, m, 3)),
+    "float chunked+padding 4-D": lambda n, m, B: additive(
+        chunk_mask(n, m, 4, m - n) & (torch.arange(m) < m - 1 - torch.arange(B).view(B, 1, 1))
+    ).view(B, 1, n, m),
+    "chunked, one element flipped (no rule)": lambda n, m, B: chunk_mask(n, m, 3) ^ (
+        (torch.arange(n).view(n, 1) == min(n, m) - 1) &
+        (torch.arange(m) == (min(n, m) - 1) // 3 * 3)),  # a row's chunk start hidden
     "all true": lambda n, m, B: torch.ones(1, 1, n, m, dtype=torch.bool),
-    "not a rule": lambda n, m, B: torch.rand(n, m, generator=torch.Generator().manual_seed(3)) > .3,
+    "not a rule (random)": lambda n, m, B: torch.rand(
+        n, m, generator=torch.Generator().manual_seed(3)) > .3,
 }
 
 
@@ -111,7 +135,7 @@ def test_sdpa_rule_equals_tensor(name, n, m):
         return (out.detach(),) + grads
 
     ruled, tensor = both_paths(run)
-    assert SUBSTITUTED == [name != "not a rule"] * len(SUBSTITUTED), name
+    assert SUBSTITUTED == ["no rule" not in name] * len(SUBSTITUTED), name
     for a, b in zip(ruled, tensor):
         assert torch.equal(a, b), name
     # Against PyTorch (rows every key of which is hidden: mha gives 0, PyTorch NaN).
@@ -135,6 +159,78 @@ def test_traced_operator_rule_equals_tensor():
                     q, k, v, attend, None, causal, 0.25, 0.0, None, False, False, 0, *model))
                 assert torch.equal(ruled[0], tensor[0]) and torch.equal(ruled[1], tensor[1]), \
                     (causal, model)
+
+
+@pytest.mark.parametrize("n,m,C,delta", [(16, 16, 4, 0), (17, 17, 5, 0), (6, 20, 8, 14),
+                                         (20, 12, 4, -8), (9, 9, 1, 0), (8, 8, 8, 0),
+                                         (200, 200, 64, 0)])
+@pytest.mark.parametrize("form", ["bool", "float"])
+def test_chunk_mask_is_recognised(n, m, C, delta, form):
+    """The rule the C recogniser answers, as _mask_rule's Rule: causal at delta with the chunk
+    (C = 1 is the diagonal band; a chunk holding every key is plain causal), and SDPA with it
+    equals the tensor path bit for bit and PyTorch within the tolerance."""
+    vis = chunk_mask(n, m, C, delta)
+    mask = vis if form == "bool" else additive(vis)
+    B, h = 2, 2
+    rule = _mask_rule.lookup(mask, mask, form == "float", 0, B, h, n, m)
+    assert rule is not None and rule.hi == delta and rule.keys is None
+    if C == 1:
+        assert (rule.lo, rule.chunk) == (delta, 0)
+    elif C >= m and delta == 0:
+        assert (rule.lo, rule.chunk) == (None, 0)
+    else:
+        assert (rule.lo, rule.chunk) == (None, C)
+    q, k, v = qkv(B=B, h=h, n=n, m=m, grad=True)
+
+    def run():
+        out = mt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return (out.detach(),) + torch.autograd.grad(out.sum(), (q, k, v))
+
+    ruled, tensor = both_paths(run)
+    assert SUBSTITUTED == [True] * len(SUBSTITUTED) and SUBSTITUTED
+    for a, b in zip(ruled, tensor):
+        assert torch.equal(a, b)
+    ref = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=mask)
+    ok = ~torch.isnan(ref)
+    close(ruled[0][ok], ref[ok])
+
+
+def test_chunk_rule_with_the_calls_own_chunk():
+    """torch.ops.mha.attention with a model chunk_size (Llama 4) and a chunked tensor: the rule
+    replaces the tensor when it is the model's own chunk at the same diagonal, or when the call
+    has none; a different C or diagonal keeps the tensor; the results equal the tensor's."""
+    n, m = 12, 20
+    q, k, v = qkv(n=n, m=m)
+    for C, delta in ((4, m - n), (4, 0), (8, m - n), (3, m - n), (None, 0), (None, m - n)):
+        # C None: a plain causal tensor, whose rule must not move the model's chunk either
+        attend = chunk_mask(n, m, C or 2 * m, delta)
+        for model_chunk in (0, 4):
+            model = (0.0, False, None, -1, -1, True, model_chunk)  # bottom-right
+            ruled, tensor = both_paths(lambda: torch.ops.mha.attention(
+                q, k, v, attend, None, False, 0.25, 0.0, None, False, False, 0, *model))
+            assert torch.equal(ruled[0], tensor[0]) and torch.equal(ruled[1], tensor[1]), \
+                (C, delta, model_chunk)
+            want = model_chunk == 0 or (C in (None, model_chunk) and delta == m - n)
+            assert SUBSTITUTED == [want], (C, delta, model_chunk, SUBSTITUTED)
+
+
+def test_multihead_attention_chunk_mask():
+    """mha.torch.MultiheadAttention with nn.MHA's block mask (True = masked) of a chunked causal
+    mask, bool and float: substituted, equal to the tensor path and to torch.nn's."""
+    torch.manual_seed(0)
+    B, n, E, h = 2, 13, 24, 4
+    layer = mt.MultiheadAttention(E, h, batch_first=True)
+    ref_layer = torch.nn.MultiheadAttention(E, h, batch_first=True)
+    ref_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(B, n, E)
+    vis = chunk_mask(n, n, 4)
+    for am in (~vis, additive(vis)):
+        ruled, tensor = both_paths(lambda: layer(x, x, x, attn_mask=am))
+        assert SUBSTITUTED == [True]
+        assert torch.equal(ruled[0], tensor[0]) and torch.equal(ruled[1], tensor[1])
+        with torch.no_grad():
+            ref = ref_layer(x, x, x, attn_mask=am)
+        close(ruled[0], ref[0])
 
 
 @pytest.mark.parametrize("kind", ["bool 2-D", "bool 3-D", "float 2-D"])
@@ -276,3 +372,32 @@ def test_block_mask_follows_in_place_edits_and_frees():
     del mask
     gc.collect()
     assert len(_mask_rule._blocks) == 0  # the entries died with the tensor
+
+
+@pytest.mark.parametrize("right_pad", [False, True])
+def test_transformers_chunked_mask(right_pad):
+    """Llama 4's chunked mask as the installed transformers builds it (sdpa_mask with
+    chunked_causal_mask_function, [B, 1, n, m]; right padding in batch row 1): recognised as
+    causal + chunk (+ key padding), SDPA bit for bit equal to the tensor path."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    B, h, n, C = 2, 2, 24, 8
+    am = torch.ones(B, n, dtype=torch.long)
+    if right_pad:
+        am[1, -3:] = 0
+    fn = mu.chunked_causal_mask_function(C, torch.zeros(B, dtype=torch.long))
+    mask = mu.sdpa_mask(batch_size=B, q_length=n, kv_length=n, mask_function=fn,
+                        attention_mask=am, allow_is_causal_skip=False).bool()
+    assert tuple(mask.shape) == (B, 1, n, n)
+    rule = _mask_rule.lookup(mask, mask, False, 0, B, h, n, n)
+    assert rule is not None and (rule.lo, rule.hi, rule.chunk) == (None, 0, C)
+    assert (rule.keys is not None) == right_pad
+    q, k, v = qkv(B=B, h=h, n=n, m=n, grad=True)
+
+    def run():
+        out = mt.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return (out.detach(),) + torch.autograd.grad(out.sum(), (q, k, v))
+
+    ruled, tensor = both_paths(run)
+    assert SUBSTITUTED and SUBSTITUTED == [True] * len(SUBSTITUTED)
+    for a, b in zip(ruled, tensor):
+        assert torch.equal(a, b)

@@ -229,7 +229,8 @@ class mha_attention_stats(Structure):
 
 class mha_mask_rule(Structure):
     _fields_ = [("kind", c_int), ("causal", c_int32), ("delta", c_int64), ("use_window", c_int32),
-                ("window_left", c_int64), ("window_right", c_int64)]
+                ("window_left", c_int64), ("window_right", c_int64),
+                ("chunk_size", c_int64)]
 
 
 STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope, mha_qk_norm,

@@ -3,8 +3,9 @@
 
 Before a mask tensor goes to C, :func:`lookup` asks ``mha_mask_recognize`` (one exact pass over the
 tensor's distinct elements; docs/SEMANTICS.md, "Recognised masks") whether it is a causal /
-sliding-window band, key padding, both, or hides nothing, and :func:`substitute` turns the answer
-into ``mha_masking`` fields (causal, alignment, window, key padding) when they give exactly the
+sliding-window band (possibly chunked causal: Llama 4), key padding, both, or hides nothing, and
+:func:`substitute` turns the answer into ``mha_masking`` fields (causal, alignment, window, chunk
+size, key padding) when they give exactly the
 tensor's results together with the call's own rules; the kernels then never read the tensor per
 score.
 
@@ -54,11 +55,13 @@ _lock = threading.Lock()
 
 class Rule:
     """A recognised mask: visible iff lo <= j - i <= hi (None = unbounded) and keys[b, j] != 0
-    (keys: uint8 [B, m], None = every key real)."""
-    __slots__ = ("lo", "hi", "keys")
+    (keys: uint8 [B, m], None = every key real) and, with chunk = C > 0 (then hi is not None),
+    j // C == (i + hi) // C (chunked causal, mha_mask_rule.chunk_size)."""
+    __slots__ = ("lo", "hi", "keys", "chunk")
 
-    def __init__(self, lo: Optional[int], hi: Optional[int], keys: Optional[Tensor]):
-        self.lo, self.hi, self.keys = lo, hi, keys
+    def __init__(self, lo: Optional[int], hi: Optional[int], keys: Optional[Tensor],
+                 chunk: int = 0):
+        self.lo, self.hi, self.keys, self.chunk = lo, hi, keys, chunk
 
 
 def _edges(r: L.mha_mask_rule):
@@ -89,7 +92,7 @@ def _recognise(data: Tensor, additive: bool, polarity: int, B: int, h: int, n: i
         return None
     lo, hi = _edges(rule)
     padded = rule.kind in (L.MASK_RULE_KEY_PADDING, L.MASK_RULE_BAND_AND_KEY_PADDING)
-    return Rule(lo, hi, keys if padded else None)
+    return Rule(lo, hi, keys if padded else None, int(rule.chunk_size))
 
 
 def lookup(src: Tensor, data: Tensor, additive: bool, polarity: int, B: int, h: int, n: int,
@@ -153,9 +156,15 @@ def substitute(mk: L.mha_masking, keep: list, rule: Optional[Rule], additive: bo
       - with ALiBi the alignment also places the ALiBi distance, so the delta stays the call's:
         the band must then be a window around it (lo <= own_delta <= hi);
       - a tensor's fully hidden tiles are skipped as a rule's are (the block mask), so a bool or
-        additive mask and its rule give the same bits (docs/SEMANTICS.md, "Recognised masks").
+        additive mask and its rule give the same bits (docs/SEMANTICS.md, "Recognised masks");
+      - a chunk (the rule's, or mk's own chunk_size, e.g. a Llama 4 model's) is placed by the
+        alignment: the rule's chunk needs the final delta to be the rule's hi, mk's own needs it
+        to stay own_delta, and two chunks must be one (same C).
     mk must have no key padding of its own; keep gets the tensors mk points at."""
     if rule is None:
+        return False
+    own_chunk = int(mk.chunk_size)
+    if rule.chunk and own_chunk and (own_chunk != rule.chunk or rule.hi != own_delta):
         return False
     los = [x for x in (rule.lo, own_lo) if x is not None]
     his = [x for x in (rule.hi, own_hi) if x is not None]
@@ -173,6 +182,10 @@ def substitute(mk: L.mha_masking, keep: list, rule: Optional[Rule], additive: bo
         delta, causal, left, right = hi, True, (-1 if lo is None else hi - lo), 0
     else:
         delta, causal, left, right = (0 if lo is None else lo), False, 0, -1
+    if rule.chunk and delta != rule.hi:
+        return False  # the call's own band moved the diagonal the chunk is placed by
+    if own_chunk and (lo is not None or hi is not None) and delta != own_delta:
+        return False  # the new alignment would move the call's own chunk
     mk.causal = 1 if causal else 0
     mk.use_window = 1 if (left >= 0 or right > 0) and (lo is not None or hi is not None) else 0
     mk.window_left, mk.window_right = (left, right) if mk.use_window else (-1, -1)
@@ -188,6 +201,8 @@ def substitute(mk: L.mha_masking, keep: list, rule: Optional[Rule], additive: bo
             keep.append(offsets)
             mk.alignment = L.ALIGN_EXPLICIT
             mk.align_offsets = offsets.data_ptr()
+    if rule.chunk:
+        mk.chunk_size = rule.chunk
     if rule.keys is not None:
         keep.append(rule.keys)
         M.set_mask_tensor(mk.key_padding, rule.keys.data_ptr(), L.DTYPE_U8, rule.keys.shape)
