@@ -27,8 +27,9 @@
  *      and A sigmoid(G) rounded; forward vs its twin (stage_twin) bit for bit and vs the float64
  *      oracle rounding at the same points, the training forward's bits, the statistics = the
  *      core's on the forward's rounded Q and K (bits), the gradients within TOL_HALF_LAYER_GRAD_C
- *      u_a of the float32 layer's. Dropping any one rounding (after the projection, the RMS
- *      norm, the L2 norm, of G in the forward or the training forward, in the statistics) fails;
+ *      u_a of the float32 layer's, dw_o = dy^T A_g on the stored A_g (float32 error). Dropping
+ *      any one rounding (after the projection, the RMS norm, the L2 norm, of G in the forward or
+ *      the training forward, of the training state's A_g, in the statistics) fails;
  *   3. bit-identical for 1 and 2 threads;
  *   4. hostile dtypes refused with a message naming the field; a NaN / Inf half weight refused
  *      with its tensor and index; a COPY layer keeps the weights in their dtype (not widened).
@@ -748,7 +749,8 @@ static void stage_twin(mha_layer *L,
                        mha_impl impl,
                        void *out,
                        float *q_core,
-                       float *k_core) {
+                       float *k_core,
+                       float *a_proj) {
     const mha_config *cfg = mha_layer_config(L);
     const mha__layer_w *cw = mha__layer_compute_weights(L);
     const mha_dtype dt = s->dt;
@@ -811,6 +813,7 @@ static void stage_twin(mha_layer *L,
         mha__plan_gate_apply(gt, a32, B * n * hd);
         mha__narrow(dt, a32, ah, B * n * hd);
     }
+    mha__widen(dt, ah, a_proj, B * n * hd); /* what the output projection reads */
     CHECK_OK(mha__plan_project(impl, NULL, team, ah, dt, cw->w_o, dt, cw->b_o, y, B * n, hd, SQD,
                                NULL, 0, &err),
              &err);
@@ -887,6 +890,7 @@ static void test_stage(const stage_spec *s, uint64_t seed) {
     void *out = malloc(2 * ny), *out1 = malloc(2 * ny);
     float *o = malloc(sizeof(float) * ny);
     float *qc = malloc(sizeof(float) * SB * SN * hd), *kc = malloc(sizeof(float) * SB * SN * gd);
+    float *ac = malloc(sizeof(float) * SB * SN * hd);
     const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
     for (int k = 0; k < 2; k++) {
         const char *iname = k ? "auto" : "reference";
@@ -894,7 +898,7 @@ static void test_stage(const stage_spec *s, uint64_t seed) {
         mha_forward_args a = af;
         a.query = x.st, a.x_dtype = dt, a.out_dtype = dt, a.out = out;
         CHECK_OK(mha_layer_forward(L, &a, &ex, &err), &err);
-        stage_twin(L, s, x.st, impls[k], out1, qc, kc);
+        stage_twin(L, s, x.st, impls[k], out1, qc, kc, ac);
         CHECK(memcmp(out, out1, 2 * ny) == 0,
               "[%s] %s forward: not its steps composed with the half roundings (twin)", s->name,
               iname);
@@ -972,13 +976,31 @@ static void test_stage(const stage_spec *s, uint64_t seed) {
                 free(gd64);
             }
         }
+        /* dw_o = dy^T A_g reads the stored (rounded) A_g the forward projected: float64 on the
+         * twin's A_g, float32 error only (an unrounded A_g would be u_a off). */
+        if (ts && ts32) {
+            double ew = 0.0, sc = 0.0;
+            for (int64_t oo = 0; oo < SQD; oo++)
+                for (int64_t j = 0; j < hd; j++) {
+                    double acc = 0.0, mag = 0.0;
+                    for (int64_t rr = 0; rr < SB * SN; rr++) {
+                        const double term = (double)dy.f[rr * SQD + oo] * (double)ac[rr * hd + j];
+                        acc += term;
+                        mag += fabs(term);
+                    }
+                    ew = fmax(ew, fabs((double)gh[2][oo * hd + j] - acc));
+                    sc = fmax(sc, mag);
+                }
+            CHECK(ew <= TOL_OUT_REL * sc, "[%s] %s dw_o: %.3e from dy^T A_g (stored A_g) > %.3e",
+                  s->name, iname, ew, TOL_OUT_REL * sc);
+        }
         for (int i = 0; i < 4; i++)
             free(gh[i]), free(gf[i]);
         free(dq), free(y32);
         mha_train_state_destroy(ts);
         mha_train_state_destroy(ts32);
     }
-    free(out), free(out1), free(o), free(ref), free(qc), free(kc);
+    free(out), free(out1), free(o), free(ref), free(qc), free(kc), free(ac);
 done:
     for (int i = 0; i < 11; i++)
         free_tensor(&t[i]);
