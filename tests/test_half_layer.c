@@ -22,6 +22,14 @@
  *      projection), bit for bit, and the oracle rounds at the same points (oracle_layer_dt);
  *      its gradients are checked against the float64 gradient of the unrounded layer at
  *      TOL_HALF_LAYER_C u_s (the roundings differentiated as the identity);
+ *      half modules with a QK-norm (RMS_HEAD, unit offset, RMS_ALL, L2_AFTER_ROPE), temperature
+ *      tuning and an output gate, bf16 and f16 (test_stage): each stage's result rounded, G, A
+ *      and A sigmoid(G) rounded; forward vs its twin (stage_twin) bit for bit and vs the float64
+ *      oracle rounding at the same points, the training forward's bits, the statistics = the
+ *      core's on the forward's rounded Q and K (bits), the gradients within TOL_HALF_LAYER_GRAD_C
+ *      u_a of the float32 layer's, dw_o = dy^T A_g on the stored A_g (float32 error). Dropping
+ *      any one rounding (after the projection, the RMS norm, the L2 norm, of G in the forward or
+ *      the training forward, of the training state's A_g, in the statistics) fails;
  *   3. bit-identical for 1 and 2 threads;
  *   4. hostile dtypes refused with a message naming the field; a NaN / Inf half weight refused
  *      with its tensor and index; a COPY layer keeps the weights in their dtype (not widened).
@@ -693,6 +701,316 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Half modules with QK-norm, temperature tuning or an output gate                                */
+/* ---------------------------------------------------------------------------------------------- */
+
+/* A half module (x, W and out in dt) with the extra stages: each stage's result is rounded to dt
+ * (docs/SEMANTICS.md "Half precision in the layer"). */
+typedef struct stage_spec {
+    const char *name;
+    mha_qk_norm_kind nrm;
+    int unit_offset, temp, gate;
+    mha_rope_style rope;
+    mha_dtype dt;
+} stage_spec;
+
+// clang-format off
+static const stage_spec STAGES[] = {
+    /* name                     norm                        offset temp gate rope             dtype */
+    {"bf16_rms_head_rope",      MHA_QK_NORM_RMS_HEAD,      0,     0,   0,   MHA_ROPE_HALF,   BF16},
+    {"f16_rms_head_rope",       MHA_QK_NORM_RMS_HEAD,      0,     0,   0,   MHA_ROPE_HALF,   F16 },
+    {"bf16_rms_head_offset",    MHA_QK_NORM_RMS_HEAD,      1,     0,   0,   MHA_ROPE_HALF,   BF16},
+    {"bf16_rms_all_rope",       MHA_QK_NORM_RMS_ALL,       0,     0,   0,   MHA_ROPE_HALF,   BF16},
+    {"f16_rms_all_nope",        MHA_QK_NORM_RMS_ALL,       0,     0,   0,   MHA_ROPE_NONE,   F16 },
+    {"bf16_l2_rope",            MHA_QK_NORM_L2_AFTER_ROPE, 0,     0,   0,   MHA_ROPE_HALF,   BF16},
+    {"f16_l2_rope",             MHA_QK_NORM_L2_AFTER_ROPE, 0,     0,   0,   MHA_ROPE_HALF,   F16 },
+    {"bf16_temp_nope",          MHA_QK_NORM_NONE,          0,     1,   0,   MHA_ROPE_NONE,   BF16},
+    {"f16_temp_nope",           MHA_QK_NORM_NONE,          0,     1,   0,   MHA_ROPE_NONE,   F16 },
+    {"bf16_l2_temp_nope",       MHA_QK_NORM_L2_AFTER_ROPE, 0,     1,   0,   MHA_ROPE_NONE,   BF16},
+    {"bf16_gate_rms_head_rope", MHA_QK_NORM_RMS_HEAD,      1,     0,   1,   MHA_ROPE_HALF,   BF16},
+    {"f16_gate_rope",           MHA_QK_NORM_NONE,          0,     0,   1,   MHA_ROPE_HALF,   F16 },
+    {"bf16_gate_nope",          MHA_QK_NORM_NONE,          0,     0,   1,   MHA_ROPE_NONE,   BF16},
+    {"f16_all_stages",          MHA_QK_NORM_L2_AFTER_ROPE, 0,     1,   1,   MHA_ROPE_HALF,   F16 },
+    {"bf16_all_stages",         MHA_QK_NORM_RMS_HEAD,      0,     1,   1,   MHA_ROPE_HALF,   BF16},
+};
+// clang-format on
+#define N_STAGES ((int)(sizeof STAGES / sizeof STAGES[0]))
+
+/* The stage cases' shape: self-attention, GQA, causal, biases. */
+enum { SB = 2, SN = 9, SQD = 32, SH = 4, SG = 2, SDK = 8 };
+
+/* The stage module's forward composed of its steps, each result rounded to dt (round_f32 is
+ * idempotent, so rounding after every step is the contract's "each stored result rounded"):
+ * projections, [RMS norm], [RoPE], [L2 norm], [temperature], the core on half Q, K, V into a half
+ * A, [A = round(A sigmoid(round(G)))], y = A W_o^T + b_o rounded to dt. */
+static void stage_twin(mha_layer *L,
+                       const stage_spec *s,
+                       const void *x,
+                       mha_impl impl,
+                       void *out,
+                       float *q_core,
+                       float *k_core,
+                       float *a_proj) {
+    const mha_config *cfg = mha_layer_config(L);
+    const mha__layer_w *cw = mha__layer_compute_weights(L);
+    const mha_dtype dt = s->dt;
+    const int64_t B = SB, n = SN, hd = SH * SDK, gd = SG * SDK;
+    float *q = malloc(sizeof(float) * B * n * hd), *k = malloc(sizeof(float) * B * n * gd);
+    float *v = malloc(sizeof(float) * B * n * gd), *a32 = malloc(sizeof(float) * B * n * hd);
+    float *gt = malloc(sizeof(float) * B * n * hd), *y = malloc(sizeof(float) * B * n * SQD);
+    uint16_t *qh = malloc(2 * B * n * hd), *kh = malloc(2 * B * n * gd);
+    uint16_t *vh = malloc(2 * B * n * gd), *ah = malloc(2 * B * n * hd);
+    const mha__team team = {1, NULL};
+    mha_error err = {0};
+    CHECK_OK(mha__plan_project(impl, NULL, team, x, dt, cw->w_q, dt, cw->b_q, q, B * n, SQD, hd,
+                               NULL, 0, &err),
+             &err);
+    CHECK_OK(mha__plan_project(impl, NULL, team, x, dt, cw->w_k, dt, cw->b_k, k, B * n, SQD, gd,
+                               NULL, 0, &err),
+             &err);
+    CHECK_OK(mha__plan_project(impl, NULL, team, x, dt, cw->w_v, dt, cw->b_v, v, B * n, SQD, gd,
+                               NULL, 0, &err),
+             &err);
+    round_f32(dt, q, B * n * hd);
+    round_f32(dt, k, B * n * gd);
+    mha__plan_qk_norm_stage(cfg, cw, 0, q, B * n, k, B * n);
+    round_f32(dt, q, B * n * hd);
+    round_f32(dt, k, B * n * gd);
+    if (s->rope != MHA_ROPE_NONE) {
+        double tab[64 * 3];
+        const int64_t len = mha__plan_rope_length(&cfg->rope, NULL, NULL, NULL, B, n, n);
+        mha__plan_rope(&cfg->rope, len, tab, q, B, n, SH, SDK, NULL, NULL, 1);
+        mha__plan_rope(&cfg->rope, len, tab, k, B, n, SG, SDK, NULL, NULL, 1);
+        round_f32(dt, q, B * n * hd);
+        round_f32(dt, k, B * n * gd);
+    }
+    mha__plan_qk_norm_stage(cfg, cw, 1, q, B * n, k, B * n);
+    round_f32(dt, q, B * n * hd);
+    round_f32(dt, k, B * n * gd);
+    mha__plan_temperature(&cfg->temperature, q, B, n, SH, SDK, NULL, NULL);
+    mha__narrow(dt, q, qh, B * n * hd);
+    mha__narrow(dt, k, kh, B * n * gd);
+    mha__narrow(dt, v, vh, B * n * gd);
+    mha__widen(dt, qh, q_core, B * n * hd); /* what the core reads, for the statistics */
+    mha__widen(dt, kh, k_core, B * n * gd);
+    mha_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    fa.batch = B, fa.q_len = n, fa.query = x, fa.x_dtype = dt, fa.out_dtype = dt;
+    fa.mask.causal = 1;
+    mha_attention_args core;
+    mha__plan_core_args(cfg, cw->sinks, &fa, n, qh, kh, vh, ah, NULL, dt, &core);
+    mha_exec ex = {impl, 2, NULL, 0, NULL, NULL};
+    CHECK_OK(mha_attention(&core, &ex, &err), &err);
+    if (s->gate) {
+        const void *wg;
+        const float *bg;
+        mha__plan_gate_weights(cfg, cw, &wg, &bg);
+        CHECK_OK(mha__plan_project(impl, NULL, team, x, dt, wg, dt, bg, gt, B * n, SQD, hd, NULL, 0,
+                                   &err),
+                 &err);
+        round_f32(dt, gt, B * n * hd);
+        mha__widen(dt, ah, a32, B * n * hd);
+        mha__plan_gate_apply(gt, a32, B * n * hd);
+        mha__narrow(dt, a32, ah, B * n * hd);
+    }
+    mha__widen(dt, ah, a_proj, B * n * hd); /* what the output projection reads */
+    CHECK_OK(mha__plan_project(impl, NULL, team, ah, dt, cw->w_o, dt, cw->b_o, y, B * n, hd, SQD,
+                               NULL, 0, &err),
+             &err);
+    mha__narrow(dt, y, out, B * n * SQD);
+    free(q), free(k), free(v), free(a32), free(gt), free(y), free(qh), free(kh), free(vh), free(ah);
+}
+
+/* One stage case: the forward against its twin (bits) and the float64 oracle rounding at the same
+ * points (TOL_HALF_C u + TOL_HALF_LAYER_C u (+ tile) + TOL_OUT_REL), the training forward's bits,
+ * 1 thread = 2 threads, and the backward's gradients against the float32 layer's on the same
+ * (widened) values at TOL_HALF_LAYER_GRAD_C u (each rounding differentiated as the identity). */
+static void test_stage(const stage_spec *s, uint64_t seed) {
+    test_rng r;
+    test_rng_seed(&r, seed);
+    const mha_dtype dt = s->dt;
+    const int64_t hd = SH * SDK, gd = SG * SDK, qrows = s->gate ? 2 * hd : hd;
+    const int64_t nw = s->nrm == MHA_QK_NORM_RMS_HEAD ? SDK : s->nrm == MHA_QK_NORM_RMS_ALL ? 1 : 0;
+    const int64_t sizes[11] = {qrows * SQD,
+                               gd * SQD,
+                               gd * SQD,
+                               SQD * hd,
+                               qrows,
+                               gd,
+                               gd,
+                               SQD,
+                               0,
+                               nw == SDK ? SDK
+                               : nw      ? hd
+                                         : 0,
+                               nw == SDK ? SDK
+                               : nw      ? gd
+                                         : 0};
+    tensor t[11];
+    for (int i = 0; i < 11; i++)
+        t[i] = make_tensor(&r, dt, sizes[i], i < 4 ? (float)(1.2 / sqrt((double)SQD)) : 0.5f);
+    for (int i = 9; i < 11; i++) /* norm weights near 1 (0 with the unit offset) */
+        for (int64_t j = 0; j < sizes[i] && !s->unit_offset; j++) {
+            float one = 1.0f + 0.25f * t[i].f[j];
+            mha__narrow(dt, &one, (char *)t[i].st + 2 * j, 1);
+            mha__widen(dt, (char *)t[i].st + 2 * j, &t[i].f[j], 1);
+        }
+    const int64_t ny = SB * SN * SQD;
+    tensor x = make_tensor(&r, dt, ny, 1.0f), dy = make_tensor(&r, dt, ny, 1.0f);
+    mha_config cfg = {0};
+    cfg.q_dim = SQD, cfg.num_heads = SH, cfg.num_kv_heads = SG, cfg.head_dim = SDK;
+    cfg.bias_q = cfg.bias_k = cfg.bias_v = cfg.bias_o = 1;
+    cfg.rope.style = s->rope;
+    cfg.qk_norm.kind = s->nrm, cfg.qk_norm.eps = 1e-6, cfg.qk_norm.unit_offset = s->unit_offset;
+    cfg.temperature.enabled = s->temp, cfg.temperature.floor_scale = 4.0;
+    cfg.temperature.attn_scale = 0.3;
+    cfg.output_gate = s->gate;
+    const void *p[11], *p32[11];
+    for (int i = 0; i < 11; i++)
+        p[i] = sizes[i] ? t[i].st : NULL, p32[i] = sizes[i] ? t[i].f : NULL;
+    mha_weights w = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], NULL, p[9], p[10]};
+    mha_weights w32 = {p32[0], p32[1], p32[2], p32[3], p32[4], p32[5],
+                       p32[6], p32[7], NULL,   p32[9], p32[10]};
+    mha_error err = {0};
+    mha_layer *L = NULL, *L32 = NULL;
+    cfg.weight_dtype = dt;
+    CHECK_OK(mha_layer_create(&cfg, &w, MHA_WEIGHTS_COPY, NULL, &L, &err), &err);
+    cfg.weight_dtype = F32;
+    CHECK_OK(mha_layer_create(&cfg, &w32, MHA_WEIGHTS_BORROW, NULL, &L32, &err), &err);
+    if (!L || !L32)
+        goto done;
+
+    /* The oracle on the widened weights and input, rounding at the same points. */
+    mha_config cf = *mha_layer_config(L32);
+    mha_forward_args af;
+    memset(&af, 0, sizeof af);
+    af.batch = SB, af.q_len = SN, af.query = x.f, af.mask.causal = 1;
+    double *ref = malloc(sizeof(double) * ny);
+    CHECK(oracle_layer_dt(&cf, &w32, &af, dt, ref, NULL) == 0, "[%s] oracle", s->name);
+    void *out = malloc(2 * ny), *out1 = malloc(2 * ny);
+    float *o = malloc(sizeof(float) * ny);
+    float *qc = malloc(sizeof(float) * SB * SN * hd), *kc = malloc(sizeof(float) * SB * SN * gd);
+    float *ac = malloc(sizeof(float) * SB * SN * hd);
+    const mha_impl impls[2] = {MHA_IMPL_REFERENCE, MHA_IMPL_AUTO};
+    for (int k = 0; k < 2; k++) {
+        const char *iname = k ? "auto" : "reference";
+        mha_exec ex = {impls[k], 2, NULL, 0, NULL, NULL};
+        mha_forward_args a = af;
+        a.query = x.st, a.x_dtype = dt, a.out_dtype = dt, a.out = out;
+        CHECK_OK(mha_layer_forward(L, &a, &ex, &err), &err);
+        stage_twin(L, s, x.st, impls[k], out1, qc, kc, ac);
+        CHECK(memcmp(out, out1, 2 * ny) == 0,
+              "[%s] %s forward: not its steps composed with the half roundings (twin)", s->name,
+              iname);
+        /* The layer's statistics: the core's statistics on the twin's rounded Q and K, bits. */
+        {
+            float ent[SB * SH * SN], rec[SB * SH * SN], ent1[SB * SH * SN], rec1[SB * SH * SN];
+            mha_attention_stats st = {0}, st1 = {0};
+            st.entropy = ent, st.received = rec, st1.entropy = ent1, st1.received = rec1;
+            CHECK_OK(mha_layer_attention_statistics(L, &a, &st, &ex, &err), &err);
+            mha_attention_args core;
+            mha__plan_core_args(mha_layer_config(L), mha__layer_compute_weights(L)->sinks, &af, SN,
+                                qc, kc, NULL, NULL, NULL, F32, &core);
+            CHECK_OK(mha_attention_statistics(&core, &st1, &ex, &err), &err);
+            CHECK(memcmp(ent, ent1, sizeof ent) == 0 && memcmp(rec, rec1, sizeof rec) == 0,
+                  "[%s] %s statistics: not the core's on the forward's rounded Q and K", s->name,
+                  iname);
+        }
+        const int tile = k && dt == BF16 && bf16_tile_cpu();
+        mha__widen(dt, out, o, ny);
+        const double e = test_max_abs_diff(o, ref, ny), scale = test_max_abs(ref, ny);
+        const double c = tile ? TOL_HALF_LAYER_TILE_C : TOL_HALF_LAYER_C;
+        if (tile)
+            g_worst_fwd_tile = fmax(g_worst_fwd_tile, e / (unit(dt) * scale));
+        else
+            g_worst_fwd = fmax(g_worst_fwd, e / (unit(dt) * scale));
+        const double tol = ((TOL_HALF_C + c) * unit(dt) + TOL_OUT_REL) * scale;
+        CHECK(e <= tol && scale > 0.0, "[%s] %s forward vs oracle: max err %.3e > tol %.3e",
+              s->name, iname, e, tol);
+        /* The training forward's bits; 1 thread's bits. */
+        mha_train_state *ts = NULL;
+        a.out = out1;
+        CHECK_OK(mha_layer_forward_train(L, &a, &ex, &ts, &err), &err);
+        CHECK(memcmp(out, out1, 2 * ny) == 0, "[%s] %s training forward differs from the forward",
+              s->name, iname);
+        ex.n_threads = 1;
+        memset(out1, 0, 2 * ny);
+        CHECK_OK(mha_layer_forward(L, &a, &ex, &err), &err);
+        CHECK(memcmp(out, out1, 2 * ny) == 0, "[%s] %s forward: 1 thread differs from 2", s->name,
+              iname);
+        /* The backward against the float32 layer's (unrounded intermediates) on the same values:
+         * d_query, dw_q, dw_o and the norm weights' gradients. */
+        mha_train_state *ts32 = NULL;
+        float *y32 = malloc(sizeof(float) * ny);
+        mha_forward_args a32 = af;
+        a32.out = y32;
+        CHECK_OK(mha_layer_forward_train(L32, &a32, &ex, &ts32, &err), &err);
+        const int64_t gn[4] = {ny, qrows * SQD, SQD * hd, sizes[9] ? sizes[9] : 1};
+        float *gh[4], *gf[4];
+        void *dq = malloc(2 * ny);
+        for (int i = 0; i < 4; i++)
+            gh[i] = calloc((size_t)gn[i], sizeof(float)), gf[i] = calloc((size_t)gn[i], 4);
+        mha_layer_grads gr, gr32;
+        memset(&gr, 0, sizeof gr);
+        gr.d_query = dq, gr.dw_q = gh[1], gr.dw_o = gh[2], gr.d_q_norm = sizes[9] ? gh[3] : NULL;
+        memset(&gr32, 0, sizeof gr32);
+        gr32.d_query = gf[0], gr32.dw_q = gf[1], gr32.dw_o = gf[2];
+        gr32.d_q_norm = sizes[9] ? gf[3] : NULL;
+        if (ts && ts32) {
+            CHECK_OK(mha_layer_backward(L, ts, dy.st, &gr, &ex, &err), &err);
+            CHECK_OK(mha_layer_backward(L32, ts32, dy.f, &gr32, &ex, &err), &err);
+            mha__widen(dt, dq, gh[0], ny);
+            const char *gname[4] = {"d_query", "dw_q", "dw_o", "d_q_norm"};
+            for (int i = 0; i < (sizes[9] ? 4 : 3); i++) {
+                double *gd64 = to_d(gf[i], gn[i]);
+                const double ge = test_max_abs_diff(gh[i], gd64, gn[i]);
+                const double gs = test_max_abs(gd64, gn[i]);
+                /* d_query is stored in dt: its own rounding too. */
+                const double gtol =
+                    ((TOL_HALF_LAYER_GRAD_C + (i == 0 ? TOL_HALF_C : 0.0)) * unit(dt) +
+                     TOL_OUT_REL) *
+                    gs;
+                g_worst_grad = fmax(g_worst_grad, ge / (unit(dt) * gs));
+                CHECK(ge <= gtol && gs > 0.0, "[%s] %s %s: max err %.3e > tol %.3e", s->name, iname,
+                      gname[i], ge, gtol);
+                free(gd64);
+            }
+        }
+        /* dw_o = dy^T A_g reads the stored (rounded) A_g the forward projected: float64 on the
+         * twin's A_g, float32 error only (an unrounded A_g would be u_a off). */
+        if (ts && ts32) {
+            double ew = 0.0, sc = 0.0;
+            for (int64_t oo = 0; oo < SQD; oo++)
+                for (int64_t j = 0; j < hd; j++) {
+                    double acc = 0.0, mag = 0.0;
+                    for (int64_t rr = 0; rr < SB * SN; rr++) {
+                        const double term = (double)dy.f[rr * SQD + oo] * (double)ac[rr * hd + j];
+                        acc += term;
+                        mag += fabs(term);
+                    }
+                    ew = fmax(ew, fabs((double)gh[2][oo * hd + j] - acc));
+                    sc = fmax(sc, mag);
+                }
+            CHECK(ew <= TOL_OUT_REL * sc, "[%s] %s dw_o: %.3e from dy^T A_g (stored A_g) > %.3e",
+                  s->name, iname, ew, TOL_OUT_REL * sc);
+        }
+        for (int i = 0; i < 4; i++)
+            free(gh[i]), free(gf[i]);
+        free(dq), free(y32);
+        mha_train_state_destroy(ts);
+        mha_train_state_destroy(ts32);
+    }
+    free(out), free(out1), free(o), free(ref), free(qc), free(kc), free(ac);
+done:
+    for (int i = 0; i < 11; i++)
+        free_tensor(&t[i]);
+    free_tensor(&x);
+    free_tensor(&dy);
+    mha_layer_destroy(L);
+    mha_layer_destroy(L32);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Hostile dtypes and half weights that are not finite                                            */
 /* ---------------------------------------------------------------------------------------------- */
 
@@ -779,6 +1097,16 @@ int main(void) {
         }
         unbuild(&c);
     }
+    const double worst_plain[3] = {g_worst_fwd, g_worst_fwd_tile, g_worst_grad};
+    g_worst_fwd = g_worst_fwd_tile = g_worst_grad = 0.0;
+    for (int i = 0; i < N_STAGES; i++)
+        test_stage(&STAGES[i], 2000 + (uint64_t)i);
+    printf("half modules with QK-norm / temperature / gate, worst error / (u_a max|ref|): forward "
+           "%.3f, with the bf16 tile kernel %.3f, gradients (vs the float32 layer) %.3f\n",
+           g_worst_fwd, g_worst_fwd_tile, g_worst_grad);
+    g_worst_fwd = fmax(g_worst_fwd, worst_plain[0]);
+    g_worst_fwd_tile = fmax(g_worst_fwd_tile, worst_plain[1]);
+    g_worst_grad = fmax(g_worst_grad, worst_plain[2]);
     test_hostile();
     if (g_pair_exempt)
         printf("%d bf16-bf16 checks of AUTO ran the vdpbf16ps pair GEMM: float64 oracle only, "

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_models as H  # noqa: E402
 import mha  # noqa: E402
 import mha.torch as mt  # noqa: E402
-from tolerances import TOL_GRAD_REL, TOL_OUT_REL  # noqa: E402
+from tolerances import (TOL_GRAD_REL, TOL_HALF_C, TOL_HALF_LAYER_TILE_C,  # noqa: E402
+                        TOL_HALF_U_BF16, TOL_HALF_U_F16, TOL_OUT_REL)
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +252,71 @@ def test_torch_compiled_from_pretrained_matches_transformers(models, name, layer
         y = f(torch.from_numpy(x.astype(np.float32)))
     err = H.max_rel_err(y.numpy(), ref)
     assert err <= TOL_OUT_REL, f"compiled torch {name} layer {layer}: max error {err:.3g}"
+
+
+HALF_CASES = [(name, dt) for name in ("qwen3", "gemma3_text", "olmo2", "llama4_text", "qwen3_next")
+              for dt in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("name,dtype", HALF_CASES,
+                         ids=[f"{n}-{str(d)[6:]}" for n, d in HALF_CASES])
+def test_half_module_matches_transformers_half(tmp_path, name, dtype):
+    """A bf16 / f16 model with a QK-norm, temperature tuning or an output gate (docs/SEMANTICS.md
+    "Half precision in the layer": each stage's result rounded to the module's dtype) against the
+    same transformers module run in that dtype and in float64 on the same rounded weights and
+    input. The float64 module does not round its intermediates, so both half modules are within
+    (TOL_HALF_C + TOL_HALF_LAYER_TILE_C) u_s + TOL_OUT_REL of its max|y| (the output's rounding
+    plus about one u_s per rounded stage, propagated; measured at most 1.1 u_s for mha, 1.3 u_s
+    for transformers, Zen 5), and so within twice that of each other."""
+    cfg_cls, kw, model_cls, path, layers = H.CASES[name]
+    torch.manual_seed(sum(map(ord, name)))
+    cfg = cfg_cls(**kw)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    model = model_cls(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model = model.to(dtype)  # the weights rounded once
+    model.save_pretrained(tmp_path)
+    store = {}
+
+    def pre(_m, args, kwargs):  # records the half input; the float64 run is given the same
+        if "x" not in store:
+            store["x"] = (args[0] if args else kwargs["hidden_states"]).detach().clone()
+            return None
+        x = store["x"].to(torch.float64)
+        return ((x,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def post(_m, _args, _kwargs, out):
+        store["y"] = (out[0] if isinstance(out, tuple) else out).detach().clone()
+
+    ids = torch.randint(3, 64, (2, 11), generator=torch.Generator().manual_seed(1))
+    u = TOL_HALF_U_BF16 if dtype is torch.bfloat16 else TOL_HALF_U_F16
+    for layer in layers:
+        ys = {}
+        store.clear()
+        for prec in (dtype, torch.float64):
+            model = model.to(prec)
+            mods = dict(model.named_modules())
+            m = mods[path.format(L=layer)]
+            hs = [m.register_forward_pre_hook(pre, with_kwargs=True),
+                  m.register_forward_hook(post, with_kwargs=True)]
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            for h in hs:
+                h.remove()
+            ys[prec] = store["y"]
+        t = mt.MultiheadAttention.from_pretrained(str(tmp_path), layer, batch_first=True).to(dtype)
+        x = store["x"]
+        with torch.no_grad():
+            y, _ = t(x, x, x, need_weights=False)
+        assert y.dtype is dtype
+        ref = ys[torch.float64]
+        tol = ((TOL_HALF_C + TOL_HALF_LAYER_TILE_C) * u + TOL_OUT_REL) * ref.abs().max().item()
+        for what, got, bound in (("mha", y, tol), ("transformers", ys[dtype], tol),
+                                 ("mha vs transformers", y, 2 * tol)):
+            other = ys[dtype] if what == "mha vs transformers" else ref
+            err = (got.double() - other.double()).abs().max().item()
+            assert err <= bound, f"{name} layer {layer} {dtype}: {what} {err:.3e} > {bound:.3e}"
+        model = model.to(dtype)

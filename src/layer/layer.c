@@ -335,36 +335,43 @@ mha_status mha_layer_forward(const mha_layer *layer,
         st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, v, B * m, c->v_dim,
                                g * c->v_head_dim, pack, l.pack_bytes, err);
 
+    /* Q and K through their stages; with half intermediates each stage's result is rounded to
+     * adt (mha__plan_round_qk: the last one by the narrow below), as torch stores them. */
     const int64_t nq = B * n * h * c->head_dim, nk = B * m * g * c->head_dim;
     if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_PROJ, team, adt, q, nq, k, nk, err);
+    if (!st)
         mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
+    if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_NORM, team, adt, q, nq, k, nk, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + l.rope_off);
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
         const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
-        /* RoPE rotates the projections as stored: rounded to a half adt. */
-        st = mha__plan_round(team, adt, q, nq, err);
-        if (!st)
-            st = mha__plan_round(team, adt, k, nk, err);
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
+        st = mha__plan_round_qk(c, MHA__QK_ROPE, team, adt, q, nq, k, nk, err);
     }
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
+    if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_L2, team, adt, q, nq, k, nk, err);
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
 
     float *gate = c->output_gate ? (float *)(ws + l.g_off) : NULL;
-    if (!st && gate) {
+    if (!st && gate) { /* G = round_adt(x W_gate^T + b_gate) */
         const void *wg;
         const float *bg;
         mha__plan_gate_weights(c, w, &wg, &bg);
         st = mha__plan_project(impl, alloc, team, args->query, xdt, wg, wdt, bg, gate, B * n,
                                c->q_dim, h * c->head_dim, pack, l.pack_bytes, err);
+        if (!st)
+            st = mha__plan_round(team, adt, gate, B * n * h * c->head_dim, err);
     }
-    /* Half intermediates: Q and K (after RoPE: their second rounding) and V rounded to adt, into
-     * the buffers the core reads. */
+    /* Half intermediates: Q and K (after their last stage) and V rounded to adt, into the buffers
+     * the core reads. */
     if (!st && half_act)
         st = mha__plan_narrow(team, adt, q, cq, nq, err);
     if (!st && half_act)
@@ -375,8 +382,8 @@ mha_status mha_layer_forward(const mha_layer *layer,
     const mha_status core_st = mha__core_finish(&call, !st, err);
     if (!st)
         st = core_st;
-    if (!st && gate)
-        mha__plan_gate_apply(gate, att, B * n * h * c->v_head_dim);
+    if (!st && gate) /* A = round_adt(A * sigmoid(G)) */
+        mha__plan_gate_apply_dt(adt, gate, att, B * n * h * c->v_head_dim);
     /* The output projection into out, or into float32 Y rounded once into a half out. */
     const int half_out = args->out_dtype != MHA_DTYPE_F32;
     float *y = half_out ? (float *)(ws + l.y_off) : args->out;
@@ -444,11 +451,11 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
      * float32 (the statistics read float32). */
     const mha_dtype adt = mha__plan_act_dtype(c, args->x_dtype, w->wdt);
     if (!st)
-        st = mha__plan_round(team, adt, q, cq, err);
-    if (!st)
-        st = mha__plan_round(team, adt, k, ck, err);
+        st = mha__plan_round_qk(c, MHA__QK_PROJ, team, adt, q, cq, k, ck, err);
     if (!st)
         mha__plan_qk_norm_stage(c, w, 0, q, B * n, k, B * m);
+    if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_NORM, team, adt, q, cq, k, ck, err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         double *tab = (double *)(ws + rope_off);
         const int64_t *kpos =
@@ -456,14 +463,18 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
         const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
         mha__plan_rope(&c->rope, len, tab, q, B, n, h, c->head_dim, args->q_positions, NULL, 1);
         mha__plan_rope(&c->rope, len, tab, k, B, m, g, c->head_dim, kpos, NULL, 1);
-        st = mha__plan_round(team, adt, q, cq, err);
-        if (!st)
-            st = mha__plan_round(team, adt, k, ck, err);
+        st = mha__plan_round_qk(c, MHA__QK_ROPE, team, adt, q, cq, k, ck, err);
     }
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, q, B * n, k, B * m);
+    if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_L2, team, adt, q, cq, k, ck, err);
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, q, B, n, h, c->head_dim, args->q_positions, NULL);
+    if (!st) /* the last stage's rounding (the forward's narrow into the core's buffers) */
+        st = mha__plan_round(team, adt, q, cq, err);
+    if (!st)
+        st = mha__plan_round(team, adt, k, ck, err);
     if (!st)
         st = mha__attention_stats_run(&p, stats, exec, err);
     mha__free(alloc, ws);

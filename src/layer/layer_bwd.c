@@ -215,34 +215,42 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     if (!st)
         st = mha__plan_project(impl, alloc, team, xv, xdt, w->w_v, wdt, w->b_v, s->v, B * m,
                                c->v_dim, g * dv, NULL, 0, err);
+    /* Q and K through their stages, rounded as the inference forward rounds them (layer.c); the
+     * norms' inputs are kept as stored (rounded), as the backward reads them. */
+    if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_PROJ, team, adt, s->q, cnt[0], s->k, cnt[1], err);
     if (!st)
         keep_norm_input(c, s, 0);
-    mha__plan_qk_norm_stage(c, w, 0, s->q, B * n, s->k, B * m);
+    if (!st)
+        mha__plan_qk_norm_stage(c, w, 0, s->q, B * n, s->k, B * m);
+    if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_NORM, team, adt, s->q, cnt[0], s->k, cnt[1], err);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos =
             args->k_positions ? args->k_positions : (self ? args->q_positions : NULL);
         const int64_t len = mha__plan_rope_length(&c->rope, args->q_positions, kpos, NULL, B, n, m);
-        /* RoPE rotates the projections as stored: rounded to a half adt (layer.c). */
-        st = mha__plan_round(team, adt, s->q, cnt[0], err);
-        if (!st)
-            st = mha__plan_round(team, adt, s->k, cnt[1], err);
-        if (!st)
-            st = rope_buffer(&c->rope, len, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
+        st = rope_buffer(&c->rope, len, alloc, s->q, B, n, h, dk, args->q_positions, 1, err);
         if (!st)
             st = rope_buffer(&c->rope, len, alloc, s->k, B, m, g, dk, kpos, 1, err);
+        if (!st)
+            st = mha__plan_round_qk(c, MHA__QK_ROPE, team, adt, s->q, cnt[0], s->k, cnt[1], err);
     }
     if (!st)
         keep_norm_input(c, s, 1);
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, s->q, B * n, s->k, B * m);
+    if (!st)
+        st = mha__plan_round_qk(c, MHA__QK_L2, team, adt, s->q, cnt[0], s->k, cnt[1], err);
     if (!st) /* temperature tuning: Q's rows times tau(position) */
         mha__plan_temperature(&c->temperature, s->q, B, n, h, dk, args->q_positions, NULL);
-    if (!st && gated) { /* G = x W_gate^T + b_gate (the gate's rows of w_q) */
+    if (!st && gated) { /* G = round_adt(x W_gate^T + b_gate) (the gate's rows of w_q) */
         const void *wg;
         const float *bg;
         mha__plan_gate_weights(c, w, &wg, &bg);
         st = mha__plan_project(impl, alloc, team, args->query, xdt, wg, wdt, bg, s->g, B * n,
                                c->q_dim, h * dk, NULL, 0, err);
+        if (!st)
+            st = mha__plan_round(team, adt, s->g, cnt[8], err);
     }
     /* Half intermediates: the state's Q, K, V rounded in place, and copied (exactly) into the
      * half buffers the core reads. */
@@ -259,15 +267,23 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
         st = core_st;
     if (!st && half_act)
         mha__widen_rows(adt, ca, s->a, cnt[3]);
-    if (!st && gated) { /* gated layers have float32 intermediates: ca is s->a */
+    /* The gate: A_g = round_adt(A * sigmoid(G)) in float32 (the inference forward's bits); with
+     * half intermediates its half copy goes into ca (A itself is kept in s->a), which the output
+     * projection reads. */
+    if (!st && gated) {
         memcpy(s->ag, s->a, sizeof(float) * (size_t)cnt[9]);
         mha__plan_gate_apply(s->g, s->ag, cnt[9]);
+        if (half_act)
+            st = mha__plan_round(team, adt, s->ag, cnt[9], err);
+        if (!st && half_act)
+            st = mha__plan_narrow(team, adt, s->ag, ca, cnt[9], err);
     }
     /* A half out: the float32 projection goes to the block after lse, rounded once into out. */
     float *y = half_out ? s->lse + cnt[4] : args->out;
+    const void *ain = gated && !half_act ? (const void *)s->ag : ca;
     if (!st)
-        st = mha__plan_project(impl, alloc, team, gated ? (const void *)s->ag : ca, adt, w->w_o,
-                               wdt, w->b_o, y, B * n, h * dv, c->out_dim, NULL, 0, err);
+        st = mha__plan_project(impl, alloc, team, ain, adt, w->w_o, wdt, w->b_o, y, B * n, h * dv,
+                               c->out_dim, NULL, 0, err);
     if (!st && half_out)
         st = mha__plan_narrow(team, args->out_dtype, y, args->out, cnt[5], err);
     mha__free(alloc, hb);

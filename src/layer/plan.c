@@ -98,6 +98,28 @@ mha_status mha__plan_narrow(
     return mha__parallel_for(team, (count + CHUNK - 1) / CHUNK, round_chunks, &j, err);
 }
 
+mha_status mha__plan_round_qk(const mha_config *cfg,
+                              int stage,
+                              mha__team team,
+                              mha_dtype dt,
+                              float *q,
+                              int64_t nq,
+                              float *k,
+                              int64_t nk,
+                              mha_error *err) {
+    if (dt == MHA_DTYPE_F32)
+        return MHA_STATUS_OK;
+    const int has[5] = {1, mha__plan_qk_norm_at(cfg, 0), cfg->rope.style != MHA_ROPE_NONE,
+                        mha__plan_qk_norm_at(cfg, 1), cfg->temperature.enabled};
+    int follows = 0;
+    for (int i = stage + 1; i < 5; i++)
+        follows |= has[i];
+    if (!has[stage] || !follows)
+        return MHA_STATUS_OK;
+    mha_status st = mha__plan_round(team, dt, q, nq, err);
+    return st ? st : mha__plan_round(team, dt, k, nk, err);
+}
+
 int64_t mha__plan_rope_length(const mha_rope *resolved,
                               const int64_t *q_pos,
                               const int64_t *k_pos,
@@ -272,6 +294,22 @@ void mha__plan_gate_weights(const mha_config *cfg,
 void mha__plan_gate_apply(const float *g, float *a, int64_t count) {
     for (int64_t i = 0; i < count; i++)
         a[i] *= 1.0f / (1.0f + expf(-g[i]));
+}
+
+void mha__plan_gate_apply_dt(mha_dtype dt, const float *g, void *a, int64_t count) {
+    if (dt == MHA_DTYPE_F32) {
+        mha__plan_gate_apply(g, a, count);
+        return;
+    }
+    /* A half: widen a block, gate it in float32, round it back (2-byte storage). */
+    uint16_t *ah = a;
+    float buf[256];
+    for (int64_t i = 0; i < count; i += 256) {
+        const int64_t c = count - i < 256 ? count - i : 256;
+        mha__widen(dt, ah + i, buf, c);
+        mha__plan_gate_apply(g + i, buf, c);
+        mha__narrow(dt, buf, ah + i, c);
+    }
 }
 
 void mha__plan_core_args(const mha_config *cfg,

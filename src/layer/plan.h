@@ -33,16 +33,38 @@ mha_status mha__plan_project(mha_impl impl,
                              size_t pack_bytes,
                              mha_error *err);
 
-/* The storage dtype of the layer's intermediates (Q and K after RoPE, V, the attention output A;
- * docs/SEMANTICS.md "Half precision in the layer"): the half dtype when x and W are both stored
- * in it (a bf16 or f16 module, torch.autocast), else F32. Layers with a QK-norm, temperature
- * tuning or an output gate keep float32 intermediates (their stages between the projections and
- * the core are float32 code; rounding after each of them as torch does is not implemented). */
+/* The storage dtype of the layer's intermediates (Q and K after each of their stages, V, the gate
+ * G, the attention output A and the gated A; docs/SEMANTICS.md "Half precision in the layer"):
+ * the half dtype when x and W are both stored in it (a bf16 or f16 module, torch.autocast), else
+ * F32. */
 static inline mha_dtype mha__plan_act_dtype(const mha_config *cfg, mha_dtype xdt, mha_dtype wdt) {
-    const int extra_stages = cfg->qk_norm.kind != MHA_QK_NORM_NONE || cfg->temperature.enabled ||
-                             cfg->output_gate;
-    return xdt == wdt && !extra_stages ? xdt : MHA_DTYPE_F32;
+    (void)cfg;
+    return xdt == wdt ? xdt : MHA_DTYPE_F32;
 }
+
+/* The stages Q and K go through between the projection and the core, in this order (each but the
+ * projection only when the layer has it). */
+enum {
+    MHA__QK_PROJ = 0, /* Q' = x W^T + b */
+    MHA__QK_NORM,     /* RMS_HEAD / RMS_ALL QK-norm (before RoPE) */
+    MHA__QK_ROPE,     /* RoPE */
+    MHA__QK_L2,       /* L2_AFTER_ROPE QK-norm */
+    MHA__QK_TEMP      /* temperature tuning (Q only) */
+};
+
+/* Half intermediates: Q [nq] and K [nk] rounded to dt in place after `stage` when the layer has
+ * that stage and another one follows it (the last stage's rounding is the one into the buffers
+ * the core reads, or the statistics' final round). F32, or nothing to round: nothing. A plain
+ * layer thus rounds Q' and K' before RoPE only, as it did before these stages existed. */
+mha_status mha__plan_round_qk(const mha_config *cfg,
+                              int stage,
+                              mha__team team,
+                              mha_dtype dt,
+                              float *q,
+                              int64_t nq,
+                              float *k,
+                              int64_t nk,
+                              mha_error *err);
 
 /* x[0, count) rounded to dt's precision in place, x stays float32: x = widen(narrow(x)), the
  * projection's half output as RoPE reads it (F32: nothing). Threads split the range. */
@@ -142,6 +164,9 @@ void mha__plan_gate_weights(const mha_config *cfg,
 
 /* a[i] *= sigmoid(g[i]) for i < count: the gate on the attention output, in float32. */
 void mha__plan_gate_apply(const float *g, float *a, int64_t count);
+/* The same on a stored in dt: a[i] = round_dt(widen(a[i]) * sigmoid(g[i])), the product in
+ * float32 rounded once (F32: mha__plan_gate_apply). */
+void mha__plan_gate_apply_dt(mha_dtype dt, const float *g, void *a, int64_t count);
 
 /* The core's arguments over the plan's buffers: Q [B, n, h, dk], K [B, m, g, dk], V [B, m, g, dv],
  * A [B, n, h, dv] ([B, L, heads, d] seen as [B, heads, L, d]), all four stored in dt (the

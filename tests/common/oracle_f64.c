@@ -312,7 +312,8 @@ int oracle_layer_dt(const mha_config *cfg,
     project(xq, w->w_q, w->b_q, q, B * n, qd, H * dk);
     project(xk, w->w_k, w->b_k, k, B * m, kd, G * dk);
     project(xv, w->w_v, w->b_v, v, B * m, vd, G * dv);
-    /* Half intermediates (act): each step's result rounded to act, RoPE on the rounded ones. */
+    /* Half intermediates (act): each step's result rounded to act (Q', K', V; after the RMS norm,
+     * RoPE, the L2 norm, temperature; G, A, A sigmoid(G)), the next step on the rounded ones. */
     round_all(act, q, B * n * H * dk);
     round_all(act, k, B * m * G * dk);
     round_all(act, v, B * m * G * dv);
@@ -320,6 +321,8 @@ int oracle_layer_dt(const mha_config *cfg,
     if (nk == MHA_QK_NORM_RMS_HEAD || nk == MHA_QK_NORM_RMS_ALL) {
         qk_norm(&cfg->qk_norm, w->q_norm, q, B * n, H, dk);
         qk_norm(&cfg->qk_norm, w->k_norm, k, B * m, G, dk);
+        round_all(act, q, B * n * H * dk);
+        round_all(act, k, B * m * G * dk);
     }
     if (cfg->rope.style != MHA_ROPE_NONE) {
         const int64_t *kpos = a->k_positions ? a->k_positions : (self ? a->q_positions : NULL);
@@ -331,6 +334,8 @@ int oracle_layer_dt(const mha_config *cfg,
     if (nk == MHA_QK_NORM_L2_AFTER_ROPE) {
         qk_norm(&cfg->qk_norm, NULL, q, B * n, H, dk);
         qk_norm(&cfg->qk_norm, NULL, k, B * m, G, dk);
+        round_all(act, q, B * n * H * dk);
+        round_all(act, k, B * m * G * dk);
     }
     if (cfg->temperature.enabled) /* each query row times tau(its position), in double */
         for (int64_t b = 0; b < B; b++)
@@ -340,6 +345,7 @@ int oracle_layer_dt(const mha_config *cfg,
                 for (int64_t e = 0; e < H * dk; e++)
                     q[(b * n + i) * H * dk + e] *= tau;
             }
+    round_all(act, q, B * n * H * dk); /* Q after its last stage (all roundings idempotent) */
     /* The core oracle takes float inputs, so Q, K, V are rounded once to float here. That adds
      * a relative error of 2^-24 to each, two orders of magnitude below the 1e-5 gate this layer
      * oracle is used with (tolerance.h); the PyTorch goldens check the layer in pure float64. */
@@ -372,6 +378,8 @@ int oracle_layer_dt(const mha_config *cfg,
             goto done;
         const float *wq = w->w_q, *bq = w->b_q;
         project(xq, wq + H * dk * qd, bq ? bq + H * dk : NULL, gate, B * n, qd, H * dk);
+        round_all(act, gate, B * n * H * dk); /* G and A stored in act, then A sigmoid(G) */
+        round_all(act, cat, B * n * H * dv);
         for (int64_t i = 0; i < B * n * H * dv; i++)
             cat[i] *= 1.0 / (1.0 + exp(-gate[i]));
         free(gate);
