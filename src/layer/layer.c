@@ -146,7 +146,7 @@ const mha_weights *mha_layer_weights(const mha_layer *layer) {
  * nothing. */
 typedef struct fwd_layout {
     int64_t m;
-    mha_dtype adt; /* the intermediates' dtype: mha__plan_act_dtype(cfg, x_dtype, weight_dtype) */
+    mha_dtype adt; /* the intermediates' dtype: mha__plan_act_dtype(x_dtype, weight_dtype) */
     size_t q_off, k_off, v_off, a_off, qh_off, kh_off, vh_off, rope_off, pack_off, core_off, y_off,
         g_off, total;
     size_t pack_bytes, core_bytes;
@@ -166,7 +166,7 @@ static mha_status plan_forward(const mha_layer *L,
 
     /* Sizes of the intermediate buffers, overflow-checked. */
     const int64_t B = a->batch, n = a->q_len, h = c->num_heads, g = c->num_kv_heads;
-    const mha_dtype adt = mha__plan_act_dtype(c, a->x_dtype, c->weight_dtype);
+    const mha_dtype adt = mha__plan_act_dtype(a->x_dtype, c->weight_dtype);
     const size_t hsize = adt == MHA_DTYPE_F32 ? 0 : mha__storage_size(adt);
     int64_t cnt[4];
     const int64_t f[4][4] = {{B, n, h, c->head_dim},
@@ -449,7 +449,7 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
                                err);
     /* Half intermediates (the forward's): Q and K rounded as the forward rounds them, kept in
      * float32 (the statistics read float32). */
-    const mha_dtype adt = mha__plan_act_dtype(c, args->x_dtype, w->wdt);
+    const mha_dtype adt = mha__plan_act_dtype(args->x_dtype, w->wdt);
     if (!st)
         st = mha__plan_round_qk(c, MHA__QK_PROJ, team, adt, q, cq, k, ck, err);
     if (!st)

@@ -177,7 +177,7 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
 
     /* Half intermediates (mha__plan_act_dtype): the core reads and writes copies in adt, as the
      * inference forward does (same kernel, same bits); the state keeps their float32 widening. */
-    const mha_dtype adt = mha__plan_act_dtype(c, xdt, wdt);
+    const mha_dtype adt = mha__plan_act_dtype(xdt, wdt);
     const int half_act = adt != MHA_DTYPE_F32;
     uint16_t *hb = NULL;
     if (half_act &&

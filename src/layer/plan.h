@@ -37,8 +37,7 @@ mha_status mha__plan_project(mha_impl impl,
  * G, the attention output A and the gated A; docs/SEMANTICS.md "Half precision in the layer"):
  * the half dtype when x and W are both stored in it (a bf16 or f16 module, torch.autocast), else
  * F32. */
-static inline mha_dtype mha__plan_act_dtype(const mha_config *cfg, mha_dtype xdt, mha_dtype wdt) {
-    (void)cfg;
+static inline mha_dtype mha__plan_act_dtype(mha_dtype xdt, mha_dtype wdt) {
     return xdt == wdt ? xdt : MHA_DTYPE_F32;
 }
 
