@@ -904,7 +904,8 @@ static void test_stage(const stage_spec *s, uint64_t seed) {
               iname);
         /* The layer's statistics: the core's statistics on the twin's rounded Q and K, bits. */
         {
-            float ent[SB * SH * SN], rec[SB * SH * SN], ent1[SB * SH * SN], rec1[SB * SH * SN];
+            float ent[SB * SH * SN] = {0}, rec[SB * SH * SN] = {0}, ent1[SB * SH * SN] = {0},
+                                rec1[SB * SH * SN] = {0};
             mha_attention_stats st = {0}, st1 = {0};
             st.entropy = ent, st.received = rec, st1.entropy = ent1, st1.received = rec1;
             CHECK_OK(mha_layer_attention_statistics(L, &a, &st, &ex, &err), &err);

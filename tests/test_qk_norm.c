@@ -146,8 +146,8 @@ static void half_weights(const kcase *k, const weights *w, const float *x) {
     const void **slots[7] = {&w16.w_q, &w16.w_k,    &w16.w_v,   &w16.w_o,
                              &w16.b_q, &w16.q_norm, &w16.k_norm};
     for (int i = 0; i < 7; i++)
-        if (*slots[i])
-            *slots[i] = hb + ((const char *)*slots[i] - base) / 4;
+        if (*slots[i]) /* weights_of points into r: the offset of that tensor in r */
+            *slots[i] = hb + ((uintptr_t)*slots[i] - (uintptr_t)base) / 4;
     mha_error err;
     mha_layer *L32 = NULL, *L16 = NULL;
     CHECK_OK(mha_layer_create(&c, &w32, MHA_WEIGHTS_BORROW, NULL, &L32, &err), &err);
