@@ -84,7 +84,7 @@ static void bench_usage(void) {
         "  --batch B           sequences decoded together (default: 1)\n"
         "  --steps N           decode steps (default: 32)\n"
         "  --threads T         threads, 0 = every online CPU (default: 0)\n"
-        "  --cache-dtype T     f32, f16 or bf16 (default: f32)\n"
+        "  --cache-dtype T     f32, f16, bf16 or q8_0 (34 bytes per 32 values) (default: f32)\n"
         "  --prefill-mode M    random: fill the cache with random K/V (default); layer: run\n"
         "                      mha_layer_prefill on random tokens (slow for long caches)\n"
         "  --attention-only    time only the attention (append + split-KV), not the layer\n"
@@ -329,8 +329,10 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             b->dt = MHA_DTYPE_F16;
         else if (strcmp(b->dtn, "bf16") == 0)
             b->dt = MHA_DTYPE_BF16;
+        else if (strcmp(b->dtn, "q8_0") == 0)
+            b->dt = MHA_DTYPE_Q8_0;
         else if (strcmp(b->dtn, "f32") != 0)
-            return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", b->dtn);
+            return cli_usage("--cache-dtype: '%s' is not f32, f16, bf16 or q8_0", b->dtn);
     }
     if (args->given[B_WEIGHT_DTYPE]) {
         b->wdtn = args->value[B_WEIGHT_DTYPE];
@@ -486,8 +488,9 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
         r->times[s] = now_s() - ts;
         if (st != MHA_STATUS_OK)
             return cli_lib_fail(NULL, &r->err);
-        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) *
-                    (double)mha_dtype_size(b->dt);
+        /* bytes per value: the element size, or 34 / 32 for q8_0 blocks */
+        const double per = b->dt == MHA_DTYPE_Q8_0 ? 34.0 / 32.0 : (double)mha_dtype_size(b->dt);
+        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) * per;
     }
     r->kv_bytes = kv_bytes / (double)N;
     qsort(r->times, (size_t)N, sizeof(double), cmp_d);
