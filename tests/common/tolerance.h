@@ -36,7 +36,7 @@
  * each softmax weight by a factor in [e^-2Delta, e^2Delta], so with values off by e_v
  *   |o - o*| <= (exp(2 Delta) - 1) max|v| + e_v   (+ the float32 term TOL_OUT_REL max|o|).
  * tests/test_kv_q8.c computes it per head from the data. */
-#define TOL_Q8_ELEM(a) ((a) / 254.0 * (1.0 + 0x1p-11) + 127.0 * 0x1p-25)
+#define TOL_Q8_ELEM(a)  ((a) / 254.0 * (1.0 + 0x1p-11) + 127.0 * 0x1p-25)
 /* MLA's compressed-cache decode (tests/test_python_mla.py) uses the same three: TOL_OUT_REL for
  * a float32 cache (the absorbed form is the expanded one with its products summed in another
  * order: float32 rounding, measured <= 4e-7), TOL_KV_F16_REL / TOL_KV_BF16_REL for half caches
