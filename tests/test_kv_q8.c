@@ -274,6 +274,42 @@ static void test_attention(const acase *ac) {
     mha_kv_cache_destroy(c);
 }
 
+/* copy / truncate / re-append move whole rows (row bytes, not elements): a copied sequence reads
+ * the source's values, a truncated one re-appended reads the new ones. */
+static void test_copy_truncate(void) {
+    enum { D = 96, G = 2, N = 40 };
+    mha_kv_cache_config cc = {0};
+    cc.num_kv_heads = G, cc.head_dim = D, cc.v_head_dim = 32, cc.max_seq = N, cc.batch = 2;
+    cc.dtype = MHA_DTYPE_Q8_0;
+    mha_kv_cache *c = NULL;
+    mha_error err;
+    CHECK_OK(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err);
+    static float k[N * G * D], v[N * G * 32], k2[N * G * D], v2[N * G * 32];
+    test_rng r;
+    test_rng_seed(&r, 11);
+    test_fill_normal(&r, k, N * G * D, 1.0f), test_fill_normal(&r, v, N * G * 32, 1.0f);
+    test_fill_normal(&r, k2, N * G * D, 2.0f), test_fill_normal(&r, v2, N * G * 32, 2.0f);
+    CHECK_OK(mha_kv_cache_append(c, 1, NULL, N, k, v, &err), &err);
+    CHECK_OK(mha_kv_cache_copy(c, 0, 1, &err), &err);
+    CHECK_OK(mha_kv_cache_truncate(c, 1, 10, &err), &err);
+    const int64_t one = 1;
+    CHECK_OK(mha_kv_cache_append(c, 1, &one, N - 10, k2 + 10 * G * D, v2 + 10 * G * 32, &err),
+             &err);
+    int bad = 0;
+    for (int p = 0; p < N; p++) {
+        float a[G * D], b[G * 32], e[G * D], f[G * 32];
+        CHECK_OK(mha_kv_cache_read(c, 1, p, a, b, &err), &err);
+        const float *ks = p < 10 ? k : k2, *vs = p < 10 ? v : v2;
+        for (int g = 0; g < G * D / 32; g++)
+            ref_block(ks + p * G * D + g * 32, e + g * 32);
+        for (int g = 0; g < G; g++)
+            ref_block(vs + p * G * 32 + g * 32, f + g * 32);
+        bad += memcmp(a, e, sizeof a) != 0 || memcmp(b, f, sizeof b) != 0;
+    }
+    CHECK(bad == 0, "copy + truncate + append: %d rows differ", bad);
+    mha_kv_cache_destroy(c);
+}
+
 /* ---- hostile ---- */
 static void
 expect_refused(mha_status st, const mha_error *err, const char *needle, const char *what) {
@@ -321,6 +357,7 @@ int main(void) {
     const acase cases[] = {{8, 2, 64, 700, 0}, {4, 4, 32, 300, 0}, {8, 1, 128, 600, 257}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         test_attention(&cases[i]);
+    test_copy_truncate();
     test_hostile();
     return test_finish();
 }
