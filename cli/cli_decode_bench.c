@@ -24,8 +24,17 @@
 #include <time.h>
 
 /* The name of the decode kernel the library runs on this CPU (its registry, mha_experimental.h). */
-static const char *decode_kernel_name(void) {
+/* The decode kernel a cache of dtype dt runs: the active one, or for q8_0 the first usable
+ * decode line whose dtypes name q8_0 (the registry's order is its preference). */
+static const char *decode_kernel_name(mha_dtype dt) {
     mha_kernel_desc d;
+    if (dt == MHA_DTYPE_Q8_0) {
+        for (int32_t i = 0; i < mha_experimental_kernel_count(); i++)
+            if (mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK && d.usable &&
+                strcmp(d.op, "decode") == 0 && strstr(d.dtypes, "q8_0"))
+                return d.name;
+        return "?";
+    }
     const int32_t index = mha_experimental_kernel_active("decode");
     return mha_experimental_kernel_describe(index, &d, NULL) == MHA_STATUS_OK ? d.name : "?";
 }
@@ -529,7 +538,7 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g, "
                "\"weight_dtype\": \"%s\", \"weight_bytes\": %.6g, \"layer_min_s\": %.6g, "
                "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g}\n",
-               decode_kernel_name(), (long long)b->H, (long long)b->G, (long long)b->D,
+               decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
                r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream, b->wdtn,
@@ -540,7 +549,7 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
            "threads=%d cache=%s kernel=%s\n",
            (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->Q, (long long)b->L,
-           (long long)b->B, b->threads, b->dtn, decode_kernel_name());
+           (long long)b->B, b->threads, b->dtn, decode_kernel_name(b->dt));
     printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
            b->layer_prefill ? "layer" : "random K/V", r->prefill_s, (long long)b->L,
            (long long)b->B);
