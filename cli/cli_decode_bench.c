@@ -24,8 +24,17 @@
 #include <time.h>
 
 /* The name of the decode kernel the library runs on this CPU (its registry, mha_experimental.h). */
-static const char *decode_kernel_name(void) {
+/* The decode kernel a cache of dtype dt runs: the active one, or for q8_0 the first usable
+ * decode line whose dtypes name q8_0 (the registry's order is its preference). */
+static const char *decode_kernel_name(mha_dtype dt) {
     mha_kernel_desc d;
+    if (dt == MHA_DTYPE_Q8_0) {
+        for (int32_t i = 0; i < mha_experimental_kernel_count(); i++)
+            if (mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK && d.usable &&
+                strcmp(d.op, "decode") == 0 && strstr(d.dtypes, "q8_0"))
+                return d.name;
+        return "?";
+    }
     const int32_t index = mha_experimental_kernel_active("decode");
     return mha_experimental_kernel_describe(index, &d, NULL) == MHA_STATUS_OK ? d.name : "?";
 }
@@ -84,7 +93,7 @@ static void bench_usage(void) {
         "  --batch B           sequences decoded together (default: 1)\n"
         "  --steps N           decode steps (default: 32)\n"
         "  --threads T         threads, 0 = every online CPU (default: 0)\n"
-        "  --cache-dtype T     f32, f16 or bf16 (default: f32)\n"
+        "  --cache-dtype T     f32, f16, bf16 or q8_0 (34 bytes per 32 values) (default: f32)\n"
         "  --prefill-mode M    random: fill the cache with random K/V (default); layer: run\n"
         "                      mha_layer_prefill on random tokens (slow for long caches)\n"
         "  --attention-only    time only the attention (append + split-KV), not the layer\n"
@@ -329,8 +338,10 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             b->dt = MHA_DTYPE_F16;
         else if (strcmp(b->dtn, "bf16") == 0)
             b->dt = MHA_DTYPE_BF16;
+        else if (strcmp(b->dtn, "q8_0") == 0)
+            b->dt = MHA_DTYPE_Q8_0;
         else if (strcmp(b->dtn, "f32") != 0)
-            return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", b->dtn);
+            return cli_usage("--cache-dtype: '%s' is not f32, f16, bf16 or q8_0", b->dtn);
     }
     if (args->given[B_WEIGHT_DTYPE]) {
         b->wdtn = args->value[B_WEIGHT_DTYPE];
@@ -486,8 +497,9 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
         r->times[s] = now_s() - ts;
         if (st != MHA_STATUS_OK)
             return cli_lib_fail(NULL, &r->err);
-        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) *
-                    (double)mha_dtype_size(b->dt);
+        /* bytes per value: the element size, or 34 / 32 for q8_0 blocks */
+        const double per = b->dt == MHA_DTYPE_Q8_0 ? 34.0 / 32.0 : (double)mha_dtype_size(b->dt);
+        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) * per;
     }
     r->kv_bytes = kv_bytes / (double)N;
     qsort(r->times, (size_t)N, sizeof(double), cmp_d);
@@ -526,7 +538,7 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g, "
                "\"weight_dtype\": \"%s\", \"weight_bytes\": %.6g, \"layer_min_s\": %.6g, "
                "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g}\n",
-               decode_kernel_name(), (long long)b->H, (long long)b->G, (long long)b->D,
+               decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
                r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream, b->wdtn,
@@ -537,7 +549,7 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
            "threads=%d cache=%s kernel=%s\n",
            (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->Q, (long long)b->L,
-           (long long)b->B, b->threads, b->dtn, decode_kernel_name());
+           (long long)b->B, b->threads, b->dtn, decode_kernel_name(b->dt));
     printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
            b->layer_prefill ? "layer" : "random K/V", r->prefill_s, (long long)b->L,
            (long long)b->B);

@@ -194,6 +194,8 @@ const char *cli_dtype_name(mha_dtype dtype) {
         return "int32";
     case MHA_DTYPE_I64:
         return "int64";
+    case MHA_DTYPE_Q8_0:
+        return "q8_0";
     }
     return "unknown";
 }

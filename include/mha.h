@@ -105,9 +105,14 @@ typedef enum mha_dtype {
     MHA_DTYPE_U8 = 5,
     MHA_DTYPE_I32 = 6,
     MHA_DTYPE_I64 = 7,
+    /* ggml's q8_0 block: per 32 values one float16 scale d then 32 int8 q, value = q * d (34
+     * bytes per 32 values). Accepted ONLY as mha_kv_cache_config.dtype (docs/SEMANTICS.md "q8_0
+     * KV cache"); every other dtype field refuses it. */
+    MHA_DTYPE_Q8_0 = 8,
 } mha_dtype;
 
-/** Size in bytes of one element of `dtype`, or 0 for an unknown value. */
+/** Size in bytes of one element of `dtype`, or 0 for an unknown value or a block type
+ *  (MHA_DTYPE_Q8_0: 34 bytes per block of 32 values). */
 MHA_API size_t mha_dtype_size(mha_dtype dtype);
 /** float16 (MHA_DTYPE_F16) or bfloat16 (MHA_DTYPE_BF16) values to float32, exactly: dst[i] =
  *  src[i] for i < count. INVALID_ARG for another dtype, a negative count or a NULL pointer. */
@@ -957,7 +962,8 @@ typedef struct mha_kv_cache_config {
     int64_t v_head_dim;   /* d_v; 0 = the layer's, or head_dim without a layer */
     int64_t max_seq;      /* most positions per sequence (required, in [1, 2^31]) */
     int64_t batch;        /* number of sequences, ids 0 .. batch-1 (required) */
-    mha_dtype dtype;      /* storage: MHA_DTYPE_F32 (0, default), MHA_DTYPE_F16 or MHA_DTYPE_BF16 */
+    mha_dtype dtype;      /* storage: MHA_DTYPE_F32 (0, default), MHA_DTYPE_F16, MHA_DTYPE_BF16 or
+                             MHA_DTYPE_Q8_0 (head_dim and v_head_dim multiples of 32) */
     int64_t window;       /* 0 = none. W > 0: sliding window, a token at p attends to the keys
                              p-W+1 .. p only (the full forward's window (W-1, 0), Mistral's
                              sliding_window = W); storage is then a ring of

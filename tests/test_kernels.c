@@ -1012,9 +1012,12 @@ static void test_registry(void) {
                   "kernel %s: isa %s is not its name's suffix", d.name, d.isa);
             if (strcmp(d.isa, "generic") == 0 || d.reference)
                 CHECK(d.usable, "%s must be usable everywhere", d.name);
-            /* The generic tier and the references compute in float32 from any storage dtype. */
+            /* The generic tier and the references compute in float32 from any storage dtype
+             * (the generic decode kernel also reads q8_0 caches). */
             CHECK(d.dtypes && (!(strcmp(d.isa, "generic") == 0 || d.reference) ||
-                               strcmp(d.dtypes, o == 3 ? "f32" : "f32,bf16,f16") == 0),
+                               strcmp(d.dtypes, o == 3   ? "f32"
+                                                : o == 2 ? "f32,bf16,f16,q8_0"
+                                                         : "f32,bf16,f16") == 0),
                   "kernel %s: dtypes %s", d.name, d.dtypes ? d.dtypes : "NULL");
             if (strcmp(d.op, "fwd") != 0) { /* only forward kernels run through this API */
                 const mha_status st = mha_experimental_attention_with_kernel(i, NULL, NULL, &err);

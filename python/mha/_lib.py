@@ -34,6 +34,7 @@ STATUS_NAMES = {
 
 # mha_dtype
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16, DTYPE_BOOL, DTYPE_U8, DTYPE_I32, DTYPE_I64 = range(8)
+DTYPE_Q8_0 = 8  # ggml q8_0 blocks: the KV cache dtype only (mha.h)
 # mha_alignment
 ALIGN_BOTTOM_RIGHT, ALIGN_TOP_LEFT, ALIGN_EXPLICIT = range(3)
 # mha_mask_polarity

@@ -346,6 +346,15 @@ float mha__bf16_to_f32(uint16_t h);
 uint16_t mha__f32_to_f16(float f);
 uint16_t mha__f32_to_bf16(float f);
 
+/* q8_0 blocks (ggml's layout, docs/SEMANTICS.md "q8_0 KV cache"): per 32 values a float16 scale
+ * d = f16(max|x| / 127) (clamped to 65504) then 32 int8 q = clamp(rne(x / d), -127, 127)
+ * (q = 0 when d = 0); value = q * d. A block holding a non-finite value stores d = NaN, q = 0. */
+#define MHA__Q8_BLOCK 32
+#define MHA__Q8_BYTES 34
+/* n values (a multiple of 32) of src into n / 32 blocks at dst, and back. */
+void mha__q8_quantize(const float *src, int64_t n, void *dst);
+void mha__q8_dequantize(const void *src, int64_t n, float *dst);
+
 /* Storage of activations (docs/SEMANTICS.md "Half precision"): F32, BF16 or F16. The arithmetic
  * is float32: a tensor is widened exactly where it is read (copied, packed) and rounded once to
  * nearest even where it is written. */

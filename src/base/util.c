@@ -50,6 +50,8 @@ size_t mha_dtype_size(mha_dtype dtype) {
         return 4;
     case MHA_DTYPE_I64:
         return 8;
+    case MHA_DTYPE_Q8_0: /* a block type: 34 bytes per 32 values, no element size */
+        return 0;
     }
     return 0;
 }

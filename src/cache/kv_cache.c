@@ -30,13 +30,16 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     const int64_t span = mha__kv_ring_span(&c);
     if (span > 0 && span + c.max_step_tokens - 1 < slots)
         slots = span + c.max_step_tokens - 1;
-    const size_t elem = mha_dtype_size(c.dtype);
-    const int64_t kf[4] = {c.batch, c.num_kv_heads, slots, c.head_dim};
-    const int64_t vf[4] = {c.batch, c.num_kv_heads, slots, c.v_head_dim};
+    /* Q8_0 rows are dk / 32 blocks of 34 bytes: counted in blocks, at 34 bytes per "element" */
+    const int q8 = c.dtype == MHA_DTYPE_Q8_0;
+    const size_t elem = q8 ? 0 : mha_dtype_size(c.dtype), unit = q8 ? MHA__Q8_BYTES : elem;
+    const int64_t per = q8 ? MHA__Q8_BLOCK : 1;
+    const int64_t kf[4] = {c.batch, c.num_kv_heads, slots, c.head_dim / per};
+    const int64_t vf[4] = {c.batch, c.num_kv_heads, slots, c.v_head_dim / per};
     int64_t kn, vn;
     size_t kb, vb, lb;
     MHA_RETURN_IF(!mha__prod_i64(kf, 4, &kn) || !mha__prod_i64(vf, 4, &vn) ||
-                      !mha__bytes(kn, elem, &kb) || !mha__bytes(vn, elem, &vb) ||
+                      !mha__bytes(kn, unit, &kb) || !mha__bytes(vn, unit, &vb) ||
                       !mha__bytes(2 * c.batch, sizeof(int64_t), &lb),
                   err, OVERFLOW,
                   "kv cache of batch=%lld x g=%lld x slots=%lld x (d_k=%lld + d_v=%lld) "
@@ -49,6 +52,8 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     kc->cfg = c;
     kc->slots = slots;
     kc->elem = elem;
+    kc->k_row_bytes = (size_t)(c.head_dim / per) * unit;
+    kc->v_row_bytes = (size_t)(c.v_head_dim / per) * unit;
     if (allocator) {
         kc->allocator = *allocator;
         kc->has_allocator = 1;
@@ -131,8 +136,8 @@ mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_err
         const int64_t n = L < slots ? L : slots; /* slots in use */
         for (int64_t g = 0; g < G; g++) {
             /* Copying slots [0, n) covers every stored position, ring or not. */
-            const size_t kb = (size_t)(n * cache->cfg.head_dim) * cache->elem;
-            const size_t vb = (size_t)(n * cache->cfg.v_head_dim) * cache->elem;
+            const size_t kb = (size_t)n * cache->k_row_bytes;
+            const size_t vb = (size_t)n * cache->v_row_bytes;
             memcpy((void *)mha__kv_k_row(cache, dst_seq, g, 0), mha__kv_k_row(cache, src_seq, g, 0),
                    kb);
             memcpy((void *)mha__kv_v_row(cache, dst_seq, g, 0), mha__kv_v_row(cache, src_seq, g, 0),
@@ -145,8 +150,11 @@ mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_err
     return MHA_STATUS_OK;
 }
 
-static void load_row(const mha_kv_cache *c, const void *src, int64_t d, float *dst) {
+void mha__kv_load_row(const mha_kv_cache *c, const void *src, int64_t d, float *dst) {
     switch (c->cfg.dtype) {
+    case MHA_DTYPE_Q8_0:
+        mha__q8_dequantize(src, d, dst);
+        break;
     case MHA_DTYPE_F16:
         for (int64_t i = 0; i < d; i++)
             dst[i] = mha__f16_to_f32(((const uint16_t *)src)[i]);
@@ -163,6 +171,9 @@ static void load_row(const mha_kv_cache *c, const void *src, int64_t d, float *d
 
 static void store_row(const mha_kv_cache *c, const float *src, int64_t d, void *dst) {
     switch (c->cfg.dtype) {
+    case MHA_DTYPE_Q8_0:
+        mha__q8_quantize(src, d, dst);
+        break;
     case MHA_DTYPE_F16:
         for (int64_t i = 0; i < d; i++)
             ((uint16_t *)dst)[i] = mha__f32_to_f16(src[i]);
@@ -187,9 +198,9 @@ mha_status mha_kv_cache_read(
     const int64_t dv = cache->cfg.v_head_dim;
     for (int64_t g = 0; g < G; g++) {
         if (k)
-            load_row(cache, mha__kv_k_row(cache, seq, g, pos), dk, k + g * dk);
+            mha__kv_load_row(cache, mha__kv_k_row(cache, seq, g, pos), dk, k + g * dk);
         if (v)
-            load_row(cache, mha__kv_v_row(cache, seq, g, pos), dv, v + g * dv);
+            mha__kv_load_row(cache, mha__kv_v_row(cache, seq, g, pos), dv, v + g * dv);
     }
     mha__ok(err);
     return MHA_STATUS_OK;

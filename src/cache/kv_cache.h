@@ -15,7 +15,9 @@
 struct mha_kv_cache {
     mha_kv_cache_config cfg; /* resolved */
     int64_t slots;           /* storage positions per sequence */
-    size_t elem;             /* bytes per stored element (4 or 2) */
+    size_t elem;             /* bytes per stored element (4 or 2; 0 for Q8_0, a block type) */
+    size_t k_row_bytes;      /* bytes of one K row: dk * elem, or dk / 32 * 34 for Q8_0 */
+    size_t v_row_bytes;      /* bytes of one V row */
     void *k, *v;             /* K [batch, g, slots, dk], V [batch, g, slots, dv] */
     int64_t *len;            /* [batch] current lengths */
     int64_t *lo;             /* [batch] lowest position whose slot is intact (window rings:
@@ -28,13 +30,18 @@ struct mha_kv_cache {
 static inline const void *
 mha__kv_k_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
     const int64_t row = (s * c->cfg.num_kv_heads + g) * c->slots + p % c->slots;
-    return (const char *)c->k + (size_t)(row * c->cfg.head_dim) * c->elem;
+    return (const char *)c->k + (size_t)row * c->k_row_bytes;
 }
 static inline const void *
 mha__kv_v_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
     const int64_t row = (s * c->cfg.num_kv_heads + g) * c->slots + p % c->slots;
-    return (const char *)c->v + (size_t)(row * c->cfg.v_head_dim) * c->elem;
+    return (const char *)c->v + (size_t)row * c->v_row_bytes;
 }
+
+/* Row of d values (d = dk or dv) stored at src in the cache's dtype, widened to float32 (Q8_0:
+ * dequantised). The generic kernel, the reference path and mha_kv_cache_read all read through it.
+ */
+void mha__kv_load_row(const struct mha_kv_cache *c, const void *src, int64_t d, float *dst);
 
 /* What the argument checks (check/cache.c) read of a cache; NULL gives cfg == NULL. */
 static inline mha__kv_view mha__kv_view_of(const struct mha_kv_cache *c) {

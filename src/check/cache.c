@@ -60,9 +60,18 @@ mha_status mha__check_kv_create(const mha_kv_cache_config *in,
                   "kv cache config: window=%lld and chunk_size=%lld together are not supported "
                   "(a cache keeps one ring; give one of them)",
                   (long long)c->window, (long long)c->chunk_size);
-    MHA_RETURN_IF(
-        c->dtype != MHA_DTYPE_F32 && c->dtype != MHA_DTYPE_F16 && c->dtype != MHA_DTYPE_BF16, err,
-        INVALID_ARG, "kv cache config.dtype=%d must be F32, F16 or BF16", (int)c->dtype);
+    MHA_RETURN_IF(c->dtype != MHA_DTYPE_F32 && c->dtype != MHA_DTYPE_F16 &&
+                      c->dtype != MHA_DTYPE_BF16 && c->dtype != MHA_DTYPE_Q8_0,
+                  err, INVALID_ARG, "kv cache config.dtype=%d must be F32, F16, BF16 or Q8_0",
+                  (int)c->dtype);
+    /* q8_0 blocks of 32 values run along the head dimension, never across two rows */
+    MHA_RETURN_IF(c->dtype == MHA_DTYPE_Q8_0 && c->head_dim % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
+                  "kv cache config.head_dim=%lld must be a multiple of 32 for dtype Q8_0",
+                  (long long)c->head_dim);
+    MHA_RETURN_IF(c->dtype == MHA_DTYPE_Q8_0 && c->v_head_dim % MHA__Q8_BLOCK != 0, err,
+                  INVALID_ARG,
+                  "kv cache config.v_head_dim=%lld must be a multiple of 32 for dtype Q8_0",
+                  (long long)c->v_head_dim);
     return MHA_STATUS_OK;
 }
 

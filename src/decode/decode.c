@@ -189,13 +189,6 @@ typedef struct kv_call {
     float *lse;
 } kv_call;
 
-static void dequant(const struct mha_kv_cache *c, const void *src, int64_t d, float *dst) {
-    for (int64_t i = 0; i < d; i++)
-        dst[i] = c->cfg.dtype == MHA_DTYPE_F32   ? ((const float *)src)[i]
-                 : c->cfg.dtype == MHA_DTYPE_F16 ? mha__f16_to_f32(((const uint16_t *)src)[i])
-                                                 : mha__bf16_to_f32(((const uint16_t *)src)[i]);
-}
-
 /* The attention core on the dequantised cache, one sequence at a time (impl=reference, and long
  * blocks of new tokens). */
 static mha_status attend_core(
@@ -220,8 +213,8 @@ static mha_status attend_core(
         float *kb = kbuf, *vb = kbuf + m * G * dk;
         for (int64_t g = 0; g < G; g++)
             for (int64_t j = 0; j < m; j++) {
-                dequant(c, mha__kv_k_row(c, seq, g, lo + j), dk, kb + (g * m + j) * dk);
-                dequant(c, mha__kv_v_row(c, seq, g, lo + j), dv, vb + (g * m + j) * dv);
+                mha__kv_load_row(c, mha__kv_k_row(c, seq, g, lo + j), dk, kb + (g * m + j) * dk);
+                mha__kv_load_row(c, mha__kv_v_row(c, seq, g, lo + j), dv, vb + (g * m + j) * dv);
             }
         mha_attention_args ca;
         memset(&ca, 0, sizeof ca);
@@ -364,14 +357,15 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
     chunk = chunk < 1 ? 1 : chunk > 16 ? 16 : chunk;
     atomic_int_fast64_t next;
     atomic_init(&next, 0);
-    dec_run run = {&p,       mha__registry_best(MHA__OP_decode)->run.decode,
-                   units,    first,
-                   part,     part_stride,
-                   scratch,  scratch_stride,
-                   a->sinks, a->out,
-                   a->o_ss,  a->o_ts,
-                   a->lse,   n_units,
-                   chunk,    &next};
+    dec_run run = {
+        &p,       mha__registry_best_dt(MHA__OP_decode, mha__dts_bit(c->cfg.dtype))->run.decode,
+        units,    first,
+        part,     part_stride,
+        scratch,  scratch_stride,
+        a->sinks, a->out,
+        a->o_ss,  a->o_ts,
+        a->lse,   n_units,
+        chunk,    &next};
     mha_status st = mha__parallel_for(unit_team, nt, run_units, &run, err);
     if (!st)
         st = mha__parallel_for(team, SG, merge_pairs, &run, err);

@@ -66,10 +66,13 @@ const char *mha__op_name(mha__op op) {
 }
 
 const char *mha__dts_name(unsigned dtypes) {
-    /* Every subset of the three bits, in the order f32, bf16, f16. */
+    /* Every subset of the three bits, in the order f32, bf16, f16; then q8_0 (decode lines). */
     static const char *const names[8] = {"none", "f32",     "bf16",     "f32,bf16",
                                          "f16",  "f32,f16", "bf16,f16", "f32,bf16,f16"};
-    return names[dtypes & MHA_DTS_ALL];
+    static const char *const q8[8] = {"q8_0",          "f32,q8_0",         "bf16,q8_0",
+                                      "f32,bf16,q8_0", "f16,q8_0",         "f32,f16,q8_0",
+                                      "bf16,f16,q8_0", "f32,bf16,f16,q8_0"};
+    return (dtypes & MHA_DTS_Q8_0 ? q8 : names)[dtypes & MHA_DTS_ALL];
 }
 
 const char *mha__kernel_tier(const mha__kernel_info *k) {

@@ -27,6 +27,16 @@
  * measured worst (printed by the test): see docs/INFERENCE.md. */
 #define TOL_KV_F16_REL  (8.0 / 2048.0)
 #define TOL_KV_BF16_REL (8.0 / 256.0)
+/* q8_0 caches (docs/SEMANTICS.md "q8_0 KV cache"), per element of a block with a = max|x| (a/127
+ * below 65504): d = f16(a/127) <= (a/127)(1 + 2^-11) when normal, |d - a/127| <= 2^-25 when
+ * subnormal. Unsaturated, |x - q d| <= d/2; saturated (|x/d| > 127.5 only if d < a/127),
+ * |x| - 127 d <= 127 |a/127 - d| <= a 2^-11 or 127 2^-25. So
+ *   |x - q d| <= a/254 (1 + 2^-11) + 127 2^-25.
+ * Attention: keys off by e_k per element shift each score by at most Delta = scale ||q||_1 e_k,
+ * each softmax weight by a factor in [e^-2Delta, e^2Delta], so with values off by e_v
+ *   |o - o*| <= (exp(2 Delta) - 1) max|v| + e_v   (+ the float32 term TOL_OUT_REL max|o|).
+ * tests/test_kv_q8.c computes it per head from the data. */
+#define TOL_Q8_ELEM(a)  ((a) / 254.0 * (1.0 + 0x1p-11) + 127.0 * 0x1p-25)
 /* MLA's compressed-cache decode (tests/test_python_mla.py) uses the same three: TOL_OUT_REL for
  * a float32 cache (the absorbed form is the expanded one with its products summed in another
  * order: float32 rounding, measured <= 4e-7), TOL_KV_F16_REL / TOL_KV_BF16_REL for half caches

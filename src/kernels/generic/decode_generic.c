@@ -12,18 +12,6 @@
 
 #include <string.h>
 
-static void load_row(mha_dtype dtype, const void *src, int64_t d, float *dst) {
-    if (dtype == MHA_DTYPE_F16) {
-        for (int64_t i = 0; i < d; i++)
-            dst[i] = mha__f16_to_f32(((const uint16_t *)src)[i]);
-    } else if (dtype == MHA_DTYPE_BF16) {
-        for (int64_t i = 0; i < d; i++)
-            dst[i] = mha__bf16_to_f32(((const uint16_t *)src)[i]);
-    } else {
-        memcpy(dst, src, sizeof(float) * (size_t)d);
-    }
-}
-
 void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
                                         const mha__dec_unit *u,
                                         float *o,
@@ -31,7 +19,6 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
                                         float *l,
                                         float *scratch) {
     const struct mha_kv_cache *c = p->cache;
-    const mha_dtype dtype = c->cfg.dtype;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
     const int64_t seq = p->seq[u->s], L = c->len[seq];
     float *S = scratch, *kb = S + R * MHA_DEC_BLOCK, *vb = kb + dk;
@@ -41,7 +28,7 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
         m[r] = -INFINITY;
     for (int64_t jj = 0; jj < nb; jj++) {
         const int64_t j = u->j0 + jj;
-        load_row(dtype, mha__kv_k_row(c, seq, u->g, j), dk, kb);
+        mha__kv_load_row(c, mha__kv_k_row(c, seq, u->g, j), dk, kb);
         for (int64_t r = 0; r < R; r++) {
             const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
             const int64_t pos = L - p->t + i;
@@ -76,7 +63,7 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
     }
     /* Pass 3: weighted values, each V row loaded once for the R rows. */
     for (int64_t jj = 0; jj < nb; jj++) {
-        load_row(dtype, mha__kv_v_row(c, seq, u->g, u->j0 + jj), dv, vb);
+        mha__kv_load_row(c, mha__kv_v_row(c, seq, u->g, u->j0 + jj), dv, vb);
         for (int64_t r = 0; r < R; r++) {
             const float e = S[r * MHA_DEC_BLOCK + jj];
             if (e == 0.0f)
