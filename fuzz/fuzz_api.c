@@ -349,7 +349,9 @@ static void fuzz_layer(fuzz_reader *r) {
                      cfg.bias_k ? wb[5] : NULL,
                      cfg.bias_v ? wb[6] : NULL,
                      cfg.bias_o ? wb[7] : NULL,
-                     cfg.sinks ? wb[8] : NULL};
+                     cfg.sinks ? wb[8] : NULL,
+                     NULL,
+                     NULL};
     if (present >= 250) /* a missing or an unexpected tensor */
         switch (present % 3) {
         case 0:
