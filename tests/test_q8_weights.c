@@ -109,7 +109,7 @@ static void test_gemm(test_rng *rng) {
                         int64_t bad = 0;
                         for (int64_t i = 0; i < M; i++)
                             for (int64_t o = 0; o < N; o++) {
-                                double ref = bias[o], mag = fabs((double)bias[o]);
+                                double ref = (double)bias[o], mag = fabs((double)bias[o]);
                                 for (int64_t kk = 0; kk < K; kk++) {
                                     const double p = (double)x[i * K + kk] * (double)wd[o * K + kk];
                                     ref += p;
@@ -117,9 +117,10 @@ static void test_gemm(test_rng *rng) {
                                 }
                                 bad += !(fabs((double)y[i * N + o] - ref) <= gamma * mag);
                             }
-                        CHECK(bad == 0, "gemm %s q8 %lldx%lldx%lld: %lld outputs beyond the float32 "
-                              "bound", k->name, (long long)M, (long long)N, (long long)K,
-                              (long long)bad);
+                        CHECK(bad == 0,
+                              "gemm %s q8 %lldx%lldx%lld: %lld outputs beyond the float32 "
+                              "bound",
+                              k->name, (long long)M, (long long)N, (long long)K, (long long)bad);
                         free(x), free(xh), free(w), free(wd), free(bias), free(y), free(y32);
                         free(wq);
                     }
@@ -140,10 +141,10 @@ typedef struct lcase {
 
 /* The weights of a case: float32 random, then q8_0 (+ the dequantised float32 copy). */
 typedef struct lweights {
-    float *f[11];          /* float32 originals (projections) / the float32 small tensors */
-    float *deq[4];         /* dequantised projections */
-    unsigned char *q8[4];  /* q8_0 projections */
-    mha_weights wq, wf;    /* the q8_0 layer's and the float32 twin's */
+    float *f[11];         /* float32 originals (projections) / the float32 small tensors */
+    float *deq[4];        /* dequantised projections */
+    unsigned char *q8[4]; /* q8_0 projections */
+    mha_weights wq, wf;   /* the q8_0 layer's and the float32 twin's */
 } lweights;
 
 static void make_config(const lcase *lc, mha_config *c) {
@@ -168,11 +169,11 @@ static void make_weights(test_rng *rng, const lcase *lc, lweights *W) {
     memset(W, 0, sizeof *W);
     const int64_t h = lc->h, g = lc->g, dk = lc->dk, qd = lc->qd, gq = lc->gate ? 2 : 1;
     const int64_t out = lc->out ? lc->out : qd;
-    const int64_t cnt[11] = {gq * h * dk * qd, g * dk * qd, g * dk * qd, out * h * dk,
-                             gq * h * dk,      g * dk,      g * dk,      out,
-                             h,                dk,          dk};
-    const int present[11] = {1, 1, 1, 1, lc->bias, lc->bias, lc->bias, lc->bias, lc->sinks,
-                             lc->qknorm, lc->qknorm};
+    const int64_t cnt[11] = {
+        gq * h * dk * qd, g * dk * qd, g * dk * qd, out * h * dk, gq * h * dk, g * dk,
+        g * dk,           out,         h,           dk,           dk};
+    const int present[11] = {1,        1,        1,         1,          lc->bias,  lc->bias,
+                             lc->bias, lc->bias, lc->sinks, lc->qknorm, lc->qknorm};
     for (int i = 0; i < 11; i++) {
         if (!present[i])
             continue;
@@ -186,12 +187,12 @@ static void make_weights(test_rng *rng, const lcase *lc, lweights *W) {
             W->q8[i] = quantise(W->f[i], cnt[i], W->deq[i]);
         }
     }
-    const void **pq[11] = {&W->wq.w_q, &W->wq.w_k, &W->wq.w_v, &W->wq.w_o, &W->wq.b_q,
-                           &W->wq.b_k, &W->wq.b_v, &W->wq.b_o, &W->wq.sinks, &W->wq.q_norm,
-                           &W->wq.k_norm};
-    const void **pf[11] = {&W->wf.w_q, &W->wf.w_k, &W->wf.w_v, &W->wf.w_o, &W->wf.b_q,
-                           &W->wf.b_k, &W->wf.b_v, &W->wf.b_o, &W->wf.sinks, &W->wf.q_norm,
-                           &W->wf.k_norm};
+    const void **pq[11] = {&W->wq.w_q,   &W->wq.w_k,    &W->wq.w_v,   &W->wq.w_o,
+                           &W->wq.b_q,   &W->wq.b_k,    &W->wq.b_v,   &W->wq.b_o,
+                           &W->wq.sinks, &W->wq.q_norm, &W->wq.k_norm};
+    const void **pf[11] = {&W->wf.w_q,   &W->wf.w_k,    &W->wf.w_v,   &W->wf.w_o,
+                           &W->wf.b_q,   &W->wf.b_k,    &W->wf.b_v,   &W->wf.b_o,
+                           &W->wf.sinks, &W->wf.q_norm, &W->wf.k_norm};
     for (int i = 0; i < 11; i++) {
         *pq[i] = i < 4 ? (const void *)W->q8[i] : (const void *)W->f[i];
         *pf[i] = i < 4 ? (const void *)W->deq[i] : (const void *)W->f[i];
@@ -209,8 +210,15 @@ static void free_weights(lweights *W) {
 
 /* Prefill `pre` tokens then decode steps of one token, B sequences, out [B, N, out] (rows of a
  * sequence in order). */
-static void run_decode(const mha_layer *L, const float *x, int64_t B, int64_t N, int64_t qd,
-                       int64_t od, int64_t pre, int threads, float *y) {
+static void run_decode(const mha_layer *L,
+                       const float *x,
+                       int64_t B,
+                       int64_t N,
+                       int64_t qd,
+                       int64_t od,
+                       int64_t pre,
+                       int threads,
+                       float *y) {
     mha_error err = {0};
     mha_kv_cache_config kc;
     memset(&kc, 0, sizeof kc);
@@ -307,9 +315,7 @@ static void test_layer(test_rng *rng, const lcase *lc) {
     for (int which = 0; which < 4; which++)
         for (int rows = 3; rows <= 40; rows += 37) {
             const int64_t in = which == 3 ? lc->h * lc->dk : qd;
-            const int64_t outf = which == 0   ? lc->h * lc->dk
-                                 : which == 3 ? od
-                                              : lc->g * lc->dk;
+            const int64_t outf = which == 0 ? lc->h * lc->dk : which == 3 ? od : lc->g * lc->dk;
             float *px = xmalloc(sizeof(float) * (size_t)(rows * in));
             float *p1 = xmalloc(sizeof(float) * (size_t)(rows * outf));
             float *p2 = xmalloc(sizeof(float) * (size_t)(rows * outf));

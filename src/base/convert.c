@@ -149,7 +149,8 @@ static int bytes_overlap(const void *src, size_t src_bytes, const void *dst, siz
     return s0 < d1 && d0 < s1;
 }
 
-static mha_status q8_check(const void *src, int64_t count, const void *dst, int to_q8, mha_error *err) {
+static mha_status
+q8_check(const void *src, int64_t count, const void *dst, int to_q8, mha_error *err) {
     MHA_RETURN_IF(count < 0 || count % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
                   "count=%lld is not a nonnegative multiple of 32 (whole q8_0 blocks)",
                   (long long)count);

@@ -126,8 +126,8 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
     mha_status tt = check_temperature(&c->temperature, err);
     if (tt)
         return tt;
-    MHA_RETURN_IF(!mha__is_float_storage(c->weight_dtype) && c->weight_dtype != MHA_DTYPE_Q8_0,
-                  err, INVALID_ARG,
+    MHA_RETURN_IF(!mha__is_float_storage(c->weight_dtype) && c->weight_dtype != MHA_DTYPE_Q8_0, err,
+                  INVALID_ARG,
                   "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16, MHA_DTYPE_F16 "
                   "or MHA_DTYPE_Q8_0",
                   (int)c->weight_dtype);
@@ -200,7 +200,8 @@ mha_status mha__check_layer_create(const mha_config *config,
                 MHA_RETURN_IF(!isfinite(((const float *)ptr)[e]), err, INVALID_ARG,
                               "weights.%s[%lld] is %g: weights must be finite", slots[i].name,
                               (long long)e, (double)((const float *)ptr)[e]);
-        } else if (dt == MHA_DTYPE_Q8_0) { /* the q values are integers: the scales must be finite */
+        } else if (dt ==
+                   MHA_DTYPE_Q8_0) { /* the q values are integers: the scales must be finite */
             for (int64_t b = 0; b < slots[i].count / MHA__Q8_BLOCK; b++) {
                 const float dh = mha__q8_scale(ptr, b);
                 MHA_RETURN_IF(!isfinite(dh), err, INVALID_ARG,
@@ -357,11 +358,10 @@ mha_status mha__check_layer_project(const mha_config *c,
     mha_status st = resolve_projection(c, w, which, rows, x, y, exec, p, err);
     if (st)
         return st;
-    const mha__span in[3] = {
-        mha__span_of("x", x, rows * p->in, sizeof(float)),
-        mha__span_of("the layer's weight", p->w,
-                     (int64_t)mha__weight_bytes(p->wdt, p->in * p->out), 1),
-        mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
+    const mha__span in[3] = {mha__span_of("x", x, rows * p->in, sizeof(float)),
+                             mha__span_of("the layer's weight", p->w,
+                                          (int64_t)mha__weight_bytes(p->wdt, p->in * p->out), 1),
+                             mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
     const mha__span out = mha__span_of("y", y, rows * p->out, sizeof(float));
     return mha__check_no_overlap(&out, 1, in, 3, err);
 }
@@ -388,12 +388,11 @@ mha_status mha__check_layer_project_backward(const mha_config *c,
     MHA_RETURN_IF(rows > 0 && dw && !x, err, INVALID_ARG, "x is NULL (needed for dw)");
     MHA_RETURN_IF(db && !p->bias, err, INVALID_ARG, "db is given but the projection has no bias");
     /* dy is [rows, out] and x, dx [rows, in]: the forward's names swapped. */
-    const mha__span in[4] = {
-        mha__span_of("x", dw ? x : NULL, rows * p->in, sizeof(float)),
-        mha__span_of("dy", dy, rows * p->out, sizeof(float)),
-        mha__span_of("the layer's weight", p->w,
-                     (int64_t)mha__weight_bytes(p->wdt, p->in * p->out), 1),
-        mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
+    const mha__span in[4] = {mha__span_of("x", dw ? x : NULL, rows * p->in, sizeof(float)),
+                             mha__span_of("dy", dy, rows * p->out, sizeof(float)),
+                             mha__span_of("the layer's weight", p->w,
+                                          (int64_t)mha__weight_bytes(p->wdt, p->in * p->out), 1),
+                             mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
     const mha__span out[3] = {mha__span_of("dx", dx, rows * p->in, sizeof(float)),
                               mha__span_of("dw", dw, p->in * p->out, sizeof(float)),
                               mha__span_of("db", db, p->out, sizeof(float))};

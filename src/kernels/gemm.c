@@ -101,9 +101,8 @@ static void pack_rows_half(mha__gemm_pack_b_fn pack,
 /* pack_rows_half over q8_0 rows: src is the block holding column k0 of row 0, rows ld_bytes
  * apart, kc a multiple of 32 (or K's tail, which is one too); each row dequantised (exact) into
  * the float block, then the tier's packer. */
-static void
-pack_rows_q8(mha__gemm_pack_b_fn pack, const void *src, int64_t ld_bytes, int n, int64_t kc,
-             float *dst) {
+static void pack_rows_q8(
+    mha__gemm_pack_b_fn pack, const void *src, int64_t ld_bytes, int n, int64_t kc, float *dst) {
     _Alignas(64) float tmp[GEMM_MAX_APANEL];
     MHA_ASSERT((int64_t)n * kc <= GEMM_MAX_APANEL && kc % MHA__Q8_BLOCK == 0);
     for (int r = 0; r < n; r++)
@@ -634,15 +633,14 @@ mha_status mha__gemm_run_dt(mha__gemm_op op,
                             size_t workspace_bytes,
                             const mha_allocator *alloc,
                             mha_error *err) {
-    MHA_RETURN_IF(!mha__is_float_storage(xdt) ||
-                      (!mha__is_float_storage(wdt) && wdt != MHA_DTYPE_Q8_0),
-                  err, INVALID_ARG, "gemm: operand dtypes %d, %d are not F32, BF16 or F16 (W: or Q8_0)",
-                  (int)xdt, (int)wdt);
-    MHA_RETURN_IF(wdt == MHA_DTYPE_Q8_0 &&
-                      (op != MHA__GEMM_OP_N || K % MHA__Q8_BLOCK != 0 || ldw != K),
-                  err, INVALID_ARG,
-                  "gemm: q8_0 W takes op N, K a multiple of 32 and ldw = K (K=%lld, ldw=%lld)",
-                  (long long)K, (long long)ldw);
+    MHA_RETURN_IF(
+        !mha__is_float_storage(xdt) || (!mha__is_float_storage(wdt) && wdt != MHA_DTYPE_Q8_0), err,
+        INVALID_ARG, "gemm: operand dtypes %d, %d are not F32, BF16 or F16 (W: or Q8_0)", (int)xdt,
+        (int)wdt);
+    MHA_RETURN_IF(
+        wdt == MHA_DTYPE_Q8_0 && (op != MHA__GEMM_OP_N || K % MHA__Q8_BLOCK != 0 || ldw != K), err,
+        INVALID_ARG, "gemm: q8_0 W takes op N, K a multiple of 32 and ldw = K (K=%lld, ldw=%lld)",
+        (long long)K, (long long)ldw);
     const mha__gemm_kernel *kr = NULL;
     unsigned dts = pick_dts(op, M, xdt, wdt);
     /* An explicit pair kernel (tests, benchmarks) also takes few rows (packed path). */
@@ -677,8 +675,8 @@ void mha__gemm_dot_q8_ref(int64_t K,
             const void *b = (const char *)w + j * ldw_bytes;
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             for (int64_t k = 0; k < K; k += MHA__Q8_BLOCK) { /* K is a multiple of 32 */
-                const signed char *q = (const signed char *)b +
-                                       (k / MHA__Q8_BLOCK) * MHA__Q8_BYTES + 2;
+                const signed char *q =
+                    (const signed char *)b + (k / MHA__Q8_BLOCK) * MHA__Q8_BYTES + 2;
                 const float d = mha__q8_scale(q - 2, 0);
                 for (int l = 0; l < MHA__Q8_BLOCK; l++)
                     acc[l % 8] += a[k + l] * ((float)q[l] * d);

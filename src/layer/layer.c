@@ -94,9 +94,10 @@ mha_status mha_layer_create(const mha_config *config,
     const int q8 = c.weight_dtype == MHA_DTYPE_Q8_0;
     size_t sbytes[MHA__WEIGHT_SLOTS], step[MHA__WEIGHT_SLOTS];
     for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
-        sbytes[i] = !slots[i].present        ? 0
-                    : q8 && i >= MHA__SMALL_SLOT0 ? sizeof(float) * (size_t)slots[i].count
-                                                  : mha__weight_bytes(c.weight_dtype, slots[i].count);
+        sbytes[i] = !slots[i].present ? 0
+                    : q8 && i >= MHA__SMALL_SLOT0
+                        ? sizeof(float) * (size_t)slots[i].count
+                        : mha__weight_bytes(c.weight_dtype, slots[i].count);
         /* q8_0: each tensor 64-byte aligned (a q8_0 tensor's 34-byte blocks would misalign the
          * float32 tensors after it); the other dtypes keep their packed layout. */
         step[i] = q8 ? (sbytes[i] + 63) & ~(size_t)63 : sbytes[i];
@@ -104,8 +105,8 @@ mha_status mha_layer_create(const mha_config *config,
     if (ownership == MHA_WEIGHTS_COPY) {
         size_t bytes = 0;
         /* The bound total * 4 + 11 * 64 >= the sum of the steps cannot overflow. */
-        const int ok = mha__bytes(total, sizeof(float), &bytes) &&
-                       bytes <= SIZE_MAX - 64 * MHA__WEIGHT_SLOTS;
+        const int ok =
+            mha__bytes(total, sizeof(float), &bytes) && bytes <= SIZE_MAX - 64 * MHA__WEIGHT_SLOTS;
         bytes = 0;
         for (int i = 0; i < MHA__WEIGHT_SLOTS; i++)
             bytes += step[i];

@@ -305,7 +305,8 @@ static void dot_q8_neon(int64_t K,
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
             uint16_t dh;
             memcpy(&dh, wr[j] + blk, 2);
-            d[j] = vdupq_n_f32(vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(dh))), 0));
+            d[j] =
+                vdupq_n_f32(vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(dh))), 0));
         }
         MHA_UNROLL
         for (int u = 0; u < MHA__Q8_BLOCK; u += 8) {
@@ -336,8 +337,8 @@ static void dot_q8_neon(int64_t K,
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_8x12__neon = {
-    MR,        NR,       256,      480,        ukr_8x12,
-    pack_b_12, dot_neon, pack_a_8, dot_h_neon, NULL, /* pack_pairs: not a bf16 pair kernel */
+    MR,          NR,       256,      480,        ukr_8x12,
+    pack_b_12,   dot_neon, pack_a_8, dot_h_neon, NULL, /* pack_pairs: not a bf16 pair kernel */
     dot_q8_neon,
 };
 

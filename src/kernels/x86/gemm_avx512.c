@@ -437,7 +437,8 @@ static void pack_a_14(const float *x, int64_t ldx, int m, int64_t kc, float *dst
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_14x32__avx512 = {
-    MR, NR, 256, 1024, ukr_14x32, pack_b_32, dot_avx512, pack_a_14, dot_h_avx512, NULL, dot_q8_avx512,
+    MR,         NR,        256,          1024, ukr_14x32,     pack_b_32,
+    dot_avx512, pack_a_14, dot_h_avx512, NULL, dot_q8_avx512,
 };
 
 #endif
