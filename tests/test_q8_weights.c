@@ -311,6 +311,21 @@ static void test_layer(test_rng *rng, const lcase *lc) {
             }
         }
 
+    /* mha_layer_attention_statistics: the twin's entropies and received mass, bit for bit. */
+    {
+        float *e1 = xmalloc(sizeof(float) * (size_t)(B * lc->h * n)),
+              *e2 = xmalloc(sizeof(float) * (size_t)(B * lc->h * n)),
+              *r1 = xmalloc(sizeof(float) * (size_t)(B * lc->h * n)),
+              *r2 = xmalloc(sizeof(float) * (size_t)(B * lc->h * n));
+        mha_attention_stats s1 = {0}, s2 = {0};
+        s1.entropy = e1, s1.received = r1, s2.entropy = e2, s2.received = r2;
+        CHECK_OK(mha_layer_attention_statistics(Lq, &fa, &s1, NULL, &err), &err);
+        CHECK_OK(mha_layer_attention_statistics(Lf, &fa, &s2, NULL, &err), &err);
+        CHECK(same_bits(e1, e2, B * lc->h * n) && same_bits(r1, r2, B * lc->h * n),
+              "%s: attention statistics not the twin's bits", lc->name);
+        free(e1), free(e2), free(r1), free(r2);
+    }
+
     /* mha_layer_project: each of the four maps, 3 rows (dot path) and 40 rows (packed). */
     for (int which = 0; which < 4; which++)
         for (int rows = 3; rows <= 40; rows += 37) {
