@@ -9,7 +9,8 @@
  *      x float32 and bf16: bit-identical to the same tier's float32 GEMM on the dequantised W,
  *      and within the float32 error bound gamma_{K+1} sum |x w| of the float64 product;
  *   2. the layer (GQA, RoPE, biases, sinks; an output gate with an RMS_HEAD QK-norm; q_dim != out
- *      features), forward (impl auto and reference), mha_layer_project, prefill and decode steps
+ *      features), forward (impl auto and reference; bf16 x and out too), the attention
+ *      statistics, mha_layer_project, prefill and decode steps
  *      (batch 1 and 3: the dot path) on 1 and 2 threads: bit-identical to the float32 layer built
  *      on the dequantised weights, and the forward within TOL_OUT_REL of the float64 oracle on
  *      them (the decode steps within TOL_OUT_REL of the oracle's causal forward);
@@ -310,6 +311,30 @@ static void test_layer(test_rng *rng, const lcase *lc) {
                       impl ? "reference" : "auto", e, TOL_OUT_REL * scale);
             }
         }
+
+    /* bf16 x and a bf16 out (x_dtype, out_dtype): the intermediates stay float32 (Q8_0 is never
+     * an activation dtype); the twin's bits. */
+    {
+        uint16_t *xh = xmalloc(sizeof(uint16_t) * (size_t)(B * n * qd));
+        uint16_t *o1 = xmalloc(sizeof(uint16_t) * (size_t)(B * n * od));
+        uint16_t *o2 = xmalloc(sizeof(uint16_t) * (size_t)(B * n * od));
+        mha__narrow(MHA_DTYPE_BF16, x, xh, B * n * qd);
+        mha_forward_args ha = fa;
+        ha.query = xh;
+        ha.x_dtype = ha.out_dtype = MHA_DTYPE_BF16;
+        for (int rows = 0; rows < 2; rows++) { /* all rows (packed), then 1 x 2 rows (dot) */
+            ha.batch = rows ? 1 : B;
+            ha.q_len = rows ? 2 : n;
+            ha.out = o1;
+            CHECK_OK(mha_layer_forward(Lq, &ha, NULL, &err), &err);
+            ha.out = o2;
+            CHECK_OK(mha_layer_forward(Lf, &ha, NULL, &err), &err);
+            CHECK(memcmp(o1, o2, sizeof(uint16_t) * (size_t)(ha.batch * ha.q_len * od)) == 0,
+                  "%s: bf16 x / out forward (%lld rows) not the twin's bits", lc->name,
+                  (long long)(ha.batch * ha.q_len));
+        }
+        free(xh), free(o1), free(o2);
+    }
 
     /* mha_layer_attention_statistics: the twin's entropies and received mass, bit for bit. */
     {
