@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: MIT
-"""Decode step with f32 / bf16 / f16 WEIGHTS at batch 1: bytes of weights per second.
+"""Decode step with f32 / bf16 / f16 / q8_0 WEIGHTS at batch 1: bytes of weights per second.
 
 At batch 1 a layer's decode step is four matrix-vector products over its weights (q, k, v, o:
 2 H D Q + 2 G D Q elements) plus attention over a short cache: the weights' bytes bound it, so
-half-precision weights should approach half the time. Runs, interleaved in one process run:
+half-precision weights should approach half the time, q8_0 (34 bytes per 32 weights) 0.53x the
+bf16 time. Runs, interleaved in one process run:
   mha  : `mha decode-bench --weight-dtype T --json` (the whole layer step: projections, RoPE,
          append, split-KV attention over --cache-len positions, output projection);
   torch: the same four products as F.linear on a [1, Q] input with T weights (bf16/f16 torch
-         runs them natively; no attention: a lower bound on torch's layer step).
+         runs them natively; no attention: a lower bound on torch's layer step; no q8_0).
 Each mha run also measures this machine's memory read bandwidth (`--stream MB`: two read loops
 over a buffer far beyond the caches, in 2 MiB pages, on the same thread count, the plain one and
 one with software prefetches, the best pass of each; the read bandwidth is the higher of the
@@ -15,7 +16,10 @@ two: on AMD Zen 5 the prefetched loop reads 1.1-1.2x the plain one, and the GEMV
 prefetches, beat the plain loop). decode-bench copies the weights into the layer's own storage,
 as the loaders do, also in 2 MiB pages. So `% bw` = weight bytes / median step time / that run's
 read bandwidth compares like with like on a shared host (a median step against the best read
-pass: conservative). `best %` uses the run's best step instead.
+pass: conservative). `best %` uses the run's best step instead. `% w+kv` counts the bytes the
+step reads from the cache too (weights + K and V of --cache-len positions: what the step must
+stream), and `x bf16` is the bf16 row's step time over this row's, per repeat (same tier and
+threads, runs of one repeat back to back).
 Reports per (kernel tier, threads, dtype) the median and [min, max] over --repeats runs of the
 median step time, GB/s of weight bytes and % of the read bandwidth. The tiers are MHA_MAX_ISA
 caps ("default" = none); torch (optional) runs only in the default tier's rows.
@@ -95,7 +99,7 @@ def main():
     p.add_argument("--stream-mb", type=int, default=1024,
                    help="the read-bandwidth loop's buffer (MB), measured in every mha run")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtypes", default="f32,bf16,f16")
+    p.add_argument("--dtypes", default="f32,bf16,f16,q8_0")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--base", default=None,
                    help="another mha program (e.g. a build before a change): its rows interleaved")
@@ -111,6 +115,7 @@ def main():
     rows = [(who, tier, t, d) for t in threads for tier in tiers for d in dtypes for who, _ in whos]
     exe = dict(whos)
     res = {r: [] for r in rows}  # (median step s, read bandwidth GB/s, best step s) per run
+    kvb = {}  # K + V bytes a step reads
     tres = {(t, d): [] for t in threads for d in dtypes}
     nbytes, kernel = {}, {}
     for _ in range(a.repeats):  # interleaved: the shared host's load hits every row alike
@@ -120,8 +125,9 @@ def main():
             bw = max(j["stream_gbs"], j.get("stream_pf_gbs", 0.0))
             res[r].append((j["layer_median_s"], bw, j["layer_min_s"]))
             nbytes[d] = j["weight_bytes"]
+            kvb[d] = j["kv_bytes_per_step"]
             kernel[tier] = j["kernel"].rsplit("__", 1)[-1]
-            if torch is not None and tier == tiers[0] and who == "mha":
+            if torch is not None and tier == tiers[0] and who == "mha" and d != "q8_0":
                 torch.set_num_threads(t)
                 tm, nb = torch_run(torch, d, a)
                 tres[(t, d)].append(tm)
@@ -132,7 +138,8 @@ def main():
           f"cache_len={a.cache_len} batch=1; median step over {a.steps} steps, "
           f"{a.repeats} repeats: median [min, max]; read bw: --stream {a.stream_mb} in each run")
     print(f"{'tier':8} {'thr':>3} {'who':6} {'weights':7} {'MB':>6} {'step ms':>22} "
-          f"{'GB/s of weights':>20} {'read bw GB/s':>20} {'% of read bw':>18} {'best %':>16}")
+          f"{'GB/s of weights':>20} {'read bw GB/s':>20} {'% of read bw':>18} {'best %':>16} "
+          f"{'% w+kv':>16} {'x bf16':>20}")
 
     def cell(v, fmt):
         return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
@@ -146,9 +153,12 @@ def main():
             bw = [b for _, b, _ in runs]
             pct = [100.0 * nb / s * 1e-9 / b for s, b, _ in runs]
             best = [100.0 * nb / s * 1e-9 / b for _, b, s in runs]
+            wkv = [100.0 * (nb + kvb[d]) / s * 1e-9 / b for s, b, _ in runs]
+            ref = res.get((who, tier, t, "bf16"))
+            xbf = cell([r[0] / s for r, (s, _, _) in zip(ref, runs)], '{:.2f}') if ref else "-"
             print(f"{kernel[tier]:8} {t:3} {who:6} {d:7} {nb * 1e-6:6.1f} {cell(ms, '{:.3f}'):>22} "
                   f"{cell(gbs, '{:.1f}'):>20} {cell(bw, '{:.1f}'):>20} {cell(pct, '{:.0f}'):>18} "
-                  f"{cell(best, '{:.0f}'):>16}")
+                  f"{cell(best, '{:.0f}'):>16} {cell(wkv, '{:.0f}'):>16} {xbf:>20}")
         for d in dtypes:
             ts = tres[(t, d)]
             if not ts:

@@ -100,8 +100,9 @@ static void bench_usage(void) {
         "  --naive             also time a plain single-threaded loop over the same cache\n"
         "  --stream MB         also measure memory read bandwidth over an MB-megabyte buffer\n"
         "  --json              one JSON line instead of the table\n"
-        "  --weight-dtype T    the layer's weights: f32, f16 or bf16 (default: f32); the layer\n"
-        "                      step then reports the weights' bytes per second\n"
+        "  --weight-dtype T    the layer's weights: f32, f16, bf16 or q8_0 (the projections in\n"
+        "                      q8_0 blocks, quantised by mha_q8_0_quantize) (default: f32); the\n"
+        "                      layer step then reports the weights' bytes per second\n"
         "\n"
         "Example:\n"
         "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 \\\n"
@@ -291,6 +292,7 @@ typedef struct bench_run {
     uint64_t rng;
     float *wbuf, *kv, *xbuf, *ybuf, *q, *o, *scores;
     uint16_t *whalf; /* the weights rounded to --weight-dtype bf16 / f16 */
+    void *wq8;       /* the weights quantised to --weight-dtype q8_0 */
     double *times;
     double prefill_s, attn_med, attn_min, kv_bytes, naive_s, layer_med, layer_min, stream;
     double stream_pf; /* the read loop with software prefetches (stream_gbs) */
@@ -349,8 +351,10 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             b->wdt = MHA_DTYPE_F16;
         else if (strcmp(b->wdtn, "bf16") == 0)
             b->wdt = MHA_DTYPE_BF16;
+        else if (strcmp(b->wdtn, "q8_0") == 0)
+            b->wdt = MHA_DTYPE_Q8_0;
         else if (strcmp(b->wdtn, "f32") != 0)
-            return cli_usage("--weight-dtype: '%s' is not f32, f16 or bf16", b->wdtn);
+            return cli_usage("--weight-dtype: '%s' is not f32, f16, bf16 or q8_0", b->wdtn);
     }
     if (args->given[B_PREFILL_MODE]) {
         if (strcmp(args->value[B_PREFILL_MODE], "layer") == 0)
@@ -404,7 +408,17 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
         cfg.weight_dtype = b->wdt;
         const char *base = (const char *)r->wbuf;
         size_t es = sizeof(float);
-        if (b->wdt != MHA_DTYPE_F32) {
+        if (b->wdt == MHA_DTYPE_Q8_0) { /* each matrix's rows: Q (a multiple of 32) values */
+            if (Q % 32 != 0 || (H * D) % 32 != 0)
+                return cli_usage("--weight-dtype q8_0 needs --q-dim and heads * head-dim "
+                                 "multiples of 32");
+            r->wq8 = malloc((size_t)(nw / 32) * 34);
+            if (!r->wq8)
+                return cli_fail("cannot allocate %lld weights", (long long)nw);
+            if (mha_q8_0_quantize(r->wbuf, nw, r->wq8, &r->err) != MHA_STATUS_OK)
+                return cli_lib_fail(NULL, &r->err);
+            base = (const char *)r->wq8;
+        } else if (b->wdt != MHA_DTYPE_F32) {
             r->whalf = malloc(sizeof(uint16_t) * (size_t)nw);
             if (!r->whalf)
                 return cli_fail("cannot allocate %lld weights", (long long)nw);
@@ -413,21 +427,27 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
             base = (const char *)r->whalf;
             es = sizeof(uint16_t);
         }
-        r->weight_bytes = (double)nw * (double)es;
+        /* Bytes of the first `count` weights (q8_0: 34 per 32, every matrix whole blocks). */
+#define WBYTES_(count)                                                                             \
+    (b->wdt == MHA_DTYPE_Q8_0 ? (size_t)((count) / 32) * 34 : es * (size_t)(count))
+        r->weight_bytes = (double)WBYTES_(nw);
         mha_weights w;
         memset(&w, 0, sizeof w);
         w.w_q = base;
-        w.w_k = base + es * (size_t)(H * D * Q);
-        w.w_v = base + es * (size_t)(H * D * Q + G * D * Q);
-        w.w_o = base + es * (size_t)(H * D * Q + 2 * G * D * Q);
+        w.w_k = base + WBYTES_(H * D * Q);
+        w.w_v = base + WBYTES_(H * D * Q + G * D * Q);
+        w.w_o = base + WBYTES_(H * D * Q + 2 * G * D * Q);
+#undef WBYTES_
         /* Copied, as the safetensors and Hugging Face loaders do: the layer's own storage (in 2
          * MiB pages where the OS gives them, like the read loop of --stream). */
         if (mha_layer_create(&cfg, &w, MHA_WEIGHTS_COPY, NULL, &r->layer, &r->err) != MHA_STATUS_OK)
             return cli_lib_fail(NULL, &r->err);
         free(r->wbuf);
         free(r->whalf);
+        free(r->wq8);
         r->wbuf = NULL;
         r->whalf = NULL;
+        r->wq8 = NULL;
     }
     mha_kv_cache_config kc;
     memset(&kc, 0, sizeof kc);
@@ -586,6 +606,7 @@ static void bench_free(bench_run *r) {
     mha_layer_destroy(r->layer);
     free(r->wbuf);
     free(r->whalf);
+    free(r->wq8);
 }
 
 int cli_decode_bench_main(int argc, char **argv) {

@@ -107,13 +107,25 @@ typedef enum mha_dtype {
     MHA_DTYPE_I64 = 7,
     /* ggml's q8_0 block: per 32 values one float16 scale d then 32 int8 q, value = q * d (34
      * bytes per 32 values). Accepted ONLY as mha_kv_cache_config.dtype (docs/SEMANTICS.md "q8_0
-     * KV cache"); every other dtype field refuses it. */
+     * KV cache") and mha_config.weight_dtype ("q8_0 weights": the projection matrices); every
+     * other dtype field refuses it. */
     MHA_DTYPE_Q8_0 = 8,
 } mha_dtype;
 
 /** Size in bytes of one element of `dtype`, or 0 for an unknown value or a block type
  *  (MHA_DTYPE_Q8_0: 34 bytes per block of 32 values). */
 MHA_API size_t mha_dtype_size(mha_dtype dtype);
+/** float32 values to q8_0 blocks (docs/SEMANTICS.md "q8_0 KV cache": float16 scale f16(max|x| /
+ *  127), q = clamp(rne(x / d), -127, 127), ties to even): count (a multiple of 32) values of src
+ *  into count / 32 * 34 bytes at dst, e.g. the weights of a layer with weight_dtype
+ *  MHA_DTYPE_Q8_0 (each matrix row of in_features values, in_features a multiple of 32). A block
+ *  holding a NaN or an infinity stores a NaN scale (which mha_layer_create refuses).
+ *  INVALID_ARG for a negative count or one not a multiple of 32, a NULL pointer, or dst
+ *  overlapping src. */
+MHA_API mha_status mha_q8_0_quantize(const float *src, int64_t count, void *dst, mha_error *err);
+/** q8_0 blocks to float32: count (a multiple of 32) values, dst[i] = q_i * d of its block (exact).
+ *  INVALID_ARG as mha_q8_0_quantize. */
+MHA_API mha_status mha_q8_0_dequantize(const void *src, int64_t count, float *dst, mha_error *err);
 /** float16 (MHA_DTYPE_F16) or bfloat16 (MHA_DTYPE_BF16) values to float32, exactly: dst[i] =
  *  src[i] for i < count. INVALID_ARG for another dtype, a negative count or a NULL pointer. */
 MHA_API mha_status
@@ -604,7 +616,11 @@ typedef struct mha_config {
     mha_rope rope; /* style NONE = no RoPE */
     /* Storage dtype of every tensor of mha_weights (projections, biases, sinks): MHA_DTYPE_F32
      * (0, the default), MHA_DTYPE_BF16 or MHA_DTYPE_F16. The arithmetic is float32 whatever it
-     * is: weights are widened exactly where they are read (docs/SEMANTICS.md "Half precision"). */
+     * is: weights are widened exactly where they are read (docs/SEMANTICS.md "Half precision").
+     * MHA_DTYPE_Q8_0: the four projection matrices in q8_0 blocks (each row in_features / 32
+     * blocks; q_dim, k_dim, v_dim and h*v_head_dim multiples of 32), the biases, sinks and QK-norm
+     * weights float32; exactly the float32 layer on the dequantised weights; inference only
+     * (docs/SEMANTICS.md "q8_0 weights"). */
     mha_dtype weight_dtype;
     mha_qk_norm qk_norm; /* kind NONE (0) = no normalization of q and k */
     /* nonzero: an output gate (Qwen3-Next): w_q has 2*h*d_k rows, the first h*d_k the query's and

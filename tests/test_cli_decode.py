@@ -158,6 +158,19 @@ def test_decode_bench_runs(dtype):
     assert r.returncode == 0 and "tokens/s" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("wdt,bytes_per", [("bf16", 2.0), ("q8_0", 34 / 32)])
+def test_decode_bench_weight_dtype(wdt, bytes_per):
+    # The layer's weights in --weight-dtype: weight_bytes counts the four matrices in it (q8_0:
+    # 34 bytes per 32 weights, docs/SEMANTICS.md "q8_0 weights").
+    r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
+                "--cache-len", 40, "--steps", 3, "--weight-dtype", wdt, "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["weight_dtype"] == wdt and rec["layer_tokens_per_s"] > 0
+    q = 4 * 32
+    assert rec["weight_bytes"] == pytest.approx((2 * q * q + 2 * 64 * q) * bytes_per)
+
+
 def test_decode_bench_layer_prefill():
     # The cache filled by the layer's own prefill, in calls of up to 256 positions: q_dim 512 (more
     # than one call's positions) and 300 positions (a full call and a partial one), 2 sequences.
@@ -177,6 +190,8 @@ def test_decode_bench_layer_prefill():
 @pytest.mark.parametrize("args,needle", [
     (["--heads", "6", "--kv-heads", "4"], "--kv-heads 4 does not divide --heads 6"),
     (["--cache-dtype", "int8"], "--cache-dtype: 'int8'"),
+    (["--weight-dtype", "q4_0"], "--weight-dtype: 'q4_0' is not f32, f16, bf16 or q8_0"),
+    (["--weight-dtype", "q8_0", "--q-dim", "48"], "--weight-dtype q8_0 needs"),
     (["--bogus"], "unknown option '--bogus'"),
     (["--steps", "0"], "--steps: 0 is out of range"),
 ])

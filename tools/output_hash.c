@@ -592,6 +592,88 @@ static void run_decode_case(mha_dtype dtype,
     free_layer_inputs(&in);
 }
 
+/* q8_0 projection weights (docs/SEMANTICS.md "q8_0 weights"): the decode layer of
+ * run_decode_case with its four matrices quantised (mha_q8_0_quantize; the sinks float32), the
+ * forward over a 300-token prompt, then prefill + steps of 1, 3 and 1 tokens (the dot path). */
+static void run_q8_case(int64_t head_dim, int alibi, mha_impl impl, int threads, hash64 *h) {
+    layer_case c = {"q8",
+                    {.q_dim = 4 * head_dim,
+                     .num_heads = 4,
+                     .num_kv_heads = 1,
+                     .head_dim = head_dim,
+                     .alibi = alibi,
+                     .sinks = alibi,
+                     .rope = {.style = MHA_ROPE_HALF},
+                     .weight_dtype = MHA_DTYPE_Q8_0},
+                    2,
+                    1,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0};
+    layer_inputs in;
+    make_layer_inputs(&c, &in);
+    float *f[4] = {in.wq, in.wk, in.wv, in.wo};
+    const int64_t n[4] = {in.hdk * c.cfg.q_dim, in.gdk * in.kd, in.gdv * in.vd, in.od * in.hdv};
+    void *q[4];
+    mha_error err;
+    for (int i = 0; i < 4; ++i) {
+        q[i] = malloc((size_t)(n[i] / 32) * 34);
+        if (!q[i] || mha_q8_0_quantize(f[i], n[i], q[i], &err) != MHA_STATUS_OK)
+            fail("q8 quantize", &err);
+    }
+    mha_weights w = {q[0], q[1], q[2], q[3], NULL, NULL, NULL, NULL, in.sinks, NULL, NULL};
+    mha_layer *layer = NULL;
+    if (mha_layer_create(&c.cfg, &w, MHA_WEIGHTS_COPY, NULL, &layer, &err) != MHA_STATUS_OK)
+        fail("q8 layer", &err);
+    for (int i = 0; i < 4; ++i)
+        free(q[i]);
+    const int64_t q_dim = c.cfg.q_dim;
+    mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
+    float *x = new_filled(2 * 300 * q_dim, 71, 1.0f);
+    float *out = new_filled(2 * 300 * q_dim, 0, 0.0f);
+    mha_forward_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 2;
+    a.q_len = 300;
+    a.query = x;
+    a.out = out;
+    a.mask.causal = 1;
+    if (mha_layer_forward(layer, &a, &ex, &err) != MHA_STATUS_OK)
+        fail("q8 forward", &err);
+    hash_floats(h, out, 2 * 300 * q_dim);
+    mha_kv_cache_config kc = {0};
+    kc.max_seq = 400;
+    kc.batch = 2;
+    mha_kv_cache *cache = NULL;
+    if (mha_kv_cache_create(&kc, layer, NULL, &cache, &err) != MHA_STATUS_OK)
+        fail("q8 kv cache", &err);
+    const int64_t steps[] = {300, 1, 3, 1};
+    for (size_t s = 0; s < sizeof steps / sizeof steps[0]; ++s) {
+        const int64_t t = steps[s];
+        float *xs = s == 0 ? x : new_filled(2 * t * q_dim, 72 + (uint64_t)s, 1.0f);
+        mha_decode_args d = {2, NULL, t, xs, out};
+        mha_status st = s == 0 ? mha_layer_prefill(layer, cache, &d, &ex, &err)
+                               : mha_layer_decode_step(layer, cache, &d, &ex, &err);
+        if (st != MHA_STATUS_OK)
+            fail("q8 decode step", &err);
+        hash_floats(h, out, 2 * t * q_dim);
+        if (s > 0)
+            free(xs);
+    }
+    free(x);
+    free(out);
+    mha_kv_cache_destroy(cache);
+    mha_layer_destroy(layer);
+    free_layer_inputs(&in);
+}
+
 static void report(const char *section, const hash64 *s, hash64 *total) {
     printf("%-14s %016llx  (%lld bytes)\n", section, (unsigned long long)s->h, (long long)s->bytes);
     hash_bytes(total, &s->h, sizeof s->h);
@@ -655,5 +737,14 @@ int main(void) {
     report("core_bf16_bwd", &half_bwd[1], &total);
     report("decode", &dec, &total);
     report("all", &total, &total);
+    /* Sections added after "all" (kept out of it, so that it stays comparable with before). */
+    hash64 q8, after;
+    hash_init(&q8);
+    hash_init(&after);
+    for (int ii = 0; ii < 2; ++ii)
+        for (int ti = 0; ti < 2; ++ti)
+            for (int hd = 64; hd <= 128; hd += 64)
+                run_q8_case(hd, hd == 128, impls[ii], thread_counts[ti], &q8);
+    report("layer_q8w", &q8, &after);
     return 0;
 }

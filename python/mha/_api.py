@@ -894,7 +894,8 @@ class Config:
     softcap: float
     alibi: bool
     rope: Optional[Rope]
-    weight_dtype: str = "float32"  # the storage of weights, biases, sinks: float16, bfloat16
+    weight_dtype: str = "float32"  # the storage of weights, biases, sinks: float16, bfloat16;
+    # q8_0: the projections only (biases, sinks, norms float32)
     qk_norm: Optional[QKNorm] = None
     output_gate: bool = False
     # Llama 4's temperature tuning (docs/SEMANTICS.md): (floor_scale, attn_scale), or None
@@ -912,7 +913,8 @@ class Config:
                    qk_norm=QKNorm._from_c(c.qk_norm), temperature=temp, **kw)
 
 
-_DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16"}
+_DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16",
+                L.DTYPE_Q8_0: "q8_0"}
 _DTYPE_CODES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
@@ -988,6 +990,12 @@ class MultiheadAttention:
     and value are read in their common storage dtype (else converted to float32); the output has
     query's dtype (float32 for float64 input). Arithmetic is float32, the output rounded once.
 
+    ``weight_dtype="q8_0"`` (docs/SEMANTICS.md "q8_0 weights"): the four projection matrices
+    are quantised to ggml's q8_0 blocks (mha_q8_0_quantize: 34 bytes per 32 weights, each
+    matrix's input features a multiple of 32), biases, sinks and norm weights kept float32; the
+    layer then computes exactly the float32 layer on the dequantised weights (``weights`` returns
+    them), for inference only (forward, decode; no forward_train).
+
     Options: ``scale`` (None = 1/sqrt(d_k)), ``softcap``, ``alibi``, ``sinks`` ([h] logits),
     ``rope`` (a :class:`Rope`, a dict of its fields, or a style name; None = no RoPE),
     ``qk_norm`` (a :class:`QKNorm` or a dict of its fields; None = none) with its weights
@@ -1004,6 +1012,7 @@ class MultiheadAttention:
                  qk_norm: Union[None, dict, QKNorm] = None, q_norm: Optional[ArrayLike] = None,
                  k_norm: Optional[ArrayLike] = None, output_gate: bool = False,
                  temperature: Optional[Tuple[float, float]] = None,
+                 weight_dtype: Optional[str] = None,
                  _weight_dtype: Optional[int] = None):
         # (_weight_dtype: the PyTorch drop-in's arrays hold that mha_dtype's bits: _layer_arrays)
         if num_heads is None or int(num_heads) < 1:
@@ -1033,7 +1042,16 @@ class MultiheadAttention:
             if _weight_dtype is None and not _is_float(np.asarray(x).dtype):
                 raise TypeError(f"{nm}: expected a floating-point array, got dtype "
                                 f"{np.asarray(x).dtype}")
+        if weight_dtype not in (None, "q8_0"):
+            raise ValueError(f"weight_dtype: expected None (the arrays' dtype) or 'q8_0', got "
+                             f"{weight_dtype!r}")
+        q8 = weight_dtype == "q8_0"
+        if q8 and _weight_dtype is not None:
+            raise ValueError("weight_dtype='q8_0' takes float arrays")
         arrs, c.weight_dtype = _layer_arrays(given, _weight_dtype)
+        if q8:  # float32 first (exact), the projections quantised below once their shapes hold
+            arrs = {nm: _float32(a, nm) for nm, a in arrs.items()}
+            c.weight_dtype = L.DTYPE_Q8_0
         ws = {}
         for nm in ("w_q", "w_k", "w_v", "w_o"):
             a = arrs[nm]
@@ -1064,6 +1082,15 @@ class MultiheadAttention:
         c.q_dim, c.k_dim, c.v_dim = ws["w_q"].shape[1], ws["w_k"].shape[1], ws["w_v"].shape[1]
         c.num_kv_heads, c.head_dim, c.v_head_dim = g, dk, dv
         c.out_dim = ws["w_o"].shape[0]
+        if q8:
+            for nm in ("w_q", "w_k", "w_v", "w_o"):
+                a = ws[nm]
+                if a.shape[1] % 32:
+                    raise ValueError(f"{nm}: weight_dtype='q8_0' needs input features that are a "
+                                     f"multiple of 32 (whole q8_0 blocks), got {a.shape[1]}")
+                qb = np.empty((a.shape[0], a.shape[1] // 32 * 34), np.uint8)
+                M.call(L.mha_q8_0_quantize, _ptr(a), a.size, _ptr(qb))
+                ws[nm] = qb
         w = L.mha_weights()
         for nm in ws:
             setattr(w, nm, _ptr(ws[nm]))
@@ -1201,6 +1228,17 @@ class MultiheadAttention:
             shapes["k_norm"] = (c.num_kv_heads * c.head_dim if all_ else c.head_dim,)
         res = {}
         code = _DTYPE_CODES[c.weight_dtype]
+        if code == L.DTYPE_Q8_0:  # the projections dequantised, the rest float32 as stored
+            for nm, shp in shapes.items():
+                p = getattr(w, nm)
+                if p and nm.startswith("w_"):
+                    res[nm] = np.empty(shp, _F32)
+                    M.call(L.mha_q8_0_dequantize, p, res[nm].size, _ptr(res[nm]))
+                elif p:
+                    n = int(np.prod(shp))
+                    res[nm] = np.frombuffer((ctypes.c_float * n).from_address(p), _F32).reshape(
+                        shp).copy()
+            return res
         half = code != L.DTYPE_F32  # (a half layer's: 2-byte elements of that dtype)
         for nm, shp in shapes.items():
             p = getattr(w, nm)

@@ -139,3 +139,47 @@ mha_half_to_f32(mha_dtype dtype, const uint16_t *src, float *dst, int64_t count,
     mha__ok(err);
     return MHA_STATUS_OK;
 }
+
+/* dst (dst_bytes) overlapping src (src_bytes)? (the rule of check/overlap.c, which base cannot
+ * include; sizes already bounded by the caller). */
+static int bytes_overlap(const void *src, size_t src_bytes, const void *dst, size_t dst_bytes) {
+    const uintptr_t s0 = (uintptr_t)src, d0 = (uintptr_t)dst;
+    const uintptr_t s1 = s0 + src_bytes < s0 ? UINTPTR_MAX : s0 + src_bytes;
+    const uintptr_t d1 = d0 + dst_bytes < d0 ? UINTPTR_MAX : d0 + dst_bytes;
+    return s0 < d1 && d0 < s1;
+}
+
+static mha_status
+q8_check(const void *src, int64_t count, const void *dst, int to_q8, mha_error *err) {
+    MHA_RETURN_IF(count < 0 || count % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
+                  "count=%lld is not a nonnegative multiple of 32 (whole q8_0 blocks)",
+                  (long long)count);
+    MHA_RETURN_IF(count > 0 && (!src || !dst), err, INVALID_ARG, "src or dst is NULL");
+    MHA_RETURN_IF((uint64_t)count > SIZE_MAX / sizeof(float), err, OVERFLOW,
+                  "count=%lld values overflow the address space", (long long)count);
+    const size_t fb = sizeof(float) * (size_t)count;
+    const size_t qb = (size_t)(count / MHA__Q8_BLOCK) * MHA__Q8_BYTES;
+    MHA_RETURN_IF(count > 0 && bytes_overlap(src, to_q8 ? fb : qb, dst, to_q8 ? qb : fb), err,
+                  INVALID_ARG,
+                  "dst overlaps src in memory: an output must not alias an input (count / 32 "
+                  "blocks of 34 bytes, count floats)");
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_q8_0_quantize(const float *src, int64_t count, void *dst, mha_error *err) {
+    mha_status st = q8_check(src, count, dst, 1, err);
+    if (st)
+        return st;
+    mha__q8_quantize(src, count, dst);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_q8_0_dequantize(const void *src, int64_t count, float *dst, mha_error *err) {
+    mha_status st = q8_check(src, count, dst, 0, err);
+    if (st)
+        return st;
+    mha__q8_dequantize(src, count, dst);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}

@@ -355,6 +355,24 @@ uint16_t mha__f32_to_bf16(float f);
 void mha__q8_quantize(const float *src, int64_t n, void *dst);
 void mha__q8_dequantize(const void *src, int64_t n, float *dst);
 
+/* Weights stored as q8_0 (mha_config.weight_dtype = MHA_DTYPE_Q8_0, docs/SEMANTICS.md "q8_0
+ * weights"): each row of a projection matrix [out][in] is in / 32 blocks, so element (o, c) is
+ * in block (o in + c) / 32. One element, dequantised (q d: exact in float32). */
+static inline float mha__q8_scale(const void *base, int64_t block) {
+    const unsigned char *blk = (const unsigned char *)base + block * (int64_t)MHA__Q8_BYTES;
+    return mha__f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
+}
+static inline float mha__q8_load(const void *base, int64_t off) {
+    const unsigned char *blk =
+        (const unsigned char *)base + (off / MHA__Q8_BLOCK) * (int64_t)MHA__Q8_BYTES;
+    return (float)(signed char)blk[2 + off % MHA__Q8_BLOCK] * mha__q8_scale(blk, 0);
+}
+/* Bytes of `count` weights of dtype dt (F32, BF16, F16, or Q8_0 with count a multiple of 32). */
+static inline size_t mha__weight_bytes(mha_dtype dt, int64_t count) {
+    return dt == MHA_DTYPE_Q8_0 ? (size_t)(count / MHA__Q8_BLOCK) * MHA__Q8_BYTES
+                                : (size_t)count * (dt == MHA_DTYPE_F32 ? 4u : 2u);
+}
+
 /* Storage of activations (docs/SEMANTICS.md "Half precision"): F32, BF16 or F16. The arithmetic
  * is float32: a tensor is widened exactly where it is read (copied, packed) and rounded once to
  * nearest even where it is written. */
@@ -391,7 +409,8 @@ void mha__widen(mha_dtype dt, const void *src, float *dst, int64_t count);
 void mha__narrow(mha_dtype dt, const float *src, void *dst, int64_t count);
 
 /* The layer's weights as the arithmetic reads them (layer.c): the four projections in their
- * storage dtype wdt (the caller's or the layer's copy, never widened: half the bytes), the
+ * storage dtype wdt (the caller's or the layer's copy, never widened: half the bytes; Q8_0: the
+ * q8_0 rows, dequantised where read), the
  * biases and sinks widened once to float32 at creation (O(h d) floats; the GEMM adds a float32
  * bias and the core takes float32 sinks). */
 typedef struct mha__layer_w {

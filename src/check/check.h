@@ -167,6 +167,10 @@ mha_status mha__check_layer_create(const mha_config *config,
                                    int64_t *total,
                                    mha_error *err);
 
+/* Training entry points (mha_layer_forward_train, mha_layer_project_backward): UNSUPPORTED for a
+ * layer with q8_0 weights (inference only; `what` names the caller). */
+mha_status mha__check_layer_trainable(const mha_config *c, const char *what, mha_error *err);
+
 /* The forward's arguments against the layer's resolved config (NULL: the layer is): batch, lengths,
  * inputs (self or cross attention, value = key), positions. *kv_len = the key length (q_len for
  * self-attention). The core's options (masks, dropout, probs) are the core's check

@@ -126,10 +126,20 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
     mha_status tt = check_temperature(&c->temperature, err);
     if (tt)
         return tt;
-    MHA_RETURN_IF(
-        !mha__is_float_storage(c->weight_dtype), err, INVALID_ARG,
-        "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or MHA_DTYPE_F16",
-        (int)c->weight_dtype);
+    MHA_RETURN_IF(!mha__is_float_storage(c->weight_dtype) && c->weight_dtype != MHA_DTYPE_Q8_0, err,
+                  INVALID_ARG,
+                  "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16, MHA_DTYPE_F16 "
+                  "or MHA_DTYPE_Q8_0",
+                  (int)c->weight_dtype);
+    if (c->weight_dtype == MHA_DTYPE_Q8_0) { /* rows of whole 32-value blocks */
+        const int64_t ins[4] = {c->q_dim, c->k_dim, c->v_dim, c->num_heads * c->v_head_dim};
+        const char *names[4] = {"q_dim", "k_dim", "v_dim", "num_heads * v_head_dim"};
+        for (int i = 0; i < 4; i++)
+            MHA_RETURN_IF(ins[i] % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
+                          "config.weight_dtype=MHA_DTYPE_Q8_0 needs every projection's input "
+                          "features to be a multiple of 32 (whole q8_0 blocks per row): %s=%lld",
+                          names[i], (long long)ins[i]);
+    }
     return MHA_STATUS_OK;
 }
 
@@ -185,13 +195,37 @@ mha_status mha__check_layer_create(const mha_config *config,
             continue;
         }
         MHA_RETURN_IF(!ptr, err, INVALID_ARG, "weights.%s is NULL", slots[i].name);
-        for (int64_t e = 0; e < slots[i].count; e++) /* halves read as halves (widened) */
-            MHA_RETURN_IF(!isfinite(mha__load(dt, ptr, e)), err, INVALID_ARG,
-                          "weights.%s[%lld] is %g: weights must be finite", slots[i].name,
-                          (long long)e, (double)mha__load(dt, ptr, e));
+        if (dt == MHA_DTYPE_Q8_0 && i >= MHA__SMALL_SLOT0) { /* float32 beside q8_0 projections */
+            for (int64_t e = 0; e < slots[i].count; e++)
+                MHA_RETURN_IF(!isfinite(((const float *)ptr)[e]), err, INVALID_ARG,
+                              "weights.%s[%lld] is %g: weights must be finite", slots[i].name,
+                              (long long)e, (double)((const float *)ptr)[e]);
+        } else if (dt ==
+                   MHA_DTYPE_Q8_0) { /* the q values are integers: the scales must be finite */
+            for (int64_t b = 0; b < slots[i].count / MHA__Q8_BLOCK; b++) {
+                const float dh = mha__q8_scale(ptr, b);
+                MHA_RETURN_IF(!isfinite(dh), err, INVALID_ARG,
+                              "weights.%s block %lld has the scale %g: q8_0 scales must be finite",
+                              slots[i].name, (long long)b, (double)dh);
+            }
+        } else {
+            for (int64_t e = 0; e < slots[i].count; e++) /* halves read as halves (widened) */
+                MHA_RETURN_IF(!isfinite(mha__load(dt, ptr, e)), err, INVALID_ARG,
+                              "weights.%s[%lld] is %g: weights must be finite", slots[i].name,
+                              (long long)e, (double)mha__load(dt, ptr, e));
+        }
         MHA_RETURN_IF(!mha__add_i64(*total, slots[i].count, total), err, OVERFLOW,
                       "weights: total size overflows");
     }
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_layer_trainable(const mha_config *c, const char *what, mha_error *err) {
+    MHA_RETURN_IF(c && c->weight_dtype == MHA_DTYPE_Q8_0, err, UNSUPPORTED,
+                  "%s: a layer with q8_0 weights (config.weight_dtype=MHA_DTYPE_Q8_0) is for "
+                  "inference only (forward, project, prefill, decode step); dequantise its weights "
+                  "into a float layer to train",
+                  what);
     return MHA_STATUS_OK;
 }
 
@@ -324,10 +358,10 @@ mha_status mha__check_layer_project(const mha_config *c,
     mha_status st = resolve_projection(c, w, which, rows, x, y, exec, p, err);
     if (st)
         return st;
-    const mha__span in[3] = {
-        mha__span_of("x", x, rows * p->in, sizeof(float)),
-        mha__span_of("the layer's weight", p->w, p->in * p->out, mha__storage_size(p->wdt)),
-        mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
+    const mha__span in[3] = {mha__span_of("x", x, rows * p->in, sizeof(float)),
+                             mha__span_of("the layer's weight", p->w,
+                                          (int64_t)mha__weight_bytes(p->wdt, p->in * p->out), 1),
+                             mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
     const mha__span out = mha__span_of("y", y, rows * p->out, sizeof(float));
     return mha__check_no_overlap(&out, 1, in, 3, err);
 }
@@ -347,16 +381,18 @@ mha_status mha__check_layer_project_backward(const mha_config *c,
     MHA_RETURN_IF(rows > 0 && !dy, err, INVALID_ARG, "dy is NULL");
     /* The forward's checks with dy as the input and dx as the output (x only matters for dW). */
     mha_status st = resolve_projection(c, w, which, rows, dy, dx ? dx : dy, exec, p, err);
+    if (!st)
+        st = mha__check_layer_trainable(c, "mha_layer_project_backward", err);
     if (st)
         return st;
     MHA_RETURN_IF(rows > 0 && dw && !x, err, INVALID_ARG, "x is NULL (needed for dw)");
     MHA_RETURN_IF(db && !p->bias, err, INVALID_ARG, "db is given but the projection has no bias");
     /* dy is [rows, out] and x, dx [rows, in]: the forward's names swapped. */
-    const mha__span in[4] = {
-        mha__span_of("x", dw ? x : NULL, rows * p->in, sizeof(float)),
-        mha__span_of("dy", dy, rows * p->out, sizeof(float)),
-        mha__span_of("the layer's weight", p->w, p->in * p->out, mha__storage_size(p->wdt)),
-        mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
+    const mha__span in[4] = {mha__span_of("x", dw ? x : NULL, rows * p->in, sizeof(float)),
+                             mha__span_of("dy", dy, rows * p->out, sizeof(float)),
+                             mha__span_of("the layer's weight", p->w,
+                                          (int64_t)mha__weight_bytes(p->wdt, p->in * p->out), 1),
+                             mha__span_of("the layer's bias", p->bias, p->out, sizeof(float))};
     const mha__span out[3] = {mha__span_of("dx", dx, rows * p->in, sizeof(float)),
                               mha__span_of("dw", dw, p->in * p->out, sizeof(float)),
                               mha__span_of("db", db, p->out, sizeof(float))};

@@ -92,7 +92,7 @@ static mha_status prepare(const char *fn,
     if (a->x_dtype != MHA_DTYPE_F32 || a->out_dtype != MHA_DTYPE_F32 ||
         mha_layer_config(layer)->weight_dtype != MHA_DTYPE_F32) {
         mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
-                        "%s: %s is half precision: the ring takes float32 layers and tensors", fn,
+                        "%s: %s is not float32: the ring takes float32 layers and tensors", fn,
                         a->x_dtype
                             ? "args.x_dtype"
                             : (a->out_dtype ? "args.out_dtype" : "the layer's weight_dtype"));

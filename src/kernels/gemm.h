@@ -82,6 +82,22 @@ typedef void (*mha__gemm_dot_h_fn)(int64_t K,
                                    float *y,
                                    int64_t ldy);
 
+/* The few-rows path with W stored as q8_0 rows (mha_config.weight_dtype = MHA_DTYPE_Q8_0): the
+ * same m x n dot products over K (a multiple of 32) values, W row j at w + j * ldw_bytes (K / 32
+ * blocks of 34 bytes: an f16 scale d, 32 int8 q), each element dequantised in registers to the
+ * float32 q * d (exact) before its FMA, in the tier's dot chains: the result is bit-identical to
+ * the tier's float32 dot over the dequantised rows. */
+typedef void (*mha__gemm_dot_q8_fn)(int64_t K,
+                                    const float *x,
+                                    int64_t ldx,
+                                    int m,
+                                    const void *w,
+                                    int64_t ldw_bytes,
+                                    int n,
+                                    const float *bias,
+                                    float *y,
+                                    int64_t ldy);
+
 /* Packs rows [0, n) (n <= width, row stride ld elements) of a row-major bf16 operand, columns
  * [0, kc), into dst as [ceil(kc/2)][width] 32-bit slots, each the bf16 pair (k even in the low
  * half, k odd in the high half; an odd kc's last pair has a zero high half), rows n .. width-1
@@ -106,6 +122,9 @@ typedef struct mha__gemm_kernel {
      * even), ukr reads the 32-bit slots of ap and bp as pairs, and pack_b, pack_a, dot, dot_h are
      * NULL. Row-major operands only (no MHA__GEMM_X_T / W_T), no pre-packed W. */
     mha__gemm_pack_pairs_fn pack_pairs;
+    /* The few-rows path over q8_0 W; NULL = the portable mha__gemm_dot_q8_ref (NULL too for a
+     * pair kernel, which q8_0 W never reaches). */
+    mha__gemm_dot_q8_fn dot_q8;
 } mha__gemm_kernel;
 
 /* Calls with at most this many rows take the dot path (measured: see gemm.c). */
@@ -230,7 +249,11 @@ mha_status mha__gemm_op_run(mha__gemm_op op,
  * bit-identical to the float32 GEMM on the widened operands. The few-rows path reads half W in
  * place (kernel dot_h, widening in registers) and a half x through a widened copy of its <=
  * MHA_GEMM_SMALL_M rows (in the workspace: M K floats, mha__gemm_workspace_size_dt).
- * bias and y are float32. With xdt = wdt = F32 this is exactly the float32 call. */
+ * bias and y are float32. With xdt = wdt = F32 this is exactly the float32 call.
+ * wdt may also be Q8_0 (op MHA__GEMM_OP_N only, K a multiple of 32, ldw = K: contiguous q8_0
+ * rows): the rows are dequantised while packed (kernel kc a multiple of 32) and the few-rows path
+ * reads them in place (kernel dot_q8); again bit-identical to the float32 GEMM on the dequantised
+ * W. */
 mha_status mha__gemm_run_dt(mha__gemm_op op,
                             int64_t M,
                             int64_t N,
@@ -250,6 +273,19 @@ mha_status mha__gemm_run_dt(mha__gemm_op op,
                             size_t workspace_bytes,
                             const mha_allocator *alloc,
                             mha_error *err);
+
+/* Portable few-rows path over q8_0 W (the generic tier's dot_q8, and every tier's without one):
+ * the chains of mha__gemm_dot_h_ref (8 partial sums per dot, k mod 8). */
+void mha__gemm_dot_q8_ref(int64_t K,
+                          const float *x,
+                          int64_t ldx,
+                          int m,
+                          const void *w,
+                          int64_t ldw_bytes,
+                          int n,
+                          const float *bias,
+                          float *y,
+                          int64_t ldy);
 
 /* Portable few-rows path over half W (the generic tier's dot_h, and every tier's without one):
  * the chains of the generic dot (8 partial sums per dot, k mod 8). */

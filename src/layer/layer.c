@@ -40,7 +40,9 @@ static mha_status compute_view(mha_layer *L, const mha_allocator *allocator, mha
     int64_t count = 0;
     for (int i = MHA__SMALL_SLOT0; i < MHA__WEIGHT_SLOTS; i++)
         count += slots[i].present ? slots[i].count : 0;
-    if (dt != MHA_DTYPE_F32 && count > 0) {
+    /* q8_0 projections come with float32 biases, sinks and norms (docs/SEMANTICS.md). */
+    const mha_dtype sdt = dt == MHA_DTYPE_Q8_0 ? MHA_DTYPE_F32 : dt;
+    if (sdt != MHA_DTYPE_F32 && count > 0) {
         L->small_f32 = mha__alloc(allocator, sizeof(float) * (size_t)count);
         MHA_RETURN_IF(!L->small_f32, err, NO_MEMORY, "cannot allocate %lld bias/sink floats",
                       (long long)count);
@@ -49,11 +51,11 @@ static mha_status compute_view(mha_layer *L, const mha_allocator *allocator, mha
     for (int i = MHA__SMALL_SLOT0; i < MHA__WEIGHT_SLOTS; i++) {
         if (!slots[i].present)
             continue;
-        if (dt == MHA_DTYPE_F32) {
+        if (sdt == MHA_DTYPE_F32) {
             small[i - MHA__SMALL_SLOT0] = *slots[i].ptr;
             continue;
         }
-        mha__widen(dt, *slots[i].ptr, dst, slots[i].count);
+        mha__widen(sdt, *slots[i].ptr, dst, slots[i].count);
         small[i - MHA__SMALL_SLOT0] = dst;
         dst += slots[i].count;
     }
@@ -87,10 +89,28 @@ mha_status mha_layer_create(const mha_config *config,
         L->has_allocator = 1;
     }
     L->cfg = c;
-    const size_t esize = mha__storage_size(c.weight_dtype);
+    /* Each tensor's bytes: q8_0 projections (34 bytes per 32 values, <= 4 bytes per value) come
+     * with float32 small tensors; total floats of 4 bytes bound every dtype's bytes. */
+    const int q8 = c.weight_dtype == MHA_DTYPE_Q8_0;
+    size_t sbytes[MHA__WEIGHT_SLOTS], step[MHA__WEIGHT_SLOTS];
+    for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
+        sbytes[i] = !slots[i].present ? 0
+                    : q8 && i >= MHA__SMALL_SLOT0
+                        ? sizeof(float) * (size_t)slots[i].count
+                        : mha__weight_bytes(c.weight_dtype, slots[i].count);
+        /* q8_0: each tensor 64-byte aligned (a q8_0 tensor's 34-byte blocks would misalign the
+         * float32 tensors after it); the other dtypes keep their packed layout. */
+        step[i] = q8 ? (sbytes[i] + 63) & ~(size_t)63 : sbytes[i];
+    }
     if (ownership == MHA_WEIGHTS_COPY) {
-        size_t bytes;
-        if (!mha__bytes(total, esize, &bytes) || !(L->owned = mha__alloc_large(allocator, bytes))) {
+        size_t bytes = 0;
+        /* The bound total * 4 + 11 * 64 >= the sum of the steps cannot overflow. */
+        const int ok =
+            mha__bytes(total, sizeof(float), &bytes) && bytes <= SIZE_MAX - 64 * MHA__WEIGHT_SLOTS;
+        bytes = 0;
+        for (int i = 0; i < MHA__WEIGHT_SLOTS; i++)
+            bytes += step[i];
+        if (!ok || !(L->owned = mha__alloc_large(allocator, bytes))) {
             mha__free(allocator, L);
             return mha__fail(err, MHA_STATUS_NO_MEMORY, "cannot allocate %lld weights",
                              (long long)total);
@@ -99,9 +119,9 @@ mha_status mha_layer_create(const mha_config *config,
         for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
             if (!slots[i].present)
                 continue;
-            memcpy(dst, *slots[i].ptr, esize * (size_t)slots[i].count);
+            memcpy(dst, *slots[i].ptr, sbytes[i]);
             *slots[i].ptr = dst;
-            dst += esize * (size_t)slots[i].count;
+            dst += step[i];
         }
     }
     L->w = w;

@@ -113,6 +113,8 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
     int64_t m;
     const mha_config *c = layer ? mha_layer_config(layer) : NULL;
     mha_status st = mha__check_forward_args(c, args, &m, err);
+    if (!st)
+        st = mha__check_layer_trainable(c, "mha_layer_forward_train", err);
     if (st)
         return st;
     const mha__layer_w *w = mha__layer_compute_weights(layer);

@@ -28,8 +28,9 @@ static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
         for (int64_t o = 0; o < j->out; o++) {
             float acc = 0.0f;
             for (int64_t c = 0; c < j->in; c++)
-                acc +=
-                    mha__load(j->xdt, j->x, r * j->in + c) * mha__load(j->wdt, j->w, o * j->in + c);
+                acc += mha__load(j->xdt, j->x, r * j->in + c) *
+                       (j->wdt == MHA_DTYPE_Q8_0 ? mha__q8_load(j->w, o * j->in + c)
+                                                 : mha__load(j->wdt, j->w, o * j->in + c));
             y[o] = j->bias ? acc + j->bias[o] : acc;
         }
     }
@@ -287,7 +288,7 @@ void mha__plan_gate_weights(const mha_config *cfg,
                             const void **w_gate,
                             const float **b_gate) {
     const int64_t rows = cfg->num_heads * cfg->head_dim;
-    *w_gate = (const char *)w->w_q + (size_t)(rows * cfg->q_dim) * mha__storage_size(w->wdt);
+    *w_gate = (const char *)w->w_q + mha__weight_bytes(w->wdt, rows * cfg->q_dim);
     *b_gate = w->b_q ? w->b_q + rows : NULL;
 }
 

@@ -86,5 +86,15 @@ static void dot_generic(int64_t K,
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_4x16__generic = {
-    MR, NR, 256, 1024, ukr_4x16, pack_b_16, dot_generic, pack_a_4, mha__gemm_dot_h_ref, NULL,
+    MR,
+    NR,
+    256,
+    1024,
+    ukr_4x16,
+    pack_b_16,
+    dot_generic,
+    pack_a_4,
+    mha__gemm_dot_h_ref,
+    NULL,
+    mha__gemm_dot_q8_ref,
 };

@@ -11,6 +11,8 @@
 
 #    include "kernels/x86/gemm_pack_x86.h"
 
+#    include <string.h>
+
 #    define MR 6
 #    define NV 2 /* vectors of 8 floats per tile row */
 #    define NR (8 * NV)
@@ -323,13 +325,104 @@ static void dot_h_avx2(int64_t K,
         dot_h_body(K, x, ldx, m, w, 0, MHA_GEMM_DOT_M, l2, pfb, ldw, n, bias, y, ldy);
 }
 
+/* 8 q8_0 values widened exactly: int8 -> int32 -> float32 (exact), times the block's scale d
+ * (exact: 8 bits times 11 fit float32's 24). */
+static inline __m256 load_q8x8(const signed char *q, __m256 d) {
+    const __m128i b = _mm_loadl_epi64((const __m128i *)q);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+}
+
+/* dot_avx2 over q8_0 W (mha__gemm_dot_q8_fn): one 32-value block per step of the main loop, its
+ * scale broadcast once, its 4 runs of 8 dequantised in registers, the same lanes and chains as
+ * dot_body (lane l adds k = l mod 8 in increasing k; K is a multiple of 32), and one software
+ * prefetch per row and block, pfb bytes ahead (the same offset in the next MHA_GEMM_DOT_N rows).
+ * Specialised per row count mm (1 or 2). */
+static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
+                                                              const float *x,
+                                                              int64_t ldx,
+                                                              int m,
+                                                              const void *w,
+                                                              const int mm,
+                                                              const int l2,
+                                                              int64_t pfb,
+                                                              int64_t ldw,
+                                                              int n,
+                                                              const float *bias,
+                                                              float *y,
+                                                              int64_t ldy) {
+    __m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            acc[i][j] = _mm256_setzero_ps();
+    }
+    const float *xr[MHA_GEMM_DOT_M];
+    const unsigned char *wr[MHA_GEMM_DOT_N];
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+        xr[i] = x + (i < m ? i : 0) * ldx;
+    for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+        wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldw;
+    for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += MHA__Q8_BYTES) {
+        __m256 d[MHA_GEMM_DOT_N];
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+            gemm_dot_prefetch(wr[j] + blk, pfb, l2);
+            uint16_t dh;
+            memcpy(&dh, wr[j] + blk, 2);
+            d[j] = _mm256_set1_ps(_cvtsh_ss(dh));
+        }
+        MHA_UNROLL
+        for (int u = 0; u < 32; u += 8) {
+            __m256 a[MHA_GEMM_DOT_M];
+            MHA_UNROLL
+            for (int i = 0; i < mm; i++)
+                a[i] = _mm256_loadu_ps(xr[i] + k + u);
+            MHA_UNROLL
+            for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+                const __m256 b = load_q8x8((const signed char *)wr[j] + blk + 2 + u, d[j]);
+                MHA_UNROLL
+                for (int i = 0; i < mm; i++)
+                    acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
+            }
+        }
+    }
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            if (i < mm && i < m && j < n) {
+                const float s = hsum8(acc[i][j]);
+                y[i * ldy + j] = bias ? s + bias[j] : s;
+            }
+    }
+}
+
+static void dot_q8_avx2(int64_t K,
+                        const float *x,
+                        int64_t ldx,
+                        int m,
+                        const void *w,
+                        int64_t ldw_bytes,
+                        int n,
+                        const float *bias,
+                        float *y,
+                        int64_t ldy) {
+    const int64_t pfb = gemm_dot_prefetch_bytes(ldw_bytes, 1);
+    const int l2 = mha__cpu_prefetch_to_l2();
+    if (m == 1)
+        dot_q8_body(K, x, ldx, m, w, 1, l2, pfb, ldw_bytes, n, bias, y, ldy);
+    else
+        dot_q8_body(K, x, ldx, m, w, MHA_GEMM_DOT_M, l2, pfb, ldw_bytes, n, bias, y, ldy);
+}
+
 static void pack_a_6(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
     gemm_pack_rows_x86(x, ldx, m, kc, dst, MR);
 }
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_6x16__avx2 = {
-    MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2, pack_a_6, dot_h_avx2, NULL,
+    MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2, pack_a_6, dot_h_avx2, NULL, dot_q8_avx2,
 };
 
 #endif

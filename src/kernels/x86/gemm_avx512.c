@@ -15,6 +15,8 @@
 
 #    include "kernels/x86/gemm_pack_x86.h"
 
+#    include <string.h>
+
 #    define MR 14
 #    define NV 2 /* vectors of 16 floats per tile row */
 #    define NR (16 * NV)
@@ -337,13 +339,106 @@ static void dot_h_avx512(int64_t K,
         dot_h_body(K, x, ldx, m, w, 0, MHA_GEMM_DOT_M, l2, pfb, ldw, n, bias, y, ldy);
 }
 
+/* 16 q8_0 values widened exactly: int8 -> int32 -> float32, times the block's scale d (exact:
+ * 8 bits times 11 fit float32's 24). */
+static inline __m512 load_q8x16(const signed char *q, __m512 d) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
+}
+
+/* dot_avx512 over q8_0 W (mha__gemm_dot_q8_fn): one 32-value block per step (K is a multiple of
+ * 32), its scale broadcast once, its two halves dequantised in registers into the same lanes and
+ * chains as dot_avx512 (acc0 adds k mod 32 in [0, 16), acc1 [16, 32), in increasing k), so the
+ * result is the float32 dot's over the dequantised rows, bit for bit. One software prefetch per row
+ * and block, pfb bytes ahead (the same offset in the next MHA_GEMM_DOT_N rows), into the L2 where
+ * l2. Specialised per row count mm (1 or 2). */
+static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
+                                                              const float *x,
+                                                              int64_t ldx,
+                                                              int m,
+                                                              const void *w,
+                                                              const int mm,
+                                                              const int l2,
+                                                              int64_t pfb,
+                                                              int64_t ldw,
+                                                              int n,
+                                                              const float *bias,
+                                                              float *y,
+                                                              int64_t ldy) {
+    __m512 acc0[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N], acc1[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
+    }
+    const float *xr[MHA_GEMM_DOT_M];
+    const unsigned char *wr[MHA_GEMM_DOT_N];
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++)
+        xr[i] = x + (i < m ? i : 0) * ldx;
+    for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+        wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldw;
+    for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += MHA__Q8_BYTES) {
+        __m512 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
+        MHA_UNROLL
+        for (int i = 0; i < mm; i++) {
+            a0[i] = _mm512_loadu_ps(xr[i] + k);
+            a1[i] = _mm512_loadu_ps(xr[i] + k + 16);
+        }
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            gemm_dot_prefetch(wr[j] + blk, pfb, l2);
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+            uint16_t dh;
+            memcpy(&dh, wr[j] + blk, 2);
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+            const signed char *q = (const signed char *)wr[j] + blk + 2;
+            const __m512 b0 = load_q8x16(q, d), b1 = load_q8x16(q + 16, d);
+            MHA_UNROLL
+            for (int i = 0; i < mm; i++) {
+                acc0[i][j] = _mm512_fmadd_ps(a0[i], b0, acc0[i][j]);
+                acc1[i][j] = _mm512_fmadd_ps(a1[i], b1, acc1[i][j]);
+            }
+        }
+    }
+    MHA_UNROLL
+    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            if (i < mm && i < m && j < n) {
+                const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i][j], acc1[i][j]));
+                y[i * ldy + j] = bias ? s + bias[j] : s;
+            }
+    }
+}
+
+static void dot_q8_avx512(int64_t K,
+                          const float *x,
+                          int64_t ldx,
+                          int m,
+                          const void *w,
+                          int64_t ldw_bytes,
+                          int n,
+                          const float *bias,
+                          float *y,
+                          int64_t ldy) {
+    const int64_t pfb = gemm_dot_prefetch_bytes(ldw_bytes, 1);
+    const int l2 = mha__cpu_prefetch_to_l2();
+    if (m == 1)
+        dot_q8_body(K, x, ldx, m, w, 1, l2, pfb, ldw_bytes, n, bias, y, ldy);
+    else
+        dot_q8_body(K, x, ldx, m, w, MHA_GEMM_DOT_M, l2, pfb, ldw_bytes, n, bias, y, ldy);
+}
+
 static void pack_a_14(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
     gemm_pack_rows_x86(x, ldx, m, kc, dst, MR);
 }
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_14x32__avx512 = {
-    MR, NR, 256, 1024, ukr_14x32, pack_b_32, dot_avx512, pack_a_14, dot_h_avx512, NULL,
+    MR,         NR,        256,          1024, ukr_14x32,     pack_b_32,
+    dot_avx512, pack_a_14, dot_h_avx512, NULL, dot_q8_avx512,
 };
 
 #endif
