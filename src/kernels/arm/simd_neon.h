@@ -13,8 +13,11 @@
 #ifndef MHA_SIMD_NEON_H
 #define MHA_SIMD_NEON_H
 
+#include "base/internal.h"
+
 #include <arm_neon.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MHA_INLINE static inline __attribute__((always_inline))
 
@@ -247,6 +250,23 @@ MHA_INLINE uint32x4_t v4i_philox_word0(
     uint32x4_t hi1, lo1;
     v4i_mul_hilo(c2, MHA_PHILOX_M1, &hi1, &lo1);
     return veorq_u32(veorq_u32(hi1, c1), vdupq_n_u32(k0));
+}
+
+/* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
+ * float16 scale, then 32 int8), byte 2 + d % 32. v4_q8_scale broadcasts the scale of the block
+ * holding element d (FCVTL); v4_q8_widen widens the 4 values [d, d + 4) (d % 4 == 0) with it:
+ * SXTL twice, SCVTF, FMUL, exact (an 8-bit integer times an 11-bit significand fits the 24 bits
+ * of a float32), so the values equal mha__q8_dequantize's. */
+MHA_INLINE v4 v4_q8_scale(const void *row, int64_t d) {
+    uint16_t h;
+    memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
+    return vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h)));
+}
+MHA_INLINE v4 v4_q8_widen(const void *row, int64_t d, v4 s) {
+    int32_t w;
+    memcpy(&w, (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31), 4);
+    const int16x8_t x = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(x))), s);
 }
 
 #endif /* MHA_SIMD_NEON_H */

@@ -10,7 +10,10 @@
 #ifndef MHA_SIMD_AVX2_H
 #define MHA_SIMD_AVX2_H
 
+#include "base/internal.h"
+
 #include <immintrin.h>
+#include <string.h>
 
 #define MHA_INLINE static inline __attribute__((always_inline))
 
@@ -223,6 +226,23 @@ v8i_philox_word0(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint32_t k0, ui
     __m256i hi1, lo1;
     v8i_mul_hilo(c2, m1, &hi1, &lo1);
     return _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
+}
+
+/* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
+ * float16 scale, then 32 int8), byte 2 + d % 32. v8_q8_scale broadcasts the scale of the block
+ * holding element d; v8_q8_widen widens the 8 values [d, d + 8) (d % 8 == 0) with it:
+ * VPMOVSXBD + VCVTDQ2PS + VMULPS, exact (an 8-bit integer times an 11-bit significand fits the
+ * 24 bits of a float32), so the values equal mha__q8_dequantize's. One scale serves four vectors.
+ */
+MHA_INLINE v8 v8_q8_scale(const void *row, int64_t d) {
+    uint16_t h;
+    memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
+    return _mm256_set1_ps(_cvtsh_ss(h));
+}
+MHA_INLINE v8 v8_q8_widen(const void *row, int64_t d, v8 s) {
+    const char *q = (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31);
+    return _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), s);
 }
 
 #endif /* MHA_SIMD_AVX2_H */

@@ -10,7 +10,10 @@
 #ifndef MHA_SIMD_AVX512_H
 #define MHA_SIMD_AVX512_H
 
+#include "base/internal.h"
+
 #include <immintrin.h>
+#include <string.h>
 
 #define MHA_INLINE static inline __attribute__((always_inline))
 
@@ -245,6 +248,22 @@ MHA_INLINE void v16_transpose16(v16 r[16]) {
         r[4 + k] = _mm512_shuffle_f32x4(w, y, 0x88);
         r[12 + k] = _mm512_shuffle_f32x4(w, y, 0xdd);
     }
+}
+
+/* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
+ * float16 scale, then 32 int8), byte 2 + d % 32. v16_q8_scale broadcasts the scale of the block
+ * holding element d; v16_q8_widen widens the 16 values [d, d + 16) (d % 16 == 0) with it:
+ * VPMOVSXBD + VCVTDQ2PS + VMULPS, exact (an 8-bit integer times an 11-bit significand fits the
+ * 24 bits of a float32), so the values equal mha__q8_dequantize's. One scale serves two vectors. */
+MHA_INLINE v16 v16_q8_scale(const void *row, int64_t d) {
+    uint16_t h;
+    memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
+    return _mm512_set1_ps(_cvtsh_ss(h));
+}
+MHA_INLINE v16 v16_q8_widen(const void *row, int64_t d, v16 s) {
+    const char *q = (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31);
+    return _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), s);
 }
 
 #endif /* MHA_SIMD_AVX512_H */
