@@ -229,11 +229,10 @@ v8i_philox_word0(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint32_t k0, ui
 }
 
 /* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
- * float16 scale, then 32 int8), byte 2 + d % 32. v8_q8_scale broadcasts the scale of the block
- * holding element d; v8_q8_widen widens the 8 values [d, d + 8) (d % 8 == 0) with it:
- * VPMOVSXBD + VCVTDQ2PS + VMULPS, exact (an 8-bit integer times an 11-bit significand fits the
- * 24 bits of a float32), so the values equal mha__q8_dequantize's. One scale serves four vectors.
- */
+ * float16 scale, then 32 int8), byte 2 + d % 32. v8_q8_scale broadcasts the scale s of the block
+ * holding element d; v8_q8_widen widens the 8 values [d, d + 8) (d % 8 == 0) with it, exactly, as
+ * v16_q8_widen (simd_avx512.h): VPMOVSXBD, VPADDD of the bits of C = 1.5 * 2^23, one FMA
+ * (C + q) s - C s = q s (no rounding: q s and C s fit a float32). */
 MHA_INLINE v8 v8_q8_scale(const void *row, int64_t d) {
     uint16_t h;
     memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
@@ -241,8 +240,10 @@ MHA_INLINE v8 v8_q8_scale(const void *row, int64_t d) {
 }
 MHA_INLINE v8 v8_q8_widen(const void *row, int64_t d, v8 s) {
     const char *q = (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31);
-    return _mm256_mul_ps(
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), s);
+    const __m256i x = _mm256_add_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)),
+                                       _mm256_set1_epi32(0x4B400000));
+    return _mm256_fmsub_ps(_mm256_castsi256_ps(x), s,
+                           _mm256_mul_ps(s, _mm256_set1_ps(12582912.0f)));
 }
 
 #endif /* MHA_SIMD_AVX2_H */
