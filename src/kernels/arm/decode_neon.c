@@ -58,6 +58,8 @@ MHA_INLINE v4 widen4(const mha_dtype DT, uint16x4_t h) {
 
 /* Elements [d, d + 4) of a cache row of type DT as float32. */
 MHA_INLINE v4 load4(const mha_dtype DT, const void *row, int64_t d) {
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        return v4_fp8_widen((const char *)row + d);
     if (DT == MHA_DTYPE_Q8_0)
         return v4_q8_widen(row, d, v4_q8_scale(row, d));
     if (DT == MHA_DTYPE_F32)
@@ -68,6 +70,11 @@ MHA_INLINE v4 load4(const mha_dtype DT, const void *row, int64_t d) {
 /* Elements [d, d + n) of a cache row (0 < n < 4), the other lanes 0, loaded lane by lane:
  * nothing past the row is read. */
 MHA_INLINE v4 load4_first(const mha_dtype DT, const void *row, int64_t d, int64_t n) {
+    if (DT == MHA_DTYPE_FP8_E4M3) {
+        unsigned char t[4] = {0, 0, 0, 0};
+        memcpy(t, (const char *)row + d, (size_t)n);
+        return v4_fp8_widen(t);
+    }
     if (DT == MHA_DTYPE_Q8_0) { /* (q8_0 head sizes are multiples of 32: not reached) */
         unsigned char t[MHA__Q8_BYTES] = {0};
         memcpy(t, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2 + (size_t)(d & 31) + (size_t)n);
@@ -352,6 +359,7 @@ DTYPE_FNS_(f32, MHA_DTYPE_F32)
 DTYPE_FNS_(f16, MHA_DTYPE_F16)
 DTYPE_FNS_(bf16, MHA_DTYPE_BF16)
 DTYPE_FNS_(q8, MHA_DTYPE_Q8_0)
+DTYPE_FNS_(fp8, MHA_DTYPE_FP8_E4M3)
 #    undef DTYPE_FNS_
 
 void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
@@ -360,6 +368,9 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
                                      float *m,
                                      float *l,
                                      float *scratch) {
+    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
+    if (p->cache->cfg.dtype == MHA_DTYPE_FP8_E4M3)
+        p = mha__kv_fp8_problem(p, u->g, &fp8p);
     const struct mha_kv_cache *c = p->cache;
     const mha_dtype dt = c->cfg.dtype;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
@@ -391,6 +402,8 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
         scores_bf16(&ks, &vs, nb, R, qbuf, dkp, dk, S);
     else if (dt == MHA_DTYPE_Q8_0)
         scores_q8(&ks, &vs, nb, R, qbuf, dkp, dk, S);
+    else if (dt == MHA_DTYPE_FP8_E4M3)
+        scores_fp8(&ks, &vs, nb, R, qbuf, dkp, dk, S);
     else
         scores_f32(&ks, &vs, nb, R, qbuf, dkp, dk, S);
 
@@ -451,7 +464,10 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
         values_bf16(&vs, nb, R, S, o, dv);
     else if (dt == MHA_DTYPE_Q8_0)
         values_q8(&vs, nb, R, S, o, dv);
-    else
+    else if (dt == MHA_DTYPE_FP8_E4M3) {
+        values_fp8(&vs, nb, R, S, o, dv);
+        mha__kv_fp8_scale_o(c, u->g, o, R, dv);
+    } else
         values_f32(&vs, nb, R, S, o, dv);
 }
 

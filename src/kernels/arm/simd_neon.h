@@ -269,4 +269,17 @@ MHA_INLINE v4 v4_q8_widen(const void *row, int64_t d, v4 s) {
     return vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(x))), s);
 }
 
+/* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): the 4 bytes at p as float32 e4m3 values times
+ * 2^-8: float16 bits (sign-extended b << 7) & 0xBF80, FCVTL; S.1111.111 (read as +-1.875 that
+ * way, a value no other byte gives) becomes NaN. */
+MHA_INLINE v4 v4_fp8_widen(const void *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    const int16x8_t x = vshlq_n_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w))), 7);
+    const uint16x4_t h = vand_u16(vreinterpret_u16_s16(vget_low_s16(x)), vdup_n_u16(0xBF80));
+    const v4 f = vcvt_f32_f16(vreinterpret_f16_u16(h));
+    return vbslq_f32(vceqq_f32(vabsq_f32(f), vdupq_n_f32(1.875f)), vdupq_n_f32(__builtin_nanf("")),
+                     f);
+}
+
 #endif /* MHA_SIMD_NEON_H */

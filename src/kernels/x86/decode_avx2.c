@@ -89,6 +89,8 @@ MHA_INLINE v8 widen8(const mha_dtype DT, __m128i h) {
 
 /* Elements [d, d + 8) of a cache row of type DT as float32, natural order. */
 MHA_INLINE v8 load8(const mha_dtype DT, const void *row, int64_t d) {
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        return v8_fp8_widen((const char *)row + d);
     if (DT == MHA_DTYPE_Q8_0)
         return v8_q8_widen(row, d, v8_q8_scale(row, d));
     if (DT == MHA_DTYPE_F32)
@@ -99,6 +101,11 @@ MHA_INLINE v8 load8(const mha_dtype DT, const void *row, int64_t d) {
 /* Elements [d, d + n) (0 < n < 8) of a cache row as float32, the other lanes 0 (nothing past
  * the row is read). */
 MHA_INLINE v8 load_part8(const mha_dtype DT, const void *row, int64_t d, int64_t n) {
+    if (DT == MHA_DTYPE_FP8_E4M3) {
+        unsigned char t[8] = {0};
+        memcpy(t, (const char *)row + d, (size_t)n);
+        return v8_fp8_widen(t);
+    }
     if (DT == MHA_DTYPE_Q8_0) { /* (q8_0 head sizes are multiples of 32: not reached) */
         unsigned char t[MHA__Q8_BYTES] = {0};
         memcpy(t, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2 + (size_t)(d & 31) + (size_t)n);
@@ -192,7 +199,9 @@ MHA_INLINE void scores_body(const int NR,
      * (2 rows x 16 elements x elem bytes = 64 E; q8_0: one line every 34 bytes, which touches
      * every line of the span) */
     const int E = DT == MHA_DTYPE_F32 ? 2 : 1;
-    const size_t PB = DT == MHA_DTYPE_Q8_0 ? MHA__Q8_BYTES : 64 * (size_t)E;
+    const size_t PB = DT == MHA_DTYPE_Q8_0       ? MHA__Q8_BYTES
+                      : DT == MHA_DTYPE_FP8_E4M3 ? 32
+                                                 : 64 * (size_t)E;
     size_t poff = 0;
     for (int64_t y = 0; y < nk; y += 2, k += 2 * rb) {
         const char *k0 = k, *k1 = y + 1 < nk ? k + rb : k;
@@ -278,7 +287,9 @@ MHA_INLINE void values_body(const int NR,
     /* prefetch: the span (nk rows of dv elements) spread evenly over the (16 columns, 2 keys)
      * steps: 2 x 16 x elem bytes = 64 E per step (q8_0: 34 bytes, one line) */
     const int E = DT == MHA_DTYPE_F32 ? 2 : 1;
-    const size_t PB = DT == MHA_DTYPE_Q8_0 ? MHA__Q8_BYTES : 64 * (size_t)E;
+    const size_t PB = DT == MHA_DTYPE_Q8_0       ? MHA__Q8_BYTES
+                      : DT == MHA_DTYPE_FP8_E4M3 ? 32
+                                                 : 64 * (size_t)E;
     size_t poff = 0;
     int64_t c0 = 0;
     for (; c0 + 16 <= dv; c0 += 16) {
@@ -365,25 +376,29 @@ DEC_DTYPE_(f32_, MHA_DTYPE_F32)
 DEC_DTYPE_(f16_, MHA_DTYPE_F16)
 DEC_DTYPE_(bf16_, MHA_DTYPE_BF16)
 DEC_DTYPE_(q8_, MHA_DTYPE_Q8_0)
+DEC_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3)
 #    undef DEC_DTYPE_
 #    undef DEC_FNS_
 
 /* [dtype: f32, f16, bf16, q8_0][rows - 1] */
-static const scores_fn scores_table[4][4] = {
+static const scores_fn scores_table[5][4] = {
     {scores_f32_1, scores_f32_2, scores_f32_3, scores_f32_4},
     {scores_f16_1, scores_f16_2, scores_f16_3, scores_f16_4},
     {scores_bf16_1, scores_bf16_2, scores_bf16_3, scores_bf16_4},
-    {scores_q8_1, scores_q8_2, scores_q8_3, scores_q8_4}};
+    {scores_q8_1, scores_q8_2, scores_q8_3, scores_q8_4},
+    {scores_fp8_1, scores_fp8_2, scores_fp8_3, scores_fp8_4}};
 /* [check][dtype][rows - 1] */
-static const values_fn values_table[2][4][4] = {
+static const values_fn values_table[2][5][4] = {
     {{values_f32_1, values_f32_2, values_f32_3, values_f32_4},
      {values_f16_1, values_f16_2, values_f16_3, values_f16_4},
      {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4},
-     {values_q8_1, values_q8_2, values_q8_3, values_q8_4}},
+     {values_q8_1, values_q8_2, values_q8_3, values_q8_4},
+     {values_fp8_1, values_fp8_2, values_fp8_3, values_fp8_4}},
     {{values_chk_f32_1, values_chk_f32_2, values_chk_f32_3, values_chk_f32_4},
      {values_chk_f16_1, values_chk_f16_2, values_chk_f16_3, values_chk_f16_4},
      {values_chk_bf16_1, values_chk_bf16_2, values_chk_bf16_3, values_chk_bf16_4},
-     {values_chk_q8_1, values_chk_q8_2, values_chk_q8_3, values_chk_q8_4}}};
+     {values_chk_q8_1, values_chk_q8_2, values_chk_q8_3, values_chk_q8_4},
+     {values_chk_fp8_1, values_chk_fp8_2, values_chk_fp8_3, values_chk_fp8_4}}};
 
 /* ---- Pass 2: score pipeline, mask, max, exp, sum --------------------------------------------- */
 
@@ -558,14 +573,18 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                            float *m,
                            float *l,
                            float *scratch) {
+    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        p = mha__kv_fp8_problem(p, u->g, &fp8p);
     const struct mha_kv_cache *c = p->cache;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
     const int64_t seq = p->seq[u->s], L = c->len[seq];
     const int64_t dvp = (dv + 7) & ~(int64_t)7;
-    const int dti = DT == MHA_DTYPE_F16    ? 1
-                    : DT == MHA_DTYPE_BF16 ? 2
-                    : DT == MHA_DTYPE_Q8_0 ? 3
-                                           : 0;
+    const int dti = DT == MHA_DTYPE_F16        ? 1
+                    : DT == MHA_DTYPE_BF16     ? 2
+                    : DT == MHA_DTYPE_Q8_0     ? 3
+                    : DT == MHA_DTYPE_FP8_E4M3 ? 4
+                                               : 0;
     float *S = scratch, *W = S + R * MHA_DEC_BLOCK;
     const size_t rb = c->k_row_bytes, rbv = c->v_row_bytes;
     const int l2 = p->prefetch_l2;
@@ -665,6 +684,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     /* The unit's o, bfloat16's 16-column groups back in natural order. */
     for (int64_t r = 0; r < R; r++)
         store_o_row(DT, W + r * dvp, dv, o + r * dv);
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        mha__kv_fp8_scale_o(c, u->g, o, R, dv);
 }
 
 void mha_decode_f32acc_splitkv__avx2(const mha__dec_problem *p,
@@ -682,6 +703,9 @@ void mha_decode_f32acc_splitkv__avx2(const mha__dec_problem *p,
         break;
     case MHA_DTYPE_Q8_0:
         dec_kernel(MHA_DTYPE_Q8_0, p, u, o, m, l, scratch);
+        break;
+    case MHA_DTYPE_FP8_E4M3:
+        dec_kernel(MHA_DTYPE_FP8_E4M3, p, u, o, m, l, scratch);
         break;
     default:
         dec_kernel(MHA_DTYPE_F32, p, u, o, m, l, scratch);

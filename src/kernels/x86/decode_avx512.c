@@ -31,6 +31,9 @@
  * one). */
 MHA_INLINE v16
 load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mmask16 k) {
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        return v16_fp8_widen(FULL ? _mm_loadu_si128((const __m128i *)((const char *)row + d))
+                                  : _mm_maskz_loadu_epi8(k, (const char *)row + d));
     if (DT == MHA_DTYPE_Q8_0) /* rows are whole blocks: a vector is all in or all out */
         return FULL || k ? v16_q8_widen(row, d, v16_q8_scale(row, d)) : v16_zero();
     if (DT == MHA_DTYPE_F32)
@@ -268,7 +271,10 @@ MHA_INLINE void scores_contig(const int NR,
      * and the lines prefetched / bytes advanced per step (4 rows of STEP elements; q8_0's
      * 136 bytes take 3 lines so that the steps' lines cover the stream) */
     const int STEP = DT == MHA_DTYPE_BF16 || DT == MHA_DTYPE_Q8_0 ? 32 : 16;
-    const int PL = DT == MHA_DTYPE_Q8_0 ? 3 : DT == MHA_DTYPE_BF16 ? 4 : 2;
+    const int PL = DT == MHA_DTYPE_Q8_0       ? 3
+                   : DT == MHA_DTYPE_BF16     ? 4
+                   : DT == MHA_DTYPE_FP8_E4M3 ? 1
+                                              : 2;
     const int PB = DT == MHA_DTYPE_Q8_0 ? 4 * MHA__Q8_BYTES : 64 * PL;
     for (int64_t y0 = 0; y0 < nb; y0 += 4) {
         const int64_t nk = nb - y0 < 4 ? nb - y0 : 4;
@@ -402,7 +408,8 @@ MHA_INLINE void values_contig(const int NR,
                               float *o,
                               int64_t dv,
                               int l2) {
-    const int E = DT == MHA_DTYPE_F32 ? 4 : 2; /* lines per 64 columns of a row (q8_0: 68 B) */
+    /* lines per 64 columns of a row (q8_0: 68 bytes) */
+    const int E = DT == MHA_DTYPE_F32 ? 4 : DT == MHA_DTYPE_FP8_E4M3 ? 1 : 2;
     for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
         const int64_t nkb = block_len(nb, jb);
         const __mmask16 in = v16_first((int)nkb);
@@ -469,20 +476,23 @@ CONTIG_DTYPE_(f32_, MHA_DTYPE_F32)
 CONTIG_DTYPE_(f16_, MHA_DTYPE_F16)
 CONTIG_DTYPE_(bf16_, MHA_DTYPE_BF16)
 CONTIG_DTYPE_(q8_, MHA_DTYPE_Q8_0)
+CONTIG_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3)
 #undef CONTIG_DTYPE_
 #undef CONTIG_FNS_
 
-/* [dtype: f32, f16, bf16, q8_0][rows - 1] */
-static const scores_contig_fn scores_contig_table[4][4] = {
+/* [dtype: f32, f16, bf16, q8_0, fp8_e4m3][rows - 1] */
+static const scores_contig_fn scores_contig_table[5][4] = {
     {scores_f32_1, scores_f32_2, scores_f32_3, scores_f32_4},
     {scores_f16_1, scores_f16_2, scores_f16_3, scores_f16_4},
     {scores_bf16_1, scores_bf16_2, scores_bf16_3, scores_bf16_4},
-    {scores_q8_1, scores_q8_2, scores_q8_3, scores_q8_4}};
-static const values_contig_fn values_contig_table[4][4] = {
+    {scores_q8_1, scores_q8_2, scores_q8_3, scores_q8_4},
+    {scores_fp8_1, scores_fp8_2, scores_fp8_3, scores_fp8_4}};
+static const values_contig_fn values_contig_table[5][4] = {
     {values_f32_1, values_f32_2, values_f32_3, values_f32_4},
     {values_f16_1, values_f16_2, values_f16_3, values_f16_4},
     {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4},
-    {values_q8_1, values_q8_2, values_q8_3, values_q8_4}};
+    {values_q8_1, values_q8_2, values_q8_3, values_q8_4},
+    {values_fp8_1, values_fp8_2, values_fp8_3, values_fp8_4}};
 
 /* The kernel for cache dtype DT (a constant after inlining). */
 MHA_INLINE void dec_kernel(const mha_dtype DT,
@@ -492,6 +502,9 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                            float *m,
                            float *l,
                            float *scratch) {
+    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        p = mha__kv_fp8_problem(p, u->g, &fp8p);
     const struct mha_kv_cache *c = p->cache;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
     const int64_t seq = p->seq[u->s], L = c->len[seq];
@@ -533,10 +546,11 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
             }
     }
-    const int dti = DT == MHA_DTYPE_F16    ? 1
-                    : DT == MHA_DTYPE_BF16 ? 2
-                    : DT == MHA_DTYPE_Q8_0 ? 3
-                                           : 0;
+    const int dti = DT == MHA_DTYPE_F16        ? 1
+                    : DT == MHA_DTYPE_BF16     ? 2
+                    : DT == MHA_DTYPE_Q8_0     ? 3
+                    : DT == MHA_DTYPE_FP8_E4M3 ? 4
+                                               : 0;
     const char *krow = ks.base + (size_t)slot_j0 * ks.row_bytes,
                *vrow = vs.base + (size_t)slot_j0 * vs.row_bytes;
 
@@ -643,6 +657,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                                 : NULL;
         values_contig_table[dti][R - 1](vrow, vs.row_bytes, knext, ks.row_bytes, nb, S, o, dv,
                                         p->prefetch_l2);
+        if (DT == MHA_DTYPE_FP8_E4M3)
+            mha__kv_fp8_scale_o(c, u->g, o, R, dv);
         return;
     }
     const int vfull = dv % 64 == 0;
@@ -685,6 +701,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
             }
         }
     }
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        mha__kv_fp8_scale_o(c, u->g, o, R, dv);
 #undef SLOT_
 }
 
@@ -703,6 +721,9 @@ void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
         break;
     case MHA_DTYPE_Q8_0:
         dec_kernel(MHA_DTYPE_Q8_0, p, u, o, m, l, scratch);
+        break;
+    case MHA_DTYPE_FP8_E4M3:
+        dec_kernel(MHA_DTYPE_FP8_E4M3, p, u, o, m, l, scratch);
         break;
     default:
         dec_kernel(MHA_DTYPE_F32, p, u, o, m, l, scratch);

@@ -246,4 +246,17 @@ MHA_INLINE v8 v8_q8_widen(const void *row, int64_t d, v8 s) {
                            _mm256_mul_ps(s, _mm256_set1_ps(12582912.0f)));
 }
 
+/* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): the 8 bytes at p as float32 e4m3 values times
+ * 2^-8, as v16_fp8_widen (simd_avx512.h): float16 bits (sign-extended b << 7) & 0xBF80, F16C;
+ * S.1111.111 (read as +-1.875 that way, a value no other byte gives) becomes NaN. */
+MHA_INLINE v8 v8_fp8_widen(const void *p) {
+    const __m128i h =
+        _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                      _mm_set1_epi16((short)0xBF80));
+    const v8 x = _mm256_cvtph_ps(h);
+    const v8 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(1.875f),
+                                 _CMP_EQ_OQ);
+    return _mm256_blendv_ps(x, _mm256_set1_ps(__builtin_nanf("")), nan);
+}
+
 #endif /* MHA_SIMD_AVX2_H */

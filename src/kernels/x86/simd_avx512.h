@@ -271,4 +271,16 @@ MHA_INLINE v16 v16_q8_widen(const void *row, int64_t d, v16 s) {
                            _mm512_mul_ps(s, _mm512_set1_ps(12582912.0f)));
 }
 
+/* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): the 16 bytes b as float32 e4m3 values times 2^-8
+ * (the kernels fold 2^8 and the kv head's scale into the scores and o): the bits S.EEEE.MMM
+ * become the float16 S.0EEEE.MMM0000000 ((sign-extended b << 7) & 0xBF80: e4m3's bias 7 is
+ * float16's 15 minus 8, subnormals included), then VCVTPH2PS; S.1111.111 (NaN) reads NaN. */
+MHA_INLINE v16 v16_fp8_widen(__m128i b) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                       _mm256_set1_epi16((short)0xBF80));
+    const __mmask16 nan =
+        _mm_cmpeq_epi8_mask(_mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF));
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
+}
+
 #endif /* MHA_SIMD_AVX512_H */
