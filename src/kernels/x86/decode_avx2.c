@@ -119,7 +119,9 @@ MHA_INLINE v8 load_part8(const mha_dtype DT, const void *row, int64_t d, int64_t
 /* Elements [d, d + 16) of a cache row as two float32 vectors: float32 / float16 in natural order
  * (*a = d..d+7, *b = d+8..d+15), bfloat16 even / odd (*a = d, d+2, ..., *b = d+1, d+3, ...). */
 MHA_INLINE void load16(const mha_dtype DT, const void *row, int64_t d, v8 *a, v8 *b) {
-    if (DT == MHA_DTYPE_Q8_0) { /* natural order, one scale for both (d % 16 == 0) */
+    if (DT == MHA_DTYPE_FP8_E4M3) {
+        v8_fp8_widen16((const char *)row + d, a, b);
+    } else if (DT == MHA_DTYPE_Q8_0) { /* natural order, one scale for both (d % 16 == 0) */
         const v8 s = v8_q8_scale(row, d);
         *a = v8_q8_widen(row, d, s);
         *b = v8_q8_widen(row, d + 8, s);
