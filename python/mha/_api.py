@@ -1548,7 +1548,8 @@ class MultiheadAttention:
                  window: int = 0, max_step_tokens: int = 0,
                  chunk_size: Optional[int] = None) -> "KVCache":
         """A KV cache for this layer (mha_kv_cache_create): ``batch`` sequences of up to
-        ``max_seq`` positions, stored as 'float32', 'float16' or 'bfloat16'. ``chunk_size=C``:
+        ``max_seq`` positions, stored as 'float32', 'float16', 'bfloat16', 'q8_0' or 'fp8_e4m3'
+        (KVCache.set_fp8_scales). ``chunk_size=C``:
         chunked attention (a token at p sees the keys C (p // C) .. p; the cache is a ring);
         None takes the layer's default."""
         return KVCache(self, max_seq, batch, dtype=dtype, window=window,
