@@ -5,7 +5,12 @@
  * Shape (the issue's, and `mha decode-bench`'s defaults): one new query token of batch 1 with
  * h = 32 query heads, g = 8 kv heads (4 query heads per kv head, GQA), d_k = d_v = d = 128,
  * attending to all L cached positions (L = 4096 and 32768), no mask beyond "every key is
- * visible" (the last token of a causal sequence). Cache dtypes f32, f16 and bf16.
+ * visible" (the last token of a causal sequence). Cache dtypes f32, f16 and bf16, and q8_0
+ * (issue 32): each library quantises the same float32 keys and values into its own q8_0 cache
+ * (mha at append, ggml with ggml_quantize_chunk); ggml's flash path reads its GGML_TYPE_Q8_0 K
+ * and V, the mul_mat path is not run (llama.cpp's transposed V cache would be quantised along
+ * the positions); "err" is then against the float64 attention over the ORIGINAL values, so the
+ * two err columns are the two quantisations' errors on the same data.
  *
  * Three ways of computing the same step, timed round-robin (one call of each in turn, rotating
  * the order every repetition, a short pause before each call so that no thread of the previous
@@ -201,7 +206,7 @@ typedef struct peer_case {
     int64_t h, g, d, L;
     mha_dtype dtype;
     enum ggml_type gtype;
-    size_t elt;     /* bytes per cached element */
+    size_t elt;     /* bytes per cached element (q8_0: 0, a block type; rows: ggml_row_size) */
     const float *q; /* [h, d], the new token's query (post-RoPE) */
     double *ref;    /* [h, d], float64 reference over the stored (rounded) K/V */
     float *out[P_COUNT];
@@ -222,9 +227,23 @@ static void to_ggml(enum ggml_type t, const float *src, void *dst, int64_t n) {
         ggml_fp32_to_bf16_row(src, dst, n);
 }
 
+/* The random K and V rows of positions [p0, p0 + t) into kv (K rows, then V rows from
+ * kv + chunk * gd): position-major, K row then V row, as one token. */
+static void draw_kv(float *kv, int64_t chunk, int64_t t, int64_t gd) {
+    for (int64_t p = 0; p < t; p++) {
+        for (int64_t i = 0; i < gd; i++)
+            kv[p * gd + i] = rnd();
+        for (int64_t i = 0; i < gd; i++)
+            kv[(chunk + p) * gd + i] = rnd();
+    }
+}
+
 /* Fills the mha cache with L random positions, copies them into ggml's three buffers and
  * computes the float64 reference. K/V master values are drawn per position: [g, d] each. */
+static int fill_q8_case(peer_case *c);
 static int fill_case(peer_case *c) {
+    if (c->dtype == MHA_DTYPE_Q8_0)
+        return fill_q8_case(c);
     const int64_t L = c->L, gd = c->g * c->d, h = c->h, d = c->d, grp = c->h / c->g;
     const int64_t chunk = 1024;
     float *kv = xalloc(sizeof(float) * (size_t)(2 * chunk * gd));
@@ -233,12 +252,7 @@ static int fill_case(peer_case *c) {
     rng_state = 0x9E3779B97F4A7C15ull; /* the same data for every dtype and length prefix */
     for (int64_t p0 = 0; p0 < L; p0 += chunk) {
         const int64_t t = L - p0 < chunk ? L - p0 : chunk;
-        for (int64_t p = 0; p < t; p++) { /* position-major: K row then V row, as one token */
-            for (int64_t i = 0; i < gd; i++)
-                kv[p * gd + i] = rnd();
-            for (int64_t i = 0; i < gd; i++)
-                kv[(chunk + p) * gd + i] = rnd();
-        }
+        draw_kv(kv, chunk, t, gd);
         if (mha_kv_cache_append(c->cache, 1, NULL, t, kv, kv + chunk * gd, &err) != MHA_STATUS_OK) {
             fprintf(stderr, "mha_kv_cache_append: %s\n", err.message);
             free(kv);
@@ -291,10 +305,89 @@ static int fill_case(peer_case *c) {
     return 0;
 }
 
+/* The float64 attention of the h query heads over K/V rows supplied position by position:
+ * s[hh * L + p] = q . k / sqrt(d) is accumulated by ref_scores, then ref_finish turns s into
+ * softmax weights, and ref_values adds weight * v. */
+static void ref_scores(const peer_case *c, const float *kr, int64_t p, double *s) {
+    const int64_t d = c->d, grp = c->h / c->g;
+    const double scale = 1.0 / sqrt((double)d);
+    for (int64_t hh = 0; hh < c->h; hh++) {
+        const float *qh = c->q + hh * d, *kh = kr + (hh / grp) * d;
+        double dot = 0.0;
+        for (int64_t i = 0; i < d; i++)
+            dot += (double)qh[i] * (double)kh[i];
+        s[hh * c->L + p] = dot * scale;
+    }
+}
+static void ref_softmax(const peer_case *c, double *s) {
+    const int64_t L = c->L;
+    for (int64_t hh = 0; hh < c->h; hh++) {
+        double mx = -HUGE_VAL, sum = 0.0;
+        for (int64_t p = 0; p < L; p++)
+            mx = s[hh * L + p] > mx ? s[hh * L + p] : mx;
+        for (int64_t p = 0; p < L; p++)
+            sum += (s[hh * L + p] = exp(s[hh * L + p] - mx));
+        for (int64_t p = 0; p < L; p++)
+            s[hh * L + p] /= sum;
+    }
+}
+static void ref_values(peer_case *c, const float *vr, int64_t p, const double *s) {
+    const int64_t d = c->d, grp = c->h / c->g;
+    for (int64_t hh = 0; hh < c->h; hh++) {
+        const float *vh = vr + (hh / grp) * d;
+        for (int64_t i = 0; i < d; i++)
+            c->ref[hh * d + i] += s[hh * c->L + p] * (double)vh[i];
+    }
+}
+
+/* q8_0: the same float32 K/V into mha's cache (quantised at append) and, quantised by
+ * ggml_quantize_chunk, into ggml's K and V buffers; the reference over the ORIGINAL values. */
+static int fill_q8_case(peer_case *c) {
+    const int64_t L = c->L, gd = c->g * c->d, chunk = 1024;
+    const size_t rowb = ggml_row_size(GGML_TYPE_Q8_0, gd);
+    float *kv = xalloc(sizeof(float) * (size_t)(2 * chunk * gd));
+    double *s = xalloc(sizeof(double) * (size_t)(c->h * L));
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    memset(c->ref, 0, sizeof(double) * (size_t)(c->h * c->d));
+    for (int pass = 0; pass < 2; pass++) { /* scores, then (the same draws again) values */
+        rng_state = 0x9E3779B97F4A7C15ull;
+        for (int64_t p0 = 0; p0 < L; p0 += chunk) {
+            const int64_t t = L - p0 < chunk ? L - p0 : chunk;
+            draw_kv(kv, chunk, t, gd);
+            if (pass == 0) {
+                if (mha_kv_cache_append(c->cache, 1, NULL, t, kv, kv + chunk * gd, &err) !=
+                    MHA_STATUS_OK) {
+                    fprintf(stderr, "mha_kv_cache_append: %s\n", err.message);
+                    free(kv);
+                    free(s);
+                    return 1;
+                }
+                ggml_quantize_chunk(GGML_TYPE_Q8_0, kv, (char *)c->k_buf + rowb * (size_t)p0, 0, t,
+                                    gd, NULL);
+                ggml_quantize_chunk(GGML_TYPE_Q8_0, kv + chunk * gd,
+                                    (char *)c->v_buf + rowb * (size_t)p0, 0, t, gd, NULL);
+                for (int64_t p = 0; p < t; p++)
+                    ref_scores(c, kv + p * gd, p0 + p, s);
+            } else {
+                for (int64_t p = 0; p < t; p++)
+                    ref_values(c, kv + (chunk + p) * gd, p0 + p, s);
+            }
+        }
+        if (pass == 0)
+            ref_softmax(c, s);
+    }
+    free(s);
+    free(kv);
+    return 0;
+}
+
 /* ggml tensors over the caller's buffers and the two graphs (llama.cpp's shapes, see top). */
 static int build_ggml(peer_case *c) {
     const int64_t L = c->L, g = c->g, d = c->d, h = c->h;
-    const size_t e = c->elt;
+    /* bytes of one kv head's row, and of one cell (all kv heads) */
+    const size_t rh = ggml_row_size(c->gtype, d), rc = ggml_row_size(c->gtype, d * g);
+    const size_t e = c->elt ? c->elt : sizeof(float); /* V^T (q8_0: an unused f32 stand-in) */
     struct ggml_init_params cp = {ggml_tensor_overhead() * 8, NULL, true};
     c->ctx_cache = ggml_init(cp); /* no_alloc: the cache tensors point at our buffers */
     struct ggml_init_params gp = {(size_t)GGML_CTX_MB << 20, NULL, false};
@@ -303,7 +396,8 @@ static int build_ggml(peer_case *c) {
         return 1;
     struct ggml_tensor *k_cache = ggml_new_tensor_2d(c->ctx_cache, c->gtype, d * g, L);
     struct ggml_tensor *v_cache = ggml_new_tensor_2d(c->ctx_cache, c->gtype, d * g, L);
-    struct ggml_tensor *vt_cache = ggml_new_tensor_2d(c->ctx_cache, c->gtype, L, d * g);
+    struct ggml_tensor *vt_cache =
+        ggml_new_tensor_2d(c->ctx_cache, c->elt ? c->gtype : GGML_TYPE_F32, L, d * g);
     k_cache->data = c->k_buf;
     v_cache->data = c->v_buf;
     vt_cache->data = c->vt_buf;
@@ -314,10 +408,10 @@ static int build_ggml(peer_case *c) {
     memcpy(q->data, c->q, sizeof(float) * (size_t)(h * d));
     q = ggml_permute(x, q, 0, 2, 1, 3);
     /* K: the cells' rows seen as [d, g, n_kv], permuted to [d, n_kv, g]; same for V (flash). */
-    struct ggml_tensor *k = ggml_permute(
-        x, ggml_view_3d(x, k_cache, d, g, L, e * (size_t)d, e * (size_t)(d * g), 0), 0, 2, 1, 3);
-    struct ggml_tensor *v = ggml_permute(
-        x, ggml_view_3d(x, v_cache, d, g, L, e * (size_t)d, e * (size_t)(d * g), 0), 0, 2, 1, 3);
+    struct ggml_tensor *k =
+        ggml_permute(x, ggml_view_3d(x, k_cache, d, g, L, rh, rc, 0), 0, 2, 1, 3);
+    struct ggml_tensor *v =
+        ggml_permute(x, ggml_view_3d(x, v_cache, d, g, L, rh, rc, 0), 0, 2, 1, 3);
     /* V^T: [n_kv, g, d] with strides (kv_size * d, kv_size), permuted to [n_kv, d, g]. */
     struct ggml_tensor *vt = ggml_permute(
         x, ggml_view_3d(x, vt_cache, L, g, d, e * (size_t)(L * d), e * (size_t)L, 0), 0, 2, 1, 3);
@@ -349,14 +443,15 @@ static int create_case(
     peer_case *c, const float *q, int64_t h, int64_t g, int64_t d, int64_t L, mha_dtype dtype) {
     memset(c, 0, sizeof *c);
     c->h = h, c->g = g, c->d = d, c->L = L, c->dtype = dtype, c->q = q;
-    c->gtype = dtype == MHA_DTYPE_F32   ? GGML_TYPE_F32
-               : dtype == MHA_DTYPE_F16 ? GGML_TYPE_F16
-                                        : GGML_TYPE_BF16;
+    c->gtype = dtype == MHA_DTYPE_F32    ? GGML_TYPE_F32
+               : dtype == MHA_DTYPE_F16  ? GGML_TYPE_F16
+               : dtype == MHA_DTYPE_BF16 ? GGML_TYPE_BF16
+                                         : GGML_TYPE_Q8_0;
     c->elt = mha_dtype_size(dtype);
-    const size_t cache_bytes = c->elt * (size_t)(L * g * d);
+    const size_t cache_bytes = ggml_row_size(c->gtype, g * d) * (size_t)L;
     c->k_buf = xalloc(cache_bytes);
     c->v_buf = xalloc(cache_bytes);
-    c->vt_buf = xalloc(cache_bytes);
+    c->vt_buf = xalloc(c->elt ? cache_bytes : 64); /* q8_0: no mul_mat path */
     c->ref = xalloc(sizeof(double) * (size_t)(h * d));
     for (int p = 0; p < P_COUNT; p++)
         c->out[p] = xalloc(sizeof(float) * (size_t)(h * d));
@@ -447,7 +542,10 @@ static double rel_err(const float *o, const double *ref, int64_t n) {
 }
 
 static const char *dtype_name(mha_dtype t) {
-    return t == MHA_DTYPE_F32 ? "f32" : t == MHA_DTYPE_F16 ? "f16" : "bf16";
+    return t == MHA_DTYPE_F32    ? "f32"
+           : t == MHA_DTYPE_F16  ? "f16"
+           : t == MHA_DTYPE_BF16 ? "bf16"
+                                 : "q8_0";
 }
 
 static void usage(void) {
@@ -458,7 +556,7 @@ static void usage(void) {
            "  --kv-heads G      kv heads (default 8)\n"
            "  --head-dim D      d_k = d_v (default 128)\n"
            "  --lengths L,...   cache lengths (default 4096,32768)\n"
-           "  --dtypes T,...    f32, f16, bf16 (default f32,f16,bf16)\n"
+           "  --dtypes T,...    f32, f16, bf16, q8_0 (default f32,f16,bf16)\n"
            "  --threads T,...   thread counts (default 1,2)\n"
            "  --reps N          timed calls of each path per row (default 7, at most %d)\n"
            "  --stream MB       read-bandwidth buffer, 0 = skip (default 1024)\n"
@@ -497,13 +595,16 @@ int main(int argc, char **argv) {
             snprintf(buf, sizeof buf, "%s", v);
             n_dt = 0;
             for (char *tok = strtok(buf, ","); tok && n_dt < MAX_LIST; tok = strtok(NULL, ",")) {
-                if (strcmp(tok, "f32") && strcmp(tok, "f16") && strcmp(tok, "bf16")) {
-                    fprintf(stderr, "peer_ggml_decode: dtype '%s' is not f32, f16 or bf16\n", tok);
+                if (strcmp(tok, "f32") && strcmp(tok, "f16") && strcmp(tok, "bf16") &&
+                    strcmp(tok, "q8_0")) {
+                    fprintf(stderr, "peer_ggml_decode: dtype '%s' is not f32, f16, bf16 or q8_0\n",
+                            tok);
                     return 2;
                 }
-                dtypes[n_dt++] = !strcmp(tok, "f32")   ? MHA_DTYPE_F32
-                                 : !strcmp(tok, "f16") ? MHA_DTYPE_F16
-                                                       : MHA_DTYPE_BF16;
+                dtypes[n_dt++] = !strcmp(tok, "f32")    ? MHA_DTYPE_F32
+                                 : !strcmp(tok, "f16")  ? MHA_DTYPE_F16
+                                 : !strcmp(tok, "bf16") ? MHA_DTYPE_BF16
+                                                        : MHA_DTYPE_Q8_0;
             }
         } else {
             fprintf(stderr, "peer_ggml_decode: unknown option '%s' (--help)\n", a);
@@ -576,16 +677,21 @@ int main(int argc, char **argv) {
                 rc = 1;
                 break;
             }
-            const double kv_bytes = 2.0 * (double)(c.L * g * d) * (double)c.elt;
+            const double kv_bytes = 2.0 * (double)ggml_row_size(c.gtype, g * d) * (double)c.L;
+            const int q8 = c.dtype == MHA_DTYPE_Q8_0; /* no mul_mat path (see the top) */
             for (int t = 0; t < n_thr && !rc; t++) {
                 runner *r = &run[t];
                 plan_ggml(r, &c);
                 double times[P_COUNT][MAX_REPS];
                 for (int p = 0; p < P_COUNT; p++) /* warm-up: page faults, first-touch */
-                    rc |= run_path(r, &c, p) < 0.0;
+                    rc |= !(q8 && p == P_MM) && run_path(r, &c, p) < 0.0;
                 for (int rep = 0; rep < reps && !rc; rep++)
                     for (int k = 0; k < P_COUNT && !rc; k++) {
                         const int p = (rep + k) % P_COUNT; /* rotate who goes first */
+                        if (q8 && p == P_MM) {
+                            times[p][rep] = HUGE_VAL;
+                            continue;
+                        }
                         pause_ms((int)pause);
                         times[p][rep] = run_path(r, &c, p);
                         rc |= times[p][rep] < 0.0;

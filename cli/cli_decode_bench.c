@@ -24,19 +24,20 @@
 #include <time.h>
 
 /* The name of the decode kernel the library runs on this CPU (its registry, mha_experimental.h). */
-/* The decode kernel a cache of dtype dt runs: the active one, or for q8_0 the first usable
- * decode line whose dtypes name q8_0 (the registry's order is its preference). */
+/* The decode kernel a cache of dtype dt runs: the first usable decode line whose dtypes name
+ * it (the registry's order is its preference; every decode line takes every cache dtype). */
 static const char *decode_kernel_name(mha_dtype dt) {
     mha_kernel_desc d;
-    if (dt == MHA_DTYPE_Q8_0) {
-        for (int32_t i = 0; i < mha_experimental_kernel_count(); i++)
-            if (mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK && d.usable &&
-                strcmp(d.op, "decode") == 0 && strstr(d.dtypes, "q8_0"))
-                return d.name;
-        return "?";
-    }
-    const int32_t index = mha_experimental_kernel_active("decode");
-    return mha_experimental_kernel_describe(index, &d, NULL) == MHA_STATUS_OK ? d.name : "?";
+    const char *name = dt == MHA_DTYPE_F16        ? "f16"
+                       : dt == MHA_DTYPE_BF16     ? "bf16"
+                       : dt == MHA_DTYPE_Q8_0     ? "q8_0"
+                       : dt == MHA_DTYPE_FP8_E4M3 ? "fp8_e4m3"
+                                                  : "f32";
+    for (int32_t i = 0; i < mha_experimental_kernel_count(); i++)
+        if (mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK && d.usable &&
+            strcmp(d.op, "decode") == 0 && strstr(d.dtypes, name))
+            return d.name;
+    return "?";
 }
 
 enum {
@@ -93,7 +94,8 @@ static void bench_usage(void) {
         "  --batch B           sequences decoded together (default: 1)\n"
         "  --steps N           decode steps (default: 32)\n"
         "  --threads T         threads, 0 = every online CPU (default: 0)\n"
-        "  --cache-dtype T     f32, f16, bf16 or q8_0 (34 bytes per 32 values) (default: f32)\n"
+        "  --cache-dtype T     f32, f16, bf16, q8_0 (34 bytes per 32 values) or fp8 (e4m3,\n"
+        "                      1 byte, scales 1.0) (default: f32)\n"
         "  --prefill-mode M    random: fill the cache with random K/V (default); layer: run\n"
         "                      mha_layer_prefill on random tokens (slow for long caches)\n"
         "  --attention-only    time only the attention (append + split-KV), not the layer\n"
@@ -342,8 +344,10 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             b->dt = MHA_DTYPE_BF16;
         else if (strcmp(b->dtn, "q8_0") == 0)
             b->dt = MHA_DTYPE_Q8_0;
+        else if (strcmp(b->dtn, "fp8") == 0 || strcmp(b->dtn, "fp8_e4m3") == 0)
+            b->dt = MHA_DTYPE_FP8_E4M3;
         else if (strcmp(b->dtn, "f32") != 0)
-            return cli_usage("--cache-dtype: '%s' is not f32, f16, bf16 or q8_0", b->dtn);
+            return cli_usage("--cache-dtype: '%s' is not f32, f16, bf16, q8_0 or fp8", b->dtn);
     }
     if (args->given[B_WEIGHT_DTYPE]) {
         b->wdtn = args->value[B_WEIGHT_DTYPE];

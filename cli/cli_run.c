@@ -214,7 +214,8 @@ void cli_run_usage(void) {
         "                           --key, masks, segments, positions, --causal top-left,",
         "                           --causal-offsets, --attn and --dropout",
         "  --prefill P              tokens in the first (prefill) call, 1 <= P <= n (default: 1)",
-        "  --cache-dtype T          cache storage f32, f16 or bf16 (default: f32)",
+        "  --cache-dtype T          cache storage f32, f16, bf16, q8_0 (head sizes multiples of",
+        "                           32) or fp8 (e4m3, kv-head scales 1.0) (default: f32)",
         "  A deepseek_v2/v3 --model (multi-head latent attention) decodes through its compressed",
         "  cache ([c, k_pe] per token, mha_mla_decode_step) with --prefill and --cache-dtype",
         "  With --dtype bf16 or f16 the weights are half and X is rounded to it, but the decode",
@@ -412,8 +413,12 @@ static int parse_decode(run_config *o) {
             o->cache_dtype = MHA_DTYPE_F16;
         else if (strcmp(t, "bf16") == 0)
             o->cache_dtype = MHA_DTYPE_BF16;
+        else if (strcmp(t, "q8_0") == 0)
+            o->cache_dtype = MHA_DTYPE_Q8_0;
+        else if (strcmp(t, "fp8") == 0 || strcmp(t, "fp8_e4m3") == 0)
+            o->cache_dtype = MHA_DTYPE_FP8_E4M3;
         else
-            return cli_usage("--cache-dtype: '%s' is not f32, f16 or bf16", t);
+            return cli_usage("--cache-dtype: '%s' is not f32, f16, bf16, q8_0 or fp8", t);
     }
     return CLI_OK;
 }

@@ -110,10 +110,15 @@ typedef enum mha_dtype {
      * KV cache") and mha_config.weight_dtype ("q8_0 weights": the projection matrices); every
      * other dtype field refuses it. */
     MHA_DTYPE_Q8_0 = 8,
+    /* fp8 e4m3 (OCP "E4M3FN": 1 sign, 4 exponent bits of bias 7, 3 mantissa bits; largest 448,
+     * no infinities, NaN = S.1111.111) with a float32 scale per kv head, value = e4m3 * scale
+     * (vLLM's fp8 KV cache). Accepted ONLY as mha_kv_cache_config.dtype (docs/SEMANTICS.md "fp8
+     * KV cache"); every other dtype field refuses it. One byte per value. */
+    MHA_DTYPE_FP8_E4M3 = 9,
 } mha_dtype;
 
 /** Size in bytes of one element of `dtype`, or 0 for an unknown value or a block type
- *  (MHA_DTYPE_Q8_0: 34 bytes per block of 32 values). */
+ *  (MHA_DTYPE_Q8_0: 34 bytes per block of 32 values; MHA_DTYPE_FP8_E4M3: 1). */
 MHA_API size_t mha_dtype_size(mha_dtype dtype);
 /** float32 values to q8_0 blocks (docs/SEMANTICS.md "q8_0 KV cache": float16 scale f16(max|x| /
  *  127), q = clamp(rne(x / d), -127, 127), ties to even): count (a multiple of 32) values of src
@@ -973,17 +978,18 @@ MHA_API void mha_train_state_destroy(mha_train_state *state);
 
 /** Creation parameters. Zero means "default" where stated. */
 typedef struct mha_kv_cache_config {
-    int64_t num_kv_heads; /* g; 0 = the layer's (mha_kv_cache_create with a layer) */
-    int64_t head_dim;     /* d_k; 0 = the layer's */
-    int64_t v_head_dim;   /* d_v; 0 = the layer's, or head_dim without a layer */
-    int64_t max_seq;      /* most positions per sequence (required, in [1, 2^31]) */
-    int64_t batch;        /* number of sequences, ids 0 .. batch-1 (required) */
-    mha_dtype dtype;      /* storage: MHA_DTYPE_F32 (0, default), MHA_DTYPE_F16, MHA_DTYPE_BF16 or
-                             MHA_DTYPE_Q8_0 (head_dim and v_head_dim multiples of 32) */
-    int64_t window;       /* 0 = none. W > 0: sliding window, a token at p attends to the keys
-                             p-W+1 .. p only (the full forward's window (W-1, 0), Mistral's
-                             sliding_window = W); storage is then a ring of
-                             min(max_seq, W + max_step_tokens - 1) slots per sequence */
+    int64_t num_kv_heads;    /* g; 0 = the layer's (mha_kv_cache_create with a layer) */
+    int64_t head_dim;        /* d_k; 0 = the layer's */
+    int64_t v_head_dim;      /* d_v; 0 = the layer's, or head_dim without a layer */
+    int64_t max_seq;         /* most positions per sequence (required, in [1, 2^31]) */
+    int64_t batch;           /* number of sequences, ids 0 .. batch-1 (required) */
+    mha_dtype dtype;         /* storage: MHA_DTYPE_F32 (0, default), MHA_DTYPE_F16, MHA_DTYPE_BF16,
+                                MHA_DTYPE_Q8_0 (head_dim and v_head_dim multiples of 32) or
+                                MHA_DTYPE_FP8_E4M3 (scales: mha_kv_cache_set_fp8_scales) */
+    int64_t window;          /* 0 = none. W > 0: sliding window, a token at p attends to the keys
+                                p-W+1 .. p only (the full forward's window (W-1, 0), Mistral's
+                                sliding_window = W); storage is then a ring of
+                                min(max_seq, W + max_step_tokens - 1) slots per sequence */
     int64_t max_step_tokens; /* window caches: most tokens one mha_kv_cache_append may add to a
                                 sequence (the layer calls split longer inputs); 0 = 64 */
     int64_t chunk_size; /* 0 = none. C > 0: chunked attention (Llama 4), a token at p attends to
@@ -1027,6 +1033,17 @@ MHA_API mha_status mha_kv_cache_copy(mha_kv_cache *cache,
                                      int64_t src_seq,
                                      int64_t dst_seq,
                                      mha_error *err);
+/** MHA_DTYPE_FP8_E4M3 caches: the float32 scales of kv head h's keys (k_scales[h]) and values
+ *  (v_scales[h]), h < num_kv_heads; a value x is stored as e4m3(x / scale) and read as
+ *  e4m3 * scale (docs/SEMANTICS.md "fp8 KV cache"). Every scale is 1.0 until set. Either array
+ *  may be NULL (those scales stay). Scales must lie in [2^-100, 2^100]. Refused (INVALID_ARG) for a
+ *  cache of another dtype, and while any sequence holds positions (length > 0): stored values
+ *  would change meaning; reset every sequence first. */
+MHA_API mha_status mha_kv_cache_set_fp8_scales(mha_kv_cache *cache,
+                                               const float *k_scales,
+                                               const float *v_scales,
+                                               mha_error *err);
+
 /** Reads position pos of sequence seq as float32: k [g, d_k], v [g, d_v] (either may be NULL).
  *  INVALID_ARG when pos is not stored (>= length, or dropped from a window ring). */
 MHA_API mha_status mha_kv_cache_read(

@@ -1016,7 +1016,7 @@ static void test_registry(void) {
              * (the generic decode kernel also reads q8_0 caches). */
             CHECK(d.dtypes && (!(strcmp(d.isa, "generic") == 0 || d.reference) ||
                                strcmp(d.dtypes, o == 3   ? "f32"
-                                                : o == 2 ? "f32,bf16,f16,q8_0"
+                                                : o == 2 ? "f32,bf16,f16,q8_0,fp8_e4m3"
                                                          : "f32,bf16,f16") == 0),
                   "kernel %s: dtypes %s", d.name, d.dtypes ? d.dtypes : "NULL");
             if (strcmp(d.op, "fwd") != 0) { /* only forward kernels run through this API */

@@ -329,8 +329,9 @@ static void test_hostile(void) {
     CHECK(c == NULL, "no cache on error");
     cc.head_dim = 64, cc.v_head_dim = 16;
     expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "v_head_dim=16", "dv=16");
-    cc.v_head_dim = 0, cc.dtype = (mha_dtype)9;
-    expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "config.dtype", "dtype 9");
+    cc.v_head_dim = 0, cc.dtype = (mha_dtype)10;
+    expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "config.dtype",
+                   "dtype 10");
     /* Q8_0 in a non-cache role: the core's q dtype, the layer's weight dtype, mha_half_to_f32 */
     float x[64] = {0}, o[64];
     mha_attention_args a;

@@ -1586,7 +1586,8 @@ class MultiheadAttention:
                  window: int = 0, max_step_tokens: int = 0,
                  chunk_size: Optional[int] = None) -> "KVCache":
         """A KV cache for this layer (mha_kv_cache_create): ``batch`` sequences of up to
-        ``max_seq`` positions, stored as 'float32', 'float16' or 'bfloat16'. ``chunk_size=C``:
+        ``max_seq`` positions, stored as 'float32', 'float16', 'bfloat16', 'q8_0' or 'fp8_e4m3'
+        (KVCache.set_fp8_scales). ``chunk_size=C``:
         chunked attention (a token at p sees the keys C (p // C) .. p; the cache is a ring);
         None takes the layer's default."""
         return KVCache(self, max_seq, batch, dtype=dtype, window=window,
@@ -1605,9 +1606,14 @@ class KVCache:
 
     ``prefill(x)`` appends a prompt and returns its outputs, ``step(x)`` appends the next token(s);
     the result equals the full causal forward over the whole sequence (bottom-right aligned).
-    x: [num_seqs, t, q_dim] (or [t, q_dim] for sequence 0); ``seq_ids`` picks sequences."""
+    x: [num_seqs, t, q_dim] (or [t, q_dim] for sequence 0); ``seq_ids`` picks sequences.
+    ``dtype``: the storage, "float32", "float16", "bfloat16", "q8_0" (ggml's blocks of 32 int8 and
+    a float16 scale; head sizes multiples of 32) or "fp8_e4m3" (per-kv-head scales, 1.0 unless
+    ``set_fp8_scales`` is called before the first token); docs/SEMANTICS.md has the error
+    bounds."""
 
-    _DTYPES = {"float32": L.DTYPE_F32, "float16": L.DTYPE_F16, "bfloat16": L.DTYPE_BF16}
+    _DTYPES = {"float32": L.DTYPE_F32, "float16": L.DTYPE_F16, "bfloat16": L.DTYPE_BF16,
+               "q8_0": L.DTYPE_Q8_0, "fp8_e4m3": L.DTYPE_FP8_E4M3}
 
     def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
                  dtype: str = "float32", window: int = 0, max_step_tokens: int = 0,
@@ -1635,6 +1641,24 @@ class KVCache:
 
     def truncate(self, seq: int, new_len: int) -> None:
         M.call(L.mha_kv_cache_truncate, self._handle.ptr, seq, new_len)
+
+    def set_fp8_scales(self, k_scales: Optional[ArrayLike] = None,
+                       v_scales: Optional[ArrayLike] = None) -> None:
+        """fp8_e4m3 caches: the keys' and values' scale per kv head (stored e4m3(x / scale), read
+        e4m3 * scale). Only while every sequence is empty (mha_kv_cache_set_fp8_scales)."""
+        g = self._layer.config.num_kv_heads
+        arrs = []
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s is None:
+                arrs.append(None)
+                continue
+            a = np.ascontiguousarray(np.asarray(s, dtype=np.float32).reshape(-1))
+            if a.shape[0] != g:
+                raise ValueError(f"{name}: expected {g} scales (one per kv head), got {a.shape[0]}")
+            arrs.append(a)
+        ptrs = [None if a is None else a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                for a in arrs]
+        M.call(L.mha_kv_cache_set_fp8_scales, self._handle.ptr, ptrs[0], ptrs[1])
 
     def _run(self, fn, x, seq_ids, impl, threads) -> np.ndarray:
         c = self._layer.config

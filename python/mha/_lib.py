@@ -35,6 +35,7 @@ STATUS_NAMES = {
 # mha_dtype
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16, DTYPE_BOOL, DTYPE_U8, DTYPE_I32, DTYPE_I64 = range(8)
 DTYPE_Q8_0 = 8  # ggml q8_0 blocks: the KV cache dtype and the layer's weight_dtype (mha.h)
+DTYPE_FP8_E4M3 = 9  # fp8 e4m3 with per-kv-head scales: the KV cache dtype only (mha.h)
 # mha_alignment
 ALIGN_BOTTOM_RIGHT, ALIGN_TOP_LEFT, ALIGN_EXPLICIT = range(3)
 # mha_mask_polarity
@@ -367,6 +368,8 @@ mha_kv_cache_length = _fn("mha_kv_cache_length", [c_void_p, c_int64], c_int64)
 mha_kv_cache_reset = _fn("mha_kv_cache_reset", [c_void_p, c_int64, P(mha_error)])
 mha_kv_cache_truncate = _fn("mha_kv_cache_truncate",
                                     [c_void_p, c_int64, c_int64, P(mha_error)])
+mha_kv_cache_set_fp8_scales = _fn("mha_kv_cache_set_fp8_scales",
+                                  [c_void_p, P(c_float), P(c_float), P(mha_error)])
 mha_layer_prefill = _fn(
     "mha_layer_prefill", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec), P(mha_error)])
 mha_layer_decode_step = _fn(

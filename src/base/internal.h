@@ -373,6 +373,28 @@ static inline size_t mha__weight_bytes(mha_dtype dt, int64_t count) {
                                 : (size_t)count * (dt == MHA_DTYPE_F32 ? 4u : 2u);
 }
 
+/* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): byte S.EEEE.MMM, bias 7, largest 448, no
+ * infinities, NaN = S.1111.111. mha__fp8_from_f32 rounds x to nearest even, saturating to +-448
+ * (an infinity too); NaN gives 0x7F (with x's sign). */
+uint8_t mha__fp8_from_f32(float x);
+float mha__fp8_to_f32(uint8_t b);
+
+/* The storage dtypes of the KV cache, one row each (DESIGN-NOTES item 3): a row of d values
+ * (d a multiple of block) takes d / block * block_bytes bytes; to_f32 / from_f32 convert n
+ * values (a multiple of block) of a row, with scale the per-kv-head scale of scaled types
+ * (fp8: stored = e4m3(x / scale), read = e4m3 * scale; 1 and ignored elsewhere). */
+typedef struct mha__kv_dtype_traits {
+    mha_dtype dtype;
+    const char *name; /* "f32", "f16", "bf16", "q8_0", "fp8_e4m3" */
+    int64_t block;    /* values per block (1: an element type) */
+    size_t block_bytes;
+    int scaled; /* takes per-kv-head scales */
+    void (*to_f32)(const void *src, int64_t n, float *dst, float scale);
+    void (*from_f32)(const float *src, int64_t n, void *dst, float scale);
+} mha__kv_dtype_traits;
+/* The row of a cache dtype, NULL for a dtype the KV cache does not store. */
+const mha__kv_dtype_traits *mha__kv_dtype(mha_dtype dtype);
+
 /* Storage of activations (docs/SEMANTICS.md "Half precision"): F32, BF16 or F16. The arithmetic
  * is float32: a tensor is widened exactly where it is read (copied, packed) and rounded once to
  * nearest even where it is written. */

@@ -30,17 +30,18 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     const int64_t span = mha__kv_ring_span(&c);
     if (span > 0 && span + c.max_step_tokens - 1 < slots)
         slots = span + c.max_step_tokens - 1;
-    /* Q8_0 rows are dk / 32 blocks of 34 bytes: counted in blocks, at 34 bytes per "element" */
-    const int q8 = c.dtype == MHA_DTYPE_Q8_0;
-    const size_t elem = q8 ? 0 : mha_dtype_size(c.dtype), unit = q8 ? MHA__Q8_BYTES : elem;
-    const int64_t per = q8 ? MHA__Q8_BLOCK : 1;
+    /* rows are d / block blocks (element types: blocks of 1) of block_bytes each */
+    const mha__kv_dtype_traits *dt = mha__kv_dtype(c.dtype); /* non-NULL: checked */
+    const size_t elem = dt->block == 1 ? dt->block_bytes : 0, unit = dt->block_bytes;
+    const int64_t per = dt->block;
     const int64_t kf[4] = {c.batch, c.num_kv_heads, slots, c.head_dim / per};
     const int64_t vf[4] = {c.batch, c.num_kv_heads, slots, c.v_head_dim / per};
     int64_t kn, vn;
-    size_t kb, vb, lb;
+    size_t kb, vb, lb, sb;
     MHA_RETURN_IF(!mha__prod_i64(kf, 4, &kn) || !mha__prod_i64(vf, 4, &vn) ||
                       !mha__bytes(kn, unit, &kb) || !mha__bytes(vn, unit, &vb) ||
-                      !mha__bytes(2 * c.batch, sizeof(int64_t), &lb),
+                      !mha__bytes(2 * c.batch, sizeof(int64_t), &lb) ||
+                      !mha__bytes(2 * c.num_kv_heads, sizeof(float), &sb),
                   err, OVERFLOW,
                   "kv cache of batch=%lld x g=%lld x slots=%lld x (d_k=%lld + d_v=%lld) "
                   "overflows",
@@ -51,6 +52,7 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     memset(kc, 0, sizeof *kc);
     kc->cfg = c;
     kc->slots = slots;
+    kc->dt = dt;
     kc->elem = elem;
     kc->k_row_bytes = (size_t)(c.head_dim / per) * unit;
     kc->v_row_bytes = (size_t)(c.v_head_dim / per) * unit;
@@ -61,7 +63,8 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     kc->k = mha__alloc_large(allocator, kb);
     kc->v = mha__alloc_large(allocator, vb);
     kc->len = mha__alloc(allocator, lb);
-    if (!kc->k || !kc->v || !kc->len) {
+    kc->k_scale = mha__alloc(allocator, sb);
+    if (!kc->k || !kc->v || !kc->len || !kc->k_scale) {
         mha_kv_cache_destroy(kc);
         return mha__fail(err, MHA_STATUS_NO_MEMORY,
                          "cannot allocate the kv cache storage (%zu "
@@ -70,6 +73,9 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     }
     memset(kc->len, 0, lb);
     kc->lo = kc->len + c.batch;
+    kc->v_scale = kc->k_scale + c.num_kv_heads;
+    for (int64_t g = 0; g < 2 * c.num_kv_heads; g++)
+        kc->k_scale[g] = 1.0f;
     *out = kc;
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -83,6 +89,7 @@ void mha_kv_cache_destroy(mha_kv_cache *cache) {
     mha__free(a, cache->k);
     mha__free(a, cache->v);
     mha__free(a, cache->len);
+    mha__free(a, cache->k_scale);
     mha__free(a, cache);
 }
 
@@ -150,42 +157,21 @@ mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_err
     return MHA_STATUS_OK;
 }
 
-void mha__kv_load_row(const mha_kv_cache *c, const void *src, int64_t d, float *dst) {
-    switch (c->cfg.dtype) {
-    case MHA_DTYPE_Q8_0:
-        mha__q8_dequantize(src, d, dst);
-        break;
-    case MHA_DTYPE_F16:
-        for (int64_t i = 0; i < d; i++)
-            dst[i] = mha__f16_to_f32(((const uint16_t *)src)[i]);
-        break;
-    case MHA_DTYPE_BF16:
-        for (int64_t i = 0; i < d; i++)
-            dst[i] = mha__bf16_to_f32(((const uint16_t *)src)[i]);
-        break;
-    default:
-        memcpy(dst, src, sizeof(float) * (size_t)d);
-        break;
-    }
-}
-
-static void store_row(const mha_kv_cache *c, const float *src, int64_t d, void *dst) {
-    switch (c->cfg.dtype) {
-    case MHA_DTYPE_Q8_0:
-        mha__q8_quantize(src, d, dst);
-        break;
-    case MHA_DTYPE_F16:
-        for (int64_t i = 0; i < d; i++)
-            ((uint16_t *)dst)[i] = mha__f32_to_f16(src[i]);
-        break;
-    case MHA_DTYPE_BF16:
-        for (int64_t i = 0; i < d; i++)
-            ((uint16_t *)dst)[i] = mha__f32_to_bf16(src[i]);
-        break;
-    default:
-        memcpy(dst, src, sizeof(float) * (size_t)d);
-        break;
-    }
+mha_status mha_kv_cache_set_fp8_scales(mha_kv_cache *cache,
+                                       const float *k_scales,
+                                       const float *v_scales,
+                                       mha_error *err) {
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_fp8_scales(&view, k_scales, v_scales, err);
+    if (st)
+        return st;
+    const int64_t G = cache->cfg.num_kv_heads;
+    if (k_scales)
+        memcpy(cache->k_scale, k_scales, sizeof(float) * (size_t)G);
+    if (v_scales)
+        memcpy(cache->v_scale, v_scales, sizeof(float) * (size_t)G);
+    mha__ok(err);
+    return MHA_STATUS_OK;
 }
 
 mha_status mha_kv_cache_read(
@@ -198,9 +184,11 @@ mha_status mha_kv_cache_read(
     const int64_t dv = cache->cfg.v_head_dim;
     for (int64_t g = 0; g < G; g++) {
         if (k)
-            mha__kv_load_row(cache, mha__kv_k_row(cache, seq, g, pos), dk, k + g * dk);
+            mha__kv_load_row(cache, mha__kv_k_row(cache, seq, g, pos), dk, k + g * dk,
+                             mha__kv_k_scale(cache, g));
         if (v)
-            mha__kv_load_row(cache, mha__kv_v_row(cache, seq, g, pos), dv, v + g * dv);
+            mha__kv_load_row(cache, mha__kv_v_row(cache, seq, g, pos), dv, v + g * dv,
+                             mha__kv_v_scale(cache, g));
     }
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -222,10 +210,10 @@ void mha__kv_append_raw(mha_kv_cache *c,
         for (int64_t tok = 0; tok < t; tok++) {
             const int64_t p = c->len[s] + tok;
             for (int64_t g = 0; g < G; g++) {
-                store_row(c, k + i * k_seq_stride + tok * k_tok_stride + g * dk, dk,
-                          (void *)mha__kv_k_row(c, s, g, p));
-                store_row(c, v + i * v_seq_stride + tok * v_tok_stride + g * dv, dv,
-                          (void *)mha__kv_v_row(c, s, g, p));
+                c->dt->from_f32(k + i * k_seq_stride + tok * k_tok_stride + g * dk, dk,
+                                (void *)mha__kv_k_row(c, s, g, p), c->k_scale[g]);
+                c->dt->from_f32(v + i * v_seq_stride + tok * v_tok_stride + g * dv, dv,
+                                (void *)mha__kv_v_row(c, s, g, p), c->v_scale[g]);
             }
         }
         c->len[s] += t;

@@ -13,15 +13,17 @@
 #include "check/check.h"
 
 struct mha_kv_cache {
-    mha_kv_cache_config cfg; /* resolved */
-    int64_t slots;           /* storage positions per sequence */
-    size_t elem;             /* bytes per stored element (4 or 2; 0 for Q8_0, a block type) */
-    size_t k_row_bytes;      /* bytes of one K row: dk * elem, or dk / 32 * 34 for Q8_0 */
-    size_t v_row_bytes;      /* bytes of one V row */
-    void *k, *v;             /* K [batch, g, slots, dk], V [batch, g, slots, dv] */
-    int64_t *len;            /* [batch] current lengths */
-    int64_t *lo;             /* [batch] lowest position whose slot is intact (window rings:
-                                grows as the ring wraps; truncate does not lower it) */
+    mha_kv_cache_config cfg;        /* resolved */
+    int64_t slots;                  /* storage positions per sequence */
+    const mha__kv_dtype_traits *dt; /* the storage dtype's row (base/kv_dtype.c) */
+    size_t elem;              /* bytes per stored element (4, 2 or 1; 0 for Q8_0, a block type) */
+    size_t k_row_bytes;       /* bytes of one K row: dk / block * block_bytes */
+    size_t v_row_bytes;       /* bytes of one V row */
+    float *k_scale, *v_scale; /* [g] per-kv-head scales (fp8; 1.0 for every other dtype) */
+    void *k, *v;              /* K [batch, g, slots, dk], V [batch, g, slots, dv] */
+    int64_t *len;             /* [batch] current lengths */
+    int64_t *lo;              /* [batch] lowest position whose slot is intact (window rings:
+                                 grows as the ring wraps; truncate does not lower it) */
     mha_allocator allocator;
     int has_allocator;
 };
@@ -39,9 +41,34 @@ mha__kv_v_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
 }
 
 /* Row of d values (d = dk or dv) stored at src in the cache's dtype, widened to float32 (Q8_0:
- * dequantised). The generic kernel, the reference path and mha_kv_cache_read all read through it.
- */
-void mha__kv_load_row(const struct mha_kv_cache *c, const void *src, int64_t d, float *dst);
+ * dequantised; FP8: times scale, the row's kv head's mha__kv_k_scale / _v_scale). The generic
+ * kernel, the reference path and mha_kv_cache_read all read through it. */
+static inline void mha__kv_load_row(
+    const struct mha_kv_cache *c, const void *src, int64_t d, float *dst, float scale) {
+    c->dt->to_f32(src, d, dst, scale);
+}
+static inline float mha__kv_k_scale(const struct mha_kv_cache *c, int64_t g) {
+    return c->k_scale[g];
+}
+static inline float mha__kv_v_scale(const struct mha_kv_cache *c, int64_t g) {
+    return c->v_scale[g];
+}
+
+/* fp8 caches in the vector kernels: they widen e4m3 values times 2^-8 (a float16 exponent
+ * rebias, simd_*.h *_fp8_widen) and apply 2^8 and kv head g's scales once per unit: the scores'
+ * scale times mha__kv_fp8_factor(k_scale), each row of the unit's o times (v_scale). *p is
+ * copied into *tmp with the score scale changed; returns the problem the kernel then runs. */
+static inline float mha__kv_fp8_factor(float scale) {
+    return 256.0f * scale;
+}
+static inline const struct mha__dec_problem *
+mha__kv_fp8_problem(const struct mha__dec_problem *p, int64_t g, struct mha__dec_problem *tmp);
+static inline void
+mha__kv_fp8_scale_o(const struct mha_kv_cache *c, int64_t g, float *o, int64_t rows, int64_t dv) {
+    const float f = mha__kv_fp8_factor(c->v_scale[g]);
+    for (int64_t i = 0; i < rows * dv; i++)
+        o[i] *= f;
+}
 
 /* What the argument checks (check/cache.c) read of a cache; NULL gives cfg == NULL. */
 static inline mha__kv_view mha__kv_view_of(const struct mha_kv_cache *c) {
@@ -114,6 +141,13 @@ typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
 static inline int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
     const int64_t R = p->group * p->t, d = p->dk > p->dv ? p->dk : p->dv;
     return R * MHA_DEC_BLOCK + (R > 2 ? R : 2) * (d + 16) + 32;
+}
+
+static inline const struct mha__dec_problem *
+mha__kv_fp8_problem(const struct mha__dec_problem *p, int64_t g, struct mha__dec_problem *tmp) {
+    *tmp = *p;
+    tmp->scale = p->scale * mha__kv_fp8_factor(p->cache->k_scale[g]);
+    return tmp;
 }
 
 /* The kernels (one line each in kernels/registry.def, op decode) are declared by registry.h. */

@@ -60,18 +60,17 @@ mha_status mha__check_kv_create(const mha_kv_cache_config *in,
                   "kv cache config: window=%lld and chunk_size=%lld together are not supported "
                   "(a cache keeps one ring; give one of them)",
                   (long long)c->window, (long long)c->chunk_size);
-    MHA_RETURN_IF(c->dtype != MHA_DTYPE_F32 && c->dtype != MHA_DTYPE_F16 &&
-                      c->dtype != MHA_DTYPE_BF16 && c->dtype != MHA_DTYPE_Q8_0,
-                  err, INVALID_ARG, "kv cache config.dtype=%d must be F32, F16, BF16 or Q8_0",
+    const mha__kv_dtype_traits *dt = mha__kv_dtype(c->dtype);
+    MHA_RETURN_IF(!dt, err, INVALID_ARG,
+                  "kv cache config.dtype=%d must be F32, F16, BF16, Q8_0 or FP8_E4M3",
                   (int)c->dtype);
-    /* q8_0 blocks of 32 values run along the head dimension, never across two rows */
-    MHA_RETURN_IF(c->dtype == MHA_DTYPE_Q8_0 && c->head_dim % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
-                  "kv cache config.head_dim=%lld must be a multiple of 32 for dtype Q8_0",
-                  (long long)c->head_dim);
-    MHA_RETURN_IF(c->dtype == MHA_DTYPE_Q8_0 && c->v_head_dim % MHA__Q8_BLOCK != 0, err,
-                  INVALID_ARG,
-                  "kv cache config.v_head_dim=%lld must be a multiple of 32 for dtype Q8_0",
-                  (long long)c->v_head_dim);
+    /* blocks (q8_0: 32 values) run along the head dimension, never across two rows */
+    MHA_RETURN_IF(c->head_dim % dt->block != 0, err, INVALID_ARG,
+                  "kv cache config.head_dim=%lld must be a multiple of %lld for dtype %s",
+                  (long long)c->head_dim, (long long)dt->block, dt->name);
+    MHA_RETURN_IF(c->v_head_dim % dt->block != 0, err, INVALID_ARG,
+                  "kv cache config.v_head_dim=%lld must be a multiple of %lld for dtype %s",
+                  (long long)c->v_head_dim, (long long)dt->block, dt->name);
     return MHA_STATUS_OK;
 }
 
@@ -152,6 +151,28 @@ mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_
                       (long long)mha__kv_ring_span(c->cfg), (long long)new_len,
                       (long long)c->lo[seq], (long long)c->cfg->max_step_tokens);
     }
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_kv_fp8_scales(const mha__kv_view *c,
+                                    const float *k_scales,
+                                    const float *v_scales,
+                                    mha_error *err) {
+    MHA_RETURN_IF(!c->cfg, err, INVALID_ARG, "cache is NULL");
+    MHA_RETURN_IF(c->cfg->dtype != MHA_DTYPE_FP8_E4M3, err, INVALID_ARG,
+                  "set_fp8_scales: the cache's dtype is %d, not FP8_E4M3", (int)c->cfg->dtype);
+    for (int64_t s = 0; s < c->cfg->batch; s++)
+        MHA_RETURN_IF(c->len[s] > 0, err, INVALID_ARG,
+                      "set_fp8_scales: sequence %lld holds %lld positions (scales are set before "
+                      "the first append, or after resetting every sequence)",
+                      (long long)s, (long long)c->len[s]);
+    const float *sc[2] = {k_scales, v_scales};
+    for (int i = 0; i < 2; i++)
+        for (int64_t g = 0; sc[i] && g < c->cfg->num_kv_heads; g++)
+            /* the range keeps 448 s and the kernels' 2^8 s (kv_cache.h) far from overflow */
+            MHA_RETURN_IF(!(sc[i][g] >= 0x1p-100f && sc[i][g] <= 0x1p100f), err, INVALID_ARG,
+                          "set_fp8_scales: %s_scales[%lld]=%g must be in [2^-100, 2^100]",
+                          i ? "v" : "k", (long long)g, (double)sc[i][g]);
     return MHA_STATUS_OK;
 }
 

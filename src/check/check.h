@@ -290,6 +290,12 @@ mha_status mha__check_kv_append(const mha__kv_view *c,
                                 mha_error *err);
 mha_status
 mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_error *err);
+/* mha_kv_cache_set_fp8_scales: an FP8_E4M3 cache holding no positions; scales in
+ * [2^-100, 2^100]. */
+mha_status mha__check_kv_fp8_scales(const mha__kv_view *c,
+                                    const float *k_scales,
+                                    const float *v_scales,
+                                    mha_error *err);
 /* mha_kv_cache_read: pos stored in seq; k [g, d_k] and v [g, d_v] (either NULL) do not overlap. */
 mha_status mha__check_kv_read(const mha__kv_view *c,
                               int64_t seq,

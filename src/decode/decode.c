@@ -213,8 +213,10 @@ static mha_status attend_core(
         float *kb = kbuf, *vb = kbuf + m * G * dk;
         for (int64_t g = 0; g < G; g++)
             for (int64_t j = 0; j < m; j++) {
-                mha__kv_load_row(c, mha__kv_k_row(c, seq, g, lo + j), dk, kb + (g * m + j) * dk);
-                mha__kv_load_row(c, mha__kv_v_row(c, seq, g, lo + j), dv, vb + (g * m + j) * dv);
+                mha__kv_load_row(c, mha__kv_k_row(c, seq, g, lo + j), dk, kb + (g * m + j) * dk,
+                                 mha__kv_k_scale(c, g));
+                mha__kv_load_row(c, mha__kv_v_row(c, seq, g, lo + j), dv, vb + (g * m + j) * dv,
+                                 mha__kv_v_scale(c, g));
             }
         mha_attention_args ca;
         memset(&ca, 0, sizeof ca);

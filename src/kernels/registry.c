@@ -66,12 +66,17 @@ const char *mha__op_name(mha__op op) {
 }
 
 const char *mha__dts_name(unsigned dtypes) {
-    /* Every subset of the three bits, in the order f32, bf16, f16; then q8_0 (decode lines). */
+    /* Every subset of the three bits, in the order f32, bf16, f16; then q8_0 and fp8_e4m3
+     * (decode lines take both or neither: MHA_DTS_KVQ; a lone bit names a cache's dtype). */
     static const char *const names[8] = {"none", "f32",     "bf16",     "f32,bf16",
                                          "f16",  "f32,f16", "bf16,f16", "f32,bf16,f16"};
     static const char *const q8[8] = {"q8_0",          "f32,q8_0",         "bf16,q8_0",
                                       "f32,bf16,q8_0", "f16,q8_0",         "f32,f16,q8_0",
                                       "bf16,f16,q8_0", "f32,bf16,f16,q8_0"};
+    if ((dtypes & (MHA_DTS_Q8_0 | MHA_DTS_FP8)) == (MHA_DTS_Q8_0 | MHA_DTS_FP8))
+        return (dtypes & MHA_DTS_ALL) == MHA_DTS_ALL ? "f32,bf16,f16,q8_0,fp8_e4m3" : "?";
+    if (dtypes & MHA_DTS_FP8)
+        return (dtypes & MHA_DTS_ALL) == 0 ? "fp8_e4m3" : "?";
     return (dtypes & MHA_DTS_Q8_0 ? q8 : names)[dtypes & MHA_DTS_ALL];
 }
 

@@ -27,16 +27,19 @@ typedef enum mha__op {
 #define MHA_DTS_ALL  (MHA_DTS_F32 | MHA_DTS_BF16 | MHA_DTS_F16)
 /* q8_0 blocks: a KV cache dtype only (op decode), never an activation; not in MHA_DTS_ALL */
 #define MHA_DTS_Q8_0 (1u << 3)
-/* A decode kernel that also reads q8_0 caches (the others' q8_0 caches go to the next tier) */
-#define MHA_DTS_KVQ  (MHA_DTS_ALL | MHA_DTS_Q8_0)
+/* fp8 e4m3 with per-kv-head scales: a KV cache dtype only, like q8_0 */
+#define MHA_DTS_FP8  (1u << 4)
+/* A decode kernel that also reads the 8-bit caches (q8_0, fp8 e4m3) */
+#define MHA_DTS_KVQ  (MHA_DTS_ALL | MHA_DTS_Q8_0 | MHA_DTS_FP8)
 
 /* The MHA_DTS_* bit of a storage dtype (0 for a dtype no tensor role stores: F64, ints...). */
 static inline unsigned mha__dts_bit(mha_dtype dt) {
-    return dt == MHA_DTYPE_F32    ? MHA_DTS_F32
-           : dt == MHA_DTYPE_BF16 ? MHA_DTS_BF16
-           : dt == MHA_DTYPE_F16  ? MHA_DTS_F16
-           : dt == MHA_DTYPE_Q8_0 ? MHA_DTS_Q8_0
-                                  : 0u;
+    return dt == MHA_DTYPE_F32        ? MHA_DTS_F32
+           : dt == MHA_DTYPE_BF16     ? MHA_DTS_BF16
+           : dt == MHA_DTYPE_F16      ? MHA_DTS_F16
+           : dt == MHA_DTYPE_Q8_0     ? MHA_DTS_Q8_0
+           : dt == MHA_DTYPE_FP8_E4M3 ? MHA_DTS_FP8
+                                      : 0u;
 }
 
 /* One registry line. */

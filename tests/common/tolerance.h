@@ -25,8 +25,8 @@
  * u_s * |s| and every value by u_s * |v|, so the output moves by a few u_s relative to its scale
  * (more where the softmax is sharp: the scores in these tests reach |s| ~ 8). Gate at 8 u_s;
  * measured worst (printed by the test): see docs/INFERENCE.md. */
-#define TOL_KV_F16_REL  (8.0 / 2048.0)
-#define TOL_KV_BF16_REL (8.0 / 256.0)
+#define TOL_KV_F16_REL     (8.0 / 2048.0)
+#define TOL_KV_BF16_REL    (8.0 / 256.0)
 /* q8_0 caches (docs/SEMANTICS.md "q8_0 KV cache"), per element of a block with a = max|x| (a/127
  * below 65504): d = f16(a/127) <= (a/127)(1 + 2^-11) when normal, |d - a/127| <= 2^-25 when
  * subnormal. Unsaturated, |x - q d| <= d/2; saturated (|x/d| > 127.5 only if d < a/127),
@@ -36,7 +36,18 @@
  * each softmax weight by a factor in [e^-2Delta, e^2Delta], so with values off by e_v
  *   |o - o*| <= (exp(2 Delta) - 1) max|v| + e_v   (+ the float32 term TOL_OUT_REL max|o|).
  * tests/test_kv_q8.c computes it per head from the data. */
-#define TOL_Q8_ELEM(a)  ((a) / 254.0 * (1.0 + 0x1p-11) + 127.0 * 0x1p-25)
+#define TOL_Q8_ELEM(a)     ((a) / 254.0 * (1.0 + 0x1p-11) + 127.0 * 0x1p-25)
+/* fp8 e4m3 caches (docs/SEMANTICS.md "fp8 KV cache"), per element x of a kv head with scale s,
+ * |x / s| <= 448 (no saturation): y = fl(x / s) is rounded to the nearest e4m3 value, 3
+ * mantissa bits: |y - e4m3(y)| <= |y| 2^-4 for normals (|y| >= 2^-6), <= 2^-10 (half the
+ * subnormal spacing 2^-9) below. The read value e4m3(y) s is one more float32 rounding and y
+ * one before, so
+ *   |x - e4m3(y) s| <= (|x| 2^-4 + s 2^-10) (1 + 2^-18).
+ * Attention: the same propagation as q8_0 (Delta from e_k, then (exp(2 Delta) - 1) max|v| + e_v);
+ * tests/test_kv_fp8.c computes it per head from the data. */
+#define TOL_FP8_REL        0x1p-4
+#define TOL_FP8_SUB_ABS    0x1p-10
+#define TOL_FP8_ELEM(a, s) (((a)*TOL_FP8_REL + (s)*TOL_FP8_SUB_ABS) * (1.0 + 0x1p-18))
 /* MLA's compressed-cache decode (tests/test_python_mla.py) uses the same three: TOL_OUT_REL for
  * a float32 cache (the absorbed form is the expanded one with its products summed in another
  * order: float32 rounding, measured <= 4e-7), TOL_KV_F16_REL / TOL_KV_BF16_REL for half caches

@@ -58,6 +58,10 @@ MHA_INLINE v4 widen4(const mha_dtype DT, uint16x4_t h) {
 
 /* Elements [d, d + 4) of a cache row of type DT as float32. */
 MHA_INLINE v4 load4(const mha_dtype DT, const void *row, int64_t d) {
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        return v4_fp8_widen((const char *)row + d);
+    if (DT == MHA_DTYPE_Q8_0)
+        return v4_q8_widen(row, d, v4_q8_scale(row, d));
     if (DT == MHA_DTYPE_F32)
         return vld1q_f32((const float *)row + d);
     return widen4(DT, vld1_u16((const uint16_t *)row + d));
@@ -66,6 +70,16 @@ MHA_INLINE v4 load4(const mha_dtype DT, const void *row, int64_t d) {
 /* Elements [d, d + n) of a cache row (0 < n < 4), the other lanes 0, loaded lane by lane:
  * nothing past the row is read. */
 MHA_INLINE v4 load4_first(const mha_dtype DT, const void *row, int64_t d, int64_t n) {
+    if (DT == MHA_DTYPE_FP8_E4M3) {
+        unsigned char t[4] = {0, 0, 0, 0};
+        memcpy(t, (const char *)row + d, (size_t)n);
+        return v4_fp8_widen(t);
+    }
+    if (DT == MHA_DTYPE_Q8_0) { /* (q8_0 head sizes are multiples of 32: not reached) */
+        unsigned char t[MHA__Q8_BYTES] = {0};
+        memcpy(t, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2 + (size_t)(d & 31) + (size_t)n);
+        return v4_q8_widen(t, d & 31, v4_q8_scale(t, 0));
+    }
     if (DT == MHA_DTYPE_F32)
         return v4_loadu_first((const float *)row + d, (int)n);
     const uint16_t *p = (const uint16_t *)row + d;
@@ -344,6 +358,8 @@ MHA_INLINE void values(const mha_dtype DT,
 DTYPE_FNS_(f32, MHA_DTYPE_F32)
 DTYPE_FNS_(f16, MHA_DTYPE_F16)
 DTYPE_FNS_(bf16, MHA_DTYPE_BF16)
+DTYPE_FNS_(q8, MHA_DTYPE_Q8_0)
+DTYPE_FNS_(fp8, MHA_DTYPE_FP8_E4M3)
 #    undef DTYPE_FNS_
 
 void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
@@ -352,6 +368,9 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
                                      float *m,
                                      float *l,
                                      float *scratch) {
+    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
+    if (p->cache->cfg.dtype == MHA_DTYPE_FP8_E4M3)
+        p = mha__kv_fp8_problem(p, u->g, &fp8p);
     const struct mha_kv_cache *c = p->cache;
     const mha_dtype dt = c->cfg.dtype;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
@@ -360,10 +379,10 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
     /* scratch: scores [R][BLOCK], then the unit's query rows [R][dkp] (zero-padded) */
     float *S = scratch, *qbuf = S + R * MHA_DEC_BLOCK;
     const int64_t pair = seq * c->cfg.num_kv_heads + u->g, slot0 = u->j0 % c->slots;
-    const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots * dk) * c->elem,
-                           (size_t)dk * c->elem, c->slots, slot0};
-    const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots * dv) * c->elem,
-                           (size_t)dv * c->elem, c->slots, slot0};
+    const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots) * c->k_row_bytes,
+                           c->k_row_bytes, c->slots, slot0};
+    const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots) * c->v_row_bytes,
+                           c->v_row_bytes, c->slots, slot0};
 
     /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
      * token i. */
@@ -381,6 +400,10 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
         scores_f16(&ks, &vs, nb, R, qbuf, dkp, dk, S);
     else if (dt == MHA_DTYPE_BF16)
         scores_bf16(&ks, &vs, nb, R, qbuf, dkp, dk, S);
+    else if (dt == MHA_DTYPE_Q8_0)
+        scores_q8(&ks, &vs, nb, R, qbuf, dkp, dk, S);
+    else if (dt == MHA_DTYPE_FP8_E4M3)
+        scores_fp8(&ks, &vs, nb, R, qbuf, dkp, dk, S);
     else
         scores_f32(&ks, &vs, nb, R, qbuf, dkp, dk, S);
 
@@ -439,7 +462,12 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
         values_f16(&vs, nb, R, S, o, dv);
     else if (dt == MHA_DTYPE_BF16)
         values_bf16(&vs, nb, R, S, o, dv);
-    else
+    else if (dt == MHA_DTYPE_Q8_0)
+        values_q8(&vs, nb, R, S, o, dv);
+    else if (dt == MHA_DTYPE_FP8_E4M3) {
+        values_fp8(&vs, nb, R, S, o, dv);
+        mha__kv_fp8_scale_o(c, u->g, o, R, dv);
+    } else
         values_f32(&vs, nb, R, S, o, dv);
 }
 

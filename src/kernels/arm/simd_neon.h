@@ -13,8 +13,11 @@
 #ifndef MHA_SIMD_NEON_H
 #define MHA_SIMD_NEON_H
 
+#include "base/internal.h"
+
 #include <arm_neon.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MHA_INLINE static inline __attribute__((always_inline))
 
@@ -247,6 +250,36 @@ MHA_INLINE uint32x4_t v4i_philox_word0(
     uint32x4_t hi1, lo1;
     v4i_mul_hilo(c2, MHA_PHILOX_M1, &hi1, &lo1);
     return veorq_u32(veorq_u32(hi1, c1), vdupq_n_u32(k0));
+}
+
+/* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
+ * float16 scale, then 32 int8), byte 2 + d % 32. v4_q8_scale broadcasts the scale of the block
+ * holding element d (FCVTL); v4_q8_widen widens the 4 values [d, d + 4) (d % 4 == 0) with it:
+ * SXTL twice, SCVTF, FMUL, exact (an 8-bit integer times an 11-bit significand fits the 24 bits
+ * of a float32), so the values equal mha__q8_dequantize's. */
+MHA_INLINE v4 v4_q8_scale(const void *row, int64_t d) {
+    uint16_t h;
+    memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
+    return vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h)));
+}
+MHA_INLINE v4 v4_q8_widen(const void *row, int64_t d, v4 s) {
+    int32_t w;
+    memcpy(&w, (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31), 4);
+    const int16x8_t x = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(x))), s);
+}
+
+/* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): the 4 bytes at p as float32 e4m3 values times
+ * 2^-8: float16 bits (sign-extended b << 7) & 0xBF80, FCVTL; S.1111.111 (read as +-1.875 that
+ * way, a value no other byte gives) becomes NaN. */
+MHA_INLINE v4 v4_fp8_widen(const void *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    const int16x8_t x = vshlq_n_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w))), 7);
+    const uint16x4_t h = vand_u16(vreinterpret_u16_s16(vget_low_s16(x)), vdup_n_u16(0xBF80));
+    const v4 f = vcvt_f32_f16(vreinterpret_f16_u16(h));
+    return vbslq_f32(vceqq_f32(vabsq_f32(f), vdupq_n_f32(1.875f)), vdupq_n_f32(__builtin_nanf("")),
+                     f);
 }
 
 #endif /* MHA_SIMD_NEON_H */

@@ -28,7 +28,7 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
         m[r] = -INFINITY;
     for (int64_t jj = 0; jj < nb; jj++) {
         const int64_t j = u->j0 + jj;
-        mha__kv_load_row(c, mha__kv_k_row(c, seq, u->g, j), dk, kb);
+        mha__kv_load_row(c, mha__kv_k_row(c, seq, u->g, j), dk, kb, mha__kv_k_scale(c, u->g));
         for (int64_t r = 0; r < R; r++) {
             const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
             const int64_t pos = L - p->t + i;
@@ -63,7 +63,8 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
     }
     /* Pass 3: weighted values, each V row loaded once for the R rows. */
     for (int64_t jj = 0; jj < nb; jj++) {
-        mha__kv_load_row(c, mha__kv_v_row(c, seq, u->g, u->j0 + jj), dv, vb);
+        mha__kv_load_row(c, mha__kv_v_row(c, seq, u->g, u->j0 + jj), dv, vb,
+                         mha__kv_v_scale(c, u->g));
         for (int64_t r = 0; r < R; r++) {
             const float e = S[r * MHA_DEC_BLOCK + jj];
             if (e == 0.0f)

@@ -89,6 +89,10 @@ MHA_INLINE v8 widen8(const mha_dtype DT, __m128i h) {
 
 /* Elements [d, d + 8) of a cache row of type DT as float32, natural order. */
 MHA_INLINE v8 load8(const mha_dtype DT, const void *row, int64_t d) {
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        return v8_fp8_widen((const char *)row + d);
+    if (DT == MHA_DTYPE_Q8_0)
+        return v8_q8_widen(row, d, v8_q8_scale(row, d));
     if (DT == MHA_DTYPE_F32)
         return _mm256_loadu_ps((const float *)row + d);
     return widen8(DT, _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
@@ -97,6 +101,16 @@ MHA_INLINE v8 load8(const mha_dtype DT, const void *row, int64_t d) {
 /* Elements [d, d + n) (0 < n < 8) of a cache row as float32, the other lanes 0 (nothing past
  * the row is read). */
 MHA_INLINE v8 load_part8(const mha_dtype DT, const void *row, int64_t d, int64_t n) {
+    if (DT == MHA_DTYPE_FP8_E4M3) {
+        unsigned char t[8] = {0};
+        memcpy(t, (const char *)row + d, (size_t)n);
+        return v8_fp8_widen(t);
+    }
+    if (DT == MHA_DTYPE_Q8_0) { /* (q8_0 head sizes are multiples of 32: not reached) */
+        unsigned char t[MHA__Q8_BYTES] = {0};
+        memcpy(t, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2 + (size_t)(d & 31) + (size_t)n);
+        return v8_q8_widen(t, d & 31, v8_q8_scale(t, 0));
+    }
     if (DT == MHA_DTYPE_F32)
         return _mm256_maskload_ps((const float *)row + d, v8_first((int)n));
     return widen8(DT, load_part_u16((const uint16_t *)row, d, n));
@@ -105,7 +119,13 @@ MHA_INLINE v8 load_part8(const mha_dtype DT, const void *row, int64_t d, int64_t
 /* Elements [d, d + 16) of a cache row as two float32 vectors: float32 / float16 in natural order
  * (*a = d..d+7, *b = d+8..d+15), bfloat16 even / odd (*a = d, d+2, ..., *b = d+1, d+3, ...). */
 MHA_INLINE void load16(const mha_dtype DT, const void *row, int64_t d, v8 *a, v8 *b) {
-    if (DT == MHA_DTYPE_BF16) {
+    if (DT == MHA_DTYPE_FP8_E4M3) {
+        v8_fp8_widen16((const char *)row + d, a, b);
+    } else if (DT == MHA_DTYPE_Q8_0) { /* natural order, one scale for both (d % 16 == 0) */
+        const v8 s = v8_q8_scale(row, d);
+        *a = v8_q8_widen(row, d, s);
+        *b = v8_q8_widen(row, d + 8, s);
+    } else if (DT == MHA_DTYPE_BF16) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
         *a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
         *b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
@@ -178,8 +198,12 @@ MHA_INLINE void scores_body(const int NR,
                             prefetch_span pf) {
     const int64_t n16 = dk / 16 * 16;
     /* prefetch: the span's bytes spread evenly, E lines per 16 elements of 2 keys
-     * (2 rows x 16 elements x elem bytes = 64 E) */
+     * (2 rows x 16 elements x elem bytes = 64 E; q8_0: one line every 34 bytes, which touches
+     * every line of the span) */
     const int E = DT == MHA_DTYPE_F32 ? 2 : 1;
+    const size_t PB = DT == MHA_DTYPE_Q8_0       ? MHA__Q8_BYTES
+                      : DT == MHA_DTYPE_FP8_E4M3 ? 32
+                                                 : 64 * (size_t)E;
     size_t poff = 0;
     for (int64_t y = 0; y < nk; y += 2, k += 2 * rb) {
         const char *k0 = k, *k1 = y + 1 < nk ? k + rb : k;
@@ -191,7 +215,7 @@ MHA_INLINE void scores_body(const int NR,
         int64_t d = 0;
         for (; d < n16; d += 16, qc += 2 * qs) {
             prefetch_step(pf, poff, E);
-            poff += 64 * (size_t)E;
+            poff += PB;
             v8 a0, b0, a1, b1;
             load16(DT, k0, d, &a0, &b0);
             load16(DT, k1, d, &a1, &b1);
@@ -263,8 +287,11 @@ MHA_INLINE void values_body(const int NR,
                             int64_t dv,
                             prefetch_span pf) {
     /* prefetch: the span (nk rows of dv elements) spread evenly over the (16 columns, 2 keys)
-     * steps: 2 x 16 x elem bytes = 64 E per step */
+     * steps: 2 x 16 x elem bytes = 64 E per step (q8_0: 34 bytes, one line) */
     const int E = DT == MHA_DTYPE_F32 ? 2 : 1;
+    const size_t PB = DT == MHA_DTYPE_Q8_0       ? MHA__Q8_BYTES
+                      : DT == MHA_DTYPE_FP8_E4M3 ? 32
+                                                 : 64 * (size_t)E;
     size_t poff = 0;
     int64_t c0 = 0;
     for (; c0 + 16 <= dv; c0 += 16) {
@@ -278,7 +305,7 @@ MHA_INLINE void values_body(const int NR,
         int64_t y = 0;
         for (; y + 2 <= nk; y += 2, row += 2 * rbv) { /* two keys per step: less loop overhead */
             prefetch_step(pf, poff, E);
-            poff += 64 * (size_t)E;
+            poff += PB;
             v8 va[2], vb[2];
             load16(DT, row, c0, &va[0], &va[1]);
             load16(DT, row + rbv, c0, &vb[0], &vb[1]);
@@ -350,22 +377,30 @@ typedef void (*values_fn)(const char *,
 DEC_DTYPE_(f32_, MHA_DTYPE_F32)
 DEC_DTYPE_(f16_, MHA_DTYPE_F16)
 DEC_DTYPE_(bf16_, MHA_DTYPE_BF16)
+DEC_DTYPE_(q8_, MHA_DTYPE_Q8_0)
+DEC_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3)
 #    undef DEC_DTYPE_
 #    undef DEC_FNS_
 
-/* [dtype: f32, f16, bf16][rows - 1] */
-static const scores_fn scores_table[3][4] = {
+/* [dtype: f32, f16, bf16, q8_0][rows - 1] */
+static const scores_fn scores_table[5][4] = {
     {scores_f32_1, scores_f32_2, scores_f32_3, scores_f32_4},
     {scores_f16_1, scores_f16_2, scores_f16_3, scores_f16_4},
-    {scores_bf16_1, scores_bf16_2, scores_bf16_3, scores_bf16_4}};
+    {scores_bf16_1, scores_bf16_2, scores_bf16_3, scores_bf16_4},
+    {scores_q8_1, scores_q8_2, scores_q8_3, scores_q8_4},
+    {scores_fp8_1, scores_fp8_2, scores_fp8_3, scores_fp8_4}};
 /* [check][dtype][rows - 1] */
-static const values_fn values_table[2][3][4] = {
+static const values_fn values_table[2][5][4] = {
     {{values_f32_1, values_f32_2, values_f32_3, values_f32_4},
      {values_f16_1, values_f16_2, values_f16_3, values_f16_4},
-     {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4}},
+     {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4},
+     {values_q8_1, values_q8_2, values_q8_3, values_q8_4},
+     {values_fp8_1, values_fp8_2, values_fp8_3, values_fp8_4}},
     {{values_chk_f32_1, values_chk_f32_2, values_chk_f32_3, values_chk_f32_4},
      {values_chk_f16_1, values_chk_f16_2, values_chk_f16_3, values_chk_f16_4},
-     {values_chk_bf16_1, values_chk_bf16_2, values_chk_bf16_3, values_chk_bf16_4}}};
+     {values_chk_bf16_1, values_chk_bf16_2, values_chk_bf16_3, values_chk_bf16_4},
+     {values_chk_q8_1, values_chk_q8_2, values_chk_q8_3, values_chk_q8_4},
+     {values_chk_fp8_1, values_chk_fp8_2, values_chk_fp8_3, values_chk_fp8_4}}};
 
 /* ---- Pass 2: score pipeline, mask, max, exp, sum --------------------------------------------- */
 
@@ -540,13 +575,20 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                            float *m,
                            float *l,
                            float *scratch) {
+    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        p = mha__kv_fp8_problem(p, u->g, &fp8p);
     const struct mha_kv_cache *c = p->cache;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
     const int64_t seq = p->seq[u->s], L = c->len[seq];
     const int64_t dvp = (dv + 7) & ~(int64_t)7;
-    const int dti = DT == MHA_DTYPE_F16 ? 1 : DT == MHA_DTYPE_BF16 ? 2 : 0;
+    const int dti = DT == MHA_DTYPE_F16        ? 1
+                    : DT == MHA_DTYPE_BF16     ? 2
+                    : DT == MHA_DTYPE_Q8_0     ? 3
+                    : DT == MHA_DTYPE_FP8_E4M3 ? 4
+                                               : 0;
     float *S = scratch, *W = S + R * MHA_DEC_BLOCK;
-    const size_t rb = (size_t)dk * c->elem, rbv = (size_t)dv * c->elem;
+    const size_t rb = c->k_row_bytes, rbv = c->v_row_bytes;
     const int l2 = p->prefetch_l2;
     const int64_t KB = DEC_KB(DT);
 
@@ -644,6 +686,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     /* The unit's o, bfloat16's 16-column groups back in natural order. */
     for (int64_t r = 0; r < R; r++)
         store_o_row(DT, W + r * dvp, dv, o + r * dv);
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        mha__kv_fp8_scale_o(c, u->g, o, R, dv);
 }
 
 void mha_decode_f32acc_splitkv__avx2(const mha__dec_problem *p,
@@ -658,6 +702,12 @@ void mha_decode_f32acc_splitkv__avx2(const mha__dec_problem *p,
         break;
     case MHA_DTYPE_BF16:
         dec_kernel(MHA_DTYPE_BF16, p, u, o, m, l, scratch);
+        break;
+    case MHA_DTYPE_Q8_0:
+        dec_kernel(MHA_DTYPE_Q8_0, p, u, o, m, l, scratch);
+        break;
+    case MHA_DTYPE_FP8_E4M3:
+        dec_kernel(MHA_DTYPE_FP8_E4M3, p, u, o, m, l, scratch);
         break;
     default:
         dec_kernel(MHA_DTYPE_F32, p, u, o, m, l, scratch);

@@ -31,6 +31,11 @@
  * one). */
 MHA_INLINE v16
 load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mmask16 k) {
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        return v16_fp8_widen(FULL ? _mm_loadu_si128((const __m128i *)((const char *)row + d))
+                                  : _mm_maskz_loadu_epi8(k, (const char *)row + d));
+    if (DT == MHA_DTYPE_Q8_0) /* rows are whole blocks: a vector is all in or all out */
+        return FULL || k ? v16_q8_widen(row, d, v16_q8_scale(row, d)) : v16_zero();
     if (DT == MHA_DTYPE_F32)
         return FULL ? _mm512_loadu_ps((const float *)row + d)
                     : _mm512_maskz_loadu_ps(k, (const float *)row + d);
@@ -262,8 +267,15 @@ MHA_INLINE void scores_contig(const int NR,
                               int64_t dk,
                               float *S,
                               int l2) {
-    const int E = DT == MHA_DTYPE_F32 ? 4 : 2;       /* lines per 16 elements of 4 rows */
-    const int STEP = DT == MHA_DTYPE_BF16 ? 32 : 16; /* elements per load of a row */
+    /* elements per step of a row (bfloat16: one load; q8_0: one block, its scale loaded once),
+     * and the lines prefetched / bytes advanced per step (4 rows of STEP elements; q8_0's
+     * 136 bytes take 3 lines so that the steps' lines cover the stream) */
+    const int STEP = DT == MHA_DTYPE_BF16 || DT == MHA_DTYPE_Q8_0 ? 32 : 16;
+    const int PL = DT == MHA_DTYPE_Q8_0       ? 3
+                   : DT == MHA_DTYPE_BF16     ? 4
+                   : DT == MHA_DTYPE_FP8_E4M3 ? 1
+                                              : 2;
+    const int PB = DT == MHA_DTYPE_Q8_0 ? 4 * MHA__Q8_BYTES : 64 * PL;
     for (int64_t y0 = 0; y0 < nb; y0 += 4) {
         const int64_t nk = nb - y0 < 4 ? nb - y0 : 4;
         /* rows past the unit repeat its first row of the group (their scores are not stored) */
@@ -298,14 +310,24 @@ MHA_INLINE void scores_contig(const int NR,
             continue;
         }
         const float *q = qil;
-        for (int64_t d = 0; d < dk; d += STEP, q += STEP * NR, pf += 4 * STEP * E) {
+        for (int64_t d = 0; d < dk; d += STEP, q += STEP * NR, pf += PB) {
 #pragma GCC unroll 8
-            for (int e = 0; e < STEP / 16 * E; e++)
+            for (int e = 0; e < PL; e++)
                 prefetch_line(pf + 64 * e, l2);
+            v16 s0 = v16_zero(), s1 = s0, s2 = s0, s3 = s0; /* q8_0: the 4 rows' block scales */
+            if (DT == MHA_DTYPE_Q8_0) {
+                s0 = v16_q8_scale(k0, d), s1 = v16_q8_scale(k1, d);
+                s2 = v16_q8_scale(k2, d), s3 = v16_q8_scale(k3, d);
+            }
 #pragma GCC unroll 2
             for (int half = 0; half < STEP / 16; half++) {
                 v16 c0, c1, c2, c3;
-                if (DT == MHA_DTYPE_BF16) {
+                if (DT == MHA_DTYPE_Q8_0) {
+                    c0 = v16_q8_widen(k0, d + 16 * half, s0),
+                    c1 = v16_q8_widen(k1, d + 16 * half, s1);
+                    c2 = v16_q8_widen(k2, d + 16 * half, s2),
+                    c3 = v16_q8_widen(k3, d + 16 * half, s3);
+                } else if (DT == MHA_DTYPE_BF16) {
                     c0 = bf16_half(k0, d, half), c1 = bf16_half(k1, d, half);
                     c2 = bf16_half(k2, d, half), c3 = bf16_half(k3, d, half);
                 } else {
@@ -349,12 +371,20 @@ MHA_INLINE void axpy_contig(const int NR,
             acc[x][c] = _mm512_loadu_ps(o + x * dv + 16 * c);
     for (int64_t y = 0; y < nkb; y++, row += rbv) {
 #pragma GCC unroll 4
-        for (int l = 0; l < E; l++)
-            prefetch_line(pf[y] + c0 * E + 64 * l, l2);
+        for (int l = 0; l < E; l++) /* q8_0: columns [c0, c0 + 64) are 2 blocks, 68 bytes */
+            prefetch_line(
+                pf[y] + (DT == MHA_DTYPE_Q8_0 ? c0 / 32 * MHA__Q8_BYTES : c0 * E) + 64 * l, l2);
         v16 v[4];
-        for (int c = 0; c < 4; c++)
-            v[c] = DT == MHA_DTYPE_BF16 ? bf16_half(row, c0 + 32 * (c >> 1), c & 1)
-                                        : load_row16(DT, 1, row, c0 + 16 * c, 0xFFFF);
+        if (DT == MHA_DTYPE_Q8_0) /* one scale per two vectors */
+            for (int c = 0; c < 4; c += 2) {
+                const v16 s = v16_q8_scale(row, c0 + 16 * c);
+                v[c] = v16_q8_widen(row, c0 + 16 * c, s);
+                v[c + 1] = v16_q8_widen(row, c0 + 16 * c + 16, s);
+            }
+        else
+            for (int c = 0; c < 4; c++)
+                v[c] = DT == MHA_DTYPE_BF16 ? bf16_half(row, c0 + 32 * (c >> 1), c & 1)
+                                            : load_row16(DT, 1, row, c0 + 16 * c, 0xFFFF);
         add_value_row(NR, CHECK, seen, y, e, v, acc);
     }
 #pragma GCC unroll 4
@@ -378,7 +408,8 @@ MHA_INLINE void values_contig(const int NR,
                               float *o,
                               int64_t dv,
                               int l2) {
-    const int E = DT == MHA_DTYPE_F32 ? 4 : 2; /* lines per 64 columns of a row */
+    /* lines per 64 columns of a row (q8_0: 68 bytes) */
+    const int E = DT == MHA_DTYPE_F32 ? 4 : DT == MHA_DTYPE_FP8_E4M3 ? 1 : 2;
     for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
         const int64_t nkb = block_len(nb, jb);
         const __mmask16 in = v16_first((int)nkb);
@@ -444,18 +475,24 @@ typedef void (*values_contig_fn)(
 CONTIG_DTYPE_(f32_, MHA_DTYPE_F32)
 CONTIG_DTYPE_(f16_, MHA_DTYPE_F16)
 CONTIG_DTYPE_(bf16_, MHA_DTYPE_BF16)
+CONTIG_DTYPE_(q8_, MHA_DTYPE_Q8_0)
+CONTIG_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3)
 #undef CONTIG_DTYPE_
 #undef CONTIG_FNS_
 
-/* [dtype: f32, f16, bf16][rows - 1] */
-static const scores_contig_fn scores_contig_table[3][4] = {
+/* [dtype: f32, f16, bf16, q8_0, fp8_e4m3][rows - 1] */
+static const scores_contig_fn scores_contig_table[5][4] = {
     {scores_f32_1, scores_f32_2, scores_f32_3, scores_f32_4},
     {scores_f16_1, scores_f16_2, scores_f16_3, scores_f16_4},
-    {scores_bf16_1, scores_bf16_2, scores_bf16_3, scores_bf16_4}};
-static const values_contig_fn values_contig_table[3][4] = {
+    {scores_bf16_1, scores_bf16_2, scores_bf16_3, scores_bf16_4},
+    {scores_q8_1, scores_q8_2, scores_q8_3, scores_q8_4},
+    {scores_fp8_1, scores_fp8_2, scores_fp8_3, scores_fp8_4}};
+static const values_contig_fn values_contig_table[5][4] = {
     {values_f32_1, values_f32_2, values_f32_3, values_f32_4},
     {values_f16_1, values_f16_2, values_f16_3, values_f16_4},
-    {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4}};
+    {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4},
+    {values_q8_1, values_q8_2, values_q8_3, values_q8_4},
+    {values_fp8_1, values_fp8_2, values_fp8_3, values_fp8_4}};
 
 /* The kernel for cache dtype DT (a constant after inlining). */
 MHA_INLINE void dec_kernel(const mha_dtype DT,
@@ -465,6 +502,9 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                            float *m,
                            float *l,
                            float *scratch) {
+    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        p = mha__kv_fp8_problem(p, u->g, &fp8p);
     const struct mha_kv_cache *c = p->cache;
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
     const int64_t seq = p->seq[u->s], L = c->len[seq];
@@ -475,16 +515,16 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     const __mmask16 ktail = v16_first((int)(dk - (dkp - 16))),
                     vtail = v16_first((int)(dv - (dvp - 16)));
     const int64_t pair = seq * c->cfg.num_kv_heads + u->g, slot_j0 = u->j0 % c->slots;
-    const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots * dk) * c->elem,
-                           (size_t)dk * c->elem, c->slots, p->prefetch_l2};
-    const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots * dv) * c->elem,
-                           (size_t)dv * c->elem, c->slots, p->prefetch_l2};
+    const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots) * c->k_row_bytes,
+                           c->k_row_bytes, c->slots, p->prefetch_l2};
+    const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots) * c->v_row_bytes,
+                           c->v_row_bytes, c->slots, p->prefetch_l2};
     /* Slot of key j0 + jj (jj < nb <= slots). */
 #define SLOT_(jj) (slot_j0 + (jj) >= c->slots ? slot_j0 + (jj)-c->slots : slot_j0 + (jj))
 
     /* The contiguous path (see above) applies? */
-    const int contig = dk % (DT == MHA_DTYPE_BF16 ? 32 : 16) == 0 && dv % 64 == 0 && R <= 4 &&
-                       slot_j0 + nb <= c->slots;
+    const int contig = dk % (DT == MHA_DTYPE_BF16 || DT == MHA_DTYPE_Q8_0 ? 32 : 16) == 0 &&
+                       dv % 64 == 0 && R <= 4 && slot_j0 + nb <= c->slots;
     /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
      * token i (no division in the loops below); row-major [R][dkp], or chunk-major for the
      * contiguous path. */
@@ -506,7 +546,11 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
             }
     }
-    const int dti = DT == MHA_DTYPE_F16 ? 1 : DT == MHA_DTYPE_BF16 ? 2 : 0;
+    const int dti = DT == MHA_DTYPE_F16        ? 1
+                    : DT == MHA_DTYPE_BF16     ? 2
+                    : DT == MHA_DTYPE_Q8_0     ? 3
+                    : DT == MHA_DTYPE_FP8_E4M3 ? 4
+                                               : 0;
     const char *krow = ks.base + (size_t)slot_j0 * ks.row_bytes,
                *vrow = vs.base + (size_t)slot_j0 * vs.row_bytes;
 
@@ -613,6 +657,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                                 : NULL;
         values_contig_table[dti][R - 1](vrow, vs.row_bytes, knext, ks.row_bytes, nb, S, o, dv,
                                         p->prefetch_l2);
+        if (DT == MHA_DTYPE_FP8_E4M3)
+            mha__kv_fp8_scale_o(c, u->g, o, R, dv);
         return;
     }
     const int vfull = dv % 64 == 0;
@@ -655,6 +701,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
             }
         }
     }
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        mha__kv_fp8_scale_o(c, u->g, o, R, dv);
 #undef SLOT_
 }
 
@@ -670,6 +718,12 @@ void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
         break;
     case MHA_DTYPE_BF16:
         dec_kernel(MHA_DTYPE_BF16, p, u, o, m, l, scratch);
+        break;
+    case MHA_DTYPE_Q8_0:
+        dec_kernel(MHA_DTYPE_Q8_0, p, u, o, m, l, scratch);
+        break;
+    case MHA_DTYPE_FP8_E4M3:
+        dec_kernel(MHA_DTYPE_FP8_E4M3, p, u, o, m, l, scratch);
         break;
     default:
         dec_kernel(MHA_DTYPE_F32, p, u, o, m, l, scratch);

@@ -10,7 +10,10 @@
 #ifndef MHA_SIMD_AVX2_H
 #define MHA_SIMD_AVX2_H
 
+#include "base/internal.h"
+
 #include <immintrin.h>
+#include <string.h>
 
 #define MHA_INLINE static inline __attribute__((always_inline))
 
@@ -223,6 +226,49 @@ v8i_philox_word0(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint32_t k0, ui
     __m256i hi1, lo1;
     v8i_mul_hilo(c2, m1, &hi1, &lo1);
     return _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32((int)k0));
+}
+
+/* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
+ * float16 scale, then 32 int8), byte 2 + d % 32. v8_q8_scale broadcasts the scale s of the block
+ * holding element d; v8_q8_widen widens the 8 values [d, d + 8) (d % 8 == 0) with it, exactly, as
+ * v16_q8_widen (simd_avx512.h): VPMOVSXBD, VPADDD of the bits of C = 1.5 * 2^23, one FMA
+ * (C + q) s - C s = q s (no rounding: q s and C s fit a float32). */
+MHA_INLINE v8 v8_q8_scale(const void *row, int64_t d) {
+    uint16_t h;
+    memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
+    return _mm256_set1_ps(_cvtsh_ss(h));
+}
+MHA_INLINE v8 v8_q8_widen(const void *row, int64_t d, v8 s) {
+    const char *q = (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31);
+    const __m256i x = _mm256_add_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)),
+                                       _mm256_set1_epi32(0x4B400000));
+    return _mm256_fmsub_ps(_mm256_castsi256_ps(x), s,
+                           _mm256_mul_ps(s, _mm256_set1_ps(12582912.0f)));
+}
+
+/* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): e4m3 bytes as float32 values times 2^-8, as
+ * v16_fp8_widen (simd_avx512.h). In 16-bit lanes, a = (sign-extended b) << 7 holds b's 7 low bits
+ * at 13..7 and its sign at 15: h = a & 0xBF80 is the float16 S.0EEEE.MMM0000000; a NaN byte
+ * (S.1111.111, a & 0x3F80 == 0x3F80) gets bit 14 too, the float16 NaN 0x7F80 (integer ops on
+ * 16 values at once; a float compare + VBLENDVPS per 8 values ran the Zen 5 host's L = 32768
+ * fp8 step in 9.7-20 ms, this in 8.6-9.0 ms, 1 thread). */
+MHA_INLINE __m256i fp8_to_half16(__m256i w) {
+    const __m256i a = _mm256_slli_epi16(w, 7), e = _mm256_set1_epi16(0x3F80);
+    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(a, e), e);
+    return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi16((short)0xBF80)),
+                           _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));
+}
+/* the 8 bytes at p */
+MHA_INLINE v8 v8_fp8_widen(const void *p) {
+    const __m256i w =
+        _mm256_castsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(fp8_to_half16(w)));
+}
+/* the 16 bytes at p: *a = values 0..7, *b = 8..15 */
+MHA_INLINE void v8_fp8_widen16(const void *p, v8 *a, v8 *b) {
+    const __m256i h = fp8_to_half16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)));
+    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
 #endif /* MHA_SIMD_AVX2_H */
