@@ -1573,13 +1573,17 @@ class KVCache:
 
     def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
                  dtype: str = "float32", window: int = 0, max_step_tokens: int = 0,
-                 chunk_size: int = 0):
+                 chunk_size: int = 0, block_size: int = 0, num_blocks: int = 0):
+        """block_size > 0 makes the cache paged (docs/INFERENCE.md "Paged cache"): blocks of
+        block_size positions from a pool of num_blocks (0 = enough for every sequence at
+        max_seq), shared by ``fork``/``share_prefix`` and copied on write."""
         if dtype not in self._DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(self._DTYPES)}, got {dtype!r}")
         c = L.mha_kv_cache_config()
         c.max_seq, c.batch, c.dtype = int(max_seq), int(batch), self._DTYPES[dtype]
         c.window, c.max_step_tokens = int(window), int(max_step_tokens)
         c.chunk_size = _chunk_size(chunk_size)
+        c.block_size, c.num_blocks = int(block_size), int(num_blocks)
         ptr = ctypes.c_void_p()
         M.call(L.mha_kv_cache_create, c, layer._ptr, None, ptr)
         self._layer = layer
@@ -1597,6 +1601,18 @@ class KVCache:
 
     def truncate(self, seq: int, new_len: int) -> None:
         M.call(L.mha_kv_cache_truncate, self._handle.ptr, seq, new_len)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Sequence dst becomes a copy of src (a paged cache shares src's blocks)."""
+        M.call(L.mha_kv_cache_copy, self._handle.ptr, src, dst)
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Sequence dst becomes src's first ``length`` positions (shared blocks when paged)."""
+        M.call(L.mha_kv_cache_share_prefix, self._handle.ptr, src, dst, length)
+
+    def free_blocks(self) -> int:
+        """Free blocks of a paged cache's pool (0 for a contiguous cache)."""
+        return int(L.mha_kv_cache_free_blocks(self._handle.ptr))
 
     def _run(self, fn, x, seq_ids, impl, threads) -> np.ndarray:
         c = self._layer.config
