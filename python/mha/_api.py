@@ -1546,14 +1546,16 @@ class MultiheadAttention:
     # -- decoding --------------------------------------------------------------------------------
     def kv_cache(self, max_seq: int, batch: int = 1, *, dtype: str = "float32",
                  window: int = 0, max_step_tokens: int = 0,
-                 chunk_size: Optional[int] = None) -> "KVCache":
+                 chunk_size: Optional[int] = None, block_size: int = 0,
+                 num_blocks: int = 0) -> "KVCache":
         """A KV cache for this layer (mha_kv_cache_create): ``batch`` sequences of up to
         ``max_seq`` positions, stored as 'float32', 'float16' or 'bfloat16'. ``chunk_size=C``:
         chunked attention (a token at p sees the keys C (p // C) .. p; the cache is a ring);
-        None takes the layer's default."""
+        None takes the layer's default. ``block_size=B``: a paged cache (KVCache)."""
         return KVCache(self, max_seq, batch, dtype=dtype, window=window,
                        max_step_tokens=max_step_tokens,
-                       chunk_size=self._chunk_size if chunk_size is None else chunk_size)
+                       chunk_size=self._chunk_size if chunk_size is None else chunk_size,
+                       block_size=block_size, num_blocks=num_blocks)
 
     def __repr__(self) -> str:
         c = self.config
