@@ -335,7 +335,7 @@ static void test_concurrent(void) {
     append_all(&c, 1, &sh, &r, 2, 9);
     const int64_t nq = 3 * sh.h * sh.dk, no = 3 * sh.h * sh.dv;
     float *q = malloc(sizeof(float) * (size_t)nq), *want = malloc(sizeof(float) * (size_t)no);
-    float *outs = malloc(sizeof(float) * (size_t)(4 * no));
+    float *outs = calloc((size_t)(4 * no), sizeof(float));
     test_fill_normal(&r, q, nq, 1.0f);
     attend(c, &sh, 3, 1, q, want, NULL, 1);
     pthread_t th[4];
