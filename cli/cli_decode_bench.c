@@ -7,7 +7,9 @@
  * its effective bandwidth (bytes of K and V read per second), and the whole layer step
  * (projections + RoPE + attention + output projection) as tokens/s. --stream measures this
  * machine's memory read bandwidth in the same run (a read loop over a buffer much larger than the
- * last-level cache); --naive times a plain single-threaded loop over the same cache.
+ * last-level cache); --naive times a plain single-threaded loop over the same cache. --paged BS
+ * also fills a paged cache (blocks of BS positions, taken from the pool in a shuffled order) with
+ * the same K/V and times its attention interleaved with the contiguous cache's, step by step.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #define _DEFAULT_SOURCE         /* madvise */
@@ -57,6 +59,7 @@ enum {
     B_STREAM_MB,
     B_JSON,
     B_WEIGHT_DTYPE,
+    B_PAGED,
     B_COUNT
 };
 
@@ -77,6 +80,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_STREAM_MB] = {"--stream", CLI_OPT_VALUE},
     [B_JSON] = {"--json", CLI_OPT_FLAG},
     [B_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
+    [B_PAGED] = {"--paged", CLI_OPT_VALUE},
 };
 
 static void bench_usage(void) {
@@ -105,6 +109,9 @@ static void bench_usage(void) {
         "  --weight-dtype T    the layer's weights: f32, f16, bf16 or q8_0 (the projections in\n"
         "                      q8_0 blocks, quantised by mha_q8_0_quantize) (default: f32); the\n"
         "                      layer step then reports the weights' bytes per second\n"
+        "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
+        "                      same K/V, its blocks taken in a shuffled order; its attention is\n"
+        "                      timed interleaved with the contiguous one's (paged/contiguous)\n"
         "\n"
         "Example:\n"
         "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 \\\n"
@@ -279,6 +286,7 @@ naive_step(const mha_kv_cache *c, int64_t B, int64_t H, const float *q, float *o
 typedef struct bench_opts {
     int64_t H, G, D, Q, L, B, N,
         stream_mb; /* heads, kv heads, head dim, q_dim, cache, batch, steps */
+    int64_t paged; /* --paged block size, 0 = none */
     int threads;
     mha_dtype dt, wdt;
     const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
@@ -289,6 +297,9 @@ typedef struct bench_opts {
 typedef struct bench_run {
     mha_layer *layer; /* NULL with --attention-only */
     mha_kv_cache *cache;
+    mha_kv_cache *paged; /* --paged: the same K/V in blocks */
+    double *ptimes;      /* --paged: its attention times */
+    double paged_med, paged_min;
     mha_exec ex;
     mha_error err;
     uint64_t rng;
@@ -325,7 +336,8 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
                 {B_BATCH, &b->B, 1, 4096},
                 {B_STEPS, &b->N, 1, 1 << 20},
                 {B_THREADS, &T, 0, 4096},
-                {B_STREAM_MB, &b->stream_mb, 1, 1 << 20}};
+                {B_STREAM_MB, &b->stream_mb, 1, 1 << 20},
+                {B_PAGED, &b->paged, 16, 256}};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
         if (args->given[ints[i].id] &&
             (rc = cli_parse_i64(bench_flags[ints[i].id].name, args->value[ints[i].id], ints[i].lo,
@@ -394,6 +406,47 @@ static uint16_t round_half(float f, int bf16) {
     return (uint16_t)(sign | (v >> 13));
 }
 
+/* --paged: a cache of the same sizes in blocks of b->paged positions, whose pool hands its
+ * blocks out in a shuffled order (so consecutive blocks of a sequence are not neighbours in
+ * memory): scratch sequences B .. B+n-1 take one block each, then release them in a random
+ * order; the pool gives them back last released first. */
+static int bench_paged_cache(const bench_opts *b, const mha_kv_cache_config *kc, bench_run *r) {
+    const int64_t nbs = (kc->max_seq + b->paged - 1) / b->paged, n = b->B * nbs;
+    mha_kv_cache_config pc = *kc;
+    pc.batch = b->B + n;
+    pc.block_size = b->paged;
+    pc.num_blocks = n;
+    if (mha_kv_cache_create(&pc, r->layer, NULL, &r->paged, &r->err) != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &r->err);
+    float *kv = calloc((size_t)(2 * b->G * b->D), sizeof(float));
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)n);
+    r->ptimes = malloc(sizeof(double) * (size_t)b->N);
+    if (!kv || !order || !r->ptimes) {
+        free(kv);
+        free(order);
+        return cli_fail("out of memory");
+    }
+    mha_status st = MHA_STATUS_OK;
+    for (int64_t i = 0; i < n && !st; i++) {
+        const int64_t seq = b->B + i;
+        order[i] = seq;
+        st = mha_kv_cache_append(r->paged, 1, &seq, 1, kv, kv + b->G * b->D, &r->err);
+    }
+    for (int64_t i = n - 1; i > 0; i--) { /* Fisher-Yates */
+        r->rng ^= r->rng << 13;
+        r->rng ^= r->rng >> 7;
+        r->rng ^= r->rng << 17;
+        const int64_t j = (int64_t)(r->rng % (uint64_t)(i + 1)), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    for (int64_t i = 0; i < n && !st; i++)
+        st = mha_kv_cache_reset(r->paged, order[i], &r->err);
+    free(kv);
+    free(order);
+    return st ? cli_lib_fail(NULL, &r->err) : CLI_OK;
+}
+
 /* The layer with random weights (scaled like a trained one: unit-variance activations), unless
  * --attention-only; the cache; the thread pool; the buffers. */
 static int bench_setup(const bench_opts *b, bench_run *r) {
@@ -458,6 +511,8 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
     kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N, kc.batch = B, kc.dtype = b->dt;
     if (mha_kv_cache_create(&kc, r->layer, NULL, &r->cache, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
+    if (b->paged && bench_paged_cache(b, &kc, r) != CLI_OK)
+        return CLI_FAIL;
     r->ex.n_threads = b->threads;
     if (mha_threadpool_create(b->threads, NULL, &r->ex.pool, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
@@ -492,6 +547,9 @@ static int bench_prefill(const bench_opts *b, bench_run *r) {
             for (int64_t seq = 0; seq < B && !st; seq++) {
                 fill(&r->rng, r->kv, 2 * tc * G * D, 1.0f);
                 st = mha_kv_cache_append(r->cache, 1, &seq, tc, r->kv, r->kv + tc * G * D, &r->err);
+                if (!st && r->paged)
+                    st = mha_kv_cache_append(r->paged, 1, &seq, tc, r->kv, r->kv + tc * G * D,
+                                             &r->err);
             }
         }
         if (st != MHA_STATUS_OK)
@@ -513,12 +571,18 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
     for (int64_t s = 0; s < N; s++) {
         fill(&r->rng, r->kv, 2 * G * D, 1.0f);
         mha_status st = MHA_STATUS_OK;
-        for (int64_t seq = 0; seq < B && !st; seq++)
+        for (int64_t seq = 0; seq < B && !st; seq++) {
             st = mha_kv_cache_append(r->cache, 1, &seq, 1, r->kv, r->kv + G * D, &r->err);
-        const double ts = now_s();
-        if (!st)
-            st = mha_kv_cache_attention(r->cache, &ka, &r->ex, &r->err);
-        r->times[s] = now_s() - ts;
+            if (!st && r->paged)
+                st = mha_kv_cache_append(r->paged, 1, &seq, 1, r->kv, r->kv + G * D, &r->err);
+        }
+        /* --paged: both caches each step, which first alternating */
+        for (int k = 0; k < (r->paged ? 2 : 1) && !st; k++) {
+            const int pg = r->paged && (k ^ (int)(s & 1));
+            const double ts = now_s();
+            st = mha_kv_cache_attention(pg ? r->paged : r->cache, &ka, &r->ex, &r->err);
+            (pg ? r->ptimes : r->times)[s] = now_s() - ts;
+        }
         if (st != MHA_STATUS_OK)
             return cli_lib_fail(NULL, &r->err);
         /* bytes per value: the element size, or 34 / 32 for q8_0 blocks */
@@ -528,6 +592,10 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
     r->kv_bytes = kv_bytes / (double)N;
     qsort(r->times, (size_t)N, sizeof(double), cmp_d);
     r->attn_med = r->times[N / 2], r->attn_min = r->times[0];
+    if (r->paged) {
+        qsort(r->ptimes, (size_t)N, sizeof(double), cmp_d);
+        r->paged_med = r->ptimes[N / 2], r->paged_min = r->ptimes[0];
+    }
     return CLI_OK;
 }
 
@@ -561,13 +629,15 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"attn_tokens_per_s\": %.6g, \"layer_median_s\": %.6g, "
                "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g, "
                "\"weight_dtype\": \"%s\", \"weight_bytes\": %.6g, \"layer_min_s\": %.6g, "
-               "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g}\n",
+               "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g, \"paged_block\": %lld, "
+               "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g}\n",
                decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
                r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream, b->wdtn,
                r->weight_bytes, r->layer_min,
-               r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0, r->stream_pf);
+               r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0, r->stream_pf,
+               (long long)b->paged, r->paged_med, r->paged_min);
         return;
     }
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
@@ -580,6 +650,11 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
     printf("  attention step: median %.3f ms, min %.3f ms, %.0f tokens/s, K+V read %.1f MB "
            "-> %.1f GB/s\n",
            r->attn_med * 1e3, r->attn_min * 1e3, B / r->attn_med, r->kv_bytes * 1e-6, gbs);
+    if (r->paged)
+        printf("  paged (blocks of %lld, shuffled), interleaved: median %.3f ms, min %.3f ms, "
+               "%.1f GB/s; paged / contiguous %.3f (medians)\n",
+               (long long)b->paged, r->paged_med * 1e3, r->paged_min * 1e3,
+               r->kv_bytes / r->paged_med * 1e-9, r->paged_med / r->attn_med);
     if (r->naive_s > 0.0)
         printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", r->naive_s * 1e3,
                r->naive_s / r->attn_med);
@@ -606,7 +681,9 @@ static void bench_free(bench_run *r) {
     free(r->o);
     free(r->scores);
     free(r->times);
+    free(r->ptimes);
     mha_kv_cache_destroy(r->cache);
+    mha_kv_cache_destroy(r->paged);
     mha_layer_destroy(r->layer);
     free(r->wbuf);
     free(r->whalf);

@@ -995,6 +995,13 @@ typedef struct mha_kv_cache_config {
     int64_t chunk_size; /* 0 = none. C > 0: chunked attention (Llama 4), a token at p attends to
                            the keys C floor(p / C) .. p only (mha_masking.chunk_size); storage is
                            then a ring like a window-C cache's (ANDed with window if both) */
+    int64_t block_size; /* 0 = contiguous storage (one block of `slots` rows per sequence, as
+                           before pages). B in [16, 65536]: PAGED, storage in blocks of B slots
+                           from a pool, a block table per sequence, blocks shared by
+                           mha_kv_cache_copy / _share_prefix and copied on write
+                           (docs/INFERENCE.md "Paged cache") */
+    int64_t num_blocks; /* paged: blocks in the pool; 0 = batch x ceil(slots / B) (every sequence
+                           at full length). Must be 0 for a contiguous cache. */
 } mha_kv_cache_config;
 
 typedef struct mha_kv_cache mha_kv_cache;
@@ -1002,7 +1009,8 @@ typedef struct mha_kv_cache mha_kv_cache;
 /** Creates an empty cache (every sequence has length 0). With `layer` != NULL the head sizes
  *  default to the layer's and nonzero ones must match it. Storage: K [batch, g, slots, d_k] and
  *  V [batch, g, slots, d_v] of `dtype`, 64-byte aligned, allocated once here (no allocation on
- *  append). *out is NULL on error.
+ *  append); paged (block_size > 0): the pool K [num_blocks, g, block_size, d_k], V likewise.
+ *  *out is NULL on error.
  *  @return MHA_STATUS_OK; INVALID_ARG, OVERFLOW or NO_MEMORY with a message. */
 MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                                        const mha_layer *layer,
@@ -1017,18 +1025,23 @@ MHA_API const mha_kv_cache_config *mha_kv_cache_get_config(const mha_kv_cache *c
 MHA_API int64_t mha_kv_cache_slots(const mha_kv_cache *cache);
 /** Current length (positions appended so far) of sequence `seq`, or -1 for a bad cache or id. */
 MHA_API int64_t mha_kv_cache_length(const mha_kv_cache *cache, int64_t seq);
-/** Empties sequence `seq` (length 0). Storage is not cleared. */
+/** Empties sequence `seq` (length 0). Storage is not cleared; a paged cache releases the
+ *  sequence's blocks (a block returns to the pool when no sequence references it). */
 MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_error *err);
 /** Rolls sequence `seq` back to new_len <= its length (drop rejected speculative tokens). A
  *  window cache's ring keeps max_step_tokens - 1 positions of slack beyond the window, so it can
  *  roll back at most max_step_tokens positions from the furthest length it reached
- *  (INVALID_ARG beyond, nothing changed). */
+ *  (INVALID_ARG beyond, nothing changed). A paged cache releases the blocks that hold no
+ *  position below new_len (none of a ring that has wrapped). */
 MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache,
                                          int64_t seq,
                                          int64_t new_len,
                                          mha_error *err);
 /** Makes sequence dst a copy of sequence src (length and contents): forks a shared prefix.
- *  src == dst is a no-op. */
+ *  src == dst is a no-op. A paged cache copies no rows: dst releases its blocks and references
+ *  src's (reference counts + 1); the first later write into a shared block (an append to the
+ *  partial last block, a ring wrapping) copies that block first, so neither sequence sees the
+ *  other's appends. Needs no free block. */
 MHA_API mha_status mha_kv_cache_copy(mha_kv_cache *cache,
                                      int64_t src_seq,
                                      int64_t dst_seq,
@@ -1043,6 +1056,14 @@ MHA_API mha_status mha_kv_cache_set_fp8_scales(mha_kv_cache *cache,
                                                const float *k_scales,
                                                const float *v_scales,
                                                mha_error *err);
+/** Makes dst share src's first `len` positions (fork, then truncate dst to len; src unchanged):
+ *  a prompt prefix shared between requests. len in [0, length of src] and, for a ring, within
+ *  its truncate limit (mha_kv_cache_truncate); src == dst truncates. */
+MHA_API mha_status mha_kv_cache_share_prefix(
+    mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, int64_t len, mha_error *err);
+/** Paged cache: blocks of the pool no sequence references (an append of t tokens to a sequence
+ *  needs at most ceil(t / block_size) + 1 of them). 0 for a contiguous cache, -1 for NULL. */
+MHA_API int64_t mha_kv_cache_free_blocks(const mha_kv_cache *cache);
 
 /** Reads position pos of sequence seq as float32: k [g, d_k], v [g, d_v] (either may be NULL).
  *  INVALID_ARG when pos is not stored (>= length, or dropped from a window ring). */
@@ -1053,7 +1074,8 @@ MHA_API mha_status mha_kv_cache_read(
  *  each listed sequence, k [num_seqs, t, g, d_k], v [num_seqs, t, g, d_v] (float32, rounded to
  *  the storage dtype, nearest-even). seq_ids: [num_seqs] distinct ids, NULL = 0 .. num_seqs-1.
  *  Fails with nothing appended if any sequence would exceed max_seq (or t > max_step_tokens in a
- *  window cache). */
+ *  window cache), or (NO_MEMORY) when a paged cache's pool has fewer free blocks than the append
+ *  needs (new blocks and copies of shared ones, counted over all listed sequences). */
 MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache,
                                        int64_t num_seqs,
                                        const int64_t *seq_ids,

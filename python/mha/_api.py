@@ -1584,15 +1584,17 @@ class MultiheadAttention:
     # -- decoding --------------------------------------------------------------------------------
     def kv_cache(self, max_seq: int, batch: int = 1, *, dtype: str = "float32",
                  window: int = 0, max_step_tokens: int = 0,
-                 chunk_size: Optional[int] = None) -> "KVCache":
+                 chunk_size: Optional[int] = None, block_size: int = 0,
+                 num_blocks: int = 0) -> "KVCache":
         """A KV cache for this layer (mha_kv_cache_create): ``batch`` sequences of up to
         ``max_seq`` positions, stored as 'float32', 'float16', 'bfloat16', 'q8_0' or 'fp8_e4m3'
         (KVCache.set_fp8_scales). ``chunk_size=C``:
         chunked attention (a token at p sees the keys C (p // C) .. p; the cache is a ring);
-        None takes the layer's default."""
+        None takes the layer's default. ``block_size=B``: a paged cache (KVCache)."""
         return KVCache(self, max_seq, batch, dtype=dtype, window=window,
                        max_step_tokens=max_step_tokens,
-                       chunk_size=self._chunk_size if chunk_size is None else chunk_size)
+                       chunk_size=self._chunk_size if chunk_size is None else chunk_size,
+                       block_size=block_size, num_blocks=num_blocks)
 
     def __repr__(self) -> str:
         c = self.config
@@ -1617,13 +1619,17 @@ class KVCache:
 
     def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
                  dtype: str = "float32", window: int = 0, max_step_tokens: int = 0,
-                 chunk_size: int = 0):
+                 chunk_size: int = 0, block_size: int = 0, num_blocks: int = 0):
+        """block_size > 0 makes the cache paged (docs/INFERENCE.md "Paged cache"): blocks of
+        block_size positions from a pool of num_blocks (0 = enough for every sequence at
+        max_seq), shared by ``fork``/``share_prefix`` and copied on write."""
         if dtype not in self._DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(self._DTYPES)}, got {dtype!r}")
         c = L.mha_kv_cache_config()
         c.max_seq, c.batch, c.dtype = int(max_seq), int(batch), self._DTYPES[dtype]
         c.window, c.max_step_tokens = int(window), int(max_step_tokens)
         c.chunk_size = _chunk_size(chunk_size)
+        c.block_size, c.num_blocks = int(block_size), int(num_blocks)
         ptr = ctypes.c_void_p()
         M.call(L.mha_kv_cache_create, c, layer._ptr, None, ptr)
         self._layer = layer
@@ -1659,6 +1665,17 @@ class KVCache:
         ptrs = [None if a is None else a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
                 for a in arrs]
         M.call(L.mha_kv_cache_set_fp8_scales, self._handle.ptr, ptrs[0], ptrs[1])
+    def fork(self, src: int, dst: int) -> None:
+        """Sequence dst becomes a copy of src (a paged cache shares src's blocks)."""
+        M.call(L.mha_kv_cache_copy, self._handle.ptr, src, dst)
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Sequence dst becomes src's first ``length`` positions (shared blocks when paged)."""
+        M.call(L.mha_kv_cache_share_prefix, self._handle.ptr, src, dst, length)
+
+    def free_blocks(self) -> int:
+        """Free blocks of a paged cache's pool (0 for a contiguous cache)."""
+        return int(L.mha_kv_cache_free_blocks(self._handle.ptr))
 
     def _run(self, fn, x, seq_ids, impl, threads) -> np.ndarray:
         c = self._layer.config

@@ -208,7 +208,8 @@ class mha_layer_grads(Structure):
 class mha_kv_cache_config(Structure):
     _fields_ = [("num_kv_heads", c_int64), ("head_dim", c_int64), ("v_head_dim", c_int64),
                 ("max_seq", c_int64), ("batch", c_int64), ("dtype", c_int),
-                ("window", c_int64), ("max_step_tokens", c_int64), ("chunk_size", c_int64)]
+                ("window", c_int64), ("max_step_tokens", c_int64), ("chunk_size", c_int64),
+                ("block_size", c_int64), ("num_blocks", c_int64)]
 
 
 class mha_decode_args(Structure):
@@ -370,6 +371,10 @@ mha_kv_cache_truncate = _fn("mha_kv_cache_truncate",
                                     [c_void_p, c_int64, c_int64, P(mha_error)])
 mha_kv_cache_set_fp8_scales = _fn("mha_kv_cache_set_fp8_scales",
                                   [c_void_p, P(c_float), P(c_float), P(mha_error)])
+mha_kv_cache_copy = _fn("mha_kv_cache_copy", [c_void_p, c_int64, c_int64, P(mha_error)])
+mha_kv_cache_share_prefix = _fn("mha_kv_cache_share_prefix",
+                                [c_void_p, c_int64, c_int64, c_int64, P(mha_error)])
+mha_kv_cache_free_blocks = _fn("mha_kv_cache_free_blocks", [c_void_p], c_int64)
 mha_layer_prefill = _fn(
     "mha_layer_prefill", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec), P(mha_error)])
 mha_layer_decode_step = _fn(

@@ -5,7 +5,7 @@
  *
  * Every call checks all of its arguments (check/cache.c) before changing anything, so a failing
  * call leaves the cache exactly as it was. Storage is allocated once at creation; appends never
- * allocate.
+ * allocate (a paged cache's appends take blocks from the pool allocated at creation).
  */
 #include "cache/kv_cache.h"
 
@@ -30,22 +30,37 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     const int64_t span = mha__kv_ring_span(&c);
     if (span > 0 && span + c.max_step_tokens - 1 < slots)
         slots = span + c.max_step_tokens - 1;
+    /* Paged: ceil(slots / bs) table entries per sequence (a ring's last block may be partial:
+     * the ring keeps the contiguous cache's slots, so its positions and limits are the same) */
+    const int paged = c.block_size > 0;
+    const int64_t bs = paged ? c.block_size : slots;
+    const int64_t nbs = (slots + bs - 1) / bs;
+    int64_t nblocks = c.batch; /* contiguous: one block of `slots` rows per sequence */
+    if (paged && c.num_blocks == 0)
+        nblocks = c.batch * nbs; /* <= 2^31 x 2^31 / 16 */
+    else if (paged)
+        nblocks = c.num_blocks;
+    if (paged)
+        c.num_blocks = nblocks;
     /* rows are d / block blocks (element types: blocks of 1) of block_bytes each */
     const mha__kv_dtype_traits *dt = mha__kv_dtype(c.dtype); /* non-NULL: checked */
     const size_t elem = dt->block == 1 ? dt->block_bytes : 0, unit = dt->block_bytes;
     const int64_t per = dt->block;
-    const int64_t kf[4] = {c.batch, c.num_kv_heads, slots, c.head_dim / per};
-    const int64_t vf[4] = {c.batch, c.num_kv_heads, slots, c.v_head_dim / per};
-    int64_t kn, vn;
+    const int64_t kf[4] = {nblocks, c.num_kv_heads, bs, c.head_dim / per};
+    const int64_t vf[4] = {nblocks, c.num_kv_heads, bs, c.v_head_dim / per};
+    const int64_t mf[2] = {c.batch, nbs};
+    int64_t kn, vn, tn, meta;
     size_t kb, vb, lb, sb;
     MHA_RETURN_IF(!mha__prod_i64(kf, 4, &kn) || !mha__prod_i64(vf, 4, &vn) ||
                       !mha__bytes(kn, unit, &kb) || !mha__bytes(vn, unit, &vb) ||
-                      !mha__bytes(2 * c.batch, sizeof(int64_t), &lb) ||
+                      !mha__prod_i64(mf, 2, &tn) || !mha__add_i64(tn, 2 * c.batch, &meta) ||
+                      !mha__add_i64(meta, 2 * nblocks, &meta) ||
+                      !mha__bytes(meta, sizeof(int64_t), &lb) ||
                       !mha__bytes(2 * c.num_kv_heads, sizeof(float), &sb),
                   err, OVERFLOW,
-                  "kv cache of batch=%lld x g=%lld x slots=%lld x (d_k=%lld + d_v=%lld) "
+                  "kv cache of %lld blocks x g=%lld x %lld slots x (d_k=%lld + d_v=%lld) "
                   "overflows",
-                  (long long)c.batch, (long long)c.num_kv_heads, (long long)slots,
+                  (long long)nblocks, (long long)c.num_kv_heads, (long long)bs,
                   (long long)c.head_dim, (long long)c.v_head_dim);
     mha_kv_cache *kc = mha__alloc(allocator, sizeof *kc);
     MHA_RETURN_IF(!kc, err, NO_MEMORY, "cannot allocate the kv cache");
@@ -56,6 +71,11 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     kc->elem = elem;
     kc->k_row_bytes = (size_t)(c.head_dim / per) * unit;
     kc->v_row_bytes = (size_t)(c.v_head_dim / per) * unit;
+    kc->paged = paged;
+    kc->bs = bs;
+    kc->nbs = nbs;
+    kc->k_block_bytes = kb / (size_t)nblocks;
+    kc->v_block_bytes = vb / (size_t)nblocks;
     if (allocator) {
         kc->allocator = *allocator;
         kc->has_allocator = 1;
@@ -71,11 +91,21 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                          "bytes)",
                          kb + vb);
     }
-    memset(kc->len, 0, lb);
+    memset(kc->len, 0, 2 * sizeof(int64_t) * (size_t)c.batch);
     kc->lo = kc->len + c.batch;
     kc->v_scale = kc->k_scale + c.num_kv_heads;
     for (int64_t g = 0; g < 2 * c.num_kv_heads; g++)
         kc->k_scale[g] = 1.0f;
+    kc->table = kc->lo + c.batch;
+    kc->ref = kc->table + tn;
+    kc->free_ids = kc->ref + nblocks;
+    for (int64_t i = 0; i < tn; i++) /* contiguous: sequence s owns block s for good */
+        kc->table[i] = paged ? -1 : i;
+    for (int64_t b = 0; b < nblocks; b++) {
+        kc->ref[b] = paged ? 0 : 1;
+        kc->free_ids[b] = nblocks - 1 - b; /* pops give 0, 1, 2, ...: deterministic */
+    }
+    kc->nfree = paged ? nblocks : 0;
     *out = kc;
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -107,12 +137,88 @@ int64_t mha_kv_cache_length(const mha_kv_cache *cache, int64_t seq) {
     return cache->len[seq];
 }
 
+/* Drops one reference to block b of a paged cache; the last returns it to the pool. */
+static void release_block(mha_kv_cache *c, int64_t b) {
+    if (--c->ref[b] == 0)
+        c->free_ids[c->nfree++] = b;
+}
+
+/* Table entry e of sequence s of a paged cache, made writable: a block taken from the pool when
+ * there is none, a private copy when the block is shared. The pool check (mha__kv_check_pool)
+ * ran first, so the pool is not empty here. */
+static void writable_entry(mha_kv_cache *c, int64_t s, int64_t e) {
+    int64_t *slot = &c->table[s * c->nbs + e];
+    if (*slot >= 0 && c->ref[*slot] == 1)
+        return;
+    const int64_t b = c->free_ids[--c->nfree];
+    c->ref[b] = 1;
+    if (*slot >= 0) { /* copy-on-write: every row, written or not (rows past the length are
+                         never read) */
+        memcpy((char *)c->k + (size_t)b * c->k_block_bytes,
+               (const char *)c->k + (size_t)*slot * c->k_block_bytes, c->k_block_bytes);
+        memcpy((char *)c->v + (size_t)b * c->v_block_bytes,
+               (const char *)c->v + (size_t)*slot * c->v_block_bytes, c->v_block_bytes);
+        release_block(c, *slot);
+    }
+    *slot = b;
+}
+
+void mha__kv_set_len(mha_kv_cache *c, int64_t s, int64_t new_len) {
+    c->len[s] = new_len;
+    if (!c->paged || new_len >= c->slots)
+        return; /* a full ring: every slot may hold a position below new_len */
+    /* positions < new_len < slots live in slots [0, new_len): later entries hold none */
+    for (int64_t e = (new_len + c->bs - 1) / c->bs; e < c->nbs; e++) {
+        int64_t *slot = &c->table[s * c->nbs + e];
+        if (*slot >= 0)
+            release_block(c, *slot);
+        *slot = -1;
+    }
+}
+
+/* Blocks an append of t tokens to sequence s takes from the pool: each table entry the new
+ * positions touch that has no block or a shared one (counted once even when a ring's range comes
+ * back to its first entry). */
+static int64_t blocks_needed(const mha_kv_cache *c, int64_t s, int64_t t) {
+    const int64_t n = t < c->slots ? t : c->slots;
+    int64_t need = 0, q = c->len[s] % c->slots, first = -1;
+    for (int64_t k = 0; k < n;) {
+        const int64_t e = q / c->bs, b = c->table[s * c->nbs + e];
+        if (e == first)
+            break;
+        if (first < 0)
+            first = e;
+        need += b < 0 || c->ref[b] > 1;
+        const int64_t to_block_end = c->bs - q % c->bs;
+        const int64_t adv = to_block_end < c->slots - q ? to_block_end : c->slots - q;
+        k += adv;
+        q = q + adv == c->slots ? 0 : q + adv;
+    }
+    return need;
+}
+
+mha_status mha__kv_check_pool(
+    const mha_kv_cache *c, int64_t S, const int64_t *seq_ids, int64_t t, mha_error *err) {
+    if (!c->paged)
+        return MHA_STATUS_OK;
+    int64_t need = 0;
+    for (int64_t i = 0; i < S; i++)
+        need += blocks_needed(c, seq_ids ? seq_ids[i] : i, t);
+    MHA_RETURN_IF(need > c->nfree, err, NO_MEMORY,
+                  "kv cache pool exhausted: appending %lld tokens to %lld sequences needs %lld "
+                  "free blocks of %lld slots, %lld of %lld are free (nothing appended; reset or "
+                  "truncate sequences, or create the cache with more num_blocks)",
+                  (long long)t, (long long)S, (long long)need, (long long)c->bs,
+                  (long long)c->nfree, (long long)c->cfg.num_blocks);
+    return MHA_STATUS_OK;
+}
+
 mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_error *err) {
     const mha__kv_view view = mha__kv_view_of(cache);
     mha_status st = mha__check_kv_seq(&view, seq, "seq", err);
     if (st)
         return st;
-    cache->len[seq] = 0;
+    mha__kv_set_len(cache, seq, 0);
     cache->lo[seq] = 0;
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -124,22 +230,26 @@ mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len, mha_err
     mha_status st = mha__check_kv_truncate(&view, seq, new_len, err);
     if (st)
         return st;
-    cache->len[seq] = new_len;
+    mha__kv_set_len(cache, seq, new_len);
     mha__ok(err);
     return MHA_STATUS_OK;
 }
 
-mha_status
-mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_error *err) {
-    const mha__kv_view view = mha__kv_view_of(cache);
-    mha_status st = mha__check_kv_seq(&view, src_seq, "src_seq", err);
-    if (!st)
-        st = mha__check_kv_seq(&view, dst_seq, "dst_seq", err);
-    if (st)
-        return st;
-    if (src_seq != dst_seq) {
+/* dst becomes a copy of src (src != dst, both checked). */
+static void copy_seq(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq) {
+    const int64_t L = cache->len[src_seq];
+    if (cache->paged) { /* share src's blocks: references first, then drop dst's own */
+        int64_t *ts = cache->table + src_seq * cache->nbs,
+                *td = cache->table + dst_seq * cache->nbs;
+        for (int64_t e = 0; e < cache->nbs; e++) {
+            if (ts[e] >= 0)
+                cache->ref[ts[e]]++;
+            if (td[e] >= 0)
+                release_block(cache, td[e]);
+            td[e] = ts[e];
+        }
+    } else {
         const int64_t G = cache->cfg.num_kv_heads, slots = cache->slots;
-        const int64_t L = cache->len[src_seq];
         const int64_t n = L < slots ? L : slots; /* slots in use */
         for (int64_t g = 0; g < G; g++) {
             /* Copying slots [0, n) covers every stored position, ring or not. */
@@ -150,9 +260,21 @@ mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_err
             memcpy((void *)mha__kv_v_row(cache, dst_seq, g, 0), mha__kv_v_row(cache, src_seq, g, 0),
                    vb);
         }
-        cache->len[dst_seq] = L;
-        cache->lo[dst_seq] = cache->lo[src_seq];
     }
+    cache->len[dst_seq] = L;
+    cache->lo[dst_seq] = cache->lo[src_seq];
+}
+
+mha_status
+mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_error *err) {
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_seq(&view, src_seq, "src_seq", err);
+    if (!st)
+        st = mha__check_kv_seq(&view, dst_seq, "dst_seq", err);
+    if (st)
+        return st;
+    if (src_seq != dst_seq)
+        copy_seq(cache, src_seq, dst_seq);
     mha__ok(err);
     return MHA_STATUS_OK;
 }
@@ -173,6 +295,26 @@ mha_status mha_kv_cache_set_fp8_scales(mha_kv_cache *cache,
     mha__ok(err);
     return MHA_STATUS_OK;
 }
+
+mha_status mha_kv_cache_share_prefix(
+    mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, int64_t len, mha_error *err) {
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_seq(&view, dst_seq, "dst_seq", err);
+    if (!st) /* src could be truncated to len: then the fork can */
+        st = mha__check_kv_truncate(&view, src_seq, len, err);
+    if (st)
+        return st;
+    if (src_seq != dst_seq)
+        copy_seq(cache, src_seq, dst_seq);
+    mha__kv_set_len(cache, dst_seq, len);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+int64_t mha_kv_cache_free_blocks(const mha_kv_cache *cache) {
+    return cache ? cache->nfree : -1;
+}
+
 
 mha_status mha_kv_cache_read(
     const mha_kv_cache *cache, int64_t seq, int64_t pos, float *k, float *v, mha_error *err) {
@@ -209,6 +351,8 @@ void mha__kv_append_raw(mha_kv_cache *c,
         const int64_t s = seq_ids ? seq_ids[i] : i;
         for (int64_t tok = 0; tok < t; tok++) {
             const int64_t p = c->len[s] + tok;
+            if (c->paged)
+                writable_entry(c, s, p % c->slots / c->bs);
             for (int64_t g = 0; g < G; g++) {
                 c->dt->from_f32(k + i * k_seq_stride + tok * k_tok_stride + g * dk, dk,
                                 (void *)mha__kv_k_row(c, s, g, p), c->k_scale[g]);
@@ -231,6 +375,8 @@ mha_status mha_kv_cache_append(mha_kv_cache *cache,
                                mha_error *err) {
     const mha__kv_view view = mha__kv_view_of(cache);
     mha_status st = mha__check_kv_append(&view, num_seqs, seq_ids, t, k, v, err);
+    if (!st)
+        st = mha__kv_check_pool(cache, num_seqs, seq_ids, t, err);
     if (st)
         return st;
     const int64_t G = cache->cfg.num_kv_heads;

@@ -2,9 +2,16 @@
 /* kv_cache.h: the KV cache's private layout and the split-KV decode kernels' interface (internal,
  * never installed). Shared by kv_cache.c, decode.c and kernels/{generic,x86}/decode_*.c.
  *
- * Storage: K [batch, g, slots, d_k] and V [batch, g, slots, d_v] of the cache dtype. Logical
- * position p of a sequence lives in slot p % slots; without a window slots = max_seq, so the slot
- * is p itself. A sequence of length L holds positions max(0, L - slots) .. L-1.
+ * Storage: blocks of bs slots, K [num_blocks, g, bs, d_k] and V [num_blocks, g, bs, d_v] of the
+ * cache dtype. Logical position p of sequence s lives in slot q = p % slots (without a window
+ * slots = max_seq, so the slot is p itself), which is row q % bs of block table[s][q / bs]. A
+ * sequence of length L holds positions max(0, L - slots) .. L-1.
+ *
+ * The contiguous cache (config.block_size 0) is the case bs = slots, one block per sequence,
+ * table[s] = {s}: K [batch, g, slots, d_k], the layout and bytes of the caches before pages.
+ * A paged cache (block_size >= MHA__KV_MIN_BLOCK) allocates blocks from its pool when a row is
+ * first written to a table entry; blocks are reference-counted (fork shares them) and a write to
+ * a shared block copies it first (copy-on-write).
  */
 #ifndef MHA_KV_CACHE_H
 #define MHA_KV_CACHE_H
@@ -20,24 +27,45 @@ struct mha_kv_cache {
     size_t k_row_bytes;       /* bytes of one K row: dk / block * block_bytes */
     size_t v_row_bytes;       /* bytes of one V row */
     float *k_scale, *v_scale; /* [g] per-kv-head scales (fp8; 1.0 for every other dtype) */
-    void *k, *v;              /* K [batch, g, slots, dk], V [batch, g, slots, dv] */
+    void *k, *v;              /* K [blocks, g, bs, dk], V [blocks, g, bs, dv] (contiguous:
+                                 blocks = batch, bs = slots) */
     int64_t *len;             /* [batch] current lengths */
     int64_t *lo;              /* [batch] lowest position whose slot is intact (window rings:
                                  grows as the ring wraps; truncate does not lower it) */
+    int paged;               /* config.block_size > 0: blocks from a pool, shared, copy-on-write */
+    int64_t bs;              /* slots per block (contiguous: slots) */
+    int64_t nbs;             /* table entries per sequence: ceil(slots / bs) (a ring's last block
+                                may be partly used) */
+    int64_t *table;          /* [batch][nbs] block ids, -1 = none (contiguous: table[s] = {s}) */
+    int64_t *ref;            /* [num_blocks] reference counts (paged) */
+    int64_t *free_ids;       /* [num_blocks] stack of free block ids, top at nfree - 1 (paged) */
+    int64_t nfree;
+    size_t k_block_bytes; /* g * bs * k_row_bytes */
+    size_t v_block_bytes;
     mha_allocator allocator;
     int has_allocator;
 };
 
-/* Address of K/V row (seq, kv head, logical position p): slot p % slots. */
+/* Smallest block size of a paged cache: a unit of MHA_DEC_BLOCK keys then spans at most
+ * MHA_DEC_BLOCK / MHA__KV_MIN_BLOCK + 1 blocks, + 1 run where it wraps a ring. */
+#define MHA__KV_MIN_BLOCK MHA__KV_MIN_BLOCK_SIZE
+
+/* Row index (in rows of the K or V storage) of (seq, kv head, slot q): row q % bs of block
+ * table[s][q / bs]. Contiguous caches give (s g_count + g) slots + q, as before pages. */
+static inline int64_t
+mha__kv_slot_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t q) {
+    const int64_t b = c->table[s * c->nbs + q / c->bs];
+    return (b * c->cfg.num_kv_heads + g) * c->bs + q % c->bs;
+}
+
+/* Address of K/V row (seq, kv head, logical position p): slot p % slots, through the table. */
 static inline const void *
 mha__kv_k_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
-    const int64_t row = (s * c->cfg.num_kv_heads + g) * c->slots + p % c->slots;
-    return (const char *)c->k + (size_t)row * c->k_row_bytes;
+    return (const char *)c->k + (size_t)mha__kv_slot_row(c, s, g, p % c->slots) * c->k_row_bytes;
 }
 static inline const void *
 mha__kv_v_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
-    const int64_t row = (s * c->cfg.num_kv_heads + g) * c->slots + p % c->slots;
-    return (const char *)c->v + (size_t)row * c->v_row_bytes;
+    return (const char *)c->v + (size_t)mha__kv_slot_row(c, s, g, p % c->slots) * c->v_row_bytes;
 }
 
 /* Row of d values (d = dk or dv) stored at src in the cache's dtype, widened to float32 (Q8_0:
@@ -94,6 +122,15 @@ void mha__kv_append_raw(struct mha_kv_cache *c,
                         const float *v,
                         int64_t v_seq_stride,
                         int64_t v_tok_stride);
+/* A paged cache's pool holds the blocks an append of t tokens to the S listed sequences needs
+ * (new ones, copies of shared ones); NO_MEMORY with a message otherwise. OK for a contiguous
+ * cache. Callers run it after the argument checks, before changing anything. */
+mha_status mha__kv_check_pool(
+    const struct mha_kv_cache *c, int64_t S, const int64_t *seq_ids, int64_t t, mha_error *err);
+/* Sets sequence s's length (<= its length) and releases a paged cache's blocks that hold no
+ * position below it. */
+void mha__kv_set_len(struct mha_kv_cache *c, int64_t s, int64_t new_len);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Split-KV decode kernels.                                                                       */
 /* ---------------------------------------------------------------------------------------------- */
@@ -151,6 +188,62 @@ mha__kv_fp8_problem(const struct mha__dec_problem *p, int64_t g, struct mha__dec
 }
 
 /* The kernels (one line each in kernels/registry.def, op decode) are declared by registry.h. */
+
+/* A run of consecutive cache rows of a unit: unit keys [y0, y0 + n) at K rows k + y k_row_bytes,
+ * V rows v + y v_row_bytes (y < n). */
+typedef struct mha__kv_run {
+    int64_t y0, n;
+    const char *k, *v;
+} mha__kv_run;
+
+/* Most runs of a unit of <= MHA_DEC_BLOCK keys: a contiguous cache gives one, or two when the
+ * unit wraps its ring; a paged one one per block, plus one where it wraps its ring. */
+#define MHA__KV_MAX_RUNS (MHA_DEC_BLOCK / MHA__KV_MIN_BLOCK + 2)
+
+/* The runs of keys [j0, j0 + nb) (logical positions, nb <= min(slots, MHA_DEC_BLOCK)) of kv head
+ * g of sequence seq, in key order; returns their number (<= MHA__KV_MAX_RUNS). The one place
+ * that knows where the decode kernels' rows are (rings and pages). */
+static inline int mha__kv_runs(const struct mha_kv_cache *c,
+                               int64_t seq,
+                               int64_t g,
+                               int64_t j0,
+                               int64_t nb,
+                               mha__kv_run runs[MHA__KV_MAX_RUNS]) {
+    int nr = 0;
+    for (int64_t y = 0, q = j0 % c->slots; y < nb && nr < MHA__KV_MAX_RUNS; nr++) {
+        int64_t left = c->bs - q % c->bs; /* slots left in q's block (and ring) */
+        left = left < c->slots - q ? left : c->slots - q;
+        const int64_t n = nb - y < left ? nb - y : left;
+        const int64_t row = mha__kv_slot_row(c, seq, g, q);
+        runs[nr].y0 = y;
+        runs[nr].n = n;
+        runs[nr].k = (const char *)c->k + (size_t)row * c->k_row_bytes;
+        runs[nr].v = (const char *)c->v + (size_t)row * c->v_row_bytes;
+        y += n;
+        q += n;
+        if (q == c->slots)
+            q = 0;
+    }
+    return nr;
+}
+
+/* The address of every K and V row of keys [j0, j0 + nb) (kernels that walk rows one by one):
+ * krows[y], vrows[y] for y < nb. */
+static inline void mha__kv_unit_rows(const struct mha_kv_cache *c,
+                                     int64_t seq,
+                                     int64_t g,
+                                     int64_t j0,
+                                     int64_t nb,
+                                     const char *krows[MHA_DEC_BLOCK],
+                                     const char *vrows[MHA_DEC_BLOCK]) {
+    mha__kv_run runs[MHA__KV_MAX_RUNS];
+    const int nr = mha__kv_runs(c, seq, g, j0, nb, runs);
+    for (int r = 0; r < nr; r++)
+        for (int64_t y = 0; y < runs[r].n; y++) {
+            krows[runs[r].y0 + y] = runs[r].k + (size_t)y * c->k_row_bytes;
+            vrows[runs[r].y0 + y] = runs[r].v + (size_t)y * c->v_row_bytes;
+        }
+}
 
 /* Visibility of logical key j for the query at position pos >= 0 (causal, window, chunk). */
 static inline int mha__dec_visible(const mha__dec_problem *p, int64_t pos, int64_t j) {

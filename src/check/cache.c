@@ -71,6 +71,17 @@ mha_status mha__check_kv_create(const mha_kv_cache_config *in,
     MHA_RETURN_IF(c->v_head_dim % dt->block != 0, err, INVALID_ARG,
                   "kv cache config.v_head_dim=%lld must be a multiple of %lld for dtype %s",
                   (long long)c->v_head_dim, (long long)dt->block, dt->name);
+    MHA_RETURN_IF(c->block_size != 0 && (c->block_size < MHA__KV_MIN_BLOCK_SIZE ||
+                                         c->block_size > MHA__KV_MAX_BLOCK_SIZE),
+                  err, INVALID_ARG,
+                  "kv cache config.block_size=%lld must be 0 (contiguous) or in [%d, %d] (paged)",
+                  (long long)c->block_size, MHA__KV_MIN_BLOCK_SIZE, MHA__KV_MAX_BLOCK_SIZE);
+    MHA_RETURN_IF(c->num_blocks < 0 || c->num_blocks > MHA_MAX_DIM, err, INVALID_ARG,
+                  "kv cache config.num_blocks=%lld must be 0 (default) or in [1, 2^31]",
+                  (long long)c->num_blocks);
+    MHA_RETURN_IF(c->block_size == 0 && c->num_blocks != 0, err, INVALID_ARG,
+                  "kv cache config.num_blocks=%lld needs a paged cache (block_size > 0)",
+                  (long long)c->num_blocks);
     return MHA_STATUS_OK;
 }
 

@@ -261,6 +261,11 @@ static inline int64_t mha__kv_first_key(const mha_kv_cache_config *c, int64_t po
     return 0;
 }
 
+/* Block sizes of a paged cache (mha_kv_cache_config.block_size); cache/kv_cache.h relies on the
+ * minimum (MHA__KV_MIN_BLOCK). */
+#define MHA__KV_MIN_BLOCK_SIZE 16
+#define MHA__KV_MAX_BLOCK_SIZE 65536
+
 typedef struct mha__kv_view {
     const mha_kv_cache_config *cfg; /* resolved */
     const int64_t *len, *lo;        /* [batch]: lengths, lowest intact positions */

@@ -446,6 +446,8 @@ static mha_status layer_step(const mha_layer *layer,
     const mha__kv_view view = mha__kv_view_of(cache);
     mha_status st =
         mha__check_decode(layer ? mha_layer_config(layer) : NULL, &view, args, exec, err);
+    if (!st)
+        st = mha__kv_check_pool(cache, args->num_seqs, args->seq_ids, args->num_tokens, err);
     if (st)
         return st;
     const mha_config *c = mha_layer_config(layer);
@@ -554,7 +556,7 @@ static mha_status layer_step(const mha_layer *layer,
                                h * dv, c->out_dim, NULL, 0, err);
     if (st) /* undo the appends (only allocation can fail this late) */
         for (int64_t i = 0; i < S; i++) {
-            cache->len[seq[i]] = len0[i];
+            mha__kv_set_len(cache, seq[i], len0[i]);
             if (cache->lo[seq[i]] > len0[i]) /* a ring overwrote everything it held */
                 cache->lo[seq[i]] = len0[i];
         }

@@ -5,7 +5,7 @@
  * Same unit and contract as decode_generic.c: keys [j0, j1) of kv head g of one sequence, for all
  * R = group * t query rows that share it (every query head of the GQA group, every new token),
  * producing an unnormalised partial (o, m, l) per row that decode.c merges. K and V rows are read
- * straight from the cache (ring-buffer slots: position j in slot j % slots, advanced by addition)
+ * straight from the cache (each key's row looked up once per unit: ring buffer, pages)
  * and widened in registers, 4 elements per vector: float16 with FCVTL (vcvt_f32_f16), bfloat16 by
  * a 16-bit left shift (USHLL #16). The body is instantiated per cache dtype and per number of rows
  * (a constant in the hot loops).
@@ -93,19 +93,15 @@ MHA_INLINE v4 load4_first(const mha_dtype DT, const void *row, int64_t d, int64_
     return widen4(DT, h);
 }
 
-/* Rows of one (sequence, kv head) in the cache: logical key j0 + x lives in slot slot0 + x,
- * minus slots past the end of the ring (x < slots). */
+/* Rows of one unit (sequence, kv head, keys j0 .. j1-1): the row of unit key x (x < nb), looked
+ * up once per unit by mha__kv_unit_rows (cache/kv_cache.h: ring wrap, pages). */
 typedef struct row_stream {
-    const char *base; /* slot 0 */
+    const char *const *rows;
     size_t row_bytes;
-    int64_t slots, slot0;
 } row_stream;
 
 MHA_INLINE const void *stream_row(const row_stream *st, int64_t x) {
-    int64_t slot = st->slot0 + x;
-    if (slot >= st->slots)
-        slot -= st->slots;
-    return st->base + (size_t)slot * st->row_bytes;
+    return st->rows[x];
 }
 
 MHA_INLINE void prefetch_row(const row_stream *st, int64_t x) {
@@ -378,11 +374,10 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
     const int64_t dkp = (dk + 3) & ~(int64_t)3, nb4 = (nb + 3) & ~(int64_t)3;
     /* scratch: scores [R][BLOCK], then the unit's query rows [R][dkp] (zero-padded) */
     float *S = scratch, *qbuf = S + R * MHA_DEC_BLOCK;
-    const int64_t pair = seq * c->cfg.num_kv_heads + u->g, slot0 = u->j0 % c->slots;
-    const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots) * c->k_row_bytes,
-                           c->k_row_bytes, c->slots, slot0};
-    const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots) * c->v_row_bytes,
-                           c->v_row_bytes, c->slots, slot0};
+    const char *krows[MHA_DEC_BLOCK], *vrows[MHA_DEC_BLOCK];
+    mha__kv_unit_rows(c, seq, u->g, u->j0, nb, krows, vrows);
+    const row_stream ks = {krows, c->k_row_bytes};
+    const row_stream vs = {vrows, c->v_row_bytes};
 
     /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
      * token i. */

@@ -543,11 +543,9 @@ MHA_INLINE void store_o_row(const mha_dtype DT, const float *acc, int64_t dv, fl
 
 /* ---- The kernel ---- */
 
-/* A run of consecutive cache rows of the unit: keys [y0, y0 + n) relative to j0. */
-typedef struct key_run {
-    int64_t y0, n;
-    const char *k, *v; /* rows of key y0 */
-} key_run;
+/* A run of consecutive cache rows of the unit: keys [y0, y0 + n) relative to j0, rows of key y0
+ * at k and v (cache/kv_cache.h). */
+typedef mha__kv_run key_run;
 
 /* Bits y < nk of the result: e[y] != 0 (NaN counts: it must propagate). */
 MHA_INLINE uint64_t seen_bits(const float *e, int64_t nk) {
@@ -599,22 +597,10 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
         copy_q_row(DT, p->q + u->s * p->q_ss + i * p->q_ts + h * dk, dk, W + 8 * r, 8 * R);
     }
 
-    /* The unit's keys as runs of consecutive cache rows: position j lives in slot j % slots, so
-     * a unit (nb <= slots keys) is one run, or two when it wraps in a ring buffer. */
-    const int64_t pair = seq * c->cfg.num_kv_heads + u->g;
-    const char *kbase = (const char *)c->k + (size_t)(pair * c->slots) * rb;
-    const char *vbase = (const char *)c->v + (size_t)(pair * c->slots) * rbv;
-    key_run runs[2];
-    int nruns = 0;
-    for (int64_t y = 0, slot = u->j0 % c->slots; y < nb && nruns < 2; nruns++) {
-        const int64_t n = nb - y < c->slots - slot ? nb - y : c->slots - slot;
-        runs[nruns].y0 = y;
-        runs[nruns].n = n;
-        runs[nruns].k = kbase + (size_t)slot * rb;
-        runs[nruns].v = vbase + (size_t)slot * rbv;
-        y += n;
-        slot = 0;
-    }
+    /* The unit's keys as runs of consecutive cache rows (cache/kv_cache.h): one, or two when it
+     * wraps in a ring buffer, or one per block of a paged cache. */
+    key_run runs[MHA__KV_MAX_RUNS];
+    const int nruns = mha__kv_runs(c, seq, u->g, u->j0, nb, runs);
 
     /* Pass 1: scores, per block of KB keys, for each group of up to 4 query rows. Each block
      * prefetches the next one, the last block the first V block. */
@@ -645,13 +631,13 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
 
     /* Pass 3: o_r += e_rj v_j over blocks of KB value rows, o [R][dvp] in W (q is done). */
     memset(W, 0, sizeof(float) * (size_t)(R * dvp));
-    /* the next unit of this (sequence, kv head), if its first rows follow in the cache: its first
-     * K block is prefetched by the last V block */
-    const key_run *last = &runs[nruns - 1];
-    const int64_t next_slot = (last->k - kbase) / (int64_t)rb + last->n;
-    const prefetch_span knext = u->j1 < L && next_slot + KB <= c->slots
-                                    ? span(last->k + (size_t)last->n * rb, KB * rb, l2)
-                                    : span(NULL, 0, 0);
+    /* the next unit of this (sequence, kv head), if there is one: its first K rows (up to KB, in
+     * one run) are prefetched by the last V block */
+    key_run next[MHA__KV_MAX_RUNS];
+    const int nnext =
+        u->j1 < L ? mha__kv_runs(c, seq, u->g, u->j1, L - u->j1 < KB ? L - u->j1 : KB, next) : 0;
+    const prefetch_span knext =
+        nnext > 0 ? span(next[0].k, (size_t)next[0].n * rb, l2) : span(NULL, 0, 0);
     for (int ri = 0; ri < nruns; ri++) {
         const key_run *kr = &runs[ri];
         for (int64_t yb = 0; yb < kr->n; yb += KB) {

@@ -70,39 +70,34 @@ MHA_INLINE int64_t block_len(int64_t nb, int64_t j) {
     return j >= nb ? 0 : nb - j < MHA_DEC_SUB ? nb - j : MHA_DEC_SUB;
 }
 
-/* Cache rows of one (sequence, kv head): position j lives in slot j % slots (a ring buffer for
- * windowed caches), so consecutive positions are consecutive rows except at one wrap. Slots are
- * advanced by addition: a division per row cost ~15% of the kernel. */
+/* Cache rows of one unit (sequence, kv head, keys j0 .. j1-1): the address of each key's row,
+ * looked up once per unit by mha__kv_unit_rows (cache/kv_cache.h: ring wrap and pages; a division
+ * per row in the loops cost ~15% of the kernel). */
 typedef struct row_stream {
-    const char *base; /* slot 0 */
+    const char *const *rows; /* [nb]: row of unit key y */
     size_t row_bytes;
-    int64_t slots;
     int prefetch_l2; /* prefetches fill the L2 (see prefetch_line) */
 } row_stream;
 
-MHA_INLINE const void *stream_row(const row_stream *st, int64_t slot0, int64_t x) {
-    int64_t slot = slot0 + x;
-    while (slot >= st->slots)
-        slot -= st->slots;
-    return st->base + (size_t)slot * st->row_bytes;
+MHA_INLINE const void *stream_row(const row_stream *st, int64_t y0, int64_t x) {
+    return st->rows[y0 + x];
 }
 
-/* Prefetches rows [x0, x1) (clipped to n) of the block whose first row is at slot0. */
-MHA_INLINE void
-prefetch_rows(const row_stream *st, int64_t slot0, int64_t n, int64_t x0, int64_t x1) {
+/* Prefetches rows [x0, x1) (clipped to n) of the block whose first row is unit key y0. */
+MHA_INLINE void prefetch_rows(const row_stream *st, int64_t y0, int64_t n, int64_t x0, int64_t x1) {
     for (int64_t x = x0; x < x1 && x < n; x++) {
-        const char *row = stream_row(st, slot0, x);
+        const char *row = stream_row(st, y0, x);
         for (size_t b = 0; b < st->row_bytes; b += 64)
             prefetch_line(row + b, st->prefetch_l2);
     }
 }
 
-/* Rows [0, MHA_DEC_SUB) of the block at slot0; rows n.. repeat row 0, so callers may read a full
- * group of four. */
+/* Rows [0, MHA_DEC_SUB) of the block at unit key y0; rows n.. repeat row 0, so callers may read a
+ * full group of four. */
 MHA_INLINE void
-block_rows(const row_stream *st, int64_t slot0, int64_t n, const void *rows[MHA_DEC_SUB]) {
+block_rows(const row_stream *st, int64_t y0, int64_t n, const void *rows[MHA_DEC_SUB]) {
     for (int64_t x = 0; x < MHA_DEC_SUB; x++)
-        rows[x] = stream_row(st, slot0, x < n ? x : 0);
+        rows[x] = stream_row(st, y0, x < n ? x : 0);
 }
 
 /* Stores the dot products of NR query rows with nk <= 4 keys: out[x * BLOCK + y] = the sum of
@@ -171,7 +166,7 @@ MHA_INLINE void dots(const int NR,
 
 /* o_x[c0 + 0..64) += sum_{y < nk} e_x[y] v_y[c0 + 0..64) for NR accumulator rows (row stride dv,
  * e_x at e + x * BLOCK) over a block of value rows (cache rows of type DT): the NR x 4 accumulator
- * vectors stay in registers for the whole block. Row y of the block ahead (slot pslot, pn rows) is
+ * vectors stay in registers for the whole block. Row y of the block ahead (key pslot, pn rows) is
  * prefetched with key y. Bit y of seen[x] says e_x[y] != 0: a key adds nothing to a row that does
  * not see it, even when its v is not finite. Keys are added in order,
  * o_x = ((o_x + e0 v0) + e1 v1) + ..., so the sum does not depend on the block size. */
@@ -222,7 +217,8 @@ MHA_INLINE void axpy_block(const int NR,
 }
 
 /* ---- The contiguous path ---------------------------------------------------------------------
- * For the common case (a unit's rows in consecutive slots, i.e. no ring-buffer wrap inside it,
+ * For the common case (a unit's keys in consecutive slots, i.e. no ring-buffer wrap inside it
+ * (the rows themselves come from the unit's row table, so pages may split them),
  * dk % 16 == 0 (bfloat16: 32), dv % 64 == 0, R <= 4 query rows) the two memory passes run in small
  * non-inlined functions, one per (dtype, rows), so the few pointers they walk stay in registers
  * (inlined into the whole kernel, GCC spilled them to vector registers and reloaded them with
@@ -244,10 +240,13 @@ MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
                                     : _mm512_slli_epi32(x, 16));
 }
 
-/* Pass 1 on the contiguous path: S[x][y] = q_x . k_y for the unit's nb keys (rows krow + y rb).
+/* Pass 1 on the contiguous path: S[x][y] = q_x . k_y for the unit's nb keys (rows krows[y]).
  * qil holds the NR query rows chunk-major: elements [16 s, 16 s + 16) of row x at
  * qil + (s NR + x) 16, so every row is a constant offset from one pointer. The prefetch runs
- * MHA_DEC_PREFETCH keys ahead over the K rows, then over the first V rows (pass 3 reads them).
+ * MHA_DEC_PREFETCH keys ahead over the K rows, then over the first V rows (pass 3 reads them); a
+ * group of four keys prefetches the bytes of four rows from the row of its key ahead on (four
+ * consecutive rows unless a page boundary falls among them: a page of >= 16 rows starting at a
+ * key that is not a multiple of 4 of the unit, in a wrapped ring only).
  * How many K rows one sweep over d reads in 64-byte steps, per group of four keys:
  *   float32: two, then the other two (each q vector loaded for 2 FMAs). With a cache beyond the
  *     L3, four interleaved rows ran a step 5-10% slower on AMD Zen 4 (1 thread; one row at a time
@@ -258,10 +257,8 @@ MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
  * Either way each accumulator is one FMA chain over d in increasing order: the same sums. */
 MHA_INLINE void scores_contig(const int NR,
                               const mha_dtype DT,
-                              const char *krow,
-                              size_t rb,
-                              const char *vrow,
-                              size_t rbv,
+                              const char *const *krows,
+                              const char *const *vrows,
                               int64_t nb,
                               const float *qil,
                               int64_t dk,
@@ -279,11 +276,13 @@ MHA_INLINE void scores_contig(const int NR,
     for (int64_t y0 = 0; y0 < nb; y0 += 4) {
         const int64_t nk = nb - y0 < 4 ? nb - y0 : 4;
         /* rows past the unit repeat its first row of the group (their scores are not stored) */
-        const char *k0 = krow + (size_t)y0 * rb;
-        const char *k1 = nk > 1 ? k0 + rb : k0, *k2 = nk > 2 ? k0 + 2 * rb : k0,
-                   *k3 = nk > 3 ? k0 + 3 * rb : k0;
+        const char *k0 = krows[y0];
+        const char *k1 = nk > 1 ? krows[y0 + 1] : k0, *k2 = nk > 2 ? krows[y0 + 2] : k0,
+                   *k3 = nk > 3 ? krows[y0 + 3] : k0;
         const int64_t ahead = y0 + MHA_DEC_PREFETCH;
-        const char *pf = ahead < nb ? krow + (size_t)ahead * rb : vrow + (size_t)(ahead - nb) * rbv;
+        const char *pf = ahead < nb        ? krows[ahead]
+                         : ahead - nb < nb ? vrows[ahead - nb]
+                                           : vrows[nb - 1];
         v16 acc[4][4];
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++)
@@ -354,8 +353,7 @@ MHA_INLINE void axpy_contig(const int NR,
                             const mha_dtype DT,
                             const int E,
                             const int CHECK,
-                            const char *row,
-                            size_t rbv,
+                            const char *const *rows,
                             int64_t nkb,
                             const char *const pf[MHA_DEC_SUB],
                             int l2,
@@ -369,7 +367,8 @@ MHA_INLINE void axpy_contig(const int NR,
     for (int x = 0; x < NR; x++)
         for (int c = 0; c < 4; c++)
             acc[x][c] = _mm512_loadu_ps(o + x * dv + 16 * c);
-    for (int64_t y = 0; y < nkb; y++, row += rbv) {
+    for (int64_t y = 0; y < nkb; y++) {
+        const char *row = rows[y];
 #pragma GCC unroll 4
         for (int l = 0; l < E; l++) /* q8_0: columns [c0, c0 + 64) are 2 blocks, 68 bytes */
             prefetch_line(
@@ -393,16 +392,14 @@ MHA_INLINE void axpy_contig(const int NR,
             _mm512_storeu_ps(o + x * dv + 16 * c, acc[x][c]);
 }
 
-/* Pass 3 on the contiguous path: o_x += sum_y e_x[y] v_y (rows vrow + y rbv), blocks of
+/* Pass 3 on the contiguous path: o_x += sum_y e_x[y] v_y (rows vrows[y]), blocks of
  * MHA_DEC_SUB keys, NR x 64 columns of o in registers per block (as axpy_block). The prefetch
  * runs MHA_DEC_PREFETCH keys ahead over the V rows, then over the next unit's first K rows
- * (knext, NULL when there is none). */
+ * (knext[0 .. MHA_DEC_PREFETCH), NULL entries where there is none). */
 MHA_INLINE void values_contig(const int NR,
                               const mha_dtype DT,
-                              const char *vrow,
-                              size_t rbv,
-                              const char *knext,
-                              size_t rb,
+                              const char *const *vrows,
+                              const char *const *knext,
                               int64_t nb,
                               const float *S,
                               float *o,
@@ -427,16 +424,16 @@ MHA_INLINE void values_contig(const int NR,
         const char *pf[MHA_DEC_SUB];
         for (int64_t y = 0; y < nkb; y++) {
             const int64_t ahead = jb + y + MHA_DEC_PREFETCH;
-            pf[y] = ahead < nb ? vrow + (size_t)ahead * rbv
-                    : knext    ? knext + (size_t)(ahead - nb) * rb
-                               : vrow;
+            pf[y] = ahead < nb                  ? vrows[ahead]
+                    : knext[ahead - nb] != NULL ? knext[ahead - nb]
+                                                : vrows[0];
         }
-        const char *rows = vrow + (size_t)jb * rbv;
+        const char *const *rows = vrows + jb;
         for (int64_t c0 = 0; c0 < dv; c0 += 64) {
             if (all == in)
-                axpy_contig(NR, DT, E, 0, rows, rbv, nkb, pf, l2, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 0, rows, nkb, pf, l2, e, seen, o + c0, dv, c0);
             else
-                axpy_contig(NR, DT, E, 1, rows, rbv, nkb, pf, l2, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 1, rows, nkb, pf, l2, e, seen, o + c0, dv, c0);
         }
     }
     if (DT == MHA_DTYPE_BF16) { /* even/odd halves of each 32 columns back to natural order */
@@ -454,21 +451,21 @@ MHA_INLINE void values_contig(const int NR,
 }
 
 typedef void (*scores_contig_fn)(
-    const char *, size_t, const char *, size_t, int64_t, const float *, int64_t, float *, int);
+    const char *const *, const char *const *, int64_t, const float *, int64_t, float *, int);
 typedef void (*values_contig_fn)(
-    const char *, size_t, const char *, size_t, int64_t, const float *, float *, int64_t, int);
+    const char *const *, const char *const *, int64_t, const float *, float *, int64_t, int);
 
 /* One non-inlined instance per (dtype, rows). */
 #define CONTIG_FNS_(tag, dt, nr)                                                                   \
     static __attribute__((noinline)) void scores_##tag##nr(                                        \
-        const char *krow, size_t rb, const char *vrow, size_t rbv, int64_t nb, const float *qil,   \
+        const char *const *krows, const char *const *vrows, int64_t nb, const float *qil,          \
         int64_t dk, float *S, int l2) {                                                            \
-        scores_contig(nr, dt, krow, rb, vrow, rbv, nb, qil, dk, S, l2);                            \
+        scores_contig(nr, dt, krows, vrows, nb, qil, dk, S, l2);                                   \
     }                                                                                              \
     static __attribute__((noinline)) void values_##tag##nr(                                        \
-        const char *vrow, size_t rbv, const char *knext, size_t rb, int64_t nb, const float *S,    \
-        float *o, int64_t dv, int l2) {                                                            \
-        values_contig(nr, dt, vrow, rbv, knext, rb, nb, S, o, dv, l2);                             \
+        const char *const *vrows, const char *const *knext, int64_t nb, const float *S, float *o,  \
+        int64_t dv, int l2) {                                                                      \
+        values_contig(nr, dt, vrows, knext, nb, S, o, dv, l2);                                     \
     }
 #define CONTIG_DTYPE_(tag, dt)                                                                     \
     CONTIG_FNS_(tag, dt, 1) CONTIG_FNS_(tag, dt, 2) CONTIG_FNS_(tag, dt, 3) CONTIG_FNS_(tag, dt, 4)
@@ -514,17 +511,16 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     float *S = scratch, *qbuf = S + R * MHA_DEC_BLOCK;
     const __mmask16 ktail = v16_first((int)(dk - (dkp - 16))),
                     vtail = v16_first((int)(dv - (dvp - 16)));
-    const int64_t pair = seq * c->cfg.num_kv_heads + u->g, slot_j0 = u->j0 % c->slots;
-    const row_stream ks = {(const char *)c->k + (size_t)(pair * c->slots) * c->k_row_bytes,
-                           c->k_row_bytes, c->slots, p->prefetch_l2};
-    const row_stream vs = {(const char *)c->v + (size_t)(pair * c->slots) * c->v_row_bytes,
-                           c->v_row_bytes, c->slots, p->prefetch_l2};
-    /* Slot of key j0 + jj (jj < nb <= slots). */
-#define SLOT_(jj) (slot_j0 + (jj) >= c->slots ? slot_j0 + (jj)-c->slots : slot_j0 + (jj))
+    /* The address of each key's K and V row (ring wrap, pages: cache/kv_cache.h). */
+    const char *krows[MHA_DEC_BLOCK], *vrows[MHA_DEC_BLOCK];
+    mha__kv_unit_rows(c, seq, u->g, u->j0, nb, krows, vrows);
+    const row_stream ks = {krows, c->k_row_bytes, p->prefetch_l2};
+    const row_stream vs = {vrows, c->v_row_bytes, p->prefetch_l2};
 
-    /* The contiguous path (see above) applies? */
+    /* The contiguous path (see above) applies? (A unit wrapping its ring takes the other path,
+     * paged or not, so both give the same bits.) */
     const int contig = dk % (DT == MHA_DTYPE_BF16 || DT == MHA_DTYPE_Q8_0 ? 32 : 16) == 0 &&
-                       dv % 64 == 0 && R <= 4 && slot_j0 + nb <= c->slots;
+                       dv % 64 == 0 && R <= 4 && u->j0 % c->slots + nb <= c->slots;
     /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
      * token i (no division in the loops below); row-major [R][dkp], or chunk-major for the
      * contiguous path. */
@@ -551,16 +547,13 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                     : DT == MHA_DTYPE_Q8_0     ? 3
                     : DT == MHA_DTYPE_FP8_E4M3 ? 4
                                                : 0;
-    const char *krow = ks.base + (size_t)slot_j0 * ks.row_bytes,
-               *vrow = vs.base + (size_t)slot_j0 * vs.row_bytes;
 
     /* Pass 1a: raw dot products q_r . k_j, per block of MHA_DEC_SUB keys, four keys by up to four
      * rows per sweep of the keys' vectors. The prefetch runs ahead on the K rows, then on the
      * first V rows (pass 3 reads them next). */
     const int kfull = dk % 16 == 0;
     if (contig)
-        scores_contig_table[dti][R - 1](krow, ks.row_bytes, vrow, vs.row_bytes, nb, qbuf, dk, S,
-                                        p->prefetch_l2);
+        scores_contig_table[dti][R - 1](krows, vrows, nb, qbuf, dk, S, p->prefetch_l2);
     else
         for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
             const int64_t nkb = block_len(nb, jb);
@@ -568,9 +561,9 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
             const row_stream *pst = ahead < nb ? &ks : &vs;
             const int64_t pj = ahead < nb ? ahead : ahead - nb;
             const int64_t pn = block_len(nb, pj);
-            const int64_t pslot = SLOT_(pn > 0 ? pj : 0);
+            const int64_t pslot = pn > 0 ? pj : 0;
             const void *kb[MHA_DEC_SUB];
-            block_rows(&ks, SLOT_(jb), nkb, kb);
+            block_rows(&ks, jb, nkb, kb);
             for (int64_t y0 = 0; y0 < nkb; y0 += 4) {
                 const int64_t nk = nkb - y0 < 4 ? nkb - y0 : 4;
                 prefetch_rows(pst, pslot, pn, y0, y0 + 4);
@@ -651,12 +644,17 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     /* Pass 3: o_r += e_rj v_j over blocks of MHA_DEC_SUB value rows, for up to four rows x 64
      * columns of accumulators held in registers across the block. */
     if (contig) {
-        /* the next unit of this (sequence, kv head), if its first rows follow in the cache */
-        const char *knext = u->j1 < L && slot_j0 + nb + MHA_DEC_PREFETCH <= c->slots
-                                ? krow + (size_t)nb * ks.row_bytes
-                                : NULL;
-        values_contig_table[dti][R - 1](vrow, vs.row_bytes, knext, ks.row_bytes, nb, S, o, dv,
-                                        p->prefetch_l2);
+        /* the first K rows of the next unit of this (sequence, kv head), if there is one */
+        const char *knext[MHA_DEC_PREFETCH] = {NULL};
+        const int64_t nn = L - u->j1 < MHA_DEC_PREFETCH ? L - u->j1 : MHA_DEC_PREFETCH;
+        if (nn > 0) {
+            mha__kv_run runs[MHA__KV_MAX_RUNS];
+            const int nr = mha__kv_runs(c, seq, u->g, u->j1, nn, runs);
+            for (int ri = 0; ri < nr; ri++)
+                for (int64_t y = 0; y < runs[ri].n; y++)
+                    knext[runs[ri].y0 + y] = runs[ri].k + (size_t)y * c->k_row_bytes;
+        }
+        values_contig_table[dti][R - 1](vrows, knext, nb, S, o, dv, p->prefetch_l2);
         if (DT == MHA_DTYPE_FP8_E4M3)
             mha__kv_fp8_scale_o(c, u->g, o, R, dv);
         return;
@@ -666,9 +664,9 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
         const int64_t nkb = block_len(nb, jb);
         const int64_t ahead = jb + MHA_DEC_PREFETCH;
         const int64_t pn = block_len(nb, ahead);
-        const int64_t pslot = SLOT_(pn > 0 ? ahead : 0);
+        const int64_t pslot = pn > 0 ? ahead : 0;
         const void *vb[MHA_DEC_SUB];
-        block_rows(&vs, SLOT_(jb), nkb, vb);
+        block_rows(&vs, jb, nkb, vb);
         for (int64_t r0 = 0; r0 < R; r0 += 4) {
             const int64_t nr = R - r0 < 4 ? R - r0 : 4;
             const float *e = S + r0 * MHA_DEC_BLOCK + jb;
@@ -703,7 +701,6 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     }
     if (DT == MHA_DTYPE_FP8_E4M3)
         mha__kv_fp8_scale_o(c, u->g, o, R, dv);
-#undef SLOT_
 }
 
 void mha_decode_f32acc_splitkv__avx512(const mha__dec_problem *p,
