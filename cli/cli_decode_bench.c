@@ -462,7 +462,7 @@ static int bench_prefill(const bench_opts *b, bench_run *r) {
         mha_status st = MHA_STATUS_OK;
         if (b->layer_prefill) {
             fill(&r->rng, r->xbuf, B * tc * Q, 1.0f);
-            mha_decode_args a = {B, NULL, tc, r->xbuf, r->ybuf};
+            mha_decode_args a = {B, NULL, tc, r->xbuf, r->ybuf, NULL};
             st = mha_layer_prefill(r->layer, r->cache, &a, &r->ex, &r->err);
         } else {
             for (int64_t seq = 0; seq < B && !st; seq++) {
@@ -514,7 +514,7 @@ static int bench_layer(const bench_opts *b, bench_run *r) {
         mha_kv_cache_truncate(r->cache, seq, b->L, NULL);
     for (int64_t s = 0; s < b->N; s++) {
         fill(&r->rng, r->xbuf, b->B * b->Q, 1.0f);
-        mha_decode_args a = {b->B, NULL, 1, r->xbuf, r->ybuf};
+        mha_decode_args a = {b->B, NULL, 1, r->xbuf, r->ybuf, NULL};
         const double ts = now_s();
         mha_status st = mha_layer_decode_step(r->layer, r->cache, &a, &r->ex, &r->err);
         r->times[s] = now_s() - ts;

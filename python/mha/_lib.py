@@ -212,7 +212,7 @@ class mha_kv_cache_config(Structure):
 
 class mha_decode_args(Structure):
     _fields_ = [("num_seqs", c_int64), ("seq_ids", c_void_p), ("num_tokens", c_int64),
-                ("x", c_void_p), ("out", c_void_p)]
+                ("x", c_void_p), ("out", c_void_p), ("tree_parents", c_void_p)]
 
 
 class mha_attention_stats(Structure):

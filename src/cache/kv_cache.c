@@ -122,6 +122,33 @@ mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len, mha_err
     return MHA_STATUS_OK;
 }
 
+mha_status mha_kv_cache_accept(mha_kv_cache *cache,
+                               int64_t seq,
+                               int64_t base_len,
+                               int64_t n,
+                               const int64_t *draft_idx,
+                               mha_error *err) {
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_accept(&view, seq, base_len, n, draft_idx, err);
+    if (st)
+        return st;
+    /* Row k moves from base_len + draft_idx[k] >= base_len + k (strictly increasing indices), so
+     * in increasing k no move overwrites a row still to be moved. */
+    for (int64_t g = 0; g < cache->cfg.num_kv_heads; g++)
+        for (int64_t k = 0; k < n; k++) {
+            const int64_t from = base_len + draft_idx[k], to = base_len + k;
+            if (from == to)
+                continue;
+            memcpy((void *)mha__kv_k_row(cache, seq, g, to), mha__kv_k_row(cache, seq, g, from),
+                   cache->k_row_bytes);
+            memcpy((void *)mha__kv_v_row(cache, seq, g, to), mha__kv_v_row(cache, seq, g, from),
+                   cache->v_row_bytes);
+        }
+    cache->len[seq] = base_len + n;
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
 mha_status
 mha_kv_cache_copy(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq, mha_error *err) {
     const mha__kv_view view = mha__kv_view_of(cache);
