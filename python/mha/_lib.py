@@ -365,6 +365,8 @@ mha_kv_cache_length = _fn("mha_kv_cache_length", [c_void_p, c_int64], c_int64)
 mha_kv_cache_reset = _fn("mha_kv_cache_reset", [c_void_p, c_int64, P(mha_error)])
 mha_kv_cache_truncate = _fn("mha_kv_cache_truncate",
                                     [c_void_p, c_int64, c_int64, P(mha_error)])
+mha_kv_cache_accept = _fn("mha_kv_cache_accept",
+                          [c_void_p, c_int64, c_int64, c_int64, c_void_p, P(mha_error)])
 mha_layer_prefill = _fn(
     "mha_layer_prefill", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec), P(mha_error)])
 mha_layer_decode_step = _fn(
