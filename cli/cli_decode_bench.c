@@ -56,6 +56,7 @@ enum {
     B_STREAM_MB,
     B_JSON,
     B_WEIGHT_DTYPE,
+    B_DRAFT_TREE,
     B_COUNT
 };
 
@@ -76,6 +77,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_STREAM_MB] = {"--stream", CLI_OPT_VALUE},
     [B_JSON] = {"--json", CLI_OPT_FLAG},
     [B_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
+    [B_DRAFT_TREE] = {"--draft-tree", CLI_OPT_VALUE},
 };
 
 static void bench_usage(void) {
@@ -100,6 +102,9 @@ static void bench_usage(void) {
         "  --naive             also time a plain single-threaded loop over the same cache\n"
         "  --stream MB         also measure memory read bandwidth over an MB-megabyte buffer\n"
         "  --json              one JSON line instead of the table\n"
+        "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
+        "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
+        "                      step in the same run (attention only)\n"
         "  --weight-dtype T    the layer's weights: f32, f16 or bf16 (default: f32); the layer\n"
         "                      step then reports the weights' bytes per second\n"
         "\n"
@@ -280,6 +285,7 @@ typedef struct bench_opts {
     mha_dtype dt, wdt;
     const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
     int layer_prefill, attn_only, naive, json;
+    int64_t tree[16], tree_t; /* --draft-tree; tree_t = 0 without */
 } bench_opts;
 
 /* What a run holds (bench_free releases it) and what it measures. */
@@ -295,6 +301,7 @@ typedef struct bench_run {
     double prefill_s, attn_med, attn_min, kv_bytes, naive_s, layer_med, layer_min, stream;
     double stream_pf; /* the read loop with software prefetches (stream_gbs) */
     double weight_bytes;
+    double tree_med, tree_min, tree_max, one_med, one_min, one_max; /* --draft-tree */
 } bench_run;
 
 static int parse_bench(const cli_args *args, bench_opts *b) {
@@ -365,6 +372,24 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
     b->threads = T > 0 ? (int)T : mha_default_threads();
     b->naive = args->given[B_NAIVE];
     b->json = args->given[B_JSON];
+    if (args->given[B_DRAFT_TREE]) {
+        const char *c = args->value[B_DRAFT_TREE];
+        while (*c) {
+            char *end;
+            const long long v = strtoll(c, &end, 10);
+            if (end == c || b->tree_t == 16 || v < -1 || v >= b->tree_t)
+                return cli_usage("--draft-tree: '%s' is not a list of at most 16 parents, each -1 "
+                                 "or an earlier index",
+                                 args->value[B_DRAFT_TREE]);
+            b->tree[b->tree_t++] = v;
+            c = *end == ',' ? end + 1 : end;
+            if (*end && *end != ',')
+                return cli_usage("--draft-tree: '%s': expected a comma list",
+                                 args->value[B_DRAFT_TREE]);
+        }
+        if (b->tree_t == 0)
+            return cli_usage("--draft-tree: empty list");
+    }
     return CLI_OK;
 }
 
@@ -431,20 +456,21 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
     }
     mha_kv_cache_config kc;
     memset(&kc, 0, sizeof kc);
-    kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N, kc.batch = B, kc.dtype = b->dt;
+    kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N + 16, kc.batch = B;
+    kc.dtype = b->dt;
     if (mha_kv_cache_create(&kc, r->layer, NULL, &r->cache, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
     r->ex.n_threads = b->threads;
     if (mha_threadpool_create(b->threads, NULL, &r->ex.pool, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
     const int64_t chunk = BENCH_CHUNK;
-    r->kv = malloc(sizeof(float) * (size_t)(chunk * G * D * (b->layer_prefill ? 1 : 2)));
+    r->kv = malloc(sizeof(float) * (size_t)((chunk > 16 ? chunk : 16) * G * D * 2));
     /* The layer's input and output: [B, chunk, Q] for a prefill call, [B, 1, Q] for a step. */
     const int64_t rows = B * (b->layer_prefill ? chunk : 1);
     r->xbuf = malloc(sizeof(float) * (size_t)(rows * Q));
     r->ybuf = malloc(sizeof(float) * (size_t)(rows * Q));
-    r->q = malloc(sizeof(float) * (size_t)(B * H * D));
-    r->o = malloc(sizeof(float) * (size_t)(B * H * D));
+    r->q = malloc(sizeof(float) * (size_t)(B * 16 * H * D)); /* up to 16 draft tokens */
+    r->o = malloc(sizeof(float) * (size_t)(B * 16 * H * D));
     /* The naive loop's scores [H, L + N] and one K/V row [G, D]. */
     r->scores = malloc(sizeof(float) * (size_t)(H * (L + 2 * N) + G * D));
     r->times = malloc(sizeof(double) * (size_t)N);
@@ -507,6 +533,48 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
     return CLI_OK;
 }
 
+/* --draft-tree: --steps pairs of (a) the tree's t drafts appended and verified (timed), dropped
+ * again, (b) one token appended and attended (timed), the cache growing by one per pair. */
+static int bench_tree(const bench_opts *b, bench_run *r) {
+    const int64_t H = b->H, G = b->G, D = b->D, B = b->B, N = b->N, t = b->tree_t;
+    fill(&r->rng, r->q, B * t * H * D, 1.0f);
+    double *one = malloc(sizeof(double) * (size_t)N);
+    if (!one)
+        return cli_fail("out of memory");
+    for (int64_t s = 0; s < N; s++) {
+        mha_status st = MHA_STATUS_OK;
+        for (int pass = 0; pass < 2 && !st; pass++) {
+            const int64_t n = pass == 0 ? t : 1;
+            mha_kv_attention_args ka;
+            memset(&ka, 0, sizeof ka);
+            ka.num_seqs = B, ka.num_tokens = n, ka.num_heads = H, ka.q = r->q, ka.out = r->o;
+            ka.tree_parents = pass == 0 ? b->tree : NULL;
+            fill(&r->rng, r->kv, 2 * n * G * D, 1.0f);
+            int64_t len0[4096];
+            for (int64_t seq = 0; seq < B && !st; seq++) {
+                len0[seq] = mha_kv_cache_length(r->cache, seq);
+                st = mha_kv_cache_append(r->cache, 1, &seq, n, r->kv, r->kv + n * G * D, &r->err);
+            }
+            const double ts = now_s();
+            if (!st)
+                st = mha_kv_cache_attention(r->cache, &ka, &r->ex, &r->err);
+            (pass == 0 ? r->times : one)[s] = now_s() - ts;
+            for (int64_t seq = 0; seq < B && !st && pass == 0; seq++)
+                st = mha_kv_cache_truncate(r->cache, seq, len0[seq], &r->err);
+        }
+        if (st != MHA_STATUS_OK) {
+            free(one);
+            return cli_lib_fail(NULL, &r->err);
+        }
+    }
+    qsort(r->times, (size_t)N, sizeof(double), cmp_d);
+    qsort(one, (size_t)N, sizeof(double), cmp_d);
+    r->tree_med = r->times[N / 2], r->tree_min = r->times[0], r->tree_max = r->times[N - 1];
+    r->one_med = one[N / 2], r->one_min = one[0], r->one_max = one[N - 1];
+    free(one);
+    return CLI_OK;
+}
+
 /* --steps whole layer steps (projections + RoPE + attention) from the cache cut back to
  * --cache-len; the median. */
 static int bench_layer(const bench_opts *b, bench_run *r) {
@@ -564,6 +632,11 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "%s weights %.1f MB -> %.1f GB/s\n",
                r->layer_med * 1e3, B / r->layer_med, b->wdtn, r->weight_bytes * 1e-6,
                r->weight_bytes / r->layer_med * 1e-9);
+    if (r->tree_med > 0.0)
+        printf("  draft tree of %lld tokens: median %.3f ms [%.3f, %.3f]; one-token step in the "
+               "same run: median %.3f ms [%.3f, %.3f]; tree / one = %.2fx\n",
+               (long long)b->tree_t, r->tree_med * 1e3, r->tree_min * 1e3, r->tree_max * 1e3,
+               r->one_med * 1e3, r->one_min * 1e3, r->one_max * 1e3, r->tree_med / r->one_med);
     if (r->stream > 0.0)
         printf("  memory read bandwidth (%lld MB buffer, %d threads): %.1f GB/s; attention "
                "reaches %.0f%%\n",
@@ -609,6 +682,8 @@ int cli_decode_bench_main(int argc, char **argv) {
             r.naive_s = naive_step(r.cache, b.B, b.H, r.q, r.o, r.scores);
         if (!b.attn_only)
             rc = bench_layer(&b, &r);
+        if (!rc && b.tree_t > 0)
+            rc = bench_tree(&b, &r);
     }
     if (!rc) {
         double best[2] = {0.0, 0.0};
