@@ -57,6 +57,7 @@ enum {
     B_JSON,
     B_WEIGHT_DTYPE,
     B_DRAFT_TREE,
+    B_BATCH_LENGTHS,
     B_COUNT
 };
 
@@ -78,6 +79,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_JSON] = {"--json", CLI_OPT_FLAG},
     [B_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
     [B_DRAFT_TREE] = {"--draft-tree", CLI_OPT_VALUE},
+    [B_BATCH_LENGTHS] = {"--batch-lengths", CLI_OPT_VALUE},
 };
 
 static void bench_usage(void) {
@@ -105,6 +107,9 @@ static void bench_usage(void) {
         "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
         "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
         "                      step in the same run (attention only)\n"
+        "  --batch-lengths S   per-sequence cache lengths instead of --cache-len (attention\n"
+        "                      only): a comma list (its size is the batch), or logu:LO:HI:SEED,\n"
+        "                      --batch lengths log-uniform in [LO, HI] from a fixed seed\n"
         "  --weight-dtype T    the layer's weights: f32, f16 or bf16 (default: f32); the layer\n"
         "                      step then reports the weights' bytes per second\n"
         "\n"
@@ -286,6 +291,7 @@ typedef struct bench_opts {
     const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
     int layer_prefill, attn_only, naive, json;
     int64_t tree[16], tree_t; /* --draft-tree; tree_t = 0 without */
+    int64_t *lens;            /* [B] --batch-lengths, else NULL (every sequence --cache-len) */
 } bench_opts;
 
 /* What a run holds (bench_free releases it) and what it measures. */
@@ -390,6 +396,48 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
         if (b->tree_t == 0)
             return cli_usage("--draft-tree: empty list");
     }
+    if (args->given[B_BATCH_LENGTHS]) {
+        const char *c = args->value[B_BATCH_LENGTHS];
+        if (!b->attn_only)
+            return cli_usage("--batch-lengths needs --attention-only");
+        long long lo, hi, seed;
+        int logu = strncmp(c, "logu:", 5) == 0;
+        if (logu && sscanf(c + 5, "%lld:%lld:%lld", &lo, &hi, &seed) != 3)
+            return cli_usage("--batch-lengths: '%s' is not logu:LO:HI:SEED", c);
+        if (logu && (lo < 1 || hi < lo || hi > (1 << 24)))
+            return cli_usage("--batch-lengths: need 1 <= LO <= HI <= 2^24");
+        if (!logu) { /* the batch is the list's size */
+            b->B = 1;
+            for (const char *x = c; *x; x++)
+                b->B += *x == ',';
+        }
+        if (b->B > 4096)
+            return cli_usage("--batch-lengths: at most 4096 sequences");
+        b->lens = malloc(sizeof(int64_t) * (size_t)b->B);
+        if (!b->lens)
+            return cli_fail("out of memory");
+        uint64_t rng = 0x2545F4914F6CDD1Dull ^ (uint64_t)(logu ? seed : 0);
+        b->L = 0;
+        for (int64_t i = 0; i < b->B; i++) {
+            if (logu) {
+                rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                const double u = (double)(rng >> 11) * 0x1p-53;
+                b->lens[i] = (int64_t)llround(exp(log((double)lo) + u * log((double)hi / lo)));
+            } else {
+                char *end;
+                const long long v = strtoll(c, &end, 10);
+                if (end == c || v < 1 || v > (1 << 24) || (*end && *end != ',')) {
+                    free(b->lens);
+                    b->lens = NULL;
+                    return cli_usage("--batch-lengths: '%s' is not a list of lengths in [1, 2^24]",
+                                     args->value[B_BATCH_LENGTHS]);
+                }
+                b->lens[i] = v;
+                c = *end ? end + 1 : end;
+            }
+            b->L = b->lens[i] > b->L ? b->lens[i] : b->L; /* --cache-len: the longest */
+        }
+    }
     return CLI_OK;
 }
 
@@ -486,6 +534,18 @@ static int bench_prefill(const bench_opts *b, bench_run *r) {
     for (int64_t p0 = 0; p0 < L; p0 += chunk) {
         const int64_t tc = L - p0 < chunk ? L - p0 : chunk;
         mha_status st = MHA_STATUS_OK;
+        if (b->lens) { /* --batch-lengths: each sequence to its own length */
+            for (int64_t seq = 0; seq < B && !st; seq++) {
+                const int64_t n = b->lens[seq] - p0 < tc ? b->lens[seq] - p0 : tc;
+                if (n <= 0)
+                    continue;
+                fill(&r->rng, r->kv, 2 * n * G * D, 1.0f);
+                st = mha_kv_cache_append(r->cache, 1, &seq, n, r->kv, r->kv + n * G * D, &r->err);
+            }
+            if (st != MHA_STATUS_OK)
+                return cli_lib_fail(NULL, &r->err);
+            continue;
+        }
         if (b->layer_prefill) {
             fill(&r->rng, r->xbuf, B * tc * Q, 1.0f);
             mha_decode_args a = {B, NULL, tc, r->xbuf, r->ybuf, NULL};
@@ -525,7 +585,9 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
             return cli_lib_fail(NULL, &r->err);
         /* bytes per value: the element size, or 34 / 32 for q8_0 blocks */
         const double per = b->dt == MHA_DTYPE_Q8_0 ? 34.0 / 32.0 : (double)mha_dtype_size(b->dt);
-        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) * per;
+        for (int64_t seq = 0; seq < B; seq++)
+            kv_bytes +=
+                (double)G * (double)((b->lens ? b->lens[seq] : L) + s + 1) * (double)(2 * D) * per;
     }
     r->kv_bytes = kv_bytes / (double)N;
     qsort(r->times, (size_t)N, sizeof(double), cmp_d);
@@ -618,6 +680,13 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
            "threads=%d cache=%s kernel=%s\n",
            (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->Q, (long long)b->L,
            (long long)b->B, b->threads, b->dtn, decode_kernel_name(b->dt));
+    if (b->lens) {
+        double tot = 0.0;
+        for (int64_t i = 0; i < b->B; i++)
+            tot += (double)b->lens[i];
+        printf("  --batch-lengths: %lld sequences, %.0f positions in all, longest %lld\n",
+               (long long)b->B, tot, (long long)b->L);
+    }
     printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
            b->layer_prefill ? "layer" : "random K/V", r->prefill_s, (long long)b->L,
            (long long)b->B);
@@ -693,5 +762,6 @@ int cli_decode_bench_main(int argc, char **argv) {
         bench_report(&b, &r);
     }
     bench_free(&r);
+    free(b.lens);
     return rc;
 }
