@@ -120,7 +120,7 @@ int main(int argc, char **argv) {
     float *prompt = malloc(sizeof(float) * 64 * 512);
     float *pout = malloc(sizeof(float) * 64 * 512);
     fill(prompt, 64 * 512, 1.0f);
-    mha_decode_args d = {1, NULL, 64, prompt, pout};
+    mha_decode_args d = {1, NULL, 64, prompt, pout, NULL};
     if (mha_layer_prefill(small.layer, small.cache, &d, NULL, &err))
         die("prefill", &err);
 

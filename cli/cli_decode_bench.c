@@ -60,6 +60,8 @@ enum {
     B_JSON,
     B_WEIGHT_DTYPE,
     B_PAGED,
+    B_DRAFT_TREE,
+    B_BATCH_LENGTHS,
     B_COUNT
 };
 
@@ -81,6 +83,8 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_JSON] = {"--json", CLI_OPT_FLAG},
     [B_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
     [B_PAGED] = {"--paged", CLI_OPT_VALUE},
+    [B_DRAFT_TREE] = {"--draft-tree", CLI_OPT_VALUE},
+    [B_BATCH_LENGTHS] = {"--batch-lengths", CLI_OPT_VALUE},
 };
 
 static void bench_usage(void) {
@@ -112,6 +116,12 @@ static void bench_usage(void) {
         "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
         "                      same K/V, its blocks taken in a shuffled order; its attention is\n"
         "                      timed interleaved with the contiguous one's (paged/contiguous)\n"
+        "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
+        "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
+        "                      step in the same run (attention only)\n"
+        "  --batch-lengths S   per-sequence cache lengths instead of --cache-len (attention\n"
+        "                      only): a comma list (its size is the batch), or logu:LO:HI:SEED,\n"
+        "                      --batch lengths log-uniform in [LO, HI] from a fixed seed\n"
         "\n"
         "Example:\n"
         "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 \\\n"
@@ -291,6 +301,8 @@ typedef struct bench_opts {
     mha_dtype dt, wdt;
     const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
     int layer_prefill, attn_only, naive, json;
+    int64_t tree[16], tree_t; /* --draft-tree; tree_t = 0 without */
+    int64_t *lens;            /* [B] --batch-lengths, else NULL (every sequence --cache-len) */
 } bench_opts;
 
 /* What a run holds (bench_free releases it) and what it measures. */
@@ -310,6 +322,7 @@ typedef struct bench_run {
     double prefill_s, attn_med, attn_min, kv_bytes, naive_s, layer_med, layer_min, stream;
     double stream_pf; /* the read loop with software prefetches (stream_gbs) */
     double weight_bytes;
+    double tree_med, tree_min, tree_max, one_med, one_min, one_max; /* --draft-tree */
 } bench_run;
 
 static int parse_bench(const cli_args *args, bench_opts *b) {
@@ -385,6 +398,66 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
     b->threads = T > 0 ? (int)T : mha_default_threads();
     b->naive = args->given[B_NAIVE];
     b->json = args->given[B_JSON];
+    if (args->given[B_DRAFT_TREE]) {
+        const char *c = args->value[B_DRAFT_TREE];
+        while (*c) {
+            char *end;
+            const long long v = strtoll(c, &end, 10);
+            if (end == c || b->tree_t == 16 || v < -1 || v >= b->tree_t)
+                return cli_usage("--draft-tree: '%s' is not a list of at most 16 parents, each -1 "
+                                 "or an earlier index",
+                                 args->value[B_DRAFT_TREE]);
+            b->tree[b->tree_t++] = v;
+            c = *end == ',' ? end + 1 : end;
+            if (*end && *end != ',')
+                return cli_usage("--draft-tree: '%s': expected a comma list",
+                                 args->value[B_DRAFT_TREE]);
+        }
+        if (b->tree_t == 0)
+            return cli_usage("--draft-tree: empty list");
+    }
+    if (args->given[B_BATCH_LENGTHS]) {
+        const char *c = args->value[B_BATCH_LENGTHS];
+        if (!b->attn_only)
+            return cli_usage("--batch-lengths needs --attention-only");
+        long long lo, hi, seed;
+        int logu = strncmp(c, "logu:", 5) == 0;
+        if (logu && sscanf(c + 5, "%lld:%lld:%lld", &lo, &hi, &seed) != 3)
+            return cli_usage("--batch-lengths: '%s' is not logu:LO:HI:SEED", c);
+        if (logu && (lo < 1 || hi < lo || hi > (1 << 24)))
+            return cli_usage("--batch-lengths: need 1 <= LO <= HI <= 2^24");
+        if (!logu) { /* the batch is the list's size */
+            b->B = 1;
+            for (const char *x = c; *x; x++)
+                b->B += *x == ',';
+        }
+        if (b->B > 4096)
+            return cli_usage("--batch-lengths: at most 4096 sequences");
+        b->lens = malloc(sizeof(int64_t) * (size_t)b->B);
+        if (!b->lens)
+            return cli_fail("out of memory");
+        uint64_t rng = 0x2545F4914F6CDD1Dull ^ (uint64_t)(logu ? seed : 0);
+        b->L = 0;
+        for (int64_t i = 0; i < b->B; i++) {
+            if (logu) {
+                rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+                const double u = (double)(rng >> 11) * 0x1p-53;
+                b->lens[i] = (int64_t)llround(exp(log((double)lo) + u * log((double)hi / lo)));
+            } else {
+                char *end;
+                const long long v = strtoll(c, &end, 10);
+                if (end == c || v < 1 || v > (1 << 24) || (*end && *end != ',')) {
+                    free(b->lens);
+                    b->lens = NULL;
+                    return cli_usage("--batch-lengths: '%s' is not a list of lengths in [1, 2^24]",
+                                     args->value[B_BATCH_LENGTHS]);
+                }
+                b->lens[i] = v;
+                c = *end ? end + 1 : end;
+            }
+            b->L = b->lens[i] > b->L ? b->lens[i] : b->L; /* --cache-len: the longest */
+        }
+    }
     return CLI_OK;
 }
 
@@ -508,7 +581,8 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
     }
     mha_kv_cache_config kc;
     memset(&kc, 0, sizeof kc);
-    kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N, kc.batch = B, kc.dtype = b->dt;
+    kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N + 16, kc.batch = B;
+    kc.dtype = b->dt;
     if (mha_kv_cache_create(&kc, r->layer, NULL, &r->cache, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
     if (b->paged && bench_paged_cache(b, &kc, r) != CLI_OK)
@@ -517,13 +591,13 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
     if (mha_threadpool_create(b->threads, NULL, &r->ex.pool, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
     const int64_t chunk = BENCH_CHUNK;
-    r->kv = malloc(sizeof(float) * (size_t)(chunk * G * D * (b->layer_prefill ? 1 : 2)));
+    r->kv = malloc(sizeof(float) * (size_t)((chunk > 16 ? chunk : 16) * G * D * 2));
     /* The layer's input and output: [B, chunk, Q] for a prefill call, [B, 1, Q] for a step. */
     const int64_t rows = B * (b->layer_prefill ? chunk : 1);
     r->xbuf = malloc(sizeof(float) * (size_t)(rows * Q));
     r->ybuf = malloc(sizeof(float) * (size_t)(rows * Q));
-    r->q = malloc(sizeof(float) * (size_t)(B * H * D));
-    r->o = malloc(sizeof(float) * (size_t)(B * H * D));
+    r->q = malloc(sizeof(float) * (size_t)(B * 16 * H * D)); /* up to 16 draft tokens */
+    r->o = malloc(sizeof(float) * (size_t)(B * 16 * H * D));
     /* The naive loop's scores [H, L + N] and one K/V row [G, D]. */
     r->scores = malloc(sizeof(float) * (size_t)(H * (L + 2 * N) + G * D));
     r->times = malloc(sizeof(double) * (size_t)N);
@@ -539,9 +613,21 @@ static int bench_prefill(const bench_opts *b, bench_run *r) {
     for (int64_t p0 = 0; p0 < L; p0 += chunk) {
         const int64_t tc = L - p0 < chunk ? L - p0 : chunk;
         mha_status st = MHA_STATUS_OK;
+        if (b->lens) { /* --batch-lengths: each sequence to its own length */
+            for (int64_t seq = 0; seq < B && !st; seq++) {
+                const int64_t n = b->lens[seq] - p0 < tc ? b->lens[seq] - p0 : tc;
+                if (n <= 0)
+                    continue;
+                fill(&r->rng, r->kv, 2 * n * G * D, 1.0f);
+                st = mha_kv_cache_append(r->cache, 1, &seq, n, r->kv, r->kv + n * G * D, &r->err);
+            }
+            if (st != MHA_STATUS_OK)
+                return cli_lib_fail(NULL, &r->err);
+            continue;
+        }
         if (b->layer_prefill) {
             fill(&r->rng, r->xbuf, B * tc * Q, 1.0f);
-            mha_decode_args a = {B, NULL, tc, r->xbuf, r->ybuf};
+            mha_decode_args a = {B, NULL, tc, r->xbuf, r->ybuf, NULL};
             st = mha_layer_prefill(r->layer, r->cache, &a, &r->ex, &r->err);
         } else {
             for (int64_t seq = 0; seq < B && !st; seq++) {
@@ -587,7 +673,9 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
             return cli_lib_fail(NULL, &r->err);
         /* bytes per value: the element size, or 34 / 32 for q8_0 blocks */
         const double per = b->dt == MHA_DTYPE_Q8_0 ? 34.0 / 32.0 : (double)mha_dtype_size(b->dt);
-        kv_bytes += (double)B * (double)G * (double)(L + s + 1) * (double)(2 * D) * per;
+        for (int64_t seq = 0; seq < B; seq++)
+            kv_bytes +=
+                (double)G * (double)((b->lens ? b->lens[seq] : L) + s + 1) * (double)(2 * D) * per;
     }
     r->kv_bytes = kv_bytes / (double)N;
     qsort(r->times, (size_t)N, sizeof(double), cmp_d);
@@ -599,6 +687,48 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
     return CLI_OK;
 }
 
+/* --draft-tree: --steps pairs of (a) the tree's t drafts appended and verified (timed), dropped
+ * again, (b) one token appended and attended (timed), the cache growing by one per pair. */
+static int bench_tree(const bench_opts *b, bench_run *r) {
+    const int64_t H = b->H, G = b->G, D = b->D, B = b->B, N = b->N, t = b->tree_t;
+    fill(&r->rng, r->q, B * t * H * D, 1.0f);
+    double *one = malloc(sizeof(double) * (size_t)N);
+    if (!one)
+        return cli_fail("out of memory");
+    for (int64_t s = 0; s < N; s++) {
+        mha_status st = MHA_STATUS_OK;
+        for (int pass = 0; pass < 2 && !st; pass++) {
+            const int64_t n = pass == 0 ? t : 1;
+            mha_kv_attention_args ka;
+            memset(&ka, 0, sizeof ka);
+            ka.num_seqs = B, ka.num_tokens = n, ka.num_heads = H, ka.q = r->q, ka.out = r->o;
+            ka.tree_parents = pass == 0 ? b->tree : NULL;
+            fill(&r->rng, r->kv, 2 * n * G * D, 1.0f);
+            int64_t len0[4096];
+            for (int64_t seq = 0; seq < B && !st; seq++) {
+                len0[seq] = mha_kv_cache_length(r->cache, seq);
+                st = mha_kv_cache_append(r->cache, 1, &seq, n, r->kv, r->kv + n * G * D, &r->err);
+            }
+            const double ts = now_s();
+            if (!st)
+                st = mha_kv_cache_attention(r->cache, &ka, &r->ex, &r->err);
+            (pass == 0 ? r->times : one)[s] = now_s() - ts;
+            for (int64_t seq = 0; seq < B && !st && pass == 0; seq++)
+                st = mha_kv_cache_truncate(r->cache, seq, len0[seq], &r->err);
+        }
+        if (st != MHA_STATUS_OK) {
+            free(one);
+            return cli_lib_fail(NULL, &r->err);
+        }
+    }
+    qsort(r->times, (size_t)N, sizeof(double), cmp_d);
+    qsort(one, (size_t)N, sizeof(double), cmp_d);
+    r->tree_med = r->times[N / 2], r->tree_min = r->times[0], r->tree_max = r->times[N - 1];
+    r->one_med = one[N / 2], r->one_min = one[0], r->one_max = one[N - 1];
+    free(one);
+    return CLI_OK;
+}
+
 /* --steps whole layer steps (projections + RoPE + attention) from the cache cut back to
  * --cache-len; the median. */
 static int bench_layer(const bench_opts *b, bench_run *r) {
@@ -606,7 +736,7 @@ static int bench_layer(const bench_opts *b, bench_run *r) {
         mha_kv_cache_truncate(r->cache, seq, b->L, NULL);
     for (int64_t s = 0; s < b->N; s++) {
         fill(&r->rng, r->xbuf, b->B * b->Q, 1.0f);
-        mha_decode_args a = {b->B, NULL, 1, r->xbuf, r->ybuf};
+        mha_decode_args a = {b->B, NULL, 1, r->xbuf, r->ybuf, NULL};
         const double ts = now_s();
         mha_status st = mha_layer_decode_step(r->layer, r->cache, &a, &r->ex, &r->err);
         r->times[s] = now_s() - ts;
@@ -644,6 +774,13 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
            "threads=%d cache=%s kernel=%s\n",
            (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->Q, (long long)b->L,
            (long long)b->B, b->threads, b->dtn, decode_kernel_name(b->dt));
+    if (b->lens) {
+        double tot = 0.0;
+        for (int64_t i = 0; i < b->B; i++)
+            tot += (double)b->lens[i];
+        printf("  --batch-lengths: %lld sequences, %.0f positions in all, longest %lld\n",
+               (long long)b->B, tot, (long long)b->L);
+    }
     printf("  prefill (%s): %.3f s for %lld positions x %lld sequences\n",
            b->layer_prefill ? "layer" : "random K/V", r->prefill_s, (long long)b->L,
            (long long)b->B);
@@ -663,6 +800,11 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "%s weights %.1f MB -> %.1f GB/s\n",
                r->layer_med * 1e3, B / r->layer_med, b->wdtn, r->weight_bytes * 1e-6,
                r->weight_bytes / r->layer_med * 1e-9);
+    if (r->tree_med > 0.0)
+        printf("  draft tree of %lld tokens: median %.3f ms [%.3f, %.3f]; one-token step in the "
+               "same run: median %.3f ms [%.3f, %.3f]; tree / one = %.2fx\n",
+               (long long)b->tree_t, r->tree_med * 1e3, r->tree_min * 1e3, r->tree_max * 1e3,
+               r->one_med * 1e3, r->one_min * 1e3, r->one_max * 1e3, r->tree_med / r->one_med);
     if (r->stream > 0.0)
         printf("  memory read bandwidth (%lld MB buffer, %d threads): %.1f GB/s; attention "
                "reaches %.0f%%\n",
@@ -711,6 +853,8 @@ int cli_decode_bench_main(int argc, char **argv) {
             r.naive_s = naive_step(r.cache, b.B, b.H, r.q, r.o, r.scores);
         if (!b.attn_only)
             rc = bench_layer(&b, &r);
+        if (!rc && b.tree_t > 0)
+            rc = bench_tree(&b, &r);
     }
     if (!rc) {
         double best[2] = {0.0, 0.0};
@@ -720,5 +864,6 @@ int cli_decode_bench_main(int argc, char **argv) {
         bench_report(&b, &r);
     }
     bench_free(&r);
+    free(b.lens);
     return rc;
 }

@@ -1037,6 +1037,20 @@ MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache,
                                          int64_t seq,
                                          int64_t new_len,
                                          mha_error *err);
+/** After verifying a draft tree (tree_parents) appended at positions base_len .. L-1 of sequence
+ *  `seq`: keeps the n accepted drafts draft_idx[0..n) (strictly increasing, each in
+ *  [0, L - base_len): a root-to-node path lists its drafts in increasing order) by moving their K
+ *  and V rows to positions base_len .. base_len+n-1 and setting the length to base_len + n. Exact
+ *  for every dtype: the k-th node of a path has depth k, so its K was RoPE'd at its final
+ *  position. n = 0 is a truncate to base_len. A window/chunk cache must still hold the keys the
+ *  token at base_len needs (as mha_kv_cache_truncate). INVALID_ARG for bad indices, nothing
+ *  changed. */
+MHA_API mha_status mha_kv_cache_accept(mha_kv_cache *cache,
+                                       int64_t seq,
+                                       int64_t base_len,
+                                       int64_t n,
+                                       const int64_t *draft_idx,
+                                       mha_error *err);
 /** Makes sequence dst a copy of sequence src (length and contents): forks a shared prefix.
  *  src == dst is a no-op. A paged cache copies no rows: dst releases its blocks and references
  *  src's (reference counts + 1); the first later write into a shared block (an append to the
@@ -1107,6 +1121,13 @@ typedef struct mha_kv_attention_args {
     const float *q;
     float *out;
     float *lse;
+    /* Speculative tree verification (docs/SEMANTICS.md "Draft trees"): NULL = the usual chain.
+     * Else [t], the same tree for every listed sequence: the last t tokens are drafts, draft i's
+     * parent is tree_parents[i] in [0, i) or -1 (a child of the token before the drafts). Draft i
+     * is at position L - t + depth(i) (depth 0 for a root) and sees the keys before the drafts by
+     * the rule above at that position, plus its ancestors-or-self among the drafts (each still
+     * under the window/chunk rule at its own position); ALiBi distances use positions. t <= 16. */
+    const int64_t *tree_parents;
 } mha_kv_attention_args;
 
 MHA_API mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
@@ -1128,6 +1149,11 @@ typedef struct mha_decode_args {
     int64_t num_tokens;     /* t >= 1 */
     const float *x;         /* [num_seqs, t, q_dim] */
     float *out;             /* [num_seqs, t, out_dim] */
+    /* NULL = a chain. Else [t] draft-tree parents (mha_kv_attention_args.tree_parents): token i
+     * gets RoPE (and temperature) at L + depth(i) and attends as a draft of the tree; its K/V go
+     * to slot L + i. Keep the accepted path with mha_kv_cache_accept. t <= 16, and t <=
+     * max_step_tokens for a window/chunk cache. */
+    const int64_t *tree_parents;
 } mha_decode_args;
 
 /** Appends a prompt (any t; long ones go through the flash core block by block).

@@ -140,7 +140,7 @@ static void test_layer_scalars(void) {
     kb = ka, kb.lse = o + 1; /* lse inside out */
     refused(mha_kv_cache_attention(cache, &kb, NULL, &err), &err, "overlaps", "kv lse in out");
     float x[8] = {0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f};
-    mha_decode_args da = {1, NULL, 1, x, x};
+    mha_decode_args da = {1, NULL, 1, x, x, NULL};
     refused(mha_layer_decode_step(L, cache, &da, NULL, &err), &err, "overlaps", "decode out == x");
     CHECK(mha_kv_cache_length(cache, 0) == 1, "nothing appended by a refused step");
     da.out = x + 4; /* partial overlap */
@@ -440,7 +440,7 @@ static void test_error_contract(void) {
     kc.max_seq = 8, kc.batch = 1;
     mha_kv_cache *cache = NULL;
     CLEARS(mha_kv_cache_create(&kc, L, NULL, &cache, &stale));
-    mha_decode_args da = {1, NULL, 1, x, y};
+    mha_decode_args da = {1, NULL, 1, x, y, NULL};
     CLEARS(mha_layer_prefill(L, cache, &da, NULL, &stale));
     CLEARS(mha_layer_decode_step(L, cache, &da, NULL, &stale));
     float kv[4 * 2];

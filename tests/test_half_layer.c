@@ -659,7 +659,7 @@ static void test_decode(const built *c) {
         const int64_t t = t0 == 0 ? prompt : 1;
         for (int64_t b = 0; b < S; b++)
             memcpy(tmp + b * t * qd, x + (b * L + t0) * qd, sizeof(float) * (size_t)(t * qd));
-        mha_decode_args d = {S, NULL, t, tmp, NULL};
+        mha_decode_args d = {S, NULL, t, tmp, NULL, NULL};
         float *o = malloc(sizeof(float) * (size_t)(S * t * qd));
         float *o32 = malloc(sizeof(float) * (size_t)(S * t * qd));
         mha_exec ex = {MHA_IMPL_AUTO, 2, NULL, 0, NULL, NULL};

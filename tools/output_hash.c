@@ -554,7 +554,7 @@ static void run_decode_case(mha_dtype dtype,
         float *xs = new_filled(2 * t * q_dim, 62 + (uint64_t)s, 1.0f);
         if (s == 0)
             memcpy(xs, x, (size_t)(2 * t * q_dim) * sizeof(float));
-        mha_decode_args d = {2, NULL, t, xs, out};
+        mha_decode_args d = {2, NULL, t, xs, out, NULL};
         mha_status st = s == 0 ? mha_layer_prefill(layer, cache, &d, &ex, &err)
                                : mha_layer_decode_step(layer, cache, &d, &ex, &err);
         if (st != MHA_STATUS_OK)

@@ -1665,6 +1665,7 @@ class KVCache:
         ptrs = [None if a is None else a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
                 for a in arrs]
         M.call(L.mha_kv_cache_set_fp8_scales, self._handle.ptr, ptrs[0], ptrs[1])
+
     def fork(self, src: int, dst: int) -> None:
         """Sequence dst becomes a copy of src (a paged cache shares src's blocks)."""
         M.call(L.mha_kv_cache_copy, self._handle.ptr, src, dst)
@@ -1677,7 +1678,15 @@ class KVCache:
         """Free blocks of a paged cache's pool (0 for a contiguous cache)."""
         return int(L.mha_kv_cache_free_blocks(self._handle.ptr))
 
-    def _run(self, fn, x, seq_ids, impl, threads) -> np.ndarray:
+    def accept(self, seq: int, base_len: int, draft_idx: Sequence[int]) -> None:
+        """Keeps the accepted drafts of a verified tree (mha_kv_cache_accept): the rows of drafts
+        ``draft_idx`` (strictly increasing indices into the drafts appended at ``base_len``) move
+        to positions base_len .. base_len+n-1 and the length becomes base_len + n."""
+        idx = np.ascontiguousarray(np.asarray(draft_idx, dtype=np.int64).reshape(-1))
+        M.call(L.mha_kv_cache_accept, self._handle.ptr, seq, base_len, idx.size,
+               _ptr(idx) if idx.size else None)
+
+    def _run(self, fn, x, seq_ids, impl, threads, tree_parents=None) -> np.ndarray:
         c = self._layer.config
         a = _float32(x, "x")
         single = a.ndim == 2
@@ -1691,6 +1700,10 @@ class KVCache:
         if seq_ids is not None:
             ids = _int_array(seq_ids, "seq_ids", np.int64, (a.shape[0],))
             d.seq_ids = _ptr(ids)
+        tree = None
+        if tree_parents is not None:
+            tree = _int_array(tree_parents, "tree_parents", np.int64, (a.shape[1],))
+            d.tree_parents = _ptr(tree)
         out = np.empty((a.shape[0], a.shape[1], c.out_dim), _F32)
         d.x, d.out = _ptr(a), _ptr(out)
         M.call(fn, self._layer._ptr, self._handle.ptr, d, _exec(impl, threads))
@@ -1702,9 +1715,12 @@ class KVCache:
         return self._run(L.mha_layer_prefill, x, seq_ids, impl, threads)
 
     def step(self, x: ArrayLike, seq_ids: Optional[Sequence[int]] = None, *,
-             impl: str = "auto", threads: int = 0) -> np.ndarray:
-        """One decoding step (mha_layer_decode_step): usually t = 1 new token per sequence."""
-        return self._run(L.mha_layer_decode_step, x, seq_ids, impl, threads)
+             impl: str = "auto", threads: int = 0,
+             tree_parents: Optional[Sequence[int]] = None) -> np.ndarray:
+        """One decoding step (mha_layer_decode_step): usually t = 1 new token per sequence.
+        ``tree_parents`` [t] makes the t tokens a draft tree (docs/SEMANTICS.md "Draft trees"):
+        parent index or -1; keep the accepted path with ``accept``."""
+        return self._run(L.mha_layer_decode_step, x, seq_ids, impl, threads, tree_parents)
 
     def close(self) -> None:
         self._handle.close()

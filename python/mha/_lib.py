@@ -214,7 +214,7 @@ class mha_kv_cache_config(Structure):
 
 class mha_decode_args(Structure):
     _fields_ = [("num_seqs", c_int64), ("seq_ids", c_void_p), ("num_tokens", c_int64),
-                ("x", c_void_p), ("out", c_void_p)]
+                ("x", c_void_p), ("out", c_void_p), ("tree_parents", c_void_p)]
 
 
 class mha_attention_stats(Structure):
@@ -375,6 +375,8 @@ mha_kv_cache_copy = _fn("mha_kv_cache_copy", [c_void_p, c_int64, c_int64, P(mha_
 mha_kv_cache_share_prefix = _fn("mha_kv_cache_share_prefix",
                                 [c_void_p, c_int64, c_int64, c_int64, P(mha_error)])
 mha_kv_cache_free_blocks = _fn("mha_kv_cache_free_blocks", [c_void_p], c_int64)
+mha_kv_cache_accept = _fn("mha_kv_cache_accept",
+                          [c_void_p, c_int64, c_int64, c_int64, c_void_p, P(mha_error)])
 mha_layer_prefill = _fn(
     "mha_layer_prefill", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec), P(mha_error)])
 mha_layer_decode_step = _fn(

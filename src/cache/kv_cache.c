@@ -235,6 +235,63 @@ mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len, mha_err
     return MHA_STATUS_OK;
 }
 
+/* A paged cache: the blocks mha_kv_cache_accept writes into must not be shared (copy-on-write
+ * takes a free block for each shared one): NO_MEMORY with nothing moved when the pool is short. */
+static mha_status accept_pool(const mha_kv_cache *c,
+                              int64_t seq,
+                              int64_t base_len,
+                              int64_t n,
+                              const int64_t *draft_idx,
+                              mha_error *err) {
+    if (!c->paged)
+        return MHA_STATUS_OK;
+    int64_t need = 0, last = -1;
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t to = base_len + k, e = to % c->slots / c->bs;
+        const int64_t b = c->table[seq * c->nbs + e];
+        if (base_len + draft_idx[k] == to || e == last)
+            continue;
+        last = e;
+        need += b < 0 || c->ref[b] > 1;
+    }
+    MHA_RETURN_IF(need > c->nfree, err, NO_MEMORY,
+                  "kv cache pool exhausted: accept needs %lld free blocks (copies of shared "
+                  "blocks), %lld are free (nothing moved)",
+                  (long long)need, (long long)c->nfree);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_kv_cache_accept(mha_kv_cache *cache,
+                               int64_t seq,
+                               int64_t base_len,
+                               int64_t n,
+                               const int64_t *draft_idx,
+                               mha_error *err) {
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_accept(&view, seq, base_len, n, draft_idx, err);
+    if (!st)
+        st = accept_pool(cache, seq, base_len, n, draft_idx, err);
+    if (st)
+        return st;
+    /* Row k moves from base_len + draft_idx[k] >= base_len + k (strictly increasing indices), so
+     * in increasing k no move overwrites a row still to be moved. */
+    for (int64_t g = 0; g < cache->cfg.num_kv_heads; g++)
+        for (int64_t k = 0; k < n; k++) {
+            const int64_t from = base_len + draft_idx[k], to = base_len + k;
+            if (from == to)
+                continue;
+            if (cache->paged)
+                writable_entry(cache, seq, to % cache->slots / cache->bs);
+            memcpy((void *)mha__kv_k_row(cache, seq, g, to), mha__kv_k_row(cache, seq, g, from),
+                   cache->k_row_bytes);
+            memcpy((void *)mha__kv_v_row(cache, seq, g, to), mha__kv_v_row(cache, seq, g, from),
+                   cache->v_row_bytes);
+        }
+    mha__kv_set_len(cache, seq, base_len + n); /* a paged cache releases the blocks past it */
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
 /* dst becomes a copy of src (src != dst, both checked). */
 static void copy_seq(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq) {
     const int64_t L = cache->len[src_seq];

@@ -149,6 +149,11 @@ typedef struct mha__dec_problem {
     const float *q;       /* element (s, i, h, d) at q[s*q_ss + i*q_ts + h*dk + d] */
     int64_t q_ss, q_ts;
     int prefetch_l2; /* software prefetches fill the L2, not the L1 (mha__cpu_prefetch_to_l2) */
+    /* Draft tree (mha_kv_attention_args.tree_parents), NULL = a chain: depth [t] of each draft,
+     * and vis [S][t], bit a of row (s, i) = draft a (key L - t + a) is an ancestor-or-self of
+     * draft i visible under the window/chunk rule. Read through the mha__dec_tree_* helpers. */
+    const int64_t *tree_depth;
+    const uint32_t *tree_vis;
 } mha__dec_problem;
 
 /* A work unit: keys [j0, j1) (logical positions) of kv head g of seq row s. */
@@ -258,6 +263,59 @@ static inline int64_t mha__dec_first_key(const mha__dec_problem *p, int64_t pos)
     if (p->chunk > 0 && pos - pos % p->chunk > lo)
         lo = pos - pos % p->chunk;
     return lo;
+}
+
+/* Draft trees. Every kernel's masking step: the row's position, then its visible keys are
+ * [first_key(pos), mha__dec_tree_last_key] ANDed with the lanes of mha__dec_tree_lanes; ALiBi
+ * distances are pos - mha__dec_tree_key_pos(j) (mha__dec_tree_shift: the difference to j). Without
+ * a tree these reduce to today's pos = L - t + i, hi = pos, all lanes, distance pos - j. */
+
+/* Position of token i of a sequence of length L. */
+static inline int64_t mha__dec_tree_pos(const mha__dec_problem *p, int64_t L, int64_t i) {
+    return L - p->t + (p->tree_depth ? p->tree_depth[i] : i);
+}
+
+/* The highest key the row at position pos may see (with a tree: up to the last draft). */
+static inline int64_t mha__dec_tree_last_key(const mha__dec_problem *p, int64_t L, int64_t pos) {
+    return p->tree_vis ? L - 1 : pos;
+}
+
+/* Bit x: the tree lets row (s, i) see key jabs + x (x < 32; jabs < L): every key before the
+ * drafts, and the drafts of the row's visibility mask. All ones without a tree. */
+static inline uint32_t
+mha__dec_tree_lanes(const mha__dec_problem *p, int64_t s, int64_t i, int64_t L, int64_t jabs) {
+    if (!p->tree_vis)
+        return 0xFFFFFFFFu;
+    const uint64_t v = p->tree_vis[s * p->t + i];
+    const int64_t sh = jabs - (L - p->t); /* draft index of lane 0 (< t) */
+    if (sh >= 0)
+        return (uint32_t)(v >> sh);
+    if (sh <= -32)
+        return 0xFFFFFFFFu;
+    return (uint32_t)((v << -sh) | ((UINT64_C(1) << -sh) - 1));
+}
+
+/* Position of key j (a draft's is L - t + its depth, not its slot). */
+static inline int64_t mha__dec_tree_key_pos(const mha__dec_problem *p, int64_t L, int64_t j) {
+    if (!p->tree_depth || j < L - p->t)
+        return j;
+    return L - p->t + p->tree_depth[j - (L - p->t)];
+}
+
+/* j - mha__dec_tree_key_pos(j) for keys jabs .. jabs + n - 1 (n <= 16), as floats: a vector
+ * kernel adds slope * shift to its slope * (pos - j) ALiBi term. */
+static inline void
+mha__dec_tree_shift(const mha__dec_problem *p, int64_t L, int64_t jabs, int64_t n, float *shift) {
+    for (int64_t x = 0; x < n; x++)
+        shift[x] = (float)(jabs + x - mha__dec_tree_key_pos(p, L, jabs + x));
+}
+
+/* Scalar kernels: is key j visible to row (s, i) at position pos? */
+static inline int mha__dec_tree_visible(
+    const mha__dec_problem *p, int64_t s, int64_t i, int64_t L, int64_t pos, int64_t j) {
+    if (!p->tree_vis || j < L - p->t)
+        return mha__dec_visible(p, pos, j);
+    return (int)((p->tree_vis[s * p->t + i] >> (j - (L - p->t))) & 1u);
 }
 
 #endif /* MHA_KV_CACHE_H */

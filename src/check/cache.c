@@ -187,6 +187,49 @@ mha_status mha__check_kv_fp8_scales(const mha__kv_view *c,
     return MHA_STATUS_OK;
 }
 
+mha_status mha__check_tree(const int64_t *tree_parents, int64_t t, mha_error *err) {
+    if (!tree_parents)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(t > MHA__TREE_MAX_TOKENS, err, INVALID_ARG,
+                  "tree_parents: a draft tree has at most %d tokens, num_tokens=%lld",
+                  MHA__TREE_MAX_TOKENS, (long long)t);
+    for (int64_t i = 0; i < t; i++)
+        MHA_RETURN_IF(
+            tree_parents[i] < -1 || tree_parents[i] >= i, err, INVALID_ARG,
+            "tree_parents[%lld]=%lld must be -1 (a root) or an earlier draft in [0, %lld)",
+            (long long)i, (long long)tree_parents[i], (long long)i);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_kv_accept(const mha__kv_view *c,
+                                int64_t seq,
+                                int64_t base_len,
+                                int64_t n,
+                                const int64_t *draft_idx,
+                                mha_error *err) {
+    mha_status st = mha__check_kv_seq(c, seq, "seq", err);
+    if (st)
+        return st;
+    const int64_t L = c->len[seq];
+    MHA_RETURN_IF(base_len < 0 || base_len > L, err, INVALID_ARG,
+                  "accept: base_len=%lld must be in [0, %lld] (the length of sequence %lld)",
+                  (long long)base_len, (long long)L, (long long)seq);
+    MHA_RETURN_IF(n < 0 || n > L - base_len, err, INVALID_ARG,
+                  "accept: n=%lld must be in [0, %lld] (the drafts after base_len)", (long long)n,
+                  (long long)(L - base_len));
+    MHA_RETURN_IF(n > 0 && !draft_idx, err, INVALID_ARG, "accept: draft_idx is NULL");
+    for (int64_t k = 0; k < n; k++)
+        MHA_RETURN_IF(draft_idx[k] < (k > 0 ? draft_idx[k - 1] + 1 : 0) ||
+                          draft_idx[k] >= L - base_len,
+                      err, INVALID_ARG,
+                      "accept: draft_idx[%lld]=%lld must be in [%lld, %lld) (strictly increasing "
+                      "draft indices)",
+                      (long long)k, (long long)draft_idx[k],
+                      (long long)(k > 0 ? draft_idx[k - 1] + 1 : 0), (long long)(L - base_len));
+    /* the rows moved must still be stored, and the next token needs what truncate would */
+    return mha__check_kv_truncate(c, seq, base_len, err);
+}
+
 mha_status mha__check_kv_read(const mha__kv_view *c,
                               int64_t seq,
                               int64_t pos,
@@ -248,6 +291,9 @@ mha_status mha__check_kv_attention(const mha__kv_view *c,
                       INVALID_ARG, "num_tokens=%lld exceeds the ring cache's max_step_tokens=%lld",
                       (long long)args->num_tokens, (long long)kc->max_step_tokens);
     }
+    st = mha__check_tree(args->tree_parents, args->num_tokens, err);
+    if (st)
+        return st;
     const int64_t S = args->num_seqs, t = args->num_tokens, h = args->num_heads;
     const mha__span in[3] = {
         mha__span_of("q", args->q, mha__count3(S * t, h, kc->head_dim), sizeof(float)),
@@ -291,6 +337,13 @@ mha_status mha__check_decode(const mha_config *lc,
     const int64_t t = args->num_tokens;
     MHA_RETURN_IF(t < 1 || t > MHA_MAX_DIM, err, INVALID_ARG,
                   "num_tokens=%lld must be in [1, 2^31]", (long long)t);
+    st = mha__check_tree(args->tree_parents, t, err);
+    if (st)
+        return st;
+    MHA_RETURN_IF(args->tree_parents && mha__kv_ring_span(kc) > 0 && t > kc->max_step_tokens, err,
+                  INVALID_ARG,
+                  "a draft tree of num_tokens=%lld exceeds the ring cache's max_step_tokens=%lld",
+                  (long long)t, (long long)kc->max_step_tokens);
     for (int64_t i = 0; i < args->num_seqs; i++) {
         const int64_t s = args->seq_ids ? args->seq_ids[i] : i;
         MHA_RETURN_IF(c->len[s] + t > kc->max_seq, err, INVALID_ARG,

@@ -310,6 +310,18 @@ mha_status mha__check_kv_read(const mha__kv_view *c,
                               mha_error *err);
 
 /* mha_kv_cache_attention's arguments; *scale = the resolved scale (0 = 1/sqrt(d_k)). */
+/* Draft trees (tree_parents of mha_kv_attention_args / mha_decode_args): at most this many
+ * drafts (the split-KV kernels' per-row bitmask; decode.c's MHA_DEC_MAX_TOKENS). */
+#define MHA__TREE_MAX_TOKENS 16
+/* tree_parents [t] (NULL passes): t <= MHA__TREE_MAX_TOKENS, parents[i] in [-1, i). */
+mha_status mha__check_tree(const int64_t *tree_parents, int64_t t, mha_error *err);
+/* mha_kv_cache_accept's arguments. */
+mha_status mha__check_kv_accept(const mha__kv_view *c,
+                                int64_t seq,
+                                int64_t base_len,
+                                int64_t n,
+                                const int64_t *draft_idx,
+                                mha_error *err);
 mha_status mha__check_kv_attention(const mha__kv_view *c,
                                    const mha_kv_attention_args *args,
                                    const mha_exec *exec,

@@ -178,6 +178,8 @@ mha_status mha__check_mla_decode(const mha_mla_config *c,
     MHA_RETURN_IF(!a, err, INVALID_ARG, "mha_mla_decode_step: args is NULL");
     TRY(check_seqs(batch, len, max_seq, a->num_seqs, a->seq_ids, a->num_tokens, err));
     MHA_RETURN_IF(!a->x || !a->out, err, INVALID_ARG, "args.x or args.out is NULL");
+    MHA_RETURN_IF(a->tree_parents, err, INVALID_ARG,
+                  "mha_mla_decode_step: args.tree_parents (draft trees) is not supported for MLA");
     const int64_t n = mha__count3(a->num_seqs, a->num_tokens, c->hidden);
     MHA_RETURN_IF(n == 0 || n > ((int64_t)1 << 40), err, OVERFLOW,
                   "args: num_seqs x num_tokens x hidden is too large");

@@ -23,6 +23,8 @@
  * beats the decode kernel, which recomputes nothing but keeps all R = group * t score rows of a
  * block live; 16 keeps R * MHA_DEC_BLOCK floats of scores within L2 for group <= 8. */
 #define MHA_DEC_MAX_TOKENS 16
+_Static_assert(MHA__TREE_MAX_TOKENS <= MHA_DEC_MAX_TOKENS && MHA__TREE_MAX_TOKENS <= 32,
+               "a draft tree runs on the split-KV kernels, one 32-bit mask per row");
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Merge.                                                                                         */
@@ -187,6 +189,7 @@ typedef struct kv_call {
     float *out;
     int64_t o_ss, o_ts;
     float *lse;
+    const int64_t *tree_parents; /* [t] or NULL */
 } kv_call;
 
 /* The attention core on the dequantised cache, one sequence at a time (impl=reference, and long
@@ -315,7 +318,9 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
                       !mha__mul_i64(scratch_stride, nt > 0 ? nt : 1, &fl) ||
                       !mha__bytes(fl, sizeof(float), &sb),
                   err, OVERFLOW, "decode workspace size overflows");
-    const size_t total = ub + fb + pb + sb + 4 * 64 + sizeof(float) * (size_t)p.H;
+    const int64_t ntree = a->tree_parents ? p.t : 0;
+    const size_t tb = sizeof(int64_t) * (size_t)ntree + sizeof(uint32_t) * (size_t)(p.S * ntree);
+    const size_t total = ub + fb + pb + sb + 5 * 64 + sizeof(float) * (size_t)p.H + tb;
     char *ws = mha__alloc(alloc, total);
     MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte decode workspace", total);
     char *cur = ws;
@@ -327,12 +332,31 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
     mha__dec_unit *units;
     int64_t *first;
     float *part, *scratch, *slopes;
+    int64_t *depth;
     TAKE_(units, ub);
     TAKE_(first, fb);
     TAKE_(part, pb);
     TAKE_(scratch, sb);
     TAKE_(slopes, sizeof(float) * (size_t)p.H);
+    TAKE_(depth, tb);
 #undef TAKE_
+    if (a->tree_parents) { /* depths, then each row's visible drafts (check/: parents[i] < i) */
+        uint32_t *vis = (uint32_t *)(depth + p.t);
+        for (int64_t i = 0; i < p.t; i++)
+            depth[i] = a->tree_parents[i] < 0 ? 0 : depth[a->tree_parents[i]] + 1;
+        p.tree_depth = depth;
+        for (int64_t s = 0; s < p.S; s++) {
+            const int64_t base = c->len[p.seq[s]] - p.t;
+            for (int64_t i = 0; i < p.t; i++) {
+                uint32_t bits = 0;
+                for (int64_t x = i; x >= 0; x = a->tree_parents[x])
+                    if (mha__dec_visible(&p, base + depth[i], base + depth[x]))
+                        bits |= UINT32_C(1) << x;
+                vis[s * p.t + i] = bits;
+            }
+        }
+        p.tree_vis = vis;
+    }
     if (a->alibi) {
         mha__alibi_slopes(p.H, slopes);
         p.slopes = slopes;
@@ -382,7 +406,8 @@ static mha_status kv_attend(const kv_call *a, const mha_exec *exec, mha_error *e
     if (st)
         return st;
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
-    if (impl == MHA_IMPL_REFERENCE || a->t > MHA_DEC_MAX_TOKENS)
+    /* a draft tree always runs on the split-KV kernels (check/: t <= MHA__TREE_MAX_TOKENS) */
+    if (!a->tree_parents && (impl == MHA_IMPL_REFERENCE || a->t > MHA_DEC_MAX_TOKENS))
         return attend_core(a, impl, team, alloc, err);
     return attend_split(a, team, alloc, err);
 }
@@ -425,7 +450,8 @@ mha_status mha_kv_cache_attention(const mha_kv_cache *cache,
                  args->out,
                  t * H * c->v_head_dim,
                  H * c->v_head_dim,
-                 args->lse};
+                 args->lse,
+                 args->tree_parents};
     st = kv_attend(&a, exec, err);
     mha__free(alloc, ids);
     if (!st)
@@ -463,7 +489,7 @@ static mha_status layer_step(const mha_layer *layer,
                       !mha__mul_i64(rows, g * dv, &nv) || !mha__mul_i64(rows, h * dv, &na) ||
                       !mha__bytes(nq, sizeof(float), &bq) || !mha__bytes(nk, sizeof(float), &bk) ||
                       !mha__bytes(nv, sizeof(float), &bv) || !mha__bytes(na, sizeof(float), &ba) ||
-                      !mha__bytes(2 * S, sizeof(int64_t), &bl),
+                      !mha__bytes(2 * S + (args->tree_parents ? rows : 0), sizeof(int64_t), &bl),
                   err, OVERFLOW, "decode buffers overflow");
     br = sizeof(double) * (mha__plan_rope_doubles(&c->rope) + 1);
     const mha_allocator *alloc = exec ? exec->allocator : NULL;
@@ -488,6 +514,17 @@ static mha_status layer_step(const mha_layer *layer,
     const int64_t *seq = ids_or_iota(args->seq_ids, S, ids);
     for (int64_t i = 0; i < S; i++)
         len0[i] = cache->len[seq[i]];
+    /* A draft tree: token i of sequence s is at position len0[s] + depth(i) (check/: parents[i] <
+     * i); pos [S, t] then replaces len0 + i for RoPE and the temperature. */
+    int64_t *pos = NULL;
+    if (args->tree_parents) {
+        pos = len0 + S;
+        for (int64_t i = 0; i < t; i++)
+            pos[i] = args->tree_parents[i] < 0 ? 0 : pos[args->tree_parents[i]] + 1;
+        for (int64_t sq = S - 1; sq >= 0; sq--)
+            for (int64_t i = 0; i < t; i++)
+                pos[sq * t + i] = len0[sq] + pos[i];
+    }
 
     /* 1. Projections of the new tokens. */
     st = mha__plan_project(impl, alloc, team, args->x, f32, w->w_q, wdt, w->b_q, q, rows, c->q_dim,
@@ -505,15 +542,16 @@ static mha_status layer_step(const mha_layer *layer,
     if (!st)
         mha__plan_qk_norm_stage(c, w, 0, q, rows, k, rows);
     if (!st && c->rope.style != MHA_ROPE_NONE) {
-        const int64_t len = mha__plan_rope_length(&c->rope, NULL, NULL, len0, S, t, t);
-        mha__plan_rope(&c->rope, len, tab, q, S, t, h, dk, NULL, len0, 1);
-        mha__plan_rope(&c->rope, len, tab, k, S, t, g, dk, NULL, len0, 1);
+        const int64_t len = pos ? mha__plan_rope_length(&c->rope, pos, pos, NULL, S, t, t)
+                                : mha__plan_rope_length(&c->rope, NULL, NULL, len0, S, t, t);
+        mha__plan_rope(&c->rope, len, tab, q, S, t, h, dk, pos, len0, 1);
+        mha__plan_rope(&c->rope, len, tab, k, S, t, g, dk, pos, len0, 1);
     }
     if (!st)
         mha__plan_qk_norm_stage(c, w, 1, q, rows, k, rows);
     /* 2b. Temperature tuning: each new query times tau(len0 + i), its cache position. */
     if (!st)
-        mha__plan_temperature(&c->temperature, q, S, t, h, dk, NULL, len0);
+        mha__plan_temperature(&c->temperature, q, S, t, h, dk, pos, len0);
 
     /* 3. Append and attend, in steps a window ring can hold. */
     const int64_t step = mha__kv_ring_span(kc) > 0 ? kc->max_step_tokens : t;
@@ -536,7 +574,8 @@ static mha_status layer_step(const mha_layer *layer,
                      att + c0 * h * dv,
                      t * h * dv,
                      h * dv,
-                     NULL};
+                     NULL,
+                     args->tree_parents};
         st = kv_attend(&a, exec, err);
     }
 

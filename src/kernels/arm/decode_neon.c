@@ -407,9 +407,11 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
     const float32x4_t iota = {0.0f, 1.0f, 2.0f, 3.0f};
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-        const int64_t pos = L - p->t + i;
-        /* Visible keys, relative to j0: [lo, hi] (clamped to the unit). */
-        int64_t hi = pos - u->j0, lo = mha__dec_first_key(p, pos) - u->j0;
+        const int64_t pos = mha__dec_tree_pos(p, L, i);
+        /* Visible keys, relative to j0: [lo, hi] (clamped to the unit), and with a draft tree the
+         * lanes mha__dec_tree_lanes allows. */
+        int64_t hi = mha__dec_tree_last_key(p, L, pos) - u->j0,
+                lo = mha__dec_first_key(p, pos) - u->j0;
         hi = hi > nb - 1 ? nb - 1 : hi;
         lo = lo < 0 ? 0 : lo;
         float *sr = S + r * MHA_DEC_BLOCK;
@@ -422,12 +424,23 @@ void mha_decode_f32acc_splitkv__neon(const mha__dec_problem *p,
         v4m nan_seen = vdupq_n_u32(0);
         for (int64_t jj = 0; jj < nb4; jj += 4) {
             const v4 jrel = v4_add(iota, v4_set1((float)jj));
-            const v4m vis = vandq_u32(vcgeq_f32(jrel, vlo), vcleq_f32(jrel, vhi));
+            v4m vis = vandq_u32(vcgeq_f32(jrel, vlo), vcleq_f32(jrel, vhi));
+            float shift[4] = {0, 0, 0, 0};
+            if (p->tree_vis) {
+                const uint32x4_t bit = {1, 2, 4, 8};
+                const uint32x4_t lanes =
+                    vdupq_n_u32(mha__dec_tree_lanes(p, u->s, i, L, u->j0 + jj));
+                vis = vandq_u32(vis, vtstq_u32(lanes, bit));
+                if (p->slopes)
+                    mha__dec_tree_shift(p, L, u->j0 + jj, nb - jj < 4 ? nb - jj : 4, shift);
+            }
             v4 s = v4_mul(scale, v4_load(sr + jj));
             if (p->softcap > 0.0f)
                 s = v4_mul(cap, v4_tanh(v4_mul(s, inv_cap)));
             if (p->slopes) /* s - slope (pos - j), one rounding */
                 s = vfmsq_f32(s, vslope, v4_sub(vdist0, jrel));
+            if (p->tree_vis && p->slopes) /* a draft key's position is not its slot */
+                s = vfmsq_f32(s, vslope, v4_load(shift));
             nan_seen = vorrq_u32(nan_seen, vandq_u32(vis, vmvnq_u32(vceqq_f32(s, s))));
             s = v4_select(vis, s, ninf);
             v4_store(sr + jj, s);

@@ -31,8 +31,8 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
         mha__kv_load_row(c, mha__kv_k_row(c, seq, u->g, j), dk, kb, mha__kv_k_scale(c, u->g));
         for (int64_t r = 0; r < R; r++) {
             const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-            const int64_t pos = L - p->t + i;
-            if (!mha__dec_visible(p, pos, j)) {
+            const int64_t pos = mha__dec_tree_pos(p, L, i);
+            if (!mha__dec_tree_visible(p, u->s, i, L, pos, j)) {
                 S[r * MHA_DEC_BLOCK + jj] = -INFINITY;
                 continue;
             }
@@ -44,7 +44,7 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
             if (p->softcap > 0.0f)
                 s = p->softcap * tanhf(s / p->softcap);
             if (p->slopes)
-                s -= p->slopes[h] * (float)(pos - j);
+                s -= p->slopes[h] * (float)(pos - mha__dec_tree_key_pos(p, L, j));
             S[r * MHA_DEC_BLOCK + jj] = s;
             if (s > m[r])
                 m[r] = s;

@@ -420,9 +420,10 @@ static void softmax_row(const mha__dec_problem *p,
                         float *l) {
     const int64_t L = p->cache->len[p->seq[u->s]];
     const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-    const int64_t pos = L - p->t + i;
-    /* visible keys, relative to j0: [lo, hi], clamped to [0, nb - 1] (hi < lo: none) */
-    int64_t hi = pos - u->j0, lo = mha__dec_first_key(p, pos) - u->j0;
+    const int64_t pos = mha__dec_tree_pos(p, L, i);
+    /* visible keys, relative to j0: [lo, hi], clamped to [0, nb - 1] (hi < lo: none), and with a
+     * draft tree the lanes mha__dec_tree_lanes allows */
+    int64_t hi = mha__dec_tree_last_key(p, L, pos) - u->j0, lo = mha__dec_first_key(p, pos) - u->j0;
     hi = hi > nb - 1 ? nb - 1 : hi < -1 ? -1 : hi;
     lo = lo < 0 ? 0 : lo > nb ? nb : lo;
     const v8 scale = v8_set1(p->scale), ninf = v8_set1(-INFINITY);
@@ -432,8 +433,8 @@ static void softmax_row(const mha__dec_problem *p,
     /* s = scale dot: with every key visible, no soft-cap, no ALiBi and scale > 0, the max of s is
      * scale times the max of the dot products (rounding is monotonic), and the scores need not be
      * stored twice. NaN dot products are the NaN scores. */
-    const int plain =
-        lo == 0 && hi == nb - 1 && !(p->softcap > 0.0f) && !p->slopes && p->scale > 0.0f;
+    const int plain = lo == 0 && hi == nb - 1 && !(p->softcap > 0.0f) && !p->slopes &&
+                      p->scale > 0.0f && !p->tree_vis;
     if (plain) {
         v8 nan = v8_zero();
         for (int64_t jj = 0; jj < nb; jj += 8) {
@@ -454,13 +455,25 @@ static void softmax_row(const mha__dec_problem *p,
         const v8 vdist0 = v8_set1((float)(pos - u->j0)); /* pos - j = (pos - j0) - jrel */
         for (int64_t jj = 0; jj < nb; jj += 8) {
             const v8 jrel = v8_add(iota, v8_set1((float)jj));
-            const v8 vis = _mm256_and_ps(_mm256_cmp_ps(jrel, vlo, _CMP_GE_OQ),
-                                         _mm256_cmp_ps(jrel, vhi, _CMP_LE_OQ));
+            v8 vis = _mm256_and_ps(_mm256_cmp_ps(jrel, vlo, _CMP_GE_OQ),
+                                   _mm256_cmp_ps(jrel, vhi, _CMP_LE_OQ));
+            float shift[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (p->tree_vis) {
+                const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+                const __m256i lanes = _mm256_set1_epi32(
+                    (int)(mha__dec_tree_lanes(p, u->s, i, L, u->j0 + jj) & 0xFFu));
+                vis = _mm256_and_ps(vis, _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+                                             _mm256_and_si256(lanes, bit), bit)));
+                if (p->slopes)
+                    mha__dec_tree_shift(p, L, u->j0 + jj, nb - jj < 8 ? nb - jj : 8, shift);
+            }
             v8 s = v8_mul(scale, load_chunk(sr + jj, nb - jj));
             if (p->softcap > 0.0f)
                 s = v8_mul(cap, v8_tanh(v8_mul(s, inv_cap)));
             if (p->slopes)
                 s = _mm256_fnmadd_ps(vslope, v8_sub(vdist0, jrel), s);
+            if (p->tree_vis && p->slopes) /* a draft key's position is not its slot */
+                s = _mm256_fnmadd_ps(vslope, v8_loadu(shift), s);
             nan_seen |= _mm256_movemask_ps(_mm256_and_ps(vis, _mm256_cmp_ps(s, s, _CMP_UNORD_Q)));
             s = _mm256_blendv_ps(ninf, s, vis);
             _mm256_storeu_ps(sr + jj, s); /* lanes past nb (within the row's BLOCK floats): -inf */
