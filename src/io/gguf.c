@@ -705,6 +705,17 @@ static mha_status read_rope(mha__gguf *g,
                      g->path, arch, type);
 }
 
+/* The tensor types the loader reads. */
+static mha_status check_type(const mha__gguf *g, const gguf_tensor *t, mha_error *err) {
+    if (t->type == MHA__GGML_F32 || t->type == MHA__GGML_F16 || t->type == MHA__GGML_BF16 ||
+        t->type == MHA__GGML_Q8_0)
+        return MHA_STATUS_OK;
+    return mha__fail(err, MHA_STATUS_UNSUPPORTED,
+                     "%s: tensor '%s' has type %s (%u): only F32, F16, BF16 and Q8_0 "
+                     "(dequantised to float32) are supported",
+                     g->path, t->name, ggml_type_name(t->type), t->type);
+}
+
 static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info, mha_error *err) {
     memset(info, 0, sizeof *info);
     info->layer = layer;
@@ -785,6 +796,15 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
         MHA_RETURN_IF(!found, err, BAD_FILE, "%s: %s without %s", g->path, qn, key);
         c->qk_norm.kind = MHA_QK_NORM_RMS_HEAD;
         c->qk_norm.eps = eps;
+    }
+    /* the projections must be there, in a type the loader reads */
+    static const char *const weight_stems[4] = {"attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                "attn_output.weight"};
+    for (int i = 0; i < 4; i++) {
+        tensor_name(tn, layer, weight_stems[i]);
+        const gguf_tensor *t = tensor_find(g, tn);
+        MHA_RETURN_IF(!t, err, NOT_FOUND, "%s: no tensor '%s'", g->path, tn);
+        TRY(check_type(g, t, err));
     }
     info->causal = 1;
     int64_t sw = 0;
@@ -907,12 +927,7 @@ static mha_status read_tensor(mha__gguf *g,
                          g->path, tn, t->n_dims, (unsigned long long)t->ne[0],
                          (unsigned long long)t->ne[1], want);
     }
-    if (t->type != MHA__GGML_F32 && t->type != MHA__GGML_F16 && t->type != MHA__GGML_BF16 &&
-        t->type != MHA__GGML_Q8_0)
-        return mha__fail(err, MHA_STATUS_UNSUPPORTED,
-                         "%s: tensor '%s' has type %s (%u): only F32, F16, BF16 and Q8_0 "
-                         "(dequantised to float32) are supported",
-                         g->path, tn, ggml_type_name(t->type), t->type);
+    TRY(check_type(g, t, err));
     uint64_t bv, bb;
     ggml_block(t->type, &bv, &bb);
     const uint64_t row_bytes = (uint64_t)cols / bv * bb; /* cols % bv == 0: checked at open */
