@@ -1061,6 +1061,7 @@ mha_status mha__gguf_load(mha__gguf *g,
                           const mha_allocator *allocator,
                           mha_layer **out,
                           mha_error *err) {
+    *out = NULL;
     mha_hf_layer_info info;
     TRY(info_read(g, layer, &info, err));
     void *p[N_BUFS] = {0};
