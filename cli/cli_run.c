@@ -632,7 +632,8 @@ static int parse_rope(run_config *o) {
                                     O_ROPE_BETA_SLOW, O_ROPE_ATTENTION_FACTOR};
     for (size_t i = 0; i < sizeof rope_only / sizeof rope_only[0]; i++)
         if (v[rope_only[i]] && !rope_on &&
-            !((v[O_MODEL] || v[O_GGUF]) && (rope_only[i] == O_POSITIONS || rope_only[i] == O_KEY_POSITIONS)))
+            !((v[O_MODEL] || v[O_GGUF]) &&
+              (rope_only[i] == O_POSITIONS || rope_only[i] == O_KEY_POSITIONS)))
             return cli_usage("%s has no effect without RoPE (give --rope-theta or --rope-style)",
                              run_flags[rope_only[i]].name);
     if (rope_on) {

@@ -106,22 +106,23 @@ static void info_problem(int variant, mha_attention_args *a, const char **label)
 }
 
 int cli_info_main(int argc, char **argv) {
-    static const cli_opt opts[] = {
-        {"--help", CLI_OPT_FLAG},
-        {"--model", CLI_OPT_VALUE},
-        {"--layer", CLI_OPT_VALUE},
-        {"--gguf", CLI_OPT_VALUE}};
+    static const cli_opt opts[] = {{"--help", CLI_OPT_FLAG},
+                                   {"--model", CLI_OPT_VALUE},
+                                   {"--layer", CLI_OPT_VALUE},
+                                   {"--gguf", CLI_OPT_VALUE}};
     cli_args args;
     int rc = cli_parse(argc, argv, opts, 4, &args);
     if (rc)
         return rc;
     if (args.given[0]) {
-        printf("Usage: mha info [--model DIR | --gguf FILE [--layer L]]\n\nPrints the version, the number of "
-               "threads used by default (--threads 0),\nthe kernel tiers this CPU has, the "
-               "forward kernels, and which implementations (--impl) can run a few sample\n"
-               "problems. With --model: what a Hugging Face model directory's layer L (default "
-               "0)\nmeans to mha (the options `mha run --model DIR --layer L` uses). With --gguf: the "
-               "same for a\nllama.cpp GGUF file (`mha run --gguf FILE --layer L`).\n");
+        printf(
+            "Usage: mha info [--model DIR | --gguf FILE [--layer L]]\n\nPrints the version, the "
+            "number of "
+            "threads used by default (--threads 0),\nthe kernel tiers this CPU has, the "
+            "forward kernels, and which implementations (--impl) can run a few sample\n"
+            "problems. With --model: what a Hugging Face model directory's layer L (default "
+            "0)\nmeans to mha (the options `mha run --model DIR --layer L` uses). With --gguf: the "
+            "same for a\nllama.cpp GGUF file (`mha run --gguf FILE --layer L`).\n");
         return CLI_OK;
     }
     if (args.given[1] && args.given[3])

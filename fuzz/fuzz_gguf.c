@@ -57,10 +57,9 @@ static void use_layer(const mha_layer *L, const mha_hf_layer_info *info, mha_dty
                      c->weight_dtype == wdt,
                  "the layer is not the info's");
     const mha_weights *w = mha_layer_weights(L);
-    const int64_t counts[4] = {c->num_heads * c->head_dim * c->q_dim,
-                               c->num_kv_heads * c->head_dim * c->q_dim,
-                               c->num_kv_heads * c->head_dim * c->q_dim,
-                               c->out_dim * c->num_heads * c->head_dim};
+    const int64_t counts[4] = {
+        c->num_heads * c->head_dim * c->q_dim, c->num_kv_heads * c->head_dim * c->q_dim,
+        c->num_kv_heads * c->head_dim * c->q_dim, c->out_dim * c->num_heads * c->head_dim};
     const void *ptrs[4] = {w->w_q, w->w_k, w->w_v, w->w_o};
     for (int t = 0; t < 4; t++)
         for (int64_t i = 0; i < counts[t]; i++)

@@ -308,3 +308,19 @@ def test_usage_errors(models, tmp_path):
     assert r.returncode == 2 and "exclude each other" in r.stderr
     r = run_cli("info", "--gguf", str(tmp_path / "missing.gguf"))
     assert r.returncode == 1 and "missing.gguf" in r.stderr
+
+
+def test_python_from_gguf(models, tmp_path):
+    # The Python face: mha.MultiheadAttention.from_gguf (same C loader), the model's causal mask
+    # and window as the layer's defaults.
+    mha = pytest.importorskip("mha")
+    model, _ = models["mistral"]
+    path = str(tmp_path / "m.gguf")
+    oracle = write_gguf("mistral", model, Q.BF16, path)
+    x, ref = record(oracle, 1, ids_for("mistral"))
+    layer = mha.MultiheadAttention.from_gguf(path, layer=1)
+    assert layer.model_info["model_type"] == "llama" and layer.model_info["window"] == (4, 0)
+    y = np.stack([layer.forward(xb.astype(np.float32)) for xb in x])
+    assert H.max_rel_err(y, ref) <= TOL_OUT_REL
+    with pytest.raises(mha.MhaError, match="layer 5"):
+        mha.MultiheadAttention.from_gguf(path, layer=5)

@@ -106,9 +106,12 @@ typedef struct tensor_spec {
 
 static uint64_t type_bytes(uint32_t type, int rows, int cols) {
     switch (type) {
-    case MHA__GGML_F32: return (uint64_t)rows * cols * 4;
-    case MHA__GGML_Q8_0: return (uint64_t)rows * (cols / 32) * 34;
-    default: return (uint64_t)rows * cols * 2;
+    case MHA__GGML_F32:
+        return (uint64_t)rows * cols * 4;
+    case MHA__GGML_Q8_0:
+        return (uint64_t)rows * (cols / 32) * 34;
+    default:
+        return (uint64_t)rows * cols * 2;
     }
 }
 
@@ -130,8 +133,7 @@ static void put_row(buf *b, const tensor_spec *t, int file_row) {
             memcpy(&u, &v[c], 4);
             put_le(b, u, 4);
         } else
-            put_le(b, t->type == MHA__GGML_F16 ? mha__f32_to_f16(v[c]) : mha__f32_to_bf16(v[c]),
-                   2);
+            put_le(b, t->type == MHA__GGML_F16 ? mha__f32_to_f16(v[c]) : mha__f32_to_bf16(v[c]), 2);
     }
 }
 
@@ -139,17 +141,20 @@ static void put_row(buf *b, const tensor_spec *t, int file_row) {
 static float expected(int which, int L, int r, int c, const float *q8_row) {
     const float v = src_w(L, which, r, c);
     switch (which) {
-    case 0: return f16_round(v);
-    case 1: return bf16_round(v);
-    case 2: return q8_row[c];
-    default: return v;
+    case 0:
+        return f16_round(v);
+    case 1:
+        return bf16_round(v);
+    case 2:
+        return q8_row[c];
+    default:
+        return v;
     }
 }
 
 static void make_specs(tensor_spec *ts) {
     static const char *const stems[4] = {"attn_q", "attn_k", "attn_v", "attn_output"};
-    static const uint32_t types[4] = {MHA__GGML_F16, MHA__GGML_BF16, MHA__GGML_Q8_0,
-                                      MHA__GGML_F32};
+    static const uint32_t types[4] = {MHA__GGML_F16, MHA__GGML_BF16, MHA__GGML_Q8_0, MHA__GGML_F32};
     const int rows[4] = {NH * HD, NKV * HD, NKV * HD, HID};
     const int cols[4] = {HID, HID, HID, NH * HD};
     uint64_t off = 0;
@@ -285,8 +290,8 @@ static void test_valid_file(void) {
         fclose(f);
         mha_hf_layer_info info;
         CHECK_OK(mha_gguf_layer_info_read(path, 1, &info, &err), &err);
-        CHECK(strcmp(info.model_type, "llama") == 0 && info.num_layers == LAYERS &&
-                  info.causal && strcmp(info.prefix, "blk.1.") == 0,
+        CHECK(strcmp(info.model_type, "llama") == 0 && info.num_layers == LAYERS && info.causal &&
+                  strcmp(info.prefix, "blk.1.") == 0,
               "info: %s %lld %s", info.model_type, (long long)info.num_layers, info.prefix);
         info.config.weight_dtype = MHA_DTYPE_BF16;
         CHECK_OK(mha_layer_load_gguf(path, 1, &info.config, NULL, &layer, &err), &err);
@@ -297,8 +302,7 @@ static void test_valid_file(void) {
               "layer 2 of 2: %s", err.message);
         remove(path);
     }
-    CHECK(mha_layer_load_gguf("/nonexistent.gguf", 0, NULL, NULL, &layer, &err) ==
-                  MHA_STATUS_IO &&
+    CHECK(mha_layer_load_gguf("/nonexistent.gguf", 0, NULL, NULL, &layer, &err) == MHA_STATUS_IO &&
               strstr(err.message, "/nonexistent.gguf"),
           "missing file: %s", err.message);
     free(b.p);
@@ -369,8 +373,8 @@ static void expect_error(const buf *b,
     mha_error err;
     memset(&err, 0, sizeof err);
     const mha_status st = load(&t, 0, &layer, &err);
-    CHECK(st == want && strstr(err.message, words) && !layer, "%s: status %d (want %d), '%s'",
-          what, (int)st, (int)want, err.message);
+    CHECK(st == want && strstr(err.message, words) && !layer, "%s: status %d (want %d), '%s'", what,
+          (int)st, (int)want, err.message);
     mha_layer_destroy(layer);
     free(c);
 }
@@ -398,8 +402,7 @@ static void test_bad_fields(void) {
     /* the architecture's string length */
     const size_t arch = find(&b, "general.architecture") + 20 + 4;
     expect_error(&b, arch, 8, 1ull << 62, MHA_STATUS_BAD_FILE, "truncated", "string length");
-    expect_error(&b, arch - 4, 4, 13, MHA_STATUS_BAD_FILE, "unknown value type 13",
-                 "value type");
+    expect_error(&b, arch - 4, 4, 13, MHA_STATUS_BAD_FILE, "unknown value type 13", "value type");
     expect_error(&b, arch + 8, 1, 'X', MHA_STATUS_UNSUPPORTED, "'Xlama' is not supported",
                  "architecture");
     expect_error(&b, arch + 8, 1, 0, MHA_STATUS_BAD_FILE, "NUL", "NUL in a value");
@@ -442,11 +445,9 @@ static void test_bad_fields(void) {
     expect_error(&b, tq + 24, 8, 8, MHA_STATUS_BAD_FILE, "not a multiple of the alignment",
                  "offset alignment");
     expect_error(&b, tq + 24, 8, 1ull << 62, MHA_STATUS_BAD_FILE, "past the end", "offset");
-    expect_error(&b, tq + 4, 8, 31, MHA_STATUS_BAD_FILE, "expected 2 dimensions {32, 32}",
-                 "shape");
+    expect_error(&b, tq + 4, 8, 31, MHA_STATUS_BAD_FILE, "expected 2 dimensions {32, 32}", "shape");
     const size_t tv = find(&b, "blk.0.attn_v.weight") + 19;
-    expect_error(&b, tv + 4, 8, 31, MHA_STATUS_BAD_FILE, "multiple of Q8_0's block",
-                 "q8_0 shape");
+    expect_error(&b, tv + 4, 8, 31, MHA_STATUS_BAD_FILE, "multiple of Q8_0's block", "q8_0 shape");
     /* a duplicated tensor: layer 1's q renamed layer 0's */
     expect_error(&b, find(&b, "blk.1.attn_q.weight") + 4, 1, '0', MHA_STATUS_BAD_FILE,
                  "appears twice", "duplicate tensor");

@@ -75,8 +75,8 @@ struct mha__gguf {
     uint64_t size, pos;
     uint32_t version;
     uint64_t n_kv, n_tensors;
-    gguf_kv *kv;       /* sorted by key */
-    gguf_tensor *t;    /* sorted by name */
+    gguf_kv *kv;    /* sorted by key */
+    gguf_tensor *t; /* sorted by name */
     uint64_t alignment;
     uint64_t data_start;
 };
@@ -86,9 +86,9 @@ struct mha__gguf {
 /* ---------------------------------------------------------------------------------------------- */
 
 static const char *value_type_name(uint32_t t) {
-    static const char *const names[] = {"uint8", "int8",    "uint16", "int16", "uint32",
-                                        "int32", "float32", "bool",   "string", "array",
-                                        "uint64", "int64",  "float64"};
+    static const char *const names[] = {"uint8",  "int8",    "uint16", "int16",  "uint32",
+                                        "int32",  "float32", "bool",   "string", "array",
+                                        "uint64", "int64",   "float64"};
     return t < sizeof names / sizeof names[0] ? names[t] : "unknown";
 }
 
@@ -101,13 +101,13 @@ static uint64_t scalar_size(uint32_t t) {
 /* ggml tensor type names, for messages (the numbers of ggml's enum ggml_type). */
 static const char *ggml_type_name(uint32_t t) {
     static const char *const names[] = {
-        [0] = "F32",      [1] = "F16",     [2] = "Q4_0",    [3] = "Q4_1",     [6] = "Q5_0",
-        [7] = "Q5_1",     [8] = "Q8_0",    [9] = "Q8_1",    [10] = "Q2_K",    [11] = "Q3_K",
-        [12] = "Q4_K",    [13] = "Q5_K",   [14] = "Q6_K",   [15] = "Q8_K",    [16] = "IQ2_XXS",
-        [17] = "IQ2_XS",  [18] = "IQ3_XXS", [19] = "IQ1_S", [20] = "IQ4_NL",  [21] = "IQ3_S",
-        [22] = "IQ2_S",   [23] = "IQ4_XS", [24] = "I8",     [25] = "I16",     [26] = "I32",
-        [27] = "I64",     [28] = "F64",    [29] = "IQ1_M",  [30] = "BF16",    [34] = "TQ1_0",
-        [35] = "TQ2_0",   [39] = "MXFP4"};
+        [0] = "F32",     [1] = "F16",      [2] = "Q4_0",   [3] = "Q4_1",    [6] = "Q5_0",
+        [7] = "Q5_1",    [8] = "Q8_0",     [9] = "Q8_1",   [10] = "Q2_K",   [11] = "Q3_K",
+        [12] = "Q4_K",   [13] = "Q5_K",    [14] = "Q6_K",  [15] = "Q8_K",   [16] = "IQ2_XXS",
+        [17] = "IQ2_XS", [18] = "IQ3_XXS", [19] = "IQ1_S", [20] = "IQ4_NL", [21] = "IQ3_S",
+        [22] = "IQ2_S",  [23] = "IQ4_XS",  [24] = "I8",    [25] = "I16",    [26] = "I32",
+        [27] = "I64",    [28] = "F64",     [29] = "IQ1_M", [30] = "BF16",   [34] = "TQ1_0",
+        [35] = "TQ2_0",  [39] = "MXFP4"};
     return t < sizeof names / sizeof names[0] && names[t] ? names[t] : "unknown";
 }
 
@@ -117,12 +117,21 @@ static void ggml_block(uint32_t t, uint64_t *values, uint64_t *bytes) {
     *values = 1;
     *bytes = 0;
     switch (t) {
-    case MHA__GGML_F32: *bytes = 4; break;
+    case MHA__GGML_F32:
+        *bytes = 4;
+        break;
     case MHA__GGML_F16:
-    case MHA__GGML_BF16: *bytes = 2; break;
-    case MHA__GGML_Q8_0: *values = 32, *bytes = 34; break;
-    case MHA__GGML_Q4_0: *values = 32, *bytes = 18; break;
-    default: break;
+    case MHA__GGML_BF16:
+        *bytes = 2;
+        break;
+    case MHA__GGML_Q8_0:
+        *values = 32, *bytes = 34;
+        break;
+    case MHA__GGML_Q4_0:
+        *values = 32, *bytes = 18;
+        break;
+    default:
+        break;
     }
 }
 
@@ -151,10 +160,9 @@ static mha_status rd(mha__gguf *g, void *buf, uint64_t n, const char *what, mha_
 }
 
 static mha_status seek(mha__gguf *g, uint64_t to, const char *what, mha_error *err) {
-    MHA_RETURN_IF(to > g->size || to > (uint64_t)INT64_MAX ||
-                      fseeko(g->f, (off_t)to, SEEK_SET) != 0,
-                  err, IO, "%s: cannot seek to byte %llu (%s)", g->path, (unsigned long long)to,
-                  what);
+    MHA_RETURN_IF(
+        to > g->size || to > (uint64_t)INT64_MAX || fseeko(g->f, (off_t)to, SEEK_SET) != 0, err, IO,
+        "%s: cannot seek to byte %llu (%s)", g->path, (unsigned long long)to, what);
     g->pos = to;
     return MHA_STATUS_OK;
 }
@@ -191,9 +199,9 @@ static mha_status
 rd_name(mha__gguf *g, uint64_t cap, const char *what, char **out, mha_error *err) {
     uint64_t len;
     TRY(rd_u64(g, &len, what, err));
-    MHA_RETURN_IF(len > cap, err, BAD_FILE, "%s: %s at byte %llu is %llu bytes long, more than %llu",
-                  g->path, what, (unsigned long long)(g->pos - 8), (unsigned long long)len,
-                  (unsigned long long)cap);
+    MHA_RETURN_IF(
+        len > cap, err, BAD_FILE, "%s: %s at byte %llu is %llu bytes long, more than %llu", g->path,
+        what, (unsigned long long)(g->pos - 8), (unsigned long long)len, (unsigned long long)cap);
     if (len > left(g))
         return truncated(g, len, what, err);
     char *s = malloc((size_t)len + 1);
@@ -222,10 +230,18 @@ rd_value(mha__gguf *g, uint32_t type, gguf_kv *kv, const char *key, int depth, m
             return MHA_STATUS_OK;
         const uint64_t u = le(b, (int)sz);
         switch (type) {
-        case MHA__GGUF_I8: kv->v.i = (int8_t)u; break;
-        case MHA__GGUF_I16: kv->v.i = (int16_t)u; break;
-        case MHA__GGUF_I32: kv->v.i = (int32_t)u; break;
-        case MHA__GGUF_I64: memcpy(&kv->v.i, &u, 8); break;
+        case MHA__GGUF_I8:
+            kv->v.i = (int8_t)u;
+            break;
+        case MHA__GGUF_I16:
+            kv->v.i = (int16_t)u;
+            break;
+        case MHA__GGUF_I32:
+            kv->v.i = (int32_t)u;
+            break;
+        case MHA__GGUF_I64:
+            memcpy(&kv->v.i, &u, 8);
+            break;
         case MHA__GGUF_F32: {
             float f;
             const uint32_t w = (uint32_t)u;
@@ -233,13 +249,17 @@ rd_value(mha__gguf *g, uint32_t type, gguf_kv *kv, const char *key, int depth, m
             kv->v.f = f;
             break;
         }
-        case MHA__GGUF_F64: memcpy(&kv->v.f, &u, 8); break;
+        case MHA__GGUF_F64:
+            memcpy(&kv->v.f, &u, 8);
+            break;
         case MHA__GGUF_BOOL:
             MHA_RETURN_IF(u > 1, err, BAD_FILE, "%s: key '%s': bool value %llu is not 0 or 1",
                           g->path, key, (unsigned long long)u);
             kv->v.u = u;
             break;
-        default: kv->v.u = u; break;
+        default:
+            kv->v.u = u;
+            break;
         }
         return MHA_STATUS_OK;
     }
@@ -330,9 +350,8 @@ static mha_status parse_header(mha__gguf *g, mha_error *err) {
                   g->path, (unsigned long long)g->n_kv, GGUF_MAX_COUNT,
                   (unsigned long long)left(g));
     MHA_RETURN_IF(g->n_tensors > GGUF_MAX_COUNT || g->n_tensors > left(g) / 24, err, BAD_FILE,
-                  "%s: %llu tensors: more than the limit (%u) or than %llu bytes can hold",
-                  g->path, (unsigned long long)g->n_tensors, GGUF_MAX_COUNT,
-                  (unsigned long long)left(g));
+                  "%s: %llu tensors: more than the limit (%u) or than %llu bytes can hold", g->path,
+                  (unsigned long long)g->n_tensors, GGUF_MAX_COUNT, (unsigned long long)left(g));
     return MHA_STATUS_OK;
 }
 
@@ -369,8 +388,8 @@ static mha_status parse_kvs(mha__gguf *g, mha_error *err) {
 }
 
 /* Bytes of a tensor of a sizable type (0 when its type is not one: never read). */
-static mha_status tensor_bytes(const mha__gguf *g, const gguf_tensor *t, uint64_t *bytes,
-                               mha_error *err) {
+static mha_status
+tensor_bytes(const mha__gguf *g, const gguf_tensor *t, uint64_t *bytes, mha_error *err) {
     uint64_t bv, bb;
     ggml_block(t->type, &bv, &bb);
     *bytes = 0;
@@ -495,8 +514,8 @@ mha_status mha__gguf_open(const char *path, mha__gguf **out, mha_error *err) {
     return parse(g, f, size, path, out, err);
 }
 
-mha_status mha__gguf_open_mem(
-    const void *buf, size_t len, const char *name, mha__gguf **out, mha_error *err) {
+mha_status
+mha__gguf_open_mem(const void *buf, size_t len, const char *name, mha__gguf **out, mha_error *err) {
     *out = NULL;
     if (!name)
         name = "<memory>";
@@ -657,11 +676,8 @@ static int tensor_name(char *buf, int64_t layer, const char *stem) {
     return snprintf(buf, GGUF_TEXT, "blk.%lld.%s", (long long)layer, stem);
 }
 
-static mha_status read_rope(mha__gguf *g,
-                            const char *arch,
-                            int64_t head_dim,
-                            mha_rope *r,
-                            mha_error *err) {
+static mha_status
+read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_error *err) {
     char key[GGUF_TEXT];
     int found;
     memset(r, 0, sizeof *r);
@@ -785,8 +801,8 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     tensor_name(qn, layer, "attn_q_norm.weight");
     tensor_name(tn, layer, "attn_k_norm.weight");
     const int has_qn = tensor_find(g, qn) != NULL, has_kn = tensor_find(g, tn) != NULL;
-    MHA_RETURN_IF(has_qn != has_kn, err, BAD_FILE, "%s: %s without %s", g->path,
-                  has_qn ? qn : tn, has_qn ? tn : qn);
+    MHA_RETURN_IF(has_qn != has_kn, err, BAD_FILE, "%s: %s without %s", g->path, has_qn ? qn : tn,
+                  has_qn ? tn : qn);
     MHA_RETURN_IF(arch->qk_norm && !has_qn, err, BAD_FILE, "%s: architecture %s without %s",
                   g->path, name, qn);
     if (has_qn) {
@@ -881,7 +897,8 @@ static int decode_row(const gguf_tensor *t, const unsigned char *src, int64_t co
         for (int64_t i = 0; i < cols; i++)
             tmp[i] = mha__bf16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
         return 1;
-    default: return dequantize_q8_0_row(src, cols, tmp);
+    default:
+        return dequantize_q8_0_row(src, cols, tmp);
     }
 }
 
@@ -999,19 +1016,18 @@ static mha_status load_layer(mha__gguf *g,
                              mha_layer **out,
                              mha_error *err) {
     mha_config c = *given;
-    MHA_RETURN_IF(c.num_heads < 1 || c.num_heads > GGUF_MAX_HEADS || c.num_kv_heads < 1 ||
-                      c.num_heads % c.num_kv_heads != 0 || c.head_dim < 1 ||
-                      c.head_dim > GGUF_MAX_SIZE,
-                  err, INVALID_ARG,
-                  "%s: config: num_heads %lld, num_kv_heads %lld, head_dim %lld are not valid",
-                  g->path, (long long)c.num_heads, (long long)c.num_kv_heads,
-                  (long long)c.head_dim);
+    MHA_RETURN_IF(
+        c.num_heads < 1 || c.num_heads > GGUF_MAX_HEADS || c.num_kv_heads < 1 ||
+            c.num_heads % c.num_kv_heads != 0 || c.head_dim < 1 || c.head_dim > GGUF_MAX_SIZE,
+        err, INVALID_ARG,
+        "%s: config: num_heads %lld, num_kv_heads %lld, head_dim %lld are not valid", g->path,
+        (long long)c.num_heads, (long long)c.num_kv_heads, (long long)c.head_dim);
     MHA_RETURN_IF(!mha__is_float_storage(c.weight_dtype), err, INVALID_ARG,
                   "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or "
                   "MHA_DTYPE_F16",
                   g->path, (int)c.weight_dtype);
-    const int permuted = strcmp(info->model_type, "llama") == 0 ||
-                         strcmp(info->model_type, "mistral") == 0;
+    const int permuted =
+        strcmp(info->model_type, "llama") == 0 || strcmp(info->model_type, "mistral") == 0;
     /* the permutation was made with the file's head size, whatever the caller's config says */
     const int64_t ph = permuted ? info->config.head_dim : 0;
     const int64_t hidden = info->config.q_dim, d = c.head_dim;

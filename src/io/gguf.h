@@ -48,8 +48,8 @@ typedef struct mha__gguf mha__gguf;
 mha_status mha__gguf_open(const char *path, mha__gguf **out, mha_error *err);
 /* The same on the `len`-byte image at `buf` (kept, not copied: it must outlive the handle);
  * `name` stands for the path in messages (NULL: "<memory>"). */
-mha_status mha__gguf_open_mem(
-    const void *buf, size_t len, const char *name, mha__gguf **out, mha_error *err);
+mha_status
+mha__gguf_open_mem(const void *buf, size_t len, const char *name, mha__gguf **out, mha_error *err);
 void mha__gguf_close(mha__gguf *g); /* NULL-safe */
 
 /* The layer functions of mha.h on an open file. */
