@@ -313,12 +313,14 @@ static int cmp_tensor(const void *a, const void *b) {
 
 static const gguf_kv *kv_find(const mha__gguf *g, const char *key) {
     gguf_kv probe;
+    memset(&probe, 0, sizeof probe);
     probe.key = (char *)(uintptr_t)key;
     return g->n_kv ? bsearch(&probe, g->kv, (size_t)g->n_kv, sizeof probe, cmp_kv) : NULL;
 }
 
 static const gguf_tensor *tensor_find(const mha__gguf *g, const char *name) {
     gguf_tensor probe;
+    memset(&probe, 0, sizeof probe);
     probe.name = (char *)(uintptr_t)name;
     return g->n_tensors ? bsearch(&probe, g->t, (size_t)g->n_tensors, sizeof probe, cmp_tensor)
                         : NULL;
