@@ -246,7 +246,7 @@ rd_value(mha__gguf *g, uint32_t type, gguf_kv *kv, const char *key, int depth, m
             float f;
             const uint32_t w = (uint32_t)u;
             memcpy(&f, &w, 4);
-            kv->v.f = f;
+            kv->v.f = (double)f;
             break;
         }
         case MHA__GGUF_F64:
