@@ -43,6 +43,11 @@ CASES = {
     "llama": (T.LlamaConfig, dict(BASE, rope_parameters=dict(rope_type="linear", factor=2.0,
                                                               rope_theta=1e4)),
               T.LlamaForCausalLM, "llama", True, {"scaling": ("linear", 2.0)}),
+    # Llama 3 RoPE scaling: llama.cpp writes it as rope_freqs.weight, one divisor per pair.
+    "llama3": (T.LlamaConfig, dict(BASE, rope_parameters=dict(
+        rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=16)),
+        T.LlamaForCausalLM, "llama", True, {"rope_freqs": True}),
     "mistral": (T.MistralConfig, dict(BASE, sliding_window=WINDOW,
                                       rope_parameters=dict(rope_type="default", rope_theta=5e5)),
                 T.MistralForCausalLM, "llama", True, {"window": WINDOW}),
@@ -131,6 +136,11 @@ def write_gguf(name, model, qtype, path, permuted=None, arch=None, edit=None):
         w.add_rope_scaling_factor(extra["scaling"][1])
     if "window" in extra:
         w.add_sliding_window(extra["window"])
+    if "rope_freqs" in extra:  # the divisors of HF's llama3 frequencies, as the converter's
+        theta = float(kw["rope_parameters"]["rope_theta"])
+        base = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+        hf = model.model.rotary_emb.inv_freq.double().numpy()
+        w.add_tensor("rope_freqs.weight", (base / hf).astype(np.float32))
     w.add_file_type(int(qtype))
     if edit:
         edit(w)
@@ -262,6 +272,9 @@ def test_info_prints_what_it_understood(models, tmp_path):
     model, _ = models["llama"]
     write_gguf("llama", model, Q.F32, path)
     assert "scaling linear (factor 2)" in run_cli("info", "--gguf", path).stdout
+    model, _ = models["llama3"]
+    write_gguf("llama3", model, Q.F32, path)
+    assert "scaling longrope (factor 1" in run_cli("info", "--gguf", path).stdout
 
 
 def refused(path, *words, layer=0):
@@ -288,10 +301,15 @@ def test_unsupported_is_refused_by_name(models, tmp_path):
     refused(p, "qwen2.rope.scaling.type", "yarn")
 
     def freqs(w):
-        w.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+        w.add_tensor("rope_freqs.weight", np.ones(5, np.float32))
     p = str(tmp_path / "freqs.gguf")
     write_gguf("qwen2", models["qwen2"][0], Q.F32, p, edit=freqs)
-    refused(p, "rope_freqs.weight")
+    refused(p, "rope_freqs.weight must be F32 with 1 dimension {8}")
+    p = str(tmp_path / "freqs_linear.gguf")
+    write_gguf("llama3", models["llama3"][0], Q.F32, p,
+               edit=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                               w.add_rope_scaling_factor(2.0)))
+    refused(p, "rope_freqs.weight together with llama.rope.scaling.type")
     p = str(tmp_path / "q4.gguf")
     write_gguf("qwen2", models["qwen2"][0], Q.Q4_0, p)
     refused(p, "blk.0.attn_q.weight", "Q4_0")

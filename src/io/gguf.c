@@ -734,6 +734,50 @@ static mha_status check_type(const mha__gguf *g, const gguf_tensor *t, mha_error
                      g->path, t->name, ggml_type_name(t->type), t->type);
 }
 
+/* rope_freqs.weight: llama.cpp's form of Llama 3 RoPE scaling (its converter turns HF's llama3
+ * parameters into one divisor per rotary pair, f_k / rope_freqs[k]). mha expresses exactly that
+ * as LONGROPE with the same list for short and long calls, factor 1 (attention factor 1). */
+static mha_status read_rope_freqs(mha__gguf *g, const char *arch, mha_rope *r, mha_error *err) {
+    const gguf_tensor *t = tensor_find(g, "rope_freqs.weight");
+    if (!t)
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(r->scaling != MHA_ROPE_SCALING_NONE, err, UNSUPPORTED,
+                  "%s: rope_freqs.weight together with %s.rope.scaling.type: not supported",
+                  g->path, arch);
+    const int64_t pairs = r->rotary_dim / 2;
+    MHA_RETURN_IF(t->n_dims != 1 || t->ne[0] != (uint64_t)pairs || t->type != MHA__GGML_F32, err,
+                  BAD_FILE,
+                  "%s: rope_freqs.weight must be F32 with 1 dimension {%lld} (rotary pairs), not "
+                  "%s with %u dimensions {%llu, ...}",
+                  g->path, (long long)pairs, ggml_type_name(t->type), t->n_dims,
+                  (unsigned long long)t->ne[0]);
+    MHA_RETURN_IF(pairs > MHA_ROPE_MAX_PAIRS, err, UNSUPPORTED,
+                  "%s: rope_freqs.weight: %lld rotary pairs, more than %d", g->path,
+                  (long long)pairs, MHA_ROPE_MAX_PAIRS);
+    TRY(seek(g, g->data_start + t->offset, t->name, err));
+    for (int64_t k = 0; k < pairs; k++) {
+        unsigned char b[4];
+        TRY(rd(g, b, 4, t->name, err));
+        const uint32_t u = (uint32_t)le(b, 4);
+        float f;
+        memcpy(&f, &u, 4);
+        MHA_RETURN_IF(!isfinite(f) || !(f > 0), err, BAD_FILE,
+                      "%s: rope_freqs.weight[%lld] = %g is not a finite number > 0", g->path,
+                      (long long)k, (double)f);
+        r->short_factor[k] = r->long_factor[k] = (double)f;
+    }
+    r->scaling = MHA_ROPE_SCALING_LONGROPE;
+    r->factor = 1.0;
+    /* the lists are equal: the length never picks another; any valid original length does */
+    char key[GGUF_TEXT];
+    int64_t ctx = 0;
+    int found;
+    key_of(key, arch, "context_length");
+    TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &ctx, &found, err));
+    r->original_max_position = found ? (double)ctx : 8192.0;
+    return MHA_STATUS_OK;
+}
+
 static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info, mha_error *err) {
     memset(info, 0, sizeof *info);
     info->layer = layer;
@@ -786,10 +830,7 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     c->head_dim = c->v_head_dim = d;
     c->scale = 1.0 / sqrt((double)d);
     TRY(read_rope(g, name, d, &c->rope, err));
-    MHA_RETURN_IF(tensor_find(g, "rope_freqs.weight"), err, UNSUPPORTED,
-                  "%s: rope_freqs.weight (per-pair rope frequency factors, llama.cpp's form of "
-                  "Llama 3 rope scaling) is not supported yet",
-                  g->path);
+    TRY(read_rope_freqs(g, name, &c->rope, err));
     /* biases and QK-norm: from the tensors present */
     static const char *const bias_stems[4] = {"attn_q.bias", "attn_k.bias", "attn_v.bias",
                                               "attn_output.bias"};
