@@ -284,6 +284,9 @@ def main():
         "llama.attention.head_count": (9, (4, [2, 2])),
         "llama.attention.head_count_kv": (9, (5, [1, 2]))}),
         layer_tensors(0, 4, 2, 1, 2) + layer_tensors(1, 4, 2, 2, 2)))
+    out("gguf", "llama3_rope_freqs", gguf("llama", keys("llama", 8, 2, 1, **{
+        "llama.context_length": (4, 64)}),
+        layer_tensors(0, 8, 2, 1, 4) + [("rope_freqs.weight", [2], 0, f32([1.0, 8.0]))]))
     out("gguf", "bad_magic", b"GGUX" + bytes(40))
     # ---- npz members: count byte, then per member: flags (dtype in bits 0-2, NULL data when
     # bits 3-4 are set), name length, name, [dtype byte], ndim byte, dims, data (fuzz_npz.c)

@@ -823,7 +823,8 @@ MHA_API mha_status mha_hf_layer_load(const char *dir,
 /** What a GGUF file (llama.cpp's format, versions 2 and 3) says about the attention of layer
  *  `layer`, in the HF info's fields: model_type is general.architecture (llama, mistral, qwen2,
  *  qwen3), prefix "blk.L.", num_layers {arch}.block_count; heads, kv heads, head_dim, biases,
- *  RoPE (theta, rotary dims, linear scaling; style HALF: see mha_layer_load_gguf), QK-norm
+ *  RoPE (theta, rotary dims, linear scaling, Llama 3's rope_freqs.weight as LONGROPE with equal
+ *  lists; style HALF: see mha_layer_load_gguf), QK-norm
  *  (qwen3), causal, and the sliding window ({arch}.attention.sliding_window - 1 on the left) as
  *  mha_hf_layer_info_read gives them (docs/MODELS.md "GGUF"). An architecture or option mha
  *  cannot reproduce is UNSUPPORTED naming it; a malformed file is BAD_FILE naming the problem.
