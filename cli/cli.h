@@ -27,8 +27,9 @@ int cli_run_main(int argc, char **argv);
 int cli_demo_main(int argc, char **argv);
 int cli_info_main(int argc, char **argv);
 int cli_decode_bench_main(int argc, char **argv); /* cli_decode_bench.c */
-/* `mha info --model DIR [--layer L]` (cli_model.c); layer_arg NULL = 0. */
-int cli_info_model(const char *dir, const char *layer_arg);
+/* `mha info --model DIR [--layer L]` or, gguf nonzero, `mha info --gguf FILE [--layer L]`
+ * (cli_model.c); layer_arg NULL = 0. */
+int cli_info_model(const char *dir, const char *layer_arg, int gguf);
 void cli_run_usage(void); /* prints `mha run --help` to stdout */
 /* `mha run` option checking only (no file is touched): CLI_OK or CLI_USAGE. For the fuzzer. */
 int cli_run_check_args(int argc, char **argv);

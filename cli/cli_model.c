@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
-/* cli_model.c: `mha info --model DIR [--layer L]`, what libmha understood of a Hugging Face model
- * directory (mha_hf_layer_info_read): the options `mha run --model DIR --layer L` would use. */
+/* cli_model.c: `mha info --model DIR [--layer L]` (and --gguf FILE), what libmha understood of a
+ * Hugging Face model directory (mha_hf_layer_info_read) or a GGUF file (mha_gguf_layer_info_read):
+ * the options `mha run --model DIR --layer L` (--gguf FILE) would use. */
 #include "cli.h"
 
 #include <stdio.h>
@@ -87,21 +88,24 @@ static int info_mla(const char *dir, int64_t layer, int *handled) {
     return CLI_OK;
 }
 
-int cli_info_model(const char *dir, const char *layer_arg) {
+int cli_info_model(const char *dir, const char *layer_arg, int gguf) {
     int64_t layer = 0;
     int rc;
     if (layer_arg && (rc = cli_parse_i64("--layer", layer_arg, 0, INT32_MAX, &layer)))
         return rc;
     mha_hf_layer_info info;
     mha_error err;
-    if (mha_hf_layer_info_read(dir, layer, &info, &err) != MHA_STATUS_OK) {
+    if (gguf) {
+        if (mha_gguf_layer_info_read(dir, layer, &info, &err) != MHA_STATUS_OK)
+            return cli_lib_fail(dir, &err);
+    } else if (mha_hf_layer_info_read(dir, layer, &info, &err) != MHA_STATUS_OK) {
         int handled = 0;
         rc = info_mla(dir, layer, &handled);
         return handled ? rc : cli_lib_fail(dir, &err);
     }
     const mha_config *c = &info.config;
     printf("model: %s\n", dir);
-    printf("model_type: %s\n", info.model_type);
+    printf("%s: %s\n", gguf ? "architecture" : "model_type", info.model_type);
     printf("layer: %lld of %lld\n", (long long)info.layer, (long long)info.num_layers);
     printf("tensors: %s* (%s)\n", info.prefix, info.layout);
     printf("hidden size: %lld\n", (long long)c->q_dim);

@@ -18,6 +18,7 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_HELP] = {"--help", CLI_OPT_FLAG},
     [O_WEIGHTS] = {"--weights", CLI_OPT_VALUE},
     [O_MODEL] = {"--model", CLI_OPT_VALUE},
+    [O_GGUF] = {"--gguf", CLI_OPT_VALUE},
     [O_LAYER] = {"--layer", CLI_OPT_VALUE},
     [O_PREFIX] = {"--prefix", CLI_OPT_VALUE},
     [O_NAMES] = {"--names", CLI_OPT_VALUE},
@@ -78,6 +79,7 @@ void cli_run_usage(void) {
     static const char *const text[] = {
         "Usage: mha run --weights W.safetensors --heads H --input X.npy --out Y.npy [options]",
         "       mha run --model DIR --layer L --input X.npy --out Y.npy [options]",
+        "       mha run --gguf FILE.gguf --layer L --input X.npy --out Y.npy [options]",
         "",
         "Runs one multi-head attention layer (projections, RoPE, masks, attention, output",
         "projection) with weights from a safetensors file on tensors from .npy files.",
@@ -100,8 +102,13 @@ void cli_run_usage(void) {
         "                           causal, sliding window, soft-cap, scale, sinks). Flags given",
         "                           explicitly override it; RoPE flags replace its RoPE. See",
         "                           docs/MODELS.md; `mha info --model DIR` prints what is read.",
-        "  --layer L                the layer of --model, 0-based (default 0)",
-        "  --heads H                number of query heads (required without --model)",
+        "  --gguf FILE.gguf         a llama.cpp GGUF file (general.architecture llama, mistral,",
+        "                           qwen2 or qwen3) as --model: the layer's attention tensors",
+        "                           (F32, F16, BF16; Q8_0 dequantised to float32) and options;",
+        "                           llama's permuted Q/K rows are put back. docs/MODELS.md",
+        "                           \"GGUF\"; `mha info --gguf FILE` prints what is read.",
+        "  --layer L                the layer of --model or --gguf, 0-based (default 0)",
+        "  --heads H                number of query heads (required with --weights)",
         "  --kv-heads G             key/value heads (GQA/MQA), H % G == 0 (default: from shapes)",
         "",
         "Inputs (float32, float64, float16 or bfloat16 (ml_dtypes, '<V2'), C order). Everything",
@@ -497,39 +504,42 @@ static int parse_distributed(run_config *o) {
     return CLI_OK;
 }
 
-/* --weights (with --heads) or --model (with --layer): exactly one source of weights. */
+/* --weights (with --heads), --model or --gguf (with --layer): exactly one source of weights. */
 static int parse_model(run_config *o) {
     const char *const *v = o->opt;
-    if (!v[O_WEIGHTS] == !v[O_MODEL])
-        return cli_usage(v[O_MODEL] ? "--weights and --model exclude each other"
-                                    : "--weights (with --heads) or --model is required");
+    const int sources = !!v[O_WEIGHTS] + !!v[O_MODEL] + !!v[O_GGUF];
+    if (sources != 1)
+        return cli_usage(sources ? "--weights, --model and --gguf exclude each other"
+                                 : "--weights (with --heads), --model or --gguf is required");
     if (v[O_WEIGHTS]) {
         if (v[O_LAYER])
-            return cli_usage("--layer needs --model");
+            return cli_usage("--layer needs --model or --gguf");
         if (!v[O_HEADS])
             return cli_usage("--heads is required with --weights");
         o->wpath = v[O_WEIGHTS];
         return CLI_OK;
     }
     if (v[O_PREFIX] || v[O_NAMES])
-        return cli_usage("%s cannot be used with --model (the names come from its model_type)",
-                         v[O_PREFIX] ? "--prefix" : "--names");
-    o->wpath = v[O_MODEL];
+        return cli_usage("%s cannot be used with %s (the names come from its architecture)",
+                         v[O_PREFIX] ? "--prefix" : "--names", v[O_MODEL] ? "--model" : "--gguf");
+    o->wpath = v[O_MODEL] ? v[O_MODEL] : v[O_GGUF];
     if (v[O_LAYER])
         return cli_parse_i64("--layer", v[O_LAYER], 0, INT32_MAX, &o->layer);
     return CLI_OK;
 }
 
-/* --model: reads the layer's options from the model directory (exit 1 naming the file or the
- * field) and takes each one the command line does not give. */
+/* --model, --gguf: reads the layer's options from the model directory or GGUF file (exit 1
+ * naming the file or the field) and takes each one the command line does not give. */
 static int apply_model(run_config *o) {
     const char *const *v = o->opt;
-    if (!v[O_MODEL])
+    if (!v[O_MODEL] && !v[O_GGUF])
         return CLI_OK;
     mha_error err;
     memset(&err, 0, sizeof err);
-    if (mha_hf_layer_info_read(v[O_MODEL], o->layer, &o->hf, &err) != MHA_STATUS_OK)
-        return cli_lib_fail(v[O_MODEL], &err);
+    const mha_status st = v[O_MODEL] ? mha_hf_layer_info_read(v[O_MODEL], o->layer, &o->hf, &err)
+                                     : mha_gguf_layer_info_read(v[O_GGUF], o->layer, &o->hf, &err);
+    if (st != MHA_STATUS_OK)
+        return cli_lib_fail(o->wpath, &err);
     mha_config *c = &o->hf.config;
     c->weight_dtype = o->dtype; /* tensors already in it are kept as they are */
     if (v[O_HEADS])
@@ -627,7 +637,8 @@ static int parse_rope(run_config *o) {
                                     O_ROPE_BETA_SLOW, O_ROPE_ATTENTION_FACTOR};
     for (size_t i = 0; i < sizeof rope_only / sizeof rope_only[0]; i++)
         if (v[rope_only[i]] && !rope_on &&
-            !(v[O_MODEL] && (rope_only[i] == O_POSITIONS || rope_only[i] == O_KEY_POSITIONS)))
+            !((v[O_MODEL] || v[O_GGUF]) &&
+              (rope_only[i] == O_POSITIONS || rope_only[i] == O_KEY_POSITIONS)))
             return cli_usage("%s has no effect without RoPE (give --rope-theta or --rope-style)",
                              run_flags[rope_only[i]].name);
     if (rope_on) {

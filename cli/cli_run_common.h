@@ -72,6 +72,7 @@ enum {
     O_SHARD_LAYOUT,
     O_ALLOW_NONFINITE,
     O_DTYPE,
+    O_GGUF,
     O_COUNT
 };
 

@@ -351,10 +351,10 @@ int write_outputs(const run_config *o,
 /* Every file `mha run` reads or writes, for cli_check_outputs() before any work. */
 int check_paths(const run_config *o) {
     const char *const *v = o->opt;
-    static const int in_ids[] = {O_WEIGHTS,   O_INPUT,         O_KEY,        O_VALUE,
-                                 O_MASK,      O_KPM,           O_Q_SEGMENTS, O_KV_SEGMENTS,
-                                 O_POSITIONS, O_KEY_POSITIONS, O_SINKS,      O_CAUSAL_OFFSETS,
-                                 O_TOKENS};
+    static const int in_ids[] = {O_WEIGHTS,        O_GGUF,      O_INPUT,         O_KEY,
+                                 O_VALUE,          O_MASK,      O_KPM,           O_Q_SEGMENTS,
+                                 O_KV_SEGMENTS,    O_POSITIONS, O_KEY_POSITIONS, O_SINKS,
+                                 O_CAUSAL_OFFSETS, O_TOKENS};
     /* --model: its config, single file and index are inputs too (shards are not listed). */
     static const char *const model_files[] = {"config.json", "model.safetensors",
                                               "model.safetensors.index.json"};

@@ -130,6 +130,8 @@ int build_layer(const run_config *o, run_state *s) {
     mha_status st;
     if (v[O_MODEL])
         st = mha_hf_layer_load(wpath, o->layer, &o->hf.config, NULL, &s->base, &err);
+    else if (v[O_GGUF])
+        st = mha_layer_load_gguf(wpath, o->layer, &o->hf.config, NULL, &s->base, &err);
     else
         st = mha_layer_load_safetensors(wpath, v[O_PREFIX], o->use_names ? &o->names : NULL, &lc,
                                         NULL, &s->base, &err);

@@ -106,24 +106,32 @@ static void info_problem(int variant, mha_attention_args *a, const char **label)
 }
 
 int cli_info_main(int argc, char **argv) {
-    static const cli_opt opts[] = {
-        {"--help", CLI_OPT_FLAG}, {"--model", CLI_OPT_VALUE}, {"--layer", CLI_OPT_VALUE}};
+    static const cli_opt opts[] = {{"--help", CLI_OPT_FLAG},
+                                   {"--model", CLI_OPT_VALUE},
+                                   {"--layer", CLI_OPT_VALUE},
+                                   {"--gguf", CLI_OPT_VALUE}};
     cli_args args;
-    int rc = cli_parse(argc, argv, opts, 3, &args);
+    int rc = cli_parse(argc, argv, opts, 4, &args);
     if (rc)
         return rc;
     if (args.given[0]) {
-        printf("Usage: mha info [--model DIR [--layer L]]\n\nPrints the version, the number of "
-               "threads used by default (--threads 0),\nthe kernel tiers this CPU has, the "
-               "forward kernels, and which implementations (--impl) can run a few sample\n"
-               "problems. With --model: what a Hugging Face model directory's layer L (default "
-               "0)\nmeans to mha (the options `mha run --model DIR --layer L` uses).\n");
+        printf(
+            "Usage: mha info [--model DIR | --gguf FILE [--layer L]]\n\nPrints the version, the "
+            "number of "
+            "threads used by default (--threads 0),\nthe kernel tiers this CPU has, the "
+            "forward kernels, and which implementations (--impl) can run a few sample\n"
+            "problems. With --model: what a Hugging Face model directory's layer L (default "
+            "0)\nmeans to mha (the options `mha run --model DIR --layer L` uses). With --gguf: the "
+            "same for a\nllama.cpp GGUF file (`mha run --gguf FILE --layer L`).\n");
         return CLI_OK;
     }
-    if (args.given[2] && !args.given[1])
-        return cli_usage("--layer needs --model");
-    if (args.given[1])
-        return cli_info_model(args.value[1], args.given[2] ? args.value[2] : NULL);
+    if (args.given[1] && args.given[3])
+        return cli_usage("--model and --gguf exclude each other");
+    if (args.given[2] && !args.given[1] && !args.given[3])
+        return cli_usage("--layer needs --model or --gguf");
+    if (args.given[1] || args.given[3])
+        return cli_info_model(args.given[1] ? args.value[1] : args.value[3],
+                              args.given[2] ? args.value[2] : NULL, !args.given[1]);
 
     printf("mha %s (libmha %s)\n", MHA_CLI_VERSION_STRING, mha_version());
     printf("threads: %d (online CPUs; used by --threads 0)\n", mha_default_threads());

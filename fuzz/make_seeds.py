@@ -48,6 +48,52 @@ def f32(vals):
     return struct.pack("<%df" % len(vals), *vals)
 
 
+def gguf(arch, kvs, tensors, version=3, align=32):
+    """A GGUF file (little-endian): kvs {key: (type number, value)}, tensors [(name, ne list,
+    ggml type, raw bytes)], each tensor's data at a multiple of `align`."""
+    def gstr(t):
+        b = t.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+              11: "<q", 12: "<d"}
+
+    def value(t, v):
+        if t == 8:
+            return gstr(v)
+        if t == 9:
+            et, items = v
+            return struct.pack("<IQ", et, len(items)) + b"".join(value(et, x) for x in items)
+        return struct.pack(scalar[t], v)
+
+    kvs = dict({"general.architecture": (8, arch)}, **kvs)
+    head = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(kvs))
+    for k, (t, v) in kvs.items():
+        head += gstr(k) + struct.pack("<I", t) + value(t, v)
+    blob, infos = b"", b""
+    for name, ne, typ, raw in tensors:
+        infos += gstr(name) + struct.pack("<I", len(ne)) + b"".join(struct.pack("<Q", n)
+                                                                    for n in ne)
+        infos += struct.pack("<IQ", typ, len(blob))
+        blob += raw + b"\0" * (-len(raw) % align)
+    out_ = head + infos
+    return out_ + b"\0" * (-len(out_) % align) + blob
+
+
+def f16(vals):
+    return struct.pack("<%de" % len(vals), *vals)
+
+
+def q8_0(vals):
+    """Blocks of 32: float16 scale max|x| / 127, then 32 int8."""
+    b = b""
+    for i in range(0, len(vals), 32):
+        blk = vals[i:i + 32]
+        d = max(abs(v) for v in blk) / 127 or 1.0
+        b += struct.pack("<e", d) + struct.pack("<32b", *[round(v / d) for v in blk])
+    return b
+
+
 def main():
     rng = random.Random(7)
     # ---- npy
@@ -195,6 +241,53 @@ def main():
                                                                    long_factor=[1.0, 4.0])))
     model("unknown_type", dict(small, model_type="t5"))
     model("not_json", b'{"model_type": "llama",')
+    # ---- GGUF: tiny llama (permuted Q/K), qwen2 (biases, F16), qwen3 (QK-norm, Q8_0 at 32)
+    def lw(rows, cols, k=0):
+        return [((i * 7 + k) % 11 - 5) * 0.1 for i in range(rows * cols)]
+
+    def layer_tensors(L, hid, h, g, d, typ=0, bias=False, norm=False):
+        conv = {0: f32, 1: f16, 8: q8_0}[typ]
+        ts = []
+        for k, (stem, rows, cols) in enumerate((("attn_q", h * d, hid), ("attn_k", g * d, hid),
+                                                ("attn_v", g * d, hid),
+                                                ("attn_output", hid, h * d))):
+            ts.append(("blk.%d.%s.weight" % (L, stem), [cols, rows], typ, conv(lw(rows, cols, k))))
+            if bias and stem != "attn_output":
+                ts.append(("blk.%d.%s.bias" % (L, stem), [rows], 0, f32(lw(rows, 1, k))))
+        if norm:
+            for stem in ("attn_q_norm", "attn_k_norm"):
+                ts.append(("blk.%d.%s.weight" % (L, stem), [d], 0, f32([1.0] * d)))
+        return ts
+
+    def keys(arch, hid, h, g, layers=1, **extra):
+        k = {arch + ".block_count": (4, layers), arch + ".embedding_length": (4, hid),
+             arch + ".attention.head_count": (4, h), arch + ".attention.head_count_kv": (4, g),
+             arch + ".rope.freq_base": (6, 10000.0),
+             arch + ".attention.layer_norm_rms_epsilon": (6, 1e-6),
+             "general.name": (8, "seed"), "tokenizer.ggml.tokens": (9, (8, ["<s>", "a", "b"])),
+             "tokenizer.ggml.scores": (9, (6, [0.0, -1.0, -2.0]))}
+        k.update(extra)
+        return k
+
+    out("gguf", "llama", gguf("llama", keys("llama", 4, 2, 1, layers=2,
+                                           **{"llama.rope.scaling.type": (8, "linear"),
+                                              "llama.rope.scaling.factor": (6, 2.0)}),
+                              layer_tensors(0, 4, 2, 1, 2) + layer_tensors(1, 4, 2, 1, 2)))
+    out("gguf", "qwen2_f16_v2", gguf("qwen2", keys("qwen2", 4, 2, 2, **{
+        "qwen2.attention.sliding_window": (4, 3), "general.alignment": (4, 64)}),
+        layer_tensors(0, 4, 2, 2, 2, typ=1, bias=True), version=2, align=64))
+    out("gguf", "qwen3_q8", gguf("qwen3", keys("qwen3", 32, 2, 1, **{
+        "qwen3.attention.key_length": (4, 16), "qwen3.attention.value_length": (4, 16),
+        "qwen3.rope.dimension_count": (4, 16)}),
+        layer_tensors(0, 32, 2, 1, 16, typ=8, norm=True)))
+    out("gguf", "per_layer_heads", gguf("llama", keys("llama", 4, 2, 1, layers=2, **{
+        "llama.attention.head_count": (9, (4, [2, 2])),
+        "llama.attention.head_count_kv": (9, (5, [1, 2]))}),
+        layer_tensors(0, 4, 2, 1, 2) + layer_tensors(1, 4, 2, 2, 2)))
+    out("gguf", "llama3_rope_freqs", gguf("llama", keys("llama", 8, 2, 1, **{
+        "llama.context_length": (4, 64)}),
+        layer_tensors(0, 8, 2, 1, 4) + [("rope_freqs.weight", [2], 0, f32([1.0, 8.0]))]))
+    out("gguf", "bad_magic", b"GGUX" + bytes(40))
     # ---- npz members: count byte, then per member: flags (dtype in bits 0-2, NULL data when
     # bits 3-4 are set), name length, name, [dtype byte], ndim byte, dims, data (fuzz_npz.c)
     def member(name, ndim, dims, dtype=0, flags=0, data=b"", dtype_byte=b""):

@@ -841,6 +841,37 @@ MHA_API mha_status mha_hf_layer_load(const char *dir,
                                      mha_layer **out,
                                      mha_error *err);
 
+/** What a GGUF file (llama.cpp's format, versions 2 and 3) says about the attention of layer
+ *  `layer`, in the HF info's fields: model_type is general.architecture (llama, mistral, qwen2,
+ *  qwen3), prefix "blk.L.", num_layers {arch}.block_count; heads, kv heads, head_dim, biases,
+ *  RoPE (theta, rotary dims, linear scaling, Llama 3's rope_freqs.weight as LONGROPE with equal
+ *  lists; style HALF: see mha_layer_load_gguf), QK-norm
+ *  (qwen3), causal, and the sliding window ({arch}.attention.sliding_window - 1 on the left) as
+ *  mha_hf_layer_info_read gives them (docs/MODELS.md "GGUF"). An architecture or option mha
+ *  cannot reproduce is UNSUPPORTED naming it; a malformed file is BAD_FILE naming the problem.
+ *  The file is untrusted: every count, length, offset and size is checked against its size. */
+MHA_API mha_status mha_gguf_layer_info_read(const char *path,
+                                            int64_t layer,
+                                            mha_hf_layer_info *info,
+                                            mha_error *err);
+
+/** Loads layer `layer`'s attention from the GGUF file `path` (blk.L.attn_q/k/v/output.weight,
+ *  the biases and attn_q_norm/attn_k_norm when present). Tensors of type F32, F16 and BF16 are
+ *  stored in config->weight_dtype (a tensor already in it keeps its bytes, any other is rounded
+ *  once to nearest even, as mha_layer_load_safetensors does; mixed types are fine); Q8_0 is
+ *  dequantised to float32 (exact) and then stored likewise; any other type is UNSUPPORTED naming
+ *  it. llama and mistral files have their Q and K rows (and biases) permuted by llama.cpp's
+ *  converter to pair rotary dimensions (2j, 2j+1): the permutation is undone, so the layer is
+ *  the HF checkpoint's, with HALF (rotate_half) RoPE. `config` NULL takes the options from
+ *  mha_gguf_layer_info_read(); otherwise as in mha_hf_layer_load (set weight_dtype to
+ *  MHA_DTYPE_BF16 or F16 to keep a half file's bytes; the info's is MHA_DTYPE_F32). */
+MHA_API mha_status mha_layer_load_gguf(const char *path,
+                                       int64_t layer,
+                                       const mha_config *config,
+                                       const mha_allocator *allocator,
+                                       mha_layer **out,
+                                       mha_error *err);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Training: backward                                                                             */
 /* (docs/TRAINING.md: formulas, ownership, accumulate semantics, tolerances)                      */

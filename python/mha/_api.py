@@ -1183,12 +1183,25 @@ class MultiheadAttention:
         (``causal=None`` / ``window=None`` there); ``model_info`` says what was read. An
         unsupported architecture or attention option raises MhaError naming the config field.
         """
+        return cls._from_model(path, layer, L.mha_hf_layer_info_read, L.mha_hf_layer_load)
+
+    @classmethod
+    def from_gguf(cls, path: str, layer: int = 0) -> "MultiheadAttention":
+        """Layer ``layer`` (0-based) of a llama.cpp GGUF file (general.architecture llama,
+        mistral, qwen2 or qwen3; F32/F16/BF16 tensors, Q8_0 dequantised to float32; llama's
+        permuted Q/K rows put back: mha_layer_load_gguf, docs/MODELS.md "GGUF files"), with the
+        same defaults and ``model_info`` as :meth:`from_pretrained` (``model_type`` is the
+        architecture). Unsupported types or options raise MhaError naming them."""
+        return cls._from_model(path, layer, L.mha_gguf_layer_info_read, L.mha_layer_load_gguf)
+
+    @classmethod
+    def _from_model(cls, path, layer, info_fn, load_fn) -> "MultiheadAttention":
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
             raise ValueError(f"layer: expected a non-negative integer, got {layer!r}")
         info = L.mha_hf_layer_info()
-        M.call(L.mha_hf_layer_info_read, str(path).encode(), int(layer), info)
+        M.call(info_fn, str(path).encode(), int(layer), info)
         ptr = ctypes.c_void_p()
-        M.call(L.mha_hf_layer_load, str(path).encode(), int(layer), info.config, None, ptr)
+        M.call(load_fn, str(path).encode(), int(layer), info.config, None, ptr)
         self = cls.__new__(cls)
         self._init_handle(ptr.value)
         self._causal = bool(info.causal)

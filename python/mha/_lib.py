@@ -335,6 +335,10 @@ mha_hf_layer_info_read = _fn("mha_hf_layer_info_read",
                              [c_char_p, c_int64, P(mha_hf_layer_info), P(mha_error)])
 mha_hf_layer_load = _fn("mha_hf_layer_load", [c_char_p, c_int64, P(mha_config), c_void_p,
                                               P(c_void_p), P(mha_error)])
+mha_gguf_layer_info_read = _fn("mha_gguf_layer_info_read",
+                               [c_char_p, c_int64, P(mha_hf_layer_info), P(mha_error)])
+mha_layer_load_gguf = _fn("mha_layer_load_gguf", [c_char_p, c_int64, P(mha_config), c_void_p,
+                                                  P(c_void_p), P(mha_error)])
 
 
 def version() -> str:

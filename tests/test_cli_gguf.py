@@ -1,0 +1,344 @@
+# SPDX-License-Identifier: MIT
+"""`mha run --gguf FILE --layer L` and `mha info --gguf FILE` against Hugging Face transformers.
+
+Tiny random llama, mistral-style (sliding window), qwen2 (q/k/v biases) and qwen3 (QK-norm)
+models are built with transformers (nothing from a hub) and written as GGUF files with the `gguf`
+package's GGUFWriter the way llama.cpp's converter writes them: the same keys, llama's Q and K
+rows permuted to pair rotary dimensions (2j, 2j+1), 1-d tensors (biases, norms) in F32, the
+projections in F32, F16, BF16 or Q8_0 (gguf.quants.quantize).
+
+The oracle: the transformers model in float64 whose attention weights are replaced by exactly the
+values the GGUF file holds (the F16/BF16 rounding, the Q8_0 dequantisation: gguf.quants), run on
+random tokens; the tested layer's attention input and output are recorded with hooks. mha loads
+every type into float32 weights exactly (docs/MODELS.md "GGUF"), so the only error left is the
+float32 arithmetic's, and every type is gated at TOL_OUT_REL (no new constant). That the rounding
+is really there is checked too: Q8_0 and BF16 outputs miss the unrounded model by far more.
+
+Run by ctest with MHA_CLI=<path to mha>; needs numpy, torch, transformers and gguf
+(python/requirements-test.txt).
+"""
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from tolerances import TOL_OUT_REL
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+
+import hf_models as H
+
+CLI = os.environ.get("MHA_CLI")
+pytestmark = pytest.mark.skipif(not CLI, reason="MHA_CLI (path to the mha program) is not set")
+
+SEQ, BATCH, WINDOW = 12, 2, 5
+BASE = dict(vocab_size=64, num_hidden_layers=2, max_position_embeddings=64, hidden_size=64,
+            intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+# name: (config class, kwargs, model class, GGUF architecture, Q/K permuted, extra keys)
+CASES = {
+    "llama": (T.LlamaConfig, dict(BASE, rope_parameters=dict(rope_type="linear", factor=2.0,
+                                                              rope_theta=1e4)),
+              T.LlamaForCausalLM, "llama", True, {"scaling": ("linear", 2.0)}),
+    # Llama 3 RoPE scaling: llama.cpp writes it as rope_freqs.weight, one divisor per pair.
+    "llama3": (T.LlamaConfig, dict(BASE, rope_parameters=dict(
+        rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=16)),
+        T.LlamaForCausalLM, "llama", True, {"rope_freqs": True}),
+    "mistral": (T.MistralConfig, dict(BASE, sliding_window=WINDOW,
+                                      rope_parameters=dict(rope_type="default", rope_theta=5e5)),
+                T.MistralForCausalLM, "llama", True, {"window": WINDOW}),
+    "qwen2": (T.Qwen2Config, dict(BASE, rope_parameters=dict(rope_type="default",
+                                                             rope_theta=1e6)),
+              T.Qwen2ForCausalLM, "qwen2", False, {}),
+    "qwen3": (T.Qwen3Config, dict(BASE, head_dim=16, attention_bias=False,
+                                  rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+              T.Qwen3ForCausalLM, "qwen3", False, {}),
+}
+TYPES = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0}
+PROJ = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+
+
+def run_cli(*args):
+    return subprocess.run([CLI, *[str(a) for a in args]], capture_output=True, text=True,
+                          timeout=120)
+
+
+def permute(w, heads):
+    """llama.cpp's layout of a llama Q or K (rows [heads * d] or a bias [heads * d]): per head,
+    HF's element s * d/2 + j (rotate_half pairs (j, j + d/2)) goes to 2j + s."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stored(w, qtype):
+    """(the array GGUFWriter gets, raw_dtype or None, the float64 values the file holds)."""
+    w32 = np.ascontiguousarray(w, np.float32)
+    if qtype == Q.F32:
+        return w32, None, w32.astype(np.float64)
+    if qtype == Q.F16:
+        h = w32.astype(np.float16)
+        return h, None, h.astype(np.float64)
+    raw = gguf.quants.quantize(w32, qtype)
+    return raw, qtype, gguf.quants.dequantize(raw, qtype).astype(np.float64).reshape(w.shape)
+
+
+def build(name, root):
+    cfg_cls, kw, model_cls, _, _, _ = CASES[name]
+    torch.manual_seed(sum(map(ord, name)))
+    cfg = cfg_cls(**kw)
+    cfg._attn_implementation = "eager"
+    model = model_cls(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    d = os.path.join(root, name)
+    model.save_pretrained(d)
+    return model, d
+
+
+def record(model, layer, ids):
+    store = {}
+    handles = H._hooks(model, "model.layers.{L}.self_attn", layer, store)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for h in handles:
+        h.remove()
+    return store["x"], store["y"]
+
+
+def write_gguf(name, model, qtype, path, permuted=None, arch=None, edit=None):
+    """The model's attention as llama.cpp's converter writes it; returns the float64 model with
+    the file's values put back (the oracle). edit(writer) may add or replace keys."""
+    _, kw, _, garch, perm, extra = CASES[name]
+    perm = perm if permuted is None else permuted
+    cfg = model.config
+    h, g = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
+    w = gguf.GGUFWriter(path, arch or garch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(h)
+    w.add_head_count_kv(g)
+    w.add_rope_freq_base(float(kw["rope_parameters"]["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(d)
+    if name == "qwen3":
+        w.add_key_length(d)
+        w.add_value_length(d)
+    if "scaling" in extra:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(extra["scaling"][1])
+    if "window" in extra:
+        w.add_sliding_window(extra["window"])
+    if "rope_freqs" in extra:  # the divisors of HF's llama3 frequencies, as the converter's
+        theta = float(kw["rope_parameters"]["rope_theta"])
+        base = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+        hf = model.model.rotary_emb.inv_freq.double().numpy()
+        w.add_tensor("rope_freqs.weight", (base / hf).astype(np.float32))
+    w.add_file_type(int(qtype))
+    if edit:
+        edit(w)
+    oracle = model_cls_copy(name, model)
+    mods = dict(oracle.named_modules())
+    for L in range(cfg.num_hidden_layers):
+        att = mods[f"model.layers.{L}.self_attn"]
+        for hf, gg in PROJ.items():
+            lin = getattr(att, hf)
+            wt = lin.weight.detach().numpy()
+            heads = h if hf == "q_proj" else g
+            if perm and hf in ("q_proj", "k_proj"):
+                wt = permute(wt, heads)
+            data, raw, back = stored(wt, qtype)
+            w.add_tensor(f"blk.{L}.{gg}.weight", data, raw_dtype=raw)
+            if perm and hf in ("q_proj", "k_proj"):  # the oracle gets HF's order back
+                back = back.reshape(heads, d // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(back))
+            if lin.bias is not None:
+                b = lin.bias.detach().numpy()
+                b = permute(b, heads) if perm and hf in ("q_proj", "k_proj") else b
+                w.add_tensor(f"blk.{L}.{gg}.bias", b.astype(np.float32))
+                with torch.no_grad():
+                    lin.bias.copy_(lin.bias.float().double())
+        for hf, gg in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm")):
+            if hasattr(att, hf):
+                nw = getattr(att, hf).weight
+                w.add_tensor(f"blk.{L}.{gg}.weight", nw.detach().numpy().astype(np.float32))
+                with torch.no_grad():
+                    nw.copy_(nw.float().double())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return oracle
+
+
+def model_cls_copy(name, model):
+    _, _, model_cls, _, _, _ = CASES[name]
+    cfg = model.config
+    m = model_cls(cfg).to(torch.float64).eval()
+    m.load_state_dict(model.state_dict())
+    return m
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("gguf"))
+    return {name: build(name, root) for name in CASES}
+
+
+def ids_for(name):
+    g = torch.Generator().manual_seed(7 + len(name))
+    return torch.randint(3, 64, (BATCH, SEQ), generator=g)
+
+
+def run_gguf(path, layer, x, tmp_path, *flags):
+    xp, yp = tmp_path / "x.npy", tmp_path / "y.npy"
+    np.save(xp, x)
+    r = run_cli("run", "--gguf", path, "--layer", layer, "--input", xp, "--out", yp, *flags)
+    assert r.returncode == 0, r.stderr
+    return np.load(yp)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("tname", list(TYPES))
+def test_layer_matches_transformers(models, name, tname, tmp_path):
+    model, _ = models[name]
+    path = str(tmp_path / f"{name}.gguf")
+    oracle = write_gguf(name, model, TYPES[tname], path)
+    for layer in (0, 1):
+        x, ref = record(oracle, layer, ids_for(name))
+        y = run_gguf(path, layer, x, tmp_path)
+        err = H.max_rel_err(y, ref)
+        assert err <= TOL_OUT_REL, f"{name} {tname} layer {layer}: max error {err:.3g}"
+        if tname in ("BF16", "Q8_0") and layer == 0:  # the file's rounding is really seen
+            _, unrounded = record(model, layer, ids_for(name))
+            assert H.max_rel_err(y, unrounded) > 10 * TOL_OUT_REL
+
+
+def test_f32_gguf_equals_the_hf_directory(models, tmp_path):
+    # The un-permuted llama layer is the HF checkpoint's, bit for bit: same weights (float64
+    # rounded once to float32 either way), same rotate_half RoPE, same linear scaling.
+    model, d = models["llama"]
+    path = str(tmp_path / "llama.gguf")
+    write_gguf("llama", model, Q.F32, path)
+    x, _ = record(model, 1, ids_for("llama"))
+    y = run_gguf(path, 1, x, tmp_path)
+    xp, yp = tmp_path / "x.npy", tmp_path / "ym.npy"
+    r = run_cli("run", "--model", d, "--layer", 1, "--input", xp, "--out", yp)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(y, np.load(yp))
+
+
+def test_permutation_is_undone(models, tmp_path):
+    # The same llama file written without llama.cpp's permutation is read as permuted: wrong.
+    model, _ = models["llama"]
+    path = str(tmp_path / "unpermuted.gguf")
+    oracle = write_gguf("llama", model, Q.F32, path, permuted=False)
+    x, ref = record(oracle, 0, ids_for("llama"))
+    assert H.max_rel_err(run_gguf(path, 0, x, tmp_path), ref) > 100 * TOL_OUT_REL
+
+
+def test_decode_matches(models, tmp_path):
+    model, _ = models["qwen3"]
+    path = str(tmp_path / "q3.gguf")
+    oracle = write_gguf("qwen3", model, Q.Q8_0, path)
+    x, ref = record(oracle, 1, ids_for("qwen3"))
+    y = run_gguf(path, 1, x, tmp_path, "--decode", "--prefill", 3)
+    assert H.max_rel_err(y, ref) <= TOL_OUT_REL
+
+
+def test_info_prints_what_it_understood(models, tmp_path):
+    model, _ = models["mistral"]
+    path = str(tmp_path / "m.gguf")
+    write_gguf("mistral", model, Q.F16, path)
+    r = run_cli("info", "--gguf", path, "--layer", 1)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "architecture: llama" in out and "layer: 1 of 2" in out, out
+    assert "heads: 4, kv heads: 2, head_dim: 16" in out and "blk.1." in out, out
+    assert "un-permuted" in out and "rope: style half, theta 500000, rotary_dim 16" in out, out
+    assert f"window: {WINDOW - 1},0" in out and "causal: yes" in out, out
+    model, _ = models["qwen3"]
+    write_gguf("qwen3", model, Q.F32, path)
+    out = run_cli("info", "--gguf", path).stdout
+    assert "qk-norm: rms per head" in out and "architecture: qwen3" in out, out
+    model, _ = models["llama"]
+    write_gguf("llama", model, Q.F32, path)
+    assert "scaling linear (factor 2)" in run_cli("info", "--gguf", path).stdout
+    model, _ = models["llama3"]
+    write_gguf("llama3", model, Q.F32, path)
+    assert "scaling longrope (factor 1" in run_cli("info", "--gguf", path).stdout
+
+
+def refused(path, *words, layer=0):
+    """`mha info` and `mha run` both fail with exit 1 and one stderr line naming every word."""
+    r = run_cli("info", "--gguf", path, "--layer", layer)
+    line = r.stderr.strip()
+    assert r.returncode == 1 and "\n" not in line and line.startswith("mha: "), (r.stdout, line)
+    assert all(wd in line for wd in words), line
+    r = run_cli("run", "--gguf", path, "--layer", layer, "--input", "/nonexistent.npy", "--out",
+                "/tmp/unused.npy")
+    assert r.returncode == 1 and all(wd in r.stderr for wd in words), r.stderr
+
+
+def test_unsupported_is_refused_by_name(models, tmp_path):
+    model, _ = models["llama"]
+    p = str(tmp_path / "r.gguf")
+    write_gguf("llama", model, Q.F32, p, arch="gemma2")
+    refused(p, "general.architecture", "gemma2")
+
+    def yarn(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    p = str(tmp_path / "yarn.gguf")
+    write_gguf("qwen2", models["qwen2"][0], Q.F32, p, edit=yarn)
+    refused(p, "qwen2.rope.scaling.type", "yarn")
+
+    def freqs(w):
+        w.add_tensor("rope_freqs.weight", np.ones(5, np.float32))
+    p = str(tmp_path / "freqs.gguf")
+    write_gguf("qwen2", models["qwen2"][0], Q.F32, p, edit=freqs)
+    refused(p, "rope_freqs.weight must be F32 with 1 dimension {8}")
+    p = str(tmp_path / "freqs_linear.gguf")
+    write_gguf("llama3", models["llama3"][0], Q.F32, p,
+               edit=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                               w.add_rope_scaling_factor(2.0)))
+    refused(p, "rope_freqs.weight together with llama.rope.scaling.type")
+    p = str(tmp_path / "q4.gguf")
+    write_gguf("qwen2", models["qwen2"][0], Q.Q4_0, p)
+    refused(p, "blk.0.attn_q.weight", "Q4_0")
+    refused(str(tmp_path / "q4.gguf"), "layer 2", "2 layers", layer=2)
+
+
+def test_usage_errors(models, tmp_path):
+    _, d = models["llama"]
+    r = run_cli("run", "--gguf", "a.gguf", "--model", d, "--input", "x.npy", "--out", "y.npy")
+    assert r.returncode == 2 and "exclude each other" in r.stderr
+    r = run_cli("run", "--gguf", "a.gguf", "--prefix", "p", "--input", "x.npy", "--out", "y.npy")
+    assert r.returncode == 2 and "--prefix cannot be used with --gguf" in r.stderr
+    r = run_cli("info", "--gguf", "a.gguf", "--model", d)
+    assert r.returncode == 2 and "exclude each other" in r.stderr
+    r = run_cli("info", "--gguf", str(tmp_path / "missing.gguf"))
+    assert r.returncode == 1 and "missing.gguf" in r.stderr
+
+
+def test_python_from_gguf(models, tmp_path):
+    # The Python face: mha.MultiheadAttention.from_gguf (same C loader), the model's causal mask
+    # and window as the layer's defaults.
+    mha = pytest.importorskip("mha")
+    model, _ = models["mistral"]
+    path = str(tmp_path / "m.gguf")
+    oracle = write_gguf("mistral", model, Q.BF16, path)
+    x, ref = record(oracle, 1, ids_for("mistral"))
+    layer = mha.MultiheadAttention.from_gguf(path, layer=1)
+    assert layer.model_info["model_type"] == "llama" and layer.model_info["window"] == (4, 0)
+    y = np.stack([layer.forward(xb.astype(np.float32)) for xb in x])
+    assert H.max_rel_err(y, ref) <= TOL_OUT_REL
+    with pytest.raises(mha.MhaError, match="layer 5"):
+        mha.MultiheadAttention.from_gguf(path, layer=5)
