@@ -24,7 +24,6 @@ from torch import Tensor
 
 from . import _torch_ops
 
-_F32 = torch.float32
 _HALF = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -39,7 +38,7 @@ def _operands(query: Tensor, key: Tensor, value: Tensor) -> None:
         if t.dtype not in _HALF:
             raise _refuse(f"{nm} is {t.dtype}; mha computes float32, bfloat16 and float16 "
                           f"models (a float64 model would be computed in float32)")
-    if not query.dtype is key.dtype is value.dtype:
+    if not (query.dtype is key.dtype is value.dtype):
         raise _refuse(f"query, key and value have different dtypes ({query.dtype}, {key.dtype}, "
                       f"{value.dtype})")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
