@@ -1080,6 +1080,11 @@ from ._torch_ring import ring_attention  # noqa: E402
 
 __all__.append("ring_attention")
 
+# Hugging Face transformers' attention registry (attn_implementation="mha"): _torch_hf.py.
+from ._torch_hf import register_hf_attention  # noqa: E402
+
+__all__.append("register_hf_attention")
+
 
 # ------------------------------------------------------------------------------------------------
 # Multi-head latent attention (DeepSeek-V2/V3): mha.MLA as a torch module
