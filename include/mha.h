@@ -864,7 +864,9 @@ MHA_API mha_status mha_gguf_layer_info_read(const char *path,
  *  converter to pair rotary dimensions (2j, 2j+1): the permutation is undone, so the layer is
  *  the HF checkpoint's, with HALF (rotate_half) RoPE. `config` NULL takes the options from
  *  mha_gguf_layer_info_read(); otherwise as in mha_hf_layer_load (set weight_dtype to
- *  MHA_DTYPE_BF16 or F16 to keep a half file's bytes; the info's is MHA_DTYPE_F32). */
+ *  MHA_DTYPE_BF16 or F16 to keep a half file's bytes; the info's is MHA_DTYPE_F32). With
+ *  weight_dtype MHA_DTYPE_Q8_0 the projections' Q8_0 blocks are kept as the file holds them (other
+ *  types quantised by mha_q8_0_quantize; biases and norms float32). */
 MHA_API mha_status mha_layer_load_gguf(const char *path,
                                        int64_t layer,
                                        const mha_config *config,

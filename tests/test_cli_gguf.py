@@ -342,3 +342,38 @@ def test_python_from_gguf(models, tmp_path):
     assert H.max_rel_err(y, ref) <= TOL_OUT_REL
     with pytest.raises(mha.MhaError, match="layer 5"):
         mha.MultiheadAttention.from_gguf(path, layer=5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_python_from_gguf_keeps_q8_0(models, tmp_path, name):
+    # weight_dtype="q8_0": the file's Q8_0 blocks are kept (a q8_0 layer, biases float32), and a
+    # q8_0 layer computes exactly the float32 layer on the dequantised weights: the same bits as
+    # the default load (Q8_0 dequantised to float32 at load). An F32 file is quantised at load,
+    # within the q8_0 quantisation of the oracle's weights.
+    mha = pytest.importorskip("mha")
+    model, _ = models[name]
+    path = str(tmp_path / "q.gguf")
+    oracle = write_gguf(name, model, Q.Q8_0, path)
+    x, ref = record(oracle, 1, ids_for(name))
+    deq = mha.MultiheadAttention.from_gguf(path, layer=1)
+    q8 = mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q8_0")
+    assert q8.config.weight_dtype == "q8_0" and deq.config.weight_dtype != "q8_0"
+    for nm, w in deq.weights.items():
+        assert np.array_equal(q8.weights[nm], w), nm
+    for xb in x:
+        xb = xb.astype(np.float32)
+        assert np.array_equal(q8.forward(xb), deq.forward(xb))
+    y = np.stack([q8.forward(xb.astype(np.float32)) for xb in x])
+    assert H.max_rel_err(y, ref) <= TOL_OUT_REL
+    # an F32 file: quantised by mha at load = the Q8_0 file's blocks (gguf's quantiser rounds
+    # ties away from zero, mha's to even, and both divide by the f16 scale: equal but for ties)
+    path32 = str(tmp_path / "f.gguf")
+    write_gguf(name, model, Q.F32, path32)
+    q8f = mha.MultiheadAttention.from_gguf(path32, layer=1, weight_dtype="q8_0")
+    for nm, w in deq.weights.items():
+        if w is None or w.ndim != 2:
+            continue
+        diff = np.abs(q8f.weights[nm] - w)
+        assert (diff > 0).mean() < 0.01, nm  # ties only
+    with pytest.raises(ValueError, match="weight_dtype"):
+        mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q4_0")

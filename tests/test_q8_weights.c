@@ -237,7 +237,7 @@ static void run_decode(const mha_layer *L,
         const int64_t t = p == 0 ? pre : 1;
         for (int64_t b = 0; b < B; b++)
             memcpy(xs + b * t * qd, x + (b * N + p) * qd, sizeof(float) * (size_t)(t * qd));
-        mha_decode_args da = {B, NULL, t, xs, ys};
+        mha_decode_args da = {B, NULL, t, xs, ys, NULL};
         CHECK_OK(p == 0 ? mha_layer_prefill(L, cache, &da, &ex, &err)
                         : mha_layer_decode_step(L, cache, &da, &ex, &err),
                  &err);

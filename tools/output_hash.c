@@ -658,7 +658,7 @@ static void run_q8_case(int64_t head_dim, int alibi, mha_impl impl, int threads,
     for (size_t s = 0; s < sizeof steps / sizeof steps[0]; ++s) {
         const int64_t t = steps[s];
         float *xs = s == 0 ? x : new_filled(2 * t * q_dim, 72 + (uint64_t)s, 1.0f);
-        mha_decode_args d = {2, NULL, t, xs, out};
+        mha_decode_args d = {2, NULL, t, xs, out, NULL};
         mha_status st = s == 0 ? mha_layer_prefill(layer, cache, &d, &ex, &err)
                                : mha_layer_decode_step(layer, cache, &d, &ex, &err);
         if (st != MHA_STATUS_OK)

@@ -1186,20 +1186,30 @@ class MultiheadAttention:
         return cls._from_model(path, layer, L.mha_hf_layer_info_read, L.mha_hf_layer_load)
 
     @classmethod
-    def from_gguf(cls, path: str, layer: int = 0) -> "MultiheadAttention":
+    def from_gguf(cls, path: str, layer: int = 0, *,
+                  weight_dtype: Optional[str] = None) -> "MultiheadAttention":
         """Layer ``layer`` (0-based) of a llama.cpp GGUF file (general.architecture llama,
         mistral, qwen2 or qwen3; F32/F16/BF16 tensors, Q8_0 dequantised to float32; llama's
         permuted Q/K rows put back: mha_layer_load_gguf, docs/MODELS.md "GGUF files"), with the
         same defaults and ``model_info`` as :meth:`from_pretrained` (``model_type`` is the
-        architecture). Unsupported types or options raise MhaError naming them."""
-        return cls._from_model(path, layer, L.mha_gguf_layer_info_read, L.mha_layer_load_gguf)
+        architecture). ``weight_dtype="q8_0"`` keeps the file's Q8_0 projection blocks as they
+        are (a q8_0 layer, docs/SEMANTICS.md "q8_0 weights"; other tensor types are quantised with
+        mha_q8_0_quantize; biases and norms float32). Unsupported types or options raise MhaError
+        naming them."""
+        if weight_dtype not in (None, "q8_0"):
+            raise ValueError(f"weight_dtype: expected None (the file's default) or 'q8_0', got "
+                             f"{weight_dtype!r}")
+        return cls._from_model(path, layer, L.mha_gguf_layer_info_read, L.mha_layer_load_gguf,
+                               L.DTYPE_Q8_0 if weight_dtype == "q8_0" else None)
 
     @classmethod
-    def _from_model(cls, path, layer, info_fn, load_fn) -> "MultiheadAttention":
+    def _from_model(cls, path, layer, info_fn, load_fn, weight_dtype=None) -> "MultiheadAttention":
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
             raise ValueError(f"layer: expected a non-negative integer, got {layer!r}")
         info = L.mha_hf_layer_info()
         M.call(info_fn, str(path).encode(), int(layer), info)
+        if weight_dtype is not None:
+            info.config.weight_dtype = weight_dtype
         ptr = ctypes.c_void_p()
         M.call(load_fn, str(path).encode(), int(layer), info.config, None, ptr)
         self = cls.__new__(cls)

@@ -945,6 +945,27 @@ static int decode_row(const gguf_tensor *t, const unsigned char *src, int64_t co
     }
 }
 
+/* Row r of t (raw bytes at raw, decoded to float32 at tmp) into a q8_0 layer's row at dst: a
+ * Q8_0 row keeps its blocks (bit for bit what the file holds), any other is quantised by
+ * mha__q8_quantize (docs/SEMANTICS.md "q8_0 weights"). Non-finite values are refused. */
+static mha_status store_q8_row(mha__gguf *g,
+                               const gguf_tensor *t,
+                               const unsigned char *raw,
+                               const float *tmp,
+                               int64_t r,
+                               int64_t cols,
+                               unsigned char *dst,
+                               mha_error *err) {
+    for (int64_t c = 0; c < cols; c++)
+        if (!isfinite(tmp[c]))
+            return nonfinite(g, t, r, c, tmp[c], MHA_DTYPE_F32, err);
+    if (t->type == MHA__GGML_Q8_0)
+        memcpy(dst, raw, (size_t)(cols / MHA__Q8_BLOCK) * MHA__Q8_BYTES);
+    else
+        mha__q8_quantize(tmp, cols, dst);
+    return MHA_STATUS_OK;
+}
+
 /* Where row (or, in a bias, element) i of a permuted Q or K goes back to: llama.cpp's converter
  * wrote element 2j + s of each head of `head` from HF's element s * head/2 + j (s in {0, 1}, j <
  * head/2), pairing the rotary dimensions (j, j + head/2) of HF's rotate_half as adjacent ones. */
@@ -992,9 +1013,16 @@ static mha_status read_tensor(mha__gguf *g,
     ggml_block(t->type, &bv, &bb);
     const uint64_t row_bytes = (uint64_t)cols / bv * bb; /* cols % bv == 0: checked at open */
     const int64_t n_rows = (int64_t)want_rows;
+    /* a q8_0 layer (weight matrices only: load_layer reads vectors in float32) */
+    const int q8 = to == MHA_DTYPE_Q8_0;
+    MHA_RETURN_IF(q8 && (!rows || cols % MHA__Q8_BLOCK != 0), err, INVALID_ARG,
+                  "%s: tensor '%s': q8_0 weights need rows of a multiple of 32 values, not %lld",
+                  g->path, tn, (long long)cols);
+    const size_t q8_row = (size_t)(cols / MHA__Q8_BLOCK) * MHA__Q8_BYTES;
     size_t out_bytes;
-    MHA_RETURN_IF(!mha__bytes(n_rows * cols, mha__storage_size(to), &out_bytes), err, OVERFLOW,
-                  "%s: tensor '%s' is too large", g->path, tn);
+    MHA_RETURN_IF(q8 ? !mha__bytes(n_rows, q8_row, &out_bytes)
+                     : !mha__bytes(n_rows * cols, mha__storage_size(to), &out_bytes),
+                  err, OVERFLOW, "%s: tensor '%s' is too large", g->path, tn);
     unsigned char *raw = malloc((size_t)row_bytes);
     float *tmp = malloc((size_t)cols * sizeof *tmp);
     void *dst = mha__alloc_large(a, out_bytes);
@@ -1014,6 +1042,11 @@ static mha_status read_tensor(mha__gguf *g,
                            "%s: tensor '%s' row %lld: a Q8_0 block's scale is not finite", g->path,
                            tn, (long long)r);
             break;
+        }
+        if (q8) {
+            st = store_q8_row(g, t, raw, tmp, r, cols, (unsigned char *)dst + (size_t)dr * q8_row,
+                              err);
+            continue;
         }
         const int same = (t->type == MHA__GGML_F16 && to == MHA_DTYPE_F16) ||
                          (t->type == MHA__GGML_BF16 && to == MHA_DTYPE_BF16);
@@ -1065,9 +1098,10 @@ static mha_status load_layer(mha__gguf *g,
         err, INVALID_ARG,
         "%s: config: num_heads %lld, num_kv_heads %lld, head_dim %lld are not valid", g->path,
         (long long)c.num_heads, (long long)c.num_kv_heads, (long long)c.head_dim);
-    MHA_RETURN_IF(!mha__is_float_storage(c.weight_dtype), err, INVALID_ARG,
-                  "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or "
-                  "MHA_DTYPE_F16",
+    MHA_RETURN_IF(!mha__is_float_storage(c.weight_dtype) && c.weight_dtype != MHA_DTYPE_Q8_0, err,
+                  INVALID_ARG,
+                  "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16, "
+                  "MHA_DTYPE_F16 or MHA_DTYPE_Q8_0",
                   g->path, (int)c.weight_dtype);
     const int permuted =
         strcmp(info->model_type, "llama") == 0 || strcmp(info->model_type, "mistral") == 0;
@@ -1076,21 +1110,23 @@ static mha_status load_layer(mha__gguf *g,
     const int64_t hidden = info->config.q_dim, d = c.head_dim;
     const int64_t qr = c.num_heads * d, kr = c.num_kv_heads * d; /* <= 2^20 * 2^24 */
     const mha_dtype to = c.weight_dtype;
+    /* biases and norm weights: float32 in a q8_0 layer, else the weights' dtype */
+    const mha_dtype vt = to == MHA_DTYPE_Q8_0 ? MHA_DTYPE_F32 : to;
     TRY(read_tensor(g, layer, "attn_q.weight", qr, hidden, ph, to, a, &p[B_WQ], err));
     TRY(read_tensor(g, layer, "attn_k.weight", kr, hidden, ph, to, a, &p[B_WK], err));
     TRY(read_tensor(g, layer, "attn_v.weight", kr, hidden, 0, to, a, &p[B_WV], err));
     TRY(read_tensor(g, layer, "attn_output.weight", hidden, qr, 0, to, a, &p[B_WO], err));
     if (c.bias_q)
-        TRY(read_tensor(g, layer, "attn_q.bias", 0, qr, ph, to, a, &p[B_BQ], err));
+        TRY(read_tensor(g, layer, "attn_q.bias", 0, qr, ph, vt, a, &p[B_BQ], err));
     if (c.bias_k)
-        TRY(read_tensor(g, layer, "attn_k.bias", 0, kr, ph, to, a, &p[B_BK], err));
+        TRY(read_tensor(g, layer, "attn_k.bias", 0, kr, ph, vt, a, &p[B_BK], err));
     if (c.bias_v)
-        TRY(read_tensor(g, layer, "attn_v.bias", 0, kr, 0, to, a, &p[B_BV], err));
+        TRY(read_tensor(g, layer, "attn_v.bias", 0, kr, 0, vt, a, &p[B_BV], err));
     if (c.bias_o)
-        TRY(read_tensor(g, layer, "attn_output.bias", 0, hidden, 0, to, a, &p[B_BO], err));
+        TRY(read_tensor(g, layer, "attn_output.bias", 0, hidden, 0, vt, a, &p[B_BO], err));
     if (c.qk_norm.kind == MHA_QK_NORM_RMS_HEAD) {
-        TRY(read_tensor(g, layer, "attn_q_norm.weight", 0, d, 0, to, a, &p[B_QN], err));
-        TRY(read_tensor(g, layer, "attn_k_norm.weight", 0, d, 0, to, a, &p[B_KN], err));
+        TRY(read_tensor(g, layer, "attn_q_norm.weight", 0, d, 0, vt, a, &p[B_QN], err));
+        TRY(read_tensor(g, layer, "attn_k_norm.weight", 0, d, 0, vt, a, &p[B_KN], err));
     } else
         MHA_RETURN_IF(c.qk_norm.kind != MHA_QK_NORM_NONE &&
                           c.qk_norm.kind != MHA_QK_NORM_L2_AFTER_ROPE,
