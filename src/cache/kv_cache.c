@@ -372,7 +372,6 @@ int64_t mha_kv_cache_free_blocks(const mha_kv_cache *cache) {
     return cache ? cache->nfree : -1;
 }
 
-
 mha_status mha_kv_cache_read(
     const mha_kv_cache *cache, int64_t seq, int64_t pos, float *k, float *v, mha_error *err) {
     const mha__kv_view view = mha__kv_view_of(cache);

@@ -32,13 +32,13 @@ struct mha_kv_cache {
     int64_t *len;             /* [batch] current lengths */
     int64_t *lo;              /* [batch] lowest position whose slot is intact (window rings:
                                  grows as the ring wraps; truncate does not lower it) */
-    int paged;               /* config.block_size > 0: blocks from a pool, shared, copy-on-write */
-    int64_t bs;              /* slots per block (contiguous: slots) */
-    int64_t nbs;             /* table entries per sequence: ceil(slots / bs) (a ring's last block
-                                may be partly used) */
-    int64_t *table;          /* [batch][nbs] block ids, -1 = none (contiguous: table[s] = {s}) */
-    int64_t *ref;            /* [num_blocks] reference counts (paged) */
-    int64_t *free_ids;       /* [num_blocks] stack of free block ids, top at nfree - 1 (paged) */
+    int paged;                /* config.block_size > 0: blocks from a pool, shared, copy-on-write */
+    int64_t bs;               /* slots per block (contiguous: slots) */
+    int64_t nbs;              /* table entries per sequence: ceil(slots / bs) (a ring's last block
+                                 may be partly used) */
+    int64_t *table;           /* [batch][nbs] block ids, -1 = none (contiguous: table[s] = {s}) */
+    int64_t *ref;             /* [num_blocks] reference counts (paged) */
+    int64_t *free_ids;        /* [num_blocks] stack of free block ids, top at nfree - 1 (paged) */
     int64_t nfree;
     size_t k_block_bytes; /* g * bs * k_row_bytes */
     size_t v_block_bytes;
