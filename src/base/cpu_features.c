@@ -20,7 +20,7 @@
 #endif
 
 static unsigned g_detected, g_capped;
-static int g_prefetch_l2;
+static int g_prefetch_l2, g_decode_prefetch_l2;
 static int g_amx_bf16;            /* detected only: no AMX kernel is registered (docs/KERNELS.md) */
 static const char *g_forced_name; /* MHA_KERNEL, or NULL */
 static char g_forced_buf[128];
@@ -75,6 +75,20 @@ static int detect_prefetch_l2(unsigned isa) {
     return (isa & MHA_ISA_AVX512) && vendor_is_amd();
 }
 
+/* CPUID leaf 1's family: the base family (EAX bits 8-11) plus the extended one (bits 20-27) when
+ * the base is 15 (AMD Zen 4: 0x19, Zen 5: 0x1A). */
+static unsigned cpu_family(void) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return 0;
+    const unsigned base = (a >> 8) & 0xF;
+    return base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+}
+
+static int detect_decode_prefetch_l2(int prefetch_l2) {
+    return prefetch_l2 && cpu_family() < 0x1A;
+}
+
 /* AMX-TILE and AMX-BF16: CPUID leaf 7 subleaf 0 EDX bits 24 and 22, and the OS saving tile state
  * (XCR0 bits 17, 18). Linux still grants the tiles per process (arch_prctl); nothing asks yet. */
 static int detect_amx_bf16(void) {
@@ -100,6 +114,9 @@ static int detect_prefetch_l2(unsigned isa) {
     (void)isa;
     return 0;
 }
+static int detect_decode_prefetch_l2(int prefetch_l2) {
+    return prefetch_l2;
+}
 static int detect_amx_bf16(void) {
     return 0;
 }
@@ -109,6 +126,7 @@ static void init_once(void) {
     g_detected = detect_isa();
     g_capped = g_detected;
     g_prefetch_l2 = detect_prefetch_l2(g_detected);
+    g_decode_prefetch_l2 = detect_decode_prefetch_l2(g_prefetch_l2);
     g_amx_bf16 = detect_amx_bf16();
     const char *cap = getenv("MHA_MAX_ISA");
     /* A tier name caps the bits to those of that tier; unknown values leave the detection. */
@@ -142,6 +160,11 @@ int mha__cpu_has_amx_bf16(void) {
 int mha__cpu_prefetch_to_l2(void) {
     pthread_once(&g_once, init_once);
     return g_prefetch_l2;
+}
+
+int mha__cpu_decode_prefetch_to_l2(void) {
+    pthread_once(&g_once, init_once);
+    return g_decode_prefetch_l2;
 }
 
 const char *mha__cpu_forced_kernel(void) {

@@ -50,6 +50,12 @@ const char *mha__cpu_isa_list(unsigned isa);
  * (docs/performance.md). 0 elsewhere: Intel, where the L1 hint was tuned, and AMD Zen 1, where it
  * measured 79-85%. Prefetch hints change no result. */
 int mha__cpu_prefetch_to_l2(void);
+/* The same for the split-KV decode kernels' K and V rows: mha__cpu_prefetch_to_l2, except on AMD
+ * Zen 5 (family 0x1A) and later: 0 there. On Zen 5 (1 thread, AVX-512, L = 32768) the L1 hint
+ * ran the paged cache's decode (blocks of 16-64 rows scattered over the pool, a new stream for
+ * the L1's hardware prefetcher at each block) 7-15% faster and the contiguous cache's no slower
+ * (docs/INFERENCE.md "Paged vs contiguous, measured"); the GEMMs keep the L2 hint. */
+int mha__cpu_decode_prefetch_to_l2(void);
 /* 1 when this CPU has AMX-BF16 tiles and the OS saves their state. Reported by `mha info` only:
  * no AMX kernel is registered yet (none has passed its tests on an AMX host; docs/KERNELS.md). */
 int mha__cpu_has_amx_bf16(void);
