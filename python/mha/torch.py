@@ -1097,6 +1097,15 @@ __all__.append("ring_attention")
 # Hugging Face transformers' attention registry (attn_implementation="mha"): _torch_hf.py.
 from ._torch_hf import register_hf_attention  # noqa: E402
 
+
+def __getattr__(name: str):
+    # mha.torch.MhaCache: a transformers Cache, so transformers is imported on first use only.
+    if name in ("MhaCache", "MhaCacheLayer"):
+        from . import _torch_hf_cache
+        return getattr(_torch_hf_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__.append("register_hf_attention")
 
 
