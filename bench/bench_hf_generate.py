@@ -35,7 +35,7 @@ def main():
                         max_position_embeddings=4096)
     torch.manual_seed(0)
     model = T.Qwen2ForCausalLM(cfg).eval()
-    ids = torch.randint(0, 1024, (a.batch, a.prompt))
+    ids = torch.randint(1, 1024, (a.batch, a.prompt))  # (no pad_token_id 0: no padding)
     kw = dict(max_new_tokens=a.new, min_new_tokens=a.new, do_sample=False, pad_token_id=0)
     print(f"greedy generate: batch {a.batch}, prompt {a.prompt}, {a.new} new tokens, float32, "
           f"median [min, max] of {a.repeat}")

@@ -6,8 +6,9 @@ Tiny random decoders of tests/hf_models.py (head_dim 32, so that q8_0 caches app
 configs (no hub): llama and qwen2 / mistral (GQA 4:2, sliding windows: the cache is a ring),
 gemma2 (softcap), gpt_oss (sinks), cohere2 (interleaved RoPE, a sliding layer), llama4_text
 (chunked attention, temperature tuning). Oracles:
-* the float64 full forward of each sequence alone (no padding): the logits of a prompt (one
-  sequence left-padded) then single-token steps through an MhaCache, within TOL_OUT_REL of
+* the float64 full forward of each sequence alone (its real tokens): the logits of a prompt (one
+  sequence left-padded; llama: the other with a padding token inside) then single-token steps
+  through an MhaCache, at the real tokens, within TOL_OUT_REL of
   max|ref| for a float32 cache, TOL_KV_MODEL_C u max|ref| for float16, bfloat16, q8_0 and fp8;
 * greedy `generate` with MhaCache(float32) gives the tokens of the float32 model with eager
   attention and DynamicCache, logits within TOL_OUT_REL;
@@ -62,11 +63,13 @@ def _models(case, name):
     return out
 
 
-def _tokens():
+def _tokens(inner=False):
     g = torch.Generator().manual_seed(7)
     seq = torch.randint(3, 64, (2, P + N), generator=g)
     mask = torch.ones_like(seq)
     mask[1, :3] = 0  # left padding
+    if inner:  # a padding token inside a prompt (its row's output is not compared); with a
+        mask[0, 5] = 0  # sliding window transformers counts it in the window: refused (below)
     return seq, mask
 
 
@@ -86,8 +89,8 @@ def _reference(ref, seq, mask):
             assert not want.isnan().any()
             return want * mask[..., None]
         for b in range(seq.shape[0]):
-            pad = int((mask[b] == 0).sum())
-            want[b, pad:] = ref(seq[b:b + 1, pad:]).logits[0]
+            real = mask[b].bool()
+            want[b, real] = ref(seq[b:b + 1, real]).logits[0]
     return want
 
 
@@ -106,17 +109,19 @@ def _decode(m, cache, seq, mask):
 @pytest.mark.parametrize("case", CASES)
 def test_decode_logits_match_the_float64_forward(name, case):
     ref, _, m = _models(case, name)
-    seq, mask = _tokens()
-    want = _reference(ref, seq, mask)[:, P - 1:P + N - 1]
+    inner = case == "llama"  # (no sliding window: an inner padding token is representable)
+    seq, mask = _tokens(inner)
+    keep = mask[:, P - 1:P + N - 1].bool()  # the rows of real tokens
+    want = _reference(ref, seq, mask)[:, P - 1:P + N - 1][keep]
     scale = want.abs().max().item()
     errs = {}
     for dtype in ("float32", "float16", "bfloat16", "q8_0", "fp8_e4m3"):
         got = {}
         for bs in (0, 16):
             cache = mt.MhaCache(m.config, max_seq=P + N, dtype=dtype, block_size=bs)
-            got[bs] = _decode(m, cache, seq, mask)
+            got[bs] = _decode(m, cache, seq, mask)[keep]
             # padding is not stored: every sequence holds its own tokens
-            assert cache.lengths() == [P + N - 1, P + N - 4]
+            assert cache.lengths() == [P + N - 1 - inner, P + N - 4]
             assert cache.get_seq_length() == P + N - 1
         assert torch.equal(got[0], got[16]), (case, dtype)  # paged = contiguous, bit for bit
         errs[dtype] = (got[0] - want).abs().max().item() / scale
@@ -124,7 +129,7 @@ def test_decode_logits_match_the_float64_forward(name, case):
     # a ring (sliding / chunked layers) filled in steps of 4: the prompt is appended and attended
     # 4 tokens at a time
     cache = mt.MhaCache(m.config, max_seq=P + N, block_size=16, max_step_tokens=4)
-    err = (_decode(m, cache, seq, mask) - want).abs().max().item() / scale
+    err = (_decode(m, cache, seq, mask)[keep] - want).abs().max().item() / scale
     assert err <= TOL_OUT_REL, (case, err)
     for dtype, u in UNIT.items():
         assert 0 < errs[dtype] <= TOL_KV_MODEL_C * u, (case, dtype, errs[dtype] / u)
@@ -201,6 +206,12 @@ def test_refusals(name):
         odd = torch.ones(2, 1, P, P, dtype=torch.bool)
         with pytest.raises(ValueError, match="not the cache's causal rule"):
             m(ids, attention_mask=odd, cache=cache)
+        # a padding token inside a sequence, with a sliding window: transformers counts it in
+        # the window, mha's cache (which does not store it) cannot
+        _, _, mis = _models("mistral", name)
+        seq, mask = _tokens(inner=True)
+        with pytest.raises(ValueError, match=r"window 5"):
+            mis(seq, attention_mask=mask, cache=mt.MhaCache(mis.config, max_seq=P + N))
         with pytest.raises(mha.MhaError, match="multiple of 32|q8_0"):
             _, _, small = _models_small(name)
             small(ids, cache=mt.MhaCache(small.config, max_seq=32, dtype="q8_0"))

@@ -12,9 +12,11 @@ cache read in its storage dtype): HF keeps no float copy of K/V.
 How it fits transformers' protocol: a layer's ``update(k, v)`` only holds the new K/V and returns
 placeholders (NaN tensors of the full K/V shape, zero bytes: ``expand`` of one element) tagged
 with the cache layer; the registered attention function recognises the tag, reads from the mask
-which new tokens are real (a left-padded prompt's padding is not appended: every sequence keeps
-its own length, as mha's cache is made for), checks that the mask is exactly what the cache's
-causal (window / chunk) rule gives over those tokens (else ValueError), appends, and attends.
+which new tokens are real (a padded prompt's padding is not appended: every sequence keeps its
+own length, as mha's cache is made for), checks that the mask of every real token is exactly what
+the cache's causal (window / chunk) rule gives over the real tokens (else ValueError), appends,
+and attends. The rows of padding tokens are zeros (transformers computes something there that no
+real token reads: no real token sees a padding token's keys).
 Anything else reaching the placeholders would compute NaN, and is refused first: ``update``
 checks that the model's attention implementation is mha's, and a layer whose attention did not
 consume its pending K/V refuses the next update.
@@ -225,13 +227,13 @@ class MhaCacheLayer(CacheLayerMixin):
         if self._chunk:
             want &= torch.div(ki, self._chunk, rounding_mode="floor") == \
                 torch.div(qi, self._chunk, rounding_mode="floor")
-        bad_real = ((m != want) & real[:, :, None]).any()
-        bad_pad = (m & kept[:, None, :] & ~real[:, :, None]).any()
-        if bad_real or bad_pad:
+        # (a padding token's own row is not checked: its output, zeros here, is read by no real
+        # token, since no real token sees a padding token's keys)
+        if ((m != want) & real[:, :, None]).any():
             raise _refuse(f"layer {self._index}: the attention mask is not the cache's causal "
                           f"rule (window {self._window}, chunk {self._chunk}) over the real "
-                          f"tokens (padding may only hide whole tokens, and a padding token must "
-                          f"see no real one); mha's cache cannot compute it")
+                          f"tokens (padding may only hide whole tokens); mha's cache cannot "
+                          f"compute it")
         if bool(real.all()) and self._kept is None:
             return None
         return real
