@@ -159,6 +159,31 @@ def test_greedy_generate_matches_eager_dynamic_cache(name, case):
                 assert torch.equal(again.sequences, want.sequences)
 
 
+@pytest.mark.parametrize("case", ["llama", "mistral"])
+def test_beam_search_matches_eager_dynamic_cache(name, case):
+    # reorder_cache: rows kept by one beam are renamed, rows taken by several are copied (paged:
+    # shared blocks); the beams equal transformers' with eager attention and DynamicCache.
+    _, eager, m = _models(case, name)
+    seq, mask = _tokens()
+    kw = dict(attention_mask=mask[:, :P], max_new_tokens=10, min_new_tokens=10, num_beams=3,
+              num_return_sequences=2, do_sample=False, pad_token_id=0, early_stopping=False,
+              return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        want = eager.generate(seq[:, :P], **kw)
+        for bs in (0, 16):
+            cache = mt.MhaCache(m.config, max_seq=P + 10, block_size=bs)
+            got = m.generate(seq[:, :P], cache=cache, **kw)
+            assert torch.equal(got.sequences, want.sequences), (case, bs)
+            assert torch.allclose(got.sequences_scores, want.sequences_scores, rtol=0,
+                                  atol=TOL_OUT_REL)
+            # 2 prompts x 3 beams, each holding its own tokens (padding not stored)
+            lengths = cache.lengths()
+            assert lengths[:3] == [P + 9] * 3 and lengths[3:] == [P + 6] * 3, lengths
+            if bs:  # beams share their prompt's blocks
+                used = cache.layers[0].cache.num_blocks - cache.free_blocks()[0]
+                assert used < 6 * -(-(P + 9) // bs)
+
+
 def test_crop_and_reset(name):
     # crop (assisted decoding's rollback) truncates each sequence's real tokens; reset empties.
     ref, _, m = _models("qwen2", name)
@@ -192,8 +217,6 @@ def test_refusals(name):
     with torch.no_grad():
         with pytest.raises(ValueError, match="attention implementation is 'eager'"):
             eager.generate(ids, cache=mt.MhaCache(eager.config, max_seq=32), **kw)
-        with pytest.raises(NotImplementedError, match="beam search"):
-            m.generate(ids, cache=mt.MhaCache(m.config, max_seq=32), num_beams=2, **kw)
         with pytest.raises(mha.MhaError, match="max_seq"):  # more tokens than it holds
             m.generate(ids, cache=mt.MhaCache(m.config, max_seq=P + 1), max_new_tokens=4,
                        min_new_tokens=4, do_sample=False, pad_token_id=0)

@@ -88,6 +88,7 @@ class MhaCacheLayer(CacheLayerMixin):
         self._len = 0  # transformers' length: every position fed, padding included
         self._kept: Optional[Tensor] = None  # [B, _len] bool, which were appended; None = all
         self._pending = None  # (k, v) of the last update, until the attention consumes them
+        self._phys: list = []  # the mha cache's sequence id of each batch row (beam search)
 
     def __repr__(self):
         return (f"MhaCacheLayer(index={self._index}, length={self._len}, window={self._window}, "
@@ -103,6 +104,7 @@ class MhaCacheLayer(CacheLayerMixin):
         if self._window or self._chunk:
             kw["max_step_tokens"] = o.max_step_tokens
         self.cache = _api.KVCache(None, o.max_seq, B, **kw)
+        self._phys = list(range(B))
         if o.fp8_scales is not None:
             ks, vs = o.fp8_scales[self._index] if isinstance(o.fp8_scales, list) \
                 else o.fp8_scales
@@ -157,6 +159,7 @@ class MhaCacheLayer(CacheLayerMixin):
         if self.cache is not None:
             for s in range(self.cache.batch):
                 self.cache.reset(s)
+            self._phys = list(range(self.cache.batch))
         self._len, self._kept, self._pending = 0, None, None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -169,15 +172,35 @@ class MhaCacheLayer(CacheLayerMixin):
         if new < 0:
             raise _refuse(f"crop({n}) of a cache of {self._len} positions")
         kept = self._kept_mask()
-        for s in range(self.cache.batch):
-            self.cache.truncate(s, int(kept[s, :new].sum()))
+        for b, s in enumerate(self._phys):
+            self.cache.truncate(s, int(kept[b, :new].sum()))
         self._kept = None if self._kept is None else self._kept[:, :new]
         self._len = new
 
     def reorder_cache(self, beam_idx) -> None:
-        raise NotImplementedError(
-            "mha.torch.MhaCache: beam search (reorder_cache) is not supported; use greedy or "
-            "sampling, or transformers' DynamicCache for num_beams > 1")
+        """Beam search: batch row i becomes a copy of row beam_idx[i]. A row kept by one beam
+        keeps its storage (the table of rows is permuted); a row taken by several beams is
+        copied (mha_kv_cache_copy: a paged cache shares its blocks) into the storage of a row no
+        beam took."""
+        if self.cache is None or not self._len:
+            return
+        src = [int(i) for i in torch.as_tensor(beam_idx).reshape(-1).tolist()]
+        B = self.cache.batch
+        if len(src) != B or any(not 0 <= i < B for i in src):
+            raise _refuse(f"reorder_cache: beam_idx {src} is not {B} row indices")
+        free = [self._phys[j] for j in range(B) if j not in set(src)]
+        taken, phys = set(), []
+        for i in src:
+            if i in taken:
+                dst = free.pop()
+                self.cache.fork(self._phys[i], dst)
+                phys.append(dst)
+            else:
+                taken.add(i)
+                phys.append(self._phys[i])
+        self._phys = phys
+        if self._kept is not None:
+            self._kept = self._kept[torch.tensor(src)]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._len:
@@ -286,12 +309,12 @@ class MhaCacheLayer(CacheLayerMixin):
         c = self.cache
         if real is None:
             k, v, q = kf, vf, qf
-            ids_arg = None
+            ids_arg = self._phys
         else:
             k = torch.stack([kf[b][real[b]] for b in ids])
             v = torch.stack([vf[b][real[b]] for b in ids])
             q = torch.stack([qf[b][real[b]] for b in ids])
-            ids_arg = ids
+            ids_arg = [self._phys[b] for b in ids]
         n = k.shape[1]
         step = c.max_step_tokens if (c.window or c.chunk_size) else n
         res = []
@@ -325,8 +348,9 @@ class MhaCache(Cache):
 
     The model must run mha's attention (``attn_implementation`` = a name registered with
     :func:`mha.torch.register_hf_attention`). Sequences may be left-padded (the padding is not
-    stored). Not supported (refused with an exception naming it): beam search
-    (``reorder_cache``), other attention implementations, masks other than the causal /
+    stored). Beam search is supported (``reorder_cache``: rows taken by several beams are copied,
+    sharing blocks when paged). Not supported (refused with an exception naming it): other
+    attention implementations, masks other than the causal /
     sliding-window / chunked rule over the real tokens, gradients, devices other than the CPU.
     ``crop`` (assisted decoding) truncates each sequence. The batch and head sizes are taken at
     the first update; ``reset()`` empties it for reuse with the same batch size."""
@@ -370,4 +394,4 @@ class MhaCache(Cache):
         """The positions each sequence holds in layer ``layer_idx``'s mha cache (padding not
         counted, unlike ``get_seq_length``)."""
         lay = self.layers[layer_idx]
-        return [] if lay.cache is None else [lay.cache.length(s) for s in range(lay.cache.batch)]
+        return [] if lay.cache is None else [lay.cache.length(s) for s in lay._phys]
