@@ -309,7 +309,7 @@ class MhaCacheLayer(CacheLayerMixin):
         c = self.cache
         if real is None:
             k, v, q = kf, vf, qf
-            ids_arg = self._phys
+            ids_arg = None if self._phys == list(range(len(self._phys))) else self._phys
         else:
             k = torch.stack([kf[b][real[b]] for b in ids])
             v = torch.stack([vf[b][real[b]] for b in ids])
@@ -374,16 +374,20 @@ class MhaCache(Cache):
             raise _refuse(f"fp8_scales: a list of {len(fp8_scales)} pairs for {len(rules)} "
                           f"layers")
         self.fp8_scales = fp8_scales
+        self._checked_name = None
         super().__init__(layers=[MhaCacheLayer(self, i, w, ch)
                                  for i, (w, ch) in enumerate(rules)])
 
     def _check_implementation(self) -> None:
-        from ._torch_hf import is_mha_attention
         name = self.config._attn_implementation
+        if name == self._checked_name:  # (checked already; a pending K/V not read by the
+            return  # attention is refused at the next update anyway)
+        from ._torch_hf import is_mha_attention
         if not is_mha_attention(name):
             raise _refuse(f"the model's attention implementation is {name!r}; MhaCache needs "
                           f"mha's (mha.torch.register_hf_attention(), then "
                           f"attn_implementation='mha' or model.set_attn_implementation('mha'))")
+        self._checked_name = name
 
     def free_blocks(self) -> list:
         """Per layer, the free blocks of its paged cache's pool (0 for contiguous caches, None
