@@ -4,9 +4,9 @@ hidden 256, 4 layers, 8 query heads / 2 KV heads of 32, vocab 1024; float32; no 
 attn_implementation="sdpa" against "mha" (mha.torch.register_hf_attention) with transformers'
 DynamicCache, and "mha" with mha.torch.MhaCache (mha's C KV cache, --cache-dtypes, contiguous), at
 1 and 2 threads (torch.set_num_threads for the whole model, the same count for mha's calls), same
-process, runs interleaved. End to end: the projections, MLPs and sampling loop are torch's in both, so the ratio
-is bounded by the attention's share. Prints median [min, max] of --repeat runs and the ratio of
-medians. Not a test.
+process, runs interleaved. End to end: the projections, MLPs and sampling loop are torch's in
+all, so the ratio is bounded by the attention's share. Prints median [min, max] of --repeat runs
+and the ratio of medians to sdpa's. Not a test.
 
   MHA_LIBRARY=build/libmha.so PYTHONPATH=python python bench/bench_hf_generate.py
 """
