@@ -14,6 +14,10 @@ heads (no repeat), ``scaling``, ``softcap`` (Gemma 2), ``s_aux`` sinks (gpt-oss)
 ``position_bias`` (T5-style biases), ``output_attentions=True``, tensors not on the CPU, a
 float64 model, operands of different dtypes. transformers is imported only when the function is
 called (docs/PYTHON.md "Hugging Face generate").
+
+With ``mha.torch.MhaCache`` as the model's cache (python/mha/_torch_hf_cache.py) the keys and
+values the function receives are that cache's placeholders: it then appends the new ones to
+mha's C KV cache and attends over it (mha_kv_cache_attention) instead.
 """
 from __future__ import annotations
 
