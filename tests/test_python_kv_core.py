@@ -5,8 +5,8 @@ by the caller, and the attention of given queries over it, against a float64 Num
 from docs/SEMANTICS.md "Scores, masks and the softmax" over the cache's own stored values
 (``read``: exact for float32, the rounded values for the other dtypes, so every dtype is gated at
 the float32 arithmetic's TOL_OUT_REL). Options: GQA, scale, softcap, ALiBi, sinks, window and
-chunk rings, sequences of different lengths in one call, lse. Paged equals contiguous bit for
-bit. Bad input raises, and nothing is appended."""
+chunk rings, sequences of different lengths in one call, lse, a draft tree. Paged equals
+contiguous bit for bit. Bad input raises, and nothing is appended."""
 import os
 import sys
 
@@ -174,3 +174,40 @@ def test_bad_input_raises_and_appends_nothing():
     with pytest.raises(mha.MhaError):
         cache.read(0, 6)
     assert cache.length(0) == cache.length(1) == 6
+
+
+def test_draft_tree_attention():
+    # tree_parents: the last t positions are drafts; draft i sees the keys before the drafts and
+    # its ancestors-or-self (docs/SEMANTICS.md "Draft trees"). A chain given as a tree is the
+    # plain call, bit for bit.
+    rng = np.random.default_rng(11)
+    cache = mha.KVCache(None, 64, 2, num_kv_heads=G, head_dim=D, block_size=16)
+    fill(cache, rng, [30, 21], 8)
+    parents = [-1, 0, 0, 1, 3]
+    t = len(parents)
+    q = rng.standard_normal((2, t, H, D)).astype(np.float32)
+    out = cache.attention(q, tree_parents=parents, sinks=OPTIONS["sinks"]["sinks"])
+    chain = cache.attention(q, tree_parents=[-1, 0, 1, 2, 3])
+    assert np.array_equal(chain, cache.attention(q))
+    plain = cache.attention(q, sinks=OPTIONS["sinks"]["sinks"])
+    assert np.array_equal(out[:, :2], plain[:, :2]) and not np.array_equal(out[:, 2:], plain[:, 2:])
+    for s in range(2):
+        L = cache.length(s)
+        base = L - t
+        keys = [cache.read(s, j) for j in range(L)]
+        for i in range(t):
+            anc, a = [], i
+            while a >= 0:
+                anc.append(a)
+                a = parents[a]
+            vis = list(range(base)) + [base + a for a in sorted(anc)]
+            for hh in range(H):
+                K = np.stack([keys[j][0][hh // (H // G)] for j in vis]).astype(np.float64)
+                V = np.stack([keys[j][1][hh // (H // G)] for j in vis]).astype(np.float64)
+                sc = (K @ q[s, i, hh].astype(np.float64)) / np.sqrt(D)
+                sink = float(OPTIONS["sinks"]["sinks"][hh])
+                m = max(sc.max(), sink)
+                e = np.exp(sc - m)
+                want = (e @ V) / (e.sum() + np.exp(sink - m))
+                err = np.abs(out[s, i, hh] - want).max() / np.abs(want).max()
+                assert err <= TOL_OUT_REL, (s, i, hh, err)
