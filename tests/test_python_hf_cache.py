@@ -209,6 +209,32 @@ def test_crop_and_reset(name):
     assert torch.equal(_decode(m, cache, seq, mask), want)
 
 
+def test_assisted_generation(name):
+    # Assisted (speculative) decoding: a 1-layer draft model proposes tokens, the model verifies
+    # them in one call and crop()s the rejected ones: the tokens of plain greedy decoding.
+    ref, eager, m = _models("llama", name)
+    cfg_cls, kw, model_cls, _path, _layers = H.CASES["llama"]
+    torch.manual_seed(3)
+    draft = model_cls(cfg_cls(**dict(kw, head_dim=32, num_hidden_layers=1))).eval()
+    draft.set_attn_implementation("eager")
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.normal_(0.0, 0.2)
+    ids = _tokens()[0][:1, :P]
+    gen = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = eager.generate(ids, **gen)
+        for bs in (0, 16):
+            cache = mt.MhaCache(m.config, max_seq=P + 24, block_size=bs)
+            got = m.generate(ids, assistant_model=draft, cache=cache, **gen)
+            assert torch.equal(got, want), bs
+            assert cache.lengths() == [got.shape[1] - 1] == [cache.get_seq_length()]
+    cache.crop(0)  # (nothing)
+    assert cache.lengths() == [got.shape[1] - 1]
+    with pytest.raises(ValueError, match="negative count"):
+        cache.crop(3)
+
+
 def test_refusals(name):
     _, eager, m = _models("llama", name)
     seq, mask = _tokens()

@@ -163,11 +163,13 @@ class MhaCacheLayer(CacheLayerMixin):
         self._len, self._kept, self._pending = 0, None, None
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drops the last -tokens_to_remove positions (transformers' convention: a negative
-        count; a positive one is the length to keep)."""
+        """Drops the last -tokens_to_remove positions (transformers' convention: a count <= 0;
+        0 changes nothing, a positive count is refused as by DynamicLayer)."""
         n = int(tokens_to_remove)
-        new = self._len + n if n < 0 else min(n, self._len)
-        if new == self._len or self.cache is None:
+        if n > 0:
+            raise _refuse(f"crop({n}): pass a negative count of positions to remove")
+        new = self._len + n
+        if n == 0 or self.cache is None:
             return
         if new < 0:
             raise _refuse(f"crop({n}) of a cache of {self._len} positions")
