@@ -209,6 +209,29 @@ def test_crop_and_reset(name):
     assert torch.equal(_decode(m, cache, seq, mask), want)
 
 
+def test_fp8_scales(name):
+    # fp8_scales: (k_scales, v_scales) per kv head for every layer, or one pair per layer; they
+    # reach each layer's cache (other scales, other rounding, still within the bound).
+    ref, _, m = _models("qwen2", name)
+    seq, mask = _tokens()
+    keep = mask[:, P - 1:P + N - 1].bool()
+    want = _reference(ref, seq, mask)[:, P - 1:P + N - 1][keep]
+    scale = want.abs().max().item()
+    outs = []
+    pair = ([0.5, 0.25], [0.125, 2.0])
+    for sc in (None, pair, [pair, ([2.0, 1.0], [1.0, 0.5])]):
+        cache = mt.MhaCache(m.config, max_seq=P + N, dtype="fp8_e4m3", fp8_scales=sc)
+        outs.append(_decode(m, cache, seq, mask)[keep])
+        err = (outs[-1] - want).abs().max().item() / scale
+        assert err <= TOL_KV_MODEL_C * TOL_FP8_REL, (sc, err)
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[1], outs[2])
+    with pytest.raises(ValueError, match="2 layers"):
+        mt.MhaCache(m.config, max_seq=8, dtype="fp8_e4m3", fp8_scales=[([1.0, 1.0], [1.0, 1.0])])
+    with pytest.raises(ValueError, match="k_scales"):
+        m(seq[:, :2], cache=mt.MhaCache(m.config, max_seq=8, dtype="fp8_e4m3",
+                                        fp8_scales=([1.0], [1.0, 1.0])))
+
+
 def test_assisted_generation(name):
     # Assisted (speculative) decoding: a 1-layer draft model proposes tokens, the model verifies
     # them in one call and crop()s the rejected ones: the tokens of plain greedy decoding.
