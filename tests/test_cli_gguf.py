@@ -377,3 +377,31 @@ def test_python_from_gguf_keeps_q8_0(models, tmp_path, name):
         assert (diff > 0).mean() < 0.01, nm  # ties only
     with pytest.raises(ValueError, match="weight_dtype"):
         mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q4_0")
+
+
+@pytest.mark.parametrize("name,tname", [("mistral", "BF16"), ("qwen2", "Q8_0"), ("qwen3", "F16"),
+                                        ("llama3", "F32")])
+def test_torch_from_gguf(models, tmp_path, name, tname):
+    # The torch face: mha.torch.MultiheadAttention.from_gguf gives the parameters the NumPy
+    # loader read (the same C loader; Q8_0 dequantised to float32) and, with no mask, applies the
+    # model's causal mask and sliding window: the transformers layer on the file's values.
+    mha = pytest.importorskip("mha")
+    mt = pytest.importorskip("mha.torch")
+    model, _ = models[name]
+    path = str(tmp_path / "t.gguf")
+    oracle = write_gguf(name, model, TYPES[tname], path)
+    x, ref = record(oracle, 1, ids_for(name))
+    t = mt.MultiheadAttention.from_gguf(path, 1, batch_first=True)
+    src = mha.MultiheadAttention.from_gguf(path, layer=1)
+    assert t.model_info == src.model_info
+    assert torch.equal(t.q_proj_weight, torch.from_numpy(src.weights["w_q"]))
+    assert torch.equal(t.out_proj.weight, torch.from_numpy(src.weights["w_o"]))
+    xt = torch.from_numpy(x.astype(np.float32))
+    with torch.no_grad():
+        y, w = t(xt, xt, xt, need_weights=False)
+    assert w is None
+    assert H.max_rel_err(y.numpy(), ref) <= TOL_OUT_REL
+    with pytest.raises(mha.MhaError, match="layer 5"):
+        mt.MultiheadAttention.from_gguf(path, 5)
+    with pytest.raises(ValueError, match="layer"):
+        mt.MultiheadAttention.from_gguf(path, -1)

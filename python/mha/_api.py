@@ -1640,23 +1640,42 @@ class KVCache:
     _DTYPES = {"float32": L.DTYPE_F32, "float16": L.DTYPE_F16, "bfloat16": L.DTYPE_BF16,
                "q8_0": L.DTYPE_Q8_0, "fp8_e4m3": L.DTYPE_FP8_E4M3}
 
-    def __init__(self, layer: MultiheadAttention, max_seq: int, batch: int = 1, *,
+    def __init__(self, layer: Optional[MultiheadAttention], max_seq: int, batch: int = 1, *,
                  dtype: str = "float32", window: int = 0, max_step_tokens: int = 0,
-                 chunk_size: int = 0, block_size: int = 0, num_blocks: int = 0):
+                 chunk_size: int = 0, block_size: int = 0, num_blocks: int = 0,
+                 num_kv_heads: int = 0, head_dim: int = 0, v_head_dim: int = 0):
         """block_size > 0 makes the cache paged (docs/INFERENCE.md "Paged cache"): blocks of
         block_size positions from a pool of num_blocks (0 = enough for every sequence at
-        max_seq), shared by ``fork``/``share_prefix`` and copied on write."""
+        max_seq), shared by ``fork``/``share_prefix`` and copied on write.
+
+        ``layer=None`` makes a cache for the core-level calls only (:meth:`append` and
+        :meth:`attention`, for callers with their own projections): then ``num_kv_heads`` and
+        ``head_dim`` are required (``v_head_dim`` defaults to ``head_dim``); with a layer they
+        default to the layer's and must match it."""
         if dtype not in self._DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(self._DTYPES)}, got {dtype!r}")
+        if layer is None and (num_kv_heads <= 0 or head_dim <= 0):
+            raise ValueError(f"a cache without a layer needs num_kv_heads and head_dim > 0, got "
+                             f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
         c = L.mha_kv_cache_config()
+        c.num_kv_heads, c.head_dim, c.v_head_dim = int(num_kv_heads), int(head_dim), \
+            int(v_head_dim)
         c.max_seq, c.batch, c.dtype = int(max_seq), int(batch), self._DTYPES[dtype]
         c.window, c.max_step_tokens = int(window), int(max_step_tokens)
         c.chunk_size = _chunk_size(chunk_size)
         c.block_size, c.num_blocks = int(block_size), int(num_blocks)
         ptr = ctypes.c_void_p()
-        M.call(L.mha_kv_cache_create, c, layer._ptr, None, ptr)
+        M.call(L.mha_kv_cache_create, c, None if layer is None else layer._ptr, None, ptr)
         self._layer = layer
         self._handle = _Handle(ptr.value, L.mha_kv_cache_destroy)
+        r = L.mha_kv_cache_get_config(ptr.value).contents  # (the defaults resolved)
+        self.dtype = dtype
+        self.num_kv_heads, self.head_dim, self.v_head_dim = \
+            int(r.num_kv_heads), int(r.head_dim), int(r.v_head_dim)
+        self.max_seq, self.batch = int(r.max_seq), int(r.batch)
+        self.window, self.chunk_size = int(r.window), int(r.chunk_size)
+        self.max_step_tokens = int(r.max_step_tokens)
+        self.block_size, self.num_blocks = int(r.block_size), int(r.num_blocks)
 
     def length(self, seq: int = 0) -> int:
         """Positions appended so far to sequence ``seq``."""
@@ -1675,7 +1694,7 @@ class KVCache:
                        v_scales: Optional[ArrayLike] = None) -> None:
         """fp8_e4m3 caches: the keys' and values' scale per kv head (stored e4m3(x / scale), read
         e4m3 * scale). Only while every sequence is empty (mha_kv_cache_set_fp8_scales)."""
-        g = self._layer.config.num_kv_heads
+        g = self.num_kv_heads
         arrs = []
         for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
             if s is None:
@@ -1709,7 +1728,100 @@ class KVCache:
         M.call(L.mha_kv_cache_accept, self._handle.ptr, seq, base_len, idx.size,
                _ptr(idx) if idx.size else None)
 
+    def _seq_ids(self, seq_ids, n: int):
+        """(array, pointer) of seq_ids [n] int64, or (None, None) for 0 .. n-1."""
+        if seq_ids is None:
+            return None, None
+        ids = _int_array(seq_ids, "seq_ids", np.int64, (n,))
+        return ids, _ptr(ids)
+
+    def read(self, seq: int, pos: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Position ``pos`` of sequence ``seq`` as stored (dequantised to float32): k [g, d_k],
+        v [g, d_v] (mha_kv_cache_read)."""
+        k = np.empty((self.num_kv_heads, self.head_dim), _F32)
+        v = np.empty((self.num_kv_heads, self.v_head_dim), _F32)
+        M.call(L.mha_kv_cache_read, self._handle.ptr, int(seq), int(pos), _ptr(k), _ptr(v))
+        return k, v
+
+    def append(self, k: ArrayLike, v: ArrayLike,
+               seq_ids: Optional[Sequence[int]] = None) -> None:
+        """Core level (mha_kv_cache_append): appends t post-RoPE key / value rows to each listed
+        sequence, k [num_seqs, t, g, d_k], v [num_seqs, t, g, d_v] (or without the first axis
+        for sequence 0), rounded once to the cache's dtype. Nothing is appended on error (a
+        sequence past max_seq, a full pool: MhaError)."""
+        g, dk, dv = self.num_kv_heads, self.head_dim, self.v_head_dim
+        ka, va = _float32(k, "k"), _float32(v, "v")
+        if ka.ndim == 3:
+            ka = ka[None]
+        if va.ndim == 3:
+            va = va[None]
+        if ka.ndim != 4 or ka.shape[2:] != (g, dk):
+            raise ValueError(f"k: expected [num_seqs, t, {g}, {dk}], got shape {np.shape(k)}")
+        if va.shape != ka.shape[:2] + (g, dv):
+            raise ValueError(f"v: expected [{ka.shape[0]}, {ka.shape[1]}, {g}, {dv}] (as k), got "
+                             f"shape {np.shape(v)}")
+        if ka.shape[0] < 1 or ka.shape[1] < 1:
+            raise ValueError(f"k: num_seqs and t must be >= 1, got shape {np.shape(k)}")
+        ids, pid = self._seq_ids(seq_ids, ka.shape[0])
+        M.call(L.mha_kv_cache_append, self._handle.ptr, ka.shape[0], pid, ka.shape[1], _ptr(ka),
+               _ptr(va))
+
+    def attention(self, q: ArrayLike, seq_ids: Optional[Sequence[int]] = None, *,
+                  scale: Optional[float] = None, softcap: float = 0.0, alibi: bool = False,
+                  sinks: Optional[ArrayLike] = None,
+                  tree_parents: Optional[Sequence[int]] = None, return_lse: bool = False,
+                  impl: str = "auto", threads: int = 0):
+        """Core level (mha_kv_cache_attention): the LAST t positions of each listed sequence
+        (already appended) attend to everything the cache holds for it, causal, bottom-right
+        aligned, with the cache's window / chunk rule (docs/INFERENCE.md).
+        q [num_seqs, t, h, d_k] post-RoPE (or without the first axis for sequence 0), h a
+        multiple of the cache's kv heads (query head i reads kv head i // (h / g)); returns
+        out [num_seqs, t, h, d_v] float32, and lse [num_seqs, h, t] with ``return_lse``.
+        ``scale`` None = 1/sqrt(d_k); ``softcap``, ``alibi``, ``sinks`` [h] as in
+        :func:`mha.attention`; ``tree_parents`` [t]: the t positions are a draft tree
+        (docs/SEMANTICS.md "Draft trees")."""
+        qa = _float32(q, "q")
+        single = qa.ndim == 3
+        if single:
+            qa = qa[None]
+        if qa.ndim != 4 or qa.shape[3] != self.head_dim or qa.shape[0] < 1 or qa.shape[1] < 1:
+            raise ValueError(f"q: expected [num_seqs, t, h, {self.head_dim}], got shape "
+                             f"{np.shape(q)}")
+        S, t, h = qa.shape[:3]
+        a = L.mha_kv_attention_args()
+        a.num_seqs, a.num_tokens, a.num_heads = S, t, h
+        ids, a.seq_ids = self._seq_ids(seq_ids, S)
+        if scale is not None:
+            scale = float(scale)
+            if scale == 0.0:
+                raise ValueError("scale: must be nonzero (None = 1/sqrt(head_dim))")
+            a.scale = scale
+        a.softcap, a.alibi = float(softcap), int(bool(alibi))
+        snk = None
+        if sinks is not None:
+            snk = _float32(sinks, "sinks").reshape(-1)
+            if snk.shape[0] != h:
+                raise ValueError(f"sinks: expected [{h}] (one per query head), got shape "
+                                 f"{np.shape(sinks)}")
+            a.sinks = _ptr(snk)
+        tree = None
+        if tree_parents is not None:
+            tree = _int_array(tree_parents, "tree_parents", np.int64, (t,))
+            a.tree_parents = _ptr(tree)
+        out = np.empty((S, t, h, self.v_head_dim), _F32)
+        lse = np.empty((S, h, t), _F32) if return_lse else None
+        a.q, a.out = _ptr(qa), _ptr(out)
+        a.lse = _ptr(lse) if lse is not None else None
+        M.call(L.mha_kv_cache_attention, self._handle.ptr, a, _exec(impl, threads))
+        if single:
+            out = out[0]
+            lse = lse[0] if lse is not None else None
+        return (out, lse) if return_lse else out
+
     def _run(self, fn, x, seq_ids, impl, threads, tree_parents=None) -> np.ndarray:
+        if self._layer is None:
+            raise ValueError("this cache has no layer (made with layer=None): use append() and "
+                             "attention(), or make it with layer.kv_cache(...)")
         c = self._layer.config
         a = _float32(x, "x")
         single = a.ndim == 2

@@ -217,6 +217,13 @@ class mha_decode_args(Structure):
                 ("x", c_void_p), ("out", c_void_p), ("tree_parents", c_void_p)]
 
 
+class mha_kv_attention_args(Structure):
+    _fields_ = [("num_seqs", c_int64), ("seq_ids", c_void_p), ("num_tokens", c_int64),
+                ("num_heads", c_int64), ("scale", c_double), ("softcap", c_double),
+                ("alibi", c_int32), ("sinks", c_void_p), ("q", c_void_p), ("out", c_void_p),
+                ("lse", c_void_p), ("tree_parents", c_void_p)]
+
+
 class mha_attention_stats(Structure):
     _fields_ = [("received", c_void_p), ("received_total", c_void_p), ("entropy", c_void_p),
                 ("top_k", c_int64), ("topk_index", c_void_p), ("topk_prob", c_void_p),
@@ -239,6 +246,7 @@ class mha_mask_rule(Structure):
 STRUCTS = [mha_error, mha_mask_tensor, mha_masking, mha_dropout, mha_exec, mha_rope, mha_qk_norm,
            mha_attention_args, mha_config, mha_weights, mha_forward_args, mha_name_map,
            mha_attention_grads, mha_layer_grads, mha_kv_cache_config, mha_decode_args,
+           mha_kv_attention_args,
            mha_attention_stats, mha_mask_rule, mha_temperature_tuning, mha_hf_layer_info]
 
 # ------------------------------------------------------------------------------------------------
@@ -381,6 +389,13 @@ mha_kv_cache_share_prefix = _fn("mha_kv_cache_share_prefix",
 mha_kv_cache_free_blocks = _fn("mha_kv_cache_free_blocks", [c_void_p], c_int64)
 mha_kv_cache_accept = _fn("mha_kv_cache_accept",
                           [c_void_p, c_int64, c_int64, c_int64, c_void_p, P(mha_error)])
+mha_kv_cache_get_config = _fn("mha_kv_cache_get_config", [c_void_p], P(mha_kv_cache_config))
+mha_kv_cache_read = _fn("mha_kv_cache_read",
+                        [c_void_p, c_int64, c_int64, c_void_p, c_void_p, P(mha_error)])
+mha_kv_cache_append = _fn("mha_kv_cache_append", [c_void_p, c_int64, c_void_p, c_int64, c_void_p,
+                                                  c_void_p, P(mha_error)])
+mha_kv_cache_attention = _fn("mha_kv_cache_attention", [c_void_p, P(mha_kv_attention_args),
+                                                        P(mha_exec), P(mha_error)])
 mha_layer_prefill = _fn(
     "mha_layer_prefill", [c_void_p, c_void_p, P(mha_decode_args), P(mha_exec), P(mha_error)])
 mha_layer_decode_step = _fn(

@@ -14,6 +14,10 @@ heads (no repeat), ``scaling``, ``softcap`` (Gemma 2), ``s_aux`` sinks (gpt-oss)
 ``position_bias`` (T5-style biases), ``output_attentions=True``, tensors not on the CPU, a
 float64 model, operands of different dtypes. transformers is imported only when the function is
 called (docs/PYTHON.md "Hugging Face generate").
+
+With ``mha.torch.MhaCache`` as the model's cache (python/mha/_torch_hf_cache.py) the keys and
+values the function receives are that cache's placeholders: it then appends the new ones to
+mha's C KV cache and attends over it (mha_kv_cache_attention) instead.
 """
 from __future__ import annotations
 
@@ -62,6 +66,22 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     q_len = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    layer = getattr(key, "_mha_cache_layer", None)
+    if layer is not None:  # an mha.torch.MhaCache: attend over mha's cache (no float K/V)
+        if getattr(value, "_mha_cache_layer", None) is not layer:
+            raise _refuse("key comes from an MhaCache but value does not")
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            raise _refuse(f"attention_mask must be bool with an MhaCache, got "
+                          f"{attention_mask.dtype}")
+        softcap = kwargs.get("softcap")
+        s = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        out = layer.attend(query, attention_mask, scaling=s, softcap=softcap or 0.0,
+                           sinks=kwargs.get("s_aux"), causal=bool(is_causal),
+                           dropout=float(dropout or 0.0), threads=threads)
+        return out, None
+    if key.numel() and all(st == 0 for st in key.stride()) and key.isnan().all():
+        raise _refuse("key is an MhaCache placeholder that lost its tag (an operation between "
+                      "the cache update and the attention): mha cannot find the cache")
     # As transformers' sdpa path: the causal flag (top-left, as torch's SDPA) only when no mask
     # was built and there is more than one query; one query with no mask sees every key.
     causal = bool(q_len > 1 and attention_mask is None and is_causal)
@@ -105,6 +125,18 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         out = _CoreFunction.apply((attend, additive, causal, scaling, float(dropout), seed,
                                    threads, model), q, k, v)
     return out.transpose(1, 2).contiguous(), None
+
+
+def is_mha_attention(name) -> bool:
+    """Whether transformers' attention implementation ``name`` is mha's (registered by
+    :func:`register_hf_attention`, with any thread count)."""
+    import functools
+
+    from transformers import AttentionInterface
+    fn = AttentionInterface._global_mapping.get(name) if isinstance(name, str) else None
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn is attention_forward
 
 
 def register_hf_attention(name: str = "mha", threads: int = 0) -> str:

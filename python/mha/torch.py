@@ -493,7 +493,21 @@ class MultiheadAttention(nn.Module):
         ``is_causal``, forward() applies the model's own mask: causal (bottom-right) and its
         sliding window, if any.
         """
-        src = _Layer.from_pretrained(path, layer)
+        return cls._from_layer(_Layer.from_pretrained(path, layer), batch_first, threads)
+
+    @classmethod
+    def from_gguf(cls, path: str, layer: int = 0, *, batch_first: bool = False,
+                  threads: int = 0) -> "MultiheadAttention":
+        """Layer ``layer`` (0-based) of a llama.cpp GGUF file (general.architecture llama,
+        mistral, qwen2 or qwen3), as this module: read by :meth:`mha.MultiheadAttention.from_gguf`
+        (F32 / F16 / BF16 tensors, Q8_0 dequantised to float32, llama's permuted Q/K rows put
+        back; docs/MODELS.md "GGUF files"), then the parameters, fixed options and default mask
+        of :meth:`from_pretrained`. The parameters are float32 (``.to(torch.bfloat16)`` etc. as
+        for any module). Unsupported tensor types or options raise MhaError naming them."""
+        return cls._from_layer(_Layer.from_gguf(path, layer), batch_first, threads)
+
+    @classmethod
+    def _from_layer(cls, src: _Layer, batch_first: bool, threads: int) -> "MultiheadAttention":
         c, w = src.config, src.weights
         self = cls.__new__(cls)
         nn.Module.__init__(self)
@@ -1082,6 +1096,15 @@ __all__.append("ring_attention")
 
 # Hugging Face transformers' attention registry (attn_implementation="mha"): _torch_hf.py.
 from ._torch_hf import register_hf_attention  # noqa: E402
+
+
+def __getattr__(name: str):
+    # mha.torch.MhaCache: a transformers Cache, so transformers is imported on first use only.
+    if name in ("MhaCache", "MhaCacheLayer"):
+        from . import _torch_hf_cache
+        return getattr(_torch_hf_cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__.append("register_hf_attention")
 
