@@ -76,7 +76,7 @@ static int bf16_close(const uint16_t *a, const uint16_t *b, int64_t n, double re
     for (int64_t i = 0; i < n; i++)
         m = fmax(m, fabs((double)mha__bf16_to_f32(b[i])));
     for (int64_t i = 0; i < n; i++) {
-        const double x = mha__bf16_to_f32(a[i]), y = mha__bf16_to_f32(b[i]);
+        const double x = (double)mha__bf16_to_f32(a[i]), y = (double)mha__bf16_to_f32(b[i]);
         if (!(fabs(x - y) <= 2.0 * TOL_HALF_U_BF16 * fmax(fabs(x), fabs(y)) + rel * m))
             return 0;
     }
