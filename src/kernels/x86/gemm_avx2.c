@@ -365,7 +365,7 @@ dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
         bits |= (uint64_t)dh << (16 * j);
     }
     float ds[MHA_GEMM_DOT_N] __attribute__((aligned(16)));
-    _mm_store_ps(ds, _mm_cvtph_ps(_mm_cvtsi64_si128((long long)bits)));
+    _mm_store_ps(ds, _mm_cvtph_ps(_mm_set_epi64x(0, (long long)bits)));
     MHA_UNROLL
     for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
         const __m256 d = _mm256_broadcast_ss(ds + j);
@@ -379,9 +379,9 @@ dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
  * partial sums (dot_q8_block; docs/SEMANTICS.md "q8_0 weights"): per 8 weights a sign
  * extension, a conversion and an FMA (not also a multiply by the scale), and each accumulator's
  * loop-carried chain is one FMA per block instead of four (at batch 1 the 4 rows' 4 chains held
- * the per-element dot at one FMA per cycle). The 8 lanes reduced as hsum8. Two blocks per
- * iteration, one software prefetch per row and block, pfb bytes ahead (the same offset in the next
- * MHA_GEMM_DOT_N rows). Specialised per row count mm (1 or 2). K is a multiple of 32. */
+ * the per-element dot at one FMA per cycle). The 8 lanes reduced as hsum8. One software prefetch
+ * per row and block, pfb bytes ahead (the same offset in the next MHA_GEMM_DOT_N rows); two blocks
+ * per iteration measured the same. Specialised per row count mm (1 or 2). K is a multiple of 32. */
 static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
                                                               const float *x,
                                                               int64_t ldx,
@@ -408,17 +408,7 @@ static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
         xr[i] = x + (i < m ? i : 0) * ldx;
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
         wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldw;
-    int64_t k = 0, blk = 0;
-    for (; k + 2 * MHA__Q8_BLOCK <= K; k += 2 * MHA__Q8_BLOCK, blk += 2 * MHA__Q8_BYTES) {
-        MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            gemm_dot_prefetch(wr[j] + blk, pfb, l2);
-            gemm_dot_prefetch(wr[j] + blk + MHA__Q8_BYTES, pfb, l2);
-        }
-        dot_q8_block(acc, xr, wr, mm, k, blk);
-        dot_q8_block(acc, xr, wr, mm, k + MHA__Q8_BLOCK, blk + MHA__Q8_BYTES);
-    }
-    if (k < K) {
+    for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += MHA__Q8_BYTES) {
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++)
             gemm_dot_prefetch(wr[j] + blk, pfb, l2);
