@@ -8,6 +8,7 @@
  *
  * Usage: mha_bench_gemm [--threads 1,2] [--reps R] [--shape M,N,K]... [--jsonl FILE]
  *        mha_bench_gemm --ukr   (each tier's micro-kernel alone: micro_kernel_ceiling)
+ *        mha_bench_gemm --dot   (each tier's decode dot products alone: dot_ceiling)
  * OpenBLAS is run with openblas_set_num_threads(T) and its own core detection (we never set
  * OPENBLAS_CORETYPE); its detected core name is printed. */
 #define _POSIX_C_SOURCE 200809L
@@ -169,6 +170,62 @@ static void micro_kernel_ceiling(void) {
     }
 }
 
+/* --dot: the few-rows path of every float32 GEMM tier this CPU has (the decode step's GEMV at batch
+ * 1), alone on one thread: dot_q8 and dot_h (bf16) on 64 rows of K = 4096 (W in the L2, 278 KiB
+ * of q8_0, 512 KiB of bf16), m = 1, blocks of MHA_GEMM_DOT_N rows as gemm.c runs them; best of 5
+ * runs of 500 passes. Per 32 weights and row: ns, and the W bytes per second this rate would
+ * stream (the compute ceiling of the decode step's projections: performance.md "q8_0 weights"). */
+static void dot_ceiling(void) {
+    enum { ROWS = 64, K = 4096, PASSES = 500 };
+    const int64_t ldq = K / 32 * 34;
+    unsigned char *wq = aligned_alloc(64, (size_t)(ROWS * ldq));
+    uint16_t *wh = aligned_alloc(64, sizeof(uint16_t) * ROWS * K);
+    float *x = aligned_alloc(64, sizeof(float) * K), y[ROWS];
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t b = 0; b < K / 32; b++) {
+            unsigned char *blk = wq + r * ldq + b * 34;
+            const uint16_t d = (uint16_t)(0x2000 + (r * 7 + b) % 1024); /* finite f16 scales */
+            memcpy(blk, &d, 2);
+            for (int i = 0; i < 32; i++)
+                blk[2 + i] = (unsigned char)((r * 31 + b * 17 + i * 5) % 255);
+        }
+    for (int64_t j = 0; j < ROWS * K; j++)
+        wh[j] = (uint16_t)(0x3c00 + j % 255);
+    for (int64_t j = 0; j < K; j++)
+        x[j] = (float)(j % 13) * 1e-2f - 0.06f;
+    printf("# decode dot products alone, 1 thread, m = 1, %d rows x K = %d (W in L2)\n", ROWS, K);
+    printf("%-28s %-6s %14s %12s\n", "kernel", "W", "ns/32w/row", "GB/s of W");
+    for (int i = 0; i < mha__registry_count(); i++) {
+        const mha__kernel_info *kern = mha__registry_at(i);
+        if (kern->op != MHA__OP_gemm || kern->run.gemm->pack_pairs || !mha__kernel_usable(kern, 1))
+            continue;
+        const mha__gemm_kernel *kr = kern->run.gemm;
+        for (int q8 = 1; q8 >= 0; q8--) {
+            double best = 1e30;
+            for (int rep = 0; rep < 5; rep++) {
+                const double t0 = bench_now_s();
+                for (int it = 0; it < PASSES; it++)
+                    for (int r = 0; r < ROWS; r += MHA_GEMM_DOT_N) {
+                        if (q8)
+                            (kr->dot_q8 ? kr->dot_q8 : mha__gemm_dot_q8_ref)(
+                                K, x, K, 1, wq + r * ldq, ldq, MHA_GEMM_DOT_N, NULL, y + r, 1);
+                        else
+                            (kr->dot_h ? kr->dot_h : mha__gemm_dot_h_ref)(
+                                K, x, K, 1, wh + r * K, 1, K, MHA_GEMM_DOT_N, NULL, y + r, 1);
+                    }
+                const double t = bench_now_s() - t0;
+                best = t < best ? t : best;
+            }
+            const double ns = best / ((double)PASSES * ROWS * (K / 32)) * 1e9;
+            printf("%-28s %-6s %14.3f %12.1f\n", kern->name, q8 ? "q8_0" : "bf16", ns,
+                   (q8 ? 34.0 : 64.0) / ns);
+        }
+    }
+    free(wq);
+    free(wh);
+    free(x);
+}
+
 int main(int argc, char **argv) {
     int threads_list[8] = {1, 2}, n_threads = 2, reps = 7;
     int64_t shapes[32][3];
@@ -196,9 +253,12 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--ukr")) {
             micro_kernel_ceiling();
             return 0;
+        } else if (!strcmp(argv[i], "--dot")) {
+            dot_ceiling();
+            return 0;
         } else {
             fprintf(stderr, "usage: mha_bench_gemm [--threads 1,2] [--reps 7] [--shape M,N,K]... "
-                            "[--jsonl FILE] | --ukr\n");
+                            "[--jsonl FILE] | --ukr | --dot\n");
             return 2;
         }
     }

@@ -624,8 +624,9 @@ typedef struct mha_config {
      * is: weights are widened exactly where they are read (docs/SEMANTICS.md "Half precision").
      * MHA_DTYPE_Q8_0: the four projection matrices in q8_0 blocks (each row in_features / 32
      * blocks; q_dim, k_dim, v_dim and h*v_head_dim multiples of 32), the biases, sinks and QK-norm
-     * weights float32; exactly the float32 layer on the dequantised weights; inference only
-     * (docs/SEMANTICS.md "q8_0 weights"). */
+     * weights float32; exactly the float32 layer on the dequantised weights (the AVX2 tier's
+     * products of at most 4 rows, e.g. a decode step: in the block-sum order, the same bound, not
+     * its bits); inference only (docs/SEMANTICS.md "q8_0 weights"). */
     mha_dtype weight_dtype;
     mha_qk_norm qk_norm; /* kind NONE (0) = no normalization of q and k */
     /* nonzero: an output gate (Qwen3-Next): w_q has 2*h*d_k rows, the first h*d_k the query's and

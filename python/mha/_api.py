@@ -994,7 +994,9 @@ class MultiheadAttention:
     are quantised to ggml's q8_0 blocks (mha_q8_0_quantize: 34 bytes per 32 weights, each
     matrix's input features a multiple of 32), biases, sinks and norm weights kept float32; the
     layer then computes exactly the float32 layer on the dequantised weights (``weights`` returns
-    them), for inference only (forward, decode; no forward_train).
+    them; on the AVX2 tier the products of at most 4 rows, e.g. decode steps, sum each block
+    before its scale: the same bound, not the same bits), for inference only (forward, decode; no
+    forward_train).
 
     Options: ``scale`` (None = 1/sqrt(d_k)), ``softcap``, ``alibi``, ``sinks`` ([h] logits),
     ``rope`` (a :class:`Rope`, a dict of its fields, or a style name; None = no RoPE),

@@ -659,6 +659,15 @@ mha_status mha__gemm_run_dt(mha__gemm_op op,
 /* Portable few-rows path over half W                                                             */
 /* ---------------------------------------------------------------------------------------------- */
 
+int mha__gemm_dot_q8_block_sums(const mha__gemm_kernel *kr) {
+#if defined(__x86_64__) || defined(__i386__)
+    return kr == &mha_gemm_f32_6x16__avx2;
+#else
+    (void)kr;
+    return 0;
+#endif
+}
+
 void mha__gemm_dot_q8_ref(int64_t K,
                           const float *x,
                           int64_t ldx,

@@ -84,9 +84,12 @@ typedef void (*mha__gemm_dot_h_fn)(int64_t K,
 
 /* The few-rows path with W stored as q8_0 rows (mha_config.weight_dtype = MHA_DTYPE_Q8_0): the
  * same m x n dot products over K (a multiple of 32) values, W row j at w + j * ldw_bytes (K / 32
- * blocks of 34 bytes: an f16 scale d, 32 int8 q), each element dequantised in registers to the
- * float32 q * d (exact) before its FMA, in the tier's dot chains: the result is bit-identical to
- * the tier's float32 dot over the dequantised rows. */
+ * blocks of 34 bytes: an f16 scale d, 32 int8 q). Either each element dequantised in registers to
+ * the float32 q * d (exact) before its FMA, in the tier's dot chains: the result is bit-identical
+ * to the tier's float32 dot over the dequantised rows; or, for a kernel where
+ * mha__gemm_dot_q8_block_sums is nonzero, each block's products x q summed before one FMA by the
+ * block's d, in the order docs/SEMANTICS.md "q8_0 weights" states (AVX2: fewer instructions per
+ * weight). */
 typedef void (*mha__gemm_dot_q8_fn)(int64_t K,
                                     const float *x,
                                     int64_t ldx,
@@ -126,6 +129,11 @@ typedef struct mha__gemm_kernel {
      * pair kernel, which q8_0 W never reaches). */
     mha__gemm_dot_q8_fn dot_q8;
 } mha__gemm_kernel;
+
+/* Nonzero when kr's dot_q8 scales each block's partial sums (docs/SEMANTICS.md "q8_0 weights":
+ * the block-sum order, the AVX2 tier), so that its results are not the float32 dot's bits over
+ * the dequantised W. */
+int mha__gemm_dot_q8_block_sums(const mha__gemm_kernel *kr);
 
 /* Calls with at most this many rows take the dot path (measured: see gemm.c). */
 #define MHA_GEMM_SMALL_M 4

@@ -325,18 +325,63 @@ static void dot_h_avx2(int64_t K,
         dot_h_body(K, x, ldx, m, w, 0, MHA_GEMM_DOT_M, l2, pfb, ldw, n, bias, y, ldy);
 }
 
-/* 8 q8_0 values widened exactly: int8 -> int32 -> float32 (exact), times the block's scale d
- * (exact: 8 bits times 11 fit float32's 24). */
-static inline __m256 load_q8x8(const signed char *q, __m256 d) {
+/* 8 q8_0 values as float32, exactly: int8 -> int32 -> float32. */
+static inline __m256 load_q8x8(const signed char *q) {
     const __m128i b = _mm_loadl_epi64((const __m128i *)q);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-/* dot_avx2 over q8_0 W (mha__gemm_dot_q8_fn): one 32-value block per step of the main loop, its
- * scale broadcast once, its 4 runs of 8 dequantised in registers, the same lanes and chains as
- * dot_body (lane l adds k = l mod 8 in increasing k; K is a multiple of 32), and one software
- * prefetch per row and block, pfb bytes ahead (the same offset in the next MHA_GEMM_DOT_N rows).
- * Specialised per row count mm (1 or 2). */
+/* One q8_0 block (32 k from k, its bytes at blk in each row) of dot_q8_body: per lane l, p_l =
+ * sum of x_k q_k over the block's k = l mod 8 in increasing k (a multiply then 3 FMAs), then
+ * acc_l = fma(p_l, d_b, acc_l). The rows' scales are gathered by integer loads, converted
+ * together and broadcast from memory (a load, no vector ALU operation). */
+static inline __attribute__((always_inline)) void
+dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
+             const float *const xr[MHA_GEMM_DOT_M],
+             const unsigned char *const wr[MHA_GEMM_DOT_N],
+             const int mm,
+             int64_t k,
+             int64_t blk) {
+    __m256 p[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
+    MHA_UNROLL
+    for (int u = 0; u < 32; u += 8) {
+        __m256 a[MHA_GEMM_DOT_M];
+        MHA_UNROLL
+        for (int i = 0; i < mm; i++)
+            a[i] = _mm256_loadu_ps(xr[i] + k + u);
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+            const __m256 b = load_q8x8((const signed char *)wr[j] + blk + 2 + u);
+            MHA_UNROLL
+            for (int i = 0; i < mm; i++)
+                p[i][j] = u == 0 ? _mm256_mul_ps(a[i], b) : _mm256_fmadd_ps(a[i], b, p[i][j]);
+        }
+    }
+    uint64_t bits = 0;
+    MHA_UNROLL
+    for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+        uint16_t dh;
+        memcpy(&dh, wr[j] + blk, 2);
+        bits |= (uint64_t)dh << (16 * j);
+    }
+    float ds[MHA_GEMM_DOT_N] __attribute__((aligned(16)));
+    _mm_store_ps(ds, _mm_cvtph_ps(_mm_set_epi64x(0, (long long)bits)));
+    MHA_UNROLL
+    for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+        const __m256 d = _mm256_broadcast_ss(ds + j);
+        MHA_UNROLL
+        for (int i = 0; i < mm; i++)
+            acc[i][j] = _mm256_fmadd_ps(p[i][j], d, acc[i][j]);
+    }
+}
+
+/* dot_avx2 over q8_0 W (mha__gemm_dot_q8_fn), each block's scale applied once to the block's
+ * partial sums (dot_q8_block; docs/SEMANTICS.md "q8_0 weights"): per 8 weights a sign
+ * extension, a conversion and an FMA (not also a multiply by the scale), and each accumulator's
+ * loop-carried chain is one FMA per block instead of four (at batch 1 the 4 rows' 4 chains held
+ * the per-element dot at one FMA per cycle). The 8 lanes reduced as hsum8. One software prefetch
+ * per row and block, pfb bytes ahead (the same offset in the next MHA_GEMM_DOT_N rows); two blocks
+ * per iteration measured the same. Specialised per row count mm (1 or 2). K is a multiple of 32. */
 static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
                                                               const float *x,
                                                               int64_t ldx,
@@ -364,28 +409,10 @@ static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
         wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldw;
     for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += MHA__Q8_BYTES) {
-        __m256 d[MHA_GEMM_DOT_N];
         MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
             gemm_dot_prefetch(wr[j] + blk, pfb, l2);
-            uint16_t dh;
-            memcpy(&dh, wr[j] + blk, 2);
-            d[j] = _mm256_set1_ps(_cvtsh_ss(dh));
-        }
-        MHA_UNROLL
-        for (int u = 0; u < 32; u += 8) {
-            __m256 a[MHA_GEMM_DOT_M];
-            MHA_UNROLL
-            for (int i = 0; i < mm; i++)
-                a[i] = _mm256_loadu_ps(xr[i] + k + u);
-            MHA_UNROLL
-            for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-                const __m256 b = load_q8x8((const signed char *)wr[j] + blk + 2 + u, d[j]);
-                MHA_UNROLL
-                for (int i = 0; i < mm; i++)
-                    acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
-            }
-        }
+        dot_q8_block(acc, xr, wr, mm, k, blk);
     }
     MHA_UNROLL
     for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
