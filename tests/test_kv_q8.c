@@ -156,9 +156,7 @@ static void
 q8_bound(const float *row, int64_t d, int64_t g, int is_v, const void *ctx, double *bd) {
     (void)g, (void)is_v, (void)ctx;
     for (int64_t b = 0; b < d / 32; b++) {
-        double a = 0.0;
-        for (int i = 0; i < 32; i++)
-            a = fmax(a, fabs((double)row[b * 32 + i]));
+        const double a = kvq_max_abs(row + b * 32, 32);
         for (int i = 0; i < 32; i++)
             bd[b * 32 + i] = TOL_Q8_ELEM(a);
     }

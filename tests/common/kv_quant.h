@@ -38,6 +38,9 @@ void kvq_check_attention(mha_kv_cache *c,
                          const void *ctx,
                          const char *label);
 
+/* max_i |a_i| in double, NaN when some a_i is NaN. */
+double kvq_max_abs(const float *a, int64_t n);
+
 /* Both NaN, or the same bits. */
 int kvq_same_bits(float a, float b);
 
