@@ -431,7 +431,7 @@ static void layer_call(const mha_layer *L,
 
 /* The layer's prefill and decode steps (t = 1 and 3, a draft tree) of three sequences over a
  * paged cache give the contiguous cache's outputs bit for bit (the contiguous layer step is checked
- * against the full causal forward by test_kv_cache / test_kv_q8's oracles), across a fork
+ * against the full causal forward by test_kv_cache), across a fork
  * (mha_kv_cache_copy: copy-on-write of the partial block by the next step) and a shared prefix
  * (mha_kv_cache_share_prefix), for f32 and q8_0 caches, blocks of 16 and 48; every stored
  * position reads back the same. */

@@ -198,7 +198,7 @@ MHA_INLINE void dot_body(int64_t K,
             acc0[i][j] = acc1[i][j] = v4_zero();
     }
     /* Rows / columns beyond m / n re-read row 0 / column 0 (valid memory) and are not stored. */
-    const size_t wsize = wdt == MHA_DTYPE_F32 ? sizeof(float)
+    const size_t wsize = wdt == MHA_DTYPE_F32    ? sizeof(float)
                          : wdt == MHA_DTYPE_Q8_0 ? 1
                                                  : sizeof(uint16_t);
     const float *xr[MHA_GEMM_DOT_M];
