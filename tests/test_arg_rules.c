@@ -280,7 +280,7 @@ static void test_layer_aliasing(void) {
     fb = fa, fb.probs = p;
     CHECK_OK(mha_layer_forward(L, &fb, NULL, &err), &err);
     /* Cross-attention: out against key and value. */
-    float kx[2 * 8] = {0};
+    float kx[3 * 8] = {0}; /* room for out's 3 rows: out must reach nothing but the key */
     fb = fa, fb.key = kx, fb.kv_len = 2, fb.out = kx;
     refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps key", "out == key");
 
