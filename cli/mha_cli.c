@@ -47,7 +47,9 @@ static void usage(void) {
 static void print_kernels(void) {
     printf("cpu tiers (detected): %s\n", mha_experimental_cpu_isas(0));
     printf("kernel tiers (under MHA_MAX_ISA): %s\n", mha_experimental_cpu_isas(1));
-    printf("decode prefetch: fills the L%d\n", (int)mha_experimental_cpu_prefetch_level());
+    printf("decode prefetch: fills the L%d (the projection GEMMs' weights: the L%d)\n",
+           (int)mha_experimental_cpu_prefetch_level(),
+           (int)mha_experimental_cpu_gemm_prefetch_level());
     printf("amx-bf16: %s\n", mha_experimental_cpu_amx_bf16()
                                  ? "present, unused: no AMX kernel is registered yet (none has "
                                    "passed its tests on an AMX host; docs/KERNELS.md)"

@@ -60,4 +60,26 @@ static inline void fuzz_check_error(mha_status st, const mha_error *err) {
     FUZZ_REQUIRE(err->message[0] != '\0', "empty message for status %d", (int)st);
 }
 
+/* A counting allocator (mha_allocator {&counter, fuzz_count_alloc, fuzz_count_free}): live is the
+ * number of blocks handed out and not given back, 0 after every call that failed or whose result
+ * was destroyed. */
+typedef struct fuzz_counting {
+    int64_t live;
+} fuzz_counting;
+
+static inline void *fuzz_count_alloc(void *user, size_t bytes, size_t align) {
+    fuzz_counting *c = user;
+    void *p = aligned_alloc(align, (bytes + align - 1) / align * align);
+    if (p)
+        c->live++;
+    return p;
+}
+
+static inline void fuzz_count_free(void *user, void *ptr) {
+    fuzz_counting *c = user;
+    if (ptr)
+        c->live--;
+    free(ptr);
+}
+
 #endif /* MHA_FUZZ_COMMON_H */

@@ -2,7 +2,8 @@
 /* fuzz_gguf.c: libFuzzer harness for the GGUF reader (src/io/gguf.c). The input is a whole file
  * image, opened through mha__gguf_open_mem() (the same checks as mha_layer_load_gguf(), through
  * fmemopen); each layer it names (up to 3) has its info read and is loaded in float32 and in
- * bfloat16 with a counting allocator.
+ * bfloat16, and with a config of twice the heads of half the head size, with a counting
+ * allocator.
  * Invariants: no crash, leak or out-of-bounds access; errors fill mha_error consistently, name the
  * file and leave *out NULL; every allocation made through the allocator is given back; a loaded
  * layer has the info's sizes, finite weights, and runs a small causal forward.
@@ -13,25 +14,6 @@
 #include <math.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-typedef struct counting {
-    int64_t live;
-} counting;
-
-static void *count_alloc(void *user, size_t bytes, size_t align) {
-    counting *c = user;
-    void *p = aligned_alloc(align, (bytes + align - 1) / align * align);
-    if (p)
-        c->live++;
-    return p;
-}
-
-static void count_free(void *user, void *ptr) {
-    counting *c = user;
-    if (ptr)
-        c->live--;
-    free(ptr);
-}
 
 static float weight_at(mha_dtype dt, const void *p, int64_t i) {
     if (dt == MHA_DTYPE_F32)
@@ -48,14 +30,15 @@ static void check_error(mha_status st, const mha_error *err, int64_t live) {
     FUZZ_REQUIRE(live == 0, "%lld allocations leaked on error", (long long)live);
 }
 
-/* The layer's weights are finite and it runs 2 tokens (small layers only). */
-static void use_layer(const mha_layer *L, const mha_hf_layer_info *info, mha_dtype wdt) {
+/* The layer has the config's sizes (want), its weights are finite and it runs 2 tokens (small
+ * layers only). */
+static void use_layer(const mha_layer *L, const mha_config *want) {
     const mha_config *c = mha_layer_config(L);
-    FUZZ_REQUIRE(c->num_heads == info->config.num_heads &&
-                     c->num_kv_heads == info->config.num_kv_heads &&
-                     c->head_dim == info->config.head_dim && c->q_dim == info->config.q_dim &&
+    const mha_dtype wdt = want->weight_dtype;
+    FUZZ_REQUIRE(c->num_heads == want->num_heads && c->num_kv_heads == want->num_kv_heads &&
+                     c->head_dim == want->head_dim && c->q_dim == want->q_dim &&
                      c->weight_dtype == wdt,
-                 "the layer is not the info's");
+                 "the layer is not the config's");
     const mha_weights *w = mha_layer_weights(L);
     const int64_t counts[4] = {
         c->num_heads * c->head_dim * c->q_dim, c->num_kv_heads * c->head_dim * c->q_dim,
@@ -91,8 +74,8 @@ static void use_layer(const mha_layer *L, const mha_hf_layer_info *info, mha_dty
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    counting cnt = {0};
-    mha_allocator alloc = {&cnt, count_alloc, count_free};
+    fuzz_counting cnt = {0};
+    mha_allocator alloc = {&cnt, fuzz_count_alloc, fuzz_count_free};
     mha__gguf *g = (mha__gguf *)&cnt; /* must be overwritten */
     mha_error err;
     memset(&err, 0, sizeof err);
@@ -109,10 +92,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             check_error(st, &err, 0);
             break;
         }
-        const mha_dtype dts[2] = {MHA_DTYPE_F32, MHA_DTYPE_BF16};
-        for (int k = 0; k < 2; k++) {
+        /* float32, bfloat16, and a caller's config of twice the heads of half the file's head
+         * size (the same tensor shapes; llama's Q/K un-permutation still uses the file's) */
+        const mha_dtype dts[3] = {MHA_DTYPE_F32, MHA_DTYPE_BF16, MHA_DTYPE_F32};
+        for (int k = 0; k < 3; k++) {
             mha_config cfg = info.config;
             cfg.weight_dtype = dts[k];
+            if (k == 2) {
+                if (cfg.head_dim % 2 != 0)
+                    break;
+                cfg.num_heads *= 2, cfg.num_kv_heads *= 2;
+                cfg.head_dim /= 2, cfg.v_head_dim /= 2;
+                if (cfg.rope.rotary_dim > cfg.head_dim)
+                    cfg.rope.rotary_dim = cfg.head_dim - cfg.head_dim % 2;
+            }
             mha_layer *L = (mha_layer *)&cnt;
             st = mha__gguf_load(g, layer, &cfg, &alloc, &L, &err);
             if (st != MHA_STATUS_OK) {
@@ -121,7 +114,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                 continue;
             }
             FUZZ_REQUIRE(L != NULL && L != (mha_layer *)&cnt, "no layer on success");
-            use_layer(L, &info, dts[k]);
+            use_layer(L, &cfg);
             mha_layer_destroy(L);
             FUZZ_REQUIRE(cnt.live == 0, "%lld allocations leaked after destroy",
                          (long long)cnt.live);

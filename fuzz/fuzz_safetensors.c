@@ -13,25 +13,6 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-typedef struct counting {
-    int64_t live;
-} counting;
-
-static void *count_alloc(void *user, size_t bytes, size_t align) {
-    counting *c = user;
-    void *p = aligned_alloc(align, (bytes + align - 1) / align * align);
-    if (p)
-        c->live++;
-    return p;
-}
-
-static void count_free(void *user, void *ptr) {
-    counting *c = user;
-    if (ptr)
-        c->live--;
-    free(ptr);
-}
-
 /* Runs the loaded layer once on a 2-token input; the output must be finite unless a weight is
  * so large (> 1e6) that float32 overflow is the right answer. */
 static void run_small_forward(const mha_layer *L, float max_abs_weight) {
@@ -78,8 +59,8 @@ static float weight_at(mha_dtype dt, const void *p, int64_t i) {
 }
 
 static void load_once(const uint8_t *data, size_t size, int64_t heads, mha_dtype wdt) {
-    counting cnt = {0};
-    mha_allocator alloc = {&cnt, count_alloc, count_free};
+    fuzz_counting cnt = {0};
+    mha_allocator alloc = {&cnt, fuzz_count_alloc, fuzz_count_free};
     mha_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.num_heads = heads;

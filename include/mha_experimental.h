@@ -55,10 +55,14 @@ MHA_API int32_t mha_experimental_kernel_active(const char *op);
 /** The ISAs this CPU has, best first, space separated ("avx512 avx2 generic"), as detected by
  *  cpuid/XGETBV when capped == 0, or after the MHA_MAX_ISA cap when capped != 0. Static string. */
 MHA_API const char *mha_experimental_cpu_isas(int32_t capped);
-/** The cache level (1 or 2) the decode kernels' software prefetches fill on this CPU: 2 on AMD
- *  with AVX-512 (Zen 4 and later), 1 elsewhere, aarch64 included (docs/performance.md). Changes
- *  no result. */
+/** The cache level (1 or 2) the split-KV decode kernels' software prefetches of K and V fill on
+ *  this CPU: 2 on AMD Zen 4 (family 0x19 with AVX-512), 1 elsewhere: AMD Zen 5 (family 0x1A) and
+ *  later, Intel, aarch64 (docs/INFERENCE.md "Paged vs contiguous, measured"). Detected, not capped
+ *  by MHA_MAX_ISA. Changes no result. */
 MHA_API int32_t mha_experimental_cpu_prefetch_level(void);
+/** The same for the projection GEMMs' few-rows path (the layer step's weights): 2 on AMD with
+ *  AVX-512 (Zen 4 and later), 1 elsewhere (docs/performance.md). Changes no result. */
+MHA_API int32_t mha_experimental_cpu_gemm_prefetch_level(void);
 /** 1 when this CPU has AMX-BF16 tiles (cpuid) and the OS saves tile state (XCR0), else 0. No
  *  AMX kernel is registered yet (docs/KERNELS.md, "Waiting for hardware"): `mha info` says so. */
 MHA_API int32_t mha_experimental_cpu_amx_bf16(void);

@@ -9,7 +9,8 @@
  *   - Aliasing: an output whose byte range overlaps an input or another output is refused
  *     (INVALID_ARG naming both), for the same pointer and for a partial overlap, in every call
  *     with outputs; the documented in-place forms (mha_rope_apply's x, mha_attention_merge's o
- *     exactly o_a) still work, and inputs may share memory.
+ *     exactly o_a) still work, and inputs may share memory. A draft tree's tree_parents is an input
+ *     of the KV-cache attention and the layer step.
  *   - mha_error: a successful call clears it; the message is the one the header shows.
  */
 #include "harness.h"
@@ -145,7 +146,29 @@ static void test_layer_scalars(void) {
     CHECK(mha_kv_cache_length(cache, 0) == 1, "nothing appended by a refused step");
     da.out = x + 4; /* partial overlap */
     refused(mha_layer_prefill(L, cache, &da, NULL, &err), &err, "overlaps", "prefill out in x");
-    da.out = o;
+    /* tree_parents is an input of both: an out (or lse) over it is refused before anything is
+     * written or appended (a draft tree's parents read while out is written) */
+    union {
+        int64_t p[8];
+        float f[16];
+    } tp = {{-1}}; /* one draft, a root; room for an out of 8 floats anywhere in it */
+    kb = ka, kb.tree_parents = tp.p;
+    CHECK_OK(mha_kv_cache_attention(cache, &kb, NULL, &err), &err); /* a tree of one token */
+    kb.out = tp.f;
+    refused(mha_kv_cache_attention(cache, &kb, NULL, &err), &err, "out overlaps tree_parents",
+            "kv out over tree_parents");
+    CHECK(tp.p[0] == -1, "tree_parents untouched by a refused call");
+    kb.out = o, kb.lse = tp.f + 1;
+    refused(mha_kv_cache_attention(cache, &kb, NULL, &err), &err, "lse overlaps tree_parents",
+            "kv lse in tree_parents");
+    da.out = tp.f + 1, da.tree_parents = tp.p; /* out [1, 9) floats over parents [0, 2) */
+    refused(mha_layer_decode_step(L, cache, &da, NULL, &err), &err, "out overlaps tree_parents",
+            "decode out over tree_parents");
+    refused(mha_layer_prefill(L, cache, &da, NULL, &err), &err, "out overlaps tree_parents",
+            "prefill out over tree_parents");
+    CHECK(mha_kv_cache_length(cache, 0) == 1 && tp.p[0] == -1,
+          "nothing appended or written by a refused tree step");
+    da.out = o, da.tree_parents = NULL;
     CHECK_OK(mha_layer_decode_step(L, cache, &da, NULL, &err), &err);
     float kr[16];
     CHECK_OK(mha_kv_cache_read(cache, 0, 0, kr, kr + 8, &err), &err); /* g d_k = g d_v = 8 */
@@ -257,7 +280,7 @@ static void test_layer_aliasing(void) {
     fb = fa, fb.probs = p;
     CHECK_OK(mha_layer_forward(L, &fb, NULL, &err), &err);
     /* Cross-attention: out against key and value. */
-    float kx[2 * 8] = {0};
+    float kx[3 * 8] = {0}; /* room for out's 3 rows: out must reach nothing but the key */
     fb = fa, fb.key = kx, fb.kv_len = 2, fb.out = kx;
     refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps key", "out == key");
 

@@ -469,9 +469,51 @@ static void test_bad_fields(void) {
     free(b.p);
 }
 
+/* A caller's config whose head size differs from the file's: llama's Q and K rows were permuted
+ * per head of the FILE's size, so a projection whose rows are not whole heads of that size cannot
+ * be un-permuted. The file below says 1 head of 32 (K: 1 kv head of 32), its tensors are sized for
+ * the config's 2 heads of 16 (K: 16 rows, half a file head): refused, nothing written past the
+ * 16-row buffer (the un-permutation sent K's row 1 to row 16 before the check). */
+static void test_config_head_size(void) {
+    buf b = make_file(3);
+    const size_t hc = find(&b, "llama.attention.head_count") + 26 + 4;
+    b.p[hc] = 1; /* head_count 2 -> 1: head size 32 */
+    mha__gguf *g = NULL;
+    mha_error err;
+    CHECK_OK(mha__gguf_open_mem(b.p, b.n, "t.gguf", &g, &err), &err);
+    mha_hf_layer_info info;
+    if (g)
+        CHECK_OK(mha__gguf_info(g, 0, &info, &err), &err);
+    if (g && info.config.head_dim == 32) {
+        mha_config c = info.config;
+        c.num_heads = NH, c.num_kv_heads = NKV, c.head_dim = c.v_head_dim = HD;
+        c.rope.rotary_dim = HD;
+        mha_layer *layer = NULL;
+        const mha_status st = mha__gguf_load(g, 0, &c, NULL, &layer, &err);
+        CHECK(st == MHA_STATUS_BAD_FILE && strstr(err.message, "blk.0.attn_k.weight") &&
+                  strstr(err.message, "head size 32") && !layer,
+              "K of 16 rows under a file head size of 32: status %d, '%s'", (int)st, err.message);
+        mha_layer_destroy(layer);
+        /* the same config over the unmodified file (head size 16): loads */
+        buf ok = make_file(3);
+        mha__gguf *g2 = NULL;
+        CHECK_OK(mha__gguf_open_mem(ok.p, ok.n, "t.gguf", &g2, &err), &err);
+        if (g2)
+            CHECK_OK(mha__gguf_load(g2, 0, &c, NULL, &layer, &err), &err);
+        mha_layer_destroy(layer);
+        mha__gguf_close(g2);
+        free(ok.p);
+    } else {
+        CHECK(0, "the patched file's head size is not 32");
+    }
+    mha__gguf_close(g);
+    free(b.p);
+}
+
 int main(void) {
     test_valid_file();
     test_truncations_and_flips();
     test_bad_fields();
+    test_config_head_size();
     return test_finish();
 }

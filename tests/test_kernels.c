@@ -985,11 +985,44 @@ static void test_dropout_bits(void) {
 /* The registry as mha_experimental.h shows it: every op's lines, named mha_<op>_..._<isa>, a
  * generic kernel for every op, exactly one reference for fwd and bwd (the last line of its op),
  * and the kernel each op runs here. */
+/* The prefetch levels this CPU should report, from /proc/cpuinfo's first vendor_id and cpu family
+ * (not the library's cpuid code): the GEMMs' L2 on AMD with AVX-512, the decode kernels' L2 on
+ * such a CPU of family < 26 (0x1A, Zen 5) only. 0 when /proc/cpuinfo cannot be read. */
+static int expected_prefetch_levels(int *decode, int *gemm) {
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f)
+        return 0;
+    char line[512], vendor[64] = "";
+    int family = -1;
+    while (fgets(line, sizeof line, f) && (!vendor[0] || family < 0)) {
+        if (!vendor[0] && sscanf(line, "vendor_id : %63s", vendor) == 1)
+            continue;
+        if (family < 0 && sscanf(line, "cpu family : %d", &family) == 1)
+            continue;
+    }
+    fclose(f);
+    const int amd512 =
+        strcmp(vendor, "AuthenticAMD") == 0 && strstr(mha_experimental_cpu_isas(0), "avx512");
+    *gemm = amd512 ? 2 : 1;
+    *decode = amd512 && family >= 0 && family < 26 ? 2 : 1;
+    return 1;
+}
+
 static void test_registry(void) {
-    /* the decode kernels' prefetch level: the L2 only on a CPU with AVX-512 (AMD's) */
+    /* the prefetch levels: the L2 only on a CPU with AVX-512 (AMD's); the decode kernels' never
+     * beyond the GEMMs' (Zen 5: the L1 for the decode kernels, the L2 for the GEMMs) */
     const int32_t level = mha_experimental_cpu_prefetch_level();
-    CHECK(level == 1 || (level == 2 && strstr(mha_experimental_cpu_isas(0), "avx512")),
-          "decode prefetch level %d on a CPU with %s", (int)level, mha_experimental_cpu_isas(0));
+    const int32_t glevel = mha_experimental_cpu_gemm_prefetch_level();
+    CHECK((level == 1 || level == 2) && (glevel == 1 || glevel == 2) && level <= glevel &&
+              (glevel == 1 || strstr(mha_experimental_cpu_isas(0), "avx512")),
+          "prefetch levels: decode %d, gemm %d on a CPU with %s", (int)level, (int)glevel,
+          mha_experimental_cpu_isas(0));
+    int want_decode, want_gemm;
+    if (expected_prefetch_levels(&want_decode, &want_gemm))
+        CHECK(level == want_decode && glevel == want_gemm,
+              "prefetch levels: decode %d, gemm %d; /proc/cpuinfo says %d, %d", (int)level,
+              (int)glevel, want_decode, want_gemm);
+    printf("prefetch levels: decode kernels L%d, GEMMs L%d\n", (int)level, (int)glevel);
     const int32_t count = mha_experimental_kernel_count();
     const char *ops[] = {"fwd", "bwd", "decode", "gemm"};
     for (int o = 0; o < 4; o++) {

@@ -8,13 +8,14 @@
  *      attention over the DEQUANTISED keys and values: TOL_OUT_REL; plain and window caches,
  *      scales != 1 per kv head, 1, 2 and 3 threads bit-identical.
  *   3. Against the float64 attention over the ORIGINAL keys and values: the bound from
- *      TOL_FP8_ELEM (tests/common/tolerance.h), computed from the data.
+ *      TOL_FP8_ELEM (tests/common/tolerance.h), computed from the data, which also bounds every
+ *      read value. 2 and 3: tests/common/kv_quant.c, shared with test_kv_q8.
  *   4. NaN: a NaN key or value stored reads NaN and makes the rows that see it NaN (every tier).
  *   5. mha_kv_cache_set_fp8_scales: refused after an append, for another dtype, for scales <= 0,
  *      NaN or infinite; accepted again after every sequence was reset. Hostile dtype fields.
  */
 #include "harness.h"
-#include "oracle_f64.h"
+#include "kv_quant.h"
 #include "tolerance.h"
 
 #include <math.h>
@@ -57,12 +58,6 @@ static float ref_read(unsigned code, float scale) {
 
 static unsigned u32(test_rng *r) {
     return (unsigned)(test_rng_u64(r) >> 32);
-}
-
-static int same_bits(float a, float b) {
-    if (isnan(a) || isnan(b))
-        return isnan(a) && isnan(b);
-    return memcmp(&a, &b, sizeof a) == 0;
 }
 
 static mha_kv_cache *make_cache(int64_t G, int64_t d, int64_t L, int64_t window) {
@@ -109,7 +104,7 @@ static void test_quantizer(void) {
                 const int at = (p * G + g) * D + i;
                 const float ek = ref_read(ref_code(k[at] / ks[g]), ks[g]);
                 const float ev = ref_read(ref_code(v[at] / vs[g]), vs[g]);
-                if (!same_bits(a[g * D + i], ek) || !same_bits(b[g * D + i], ev)) {
+                if (!kvq_same_bits(a[g * D + i], ek) || !kvq_same_bits(b[g * D + i], ev)) {
                     if (bad++ < 5)
                         printf("  p=%d g=%d i=%d: k %a -> %a (ref %a), v %a -> %a (ref %a)\n", p, g,
                                i, (double)k[at], (double)a[g * D + i], (double)ek, (double)v[at],
@@ -121,44 +116,27 @@ static void test_quantizer(void) {
     mha_kv_cache_destroy(c);
 }
 
-typedef struct acase {
-    int64_t H, G, d, L, window;
-} acase;
-
+/* TOL_FP8_ELEM of each value with its kv head's scale; ctx: the scales, k [8] then v [8]. */
 static void
-oracle(const acase *ac, int64_t m, const float *q, const float *kk, const float *vv, double *out) {
-    mha_attention_args a;
-    memset(&a, 0, sizeof a);
-    a.batch = 1, a.num_heads = ac->H, a.num_kv_heads = ac->G, a.q_len = 1, a.kv_len = m;
-    a.head_dim = ac->d;
-    a.q = q, a.k = kk, a.v = vv;
-    const int64_t sq[3] = {ac->H * ac->d, ac->d, ac->d},
-                  sk[3] = {ac->G * m * ac->d, m * ac->d, ac->d};
-    memcpy(a.q_strides, sq, sizeof sq);
-    memcpy(a.out_strides, sq, sizeof sq);
-    memcpy(a.k_strides, sk, sizeof sk);
-    memcpy(a.v_strides, sk, sizeof sk);
-    a.mask.window_left = a.mask.window_right = -1;
-    CHECK(oracle_attention(&a, out, NULL, NULL) == 0, "oracle");
+fp8_bound(const float *row, int64_t d, int64_t g, int is_v, const void *ctx, double *bd) {
+    const double s = (double)((const float *)ctx)[8 * is_v + g];
+    for (int64_t i = 0; i < d; i++)
+        bd[i] = TOL_FP8_ELEM(fabs((double)row[i]), s);
 }
 
-static void test_attention(const acase *ac) {
+/* 2, 3: tests/common/kv_quant.c, with scales != 1 per kv head and some subnormal e4m3 values */
+static void test_attention(const kvq_case *ac) {
     const int64_t H = ac->H, G = ac->G, d = ac->d, L = ac->L;
     mha_kv_cache *c = make_cache(G, d, L, ac->window);
     mha_error err;
-    float ks[8], vs[8];
+    float sc[16];                   /* k scales [8], v scales [8] */
     for (int64_t g = 0; g < G; g++) /* data ~N(0, 1), |x| < 5.5: no saturation; the scales put
                                        |x / s| over the e4m3 range (1.0: many subnormals) */
-        ks[g] = 0.0125f * (float)(g + 1), vs[g] = g % 2 ? 1.0f : 0.0125f;
-    CHECK_OK(mha_kv_cache_set_fp8_scales(c, ks, vs, &err), &err);
-    const int64_t m = ac->window > 0 && ac->window < L ? ac->window : L, lo = L - m;
-    const size_t nkv = (size_t)(L * G * d), nm = (size_t)(m * G * d);
+        sc[g] = 0.0125f * (float)(g + 1), sc[8 + g] = g % 2 ? 1.0f : 0.0125f;
+    CHECK_OK(mha_kv_cache_set_fp8_scales(c, sc, sc + 8, &err), &err);
+    const size_t nkv = (size_t)(L * G * d);
     float *k = malloc(sizeof(float) * nkv), *v = malloc(sizeof(float) * nkv);
-    float *kq = malloc(sizeof(float) * nm), *vq = malloc(sizeof(float) * nm);
-    float *ko = malloc(sizeof(float) * nm), *vo = malloc(sizeof(float) * nm);
-    float *q = malloc(sizeof(float) * (size_t)(H * d)), out[4][128 * 8];
-    double *ref = malloc(sizeof(double) * (size_t)(H * d)),
-           *refo = malloc(sizeof(double) * (size_t)(H * d));
+    float *q = malloc(sizeof(float) * (size_t)(H * d));
     test_rng r;
     test_rng_seed(&r, (uint64_t)(L + ac->window + 3));
     test_fill_normal(&r, k, L * G * d, 1.0f);
@@ -166,84 +144,8 @@ static void test_attention(const acase *ac) {
     test_fill_normal(&r, q, H * d, 1.0f);
     for (size_t i = 0; i < nkv; i += 7) /* some small values: subnormal e4m3 */
         k[i] *= 1e-3f, v[i] *= 1e-4f;
-    for (int64_t t0 = 0; t0 < L; t0 += 50) {
-        const int64_t n = L - t0 < 50 ? L - t0 : 50;
-        CHECK_OK(mha_kv_cache_append(c, 1, NULL, n, k + t0 * G * d, v + t0 * G * d, &err), &err);
-    }
-    float *kr = malloc(sizeof(float) * (size_t)(G * d)),
-          *vr = malloc(sizeof(float) * (size_t)(G * d));
-    for (int64_t j = 0; j < m; j++) {
-        CHECK_OK(mha_kv_cache_read(c, 0, lo + j, kr, vr, &err), &err);
-        for (int64_t g = 0; g < G; g++) {
-            memcpy(kq + (g * m + j) * d, kr + g * d, sizeof(float) * (size_t)d);
-            memcpy(vq + (g * m + j) * d, vr + g * d, sizeof(float) * (size_t)d);
-            memcpy(ko + (g * m + j) * d, k + ((lo + j) * G + g) * d, sizeof(float) * (size_t)d);
-            memcpy(vo + (g * m + j) * d, v + ((lo + j) * G + g) * d, sizeof(float) * (size_t)d);
-        }
-    }
-    /* every read value within its stated bound of the original (docs/SEMANTICS.md) */
-    int far = 0;
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t j = 0; j < m * d; j++) {
-            const int64_t at = g * m * d + j;
-            far += fabs((double)kq[at] - (double)ko[at]) >
-                   TOL_FP8_ELEM(fabs((double)ko[at]), (double)ks[g]);
-            far += fabs((double)vq[at] - (double)vo[at]) >
-                   TOL_FP8_ELEM(fabs((double)vo[at]), (double)vs[g]);
-        }
-    CHECK(far == 0, "L=%lld: %d values beyond the per-value bound", (long long)L, far);
-    oracle(ac, m, q, kq, vq, ref);
-    oracle(ac, m, q, ko, vo, refo);
-    double sref = 0.0;
-    for (int64_t i = 0; i < H * d; i++)
-        sref = fabs(ref[i]) > sref ? fabs(ref[i]) : sref;
-    const mha_impl impls[2] = {MHA_IMPL_AUTO, MHA_IMPL_REFERENCE};
-    double worst_dq = 0.0;
-    for (int ii = 0; ii < 2; ii++)
-        for (int nt = 1; nt <= 3; nt++) {
-            mha_kv_attention_args ka = {0};
-            ka.num_seqs = 1, ka.num_tokens = 1, ka.num_heads = H, ka.q = q;
-            ka.out = out[nt];
-            mha_exec ex = {0};
-            ex.impl = impls[ii], ex.n_threads = nt;
-            CHECK_OK(mha_kv_cache_attention(c, &ka, &ex, &err), &err);
-            double e = 0.0;
-            for (int64_t i = 0; i < H * d; i++)
-                e = fmax(e, fabs((double)out[nt][i] - ref[i]));
-            CHECK(e <= TOL_OUT_REL * sref, "L=%lld W=%lld impl=%d nt=%d: vs dequantised %.3g",
-                  (long long)L, (long long)ac->window, ii, nt, e / sref);
-            worst_dq = fmax(worst_dq, e / sref);
-            if (nt > 1)
-                CHECK(memcmp(out[nt], out[1], sizeof(float) * (size_t)(H * d)) == 0,
-                      "L=%lld impl=%d: %d threads differ from 1", (long long)L, ii, nt);
-        }
-    /* 3: against the original values, Delta = scale ||q_h||_1 max e_k,
-     * |o - o*| <= (exp(2 Delta) - 1) max|v| + max e_v */
-    const double scale = 1.0 / sqrt((double)d);
-    double worst = 0.0;
-    for (int64_t h = 0; h < H; h++) {
-        const int64_t g = h / (H / G);
-        double q1 = 0.0, ek = 0.0, ev = 0.0, vmax = 0.0;
-        for (int64_t i = 0; i < d; i++)
-            q1 += fabs((double)q[h * d + i]);
-        for (int64_t j = 0; j < m * d; j++) {
-            const double ak = fabs((double)ko[g * m * d + j]), av = fabs((double)vo[g * m * d + j]);
-            ek = fmax(ek, TOL_FP8_ELEM(ak, (double)ks[g]));
-            ev = fmax(ev, TOL_FP8_ELEM(av, (double)vs[g]));
-            vmax = fmax(vmax, av);
-        }
-        const double bound = expm1(2.0 * scale * q1 * ek) * vmax + ev + TOL_OUT_REL * sref;
-        double e = 0.0;
-        for (int64_t i = 0; i < d; i++)
-            e = fmax(e, fabs((double)out[1][h * d + i] - refo[h * d + i]));
-        CHECK(e <= bound, "L=%lld head %lld: vs original %.3g > bound %.3g", (long long)L,
-              (long long)h, e, bound);
-        worst = fmax(worst, e / bound);
-    }
-    printf("fp8 L=%lld W=%lld: vs dequantised %.2g of max|o|; vs original <= %.4f of the bound\n",
-           (long long)L, (long long)ac->window, worst_dq, worst);
-    free(k), free(v), free(kq), free(vq), free(ko), free(vo), free(q), free(ref), free(refo);
-    free(kr), free(vr);
+    kvq_check_attention(c, ac, k, v, q, fp8_bound, sc, "fp8");
+    free(k), free(v), free(q);
     mha_kv_cache_destroy(c);
 }
 
@@ -275,30 +177,24 @@ static void test_nan(void) {
     mha_kv_cache_destroy(c);
 }
 
-static void
-expect_refused(mha_status st, const mha_error *err, const char *needle, const char *what) {
-    CHECK(st != MHA_STATUS_OK, "%s: accepted", what);
-    CHECK(strstr(err->message, needle) != NULL, "%s: message '%s' lacks '%s'", what, err->message,
-          needle);
-}
-
 static void test_scales_api(void) {
     enum { G = 2, D = 32 };
     mha_kv_cache *c = make_cache(G, D, 8, 0);
     mha_error err;
     float bad[G] = {1.0f, 0.0f}, ok[G] = {2.0f, 0.5f}, x[G * D] = {0};
-    expect_refused(mha_kv_cache_set_fp8_scales(c, bad, NULL, &err), &err, "k_scales[1]", "0");
+    kvq_expect_refused(mha_kv_cache_set_fp8_scales(c, bad, NULL, &err), &err, "k_scales[1]", "0");
     bad[1] = -1.0f;
-    expect_refused(mha_kv_cache_set_fp8_scales(c, NULL, bad, &err), &err, "v_scales[1]", "-1");
+    kvq_expect_refused(mha_kv_cache_set_fp8_scales(c, NULL, bad, &err), &err, "v_scales[1]", "-1");
     bad[1] = NAN;
-    expect_refused(mha_kv_cache_set_fp8_scales(c, bad, ok, &err), &err, "k_scales[1]", "NaN");
+    kvq_expect_refused(mha_kv_cache_set_fp8_scales(c, bad, ok, &err), &err, "k_scales[1]", "NaN");
     bad[1] = INFINITY;
-    expect_refused(mha_kv_cache_set_fp8_scales(c, ok, bad, &err), &err, "v_scales[1]", "inf");
-    expect_refused(mha_kv_cache_set_fp8_scales(NULL, ok, ok, &err), &err, "NULL", "NULL cache");
+    kvq_expect_refused(mha_kv_cache_set_fp8_scales(c, ok, bad, &err), &err, "v_scales[1]", "inf");
+    kvq_expect_refused(mha_kv_cache_set_fp8_scales(NULL, ok, ok, &err), &err, "NULL", "NULL cache");
     CHECK_OK(mha_kv_cache_set_fp8_scales(c, ok, NULL, &err), &err);
     x[0] = 3.0f;
     CHECK_OK(mha_kv_cache_append(c, 1, NULL, 1, x, x, &err), &err);
-    expect_refused(mha_kv_cache_set_fp8_scales(c, ok, ok, &err), &err, "holds 1", "after append");
+    kvq_expect_refused(mha_kv_cache_set_fp8_scales(c, ok, ok, &err), &err, "holds 1",
+                       "after append");
     float a[G * D], b[G * D];
     CHECK_OK(mha_kv_cache_read(c, 0, 0, a, b, &err), &err);
     CHECK(a[0] == 3.0f && b[0] == 3.0f, "read back %g %g", (double)a[0], (double)b[0]);
@@ -310,27 +206,24 @@ static void test_scales_api(void) {
     mha_kv_cache_config cc = {0};
     cc.num_kv_heads = G, cc.head_dim = D, cc.max_seq = 8, cc.batch = 1, cc.dtype = MHA_DTYPE_F16;
     CHECK_OK(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err);
-    expect_refused(mha_kv_cache_set_fp8_scales(c, ok, ok, &err), &err, "FP8_E4M3", "f16 cache");
+    kvq_expect_refused(mha_kv_cache_set_fp8_scales(c, ok, ok, &err), &err, "FP8_E4M3", "f16 cache");
     mha_kv_cache_destroy(c);
 
     /* FP8 in a non-cache role */
     float xx[64] = {0}, o[64];
     mha_attention_args at;
-    memset(&at, 0, sizeof at);
-    at.batch = 1, at.num_heads = 1, at.q_len = 1, at.kv_len = 1, at.head_dim = 64;
-    at.q = at.k = at.v = xx, at.out = o;
-    at.mask.window_left = at.mask.window_right = -1;
+    kvq_core_args_1x1(&at, xx, o);
     at.k_dtype = MHA_DTYPE_FP8_E4M3;
-    expect_refused(mha_attention(&at, NULL, &err), &err, "k_dtype", "core k_dtype=FP8");
+    kvq_expect_refused(mha_attention(&at, NULL, &err), &err, "k_dtype", "core k_dtype=FP8");
     uint16_t h[2] = {0, 0};
-    expect_refused(mha_half_to_f32(MHA_DTYPE_FP8_E4M3, h, o, 2, &err), &err, "", "half_to_f32");
+    kvq_expect_refused(mha_half_to_f32(MHA_DTYPE_FP8_E4M3, h, o, 2, &err), &err, "", "half_to_f32");
     CHECK(mha_dtype_size(MHA_DTYPE_FP8_E4M3) == 1, "mha_dtype_size(FP8_E4M3)");
 }
 
 int main(void) {
     init_e4m3();
     test_quantizer();
-    const acase cases[] = {
+    const kvq_case cases[] = {
         {8, 2, 64, 700, 0}, {4, 4, 32, 300, 0}, {8, 1, 128, 600, 257}, {4, 4, 48, 130, 0}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         test_attention(&cases[i]);

@@ -7,12 +7,13 @@
  *   2. mha_kv_cache_attention (AUTO, the tier MHA_MAX_ISA allows; REFERENCE) against the float64
  *      attention over the DEQUANTISED keys and values: TOL_OUT_REL (float32 accumulation only);
  *      plain and window caches; 1, 2 and 3 threads bit-identical.
- *   3. Against the float64 attention over the ORIGINAL keys and values: the bound
- *      TOL_Q8_* of tests/common/tolerance.h, computed from the data.
+ *   3. Every read value within TOL_Q8_ELEM of the original; against the float64 attention over
+ *      the ORIGINAL keys and values: the bound from TOL_Q8_ELEM (tests/common/tolerance.h),
+ *      computed from the data. 2 and 3: tests/common/kv_quant.c, shared with test_kv_fp8.
  *   4. Hostile: head_dim / v_head_dim not a multiple of 32, Q8_0 in non-cache dtype fields.
  */
 #include "harness.h"
-#include "oracle_f64.h"
+#include "kv_quant.h"
 #include "tolerance.h"
 
 #include <math.h>
@@ -82,12 +83,6 @@ static void ref_block(const float *x, float *out) {
     }
 }
 
-static int same_bits(float a, float b) {
-    if (isnan(a) && isnan(b))
-        return 1;
-    return memcmp(&a, &b, sizeof a) == 0;
-}
-
 /* kinds of block: 0 random N(0, s), 1 ties, 2 saturation, 3 zeros, 4 subnormal/tiny, 5 NaN,
  * 6 inf, 7 random with huge range */
 static void fill_block(test_rng *r, int kind, float *x) {
@@ -139,7 +134,7 @@ static void test_quantizer(void) {
             ref_block(v + p * D + b * 32, ve + b * 32);
         }
         for (int i = 0; i < D; i++)
-            bad += !same_bits(kr[i], ke[i]) + !same_bits(vr[i], ve[i]);
+            bad += !kvq_same_bits(kr[i], ke[i]) + !kvq_same_bits(vr[i], ve[i]);
     }
     CHECK(bad == 0, "quantizer: %lld values differ from the scalar reference", (long long)bad);
     /* the specific cases, spelled out */
@@ -155,29 +150,19 @@ static void test_quantizer(void) {
     mha_kv_cache_destroy(c);
 }
 
-/* ---- attention against the float64 oracle ---- */
-typedef struct {
-    int64_t H, G, d, L, window;
-} acase;
-
+/* ---- attention against the float64 oracle (tests/common/kv_quant.c) ---- */
+/* TOL_Q8_ELEM of the amax of each value's block of 32 */
 static void
-oracle(const acase *ac, int64_t m, const float *q, const float *kk, const float *vv, double *out) {
-    mha_attention_args a;
-    memset(&a, 0, sizeof a);
-    a.batch = 1, a.num_heads = ac->H, a.num_kv_heads = ac->G, a.q_len = 1, a.kv_len = m;
-    a.head_dim = ac->d;
-    a.q = q, a.k = kk, a.v = vv;
-    const int64_t sq[3] = {ac->H * ac->d, ac->d, ac->d},
-                  sk[3] = {ac->G * m * ac->d, m * ac->d, ac->d};
-    memcpy(a.q_strides, sq, sizeof sq);
-    memcpy(a.out_strides, sq, sizeof sq);
-    memcpy(a.k_strides, sk, sizeof sk);
-    memcpy(a.v_strides, sk, sizeof sk);
-    a.mask.window_left = a.mask.window_right = -1;
-    CHECK(oracle_attention(&a, out, NULL, NULL) == 0, "oracle");
+q8_bound(const float *row, int64_t d, int64_t g, int is_v, const void *ctx, double *bd) {
+    (void)g, (void)is_v, (void)ctx;
+    for (int64_t b = 0; b < d / 32; b++) {
+        const double a = kvq_max_abs(row + b * 32, 32);
+        for (int i = 0; i < 32; i++)
+            bd[b * 32 + i] = TOL_Q8_ELEM(a);
+    }
 }
 
-static void test_attention(const acase *ac) {
+static void test_attention(const kvq_case *ac) {
     const int64_t H = ac->H, G = ac->G, d = ac->d, L = ac->L;
     mha_kv_cache_config cc = {0};
     cc.num_kv_heads = G, cc.head_dim = d, cc.max_seq = L, cc.batch = 1, cc.window = ac->window;
@@ -185,92 +170,16 @@ static void test_attention(const acase *ac) {
     mha_kv_cache *c = NULL;
     mha_error err;
     CHECK_OK(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err);
-    const int64_t m = ac->window > 0 && ac->window < L ? ac->window : L, lo = L - m;
     float *k = malloc(sizeof(float) * (size_t)(L * G * d)),
           *v = malloc(sizeof(float) * (size_t)(L * G * d));
-    float *kq = malloc(sizeof(float) * (size_t)(m * G * d)),
-          *vq = malloc(sizeof(float) * (size_t)(m * G * d));
-    float *ko = malloc(sizeof(float) * (size_t)(m * G * d)),
-          *vo = malloc(sizeof(float) * (size_t)(m * G * d));
-    float *q = malloc(sizeof(float) * (size_t)(H * d)), out[4][128 * 8];
-    double *ref = malloc(sizeof(double) * (size_t)(H * d)),
-           *refo = malloc(sizeof(double) * (size_t)(H * d));
+    float *q = malloc(sizeof(float) * (size_t)(H * d));
     test_rng r;
     test_rng_seed(&r, (uint64_t)(L + ac->window));
     test_fill_normal(&r, k, L * G * d, 1.0f);
     test_fill_normal(&r, v, L * G * d, 1.0f);
     test_fill_normal(&r, q, H * d, 1.0f);
-    for (int64_t t0 = 0; t0 < L; t0 += 50) { /* appends of <= 50 tokens (window: max_step 64) */
-        const int64_t n = L - t0 < 50 ? L - t0 : 50;
-        CHECK_OK(mha_kv_cache_append(c, 1, NULL, n, k + t0 * G * d, v + t0 * G * d, &err), &err);
-    }
-    /* dequantised and original K/V of the visible keys as [G, m, d] */
-    float *kr = malloc(sizeof(float) * (size_t)(G * d)),
-          *vr = malloc(sizeof(float) * (size_t)(G * d));
-    for (int64_t j = 0; j < m; j++) {
-        CHECK_OK(mha_kv_cache_read(c, 0, lo + j, kr, vr, &err), &err);
-        for (int64_t g = 0; g < G; g++) {
-            memcpy(kq + (g * m + j) * d, kr + g * d, sizeof(float) * (size_t)d);
-            memcpy(vq + (g * m + j) * d, vr + g * d, sizeof(float) * (size_t)d);
-            memcpy(ko + (g * m + j) * d, k + ((lo + j) * G + g) * d, sizeof(float) * (size_t)d);
-            memcpy(vo + (g * m + j) * d, v + ((lo + j) * G + g) * d, sizeof(float) * (size_t)d);
-        }
-    }
-    oracle(ac, m, q, kq, vq, ref);
-    oracle(ac, m, q, ko, vo, refo);
-    double sref = 0.0;
-    for (int64_t i = 0; i < H * d; i++)
-        sref = fabs(ref[i]) > sref ? fabs(ref[i]) : sref;
-    const mha_impl impls[2] = {MHA_IMPL_AUTO, MHA_IMPL_REFERENCE};
-    for (int ii = 0; ii < 2; ii++)
-        for (int nt = 1; nt <= 3; nt++) {
-            mha_kv_attention_args ka = {0};
-            ka.num_seqs = 1, ka.num_tokens = 1, ka.num_heads = H, ka.q = q;
-            ka.out = out[nt];
-            mha_exec ex = {0};
-            ex.impl = impls[ii], ex.n_threads = nt;
-            CHECK_OK(mha_kv_cache_attention(c, &ka, &ex, &err), &err);
-            double e = 0.0;
-            for (int64_t i = 0; i < H * d; i++)
-                e = fmax(e, fabs((double)out[nt][i] - ref[i]));
-            CHECK(e <= TOL_OUT_REL * sref, "L=%lld W=%lld impl=%d nt=%d: vs dequantised %.3g",
-                  (long long)L, (long long)ac->window, ii, nt, e / sref);
-            if (nt > 1)
-                CHECK(memcmp(out[nt], out[1], sizeof(float) * (size_t)(H * d)) == 0,
-                      "L=%lld impl=%d: %d threads differ from 1", (long long)L, ii, nt);
-        }
-    /* 3: the quantisation error against the original values, bound from the data per head:
-     * Delta = scale ||q_h||_1 max_j e_k(j), |o - o*| <= (exp(2 Delta) - 1) max|v| + max e_v */
-    const double scale = 1.0 / sqrt((double)d);
-    double worst = 0.0;
-    for (int64_t h = 0; h < H; h++) {
-        const int64_t g = h / (H / G);
-        double q1 = 0.0, ek = 0.0, ev = 0.0, vmax = 0.0;
-        for (int64_t i = 0; i < d; i++)
-            q1 += fabs((double)q[h * d + i]);
-        for (int64_t j = 0; j < m; j++)
-            for (int64_t b = 0; b < d / 32; b++) {
-                double ak = 0.0, av = 0.0;
-                for (int i = 0; i < 32; i++) {
-                    ak = fmax(ak, fabs((double)ko[(g * m + j) * d + b * 32 + i]));
-                    av = fmax(av, fabs((double)vo[(g * m + j) * d + b * 32 + i]));
-                }
-                ek = fmax(ek, TOL_Q8_ELEM(ak));
-                ev = fmax(ev, TOL_Q8_ELEM(av));
-                vmax = fmax(vmax, av);
-            }
-        const double bound = expm1(2.0 * scale * q1 * ek) * vmax + ev + TOL_OUT_REL * sref;
-        double e = 0.0;
-        for (int64_t i = 0; i < d; i++)
-            e = fmax(e, fabs((double)out[1][h * d + i] - refo[h * d + i]));
-        CHECK(e <= bound, "L=%lld head %lld: vs original %.3g > bound %.3g", (long long)L,
-              (long long)h, e, bound);
-        worst = fmax(worst, e / bound);
-    }
-    printf("q8_0 L=%lld W=%lld: error vs original values <= %.4f of the bound\n", (long long)L,
-           (long long)ac->window, worst);
-    free(k), free(v), free(kq), free(vq), free(ko), free(vo), free(q), free(ref), free(refo);
-    free(kr), free(vr);
+    kvq_check_attention(c, ac, k, v, q, q8_bound, NULL, "q8_0");
+    free(k), free(v), free(q);
     mha_kv_cache_destroy(c);
 }
 
@@ -311,51 +220,43 @@ static void test_copy_truncate(void) {
 }
 
 /* ---- hostile ---- */
-static void
-expect_refused(mha_status st, const mha_error *err, const char *needle, const char *what) {
-    CHECK(st != MHA_STATUS_OK, "%s: accepted", what);
-    CHECK(strstr(err->message, needle) != NULL, "%s: message '%s' lacks '%s'", what, err->message,
-          needle);
-}
-
 static void test_hostile(void) {
     mha_kv_cache_config cc = {0};
     cc.num_kv_heads = 1, cc.head_dim = 48, cc.v_head_dim = 64, cc.max_seq = 8, cc.batch = 1;
     cc.dtype = MHA_DTYPE_Q8_0;
     mha_kv_cache *c = NULL;
     mha_error err;
-    expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "config.head_dim=48",
-                   "d=48");
+    kvq_expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "config.head_dim=48",
+                       "d=48");
     CHECK(c == NULL, "no cache on error");
     cc.head_dim = 64, cc.v_head_dim = 16;
-    expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "v_head_dim=16", "dv=16");
+    kvq_expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "v_head_dim=16",
+                       "dv=16");
     cc.v_head_dim = 0, cc.dtype = (mha_dtype)10;
-    expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "config.dtype",
-                   "dtype 10");
+    kvq_expect_refused(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err, "config.dtype",
+                       "dtype 10");
     /* Q8_0 in a non-cache role: the core's q dtype, the layer's weight dtype, mha_half_to_f32 */
     float x[64] = {0}, o[64];
     mha_attention_args a;
-    memset(&a, 0, sizeof a);
-    a.batch = 1, a.num_heads = 1, a.q_len = 1, a.kv_len = 1, a.head_dim = 64;
-    a.q = a.k = a.v = x, a.out = o;
-    a.mask.window_left = a.mask.window_right = -1;
+    kvq_core_args_1x1(&a, x, o);
     a.q_dtype = MHA_DTYPE_Q8_0;
-    expect_refused(mha_attention(&a, NULL, &err), &err, "q_dtype", "core q_dtype=Q8_0");
+    kvq_expect_refused(mha_attention(&a, NULL, &err), &err, "q_dtype", "core q_dtype=Q8_0");
     a.q_dtype = MHA_DTYPE_F32, a.out_dtype = MHA_DTYPE_Q8_0;
-    expect_refused(mha_attention(&a, NULL, &err), &err, "out_dtype", "core out_dtype=Q8_0");
+    kvq_expect_refused(mha_attention(&a, NULL, &err), &err, "out_dtype", "core out_dtype=Q8_0");
     a.out_dtype = MHA_DTYPE_F32;
     const uint8_t kp[1] = {1};
     a.mask.key_padding.data = kp, a.mask.key_padding.dtype = MHA_DTYPE_Q8_0;
     a.mask.key_padding.ndim = 1, a.mask.key_padding.shape[0] = 1;
-    expect_refused(mha_attention(&a, NULL, &err), &err, "key_padding", "key_padding dtype=Q8_0");
+    kvq_expect_refused(mha_attention(&a, NULL, &err), &err, "key_padding",
+                       "key_padding dtype=Q8_0");
     uint16_t h[2] = {0, 0};
-    expect_refused(mha_half_to_f32(MHA_DTYPE_Q8_0, h, o, 2, &err), &err, "", "mha_half_to_f32");
+    kvq_expect_refused(mha_half_to_f32(MHA_DTYPE_Q8_0, h, o, 2, &err), &err, "", "mha_half_to_f32");
 }
 
 int main(void) {
     init_f16();
     test_quantizer();
-    const acase cases[] = {{8, 2, 64, 700, 0}, {4, 4, 32, 300, 0}, {8, 1, 128, 600, 257}};
+    const kvq_case cases[] = {{8, 2, 64, 700, 0}, {4, 4, 32, 300, 0}, {8, 1, 128, 600, 257}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         test_attention(&cases[i]);
     test_copy_truncate();

@@ -51,6 +51,10 @@ const char *mha_experimental_cpu_isas(int32_t capped) {
 }
 
 int32_t mha_experimental_cpu_prefetch_level(void) {
+    return mha__cpu_decode_prefetch_to_l2() ? 2 : 1;
+}
+
+int32_t mha_experimental_cpu_gemm_prefetch_level(void) {
     return mha__cpu_prefetch_to_l2() ? 2 : 1;
 }
 

@@ -295,14 +295,15 @@ mha_status mha__check_kv_attention(const mha__kv_view *c,
     if (st)
         return st;
     const int64_t S = args->num_seqs, t = args->num_tokens, h = args->num_heads;
-    const mha__span in[3] = {
+    const mha__span in[4] = {
         mha__span_of("q", args->q, mha__count3(S * t, h, kc->head_dim), sizeof(float)),
         mha__span_of("sinks", args->sinks, h, sizeof(float)),
-        mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t))};
+        mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t)),
+        mha__span_of("tree_parents", args->tree_parents, t, sizeof(int64_t))};
     const mha__span out[2] = {
         mha__span_of("out", args->out, mha__count3(S * t, h, kc->v_head_dim), sizeof(float)),
         mha__span_of("lse", args->lse, mha__count3(S, h, t), sizeof(float))};
-    st = mha__check_no_overlap(out, 2, in, 3, err);
+    st = mha__check_no_overlap(out, 2, in, 4, err);
     if (st)
         return st;
     *scale = args->scale == 0.0 ? 1.0 / sqrt((double)kc->head_dim) : args->scale;
@@ -354,12 +355,13 @@ mha_status mha__check_decode(const mha_config *lc,
                       "positions of sequence %lld would exceed 2^31", (long long)s);
     }
     const int64_t S = args->num_seqs;
-    const mha__span in[2] = {
+    const mha__span in[3] = {
         mha__span_of("x", args->x, mha__count3(S, t, lc->q_dim), sizeof(float)),
-        mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t))};
+        mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t)),
+        mha__span_of("tree_parents", args->tree_parents, t, sizeof(int64_t))};
     const mha__span out =
         mha__span_of("out", args->out, mha__count3(S, t, lc->out_dim), sizeof(float));
-    return mha__check_no_overlap(&out, 1, in, 2, err);
+    return mha__check_no_overlap(&out, 1, in, 3, err);
 }
 
 mha_status mha__check_merge(int64_t rows,

@@ -1009,6 +1009,14 @@ static mha_status read_tensor(mha__gguf *g,
                          (unsigned long long)t->ne[1], want);
     }
     TRY(check_type(g, t, err));
+    /* the un-permutation moves elements within heads of `head`: only whole ones (a config whose
+     * head size differs from the file's could size a tensor in parts of a head, and row i of a
+     * part would go past its end) */
+    const int64_t span = rows ? rows : cols;
+    MHA_RETURN_IF(head > 0 && span % head != 0, err, BAD_FILE,
+                  "%s: tensor '%s': %lld %s are not whole heads of the file's head size %lld (its "
+                  "rows were permuted per head by llama.cpp's converter)",
+                  g->path, tn, (long long)span, rows ? "rows" : "values", (long long)head);
     uint64_t bv, bb;
     ggml_block(t->type, &bv, &bb);
     const uint64_t row_bytes = (uint64_t)cols / bv * bb; /* cols % bv == 0: checked at open */

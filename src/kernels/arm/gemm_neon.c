@@ -162,13 +162,23 @@ MHA_INLINE v4 load_w4(const void *w, int64_t k, const mha_dtype wdt, int left) {
                                  : vcvt_f32_f16(vreinterpret_f16_u16(x));
 }
 
+/* 8 q8_0 values (int8) widened exactly to two float32 vectors, times the block's scale d (exact:
+ * 8 bits times 11 fit float32's 24). */
+MHA_INLINE void load_q8x8(const int8_t *q, v4 d, v4 *lo, v4 *hi) {
+    const int16x8_t h = vmovl_s8(vld1_s8(q));
+    *lo = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), d);
+    *hi = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d);
+}
+
 /* Dot path (few rows): m x n (<= 2 x 4) dot products, 4 lanes each, 2 accumulators per dot (k in
  * steps of 8): 16 independent FMA chains, enough for 4 pipes of 4-cycle latency; 16 accumulators,
  * 4 x values and 2 W values live at a time (22 registers). The K tail (K % 4) is loaded into
  * zero-filled vectors. Memory-bound on W, as a matrix-vector product is. Sums: lanes of the two
  * accumulators added, then pairwise across lanes, in a fixed order. W is float32 or, for the
- * decode step with half weights (dot_h), bf16 / f16 widened in registers: the same chains, so the
- * result is the float32 dot's on the widened W, bit for bit. wdt is a constant at each caller. */
+ * decode step with half or q8_0 weights (dot_h, dot_q8), bf16 / f16 widened in registers or q8_0
+ * blocks dequantised in registers (K a multiple of 32; each block's scale read once, at its first
+ * step): the same chains, so the result is the float32 dot's on the widened W, bit for bit. wdt is
+ * a constant at each caller; ldw counts W's elements (q8_0: bytes). */
 MHA_INLINE void dot_body(int64_t K,
                          const float *x,
                          int64_t ldx,
@@ -188,14 +198,20 @@ MHA_INLINE void dot_body(int64_t K,
             acc0[i][j] = acc1[i][j] = v4_zero();
     }
     /* Rows / columns beyond m / n re-read row 0 / column 0 (valid memory) and are not stored. */
-    const size_t wsize = wdt == MHA_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t wsize = wdt == MHA_DTYPE_F32    ? sizeof(float)
+                         : wdt == MHA_DTYPE_Q8_0 ? 1
+                                                 : sizeof(uint16_t);
     const float *xr[MHA_GEMM_DOT_M];
     const void *wr[MHA_GEMM_DOT_N];
     for (int i = 0; i < MHA_GEMM_DOT_M; i++)
         xr[i] = x + (i < m ? i : 0) * ldx;
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
         wr[j] = (const char *)w + (size_t)((j < n ? j : 0) * ldw) * wsize;
-    int64_t k = 0;
+    v4 d[MHA_GEMM_DOT_N]; /* q8_0: the current block's scale per W row */
+    MHA_UNROLL
+    for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+        d[j] = v4_zero();
+    int64_t k = 0, blk = 0; /* blk: q8_0, the byte offset of the current block in a row */
     for (; k + 8 <= K; k += 8) {
         v4 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
         MHA_UNROLL
@@ -203,9 +219,25 @@ MHA_INLINE void dot_body(int64_t K,
             a0[i] = v4_loadu(xr[i] + k);
             a1[i] = v4_loadu(xr[i] + k + 4);
         }
+        if (wdt == MHA_DTYPE_Q8_0 && k % MHA__Q8_BLOCK == 0) { /* a new block: its scales */
+            blk = k / MHA__Q8_BLOCK * MHA__Q8_BYTES;
+            MHA_UNROLL
+            for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
+                uint16_t dh;
+                memcpy(&dh, (const unsigned char *)wr[j] + blk, 2);
+                d[j] = vdupq_n_f32(
+                    vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(dh))), 0));
+            }
+        }
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            const v4 b0 = load_w4(wr[j], k, wdt, 4), b1 = load_w4(wr[j], k + 4, wdt, 4);
+            v4 b0, b1;
+            if (wdt == MHA_DTYPE_Q8_0) {
+                load_q8x8((const int8_t *)wr[j] + blk + 2 + k % MHA__Q8_BLOCK, d[j], &b0, &b1);
+            } else {
+                b0 = load_w4(wr[j], k, wdt, 4);
+                b1 = load_w4(wr[j], k + 4, wdt, 4);
+            }
             MHA_UNROLL
             for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
                 acc0[i][j] = v4_fma(a0[i], b0, acc0[i][j]);
@@ -213,7 +245,7 @@ MHA_INLINE void dot_body(int64_t K,
             }
         }
     }
-    for (; k < K; k += 4) {
+    for (; wdt != MHA_DTYPE_Q8_0 && k < K; k += 4) { /* the K tail (q8_0: none) */
         const int left = K - k >= 4 ? 4 : (int)(K - k);
         v4 a0[MHA_GEMM_DOT_M];
         MHA_UNROLL
@@ -264,18 +296,9 @@ static void dot_h_neon(int64_t K,
         dot_body(K, x, ldx, m, w, MHA_DTYPE_F16, ldw, n, bias, y, ldy);
 }
 
-/* 8 q8_0 values (int8) widened exactly to two float32 vectors, times the block's scale d (exact:
- * 8 bits times 11 fit float32's 24). */
-MHA_INLINE void load_q8x8(const int8_t *q, v4 d, v4 *lo, v4 *hi) {
-    const int16x8_t h = vmovl_s8(vld1_s8(q));
-    *lo = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), d);
-    *hi = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d);
-}
-
-/* dot_neon over q8_0 W (mha__gemm_dot_q8_fn): one 32-value block at a time (K is a multiple of
- * 32), its scale read once, 8 values per step dequantised in registers into dot_body's lanes and
- * chains (acc0 adds k mod 8 in [0, 4), acc1 [4, 8), in increasing k): bit-identical to the float32
- * dot over the dequantised rows. */
+/* dot_neon over q8_0 W (mha__gemm_dot_q8_fn): dot_body's lanes and chains (acc0 adds k mod 8 in
+ * [0, 4), acc1 [4, 8), in increasing k), each block dequantised in registers: bit-identical to the
+ * float32 dot over the dequantised rows. */
 static void dot_q8_neon(int64_t K,
                         const float *x,
                         int64_t ldx,
@@ -286,53 +309,7 @@ static void dot_q8_neon(int64_t K,
                         const float *bias,
                         float *y,
                         int64_t ldy) {
-    v4 acc0[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N], acc1[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
-    MHA_UNROLL
-    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
-        MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-            acc0[i][j] = acc1[i][j] = v4_zero();
-    }
-    const float *xr[MHA_GEMM_DOT_M];
-    const unsigned char *wr[MHA_GEMM_DOT_N];
-    for (int i = 0; i < MHA_GEMM_DOT_M; i++)
-        xr[i] = x + (i < m ? i : 0) * ldx;
-    for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-        wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldw_bytes;
-    for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += MHA__Q8_BYTES) {
-        v4 d[MHA_GEMM_DOT_N];
-        MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            uint16_t dh;
-            memcpy(&dh, wr[j] + blk, 2);
-            d[j] =
-                vdupq_n_f32(vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(dh))), 0));
-        }
-        MHA_UNROLL
-        for (int u = 0; u < MHA__Q8_BLOCK; u += 8) {
-            v4 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
-            MHA_UNROLL
-            for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
-                a0[i] = v4_loadu(xr[i] + k + u);
-                a1[i] = v4_loadu(xr[i] + k + u + 4);
-            }
-            MHA_UNROLL
-            for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-                v4 b0, b1;
-                load_q8x8((const int8_t *)(wr[j] + blk + 2 + u), d[j], &b0, &b1);
-                MHA_UNROLL
-                for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
-                    acc0[i][j] = v4_fma(a0[i], b0, acc0[i][j]);
-                    acc1[i][j] = v4_fma(a1[i], b1, acc1[i][j]);
-                }
-            }
-        }
-    }
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) {
-            const float s = v4_hsum(v4_add(acc0[i][j], acc1[i][j]));
-            y[i * ldy + j] = bias ? s + bias[j] : s;
-        }
+    dot_body(K, x, ldx, m, w, MHA_DTYPE_Q8_0, ldw_bytes, n, bias, y, ldy);
 }
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */

@@ -185,15 +185,18 @@ static inline __m256 load_half8(const uint16_t *p, int bf16) {
                 : _mm256_cvtph_ps(h);
 }
 
-/* The main loop of dot_h_body for one x row (a decode step): the same sums in the same order as
- * the zmm loop, each 16-lane accumulator held as two ymm halves (acc0 = c[j][0..1] for k mod 32
- * in [0, 16), acc1 = c[j][2..3] for [16, 32)), W widened 8 at a time. Measured on AMD Zen 5 from
- * memory (bf16 and f16, 1 thread, the layer's best decode step): 37 GB/s against 26-28 with
+/* The storage of W in the few-rows paths below (a compile-time constant in each caller). */
+enum { W_F16, W_BF16, W_Q8 };
+
+/* The main loop of dot_w_body for one x row of half W (a decode step): the same sums in the same
+ * order as the zmm loop, each 16-lane accumulator held as two ymm halves (acc0 = c[j][0..1] for k
+ * mod 32 in [0, 16), acc1 = c[j][2..3] for [16, 32)), W widened 8 at a time. Measured on AMD Zen 5
+ * from memory (bf16 and f16, 1 thread, the layer's best decode step): 37 GB/s against 26-28 with
  * vpmovzxwd / vcvtph2ps into zmm, 34 with the zmm operand built from two ymm widenings. Returns the
  * k it stopped at; acc0/acc1 [0][j] hold the sums so far. */
 static inline __attribute__((always_inline)) int64_t dot_h_row1(int64_t K,
                                                                 const float *xr,
-                                                                const uint16_t *const wr[],
+                                                                const unsigned char *const wr[],
                                                                 const int bf16,
                                                                 const int l2,
                                                                 int64_t pfb,
@@ -207,7 +210,7 @@ static inline __attribute__((always_inline)) int64_t dot_h_row1(int64_t K,
     for (; k + 32 <= K; k += 32) {
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-            gemm_dot_prefetch(wr[j] + k, pfb, l2);
+            gemm_dot_prefetch((const uint16_t *)wr[j] + k, pfb, l2);
         __m256 a[4];
         MHA_UNROLL
         for (int q = 0; q < 4; q++)
@@ -216,7 +219,8 @@ static inline __attribute__((always_inline)) int64_t dot_h_row1(int64_t K,
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
             MHA_UNROLL
             for (int q = 0; q < 4; q++)
-                c[j][q] = _mm256_fmadd_ps(a[q], load_half8(wr[j] + k + 8 * q, bf16), c[j][q]);
+                c[j][q] = _mm256_fmadd_ps(
+                    a[q], load_half8((const uint16_t *)wr[j] + k + 8 * q, bf16), c[j][q]);
         }
     }
     MHA_UNROLL
@@ -227,24 +231,51 @@ static inline __attribute__((always_inline)) int64_t dot_h_row1(int64_t K,
     return k;
 }
 
-/* dot_avx512 over half W (mha__gemm_dot_h_fn): the same lanes and chains (lane l of acc0 adds
- * the k = l mod 32, of acc1 the k = 16 + l mod 32, in increasing k), each W vector widened in
- * registers; only W's bytes are halved (x is float32). Specialised per dtype (bf16 is a
- * compile-time constant in each caller) so that the inner loop has no branch, and per row count mm
- * (1 or 2, constant): a decode step (m = 1) then does not compute a second, discarded row (measured
- * at batch 1 on a 4096-wide layer: 1.3x faster than always computing two) and runs dot_h_row1. Each
- * 64-byte line of W gets a software prefetch pfb bytes ahead (the same offset in the next block's
- * rows, gemm_dot_prefetch_bytes), into the L2 where l2 (mha__cpu_prefetch_to_l2). */
-static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
+/* 16 q8_0 values widened exactly: int8 -> int32 -> float32, times the block's scale d (exact:
+ * 8 bits times 11 fit float32's 24). */
+static inline __m512 load_q8x16(const signed char *q, __m512 d) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
+}
+
+/* The 32 W values of a row from byte p on, widened exactly into b0 (the first 16) and b1: 32
+ * halves, or one q8_0 block (its f16 scale d broadcast once, its 32 int8 times d). */
+static inline __attribute__((always_inline)) void
+load_w32(const unsigned char *p, const int wk, __m512 *b0, __m512 *b1) {
+    if (wk == W_Q8) {
+        uint16_t dh;
+        memcpy(&dh, p, 2);
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+        const signed char *q = (const signed char *)p + 2;
+        *b0 = load_q8x16(q, d), *b1 = load_q8x16(q + 16, d);
+    } else {
+        const uint16_t *h = (const uint16_t *)p;
+        *b0 = load_half16(h, wk == W_BF16, (__mmask16)0xFFFF);
+        *b1 = load_half16(h + 16, wk == W_BF16, (__mmask16)0xFFFF);
+    }
+}
+
+/* dot_avx512 over W stored as halves (mha__gemm_dot_h_fn) or q8_0 blocks (mha__gemm_dot_q8_fn):
+ * the same lanes and chains (lane l of acc0 adds the k = l mod 32, of acc1 the k = 16 + l mod 32,
+ * in increasing k), each W vector widened / dequantised in registers (q8_0: one 32-value block per
+ * step, K a multiple of 32), so the result is the float32 dot's over the widened rows, bit for
+ * bit; only W's bytes shrink (x is float32). Row j of W starts at byte j * ldwb. Specialised per
+ * storage wk and per row count mm (1 or 2), compile-time constants in each caller, so that the
+ * inner loop has no branch: a decode step (m = 1) then does not compute a second, discarded row
+ * (measured at batch 1 on a 4096-wide layer: 1.3x faster than always computing two) and, over
+ * halves, runs dot_h_row1. Each 64-byte line of W gets a software prefetch pfb bytes ahead (the
+ * same offset in the next block's rows, gemm_dot_prefetch_bytes), into the L2 where l2
+ * (mha__cpu_prefetch_to_l2). */
+static inline __attribute__((always_inline)) void dot_w_body(int64_t K,
                                                              const float *x,
                                                              int64_t ldx,
                                                              int m,
-                                                             const uint16_t *w,
-                                                             const int bf16,
+                                                             const void *w,
+                                                             const int wk,
                                                              const int mm,
                                                              const int l2,
                                                              int64_t pfb,
-                                                             int64_t ldw,
+                                                             int64_t ldwb,
                                                              int n,
                                                              const float *bias,
                                                              float *y,
@@ -257,16 +288,17 @@ static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
             acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
     }
     const float *xr[MHA_GEMM_DOT_M];
-    const uint16_t *wr[MHA_GEMM_DOT_N];
+    const unsigned char *wr[MHA_GEMM_DOT_N];
     for (int i = 0; i < MHA_GEMM_DOT_M; i++)
         xr[i] = x + (i < m ? i : 0) * ldx;
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-        wr[j] = w + (j < n ? j : 0) * ldw;
-    const __mmask16 all = (__mmask16)0xFFFF;
+        wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldwb;
+    /* the bytes of W per 32 values: 64 halves, one q8_0 block */
+    const int64_t step = wk == W_Q8 ? MHA__Q8_BYTES : 32 * (int64_t)sizeof(uint16_t);
     int64_t k = 0;
-    if (mm == 1)
-        k = dot_h_row1(K, xr[0], wr, bf16, l2, pfb, acc0, acc1);
-    for (; k + 32 <= K; k += 32) {
+    if (wk != W_Q8 && mm == 1)
+        k = dot_h_row1(K, xr[0], wr, wk == W_BF16, l2, pfb, acc0, acc1);
+    for (int64_t at = k / 32 * step; k + 32 <= K; k += 32, at += step) {
         __m512 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
         MHA_UNROLL
         for (int i = 0; i < mm; i++) {
@@ -275,11 +307,11 @@ static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
         }
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-            gemm_dot_prefetch(wr[j] + k, pfb, l2);
+            gemm_dot_prefetch(wr[j] + at, pfb, l2);
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            const __m512 b0 = load_half16(wr[j] + k, bf16, all);
-            const __m512 b1 = load_half16(wr[j] + k + 16, bf16, all);
+            __m512 b0, b1;
+            load_w32(wr[j] + at, wk, &b0, &b1);
             MHA_UNROLL
             for (int i = 0; i < mm; i++) {
                 acc0[i][j] = _mm512_fmadd_ps(a0[i], b0, acc0[i][j]);
@@ -287,16 +319,16 @@ static inline __attribute__((always_inline)) void dot_h_body(int64_t K,
             }
         }
     }
-    for (; k < K; k += 16) {
+    for (; wk != W_Q8 && k < K; k += 16) { /* the K tail of halves (q8_0: none) */
         const int64_t left = K - k;
-        const __mmask16 mk = left >= 16 ? all : (__mmask16)((1u << left) - 1u);
+        const __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
         __m512 a0[MHA_GEMM_DOT_M];
         MHA_UNROLL
         for (int i = 0; i < mm; i++)
             a0[i] = _mm512_maskz_loadu_ps(mk, xr[i] + k);
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            const __m512 b0 = load_half16(wr[j] + k, bf16, mk);
+            const __m512 b0 = load_half16((const uint16_t *)wr[j] + k, wk == W_BF16, mk);
             MHA_UNROLL
             for (int i = 0; i < mm; i++)
                 acc0[i][j] = _mm512_fmadd_ps(a0[i], b0, acc0[i][j]);
@@ -328,89 +360,16 @@ static void dot_h_avx512(int64_t K,
                          float *y,
                          int64_t ldy) {
     const int64_t pfb = gemm_dot_prefetch_bytes(ldw, sizeof(uint16_t));
+    const int64_t ldwb = ldw * (int64_t)sizeof(uint16_t);
     const int l2 = mha__cpu_prefetch_to_l2();
     if (bf16 && m == 1)
-        dot_h_body(K, x, ldx, m, w, 1, 1, l2, pfb, ldw, n, bias, y, ldy);
+        dot_w_body(K, x, ldx, m, w, W_BF16, 1, l2, pfb, ldwb, n, bias, y, ldy);
     else if (bf16)
-        dot_h_body(K, x, ldx, m, w, 1, MHA_GEMM_DOT_M, l2, pfb, ldw, n, bias, y, ldy);
+        dot_w_body(K, x, ldx, m, w, W_BF16, MHA_GEMM_DOT_M, l2, pfb, ldwb, n, bias, y, ldy);
     else if (m == 1)
-        dot_h_body(K, x, ldx, m, w, 0, 1, l2, pfb, ldw, n, bias, y, ldy);
+        dot_w_body(K, x, ldx, m, w, W_F16, 1, l2, pfb, ldwb, n, bias, y, ldy);
     else
-        dot_h_body(K, x, ldx, m, w, 0, MHA_GEMM_DOT_M, l2, pfb, ldw, n, bias, y, ldy);
-}
-
-/* 16 q8_0 values widened exactly: int8 -> int32 -> float32, times the block's scale d (exact:
- * 8 bits times 11 fit float32's 24). */
-static inline __m512 load_q8x16(const signed char *q, __m512 d) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)q);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), d);
-}
-
-/* dot_avx512 over q8_0 W (mha__gemm_dot_q8_fn): one 32-value block per step (K is a multiple of
- * 32), its scale broadcast once, its two halves dequantised in registers into the same lanes and
- * chains as dot_avx512 (acc0 adds k mod 32 in [0, 16), acc1 [16, 32), in increasing k), so the
- * result is the float32 dot's over the dequantised rows, bit for bit. One software prefetch per row
- * and block, pfb bytes ahead (the same offset in the next MHA_GEMM_DOT_N rows), into the L2 where
- * l2. Specialised per row count mm (1 or 2). */
-static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
-                                                              const float *x,
-                                                              int64_t ldx,
-                                                              int m,
-                                                              const void *w,
-                                                              const int mm,
-                                                              const int l2,
-                                                              int64_t pfb,
-                                                              int64_t ldw,
-                                                              int n,
-                                                              const float *bias,
-                                                              float *y,
-                                                              int64_t ldy) {
-    __m512 acc0[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N], acc1[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
-    MHA_UNROLL
-    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
-        MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-            acc0[i][j] = acc1[i][j] = _mm512_setzero_ps();
-    }
-    const float *xr[MHA_GEMM_DOT_M];
-    const unsigned char *wr[MHA_GEMM_DOT_N];
-    for (int i = 0; i < MHA_GEMM_DOT_M; i++)
-        xr[i] = x + (i < m ? i : 0) * ldx;
-    for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-        wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldw;
-    for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += MHA__Q8_BYTES) {
-        __m512 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
-        MHA_UNROLL
-        for (int i = 0; i < mm; i++) {
-            a0[i] = _mm512_loadu_ps(xr[i] + k);
-            a1[i] = _mm512_loadu_ps(xr[i] + k + 16);
-        }
-        MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-            gemm_dot_prefetch(wr[j] + blk, pfb, l2);
-        MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            uint16_t dh;
-            memcpy(&dh, wr[j] + blk, 2);
-            const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
-            const signed char *q = (const signed char *)wr[j] + blk + 2;
-            const __m512 b0 = load_q8x16(q, d), b1 = load_q8x16(q + 16, d);
-            MHA_UNROLL
-            for (int i = 0; i < mm; i++) {
-                acc0[i][j] = _mm512_fmadd_ps(a0[i], b0, acc0[i][j]);
-                acc1[i][j] = _mm512_fmadd_ps(a1[i], b1, acc1[i][j]);
-            }
-        }
-    }
-    MHA_UNROLL
-    for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
-        MHA_UNROLL
-        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
-            if (i < mm && i < m && j < n) {
-                const float s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i][j], acc1[i][j]));
-                y[i * ldy + j] = bias ? s + bias[j] : s;
-            }
-    }
+        dot_w_body(K, x, ldx, m, w, W_F16, MHA_GEMM_DOT_M, l2, pfb, ldwb, n, bias, y, ldy);
 }
 
 static void dot_q8_avx512(int64_t K,
@@ -426,9 +385,9 @@ static void dot_q8_avx512(int64_t K,
     const int64_t pfb = gemm_dot_prefetch_bytes(ldw_bytes, 1);
     const int l2 = mha__cpu_prefetch_to_l2();
     if (m == 1)
-        dot_q8_body(K, x, ldx, m, w, 1, l2, pfb, ldw_bytes, n, bias, y, ldy);
+        dot_w_body(K, x, ldx, m, w, W_Q8, 1, l2, pfb, ldw_bytes, n, bias, y, ldy);
     else
-        dot_q8_body(K, x, ldx, m, w, MHA_GEMM_DOT_M, l2, pfb, ldw_bytes, n, bias, y, ldy);
+        dot_w_body(K, x, ldx, m, w, W_Q8, MHA_GEMM_DOT_M, l2, pfb, ldw_bytes, n, bias, y, ldy);
 }
 
 static void pack_a_14(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
