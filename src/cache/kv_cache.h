@@ -154,6 +154,7 @@ typedef struct mha__dec_problem {
      * draft i visible under the window/chunk rule. Read through the mha__dec_tree_* helpers. */
     const int64_t *tree_depth;
     const uint32_t *tree_vis;
+    int prefetch_far; /* a second, longer prefetch distance (mha__cpu_decode_prefetch_far) */
 } mha__dec_problem;
 
 /* A work unit: keys [j0, j1) (logical positions) of kv head g of seq row s. */

@@ -297,6 +297,7 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
     p.q_ss = a->q_ss;
     p.q_ts = a->q_ts;
     p.prefetch_l2 = mha__cpu_decode_prefetch_to_l2();
+    p.prefetch_far = mha__cpu_decode_prefetch_far();
     const int64_t R = p.group * p.t, SG = p.S * p.G;
 
     /* Units: for each (s, g), blocks of MHA_DEC_BLOCK keys from the lowest visible one. */
