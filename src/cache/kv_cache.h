@@ -31,8 +31,8 @@ struct mha_kv_cache {
     size_t k_row_bytes;       /* bytes of one K row: dk / block * block_bytes */
     size_t v_row_bytes;       /* bytes of one V row */
     float *k_scale, *v_scale; /* [g] per-kv-head scales (fp8; 1.0 for every other dtype) */
-    void *k, *v;              /* K [blocks, g, bs, dk], V [blocks, g, bs, dv] (contiguous:
-                                 blocks = batch, bs = slots) */
+    void *k, *v;              /* contiguous K [batch, g, slots, dk], V [.., dv]; paged
+                                 K [g, num_blocks, bs, dk], V [.., dv] (mha__kv_slot_row) */
     int64_t *len;             /* [batch] current lengths */
     int64_t *lo;              /* [batch] lowest position whose slot is intact (window rings:
                                  grows as the ring wraps; truncate does not lower it) */
@@ -215,7 +215,8 @@ typedef struct mha__kv_run {
 
 /* The runs of keys [j0, j0 + nb) (logical positions, nb <= min(slots, MHA_DEC_BLOCK)) of kv head
  * g of sequence seq, in key order; returns their number (<= MHA__KV_MAX_RUNS). The one place
- * that knows where the decode kernels' rows are (rings and pages). */
+ * that knows where the decode kernels' rows are (rings and pages). Consecutive blocks that are
+ * adjacent in the pool (taken in order: head-major, a kv head's rows continue) make one run. */
 static inline int mha__kv_runs(const struct mha_kv_cache *c,
                                int64_t seq,
                                int64_t g,
@@ -223,15 +224,24 @@ static inline int mha__kv_runs(const struct mha_kv_cache *c,
                                int64_t nb,
                                mha__kv_run runs[MHA__KV_MAX_RUNS]) {
     int nr = 0;
-    for (int64_t y = 0, q = j0 % c->slots; y < nb && nr < MHA__KV_MAX_RUNS; nr++) {
+    for (int64_t y = 0, q = j0 % c->slots; y < nb && nr < MHA__KV_MAX_RUNS;) {
         int64_t left = c->bs - q % c->bs; /* slots left in q's block (and ring) */
         left = left < c->slots - q ? left : c->slots - q;
         const int64_t n = nb - y < left ? nb - y : left;
         const int64_t row = mha__kv_slot_row(c, seq, g, q);
-        runs[nr].y0 = y;
-        runs[nr].n = n;
-        runs[nr].k = (const char *)c->k + (size_t)row * c->k_row_bytes;
-        runs[nr].v = (const char *)c->v + (size_t)row * c->v_row_bytes;
+        const char *k = (const char *)c->k + (size_t)row * c->k_row_bytes,
+                   *v = (const char *)c->v + (size_t)row * c->v_row_bytes;
+        mha__kv_run *last = nr > 0 ? &runs[nr - 1] : NULL;
+        if (last && last->k + (size_t)last->n * c->k_row_bytes == k &&
+            last->v + (size_t)last->n * c->v_row_bytes == v) {
+            last->n += n;
+        } else {
+            runs[nr].y0 = y;
+            runs[nr].n = n;
+            runs[nr].k = k;
+            runs[nr].v = v;
+            nr++;
+        }
         y += n;
         q += n;
         if (q == c->slots)
