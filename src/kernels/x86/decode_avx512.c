@@ -272,14 +272,14 @@ MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
  * Either way each accumulator is one FMA chain over d in increasing order: the same sums. */
 MHA_INLINE void scores_contig(const int NR,
                               const mha_dtype DT,
+                              const int FAR,
                               const char *const *krows,
                               const char *const *vrows,
                               int64_t nb,
                               const float *qil,
                               int64_t dk,
                               float *S,
-                              int l2,
-                              int far) {
+                              int l2) {
     /* elements per step of a row (bfloat16: one load; q8_0: one block, its scale loaded once),
      * and the lines prefetched / bytes advanced per step (4 rows of STEP elements; q8_0's
      * 136 bytes take 3 lines so that the steps' lines cover the stream) */
@@ -301,7 +301,7 @@ MHA_INLINE void scores_contig(const int NR,
                                            : vrows[nb - 1];
         /* the far prefetch (none past the unit's V rows) */
         const int64_t afar = y0 + MHA_DEC_PREFETCH_FAR;
-        const char *pff = !far             ? NULL
+        const char *pff = !FAR             ? NULL
                           : afar < nb      ? krows[afar]
                           : afar - nb < nb ? vrows[afar - nb]
                                            : NULL;
@@ -438,14 +438,14 @@ MHA_INLINE void axpy_contig(const int NR,
  * MHA_DEC_PREFETCH_FAR keys ahead. */
 MHA_INLINE void values_contig(const int NR,
                               const mha_dtype DT,
+                              const int FAR,
                               const char *const *vrows,
                               const char *const *knext,
                               int64_t nb,
                               const float *S,
                               float *o,
                               int64_t dv,
-                              int l2,
-                              int far) {
+                              int l2) {
     /* lines per 64 columns of a row (q8_0: 68 bytes) */
     const int E = DT == MHA_DTYPE_F32 ? 4 : DT == MHA_DTYPE_FP8_E4M3 ? 1 : 2;
     for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
@@ -472,7 +472,7 @@ MHA_INLINE void values_contig(const int NR,
         const char *pff[MHA_DEC_SUB];
         for (int64_t y = 0; y < nkb; y++) {
             const int64_t afar = jb + y + MHA_DEC_PREFETCH_FAR;
-            pff[y] = !far ? NULL : afar < nb ? vrows[afar] : knext[afar - nb];
+            pff[y] = !FAR ? NULL : afar < nb ? vrows[afar] : knext[afar - nb];
         }
         const char *const *rows = vrows + jb;
         for (int64_t c0 = 0; c0 < dv; c0 += 64) {
@@ -497,29 +497,33 @@ MHA_INLINE void values_contig(const int NR,
 }
 
 typedef void (*scores_contig_fn)(
-    const char *const *, const char *const *, int64_t, const float *, int64_t, float *, int, int);
+    const char *const *, const char *const *, int64_t, const float *, int64_t, float *, int);
 typedef void (*values_contig_fn)(
-    const char *const *, const char *const *, int64_t, const float *, float *, int64_t, int, int);
+    const char *const *, const char *const *, int64_t, const float *, float *, int64_t, int);
 
-/* One non-inlined instance per (dtype, rows). */
-#define CONTIG_FNS_(tag, dt, nr)                                                                   \
+/* One non-inlined instance per (dtype, rows), and with the far prefetch (FAR, a constant) for
+ * float32 and bfloat16, the dtypes that take it (decode.c far_prefetch). */
+#define CONTIG_FNS_(tag, dt, nr, far)                                                              \
     static __attribute__((noinline)) void scores_##tag##nr(                                        \
         const char *const *krows, const char *const *vrows, int64_t nb, const float *qil,          \
-        int64_t dk, float *S, int l2, int far) {                                                   \
-        scores_contig(nr, dt, krows, vrows, nb, qil, dk, S, l2, far);                              \
+        int64_t dk, float *S, int l2) {                                                            \
+        scores_contig(nr, dt, far, krows, vrows, nb, qil, dk, S, l2);                              \
     }                                                                                              \
     static __attribute__((noinline)) void values_##tag##nr(                                        \
         const char *const *vrows, const char *const *knext, int64_t nb, const float *S, float *o,  \
-        int64_t dv, int l2, int far) {                                                             \
-        values_contig(nr, dt, vrows, knext, nb, S, o, dv, l2, far);                                \
+        int64_t dv, int l2) {                                                                      \
+        values_contig(nr, dt, far, vrows, knext, nb, S, o, dv, l2);                                \
     }
-#define CONTIG_DTYPE_(tag, dt)                                                                     \
-    CONTIG_FNS_(tag, dt, 1) CONTIG_FNS_(tag, dt, 2) CONTIG_FNS_(tag, dt, 3) CONTIG_FNS_(tag, dt, 4)
-CONTIG_DTYPE_(f32_, MHA_DTYPE_F32)
-CONTIG_DTYPE_(f16_, MHA_DTYPE_F16)
-CONTIG_DTYPE_(bf16_, MHA_DTYPE_BF16)
-CONTIG_DTYPE_(q8_, MHA_DTYPE_Q8_0)
-CONTIG_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3)
+#define CONTIG_DTYPE_(tag, dt, far)                                                                \
+    CONTIG_FNS_(tag, dt, 1, far)                                                                   \
+    CONTIG_FNS_(tag, dt, 2, far) CONTIG_FNS_(tag, dt, 3, far) CONTIG_FNS_(tag, dt, 4, far)
+CONTIG_DTYPE_(f32_, MHA_DTYPE_F32, 0)
+CONTIG_DTYPE_(f16_, MHA_DTYPE_F16, 0)
+CONTIG_DTYPE_(bf16_, MHA_DTYPE_BF16, 0)
+CONTIG_DTYPE_(q8_, MHA_DTYPE_Q8_0, 0)
+CONTIG_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3, 0)
+CONTIG_DTYPE_(far_f32_, MHA_DTYPE_F32, 1)
+CONTIG_DTYPE_(far_bf16_, MHA_DTYPE_BF16, 1)
 #undef CONTIG_DTYPE_
 #undef CONTIG_FNS_
 
@@ -536,6 +540,13 @@ static const values_contig_fn values_contig_table[5][4] = {
     {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4},
     {values_q8_1, values_q8_2, values_q8_3, values_q8_4},
     {values_fp8_1, values_fp8_2, values_fp8_3, values_fp8_4}};
+/* With the far prefetch: [f32, bf16][rows - 1] */
+static const scores_contig_fn scores_far_table[2][4] = {
+    {scores_far_f32_1, scores_far_f32_2, scores_far_f32_3, scores_far_f32_4},
+    {scores_far_bf16_1, scores_far_bf16_2, scores_far_bf16_3, scores_far_bf16_4}};
+static const values_contig_fn values_far_table[2][4] = {
+    {values_far_f32_1, values_far_f32_2, values_far_f32_3, values_far_f32_4},
+    {values_far_bf16_1, values_far_bf16_2, values_far_bf16_3, values_far_bf16_4}};
 
 /* The kernel for cache dtype DT (a constant after inlining). */
 MHA_INLINE void dec_kernel(const mha_dtype DT,
@@ -588,6 +599,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
             }
     }
+    /* the far prefetch: float32 and bfloat16 only (decode.c far_prefetch) */
+    const int far = p->prefetch_far && (DT == MHA_DTYPE_F32 || DT == MHA_DTYPE_BF16);
     const int dti = DT == MHA_DTYPE_F16        ? 1
                     : DT == MHA_DTYPE_BF16     ? 2
                     : DT == MHA_DTYPE_Q8_0     ? 3
@@ -599,8 +612,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
      * first V rows (pass 3 reads them next). */
     const int kfull = dk % 16 == 0;
     if (contig)
-        scores_contig_table[dti][R - 1](krows, vrows, nb, qbuf, dk, S, p->prefetch_l2,
-                                        p->prefetch_far);
+        (far ? scores_far_table[DT == MHA_DTYPE_BF16][R - 1]
+             : scores_contig_table[dti][R - 1])(krows, vrows, nb, qbuf, dk, S, p->prefetch_l2);
     else
         for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
             const int64_t nkb = block_len(nb, jb);
@@ -711,8 +724,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 for (int64_t y = 0; y < runs[ri].n; y++)
                     knext[runs[ri].y0 + y] = runs[ri].k + (size_t)y * c->k_row_bytes;
         }
-        values_contig_table[dti][R - 1](vrows, knext, nb, S, o, dv, p->prefetch_l2,
-                                        p->prefetch_far);
+        (far ? values_far_table[DT == MHA_DTYPE_BF16][R - 1]
+             : values_contig_table[dti][R - 1])(vrows, knext, nb, S, o, dv, p->prefetch_l2);
         if (DT == MHA_DTYPE_FP8_E4M3)
             mha__kv_fp8_scale_o(c, u->g, o, R, dv);
         return;
