@@ -381,11 +381,13 @@ MHA_INLINE void scores_contig(const int NR,
 }
 
 /* One block of pass 3 on the contiguous path, columns [c0, c0 + 64): o_x += sum_y e_x[y] v_y,
- * the NR x 4 accumulators in registers. CHECK (a constant) says some row does not see some key. */
+ * the NR x 4 accumulators in registers. CHECK (a constant) says some row does not see some key;
+ * FAR (a constant): the far prefetch of pff[y] (may be NULL). */
 MHA_INLINE void axpy_contig(const int NR,
                             const mha_dtype DT,
                             const int E,
                             const int CHECK,
+                            const int FAR,
                             const char *const *rows,
                             int64_t nkb,
                             const char *const pf[MHA_DEC_SUB],
@@ -407,7 +409,7 @@ MHA_INLINE void axpy_contig(const int NR,
         for (int l = 0; l < E; l++) /* q8_0: columns [c0, c0 + 64) are 2 blocks, 68 bytes */
             prefetch_line(
                 pf[y] + (DT == MHA_DTYPE_Q8_0 ? c0 / 32 * MHA__Q8_BYTES : c0 * E) + 64 * l, l2);
-        if (pff[y])
+        if (FAR && pff[y])
 #pragma GCC unroll 4
             for (int l = 0; l < E; l++)
                 prefetch_far(pff[y] + (DT == MHA_DTYPE_Q8_0 ? c0 / 32 * MHA__Q8_BYTES : c0 * E) +
@@ -477,9 +479,9 @@ MHA_INLINE void values_contig(const int NR,
         const char *const *rows = vrows + jb;
         for (int64_t c0 = 0; c0 < dv; c0 += 64) {
             if (all == in)
-                axpy_contig(NR, DT, E, 0, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 0, FAR, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
             else
-                axpy_contig(NR, DT, E, 1, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 1, FAR, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
         }
     }
     if (DT == MHA_DTYPE_BF16) { /* even/odd halves of each 32 columns back to natural order */
@@ -716,7 +718,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     if (contig) {
         /* the first K rows of the next unit of this (sequence, kv head), if there is one */
         const char *knext[MHA_DEC_PREFETCH_FAR] = {NULL};
-        const int64_t nn = L - u->j1 < MHA_DEC_PREFETCH_FAR ? L - u->j1 : MHA_DEC_PREFETCH_FAR;
+        const int64_t ahead = far ? MHA_DEC_PREFETCH_FAR : MHA_DEC_PREFETCH;
+        const int64_t nn = L - u->j1 < ahead ? L - u->j1 : ahead;
         if (nn > 0) {
             mha__kv_run runs[MHA__KV_MAX_RUNS];
             const int nr = mha__kv_runs(c, seq, u->g, u->j1, nn, runs);
