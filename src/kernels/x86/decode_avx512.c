@@ -57,15 +57,17 @@ load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mma
  * ran this kernel at 55-75% of the speed (distances 64 and 128 measured no better there). */
 #define MHA_DEC_PREFETCH 32
 
-/* A second prefetch distance in keys, on the contiguous path of CPUs that ask for it
- * (mha__dec_problem.prefetch_far, measured on AMD Zen 5): PREFETCHNTA of the rows
- * MHA_DEC_PREFETCH_FAR keys ahead, MHA_DEC_PREFETCH's PREFETCHT0 of them then hits the L1. More
- * lines are then in flight than the near prefetch and the hardware prefetcher keep, which the
- * blocks of a paged cache need most (every block of B = 16 rows is a new stream for the hardware
- * prefetcher). Zen 5, 1 thread, 32768 keys, h 32 g 8 d 128, blocks of 16 (shuffled):
- * paged / contiguous bfloat16 1.23 -> 1.10, float32 1.39 -> 1.24, and the contiguous cache 10-18%
- * faster; distances 16 and 32 gained less, 64-192 as much or a little less; PREFETCHT1 as the far
- * hint gained about half as much, PREFETCHT0 nothing. */
+/* A second prefetch distance in keys, on the contiguous path when the problem asks for it
+ * (mha__dec_problem.prefetch_far: AMD Zen 5, float32 and bfloat16 caches, calls reading more than
+ * the L3; decode.c far_prefetch): PREFETCHNTA of the rows MHA_DEC_PREFETCH_FAR keys ahead, which
+ * MHA_DEC_PREFETCH's PREFETCHT0 of them then finds in the L1. More lines are in flight than the
+ * near prefetch and the hardware prefetcher keep, which the blocks of a paged cache need most
+ * (every block of B = 16 rows is a new stream for the hardware prefetcher). Zen 5, 1 thread,
+ * 32768 keys, h 32 g 8 d 128, blocks of 16 in a shuffled pool, block-major pool (first trials):
+ * paged / contiguous bfloat16 1.23 -> 1.10, float32 1.39 -> 1.24, the contiguous cache faster
+ * too; far distances 16 and 32 gained less, 64-192 as much or a little less; PREFETCHT1 as the
+ * far hint gained about half as much, PREFETCHT0 nothing. float16 (VCVTPH2PS-bound) ran its
+ * contiguous cache 10-13% slower with it, q8_0 no faster. */
 #define MHA_DEC_PREFETCH_FAR 48
 
 MHA_INLINE void prefetch_far(const char *at) {
