@@ -60,6 +60,7 @@ enum {
     B_JSON,
     B_WEIGHT_DTYPE,
     B_PAGED,
+    B_PAGED_ORDER,
     B_DRAFT_TREE,
     B_BATCH_LENGTHS,
     B_COUNT
@@ -83,6 +84,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_JSON] = {"--json", CLI_OPT_FLAG},
     [B_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
     [B_PAGED] = {"--paged", CLI_OPT_VALUE},
+    [B_PAGED_ORDER] = {"--paged-order", CLI_OPT_VALUE},
     [B_DRAFT_TREE] = {"--draft-tree", CLI_OPT_VALUE},
     [B_BATCH_LENGTHS] = {"--batch-lengths", CLI_OPT_VALUE},
 };
@@ -116,6 +118,8 @@ static void bench_usage(void) {
         "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
         "                      same K/V, its blocks taken in a shuffled order; its attention is\n"
         "                      timed interleaved with the contiguous one's (paged/contiguous)\n"
+        "  --paged-order O     shuffled (default) or ordered: the pool hands out its blocks in\n"
+        "                      a shuffled order, or in order (a sequence's blocks adjacent)\n"
         "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
         "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
         "                      step in the same run (attention only)\n"
@@ -295,8 +299,9 @@ naive_step(const mha_kv_cache *c, int64_t B, int64_t H, const float *q, float *o
 /* What the command line asks for. */
 typedef struct bench_opts {
     int64_t H, G, D, Q, L, B, N,
-        stream_mb; /* heads, kv heads, head dim, q_dim, cache, batch, steps */
-    int64_t paged; /* --paged block size, 0 = none */
+        stream_mb;     /* heads, kv heads, head dim, q_dim, cache, batch, steps */
+    int64_t paged;     /* --paged block size, 0 = none */
+    int paged_ordered; /* --paged-order ordered: blocks handed out in order */
     int threads;
     mha_dtype dt, wdt;
     const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
@@ -392,6 +397,15 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             return cli_usage("--prefill-mode: '%s' is not random or layer",
                              args->value[B_PREFILL_MODE]);
     }
+    if (args->given[B_PAGED_ORDER]) {
+        if (strcmp(args->value[B_PAGED_ORDER], "ordered") == 0)
+            b->paged_ordered = 1;
+        else if (strcmp(args->value[B_PAGED_ORDER], "shuffled") != 0)
+            return cli_usage("--paged-order: '%s' is not shuffled or ordered",
+                             args->value[B_PAGED_ORDER]);
+        if (!b->paged)
+            return cli_usage("--paged-order needs --paged");
+    }
     b->attn_only = args->given[B_ATTN_ONLY];
     if (b->layer_prefill && b->attn_only)
         return cli_usage("--prefill-mode layer needs the layer (drop --attention-only)");
@@ -482,7 +496,8 @@ static uint16_t round_half(float f, int bf16) {
 /* --paged: a cache of the same sizes in blocks of b->paged positions, whose pool hands its
  * blocks out in a shuffled order (so consecutive blocks of a sequence are not neighbours in
  * memory): scratch sequences B .. B+n-1 take one block each, then release them in a random
- * order; the pool gives them back last released first. */
+ * order; the pool gives them back last released first. --paged-order ordered: released in
+ * reverse, so that they are handed out in order. */
 static int bench_paged_cache(const bench_opts *b, const mha_kv_cache_config *kc, bench_run *r) {
     const int64_t nbs = (kc->max_seq + b->paged - 1) / b->paged, n = b->B * nbs;
     mha_kv_cache_config pc = *kc;
@@ -505,7 +520,7 @@ static int bench_paged_cache(const bench_opts *b, const mha_kv_cache_config *kc,
         order[i] = seq;
         st = mha_kv_cache_append(r->paged, 1, &seq, 1, kv, kv + b->G * b->D, &r->err);
     }
-    for (int64_t i = n - 1; i > 0; i--) { /* Fisher-Yates */
+    for (int64_t i = b->paged_ordered ? 0 : n - 1; i > 0; i--) { /* Fisher-Yates */
         r->rng ^= r->rng << 13;
         r->rng ^= r->rng >> 7;
         r->rng ^= r->rng << 17;
@@ -514,7 +529,7 @@ static int bench_paged_cache(const bench_opts *b, const mha_kv_cache_config *kc,
         order[j] = t;
     }
     for (int64_t i = 0; i < n && !st; i++)
-        st = mha_kv_cache_reset(r->paged, order[i], &r->err);
+        st = mha_kv_cache_reset(r->paged, order[b->paged_ordered ? n - 1 - i : i], &r->err);
     free(kv);
     free(order);
     return st ? cli_lib_fail(NULL, &r->err) : CLI_OK;
@@ -760,14 +775,15 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g, "
                "\"weight_dtype\": \"%s\", \"weight_bytes\": %.6g, \"layer_min_s\": %.6g, "
                "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g, \"paged_block\": %lld, "
-               "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g}\n",
+               "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g, \"paged_order\": \"%s\"}\n",
                decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
                r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream, b->wdtn,
                r->weight_bytes, r->layer_min,
                r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0, r->stream_pf,
-               (long long)b->paged, r->paged_med, r->paged_min);
+               (long long)b->paged, r->paged_med, r->paged_min,
+               b->paged_ordered ? "ordered" : "shuffled");
         return;
     }
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
@@ -788,10 +804,10 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
            "-> %.1f GB/s\n",
            r->attn_med * 1e3, r->attn_min * 1e3, B / r->attn_med, r->kv_bytes * 1e-6, gbs);
     if (r->paged)
-        printf("  paged (blocks of %lld, shuffled), interleaved: median %.3f ms, min %.3f ms, "
+        printf("  paged (blocks of %lld, %s), interleaved: median %.3f ms, min %.3f ms, "
                "%.1f GB/s; paged / contiguous %.3f (medians)\n",
-               (long long)b->paged, r->paged_med * 1e3, r->paged_min * 1e3,
-               r->kv_bytes / r->paged_med * 1e-9, r->paged_med / r->attn_med);
+               (long long)b->paged, b->paged_ordered ? "ordered" : "shuffled", r->paged_med * 1e3,
+               r->paged_min * 1e3, r->kv_bytes / r->paged_med * 1e-9, r->paged_med / r->attn_med);
     if (r->naive_s > 0.0)
         printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", r->naive_s * 1e3,
                r->naive_s / r->attn_med);

@@ -1043,7 +1043,7 @@ typedef struct mha_kv_cache mha_kv_cache;
 /** Creates an empty cache (every sequence has length 0). With `layer` != NULL the head sizes
  *  default to the layer's and nonzero ones must match it. Storage: K [batch, g, slots, d_k] and
  *  V [batch, g, slots, d_v] of `dtype`, 64-byte aligned, allocated once here (no allocation on
- *  append); paged (block_size > 0): the pool K [num_blocks, g, block_size, d_k], V likewise.
+ *  append); paged (block_size > 0): the pool K [g, num_blocks, block_size, d_k], V likewise.
  *  *out is NULL on error.
  *  @return MHA_STATUS_OK; INVALID_ARG, OVERFLOW or NO_MEMORY with a message. */
 MHA_API mha_status mha_kv_cache_create(const mha_kv_cache_config *config,

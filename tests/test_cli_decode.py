@@ -173,6 +173,19 @@ def test_decode_bench_weight_dtype(wdt, bytes_per):
     assert rec["weight_bytes"] == pytest.approx((2 * q * q + 2 * 64 * q) * bytes_per)
 
 
+@pytest.mark.parametrize("order", ["shuffled", "ordered"])
+def test_decode_bench_paged(order):
+    # --paged: the same K/V in a paged cache of blocks of 16 taken from the pool shuffled or in
+    # order (docs/INFERENCE.md "Paged vs contiguous, measured"), timed with the contiguous one.
+    r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
+                "--cache-len", 100, "--steps", 3, "--attention-only", "--paged", 16,
+                "--paged-order", order, "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["paged_block"] == 16 and rec["paged_order"] == order
+    assert rec["paged_median_s"] > 0
+
+
 def test_decode_bench_layer_prefill():
     # The cache filled by the layer's own prefill, in calls of up to 256 positions: q_dim 512 (more
     # than one call's positions) and 300 positions (a full call and a partial one), 2 sequences.
@@ -196,6 +209,8 @@ def test_decode_bench_layer_prefill():
     (["--weight-dtype", "q8_0", "--q-dim", "48"], "--weight-dtype q8_0 needs"),
     (["--bogus"], "unknown option '--bogus'"),
     (["--steps", "0"], "--steps: 0 is out of range"),
+    (["--paged-order", "ordered"], "--paged-order needs --paged"),
+    (["--paged", "16", "--paged-order", "random"], "--paged-order: 'random' is not shuffled"),
 ])
 def test_decode_bench_usage_errors(args, needle):
     r = run_cli("decode-bench", *args)

@@ -21,6 +21,7 @@
 
 static unsigned g_detected, g_capped;
 static int g_prefetch_l2, g_decode_prefetch_l2;
+static int g_decode_prefetch_far;
 static int g_amx_bf16;            /* detected only: no AMX kernel is registered (docs/KERNELS.md) */
 static const char *g_forced_name; /* MHA_KERNEL, or NULL */
 static char g_forced_buf[128];
@@ -89,6 +90,12 @@ static int detect_decode_prefetch_l2(int prefetch_l2) {
     return prefetch_l2 && cpu_family() < 0x1A;
 }
 
+/* A second, longer decode prefetch distance: AMD Zen 5 (family 0x1A) and later, where it was
+ * measured (cpu_features.h). */
+static int detect_decode_prefetch_far(void) {
+    return vendor_is_amd() && cpu_family() >= 0x1A;
+}
+
 /* AMX-TILE and AMX-BF16: CPUID leaf 7 subleaf 0 EDX bits 24 and 22, and the OS saving tile state
  * (XCR0 bits 17, 18). Linux still grants the tiles per process (arch_prctl); nothing asks yet. */
 static int detect_amx_bf16(void) {
@@ -117,6 +124,9 @@ static int detect_prefetch_l2(unsigned isa) {
 static int detect_decode_prefetch_l2(int prefetch_l2) {
     return prefetch_l2;
 }
+static int detect_decode_prefetch_far(void) {
+    return 0;
+}
 static int detect_amx_bf16(void) {
     return 0;
 }
@@ -127,6 +137,7 @@ static void init_once(void) {
     g_capped = g_detected;
     g_prefetch_l2 = detect_prefetch_l2(g_detected);
     g_decode_prefetch_l2 = detect_decode_prefetch_l2(g_prefetch_l2);
+    g_decode_prefetch_far = detect_decode_prefetch_far();
     g_amx_bf16 = detect_amx_bf16();
     const char *cap = getenv("MHA_MAX_ISA");
     /* A tier name caps the bits to those of that tier; unknown values leave the detection. */
@@ -165,6 +176,11 @@ int mha__cpu_prefetch_to_l2(void) {
 int mha__cpu_decode_prefetch_to_l2(void) {
     pthread_once(&g_once, init_once);
     return g_decode_prefetch_l2;
+}
+
+int mha__cpu_decode_prefetch_far(void) {
+    pthread_once(&g_once, init_once);
+    return g_decode_prefetch_far;
 }
 
 const char *mha__cpu_forced_kernel(void) {

@@ -56,6 +56,13 @@ int mha__cpu_prefetch_to_l2(void);
  * the L1's hardware prefetcher at each block) 7-15% faster and the contiguous cache's no slower
  * (docs/INFERENCE.md "Paged vs contiguous, measured"); the GEMMs keep the L2 hint. */
 int mha__cpu_decode_prefetch_to_l2(void);
+/* 1 when the AVX-512 decode kernel may add a second software prefetch of its K and V rows, a
+ * longer distance ahead with the non-temporal hint (PREFETCHNTA), to its MHA_DEC_PREFETCH one
+ * (float32 and bfloat16 caches, calls that read more than the L3: decode.c far_prefetch): AMD
+ * Zen 5 (family 0x1A) and later (detected, not capped by MHA_MAX_ISA), where it ran the paged
+ * cache's decode (blocks of 16 rows, shuffled) 10-20% faster and the contiguous cache's up to 8%
+ * faster (docs/INFERENCE.md "Paged vs contiguous, measured"). 0 elsewhere (not measured). */
+int mha__cpu_decode_prefetch_far(void);
 /* 1 when this CPU has AMX-BF16 tiles and the OS saves their state. Reported by `mha info` only:
  * no AMX kernel is registered yet (none has passed its tests on an AMX host; docs/KERNELS.md). */
 int mha__cpu_has_amx_bf16(void);

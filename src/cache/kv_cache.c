@@ -74,8 +74,8 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     kc->paged = paged;
     kc->bs = bs;
     kc->nbs = nbs;
-    kc->k_block_bytes = kb / (size_t)nblocks;
-    kc->v_block_bytes = vb / (size_t)nblocks;
+    kc->block_rows = paged ? bs : c.num_kv_heads * bs;
+    kc->head_rows = paged ? nblocks * bs : bs;
     if (allocator) {
         kc->allocator = *allocator;
         kc->has_allocator = 1;
@@ -153,11 +153,15 @@ static void writable_entry(mha_kv_cache *c, int64_t s, int64_t e) {
     const int64_t b = c->free_ids[--c->nfree];
     c->ref[b] = 1;
     if (*slot >= 0) { /* copy-on-write: every row, written or not (rows past the length are
-                         never read) */
-        memcpy((char *)c->k + (size_t)b * c->k_block_bytes,
-               (const char *)c->k + (size_t)*slot * c->k_block_bytes, c->k_block_bytes);
-        memcpy((char *)c->v + (size_t)b * c->v_block_bytes,
-               (const char *)c->v + (size_t)*slot * c->v_block_bytes, c->v_block_bytes);
+                         never read); bs rows per kv head */
+        for (int64_t g = 0; g < c->cfg.num_kv_heads; g++) {
+            const size_t to = (size_t)(b * c->block_rows + g * c->head_rows),
+                         from = (size_t)(*slot * c->block_rows + g * c->head_rows);
+            memcpy((char *)c->k + to * c->k_row_bytes, (const char *)c->k + from * c->k_row_bytes,
+                   (size_t)c->bs * c->k_row_bytes);
+            memcpy((char *)c->v + to * c->v_row_bytes, (const char *)c->v + from * c->v_row_bytes,
+                   (size_t)c->bs * c->v_row_bytes);
+        }
         release_block(c, *slot);
     }
     *slot = b;

@@ -2,16 +2,20 @@
 /* kv_cache.h: the KV cache's private layout and the split-KV decode kernels' interface (internal,
  * never installed). Shared by kv_cache.c, decode.c and kernels/{generic,x86}/decode_*.c.
  *
- * Storage: blocks of bs slots, K [num_blocks, g, bs, d_k] and V [num_blocks, g, bs, d_v] of the
- * cache dtype. Logical position p of sequence s lives in slot q = p % slots (without a window
- * slots = max_seq, so the slot is p itself), which is row q % bs of block table[s][q / bs]. A
- * sequence of length L holds positions max(0, L - slots) .. L-1.
+ * Storage: blocks of bs slots of the cache dtype. Logical position p of sequence s lives in slot
+ * q = p % slots (without a window slots = max_seq, so the slot is p itself), which is row q % bs
+ * of block table[s][q / bs]. A sequence of length L holds positions max(0, L - slots) .. L-1.
  *
  * The contiguous cache (config.block_size 0) is the case bs = slots, one block per sequence,
- * table[s] = {s}: K [batch, g, slots, d_k], the layout and bytes of the caches before pages.
- * A paged cache (block_size >= MHA__KV_MIN_BLOCK) allocates blocks from its pool when a row is
- * first written to a table entry; blocks are reference-counted (fork shares them) and a write to
- * a shared block copies it first (copy-on-write).
+ * table[s] = {s}: K [batch, g, slots, d_k], V [batch, g, slots, d_v], the layout and bytes of the
+ * caches before pages. A paged cache (block_size >= MHA__KV_MIN_BLOCK) stores its pool head-major,
+ * K [g, num_blocks, bs, d_k] and V [g, num_blocks, bs, d_v]: a kv head's part of a block is bs
+ * rows, and consecutive block ids are adjacent (a sequence whose blocks were taken in order reads
+ * each kv head's keys as one run, as in the contiguous cache); block-major, a kv head's parts of
+ * the blocks would lie g bs rows apart, at a power-of-two stride that maps every block of a unit
+ * to the same cache sets. It allocates blocks from its pool when a row is first written to a
+ * table entry; blocks are reference-counted (fork shares them) and a write to a shared block
+ * copies it first (copy-on-write).
  */
 #ifndef MHA_KV_CACHE_H
 #define MHA_KV_CACHE_H
@@ -27,8 +31,8 @@ struct mha_kv_cache {
     size_t k_row_bytes;       /* bytes of one K row: dk / block * block_bytes */
     size_t v_row_bytes;       /* bytes of one V row */
     float *k_scale, *v_scale; /* [g] per-kv-head scales (fp8; 1.0 for every other dtype) */
-    void *k, *v;              /* K [blocks, g, bs, dk], V [blocks, g, bs, dv] (contiguous:
-                                 blocks = batch, bs = slots) */
+    void *k, *v;              /* contiguous K [batch, g, slots, dk], V [.., dv]; paged
+                                 K [g, num_blocks, bs, dk], V [.., dv] (mha__kv_slot_row) */
     int64_t *len;             /* [batch] current lengths */
     int64_t *lo;              /* [batch] lowest position whose slot is intact (window rings:
                                  grows as the ring wraps; truncate does not lower it) */
@@ -40,8 +44,10 @@ struct mha_kv_cache {
     int64_t *ref;             /* [num_blocks] reference counts (paged) */
     int64_t *free_ids;        /* [num_blocks] stack of free block ids, top at nfree - 1 (paged) */
     int64_t nfree;
-    size_t k_block_bytes; /* g * bs * k_row_bytes */
-    size_t v_block_bytes;
+    int64_t
+        block_rows; /* rows between block b and b + 1 of one kv head: contiguous g bs, paged bs */
+    int64_t head_rows; /* rows between kv head g and g + 1 of one block: contiguous bs, paged
+                          num_blocks bs */
     mha_allocator allocator;
     int has_allocator;
 };
@@ -51,11 +57,12 @@ struct mha_kv_cache {
 #define MHA__KV_MIN_BLOCK MHA__KV_MIN_BLOCK_SIZE
 
 /* Row index (in rows of the K or V storage) of (seq, kv head, slot q): row q % bs of block
- * table[s][q / bs]. Contiguous caches give (s g_count + g) slots + q, as before pages. */
+ * table[s][q / bs]. Contiguous caches give (s g_count + g) slots + q, as before pages; paged ones
+ * (g num_blocks + b) bs + q % bs. */
 static inline int64_t
 mha__kv_slot_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t q) {
     const int64_t b = c->table[s * c->nbs + q / c->bs];
-    return (b * c->cfg.num_kv_heads + g) * c->bs + q % c->bs;
+    return b * c->block_rows + g * c->head_rows + q % c->bs;
 }
 
 /* Address of K/V row (seq, kv head, logical position p): slot p % slots, through the table. */
@@ -154,6 +161,7 @@ typedef struct mha__dec_problem {
      * draft i visible under the window/chunk rule. Read through the mha__dec_tree_* helpers. */
     const int64_t *tree_depth;
     const uint32_t *tree_vis;
+    int prefetch_far; /* a second, longer prefetch distance (mha__cpu_decode_prefetch_far) */
 } mha__dec_problem;
 
 /* A work unit: keys [j0, j1) (logical positions) of kv head g of seq row s. */
@@ -207,7 +215,8 @@ typedef struct mha__kv_run {
 
 /* The runs of keys [j0, j0 + nb) (logical positions, nb <= min(slots, MHA_DEC_BLOCK)) of kv head
  * g of sequence seq, in key order; returns their number (<= MHA__KV_MAX_RUNS). The one place
- * that knows where the decode kernels' rows are (rings and pages). */
+ * that knows where the decode kernels' rows are (rings and pages). Consecutive blocks that are
+ * adjacent in the pool (taken in order: head-major, a kv head's rows continue) make one run. */
 static inline int mha__kv_runs(const struct mha_kv_cache *c,
                                int64_t seq,
                                int64_t g,
@@ -215,15 +224,24 @@ static inline int mha__kv_runs(const struct mha_kv_cache *c,
                                int64_t nb,
                                mha__kv_run runs[MHA__KV_MAX_RUNS]) {
     int nr = 0;
-    for (int64_t y = 0, q = j0 % c->slots; y < nb && nr < MHA__KV_MAX_RUNS; nr++) {
+    for (int64_t y = 0, q = j0 % c->slots; y < nb && nr < MHA__KV_MAX_RUNS;) {
         int64_t left = c->bs - q % c->bs; /* slots left in q's block (and ring) */
         left = left < c->slots - q ? left : c->slots - q;
         const int64_t n = nb - y < left ? nb - y : left;
         const int64_t row = mha__kv_slot_row(c, seq, g, q);
-        runs[nr].y0 = y;
-        runs[nr].n = n;
-        runs[nr].k = (const char *)c->k + (size_t)row * c->k_row_bytes;
-        runs[nr].v = (const char *)c->v + (size_t)row * c->v_row_bytes;
+        const char *k = (const char *)c->k + (size_t)row * c->k_row_bytes,
+                   *v = (const char *)c->v + (size_t)row * c->v_row_bytes;
+        mha__kv_run *last = nr > 0 ? &runs[nr - 1] : NULL;
+        if (last && last->k + (size_t)last->n * c->k_row_bytes == k &&
+            last->v + (size_t)last->n * c->v_row_bytes == v) {
+            last->n += n;
+        } else {
+            runs[nr].y0 = y;
+            runs[nr].n = n;
+            runs[nr].k = k;
+            runs[nr].v = v;
+            nr++;
+        }
         y += n;
         q += n;
         if (q == c->slots)

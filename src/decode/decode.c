@@ -274,6 +274,25 @@ static mha_status attend_core(
     return st;
 }
 
+/* The decode kernels' second prefetch distance (mha__dec_problem.prefetch_far) pays where it was
+ * measured to: the CPUs of mha__cpu_decode_prefetch_far, float32 and bfloat16 caches (float16 ran
+ * the contiguous cache 10-13% slower with it, q8_0 no faster), and calls that read more K and V
+ * than MHA__DEC_FAR_MIN_BYTES (with the rows in the L3 it ran the contiguous cache 14-17% slower:
+ * the non-temporal hint makes lines read again at the next step leave the caches). */
+#define MHA__DEC_FAR_MIN_BYTES ((int64_t)32 << 20)
+static int far_prefetch(const struct mha_kv_cache *c, const mha__dec_problem *p) {
+    if (!mha__cpu_decode_prefetch_far() ||
+        (c->cfg.dtype != MHA_DTYPE_F32 && c->cfg.dtype != MHA_DTYPE_BF16))
+        return 0;
+    int64_t rows = 0; /* K (and V) rows the call reads, per kv head */
+    for (int64_t s = 0; s < p->S; s++) {
+        const int64_t L = c->len[p->seq[s]];
+        rows += L < c->slots ? L : c->slots;
+    }
+    const double bytes = (double)rows * (double)p->G * (double)(c->k_row_bytes + c->v_row_bytes);
+    return bytes > (double)MHA__DEC_FAR_MIN_BYTES;
+}
+
 /* The split-KV decode kernel over all sequences and kv heads. */
 static mha_status
 attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_error *err) {
@@ -297,6 +316,7 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
     p.q_ss = a->q_ss;
     p.q_ts = a->q_ts;
     p.prefetch_l2 = mha__cpu_decode_prefetch_to_l2();
+    p.prefetch_far = far_prefetch(c, &p);
     const int64_t R = p.group * p.t, SG = p.S * p.G;
 
     /* Units: for each (s, g), blocks of MHA_DEC_BLOCK keys from the lowest visible one. */

@@ -142,20 +142,23 @@ MHA_INLINE void load16(const mha_dtype DT, const void *row, int64_t d, v8 *a, v8
  * level they fill is the CPU's (mha__cpu_prefetch_to_l2): the L1 on Intel and AMD Zen 1, the L2
  * on AMD Zen 4, where filling the L1 ran this kernel up to 20% slower (float32). */
 typedef struct prefetch_span {
-    const char *p; /* first byte (NULL: nothing) */
-    size_t n;      /* bytes */
-    int l2;        /* PREFETCHT1 (fill the L2), else PREFETCHT0 */
+    const char *p;  /* first byte (NULL: nothing) */
+    size_t n;       /* bytes */
+    const char *p1; /* then n1 bytes at p1 (the rows ahead may start another run: a page) */
+    size_t n1;
+    int l2; /* PREFETCHT1 (fill the L2), else PREFETCHT0 */
 } prefetch_span;
 
 /* Prefetches the lines of span pf at byte offsets [off, off + 64 lines). */
 MHA_INLINE void prefetch_step(prefetch_span pf, size_t off, int lines) {
     for (int i = 0; i < lines; i++, off += 64) {
-        if (off >= pf.n)
+        const char *at = off < pf.n ? pf.p + off : off - pf.n < pf.n1 ? pf.p1 + (off - pf.n) : NULL;
+        if (!at)
             continue;
         if (pf.l2)
-            _mm_prefetch(pf.p + off, _MM_HINT_T1);
+            _mm_prefetch(at, _MM_HINT_T1);
         else
-            _mm_prefetch(pf.p + off, _MM_HINT_T0);
+            _mm_prefetch(at, _MM_HINT_T0);
     }
 }
 
@@ -574,8 +577,53 @@ MHA_INLINE uint64_t seen_bits(const float *e, int64_t nk) {
 
 /* The span of n bytes at p (filling the L2 if l2), or the empty span. */
 MHA_INLINE prefetch_span span(const char *p, size_t n, int l2) {
-    const prefetch_span s = {p, n, l2};
+    const prefetch_span s = {p, n, NULL, 0, l2};
     return s;
+}
+
+/* The rows a unit reads, in order, as one stream of positions: its K rows (keys 0 .. nb-1), its
+ * V rows (nb .. 2 nb - 1), then the first K rows of the next unit of its (sequence, kv head)
+ * (2 nb .., next[0 .. nnext)). */
+typedef struct unit_stream {
+    const key_run *runs, *next;
+    int nruns, nnext;
+    int64_t nb;
+    size_t rb, rbv;
+} unit_stream;
+
+/* The address of stream position y; *rows: the rows from it to the end of its run (0: past the
+ * stream), *row_bytes: their size. */
+MHA_INLINE const char *
+stream_at(const unit_stream *us, int64_t y, int64_t *rows, size_t *row_bytes) {
+    const int kpart = y < us->nb, vpart = !kpart && y < 2 * us->nb;
+    const key_run *runs = kpart || vpart ? us->runs : us->next;
+    const int nr = kpart || vpart ? us->nruns : us->nnext;
+    const int64_t x = kpart ? y : vpart ? y - us->nb : y - 2 * us->nb;
+    *row_bytes = vpart ? us->rbv : us->rb;
+    for (int i = 0; i < nr; i++)
+        if (x < runs[i].y0 + runs[i].n) {
+            *rows = runs[i].y0 + runs[i].n - x;
+            return (vpart ? runs[i].v : runs[i].k) + (size_t)(x - runs[i].y0) * *row_bytes;
+        }
+    *rows = 0;
+    return NULL;
+}
+
+/* The prefetch of a block of n rows at stream position y: the n rows KB positions ahead, in at
+ * most two runs (a third, only where a ring wraps into a run shorter than n, is left out), so
+ * that the distance is KB rows whether the rows ahead are one run or blocks of a paged cache. */
+MHA_INLINE prefetch_span
+stream_span(const unit_stream *us, int64_t y, int64_t n, int64_t KB, int l2) {
+    int64_t n0 = 0, n1 = 0;
+    size_t b0 = 0, b1 = 0;
+    const char *p0 = stream_at(us, y + KB, &n0, &b0);
+    n0 = n0 < n ? n0 : n;
+    prefetch_span pf = span(p0, (size_t)n0 * b0, l2);
+    if (p0 && n0 < n) {
+        pf.p1 = stream_at(us, y + KB + n0, &n1, &b1);
+        pf.n1 = (size_t)(n1 < n - n0 ? n1 : n - n0) * b1;
+    }
+    return pf;
 }
 
 /* The kernel for cache dtype DT (a constant after inlining). */
@@ -615,20 +663,20 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     key_run runs[MHA__KV_MAX_RUNS];
     const int nruns = mha__kv_runs(c, seq, u->g, u->j0, nb, runs);
 
-    /* Pass 1: scores, per block of KB keys, for each group of up to 4 query rows. Each block
-     * prefetches the next one, the last block the first V block. */
+    /* The next unit of this (sequence, kv head), if there is one: its first K rows (up to KB)
+     * end the unit's prefetch stream. */
+    key_run next[MHA__KV_MAX_RUNS];
+    const int nnext =
+        u->j1 < L ? mha__kv_runs(c, seq, u->g, u->j1, L - u->j1 < KB ? L - u->j1 : KB, next) : 0;
+    const unit_stream us = {runs, next, nruns, nnext, nb, rb, rbv};
+
+    /* Pass 1: scores, per block of up to KB keys (within a run), for each group of up to 4 query
+     * rows. Each block prefetches as many rows KB keys ahead (K, then V rows). */
     for (int ri = 0; ri < nruns; ri++) {
         const key_run *kr = &runs[ri];
         for (int64_t yb = 0; yb < kr->n; yb += KB) {
             const int64_t nk = kr->n - yb < KB ? kr->n - yb : KB;
-            const int64_t yn = yb + KB;
-            const prefetch_span pf =
-                yn < kr->n ? span(kr->k + (size_t)yn * rb,
-                                  (size_t)(kr->n - yn < KB ? kr->n - yn : KB) * rb, l2)
-                : ri + 1 < nruns
-                    ? span(runs[ri + 1].k, (size_t)(runs[ri + 1].n < KB ? runs[ri + 1].n : KB) * rb,
-                           l2)
-                    : span(runs[0].v, (size_t)(runs[0].n < KB ? runs[0].n : KB) * rbv, l2);
+            const prefetch_span pf = stream_span(&us, kr->y0 + yb, nk, KB, l2);
             for (int64_t r0 = 0; r0 < R; r0 += 4) {
                 const int64_t nr = R - r0 < 4 ? R - r0 : 4;
                 scores_table[dti][nr - 1](kr->k + (size_t)yb * rb, rb, nk, W + r0 * 8, R * 8, dk,
@@ -642,27 +690,14 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     for (int64_t r = 0; r < R; r++)
         softmax_row(p, u, r, nb, S + r * MHA_DEC_BLOCK, &m[r], &l[r]);
 
-    /* Pass 3: o_r += e_rj v_j over blocks of KB value rows, o [R][dvp] in W (q is done). */
+    /* Pass 3: o_r += e_rj v_j over blocks of KB value rows, o [R][dvp] in W (q is done); each
+     * block prefetches as many rows KB keys ahead (V, then the next unit's K rows). */
     memset(W, 0, sizeof(float) * (size_t)(R * dvp));
-    /* the next unit of this (sequence, kv head), if there is one: its first K rows (up to KB, in
-     * one run) are prefetched by the last V block */
-    key_run next[MHA__KV_MAX_RUNS];
-    const int nnext =
-        u->j1 < L ? mha__kv_runs(c, seq, u->g, u->j1, L - u->j1 < KB ? L - u->j1 : KB, next) : 0;
-    const prefetch_span knext =
-        nnext > 0 ? span(next[0].k, (size_t)next[0].n * rb, l2) : span(NULL, 0, 0);
     for (int ri = 0; ri < nruns; ri++) {
         const key_run *kr = &runs[ri];
         for (int64_t yb = 0; yb < kr->n; yb += KB) {
             const int64_t nk = kr->n - yb < KB ? kr->n - yb : KB;
-            const int64_t yn = yb + KB;
-            const prefetch_span pf =
-                yn < kr->n ? span(kr->v + (size_t)yn * rbv,
-                                  (size_t)(kr->n - yn < KB ? kr->n - yn : KB) * rbv, l2)
-                : ri + 1 < nruns
-                    ? span(runs[ri + 1].v,
-                           (size_t)(runs[ri + 1].n < KB ? runs[ri + 1].n : KB) * rbv, l2)
-                    : knext;
+            const prefetch_span pf = stream_span(&us, nb + kr->y0 + yb, nk, KB, l2);
             const int64_t y = kr->y0 + yb;
             for (int64_t r0 = 0; r0 < R; r0 += 4) {
                 const int64_t nr = R - r0 < 4 ? R - r0 : 4;

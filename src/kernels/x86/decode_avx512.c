@@ -57,6 +57,23 @@ load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mma
  * ran this kernel at 55-75% of the speed (distances 64 and 128 measured no better there). */
 #define MHA_DEC_PREFETCH 32
 
+/* A second prefetch distance in keys, on the contiguous path when the problem asks for it
+ * (mha__dec_problem.prefetch_far: AMD Zen 5, float32 and bfloat16 caches, calls reading more than
+ * the L3; decode.c far_prefetch): PREFETCHNTA of the rows MHA_DEC_PREFETCH_FAR keys ahead, which
+ * MHA_DEC_PREFETCH's PREFETCHT0 of them then finds in the L1. More lines are in flight than the
+ * near prefetch and the hardware prefetcher keep, which the blocks of a paged cache need most
+ * (every block of B = 16 rows is a new stream for the hardware prefetcher). Zen 5, 1 thread,
+ * 32768 keys, h 32 g 8 d 128, blocks of 16 in a shuffled pool, block-major pool (first trials):
+ * paged / contiguous bfloat16 1.23 -> 1.10, float32 1.39 -> 1.24, the contiguous cache faster
+ * too; far distances 16 and 32 gained less, 64-192 as much or a little less; PREFETCHT1 as the
+ * far hint gained about half as much, PREFETCHT0 nothing. float16 (VCVTPH2PS-bound) ran its
+ * contiguous cache 10-13% slower with it, q8_0 no faster. */
+#define MHA_DEC_PREFETCH_FAR 48
+
+MHA_INLINE void prefetch_far(const char *at) {
+    _mm_prefetch(at, _MM_HINT_NTA);
+}
+
 /* Prefetches the line at `at` into the L2 (l2) or the L1. */
 MHA_INLINE void prefetch_line(const char *at, int l2) {
     if (l2)
@@ -257,6 +274,7 @@ MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
  * Either way each accumulator is one FMA chain over d in increasing order: the same sums. */
 MHA_INLINE void scores_contig(const int NR,
                               const mha_dtype DT,
+                              const int FAR,
                               const char *const *krows,
                               const char *const *vrows,
                               int64_t nb,
@@ -283,6 +301,12 @@ MHA_INLINE void scores_contig(const int NR,
         const char *pf = ahead < nb        ? krows[ahead]
                          : ahead - nb < nb ? vrows[ahead - nb]
                                            : vrows[nb - 1];
+        /* the far prefetch (none past the unit's V rows) */
+        const int64_t afar = y0 + MHA_DEC_PREFETCH_FAR;
+        const char *pff = !FAR             ? NULL
+                          : afar < nb      ? krows[afar]
+                          : afar - nb < nb ? vrows[afar - nb]
+                                           : NULL;
         v16 acc[4][4];
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++)
@@ -295,6 +319,11 @@ MHA_INLINE void scores_contig(const int NR,
                 for (int64_t d = 0; d < dk; d += 16, q += 16 * NR, pf += 128) {
                     prefetch_line(pf, l2);
                     prefetch_line(pf + 64, l2);
+                    if (pff) {
+                        prefetch_far(pff);
+                        prefetch_far(pff + 64);
+                        pff += 128;
+                    }
                     const v16 ka = _mm512_loadu_ps((const float *)kr[y] + d),
                               kb = _mm512_loadu_ps((const float *)kr[y + 1] + d);
 #pragma GCC unroll 4
@@ -313,6 +342,12 @@ MHA_INLINE void scores_contig(const int NR,
 #pragma GCC unroll 8
             for (int e = 0; e < PL; e++)
                 prefetch_line(pf + 64 * e, l2);
+            if (pff) {
+#pragma GCC unroll 8
+                for (int e = 0; e < PL; e++)
+                    prefetch_far(pff + 64 * e);
+                pff += PB;
+            }
             v16 s0 = v16_zero(), s1 = s0, s2 = s0, s3 = s0; /* q8_0: the 4 rows' block scales */
             if (DT == MHA_DTYPE_Q8_0) {
                 s0 = v16_q8_scale(k0, d), s1 = v16_q8_scale(k1, d);
@@ -348,14 +383,17 @@ MHA_INLINE void scores_contig(const int NR,
 }
 
 /* One block of pass 3 on the contiguous path, columns [c0, c0 + 64): o_x += sum_y e_x[y] v_y,
- * the NR x 4 accumulators in registers. CHECK (a constant) says some row does not see some key. */
+ * the NR x 4 accumulators in registers. CHECK (a constant) says some row does not see some key;
+ * FAR (a constant): the far prefetch of pff[y] (may be NULL). */
 MHA_INLINE void axpy_contig(const int NR,
                             const mha_dtype DT,
                             const int E,
                             const int CHECK,
+                            const int FAR,
                             const char *const *rows,
                             int64_t nkb,
                             const char *const pf[MHA_DEC_SUB],
+                            const char *const pff[MHA_DEC_SUB],
                             int l2,
                             const float *e,
                             const __mmask16 seen[4],
@@ -373,6 +411,11 @@ MHA_INLINE void axpy_contig(const int NR,
         for (int l = 0; l < E; l++) /* q8_0: columns [c0, c0 + 64) are 2 blocks, 68 bytes */
             prefetch_line(
                 pf[y] + (DT == MHA_DTYPE_Q8_0 ? c0 / 32 * MHA__Q8_BYTES : c0 * E) + 64 * l, l2);
+        if (FAR && pff[y])
+#pragma GCC unroll 4
+            for (int l = 0; l < E; l++)
+                prefetch_far(pff[y] + (DT == MHA_DTYPE_Q8_0 ? c0 / 32 * MHA__Q8_BYTES : c0 * E) +
+                             64 * l);
         v16 v[4];
         if (DT == MHA_DTYPE_Q8_0) /* one scale per two vectors */
             for (int c = 0; c < 4; c += 2) {
@@ -395,9 +438,11 @@ MHA_INLINE void axpy_contig(const int NR,
 /* Pass 3 on the contiguous path: o_x += sum_y e_x[y] v_y (rows vrows[y]), blocks of
  * MHA_DEC_SUB keys, NR x 64 columns of o in registers per block (as axpy_block). The prefetch
  * runs MHA_DEC_PREFETCH keys ahead over the V rows, then over the next unit's first K rows
- * (knext[0 .. MHA_DEC_PREFETCH), NULL entries where there is none). */
+ * (knext[0 .. MHA_DEC_PREFETCH_FAR), NULL entries where there is none); with far, a second one
+ * MHA_DEC_PREFETCH_FAR keys ahead. */
 MHA_INLINE void values_contig(const int NR,
                               const mha_dtype DT,
+                              const int FAR,
                               const char *const *vrows,
                               const char *const *knext,
                               int64_t nb,
@@ -428,12 +473,17 @@ MHA_INLINE void values_contig(const int NR,
                     : knext[ahead - nb] != NULL ? knext[ahead - nb]
                                                 : vrows[0];
         }
+        const char *pff[MHA_DEC_SUB];
+        for (int64_t y = 0; y < nkb; y++) {
+            const int64_t afar = jb + y + MHA_DEC_PREFETCH_FAR;
+            pff[y] = !FAR ? NULL : afar < nb ? vrows[afar] : knext[afar - nb];
+        }
         const char *const *rows = vrows + jb;
         for (int64_t c0 = 0; c0 < dv; c0 += 64) {
             if (all == in)
-                axpy_contig(NR, DT, E, 0, rows, nkb, pf, l2, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 0, FAR, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
             else
-                axpy_contig(NR, DT, E, 1, rows, nkb, pf, l2, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 1, FAR, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
         }
     }
     if (DT == MHA_DTYPE_BF16) { /* even/odd halves of each 32 columns back to natural order */
@@ -455,25 +505,29 @@ typedef void (*scores_contig_fn)(
 typedef void (*values_contig_fn)(
     const char *const *, const char *const *, int64_t, const float *, float *, int64_t, int);
 
-/* One non-inlined instance per (dtype, rows). */
-#define CONTIG_FNS_(tag, dt, nr)                                                                   \
+/* One non-inlined instance per (dtype, rows), and with the far prefetch (FAR, a constant) for
+ * float32 and bfloat16, the dtypes that take it (decode.c far_prefetch). */
+#define CONTIG_FNS_(tag, dt, nr, far)                                                              \
     static __attribute__((noinline)) void scores_##tag##nr(                                        \
         const char *const *krows, const char *const *vrows, int64_t nb, const float *qil,          \
         int64_t dk, float *S, int l2) {                                                            \
-        scores_contig(nr, dt, krows, vrows, nb, qil, dk, S, l2);                                   \
+        scores_contig(nr, dt, far, krows, vrows, nb, qil, dk, S, l2);                              \
     }                                                                                              \
     static __attribute__((noinline)) void values_##tag##nr(                                        \
         const char *const *vrows, const char *const *knext, int64_t nb, const float *S, float *o,  \
         int64_t dv, int l2) {                                                                      \
-        values_contig(nr, dt, vrows, knext, nb, S, o, dv, l2);                                     \
+        values_contig(nr, dt, far, vrows, knext, nb, S, o, dv, l2);                                \
     }
-#define CONTIG_DTYPE_(tag, dt)                                                                     \
-    CONTIG_FNS_(tag, dt, 1) CONTIG_FNS_(tag, dt, 2) CONTIG_FNS_(tag, dt, 3) CONTIG_FNS_(tag, dt, 4)
-CONTIG_DTYPE_(f32_, MHA_DTYPE_F32)
-CONTIG_DTYPE_(f16_, MHA_DTYPE_F16)
-CONTIG_DTYPE_(bf16_, MHA_DTYPE_BF16)
-CONTIG_DTYPE_(q8_, MHA_DTYPE_Q8_0)
-CONTIG_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3)
+#define CONTIG_DTYPE_(tag, dt, far)                                                                \
+    CONTIG_FNS_(tag, dt, 1, far)                                                                   \
+    CONTIG_FNS_(tag, dt, 2, far) CONTIG_FNS_(tag, dt, 3, far) CONTIG_FNS_(tag, dt, 4, far)
+CONTIG_DTYPE_(f32_, MHA_DTYPE_F32, 0)
+CONTIG_DTYPE_(f16_, MHA_DTYPE_F16, 0)
+CONTIG_DTYPE_(bf16_, MHA_DTYPE_BF16, 0)
+CONTIG_DTYPE_(q8_, MHA_DTYPE_Q8_0, 0)
+CONTIG_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3, 0)
+CONTIG_DTYPE_(far_f32_, MHA_DTYPE_F32, 1)
+CONTIG_DTYPE_(far_bf16_, MHA_DTYPE_BF16, 1)
 #undef CONTIG_DTYPE_
 #undef CONTIG_FNS_
 
@@ -490,6 +544,13 @@ static const values_contig_fn values_contig_table[5][4] = {
     {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4},
     {values_q8_1, values_q8_2, values_q8_3, values_q8_4},
     {values_fp8_1, values_fp8_2, values_fp8_3, values_fp8_4}};
+/* With the far prefetch: [f32, bf16][rows - 1] */
+static const scores_contig_fn scores_far_table[2][4] = {
+    {scores_far_f32_1, scores_far_f32_2, scores_far_f32_3, scores_far_f32_4},
+    {scores_far_bf16_1, scores_far_bf16_2, scores_far_bf16_3, scores_far_bf16_4}};
+static const values_contig_fn values_far_table[2][4] = {
+    {values_far_f32_1, values_far_f32_2, values_far_f32_3, values_far_f32_4},
+    {values_far_bf16_1, values_far_bf16_2, values_far_bf16_3, values_far_bf16_4}};
 
 /* The kernel for cache dtype DT (a constant after inlining). */
 MHA_INLINE void dec_kernel(const mha_dtype DT,
@@ -542,6 +603,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
             }
     }
+    /* the far prefetch: float32 and bfloat16 only (decode.c far_prefetch) */
+    const int far = p->prefetch_far && (DT == MHA_DTYPE_F32 || DT == MHA_DTYPE_BF16);
     const int dti = DT == MHA_DTYPE_F16        ? 1
                     : DT == MHA_DTYPE_BF16     ? 2
                     : DT == MHA_DTYPE_Q8_0     ? 3
@@ -553,7 +616,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
      * first V rows (pass 3 reads them next). */
     const int kfull = dk % 16 == 0;
     if (contig)
-        scores_contig_table[dti][R - 1](krows, vrows, nb, qbuf, dk, S, p->prefetch_l2);
+        (far ? scores_far_table[DT == MHA_DTYPE_BF16][R - 1]
+             : scores_contig_table[dti][R - 1])(krows, vrows, nb, qbuf, dk, S, p->prefetch_l2);
     else
         for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
             const int64_t nkb = block_len(nb, jb);
@@ -655,8 +719,9 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
      * columns of accumulators held in registers across the block. */
     if (contig) {
         /* the first K rows of the next unit of this (sequence, kv head), if there is one */
-        const char *knext[MHA_DEC_PREFETCH] = {NULL};
-        const int64_t nn = L - u->j1 < MHA_DEC_PREFETCH ? L - u->j1 : MHA_DEC_PREFETCH;
+        const char *knext[MHA_DEC_PREFETCH_FAR] = {NULL};
+        const int64_t ahead = far ? MHA_DEC_PREFETCH_FAR : MHA_DEC_PREFETCH;
+        const int64_t nn = L - u->j1 < ahead ? L - u->j1 : ahead;
         if (nn > 0) {
             mha__kv_run runs[MHA__KV_MAX_RUNS];
             const int nr = mha__kv_runs(c, seq, u->g, u->j1, nn, runs);
@@ -664,7 +729,8 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 for (int64_t y = 0; y < runs[ri].n; y++)
                     knext[runs[ri].y0 + y] = runs[ri].k + (size_t)y * c->k_row_bytes;
         }
-        values_contig_table[dti][R - 1](vrows, knext, nb, S, o, dv, p->prefetch_l2);
+        (far ? values_far_table[DT == MHA_DTYPE_BF16][R - 1]
+             : values_contig_table[dti][R - 1])(vrows, knext, nb, S, o, dv, p->prefetch_l2);
         if (DT == MHA_DTYPE_FP8_E4M3)
             mha__kv_fp8_scale_o(c, u->g, o, R, dv);
         return;
