@@ -44,7 +44,7 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
         c.num_blocks = nblocks;
     /* rows are d / block blocks (element types: blocks of 1) of block_bytes each */
     const mha__kv_dtype_traits *dt = mha__kv_dtype(c.dtype); /* non-NULL: checked */
-    const size_t elem = dt->block == 1 ? dt->block_bytes : 0, unit = dt->block_bytes;
+    const size_t unit = dt->block_bytes;
     const int64_t per = dt->block;
     const int64_t kf[4] = {nblocks, c.num_kv_heads, bs, c.head_dim / per};
     const int64_t vf[4] = {nblocks, c.num_kv_heads, bs, c.v_head_dim / per};
@@ -68,7 +68,6 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     kc->cfg = c;
     kc->slots = slots;
     kc->dt = dt;
-    kc->elem = elem;
     kc->k_row_bytes = (size_t)(c.head_dim / per) * unit;
     kc->v_row_bytes = (size_t)(c.v_head_dim / per) * unit;
     kc->paged = paged;

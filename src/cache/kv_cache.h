@@ -27,22 +27,21 @@ struct mha_kv_cache {
     mha_kv_cache_config cfg;        /* resolved */
     int64_t slots;                  /* storage positions per sequence */
     const mha__kv_dtype_traits *dt; /* the storage dtype's row (base/kv_dtype.c) */
-    size_t elem;              /* bytes per stored element (4, 2 or 1; 0 for Q8_0, a block type) */
-    size_t k_row_bytes;       /* bytes of one K row: dk / block * block_bytes */
-    size_t v_row_bytes;       /* bytes of one V row */
-    float *k_scale, *v_scale; /* [g] per-kv-head scales (fp8; 1.0 for every other dtype) */
-    void *k, *v;              /* contiguous K [batch, g, slots, dk], V [.., dv]; paged
-                                 K [g, num_blocks, bs, dk], V [.., dv] (mha__kv_slot_row) */
-    int64_t *len;             /* [batch] current lengths */
-    int64_t *lo;              /* [batch] lowest position whose slot is intact (window rings:
-                                 grows as the ring wraps; truncate does not lower it) */
-    int paged;                /* config.block_size > 0: blocks from a pool, shared, copy-on-write */
-    int64_t bs;               /* slots per block (contiguous: slots) */
-    int64_t nbs;              /* table entries per sequence: ceil(slots / bs) (a ring's last block
-                                 may be partly used) */
-    int64_t *table;           /* [batch][nbs] block ids, -1 = none (contiguous: table[s] = {s}) */
-    int64_t *ref;             /* [num_blocks] reference counts (paged) */
-    int64_t *free_ids;        /* [num_blocks] stack of free block ids, top at nfree - 1 (paged) */
+    size_t k_row_bytes;             /* bytes of one K row: dk / block * block_bytes */
+    size_t v_row_bytes;             /* bytes of one V row */
+    float *k_scale, *v_scale;       /* [g] per-kv-head scales (fp8; 1.0 for every other dtype) */
+    void *k, *v;                    /* contiguous K [batch, g, slots, dk], V [.., dv]; paged
+                                       K [g, num_blocks, bs, dk], V [.., dv] (mha__kv_slot_row) */
+    int64_t *len;                   /* [batch] current lengths */
+    int64_t *lo;                    /* [batch] lowest position whose slot is intact (window rings:
+                                       grows as the ring wraps; truncate does not lower it) */
+    int paged;         /* config.block_size > 0: blocks from a pool, shared, copy-on-write */
+    int64_t bs;        /* slots per block (contiguous: slots) */
+    int64_t nbs;       /* table entries per sequence: ceil(slots / bs) (a ring's last block
+                          may be partly used) */
+    int64_t *table;    /* [batch][nbs] block ids, -1 = none (contiguous: table[s] = {s}) */
+    int64_t *ref;      /* [num_blocks] reference counts (paged) */
+    int64_t *free_ids; /* [num_blocks] stack of free block ids, top at nfree - 1 (paged) */
     int64_t nfree;
     int64_t
         block_rows; /* rows between block b and b + 1 of one kv head: contiguous g bs, paged bs */
