@@ -36,6 +36,14 @@ void mha__ok(mha_error *err);
             return mha__fail((err), MHA_STATUS_##status, __VA_ARGS__);                             \
     } while (0)
 
+/* Returns the status of expr from the enclosing function unless it is OK (err already says why). */
+#define MHA_TRY(expr)                                                                              \
+    do {                                                                                           \
+        const mha_status st_ = (expr);                                                             \
+        if (st_ != MHA_STATUS_OK)                                                                  \
+            return st_;                                                                            \
+    } while (0)
+
 /* Overflow-checked size arithmetic: return false on overflow or negative operands. */
 bool mha__mul_i64(int64_t a, int64_t b, int64_t *out);
 bool mha__add_i64(int64_t a, int64_t b, int64_t *out);

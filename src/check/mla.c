@@ -15,21 +15,14 @@ static mha_status size_in(const char *name, int64_t v, int64_t lo, mha_error *er
     return MHA_STATUS_OK;
 }
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        mha_status st_ = (expr);                                                                   \
-        if (st_ != MHA_STATUS_OK)                                                                  \
-            return st_;                                                                            \
-    } while (0)
-
 static mha_status check_sizes(const mha_mla_config *c, mha_error *err) {
-    TRY(size_in("hidden", c->hidden, 1, err));
-    TRY(size_in("num_heads", c->num_heads, 1, err));
-    TRY(size_in("q_lora_rank", c->q_lora_rank, 0, err));
-    TRY(size_in("kv_lora_rank", c->kv_lora_rank, 1, err));
-    TRY(size_in("qk_nope_head_dim", c->qk_nope_head_dim, 1, err));
-    TRY(size_in("qk_rope_head_dim", c->qk_rope_head_dim, 2, err));
-    TRY(size_in("v_head_dim", c->v_head_dim, 1, err));
+    MHA_TRY(size_in("hidden", c->hidden, 1, err));
+    MHA_TRY(size_in("num_heads", c->num_heads, 1, err));
+    MHA_TRY(size_in("q_lora_rank", c->q_lora_rank, 0, err));
+    MHA_TRY(size_in("kv_lora_rank", c->kv_lora_rank, 1, err));
+    MHA_TRY(size_in("qk_nope_head_dim", c->qk_nope_head_dim, 1, err));
+    MHA_TRY(size_in("qk_rope_head_dim", c->qk_rope_head_dim, 2, err));
+    MHA_TRY(size_in("v_head_dim", c->v_head_dim, 1, err));
     MHA_RETURN_IF(c->qk_rope_head_dim % 2 != 0, err, INVALID_ARG,
                   "config.qk_rope_head_dim=%lld must be even (RoPE rotates pairs)",
                   (long long)c->qk_rope_head_dim);
@@ -89,25 +82,25 @@ mha_status mha__check_mla_create(const mha_mla_config *config,
                                  mha_mla_config *cfg,
                                  mha_error *err) {
     MHA_RETURN_IF(!config || !w, err, INVALID_ARG, "mha_mla_create: config or weights is NULL");
-    TRY(check_sizes(config, err));
+    MHA_TRY(check_sizes(config, err));
     *cfg = *config;
     cfg->bias = config->bias != 0;
-    TRY(check_scalars(config, cfg, err));
+    MHA_TRY(check_scalars(config, cfg, err));
     const mha_mla_config *c = cfg;
     const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim;
     const int64_t dq = dn + dr, r = c->kv_lora_rank, rq = c->q_lora_rank, E = c->hidden;
     const int lq = rq > 0, b = c->bias;
-    TRY(check_weight("w_q", w->w_q, !lq, h * dq * E, err));
-    TRY(check_weight("w_q_a", w->w_q_a, lq, rq * E, err));
-    TRY(check_weight("b_q_a", w->b_q_a, lq && b, rq, err));
-    TRY(check_weight("q_a_norm", w->q_a_norm, lq, rq, err));
-    TRY(check_weight("w_q_b", w->w_q_b, lq, h * dq * rq, err));
-    TRY(check_weight("w_kv_a", w->w_kv_a, 1, (r + dr) * E, err));
-    TRY(check_weight("b_kv_a", w->b_kv_a, b, r + dr, err));
-    TRY(check_weight("kv_a_norm", w->kv_a_norm, 1, r, err));
-    TRY(check_weight("w_kv_b", w->w_kv_b, 1, h * (dn + c->v_head_dim) * r, err));
-    TRY(check_weight("w_o", w->w_o, 1, E * h * c->v_head_dim, err));
-    TRY(check_weight("b_o", w->b_o, b, E, err));
+    MHA_TRY(check_weight("w_q", w->w_q, !lq, h * dq * E, err));
+    MHA_TRY(check_weight("w_q_a", w->w_q_a, lq, rq * E, err));
+    MHA_TRY(check_weight("b_q_a", w->b_q_a, lq && b, rq, err));
+    MHA_TRY(check_weight("q_a_norm", w->q_a_norm, lq, rq, err));
+    MHA_TRY(check_weight("w_q_b", w->w_q_b, lq, h * dq * rq, err));
+    MHA_TRY(check_weight("w_kv_a", w->w_kv_a, 1, (r + dr) * E, err));
+    MHA_TRY(check_weight("b_kv_a", w->b_kv_a, b, r + dr, err));
+    MHA_TRY(check_weight("kv_a_norm", w->kv_a_norm, 1, r, err));
+    MHA_TRY(check_weight("w_kv_b", w->w_kv_b, 1, h * (dn + c->v_head_dim) * r, err));
+    MHA_TRY(check_weight("w_o", w->w_o, 1, E * h * c->v_head_dim, err));
+    MHA_TRY(check_weight("b_o", w->b_o, b, E, err));
     return MHA_STATUS_OK;
 }
 
@@ -131,7 +124,7 @@ mha__check_mla_forward(const mha_mla_config *c, const mha_mla_forward_args *a, m
     const int64_t n = mha__count3(a->batch, a->seq_len, c->hidden);
     MHA_RETURN_IF(n == 0 || n > ((int64_t)1 << 40), err, OVERFLOW,
                   "args: batch x seq_len x hidden is too large");
-    TRY(check_positions(a->positions, a->batch * a->seq_len, err));
+    MHA_TRY(check_positions(a->positions, a->batch * a->seq_len, err));
     const mha__span outs[] = {mha__span_of("args.out", a->out, n, sizeof(float))};
     const mha__span ins[] = {mha__span_of("args.x", a->x, n, sizeof(float)),
                              mha__span_of("args.positions", a->positions,
@@ -176,7 +169,7 @@ mha_status mha__check_mla_decode(const mha_mla_config *c,
                                  const mha_decode_args *a,
                                  mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "mha_mla_decode_step: args is NULL");
-    TRY(check_seqs(batch, len, max_seq, a->num_seqs, a->seq_ids, a->num_tokens, err));
+    MHA_TRY(check_seqs(batch, len, max_seq, a->num_seqs, a->seq_ids, a->num_tokens, err));
     MHA_RETURN_IF(!a->x || !a->out, err, INVALID_ARG, "args.x or args.out is NULL");
     MHA_RETURN_IF(a->tree_parents, err, INVALID_ARG,
                   "mha_mla_decode_step: args.tree_parents (draft trees) is not supported for MLA");
@@ -196,7 +189,7 @@ mha_status mha__check_mla_append(int64_t batch,
                                  int64_t t,
                                  const float *rows,
                                  mha_error *err) {
-    TRY(check_seqs(batch, len, max_seq, num_seqs, ids, t, err));
+    MHA_TRY(check_seqs(batch, len, max_seq, num_seqs, ids, t, err));
     MHA_RETURN_IF(!rows, err, INVALID_ARG, "mha_mla_cache_append: rows is NULL");
     return MHA_STATUS_OK;
 }

@@ -21,13 +21,6 @@ struct mha_mla_cache {
     int has_allocator;
 };
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        mha_status st_ = (expr);                                                                   \
-        if (st_ != MHA_STATUS_OK)                                                                  \
-            return st_;                                                                            \
-    } while (0)
-
 mha_status mha_mla_cache_create(const mha_mla *mla,
                                 int64_t batch,
                                 int64_t max_seq,
@@ -118,7 +111,7 @@ mha_status mha_mla_cache_append(mha_mla_cache *c,
                                 const float *rows,
                                 mha_error *err) {
     MHA_RETURN_IF(!c, err, INVALID_ARG, "mha_mla_cache_append: cache is NULL");
-    TRY(mha__check_mla_append(c->batch, c->len, c->max_seq, num_seqs, ids, t, rows, err));
+    MHA_TRY(mha__check_mla_append(c->batch, c->len, c->max_seq, num_seqs, ids, t, rows, err));
     for (int64_t i = 0; i < num_seqs; i++) {
         const int64_t s = ids ? ids[i] : i;
         mha__narrow(c->dtype, rows + i * t * c->width, row_of(c, s, c->len[s]), t * c->width);
@@ -145,8 +138,8 @@ absorb_q(const struct mha_mla *m, int64_t T, step_bufs *b, mha__team team, mha_e
     const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim;
     const int64_t dq = dn + dr, r = c->kv_lora_rank, w = r + dr;
     for (int64_t hh = 0; hh < h; hh++)
-        TRY(mha__gemm_xwt(T, r, dn, b->rows.q + hh * dq, h * dq, m->w_uk_t + hh * r * dn, dn, NULL,
-                          b->qa + hh * w, h * w, team, MHA__GEMM_AUTO, NULL, err));
+        MHA_TRY(mha__gemm_xwt(T, r, dn, b->rows.q + hh * dq, h * dq, m->w_uk_t + hh * r * dn, dn,
+                              NULL, b->qa + hh * w, h * w, team, MHA__GEMM_AUTO, NULL, err));
     for (int64_t t = 0; t < T; t++)
         for (int64_t hh = 0; hh < h; hh++)
             memcpy(b->qa + (t * h + hh) * w + r, b->rows.q + (t * h + hh) * dq + dn,
@@ -206,9 +199,9 @@ static mha_status unabsorb(const struct mha_mla *m,
     const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dv = c->v_head_dim;
     const int64_t r = c->kv_lora_rank, E = c->hidden;
     for (int64_t hh = 0; hh < h; hh++)
-        TRY(mha__gemm_xwt(T, dv, r, b->olat + hh * r, h * r,
-                          m->w.w_kv_b + (hh * (dn + dv) + dn) * r, r, NULL, b->o + hh * dv, h * dv,
-                          team, MHA__GEMM_AUTO, NULL, err));
+        MHA_TRY(mha__gemm_xwt(T, dv, r, b->olat + hh * r, h * r,
+                              m->w.w_kv_b + (hh * (dn + dv) + dn) * r, r, NULL, b->o + hh * dv,
+                              h * dv, team, MHA__GEMM_AUTO, NULL, err));
     return mha__gemm_xwt(T, E, h * dv, b->o, h * dv, m->w.w_o, h * dv, m->w.b_o, out, E, team,
                          MHA__GEMM_AUTO, NULL, err);
 }
@@ -223,17 +216,17 @@ static mha_status run_step(const struct mha_mla *m,
                            mha_error *err) {
     const int64_t S = a->num_seqs, t = a->num_tokens, T = S * t;
     mha__team team;
-    TRY(mha__exec_team(exec, &team, err));
-    TRY(mha__mla_project(m, S, t, a->x, NULL, base, b->rows, b->tmp, team, err));
+    MHA_TRY(mha__exec_team(exec, &team, err));
+    MHA_TRY(mha__mla_project(m, S, t, a->x, NULL, base, b->rows, b->tmp, team, err));
     for (int64_t i = 0; i < S; i++)
         for (int64_t j = 0; j < t; j++)
             mha__narrow(c->dtype, b->rows.kv + (i * t + j) * c->width,
                         row_of(c, ids[i], base[i] + j), c->width);
-    TRY(absorb_q(m, T, b, team, err));
+    MHA_TRY(absorb_q(m, T, b, team, err));
     if (c->dtype == MHA_DTYPE_BF16)
         mha__narrow(MHA_DTYPE_BF16, b->qa, b->qh, T * m->cfg.num_heads * c->width);
     for (int64_t i = 0; i < S; i++)
-        TRY(attend_seq(m, c, i, ids[i], t, b, exec, err));
+        MHA_TRY(attend_seq(m, c, i, ids[i], t, b, exec, err));
     return unabsorb(m, T, b, a->out, team, err);
 }
 
@@ -247,7 +240,7 @@ mha_status mha_mla_decode_step(const mha_mla *m,
                   "mha_mla_decode_step: the cache holds %lld values per token, the layer's "
                   "kv_lora_rank + qk_rope_head_dim is %lld",
                   (long long)c->width, (long long)(m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim));
-    TRY(mha__check_mla_decode(&m->cfg, c->batch, c->len, c->max_seq, a, err));
+    MHA_TRY(mha__check_mla_decode(&m->cfg, c->batch, c->len, c->max_seq, a, err));
     const mha_mla_config *cf = &m->cfg;
     const int64_t S = a->num_seqs, T = S * a->num_tokens, h = cf->num_heads;
     const int64_t dq = cf->qk_nope_head_dim + cf->qk_rope_head_dim, r = cf->kv_lora_rank;

@@ -31,13 +31,6 @@
 #include <string.h>
 #include <sys/types.h>
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        mha_status st_ = (expr);                                                                   \
-        if (st_ != MHA_STATUS_OK)                                                                  \
-            return st_;                                                                            \
-    } while (0)
-
 #define GGUF_MAX_KEY       65535u     /* the spec's limit on a key's length */
 #define GGUF_MAX_NAME      64u        /* the spec's limit on a tensor name's length */
 #define GGUF_MAX_COUNT     (1u << 20) /* keys, tensors: real models have thousands at most */
@@ -182,14 +175,14 @@ static uint64_t le(const unsigned char *p, int n) {
 
 static mha_status rd_u32(mha__gguf *g, uint32_t *out, const char *what, mha_error *err) {
     unsigned char b[4];
-    TRY(rd(g, b, 4, what, err));
+    MHA_TRY(rd(g, b, 4, what, err));
     *out = (uint32_t)le(b, 4);
     return MHA_STATUS_OK;
 }
 
 static mha_status rd_u64(mha__gguf *g, uint64_t *out, const char *what, mha_error *err) {
     unsigned char b[8];
-    TRY(rd(g, b, 8, what, err));
+    MHA_TRY(rd(g, b, 8, what, err));
     *out = le(b, 8);
     return MHA_STATUS_OK;
 }
@@ -198,7 +191,7 @@ static mha_status rd_u64(mha__gguf *g, uint64_t *out, const char *what, mha_erro
 static mha_status
 rd_name(mha__gguf *g, uint64_t cap, const char *what, char **out, mha_error *err) {
     uint64_t len;
-    TRY(rd_u64(g, &len, what, err));
+    MHA_TRY(rd_u64(g, &len, what, err));
     MHA_RETURN_IF(
         len > cap, err, BAD_FILE, "%s: %s at byte %llu is %llu bytes long, more than %llu", g->path,
         what, (unsigned long long)(g->pos - 8), (unsigned long long)len, (unsigned long long)cap);
@@ -225,7 +218,7 @@ rd_value(mha__gguf *g, uint32_t type, gguf_kv *kv, const char *key, int depth, m
     const uint64_t sz = scalar_size(type);
     if (sz) {
         unsigned char b[8];
-        TRY(rd(g, b, sz, key, err));
+        MHA_TRY(rd(g, b, sz, key, err));
         if (!kv)
             return MHA_STATUS_OK;
         const uint64_t u = le(b, (int)sz);
@@ -265,7 +258,7 @@ rd_value(mha__gguf *g, uint32_t type, gguf_kv *kv, const char *key, int depth, m
     }
     if (type == MHA__GGUF_STRING) {
         uint64_t len;
-        TRY(rd_u64(g, &len, key, err));
+        MHA_TRY(rd_u64(g, &len, key, err));
         if (kv)
             kv->off = g->pos, kv->len = len;
         return skip(g, len, key, err);
@@ -277,8 +270,8 @@ rd_value(mha__gguf *g, uint32_t type, gguf_kv *kv, const char *key, int depth, m
                   "%s: key '%s': arrays nested more than %d deep", g->path, key, GGUF_MAX_DEPTH);
     uint32_t et;
     uint64_t n;
-    TRY(rd_u32(g, &et, key, err));
-    TRY(rd_u64(g, &n, key, err));
+    MHA_TRY(rd_u32(g, &et, key, err));
+    MHA_TRY(rd_u64(g, &n, key, err));
     if (kv)
         kv->elem_type = et, kv->len = n, kv->off = g->pos;
     const uint64_t esz = scalar_size(et);
@@ -300,7 +293,7 @@ rd_value(mha__gguf *g, uint32_t type, gguf_kv *kv, const char *key, int depth, m
                   g->path, key, (unsigned long long)n, value_type_name(et),
                   (unsigned long long)g->pos, (unsigned long long)left(g));
     for (uint64_t i = 0; i < n; i++)
-        TRY(rd_value(g, et, NULL, key, depth + 1, err));
+        MHA_TRY(rd_value(g, et, NULL, key, depth + 1, err));
     return MHA_STATUS_OK;
 }
 
@@ -331,10 +324,10 @@ static mha_status parse_header(mha__gguf *g, mha_error *err) {
     MHA_RETURN_IF(g->size < 24, err, BAD_FILE,
                   "%s: the file is %llu bytes, too short for a GGUF header (24)", g->path,
                   (unsigned long long)g->size);
-    TRY(rd(g, magic, 4, "the magic", err));
+    MHA_TRY(rd(g, magic, 4, "the magic", err));
     MHA_RETURN_IF(memcmp(magic, "GGUF", 4) != 0, err, BAD_FILE,
                   "%s: not a GGUF file (the first 4 bytes are not \"GGUF\")", g->path);
-    TRY(rd_u32(g, &g->version, "the version", err));
+    MHA_TRY(rd_u32(g, &g->version, "the version", err));
     const uint32_t swapped = (g->version >> 24) | ((g->version >> 8) & 0xff00u);
     MHA_RETURN_IF((g->version & 0xffffu) == 0 && (swapped == 2 || swapped == 3), err, BAD_FILE,
                   "%s: a big-endian GGUF file (version %u): only little-endian files are read",
@@ -345,8 +338,8 @@ static mha_status parse_header(mha__gguf *g, mha_error *err) {
     MHA_RETURN_IF(g->version != 2 && g->version != 3, err, BAD_FILE,
                   "%s: GGUF version %u is not supported: versions 2 and 3 are", g->path,
                   g->version);
-    TRY(rd_u64(g, &g->n_tensors, "the tensor count", err));
-    TRY(rd_u64(g, &g->n_kv, "the metadata count", err));
+    MHA_TRY(rd_u64(g, &g->n_tensors, "the tensor count", err));
+    MHA_TRY(rd_u64(g, &g->n_kv, "the metadata count", err));
     MHA_RETURN_IF(g->n_kv > GGUF_MAX_COUNT || g->n_kv > left(g) / 13, err, BAD_FILE,
                   "%s: %llu metadata keys: more than the limit (%u) or than %llu bytes can hold",
                   g->path, (unsigned long long)g->n_kv, GGUF_MAX_COUNT,
@@ -366,9 +359,9 @@ static mha_status parse_kvs(mha__gguf *g, mha_error *err) {
     for (uint64_t i = 0; i < g->n_kv; i++) {
         gguf_kv *kv = &g->kv[i];
         snprintf(what, sizeof what, "the key of metadata entry %llu", (unsigned long long)i);
-        TRY(rd_name(g, GGUF_MAX_KEY, what, &kv->key, err));
-        TRY(rd_u32(g, &kv->type, kv->key, err));
-        TRY(rd_value(g, kv->type, kv, kv->key, 0, err));
+        MHA_TRY(rd_name(g, GGUF_MAX_KEY, what, &kv->key, err));
+        MHA_TRY(rd_u32(g, &kv->type, kv->key, err));
+        MHA_TRY(rd_value(g, kv->type, kv, kv->key, 0, err));
     }
     if (g->n_kv)
         qsort(g->kv, (size_t)g->n_kv, sizeof *g->kv, cmp_kv);
@@ -421,8 +414,8 @@ static mha_status parse_tensors(mha__gguf *g, mha_error *err) {
     for (uint64_t i = 0; i < g->n_tensors; i++) {
         gguf_tensor *t = &g->t[i];
         snprintf(what, sizeof what, "the name of tensor %llu", (unsigned long long)i);
-        TRY(rd_name(g, GGUF_MAX_NAME, what, &t->name, err));
-        TRY(rd_u32(g, &t->n_dims, t->name, err));
+        MHA_TRY(rd_name(g, GGUF_MAX_NAME, what, &t->name, err));
+        MHA_TRY(rd_u32(g, &t->n_dims, t->name, err));
         MHA_RETURN_IF(t->n_dims > GGUF_MAX_DIMS, err, BAD_FILE,
                       "%s: tensor '%s' has %u dimensions, more than %u", g->path, t->name,
                       t->n_dims, GGUF_MAX_DIMS);
@@ -430,15 +423,15 @@ static mha_status parse_tensors(mha__gguf *g, mha_error *err) {
         for (uint32_t d = 0; d < GGUF_MAX_DIMS; d++) {
             t->ne[d] = 1;
             if (d < t->n_dims)
-                TRY(rd_u64(g, &t->ne[d], t->name, err));
+                MHA_TRY(rd_u64(g, &t->ne[d], t->name, err));
             MHA_RETURN_IF(t->ne[d] > (uint64_t)INT64_MAX ||
                               (t->ne[d] && elems > (uint64_t)INT64_MAX / t->ne[d]),
                           err, BAD_FILE, "%s: tensor '%s': its element count overflows", g->path,
                           t->name);
             elems *= t->ne[d];
         }
-        TRY(rd_u32(g, &t->type, t->name, err));
-        TRY(rd_u64(g, &t->offset, t->name, err));
+        MHA_TRY(rd_u32(g, &t->type, t->name, err));
+        MHA_TRY(rd_u64(g, &t->offset, t->name, err));
         MHA_RETURN_IF(t->offset % g->alignment != 0, err, BAD_FILE,
                       "%s: tensor '%s': offset %llu is not a multiple of the alignment %llu",
                       g->path, t->name, (unsigned long long)t->offset,
@@ -455,7 +448,7 @@ static mha_status parse_tensors(mha__gguf *g, mha_error *err) {
     for (uint64_t i = 0; i < g->n_tensors; i++) {
         const gguf_tensor *t = &g->t[i];
         uint64_t bytes;
-        TRY(tensor_bytes(g, t, &bytes, err));
+        MHA_TRY(tensor_bytes(g, t, &bytes, err));
         const uint64_t avail = g->size > g->data_start ? g->size - g->data_start : 0;
         MHA_RETURN_IF(t->offset > avail || bytes > avail - t->offset, err, BAD_FILE,
                       "%s: tensor '%s': its data (%llu bytes at offset %llu of the data section "
@@ -569,8 +562,8 @@ static mha_status get_int(mha__gguf *g,
                       (unsigned long long)kv->len, (long long)n_layers);
         const uint64_t esz = scalar_size(kv->elem_type);
         unsigned char b[8];
-        TRY(seek(g, kv->off + (uint64_t)layer * esz, key, err));
-        TRY(rd(g, b, esz, key, err));
+        MHA_TRY(seek(g, kv->off + (uint64_t)layer * esz, key, err));
+        MHA_TRY(rd(g, b, esz, key, err));
         const uint64_t u = le(b, (int)esz);
         if (is_signed_type(kv->elem_type)) {
             const int sh = 64 - 8 * (int)esz;
@@ -627,8 +620,8 @@ get_str(mha__gguf *g, const char *key, char *buf, size_t cap, int *found, mha_er
                   g->path, key, value_type_name(kv->type));
     MHA_RETURN_IF(kv->len >= cap, err, BAD_FILE, "%s: '%s' is %llu bytes long, more than %zu",
                   g->path, key, (unsigned long long)kv->len, cap - 1);
-    TRY(seek(g, kv->off, key, err));
-    TRY(rd(g, buf, kv->len, key, err));
+    MHA_TRY(seek(g, kv->off, key, err));
+    MHA_TRY(rd(g, buf, kv->len, key, err));
     buf[kv->len] = '\0';
     MHA_RETURN_IF(strlen(buf) != kv->len, err, BAD_FILE, "%s: '%s' contains a NUL byte", g->path,
                   key);
@@ -656,7 +649,7 @@ static const gguf_arch GGUF_ARCHS[] = {
 static mha_status
 find_arch(mha__gguf *g, const gguf_arch **out, char *name, size_t cap, mha_error *err) {
     int found;
-    TRY(get_str(g, "general.architecture", name, cap, &found, err));
+    MHA_TRY(get_str(g, "general.architecture", name, cap, &found, err));
     MHA_RETURN_IF(!found, err, BAD_FILE, "%s: no general.architecture", g->path);
     for (size_t i = 0; i < sizeof GGUF_ARCHS / sizeof GGUF_ARCHS[0]; i++)
         if (strcmp(name, GGUF_ARCHS[i].name) == 0) {
@@ -686,26 +679,26 @@ read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_err
     r->style = MHA_ROPE_HALF; /* after the un-permutation of llama's Q and K rows */
     r->theta = 10000.0;
     key_of(key, arch, "rope.freq_base");
-    TRY(get_num(g, key, 1, &r->theta, &found, err));
+    MHA_TRY(get_num(g, key, 1, &r->theta, &found, err));
     int64_t rd_ = head_dim;
     key_of(key, arch, "rope.dimension_count");
-    TRY(get_int(g, key, 0, 0, 2, head_dim, &rd_, &found, err));
+    MHA_TRY(get_int(g, key, 0, 0, 2, head_dim, &rd_, &found, err));
     MHA_RETURN_IF(rd_ % 2 != 0, err, BAD_FILE, "%s: '%s' = %lld is odd", g->path, key,
                   (long long)rd_);
     r->rotary_dim = rd_;
     /* the scaling: rope.scaling.type (or the older rope.scale_linear) */
     char type[GGUF_TEXT] = "none";
     key_of(key, arch, "rope.scaling.type");
-    TRY(get_str(g, key, type, sizeof type, &found, err));
+    MHA_TRY(get_str(g, key, type, sizeof type, &found, err));
     double factor = 1.0;
     int has_factor;
     key_of(key, arch, "rope.scaling.factor");
-    TRY(get_num(g, key, 1, &factor, &has_factor, err));
+    MHA_TRY(get_num(g, key, 1, &factor, &has_factor, err));
     if (!found) {
         double lin = 1.0;
         int has_lin;
         key_of(key, arch, "rope.scale_linear");
-        TRY(get_num(g, key, 1, &lin, &has_lin, err));
+        MHA_TRY(get_num(g, key, 1, &lin, &has_lin, err));
         if (has_lin && lin != 1.0)
             snprintf(type, sizeof type, "linear"), factor = lin, has_factor = 1;
     }
@@ -754,10 +747,10 @@ static mha_status read_rope_freqs(mha__gguf *g, const char *arch, mha_rope *r, m
     MHA_RETURN_IF(pairs > MHA_ROPE_MAX_PAIRS, err, UNSUPPORTED,
                   "%s: rope_freqs.weight: %lld rotary pairs, more than %d", g->path,
                   (long long)pairs, MHA_ROPE_MAX_PAIRS);
-    TRY(seek(g, g->data_start + t->offset, t->name, err));
+    MHA_TRY(seek(g, g->data_start + t->offset, t->name, err));
     for (int64_t k = 0; k < pairs; k++) {
         unsigned char b[4];
-        TRY(rd(g, b, 4, t->name, err));
+        MHA_TRY(rd(g, b, 4, t->name, err));
         const uint32_t u = (uint32_t)le(b, 4);
         float f;
         memcpy(&f, &u, 4);
@@ -773,7 +766,7 @@ static mha_status read_rope_freqs(mha__gguf *g, const char *arch, mha_rope *r, m
     int64_t ctx = 0;
     int found;
     key_of(key, arch, "context_length");
-    TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &ctx, &found, err));
+    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &ctx, &found, err));
     r->original_max_position = found ? (double)ctx : 8192.0;
     return MHA_STATUS_OK;
 }
@@ -784,12 +777,12 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     info->window_left = info->window_right = -1;
     const gguf_arch *arch = NULL;
     char name[64];
-    TRY(find_arch(g, &arch, name, sizeof name, err));
+    MHA_TRY(find_arch(g, &arch, name, sizeof name, err));
     snprintf(info->model_type, sizeof info->model_type, "%s", name);
     char key[GGUF_TEXT];
     int found;
     key_of(key, name, "block_count");
-    TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &info->num_layers, &found, err));
+    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &info->num_layers, &found, err));
     MHA_RETURN_IF(!found, err, BAD_FILE, "%s: no %s", g->path, key);
     MHA_RETURN_IF(layer < 0 || layer >= info->num_layers, err, INVALID_ARG,
                   "%s: layer %lld: the model has %lld layers (%s)", g->path, (long long)layer,
@@ -797,18 +790,18 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     mha_config *c = &info->config;
     int64_t hidden, h, kv, d, dv;
     key_of(key, name, "embedding_length");
-    TRY(get_int(g, key, 0, 0, 1, GGUF_MAX_SIZE, &hidden, &found, err));
+    MHA_TRY(get_int(g, key, 0, 0, 1, GGUF_MAX_SIZE, &hidden, &found, err));
     MHA_RETURN_IF(!found, err, BAD_FILE, "%s: no %s", g->path, key);
     key_of(key, name, "attention.head_count");
-    TRY(get_int(g, key, layer, info->num_layers, 1, GGUF_MAX_HEADS, &h, &found, err));
+    MHA_TRY(get_int(g, key, layer, info->num_layers, 1, GGUF_MAX_HEADS, &h, &found, err));
     MHA_RETURN_IF(!found, err, BAD_FILE, "%s: no %s", g->path, key);
     key_of(key, name, "attention.head_count_kv");
     kv = h;
-    TRY(get_int(g, key, layer, info->num_layers, 1, GGUF_MAX_HEADS, &kv, &found, err));
+    MHA_TRY(get_int(g, key, layer, info->num_layers, 1, GGUF_MAX_HEADS, &kv, &found, err));
     MHA_RETURN_IF(h % kv != 0, err, BAD_FILE, "%s: %lld heads are not a multiple of %s = %lld",
                   g->path, (long long)h, key, (long long)kv);
     key_of(key, name, "attention.key_length");
-    TRY(get_int(g, key, 0, 0, 1, GGUF_MAX_SIZE, &d, &found, err));
+    MHA_TRY(get_int(g, key, 0, 0, 1, GGUF_MAX_SIZE, &d, &found, err));
     if (!found) {
         MHA_RETURN_IF(hidden % h != 0, err, BAD_FILE,
                       "%s: no %s, and embedding_length %lld is not a multiple of %lld heads",
@@ -817,7 +810,7 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     }
     dv = d;
     key_of(key, name, "attention.value_length");
-    TRY(get_int(g, key, 0, 0, 1, GGUF_MAX_SIZE, &dv, &found, err));
+    MHA_TRY(get_int(g, key, 0, 0, 1, GGUF_MAX_SIZE, &dv, &found, err));
     MHA_RETURN_IF(dv != d, err, UNSUPPORTED,
                   "%s: %s = %lld differs from the key length %lld: not supported", g->path, key,
                   (long long)dv, (long long)d);
@@ -829,8 +822,8 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     c->num_kv_heads = kv;
     c->head_dim = c->v_head_dim = d;
     c->scale = 1.0 / sqrt((double)d);
-    TRY(read_rope(g, name, d, &c->rope, err));
-    TRY(read_rope_freqs(g, name, &c->rope, err));
+    MHA_TRY(read_rope(g, name, d, &c->rope, err));
+    MHA_TRY(read_rope_freqs(g, name, &c->rope, err));
     /* biases and QK-norm: from the tensors present */
     static const char *const bias_stems[4] = {"attn_q.bias", "attn_k.bias", "attn_v.bias",
                                               "attn_output.bias"};
@@ -851,7 +844,7 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     if (has_qn) {
         key_of(key, name, "attention.layer_norm_rms_epsilon");
         double eps = 0;
-        TRY(get_num(g, key, 1, &eps, &found, err));
+        MHA_TRY(get_num(g, key, 1, &eps, &found, err));
         MHA_RETURN_IF(!found, err, BAD_FILE, "%s: %s without %s", g->path, qn, key);
         c->qk_norm.kind = MHA_QK_NORM_RMS_HEAD;
         c->qk_norm.eps = eps;
@@ -863,12 +856,12 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
         tensor_name(tn, layer, weight_stems[i]);
         const gguf_tensor *t = tensor_find(g, tn);
         MHA_RETURN_IF(!t, err, NOT_FOUND, "%s: no tensor '%s'", g->path, tn);
-        TRY(check_type(g, t, err));
+        MHA_TRY(check_type(g, t, err));
     }
     info->causal = 1;
     int64_t sw = 0;
     key_of(key, name, "attention.sliding_window");
-    TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &sw, &found, err));
+    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &sw, &found, err));
     if (found) {
         info->use_window = 1;
         info->window_left = sw - 1;
@@ -1008,7 +1001,7 @@ static mha_status read_tensor(mha__gguf *g,
                          g->path, tn, t->n_dims, (unsigned long long)t->ne[0],
                          (unsigned long long)t->ne[1], want);
     }
-    TRY(check_type(g, t, err));
+    MHA_TRY(check_type(g, t, err));
     /* the un-permutation moves elements within heads of `head`: only whole ones (a config whose
      * head size differs from the file's could size a tensor in parts of a head, and row i of a
      * part would go past its end) */
@@ -1120,21 +1113,21 @@ static mha_status load_layer(mha__gguf *g,
     const mha_dtype to = c.weight_dtype;
     /* biases and norm weights: float32 in a q8_0 layer, else the weights' dtype */
     const mha_dtype vt = to == MHA_DTYPE_Q8_0 ? MHA_DTYPE_F32 : to;
-    TRY(read_tensor(g, layer, "attn_q.weight", qr, hidden, ph, to, a, &p[B_WQ], err));
-    TRY(read_tensor(g, layer, "attn_k.weight", kr, hidden, ph, to, a, &p[B_WK], err));
-    TRY(read_tensor(g, layer, "attn_v.weight", kr, hidden, 0, to, a, &p[B_WV], err));
-    TRY(read_tensor(g, layer, "attn_output.weight", hidden, qr, 0, to, a, &p[B_WO], err));
+    MHA_TRY(read_tensor(g, layer, "attn_q.weight", qr, hidden, ph, to, a, &p[B_WQ], err));
+    MHA_TRY(read_tensor(g, layer, "attn_k.weight", kr, hidden, ph, to, a, &p[B_WK], err));
+    MHA_TRY(read_tensor(g, layer, "attn_v.weight", kr, hidden, 0, to, a, &p[B_WV], err));
+    MHA_TRY(read_tensor(g, layer, "attn_output.weight", hidden, qr, 0, to, a, &p[B_WO], err));
     if (c.bias_q)
-        TRY(read_tensor(g, layer, "attn_q.bias", 0, qr, ph, vt, a, &p[B_BQ], err));
+        MHA_TRY(read_tensor(g, layer, "attn_q.bias", 0, qr, ph, vt, a, &p[B_BQ], err));
     if (c.bias_k)
-        TRY(read_tensor(g, layer, "attn_k.bias", 0, kr, ph, vt, a, &p[B_BK], err));
+        MHA_TRY(read_tensor(g, layer, "attn_k.bias", 0, kr, ph, vt, a, &p[B_BK], err));
     if (c.bias_v)
-        TRY(read_tensor(g, layer, "attn_v.bias", 0, kr, 0, vt, a, &p[B_BV], err));
+        MHA_TRY(read_tensor(g, layer, "attn_v.bias", 0, kr, 0, vt, a, &p[B_BV], err));
     if (c.bias_o)
-        TRY(read_tensor(g, layer, "attn_output.bias", 0, hidden, 0, vt, a, &p[B_BO], err));
+        MHA_TRY(read_tensor(g, layer, "attn_output.bias", 0, hidden, 0, vt, a, &p[B_BO], err));
     if (c.qk_norm.kind == MHA_QK_NORM_RMS_HEAD) {
-        TRY(read_tensor(g, layer, "attn_q_norm.weight", 0, d, 0, vt, a, &p[B_QN], err));
-        TRY(read_tensor(g, layer, "attn_k_norm.weight", 0, d, 0, vt, a, &p[B_KN], err));
+        MHA_TRY(read_tensor(g, layer, "attn_q_norm.weight", 0, d, 0, vt, a, &p[B_QN], err));
+        MHA_TRY(read_tensor(g, layer, "attn_k_norm.weight", 0, d, 0, vt, a, &p[B_KN], err));
     } else
         MHA_RETURN_IF(c.qk_norm.kind != MHA_QK_NORM_NONE &&
                           c.qk_norm.kind != MHA_QK_NORM_L2_AFTER_ROPE,
@@ -1166,7 +1159,7 @@ mha_status mha__gguf_load(mha__gguf *g,
                           mha_error *err) {
     *out = NULL;
     mha_hf_layer_info info;
-    TRY(info_read(g, layer, &info, err));
+    MHA_TRY(info_read(g, layer, &info, err));
     void *p[N_BUFS] = {0};
     const mha_status st =
         load_layer(g, layer, &info, config ? config : &info.config, allocator, p, out, err);

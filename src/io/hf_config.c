@@ -353,13 +353,6 @@ get_str(const hf_model *m, const cJSON *obj, const char *key, const char **out, 
 /* Sizes, biases, scale, soft-cap, sinks                                                          */
 /* ---------------------------------------------------------------------------------------------- */
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        mha_status st_ = (expr);                                                                   \
-        if (st_ != MHA_STATUS_OK)                                                                  \
-            return st_;                                                                            \
-    } while (0)
-
 static int is_type(const hf_model *m, const char *type) {
     return strcmp(m->arch->type, type) == 0;
 }
@@ -370,24 +363,24 @@ static mha_status read_sizes(hf_model *m, mha_hf_layer_info *info, mha_error *er
     const int gpt2 = is_type(m, "gpt2");
     mha_config *cfg = &info->config;
     int64_t hidden = 0, h = 0, layers = 0;
-    TRY(get_int(m, c, gpt2 ? "n_embd" : "hidden_size", 1, 1, HF_MAX_SIZE, &hidden, err));
-    TRY(get_int(m, c, gpt2 ? "n_head" : "num_attention_heads", 1, 1, HF_MAX_HEADS, &h, err));
-    TRY(get_int(m, c, gpt2 ? "n_layer" : "num_hidden_layers", 1, 1, INT32_MAX, &layers, err));
+    MHA_TRY(get_int(m, c, gpt2 ? "n_embd" : "hidden_size", 1, 1, HF_MAX_SIZE, &hidden, err));
+    MHA_TRY(get_int(m, c, gpt2 ? "n_head" : "num_attention_heads", 1, 1, HF_MAX_HEADS, &h, err));
+    MHA_TRY(get_int(m, c, gpt2 ? "n_layer" : "num_hidden_layers", 1, 1, INT32_MAX, &layers, err));
     MHA_RETURN_IF(info->layer < 0 || info->layer >= layers, err, INVALID_ARG,
                   "%s: layer %lld does not exist (num_hidden_layers = %lld: 0 .. %lld)",
                   m->config_path, (long long)info->layer, (long long)layers, (long long)layers - 1);
     int64_t d = 0, g = h;
     if (m->arch->layout == LAYOUT_QKVO || m->arch->layout == LAYOUT_PHI3) {
-        TRY(get_int(m, c, "head_dim", 0, 1, HF_MAX_SIZE, &d, err));
-        TRY(get_int(m, c, "num_key_value_heads", 0, 1, HF_MAX_HEADS, &g, err));
+        MHA_TRY(get_int(m, c, "head_dim", 0, 1, HF_MAX_SIZE, &d, err));
+        MHA_TRY(get_int(m, c, "num_key_value_heads", 0, 1, HF_MAX_HEADS, &g, err));
     }
     m->fused = m->arch->layout == LAYOUT_NEOX ? FUSED_PER_HEAD : FUSED_CONCAT;
     if (m->arch->layout == LAYOUT_FALCON) {
         int new_arch = 0, multi_query = 1; /* FalconConfig's defaults */
-        TRY(get_bool(m, c, "new_decoder_architecture", &new_arch, err));
-        TRY(get_bool(m, c, "multi_query", &multi_query, err));
+        MHA_TRY(get_bool(m, c, "new_decoder_architecture", &new_arch, err));
+        MHA_TRY(get_bool(m, c, "multi_query", &multi_query, err));
         if (new_arch) {
-            TRY(get_int(m, c, "num_kv_heads", 0, 1, HF_MAX_HEADS, &g, err));
+            MHA_TRY(get_int(m, c, "num_kv_heads", 0, 1, HF_MAX_HEADS, &g, err));
             m->fused = FUSED_PER_GROUP;
         } else if (multi_query) {
             g = 1;
@@ -425,7 +418,7 @@ static mha_status read_biases(hf_model *m, mha_config *cfg, mha_error *err) {
         }
         b = is_type(m, "gpt_oss"); /* GptOssConfig's default */
         if (!is_type(m, "mistral") && !is_type(m, "mixtral"))
-            TRY(get_bool(m, c, "attention_bias", &b, err));
+            MHA_TRY(get_bool(m, c, "attention_bias", &b, err));
         break;
     case LAYOUT_BERT:
     case LAYOUT_GPT2:
@@ -436,10 +429,10 @@ static mha_status read_biases(hf_model *m, mha_config *cfg, mha_error *err) {
         break;
     case LAYOUT_NEOX:
         b = 1; /* GPTNeoXConfig's default */
-        TRY(get_bool(m, c, "attention_bias", &b, err));
+        MHA_TRY(get_bool(m, c, "attention_bias", &b, err));
         break;
     case LAYOUT_FALCON:
-        TRY(get_bool(m, c, "bias", &b, err));
+        MHA_TRY(get_bool(m, c, "bias", &b, err));
         break;
     }
     cfg->bias_q = cfg->bias_k = cfg->bias_v = cfg->bias_o = b;
@@ -452,20 +445,20 @@ static mha_status refuse_unsupported(hf_model *m, mha_error *err) {
     const char *t = m->arch->type;
     int bidi = 0;
     if (is_type(m, "gemma3_text"))
-        TRY(get_bool(m, c, "use_bidirectional_attention", &bidi, err));
+        MHA_TRY(get_bool(m, c, "use_bidirectional_attention", &bidi, err));
     MHA_RETURN_IF(bidi, err, UNSUPPORTED,
                   "%s: \"use_bidirectional_attention\": true (Gemma 3 as an encoder, with its "
                   "own window rule) is not supported by mha",
                   m->config_path);
     const char *pe = NULL;
-    TRY(get_str(m, c, "position_embedding_type", &pe, err));
+    MHA_TRY(get_str(m, c, "position_embedding_type", &pe, err));
     MHA_RETURN_IF(pe && strcmp(pe, "absolute") != 0, err, UNSUPPORTED,
                   "%s: \"position_embedding_type\": \"%s\" (relative position scores inside the "
                   "attention) is not supported by mha (only \"absolute\", which is outside it)",
                   m->config_path, pe);
     int alibi = 0;
     if (is_type(m, "falcon"))
-        TRY(get_bool(m, c, "alibi", &alibi, err));
+        MHA_TRY(get_bool(m, c, "alibi", &alibi, err));
     MHA_RETURN_IF(alibi, err, UNSUPPORTED,
                   "%s: \"alibi\": true: Falcon adds ALiBi before the 1/sqrt(d) scaling (slopes "
                   "scaled by 1/sqrt(head_dim)), which mha's ALiBi (after scaling) does not match",
@@ -497,7 +490,7 @@ static mha_status read_qk_norm(hf_model *m, mha_config *cfg, mha_error *err) {
     } else {
         return MHA_STATUS_OK;
     }
-    TRY(get_num(m, m->config, "", "rms_norm_eps", 0.0, 1, (double)FLT_MAX, &q->eps, err));
+    MHA_TRY(get_num(m, m->config, "", "rms_norm_eps", 0.0, 1, (double)FLT_MAX, &q->eps, err));
     return MHA_STATUS_OK;
 }
 
@@ -508,7 +501,7 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
     cfg->scale = 1.0 / sqrt(d);
     if (is_type(m, "gemma3_text")) { /* Gemma3TextConfig's default 256; no soft-cap */
         double qpas = 256.0;
-        TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
+        MHA_TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
         cfg->scale = 1.0 / sqrt(qpas);
         MHA_RETURN_IF(!(cfg->scale >= (double)FLT_MIN && cfg->scale <= (double)FLT_MAX), err,
                       BAD_FILE,
@@ -518,7 +511,7 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
     }
     if (is_type(m, "gemma2")) { /* absent: Gemma2Config's defaults 256 and 50; null: none */
         double qpas = 256.0, cap = is_null(c, "attn_logit_softcapping") ? 0.0 : 50.0;
-        TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
+        MHA_TRY(get_num(m, c, "", "query_pre_attn_scalar", 0.0, 1, 1e300, &qpas, err));
         cfg->scale = 1.0 / sqrt(qpas);
         /* Both are used in float arithmetic: outside float's normal range they give inf or 0
          * there (NaN outputs), so they are refused here, naming the field. */
@@ -527,7 +520,7 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
                       "%s: \"query_pre_attn_scalar\" %g gives the scale 1/sqrt(%g) = %g, outside "
                       "float's range [%g, %g]",
                       m->config_path, qpas, qpas, cfg->scale, (double)FLT_MIN, (double)FLT_MAX);
-        TRY(get_num(m, c, "", "attn_logit_softcapping", 0.0, 1, 1e300, &cap, err));
+        MHA_TRY(get_num(m, c, "", "attn_logit_softcapping", 0.0, 1, 1e300, &cap, err));
         MHA_RETURN_IF(cap != 0.0 && !(cap >= (double)FLT_MIN && cap <= (double)FLT_MAX), err,
                       BAD_FILE,
                       "%s: \"attn_logit_softcapping\" %g is outside float's range [%g, %g]",
@@ -536,18 +529,18 @@ static mha_status read_scores(hf_model *m, mha_hf_layer_info *info, mha_error *e
     }
     if (is_type(m, "gpt2")) {
         int by_sqrt = 1, by_layer = 0;
-        TRY(get_bool(m, c, "scale_attn_weights", &by_sqrt, err));
-        TRY(get_bool(m, c, "scale_attn_by_inverse_layer_idx", &by_layer, err));
+        MHA_TRY(get_bool(m, c, "scale_attn_weights", &by_sqrt, err));
+        MHA_TRY(get_bool(m, c, "scale_attn_by_inverse_layer_idx", &by_layer, err));
         cfg->scale = by_sqrt ? 1.0 / sqrt(d) : 1.0;
         if (by_layer)
             cfg->scale /= (double)(info->layer + 1);
     }
     cfg->sinks = is_type(m, "gpt_oss");
-    TRY(read_qk_norm(m, cfg, err));
+    MHA_TRY(read_qk_norm(m, cfg, err));
     info->causal = m->arch->layout != LAYOUT_BERT;
     if (m->arch->layout == LAYOUT_BERT) {
         int dec = 0;
-        TRY(get_bool(m, c, "is_decoder", &dec, err));
+        MHA_TRY(get_bool(m, c, "is_decoder", &dec, err));
         info->causal = dec;
     }
     return MHA_STATUS_OK;
@@ -599,28 +592,28 @@ static double yarn_mscale(double factor, double mscale) {
 static mha_status
 read_yarn(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
     double maxpos = 0.0, orig = 0.0, factor = 0.0, af = 0.0, ms = 0.0, msa = 0.0;
-    TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
+    MHA_TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
     orig = maxpos;
-    TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    MHA_TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
     MHA_RETURN_IF(orig <= 0.0, err, BAD_FILE,
                   "%s: YaRN needs \"%soriginal_max_position_embeddings\" or "
                   "\"max_position_embeddings\"",
                   m->config_path, where);
     factor = maxpos / orig;
-    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
+    MHA_TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
     MHA_RETURN_IF(factor <= 0.0, err, BAD_FILE, "%s: YaRN needs \"%sfactor\"", m->config_path,
                   where);
-    TRY(get_num(m, s, where, "mscale", 0.0, 0, 1e15, &ms, err));
-    TRY(get_num(m, s, where, "mscale_all_dim", 0.0, 0, 1e15, &msa, err));
+    MHA_TRY(get_num(m, s, where, "mscale", 0.0, 0, 1e15, &ms, err));
+    MHA_TRY(get_num(m, s, where, "mscale_all_dim", 0.0, 0, 1e15, &msa, err));
     af = ms != 0.0 && msa != 0.0 ? yarn_mscale(factor, ms) / yarn_mscale(factor, msa)
                                  : yarn_mscale(factor, 1.0);
-    TRY(get_num(m, s, where, "attention_factor", 0.0, 1, 1e15, &af, err));
+    MHA_TRY(get_num(m, s, where, "attention_factor", 0.0, 1, 1e15, &af, err));
     r->beta_fast = 32.0;
     r->beta_slow = 1.0;
-    TRY(get_num(m, s, where, "beta_fast", 0.0, 1, 1e15, &r->beta_fast, err));
-    TRY(get_num(m, s, where, "beta_slow", 0.0, 1, 1e15, &r->beta_slow, err));
+    MHA_TRY(get_num(m, s, where, "beta_fast", 0.0, 1, 1e15, &r->beta_fast, err));
+    MHA_TRY(get_num(m, s, where, "beta_slow", 0.0, 1, 1e15, &r->beta_slow, err));
     int truncate = 1;
-    TRY(get_bool(m, s, "truncate", &truncate, err));
+    MHA_TRY(get_bool(m, s, "truncate", &truncate, err));
     r->yarn_no_truncate = !truncate;
     r->scaling = MHA_ROPE_SCALING_YARN;
     r->factor = factor;
@@ -637,7 +630,7 @@ read_llama3(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, m
                      &r->original_max_position};
     for (int i = 0; i < 4; i++) {
         *dst[i] = 0.0;
-        TRY(get_num(m, s, where, keys[i], 0.0, 1, 1e15, dst[i], err));
+        MHA_TRY(get_num(m, s, where, keys[i], 0.0, 1, 1e15, dst[i], err));
         MHA_RETURN_IF(*dst[i] == 0.0, err, BAD_FILE, "%s: llama3 RoPE scaling needs \"%s%s\"",
                       m->config_path, where, keys[i]);
     }
@@ -653,12 +646,12 @@ read_llama3(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, m
 static mha_status
 read_dynamic(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
     r->factor = 0.0;
-    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &r->factor, err));
+    MHA_TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &r->factor, err));
     MHA_RETURN_IF(r->factor == 0.0, err, BAD_FILE, "%s: dynamic RoPE scaling needs \"%sfactor\"",
                   m->config_path, where);
     r->original_max_position = 0.0;
-    TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15,
-                &r->original_max_position, err));
+    MHA_TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15,
+                    &r->original_max_position, err));
     MHA_RETURN_IF(r->original_max_position == 0.0, err, BAD_FILE,
                   "%s: dynamic RoPE scaling needs \"max_position_embeddings\"", m->config_path);
     r->scaling = MHA_ROPE_SCALING_DYNAMIC;
@@ -698,12 +691,13 @@ read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r,
     MHA_RETURN_IF(pairs > MHA_ROPE_MAX_PAIRS, err, UNSUPPORTED,
                   "%s: longrope RoPE over %lld pairs: mha keeps factors for at most %d",
                   m->config_path, (long long)pairs, MHA_ROPE_MAX_PAIRS);
-    TRY(read_factor_list(m, s, where, "short_factor", pairs, r->short_factor, err));
-    TRY(read_factor_list(m, s, where, "long_factor", pairs, r->long_factor, err));
+    MHA_TRY(read_factor_list(m, s, where, "short_factor", pairs, r->short_factor, err));
+    MHA_TRY(read_factor_list(m, s, where, "long_factor", pairs, r->long_factor, err));
     double maxpos = 0.0, orig = 0.0, factor = 0.0, af = 0.0;
-    TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
-    TRY(get_num(m, m->config, "", "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
-    TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    MHA_TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
+    MHA_TRY(
+        get_num(m, m->config, "", "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    MHA_TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
     MHA_RETURN_IF(orig == 0.0, err, BAD_FILE,
                   "%s: longrope RoPE scaling needs \"%soriginal_max_position_embeddings\"",
                   m->config_path, where);
@@ -712,11 +706,11 @@ read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r,
                   "%s: longrope \"%soriginal_max_position_embeddings\" %g must be > 1 (a context "
                   "length; ln of it divides the attention factor)",
                   m->config_path, where, orig);
-    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
+    MHA_TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
     MHA_RETURN_IF(factor == 0.0 && maxpos == 0.0, err, BAD_FILE,
                   "%s: longrope RoPE scaling needs \"%sfactor\" or \"max_position_embeddings\"",
                   m->config_path, where);
-    TRY(get_num(m, s, where, "attention_factor", 0.0, 1, 1e15, &af, err));
+    MHA_TRY(get_num(m, s, where, "attention_factor", 0.0, 1, 1e15, &af, err));
     r->scaling = MHA_ROPE_SCALING_LONGROPE;
     r->factor = factor != 0.0 ? factor : maxpos / orig;
     r->original_max_position = orig;
@@ -757,15 +751,15 @@ read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, 
     if (s && s != m->config) {
         MHA_RETURN_IF(!cJSON_IsObject(s), err, BAD_FILE, "%s: \"rope_scaling\" is not an object",
                       m->config_path);
-        TRY(get_str(m, s, "rope_type", &type, err));
+        MHA_TRY(get_str(m, s, "rope_type", &type, err));
         if (!type)
-            TRY(get_str(m, s, "type", &type, err));
+            MHA_TRY(get_str(m, s, "type", &type, err));
     }
     if (!type || strcmp(type, "default") == 0)
         return MHA_STATUS_OK;
     if (strcmp(type, "linear") == 0) {
         r->factor = 0.0;
-        TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &r->factor, err));
+        MHA_TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &r->factor, err));
         MHA_RETURN_IF(r->factor == 0.0, err, BAD_FILE, "%s: linear RoPE scaling needs \"%sfactor\"",
                       m->config_path, where);
         r->scaling = MHA_ROPE_SCALING_LINEAR;
@@ -793,7 +787,7 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
         return MHA_STATUS_OK;
     const cJSON *p, *s;
     const char *where;
-    TRY(rope_params(m, layer_type, &p, &s, &where, err));
+    MHA_TRY(rope_params(m, layer_type, &p, &s, &where, err));
     const char *pw = p == m->config ? "" : "rope_parameters.";
     /* transformers' rotate_half, except Cohere2 (its rotate_half pairs x[2k], x[2k+1]) and
      * Llama 4 (complex multiplication over adjacent pairs) */
@@ -806,16 +800,16 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
         is_type(m, "gemma3_text") && layer_type && strcmp(layer_type, "sliding_attention") == 0;
     if (is_type(m, "gemma3_text") && !gemma3_local)
         r->theta = 1e6;
-    TRY(get_num(m, p, pw, "rotary_emb_base", 1.0, 1, 1e300, &r->theta, err)); /* NeoX, 4.x */
+    MHA_TRY(get_num(m, p, pw, "rotary_emb_base", 1.0, 1, 1e300, &r->theta, err)); /* NeoX, 4.x */
     if (gemma3_local && p == m->config) {
-        TRY(get_num(m, p, pw, "rope_local_base_freq", 1.0, 1, 1e300, &r->theta, err));
+        MHA_TRY(get_num(m, p, pw, "rope_local_base_freq", 1.0, 1, 1e300, &r->theta, err));
         s = NULL; /* 4.x's rope_scaling is the full layers' */
     } else {
-        TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
+        MHA_TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
     }
     double frac = 1.0;
-    TRY(get_num(m, p, pw, "rotary_pct", 0.0, 1, 1.0, &frac, err)); /* NeoX, 4.x */
-    TRY(get_num(m, p, pw, "partial_rotary_factor", 0.0, 1, 1.0, &frac, err));
+    MHA_TRY(get_num(m, p, pw, "rotary_pct", 0.0, 1, 1.0, &frac, err)); /* NeoX, 4.x */
+    MHA_TRY(get_num(m, p, pw, "partial_rotary_factor", 0.0, 1, 1.0, &frac, err));
     const int64_t d = info->config.head_dim;
     const int64_t rd = (int64_t)((double)d * frac); /* transformers: int(head_dim * factor) */
     MHA_RETURN_IF(rd < 2 || rd % 2 != 0, err, UNSUPPORTED,
@@ -823,7 +817,7 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
                   "mha rotates an even number >= 2",
                   m->config_path, pw, frac, (long long)d, (long long)rd);
     r->rotary_dim = rd;
-    TRY(read_scaling(m, s, where, r, err));
+    MHA_TRY(read_scaling(m, s, where, r, err));
     return check_rope_floats(m, r, err);
 }
 
@@ -838,7 +832,7 @@ layer_type_of(const hf_model *m, const mha_hf_layer_info *info, const char **out
     const cJSON *lt = field(m->config, "layer_types");
     if (!lt && is_type(m, "gemma3_text")) { /* 4.x: every sliding_window_pattern-th is full */
         int64_t pattern = 6;
-        TRY(get_int(m, m->config, "sliding_window_pattern", 0, 1, INT32_MAX, &pattern, err));
+        MHA_TRY(get_int(m, m->config, "sliding_window_pattern", 0, 1, INT32_MAX, &pattern, err));
         *out = (info->layer + 1) % pattern ? "sliding_attention" : "full_attention";
         return MHA_STATUS_OK;
     }
@@ -884,7 +878,7 @@ nope_list_has_rope(const hf_model *m, const mha_hf_layer_info *info, int *rope, 
         return MHA_STATUS_OK;
     }
     int64_t interval = 4;
-    TRY(get_int(m, m->config, "no_rope_layer_interval", 0, 1, INT32_MAX, &interval, err));
+    MHA_TRY(get_int(m, m->config, "no_rope_layer_interval", 0, 1, INT32_MAX, &interval, err));
     *rope = (info->layer + 1) % interval != 0;
     return MHA_STATUS_OK;
 }
@@ -899,12 +893,13 @@ static mha_status slides_without_types(const hf_model *m,
     if (is_type(m, "mistral") || is_type(m, "mixtral") || is_type(m, "phi3")) {
         *slides = 1;
     } else if (is_type(m, "qwen3_moe")) { /* Qwen3MoeAttention: every layer when enabled */
-        TRY(get_bool(m, m->config, "use_sliding_window", slides, err));
+        MHA_TRY(get_bool(m, m->config, "use_sliding_window", slides, err));
     } else if (is_type(m, "qwen2") || is_type(m, "qwen3")) {
         int use = 0;
         int64_t max_window_layers = 0;
-        TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
-        TRY(get_int(m, m->config, "max_window_layers", 0, 0, INT32_MAX, &max_window_layers, err));
+        MHA_TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
+        MHA_TRY(
+            get_int(m, m->config, "max_window_layers", 0, 0, INT32_MAX, &max_window_layers, err));
         *slides = use && L >= max_window_layers;
     } else if (is_type(m, "gemma2") || is_type(m, "gpt_oss")) {
         *slides = L % 2 == 0; /* even layers slide */
@@ -912,14 +907,14 @@ static mha_status slides_without_types(const hf_model *m,
         /* Cohere2Config without layer_types: sliding_window_pattern (default 4), every
          * pattern-th layer full */
         int64_t pattern = 4;
-        TRY(get_int(m, m->config, "sliding_window_pattern", 0, 1, INT32_MAX, &pattern, err));
+        MHA_TRY(get_int(m, m->config, "sliding_window_pattern", 0, 1, INT32_MAX, &pattern, err));
         *slides = (L + 1) % pattern != 0;
     } else if (is_type(m, "smollm3")) {
         /* SmolLM3Config without layer_types: the NoPE layers slide when use_sliding_window and
          * sliding_window are set */
         int use = 0, rope = 1;
-        TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
-        TRY(nope_list_has_rope(m, info, &rope, err));
+        MHA_TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
+        MHA_TRY(nope_list_has_rope(m, info, &rope, err));
         *slides = use && !rope && field(m->config, "sliding_window") != NULL;
     }
     return MHA_STATUS_OK;
@@ -936,12 +931,12 @@ static int64_t default_window(const hf_model *m) {
 static mha_status
 read_window(hf_model *m, const char *layer_type, mha_hf_layer_info *info, mha_error *err) {
     int64_t w = is_null(m->config, "sliding_window") ? 0 : default_window(m);
-    TRY(get_int(m, m->config, "sliding_window", 0, 1, INT32_MAX, &w, err));
+    MHA_TRY(get_int(m, m->config, "sliding_window", 0, 1, INT32_MAX, &w, err));
     int slides = 0;
     if (layer_type)
         slides = strcmp(layer_type, "sliding_attention") == 0;
     else
-        TRY(slides_without_types(m, info, &slides, err));
+        MHA_TRY(slides_without_types(m, info, &slides, err));
     if (!info->causal || !slides || w == 0) {
         MHA_RETURN_IF(slides && layer_type && w == 0, err, BAD_FILE,
                       "%s: layer %lld is \"sliding_attention\" but \"sliding_window\" is not set",
@@ -989,7 +984,7 @@ static mha_status read_llama4(
     const cJSON *c = m->config;
     mha_config *cfg = &info->config;
     int64_t chunk = is_null(c, "attention_chunk_size") ? 0 : 8192;
-    TRY(get_int(m, c, "attention_chunk_size", 0, 1, INT32_MAX, &chunk, err));
+    MHA_TRY(get_int(m, c, "attention_chunk_size", 0, 1, INT32_MAX, &chunk, err));
     const int chunked = layer_type ? strcmp(layer_type, "chunked_attention") == 0 : rope && chunk;
     MHA_RETURN_IF(chunked && chunk == 0, err, BAD_FILE,
                   "%s: layer %lld is \"chunked_attention\" but \"attention_chunk_size\" is null",
@@ -998,17 +993,17 @@ static mha_status read_llama4(
     if (rope) {
         int qk = 1;
         double eps = 1e-5;
-        TRY(get_bool(m, c, "use_qk_norm", &qk, err));
-        TRY(get_num(m, c, "", "rms_norm_eps", 0.0, 1, (double)FLT_MAX, &eps, err));
+        MHA_TRY(get_bool(m, c, "use_qk_norm", &qk, err));
+        MHA_TRY(get_num(m, c, "", "rms_norm_eps", 0.0, 1, (double)FLT_MAX, &eps, err));
         cfg->qk_norm.kind = qk ? MHA_QK_NORM_L2_AFTER_ROPE : MHA_QK_NORM_NONE;
         cfg->qk_norm.eps = qk ? eps : 0.0;
         return MHA_STATUS_OK;
     }
     int tune = 1;
     double floor_scale = 8192.0, attn_scale = 0.1;
-    TRY(get_bool(m, c, "attn_temperature_tuning", &tune, err));
-    TRY(get_num(m, c, "", "floor_scale", 0x1p-32, 0, (double)FLT_MAX, &floor_scale, err));
-    TRY(get_num(m, c, "", "attn_scale", -0x1p100, 0, 0x1p100, &attn_scale, err));
+    MHA_TRY(get_bool(m, c, "attn_temperature_tuning", &tune, err));
+    MHA_TRY(get_num(m, c, "", "floor_scale", 0x1p-32, 0, (double)FLT_MAX, &floor_scale, err));
+    MHA_TRY(get_num(m, c, "", "attn_scale", -0x1p100, 0, 0x1p100, &attn_scale, err));
     cfg->temperature.enabled = tune;
     cfg->temperature.floor_scale = tune ? floor_scale : 0.0;
     cfg->temperature.attn_scale = tune ? attn_scale : 0.0;
@@ -1021,7 +1016,7 @@ static mha_status read_llama4(
 
 static mha_status find_arch(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
     const char *type = NULL;
-    TRY(get_str(m, m->config, "model_type", &type, err));
+    MHA_TRY(get_str(m, m->config, "model_type", &type, err));
     MHA_RETURN_IF(!type, err, BAD_FILE, "%s: no \"model_type\"", m->config_path);
     for (size_t i = 0; i < N_ARCHS; i++)
         if (strcmp(ARCHS[i].type, type) == 0)
@@ -1068,20 +1063,20 @@ static mha_status read_info(hf_model *m, int64_t layer, mha_hf_layer_info *info,
     memset(info, 0, sizeof *info);
     info->layer = layer;
     info->window_left = info->window_right = -1;
-    TRY(find_arch(m, info, err));
-    TRY(refuse_unsupported(m, err));
-    TRY(read_sizes(m, info, err));
-    TRY(read_biases(m, &info->config, err));
-    TRY(read_scores(m, info, err));
+    MHA_TRY(find_arch(m, info, err));
+    MHA_TRY(refuse_unsupported(m, err));
+    MHA_TRY(read_sizes(m, info, err));
+    MHA_TRY(read_biases(m, &info->config, err));
+    MHA_TRY(read_scores(m, info, err));
     const char *layer_type = NULL;
     int rope = 0;
-    TRY(layer_type_of(m, info, &layer_type, err));
-    TRY(layer_has_rope(m, info, layer_type, &rope, err));
-    TRY(read_rope(m, layer_type, rope, info, err));
-    TRY(read_window(m, layer_type, info, err));
+    MHA_TRY(layer_type_of(m, info, &layer_type, err));
+    MHA_TRY(layer_has_rope(m, info, layer_type, &rope, err));
+    MHA_TRY(read_rope(m, layer_type, rope, info, err));
+    MHA_TRY(read_window(m, layer_type, info, err));
     if (is_type(m, "llama4_text"))
-        TRY(read_llama4(m, layer_type, rope, info, err));
-    TRY(find_prefix(m, layer, err));
+        MHA_TRY(read_llama4(m, layer_type, rope, info, err));
+    MHA_TRY(find_prefix(m, layer, err));
     snprintf(info->prefix, sizeof info->prefix, "%s", m->prefix);
     return MHA_STATUS_OK;
 }
@@ -1122,9 +1117,9 @@ static mha_status read_exact(hf_model *m,
                              mha_error *err) {
     char name[2 * MHA_HF_TEXT_SIZE];
     tensor_name(name, m, stem, suffix);
-    TRY(model_file_for(m, name, err));
+    MHA_TRY(model_file_for(m, name, err));
     int64_t shape[2];
-    TRY(mha__st_read(m->file, name, cols ? 2 : 1, to, a, out, shape, err));
+    MHA_TRY(mha__st_read(m->file, name, cols ? 2 : 1, to, a, out, shape, err));
     /* (a 1-d tensor's shape is printed [n]: its second number is left out, not printed 0) */
     char got[48] = "", want[48] = "";
     if (cols) {
@@ -1291,16 +1286,18 @@ static mha_status load_separate(
     for (int r = 0; r < 3; r++) {
         const char *stem = STEMS[m->arch->layout][r];
         int bias = 0;
-        TRY(read_exact(m, stem, ".weight", rows[r], m->hidden, c->weight_dtype, a, &b->p[r], err));
-        TRY(has_bias(m, stem, want[r], &bias, err));
+        MHA_TRY(
+            read_exact(m, stem, ".weight", rows[r], m->hidden, c->weight_dtype, a, &b->p[r], err));
+        MHA_TRY(has_bias(m, stem, want[r], &bias, err));
         if (bias)
-            TRY(read_exact(m, stem, ".bias", rows[r], 0, c->weight_dtype, a, &b->p[4 + r], err));
+            MHA_TRY(
+                read_exact(m, stem, ".bias", rows[r], 0, c->weight_dtype, a, &b->p[4 + r], err));
     }
     const size_t es = mha__storage_size(c->weight_dtype);
     if (c->output_gate)
-        TRY(ungate_interleave(b->p[0], c->num_heads, c->head_dim, m->hidden, es, a, err));
+        MHA_TRY(ungate_interleave(b->p[0], c->num_heads, c->head_dim, m->hidden, es, a, err));
     if (c->output_gate && b->p[4])
-        TRY(ungate_interleave(b->p[4], c->num_heads, c->head_dim, 1, es, a, err));
+        MHA_TRY(ungate_interleave(b->p[4], c->num_heads, c->head_dim, 1, es, a, err));
     return MHA_STATUS_OK;
 }
 
@@ -1311,24 +1308,25 @@ load_output(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b
     const mha_dtype dt = c->weight_dtype;
     int bias = 0;
     if (m->arch->layout == LAYOUT_GPT2) {
-        TRY(read_exact(m, stem, ".weight", hd, m->hidden, dt, a, &b->p[3], err));
-        TRY(transpose(b->p[3], hd, m->hidden, mha__storage_size(dt), a, err));
+        MHA_TRY(read_exact(m, stem, ".weight", hd, m->hidden, dt, a, &b->p[3], err));
+        MHA_TRY(transpose(b->p[3], hd, m->hidden, mha__storage_size(dt), a, err));
     } else {
-        TRY(read_exact(m, stem, ".weight", m->hidden, hd, dt, a, &b->p[3], err));
+        MHA_TRY(read_exact(m, stem, ".weight", m->hidden, hd, dt, a, &b->p[3], err));
     }
-    TRY(has_bias(m, stem, c->bias_o, &bias, err));
+    MHA_TRY(has_bias(m, stem, c->bias_o, &bias, err));
     if (bias)
-        TRY(read_exact(m, stem, ".bias", m->hidden, 0, dt, a, &b->p[7], err));
+        MHA_TRY(read_exact(m, stem, ".bias", m->hidden, 0, dt, a, &b->p[7], err));
     if (c->sinks)
-        TRY(read_exact(m, "sinks", "", c->num_heads, 0, dt, a, &b->p[8], err));
+        MHA_TRY(read_exact(m, "sinks", "", c->num_heads, 0, dt, a, &b->p[8], err));
     /* QK-norm weights: [head_dim] (per head) or [heads * head_dim] (OLMo 2). */
     const mha_qk_norm_kind nk = c->qk_norm.kind;
     if (nk == MHA_QK_NORM_RMS_HEAD || nk == MHA_QK_NORM_RMS_ALL) {
         const int64_t all = nk == MHA_QK_NORM_RMS_ALL;
-        TRY(read_exact(m, "q_norm", ".weight", all ? c->num_heads * c->head_dim : c->head_dim, 0,
-                       dt, a, &b->p[9], err));
-        TRY(read_exact(m, "k_norm", ".weight", all ? c->num_kv_heads * c->head_dim : c->head_dim, 0,
-                       dt, a, &b->p[10], err));
+        MHA_TRY(read_exact(m, "q_norm", ".weight", all ? c->num_heads * c->head_dim : c->head_dim,
+                           0, dt, a, &b->p[9], err));
+        MHA_TRY(read_exact(m, "k_norm", ".weight",
+                           all ? c->num_kv_heads * c->head_dim : c->head_dim, 0, dt, a, &b->p[10],
+                           err));
     }
     return MHA_STATUS_OK;
 }
@@ -1356,10 +1354,10 @@ static mha_status load_layer(hf_model *m,
                   "model_type %s does not have",
                   m->dir, m->arch->type);
     if (m->arch->layout == LAYOUT_QKVO || m->arch->layout == LAYOUT_BERT)
-        TRY(load_separate(m, &c, a, b, err));
+        MHA_TRY(load_separate(m, &c, a, b, err));
     else
-        TRY(load_fused(m, &c, a, b, err));
-    TRY(load_output(m, &c, a, b, err));
+        MHA_TRY(load_fused(m, &c, a, b, err));
+    MHA_TRY(load_output(m, &c, a, b, err));
     c.q_dim = c.k_dim = c.v_dim = c.out_dim = m->hidden;
     c.bias_q = b->p[4] != NULL;
     c.bias_k = b->p[5] != NULL;
@@ -1424,9 +1422,9 @@ static mha_status
 mla_sizes(hf_model *m, mha_hf_layer_info *info, mha_mla_config *c, mha_error *err) {
     const cJSON *j = m->config;
     int64_t layers = 0;
-    TRY(get_int(m, j, "hidden_size", 1, 1, HF_MAX_SIZE, &c->hidden, err));
-    TRY(get_int(m, j, "num_attention_heads", 1, 1, HF_MAX_HEADS, &c->num_heads, err));
-    TRY(get_int(m, j, "num_hidden_layers", 1, 1, INT32_MAX, &layers, err));
+    MHA_TRY(get_int(m, j, "hidden_size", 1, 1, HF_MAX_SIZE, &c->hidden, err));
+    MHA_TRY(get_int(m, j, "num_attention_heads", 1, 1, HF_MAX_HEADS, &c->num_heads, err));
+    MHA_TRY(get_int(m, j, "num_hidden_layers", 1, 1, INT32_MAX, &layers, err));
     MHA_RETURN_IF(info->layer < 0 || info->layer >= layers, err, INVALID_ARG,
                   "%s: layer %lld does not exist (num_hidden_layers = %lld: 0 .. %lld)",
                   m->config_path, (long long)info->layer, (long long)layers, (long long)layers - 1);
@@ -1437,16 +1435,16 @@ mla_sizes(hf_model *m, mha_hf_layer_info *info, mha_mla_config *c, mha_error *er
     c->qk_nope_head_dim = 128;
     c->qk_rope_head_dim = 64;
     c->v_head_dim = 128;
-    TRY(get_int(m, j, "q_lora_rank", 0, 1, HF_MAX_SIZE, &c->q_lora_rank, err));
-    TRY(get_int(m, j, "kv_lora_rank", 0, 1, HF_MAX_SIZE, &c->kv_lora_rank, err));
-    TRY(get_int(m, j, "qk_nope_head_dim", 0, 1, HF_MAX_SIZE, &c->qk_nope_head_dim, err));
-    TRY(get_int(m, j, "qk_rope_head_dim", 0, 2, HF_MAX_SIZE, &c->qk_rope_head_dim, err));
-    TRY(get_int(m, j, "v_head_dim", 0, 1, HF_MAX_SIZE, &c->v_head_dim, err));
+    MHA_TRY(get_int(m, j, "q_lora_rank", 0, 1, HF_MAX_SIZE, &c->q_lora_rank, err));
+    MHA_TRY(get_int(m, j, "kv_lora_rank", 0, 1, HF_MAX_SIZE, &c->kv_lora_rank, err));
+    MHA_TRY(get_int(m, j, "qk_nope_head_dim", 0, 1, HF_MAX_SIZE, &c->qk_nope_head_dim, err));
+    MHA_TRY(get_int(m, j, "qk_rope_head_dim", 0, 2, HF_MAX_SIZE, &c->qk_rope_head_dim, err));
+    MHA_TRY(get_int(m, j, "v_head_dim", 0, 1, HF_MAX_SIZE, &c->v_head_dim, err));
     MHA_RETURN_IF(c->qk_rope_head_dim % 2 != 0, err, BAD_FILE,
                   "%s: \"qk_rope_head_dim\" %lld must be even (RoPE rotates pairs)", m->config_path,
                   (long long)c->qk_rope_head_dim);
     int bias = 0;
-    TRY(get_bool(m, j, "attention_bias", &bias, err));
+    MHA_TRY(get_bool(m, j, "attention_bias", &bias, err));
     c->bias = bias;
     m->hidden = c->hidden;
     return MHA_STATUS_OK;
@@ -1460,23 +1458,23 @@ static mha_status mla_rope(hf_model *m, mha_mla_config *c, mha_error *err) {
     mha_hf_layer_info tmp;
     memset(&tmp, 0, sizeof tmp);
     tmp.config.head_dim = c->qk_rope_head_dim;
-    TRY(read_rope(m, NULL, 1, &tmp, err));
+    MHA_TRY(read_rope(m, NULL, 1, &tmp, err));
     c->rope = tmp.config.rope;
     int interleave = 1;
     if (is_type(m, "deepseek_v3"))
-        TRY(get_bool(m, m->config, "rope_interleave", &interleave, err));
+        MHA_TRY(get_bool(m, m->config, "rope_interleave", &interleave, err));
     c->rope.style = interleave ? MHA_ROPE_INTERLEAVED : MHA_ROPE_HALF;
     c->scale = 1.0 / sqrt((double)(c->qk_nope_head_dim + c->qk_rope_head_dim));
     const cJSON *p, *s;
     const char *where;
-    TRY(rope_params(m, NULL, &p, &s, &where, err));
+    MHA_TRY(rope_params(m, NULL, &p, &s, &where, err));
     double msa = 0.0, factor = 0.0;
     if (c->rope.scaling == MHA_ROPE_SCALING_NONE || !s || s == m->config)
         return MHA_STATUS_OK;
-    TRY(get_num(m, s, where, "mscale_all_dim", 0.0, 0, 1e15, &msa, err));
+    MHA_TRY(get_num(m, s, where, "mscale_all_dim", 0.0, 0, 1e15, &msa, err));
     if (msa == 0.0)
         return MHA_STATUS_OK;
-    TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
+    MHA_TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &factor, err));
     MHA_RETURN_IF(factor == 0.0, err, BAD_FILE, "%s: \"%smscale_all_dim\" needs \"%sfactor\"",
                   m->config_path, where, where);
     const double ms = yarn_mscale(factor, msa);
@@ -1521,14 +1519,14 @@ static mha_status mla_read(
                                   {b, E, 0}};
     for (int i = 0; i < 11; i++)
         if (shape[i][0])
-            TRY(read_exact(m, MLA_TENSORS[i].stem, MLA_TENSORS[i].suffix, shape[i][1], shape[i][2],
-                           MHA_DTYPE_F32, a, (void **)&p[i], err));
+            MHA_TRY(read_exact(m, MLA_TENSORS[i].stem, MLA_TENSORS[i].suffix, shape[i][1],
+                               shape[i][2], MHA_DTYPE_F32, a, (void **)&p[i], err));
     return MHA_STATUS_OK;
 }
 
 static mha_status mla_find(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
     const char *type = NULL;
-    TRY(get_str(m, m->config, "model_type", &type, err));
+    MHA_TRY(get_str(m, m->config, "model_type", &type, err));
     MHA_RETURN_IF(!type, err, BAD_FILE, "%s: no \"model_type\"", m->config_path);
     for (size_t i = 0; i < sizeof MLA_ARCHS / sizeof MLA_ARCHS[0]; i++)
         if (strcmp(MLA_ARCHS[i].type, type) == 0)
@@ -1576,12 +1574,12 @@ static mha_status mla_load(hf_model *m,
     info->window_left = info->window_right = -1;
     mha_mla_config c;
     memset(&c, 0, sizeof c);
-    TRY(mla_find(m, info, err));
-    TRY(mla_sizes(m, info, &c, err));
-    TRY(mla_rope(m, &c, err));
-    TRY(mla_prefix(m, layer, err));
+    MHA_TRY(mla_find(m, info, err));
+    MHA_TRY(mla_sizes(m, info, &c, err));
+    MHA_TRY(mla_rope(m, &c, err));
+    MHA_TRY(mla_prefix(m, layer, err));
     snprintf(info->prefix, sizeof info->prefix, "%s", m->prefix);
-    TRY(mla_read(m, &c, a, p, err));
+    MHA_TRY(mla_read(m, &c, a, p, err));
     const mha_mla_weights w = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10]};
     mha_status st = mha_mla_create(&c, &w, a, out, err);
     if (st != MHA_STATUS_OK && err) {

@@ -13,13 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        mha_status st_ = (expr);                                                                   \
-        if (st_ != MHA_STATUS_OK)                                                                  \
-            return st_;                                                                            \
-    } while (0)
-
 /* The weights' float counts, in mha_mla_weights' field order (0: unused by the config). */
 static void weight_counts(const mha_mla_config *c, int64_t n[11]) {
     const int64_t h = c->num_heads, dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim;
@@ -56,7 +49,7 @@ mha_status mha_mla_create(const mha_mla_config *config,
     MHA_RETURN_IF(!out, err, INVALID_ARG, "mha_mla_create: out is NULL");
     *out = NULL;
     mha_mla_config cfg;
-    TRY(mha__check_mla_create(config, weights, &cfg, err));
+    MHA_TRY(mha__check_mla_create(config, weights, &cfg, err));
     int64_t n[11], total = 0;
     weight_counts(&cfg, n);
     for (int i = 0; i < 11; i++)
@@ -188,13 +181,13 @@ mha_status mha__mla_project(const struct mha_mla *m,
     const int64_t dq = c->qk_nope_head_dim + c->qk_rope_head_dim, r = c->kv_lora_rank;
     const int64_t dr = c->qk_rope_head_dim;
     if (rq == 0) {
-        TRY(gemm(T, h * dq, E, x, E, m->w.w_q, E, NULL, rows.q, h * dq, team, err));
+        MHA_TRY(gemm(T, h * dq, E, x, E, m->w.w_q, E, NULL, rows.q, h * dq, team, err));
     } else {
-        TRY(gemm(T, rq, E, x, E, m->w.w_q_a, E, m->w.b_q_a, tmp, rq, team, err));
+        MHA_TRY(gemm(T, rq, E, x, E, m->w.w_q_a, E, m->w.b_q_a, tmp, rq, team, err));
         mha__mla_rms_norm(tmp, T, rq, rq, m->w.q_a_norm, c->rms_eps);
-        TRY(gemm(T, h * dq, rq, tmp, rq, m->w.w_q_b, rq, NULL, rows.q, h * dq, team, err));
+        MHA_TRY(gemm(T, h * dq, rq, tmp, rq, m->w.w_q_b, rq, NULL, rows.q, h * dq, team, err));
     }
-    TRY(gemm(T, r + dr, E, x, E, m->w.w_kv_a, E, m->w.b_kv_a, rows.kv, r + dr, team, err));
+    MHA_TRY(gemm(T, r + dr, E, x, E, m->w.w_kv_a, E, m->w.b_kv_a, rows.kv, r + dr, team, err));
     mha__mla_rms_norm(rows.kv, T, r, r + dr, m->w.kv_a_norm, c->rms_eps);
     return mha__mla_rotate(m, B, L, pos, base, rows, 0, err);
 }
@@ -249,9 +242,9 @@ mha_status mha_mla_forward(const mha_mla *m,
                            const mha_exec *exec,
                            mha_error *err) {
     MHA_RETURN_IF(!m, err, INVALID_ARG, "mha_mla_forward: mla is NULL");
-    TRY(mha__check_mla_forward(&m->cfg, a, err));
+    MHA_TRY(mha__check_mla_forward(&m->cfg, a, err));
     mha__team team;
-    TRY(mha__exec_team(exec, &team, err));
+    MHA_TRY(mha__exec_team(exec, &team, err));
     const mha_mla_config *c = &m->cfg;
     const int64_t T = a->batch * a->seq_len, h = c->num_heads, dn = c->qk_nope_head_dim;
     const int64_t dq = dn + c->qk_rope_head_dim, dv = c->v_head_dim, r = c->kv_lora_rank;

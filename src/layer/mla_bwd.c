@@ -21,13 +21,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        mha_status st_ = (expr);                                                                   \
-        if (st_ != MHA_STATUS_OK)                                                                  \
-            return st_;                                                                            \
-    } while (0)
-
 /* y [M, N] = x [M, K] W [K, N] (W stored row-major [K, N], row stride ldw). */
 static mha_status gemm_nn(int64_t M,
                           int64_t N,
@@ -145,15 +138,15 @@ static mha_status recompute(bwd_ctx *x, mha_attention_args *ca, mha_error *err) 
     const int64_t r = c->kv_lora_rank, dr = c->qk_rope_head_dim, dn = c->qk_nope_head_dim;
     const int64_t dnv = dn + c->v_head_dim;
     mha__mla_rows rows = {x->b[B_Q], x->b[B_KV]};
-    TRY(mha__mla_project(m, x->a->batch, x->a->seq_len, x->a->x, x->a->positions, NULL, rows,
-                         x->b[B_QN], x->team, err));
+    MHA_TRY(mha__mla_project(m, x->a->batch, x->a->seq_len, x->a->x, x->a->positions, NULL, rows,
+                             x->b[B_QN], x->team, err));
     if (rq)
-        TRY(mha__gemm_xwt(T, rq, E, x->a->x, E, m->w.w_q_a, E, m->w.b_q_a, x->b[B_QZ], rq, x->team,
-                          MHA__GEMM_AUTO, NULL, err));
-    TRY(mha__gemm_xwt(T, r, E, x->a->x, E, m->w.w_kv_a, E, m->w.b_kv_a ? m->w.b_kv_a : NULL,
-                      x->b[B_KZ], r, x->team, MHA__GEMM_AUTO, NULL, err));
-    TRY(mha__gemm_xwt(T, h * dnv, r, rows.kv, r + dr, m->w.w_kv_b, r, NULL, x->b[B_KVB], h * dnv,
-                      x->team, MHA__GEMM_AUTO, NULL, err));
+        MHA_TRY(mha__gemm_xwt(T, rq, E, x->a->x, E, m->w.w_q_a, E, m->w.b_q_a, x->b[B_QZ], rq,
+                              x->team, MHA__GEMM_AUTO, NULL, err));
+    MHA_TRY(mha__gemm_xwt(T, r, E, x->a->x, E, m->w.w_kv_a, E, m->w.b_kv_a ? m->w.b_kv_a : NULL,
+                          x->b[B_KZ], r, x->team, MHA__GEMM_AUTO, NULL, err));
+    MHA_TRY(mha__gemm_xwt(T, h * dnv, r, rows.kv, r + dr, m->w.w_kv_b, r, NULL, x->b[B_KVB],
+                          h * dnv, x->team, MHA__GEMM_AUTO, NULL, err));
     mha__mla_expand_keys(c, T, x->b[B_KVB], rows.kv, x->b[B_K]);
     mha__mla_core_args(m, x->a, rows.q, x->b[B_K], x->b[B_KVB], x->b[B_O], ca);
     ca->lse = x->lse;
@@ -172,10 +165,10 @@ static mha_status bwd_out_core(bwd_ctx *x, const mha_attention_args *ca, mha_err
     const int64_t dq = c->qk_nope_head_dim + c->qk_rope_head_dim;
     const float *dy = x->g->dy;
     if (x->g->w_o)
-        TRY(gemm_tn(E, h * dv, T, dy, E, x->b[B_O], h * dv, x->g->w_o, h * dv, x->team, err));
+        MHA_TRY(gemm_tn(E, h * dv, T, dy, E, x->b[B_O], h * dv, x->g->w_o, h * dv, x->team, err));
     if (x->g->b_o)
         col_sums(dy, T, E, E, x->g->b_o);
-    TRY(gemm_nn(T, h * dv, E, dy, E, x->m->w.w_o, h * dv, x->b[B_DO], h * dv, x->team, err));
+    MHA_TRY(gemm_nn(T, h * dv, E, dy, E, x->m->w.w_o, h * dv, x->b[B_DO], h * dv, x->team, err));
     mha_attention_grads gr;
     memset(&gr, 0, sizeof gr);
     const int64_t os[3] = {L * h * dv, dv, h * dv}, qs[3] = {L * h * dq, dq, h * dq};
@@ -209,9 +202,9 @@ static mha_status bwd_kv(bwd_ctx *x, mha_error *err) {
         }
     }
     if (x->g->w_kv_b)
-        TRY(gemm_tn(h * dnv, r, T, dkvb, h * dnv, x->b[B_KV], r + dr, x->g->w_kv_b, r, x->team,
-                    err));
-    TRY(gemm_nn(T, r, h * dnv, dkvb, h * dnv, x->m->w.w_kv_b, r, da, r + dr, x->team, err));
+        MHA_TRY(gemm_tn(h * dnv, r, T, dkvb, h * dnv, x->b[B_KV], r + dr, x->g->w_kv_b, r, x->team,
+                        err));
+    MHA_TRY(gemm_nn(T, r, h * dnv, dkvb, h * dnv, x->m->w.w_kv_b, r, da, r + dr, x->team, err));
     mha__mla_rows rows = {x->b[B_DQ], da};
     return mha__mla_rotate(x->m, x->a->batch, x->a->seq_len, x->a->positions, NULL, rows, 1, err);
 }
@@ -220,7 +213,7 @@ static mha_status bwd_kv(bwd_ctx *x, mha_error *err) {
 static mha_status add_dx(bwd_ctx *x, const float *d, int64_t n, const float *w, mha_error *err) {
     const int64_t T = x->T, E = x->m->cfg.hidden;
     float *tmp = x->b[B_DX];
-    TRY(gemm_nn(T, E, n, d, n, w, E, tmp, E, x->team, err));
+    MHA_TRY(gemm_nn(T, E, n, d, n, w, E, tmp, E, x->team, err));
     if (x->g->dx)
         for (int64_t i = 0; i < T * E; i++)
             x->g->dx[i] += tmp[i];
@@ -239,24 +232,24 @@ static mha_status bwd_inputs(bwd_ctx *x, mha_error *err) {
     rms_norm_bwd(x->b[B_KZ], r, da, T, r, r + dr, m->w.kv_a_norm, c->rms_eps,
                  dst(x, x->g->kv_a_norm));
     if (x->g->w_kv_a)
-        TRY(gemm_tn(r + dr, E, T, da, r + dr, xin, E, x->g->w_kv_a, E, x->team, err));
+        MHA_TRY(gemm_tn(r + dr, E, T, da, r + dr, xin, E, x->g->w_kv_a, E, x->team, err));
     if (x->g->b_kv_a)
         col_sums(da, T, r + dr, r + dr, x->g->b_kv_a);
     if (x->g->dx)
         memset(x->g->dx, 0, sizeof(float) * (size_t)(T * E));
-    TRY(add_dx(x, da, r + dr, m->w.w_kv_a, err));
+    MHA_TRY(add_dx(x, da, r + dr, m->w.w_kv_a, err));
     if (rq == 0) {
         if (x->g->w_q)
-            TRY(gemm_tn(h * dq, E, T, dqb, h * dq, xin, E, x->g->w_q, E, x->team, err));
+            MHA_TRY(gemm_tn(h * dq, E, T, dqb, h * dq, xin, E, x->g->w_q, E, x->team, err));
         return add_dx(x, dqb, h * dq, m->w.w_q, err);
     }
     float *dqn = x->b[B_DQN];
     if (x->g->w_q_b)
-        TRY(gemm_tn(h * dq, rq, T, dqb, h * dq, x->b[B_QN], rq, x->g->w_q_b, rq, x->team, err));
-    TRY(gemm_nn(T, rq, h * dq, dqb, h * dq, m->w.w_q_b, rq, dqn, rq, x->team, err));
+        MHA_TRY(gemm_tn(h * dq, rq, T, dqb, h * dq, x->b[B_QN], rq, x->g->w_q_b, rq, x->team, err));
+    MHA_TRY(gemm_nn(T, rq, h * dq, dqb, h * dq, m->w.w_q_b, rq, dqn, rq, x->team, err));
     rms_norm_bwd(x->b[B_QZ], rq, dqn, T, rq, rq, m->w.q_a_norm, c->rms_eps, dst(x, x->g->q_a_norm));
     if (x->g->w_q_a)
-        TRY(gemm_tn(rq, E, T, dqn, rq, xin, E, x->g->w_q_a, E, x->team, err));
+        MHA_TRY(gemm_tn(rq, E, T, dqn, rq, xin, E, x->g->w_q_a, E, x->team, err));
     if (x->g->b_q_a)
         col_sums(dqn, T, rq, rq, x->g->b_q_a);
     return add_dx(x, dqn, rq, m->w.w_q_a, err);
@@ -284,9 +277,9 @@ static mha_status check_grads(const mha_mla_config *c, const mha_mla_grads *g, m
 
 static mha_status run(bwd_ctx *x, mha_error *err) {
     mha_attention_args ca;
-    TRY(recompute(x, &ca, err));
-    TRY(bwd_out_core(x, &ca, err));
-    TRY(bwd_kv(x, err));
+    MHA_TRY(recompute(x, &ca, err));
+    MHA_TRY(bwd_out_core(x, &ca, err));
+    MHA_TRY(bwd_kv(x, err));
     return bwd_inputs(x, err);
 }
 
@@ -296,10 +289,10 @@ mha_status mha_mla_backward(const mha_mla *m,
                             const mha_exec *exec,
                             mha_error *err) {
     MHA_RETURN_IF(!m || !a, err, INVALID_ARG, "mha_mla_backward: mla or args is NULL");
-    TRY(check_grads(&m->cfg, g, err));
+    MHA_TRY(check_grads(&m->cfg, g, err));
     mha_mla_forward_args probe = *a;
     probe.out = (float *)g->dy; /* dy must not overlap x either; out is not written */
-    TRY(mha__check_mla_forward(&m->cfg, &probe, err));
+    MHA_TRY(mha__check_mla_forward(&m->cfg, &probe, err));
     const mha_mla_config *c = &m->cfg;
     const int64_t T = a->batch * a->seq_len, h = c->num_heads, E = c->hidden;
     const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
