@@ -584,6 +584,10 @@ static void test_errors(void) {
     expect_err(mha_kv_cache_truncate(c, 0, 4, &err), &err, "new_len=4", "truncate longer");
     expect_err(mha_kv_cache_truncate(c, 0, -1, &err), &err, "new_len=-1", "truncate negative");
     expect_err(mha_kv_cache_truncate(c, 2, 0, &err), &err, "seq=2", "truncate bad seq");
+    expect_err(mha_kv_cache_share_prefix(c, 0, 1, 4, &err), &err, "share_prefix: len=4",
+               "share_prefix longer than src");
+    expect_err(mha_kv_cache_accept(c, 0, 4, 0, NULL, &err), &err, "accept: base_len=4",
+               "accept past the length");
     expect_err(mha_kv_cache_reset(c, -1, &err), &err, "seq=-1", "reset bad seq");
     expect_err(mha_kv_cache_copy(c, 0, 9, &err), &err, "dst_seq=9", "copy bad dst");
     expect_err(mha_kv_cache_read(c, 0, 3, kk, vv, &err), &err, "not stored", "read past length");

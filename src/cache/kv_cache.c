@@ -230,7 +230,7 @@ mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_error *err) 
 mha_status
 mha_kv_cache_truncate(mha_kv_cache *cache, int64_t seq, int64_t new_len, mha_error *err) {
     const mha__kv_view view = mha__kv_view_of(cache);
-    mha_status st = mha__check_kv_truncate(&view, seq, new_len, err);
+    mha_status st = mha__check_kv_truncate(&view, seq, new_len, "truncate", "new_len", err);
     if (st)
         return st;
     mha__kv_set_len(cache, seq, new_len);
@@ -361,7 +361,7 @@ mha_status mha_kv_cache_share_prefix(
     const mha__kv_view view = mha__kv_view_of(cache);
     mha_status st = mha__check_kv_seq(&view, dst_seq, "dst_seq", err);
     if (!st) /* src could be truncated to len: then the fork can */
-        st = mha__check_kv_truncate(&view, src_seq, len, err);
+        st = mha__check_kv_truncate(&view, src_seq, len, "share_prefix", "len", err);
     if (st)
         return st;
     if (src_seq != dst_seq)

@@ -139,24 +139,28 @@ mha_status mha__check_kv_append(const mha__kv_view *c,
     return MHA_STATUS_OK;
 }
 
-mha_status
-mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_error *err) {
+mha_status mha__check_kv_truncate(const mha__kv_view *c,
+                                  int64_t seq,
+                                  int64_t new_len,
+                                  const char *fn,
+                                  const char *arg,
+                                  mha_error *err) {
     mha_status st = mha__check_kv_seq(c, seq, "seq", err);
     if (st)
         return st;
     const int64_t L = c->len[seq];
     MHA_RETURN_IF(new_len < 0 || new_len > L, err, INVALID_ARG,
-                  "truncate: new_len=%lld must be in [0, %lld] (the length of sequence %lld)",
+                  "%s: %s=%lld must be in [0, %lld] (the length of sequence %lld)", fn, arg,
                   (long long)new_len, (long long)L, (long long)seq);
     /* A ring (window or chunk) holds the positions >= lo[seq]; the next token at new_len needs
      * the keys mha__kv_first_key(new_len) .. new_len - 1. */
     if (mha__kv_ring_span(c->cfg) > 0 && new_len > 0) {
         const int64_t need = mha__kv_first_key(c->cfg, new_len);
         MHA_RETURN_IF(need<c->lo[seq], err, INVALID_ARG,
-                           "truncate: sequence %lld of a %s-%lld cache cannot roll back to %lld: "
+                           "%s: sequence %lld of a %s-%lld cache cannot roll back to %lld: "
                            "its keys below position %lld are overwritten (a ring can roll back at "
                            "most max_step_tokens=%lld positions from its furthest length)",
-                           (long long)seq, c->cfg->window> 0
+                           fn, (long long)seq, c->cfg->window> 0
                           ? "window"
                           : "chunk",
                       (long long)mha__kv_ring_span(c->cfg), (long long)new_len,
@@ -227,7 +231,7 @@ mha_status mha__check_kv_accept(const mha__kv_view *c,
                       (long long)k, (long long)draft_idx[k],
                       (long long)(k > 0 ? draft_idx[k - 1] + 1 : 0), (long long)(L - base_len));
     /* the rows moved must still be stored, and the next token needs what truncate would */
-    return mha__check_kv_truncate(c, seq, base_len, err);
+    return mha__check_kv_truncate(c, seq, base_len, "accept", "base_len", err);
 }
 
 mha_status mha__check_kv_read(const mha__kv_view *c,

@@ -293,8 +293,14 @@ mha_status mha__check_kv_append(const mha__kv_view *c,
                                 const float *k,
                                 const float *v,
                                 mha_error *err);
-mha_status
-mha__check_kv_truncate(const mha__kv_view *c, int64_t seq, int64_t new_len, mha_error *err);
+/* truncate, share_prefix and accept: new_len in [0, len[seq]] and, for a ring, its keys still
+ * stored; messages name the call fn and its argument arg. */
+mha_status mha__check_kv_truncate(const mha__kv_view *c,
+                                  int64_t seq,
+                                  int64_t new_len,
+                                  const char *fn,
+                                  const char *arg,
+                                  mha_error *err);
 /* mha_kv_cache_set_fp8_scales: an FP8_E4M3 cache holding no positions; scales in
  * [2^-100, 2^100]. */
 mha_status mha__check_kv_fp8_scales(const mha__kv_view *c,
