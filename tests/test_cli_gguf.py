@@ -456,6 +456,27 @@ def test_unsupported_is_refused_by_name(models, tmp_path):
     refused(p, "layer 2", "2 layers", layer=2)
 
 
+def test_block_types_untrusted(tmp_path):
+    # Truncated block data and a non-finite block scale are BAD_FILE naming the tensor (the C
+    # test, tests/test_gguf.c, covers rows that are not whole blocks).
+    rng = np.random.default_rng(5)
+    rows = (("attn_q", 256), ("attn_k", 128), ("attn_v", 128), ("attn_output", 256))
+    raws = {stem: (random_blocks(Q.Q4_K, r, 256, rng, scale=0.5), Q.Q4_K) for stem, r in rows}
+    raws["attn_output"] = (random_blocks(Q.Q6_K, 256, 256, rng, scale=0.5), Q.Q6_K)
+    p = str(tmp_path / "t.gguf")
+    write_raw(p, raws)
+    with open(p, "rb") as f:
+        data = f.read()
+    with open(p, "wb") as f:
+        f.write(data[:-100])
+    refused(p, "blk.0.attn_output.weight", "runs past the end")
+    raws["attn_k"][0][3, 2:4] = [0x00, 0x7c]  # row 3: its block's dmin = inf
+    write_raw(p, raws)
+    r = run_cli("run", "--gguf", p, "--input", "/nonexistent.npy", "--out", "/tmp/unused.npy")
+    assert r.returncode == 1 and "'blk.0.attn_k.weight' row 3: a Q4_K block's scale is not " \
+        "finite" in r.stderr, r.stderr
+
+
 def test_usage_errors(models, tmp_path):
     _, d = models["llama"]
     r = run_cli("run", "--gguf", "a.gguf", "--model", d, "--input", "x.npy", "--out", "y.npy")
