@@ -301,6 +301,13 @@ def main():
     out("gguf", "llama3_rope_freqs", gguf("llama", keys("llama", 8, 2, 1, **{
         "llama.context_length": (4, 64)}),
         layer_tensors(0, 8, 2, 1, 4) + [("rope_freqs.weight", [2], 0, f32([1.0, 8.0]))]))
+    out("gguf", "qwen2_yarn", gguf("qwen2", keys("qwen2", 4, 2, 2, **{
+        "qwen2.rope.scaling.type": (8, "yarn"), "qwen2.rope.scaling.factor": (6, 4.0),
+        "qwen2.rope.scaling.original_context_length": (4, 16),
+        "qwen2.rope.scaling.attn_factor": (6, 1.5), "qwen2.rope.scaling.yarn_beta_fast": (6, 16.0),
+        "qwen2.rope.scaling.yarn_beta_slow": (6, 2.0),
+        "qwen2.rope.scaling.yarn_log_multiplier": (6, 0.1)}),
+        layer_tensors(0, 4, 2, 2, 2)))
     out("gguf", "qwen2_q4_q5", gguf("qwen2", keys("qwen2", 32, 2, 1),
                                     layer_tensors(0, 32, 2, 1, 16, typ=(2, 6, 3, 7))))
     out("gguf", "llama_kquants", gguf("llama", keys("llama", 256, 1, 1, **{

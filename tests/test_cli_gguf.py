@@ -57,6 +57,10 @@ CASES = {
     "qwen3": (T.Qwen3Config, dict(BASE, head_dim=16, attention_bias=False,
                                   rope_parameters=dict(rope_type="default", rope_theta=1e6)),
               T.Qwen3ForCausalLM, "qwen3", False, {}),
+    # YaRN: llama.cpp's rope.scaling.type "yarn", factor, original_context_length
+    "qwen2_yarn": (T.Qwen2Config, dict(BASE, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16)),
+        T.Qwen2ForCausalLM, "qwen2", False, {"yarn": (4.0, 16)}),
     # rows of 256 values (head_dim 64): the K-quants' block
     "llama_wide": (T.LlamaConfig, dict(BASE, hidden_size=256, rope_parameters=dict(
         rope_type="default", rope_theta=1e4)), T.LlamaForCausalLM, "llama", True, {}),
@@ -170,6 +174,10 @@ def write_gguf(name, model, qtype, path, permuted=None, arch=None, edit=None):
     if "scaling" in extra:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(extra["scaling"][1])
+    if "yarn" in extra:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(extra["yarn"][0])
+        w.add_rope_scaling_orig_ctx_len(extra["yarn"][1])
     if "window" in extra:
         w.add_sliding_window(extra["window"])
     if "rope_freqs" in extra:  # the divisors of HF's llama3 frequencies, as the converter's
@@ -373,6 +381,48 @@ def test_f32_gguf_equals_the_hf_directory(models, tmp_path):
     np.testing.assert_array_equal(y, np.load(yp))
 
 
+@pytest.mark.parametrize("keys", [{}, {"attn_factor": 1.5, "yarn_beta_fast": 16.0,
+                                     "yarn_beta_slow": 2.0}])
+def test_yarn_gguf_equals_the_hf_directory(models, tmp_path, keys):
+    # llama.cpp's YaRN keys give the layer the HF config's YaRN gives, bit for bit: the same
+    # factor, original length, betas and truncated ramp; cos/sin times mscale(factor) =
+    # 0.1 ln(factor) + 1, times rope.scaling.attn_factor (HF: attention_factor, the product).
+    import json
+    import math
+    model, d = models["qwen2_yarn"]
+    path = str(tmp_path / "y.gguf")
+
+    def edit(w):
+        for k, v in keys.items():
+            w.add_float32(f"qwen2.rope.scaling.{k}", v)
+    write_gguf("qwen2_yarn", model, Q.F32, path, edit=edit)
+    if keys:
+        d2 = tmp_path / "hf"
+        d2.mkdir()
+        for f in os.listdir(d):
+            os.symlink(os.path.join(d, f), d2 / f) if f != "config.json" else None
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        rp = cfg["rope_parameters"]
+        rp["attention_factor"] = (0.1 * math.log(4.0) + 1.0) * keys["attn_factor"]
+        rp["beta_fast"], rp["beta_slow"] = keys["yarn_beta_fast"], keys["yarn_beta_slow"]
+        json.dump(cfg, open(d2 / "config.json", "w"))
+        d = str(d2)
+    x, _ = record(model, 1, ids_for("qwen2_yarn"))
+    y = run_gguf(path, 1, x, tmp_path)
+    xp, yp = tmp_path / "x.npy", tmp_path / "ym.npy"
+    r = run_cli("run", "--model", d, "--layer", 1, "--input", xp, "--out", yp)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(y, np.load(yp))
+    info_g = run_cli("info", "--gguf", path).stdout
+    info_m = run_cli("info", "--model", d).stdout
+    rope = [ln for ln in info_g.splitlines() if ln.startswith("rope")]
+    assert rope and "yarn" in rope[0] and rope == [ln for ln in info_m.splitlines()
+                                                   if ln.startswith("rope")], (info_g, info_m)
+    if keys:  # the keys change the layer
+        write_gguf("qwen2_yarn", model, Q.F32, path)
+        assert not np.array_equal(run_gguf(path, 1, x, tmp_path), y)
+
+
 def test_permutation_is_undone(models, tmp_path):
     # The same llama file written without llama.cpp's permutation is read as permuted: wrong.
     model, _ = models["llama"]
@@ -431,11 +481,16 @@ def test_unsupported_is_refused_by_name(models, tmp_path):
     write_gguf("llama", model, Q.F32, p, arch="gemma2")
     refused(p, "general.architecture", "gemma2")
 
-    def yarn(w):
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    p = str(tmp_path / "yarn.gguf")
-    write_gguf("qwen2", models["qwen2"][0], Q.F32, p, edit=yarn)
-    refused(p, "qwen2.rope.scaling.type", "yarn")
+    p = str(tmp_path / "longrope.gguf")
+    write_gguf("qwen2", models["qwen2"][0], Q.F32, p,
+               edit=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE))
+    refused(p, "qwen2.rope.scaling.type", "longrope")
+    write_gguf("qwen2_yarn", models["qwen2_yarn"][0], Q.F32, p,
+               edit=lambda w: w.add_rope_scaling_yarn_ext_factor(0.5))
+    refused(p, "qwen2.rope.scaling.yarn_ext_factor", "only 1")
+    write_gguf("qwen2_yarn", models["qwen2_yarn"][0], Q.F32, p,
+               edit=lambda w: w.add_rope_scaling_yarn_attn_factor(0.7))
+    refused(p, "qwen2.rope.scaling.yarn_attn_factor", "not mapped")
 
     def freqs(w):
         w.add_tensor("rope_freqs.weight", np.ones(5, np.float32))

@@ -696,6 +696,70 @@ static int tensor_name(char *buf, int64_t layer, const char *stem) {
     return snprintf(buf, GGUF_TEXT, "blk.%lld.%s", (long long)layer, stem);
 }
 
+/* YaRN as llama.cpp runs it (docs/MODELS.md "GGUF files"): the ramp between beta_fast and
+ * beta_slow rotations over rope.scaling.original_context_length (else context_length), ends
+ * floored/ceiled (transformers' truncate), cos and sin times mscale(factor) = 0.1 ln(factor) + 1
+ * (1 if factor <= 1) — or mscale(factor, 1) / mscale(factor, yarn_log_multiplier) when that key
+ * is nonzero — times rope.scaling.attn_factor. */
+static double gguf_mscale(double factor, double m) {
+    return factor <= 1.0 ? 1.0 : 0.1 * m * log(factor) + 1.0;
+}
+
+static mha_status
+read_yarn(mha__gguf *g, const char *arch, double factor, mha_rope *r, mha_error *err) {
+    char key[GGUF_TEXT];
+    int found;
+    MHA_RETURN_IF(factor <= 0.0, err, BAD_FILE, "%s: yarn rope scaling without %s.%s", g->path,
+                  arch, "rope.scaling.factor");
+    int64_t orig = 0;
+    key_of(key, arch, "rope.scaling.original_context_length");
+    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &orig, &found, err));
+    if (!found) {
+        key_of(key, arch, "context_length");
+        MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &orig, &found, err));
+        MHA_RETURN_IF(!found, err, BAD_FILE,
+                      "%s: yarn rope scaling without %s.rope.scaling.original_context_length or "
+                      "%s.context_length",
+                      g->path, arch, arch);
+    }
+    /* ext_factor: llama.cpp's weight of the ramp (1 for YaRN); another mixes what mha cannot */
+    double ext = 1.0;
+    key_of(key, arch, "rope.scaling.yarn_ext_factor");
+    MHA_TRY(get_num(g, key, 0, &ext, &found, err));
+    MHA_RETURN_IF(found && ext != 1.0 && ext >= 0.0, err, UNSUPPORTED,
+                  "%s: '%s' = %g: only 1 (the full YaRN ramp, as transformers') is supported",
+                  g->path, key, ext);
+    double v = 0.0;
+    key_of(key, arch, "rope.scaling.yarn_attn_factor");
+    MHA_TRY(get_num(g, key, 0, &v, &found, err));
+    MHA_RETURN_IF(found && v != 1.0, err, UNSUPPORTED,
+                  "%s: '%s' = %g is not mapped (only 1 is supported)", g->path, key, v);
+    double log_mul = 0.0, attn = 1.0;
+    key_of(key, arch, "rope.scaling.yarn_log_multiplier");
+    MHA_TRY(get_num(g, key, 0, &log_mul, &found, err));
+    key_of(key, arch, "rope.scaling.attn_factor");
+    MHA_TRY(get_num(g, key, 1, &attn, &found, err));
+    r->beta_fast = 32.0;
+    r->beta_slow = 1.0;
+    key_of(key, arch, "rope.scaling.yarn_beta_fast");
+    MHA_TRY(get_num(g, key, 1, &r->beta_fast, &found, err));
+    key_of(key, arch, "rope.scaling.yarn_beta_slow");
+    MHA_TRY(get_num(g, key, 1, &r->beta_slow, &found, err));
+    const double af = (log_mul != 0.0 ? gguf_mscale(factor, 1.0) / gguf_mscale(factor, log_mul)
+                                      : gguf_mscale(factor, 1.0)) *
+                      attn;
+    MHA_RETURN_IF(!isfinite(af) || !(af > 0.0), err, BAD_FILE,
+                  "%s: yarn rope scaling: the attention factor %g (from %s.rope.scaling.factor, "
+                  "attn_factor and yarn_log_multiplier) is not a finite number > 0",
+                  g->path, af, arch);
+    r->scaling = MHA_ROPE_SCALING_YARN;
+    r->factor = factor;
+    r->original_max_position = (double)orig;
+    r->yarn_no_truncate = 0;
+    r->attention_factor = af;
+    return MHA_STATUS_OK;
+}
+
 static mha_status
 read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_error *err) {
     char key[GGUF_TEXT];
@@ -736,8 +800,10 @@ read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_err
         r->factor = factor;
         return MHA_STATUS_OK;
     }
+    if (strcmp(type, "yarn") == 0)
+        return read_yarn(g, arch, has_factor ? factor : 0.0, r, err);
     return mha__fail(err, MHA_STATUS_UNSUPPORTED,
-                     "%s: %s.rope.scaling.type '%s' is not supported yet (none and linear are)",
+                     "%s: %s.rope.scaling.type '%s' is not supported (none, linear and yarn are)",
                      g->path, arch, type);
 }
 
