@@ -241,17 +241,31 @@ def main():
                                                                    long_factor=[1.0, 4.0])))
     model("unknown_type", dict(small, model_type="t5"))
     model("not_json", b'{"model_type": "llama",')
-    # ---- GGUF: tiny llama (permuted Q/K), qwen2 (biases, F16), qwen3 (QK-norm, Q8_0 at 32)
+    # ---- GGUF: tiny llama (permuted Q/K), qwen2 (biases, F16), qwen3 (QK-norm, Q8_0 at 32),
+    # the other block types (Q4_0..Q5_1 at 32, K-quants at 256: deterministic bytes, scales 1/64)
+    qrng = random.Random(11)
+    BLOCKS = {2: (32, 18, (0,)), 3: (32, 20, (0, 2)), 6: (32, 22, (0,)), 7: (32, 24, (0, 2)),
+              10: (256, 84, (80, 82)), 11: (256, 110, (108,)), 12: (256, 144, (0, 2)),
+              13: (256, 176, (0, 2)), 14: (256, 210, (208,))}
+
+    def blocks(typ, vals):
+        bv, bb, scales = BLOCKS[typ]
+        b = bytearray(qrng.getrandbits(8) for _ in range(len(vals) // bv * bb))
+        for k in range(0, len(b), bb):
+            for o in scales:
+                b[k + o:k + o + 2] = struct.pack("<e", 1 / 64)
+        return bytes(b)
     def lw(rows, cols, k=0):
         return [((i * 7 + k) % 11 - 5) * 0.1 for i in range(rows * cols)]
 
     def layer_tensors(L, hid, h, g, d, typ=0, bias=False, norm=False):
-        conv = {0: f32, 1: f16, 8: q8_0}[typ]
         ts = []
         for k, (stem, rows, cols) in enumerate((("attn_q", h * d, hid), ("attn_k", g * d, hid),
                                                 ("attn_v", g * d, hid),
                                                 ("attn_output", hid, h * d))):
-            ts.append(("blk.%d.%s.weight" % (L, stem), [cols, rows], typ, conv(lw(rows, cols, k))))
+            t = typ[k] if isinstance(typ, tuple) else typ
+            conv = {0: f32, 1: f16, 8: q8_0}.get(t, lambda v, t=t: blocks(t, v))
+            ts.append(("blk.%d.%s.weight" % (L, stem), [cols, rows], t, conv(lw(rows, cols, k))))
             if bias and stem != "attn_output":
                 ts.append(("blk.%d.%s.bias" % (L, stem), [rows], 0, f32(lw(rows, 1, k))))
         if norm:
@@ -287,6 +301,21 @@ def main():
     out("gguf", "llama3_rope_freqs", gguf("llama", keys("llama", 8, 2, 1, **{
         "llama.context_length": (4, 64)}),
         layer_tensors(0, 8, 2, 1, 4) + [("rope_freqs.weight", [2], 0, f32([1.0, 8.0]))]))
+    out("gguf", "qwen2_yarn", gguf("qwen2", keys("qwen2", 4, 2, 2, **{
+        "qwen2.rope.scaling.type": (8, "yarn"), "qwen2.rope.scaling.factor": (6, 4.0),
+        "qwen2.rope.scaling.original_context_length": (4, 16),
+        "qwen2.rope.scaling.attn_factor": (6, 1.5), "qwen2.rope.scaling.yarn_beta_fast": (6, 16.0),
+        "qwen2.rope.scaling.yarn_beta_slow": (6, 2.0),
+        "qwen2.rope.scaling.yarn_log_multiplier": (6, 0.1)}),
+        layer_tensors(0, 4, 2, 2, 2)))
+    out("gguf", "qwen2_q4_q5", gguf("qwen2", keys("qwen2", 32, 2, 1),
+                                    layer_tensors(0, 32, 2, 1, 16, typ=(2, 6, 3, 7))))
+    out("gguf", "llama_kquants", gguf("llama", keys("llama", 256, 1, 1, **{
+        "llama.attention.key_length": (4, 32), "llama.attention.value_length": (4, 32)}),
+                                      layer_tensors(0, 256, 1, 1, 32, typ=(12, 13, 14, 2))))
+    out("gguf", "qwen2_q2k_q3k", gguf("qwen2", keys("qwen2", 256, 1, 1, **{
+        "qwen2.attention.key_length": (4, 32), "qwen2.attention.value_length": (4, 32)}),
+                                      layer_tensors(0, 256, 1, 1, 32, typ=(10, 11, 10, 6))))
     out("gguf", "bad_magic", b"GGUX" + bytes(40))
     # ---- npz members: count byte, then per member: flags (dtype in bits 0-2, NULL data when
     # bits 3-4 are set), name length, name, [dtype byte], ndim byte, dims, data (fuzz_npz.c)

@@ -57,8 +57,22 @@ CASES = {
     "qwen3": (T.Qwen3Config, dict(BASE, head_dim=16, attention_bias=False,
                                   rope_parameters=dict(rope_type="default", rope_theta=1e6)),
               T.Qwen3ForCausalLM, "qwen3", False, {}),
+    # YaRN: llama.cpp's rope.scaling.type "yarn", factor, original_context_length
+    "qwen2_yarn": (T.Qwen2Config, dict(BASE, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16)),
+        T.Qwen2ForCausalLM, "qwen2", False, {"yarn": (4.0, 16)}),
+    # rows of 256 values (head_dim 64): the K-quants' block
+    "llama_wide": (T.LlamaConfig, dict(BASE, hidden_size=256, rope_parameters=dict(
+        rope_type="default", rope_theta=1e4)), T.LlamaForCausalLM, "llama", True, {}),
 }
 TYPES = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0}
+# The types mha reads block-quantised: Q4_0 and Q5_0 exactly (also as q8_0 blocks), the others
+# dequantised to float32 at load as ggml computes them (docs/MODELS.md "GGUF files", Types).
+QUANTS = {t: getattr(Q, t) for t in ("Q4_0", "Q5_0", "Q4_1", "Q5_1", "Q2_K", "Q3_K", "Q4_K",
+                                     "Q5_K", "Q6_K")}
+# the byte ranges of each block's float16 scales (d, and dmin / m)
+SCALES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q2_K: (80, 82),
+          Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 PROJ = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 
 
@@ -74,6 +88,28 @@ def permute(w, heads):
     return w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def random_blocks(qtype, rows, cols, rng, scale=None):
+    """[rows, cols] of `qtype` as raw blocks: random bytes, then finite float16 scales: random
+    ones (scale None: any finite float16, both signs, subnormals and +-65504 included) or the
+    ones that bring each block's largest |value| to about `scale`."""
+    bv, bb = gguf.constants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // bv, bb), dtype=np.uint8)
+    offs = SCALES[qtype]
+    for o in offs:
+        if scale is None:
+            h = rng.integers(0, 0x7c00, len(raw), dtype=np.uint16) | (
+                rng.integers(0, 2, len(raw), dtype=np.uint16) << 15)
+            raw[:, o:o + 2] = h.view(np.uint8).reshape(-1, 2)
+        else:
+            raw[:, o:o + 2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    if scale is not None:  # the values are linear in the scales: rescale them together
+        top = np.abs(gguf.quants.dequantize(raw, qtype).reshape(len(raw), bv)).max(axis=1)
+        f = (scale / np.maximum(top, 1e-3)).astype(np.float16)
+        for o in offs:
+            raw[:, o:o + 2] = f.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
 def stored(w, qtype):
     """(the array GGUFWriter gets, raw_dtype or None, the float64 values the file holds)."""
     w32 = np.ascontiguousarray(w, np.float32)
@@ -82,6 +118,10 @@ def stored(w, qtype):
     if qtype == Q.F16:
         h = w32.astype(np.float16)
         return h, None, h.astype(np.float64)
+    if qtype not in (Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # gguf cannot quantise
+        rng = np.random.default_rng(int(qtype) * 1000 + w.shape[0])
+        raw = random_blocks(qtype, w.shape[0], w.shape[1], rng, scale=float(np.abs(w).max()))
+        return raw, qtype, gguf.quants.dequantize(raw, qtype).astype(np.float64).reshape(w.shape)
     raw = gguf.quants.quantize(w32, qtype)
     return raw, qtype, gguf.quants.dequantize(raw, qtype).astype(np.float64).reshape(w.shape)
 
@@ -134,6 +174,10 @@ def write_gguf(name, model, qtype, path, permuted=None, arch=None, edit=None):
     if "scaling" in extra:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(extra["scaling"][1])
+    if "yarn" in extra:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(extra["yarn"][0])
+        w.add_rope_scaling_orig_ctx_len(extra["yarn"][1])
     if "window" in extra:
         w.add_sliding_window(extra["window"])
     if "rope_freqs" in extra:  # the divisors of HF's llama3 frequencies, as the converter's
@@ -141,7 +185,8 @@ def write_gguf(name, model, qtype, path, permuted=None, arch=None, edit=None):
         base = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
         hf = model.model.rotary_emb.inv_freq.double().numpy()
         w.add_tensor("rope_freqs.weight", (base / hf).astype(np.float32))
-    w.add_file_type(int(qtype))
+    qtypes = qtype if isinstance(qtype, dict) else {gg: qtype for gg in PROJ.values()}
+    w.add_file_type(int(qtypes["attn_q"]))
     if edit:
         edit(w)
     oracle = model_cls_copy(name, model)
@@ -154,7 +199,7 @@ def write_gguf(name, model, qtype, path, permuted=None, arch=None, edit=None):
             heads = h if hf == "q_proj" else g
             if perm and hf in ("q_proj", "k_proj"):
                 wt = permute(wt, heads)
-            data, raw, back = stored(wt, qtype)
+            data, raw, back = stored(wt, qtypes[gg])
             w.add_tensor(f"blk.{L}.{gg}.weight", data, raw_dtype=raw)
             if perm and hf in ("q_proj", "k_proj"):  # the oracle gets HF's order back
                 back = back.reshape(heads, d // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
@@ -222,6 +267,106 @@ def test_layer_matches_transformers(models, name, tname, tmp_path):
             assert H.max_rel_err(y, unrounded) > 10 * TOL_OUT_REL
 
 
+@pytest.mark.parametrize("tname", list(QUANTS))
+def test_quantized_layer_matches_transformers(models, tname, tmp_path):
+    # The quantised types through `mha run --gguf`: Q4_0..Q5_1 quantised by gguf.quants, the
+    # K-quants random blocks (gguf cannot quantise them) scaled to the weights' size. mha loads
+    # every type into float32 weights equal to gguf's dequantisation (test_dequantised_bits), so
+    # the float32 arithmetic's error is all there is: TOL_OUT_REL, as for F32.
+    model, _ = models["llama_wide"]
+    path = str(tmp_path / "w.gguf")
+    oracle = write_gguf("llama_wide", model, QUANTS[tname], path)
+    for layer in (0, 1):
+        x, ref = record(oracle, layer, ids_for("llama_wide"))
+        err = H.max_rel_err(run_gguf(path, layer, x, tmp_path), ref)
+        assert err <= TOL_OUT_REL, f"{tname} layer {layer}: max error {err:.3g}"
+
+
+def write_raw(path, tensors, arch="qwen2", hidden=256, heads=4, kv_heads=2):
+    """A one-layer file of the given raw tensors {stem: (uint8 blocks, type)}."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_embedding_length(hidden)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    for stem, (raw, qtype) in tensors.items():
+        w.add_tensor(f"blk.0.{stem}.weight", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("tname", ["Q8_0", *QUANTS])
+def test_dequantised_bits(tname, tmp_path):
+    # Random valid blocks (random bytes, any finite float16 scales of both signs, subnormal to
+    # 65504) and extreme ones (every bit 0 or 1 with the largest, smallest and negative zero
+    # scales): mha's float32 weights are gguf-py's numpy dequantisation bit for bit (the
+    # independent oracle: the same float32 operations, written separately); a q8_0 layer holds
+    # Q8_0, Q4_0 and Q5_0 exactly (its weights read back as the same bits).
+    mha = pytest.importorskip("mha")
+    qtype = getattr(Q, tname)
+    rng = np.random.default_rng(int(qtype))
+    rows = {"attn_q": 256, "attn_k": 128, "attn_v": 128, "attn_output": 256}
+    raws = {}
+    for stem, r in rows.items():
+        if qtype == Q.Q8_0:
+            raw = rng.integers(0, 256, (r * 256 // 32, 34), dtype=np.uint8)
+            raw[:, 0:2] = (rng.integers(0, 0x7c00, len(raw), dtype=np.uint16)).view(
+                np.uint8).reshape(-1, 2)
+            raw = raw.reshape(r, -1)
+        else:
+            raw = random_blocks(qtype, r, 256, rng)
+        bb = gguf.constants.GGML_QUANT_SIZES[qtype][1]
+        blocks = raw.reshape(-1, bb)
+        for k, (fill, sc) in enumerate([(0, 0x7bff), (255, 0xfbff), (255, 0x0001), (0, 0x8000),
+                                        (255, 0x7bff), (0, 0x03ff)]):
+            blocks[k] = fill
+            for o in SCALES.get(qtype, (0,)):
+                blocks[k, o:o + 2] = np.frombuffer(np.uint16(sc).tobytes(), np.uint8)
+        raws[stem] = (raw, qtype)
+    path = str(tmp_path / "bits.gguf")
+    write_raw(path, raws)
+    layer = mha.MultiheadAttention.from_gguf(path)
+    names = {"attn_q": "w_q", "attn_k": "w_k", "attn_v": "w_v", "attn_output": "w_o"}
+    for stem, (raw, _) in raws.items():
+        want = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+        got = layer.weights[names[stem]]
+        assert got.shape == want.shape
+        bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+        assert bad.size == 0, (stem, bad[:5], got.ravel()[bad[:5]], want.ravel()[bad[:5]])
+    if tname in ("Q8_0", "Q4_0", "Q5_0"):
+        q8 = mha.MultiheadAttention.from_gguf(path, weight_dtype="q8_0")
+        assert q8.config.weight_dtype == "q8_0"
+        for nm in names.values():
+            assert np.array_equal(q8.weights[nm].view(np.uint32),
+                                  layer.weights[nm].view(np.uint32)), nm
+
+
+def test_mixed_types(models, tmp_path):
+    # A Q4_K_M-style file (Q4_K projections, V in Q6_K) through the CLI, and a file mixing Q4_0,
+    # Q5_0, Q8_0 and F16 loaded as a q8_0 layer: Q4_0/Q5_0/Q8_0 become q8_0 blocks exactly (the
+    # same bits as the float32 load, so the same output), F16 is quantised by mha at load.
+    mha = pytest.importorskip("mha")
+    model, _ = models["llama_wide"]
+    path = str(tmp_path / "km.gguf")
+    km = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K}
+    oracle = write_gguf("llama_wide", model, km, path)
+    x, ref = record(oracle, 1, ids_for("llama_wide"))
+    assert H.max_rel_err(run_gguf(path, 1, x, tmp_path), ref) <= TOL_OUT_REL
+    path = str(tmp_path / "mix.gguf")
+    mix = {"attn_q": Q.Q4_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.F16}
+    oracle = write_gguf("llama_wide", model, mix, path)
+    x, ref = record(oracle, 1, ids_for("llama_wide"))
+    deq = mha.MultiheadAttention.from_gguf(path, layer=1)
+    q8 = mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q8_0")
+    for nm in ("w_q", "w_k", "w_v"):
+        assert np.array_equal(q8.weights[nm], deq.weights[nm]), nm
+    assert not np.array_equal(q8.weights["w_o"], deq.weights["w_o"])  # quantised at load
+    y = np.stack([deq.forward(xb.astype(np.float32)) for xb in x])
+    assert H.max_rel_err(y, ref) <= TOL_OUT_REL
+
+
 def test_f32_gguf_equals_the_hf_directory(models, tmp_path):
     # The un-permuted llama layer is the HF checkpoint's, bit for bit: same weights (float64
     # rounded once to float32 either way), same rotate_half RoPE, same linear scaling.
@@ -234,6 +379,48 @@ def test_f32_gguf_equals_the_hf_directory(models, tmp_path):
     r = run_cli("run", "--model", d, "--layer", 1, "--input", xp, "--out", yp)
     assert r.returncode == 0, r.stderr
     np.testing.assert_array_equal(y, np.load(yp))
+
+
+@pytest.mark.parametrize("keys", [{}, {"attn_factor": 1.5, "yarn_beta_fast": 16.0,
+                                     "yarn_beta_slow": 2.0}])
+def test_yarn_gguf_equals_the_hf_directory(models, tmp_path, keys):
+    # llama.cpp's YaRN keys give the layer the HF config's YaRN gives, bit for bit: the same
+    # factor, original length, betas and truncated ramp; cos/sin times mscale(factor) =
+    # 0.1 ln(factor) + 1, times rope.scaling.attn_factor (HF: attention_factor, the product).
+    import json
+    import math
+    model, d = models["qwen2_yarn"]
+    path = str(tmp_path / "y.gguf")
+
+    def edit(w):
+        for k, v in keys.items():
+            w.add_float32(f"qwen2.rope.scaling.{k}", v)
+    write_gguf("qwen2_yarn", model, Q.F32, path, edit=edit)
+    if keys:
+        d2 = tmp_path / "hf"
+        d2.mkdir()
+        for f in os.listdir(d):
+            os.symlink(os.path.join(d, f), d2 / f) if f != "config.json" else None
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        rp = cfg["rope_parameters"]
+        rp["attention_factor"] = (0.1 * math.log(4.0) + 1.0) * keys["attn_factor"]
+        rp["beta_fast"], rp["beta_slow"] = keys["yarn_beta_fast"], keys["yarn_beta_slow"]
+        json.dump(cfg, open(d2 / "config.json", "w"))
+        d = str(d2)
+    x, _ = record(model, 1, ids_for("qwen2_yarn"))
+    y = run_gguf(path, 1, x, tmp_path)
+    xp, yp = tmp_path / "x.npy", tmp_path / "ym.npy"
+    r = run_cli("run", "--model", d, "--layer", 1, "--input", xp, "--out", yp)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_array_equal(y, np.load(yp))
+    info_g = run_cli("info", "--gguf", path).stdout
+    info_m = run_cli("info", "--model", d).stdout
+    rope = [ln for ln in info_g.splitlines() if ln.startswith("rope")]
+    assert rope and "yarn" in rope[0] and rope == [ln for ln in info_m.splitlines()
+                                                   if ln.startswith("rope")], (info_g, info_m)
+    if keys:  # the keys change the layer
+        write_gguf("qwen2_yarn", model, Q.F32, path)
+        assert not np.array_equal(run_gguf(path, 1, x, tmp_path), y)
 
 
 def test_permutation_is_undone(models, tmp_path):
@@ -294,11 +481,16 @@ def test_unsupported_is_refused_by_name(models, tmp_path):
     write_gguf("llama", model, Q.F32, p, arch="gemma2")
     refused(p, "general.architecture", "gemma2")
 
-    def yarn(w):
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    p = str(tmp_path / "yarn.gguf")
-    write_gguf("qwen2", models["qwen2"][0], Q.F32, p, edit=yarn)
-    refused(p, "qwen2.rope.scaling.type", "yarn")
+    p = str(tmp_path / "longrope.gguf")
+    write_gguf("qwen2", models["qwen2"][0], Q.F32, p,
+               edit=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE))
+    refused(p, "qwen2.rope.scaling.type", "longrope")
+    write_gguf("qwen2_yarn", models["qwen2_yarn"][0], Q.F32, p,
+               edit=lambda w: w.add_rope_scaling_yarn_ext_factor(0.5))
+    refused(p, "qwen2.rope.scaling.yarn_ext_factor", "only 1")
+    write_gguf("qwen2_yarn", models["qwen2_yarn"][0], Q.F32, p,
+               edit=lambda w: w.add_rope_scaling_yarn_attn_factor(0.7))
+    refused(p, "qwen2.rope.scaling.yarn_attn_factor", "not mapped")
 
     def freqs(w):
         w.add_tensor("rope_freqs.weight", np.ones(5, np.float32))
@@ -310,10 +502,34 @@ def test_unsupported_is_refused_by_name(models, tmp_path):
                edit=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
                                w.add_rope_scaling_factor(2.0)))
     refused(p, "rope_freqs.weight together with llama.rope.scaling.type")
+    p = str(tmp_path / "iq4.gguf")  # random IQ4_NL blocks (32 values, 18 bytes)
+    write_raw(p, {stem: (np.zeros((r, 8 * 18), np.uint8), Q.IQ4_NL) for stem, r in
+                  (("attn_q", 256), ("attn_k", 128), ("attn_v", 128), ("attn_output", 256))})
+    refused(p, "blk.0.attn_q.weight", "type IQ4_NL", "Q4_K", "Q6_K")
     p = str(tmp_path / "q4.gguf")
     write_gguf("qwen2", models["qwen2"][0], Q.Q4_0, p)
-    refused(p, "blk.0.attn_q.weight", "Q4_0")
-    refused(str(tmp_path / "q4.gguf"), "layer 2", "2 layers", layer=2)
+    refused(p, "layer 2", "2 layers", layer=2)
+
+
+def test_block_types_untrusted(tmp_path):
+    # Truncated block data and a non-finite block scale are BAD_FILE naming the tensor (the C
+    # test, tests/test_gguf.c, covers rows that are not whole blocks).
+    rng = np.random.default_rng(5)
+    rows = (("attn_q", 256), ("attn_k", 128), ("attn_v", 128), ("attn_output", 256))
+    raws = {stem: (random_blocks(Q.Q4_K, r, 256, rng, scale=0.5), Q.Q4_K) for stem, r in rows}
+    raws["attn_output"] = (random_blocks(Q.Q6_K, 256, 256, rng, scale=0.5), Q.Q6_K)
+    p = str(tmp_path / "t.gguf")
+    write_raw(p, raws)
+    with open(p, "rb") as f:
+        data = f.read()
+    with open(p, "wb") as f:
+        f.write(data[:-100])
+    refused(p, "blk.0.attn_output.weight", "runs past the end")
+    raws["attn_k"][0][3, 2:4] = [0x00, 0x7c]  # row 3: its block's dmin = inf
+    write_raw(p, raws)
+    r = run_cli("run", "--gguf", p, "--input", "/nonexistent.npy", "--out", "/tmp/unused.npy")
+    assert r.returncode == 1 and "'blk.0.attn_k.weight' row 3: a Q4_K block's scale is not " \
+        "finite" in r.stderr, r.stderr
 
 
 def test_usage_errors(models, tmp_path):

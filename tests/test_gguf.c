@@ -440,8 +440,17 @@ static void test_bad_fields(void) {
     expect_error(&b, tq, 4, 5, MHA_STATUS_BAD_FILE, "5 dimensions", "n_dims");
     expect_error(&b, tq + 4, 8, 1ull << 63, MHA_STATUS_BAD_FILE, "overflows", "ne[0]");
     expect_error(&b, tq + 12, 8, 1ull << 40, MHA_STATUS_BAD_FILE, "past the end", "ne[1]");
-    expect_error(&b, tq + 20, 4, 12, MHA_STATUS_UNSUPPORTED, "Q4_K", "type Q4_K");
-    expect_error(&b, tq + 20, 4, 2, MHA_STATUS_UNSUPPORTED, "Q4_0", "type Q4_0");
+    /* block types: rows of 32 values are not whole K-quant blocks of 256; IQ*, TQ*, MXFP4 are
+     * refused by name (Q4_0 etc. load: tests/test_cli_gguf.py) */
+    expect_error(&b, tq + 20, 4, 12, MHA_STATUS_BAD_FILE, "multiple of Q4_K's block of 256",
+                 "type Q4_K");
+    expect_error(&b, tq + 20, 4, 14, MHA_STATUS_BAD_FILE, "multiple of Q6_K's block of 256",
+                 "type Q6_K");
+    expect_error(&b, tq + 20, 4, 20, MHA_STATUS_UNSUPPORTED, "type IQ4_NL (20): only F32",
+                 "type IQ4_NL");
+    expect_error(&b, tq + 20, 4, 39, MHA_STATUS_UNSUPPORTED, "type MXFP4", "type MXFP4");
+    expect_error(&b, tq + 20, 4, 35, MHA_STATUS_UNSUPPORTED, "type TQ2_0", "type TQ2_0");
+    expect_error(&b, tq + 20, 4, 99, MHA_STATUS_UNSUPPORTED, "type unknown (99)", "type 99");
     expect_error(&b, tq + 24, 8, 8, MHA_STATUS_BAD_FILE, "not a multiple of the alignment",
                  "offset alignment");
     expect_error(&b, tq + 24, 8, 1ull << 62, MHA_STATUS_BAD_FILE, "past the end", "offset");

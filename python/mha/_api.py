@@ -1191,13 +1191,15 @@ class MultiheadAttention:
     def from_gguf(cls, path: str, layer: int = 0, *,
                   weight_dtype: Optional[str] = None) -> "MultiheadAttention":
         """Layer ``layer`` (0-based) of a llama.cpp GGUF file (general.architecture llama,
-        mistral, qwen2 or qwen3; F32/F16/BF16 tensors, Q8_0 dequantised to float32; llama's
-        permuted Q/K rows put back: mha_layer_load_gguf, docs/MODELS.md "GGUF files"), with the
+        mistral, qwen2 or qwen3; F32/F16/BF16 tensors, Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 and Q2_K..Q6_K
+        dequantised to float32 as ggml does; llama's permuted Q/K rows put back:
+        mha_layer_load_gguf, docs/MODELS.md "GGUF files"), with the
         same defaults and ``model_info`` as :meth:`from_pretrained` (``model_type`` is the
         architecture). ``weight_dtype="q8_0"`` keeps the file's Q8_0 projection blocks as they
-        are (a q8_0 layer, docs/SEMANTICS.md "q8_0 weights"; other tensor types are quantised with
-        mha_q8_0_quantize; biases and norms float32). Unsupported types or options raise MhaError
-        naming them."""
+        are and maps Q4_0/Q5_0 blocks to q8_0 exactly (a q8_0 layer, docs/SEMANTICS.md "q8_0
+        weights", "GGUF quantised types"; other tensor types are quantised with
+        mha_q8_0_quantize; biases and norms float32). Unsupported types (IQ*, TQ*, MXFP4, ...)
+        or options raise MhaError naming them."""
         if weight_dtype not in (None, "q8_0"):
             raise ValueError(f"weight_dtype: expected None (the file's default) or 'q8_0', got "
                              f"{weight_dtype!r}")

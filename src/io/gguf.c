@@ -21,6 +21,7 @@
 #include "io/gguf.h"
 
 #include "io/file.h"
+#include "io/ggml_quants.h"
 
 #include "base/internal.h"
 
@@ -122,6 +123,30 @@ static void ggml_block(uint32_t t, uint64_t *values, uint64_t *bytes) {
         break;
     case MHA__GGML_Q4_0:
         *values = 32, *bytes = 18;
+        break;
+    case MHA__GGML_Q4_1:
+        *values = 32, *bytes = 20;
+        break;
+    case MHA__GGML_Q5_0:
+        *values = 32, *bytes = 22;
+        break;
+    case MHA__GGML_Q5_1:
+        *values = 32, *bytes = 24;
+        break;
+    case MHA__GGML_Q2_K:
+        *values = 256, *bytes = 84;
+        break;
+    case MHA__GGML_Q3_K:
+        *values = 256, *bytes = 110;
+        break;
+    case MHA__GGML_Q4_K:
+        *values = 256, *bytes = 144;
+        break;
+    case MHA__GGML_Q5_K:
+        *values = 256, *bytes = 176;
+        break;
+    case MHA__GGML_Q6_K:
+        *values = 256, *bytes = 210;
         break;
     default:
         break;
@@ -671,6 +696,70 @@ static int tensor_name(char *buf, int64_t layer, const char *stem) {
     return snprintf(buf, GGUF_TEXT, "blk.%lld.%s", (long long)layer, stem);
 }
 
+/* YaRN as llama.cpp runs it (docs/MODELS.md "GGUF files"): the ramp between beta_fast and
+ * beta_slow rotations over rope.scaling.original_context_length (else context_length), ends
+ * floored/ceiled (transformers' truncate), cos and sin times mscale(factor) = 0.1 ln(factor) + 1
+ * (1 if factor <= 1) — or mscale(factor, 1) / mscale(factor, yarn_log_multiplier) when that key
+ * is nonzero — times rope.scaling.attn_factor. */
+static double gguf_mscale(double factor, double m) {
+    return factor <= 1.0 ? 1.0 : 0.1 * m * log(factor) + 1.0;
+}
+
+static mha_status
+read_yarn(mha__gguf *g, const char *arch, double factor, mha_rope *r, mha_error *err) {
+    char key[GGUF_TEXT];
+    int found;
+    MHA_RETURN_IF(factor <= 0.0, err, BAD_FILE, "%s: yarn rope scaling without %s.%s", g->path,
+                  arch, "rope.scaling.factor");
+    int64_t orig = 0;
+    key_of(key, arch, "rope.scaling.original_context_length");
+    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &orig, &found, err));
+    if (!found) {
+        key_of(key, arch, "context_length");
+        MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &orig, &found, err));
+        MHA_RETURN_IF(!found, err, BAD_FILE,
+                      "%s: yarn rope scaling without %s.rope.scaling.original_context_length or "
+                      "%s.context_length",
+                      g->path, arch, arch);
+    }
+    /* ext_factor: llama.cpp's weight of the ramp (1 for YaRN); another mixes what mha cannot */
+    double ext = 1.0;
+    key_of(key, arch, "rope.scaling.yarn_ext_factor");
+    MHA_TRY(get_num(g, key, 0, &ext, &found, err));
+    MHA_RETURN_IF(found && ext != 1.0 && ext >= 0.0, err, UNSUPPORTED,
+                  "%s: '%s' = %g: only 1 (the full YaRN ramp, as transformers') is supported",
+                  g->path, key, ext);
+    double v = 0.0;
+    key_of(key, arch, "rope.scaling.yarn_attn_factor");
+    MHA_TRY(get_num(g, key, 0, &v, &found, err));
+    MHA_RETURN_IF(found && v != 1.0, err, UNSUPPORTED,
+                  "%s: '%s' = %g is not mapped (only 1 is supported)", g->path, key, v);
+    double log_mul = 0.0, attn = 1.0;
+    key_of(key, arch, "rope.scaling.yarn_log_multiplier");
+    MHA_TRY(get_num(g, key, 0, &log_mul, &found, err));
+    key_of(key, arch, "rope.scaling.attn_factor");
+    MHA_TRY(get_num(g, key, 1, &attn, &found, err));
+    r->beta_fast = 32.0;
+    r->beta_slow = 1.0;
+    key_of(key, arch, "rope.scaling.yarn_beta_fast");
+    MHA_TRY(get_num(g, key, 1, &r->beta_fast, &found, err));
+    key_of(key, arch, "rope.scaling.yarn_beta_slow");
+    MHA_TRY(get_num(g, key, 1, &r->beta_slow, &found, err));
+    const double af = (log_mul != 0.0 ? gguf_mscale(factor, 1.0) / gguf_mscale(factor, log_mul)
+                                      : gguf_mscale(factor, 1.0)) *
+                      attn;
+    MHA_RETURN_IF(!isfinite(af) || !(af > 0.0), err, BAD_FILE,
+                  "%s: yarn rope scaling: the attention factor %g (from %s.rope.scaling.factor, "
+                  "attn_factor and yarn_log_multiplier) is not a finite number > 0",
+                  g->path, af, arch);
+    r->scaling = MHA_ROPE_SCALING_YARN;
+    r->factor = factor;
+    r->original_max_position = (double)orig;
+    r->yarn_no_truncate = 0;
+    r->attention_factor = af;
+    return MHA_STATUS_OK;
+}
+
 static mha_status
 read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_error *err) {
     char key[GGUF_TEXT];
@@ -711,19 +800,24 @@ read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_err
         r->factor = factor;
         return MHA_STATUS_OK;
     }
+    if (strcmp(type, "yarn") == 0)
+        return read_yarn(g, arch, has_factor ? factor : 0.0, r, err);
     return mha__fail(err, MHA_STATUS_UNSUPPORTED,
-                     "%s: %s.rope.scaling.type '%s' is not supported yet (none and linear are)",
+                     "%s: %s.rope.scaling.type '%s' is not supported (none, linear and yarn are)",
                      g->path, arch, type);
 }
 
-/* The tensor types the loader reads. */
+/* The tensor types the loader reads (docs/MODELS.md "GGUF files", Types): every type
+ * ggml_block sizes. */
 static mha_status check_type(const mha__gguf *g, const gguf_tensor *t, mha_error *err) {
-    if (t->type == MHA__GGML_F32 || t->type == MHA__GGML_F16 || t->type == MHA__GGML_BF16 ||
-        t->type == MHA__GGML_Q8_0)
+    uint64_t bv, bb;
+    ggml_block(t->type, &bv, &bb);
+    if (bb)
         return MHA_STATUS_OK;
     return mha__fail(err, MHA_STATUS_UNSUPPORTED,
-                     "%s: tensor '%s' has type %s (%u): only F32, F16, BF16 and Q8_0 "
-                     "(dequantised to float32) are supported",
+                     "%s: tensor '%s' has type %s (%u): only F32, F16, BF16, Q8_0, Q4_0, Q5_0 "
+                     "(exact), Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (dequantised to "
+                     "float32 as ggml does) are supported",
                      g->path, t->name, ggml_type_name(t->type), t->type);
 }
 
@@ -900,23 +994,9 @@ static mha_status nonfinite(const mha__gguf *g,
                      t->name, (long long)row, (long long)col, isnan(v) ? "NaN" : "infinite");
 }
 
-/* Q8_0 -> float32, the ONE place that decides what a Q8_0 weight becomes. Today: dequantised at
- * load (value = q * d, exact in float32: 8-bit q times an 11-bit d), then stored in the layer's
- * weight_dtype like any other tensor. When the layer can keep q8_0 weights (MHA_DTYPE_Q8_0), the
- * loader should copy the row's blocks instead of calling this. */
-static int dequantize_q8_0_row(const unsigned char *src, int64_t cols, float *dst) {
-    for (int64_t b = 0; b < cols / 32; b++) {
-        const unsigned char *blk = src + b * 34;
-        const float d = mha__f16_to_f32((uint16_t)(blk[0] | blk[1] << 8));
-        if (!isfinite(d))
-            return 0;
-        for (int j = 0; j < 32; j++)
-            dst[b * 32 + j] = (float)(int8_t)blk[2 + j] * d;
-    }
-    return 1;
-}
-
-/* One row of `cols` elements of t (raw, at src) into float32 at tmp; 0 on a bad Q8_0 scale. */
+/* One row of `cols` elements of t (raw, at src) into float32 at tmp; 0 on a block-quantised
+ * type's non-finite scale. The quantised types are computed as ggml's CPU dequantiser computes
+ * them (src/io/ggml_quants.c; exact for Q8_0, Q4_0, Q5_0, Q3_K and Q6_K). */
 static int decode_row(const gguf_tensor *t, const unsigned char *src, int64_t cols, float *tmp) {
     switch (t->type) {
     case MHA__GGML_F32:
@@ -934,13 +1014,15 @@ static int decode_row(const gguf_tensor *t, const unsigned char *src, int64_t co
             tmp[i] = mha__bf16_to_f32((uint16_t)(src[2 * i] | src[2 * i + 1] << 8));
         return 1;
     default:
-        return dequantize_q8_0_row(src, cols, tmp);
+        return mha__ggml_dequantize_row(t->type, src, cols, tmp);
     }
 }
 
 /* Row r of t (raw bytes at raw, decoded to float32 at tmp) into a q8_0 layer's row at dst: a
- * Q8_0 row keeps its blocks (bit for bit what the file holds), any other is quantised by
- * mha__q8_quantize (docs/SEMANTICS.md "q8_0 weights"). Non-finite values are refused. */
+ * Q8_0, Q4_0 or Q5_0 row becomes q8_0 blocks holding exactly its values (Q8_0's bit for bit
+ * what the file holds; Q4_0/Q5_0's scale kept and q - 8 / q - 16 as int8), any other is
+ * quantised by mha__q8_quantize from its float32 values (docs/SEMANTICS.md "q8_0 weights").
+ * Non-finite values are refused. */
 static mha_status store_q8_row(mha__gguf *g,
                                const gguf_tensor *t,
                                const unsigned char *raw,
@@ -952,9 +1034,7 @@ static mha_status store_q8_row(mha__gguf *g,
     for (int64_t c = 0; c < cols; c++)
         if (!isfinite(tmp[c]))
             return nonfinite(g, t, r, c, tmp[c], MHA_DTYPE_F32, err);
-    if (t->type == MHA__GGML_Q8_0)
-        memcpy(dst, raw, (size_t)(cols / MHA__Q8_BLOCK) * MHA__Q8_BYTES);
-    else
+    if (!mha__ggml_to_q8_0_row(t->type, raw, cols, dst))
         mha__q8_quantize(tmp, cols, dst);
     return MHA_STATUS_OK;
 }
@@ -969,7 +1049,7 @@ static int64_t unpermute(int64_t i, int64_t head) {
 
 /* Tensor `name`, which must be [rows, cols] (ne = {cols, rows}; rows 0: 1-d [cols]), into a new
  * buffer from `a` in the storage dtype `to`: F32/F16/BF16 tensors already in `to` keep their
- * bytes, others are rounded once to nearest even; Q8_0 is dequantised (dequantize_q8_0_row).
+ * bytes, others are rounded once to nearest even; the block types are dequantised (decode_row).
  * `head` > 0: the rows of each block of `head` rows are un-permuted (llama.cpp's converter wrote
  * row 2i + s of a head from HF's row s * head/2 + i, s in {0, 1}: it is put back there). */
 static mha_status read_tensor(mha__gguf *g,
@@ -1040,8 +1120,8 @@ static mha_status read_tensor(mha__gguf *g,
         const int64_t dr = rows && head > 0 ? unpermute(r, head) : r;
         if (!decode_row(t, raw, cols, tmp)) {
             st = mha__fail(err, MHA_STATUS_BAD_FILE,
-                           "%s: tensor '%s' row %lld: a Q8_0 block's scale is not finite", g->path,
-                           tn, (long long)r);
+                           "%s: tensor '%s' row %lld: a %s block's scale is not finite", g->path,
+                           tn, (long long)r, ggml_type_name(t->type));
             break;
         }
         if (q8) {

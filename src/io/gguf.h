@@ -38,7 +38,15 @@ enum {
     MHA__GGML_F32 = 0,
     MHA__GGML_F16 = 1,
     MHA__GGML_Q4_0 = 2,
+    MHA__GGML_Q4_1 = 3,
+    MHA__GGML_Q5_0 = 6,
+    MHA__GGML_Q5_1 = 7,
     MHA__GGML_Q8_0 = 8,
+    MHA__GGML_Q2_K = 10,
+    MHA__GGML_Q3_K = 11,
+    MHA__GGML_Q4_K = 12,
+    MHA__GGML_Q5_K = 13,
+    MHA__GGML_Q6_K = 14,
     MHA__GGML_BF16 = 30,
 };
 
