@@ -274,13 +274,30 @@ MHA_INLINE v16 v16_q8_widen(const void *row, int64_t d, v16 s) {
 /* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): the 16 bytes b as float32 e4m3 values times 2^-8
  * (the kernels fold 2^8 and the kv head's scale into the scores and o): the bits S.EEEE.MMM
  * become the float16 S.0EEEE.MMM0000000 ((sign-extended b << 7) & 0xBF80: e4m3's bias 7 is
- * float16's 15 minus 8, subnormals included), then VCVTPH2PS; S.1111.111 (NaN) reads NaN. */
+ * float16's 15 minus 8, subnormals included), then VCVTPH2PS; S.1111.111 (NaN) reads NaN.
+ * v16_fp8_widen_finite skips the NaN fix-up: for bytes fp8_has_nan (below) found free of NaN. */
+MHA_INLINE v16 v16_fp8_widen_finite(__m128i b) {
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                            _mm256_set1_epi16((short)0xBF80)));
+}
 MHA_INLINE v16 v16_fp8_widen(__m128i b) {
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
-                                       _mm256_set1_epi16((short)0xBF80));
     const __mmask16 nan =
         _mm_cmpeq_epi8_mask(_mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF));
-    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
+    return _mm512_mask_mov_ps(v16_fp8_widen_finite(b), nan, _mm512_set1_ps(__builtin_nanf("")));
+}
+
+/* Whether the n bytes of fp8 e4m3 at p hold a NaN (S.1111.111): one compare per 64 bytes, so a
+ * kernel can test a row once and widen it with v16_fp8_widen_finite (no NaN fix-up per vector)
+ * when it has none. */
+MHA_INLINE int fp8_has_nan(const void *p, int64_t n) {
+    __mmask64 any = 0;
+    for (int64_t i = 0; i < n; i += 64) {
+        const __mmask64 in = n - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (n - i)) - 1;
+        const __m512i x = _mm512_maskz_loadu_epi8(in, (const char *)p + i);
+        any |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(x, _mm512_set1_epi8((char)0x80)),
+                                      _mm512_set1_epi8((char)0xFF));
+    }
+    return any != 0;
 }
 
 #endif /* MHA_SIMD_AVX512_H */
