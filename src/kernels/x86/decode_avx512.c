@@ -257,6 +257,32 @@ MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
                                     : _mm512_slli_epi32(x, 16));
 }
 
+/* Elements [d, d + 16) of an fp8 row known to hold no NaN byte (fp8_has_nan). */
+MHA_INLINE v16 fp8_finite(const char *row, int64_t d) {
+    return v16_fp8_widen_finite(_mm_loadu_si128((const __m128i *)(row + d)));
+}
+
+/* fp8 rows in pass 3 of the contiguous path are widened like bfloat16 (bf16_half), 32 elements
+ * at a time, even and odd elements apart, without the cross-lane VPMOVSXBW of v16_fp8_widen: one
+ * 32-byte load as 16-bit words, the even bytes' float16 rebias ((w << 8) >>a 1) & 0xBF80, the
+ * odd bytes' (w >>a 1) & 0xBF80 (the bits of v16_fp8_widen), then VCVTPH2PS. On the Zen 5 host
+ * VPMOVSXBW and VCVTPH2PS share the shuffle pipes, which bound this pass (microbenchmarks,
+ * session 39); the shifts do not. o is accumulated in the even/odd order and restored at the end
+ * of the unit, so each output element's sum is the same. FIN: the row holds no NaN byte
+ * (fp8_has_nan); else NaN bytes read NaN. Elements [d, d + 32) of a row: half 0 = the even ones,
+ * half 1 = the odd ones. */
+MHA_INLINE v16 fp8_half(const int FIN, const char *row, int64_t d, int half) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(row + d));
+    const __m256i h = _mm256_and_si256(_mm256_srai_epi16(half ? w : _mm256_slli_epi16(w, 8), 1),
+                                       _mm256_set1_epi16((short)0xBF80));
+    const v16 f = _mm512_cvtph_ps(h);
+    if (FIN)
+        return f;
+    const __m256i low7 = _mm256_set1_epi16(half ? 0x7F00 : 0x007F);
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(w, low7), low7);
+    return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(__builtin_nanf("")));
+}
+
 /* Pass 1 on the contiguous path: S[x][y] = q_x . k_y for the unit's nb keys (rows krows[y]).
  * qil holds the NR query rows chunk-major: elements [16 s, 16 s + 16) of row x at
  * qil + (s NR + x) 16, so every row is a constant offset from one pointer. The prefetch runs
@@ -307,6 +333,9 @@ MHA_INLINE void scores_contig(const int NR,
                           : afar < nb      ? krows[afar]
                           : afar - nb < nb ? vrows[afar - nb]
                                            : NULL;
+        /* fp8: the four rows hold no NaN byte (the usual case): widen without the fix-up */
+        const int fin = DT == MHA_DTYPE_FP8_E4M3 && !fp8_has_nan(k0, dk) && !fp8_has_nan(k1, dk) &&
+                        !fp8_has_nan(k2, dk) && !fp8_has_nan(k3, dk);
         v16 acc[4][4];
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++)
@@ -364,6 +393,9 @@ MHA_INLINE void scores_contig(const int NR,
                 } else if (DT == MHA_DTYPE_BF16) {
                     c0 = bf16_half(k0, d, half), c1 = bf16_half(k1, d, half);
                     c2 = bf16_half(k2, d, half), c3 = bf16_half(k3, d, half);
+                } else if (fin) {
+                    c0 = fp8_finite(k0, d), c1 = fp8_finite(k1, d);
+                    c2 = fp8_finite(k2, d), c3 = fp8_finite(k3, d);
                 } else {
                     c0 = load_row16(DT, 1, k0, d, 0xFFFF), c1 = load_row16(DT, 1, k1, d, 0xFFFF);
                     c2 = load_row16(DT, 1, k2, d, 0xFFFF), c3 = load_row16(DT, 1, k3, d, 0xFFFF);
@@ -390,6 +422,7 @@ MHA_INLINE void axpy_contig(const int NR,
                             const int E,
                             const int CHECK,
                             const int FAR,
+                            const int FIN,
                             const char *const *rows,
                             int64_t nkb,
                             const char *const pf[MHA_DEC_SUB],
@@ -423,6 +456,9 @@ MHA_INLINE void axpy_contig(const int NR,
                 v[c] = v16_q8_widen(row, c0 + 16 * c, s);
                 v[c + 1] = v16_q8_widen(row, c0 + 16 * c + 16, s);
             }
+        else if (DT == MHA_DTYPE_FP8_E4M3)
+            for (int c = 0; c < 4; c++)
+                v[c] = fp8_half(FIN, row, c0 + 32 * (c >> 1), c & 1);
         else
             for (int c = 0; c < 4; c++)
                 v[c] = DT == MHA_DTYPE_BF16 ? bf16_half(row, c0 + 32 * (c >> 1), c & 1)
@@ -479,14 +515,24 @@ MHA_INLINE void values_contig(const int NR,
             pff[y] = !FAR ? NULL : afar < nb ? vrows[afar] : knext[afar - nb];
         }
         const char *const *rows = vrows + jb;
+        /* fp8: no row of the block holds a NaN byte (the usual case): widen without the fix-up */
+        int fin = DT == MHA_DTYPE_FP8_E4M3;
+        if (fin)
+            for (int64_t y = 0; y < nkb; y++)
+                fin &= !fp8_has_nan(rows[y], dv);
         for (int64_t c0 = 0; c0 < dv; c0 += 64) {
-            if (all == in)
-                axpy_contig(NR, DT, E, 0, FAR, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
+            if (fin && all == in)
+                axpy_contig(NR, DT, E, 0, FAR, 1, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
+            else if (fin)
+                axpy_contig(NR, DT, E, 1, FAR, 1, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
+            else if (all == in)
+                axpy_contig(NR, DT, E, 0, FAR, 0, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
             else
-                axpy_contig(NR, DT, E, 1, FAR, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
+                axpy_contig(NR, DT, E, 1, FAR, 0, rows, nkb, pf, pff, l2, e, seen, o + c0, dv, c0);
         }
     }
-    if (DT == MHA_DTYPE_BF16) { /* even/odd halves of each 32 columns back to natural order */
+    if (DT == MHA_DTYPE_BF16 || DT == MHA_DTYPE_FP8_E4M3) {
+        /* even/odd halves of each 32 columns back to natural order */
         const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         const __m512i hi =
             _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);

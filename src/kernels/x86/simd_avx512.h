@@ -253,11 +253,13 @@ MHA_INLINE void v16_transpose16(v16 r[16]) {
 /* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
  * float16 scale, then 32 int8), byte 2 + d % 32. v16_q8_scale broadcasts the scale s of the block
  * holding element d; v16_q8_widen widens the 16 values [d, d + 16) (d % 16 == 0) with it, exactly
- * (the values equal mha__q8_dequantize's q s): VPMOVSXBD, then VPADDD of the bits of
- * C = 1.5 * 2^23 gives the float32 C + q (|q| < 2^22), and one FMA (C + q) s - C s = q s, exact:
- * q s (8 + 11 significant bits) and C s (2 + 11) fit a float32, so the single rounding of the FMA
- * rounds nothing. This takes the int-to-float conversion off the FP pipes (VCVTDQ2PS + VMULPS ran
- * the Zen 5 host's L = 32768 q8_0 step in 5.0 ms, this 4.4 ms). One scale serves two vectors. */
+ * (the values equal mha__q8_dequantize's q s): VPMOVSXBD, VCVTDQ2PS (exact, |q| <= 127), then
+ * VMULPS by s, exact too: q s has 8 + 11 significant bits. On the Zen 5 host (microbenchmark of
+ * each instruction against 16 independent FMAs, session 39) VCVTDQ2PS does not take an FMA pipe
+ * (two per cycle beside the FMAs, like VADDPS), so this costs one FMA-pipe operation per vector
+ * and none per block. (Until session 39: VPADDD of the bits of C = 1.5 * 2^23 and one FMSUB
+ * (C + q) s - C s, which is the same value but needs C s, a VMULSS on an FMA pipe, per block.)
+ * One scale serves two vectors. */
 MHA_INLINE v16 v16_q8_scale(const void *row, int64_t d) {
     uint16_t h;
     memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
@@ -265,22 +267,37 @@ MHA_INLINE v16 v16_q8_scale(const void *row, int64_t d) {
 }
 MHA_INLINE v16 v16_q8_widen(const void *row, int64_t d, v16 s) {
     const char *q = (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31);
-    const __m512i x = _mm512_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)),
-                                       _mm512_set1_epi32(0x4B400000));
-    return _mm512_fmsub_ps(_mm512_castsi512_ps(x), s,
-                           _mm512_mul_ps(s, _mm512_set1_ps(12582912.0f)));
+    return _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), s);
 }
 
 /* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): the 16 bytes b as float32 e4m3 values times 2^-8
  * (the kernels fold 2^8 and the kv head's scale into the scores and o): the bits S.EEEE.MMM
  * become the float16 S.0EEEE.MMM0000000 ((sign-extended b << 7) & 0xBF80: e4m3's bias 7 is
- * float16's 15 minus 8, subnormals included), then VCVTPH2PS; S.1111.111 (NaN) reads NaN. */
+ * float16's 15 minus 8, subnormals included), then VCVTPH2PS; S.1111.111 (NaN) reads NaN.
+ * v16_fp8_widen_finite skips the NaN fix-up: for bytes fp8_has_nan (below) found free of NaN. */
+MHA_INLINE v16 v16_fp8_widen_finite(__m128i b) {
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                            _mm256_set1_epi16((short)0xBF80)));
+}
 MHA_INLINE v16 v16_fp8_widen(__m128i b) {
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
-                                       _mm256_set1_epi16((short)0xBF80));
     const __mmask16 nan =
         _mm_cmpeq_epi8_mask(_mm_or_si128(b, _mm_set1_epi8((char)0x80)), _mm_set1_epi8((char)0xFF));
-    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
+    return _mm512_mask_mov_ps(v16_fp8_widen_finite(b), nan, _mm512_set1_ps(__builtin_nanf("")));
+}
+
+/* Whether the n bytes of fp8 e4m3 at p hold a NaN (S.1111.111): one compare per 64 bytes, so a
+ * kernel can test a row once and widen it with v16_fp8_widen_finite (no NaN fix-up per vector)
+ * when it has none. */
+MHA_INLINE int fp8_has_nan(const void *p, int64_t n) {
+    __mmask64 any = 0;
+    for (int64_t i = 0; i < n; i += 64) {
+        const __mmask64 in = n - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (n - i)) - 1;
+        const __m512i x = _mm512_maskz_loadu_epi8(in, (const char *)p + i);
+        any |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(x, _mm512_set1_epi8((char)0x80)),
+                                      _mm512_set1_epi8((char)0xFF));
+    }
+    return any != 0;
 }
 
 #endif /* MHA_SIMD_AVX512_H */
