@@ -746,5 +746,20 @@ int main(void) {
             for (int hd = 64; hd <= 128; hd += 64)
                 run_q8_case(hd, hd == 128, impls[ii], thread_counts[ti], &q8);
     report("layer_q8w", &q8, &after);
+    /* 8-bit KV caches (docs/SEMANTICS.md "q8_0 KV cache", "fp8 KV cache"): the decode cases of
+     * head sizes 64 and 128 (multiples of q8_0's block of 32), with and without a window. */
+    hash64 kv8;
+    hash_init(&kv8);
+    const mha_dtype kv8_dtypes[] = {MHA_DTYPE_Q8_0, MHA_DTYPE_FP8_E4M3};
+    for (int ii = 0; ii < 2; ++ii)
+        for (int ti = 0; ti < 2; ++ti)
+            for (int di = 0; di < 2; ++di)
+                for (int wi = 0; wi < 2; ++wi) {
+                    run_decode_case(kv8_dtypes[di], wi ? 100 : 0, 64, wi, impls[ii],
+                                    thread_counts[ti], &kv8);
+                    run_decode_case(kv8_dtypes[di], wi ? 0 : 120, 128, 0, impls[ii],
+                                    thread_counts[ti], &kv8);
+                }
+    report("decode_kv8", &kv8, &after);
     return 0;
 }
