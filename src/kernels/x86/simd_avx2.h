@@ -230,9 +230,12 @@ v8i_philox_word0(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint32_t k0, ui
 
 /* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
  * float16 scale, then 32 int8), byte 2 + d % 32. v8_q8_scale broadcasts the scale s of the block
- * holding element d; v8_q8_widen widens the 8 values [d, d + 8) (d % 8 == 0) with it, exactly, as
- * v16_q8_widen (simd_avx512.h): VPMOVSXBD, VPADDD of the bits of C = 1.5 * 2^23, one FMA
- * (C + q) s - C s = q s (no rounding: q s and C s fit a float32). */
+ * holding element d; v8_q8_widen widens the 8 values [d, d + 8) (d % 8 == 0) with it, exactly:
+ * VPMOVSXBD, VCVTDQ2PS, VMULPS q s (q s fits a float32: 8 by 11 significant bits). The bits are
+ * those of v16_q8_widen's (C + q) s - C s (simd_avx512.h) for every scale the cache stores (0 with
+ * q = 0, finite positive, NaN); that form costs one FMA plus C s, and on the AMD Zen 5 host the
+ * FMA pipes are the limit of this kernel: the L2/L3-resident q8_0 step ran 10% faster (1 thread,
+ * docs/INFERENCE.md). */
 MHA_INLINE v8 v8_q8_scale(const void *row, int64_t d) {
     uint16_t h;
     memcpy(&h, (const char *)row + (d >> 5) * MHA__Q8_BYTES, 2);
@@ -240,23 +243,23 @@ MHA_INLINE v8 v8_q8_scale(const void *row, int64_t d) {
 }
 MHA_INLINE v8 v8_q8_widen(const void *row, int64_t d, v8 s) {
     const char *q = (const char *)row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31);
-    const __m256i x = _mm256_add_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)),
-                                       _mm256_set1_epi32(0x4B400000));
-    return _mm256_fmsub_ps(_mm256_castsi256_ps(x), s,
-                           _mm256_mul_ps(s, _mm256_set1_ps(12582912.0f)));
+    return _mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q))), s);
 }
 
 /* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): e4m3 bytes as float32 values times 2^-8, as
  * v16_fp8_widen (simd_avx512.h). In 16-bit lanes, a = (sign-extended b) << 7 holds b's 7 low bits
  * at 13..7 and its sign at 15: h = a & 0xBF80 is the float16 S.0EEEE.MMM0000000; a NaN byte
- * (S.1111.111, a & 0x3F80 == 0x3F80) gets bit 14 too, the float16 NaN 0x7F80 (integer ops on
+ * (S.1111.111, bits 13..7 of h all set) gets bit 14 too, the float16 NaN 0x7F80: h + 0x80 carries
+ * into bit 14 (clear in h) exactly then, so h | ((h + 0x80) & 0x4000) is the float16 for all 256
+ * bytes (checked exhaustively; one vector op fewer than a VPCMPEQW test: the L2/L3-resident fp8
+ * step ran 4% faster on the AMD Zen 5 host, AVX2 tier, 1 thread) (integer ops on
  * 16 values at once; a float compare + VBLENDVPS per 8 values ran the Zen 5 host's L = 32768
  * fp8 step in 9.7-20 ms, this in 8.6-9.0 ms, 1 thread). */
 MHA_INLINE __m256i fp8_to_half16(__m256i w) {
-    const __m256i a = _mm256_slli_epi16(w, 7), e = _mm256_set1_epi16(0x3F80);
-    const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(a, e), e);
-    return _mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi16((short)0xBF80)),
-                           _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBF80));
+    const __m256i nan = _mm256_add_epi16(h, _mm256_set1_epi16(0x0080));
+    return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));
 }
 /* the 8 bytes at p */
 MHA_INLINE v8 v8_fp8_widen(const void *p) {
