@@ -231,10 +231,11 @@ v8i_philox_word0(__m256i c0, __m256i c1, __m256i c2, __m256i c3, uint32_t k0, ui
 /* q8_0 rows (docs/SEMANTICS.md "q8_0 KV cache"): element d lives in block d / 32 (34 bytes: a
  * float16 scale, then 32 int8), byte 2 + d % 32. v8_q8_scale broadcasts the scale s of the block
  * holding element d; v8_q8_widen widens the 8 values [d, d + 8) (d % 8 == 0) with it, exactly:
- * VPMOVSXBD, VCVTDQ2PS, VMULPS q s (q s fits a float32: 8 by 11 significant bits). The bits are
- * those of v16_q8_widen's (C + q) s - C s (simd_avx512.h) for every scale the cache stores (0 with
- * q = 0, finite positive, NaN); that form costs one FMA plus C s, and on the AMD Zen 5 host the
- * FMA pipes are the limit of this kernel: the L2/L3-resident q8_0 step ran 10% faster (1 thread,
+ * VPMOVSXBD, VCVTDQ2PS, VMULPS q s (q s fits a float32: 8 by 11 significant bits), as
+ * v16_q8_widen (simd_avx512.h). The bits are those of the form used until session 39, the FMA
+ * (C + q) s - C s after VPADDD of C = 1.5 2^23, for every scale the cache stores (0 with q = 0,
+ * finite positive, NaN); that form costs one FMA plus C s, and on the AMD Zen 5 host the FMA pipes
+ * are the limit of this kernel: the L2/L3-resident q8_0 step ran 10% faster (1 thread,
  * docs/INFERENCE.md). */
 MHA_INLINE v8 v8_q8_scale(const void *row, int64_t d) {
     uint16_t h;
