@@ -73,6 +73,7 @@ static const cli_opt run_flags[O_COUNT] = {
     [O_SHARD_LAYOUT] = {"--shard-layout", CLI_OPT_VALUE},
     [O_ALLOW_NONFINITE] = {"--allow-nonfinite", CLI_OPT_FLAG},
     [O_DTYPE] = {"--dtype", CLI_OPT_VALUE},
+    [O_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
 };
 
 void cli_run_usage(void) {
@@ -208,6 +209,10 @@ void cli_run_usage(void) {
         "                           --model checkpoint already in T is kept as it is, other",
         "                           tensors are rounded once), of X, K, V and of Y; the",
         "                           arithmetic is float32 (docs/FORMATS.md) (default: f32)",
+        "  --weight-dtype q8_0      with --model or --gguf (and --dtype f32): the four",
+        "                           projection matrices in q8_0 blocks, for inference (a GGUF",
+        "                           file's Q8_0, Q4_0 and Q5_0 tensors kept exactly, other",
+        "                           tensors quantised at load; docs/MODELS.md \"GGUF files\")",
         "  --impl I                 reference, fast or auto (default: auto); fast fails, naming",
         "                           the option, when it cannot run the request",
         "  --help                   this text",
@@ -452,6 +457,25 @@ static int parse_dtype(run_config *o) {
     return CLI_OK;
 }
 
+/* --weight-dtype q8_0: the projections of a --model / --gguf layer in q8_0 blocks
+ * (docs/SEMANTICS.md "q8_0 weights"; X and Y stay float32). After parse_dtype. */
+static int parse_weight_dtype(run_config *o) {
+    const char *t = o->opt[O_WEIGHT_DTYPE];
+    o->weight_dtype = o->dtype;
+    if (!t)
+        return CLI_OK;
+    if (strcmp(t, "q8_0") != 0)
+        return cli_usage("--weight-dtype: '%s' is not q8_0 (--dtype sets f32, bf16 or f16)", t);
+    if (!o->opt[O_MODEL] && !o->opt[O_GGUF])
+        return cli_usage("--weight-dtype q8_0 needs --model or --gguf");
+    if (o->dtype != MHA_DTYPE_F32 || o->distributed)
+        return cli_usage("--weight-dtype q8_0 cannot be used with %s (a q8_0 layer reads and "
+                         "writes float32 and runs on one process)",
+                         o->distributed ? "--distributed" : "--dtype bf16 / f16");
+    o->weight_dtype = MHA_DTYPE_Q8_0;
+    return CLI_OK;
+}
+
 /* --distributed ring and its options; what cannot run distributed is a usage error. */
 static int parse_distributed(run_config *o) {
     const char *const *v = o->opt;
@@ -542,7 +566,7 @@ static int apply_model(run_config *o) {
     if (st != MHA_STATUS_OK)
         return cli_lib_fail(o->wpath, &err);
     mha_config *c = &o->hf.config;
-    c->weight_dtype = o->dtype; /* tensors already in it are kept as they are */
+    c->weight_dtype = o->weight_dtype; /* tensors already in it are kept as they are */
     if (v[O_HEADS])
         c->num_heads = o->heads;
     if (v[O_KV_HEADS])
@@ -761,7 +785,8 @@ static int parse_outputs(run_config *o) {
             return rc;
         o->exec.n_threads = (int32_t)t;
     }
-    if ((rc = parse_decode(o)) || (rc = parse_distributed(o)) || (rc = parse_dtype(o)))
+    if ((rc = parse_decode(o)) || (rc = parse_distributed(o)) || (rc = parse_dtype(o)) ||
+        (rc = parse_weight_dtype(o)))
         return rc;
     o->exec.impl = MHA_IMPL_AUTO;
     if (v[O_IMPL]) {

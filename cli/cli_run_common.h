@@ -73,6 +73,7 @@ enum {
     O_ALLOW_NONFINITE,
     O_DTYPE,
     O_GGUF,
+    O_WEIGHT_DTYPE,
     O_COUNT
 };
 
@@ -124,6 +125,7 @@ typedef struct run_config {
     int shard_files;           /* "{rank}" in --input: per-rank input and output files */
     int allow_nonfinite;       /* --allow-nonfinite: write non-finite outputs, exit 0 */
     mha_dtype dtype;           /* --dtype: weights, X/K/V as the layer reads them, Y (f32) */
+    mha_dtype weight_dtype;    /* --weight-dtype q8_0 (--model / --gguf), else dtype */
 } run_config;
 
 /* Everything allocated while running; freed once by run_free(). */

@@ -621,3 +621,38 @@ def test_torch_from_gguf(models, tmp_path, name, tname):
         mt.MultiheadAttention.from_gguf(path, 5)
     with pytest.raises(ValueError, match="layer"):
         mt.MultiheadAttention.from_gguf(path, -1)
+
+
+def test_cli_weight_dtype_q8_0(models, tmp_path):
+    # `mha run --gguf F --weight-dtype q8_0`: a Q4_0 file's projections kept as q8_0 blocks (the
+    # same values), so the forward equals the default (float32) load's bit for bit, and matches
+    # the float64 oracle; the option's usage errors.
+    model, _ = models["llama_wide"]
+    path = str(tmp_path / "q4.gguf")
+    q4 = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_0, "attn_output": Q.Q4_0}
+    oracle = write_gguf("llama_wide", model, q4, path)
+    x, ref = record(oracle, 1, ids_for("llama_wide"))
+    y32 = run_gguf(path, 1, x, tmp_path)
+    y8 = run_gguf(path, 1, x, tmp_path, "--weight-dtype", "q8_0")
+    assert np.array_equal(y8, y32)
+    assert H.max_rel_err(y8, ref) <= TOL_OUT_REL
+    yd = run_gguf(path, 1, x, tmp_path, "--weight-dtype", "q8_0", "--decode")  # the dot path
+    assert H.max_rel_err(yd, ref) <= TOL_OUT_REL
+    # an F32 file with --weight-dtype q8_0 is quantised at load: not the float32 output, but
+    # the output of the same weights as a Q8_0 file (equal blocks but for ties, where gguf's
+    # quantiser rounds away from zero and mha's to even: far below one q8_0 step, 1/254)
+    p32, p8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
+    write_gguf("llama_wide", model, Q.F32, p32)
+    write_gguf("llama_wide", model, Q.Q8_0, p8)
+    yf = run_gguf(p32, 1, x, tmp_path, "--weight-dtype", "q8_0")
+    assert not np.array_equal(yf, run_gguf(p32, 1, x, tmp_path))
+    assert H.max_rel_err(yf, run_gguf(p8, 1, x, tmp_path)) <= 1.0 / 254
+    xp = tmp_path / "x.npy"
+    for flags, msg in ((("--weight-dtype", "q4_0"), "is not q8_0"),
+                       (("--weight-dtype", "q8_0", "--dtype", "bf16"), "cannot be used with")):
+        r = run_cli("run", "--gguf", path, "--layer", 1, "--input", xp, "--out",
+                    tmp_path / "z.npy", *flags)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
+    r = run_cli("run", "--weights", "w.safetensors", "--heads", 4, "--input", xp, "--out",
+                tmp_path / "z.npy", "--weight-dtype", "q8_0")
+    assert r.returncode == 2 and "needs --model or --gguf" in r.stderr, r.stderr
