@@ -28,6 +28,52 @@
 #include <math.h>
 #include <string.h>
 
+void mha__ggml_type_block(uint32_t t, uint64_t *values, uint64_t *bytes) {
+    *values = 1;
+    *bytes = 0;
+    switch (t) {
+    case MHA__GGML_F32:
+        *bytes = 4;
+        break;
+    case MHA__GGML_F16:
+    case MHA__GGML_BF16:
+        *bytes = 2;
+        break;
+    case MHA__GGML_Q8_0:
+        *values = 32, *bytes = 34;
+        break;
+    case MHA__GGML_Q4_0:
+        *values = 32, *bytes = 18;
+        break;
+    case MHA__GGML_Q4_1:
+        *values = 32, *bytes = 20;
+        break;
+    case MHA__GGML_Q5_0:
+        *values = 32, *bytes = 22;
+        break;
+    case MHA__GGML_Q5_1:
+        *values = 32, *bytes = 24;
+        break;
+    case MHA__GGML_Q2_K:
+        *values = 256, *bytes = 84;
+        break;
+    case MHA__GGML_Q3_K:
+        *values = 256, *bytes = 110;
+        break;
+    case MHA__GGML_Q4_K:
+        *values = 256, *bytes = 144;
+        break;
+    case MHA__GGML_Q5_K:
+        *values = 256, *bytes = 176;
+        break;
+    case MHA__GGML_Q6_K:
+        *values = 256, *bytes = 210;
+        break;
+    default:
+        break;
+    }
+}
+
 static float h16(const unsigned char *p) {
     return mha__f16_to_f32((uint16_t)(p[0] | p[1] << 8));
 }
@@ -173,13 +219,10 @@ int mha__ggml_dequantize_row(uint32_t type, const unsigned char *src, int64_t co
     case MHA__GGML_Q4_1:
     case MHA__GGML_Q5_0:
     case MHA__GGML_Q5_1: {
-        const int64_t bytes = type == MHA__GGML_Q8_0   ? 34
-                              : type == MHA__GGML_Q4_0 ? 18
-                              : type == MHA__GGML_Q4_1 ? 20
-                              : type == MHA__GGML_Q5_0 ? 22
-                                                       : 24;
-        for (int64_t k = 0; k < cols / 32; k++)
-            if (!block32(type, src + k * bytes, dst + k * 32))
+        uint64_t values, bytes;
+        mha__ggml_type_block(type, &values, &bytes);
+        for (int64_t k = 0; k < cols / (int64_t)values; k++)
+            if (!block32(type, src + k * (int64_t)bytes, dst + k * (int64_t)values))
                 return 0;
         return 1;
     }
@@ -187,31 +230,35 @@ int mha__ggml_dequantize_row(uint32_t type, const unsigned char *src, int64_t co
     case MHA__GGML_Q3_K:
     case MHA__GGML_Q4_K:
     case MHA__GGML_Q5_K:
-    case MHA__GGML_Q6_K:
-        for (int64_t k = 0; k < cols / 256; k++) {
-            float *y = dst + k * 256;
+    case MHA__GGML_Q6_K: {
+        uint64_t values, bytes;
+        mha__ggml_type_block(type, &values, &bytes);
+        for (int64_t k = 0; k < cols / (int64_t)values; k++) {
+            const unsigned char *b = src + k * (int64_t)bytes;
+            float *y = dst + k * (int64_t)values;
             int ok;
             switch (type) {
             case MHA__GGML_Q2_K:
-                ok = block_q2_k(src + k * 84, y);
+                ok = block_q2_k(b, y);
                 break;
             case MHA__GGML_Q3_K:
-                ok = block_q3_k(src + k * 110, y);
+                ok = block_q3_k(b, y);
                 break;
             case MHA__GGML_Q4_K:
-                ok = block_q45_k(src + k * 144, 0, y);
+                ok = block_q45_k(b, 0, y);
                 break;
             case MHA__GGML_Q5_K:
-                ok = block_q45_k(src + k * 176, 1, y);
+                ok = block_q45_k(b, 1, y);
                 break;
             default:
-                ok = block_q6_k(src + k * 210, y);
+                ok = block_q6_k(b, y);
                 break;
             }
             if (!ok)
                 return 0;
         }
         return 1;
+    }
     default:
         return 0;
     }
@@ -229,9 +276,10 @@ int mha__ggml_to_q8_0_row(uint32_t type,
         return 1;
     }
     const int five = type == MHA__GGML_Q5_0;
-    const int64_t bytes = five ? 22 : 18;
+    uint64_t values, bytes;
+    mha__ggml_type_block(type, &values, &bytes);
     for (int64_t k = 0; k < n; k++) {
-        const unsigned char *b = src + k * bytes;
+        const unsigned char *b = src + k * (int64_t)bytes;
         unsigned char *o = dst + k * 34;
         int q[32];
         ints32(five ? b + 6 : b + 2, five ? b + 2 : NULL, q);

@@ -6,6 +6,12 @@
 
 #include <stdint.h>
 
+/* Values per block and bytes per block of ggml type t, for the types this reader can size (F32,
+ * F16, BF16 and the block types below); bytes 0 for the others (their tensors are listed but
+ * never read, so their sizes are not needed). The one table of block sizes: gguf.c sizes and
+ * bounds-checks tensors with it, and the row functions below step through blocks with it. */
+void mha__ggml_type_block(uint32_t t, uint64_t *values, uint64_t *bytes);
+
 /* `cols` values (a multiple of the type's block: checked by the caller) of one row of ggml type
  * `type` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K or Q6_K) at `src` into float32 at
  * `dst`, each value computed as ggml's CPU dequantiser computes it in float32. Returns 1, or 0

@@ -105,54 +105,6 @@ static const char *ggml_type_name(uint32_t t) {
     return t < sizeof names / sizeof names[0] && names[t] ? names[t] : "unknown";
 }
 
-/* Block size (values) and block bytes of the types this reader can size; 0 for the others
- * (their tensors are listed but never read, so their sizes are not needed). */
-static void ggml_block(uint32_t t, uint64_t *values, uint64_t *bytes) {
-    *values = 1;
-    *bytes = 0;
-    switch (t) {
-    case MHA__GGML_F32:
-        *bytes = 4;
-        break;
-    case MHA__GGML_F16:
-    case MHA__GGML_BF16:
-        *bytes = 2;
-        break;
-    case MHA__GGML_Q8_0:
-        *values = 32, *bytes = 34;
-        break;
-    case MHA__GGML_Q4_0:
-        *values = 32, *bytes = 18;
-        break;
-    case MHA__GGML_Q4_1:
-        *values = 32, *bytes = 20;
-        break;
-    case MHA__GGML_Q5_0:
-        *values = 32, *bytes = 22;
-        break;
-    case MHA__GGML_Q5_1:
-        *values = 32, *bytes = 24;
-        break;
-    case MHA__GGML_Q2_K:
-        *values = 256, *bytes = 84;
-        break;
-    case MHA__GGML_Q3_K:
-        *values = 256, *bytes = 110;
-        break;
-    case MHA__GGML_Q4_K:
-        *values = 256, *bytes = 144;
-        break;
-    case MHA__GGML_Q5_K:
-        *values = 256, *bytes = 176;
-        break;
-    case MHA__GGML_Q6_K:
-        *values = 256, *bytes = 210;
-        break;
-    default:
-        break;
-    }
-}
-
 /* ---------------------------------------------------------------------------------------------- */
 /* Reading                                                                                        */
 /* ---------------------------------------------------------------------------------------------- */
@@ -411,7 +363,7 @@ static mha_status parse_kvs(mha__gguf *g, mha_error *err) {
 static mha_status
 tensor_bytes(const mha__gguf *g, const gguf_tensor *t, uint64_t *bytes, mha_error *err) {
     uint64_t bv, bb;
-    ggml_block(t->type, &bv, &bb);
+    mha__ggml_type_block(t->type, &bv, &bb);
     *bytes = 0;
     if (!bb)
         return MHA_STATUS_OK;
@@ -808,10 +760,10 @@ read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_err
 }
 
 /* The tensor types the loader reads (docs/MODELS.md "GGUF files", Types): every type
- * ggml_block sizes. */
+ * mha__ggml_type_block sizes. */
 static mha_status check_type(const mha__gguf *g, const gguf_tensor *t, mha_error *err) {
     uint64_t bv, bb;
-    ggml_block(t->type, &bv, &bb);
+    mha__ggml_type_block(t->type, &bv, &bb);
     if (bb)
         return MHA_STATUS_OK;
     return mha__fail(err, MHA_STATUS_UNSUPPORTED,
@@ -1091,7 +1043,7 @@ static mha_status read_tensor(mha__gguf *g,
                   "rows were permuted per head by llama.cpp's converter)",
                   g->path, tn, (long long)span, rows ? "rows" : "values", (long long)head);
     uint64_t bv, bb;
-    ggml_block(t->type, &bv, &bb);
+    mha__ggml_type_block(t->type, &bv, &bb);
     const uint64_t row_bytes = (uint64_t)cols / bv * bb; /* cols % bv == 0: checked at open */
     const int64_t n_rows = (int64_t)want_rows;
     /* a q8_0 layer (weight matrices only: load_layer reads vectors in float32) */
