@@ -331,15 +331,20 @@ static inline __m256 load_q8x8(const signed char *q) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-/* Values u .. u+7 (u = 0, 8, 16, 24) of the q4_0 block whose 16 nibble bytes are at q, as float32:
- * the int8 q - 8 (the values of the q8_0 block with the same scale), then widened as load_q8x8.
- * Low nibbles of bytes u .. u+7 for u < 16, high nibbles of bytes u-16 .. u-9 after. */
-static inline __m256 load_q4x8(const unsigned char *q, const int u) {
-    __m128i b = _mm_loadl_epi64((const __m128i *)(q + u % 16));
-    if (u >= 16)
-        b = _mm_srli_epi16(b, 4);
-    b = _mm_sub_epi8(_mm_and_si128(b, _mm_set1_epi8(15)), _mm_set1_epi8(8));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+/* The 32 values of the q4_0 block whose 16 nibble bytes are at q as int8 q - 8 (the values of
+ * the q8_0 block with the same scale): lo holds values 0..15 (the low nibbles), hi 16..31. One
+ * load and four byte operations per block and row, not per 8 values. */
+static inline void load_q4x32_i8(const unsigned char *q, __m128i *lo, __m128i *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    const __m128i nib = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    *lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
+    *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
+}
+
+/* Values u .. u+7 (u = 0, 8, 16, 24) of a q4_0 block from load_q4x32_i8's lo / hi, as float32. */
+static inline __m256 q4x8(__m128i lo, __m128i hi, const int u) {
+    const __m128i v = u < 16 ? lo : hi;
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u % 16 ? _mm_unpackhi_epi64(v, v) : v));
 }
 
 /* One q8_0 or q4_0 (q4) block (32 k from k, its bytes at blk in each row) of dot_q8_body (q4_0:
@@ -356,6 +361,12 @@ dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
              int64_t k,
              int64_t blk) {
     __m256 p[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
+    __m128i lo[MHA_GEMM_DOT_N], hi[MHA_GEMM_DOT_N];
+    if (q4) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            load_q4x32_i8(wr[j] + blk + 2, &lo[j], &hi[j]);
+    }
     MHA_UNROLL
     for (int u = 0; u < 32; u += 8) {
         __m256 a[MHA_GEMM_DOT_M];
@@ -364,8 +375,8 @@ dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
             a[i] = _mm256_loadu_ps(xr[i] + k + u);
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            const __m256 b = q4 ? load_q4x8(wr[j] + blk + 2, u)
-                                : load_q8x8((const signed char *)wr[j] + blk + 2 + u);
+            const __m256 b =
+                q4 ? q4x8(lo[j], hi[j], u) : load_q8x8((const signed char *)wr[j] + blk + 2 + u);
             MHA_UNROLL
             for (int i = 0; i < mm; i++)
                 p[i][j] = u == 0 ? _mm256_mul_ps(a[i], b) : _mm256_fmadd_ps(a[i], b, p[i][j]);
