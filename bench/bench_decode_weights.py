@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: MIT
-"""Decode step with f32 / bf16 / f16 / q8_0 WEIGHTS at batch 1: bytes of weights per second.
+"""Decode step with f32 / bf16 / f16 / q8_0 / q4_0 WEIGHTS at batch 1: bytes of weights per second.
 
 At batch 1 a layer's decode step is four matrix-vector products over its weights (q, k, v, o:
 2 H D Q + 2 G D Q elements) plus attention over a short cache: the weights' bytes bound it, so
 half-precision weights should approach half the time, q8_0 (34 bytes per 32 weights) 0.53x the
-bf16 time. Runs, interleaved in one process run:
+bf16 time, q4_0 (18 bytes) 0.28x. Runs, interleaved in one process run:
   mha  : `mha decode-bench --weight-dtype T --json` (the whole layer step: projections, RoPE,
          append, split-KV attention over --cache-len positions, output projection);
   torch: the same four products as F.linear on a [1, Q] input with T weights (bf16/f16 torch
-         runs them natively; no attention: a lower bound on torch's layer step; no q8_0).
+         runs them natively; no attention: a lower bound on torch's layer step; no q8_0, q4_0).
 Each mha run also measures this machine's memory read bandwidth (`--stream MB`: two read loops
 over a buffer far beyond the caches, in 2 MiB pages, on the same thread count, the plain one and
 one with software prefetches, the best pass of each; the read bandwidth is the higher of the
@@ -18,8 +18,8 @@ as the loaders do, also in 2 MiB pages. So `% bw` = weight bytes / median step t
 read bandwidth compares like with like on a shared host (a median step against the best read
 pass: conservative). `best %` uses the run's best step instead. `% w+kv` counts the bytes the
 step reads from the cache too (weights + K and V of --cache-len positions: what the step must
-stream), and `x bf16` is the bf16 row's step time over this row's, per repeat (same tier and
-threads, runs of one repeat back to back).
+stream), and `x bf16` / `x q8_0` are the bf16 / q8_0 row's step time over this row's, per repeat
+(same tier and threads, runs of one repeat back to back).
 Reports per (kernel tier, threads, dtype) the median and [min, max] over --repeats runs of the
 median step time, GB/s of weight bytes and % of the read bandwidth. The tiers are MHA_MAX_ISA
 caps ("default" = none); torch (optional) runs only in the default tier's rows.
@@ -34,6 +34,9 @@ import platform
 import statistics
 import subprocess
 import time
+
+
+FLOATS = ("f32", "bf16", "f16")  # the weight dtypes torch runs too
 
 
 def cpu_name():
@@ -99,7 +102,7 @@ def main():
     p.add_argument("--stream-mb", type=int, default=1024,
                    help="the read-bandwidth loop's buffer (MB), measured in every mha run")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtypes", default="f32,bf16,f16,q8_0")
+    p.add_argument("--dtypes", default="f32,bf16,f16,q8_0,q4_0")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--base", default=None,
                    help="another mha program (e.g. a build before a change): its rows interleaved")
@@ -127,7 +130,7 @@ def main():
             nbytes[d] = j["weight_bytes"]
             kvb[d] = j["kv_bytes_per_step"]
             kernel[tier] = j["kernel"].rsplit("__", 1)[-1]
-            if torch is not None and tier == tiers[0] and who == "mha" and d != "q8_0":
+            if torch is not None and tier == tiers[0] and who == "mha" and d in FLOATS:
                 torch.set_num_threads(t)
                 tm, nb = torch_run(torch, d, a)
                 tres[(t, d)].append(tm)
@@ -139,7 +142,7 @@ def main():
           f"{a.repeats} repeats: median [min, max]; read bw: --stream {a.stream_mb} in each run")
     print(f"{'tier':8} {'thr':>3} {'who':6} {'weights':7} {'MB':>6} {'step ms':>22} "
           f"{'GB/s of weights':>20} {'read bw GB/s':>20} {'% of read bw':>18} {'best %':>16} "
-          f"{'% w+kv':>16} {'x bf16':>20}")
+          f"{'% w+kv':>16} {'x bf16':>20} {'x q8_0':>20}")
 
     def cell(v, fmt):
         return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
@@ -154,11 +157,14 @@ def main():
             pct = [100.0 * nb / s * 1e-9 / b for s, b, _ in runs]
             best = [100.0 * nb / s * 1e-9 / b for _, b, s in runs]
             wkv = [100.0 * (nb + kvb[d]) / s * 1e-9 / b for s, b, _ in runs]
-            ref = res.get((who, tier, t, "bf16"))
-            xbf = cell([r[0] / s for r, (s, _, _) in zip(ref, runs)], '{:.2f}') if ref else "-"
+            xs = []
+            for base in ("bf16", "q8_0"):
+                ref = res.get((who, tier, t, base))
+                xs.append(cell([r[0] / s for r, (s, _, _) in zip(ref, runs)], '{:.2f}')
+                          if ref else "-")
             print(f"{kernel[tier]:8} {t:3} {who:6} {d:7} {nb * 1e-6:6.1f} {cell(ms, '{:.3f}'):>22} "
                   f"{cell(gbs, '{:.1f}'):>20} {cell(bw, '{:.1f}'):>20} {cell(pct, '{:.0f}'):>18} "
-                  f"{cell(best, '{:.0f}'):>16} {cell(wkv, '{:.0f}'):>16} {xbf:>20}")
+                  f"{cell(best, '{:.0f}'):>16} {cell(wkv, '{:.0f}'):>16} {xs[0]:>20} {xs[1]:>20}")
         for d in dtypes:
             ts = tres[(t, d)]
             if not ts:

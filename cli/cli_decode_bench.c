@@ -112,8 +112,9 @@ static void bench_usage(void) {
         "  --naive             also time a plain single-threaded loop over the same cache\n"
         "  --stream MB         also measure memory read bandwidth over an MB-megabyte buffer\n"
         "  --json              one JSON line instead of the table\n"
-        "  --weight-dtype T    the layer's weights: f32, f16, bf16 or q8_0 (the projections in\n"
-        "                      q8_0 blocks, quantised by mha_q8_0_quantize) (default: f32); the\n"
+        "  --weight-dtype T    the layer's weights: f32, f16, bf16, q8_0 or q4_0 (the\n"
+        "                      projections in q8_0 / q4_0 blocks, quantised by\n"
+        "                      mha_q8_0_quantize / mha_q4_0_quantize) (default: f32); the\n"
         "                      layer step then reports the weights' bytes per second\n"
         "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
         "                      same K/V, its blocks taken in a shuffled order; its attention is\n"
@@ -322,7 +323,7 @@ typedef struct bench_run {
     uint64_t rng;
     float *wbuf, *kv, *xbuf, *ybuf, *q, *o, *scores;
     uint16_t *whalf; /* the weights rounded to --weight-dtype bf16 / f16 */
-    void *wq8;       /* the weights quantised to --weight-dtype q8_0 */
+    void *wq8;       /* the weights quantised to --weight-dtype q8_0 / q4_0 */
     double *times;
     double prefill_s, attn_med, attn_min, kv_bytes, naive_s, layer_med, layer_min, stream;
     double stream_pf; /* the read loop with software prefetches (stream_gbs) */
@@ -387,8 +388,10 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             b->wdt = MHA_DTYPE_BF16;
         else if (strcmp(b->wdtn, "q8_0") == 0)
             b->wdt = MHA_DTYPE_Q8_0;
+        else if (strcmp(b->wdtn, "q4_0") == 0)
+            b->wdt = MHA_DTYPE_Q4_0;
         else if (strcmp(b->wdtn, "f32") != 0)
-            return cli_usage("--weight-dtype: '%s' is not f32, f16, bf16 or q8_0", b->wdtn);
+            return cli_usage("--weight-dtype: '%s' is not f32, f16, bf16, q8_0 or q4_0", b->wdtn);
     }
     if (args->given[B_PREFILL_MODE]) {
         if (strcmp(args->value[B_PREFILL_MODE], "layer") == 0)
@@ -553,14 +556,18 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
         cfg.weight_dtype = b->wdt;
         const char *base = (const char *)r->wbuf;
         size_t es = sizeof(float);
-        if (b->wdt == MHA_DTYPE_Q8_0) { /* each matrix's rows: Q (a multiple of 32) values */
+        const int q4 = b->wdt == MHA_DTYPE_Q4_0;
+        const size_t block = q4 ? 18 : 34;    /* bytes per 32 weights of a block type */
+        if (b->wdt == MHA_DTYPE_Q8_0 || q4) { /* each matrix's rows: Q (a multiple of 32) values */
             if (Q % 32 != 0 || (H * D) % 32 != 0)
-                return cli_usage("--weight-dtype q8_0 needs --q-dim and heads * head-dim "
-                                 "multiples of 32");
-            r->wq8 = malloc((size_t)(nw / 32) * 34);
+                return cli_usage("--weight-dtype %s needs --q-dim and heads * head-dim "
+                                 "multiples of 32",
+                                 b->wdtn);
+            r->wq8 = malloc((size_t)(nw / 32) * block);
             if (!r->wq8)
                 return cli_fail("cannot allocate %lld weights", (long long)nw);
-            if (mha_q8_0_quantize(r->wbuf, nw, r->wq8, &r->err) != MHA_STATUS_OK)
+            if ((q4 ? mha_q4_0_quantize : mha_q8_0_quantize)(r->wbuf, nw, r->wq8, &r->err) !=
+                MHA_STATUS_OK)
                 return cli_lib_fail(NULL, &r->err);
             base = (const char *)r->wq8;
         } else if (b->wdt != MHA_DTYPE_F32) {
@@ -572,9 +579,10 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
             base = (const char *)r->whalf;
             es = sizeof(uint16_t);
         }
-        /* Bytes of the first `count` weights (q8_0: 34 per 32, every matrix whole blocks). */
+        /* Bytes of the first `count` weights (q8_0 / q4_0: 34 / 18 per 32, every matrix whole
+         * blocks). */
 #define WBYTES_(count)                                                                             \
-    (b->wdt == MHA_DTYPE_Q8_0 ? (size_t)((count) / 32) * 34 : es * (size_t)(count))
+    (b->wdt == MHA_DTYPE_Q8_0 || q4 ? (size_t)((count) / 32) * block : es * (size_t)(count))
         r->weight_bytes = (double)WBYTES_(nw);
         mha_weights w;
         memset(&w, 0, sizeof w);

@@ -209,10 +209,11 @@ void cli_run_usage(void) {
         "                           --model checkpoint already in T is kept as it is, other",
         "                           tensors are rounded once), of X, K, V and of Y; the",
         "                           arithmetic is float32 (docs/FORMATS.md) (default: f32)",
-        "  --weight-dtype q8_0      with --model or --gguf (and --dtype f32): the four",
-        "                           projection matrices in q8_0 blocks, for inference (a GGUF",
-        "                           file's Q8_0, Q4_0 and Q5_0 tensors kept exactly, other",
-        "                           tensors quantised at load; docs/MODELS.md \"GGUF files\")",
+        "  --weight-dtype T         q8_0 or q4_0, with --model or --gguf (and --dtype f32): the",
+        "                           four projection matrices in q8_0 / q4_0 blocks, for",
+        "                           inference (a GGUF file's Q8_0, Q4_0 and Q5_0 tensors kept",
+        "                           exactly in q8_0, its Q4_0 in q4_0, other tensors quantised",
+        "                           at load; docs/MODELS.md \"GGUF files\")",
         "  --impl I                 reference, fast or auto (default: auto); fast fails, naming",
         "                           the option, when it cannot run the request",
         "  --help                   this text",
@@ -457,22 +458,24 @@ static int parse_dtype(run_config *o) {
     return CLI_OK;
 }
 
-/* --weight-dtype q8_0: the projections of a --model / --gguf layer in q8_0 blocks
- * (docs/SEMANTICS.md "q8_0 weights"; X and Y stay float32). After parse_dtype. */
+/* --weight-dtype q8_0 | q4_0: the projections of a --model / --gguf layer in q8_0 / q4_0 blocks
+ * (docs/SEMANTICS.md "q8_0 weights", "q4_0 weights"; X and Y stay float32). After parse_dtype. */
 static int parse_weight_dtype(run_config *o) {
     const char *t = o->opt[O_WEIGHT_DTYPE];
     o->weight_dtype = o->dtype;
     if (!t)
         return CLI_OK;
-    if (strcmp(t, "q8_0") != 0)
-        return cli_usage("--weight-dtype: '%s' is not q8_0 (--dtype sets f32, bf16 or f16)", t);
+    if (strcmp(t, "q8_0") != 0 && strcmp(t, "q4_0") != 0)
+        return cli_usage("--weight-dtype: '%s' is not q8_0 or q4_0 (--dtype sets f32, bf16 or "
+                         "f16)",
+                         t);
     if (!o->opt[O_MODEL] && !o->opt[O_GGUF])
-        return cli_usage("--weight-dtype q8_0 needs --model or --gguf");
+        return cli_usage("--weight-dtype %s needs --model or --gguf", t);
     if (o->dtype != MHA_DTYPE_F32 || o->distributed)
-        return cli_usage("--weight-dtype q8_0 cannot be used with %s (a q8_0 layer reads and "
-                         "writes float32 and runs on one process)",
-                         o->distributed ? "--distributed" : "--dtype bf16 / f16");
-    o->weight_dtype = MHA_DTYPE_Q8_0;
+        return cli_usage("--weight-dtype %s cannot be used with %s (a %s layer reads and writes "
+                         "float32 and runs on one process)",
+                         t, o->distributed ? "--distributed" : "--dtype bf16 / f16", t);
+    o->weight_dtype = strcmp(t, "q4_0") == 0 ? MHA_DTYPE_Q4_0 : MHA_DTYPE_Q8_0;
     return CLI_OK;
 }
 

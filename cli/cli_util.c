@@ -196,6 +196,8 @@ const char *cli_dtype_name(mha_dtype dtype) {
         return "int64";
     case MHA_DTYPE_Q8_0:
         return "q8_0";
+    case MHA_DTYPE_Q4_0:
+        return "q4_0";
     case MHA_DTYPE_FP8_E4M3:
         return "fp8_e4m3";
     }

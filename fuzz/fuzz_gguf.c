@@ -2,7 +2,8 @@
 /* fuzz_gguf.c: libFuzzer harness for the GGUF reader (src/io/gguf.c). The input is a whole file
  * image, opened through mha__gguf_open_mem() (the same checks as mha_layer_load_gguf(), through
  * fmemopen); each layer it names (up to 3) has its info read and is loaded in float32, in
- * bfloat16, in q8_0 (Q8_0/Q4_0/Q5_0 blocks converted, other types quantised) and with a config of
+ * bfloat16, in q8_0 (Q8_0/Q4_0/Q5_0 blocks converted, other types quantised), in q4_0 (Q4_0
+ * blocks kept, other types quantised) and with a config of
  * twice the heads of half the head size, with a counting allocator.
  * Invariants: no crash, leak or out-of-bounds access; errors fill mha_error consistently, name the
  * file and leave *out NULL; every allocation made through the allocator is given back; a loaded
@@ -44,7 +45,8 @@ static void use_layer(const mha_layer *L, const mha_config *want) {
         c->num_heads * c->head_dim * c->q_dim, c->num_kv_heads * c->head_dim * c->q_dim,
         c->num_kv_heads * c->head_dim * c->q_dim, c->out_dim * c->num_heads * c->head_dim};
     const void *ptrs[4] = {w->w_q, w->w_k, w->w_v, w->w_o};
-    for (int t = 0; t < 4 && wdt != MHA_DTYPE_Q8_0; t++) /* q8_0: scales checked at create */
+    for (int t = 0; t < 4 && wdt != MHA_DTYPE_Q8_0 && wdt != MHA_DTYPE_Q4_0;
+         t++) /* q8_0, q4_0: scales checked at create */
         for (int64_t i = 0; i < counts[t]; i++)
             FUZZ_REQUIRE(isfinite(weight_at(wdt, ptrs[t], i)), "weight %d[%lld] not finite", t,
                          (long long)i);
@@ -93,9 +95,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             break;
         }
         /* float32, bfloat16, a caller's config of twice the heads of half the file's head size
-         * (the same tensor shapes; llama's Q/K un-permutation still uses the file's), q8_0 */
-        const mha_dtype dts[4] = {MHA_DTYPE_F32, MHA_DTYPE_BF16, MHA_DTYPE_F32, MHA_DTYPE_Q8_0};
-        for (int k = 0; k < 4; k++) {
+         * (the same tensor shapes; llama's Q/K un-permutation still uses the file's), q8_0, q4_0 */
+        const mha_dtype dts[5] = {MHA_DTYPE_F32, MHA_DTYPE_BF16, MHA_DTYPE_F32, MHA_DTYPE_Q8_0,
+                                  MHA_DTYPE_Q4_0};
+        for (int k = 0; k < 5; k++) {
             mha_config cfg = info.config;
             cfg.weight_dtype = dts[k];
             if (k == 2) {

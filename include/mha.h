@@ -115,10 +115,16 @@ typedef enum mha_dtype {
      * (vLLM's fp8 KV cache). Accepted ONLY as mha_kv_cache_config.dtype (docs/SEMANTICS.md "fp8
      * KV cache"); every other dtype field refuses it. One byte per value. */
     MHA_DTYPE_FP8_E4M3 = 9,
+    /* ggml's q4_0 block: per 32 values one float16 scale d then 16 bytes of 4-bit q (value i =
+     * (q_i - 8) * d, q_i the low nibble of byte i < 16, else the high nibble of byte i - 16; 18
+     * bytes per 32 values). Accepted ONLY as mha_config.weight_dtype (docs/SEMANTICS.md "q4_0
+     * weights"); every other dtype field refuses it. */
+    MHA_DTYPE_Q4_0 = 10,
 } mha_dtype;
 
 /** Size in bytes of one element of `dtype`, or 0 for an unknown value or a block type
- *  (MHA_DTYPE_Q8_0: 34 bytes per block of 32 values; MHA_DTYPE_FP8_E4M3: 1). */
+ *  (MHA_DTYPE_Q8_0: 34 bytes per block of 32 values; MHA_DTYPE_Q4_0: 18; MHA_DTYPE_FP8_E4M3:
+ *  1). */
 MHA_API size_t mha_dtype_size(mha_dtype dtype);
 /** float32 values to q8_0 blocks (docs/SEMANTICS.md "q8_0 KV cache": float16 scale f16(max|x| /
  *  127), q = clamp(rne(x / d), -127, 127), ties to even): count (a multiple of 32) values of src
@@ -131,6 +137,15 @@ MHA_API mha_status mha_q8_0_quantize(const float *src, int64_t count, void *dst,
 /** q8_0 blocks to float32: count (a multiple of 32) values, dst[i] = q_i * d of its block (exact).
  *  INVALID_ARG as mha_q8_0_quantize. */
 MHA_API mha_status mha_q8_0_dequantize(const void *src, int64_t count, float *dst, mha_error *err);
+/** float32 values to q4_0 blocks (docs/SEMANTICS.md "q4_0 weights": float16 scale f16(m / -8), m
+ *  the block's value of largest |x|, q = clamp(rne(x / d) + 8, 0, 15), ties to even): count (a
+ *  multiple of 32) values into count / 32 * 18 bytes at dst, e.g. the weights of a layer with
+ *  weight_dtype MHA_DTYPE_Q4_0. A block holding a NaN or an infinity stores a NaN scale.
+ *  INVALID_ARG as mha_q8_0_quantize. */
+MHA_API mha_status mha_q4_0_quantize(const float *src, int64_t count, void *dst, mha_error *err);
+/** q4_0 blocks to float32: dst[i] = (q_i - 8) * d of its block (exact). INVALID_ARG as
+ *  mha_q8_0_quantize. */
+MHA_API mha_status mha_q4_0_dequantize(const void *src, int64_t count, float *dst, mha_error *err);
 /** float16 (MHA_DTYPE_F16) or bfloat16 (MHA_DTYPE_BF16) values to float32, exactly: dst[i] =
  *  src[i] for i < count. INVALID_ARG for another dtype, a negative count or a NULL pointer. */
 MHA_API mha_status
@@ -626,7 +641,9 @@ typedef struct mha_config {
      * blocks; q_dim, k_dim, v_dim and h*v_head_dim multiples of 32), the biases, sinks and QK-norm
      * weights float32; exactly the float32 layer on the dequantised weights (the AVX2 tier's
      * products of at most 4 rows, e.g. a decode step: in the block-sum order, the same bound, not
-     * its bits); inference only (docs/SEMANTICS.md "q8_0 weights"). */
+     * its bits); inference only (docs/SEMANTICS.md "q8_0 weights"). MHA_DTYPE_Q4_0 likewise in
+     * q4_0 blocks (18 bytes per 32 weights): bit-identical to the q8_0 layer holding the same
+     * values (docs/SEMANTICS.md "q4_0 weights"). */
     mha_dtype weight_dtype;
     mha_qk_norm qk_norm; /* kind NONE (0) = no normalization of q and k */
     /* nonzero: an output gate (Qwen3-Next): w_q has 2*h*d_k rows, the first h*d_k the query's and
@@ -860,14 +877,16 @@ MHA_API mha_status mha_gguf_layer_info_read(const char *path,
  *  the biases and attn_q_norm/attn_k_norm when present). Tensors of type F32, F16 and BF16 are
  *  stored in config->weight_dtype (a tensor already in it keeps its bytes, any other is rounded
  *  once to nearest even, as mha_layer_load_safetensors does; mixed types are fine); Q8_0 is
- *  dequantised to float32 (exact) and then stored likewise; any other type is UNSUPPORTED naming
- *  it. llama and mistral files have their Q and K rows (and biases) permuted by llama.cpp's
- *  converter to pair rotary dimensions (2j, 2j+1): the permutation is undone, so the layer is
- *  the HF checkpoint's, with HALF (rotate_half) RoPE. `config` NULL takes the options from
- *  mha_gguf_layer_info_read(); otherwise as in mha_hf_layer_load (set weight_dtype to
- *  MHA_DTYPE_BF16 or F16 to keep a half file's bytes; the info's is MHA_DTYPE_F32). With
- *  weight_dtype MHA_DTYPE_Q8_0 the projections' Q8_0 blocks are kept as the file holds them (other
- *  types quantised by mha_q8_0_quantize; biases and norms float32). */
+ *  dequantised to float32 (exact) and then stored likewise, as are the other block types
+ *  docs/SEMANTICS.md "GGUF quantised types" lists; any other type is UNSUPPORTED naming it. llama
+ * and mistral files have their Q and K rows (and biases) permuted by llama.cpp's converter to pair
+ * rotary dimensions (2j, 2j+1): the permutation is undone, so the layer is the HF checkpoint's,
+ * with HALF (rotate_half) RoPE. `config` NULL takes the options from mha_gguf_layer_info_read();
+ * otherwise as in mha_hf_layer_load (set weight_dtype to MHA_DTYPE_BF16 or F16 to keep a half
+ * file's bytes; the info's is MHA_DTYPE_F32). With weight_dtype MHA_DTYPE_Q8_0 the projections'
+ * Q8_0 blocks are kept as the file holds them (other types quantised by mha_q8_0_quantize; biases
+ * and norms float32); with MHA_DTYPE_Q4_0 the Q4_0 blocks are kept and other types quantised by
+ * mha_q4_0_quantize. */
 MHA_API mha_status mha_layer_load_gguf(const char *path,
                                        int64_t layer,
                                        const mha_config *config,

@@ -205,7 +205,7 @@ def test_decode_bench_layer_prefill():
 @pytest.mark.parametrize("args,needle", [
     (["--heads", "6", "--kv-heads", "4"], "--kv-heads 4 does not divide --heads 6"),
     (["--cache-dtype", "int8"], "--cache-dtype: 'int8'"),
-    (["--weight-dtype", "q4_0"], "--weight-dtype: 'q4_0' is not f32, f16, bf16 or q8_0"),
+    (["--weight-dtype", "q5_0"], "--weight-dtype: 'q5_0' is not f32, f16, bf16, q8_0 or q4_0"),
     (["--weight-dtype", "q8_0", "--q-dim", "48"], "--weight-dtype q8_0 needs"),
     (["--bogus"], "unknown option '--bogus'"),
     (["--steps", "0"], "--steps: 0 is out of range"),

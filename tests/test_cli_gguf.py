@@ -592,7 +592,7 @@ def test_python_from_gguf_keeps_q8_0(models, tmp_path, name):
         diff = np.abs(q8f.weights[nm] - w)
         assert (diff > 0).mean() < 0.01, nm  # ties only
     with pytest.raises(ValueError, match="weight_dtype"):
-        mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q4_0")
+        mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q5_0")
 
 
 @pytest.mark.parametrize("name,tname", [("mistral", "BF16"), ("qwen2", "Q8_0"), ("qwen3", "F16"),
@@ -648,7 +648,7 @@ def test_cli_weight_dtype_q8_0(models, tmp_path):
     assert not np.array_equal(yf, run_gguf(p32, 1, x, tmp_path))
     assert H.max_rel_err(yf, run_gguf(p8, 1, x, tmp_path)) <= 1.0 / 254
     xp = tmp_path / "x.npy"
-    for flags, msg in ((("--weight-dtype", "q4_0"), "is not q8_0"),
+    for flags, msg in ((("--weight-dtype", "q5_0"), "is not q8_0 or q4_0"),
                        (("--weight-dtype", "q8_0", "--dtype", "bf16"), "cannot be used with")):
         r = run_cli("run", "--gguf", path, "--layer", 1, "--input", xp, "--out",
                     tmp_path / "z.npy", *flags)
@@ -656,3 +656,53 @@ def test_cli_weight_dtype_q8_0(models, tmp_path):
     r = run_cli("run", "--weights", "w.safetensors", "--heads", 4, "--input", xp, "--out",
                 tmp_path / "z.npy", "--weight-dtype", "q8_0")
     assert r.returncode == 2 and "needs --model or --gguf" in r.stderr, r.stderr
+
+
+def test_q4_0_layer(models, tmp_path):
+    # weight_dtype q4_0 (docs/SEMANTICS.md "q4_0 weights"): a Q4_0 file's blocks are kept as they
+    # are, and a q4_0 layer computes bit for bit what the q8_0 layer holding the same values does
+    # (forward: the packed GEMM; --decode: the dot path), within TOL_OUT_REL of the float64
+    # oracle. The Hugging Face loader quantises a float checkpoint to q4_0 (mha_q4_0_quantize) as
+    # the constructor does; the CLI's --model --weight-dtype takes it.
+    mha = pytest.importorskip("mha")
+    model, hf_dir = models["llama_wide"]
+    path = str(tmp_path / "q4.gguf")
+    q4 = {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_0, "attn_output": Q.Q4_0}
+    oracle = write_gguf("llama_wide", model, q4, path)
+    x, ref = record(oracle, 1, ids_for("llama_wide"))
+    for flags in ((), ("--decode",)):
+        y4 = run_gguf(path, 1, x, tmp_path, "--weight-dtype", "q4_0", *flags)
+        y8 = run_gguf(path, 1, x, tmp_path, "--weight-dtype", "q8_0", *flags)
+        assert np.array_equal(y4, y8), flags
+        assert H.max_rel_err(y4, ref) <= TOL_OUT_REL, flags
+    l4 = mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q4_0")
+    l8 = mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q8_0")
+    assert l4.config.weight_dtype == "q4_0"
+    for nm, w in l8.weights.items():
+        assert np.array_equal(l4.weights[nm], w), nm
+    for xb in x:
+        xb = xb.astype(np.float32)
+        assert np.array_equal(l4.forward(xb), l8.forward(xb))
+        assert np.array_equal(l4.forward(xb[:1]), l8.forward(xb[:1]))  # one row: the dot path
+    # the HF directory, quantised at load = the constructor's quantisation of its float32 weights
+    hf = mha.MultiheadAttention.from_pretrained(hf_dir, layer=1)
+    hq = mha.MultiheadAttention.from_pretrained(hf_dir, layer=1, weight_dtype="q4_0")
+    w = hf.weights
+    ref_layer = mha.MultiheadAttention(
+        w["w_q"], w["w_k"], w["w_v"], w["w_o"], num_heads=hf.config.num_heads,
+        num_kv_heads=hf.config.num_kv_heads, rope=hf.config.rope, weight_dtype="q4_0")
+    for nm in ("w_q", "w_k", "w_v", "w_o"):
+        assert np.array_equal(hq.weights[nm], ref_layer.weights[nm]), nm
+        err = np.abs(hq.weights[nm] - w[nm]).max()
+        assert 0 < err <= np.abs(w[nm]).max() / 8 * (1 + 7 * 2.0**-11) + 2.0**-22, nm
+    xb = x[0].astype(np.float32)
+    assert np.array_equal(hq.forward(xb, causal=True), ref_layer.forward(xb, causal=True))
+    xp, yp = tmp_path / "x.npy", tmp_path / "y.npy"
+    np.save(xp, x)
+    r = run_cli("run", "--model", hf_dir, "--layer", 1, "--input", xp, "--out", yp,
+                "--weight-dtype", "q4_0")
+    assert r.returncode == 0, r.stderr
+    yq = np.load(yp)
+    assert np.array_equal(yq[0], hq.forward(xb))
+    with pytest.raises(ValueError, match="weight_dtype"):
+        mha.MultiheadAttention.from_pretrained(hf_dir, layer=1, weight_dtype="int4")

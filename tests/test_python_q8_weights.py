@@ -120,7 +120,7 @@ def test_q8_refusals():
     with pytest.raises(ValueError, match="multiple of 32"):
         mha.MultiheadAttention(**bad, num_heads=H, num_kv_heads=G, weight_dtype="q8_0")
     with pytest.raises(ValueError, match="weight_dtype"):
-        mha.MultiheadAttention(**w, num_heads=H, num_kv_heads=G, weight_dtype="q4_0")
+        mha.MultiheadAttention(**w, num_heads=H, num_kv_heads=G, weight_dtype="q5_0")
     lq = mha.MultiheadAttention(**w, num_heads=H, num_kv_heads=G, weight_dtype="q8_0")
     x = rng.standard_normal((1, 4, E)).astype(np.float32)
     with pytest.raises(mha.MhaError, match="inference only"):

@@ -592,10 +592,12 @@ static void run_decode_case(mha_dtype dtype,
     free_layer_inputs(&in);
 }
 
-/* q8_0 projection weights (docs/SEMANTICS.md "q8_0 weights"): the decode layer of
- * run_decode_case with its four matrices quantised (mha_q8_0_quantize; the sinks float32), the
- * forward over a 300-token prompt, then prefill + steps of 1, 3 and 1 tokens (the dot path). */
-static void run_q8_case(int64_t head_dim, int alibi, mha_impl impl, int threads, hash64 *h) {
+/* q8_0 (or q4_0: wdt) projection weights (docs/SEMANTICS.md "q8_0 weights", "q4_0 weights"): the
+ * decode layer of run_decode_case with its four matrices quantised (mha_q8_0_quantize /
+ * mha_q4_0_quantize; the sinks float32), the forward over a 300-token prompt, then prefill +
+ * steps of 1, 3 and 1 tokens (the dot path). */
+static void
+run_q8_case(mha_dtype wdt, int64_t head_dim, int alibi, mha_impl impl, int threads, hash64 *h) {
     layer_case c = {"q8",
                     {.q_dim = 4 * head_dim,
                      .num_heads = 4,
@@ -604,7 +606,7 @@ static void run_q8_case(int64_t head_dim, int alibi, mha_impl impl, int threads,
                      .alibi = alibi,
                      .sinks = alibi,
                      .rope = {.style = MHA_ROPE_HALF},
-                     .weight_dtype = MHA_DTYPE_Q8_0},
+                     .weight_dtype = wdt},
                     2,
                     1,
                     0,
@@ -624,8 +626,10 @@ static void run_q8_case(int64_t head_dim, int alibi, mha_impl impl, int threads,
     void *q[4];
     mha_error err;
     for (int i = 0; i < 4; ++i) {
-        q[i] = malloc((size_t)(n[i] / 32) * 34);
-        if (!q[i] || mha_q8_0_quantize(f[i], n[i], q[i], &err) != MHA_STATUS_OK)
+        const int q4 = wdt == MHA_DTYPE_Q4_0;
+        q[i] = malloc((size_t)(n[i] / 32) * (q4 ? 18 : 34));
+        if (!q[i] ||
+            (q4 ? mha_q4_0_quantize : mha_q8_0_quantize)(f[i], n[i], q[i], &err) != MHA_STATUS_OK)
             fail("q8 quantize", &err);
     }
     mha_weights w = {q[0], q[1], q[2], q[3], NULL, NULL, NULL, NULL, in.sinks, NULL, NULL};
@@ -744,7 +748,7 @@ int main(void) {
     for (int ii = 0; ii < 2; ++ii)
         for (int ti = 0; ti < 2; ++ti)
             for (int hd = 64; hd <= 128; hd += 64)
-                run_q8_case(hd, hd == 128, impls[ii], thread_counts[ti], &q8);
+                run_q8_case(MHA_DTYPE_Q8_0, hd, hd == 128, impls[ii], thread_counts[ti], &q8);
     report("layer_q8w", &q8, &after);
     /* 8-bit KV caches (docs/SEMANTICS.md "q8_0 KV cache", "fp8 KV cache"): the decode cases of
      * head sizes 64 and 128 (multiples of q8_0's block of 32), with and without a window. */
@@ -761,5 +765,12 @@ int main(void) {
                                     thread_counts[ti], &kv8);
                 }
     report("decode_kv8", &kv8, &after);
+    hash64 q4;
+    hash_init(&q4);
+    for (int ii = 0; ii < 2; ++ii)
+        for (int ti = 0; ti < 2; ++ti)
+            for (int hd = 64; hd <= 128; hd += 64)
+                run_q8_case(MHA_DTYPE_Q4_0, hd, hd == 128, impls[ii], thread_counts[ti], &q4);
+    report("layer_q4w", &q4, &after);
     return 0;
 }

@@ -895,7 +895,7 @@ class Config:
     alibi: bool
     rope: Optional[Rope]
     weight_dtype: str = "float32"  # the storage of weights, biases, sinks: float16, bfloat16;
-    # q8_0: the projections only (biases, sinks, norms float32)
+    # q8_0, q4_0: the projections only (biases, sinks, norms float32)
     qk_norm: Optional[QKNorm] = None
     output_gate: bool = False
     # Llama 4's temperature tuning (docs/SEMANTICS.md): (floor_scale, attn_scale), or None
@@ -914,7 +914,7 @@ class Config:
 
 
 _DTYPE_NAMES = {L.DTYPE_F32: "float32", L.DTYPE_F16: "float16", L.DTYPE_BF16: "bfloat16",
-                L.DTYPE_Q8_0: "q8_0"}
+                L.DTYPE_Q8_0: "q8_0", L.DTYPE_Q4_0: "q4_0"}
 _DTYPE_CODES = {v: k for k, v in _DTYPE_NAMES.items()}
 
 
@@ -996,7 +996,9 @@ class MultiheadAttention:
     layer then computes exactly the float32 layer on the dequantised weights (``weights`` returns
     them; on the AVX2 tier the products of at most 4 rows, e.g. decode steps, sum each block
     before its scale: the same bound, not the same bits), for inference only (forward, decode; no
-    forward_train).
+    forward_train). ``weight_dtype="q4_0"`` likewise in ggml's q4_0 blocks (mha_q4_0_quantize:
+    18 bytes per 32 weights; docs/SEMANTICS.md "q4_0 weights"): bit-identical to the q8_0 layer
+    holding the same values.
 
     Options: ``scale`` (None = 1/sqrt(d_k)), ``softcap``, ``alibi``, ``sinks`` ([h] logits),
     ``rope`` (a :class:`Rope`, a dict of its fields, or a style name; None = no RoPE),
@@ -1044,16 +1046,16 @@ class MultiheadAttention:
             if _weight_dtype is None and not _is_float(np.asarray(x).dtype):
                 raise TypeError(f"{nm}: expected a floating-point array, got dtype "
                                 f"{np.asarray(x).dtype}")
-        if weight_dtype not in (None, "q8_0"):
-            raise ValueError(f"weight_dtype: expected None (the arrays' dtype) or 'q8_0', got "
-                             f"{weight_dtype!r}")
-        q8 = weight_dtype == "q8_0"
+        if weight_dtype not in (None, "q8_0", "q4_0"):
+            raise ValueError(f"weight_dtype: expected None (the arrays' dtype), 'q8_0' or 'q4_0', "
+                             f"got {weight_dtype!r}")
+        q8 = weight_dtype in ("q8_0", "q4_0")
         if q8 and _weight_dtype is not None:
-            raise ValueError("weight_dtype='q8_0' takes float arrays")
+            raise ValueError(f"weight_dtype={weight_dtype!r} takes float arrays")
         arrs, c.weight_dtype = _layer_arrays(given, _weight_dtype)
         if q8:  # float32 first (exact), the projections quantised below once their shapes hold
             arrs = {nm: _float32(a, nm) for nm, a in arrs.items()}
-            c.weight_dtype = L.DTYPE_Q8_0
+            c.weight_dtype = _DTYPE_CODES[weight_dtype]
         ws = {}
         for nm in ("w_q", "w_k", "w_v", "w_o"):
             a = arrs[nm]
@@ -1088,10 +1090,12 @@ class MultiheadAttention:
             for nm in ("w_q", "w_k", "w_v", "w_o"):
                 a = ws[nm]
                 if a.shape[1] % 32:
-                    raise ValueError(f"{nm}: weight_dtype='q8_0' needs input features that are a "
-                                     f"multiple of 32 (whole q8_0 blocks), got {a.shape[1]}")
-                qb = np.empty((a.shape[0], a.shape[1] // 32 * 34), np.uint8)
-                M.call(L.mha_q8_0_quantize, _ptr(a), a.size, _ptr(qb))
+                    raise ValueError(f"{nm}: weight_dtype={weight_dtype!r} needs input features "
+                                     f"that are a multiple of 32 (whole blocks), got {a.shape[1]}")
+                q4 = weight_dtype == "q4_0"
+                qb = np.empty((a.shape[0], a.shape[1] // 32 * (18 if q4 else 34)), np.uint8)
+                M.call(L.mha_q4_0_quantize if q4 else L.mha_q8_0_quantize, _ptr(a), a.size,
+                       _ptr(qb))
                 ws[nm] = qb
         w = L.mha_weights()
         for nm in ws:
@@ -1176,7 +1180,8 @@ class MultiheadAttention:
     model_info: Optional[Dict[str, object]] = None
 
     @classmethod
-    def from_pretrained(cls, path: str, layer: int = 0) -> "MultiheadAttention":
+    def from_pretrained(cls, path: str, layer: int = 0, *,
+                        weight_dtype: Optional[str] = None) -> "MultiheadAttention":
         """Layer ``layer`` (0-based) of a Hugging Face model directory (config.json with
         model.safetensors, or model.safetensors.index.json and its shards), with every option
         its config implies (mha_hf_layer_load; the table per model_type is in docs/MODELS.md).
@@ -1184,8 +1189,15 @@ class MultiheadAttention:
         causal mask and sliding window become this layer's defaults for :meth:`forward`
         (``causal=None`` / ``window=None`` there); ``model_info`` says what was read. An
         unsupported architecture or attention option raises MhaError naming the config field.
+        ``weight_dtype="q8_0"`` or ``"q4_0"``: the four projection matrices read in float32 and
+        quantised (mha_q8_0_quantize / mha_q4_0_quantize; docs/SEMANTICS.md "q8_0 weights",
+        "q4_0 weights"), for inference.
         """
-        return cls._from_model(path, layer, L.mha_hf_layer_info_read, L.mha_hf_layer_load)
+        if weight_dtype not in (None, "q8_0", "q4_0"):
+            raise ValueError(f"weight_dtype: expected None (float32), 'q8_0' or 'q4_0', got "
+                             f"{weight_dtype!r}")
+        return cls._from_model(path, layer, L.mha_hf_layer_info_read, L.mha_hf_layer_load,
+                               _DTYPE_CODES[weight_dtype] if weight_dtype else None)
 
     @classmethod
     def from_gguf(cls, path: str, layer: int = 0, *,
@@ -1198,13 +1210,15 @@ class MultiheadAttention:
         architecture). ``weight_dtype="q8_0"`` keeps the file's Q8_0 projection blocks as they
         are and maps Q4_0/Q5_0 blocks to q8_0 exactly (a q8_0 layer, docs/SEMANTICS.md "q8_0
         weights", "GGUF quantised types"; other tensor types are quantised with
-        mha_q8_0_quantize; biases and norms float32). Unsupported types (IQ*, TQ*, MXFP4, ...)
-        or options raise MhaError naming them."""
-        if weight_dtype not in (None, "q8_0"):
-            raise ValueError(f"weight_dtype: expected None (the file's default) or 'q8_0', got "
-                             f"{weight_dtype!r}")
+        mha_q8_0_quantize; biases and norms float32); ``weight_dtype="q4_0"`` keeps the file's
+        Q4_0 blocks (a q4_0 layer, "q4_0 weights"; other types quantised with
+        mha_q4_0_quantize). Unsupported types (IQ*, TQ*, MXFP4, ...) or options raise MhaError
+        naming them."""
+        if weight_dtype not in (None, "q8_0", "q4_0"):
+            raise ValueError(f"weight_dtype: expected None (the file's default), 'q8_0' or "
+                             f"'q4_0', got {weight_dtype!r}")
         return cls._from_model(path, layer, L.mha_gguf_layer_info_read, L.mha_layer_load_gguf,
-                               L.DTYPE_Q8_0 if weight_dtype == "q8_0" else None)
+                               _DTYPE_CODES[weight_dtype] if weight_dtype else None)
 
     @classmethod
     def _from_model(cls, path, layer, info_fn, load_fn, weight_dtype=None) -> "MultiheadAttention":
@@ -1255,12 +1269,13 @@ class MultiheadAttention:
             shapes["k_norm"] = (c.num_kv_heads * c.head_dim if all_ else c.head_dim,)
         res = {}
         code = _DTYPE_CODES[c.weight_dtype]
-        if code == L.DTYPE_Q8_0:  # the projections dequantised, the rest float32 as stored
+        if code in (L.DTYPE_Q8_0, L.DTYPE_Q4_0):  # projections dequantised, the rest float32
             for nm, shp in shapes.items():
                 p = getattr(w, nm)
                 if p and nm.startswith("w_"):
                     res[nm] = np.empty(shp, _F32)
-                    M.call(L.mha_q8_0_dequantize, p, res[nm].size, _ptr(res[nm]))
+                    M.call(L.mha_q4_0_dequantize if code == L.DTYPE_Q4_0 else
+                           L.mha_q8_0_dequantize, p, res[nm].size, _ptr(res[nm]))
                 elif p:
                     n = int(np.prod(shp))
                     res[nm] = np.frombuffer((ctypes.c_float * n).from_address(p), _F32).reshape(

@@ -35,6 +35,7 @@ STATUS_NAMES = {
 # mha_dtype
 DTYPE_F32, DTYPE_F64, DTYPE_F16, DTYPE_BF16, DTYPE_BOOL, DTYPE_U8, DTYPE_I32, DTYPE_I64 = range(8)
 DTYPE_Q8_0 = 8  # ggml q8_0 blocks: the KV cache dtype and the layer's weight_dtype (mha.h)
+DTYPE_Q4_0 = 10  # ggml q4_0 blocks: a layer's weight_dtype only (mha.h)
 DTYPE_FP8_E4M3 = 9  # fp8 e4m3 with per-kv-head scales: the KV cache dtype only (mha.h)
 # mha_alignment
 ALIGN_BOTTOM_RIGHT, ALIGN_TOP_LEFT, ALIGN_EXPLICIT = range(3)
@@ -331,6 +332,8 @@ mha_layer_config = _fn("mha_layer_config", [c_void_p], P(mha_config))
 mha_layer_weights = _fn("mha_layer_weights", [c_void_p], P(mha_weights))
 mha_q8_0_quantize = _fn("mha_q8_0_quantize", [c_void_p, c_int64, c_void_p, P(mha_error)])
 mha_q8_0_dequantize = _fn("mha_q8_0_dequantize", [c_void_p, c_int64, c_void_p, P(mha_error)])
+mha_q4_0_quantize = _fn("mha_q4_0_quantize", [c_void_p, c_int64, c_void_p, P(mha_error)])
+mha_q4_0_dequantize = _fn("mha_q4_0_dequantize", [c_void_p, c_int64, c_void_p, P(mha_error)])
 mha_layer_forward = _fn("mha_layer_forward", [c_void_p, P(mha_forward_args), P(mha_exec),
                                               P(mha_error)])
 mha_layer_forward_supported = _fn("mha_layer_forward_supported",

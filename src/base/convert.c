@@ -149,25 +149,28 @@ static int bytes_overlap(const void *src, size_t src_bytes, const void *dst, siz
     return s0 < d1 && d0 < s1;
 }
 
-static mha_status
-q8_check(const void *src, int64_t count, const void *dst, int to_q8, mha_error *err) {
+/* The arguments of the block (de)quantizers: dt is MHA_DTYPE_Q8_0 or Q4_0. */
+static mha_status block_check(
+    mha_dtype dt, const void *src, int64_t count, const void *dst, int to_q8, mha_error *err) {
+    const char *name = dt == MHA_DTYPE_Q4_0 ? "q4_0" : "q8_0";
     MHA_RETURN_IF(count < 0 || count % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
-                  "count=%lld is not a nonnegative multiple of 32 (whole q8_0 blocks)",
-                  (long long)count);
+                  "count=%lld is not a nonnegative multiple of 32 (whole %s blocks)",
+                  (long long)count, name);
     MHA_RETURN_IF(count > 0 && (!src || !dst), err, INVALID_ARG, "src or dst is NULL");
     MHA_RETURN_IF((uint64_t)count > SIZE_MAX / sizeof(float), err, OVERFLOW,
                   "count=%lld values overflow the address space", (long long)count);
     const size_t fb = sizeof(float) * (size_t)count;
-    const size_t qb = (size_t)(count / MHA__Q8_BLOCK) * MHA__Q8_BYTES;
+    const size_t qb = mha__weight_bytes(dt, count);
     MHA_RETURN_IF(count > 0 && bytes_overlap(src, to_q8 ? fb : qb, dst, to_q8 ? qb : fb), err,
                   INVALID_ARG,
                   "dst overlaps src in memory: an output must not alias an input (count / 32 "
-                  "blocks of 34 bytes, count floats)");
+                  "blocks of %d bytes, count floats)",
+                  (int)mha__block_bytes(dt));
     return MHA_STATUS_OK;
 }
 
 mha_status mha_q8_0_quantize(const float *src, int64_t count, void *dst, mha_error *err) {
-    mha_status st = q8_check(src, count, dst, 1, err);
+    mha_status st = block_check(MHA_DTYPE_Q8_0, src, count, dst, 1, err);
     if (st)
         return st;
     mha__q8_quantize(src, count, dst);
@@ -176,10 +179,28 @@ mha_status mha_q8_0_quantize(const float *src, int64_t count, void *dst, mha_err
 }
 
 mha_status mha_q8_0_dequantize(const void *src, int64_t count, float *dst, mha_error *err) {
-    mha_status st = q8_check(src, count, dst, 0, err);
+    mha_status st = block_check(MHA_DTYPE_Q8_0, src, count, dst, 0, err);
     if (st)
         return st;
     mha__q8_dequantize(src, count, dst);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_q4_0_quantize(const float *src, int64_t count, void *dst, mha_error *err) {
+    mha_status st = block_check(MHA_DTYPE_Q4_0, src, count, dst, 1, err);
+    if (st)
+        return st;
+    mha__q4_quantize(src, count, dst);
+    mha__ok(err);
+    return MHA_STATUS_OK;
+}
+
+mha_status mha_q4_0_dequantize(const void *src, int64_t count, float *dst, mha_error *err) {
+    mha_status st = block_check(MHA_DTYPE_Q4_0, src, count, dst, 0, err);
+    if (st)
+        return st;
+    mha__q4_dequantize(src, count, dst);
     mha__ok(err);
     return MHA_STATUS_OK;
 }

@@ -363,9 +363,18 @@ uint16_t mha__f32_to_bf16(float f);
 void mha__q8_quantize(const float *src, int64_t n, void *dst);
 void mha__q8_dequantize(const void *src, int64_t n, float *dst);
 
-/* Weights stored as q8_0 (mha_config.weight_dtype = MHA_DTYPE_Q8_0, docs/SEMANTICS.md "q8_0
- * weights"): each row of a projection matrix [out][in] is in / 32 blocks, so element (o, c) is
- * in block (o in + c) / 32. One element, dequantised (q d: exact in float32). */
+/* q4_0 blocks (ggml's layout, docs/SEMANTICS.md "q4_0 weights"): per 32 values a float16 scale
+ * d = f16(m / -8) (m the value of largest |x|, clamped to +-65504) then 16 bytes of nibbles,
+ * q = clamp(rne(x / d) + 8, 0, 15) (q = 8 when d = 0), value i = (q_i - 8) d with q_i the low
+ * nibble of byte i (i < 16) or the high nibble of byte i - 16. A non-finite block: d = NaN. */
+#define MHA__Q4_BYTES 18
+void mha__q4_quantize(const float *src, int64_t n, void *dst);
+void mha__q4_dequantize(const void *src, int64_t n, float *dst);
+
+/* Weights stored as q8_0 or q4_0 (mha_config.weight_dtype = MHA_DTYPE_Q8_0 / Q4_0,
+ * docs/SEMANTICS.md "q8_0 weights", "q4_0 weights"): each row of a projection matrix [out][in]
+ * is in / 32 blocks, so element (o, c) is in block (o in + c) / 32. Both blocks start with the
+ * float16 scale. One element, dequantised (q d, (q - 8) d: exact in float32). */
 static inline float mha__q8_scale(const void *base, int64_t block) {
     const unsigned char *blk = (const unsigned char *)base + block * (int64_t)MHA__Q8_BYTES;
     return mha__f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
@@ -375,10 +384,30 @@ static inline float mha__q8_load(const void *base, int64_t off) {
         (const unsigned char *)base + (off / MHA__Q8_BLOCK) * (int64_t)MHA__Q8_BYTES;
     return (float)(signed char)blk[2 + off % MHA__Q8_BLOCK] * mha__q8_scale(blk, 0);
 }
-/* Bytes of `count` weights of dtype dt (F32, BF16, F16, or Q8_0 with count a multiple of 32). */
+static inline float mha__q4_load(const void *base, int64_t off) {
+    const unsigned char *blk =
+        (const unsigned char *)base + (off / MHA__Q8_BLOCK) * (int64_t)MHA__Q4_BYTES;
+    const int i = (int)(off % MHA__Q8_BLOCK);
+    const int q = i < 16 ? blk[2 + i] & 15 : blk[2 + i - 16] >> 4;
+    return (float)(q - 8) * mha__q8_scale(blk, 0);
+}
+/* The block types a layer's projections may have (mha_config.weight_dtype). */
+static inline int mha__is_block_weight(mha_dtype dt) {
+    return dt == MHA_DTYPE_Q8_0 || dt == MHA_DTYPE_Q4_0;
+}
+/* Bytes of one block of 32 weights of block type dt. */
+static inline size_t mha__block_bytes(mha_dtype dt) {
+    return dt == MHA_DTYPE_Q4_0 ? MHA__Q4_BYTES : MHA__Q8_BYTES;
+}
+/* Element off of weights stored as dt (a block type), dequantised. */
+static inline float mha__block_load(mha_dtype dt, const void *base, int64_t off) {
+    return dt == MHA_DTYPE_Q4_0 ? mha__q4_load(base, off) : mha__q8_load(base, off);
+}
+/* Bytes of `count` weights of dtype dt (F32, BF16, F16, or Q8_0 / Q4_0 with count a multiple of
+ * 32). */
 static inline size_t mha__weight_bytes(mha_dtype dt, int64_t count) {
-    return dt == MHA_DTYPE_Q8_0 ? (size_t)(count / MHA__Q8_BLOCK) * MHA__Q8_BYTES
-                                : (size_t)count * (dt == MHA_DTYPE_F32 ? 4u : 2u);
+    return mha__is_block_weight(dt) ? (size_t)(count / MHA__Q8_BLOCK) * mha__block_bytes(dt)
+                                    : (size_t)count * (dt == MHA_DTYPE_F32 ? 4u : 2u);
 }
 
 /* fp8 e4m3 (docs/SEMANTICS.md "fp8 KV cache"): byte S.EEEE.MMM, bias 7, largest 448, no

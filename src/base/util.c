@@ -52,6 +52,8 @@ size_t mha_dtype_size(mha_dtype dtype) {
         return 8;
     case MHA_DTYPE_Q8_0: /* a block type: 34 bytes per 32 values, no element size */
         return 0;
+    case MHA_DTYPE_Q4_0: /* a block type: 18 bytes per 32 values */
+        return 0;
     case MHA_DTYPE_FP8_E4M3:
         return 1;
     }

@@ -126,19 +126,20 @@ static mha_status check_config(const mha_config *in, mha_config *c, mha_error *e
     mha_status tt = check_temperature(&c->temperature, err);
     if (tt)
         return tt;
-    MHA_RETURN_IF(!mha__is_float_storage(c->weight_dtype) && c->weight_dtype != MHA_DTYPE_Q8_0, err,
-                  INVALID_ARG,
-                  "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16, MHA_DTYPE_F16 "
-                  "or MHA_DTYPE_Q8_0",
+    MHA_RETURN_IF(!mha__is_float_storage(c->weight_dtype) && !mha__is_block_weight(c->weight_dtype),
+                  err, INVALID_ARG,
+                  "config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16, MHA_DTYPE_F16, "
+                  "MHA_DTYPE_Q8_0 or MHA_DTYPE_Q4_0",
                   (int)c->weight_dtype);
-    if (c->weight_dtype == MHA_DTYPE_Q8_0) { /* rows of whole 32-value blocks */
+    if (mha__is_block_weight(c->weight_dtype)) { /* rows of whole 32-value blocks */
+        const char *bn = c->weight_dtype == MHA_DTYPE_Q4_0 ? "Q4_0" : "Q8_0";
         const int64_t ins[4] = {c->q_dim, c->k_dim, c->v_dim, c->num_heads * c->v_head_dim};
         const char *names[4] = {"q_dim", "k_dim", "v_dim", "num_heads * v_head_dim"};
         for (int i = 0; i < 4; i++)
             MHA_RETURN_IF(ins[i] % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
-                          "config.weight_dtype=MHA_DTYPE_Q8_0 needs every projection's input "
-                          "features to be a multiple of 32 (whole q8_0 blocks per row): %s=%lld",
-                          names[i], (long long)ins[i]);
+                          "config.weight_dtype=MHA_DTYPE_%s needs every projection's input "
+                          "features to be a multiple of 32 (whole blocks per row): %s=%lld",
+                          bn, names[i], (long long)ins[i]);
     }
     return MHA_STATUS_OK;
 }
@@ -195,18 +196,19 @@ mha_status mha__check_layer_create(const mha_config *config,
             continue;
         }
         MHA_RETURN_IF(!ptr, err, INVALID_ARG, "weights.%s is NULL", slots[i].name);
-        if (dt == MHA_DTYPE_Q8_0 && i >= MHA__SMALL_SLOT0) { /* float32 beside q8_0 projections */
+        if (mha__is_block_weight(dt) && i >= MHA__SMALL_SLOT0) { /* float32 beside blocks */
             for (int64_t e = 0; e < slots[i].count; e++)
                 MHA_RETURN_IF(!isfinite(((const float *)ptr)[e]), err, INVALID_ARG,
                               "weights.%s[%lld] is %g: weights must be finite", slots[i].name,
                               (long long)e, (double)((const float *)ptr)[e]);
-        } else if (dt ==
-                   MHA_DTYPE_Q8_0) { /* the q values are integers: the scales must be finite */
+        } else if (mha__is_block_weight(dt)) { /* the q are integers: the scales must be finite */
+            const size_t bb = mha__block_bytes(dt);
             for (int64_t b = 0; b < slots[i].count / MHA__Q8_BLOCK; b++) {
-                const float dh = mha__q8_scale(ptr, b);
+                const float dh = mha__q8_scale((const char *)ptr + (size_t)b * bb, 0);
                 MHA_RETURN_IF(!isfinite(dh), err, INVALID_ARG,
-                              "weights.%s block %lld has the scale %g: q8_0 scales must be finite",
-                              slots[i].name, (long long)b, (double)dh);
+                              "weights.%s block %lld has the scale %g: %s scales must be finite",
+                              slots[i].name, (long long)b, (double)dh,
+                              dt == MHA_DTYPE_Q4_0 ? "q4_0" : "q8_0");
             }
         } else {
             for (int64_t e = 0; e < slots[i].count; e++) /* halves read as halves (widened) */
@@ -221,11 +223,12 @@ mha_status mha__check_layer_create(const mha_config *config,
 }
 
 mha_status mha__check_layer_trainable(const mha_config *c, const char *what, mha_error *err) {
-    MHA_RETURN_IF(c && c->weight_dtype == MHA_DTYPE_Q8_0, err, UNSUPPORTED,
-                  "%s: a layer with q8_0 weights (config.weight_dtype=MHA_DTYPE_Q8_0) is for "
+    MHA_RETURN_IF(c && mha__is_block_weight(c->weight_dtype), err, UNSUPPORTED,
+                  "%s: a layer with %s weights (config.weight_dtype=MHA_DTYPE_%s) is for "
                   "inference only (forward, project, prefill, decode step); dequantise its weights "
                   "into a float layer to train",
-                  what);
+                  what, c->weight_dtype == MHA_DTYPE_Q4_0 ? "q4_0" : "q8_0",
+                  c->weight_dtype == MHA_DTYPE_Q4_0 ? "Q4_0" : "Q8_0");
     return MHA_STATUS_OK;
 }
 

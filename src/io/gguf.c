@@ -970,23 +970,29 @@ static int decode_row(const gguf_tensor *t, const unsigned char *src, int64_t co
     }
 }
 
-/* Row r of t (raw bytes at raw, decoded to float32 at tmp) into a q8_0 layer's row at dst: a
- * Q8_0, Q4_0 or Q5_0 row becomes q8_0 blocks holding exactly its values (Q8_0's bit for bit
- * what the file holds; Q4_0/Q5_0's scale kept and q - 8 / q - 16 as int8), any other is
- * quantised by mha__q8_quantize from its float32 values (docs/SEMANTICS.md "q8_0 weights").
+/* Row r of t (raw bytes at raw, decoded to float32 at tmp) into a q8_0 or q4_0 (to) layer's row
+ * at dst. A q8_0 layer: a Q8_0, Q4_0 or Q5_0 row becomes q8_0 blocks holding exactly its values
+ * (Q8_0's bit for bit what the file holds; Q4_0/Q5_0's scale kept and q - 8 / q - 16 as int8). A
+ * q4_0 layer: a Q4_0 row keeps its bytes. Any other row is quantised from its float32 values
+ * (mha__q8_quantize, mha__q4_quantize; docs/SEMANTICS.md "q8_0 weights", "q4_0 weights").
  * Non-finite values are refused. */
-static mha_status store_q8_row(mha__gguf *g,
-                               const gguf_tensor *t,
-                               const unsigned char *raw,
-                               const float *tmp,
-                               int64_t r,
-                               int64_t cols,
-                               unsigned char *dst,
-                               mha_error *err) {
+static mha_status store_block_row(mha__gguf *g,
+                                  const gguf_tensor *t,
+                                  mha_dtype to,
+                                  const unsigned char *raw,
+                                  const float *tmp,
+                                  int64_t r,
+                                  int64_t cols,
+                                  unsigned char *dst,
+                                  mha_error *err) {
     for (int64_t c = 0; c < cols; c++)
         if (!isfinite(tmp[c]))
             return nonfinite(g, t, r, c, tmp[c], MHA_DTYPE_F32, err);
-    if (!mha__ggml_to_q8_0_row(t->type, raw, cols, dst))
+    if (to == MHA_DTYPE_Q4_0 && t->type == MHA__GGML_Q4_0)
+        memcpy(dst, raw, mha__weight_bytes(MHA_DTYPE_Q4_0, cols));
+    else if (to == MHA_DTYPE_Q4_0)
+        mha__q4_quantize(tmp, cols, dst);
+    else if (!mha__ggml_to_q8_0_row(t->type, raw, cols, dst))
         mha__q8_quantize(tmp, cols, dst);
     return MHA_STATUS_OK;
 }
@@ -1046,12 +1052,12 @@ static mha_status read_tensor(mha__gguf *g,
     mha__ggml_type_block(t->type, &bv, &bb);
     const uint64_t row_bytes = (uint64_t)cols / bv * bb; /* cols % bv == 0: checked at open */
     const int64_t n_rows = (int64_t)want_rows;
-    /* a q8_0 layer (weight matrices only: load_layer reads vectors in float32) */
-    const int q8 = to == MHA_DTYPE_Q8_0;
+    /* a q8_0 / q4_0 layer (weight matrices only: load_layer reads vectors in float32) */
+    const int q8 = mha__is_block_weight(to);
     MHA_RETURN_IF(q8 && (!rows || cols % MHA__Q8_BLOCK != 0), err, INVALID_ARG,
-                  "%s: tensor '%s': q8_0 weights need rows of a multiple of 32 values, not %lld",
-                  g->path, tn, (long long)cols);
-    const size_t q8_row = (size_t)(cols / MHA__Q8_BLOCK) * MHA__Q8_BYTES;
+                  "%s: tensor '%s': %s weights need rows of a multiple of 32 values, not %lld",
+                  g->path, tn, to == MHA_DTYPE_Q4_0 ? "q4_0" : "q8_0", (long long)cols);
+    const size_t q8_row = q8 ? mha__weight_bytes(to, cols) : 0;
     size_t out_bytes;
     MHA_RETURN_IF(q8 ? !mha__bytes(n_rows, q8_row, &out_bytes)
                      : !mha__bytes(n_rows * cols, mha__storage_size(to), &out_bytes),
@@ -1077,8 +1083,8 @@ static mha_status read_tensor(mha__gguf *g,
             break;
         }
         if (q8) {
-            st = store_q8_row(g, t, raw, tmp, r, cols, (unsigned char *)dst + (size_t)dr * q8_row,
-                              err);
+            st = store_block_row(g, t, to, raw, tmp, r, cols,
+                                 (unsigned char *)dst + (size_t)dr * q8_row, err);
             continue;
         }
         const int same = (t->type == MHA__GGML_F16 && to == MHA_DTYPE_F16) ||
@@ -1131,10 +1137,10 @@ static mha_status load_layer(mha__gguf *g,
         err, INVALID_ARG,
         "%s: config: num_heads %lld, num_kv_heads %lld, head_dim %lld are not valid", g->path,
         (long long)c.num_heads, (long long)c.num_kv_heads, (long long)c.head_dim);
-    MHA_RETURN_IF(!mha__is_float_storage(c.weight_dtype) && c.weight_dtype != MHA_DTYPE_Q8_0, err,
-                  INVALID_ARG,
+    MHA_RETURN_IF(!mha__is_float_storage(c.weight_dtype) && !mha__is_block_weight(c.weight_dtype),
+                  err, INVALID_ARG,
                   "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16, "
-                  "MHA_DTYPE_F16 or MHA_DTYPE_Q8_0",
+                  "MHA_DTYPE_F16, MHA_DTYPE_Q8_0 or MHA_DTYPE_Q4_0",
                   g->path, (int)c.weight_dtype);
     const int permuted =
         strcmp(info->model_type, "llama") == 0 || strcmp(info->model_type, "mistral") == 0;
@@ -1143,8 +1149,8 @@ static mha_status load_layer(mha__gguf *g,
     const int64_t hidden = info->config.q_dim, d = c.head_dim;
     const int64_t qr = c.num_heads * d, kr = c.num_kv_heads * d; /* <= 2^20 * 2^24 */
     const mha_dtype to = c.weight_dtype;
-    /* biases and norm weights: float32 in a q8_0 layer, else the weights' dtype */
-    const mha_dtype vt = to == MHA_DTYPE_Q8_0 ? MHA_DTYPE_F32 : to;
+    /* biases and norm weights: float32 in a q8_0 / q4_0 layer, else the weights' dtype */
+    const mha_dtype vt = mha__is_block_weight(to) ? MHA_DTYPE_F32 : to;
     MHA_TRY(read_tensor(g, layer, "attn_q.weight", qr, hidden, ph, to, a, &p[B_WQ], err));
     MHA_TRY(read_tensor(g, layer, "attn_k.weight", kr, hidden, ph, to, a, &p[B_WK], err));
     MHA_TRY(read_tensor(g, layer, "attn_v.weight", kr, hidden, 0, to, a, &p[B_WV], err));

@@ -1331,6 +1331,33 @@ load_output(hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b
     return MHA_STATUS_OK;
 }
 
+/* A block-weight layer (config.weight_dtype Q8_0 / Q4_0): the four float32 matrices read into b
+ * (w_q [(1 + gate) h d, hidden], w_k and w_v [g d, hidden], w_o [hidden, h d]) replaced by their
+ * blocks, quantised by mha_q8_0_quantize / mha_q4_0_quantize (docs/SEMANTICS.md "q8_0 weights",
+ * "q4_0 weights"); biases, sinks and norms stay float32, as such a layer takes them. */
+static mha_status quantize_matrices(
+    hf_model *m, const mha_config *c, const mha_allocator *a, hf_bufs *b, mha_error *err) {
+    const int64_t h = c->num_heads, g = c->num_kv_heads, d = c->head_dim, hid = m->hidden;
+    const int64_t count[4] = {(c->output_gate ? 2 : 1) * h * d * hid, g * d * hid, g * d * hid,
+                              hid * h * d}; /* <= 2^20 * 2^24 each (checked sizes) */
+    MHA_RETURN_IF(hid % MHA__Q8_BLOCK != 0 || (h * d) % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
+                  "%s: %s weights need hidden_size (%lld) and heads * head_dim (%lld) to be "
+                  "multiples of 32",
+                  m->dir, c->weight_dtype == MHA_DTYPE_Q4_0 ? "q4_0" : "q8_0", (long long)hid,
+                  (long long)(h * d));
+    for (int i = 0; i < 4; i++) {
+        void *q = mha__alloc(a, mha__weight_bytes(c->weight_dtype, count[i]));
+        MHA_RETURN_IF(!q, err, NO_MEMORY, "%s: cannot allocate the quantised weights", m->dir);
+        if (c->weight_dtype == MHA_DTYPE_Q4_0)
+            mha__q4_quantize(b->p[i], count[i], q);
+        else
+            mha__q8_quantize(b->p[i], count[i], q);
+        mha__free(a, b->p[i]);
+        b->p[i] = q;
+    }
+    return MHA_STATUS_OK;
+}
+
 static mha_status load_layer(hf_model *m,
                              const mha_config *given,
                              const mha_allocator *a,
@@ -1344,10 +1371,13 @@ static mha_status load_layer(hf_model *m,
                   err, INVALID_ARG,
                   "%s: config: num_heads %lld, num_kv_heads %lld, head_dim %lld are not valid",
                   m->dir, (long long)c.num_heads, (long long)c.num_kv_heads, (long long)c.head_dim);
-    MHA_RETURN_IF(!mha__is_float_storage(c.weight_dtype), err, INVALID_ARG,
-                  "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16 or "
-                  "MHA_DTYPE_F16",
-                  m->dir, (int)c.weight_dtype);
+    const mha_dtype to = c.weight_dtype;
+    MHA_RETURN_IF(!mha__is_float_storage(to) && !mha__is_block_weight(to), err, INVALID_ARG,
+                  "%s: config.weight_dtype=%d is not MHA_DTYPE_F32 (0), MHA_DTYPE_BF16, "
+                  "MHA_DTYPE_F16, MHA_DTYPE_Q8_0 or MHA_DTYPE_Q4_0",
+                  m->dir, (int)to);
+    if (mha__is_block_weight(to)) /* read in float32, the projections quantised below */
+        c.weight_dtype = MHA_DTYPE_F32;
     c.v_head_dim = c.head_dim;
     MHA_RETURN_IF(c.output_gate && m->arch->layout != LAYOUT_QKVO, err, INVALID_ARG,
                   "%s: config.output_gate: the gate's rows are read from a separate q_proj, which "
@@ -1364,7 +1394,12 @@ static mha_status load_layer(hf_model *m,
     c.bias_v = b->p[6] != NULL;
     c.bias_o = b->p[7] != NULL;
     c.sinks = b->p[8] != NULL;
-    /* c.weight_dtype: the caller's (info's: float32); every tensor was read in it above. */
+    /* c.weight_dtype: the caller's (info's: float32); every tensor was read in it above, but
+     * for the block types: read in float32, the four matrices quantised here. */
+    if (mha__is_block_weight(to)) {
+        c.weight_dtype = to;
+        MHA_TRY(quantize_matrices(m, &c, a, b, err));
+    }
     const mha_weights w = {b->p[0], b->p[1], b->p[2], b->p[3], b->p[4], b->p[5],
                            b->p[6], b->p[7], b->p[8], b->p[9], b->p[10]};
     mha_status st = mha_layer_create(&c, &w, MHA_WEIGHTS_COPY, a, out, err);

@@ -101,12 +101,18 @@ static void pack_rows_half(mha__gemm_pack_b_fn pack,
 /* pack_rows_half over q8_0 rows: src is the block holding column k0 of row 0, rows ld_bytes
  * apart, kc a multiple of 32 (or K's tail, which is one too); each row dequantised (exact) into
  * the float block, then the tier's packer. */
-static void pack_rows_q8(
-    mha__gemm_pack_b_fn pack, const void *src, int64_t ld_bytes, int n, int64_t kc, float *dst) {
+static void pack_rows_blocks(mha__gemm_pack_b_fn pack,
+                             mha_dtype wdt,
+                             const void *src,
+                             int64_t ld_bytes,
+                             int n,
+                             int64_t kc,
+                             float *dst) {
     _Alignas(64) float tmp[GEMM_MAX_APANEL];
     MHA_ASSERT((int64_t)n * kc <= GEMM_MAX_APANEL && kc % MHA__Q8_BLOCK == 0);
     for (int r = 0; r < n; r++)
-        mha__q8_dequantize((const char *)src + r * ld_bytes, kc, tmp + r * kc);
+        (wdt == MHA_DTYPE_Q4_0 ? mha__q4_dequantize : mha__q8_dequantize)(
+            (const char *)src + r * ld_bytes, kc, tmp + r * kc);
     pack(tmp, kc, n, kc, dst);
 }
 
@@ -156,12 +162,12 @@ static void pack_w_range(void *ctx, int part, int64_t p0, int64_t p1) {
             float *dst =
                 j->bpack_w + panel_rows(kr, k0) * j->npan * nr + p * panel_rows(kr, kc) * nr;
             const int64_t off = j->w_t ? k0 * j->ldw + p * nr : p * nr * j->ldw + k0;
-            if (j->wdt == MHA_DTYPE_Q8_0) { /* row-major, whole blocks (run_dt checked) */
-                const int64_t rb = (int64_t)mha__weight_bytes(MHA_DTYPE_Q8_0, j->ldw);
-                pack_rows_q8(kr->pack_b,
-                             (const char *)j->w + p * nr * rb +
-                                 (int64_t)mha__weight_bytes(MHA_DTYPE_Q8_0, k0),
-                             rb, n, kc, dst);
+            if (mha__is_block_weight(j->wdt)) { /* row-major, whole blocks (run_dt checked) */
+                const int64_t rb = (int64_t)mha__weight_bytes(j->wdt, j->ldw);
+                pack_rows_blocks(kr->pack_b, j->wdt,
+                                 (const char *)j->w + p * nr * rb +
+                                     (int64_t)mha__weight_bytes(j->wdt, k0),
+                                 rb, n, kc, dst);
                 continue;
             }
             const void *src = mha__elem(j->wdt, j->w, off);
@@ -249,10 +255,12 @@ static void dot_range(void *ctx, int part, int64_t c0, int64_t c1) {
             if (j->wdt == MHA_DTYPE_F32) {
                 j->kr->dot(j->K, j->x + i * j->ldx, j->ldx, m, (const float *)j->w + o * j->ldw,
                            j->ldw, n, bias, j->y + i * j->ldy + o, j->ldy);
-            } else if (j->wdt == MHA_DTYPE_Q8_0) {
+            } else if (mha__is_block_weight(j->wdt)) {
+                const int q4 = j->wdt == MHA_DTYPE_Q4_0;
                 const mha__gemm_dot_q8_fn dot =
-                    j->kr->dot_q8 ? j->kr->dot_q8 : mha__gemm_dot_q8_ref;
-                const int64_t rb = (int64_t)mha__weight_bytes(MHA_DTYPE_Q8_0, j->ldw);
+                    q4 ? (j->kr->dot_q4 ? j->kr->dot_q4 : mha__gemm_dot_q4_ref)
+                       : (j->kr->dot_q8 ? j->kr->dot_q8 : mha__gemm_dot_q8_ref);
+                const int64_t rb = (int64_t)mha__weight_bytes(j->wdt, j->ldw);
                 dot(j->K, j->x + i * j->ldx, j->ldx, m, (const char *)j->w + o * rb, rb, n, bias,
                     j->y + i * j->ldy + o, j->ldy);
             } else {
@@ -634,13 +642,14 @@ mha_status mha__gemm_run_dt(mha__gemm_op op,
                             const mha_allocator *alloc,
                             mha_error *err) {
     MHA_RETURN_IF(
-        !mha__is_float_storage(xdt) || (!mha__is_float_storage(wdt) && wdt != MHA_DTYPE_Q8_0), err,
-        INVALID_ARG, "gemm: operand dtypes %d, %d are not F32, BF16 or F16 (W: or Q8_0)", (int)xdt,
-        (int)wdt);
-    MHA_RETURN_IF(
-        wdt == MHA_DTYPE_Q8_0 && (op != MHA__GEMM_OP_N || K % MHA__Q8_BLOCK != 0 || ldw != K), err,
-        INVALID_ARG, "gemm: q8_0 W takes op N, K a multiple of 32 and ldw = K (K=%lld, ldw=%lld)",
-        (long long)K, (long long)ldw);
+        !mha__is_float_storage(xdt) || (!mha__is_float_storage(wdt) && !mha__is_block_weight(wdt)),
+        err, INVALID_ARG, "gemm: operand dtypes %d, %d are not F32, BF16 or F16 (W: or Q8_0, Q4_0)",
+        (int)xdt, (int)wdt);
+    MHA_RETURN_IF(mha__is_block_weight(wdt) &&
+                      (op != MHA__GEMM_OP_N || K % MHA__Q8_BLOCK != 0 || ldw != K),
+                  err, INVALID_ARG,
+                  "gemm: block W takes op N, K a multiple of 32 and ldw = K (K=%lld, ldw=%lld)",
+                  (long long)K, (long long)ldw);
     const mha__gemm_kernel *kr = NULL;
     unsigned dts = pick_dts(op, M, xdt, wdt);
     /* An explicit pair kernel (tests, benchmarks) also takes few rows (packed path). */
@@ -648,8 +657,8 @@ mha_status mha__gemm_run_dt(mha__gemm_op op,
         wdt == MHA_DTYPE_BF16 && op == MHA__GEMM_OP_N)
         dts = MHA_DTS_BF16;
     mha_status st = resolve_kernel_dt(isa, dts, &kr, err);
-    MHA_RETURN_IF(!st && wdt == MHA_DTYPE_Q8_0 && kr->kc % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
-                  "gemm: q8_0 W needs a kernel kc multiple of 32, not %lld", (long long)kr->kc);
+    MHA_RETURN_IF(!st && mha__is_block_weight(wdt) && kr->kc % MHA__Q8_BLOCK != 0, err, INVALID_ARG,
+                  "gemm: block W needs a kernel kc multiple of 32, not %lld", (long long)kr->kc);
     return st ? st
               : run(kr, M, N, K, x, xdt, ldx, w, wdt, ldw, op, NULL, bias, y, ldy, team, workspace,
                     workspace_bytes, alloc, err);
@@ -690,6 +699,29 @@ void mha__gemm_dot_q8_ref(int64_t K,
                 for (int l = 0; l < MHA__Q8_BLOCK; l++)
                     acc[l % 8] += a[k + l] * ((float)q[l] * d);
             }
+            const float s =
+                ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+            y[i * ldy + j] = bias ? s + bias[j] : s;
+        }
+}
+
+void mha__gemm_dot_q4_ref(int64_t K,
+                          const float *x,
+                          int64_t ldx,
+                          int m,
+                          const void *w,
+                          int64_t ldw_bytes,
+                          int n,
+                          const float *bias,
+                          float *y,
+                          int64_t ldy) {
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            const float *a = x + i * ldx;
+            const void *b = (const char *)w + j * ldw_bytes;
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t k = 0; k < K; k++) /* the q8_0 path's lanes: (q - 8) d is its q d */
+                acc[k % 8] += a[k] * mha__q4_load(b, k);
             const float s =
                 ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
             y[i * ldy + j] = bias ? s + bias[j] : s;

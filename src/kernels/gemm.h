@@ -128,6 +128,10 @@ typedef struct mha__gemm_kernel {
     /* The few-rows path over q8_0 W; NULL = the portable mha__gemm_dot_q8_ref (NULL too for a
      * pair kernel, which q8_0 W never reaches). */
     mha__gemm_dot_q8_fn dot_q8;
+    /* The few-rows path over q4_0 W (same signature, 18-byte blocks); NULL = the portable
+     * mha__gemm_dot_q4_ref. Its result must be dot_q8's bits on the q8_0 blocks holding the same
+     * values (d, q - 8): docs/SEMANTICS.md "q4_0 weights". */
+    mha__gemm_dot_q8_fn dot_q4;
 } mha__gemm_kernel;
 
 /* Nonzero when kr's dot_q8 scales each block's partial sums (docs/SEMANTICS.md "q8_0 weights":
@@ -261,7 +265,7 @@ mha_status mha__gemm_op_run(mha__gemm_op op,
  * wdt may also be Q8_0 (op MHA__GEMM_OP_N only, K a multiple of 32, ldw = K: contiguous q8_0
  * rows): the rows are dequantised while packed (kernel kc a multiple of 32) and the few-rows path
  * reads them in place (kernel dot_q8); again bit-identical to the float32 GEMM on the dequantised
- * W. */
+ * W. Q4_0 likewise (kernel dot_q4: the bits of dot_q8 on the same values). */
 mha_status mha__gemm_run_dt(mha__gemm_op op,
                             int64_t M,
                             int64_t N,
@@ -285,6 +289,18 @@ mha_status mha__gemm_run_dt(mha__gemm_op op,
 /* Portable few-rows path over q8_0 W (the generic tier's dot_q8, and every tier's without one):
  * the chains of mha__gemm_dot_h_ref (8 partial sums per dot, k mod 8). */
 void mha__gemm_dot_q8_ref(int64_t K,
+                          const float *x,
+                          int64_t ldx,
+                          int m,
+                          const void *w,
+                          int64_t ldw_bytes,
+                          int n,
+                          const float *bias,
+                          float *y,
+                          int64_t ldy);
+
+/* Portable few-rows path over q4_0 W: mha__gemm_dot_q8_ref's chains over the values (q - 8) d. */
+void mha__gemm_dot_q4_ref(int64_t K,
                           const float *x,
                           int64_t ldx,
                           int m,

@@ -40,8 +40,8 @@ static mha_status compute_view(mha_layer *L, const mha_allocator *allocator, mha
     int64_t count = 0;
     for (int i = MHA__SMALL_SLOT0; i < MHA__WEIGHT_SLOTS; i++)
         count += slots[i].present ? slots[i].count : 0;
-    /* q8_0 projections come with float32 biases, sinks and norms (docs/SEMANTICS.md). */
-    const mha_dtype sdt = dt == MHA_DTYPE_Q8_0 ? MHA_DTYPE_F32 : dt;
+    /* q8_0 / q4_0 projections come with float32 biases, sinks and norms (docs/SEMANTICS.md). */
+    const mha_dtype sdt = mha__is_block_weight(dt) ? MHA_DTYPE_F32 : dt;
     if (sdt != MHA_DTYPE_F32 && count > 0) {
         L->small_f32 = mha__alloc(allocator, sizeof(float) * (size_t)count);
         MHA_RETURN_IF(!L->small_f32, err, NO_MEMORY, "cannot allocate %lld bias/sink floats",
@@ -89,17 +89,17 @@ mha_status mha_layer_create(const mha_config *config,
         L->has_allocator = 1;
     }
     L->cfg = c;
-    /* Each tensor's bytes: q8_0 projections (34 bytes per 32 values, <= 4 bytes per value) come
-     * with float32 small tensors; total floats of 4 bytes bound every dtype's bytes. */
-    const int q8 = c.weight_dtype == MHA_DTYPE_Q8_0;
+    /* Each tensor's bytes: q8_0 / q4_0 projections (34 / 18 bytes per 32 values, <= 4 bytes per
+     * value) come with float32 small tensors; total floats of 4 bytes bound every dtype's bytes. */
+    const int q8 = mha__is_block_weight(c.weight_dtype);
     size_t sbytes[MHA__WEIGHT_SLOTS], step[MHA__WEIGHT_SLOTS];
     for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
         sbytes[i] = !slots[i].present ? 0
                     : q8 && i >= MHA__SMALL_SLOT0
                         ? sizeof(float) * (size_t)slots[i].count
                         : mha__weight_bytes(c.weight_dtype, slots[i].count);
-        /* q8_0: each tensor 64-byte aligned (a q8_0 tensor's 34-byte blocks would misalign the
-         * float32 tensors after it); the other dtypes keep their packed layout. */
+        /* block types: each tensor 64-byte aligned (34- or 18-byte blocks would misalign the
+         * float32 tensors after them); the other dtypes keep their packed layout. */
         step[i] = q8 ? (sbytes[i] + 63) & ~(size_t)63 : sbytes[i];
     }
     if (ownership == MHA_WEIGHTS_COPY) {

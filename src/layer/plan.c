@@ -29,8 +29,8 @@ static void project_rows(void *ctx, int part, int64_t r0, int64_t r1) {
             float acc = 0.0f;
             for (int64_t c = 0; c < j->in; c++)
                 acc += mha__load(j->xdt, j->x, r * j->in + c) *
-                       (j->wdt == MHA_DTYPE_Q8_0 ? mha__q8_load(j->w, o * j->in + c)
-                                                 : mha__load(j->wdt, j->w, o * j->in + c));
+                       (mha__is_block_weight(j->wdt) ? mha__block_load(j->wdt, j->w, o * j->in + c)
+                                                     : mha__load(j->wdt, j->w, o * j->in + c));
             y[o] = j->bias ? acc + j->bias[o] : acc;
         }
     }

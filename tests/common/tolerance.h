@@ -46,6 +46,13 @@
  *   |o - o*| <= (exp(2 Delta) - 1) max|v| + e_v   (+ the float32 term TOL_OUT_REL max|o|).
  * tests/test_kv_q8.c computes it per head from the data. */
 #define TOL_Q8_ELEM(a)     ((a) / 254.0 * (1.0 + 0x1p-11) + 127.0 * 0x1p-25)
+/* q4_0 weights (docs/SEMANTICS.md "q4_0 weights"), per element of a block with max |x| = a
+ * (a / 8 <= 65504): d = f16(m / -8) has |d| within (a/8)(1 +- 2^-11) (normal) or 2^-25 of a/8
+ * (subnormal). Unclamped, |x - (q-8) d| <= |d| / 2; the value of the other sign past 7.5 |d|
+ * clamps to 7 |d|: |x| - 7 |d| <= a - 7 (a/8)(1 - 2^-11) = a/8 (1 + 7 2^-11), or a/8 + 7 2^-25
+ * subnormal; the clamp at q = 0 only for a subnormal d, within 8 2^-25. So
+ *   |x - x^| <= a/8 (1 + 7 2^-11) + 7 2^-25   (+ 2^-25: the subnormal q = 0 case). */
+#define TOL_Q4_ELEM(a)     ((a) / 8.0 * (1.0 + 7.0 * 0x1p-11) + 8.0 * 0x1p-25)
 /* fp8 e4m3 caches (docs/SEMANTICS.md "fp8 KV cache"), per element x of a kv head with scale s,
  * |x / s| <= 448 (no saturation): y = fl(x / s) is rounded to the nearest e4m3 value, 3
  * mantissa bits: |y - e4m3(y)| <= |y| 2^-4 for normals (|y| >= 2^-6), <= 2^-10 (half the

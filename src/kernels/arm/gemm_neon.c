@@ -170,15 +170,27 @@ MHA_INLINE void load_q8x8(const int8_t *q, v4 d, v4 *lo, v4 *hi) {
     *hi = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d);
 }
 
+/* Values k .. k+7 (k mod 32 in {0, 8, 16, 24}) of the q4_0 block whose 16 nibble bytes are at q:
+ * the int8 q - 8 (the values of the q8_0 block with the same scale), widened as load_q8x8. Low
+ * nibbles of bytes k .. k+7 below 16, high nibbles of bytes k-16 .. k-9 from 16. */
+MHA_INLINE void load_q4x8(const uint8_t *q, int64_t k, v4 d, v4 *lo, v4 *hi) {
+    uint8x8_t b = vld1_u8(q + k % 16);
+    b = k % MHA__Q8_BLOCK >= 16 ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(15));
+    const int8x8_t s = vsub_s8(vreinterpret_s8_u8(b), vdup_n_s8(8));
+    const int16x8_t h = vmovl_s8(s);
+    *lo = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), d);
+    *hi = vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(h))), d);
+}
+
 /* Dot path (few rows): m x n (<= 2 x 4) dot products, 4 lanes each, 2 accumulators per dot (k in
  * steps of 8): 16 independent FMA chains, enough for 4 pipes of 4-cycle latency; 16 accumulators,
  * 4 x values and 2 W values live at a time (22 registers). The K tail (K % 4) is loaded into
  * zero-filled vectors. Memory-bound on W, as a matrix-vector product is. Sums: lanes of the two
  * accumulators added, then pairwise across lanes, in a fixed order. W is float32 or, for the
  * decode step with half or q8_0 weights (dot_h, dot_q8), bf16 / f16 widened in registers or q8_0
- * blocks dequantised in registers (K a multiple of 32; each block's scale read once, at its first
- * step): the same chains, so the result is the float32 dot's on the widened W, bit for bit. wdt is
- * a constant at each caller; ldw counts W's elements (q8_0: bytes). */
+ * (or q4_0) blocks dequantised in registers (K a multiple of 32; each block's scale read once, at
+ * its first step): the same chains, so the result is the float32 dot's on the widened W, bit for
+ * bit. wdt is a constant at each caller; ldw counts W's elements (q8_0, q4_0: bytes). */
 MHA_INLINE void dot_body(int64_t K,
                          const float *x,
                          int64_t ldx,
@@ -198,20 +210,19 @@ MHA_INLINE void dot_body(int64_t K,
             acc0[i][j] = acc1[i][j] = v4_zero();
     }
     /* Rows / columns beyond m / n re-read row 0 / column 0 (valid memory) and are not stored. */
-    const size_t wsize = wdt == MHA_DTYPE_F32    ? sizeof(float)
-                         : wdt == MHA_DTYPE_Q8_0 ? 1
-                                                 : sizeof(uint16_t);
+    const int blocks = wdt == MHA_DTYPE_Q8_0 || wdt == MHA_DTYPE_Q4_0;
+    const size_t wsize = wdt == MHA_DTYPE_F32 ? sizeof(float) : blocks ? 1 : sizeof(uint16_t);
     const float *xr[MHA_GEMM_DOT_M];
     const void *wr[MHA_GEMM_DOT_N];
     for (int i = 0; i < MHA_GEMM_DOT_M; i++)
         xr[i] = x + (i < m ? i : 0) * ldx;
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
         wr[j] = (const char *)w + (size_t)((j < n ? j : 0) * ldw) * wsize;
-    v4 d[MHA_GEMM_DOT_N]; /* q8_0: the current block's scale per W row */
+    v4 d[MHA_GEMM_DOT_N]; /* blocks: the current block's scale per W row */
     MHA_UNROLL
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
         d[j] = v4_zero();
-    int64_t k = 0, blk = 0; /* blk: q8_0, the byte offset of the current block in a row */
+    int64_t k = 0, blk = 0; /* blk: blocks, the byte offset of the current block in a row */
     for (; k + 8 <= K; k += 8) {
         v4 a0[MHA_GEMM_DOT_M], a1[MHA_GEMM_DOT_M];
         MHA_UNROLL
@@ -219,8 +230,8 @@ MHA_INLINE void dot_body(int64_t K,
             a0[i] = v4_loadu(xr[i] + k);
             a1[i] = v4_loadu(xr[i] + k + 4);
         }
-        if (wdt == MHA_DTYPE_Q8_0 && k % MHA__Q8_BLOCK == 0) { /* a new block: its scales */
-            blk = k / MHA__Q8_BLOCK * MHA__Q8_BYTES;
+        if (blocks && k % MHA__Q8_BLOCK == 0) { /* a new block: its scales */
+            blk = k / MHA__Q8_BLOCK * (wdt == MHA_DTYPE_Q4_0 ? MHA__Q4_BYTES : MHA__Q8_BYTES);
             MHA_UNROLL
             for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
                 uint16_t dh;
@@ -232,7 +243,9 @@ MHA_INLINE void dot_body(int64_t K,
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
             v4 b0, b1;
-            if (wdt == MHA_DTYPE_Q8_0) {
+            if (wdt == MHA_DTYPE_Q4_0) {
+                load_q4x8((const uint8_t *)wr[j] + blk + 2, k, d[j], &b0, &b1);
+            } else if (wdt == MHA_DTYPE_Q8_0) {
                 load_q8x8((const int8_t *)wr[j] + blk + 2 + k % MHA__Q8_BLOCK, d[j], &b0, &b1);
             } else {
                 b0 = load_w4(wr[j], k, wdt, 4);
@@ -245,7 +258,7 @@ MHA_INLINE void dot_body(int64_t K,
             }
         }
     }
-    for (; wdt != MHA_DTYPE_Q8_0 && k < K; k += 4) { /* the K tail (q8_0: none) */
+    for (; !blocks && k < K; k += 4) { /* the K tail (blocks: none) */
         const int left = K - k >= 4 ? 4 : (int)(K - k);
         v4 a0[MHA_GEMM_DOT_M];
         MHA_UNROLL
@@ -312,11 +325,25 @@ static void dot_q8_neon(int64_t K,
     dot_body(K, x, ldx, m, w, MHA_DTYPE_Q8_0, ldw_bytes, n, bias, y, ldy);
 }
 
+/* dot_q8_neon over q4_0 W: the same chains over the values (q - 8) d. */
+static void dot_q4_neon(int64_t K,
+                        const float *x,
+                        int64_t ldx,
+                        int m,
+                        const void *w,
+                        int64_t ldw_bytes,
+                        int n,
+                        const float *bias,
+                        float *y,
+                        int64_t ldy) {
+    dot_body(K, x, ldx, m, w, MHA_DTYPE_Q4_0, ldw_bytes, n, bias, y, ldy);
+}
+
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_8x12__neon = {
-    MR,          NR,       256,      480,        ukr_8x12,
-    pack_b_12,   dot_neon, pack_a_8, dot_h_neon, NULL, /* pack_pairs: not a bf16 pair kernel */
-    dot_q8_neon,
+    MR,          NR,          256,      480,        ukr_8x12,
+    pack_b_12,   dot_neon,    pack_a_8, dot_h_neon, NULL, /* pack_pairs: not a bf16 pair kernel */
+    dot_q8_neon, dot_q4_neon,
 };
 
 #endif

@@ -97,4 +97,5 @@ const mha__gemm_kernel mha_gemm_f32_4x16__generic = {
     mha__gemm_dot_h_ref,
     NULL,
     mha__gemm_dot_q8_ref,
+    mha__gemm_dot_q4_ref,
 };

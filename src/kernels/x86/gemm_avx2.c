@@ -331,7 +331,24 @@ static inline __m256 load_q8x8(const signed char *q) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
-/* One q8_0 block (32 k from k, its bytes at blk in each row) of dot_q8_body: per lane l, p_l =
+/* The 32 values of the q4_0 block whose 16 nibble bytes are at q as int8 q - 8 (the values of
+ * the q8_0 block with the same scale): lo holds values 0..15 (the low nibbles), hi 16..31. One
+ * load and four byte operations per block and row, not per 8 values. */
+static inline void load_q4x32_i8(const unsigned char *q, __m128i *lo, __m128i *hi) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    const __m128i nib = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+    *lo = _mm_sub_epi8(_mm_and_si128(b, nib), eight);
+    *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), nib), eight);
+}
+
+/* Values u .. u+7 (u = 0, 8, 16, 24) of a q4_0 block from load_q4x32_i8's lo / hi, as float32. */
+static inline __m256 q4x8(__m128i lo, __m128i hi, const int u) {
+    const __m128i v = u < 16 ? lo : hi;
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u % 16 ? _mm_unpackhi_epi64(v, v) : v));
+}
+
+/* One q8_0 or q4_0 (q4) block (32 k from k, its bytes at blk in each row) of dot_q8_body (q4_0:
+ * the values q - 8, so the bits of the q8_0 block with the same values): per lane l, p_l =
  * sum of x_k q_k over the block's k = l mod 8 in increasing k (a multiply then 3 FMAs), then
  * acc_l = fma(p_l, d_b, acc_l). The rows' scales are gathered by integer loads, converted
  * together and broadcast from memory (a load, no vector ALU operation). */
@@ -340,9 +357,16 @@ dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
              const float *const xr[MHA_GEMM_DOT_M],
              const unsigned char *const wr[MHA_GEMM_DOT_N],
              const int mm,
+             const int q4,
              int64_t k,
              int64_t blk) {
     __m256 p[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N];
+    __m128i lo[MHA_GEMM_DOT_N], hi[MHA_GEMM_DOT_N];
+    if (q4) {
+        MHA_UNROLL
+        for (int j = 0; j < MHA_GEMM_DOT_N; j++)
+            load_q4x32_i8(wr[j] + blk + 2, &lo[j], &hi[j]);
+    }
     MHA_UNROLL
     for (int u = 0; u < 32; u += 8) {
         __m256 a[MHA_GEMM_DOT_M];
@@ -351,7 +375,8 @@ dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
             a[i] = _mm256_loadu_ps(xr[i] + k + u);
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
-            const __m256 b = load_q8x8((const signed char *)wr[j] + blk + 2 + u);
+            const __m256 b =
+                q4 ? q4x8(lo[j], hi[j], u) : load_q8x8((const signed char *)wr[j] + blk + 2 + u);
             MHA_UNROLL
             for (int i = 0; i < mm; i++)
                 p[i][j] = u == 0 ? _mm256_mul_ps(a[i], b) : _mm256_fmadd_ps(a[i], b, p[i][j]);
@@ -381,13 +406,15 @@ dot_q8_block(__m256 acc[MHA_GEMM_DOT_M][MHA_GEMM_DOT_N],
  * loop-carried chain is one FMA per block instead of four (at batch 1 the 4 rows' 4 chains held
  * the per-element dot at one FMA per cycle). The 8 lanes reduced as hsum8. One software prefetch
  * per row and block, pfb bytes ahead (the same offset in the next MHA_GEMM_DOT_N rows); two blocks
- * per iteration measured the same. Specialised per row count mm (1 or 2). K is a multiple of 32. */
+ * per iteration measured the same. Specialised per row count mm (1 or 2) and block type (q4: q4_0,
+ * the same order over the values q - 8). K is a multiple of 32. */
 static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
                                                               const float *x,
                                                               int64_t ldx,
                                                               int m,
                                                               const void *w,
                                                               const int mm,
+                                                              const int q4,
                                                               const int l2,
                                                               int64_t pfb,
                                                               int64_t ldw,
@@ -408,11 +435,12 @@ static inline __attribute__((always_inline)) void dot_q8_body(int64_t K,
         xr[i] = x + (i < m ? i : 0) * ldx;
     for (int j = 0; j < MHA_GEMM_DOT_N; j++)
         wr[j] = (const unsigned char *)w + (j < n ? j : 0) * ldw;
-    for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += MHA__Q8_BYTES) {
+    const int64_t step = q4 ? MHA__Q4_BYTES : MHA__Q8_BYTES;
+    for (int64_t k = 0, blk = 0; k < K; k += MHA__Q8_BLOCK, blk += step) {
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++)
             gemm_dot_prefetch(wr[j] + blk, pfb, l2);
-        dot_q8_block(acc, xr, wr, mm, k, blk);
+        dot_q8_block(acc, xr, wr, mm, q4, k, blk);
     }
     MHA_UNROLL
     for (int i = 0; i < MHA_GEMM_DOT_M; i++) {
@@ -438,9 +466,28 @@ static void dot_q8_avx2(int64_t K,
     const int64_t pfb = gemm_dot_prefetch_bytes(ldw_bytes, 1);
     const int l2 = mha__cpu_prefetch_to_l2();
     if (m == 1)
-        dot_q8_body(K, x, ldx, m, w, 1, l2, pfb, ldw_bytes, n, bias, y, ldy);
+        dot_q8_body(K, x, ldx, m, w, 1, 0, l2, pfb, ldw_bytes, n, bias, y, ldy);
     else
-        dot_q8_body(K, x, ldx, m, w, MHA_GEMM_DOT_M, l2, pfb, ldw_bytes, n, bias, y, ldy);
+        dot_q8_body(K, x, ldx, m, w, MHA_GEMM_DOT_M, 0, l2, pfb, ldw_bytes, n, bias, y, ldy);
+}
+
+/* dot_q8_avx2's order over q4_0 W (mha__gemm_kernel.dot_q4). */
+static void dot_q4_avx2(int64_t K,
+                        const float *x,
+                        int64_t ldx,
+                        int m,
+                        const void *w,
+                        int64_t ldw_bytes,
+                        int n,
+                        const float *bias,
+                        float *y,
+                        int64_t ldy) {
+    const int64_t pfb = gemm_dot_prefetch_bytes(ldw_bytes, 1);
+    const int l2 = mha__cpu_prefetch_to_l2();
+    if (m == 1)
+        dot_q8_body(K, x, ldx, m, w, 1, 1, l2, pfb, ldw_bytes, n, bias, y, ldy);
+    else
+        dot_q8_body(K, x, ldx, m, w, MHA_GEMM_DOT_M, 1, l2, pfb, ldw_bytes, n, bias, y, ldy);
 }
 
 static void pack_a_6(const float *x, int64_t ldx, int m, int64_t kc, float *dst) {
@@ -449,7 +496,8 @@ static void pack_a_6(const float *x, int64_t ldx, int m, int64_t kc, float *dst)
 
 /* MR and NR are also this kernel's registry line (p1, p2; tests/test_gemm.c checks them). */
 const mha__gemm_kernel mha_gemm_f32_6x16__avx2 = {
-    MR, NR, 256, 1024, ukr_6x16, pack_b_16, dot_avx2, pack_a_6, dot_h_avx2, NULL, dot_q8_avx2,
+    MR,       NR,       256,        1024, ukr_6x16,    pack_b_16,
+    dot_avx2, pack_a_6, dot_h_avx2, NULL, dot_q8_avx2, dot_q4_avx2,
 };
 
 #endif

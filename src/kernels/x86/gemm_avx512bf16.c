@@ -128,7 +128,7 @@ static void pack_pairs(const uint16_t *src, int64_t ld, int n, int64_t kc, float
  * few-rows dot path of its own: the driver runs decode-sized calls (M <= MHA_GEMM_SMALL_M) on the
  * float32 tier's dot_h (W widened in registers) under MHA__GEMM_AUTO. KC even (pairs). */
 const mha__gemm_kernel mha_gemm_bf16_14x32__avx512bf16 = {
-    MR, NR, 256, 1024, ukr_bf16_14x32, NULL, NULL, NULL, NULL, pack_pairs, NULL,
+    MR, NR, 256, 1024, ukr_bf16_14x32, NULL, NULL, NULL, NULL, pack_pairs, NULL, NULL,
 };
 
 #endif
