@@ -677,6 +677,32 @@ int mha__gemm_dot_q8_block_sums(const mha__gemm_kernel *kr) {
 #endif
 }
 
+/* The portable few-rows path over block W of type wdt (Q8_0 or Q4_0): 8 partial sums per dot
+ * (k mod 8), each element dequantised (mha__block_load: q d or (q - 8) d, exact). */
+static void dot_blocks_ref(mha_dtype wdt,
+                           int64_t K,
+                           const float *x,
+                           int64_t ldx,
+                           int m,
+                           const void *w,
+                           int64_t ldw_bytes,
+                           int n,
+                           const float *bias,
+                           float *y,
+                           int64_t ldy) {
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            const float *a = x + i * ldx;
+            const void *b = (const char *)w + j * ldw_bytes;
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t k = 0; k < K; k++) /* K is a multiple of 32 */
+                acc[k % 8] += a[k] * mha__block_load(wdt, b, k);
+            const float s =
+                ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+            y[i * ldy + j] = bias ? s + bias[j] : s;
+        }
+}
+
 void mha__gemm_dot_q8_ref(int64_t K,
                           const float *x,
                           int64_t ldx,
@@ -687,22 +713,7 @@ void mha__gemm_dot_q8_ref(int64_t K,
                           const float *bias,
                           float *y,
                           int64_t ldy) {
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) {
-            const float *a = x + i * ldx;
-            const void *b = (const char *)w + j * ldw_bytes;
-            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            for (int64_t k = 0; k < K; k += MHA__Q8_BLOCK) { /* K is a multiple of 32 */
-                const signed char *q =
-                    (const signed char *)b + (k / MHA__Q8_BLOCK) * MHA__Q8_BYTES + 2;
-                const float d = mha__q8_scale(q - 2, 0);
-                for (int l = 0; l < MHA__Q8_BLOCK; l++)
-                    acc[l % 8] += a[k + l] * ((float)q[l] * d);
-            }
-            const float s =
-                ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-            y[i * ldy + j] = bias ? s + bias[j] : s;
-        }
+    dot_blocks_ref(MHA_DTYPE_Q8_0, K, x, ldx, m, w, ldw_bytes, n, bias, y, ldy);
 }
 
 void mha__gemm_dot_q4_ref(int64_t K,
@@ -715,17 +726,7 @@ void mha__gemm_dot_q4_ref(int64_t K,
                           const float *bias,
                           float *y,
                           int64_t ldy) {
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) {
-            const float *a = x + i * ldx;
-            const void *b = (const char *)w + j * ldw_bytes;
-            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            for (int64_t k = 0; k < K; k++) /* the q8_0 path's lanes: (q - 8) d is its q d */
-                acc[k % 8] += a[k] * mha__q4_load(b, k);
-            const float s =
-                ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-            y[i * ldy + j] = bias ? s + bias[j] : s;
-        }
+    dot_blocks_ref(MHA_DTYPE_Q4_0, K, x, ldx, m, w, ldw_bytes, n, bias, y, ldy);
 }
 
 void mha__gemm_dot_h_ref(int64_t K,
