@@ -14,8 +14,9 @@
  * each kv head's keys as one run, as in the contiguous cache); block-major, a kv head's parts of
  * the blocks would lie g bs rows apart, at a power-of-two stride that maps every block of a unit
  * to the same cache sets. It allocates blocks from its pool when a row is first written to a
- * table entry; blocks are reference-counted (fork shares them) and a write to a shared block
- * copies it first (copy-on-write).
+ * table entry, after the sequence's previous block when that one is free (kv_pool.c); blocks are
+ * reference-counted (fork shares them) and a write to a shared block copies it first
+ * (copy-on-write).
  */
 #ifndef MHA_KV_CACHE_H
 #define MHA_KV_CACHE_H
