@@ -8,8 +8,9 @@
  * (projections + RoPE + attention + output projection) as tokens/s. --stream measures this
  * machine's memory read bandwidth in the same run (a read loop over a buffer much larger than the
  * last-level cache); --naive times a plain single-threaded loop over the same cache. --paged BS
- * also fills a paged cache (blocks of BS positions, taken from the pool in a shuffled order) with
- * the same K/V and times its attention interleaved with the contiguous cache's, step by step.
+ * also fills a paged cache (blocks of BS positions, laid out in the pool as --paged-order says)
+ * with the same K/V and times its attention interleaved with the contiguous cache's, step by
+ * step.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #define _DEFAULT_SOURCE         /* madvise */
@@ -61,6 +62,7 @@ enum {
     B_WEIGHT_DTYPE,
     B_PAGED,
     B_PAGED_ORDER,
+    B_PAGED_PEERS,
     B_DRAFT_TREE,
     B_BATCH_LENGTHS,
     B_COUNT
@@ -85,6 +87,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_WEIGHT_DTYPE] = {"--weight-dtype", CLI_OPT_VALUE},
     [B_PAGED] = {"--paged", CLI_OPT_VALUE},
     [B_PAGED_ORDER] = {"--paged-order", CLI_OPT_VALUE},
+    [B_PAGED_PEERS] = {"--paged-peers", CLI_OPT_VALUE},
     [B_DRAFT_TREE] = {"--draft-tree", CLI_OPT_VALUE},
     [B_BATCH_LENGTHS] = {"--batch-lengths", CLI_OPT_VALUE},
 };
@@ -117,10 +120,17 @@ static void bench_usage(void) {
         "                      mha_q8_0_quantize / mha_q4_0_quantize) (default: f32); the\n"
         "                      layer step then reports the weights' bytes per second\n"
         "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
-        "                      same K/V, its blocks taken in a shuffled order; its attention is\n"
-        "                      timed interleaved with the contiguous one's (paged/contiguous)\n"
-        "  --paged-order O     shuffled (default) or ordered: the pool hands out its blocks in\n"
-        "                      a shuffled order, or in order (a sequence's blocks adjacent)\n"
+        "                      same K/V, filled one token at a time; its attention is timed\n"
+        "                      interleaved with the contiguous one's (paged/contiguous)\n"
+        "  --paged-order O     where the measured sequences' blocks lie in the pool:\n"
+        "                      lockstep (default): they grow in lockstep with --paged-peers\n"
+        "                      other sequences (continuous batching), placed by the pool;\n"
+        "                      ordered: alone in a pool of their size (batch 1: in order);\n"
+        "                      interleaved: the layout the old free-id stack gave lockstep\n"
+        "                      (batch 1: every (1 + peers)-th block); fragmented: the pool\n"
+        "                      full, a random half of its blocks freed (scattered runs);\n"
+        "                      alternate: every other block free (isolated, ascending)\n"
+        "  --paged-peers P     other sequences of lockstep / interleaved (0..64, default: 7)\n"
         "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
         "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
         "                      step in the same run (attention only)\n"
@@ -300,9 +310,10 @@ naive_step(const mha_kv_cache *c, int64_t B, int64_t H, const float *q, float *o
 /* What the command line asks for. */
 typedef struct bench_opts {
     int64_t H, G, D, Q, L, B, N,
-        stream_mb;     /* heads, kv heads, head dim, q_dim, cache, batch, steps */
-    int64_t paged;     /* --paged block size, 0 = none */
-    int paged_ordered; /* --paged-order ordered: blocks handed out in order */
+        stream_mb;       /* heads, kv heads, head dim, q_dim, cache, batch, steps */
+    int64_t paged;       /* --paged block size, 0 = none */
+    int paged_order;     /* --paged-order: PO_* */
+    int64_t paged_peers; /* --paged-peers (lockstep, interleaved; else 0) */
     int threads;
     mha_dtype dt, wdt;
     const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
@@ -316,6 +327,8 @@ typedef struct bench_run {
     mha_layer *layer; /* NULL with --attention-only */
     mha_kv_cache *cache;
     mha_kv_cache *paged; /* --paged: the same K/V in blocks */
+    float *pkv;          /* --paged: the measured sequences' chunk [B][2][chunk][G][D] */
+    float *peer_kv;      /* --paged: zeros, one token of every peer [P][G][D] (K and V) */
     double *ptimes;      /* --paged: its attention times */
     double paged_med, paged_min;
     mha_exec ex;
@@ -331,6 +344,11 @@ typedef struct bench_run {
     double tree_med, tree_min, tree_max, one_med, one_min, one_max; /* --draft-tree */
 } bench_run;
 
+/* --paged-order values (bench_paged_cache). */
+enum { PO_LOCKSTEP, PO_ORDERED, PO_INTERLEAVED, PO_FRAGMENTED, PO_ALTERNATE, PO_COUNT };
+static const char *const paged_orders[PO_COUNT] = {"lockstep", "ordered", "interleaved",
+                                                   "fragmented", "alternate"};
+
 static int parse_bench(const cli_args *args, bench_opts *b) {
     int rc;
     int64_t T = 0;
@@ -343,7 +361,8 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
                       .dt = MHA_DTYPE_F32,
                       .dtn = "f32",
                       .wdt = MHA_DTYPE_F32,
-                      .wdtn = "f32"};
+                      .wdtn = "f32",
+                      .paged_peers = 7};
     const struct {
         int id;
         int64_t *dst, lo, hi;
@@ -356,7 +375,8 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
                 {B_STEPS, &b->N, 1, 1 << 20},
                 {B_THREADS, &T, 0, 4096},
                 {B_STREAM_MB, &b->stream_mb, 1, 1 << 20},
-                {B_PAGED, &b->paged, 16, 256}};
+                {B_PAGED, &b->paged, 16, 256},
+                {B_PAGED_PEERS, &b->paged_peers, 0, 64}};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
         if (args->given[ints[i].id] &&
             (rc = cli_parse_i64(bench_flags[ints[i].id].name, args->value[ints[i].id], ints[i].lo,
@@ -401,14 +421,21 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
                              args->value[B_PREFILL_MODE]);
     }
     if (args->given[B_PAGED_ORDER]) {
-        if (strcmp(args->value[B_PAGED_ORDER], "ordered") == 0)
-            b->paged_ordered = 1;
-        else if (strcmp(args->value[B_PAGED_ORDER], "shuffled") != 0)
-            return cli_usage("--paged-order: '%s' is not shuffled or ordered",
+        b->paged_order = PO_COUNT;
+        for (int i = 0; i < PO_COUNT; i++)
+            if (strcmp(args->value[B_PAGED_ORDER], paged_orders[i]) == 0)
+                b->paged_order = i;
+        if (b->paged_order == PO_COUNT)
+            return cli_usage("--paged-order: '%s' is not lockstep, ordered, interleaved, "
+                             "fragmented or alternate",
                              args->value[B_PAGED_ORDER]);
         if (!b->paged)
             return cli_usage("--paged-order needs --paged");
     }
+    if (args->given[B_PAGED_PEERS] && !b->paged)
+        return cli_usage("--paged-peers needs --paged");
+    if (b->paged_order != PO_LOCKSTEP && b->paged_order != PO_INTERLEAVED)
+        b->paged_peers = 0;
     b->attn_only = args->given[B_ATTN_ONLY];
     if (b->layer_prefill && b->attn_only)
         return cli_usage("--prefill-mode layer needs the layer (drop --attention-only)");
@@ -496,46 +523,85 @@ static uint16_t round_half(float f, int bf16) {
     return (uint16_t)(sign | (v >> 13));
 }
 
-/* --paged: a cache of the same sizes in blocks of b->paged positions, whose pool hands its
- * blocks out in a shuffled order (so consecutive blocks of a sequence are not neighbours in
- * memory): scratch sequences B .. B+n-1 take one block each, then release them in a random
- * order; the pool gives them back last released first. --paged-order ordered: released in
- * reverse, so that they are handed out in order. */
+/* --paged: a cache of the same sizes in blocks of b->paged positions. Its sequences 0 .. B-1
+ * receive the contiguous cache's K/V one token at a time (bench_prefill, bench_attention);
+ * where their blocks lie depends on --paged-order:
+ *   lockstep: sequences B .. B+P-1 (the peers, zeros) grow with them, one token each after each
+ *     token of theirs, in a pool with room for all at full length: the pool's placement policy
+ *     (docs/INFERENCE.md "Block placement") decides;
+ *   ordered: no peers, a pool of B x blocks-per-sequence (batch 1: blocks 0, 1, 2, ...);
+ *   interleaved: the layout the free-id stack (before session 40) gave lockstep growth of
+ *     N = B + P sequences: one-block scratch sequences fill the pool, then the scratch holding
+ *     the blocks b with b % N < B are reset; the policy takes isolated free blocks leftmost
+ *     first, so with batch 1 sequence 0 gets blocks 0, N, 2N, ... as the stack gave it;
+ *   fragmented / alternate: a pool of 2 B x blocks-per-sequence filled by scratch sequences,
+ *     then a random half of its blocks (fragmented: runs of random length, taken largest first,
+ *     so scattered across the pool) or every other block (alternate: isolated blocks, taken in
+ *     increasing order, 2 blocks apart) freed: what the policy cannot fix. */
 static int bench_paged_cache(const bench_opts *b, const mha_kv_cache_config *kc, bench_run *r) {
-    const int64_t nbs = (kc->max_seq + b->paged - 1) / b->paged, n = b->B * nbs;
+    const int64_t nbs = (kc->max_seq + b->paged - 1) / b->paged, B = b->B, P = b->paged_peers;
+    const int po = b->paged_order;
+    const int64_t n = (po == PO_FRAGMENTED || po == PO_ALTERNATE ? 2 * B : B + P) * nbs;
+    const int64_t scratch = po == PO_LOCKSTEP || po == PO_ORDERED ? 0 : n;
     mha_kv_cache_config pc = *kc;
-    pc.batch = b->B + n;
+    pc.batch = B + P + scratch;
     pc.block_size = b->paged;
     pc.num_blocks = n;
     if (mha_kv_cache_create(&pc, r->layer, NULL, &r->paged, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
-    float *kv = calloc((size_t)(2 * b->G * b->D), sizeof(float));
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)n);
     r->ptimes = malloc(sizeof(double) * (size_t)b->N);
-    if (!kv || !order || !r->ptimes) {
-        free(kv);
-        free(order);
+    r->pkv = malloc(sizeof(float) * (size_t)(B * 2 * BENCH_CHUNK * b->G * b->D));
+    r->peer_kv = calloc((size_t)(2 * (P > 0 ? P : 1) * b->G * b->D), sizeof(float));
+    int64_t *owner = scratch ? malloc(sizeof(int64_t) * (size_t)n) : NULL;
+    if (!r->ptimes || !r->pkv || !r->peer_kv || (scratch && !owner)) {
+        free(owner);
         return cli_fail("out of memory");
     }
     mha_status st = MHA_STATUS_OK;
-    for (int64_t i = 0; i < n && !st; i++) {
-        const int64_t seq = b->B + i;
-        order[i] = seq;
-        st = mha_kv_cache_append(r->paged, 1, &seq, 1, kv, kv + b->G * b->D, &r->err);
+    for (int64_t i = 0; i < scratch && !st; i++) { /* every block held by a scratch sequence */
+        const int64_t seq = B + P + i;
+        st = mha_kv_cache_append(r->paged, 1, &seq, 1, r->peer_kv, r->peer_kv + b->G * b->D,
+                                 &r->err);
+        if (!st)
+            owner[mha_experimental_kv_cache_block(r->paged, seq, 0)] = seq;
     }
-    for (int64_t i = b->paged_ordered ? 0 : n - 1; i > 0; i--) { /* Fisher-Yates */
-        r->rng ^= r->rng << 13;
-        r->rng ^= r->rng >> 7;
-        r->rng ^= r->rng << 17;
-        const int64_t j = (int64_t)(r->rng % (uint64_t)(i + 1)), t = order[i];
-        order[i] = order[j];
-        order[j] = t;
+    if (scratch && po == PO_FRAGMENTED) {     /* free the first half of a shuffle of the blocks */
+        for (int64_t i = n - 1; i > 0; i--) { /* Fisher-Yates */
+            r->rng ^= r->rng << 13;
+            r->rng ^= r->rng >> 7;
+            r->rng ^= r->rng << 17;
+            const int64_t j = (int64_t)(r->rng % (uint64_t)(i + 1)), t = owner[i];
+            owner[i] = owner[j];
+            owner[j] = t;
+        }
+        for (int64_t i = 0; i < n / 2 && !st; i++)
+            st = mha_kv_cache_reset(r->paged, owner[i], &r->err);
+    } else {
+        for (int64_t blk = 0; blk < scratch && !st; blk++)
+            if (po == PO_ALTERNATE ? blk % 2 == 0 : blk % (B + P) < B)
+                st = mha_kv_cache_reset(r->paged, owner[blk], &r->err);
     }
-    for (int64_t i = 0; i < n && !st; i++)
-        st = mha_kv_cache_reset(r->paged, order[b->paged_ordered ? n - 1 - i : i], &r->err);
-    free(kv);
-    free(order);
+    free(owner);
     return st ? cli_lib_fail(NULL, &r->err) : CLI_OK;
+}
+
+/* --paged: token `tok` of every measured sequence (from r->pkv, chunk of tc tokens), then
+ * (lockstep) one token of every peer: the lockstep growth of a continuous batch. */
+static mha_status bench_paged_token(const bench_opts *b, bench_run *r, int64_t tc, int64_t tok) {
+    const int64_t GD = b->G * b->D;
+    mha_status st = MHA_STATUS_OK;
+    for (int64_t seq = 0; seq < b->B && !st; seq++) {
+        const float *k = r->pkv + seq * 2 * BENCH_CHUNK * GD + tok * GD;
+        st = mha_kv_cache_append(r->paged, 1, &seq, 1, k, k + tc * GD, &r->err);
+    }
+    if (b->paged_order == PO_LOCKSTEP && b->paged_peers > 0 && !st) {
+        int64_t ids[64];
+        for (int64_t i = 0; i < b->paged_peers; i++)
+            ids[i] = b->B + i;
+        st = mha_kv_cache_append(r->paged, b->paged_peers, ids, 1, r->peer_kv,
+                                 r->peer_kv + b->paged_peers * GD, &r->err);
+    }
+    return st;
 }
 
 /* The layer with random weights (scaled like a trained one: unit-variance activations), unless
@@ -654,12 +720,13 @@ static int bench_prefill(const bench_opts *b, bench_run *r) {
             st = mha_layer_prefill(r->layer, r->cache, &a, &r->ex, &r->err);
         } else {
             for (int64_t seq = 0; seq < B && !st; seq++) {
-                fill(&r->rng, r->kv, 2 * tc * G * D, 1.0f);
-                st = mha_kv_cache_append(r->cache, 1, &seq, tc, r->kv, r->kv + tc * G * D, &r->err);
-                if (!st && r->paged)
-                    st = mha_kv_cache_append(r->paged, 1, &seq, tc, r->kv, r->kv + tc * G * D,
-                                             &r->err);
+                /* --paged: kept for the paged cache's token-by-token appends */
+                float *kv = r->paged ? r->pkv + seq * 2 * chunk * G * D : r->kv;
+                fill(&r->rng, kv, 2 * tc * G * D, 1.0f);
+                st = mha_kv_cache_append(r->cache, 1, &seq, tc, kv, kv + tc * G * D, &r->err);
             }
+            for (int64_t tok = 0; r->paged && tok < tc && !st; tok++)
+                st = bench_paged_token(b, r, tc, tok);
         }
         if (st != MHA_STATUS_OK)
             return cli_lib_fail(NULL, &r->err);
@@ -682,9 +749,12 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
         mha_status st = MHA_STATUS_OK;
         for (int64_t seq = 0; seq < B && !st; seq++) {
             st = mha_kv_cache_append(r->cache, 1, &seq, 1, r->kv, r->kv + G * D, &r->err);
-            if (!st && r->paged)
-                st = mha_kv_cache_append(r->paged, 1, &seq, 1, r->kv, r->kv + G * D, &r->err);
+            if (r->paged) /* the same token for the paged cache's bench_paged_token */
+                memcpy(r->pkv + seq * 2 * BENCH_CHUNK * G * D, r->kv,
+                       sizeof(float) * (size_t)(2 * G * D));
         }
+        if (!st && r->paged)
+            st = bench_paged_token(b, r, 1, 0);
         /* --paged: both caches each step, which first alternating */
         for (int k = 0; k < (r->paged ? 2 : 1) && !st; k++) {
             const int pg = r->paged && (k ^ (int)(s & 1));
@@ -772,7 +842,26 @@ static int bench_layer(const bench_opts *b, bench_run *r) {
     return CLI_OK;
 }
 
+/* --paged: runs of consecutive block ids over the measured sequences' tables (*blocks: their
+ * blocks): 1 per sequence when every sequence's blocks are in order. */
+static int64_t paged_runs(const bench_opts *b, const bench_run *r, int64_t *blocks) {
+    int64_t runs = 0;
+    *blocks = 0;
+    for (int64_t s = 0; s < b->B; s++)
+        for (int64_t e = 0, prev = -2;; e++) {
+            const int64_t blk = mha_experimental_kv_cache_block(r->paged, s, e);
+            if (blk < 0)
+                break;
+            runs += blk != prev + 1;
+            ++*blocks;
+            prev = blk;
+        }
+    return runs;
+}
+
 static void bench_report(const bench_opts *b, const bench_run *r) {
+    int64_t pblocks = 0;
+    const int64_t pruns = r->paged ? paged_runs(b, r, &pblocks) : 0;
     const double gbs = r->kv_bytes / r->attn_med * 1e-9, B = (double)b->B;
     if (b->json) {
         printf("{\"kernel\": \"%s\", \"heads\": %lld, \"kv_heads\": %lld, \"head_dim\": %lld, "
@@ -783,15 +872,16 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"layer_tokens_per_s\": %.6g, \"naive_s\": %.6g, \"stream_gbs\": %.6g, "
                "\"weight_dtype\": \"%s\", \"weight_bytes\": %.6g, \"layer_min_s\": %.6g, "
                "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g, \"paged_block\": %lld, "
-               "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g, \"paged_order\": \"%s\"}\n",
+               "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g, \"paged_order\": \"%s\", "
+               "\"paged_peers\": %lld, \"paged_blocks\": %lld, \"paged_runs\": %lld}\n",
                decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
                r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream, b->wdtn,
                r->weight_bytes, r->layer_min,
                r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0, r->stream_pf,
-               (long long)b->paged, r->paged_med, r->paged_min,
-               b->paged_ordered ? "ordered" : "shuffled");
+               (long long)b->paged, r->paged_med, r->paged_min, paged_orders[b->paged_order],
+               (long long)b->paged_peers, (long long)pblocks, (long long)pruns);
         return;
     }
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
@@ -812,10 +902,14 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
            "-> %.1f GB/s\n",
            r->attn_med * 1e3, r->attn_min * 1e3, B / r->attn_med, r->kv_bytes * 1e-6, gbs);
     if (r->paged)
-        printf("  paged (blocks of %lld, %s), interleaved: median %.3f ms, min %.3f ms, "
-               "%.1f GB/s; paged / contiguous %.3f (medians)\n",
-               (long long)b->paged, b->paged_ordered ? "ordered" : "shuffled", r->paged_med * 1e3,
-               r->paged_min * 1e3, r->kv_bytes / r->paged_med * 1e-9, r->paged_med / r->attn_med);
+        printf("  paged (blocks of %lld, %s, %lld peers), interleaved: median %.3f ms, min %.3f "
+               "ms, %.1f GB/s; paged / contiguous %.3f (medians)\n",
+               (long long)b->paged, paged_orders[b->paged_order], (long long)b->paged_peers,
+               r->paged_med * 1e3, r->paged_min * 1e3, r->kv_bytes / r->paged_med * 1e-9,
+               r->paged_med / r->attn_med);
+    if (r->paged)
+        printf("  paged layout: %lld blocks in %lld runs of consecutive blocks\n",
+               (long long)pblocks, (long long)pruns);
     if (r->naive_s > 0.0)
         printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", r->naive_s * 1e3,
                r->naive_s / r->attn_med);
@@ -848,6 +942,8 @@ static void bench_free(bench_run *r) {
     free(r->scores);
     free(r->times);
     free(r->ptimes);
+    free(r->pkv);
+    free(r->peer_kv);
     mha_kv_cache_destroy(r->cache);
     mha_kv_cache_destroy(r->paged);
     mha_layer_destroy(r->layer);

@@ -88,6 +88,15 @@ mha_experimental_attention_workspace_size_with_kernel(int32_t index,
                                                       size_t *bytes,
                                                       mha_error *err);
 
+/** The pool block of table entry `entry` of sequence `seq` of a paged cache (positions' slots
+ *  [entry B, entry B + B) of the sequence, B = block_size): its block id in [0, num_blocks), or
+ *  -1 when the entry holds none, the arguments are out of range or the cache is contiguous or
+ *  NULL. Shows where the placement policy put a sequence's blocks (docs/INFERENCE.md "Block
+ *  placement"); the ids change no result. */
+MHA_API int64_t mha_experimental_kv_cache_block(const mha_kv_cache *cache,
+                                                int64_t seq,
+                                                int64_t entry);
+
 #ifdef __cplusplus
 }
 #endif

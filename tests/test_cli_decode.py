@@ -173,10 +173,15 @@ def test_decode_bench_weight_dtype(wdt, bytes_per):
     assert rec["weight_bytes"] == pytest.approx((2 * q * q + 2 * 64 * q) * bytes_per)
 
 
-@pytest.mark.parametrize("order", ["shuffled", "ordered"])
-def test_decode_bench_paged(order):
-    # --paged: the same K/V in a paged cache of blocks of 16 taken from the pool shuffled or in
-    # order (docs/INFERENCE.md "Paged vs contiguous, measured"), timed with the contiguous one.
+# Blocks of the measured sequence (100 + 2 x 3 + 16 slots = 8 blocks of 16; 7 filled) and
+# its runs of consecutive blocks per --paged-order (docs/INFERENCE.md "Block placement"): alone
+# or in lockstep with the pool's placement one run; the old stack's lockstep layout and a pool
+# with every other block free one run per block.
+@pytest.mark.parametrize("order,runs", [("lockstep", 1), ("ordered", 1), ("interleaved", 7),
+                                        ("alternate", 7), ("fragmented", None)])
+def test_decode_bench_paged(order, runs):
+    # --paged: the same K/V in a paged cache of blocks of 16 laid out as --paged-order says
+    # (docs/INFERENCE.md "Paged vs contiguous, measured"), timed with the contiguous one.
     r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
                 "--cache-len", 100, "--steps", 3, "--attention-only", "--paged", 16,
                 "--paged-order", order, "--json")
@@ -184,6 +189,12 @@ def test_decode_bench_paged(order):
     rec = json.loads(r.stdout)
     assert rec["paged_block"] == 16 and rec["paged_order"] == order
     assert rec["paged_median_s"] > 0
+    assert rec["paged_blocks"] == 7
+    assert rec["paged_peers"] == (7 if order in ("lockstep", "interleaved") else 0)
+    if runs is not None:
+        assert rec["paged_runs"] == runs
+    else:
+        assert 1 <= rec["paged_runs"] <= 7
 
 
 def test_decode_bench_layer_prefill():
@@ -210,7 +221,9 @@ def test_decode_bench_layer_prefill():
     (["--bogus"], "unknown option '--bogus'"),
     (["--steps", "0"], "--steps: 0 is out of range"),
     (["--paged-order", "ordered"], "--paged-order needs --paged"),
-    (["--paged", "16", "--paged-order", "random"], "--paged-order: 'random' is not shuffled"),
+    (["--paged", "16", "--paged-order", "random"], "--paged-order: 'random' is not lockstep"),
+    (["--paged-peers", "3"], "--paged-peers needs --paged"),
+    (["--paged", "16", "--paged-peers", "65"], "--paged-peers"),
 ])
 def test_decode_bench_usage_errors(args, needle):
     r = run_cli("decode-bench", *args)

@@ -8,6 +8,7 @@
  * allocate (a paged cache's appends take blocks from the pool allocated at creation).
  */
 #include "cache/kv_cache.h"
+#include "mha_experimental.h"
 
 #include <string.h>
 
@@ -49,14 +50,15 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     const int64_t kf[4] = {nblocks, c.num_kv_heads, bs, c.head_dim / per};
     const int64_t vf[4] = {nblocks, c.num_kv_heads, bs, c.v_head_dim / per};
     const int64_t mf[2] = {c.batch, nbs};
-    int64_t kn, vn, tn, meta;
-    size_t kb, vb, lb, sb;
+    int64_t kn, vn, tn, meta, pw, pl;
+    size_t kb, vb, lb, sb, pb = 0;
     MHA_RETURN_IF(!mha__prod_i64(kf, 4, &kn) || !mha__prod_i64(vf, 4, &vn) ||
                       !mha__bytes(kn, unit, &kb) || !mha__bytes(vn, unit, &vb) ||
                       !mha__prod_i64(mf, 2, &tn) || !mha__add_i64(tn, 2 * c.batch, &meta) ||
-                      !mha__add_i64(meta, 2 * nblocks, &meta) ||
+                      !mha__add_i64(meta, nblocks, &meta) ||
                       !mha__bytes(meta, sizeof(int64_t), &lb) ||
-                      !mha__bytes(2 * c.num_kv_heads, sizeof(float), &sb),
+                      !mha__bytes(2 * c.num_kv_heads, sizeof(float), &sb) ||
+                      (paged && !mha__kv_pool_sizes(nblocks, &pw, &pl, &pb)),
                   err, OVERFLOW,
                   "kv cache of %lld blocks x g=%lld x %lld slots x (d_k=%lld + d_v=%lld) "
                   "overflows",
@@ -83,7 +85,8 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     kc->v = mha__alloc_large(allocator, vb);
     kc->len = mha__alloc(allocator, lb);
     kc->k_scale = mha__alloc(allocator, sb);
-    if (!kc->k || !kc->v || !kc->len || !kc->k_scale) {
+    kc->pool_mem = paged ? mha__alloc(allocator, pb) : NULL;
+    if (!kc->k || !kc->v || !kc->len || !kc->k_scale || (paged && !kc->pool_mem)) {
         mha_kv_cache_destroy(kc);
         return mha__fail(err, MHA_STATUS_NO_MEMORY,
                          "cannot allocate the kv cache storage (%zu "
@@ -97,13 +100,12 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
         kc->k_scale[g] = 1.0f;
     kc->table = kc->lo + c.batch;
     kc->ref = kc->table + tn;
-    kc->free_ids = kc->ref + nblocks;
     for (int64_t i = 0; i < tn; i++) /* contiguous: sequence s owns block s for good */
         kc->table[i] = paged ? -1 : i;
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = 0; b < nblocks; b++)
         kc->ref[b] = paged ? 0 : 1;
-        kc->free_ids[b] = nblocks - 1 - b; /* pops give 0, 1, 2, ...: deterministic */
-    }
+    if (paged)
+        mha__kv_pool_init(&kc->pool, kc->pool_mem, nblocks);
     kc->nfree = paged ? nblocks : 0;
     *out = kc;
     mha__ok(err);
@@ -119,6 +121,7 @@ void mha_kv_cache_destroy(mha_kv_cache *cache) {
     mha__free(a, cache->v);
     mha__free(a, cache->len);
     mha__free(a, cache->k_scale);
+    mha__free(a, cache->pool_mem);
     mha__free(a, cache);
 }
 
@@ -138,18 +141,22 @@ int64_t mha_kv_cache_length(const mha_kv_cache *cache, int64_t seq) {
 
 /* Drops one reference to block b of a paged cache; the last returns it to the pool. */
 static void release_block(mha_kv_cache *c, int64_t b) {
-    if (--c->ref[b] == 0)
-        c->free_ids[c->nfree++] = b;
+    if (--c->ref[b] == 0) {
+        mha__kv_pool_release(&c->pool, b);
+        c->nfree++;
+    }
 }
 
 /* Table entry e of sequence s of a paged cache, made writable: a block taken from the pool when
- * there is none, a private copy when the block is shared. The pool check (mha__kv_check_pool)
- * ran first, so the pool is not empty here. */
+ * there is none, a private copy when the block is shared; placed after the block of entry e - 1
+ * when it can be (kv_pool.c). The pool check (mha__kv_check_pool) ran first, so the pool is not
+ * empty here. */
 static void writable_entry(mha_kv_cache *c, int64_t s, int64_t e) {
     int64_t *slot = &c->table[s * c->nbs + e];
     if (*slot >= 0 && c->ref[*slot] == 1)
         return;
-    const int64_t b = c->free_ids[--c->nfree];
+    const int64_t b = mha__kv_pool_take(&c->pool, e > 0 ? slot[-1] : -1);
+    c->nfree--;
     c->ref[b] = 1;
     if (*slot >= 0) { /* copy-on-write: every row, written or not (rows past the length are
                          never read); bs rows per kv head */
@@ -373,6 +380,13 @@ mha_status mha_kv_cache_share_prefix(
 
 int64_t mha_kv_cache_free_blocks(const mha_kv_cache *cache) {
     return cache ? cache->nfree : -1;
+}
+
+int64_t mha_experimental_kv_cache_block(const mha_kv_cache *cache, int64_t seq, int64_t entry) {
+    if (!cache || !cache->paged || seq < 0 || seq >= cache->cfg.batch || entry < 0 ||
+        entry >= cache->nbs)
+        return -1;
+    return cache->table[seq * cache->nbs + entry];
 }
 
 mha_status mha_kv_cache_read(

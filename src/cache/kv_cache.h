@@ -14,14 +14,39 @@
  * each kv head's keys as one run, as in the contiguous cache); block-major, a kv head's parts of
  * the blocks would lie g bs rows apart, at a power-of-two stride that maps every block of a unit
  * to the same cache sets. It allocates blocks from its pool when a row is first written to a
- * table entry; blocks are reference-counted (fork shares them) and a write to a shared block
- * copies it first (copy-on-write).
+ * table entry, after the sequence's previous block when that one is free (kv_pool.c); blocks are
+ * reference-counted (fork shares them) and a write to a shared block copies it first
+ * (copy-on-write).
  */
 #ifndef MHA_KV_CACHE_H
 #define MHA_KV_CACHE_H
 
 #include "base/internal.h"
 #include "check/check.h"
+
+/* The free blocks of a paged cache's pool and where the next one is taken (kv_pool.c). */
+typedef struct mha__kv_pool_node {
+    int64_t pre, suf; /* free blocks at the start / end of the node's range */
+    int64_t best, at; /* its longest free run (the leftmost of the longest), its first block */
+} mha__kv_pool_node;
+typedef struct mha__kv_pool {
+    int64_t num_blocks, nwords, leaves; /* leaves: words rounded up to a power of two */
+    uint64_t *bits;                     /* [nwords] bit b % 64 of word b / 64: block b is free */
+    mha__kv_pool_node *tree;            /* [2 leaves] node 1 the root, i's children 2i, 2i + 1;
+                                           leaf of word w at leaves + w */
+} mha__kv_pool;
+
+/* Words, leaves and bytes (one allocation) of the pool structure of num_blocks; false on
+ * overflow. */
+int mha__kv_pool_sizes(int64_t num_blocks, int64_t *nwords, int64_t *leaves, size_t *bytes);
+/* Every block free; mem holds mha__kv_pool_sizes's bytes, 8-byte aligned. */
+void mha__kv_pool_init(mha__kv_pool *p, void *mem, int64_t num_blocks);
+int mha__kv_pool_is_free(const mha__kv_pool *p, int64_t b);
+/* Takes a free block (there is one) for the table entry after the one holding block prev (-1:
+ * none): prev + 1 if free, else a new run in the largest free run. */
+int64_t mha__kv_pool_take(mha__kv_pool *p, int64_t prev);
+/* Block b (taken) is free again. */
+void mha__kv_pool_release(mha__kv_pool *p, int64_t b);
 
 struct mha_kv_cache {
     mha_kv_cache_config cfg;        /* resolved */
@@ -41,8 +66,9 @@ struct mha_kv_cache {
                           may be partly used) */
     int64_t *table;    /* [batch][nbs] block ids, -1 = none (contiguous: table[s] = {s}) */
     int64_t *ref;      /* [num_blocks] reference counts (paged) */
-    int64_t *free_ids; /* [num_blocks] stack of free block ids, top at nfree - 1 (paged) */
-    int64_t nfree;
+    mha__kv_pool pool; /* free blocks and placement (paged; kv_pool.c) */
+    void *pool_mem;    /* its storage */
+    int64_t nfree;     /* free blocks (paged) */
     int64_t
         block_rows; /* rows between block b and b + 1 of one kv head: contiguous g bs, paged bs */
     int64_t head_rows; /* rows between kv head g and g + 1 of one block: contiguous bs, paged
