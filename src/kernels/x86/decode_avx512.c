@@ -699,6 +699,11 @@ MHA_INLINE void dec_softmax(const mha__dec_problem *p,
  * threads; they differ in rounding from the R <= 4 paths' dot products (16 partial sums, then a
  * horizontal sum), tolerance-tested. */
 
+/* Rows of o per register block of pass 3 (x 64 columns). */
+#ifndef MHA_DEC_WIDE_ROWS
+#    define MHA_DEC_WIDE_ROWS 6
+#endif
+
 /* Keys per pass-1 tile with two vectors of rows (16 accumulators). */
 #define MHA_DEC_WIDE_KEYS 8
 
@@ -845,12 +850,12 @@ MHA_INLINE void axpy_wide(const int NR,
                           int64_t dv,
                           int64_t c0,
                           const __mmask16 km[4],
-                          const __mmask16 seen[4],
+                          const __mmask16 seen[MHA_DEC_WIDE_ROWS],
                           const char *const *pfl,
                           int64_t npf,
                           int l2) {
-    v16 acc[4][4];
-#pragma GCC unroll 4
+    v16 acc[MHA_DEC_WIDE_ROWS][4];
+#pragma GCC unroll 8
     for (int x = 0; x < NR; x++)
         for (int c = 0; c < 4; c++)
             acc[x][c] = FULL ? _mm512_loadu_ps(o + x * dv + c0 + 16 * c)
@@ -861,9 +866,16 @@ MHA_INLINE void axpy_wide(const int NR,
         v16 v[4];
         for (int c = 0; c < 4; c++)
             v[c] = _mm512_loadu_ps(vp[y] + c0 + 16 * c);
-        add_value_row(NR, CHECK, seen, y, e, v, acc);
+#pragma GCC unroll 8
+        for (int x = 0; x < NR; x++) {
+            if (CHECK && !(seen[x] >> y & 1))
+                continue;
+            const v16 ev = v16_set1(e[x * MHA_DEC_BLOCK + y]);
+            for (int c = 0; c < 4; c++)
+                acc[x][c] = v16_fma(ev, v[c], acc[x][c]);
+        }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int x = 0; x < NR; x++)
         for (int c = 0; c < 4; c++) {
             if (FULL)
@@ -919,11 +931,11 @@ MHA_INLINE void values_wide(const mha_dtype DT,
                     prefetch_line(row + b, vs->prefetch_l2);
             }
         }
-        for (int64_t r0 = 0; r0 < R; r0 += 4) {
-            const int64_t nr = R - r0 < 4 ? R - r0 : 4;
+        for (int64_t r0 = 0; r0 < R; r0 += MHA_DEC_WIDE_ROWS) {
+            const int64_t nr = R - r0 < MHA_DEC_WIDE_ROWS ? R - r0 : MHA_DEC_WIDE_ROWS;
             const float *e = S + r0 * MHA_DEC_BLOCK + jb;
             float *orow = o + r0 * dv;
-            __mmask16 seen[4] = {0, 0, 0, 0}, all = in;
+            __mmask16 seen[MHA_DEC_WIDE_ROWS] = {0}, all = in;
             for (int64_t x = 0; x < nr; x++) {
                 seen[x] = _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(in, e + x * MHA_DEC_BLOCK),
                                              v16_zero(), _CMP_NEQ_UQ);
@@ -945,12 +957,13 @@ MHA_INLINE void values_wide(const mha_dtype DT,
         axpy_wide(nr_, full_, check_, vp, nkb, e, orow, dv, c0, km, seen,                          \
                   pfl + (at < npf ? at : 0), n, vs->prefetch_l2);                                  \
         break;
-                    // clang-format off
-                    AXPYW_(4, 1, 0) AXPYW_(4, 1, 1) AXPYW_(4, 0, 0) AXPYW_(4, 0, 1)
-                    AXPYW_(3, 1, 0) AXPYW_(3, 1, 1) AXPYW_(3, 0, 0) AXPYW_(3, 0, 1)
-                    AXPYW_(2, 1, 0) AXPYW_(2, 1, 1) AXPYW_(2, 0, 0) AXPYW_(2, 0, 1)
-                    AXPYW_(1, 1, 0) AXPYW_(1, 1, 1) AXPYW_(1, 0, 0) AXPYW_(1, 0, 1)
-                    // clang-format on
+#define AXPYW4_(nr_) AXPYW_(nr_, 1, 0) AXPYW_(nr_, 1, 1) AXPYW_(nr_, 0, 0) AXPYW_(nr_, 0, 1)
+                    AXPYW4_(1)
+                    AXPYW4_(2) AXPYW4_(3) AXPYW4_(4)
+#if MHA_DEC_WIDE_ROWS > 4
+                        AXPYW4_(5) AXPYW4_(6)
+#endif
+#undef AXPYW4_
 #undef AXPYW_
                 }
             }
