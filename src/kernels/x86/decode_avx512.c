@@ -17,7 +17,11 @@
  * kernel body is instantiated per cache dtype (a constant in the hot loops) and with plain loads
  * when the head sizes are multiples of 16 (masked loads cost the hot loops ~20%). Widening a block
  * into float32 scratch first was measured slower for g <= 4: the extra store and reload cost more
- * than the widening they save. The float32 sums are in a fixed order that does not depend on
+ * than the widening they save. Units with R > 4 query rows (t > 1 tokens, draft trees) take the
+ * wide path (below, "The wide path"): scores computed transposed by broadcast-K FMAs against the
+ * query rows held transposed, K and V widened once per block into float32 scratch, no horizontal
+ * sums; it replaced groups of 4 rows that each re-read and re-widened the unit (34-44% of the FMA
+ * floor on an 8-draft tree). The float32 sums are in a fixed order that does not depend on
  * threads (bit-identical for any thread count); they differ in rounding from the generic kernel's
  * order (tolerance-tested).
  */
@@ -959,7 +963,8 @@ MHA_INLINE void values_wide(const mha_dtype DT,
         break;
 #define AXPYW4_(nr_) AXPYW_(nr_, 1, 0) AXPYW_(nr_, 1, 1) AXPYW_(nr_, 0, 0) AXPYW_(nr_, 0, 1)
                     AXPYW4_(1)
-                    AXPYW4_(2) AXPYW4_(3) AXPYW4_(4)
+                    AXPYW4_(2)
+                    AXPYW4_(3) AXPYW4_(4)
 #if MHA_DEC_WIDE_ROWS > 4
                         AXPYW4_(5) AXPYW4_(6)
 #endif
