@@ -693,20 +693,23 @@ MHA_INLINE void dec_softmax(const mha__dec_problem *p,
  *           2 (scale, soft-cap, ALiBi, masks, tree lanes, exp) are the same code as the other
  *           paths.
  *   pass 3: each block of V rows is widened once into float32 scratch (float32 rows with
- *           dv % 64 == 0 read in place), then 4 rows x 64 columns of o stay in registers over the
+ *           dv % 64 == 0 read in place), then 6 rows x 64 columns of o stay in registers over the
  *           block (as axpy_block, e broadcast from memory): keys in order, the same sums as the
  *           other paths' pass 3.
- * The broadcast form spends a whole vector of rows per key: for R = 5..15 part of it is zero
- * padding (R = 8: half), which the per-row dot products of the other path do not pay; measured
- * (docs/INFERENCE.md) it is still faster there, as K is widened once instead of once per group of
- * four rows and no horizontal sums remain. Sums are in a fixed order that does not depend on
- * threads; they differ in rounding from the R <= 4 paths' dot products (16 partial sums, then a
- * horizontal sum), tolerance-tested. */
+ * The prefetch of the block ahead is spread one line per step of the FMA loops
+ * (MHA_DEC_WIDE_AHEAD). Cycles per (key, kv head), R = 32, d = 128, against the FMA floor of 128
+ * per pass (a harness calling the two passes on one unit, 5 x 2000 calls, best; session 40):
+ * L2-resident float32 pass 1 131-146, pass 3 147-162; bfloat16 144-154 / 162-176; q8_0 151-162 /
+ * 167-183; a 256 MB cache (beyond the L3) float32 153-179 / 171-185. The broadcast form spends a
+ * whole vector of rows per key: for R = 5..15 part of it is zero padding (R = 8: half), which the
+ * per-row dot products of the other path do not pay; measured (docs/INFERENCE.md) it is still
+ * faster there, as K is widened once instead of once per group of four rows and no horizontal sums
+ * remain. Sums are in a fixed order that does not depend on threads; they differ in rounding from
+ * the R <= 4 paths' dot products (16 partial sums, then a horizontal sum), tolerance-tested. */
 
-/* Rows of o per register block of pass 3 (x 64 columns). */
-#ifndef MHA_DEC_WIDE_ROWS
-#    define MHA_DEC_WIDE_ROWS 6
-#endif
+/* Rows of o per register block of pass 3 (x 64 columns: 24 accumulators; 4 rows ran the 8-draft
+ * tree's pass 3 ~3% slower, within the noise). The switch in values_wide lists 1 .. 6. */
+#define MHA_DEC_WIDE_ROWS 6
 
 /* Keys per pass-1 tile with two vectors of rows (16 accumulators). */
 #define MHA_DEC_WIDE_KEYS 8
@@ -962,12 +965,9 @@ MHA_INLINE void values_wide(const mha_dtype DT,
                   pfl + (at < npf ? at : 0), n, vs->prefetch_l2);                                  \
         break;
 #define AXPYW4_(nr_) AXPYW_(nr_, 1, 0) AXPYW_(nr_, 1, 1) AXPYW_(nr_, 0, 0) AXPYW_(nr_, 0, 1)
-                    AXPYW4_(1)
-                    AXPYW4_(2)
-                    AXPYW4_(3) AXPYW4_(4)
-#if MHA_DEC_WIDE_ROWS > 4
-                        AXPYW4_(5) AXPYW4_(6)
-#endif
+                    // clang-format off
+                    AXPYW4_(1) AXPYW4_(2) AXPYW4_(3) AXPYW4_(4) AXPYW4_(5) AXPYW4_(6)
+                    // clang-format on
 #undef AXPYW4_
 #undef AXPYW_
                 }
