@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* test_kv_rows.c: mha_kv_cache_attention with many query rows per kv head, R = group * t > 4 (the
- * AVX-512 kernel's wide path, decode_avx512.c; the other tiers' row groups), against a float64
+ * AVX-512 kernel's wide path, decode_avx512.c: float32 from R = 5, the other dtypes from R = 9,
+ * below that their groups of 4 rows; the other tiers' row groups), against a float64
  * oracle written here from the definition over the cache's own rows (mha_kv_cache_read: the
  * dequantised values, so the tolerance is the float32 one, TOL_OUT_REL):
  *   every cache dtype (f32, f16, bf16, q8_0, fp8 e4m3 with scales), contiguous and paged (blocks

@@ -17,13 +17,13 @@
  * kernel body is instantiated per cache dtype (a constant in the hot loops) and with plain loads
  * when the head sizes are multiples of 16 (masked loads cost the hot loops ~20%). Widening a block
  * into float32 scratch first was measured slower for g <= 4: the extra store and reload cost more
- * than the widening they save. Units with R > 4 query rows (t > 1 tokens, draft trees) take the
- * wide path (below, "The wide path"): scores computed transposed by broadcast-K FMAs against the
- * query rows held transposed, K and V widened once per block into float32 scratch, no horizontal
- * sums; it replaced groups of 4 rows that each re-read and re-widened the unit (34-44% of the FMA
- * floor on an 8-draft tree). The float32 sums are in a fixed order that does not depend on
- * threads (bit-identical for any thread count); they differ in rounding from the generic kernel's
- * order (tolerance-tested).
+ * than the widening they save. Units with R > 4 query rows (16- and 8-bit caches: R > 8) (t > 1
+ * tokens, draft trees) take the wide path (below, "The wide path"): scores computed transposed by
+ * broadcast-K FMAs against the query rows held transposed, K and V widened once per block into
+ * float32 scratch, no horizontal sums; it replaced groups of 4 rows that each re-read and
+ * re-widened the unit (34-44% of the FMA floor on an 8-draft tree). The float32 sums are in a fixed
+ * order that does not depend on threads (bit-identical for any thread count); they differ in
+ * rounding from the generic kernel's order (tolerance-tested).
  */
 #include "kernels/registry.h"
 #include "kernels/x86/simd_avx512.h"
@@ -678,7 +678,7 @@ MHA_INLINE void dec_softmax(const mha__dec_problem *p,
     }
 }
 
-/* ---- The wide path: R > 4 query rows ----------------------------------------------------------
+/* ---- The wide path: R > 4 query rows (float32), R > 8 (the other dtypes) ---------------------
  * Many query rows share a kv head when a call verifies several draft tokens (t > 1, a draft tree)
  * of a GQA model: R = group * t, 32 for 8 drafts with group 4. Per (key, kv head) the work is then
  * R (dk + dv) multiply-adds, 256 512-bit FMAs for R = 32 and d = 128: the arithmetic, not the
@@ -710,6 +710,15 @@ MHA_INLINE void dec_softmax(const mha__dec_problem *p,
 /* Rows of o per register block of pass 3 (x 64 columns: 24 accumulators; 4 rows ran the 8-draft
  * tree's pass 3 ~3% slower, within the noise). The switch in values_wide lists 1 .. 6. */
 #define MHA_DEC_WIDE_ROWS 6
+
+/* The wide path serves units of more than 4 rows of a float32 cache, of more than this many rows
+ * of the other dtypes. With one vector of rows (R <= 16) pass 1 is bound by the broadcasts (one
+ * per FMA: ~112 cycles per key, R = 5..16, against 64 of FMAs), which the 16- and 8-bit caches'
+ * R <= 4 path does not pay: 8 rows (as 2 groups of 4) of a bfloat16 cache ran the 32768-key step
+ * in 10.0-11.7 ms that way against 14.5-14.7 ms wide, 5 rows 8.6-9.0 against 13.8-14.0 ms; a
+ * float32 cache, memory-bound there, ran 8 rows 15.0 ms wide against 17.7-18.8 (5 rows: equal).
+ * (Zen 5, 1 thread, session 40.) */
+#define MHA_DEC_WIDE_MIN_ROWS 8
 
 /* Keys per pass-1 tile with two vectors of rows (16 accumulators). */
 #define MHA_DEC_WIDE_KEYS 8
@@ -1052,18 +1061,30 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                     : DT == MHA_DTYPE_Q8_0     ? 3
                     : DT == MHA_DTYPE_FP8_E4M3 ? 4
                                                : 0;
-    /* The wide path (R > 4, see above): the unit's query rows transposed, Qt [dk][rp], then its
-     * scratch (mha__dec_scratch_floats). */
-    if (R > 4) {
+    /* The wide path (R > 4 rows, float32; else R > MHA_DEC_WIDE_MIN_ROWS; see above): the unit's
+     * query rows transposed, Qt [dk][rp], then its scratch (mha__dec_scratch_floats). */
+    if (R > (DT == MHA_DTYPE_F32 ? 4 : MHA_DEC_WIDE_MIN_ROWS)) {
         const int64_t rp = (R + 15) & ~(int64_t)15;
         float *qt = qbuf, *st = qt + dk * rp, *kw = st + MHA_DEC_SUB * rp;
         float *vw = kw + MHA_DEC_SUB * dkp;
-        memset(qt, 0, sizeof(float) * (size_t)(dk * rp));
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-            const float *src = p->q + u->s * p->q_ss + i * p->q_ts + h * dk;
-            for (int64_t d = 0; d < dk; d++)
-                qt[d * rp + r] = src[d];
+        /* 16 rows x 16 elements at a time, transposed in registers (a scalar copy cost ~3% of
+         * the 8-draft tree) */
+        for (int64_t r0 = 0; r0 < rp; r0 += 16) {
+            const float *src[16];
+            for (int64_t x = 0; x < 16; x++) {
+                const int64_t r = r0 + x < R ? r0 + x : 0;
+                const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
+                src[x] = r0 + x < R ? p->q + u->s * p->q_ss + i * p->q_ts + h * dk : NULL;
+            }
+            for (int64_t d0 = 0; d0 < dk; d0 += 16) {
+                const __mmask16 k = d0 + 16 <= dk ? (__mmask16)0xFFFF : ktail;
+                v16 t[16];
+                for (int x = 0; x < 16; x++)
+                    t[x] = src[x] ? _mm512_maskz_loadu_ps(k, src[x] + d0) : v16_zero();
+                v16_transpose16(t);
+                for (int64_t y = 0; y < 16 && d0 + y < dk; y++)
+                    _mm512_store_ps(qt + (d0 + y) * rp + r0, t[y]);
+            }
         }
         scores_wide_table[dti](krows, vrows, nb, qt, R, rp, dk, S, kw, st, &ks, &vs);
         dec_softmax(p, u, R, nb, L, S, o, m, l);
