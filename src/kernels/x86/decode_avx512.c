@@ -17,9 +17,13 @@
  * kernel body is instantiated per cache dtype (a constant in the hot loops) and with plain loads
  * when the head sizes are multiples of 16 (masked loads cost the hot loops ~20%). Widening a block
  * into float32 scratch first was measured slower for g <= 4: the extra store and reload cost more
- * than the widening they save. The float32 sums are in a fixed order that does not depend on
- * threads (bit-identical for any thread count); they differ in rounding from the generic kernel's
- * order (tolerance-tested).
+ * than the widening they save. Units with R > 4 query rows (16- and 8-bit caches: R > 8) (t > 1
+ * tokens, draft trees) take the wide path (below, "The wide path"): scores computed transposed by
+ * broadcast-K FMAs against the query rows held transposed, K and V widened once per block into
+ * float32 scratch, no horizontal sums; it replaced groups of 4 rows that each re-read and
+ * re-widened the unit (34-44% of the FMA floor on an 8-draft tree). The float32 sums are in a fixed
+ * order that does not depend on threads (bit-identical for any thread count); they differ in
+ * rounding from the generic kernel's order (tolerance-tested).
  */
 #include "kernels/registry.h"
 #include "kernels/x86/simd_avx512.h"
@@ -598,107 +602,19 @@ static const values_contig_fn values_far_table[2][4] = {
     {values_far_f32_1, values_far_f32_2, values_far_f32_3, values_far_f32_4},
     {values_far_bf16_1, values_far_bf16_2, values_far_bf16_3, values_far_bf16_4}};
 
-/* The kernel for cache dtype DT (a constant after inlining). */
-MHA_INLINE void dec_kernel(const mha_dtype DT,
-                           const mha__dec_problem *p,
-                           const mha__dec_unit *u,
-                           float *o,
-                           float *m,
-                           float *l,
-                           float *scratch) {
-    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
-    if (DT == MHA_DTYPE_FP8_E4M3)
-        p = mha__kv_fp8_problem(p, u->g, &fp8p);
-    const struct mha_kv_cache *c = p->cache;
-    const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
-    const int64_t seq = p->seq[u->s], L = c->len[seq];
-    const int64_t dkp = (dk + 15) & ~(int64_t)15, dvp = (dv + 15) & ~(int64_t)15;
-    /* scratch: scores [R][BLOCK], then the unit's query rows [R][dkp] (zero-padded, 64-B aligned)
-     */
-    float *S = scratch, *qbuf = S + R * MHA_DEC_BLOCK;
-    const __mmask16 ktail = v16_first((int)(dk - (dkp - 16))),
-                    vtail = v16_first((int)(dv - (dvp - 16)));
-    /* The address of each key's K and V row (ring wrap, pages: cache/kv_cache.h). */
-    const char *krows[MHA_DEC_BLOCK], *vrows[MHA_DEC_BLOCK];
-    mha__kv_unit_rows(c, seq, u->g, u->j0, nb, krows, vrows);
-    const row_stream ks = {krows, c->k_row_bytes, p->prefetch_l2};
-    const row_stream vs = {vrows, c->v_row_bytes, p->prefetch_l2};
-
-    /* The contiguous path (see above) applies? (A unit wrapping its ring takes the other path,
-     * paged or not, so both give the same bits.) */
-    const int contig = dk % (DT == MHA_DTYPE_BF16 || DT == MHA_DTYPE_Q8_0 ? 32 : 16) == 0 &&
-                       dv % 64 == 0 && R <= 4 && u->j0 % c->slots + nb <= c->slots;
-    /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
-     * token i (no division in the loops below); row-major [R][dkp], or chunk-major for the
-     * contiguous path. */
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-        const float *src = p->q + u->s * p->q_ss + i * p->q_ts + h * dk;
-        for (int64_t d = 0; d < dkp; d += 16)
-            _mm512_store_ps(
-                qbuf + (contig ? d * R + 16 * r : r * dkp + d),
-                _mm512_maskz_loadu_ps(d + 16 <= dk ? (__mmask16)0xFFFF : ktail, src + d));
-        if (contig && DT == MHA_DTYPE_BF16) /* even/odd order, see bf16_half */
-            for (int64_t d = 0; d < dk; d += 32) {
-                const __m512i even =
-                    _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-                const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-                float *lo = qbuf + d * R + 16 * r, *hi = lo + 16 * R;
-                const v16 a = _mm512_load_ps(lo), b = _mm512_load_ps(hi);
-                _mm512_store_ps(lo, _mm512_permutex2var_ps(a, even, b));
-                _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
-            }
-    }
-    /* the far prefetch: float32 and bfloat16 only (decode.c far_prefetch) */
-    const int far = p->prefetch_far && (DT == MHA_DTYPE_F32 || DT == MHA_DTYPE_BF16);
-    const int dti = DT == MHA_DTYPE_F16        ? 1
-                    : DT == MHA_DTYPE_BF16     ? 2
-                    : DT == MHA_DTYPE_Q8_0     ? 3
-                    : DT == MHA_DTYPE_FP8_E4M3 ? 4
-                                               : 0;
-
-    /* Pass 1a: raw dot products q_r . k_j, per block of MHA_DEC_SUB keys, four keys by up to four
-     * rows per sweep of the keys' vectors. The prefetch runs ahead on the K rows, then on the
-     * first V rows (pass 3 reads them next). */
-    const int kfull = dk % 16 == 0;
-    if (contig)
-        (far ? scores_far_table[DT == MHA_DTYPE_BF16][R - 1]
-             : scores_contig_table[dti][R - 1])(krows, vrows, nb, qbuf, dk, S, p->prefetch_l2);
-    else
-        for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
-            const int64_t nkb = block_len(nb, jb);
-            const int64_t ahead = jb + MHA_DEC_PREFETCH;
-            const row_stream *pst = ahead < nb ? &ks : &vs;
-            const int64_t pj = ahead < nb ? ahead : ahead - nb;
-            const int64_t pn = block_len(nb, pj);
-            const int64_t pslot = pn > 0 ? pj : 0;
-            const void *kb[MHA_DEC_SUB];
-            block_rows(&ks, jb, nkb, kb);
-            for (int64_t y0 = 0; y0 < nkb; y0 += 4) {
-                const int64_t nk = nkb - y0 < 4 ? nkb - y0 : 4;
-                prefetch_rows(pst, pslot, pn, y0, y0 + 4);
-                const void *kr[4] = {kb[y0], kb[y0 + 1], kb[y0 + 2], kb[y0 + 3]};
-                for (int64_t r0 = 0; r0 < R; r0 += 4) {
-                    const int64_t nr = R - r0 < 4 ? R - r0 : 4;
-                    const float *q[4];
-                    for (int64_t x = 0; x < 4; x++)
-                        q[x] = qbuf + (r0 + (x < nr ? x : 0)) * dkp;
-                    float *out = S + r0 * MHA_DEC_BLOCK + jb + y0;
-                    switch (nr * 2 + kfull) {
-#define DOTS_(nr_, full_)                                                                          \
-    case nr_ * 2 + full_:                                                                          \
-        dots(nr_, DT, full_, kr, q, dk, dkp, ktail, nk, out);                                      \
-        break;
-                        // clang-format off
-                    DOTS_(4, 1) DOTS_(4, 0) DOTS_(3, 1) DOTS_(3, 0) DOTS_(2, 1) DOTS_(2, 0) DOTS_(1, 1) DOTS_(1, 0)
-                        // clang-format on
-#undef DOTS_
-                    }
-                }
-            }
-        }
-
-    /* Pass 1b + 2, per row, vectorised over the block: score pipeline, mask, max, exp, sum. */
+/* Pass 1b + 2 of every path, per row, vectorised over the unit: score pipeline (scale, soft-cap,
+ * ALiBi), masks (causal, window, chunk, tree lanes), m = max, e = exp(s - m) in place of S,
+ * l = sum e; o's R rows zeroed. */
+MHA_INLINE void dec_softmax(const mha__dec_problem *p,
+                            const mha__dec_unit *u,
+                            int64_t R,
+                            int64_t nb,
+                            int64_t L,
+                            float *S,
+                            float *o,
+                            float *m,
+                            float *l) {
+    const int64_t dv = p->dv;
     const v16 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
@@ -760,6 +676,490 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
         l[r] = v16_hsum(vsum);
         memset(o + r * dv, 0, sizeof(float) * (size_t)dv);
     }
+}
+
+/* ---- The wide path: R > 4 query rows (float32), R > 8 (the other dtypes) ---------------------
+ * Many query rows share a kv head when a call verifies several draft tokens (t > 1, a draft tree)
+ * of a GQA model: R = group * t, 32 for 8 drafts with group 4. Per (key, kv head) the work is then
+ * R (dk + dv) multiply-adds, 256 512-bit FMAs for R = 32 and d = 128: the arithmetic, not the
+ * memory, bounds it, so this path is built around the FMA pipes:
+ *   pass 1: scores transposed, S^T[key][row]. The query rows are held transposed, Qt[d][Rp]
+ *           (Rp = R rounded up to 16, zero-padded; made once per unit), a block of MHA_DEC_SUB K
+ *           rows is widened once into float32 scratch (float32 rows are read in place), and a
+ *           tile of 8 keys x 32 rows (16 keys x 16 rows for a last odd vector of rows) runs
+ *           acc[v][y] += Qt[d][16 v ..] * broadcast(K[y][d]) for d = 0 .. dk-1: 16 accumulators,
+ *           one FMA chain per score in increasing d, no horizontal sums. Each 16 x 16 tile of S^T
+ *           is transposed in registers into the [R][MHA_DEC_BLOCK] layout of S, so passes 1b and
+ *           2 (scale, soft-cap, ALiBi, masks, tree lanes, exp) are the same code as the other
+ *           paths.
+ *   pass 3: each block of V rows is widened once into float32 scratch (float32 rows with
+ *           dv % 64 == 0 read in place), then 6 rows x 64 columns of o stay in registers over the
+ *           block (as axpy_block, e broadcast from memory): keys in order, the same sums as the
+ *           other paths' pass 3.
+ * The prefetch of the block ahead is spread one line per step of the FMA loops
+ * (MHA_DEC_WIDE_AHEAD). Cycles per (key, kv head), R = 32, d = 128, against the FMA floor of 128
+ * per pass (a harness calling the two passes on one unit, 5 x 2000 calls, best; session 40):
+ * L2-resident float32 pass 1 131-146, pass 3 147-162; bfloat16 144-154 / 162-176; q8_0 151-162 /
+ * 167-183; a 256 MB cache (beyond the L3) float32 153-179 / 171-185. The broadcast form spends a
+ * whole vector of rows per key: for R = 5..15 part of it is zero padding (R = 8: half), which the
+ * per-row dot products of the other path do not pay; measured (docs/INFERENCE.md) it is still
+ * faster there, as K is widened once instead of once per group of four rows and no horizontal sums
+ * remain. Sums are in a fixed order that does not depend on threads; they differ in rounding from
+ * the R <= 4 paths' dot products (16 partial sums, then a horizontal sum), tolerance-tested. */
+
+/* Rows of o per register block of pass 3 (x 64 columns: 24 accumulators; 4 rows ran the 8-draft
+ * tree's pass 3 ~3% slower, within the noise). The switch in values_wide lists 1 .. 6. */
+#define MHA_DEC_WIDE_ROWS 6
+
+/* The wide path serves units of more than 4 rows of a float32 cache, of more than this many rows
+ * of the other dtypes. With one vector of rows (R <= 16) pass 1 is bound by the broadcasts (one
+ * per FMA: ~112 cycles per key, R = 5..16, against 64 of FMAs), which the 16- and 8-bit caches'
+ * R <= 4 path does not pay: 8 rows (as 2 groups of 4) of a bfloat16 cache ran the 32768-key step
+ * in 10.0-11.7 ms that way against 14.5-14.7 ms wide, 5 rows 8.6-9.0 against 13.8-14.0 ms; a
+ * float32 cache, memory-bound there, ran 8 rows 15.0 ms wide against 17.7-18.8 (5 rows: equal).
+ * (Zen 5, 1 thread, session 40.) */
+#define MHA_DEC_WIDE_MIN_ROWS 8
+
+/* Keys per pass-1 tile with two vectors of rows (16 accumulators). */
+#define MHA_DEC_WIDE_KEYS 8
+
+/* Most lines of a block of rows the wide path's prefetch spreads over its steps (16 rows of up
+ * to 2 KiB); the rest go at once. */
+#define MHA_DEC_WIDE_LINES 512
+
+/* The wide path's prefetch distance in keys (one block ahead): its passes take ~150 cycles a
+ * key, so 16 keys are ~0.6 us ahead of use; 32, 64 and 128 ran a 256 MB cache 10-60% slower
+ * (the unit's first keys, which no prefetch reaches, grow with it). */
+#define MHA_DEC_WIDE_AHEAD 16
+
+/* One pass-1 tile: St[y][16 v + lane] = sum_d Qt[d][16 v + lane] K_y[d] for NV vectors of rows
+ * (Qt at the tile's first row, row stride rp) and NK keys (kp[y]: float32 rows of >= dk). Step d
+ * prefetches line pfl[d] (d < npf). */
+MHA_INLINE void wide_tile(const int NV,
+                          const int NK,
+                          const float *const *kp,
+                          const float *qt,
+                          int64_t rp,
+                          int64_t dk,
+                          float *st,
+                          const char *const *pfl,
+                          int64_t npf,
+                          int l2) {
+    v16 acc[2][16];
+#pragma GCC unroll 16
+    for (int y = 0; y < NK; y++)
+        for (int v = 0; v < NV; v++)
+            acc[v][y] = v16_zero();
+    for (int64_t d = 0; d < dk; d++, qt += rp) {
+        if (d < npf)
+            prefetch_line(pfl[d], l2);
+        const v16 q0 = _mm512_load_ps(qt), q1 = NV > 1 ? _mm512_load_ps(qt + 16) : q0;
+#pragma GCC unroll 16
+        for (int y = 0; y < NK; y++) {
+            const v16 b = v16_set1(kp[y][d]);
+            acc[0][y] = v16_fma(q0, b, acc[0][y]);
+            if (NV > 1)
+                acc[1][y] = v16_fma(q1, b, acc[1][y]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int y = 0; y < NK; y++)
+        for (int v = 0; v < NV; v++)
+            _mm512_store_ps(st + y * rp + 16 * v, acc[v][y]);
+}
+
+/* Pass 1 of the wide path: S[r][y] = q_r . k_y (r < R, y < nb) with Qt [dk][rp] the unit's query
+ * rows transposed; scratch kw [MHA_DEC_SUB][dkp] (widened K rows), st [MHA_DEC_SUB][rp]. The
+ * prefetch runs MHA_DEC_PREFETCH keys ahead over the K rows, then over the first V rows. */
+MHA_INLINE void scores_wide(const mha_dtype DT,
+                            const char *const *krows,
+                            const char *const *vrows,
+                            int64_t nb,
+                            const float *qt,
+                            int64_t R,
+                            int64_t rp,
+                            int64_t dk,
+                            float *S,
+                            float *kw,
+                            float *st,
+                            const row_stream *ks,
+                            const row_stream *vs) {
+    const int64_t dkp = (dk + 15) & ~(int64_t)15, nv = rp / 16;
+    const __mmask16 ktail = v16_first((int)(dk - (dkp - 16)));
+    (void)krows;
+    (void)vrows;
+    for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
+        const int64_t nkb = block_len(nb, jb);
+        const int64_t ahead = jb + MHA_DEC_WIDE_AHEAD;
+        const row_stream *pst = ahead < nb ? ks : vs;
+        const int64_t pj = ahead < nb ? ahead : ahead - nb;
+        const int64_t pn = block_len(nb, pj);
+        const int64_t pslot = pn > 0 ? pj : 0;
+        /* the block's K rows as float32: in place, or widened (rows past the unit: row 0) */
+        const float *kp[MHA_DEC_SUB];
+        for (int64_t y = 0; y < MHA_DEC_SUB; y++) {
+            const void *row = stream_row(ks, jb, y < nkb ? y : 0);
+            if (DT == MHA_DTYPE_F32) {
+                kp[y] = (const float *)row;
+                continue;
+            }
+            kp[y] = kw + (y < nkb ? y : 0) * dkp;
+            if (y < nkb)
+                for (int64_t d = 0; d < dkp; d += 16)
+                    _mm512_store_ps(kw + y * dkp + d,
+                                    load_row16(DT, 0, row, d, d + 16 <= dk ? 0xFFFF : ktail));
+        }
+        /* the lines of the block ahead, prefetched one per step d of the tiles (a burst of them
+         * fills the miss queues and the rest are dropped); what the steps do not cover first */
+        const char *pfl[MHA_DEC_WIDE_LINES];
+        int64_t npf = 0;
+        for (int64_t y = 0; y < pn; y++) {
+            const char *row = stream_row(pst, pslot, y);
+            for (size_t b = 0; b < pst->row_bytes; b += 64) {
+                if (npf < MHA_DEC_WIDE_LINES)
+                    pfl[npf++] = row + b;
+                else
+                    prefetch_line(row + b, pst->prefetch_l2);
+            }
+        }
+        int64_t at = 0;
+        for (int64_t v = 0; v < nv; v += 2) {
+            const int two = v + 1 < nv, nt = two && nkb > MHA_DEC_WIDE_KEYS ? 2 : 1;
+            for (int x = 0; x < nt; x++, at += dk) {
+                const int64_t n = npf - at < 0 ? 0 : npf - at;
+                if (two)
+                    wide_tile(2, MHA_DEC_WIDE_KEYS, kp + MHA_DEC_WIDE_KEYS * x, qt + 16 * v, rp, dk,
+                              st + MHA_DEC_WIDE_KEYS * x * rp + 16 * v, pfl + (at < npf ? at : 0),
+                              n, ks->prefetch_l2);
+                else
+                    wide_tile(1, MHA_DEC_SUB, kp, qt + 16 * v, rp, dk, st + 16 * v,
+                              pfl + (at < npf ? at : 0), n, ks->prefetch_l2);
+            }
+        }
+        for (int64_t x = at; x < npf; x++) /* fewer steps than lines (short rows) */
+            prefetch_line(pfl[x], ks->prefetch_l2);
+        /* S^T tiles [16 keys][16 rows] -> S[row][jb ..] */
+        const __mmask16 in = v16_first((int)nkb);
+        for (int64_t v = 0; v < nv; v++) {
+            v16 t[16];
+            for (int y = 0; y < 16; y++)
+                t[y] = _mm512_load_ps(st + y * rp + 16 * v);
+            v16_transpose16(t);
+            for (int64_t x = 0; x < 16 && 16 * v + x < R; x++)
+                _mm512_mask_storeu_ps(S + (16 * v + x) * MHA_DEC_BLOCK + jb, in, t[x]);
+        }
+    }
+}
+
+/* o_x[c0 + 0..64) += sum_{y < nk} e_x[y] vp[y][c0 + 0..64) for NR rows (row stride dv, e_x at
+ * e + x * BLOCK) over a block of float32 value rows (vp[y], >= c0 + 64 readable floats each). km:
+ * the columns of o that exist; CHECK: some row does not see some key (bit y of seen[x] clear:
+ * e_x[y] = 0), which it then skips (0 * inf would be NaN). Keys in order, as axpy_block. Key y
+ * prefetches line pfl[y] (y < npf). */
+MHA_INLINE void axpy_wide(const int NR,
+                          const int FULL,
+                          const int CHECK,
+                          const float *const *vp,
+                          int64_t nk,
+                          const float *e,
+                          float *o,
+                          int64_t dv,
+                          int64_t c0,
+                          const __mmask16 km[4],
+                          const __mmask16 seen[MHA_DEC_WIDE_ROWS],
+                          const char *const *pfl,
+                          int64_t npf,
+                          int l2) {
+    v16 acc[MHA_DEC_WIDE_ROWS][4];
+#pragma GCC unroll 8
+    for (int x = 0; x < NR; x++)
+        for (int c = 0; c < 4; c++)
+            acc[x][c] = FULL ? _mm512_loadu_ps(o + x * dv + c0 + 16 * c)
+                             : _mm512_maskz_loadu_ps(km[c], o + x * dv + c0 + 16 * c);
+    for (int64_t y = 0; y < nk; y++) {
+        if (y < npf)
+            prefetch_line(pfl[y], l2);
+        v16 v[4];
+        for (int c = 0; c < 4; c++)
+            v[c] = _mm512_loadu_ps(vp[y] + c0 + 16 * c);
+#pragma GCC unroll 8
+        for (int x = 0; x < NR; x++) {
+            if (CHECK && !(seen[x] >> y & 1))
+                continue;
+            const v16 ev = v16_set1(e[x * MHA_DEC_BLOCK + y]);
+            for (int c = 0; c < 4; c++)
+                acc[x][c] = v16_fma(ev, v[c], acc[x][c]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int x = 0; x < NR; x++)
+        for (int c = 0; c < 4; c++) {
+            if (FULL)
+                _mm512_storeu_ps(o + x * dv + c0 + 16 * c, acc[x][c]);
+            else
+                _mm512_mask_storeu_ps(o + x * dv + c0 + 16 * c, km[c], acc[x][c]);
+        }
+}
+
+/* Pass 3 of the wide path: o_r += sum_y e_r[y] v_y for r < R; scratch vw [MHA_DEC_SUB][dv64]
+ * (dv64 = dv rounded up to 64: widened V rows, zero-padded). The prefetch runs MHA_DEC_PREFETCH
+ * keys ahead over the V rows. */
+MHA_INLINE void values_wide(const mha_dtype DT,
+                            const row_stream *vs,
+                            int64_t nb,
+                            const float *S,
+                            int64_t R,
+                            float *o,
+                            int64_t dv,
+                            float *vw) {
+    const int64_t dv64 = (dv + 63) & ~(int64_t)63;
+    const int inplace = DT == MHA_DTYPE_F32 && dv % 64 == 0, full = dv % 64 == 0;
+    for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
+        const int64_t nkb = block_len(nb, jb);
+        const int64_t ahead = jb + MHA_DEC_WIDE_AHEAD;
+        const int64_t pn = block_len(nb, ahead);
+        const int64_t pslot = pn > 0 ? ahead : 0;
+        const __mmask16 in = v16_first((int)nkb);
+        const float *vp[MHA_DEC_SUB];
+        for (int64_t y = 0; y < nkb; y++) {
+            const void *row = stream_row(vs, jb, y);
+            if (inplace) {
+                vp[y] = (const float *)row;
+                continue;
+            }
+            vp[y] = vw + y * dv64;
+            for (int64_t d = 0; d < dv64; d += 16) {
+                const __mmask16 k = d + 16 <= dv ? (__mmask16)0xFFFF
+                                    : d < dv     ? v16_first((int)(dv - d))
+                                                 : (__mmask16)0;
+                _mm512_store_ps(vw + y * dv64 + d, load_row16(DT, 0, row, d, k));
+            }
+        }
+        /* the lines of the block ahead, prefetched one per key step (as scores_wide) */
+        const char *pfl[MHA_DEC_WIDE_LINES];
+        int64_t npf = 0, at = 0;
+        for (int64_t y = 0; y < pn; y++) {
+            const char *row = stream_row(vs, pslot, y);
+            for (size_t b = 0; b < vs->row_bytes; b += 64) {
+                if (npf < MHA_DEC_WIDE_LINES)
+                    pfl[npf++] = row + b;
+                else
+                    prefetch_line(row + b, vs->prefetch_l2);
+            }
+        }
+        for (int64_t r0 = 0; r0 < R; r0 += MHA_DEC_WIDE_ROWS) {
+            const int64_t nr = R - r0 < MHA_DEC_WIDE_ROWS ? R - r0 : MHA_DEC_WIDE_ROWS;
+            const float *e = S + r0 * MHA_DEC_BLOCK + jb;
+            float *orow = o + r0 * dv;
+            __mmask16 seen[MHA_DEC_WIDE_ROWS] = {0}, all = in;
+            for (int64_t x = 0; x < nr; x++) {
+                seen[x] = _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(in, e + x * MHA_DEC_BLOCK),
+                                             v16_zero(), _CMP_NEQ_UQ);
+                all &= seen[x];
+            }
+            const int check = all != in;
+            for (int64_t c0 = 0; c0 < dv; c0 += 64, at += nkb) {
+                const int64_t n = npf - at < 0 ? 0 : npf - at;
+                __mmask16 km[4];
+                for (int cc = 0; cc < 4; cc++) {
+                    const int64_t d = c0 + 16 * cc;
+                    km[cc] = d + 16 <= dv ? (__mmask16)0xFFFF
+                             : d < dv     ? v16_first((int)(dv - d))
+                                          : (__mmask16)0;
+                }
+                switch (nr * 4 + full * 2 + check) {
+#define AXPYW_(nr_, full_, check_)                                                                 \
+    case nr_ * 4 + full_ * 2 + check_:                                                             \
+        axpy_wide(nr_, full_, check_, vp, nkb, e, orow, dv, c0, km, seen,                          \
+                  pfl + (at < npf ? at : 0), n, vs->prefetch_l2);                                  \
+        break;
+#define AXPYW4_(nr_) AXPYW_(nr_, 1, 0) AXPYW_(nr_, 1, 1) AXPYW_(nr_, 0, 0) AXPYW_(nr_, 0, 1)
+                    // clang-format off
+                    AXPYW4_(1) AXPYW4_(2) AXPYW4_(3) AXPYW4_(4) AXPYW4_(5) AXPYW4_(6)
+                    // clang-format on
+#undef AXPYW4_
+#undef AXPYW_
+                }
+            }
+        }
+        for (int64_t x = at; x < npf; x++) /* fewer steps than lines */
+            prefetch_line(pfl[x], vs->prefetch_l2);
+    }
+}
+
+/* One non-inlined instance of each wide pass per dtype. */
+typedef void (*scores_wide_fn)(const char *const *,
+                               const char *const *,
+                               int64_t,
+                               const float *,
+                               int64_t,
+                               int64_t,
+                               int64_t,
+                               float *,
+                               float *,
+                               float *,
+                               const row_stream *,
+                               const row_stream *);
+typedef void (*values_wide_fn)(
+    const row_stream *, int64_t, const float *, int64_t, float *, int64_t, float *);
+#define WIDE_FNS_(tag, dt)                                                                         \
+    static __attribute__((noinline)) void scores_wide_##tag(                                       \
+        const char *const *krows, const char *const *vrows, int64_t nb, const float *qt,           \
+        int64_t R, int64_t rp, int64_t dk, float *S, float *kw, float *st, const row_stream *ks,   \
+        const row_stream *vs) {                                                                    \
+        scores_wide(dt, krows, vrows, nb, qt, R, rp, dk, S, kw, st, ks, vs);                       \
+    }                                                                                              \
+    static __attribute__((noinline)) void values_wide_##tag(const row_stream *vs, int64_t nb,      \
+                                                            const float *S, int64_t R, float *o,   \
+                                                            int64_t dv, float *vw) {               \
+        values_wide(dt, vs, nb, S, R, o, dv, vw);                                                  \
+    }
+WIDE_FNS_(f32, MHA_DTYPE_F32)
+WIDE_FNS_(f16, MHA_DTYPE_F16)
+WIDE_FNS_(bf16, MHA_DTYPE_BF16)
+WIDE_FNS_(q8, MHA_DTYPE_Q8_0)
+WIDE_FNS_(fp8, MHA_DTYPE_FP8_E4M3)
+#undef WIDE_FNS_
+/* [dtype: f32, f16, bf16, q8_0, fp8_e4m3] */
+static const scores_wide_fn scores_wide_table[5] = {
+    scores_wide_f32, scores_wide_f16, scores_wide_bf16, scores_wide_q8, scores_wide_fp8};
+static const values_wide_fn values_wide_table[5] = {
+    values_wide_f32, values_wide_f16, values_wide_bf16, values_wide_q8, values_wide_fp8};
+
+/* The kernel for cache dtype DT (a constant after inlining). */
+MHA_INLINE void dec_kernel(const mha_dtype DT,
+                           const mha__dec_problem *p,
+                           const mha__dec_unit *u,
+                           float *o,
+                           float *m,
+                           float *l,
+                           float *scratch) {
+    mha__dec_problem fp8p; /* fp8: the scores' scale times 2^8 k_scale (kv_cache.h) */
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        p = mha__kv_fp8_problem(p, u->g, &fp8p);
+    const struct mha_kv_cache *c = p->cache;
+    const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
+    const int64_t seq = p->seq[u->s], L = c->len[seq];
+    const int64_t dkp = (dk + 15) & ~(int64_t)15, dvp = (dv + 15) & ~(int64_t)15;
+    /* scratch: scores [R][BLOCK], then the unit's query rows [R][dkp] (zero-padded, 64-B aligned)
+     */
+    float *S = scratch, *qbuf = S + R * MHA_DEC_BLOCK;
+    const __mmask16 ktail = v16_first((int)(dk - (dkp - 16))),
+                    vtail = v16_first((int)(dv - (dvp - 16)));
+    /* The address of each key's K and V row (ring wrap, pages: cache/kv_cache.h). */
+    const char *krows[MHA_DEC_BLOCK], *vrows[MHA_DEC_BLOCK];
+    mha__kv_unit_rows(c, seq, u->g, u->j0, nb, krows, vrows);
+    const row_stream ks = {krows, c->k_row_bytes, p->prefetch_l2};
+    const row_stream vs = {vrows, c->v_row_bytes, p->prefetch_l2};
+
+    /* The contiguous path (see above) applies? (A unit wrapping its ring takes the other path,
+     * paged or not, so both give the same bits.) */
+    const int contig = dk % (DT == MHA_DTYPE_BF16 || DT == MHA_DTYPE_Q8_0 ? 32 : 16) == 0 &&
+                       dv % 64 == 0 && R <= 4 && u->j0 % c->slots + nb <= c->slots;
+    const int dti = DT == MHA_DTYPE_F16        ? 1
+                    : DT == MHA_DTYPE_BF16     ? 2
+                    : DT == MHA_DTYPE_Q8_0     ? 3
+                    : DT == MHA_DTYPE_FP8_E4M3 ? 4
+                                               : 0;
+    /* The wide path (R > 4 rows, float32; else R > MHA_DEC_WIDE_MIN_ROWS; see above): the unit's
+     * query rows transposed, Qt [dk][rp], then its scratch (mha__dec_scratch_floats). */
+    if (R > (DT == MHA_DTYPE_F32 ? 4 : MHA_DEC_WIDE_MIN_ROWS)) {
+        const int64_t rp = (R + 15) & ~(int64_t)15;
+        float *qt = qbuf, *st = qt + dk * rp, *kw = st + MHA_DEC_SUB * rp;
+        float *vw = kw + MHA_DEC_SUB * dkp;
+        /* 16 rows x 16 elements at a time, transposed in registers (a scalar copy cost ~3% of
+         * the 8-draft tree) */
+        for (int64_t r0 = 0; r0 < rp; r0 += 16) {
+            const float *src[16];
+            for (int64_t x = 0; x < 16; x++) {
+                const int64_t r = r0 + x < R ? r0 + x : 0;
+                const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
+                src[x] = r0 + x < R ? p->q + u->s * p->q_ss + i * p->q_ts + h * dk : NULL;
+            }
+            for (int64_t d0 = 0; d0 < dk; d0 += 16) {
+                const __mmask16 k = d0 + 16 <= dk ? (__mmask16)0xFFFF : ktail;
+                v16 t[16];
+                for (int x = 0; x < 16; x++)
+                    t[x] = src[x] ? _mm512_maskz_loadu_ps(k, src[x] + d0) : v16_zero();
+                v16_transpose16(t);
+                for (int64_t y = 0; y < 16 && d0 + y < dk; y++)
+                    _mm512_store_ps(qt + (d0 + y) * rp + r0, t[y]);
+            }
+        }
+        scores_wide_table[dti](krows, vrows, nb, qt, R, rp, dk, S, kw, st, &ks, &vs);
+        dec_softmax(p, u, R, nb, L, S, o, m, l);
+        values_wide_table[dti](&vs, nb, S, R, o, dv, vw);
+        if (DT == MHA_DTYPE_FP8_E4M3)
+            mha__kv_fp8_scale_o(c, u->g, o, R, dv);
+        return;
+    }
+    /* The unit's query rows, copied once: row r = i * group + gh is query head g * group + gh of
+     * token i (no division in the loops below); row-major [R][dkp], or chunk-major for the
+     * contiguous path. */
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
+        const float *src = p->q + u->s * p->q_ss + i * p->q_ts + h * dk;
+        for (int64_t d = 0; d < dkp; d += 16)
+            _mm512_store_ps(
+                qbuf + (contig ? d * R + 16 * r : r * dkp + d),
+                _mm512_maskz_loadu_ps(d + 16 <= dk ? (__mmask16)0xFFFF : ktail, src + d));
+        if (contig && DT == MHA_DTYPE_BF16) /* even/odd order, see bf16_half */
+            for (int64_t d = 0; d < dk; d += 32) {
+                const __m512i even =
+                    _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+                const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+                float *lo = qbuf + d * R + 16 * r, *hi = lo + 16 * R;
+                const v16 a = _mm512_load_ps(lo), b = _mm512_load_ps(hi);
+                _mm512_store_ps(lo, _mm512_permutex2var_ps(a, even, b));
+                _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
+            }
+    }
+    /* the far prefetch: float32 and bfloat16 only (decode.c far_prefetch) */
+    const int far = p->prefetch_far && (DT == MHA_DTYPE_F32 || DT == MHA_DTYPE_BF16);
+
+    /* Pass 1a: raw dot products q_r . k_j, per block of MHA_DEC_SUB keys, four keys by up to four
+     * rows per sweep of the keys' vectors. The prefetch runs ahead on the K rows, then on the
+     * first V rows (pass 3 reads them next). */
+    const int kfull = dk % 16 == 0;
+    if (contig)
+        (far ? scores_far_table[DT == MHA_DTYPE_BF16][R - 1]
+             : scores_contig_table[dti][R - 1])(krows, vrows, nb, qbuf, dk, S, p->prefetch_l2);
+    else
+        for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
+            const int64_t nkb = block_len(nb, jb);
+            const int64_t ahead = jb + MHA_DEC_PREFETCH;
+            const row_stream *pst = ahead < nb ? &ks : &vs;
+            const int64_t pj = ahead < nb ? ahead : ahead - nb;
+            const int64_t pn = block_len(nb, pj);
+            const int64_t pslot = pn > 0 ? pj : 0;
+            const void *kb[MHA_DEC_SUB];
+            block_rows(&ks, jb, nkb, kb);
+            for (int64_t y0 = 0; y0 < nkb; y0 += 4) {
+                const int64_t nk = nkb - y0 < 4 ? nkb - y0 : 4;
+                prefetch_rows(pst, pslot, pn, y0, y0 + 4);
+                const void *kr[4] = {kb[y0], kb[y0 + 1], kb[y0 + 2], kb[y0 + 3]};
+                for (int64_t r0 = 0; r0 < R; r0 += 4) {
+                    const int64_t nr = R - r0 < 4 ? R - r0 : 4;
+                    const float *q[4];
+                    for (int64_t x = 0; x < 4; x++)
+                        q[x] = qbuf + (r0 + (x < nr ? x : 0)) * dkp;
+                    float *out = S + r0 * MHA_DEC_BLOCK + jb + y0;
+                    switch (nr * 2 + kfull) {
+#define DOTS_(nr_, full_)                                                                          \
+    case nr_ * 2 + full_:                                                                          \
+        dots(nr_, DT, full_, kr, q, dk, dkp, ktail, nk, out);                                      \
+        break;
+                        // clang-format off
+                    DOTS_(4, 1) DOTS_(4, 0) DOTS_(3, 1) DOTS_(3, 0) DOTS_(2, 1) DOTS_(2, 0) DOTS_(1, 1) DOTS_(1, 0)
+                        // clang-format on
+#undef DOTS_
+                    }
+                }
+            }
+        }
+
+    /* Pass 1b + 2 */
+    dec_softmax(p, u, R, nb, L, S, o, m, l);
 
     /* Pass 3: o_r += e_rj v_j over blocks of MHA_DEC_SUB value rows, for up to four rows x 64
      * columns of accumulators held in registers across the block. */
