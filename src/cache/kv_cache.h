@@ -189,9 +189,12 @@ typedef struct mha__dec_problem {
     int prefetch_far; /* a second, longer prefetch distance (mha__cpu_decode_prefetch_far) */
 } mha__dec_problem;
 
-/* A work unit: keys [j0, j1) (logical positions) of kv head g of seq row s. */
+/* A work unit: keys [j0, j1) (logical positions) of kv head g of seq row s; next: the unit the
+ * same thread computes next when that is not the following unit of the same (s, g) (a kernel may
+ * prefetch its first rows; never read otherwise), or NULL. */
 typedef struct mha__dec_unit {
     int64_t s, g, j0, j1;
+    const struct mha__dec_unit *next;
 } mha__dec_unit;
 
 /* Computes the unnormalised partial of a unit for its R = group * t rows:

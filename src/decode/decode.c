@@ -97,6 +97,8 @@ typedef struct dec_run {
     float *lse; /* [S, H, t] or NULL */
     int64_t n_units, chunk;
     atomic_int_fast64_t *next; /* first unit not yet taken */
+    float *merge;              /* per merge part: the rows' max and sum, [2][R] */
+    int64_t merge_stride;
 } dec_run;
 
 /* One worker (part) of the split-KV pass: takes chunks of `chunk` consecutive units from a shared
@@ -116,56 +118,72 @@ static void run_units(void *ctx, int part, int64_t begin, int64_t end) {
         const int64_t k1 = k0 + r->chunk < r->n_units ? k0 + r->chunk : r->n_units;
         for (int64_t k = k0; k < k1; k++) {
             float *o = r->part + k * r->part_stride;
-            r->fn(r->p, &r->units[k], o, o + R * dv, o + R * dv + R, scratch);
+            mha__dec_unit u = r->units[k]; /* with the next unit of this chunk, if any */
+            u.next = k + 1 < k1 ? &r->units[k + 1] : NULL;
+            r->fn(r->p, &u, o, o + R * dv, o + R * dv + R, scratch);
         }
     }
 }
 
-/* Merges the units of pairs (s, g) in [begin, end) into out and lse, in unit order. */
+/* Merges the units of pairs (s, g) in [begin, end) into out and lse, in unit order. Units outer,
+ * rows inner: each unit's partial is read once, in order (rows outer read a pair's partials R
+ * times); every row's max, sum and o[d] see the same operations in the same order either way. */
 static void merge_pairs(void *ctx, int part, int64_t begin, int64_t end) {
-    (void)part;
     const dec_run *r = ctx;
     const mha__dec_problem *p = r->p;
     const int64_t R = p->group * p->t, dv = p->dv;
+    float *mx = r->merge + part * r->merge_stride, *sum = mx + R; /* [R] each */
     for (int64_t sg = begin; sg < end; sg++) {
         const int64_t s = sg / p->G, g = sg % p->G;
         const int64_t u0 = r->first[sg], u1 = r->first[sg + 1];
+#define ROW_OUT_(row)                                                                              \
+    (r->out + s * r->o_ss + (row) / p->group * r->o_ts + (g * p->group + (row) % p->group) * dv)
+        for (int64_t row = 0; row < R; row++) {
+            const int64_t h = g * p->group + row % p->group;
+            mx[row] = r->sinks ? r->sinks[h] : -INFINITY;
+        }
+        for (int64_t u = u0; u < u1; u++) {
+            const float *mu = r->part + u * r->part_stride + R * dv;
+            for (int64_t row = 0; row < R; row++)
+                if (mu[row] > mx[row] || isnan(mu[row]))
+                    mx[row] = mu[row];
+        }
+        for (int64_t row = 0; row < R; row++) {
+            const int64_t h = g * p->group + row % p->group;
+            /* nothing visible (cannot happen with causal decoding): o stays 0 */
+            sum[row] = r->sinks && mx[row] != -INFINITY ? expf(r->sinks[h] - mx[row]) : 0.0f;
+            memset(ROW_OUT_(row), 0, sizeof(float) * (size_t)dv);
+        }
+        for (int64_t u = u0; u < u1; u++) {
+            const float *pu = r->part + u * r->part_stride;
+            for (int64_t row = 0; row < R; row++) {
+                const float mu = pu[R * dv + row];
+                if (mx[row] == -INFINITY || mu == -INFINITY)
+                    continue;
+                const float w = expf(mu - mx[row]);
+                sum[row] += w * pu[R * dv + R + row];
+                const float *ou = pu + row * dv;
+                float *o = ROW_OUT_(row);
+                for (int64_t d = 0; d < dv; d++)
+                    o[d] += w * ou[d];
+            }
+        }
         for (int64_t row = 0; row < R; row++) {
             const int64_t i = row / p->group, h = g * p->group + row % p->group;
-            float mx = r->sinks ? r->sinks[h] : -INFINITY;
-            for (int64_t u = u0; u < u1; u++) {
-                const float mu = r->part[u * r->part_stride + R * dv + row];
-                if (mu > mx || isnan(mu))
-                    mx = mu;
-            }
-            float *o = r->out + s * r->o_ss + i * r->o_ts + h * dv;
             float *lse = r->lse ? r->lse + (s * p->H + h) * p->t + i : NULL;
-            if (mx == -INFINITY) { /* nothing visible (cannot happen with causal decoding) */
-                memset(o, 0, sizeof(float) * (size_t)dv);
+            if (mx[row] == -INFINITY) {
                 if (lse)
                     *lse = -INFINITY;
                 continue;
             }
-            float sum = r->sinks ? expf(r->sinks[h] - mx) : 0.0f;
-            for (int64_t d = 0; d < dv; d++)
-                o[d] = 0.0f;
-            for (int64_t u = u0; u < u1; u++) {
-                const float *pu = r->part + u * r->part_stride;
-                const float mu = pu[R * dv + row];
-                if (mu == -INFINITY)
-                    continue;
-                const float w = expf(mu - mx);
-                sum += w * pu[R * dv + R + row];
-                const float *ou = pu + row * dv;
-                for (int64_t d = 0; d < dv; d++)
-                    o[d] += w * ou[d];
-            }
-            const float inv = 1.0f / sum;
+            const float inv = 1.0f / sum[row];
+            float *o = ROW_OUT_(row);
             for (int64_t d = 0; d < dv; d++)
                 o[d] *= inv;
             if (lse)
-                *lse = mx + logf(sum);
+                *lse = mx[row] + logf(sum[row]);
         }
+#undef ROW_OUT_
     }
 }
 
@@ -338,9 +356,14 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
                       !mha__mul_i64(scratch_stride, nt > 0 ? nt : 1, &fl) ||
                       !mha__bytes(fl, sizeof(float), &sb),
                   err, OVERFLOW, "decode workspace size overflows");
+    const int64_t merge_stride = (2 * R + 15) & ~(int64_t)15;
+    const int nm = team.n > 0 ? team.n : 1; /* merge parts */
+    size_t mb;
+    MHA_RETURN_IF(!mha__mul_i64(merge_stride, nm, &fl) || !mha__bytes(fl, sizeof(float), &mb), err,
+                  OVERFLOW, "decode workspace size overflows");
     const int64_t ntree = a->tree_parents ? p.t : 0;
     const size_t tb = sizeof(int64_t) * (size_t)ntree + sizeof(uint32_t) * (size_t)(p.S * ntree);
-    const size_t total = ub + fb + pb + sb + 5 * 64 + sizeof(float) * (size_t)p.H + tb;
+    const size_t total = ub + fb + pb + sb + mb + 6 * 64 + sizeof(float) * (size_t)p.H + tb;
     char *ws = mha__alloc(alloc, total);
     MHA_RETURN_IF(!ws, err, NO_MEMORY, "cannot allocate a %zu-byte decode workspace", total);
     char *cur = ws;
@@ -351,12 +374,13 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
     } while (0)
     mha__dec_unit *units;
     int64_t *first;
-    float *part, *scratch, *slopes;
+    float *part, *scratch, *slopes, *merge;
     int64_t *depth;
     TAKE_(units, ub);
     TAKE_(first, fb);
     TAKE_(part, pb);
     TAKE_(scratch, sb);
+    TAKE_(merge, mb);
     TAKE_(slopes, sizeof(float) * (size_t)p.H);
     TAKE_(depth, tb);
 #undef TAKE_
@@ -391,6 +415,7 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
                 units[k].g = g;
                 units[k].j0 = j;
                 units[k].j1 = j + MHA_DEC_BLOCK < L ? j + MHA_DEC_BLOCK : L;
+                units[k].next = NULL;
                 k++;
             }
         }
@@ -411,7 +436,8 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
         a->sinks, a->out,
         a->o_ss,  a->o_ts,
         a->lse,   n_units,
-        chunk,    &next};
+        chunk,    &next,
+        merge,    merge_stride};
     mha_status st = mha__parallel_for(unit_team, nt, run_units, &run, err);
     if (!st)
         st = mha__parallel_for(team, SG, merge_pairs, &run, err);

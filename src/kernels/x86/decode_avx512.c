@@ -1164,13 +1164,18 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     /* Pass 3: o_r += e_rj v_j over blocks of MHA_DEC_SUB value rows, for up to four rows x 64
      * columns of accumulators held in registers across the block. */
     if (contig) {
-        /* the first K rows of the next unit of this (sequence, kv head), if there is one */
+        /* the first K rows of the next unit of this (sequence, kv head), if there is one, else of
+         * the unit this thread takes next (u->next: another pair's first keys start cold
+         * otherwise) */
         const char *knext[MHA_DEC_PREFETCH_FAR] = {NULL};
         const int64_t ahead = far ? MHA_DEC_PREFETCH_FAR : MHA_DEC_PREFETCH;
-        const int64_t nn = L - u->j1 < ahead ? L - u->j1 : ahead;
+        const mha__dec_unit *nu = L > u->j1 ? NULL : u->next;
+        const int64_t nseq = nu ? p->seq[nu->s] : seq, ng = nu ? nu->g : u->g,
+                      nj = nu ? nu->j0 : u->j1, nend = nu ? nu->j1 : L;
+        const int64_t nn = nend - nj < ahead ? nend - nj : ahead;
         if (nn > 0) {
             mha__kv_run runs[MHA__KV_MAX_RUNS];
-            const int nr = mha__kv_runs(c, seq, u->g, u->j1, nn, runs);
+            const int nr = mha__kv_runs(c, nseq, ng, nj, nn, runs);
             for (int ri = 0; ri < nr; ri++)
                 for (int64_t y = 0; y < runs[ri].n; y++)
                     knext[runs[ri].y0 + y] = runs[ri].k + (size_t)y * c->k_row_bytes;
