@@ -123,7 +123,8 @@ static void bench_usage(void) {
         "                      layer step then reports the weights' bytes per second\n"
         "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
         "                      same K/V, filled one token at a time; its attention is timed\n"
-        "                      interleaved with the contiguous one's (paged/contiguous)\n"
+        "                      interleaved with the contiguous one's (paged/contiguous);\n"
+        "                      not with --batch-lengths or --prefill-mode layer\n"
         "  --paged-order O     where the measured sequences' blocks lie in the pool:\n"
         "                      lockstep (default): they grow in lockstep with --paged-peers\n"
         "                      other sequences (continuous batching), placed by the pool;\n"
@@ -509,6 +510,16 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             }
             b->L = b->lens[i] > b->L ? b->lens[i] : b->L; /* --cache-len: the longest */
         }
+    }
+    /* The paged copy is filled token by token from the random K/V of --cache-len positions per
+     * sequence (bench_prefill): without this refusal it stayed almost empty and was timed so. */
+    if (b->paged && (b->lens || b->layer_prefill)) {
+        const int lens = b->lens != NULL;
+        free(b->lens);
+        b->lens = NULL;
+        return cli_usage("--paged cannot be combined with %s (the paged copy holds the random K/V "
+                         "of --cache-len positions per sequence)",
+                         lens ? "--batch-lengths" : "--prefill-mode layer");
     }
     return CLI_OK;
 }

@@ -223,6 +223,9 @@ def test_decode_bench_layer_prefill():
     (["--paged-order", "ordered"], "--paged-order needs --paged"),
     (["--paged", "16", "--paged-order", "random"], "--paged-order: 'random' is not lockstep"),
     (["--paged-peers", "3"], "--paged-peers needs --paged"),
+    (["--paged", "16", "--attention-only", "--batch-lengths", "64,128"],
+     "--paged cannot be combined with --batch-lengths"),
+    (["--paged", "16", "--prefill-mode", "layer"], "--paged cannot be combined with --prefill-mode"),
     (["--paged", "16", "--paged-peers", "65"], "--paged-peers"),
 ])
 def test_decode_bench_usage_errors(args, needle):
