@@ -224,9 +224,9 @@ static void test_compact(void) {
                     CHECK_OK(mha_kv_cache_copy(cs[i], 4, 2, &err), &err);
                 round_robin(cs, sh, &r, 0, 5, 30);
                 for (int i = 0; i < 2; i++)
-                    CHECK_OK(mha_kv_cache_truncate(cs[i], 3, mha_kv_cache_length(cs[i], 3) - 5,
-                                                   &err),
-                             &err);
+                    CHECK_OK(
+                        mha_kv_cache_truncate(cs[i], 3, mha_kv_cache_length(cs[i], 3) - 5, &err),
+                        &err);
                 CHECK(same_as_twin(cs, sh, &r),
                       "appends after compaction: paged == contiguous (shape %d dtype %d ring %d)",
                       si, (int)dts[di], ri);
@@ -243,8 +243,7 @@ static void test_compact(void) {
 static void test_refusals(void) {
     const shape sh = {2, 4, 64, 64};
     mha_error err;
-    CHECK(mha_kv_cache_compact(NULL, &err) == MHA_STATUS_INVALID_ARG &&
-              strstr(err.message, "NULL"),
+    CHECK(mha_kv_cache_compact(NULL, &err) == MHA_STATUS_INVALID_ARG && strstr(err.message, "NULL"),
           "NULL cache: %s", err.message);
     failing f = {0};
     const mha_allocator a = {&f, failing_alloc, failing_free};

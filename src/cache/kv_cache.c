@@ -450,8 +450,8 @@ mha_status mha_kv_cache_compact(mha_kv_cache *cache, mha_error *err) {
     if (st || !cache->paged)
         return st;
     const int64_t nb = cache->cfg.num_blocks;
-    const size_t row = cache->k_row_bytes > cache->v_row_bytes ? cache->k_row_bytes
-                                                                 : cache->v_row_bytes;
+    const size_t row =
+        cache->k_row_bytes > cache->v_row_bytes ? cache->k_row_bytes : cache->v_row_bytes;
     size_t ids, parts;
     MHA_RETURN_IF(!mha__bytes(nb, sizeof(int64_t), &ids) ||
                       !mha__bytes(2 * cache->bs, row, &parts) || ids > SIZE_MAX - parts,
