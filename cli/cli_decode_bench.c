@@ -63,6 +63,7 @@ enum {
     B_PAGED,
     B_PAGED_ORDER,
     B_PAGED_PEERS,
+    B_COMPACT,
     B_DRAFT_TREE,
     B_BATCH_LENGTHS,
     B_WARMUP,
@@ -89,6 +90,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_PAGED] = {"--paged", CLI_OPT_VALUE},
     [B_PAGED_ORDER] = {"--paged-order", CLI_OPT_VALUE},
     [B_PAGED_PEERS] = {"--paged-peers", CLI_OPT_VALUE},
+    [B_COMPACT] = {"--compact", CLI_OPT_FLAG},
     [B_DRAFT_TREE] = {"--draft-tree", CLI_OPT_VALUE},
     [B_BATCH_LENGTHS] = {"--batch-lengths", CLI_OPT_VALUE},
     [B_WARMUP] = {"--warmup", CLI_OPT_VALUE},
@@ -134,6 +136,9 @@ static void bench_usage(void) {
         "                      full, a random half of its blocks freed (scattered runs);\n"
         "                      alternate: every other block free (isolated, ascending)\n"
         "  --paged-peers P     other sequences of lockstep / interleaved (0..64, default: 7)\n"
+        "  --compact           compact the paged cache once it is filled\n"
+        "                      (mha_kv_cache_compact; its time and the runs before are\n"
+        "                      reported), then time it\n"
         "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
         "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
         "                      step in the same run (attention only)\n"
@@ -321,6 +326,7 @@ typedef struct bench_opts {
     int64_t paged;       /* --paged block size, 0 = none */
     int paged_order;     /* --paged-order: PO_* */
     int64_t paged_peers; /* --paged-peers (lockstep, interleaved; else 0) */
+    int compact;         /* --compact */
     int threads;
     mha_dtype dt, wdt;
     const char *dtn, *wdtn; /* the cache's and the weights' dtype names */
@@ -338,6 +344,8 @@ typedef struct bench_run {
     float *peer_kv;      /* --paged: zeros, one token of every peer [P][G][D] (K and V) */
     double *ptimes;      /* --paged: its attention times */
     double paged_med, paged_min;
+    double compact_s;    /* --compact: the call's time */
+    int64_t runs_before; /* --compact: runs of the measured sequences' blocks before */
     mha_exec ex;
     mha_error err;
     uint64_t rng;
@@ -443,6 +451,9 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
     }
     if (args->given[B_PAGED_PEERS] && !b->paged)
         return cli_usage("--paged-peers needs --paged");
+    b->compact = args->given[B_COMPACT];
+    if (b->compact && !b->paged)
+        return cli_usage("--compact needs --paged");
     if (b->paged_order != PO_LOCKSTEP && b->paged_order != PO_INTERLEAVED)
         b->paged_peers = 0;
     b->attn_only = args->given[B_ATTN_ONLY];
@@ -885,6 +896,19 @@ static int64_t paged_runs(const bench_opts *b, const bench_run *r, int64_t *bloc
     return runs;
 }
 
+/* --compact: compacts the filled paged cache (timed), before the attention steps. */
+static int bench_compact(const bench_opts *b, bench_run *r) {
+    if (!b->compact)
+        return CLI_OK;
+    int64_t blocks;
+    r->runs_before = paged_runs(b, r, &blocks);
+    const double t0 = now_s();
+    if (mha_kv_cache_compact(r->paged, &r->err) != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &r->err);
+    r->compact_s = now_s() - t0;
+    return CLI_OK;
+}
+
 static void bench_report(const bench_opts *b, const bench_run *r) {
     int64_t pblocks = 0;
     const int64_t pruns = r->paged ? paged_runs(b, r, &pblocks) : 0;
@@ -899,7 +923,8 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"weight_dtype\": \"%s\", \"weight_bytes\": %.6g, \"layer_min_s\": %.6g, "
                "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g, \"paged_block\": %lld, "
                "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g, \"paged_order\": \"%s\", "
-               "\"paged_peers\": %lld, \"paged_blocks\": %lld, \"paged_runs\": %lld}\n",
+               "\"paged_peers\": %lld, \"paged_blocks\": %lld, \"paged_runs\": %lld, "
+               "\"compact_s\": %.6g, \"paged_runs_before_compact\": %lld}\n",
                decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
@@ -907,7 +932,8 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                r->weight_bytes, r->layer_min,
                r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0, r->stream_pf,
                (long long)b->paged, r->paged_med, r->paged_min, paged_orders[b->paged_order],
-               (long long)b->paged_peers, (long long)pblocks, (long long)pruns);
+               (long long)b->paged_peers, (long long)pblocks, (long long)pruns, r->compact_s,
+               (long long)(b->compact ? r->runs_before : pruns));
         return;
     }
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
@@ -936,6 +962,9 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
     if (r->paged)
         printf("  paged layout: %lld blocks in %lld runs of consecutive blocks\n",
                (long long)pblocks, (long long)pruns);
+    if (b->compact)
+        printf("  compaction (mha_kv_cache_compact) before the steps: %.3f ms; %lld runs before\n",
+               r->compact_s * 1e3, (long long)r->runs_before);
     if (r->naive_s > 0.0)
         printf("  naive loop (1 thread): %.3f ms per step (%.1fx slower)\n", r->naive_s * 1e3,
                r->naive_s / r->attn_med);
@@ -994,7 +1023,7 @@ int cli_decode_bench_main(int argc, char **argv) {
     memset(&r, 0, sizeof r);
     r.rng = 0x9E3779B97F4A7C15ull;
     if (!(rc = bench_setup(&b, &r)) && !(rc = bench_prefill(&b, &r)) &&
-        !(rc = bench_attention(&b, &r))) {
+        !(rc = bench_compact(&b, &r)) && !(rc = bench_attention(&b, &r))) {
         if (b.naive)
             r.naive_s = naive_step(r.cache, b.B, b.H, r.q, r.o, r.scores);
         if (!b.attn_only)

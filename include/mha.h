@@ -1131,6 +1131,16 @@ MHA_API mha_status mha_kv_cache_share_prefix(
 /** Paged cache: blocks of the pool no sequence references (an append of t tokens to a sequence
  *  needs at most ceil(t / block_size) + 1 of them). 0 for a contiguous cache, -1 for NULL. */
 MHA_API int64_t mha_kv_cache_free_blocks(const mha_kv_cache *cache);
+/** Paged cache: moves blocks so that each sequence's blocks have consecutive ids in table order
+ *  (sequences by id; a block several sequences share once, where the lowest-id one reaches it)
+ *  and the free blocks form one run at the end of the pool (llama.cpp's "defrag"). Changes no
+ *  stored value, length, reference count, free_blocks count or result (all bit-identical), only
+ *  where blocks lie: the decode kernels then read each sequence's kv head as one run of memory
+ *  (docs/INFERENCE.md "Compaction"). Copies each block that moves twice (into and out of a
+ *  carry buffer); takes 8 bytes per pool block + 2 blocks' rows of one kv head of working memory
+ *  from the cache's allocator for the call (NO_MEMORY: nothing changed). OK and nothing done on
+ *  a contiguous cache. Changes the cache: must not overlap other calls on it. */
+MHA_API mha_status mha_kv_cache_compact(mha_kv_cache *cache, mha_error *err);
 
 /** Reads position pos of sequence seq as float32: k [g, d_k], v [g, d_v] (either may be NULL).
  *  INVALID_ARG when pos is not stored (>= length, or dropped from a window ring). */

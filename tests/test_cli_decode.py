@@ -197,6 +197,18 @@ def test_decode_bench_paged(order, runs):
         assert 1 <= rec["paged_runs"] <= 7
 
 
+def test_decode_bench_paged_compact():
+    # --compact: the alternate pool's 7 runs (one per block) become one before the steps; the
+    # 3 steps stay in the last block
+    r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
+                "--cache-len", 100, "--steps", 3, "--attention-only", "--paged", 16,
+                "--paged-order", "alternate", "--compact", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["paged_runs_before_compact"] == 7 and rec["paged_runs"] == 1
+    assert rec["compact_s"] > 0 and rec["paged_blocks"] == 7
+
+
 def test_decode_bench_layer_prefill():
     # The cache filled by the layer's own prefill, in calls of up to 256 positions: q_dim 512 (more
     # than one call's positions) and 300 positions (a full call and a partial one), 2 sequences.
@@ -223,6 +235,7 @@ def test_decode_bench_layer_prefill():
     (["--paged-order", "ordered"], "--paged-order needs --paged"),
     (["--paged", "16", "--paged-order", "random"], "--paged-order: 'random' is not lockstep"),
     (["--paged-peers", "3"], "--paged-peers needs --paged"),
+    (["--compact"], "--compact needs --paged"),
     (["--paged", "16", "--attention-only", "--batch-lengths", "64,128"],
      "--paged cannot be combined with --batch-lengths"),
     (["--paged", "16", "--prefill-mode", "layer"], "--paged cannot be combined with --prefill-mode"),

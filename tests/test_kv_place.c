@@ -12,6 +12,8 @@
  *   5. The free-run structure against a brute-force oracle (a plain array of free flags): random
  *      takes and releases on pools of 1000 and 300007 blocks; after each step (large pool: every
  *      1000th) its longest free run, the block a take chooses, and the free flags agree.
+ *   6. A pool initialised with its first blocks taken (mha_kv_cache_compact's result) has
+ *      exactly the others free, as one run.
  */
 #include "harness.h"
 
@@ -205,7 +207,7 @@ static void test_structure(int64_t n, int64_t steps, int64_t check_every) {
         return;
     }
     mha__kv_pool p;
-    mha__kv_pool_init(&p, mem, n);
+    mha__kv_pool_init(&p, mem, n, 0);
     memset(flags, 1, (size_t)n);
     int64_t nheld = 0, bad = 0, last = -1;
     uint64_t x = 0x9E3779B97F4A7C15u;
@@ -258,6 +260,33 @@ static void test_structure(int64_t n, int64_t steps, int64_t check_every) {
     free(held);
 }
 
+/* A pool initialised with blocks [0, taken) taken: exactly the others are free, and the root's
+ * largest free run is [taken, n). */
+static void test_init_taken(int64_t n) {
+    int64_t nw, nl;
+    size_t bytes;
+    CHECK(mha__kv_pool_sizes(n, &nw, &nl, &bytes), "pool sizes of %lld blocks", (long long)n);
+    void *mem = malloc(bytes);
+    if (!mem) {
+        CHECK(0, "out of memory");
+        return;
+    }
+    const int64_t takens[7] = {0, 1, 63, 64, 65, n - 1, n};
+    for (int i = 0; i < 7; i++) {
+        const int64_t taken = takens[i];
+        mha__kv_pool p;
+        mha__kv_pool_init(&p, mem, n, taken);
+        int64_t wrong = 0;
+        for (int64_t b = 0; b < n; b++)
+            wrong += mha__kv_pool_is_free(&p, b) != (b >= taken);
+        CHECK(wrong == 0 && p.tree[1].best == n - taken && (taken == n || p.tree[1].at == taken),
+              "pool of %lld, %lld taken: %lld wrong flags, longest free run %lld at %lld",
+              (long long)n, (long long)taken, (long long)wrong, (long long)p.tree[1].best,
+              (long long)p.tree[1].at);
+    }
+    free(mem);
+}
+
 int main(void) {
     test_alone_and_lockstep();
     test_coalesce();
@@ -265,5 +294,7 @@ int main(void) {
     test_structure(1000, 20000, 1);
     test_structure(64, 5000, 1);
     test_structure(300007, 400000, 1000);
+    test_init_taken(1000);
+    test_init_taken(130);
     return test_finish();
 }

@@ -92,6 +92,28 @@ def test_fork_share_prefix_and_pool():
     assert c.free_blocks() == 8
 
 
+def test_compact_changes_no_result():
+    layer, rng = make_layer(6)
+    x = rng.standard_normal((3, 60, D)).astype(np.float32)
+    c = layer.kv_cache(64, 3, block_size=16)
+    ref = layer.kv_cache(64, 3)
+    for cache in (c, ref):  # lockstep growth, a fork and a reset: a scattered pool
+        cache.prefill(x[:, :5])
+        for i in range(5, 40):
+            cache.step(x[:, i:i + 1])
+        cache.fork(1, 2)
+        cache.reset(0)
+        cache.prefill(x[0, :20], seq_ids=[0])
+    free = c.free_blocks()
+    c.compact()
+    ref.compact()  # a contiguous cache: nothing to do
+    assert c.free_blocks() == free
+    for i in range(40, 50):  # steps after the compaction, the fork copying its shared block
+        np.testing.assert_array_equal(c.step(x[:, i:i + 1]), ref.step(x[:, i:i + 1]))
+    for s in range(3):
+        np.testing.assert_array_equal(c.read(s, 3)[0], ref.read(s, 3)[0])
+
+
 def test_refused():
     layer, _ = make_layer()
     with pytest.raises(mha.MhaError, match="block_size"):

@@ -1739,6 +1739,13 @@ class KVCache:
         """Free blocks of a paged cache's pool (0 for a contiguous cache)."""
         return int(L.mha_kv_cache_free_blocks(self._handle.ptr))
 
+    def compact(self) -> None:
+        """Paged cache: moves blocks so each sequence's blocks are consecutive in the pool and
+        the free ones one run at the end (mha_kv_cache_compact); contents and results unchanged,
+        later decode steps read each sequence as one run. Nothing to do for a contiguous
+        cache."""
+        M.call(L.mha_kv_cache_compact, self._handle.ptr)
+
     def accept(self, seq: int, base_len: int, draft_idx: Sequence[int]) -> None:
         """Keeps the accepted drafts of a verified tree (mha_kv_cache_accept): the rows of drafts
         ``draft_idx`` (strictly increasing indices into the drafts appended at ``base_len``) move

@@ -390,6 +390,7 @@ mha_kv_cache_copy = _fn("mha_kv_cache_copy", [c_void_p, c_int64, c_int64, P(mha_
 mha_kv_cache_share_prefix = _fn("mha_kv_cache_share_prefix",
                                 [c_void_p, c_int64, c_int64, c_int64, P(mha_error)])
 mha_kv_cache_free_blocks = _fn("mha_kv_cache_free_blocks", [c_void_p], c_int64)
+mha_kv_cache_compact = _fn("mha_kv_cache_compact", [c_void_p, P(mha_error)])
 mha_kv_cache_accept = _fn("mha_kv_cache_accept",
                           [c_void_p, c_int64, c_int64, c_int64, c_void_p, P(mha_error)])
 mha_kv_cache_get_config = _fn("mha_kv_cache_get_config", [c_void_p], P(mha_kv_cache_config))

@@ -105,7 +105,7 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     for (int64_t b = 0; b < nblocks; b++)
         kc->ref[b] = paged ? 0 : 1;
     if (paged)
-        mha__kv_pool_init(&kc->pool, kc->pool_mem, nblocks);
+        mha__kv_pool_init(&kc->pool, kc->pool_mem, nblocks, 0);
     kc->nfree = paged ? nblocks : 0;
     *out = kc;
     mha__ok(err);
@@ -147,6 +147,15 @@ static void release_block(mha_kv_cache *c, int64_t b) {
     }
 }
 
+/* Kv head g's part of block b in the K (v = 0) or V (v = 1) storage: bs rows, part_bytes long. */
+static size_t part_bytes(const mha_kv_cache *c, int v) {
+    return (size_t)c->bs * (v ? c->v_row_bytes : c->k_row_bytes);
+}
+static char *block_part(const mha_kv_cache *c, int v, int64_t b, int64_t g) {
+    return (char *)(v ? c->v : c->k) +
+           (size_t)(b * c->block_rows + g * c->head_rows) * (v ? c->v_row_bytes : c->k_row_bytes);
+}
+
 /* Table entry e of sequence s of a paged cache, made writable: a block taken from the pool when
  * there is none, a private copy when the block is shared; placed after the block of entry e - 1
  * when it can be (kv_pool.c). The pool check (mha__kv_check_pool) ran first, so the pool is not
@@ -159,15 +168,10 @@ static void writable_entry(mha_kv_cache *c, int64_t s, int64_t e) {
     c->nfree--;
     c->ref[b] = 1;
     if (*slot >= 0) { /* copy-on-write: every row, written or not (rows past the length are
-                         never read); bs rows per kv head */
-        for (int64_t g = 0; g < c->cfg.num_kv_heads; g++) {
-            const size_t to = (size_t)(b * c->block_rows + g * c->head_rows),
-                         from = (size_t)(*slot * c->block_rows + g * c->head_rows);
-            memcpy((char *)c->k + to * c->k_row_bytes, (const char *)c->k + from * c->k_row_bytes,
-                   (size_t)c->bs * c->k_row_bytes);
-            memcpy((char *)c->v + to * c->v_row_bytes, (const char *)c->v + from * c->v_row_bytes,
-                   (size_t)c->bs * c->v_row_bytes);
-        }
+                         never read) */
+        for (int v = 0; v < 2; v++)
+            for (int64_t g = 0; g < c->cfg.num_kv_heads; g++)
+                memcpy(block_part(c, v, b, g), block_part(c, v, *slot, g), part_bytes(c, v));
         release_block(c, *slot);
     }
     *slot = b;
@@ -380,6 +384,103 @@ mha_status mha_kv_cache_share_prefix(
 
 int64_t mha_kv_cache_free_blocks(const mha_kv_cache *cache) {
     return cache ? cache->nfree : -1;
+}
+
+/* mha_kv_cache_compact's new id of every block, a permutation of the pool: the blocks sequences
+ * hold get 0, 1, ... in the order the sequences (by id) reach them through their tables (a shared
+ * block once), the free blocks the rest in id order. Returns how many are held. */
+static int64_t compact_dest(const mha_kv_cache *c, int64_t *dest) {
+    const int64_t nb = c->cfg.num_blocks;
+    for (int64_t b = 0; b < nb; b++)
+        dest[b] = -1;
+    int64_t next = 0;
+    for (int64_t i = 0; i < c->cfg.batch * c->nbs; i++) {
+        const int64_t b = c->table[i];
+        if (b >= 0 && dest[b] < 0)
+            dest[b] = next++;
+    }
+    const int64_t held = next;
+    for (int64_t b = 0; b < nb; b++)
+        if (dest[b] < 0)
+            dest[b] = next++;
+    return held;
+}
+
+/* Moves the contents and reference counts of the blocks of the cycle of dest through b0 (block b
+ * goes to dest[b]), one part (kv head, K or V) at a time: the part of b0 is carried, and at each
+ * block of the cycle it is written there after that block's own part is picked up. Free blocks'
+ * contents are never read, so they are neither carried nor written. bufs: two parts. */
+static void compact_cycle(mha_kv_cache *c, const int64_t *dest, int64_t b0, char *bufs) {
+    const size_t half = part_bytes(c, 0) > part_bytes(c, 1) ? part_bytes(c, 0) : part_bytes(c, 1);
+    for (int v = 0; v < 2; v++)
+        for (int64_t g = 0; g < c->cfg.num_kv_heads; g++) {
+            char *carry = bufs, *spare = bufs + half;
+            const size_t bytes = part_bytes(c, v);
+            int full = c->ref[b0] > 0; /* the carried part is a held block's */
+            if (full)
+                memcpy(carry, block_part(c, v, b0, g), bytes);
+            for (int64_t b = dest[b0];; b = dest[b]) {
+                char *at = block_part(c, v, b, g);
+                const int next_full = b != b0 && c->ref[b] > 0;
+                if (next_full)
+                    memcpy(spare, at, bytes);
+                if (full)
+                    memcpy(at, carry, bytes);
+                if (b == b0)
+                    break;
+                char *t = carry;
+                carry = spare;
+                spare = t;
+                full = next_full;
+            }
+        }
+    int64_t ref = c->ref[b0]; /* the counts last: the parts' loops read them */
+    for (int64_t b = dest[b0];; b = dest[b]) {
+        const int64_t own = c->ref[b];
+        c->ref[b] = ref;
+        ref = own;
+        if (b == b0)
+            break;
+    }
+}
+
+mha_status mha_kv_cache_compact(mha_kv_cache *cache, mha_error *err) {
+    const mha__kv_view view = mha__kv_view_of(cache);
+    mha_status st = mha__check_kv_compact(&view, err);
+    if (st || !cache->paged)
+        return st;
+    const int64_t nb = cache->cfg.num_blocks;
+    const size_t row =
+        cache->k_row_bytes > cache->v_row_bytes ? cache->k_row_bytes : cache->v_row_bytes;
+    size_t ids, parts;
+    MHA_RETURN_IF(!mha__bytes(nb, sizeof(int64_t), &ids) ||
+                      !mha__bytes(2 * cache->bs, row, &parts) || ids > SIZE_MAX - parts,
+                  err, OVERFLOW, "kv cache compaction: working memory for %lld blocks overflows",
+                  (long long)nb);
+    const mha_allocator *a = cache->has_allocator ? &cache->allocator : NULL;
+    int64_t *dest = mha__alloc(a, ids + parts);
+    MHA_RETURN_IF(!dest, err, NO_MEMORY,
+                  "kv cache compaction: cannot allocate %zu bytes of working memory (nothing "
+                  "moved)",
+                  ids + parts);
+    const int64_t held = compact_dest(cache, dest);
+    for (int64_t i = 0; i < cache->cfg.batch * cache->nbs; i++)
+        if (cache->table[i] >= 0)
+            cache->table[i] = dest[cache->table[i]];
+    for (int64_t b0 = 0; b0 < nb; b0++) {
+        if (dest[b0] == b0)
+            continue; /* in place, or its cycle is done */
+        compact_cycle(cache, dest, b0, (char *)(dest + nb));
+        for (int64_t b = b0; dest[b] != b;) {
+            const int64_t next = dest[b];
+            dest[b] = b;
+            b = next;
+        }
+    }
+    mha__free(a, dest);
+    mha__kv_pool_init(&cache->pool, cache->pool_mem, nb, held);
+    mha__ok(err);
+    return MHA_STATUS_OK;
 }
 
 int64_t mha_experimental_kv_cache_block(const mha_kv_cache *cache, int64_t seq, int64_t entry) {

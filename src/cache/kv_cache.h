@@ -39,8 +39,9 @@ typedef struct mha__kv_pool {
 /* Words, leaves and bytes (one allocation) of the pool structure of num_blocks; false on
  * overflow. */
 int mha__kv_pool_sizes(int64_t num_blocks, int64_t *nwords, int64_t *leaves, size_t *bytes);
-/* Every block free; mem holds mha__kv_pool_sizes's bytes, 8-byte aligned. */
-void mha__kv_pool_init(mha__kv_pool *p, void *mem, int64_t num_blocks);
+/* Blocks [0, taken) taken, the others free; mem holds mha__kv_pool_sizes's bytes, 8-byte
+ * aligned. */
+void mha__kv_pool_init(mha__kv_pool *p, void *mem, int64_t num_blocks, int64_t taken);
 int mha__kv_pool_is_free(const mha__kv_pool *p, int64_t b);
 /* Takes a free block (there is one) for the table entry after the one holding block prev (-1:
  * none): prev + 1 if free, else a new run in the largest free run. */

@@ -90,15 +90,17 @@ int mha__kv_pool_sizes(int64_t num_blocks, int64_t *nwords, int64_t *leaves, siz
     return mha__bytes(*nwords + 2 * *leaves * 4, sizeof(int64_t), bytes);
 }
 
-void mha__kv_pool_init(mha__kv_pool *p, void *mem, int64_t num_blocks) {
+void mha__kv_pool_init(mha__kv_pool *p, void *mem, int64_t num_blocks, int64_t taken) {
     size_t unused;
     mha__kv_pool_sizes(num_blocks, &p->nwords, &p->leaves, &unused);
     p->num_blocks = num_blocks;
     p->tree = mem; /* nodes first: 8-byte aligned like the allocation */
     p->bits = (uint64_t *)(p->tree + 2 * p->leaves);
-    for (int64_t w = 0; w < p->nwords; w++) {
-        const int64_t n = num_blocks - 64 * w;
-        p->bits[w] = n >= 64 ? ~UINT64_C(0) : (UINT64_C(1) << n) - 1;
+    for (int64_t w = 0; w < p->nwords; w++) { /* word w: blocks 64 w .. 64 w + 63 */
+        const int64_t hi = num_blocks - 64 * w, lo = taken - 64 * w; /* free: [lo, hi) */
+        const uint64_t below_hi = hi >= 64 ? ~UINT64_C(0) : (UINT64_C(1) << hi) - 1;
+        const uint64_t below_lo = lo <= 0 ? 0 : lo >= 64 ? ~UINT64_C(0) : (UINT64_C(1) << lo) - 1;
+        p->bits[w] = below_hi & ~below_lo;
     }
     for (int64_t w = 0; w < p->leaves; w++)
         pool_leaf(p, w);

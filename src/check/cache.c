@@ -93,6 +93,11 @@ mha_status mha__check_kv_seq(const mha__kv_view *c, int64_t seq, const char *nam
     return MHA_STATUS_OK;
 }
 
+mha_status mha__check_kv_compact(const mha__kv_view *c, mha_error *err) {
+    MHA_RETURN_IF(!c->cfg, err, INVALID_ARG, "cache is NULL");
+    return MHA_STATUS_OK;
+}
+
 mha_status
 mha__check_kv_seqs(const mha__kv_view *c, int64_t S, const int64_t *seq_ids, mha_error *err) {
     MHA_RETURN_IF(!c->cfg, err, INVALID_ARG, "cache is NULL");

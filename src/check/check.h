@@ -279,6 +279,8 @@ mha_status mha__check_kv_create(const mha_kv_cache_config *config,
                                 mha_kv_cache *const *out,
                                 mha_kv_cache_config *cfg,
                                 mha_error *err);
+/* mha_kv_cache_compact: the cache exists. */
+mha_status mha__check_kv_compact(const mha__kv_view *c, mha_error *err);
 /* seq is a sequence of the cache; name: how the caller calls it. */
 mha_status mha__check_kv_seq(const mha__kv_view *c, int64_t seq, const char *name, mha_error *err);
 /* seq_ids (NULL = 0 .. S-1): S in [1, batch], in range, distinct. */
