@@ -5,7 +5,7 @@
 # -fsanitize=fuzzer,address,undefined. Needs clang-14 and libclang-rt-14-dev (Debian), and
 # libcjson-dev. Usage: fuzz/build.sh [BUILD_DIR]   (default: build-fuzz/ at the repo root).
 # The harness binaries are BUILD_DIR/fuzz_npy, fuzz_safetensors, fuzz_cli_args, fuzz_api,
-# fuzz_model_dir, fuzz_npz, fuzz_gguf.
+# fuzz_model_dir, fuzz_npz, fuzz_gguf, fuzz_kv_cache.
 # needs: clang-14 nproc find
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -58,7 +58,8 @@ for o in "${objs[@]}"; do
     esac
 done
 
-for h in fuzz_npy fuzz_safetensors fuzz_api fuzz_cli_args fuzz_model_dir fuzz_npz fuzz_gguf; do
+for h in fuzz_npy fuzz_safetensors fuzz_api fuzz_cli_args fuzz_model_dir fuzz_npz fuzz_gguf \
+    fuzz_kv_cache; do
     extra=()
     [ "$h" = fuzz_cli_args ] && extra=("${cli_objs[@]}")
     [ "$h" = fuzz_npy ] && extra=("$out/obj/cli_npy.c.o") # the .npy reader is the CLI's

@@ -154,6 +154,10 @@ def main():
         out("api", "seed%02d" % i, b)
     out("api", "layer_plain", bytes([0, 8, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]) + bytes(120))
     out("api", "core_plain", bytes([1, 1, 2, 0, 3, 3, 4, 0, 0, 0]) + bytes(120))
+    # ---- paged KV cache: configuration bytes then operations (fuzz_kv_cache.c); random bytes
+    # decode to small caches and valid-looking operations often enough
+    for i in range(12):
+        out("kv_cache", "seed%02d" % i, bytes(rng.randrange(0, 256) for _ in range(240)))
 
     # ---- model directories: config.json \0 model.safetensors.index.json (may be empty) \0
     # selector bytes (fuzz_model_dir.c: prefix scheme, dtype, biases, a wrong shape, overrides).

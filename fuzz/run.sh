@@ -12,7 +12,7 @@ secs="${1:-60}"
 out="${2:-$root/build-fuzz}"
 bash "$root/fuzz/build.sh" "$out" >/dev/null
 status=0
-for h in npy safetensors cli_args api model_dir npz gguf; do
+for h in npy safetensors cli_args api model_dir npz gguf kv_cache; do
     work="$out/corpus-$h"
     mkdir -p "$work"
     extra=()
