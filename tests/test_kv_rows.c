@@ -7,8 +7,9 @@
  *   every cache dtype (f32, f16, bf16, q8_0, fp8 e4m3 with scales), contiguous and paged (blocks
  *   of 16), window rings that wrap (inside a unit too), soft-cap, ALiBi, sinks, chunks, chains and
  *   draft trees, R = 5, 8, 12, 32, 64 and 96, head sizes d_k != d_v and not multiples of 16;
- *   1 and 2 threads bit-identical. The tier is the one MHA_MAX_ISA allows (ctest runs this file
- *   under avx2 and generic too).
+ *   1 and 2 threads bit-identical; and R = 4 over caches of more than 32 MiB (the far prefetch's
+ *   instances of the contiguous path on AMD Zen 5). The tier is the one MHA_MAX_ISA allows
+ *   (ctest runs this file under avx2 and generic too).
  */
 #include "harness.h"
 #include "oracle_f64.h"
@@ -221,5 +222,15 @@ int main(void) {
                 tc.len[0] = 530 + 3 * (int64_t)si, tc.len[1] = tc.t + 21;
                 run_case(&tc, id++);
             }
+    /* Calls that read more than 32 MiB of K and V (decode.c MHA__DEC_FAR_MIN_BYTES), R = 4: on
+     * AMD Zen 5 the AVX-512 contiguous path with the far prefetch (float32, float16, bfloat16:
+     * its own instances of the passes, decode_avx512.c), elsewhere the same path as above. */
+    static const mha_dtype far_dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
+    for (size_t di = 0; di < sizeof far_dts / sizeof *far_dts; di++) {
+        rcase tc = {0};
+        tc.H = 32, tc.G = 8, tc.dk = 128, tc.dv = 128, tc.t = 1, tc.dt = far_dts[di];
+        tc.sinks = 1, tc.len[0] = 8300, tc.len[1] = 300; /* 16-bit: 35 MB of K and V */
+        run_case(&tc, id++);
+    }
     return test_finish();
 }

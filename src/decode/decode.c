@@ -293,14 +293,17 @@ static mha_status attend_core(
 }
 
 /* The decode kernels' second prefetch distance (mha__dec_problem.prefetch_far) pays where it was
- * measured to: the CPUs of mha__cpu_decode_prefetch_far, float32 and bfloat16 caches (float16 ran
- * the contiguous cache 10-13% slower with it, q8_0 no faster), and calls that read more K and V
- * than MHA__DEC_FAR_MIN_BYTES (with the rows in the L3 it ran the contiguous cache 14-17% slower:
- * the non-temporal hint makes lines read again at the next step leave the caches). */
+ * measured to: the CPUs of mha__cpu_decode_prefetch_far, float32, float16 and bfloat16 caches
+ * (q8_0 no faster; float16 was left out until session 41, measured 10-13% slower then on one
+ * thread; with session 40's kernel it runs one thread 0.97-1.03x and two threads 1.1x faster,
+ * docs/INFERENCE.md), and calls that read more K and V than MHA__DEC_FAR_MIN_BYTES (with the rows
+ * in the L3 it ran the contiguous cache 14-17% slower: the non-temporal hint makes lines read
+ * again at the next step leave the caches). */
 #define MHA__DEC_FAR_MIN_BYTES ((int64_t)32 << 20)
 static int far_prefetch(const struct mha_kv_cache *c, const mha__dec_problem *p) {
     if (!mha__cpu_decode_prefetch_far() ||
-        (c->cfg.dtype != MHA_DTYPE_F32 && c->cfg.dtype != MHA_DTYPE_BF16))
+        (c->cfg.dtype != MHA_DTYPE_F32 && c->cfg.dtype != MHA_DTYPE_F16 &&
+         c->cfg.dtype != MHA_DTYPE_BF16))
         return 0;
     int64_t rows = 0; /* K (and V) rows the call reads, per kv head */
     for (int64_t s = 0; s < p->S; s++) {

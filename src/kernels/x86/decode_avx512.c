@@ -62,16 +62,18 @@ load_row16(const mha_dtype DT, const int FULL, const void *row, int64_t d, __mma
 #define MHA_DEC_PREFETCH 32
 
 /* A second prefetch distance in keys, on the contiguous path when the problem asks for it
- * (mha__dec_problem.prefetch_far: AMD Zen 5, float32 and bfloat16 caches, calls reading more than
- * the L3; decode.c far_prefetch): PREFETCHNTA of the rows MHA_DEC_PREFETCH_FAR keys ahead, which
- * MHA_DEC_PREFETCH's PREFETCHT0 of them then finds in the L1. More lines are in flight than the
- * near prefetch and the hardware prefetcher keep, which the blocks of a paged cache need most
- * (every block of B = 16 rows is a new stream for the hardware prefetcher). Zen 5, 1 thread,
+ * (mha__dec_problem.prefetch_far: AMD Zen 5, float32, float16 and bfloat16 caches, calls reading
+ * more than the L3; decode.c far_prefetch): PREFETCHNTA of the rows MHA_DEC_PREFETCH_FAR keys
+ * ahead, which MHA_DEC_PREFETCH's PREFETCHT0 of them then finds in the L1. More lines are in flight
+ * than the near prefetch and the hardware prefetcher keep, which the blocks of a paged cache need
+ * most (every block of B = 16 rows is a new stream for the hardware prefetcher). Zen 5, 1 thread,
  * 32768 keys, h 32 g 8 d 128, blocks of 16 in a shuffled pool, block-major pool (first trials):
  * paged / contiguous bfloat16 1.23 -> 1.10, float32 1.39 -> 1.24, the contiguous cache faster
  * too; far distances 16 and 32 gained less, 64-192 as much or a little less; PREFETCHT1 as the
- * far hint gained about half as much, PREFETCHT0 nothing. float16 (VCVTPH2PS-bound) ran its
- * contiguous cache 10-13% slower with it, q8_0 no faster. */
+ * far hint gained about half as much, PREFETCHT0 nothing. q8_0 ran no faster. float16
+ * (VCVTPH2PS-bound) ran its contiguous cache 10-13% slower with it then (session 39); with
+ * session 40's kernel one thread runs 0.97-1.03x and two threads ~1.1x faster (the batch of 32
+ * sequences, and one of 32768 keys; docs/INFERENCE.md, session 41), so it takes it too. */
 #define MHA_DEC_PREFETCH_FAR 48
 
 MHA_INLINE void prefetch_far(const char *at) {
@@ -556,7 +558,7 @@ typedef void (*values_contig_fn)(
     const char *const *, const char *const *, int64_t, const float *, float *, int64_t, int);
 
 /* One non-inlined instance per (dtype, rows), and with the far prefetch (FAR, a constant) for
- * float32 and bfloat16, the dtypes that take it (decode.c far_prefetch). */
+ * float32, float16 and bfloat16, the dtypes that take it (decode.c far_prefetch). */
 #define CONTIG_FNS_(tag, dt, nr, far)                                                              \
     static __attribute__((noinline)) void scores_##tag##nr(                                        \
         const char *const *krows, const char *const *vrows, int64_t nb, const float *qil,          \
@@ -577,6 +579,7 @@ CONTIG_DTYPE_(bf16_, MHA_DTYPE_BF16, 0)
 CONTIG_DTYPE_(q8_, MHA_DTYPE_Q8_0, 0)
 CONTIG_DTYPE_(fp8_, MHA_DTYPE_FP8_E4M3, 0)
 CONTIG_DTYPE_(far_f32_, MHA_DTYPE_F32, 1)
+CONTIG_DTYPE_(far_f16_, MHA_DTYPE_F16, 1)
 CONTIG_DTYPE_(far_bf16_, MHA_DTYPE_BF16, 1)
 #undef CONTIG_DTYPE_
 #undef CONTIG_FNS_
@@ -594,12 +597,14 @@ static const values_contig_fn values_contig_table[5][4] = {
     {values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4},
     {values_q8_1, values_q8_2, values_q8_3, values_q8_4},
     {values_fp8_1, values_fp8_2, values_fp8_3, values_fp8_4}};
-/* With the far prefetch: [f32, bf16][rows - 1] */
-static const scores_contig_fn scores_far_table[2][4] = {
+/* With the far prefetch: [f32, f16, bf16][rows - 1] */
+static const scores_contig_fn scores_far_table[3][4] = {
     {scores_far_f32_1, scores_far_f32_2, scores_far_f32_3, scores_far_f32_4},
+    {scores_far_f16_1, scores_far_f16_2, scores_far_f16_3, scores_far_f16_4},
     {scores_far_bf16_1, scores_far_bf16_2, scores_far_bf16_3, scores_far_bf16_4}};
-static const values_contig_fn values_far_table[2][4] = {
+static const values_contig_fn values_far_table[3][4] = {
     {values_far_f32_1, values_far_f32_2, values_far_f32_3, values_far_f32_4},
+    {values_far_f16_1, values_far_f16_2, values_far_f16_3, values_far_f16_4},
     {values_far_bf16_1, values_far_bf16_2, values_far_bf16_3, values_far_bf16_4}};
 
 /* Pass 1b + 2 of every path, per row, vectorised over the unit: score pipeline (scale, soft-cap,
@@ -1114,15 +1119,17 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 _mm512_store_ps(hi, _mm512_permutex2var_ps(a, odd, b));
             }
     }
-    /* the far prefetch: float32 and bfloat16 only (decode.c far_prefetch) */
-    const int far = p->prefetch_far && (DT == MHA_DTYPE_F32 || DT == MHA_DTYPE_BF16);
+    /* the far prefetch: float32, float16 and bfloat16 only (decode.c far_prefetch) */
+    const int far =
+        p->prefetch_far && (DT == MHA_DTYPE_F32 || DT == MHA_DTYPE_F16 || DT == MHA_DTYPE_BF16);
+    const int fari = DT == MHA_DTYPE_F16 ? 1 : DT == MHA_DTYPE_BF16 ? 2 : 0;
 
     /* Pass 1a: raw dot products q_r . k_j, per block of MHA_DEC_SUB keys, four keys by up to four
      * rows per sweep of the keys' vectors. The prefetch runs ahead on the K rows, then on the
      * first V rows (pass 3 reads them next). */
     const int kfull = dk % 16 == 0;
     if (contig)
-        (far ? scores_far_table[DT == MHA_DTYPE_BF16][R - 1]
+        (far ? scores_far_table[fari][R - 1]
              : scores_contig_table[dti][R - 1])(krows, vrows, nb, qbuf, dk, S, p->prefetch_l2);
     else
         for (int64_t jb = 0; jb < nb; jb += MHA_DEC_SUB) {
@@ -1180,7 +1187,7 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
                 for (int64_t y = 0; y < runs[ri].n; y++)
                     knext[runs[ri].y0 + y] = runs[ri].k + (size_t)y * c->k_row_bytes;
         }
-        (far ? values_far_table[DT == MHA_DTYPE_BF16][R - 1]
+        (far ? values_far_table[fari][R - 1]
              : values_contig_table[dti][R - 1])(vrows, knext, nb, S, o, dv, p->prefetch_l2);
         if (DT == MHA_DTYPE_FP8_E4M3)
             mha__kv_fp8_scale_o(c, u->g, o, R, dv);
