@@ -59,6 +59,7 @@
 #include "kernels/registry.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#    include "kernels/x86/gemm_pack_x86.h"
 #    include "kernels/x86/simd_avx2.h"
 
 #    include <string.h>
@@ -626,6 +627,294 @@ stream_span(const unit_stream *us, int64_t y, int64_t n, int64_t KB, int l2) {
     return pf;
 }
 
+/* ---- The wide path: R > 4 query rows ----------------------------------------------------------
+ * See the top ("The wide path"). Keys per block: MHA_DEC_WIDE_SUB; the row tiles below. */
+#    define MHA_DEC_WIDE_SUB  16
+/* Rows of o per register block of pass 3 (x 16 columns: 12 accumulators). */
+#    define MHA_DEC_WIDE_ROWS 6
+
+/* One pass-1 tile: st[y][8 v + lane] = sum_{d < dk} qt[d][8 v + lane] kp[y][d] for NV (1 or 2)
+ * vectors of 8 rows (qt at the tile's first row, row stride rp) and NK keys (kp[y]: float32 rows
+ * of >= dk), one FMA chain per score in increasing d. Each step d prefetches one line of the span
+ * pf while *poff < pf's bytes. */
+MHA_INLINE void wide_tile(const int NV,
+                          const int NK,
+                          const float *const *kp,
+                          const float *qt,
+                          int64_t rp,
+                          int64_t dk,
+                          float *st,
+                          prefetch_span pf,
+                          size_t *poff) {
+    v8 acc[2][12];
+    const size_t pn = pf.p ? pf.n + pf.n1 : 0;
+    size_t off = *poff;
+#    pragma GCC unroll 12
+    for (int y = 0; y < NK; y++)
+        for (int v = 0; v < NV; v++)
+            acc[v][y] = v8_zero();
+    for (int64_t d = 0; d < dk; d++, qt += rp) {
+        if (off < pn) {
+            prefetch_step(pf, off, 1);
+            off += 64;
+        }
+        v8 q0 = v8_load(qt), q1 = NV > 1 ? v8_load(qt + 8) : q0;
+        /* keeps q in registers (GCC would fold its loads into every FMA that uses it) */
+        __asm__("" : "+x"(q0), "+x"(q1));
+#    pragma GCC unroll 12
+        for (int y = 0; y < NK; y++) {
+            const v8 b = _mm256_broadcast_ss(kp[y] + d);
+            acc[0][y] = v8_fma(q0, b, acc[0][y]);
+            if (NV > 1)
+                acc[1][y] = v8_fma(q1, b, acc[1][y]);
+        }
+    }
+#    pragma GCC unroll 12
+    for (int y = 0; y < NK; y++)
+        for (int v = 0; v < NV; v++)
+            v8_store(st + y * rp + 8 * v, acc[v][y]);
+    *poff = off;
+}
+
+/* Pass 1 of the wide path over one block of nk <= MHA_DEC_WIDE_SUB keys (kp[y]: float32 K rows,
+ * rows nk.. repeat row 0): S[r][y] = q_r . k_y for r < R, with qt [dk][rp] the unit's query rows
+ * transposed and st [MHA_DEC_WIDE_SUB][rp] scratch. The block prefetches the span pf. */
+MHA_INLINE void scores_wide(const float *const *kp,
+                            int64_t nk,
+                            const float *qt,
+                            int64_t R,
+                            int64_t rp,
+                            int64_t dk,
+                            float *S,
+                            float *st,
+                            prefetch_span pf) {
+    const int64_t nv = rp / 8;
+    size_t poff = 0;
+    for (int64_t v = 0; v < nv; v += 2) {
+        if (v + 1 < nv) { /* 16 rows: keys 6 + 6 + 4 */
+            wide_tile(2, 6, kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
+            wide_tile(2, 6, kp + 6, qt + 8 * v, rp, dk, st + 6 * rp + 8 * v, pf, &poff);
+            wide_tile(2, 4, kp + 12, qt + 8 * v, rp, dk, st + 12 * rp + 8 * v, pf, &poff);
+        } else { /* a last vector of 8 rows: keys 8 + 8 */
+            wide_tile(1, 8, kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
+            wide_tile(1, 8, kp + 8, qt + 8 * v, rp, dk, st + 8 * rp + 8 * v, pf, &poff);
+        }
+    }
+    if (pf.p) /* what the steps did not cover (short rows) */
+        for (size_t off = poff; off < pf.n + pf.n1; off += 64)
+            prefetch_step(pf, off, 1);
+    /* st [16 keys][rp rows] -> S [row][key], 8 x 8 at a time (keys past nk are not stored: a
+     * block need not start at a multiple of 8, and S's rows are MHA_DEC_BLOCK floats) */
+    for (int64_t v = 0; v < nv; v++)
+        for (int64_t y0 = 0; y0 < nk; y0 += 8) {
+            v8 t[8];
+            for (int y = 0; y < 8; y++)
+                t[y] = v8_load(st + (y0 + y) * rp + 8 * v);
+            gemm_transpose8x8(t);
+            const __m256i k = v8_first(nk - y0 < 8 ? (int)(nk - y0) : 8);
+            for (int64_t x = 0; x < 8 && 8 * v + x < R; x++) {
+                if (nk - y0 >= 8)
+                    _mm256_storeu_ps(S + (8 * v + x) * MHA_DEC_BLOCK + y0, t[x]);
+                else
+                    v8_storeu_mask(S + (8 * v + x) * MHA_DEC_BLOCK + y0, k, t[x]);
+            }
+        }
+}
+
+/* o_x[c0, c0 + 16) += sum_{y < nk} e_x[y] vp[y][c0, c0 + 16) for NR rows (o_x at o + x dv, e_x
+ * at e + x BLOCK) over a block of float32 value rows (vp[y], >= c0 + 16 readable floats each),
+ * keys in increasing order: the 2 NR accumulators stay in registers over the block. FULL: the 16
+ * columns exist (else masks km). CHECK: a row whose bit y of seen[x] is clear (e_x[y] = 0) skips
+ * key y (0 * inf would be NaN). Key y prefetches one line of pf while *poff < its bytes. */
+MHA_INLINE void axpy_wide(const int NR,
+                          const int FULL,
+                          const int CHECK,
+                          const float *const *vp,
+                          int64_t nk,
+                          const float *e,
+                          float *o,
+                          int64_t dv,
+                          int64_t c0,
+                          const __m256i km[2],
+                          const uint32_t seen[MHA_DEC_WIDE_ROWS],
+                          prefetch_span pf,
+                          size_t *poff) {
+    v8 acc[MHA_DEC_WIDE_ROWS][2];
+    const size_t pn = pf.p ? pf.n + pf.n1 : 0;
+    size_t off = *poff;
+#    pragma GCC unroll 6
+    for (int x = 0; x < NR; x++)
+        for (int c = 0; c < 2; c++)
+            acc[x][c] = FULL ? v8_loadu(o + x * dv + c0 + 8 * c)
+                             : v8_loadu_mask(km[c], o + x * dv + c0 + 8 * c);
+    for (int64_t y = 0; y < nk; y++) {
+        if (off < pn) {
+            prefetch_step(pf, off, 1);
+            off += 64;
+        }
+        const v8 v0 = v8_loadu(vp[y] + c0), v1 = v8_loadu(vp[y] + c0 + 8);
+#    pragma GCC unroll 6
+        for (int x = 0; x < NR; x++) {
+            if (CHECK && !(seen[x] >> y & 1u))
+                continue;
+            const v8 ev = _mm256_broadcast_ss(e + x * MHA_DEC_BLOCK + y);
+            acc[x][0] = v8_fma(ev, v0, acc[x][0]);
+            acc[x][1] = v8_fma(ev, v1, acc[x][1]);
+        }
+    }
+#    pragma GCC unroll 6
+    for (int x = 0; x < NR; x++)
+        for (int c = 0; c < 2; c++) {
+            if (FULL)
+                _mm256_storeu_ps(o + x * dv + c0 + 8 * c, acc[x][c]);
+            else
+                v8_storeu_mask(o + x * dv + c0 + 8 * c, km[c], acc[x][c]);
+        }
+    *poff = off;
+}
+
+/* Pass 3 of the wide path over one block of nk <= MHA_DEC_WIDE_SUB keys (vp[y]: float32 V rows
+ * of dv rounded up to 16 readable floats, zero-padded): o_r += sum_y e_r[y] vp[y] for r < R (o
+ * [R][dv], e_r at e + r BLOCK). The block prefetches the span pf. */
+MHA_INLINE void values_wide(const float *const *vp,
+                            int64_t nk,
+                            const float *e,
+                            int64_t R,
+                            float *o,
+                            int64_t dv,
+                            prefetch_span pf) {
+    const uint32_t in = ((uint32_t)1 << nk) - 1u;
+    size_t poff = 0;
+    for (int64_t r0 = 0; r0 < R; r0 += MHA_DEC_WIDE_ROWS) {
+        const int64_t nr = R - r0 < MHA_DEC_WIDE_ROWS ? R - r0 : MHA_DEC_WIDE_ROWS;
+        const float *er = e + r0 * MHA_DEC_BLOCK;
+        float *orow = o + r0 * dv;
+        /* which keys each row sees (e != 0; NaN counts as seen) */
+        uint32_t seen[MHA_DEC_WIDE_ROWS] = {0, 0, 0, 0, 0, 0}, all = in;
+        for (int64_t x = 0; x < nr; x++) {
+            seen[x] = (uint32_t)seen_bits(er + x * MHA_DEC_BLOCK, nk);
+            all &= seen[x];
+        }
+        const int check = all != in;
+        for (int64_t c0 = 0; c0 < dv; c0 += 16) {
+            const int full = c0 + 16 <= dv;
+            const int64_t n0 = dv - c0 < 8 ? dv - c0 : 8, n1 = dv - c0 - 8;
+            const __m256i km[2] = {v8_first((int)n0), v8_first(n1 < 0 ? 0 : n1 > 8 ? 8 : (int)n1)};
+            switch (nr * 4 + full * 2 + check) {
+#    define AXPYW_(nr_, full_, check_)                                                             \
+    case nr_ * 4 + full_ * 2 + check_:                                                             \
+        axpy_wide(nr_, full_, check_, vp, nk, er, orow, dv, c0, km, seen, pf, &poff);              \
+        break;
+#    define AXPYW4_(nr_) AXPYW_(nr_, 1, 0) AXPYW_(nr_, 1, 1) AXPYW_(nr_, 0, 0) AXPYW_(nr_, 0, 1)
+                // clang-format off
+                AXPYW4_(1) AXPYW4_(2) AXPYW4_(3) AXPYW4_(4) AXPYW4_(5) AXPYW4_(6)
+                // clang-format on
+#    undef AXPYW4_
+#    undef AXPYW_
+                    default : break;
+            }
+        }
+    }
+    if (pf.p) /* what the steps did not cover */
+        for (size_t off = poff; off < pf.n + pf.n1; off += 64)
+            prefetch_step(pf, off, 1);
+}
+
+/* The wide path for cache dtype DT: the unit's passes 1 to 3 (o, m, l as dec_kernel's). */
+MHA_INLINE void dec_wide(const mha_dtype DT,
+                         const mha__dec_problem *p,
+                         const mha__dec_unit *u,
+                         const unit_stream *us,
+                         float *o,
+                         float *m,
+                         float *l,
+                         float *scratch) {
+    const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
+    const int64_t rp = (R + 7) & ~(int64_t)7, dk8 = (dk + 7) & ~(int64_t)7;
+    const int64_t dv16 = (dv + 15) & ~(int64_t)15;
+    const int l2 = p->prefetch_l2;
+    /* scratch: S [R][BLOCK], qt [dk][rp], st [16][rp], kw [16][dk8], vw [16][dv16] (within
+     * mha__dec_scratch_floats' wide part) */
+    float *S = scratch, *qt = S + R * MHA_DEC_BLOCK, *st = qt + dk * rp;
+    float *kw = st + MHA_DEC_WIDE_SUB * rp, *vw = kw + MHA_DEC_WIDE_SUB * dk8;
+
+    /* The query rows transposed, 8 rows x 8 elements at a time; rows R .. rp - 1 are zero. */
+    for (int64_t r0 = 0; r0 < rp; r0 += 8) {
+        const float *src[8];
+        for (int64_t x = 0; x < 8; x++) {
+            const int64_t r = r0 + x, i = r / p->group, h = u->g * p->group + r % p->group;
+            src[x] = r < R ? p->q + u->s * p->q_ss + i * p->q_ts + h * dk : NULL;
+        }
+        for (int64_t d0 = 0; d0 < dk; d0 += 8) {
+            const __m256i k = v8_first(dk - d0 < 8 ? (int)(dk - d0) : 8);
+            v8 t[8];
+            for (int x = 0; x < 8; x++)
+                t[x] = src[x] ? v8_loadu_mask(k, src[x] + d0) : v8_zero();
+            gemm_transpose8x8(t);
+            for (int64_t y = 0; y < 8 && d0 + y < dk; y++)
+                v8_store(qt + (d0 + y) * rp + r0, t[y]);
+        }
+    }
+
+    /* Pass 1, per block of up to 16 keys within a run: K rows as float32 (float32 in place, the
+     * others widened once into kw), then the tiles. Each block prefetches as many rows 16 keys
+     * ahead (K, then V rows). */
+    for (int ri = 0; ri < us->nruns; ri++) {
+        const key_run *kr = &us->runs[ri];
+        for (int64_t yb = 0; yb < kr->n; yb += MHA_DEC_WIDE_SUB) {
+            const int64_t nk = kr->n - yb < MHA_DEC_WIDE_SUB ? kr->n - yb : MHA_DEC_WIDE_SUB;
+            const prefetch_span pf = stream_span(us, kr->y0 + yb, nk, MHA_DEC_WIDE_SUB, l2);
+            const float *kp[MHA_DEC_WIDE_SUB];
+            for (int64_t y = 0; y < MHA_DEC_WIDE_SUB; y++) {
+                const char *row = kr->k + (size_t)(yb + (y < nk ? y : 0)) * us->rb;
+                if (DT == MHA_DTYPE_F32) {
+                    kp[y] = (const float *)(const void *)row;
+                    continue;
+                }
+                kp[y] = kw + (y < nk ? y : 0) * dk8;
+                if (y < nk)
+                    for (int64_t d = 0; d < dk; d += 8)
+                        v8_store(kw + y * dk8 + d,
+                                 dk - d >= 8 ? load8(DT, row, d) : load_part8(DT, row, d, dk - d));
+            }
+            scores_wide(kp, nk, qt, R, rp, dk, S + kr->y0 + yb, st, pf);
+        }
+    }
+
+    /* Pass 2, per row. */
+    for (int64_t r = 0; r < R; r++)
+        softmax_row(p, u, r, nb, S + r * MHA_DEC_BLOCK, &m[r], &l[r]);
+
+    /* Pass 3, per block of up to 16 keys: V rows as float32 (float32 with dv % 16 == 0 in place,
+     * else widened once into vw, zero-padded to dv16), o accumulated in place. Each block
+     * prefetches as many rows 16 keys ahead (V, then the next unit's K rows). */
+    memset(o, 0, sizeof(float) * (size_t)(R * dv));
+    const int inplace = DT == MHA_DTYPE_F32 && dv % 16 == 0;
+    for (int ri = 0; ri < us->nruns; ri++) {
+        const key_run *kr = &us->runs[ri];
+        for (int64_t yb = 0; yb < kr->n; yb += MHA_DEC_WIDE_SUB) {
+            const int64_t nk = kr->n - yb < MHA_DEC_WIDE_SUB ? kr->n - yb : MHA_DEC_WIDE_SUB;
+            const prefetch_span pf = stream_span(us, nb + kr->y0 + yb, nk, MHA_DEC_WIDE_SUB, l2);
+            const float *vp[MHA_DEC_WIDE_SUB];
+            for (int64_t y = 0; y < nk; y++) {
+                const char *row = kr->v + (size_t)(yb + y) * us->rbv;
+                if (inplace) {
+                    vp[y] = (const float *)(const void *)row;
+                    continue;
+                }
+                vp[y] = vw + y * dv16;
+                for (int64_t d = 0; d < dv16; d += 8)
+                    v8_store(vw + y * dv16 + d, dv - d >= 8 ? load8(DT, row, d)
+                                                : d < dv    ? load_part8(DT, row, d, dv - d)
+                                                            : v8_zero());
+            }
+            values_wide(vp, nk, S + kr->y0 + yb, R, o, dv, pf);
+        }
+    }
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        mha__kv_fp8_scale_o(p->cache, u->g, o, R, dv);
+}
+
 /* The kernel for cache dtype DT (a constant after inlining). */
 MHA_INLINE void dec_kernel(const mha_dtype DT,
                            const mha__dec_problem *p,
@@ -651,13 +940,6 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     const int l2 = p->prefetch_l2;
     const int64_t KB = DEC_KB(DT);
 
-    /* The unit's query rows, copied once, chunk-major (see the top): row r = i * group + gh is
-     * query head g * group + gh of token i; zero-padded to dkp; bfloat16 in even/odd order. */
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-        copy_q_row(DT, p->q + u->s * p->q_ss + i * p->q_ts + h * dk, dk, W + 8 * r, 8 * R);
-    }
-
     /* The unit's keys as runs of consecutive cache rows (cache/kv_cache.h): one, or two when it
      * wraps in a ring buffer, or one per block of a paged cache. */
     key_run runs[MHA__KV_MAX_RUNS];
@@ -669,6 +951,17 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     const int nnext =
         u->j1 < L ? mha__kv_runs(c, seq, u->g, u->j1, L - u->j1 < KB ? L - u->j1 : KB, next) : 0;
     const unit_stream us = {runs, next, nruns, nnext, nb, rb, rbv};
+    if (R > 4) { /* the wide path (see the top) */
+        dec_wide(DT, p, u, &us, o, m, l, scratch);
+        return;
+    }
+
+    /* The unit's query rows, copied once, chunk-major (see the top): row r = i * group + gh is
+     * query head g * group + gh of token i; zero-padded to dkp; bfloat16 in even/odd order. */
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
+        copy_q_row(DT, p->q + u->s * p->q_ss + i * p->q_ts + h * dk, dk, W + 8 * r, 8 * R);
+    }
 
     /* Pass 1: scores, per block of up to KB keys (within a run), for each group of up to 4 query
      * rows. Each block prefetches as many rows KB keys ahead (K, then V rows). */
