@@ -191,6 +191,8 @@ int main(void) {
     /* shapes: H, G, dk, dv, t, tree (R = H / G * t) */
     static const int64_t shapes[][6] = {
         {5, 1, 40, 24, 1, 0},    /* R 5, one token, head sizes not multiples of 16 */
+        {13, 1, 24, 40, 1, 0},   /* R 13: AVX2 wide path for float32 and fp8 */
+        {16, 1, 20, 36, 2, 0},   /* R 32, head sizes not multiples of 8 */
         {8, 8, 64, 64, 8, 1},    /* R 8: group 1, 8 drafts */
         {6, 2, 48, 80, 4, 0},    /* R 12, chain of 4 */
         {16, 4, 128, 128, 8, 1}, /* R 32: the 8-draft tree of issue 32 */

@@ -72,6 +72,18 @@
  * most 64 (the per-key visibility bits of a block are one uint64_t). */
 #    define DEC_KB(DT) ((DT) == MHA_DTYPE_F32 ? 32 : 64)
 
+/* The wide path (see the top) serves units of more than this many query rows. Measured on AMD
+ * Zen 5 (1 thread, h 32 g 8 d 128, 32768 keys, draft trees / chains of t tokens, R = 4 t; wide
+ * against groups of 4 rows, ms per step): float32 R 8 16.3 / 14.1, R 12 21.2 / 20.4, R 16
+ * 24.5 / 26.8, R 32 48.2 / 51.4; fp8 R 12 25.6 / 25.5, R 16 28.9 / 34.5, R 32 50.5 / 68.5; q8_0
+ * R 16 29.3 / 28.7, R 20 36.2 / 35.4, R 24 40.4 / 45.6, R 32 50.8 / 57.9; bfloat16 R 16
+ * 25.7 / 24.7, R 24 37.6 / 37.0, R 32 47.0-47.8 / 47.9-48.5, R 64 103.8 / 107.7; float16 R 16
+ * 25.7 / 24.3, R 32 47.8 / 48.0, R 64 106.9 / 108.8. */
+#    define DEC_WIDE_MIN_ROWS(DT)                                                                  \
+        ((DT) == MHA_DTYPE_F32 || (DT) == MHA_DTYPE_FP8_E4M3 ? 12                                  \
+         : (DT) == MHA_DTYPE_Q8_0                            ? 20                                  \
+                                                             : 24)
+
 /* ---- Loading cache rows ---------------------------------------------------------------------- */
 
 /* Elements [d, d + n) (0 < n < 8) of a 16-bit row, zero-extended to 8. */
@@ -630,6 +642,9 @@ stream_span(const unit_stream *us, int64_t y, int64_t n, int64_t KB, int l2) {
 /* ---- The wide path: R > 4 query rows ----------------------------------------------------------
  * See the top ("The wide path"). Keys per block: MHA_DEC_WIDE_SUB; the row tiles below. */
 #    define MHA_DEC_WIDE_SUB  16
+/* Keys per block of pass 3 (V rows widened into scratch at once; the accumulators of a tile are
+ * loaded and stored once per block). */
+#    define MHA_DEC_WIDE_VSUB 32
 /* Rows of o per register block of pass 3 (x 16 columns: 12 accumulators). */
 #    define MHA_DEC_WIDE_ROWS 6
 
@@ -676,6 +691,21 @@ MHA_INLINE void wide_tile(const int NV,
     *poff = off;
 }
 
+/* The tiles as small non-inlined functions (dtype-independent: K rows are float32 by then), so
+ * the pointers they walk stay in registers. */
+typedef void (*wide_tile_fn)(
+    const float *const *, const float *, int64_t, int64_t, float *, prefetch_span, size_t *);
+#    define WIDE_TILE_(nv, nk)                                                                     \
+        static __attribute__((noinline)) void wide_tile_##nv##x##nk(                               \
+            const float *const *kp, const float *qt, int64_t rp, int64_t dk, float *st,            \
+            prefetch_span pf, size_t *poff) {                                                      \
+            wide_tile(nv, nk, kp, qt, rp, dk, st, pf, poff);                                       \
+        }
+WIDE_TILE_(2, 6)
+WIDE_TILE_(2, 4)
+WIDE_TILE_(1, 8)
+#    undef WIDE_TILE_
+
 /* Pass 1 of the wide path over one block of nk <= MHA_DEC_WIDE_SUB keys (kp[y]: float32 K rows,
  * rows nk.. repeat row 0): S[r][y] = q_r . k_y for r < R, with qt [dk][rp] the unit's query rows
  * transposed and st [MHA_DEC_WIDE_SUB][rp] scratch. The block prefetches the span pf. */
@@ -692,12 +722,12 @@ MHA_INLINE void scores_wide(const float *const *kp,
     size_t poff = 0;
     for (int64_t v = 0; v < nv; v += 2) {
         if (v + 1 < nv) { /* 16 rows: keys 6 + 6 + 4 */
-            wide_tile(2, 6, kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
-            wide_tile(2, 6, kp + 6, qt + 8 * v, rp, dk, st + 6 * rp + 8 * v, pf, &poff);
-            wide_tile(2, 4, kp + 12, qt + 8 * v, rp, dk, st + 12 * rp + 8 * v, pf, &poff);
+            wide_tile_2x6(kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
+            wide_tile_2x6(kp + 6, qt + 8 * v, rp, dk, st + 6 * rp + 8 * v, pf, &poff);
+            wide_tile_2x4(kp + 12, qt + 8 * v, rp, dk, st + 12 * rp + 8 * v, pf, &poff);
         } else { /* a last vector of 8 rows: keys 8 + 8 */
-            wide_tile(1, 8, kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
-            wide_tile(1, 8, kp + 8, qt + 8 * v, rp, dk, st + 8 * rp + 8 * v, pf, &poff);
+            wide_tile_1x8(kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
+            wide_tile_1x8(kp + 8, qt + 8 * v, rp, dk, st + 8 * rp + 8 * v, pf, &poff);
         }
     }
     if (pf.p) /* what the steps did not cover (short rows) */
@@ -735,8 +765,8 @@ MHA_INLINE void axpy_wide(const int NR,
                           float *o,
                           int64_t dv,
                           int64_t c0,
-                          const __m256i km[2],
-                          const uint32_t seen[MHA_DEC_WIDE_ROWS],
+                          const __m256i *km,
+                          const uint64_t *seen,
                           prefetch_span pf,
                           size_t *poff) {
     v8 acc[MHA_DEC_WIDE_ROWS][2];
@@ -773,7 +803,43 @@ MHA_INLINE void axpy_wide(const int NR,
     *poff = off;
 }
 
-/* Pass 3 of the wide path over one block of nk <= MHA_DEC_WIDE_SUB keys (vp[y]: float32 V rows
+/* Non-inlined instances of axpy_wide, [rows - 1][full][check]. */
+typedef void (*axpy_wide_fn)(const float *const *,
+                             int64_t,
+                             const float *,
+                             float *,
+                             int64_t,
+                             int64_t,
+                             const __m256i *,
+                             const uint64_t *,
+                             prefetch_span,
+                             size_t *);
+#    define AXPYW_(nr, full, check)                                                                \
+        static __attribute__((noinline)) void axpy_wide_##nr##_##full##check(                      \
+            const float *const *vp, int64_t nk, const float *e, float *o, int64_t dv, int64_t c0,  \
+            const __m256i *km, const uint64_t *seen, prefetch_span pf, size_t *poff) {             \
+            axpy_wide(nr, full, check, vp, nk, e, o, dv, c0, km, seen, pf, poff);                  \
+        }
+#    define AXPYW4_(nr) AXPYW_(nr, 0, 0) AXPYW_(nr, 0, 1) AXPYW_(nr, 1, 0) AXPYW_(nr, 1, 1)
+AXPYW4_(1)
+AXPYW4_(2)
+AXPYW4_(3)
+AXPYW4_(4)
+AXPYW4_(5)
+AXPYW4_(6)
+#    undef AXPYW4_
+#    undef AXPYW_
+#    define AXPYW4_(nr)                                                                            \
+        {                                                                                          \
+            {axpy_wide_##nr##_00, axpy_wide_##nr##_01}, {                                          \
+                axpy_wide_##nr##_10, axpy_wide_##nr##_11                                           \
+            }                                                                                      \
+        }
+static const axpy_wide_fn axpy_wide_table[MHA_DEC_WIDE_ROWS][2][2] = {
+    AXPYW4_(1), AXPYW4_(2), AXPYW4_(3), AXPYW4_(4), AXPYW4_(5), AXPYW4_(6)};
+#    undef AXPYW4_
+
+/* Pass 3 of the wide path over one block of nk <= MHA_DEC_WIDE_VSUB keys (vp[y]: float32 V rows
  * of dv rounded up to 16 readable floats, zero-padded): o_r += sum_y e_r[y] vp[y] for r < R (o
  * [R][dv], e_r at e + r BLOCK). The block prefetches the span pf. */
 MHA_INLINE void values_wide(const float *const *vp,
@@ -783,16 +849,16 @@ MHA_INLINE void values_wide(const float *const *vp,
                             float *o,
                             int64_t dv,
                             prefetch_span pf) {
-    const uint32_t in = ((uint32_t)1 << nk) - 1u;
+    const uint64_t in = nk >= 64 ? ~(uint64_t)0 : ((uint64_t)1 << nk) - 1u;
     size_t poff = 0;
     for (int64_t r0 = 0; r0 < R; r0 += MHA_DEC_WIDE_ROWS) {
         const int64_t nr = R - r0 < MHA_DEC_WIDE_ROWS ? R - r0 : MHA_DEC_WIDE_ROWS;
         const float *er = e + r0 * MHA_DEC_BLOCK;
         float *orow = o + r0 * dv;
         /* which keys each row sees (e != 0; NaN counts as seen) */
-        uint32_t seen[MHA_DEC_WIDE_ROWS] = {0, 0, 0, 0, 0, 0}, all = in;
+        uint64_t seen[MHA_DEC_WIDE_ROWS] = {0, 0, 0, 0, 0, 0}, all = in;
         for (int64_t x = 0; x < nr; x++) {
-            seen[x] = (uint32_t)seen_bits(er + x * MHA_DEC_BLOCK, nk);
+            seen[x] = seen_bits(er + x * MHA_DEC_BLOCK, nk);
             all &= seen[x];
         }
         const int check = all != in;
@@ -800,19 +866,7 @@ MHA_INLINE void values_wide(const float *const *vp,
             const int full = c0 + 16 <= dv;
             const int64_t n0 = dv - c0 < 8 ? dv - c0 : 8, n1 = dv - c0 - 8;
             const __m256i km[2] = {v8_first((int)n0), v8_first(n1 < 0 ? 0 : n1 > 8 ? 8 : (int)n1)};
-            switch (nr * 4 + full * 2 + check) {
-#    define AXPYW_(nr_, full_, check_)                                                             \
-    case nr_ * 4 + full_ * 2 + check_:                                                             \
-        axpy_wide(nr_, full_, check_, vp, nk, er, orow, dv, c0, km, seen, pf, &poff);              \
-        break;
-#    define AXPYW4_(nr_) AXPYW_(nr_, 1, 0) AXPYW_(nr_, 1, 1) AXPYW_(nr_, 0, 0) AXPYW_(nr_, 0, 1)
-                // clang-format off
-                AXPYW4_(1) AXPYW4_(2) AXPYW4_(3) AXPYW4_(4) AXPYW4_(5) AXPYW4_(6)
-                // clang-format on
-#    undef AXPYW4_
-#    undef AXPYW_
-                    default : break;
-            }
+            axpy_wide_table[nr - 1][full][check](vp, nk, er, orow, dv, c0, km, seen, pf, &poff);
         }
     }
     if (pf.p) /* what the steps did not cover */
@@ -830,10 +884,10 @@ MHA_INLINE void dec_wide(const mha_dtype DT,
                          float *l,
                          float *scratch) {
     const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
-    const int64_t rp = (R + 7) & ~(int64_t)7, dk8 = (dk + 7) & ~(int64_t)7;
+    const int64_t rp = (R + 7) & ~(int64_t)7, dk8 = ((dk + 7) & ~(int64_t)7) + 8;
     const int64_t dv16 = (dv + 15) & ~(int64_t)15;
     const int l2 = p->prefetch_l2;
-    /* scratch: S [R][BLOCK], qt [dk][rp], st [16][rp], kw [16][dk8], vw [16][dv16] (within
+    /* scratch: S [R][BLOCK], qt [dk][rp], st [16][rp], kw [16][dk8], vw [64][dv16] (within
      * mha__dec_scratch_floats' wide part) */
     float *S = scratch, *qt = S + R * MHA_DEC_BLOCK, *st = qt + dk * rp;
     float *kw = st + MHA_DEC_WIDE_SUB * rp, *vw = kw + MHA_DEC_WIDE_SUB * dk8;
@@ -885,17 +939,17 @@ MHA_INLINE void dec_wide(const mha_dtype DT,
     for (int64_t r = 0; r < R; r++)
         softmax_row(p, u, r, nb, S + r * MHA_DEC_BLOCK, &m[r], &l[r]);
 
-    /* Pass 3, per block of up to 16 keys: V rows as float32 (float32 with dv % 16 == 0 in place,
+    /* Pass 3, per block of up to 64 keys: V rows as float32 (float32 with dv % 16 == 0 in place,
      * else widened once into vw, zero-padded to dv16), o accumulated in place. Each block
-     * prefetches as many rows 16 keys ahead (V, then the next unit's K rows). */
+     * prefetches as many rows 64 keys ahead (V, then the next unit's K rows). */
     memset(o, 0, sizeof(float) * (size_t)(R * dv));
     const int inplace = DT == MHA_DTYPE_F32 && dv % 16 == 0;
     for (int ri = 0; ri < us->nruns; ri++) {
         const key_run *kr = &us->runs[ri];
-        for (int64_t yb = 0; yb < kr->n; yb += MHA_DEC_WIDE_SUB) {
-            const int64_t nk = kr->n - yb < MHA_DEC_WIDE_SUB ? kr->n - yb : MHA_DEC_WIDE_SUB;
-            const prefetch_span pf = stream_span(us, nb + kr->y0 + yb, nk, MHA_DEC_WIDE_SUB, l2);
-            const float *vp[MHA_DEC_WIDE_SUB];
+        for (int64_t yb = 0; yb < kr->n; yb += MHA_DEC_WIDE_VSUB) {
+            const int64_t nk = kr->n - yb < MHA_DEC_WIDE_VSUB ? kr->n - yb : MHA_DEC_WIDE_VSUB;
+            const prefetch_span pf = stream_span(us, nb + kr->y0 + yb, nk, MHA_DEC_WIDE_VSUB, l2);
+            const float *vp[MHA_DEC_WIDE_VSUB];
             for (int64_t y = 0; y < nk; y++) {
                 const char *row = kr->v + (size_t)(yb + y) * us->rbv;
                 if (inplace) {
@@ -951,7 +1005,7 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     const int nnext =
         u->j1 < L ? mha__kv_runs(c, seq, u->g, u->j1, L - u->j1 < KB ? L - u->j1 : KB, next) : 0;
     const unit_stream us = {runs, next, nruns, nnext, nb, rb, rbv};
-    if (R > 4) { /* the wide path (see the top) */
+    if (R > DEC_WIDE_MIN_ROWS(DT)) { /* the wide path (see the top) */
         dec_wide(DT, p, u, &us, o, m, l, scratch);
         return;
     }
