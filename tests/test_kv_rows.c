@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /* test_kv_rows.c: mha_kv_cache_attention with many query rows per kv head, R = group * t > 4 (the
  * AVX-512 kernel's wide path, decode_avx512.c: float32 from R = 5, the other dtypes from R = 9,
- * below that their groups of 4 rows; the other tiers' row groups), against a float64
+ * below that their groups of 4 rows; the AVX2 kernel's wide path, decode_avx2.c: float32 and fp8
+ * from R = 13, q8_0 from 21, float16 / bfloat16 from 25; the generic kernel), against a float64
  * oracle written here from the definition over the cache's own rows (mha_kv_cache_read: the
  * dequantised values, so the tolerance is the float32 one, TOL_OUT_REL):
  *   every cache dtype (f32, f16, bf16, q8_0, fp8 e4m3 with scales), contiguous and paged (blocks
  *   of 16), window rings that wrap (inside a unit too), soft-cap, ALiBi, sinks, chunks, chains and
- *   draft trees, R = 5, 8, 12, 32, 64 and 96, head sizes d_k != d_v and not multiples of 16;
+ *   draft trees, R = 5, 8, 12, 13, 32, 64 and 96, head sizes d_k != d_v and not multiples of 16
+ *   (R = 32: nor of 8);
  *   1 and 2 threads bit-identical. The tier is the one MHA_MAX_ISA allows (ctest runs this file
  *   under avx2 and generic too).
  */

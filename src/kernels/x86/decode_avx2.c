@@ -10,7 +10,8 @@
  *   pass 3: o_r += e_rj v_j         (blocks of DEC_KB keys, 4 rows x 16 columns of o in registers)
  * K and V rows are read straight from the cache and widened in registers: float16 with
  * VCVTPH2PS (F16C), bfloat16 by a 16-bit left shift. Every K and V element is loaded and widened
- * once per group of 4 query rows, so for t = 1 and group <= 4 exactly once.
+ * once per group of 4 query rows, so for t = 1 and group <= 4 exactly once (many rows: the wide
+ * path below).
  *
  * Register budget (16 ymm):
  *   pass 1: 4 rows x 2 keys = 8 accumulators, 2 x 2 widened K vectors (16 elements of 2 keys),
@@ -40,6 +41,34 @@
  *                         (every row of a group is a constant offset from one pointer);
  *                         pass 3: o [R][dvp] (dvp = dv rounded up to 8: tails need no masks)
  * so W needs R max(dk, dv) + 7 R floats, within the R (d + 16) the scratch has.
+ *
+ * The wide path: units of R > DEC_WIDE_MIN_ROWS(dtype) query rows (several tokens per call, draft
+ * trees: R = 32 for an 8-draft tree at group 4) take dec_wide instead, built for the FMA pipes as
+ * decode_avx512.c's wide path but for 16 ymm registers:
+ *   pass 1: scores transposed, S^T[key][row]. The query rows are held transposed, Qt[dk][Rp] (Rp
+ *           = R rounded up to 8, zero-padded; 8 x 8 in-register transposes, once per unit); each
+ *           block of 16 K rows is widened once into float32 scratch (float32 rows are read in
+ *           place); tiles of 2 vectors of rows (16 rows) x 6 keys (6 + 6 + 4 per block; a last
+ *           single vector of rows: 1 x 8 keys) run acc[v][y] += Qt[d][8 v ..] * broadcast(K[y][d])
+ *           for d = 0 .. dk-1: 12 accumulators + 2 q vectors + 1 broadcast = 15 of the 16 ymm
+ *           registers; per step d 12 FMAs for 2 q loads and 6 broadcast loads (0.67 loads per FMA,
+ *           no shuffle). One FMA chain per score in increasing d, no horizontal sums. Each 8 x 8
+ *           tile of S^T is transposed in registers into S [R][MHA_DEC_BLOCK], so pass 2 is the
+ *           same code (masks, trees, windows, sinks, soft-cap, ALiBi).
+ *   pass 3: blocks of 32 V rows widened once into float32 scratch (float32 with d_v % 16 == 0
+ *           read in place), then 6 rows x 16 columns of o in registers over the block (12
+ *           accumulators, 2 V vectors, 1 broadcast e): per key 12 FMAs for 2 V loads and 6
+ *           broadcasts; o is the unit's output, loaded and stored once per block (masked for the
+ *           last d_v % 16 columns); keys in increasing order as above.
+ * The FMA floor: R (dk + dv) / 8 256-bit FMAs per (key, kv head), 2 per cycle on the Zen 5 host
+ * (each 256-bit FMA takes one of its two FMA pipes): R = 32, d = 128: 512 cycles, 32.2 ms for
+ * 32768 keys x 8 kv heads at 4.17 GHz. The groups of 4 rows below already ran that tree at 63-75%
+ * of it on Zen 5 (K re-read from the L1 per group: loads and widening ops go to other pipes than
+ * the FMAs there); the wide path measured 6-26% faster for float32, q8_0 and fp8 at R = 32, about
+ * equal for float16 and bfloat16 (whose in-register widening is nearly free) and slower for R <= 12
+ * (a vector of 8 rows is then partly zero padding): hence the per-dtype thresholds
+ * (DEC_WIDE_MIN_ROWS; docs/INFERENCE.md). Sums are in a fixed order that does not depend on
+ * threads; they differ in rounding from the groups of 4 rows (tolerance-tested).
  *
  * Ring buffers: a unit's keys are one or two runs of consecutive cache rows (a windowed cache's
  * unit may wrap from the last slot to slot 0); each run goes through the same code.
