@@ -1,15 +1,16 @@
 /* SPDX-License-Identifier: MIT */
 /* test_kv_rows.c: mha_kv_cache_attention with many query rows per kv head, R = group * t > 4 (the
  * AVX-512 kernel's wide path, decode_avx512.c: float32 from R = 5, the other dtypes from R = 9,
- * below that their groups of 4 rows; the other tiers' row groups), against a float64
+ * below that their groups of 4 rows; the AVX2 kernel's wide path, decode_avx2.c: float32 and fp8
+ * from R = 13, q8_0 from 21, float16 / bfloat16 from 25; the generic kernel), against a float64
  * oracle written here from the definition over the cache's own rows (mha_kv_cache_read: the
  * dequantised values, so the tolerance is the float32 one, TOL_OUT_REL):
  *   every cache dtype (f32, f16, bf16, q8_0, fp8 e4m3 with scales), contiguous and paged (blocks
  *   of 16), window rings that wrap (inside a unit too), soft-cap, ALiBi, sinks, chunks, chains and
- *   draft trees, R = 5, 8, 12, 32, 64 and 96, head sizes d_k != d_v and not multiples of 16;
- *   1 and 2 threads bit-identical; and R = 4 over caches of more than 32 MiB (the far prefetch's
- *   instances of the contiguous path on AMD Zen 5). The tier is the one MHA_MAX_ISA allows
- *   (ctest runs this file under avx2 and generic too).
+ *   draft trees, R = 5, 8, 12, 13, 32, 64 and 96, head sizes d_k != d_v and not multiples of 16
+ *   (R = 32: nor of 8); 1 and 2 threads bit-identical; and R = 4 over caches of more than 32 MiB
+ *   (the far prefetch's instances of the contiguous path on AMD Zen 5). The tier is the one
+ *   MHA_MAX_ISA allows (ctest runs this file under avx2 and generic too).
  */
 #include "harness.h"
 #include "oracle_f64.h"
@@ -192,6 +193,8 @@ int main(void) {
     /* shapes: H, G, dk, dv, t, tree (R = H / G * t) */
     static const int64_t shapes[][6] = {
         {5, 1, 40, 24, 1, 0},    /* R 5, one token, head sizes not multiples of 16 */
+        {13, 1, 24, 40, 1, 0},   /* R 13: AVX2 wide path for float32 and fp8 */
+        {16, 1, 20, 36, 2, 0},   /* R 32, head sizes not multiples of 8 */
         {8, 8, 64, 64, 8, 1},    /* R 8: group 1, 8 drafts */
         {6, 2, 48, 80, 4, 0},    /* R 12, chain of 4 */
         {16, 4, 128, 128, 8, 1}, /* R 32: the 8-draft tree of issue 32 */

@@ -219,13 +219,15 @@ typedef void (*mha__dec_kernel_fn)(const mha__dec_problem *p,
  * or the generic kernel's dequantised K and V row, rows padded to 16 floats; for R > 4 at least
  * the AVX-512 kernel's wide path (decode_avx512.c): the query rows transposed [dk][rp] (rp = R
  * rounded up to 16), a score tile [16][rp], 16 widened K rows [16][dk rounded up to 16] and 16 V
- * rows [16][dv rounded up to 64]. */
+ * rows [16][dv rounded up to 64], and the AVX2 kernel's (decode_avx2.c), whose pass 3 widens 64
+ * V rows [64][dv rounded up to 16] at once. */
 static inline int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
     const int64_t R = p->group * p->t, d = p->dk > p->dv ? p->dk : p->dv;
     const int64_t rp = (R + 15) & ~(int64_t)15;
     const int64_t rows = R * MHA_DEC_BLOCK + (R > 2 ? R : 2) * (d + 16) + 32;
     const int64_t wide = R * MHA_DEC_BLOCK + rp * (p->dk + 16) +
-                         16 * (((p->dk + 15) & ~(int64_t)15) + ((p->dv + 63) & ~(int64_t)63)) + 32;
+                         16 * ((p->dk + 15) & ~(int64_t)15) + 64 * ((p->dv + 63) & ~(int64_t)63) +
+                         32;
     return R > 4 && wide > rows ? wide : rows;
 }
 

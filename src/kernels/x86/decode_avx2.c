@@ -10,7 +10,8 @@
  *   pass 3: o_r += e_rj v_j         (blocks of DEC_KB keys, 4 rows x 16 columns of o in registers)
  * K and V rows are read straight from the cache and widened in registers: float16 with
  * VCVTPH2PS (F16C), bfloat16 by a 16-bit left shift. Every K and V element is loaded and widened
- * once per group of 4 query rows, so for t = 1 and group <= 4 exactly once.
+ * once per group of 4 query rows, so for t = 1 and group <= 4 exactly once (many rows: the wide
+ * path below).
  *
  * Register budget (16 ymm):
  *   pass 1: 4 rows x 2 keys = 8 accumulators, 2 x 2 widened K vectors (16 elements of 2 keys),
@@ -41,6 +42,34 @@
  *                         pass 3: o [R][dvp] (dvp = dv rounded up to 8: tails need no masks)
  * so W needs R max(dk, dv) + 7 R floats, within the R (d + 16) the scratch has.
  *
+ * The wide path: units of R > DEC_WIDE_MIN_ROWS(dtype) query rows (several tokens per call, draft
+ * trees: R = 32 for an 8-draft tree at group 4) take dec_wide instead, built for the FMA pipes as
+ * decode_avx512.c's wide path but for 16 ymm registers:
+ *   pass 1: scores transposed, S^T[key][row]. The query rows are held transposed, Qt[dk][Rp] (Rp
+ *           = R rounded up to 8, zero-padded; 8 x 8 in-register transposes, once per unit); each
+ *           block of 16 K rows is widened once into float32 scratch (float32 rows are read in
+ *           place); tiles of 2 vectors of rows (16 rows) x 6 keys (6 + 6 + 4 per block; a last
+ *           single vector of rows: 1 x 8 keys) run acc[v][y] += Qt[d][8 v ..] * broadcast(K[y][d])
+ *           for d = 0 .. dk-1: 12 accumulators + 2 q vectors + 1 broadcast = 15 of the 16 ymm
+ *           registers; per step d 12 FMAs for 2 q loads and 6 broadcast loads (0.67 loads per FMA,
+ *           no shuffle). One FMA chain per score in increasing d, no horizontal sums. Each 8 x 8
+ *           tile of S^T is transposed in registers into S [R][MHA_DEC_BLOCK], so pass 2 is the
+ *           same code (masks, trees, windows, sinks, soft-cap, ALiBi).
+ *   pass 3: blocks of 32 V rows widened once into float32 scratch (float32 with d_v % 16 == 0
+ *           read in place), then 6 rows x 16 columns of o in registers over the block (12
+ *           accumulators, 2 V vectors, 1 broadcast e): per key 12 FMAs for 2 V loads and 6
+ *           broadcasts; o is the unit's output, loaded and stored once per block (masked for the
+ *           last d_v % 16 columns); keys in increasing order as above.
+ * The FMA floor: R (dk + dv) / 8 256-bit FMAs per (key, kv head), 2 per cycle on the Zen 5 host
+ * (each 256-bit FMA takes one of its two FMA pipes): R = 32, d = 128: 512 cycles, 32.2 ms for
+ * 32768 keys x 8 kv heads at 4.17 GHz. The groups of 4 rows below already ran that tree at 63-75%
+ * of it on Zen 5 (K re-read from the L1 per group: loads and widening ops go to other pipes than
+ * the FMAs there); the wide path measured 6-26% faster for float32, q8_0 and fp8 at R = 32, about
+ * equal for float16 and bfloat16 (whose in-register widening is nearly free) and slower for R <= 12
+ * (a vector of 8 rows is then partly zero padding): hence the per-dtype thresholds
+ * (DEC_WIDE_MIN_ROWS; docs/INFERENCE.md). Sums are in a fixed order that does not depend on
+ * threads; they differ in rounding from the groups of 4 rows (tolerance-tested).
+ *
  * Ring buffers: a unit's keys are one or two runs of consecutive cache rows (a windowed cache's
  * unit may wrap from the last slot to slot 0); each run goes through the same code.
  *
@@ -59,6 +88,7 @@
 #include "kernels/registry.h"
 
 #if defined(__x86_64__) || defined(__i386__)
+#    include "kernels/x86/gemm_pack_x86.h"
 #    include "kernels/x86/simd_avx2.h"
 
 #    include <string.h>
@@ -70,6 +100,18 @@
  * (1 thread); float32 measured the same with 32 and 64, and 64 of its rows would fill the L1. At
  * most 64 (the per-key visibility bits of a block are one uint64_t). */
 #    define DEC_KB(DT) ((DT) == MHA_DTYPE_F32 ? 32 : 64)
+
+/* The wide path (see the top) serves units of more than this many query rows. Measured on AMD
+ * Zen 5 (1 thread, h 32 g 8 d 128, 32768 keys, draft trees / chains of t tokens, R = 4 t; wide
+ * against groups of 4 rows, ms per step): float32 R 8 16.3 / 14.1, R 12 21.2 / 20.4, R 16
+ * 24.5 / 26.8, R 32 48.2 / 51.4; fp8 R 12 25.6 / 25.5, R 16 28.9 / 34.5, R 32 50.5 / 68.5; q8_0
+ * R 16 29.3 / 28.7, R 20 36.2 / 35.4, R 24 40.4 / 45.6, R 32 50.8 / 57.9; bfloat16 R 16
+ * 25.7 / 24.7, R 24 37.6 / 37.0, R 32 47.0-47.8 / 47.9-48.5, R 64 103.8 / 107.7; float16 R 16
+ * 25.7 / 24.3, R 32 47.8 / 48.0, R 64 106.9 / 108.8. */
+#    define DEC_WIDE_MIN_ROWS(DT)                                                                  \
+        ((DT) == MHA_DTYPE_F32 || (DT) == MHA_DTYPE_FP8_E4M3 ? 12                                  \
+         : (DT) == MHA_DTYPE_Q8_0                            ? 20                                  \
+                                                             : 24)
 
 /* ---- Loading cache rows ---------------------------------------------------------------------- */
 
@@ -626,6 +668,336 @@ stream_span(const unit_stream *us, int64_t y, int64_t n, int64_t KB, int l2) {
     return pf;
 }
 
+/* ---- The wide path: R > 4 query rows ----------------------------------------------------------
+ * See the top ("The wide path"). Keys per block: MHA_DEC_WIDE_SUB; the row tiles below. */
+#    define MHA_DEC_WIDE_SUB  16
+/* Keys per block of pass 3 (V rows widened into scratch at once; the accumulators of a tile are
+ * loaded and stored once per block). */
+#    define MHA_DEC_WIDE_VSUB 32
+/* Rows of o per register block of pass 3 (x 16 columns: 12 accumulators). */
+#    define MHA_DEC_WIDE_ROWS 6
+
+/* One pass-1 tile: st[y][8 v + lane] = sum_{d < dk} qt[d][8 v + lane] kp[y][d] for NV (1 or 2)
+ * vectors of 8 rows (qt at the tile's first row, row stride rp) and NK keys (kp[y]: float32 rows
+ * of >= dk), one FMA chain per score in increasing d. Each step d prefetches one line of the span
+ * pf while *poff < pf's bytes. */
+MHA_INLINE void wide_tile(const int NV,
+                          const int NK,
+                          const float *const *kp,
+                          const float *qt,
+                          int64_t rp,
+                          int64_t dk,
+                          float *st,
+                          prefetch_span pf,
+                          size_t *poff) {
+    v8 acc[2][12];
+    const size_t pn = pf.p ? pf.n + pf.n1 : 0;
+    size_t off = *poff;
+#    pragma GCC unroll 12
+    for (int y = 0; y < NK; y++)
+        for (int v = 0; v < NV; v++)
+            acc[v][y] = v8_zero();
+    for (int64_t d = 0; d < dk; d++, qt += rp) {
+        if (off < pn) {
+            prefetch_step(pf, off, 1);
+            off += 64;
+        }
+        v8 q0 = v8_load(qt), q1 = NV > 1 ? v8_load(qt + 8) : q0;
+        /* keeps q in registers (GCC would fold its loads into every FMA that uses it) */
+        __asm__("" : "+x"(q0), "+x"(q1));
+#    pragma GCC unroll 12
+        for (int y = 0; y < NK; y++) {
+            const v8 b = _mm256_broadcast_ss(kp[y] + d);
+            acc[0][y] = v8_fma(q0, b, acc[0][y]);
+            if (NV > 1)
+                acc[1][y] = v8_fma(q1, b, acc[1][y]);
+        }
+    }
+#    pragma GCC unroll 12
+    for (int y = 0; y < NK; y++)
+        for (int v = 0; v < NV; v++)
+            v8_store(st + y * rp + 8 * v, acc[v][y]);
+    *poff = off;
+}
+
+/* The tiles as small non-inlined functions (dtype-independent: K rows are float32 by then), so
+ * the pointers they walk stay in registers. */
+typedef void (*wide_tile_fn)(
+    const float *const *, const float *, int64_t, int64_t, float *, prefetch_span, size_t *);
+#    define WIDE_TILE_(nv, nk)                                                                     \
+        static __attribute__((noinline)) void wide_tile_##nv##x##nk(                               \
+            const float *const *kp, const float *qt, int64_t rp, int64_t dk, float *st,            \
+            prefetch_span pf, size_t *poff) {                                                      \
+            wide_tile(nv, nk, kp, qt, rp, dk, st, pf, poff);                                       \
+        }
+WIDE_TILE_(2, 6)
+WIDE_TILE_(2, 4)
+WIDE_TILE_(1, 8)
+#    undef WIDE_TILE_
+
+/* Pass 1 of the wide path over one block of nk <= MHA_DEC_WIDE_SUB keys (kp[y]: float32 K rows,
+ * rows nk.. repeat row 0): S[r][y] = q_r . k_y for r < R, with qt [dk][rp] the unit's query rows
+ * transposed and st [MHA_DEC_WIDE_SUB][rp] scratch. The block prefetches the span pf. */
+MHA_INLINE void scores_wide(const float *const *kp,
+                            int64_t nk,
+                            const float *qt,
+                            int64_t R,
+                            int64_t rp,
+                            int64_t dk,
+                            float *S,
+                            float *st,
+                            prefetch_span pf) {
+    const int64_t nv = rp / 8;
+    size_t poff = 0;
+    for (int64_t v = 0; v < nv; v += 2) {
+        if (v + 1 < nv) { /* 16 rows: keys 6 + 6 + 4 */
+            wide_tile_2x6(kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
+            wide_tile_2x6(kp + 6, qt + 8 * v, rp, dk, st + 6 * rp + 8 * v, pf, &poff);
+            wide_tile_2x4(kp + 12, qt + 8 * v, rp, dk, st + 12 * rp + 8 * v, pf, &poff);
+        } else { /* a last vector of 8 rows: keys 8 + 8 */
+            wide_tile_1x8(kp, qt + 8 * v, rp, dk, st + 8 * v, pf, &poff);
+            wide_tile_1x8(kp + 8, qt + 8 * v, rp, dk, st + 8 * rp + 8 * v, pf, &poff);
+        }
+    }
+    if (pf.p) /* what the steps did not cover (short rows) */
+        for (size_t off = poff; off < pf.n + pf.n1; off += 64)
+            prefetch_step(pf, off, 1);
+    /* st [16 keys][rp rows] -> S [row][key], 8 x 8 at a time (keys past nk are not stored: a
+     * block need not start at a multiple of 8, and S's rows are MHA_DEC_BLOCK floats) */
+    for (int64_t v = 0; v < nv; v++)
+        for (int64_t y0 = 0; y0 < nk; y0 += 8) {
+            v8 t[8];
+            for (int y = 0; y < 8; y++)
+                t[y] = v8_load(st + (y0 + y) * rp + 8 * v);
+            gemm_transpose8x8(t);
+            const __m256i k = v8_first(nk - y0 < 8 ? (int)(nk - y0) : 8);
+            for (int64_t x = 0; x < 8 && 8 * v + x < R; x++) {
+                if (nk - y0 >= 8)
+                    _mm256_storeu_ps(S + (8 * v + x) * MHA_DEC_BLOCK + y0, t[x]);
+                else
+                    v8_storeu_mask(S + (8 * v + x) * MHA_DEC_BLOCK + y0, k, t[x]);
+            }
+        }
+}
+
+/* o_x[c0, c0 + 16) += sum_{y < nk} e_x[y] vp[y][c0, c0 + 16) for NR rows (o_x at o + x dv, e_x
+ * at e + x BLOCK) over a block of float32 value rows (vp[y], >= c0 + 16 readable floats each),
+ * keys in increasing order: the 2 NR accumulators stay in registers over the block. FULL: the 16
+ * columns exist (else masks km). CHECK: a row whose bit y of seen[x] is clear (e_x[y] = 0) skips
+ * key y (0 * inf would be NaN). Key y prefetches one line of pf while *poff < its bytes. */
+MHA_INLINE void axpy_wide(const int NR,
+                          const int FULL,
+                          const int CHECK,
+                          const float *const *vp,
+                          int64_t nk,
+                          const float *e,
+                          float *o,
+                          int64_t dv,
+                          int64_t c0,
+                          const __m256i *km,
+                          const uint64_t *seen,
+                          prefetch_span pf,
+                          size_t *poff) {
+    v8 acc[MHA_DEC_WIDE_ROWS][2];
+    const size_t pn = pf.p ? pf.n + pf.n1 : 0;
+    size_t off = *poff;
+#    pragma GCC unroll 6
+    for (int x = 0; x < NR; x++)
+        for (int c = 0; c < 2; c++)
+            acc[x][c] = FULL ? v8_loadu(o + x * dv + c0 + 8 * c)
+                             : v8_loadu_mask(km[c], o + x * dv + c0 + 8 * c);
+    for (int64_t y = 0; y < nk; y++) {
+        if (off < pn) {
+            prefetch_step(pf, off, 1);
+            off += 64;
+        }
+        const v8 v0 = v8_loadu(vp[y] + c0), v1 = v8_loadu(vp[y] + c0 + 8);
+#    pragma GCC unroll 6
+        for (int x = 0; x < NR; x++) {
+            if (CHECK && !(seen[x] >> y & 1u))
+                continue;
+            const v8 ev = _mm256_broadcast_ss(e + x * MHA_DEC_BLOCK + y);
+            acc[x][0] = v8_fma(ev, v0, acc[x][0]);
+            acc[x][1] = v8_fma(ev, v1, acc[x][1]);
+        }
+    }
+#    pragma GCC unroll 6
+    for (int x = 0; x < NR; x++)
+        for (int c = 0; c < 2; c++) {
+            if (FULL)
+                _mm256_storeu_ps(o + x * dv + c0 + 8 * c, acc[x][c]);
+            else
+                v8_storeu_mask(o + x * dv + c0 + 8 * c, km[c], acc[x][c]);
+        }
+    *poff = off;
+}
+
+/* Non-inlined instances of axpy_wide, [rows - 1][full][check]. */
+typedef void (*axpy_wide_fn)(const float *const *,
+                             int64_t,
+                             const float *,
+                             float *,
+                             int64_t,
+                             int64_t,
+                             const __m256i *,
+                             const uint64_t *,
+                             prefetch_span,
+                             size_t *);
+#    define AXPYW_(nr, full, check)                                                                \
+        static __attribute__((noinline)) void axpy_wide_##nr##_##full##check(                      \
+            const float *const *vp, int64_t nk, const float *e, float *o, int64_t dv, int64_t c0,  \
+            const __m256i *km, const uint64_t *seen, prefetch_span pf, size_t *poff) {             \
+            axpy_wide(nr, full, check, vp, nk, e, o, dv, c0, km, seen, pf, poff);                  \
+        }
+#    define AXPYW4_(nr) AXPYW_(nr, 0, 0) AXPYW_(nr, 0, 1) AXPYW_(nr, 1, 0) AXPYW_(nr, 1, 1)
+AXPYW4_(1)
+AXPYW4_(2)
+AXPYW4_(3)
+AXPYW4_(4)
+AXPYW4_(5)
+AXPYW4_(6)
+#    undef AXPYW4_
+#    undef AXPYW_
+#    define AXPYW4_(nr)                                                                            \
+        {                                                                                          \
+            {axpy_wide_##nr##_00, axpy_wide_##nr##_01}, {                                          \
+                axpy_wide_##nr##_10, axpy_wide_##nr##_11                                           \
+            }                                                                                      \
+        }
+static const axpy_wide_fn axpy_wide_table[MHA_DEC_WIDE_ROWS][2][2] = {
+    AXPYW4_(1), AXPYW4_(2), AXPYW4_(3), AXPYW4_(4), AXPYW4_(5), AXPYW4_(6)};
+#    undef AXPYW4_
+
+/* Pass 3 of the wide path over one block of nk <= MHA_DEC_WIDE_VSUB keys (vp[y]: float32 V rows
+ * of dv rounded up to 16 readable floats, zero-padded): o_r += sum_y e_r[y] vp[y] for r < R (o
+ * [R][dv], e_r at e + r BLOCK). The block prefetches the span pf. */
+MHA_INLINE void values_wide(const float *const *vp,
+                            int64_t nk,
+                            const float *e,
+                            int64_t R,
+                            float *o,
+                            int64_t dv,
+                            prefetch_span pf) {
+    const uint64_t in = nk >= 64 ? ~(uint64_t)0 : ((uint64_t)1 << nk) - 1u;
+    size_t poff = 0;
+    for (int64_t r0 = 0; r0 < R; r0 += MHA_DEC_WIDE_ROWS) {
+        const int64_t nr = R - r0 < MHA_DEC_WIDE_ROWS ? R - r0 : MHA_DEC_WIDE_ROWS;
+        const float *er = e + r0 * MHA_DEC_BLOCK;
+        float *orow = o + r0 * dv;
+        /* which keys each row sees (e != 0; NaN counts as seen) */
+        uint64_t seen[MHA_DEC_WIDE_ROWS] = {0, 0, 0, 0, 0, 0}, all = in;
+        for (int64_t x = 0; x < nr; x++) {
+            seen[x] = seen_bits(er + x * MHA_DEC_BLOCK, nk);
+            all &= seen[x];
+        }
+        const int check = all != in;
+        for (int64_t c0 = 0; c0 < dv; c0 += 16) {
+            const int full = c0 + 16 <= dv;
+            const int64_t n0 = dv - c0 < 8 ? dv - c0 : 8, n1 = dv - c0 - 8;
+            const __m256i km[2] = {v8_first((int)n0), v8_first(n1 < 0 ? 0 : n1 > 8 ? 8 : (int)n1)};
+            axpy_wide_table[nr - 1][full][check](vp, nk, er, orow, dv, c0, km, seen, pf, &poff);
+        }
+    }
+    if (pf.p) /* what the steps did not cover */
+        for (size_t off = poff; off < pf.n + pf.n1; off += 64)
+            prefetch_step(pf, off, 1);
+}
+
+/* The wide path for cache dtype DT: the unit's passes 1 to 3 (o, m, l as dec_kernel's). */
+MHA_INLINE void dec_wide(const mha_dtype DT,
+                         const mha__dec_problem *p,
+                         const mha__dec_unit *u,
+                         const unit_stream *us,
+                         float *o,
+                         float *m,
+                         float *l,
+                         float *scratch) {
+    const int64_t R = p->group * p->t, nb = u->j1 - u->j0, dk = p->dk, dv = p->dv;
+    const int64_t rp = (R + 7) & ~(int64_t)7, dk8 = ((dk + 7) & ~(int64_t)7) + 8;
+    const int64_t dv16 = (dv + 15) & ~(int64_t)15;
+    const int l2 = p->prefetch_l2;
+    /* scratch: S [R][BLOCK], qt [dk][rp], st [16][rp], kw [16][dk8], vw [64][dv16] (within
+     * mha__dec_scratch_floats' wide part) */
+    float *S = scratch, *qt = S + R * MHA_DEC_BLOCK, *st = qt + dk * rp;
+    float *kw = st + MHA_DEC_WIDE_SUB * rp, *vw = kw + MHA_DEC_WIDE_SUB * dk8;
+
+    /* The query rows transposed, 8 rows x 8 elements at a time; rows R .. rp - 1 are zero. */
+    for (int64_t r0 = 0; r0 < rp; r0 += 8) {
+        const float *src[8];
+        for (int64_t x = 0; x < 8; x++) {
+            const int64_t r = r0 + x, i = r / p->group, h = u->g * p->group + r % p->group;
+            src[x] = r < R ? p->q + u->s * p->q_ss + i * p->q_ts + h * dk : NULL;
+        }
+        for (int64_t d0 = 0; d0 < dk; d0 += 8) {
+            const __m256i k = v8_first(dk - d0 < 8 ? (int)(dk - d0) : 8);
+            v8 t[8];
+            for (int x = 0; x < 8; x++)
+                t[x] = src[x] ? v8_loadu_mask(k, src[x] + d0) : v8_zero();
+            gemm_transpose8x8(t);
+            for (int64_t y = 0; y < 8 && d0 + y < dk; y++)
+                v8_store(qt + (d0 + y) * rp + r0, t[y]);
+        }
+    }
+
+    /* Pass 1, per block of up to 16 keys within a run: K rows as float32 (float32 in place, the
+     * others widened once into kw), then the tiles. Each block prefetches as many rows 16 keys
+     * ahead (K, then V rows). */
+    for (int ri = 0; ri < us->nruns; ri++) {
+        const key_run *kr = &us->runs[ri];
+        for (int64_t yb = 0; yb < kr->n; yb += MHA_DEC_WIDE_SUB) {
+            const int64_t nk = kr->n - yb < MHA_DEC_WIDE_SUB ? kr->n - yb : MHA_DEC_WIDE_SUB;
+            const prefetch_span pf = stream_span(us, kr->y0 + yb, nk, MHA_DEC_WIDE_SUB, l2);
+            const float *kp[MHA_DEC_WIDE_SUB];
+            for (int64_t y = 0; y < MHA_DEC_WIDE_SUB; y++) {
+                const char *row = kr->k + (size_t)(yb + (y < nk ? y : 0)) * us->rb;
+                if (DT == MHA_DTYPE_F32) {
+                    kp[y] = (const float *)(const void *)row;
+                    continue;
+                }
+                kp[y] = kw + (y < nk ? y : 0) * dk8;
+                if (y < nk)
+                    for (int64_t d = 0; d < dk; d += 8)
+                        v8_store(kw + y * dk8 + d,
+                                 dk - d >= 8 ? load8(DT, row, d) : load_part8(DT, row, d, dk - d));
+            }
+            scores_wide(kp, nk, qt, R, rp, dk, S + kr->y0 + yb, st, pf);
+        }
+    }
+
+    /* Pass 2, per row. */
+    for (int64_t r = 0; r < R; r++)
+        softmax_row(p, u, r, nb, S + r * MHA_DEC_BLOCK, &m[r], &l[r]);
+
+    /* Pass 3, per block of up to 64 keys: V rows as float32 (float32 with dv % 16 == 0 in place,
+     * else widened once into vw, zero-padded to dv16), o accumulated in place. Each block
+     * prefetches as many rows 64 keys ahead (V, then the next unit's K rows). */
+    memset(o, 0, sizeof(float) * (size_t)(R * dv));
+    const int inplace = DT == MHA_DTYPE_F32 && dv % 16 == 0;
+    for (int ri = 0; ri < us->nruns; ri++) {
+        const key_run *kr = &us->runs[ri];
+        for (int64_t yb = 0; yb < kr->n; yb += MHA_DEC_WIDE_VSUB) {
+            const int64_t nk = kr->n - yb < MHA_DEC_WIDE_VSUB ? kr->n - yb : MHA_DEC_WIDE_VSUB;
+            const prefetch_span pf = stream_span(us, nb + kr->y0 + yb, nk, MHA_DEC_WIDE_VSUB, l2);
+            const float *vp[MHA_DEC_WIDE_VSUB];
+            for (int64_t y = 0; y < nk; y++) {
+                const char *row = kr->v + (size_t)(yb + y) * us->rbv;
+                if (inplace) {
+                    vp[y] = (const float *)(const void *)row;
+                    continue;
+                }
+                vp[y] = vw + y * dv16;
+                for (int64_t d = 0; d < dv16; d += 8)
+                    v8_store(vw + y * dv16 + d, dv - d >= 8 ? load8(DT, row, d)
+                                                : d < dv    ? load_part8(DT, row, d, dv - d)
+                                                            : v8_zero());
+            }
+            values_wide(vp, nk, S + kr->y0 + yb, R, o, dv, pf);
+        }
+    }
+    if (DT == MHA_DTYPE_FP8_E4M3)
+        mha__kv_fp8_scale_o(p->cache, u->g, o, R, dv);
+}
+
 /* The kernel for cache dtype DT (a constant after inlining). */
 MHA_INLINE void dec_kernel(const mha_dtype DT,
                            const mha__dec_problem *p,
@@ -651,13 +1023,6 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     const int l2 = p->prefetch_l2;
     const int64_t KB = DEC_KB(DT);
 
-    /* The unit's query rows, copied once, chunk-major (see the top): row r = i * group + gh is
-     * query head g * group + gh of token i; zero-padded to dkp; bfloat16 in even/odd order. */
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-        copy_q_row(DT, p->q + u->s * p->q_ss + i * p->q_ts + h * dk, dk, W + 8 * r, 8 * R);
-    }
-
     /* The unit's keys as runs of consecutive cache rows (cache/kv_cache.h): one, or two when it
      * wraps in a ring buffer, or one per block of a paged cache. */
     key_run runs[MHA__KV_MAX_RUNS];
@@ -669,6 +1034,17 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
     const int nnext =
         u->j1 < L ? mha__kv_runs(c, seq, u->g, u->j1, L - u->j1 < KB ? L - u->j1 : KB, next) : 0;
     const unit_stream us = {runs, next, nruns, nnext, nb, rb, rbv};
+    if (R > DEC_WIDE_MIN_ROWS(DT)) { /* the wide path (see the top) */
+        dec_wide(DT, p, u, &us, o, m, l, scratch);
+        return;
+    }
+
+    /* The unit's query rows, copied once, chunk-major (see the top): row r = i * group + gh is
+     * query head g * group + gh of token i; zero-padded to dkp; bfloat16 in even/odd order. */
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
+        copy_q_row(DT, p->q + u->s * p->q_ss + i * p->q_ts + h * dk, dk, W + 8 * r, 8 * R);
+    }
 
     /* Pass 1: scores, per block of up to KB keys (within a run), for each group of up to 4 query
      * rows. Each block prefetches as many rows KB keys ahead (K, then V rows). */

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* gemm_pack_x86.h: packing of W panels for the x86 GEMM kernels (included only by
- * gemm_avx2.c and gemm_avx512.c, which are compiled with AVX2 enabled).
+ * gemm_avx2.c, gemm_avx512.c and decode_avx2.c (its 8 x 8 transpose), which are compiled with AVX2
+ * enabled).
  *
  * A panel of NR rows of W [N, K] (nn.Linear layout, row stride ldw) becomes [kc][NR]: for each k
  * the NR output columns side by side, which is what the micro-kernel loads as vectors. This is a
