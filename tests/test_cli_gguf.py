@@ -973,3 +973,50 @@ def test_phi3_refused_by_name(phi3_models, tmp_path):
     w.write_tensors_to_file()
     w.close()
     refused(p, "rope_factors_short.weight: 129 rotary pairs, more than 128")
+
+
+def test_phi3_fused_bias_and_separate_projections(phi3_models, tmp_path):
+    # attn_qkv.bias (llama.cpp reads one for phi3; HF's Phi-3 has none): its [q; k; v] parts are
+    # the three biases; a phi3 file with separate attn_q / attn_k / attn_v instead of the fused
+    # tensor is read as they are (llama.cpp accepts either); attn_qkv.bias alone is refused.
+    mha = pytest.importorskip("mha")
+    model, _ = phi3_models["phi3"]
+    rng = np.random.default_rng(3)
+    bias = rng.standard_normal(256).astype(np.float32)
+    p = str(tmp_path / "b.gguf")
+    write_phi3("phi3", model, Q.F32, p, edit=lambda w: w.add_tensor("blk.1.attn_qkv.bias", bias))
+    layer = mha.MultiheadAttention.from_gguf(p, layer=1)
+    assert np.array_equal(layer.weights["b_q"], bias[:128])
+    assert np.array_equal(layer.weights["b_k"], bias[128:192])
+    assert np.array_equal(layer.weights["b_v"], bias[192:])
+    fused = mha.MultiheadAttention.from_gguf(p, layer=0)
+    assert fused.weights.get("b_q") is None
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight.detach().numpy().astype(np.float32)
+    w = gguf.GGUFWriter(p, "phi3")
+    w.add_block_count(1)
+    w.add_embedding_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(16)
+    w.add_sliding_window(0)
+    for stem, rows in (("attn_q", qkv[:128]), ("attn_k", qkv[128:192]), ("attn_v", qkv[192:]),
+                       ("attn_output", fused.weights["w_o"])):
+        w.add_tensor(f"blk.0.{stem}.weight", np.ascontiguousarray(rows))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    sep = mha.MultiheadAttention.from_gguf(p)
+    for nm in ("w_q", "w_k", "w_v", "w_o"):
+        assert np.array_equal(sep.weights[nm], fused.weights[nm]), nm
+    w = gguf.GGUFWriter(p, "phi3")
+    w.add_block_count(1)
+    w.add_embedding_length(128)
+    w.add_head_count(4)
+    w.add_tensor("blk.0.attn_qkv.bias", bias)
+    w.add_tensor("blk.0.attn_output.weight", np.zeros((128, 128), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refused(p, "blk.0.attn_qkv.bias without blk.0.attn_qkv.weight")
