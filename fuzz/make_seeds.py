@@ -320,6 +320,17 @@ def main():
     out("gguf", "qwen2_q2k_q3k", gguf("qwen2", keys("qwen2", 256, 1, 1, **{
         "qwen2.attention.key_length": (4, 32), "qwen2.attention.value_length": (4, 32)}),
                                       layer_tensors(0, 256, 1, 1, 32, typ=(10, 11, 10, 6))))
+    # phi3: fused attn_qkv ([q; k; v] rows; Q8_0 at width 32, h 2, g 1, d 16: 64 rows), partial
+    # rotary 8 of 16 (4 pairs), LongRoPE factor tensors and attn_factor, sliding_window 0 (none)
+    out("gguf", "phi3_longrope_q8", gguf("phi3", keys("phi3", 32, 2, 1, **{
+        "phi3.context_length": (4, 64), "phi3.rope.scaling.original_context_length": (4, 8),
+        "phi3.rope.dimension_count": (4, 8), "phi3.rope.scaling.attn_factor": (6, 1.4142135),
+        "phi3.attention.sliding_window": (4, 0)}),
+        [("blk.0.attn_qkv.weight", [32, 64], 8, q8_0(lw(64, 32))),
+         ("blk.0.attn_output.weight", [32, 32], 8, q8_0(lw(32, 32, 3))),
+         ("blk.0.attn_qkv.bias", [64], 0, f32(lw(64, 1, 1))),
+         ("rope_factors_short.weight", [4], 0, f32([1.0, 1.25, 1.5, 2.0])),
+         ("rope_factors_long.weight", [4], 0, f32([1.0, 2.0, 4.0, 8.0]))]))
     out("gguf", "bad_magic", b"GGUX" + bytes(40))
     # ---- npz members: count byte, then per member: flags (dtype in bits 0-2, NULL data when
     # bits 3-4 are set), name length, name, [dtype byte], ndim byte, dims, data (fuzz_npz.c)

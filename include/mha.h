@@ -861,9 +861,10 @@ MHA_API mha_status mha_hf_layer_load(const char *dir,
 
 /** What a GGUF file (llama.cpp's format, versions 2 and 3) says about the attention of layer
  *  `layer`, in the HF info's fields: model_type is general.architecture (llama, mistral, qwen2,
- *  qwen3), prefix "blk.L.", num_layers {arch}.block_count; heads, kv heads, head_dim, biases,
- *  RoPE (theta, rotary dims, linear scaling, Llama 3's rope_freqs.weight as LONGROPE with equal
- *  lists; style HALF: see mha_layer_load_gguf), QK-norm
+ *  qwen3, phi3), prefix "blk.L.", num_layers {arch}.block_count; heads, kv heads, head_dim,
+ *  biases, RoPE (theta, rotary dims, linear scaling, YaRN, Llama 3's rope_freqs.weight as
+ *  LONGROPE with equal lists, Phi-3's rope_factors_short/long.weight as LONGROPE; style HALF: see
+ *  mha_layer_load_gguf), phi3's fused attn_qkv (its [q; k; v] row blocks), QK-norm
  *  (qwen3), causal, and the sliding window ({arch}.attention.sliding_window - 1 on the left) as
  *  mha_hf_layer_info_read gives them (docs/MODELS.md "GGUF"). An architecture or option mha
  *  cannot reproduce is UNSUPPORTED naming it; a malformed file is BAD_FILE naming the problem.
@@ -874,7 +875,9 @@ MHA_API mha_status mha_gguf_layer_info_read(const char *path,
                                             mha_error *err);
 
 /** Loads layer `layer`'s attention from the GGUF file `path` (blk.L.attn_q/k/v/output.weight,
- *  the biases and attn_q_norm/attn_k_norm when present). Tensors of type F32, F16 and BF16 are
+ *  or for phi3 the fused blk.L.attn_qkv.weight whose row blocks [q (h d); k (g d); v (g d)] are
+ *  read as q, k and v, each in the types below as any projection; the biases and
+ *  attn_q_norm/attn_k_norm when present). Tensors of type F32, F16 and BF16 are
  *  stored in config->weight_dtype (a tensor already in it keeps its bytes, any other is rounded
  *  once to nearest even, as mha_layer_load_safetensors does; mixed types are fine); Q8_0 is
  *  dequantised to float32 (exact) and then stored likewise, as are the other block types

@@ -706,3 +706,317 @@ def test_q4_0_layer(models, tmp_path):
     assert np.array_equal(yq[0], hq.forward(xb))
     with pytest.raises(ValueError, match="weight_dtype"):
         mha.MultiheadAttention.from_pretrained(hf_dir, layer=1, weight_dtype="int4")
+
+
+# ---- Phi-3 (general.architecture "phi3"): the fused attn_qkv and LongRoPE ----------------------
+#
+# llama.cpp's converter (Phi3MiniModel) keeps HF's qkv_proj as blk.L.attn_qkv.weight (rows
+# [q (h d); k (g d); v (g d)], not permuted), writes rope.dimension_count = int(partial_rotary *
+# hidden) // heads, context_length, rope.scaling.original_context_length, sliding_window (0 when
+# the config has none) and, for LongRoPE, the global F32 tensors rope_factors_long.weight /
+# rope_factors_short.weight and rope.scaling.attn_factor = sqrt(1 + ln(s) / ln(orig)), s =
+# context / orig (1 if s <= 1). Factors exactly representable in float32, so the file holds the
+# config's values and the HF directory's layer is the GGUF's bit for bit.
+PHI3_SHORT = [1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0]
+PHI3_LONG = [1.0, 1.5, 2.5, 4.0, 6.0, 8.0, 12.0, 16.0]
+PHI3_ORIG, PHI3_SHORT_SEQ = 8, 6  # calls of 6 tokens take the short list, of SEQ = 12 the long
+PHI3 = {
+    # partial rotary 0.5 of head_dim 32 (8 pairs), LongRoPE over an original context of 8 (of
+    # 64: factor 8, attention factor sqrt(2)), a sliding window of 5
+    "phi3_lr": dict(vocab_size=64, num_hidden_layers=2, hidden_size=128, intermediate_size=64,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=WINDOW,
+                    original_max_position_embeddings=PHI3_ORIG,
+                    rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
+                                         partial_rotary_factor=0.5, short_factor=PHI3_SHORT,
+                                         long_factor=PHI3_LONG)),
+    # no RoPE scaling, no sliding window (the converter writes 0), partial rotary 0.5
+    "phi3": dict(vocab_size=64, num_hidden_layers=2, hidden_size=128, intermediate_size=64,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                      partial_rotary_factor=0.5)),
+}
+
+
+@pytest.fixture(scope="module")
+def phi3_models(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("phi3"))
+    out = {}
+    for name, kw in PHI3.items():
+        torch.manual_seed(sum(map(ord, name)))
+        cfg = T.Phi3Config(**kw)
+        cfg._attn_implementation = "eager"
+        model = T.Phi3ForCausalLM(cfg).to(torch.float64).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.2)
+        d = os.path.join(root, name)
+        model.save_pretrained(d)
+        out[name] = (model, d)
+    return out
+
+
+def write_phi3(name, model, qtype, path, edit=None, lists=("short", "long"), attn_factor=True):
+    """The Phi-3 model's attention as llama.cpp's converter writes it (F32 or a quantised fused
+    attn_qkv); returns the float64 model holding the file's values (the oracle)."""
+    cfg = model.config
+    kw = PHI3[name]
+    h, g, n = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+    rp = kw["rope_parameters"]
+    w = gguf.GGUFWriter(path, "phi3")
+    w.add_context_length(cfg.max_position_embeddings)
+    orig = kw.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_embedding_length(n)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(h)
+    w.add_head_count_kv(g)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * n) // h)
+    w.add_rope_freq_base(float(rp["rope_theta"]))
+    w.add_file_type(int(qtype))
+    w.add_sliding_window(kw.get("sliding_window") or 0)
+    if "long_factor" in rp:
+        import math
+        scale = cfg.max_position_embeddings / orig
+        if attn_factor:
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+        for which in lists:
+            w.add_tensor(f"rope_factors_{which}.weight",
+                         np.array(rp[f"{which}_factor"], np.float32))
+    if edit:
+        edit(w)
+    oracle = T.Phi3ForCausalLM(cfg).to(torch.float64).eval()
+    oracle.load_state_dict(model.state_dict())
+    mods = dict(oracle.named_modules())
+    for L in range(cfg.num_hidden_layers):
+        att = mods[f"model.layers.{L}.self_attn"]
+        for hf, gg, qt in (("qkv_proj", "attn_qkv", qtype), ("o_proj", "attn_output", qtype)):
+            lin = getattr(att, hf)
+            data, raw, back = stored(lin.weight.detach().numpy(), qt)
+            w.add_tensor(f"blk.{L}.{gg}.weight", data, raw_dtype=raw)
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(back))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return oracle
+
+
+def phi3_ids(seq):
+    g = torch.Generator().manual_seed(11 + seq)
+    return torch.randint(3, 64, (BATCH, seq), generator=g)
+
+
+def run_model_dir(d, layer, x, tmp_path):
+    xp, yp = tmp_path / "x.npy", tmp_path / "ym.npy"
+    np.save(xp, x)
+    r = run_cli("run", "--model", d, "--layer", layer, "--input", xp, "--out", yp)
+    assert r.returncode == 0, r.stderr
+    return np.load(yp)
+
+
+@pytest.mark.parametrize("name", list(PHI3))
+def test_phi3_equals_hf_directory_and_transformers(phi3_models, name, tmp_path):
+    # An F32 phi3 file: the layer of the HF directory it came from, bit for bit, and the float64
+    # transformers Phi3 attention within TOL_OUT_REL; LongRoPE's short list for a call of 6
+    # tokens (<= original 8), its long list for one of 12, partial rotary 0.5, the window.
+    model, d = phi3_models[name]
+    path = str(tmp_path / f"{name}.gguf")
+    oracle = write_phi3(name, model, Q.F32, path)
+    outs = {}
+    for seq in (PHI3_SHORT_SEQ, SEQ):
+        for layer in (0, 1):
+            x, ref = record(oracle, layer, phi3_ids(seq))
+            y = run_gguf(path, layer, x, tmp_path)
+            err = H.max_rel_err(y, ref)
+            assert err <= TOL_OUT_REL, f"{name} seq {seq} layer {layer}: max error {err:.3g}"
+            np.testing.assert_array_equal(y, run_model_dir(d, layer, x, tmp_path))
+            outs[seq, layer] = (x, y)
+    if name == "phi3_lr":  # each list is really used: the other one gives another layer
+        import json
+        d2 = tmp_path / "swapped"
+        d2.mkdir()
+        for f in os.listdir(d):
+            os.symlink(os.path.join(d, f), d2 / f) if f != "config.json" else None
+        cfg = json.load(open(os.path.join(d, "config.json")))
+        rp = cfg["rope_parameters"]
+        rp["short_factor"], rp["long_factor"] = rp["long_factor"], rp["short_factor"]
+        json.dump(cfg, open(d2 / "config.json", "w"))
+        for seq in (PHI3_SHORT_SEQ, SEQ):
+            x, y = outs[seq, 0]
+            assert H.max_rel_err(run_model_dir(str(d2), 0, x, tmp_path), y) > 100 * TOL_OUT_REL
+    r = run_cli("info", "--gguf", path)
+    assert r.returncode == 0, r.stderr
+    assert "architecture: phi3" in r.stdout and "attn_qkv" in r.stdout, r.stdout
+    assert "rotary_dim 16" in r.stdout, r.stdout
+    if name == "phi3_lr":
+        assert "scaling longrope (factor 8" in r.stdout and f"window: {WINDOW - 1},0" in r.stdout
+    else:
+        assert "window" not in r.stdout or "window: none" in r.stdout, r.stdout
+
+
+def test_phi3_attn_factor(phi3_models, tmp_path):
+    # rope.scaling.attn_factor absent: transformers' default sqrt(1 + ln(s) / ln(orig)), the same
+    # layer as with the converter's float32 value; another value is the attention factor (the
+    # HF config's attention_factor), and changes the layer.
+    import json
+    model, d = phi3_models["phi3_lr"]
+    p1, p2, p3 = (str(tmp_path / f"{i}.gguf") for i in range(3))
+    write_phi3("phi3_lr", model, Q.F32, p1)
+    write_phi3("phi3_lr", model, Q.F32, p2, attn_factor=False)
+    write_phi3("phi3_lr", model, Q.F32, p3, attn_factor=False,
+               edit=lambda w: w.add_rope_scaling_attn_factors(1.75))
+    x, _ = record(model, 1, phi3_ids(SEQ))
+    y1 = run_gguf(p1, 1, x, tmp_path)
+    np.testing.assert_array_equal(run_gguf(p2, 1, x, tmp_path), y1)
+    y3 = run_gguf(p3, 1, x, tmp_path)
+    assert H.max_rel_err(y3, y1) > 100 * TOL_OUT_REL
+    d2 = tmp_path / "af"
+    d2.mkdir()
+    for f in os.listdir(d):
+        os.symlink(os.path.join(d, f), d2 / f) if f != "config.json" else None
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["rope_parameters"]["attention_factor"] = 1.75
+    json.dump(cfg, open(d2 / "config.json", "w"))
+    np.testing.assert_array_equal(y3, run_model_dir(str(d2), 1, x, tmp_path))
+
+
+@pytest.mark.parametrize("tname", ["Q8_0", "Q4_0"])
+def test_phi3_quantised_fused_qkv(phi3_models, tname, tmp_path):
+    # A quantised fused attn_qkv: its row blocks are q, k and v as for attn_q etc.: within
+    # TOL_OUT_REL of the oracle holding the file's (dequantised) values; as a q8_0 layer the
+    # blocks are kept (Q8_0) or mapped exactly (Q4_0): the float32 load's output bit for bit; a
+    # q4_0 layer keeps Q4_0 blocks: the q8_0 layer's output bit for bit.
+    mha = pytest.importorskip("mha")
+    model, _ = phi3_models["phi3_lr"]
+    path = str(tmp_path / "q.gguf")
+    oracle = write_phi3("phi3_lr", model, getattr(Q, tname), path)
+    x, ref = record(oracle, 1, phi3_ids(SEQ))
+    y32 = run_gguf(path, 1, x, tmp_path)
+    assert H.max_rel_err(y32, ref) <= TOL_OUT_REL
+    _, unrounded = record(model, 1, phi3_ids(SEQ))
+    assert H.max_rel_err(y32, unrounded) > 10 * TOL_OUT_REL  # the file's rounding is seen
+    y8 = run_gguf(path, 1, x, tmp_path, "--weight-dtype", "q8_0")
+    assert np.array_equal(y8, y32)
+    deq = mha.MultiheadAttention.from_gguf(path, layer=1)
+    q8 = mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q8_0")
+    for nm in ("w_q", "w_k", "w_v", "w_o"):
+        assert np.array_equal(q8.weights[nm], deq.weights[nm]), nm
+    if tname == "Q4_0":
+        q4 = mha.MultiheadAttention.from_gguf(path, layer=1, weight_dtype="q4_0")
+        assert q4.config.weight_dtype == "q4_0"
+        for xb in x:
+            xb = xb.astype(np.float32)
+            assert np.array_equal(q4.forward(xb), q8.forward(xb))
+            assert np.array_equal(q4.forward(xb[:1]), q8.forward(xb[:1]))  # the dot path
+        assert np.array_equal(run_gguf(path, 1, x, tmp_path, "--weight-dtype", "q4_0"), y8)
+
+
+def test_phi3_refused_by_name(phi3_models, tmp_path):
+    model, _ = phi3_models["phi3_lr"]
+    p = str(tmp_path / "bad.gguf")
+    write_phi3("phi3_lr", model, Q.F32, p, lists=("long",))
+    refused(p, "rope_factors_long.weight without rope_factors_short.weight")
+    write_phi3("phi3_lr", model, Q.F32, p, lists=("short",))
+    refused(p, "rope_factors_short.weight without rope_factors_long.weight")
+    write_phi3("phi3_lr", model, Q.F32, p, lists=(),
+               edit=lambda w: (w.add_tensor("rope_factors_short.weight", np.ones(5, np.float32)),
+                               w.add_tensor("rope_factors_long.weight", np.ones(5, np.float32))))
+    refused(p, "rope_factors_short.weight must be F32 with 1 dimension {8}")
+    for bad, word in ((0.0, "= 0 is not"), (-1.0, "= -1 is not"), (np.inf, "= inf is not"),
+                      (np.nan, "= nan is not")):
+        f = np.array(PHI3_LONG, np.float32)
+        f[3] = bad
+        write_phi3("phi3_lr", model, Q.F32, p, lists=("short",),
+                   edit=lambda w, f=f: w.add_tensor("rope_factors_long.weight", f))
+        refused(p, "rope_factors_long.weight[3]", word, "finite number > 0")
+    write_phi3("phi3_lr", model, Q.F32, p, lists=(),
+               edit=lambda w: (w.add_tensor("rope_factors_short.weight", np.ones(8, np.float16)),
+                               w.add_tensor("rope_factors_long.weight", np.ones(8, np.float32))))
+    refused(p, "rope_factors_short.weight must be F32", "not F16")
+    write_phi3("phi3_lr", model, Q.F32, p, attn_factor=False,
+               edit=lambda w: w.add_rope_scaling_attn_factors(-2.0))
+    refused(p, "phi3.rope.scaling.attn_factor", "finite number > 0")
+    write_phi3("phi3", phi3_models["phi3"][0], Q.F32, p,
+               edit=lambda w: w.add_rope_scaling_attn_factors(1.5))
+    refused(p, "phi3.rope.scaling.attn_factor", "not supported")
+    write_phi3("phi3_lr", model, Q.F32, p,
+               edit=lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                               w.add_rope_scaling_factor(2.0)))
+    refused(p, "rope_factors_short/long.weight together with phi3.rope.scaling.type")
+    write_phi3("phi3_lr", model, Q.F32, p,
+               edit=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)))
+    refused(p, "rope_factors_short/long.weight together with", "rope_freqs.weight")
+    # both the fused and a separate projection; a fused tensor of the wrong row count
+    write_phi3("phi3_lr", model, Q.F32, p,
+               edit=lambda w: w.add_tensor("blk.0.attn_k.weight", np.zeros((64, 128), np.float32)))
+    refused(p, "both the fused blk.0.attn_qkv.weight and the separate blk.0.attn_k.weight")
+    # head_count_kv 1 (replacing 2): (4 + 2) x 32 rows expected, the file's attn_qkv has 256
+    write_phi3("phi3_lr", model, Q.F32, p, edit=lambda w: w.add_head_count_kv(1))
+    refused(p, "tensor 'blk.0.attn_qkv.weight'", "{128, 256", "expected 2 dimensions {128, 192}")
+    # more rotary pairs than mha keeps (MHA_ROPE_MAX_PAIRS = 128): refused before any tensor
+    w = gguf.GGUFWriter(p, "phi3")
+    w.add_block_count(1)
+    w.add_embedding_length(258)
+    w.add_head_count(1)
+    w.add_rope_dimension_count(258)
+    w.add_rope_scaling_orig_ctx_len(8)
+    for which in ("short", "long"):
+        w.add_tensor(f"rope_factors_{which}.weight", np.ones(129, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refused(p, "rope_factors_short.weight: 129 rotary pairs, more than 128")
+
+
+def test_phi3_fused_bias_and_separate_projections(phi3_models, tmp_path):
+    # attn_qkv.bias (llama.cpp reads one for phi3; HF's Phi-3 has none): its [q; k; v] parts are
+    # the three biases; a phi3 file with separate attn_q / attn_k / attn_v instead of the fused
+    # tensor is read as they are (llama.cpp accepts either); attn_qkv.bias alone is refused.
+    mha = pytest.importorskip("mha")
+    model, _ = phi3_models["phi3"]
+    rng = np.random.default_rng(3)
+    bias = rng.standard_normal(256).astype(np.float32)
+    p = str(tmp_path / "b.gguf")
+    write_phi3("phi3", model, Q.F32, p, edit=lambda w: w.add_tensor("blk.1.attn_qkv.bias", bias))
+    layer = mha.MultiheadAttention.from_gguf(p, layer=1)
+    assert np.array_equal(layer.weights["b_q"], bias[:128])
+    assert np.array_equal(layer.weights["b_k"], bias[128:192])
+    assert np.array_equal(layer.weights["b_v"], bias[192:])
+    fused = mha.MultiheadAttention.from_gguf(p, layer=0)
+    assert fused.weights.get("b_q") is None
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight.detach().numpy().astype(np.float32)
+    w = gguf.GGUFWriter(p, "phi3")
+    w.add_block_count(1)
+    w.add_embedding_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(16)
+    w.add_sliding_window(0)
+    for stem, rows in (("attn_q", qkv[:128]), ("attn_k", qkv[128:192]), ("attn_v", qkv[192:]),
+                       ("attn_output", fused.weights["w_o"])):
+        w.add_tensor(f"blk.0.{stem}.weight", np.ascontiguousarray(rows))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    sep = mha.MultiheadAttention.from_gguf(p)
+    for nm in ("w_q", "w_k", "w_v", "w_o"):
+        assert np.array_equal(sep.weights[nm], fused.weights[nm]), nm
+    w = gguf.GGUFWriter(p, "phi3")
+    w.add_block_count(1)
+    w.add_embedding_length(128)
+    w.add_head_count(4)
+    w.add_tensor("blk.0.attn_qkv.bias", bias)
+    w.add_tensor("blk.0.attn_output.weight", np.zeros((128, 128), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refused(p, "blk.0.attn_qkv.bias without blk.0.attn_qkv.weight")

@@ -1203,7 +1203,7 @@ class MultiheadAttention:
     def from_gguf(cls, path: str, layer: int = 0, *,
                   weight_dtype: Optional[str] = None) -> "MultiheadAttention":
         """Layer ``layer`` (0-based) of a llama.cpp GGUF file (general.architecture llama,
-        mistral, qwen2 or qwen3; F32/F16/BF16 tensors, Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 and Q2_K..Q6_K
+        mistral, qwen2, qwen3 or phi3; F32/F16/BF16 tensors, Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 and Q2_K..Q6_K
         dequantised to float32 as ggml does; llama's permuted Q/K rows put back:
         mha_layer_load_gguf, docs/MODELS.md "GGUF files"), with the
         same defaults and ``model_info`` as :meth:`from_pretrained` (``model_type`` is the

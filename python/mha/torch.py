@@ -499,7 +499,7 @@ class MultiheadAttention(nn.Module):
     def from_gguf(cls, path: str, layer: int = 0, *, batch_first: bool = False,
                   threads: int = 0) -> "MultiheadAttention":
         """Layer ``layer`` (0-based) of a llama.cpp GGUF file (general.architecture llama,
-        mistral, qwen2 or qwen3), as this module: read by :meth:`mha.MultiheadAttention.from_gguf`
+        mistral, qwen2, qwen3 or phi3), as this module: read by :meth:`mha.MultiheadAttention.from_gguf`
         (F32 / F16 / BF16 tensors; Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K..Q6_K dequantised to
         float32; llama's permuted Q/K rows put back; docs/MODELS.md "GGUF files"), then the parameters, fixed options and default mask
         of :meth:`from_pretrained`. The parameters are float32 (``.to(torch.bfloat16)`` etc. as

@@ -610,17 +610,17 @@ get_str(mha__gguf *g, const char *key, char *buf, size_t cap, int *found, mha_er
 /* ---------------------------------------------------------------------------------------------- */
 
 /* The architectures read (general.architecture) and whether llama.cpp's converter permuted the
- * rows of Q and K (llama, mistral: yes; qwen2, qwen3: no, they keep HF's rotate_half layout). */
+ * rows of Q and K (llama, mistral: yes; qwen2, qwen3, phi3: no, they keep HF's rotate_half
+ * layout). */
 typedef struct gguf_arch {
     const char *name;
     int permuted;
     int qk_norm; /* blk.L.attn_q_norm / attn_k_norm required */
+    int phi3; /* fused attn_qkv (or separate q, k, v), LongRoPE factor tensors, window 0 = none */
 } gguf_arch;
 static const gguf_arch GGUF_ARCHS[] = {
-    {"llama", 1, 0},
-    {"mistral", 1, 0},
-    {"qwen2", 0, 0},
-    {"qwen3", 0, 1},
+    {"llama", 1, 0, 0}, {"mistral", 1, 0, 0}, {"qwen2", 0, 0, 0},
+    {"qwen3", 0, 1, 0}, {"phi3", 0, 0, 1},
 };
 
 static mha_status
@@ -634,8 +634,8 @@ find_arch(mha__gguf *g, const gguf_arch **out, char *name, size_t cap, mha_error
             return MHA_STATUS_OK;
         }
     return mha__fail(err, MHA_STATUS_UNSUPPORTED,
-                     "%s: general.architecture '%s' is not supported (llama, mistral, qwen2 and "
-                     "qwen3 are)",
+                     "%s: general.architecture '%s' is not supported (llama, mistral, qwen2, qwen3 "
+                     "and phi3 are)",
                      g->path, name);
 }
 
@@ -773,6 +773,34 @@ static mha_status check_type(const mha__gguf *g, const gguf_tensor *t, mha_error
                      g->path, t->name, ggml_type_name(t->type), t->type);
 }
 
+/* A global per-rotary-pair factor tensor (rope_freqs.weight, rope_factors_long / _short.weight):
+ * F32, 1 dimension {rotary_dim / 2} (<= MHA_ROPE_MAX_PAIRS), every value finite and > 0. */
+static mha_status
+read_pair_factors(mha__gguf *g, const gguf_tensor *t, int64_t pairs, double *out, mha_error *err) {
+    MHA_RETURN_IF(pairs > MHA_ROPE_MAX_PAIRS, err, UNSUPPORTED,
+                  "%s: %s: %lld rotary pairs, more than %d", g->path, t->name, (long long)pairs,
+                  MHA_ROPE_MAX_PAIRS);
+    MHA_RETURN_IF(t->n_dims != 1 || t->ne[0] != (uint64_t)pairs || t->type != MHA__GGML_F32, err,
+                  BAD_FILE,
+                  "%s: %s must be F32 with 1 dimension {%lld} (rotary pairs), not %s with %u "
+                  "dimensions {%llu, ...}",
+                  g->path, t->name, (long long)pairs, ggml_type_name(t->type), t->n_dims,
+                  (unsigned long long)t->ne[0]);
+    MHA_TRY(seek(g, g->data_start + t->offset, t->name, err));
+    for (int64_t k = 0; k < pairs; k++) {
+        unsigned char b[4];
+        MHA_TRY(rd(g, b, 4, t->name, err));
+        const uint32_t u = (uint32_t)le(b, 4);
+        float f;
+        memcpy(&f, &u, 4);
+        MHA_RETURN_IF(!isfinite(f) || !(f > 0), err, BAD_FILE,
+                      "%s: %s[%lld] = %g is not a finite number > 0", g->path, t->name,
+                      (long long)k, (double)f);
+        out[k] = (double)f;
+    }
+    return MHA_STATUS_OK;
+}
+
 /* rope_freqs.weight: llama.cpp's form of Llama 3 RoPE scaling (its converter turns HF's llama3
  * parameters into one divisor per rotary pair, f_k / rope_freqs[k]). mha expresses exactly that
  * as LONGROPE with the same list for short and long calls, factor 1 (attention factor 1). */
@@ -784,27 +812,8 @@ static mha_status read_rope_freqs(mha__gguf *g, const char *arch, mha_rope *r, m
                   "%s: rope_freqs.weight together with %s.rope.scaling.type: not supported",
                   g->path, arch);
     const int64_t pairs = r->rotary_dim / 2;
-    MHA_RETURN_IF(t->n_dims != 1 || t->ne[0] != (uint64_t)pairs || t->type != MHA__GGML_F32, err,
-                  BAD_FILE,
-                  "%s: rope_freqs.weight must be F32 with 1 dimension {%lld} (rotary pairs), not "
-                  "%s with %u dimensions {%llu, ...}",
-                  g->path, (long long)pairs, ggml_type_name(t->type), t->n_dims,
-                  (unsigned long long)t->ne[0]);
-    MHA_RETURN_IF(pairs > MHA_ROPE_MAX_PAIRS, err, UNSUPPORTED,
-                  "%s: rope_freqs.weight: %lld rotary pairs, more than %d", g->path,
-                  (long long)pairs, MHA_ROPE_MAX_PAIRS);
-    MHA_TRY(seek(g, g->data_start + t->offset, t->name, err));
-    for (int64_t k = 0; k < pairs; k++) {
-        unsigned char b[4];
-        MHA_TRY(rd(g, b, 4, t->name, err));
-        const uint32_t u = (uint32_t)le(b, 4);
-        float f;
-        memcpy(&f, &u, 4);
-        MHA_RETURN_IF(!isfinite(f) || !(f > 0), err, BAD_FILE,
-                      "%s: rope_freqs.weight[%lld] = %g is not a finite number > 0", g->path,
-                      (long long)k, (double)f);
-        r->short_factor[k] = r->long_factor[k] = (double)f;
-    }
+    MHA_TRY(read_pair_factors(g, t, pairs, r->short_factor, err));
+    memcpy(r->long_factor, r->short_factor, sizeof(double) * (size_t)pairs);
     r->scaling = MHA_ROPE_SCALING_LONGROPE;
     r->factor = 1.0;
     /* the lists are equal: the length never picks another; any valid original length does */
@@ -814,6 +823,107 @@ static mha_status read_rope_freqs(mha__gguf *g, const char *arch, mha_rope *r, m
     key_of(key, arch, "context_length");
     MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &ctx, &found, err));
     r->original_max_position = found ? (double)ctx : 8192.0;
+    return MHA_STATUS_OK;
+}
+
+/* LongRoPE as llama.cpp's converter writes Phi-3's (docs/MODELS.md "GGUF files"): the global
+ * tensors rope_factors_short.weight and rope_factors_long.weight (both, or neither), the original
+ * context rope.scaling.original_context_length (else context_length), the factor context_length
+ * / original (1 without context_length), and the factor on cos and sin rope.scaling.attn_factor
+ * — absent, or equal in float32 to transformers' default sqrt(1 + ln(factor) / ln(original)) (1
+ * if factor <= 1): that default, computed in double as from the HF directory. Which list a call
+ * takes is mha's rule (the call's length against the original context, as transformers), not
+ * llama.cpp's (its context size). */
+static mha_status read_longrope(mha__gguf *g, const char *arch, mha_rope *r, mha_error *err) {
+    const gguf_tensor *ts = tensor_find(g, "rope_factors_short.weight");
+    const gguf_tensor *tl = tensor_find(g, "rope_factors_long.weight");
+    char key[GGUF_TEXT];
+    int found;
+    double af = 1.0;
+    int has_af;
+    key_of(key, arch, "rope.scaling.attn_factor");
+    MHA_TRY(get_num(g, key, 1, &af, &has_af, err));
+    if (!ts && !tl) {
+        /* llama.cpp multiplies cos and sin by attn_factor whatever the scaling; mha has that
+         * factor for yarn and LongRoPE only (the converter writes it for those only) */
+        MHA_RETURN_IF(has_af && af != 1.0 && r->scaling != MHA_ROPE_SCALING_YARN, err, UNSUPPORTED,
+                      "%s: '%s' = %g without rope_factors_short/long.weight or yarn scaling: not "
+                      "supported (only 1)",
+                      g->path, key, af);
+        return MHA_STATUS_OK;
+    }
+    MHA_RETURN_IF(!ts || !tl, err, BAD_FILE, "%s: %s without %s: LongRoPE needs both factor lists",
+                  g->path, ts ? ts->name : tl->name,
+                  ts ? "rope_factors_long.weight" : "rope_factors_short.weight");
+    MHA_RETURN_IF(r->scaling != MHA_ROPE_SCALING_NONE, err, UNSUPPORTED,
+                  "%s: rope_factors_short/long.weight together with %s.rope.scaling.type or "
+                  "rope_freqs.weight: not supported",
+                  g->path, arch);
+    const int64_t pairs = r->rotary_dim / 2;
+    MHA_TRY(read_pair_factors(g, ts, pairs, r->short_factor, err));
+    MHA_TRY(read_pair_factors(g, tl, pairs, r->long_factor, err));
+    int64_t orig = 0, ctx = 0;
+    int has_ctx;
+    key_of(key, arch, "context_length");
+    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &ctx, &has_ctx, err));
+    key_of(key, arch, "rope.scaling.original_context_length");
+    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &orig, &found, err));
+    if (!found)
+        orig = ctx;
+    MHA_RETURN_IF(orig < 2, err, BAD_FILE,
+                  "%s: LongRoPE needs %s.rope.scaling.original_context_length (or "
+                  "context_length) > 1: ln of it divides the attention factor",
+                  g->path, arch);
+    const double factor = has_ctx ? (double)ctx / (double)orig : 1.0;
+    const double def = factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)orig));
+    r->scaling = MHA_ROPE_SCALING_LONGROPE;
+    r->factor = factor;
+    r->original_max_position = (double)orig;
+    r->attention_factor = !has_af || (float)af == (float)def ? def : af;
+    return MHA_STATUS_OK;
+}
+
+/* phi3's fused blk.L.attn_qkv.weight: llama.cpp's converter keeps HF's qkv_proj, rows [q (h d);
+ * k (g d); v (g d)] (not permuted), ne = {hidden, (h + 2g) d}. *fused = 1 when the layer has it;
+ * it and any separate attn_q / attn_k / attn_v tensor (weight or bias) together are refused, as
+ * is attn_qkv.bias without attn_qkv.weight. Other architectures: never fused. */
+static mha_status check_fused(mha__gguf *g,
+                              const gguf_arch *arch,
+                              int64_t layer,
+                              int64_t h,
+                              int64_t kv,
+                              int64_t d,
+                              int64_t hidden,
+                              int *fused,
+                              mha_error *err) {
+    char tn[GGUF_TEXT], bn[GGUF_TEXT];
+    tensor_name(tn, layer, "attn_qkv.weight");
+    tensor_name(bn, layer, "attn_qkv.bias");
+    const gguf_tensor *t = tensor_find(g, tn);
+    *fused = 0;
+    if (!arch->phi3 || (!t && !tensor_find(g, bn)))
+        return MHA_STATUS_OK;
+    MHA_RETURN_IF(!t, err, BAD_FILE, "%s: %s without %s", g->path, bn, tn);
+    static const char *const sep[6] = {"attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                       "attn_q.bias",   "attn_k.bias",   "attn_v.bias"};
+    for (int i = 0; i < 6; i++) {
+        char sn[GGUF_TEXT];
+        tensor_name(sn, layer, sep[i]);
+        MHA_RETURN_IF(tensor_find(g, sn) != NULL, err, BAD_FILE,
+                      "%s: both the fused %s and the separate %s: which one is the layer's is "
+                      "ambiguous",
+                      g->path, tn, sn);
+    }
+    const int64_t rows = (h + 2 * kv) * d; /* <= 3 * 2^20 * 2^24 */
+    MHA_RETURN_IF(
+        t->n_dims != 2 || t->ne[0] != (uint64_t)hidden || t->ne[1] != (uint64_t)rows, err, BAD_FILE,
+        "%s: tensor '%s' has %u dimensions {%llu, %llu, ...}, expected 2 dimensions "
+        "{%lld, %lld}: embedding_length, and (%lld heads + 2 x %lld key/value heads) x "
+        "head size %lld rows",
+        g->path, tn, t->n_dims, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+        (long long)hidden, (long long)rows, (long long)h, (long long)kv, (long long)d);
+    MHA_TRY(check_type(g, t, err));
+    *fused = 1;
     return MHA_STATUS_OK;
 }
 
@@ -870,6 +980,7 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     c->scale = 1.0 / sqrt((double)d);
     MHA_TRY(read_rope(g, name, d, &c->rope, err));
     MHA_TRY(read_rope_freqs(g, name, &c->rope, err));
+    MHA_TRY(read_longrope(g, name, &c->rope, err));
     /* biases and QK-norm: from the tensors present */
     static const char *const bias_stems[4] = {"attn_q.bias", "attn_k.bias", "attn_v.bias",
                                               "attn_output.bias"};
@@ -878,6 +989,12 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     for (int i = 0; i < 4; i++) {
         tensor_name(tn, layer, bias_stems[i]);
         *bias[i] = tensor_find(g, tn) != NULL;
+    }
+    int fused = 0;
+    MHA_TRY(check_fused(g, arch, layer, h, kv, d, hidden, &fused, err));
+    if (fused) {
+        tensor_name(tn, layer, "attn_qkv.bias");
+        c->bias_q = c->bias_k = c->bias_v = tensor_find(g, tn) != NULL;
     }
     char qn[GGUF_TEXT];
     tensor_name(qn, layer, "attn_q_norm.weight");
@@ -898,7 +1015,7 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     /* the projections must be there, in a type the loader reads */
     static const char *const weight_stems[4] = {"attn_q.weight", "attn_k.weight", "attn_v.weight",
                                                 "attn_output.weight"};
-    for (int i = 0; i < 4; i++) {
+    for (int i = fused ? 3 : 0; i < 4; i++) {
         tensor_name(tn, layer, weight_stems[i]);
         const gguf_tensor *t = tensor_find(g, tn);
         MHA_RETURN_IF(!t, err, NOT_FOUND, "%s: no tensor '%s'", g->path, tn);
@@ -907,14 +1024,16 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     info->causal = 1;
     int64_t sw = 0;
     key_of(key, name, "attention.sliding_window");
-    MHA_TRY(get_int(g, key, 0, 0, 1, INT32_MAX, &sw, &found, err));
-    if (found) {
+    /* phi3: the converter writes 0 for a model without sliding_window */
+    MHA_TRY(get_int(g, key, 0, 0, arch->phi3 ? 0 : 1, INT32_MAX, &sw, &found, err));
+    if (found && sw > 0) {
         info->use_window = 1;
         info->window_left = sw - 1;
         info->window_right = 0;
     }
     snprintf(info->prefix, sizeof info->prefix, "blk.%lld.", (long long)layer);
-    snprintf(info->layout, sizeof info->layout, "GGUF attn_q, attn_k, attn_v, attn_output%s%s",
+    snprintf(info->layout, sizeof info->layout, "GGUF %s, attn_output%s%s",
+             fused ? "attn_qkv (fused [q; k; v] rows)" : "attn_q, attn_k, attn_v",
              has_qn ? ", attn_q_norm, attn_k_norm" : "",
              arch->permuted ? " (Q and K rows un-permuted)" : "");
     return MHA_STATUS_OK;
@@ -1005,34 +1124,38 @@ static int64_t unpermute(int64_t i, int64_t head) {
     return i - in + (in % 2) * (head / 2) + in / 2;
 }
 
-/* Tensor `name`, which must be [rows, cols] (ne = {cols, rows}; rows 0: 1-d [cols]), into a new
- * buffer from `a` in the storage dtype `to`: F32/F16/BF16 tensors already in `to` keep their
- * bytes, others are rounded once to nearest even; the block types are dequantised (decode_row).
- * `head` > 0: the rows of each block of `head` rows are un-permuted (llama.cpp's converter wrote
- * row 2i + s of a head from HF's row s * head/2 + i, s in {0, 1}: it is put back there). */
-static mha_status read_tensor(mha__gguf *g,
-                              int64_t layer,
-                              const char *stem,
-                              int64_t rows,
-                              int64_t cols,
-                              int64_t head,
-                              mha_dtype to,
-                              const mha_allocator *a,
-                              void **out,
-                              mha_error *err) {
+/* Part of tensor `stem` into a new buffer from `a` in the storage dtype `to`: rows [first, first +
+ * rows) of a [total, cols] tensor (ne = {cols, total}), or (rows 0) elements [first, first + cols)
+ * of a 1-d [total] one. F32/F16/BF16 tensors already in `to` keep their bytes, others are rounded
+ * once to nearest even; the block types are dequantised (decode_row). `head` > 0: the rows of each
+ * block of `head` rows are un-permuted (llama.cpp's converter wrote row 2i + s of a head from HF's
+ * row s * head/2 + i, s in {0, 1}: it is put back there). */
+static mha_status read_part(mha__gguf *g,
+                            int64_t layer,
+                            const char *stem,
+                            int64_t first,
+                            int64_t total,
+                            int64_t rows,
+                            int64_t cols,
+                            int64_t head,
+                            mha_dtype to,
+                            const mha_allocator *a,
+                            void **out,
+                            mha_error *err) {
     char tn[GGUF_TEXT];
     tensor_name(tn, layer, stem);
     const gguf_tensor *t = tensor_find(g, tn);
     MHA_RETURN_IF(!t, err, NOT_FOUND, "%s: no tensor '%s'", g->path, tn);
     const uint32_t want_dims = rows ? 2 : 1;
-    const uint64_t want_rows = rows ? (uint64_t)rows : 1;
-    if (t->n_dims != want_dims || t->ne[0] != (uint64_t)cols || t->ne[1] != want_rows) {
+    const uint64_t want0 = rows ? (uint64_t)cols : (uint64_t)total;
+    const uint64_t want1 = rows ? (uint64_t)total : 1;
+    if (t->n_dims != want_dims || t->ne[0] != want0 || t->ne[1] != want1) {
         char want[64];
         if (rows)
             snprintf(want, sizeof want, "2 dimensions {%lld, %lld}", (long long)cols,
-                     (long long)rows);
+                     (long long)total);
         else
-            snprintf(want, sizeof want, "1 dimension {%lld}", (long long)cols);
+            snprintf(want, sizeof want, "1 dimension {%lld}", (long long)total);
         return mha__fail(err, MHA_STATUS_BAD_FILE,
                          "%s: tensor '%s' has %u dimensions {%llu, %llu, ...}, expected %s (ne[0] "
                          "the input features)",
@@ -1050,8 +1173,19 @@ static mha_status read_tensor(mha__gguf *g,
                   g->path, tn, (long long)span, rows ? "rows" : "values", (long long)head);
     uint64_t bv, bb;
     mha__ggml_type_block(t->type, &bv, &bb);
-    const uint64_t row_bytes = (uint64_t)cols / bv * bb; /* cols % bv == 0: checked at open */
-    const int64_t n_rows = (int64_t)want_rows;
+    /* a part of a 1-d tensor starts and ends at its type's blocks (the parts of attn_qkv.bias:
+     * F32 as the converter writes 1-d tensors, or whole blocks) */
+    MHA_RETURN_IF(!rows && ((uint64_t)first % bv != 0 || (uint64_t)cols % bv != 0), err,
+                  UNSUPPORTED,
+                  "%s: tensor '%s': a %s vector split at values %lld and %lld, not at its blocks "
+                  "of %llu",
+                  g->path, tn, ggml_type_name(t->type), (long long)first, (long long)(first + cols),
+                  (unsigned long long)bv);
+    /* cols % bv == 0 for 2-d tensors: checked at open; first + rows <= total, first + cols <=
+     * total: the callers' parts */
+    const uint64_t row_bytes = (uint64_t)cols / bv * bb;
+    const uint64_t skip_bytes = rows ? (uint64_t)first * row_bytes : (uint64_t)first / bv * bb;
+    const int64_t n_rows = rows ? rows : 1;
     /* a q8_0 / q4_0 layer (weight matrices only: load_layer reads vectors in float32) */
     const int q8 = mha__is_block_weight(to);
     MHA_RETURN_IF(q8 && (!rows || cols % MHA__Q8_BLOCK != 0), err, INVALID_ARG,
@@ -1069,7 +1203,7 @@ static mha_status read_tensor(mha__gguf *g,
     if (!raw || !tmp || !dst)
         st = mha__fail(err, MHA_STATUS_NO_MEMORY, "%s: tensor '%s': out of memory", g->path, tn);
     if (st == MHA_STATUS_OK)
-        st = seek(g, g->data_start + t->offset, tn, err);
+        st = seek(g, g->data_start + t->offset + skip_bytes, tn, err);
     const uint16_t inf = to == MHA_DTYPE_BF16 ? 0x7f80u : 0x7c00u;
     for (int64_t r = 0; st == MHA_STATUS_OK && r < n_rows; r++) {
         st = rd(g, raw, row_bytes, tn, err);
@@ -1120,6 +1254,20 @@ static mha_status read_tensor(mha__gguf *g,
     return MHA_STATUS_OK;
 }
 
+/* Tensor `stem`, which must be [rows, cols] (rows 0: 1-d [cols]), whole (read_part). */
+static mha_status read_tensor(mha__gguf *g,
+                              int64_t layer,
+                              const char *stem,
+                              int64_t rows,
+                              int64_t cols,
+                              int64_t head,
+                              mha_dtype to,
+                              const mha_allocator *a,
+                              void **out,
+                              mha_error *err) {
+    return read_part(g, layer, stem, 0, rows ? rows : cols, rows, cols, head, to, a, out, err);
+}
+
 enum { B_WQ, B_WK, B_WV, B_WO, B_BQ, B_BK, B_BV, B_BO, B_QN, B_KN, N_BUFS };
 
 static mha_status load_layer(mha__gguf *g,
@@ -1151,16 +1299,40 @@ static mha_status load_layer(mha__gguf *g,
     const mha_dtype to = c.weight_dtype;
     /* biases and norm weights: float32 in a q8_0 / q4_0 layer, else the weights' dtype */
     const mha_dtype vt = mha__is_block_weight(to) ? MHA_DTYPE_F32 : to;
-    MHA_TRY(read_tensor(g, layer, "attn_q.weight", qr, hidden, ph, to, a, &p[B_WQ], err));
-    MHA_TRY(read_tensor(g, layer, "attn_k.weight", kr, hidden, ph, to, a, &p[B_WK], err));
-    MHA_TRY(read_tensor(g, layer, "attn_v.weight", kr, hidden, 0, to, a, &p[B_WV], err));
+    /* phi3's fused attn_qkv (its presence checked by info_read): q, k and v are its row blocks
+     * [0, qr), [qr, qr + kr), [qr + kr, qr + 2 kr), each read on its own (no fused copy); its
+     * row count must be exactly qr + 2 kr */
+    char fn[GGUF_TEXT];
+    tensor_name(fn, layer, "attn_qkv.weight");
+    if (strcmp(info->model_type, "phi3") == 0 && tensor_find(g, fn)) {
+        const int64_t tot = qr + 2 * kr;
+        MHA_TRY(
+            read_part(g, layer, "attn_qkv.weight", 0, tot, qr, hidden, 0, to, a, &p[B_WQ], err));
+        MHA_TRY(
+            read_part(g, layer, "attn_qkv.weight", qr, tot, kr, hidden, 0, to, a, &p[B_WK], err));
+        MHA_TRY(read_part(g, layer, "attn_qkv.weight", qr + kr, tot, kr, hidden, 0, to, a, &p[B_WV],
+                          err));
+        const int32_t bias = c.bias_q || c.bias_k || c.bias_v;
+        if (bias)
+            MHA_TRY(read_part(g, layer, "attn_qkv.bias", 0, tot, 0, qr, 0, vt, a, &p[B_BQ], err));
+        if (bias)
+            MHA_TRY(read_part(g, layer, "attn_qkv.bias", qr, tot, 0, kr, 0, vt, a, &p[B_BK], err));
+        if (bias)
+            MHA_TRY(
+                read_part(g, layer, "attn_qkv.bias", qr + kr, tot, 0, kr, 0, vt, a, &p[B_BV], err));
+        c.bias_q = c.bias_k = c.bias_v = bias;
+    } else {
+        MHA_TRY(read_tensor(g, layer, "attn_q.weight", qr, hidden, ph, to, a, &p[B_WQ], err));
+        MHA_TRY(read_tensor(g, layer, "attn_k.weight", kr, hidden, ph, to, a, &p[B_WK], err));
+        MHA_TRY(read_tensor(g, layer, "attn_v.weight", kr, hidden, 0, to, a, &p[B_WV], err));
+        if (c.bias_q)
+            MHA_TRY(read_tensor(g, layer, "attn_q.bias", 0, qr, ph, vt, a, &p[B_BQ], err));
+        if (c.bias_k)
+            MHA_TRY(read_tensor(g, layer, "attn_k.bias", 0, kr, ph, vt, a, &p[B_BK], err));
+        if (c.bias_v)
+            MHA_TRY(read_tensor(g, layer, "attn_v.bias", 0, kr, 0, vt, a, &p[B_BV], err));
+    }
     MHA_TRY(read_tensor(g, layer, "attn_output.weight", hidden, qr, 0, to, a, &p[B_WO], err));
-    if (c.bias_q)
-        MHA_TRY(read_tensor(g, layer, "attn_q.bias", 0, qr, ph, vt, a, &p[B_BQ], err));
-    if (c.bias_k)
-        MHA_TRY(read_tensor(g, layer, "attn_k.bias", 0, kr, ph, vt, a, &p[B_BK], err));
-    if (c.bias_v)
-        MHA_TRY(read_tensor(g, layer, "attn_v.bias", 0, kr, 0, vt, a, &p[B_BV], err));
     if (c.bias_o)
         MHA_TRY(read_tensor(g, layer, "attn_output.bias", 0, hidden, 0, vt, a, &p[B_BO], err));
     if (c.qk_norm.kind == MHA_QK_NORM_RMS_HEAD) {
