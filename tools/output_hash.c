@@ -592,6 +592,63 @@ static void run_decode_case(mha_dtype dtype,
     free_layer_inputs(&in);
 }
 
+/* Many query rows per kv head (the decode kernels' wide paths, docs/INFERENCE.md "Draft tree"):
+ * 2 sequences of 600 and 437 positions (appended 8 at a time) in a cache of 2 kv heads, then
+ * core-level attention with 16 query heads (8 per kv head) over t = 4 chained tokens (R = 32)
+ * and over a draft tree of 8 (R = 64), out and lse hashed. Paged caches (block_size 16) equal
+ * contiguous ones bit for bit, so they hash the same bytes through the block tables. */
+static void run_rows_case(
+    mha_dtype dtype, int64_t head_dim, int64_t window, int64_t block_size, int threads, hash64 *h) {
+    mha_kv_cache_config kc = {0};
+    kc.num_kv_heads = 2;
+    kc.head_dim = head_dim;
+    kc.max_seq = 700;
+    kc.batch = 2;
+    kc.dtype = dtype;
+    kc.window = window;
+    kc.max_step_tokens = 8;
+    kc.block_size = block_size;
+    mha_kv_cache *cache = NULL;
+    mha_error err;
+    if (mha_kv_cache_create(&kc, NULL, NULL, &cache, &err) != MHA_STATUS_OK)
+        fail("rows cache", &err);
+    const float scales[2] = {0.05f, 0.5f};
+    if (dtype == MHA_DTYPE_FP8_E4M3 &&
+        mha_kv_cache_set_fp8_scales(cache, scales, scales, &err) != MHA_STATUS_OK)
+        fail("fp8 scales", &err);
+    const int64_t gd = 2 * head_dim, lens[2] = {600, 437};
+    float *kv = new_filled(2 * 8 * gd, 0, 0.0f);
+    for (int64_t s = 0; s < 2; s++)
+        for (int64_t p = 0; p < lens[s]; p += 8) {
+            const int64_t t = lens[s] - p < 8 ? lens[s] - p : 8;
+            fill(kv, 2 * t * gd, 80 + (uint64_t)(s * 1000 + p), 1.0f);
+            if (mha_kv_cache_append(cache, 1, &s, t, kv, kv + t * gd, &err) != MHA_STATUS_OK)
+                fail("rows append", &err);
+        }
+    static const int64_t tree[8] = {-1, 0, 0, 1, 1, 2, 2, 3};
+    const int64_t nh = 16;
+    mha_exec ex = {MHA_IMPL_AUTO, threads, NULL, 0, NULL, NULL};
+    for (int64_t t = 4; t <= 8; t += 4) {
+        float *q = new_filled(2 * t * nh * head_dim, 90 + (uint64_t)t, 1.0f);
+        float *o = new_filled(2 * t * nh * head_dim, 0, 0.0f);
+        float *lse = new_filled(2 * nh * t, 0, 0.0f);
+        mha_kv_attention_args ka;
+        memset(&ka, 0, sizeof ka);
+        ka.num_seqs = 2, ka.num_tokens = t, ka.num_heads = nh;
+        ka.q = q, ka.out = o, ka.lse = lse;
+        ka.tree_parents = t == 8 ? tree : NULL;
+        if (mha_kv_cache_attention(cache, &ka, &ex, &err) != MHA_STATUS_OK)
+            fail("rows attention", &err);
+        hash_floats(h, o, 2 * t * nh * head_dim);
+        hash_floats(h, lse, 2 * nh * t);
+        free(q);
+        free(o);
+        free(lse);
+    }
+    free(kv);
+    mha_kv_cache_destroy(cache);
+}
+
 /* q8_0 (or q4_0: wdt) projection weights (docs/SEMANTICS.md "q8_0 weights", "q4_0 weights"): the
  * decode layer of run_decode_case with its four matrices quantised (mha_q8_0_quantize /
  * mha_q4_0_quantize; the sinks float32), the forward over a 300-token prompt, then prefill +
@@ -772,5 +829,17 @@ int main(void) {
             for (int hd = 64; hd <= 128; hd += 64)
                 run_q8_case(MHA_DTYPE_Q4_0, hd, hd == 128, impls[ii], thread_counts[ti], &q4);
     report("layer_q4w", &q4, &after);
+    hash64 rows;
+    hash_init(&rows);
+    const mha_dtype row_dtypes[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16, MHA_DTYPE_Q8_0,
+                                    MHA_DTYPE_FP8_E4M3};
+    for (int di = 0; di < 5; ++di)
+        for (int hd = 64; hd <= 128; hd += 64)
+            for (int wi = 0; wi < 2; ++wi)
+                for (int bi = 0; bi < 2; ++bi)
+                    for (int ti = 0; ti < 2; ++ti)
+                        run_rows_case(row_dtypes[di], hd, wi ? 100 : 0, bi ? 16 : 0,
+                                      thread_counts[ti], &rows);
+    report("decode_rows", &rows, &after);
     return 0;
 }
