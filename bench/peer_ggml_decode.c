@@ -390,16 +390,6 @@ static double run_path(runner *r, peer_case *c, int p) {
     return t1 - t0;
 }
 
-static double rel_err(const float *o, const double *ref, int64_t n) {
-    double num = 0.0, den = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        const double diff = fabs((double)o[i] - ref[i]);
-        num = diff > num || diff != diff ? diff : num;
-        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
-    }
-    return num / den;
-}
-
 static const char *dtype_name(mha_dtype t) {
     return t == MHA_DTYPE_F32    ? "f32"
            : t == MHA_DTYPE_F16  ? "f16"

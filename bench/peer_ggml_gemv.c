@@ -247,16 +247,6 @@ run_lib(runner *r, const shape *s, wcase *c, int lib, const float *x, const floa
     return t1 - t0;
 }
 
-static double rel_err(const float *o, const double *ref, int64_t n) {
-    double num = 0.0, den = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        const double diff = fabs((double)o[i] - ref[i]);
-        num = diff > num || diff != diff ? diff : num;
-        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
-    }
-    return num / den;
-}
-
 static void usage(void) {
     printf("Usage: mha_peer_ggml_gemv [options]\n"
            "The four projections of a decode step at batch 1 (q, k, v, o of one token): ggml's\n"

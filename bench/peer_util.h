@@ -7,6 +7,7 @@
 #ifndef MHA_BENCH_PEER_UTIL_H
 #define MHA_BENCH_PEER_UTIL_H
 
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -150,6 +151,17 @@ static inline stats stream_gbs(int64_t mb, int threads, int passes) {
         g[i] = stream_pass(buf, words, threads);
     free(buf);
     return summarize(g, passes);
+}
+
+/* max |o - ref| / max |ref| (a NaN in o counts as the largest difference). */
+static inline double rel_err(const float *o, const double *ref, int64_t n) {
+    double num = 0.0, den = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double diff = fabs((double)o[i] - ref[i]);
+        num = diff > num || diff != diff ? diff : num;
+        den = fabs(ref[i]) > den ? fabs(ref[i]) : den;
+    }
+    return num / den;
 }
 
 #endif
