@@ -1313,13 +1313,12 @@ static mha_status load_layer(mha__gguf *g,
         MHA_TRY(read_part(g, layer, "attn_qkv.weight", qr + kr, tot, kr, hidden, 0, to, a, &p[B_WV],
                           err));
         const int32_t bias = c.bias_q || c.bias_k || c.bias_v;
-        if (bias)
+        if (bias) { /* attn_qkv.bias, split the same way */
             MHA_TRY(read_part(g, layer, "attn_qkv.bias", 0, tot, 0, qr, 0, vt, a, &p[B_BQ], err));
-        if (bias)
             MHA_TRY(read_part(g, layer, "attn_qkv.bias", qr, tot, 0, kr, 0, vt, a, &p[B_BK], err));
-        if (bias)
             MHA_TRY(
                 read_part(g, layer, "attn_qkv.bias", qr + kr, tot, 0, kr, 0, vt, a, &p[B_BV], err));
+        }
         c.bias_q = c.bias_k = c.bias_v = bias;
     } else {
         MHA_TRY(read_tensor(g, layer, "attn_q.weight", qr, hidden, ph, to, a, &p[B_WQ], err));
