@@ -17,7 +17,8 @@
  * mha_error consistently and leave *out NULL; an info's sizes and scalars are valid and finite; a
  * tensor whose shape the harness made wrong is refused; a loaded layer's weights are the file's
  * values, placed where docs/MODELS.md says (separate and fused layouts except Falcon's, whose
- * order depends on fields the harness does not read) and finite; the forward of a loaded layer
+ * order depends on fields the harness does not read; Qwen3-Next's gated q_proj; QK-norm weights)
+ * and finite; the forward of a loaded layer
  * with a sane scale/soft-cap (the float32 range that check/layer.c is being taught by issue 28)
  * returns finite outputs when it returns OK.
  */
@@ -37,7 +38,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 #define MAX_TENSORS 24
 #define MAX_FILES   4
 
-/* The architectures as docs/MODELS.md lists them: tensor prefixes and stems. */
+/* The architectures as docs/MODELS.md lists them: tensor prefixes and stems. Every model_type of
+ * src/io/hf_config.c's ARCHS table must be here and have a seed (ctest fuzz_archs). */
 typedef enum layout { L_QKVO, L_BERT, L_PHI3, L_GPT2, L_NEOX, L_FALCON } layout;
 typedef struct arch {
     const char *type;
@@ -56,6 +58,13 @@ static const arch ARCHS[] = {
     {"mixtral", L_QKVO, LLAMA_PRE},
     {"qwen2", L_QKVO, LLAMA_PRE},
     {"qwen3", L_QKVO, LLAMA_PRE},
+    {"qwen3_moe", L_QKVO, LLAMA_PRE},
+    {"gemma3_text", L_QKVO, LLAMA_PRE},
+    {"qwen3_next", L_QKVO, LLAMA_PRE},
+    {"olmo2", L_QKVO, LLAMA_PRE},
+    {"smollm3", L_QKVO, LLAMA_PRE},
+    {"cohere2", L_QKVO, LLAMA_PRE},
+    {"llama4_text", L_QKVO, LLAMA_PRE},
     {"gemma", L_QKVO, LLAMA_PRE},
     {"gemma2", L_QKVO, LLAMA_PRE},
     {"gpt_oss", L_QKVO, LLAMA_PRE},
@@ -302,10 +311,26 @@ static void write_probe(run *r, int scheme) {
     free_tensors(r);
 }
 
-/* Which tensor of the generated set (per layer): 0 q/fused, 1 k, 2 v, 3 o, 4..7 biases, 8 sinks. */
+/* Which tensor of the generated set (per layer): 0 q/fused, 1 k, 2 v, 3 o, 4..7 biases, 8 sinks,
+ * 9 q_norm, 10 k_norm. */
 typedef struct layer_tensors {
-    int idx[9]; /* index in r->t, or -1 */
+    int idx[11]; /* index in r->t, or -1 */
 } layer_tensors;
+
+/* Rows of q_proj per query row of the layer: 2 when it holds Qwen3-Next's output gate too. */
+static int64_t q_rows_per(const mha_config *c) {
+    return c->output_gate ? 2 : 1;
+}
+
+/* Sizes of the QK-norm weights (docs/SEMANTICS.md): [d] per head, [h d] and [g d] over the whole
+ * projection (OLMo 2), none for the other kinds. */
+static int64_t norm_len(const mha_config *c, int key) {
+    if (c->qk_norm.kind == MHA_QK_NORM_RMS_HEAD)
+        return c->head_dim;
+    if (c->qk_norm.kind == MHA_QK_NORM_RMS_ALL)
+        return (key ? c->num_kv_heads : c->num_heads) * c->head_dim;
+    return 0;
+}
 
 /* The layer's tensors with the shapes `info` implies (sizes from info.config). */
 static void gen_layer(run *r,
@@ -318,7 +343,7 @@ static void gen_layer(run *r,
     const mha_config *c = &info->config;
     const int64_t h = c->num_heads, g = c->num_kv_heads, d = c->head_dim, hid = c->q_dim;
     const int64_t hd = h * d, gd = g * d, fused = (h + 2 * g) * d;
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 11; i++)
         lt->idx[i] = -1;
     const char *const *st = STEMS[a->lay];
     const int32_t want[4] = {c->bias_q, c->bias_k, c->bias_v, c->bias_o};
@@ -326,7 +351,7 @@ static void gen_layer(run *r,
     for (int p = 0; p < 4; p++) {
         if (!st[p])
             continue;
-        int64_t rows = p == 0   ? (separate ? hd : fused)
+        int64_t rows = p == 0   ? (separate ? q_rows_per(c) * hd : fused)
                        : p == 3 ? hid
                                 : gd,
                 cols = p == 3 ? hd : hid;
@@ -348,6 +373,12 @@ static void gen_layer(run *r,
         lt->idx[8] = r->nt;
         add_tensor(r, prefix, "sinks", "", h, 0, seed + 20u);
     }
+    for (int key = 0; key < 2; key++)
+        if (norm_len(c, key)) {
+            lt->idx[9 + key] = r->nt;
+            add_tensor(r, prefix, key ? "k_norm" : "q_norm", ".weight", norm_len(c, key), 0,
+                       seed + 30u + (uint32_t)key);
+        }
 }
 
 /* The block of d rows of a fused [q; k; v] tensor that holds head t of role (0 q, 1 k, 2 v). */
@@ -360,6 +391,39 @@ static int64_t fused_block(layout lay, int role, int64_t t, int64_t h, int64_t g
 /* Element (row, col) of a generated matrix as the layer uses it ([out, in]). */
 static float elem(const tensor *t, int transposed, int64_t row, int64_t col) {
     return transposed ? t->v[col * t->cols + row] : t->v[row * (t->cols ? t->cols : 1) + col];
+}
+
+/* Qwen3-Next's gate: w_q's rows [h d, 2 h d) (and b_q's) are q_proj's rows t (2 d) + d + i. */
+static void
+check_gate(const run *r, const mha_config *c, const mha_weights *w, const layer_tensors *lt) {
+    const int64_t h = c->num_heads, d = c->head_dim, hid = c->q_dim;
+    const float *wq = w->w_q, *bq = w->b_q;
+    const tensor *src = &r->t[lt->idx[0]];
+    const tensor *bsrc = lt->idx[4] >= 0 ? &r->t[lt->idx[4]] : NULL;
+    for (int64_t t = 0; t < h; t++)
+        for (int64_t i = 0; i < d; i++) {
+            const int64_t row = h * d + t * d + i, src_row = t * 2 * d + d + i;
+            for (int64_t k = 0; k < hid; k++)
+                FUZZ_REQUIRE(wq[row * hid + k] == elem(src, 0, src_row, k),
+                             "gate (%lld, %lld) is %g, the file has %g", (long long)row,
+                             (long long)k, (double)wq[row * hid + k],
+                             (double)elem(src, 0, src_row, k));
+            if (bsrc)
+                FUZZ_REQUIRE(bq[row] == bsrc->v[src_row], "gate bias[%lld]", (long long)row);
+        }
+}
+
+/* The QK-norm weights are the files' q_norm / k_norm, given exactly when the kind has weights. */
+static void
+check_norms(const run *r, const mha_config *c, const mha_weights *w, const layer_tensors *lt) {
+    const float *got[2] = {w->q_norm, w->k_norm};
+    for (int key = 0; key < 2; key++) {
+        FUZZ_REQUIRE((got[key] != NULL) == (norm_len(c, key) > 0), "%s presence",
+                     key ? "k_norm" : "q_norm");
+        for (int64_t i = 0; i < norm_len(c, key); i++)
+            FUZZ_REQUIRE(got[key][i] == r->t[lt->idx[9 + key]].v[i], "%s[%lld]",
+                         key ? "k_norm" : "q_norm", (long long)i);
+    }
 }
 
 /* The loaded weights are the generated values, where the layout puts them. */
@@ -381,6 +445,8 @@ check_weights(const run *r, const arch *a, const mha_layer *L, const layer_tenso
                 if (a->lay == L_QKVO || a->lay == L_BERT) {
                     src = &r->t[lt->idx[role]];
                     bsrc = lt->idx[4 + role] >= 0 ? &r->t[lt->idx[4 + role]] : NULL;
+                    if (role == 0)
+                        src_row = t * q_rows_per(c) * d + i; /* q_proj [h, 1 + gate, d] */
                 } else if (a->lay != L_FALCON) {
                     src = &r->t[lt->idx[0]];
                     bsrc = lt->idx[4] >= 0 ? &r->t[lt->idx[4]] : NULL;
@@ -409,6 +475,9 @@ check_weights(const run *r, const arch *a, const mha_layer *L, const layer_tenso
                                  (long long)row);
             }
     }
+    if (c->output_gate)
+        check_gate(r, c, w, lt);
+    check_norms(r, c, w, lt);
     const tensor *o = &r->t[lt->idx[3]];
     const float *wo = w->w_o, *bo = w->b_o, *sinks = w->sinks; /* float32: the default dtype */
     for (int64_t row = 0; row < c->out_dim; row++)

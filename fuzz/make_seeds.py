@@ -209,6 +209,33 @@ def main():
                                 original_max_position_embeddings=8,
                                 rope_parameters=rope("longrope", 1e4, short_factor=[1.0, 1.5],
                                                      long_factor=[1.0, 4.0])), sel=b"\x08")
+    # Issue 31's families: QK-norm per head / over the projection, Qwen3-Next's gated q_proj,
+    # NoPE layers, interleaved RoPE, Llama 4's L2 QK-norm and chunks.
+    model("qwen3", dict(small, model_type="qwen3", num_key_value_heads=2, head_dim=4,
+                        attention_bias=True, rope_parameters=rope()))
+    model("qwen3_moe", dict(small, model_type="qwen3_moe", num_key_value_heads=2, head_dim=4,
+                            num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+                            rope_parameters=rope()), sel=b"\x02")
+    model("gemma3_text", dict(small, model_type="gemma3_text", num_key_value_heads=2, head_dim=4,
+                              query_pre_attn_scalar=24, sliding_window=5,
+                              layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters={"sliding_attention": rope(theta=1e4),
+                                               "full_attention": rope("linear", 1e6,
+                                                                      factor=2.0)}))
+    model("qwen3_next", dict(small, model_type="qwen3_next", num_key_value_heads=2, head_dim=4,
+                             attention_bias=True, layer_types=["full_attention", "full_attention"],
+                             rope_parameters=rope(partial_rotary_factor=0.5)))
+    model("olmo2", dict(small, model_type="olmo2", num_key_value_heads=2,
+                        rope_parameters=rope(theta=5e5)), sel=b"\x04")
+    model("smollm3", dict(small, model_type="smollm3", num_key_value_heads=2,
+                          no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=5,
+                          rope_parameters=rope(theta=2e4)))
+    model("cohere2", dict(small, model_type="cohere2", num_key_value_heads=2, sliding_window=5,
+                          layer_types=["sliding_attention", "full_attention"],
+                          rope_parameters=rope()))
+    model("llama4_text", dict(small, model_type="llama4_text", num_key_value_heads=2, head_dim=4,
+                              no_rope_layers=[1, 0], attention_chunk_size=5, floor_scale=4,
+                              attn_scale=0.5, rope_parameters=rope(theta=5e5)))
     model("gpt2", dict(model_type="gpt2", vocab_size=64, n_embd=16, n_head=4, n_layer=2,
                        n_positions=64, scale_attn_by_inverse_layer_idx=True), sel=b"\x03")
     model("gpt_neox", dict(small, model_type="gpt_neox", rotary_pct=0.5, rotary_emb_base=2000,
