@@ -20,6 +20,12 @@ pass: conservative). `best %` uses the run's best step instead. `% w+kv` counts 
 step reads from the cache too (weights + K and V of --cache-len positions: what the step must
 stream), and `x bf16` / `x q8_0` are the bf16 / q8_0 row's step time over this row's, per repeat
 (same tier and threads, runs of one repeat back to back).
+`--cold-mb MB` reads an MB-megabyte buffer before every timed step (mha: `decode-bench --cold`;
+torch: a sum over a buffer of that size), as a model's other layers would between two steps of
+this one: without it a host whose L3 holds the layer's weights (the Intel Xeon of session 42: a
+260 MiB L3 against 84 MB of bf16 weights) reads them from the L3 and reports more than the memory's
+bandwidth (152% there). `auto` (the default) reads twice the L3 size that
+/sys/devices/system/cpu/cpu0/cache gives (0 when it gives none); 0 turns it off.
 Reports per (kernel tier, threads, dtype) the median and [min, max] over --repeats runs of the
 median step time, GB/s of weight bytes and % of the read bandwidth. The tiers are MHA_MAX_ISA
 caps ("default" = none); torch (optional) runs only in the default tier's rows.
@@ -50,11 +56,28 @@ def cpu_name():
     return platform.processor()
 
 
+def l3_mb():
+    """The L3's size in MB as sysfs gives it for CPU 0 (0 when it gives none)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in sorted(os.listdir(base)):
+            with open(os.path.join(base, idx, "level")) as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(os.path.join(base, idx, "size")) as f:
+                size = f.read().strip()
+            scale = {"K": 1 / 1024, "M": 1, "G": 1024}.get(size[-1], 1 / 2 ** 20)
+            return int(float(size.rstrip("KMG")) * scale + 0.5)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def mha_run(exe, dtype, tier, threads, a):
     cmd = [exe, "decode-bench", "--heads", str(a.heads), "--kv-heads", str(a.kv_heads),
            "--head-dim", str(a.head_dim), "--cache-len", str(a.cache_len), "--batch", "1",
            "--steps", str(a.steps), "--threads", str(threads), "--weight-dtype", dtype,
-           "--stream", str(a.stream_mb), "--json"]
+           "--stream", str(a.stream_mb), "--json"] + (["--cold", str(a.cold)] if a.cold else [])
     env = dict(os.environ)
     env.pop("MHA_MAX_ISA", None)
     if tier != "default":
@@ -73,12 +96,15 @@ def torch_run(torch, dtype, a):
     x = torch.randn(1, q, generator=g).to(dt)
     f = torch.nn.functional.linear
     times = []
+    cold = torch.ones(a.cold << 18, dtype=torch.float32) if a.cold else None  # 4 bytes each
     with torch.inference_mode():
         for _ in range(3):
             for w in ws:
                 f(x, w)
             f(x, wo)
         for _ in range(a.steps):
+            if cold is not None:
+                cold.sum()
             t0 = time.perf_counter()
             for w in ws:
                 f(x, w)
@@ -104,9 +130,12 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dtypes", default="f32,bf16,f16,q8_0,q4_0")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--cold-mb", default="auto",
+                   help="MB read before every timed step (see above); 'auto': 2x the L3")
     p.add_argument("--base", default=None,
                    help="another mha program (e.g. a build before a change): its rows interleaved")
     a = p.parse_args()
+    a.cold = 2 * l3_mb() if a.cold_mb == "auto" else int(a.cold_mb)
     threads = [int(t) for t in a.threads.split(",")]
     tiers = a.tiers.split(",")
     torch = None
@@ -139,7 +168,8 @@ def main():
           f"torch {torch.__version__ if torch else '-'}")
     print(f"# layer h={a.heads} g={a.kv_heads} d={a.head_dim} q_dim={a.heads * a.head_dim} "
           f"cache_len={a.cache_len} batch=1; median step over {a.steps} steps, "
-          f"{a.repeats} repeats: median [min, max]; read bw: --stream {a.stream_mb} in each run")
+          f"{a.repeats} repeats: median [min, max]; read bw: --stream {a.stream_mb} in each run; "
+          f"--cold {a.cold} MB before every timed step")
     print(f"{'tier':8} {'thr':>3} {'who':6} {'weights':7} {'MB':>6} {'step ms':>22} "
           f"{'GB/s of weights':>20} {'read bw GB/s':>20} {'% of read bw':>18} {'best %':>16} "
           f"{'% w+kv':>16} {'x bf16':>20} {'x q8_0':>20}")

@@ -67,6 +67,7 @@ enum {
     B_DRAFT_TREE,
     B_BATCH_LENGTHS,
     B_WARMUP,
+    B_COLD,
     B_COUNT
 };
 
@@ -94,6 +95,7 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_DRAFT_TREE] = {"--draft-tree", CLI_OPT_VALUE},
     [B_BATCH_LENGTHS] = {"--batch-lengths", CLI_OPT_VALUE},
     [B_WARMUP] = {"--warmup", CLI_OPT_VALUE},
+    [B_COLD] = {"--cold", CLI_OPT_VALUE},
 };
 
 static void bench_usage(void) {
@@ -148,6 +150,10 @@ static void bench_usage(void) {
         "  --warmup MS         untimed attention calls (no append) for MS milliseconds before\n"
         "                      the timed steps (default: 250; 0 = none): the first ~100 ms of\n"
         "                      streaming the cache ran ~10%% slower on AMD Zen 5\n"
+        "  --cold MB           read an MB-megabyte buffer before every timed call, so that\n"
+        "                      the call finds the cache and the weights in memory, not in an\n"
+        "                      L3 that holds them (a model's other layers run in between;\n"
+        "                      give about twice the L3: 512 on a 260 MiB L3) (default: 0)\n"
         "\n"
         "Example:\n"
         "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 \\\n"
@@ -323,6 +329,7 @@ typedef struct bench_opts {
     int64_t H, G, D, Q, L, B, N,
         stream_mb;       /* heads, kv heads, head dim, q_dim, cache, batch, steps */
     int64_t warmup_ms;   /* --warmup */
+    int64_t cold_mb;     /* --cold, 0 = none */
     int64_t paged;       /* --paged block size, 0 = none */
     int paged_order;     /* --paged-order: PO_* */
     int64_t paged_peers; /* --paged-peers (lockstep, interleaved; else 0) */
@@ -357,7 +364,19 @@ typedef struct bench_run {
     double stream_pf; /* the read loop with software prefetches (stream_gbs) */
     double weight_bytes;
     double tree_med, tree_min, tree_max, one_med, one_min, one_max; /* --draft-tree */
+    uint64_t *cold;             /* --cold: the buffer read before every timed call */
+    volatile uint64_t cold_sum; /* what the reads summed: stored, so they are not dropped */
 } bench_run;
+
+/* --cold: one load per 64-byte line of the buffer, which evicts from the L3 what the last call
+ * left there (the loads' sum is kept so the compiler cannot drop them). */
+static void go_cold(const bench_opts *b, bench_run *r) {
+    const size_t n = (size_t)b->cold_mb * (1u << 20) / sizeof(uint64_t);
+    uint64_t sum = 0;
+    for (size_t i = 0; i < n; i += 64 / sizeof(uint64_t))
+        sum += r->cold[i];
+    r->cold_sum = r->cold_sum + sum;
+}
 
 /* --paged-order values (bench_paged_cache). */
 enum { PO_LOCKSTEP, PO_ORDERED, PO_INTERLEAVED, PO_FRAGMENTED, PO_ALTERNATE, PO_COUNT };
@@ -393,7 +412,8 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
                 {B_STREAM_MB, &b->stream_mb, 1, 1 << 20},
                 {B_PAGED, &b->paged, 16, 256},
                 {B_PAGED_PEERS, &b->paged_peers, 0, 64},
-                {B_WARMUP, &b->warmup_ms, 0, 60000}};
+                {B_WARMUP, &b->warmup_ms, 0, 60000},
+                {B_COLD, &b->cold_mb, 0, 1 << 20}};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
         if (args->given[ints[i].id] &&
             (rc = cli_parse_i64(bench_flags[ints[i].id].name, args->value[ints[i].id], ints[i].lo,
@@ -720,6 +740,12 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
     /* The naive loop's scores [H, L + N] and one K/V row [G, D]. */
     r->scores = malloc(sizeof(float) * (size_t)(H * (L + 2 * N) + G * D));
     r->times = malloc(sizeof(double) * (size_t)N);
+    if (b->cold_mb) { /* written once, so that its pages exist */
+        r->cold = malloc((size_t)b->cold_mb << 20);
+        if (!r->cold)
+            return cli_fail("cannot allocate --cold %lld MB", (long long)b->cold_mb);
+        memset(r->cold, 1, (size_t)b->cold_mb << 20);
+    }
     if (!r->kv || !r->xbuf || !r->ybuf || !r->q || !r->o || !r->scores || !r->times)
         return cli_fail("out of memory");
     return CLI_OK;
@@ -795,6 +821,7 @@ static int bench_attention(const bench_opts *b, bench_run *r) {
         /* --paged: both caches each step, which first alternating */
         for (int k = 0; k < (r->paged ? 2 : 1) && !st; k++) {
             const int pg = r->paged && (k ^ (int)(s & 1));
+            go_cold(b, r);
             const double ts = now_s();
             st = mha_kv_cache_attention(pg ? r->paged : r->cache, &ka, &r->ex, &r->err);
             (pg ? r->ptimes : r->times)[s] = now_s() - ts;
@@ -839,6 +866,7 @@ static int bench_tree(const bench_opts *b, bench_run *r) {
                 len0[seq] = mha_kv_cache_length(r->cache, seq);
                 st = mha_kv_cache_append(r->cache, 1, &seq, n, r->kv, r->kv + n * G * D, &r->err);
             }
+            go_cold(b, r);
             const double ts = now_s();
             if (!st)
                 st = mha_kv_cache_attention(r->cache, &ka, &r->ex, &r->err);
@@ -867,6 +895,7 @@ static int bench_layer(const bench_opts *b, bench_run *r) {
     for (int64_t s = 0; s < b->N; s++) {
         fill(&r->rng, r->xbuf, b->B * b->Q, 1.0f);
         mha_decode_args a = {b->B, NULL, 1, r->xbuf, r->ybuf, NULL};
+        go_cold(b, r);
         const double ts = now_s();
         mha_status st = mha_layer_decode_step(r->layer, r->cache, &a, &r->ex, &r->err);
         r->times[s] = now_s() - ts;
@@ -924,7 +953,8 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"layer_weight_gbs\": %.6g, \"stream_pf_gbs\": %.6g, \"paged_block\": %lld, "
                "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g, \"paged_order\": \"%s\", "
                "\"paged_peers\": %lld, \"paged_blocks\": %lld, \"paged_runs\": %lld, "
-               "\"compact_s\": %.6g, \"paged_runs_before_compact\": %lld}\n",
+               "\"compact_s\": %.6g, \"paged_runs_before_compact\": %lld, "
+               "\"tree_median_s\": %.6g, \"tree_one_median_s\": %.6g, \"cold_mb\": %lld}\n",
                decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
@@ -933,13 +963,16 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0, r->stream_pf,
                (long long)b->paged, r->paged_med, r->paged_min, paged_orders[b->paged_order],
                (long long)b->paged_peers, (long long)pblocks, (long long)pruns, r->compact_s,
-               (long long)(b->compact ? r->runs_before : pruns));
+               (long long)(b->compact ? r->runs_before : pruns), r->tree_med, r->one_med,
+               (long long)b->cold_mb);
         return;
     }
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
            "threads=%d cache=%s kernel=%s\n",
            (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->Q, (long long)b->L,
            (long long)b->B, b->threads, b->dtn, decode_kernel_name(b->dt));
+    if (b->cold_mb)
+        printf("  --cold: %lld MB read before every timed call\n", (long long)b->cold_mb);
     if (b->lens) {
         double tot = 0.0;
         for (int64_t i = 0; i < b->B; i++)
@@ -1005,6 +1038,7 @@ static void bench_free(bench_run *r) {
     free(r->wbuf);
     free(r->whalf);
     free(r->wq8);
+    free(r->cold);
 }
 
 int cli_decode_bench_main(int argc, char **argv) {
