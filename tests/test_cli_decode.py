@@ -209,6 +209,24 @@ def test_decode_bench_paged_compact():
     assert rec["compact_s"] > 0 and rec["paged_blocks"] == 7
 
 
+def test_decode_bench_cold_and_tree_json():
+    # --cold MB: a buffer read before every timed call (docs/INFERENCE.md "Cold caches"), reported
+    # as cold_mb; --draft-tree's times are in the JSON line too (tree and one-token step).
+    r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
+                "--cache-len", 100, "--steps", 3, "--attention-only", "--cold", 4,
+                "--draft-tree", "-1,0,0", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["cold_mb"] == 4 and rec["attn_median_s"] > 0
+    assert rec["tree_median_s"] > 0 and rec["tree_one_median_s"] > 0
+    r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
+                "--cache-len", 40, "--steps", 2, "--cold", 2, "--weight-dtype", "bf16")
+    assert r.returncode == 0 and "--cold: 2 MB read before every timed call" in r.stdout, r.stderr
+    rec = json.loads(run_cli("decode-bench", "--steps", 2, "--cache-len", 40, "--heads", 2,
+                             "--kv-heads", 1, "--head-dim", 16, "--json").stdout)
+    assert rec["cold_mb"] == 0 and rec["tree_median_s"] == 0
+
+
 def test_decode_bench_layer_prefill():
     # The cache filled by the layer's own prefill, in calls of up to 256 positions: q_dim 512 (more
     # than one call's positions) and 300 positions (a full call and a partial one), 2 sequences.
@@ -231,6 +249,7 @@ def test_decode_bench_layer_prefill():
     (["--weight-dtype", "q5_0"], "--weight-dtype: 'q5_0' is not f32, f16, bf16, q8_0 or q4_0"),
     (["--weight-dtype", "q8_0", "--q-dim", "48"], "--weight-dtype q8_0 needs"),
     (["--bogus"], "unknown option '--bogus'"),
+    (["--cold", "-1"], "--cold: -1 is out of range"),
     (["--steps", "0"], "--steps: 0 is out of range"),
     (["--paged-order", "ordered"], "--paged-order needs --paged"),
     (["--paged", "16", "--paged-order", "random"], "--paged-order: 'random' is not lockstep"),
