@@ -10,6 +10,11 @@
  * 4. A call with a workspace and a pool allocates nothing through exec.allocator.
  * 5. One pool shared by four caller threads at once (a ThreadSanitizer target): bit-identical
  *    results. Negative exec.n_threads is INVALID_ARG with and without a pool.
+ * 6. The pool's two ways of waiting (src/base/threads.c: poll, then sleep): a pool within the
+ *    online CPUs (it polls) and one larger than them (it only sleeps), each running calls back to
+ *    back (the workers still polling), calls after pauses longer than the poll (the workers and
+ *    the caller asleep), calls with fewer threads than the pool (workers without a part), and
+ *    destroyed right after a call: every result bit-identical to one thread.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -19,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define E     64 /* q_dim */
 #define HEADS 4
@@ -238,6 +244,30 @@ static void test_shared(fixture *f, mha_threadpool *pool) {
     free(want);
 }
 
+/* Section 6: `size` threads, calls at the pauses of `pause_us` (0: back to back). */
+static void test_wait_paths(fixture *f, int32_t size) {
+    static float want[OUT_FLOATS], got[OUT_FLOATS];
+    mha_error err;
+    const mha_exec one = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
+    const size_t n = run_all(f, &one, want, &err);
+    const long pause_us[] = {0, 0, 300, 0, 2000, 1, 300};
+    for (int rep = 0; rep < (quick() ? 1 : 3); rep++) {
+        mha_threadpool *pool = NULL;
+        CHECK_OK(mha_threadpool_create(size, NULL, &pool, &err), &err);
+        for (size_t c = 0; c < sizeof pause_us / sizeof pause_us[0]; c++) {
+            const struct timespec ts = {0, pause_us[c] * 1000};
+            nanosleep(&ts, NULL);
+            /* every other call with 2 threads: with size > 2, workers without a part */
+            const mha_exec ex = {MHA_IMPL_AUTO, c % 2 ? 2 : 0, NULL, 0, NULL, pool};
+            memset(got, 0xff, sizeof got);
+            CHECK(run_all(f, &ex, got, &err) == n && memcmp(want, got, n * sizeof(float)) == 0,
+                  "pool of %d, call %zu after %ld us: differs from one thread", (int)size, c,
+                  pause_us[c]);
+        }
+        mha_threadpool_destroy(pool); /* right after a call: the workers may still poll */
+    }
+}
+
 int main(void) {
     test_arguments();
     float *wbuf = malloc(sizeof(float) * 4 * E * E);
@@ -250,6 +280,9 @@ int main(void) {
     test_no_allocation(f, pool);
     test_shared(f, pool);
     mha_threadpool_destroy(pool);
+    test_wait_paths(f, 2);
+    test_wait_paths(f, mha_default_threads() + 1); /* more threads than CPUs: never polls */
+    test_wait_paths(f, 3);
     mha_layer_destroy(f->layer);
     free(f);
     free(wbuf);

@@ -4,38 +4,77 @@
  * results do not depend on the thread count, nor on which thread runs a part.
  *
  * Two ways to run the other parts:
- *   - a caller-owned mha_threadpool: size - 1 workers started once, asleep on a condition
- *     variable between regions. A region publishes (fn, ctx, count, parts) under the pool's lock,
- *     bumps the generation and wakes the workers; worker w runs part w if w < parts, and the last
- *     one to finish wakes the caller. Regions of one pool are serialised by `turn`, so several
- *     callers may share a pool. No allocation and no thread start per region.
+ *   - a caller-owned mha_threadpool: size - 1 workers started once. A region publishes (fn, ctx,
+ *     count) and then stores the atomic `region` word, its serial number and part count
+ *     (release); worker w runs part w if w < parts and counts `pending` down; the caller runs
+ *     part 0 and waits for pending == 0. A worker that has no part reads nothing but the word:
+ *     the next region may rewrite the fields while it looks.
+ *     Regions of one pool are serialised by `turn`, so several callers may share a pool. No
+ *     allocation and no thread start per region.
+ *     Waiting spins first, then sleeps: a worker polls `region` (and the caller `pending`)
+ *     for up to MHA__SPIN_NS before it sleeps on a condition variable. A decode step is several
+ *     short regions back to back (the q, k, v projections, the attention, the o projection, each
+ *     ~0.1-1 ms), and a wake-up through the kernel costs tens of microseconds on these VMs, paid
+ *     once per region by a pool that only sleeps. The sleeper counts (`sleeping`,
+ *     `caller_sleeping`) tell the other side whether a signal is needed: each side stores its
+ *     own flag and then reads the other's (sequentially consistent, so one of the two sees the
+ *     other), and a sleeper re-checks its condition under the lock before it waits, so no wake-up
+ *     is lost. A pool with more threads than online CPUs never spins (a spinning thread would
+ *     take the CPU the one it waits for needs).
  *   - no pool: threads started and joined per region (~20-50 us each here), their records
  *     calloc'ed: the behaviour before pools existed, kept for calls that give none.
  * Nested regions never happen: no part function starts a region of its own.
  */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+
 #include "base/internal.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#    include <immintrin.h>
+#    define MHA__CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#    define MHA__CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#    define MHA__CPU_RELAX() ((void)0)
+#endif
+
+/* How long a waiting thread polls before it sleeps. Intel Xeon host, decode steps on 2 threads
+ * (docs/performance.md "Thread pool: spin, then sleep"): 20 us gained 12-18% on a quiet host,
+ * as much as 100 us (13-25%), but lost only 0-10% where 100 us lost 13-21% when another process
+ * kept one core busy (a polling thread uses up its share of the CPU, so the scheduler no longer
+ * runs it first when the region arrives). */
+#define MHA__SPIN_NS 20000
+
+/* mha_threadpool.region: the part count in the low bits (a pool has at most 1024 threads). */
+#define REGION_SHIFT       16
+#define REGION_PARTS(word) ((int)((word) & ((1u << REGION_SHIFT) - 1)))
 
 struct mha_threadpool {
     int size; /* threads in all, the caller's included */
     pthread_t *workers;
     mha_allocator allocator;
     int has_allocator;
-    pthread_mutex_t turn; /* held by the caller of the current region */
-    pthread_mutex_t lock; /* guards everything below */
-    pthread_cond_t wake;  /* workers wait here for a new generation */
-    pthread_cond_t done;  /* the caller waits here for pending == 0 */
-    uint64_t generation;
-    int stop;
+    int64_t spin_ns;         /* MHA__SPIN_NS, or 0 when size > online CPUs */
+    pthread_mutex_t turn;    /* held by the caller of the current region */
+    pthread_mutex_t lock;    /* taken to sleep on, and to signal, the two condition variables */
+    pthread_cond_t wake;     /* workers wait here for a new region */
+    pthread_cond_t done;     /* the caller waits here for pending == 0 */
+    _Atomic uint64_t region; /* serial << REGION_SHIFT | parts of the latest region */
+    atomic_int stop;
+    atomic_int sleeping;        /* workers asleep on `wake` (or about to be) */
+    atomic_int caller_sleeping; /* the caller is asleep on `done` (or about to be) */
+    /* The region, written before the store of `region`, read (by the workers with a part) after
+     * its acquire load. */
     mha__range_fn fn;
     void *ctx;
     int64_t count;
-    int parts;
-    int pending; /* parts 1 .. parts-1 not yet finished */
+    atomic_int pending; /* parts 1 .. parts-1 not yet finished */
 };
 
 typedef struct worker_arg {
@@ -63,58 +102,99 @@ static void part_range(int64_t count, int parts, int t, int64_t *begin, int64_t 
 /* The pool.                                                                                      */
 /* ---------------------------------------------------------------------------------------------- */
 
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* A worker's wait for a region after `seen` (or stop): polls for spin_ns, then sleeps. */
+static void worker_wait(mha_threadpool *pool, uint64_t seen) {
+    const int64_t until = pool->spin_ns ? now_ns() + pool->spin_ns : 0;
+    for (int i = 1; until; i++) {
+        if (atomic_load_explicit(&pool->region, memory_order_acquire) != seen ||
+            atomic_load_explicit(&pool->stop, memory_order_acquire))
+            return;
+        MHA__CPU_RELAX();
+        if (i % 64 == 0 && now_ns() > until)
+            break;
+    }
+    pthread_mutex_lock(&pool->lock);
+    atomic_fetch_add(&pool->sleeping, 1);
+    while (atomic_load(&pool->region) == seen && !atomic_load(&pool->stop))
+        pthread_cond_wait(&pool->wake, &pool->lock);
+    atomic_fetch_sub(&pool->sleeping, 1);
+    pthread_mutex_unlock(&pool->lock);
+}
+
 static void *worker_main(void *arg) {
     mha_threadpool *pool = ((worker_arg *)arg)->pool;
     const int index = ((worker_arg *)arg)->index;
     uint64_t seen = 0;
-    pthread_mutex_lock(&pool->lock);
     for (;;) {
-        while (pool->generation == seen && !pool->stop)
-            pthread_cond_wait(&pool->wake, &pool->lock);
-        if (pool->stop)
+        worker_wait(pool, seen);
+        if (atomic_load_explicit(&pool->stop, memory_order_acquire))
             break;
-        seen = pool->generation;
-        if (index >= pool->parts)
+        seen = atomic_load_explicit(&pool->region, memory_order_acquire);
+        const int parts = REGION_PARTS(seen);
+        if (index >= parts)
             continue;
-        const mha__range_fn fn = pool->fn;
-        void *ctx = pool->ctx;
         int64_t begin, end;
-        part_range(pool->count, pool->parts, index, &begin, &end);
-        pthread_mutex_unlock(&pool->lock);
-        fn(ctx, index, begin, end);
-        pthread_mutex_lock(&pool->lock);
-        if (--pool->pending == 0)
+        part_range(pool->count, parts, index, &begin, &end);
+        pool->fn(pool->ctx, index, begin, end);
+        /* The last part done wakes the caller if it sleeps (it re-checks under the lock). */
+        if (atomic_fetch_sub(&pool->pending, 1) == 1 && atomic_load(&pool->caller_sleeping)) {
+            pthread_mutex_lock(&pool->lock);
             pthread_cond_signal(&pool->done);
+            pthread_mutex_unlock(&pool->lock);
+        }
     }
-    pthread_mutex_unlock(&pool->lock);
     return NULL;
+}
+
+/* The caller's wait for pending == 0: polls for spin_ns, then sleeps. */
+static void caller_wait(mha_threadpool *pool) {
+    const int64_t until = pool->spin_ns ? now_ns() + pool->spin_ns : 0;
+    for (int i = 1; until; i++) {
+        if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
+            return;
+        MHA__CPU_RELAX();
+        if (i % 64 == 0 && now_ns() > until)
+            break;
+    }
+    pthread_mutex_lock(&pool->lock);
+    atomic_store(&pool->caller_sleeping, 1);
+    while (atomic_load(&pool->pending) > 0)
+        pthread_cond_wait(&pool->done, &pool->lock);
+    atomic_store(&pool->caller_sleeping, 0);
+    pthread_mutex_unlock(&pool->lock);
 }
 
 static void pool_run(mha_threadpool *pool, int parts, int64_t count, mha__range_fn fn, void *ctx) {
     pthread_mutex_lock(&pool->turn);
-    pthread_mutex_lock(&pool->lock);
     pool->fn = fn;
     pool->ctx = ctx;
     pool->count = count;
-    pool->parts = parts;
-    pool->pending = parts - 1;
-    pool->generation++;
-    pthread_cond_broadcast(&pool->wake);
-    pthread_mutex_unlock(&pool->lock);
+    atomic_store_explicit(&pool->pending, parts - 1, memory_order_relaxed);
+    const uint64_t serial =
+        (atomic_load_explicit(&pool->region, memory_order_relaxed) >> REGION_SHIFT) + 1;
+    atomic_store(&pool->region, serial << REGION_SHIFT | (uint64_t)parts); /* publishes them */
+    if (atomic_load(&pool->sleeping)) {
+        pthread_mutex_lock(&pool->lock);
+        pthread_cond_broadcast(&pool->wake);
+        pthread_mutex_unlock(&pool->lock);
+    }
     int64_t begin, end;
     part_range(count, parts, 0, &begin, &end);
     fn(ctx, 0, begin, end);
-    pthread_mutex_lock(&pool->lock);
-    while (pool->pending > 0)
-        pthread_cond_wait(&pool->done, &pool->lock);
-    pthread_mutex_unlock(&pool->lock);
+    caller_wait(pool);
     pthread_mutex_unlock(&pool->turn);
 }
 
 /* Stops the first `started` workers and frees the pool. */
 static void pool_free(mha_threadpool *pool, int started) {
     pthread_mutex_lock(&pool->lock);
-    pool->stop = 1;
+    atomic_store(&pool->stop, 1);
     pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->lock);
     for (int w = 0; w < started; w++)
@@ -142,7 +222,13 @@ mha_status mha_threadpool_create(int32_t n_threads,
     mha_threadpool *pool = mha__alloc(allocator, sizeof *pool);
     MHA_RETURN_IF(!pool, err, NO_MEMORY, "cannot allocate the thread pool");
     memset(pool, 0, sizeof *pool);
+    atomic_init(&pool->region, 0);
+    atomic_init(&pool->stop, 0);
+    atomic_init(&pool->sleeping, 0);
+    atomic_init(&pool->caller_sleeping, 0);
+    atomic_init(&pool->pending, 0);
     pool->size = size;
+    pool->spin_ns = size <= mha__default_threads() ? MHA__SPIN_NS : 0;
     pool->has_allocator = allocator != NULL;
     if (allocator)
         pool->allocator = *allocator;
