@@ -108,17 +108,33 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* A worker's wait for a region after `seen` (or stop): polls for spin_ns, then sleeps. */
-static void worker_wait(mha_threadpool *pool, uint64_t seen) {
+/* What the two sides wait for: a region after `seen` (or stop), and the workers' parts done. */
+static int region_moved(mha_threadpool *pool, uint64_t seen) {
+    return atomic_load_explicit(&pool->region, memory_order_acquire) != seen ||
+           atomic_load_explicit(&pool->stop, memory_order_acquire);
+}
+static int parts_done(mha_threadpool *pool, uint64_t unused) {
+    (void)unused;
+    return atomic_load_explicit(&pool->pending, memory_order_acquire) == 0;
+}
+
+/* Polls ready(pool, seen) for up to spin_ns (the clock read every 64 polls); whether it held. */
+static int poll_for(mha_threadpool *pool, int (*ready)(mha_threadpool *, uint64_t), uint64_t seen) {
     const int64_t until = pool->spin_ns ? now_ns() + pool->spin_ns : 0;
     for (int i = 1; until; i++) {
-        if (atomic_load_explicit(&pool->region, memory_order_acquire) != seen ||
-            atomic_load_explicit(&pool->stop, memory_order_acquire))
-            return;
+        if (ready(pool, seen))
+            return 1;
         MHA__CPU_RELAX();
         if (i % 64 == 0 && now_ns() > until)
             break;
     }
+    return 0;
+}
+
+/* A worker's wait for a region after `seen` (or stop): polls, then sleeps. */
+static void worker_wait(mha_threadpool *pool, uint64_t seen) {
+    if (poll_for(pool, region_moved, seen))
+        return;
     pthread_mutex_lock(&pool->lock);
     atomic_fetch_add(&pool->sleeping, 1);
     while (atomic_load(&pool->region) == seen && !atomic_load(&pool->stop))
@@ -152,16 +168,10 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-/* The caller's wait for pending == 0: polls for spin_ns, then sleeps. */
+/* The caller's wait for pending == 0: polls, then sleeps. */
 static void caller_wait(mha_threadpool *pool) {
-    const int64_t until = pool->spin_ns ? now_ns() + pool->spin_ns : 0;
-    for (int i = 1; until; i++) {
-        if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0)
-            return;
-        MHA__CPU_RELAX();
-        if (i % 64 == 0 && now_ns() > until)
-            break;
-    }
+    if (poll_for(pool, parts_done, 0))
+        return;
     pthread_mutex_lock(&pool->lock);
     atomic_store(&pool->caller_sleeping, 1);
     while (atomic_load(&pool->pending) > 0)
