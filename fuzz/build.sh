@@ -21,11 +21,18 @@ common=(-std=c11 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -fno-math-errn
 warn=(-Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wvla
       -Wdouble-promotion -Wundef -Wformat=2 -Wimplicit-fallthrough)
 
-isa_flags() {
+# Per file: the ISA flags of the SIMD kernel files (src/kernels/x86/*_avx2.c, *_avx512.c,
+# *_avx512bf16.c), which are also built at -O0: clang-14 at -O1 with ASan + UBSan + coverage took
+# 303 s on decode_avx512.c alone (its always-inline instances; 25 s at -O0; Intel Xeon host,
+# session 43), most of CI's fuzzing step. The harnesses fuzz the parsers, the loaders and the
+# API's checks; the kernels run on the small shapes those accept, at -O0 still under both
+# sanitizers (and at -O1 in the ctest ASan + UBSan build).
+file_flags() {
+    local avx512="-mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma -mavx2 -mf16c"
     case "$1" in
-    *_avx512.c) echo "-mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma -mavx2 -mf16c" ;;
-    *_avx512bf16.c) echo "-mavx512f -mavx512dq -mavx512bw -mavx512vl -mfma -mavx2 -mf16c -mavx512bf16" ;;
-    *_avx2.c) echo "-mavx2 -mfma -mf16c" ;;
+    *_avx512.c) echo "-O0 $avx512" ;;
+    *_avx512bf16.c) echo "-O0 $avx512 -mavx512bf16" ;;
+    *_avx2.c) echo "-O0 -mavx2 -mfma -mf16c" ;;
     *) echo "" ;;
     esac
 }
@@ -44,7 +51,7 @@ for s in $srcs; do
     if [ ! -f "$o" ] || [ "$root/$s" -nt "$o" ] || [ -n "$(find "$root/src" "$root/cli" -name '*.h' -newer "$o" 2>/dev/null | head -1)" ]; then
         echo "$CC -c $s"
         # shellcheck disable=SC2046
-        "$CC" "${common[@]}" -fsanitize=fuzzer-no-link $(isa_flags "$s") -c "$root/$s" -o "$o" &
+        "$CC" "${common[@]}" -fsanitize=fuzzer-no-link $(file_flags "$s") -c "$root/$s" -o "$o" &
         while [ "$(jobs -rp | wc -l)" -ge "$(nproc 2>/dev/null || echo 2)" ]; do wait -n; done
     fi
 done

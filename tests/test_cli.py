@@ -140,9 +140,9 @@ def ref_mha(x, w, heads, kv=None, kv_heads=None, causal=False, align="bottom-rig
     return lin(o, "o_proj"), p
 
 
-def run_cli(*args, cwd=None, timeout=120):
+def run_cli(*args, cwd=None):
     return subprocess.run([CLI, *[str(a) for a in args]], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=120)
 
 
 def close(a, ref):
