@@ -256,21 +256,18 @@ static inline void load_q4x32(const unsigned char *q, __m512 d, __m512 *b0, __m5
     *b1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
 }
 
-/* The 32 W values of a row from byte p on, widened exactly into b0 (the first 16) and b1: 32
- * halves, or one q8_0 / q4_0 block (its f16 scale d broadcast once, its 32 values times d). */
+/* One q8_0 block's 32 values q (its int8 at q) times its scale d, widened exactly into b0 (the
+ * first 16) and b1. */
+static inline void load_q8x32(const signed char *q, __m512 d, __m512 *b0, __m512 *b1) {
+    *b0 = load_q8x16(q, d), *b1 = load_q8x16(q + 16, d);
+}
+
+/* The 32 half W values of a row from p on, widened exactly into b0 (the first 16) and b1. */
 static inline __attribute__((always_inline)) void
 load_w32(const unsigned char *p, const int wk, __m512 *b0, __m512 *b1) {
-    if (wk == W_Q8) {
-        uint16_t dh;
-        memcpy(&dh, p, 2);
-        const __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
-        const signed char *q = (const signed char *)p + 2;
-        *b0 = load_q8x16(q, d), *b1 = load_q8x16(q + 16, d);
-    } else {
-        const uint16_t *h = (const uint16_t *)p;
-        *b0 = load_half16(h, wk == W_BF16, (__mmask16)0xFFFF);
-        *b1 = load_half16(h + 16, wk == W_BF16, (__mmask16)0xFFFF);
-    }
+    const uint16_t *h = (const uint16_t *)p;
+    *b0 = load_half16(h, wk == W_BF16, (__mmask16)0xFFFF);
+    *b1 = load_half16(h + 16, wk == W_BF16, (__mmask16)0xFFFF);
 }
 
 /* dot_avx512 over W stored as halves (mha__gemm_dot_h_fn) or q8_0 / q4_0 blocks
@@ -330,10 +327,16 @@ static inline __attribute__((always_inline)) void dot_w_body(int64_t K,
         MHA_UNROLL
         for (int j = 0; j < MHA_GEMM_DOT_N; j++)
             gemm_dot_prefetch(wr[j] + at, pfb, l2);
-        /* q4_0: the rows' scales converted together and broadcast from memory (a load, not a
-         * shuffle: the lookups keep the shuffle pipe busy) */
+        /* q8_0, q4_0: the rows' scales converted together (one VCVTPH2PS) and broadcast from
+         * memory (a load). Per row and block, VPINSRW + VCVTPH2PS + VBROADCASTSS took three
+         * operations of the two 512-bit ports (0 and 5 on an Intel core) that the widening and
+         * the FMAs use (q4_0: the lookups keep the shuffle pipe busy). The empty asm hides
+         * where dsm points, so GCC broadcasts from ds in memory instead of shuffling the register
+         * it was converted in (a VSHUFPS and a VBROADCASTSS per row, on port 5). */
         float ds[MHA_GEMM_DOT_N] __attribute__((aligned(16)));
-        if (wk == W_Q4) {
+        const float *dsm = ds;
+        __asm__("" : "+r"(dsm));
+        if (blocks) {
             uint64_t bits = 0;
             MHA_UNROLL
             for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
@@ -347,7 +350,9 @@ static inline __attribute__((always_inline)) void dot_w_body(int64_t K,
         for (int j = 0; j < MHA_GEMM_DOT_N; j++) {
             __m512 b0, b1;
             if (wk == W_Q4)
-                load_q4x32(wr[j] + at + 2, _mm512_set1_ps(ds[j]), &b0, &b1);
+                load_q4x32(wr[j] + at + 2, _mm512_set1_ps(dsm[j]), &b0, &b1);
+            else if (wk == W_Q8)
+                load_q8x32((const signed char *)wr[j] + at + 2, _mm512_set1_ps(dsm[j]), &b0, &b1);
             else
                 load_w32(wr[j] + at, wk, &b0, &b1);
             MHA_UNROLL
