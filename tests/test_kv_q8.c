@@ -6,7 +6,7 @@
  *      Read back through mha_kv_cache_read (q * d as float32).
  *   2. mha_kv_cache_attention (AUTO, the tier MHA_MAX_ISA allows; REFERENCE) against the float64
  *      attention over the DEQUANTISED keys and values: TOL_OUT_REL (float32 accumulation only);
- *      plain and window caches; 1, 2 and 3 threads bit-identical.
+ *      plain and window caches, head sizes 32-192; 1, 2 and 3 threads bit-identical.
  *   3. Every read value within TOL_Q8_ELEM of the original; against the float64 attention over
  *      the ORIGINAL keys and values: the bound from TOL_Q8_ELEM (tests/common/tolerance.h),
  *      computed from the data. 2 and 3: tests/common/kv_quant.c, shared with test_kv_fp8.
@@ -256,7 +256,13 @@ static void test_hostile(void) {
 int main(void) {
     init_f16();
     test_quantizer();
-    const kvq_case cases[] = {{8, 2, 64, 700, 0}, {4, 4, 32, 300, 0}, {8, 1, 128, 600, 257}};
+    /* d 192 (6 blocks of 32; R 4 and 3): the AVX-512 contiguous path's q8_0 scales in groups of
+     * 4 blocks with a partial second group, and 3 column groups of 64 in its pass 3 */
+    const kvq_case cases[] = {{8, 2, 64, 700, 0},
+                              {4, 4, 32, 300, 0},
+                              {8, 1, 128, 600, 257},
+                              {4, 1, 192, 333, 0},
+                              {3, 1, 192, 290, 70}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         test_attention(&cases[i]);
     test_copy_truncate();

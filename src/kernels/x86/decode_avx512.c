@@ -23,7 +23,10 @@
  * float32 scratch, no horizontal sums; it replaced groups of 4 rows that each re-read and
  * re-widened the unit (34-44% of the FMA floor on an 8-draft tree). The float32 sums are in a fixed
  * order that does not depend on threads (bit-identical for any thread count); they differ in
- * rounding from the generic kernel's order (tolerance-tested).
+ * rounding from the generic kernel's order (tolerance-tested). q8_0 on the contiguous path
+ * (session 42, Intel Xeon): the block scales are widened 16 at a time (q8_scales16) and
+ * broadcast from memory, and pass 3 multiplies e by the scale once per (row, key, block) instead
+ * of every widened value (values_contig): ~100 -> ~92 cycles per key and kv head there.
  */
 #include "kernels/registry.h"
 #include "kernels/x86/simd_avx512.h"
@@ -289,6 +292,62 @@ MHA_INLINE v16 fp8_half(const int FIN, const char *row, int64_t d, int half) {
     return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(__builtin_nanf("")));
 }
 
+/* q8_0 on the contiguous path (docs/INFERENCE.md, "q8_0 on the Intel Xeon", session 42). Per
+ * scale, v16_q8_scale's VPINSRW, VCVTPH2PS xmm and VBROADCASTSS zmm take the two 512-bit ports of
+ * an Intel core (Emerald Rapids), the FMAs' ports: with 4 scales per key and pass (d 128) they
+ * cost ~27 cycles of ~100 per key and kv head. So the scales are widened 16 at a time into a
+ * buffer, and the loops broadcast them from memory (a load, no vector ALU operation).
+ * q8_scales16: out[i] = the float16 scale at at[i] as float32. The 16-bit values are packed four
+ * to a 64-bit word in general registers, then one VCVTPH2PS. Through memory instead, the
+ * 32-byte load after 16 two-byte stores misses the store forwarding and stalls each group
+ * (measured: no gain); the empty asm keeps GCC from gathering them with VPINSRW. */
+MHA_INLINE void q8_scales16(const char *const at[16], float out[16]) {
+    uint64_t w[4];
+    for (int j = 0; j < 4; j++) {
+        w[j] = 0;
+        for (int i = 0; i < 4; i++) {
+            uint16_t h;
+            memcpy(&h, at[4 * j + i], 2);
+            w[j] |= (uint64_t)h << (16 * i);
+        }
+        __asm__("" : "+r"(w[j]));
+    }
+    const __m128i lo = _mm_insert_epi64(_mm_cvtsi64_si128((long long)w[0]), (long long)w[1], 1);
+    const __m128i hi = _mm_insert_epi64(_mm_cvtsi64_si128((long long)w[2]), (long long)w[3], 1);
+    _mm512_storeu_ps(out,
+                     _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1)));
+}
+
+/* The 16 int8 of elements [d, d + 16) of a q8_0 row (d % 16 == 0) as float32, exactly: the
+ * values before their block's scale. */
+MHA_INLINE v16 q8_ints(const char *row, int64_t d) {
+    const char *q = row + (d >> 5) * MHA__Q8_BYTES + 2 + (d & 31);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+}
+
+/* Pass 1's q8_0 scales: sc[4 i + y] = row k[y]'s scale of block b + i, for rows of nblk blocks
+ * (past the row's end: its first block's, never used). */
+MHA_INLINE void q8_group_scales(const char *const k[4], int64_t b, int64_t nblk, float sc[16]) {
+    const char *at[16];
+    for (int i = 0; i < 4; i++) {
+        const int64_t off = b + i < nblk ? (b + i) * MHA__Q8_BYTES : 0;
+        for (int y = 0; y < 4; y++)
+            at[4 * i + y] = k[y] + off;
+    }
+    q8_scales16(at, sc);
+}
+
+/* Pass 3's q8_0 scales: sc[16 i + y] = row rows[y]'s scale of block b + i (i < 2), for the
+ * MHA_DEC_SUB rows of a block (rows y >= n: row 0's, never used). */
+MHA_INLINE void q8_block_scales(const char *const *rows, int64_t n, int64_t b, float sc[32]) {
+    const char *at[2 * MHA_DEC_SUB];
+    for (int64_t y = 0; y < MHA_DEC_SUB; y++)
+        for (int i = 0; i < 2; i++)
+            at[16 * i + y] = rows[y < n ? y : 0] + (b + i) * MHA__Q8_BYTES;
+    q8_scales16(at, sc);
+    q8_scales16(at + 16, sc + 16);
+}
+
 /* Pass 1 on the contiguous path: S[x][y] = q_x . k_y for the unit's nb keys (rows krows[y]).
  * qil holds the NR query rows chunk-major: elements [16 s, 16 s + 16) of row x at
  * qil + (s NR + x) 16, so every row is a constant offset from one pointer. The prefetch runs
@@ -342,6 +401,8 @@ MHA_INLINE void scores_contig(const int NR,
         /* fp8: the four rows hold no NaN byte (the usual case): widen without the fix-up */
         const int fin = DT == MHA_DTYPE_FP8_E4M3 && !fp8_has_nan(k0, dk) && !fp8_has_nan(k1, dk) &&
                         !fp8_has_nan(k2, dk) && !fp8_has_nan(k3, dk);
+        const char *const kr4[4] = {k0, k1, k2, k3};
+        float sc[16]; /* q8_0: see q8_group_scales */
         v16 acc[4][4];
 #pragma GCC unroll 4
         for (int x = 0; x < NR; x++)
@@ -385,8 +446,12 @@ MHA_INLINE void scores_contig(const int NR,
             }
             v16 s0 = v16_zero(), s1 = s0, s2 = s0, s3 = s0; /* q8_0: the 4 rows' block scales */
             if (DT == MHA_DTYPE_Q8_0) {
-                s0 = v16_q8_scale(k0, d), s1 = v16_q8_scale(k1, d);
-                s2 = v16_q8_scale(k2, d), s3 = v16_q8_scale(k3, d);
+                const int64_t b = d / 32;
+                if (b % 4 == 0) /* the scales of blocks [b, b + 4) of the 4 rows: sc[4 i + y] */
+                    q8_group_scales(kr4, b, dk / 32, sc);
+                const float *sb = sc + 4 * (b % 4);
+                s0 = v16_set1(sb[0]), s1 = v16_set1(sb[1]);
+                s2 = v16_set1(sb[2]), s3 = v16_set1(sb[3]);
             }
 #pragma GCC unroll 2
             for (int half = 0; half < STEP / 16; half++) {
@@ -444,6 +509,20 @@ MHA_INLINE void axpy_contig(const int NR,
     for (int x = 0; x < NR; x++)
         for (int c = 0; c < 4; c++)
             acc[x][c] = _mm512_loadu_ps(o + x * dv + 16 * c);
+    /* q8_0: es[2 x + i][y] = e_x[y] d_yi, d_yi row y's scale of block c0 / 32 + i (see
+     * values_contig) */
+    float es[8][MHA_DEC_SUB];
+    if (DT == MHA_DTYPE_Q8_0) {
+        float sc[2 * MHA_DEC_SUB];
+        q8_block_scales(rows, nkb, c0 / 32, sc);
+        const __mmask16 in = v16_first((int)nkb);
+#pragma GCC unroll 4
+        for (int x = 0; x < NR; x++) {
+            const v16 ex = _mm512_maskz_loadu_ps(in, e + x * MHA_DEC_BLOCK);
+            _mm512_storeu_ps(es[2 * x], _mm512_mul_ps(ex, _mm512_loadu_ps(sc)));
+            _mm512_storeu_ps(es[2 * x + 1], _mm512_mul_ps(ex, _mm512_loadu_ps(sc + 16)));
+        }
+    }
     for (int64_t y = 0; y < nkb; y++) {
         const char *row = rows[y];
 #pragma GCC unroll 4
@@ -456,13 +535,18 @@ MHA_INLINE void axpy_contig(const int NR,
                 prefetch_far(pff[y] + (DT == MHA_DTYPE_Q8_0 ? c0 / 32 * MHA__Q8_BYTES : c0 * E) +
                              64 * l);
         v16 v[4];
-        if (DT == MHA_DTYPE_Q8_0) /* one scale per two vectors */
-            for (int c = 0; c < 4; c += 2) {
-                const v16 s = v16_q8_scale(row, c0 + 16 * c);
-                v[c] = v16_q8_widen(row, c0 + 16 * c, s);
-                v[c + 1] = v16_q8_widen(row, c0 + 16 * c + 16, s);
+        if (DT == MHA_DTYPE_Q8_0) {
+            for (int c = 0; c < 4; c++)
+                v[c] = q8_ints(row, c0 + 16 * c);
+#pragma GCC unroll 4
+            for (int x = 0; x < NR; x++) {
+                if (CHECK && !(seen[x] >> y & 1))
+                    continue;
+                for (int c = 0; c < 4; c++)
+                    acc[x][c] = v16_fma(v16_set1(es[2 * x + c / 2][y]), v[c], acc[x][c]);
             }
-        else if (DT == MHA_DTYPE_FP8_E4M3)
+            continue;
+        } else if (DT == MHA_DTYPE_FP8_E4M3)
             for (int c = 0; c < 4; c++)
                 v[c] = fp8_half(FIN, row, c0 + 32 * (c >> 1), c & 1);
         else
@@ -478,7 +562,12 @@ MHA_INLINE void axpy_contig(const int NR,
 }
 
 /* Pass 3 on the contiguous path: o_x += sum_y e_x[y] v_y (rows vrows[y]), blocks of
- * MHA_DEC_SUB keys, NR x 64 columns of o in registers per block (as axpy_block). The prefetch
+ * MHA_DEC_SUB keys, NR x 64 columns of o in registers per block (as axpy_block). q8_0
+ * (v = d q per block, q int8): o_x += (e_x[y] d) q, the product e_x[y] d rounded to float32 once
+ * per (row, key, block) by one VMULPS per 16 keys, instead of d q (exact) by one VMULPS per 16
+ * elements; the sum therefore rounds differently from axpy_block's (within TOL_OUT_REL of the
+ * float64 attention over the dequantized values, as every path), so a unit that wraps its ring
+ * differs from the contiguous one in the last bits. The prefetch
  * runs MHA_DEC_PREFETCH keys ahead over the V rows, then over the next unit's first K rows
  * (knext[0 .. MHA_DEC_PREFETCH_FAR), NULL entries where there is none); with far, a second one
  * MHA_DEC_PREFETCH_FAR keys ahead. */
