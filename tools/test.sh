@@ -76,7 +76,7 @@ for isa in avx512 avx2 generic; do
     [ "$isa" = "${tiers%% *}" ] && continue # the best tier ran above
     step "every C test with MHA_MAX_ISA=$isa"
     # Without the per-tier twins (*_avx2, *_generic: their own MHA_MAX_ISA overrides this one, so
-    # they are the Release step's runs again, ~1 minute over the three steps).
+    # they are the Release step's runs again: 138 -> 98 s over the three steps, Intel Xeon host).
     MHA_MAX_ISA=$isa ctest --test-dir build --output-on-failure -j "$jobs" \
         -E '^py_|^install|^exported|_avx2$|_generic$'
 done
