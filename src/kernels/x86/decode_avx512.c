@@ -254,42 +254,9 @@ MHA_INLINE void axpy_block(const int NR,
  * beyond the L3 80-89 -> 64-71 ns (a plain read of the same bytes: 51-60 ns); bfloat16
  * L2-resident with the even/odd widening 35 -> 28 ns. */
 
-/* bfloat16 rows on the contiguous path are widened 32 elements at a time, even and odd elements
- * apart: one 64-byte load, then a 16-bit left shift gives the even elements as float32 and
- * clearing the low halves gives the odd ones (1 vector operation per 16 elements, against 2 for
- * VPMOVZXWD + VPSLLD). Dot products take q in the same even/odd order; pass 3 accumulates o in it
- * and restores the natural order at the end of the unit. Elements [d, d + 32) of a row: half 0 =
- * the even ones, half 1 = the odd ones. */
-MHA_INLINE v16 bf16_half(const char *row, int64_t d, int half) {
-    const __m512i x = _mm512_loadu_si512((const uint16_t *)row + d);
-    return _mm512_castsi512_ps(half ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u))
-                                    : _mm512_slli_epi32(x, 16));
-}
-
 /* Elements [d, d + 16) of an fp8 row known to hold no NaN byte (fp8_has_nan). */
 MHA_INLINE v16 fp8_finite(const char *row, int64_t d) {
     return v16_fp8_widen_finite(_mm_loadu_si128((const __m128i *)(row + d)));
-}
-
-/* fp8 rows in pass 3 of the contiguous path are widened like bfloat16 (bf16_half), 32 elements
- * at a time, even and odd elements apart, without the cross-lane VPMOVSXBW of v16_fp8_widen: one
- * 32-byte load as 16-bit words, the even bytes' float16 rebias ((w << 8) >>a 1) & 0xBF80, the
- * odd bytes' (w >>a 1) & 0xBF80 (the bits of v16_fp8_widen), then VCVTPH2PS. On the Zen 5 host
- * VPMOVSXBW and VCVTPH2PS share the shuffle pipes, which bound this pass (microbenchmarks,
- * session 39); the shifts do not. o is accumulated in the even/odd order and restored at the end
- * of the unit, so each output element's sum is the same. FIN: the row holds no NaN byte
- * (fp8_has_nan); else NaN bytes read NaN. Elements [d, d + 32) of a row: half 0 = the even ones,
- * half 1 = the odd ones. */
-MHA_INLINE v16 fp8_half(const int FIN, const char *row, int64_t d, int half) {
-    const __m256i w = _mm256_loadu_si256((const __m256i *)(row + d));
-    const __m256i h = _mm256_and_si256(_mm256_srai_epi16(half ? w : _mm256_slli_epi16(w, 8), 1),
-                                       _mm256_set1_epi16((short)0xBF80));
-    const v16 f = _mm512_cvtph_ps(h);
-    if (FIN)
-        return f;
-    const __m256i low7 = _mm256_set1_epi16(half ? 0x7F00 : 0x007F);
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(w, low7), low7);
-    return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(__builtin_nanf("")));
 }
 
 /* q8_0 on the contiguous path (docs/INFERENCE.md, "q8_0 on the Intel Xeon", session 42). Per
@@ -462,8 +429,8 @@ MHA_INLINE void scores_contig(const int NR,
                     c2 = v16_q8_widen(k2, d + 16 * half, s2),
                     c3 = v16_q8_widen(k3, d + 16 * half, s3);
                 } else if (DT == MHA_DTYPE_BF16) {
-                    c0 = bf16_half(k0, d, half), c1 = bf16_half(k1, d, half);
-                    c2 = bf16_half(k2, d, half), c3 = bf16_half(k3, d, half);
+                    c0 = v16_bf16_half(k0, d, half), c1 = v16_bf16_half(k1, d, half);
+                    c2 = v16_bf16_half(k2, d, half), c3 = v16_bf16_half(k3, d, half);
                 } else if (fin) {
                     c0 = fp8_finite(k0, d), c1 = fp8_finite(k1, d);
                     c2 = fp8_finite(k2, d), c3 = fp8_finite(k3, d);
@@ -548,10 +515,10 @@ MHA_INLINE void axpy_contig(const int NR,
             continue;
         } else if (DT == MHA_DTYPE_FP8_E4M3)
             for (int c = 0; c < 4; c++)
-                v[c] = fp8_half(FIN, row, c0 + 32 * (c >> 1), c & 1);
+                v[c] = v16_fp8_half(FIN, row, c0 + 32 * (c >> 1), c & 1);
         else
             for (int c = 0; c < 4; c++)
-                v[c] = DT == MHA_DTYPE_BF16 ? bf16_half(row, c0 + 32 * (c >> 1), c & 1)
+                v[c] = DT == MHA_DTYPE_BF16 ? v16_bf16_half(row, c0 + 32 * (c >> 1), c & 1)
                                             : load_row16(DT, 1, row, c0 + 16 * c, 0xFFFF);
         add_value_row(NR, CHECK, seen, y, e, v, acc);
     }
@@ -1197,7 +1164,7 @@ MHA_INLINE void dec_kernel(const mha_dtype DT,
             _mm512_store_ps(
                 qbuf + (contig ? d * R + 16 * r : r * dkp + d),
                 _mm512_maskz_loadu_ps(d + 16 <= dk ? (__mmask16)0xFFFF : ktail, src + d));
-        if (contig && DT == MHA_DTYPE_BF16) /* even/odd order, see bf16_half */
+        if (contig && DT == MHA_DTYPE_BF16) /* even/odd order, see v16_bf16_half */
             for (int64_t d = 0; d < dk; d += 32) {
                 const __m512i even =
                     _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);

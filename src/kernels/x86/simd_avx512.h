@@ -300,4 +300,37 @@ MHA_INLINE int fp8_has_nan(const void *p, int64_t n) {
     return any != 0;
 }
 
+/* bfloat16 rows in the decode kernel's contiguous path are widened 32 elements at a time, even and
+ * odd elements apart: one 64-byte load, then a 16-bit left shift gives the even elements as float32
+ * and clearing the low halves gives the odd ones (1 vector operation per 16 elements, against 2 for
+ * VPMOVZXWD + VPSLLD). Dot products take q in the same even/odd order; pass 3 accumulates o in it
+ * and restores the natural order at the end of the unit. Elements [d, d + 32) of a row: half 0 =
+ * the even ones, half 1 = the odd ones. */
+MHA_INLINE v16 v16_bf16_half(const char *row, int64_t d, int half) {
+    const __m512i x = _mm512_loadu_si512((const uint16_t *)row + d);
+    return _mm512_castsi512_ps(half ? _mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u))
+                                    : _mm512_slli_epi32(x, 16));
+}
+
+/* fp8 rows in pass 3 of the contiguous path are widened like bfloat16 (v16_bf16_half), 32 elements
+ * at a time, even and odd elements apart, without the cross-lane VPMOVSXBW of v16_fp8_widen: one
+ * 32-byte load as 16-bit words, the even bytes' float16 rebias ((w << 8) >>a 1) & 0xBF80, the
+ * odd bytes' (w >>a 1) & 0xBF80 (the bits of v16_fp8_widen), then VCVTPH2PS. On the Zen 5 host
+ * VPMOVSXBW and VCVTPH2PS share the shuffle pipes, which bound this pass (microbenchmarks,
+ * session 39); the shifts do not. o is accumulated in the even/odd order and restored at the end
+ * of the unit, so each output element's sum is the same. FIN: the row holds no NaN byte
+ * (fp8_has_nan); else NaN bytes read NaN. Elements [d, d + 32) of a row: half 0 = the even ones,
+ * half 1 = the odd ones. */
+MHA_INLINE v16 v16_fp8_half(const int FIN, const char *row, int64_t d, int half) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(row + d));
+    const __m256i h = _mm256_and_si256(_mm256_srai_epi16(half ? w : _mm256_slli_epi16(w, 8), 1),
+                                       _mm256_set1_epi16((short)0xBF80));
+    const v16 f = _mm512_cvtph_ps(h);
+    if (FIN)
+        return f;
+    const __m256i low7 = _mm256_set1_epi16(half ? 0x7F00 : 0x007F);
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(w, low7), low7);
+    return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(__builtin_nanf("")));
+}
+
 #endif /* MHA_SIMD_AVX512_H */
