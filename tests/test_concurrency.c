@@ -30,8 +30,7 @@
 #define LK        13
 
 static int rounds(void) {
-    const char *q = getenv("MHA_TEST_QUICK");
-    return q && q[0] == '1' ? 2 : 6;
+    return test_quick() ? 2 : 6;
 }
 
 typedef struct job {

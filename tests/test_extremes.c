@@ -24,11 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int quick(void) {
-    const char *q = getenv("MHA_TEST_QUICK");
-    return q && q[0] == '1';
-}
-
 /* A core problem in BHLD contiguous layout, with its own buffers. */
 typedef struct prob {
     int64_t B, H, n, m, dk, dv;
@@ -336,7 +331,7 @@ static void test_shapes(void) {
  * tiles); measured max error 0.08x (reference) and 0.07x (auto) of the backstop, against 1.87x
  * and 1.39x with one running sum (which needed a 4x gate here before). */
 static void test_long_rows(void) {
-    const int64_t m = 65536, n = quick() ? 2 : 4;
+    const int64_t m = 65536, n = test_quick() ? 2 : 4;
     prob p;
     prob_init(&p, 1, 1, n, m, 64, 61, 1.0f, 1.0f, 0.1f);
     for (int64_t i = 0; i < m * 64; i++)

@@ -349,8 +349,7 @@ int main(void) {
     const int one[] = {1};
     const int counts[] = {1, 2, 3, 4};
     /* MHA_TEST_QUICK=1 (sanitizer runs): 1 and 3 threads only. */
-    const char *quick_env = getenv("MHA_TEST_QUICK");
-    const int quick = quick_env && quick_env[0] == '1';
+    const int quick = test_quick();
     const int quick_counts[] = {1, 3};
     int tiers = 0;
     const mha__kernel_info *generic = NULL;

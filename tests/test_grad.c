@@ -995,8 +995,7 @@ static void test_hidden_nonfinite_key(void) {
 }
 
 int main(void) {
-    const char *q = getenv("MHA_TEST_QUICK");
-    g_quick = q && q[0] && q[0] != '0';
+    g_quick = test_quick();
     for (int i = 0; i < N_CORE_SPECS; i++)
         fd_core(&CORE_SPECS[i], 10 + (uint64_t)i);
     for (int i = 0; i < N_LAYER_SPECS; i++)

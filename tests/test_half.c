@@ -438,8 +438,7 @@ static void conversions(void) {
 }
 
 int main(void) {
-    const char *quick = getenv("MHA_TEST_QUICK");
-    const int q = quick && quick[0] && quick[0] != '0';
+    const int q = test_quick();
     for (int r = 0; r < N_ROLES; r++) {
         for (int i = 0; i < N_CORE_SPECS; i++)
             for (int impl = 0; impl < 2; impl++)

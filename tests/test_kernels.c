@@ -1251,8 +1251,7 @@ static void bench_mode(void) {
 /* ---------------------------------------------------------------------------------------------- */
 
 int main(int argc, char **argv) {
-    const char *qenv = getenv("MHA_TEST_QUICK");
-    g_quick = qenv && qenv[0] && qenv[0] != '0';
+    g_quick = test_quick();
 #ifndef NDEBUG
     g_quick = g_debug = 1; /* Debug/sanitizer builds: the smallest subsample */
 #endif

@@ -234,8 +234,7 @@ int main(void) {
      * with them, 2.7 without; ASan 56 / 18 s; qemu aarch64 90 / 33 s), so MHA_TEST_QUICK=1
      * (sanitizers, qemu) runs them only on a CPU that takes the far prefetch; the Release runs
      * take them everywhere. */
-    const char *quick = getenv("MHA_TEST_QUICK");
-    const int far = !(quick && quick[0] && quick[0] != '0') || mha__cpu_decode_prefetch_far();
+    const int far = !test_quick() || mha__cpu_decode_prefetch_far();
     static const mha_dtype far_dts[] = {MHA_DTYPE_F32, MHA_DTYPE_F16, MHA_DTYPE_BF16};
     for (size_t di = 0; far && di < sizeof far_dts / sizeof *far_dts; di++) {
         rcase tc = {0};

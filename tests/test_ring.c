@@ -448,8 +448,7 @@ static void test_matches_single_process(void) {
     const int64_t shapes[][6] = {
         {2, 4, 2, 37, 16, 8}, {1, 3, 1, 8, 8, 12}, {1, 2, 2, 203, 64, 64}, {2, 2, 1, 16, 32, 32}};
     /* MHA_TEST_QUICK=1 (sanitizer builds): without the long sequence, fewer window cases. */
-    const char *quick = getenv("MHA_TEST_QUICK");
-    const int skip_long = quick && quick[0] == '1';
+    const int skip_long = test_quick();
     uint64_t seed = 1;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int layout = 0; layout < 2; layout++)
@@ -554,8 +553,7 @@ static void test_matches_single_process(void) {
  * MHA_TEST_QUICK=1: the masks' kind at every N, the other two at N = 1 only. */
 static void test_short_sequences(void) {
     const int64_t p = g_size, lens[] = {1, 2, 3, p, 2 * p - 1, 2 * p, 2 * p + 1};
-    const char *quick = getenv("MHA_TEST_QUICK");
-    const int few = quick && quick[0] == '1';
+    const int few = test_quick();
     uint64_t seed = 1000;
     for (size_t s = 0; s < sizeof lens / sizeof lens[0]; s++) {
         int again = 0;

@@ -275,8 +275,7 @@ static void test_matches_single_process(void) {
     };
     /* MHA_TEST_QUICK=1 (sanitizer builds): the GQA + RoPE shape causal and the caller-positions
      * + window shape not, in both layouts (each kind of work once, a fifth of the time). */
-    const char *quick = getenv("MHA_TEST_QUICK");
-    const int only_some = quick && quick[0] == '1';
+    const int only_some = test_quick();
     for (size_t i = 0; i < sizeof base / sizeof base[0]; i++)
         for (int layout = 0; layout < 2; layout++)
             for (int causal = 0; causal < 2; causal++) {
@@ -295,8 +294,7 @@ static void test_matches_single_process(void) {
  * a window and sinks. MHA_TEST_QUICK=1: one of the two kinds per N, in turn. */
 static void test_short_sequences(void) {
     const int64_t p = g_size, lens[] = {1, 2, 3, p, 2 * p - 1, 2 * p, 2 * p + 1};
-    const char *quick = getenv("MHA_TEST_QUICK");
-    const int few = quick && quick[0] == '1';
+    const int few = test_quick();
     for (size_t s = 0; s < sizeof lens / sizeof lens[0]; s++) {
         int again = 0;
         for (size_t t = 0; t < s; t++)

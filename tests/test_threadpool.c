@@ -50,11 +50,6 @@ static void count_free(void *user, void *ptr) {
     free(ptr);
 }
 
-static int quick(void) {
-    const char *q = getenv("MHA_TEST_QUICK");
-    return q && q[0] == '1';
-}
-
 static void test_arguments(void) {
     mha_error err;
     mha_threadpool *pool = (mha_threadpool *)&err; /* must be set to NULL on error */
@@ -161,7 +156,7 @@ static void test_reuse(fixture *f, mha_threadpool *pool) {
     const mha_exec one = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
     const size_t n = run_all(f, &one, want, &err);
     CHECK(n > 0 && n <= OUT_FLOATS, "one thread: %s", err.message);
-    const int calls = quick() ? 20 : 200;
+    const int calls = test_quick() ? 20 : 200;
     int same = 1, ok = 1;
     for (int c = 0; c < calls; c++) {
         /* 0 = the pool's size; 2 = within it; 9 = more than the pool has (uses its 2). */
@@ -220,7 +215,7 @@ static void *shared_main(void *arg) {
     mha_exec ex = {MHA_IMPL_AUTO, 0, NULL, 0, NULL, j->pool};
     mha_error err;
     j->same = 1;
-    for (int r = 0; r < (quick() ? 2 : 5); r++)
+    for (int r = 0; r < (test_quick() ? 2 : 5); r++)
         j->same &= run_all(j->f, &ex, got, &err) == j->n && memcmp(j->want, got, j->n * 4) == 0;
     free(got);
     return NULL;
@@ -251,7 +246,7 @@ static void test_wait_paths(fixture *f, int32_t size) {
     const mha_exec one = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
     const size_t n = run_all(f, &one, want, &err);
     const long pause_us[] = {0, 0, 300, 0, 2000, 1, 300};
-    for (int rep = 0; rep < (quick() ? 1 : 3); rep++) {
+    for (int rep = 0; rep < (test_quick() ? 1 : 3); rep++) {
         mha_threadpool *pool = NULL;
         CHECK_OK(mha_threadpool_create(size, NULL, &pool, &err), &err);
         for (size_t c = 0; c < sizeof pause_us / sizeof pause_us[0]; c++) {

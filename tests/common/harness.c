@@ -131,3 +131,8 @@ void test_layer_decode_steps(
     free(ys);
     mha_kv_cache_destroy(cache);
 }
+
+int test_quick(void) {
+    const char *q = getenv("MHA_TEST_QUICK");
+    return q && q[0] && q[0] != '0';
+}

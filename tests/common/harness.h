@@ -27,6 +27,10 @@ int test_finish(void);
                     mha_status_string(st_), (errp)->message);                                      \
     } while (0)
 
+/* MHA_TEST_QUICK set to a value that does not start with '0' (tools/test.sh sets it to 1 for the
+ * sanitizer, valgrind and qemu runs): tests take their documented smaller sweeps. */
+int test_quick(void);
+
 /* Seeded xoshiro256** generator (deterministic across platforms). */
 typedef struct test_rng {
     uint64_t s[4];
