@@ -16,6 +16,7 @@
 #include "decode_floor.h"
 #include "fma_peak.h"
 
+#include <cpuid.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,9 +36,13 @@ static double clock_ghz(void) {
     return 9.0 * (double)(1 << 24) / best * 1e-9;
 }
 
+/* F16C (CPUID.1:ECX bit 29): clang 14's __builtin_cpu_supports does not know it */
+static int has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c >> 29 & 1);
+}
+
 static const char *const dtype_name[FLOOR_NDTYPES] = {"f32", "bf16", "q8_0", "fp8"};
-/* K + V bytes per (key, kv head), d = 128 */
-static const double dtype_bytes[FLOOR_NDTYPES] = {1024, 512, 272, 256};
 
 /* finite, normal values of each dtype, FLOOR_KEYS rows (the driver owns the buffers) */
 static void
@@ -109,9 +114,8 @@ int main(int argc, char **argv) {
     __builtin_cpu_init();
     const int has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                       __builtin_cpu_supports("f16c");
-    const int has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                     __builtin_cpu_supports("f16c");
+                       has_f16c();
+    const int has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
     void *buf[FLOOR_NDTYPES];
     for (int t = 0; t < FLOOR_NDTYPES; t++)
         buf[t] = aligned_alloc(64, 4 * FLOOR_KEYS * FLOOR_D);
@@ -150,10 +154,11 @@ int main(int argc, char **argv) {
         for (int dt = 0; dt < FLOOR_NDTYPES; dt++) {
             const double p1 = time_pass(tiers[i].fn, &fd, dt, 1, runs),
                          p3 = time_pass(tiers[i].fn, &fd, dt, 3, runs), sum = p1 + p3;
+            const double kv_bytes = 2.0 * (double)row_bytes(dt); /* K + V per (key, kv head) */
             printf("%-7s %-5s %9.2f %9.2f %9.2f %9.1f %10.1f", tiers[i].name, dtype_name[dt], p1,
-                   p3, sum, sum * ghz, dtype_bytes[dt] / sum);
+                   p3, sum, sum * ghz, kv_bytes / sum);
             if (read_gbs > 0.0) {
-                const double budget = dtype_bytes[dt] / (0.8 * read_gbs);
+                const double budget = kv_bytes / (0.8 * read_gbs);
                 printf(" %10.2f %7.0f%%", budget, 100.0 * sum / budget);
             }
             printf("\n");

@@ -39,13 +39,6 @@ MHA_INLINE v16 value16(const int DT, const char *row, int c) {
     }
 }
 
-MHA_INLINE int64_t row_bytes(const int DT) {
-    return DT == FLOOR_F32    ? 4 * FLOOR_D
-           : DT == FLOOR_BF16 ? 2 * FLOOR_D
-           : DT == FLOOR_Q8_0 ? FLOOR_D / 32 * MHA__Q8_BYTES
-                              : FLOOR_D;
-}
-
 MHA_INLINE float pass1(const int DT, const floor_data *fd, int reps) {
     v16 acc[FLOOR_ROWS][2];
     for (int x = 0; x < FLOOR_ROWS; x++)
@@ -96,22 +89,4 @@ MHA_INLINE float pass3(const int DT, const floor_data *fd, int reps) {
     return fd->o[0];
 }
 
-#define FLOOR_FNS_(tag, dt)                                                                        \
-    static __attribute__((noinline)) float p1_##tag(const floor_data *fd, int reps) {              \
-        return pass1(dt, fd, reps);                                                                \
-    }                                                                                              \
-    static __attribute__((noinline)) float p3_##tag(const floor_data *fd, int reps) {              \
-        return pass3(dt, fd, reps);                                                                \
-    }
-FLOOR_FNS_(f32, FLOOR_F32)
-FLOOR_FNS_(bf16, FLOOR_BF16)
-FLOOR_FNS_(q8, FLOOR_Q8_0)
-FLOOR_FNS_(fp8, FLOOR_FP8)
-
-float bench_floor_avx512(const floor_data *fd, int dtype, int pass, int reps) {
-    static float (*const p1[FLOOR_NDTYPES])(const floor_data *, int) = {p1_f32, p1_bf16, p1_q8,
-                                                                        p1_fp8};
-    static float (*const p3[FLOOR_NDTYPES])(const floor_data *, int) = {p3_f32, p3_bf16, p3_q8,
-                                                                        p3_fp8};
-    return (pass == 1 ? p1 : p3)[dtype](fd, reps);
-}
+FLOOR_ENTRY_(bench_floor_avx512)
