@@ -24,7 +24,7 @@
  * re-widened the unit (34-44% of the FMA floor on an 8-draft tree). The float32 sums are in a fixed
  * order that does not depend on threads (bit-identical for any thread count); they differ in
  * rounding from the generic kernel's order (tolerance-tested). q8_0 on the contiguous path
- * (session 42, Intel Xeon): the block scales are widened 16 at a time (q8_scales16) and
+ * (session 42, Intel Xeon): the block scales are widened 16 at a time (q8_widen16) and
  * broadcast from memory, and pass 3 multiplies e by the scale once per (row, key, block) instead
  * of every widened value (values_contig): ~100 -> ~92 cycles per key and kv head there.
  */
@@ -264,21 +264,25 @@ MHA_INLINE v16 fp8_finite(const char *row, int64_t d) {
  * an Intel core (Emerald Rapids), the FMAs' ports: with 4 scales per key and pass (d 128) they
  * cost ~27 cycles of ~100 per key and kv head. So the scales are widened 16 at a time into a
  * buffer, and the loops broadcast them from memory (a load, no vector ALU operation).
- * q8_scales16: out[i] = the float16 scale at at[i] as float32. The 16-bit values are packed four
- * to a 64-bit word in general registers, then one VCVTPH2PS. Through memory instead, the
- * 32-byte load after 16 two-byte stores misses the store forwarding and stalls each group
- * (measured: no gain); the empty asm keeps GCC from gathering them with VPINSRW. */
-MHA_INLINE void q8_scales16(const char *const at[16], float out[16]) {
-    uint64_t w[4];
-    for (int j = 0; j < 4; j++) {
-        w[j] = 0;
-        for (int i = 0; i < 4; i++) {
-            uint16_t h;
-            memcpy(&h, at[4 * j + i], 2);
-            w[j] |= (uint64_t)h << (16 * i);
-        }
-        __asm__("" : "+r"(w[j]));
+ * q8_pack4 packs four float16 scales into a 64-bit word in general registers (each loaded by its
+ * row pointer plus one offset: the addressing mode does the sum), and q8_widen16 widens four
+ * such words with one VCVTPH2PS. Through memory instead, the 32-byte load after 16 two-byte
+ * stores misses the store forwarding and stalls each group (measured: no gain); the empty asm
+ * keeps GCC from gathering them with VPINSRW. */
+MHA_INLINE uint64_t
+q8_pack4(const char *p0, const char *p1, const char *p2, const char *p3, int64_t off) {
+    const char *const p[4] = {p0, p1, p2, p3};
+    uint64_t w = 0;
+    for (int i = 0; i < 4; i++) {
+        uint16_t h;
+        memcpy(&h, p[i] + off, 2);
+        w |= (uint64_t)h << (16 * i);
     }
+    __asm__("" : "+r"(w));
+    return w;
+}
+/* out[4 j + i] = the float16 in bits [16 i, 16 i + 16) of w[j], as float32 */
+MHA_INLINE void q8_widen16(const uint64_t w[4], float out[16]) {
     const __m128i lo = _mm_insert_epi64(_mm_cvtsi64_si128((long long)w[0]), (long long)w[1], 1);
     const __m128i hi = _mm_insert_epi64(_mm_cvtsi64_si128((long long)w[2]), (long long)w[3], 1);
     _mm512_storeu_ps(out,
@@ -295,24 +299,24 @@ MHA_INLINE v16 q8_ints(const char *row, int64_t d) {
 /* Pass 1's q8_0 scales: sc[4 i + y] = row k[y]'s scale of block b + i, for rows of nblk blocks
  * (past the row's end: its first block's, never used). */
 MHA_INLINE void q8_group_scales(const char *const k[4], int64_t b, int64_t nblk, float sc[16]) {
-    const char *at[16];
-    for (int i = 0; i < 4; i++) {
-        const int64_t off = b + i < nblk ? (b + i) * MHA__Q8_BYTES : 0;
-        for (int y = 0; y < 4; y++)
-            at[4 * i + y] = k[y] + off;
-    }
-    q8_scales16(at, sc);
+    uint64_t w[4];
+    for (int i = 0; i < 4; i++)
+        w[i] = q8_pack4(k[0], k[1], k[2], k[3], b + i < nblk ? (b + i) * MHA__Q8_BYTES : 0);
+    q8_widen16(w, sc);
 }
 
 /* Pass 3's q8_0 scales: sc[16 i + y] = row rows[y]'s scale of block b + i (i < 2), for the
  * MHA_DEC_SUB rows of a block (rows y >= n: row 0's, never used). */
 MHA_INLINE void q8_block_scales(const char *const *rows, int64_t n, int64_t b, float sc[32]) {
-    const char *at[2 * MHA_DEC_SUB];
-    for (int64_t y = 0; y < MHA_DEC_SUB; y++)
-        for (int i = 0; i < 2; i++)
-            at[16 * i + y] = rows[y < n ? y : 0] + (b + i) * MHA__Q8_BYTES;
-    q8_scales16(at, sc);
-    q8_scales16(at + 16, sc + 16);
+#define ROW_(y) rows[(y) < n ? (y) : 0]
+    for (int i = 0; i < 2; i++) {
+        uint64_t w[4];
+        for (int j = 0; j < 4; j++)
+            w[j] = q8_pack4(ROW_(4 * j), ROW_(4 * j + 1), ROW_(4 * j + 2), ROW_(4 * j + 3),
+                            (b + i) * MHA__Q8_BYTES);
+        q8_widen16(w, sc + 16 * i);
+    }
+#undef ROW_
 }
 
 /* Pass 1 on the contiguous path: S[x][y] = q_x . k_y for the unit's nb keys (rows krows[y]).
