@@ -307,6 +307,7 @@ MHA_INLINE void q8_group_scales(const char *const k[4], int64_t b, int64_t nblk,
 
 /* Pass 3's q8_0 scales: sc[16 i + y] = row rows[y]'s scale of block b + i (i < 2), for the
  * MHA_DEC_SUB rows of a block (rows y >= n: row 0's, never used). */
+_Static_assert(MHA_DEC_SUB == 16, "q8_block_scales packs the scales of 16 rows");
 MHA_INLINE void q8_block_scales(const char *const *rows, int64_t n, int64_t b, float sc[32]) {
 #define ROW_(y) rows[(y) < n ? (y) : 0]
     for (int i = 0; i < 2; i++) {
