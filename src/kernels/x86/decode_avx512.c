@@ -127,15 +127,18 @@ block_rows(const row_stream *st, int64_t y0, int64_t n, const void *rows[MHA_DEC
 }
 
 /* Stores the dot products of NR query rows with nk <= 4 keys: out[x * BLOCK + y] = the sum of
- * the 16 lanes of acc[x][y] (lane 4y of the 4-way sum holds key y's). */
+ * the 16 lanes of acc[x][y] (v16_hsum16, then rows to 128-bit blocks: block x = row x's keys). */
 MHA_INLINE void store_scores4(const int NR, v16 acc[4][4], int64_t nk, float *out) {
-    const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
-#pragma GCC unroll 4
-    for (int x = 0; x < NR; x++) {
-        const v16 sums = v16_hsum4(acc[x][0], acc[x][1], acc[x][2], acc[x][3]);
-        const __m128 packed = _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, sums));
-        _mm_mask_storeu_ps(out + x * MHA_DEC_BLOCK, (__mmask8)((1u << nk) - 1u), packed);
-    }
+    const __m512i rows = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const v16 s = _mm512_permutexvar_ps(rows, v16_hsum16(NR, (const v16(*)[4])acc));
+    const __mmask8 keys = (__mmask8)((1u << nk) - 1u);
+    _mm_mask_storeu_ps(out, keys, _mm512_castps512_ps128(s));
+    if (NR > 1)
+        _mm_mask_storeu_ps(out + MHA_DEC_BLOCK, keys, _mm512_extractf32x4_ps(s, 1));
+    if (NR > 2)
+        _mm_mask_storeu_ps(out + 2 * MHA_DEC_BLOCK, keys, _mm512_extractf32x4_ps(s, 2));
+    if (NR > 3)
+        _mm_mask_storeu_ps(out + 3 * MHA_DEC_BLOCK, keys, _mm512_extractf32x4_ps(s, 3));
 }
 
 /* acc[x][c] += e_x[y] v[c] for NR rows (e_x at e + x * BLOCK). With check set, a row whose bit y
