@@ -50,6 +50,12 @@ static void print_kernels(void) {
     printf("decode prefetch: fills the L%d (the projection GEMMs' weights: the L%d)\n",
            (int)mha_experimental_cpu_prefetch_level(),
            (int)mha_experimental_cpu_gemm_prefetch_level());
+    const int bf16_tier = strstr(mha_experimental_cpu_isas(1), "avx512bf16") != NULL;
+    printf("bf16 tiles (vdpbf16ps): %s\n",
+           mha_experimental_cpu_bf16_tiles() ? "run for bf16 operands (forward, projections)"
+           : bf16_tier ? "passed over: this CPU runs bf16 operands faster on the float32 kernels "
+                         "(docs/performance.md); MHA_KERNEL still runs them"
+                       : "not on this CPU (or capped by MHA_MAX_ISA)");
     printf("amx-bf16: %s\n", mha_experimental_cpu_amx_bf16()
                                  ? "present, unused: no AMX kernel is registered yet (none has "
                                    "passed its tests on an AMX host; docs/KERNELS.md)"
@@ -63,7 +69,11 @@ static void print_kernels(void) {
             continue;
         const int active = mha_experimental_kernel_active(d.op) == i;
         printf("  %-6s %c %-38s %-12s %s\n", d.op, active ? '*' : ' ', d.name, d.dtypes,
-               d.usable ? (d.reference ? "reference" : "usable") : "not on this CPU");
+               !d.usable     ? "not on this CPU"
+               : d.reference ? "reference"
+               : strstr(d.isa, "bf16") && !mha_experimental_cpu_bf16_tiles()
+                   ? "usable, passed over (bf16 tiles)"
+                   : "usable");
     }
 }
 

@@ -63,6 +63,12 @@ MHA_API int32_t mha_experimental_cpu_prefetch_level(void);
 /** The same for the projection GEMMs' few-rows path (the layer step's weights): 2 on AMD with
  *  AVX-512 (Zen 4 and later), 1 elsewhere (docs/performance.md). Changes no result. */
 MHA_API int32_t mha_experimental_cpu_gemm_prefetch_level(void);
+/** 1 when impl=AUTO/FAST runs the bf16-tile kernels (AVX512-BF16 `vdpbf16ps`: the forward's
+ *  and the projection GEMM's; docs/SEMANTICS.md "bf16 tile products") for bf16 operands: AMD CPUs
+ *  with AVX512-BF16 (Zen 4 and later) under MHA_MAX_ISA. 0 elsewhere, Intel included, where the
+ *  float32 kernels (bf16 widened exactly) were measured faster: bf16 operands then give the
+ *  float32 kernels' results. */
+MHA_API int32_t mha_experimental_cpu_bf16_tiles(void);
 /** 1 when this CPU has AMX-BF16 tiles (cpuid) and the OS saves tile state (XCR0), else 0. No
  *  AMX kernel is registered yet (docs/KERNELS.md, "Waiting for hardware"): `mha info` says so. */
 MHA_API int32_t mha_experimental_cpu_amx_bf16(void);

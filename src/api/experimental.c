@@ -50,6 +50,10 @@ const char *mha_experimental_cpu_isas(int32_t capped) {
     return mha__cpu_isa_list(capped ? mha__cpu_isa() : mha__cpu_isa_detected());
 }
 
+int32_t mha_experimental_cpu_bf16_tiles(void) {
+    return mha__cpu_bf16_tiles_fast() && (mha__cpu_isa() & MHA_ISA_AVX512BF16) != 0;
+}
+
 int32_t mha_experimental_cpu_prefetch_level(void) {
     return mha__cpu_decode_prefetch_to_l2() ? 2 : 1;
 }

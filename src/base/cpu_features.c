@@ -22,6 +22,7 @@
 static unsigned g_detected, g_capped;
 static int g_prefetch_l2, g_decode_prefetch_l2;
 static int g_decode_prefetch_far;
+static int g_bf16_tiles_fast;     /* AUTO takes the bf16-tile kernels (cpu_features.h) */
 static int g_amx_bf16;            /* detected only: no AMX kernel is registered (docs/KERNELS.md) */
 static const char *g_forced_name; /* MHA_KERNEL, or NULL */
 static char g_forced_buf[128];
@@ -96,6 +97,12 @@ static int detect_decode_prefetch_far(void) {
     return vendor_is_amd() && cpu_family() >= 0x1A;
 }
 
+/* bf16-tile kernels preferred: AMD with AVX512-BF16, where they were measured faster
+ * (cpu_features.h) */
+static int detect_bf16_tiles_fast(unsigned isa) {
+    return (isa & MHA_ISA_AVX512BF16) && vendor_is_amd();
+}
+
 /* AMX-TILE and AMX-BF16: CPUID leaf 7 subleaf 0 EDX bits 24 and 22, and the OS saving tile state
  * (XCR0 bits 17, 18). Linux still grants the tiles per process (arch_prctl); nothing asks yet. */
 static int detect_amx_bf16(void) {
@@ -127,6 +134,10 @@ static int detect_decode_prefetch_l2(int prefetch_l2) {
 static int detect_decode_prefetch_far(void) {
     return 0;
 }
+static int detect_bf16_tiles_fast(unsigned isa) {
+    (void)isa;
+    return 0;
+}
 static int detect_amx_bf16(void) {
     return 0;
 }
@@ -139,6 +150,7 @@ static void init_once(void) {
     g_decode_prefetch_l2 = detect_decode_prefetch_l2(g_prefetch_l2);
     g_decode_prefetch_far = detect_decode_prefetch_far();
     g_amx_bf16 = detect_amx_bf16();
+    g_bf16_tiles_fast = detect_bf16_tiles_fast(g_detected);
     const char *cap = getenv("MHA_MAX_ISA");
     /* A tier name caps the bits to those of that tier; unknown values leave the detection. */
 #define MHA_CAP_TO(bits, name)                                                                     \
@@ -166,6 +178,11 @@ unsigned mha__cpu_isa_detected(void) {
 int mha__cpu_has_amx_bf16(void) {
     pthread_once(&g_once, init_once);
     return g_amx_bf16;
+}
+
+int mha__cpu_bf16_tiles_fast(void) {
+    pthread_once(&g_once, init_once);
+    return g_bf16_tiles_fast;
 }
 
 int mha__cpu_prefetch_to_l2(void) {

@@ -63,6 +63,14 @@ int mha__cpu_decode_prefetch_to_l2(void);
  * cache's decode (blocks of 16 rows, shuffled) 10-20% faster and the contiguous cache's up to 8%
  * faster (docs/INFERENCE.md "Paged vs contiguous, measured"). 0 elsewhere (not measured). */
 int mha__cpu_decode_prefetch_far(void);
+/* 1 when AUTO selection takes the avx512bf16 tier's bf16-tile kernels (the forward's and the
+ * projection GEMM's, VDPBF16PS) for bf16 operands: AMD CPUs with AVX512-BF16 (Zen 4 and later),
+ * where they ran 1.4-2.0x their float32 kernels (Zen 5, docs/performance.md). 0 on Intel: on the
+ * Emerald Rapids host a 512-bit VDPBF16PS issues every 2.2 cycles against an FMA's 0.55 (half the
+ * multiply-adds per cycle), and the float32 kernels, which widen bf16 exactly, ran the same bf16
+ * problems faster (docs/performance.md, session 45). Detected, not capped by MHA_MAX_ISA (the
+ * tier itself is); the bf16-tile kernels stay usable there (MHA_KERNEL, the tests run them). */
+int mha__cpu_bf16_tiles_fast(void);
 /* 1 when this CPU has AMX-BF16 tiles and the OS saves their state. Reported by `mha info` only:
  * no AMX kernel is registered yet (none has passed its tests on an AMX host; docs/KERNELS.md). */
 int mha__cpu_has_amx_bf16(void);

@@ -170,7 +170,8 @@ static mha_status attend_seq(const struct mha_mla *m,
     a.v_head_dim = r;
     a.scale = cf->scale;
     a.q = b->qa + i * t * h * w;
-    if (c->dtype == MHA_DTYPE_BF16) { /* all three bf16: the bf16 tile kernel (SEMANTICS.md) */
+    /* all three bf16: the bf16 tile kernel where the CPU prefers it (SEMANTICS.md) */
+    if (c->dtype == MHA_DTYPE_BF16) {
         a.q = b->qh + i * t * h * w;
         a.q_dtype = MHA_DTYPE_BF16;
     }

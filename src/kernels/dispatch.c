@@ -100,7 +100,7 @@ mha_status mha__kernel_select(const mha__fwd_shape *s,
             }
             continue;
         }
-        if (!mha__kernel_usable(k, 0))
+        if (!mha__kernel_preferred(k))
             continue;
         last = mha__kernel_check(k, s, err);
         if (last == MHA_STATUS_OK) {

@@ -90,6 +90,11 @@ int mha__kernel_usable(const mha__kernel_info *k, int detected) {
     return (k->isa & ~have) == 0;
 }
 
+int mha__kernel_preferred(const mha__kernel_info *k) {
+    return mha__kernel_usable(k, 0) &&
+           (!(k->isa & MHA_ISA_AVX512BF16) || mha__cpu_bf16_tiles_fast());
+}
+
 const mha__kernel_info *mha__registry_reference(mha__op op) {
     for (int i = 0; i < REGISTRY_SIZE; i++)
         if (registry[i].op == op && registry[i].reference)
@@ -100,14 +105,14 @@ const mha__kernel_info *mha__registry_reference(mha__op op) {
 const mha__kernel_info *mha__registry_best_dt(mha__op op, unsigned dts) {
     for (int i = 0; i < REGISTRY_SIZE; i++)
         if (registry[i].op == op && !registry[i].reference && (registry[i].dtypes & dts) == dts &&
-            mha__kernel_usable(&registry[i], 0))
+            mha__kernel_preferred(&registry[i]))
             return &registry[i];
     return NULL;
 }
 
 const mha__kernel_info *mha__registry_best(mha__op op) {
     for (int i = 0; i < REGISTRY_SIZE; i++)
-        if (registry[i].op == op && !registry[i].reference && mha__kernel_usable(&registry[i], 0))
+        if (registry[i].op == op && !registry[i].reference && mha__kernel_preferred(&registry[i]))
             return &registry[i];
     return NULL;
 }

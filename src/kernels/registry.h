@@ -86,7 +86,11 @@ const char *mha__op_name(mha__op op);
 const char *mha__kernel_tier(const mha__kernel_info *k);
 /* Nonzero when this CPU has k's ISA under MHA_MAX_ISA (detected = 1: without the cap). */
 int mha__kernel_usable(const mha__kernel_info *k, int detected);
-/* The reference of an op, or its best usable non-reference kernel (NULL if none). */
+/* Nonzero when AUTO selection may take k: usable, and not a bf16-tile line (tier avx512bf16) on a
+ * CPU where those run slower than the float32 kernels (mha__cpu_bf16_tiles_fast). A usable line
+ * that is not preferred still runs by name (MHA_KERNEL, mha_experimental_attention_with_kernel). */
+int mha__kernel_preferred(const mha__kernel_info *k);
+/* The reference of an op, or its best preferred non-reference kernel (NULL if none). */
 const mha__kernel_info *mha__registry_reference(mha__op op);
 const mha__kernel_info *mha__registry_best(mha__op op);
 /* mha__registry_best among the lines whose dtypes hold every bit of dts (MHA_DTS_*): the gemm
