@@ -69,11 +69,10 @@ static void print_kernels(void) {
             continue;
         const int active = mha_experimental_kernel_active(d.op) == i;
         printf("  %-6s %c %-38s %-12s %s\n", d.op, active ? '*' : ' ', d.name, d.dtypes,
-               !d.usable     ? "not on this CPU"
-               : d.reference ? "reference"
-               : strstr(d.isa, "bf16") && !mha_experimental_cpu_bf16_tiles()
-                   ? "usable, passed over (bf16 tiles)"
-                   : "usable");
+               !d.usable      ? "not on this CPU"
+               : d.reference  ? "reference"
+               : !d.preferred ? "usable, passed over (bf16 tiles)"
+                              : "usable");
     }
 }
 

@@ -37,6 +37,9 @@ typedef struct mha_kernel_desc {
                              "f32,bf16,f16" (fwd/bwd: q, k and v each; decode: the KV cache;
                              gemm: its operands); a forward kernel runs a problem only when
                              q, k and v are all in it */
+    int32_t preferred;    /* nonzero: usable, and impl=AUTO/FAST may select it here (0 for a
+                             usable bf16-tile line on a CPU where the float32 kernels run bf16
+                             faster: mha_experimental_cpu_bf16_tiles) */
 } mha_kernel_desc;
 
 /** Number of kernels in the registry (all built kernels of every op, usable here or not). */

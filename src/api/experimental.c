@@ -23,6 +23,7 @@ mha_status mha_experimental_kernel_describe(int32_t index, mha_kernel_desc *desc
     desc->block_k = k->bk;
     desc->max_head_dim = k->max_d;
     desc->usable = mha__kernel_usable(k, 0);
+    desc->preferred = mha__kernel_preferred(k);
     desc->reference = k->reference;
     desc->op = mha__op_name(k->op);
     desc->dtypes = mha__dts_name(k->dtypes);
