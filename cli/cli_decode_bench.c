@@ -143,7 +143,7 @@ static void bench_usage(void) {
         "                      reported), then time it\n"
         "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
         "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
-        "                      step in the same run (attention only)\n"
+        "                      step in the same run (attention only), with its GFLOP/s\n"
         "  --batch-lengths S   per-sequence cache lengths instead of --cache-len (attention\n"
         "                      only): a comma list (its size is the batch), or logu:LO:HI:SEED,\n"
         "                      --batch lengths log-uniform in [LO, HI] from a fixed seed\n"
@@ -364,7 +364,8 @@ typedef struct bench_run {
     double stream_pf; /* the read loop with software prefetches (stream_gbs) */
     double weight_bytes;
     double tree_med, tree_min, tree_max, one_med, one_min, one_max; /* --draft-tree */
-    uint64_t *cold;             /* --cold: the buffer read before every timed call */
+    double tree_flops; /* --draft-tree: a tree call's multiply-adds x 2, the mean over its calls */
+    uint64_t *cold;    /* --cold: the buffer read before every timed call */
     volatile uint64_t cold_sum; /* what the reads summed: stored, so they are not dropped */
 } bench_run;
 
@@ -865,6 +866,11 @@ static int bench_tree(const bench_opts *b, bench_run *r) {
             for (int64_t seq = 0; seq < B && !st; seq++) {
                 len0[seq] = mha_kv_cache_length(r->cache, seq);
                 st = mha_kv_cache_append(r->cache, 1, &seq, n, r->kv, r->kv + n * G * D, &r->err);
+                /* the kernels' arithmetic: every query row (H x t) against every key it is given
+                 * (the cache and all t drafts; the masks act after), d_k + d_v FMAs each */
+                if (pass == 0)
+                    r->tree_flops += 2.0 * (double)(H * t) * (double)(len0[seq] + t) *
+                                     (double)(2 * D) / (double)N;
             }
             go_cold(b, r);
             const double ts = now_s();
@@ -954,7 +960,8 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"paged_median_s\": %.6g, \"paged_min_s\": %.6g, \"paged_order\": \"%s\", "
                "\"paged_peers\": %lld, \"paged_blocks\": %lld, \"paged_runs\": %lld, "
                "\"compact_s\": %.6g, \"paged_runs_before_compact\": %lld, "
-               "\"tree_median_s\": %.6g, \"tree_one_median_s\": %.6g, \"cold_mb\": %lld}\n",
+               "\"tree_median_s\": %.6g, \"tree_one_median_s\": %.6g, \"tree_gflops\": %.6g, "
+               "\"cold_mb\": %lld}\n",
                decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
                (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
                r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
@@ -964,7 +971,7 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                (long long)b->paged, r->paged_med, r->paged_min, paged_orders[b->paged_order],
                (long long)b->paged_peers, (long long)pblocks, (long long)pruns, r->compact_s,
                (long long)(b->compact ? r->runs_before : pruns), r->tree_med, r->one_med,
-               (long long)b->cold_mb);
+               r->tree_med > 0.0 ? r->tree_flops / r->tree_med * 1e-9 : 0.0, (long long)b->cold_mb);
         return;
     }
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
@@ -1007,10 +1014,11 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                r->layer_med * 1e3, B / r->layer_med, b->wdtn, r->weight_bytes * 1e-6,
                r->weight_bytes / r->layer_med * 1e-9);
     if (r->tree_med > 0.0)
-        printf("  draft tree of %lld tokens: median %.3f ms [%.3f, %.3f]; one-token step in the "
-               "same run: median %.3f ms [%.3f, %.3f]; tree / one = %.2fx\n",
+        printf("  draft tree of %lld tokens: median %.3f ms [%.3f, %.3f], %.1f GFLOP/s; one-token "
+               "step in the same run: median %.3f ms [%.3f, %.3f]; tree / one = %.2fx\n",
                (long long)b->tree_t, r->tree_med * 1e3, r->tree_min * 1e3, r->tree_max * 1e3,
-               r->one_med * 1e3, r->one_min * 1e3, r->one_max * 1e3, r->tree_med / r->one_med);
+               r->tree_flops / r->tree_med * 1e-9, r->one_med * 1e3, r->one_min * 1e3,
+               r->one_max * 1e3, r->tree_med / r->one_med);
     if (r->stream > 0.0)
         printf("  memory read bandwidth (%lld MB buffer, %d threads): %.1f GB/s; attention "
                "reaches %.0f%%\n",

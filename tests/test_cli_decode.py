@@ -219,6 +219,11 @@ def test_decode_bench_cold_and_tree_json():
     rec = json.loads(r.stdout)
     assert rec["cold_mb"] == 4 and rec["attn_median_s"] > 0
     assert rec["tree_median_s"] > 0 and rec["tree_one_median_s"] > 0
+    # GFLOP/s over the tree call's arithmetic: 4 heads x 3 drafts, each against every key of the
+    # call, 2 (d_k + d_v) FLOPs per key; the keys: 100 cached + 3 steps + (0, 1, 2) one-token steps
+    # of the earlier pairs + 3 drafts, 107 on average (to %.6g's rounding)
+    flops = 2.0 * 4 * 3 * 107 * (32 + 32)
+    assert abs(rec["tree_gflops"] * rec["tree_median_s"] * 1e9 - flops) < 1e-4 * flops, rec
     r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32,
                 "--cache-len", 40, "--steps", 2, "--cold", 2, "--weight-dtype", "bf16")
     assert r.returncode == 0 and "--cold: 2 MB read before every timed call" in r.stdout, r.stderr
