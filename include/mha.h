@@ -1174,7 +1174,9 @@ MHA_API mha_status mha_kv_cache_append(mha_kv_cache *cache,
  *  its whole group. Split-KV ("flash-decoding"): the keys are cut into fixed blocks that threads
  *  share, each block gives a partial (o, lse), merged exactly; the blocks do not depend on the
  *  thread count, so results are bit-identical for any n_threads. impl=REFERENCE runs the
- *  reference core on the dequantised cache instead. */
+ *  reference core on the dequantised cache instead. A window/chunk ring must still hold every key
+ *  the first query sees (INVALID_ARG otherwise: right after a truncate / accept / share_prefix
+ *  that rolled a sequence back, append before attending). */
 typedef struct mha_kv_attention_args {
     int64_t num_seqs;
     const int64_t *seq_ids; /* [num_seqs] or NULL = 0 .. num_seqs-1 */

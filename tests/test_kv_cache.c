@@ -631,6 +631,17 @@ static void test_errors(void) {
     CHECK_OK(mha_kv_cache_truncate(other, 0, 8, &err), &err);
     expect_err(mha_kv_cache_read(other, 0, 3, kk, vv, &err), &err, "not stored",
                "read of a position dropped from the ring");
+    /* The core attention of the last position (7) right after the rollback would see keys 5 ..
+     * 7; the ring holds positions >= 6 (slot 5 % 4 holds position 9 now): refused, not computed
+     * over the overwritten slot. */
+    {
+        mha_kv_attention_args ra = {0};
+        float rq[4 * 4], ro[4 * 4];
+        test_fill_normal(&r, rq, 16, 1.0f);
+        ra.num_seqs = 1, ra.num_tokens = 1, ra.num_heads = 4, ra.q = rq, ra.out = ro;
+        expect_err(mha_kv_cache_attention(other, &ra, NULL, &err), &err, "holds positions >= 6",
+                   "attention after a rollback reaching an overwritten slot");
+    }
     /* Stepwise rollback cannot get below what the ring still holds (positions >= 6). */
     expect_err(mha_kv_cache_truncate(other, 0, 7, &err), &err, "cannot roll back to 7",
                "second rollback past the ring's furthest length");

@@ -299,6 +299,20 @@ mha_status mha__check_kv_attention(const mha__kv_view *c,
         MHA_RETURN_IF(mha__kv_ring_span(kc) > 0 && args->num_tokens > kc->max_step_tokens, err,
                       INVALID_ARG, "num_tokens=%lld exceeds the ring cache's max_step_tokens=%lld",
                       (long long)args->num_tokens, (long long)kc->max_step_tokens);
+        /* A ring holds the positions >= lo[s]: the first query (position L - t, a draft tree's
+         * roots too) must not see a key the ring overwrote (after a truncate / accept / share
+         * that rolled the sequence back, before the next append). */
+        if (mha__kv_ring_span(kc) > 0) {
+            const int64_t p0 = c->len[s] - args->num_tokens;
+            MHA_RETURN_IF(mha__kv_first_key(kc, p0) < c->lo[s], err, INVALID_ARG,
+                          "num_tokens=%lld: the query at position %lld of sequence %lld sees "
+                          "keys from %lld, but its %s-%lld ring holds positions >= %lld only (the "
+                          "older ones are overwritten; attend after appending new tokens, or "
+                          "with fewer tokens)",
+                          (long long)args->num_tokens, (long long)p0, (long long)s,
+                          (long long)mha__kv_first_key(kc, p0), kc->window > 0 ? "window" : "chunk",
+                          (long long)mha__kv_ring_span(kc), (long long)c->lo[s]);
+        }
     }
     st = mha__check_tree(args->tree_parents, args->num_tokens, err);
     if (st)
