@@ -209,6 +209,26 @@ def test_crop_and_reset(name):
     assert torch.equal(_decode(m, cache, seq, mask), want)
 
 
+def test_refused_append_changes_nothing(name):
+    # A paged pool too small for the next forward: the append is refused (NO_MEMORY) and the
+    # layer's length stays what the mha cache holds, so the next forward continues correctly
+    # (before: get_seq_length counted the refused tokens, the next step's positions were wrong).
+    _, _, m = _models("llama", name)
+    seq, _ = _tokens()
+    seq = seq[:1]
+    with torch.no_grad():
+        cache = mt.MhaCache(m.config, max_seq=64, block_size=16, num_blocks=1)
+        m(seq[:, :10], cache=cache)
+        with pytest.raises(mha.MhaError, match="pool exhausted"):
+            m(seq[:, 10:20], cache=cache)  # positions 16.. need a second block
+        assert cache.get_seq_length() == 10 and cache.lengths() == [10]
+        got = m(seq[:, 10:11], cache=cache).logits
+        fresh = mt.MhaCache(m.config, max_seq=64, block_size=16, num_blocks=1)
+        m(seq[:, :10], cache=fresh)
+        ref = m(seq[:, 10:11], cache=fresh).logits
+    assert torch.equal(got, ref)
+
+
 def test_fp8_scales(name):
     # fp8_scales: (k_scales, v_scales) per kv head for every layer, or one pair per layer; they
     # reach each layer's cache (other scales, other rounding, still within the bound).

@@ -120,3 +120,25 @@ def test_refused():
         layer.kv_cache(64, block_size=8)
     with pytest.raises(mha.MhaError, match="num_blocks"):
         layer.kv_cache(64, num_blocks=4)
+
+
+def test_integer_arguments_checked():
+    # ctypes passes a Python int modulo 2^64: 2^64 + 3 would be 3, another length or sequence
+    # without a word; accept() would cast float draft indices to int64 (0.9 -> 0). Both refused.
+    c = mha.KVCache(None, 64, 2, num_kv_heads=1, head_dim=16, block_size=16)
+    k = np.random.default_rng(0).standard_normal((1, 8, 1, 16)).astype(np.float32)
+    c.append(k, k, seq_ids=[0])
+    for call in (lambda: c.truncate(0, 2 ** 64 + 3), lambda: c.read(2 ** 64, 1),
+                 lambda: c.fork(0, 2 ** 64 + 1), lambda: c.length(2 ** 64),
+                 lambda: c.share_prefix(0, 1, 2 ** 64 + 2), lambda: c.reset(-2 ** 64)):
+        with pytest.raises(ValueError, match="outside int64"):
+            call()
+    with pytest.raises(TypeError, match="draft_idx"):
+        c.accept(0, 2, [0.9, 2.7])
+    with pytest.raises(TypeError, match="pos"):
+        c.read(0, 1.5)
+    assert c.length(0) == 8 and c.length(1) == 0
+    np.testing.assert_array_equal(c.read(0, 7)[0], k[0, 7])
+    c.accept(0, 2, np.array([1, 3], np.uint8))  # integer arrays of any width
+    assert c.length(0) == 4
+    np.testing.assert_array_equal(c.read(0, 3)[0], k[0, 5])

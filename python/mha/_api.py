@@ -10,6 +10,7 @@ core (:func:`attention`, :func:`attention_backward`) also reads float16 and bflo
 from __future__ import annotations
 
 import ctypes
+import operator
 import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -112,6 +113,18 @@ def _float32(x: ArrayLike, name: str, contiguous: bool = True) -> np.ndarray:
     if contiguous and not a.flags.c_contiguous:
         a = np.ascontiguousarray(a)
     return a
+
+
+def _i64(x: Any, name: str) -> int:
+    """x as an int64_t argument: an integer (TypeError otherwise) in [-2^63, 2^63) (ValueError
+    otherwise: ctypes would pass it modulo 2^64, another sequence or length without a word)."""
+    try:
+        i = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(x).__name__}") from None
+    if not -2 ** 63 <= i < 2 ** 63:
+        raise ValueError(f"{name}={i} is outside int64")
+    return i
 
 
 def _int_array(x: ArrayLike, name: str, dtype, shape: Tuple[int, ...]) -> np.ndarray:
@@ -1698,16 +1711,17 @@ class KVCache:
 
     def length(self, seq: int = 0) -> int:
         """Positions appended so far to sequence ``seq``."""
-        n = L.mha_kv_cache_length(self._handle.ptr, seq)
+        n = L.mha_kv_cache_length(self._handle.ptr, _i64(seq, "seq"))
         if n < 0:
             raise ValueError(f"seq={seq} is not a sequence of this cache")
         return n
 
     def reset(self, seq: int = 0) -> None:
-        M.call(L.mha_kv_cache_reset, self._handle.ptr, seq)
+        M.call(L.mha_kv_cache_reset, self._handle.ptr, _i64(seq, "seq"))
 
     def truncate(self, seq: int, new_len: int) -> None:
-        M.call(L.mha_kv_cache_truncate, self._handle.ptr, seq, new_len)
+        M.call(L.mha_kv_cache_truncate, self._handle.ptr, _i64(seq, "seq"),
+               _i64(new_len, "new_len"))
 
     def set_fp8_scales(self, k_scales: Optional[ArrayLike] = None,
                        v_scales: Optional[ArrayLike] = None) -> None:
@@ -1729,11 +1743,12 @@ class KVCache:
 
     def fork(self, src: int, dst: int) -> None:
         """Sequence dst becomes a copy of src (a paged cache shares src's blocks)."""
-        M.call(L.mha_kv_cache_copy, self._handle.ptr, src, dst)
+        M.call(L.mha_kv_cache_copy, self._handle.ptr, _i64(src, "src"), _i64(dst, "dst"))
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         """Sequence dst becomes src's first ``length`` positions (shared blocks when paged)."""
-        M.call(L.mha_kv_cache_share_prefix, self._handle.ptr, src, dst, length)
+        M.call(L.mha_kv_cache_share_prefix, self._handle.ptr, _i64(src, "src"), _i64(dst, "dst"),
+               _i64(length, "length"))
 
     def free_blocks(self) -> int:
         """Free blocks of a paged cache's pool (0 for a contiguous cache)."""
@@ -1750,8 +1765,12 @@ class KVCache:
         """Keeps the accepted drafts of a verified tree (mha_kv_cache_accept): the rows of drafts
         ``draft_idx`` (strictly increasing indices into the drafts appended at ``base_len``) move
         to positions base_len .. base_len+n-1 and the length becomes base_len + n."""
-        idx = np.ascontiguousarray(np.asarray(draft_idx, dtype=np.int64).reshape(-1))
-        M.call(L.mha_kv_cache_accept, self._handle.ptr, seq, base_len, idx.size,
+        idx = np.asarray(draft_idx)
+        if idx.size and idx.dtype.kind not in "iu":
+            raise TypeError(f"draft_idx: expected integers, got dtype {idx.dtype}")
+        idx = np.ascontiguousarray(idx.reshape(-1), dtype=np.int64)
+        M.call(L.mha_kv_cache_accept, self._handle.ptr, _i64(seq, "seq"),
+               _i64(base_len, "base_len"), idx.size,
                _ptr(idx) if idx.size else None)
 
     def _seq_ids(self, seq_ids, n: int):
@@ -1766,7 +1785,8 @@ class KVCache:
         v [g, d_v] (mha_kv_cache_read)."""
         k = np.empty((self.num_kv_heads, self.head_dim), _F32)
         v = np.empty((self.num_kv_heads, self.v_head_dim), _F32)
-        M.call(L.mha_kv_cache_read, self._handle.ptr, int(seq), int(pos), _ptr(k), _ptr(v))
+        M.call(L.mha_kv_cache_read, self._handle.ptr, _i64(seq, "seq"), _i64(pos, "pos"), _ptr(k),
+               _ptr(v))
         return k, v
 
     def append(self, k: ArrayLike, v: ArrayLike,

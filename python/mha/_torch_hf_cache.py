@@ -89,6 +89,7 @@ class MhaCacheLayer(CacheLayerMixin):
         self._kept: Optional[Tensor] = None  # [B, _len] bool, which were appended; None = all
         self._pending = None  # (k, v) of the last update, until the attention consumes them
         self._phys: list = []  # the mha cache's sequence id of each batch row (beam search)
+        self._desync = False  # a failed append could not be undone: refuse until reset()
 
     def __repr__(self):
         return (f"MhaCacheLayer(index={self._index}, length={self._len}, window={self._window}, "
@@ -118,6 +119,9 @@ class MhaCacheLayer(CacheLayerMixin):
                           f"consumed by mha's attention (the model's attention implementation "
                           f"must be one registered by mha.torch.register_hf_attention)")
         o._check_implementation()
+        if self._desync:
+            raise _refuse(f"layer {self._index}: a failed update left part of its keys in the "
+                          f"mha cache; reset() the cache")
         for nm, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, Tensor) or t.dim() != 4:
                 raise _refuse(f"{nm} must be a [batch, kv_heads, tokens, head_dim] tensor")
@@ -160,7 +164,7 @@ class MhaCacheLayer(CacheLayerMixin):
             for s in range(self.cache.batch):
                 self.cache.reset(s)
             self._phys = list(range(self.cache.batch))
-        self._len, self._kept, self._pending = 0, None, None
+        self._len, self._kept, self._pending, self._desync = 0, None, None, False
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last -tokens_to_remove positions (transformers' convention: a count <= 0;
@@ -293,14 +297,27 @@ class MhaCacheLayer(CacheLayerMixin):
         vf = v.detach().float().transpose(1, 2)
         qf = query.detach().float().transpose(1, 2)  # [B, T, h, d]
         out = torch.zeros(B, T, h, c.v_head_dim, dtype=torch.float32)
-        if real is None:
-            self._run(list(range(B)), kf, vf, qf, out, None, opts)
-        else:
-            counts = real.sum(1).tolist()
-            for n in sorted(set(counts)):
-                if n:
-                    ids = [b for b in range(B) if counts[b] == n]
-                    self._run(ids, kf, vf, qf, out, real, opts)
+        before = [c.length(s) for s in self._phys]
+        try:
+            if real is None:
+                self._run(list(range(B)), kf, vf, qf, out, None, opts)
+            else:
+                counts = real.sum(1).tolist()
+                for n in sorted(set(counts)):
+                    if n:
+                        ids = [b for b in range(B) if counts[b] == n]
+                        self._run(ids, kf, vf, qf, out, real, opts)
+        except Exception:
+            # (a refused append, e.g. a full pool: this layer's length and the mha cache go
+            # back to before the update, so that it stays usable and says what it holds)
+            self._len -= T
+            try:
+                for s, n in zip(self._phys, before):
+                    c.truncate(s, n)
+            except Exception:
+                self._desync = True  # (a ring that cannot roll back that far)
+            raise
+        if real is not None:
             kept = self._kept_mask()[:, :self._len - T]
             self._kept = torch.cat([kept, real], 1)
         return out.to(query.dtype)
