@@ -169,13 +169,16 @@ static void make_specs(tensor_spec *ts) {
         }
 }
 
-/* The whole file. version: 3 normally. */
-static buf make_file(uint32_t version) {
+/* The whole file with `n_extra` more keys written by `extra` (NULL: none). version: 3
+ * normally. */
+static buf make_file_kv(uint32_t version, void (*extra)(buf *), int n_extra) {
     buf b = {0};
     put(&b, "GGUF", 4);
     put_le(&b, version, 4);
     put_le(&b, N_TENSORS, 8);
-    put_le(&b, N_KV, 8);
+    put_le(&b, (uint64_t)(N_KV + n_extra), 8);
+    if (extra)
+        extra(&b);
     kv_str(&b, "general.architecture", "llama");
     kv_str(&b, "general.name", "tiny");
     kv_u32(&b, "general.alignment", ALIGN);
@@ -224,6 +227,10 @@ static buf make_file(uint32_t version) {
             put_row(&b, &ts[i], r);
     }
     return b;
+}
+
+static buf make_file(uint32_t version) {
+    return make_file_kv(version, NULL, 0);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -519,10 +526,82 @@ static void test_config_head_size(void) {
     free(b.p);
 }
 
+/* RoPE keys as llama.cpp reads them (its load_hparams): rope.scaling.factor, else the older
+ * rope.scale_linear, is the factor, and a file without rope.scaling.type is linear scaling
+ * (llama.cpp's default type); and a llama file whose rope.dimension_count is not the head size
+ * (llama.cpp: "invalid n_rot") is refused, not read as partial rotary of the un-permuted rows. */
+static void extra_factor_only(buf *b) {
+    kv_f32(b, "llama.rope.scaling.factor", 2.0f);
+}
+static void extra_both_factors(buf *b) {
+    kv_f32(b, "llama.rope.scaling.factor", 4.0f);
+    kv_f32(b, "llama.rope.scale_linear", 2.0f);
+}
+static void extra_linear_old_key(buf *b) {
+    kv_str(b, "llama.rope.scaling.type", "linear");
+    kv_f32(b, "llama.rope.scale_linear", 3.0f);
+}
+static void extra_none_factor(buf *b) {
+    kv_str(b, "llama.rope.scaling.type", "none");
+    kv_f32(b, "llama.rope.scaling.factor", 2.0f);
+}
+static void extra_rot_half(buf *b) {
+    kv_u32(b, "llama.rope.dimension_count", HD / 2);
+}
+static void extra_rot_full(buf *b) {
+    kv_u32(b, "llama.rope.dimension_count", HD);
+}
+
+static void test_rope_keys(void) {
+    static const struct {
+        void (*extra)(buf *);
+        int n;
+        mha_rope_scaling_type scaling;
+        double factor;
+        const char *what;
+    } cases[] = {
+        {extra_factor_only, 1, MHA_ROPE_SCALING_LINEAR, 2.0, "rope.scaling.factor without a type"},
+        {extra_both_factors, 2, MHA_ROPE_SCALING_LINEAR, 4.0, "rope.scaling.factor first"},
+        {extra_linear_old_key, 2, MHA_ROPE_SCALING_LINEAR, 3.0, "linear with rope.scale_linear"},
+        {extra_none_factor, 2, MHA_ROPE_SCALING_NONE, 0.0, "type none with a factor"},
+        {extra_rot_full, 1, MHA_ROPE_SCALING_NONE, 0.0, "rope.dimension_count = head size"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        buf b = make_file_kv(3, cases[i].extra, cases[i].n);
+        mha__gguf *g = NULL;
+        mha_error err;
+        mha_hf_layer_info info;
+        CHECK_OK(mha__gguf_open_mem(b.p, b.n, "t.gguf", &g, &err), &err);
+        if (g) {
+            CHECK_OK(mha__gguf_info(g, 0, &info, &err), &err);
+            CHECK(info.config.rope.scaling == cases[i].scaling &&
+                      (cases[i].scaling == MHA_ROPE_SCALING_NONE ||
+                       info.config.rope.factor == cases[i].factor) &&
+                      info.config.rope.rotary_dim == HD,
+                  "%s: scaling %d factor %g rotary_dim %lld", cases[i].what,
+                  (int)info.config.rope.scaling, info.config.rope.factor,
+                  (long long)info.config.rope.rotary_dim);
+        }
+        mha__gguf_close(g);
+        free(b.p);
+    }
+    buf b = make_file_kv(3, extra_rot_half, 1);
+    mha_layer *layer = NULL;
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    const mha_status st = load(&b, 0, &layer, &err);
+    CHECK(st == MHA_STATUS_BAD_FILE && strstr(err.message, "llama.rope.dimension_count = 8") &&
+              strstr(err.message, "head size 16") && !layer,
+          "llama partial rotary: status %d, '%s'", (int)st, err.message);
+    mha_layer_destroy(layer);
+    free(b.p);
+}
+
 int main(void) {
     test_valid_file();
     test_truncations_and_flips();
     test_bad_fields();
     test_config_head_size();
+    test_rope_keys();
     return test_finish();
 }

@@ -731,23 +731,26 @@ read_rope(mha__gguf *g, const char *arch, int64_t head_dim, mha_rope *r, mha_err
     char type[GGUF_TEXT] = "none";
     key_of(key, arch, "rope.scaling.type");
     MHA_TRY(get_str(g, key, type, sizeof type, &found, err));
+    /* the factor as llama.cpp reads it: rope.scaling.factor, else the older rope.scale_linear;
+     * without rope.scaling.type, a factor other than 1 is linear scaling (llama.cpp's default
+     * type is "linear") */
     double factor = 1.0;
     int has_factor;
     key_of(key, arch, "rope.scaling.factor");
     MHA_TRY(get_num(g, key, 1, &factor, &has_factor, err));
-    if (!found) {
-        double lin = 1.0;
-        int has_lin;
+    if (!has_factor) {
         key_of(key, arch, "rope.scale_linear");
-        MHA_TRY(get_num(g, key, 1, &lin, &has_lin, err));
-        if (has_lin && lin != 1.0)
-            snprintf(type, sizeof type, "linear"), factor = lin, has_factor = 1;
+        MHA_TRY(get_num(g, key, 1, &factor, &has_factor, err));
     }
+    if (!found && has_factor && factor != 1.0)
+        snprintf(type, sizeof type, "linear");
     if (strcmp(type, "none") == 0)
         return MHA_STATUS_OK;
     if (strcmp(type, "linear") == 0) {
-        MHA_RETURN_IF(!has_factor, err, BAD_FILE, "%s: linear rope scaling without %s.%s", g->path,
-                      arch, "rope.scaling.factor");
+        MHA_RETURN_IF(!has_factor, err, BAD_FILE,
+                      "%s: linear rope scaling without %s.rope.scaling.factor (or "
+                      "rope.scale_linear)",
+                      g->path, arch);
         r->scaling = MHA_ROPE_SCALING_LINEAR;
         r->factor = factor;
         return MHA_STATUS_OK;
@@ -979,6 +982,14 @@ static mha_status info_read(mha__gguf *g, int64_t layer, mha_hf_layer_info *info
     c->head_dim = c->v_head_dim = d;
     c->scale = 1.0 / sqrt((double)d);
     MHA_TRY(read_rope(g, name, d, &c->rope, err));
+    /* llama.cpp's converter permuted whole heads of Q and K, and llama.cpp refuses a llama file
+     * whose rotary dimensions are not the head size ("invalid n_rot"): partial rotary over the
+     * permuted rows is not HF's rotate_half of the first dimensions, so it is not read as one */
+    MHA_RETURN_IF(arch->permuted && c->rope.rotary_dim != d, err, BAD_FILE,
+                  "%s: %s.rope.dimension_count = %lld differs from the head size %lld: partial "
+                  "rotary is not defined for the permuted Q and K rows of architecture %s "
+                  "(llama.cpp refuses it too)",
+                  g->path, name, (long long)c->rope.rotary_dim, (long long)d, name);
     MHA_TRY(read_rope_freqs(g, name, &c->rope, err));
     MHA_TRY(read_longrope(g, name, &c->rope, err));
     /* biases and QK-norm: from the tensors present */
