@@ -7,9 +7,9 @@
  * undone (checked element by element against the un-permuted source, computed here
  * independently). Then hostile forms of it: every truncation, every single-byte corruption of the
  * header, metadata and tensor infos (and a strided sample of the data), and hand-made bad fields
- * (magic, version 1, big-endian, huge counts and lengths, alignment, offsets, duplicates,
- * NaN weights, unknown types) each fail with a status and a message naming the problem; none may
- * crash (the sanitizer builds run this too).
+ * (magic, version 1, big-endian, huge counts and lengths, alignment, offsets, overlapping data,
+ * duplicates, NaN weights, unknown types) each fail with a status and a message naming the problem;
+ * none may crash (the sanitizer builds run this too).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -462,6 +462,9 @@ static void test_bad_fields(void) {
                  "offset alignment");
     expect_error(&b, tq + 24, 8, 1ull << 62, MHA_STATUS_BAD_FILE, "past the end", "offset");
     expect_error(&b, tq + 4, 8, 31, MHA_STATUS_BAD_FILE, "expected 2 dimensions {32, 32}", "shape");
+    /* attn_k's data placed over attn_q's (llama.cpp refuses overlapping tensors too) */
+    expect_error(&b, find(&b, "blk.0.attn_k.weight") + 19 + 24, 8, 0, MHA_STATUS_BAD_FILE,
+                 "overlap in the data section", "overlapping tensors");
     const size_t tv = find(&b, "blk.0.attn_v.weight") + 19;
     expect_error(&b, tv + 4, 8, 31, MHA_STATUS_BAD_FILE, "multiple of Q8_0's block", "q8_0 shape");
     /* a duplicated tensor: layer 1's q renamed layer 0's */

@@ -61,6 +61,7 @@ typedef struct gguf_tensor {
     uint64_t ne[GGUF_MAX_DIMS]; /* 1 beyond n_dims */
     uint32_t type;
     uint64_t offset; /* from data_start */
+    uint64_t bytes;  /* of its data (0: a type whose size is not known, never read) */
 } gguf_tensor;
 
 struct mha__gguf {
@@ -382,6 +383,41 @@ tensor_bytes(const mha__gguf *g, const gguf_tensor *t, uint64_t *bytes, mha_erro
     return MHA_STATUS_OK;
 }
 
+static int cmp_offset(const void *a, const void *b) {
+    const gguf_tensor *x = *(const gguf_tensor *const *)a, *y = *(const gguf_tensor *const *)b;
+    return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* No two tensors' data overlap (llama.cpp's reader refuses such a file too: one tensor's bytes
+ * would be read as another's). Tensors of a type whose size is not known are not placed. */
+static mha_status check_overlaps(const mha__gguf *g, mha_error *err) {
+    if (g->n_tensors < 2)
+        return MHA_STATUS_OK;
+    const gguf_tensor **by = malloc((size_t)g->n_tensors * sizeof *by);
+    MHA_RETURN_IF(!by, err, NO_MEMORY, "%s: out of memory", g->path);
+    for (uint64_t i = 0; i < g->n_tensors; i++)
+        by[i] = &g->t[i];
+    qsort(by, (size_t)g->n_tensors, sizeof *by, cmp_offset);
+    const gguf_tensor *last = NULL; /* the sized tensor whose data ends last so far */
+    mha_status st = MHA_STATUS_OK;
+    for (uint64_t i = 0; i < g->n_tensors && st == MHA_STATUS_OK; i++) {
+        const gguf_tensor *t = by[i];
+        if (!t->bytes)
+            continue;
+        if (last && t->offset < last->offset + last->bytes) /* both inside the file: no overflow */
+            st =
+                mha__fail(err, MHA_STATUS_BAD_FILE,
+                          "%s: tensors '%s' (%llu bytes at offset %llu) and '%s' (at offset "
+                          "%llu) overlap in the data section",
+                          g->path, last->name, (unsigned long long)last->bytes,
+                          (unsigned long long)last->offset, t->name, (unsigned long long)t->offset);
+        if (!last || t->offset + t->bytes > last->offset + last->bytes)
+            last = t;
+    }
+    free(by);
+    return st;
+}
+
 static mha_status parse_tensors(mha__gguf *g, mha_error *err) {
     if (g->n_tensors) {
         g->t = calloc((size_t)g->n_tensors, sizeof *g->t);
@@ -423,9 +459,10 @@ static mha_status parse_tensors(mha__gguf *g, mha_error *err) {
     const uint64_t pad = (g->alignment - g->pos % g->alignment) % g->alignment;
     g->data_start = g->pos + pad; /* pos <= size < 2^63, pad < 2^30 */
     for (uint64_t i = 0; i < g->n_tensors; i++) {
-        const gguf_tensor *t = &g->t[i];
+        gguf_tensor *t = &g->t[i];
         uint64_t bytes;
         MHA_TRY(tensor_bytes(g, t, &bytes, err));
+        t->bytes = bytes;
         const uint64_t avail = g->size > g->data_start ? g->size - g->data_start : 0;
         MHA_RETURN_IF(t->offset > avail || bytes > avail - t->offset, err, BAD_FILE,
                       "%s: tensor '%s': its data (%llu bytes at offset %llu of the data section "
@@ -433,7 +470,7 @@ static mha_status parse_tensors(mha__gguf *g, mha_error *err) {
                       g->path, t->name, (unsigned long long)bytes, (unsigned long long)t->offset,
                       (unsigned long long)g->data_start, (unsigned long long)g->size);
     }
-    return MHA_STATUS_OK;
+    return check_overlaps(g, err);
 }
 
 void mha__gguf_close(mha__gguf *g) {
