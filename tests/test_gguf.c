@@ -531,8 +531,9 @@ static void test_config_head_size(void) {
 
 /* RoPE keys as llama.cpp reads them (its load_hparams): rope.scaling.factor, else the older
  * rope.scale_linear, is the factor, and a file without rope.scaling.type is linear scaling
- * (llama.cpp's default type); and a llama file whose rope.dimension_count is not the head size
- * (llama.cpp: "invalid n_rot") is refused, not read as partial rotary of the un-permuted rows. */
+ * (llama.cpp's default type); a llama file whose rope.dimension_count is not the head size
+ * (llama.cpp: "invalid n_rot") is refused, not read as partial rotary of the un-permuted rows;
+ * YaRN whose ramp ends are reversed (ggml's step, mha's reversed ramp) is refused. */
 static void extra_factor_only(buf *b) {
     kv_f32(b, "llama.rope.scaling.factor", 2.0f);
 }
@@ -547,6 +548,19 @@ static void extra_linear_old_key(buf *b) {
 static void extra_none_factor(buf *b) {
     kv_str(b, "llama.rope.scaling.type", "none");
     kv_f32(b, "llama.rope.scaling.factor", 2.0f);
+}
+static void extra_yarn(buf *b) {
+    kv_str(b, "llama.rope.scaling.type", "yarn");
+    kv_f32(b, "llama.rope.scaling.factor", 4.0f);
+}
+/* beta_fast < beta_slow: ggml's ramp ends (3, 1) for head size 16, theta 10000 and the original
+ * context 256 are reversed (its ramp a step, mha's a reversed ramp): refused */
+static void extra_yarn_betas(buf *b) {
+    kv_str(b, "llama.rope.scaling.type", "yarn");
+    kv_f32(b, "llama.rope.scaling.factor", 4.0f);
+    kv_u32(b, "llama.rope.scaling.original_context_length", 256);
+    kv_f32(b, "llama.rope.scaling.yarn_beta_fast", 1.0f);
+    kv_f32(b, "llama.rope.scaling.yarn_beta_slow", 32.0f);
 }
 static void extra_rot_half(buf *b) {
     kv_u32(b, "llama.rope.dimension_count", HD / 2);
@@ -568,6 +582,7 @@ static void test_rope_keys(void) {
         {extra_linear_old_key, 2, MHA_ROPE_SCALING_LINEAR, 3.0, "linear with rope.scale_linear"},
         {extra_none_factor, 2, MHA_ROPE_SCALING_NONE, 0.0, "type none with a factor"},
         {extra_rot_full, 1, MHA_ROPE_SCALING_NONE, 0.0, "rope.dimension_count = head size"},
+        {extra_yarn, 2, MHA_ROPE_SCALING_YARN, 4.0, "yarn with the default betas"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         buf b = make_file_kv(3, cases[i].extra, cases[i].n);
@@ -596,6 +611,15 @@ static void test_rope_keys(void) {
     CHECK(st == MHA_STATUS_BAD_FILE && strstr(err.message, "llama.rope.dimension_count = 8") &&
               strstr(err.message, "head size 16") && !layer,
           "llama partial rotary: status %d, '%s'", (int)st, err.message);
+    mha_layer_destroy(layer);
+    free(b.p);
+    b = make_file_kv(3, extra_yarn_betas, 5);
+    layer = NULL;
+    memset(&err, 0, sizeof err);
+    const mha_status st2 = load(&b, 0, &layer, &err);
+    CHECK(st2 == MHA_STATUS_UNSUPPORTED && strstr(err.message, "low end 3") &&
+              strstr(err.message, "high end 1") && !layer,
+          "yarn with reversed ramp ends: status %d, '%s'", (int)st2, err.message);
     mha_layer_destroy(layer);
     free(b.p);
 }

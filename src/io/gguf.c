@@ -41,6 +41,7 @@
 #define GGUF_MAX_HEADS     ((int64_t)1 << 20)
 #define GGUF_MAX_SIZE      ((int64_t)1 << 24) /* hidden size, head_dim */
 #define GGUF_TEXT          256
+#define GGUF_PI            3.14159265358979323846
 
 typedef struct gguf_kv {
     char *key;
@@ -734,6 +735,20 @@ read_yarn(mha__gguf *g, const char *arch, double factor, mha_rope *r, mha_error 
     MHA_TRY(get_num(g, key, 1, &r->beta_fast, &found, err));
     key_of(key, arch, "rope.scaling.yarn_beta_slow");
     MHA_TRY(get_num(g, key, 1, &r->beta_slow, &found, err));
+    /* the ramp's ends as ggml computes them (ggml_rope_yarn_corr_dims): when the low end passes
+     * the high one, ggml's ramp is a step (it divides by MAX(0.001, high - low)) where mha's, as
+     * transformers', is reversed (docs/SEMANTICS.md, yarn): not the same layer, refused (a
+     * theta <= 1 is refused by mha_layer_create) */
+    const double R = (double)r->rotary_dim, lt = 2.0 * log(r->theta);
+    const double lo = fmax(0.0, floor(R * log((double)orig / (r->beta_fast * 2.0 * GGUF_PI)) / lt));
+    const double hi =
+        fmin(R - 1.0, ceil(R * log((double)orig / (r->beta_slow * 2.0 * GGUF_PI)) / lt));
+    MHA_RETURN_IF(
+        r->theta > 1.0 && lo > hi, err, UNSUPPORTED,
+        "%s: yarn rope scaling: the ramp's low end %g (from %s.rope.scaling.yarn_beta_fast "
+        "= %g) is past its high end %g (yarn_beta_slow = %g): llama.cpp's ramp is then a "
+        "step, mha's reversed; not supported",
+        g->path, lo, arch, r->beta_fast, hi + 0.0, r->beta_slow);
     const double af = (log_mul != 0.0 ? gguf_mscale(factor, 1.0) / gguf_mscale(factor, log_mul)
                                       : gguf_mscale(factor, 1.0)) *
                       attn;
