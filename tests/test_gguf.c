@@ -569,6 +569,32 @@ static void extra_rot_full(buf *b) {
     kv_u32(b, "llama.rope.dimension_count", HD);
 }
 
+/* A key of the wrong type is named with what it is (was "is a array, not an integer"). */
+static void extra_key_length_array(buf *b) {
+    put_str(b, "llama.attention.key_length");
+    put_le(b, MHA__GGUF_ARRAY, 4);
+    put_le(b, MHA__GGUF_F32, 4);
+    put_le(b, 2, 8);
+    put_le(b, 0x41800000u, 4); /* 16.0f */
+    put_le(b, 0x41800000u, 4);
+}
+
+static void test_wrong_value_type(void) {
+    buf b = make_file_kv(3, extra_key_length_array, 1);
+    mha_layer *layer = NULL;
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    const mha_status st = load(&b, 0, &layer, &err);
+    CHECK(st == MHA_STATUS_BAD_FILE &&
+              strstr(err.message,
+                     "'llama.attention.key_length' is an array of 2 float32 values, not an "
+                     "integer") &&
+              !layer,
+          "key_length as an array: status %d, '%s'", (int)st, err.message);
+    mha_layer_destroy(layer);
+    free(b.p);
+}
+
 static void test_rope_keys(void) {
     static const struct {
         void (*extra)(buf *);
@@ -630,5 +656,6 @@ int main(void) {
     test_bad_fields();
     test_config_head_size();
     test_rope_keys();
+    test_wrong_value_type();
     return test_finish();
 }

@@ -88,6 +88,21 @@ static const char *value_type_name(uint32_t t) {
     return t < sizeof names / sizeof names[0] ? names[t] : "unknown";
 }
 
+/* What a value is, for messages: "a uint32", "an int8", "an array of 3 float32 values". */
+static const char *kv_type_text(const gguf_kv *kv, char *buf, size_t cap) {
+    const uint32_t t = kv->type;
+    const char *an = t == MHA__GGUF_I8 || t == MHA__GGUF_I16 || t == MHA__GGUF_I32 ||
+                             t == MHA__GGUF_I64 || t == MHA__GGUF_ARRAY
+                         ? "an"
+                         : "a";
+    if (t == MHA__GGUF_ARRAY)
+        snprintf(buf, cap, "an array of %llu %s values", (unsigned long long)kv->len,
+                 value_type_name(kv->elem_type));
+    else
+        snprintf(buf, cap, "%s %s", an, value_type_name(t));
+    return buf;
+}
+
 /* Bytes of a scalar value type; 0 for STRING, ARRAY and unknown types. */
 static uint64_t scalar_size(uint32_t t) {
     static const uint8_t sizes[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
@@ -350,9 +365,10 @@ static mha_status parse_kvs(mha__gguf *g, mha_error *err) {
     g->alignment = 32;
     const gguf_kv *a = kv_find(g, "general.alignment");
     if (a) {
+        char tt[96];
         MHA_RETURN_IF(a->type != MHA__GGUF_U32, err, BAD_FILE,
-                      "%s: general.alignment is a %s, not a uint32", g->path,
-                      value_type_name(a->type));
+                      "%s: general.alignment is %s, not a uint32", g->path,
+                      kv_type_text(a, tt, sizeof tt));
         MHA_RETURN_IF(a->v.u == 0 || (a->v.u & (a->v.u - 1)) != 0 || a->v.u > GGUF_MAX_ALIGNMENT,
                       err, BAD_FILE, "%s: general.alignment %llu is not a power of two <= 2^30",
                       g->path, (unsigned long long)a->v.u);
@@ -589,9 +605,10 @@ static mha_status get_int(mha__gguf *g,
             v = (int64_t)u;
         }
     } else {
-        MHA_RETURN_IF(!is_int_type(kv->type), err, BAD_FILE, "%s: '%s' is a %s, not an integer%s",
-                      g->path, key, value_type_name(kv->type),
-                      n_layers > 0 ? " or an array of one per layer" : "");
+        char tt[96];
+        MHA_RETURN_IF(!is_int_type(kv->type), err, BAD_FILE, "%s: '%s' is %s, not an integer%s",
+                      g->path, key, kv_type_text(kv, tt, sizeof tt),
+                      n_layers > 0 ? " or an array of one integer per layer" : "");
         MHA_RETURN_IF(!is_signed_type(kv->type) && kv->v.u > (uint64_t)INT64_MAX, err, BAD_FILE,
                       "%s: '%s' = %llu is too large", g->path, key, (unsigned long long)kv->v.u);
         v = kv->v.i;
@@ -614,9 +631,11 @@ get_num(mha__gguf *g, const char *key, int positive, double *out, int *found, mh
         v = kv->v.f;
     else if (is_int_type(kv->type))
         v = is_signed_type(kv->type) ? (double)kv->v.i : (double)kv->v.u;
-    else
-        return mha__fail(err, MHA_STATUS_BAD_FILE, "%s: '%s' is a %s, not a number", g->path, key,
-                         value_type_name(kv->type));
+    else {
+        char tt[96];
+        return mha__fail(err, MHA_STATUS_BAD_FILE, "%s: '%s' is %s, not a number", g->path, key,
+                         kv_type_text(kv, tt, sizeof tt));
+    }
     MHA_RETURN_IF(!isfinite(v) || (positive && !(v > 0)), err, BAD_FILE,
                   "%s: '%s' = %g is not a finite number%s", g->path, key, v,
                   positive ? " > 0" : "");
@@ -631,8 +650,9 @@ get_str(mha__gguf *g, const char *key, char *buf, size_t cap, int *found, mha_er
     *found = kv != NULL;
     if (!kv)
         return MHA_STATUS_OK;
-    MHA_RETURN_IF(kv->type != MHA__GGUF_STRING, err, BAD_FILE, "%s: '%s' is a %s, not a string",
-                  g->path, key, value_type_name(kv->type));
+    char tt[96];
+    MHA_RETURN_IF(kv->type != MHA__GGUF_STRING, err, BAD_FILE, "%s: '%s' is %s, not a string",
+                  g->path, key, kv_type_text(kv, tt, sizeof tt));
     MHA_RETURN_IF(kv->len >= cap, err, BAD_FILE, "%s: '%s' is %llu bytes long, more than %zu",
                   g->path, key, (unsigned long long)kv->len, cap - 1);
     MHA_TRY(seek(g, kv->off, key, err));
