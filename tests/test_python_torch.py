@@ -529,3 +529,25 @@ def test_sdpa_errors_and_dropout():
     assert not torch.equal(a, mt.scaled_dot_product_attention(q, q, q))
     with pytest.raises(mha.MhaError):
         mt.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(2, 7, 7, dtype=torch.bool))
+
+
+def test_double_backward_raises_instead_of_dropping_second_order_terms():
+    # mha's backward is not itself differentiable. A gradient penalty (create_graph=True) used to
+    # get gradients without a graph, so loss.backward() silently left out the penalty's terms
+    # (q.grad off by ~100% of its size); the backward is now once_differentiable: it raises.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    x = torch.randn(1, 4, 8)
+    layer = mt.MultiheadAttention(8, 2, batch_first=True)
+    for name, fn, inp in (
+            ("sdpa", lambda t: mt.scaled_dot_product_attention(t, k, v), q),
+            ("MultiheadAttention", lambda t: layer(t, t, t, need_weights=False)[0], x)):
+        t = inp.clone().requires_grad_()
+        o = fn(t)
+        g, = torch.autograd.grad(o.pow(2).sum(), t, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            (o.sum() + g.pow(2).sum()).backward()
+        # first-order gradients are unchanged
+        t2 = inp.clone().requires_grad_()
+        fn(t2).pow(2).sum().backward()
+        assert torch.equal(t2.grad, g.detach()), name

@@ -20,7 +20,9 @@ Differences from PyTorch (docs/PYTHON.md): fully masked query rows give 0 (PyTor
 returned attention weights are the probabilities before dropout and carry no gradient; dropout
 uses mha's counter-based RNG seeded from torch's generator (reproducible with
 ``torch.manual_seed``, but not the same random mask as PyTorch's); gradients do not flow into
-masks; ``add_bias_kv`` and ``add_zero_attn`` raise NotImplementedError.
+masks; the gradients are not differentiable again (a double backward, e.g. a gradient penalty
+through ``torch.autograd.grad(..., create_graph=True)``, raises RuntimeError instead of dropping
+the second-order terms); ``add_bias_kv`` and ``add_zero_attn`` raise NotImplementedError.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from . import _api
 from . import _lib as L
@@ -150,6 +153,7 @@ class _LayerFunction(torch.autograd.Function):
         return out, probs
 
     @staticmethod
+    @once_differentiable  # (mha's backward is not differentiable: a double backward raises)
     def backward(ctx, dy: Tensor, *_dprobs: Optional[Tensor]):
         spec = ctx.spec
         need = ctx.needs_input_grad
@@ -980,6 +984,7 @@ class _CoreFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # (mha's backward is not differentiable: a double backward raises)
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors  # also checks nothing was modified in place
         dq, dk, dv = _torch_ops.backward(dout, q, k, v, out, lse, ctx.options)
