@@ -153,3 +153,29 @@ def test_threads_option_gives_the_same_tokens(name):
         m.set_attn_implementation("mha_2t")
         assert torch.equal(m.generate(ids, **kw), a)
         assert torch.equal(peer.generate(ids, **kw), a)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_training_gradients_include_the_sinks(name, compiled):
+    # gpt-oss's learned sinks (s_aux, a parameter) get their gradient through mha (the operator
+    # takes them as constants; _torch_hf adds d out / d sink = -p_sink out): every parameter's
+    # gradient equals the float64 eager model's within TOL_OUT_REL, with left padding (a fully
+    # masked row adds nothing). Until this test the sinks silently got no gradient (grad None).
+    ref, _, m = _models("gpt_oss")
+    ids, mask = _inputs()
+    labels = ids.masked_fill(mask == 0, -100)
+    for model in (ref, m):
+        model.zero_grad()
+        fn = torch.compile(model, backend="aot_eager") if compiled and model is m else model
+        fn(ids, attention_mask=mask, labels=labels).loss.backward()
+    want = dict(ref.named_parameters())
+    sinks = 0
+    for pname, p in m.named_parameters():
+        r = want[pname].grad
+        assert (p.grad is None) == (r is None), pname
+        if r is None:
+            continue
+        sinks += pname.endswith("sinks")
+        err = (p.grad.double() - r).abs().max().item()
+        assert err <= TOL_OUT_REL * r.abs().max().item(), (pname, err)  # measured 7.6e-7
+    assert sinks == 2
