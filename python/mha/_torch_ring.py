@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from . import _api, _mpi
 
@@ -53,6 +54,7 @@ class _RingFunction(torch.autograd.Function):
         return out_t
 
     @staticmethod
+    @once_differentiable  # (mha's backward is not differentiable: a double backward raises)
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         o = dict(ctx.options)
