@@ -244,6 +244,24 @@ def autograd_grads(d, name, layer, x, dy):
     return store["y"].detach().numpy(), res
 
 
+def reference(d, name, layer, seed=0):
+    """transformers' own reading of the model directory `d` (a case `name` saved, its config.json
+    possibly edited): the attention module of `layer` run inside the float64 model on random tokens,
+    (input hidden_states, output) as build() records them."""
+    _, _, model_cls, path, _ = CASES[name]
+    model = model_cls.from_pretrained(d, attn_implementation="eager", dtype=torch.float64)
+    model.config._experts_implementation = "eager"
+    model = model.to(torch.float64).eval()
+    store = {}
+    handles = _hooks(model, path, layer, store)
+    ids = torch.randint(3, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for h in handles:
+        h.remove()
+    return store["x"], store["y"]
+
+
 DELETE = object()  # edit_config: remove the key
 
 

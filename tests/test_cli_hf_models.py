@@ -316,6 +316,36 @@ def test_qk_norm_info_and_hostile(models, tmp_path):
         assert ("expected [16]" in r.stderr) if change is not None else True, r.stderr
 
 
+# Which of two places a RoPE parameter is read from is transformers' choice (its
+# convert_rope_params_to_dict / standardize_rope_params): each edited config.json is run by
+# transformers itself (the oracle) and by mha.
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0}
+ROPE_PRECEDENCE = {
+    # rope_scaling replaces rope_parameters whole (transformers: rope_scaling or rope_parameters).
+    "rope_scaling_over_rope_parameters": dict(rope_scaling={"type": "linear", "factor": 3.0}),
+    # A top-level original_max_position_embeddings wins over the flat rope parameters' one (for
+    # llama3, yarn and longrope)...
+    "top_level_original_over_yarn_parameters": dict(
+        original_max_position_embeddings=32,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                         "original_max_position_embeddings": 16}),
+    "top_level_original_over_llama3_parameters": dict(original_max_position_embeddings=32),
+    # ... and is read for a llama3 scaling written without it in rope_parameters.
+    "top_level_original_for_llama3": dict(original_max_position_embeddings=16,
+                                          rope_parameters=_LLAMA3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_PRECEDENCE))
+def test_rope_parameters_are_taken_where_transformers_takes_them(models, case, tmp_path):
+    d = H.edit_config(models["llama"][0], str(tmp_path / case), **ROPE_PRECEDENCE[case])
+    x, ref = H.reference(d, "llama", 0)
+    y = run_layer(d, 0, x, tmp_path)
+    err = H.max_rel_err(y, ref)
+    assert err <= TOL_OUT_REL, f"{case}: max error {err:.3g} of max|ref|"
+
+
 def test_bias_absent_from_config_is_ignored_as_transformers_does(models, tmp_path):
     """A bias tensor in the file that the config does not imply (mistral builds no biases):
     transformers does not build it and ignores the tensor ("weights not used"), so its output is

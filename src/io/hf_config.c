@@ -567,7 +567,9 @@ static mha_status rope_params(const hf_model *m,
     *params = m->config;
     *scaling = field(m->config, "rope_scaling");
     *where = "rope_scaling.";
-    if (!rp)
+    /* transformers: rope_parameters = rope_scaling or rope_parameters (a non-empty rope_scaling
+     * replaces rope_parameters whole; its rope_theta is then the top-level one). */
+    if (!rp || (cJSON_IsObject(*scaling) && (*scaling)->child))
         return MHA_STATUS_OK;
     MHA_RETURN_IF(!cJSON_IsObject(rp), err, BAD_FILE, "%s: \"rope_parameters\" is not an object",
                   m->config_path);
@@ -589,12 +591,27 @@ static double yarn_mscale(double factor, double mscale) {
     return factor <= 1.0 ? 1.0 : 0.1 * mscale * log(factor) + 1.0;
 }
 
+/* original_max_position_embeddings of a llama3 / yarn / longrope scaling `s`, as transformers'
+ * standardize_rope_params sets it: a top-level value (Phi-3 keeps it there) wins over the one in
+ * a flat rope_parameters / rope_scaling object; per-layer-type objects keep their own. *orig is
+ * left as it is when neither is given. */
+static mha_status read_original_len(
+    const hf_model *m, const cJSON *s, const char *where, double *orig, mha_error *err) {
+    MHA_TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, orig, err));
+    const int flat =
+        s == field(m->config, "rope_parameters") || s == field(m->config, "rope_scaling");
+    if (flat)
+        MHA_TRY(
+            get_num(m, m->config, "", "original_max_position_embeddings", 0.0, 1, 1e15, orig, err));
+    return MHA_STATUS_OK;
+}
+
 static mha_status
 read_yarn(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, mha_error *err) {
     double maxpos = 0.0, orig = 0.0, factor = 0.0, af = 0.0, ms = 0.0, msa = 0.0;
     MHA_TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
     orig = maxpos;
-    MHA_TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    MHA_TRY(read_original_len(m, s, where, &orig, err));
     MHA_RETURN_IF(orig <= 0.0, err, BAD_FILE,
                   "%s: YaRN needs \"%soriginal_max_position_embeddings\" or "
                   "\"max_position_embeddings\"",
@@ -630,7 +647,10 @@ read_llama3(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, m
                      &r->original_max_position};
     for (int i = 0; i < 4; i++) {
         *dst[i] = 0.0;
-        MHA_TRY(get_num(m, s, where, keys[i], 0.0, 1, 1e15, dst[i], err));
+        if (i == 3)
+            MHA_TRY(read_original_len(m, s, where, dst[i], err));
+        else
+            MHA_TRY(get_num(m, s, where, keys[i], 0.0, 1, 1e15, dst[i], err));
         MHA_RETURN_IF(*dst[i] == 0.0, err, BAD_FILE, "%s: llama3 RoPE scaling needs \"%s%s\"",
                       m->config_path, where, keys[i]);
     }
@@ -697,7 +717,7 @@ read_longrope(const hf_model *m, const cJSON *s, const char *where, mha_rope *r,
     MHA_TRY(get_num(m, m->config, "", "max_position_embeddings", 0.0, 1, 1e15, &maxpos, err));
     MHA_TRY(
         get_num(m, m->config, "", "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
-    MHA_TRY(get_num(m, s, where, "original_max_position_embeddings", 0.0, 1, 1e15, &orig, err));
+    MHA_TRY(read_original_len(m, s, where, &orig, err));
     MHA_RETURN_IF(orig == 0.0, err, BAD_FILE,
                   "%s: longrope RoPE scaling needs \"%soriginal_max_position_embeddings\"",
                   m->config_path, where);
