@@ -346,6 +346,55 @@ def test_rope_parameters_are_taken_where_transformers_takes_them(models, case, t
     assert err <= TOL_OUT_REL, f"{case}: max error {err:.3g} of max|ref|"
 
 
+def test_weights_are_read_from_the_file_transformers_reads(models, tmp_path):
+    """Which file holds the weights is transformers' choice (from_pretrained of a directory):
+    config.json's "transformers_weights" when set, else model.safetensors, and the index only
+    without it. Each directory below also holds a decoy (q_proj doubled) where mha read before."""
+    from safetensors.numpy import load_file, save_file
+    d0 = models["mistral"][0]
+    tensors = load_file(os.path.join(d0, "model.safetensors"))
+    decoy = dict(tensors)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    decoy[q] = decoy[q] * 2
+
+    def directory(name, files, config_changes):
+        d = tmp_path / name
+        d.mkdir()
+        for f, t in files.items():
+            save_file(t, str(d / f), metadata={"format": "pt"})
+        for f, target in (("model.safetensors.index.json", "decoy.safetensors"),
+                          ("alt.safetensors.index.json", "alt.safetensors")):
+            if target in files:
+                (d / f).write_text(json.dumps({"metadata": {},
+                                               "weight_map": {k: target for k in tensors}}))
+        with open(os.path.join(d0, "config.json")) as f:
+            cfg = json.load(f)
+        cfg.update(config_changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+        return str(d)
+
+    # model.safetensors beside an index: transformers reads model.safetensors.
+    both = directory("both", {"model.safetensors": tensors, "decoy.safetensors": decoy}, {})
+    # transformers_weights: that file (or that index) and not model.safetensors.
+    tw = directory("tw", {"model.safetensors": decoy, "alt.safetensors": tensors},
+                   {"transformers_weights": "alt.safetensors"})
+    twi = directory("twi", {"model.safetensors": decoy, "alt.safetensors": tensors},
+                    {"transformers_weights": "alt.safetensors.index.json"})
+    x, ref = H.reference(d0, "mistral", 0)
+    for d in (both, tw, twi):
+        xd, refd = H.reference(d, "mistral", 0)
+        assert np.array_equal(xd, x) and np.array_equal(refd, ref)  # not the decoy's
+        err = H.max_rel_err(run_layer(d, 0, x, tmp_path), ref)
+        assert err <= TOL_OUT_REL, f"{d}: max error {err:.3g} of max|ref|"
+    for bad in ("../alt.safetensors", "sub/alt.safetensors", "alt.bin", 7):
+        with open(os.path.join(tw, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["transformers_weights"] = bad
+        with open(os.path.join(tw, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        hostile(tw, "transformers_weights")
+
+
 def test_bias_absent_from_config_is_ignored_as_transformers_does(models, tmp_path):
     """A bias tensor in the file that the config does not imply (mistral builds no biases):
     transformers does not build it and ignores the tensor ("weights not used"), so its output is

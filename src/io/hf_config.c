@@ -125,6 +125,7 @@ typedef struct hf_model {
     char index_path[HF_MAX_PATH];
     cJSON *config;
     cJSON *index;            /* model.safetensors.index.json, or NULL: one model.safetensors */
+    const char *single;      /* the one safetensors file when there is no index */
     const cJSON *weight_map; /* index["weight_map"] */
     mha__st_handle *file;    /* the last file opened */
     char file_name[HF_MAX_PATH];
@@ -185,19 +186,55 @@ static mha_status join(char *buf, const char *dir, const char *name, mha_error *
     return MHA_STATUS_OK;
 }
 
+static int ends_with(const char *s, const char *tail) {
+    const size_t n = strlen(s), t = strlen(tail);
+    return n >= t && strcmp(s + n - t, tail) == 0;
+}
+
+/* Which weights transformers' from_pretrained reads in a local directory: the file named by
+ * config.json's "transformers_weights" when set (a .safetensors file or a .safetensors.index.json
+ * index), else model.safetensors when it is a file, else the index model.safetensors.index.json. */
 static mha_status model_open(hf_model *m, const char *dir, mha_error *err) {
     memset(m, 0, sizeof *m);
     m->dir = dir;
-    mha_status st = join(m->config_path, dir, "config.json", err);
-    if (st == MHA_STATUS_OK)
-        st = join(m->index_path, dir, "model.safetensors.index.json", err);
-    if (st == MHA_STATUS_OK)
-        st = read_json(m->config_path, &m->config, NULL, err);
+    m->single = "model.safetensors";
+    MHA_TRY(join(m->config_path, dir, "config.json", err));
+    MHA_TRY(read_json(m->config_path, &m->config, NULL, err));
+    const cJSON *tw = cJSON_GetObjectItemCaseSensitive(m->config, "transformers_weights");
     int missing = 0;
-    if (st == MHA_STATUS_OK)
-        st = read_json(m->index_path, &m->index, &missing, err);
-    if (st != MHA_STATUS_OK || missing)
-        return st;
+    if (tw && !cJSON_IsNull(tw)) {
+        const char *name = cJSON_IsString(tw) ? tw->valuestring : "";
+        const int index = ends_with(name, ".safetensors.index.json");
+        MHA_RETURN_IF(!name[0] || strchr(name, '/') || strchr(name, '\\') ||
+                          strlen(name) >= HF_MAX_PATH / 2 ||
+                          !(index || ends_with(name, ".safetensors")),
+                      err, BAD_FILE,
+                      "%s: \"transformers_weights\" must name a .safetensors file or a "
+                      ".safetensors.index.json index in the model directory",
+                      m->config_path);
+        if (!index) {
+            m->single = name;
+            return MHA_STATUS_OK;
+        }
+        MHA_TRY(join(m->index_path, dir, name, err));
+        MHA_TRY(read_json(m->index_path, &m->index, NULL, err));
+    } else {
+        /* model.safetensors first, as transformers (an index beside it is not read) */
+        char single[HF_MAX_PATH];
+        FILE *f = NULL;
+        uint64_t size = 0;
+        MHA_TRY(join(single, dir, "model.safetensors", err));
+        mha_error ignored;
+        if (mha__open_regular(single, &f, &size, &missing, &ignored) == MHA_STATUS_OK && f) {
+            fclose(f);
+            return MHA_STATUS_OK;
+        }
+        missing = 0;
+        MHA_TRY(join(m->index_path, dir, "model.safetensors.index.json", err));
+        MHA_TRY(read_json(m->index_path, &m->index, &missing, err));
+        if (missing)
+            return MHA_STATUS_OK;
+    }
     m->weight_map = cJSON_GetObjectItemCaseSensitive(m->index, "weight_map");
     MHA_RETURN_IF(!cJSON_IsObject(m->weight_map), err, BAD_FILE, "%s: no \"weight_map\" object",
                   m->index_path);
@@ -205,9 +242,9 @@ static mha_status model_open(hf_model *m, const char *dir, mha_error *err) {
 }
 
 /* The file holding tensor `name`: the index's weight_map entry (NOT_FOUND when absent; it must
- * be a plain file name: nothing outside the directory), else "model.safetensors". */
+ * be a plain file name: nothing outside the directory), else the one file (model_open). */
 static mha_status file_of(const hf_model *m, const char *name, const char **out, mha_error *err) {
-    *out = "model.safetensors";
+    *out = m->single;
     if (!m->weight_map)
         return MHA_STATUS_OK;
     const cJSON *f = cJSON_GetObjectItemCaseSensitive(m->weight_map, name);
