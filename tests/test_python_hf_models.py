@@ -236,6 +236,14 @@ def test_unsupported_configs_raise_naming_the_field(models, tmp_path):
         mha.MultiheadAttention.from_pretrained(models["llama"][0], layer=7)
     with pytest.raises(ValueError, match="layer"):
         mha.MultiheadAttention.from_pretrained(models["llama"][0], layer=-1)
+    # ctypes would pass 2^64 + 1 as layer 1 (int64_t modulo 2^64): a layer never asked for.
+    for big in (2**63, 2**64, 2**64 + 1):
+        with pytest.raises(ValueError, match="layer"):
+            mha.MultiheadAttention.from_pretrained(models["llama"][0], layer=big)
+        with pytest.raises(ValueError, match="layer"):
+            mt.MultiheadAttention.from_pretrained(models["llama"][0], big)
+        with pytest.raises(ValueError, match="layer"):
+            mha.MLA.from_pretrained(models["llama"][0], big)
 
 
 @pytest.mark.parametrize("name,layer", CASE_LAYERS)
