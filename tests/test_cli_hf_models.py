@@ -197,6 +197,10 @@ def test_unsupported_options_are_refused_by_name(models, tmp_path):
             "layer_types[0]", "chunked_attention")
     refused(H.edit_config(llama, str(tmp_path / "cap"), attn_logit_softcapping=5.0),
             "attn_logit_softcapping")
+    # Gemma 3 merges rope_scaling into rope_parameters.full_attention: refused, not guessed.
+    refused(H.edit_config(models["gemma3_text"][0], str(tmp_path / "g3rope"),
+                          rope_scaling={"rope_type": "linear", "factor": 4.0}),
+            "rope_parameters", "rope_scaling")
 
 
 def hostile(d, *words, layer=0):
@@ -335,6 +339,19 @@ ROPE_PRECEDENCE = {
     "top_level_original_for_llama3": dict(original_max_position_embeddings=16,
                                           rope_parameters=_LLAMA3),
 }
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_max_window_layers_default_is_transformers(models, name, tmp_path):
+    # Qwen2Config / Qwen3Config: max_window_layers 28 when absent, so layer 1 does not slide
+    # (mha took 0 before: every layer slid).
+    if name not in models:
+        pytest.skip("not in the quick set")
+    d = H.edit_config(models[name][0], str(tmp_path / name), max_window_layers=H.DELETE,
+                      layer_types=H.DELETE)
+    x, ref = H.reference(d, name, 1)
+    err = H.max_rel_err(run_layer(d, 1, x, tmp_path), ref)
+    assert err <= TOL_OUT_REL, f"{name} layer 1: max error {err:.3g} of max|ref|"
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_PRECEDENCE))

@@ -606,7 +606,13 @@ static mha_status rope_params(const hf_model *m,
     *where = "rope_scaling.";
     /* transformers: rope_parameters = rope_scaling or rope_parameters (a non-empty rope_scaling
      * replaces rope_parameters whole; its rope_theta is then the top-level one). */
-    if (!rp || (cJSON_IsObject(*scaling) && (*scaling)->child))
+    const int scaling_set = cJSON_IsObject(*scaling) && (*scaling)->child;
+    /* Gemma3TextConfig instead merges rope_scaling into rope_parameters.full_attention. */
+    MHA_RETURN_IF(rp && scaling_set && is_type(m, "gemma3_text"), err, UNSUPPORTED,
+                  "%s: both \"rope_parameters\" and \"rope_scaling\": Gemma 3 merges "
+                  "rope_scaling into rope_parameters.full_attention, which mha does not: give one",
+                  m->config_path);
+    if (!rp || scaling_set)
         return MHA_STATUS_OK;
     MHA_RETURN_IF(!cJSON_IsObject(rp), err, BAD_FILE, "%s: \"rope_parameters\" is not an object",
                   m->config_path);
@@ -953,7 +959,7 @@ static mha_status slides_without_types(const hf_model *m,
         MHA_TRY(get_bool(m, m->config, "use_sliding_window", slides, err));
     } else if (is_type(m, "qwen2") || is_type(m, "qwen3")) {
         int use = 0;
-        int64_t max_window_layers = 0;
+        int64_t max_window_layers = 28; /* Qwen2Config / Qwen3Config's default */
         MHA_TRY(get_bool(m, m->config, "use_sliding_window", &use, err));
         MHA_TRY(
             get_int(m, m->config, "max_window_layers", 0, 0, INT32_MAX, &max_window_layers, err));
