@@ -201,6 +201,10 @@ def test_unsupported_options_are_refused_by_name(models, tmp_path):
     refused(H.edit_config(models["gemma3_text"][0], str(tmp_path / "g3rope"),
                           rope_scaling={"rope_type": "linear", "factor": 4.0}),
             "rope_parameters", "rope_scaling")
+    refused(H.edit_config(models["gemma3_text"][0], str(tmp_path / "g3flat"),
+                          rope_parameters={"rope_type": "linear", "rope_theta": 1e6,
+                                           "factor": 2.0}),
+            "rope_parameters", "sliding_attention")
 
 
 def hostile(d, *words, layer=0):
@@ -352,6 +356,21 @@ def test_max_window_layers_default_is_transformers(models, name, tmp_path):
     x, ref = H.reference(d, name, 1)
     err = H.max_rel_err(run_layer(d, 1, x, tmp_path), ref)
     assert err <= TOL_OUT_REL, f"{name} layer 1: max error {err:.3g} of max|ref|"
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "smollm3", "llama4_text"])
+def test_rope_theta_default_is_the_config_class_default(models, name, tmp_path):
+    # No rope_theta anywhere: transformers takes the class's default_theta (Mixtral 1e6, gpt-oss
+    # 150000, SmolLM3 2e6, Llama 4 5e5); mha took 10^4 before.
+    if name not in models:
+        pytest.skip("not in the quick set")
+    d = models[name][0]
+    with open(os.path.join(d, "config.json")) as f:
+        rp = {k: v for k, v in json.load(f)["rope_parameters"].items() if k != "rope_theta"}
+    d = H.edit_config(d, str(tmp_path / name), rope_parameters=rp)
+    x, ref = H.reference(d, name, 0)
+    err = H.max_rel_err(run_layer(d, 0, x, tmp_path), ref)
+    assert err <= TOL_OUT_REL, f"{name}: max error {err:.3g} of max|ref|"
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_PRECEDENCE))

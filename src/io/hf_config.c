@@ -616,6 +616,14 @@ static mha_status rope_params(const hf_model *m,
         return MHA_STATUS_OK;
     MHA_RETURN_IF(!cJSON_IsObject(rp), err, BAD_FILE, "%s: \"rope_parameters\" is not an object",
                   m->config_path);
+    /* Gemma3TextConfig reads only rope_parameters.sliding_attention / .full_attention (a flat
+     * object's keys are ignored there): refused rather than read as either. */
+    MHA_RETURN_IF(is_type(m, "gemma3_text") && !field(rp, "sliding_attention") &&
+                      !field(rp, "full_attention"),
+                  err, UNSUPPORTED,
+                  "%s: \"rope_parameters\" of gemma3_text must hold \"sliding_attention\" and "
+                  "\"full_attention\" objects (transformers ignores a flat one)",
+                  m->config_path);
     if (!field(rp, "rope_type") && !field(rp, "rope_theta") && layer_type &&
         field(rp, layer_type)) {
         rp = field(rp, layer_type);
@@ -856,7 +864,12 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
      * Llama 4 (complex multiplication over adjacent pairs) */
     r->style =
         is_type(m, "cohere2") || is_type(m, "llama4_text") ? MHA_ROPE_INTERLEAVED : MHA_ROPE_HALF;
-    r->theta = 10000.0;
+    /* rope_theta when the config leaves it out: the transformers config class's default_theta */
+    r->theta = is_type(m, "mixtral")       ? 1e6
+               : is_type(m, "gpt_oss")     ? 150000.0
+               : is_type(m, "smollm3")     ? 2e6
+               : is_type(m, "llama4_text") ? 500000.0
+                                           : 10000.0;
     /* Gemma 3: sliding layers rotate at rope_local_base_freq (10^4) without scaling, full ones at
      * rope_theta (10^6) with rope_scaling; transformers 5 writes one rope_parameters per type. */
     const int gemma3_local =
