@@ -373,6 +373,19 @@ def test_rope_theta_default_is_the_config_class_default(models, name, tmp_path):
     assert err <= TOL_OUT_REL, f"{name}: max error {err:.3g} of max|ref|"
 
 
+def test_gpt_neox_rotary_pct_default_is_transformers(models, tmp_path):
+    # GPTNeoXConfig: rotary_pct 0.25 when neither it nor partial_rotary_factor is given (mha
+    # rotated the whole head before).
+    d = models["gpt_neox"][0]
+    with open(os.path.join(d, "config.json")) as f:
+        rp = json.load(f)["rope_parameters"]
+    rp.pop("partial_rotary_factor")
+    d = H.edit_config(d, str(tmp_path / "neox"), rope_parameters=rp)
+    x, ref = H.reference(d, "gpt_neox", 0)
+    err = H.max_rel_err(run_layer(d, 0, x, tmp_path), ref)
+    assert err <= TOL_OUT_REL, f"max error {err:.3g} of max|ref|"
+
+
 @pytest.mark.parametrize("case", sorted(ROPE_PRECEDENCE))
 def test_rope_parameters_are_taken_where_transformers_takes_them(models, case, tmp_path):
     d = H.edit_config(models["llama"][0], str(tmp_path / case), **ROPE_PRECEDENCE[case])
@@ -475,6 +488,8 @@ def test_kv_heads_flag_contradicting_a_fused_tensor_is_refused(model_type, tmp_p
         "transformer.h.0.self_attention."
     if model_type == "falcon":
         cfg.update(multi_query=False, bias=True)
+    else:  # (GPTNeoXConfig's default 0.25 of a head of 2 rotates no dimension)
+        cfg.update(rotary_pct=1.0)
     (d / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(1)
     f = lambda *s: rng.normal(0, 1, s).astype(np.float32)  # noqa: E731

@@ -883,7 +883,7 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
     } else {
         MHA_TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
     }
-    double frac = 1.0;
+    double frac = is_type(m, "gpt_neox") ? 0.25 : 1.0; /* GPTNeoXConfig: rotary_pct 0.25 */
     MHA_TRY(get_num(m, p, pw, "rotary_pct", 0.0, 1, 1.0, &frac, err)); /* NeoX, 4.x */
     MHA_TRY(get_num(m, p, pw, "partial_rotary_factor", 0.0, 1, 1.0, &frac, err));
     const int64_t d = info->config.head_dim;
