@@ -235,9 +235,11 @@ def test_hostile_model_directories(models, tmp_path):
                                         ("num_key_value_heads", 3),
                                         ("head_dim", [16]),
                                         ("sliding_window", -1),
-                                        ("layer_types", ["sliding_attention"]),
                                         ("model_type", 7)]):
         hostile(H.edit_config(mistral, str(tmp_path / f"f{i}"), **{field: value}), "config.json")
+    # (a list transformers reads: Gemma 2's; MistralConfig ignores layer_types, and so does mha)
+    hostile(H.edit_config(models["gemma2"][0], str(tmp_path / "lt"),
+                          layer_types=["sliding_attention"]), "config.json", "layer_types")
     hostile(H.edit_config(mistral, str(tmp_path / "nohd"), num_attention_heads=None),
             "num_attention_heads")
     hostile(H.edit_config(mistral, str(tmp_path / "nomt"), model_type=H.DELETE), "model_type")
@@ -384,6 +386,31 @@ def test_gpt_neox_rotary_pct_default_is_transformers(models, tmp_path):
     x, ref = H.reference(d, "gpt_neox", 0)
     err = H.max_rel_err(run_layer(d, 0, x, tmp_path), ref)
     assert err <= TOL_OUT_REL, f"max error {err:.3g} of max|ref|"
+
+
+# Fields transformers reads only for some architectures: elsewhere it ignores them (MistralConfig
+# and Phi3Config have no layer_types; only the NeoX, Phi-3 and Qwen3-Next modules rotate part of a
+# head), and so does mha (it applied them before, session 47).
+_S, _F = "sliding_attention", "full_attention"
+IGNORED_AS_TRANSFORMERS = {
+    "mistral_layer_types": ("mistral", dict(layer_types=[_F, _F])),
+    "phi3_layer_types": ("phi3", dict(sliding_window=5, layer_types=[_F, _F])),
+    "llama_partial_rotary": ("llama", dict(rope_parameters=H.DELETE, rope_theta=1e4,
+                                           partial_rotary_factor=0.5)),
+    "gemma2_partial_rotary": ("gemma2", dict(rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IGNORED_AS_TRANSFORMERS))
+def test_fields_transformers_ignores_are_ignored(models, case, tmp_path):
+    name, changes = IGNORED_AS_TRANSFORMERS[case]
+    if name not in models:
+        pytest.skip("not in the quick set")
+    d = H.edit_config(models[name][0], str(tmp_path / case), **changes)
+    x, ref = H.reference(d, name, 0)
+    err = H.max_rel_err(run_layer(d, 0, x, tmp_path), ref)
+    assert err <= TOL_OUT_REL, f"{case}: max error {err:.3g} of max|ref|"
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_PRECEDENCE))

@@ -883,9 +883,14 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
     } else {
         MHA_TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
     }
+    /* Only GPT-NeoX, Phi-3 and Qwen3-Next rotate part of each head (their modules split q and k
+     * at rotary_dim); the other architectures' modules rotate the whole head and transformers
+     * ignores a partial_rotary_factor there (or fails on it), so mha ignores it too. */
     double frac = is_type(m, "gpt_neox") ? 0.25 : 1.0; /* GPTNeoXConfig: rotary_pct 0.25 */
-    MHA_TRY(get_num(m, p, pw, "rotary_pct", 0.0, 1, 1.0, &frac, err)); /* NeoX, 4.x */
-    MHA_TRY(get_num(m, p, pw, "partial_rotary_factor", 0.0, 1, 1.0, &frac, err));
+    if (is_type(m, "gpt_neox") || is_type(m, "phi3") || is_type(m, "qwen3_next")) {
+        MHA_TRY(get_num(m, p, pw, "rotary_pct", 0.0, 1, 1.0, &frac, err)); /* NeoX, 4.x */
+        MHA_TRY(get_num(m, p, pw, "partial_rotary_factor", 0.0, 1, 1.0, &frac, err));
+    }
     const int64_t d = info->config.head_dim;
     const int64_t rd = (int64_t)((double)d * frac); /* transformers: int(head_dim * factor) */
     MHA_RETURN_IF(rd < 2 || rd % 2 != 0, err, UNSUPPORTED,
@@ -912,7 +917,15 @@ layer_type_of(const hf_model *m, const mha_hf_layer_info *info, const char **out
         *out = (info->layer + 1) % pattern ? "sliding_attention" : "full_attention";
         return MHA_STATUS_OK;
     }
-    if (!lt)
+    /* transformers' configs of the other architectures have no layer_types (Mistral's warns
+     * and ignores it): their modules slide by the architecture's rule whatever the list says. */
+    static const char *const with_types[] = {"qwen2",       "qwen3",       "gemma2",
+                                             "gemma3_text", "gpt_oss",     "smollm3",
+                                             "cohere2",     "llama4_text", "qwen3_next"};
+    int has_types = 0;
+    for (size_t i = 0; i < sizeof with_types / sizeof with_types[0]; i++)
+        has_types |= is_type(m, with_types[i]);
+    if (!lt || !has_types)
         return MHA_STATUS_OK;
     MHA_RETURN_IF(!cJSON_IsArray(lt) || cJSON_GetArraySize(lt) != info->num_layers, err, BAD_FILE,
                   "%s: \"layer_types\" must be a list of num_hidden_layers (%lld) strings",
