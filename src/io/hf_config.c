@@ -431,6 +431,18 @@ static mha_status read_sizes(hf_model *m, mha_hf_layer_info *info, mha_error *er
                       m->config_path, (long long)hidden, (long long)h);
         d = hidden / h;
     }
+    if (m->arch->layout == LAYOUT_NEOX) {
+        /* GPTNeoX's projections split hidden_size / heads per head, but transformers' RoPE takes
+         * a config's head_dim for its frequencies and rotated width: no layer mha builds */
+        int64_t rope_d = d;
+        MHA_TRY(get_int(m, c, "head_dim", 0, 1, HF_MAX_SIZE, &rope_d, err));
+        MHA_RETURN_IF(
+            rope_d != d, err, UNSUPPORTED,
+            "%s: \"head_dim\" %lld differs from hidden_size / num_attention_heads = %lld: "
+            "transformers' GPT-NeoX takes it for the rotary frequencies only; not "
+            "supported",
+            m->config_path, (long long)rope_d, (long long)d);
+    }
     MHA_RETURN_IF(h % g != 0, err, BAD_FILE,
                   "%s: %lld key/value heads do not divide %lld attention heads", m->config_path,
                   (long long)g, (long long)h);
