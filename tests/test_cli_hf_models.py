@@ -425,6 +425,24 @@ def test_gpt_neox_head_dim_for_rope_only_is_refused(models, tmp_path):
     assert err <= TOL_OUT_REL, f"max error {err:.3g} of max|ref|"
 
 
+@pytest.mark.parametrize("kind", ["su", "yarn", "linear"])
+def test_phi3_rope_types_as_phi3config_reads_them(models, kind, tmp_path):
+    # Phi3Config reads "su" and "yarn" as longrope and refuses other types (mha read "yarn" as
+    # YaRN and applied "linear" before).
+    if "phi3_longrope" not in models:
+        pytest.skip("not in the quick set")
+    src = models["phi3_longrope"][0]
+    with open(os.path.join(src, "config.json")) as f:
+        rp = dict(json.load(f)["rope_parameters"], rope_type=kind)
+    d = H.edit_config(src, str(tmp_path / kind), rope_parameters=rp)
+    if kind == "linear":
+        hostile(d, "rope_type", "Phi-3")
+        return
+    x, ref = H.reference(d, "phi3_longrope", 0)
+    err = H.max_rel_err(run_layer(d, 0, x, tmp_path), ref)
+    assert err <= TOL_OUT_REL, f"{kind}: max error {err:.3g} of max|ref|"
+
+
 @pytest.mark.parametrize("case", sorted(ROPE_PRECEDENCE))
 def test_rope_parameters_are_taken_where_transformers_takes_them(models, case, tmp_path):
     d = H.edit_config(models["llama"][0], str(tmp_path / case), **ROPE_PRECEDENCE[case])

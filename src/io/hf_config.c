@@ -840,6 +840,15 @@ read_scaling(const hf_model *m, const cJSON *s, const char *where, mha_rope *r, 
     }
     if (!type || strcmp(type, "default") == 0)
         return MHA_STATUS_OK;
+    if (is_type(m, "phi3")) {
+        /* Phi3Config reads the older names "su" and "yarn" as longrope and refuses any other */
+        if (strcmp(type, "su") == 0 || strcmp(type, "yarn") == 0)
+            type = "longrope";
+        MHA_RETURN_IF(strcmp(type, "longrope") != 0, err, UNSUPPORTED,
+                      "%s: \"%srope_type\": \"%s\": Phi-3 takes default or longrope (\"su\" and "
+                      "\"yarn\" are read as longrope, as transformers' Phi3Config)",
+                      m->config_path, where, type);
+    }
     if (strcmp(type, "linear") == 0) {
         r->factor = 0.0;
         MHA_TRY(get_num(m, s, where, "factor", 0.0, 1, 1e15, &r->factor, err));
