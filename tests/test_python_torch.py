@@ -531,6 +531,24 @@ def test_sdpa_errors_and_dropout():
         mt.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(2, 7, 7, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("p", [-0.1, float("nan"), 1.0, 1.5])
+def test_dropout_outside_0_1_raises(p):
+    # (a negative or NaN probability silently meant no dropout until session 47)
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        mt.scaled_dot_product_attention(q, q, q, dropout_p=p)
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        torch.ops.mha.attention(q, q, q, None, None, False, 0.5, p, None, False, False, 1,
+                                0.0, False, None)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        mt.MultiheadAttention(8, 2, dropout=p)
+    m = mt.MultiheadAttention(8, 2).train()
+    m.dropout = p
+    x = torch.randn(3, 1, 8)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        m(x, x, x)
+
+
 def test_double_backward_raises_instead_of_dropping_second_order_terms():
     # mha's backward is not itself differentiable. A gradient penalty (create_graph=True) used to
     # get gradients without a graph, so loss.backward() silently left out the penalty's terms

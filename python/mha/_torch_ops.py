@@ -223,7 +223,7 @@ def _checked(op: str, q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
     sizes): (q, k, v, attend, additive, sinks), q, k, v in their storage dtype (float64 ones
     converted to float32), additive and sinks in float32. Mask shapes that do not broadcast to
     [B, h, n, m] are refused by the library (MhaError)."""
-    if (attend is None and additive is None and sinks is None and dropout_p <= 0.0
+    if (attend is None and additive is None and sinks is None and dropout_p == 0.0
             and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
             and q.dtype is _F32 and k.dtype is _F32 and v.dtype is _F32
             and q.is_cpu and k.is_cpu and v.is_cpu
@@ -264,6 +264,8 @@ def _checked(op: str, q: Tensor, k: Tensor, v: Tensor, attend: Optional[Tensor],
         if not 1 <= additive.dim() <= 4:
             raise ValueError(f"{op}: additive must have 1 to 4 dimensions, got shape "
                              f"{tuple(additive.shape)}")
+    if not 0.0 <= dropout_p < 1.0:  # (a negative or NaN one would silently mean no dropout)
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
     if dropout_p > 0.0:
         if seed is None:
             raise ValueError(f"{op}: dropout_p > 0 needs a seed (an int64 tensor of one element)")

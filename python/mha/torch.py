@@ -63,6 +63,14 @@ def _seed() -> int:
     return int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64).item())
 
 
+def _dropout_p(p: float, name: str) -> float:
+    """p when it is a dropout probability mha takes, [0, 1); ValueError otherwise (a negative or
+    NaN p would silently mean no dropout)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
+    return p
+
+
 def _seed_tensor() -> Tensor:
     """A dropout seed drawn from torch's generator, as a tensor: traced, it stays a run-time
     draw in a compiled graph (an int would be baked in as a constant)."""
@@ -451,7 +459,7 @@ class MultiheadAttention(nn.Module):
         self.vdim = vdim if vdim is not None else embed_dim
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
-        self.dropout = dropout
+        self.dropout = _dropout_p(dropout, "dropout")
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
         self.threads = threads
@@ -645,7 +653,7 @@ class MultiheadAttention(nn.Module):
         (``self.name`` costs ~70 ns on an nn.Module, whose __getattr__ defeats CPython's attribute
         cache), and the usual layer's cache key is spelled out (as in _param_key)."""
         d = self.__dict__
-        if ((d["training"] and d["dropout"] > 0.0) or not d["_qkv_same_embed_dim"]
+        if ((d["training"] and d["dropout"] != 0.0) or not d["_qkv_same_embed_dim"]
                 or x.dtype not in _STORAGE or not x.is_cpu or x.layout is not _STRIDED
                 or not x.is_contiguous() or torch.is_autocast_enabled("cpu")):
             return None
@@ -773,7 +781,7 @@ class MultiheadAttention(nn.Module):
         if opts.get("temperature") is not None:
             qh = qh * _temperature_traced(opts["temperature"], n).view(1, 1, n, 1)
         attend, additive = _traced_masks(attn_mask, key_padding_mask, B, h, n, m)
-        drop = self.dropout if self.training else 0.0
+        drop = _dropout_p(self.dropout, "dropout") if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
         causal = is_causal and attn_mask is None
         window, bottom_right, chunk = (-1, -1), False, 0
@@ -930,7 +938,7 @@ class MultiheadAttention(nn.Module):
             M.causal_top_left(a.mask)
         if self._model_mask is not None and attn_mask is None and not is_causal:
             _model_mask(a.mask, *self._model_mask)
-        if self.training and self.dropout > 0.0:
+        if self.training and _dropout_p(self.dropout, "dropout") > 0.0:
             M.set_dropout(a.dropout, self.dropout, _seed())
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or any(p is not None and p.requires_grad
@@ -1064,11 +1072,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                            f"heads in query ({h})")
     scale = M.scale_value(scale, "mha: scale=0 is not supported (0 means the default "
                                  "1/sqrt(E))")
-    seed = None
-    if dropout_p > 0.0:
-        if not dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-        seed = _seed_tensor()
+    seed = _seed_tensor() if _dropout_p(dropout_p, "dropout_p") > 0.0 else None
     attend = additive = None
     if attn_mask is not None:
         am = _mask_arg("attn_mask", attn_mask)
