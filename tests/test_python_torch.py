@@ -549,6 +549,15 @@ def test_dropout_outside_0_1_raises(p):
         m(x, x, x)
 
 
+@pytest.mark.parametrize("window", [(-5, -5), (-2, 0), (3, -7)])
+def test_window_below_minus_one_raises(window):
+    # (-1 is unbounded; both below it were taken as no window, silently, until session 47)
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises((ValueError, mha.MhaError), match="window"):
+        torch.ops.mha.attention(q, q, q, None, None, False, 0.5, 0.0, None, False, False, 1,
+                                0.0, False, None, *window)
+
+
 def test_double_backward_raises_instead_of_dropping_second_order_terms():
     # mha's backward is not itself differentiable. A gradient penalty (create_graph=True) used to
     # get gradients without a graph, so loss.backward() silently left out the penalty's terms

@@ -27,7 +27,7 @@ draws it from torch's generator at run time instead of baking one constant into 
 Trailing options (defaults: off), those of a model's layer (``MultiheadAttention.from_pretrained``
 traces to them): ``softcap`` (tanh soft-capping of the scores), ``alibi``, ``sinks`` (float32 [h],
 a constant: no gradient is returned for it), and a sliding window ``window_left`` /
-``window_right`` (-1 = unbounded on that side); ``bottom_right`` aligns the causal mask and the
+``window_right`` (-1 = unbounded on that side; below -1 raises ValueError); ``bottom_right`` aligns the causal mask and the
 window to the last key (docs/SEMANTICS.md) instead of the first; ``chunk_size`` (0 = off) is
 Llama 4's chunked attention (key j visible iff j // C == p // C, p the query's diagonal).
 
@@ -137,6 +137,9 @@ def _set_model(a: L.mha_attention_args, model: tuple, keep: list) -> None:
         sinks = sinks.detach().to(_F32).contiguous()
         keep.append(sinks)
         a.sinks = sinks.data_ptr()
+    if window_left < -1 or window_right < -1:  # (-1 = unbounded; -5, -5 would pass unseen)
+        raise ValueError(f"mha::attention: window_left / window_right must be >= -1 (-1 = "
+                         f"unbounded), got {window_left}, {window_right}")
     if window_left >= 0 or window_right >= 0:
         a.mask.use_window = 1
         a.mask.window_left, a.mask.window_right = window_left, window_right
