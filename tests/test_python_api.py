@@ -1100,3 +1100,48 @@ def test_threads_use_one_persistent_pool():
     for _ in range(3):
         assert np.array_equal(layer(x, threads=2), one)                         # fast path
         assert np.array_equal(layer(x, threads=2, causal=True), one_causal)     # general path
+
+
+def test_int_arguments_beyond_their_c_type_are_refused():
+    """Python ints the C structs hold in int64 (window, rope rotary_dim, rope_frequencies' head_dim
+    and length) and integer arrays narrowed to int32 (segment ids) raise ValueError instead of
+    wrapping (ctypes takes them modulo 2^64, numpy's astype modulo 2^32): window=(2^64 + 1, 0)
+    ran as window (1, 0), rotary_dim=2^64 + 4 as 4, segment ids 0 and 2^32 as one segment."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 2, 6, 8)).astype(np.float32) for _ in range(3))
+    for w in ((2 ** 64 + 1, 0), (0, 2 ** 63), (-2 ** 63 - 1, 0)):
+        with pytest.raises(ValueError, match="window.*outside int64"):
+            mha.attention(q, k, v, window=w)
+    E = 16
+    W = [rng.standard_normal((E, E)).astype(np.float32) * 0.2 for _ in range(4)]
+    layer = mha.MultiheadAttention(*W, num_heads=2)
+    with pytest.raises(ValueError, match="window.*outside int64"):
+        layer(rng.standard_normal((1, 6, E)).astype(np.float32), window=(2 ** 64 + 1, 0))
+    x = rng.standard_normal((1, 5, 2, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="rotary_dim.*outside int64"):
+        mha.rope(x, rotary_dim=2 ** 64 + 4)
+    with pytest.raises(ValueError, match="rotary_dim.*outside int64"):
+        mha.MultiheadAttention(*W, num_heads=2, rope=mha.Rope(style="half", rotary_dim=2 ** 64 + 4))
+    with pytest.raises(ValueError, match="head_dim.*outside int64"):
+        mha.rope_frequencies(2 ** 64 + 8, rotary_dim=8)
+    with pytest.raises(ValueError, match="length.*outside int64"):
+        mha.rope_frequencies(8, scaling="dynamic", factor=2.0, original_max_position=4,
+                             length=2 ** 64 + 3)
+    qs, ks = np.zeros((1, 6), np.int64), np.zeros((1, 6), np.int64)
+    ks[:, 3:] = 2 ** 32
+    with pytest.raises(ValueError, match="kv_segment_ids.*outside int32"):
+        mha.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks)
+    with pytest.raises(ValueError, match="alignment.*outside int64"):
+        mha.attention(q, k, v, causal=True, alignment=np.array([2 ** 63 + 1], np.uint64))
+    # in range: unchanged (int64 segment ids that fit, numpy integers, a huge-but-int64 window)
+    ks[:, 3:] = 2 ** 31 - 1
+    vis = np.zeros((6, 6), bool)
+    vis[:, :3] = True
+    assert np.array_equal(mha.attention(q, k, v, q_segment_ids=qs, kv_segment_ids=ks),
+                          mha.attention(q, k, v, mask=vis))
+    assert np.array_equal(mha.attention(q, k, v, window=(2 ** 63 - 1, np.int64(0))),
+                          mha.attention(q, k, v, causal=True))
+    assert np.array_equal(mha.rope(x, rotary_dim=np.int64(4)), mha.rope(x, rotary_dim=4))
+    for t in (2 ** 31, 2 ** 32 + 1, 2 ** 64 + 1):  # mha_exec.n_threads is an int32
+        with pytest.raises(ValueError, match="threads"):
+            mha.attention(q, k, v, threads=t)

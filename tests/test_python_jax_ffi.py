@@ -278,6 +278,14 @@ def test_errors():
         f(q, k[:, :, :, :4], v)
     with pytest.raises(ValueError, match="threads"):
         f(q, k, v, threads=-1)
+    # beyond the attributes' int64 / mha_exec's int32: ValueError naming them (they were an
+    # OverflowError without a name, or threads=2^32 + 1 cast to 1 thread by the handler)
+    for t in (2 ** 31, 2 ** 32 + 1, 2 ** 64):
+        with pytest.raises(ValueError, match="threads"):
+            f(q, k, v, threads=t)
+    for w in (2 ** 63, (0, 2 ** 64 + 1)):
+        with pytest.raises(ValueError, match="local_window_size"):
+            f(q, k, v, local_window_size=w)
 
 
 def test_handler_refuses_inconsistent_shapes():

@@ -136,6 +136,12 @@ def _int_array(x: ArrayLike, name: str, dtype, shape: Tuple[int, ...]) -> np.nda
         a = np.broadcast_to(a, shape)
     except ValueError:
         raise ValueError(f"{name}: shape {a.shape} does not broadcast to {shape}") from None
+    if a.dtype != dtype and a.size:  # narrowing would wrap (2^32 -> 0): refuse, never reinterpret
+        info = np.iinfo(dtype)
+        lo, hi = int(a.min()), int(a.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"{name}: value {lo if lo < info.min else hi} is outside "
+                             f"{np.dtype(dtype).name}")
     return np.ascontiguousarray(a, dtype=dtype)
 
 
@@ -277,7 +283,7 @@ def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignmen
     if window is not None:
         if len(window) != 2:
             raise ValueError("window: expected (left, right); None or -1 = unbounded")
-        left, right = (-1 if w is None else int(w) for w in window)
+        left, right = (-1 if w is None else _i64(int(w), "window") for w in window)
         mk.window_left, mk.window_right, mk.use_window = left, right, 1
     if mask is not None:
         ma = np.asarray(mask)
@@ -309,8 +315,8 @@ def _exec(impl: str, threads: int) -> L.mha_exec:
     code = L.IMPLS.get(impl)
     if code is None:
         raise ValueError(f"impl: expected 'auto', 'reference' or 'fast', got {impl!r}")
-    if threads < 0:
-        raise ValueError(f"threads: expected >= 0 (0 = all CPUs), got {threads}")
+    if not 0 <= threads < 2 ** 31:  # mha_exec.n_threads is an int32 (ctypes would wrap it)
+        raise ValueError(f"threads: expected 0 (all CPUs) to 2^31 - 1, got {threads}")
     return M.exec_struct(code, threads if type(threads) is int else int(threads))
 
 
@@ -363,7 +369,7 @@ class Rope:
                              f"'yarn' or 'longrope', got {self.scaling!r}")
         r.style = L.ROPE_STYLES[self.style]
         r.theta = float(self.theta)
-        r.rotary_dim = int(self.rotary_dim or 0)
+        r.rotary_dim = _i64(int(self.rotary_dim or 0), "rope rotary_dim")
         r.scaling = L.ROPE_SCALINGS[self.scaling]
         for f in ("factor", "original_max_position", "low_freq_factor", "high_freq_factor",
                   "beta_fast", "beta_slow", "attention_factor"):
@@ -458,9 +464,11 @@ def rope_frequencies(head_dim: int, *, style: str = "interleaved", theta: float 
     (mha_rope_at_length)."""
     rp = Rope(style=style, theta=theta, rotary_dim=rotary_dim, scaling=scaling, **scaling_params)
     r = rp._to_c()
+    head_dim = _i64(head_dim, "head_dim")
     if length is not None:
         fixed = L.mha_rope()
-        M.call(L.mha_rope_at_length, r, head_dim, int(length), ctypes.byref(fixed))
+        M.call(L.mha_rope_at_length, r, head_dim, _i64(int(length), "length"),
+               ctypes.byref(fixed))
         r = fixed
     R = rotary_dim or head_dim
     freqs = np.zeros(max(R // 2, 1), dtype=np.float64)

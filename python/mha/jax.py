@@ -202,9 +202,9 @@ def _window(local_window_size) -> Tuple[int, int]:
     if isinstance(w, (int, np.integer)):
         w = (w, w)
     if (not isinstance(w, tuple) or len(w) != 2
-            or not all(isinstance(s, (int, np.integer)) and s >= 0 for s in w)):
-        raise ValueError("mha.jax: local_window_size must be a non-negative int or a (left, right) "
-                         f"tuple of them, got {local_window_size!r}")
+            or not all(isinstance(s, (int, np.integer)) and 0 <= s < 2 ** 63 for s in w)):
+        raise ValueError("mha.jax: local_window_size must be a non-negative int (below 2^63) or a "
+                         f"(left, right) tuple of them, got {local_window_size!r}")
     return int(w[0]), int(w[1])
 
 
@@ -313,8 +313,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         sinks = _float_input(sinks, "sinks").astype(f32)
         if sinks.shape != (N,):
             raise ValueError(f"mha.jax: sinks must have shape (N,)=({N},), got {sinks.shape}")
-    if type(threads) is not int or threads < 0:
-        raise ValueError(f"mha.jax: threads must be an int >= 0 (0 = all cores), got {threads!r}")
+    if type(threads) is not int or not 0 <= threads < 2 ** 31:
+        raise ValueError(f"mha.jax: threads must be an int in [0, 2^31) (0 = all cores), got "
+                         f"{threads!r}")
     left, right = _window(local_window_size)
     st = _Static(scale=_static_float(scale, "scale", 1.0 / math.sqrt(H)),
                  softcap=_static_float(softcap, "softcap", 0.0), causal=bool(is_causal),
