@@ -400,6 +400,9 @@ def test_numpy_masks_and_sizes():
     out, lse = mha.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="lse"):  # a too-short lse buffer
         mha.attention_backward(out, q, k, v, out, lse[:, :, :-1])
+    if lse.shape[1] != lse.shape[2]:  # the right size in another shape (session 47: it was read
+        with pytest.raises(ValueError, match="lse: expected shape"):  # as [B, h, n])
+            mha.attention_backward(out, q, k, v, out, np.ascontiguousarray(lse.transpose(0, 2, 1)))
     with pytest.raises(ValueError, match="out and dout"):
         mha.attention_backward(out[:, :, :-1], q, k, v, out, lse)
 

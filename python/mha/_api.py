@@ -827,9 +827,13 @@ def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, opt
     if o4.shape != (B, h, n, v4.shape[3]) or do4.shape != o4.shape:
         raise ValueError(f"out and dout: expected [B, h, n, d_v] = {(B, h, n, v4.shape[3])} "
                          f"(in the layout of q), got {o4.shape} and {do4.shape}")
+    # lse exactly as attention() returns it: [B, h, n], [B, n] (3-d q) or [n] (2-d q); its
+    # size alone would let [B, n, h] through, read as [B, h, n]
+    want = {4: (B, h, n), 3: (B, n), 2: (n,)}[nd]
+    if np.shape(lse) != want:
+        raise ValueError(f"lse: expected shape {want} (as attention() returns it), got "
+                         f"{np.shape(lse)}")
     ls = _float32(lse, "lse").reshape(-1)
-    if ls.size != B * h * n:
-        raise ValueError(f"lse: expected {B * h * n} values ([B, h, n]), got {ls.size}")
     keep.append(ls)
     a.lse = _ptr(ls)
     M.set_strided(a, "out", _ptr(o4), _el_strides(o4))
