@@ -262,6 +262,8 @@ def test_errors():
         f(q, k, v, jnp.ones((1, 3, T, S), F32))
     with pytest.raises(ValueError, match="multiple of"):
         f(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(ValueError, match="must be > 0"):  # (was a ZeroDivisionError)
+        f(q[..., :0], k[..., :0], v)
     with pytest.raises(ValueError, match="local_window_size"):
         f(q, k, v, local_window_size=(-1, 2))
     with pytest.raises(ValueError, match="query_seq_lengths"):

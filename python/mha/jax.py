@@ -285,6 +285,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     if k.shape[0] != B or v.shape[:3] != k.shape[:3] or k.shape[3] != H:
         raise ValueError(f"mha.jax: shapes do not agree: query {q.shape} [B, T, N, H], key "
                          f"{k.shape} [B, S, K, H], value {v.shape} [B, S, K, Hv]")
+    if 0 in (N, K, H):  # (a ZeroDivisionError below otherwise)
+        raise ValueError(f"mha.jax: heads N, K and head size H must be > 0, got N={N}, K={K}, "
+                         f"H={H}")
     if N % K:
         raise ValueError(f"mha.jax: the number of query heads ({N}) must be a multiple of the "
                          f"number of key/value heads ({K})")
