@@ -162,6 +162,28 @@ def test_decode_sequences_apart(models):
     assert cache.length(1) == 0
 
 
+def test_cache_integers_outside_int64_are_refused(models):
+    """MLACache's sizes and sequence indices go to C as int64_t: a Python int outside int64
+    raises naming the argument (ctypes would pass it modulo 2^64: 2^64 would be sequence 0, and
+    2^64 + 2 a batch of 2), as KVCache's do; a non-integer raises TypeError."""
+    d, refs = models["v3_lora_yarn"]
+    x, _ = refs[0]
+    m = mha.MLA.from_pretrained(d, 0)
+    cache = mha.MLACache(m, SEQ, batch=2)
+    cache.step(x[:, :3])
+    with pytest.raises(ValueError, match="seq=18446744073709551616 is outside int64"):
+        cache.length(2**64)
+    with pytest.raises(ValueError, match="seq=18446744073709551616 is outside int64"):
+        cache.reset(2**64)
+    assert cache.length(0) == 3  # sequence 0 untouched
+    with pytest.raises(ValueError, match="batch=18446744073709551618 is outside int64"):
+        mha.MLACache(m, SEQ, batch=2**64 + 2)
+    with pytest.raises(ValueError, match="max_seq=18446744073709551628 is outside int64"):
+        mha.MLACache(m, 2**64 + SEQ, batch=2)
+    with pytest.raises(TypeError, match="batch"):
+        mha.MLACache(m, SEQ, batch=2.7)
+    assert mha.MLACache(m, SEQ, batch=np.int64(2)).length(1) == 0
+
 HF_NAMES = {"q_proj.weight": "w_q", "q_a_proj.weight": "w_q_a", "q_a_proj.bias": "b_q_a",
             "q_a_layernorm.weight": "q_a_norm", "q_b_proj.weight": "w_q_b",
             "kv_a_proj_with_mqa.weight": "w_kv_a", "kv_a_proj_with_mqa.bias": "b_kv_a",

@@ -2062,7 +2062,7 @@ class MLACache:
         if dtype not in KVCache._DTYPES:
             raise ValueError(f"dtype: expected one of {sorted(KVCache._DTYPES)}, got {dtype!r}")
         ptr = ctypes.c_void_p()
-        M.call(L.mha_mla_cache_create, mla._ptr, int(batch), int(max_seq),
+        M.call(L.mha_mla_cache_create, mla._ptr, _i64(batch, "batch"), _i64(max_seq, "max_seq"),
                KVCache._DTYPES[dtype], None, ptr)
         self._mla = mla
         self._handle = _Handle(ptr.value, L.mha_mla_cache_destroy)
@@ -2072,13 +2072,13 @@ class MLACache:
         return int(L.mha_mla_cache_bytes_per_token(self._handle.ptr))
 
     def length(self, seq: int = 0) -> int:
-        n = L.mha_mla_cache_length(self._handle.ptr, seq)
+        n = L.mha_mla_cache_length(self._handle.ptr, _i64(seq, "seq"))
         if n < 0:
             raise ValueError(f"seq={seq} is not a sequence of this cache")
         return n
 
     def reset(self, seq: int = 0) -> None:
-        M.call(L.mha_mla_cache_reset, self._handle.ptr, seq)
+        M.call(L.mha_mla_cache_reset, self._handle.ptr, _i64(seq, "seq"))
 
     def step(self, x: ArrayLike, seq_ids: Optional[Sequence[int]] = None, *,
              threads: int = 0) -> np.ndarray:
