@@ -184,6 +184,7 @@ def test_cache_integers_outside_int64_are_refused(models):
         mha.MLACache(m, SEQ, batch=2.7)
     assert mha.MLACache(m, SEQ, batch=np.int64(2)).length(1) == 0
 
+
 HF_NAMES = {"q_proj.weight": "w_q", "q_a_proj.weight": "w_q_a", "q_a_proj.bias": "b_q_a",
             "q_a_layernorm.weight": "q_a_norm", "q_b_proj.weight": "w_q_b",
             "kv_a_proj_with_mqa.weight": "w_kv_a", "kv_a_proj_with_mqa.bias": "b_kv_a",
@@ -258,6 +259,38 @@ def test_config_contradicting_the_tensors(models, tmp_path, field, value, tensor
         return
     with pytest.raises(mha.MhaError, match=tensor.replace(".", r"\.")):
         mha.MLA.from_pretrained(d, 0)
+
+
+def _transformers_reading(d, layer=0):
+    """(x, y) of layer `layer`'s attention module in transformers' own float64 reading of the
+    model directory d (its config.json possibly edited), on random tokens."""
+    cls = {"deepseek_v2": T.DeepseekV2ForCausalLM, "deepseek_v3": T.DeepseekV3ForCausalLM}
+    with open(os.path.join(d, "config.json")) as f:
+        model_cls = cls[json.load(f)["model_type"]]
+    model = model_cls.from_pretrained(d, attn_implementation="eager", dtype=torch.float64)
+    model.config._experts_implementation = "eager"
+    model = model.to(torch.float64).eval()
+    store = {}
+    handles = H._hooks(model, "model.layers.{L}.self_attn", layer, store)
+    ids = torch.randint(3, 64, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for h in handles:
+        h.remove()
+    return store["x"], store["y"]
+
+
+def test_rope_interleave_null_is_rotate_half(models, tmp_path):
+    """deepseek_v3's `rope_interleave: null`: DeepseekV3Attention's `if config.rope_interleave:`
+    takes it as false (rotate_half), unlike an absent key (the default, true)."""
+    d = _edit(models["v3_lora_yarn"][0], str(tmp_path / "m"), rope_interleave=None)
+    m = mha.MLA.from_pretrained(d, 0)
+    assert m.config.rope.style == 2  # HALF
+    x, ref = _transformers_reading(d)
+    assert H.max_rel_err(m.forward(x), ref) <= TOL_OUT_REL
+    cache = mha.MLACache(m, SEQ, batch=BATCH)
+    out = np.concatenate([cache.step(x[:, t:t + 1]) for t in range(SEQ)], 1)
+    assert H.max_rel_err(out, ref) <= TOL_OUT_REL
 
 
 def test_refusals(models, tmp_path):

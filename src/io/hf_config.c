@@ -1605,7 +1605,11 @@ static mha_status mla_rope(hf_model *m, mha_mla_config *c, mha_error *err) {
     tmp.config.head_dim = c->qk_rope_head_dim;
     MHA_TRY(read_rope(m, NULL, 1, &tmp, err));
     c->rope = tmp.config.rope;
+    /* DeepseekV3Attention tests `if config.rope_interleave:` (bool | None, default true): null is
+     * falsy there, rotate_half as false (absent is the default, true). */
     int interleave = 1;
+    if (is_type(m, "deepseek_v3") && is_null(m->config, "rope_interleave"))
+        interleave = 0;
     if (is_type(m, "deepseek_v3"))
         MHA_TRY(get_bool(m, m->config, "rope_interleave", &interleave, err));
     c->rope.style = interleave ? MHA_ROPE_INTERLEAVED : MHA_ROPE_HALF;
