@@ -306,6 +306,19 @@ def test_refusals(models, tmp_path):
     d = _edit(src, str(tmp_path / "y"), rope_parameters=dict(YARN, factor=None))
     with pytest.raises(mha.MhaError, match="mscale_all_dim.*factor"):
         mha.MLA.from_pretrained(d, 0)
+    # DeepseekV3Config keeps config.json's head_dim and its rotary embedding takes its
+    # frequencies from it (2: one frequency for every pair, a different layer; 16: fails):
+    # refused naming the field. DeepseekV2Config overwrites it with qk_rope_head_dim.
+    for hd in (2, 16):
+        d = _edit(src, str(tmp_path / f"hd{hd}"), head_dim=hd)
+        with pytest.raises(mha.MhaError, match=f'"head_dim" {hd} is not "qk_rope_head_dim" 8'):
+            mha.MLA.from_pretrained(d, 0)
+    d = _edit(models["v3_no_lora_half"][0], str(tmp_path / "hdnull"), head_dim=None)
+    assert mha.MLA.from_pretrained(d, 0).config.qk_rope_head_dim == 8  # 32 / 4 heads
+    v2, refs = models["v2_no_lora"]
+    d = _edit(v2, str(tmp_path / "v2hd"), head_dim=2)
+    assert H.max_rel_err(mha.MLA.from_pretrained(d, 0).forward(refs[0][0]), refs[0][1]) \
+        <= TOL_OUT_REL
     d2 = str(tmp_path / "nofile")
     shutil.copytree(src, d2)
     os.remove(os.path.join(d2, "model.safetensors"))

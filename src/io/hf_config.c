@@ -1673,6 +1673,28 @@ static mha_status mla_read(
     return MHA_STATUS_OK;
 }
 
+/* deepseek_v3's head_dim (checked after the tensors' shapes, which name the size that
+ * contradicts them first). */
+static mha_status mla_head_dim(hf_model *m, const mha_mla_config *c, mha_error *err) {
+    if (!is_type(m, "deepseek_v3"))
+        return MHA_STATUS_OK;
+    /* DeepseekV3Config keeps a config.json "head_dim" (it sets head_dim = qk_rope_head_dim before
+     * reading the file's extra keys) and its rotary embedding takes its frequencies from head_dim
+     * (null: hidden_size / num_attention_heads): another width rotates q_pe and k_pe with other
+     * frequencies (2: one frequency for every pair) or fails there. DeepseekV2Config overwrites
+     * head_dim. */
+    int64_t hd = is_null(m->config, "head_dim") ? c->hidden / c->num_heads : c->qk_rope_head_dim;
+    MHA_TRY(get_int(m, m->config, "head_dim", 0, 1, HF_MAX_SIZE, &hd, err));
+    MHA_RETURN_IF(hd != c->qk_rope_head_dim, err, UNSUPPORTED,
+                  "%s: \"head_dim\" %lld%s is not \"qk_rope_head_dim\" %lld: deepseek_v3's "
+                  "rotary embedding takes its frequencies from head_dim, which mha does not",
+                  m->config_path, (long long)hd,
+                  is_null(m->config, "head_dim") ? " (null: hidden_size / num_attention_heads)"
+                                                 : "",
+                  (long long)c->qk_rope_head_dim);
+    return MHA_STATUS_OK;
+}
+
 static mha_status mla_find(hf_model *m, mha_hf_layer_info *info, mha_error *err) {
     const char *type = NULL;
     MHA_TRY(get_str(m, m->config, "model_type", &type, err));
@@ -1729,6 +1751,7 @@ static mha_status mla_load(hf_model *m,
     MHA_TRY(mla_prefix(m, layer, err));
     snprintf(info->prefix, sizeof info->prefix, "%s", m->prefix);
     MHA_TRY(mla_read(m, &c, a, p, err));
+    MHA_TRY(mla_head_dim(m, &c, err));
     const mha_mla_weights w = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10]};
     mha_status st = mha_mla_create(&c, &w, a, out, err);
     if (st != MHA_STATUS_OK && err) {
