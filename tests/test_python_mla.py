@@ -342,6 +342,15 @@ def test_create_checks_name_the_argument():
     bad = dict(w, w_o=np.full((8, 8), np.nan))
     with pytest.raises(mha.MhaError, match=r"weights.w_o\[0\] is nan"):
         mha.MLA(c, bad)
+    # Each array must have its weight_shapes() shape: mha_mla_create reads that many elements
+    # (a smaller array was read past its end, a transposed one taken in the wrong layout), and
+    # one the config does not use would be ignored.
+    with pytest.raises(ValueError, match=r"w_q must have shape \(16, 8\), got \(2, 2\)"):
+        mha.MLA(c, dict(w, w_q=np.ones((2, 2))))
+    with pytest.raises(ValueError, match=r"w_kv_b must have shape \(16, 4\), got \(4, 16\)"):
+        mha.MLA(c, dict(w, w_kv_b=w["w_kv_b"].T))
+    with pytest.raises(ValueError, match="b_o is given but the config does not use it"):
+        mha.MLA(c, dict(w, b_o=np.ones(8)))
     c.rope.style = 0
     with pytest.raises(mha.MhaError, match="rope.style"):
         mha.MLA(c, w)

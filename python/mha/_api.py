@@ -1952,14 +1952,30 @@ class MLA:
     def __init__(self, config: "L.mha_mla_config", weights: Dict[str, ArrayLike]):
         w = L.mha_mla_weights()
         keep = []
-        for name in L.MLA_WEIGHT_NAMES:
-            if weights.get(name) is not None:
-                a = _float32(weights[name], name)
-                keep.append(a)
-                setattr(w, name, _ptr(a))
         unknown = set(weights) - set(L.MLA_WEIGHT_NAMES)
         if unknown:
             raise ValueError(f"weights: unknown names {sorted(unknown)}")
+        # mha_mla_create reads each pointer for its shape's elements: a smaller array would be
+        # read past its end, another shape of the same size taken in another layout. The config
+        # is checked first (by mha_mla_create without weights: its config errors name the field;
+        # with a valid config it stops at the first weight, NULL).
+        try:
+            M.call(L.mha_mla_create, config, L.mha_mla_weights(), None, ctypes.c_void_p())
+        except MhaError as e:
+            if not (e.message.startswith("weights.") and "is NULL" in e.message):
+                raise
+        shapes = mla_weight_shapes(config)
+        for name in L.MLA_WEIGHT_NAMES:
+            if weights.get(name) is None:
+                continue
+            if name not in shapes:
+                raise ValueError(f"weights: {name} is given but the config does not use it "
+                                 f"(it uses {', '.join(shapes)})")
+            a = _float32(weights[name], name)
+            if a.shape != shapes[name]:
+                raise ValueError(f"weights: {name} must have shape {shapes[name]}, got {a.shape}")
+            keep.append(a)
+            setattr(w, name, _ptr(a))
         ptr = ctypes.c_void_p()
         M.call(L.mha_mla_create, config, w, None, ptr)
         self._handle = _Handle(ptr.value, L.mha_mla_destroy)
