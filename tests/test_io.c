@@ -1626,7 +1626,7 @@ static void test_hf_fused_override(void) {
     } cases[] = {
         {"neox_kv1", "gpt_neox.layers.0.attention.",
          "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, \"num_attention_heads\": 4, "
-         "\"num_hidden_layers\": 1}"},
+         "\"num_hidden_layers\": 1, \"rotary_pct\": 1.0}"},
         {"falcon_kv1", "transformer.h.0.self_attention.",
          "{\"model_type\": \"falcon\", \"hidden_size\": 8, \"num_attention_heads\": 4, "
          "\"num_hidden_layers\": 1, \"multi_query\": false, \"bias\": true}"},
@@ -1828,7 +1828,7 @@ static void test_hf_bias_follows_config(void) {
     const char *dir = hf_dir("neox_nobias",
                              "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, "
                              "\"num_attention_heads\": 2, \"num_hidden_layers\": 1, "
-                             "\"attention_bias\": false}",
+                             "\"rotary_pct\": 1.0, \"attention_bias\": false}",
                              &b);
     CHECK_OK(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err);
     if (L) {
@@ -1845,7 +1845,7 @@ static void test_hf_bias_follows_config(void) {
     stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.weight", 8, 8, dense);
     dir = hf_dir("neox_bias_missing",
                  "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, \"num_attention_heads\": 2, "
-                 "\"num_hidden_layers\": 1}",
+                 "\"num_hidden_layers\": 1, \"rotary_pct\": 1.0}",
                  &b);
     CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_NOT_FOUND,
                "query_key_value.bias' (");
