@@ -127,6 +127,14 @@ def _i64(x: Any, name: str) -> int:
     return i
 
 
+def _layer_index(layer: Any) -> None:
+    """A model's layer index: a non-negative integer below 2^63 (ValueError otherwise: ctypes
+    passes an int64_t modulo 2^64, so 2^64 would load layer 0)."""
+    if (isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0
+            or layer >= 2**63):
+        raise ValueError(f"layer: expected a non-negative integer below 2**63, got {layer!r}")
+
+
 def _int_array(x: ArrayLike, name: str, dtype, shape: Tuple[int, ...]) -> np.ndarray:
     """Integer array broadcast to `shape`, C-contiguous, of `dtype`."""
     a = np.asarray(x)
@@ -1247,10 +1255,7 @@ class MultiheadAttention:
 
     @classmethod
     def _from_model(cls, path, layer, info_fn, load_fn, weight_dtype=None) -> "MultiheadAttention":
-        # (below 2^63: ctypes passes an int64_t modulo 2^64, so 2^64 would load layer 0)
-        if (isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0
-                or layer >= 2**63):
-            raise ValueError(f"layer: expected a non-negative integer below 2**63, got {layer!r}")
+        _layer_index(layer)
         info = L.mha_hf_layer_info()
         M.call(info_fn, str(path).encode(), int(layer), info)
         if weight_dtype is not None:
@@ -1985,10 +1990,7 @@ class MLA:
     def from_pretrained(cls, path: str, layer: int = 0) -> "MLA":
         """Layer ``layer`` of a Hugging Face deepseek_v2 / deepseek_v3 model directory
         (mha_hf_mla_load; docs/MODELS.md). Hostile configs raise MhaError naming the field."""
-        # (below 2^63: ctypes passes an int64_t modulo 2^64, so 2^64 would load layer 0)
-        if (isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0
-                or layer >= 2**63):
-            raise ValueError(f"layer: expected a non-negative integer below 2**63, got {layer!r}")
+        _layer_index(layer)
         info = L.mha_hf_layer_info()
         ptr = ctypes.c_void_p()
         M.call(L.mha_hf_mla_load, str(path).encode(), int(layer), None, ptr, info)
