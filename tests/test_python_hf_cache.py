@@ -229,6 +229,32 @@ def test_refused_append_changes_nothing(name):
     assert torch.equal(got, ref)
 
 
+def test_append_that_cannot_be_undone_refuses_until_reset(name, monkeypatch):
+    # A refused append whose roll-back fails too (a ring that cannot go back that far; here the
+    # roll-back's truncate is made to fail): the layer holds keys it does not count, so every
+    # later update is refused, naming reset(), until reset() empties it.
+    _, _, m = _models("llama", name)
+    seq = _tokens()[0][:1]
+
+    def no_truncate(self, s, n):
+        raise mha.MhaError("truncate refused (injected)")
+
+    with torch.no_grad():
+        cache = mt.MhaCache(m.config, max_seq=64, block_size=16, num_blocks=1)
+        m(seq[:, :10], cache=cache)
+        with monkeypatch.context() as mp:
+            mp.setattr(mha.KVCache, "truncate", no_truncate)
+            with pytest.raises(mha.MhaError, match="pool exhausted"):
+                m(seq[:, 10:20], cache=cache)
+        with pytest.raises(ValueError, match=r"reset\(\) the cache"):
+            m(seq[:, 10:11], cache=cache)
+        cache.reset()
+        got = m(seq[:, :10], cache=cache).logits
+        fresh = mt.MhaCache(m.config, max_seq=64, block_size=16, num_blocks=1)
+        ref = m(seq[:, :10], cache=fresh).logits
+    assert torch.equal(got, ref)
+
+
 def test_fp8_scales(name):
     # fp8_scales: (k_scales, v_scales) per kv head for every layer, or one pair per layer; they
     # reach each layer's cache (other scales, other rounding, still within the bound).
