@@ -1663,7 +1663,21 @@ static void test_hf_fused_override(void) {
     c.num_kv_heads = 1;
     CHECK_FAIL(mha_hf_layer_load(tpath("gpt2"), 0, &c, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
                "tensor 'h.0.attn.c_attn.weight' has shape [8, 24], expected [8, 16]");
-    free(qkv), free(qkv_b), free(dense);
+    /* A 1-d output weight: the message names the tensor once (it said "'x' (x)" before). */
+    float *qkv24 = values(24 * 8, 34);
+    stb b;
+    stb_init(&b);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.query_key_value.weight", 24, 8, qkv24);
+    stb_add_f32(&b, "gpt_neox.layers.0.attention.dense.weight", 64, 0, dense);
+    const char *dir = hf_dir("neox_1d_dense",
+                             "{\"model_type\": \"gpt_neox\", \"hidden_size\": 8, "
+                             "\"num_attention_heads\": 4, \"num_hidden_layers\": 1, "
+                             "\"rotary_pct\": 1.0, \"attention_bias\": false}",
+                             &b);
+    CHECK_FAIL(mha_hf_layer_load(dir, 0, NULL, NULL, &L, &err), &err, MHA_STATUS_BAD_FILE,
+               "model.safetensors: tensor 'gpt_neox.layers.0.attention.dense.weight' has shape "
+               "[64], expected 2-d");
+    free(qkv), free(qkv_b), free(dense), free(qkv24);
 }
 
 /* Every file the library reads is opened without blocking and refused unless regular (issue

@@ -594,17 +594,19 @@ typedef struct projection {
 
 static mha_status check_float_tensor(
     const st_file *sf, const st_tensor *t, int32_t ndim, const char *what, mha_error *err) {
+    /* "'name' (role)", or "'name'" where the caller's role would repeat the name (what NULL) */
+    char label[320];
+    snprintf(label, sizeof label, what ? "'%s' (%s)" : "'%s'", t->name, what);
     MHA_RETURN_IF(!t->supported, err, BAD_FILE,
-                  "%s: tensor '%s' (%s) has dtype %s; supported: F32, F64, F16, BF16", sf->path,
-                  t->name, what, t->dtype);
+                  "%s: tensor %s has dtype %s; supported: F32, F64, F16, BF16", sf->path, label,
+                  t->dtype);
     char shape_text[128];
     format_shape(shape_text, sizeof shape_text, t->ndim, t->shape);
-    MHA_RETURN_IF(t->ndim != ndim, err, BAD_FILE,
-                  "%s: tensor '%s' (%s) has shape %s, expected %d-d", sf->path, t->name, what,
-                  shape_text, (int)ndim);
+    MHA_RETURN_IF(t->ndim != ndim, err, BAD_FILE, "%s: tensor %s has shape %s, expected %d-d",
+                  sf->path, label, shape_text, (int)ndim);
     for (int32_t i = 0; i < ndim; i++)
-        MHA_RETURN_IF(t->shape[i] == 0, err, BAD_FILE, "%s: tensor '%s' (%s) has shape %s (empty)",
-                      sf->path, t->name, what, shape_text);
+        MHA_RETURN_IF(t->shape[i] == 0, err, BAD_FILE, "%s: tensor %s has shape %s (empty)",
+                      sf->path, label, shape_text);
     return MHA_STATUS_OK;
 }
 
@@ -1133,7 +1135,7 @@ mha_status mha__st_read(mha__st_handle *h,
     *out = NULL;
     const st_tensor *t = handle_find(h, name);
     MHA_RETURN_IF(!t, err, NOT_FOUND, "%s: no tensor '%s'", h->path, name);
-    mha_status st = check_float_tensor(&h->sf, t, want_ndim, name, err);
+    mha_status st = check_float_tensor(&h->sf, t, want_ndim, NULL, err);
     if (st != MHA_STATUS_OK)
         return st;
     shape[0] = t->shape[0];
