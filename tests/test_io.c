@@ -1784,6 +1784,10 @@ static void test_hf_float_range(void) {
         {GEMMA2 "\"query_pre_attn_scalar\": 1e-300}",
          "\"query_pre_attn_scalar\" 1e-300 gives the scale 1/sqrt(1e-300) = 1e+150, outside"},
         {GEMMA2 "\"query_pre_attn_scalar\": 1e300}", "\"query_pre_attn_scalar\" 1e+300 gives"},
+        /* a null rope_theta (transformers' RoPE fails on None) was read as the class default */
+        {GEMMA2 "\"rope_theta\": null}", "config.json: \"rope_theta\" is null: give a number"},
+        {GEMMA2 "\"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": null}}",
+         "\"rope_parameters.rope_theta\" is null"},
     };
 #undef PHI3
 #undef GEMMA2

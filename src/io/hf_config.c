@@ -902,6 +902,11 @@ read_rope(hf_model *m, const char *layer_type, int rope, mha_hf_layer_info *info
         MHA_TRY(get_num(m, p, pw, "rope_local_base_freq", 1.0, 1, 1e300, &r->theta, err));
         s = NULL; /* 4.x's rope_scaling is the full layers' */
     } else {
+        /* null is not "absent" here: transformers keeps None and fails computing frequencies */
+        MHA_RETURN_IF(is_null(p, "rope_theta"), err, BAD_FILE,
+                      "%s: \"%srope_theta\" is null: give a number (transformers' RoPE fails on "
+                      "it; leave it out for the class default)",
+                      m->config_path, pw);
         MHA_TRY(get_num(m, p, pw, "rope_theta", 1.0, 1, 1e300, &r->theta, err));
     }
     /* Only GPT-NeoX, Phi-3 and Qwen3-Next rotate part of each head (their modules split q and k
