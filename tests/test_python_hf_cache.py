@@ -229,6 +229,39 @@ def test_refused_append_changes_nothing(name):
     assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("how", ["gradient", "second layer"])
+def test_refused_forward_changes_no_layer(name, how):
+    # A forward refused after some updates (gradients enabled: refused at layer 0's attention,
+    # after its update counted the token; a failure in layer 1, after layer 0 appended): every
+    # layer goes back to what it held, and the next forward is the fresh cache's. Before, the
+    # layers disagreed ([11, 10] positions) and the next step's logits were off by 3.2e-3
+    # ("gradient") without an error.
+    _, _, m = _models("llama", name)
+    seq = _tokens()[0][:1]
+    cache = mt.MhaCache(m.config, max_seq=64)
+    with torch.no_grad():
+        m(seq[:, :10], cache=cache)
+    assert len(cache.layers) >= 2
+    if how == "gradient":
+        with pytest.raises(ValueError, match="no gradient"):
+            m(seq[:, 10:11], cache=cache)
+    else:
+        def fail(*args):
+            raise RuntimeError("refused (injected)")
+        cache.layers[1]._run = fail
+        with torch.no_grad(), pytest.raises(RuntimeError, match="injected"):
+            m(seq[:, 10:11], cache=cache)
+        del cache.layers[1]._run
+    assert [lay.get_seq_length() for lay in cache.layers] == [10] * len(cache.layers)
+    assert all(cache.lengths(i) == [10] for i in range(len(cache.layers)))
+    with torch.no_grad():
+        got = m(seq[:, 10:11], cache=cache).logits
+        fresh = mt.MhaCache(m.config, max_seq=64)
+        m(seq[:, :10], cache=fresh)
+        ref = m(seq[:, 10:11], cache=fresh).logits
+    assert torch.equal(got, ref)
+
+
 def test_append_that_cannot_be_undone_refuses_until_reset(name, monkeypatch):
     # A refused append whose roll-back fails too (a ring that cannot go back that far; here the
     # roll-back's truncate is made to fail): the layer holds keys it does not count, so every
@@ -237,7 +270,7 @@ def test_append_that_cannot_be_undone_refuses_until_reset(name, monkeypatch):
     seq = _tokens()[0][:1]
 
     def no_truncate(self, s, n):
-        raise mha.MhaError("truncate refused (injected)")
+        raise RuntimeError("truncate refused (injected)")
 
     with torch.no_grad():
         cache = mt.MhaCache(m.config, max_seq=64, block_size=16, num_blocks=1)

@@ -113,6 +113,13 @@ class MhaCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+        try:
+            return self._update(key_states, value_states)
+        except Exception:
+            self._owner._roll_back(self._len)  # (the layers this forward ran before this one)
+            raise
+
+    def _update(self, key_states: Tensor, value_states: Tensor):
         o = self._owner
         if self._pending is not None:
             raise _refuse(f"layer {self._index}: the previous update's keys and values were not "
@@ -275,6 +282,21 @@ class MhaCacheLayer(CacheLayerMixin):
             raise _refuse(f"layer {self._index}: attention without a pending update")
         k, v = self._pending
         self._pending = None  # (consumed, even if refused below: the error ends the forward)
+        past = self._len - k.shape[2]
+        try:
+            return self._attend(query, k, v, mask, scaling=scaling, softcap=softcap,
+                                sinks=sinks, causal=causal, dropout=dropout, threads=threads)
+        except Exception:
+            # A refused forward changes nothing: this layer and the layers it already ran go
+            # back to `past` positions, so that the cache stays usable and its layers agree
+            # (before, a refusal left some layers counting tokens they do not hold: the next
+            # forward then ran at shifted positions without an error).
+            self._owner._roll_back(past)
+            raise
+
+    def _attend(self, query: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], *,
+                scaling: float, softcap: float, sinks: Optional[Tensor], causal: bool,
+                dropout: float, threads: int) -> Tensor:
         if query.requires_grad:
             raise _refuse("the cache is for inference: no gradient flows through it (run under "
                           "torch.no_grad(), or use DynamicCache to train)")
@@ -285,11 +307,7 @@ class MhaCacheLayer(CacheLayerMixin):
         if B != c.batch or T != k.shape[2] or d != c.head_dim:
             raise _refuse(f"query {tuple(query.shape)} does not match the update "
                           f"({tuple(k.shape)})")
-        try:
-            real = self._real_tokens(mask, T, causal)
-        except ValueError:
-            self._len -= T
-            raise
+        real = self._real_tokens(mask, T, causal)
         snk = None if sinks is None else sinks.detach().float().reshape(-1).numpy()
         opts = dict(scale=float(scaling), softcap=float(softcap or 0.0), sinks=snk,
                     threads=threads)
@@ -297,26 +315,14 @@ class MhaCacheLayer(CacheLayerMixin):
         vf = v.detach().float().transpose(1, 2)
         qf = query.detach().float().transpose(1, 2)  # [B, T, h, d]
         out = torch.zeros(B, T, h, c.v_head_dim, dtype=torch.float32)
-        before = [c.length(s) for s in self._phys]
-        try:
-            if real is None:
-                self._run(list(range(B)), kf, vf, qf, out, None, opts)
-            else:
-                counts = real.sum(1).tolist()
-                for n in sorted(set(counts)):
-                    if n:
-                        ids = [b for b in range(B) if counts[b] == n]
-                        self._run(ids, kf, vf, qf, out, real, opts)
-        except Exception:
-            # (a refused append, e.g. a full pool: this layer's length and the mha cache go
-            # back to before the update, so that it stays usable and says what it holds)
-            self._len -= T
-            try:
-                for s, n in zip(self._phys, before):
-                    c.truncate(s, n)
-            except Exception:
-                self._desync = True  # (a ring that cannot roll back that far)
-            raise
+        if real is None:
+            self._run(list(range(B)), kf, vf, qf, out, None, opts)
+        else:
+            counts = real.sum(1).tolist()
+            for n in sorted(set(counts)):
+                if n:
+                    ids = [b for b in range(B) if counts[b] == n]
+                    self._run(ids, kf, vf, qf, out, real, opts)
         if real is not None:
             kept = self._kept_mask()[:, :self._len - T]
             self._kept = torch.cat([kept, real], 1)
@@ -407,6 +413,18 @@ class MhaCache(Cache):
                           f"mha's (mha.torch.register_hf_attention(), then "
                           f"attn_implementation='mha' or model.set_attn_implementation('mha'))")
         self._checked_name = name
+
+    def _roll_back(self, past: int) -> None:
+        """After a refused forward: every layer holding more than `past` positions (the ones
+        this forward updated) is cropped back to it; a layer that cannot go back that far (a
+        ring that overwrote them) refuses further updates until reset()."""
+        for lay in self.layers:
+            if lay._len > past:
+                try:
+                    lay.crop(past - lay._len)
+                except Exception:
+                    lay._len = past
+                    lay._desync = True
 
     def free_blocks(self) -> list:
         """Per layer, the free blocks of its paged cache's pool (0 for contiguous caches, None
