@@ -378,6 +378,14 @@ def test_refusals(name):
     cache.update(k, k, 0)
     with pytest.raises(ValueError, match="not consumed"):
         cache.update(k, k, 0)
+    # multi-head latent attention: transformers' module caches its latents and expands them
+    # after the update, so the placeholders reached kv_b_proj (NaN logits, no error)
+    ds = T.DeepseekV3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+                            num_hidden_layers=1, vocab_size=64, q_lora_rank=None,
+                            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                            v_head_dim=8)
+    with pytest.raises(ValueError, match="latent attention .kv_lora_rank 16.*DynamicCache"):
+        mt.MhaCache(ds, max_seq=32)
 
 
 def _models_small(name):

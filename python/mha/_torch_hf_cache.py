@@ -49,6 +49,13 @@ def _layer_rules(config) -> list:
     """Per decoder layer: (window, chunk_size) of its attention, from the config (transformers'
     layer_types; sliding_window / attention_chunk_size)."""
     text = config.get_text_config(decoder=True)
+    if getattr(text, "kv_lora_rank", None) is not None:
+        # (transformers' MLA modules give the cache their compressed latents and expand them
+        # after the update, so the placeholders would reach kv_b_proj: NaN logits, no error)
+        raise _refuse(f"{text.model_type} is multi-head latent attention (kv_lora_rank "
+                      f"{text.kv_lora_rank}): transformers caches its latents, which MhaCache "
+                      f"does not hold; use DynamicCache (the attention stays mha's), or "
+                      f"mha.MLACache for mha's own MLA decode")
     n = int(text.num_hidden_layers)
     types = getattr(text, "layer_types", None)
     if types is None:
