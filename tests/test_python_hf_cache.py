@@ -386,6 +386,14 @@ def test_refusals(name):
                             v_head_dim=8)
     with pytest.raises(ValueError, match="latent attention .kv_lora_rank 16.*DynamicCache"):
         mt.MhaCache(ds, max_seq=32)
+    # Gemma 3n's last layers read earlier layers' K/V (refused at the first forward before,
+    # naming no cause: "attention without a pending update")
+    g3n = T.Gemma3nTextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=8, num_hidden_layers=4, num_kv_shared_layers=2,
+                              layer_types=["sliding_attention", "full_attention"] * 2,
+                              activation_sparsity_pattern=[0.0] * 4)
+    with pytest.raises(ValueError, match="num_kv_shared_layers"):
+        mt.MhaCache(g3n, max_seq=32)
 
 
 def _models_small(name):

@@ -56,6 +56,10 @@ def _layer_rules(config) -> list:
                       f"{text.kv_lora_rank}): transformers caches its latents, which MhaCache "
                       f"does not hold; use DynamicCache (the attention stays mha's), or "
                       f"mha.MLACache for mha's own MLA decode")
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise _refuse(f"{text.model_type}'s last {text.num_kv_shared_layers} layers read the "
+                      f"keys and values of earlier layers (num_kv_shared_layers), which MhaCache "
+                      f"does not give out; use DynamicCache (the attention stays mha's)")
     n = int(text.num_hidden_layers)
     types = getattr(text, "layer_types", None)
     if types is None:
