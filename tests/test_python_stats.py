@@ -149,6 +149,23 @@ def test_python_topk_ties_lower_index_first():
     assert p[0] == p[1] == p[2] > p[3] > 0 and p[4] == 0
 
 
+def test_python_minus_inf_sink_is_no_sink():
+    """A sink of -inf takes no mass (the forward's probabilities are those without it): the
+    entropy is the plain softmax's, not 0 * -inf = NaN (it was NaN)."""
+    q = RNG.standard_normal((1, 2, 9, 4)).astype(np.float32)
+    k = RNG.standard_normal((1, 2, 11, 4)).astype(np.float32)
+    sinks = np.array([-np.inf, 0.5], np.float32)
+    got = mha.attention_stats(q, k, stats="received,entropy,topk=3", sinks=sinks, causal=True)
+    plain = mha.attention_stats(q, k, stats="received,entropy,topk=3", causal=True)
+    assert np.isfinite(got["entropy"]).all()
+    for key in ("received", "entropy", "topk_index", "topk_prob"):  # head 0, the -inf one
+        np.testing.assert_array_equal(got[key][:, 0], plain[key][:, 0], err_msg=key)
+    _, P = mha.attention(q, k, np.zeros((1, 2, 11, 1), np.float32), need_weights=True,
+                         impl="reference", sinks=sinks, causal=True)
+    ref = dense_stats(P, 3, 1, 1)
+    np.testing.assert_allclose(got["entropy"], ref["entropy"], atol=1e-5)
+
+
 def test_python_layer_stats_match_its_dense_weights():
     rng = np.random.default_rng(8)
     w = make_weights(rng, q_dim=16, heads=4, kv_heads=2)

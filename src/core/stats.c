@@ -273,7 +273,8 @@ static void rows_out(const unit *u, int64_t i0, int rows) {
         const float lse = u->lse[r];
         if (c->st->entropy) {
             double ent = u->ent[r];
-            if (p->sinks && lse != -INFINITY) {
+            /* A sink of -inf takes no mass: its term is 0 ln 0 = 0, not 0 * -inf. */
+            if (p->sinks && lse != -INFINITY && p->sinks[u->h] != -INFINITY) {
                 const double d = (double)p->sinks[u->h] - (double)lse;
                 ent -= exp(d) * d;
             }
