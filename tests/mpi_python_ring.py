@@ -252,6 +252,25 @@ def test_shard_rows_tile_the_sequence(N, shard_layout):
     assert chunks == [(starts[c], starts[c + 1]) for c in mine]
 
 
+def test_shard_rows_refuses_ints_ctypes_would_wrap():
+    """num_ranks and rank (int32_t) and seq_len (int64_t) outside their C type raise instead of
+    going through ctypes modulo 2^32 / 2^64 (num_ranks=2^32+2 sharded for 2 ranks, rank=2^32+1
+    gave rank 1's rows, seq_len=2^64+8 sharded and ran 8 rows); floats and bools are not counts."""
+    for num_ranks, rank in ((2 ** 32 + 2, 0), (2, 2 ** 32 + 1), (-2 ** 31 - 1, 0)):
+        with pytest.raises(ValueError, match="outside int32"):
+            mha.shard_rows(8, num_ranks=num_ranks, rank=rank)
+    for num_ranks, rank in ((2.7, 0), (True, 0), (2, 1.0)):
+        with pytest.raises(TypeError, match="expected an integer"):
+            mha.shard_rows(8, num_ranks=num_ranks, rank=rank)
+    assert mha.shard_rows(8, num_ranks=np.int64(2), rank=np.int32(1)).tolist() == [2, 3, 4, 5]
+    for N in (2 ** 64 + 8, 2 ** 63):
+        with pytest.raises(ValueError, match="below 2\\^63"):
+            mha.shard_rows(N, COMM)
+        x = np.zeros((1, 1, 4, 2), np.float32)
+        with pytest.raises(ValueError, match="below 2\\^63"):  # the same on every rank
+            mha.attention(x, x, x, comm=COMM, seq_len=N)
+
+
 def expect_raise_everywhere(call, bad_rank, kind, text):
     """call() raises `kind` on every rank: on bad_rank with its own message, elsewhere naming
     bad_rank; then a good collective call still works."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import os
 import sys
 from ctypes import POINTER, Structure, c_int, c_int32, c_int64
@@ -88,24 +89,41 @@ def config(seq_len, shard_layout: str) -> mha_ring_config:
     if seq_len is None:
         raise ValueError("seq_len: the global sequence length N is required with comm= (each "
                          "rank passes only its shard of the N rows)")
-    if type(seq_len) is bool or int(seq_len) != seq_len or seq_len < 1:
-        raise ValueError(f"seq_len: expected a positive integer, got {seq_len!r}")
+    if type(seq_len) is bool or int(seq_len) != seq_len or not 1 <= seq_len < 2 ** 63:
+        # (mha_ring_config.seq_len is an int64_t: ctypes would store 2^64 + 8 as 8)
+        raise ValueError(f"seq_len: expected a positive integer below 2^63, got {seq_len!r}")
     c = mha_ring_config()
     c.seq_len = int(seq_len)
     c.layout = SHARD_LAYOUTS[shard_layout]
     return c
 
 
+def _i32(x, name: str) -> int:
+    """x as an int32_t argument: an integer (TypeError otherwise; a bool or float is not one) in
+    [-2^31, 2^31) (ValueError otherwise: ctypes would pass it modulo 2^32, so num_ranks=2^32+2
+    would shard for 2 ranks without a word)."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name}: expected an integer, got bool")
+    try:
+        i = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(x).__name__}") from None
+    if not -2 ** 31 <= i < 2 ** 31:
+        raise ValueError(f"{name}={i} is outside int32")
+    return i
+
+
 def shard_chunks(seq_len: int, num_ranks: int, rank: int,
                  shard_layout: str = "zigzag") -> List[Tuple[int, int]]:
     """The (start, stop) global row ranges that `rank` of `num_ranks` holds, in local order
     (mha_ring_shard: one chunk, or two with 'zigzag'). No communication."""
+    num_ranks, rank = _i32(num_ranks, "num_ranks"), _i32(rank, "rank")
     lib = library()
     cfg = config(seq_len, shard_layout)
     nc = c_int32()
     start, length = (c_int64 * 2)(), (c_int64 * 2)()
     err = L.mha_error()
-    L.check(lib.mha_ring_shard(cfg, int(num_ranks), int(rank), ctypes.byref(nc), start, length,
+    L.check(lib.mha_ring_shard(cfg, num_ranks, rank, ctypes.byref(nc), start, length,
                                err), err)
     return [(start[c], start[c] + length[c]) for c in range(nc.value)]
 
