@@ -646,14 +646,15 @@ static void test_collective_errors(void) {
           "chunk_size: rank %d got %s: %s", g_rank, mha_status_string(st), err.message);
     /* Masks that differ between ranks (each valid alone): sinks on one rank only, other sink
      * values on one rank, key padding or segment ids on one rank only, dropout on one rank only or
-     * with another seed there. INVALID_ARG everywhere, naming the option. */
+     * with another seed there, another scale or softcap there (each rank's rows used their own:
+     * an output no single-process call gives). INVALID_ARG everywhere, naming the option. */
     if (g_size > 1) {
         const float sinks[2] = {0.5f, -1.0f}, other[2] = {0.5f, -1.5f};
         const uint8_t kp[64] = {1};
         int32_t seg[64] = {0};
-        for (int opt = 0; opt < 6; opt++) {
+        for (int opt = 0; opt < 8; opt++) {
             b = a;
-            if (opt >= 4) /* dropout on the last rank only; another seed there */
+            if (opt == 4 || opt == 5) /* dropout on the last rank only; another seed there */
                 b.dropout.p = 0.1f, b.dropout.seed = 7, b.dropout.training = g_rank == bad;
             if (opt == 5)
                 b.dropout.training = 1, b.dropout.seed = g_rank == bad ? 8 : 7;
@@ -670,14 +671,23 @@ static void test_collective_errors(void) {
             }
             if (g_rank == bad && opt == 3)
                 b.mask.q_segment_ids = b.mask.kv_segment_ids = seg;
-            const char *name[6] = {"sinks",       "sinks[1]", "key_padding",
-                                   "segment ids", "dropout",  "dropout.seed"};
+            if (g_rank == bad && opt == 6)
+                b.scale = 0.5;
+            if (opt == 7)
+                b.softcap = g_rank == bad ? 5.0 : 4.0;
+            const char *name[8] = {"sinks",   "sinks[1]",     "key_padding", "segment ids",
+                                   "dropout", "dropout.seed", "scale",       "softcap"};
             st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err);
             CHECK(st == MHA_STATUS_INVALID_ARG && strstr(err.message, name[opt]),
                   "%s differ on rank %d: rank %d got %s: %s", name[opt], bad, g_rank,
                   mha_status_string(st), err.message);
         }
     }
+    /* The default scale (0) on some ranks and its value 1/sqrt(d_k) on others agree. */
+    b = a;
+    if (g_rank == bad)
+        b.scale = 1.0 / sqrt((double)d);
+    CHECK_OK(mha_ring_attention(MPI_COMM_WORLD, &cfg, &b, NULL, &err), &err);
     /* A wrong local length on rank 0. */
     b = a;
     if (g_rank == 0)

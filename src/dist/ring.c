@@ -174,6 +174,8 @@ enum {
     AGREE_WINDOW_LEFT,
     AGREE_WINDOW_RIGHT,
     AGREE_ALIBI,
+    AGREE_SCALE,
+    AGREE_SOFTCAP,
     AGREE_SINKS,
     AGREE_KEY_PADDING,
     AGREE_SEGMENTS,
@@ -184,10 +186,9 @@ enum {
     AGREE_COUNT
 };
 static const char *const agree_name[AGREE_COUNT] = {
-    "",          "seq_len",      "layout",       "batch",
-    "num_heads", "num_kv_heads", "head_dim",     "v_head_dim",
-    "causal",    "window_left",  "window_right", "alibi",
-    "sinks",     "key_padding",  "segment ids",  "dropout",
+    "",          "seq_len",      "layout",      "batch",       "num_heads",    "num_kv_heads",
+    "head_dim",  "v_head_dim",   "causal",      "window_left", "window_right", "alibi",
+    "scale",     "softcap",      "sinks",       "key_padding", "segment ids",  "dropout",
     "dropout.p", "dropout.seed", "dropout.seed"};
 
 /* The collective agreement: one MPI_Allreduce (MAX) of {v, -v} gives every rank the maximum and
@@ -825,6 +826,8 @@ static mha_status ring_setup(ring_call *c,
 static void
 agreement_values(const ring_call *c, const mha_ring_config *cfg, int64_t values[AGREE_COUNT]) {
     const mha_attention_args *a = c->a;
+    /* The scale as the core uses it (0 = 1/sqrt(d_k)): a float32, compared bit for bit. */
+    const float scale = (float)(a->scale == 0.0 ? 1.0 / sqrt((double)c->dk) : a->scale);
     const int64_t mine[AGREE_COUNT] = {0,
                                        cfg->seq_len,
                                        cfg->layout,
@@ -837,6 +840,8 @@ agreement_values(const ring_call *c, const mha_ring_config *cfg, int64_t values[
                                        a->mask.use_window ? a->mask.window_left : -1,
                                        a->mask.use_window ? a->mask.window_right : -1,
                                        a->alibi != 0,
+                                       float_bits(scale),
+                                       float_bits((float)a->softcap),
                                        a->sinks != NULL,
                                        a->mask.key_padding.data != NULL,
                                        a->mask.q_segment_ids != NULL,
