@@ -187,6 +187,16 @@ def test_bad_arguments_raise():
         mha.plot_attention(p, scale="log")
     with pytest.raises(ValueError, match="heads"):
         mha.plot_attention(p, heads=[2])
+    # An empty list was a ZeroDivisionError; 1.7 drew head 1; max_cells=2.5 pooled into floor
+    # division cells of a grid no integer gives.
+    with pytest.raises(ValueError, match="heads: no head"):
+        mha.plot_attention(p, heads=[])
+    with pytest.raises(TypeError, match="heads"):
+        mha.plot_attention(p, heads=[1.7])
+    with pytest.raises(ValueError, match="max_cells"):
+        mha.plot_attention(p, max_cells=2.5)
+    assert [a.get_title() for a in map_axes(mha.plot_attention(p, heads=[np.int64(1)]))] == \
+        ["head 1"]
     with pytest.raises(ValueError, match="weights"):
         mha.plot_attention(np.zeros((2, 1, 3, 3)))
 

@@ -9,6 +9,7 @@ of the block's visible probabilities; a block's masked share shows as the hatchi
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence
 
 import numpy as np
@@ -77,6 +78,19 @@ def _as_maps(weights):
     if w.ndim != 3 or 0 in w.shape:
         raise ValueError(f"weights: expected [h, n, m] or [n, m], got shape {np.shape(weights)}")
     return w
+
+
+def _head(i, h):
+    """A head index of `heads`: an integer (1.7 is not head 1) in [0, h)."""
+    if isinstance(i, bool):
+        raise TypeError("heads: expected integers, got bool")
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise TypeError(f"heads: expected integers, got {type(i).__name__}") from None
+    if not 0 <= i < h:
+        raise ValueError(f"heads: {i} is not a head of {h}")
+    return i
 
 
 def _per_head(name, a, h, length):
@@ -151,8 +165,9 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
     """
     if scale not in ("panel", "fixed"):
         raise ValueError(f"scale: '{scale}' is not 'panel' or 'fixed'")
-    if max_cells < 1:
-        raise ValueError(f"max_cells: must be >= 1, got {max_cells}")
+    if isinstance(max_cells, bool) or not isinstance(max_cells, (int, np.integer)) or \
+            max_cells < 1:
+        raise ValueError(f"max_cells: expected an integer >= 1, got {max_cells!r}")
     w = _as_maps(weights)
     h, n, m = w.shape
     if visible is not None:
@@ -178,10 +193,9 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
         mk = np.broadcast_to(_as_maps(masked).astype(bool), w.shape)
     received = _per_head("received", received, h, m)
     entropy = _per_head("entropy", entropy, h, n)
-    sel = list(range(h)) if heads is None else [int(i) for i in heads]
-    for i in sel:
-        if not 0 <= i < h:
-            raise ValueError(f"heads: {i} is not a head of {h}")
+    sel = list(range(h)) if heads is None else [_head(i, h) for i in heads]
+    if not sel:
+        raise ValueError("heads: no head to draw (an empty list)")
     if visible is None:
         value, frac = pool_map(w[sel], mk[sel], max_cells)
     else:  # already pooled: the mean over the visible elements, and the masked share
