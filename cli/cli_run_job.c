@@ -439,9 +439,70 @@ static int alloc_outputs(const run_config *o, run_state *s, const run_dims *d) {
     return CLI_OK;
 }
 
+/* Element i of an integer mask is nonzero. */
+static int mask_nonzero(const mha_mask_tensor *t, int64_t i) {
+    switch (t->dtype) {
+    case MHA_DTYPE_I32:
+        return ((const int32_t *)t->data)[i] != 0;
+    case MHA_DTYPE_I64:
+        return ((const int64_t *)t->data)[i] != 0;
+    default: /* bool, uint8 */
+        return ((const uint8_t *)t->data)[i] != 0;
+    }
+}
+
+/* --attn-average's visible share: an element of the mean over the heads is visible when some head
+ * sees it, which the heads' own shares do not tell when the --mask differs between heads (a cell
+ * half visible in each of two heads can be all visible in their mean). The mask's head axis
+ * collapsed (additive: its maximum; boolean: seen by some head) gives every head that union, so
+ * the statistics' pooled_visible of the call with it is the mean's share. NULL data: no --mask
+ * with a head axis, nothing to collapse. */
+static int union_mask(const mha_masking *mk, mha_masking *out, void **buf) {
+    *out = *mk, *buf = NULL;
+    const int additive = mk->additive_mask.data != NULL;
+    const mha_mask_tensor *t = additive ? &mk->additive_mask : &mk->bool_mask;
+    if (!t->data || t->ndim < 3 || t->shape[t->ndim - 3] < 2)
+        return CLI_OK;
+    int64_t outer = 1;
+    for (int32_t k = 0; k < t->ndim - 3; k++)
+        outer *= t->shape[k];
+    const int64_t heads = t->shape[t->ndim - 3];
+    const int64_t inner = t->shape[t->ndim - 2] * t->shape[t->ndim - 1];
+    *buf = malloc((size_t)(outer * inner) * (additive ? sizeof(float) : 1));
+    if (!*buf)
+        return cli_fail("cannot allocate the mask of the heads' mean (%lld elements)",
+                        (long long)(outer * inner));
+    const int block = mk->bool_mask_polarity == MHA_MASK_BLOCK;
+    for (int64_t a = 0; a < outer; a++)
+        for (int64_t e = 0; e < inner; e++) {
+            float best = -INFINITY;
+            int any = 0, all = 1;
+            for (int64_t hh = 0; hh < heads; hh++) {
+                const int64_t i = (a * heads + hh) * inner + e;
+                if (additive) {
+                    const float x = ((const float *)t->data)[i];
+                    best = x > best || isnan(x) ? x : best;
+                } else {
+                    const int nz = mask_nonzero(t, i);
+                    any |= nz, all &= nz;
+                }
+            }
+            if (additive)
+                ((float *)*buf)[a * inner + e] = best;
+            else /* attend: seen when some head attends; block: hidden when every head blocks */
+                ((uint8_t *)*buf)[a * inner + e] = (uint8_t)(block ? all : any);
+        }
+    mha_mask_tensor *u = additive ? &out->additive_mask : &out->bool_mask;
+    u->data = *buf;
+    u->dtype = additive ? MHA_DTYPE_F32 : MHA_DTYPE_U8;
+    u->shape[t->ndim - 3] = 1;
+    return CLI_OK;
+}
+
 /* --plot: the map pooled to the plot's grid [B, h, R, C] (mean over each cell's elements and its
  * visible share) by the streamed statistics, with every mask exactly as the forward applies it
- * and no n x m array, so a 32k-token map plots in O(grid) memory. */
+ * and no n x m array, so a 32k-token map plots in O(grid) memory. With --attn-average the
+ * visible shares are those of the heads' mean (union_mask). */
 static int
 plot_statistics(const run_config *o, run_state *s, const mha_forward_args *fa, const run_dims *d) {
     mha_attention_stats req;
@@ -457,7 +518,17 @@ plot_statistics(const run_config *o, run_state *s, const mha_forward_args *fa, c
     memset(&err, 0, sizeof err);
     if (mha_layer_attention_statistics(s->layer, fa, &req, &o->exec, &err) != MHA_STATUS_OK)
         return cli_lib_fail(o->opt[O_PLOT], &err);
-    return CLI_OK;
+    if (!o->average)
+        return CLI_OK;
+    mha_forward_args mean = *fa;
+    void *buf;
+    int rc = union_mask(&fa->mask, &mean.mask, &buf);
+    if (rc || !buf)
+        return rc;
+    req.pooled = NULL; /* only the visible shares, overwritten with the mean's */
+    const mha_status st = mha_layer_attention_statistics(s->layer, &mean, &req, &o->exec, &err);
+    free(buf);
+    return st == MHA_STATUS_OK ? CLI_OK : cli_lib_fail(o->opt[O_PLOT], &err);
 }
 
 int run_forward(const run_config *o, run_state *s) {

@@ -197,6 +197,41 @@ def test_pooled_cells_have_the_colour_of_their_visible_mean(case):
         assert np.abs(img[y, x] - want).max() <= 1, (r_, c_, img[y, x], want)
 
 
+def test_average_of_heads_with_their_own_masks(case):
+    """--attn-average with a --mask that differs between heads (head 0 sees the even keys, head 1
+    the odd ones): an element of the mean is visible when some head sees it, so no pooled cell of
+    the causal map's lower triangle is masked. The plot took each cell's largest per-head
+    visible share instead: (70, 30) was drawn half hatched at twice its mean (0.0060 for 0.0030)."""
+    rng = np.random.default_rng(5)
+    write_safetensors(case / "W2.safetensors", make_weights(rng, heads=2))
+    np.save(case / "X300.npy", rng.standard_normal((300, 16)).astype(np.float32))
+    j = np.arange(300)
+    for dtype, means in ((bool, "attend"), (np.float32, None), (np.int32, "block")):
+        head0 = j % 2 == 0 if means != "block" else j % 2 == 1  # head 0 sees the even keys
+        mask = np.stack([np.broadcast_to(head0, (300, 300)), np.broadcast_to(~head0, (300, 300))])
+        if dtype is np.float32:
+            mask = np.where(mask, 0.0, -np.inf)
+        np.save(case / "M.npy", mask.astype(dtype))
+        extra = ("--mask-means", means) if means else ()
+        r = run(case, "--causal", "--mask", case / "M.npy", *extra, "--attn", case / "A.npy",
+                "--attn-average", "--plot-scale", "fixed", "--plot", case / "mean.png",
+                x="X300.npy", weights="W2.safetensors", heads="2")
+        assert r.returncode == 0, r.stderr
+        p = np.load(case / "A.npy").astype(np.float64)
+        img = read_png(case / "mean.png")
+        x0, y0, cell = map_origin(img, 128)
+        cell_of = np.arange(300) * 128 // 300
+        for r_, c_ in [(5, 2), (50, 49), (70, 30), (127, 0), (100, 100)]:
+            rows, cols = np.nonzero(cell_of == r_)[0], np.nonzero(cell_of == c_)[0]
+            b = p[np.ix_(rows, cols)]
+            vis = cols[None, :] <= rows[:, None]  # causal only: every key is some head's
+            f = 1 - vis.mean()
+            y, x = y0 + r_ * cell, x0 + c_ * cell
+            g = HATCH[0] if (x - x0 + y - y0) % 8 < 2 else HATCH[1]
+            want = (1 - f) * colour(b[vis].mean()) + f * g
+            assert np.abs(img[y, x] - want).max() <= 1, (dtype, r_, c_, img[y, x], want)
+
+
 def test_tokens_file_errors(case):
     bad = {
         "short.txt": (b"a\nb\n", "2 tokens (lines), but the map has 10 queries"),
