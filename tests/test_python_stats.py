@@ -137,6 +137,14 @@ def test_python_layouts_shapes_and_clamping():
         mha.attention_stats(q, k, stats="received,bogus")
     with pytest.raises(ValueError, match="cannot read"):
         mha.attention_stats(q, k, stats="pool=3by4")
+    # top_k=2.5 listed 2 keys, pool=(2.5, 3) made 2 rows, pool=(2, 3, 4) dropped the 4, True was 1.
+    for kw in (dict(top_k=2.5), dict(top_k=True), dict(pool=(2.5, 3))):
+        with pytest.raises(TypeError, match="must be an integer"):
+            mha.attention_stats(q, k, stats="topk,pool", **kw)
+    with pytest.raises(ValueError, match="pool must be"):
+        mha.attention_stats(q, k, stats="pool", pool=(2, 3, 4))
+    s3 = mha.attention_stats(q, k, stats="topk,pool", top_k=np.int64(3), pool=(np.int32(2), 3))
+    assert s3["topk_index"].shape == (3, 6, 3) and s3["pooled"].shape == (3, 2, 3)
 
 
 def test_python_topk_ties_lower_index_first():

@@ -697,8 +697,14 @@ def parse_stats(spec: Union[str, Sequence[str]], top_k: Optional[int] = None,
         names.add(name)
     if not names:
         raise ValueError("stats: no statistic requested")
-    k = 8 if k is None else int(k)
-    grid = (256, 256) if grid is None else (int(grid[0]), int(grid[1]))
+    def count(x, what):  # an integer (2.5 is not 2, True not 1); clamped to the map later
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"stats: {what} must be an integer, got {x!r}")
+        return int(x)
+    k = 8 if k is None else count(k, "top_k")
+    if grid is not None and (isinstance(grid, str) or len(grid) != 2):
+        raise ValueError(f"stats: pool must be (R, C), got {grid!r}")
+    grid = (256, 256) if grid is None else (count(grid[0], "pool R"), count(grid[1], "pool C"))
     if k < 1 or grid[0] < 1 or grid[1] < 1:
         raise ValueError(f"stats: topk={k} and pool={grid[0]}x{grid[1]} must be >= 1")
     return names, k, grid
