@@ -30,11 +30,13 @@ static int stats_item(const char *item, size_t len, cli_stats_spec *sp) {
     } else if (IS("entropy")) {
         sp->entropy = 1;
     } else if (IS("topk")) {
-        sp->topk = 8;
+        if (!sp->topk) /* a bare topk keeps an earlier topk=K (as Python's "topk=3,topk") */
+            sp->topk = 8;
         if (eq && cli_parse_i64("--stats topk", value, 1, (int64_t)1 << 31, &sp->topk))
             return CLI_USAGE;
     } else if (IS("pool")) {
-        sp->pool_rows = sp->pool_cols = 256;
+        if (!sp->pool_rows) /* a bare pool keeps an earlier pool=RxC */
+            sp->pool_rows = sp->pool_cols = 256;
         char *x = eq ? strchr(value, 'x') : NULL;
         if (eq && !x)
             return cli_usage("--stats pool=%s: expected RxC, e.g. pool=256x256", value);

@@ -264,5 +264,14 @@ def test_cli_stats_default_2d_input_and_errors(tmp_path):
         r = run_cli(*base, *bad)
         assert r.returncode != 0 and why in r.stderr, (bad, r.stderr)
     assert not (tmp_path / "T.npz").exists()
+    # A bare topk / pool after topk=K / pool=RxC keeps them, as in Python (the CLI reset them to
+    # 8 and 256x256: k 8 for "topk=3,topk").
+    r = run_cli(*base, "--attn-stats", tmp_path / "K.npz", "--stats", "topk=3,topk,pool=2x3,pool")
+    assert r.returncode == 0, r.stderr
+    s = np.load(tmp_path / "K.npz")
+    q = rng.standard_normal((5, 4)).astype(np.float32)
+    py = mha.attention_stats(q, q, stats="topk=3,topk,pool=2x3,pool")
+    assert s["topk_index"].shape == (4, 5, 3) and py["topk_index"].shape[-1] == 3
+    assert s["pooled"].shape == (4, 2, 3) and py["pooled"].shape == (2, 3)
     r = run_cli(*base, "--decode", "--attn-stats", tmp_path / "T.npz")
     assert r.returncode != 0 and "--decode" in r.stderr
