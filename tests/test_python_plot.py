@@ -195,6 +195,10 @@ def test_bad_arguments_raise():
         mha.plot_attention(p, heads=[1.7])
     with pytest.raises(ValueError, match="max_cells"):
         mha.plot_attention(p, max_cells=2.5)
+    # pool_map itself: max_cells=0 returned an empty grid, 2.5 a 3 x 3 grid other than 3's.
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="max_cells"):
+            pool_map(p, max_cells=bad)
     assert [a.get_title() for a in map_axes(mha.plot_attention(p, heads=[np.int64(1)]))] == \
         ["head 1"]
     with pytest.raises(ValueError, match="weights"):

@@ -39,6 +39,13 @@ def _has_display() -> bool:
     return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
+def _check_max_cells(max_cells) -> None:
+    """An integer >= 1 (2.5 would cut the rows at floor(2.5 i / n): 3 cells, not the grid of 3)."""
+    if isinstance(max_cells, bool) or not isinstance(max_cells, (int, np.integer)) or \
+            max_cells < 1:
+        raise ValueError(f"max_cells: expected an integer >= 1, got {max_cells!r}")
+
+
 def pool_map(weights, masked=None, max_cells: int = 128):
     """Pools maps [h, n, m] into a grid of R = min(n, max_cells) x C = min(m, max_cells) cells:
     cell (r, c) holds the queries i with floor(i R / n) = r and the keys j with
@@ -49,6 +56,7 @@ def pool_map(weights, masked=None, max_cells: int = 128):
     elements that are masked. masked: bool [h, n, m] (True = masked) or None (no mask). From the
     statistics' pooled (mean over all elements) and pooled_visible: value = pooled /
     pooled_visible, masked_fraction = 1 - pooled_visible."""
+    _check_max_cells(max_cells)
     w = np.asarray(weights)
     h, n, m = w.shape
     R, C = min(n, max_cells), min(m, max_cells)
@@ -165,9 +173,7 @@ def plot_attention(weights, tokens: Optional[Sequence[str]] = None,
     """
     if scale not in ("panel", "fixed"):
         raise ValueError(f"scale: '{scale}' is not 'panel' or 'fixed'")
-    if isinstance(max_cells, bool) or not isinstance(max_cells, (int, np.integer)) or \
-            max_cells < 1:
-        raise ValueError(f"max_cells: expected an integer >= 1, got {max_cells!r}")
+    _check_max_cells(max_cells)
     w = _as_maps(weights)
     h, n, m = w.shape
     if visible is not None:
