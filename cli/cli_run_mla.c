@@ -4,8 +4,9 @@
  * (mha_mla_forward) of --input [n, hidden] or [B, n, hidden] into --out (float32), with
  * --positions and --threads; with --decode (--prefill P, --cache-dtype T) the same rows through
  * the compressed cache (mha_mla_cache, mha_mla_decode_step: the absorbed form): the first P tokens
- * of every sequence in one call, then one token per call. Every other option of `mha run` is
- * refused naming it (docs/MODELS.md "Multi-head latent attention"). */
+ * of every sequence in one call, then one token per call. The output paths are checked as the
+ * ordinary path checks them (check_paths). Every other option of `mha run` is refused naming it
+ * (docs/MODELS.md "Multi-head latent attention"). */
 #include "cli_run_common.h"
 
 #include "npy.h"
@@ -153,6 +154,8 @@ int cli_run_mla(const run_config *o, int *handled) {
     if (st != MHA_STATUS_OK)
         return cli_lib_fail(o->opt[O_MODEL], &err);
     int rc = check_mla_options(o);
+    if (!rc) /* as the ordinary path: no output may be an input (or a model file) or a link */
+        rc = check_paths(o);
     if (!rc)
         rc = run_layer(o, m, &err);
     mha_mla_destroy(m);

@@ -583,3 +583,33 @@ def test_cli_run_model_decode(models, tmp_path, dtype, tol):
     assert r.returncode == 2 and "--positions" in r.stderr
     r = subprocess.run(base + out + ["--dtype", "bf16"], capture_output=True, text=True)
     assert r.returncode == 2 and "--dtype" in r.stderr
+
+
+def test_cli_run_model_checks_output_paths(models, tmp_path):
+    """An MLA --model run checks its output paths as every `mha run` does (docs/FORMATS.md): an
+    --out that is the --input or a file of the model directory, or a symbolic link, is refused
+    (exit 1, naming both) and left as it was. Before, the MLA path skipped the check and
+    replaced the input, or the model's own config.json, with the output."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    src, refs = models["v2_no_lora"]
+    d = str(tmp_path / "m")
+    shutil.copytree(src, d)
+    x = tmp_path / "x.npy"
+    np.save(x, refs[1][0].astype(np.float32))
+    (tmp_path / "t.txt").write_bytes(b"kept")
+    os.symlink(tmp_path / "t.txt", tmp_path / "link.npy")
+    for out, words in ((x, ["is the same file as --input"]),
+                       (os.path.join(d, "config.json"), ["is the same file as --model"]),
+                       (tmp_path / "link.npy", ["is a symbolic link"])):
+        before = {p: open(p, "rb").read() for p in (x, os.path.join(d, "config.json"),
+                                                      tmp_path / "t.txt")}
+        r = subprocess.run([cli, "run", "--model", d, "--layer", "1", "--input", str(x),
+                            "--out", str(out)], capture_output=True, text=True)
+        assert r.returncode == 1, (out, r.returncode, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and all(w in r.stderr for w in words), r.stderr
+        for p, data in before.items():
+            assert open(p, "rb").read() == data, (out, p)
+        assert os.path.islink(tmp_path / "link.npy")
