@@ -4,20 +4,23 @@
  * (mha_mla_forward) of --input [n, hidden] or [B, n, hidden] into --out (float32), with
  * --positions and --threads; with --decode (--prefill P, --cache-dtype T) the same rows through
  * the compressed cache (mha_mla_cache, mha_mla_decode_step: the absorbed form): the first P tokens
- * of every sequence in one call, then one token per call. The output paths are checked as the
- * ordinary path checks them (check_paths). Every other option of `mha run` is refused naming it
- * (docs/MODELS.md "Multi-head latent attention"). */
+ * of every sequence in one call, then one token per call. The output is checked as the ordinary
+ * path checks it (check_paths; a non-finite output of finite inputs is exit 3, nothing written,
+ * unless --allow-nonfinite). Every other option of `mha run` is refused naming it (docs/MODELS.md
+ * "Multi-head latent attention"). */
 #include "cli_run_common.h"
 
 #include "npy.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* The options an MLA layer takes; any other given one is a usage error naming it. */
 static int check_mla_options(const run_config *o) {
-    static const int ok[] = {O_MODEL,     O_LAYER,   O_INPUT,  O_OUT,     O_THREADS,
-                             O_POSITIONS, O_VERBOSE, O_DECODE, O_PREFILL, O_CACHE_DTYPE};
+    static const int ok[] = {O_MODEL,   O_LAYER,       O_INPUT,          O_OUT,
+                             O_THREADS, O_POSITIONS,   O_VERBOSE,        O_DECODE,
+                             O_PREFILL, O_CACHE_DTYPE, O_ALLOW_NONFINITE};
     for (int i = 0; i < O_COUNT; i++) {
         int allowed = i == O_HELP;
         for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++)
@@ -125,6 +128,14 @@ static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
         rc = mha_mla_forward(m, &a, &ex, err) == MHA_STATUS_OK ? CLI_OK
                                                                : cli_lib_fail(o->opt[O_MODEL], err);
     if (rc)
+        goto done;
+    /* Exit 3, nothing written, when finite inputs gave NaN or inf (docs/FORMATS.md). */
+    run_state s;
+    memset(&s, 0, sizeof s);
+    s.inputs_nonfinite = !input_all_finite(&x);
+    char what[64 + 4096];
+    snprintf(what, sizeof what, "--out %s", o->opt[O_OUT]);
+    if ((rc = check_finite_output(o, &s, what, y, MHA_DTYPE_F32, x.ndim, x.shape)))
         goto done;
     if (mha__npy_write_f32(o->opt[O_OUT], y, x.ndim, x.shape, err) != MHA_STATUS_OK)
         rc = cli_lib_fail(o->opt[O_OUT], err);

@@ -613,3 +613,27 @@ def test_cli_run_model_checks_output_paths(models, tmp_path):
         for p, data in before.items():
             assert open(p, "rb").read() == data, (out, p)
         assert os.path.islink(tmp_path / "link.npy")
+
+
+def test_cli_run_model_nonfinite_output_is_exit_3(models, tmp_path):
+    """An MLA --model run of finite inputs whose output overflows to NaN / inf fails with exit
+    status 3 and writes nothing, as every `mha run` (docs/FORMATS.md "Output check"), forward
+    and --decode; --allow-nonfinite writes it with exit 0. Before, the output was written with
+    exit 0 (every value NaN)."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    d, refs = models["v2_no_lora"]
+    x = tmp_path / "x.npy"
+    np.save(x, np.full(refs[1][0].shape, 3e37, np.float32))  # finite; float32 overflows
+    y = tmp_path / "y.npy"
+    base = [cli, "run", "--model", d, "--layer", "1", "--input", str(x), "--out", str(y)]
+    for extra in ([], ["--decode", "--prefill", "3"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True)
+        assert r.returncode == 3, (extra, r.returncode, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and "not finite" in r.stderr, r.stderr
+        assert not y.exists() and os.listdir(tmp_path) == ["x.npy"]
+    r = subprocess.run(base + ["--allow-nonfinite"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert not np.all(np.isfinite(np.load(y)))
