@@ -341,6 +341,11 @@ int read_masks(const run_config *o, run_state *s, const run_dims *d, mha_forward
         if ((rc = read_npy(path, &s->mask)))
             return rc;
         if (is_float(s->mask.dtype)) {
+            if (v[O_MASK_MEANS]) /* it would have no effect: the float values are added */
+                return cli_fail("%s: --mask-means %s is for a boolean mask, but this one is %s, "
+                                "an additive mask (its values are added to the scores, -inf "
+                                "blocks); save it as bool, or drop --mask-means",
+                                path, v[O_MASK_MEANS], cli_dtype_name(s->mask.dtype));
             if ((rc = mask_tensor(path, &s->mask, NULL, MHA_DTYPE_F32, 4, target4, 4,
                                   "[B, h, n, m]", &mk->additive_mask)) ||
                 (rc = to_f32(path, &s->mask, &s->maskf)))

@@ -633,6 +633,11 @@ ERRORS = [
      _with("--mask", lambda c: _np_save(c.dir / "M.npy", np.ones((5, 5), bool)), "--mask-means",
            "maybe"), 2, "--mask-means"),
     ("mask-means-without-mask", _with("--mask-means", "block"), 2, "--mask-means"),
+    # A float mask is additive: --mask-means had no effect on it (a 0/1 float mask "block" ran
+    # as +0 / +1 added to the scores, exit 0); now refused naming the file.
+    ("mask-means-float-mask",
+     _with("--mask", lambda c: _np_save(c.dir / "M.npy", np.eye(5, dtype=np.float32)),
+           "--mask-means", "block"), 1, "M.npy: --mask-means block is for a boolean mask"),
     ("key-padding-wrong-shape",
      _with("--key-padding-mask", lambda c: _np_save(c.dir / "P.npy", np.ones((2, 4), bool))), 1,
      "P.npy"),
