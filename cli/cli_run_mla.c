@@ -83,8 +83,9 @@ static int run_decode(const run_config *o,
 
 /* x [B, n, hidden] (2-d: B = 1) as float32; positions [B, n] or [n] int64 when given. */
 static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
-    mha__npy x = {0}, p = {0};
+    mha__npy x = {0};
     float *xf = NULL, *y = NULL;
+    int64_t *pos = NULL;
     int rc = CLI_FAIL;
     const int64_t E = mha_mla_get_config(m)->hidden;
     if (mha__npy_read(o->opt[O_INPUT], &x, err) != MHA_STATUS_OK ||
@@ -103,18 +104,12 @@ static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
     a.seq_len = x.shape[x.ndim - 2];
     a.x = xf;
     a.causal = 1;
-    if (o->opt[O_POSITIONS]) {
-        if (mha__npy_read(o->opt[O_POSITIONS], &p, err) != MHA_STATUS_OK) {
-            rc = cli_lib_fail(o->opt[O_POSITIONS], err);
-            goto done;
-        }
-        if (p.dtype != MHA_DTYPE_I64 || p.count != a.batch * a.seq_len) {
-            rc = cli_fail("--positions: expected int64 [B, n] (%lld values), got %lld",
-                          (long long)(a.batch * a.seq_len), (long long)p.count);
-            goto done;
-        }
-        a.positions = p.data;
-    }
+    /* int32/int64 [n] or [B, n] in [0, 2^31], as the ordinary path reads them (not any array of
+     * B n values: a transposed [n, B] file is refused, not read as [B, n]). */
+    if (o->opt[O_POSITIONS] && (rc = read_index(o->opt[O_POSITIONS], "position", a.batch, a.seq_len,
+                                                0, MHA_MAX_POSITION, &pos)))
+        goto done;
+    a.positions = pos;
     y = malloc(sizeof(float) * (size_t)x.count);
     a.out = y;
     mha_exec ex;
@@ -145,7 +140,7 @@ done:
     free(xf);
     free(y);
     mha__npy_free(&x);
-    mha__npy_free(&p);
+    free(pos);
     return rc;
 }
 

@@ -637,3 +637,38 @@ def test_cli_run_model_nonfinite_output_is_exit_3(models, tmp_path):
     r = subprocess.run(base + ["--allow-nonfinite"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert not np.all(np.isfinite(np.load(y)))
+
+
+def test_cli_run_model_positions_shapes(models, tmp_path):
+    """--positions of an MLA --model run is read as the ordinary path reads it: int32 or int64,
+    [n] (every sequence) or [B, n], in [0, 2^31]. Before, any int64 array of B n values was
+    taken as [B, n]: a transposed [n, B] file (or a flat [B n] one) ran with exit 0 on the
+    wrong positions, and the documented [n] and int32 forms were refused."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    d, refs = models["v2_no_lora"]
+    x = tmp_path / "x.npy"
+    np.save(x, refs[1][0].astype(np.float32))
+    pos = np.arange(BATCH * SEQ, dtype=np.int64).reshape(BATCH, SEQ) + 3
+
+    def run(name, arr):
+        np.save(tmp_path / name, arr)
+        return subprocess.run([cli, "run", "--model", d, "--layer", "1", "--input", str(x),
+                               "--out", str(tmp_path / "y.npy"), "--positions",
+                               str(tmp_path / name)], capture_output=True, text=True)
+
+    for name, arr in (("t.npy", np.ascontiguousarray(pos.T)), ("f.npy", pos.reshape(-1))):
+        r = run(name, arr)
+        assert r.returncode == 1 and f"{name}: shape" in r.stderr, r.stderr
+        assert not (tmp_path / "y.npy").exists()
+    r = run("n.npy", pos[0].astype(np.int32))  # [n] int32: the same positions in every row
+    assert r.returncode == 0, r.stderr
+    y_n = np.load(tmp_path / "y.npy")
+    r = run("bn.npy", np.tile(pos[0], (BATCH, 1)))
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(y_n, np.load(tmp_path / "y.npy"))
+    m = mha.MLA.from_pretrained(d, 1)
+    ref = m.forward(refs[1][0].astype(np.float32), np.tile(pos[0], (BATCH, 1)))
+    assert H.max_rel_err(y_n, ref) <= TOL_OUT_REL
