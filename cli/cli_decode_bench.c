@@ -240,8 +240,9 @@ stream_pass(const uint64_t *buf, int64_t words, int threads, int prefetch, strea
     }
 }
 
-/* GB/s of the best of 5 passes of each loop: best[0] plain, best[1] with software prefetches. */
-static void stream_gbs(int64_t mb, int threads, double best[2]) {
+/* GB/s of the best of 5 passes of each loop: best[0] plain, best[1] with software prefetches.
+ * CLI_FAIL (one line) when the buffer cannot be allocated: never a silent 0 GB/s. */
+static int stream_gbs(int64_t mb, int threads, double best[2]) {
     const int64_t words = mb * 1024 * 1024 / 8;
     /* In 2 MiB pages where the OS gives them, as the library asks for its KV caches: the loop
      * measures the memory, not the page walks of 4 KiB pages. */
@@ -250,7 +251,7 @@ static void stream_gbs(int64_t mb, int threads, double best[2]) {
     uint64_t *buf = aligned_alloc(huge, bytes);
     best[0] = best[1] = 0.0;
     if (!buf)
-        return;
+        return cli_fail("cannot allocate --stream %lld MB", (long long)mb);
     (void)madvise(buf, bytes, MADV_HUGEPAGE);
     for (int64_t i = 0; i < words; i++)
         buf[i] = (uint64_t)i;
@@ -271,6 +272,7 @@ static void stream_gbs(int64_t mb, int threads, double best[2]) {
     free(buf);
     if (keep == 1) /* the sum is used, so the loop is not optimised away */
         best[0] = -best[0];
+    return CLI_OK;
 }
 
 /* Positions per prefill call. */
@@ -1076,9 +1078,10 @@ int cli_decode_bench_main(int argc, char **argv) {
     if (!rc) {
         double best[2] = {0.0, 0.0};
         if (b.stream_mb)
-            stream_gbs(b.stream_mb, b.threads, best);
+            rc = stream_gbs(b.stream_mb, b.threads, best);
         r.stream = best[0], r.stream_pf = best[1];
-        bench_report(&b, &r);
+        if (!rc)
+            bench_report(&b, &r);
     }
     bench_free(&r);
     free(b.lens);

@@ -248,6 +248,25 @@ def test_decode_bench_layer_prefill():
     assert r.returncode == 2 and "needs the layer" in r.stderr, r.stderr
 
 
+@pytest.mark.skipif(bool(os.environ.get("MHA_TEST_QUICK")),
+                    reason="sanitizer runs: an address-space limit breaks the sanitizer itself")
+def test_decode_bench_stream_buffer_not_allocated_is_an_error():
+    # --stream MB whose buffer cannot be allocated (address space limited to 2 GiB here): one
+    # line naming --stream and exit 1. Before, the measurement was skipped and the report said
+    # nothing ("stream_gbs": 0 in the JSON line) with exit 0.
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    r = subprocess.run([CLI, "decode-bench", "--stream", "4096", "--heads", "2", "--kv-heads",
+                        "1", "--head-dim", "8", "--cache-len", "8", "--steps", "1", "--warmup",
+                        "0", "--json"], capture_output=True, text=True, timeout=300,
+                       preexec_fn=limit)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr == "mha: cannot allocate --stream 4096 MB\n" and r.stdout == ""
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--heads", "6", "--kv-heads", "4"], "--kv-heads 4 does not divide --heads 6"),
     (["--cache-dtype", "int8"], "--cache-dtype: 'int8'"),
