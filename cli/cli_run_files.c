@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /* cli_run_files.c: `mha run`'s files: every input array read and checked (shape, dtype, range)
  * with one error line naming the file, and the outputs written atomically (cli_run_common.h). */
+#define _POSIX_C_SOURCE 200809L /* opendir */
 #include "cli_run_common.h"
 
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -348,6 +350,12 @@ int write_outputs(const run_config *o,
     return CLI_OK;
 }
 
+/* Whether name ends in suffix. */
+static int has_suffix(const char *name, const char *suffix) {
+    const size_t a = strlen(name), b = strlen(suffix);
+    return a >= b && strcmp(name + a - b, suffix) == 0;
+}
+
 /* Every file `mha run` reads or writes, for cli_check_outputs() before any work. */
 int check_paths(const run_config *o) {
     const char *const *v = o->opt;
@@ -355,24 +363,52 @@ int check_paths(const run_config *o) {
                                  O_VALUE,          O_MASK,      O_KPM,           O_Q_SEGMENTS,
                                  O_KV_SEGMENTS,    O_POSITIONS, O_KEY_POSITIONS, O_SINKS,
                                  O_CAUSAL_OFFSETS, O_TOKENS};
-    /* --model: its config, single file and index are inputs too (shards are not listed). */
-    static const char *const model_files[] = {"config.json", "model.safetensors",
-                                              "model.safetensors.index.json"};
-    enum { N_IDS = sizeof in_ids / sizeof in_ids[0], N_MODEL = 3 };
+    enum { N_IDS = sizeof in_ids / sizeof in_ids[0] };
     static const int out_ids[] = {O_OUT, O_ATTN, O_PLOT, O_ATTN_STATS};
     enum { N_OUT = sizeof out_ids / sizeof out_ids[0] };
-    cli_path in[N_IDS + N_MODEL], out[N_OUT];
-    char model_paths[N_MODEL][4096];
-    int n_in = 0;
-    for (int i = 0; i < N_IDS; i++)
-        in[n_in++] = (cli_path){o->flags[in_ids[i]].name, v[in_ids[i]]};
-    for (int i = 0; v[O_MODEL] && i < N_MODEL; i++) {
-        int len =
-            snprintf(model_paths[i], sizeof model_paths[i], "%s/%s", v[O_MODEL], model_files[i]);
-        if (len > 0 && (size_t)len < sizeof model_paths[i])
-            in[n_in++] = (cli_path){"--model", model_paths[i]};
+    /* --model: every .json and .safetensors file of the directory is an input too (its config,
+     * the single file or the index and every shard it names). */
+    char **model_paths = NULL;
+    int n_model = 0, cap = 0, rc = CLI_OK;
+    DIR *dir = v[O_MODEL] ? opendir(v[O_MODEL]) : NULL;
+    for (struct dirent *e; dir && rc == CLI_OK && (e = readdir(dir)) != NULL;) {
+        if (!has_suffix(e->d_name, ".json") && !has_suffix(e->d_name, ".safetensors"))
+            continue;
+        if (n_model == cap) {
+            cap = cap ? 2 * cap : 16;
+            char **grown = realloc(model_paths, sizeof *model_paths * (size_t)cap);
+            if (!grown) {
+                rc = cli_fail("out of memory");
+                break;
+            }
+            model_paths = grown;
+        }
+        const size_t len = strlen(v[O_MODEL]) + 1 + strlen(e->d_name) + 1;
+        if (!(model_paths[n_model] = malloc(len))) {
+            rc = cli_fail("out of memory");
+            break;
+        }
+        snprintf(model_paths[n_model++], len, "%s/%s", v[O_MODEL], e->d_name);
     }
-    for (int i = 0; i < N_OUT; i++)
-        out[i] = (cli_path){o->flags[out_ids[i]].name, v[out_ids[i]]};
-    return cli_check_outputs(in, n_in, out, N_OUT);
+    if (dir)
+        closedir(dir);
+    cli_path *in = rc ? NULL : malloc(sizeof *in * (size_t)(N_IDS + n_model));
+    if (!rc && !in)
+        rc = cli_fail("out of memory");
+    if (!rc) {
+        cli_path out[N_OUT];
+        int n_in = 0;
+        for (int i = 0; i < N_IDS; i++)
+            in[n_in++] = (cli_path){o->flags[in_ids[i]].name, v[in_ids[i]]};
+        for (int i = 0; i < n_model; i++)
+            in[n_in++] = (cli_path){"--model", model_paths[i]};
+        for (int i = 0; i < N_OUT; i++)
+            out[i] = (cli_path){o->flags[out_ids[i]].name, v[out_ids[i]]};
+        rc = cli_check_outputs(in, n_in, out, N_OUT);
+    }
+    free(in);
+    for (int i = 0; i < n_model; i++)
+        free(model_paths[i]);
+    free(model_paths);
+    return rc;
 }

@@ -14,6 +14,7 @@ Run by ctest with MHA_CLI=<path to mha>; needs numpy, torch and transformers
 """
 import json
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -107,6 +108,29 @@ def test_sharded_checkpoint_is_read_through_its_index(models):
     files = os.listdir(d)
     assert "model.safetensors.index.json" in files
     assert sum(f.endswith(".safetensors") for f in files) > 2
+
+
+def test_output_that_is_a_file_of_the_model_is_refused(models, tmp_path):
+    """Every .json and .safetensors file of --model DIR is an input: an --out naming a shard,
+    the index or config.json is refused (exit 1, naming both) and the file is left as it was.
+    Before, only config.json, model.safetensors and the index were checked: --out DIR/<a shard>
+    replaced the shard with the output (exit 0), and the model no longer loaded."""
+    src, refs = models[H.SHARDED]
+    d = str(tmp_path / "m")
+    shutil.copytree(src, d)
+    x = tmp_path / "x.npy"
+    np.save(x, refs[sorted(refs)[0]][0])
+    files = sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".json")))
+    assert sum(f.endswith(".safetensors") for f in files) > 2
+    for f in files:
+        path = os.path.join(d, f)
+        before = open(path, "rb").read()
+        r = run_cli("run", "--model", d, "--input", x, "--out", path)
+        assert r.returncode == 1, (f, r.returncode, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and "is the same file as --model" in r.stderr
+        assert open(path, "rb").read() == before, f
+    r = run_cli("run", "--model", d, "--input", x, "--out", os.path.join(d, "y.npy"))
+    assert r.returncode == 0, r.stderr  # another file in the directory is fine
 
 
 def test_window_layers_differ_from_full(models, tmp_path):
