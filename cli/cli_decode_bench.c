@@ -508,8 +508,9 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
         if (!b->attn_only)
             return cli_usage("--batch-lengths needs --attention-only");
         long long lo, hi, seed;
-        int logu = strncmp(c, "logu:", 5) == 0;
-        if (logu && sscanf(c + 5, "%lld:%lld:%lld", &lo, &hi, &seed) != 3)
+        int logu = strncmp(c, "logu:", 5) == 0, used = 0;
+        if (logu && (sscanf(c + 5, "%lld:%lld:%lld%n", &lo, &hi, &seed, &used) != 3 ||
+                     c[5 + used] != '\0')) /* all of it: "logu:1:10:5xyz" is no list */
             return cli_usage("--batch-lengths: '%s' is not logu:LO:HI:SEED", c);
         if (logu && (lo < 1 || hi < lo || hi > (1 << 24)))
             return cli_usage("--batch-lengths: need 1 <= LO <= HI <= 2^24");

@@ -274,6 +274,8 @@ def test_decode_bench_stream_buffer_not_allocated_is_an_error():
     (["--weight-dtype", "q8_0", "--q-dim", "48"], "--weight-dtype q8_0 needs"),
     (["--bogus"], "unknown option '--bogus'"),
     (["--cold", "-1"], "--cold: -1 is out of range"),
+    (["--attention-only", "--batch-lengths", "logu:1:10:5xyz"],  # was read as seed 5, exit 0
+     "--batch-lengths: 'logu:1:10:5xyz' is not logu:LO:HI:SEED"),
     (["--steps", "0"], "--steps: 0 is out of range"),
     (["--paged-order", "ordered"], "--paged-order needs --paged"),
     (["--paged", "16", "--paged-order", "random"], "--paged-order: 'random' is not lockstep"),
