@@ -94,8 +94,11 @@ static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
         goto done;
     }
     if ((x.ndim != 2 && x.ndim != 3) || x.shape[x.ndim - 1] != E) {
-        rc = cli_fail("--input: expected [n, %lld] or [B, n, %lld], got %d dimensions",
-                      (long long)E, (long long)E, (int)x.ndim);
+        char sb[160];
+        rc = cli_fail("%s: shape %s does not fit: expected [n, %lld] or [B, n, %lld] (hidden_size "
+                      "%lld)",
+                      o->opt[O_INPUT], cli_shape_str(sb, sizeof sb, x.ndim, x.shape), (long long)E,
+                      (long long)E, (long long)E);
         goto done;
     }
     mha_mla_forward_args a;

@@ -583,6 +583,11 @@ def test_cli_run_model_decode(models, tmp_path, dtype, tol):
     assert r.returncode == 2 and "--positions" in r.stderr
     r = subprocess.run(base + out + ["--dtype", "bf16"], capture_output=True, text=True)
     assert r.returncode == 2 and "--dtype" in r.stderr
+    # An input of the wrong width names the file and its shape (it said "got 3 dimensions").
+    np.save(tmp_path / "xw.npy", x[..., :-1].astype(np.float32))
+    r = subprocess.run(base[:-1] + [str(tmp_path / "xw.npy")] + out, capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and f"xw.npy: shape [{BATCH}, {SEQ}, 31] does not fit" in r.stderr
 
 
 def test_cli_run_model_checks_output_paths(models, tmp_path):
