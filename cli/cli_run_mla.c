@@ -81,8 +81,9 @@ static int run_decode(const run_config *o,
     return rc;
 }
 
-/* x [B, n, hidden] (2-d: B = 1) as float32; positions [B, n] or [n] int64 when given. */
-static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
+/* x [B, n, hidden] (2-d: B = 1) as float32; positions [B, n] or [n] int64 when given. s: the
+ * --verbose clock and the inputs' finiteness. */
+static int run_layer(const run_config *o, const mha_mla *m, run_state *s, mha_error *err) {
     mha__npy x = {0};
     float *xf = NULL, *y = NULL;
     int64_t *pos = NULL;
@@ -113,6 +114,7 @@ static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
                                                 0, MHA_MAX_POSITION, &pos)))
         goto done;
     a.positions = pos;
+    stage_done(o, s, "inputs read");
     y = malloc(sizeof(float) * (size_t)x.count);
     a.out = y;
     mha_exec ex;
@@ -127,18 +129,19 @@ static int run_layer(const run_config *o, const mha_mla *m, mha_error *err) {
                                                                : cli_lib_fail(o->opt[O_MODEL], err);
     if (rc)
         goto done;
+    stage_done(o, s, o->decode ? "prefill and decode steps computed" : "forward computed");
     /* Exit 3, nothing written, when finite inputs gave NaN or inf (docs/FORMATS.md). */
-    run_state s;
-    memset(&s, 0, sizeof s);
-    s.inputs_nonfinite = !input_all_finite(&x);
+    s->inputs_nonfinite = !input_all_finite(&x);
     char what[64 + 4096];
     snprintf(what, sizeof what, "--out %s", o->opt[O_OUT]);
-    if ((rc = check_finite_output(o, &s, what, y, MHA_DTYPE_F32, x.ndim, x.shape)))
+    if ((rc = check_finite_output(o, s, what, y, MHA_DTYPE_F32, x.ndim, x.shape)))
         goto done;
-    if (mha__npy_write_f32(o->opt[O_OUT], y, x.ndim, x.shape, err) != MHA_STATUS_OK)
+    if (mha__npy_write_f32(o->opt[O_OUT], y, x.ndim, x.shape, err) != MHA_STATUS_OK) {
         rc = cli_lib_fail(o->opt[O_OUT], err);
-    else
+    } else {
         rc = CLI_OK;
+        stage_done(o, s, "outputs written");
+    }
 done:
     free(xf);
     free(y);
@@ -156,6 +159,9 @@ int cli_run_mla(const run_config *o, int *handled) {
     mha_error err;
     memset(&err, 0, sizeof err);
     mha_mla *m = NULL;
+    run_state s;
+    memset(&s, 0, sizeof s);
+    stage_begin(&s);
     const mha_status st = mha_hf_mla_load(o->opt[O_MODEL], o->layer, NULL, &m, &info, &err);
     if (st != MHA_STATUS_OK && !info.model_type[0])
         return CLI_OK; /* not an MLA model_type: the ordinary layer path reads it */
@@ -166,7 +172,9 @@ int cli_run_mla(const run_config *o, int *handled) {
     if (!rc) /* as the ordinary path: no output may be an input (or a model file) or a link */
         rc = check_paths(o);
     if (!rc)
-        rc = run_layer(o, m, &err);
+        stage_done(o, &s, "weights read");
+    if (!rc)
+        rc = run_layer(o, m, &s, &err);
     mha_mla_destroy(m);
     return rc;
 }

@@ -644,6 +644,26 @@ def test_cli_run_model_nonfinite_output_is_exit_3(models, tmp_path):
     assert not np.all(np.isfinite(np.load(y)))
 
 
+def test_cli_run_model_verbose(models, tmp_path):
+    """--verbose on an MLA --model run reports its stages as the ordinary path does (it was
+    accepted and printed nothing)."""
+    import subprocess
+    cli = os.environ.get("MHA_CLI")
+    if not cli:
+        pytest.skip("MHA_CLI not set")
+    d, refs = models["v2_no_lora"]
+    x = tmp_path / "x.npy"
+    np.save(x, refs[1][0].astype(np.float32))
+    base = [cli, "run", "--model", d, "--layer", "1", "--input", str(x), "--out",
+            str(tmp_path / "y.npy"), "--verbose"]
+    for extra, stage in (([], "forward computed"), (["--decode"], "prefill and decode steps")):
+        r = subprocess.run(base + extra, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        lines = [ln.split(" (")[0] for ln in r.stderr.splitlines()]
+        assert lines[0] == "mha: weights read" and lines[-1] == "mha: outputs written", lines
+        assert any(stage in ln for ln in lines), lines
+
+
 def test_cli_run_model_positions_shapes(models, tmp_path):
     """--positions of an MLA --model run is read as the ordinary path reads it: int32 or int64,
     [n] (every sequence) or [B, n], in [0, 2^31]. Before, any int64 array of B n values was
