@@ -168,6 +168,17 @@ int build_layer(const run_config *o, run_state *s) {
         if (o->dtype != MHA_DTYPE_F32) { /* the layer's weights are all in its weight_dtype */
             if ((rc = to_dtype(path, &s->sinks, o->dtype, &s->sinksw)))
                 return rc;
+            for (int64_t i = 0; i < h; i++) { /* finite in the file, beyond the dtype's range */
+                float f;
+                mha__npy_convert(o->dtype,
+                                 (const char *)s->sinksw + (size_t)i * mha_dtype_size(o->dtype),
+                                 MHA_DTYPE_F32, &f, 1);
+                if (!isfinite(f))
+                    return cli_fail("%s: sink logit of head %lld (%g) is beyond %s's range "
+                                    "(--dtype)",
+                                    path, (long long)i, (double)s->sinksf[i],
+                                    cli_dtype_name(o->dtype));
+            }
             w.sinks = s->sinksw;
         }
     }

@@ -318,6 +318,18 @@ def test_f16_overflow_of_an_input_is_reported(half_case):
     assert "float16 overflowed" in r.stderr and not os.path.exists(d / "Y.npy")
 
 
+def test_f16_overflow_of_a_sink_logit_names_the_sinks_file(half_case):
+    # A sink logit of 1e5 is finite in the file but inf in float16: the run is refused naming
+    # the --sinks file and the head (it named the weights file, "weights.sinks[0] is inf").
+    d, w, x = half_case
+    np.save(d / "S.npy", np.array([1e5, 0.0, 0.0, 0.0], np.float32))
+    r = run_cli("run", "--weights", d / "W.safetensors", "--heads", 4, "--input", d / "X.npy",
+                "--out", d / "Y.npy", "--dtype", "f16", "--sinks", d / "S.npy")
+    assert r.returncode == 1, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "S.npy: sink logit of head 0" in r.stderr
+    assert "float16" in r.stderr and not os.path.exists(d / "Y.npy")
+
+
 @pytest.mark.parametrize("value", ["bfloat16", "F16", "f64", "", "fp16"])
 def test_bad_dtype_is_a_usage_error(half_case, value):
     d, _, _ = half_case
