@@ -20,6 +20,8 @@
 
 #if defined(MHA_HAVE_CAIRO)
 
+#    include "npy.h" /* mha__npy_create_tmp */
+
 #    include <cairo-pdf.h>
 #    include <cairo-svg.h>
 #    include <cairo.h>
@@ -422,6 +424,15 @@ int cli_plot_render(const char *path, const cli_plot_map *map, char *msg, size_t
         return 0;
     }
     snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
+    /* The name is created new first (never an existing file or a link: mha__npy_create_tmp);
+     * cairo then opens that file of ours. */
+    FILE *reserved = mha__npy_create_tmp(tmp);
+    if (!reserved) {
+        snprintf(msg, msg_size, "cannot create '%s': %s", tmp, strerror(errno));
+        free(tmp);
+        return 0;
+    }
+    fclose(reserved);
     const cairo_status_t st = draw_to(path, tmp, map);
     int ok = st == CAIRO_STATUS_SUCCESS;
     if (ok && rename(tmp, path) != 0) {

@@ -32,6 +32,9 @@
 #ifndef O_NOCTTY
 #    define O_NOCTTY 0
 #endif
+#ifndef O_NOFOLLOW
+#    define O_NOFOLLOW 0
+#endif
 
 /* Header dicts are a few hundred bytes; numpy itself refuses more than 10000 by default. The limit
  * keeps a hostile version 2.0/3.0 header length (up to 4 GiB) from causing a huge allocation. */
@@ -64,6 +67,22 @@ mha_status mha__npy_commit(FILE *f, int ok, const char *tmp, const char *path, m
         return MHA_STATUS_OK;
     remove(tmp);
     return mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot write: %s", path, strerror(e));
+}
+
+FILE *mha__npy_create_tmp(const char *tmp) {
+    /* O_EXCL: never open an existing name (O_EXCL fails on a symbolic link too, dangling or not),
+     * so a link planted at the predictable name cannot make the write go through it. */
+    const int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return NULL;
+    FILE *f = fdopen(fd, "wb");
+    if (!f) {
+        const int e = errno;
+        close(fd);
+        remove(tmp);
+        errno = e;
+    }
+    return f;
 }
 
 static void npy_ok(mha_error *err) {
@@ -798,7 +817,7 @@ mha_status mha__npy_write(const char *path,
     NPY_RETURN_IF(!tmp, err, NO_MEMORY, "%s: out of memory", path);
     snprintf(tmp, tmp_size, "%s.tmp.%ld", path, (long)getpid());
 
-    FILE *f = fopen(tmp, "wb");
+    FILE *f = mha__npy_create_tmp(tmp);
     if (!f) {
         int e = errno;
         mha_status st =

@@ -59,6 +59,10 @@ mha_status mha__npy_fail(mha_error *err, mha_status status, const char *fmt, ...
  * errno telling why not), is closed and renamed to `path`; on any failure `tmp` is removed and err
  * names `path` and the reason (MHA_STATUS_IO). */
 mha_status mha__npy_commit(FILE *f, int ok, const char *tmp, const char *path, mha_error *err);
+/* The start of an atomic write: creates `tmp` new (O_EXCL | O_NOFOLLOW: an existing file or a
+ * symbolic link of that name is never opened, truncated or written through) and returns it open
+ * for writing, or NULL with errno set. */
+FILE *mha__npy_create_tmp(const char *tmp);
 /* Writes a C-order array of `dtype` (F32, F64, F16, BF16 as '<V2', or an integer type) atomically
  * (temporary file + rename). */
 mha_status mha__npy_write(const char *path,

@@ -217,7 +217,7 @@ mha__npz_write(const char *path, const mha__npz_member *members, int count, mha_
                            path, (unsigned long long)total);
     if (st == MHA_STATUS_OK) {
         snprintf(tmp, strlen(path) + 32, "%s.tmp.%ld", path, (long)getpid());
-        FILE *f = fopen(tmp, "wb");
+        FILE *f = mha__npy_create_tmp(tmp);
         if (!f) {
             st = mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot create '%s': %s", path, tmp,
                                strerror(errno));

@@ -296,3 +296,41 @@ def test_model_config_scalars_beyond_float32(case, field, value, needle):
     ok = gemma2_dir(case.dir / "g2ok")
     r = run_cli("run", "--model", ok, "--layer", 0, "--input", case.X, "--out", case.Y)
     assert r.returncode == 0 and np.isfinite(np.load(case.Y)).all(), r.stderr
+
+
+def _has_cairo():
+    return "--plot" not in run_cli("run", "--weights", "w", "--heads", 1, "--input", "x",
+                                   "--out", "y.npy", "--plot", "p.png").stderr
+
+
+@pytest.mark.parametrize("flag,name", [("--out", "Y.npy"), ("--attn-stats", "S.npz"),
+                                       ("--plot", "P.png")])
+def test_never_writes_through_a_link_at_the_temporary_name(case, flag, name):
+    """Outputs are written to <path>.tmp.<pid>, then renamed. A symbolic link planted at that
+    name (the pid is easy to guess in a shared directory) is never written through: the run
+    fails (exit 1, naming the temporary), the link's target is left as it was and no output
+    appears. Before, fopen followed the link (the target truncated and overwritten with the
+    output) and the rename made the output itself a link to it."""
+    if flag == "--plot" and not _has_cairo():
+        pytest.skip("built without cairo")
+    victim = case.dir / "victim.txt"
+    victim.write_bytes(b"kept")
+    out = str(case.dir / name)
+    args = [CLI, *map(str, case.base), flag, out] + ([] if flag == "--out" else ["--out", case.Y])
+    err = case.dir / "stderr.txt"
+    pid = os.fork()
+    if pid == 0:  # the child plants the link at its own pid's name, then becomes mha
+        try:
+            os.symlink(victim, f"{out}.tmp.{os.getpid()}")
+            fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 2)
+            os.execv(CLI, args)
+        finally:
+            os._exit(127)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 1, (status, err.read_text())
+    lines = err.read_text().splitlines()
+    assert len(lines) == 1 and f"cannot create '{out}.tmp.{pid}'" in lines[0], lines
+    assert victim.read_bytes() == b"kept"
+    assert not os.path.lexists(out)
+    assert os.path.islink(f"{out}.tmp.{pid}")  # not ours: left as it was
