@@ -395,6 +395,10 @@ def test_numpy_masks_and_sizes():
         mha.attention(q, k, v, mask=np.ones((8, 7), bool))
     with pytest.raises(ValueError, match="sinks"):
         mha.attention(q, k, v, sinks=np.zeros(1, np.float32))
+    # a float mask is added: mask_means="block" was ignored (a 0/1 float mask "blocking" the
+    # ones ran as the mask added, the output of mask_means="attend")
+    with pytest.raises(ValueError, match="mask_means='block' with a float mask"):
+        mha.attention(q, k, v, mask=np.eye(8, dtype=np.float32), mask_means="block")
     with pytest.raises(ValueError, match="do not agree"):
         mha.attention(q, k[..., :3], v)
     out, lse = mha.attention(q, k, v, return_lse=True)

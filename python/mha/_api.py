@@ -296,6 +296,10 @@ def _fill_masking(mk: L.mha_masking, keep: list, *, batch: int, causal, alignmen
     if mask is not None:
         ma = np.asarray(mask)
         if _is_float(ma.dtype):
+            if mask_means != "attend":  # (a float mask is added: 'block' would be ignored)
+                raise ValueError(f"mask_means={mask_means!r} with a float mask: a float mask is "
+                                 f"added to the scores (-inf blocks); mask_means reads boolean "
+                                 f"and integer masks only")
             if attn_bias is not None:
                 raise ValueError("mask is a float (additive) mask and attn_bias is also given; "
                                  "add them, or pass a boolean mask")
