@@ -10,7 +10,6 @@ core (:func:`attention`, :func:`attention_backward`) also reads float16 and bflo
 from __future__ import annotations
 
 import ctypes
-import operator
 import weakref
 from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -115,16 +114,7 @@ def _float32(x: ArrayLike, name: str, contiguous: bool = True) -> np.ndarray:
     return a
 
 
-def _i64(x: Any, name: str) -> int:
-    """x as an int64_t argument: an integer (TypeError otherwise) in [-2^63, 2^63) (ValueError
-    otherwise: ctypes would pass it modulo 2^64, another sequence or length without a word)."""
-    try:
-        i = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name}: expected an integer, got {type(x).__name__}") from None
-    if not -2 ** 63 <= i < 2 ** 63:
-        raise ValueError(f"{name}={i} is outside int64")
-    return i
+_i64 = L.int_arg  # (x, name): an int64_t argument
 
 
 def _layer_index(layer: Any) -> None:

@@ -16,6 +16,7 @@ everything).
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import sys
 from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_float, c_int, c_int32,
@@ -49,6 +50,21 @@ ROPE_STYLES = {None: 0, "none": 0, "interleaved": 1, "half": 2}
 ROPE_SCALINGS = {None: 0, "none": 0, "linear": 1, "ntk": 2, "llama3": 3, "yarn": 4,
                  "dynamic": 5, "longrope": 6}
 ROPE_MAX_PAIRS = 128  # MHA_ROPE_MAX_PAIRS
+
+
+def int_arg(x, name: str, bits: int = 64) -> int:
+    """x as a C intN_t argument: an integer (TypeError otherwise; a bool or float is not one) in
+    [-2^(bits-1), 2^(bits-1)) (ValueError otherwise: ctypes would pass it modulo 2^bits, another
+    sequence, rank or length without a word)."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name}: expected an integer, got bool")
+    try:
+        i = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {type(x).__name__}") from None
+    if not -2 ** (bits - 1) <= i < 2 ** (bits - 1):
+        raise ValueError(f"{name}={i} is outside int{bits}")
+    return i
 
 
 class MhaError(RuntimeError):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import operator
 import os
 import sys
 from ctypes import POINTER, Structure, c_int, c_int32, c_int64
@@ -98,26 +97,11 @@ def config(seq_len, shard_layout: str) -> mha_ring_config:
     return c
 
 
-def _i32(x, name: str) -> int:
-    """x as an int32_t argument: an integer (TypeError otherwise; a bool or float is not one) in
-    [-2^31, 2^31) (ValueError otherwise: ctypes would pass it modulo 2^32, so num_ranks=2^32+2
-    would shard for 2 ranks without a word)."""
-    if isinstance(x, bool):
-        raise TypeError(f"{name}: expected an integer, got bool")
-    try:
-        i = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name}: expected an integer, got {type(x).__name__}") from None
-    if not -2 ** 31 <= i < 2 ** 31:
-        raise ValueError(f"{name}={i} is outside int32")
-    return i
-
-
 def shard_chunks(seq_len: int, num_ranks: int, rank: int,
                  shard_layout: str = "zigzag") -> List[Tuple[int, int]]:
     """The (start, stop) global row ranges that `rank` of `num_ranks` holds, in local order
     (mha_ring_shard: one chunk, or two with 'zigzag'). No communication."""
-    num_ranks, rank = _i32(num_ranks, "num_ranks"), _i32(rank, "rank")
+    num_ranks, rank = L.int_arg(num_ranks, "num_ranks", 32), L.int_arg(rank, "rank", 32)
     lib = library()
     cfg = config(seq_len, shard_layout)
     nc = c_int32()
