@@ -22,20 +22,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* GHz: 3 x 2^24 dependent IMULs (3 cycles each) per run, best of 5 */
-static double clock_ghz(void) {
-    double best = 1e30;
-    for (int run = 0; run < 5; run++) {
-        uint64_t x = 3;
-        const double t0 = bench_now_s();
-        for (int i = 0; i < (1 << 24); i++)
-            __asm__ volatile("imul %0, %0\n\timul %0, %0\n\timul %0, %0" : "+r"(x));
-        const double t = bench_now_s() - t0;
-        best = t < best ? t : best;
-    }
-    return 9.0 * (double)(1 << 24) / best * 1e-9;
-}
-
 /* F16C (CPUID.1:ECX bit 29): clang 14's __builtin_cpu_supports does not know it */
 static int has_f16c(void) {
     unsigned a, b, c, d;
@@ -128,7 +114,7 @@ int main(int argc, char **argv) {
 
     char cpu[128];
     bench_cpu_model(cpu, sizeof cpu);
-    const double ghz = clock_ghz();
+    const double ghz = bench_clock_ghz();
     printf("# %s; clock %.2f GHz (IMUL chain); 1 thread; per (key, kv head): 4 query rows, d 128\n",
            cpu, ghz);
     printf("# FMAs of both passes: 4 x 128 x 2 = 1024 multiply-adds; rows in the L1, no sums, "
