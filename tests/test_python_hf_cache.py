@@ -368,6 +368,18 @@ def test_refusals(name):
             small(ids, cache=mt.MhaCache(small.config, max_seq=32, dtype="q8_0"))
     with pytest.raises(ValueError, match="gradient"):  # training through the cache
         m(ids, cache=mt.MhaCache(m.config, max_seq=32))
+    # ... also when only the keys need one (a frozen q_proj, a trainable k_proj, and a trainable
+    # lm_head so that the loss has a gradient): until session 48 the query alone was checked and
+    # k_proj's gradient was silently None
+    train = {n for n, _ in m.named_parameters() if "k_proj" in n or "lm_head" in n}
+    for n, p in m.named_parameters():
+        p.requires_grad_(n in train)
+    with pytest.raises(ValueError, match="gradient"):
+        m(ids, cache=mt.MhaCache(m.config, max_seq=32))
+    with torch.no_grad():  # inference is unaffected
+        m(ids, cache=mt.MhaCache(m.config, max_seq=32))
+    for p in m.parameters():
+        p.requires_grad_(True)
     for bad in (dict(max_seq=0), dict(max_seq=8, dtype="int8"), dict(max_seq=8, dtype="fp8"),
                 dict(max_seq=8, fp8_scales=([1.0], [1.0]))):
         with pytest.raises(ValueError, match="MhaCache"):

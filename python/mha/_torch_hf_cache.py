@@ -308,7 +308,10 @@ class MhaCacheLayer(CacheLayerMixin):
     def _attend(self, query: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], *,
                 scaling: float, softcap: float, sinks: Optional[Tensor], causal: bool,
                 dropout: float, threads: int) -> Tensor:
-        if query.requires_grad:
+        # (any operand, not only the query: with a frozen q_proj, a trainable k_proj's or sinks'
+        # gradient was dropped without a word until session 48)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (query, k, v, sinks)):
             raise _refuse("the cache is for inference: no gradient flows through it (run under "
                           "torch.no_grad(), or use DynamicCache to train)")
         if dropout:
