@@ -321,6 +321,18 @@ def test_drop_ins_non_contiguous_and_masks():
         mt.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(16, 16, dtype=torch.int64))
     am = torch.randn(16, 16, dtype=torch.float64)
     close(mt.scaled_dot_product_attention(q, k, v, attn_mask=am), sdpa64(q, k, v, am), TOL_OUT_REL)
+    # a learned bias passed as a mask: no gradient flows into masks, so it is refused while grad
+    # mode is on (it was detached: bias.grad stayed None, where torch's sdpa trains it); detached
+    # or under no_grad it is a constant
+    bias = torch.randn(16, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        mt.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        layer(x, x, x, attn_mask=bias[:8, :8])
+    with torch.no_grad():
+        close(mt.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+              sdpa64(q, k, v, bias.detach()), TOL_OUT_REL)
+    mt.scaled_dot_product_attention(q, k, v, attn_mask=bias.detach())
 
 
 def test_fastcall_declines_what_it_cannot_read():

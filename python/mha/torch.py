@@ -20,8 +20,9 @@ Differences from PyTorch (docs/PYTHON.md): fully masked query rows give 0 (PyTor
 returned attention weights are the probabilities before dropout and carry no gradient; dropout
 uses mha's counter-based RNG seeded from torch's generator (reproducible with
 ``torch.manual_seed``, but not the same random mask as PyTorch's); gradients do not flow into
-masks; the gradients are not differentiable again (a double backward, e.g. a gradient penalty
-through ``torch.autograd.grad(..., create_graph=True)``, raises RuntimeError instead of dropping
+masks (a float mask that requires grad raises ValueError while grad mode is on); the gradients
+are not differentiable again (a double backward, e.g. a gradient penalty through
+``torch.autograd.grad(..., create_graph=True)``, raises RuntimeError instead of dropping
 the second-order terms); ``add_bias_kv`` and ``add_zero_attn`` raise NotImplementedError.
 """
 from __future__ import annotations
@@ -93,6 +94,11 @@ def _mask_arg(name: str, m: Tensor) -> Tensor:
     if m.dtype == torch.bool:
         return m.contiguous()
     if m.is_floating_point():
+        if m.requires_grad and torch.is_grad_enabled():
+            # (no gradient flows into masks: a learned bias passed as a mask, Swin's relative
+            # positions, would silently stop training; until session 48 it was detached)
+            raise ValueError(f"mha.torch: {name} requires grad, but mha computes no gradient for "
+                             f"masks; detach() it, or use torch's attention for a learned bias")
         # (no detach unless needed: a mask's identity is what _mask_rule caches its rule under)
         return (m.detach() if m.requires_grad else m).to(_F32).contiguous()
     raise TypeError(f"mha.torch: only bool and floating types of {name} are supported, got "
