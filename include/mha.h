@@ -1335,7 +1335,8 @@ MHA_API mha_status mha_mla_forward(const mha_mla *mla,
 /** Gradients of mha_mla_forward (the expanded form; the same args, whose out is not written):
  *  given dy = dL/dout [B, n, hidden], each non-NULL buffer is OVERWRITTEN with dL/d of its
  *  tensor, shaped as that tensor (dx as x; the weights as mha_mla_weights, norm weights
- *  included). A gradient of a tensor the config does not have must be NULL. The forward is
+ *  included). A gradient of a tensor the config does not have must be NULL. No gradient may
+ *  overlap x, positions, dy, the layer's weights or another gradient (INVALID_ARG). The forward is
  *  recomputed (nothing is saved between the calls); the attention's through
  *  mha_attention_backward, RMSNorm's and RoPE's in closed form (docs/SEMANTICS.md). */
 typedef struct mha_mla_grads {

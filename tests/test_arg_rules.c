@@ -10,7 +10,8 @@
  *     (INVALID_ARG naming both), for the same pointer and for a partial overlap, in every call
  *     with outputs; the documented in-place forms (mha_rope_apply's x, mha_attention_merge's o
  *     exactly o_a) still work, and inputs may share memory. A draft tree's tree_parents is an input
- *     of the KV-cache attention and the layer step.
+ *     of the KV-cache attention and the layer step. MLA's backward: every gradient against x,
+ *     positions, dy, the layer's weights and each other.
  *   - mha_error: a successful call clears it; the message is the one the header shows.
  */
 #include "harness.h"
@@ -382,6 +383,70 @@ static void test_small_calls_aliasing(void) {
             "rope x over its positions");
 }
 
+/* MLA's backward writes gradients while it still reads x, dy and the layer's weights: every
+ * gradient is checked against them and against each other (it was not: grads.dx = args.x gave a
+ * wrong grads.w_q with status OK). */
+static void test_mla_backward_aliasing(void) {
+    enum { E = 16, HH = 2, R = 8, DN = 4, DR = 4, DV = 4, DQ = DN + DR, T = 5 };
+    static float wq[HH * DQ * E], wkva[(R + DR) * E], kvn[R], wkvb[HH * (DN + DV) * R],
+        wo[E * HH * DV];
+    test_rng rng;
+    test_rng_seed(&rng, 48);
+    test_fill_normal(&rng, wq, HH * DQ * E, 0.3f);
+    test_fill_normal(&rng, wkva, (R + DR) * E, 0.3f);
+    test_fill_normal(&rng, wkvb, HH * (DN + DV) * R, 0.3f);
+    test_fill_normal(&rng, wo, E * HH * DV, 0.3f);
+    for (int i = 0; i < R; i++)
+        kvn[i] = 1.0f;
+    mha_mla_config c;
+    memset(&c, 0, sizeof c);
+    c.hidden = E, c.num_heads = HH, c.kv_lora_rank = R, c.qk_nope_head_dim = DN;
+    c.qk_rope_head_dim = DR, c.v_head_dim = DV, c.rope.style = MHA_ROPE_INTERLEAVED;
+    mha_mla_weights w;
+    memset(&w, 0, sizeof w);
+    w.w_q = wq, w.w_kv_a = wkva, w.kv_a_norm = kvn, w.w_kv_b = wkvb, w.w_o = wo;
+    mha_error err;
+    mha_mla *m = NULL;
+    CHECK_OK(mha_mla_create(&c, &w, NULL, &m, &err), &err);
+    if (!m)
+        return;
+    static float x[T * E + 64], dy[T * E + HH * DQ * E], dx[T * E + HH * DQ * E], dwq[HH * DQ * E],
+        ref[HH * DQ * E];
+    test_fill_normal(&rng, x, T * E, 1.0f);
+    test_fill_normal(&rng, dy, T * E, 1.0f);
+    mha_mla_forward_args a = {1, T, x, NULL, 1, NULL};
+    mha_mla_grads g;
+    memset(&g, 0, sizeof g);
+    g.dy = dy, g.dx = dx, g.w_q = ref;
+    CHECK_OK(mha_mla_backward(m, &a, &g, NULL, &err), &err);
+    g.dx = x; /* dx over x: x is still read for the weight gradients after dx is written */
+    g.w_q = dwq;
+    memset(dwq, 0, sizeof dwq);
+    refused(mha_mla_backward(m, &a, &g, NULL, &err), &err, "grads.dx overlaps args.x",
+            "mla dx == x");
+    CHECK(dwq[0] == 0.0f, "mla dx == x: grads.w_q written on error");
+    g.dx = dx, g.w_q = NULL, g.w_o = dy + 8; /* a weight gradient starting inside dy */
+    refused(mha_mla_backward(m, &a, &g, NULL, &err), &err, "grads.w_o overlaps grads.dy",
+            "mla w_o inside dy");
+    g.w_o = NULL, g.w_q = dx + 4; /* two gradients overlapping */
+    refused(mha_mla_backward(m, &a, &g, NULL, &err), &err, "overlaps", "mla dx over w_q");
+    g.w_q = (float *)mha_mla_get_weights(m)->w_q; /* the layer's own weight */
+    refused(mha_mla_backward(m, &a, &g, NULL, &err), &err, "grads.w_q overlaps the layer's w_q",
+            "mla w_q grad over the layer's w_q");
+    int64_t pos[1 + T * E / 2]; /* room for dx at pos + 1 */
+    for (int i = 0; i < T; i++)
+        pos[i] = i;
+    a.positions = pos;
+    g.w_q = NULL, g.dx = (float *)(void *)(pos + 1);
+    refused(mha_mla_backward(m, &a, &g, NULL, &err), &err, "grads.dx overlaps args.positions",
+            "mla dx over positions");
+    a.positions = NULL;
+    g.dx = dx, g.w_q = dwq; /* the same call without aliasing */
+    CHECK_OK(mha_mla_backward(m, &a, &g, NULL, &err), &err);
+    CHECK(memcmp(dwq, ref, sizeof dwq) == 0, "mla w_q gradient differs from the first call");
+    mha_mla_destroy(m);
+}
+
 static void test_error_contract(void) {
     mha_error err;
     mha_config c;
@@ -486,6 +551,7 @@ int main(void) {
     test_core_aliasing();
     test_layer_aliasing();
     test_small_calls_aliasing();
+    test_mla_backward_aliasing();
     test_error_contract();
     return test_finish();
 }

@@ -369,7 +369,8 @@ mha_status mha__check_mask_broadcast(const mha_mask_tensor *t,
                                      mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Multi-head latent attention (check/mla.c): mha_mla_create, mha_mla_forward, the decode step. */
+/* Multi-head latent attention (check/mla.c): mha_mla_create, _forward, _backward, the decode step.
+ */
 /* ---------------------------------------------------------------------------------------------- */
 
 /* config resolved into *cfg (scale, rms_eps, rope), every weight the config uses given and
@@ -381,6 +382,14 @@ mha_status mha__check_mla_create(const mha_mla_config *config,
 /* The forward's sizes, pointers, positions and the aliasing rule. */
 mha_status
 mha__check_mla_forward(const mha_mla_config *cfg, const mha_mla_forward_args *args, mha_error *err);
+/* mha_mla_backward: grads and grads.dy given, no gradient of a tensor the config lacks, the
+ * forward's checks on args (dy in place of out), and the aliasing rule: every gradient against
+ * args.x, args.positions, grads.dy, the layer's weights w and every other gradient. */
+mha_status mha__check_mla_backward(const mha_mla_config *cfg,
+                                   const mha_mla_weights *w,
+                                   const mha_mla_forward_args *args,
+                                   const mha_mla_grads *grads,
+                                   mha_error *err);
 /* The decode step's sequences (ids distinct, room in a cache of `batch` sequences of max_seq
  * tokens, lengths len[]), x and out. */
 mha_status mha__check_mla_decode(const mha_mla_config *cfg,

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /* mla.c: the argument checks of the multi-head latent attention calls (mha_mla_*): the config
  * resolved (defaults filled in, rope resolved on the qk_rope_head_dim rotary dimensions), the
- * weights the config uses present and finite, the forward's and the decode step's sizes. */
+ * weights the config uses present and finite, the forward's, the backward's and the decode step's
+ * sizes, and the aliasing rule of each. */
 #include "check/check.h"
 
 #include <float.h>
@@ -131,6 +132,64 @@ mha__check_mla_forward(const mha_mla_config *c, const mha_mla_forward_args *a, m
                                           a->positions ? a->batch * a->seq_len : 0,
                                           sizeof(int64_t))};
     return mha__check_no_overlap(outs, 1, ins, 2, err);
+}
+
+mha_status mha__check_mla_backward(const mha_mla_config *c,
+                                   const mha_mla_weights *w,
+                                   const mha_mla_forward_args *a,
+                                   const mha_mla_grads *g,
+                                   mha_error *err) {
+    MHA_RETURN_IF(!g || !g->dy, err, INVALID_ARG, "mha_mla_backward: grads or grads.dy is NULL");
+    const int lq = c->q_lora_rank > 0, b = c->bias;
+    const int64_t h = c->num_heads, E = c->hidden, r = c->kv_lora_rank, rq = c->q_lora_rank;
+    const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    const int64_t dq = dn + dr;
+    /* Each gradient has its weight's shape (sizes bounded at creation, below 2^40 elements). */
+    const struct {
+        const char *name;
+        float *grad;
+        const float *weight;
+        int has;
+        int64_t n;
+    } f[] = {{"w_q", g->w_q, w->w_q, !lq, h * dq * E},
+             {"w_q_a", g->w_q_a, w->w_q_a, lq, rq * E},
+             {"b_q_a", g->b_q_a, w->b_q_a, lq && b, rq},
+             {"q_a_norm", g->q_a_norm, w->q_a_norm, lq, rq},
+             {"w_q_b", g->w_q_b, w->w_q_b, lq, h * dq * rq},
+             {"w_kv_a", g->w_kv_a, w->w_kv_a, 1, (r + dr) * E},
+             {"b_kv_a", g->b_kv_a, w->b_kv_a, b, r + dr},
+             {"kv_a_norm", g->kv_a_norm, w->kv_a_norm, 1, r},
+             {"w_kv_b", g->w_kv_b, w->w_kv_b, 1, h * (dn + dv) * r},
+             {"w_o", g->w_o, w->w_o, 1, E * h * dv},
+             {"b_o", g->b_o, w->b_o, b, E}};
+    enum { NW = sizeof f / sizeof f[0] };
+    for (int i = 0; i < NW; i++)
+        MHA_RETURN_IF(f[i].grad && !f[i].has, err, INVALID_ARG,
+                      "grads.%s is given but the config has no %s", f[i].name, f[i].name);
+    mha_mla_forward_args probe = *a;
+    probe.out = (float *)g->dy; /* dy must not overlap x either; out is not written */
+    MHA_TRY(mha__check_mla_forward(c, &probe, err));
+    /* Every gradient against x, positions, dy, the layer's weights and each other: the backward
+     * reads x, dy and the weights after it has written some gradients. */
+    const int64_t T = a->batch * a->seq_len; /* checked by the forward's check */
+    static const char *const wname[NW] = {
+        "the layer's w_q",    "the layer's w_q_a",  "the layer's b_q_a",  "the layer's q_a_norm",
+        "the layer's w_q_b",  "the layer's w_kv_a", "the layer's b_kv_a", "the layer's kv_a_norm",
+        "the layer's w_kv_b", "the layer's w_o",    "the layer's b_o"};
+    static const char *const gname[NW] = {"grads.w_q",      "grads.w_q_a",     "grads.b_q_a",
+                                          "grads.q_a_norm", "grads.w_q_b",     "grads.w_kv_a",
+                                          "grads.b_kv_a",   "grads.kv_a_norm", "grads.w_kv_b",
+                                          "grads.w_o",      "grads.b_o"};
+    mha__span ins[3 + NW], outs[1 + NW];
+    ins[0] = mha__span_of("args.x", a->x, T * E, sizeof(float));
+    ins[1] = mha__span_of("args.positions", a->positions, a->positions ? T : 0, sizeof(int64_t));
+    ins[2] = mha__span_of("grads.dy", g->dy, T * E, sizeof(float));
+    outs[0] = mha__span_of("grads.dx", g->dx, T * E, sizeof(float));
+    for (int i = 0; i < NW; i++) {
+        ins[3 + i] = mha__span_of(wname[i], f[i].has ? f[i].weight : NULL, f[i].n, sizeof(float));
+        outs[1 + i] = mha__span_of(gname[i], f[i].grad, f[i].n, sizeof(float));
+    }
+    return mha__check_no_overlap(outs, 1 + NW, ins, 3 + NW, err);
 }
 
 /* num_seqs in [1, batch], t in [1, max_seq], seq ids distinct and in the cache, room for t more

@@ -255,26 +255,6 @@ static mha_status bwd_inputs(bwd_ctx *x, mha_error *err) {
     return add_dx(x, dqn, rq, m->w.w_q_a, err);
 }
 
-static mha_status check_grads(const mha_mla_config *c, const mha_mla_grads *g, mha_error *err) {
-    MHA_RETURN_IF(!g || !g->dy, err, INVALID_ARG, "mha_mla_backward: grads or grads.dy is NULL");
-    const int lq = c->q_lora_rank > 0, b = c->bias;
-    const struct {
-        const char *name;
-        const float *p;
-        int has;
-    } f[] = {{"w_q", g->w_q, !lq},
-             {"w_q_a", g->w_q_a, lq},
-             {"b_q_a", g->b_q_a, lq && b},
-             {"q_a_norm", g->q_a_norm, lq},
-             {"w_q_b", g->w_q_b, lq},
-             {"b_kv_a", g->b_kv_a, b},
-             {"b_o", g->b_o, b}};
-    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
-        MHA_RETURN_IF(f[i].p && !f[i].has, err, INVALID_ARG,
-                      "grads.%s is given but the config has no %s", f[i].name, f[i].name);
-    return MHA_STATUS_OK;
-}
-
 static mha_status run(bwd_ctx *x, mha_error *err) {
     mha_attention_args ca;
     MHA_TRY(recompute(x, &ca, err));
@@ -289,10 +269,7 @@ mha_status mha_mla_backward(const mha_mla *m,
                             const mha_exec *exec,
                             mha_error *err) {
     MHA_RETURN_IF(!m || !a, err, INVALID_ARG, "mha_mla_backward: mla or args is NULL");
-    MHA_TRY(check_grads(&m->cfg, g, err));
-    mha_mla_forward_args probe = *a;
-    probe.out = (float *)g->dy; /* dy must not overlap x either; out is not written */
-    MHA_TRY(mha__check_mla_forward(&m->cfg, &probe, err));
+    MHA_TRY(mha__check_mla_backward(&m->cfg, &m->w, a, g, err));
     const mha_mla_config *c = &m->cfg;
     const int64_t T = a->batch * a->seq_len, h = c->num_heads, E = c->hidden;
     const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
