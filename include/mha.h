@@ -386,7 +386,9 @@ typedef struct mha_rope {
 /** Applies RoPE in place to x viewed as [B, L, H, D] with element strides x_strides (D stride 1).
  *  positions: element (b, t) at positions[b * pos_batch_stride + t]; pos_batch_stride = 0
  *  broadcasts one row over the batch; positions == NULL means t. A DYNAMIC rope is taken at
- *  length 1 + the largest position given (mha_rope_at_length). */
+ *  length 1 + the largest position given (mha_rope_at_length). x_strides[0..2] may be negative
+ *  (a view running backwards); x's whole range must not overlap positions (INVALID_ARG), and
+ *  offsets beyond int64 (of x or of positions) are MHA_STATUS_OVERFLOW. */
 MHA_API mha_status mha_rope_apply(const mha_rope *rope,
                                   int64_t batch,
                                   int64_t seq_len,

@@ -372,8 +372,8 @@ static void test_small_calls_aliasing(void) {
     double cs;
     CHECK_OK(mha_rope_frequencies(&r, 8, f, &cs, &err), &err);
     union {
-        int64_t pos[8];
-        float x[16];
+        int64_t pos[16];
+        float x[32];
     } u;
     memset(&u, 0, sizeof u);
     const int64_t xs[4] = {16, 8, 8, 1};
@@ -381,6 +381,31 @@ static void test_small_calls_aliasing(void) {
     CHECK_OK(mha_rope_apply(&r, 1, 2, 1, 8, xr, xs, NULL, 0, &err), &err);
     refused(mha_rope_apply(&r, 1, 2, 1, 8, u.x, xs, u.pos, 2, &err), &err, "x overlaps positions",
             "rope x over its positions");
+    /* A view running backwards (negative stride) is allowed and rotates the same rows; its range
+     * [x - 16, x + 8) is checked too (it was not: a backward x over its positions passed). */
+    float xb[16] = {1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8};
+    const int64_t xs_back[4] = {16, -8, 8, 1};
+    CHECK_OK(mha_rope_apply(&r, 1, 2, 1, 8, xb + 8, xs_back, NULL, 0, &err), &err);
+    CHECK(memcmp(xb + 8, xr, 8 * sizeof(float)) == 0 && memcmp(xb, xr + 8, 8 * sizeof(float)) == 0,
+          "rope: a backward view rotates its rows as a forward one");
+    const int64_t pos2[2] = {0, 1};
+    memset(&u, 0, sizeof u);
+    memcpy(u.pos + 4, pos2, sizeof pos2); /* positions at u.x + 8, x's row 0 at u.x + 16 */
+    refused(mha_rope_apply(&r, 1, 2, 1, 8, u.x + 16, xs_back, u.pos + 4, 2, &err), &err,
+            "x overlaps positions", "rope backward x over its positions");
+    /* Offsets beyond int64 are OVERFLOW before anything is read (they were accepted, and the
+     * rotation's b * stride overflowed: undefined behaviour, a wild write). */
+    const int64_t xs_huge[4] = {(int64_t)1 << 62, 8, 8, 1};
+    mha_status st = mha_rope_apply(&r, 3, 1, 1, 8, xr, xs_huge, NULL, 0, &err);
+    CHECK(st == MHA_STATUS_OVERFLOW && strstr(err.message, "x_strides") != NULL,
+          "rope x_strides[0]=2^62, batch 3: %s (%s)", mha_status_string(st), err.message);
+    const int64_t xs_neg[4] = {INT64_MIN, 8, 8, 1};
+    st = mha_rope_apply(&r, 2, 1, 1, 8, xr, xs_neg, NULL, 0, &err);
+    CHECK(st == MHA_STATUS_OVERFLOW, "rope x_strides[0]=INT64_MIN: %s (%s)", mha_status_string(st),
+          err.message);
+    st = mha_rope_apply(&r, 3, 2, 1, 8, xr, xs, pos2, INT64_MAX / 2 + 1, &err);
+    CHECK(st == MHA_STATUS_OVERFLOW && strstr(err.message, "pos_batch_stride") != NULL,
+          "rope pos_batch_stride=2^62, batch 3: %s (%s)", mha_status_string(st), err.message);
 }
 
 /* MLA's backward writes gradients while it still reads x, dy and the layer's weights: every

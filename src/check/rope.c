@@ -207,18 +207,27 @@ mha_status mha__check_rope_apply(const mha_rope *rope,
     if (st != MHA_STATUS_OK || batch == 0 || seq_len == 0 || num_heads == 0)
         return st; /* nothing to rotate: x and positions are not read */
     MHA_RETURN_IF(!x, err, INVALID_ARG, "x is NULL");
+    /* The element offsets the view reaches, [-back, fwd) from x (a negative stride runs
+     * backwards), and the positions' extent: each product and sum must fit int64. */
+    int64_t back = 0, fwd = head_dim, t, count, pos_n = 0;
+    const int64_t f[3] = {batch - 1, seq_len - 1, num_heads - 1};
+    for (int i = 0; i < 3; i++) {
+        const int64_t s = x_strides[i];
+        MHA_RETURN_IF(s == INT64_MIN || !mha__mul_i64(f[i], s < 0 ? -s : s, &t) ||
+                          !mha__add_i64(s < 0 ? back : fwd, t, s < 0 ? &back : &fwd) ||
+                          !mha__add_i64(back, fwd, &count),
+                      err, OVERFLOW, "x: offsets overflow int64 with x_strides {%lld, %lld, %lld}",
+                      (long long)x_strides[0], (long long)x_strides[1], (long long)x_strides[2]);
+    }
+    MHA_RETURN_IF(positions && (!mha__mul_i64(batch - 1, pos_batch_stride, &pos_n) ||
+                                !mha__add_i64(pos_n, seq_len, &pos_n)),
+                  err, OVERFLOW, "positions: offsets overflow int64 with pos_batch_stride=%lld",
+                  (long long)pos_batch_stride);
     st = mha__check_positions(positions, batch, seq_len, pos_batch_stride, "positions", err);
     if (st)
         return st;
     /* x is rotated in place (its only output); it must not overlap the positions it reads. */
-    int64_t ext = head_dim, t;
-    const int64_t f[3] = {batch - 1, seq_len - 1, num_heads - 1};
-    for (int i = 0; i < 3; i++)
-        if (x_strides[i] < 0 || !mha__mul_i64(f[i], x_strides[i], &t) ||
-            !mha__add_i64(ext, t, &ext))
-            return MHA_STATUS_OK; /* a view running backwards: its range is not [x, x + ext) */
-    const int64_t pos_n = positions ? mha__count3(batch - 1, pos_batch_stride, 1) + seq_len : 0;
     const mha__span in = mha__span_of("positions", positions, pos_n, sizeof(int64_t));
-    const mha__span out = mha__span_of("x", x, ext, sizeof(float));
+    const mha__span out = mha__span_of("x", x - back, count, sizeof(float));
     return mha__check_no_overlap(&out, 1, &in, 1, err);
 }
