@@ -315,7 +315,8 @@ typedef struct mha_exec {
     mha_impl impl;
     int32_t n_threads; /* 0 = the pool's size, or the number of online CPUs without a pool,
                           fewer for a call too small to keep them busy (under 2^22 flops per
-                          thread); with a pool at most its size is used; negative is an error.
+                          thread); with a pool at most its size is used, without one at most
+                          1024 (a larger value counts as 1024); negative is an error.
                           Results never depend on the number of threads. */
     void *workspace;   /* NULL: the library allocates (with `allocator`) */
     size_t workspace_bytes;

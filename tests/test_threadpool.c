@@ -6,7 +6,9 @@
  * 2. The pool's own memory comes from its allocator, all of it given back at destroy.
  * 3. One pool reused by hundreds of calls (layer forward with probabilities, attention core,
  *    layer backward, decode steps): every result bit-identical to the same call without a pool
- *    and with one thread; exec.n_threads above the pool's size uses the pool's size.
+ *    and with one thread; exec.n_threads above the pool's size uses the pool's size, and without
+ *    a pool above 1024 uses 1024 (n_threads = INT32_MAX: the 1024-thread workspace, the result
+ *    of one thread).
  * 4. A call with a workspace and a pool allocates nothing through exec.allocator.
  * 5. One pool shared by four caller threads at once (a ThreadSanitizer target): bit-identical
  *    results. Negative exec.n_threads is INVALID_ARG with and without a pool.
@@ -77,6 +79,61 @@ static void test_arguments(void) {
           (int)mha_threadpool_size(pool), c.allocs);
     mha_threadpool_destroy(pool);
     CHECK(c.allocs == c.frees, "pool allocator: %d allocations, %d frees", c.allocs, c.frees);
+}
+
+/* exec.n_threads beyond 1024 without a pool counts as 1024 (a pool's largest size): each thread
+ * has its own scratch, and a tiny call with n_threads = INT32_MAX sized its workspace by it
+ * (1.2e14 bytes for the core call below, 1.4e11 for the KV-cache step: NO_MEMORY, or an abort
+ * under ASan, for calls that need kilobytes). */
+static void test_absurd_threads(void) {
+    enum { H = 2, N = 8, D = 16 };
+    static float q[H * N * D], o1[H * N * D], o2[H * N * D];
+    test_rng rng;
+    test_rng_seed(&rng, 11);
+    test_fill_normal(&rng, q, H * N * D, 1.0f);
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1, a.num_heads = H, a.q_len = N, a.kv_len = N, a.head_dim = D;
+    const int64_t s[3] = {H * N * D, N * D, D};
+    a.q = a.k = a.v = q;
+    memcpy(a.q_strides, s, sizeof s);
+    memcpy(a.k_strides, s, sizeof s);
+    memcpy(a.v_strides, s, sizeof s);
+    memcpy(a.out_strides, s, sizeof s);
+    a.mask.causal = 1;
+    mha_error err;
+    mha_exec one = {MHA_IMPL_AUTO, 1, NULL, 0, NULL, NULL};
+    mha_exec huge = {MHA_IMPL_AUTO, INT32_MAX, NULL, 0, NULL, NULL};
+    mha_exec most = {MHA_IMPL_AUTO, 1024, NULL, 0, NULL, NULL};
+    size_t b_huge = 0, b_most = 1;
+    CHECK_OK(mha_attention_workspace_size(&a, &huge, &b_huge, &err), &err);
+    CHECK_OK(mha_attention_workspace_size(&a, &most, &b_most, &err), &err);
+    CHECK(b_huge == b_most, "n_threads INT32_MAX: workspace %zu bytes, 1024 threads: %zu", b_huge,
+          b_most);
+    a.out = o1;
+    CHECK_OK(mha_attention(&a, &one, &err), &err);
+    a.out = o2;
+    CHECK_OK(mha_attention(&a, &huge, &err), &err);
+    CHECK(memcmp(o1, o2, sizeof o1) == 0, "core: n_threads INT32_MAX differs from 1 thread");
+
+    mha_kv_cache_config cc;
+    memset(&cc, 0, sizeof cc);
+    cc.num_kv_heads = 1, cc.head_dim = D, cc.max_seq = 16, cc.batch = 1;
+    mha_kv_cache *cache = NULL;
+    CHECK_OK(mha_kv_cache_create(&cc, NULL, NULL, &cache, &err), &err);
+    if (!cache)
+        return;
+    CHECK_OK(mha_kv_cache_append(cache, 1, NULL, N, q, q + N * D, &err), &err);
+    mha_kv_attention_args ka;
+    memset(&ka, 0, sizeof ka);
+    ka.num_seqs = 1, ka.num_tokens = 1, ka.num_heads = H, ka.q = q;
+    ka.out = o1;
+    CHECK_OK(mha_kv_cache_attention(cache, &ka, &one, &err), &err);
+    ka.out = o2;
+    CHECK_OK(mha_kv_cache_attention(cache, &ka, &huge, &err), &err);
+    CHECK(memcmp(o1, o2, H * D * sizeof(float)) == 0,
+          "kv attention: n_threads INT32_MAX differs from 1 thread");
+    mha_kv_cache_destroy(cache);
 }
 
 typedef struct fixture {
@@ -265,6 +322,7 @@ static void test_wait_paths(fixture *f, int32_t size) {
 
 int main(void) {
     test_arguments();
+    test_absurd_threads();
     float *wbuf = malloc(sizeof(float) * 4 * E * E);
     fixture *f = calloc(1, sizeof *f);
     fixture_init(f, wbuf);

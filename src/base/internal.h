@@ -325,8 +325,11 @@ typedef struct mha__team {
     int n;
     mha_threadpool *pool;
 } mha__team;
+/* Most threads a call uses and a pool holds (mha_threadpool_create's limit). */
+#define MHA__MAX_THREADS 1024
 /* The one resolution of exec's threads: exec->n_threads (0 = the pool's size, or every online
- * CPU without a pool), at most the pool's size; negative n_threads is INVALID_ARG. */
+ * CPU without a pool), at most the pool's size and MHA__MAX_THREADS; negative n_threads is
+ * INVALID_ARG. */
 mha_status mha__exec_team(const mha_exec *exec, mha__team *team, mha_error *err);
 /* n threads started per region, no pool (tests, benchmarks). */
 static inline mha__team mha__team_of(int n) {

@@ -84,7 +84,7 @@ typedef struct worker_arg {
 
 int mha__default_threads(void) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : (n > 1024 ? 1024 : (int)n);
+    return n < 1 ? 1 : (n > MHA__MAX_THREADS ? MHA__MAX_THREADS : (int)n);
 }
 
 int32_t mha_default_threads(void) {
@@ -224,8 +224,8 @@ mha_status mha_threadpool_create(int32_t n_threads,
                                  mha_error *err) {
     MHA_RETURN_IF(!out, err, INVALID_ARG, "out is NULL");
     *out = NULL;
-    MHA_RETURN_IF(n_threads < 0 || n_threads > 1024, err, INVALID_ARG,
-                  "n_threads=%d is outside [0, 1024]", (int)n_threads);
+    MHA_RETURN_IF(n_threads < 0 || n_threads > MHA__MAX_THREADS, err, INVALID_ARG,
+                  "n_threads=%d is outside [0, %d]", (int)n_threads, MHA__MAX_THREADS);
     MHA_RETURN_IF(allocator && (!allocator->alloc || !allocator->free), err, INVALID_ARG,
                   "allocator has a NULL alloc or free function");
     const int size = n_threads ? n_threads : mha__default_threads();
@@ -284,9 +284,11 @@ mha_status mha__exec_team(const mha_exec *exec, mha__team *team, mha_error *err)
     team->pool = exec ? exec->pool : NULL;
     const int32_t asked = exec ? exec->n_threads : 0;
     MHA_RETURN_IF(asked < 0, err, INVALID_ARG, "exec.n_threads=%d is negative", (int)asked);
-    const int limit = team->pool ? team->pool->size : 0;
-    team->n = asked > 0 ? asked : (limit ? limit : mha__default_threads());
-    if (limit && team->n > limit)
+    /* At most a pool's size, and never more than MHA__MAX_THREADS (a pool's largest size): each
+     * thread has its own scratch, so an absurd count would size a workspace by it. */
+    const int limit = team->pool ? team->pool->size : MHA__MAX_THREADS;
+    team->n = asked > 0 ? asked : (team->pool ? limit : mha__default_threads());
+    if (team->n > limit)
         team->n = limit;
     return MHA_STATUS_OK;
 }
