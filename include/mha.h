@@ -1250,7 +1250,8 @@ MHA_API mha_status mha_layer_decode_step(const mha_layer *layer,
  *  A partial with lse = -inf (all its keys masked) contributes nothing; both -inf gives o = 0,
  *  lse = -inf. Row strides in elements (>= dim). o may be exactly o_a or o_b (same pointer and
  *  stride) and lse exactly lse_a or lse_b: the merge then runs in place; any other overlap (o
- *  shifted into o_a, lse inside an o) is refused. lse may be NULL. */
+ *  shifted into o_a, lse inside an o) is refused. lse may be NULL. OVERFLOW when a row extent
+ *  (rows - 1) * stride + dim overflows int64. */
 MHA_API mha_status mha_attention_merge(int64_t rows,
                                        int64_t dim,
                                        const float *o_a,

@@ -361,6 +361,12 @@ static void test_small_calls_aliasing(void) {
             "lse overlaps o_b", "merge lse in o_b");
     refused(mha_attention_merge(2, 4, oa, 4, la, ob, 4, lb, o, 4, o + 2, &err), &err, "overlaps",
             "merge lse in o");
+    /* Row extents beyond int64 are OVERFLOW (rows 2^40 x stride 2^40 was a signed overflow in
+     * the check itself: undefined behaviour, a wrapped range compared). */
+    const int64_t big = (int64_t)1 << 40;
+    mha_status mst = mha_attention_merge(big, 4, oa, big, la, ob, 4, lb, o, 4, l, &err);
+    CHECK(mst == MHA_STATUS_OVERFLOW && strstr(err.message, "merge") != NULL,
+          "merge rows 2^40 x stride 2^40: %s (%s)", mha_status_string(mst), err.message);
 
     /* RoPE: frequencies' two outputs; apply's in-place x (allowed) against its positions. */
     mha_rope r;

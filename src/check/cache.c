@@ -412,9 +412,15 @@ mha_status mha__check_merge(int64_t rows,
                   INVALID_ARG, "merge: in-place o must have the stride of the input it is");
     /* In place means exactly: o is o_a or o_b (same pointer and stride), lse is lse_a or lse_b;
      * every other overlap (a shifted row, o over an lse) is refused. */
-    const int64_t n_a = rows > 0 ? (rows - 1) * o_a_stride + dim : 0;
-    const int64_t n_b = rows > 0 ? (rows - 1) * o_b_stride + dim : 0;
-    const int64_t n_o = rows > 0 ? (rows - 1) * o_stride + dim : 0;
+    const int64_t strides[3] = {o_a_stride, o_b_stride, o_stride};
+    int64_t ext[3] = {0, 0, 0}; /* elements each of o_a, o_b, o reaches */
+    for (int i = 0; i < 3 && rows > 0; i++)
+        MHA_RETURN_IF(!mha__mul_i64(rows - 1, strides[i], &ext[i]) ||
+                          !mha__add_i64(ext[i], dim, &ext[i]) ||
+                          ext[i] > (int64_t)(SIZE_MAX / sizeof(float)),
+                      err, OVERFLOW, "merge: rows=%lld with row stride %lld overflows",
+                      (long long)rows, (long long)strides[i]);
+    const int64_t n_a = ext[0], n_b = ext[1], n_o = ext[2];
     const mha__span in[4] = {
         mha__span_of("o_a", o == o_a ? NULL : o_a, n_a, sizeof(float)),
         mha__span_of("o_b", o == o_b ? NULL : o_b, n_b, sizeof(float)),
