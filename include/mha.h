@@ -429,7 +429,8 @@ MHA_API mha_status mha_rope_at_length(
  *    s  = -inf where any boolean rule blocks (causal, window, bool mask, key padding, segments)
  *    p_j = exp(s_j) / (exp(sink_h) + sum_j exp(s_j))   (sink term only when sinks != NULL)
  *    o_i = sum_j dropout(p_j) v_j
- *  A row whose scores are all -inf (fully masked) gives o_i = 0, p = 0 and lse = -inf.
+ *  A row whose scores are all -inf (fully masked) gives o_i = 0, p = 0 and lse = -inf (with
+ *  sinks too: the sink term is not counted for such a row).
  *  lse_i = log(exp(sink_h) + sum_j exp(s_j)), i.e. p_j = exp(s_j - lse_i). */
 typedef struct mha_attention_args {
     int64_t batch;        /* B */
