@@ -35,7 +35,9 @@
  *
  * What it runs (1 thread; pin it with taskset):
  *   the check: pass 1 and both pass 3 variants against float64 on 4096 and 256 keys (and a
- *     float32 FMA loop for comparison); exits 1 on FAIL.
+ *     float32 FMA loop for comparison), and the same passes over ggml's q8_0 rows reordered in
+ *     registers (pass1_rows, pass3_rows_chunk) against the interleaved ones bit for bit; exits 1
+ *     on FAIL.
  *   default, the L1 floor: 64 keys reused, ns per (key, kv head) of pass 1, pass 3 (chunks of 64
  *     keys with the final conversion, a long chunk, its weight building and dot products apart),
  *     pass 3 S the same, best and median of 61 runs, cycles at the clock measured here
@@ -45,10 +47,13 @@
  *     the same bytes in the same run (interleaved, 9 runs, medians): GB/s, ns and cycles per
  *     (key, kv head), and the read loop's time as a share of the step's. The software prefetch
  *     is split by phase: a chunk's V during its pass 1, the next chunk's K during pass 3
- *     (--no-prefetch drops it); --chunk C keys per chunk (64), --pass3-s runs variant S.
+ *     (--no-prefetch drops it); --chunk C keys per chunk (64), --pass3-s runs variant S,
+ *     --rows reads ggml's q8_0 rows (136 bytes per key and kv head, K rows then V rows per kv
+ *     head) and reorders them in registers instead: can the library keep its rows?
+ *     (docs/INFERENCE.md: no, 59-72% of the read loop against 81-83%).
  *
  * Usage: mha_bench_q8_interleaved [--big [--keys N] [--heads H] [--chunk C] [--pass3-s]
- *                                  [--no-prefetch]]
+ *                                  [--no-prefetch] [--rows]]
  * Needs AVX512F/BW/VL, AVX512-VNNI, AVX512-VBMI (VPERMB) and F16C (Intel Ice Lake and later
  * servers, AMD Zen 4 and later); elsewhere it prints "skipped" and exits 0. */
 #define _POSIX_C_SOURCE 200809L
@@ -68,12 +73,12 @@ static int has_f16c(void) {
 
 static int usage(void) {
     fprintf(stderr, "usage: mha_bench_q8_interleaved [--big [--keys N] [--heads H] [--chunk C] "
-                    "[--pass3-s] [--no-prefetch]]\n");
+                    "[--pass3-s] [--no-prefetch] [--rows]]\n");
     return 2;
 }
 
 int main(int argc, char **argv) {
-    int big = 0, keys = 131072, heads = 8, chunk = 64, pass3_s = 0, prefetch = 1;
+    int big = 0, keys = 131072, heads = 8, chunk = 64, pass3_s = 0, prefetch = 1, rows = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--big"))
             big = 1;
@@ -87,6 +92,8 @@ int main(int argc, char **argv) {
             pass3_s = 1;
         else if (!strcmp(argv[i], "--no-prefetch"))
             prefetch = 0;
+        else if (!strcmp(argv[i], "--rows"))
+            rows = 1;
         else
             return usage();
     }
@@ -129,5 +136,5 @@ int main(int argc, char **argv) {
         q8i_floor(ghz);
         return 0;
     }
-    return q8i_big(keys, heads, chunk, pass3_s, prefetch, ghz);
+    return q8i_big(keys, heads, chunk, pass3_s, prefetch, rows, ghz);
 }

@@ -11,7 +11,8 @@ int q8i_check(void);
 void q8i_floor(double ghz);
 /* The whole step over a cache of keys x heads (kv heads) beside a plain read loop of the same
  * bytes: chunk keys per chunk, pass3_s: pass 3 variant S, prefetch: the phase-split software
- * prefetch. Returns 0, or 1 when the step's sanity check fails. */
-int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, double ghz);
+ * prefetch, rows: ggml's q8_0 rows reordered in registers (pass1_rows, pass3_rows_chunk) in place
+ * of the interleaved layout. Returns 0, or 1 when the step's sanity check fails. */
+int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, int rows, double ghz);
 
 #endif

@@ -443,6 +443,169 @@ INL void pass3S_chunk(const uint8_t *V,
     }
 }
 
+/* ---------------- the same passes over ggml's q8_0 rows, reordered in registers ----------------
+ * Could the library keep its q8_0 rows (ggml's order, [scale, 32 int8] x 4 per row, 136 bytes)
+ * and still use VPDPBUSD? These variants read 16 (pass 1) or 4 (pass 3) rows at a stride of 136
+ * bytes and build the interleaved vectors above in registers, then run the same dot products:
+ * the same integer sums and float32 operations, so their results equal the interleaved ones bit
+ * for bit (checked below). Their cost is the reordering (timed in the L1 floor). */
+enum { ROW_BYTES = NB * 34 };
+
+/* ggml's q8_0 rows, n x ROW_BYTES: per block the float16 scale, then its 32 int8 */
+static void pack_rows(const int8_t *q8, const uint16_t *sc, int n, uint8_t *out) {
+    for (int i = 0; i < n; i++)
+        for (int b = 0; b < NB; b++) {
+            memcpy(out + (size_t)i * ROW_BYTES + 34 * b, &sc[(size_t)i * NB + b], 2);
+            memcpy(out + (size_t)i * ROW_BYTES + 34 * b + 2, &q8[(size_t)i * D + 32 * b], 32);
+        }
+}
+
+/* the float16 block scales of 16 rows at the stride (one VPGATHERDD of the dword at each
+ * scale, its low half kept) */
+INL __m256i row_scales16(const uint8_t *at) {
+    const __m512i off =
+        _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(ROW_BYTES));
+    return _mm512_cvtepi32_epi16(_mm512_i32gather_epi32(off, at, 1));
+}
+
+/* block b of 16 rows from `rows` as pass 1's 8 key vectors: z[j] lane t = k[t][32b + 4j .. +3].
+ * Rows t and t + 8 share a register (vinserti64x4), then an 8 x 8 dword transpose runs in both
+ * 256-bit halves at once (unpack 32, unpack 64, one 2-source qword permute per output). */
+INL void rows_to_key_vectors(const uint8_t *rows, int b, __m512i z[8]) {
+    const uint8_t *at = rows + 34 * b + 2;
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+        z[r] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(at + r * ROW_BYTES))),
+            _mm256_loadu_si256((const __m256i *)(at + (r + 8) * ROW_BYTES)), 1);
+    __m512i t[8], u[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) { /* u[4 i + c]: dwords c and c + 4 of rows 4 i .. 4 i + 3 */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0),
+                  hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        z[c] = _mm512_permutex2var_epi64(u[c], lo, u[4 + c]);
+        z[c + 4] = _mm512_permutex2var_epi64(u[c], hi, u[4 + c]);
+    }
+}
+
+/* pass1_sb over 16 rows at the stride: the key vectors biased (^ 0x80) after the reordering */
+INL void pass1_rows(const uint8_t *rows, const qprep *qp, float *sc_out, int ld) {
+    __m512 s[ROWS];
+    for (int x = 0; x < ROWS; x++)
+        s[x] = _mm512_setzero_ps();
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; b++) {
+        const __m512 sc = _mm512_cvtph_ps(row_scales16(rows + 34 * b));
+        __m512i z[8], a[ROWS][3];
+        rows_to_key_vectors(rows, b, z);
+#pragma GCC unroll 4
+        for (int x = 0; x < ROWS; x++)
+#pragma GCC unroll 3
+            for (int p = 0; p < 3; p++)
+                a[x][p] = _mm512_set1_epi32(qp->corr[x][b][p]);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            const __m512i kc = _mm512_xor_si512(z[j], x80);
+#pragma GCC unroll 4
+            for (int x = 0; x < ROWS; x++)
+#pragma GCC unroll 3
+                for (int p = 0; p < 3; p++)
+                    DPBUSD_BC_OFF(a[x][p], kc, qp, 4 * ((x * 3 + p) * 32 + 8 * b + j));
+        }
+#pragma GCC unroll 4
+        for (int x = 0; x < ROWS; x++) {
+            const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(a[x][1], 8), a[x][2]);
+            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[x][0]), _mm512_set1_ps(65536.0f),
+                                             _mm512_cvtepi32_ps(ml));
+            s[x] = _mm512_fmadd_ps(t, sc, s[x]);
+        }
+    }
+    for (int x = 0; x < ROWS; x++)
+        _mm512_storeu_ps(sc_out + x * ld, _mm512_mul_ps(s[x], _mm512_set1_ps(qp->inv[x])));
+}
+
+/* pass 3 (plain) over nsb x 16 rows at the stride. The scales are gathered into the interleaved
+ * superblocks' scale order first (sc16[sb][b][key], in `scales`), so build_w runs unchanged on a
+ * buffer whose superblocks hold only scales (at offset 2048 of each SB_BYTES); per 4 rows and
+ * block, two registers [row 0 | row 1], [row 2 | row 3] and two VPERMT2B give the 2 value vectors
+ * of pass3_block. */
+static const uint8_t value_perm[2][64] = {
+#define MHA_B4_(c) c, 32 + c, 64 + c, 96 + c
+    {MHA_B4_(0), MHA_B4_(1), MHA_B4_(2), MHA_B4_(3), MHA_B4_(4), MHA_B4_(5), MHA_B4_(6), MHA_B4_(7),
+     MHA_B4_(8), MHA_B4_(9), MHA_B4_(10), MHA_B4_(11), MHA_B4_(12), MHA_B4_(13), MHA_B4_(14),
+     MHA_B4_(15)},
+    {MHA_B4_(16), MHA_B4_(17), MHA_B4_(18), MHA_B4_(19), MHA_B4_(20), MHA_B4_(21), MHA_B4_(22),
+     MHA_B4_(23), MHA_B4_(24), MHA_B4_(25), MHA_B4_(26), MHA_B4_(27), MHA_B4_(28), MHA_B4_(29),
+     MHA_B4_(30), MHA_B4_(31)}};
+#undef MHA_B4_
+
+INL void pass3_rows_chunk(const uint8_t *rows,
+                          int nsb,
+                          const float *p,
+                          int ldp,
+                          uint8_t *wbuf,
+                          uint8_t *scales,
+                          float *o,
+                          const uint8_t *pf) {
+    static const int32_t none[ROWS][3];
+    for (int sb = 0; sb < nsb; sb++)
+#pragma GCC unroll 4
+        for (int b = 0; b < NB; b++)
+            _mm256_store_si256((__m256i *)(scales + (size_t)sb * SB_BYTES + 2048 + 32 * b),
+                               row_scales16(rows + (size_t)16 * sb * ROW_BYTES + 34 * b));
+    float einv[NB];
+    build_w(scales, nsb, p, ldp, wbuf, einv);
+    const __m512i i0 = _mm512_loadu_si512(value_perm[0]), i1 = _mm512_loadu_si512(value_perm[1]);
+    for (int b = 0; b < NB; b++) {
+        __m512i acc[ROWS][3][2];
+        zero_acc(acc);
+        for (int sb = 0; sb < nsb; sb++) {
+            if (pf)
+                prefetch_quarter(pf, sb, b);
+#pragma GCC unroll 4
+            for (int g = 0; g < 4; g++) {
+                const uint8_t *r = rows + (size_t)(16 * sb + 4 * g) * ROW_BYTES + 34 * b + 2;
+                const __m512i A = _mm512_inserti64x4(
+                                  _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r)),
+                                  _mm256_loadu_si256((const __m256i *)(r + ROW_BYTES)), 1),
+                              B = _mm512_inserti64x4(
+                                  _mm512_castsi256_si512(
+                                      _mm256_loadu_si256((const __m256i *)(r + 2 * ROW_BYTES))),
+                                  _mm256_loadu_si256((const __m256i *)(r + 3 * ROW_BYTES)), 1);
+                const __m512i v0 = _mm512_permutex2var_epi8(A, i0, B),
+                              v1 = _mm512_permutex2var_epi8(A, i1, B);
+#pragma GCC unroll 4
+                for (int x = 0; x < ROWS; x++) {
+                    const uint8_t *w = wbuf + ((sb * ROWS + x) * NB + b) * 64 + 4 * g;
+#pragma GCC unroll 3
+                    for (int d = 0; d < 3; d++) {
+                        int32_t wd;
+                        memcpy(&wd, w + 16 * d, 4);
+                        const __m512i wb = _mm512_set1_epi32(wd);
+                        acc[x][d][0] = _mm512_dpbusd_epi32(acc[x][d][0], wb, v0);
+                        acc[x][d][1] = _mm512_dpbusd_epi32(acc[x][d][1], wb, v1);
+                    }
+                }
+            }
+        }
+        pass3_final(acc, &none[0][0], o, b, einv[b]);
+    }
+}
+
 /* ---------------- the reference check ---------------- */
 /* errors relative to the row's largest |reference| (normwise) and to sum |q k| (resp. |w v|)
  * of the entry; FAIL above 2^-20 (float32 rounding of a sum of 128 or n terms is ~2^-24 x a
@@ -452,6 +615,31 @@ static int within(const char *what, const double e[2]) {
     const int ok = e[0] <= tol && e[1] <= tol; /* NaN fails */
     printf("    %-14s %.3e        %.3e%s\n", what, e[0], e[1], ok ? "" : "   FAIL (> 2^-20)");
     return ok;
+}
+
+/* the row-major variants on the same data: scores s and pass-3 output o of the interleaved
+ * passes, bit for bit */
+static int rows_match(const refdata *r, const qprep *qp, const float *s, const float *o) {
+    const int n = r->n;
+    uint8_t *KR = malloc((size_t)n * ROW_BYTES), *VR = malloc((size_t)n * ROW_BYTES);
+    uint8_t *scales = aligned_alloc(64, (size_t)n / SB * SB_BYTES);
+    uint8_t *wbuf = aligned_alloc(64, (size_t)n / SB * ROWS * NB * 64);
+    float *sr = malloc(sizeof(float) * ROWS * (size_t)n), orow[ROWS * D];
+    if (!KR || !VR || !scales || !wbuf || !sr)
+        abort();
+    pack_rows(r->k8, r->ks, n, KR);
+    pack_rows(r->v8, r->vs, n, VR);
+    for (int sb = 0; sb < n / SB; sb++)
+        pass1_rows(KR + (size_t)16 * sb * ROW_BYTES, qp, sr + 16 * sb, n);
+    memset(orow, 0, sizeof orow);
+    pass3_rows_chunk(VR, n / SB, r->p, n, wbuf, scales, orow, NULL);
+    const int same1 = !memcmp(s, sr, sizeof(float) * ROWS * (size_t)n),
+              same3 = !memcmp(o, orow, sizeof orow);
+    printf("  ggml's rows reordered in registers: pass 1 %s, pass 3 %s\n",
+           same1 ? "bit-identical" : "DIFFERENT   FAIL",
+           same3 ? "bit-identical" : "DIFFERENT   FAIL");
+    free(KR), free(VR), free(scales), free(wbuf), free(sr);
+    return same1 && same3;
 }
 
 static int check_n(int n) {
@@ -536,6 +724,7 @@ static int check_n(int n) {
     ok &= within("VNNI", e3);
     ok &= within("VNNI S", s3);
     printf("    %-14s %.3e        %.3e   (for comparison)\n", "f32 FMA loop", f3[0], f3[1]);
+    ok &= rows_match(&r, &qp, s, o);
     free(K), free(V), free(VS), free(wbuf), free(s), free(ref), free(abs_), free(f32);
     free_ref(&r);
     return ok;
@@ -544,7 +733,7 @@ static int check_n(int n) {
 int q8i_check(void) {
     const int ok = check_n(4096) & check_n(256);
     if (!ok)
-        printf("FAIL: a VNNI error above 2^-20\n");
+        printf("FAIL: a VNNI error above 2^-20, or a row-major variant differs\n");
     return !ok;
 }
 
@@ -677,6 +866,43 @@ static __attribute__((noinline)) float t_pass3S_dot(int reps) {
     return (float)_mm512_reduce_add_epi32(ACC[0][0][0][0]);
 }
 
+/* the row-major variants (ggml's rows, reordered in registers) on the same FK keys */
+static uint8_t KRf[FK * ROW_BYTES], VRf[FK * ROW_BYTES];
+static uint8_t SCf[FK / SB * SB_BYTES] __attribute__((aligned(64)));
+static __attribute__((noinline)) float t_pass1_rows(int reps) {
+    for (int r = 0; r < reps; r++) {
+        const qprep *qp = &QP;
+        const uint8_t *kp = KRf;
+        __asm__("" : "+r"(qp), "+r"(kp));
+        for (int sb = 0; sb < FK / SB; sb++)
+            pass1_rows(kp + sb * SB * ROW_BYTES, qp, Sf + 16 * sb, FK);
+    }
+    return Sf[0];
+}
+static __attribute__((noinline)) float t_pass3_rows(int reps) {
+    for (int r = 0; r < reps; r++) {
+        NEW_STEP();
+        pass3_rows_chunk(VRf, FK / SB, Pf, FK, Wf, SCf, Of, NULL);
+    }
+    return Of[0];
+}
+/* the reordering of pass 1 alone: the 4 blocks' key vectors of each 16 rows, XOR-folded */
+static __attribute__((noinline)) float t_reorder1(int reps) {
+    __m512i fold = _mm512_setzero_si512();
+    for (int r = 0; r < reps; r++) {
+        const uint8_t *kp = KRf;
+        __asm__("" : "+r"(kp));
+        for (int sb = 0; sb < FK / SB; sb++)
+            for (int b = 0; b < NB; b++) {
+                __m512i z[8];
+                rows_to_key_vectors(kp + sb * SB * ROW_BYTES, b, z);
+                for (int j = 0; j < 8; j++)
+                    fold = _mm512_xor_si512(fold, z[j]);
+            }
+    }
+    return (float)_mm512_reduce_add_epi32(fold);
+}
+
 /* 61 short runs (~0.3 ms: some of them escape the other tenants of a shared host), ns per
  * (key, kv head): best and median */
 static void time_fn(const char *name, float (*fn)(int), double ghz, double ns[2]) {
@@ -702,6 +928,8 @@ void q8i_floor(double ghz) {
     pack_k(&r, FK, Kf);
     pack_v(&r, FK, Vf, 0);
     pack_v(&r, FK, VfS, 1);
+    pack_rows(r.k8, r.ks, FK, KRf);
+    pack_rows(r.v8, r.vs, FK, VRf);
     prep_q((const float(*)[D])r.q, &QP);
     memcpy(Pf, r.p, sizeof Pf);
     free_ref(&r);
@@ -719,6 +947,12 @@ void q8i_floor(double ghz) {
     time_fn("pass 3 S, long chunk (build + dot)", t_pass3S_long, ghz, s3l);
     time_fn("  of which weight building alone", t_build_wS, ghz, NULL);
     time_fn("  of which dot products alone", t_pass3S_dot, ghz, NULL);
+    double r1[2], r3[2];
+    time_fn("pass 1, ggml's rows reordered in registers", t_pass1_rows, ghz, r1);
+    time_fn("  of which the reordering alone", t_reorder1, ghz, NULL);
+    time_fn("pass 3, ggml's rows reordered, chunk 64", t_pass3_rows, ghz, r3);
+    printf("  %-44s %7.2f %7.2f %7.1f\n", "pass 1 + pass 3, ggml's rows reordered", r1[0] + r3[0],
+           r1[1] + r3[1], (r1[0] + r3[0]) * ghz);
     const struct {
         const char *name;
         const double *p3;
@@ -772,6 +1006,8 @@ INL void softmax_chunk(float *sr, int chunk, float *m_run, float *l_run, float *
 typedef struct step {
     const uint8_t *buf; /* per kv head: K of all keys, then V of all keys */
     int heads, n, chunk, pass3_s, prefetch;
+    int rows;        /* ggml's q8_0 rows (reordered in registers), not the interleaved layout */
+    uint8_t *scales; /* rows: a chunk's V scales in superblock order (pass3_rows_chunk) */
     const qprep *qp; /* per kv head */
     float *S;        /* ROWS x chunk scores, then weights */
     uint8_t *wbuf;   /* a chunk's weight digits */
@@ -798,7 +1034,10 @@ static __attribute__((noinline)) float big_step(const step *st) {
                     for (int l = 0; l < SB_BYTES; l += 64)
                         _mm_prefetch((const char *)V + off + (size_t)sb * SB_BYTES + l,
                                      _MM_HINT_T1);
-                pass1_sb(K + off + (size_t)sb * SB_BYTES, &st->qp[h], st->S + 16 * sb, CH);
+                if (st->rows) /* 16 rows are SB_BYTES too: the same offsets */
+                    pass1_rows(K + off + (size_t)sb * SB_BYTES, &st->qp[h], st->S + 16 * sb, CH);
+                else
+                    pass1_sb(K + off + (size_t)sb * SB_BYTES, &st->qp[h], st->S + 16 * sb, CH);
             }
             for (int x = 0; x < ROWS; x++)
                 softmax_chunk(st->S + x * CH, CH, &st->m[h * ROWS + x], &st->l[h * ROWS + x],
@@ -807,7 +1046,9 @@ static __attribute__((noinline)) float big_step(const step *st) {
                                 : c + CH < st->n    ? K + off + (size_t)nsb * SB_BYTES
                                 : h + 1 < st->heads ? K + 2 * hbytes
                                                     : NULL;
-            if (st->pass3_s)
+            if (st->rows)
+                pass3_rows_chunk(V + off, nsb, st->S, CH, st->wbuf, st->scales, o, pf);
+            else if (st->pass3_s)
                 pass3S_chunk(V + off, nsb, st->S, CH, st->wbuf, o, pf);
             else
                 pass3_chunk(V + off, nsb, st->S, CH, st->wbuf, o, pf);
@@ -866,7 +1107,7 @@ static int big_sanity(const step *st, const refdata *r) {
     return ok;
 }
 
-int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, double ghz) {
+int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, int rows, double ghz) {
     enum { RUNS = 9 };
     const size_t hbytes = (size_t)keys / SB * SB_BYTES, total = 2 * hbytes * (size_t)heads,
                  cbytes = (size_t)chunk / SB * SB_BYTES;
@@ -881,18 +1122,25 @@ int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, double gh
                .chunk = chunk,
                .pass3_s = pass3_s,
                .prefetch = prefetch,
+               .rows = rows,
                .qp = qp};
+    st.scales = aligned_alloc(64, cbytes);
     st.S = aligned_alloc(64, sizeof(float) * ROWS * (size_t)chunk);
     st.wbuf = aligned_alloc(64, (size_t)chunk / SB * ROWS * NB * 64);
     st.O = aligned_alloc(64, sizeof(float) * ROWS * D * (size_t)heads);
     st.m = malloc(sizeof(float) * ROWS * (size_t)heads);
     st.l = malloc(sizeof(float) * ROWS * (size_t)heads);
-    if (!buf || !kc || !vc || !qp || !st.S || !st.wbuf || !st.O || !st.m || !st.l) {
+    if (!buf || !kc || !vc || !qp || !st.scales || !st.S || !st.wbuf || !st.O || !st.m || !st.l) {
         fprintf(stderr, "mha_bench_q8_interleaved: out of memory (%.1f MB)\n", (double)total / 1e6);
         return 1;
     }
-    pack_k(&r, chunk, kc);
-    pack_v(&r, chunk, vc, pass3_s);
+    if (rows) {
+        pack_rows(r.k8, r.ks, chunk, kc);
+        pack_rows(r.v8, r.vs, chunk, vc);
+    } else {
+        pack_k(&r, chunk, kc);
+        pack_v(&r, chunk, vc, pass3_s);
+    }
     for (int h = 0; h < heads; h++) {
         for (int c = 0; c < keys; c += chunk) {
             const size_t off = (size_t)c / SB * SB_BYTES;
@@ -916,7 +1164,10 @@ int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, double gh
     (void)sink;
     printf("large cache: %d keys x %d kv heads, %.1f MB (K + V int8 + f16 scales, 272 B per "
            "(key, kv head)), chunk %d keys, pass 3%s, %s; %d runs interleaved\n",
-           keys, heads, (double)total / 1e6, chunk, pass3_s ? " S" : " plain",
+           keys, heads, (double)total / 1e6, chunk,
+           rows      ? " plain over ggml's rows (reordered in registers)"
+           : pass3_s ? " S"
+                     : " plain",
            prefetch ? "phase-split prefetch" : "no software prefetch", RUNS);
     const int ok = big_sanity(&st, &r);
     qsort(tb, RUNS, sizeof(double), bench_cmp_double);
@@ -929,8 +1180,8 @@ int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, double gh
     printf("  %-32s %8.2f %8.2f %8.2f %8.1f %9.0f%%\n", "VNNI pass 1 + softmax + pass 3",
            (double)total / tb[RUNS / 2] / 1e9, (double)total / tb[0] / 1e9, tb[RUNS / 2] / kh * 1e9,
            tb[RUNS / 2] / kh * 1e9 * ghz, 100.0 * tr[RUNS / 2] / tb[RUNS / 2]);
-    free(buf), free(kc), free(vc), free(qp), free(st.S), free(st.wbuf), free(st.O), free(st.m),
-        free(st.l);
+    free(buf), free(kc), free(vc), free(qp), free(st.scales), free(st.S), free(st.wbuf), free(st.O),
+        free(st.m), free(st.l);
     free_ref(&r);
     return !ok;
 }
