@@ -169,6 +169,31 @@ static void prep_q(const float q[ROWS][D], qprep *qp) {
 /* Per block: 12 accumulator chains (rows x digits) start at the bias correction, 8 VPDPBUSD
  * each (the 64-byte key group in a register, the row's digit dword broadcast from memory), then
  * s += scale (hi 2^16 + (mid 2^8 + lo)) in float32: mid 2^8 + lo is exact in int32 (< 2^29). */
+/* block b of 16 keys, its 8 key vectors kc (biased u8, lanes = keys) and scales sc: s[x] +=
+ * sc (hi 2^16 + (mid 2^8 + lo)) for the 4 rows */
+INL void pass1_block(const __m512i kc[8], __m512 sc, const qprep *qp, int b, __m512 s[ROWS]) {
+    __m512i a[ROWS][3]; /* 12 independent chains, interleaved in program order */
+#pragma GCC unroll 4
+    for (int x = 0; x < ROWS; x++)
+#pragma GCC unroll 3
+        for (int p = 0; p < 3; p++)
+            a[x][p] = _mm512_set1_epi32(qp->corr[x][b][p]);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++)
+#pragma GCC unroll 4
+        for (int x = 0; x < ROWS; x++)
+#pragma GCC unroll 3
+            for (int p = 0; p < 3; p++)
+                DPBUSD_BC_OFF(a[x][p], kc[j], qp, 4 * ((x * 3 + p) * 32 + 8 * b + j));
+#pragma GCC unroll 4
+    for (int x = 0; x < ROWS; x++) {
+        const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(a[x][1], 8), a[x][2]);
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[x][0]), _mm512_set1_ps(65536.0f),
+                                         _mm512_cvtepi32_ps(ml));
+        s[x] = _mm512_fmadd_ps(t, sc, s[x]);
+    }
+}
+
 INL void pass1_sb(const uint8_t *sb, const qprep *qp, float *sc_out, int ld) {
     __m512 s[ROWS];
     for (int x = 0; x < ROWS; x++)
@@ -176,29 +201,12 @@ INL void pass1_sb(const uint8_t *sb, const qprep *qp, float *sc_out, int ld) {
     const uint16_t *sc16 = (const uint16_t *)(sb + 2048);
 #pragma GCC unroll 4
     for (int b = 0; b < NB; b++) {
-        const __m512 sc = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sc16 + 16 * b)));
-        __m512i a[ROWS][3]; /* 12 independent chains, interleaved in program order */
-#pragma GCC unroll 4
-        for (int x = 0; x < ROWS; x++)
-#pragma GCC unroll 3
-            for (int p = 0; p < 3; p++)
-                a[x][p] = _mm512_set1_epi32(qp->corr[x][b][p]);
+        __m512i kc[8];
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            const __m512i kc = _mm512_load_si512(sb + b * 512 + j * 64);
-#pragma GCC unroll 4
-            for (int x = 0; x < ROWS; x++)
-#pragma GCC unroll 3
-                for (int p = 0; p < 3; p++)
-                    DPBUSD_BC_OFF(a[x][p], kc, qp, 4 * ((x * 3 + p) * 32 + 8 * b + j));
-        }
-#pragma GCC unroll 4
-        for (int x = 0; x < ROWS; x++) {
-            const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(a[x][1], 8), a[x][2]);
-            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[x][0]), _mm512_set1_ps(65536.0f),
-                                             _mm512_cvtepi32_ps(ml));
-            s[x] = _mm512_fmadd_ps(t, sc, s[x]);
-        }
+        for (int j = 0; j < 8; j++)
+            kc[j] = _mm512_load_si512(sb + b * 512 + j * 64);
+        pass1_block(kc, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sc16 + 16 * b))), qp, b,
+                    s);
     }
     for (int x = 0; x < ROWS; x++)
         _mm512_storeu_ps(sc_out + x * ld, _mm512_mul_ps(s[x], _mm512_set1_ps(qp->inv[x])));
@@ -271,6 +279,24 @@ INL void prefetch_quarter(const uint8_t *pf, int sb, int b) {
         _mm_prefetch((const char *)pf + (size_t)sb * SB_BYTES + 64 * l, _MM_HINT_T1);
 }
 
+/* 4 keys (group g of superblock sb) into block b's 24 accumulators: the 2 value vectors v0, v1
+ * (lanes = d, 4 keys' bytes each) against the weight digit dwords, broadcast */
+INL void pass3_group(
+    __m512i v0, __m512i v1, const uint8_t *wbuf, int sb, int b, int g, __m512i acc[ROWS][3][2]) {
+#pragma GCC unroll 4
+    for (int x = 0; x < ROWS; x++) {
+        const uint8_t *w = wbuf + ((sb * ROWS + x) * NB + b) * 64 + 4 * g;
+#pragma GCC unroll 3
+        for (int p = 0; p < 3; p++) {
+            int32_t wd;
+            memcpy(&wd, w + 16 * p, 4);
+            const __m512i wb = _mm512_set1_epi32(wd);
+            acc[x][p][0] = _mm512_dpbusd_epi32(acc[x][p][0], wb, v0);
+            acc[x][p][1] = _mm512_dpbusd_epi32(acc[x][p][1], wb, v1);
+        }
+    }
+}
+
 /* block b's 24 accumulators (rows x digits x 2 vectors of 16 d) over nsb superblocks: per
  * group of 4 keys, the 2 value vectors in registers, the weight digit dwords broadcast */
 INL void pass3_block(const uint8_t *V,
@@ -285,19 +311,7 @@ INL void pass3_block(const uint8_t *V,
 #pragma GCC unroll 4
         for (int g = 0; g < 4; g++) {
             const uint8_t *vp = V + (size_t)sb * SB_BYTES + g * 512 + b * 128;
-            const __m512i v0 = _mm512_load_si512(vp), v1 = _mm512_load_si512(vp + 64);
-#pragma GCC unroll 4
-            for (int x = 0; x < ROWS; x++) {
-                const uint8_t *w = wbuf + ((sb * ROWS + x) * NB + b) * 64 + 4 * g;
-#pragma GCC unroll 3
-                for (int p = 0; p < 3; p++) {
-                    int32_t wd;
-                    memcpy(&wd, w + 16 * p, 4);
-                    const __m512i wb = _mm512_set1_epi32(wd);
-                    acc[x][p][0] = _mm512_dpbusd_epi32(acc[x][p][0], wb, v0);
-                    acc[x][p][1] = _mm512_dpbusd_epi32(acc[x][p][1], wb, v1);
-                }
-            }
+            pass3_group(_mm512_load_si512(vp), _mm512_load_si512(vp + 64), wbuf, sb, b, g, acc);
         }
     }
 }
@@ -509,30 +523,12 @@ INL void pass1_rows(const uint8_t *rows, const qprep *qp, float *sc_out, int ld)
     const __m512i x80 = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 4
     for (int b = 0; b < NB; b++) {
-        const __m512 sc = _mm512_cvtph_ps(row_scales16(rows + 34 * b));
-        __m512i z[8], a[ROWS][3];
+        __m512i z[8];
         rows_to_key_vectors(rows, b, z);
-#pragma GCC unroll 4
-        for (int x = 0; x < ROWS; x++)
-#pragma GCC unroll 3
-            for (int p = 0; p < 3; p++)
-                a[x][p] = _mm512_set1_epi32(qp->corr[x][b][p]);
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-            const __m512i kc = _mm512_xor_si512(z[j], x80);
-#pragma GCC unroll 4
-            for (int x = 0; x < ROWS; x++)
-#pragma GCC unroll 3
-                for (int p = 0; p < 3; p++)
-                    DPBUSD_BC_OFF(a[x][p], kc, qp, 4 * ((x * 3 + p) * 32 + 8 * b + j));
-        }
-#pragma GCC unroll 4
-        for (int x = 0; x < ROWS; x++) {
-            const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(a[x][1], 8), a[x][2]);
-            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[x][0]), _mm512_set1_ps(65536.0f),
-                                             _mm512_cvtepi32_ps(ml));
-            s[x] = _mm512_fmadd_ps(t, sc, s[x]);
-        }
+        for (int j = 0; j < 8; j++)
+            z[j] = _mm512_xor_si512(z[j], x80);
+        pass1_block(z, _mm512_cvtph_ps(row_scales16(rows + 34 * b)), qp, b, s);
     }
     for (int x = 0; x < ROWS; x++)
         _mm512_storeu_ps(sc_out + x * ld, _mm512_mul_ps(s[x], _mm512_set1_ps(qp->inv[x])));
@@ -586,20 +582,8 @@ INL void pass3_rows_chunk(const uint8_t *rows,
                                   _mm512_castsi256_si512(
                                       _mm256_loadu_si256((const __m256i *)(r + 2 * ROW_BYTES))),
                                   _mm256_loadu_si256((const __m256i *)(r + 3 * ROW_BYTES)), 1);
-                const __m512i v0 = _mm512_permutex2var_epi8(A, i0, B),
-                              v1 = _mm512_permutex2var_epi8(A, i1, B);
-#pragma GCC unroll 4
-                for (int x = 0; x < ROWS; x++) {
-                    const uint8_t *w = wbuf + ((sb * ROWS + x) * NB + b) * 64 + 4 * g;
-#pragma GCC unroll 3
-                    for (int d = 0; d < 3; d++) {
-                        int32_t wd;
-                        memcpy(&wd, w + 16 * d, 4);
-                        const __m512i wb = _mm512_set1_epi32(wd);
-                        acc[x][d][0] = _mm512_dpbusd_epi32(acc[x][d][0], wb, v0);
-                        acc[x][d][1] = _mm512_dpbusd_epi32(acc[x][d][1], wb, v1);
-                    }
-                }
+                pass3_group(_mm512_permutex2var_epi8(A, i0, B), _mm512_permutex2var_epi8(A, i1, B),
+                            wbuf, sb, b, g, acc);
             }
         }
         pass3_final(acc, &none[0][0], o, b, einv[b]);
