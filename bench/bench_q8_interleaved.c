@@ -51,9 +51,10 @@
  *     --rows reads ggml's q8_0 rows (136 bytes per key and kv head, K rows then V rows per kv
  *     head) and reorders them in registers instead: can the library keep its rows?
  *     (docs/INFERENCE.md: no, 59-72% of the read loop against 81-83%).
+ *     --threads 2 splits the kv heads (and the read loop's bytes) between two threads.
  *
  * Usage: mha_bench_q8_interleaved [--big [--keys N] [--heads H] [--chunk C] [--pass3-s]
- *                                  [--no-prefetch] [--rows]]
+ *                                  [--no-prefetch] [--rows] [--threads 1|2]]
  * Needs AVX512F/BW/VL, AVX512-VNNI, AVX512-VBMI (VPERMB) and F16C (Intel Ice Lake and later
  * servers, AMD Zen 4 and later); elsewhere it prints "skipped" and exits 0. */
 #define _POSIX_C_SOURCE 200809L
@@ -73,12 +74,13 @@ static int has_f16c(void) {
 
 static int usage(void) {
     fprintf(stderr, "usage: mha_bench_q8_interleaved [--big [--keys N] [--heads H] [--chunk C] "
-                    "[--pass3-s] [--no-prefetch] [--rows]]\n");
+                    "[--pass3-s] [--no-prefetch] [--rows] [--threads 1|2]]\n");
     return 2;
 }
 
 int main(int argc, char **argv) {
-    int big = 0, keys = 131072, heads = 8, chunk = 64, pass3_s = 0, prefetch = 1, rows = 0;
+    int big = 0, keys = 131072, heads = 8, chunk = 64, pass3_s = 0, prefetch = 1, rows = 0,
+        threads = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--big"))
             big = 1;
@@ -94,14 +96,16 @@ int main(int argc, char **argv) {
             prefetch = 0;
         else if (!strcmp(argv[i], "--rows"))
             rows = 1;
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+            threads = atoi(argv[++i]);
         else
             return usage();
     }
     /* chunk: whole superblocks, at most 65536 keys (the int32 digit sums of pass 3) */
     if (chunk < 16 || chunk > 65536 || chunk % 16 || keys < chunk || keys % chunk || heads < 1 ||
-        (double)keys * heads * 272 > 0x1p40) {
+        threads < 1 || threads > 2 || (double)keys * heads * 272 > 0x1p40) {
         fprintf(stderr, "mha_bench_q8_interleaved: --chunk a multiple of 16 up to 65536, --keys a "
-                        "multiple of it, --heads >= 1\n");
+                        "multiple of it, --heads >= 1, --threads 1 or 2\n");
         return 2;
     }
     __builtin_cpu_init();
@@ -136,5 +140,5 @@ int main(int argc, char **argv) {
         q8i_floor(ghz);
         return 0;
     }
-    return q8i_big(keys, heads, chunk, pass3_s, prefetch, rows, ghz);
+    return q8i_big(keys, heads, chunk, pass3_s, prefetch, rows, threads, ghz);
 }

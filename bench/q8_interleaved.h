@@ -12,7 +12,9 @@ void q8i_floor(double ghz);
 /* The whole step over a cache of keys x heads (kv heads) beside a plain read loop of the same
  * bytes: chunk keys per chunk, pass3_s: pass 3 variant S, prefetch: the phase-split software
  * prefetch, rows: ggml's q8_0 rows reordered in registers (pass1_rows, pass3_rows_chunk) in place
- * of the interleaved layout. Returns 0, or 1 when the step's sanity check fails. */
-int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, int rows, double ghz);
+ * of the interleaved layout, threads: 1 or 2 (the kv heads split between them; the read loop
+ * likewise). Returns 0, or 1 when the step's sanity check fails. */
+int q8i_big(
+    int keys, int heads, int chunk, int pass3_s, int prefetch, int rows, int threads, double ghz);
 
 #endif

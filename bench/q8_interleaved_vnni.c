@@ -9,6 +9,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -990,6 +991,7 @@ INL void softmax_chunk(float *sr, int chunk, float *m_run, float *l_run, float *
 typedef struct step {
     const uint8_t *buf; /* per kv head: K of all keys, then V of all keys */
     int heads, n, chunk, pass3_s, prefetch;
+    int h0, h1;      /* the kv heads this thread's step runs */
     int rows;        /* ggml's q8_0 rows (reordered in registers), not the interleaved layout */
     uint8_t *scales; /* rows: a chunk's V scales in superblock order (pass3_rows_chunk) */
     const qprep *qp; /* per kv head */
@@ -1004,11 +1006,11 @@ typedef struct step {
  * during pass 3, so that each pass streams what the other will read */
 static __attribute__((noinline)) float big_step(const step *st) {
     const int CH = st->chunk, nsb = CH / SB;
-    for (int i = 0; i < st->heads * ROWS; i++)
+    for (int i = st->h0 * ROWS; i < st->h1 * ROWS; i++)
         st->m[i] = -INFINITY, st->l[i] = 0;
-    memset(st->O, 0, sizeof(float) * ROWS * D * (size_t)st->heads);
+    memset(st->O + st->h0 * ROWS * D, 0, sizeof(float) * ROWS * D * (size_t)(st->h1 - st->h0));
     const size_t hbytes = (size_t)st->n / SB * SB_BYTES;
-    for (int h = 0; h < st->heads; h++) {
+    for (int h = st->h0; h < st->h1; h++) {
         const uint8_t *K = st->buf + 2 * (size_t)h * hbytes, *V = K + hbytes;
         float *o = st->O + h * ROWS * D;
         for (int c = 0; c < st->n; c += CH) {
@@ -1026,10 +1028,10 @@ static __attribute__((noinline)) float big_step(const step *st) {
             for (int x = 0; x < ROWS; x++)
                 softmax_chunk(st->S + x * CH, CH, &st->m[h * ROWS + x], &st->l[h * ROWS + x],
                               o + x * D);
-            const uint8_t *pf = !st->prefetch       ? NULL
-                                : c + CH < st->n    ? K + off + (size_t)nsb * SB_BYTES
-                                : h + 1 < st->heads ? K + 2 * hbytes
-                                                    : NULL;
+            const uint8_t *pf = !st->prefetch    ? NULL
+                                : c + CH < st->n ? K + off + (size_t)nsb * SB_BYTES
+                                : h + 1 < st->h1 ? K + 2 * hbytes
+                                                 : NULL;
             if (st->rows)
                 pass3_rows_chunk(V + off, nsb, st->S, CH, st->wbuf, st->scales, o, pf);
             else if (st->pass3_s)
@@ -1052,6 +1054,31 @@ static __attribute__((noinline)) uint64_t read_loop(const uint8_t *buf, size_t b
     }
     return (uint64_t)_mm512_reduce_add_epi64(
         _mm512_add_epi64(_mm512_add_epi64(a0, a1), _mm512_add_epi64(a2, a3)));
+}
+
+/* the step and the read loop on T threads (T <= 2): thread t runs kv heads [h0, h1) of its own
+ * step (its own scratch) and reads those heads' bytes; thread 0 is the caller */
+typedef struct job {
+    step *st;
+    const uint8_t *buf;
+    size_t bytes;
+    int read; /* 1: the read loop over buf, 0: the step */
+    uint64_t out;
+} job;
+static void *run_job(void *arg) {
+    job *j = arg;
+    j->out = j->read ? read_loop(j->buf, j->bytes) : (uint64_t)big_step(j->st);
+    return NULL;
+}
+static uint64_t run_threads(job *jobs, int T) {
+    pthread_t th;
+    const int spawned = T > 1 && pthread_create(&th, NULL, run_job, &jobs[1]) == 0;
+    if (T > 1 && !spawned)
+        run_job(&jobs[1]);
+    run_job(&jobs[0]);
+    if (spawned)
+        pthread_join(th, NULL);
+    return jobs[0].out + (T > 1 ? jobs[1].out : 0);
 }
 
 /* head 0's o / l against float64 (the data repeat every chunk, so l is n / chunk times the
@@ -1091,8 +1118,10 @@ static int big_sanity(const step *st, const refdata *r) {
     return ok;
 }
 
-int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, int rows, double ghz) {
+int q8i_big(
+    int keys, int heads, int chunk, int pass3_s, int prefetch, int rows, int threads, double ghz) {
     enum { RUNS = 9 };
+    const int T = threads < 2 || heads < 2 ? 1 : 2;
     const size_t hbytes = (size_t)keys / SB * SB_BYTES, total = 2 * hbytes * (size_t)heads,
                  cbytes = (size_t)chunk / SB * SB_BYTES;
     uint8_t *buf = aligned_alloc(4096, total);
@@ -1100,21 +1129,36 @@ int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, int rows,
     refdata r;
     gen(&r, chunk); /* the content repeats every chunk: only the bytes count here */
     qprep *qp = aligned_alloc(64, sizeof(qprep) * (size_t)heads);
-    step st = {.buf = buf,
-               .heads = heads,
-               .n = keys,
-               .chunk = chunk,
-               .pass3_s = pass3_s,
-               .prefetch = prefetch,
-               .rows = rows,
-               .qp = qp};
-    st.scales = aligned_alloc(64, cbytes);
-    st.S = aligned_alloc(64, sizeof(float) * ROWS * (size_t)chunk);
-    st.wbuf = aligned_alloc(64, (size_t)chunk / SB * ROWS * NB * 64);
-    st.O = aligned_alloc(64, sizeof(float) * ROWS * D * (size_t)heads);
-    st.m = malloc(sizeof(float) * ROWS * (size_t)heads);
-    st.l = malloc(sizeof(float) * ROWS * (size_t)heads);
-    if (!buf || !kc || !vc || !qp || !st.scales || !st.S || !st.wbuf || !st.O || !st.m || !st.l) {
+    float *O = aligned_alloc(64, sizeof(float) * ROWS * D * (size_t)heads);
+    float *m = malloc(sizeof(float) * ROWS * (size_t)heads);
+    float *l = malloc(sizeof(float) * ROWS * (size_t)heads);
+    step st[2];
+    job steps[2], reads[2];
+    int fail = !buf || !kc || !vc || !qp || !O || !m || !l;
+    for (int t = 0; t < T; t++) { /* thread t: heads [t heads / T, (t + 1) heads / T) */
+        st[t] = (step){.buf = buf,
+                       .heads = heads,
+                       .n = keys,
+                       .chunk = chunk,
+                       .pass3_s = pass3_s,
+                       .prefetch = prefetch,
+                       .h0 = t * heads / T,
+                       .h1 = (t + 1) * heads / T,
+                       .rows = rows,
+                       .qp = qp,
+                       .O = O,
+                       .m = m,
+                       .l = l};
+        st[t].scales = aligned_alloc(64, cbytes);
+        st[t].S = aligned_alloc(64, sizeof(float) * ROWS * (size_t)chunk);
+        st[t].wbuf = aligned_alloc(64, (size_t)chunk / SB * ROWS * NB * 64);
+        fail |= !st[t].scales || !st[t].S || !st[t].wbuf;
+        steps[t] = (job){.st = &st[t]};
+        reads[t] = (job){.buf = buf + 2 * hbytes * (size_t)st[t].h0,
+                         .bytes = 2 * hbytes * (size_t)(st[t].h1 - st[t].h0),
+                         .read = 1};
+    }
+    if (fail) {
         fprintf(stderr, "mha_bench_q8_interleaved: out of memory (%.1f MB)\n", (double)total / 1e6);
         return 1;
     }
@@ -1135,25 +1179,26 @@ int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, int rows,
     }
     double tb[RUNS], tr[RUNS];
     volatile uint64_t sink = 0;
-    sink += read_loop(buf, total);
-    big_step(&st);
+    sink += run_threads(reads, T);
+    sink += run_threads(steps, T);
     for (int i = 0; i < RUNS; i++) { /* interleaved: the same residency and neighbours */
         double t0 = bench_now_s();
-        sink += read_loop(buf, total);
+        sink += run_threads(reads, T);
         tr[i] = bench_now_s() - t0;
         t0 = bench_now_s();
-        sink += (uint64_t)big_step(&st);
+        sink += run_threads(steps, T);
         tb[i] = bench_now_s() - t0;
     }
     (void)sink;
     printf("large cache: %d keys x %d kv heads, %.1f MB (K + V int8 + f16 scales, 272 B per "
-           "(key, kv head)), chunk %d keys, pass 3%s, %s; %d runs interleaved\n",
+           "(key, kv head)), chunk %d keys, pass 3%s, %s; %d thread%s (kv heads split); %d runs "
+           "interleaved\n",
            keys, heads, (double)total / 1e6, chunk,
            rows      ? " plain over ggml's rows (reordered in registers)"
            : pass3_s ? " S"
                      : " plain",
-           prefetch ? "phase-split prefetch" : "no software prefetch", RUNS);
-    const int ok = big_sanity(&st, &r);
+           prefetch ? "phase-split prefetch" : "no software prefetch", T, T > 1 ? "s" : "", RUNS);
+    const int ok = big_sanity(&st[0], &r);
     qsort(tb, RUNS, sizeof(double), bench_cmp_double);
     qsort(tr, RUNS, sizeof(double), bench_cmp_double);
     const double kh = (double)keys * heads;
@@ -1164,8 +1209,9 @@ int q8i_big(int keys, int heads, int chunk, int pass3_s, int prefetch, int rows,
     printf("  %-32s %8.2f %8.2f %8.2f %8.1f %9.0f%%\n", "VNNI pass 1 + softmax + pass 3",
            (double)total / tb[RUNS / 2] / 1e9, (double)total / tb[0] / 1e9, tb[RUNS / 2] / kh * 1e9,
            tb[RUNS / 2] / kh * 1e9 * ghz, 100.0 * tr[RUNS / 2] / tb[RUNS / 2]);
-    free(buf), free(kc), free(vc), free(qp), free(st.scales), free(st.S), free(st.wbuf), free(st.O),
-        free(st.m), free(st.l);
+    for (int t = 0; t < T; t++)
+        free(st[t].scales), free(st[t].S), free(st[t].wbuf);
+    free(buf), free(kc), free(vc), free(qp), free(O), free(m), free(l);
     free_ref(&r);
     return !ok;
 }
