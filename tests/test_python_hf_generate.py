@@ -157,10 +157,11 @@ def test_threads_option_gives_the_same_tokens(name):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_training_gradients_include_the_sinks(name, compiled):
-    # gpt-oss's learned sinks (s_aux, a parameter) get their gradient through mha (the operator
-    # takes them as constants; _torch_hf adds d out / d sink = -p_sink out): every parameter's
-    # gradient equals the float64 eager model's within TOL_OUT_REL, with left padding (a fully
-    # masked row adds nothing). Until this test the sinks silently got no gradient (grad None).
+    # gpt-oss's learned sinks (s_aux, a parameter) get their gradient through mha (the
+    # operator's backward gives d out / d sink = -p_sink out; until session 49 _torch_hf added
+    # it): every parameter's gradient equals the float64 eager model's within TOL_OUT_REL, with
+    # left padding (a fully masked row adds nothing). Until this test the sinks silently got no
+    # gradient (grad None).
     ref, _, m = _models("gpt_oss")
     ids, mask = _inputs()
     labels = ids.masked_fill(mask == 0, -100)

@@ -578,3 +578,110 @@ def test_double_backward_raises_instead_of_dropping_second_order_terms():
         t2 = inp.clone().requires_grad_()
         fn(t2).pow(2).sum().backward()
         assert torch.equal(t2.grad, g.detach()), name
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.ops.mha.attention with learned sinks: their gradient
+# ------------------------------------------------------------------------------------------------
+def eager_attention_with_sinks(q, k, v, sinks, scale, attend=None, additive=None, causal=False,
+                               softcap=0.0):
+    """float64 eager reference (docs/SEMANTICS.md): the sink is one more logit per head in each
+    row's softmax and takes no value; GQA query head i reads kv head i // (h / g)."""
+    B, h, n, _ = q.shape
+    g, m = k.shape[1], k.shape[2]
+    k, v = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
+    s = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if additive is not None:
+        s = s + additive
+    if causal:  # top-left, as the operator's flag
+        s = s.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+    if attend is not None:
+        s = s.masked_fill(~attend, float("-inf"))
+    full = torch.cat([s, sinks.view(1, h, 1, 1).expand(B, h, n, 1)], -1)
+    return torch.softmax(full, -1)[..., :m] @ v
+
+
+SINK_CASES = {
+    # (B, h, g, n, m, d, dv), options
+    "plain": ((2, 3, 3, 5, 7, 8, 8), {}),
+    "gqa": ((2, 4, 2, 6, 9, 8, 5), {}),
+    "mqa_causal": ((1, 4, 1, 7, 7, 16, 16), dict(causal=True)),
+    "causal_n_lt_m": ((2, 2, 2, 4, 9, 8, 8), dict(causal=True)),
+    "fully_masked_rows": ((2, 4, 2, 6, 8, 8, 8), dict(mask="bool_empty_rows")),
+    "additive_softcap": ((2, 2, 1, 5, 6, 8, 4), dict(mask="float", softcap=2.0)),
+    "large_sinks": ((1, 3, 3, 4, 5, 8, 8), dict(sink_scale=6.0)),
+    "float64_operands": ((2, 2, 2, 3, 4, 8, 8), dict(dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SINK_CASES))
+def test_op_sinks_gradient_matches_float64_eager(name):
+    # torch.ops.mha.attention returns dL/d sinks when the sinks require grad (gpt-oss's learned
+    # sinks): d out_i / d sink_h = -p_sink,i out_i. Until session 49 the operator took the sinks
+    # as constants: torch.autograd.grad raised "One of the differentiated Tensors appears to not
+    # have been used in the graph" (the sinks got None); only the HF path added the term itself.
+    (B, h, g, n, m, d, dv), c = SINK_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) * 1009)
+    dt = c.get("dtype", torch.float32)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64)
+               for s in ((B, h, n, d), (B, g, m, d), (B, g, m, dv)))
+    sinks = torch.randn(h, generator=gen, dtype=torch.float64) * c.get("sink_scale", 1.0)
+    attend = additive = None
+    if c.get("mask") == "bool_empty_rows":
+        attend = torch.rand(B, 1, n, m, generator=gen) < 0.6
+        attend[..., 0] = True
+        attend[0, 0, 2] = False  # fully masked rows: out = 0, lse = -inf, no sink gradient
+        attend[1, 0, n - 1] = False
+    elif c.get("mask") == "float":
+        additive = torch.randn(n, m, generator=gen, dtype=torch.float64)
+    scale, softcap, causal = 0.35, c.get("softcap", 0.0), c.get("causal", False)
+    ins = [t.to(dt).requires_grad_() for t in (q, k, v, sinks)]
+    ins64 = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse, _ = torch.ops.mha.attention(
+        ins[0], ins[1], ins[2], attend, None if additive is None else additive.float(), causal,
+        scale, 0.0, None, False, False, 1, softcap, False, ins[3])
+    ref = eager_attention_with_sinks(*ins64, scale, attend, additive, causal, softcap)
+    close(out, ref, "output")
+    if attend is not None:
+        assert torch.isneginf(lse[0, :, 2]).all() and not out[0, :, 2].any()
+    do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * do.to(dt)).sum(), ins)
+    refs = torch.autograd.grad((ref * do).sum(), ins64)
+    for a, b, nm in zip(grads, refs, ("dq", "dk", "dv", "dsinks")):
+        assert a.dtype == dt, (nm, a.dtype)
+        close(a, b, f"{name}: {nm}")
+
+
+def test_op_sinks_gradient_with_dropout_equals_the_c_backward():
+    # With dropout no eager reference draws mha's mask; d out_i / d sink_h = -p_sink,i out_i holds
+    # all the same (the mask scales out_i and every p_ij alike): the operator's dsinks equals
+    # mha_attention_backward's own (mha.attention_backward, the same seed).
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    seed = torch.tensor([4242], dtype=torch.int64)
+    out, lse, _ = torch.ops.mha.attention(q, k, v, None, None, True, 0.3, 0.25, seed, False,
+                                          False, 1, 0.0, False, sinks)
+    do = torch.randn(out.shape, generator=gen)
+    dsinks, = torch.autograd.grad((out * do).sum(), sinks)
+    *_, ref = mha.attention_backward(do.numpy(), q.numpy(), k.numpy(), v.numpy(),
+                                     out.detach().numpy(), lse.detach().numpy(), scale=0.3,
+                                     causal="top-left", dropout=0.25, seed=4242,
+                                     sinks=sinks.detach().numpy())
+    close(dsinks, torch.from_numpy(ref), "dsinks with dropout")
+
+
+def test_op_sinks_without_grad_stay_constant():
+    # Sinks that do not require grad get none (and the other gradients are unchanged).
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen).requires_grad_() for _ in range(3))
+    sinks = torch.randn(2, generator=gen)
+    out = torch.ops.mha.attention(q, k, v, None, None, False, 0.3, 0.0, None, False, False, 1,
+                                  0.0, False, sinks)[0]
+    ref = eager_attention_with_sinks(*(t.detach().double().requires_grad_() for t in (q, k, v)),
+                                     sinks.double(), 0.3)
+    g = torch.autograd.grad(out.sum(), (q, k, v))
+    assert sinks.grad is None and all(t is not None for t in g)
+    close(out, ref, "output")

@@ -66,7 +66,10 @@ def test_opcheck_forward_and_backward_operators():
                  (q, k, v, None, None, True, 0.0, 0.25, seed, False, False, 1),
                  # a model layer's options: soft-cap, ALiBi, sinks, window, bottom-right
                  (q, k, v, None, None, True, 0.0, 0.0, None, True, False, 1, 2.5, True,
-                  torch.randn(4, generator=gen), 3, 0, True)):
+                  torch.randn(4, generator=gen), 3, 0, True),
+                 # learned sinks that require grad (their gradient is the autograd formula's)
+                 (q, k, v, None, None, True, 0.0, 0.0, None, False, False, 1, 0.0, False,
+                  torch.randn(4, generator=gen, requires_grad=True))):
         torch.library.opcheck(torch.ops.mha.attention.default, args)
 
 

@@ -114,11 +114,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
              else (softcap, False, sinks, -1, -1, False, 0))
     if ((torch.compiler.is_compiling() or torch.compiler.is_exporting())
             or (sinks is not None and sinks.requires_grad and torch.is_grad_enabled())):
-        out, lse, _ = torch.ops.mha.attention(query, key, value, attend, additive, causal,
-                                              scaling, float(dropout), seed, False, False,
-                                              threads, softcap, False, sinks)
-        if sinks is not None and sinks.requires_grad:
-            out = _with_sinks_gradient(out, lse, sinks)
+        # (learned sinks that require grad get theirs from the operator's backward)
+        out = torch.ops.mha.attention(query, key, value, attend, additive, causal, scaling,
+                                      float(dropout), seed, False, False, threads, softcap, False,
+                                      sinks)[0]
     else:
         q, k, v, attend, additive, sinks = _torch_ops._checked(
             "mha attention (attn_implementation)", query, key, value, attend, additive,
@@ -129,18 +128,6 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         out = _CoreFunction.apply((attend, additive, causal, scaling, float(dropout), seed,
                                    threads, model), q, k, v)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _with_sinks_gradient(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """out [B, h, n, d_v] with the gradient of the learned sinks (gpt-oss's s_aux, [h]) attached:
-    the operator takes them as constants. The sink takes p_i = exp(sink_h - lse_i) of row i's
-    mass, so d out_i / d sink_h = -p_i out_i (dropout included) and dL/d sink_h =
-    -sum over b, i of p_i (dO_i . out_i); a fully masked row (lse = -inf, out = 0) adds nothing.
-    The added term is zero in value: out is returned unchanged."""
-    s = sinks.to(torch.float32).view(1, -1, 1)
-    p = torch.where(torch.isfinite(lse), torch.exp(s.detach() - lse), torch.zeros_like(lse))
-    term = out.detach().to(torch.float32) * (p * (s - s.detach())).unsqueeze(-1)
-    return out - term.to(out.dtype)
 
 
 def is_mha_attention(name) -> bool:

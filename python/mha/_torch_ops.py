@@ -25,8 +25,9 @@ float32); ``causal`` the top-left
 causal mask. ``seed`` is an int64 tensor of one element (a tensor, so that a compiled program
 draws it from torch's generator at run time instead of baking one constant into the graph).
 Trailing options (defaults: off), those of a model's layer (``MultiheadAttention.from_pretrained``
-traces to them): ``softcap`` (tanh soft-capping of the scores), ``alibi``, ``sinks`` (float32 [h],
-a constant: no gradient is returned for it), and a sliding window ``window_left`` /
+traces to them): ``softcap`` (tanh soft-capping of the scores), ``alibi``, ``sinks`` ([h], read
+in float32; sinks that require grad get dL/d sinks from the autograd formula, see
+sinks_gradient), and a sliding window ``window_left`` /
 ``window_right`` (-1 = unbounded on that side; below -1 raises ValueError); ``bottom_right`` aligns the causal mask and the
 window to the last key (docs/SEMANTICS.md) instead of the first; ``chunk_size`` (0 = off) is
 Llama 4's chunked attention (key j visible iff j // C == p // C, p the query's diagonal).
@@ -412,6 +413,20 @@ def _setup_context(ctx, inputs, output) -> None:
                    bottom_right, chunk_size)
 
 
+def sinks_gradient(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """dL/d sinks [h] (in sinks' dtype) of the attention call with learned sinks that gave out
+    [B, h, n, d_v] and lse [B, h, n] (lse over the keys and the sink): the sink takes
+    p_sink,i = exp(sink_h - lse_i) of row i's mass, so d out_i / d sink_h = -p_sink,i out_i
+    (dropout included: it scales out_i and every p_ij alike) and dL/d sink_h = -sum over the
+    batch and the rows i of head h of p_sink,i (dOut_i . out_i), mha_attention_backward's dsinks,
+    computed in float32. A fully masked row (lse = -inf, out = 0) adds nothing."""
+    s = sinks.detach().to(_F32).view(1, -1, 1)
+    lse = lse.to(_F32)
+    p = torch.where(torch.isfinite(lse), torch.exp(s - lse), torch.zeros_like(lse))
+    d = (dout.to(_F32) * out.to(_F32)).sum(-1)
+    return (-(p * d).sum((0, 2))).to(sinks.dtype)
+
+
 def _backward(ctx, dout, _dlse, _dprobs):
     q, k, v, out, lse, attend, additive, seed, sinks = ctx.saved_tensors
     (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
@@ -419,7 +434,10 @@ def _backward(ctx, dout, _dlse, _dprobs):
     dq, dk, dv = torch.ops.mha.attention_backward(
         dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p, seed, threads,
         softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size)
-    return (dq, dk, dv) + (None,) * 16
+    # The learned sinks' gradient (inputs[14]), when they require one.
+    dsinks = (sinks_gradient(dout, out, lse, sinks)
+              if sinks is not None and ctx.needs_input_grad[14] else None)
+    return (dq, dk, dv) + (None,) * 11 + (dsinks,) + (None,) * 4
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
