@@ -20,7 +20,7 @@
 
 #if defined(MHA_HAVE_CAIRO)
 
-#    include "npy.h" /* mha__npy_create_tmp */
+#    include "npy.h" /* mha__npy_create_tmp, mha__npy_place */
 
 #    include <cairo-pdf.h>
 #    include <cairo-svg.h>
@@ -435,7 +435,7 @@ int cli_plot_render(const char *path, const cli_plot_map *map, char *msg, size_t
     fclose(reserved);
     const cairo_status_t st = draw_to(path, tmp, map);
     int ok = st == CAIRO_STATUS_SUCCESS;
-    if (ok && rename(tmp, path) != 0) {
+    if (ok && mha__npy_place(tmp, path) != 0) { /* (renamed now, or with the run's set) */
         snprintf(msg, msg_size, "cannot write: %s", strerror(errno));
         ok = 0;
     } else if (!ok) {

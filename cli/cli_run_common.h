@@ -209,8 +209,14 @@ int check_finite_output(const run_config *o,
 /* Whether every element of a float input is finite, as the file holds it (a finite value that
  * becomes inf when rounded to --dtype still counts as finite: the output check then reports). */
 int input_all_finite(const mha__npy *a);
-/* Writes Y (and A, and the plot); removes what it wrote if a later one fails. Checks them first
- * (check_finite_output): CLI_NONFINITE with nothing written. */
+/* A run's outputs are one set, all or nothing: mha__npy_set_begin() (cli/npy.h), then
+ * write_outputs (and write_stats) write each output to its temporary name, then
+ * finish_outputs(rc) renames them all into place when rc is CLI_OK (CLI_OK, or the failure
+ * reported) or, for any failure, removes the temporaries and returns rc: the files at the output
+ * paths are then as they were before the run, and no new file appears.
+ * write_outputs: Y (and A, and the plot). Checks them first (check_finite_output): CLI_NONFINITE
+ * with nothing written. */
+int finish_outputs(int rc);
 int write_outputs(const run_config *o,
                   const run_state *s,
                   int x_ndim,

@@ -267,8 +267,9 @@ alloc_y(const run_config *o, run_state *s, const dist *d, int64_t B, int64_t od,
     return ok ? CLI_OK : cli_fail("cannot allocate the output of %lld rows", (long long)N);
 }
 
-/* Writes Y: rank 0 the gathered file (its status broadcast), or every rank its own file (each
- * removed again when another rank's write failed). */
+/* Writes Y: rank 0 the gathered file (its status broadcast), or every rank its own file, all or
+ * nothing: each rank writes its temporary, and they are renamed into place only when every rank's
+ * write succeeded (else removed: every file at an output path stays as it was). */
 static int write_y(const run_config *o,
                    run_state *s,
                    const dist *d,
@@ -278,15 +279,19 @@ static int write_y(const run_config *o,
     if (o->shard_files) {
         s->out = bf->y;
         bf->y = NULL;
-        const int mine = write_outputs(o, s, dm->x_ndim, dm->B, d->n_local, d->n_local, dm->h, od);
-        const int rc = agree(d, mine);
-        if (rc && !mine)
-            remove(o->opt[O_OUT]);
-        return rc;
+        mha__npy_set_begin();
+        const int rc =
+            agree(d, write_outputs(o, s, dm->x_ndim, dm->B, d->n_local, d->n_local, dm->h, od));
+        if (rc)
+            return finish_outputs(rc); /* the temporaries removed */
+        return agree(d, finish_outputs(CLI_OK));
     }
     gather_y(d, bf->y, s->out, bf->stage, dm->B, od);
-    int rc =
-        d->rank == 0 ? write_outputs(o, s, dm->x_ndim, dm->B, dm->n, dm->n, dm->h, od) : CLI_OK;
+    int rc = CLI_OK;
+    if (d->rank == 0) {
+        mha__npy_set_begin();
+        rc = finish_outputs(write_outputs(o, s, dm->x_ndim, dm->B, dm->n, dm->n, dm->h, od));
+    }
     if (MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD) != MPI_SUCCESS)
         MPI_Abort(MPI_COMM_WORLD, CLI_FAIL);
     return rc;

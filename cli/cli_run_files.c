@@ -286,7 +286,8 @@ int check_finite_output(const run_config *o,
     return CLI_NONFINITE;
 }
 
-/* Writes Y (and A); removes Y again if A cannot be written. */
+/* Writes Y (and A, and the plot) into the open output set (the caller's mha__npy_set_begin;
+ * finish_outputs renames them, or removes them all if any fails). */
 int write_outputs(const run_config *o,
                   const run_state *s,
                   int x_ndim,
@@ -323,11 +324,8 @@ int write_outputs(const run_config *o,
         return cli_lib_fail(ypath, &err);
     if (!apath && !o->opt[O_PLOT])
         return CLI_OK;
-    if (apath && mha__npy_write_f32(apath, s->probs, and_, ashape, &err) != MHA_STATUS_OK) {
-        rc = cli_lib_fail(apath, &err);
-        remove(ypath);
-        return rc;
-    }
+    if (apath && mha__npy_write_f32(apath, s->probs, and_, ashape, &err) != MHA_STATUS_OK)
+        return cli_lib_fail(apath, &err);
     const char *plot = o->opt[O_PLOT];
     if (plot) {
         char why[256], title[160];
@@ -340,13 +338,21 @@ int write_outputs(const run_config *o,
         map.q_labels = (const char *const *)s->tokens;
         map.k_labels = m == n ? map.q_labels : NULL;
         map.title = title, map.panels_are_heads = !o->average, map.scale = o->plot_scale;
-        if (!cli_plot_write(plot, s->plot_pooled, s->plot_visible, h, &map, why, sizeof why)) {
-            remove(ypath);
-            if (apath)
-                remove(apath);
+        if (!cli_plot_write(plot, s->plot_pooled, s->plot_visible, h, &map, why, sizeof why))
             return cli_fail("%s: %s", plot, why);
-        }
     }
+    return CLI_OK;
+}
+
+int finish_outputs(int rc) {
+    if (rc != CLI_OK) {
+        mha__npy_set_abort();
+        return rc;
+    }
+    mha_error err;
+    memset(&err, 0, sizeof err);
+    if (mha__npy_set_commit(&err) != MHA_STATUS_OK)
+        return cli_lib_fail(NULL, &err);
     return CLI_OK;
 }
 

@@ -105,7 +105,8 @@ static int run_decode(const run_config *o, run_state *s, int x_ndim, int64_t B, 
     if (rc != CLI_OK)
         return rc;
     stage_done(o, s, "prefill and decode steps computed");
-    rc = write_outputs(o, s, x_ndim, B, n, n, c->num_heads, od);
+    mha__npy_set_begin();
+    rc = finish_outputs(write_outputs(o, s, x_ndim, B, n, n, c->num_heads, od));
     if (rc == CLI_OK)
         stage_done(o, s, "outputs written");
     return rc;
@@ -606,15 +607,12 @@ int run_forward(const run_config *o, run_state *s) {
     if (v[O_ATTN_STATS] && (rc = check_stats_finite(o, s, d.x_ndim, d.B, d.h, d.n, d.m)))
         return rc; /* nothing written */
 
-    /* Step 7: the outputs. */
+    /* Step 7: the outputs, all or nothing: each to its temporary name, then all renamed. */
+    mha__npy_set_begin();
     rc = write_outputs(o, s, d.x_ndim, d.B, d.n, d.m, d.h, mha_layer_config(s->layer)->out_dim);
-    if (rc == CLI_OK && v[O_ATTN_STATS] &&
-        (rc = write_stats(o, s, d.x_ndim, d.B, d.h, d.n, d.m)) != CLI_OK) {
-        const int written[] = {O_OUT, O_ATTN, O_PLOT};
-        for (size_t i = 0; i < sizeof written / sizeof written[0]; i++)
-            if (v[written[i]])
-                remove(v[written[i]]);
-    }
+    if (rc == CLI_OK && v[O_ATTN_STATS])
+        rc = write_stats(o, s, d.x_ndim, d.B, d.h, d.n, d.m);
+    rc = finish_outputs(rc);
     if (rc == CLI_OK)
         stage_done(o, s, "outputs written");
     return rc;

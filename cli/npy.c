@@ -6,7 +6,8 @@
  * 'fortran_order' and 'shape', Python literal syntax); every size is overflow-checked and the data
  * must be exactly as long as the shape says, checked against the file size before anything big is
  * allocated. Data are little-endian on disk and converted to the host order. Writes go to a
- * temporary file that is renamed into place.
+ * temporary file that is renamed into place (at once, or, for a command's outputs written as one
+ * set, all together once every one of them is complete: mha__npy_set_begin).
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -53,13 +54,92 @@ mha_status mha__npy_fail(mha_error *err, mha_status status, const char *fmt, ...
     return status;
 }
 
+/* The open output set (mha__npy_set_begin): the finished temporaries and their targets, in the
+ * order they were written. One set per process (the CLI writes its outputs from one thread). */
+static struct {
+    int open;
+    int count, cap;
+    char **tmp, **path;
+} npy_set;
+
+static void npy_set_free(void) {
+    for (int i = 0; i < npy_set.count; i++) {
+        free(npy_set.tmp[i]);
+        free(npy_set.path[i]);
+    }
+    free(npy_set.tmp);
+    free(npy_set.path);
+    memset(&npy_set, 0, sizeof npy_set);
+}
+
+static char *npy_strdup(const char *s) {
+    const size_t n = strlen(s) + 1;
+    char *c = malloc(n);
+    if (c)
+        memcpy(c, s, n);
+    return c;
+}
+
+void mha__npy_set_begin(void) {
+    npy_set_free();
+    npy_set.open = 1;
+}
+
+void mha__npy_set_abort(void) {
+    for (int i = 0; i < npy_set.count; i++)
+        remove(npy_set.tmp[i]);
+    npy_set_free();
+}
+
+mha_status mha__npy_set_commit(mha_error *err) {
+    mha_status st = MHA_STATUS_OK;
+    for (int i = 0; i < npy_set.count; i++) {
+        if (st == MHA_STATUS_OK && rename(npy_set.tmp[i], npy_set.path[i]) != 0)
+            st = mha__npy_fail(err, MHA_STATUS_IO, "%s: cannot write: %s", npy_set.path[i],
+                               strerror(errno));
+        if (st != MHA_STATUS_OK)
+            remove(npy_set.tmp[i]);
+    }
+    npy_set_free();
+    return st;
+}
+
+int mha__npy_place(const char *tmp, const char *path) {
+    if (!npy_set.open)
+        return rename(tmp, path);
+    if (npy_set.count == npy_set.cap) {
+        const int cap = npy_set.cap ? 2 * npy_set.cap : 8;
+        char **t = realloc(npy_set.tmp, (size_t)cap * sizeof *t);
+        if (t)
+            npy_set.tmp = t;
+        char **p = t ? realloc(npy_set.path, (size_t)cap * sizeof *p) : NULL;
+        if (p)
+            npy_set.path = p;
+        if (!t || !p) {
+            errno = ENOMEM;
+            return -1;
+        }
+        npy_set.cap = cap;
+    }
+    char *t = npy_strdup(tmp), *p = npy_strdup(path);
+    if (!t || !p) {
+        free(t);
+        free(p);
+        errno = ENOMEM;
+        return -1;
+    }
+    npy_set.tmp[npy_set.count] = t;
+    npy_set.path[npy_set.count++] = p;
+    return 0;
+}
+
 mha_status mha__npy_commit(FILE *f, int ok, const char *tmp, const char *path, mha_error *err) {
     int e = ok ? 0 : (errno ? errno : EIO);
     if (fclose(f) != 0 && ok) {
         ok = 0;
         e = errno;
     }
-    if (ok && rename(tmp, path) != 0) {
+    if (ok && mha__npy_place(tmp, path) != 0) {
         ok = 0;
         e = errno;
     }

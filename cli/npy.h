@@ -4,7 +4,7 @@
  *
  * Files are untrusted: the header dict is parsed strictly, every size is overflow-checked and the
  * data length must match the shape exactly. Writes go to "<path>.tmp.<pid>" and are renamed, so an
- * error never leaves a half-written file.
+ * error never leaves a half-written file (a command's outputs as one set: mha__npy_set_begin).
  */
 #ifndef MHA_NPY_H
 #define MHA_NPY_H
@@ -56,9 +56,24 @@ size_t mha__npy_header(mha_dtype dtype, int32_t ndim, const int64_t *shape, char
 mha_status mha__npy_fail(mha_error *err, mha_status status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* The end of an atomic write: f, written to `tmp` (ok = every write and the flush succeeded,
- * errno telling why not), is closed and renamed to `path`; on any failure `tmp` is removed and err
- * names `path` and the reason (MHA_STATUS_IO). */
+ * errno telling why not), is closed and renamed to `path` (mha__npy_place); on any failure `tmp`
+ * is removed and err names `path` and the reason (MHA_STATUS_IO). */
 mha_status mha__npy_commit(FILE *f, int ok, const char *tmp, const char *path, mha_error *err);
+/* A command's outputs as one set, all or nothing (`mha run`: --out, --attn, --plot,
+ * --attn-stats). After mha__npy_set_begin(), every finished temporary (mha__npy_place: .npy,
+ * .npz and plot writes) is kept under its temporary name, its target untouched;
+ * mha__npy_set_commit() then renames them all into place, in the order they were written, and
+ * mha__npy_set_abort() (on any failure) removes them, so that the files at the targets stay as
+ * they were before the run and no new one appears. Both close the set. A rename can only fail
+ * if the directory changes under the run (the paths were checked before any work): the outputs
+ * renamed before it stay, the others' temporaries are removed, and err names the path
+ * (MHA_STATUS_IO). One set per process, not thread-safe (the CLI writes from one thread). */
+void mha__npy_set_begin(void);
+mha_status mha__npy_set_commit(mha_error *err);
+void mha__npy_set_abort(void);
+/* The finished temporary `tmp` to `path`: renamed now, or, while a set is open, recorded for
+ * mha__npy_set_commit. 0, or -1 with errno set (tmp is then left for the caller to remove). */
+int mha__npy_place(const char *tmp, const char *path);
 /* The start of an atomic write: creates `tmp` new (O_EXCL | O_NOFOLLOW: an existing file or a
  * symbolic link of that name is never opened, truncated or written through) and returns it open
  * for writing, or NULL with errno set. */

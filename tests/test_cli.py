@@ -781,6 +781,63 @@ def test_attn_write_failure_removes_out(case):
     assert sorted(os.listdir(case.dir)) == before
 
 
+def _has_cairo():
+    return "--plot" not in run_cli("run", "--weights", "w", "--heads", 1, "--input", "x",
+                                   "--out", "y.npy", "--plot", "p.png").stderr
+
+
+@pytest.mark.parametrize("failing", ["--attn", "--plot", "--attn-stats"])
+def test_outputs_are_all_or_nothing(case, failing):
+    """A run's outputs (--out, --attn, --plot, --attn-stats, written in that order) are one set:
+    each is written to its temporary name, and they are renamed into place only when all are
+    complete. Here a later output fails after the checks that come before the work (its
+    temporary name <path>.tmp.<pid> is taken: a directory planted there by the child before it
+    becomes mha), so the earlier ones were already written: exit 1 with one line naming the
+    failing file and the problem, every file at an output path byte-identical to what it held
+    before the run, and no temporary left. Until session 49 the earlier outputs were renamed into
+    place as they were written and removed again on the failure: the files that had been at
+    those paths were gone."""
+    cairo = _has_cairo()
+    if failing == "--plot" and not cairo:
+        pytest.skip("built without cairo")
+    outs = {"--out": case.Y, "--attn": case.A, "--attn-stats": str(case.dir / "S.npz")}
+    if cairo:
+        outs["--plot"] = str(case.dir / "P.png")
+    for flag, path in outs.items():  # the previous run's files, with known content
+        with open(path, "wb") as f:
+            f.write(f"old {flag}".encode())
+    before = {name: open(case.dir / name, "rb").read() for name in os.listdir(case.dir)}
+    args = [CLI, *(str(a) for a in case.base[:-2])]
+    for flag, path in outs.items():
+        args += [flag, path]
+    err = case.dir.parent / f"stderr-{case.dir.name}.txt"
+    pid = os.fork()
+    if pid == 0:  # the child takes the failing output's temporary name, then becomes mha
+        try:
+            os.mkdir(f"{outs[failing]}.tmp.{os.getpid()}")
+            fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 2)
+            os.execv(CLI, args)
+        finally:
+            os._exit(127)
+    _, status = os.waitpid(pid, 0)
+    lines = err.read_text().splitlines()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 1, (status, lines)
+    assert len(lines) == 1 and os.path.basename(outs[failing]) in lines[0], lines
+    assert f"cannot create '{outs[failing]}.tmp.{pid}'" in lines[0], lines
+    planted = os.path.basename(outs[failing]) + f".tmp.{pid}"
+    os.rmdir(case.dir / planted)  # (ours: left as it was)
+    assert sorted(os.listdir(case.dir)) == sorted(before), "a file appeared or disappeared"
+    for name, data in before.items():
+        assert open(case.dir / name, "rb").read() == data, f"{name} changed"
+    # Without the obstacle the same run replaces every one of them.
+    r = run_cli(*args[1:])
+    assert r.returncode == 0, r.stderr
+    for flag, path in outs.items():
+        assert open(path, "rb").read() != f"old {flag}".encode(), flag
+    assert sorted(os.listdir(case.dir)) == sorted(before)
+
+
 def test_error_line_has_no_control_characters(case):
     """A file name with a newline still gives exactly one stderr line."""
     r = run_cli("run", "--weights", str(case.dir / "bad\nname.safetensors"), "--heads", 4,
