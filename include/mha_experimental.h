@@ -106,6 +106,21 @@ MHA_API int64_t mha_experimental_kv_cache_block(const mha_kv_cache *cache,
                                                 int64_t seq,
                                                 int64_t entry);
 
+/** mha_kv_cache_create, with a q8_0 cache stored in the KEY-INTERLEAVED order (groups of 16
+ *  positions whose bytes are reordered for AVX512-VNNI's VPDPBUSD; docs/INFERENCE.md, "A
+ *  key-interleaved q8_0 layout with VNNI") instead of ggml's rows. The values, scales and rounding
+ *  are the rows order's, and so is every result of every call (the kernels that read this order:
+ *  the generic one today). No CPU selects the order by itself yet: a step towards issue 32's
+ *  VNNI kernel. INVALID_ARG unless dtype is MHA_DTYPE_Q8_0 and the cache is contiguous or its
+ *  block_size a multiple of 16; otherwise as mha_kv_cache_create. */
+MHA_API mha_status mha_experimental_kv_cache_create_q8x16(const mha_kv_cache_config *config,
+                                                          const mha_layer *layer,
+                                                          const mha_allocator *allocator,
+                                                          mha_kv_cache **out,
+                                                          mha_error *err);
+/** 1 when the cache holds q8_0 in the key-interleaved order, 0 otherwise, -1 for NULL. */
+MHA_API int32_t mha_experimental_kv_cache_q8x16(const mha_kv_cache *cache);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1046,10 +1046,10 @@ static void test_registry(void) {
             if (strcmp(d.isa, "generic") == 0 || d.reference)
                 CHECK(d.usable, "%s must be usable everywhere", d.name);
             /* The generic tier and the references compute in float32 from any storage dtype
-             * (the generic decode kernel also reads q8_0 caches). */
+             * (the generic decode kernel also reads the 8-bit caches, q8_0 in either order). */
             CHECK(d.dtypes && (!(strcmp(d.isa, "generic") == 0 || d.reference) ||
                                strcmp(d.dtypes, o == 3   ? "f32"
-                                                : o == 2 ? "f32,bf16,f16,q8_0,fp8_e4m3"
+                                                : o == 2 ? "f32,bf16,f16,q8_0,fp8_e4m3,q8_0x16"
                                                          : "f32,bf16,f16") == 0),
                   "kernel %s: dtypes %s", d.name, d.dtypes ? d.dtypes : "NULL");
             if (strcmp(d.op, "fwd") != 0) { /* only forward kernels run through this API */

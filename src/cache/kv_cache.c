@@ -12,11 +12,14 @@
 
 #include <string.h>
 
-mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
-                               const mha_layer *layer,
-                               const mha_allocator *allocator,
-                               mha_kv_cache **out,
-                               mha_error *err) {
+/* mha_kv_cache_create with the q8_0 order chosen: q8x16 = 1 asks for the key-interleaved one
+ * (kv_cache.h; a q8_0 cache, contiguous or with block_size % 16 == 0). */
+static mha_status create(const mha_kv_cache_config *config,
+                         const mha_layer *layer,
+                         const mha_allocator *allocator,
+                         int q8x16,
+                         mha_kv_cache **out,
+                         mha_error *err) {
     if (out)
         *out = NULL;
     mha_kv_cache_config c;
@@ -24,6 +27,11 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
         mha__check_kv_create(config, layer ? mha_layer_config(layer) : NULL, out, &c, err);
     if (st)
         return st;
+    MHA_RETURN_IF(q8x16 && (c.dtype != MHA_DTYPE_Q8_0 || c.block_size % MHA__Q8X16_LANES != 0), err,
+                  INVALID_ARG,
+                  "the key-interleaved order is a q8_0 cache's, contiguous or with block_size a "
+                  "multiple of %d (dtype %d, block_size %lld)",
+                  MHA__Q8X16_LANES, (int)c.dtype, (long long)c.block_size);
     int64_t slots = c.max_seq;
     /* A ring of span W (window, or chunk size C: a token sees at most C keys) and steps of at
      * most T tokens: the first token of a step at p needs keys >= p - W + 1, the ring holds the
@@ -47,8 +55,12 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     const mha__kv_dtype_traits *dt = mha__kv_dtype(c.dtype); /* non-NULL: checked */
     const size_t unit = dt->block_bytes;
     const int64_t per = dt->block;
-    const int64_t kf[4] = {nblocks, c.num_kv_heads, bs, c.head_dim / per};
-    const int64_t vf[4] = {nblocks, c.num_kv_heads, bs, c.v_head_dim / per};
+    /* rows of storage per (block, kv head): bs, or a contiguous interleaved cache's slots rounded
+     * up to whole groups */
+    const int64_t cap =
+        paged || !q8x16 ? bs : (bs + MHA__Q8X16_LANES - 1) / MHA__Q8X16_LANES * MHA__Q8X16_LANES;
+    const int64_t kf[4] = {nblocks, c.num_kv_heads, cap, c.head_dim / per};
+    const int64_t vf[4] = {nblocks, c.num_kv_heads, cap, c.v_head_dim / per};
     const int64_t mf[2] = {c.batch, nbs};
     int64_t kn, vn, tn, meta, pw, pl;
     size_t kb, vb, lb, sb, pb = 0;
@@ -69,14 +81,15 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     memset(kc, 0, sizeof *kc);
     kc->cfg = c;
     kc->slots = slots;
+    kc->q8x16 = q8x16;
     kc->dt = dt;
     kc->k_row_bytes = (size_t)(c.head_dim / per) * unit;
     kc->v_row_bytes = (size_t)(c.v_head_dim / per) * unit;
     kc->paged = paged;
     kc->bs = bs;
     kc->nbs = nbs;
-    kc->block_rows = paged ? bs : c.num_kv_heads * bs;
-    kc->head_rows = paged ? nblocks * bs : bs;
+    kc->block_rows = paged ? bs : c.num_kv_heads * cap;
+    kc->head_rows = paged ? nblocks * bs : cap;
     if (allocator) {
         kc->allocator = *allocator;
         kc->has_allocator = 1;
@@ -110,6 +123,26 @@ mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
     *out = kc;
     mha__ok(err);
     return MHA_STATUS_OK;
+}
+
+mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
+                               const mha_layer *layer,
+                               const mha_allocator *allocator,
+                               mha_kv_cache **out,
+                               mha_error *err) {
+    return create(config, layer, allocator, 0, out, err);
+}
+
+mha_status mha_experimental_kv_cache_create_q8x16(const mha_kv_cache_config *config,
+                                                  const mha_layer *layer,
+                                                  const mha_allocator *allocator,
+                                                  mha_kv_cache **out,
+                                                  mha_error *err) {
+    return create(config, layer, allocator, 1, out, err);
+}
+
+int32_t mha_experimental_kv_cache_q8x16(const mha_kv_cache *cache) {
+    return cache ? cache->q8x16 : -1;
 }
 
 void mha_kv_cache_destroy(mha_kv_cache *cache) {
@@ -296,10 +329,7 @@ mha_status mha_kv_cache_accept(mha_kv_cache *cache,
                 continue;
             if (cache->paged)
                 writable_entry(cache, seq, to % cache->slots / cache->bs);
-            memcpy((void *)mha__kv_k_row(cache, seq, g, to), mha__kv_k_row(cache, seq, g, from),
-                   cache->k_row_bytes);
-            memcpy((void *)mha__kv_v_row(cache, seq, g, to), mha__kv_v_row(cache, seq, g, from),
-                   cache->v_row_bytes);
+            mha__kv_move(cache, seq, g, from, to);
         }
     mha__kv_set_len(cache, seq, base_len + n); /* a paged cache releases the blocks past it */
     mha__ok(err);
@@ -321,7 +351,9 @@ static void copy_seq(mha_kv_cache *cache, int64_t src_seq, int64_t dst_seq) {
         }
     } else {
         const int64_t G = cache->cfg.num_kv_heads, slots = cache->slots;
-        const int64_t n = L < slots ? L : slots; /* slots in use */
+        int64_t n = L < slots ? L : slots; /* slots in use */
+        if (cache->q8x16)                  /* whole groups (within the rounded-up storage) */
+            n = (n + MHA__Q8X16_LANES - 1) / MHA__Q8X16_LANES * MHA__Q8X16_LANES;
         for (int64_t g = 0; g < G; g++) {
             /* Copying slots [0, n) covers every stored position, ring or not. */
             const size_t kb = (size_t)n * cache->k_row_bytes;
@@ -500,11 +532,9 @@ mha_status mha_kv_cache_read(
     const int64_t dv = cache->cfg.v_head_dim;
     for (int64_t g = 0; g < G; g++) {
         if (k)
-            mha__kv_load_row(cache, mha__kv_k_row(cache, seq, g, pos), dk, k + g * dk,
-                             mha__kv_k_scale(cache, g));
+            mha__kv_get(cache, 0, seq, g, pos, k + g * dk);
         if (v)
-            mha__kv_load_row(cache, mha__kv_v_row(cache, seq, g, pos), dv, v + g * dv,
-                             mha__kv_v_scale(cache, g));
+            mha__kv_get(cache, 1, seq, g, pos, v + g * dv);
     }
     mha__ok(err);
     return MHA_STATUS_OK;
@@ -528,10 +558,8 @@ void mha__kv_append_raw(mha_kv_cache *c,
             if (c->paged)
                 writable_entry(c, s, p % c->slots / c->bs);
             for (int64_t g = 0; g < G; g++) {
-                c->dt->from_f32(k + i * k_seq_stride + tok * k_tok_stride + g * dk, dk,
-                                (void *)mha__kv_k_row(c, s, g, p), c->k_scale[g]);
-                c->dt->from_f32(v + i * v_seq_stride + tok * v_tok_stride + g * dv, dv,
-                                (void *)mha__kv_v_row(c, s, g, p), c->v_scale[g]);
+                mha__kv_put(c, 0, s, g, p, k + i * k_seq_stride + tok * k_tok_stride + g * dk);
+                mha__kv_put(c, 1, s, g, p, v + i * v_seq_stride + tok * v_tok_stride + g * dv);
             }
         }
         c->len[s] += t;

@@ -52,6 +52,8 @@ void mha__kv_pool_release(mha__kv_pool *p, int64_t b);
 struct mha_kv_cache {
     mha_kv_cache_config cfg;        /* resolved */
     int64_t slots;                  /* storage positions per sequence */
+    int q8x16;                      /* q8_0 in the key-interleaved order (MHA__Q8X16 below);
+                                       0: ggml's rows */
     const mha__kv_dtype_traits *dt; /* the storage dtype's row (base/kv_dtype.c) */
     size_t k_row_bytes;             /* bytes of one K row: dk / block * block_bytes */
     size_t v_row_bytes;             /* bytes of one V row */
@@ -100,6 +102,34 @@ static inline const void *
 mha__kv_v_row(const struct mha_kv_cache *c, int64_t s, int64_t g, int64_t p) {
     return (const char *)c->v + (size_t)mha__kv_slot_row(c, s, g, p % c->slots) * c->v_row_bytes;
 }
+
+/* q8_0 caches in the KEY-INTERLEAVED order (struct mha_kv_cache.q8x16; docs/INFERENCE.md, "A
+ * key-interleaved q8_0 layout with VNNI"): the slots of a kv head's block go in groups of 16
+ * (slot q: group q / 16, lane q % 16), each group the bytes of its 16 ggml rows reordered for
+ * VPDPBUSD (16 x k_row_bytes, so a group sits where its 16 rows would), per q8_0 block b of d / 32:
+ *   K: [b][chunk c 0..7][lane][4 bytes: k[lane][32 b + 4 c .. + 3] + 128 (as uint8)], d bytes per
+ *      lane in all, then the float16 scales [b][lane];
+ *   V: [lane / 4][element 0..d-1][lane % 4: v[lane][element] (int8)], then the scales [b][lane].
+ * The values, scales and rounding are ggml's q8_0 (base/q8.c): only the order and K's +128 bias
+ * differ. Groups never straddle blocks: paged caches take the order only with block_size % 16 ==
+ * 0; a contiguous one rounds each kv head's slots up to a multiple of 16 (storage only: `slots`,
+ * the ring and every limit are the rows order's). */
+#define MHA__Q8X16_LANES 16
+
+/* Address of the group holding slot q (the address row q & ~15 has in the rows order). */
+static inline char *
+mha__kv_q8x16_group(const struct mha_kv_cache *c, int v, int64_t s, int64_t g, int64_t q) {
+    const int64_t row = mha__kv_slot_row(c, s, g, q & ~(int64_t)(MHA__Q8X16_LANES - 1));
+    return (char *)(v ? c->v : c->k) + (size_t)row * (v ? c->v_row_bytes : c->k_row_bytes);
+}
+
+/* Position p of sequence s, kv head g, K (v = 0) or V (v = 1): read as float32 (dequantised,
+ * fp8 times its scale), written from float32 (rounded to the storage dtype), moved to another
+ * position's slot (the stored bytes). Every order and dtype; the generic and reference decode
+ * paths, mha_kv_cache_read, append and accept go through them. */
+void mha__kv_get(const struct mha_kv_cache *c, int v, int64_t s, int64_t g, int64_t p, float *dst);
+void mha__kv_put(struct mha_kv_cache *c, int v, int64_t s, int64_t g, int64_t p, const float *src);
+void mha__kv_move(struct mha_kv_cache *c, int64_t s, int64_t g, int64_t from, int64_t to);
 
 /* Row of d values (d = dk or dv) stored at src in the cache's dtype, widened to float32 (Q8_0:
  * dequantised; FP8: times scale, the row's kv head's mha__kv_k_scale / _v_scale). The generic

@@ -234,10 +234,8 @@ static mha_status attend_core(
         float *kb = kbuf, *vb = kbuf + m * G * dk;
         for (int64_t g = 0; g < G; g++)
             for (int64_t j = 0; j < m; j++) {
-                mha__kv_load_row(c, mha__kv_k_row(c, seq, g, lo + j), dk, kb + (g * m + j) * dk,
-                                 mha__kv_k_scale(c, g));
-                mha__kv_load_row(c, mha__kv_v_row(c, seq, g, lo + j), dv, vb + (g * m + j) * dv,
-                                 mha__kv_v_scale(c, g));
+                mha__kv_get(c, 0, seq, g, lo + j, kb + (g * m + j) * dk);
+                mha__kv_get(c, 1, seq, g, lo + j, vb + (g * m + j) * dv);
             }
         mha_attention_args ca;
         memset(&ca, 0, sizeof ca);
@@ -312,6 +310,12 @@ static int far_prefetch(const struct mha_kv_cache *c, const mha__dec_problem *p)
     }
     const double bytes = (double)rows * (double)p->G * (double)(c->k_row_bytes + c->v_row_bytes);
     return bytes > (double)MHA__DEC_FAR_MIN_BYTES;
+}
+
+/* The registry's dtype bit of what the decode kernel reads: the cache's dtype, or the q8_0
+ * key-interleaved order (only the lines that hold MHA_DTS_Q8X16 read it). */
+static unsigned cache_dts(const struct mha_kv_cache *c) {
+    return c->q8x16 ? MHA_DTS_Q8X16 : mha__dts_bit(c->cfg.dtype);
 }
 
 /* The split-KV decode kernel over all sequences and kv heads. */
@@ -431,16 +435,11 @@ attend_split(const kv_call *a, mha__team team, const mha_allocator *alloc, mha_e
     chunk = chunk < 1 ? 1 : chunk > 16 ? 16 : chunk;
     atomic_int_fast64_t next;
     atomic_init(&next, 0);
-    dec_run run = {
-        &p,       mha__registry_best_dt(MHA__OP_decode, mha__dts_bit(c->cfg.dtype))->run.decode,
-        units,    first,
-        part,     part_stride,
-        scratch,  scratch_stride,
-        a->sinks, a->out,
-        a->o_ss,  a->o_ts,
-        a->lse,   n_units,
-        chunk,    &next,
-        merge,    merge_stride};
+    const mha__dec_kernel_fn kernel =
+        mha__registry_best_dt(MHA__OP_decode, cache_dts(c))->run.decode;
+    dec_run run = {&p,      kernel,         units,    first,  part,    part_stride,
+                   scratch, scratch_stride, a->sinks, a->out, a->o_ss, a->o_ts,
+                   a->lse,  n_units,        chunk,    &next,  merge,   merge_stride};
     mha_status st = mha__parallel_for(unit_team, nt, run_units, &run, err);
     if (!st)
         st = mha__parallel_for(team, SG, merge_pairs, &run, err);

@@ -73,6 +73,10 @@ const char *mha__dts_name(unsigned dtypes) {
     static const char *const q8[8] = {"q8_0",          "f32,q8_0",         "bf16,q8_0",
                                       "f32,bf16,q8_0", "f16,q8_0",         "f32,f16,q8_0",
                                       "bf16,f16,q8_0", "f32,bf16,f16,q8_0"};
+    if (dtypes & MHA_DTS_Q8X16) /* a decode line that also reads the interleaved q8_0 order */
+        return dtypes == (MHA_DTS_KVQ | MHA_DTS_Q8X16) ? "f32,bf16,f16,q8_0,fp8_e4m3,q8_0x16"
+               : dtypes == MHA_DTS_Q8X16               ? "q8_0x16"
+                                                       : "?";
     if ((dtypes & (MHA_DTS_Q8_0 | MHA_DTS_FP8)) == (MHA_DTS_Q8_0 | MHA_DTS_FP8))
         return (dtypes & MHA_DTS_ALL) == MHA_DTS_ALL ? "f32,bf16,f16,q8_0,fp8_e4m3" : "?";
     if (dtypes & MHA_DTS_FP8)

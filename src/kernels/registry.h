@@ -21,16 +21,18 @@ typedef enum mha__op {
 } mha__op;
 
 /* Storage dtype sets of the registry's dtypes column: one bit per storage dtype. */
-#define MHA_DTS_F32  (1u << 0)
-#define MHA_DTS_BF16 (1u << 1)
-#define MHA_DTS_F16  (1u << 2)
-#define MHA_DTS_ALL  (MHA_DTS_F32 | MHA_DTS_BF16 | MHA_DTS_F16)
+#define MHA_DTS_F32   (1u << 0)
+#define MHA_DTS_BF16  (1u << 1)
+#define MHA_DTS_F16   (1u << 2)
+#define MHA_DTS_ALL   (MHA_DTS_F32 | MHA_DTS_BF16 | MHA_DTS_F16)
 /* q8_0 blocks: a KV cache dtype only (op decode), never an activation; not in MHA_DTS_ALL */
-#define MHA_DTS_Q8_0 (1u << 3)
+#define MHA_DTS_Q8_0  (1u << 3)
 /* fp8 e4m3 with per-kv-head scales: a KV cache dtype only, like q8_0 */
-#define MHA_DTS_FP8  (1u << 4)
+#define MHA_DTS_FP8   (1u << 4)
 /* A decode kernel that also reads the 8-bit caches (q8_0, fp8 e4m3) */
-#define MHA_DTS_KVQ  (MHA_DTS_ALL | MHA_DTS_Q8_0 | MHA_DTS_FP8)
+#define MHA_DTS_KVQ   (MHA_DTS_ALL | MHA_DTS_Q8_0 | MHA_DTS_FP8)
+/* q8_0 caches in the key-interleaved order (cache/kv_cache.h): the decode lines that read it */
+#define MHA_DTS_Q8X16 (1u << 5)
 
 /* The MHA_DTS_* bit of a storage dtype (0 for a dtype no tensor role stores: F64, ints...). */
 static inline unsigned mha__dts_bit(mha_dtype dt) {

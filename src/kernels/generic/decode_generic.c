@@ -3,7 +3,7 @@
  *
  *   one unit = keys [j0, j1) of kv head g of one sequence; its R = group * t query rows
  *   (every query head of the group, every new token) share each K and V row loaded from the
- *   cache (float32, or float16 / bfloat16 widened here).
+ *   cache (float32, or the other dtypes widened here; q8_0 in either order: mha__kv_get).
  *   pass 1: s_rj = scale q_r.k_j, soft-capped, minus ALiBi slope_h (p_r - j); -inf if hidden
  *   pass 2: m_r = max_j s_rj, e_rj = exp(s_rj - m_r), l_r = sum_j e_rj
  *   pass 3: o_r = sum_j e_rj v_j            (unnormalised; decode.c merges the units exactly)
@@ -28,7 +28,7 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
         m[r] = -INFINITY;
     for (int64_t jj = 0; jj < nb; jj++) {
         const int64_t j = u->j0 + jj;
-        mha__kv_load_row(c, mha__kv_k_row(c, seq, u->g, j), dk, kb, mha__kv_k_scale(c, u->g));
+        mha__kv_get(c, 0, seq, u->g, j, kb);
         for (int64_t r = 0; r < R; r++) {
             const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
             const int64_t pos = mha__dec_tree_pos(p, L, i);
@@ -63,8 +63,7 @@ void mha_decode_f32acc_splitkv__generic(const mha__dec_problem *p,
     }
     /* Pass 3: weighted values, each V row loaded once for the R rows. */
     for (int64_t jj = 0; jj < nb; jj++) {
-        mha__kv_load_row(c, mha__kv_v_row(c, seq, u->g, u->j0 + jj), dv, vb,
-                         mha__kv_v_scale(c, u->g));
+        mha__kv_get(c, 1, seq, u->g, u->j0 + jj, vb);
         for (int64_t r = 0; r < R; r++) {
             const float e = S[r * MHA_DEC_BLOCK + jj];
             if (e == 0.0f)
