@@ -12,6 +12,10 @@
  *     exactly o_a) still work, and inputs may share memory. A draft tree's tree_parents is an input
  *     of the KV-cache attention and the layer step. MLA's backward: every gradient against x,
  *     positions, dy, the layer's weights and each other.
+ *   - An output whose own strides put two of its elements at one address (a stride of 0, rows
+ *     closer than a row) is refused: the core's out, the backward's dq, dk, dv, RoPE's x. Inputs
+ *     the checks missed: the layer's out over its masks and weights, the layer backward's
+ *     gradients over the forward's positions and masks, MLA's out over its weights and seq_ids.
  *   - mha_error: a successful call clears it; the message is the one the header shows.
  */
 #include "harness.h"
@@ -475,7 +479,239 @@ static void test_mla_backward_aliasing(void) {
     g.dx = dx, g.w_q = dwq; /* the same call without aliasing */
     CHECK_OK(mha_mla_backward(m, &a, &g, NULL, &err), &err);
     CHECK(memcmp(dwq, ref, sizeof dwq) == 0, "mla w_q gradient differs from the first call");
+    /* The forward and the decode step read the layer's weights while writing out (out over the
+     * layer's own w_o was accepted and rewrote the layer's weights). */
+    float *own_wo = (float *)mha_mla_get_weights(m)->w_o;
+    const float wo0 = own_wo[0];
+    mha_mla_forward_args fa = {1, T, x, NULL, 1, own_wo};
+    refused(mha_mla_forward(m, &fa, NULL, &err), &err, "args.out overlaps the layer's w_o",
+            "mla forward out over w_o");
+    CHECK(own_wo[0] == wo0, "mla w_o untouched by a refused forward");
+    mha_mla_cache *mc = NULL;
+    CHECK_OK(mha_mla_cache_create(m, 1, 8, MHA_DTYPE_F32, NULL, &mc, &err), &err);
+    mha_decode_args da = {1, NULL, 1, x, own_wo, NULL};
+    refused(mha_mla_decode_step(m, mc, &da, NULL, &err), &err, "args.out overlaps the layer's w_o",
+            "mla decode out over w_o");
+    CHECK(own_wo[0] == wo0, "mla w_o untouched by a refused decode step");
+    union {
+        int64_t id[2];
+        float f[E + 4];
+    } ids = {{0}}; /* seq_ids [1] at its start, room for an out of E floats after it */
+    da.seq_ids = ids.id, da.out = ids.f + 1;
+    refused(mha_mla_decode_step(m, mc, &da, NULL, &err), &err, "args.out overlaps args.seq_ids",
+            "mla decode out over seq_ids");
+    CHECK(ids.id[0] == 0 && mha_mla_cache_length(mc, 0) == 0,
+          "seq_ids untouched, nothing appended by a refused decode step");
+    da.out = ids.f + 2; /* just past the id */
+    CHECK_OK(mha_mla_decode_step(m, mc, &da, NULL, &err), &err);
+    mha_mla_cache_destroy(mc);
     mha_mla_destroy(m);
+}
+
+/* An output's own strides must not make two of its elements share an address: they were
+ * accepted (a stride of 0 put every row of out on the same floats, the last one written winning,
+ * with status OK). A layout that tiles the output without overlap (heads interleaved with rows)
+ * is accepted with the same values; inputs may still broadcast (stride 0). */
+static void test_output_self_overlap(void) {
+    mha_error err;
+    static float q[32], k[32], v[32], o[64], ref[32], lse[8], dout[32], dq[64], dk[64], dv[64];
+    for (int i = 0; i < 32; i++) {
+        q[i] = 0.1f * (float)(i % 7) - 0.3f;
+        k[i] = 0.2f * (float)(i % 5) - 0.4f;
+        v[i] = 0.05f * (float)(i % 9);
+        dout[i] = 0.25f * (float)(i % 3) - 0.2f;
+    }
+    mha_attention_args a;
+    memset(&a, 0, sizeof a);
+    a.batch = 1, a.num_heads = 2, a.q_len = 4, a.kv_len = 4, a.head_dim = 4;
+    a.q = q, a.k = k, a.v = v, a.out = ref;
+    const int64_t s[3] = {32, 16, 4};
+    memcpy(a.q_strides, s, sizeof s), memcpy(a.k_strides, s, sizeof s);
+    memcpy(a.v_strides, s, sizeof s), memcpy(a.out_strides, s, sizeof s);
+    CHECK_OK(mha_attention(&a, NULL, &err), &err);
+    mha_attention_args b = a;
+    b.out = o, b.out_strides[1] = 4, b.out_strides[2] = 8; /* heads interleaved with rows */
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+    int same = 1;
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 4; i++)
+            for (int e = 0; e < 4; e++)
+                same &= o[h * 4 + i * 8 + e] == ref[h * 16 + i * 4 + e];
+    CHECK(same, "interleaved out: the values of the contiguous one");
+    b = a, b.out = o, b.out_strides[0] = 0; /* batch of extent 1: its stride is never used */
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+    b = a, b.out = o, b.k_strides[1] = 0, b.v_strides[1] = 0; /* inputs may broadcast */
+    CHECK_OK(mha_attention(&b, NULL, &err), &err);
+    const struct {
+        int64_t s[3];
+        const char *what;
+    } bad[] = {{{32, 16, 0}, "out: every row on one row"},
+               {{32, 0, 4}, "out: both heads on one head"},
+               {{32, 16, 2}, "out: rows half over each other"},
+               {{32, 4, 4}, "out: heads interleaved with rows too closely"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        b = a, b.out = o;
+        memcpy(b.out_strides, bad[i].s, sizeof bad[i].s);
+        for (int e = 0; e < 64; e++)
+            o[e] = 7.0f;
+        refused(mha_attention(&b, NULL, &err), &err, "make distinct elements of out alias",
+                bad[i].what);
+        CHECK(strstr(err.message, "out_strides") != NULL, "%s: names out_strides: %s", bad[i].what,
+              err.message);
+        CHECK(o[0] == 7.0f && o[63] == 7.0f, "%s: out untouched", bad[i].what);
+        refused(mha_attention_supported(&b, NULL, &err), &err,
+                "make distinct elements of out alias", bad[i].what);
+    }
+
+    /* Backward: dq, dk, dv are strided outputs too; dout (an input) may broadcast. */
+    a.lse = lse;
+    CHECK_OK(mha_attention(&a, NULL, &err), &err);
+    mha_attention_grads g;
+    memset(&g, 0, sizeof g);
+    g.dout = dout, g.dq = dq, g.dk = dk, g.dv = dv;
+    memcpy(g.dout_strides, s, sizeof s), memcpy(g.dq_strides, s, sizeof s);
+    memcpy(g.dk_strides, s, sizeof s), memcpy(g.dv_strides, s, sizeof s);
+    CHECK_OK(mha_attention_backward(&a, &g, NULL, &err), &err);
+    mha_attention_grads h = g;
+    h.dout_strides[1] = 0;
+    CHECK_OK(mha_attention_backward(&a, &h, NULL, &err), &err);
+    h = g, h.dq_strides[2] = 0;
+    refused(mha_attention_backward(&a, &h, NULL, &err), &err,
+            "make distinct elements of grads.dq alias", "dq rows on one row");
+    h = g, h.dk_strides[1] = 0;
+    refused(mha_attention_backward(&a, &h, NULL, &err), &err,
+            "make distinct elements of grads.dk alias", "dk heads on one head");
+    h = g, h.dv_strides[2] = 3;
+    refused(mha_attention_backward(&a, &h, NULL, &err), &err,
+            "make distinct elements of grads.dv alias", "dv rows over each other");
+
+    /* mha_rope_apply rotates x in place: two of its elements on one address would be rotated
+     * twice. A backward view (negative stride) is judged on |stride|. */
+    mha_rope r;
+    memset(&r, 0, sizeof r);
+    r.style = MHA_ROPE_HALF;
+    float x[32];
+    for (int i = 0; i < 32; i++)
+        x[i] = (float)(i % 8);
+    const int64_t xs0[4] = {32, 0, 8, 1};
+    refused(mha_rope_apply(&r, 1, 2, 1, 8, x, xs0, NULL, 0, &err), &err,
+            "make distinct elements of x alias", "rope x rows on one row");
+    CHECK(x[1] == 1.0f, "rope: x untouched");
+    const int64_t xs_back[4] = {32, -4, 8, 1};
+    refused(mha_rope_apply(&r, 1, 2, 1, 8, x + 8, xs_back, NULL, 0, &err), &err,
+            "make distinct elements of x alias", "rope backward rows half over each other");
+    const int64_t xs_heads[4] = {64, 16, 8, 1}; /* two heads of 8 between rows 16 apart */
+    CHECK_OK(mha_rope_apply(&r, 1, 2, 2, 8, x, xs_heads, NULL, 0, &err), &err);
+}
+
+/* Inputs the layer reads while (or after) it writes its outputs, which the checks missed: the
+ * forward's out over a mask or over the layer's borrowed weights (the output projection reads
+ * w_o while writing out), the backward's gradients over the forward's positions and masks (the
+ * backward reads them again). Each was accepted with status OK. */
+static void test_layer_read_inputs(void) {
+    mha_error err;
+    for (int i = 0; i < 1024; i++)
+        W[i] = (float)((i * 13) % 7) / 7.0f - 0.4f;
+    mha_config c;
+    memset(&c, 0, sizeof c);
+    c.q_dim = 8, c.num_heads = 2;
+    mha_weights w = {W, W + 64, W + 128, W + 192, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    mha_layer *L = NULL;
+    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    if (!L)
+        return;
+    float x[3 * 8], y[3 * 8];
+    for (int i = 0; i < 24; i++)
+        x[i] = 0.1f * (float)(i % 9) - 0.3f;
+    static union {
+        float f[64];
+        int64_t i[32];
+        int32_t s[64];
+        uint8_t u[256];
+    } mb; /* a mask at its start, room for an out of 24 floats after any offset below 40 */
+    memset(&mb, 0, sizeof mb);
+    mha_forward_args fa;
+    memset(&fa, 0, sizeof fa);
+    fa.batch = 1, fa.q_len = 3, fa.query = x, fa.out = y;
+    const mha_mask_tensor am = {mb.f, MHA_DTYPE_F32, 2, {3, 3}};
+    const mha_mask_tensor bm = {mb.u, MHA_DTYPE_U8, 2, {3, 3}};
+    const mha_mask_tensor kp = {mb.u, MHA_DTYPE_U8, 2, {1, 3}};
+    mha_forward_args fb = fa;
+    fb.mask.additive_mask = am;
+    CHECK_OK(mha_layer_forward(L, &fb, NULL, &err), &err);
+    fb.out = mb.f + 4; /* out [4, 28) floats over the mask [0, 9) */
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps mask.additive_mask",
+            "layer out over its additive mask");
+    CHECK(mb.f[4] == 0.0f && mb.f[27] == 0.0f, "mask untouched by a refused forward");
+    mha_train_state *state = NULL;
+    refused(mha_layer_forward_train(L, &fb, NULL, &state, &err), &err,
+            "out overlaps mask.additive_mask", "training forward out over its additive mask");
+    CHECK(state == NULL, "no state from a refused training forward");
+    fb = fa, fb.mask.bool_mask = bm, fb.out = mb.f + 2;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps mask.bool_mask",
+            "layer out over its bool mask");
+    fb = fa, fb.mask.key_padding = kp, fb.mask.key_padding.data = mb.u + 1, fb.out = mb.f;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps mask.key_padding",
+            "layer out over its key padding");
+    fb = fa, fb.mask.q_segment_ids = mb.s + 60, fb.mask.kv_segment_ids = mb.s + 10, fb.out = mb.f;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps mask.kv_segment_ids",
+            "layer out over its kv segment ids");
+    fb = fa, fb.mask.causal = 1, fb.mask.alignment = MHA_ALIGN_EXPLICIT;
+    fb.mask.align_offsets = mb.i + 5, fb.out = mb.f;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps mask.align_offsets",
+            "layer out over its align offsets");
+    /* The layer's borrowed weights: out over w_o, probs over w_q. */
+    fb = fa, fb.out = W + 200;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "out overlaps w_o", "layer out over w_o");
+    fb = fa, fb.probs = W + 10;
+    refused(mha_layer_forward(L, &fb, NULL, &err), &err, "probs overlaps w_q",
+            "layer probs over w_q");
+
+    /* The backward reads the forward's positions and masks again. */
+    static union {
+        int64_t i[16];
+        float f[32];
+    } pu; /* positions at its start, room for a d_query of 24 floats at pu.f + 4 */
+    for (int i = 0; i < 3; i++)
+        pu.i[i] = i + 2;
+    static float mk[72]; /* an additive mask [3, 3] at its start, then d_query or dw_q over it */
+    memset(mk, 0, sizeof mk);
+    fb = fa, fb.q_positions = pu.i, fb.mask.additive_mask = am, fb.mask.additive_mask.data = mk;
+    CHECK_OK(mha_layer_forward_train(L, &fb, NULL, &state, &err), &err);
+    float dy[24], dq[24], dwq[64];
+    for (int i = 0; i < 24; i++)
+        dy[i] = 0.05f * (float)(i % 7);
+    mha_layer_grads gr;
+    memset(&gr, 0, sizeof gr);
+    gr.d_query = dq, gr.dw_q = dwq;
+    CHECK_OK(mha_layer_backward(L, state, dy, &gr, NULL, &err), &err);
+    mha_layer_grads gb = gr;
+    gb.d_query = pu.f + 4;
+    refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err,
+            "grads.d_query overlaps the forward's q_positions", "d_query over q_positions");
+    CHECK(pu.i[2] == 4, "positions untouched by a refused backward");
+    gb = gr, gb.d_query = mk + 8;
+    refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err,
+            "grads.d_query overlaps the forward's mask.additive_mask", "d_query over the mask");
+    gb = gr, gb.dw_q = mk;
+    refused(mha_layer_backward(L, state, dy, &gb, NULL, &err), &err,
+            "grads.dw_q overlaps the forward's mask.additive_mask", "dw_q over the mask");
+    mha_train_state_destroy(state);
+
+    /* The layer's decode step and prefill read its weights while writing out. */
+    mha_kv_cache_config kc;
+    memset(&kc, 0, sizeof kc);
+    kc.max_seq = 8, kc.batch = 1;
+    mha_kv_cache *cache = NULL;
+    CHECK_OK(mha_kv_cache_create(&kc, L, NULL, &cache, &err), &err);
+    mha_decode_args da = {1, NULL, 1, x, W + 196, NULL};
+    refused(mha_layer_decode_step(L, cache, &da, NULL, &err), &err, "out overlaps w_o",
+            "decode out over w_o");
+    refused(mha_layer_prefill(L, cache, &da, NULL, &err), &err, "out overlaps w_o",
+            "prefill out over w_o");
+    CHECK(mha_kv_cache_length(cache, 0) == 0, "nothing appended by a refused step");
+    mha_kv_cache_destroy(cache);
+    mha_layer_destroy(L);
 }
 
 static void test_error_contract(void) {
@@ -583,6 +819,8 @@ int main(void) {
     test_layer_aliasing();
     test_small_calls_aliasing();
     test_mla_backward_aliasing();
+    test_output_self_overlap();
+    test_layer_read_inputs();
     test_error_contract();
     return test_finish();
 }

@@ -252,14 +252,51 @@ static mha__span view_span(const char *name,
     return mha__span_of(name, ptr, extent, mha__storage_size(dt));
 }
 
+/* An output [B, heads, L, d] view (strides {b, head, row}, d contiguous; checked by view_extent)
+ * whose elements are all at distinct addresses. */
+static mha_status view_disjoint(const char *name,
+                                const void *ptr,
+                                const int64_t s[3],
+                                int64_t B,
+                                int64_t H,
+                                int64_t L,
+                                int64_t d,
+                                mha_error *err) {
+    const int64_t sizes[4] = {B, H, L, d}, strides[4] = {s[0], s[1], s[2], 1};
+    return ptr ? mha__check_layout_disjoint(name, sizes, strides, 4, err) : MHA_STATUS_OK;
+}
+
+/* A mask tensor's bytes (C-contiguous: the product of its shape); empty when its shape is not
+ * valid (then the mask's own check refuses the call before anything is written). */
 static mha__span mask_span(const char *name, const mha_mask_tensor *t) {
-    int64_t count = 1;
-    for (int d = 0; d < t->ndim && d < MHA_MAX_MASK_DIMS; d++)
-        count *= t->shape[d]; /* checked by broadcast_strides */
+    int64_t count = t->ndim >= 1 && t->ndim <= MHA_MAX_MASK_DIMS ? 1 : 0;
+    for (int d = 0; count && d < t->ndim; d++)
+        if (t->shape[d] < 1 || !mha__mul_i64(count, t->shape[d], &count) || count > INT64_MAX / 8)
+            count = 0;
     return mha__span_of(name, t->data, count, mha_dtype_size(t->dtype));
 }
 
-enum { CORE_INPUTS = 11 };
+int mha__masking_spans(
+    const mha_masking *mk, int64_t B, int64_t n, int64_t m, int of_forward, mha__span *in) {
+    static const char *const names[2][MHA__MASKING_SPANS] = {
+        {"mask.additive_mask", "mask.bool_mask", "mask.key_padding", "mask.q_segment_ids",
+         "mask.kv_segment_ids", "mask.align_offsets"},
+        {"the forward's mask.additive_mask", "the forward's mask.bool_mask",
+         "the forward's mask.key_padding", "the forward's mask.q_segment_ids",
+         "the forward's mask.kv_segment_ids", "the forward's mask.align_offsets"}};
+    const char *const *nm = names[of_forward != 0];
+    int k = 0;
+    in[k++] = mask_span(nm[0], &mk->additive_mask);
+    in[k++] = mask_span(nm[1], &mk->bool_mask);
+    in[k++] = mask_span(nm[2], &mk->key_padding);
+    in[k++] = mha__span_of(nm[3], mk->q_segment_ids, mha__count3(B, n, 1), sizeof(int32_t));
+    in[k++] = mha__span_of(nm[4], mk->kv_segment_ids, mha__count3(B, m, 1), sizeof(int32_t));
+    in[k++] = mha__span_of(nm[5], mk->alignment == MHA_ALIGN_EXPLICIT ? mk->align_offsets : NULL, B,
+                           sizeof(int64_t));
+    return k;
+}
+
+enum { CORE_INPUTS = 4 + MHA__MASKING_SPANS };
 /* Every tensor the core reads besides the ones of its outputs (after check_problem resolved p). */
 static int core_inputs(const mha_attention_args *a, const mha__problem *p, mha__span *in) {
     int n = 0;
@@ -267,20 +304,7 @@ static int core_inputs(const mha_attention_args *a, const mha__problem *p, mha__
     in[n++] = view_span("k", p->k_dt, a->k, a->k_strides, p->B, p->G, p->m, p->dk);
     in[n++] = view_span("v", p->v_dt, a->v, a->v_strides, p->B, p->G, p->m, p->dv);
     in[n++] = mha__span_of("sinks", a->sinks, p->H, sizeof(float));
-    in[n++] = a->mask.additive_mask.data ? mask_span("mask.additive_mask", &a->mask.additive_mask)
-                                         : mha__span_of("", NULL, 0, 1);
-    in[n++] = a->mask.bool_mask.data ? mask_span("mask.bool_mask", &a->mask.bool_mask)
-                                     : mha__span_of("", NULL, 0, 1);
-    in[n++] = a->mask.key_padding.data ? mask_span("mask.key_padding", &a->mask.key_padding)
-                                       : mha__span_of("", NULL, 0, 1);
-    in[n++] =
-        mha__span_of("mask.q_segment_ids", a->mask.q_segment_ids, p->B * p->n, sizeof(int32_t));
-    in[n++] =
-        mha__span_of("mask.kv_segment_ids", a->mask.kv_segment_ids, p->B * p->m, sizeof(int32_t));
-    in[n++] = mha__span_of("mask.align_offsets",
-                           a->mask.alignment == MHA_ALIGN_EXPLICIT ? a->mask.align_offsets : NULL,
-                           p->B, sizeof(int64_t));
-    return n;
+    return n + mha__masking_spans(&a->mask, p->B, p->n, p->m, 0, in + n);
 }
 
 mha_status mha__check_storage_dtypes(const char *const *names,
@@ -403,6 +427,9 @@ static mha_status check_problem(const mha_attention_args *a,
     st = check_masking(&a->mask, p->B, p->H, p->n, p->m, p, delta_buf, err);
     if (st || scores_only || !check_alias) /* the statistics check their own outputs */
         return st;
+    st = view_disjoint("out", a->out, a->out_strides, p->B, p->H, p->n, p->dv, err);
+    if (st)
+        return st;
     mha__span in[CORE_INPUTS];
     const int n_in = core_inputs(a, p, in);
     const mha__span out[3] = {
@@ -516,6 +543,13 @@ mha_status mha__check_backward_grads(const mha_attention_args *a,
                             "grads.dv_dtype"};
     const mha_dtype dts[4] = {g->dout_dtype, g->dq_dtype, g->dk_dtype, g->dv_dtype};
     mha_status st = mha__check_storage_dtypes(names, dts, 4, err);
+    if (st)
+        return st;
+    st = view_disjoint("grads.dq", g->dq, g->dq_strides, p->B, p->H, p->n, p->dk, err);
+    if (!st)
+        st = view_disjoint("grads.dk", g->dk, g->dk_strides, p->B, p->G, p->m, p->dk, err);
+    if (!st)
+        st = view_disjoint("grads.dv", g->dv, g->dv_strides, p->B, p->G, p->m, p->dv, err);
     if (st)
         return st;
     mha__span in[CORE_INPUTS + 3];

@@ -334,6 +334,7 @@ mha_status mha__check_kv_attention(const mha__kv_view *c,
 }
 
 mha_status mha__check_decode(const mha_config *lc,
+                             const mha_weights *w,
                              const mha__kv_view *c,
                              const mha_decode_args *args,
                              const mha_exec *exec,
@@ -378,13 +379,17 @@ mha_status mha__check_decode(const mha_config *lc,
                       "positions of sequence %lld would exceed 2^31", (long long)s);
     }
     const int64_t S = args->num_seqs;
-    const mha__span in[3] = {
-        mha__span_of("x", args->x, mha__count3(S, t, lc->q_dim), sizeof(float)),
-        mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t)),
-        mha__span_of("tree_parents", args->tree_parents, t, sizeof(int64_t))};
+    /* the layer's weights are read by the output projection while it writes out */
+    mha__span in[3 + MHA__WEIGHT_SLOTS];
+    int n_in = 0;
+    in[n_in++] = mha__span_of("x", args->x, mha__count3(S, t, lc->q_dim), sizeof(float));
+    in[n_in++] = mha__span_of("seq_ids", args->seq_ids, S, sizeof(int64_t));
+    in[n_in++] = mha__span_of("tree_parents", args->tree_parents, t, sizeof(int64_t));
+    if (w)
+        n_in += mha__layer_weight_spans(lc, w, in + n_in);
     const mha__span out =
         mha__span_of("out", args->out, mha__count3(S, t, lc->out_dim), sizeof(float));
-    return mha__check_no_overlap(&out, 1, in, 3, err);
+    return mha__check_no_overlap(&out, 1, in, n_in, err);
 }
 
 mha_status mha__check_merge(int64_t rows,

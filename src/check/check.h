@@ -51,6 +51,22 @@ mha_status mha__check_storage_dtypes(const char *const *names,
                                      mha_error *err);
 mha_status mha__check_no_overlap(
     const mha__span *outs, int n_out, const mha__span *ins, int n_in, mha_error *err);
+/* The byte ranges of a masking's tensors (check/attention.c), in a call of B batches, n queries
+ * and m keys: additive_mask, bool_mask, key_padding (their shapes' products; empty while a shape
+ * is invalid: the mask check refuses it), q_segment_ids [B, n], kv_segment_ids [B, m] (int32),
+ * align_offsets [B] (EXPLICIT alignment only). Named mask.<field>, or "the forward's mask.<field>"
+ * when of_forward (mha_layer_backward). Fills MHA__MASKING_SPANS spans; returns their count. */
+enum { MHA__MASKING_SPANS = 6 };
+int mha__masking_spans(
+    const mha_masking *mk, int64_t B, int64_t n, int64_t m, int of_forward, mha__span *in);
+/* An output's own layout: its elements, sizes[ndim] with element strides strides[ndim] (|stride|
+ * used: a view may run backwards), must be at distinct addresses, else INVALID_ARG naming
+ * `name` and `name`_strides. Sufficient rule: the dimensions of more than one element, sorted by
+ * |stride|, each have |stride| >= the previous one's |stride| x size (the first >= 1). Inputs
+ * are not checked (a broadcast stride of 0 is legitimate for them). The sizes and strides must
+ * already be range-checked (the view's extent fits int64); ndim <= 8. */
+mha_status mha__check_layout_disjoint(
+    const char *name, const int64_t *sizes, const int64_t *strides, int ndim, mha_error *err);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Attention core (check/attention.c): mha_attention*, mha_attention_backward*.                   */
@@ -156,6 +172,11 @@ void mha__layer_weight_slots(const mha_config *c,
                              mha_weights *w,
                              mha__weight_slot slots[MHA__WEIGHT_SLOTS]);
 
+/* The byte ranges of the layer's weights w (of the resolved config c: weight_dtype's bytes, a
+ * q8_0 / q4_0 layer's small tensors float32), named as the slots; NULL for a weight the config
+ * lacks. Fills MHA__WEIGHT_SLOTS spans; returns their count. */
+int mha__layer_weight_spans(const mha_config *c, const mha_weights *w, mha__span *in);
+
 /* mha_layer_create: out given (the caller clears *out), config resolved into *cfg (every default
  * filled in, rope resolved), ownership known, every weight the config has given and finite, no
  * weight it lacks; *total = the weights' float count. */
@@ -172,10 +193,12 @@ mha_status mha__check_layer_create(const mha_config *config,
 mha_status mha__check_layer_trainable(const mha_config *c, const char *what, mha_error *err);
 
 /* The forward's arguments against the layer's resolved config (NULL: the layer is): batch, lengths,
- * inputs (self or cross attention, value = key), positions. *kv_len = the key length (q_len for
- * self-attention). The core's options (masks, dropout, probs) are the core's check
- * (mha__check_attention). */
+ * inputs (self or cross attention, value = key), positions, and the aliasing rule: out and probs
+ * against query, key, value, the positions, the masks' tensors and the layer's weights w (NULL:
+ * not checked). *kv_len = the key length (q_len for self-attention). The core's options (masks'
+ * shapes, dropout, probs) are the core's check (mha__check_attention). */
 mha_status mha__check_forward_args(const mha_config *cfg,
+                                   const mha_weights *w,
                                    const mha_forward_args *args,
                                    int64_t *kv_len,
                                    mha_error *err);
@@ -183,6 +206,7 @@ mha_status mha__check_forward_args(const mha_config *cfg,
 /* mha_layer_attention_statistics: the same checks, except that out may be NULL (not written;
  * probs and dropout are ignored too). */
 mha_status mha__check_layer_stats_args(const mha_config *cfg,
+                                       const mha_weights *w,
                                        const mha_forward_args *args,
                                        const mha_attention_stats *stats,
                                        int64_t *kv_len,
@@ -335,8 +359,10 @@ mha_status mha__check_kv_attention(const mha__kv_view *c,
                                    const mha_exec *exec,
                                    double *scale,
                                    mha_error *err);
-/* mha_layer_prefill / mha_layer_decode_step: layer_cfg is NULL when the layer pointer is. */
+/* mha_layer_prefill / mha_layer_decode_step: layer_cfg is NULL when the layer pointer is; out
+ * must not overlap x, seq_ids, tree_parents or the layer's weights w. */
 mha_status mha__check_decode(const mha_config *layer_cfg,
+                             const mha_weights *w,
                              const mha__kv_view *c,
                              const mha_decode_args *args,
                              const mha_exec *exec,
@@ -379,9 +405,12 @@ mha_status mha__check_mla_create(const mha_mla_config *config,
                                  const mha_mla_weights *weights,
                                  mha_mla_config *cfg,
                                  mha_error *err);
-/* The forward's sizes, pointers, positions and the aliasing rule. */
-mha_status
-mha__check_mla_forward(const mha_mla_config *cfg, const mha_mla_forward_args *args, mha_error *err);
+/* The forward's sizes, pointers, positions and the aliasing rule: out against x, the positions
+ * and the layer's weights w (NULL: not checked, for the backward's use with dy as out). */
+mha_status mha__check_mla_forward(const mha_mla_config *cfg,
+                                  const mha_mla_weights *w,
+                                  const mha_mla_forward_args *args,
+                                  mha_error *err);
 /* mha_mla_backward: grads and grads.dy given, no gradient of a tensor the config lacks, the
  * forward's checks on args (dy in place of out), and the aliasing rule: every gradient against
  * args.x, args.positions, grads.dy, the layer's weights w and every other gradient. */
@@ -391,8 +420,9 @@ mha_status mha__check_mla_backward(const mha_mla_config *cfg,
                                    const mha_mla_grads *grads,
                                    mha_error *err);
 /* The decode step's sequences (ids distinct, room in a cache of `batch` sequences of max_seq
- * tokens, lengths len[]), x and out. */
+ * tokens, lengths len[]), x and out (against x, seq_ids and the layer's weights w). */
 mha_status mha__check_mla_decode(const mha_mla_config *cfg,
+                                 const mha_mla_weights *w,
                                  int64_t batch,
                                  const int64_t *len,
                                  int64_t max_seq,

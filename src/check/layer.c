@@ -169,6 +169,21 @@ void mha__layer_weight_slots(const mha_config *c,
     memcpy(slots, s, sizeof s);
 }
 
+int mha__layer_weight_spans(const mha_config *c, const mha_weights *w, mha__span *in) {
+    mha_weights wc = *w; /* the slots point into their struct */
+    mha__weight_slot slots[MHA__WEIGHT_SLOTS];
+    mha__layer_weight_slots(c, &wc, slots);
+    const mha_dtype dt = c->weight_dtype;
+    for (int i = 0; i < MHA__WEIGHT_SLOTS; i++) {
+        /* q8_0 / q4_0: the projections in blocks, the small tensors float32 beside them */
+        const int64_t bytes = mha__is_block_weight(dt) && i >= MHA__SMALL_SLOT0
+                                  ? slots[i].count * (int64_t)sizeof(float)
+                                  : (int64_t)mha__weight_bytes(dt, slots[i].count);
+        in[i] = mha__span_of(slots[i].name, slots[i].present ? *slots[i].ptr : NULL, bytes, 1);
+    }
+    return MHA__WEIGHT_SLOTS;
+}
+
 mha_status mha__check_layer_create(const mha_config *config,
                                    const mha_weights *weights,
                                    mha_ownership ownership,
@@ -235,6 +250,7 @@ mha_status mha__check_layer_trainable(const mha_config *c, const char *what, mha
 /* The forward's arguments; need_out = 0 (the statistics): out is not written, may be NULL, and
  * the outputs are the statistics' (st, checked against the inputs when not NULL). */
 static mha_status check_forward(const mha_config *c,
+                                const mha_weights *w,
                                 const mha_forward_args *a,
                                 int need_out,
                                 const mha_attention_stats *st_out,
@@ -277,12 +293,18 @@ static mha_status check_forward(const mha_config *c,
         return st;
     const int64_t B = a->batch, n = a->q_len;
     const size_t xs = mha__storage_size(a->x_dtype);
-    const mha__span in[5] = {
-        mha__span_of("query", a->query, mha__count3(B, n, c->q_dim), xs),
-        mha__span_of("key", a->key, mha__count3(B, m, c->k_dim), xs),
-        mha__span_of("value", a->value, mha__count3(B, m, c->v_dim), xs),
-        mha__span_of("q_positions", a->q_positions, mha__count3(B, n, 1), sizeof(int64_t)),
-        mha__span_of("k_positions", a->k_positions, mha__count3(B, m, 1), sizeof(int64_t))};
+    /* Every input: the masks are read by the attention, the weights by the output projection
+     * while it writes out. */
+    mha__span in[5 + MHA__MASKING_SPANS + MHA__WEIGHT_SLOTS];
+    int n_in = 0;
+    in[n_in++] = mha__span_of("query", a->query, mha__count3(B, n, c->q_dim), xs);
+    in[n_in++] = mha__span_of("key", a->key, mha__count3(B, m, c->k_dim), xs);
+    in[n_in++] = mha__span_of("value", a->value, mha__count3(B, m, c->v_dim), xs);
+    in[n_in++] = mha__span_of("q_positions", a->q_positions, mha__count3(B, n, 1), sizeof(int64_t));
+    in[n_in++] = mha__span_of("k_positions", a->k_positions, mha__count3(B, m, 1), sizeof(int64_t));
+    n_in += mha__masking_spans(&a->mask, B, n, m, 0, in + n_in);
+    if (w)
+        n_in += mha__layer_weight_spans(c, w, in + n_in);
     if (!need_out) { /* the statistics' outputs (their sizes are the core's check, later) */
         const int64_t h = c->num_heads, k = st_out->top_k > 0 ? st_out->top_k : 0;
         const int64_t cells = st_out->pool_rows > 0 && st_out->pool_cols > 0
@@ -300,13 +322,13 @@ static mha_status check_forward(const mha_config *c,
             mha__span_of("stats.pooled", st_out->pooled, mha__count3(B, h, cells), sizeof(float)),
             mha__span_of("stats.pooled_visible", st_out->pooled_visible, mha__count3(B, h, cells),
                          sizeof(float))};
-        return mha__check_no_overlap(so, 7, in, 5, err);
+        return mha__check_no_overlap(so, 7, in, n_in, err);
     }
     const int64_t heads = a->average_probs ? 1 : c->num_heads;
     const mha__span out[2] = {
         mha__span_of("out", a->out, mha__count3(B, n, c->out_dim), mha__storage_size(a->out_dtype)),
         mha__span_of("probs", a->probs, mha__count3(B * heads, n, m), sizeof(float))};
-    return mha__check_no_overlap(out, 2, in, 5, err);
+    return mha__check_no_overlap(out, 2, in, n_in, err);
 }
 
 /* mha_layer_project's checks but the aliasing rule, shared with the backward. */
@@ -436,12 +458,11 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
     const int64_t B = s->B, n = s->n, m = s->m, h = c->num_heads, g = c->num_kv_heads;
     const int64_t dk = c->head_dim, dv = c->v_head_dim, gq = c->output_gate ? 2 : 1;
     const mha_forward_args *a = s->args;
-    mha__span in[4 + MHA__WEIGHT_SLOTS];
+    mha__span in[6 + MHA__MASKING_SPANS + MHA__WEIGHT_SLOTS];
     int n_in = 0;
     /* dy has the forward's out_dtype, the inputs and their gradients its x_dtype. */
     const size_t ys = mha__storage_size(a ? a->out_dtype : MHA_DTYPE_F32);
     const size_t xs = mha__storage_size(a ? a->x_dtype : MHA_DTYPE_F32);
-    const size_t ws = mha__storage_size(c->weight_dtype);
     in[n_in++] = mha__span_of("dy", dy, mha__count3(B, n, c->out_dim), ys);
     in[n_in++] =
         mha__span_of("the forward's query", a ? a->query : NULL, mha__count3(B, n, c->q_dim), xs);
@@ -449,12 +470,14 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
         mha__span_of("the forward's key", a ? a->key : NULL, mha__count3(B, m, c->k_dim), xs);
     in[n_in++] =
         mha__span_of("the forward's value", a ? a->value : NULL, mha__count3(B, m, c->v_dim), xs);
-    mha_weights wc = *w; /* the slots point into their struct */
-    mha__weight_slot slots[MHA__WEIGHT_SLOTS];
-    mha__layer_weight_slots(c, &wc, slots);
-    for (int i = 0; i < MHA__WEIGHT_SLOTS; i++)
-        in[n_in++] = mha__span_of(slots[i].name, slots[i].present ? *slots[i].ptr : NULL,
-                                  slots[i].count, ws);
+    /* The backward reads the forward's positions (RoPE) and masks again. */
+    in[n_in++] = mha__span_of("the forward's q_positions", a ? a->q_positions : NULL,
+                              mha__count3(B, n, 1), sizeof(int64_t));
+    in[n_in++] = mha__span_of("the forward's k_positions", a ? a->k_positions : NULL,
+                              mha__count3(B, m, 1), sizeof(int64_t));
+    if (a)
+        n_in += mha__masking_spans(&a->mask, B, n, m, 1, in + n_in);
+    n_in += mha__layer_weight_spans(c, w, in + n_in);
     const mha__span out[14] = {
         mha__span_of("grads.d_query", gr->d_query, mha__count3(B, n, c->q_dim), xs),
         mha__span_of("grads.d_key", gr->d_key, mha__count3(B, m, c->k_dim), xs),
@@ -474,16 +497,18 @@ mha_status mha__check_layer_backward(const mha_layer *layer,
 }
 
 mha_status mha__check_forward_args(const mha_config *c,
+                                   const mha_weights *w,
                                    const mha_forward_args *a,
                                    int64_t *kv_len,
                                    mha_error *err) {
-    return check_forward(c, a, 1, NULL, kv_len, err);
+    return check_forward(c, w, a, 1, NULL, kv_len, err);
 }
 
 mha_status mha__check_layer_stats_args(const mha_config *c,
+                                       const mha_weights *w,
                                        const mha_forward_args *a,
                                        const mha_attention_stats *stats,
                                        int64_t *kv_len,
                                        mha_error *err) {
-    return check_forward(c, a, 0, stats, kv_len, err);
+    return check_forward(c, w, a, 0, stats, kv_len, err);
 }

@@ -105,6 +105,49 @@ mha_status mha__check_mla_create(const mha_mla_config *config,
     return MHA_STATUS_OK;
 }
 
+/* The layer's weights (those the config uses) as spans named "the layer's <name>"; the
+ * gradient of each (g, may be NULL) as spans named "grads.<name>" into gs, and whether the config
+ * has each weight into has (each may be NULL). Returns their count. */
+enum { MLA_WEIGHTS = 11 };
+static int mla_weight_spans(const mha_mla_config *c,
+                            const mha_mla_weights *w,
+                            const mha_mla_grads *g,
+                            mha__span *ws,
+                            mha__span *gs,
+                            int *has) {
+    const int lq = c->q_lora_rank > 0, b = c->bias;
+    const int64_t h = c->num_heads, E = c->hidden, r = c->kv_lora_rank, rq = c->q_lora_rank;
+    const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
+    const int64_t dq = dn + dr;
+    /* Each weight's element count (bounded at creation, below 2^40). */
+    const struct {
+        const char *wname, *gname;
+        const float *weight, *grad;
+        int has;
+        int64_t n;
+    } f[MLA_WEIGHTS] = {
+        {"the layer's w_q", "grads.w_q", w->w_q, g ? g->w_q : NULL, !lq, h * dq * E},
+        {"the layer's w_q_a", "grads.w_q_a", w->w_q_a, g ? g->w_q_a : NULL, lq, rq * E},
+        {"the layer's b_q_a", "grads.b_q_a", w->b_q_a, g ? g->b_q_a : NULL, lq && b, rq},
+        {"the layer's q_a_norm", "grads.q_a_norm", w->q_a_norm, g ? g->q_a_norm : NULL, lq, rq},
+        {"the layer's w_q_b", "grads.w_q_b", w->w_q_b, g ? g->w_q_b : NULL, lq, h * dq * rq},
+        {"the layer's w_kv_a", "grads.w_kv_a", w->w_kv_a, g ? g->w_kv_a : NULL, 1, (r + dr) * E},
+        {"the layer's b_kv_a", "grads.b_kv_a", w->b_kv_a, g ? g->b_kv_a : NULL, b, r + dr},
+        {"the layer's kv_a_norm", "grads.kv_a_norm", w->kv_a_norm, g ? g->kv_a_norm : NULL, 1, r},
+        {"the layer's w_kv_b", "grads.w_kv_b", w->w_kv_b, g ? g->w_kv_b : NULL, 1,
+         h * (dn + dv) * r},
+        {"the layer's w_o", "grads.w_o", w->w_o, g ? g->w_o : NULL, 1, E * h * dv},
+        {"the layer's b_o", "grads.b_o", w->b_o, g ? g->b_o : NULL, b, E}};
+    for (int i = 0; i < MLA_WEIGHTS; i++) {
+        ws[i] = mha__span_of(f[i].wname, f[i].has ? f[i].weight : NULL, f[i].n, sizeof(float));
+        if (gs)
+            gs[i] = mha__span_of(f[i].gname, f[i].grad, f[i].n, sizeof(float));
+        if (has)
+            has[i] = f[i].has;
+    }
+    return MLA_WEIGHTS;
+}
+
 /* Positions in [0, MHA_MAX_POSITION]. */
 static mha_status check_positions(const int64_t *pos, int64_t n, mha_error *err) {
     for (int64_t i = 0; pos && i < n; i++)
@@ -114,8 +157,10 @@ static mha_status check_positions(const int64_t *pos, int64_t n, mha_error *err)
     return MHA_STATUS_OK;
 }
 
-mha_status
-mha__check_mla_forward(const mha_mla_config *c, const mha_mla_forward_args *a, mha_error *err) {
+mha_status mha__check_mla_forward(const mha_mla_config *c,
+                                  const mha_mla_weights *w,
+                                  const mha_mla_forward_args *a,
+                                  mha_error *err) {
     MHA_RETURN_IF(!a, err, INVALID_ARG, "mha_mla_forward: args is NULL");
     MHA_RETURN_IF(a->batch < 1 || a->batch > MHA_MAX_DIM || a->seq_len < 1 ||
                       a->seq_len > MHA_MAX_DIM,
@@ -127,11 +172,14 @@ mha__check_mla_forward(const mha_mla_config *c, const mha_mla_forward_args *a, m
                   "args: batch x seq_len x hidden is too large");
     MHA_TRY(check_positions(a->positions, a->batch * a->seq_len, err));
     const mha__span outs[] = {mha__span_of("args.out", a->out, n, sizeof(float))};
-    const mha__span ins[] = {mha__span_of("args.x", a->x, n, sizeof(float)),
-                             mha__span_of("args.positions", a->positions,
-                                          a->positions ? a->batch * a->seq_len : 0,
-                                          sizeof(int64_t))};
-    return mha__check_no_overlap(outs, 1, ins, 2, err);
+    mha__span ins[2 + MLA_WEIGHTS];
+    int n_in = 0;
+    ins[n_in++] = mha__span_of("args.x", a->x, n, sizeof(float));
+    ins[n_in++] = mha__span_of("args.positions", a->positions,
+                               a->positions ? a->batch * a->seq_len : 0, sizeof(int64_t));
+    if (w) /* the output projection reads w_o while it writes out */
+        n_in += mla_weight_spans(c, w, NULL, ins + n_in, NULL, NULL);
+    return mha__check_no_overlap(outs, 1, ins, n_in, err);
 }
 
 mha_status mha__check_mla_backward(const mha_mla_config *c,
@@ -140,56 +188,26 @@ mha_status mha__check_mla_backward(const mha_mla_config *c,
                                    const mha_mla_grads *g,
                                    mha_error *err) {
     MHA_RETURN_IF(!g || !g->dy, err, INVALID_ARG, "mha_mla_backward: grads or grads.dy is NULL");
-    const int lq = c->q_lora_rank > 0, b = c->bias;
-    const int64_t h = c->num_heads, E = c->hidden, r = c->kv_lora_rank, rq = c->q_lora_rank;
-    const int64_t dn = c->qk_nope_head_dim, dr = c->qk_rope_head_dim, dv = c->v_head_dim;
-    const int64_t dq = dn + dr;
-    /* Each gradient has its weight's shape (sizes bounded at creation, below 2^40 elements). */
-    const struct {
-        const char *name;
-        float *grad;
-        const float *weight;
-        int has;
-        int64_t n;
-    } f[] = {{"w_q", g->w_q, w->w_q, !lq, h * dq * E},
-             {"w_q_a", g->w_q_a, w->w_q_a, lq, rq * E},
-             {"b_q_a", g->b_q_a, w->b_q_a, lq && b, rq},
-             {"q_a_norm", g->q_a_norm, w->q_a_norm, lq, rq},
-             {"w_q_b", g->w_q_b, w->w_q_b, lq, h * dq * rq},
-             {"w_kv_a", g->w_kv_a, w->w_kv_a, 1, (r + dr) * E},
-             {"b_kv_a", g->b_kv_a, w->b_kv_a, b, r + dr},
-             {"kv_a_norm", g->kv_a_norm, w->kv_a_norm, 1, r},
-             {"w_kv_b", g->w_kv_b, w->w_kv_b, 1, h * (dn + dv) * r},
-             {"w_o", g->w_o, w->w_o, 1, E * h * dv},
-             {"b_o", g->b_o, w->b_o, b, E}};
-    enum { NW = sizeof f / sizeof f[0] };
-    for (int i = 0; i < NW; i++)
-        MHA_RETURN_IF(f[i].grad && !f[i].has, err, INVALID_ARG,
-                      "grads.%s is given but the config has no %s", f[i].name, f[i].name);
+    mha__span ins[3 + MLA_WEIGHTS], outs[1 + MLA_WEIGHTS];
+    int has[MLA_WEIGHTS];
+    mla_weight_spans(c, w, g, ins + 3, outs + 1, has);
+    const float *const grad[MLA_WEIGHTS] = {g->w_q,    g->w_q_a,  g->b_q_a,  g->q_a_norm,
+                                            g->w_q_b,  g->w_kv_a, g->b_kv_a, g->kv_a_norm,
+                                            g->w_kv_b, g->w_o,    g->b_o};
+    for (int i = 0; i < MLA_WEIGHTS; i++) /* outs[1 + i].name is "grads.<name>" */
+        MHA_RETURN_IF(grad[i] && !has[i], err, INVALID_ARG, "%s is given but the config has no %s",
+                      outs[1 + i].name, outs[1 + i].name + 6);
     mha_mla_forward_args probe = *a;
     probe.out = (float *)g->dy; /* dy must not overlap x either; out is not written */
-    MHA_TRY(mha__check_mla_forward(c, &probe, err));
+    MHA_TRY(mha__check_mla_forward(c, NULL, &probe, err));
     /* Every gradient against x, positions, dy, the layer's weights and each other: the backward
      * reads x, dy and the weights after it has written some gradients. */
-    const int64_t T = a->batch * a->seq_len; /* checked by the forward's check */
-    static const char *const wname[NW] = {
-        "the layer's w_q",    "the layer's w_q_a",  "the layer's b_q_a",  "the layer's q_a_norm",
-        "the layer's w_q_b",  "the layer's w_kv_a", "the layer's b_kv_a", "the layer's kv_a_norm",
-        "the layer's w_kv_b", "the layer's w_o",    "the layer's b_o"};
-    static const char *const gname[NW] = {"grads.w_q",      "grads.w_q_a",     "grads.b_q_a",
-                                          "grads.q_a_norm", "grads.w_q_b",     "grads.w_kv_a",
-                                          "grads.b_kv_a",   "grads.kv_a_norm", "grads.w_kv_b",
-                                          "grads.w_o",      "grads.b_o"};
-    mha__span ins[3 + NW], outs[1 + NW];
+    const int64_t T = a->batch * a->seq_len, E = c->hidden; /* checked by the forward's check */
     ins[0] = mha__span_of("args.x", a->x, T * E, sizeof(float));
     ins[1] = mha__span_of("args.positions", a->positions, a->positions ? T : 0, sizeof(int64_t));
     ins[2] = mha__span_of("grads.dy", g->dy, T * E, sizeof(float));
     outs[0] = mha__span_of("grads.dx", g->dx, T * E, sizeof(float));
-    for (int i = 0; i < NW; i++) {
-        ins[3 + i] = mha__span_of(wname[i], f[i].has ? f[i].weight : NULL, f[i].n, sizeof(float));
-        outs[1 + i] = mha__span_of(gname[i], f[i].grad, f[i].n, sizeof(float));
-    }
-    return mha__check_no_overlap(outs, 1 + NW, ins, 3 + NW, err);
+    return mha__check_no_overlap(outs, 1 + MLA_WEIGHTS, ins, 3 + MLA_WEIGHTS, err);
 }
 
 /* num_seqs in [1, batch], t in [1, max_seq], seq ids distinct and in the cache, room for t more
@@ -222,6 +240,7 @@ static mha_status check_seqs(int64_t batch,
 }
 
 mha_status mha__check_mla_decode(const mha_mla_config *c,
+                                 const mha_mla_weights *w,
                                  int64_t batch,
                                  const int64_t *len,
                                  int64_t max_seq,
@@ -236,8 +255,11 @@ mha_status mha__check_mla_decode(const mha_mla_config *c,
     MHA_RETURN_IF(n == 0 || n > ((int64_t)1 << 40), err, OVERFLOW,
                   "args: num_seqs x num_tokens x hidden is too large");
     const mha__span outs[] = {mha__span_of("args.out", a->out, n, sizeof(float))};
-    const mha__span ins[] = {mha__span_of("args.x", a->x, n, sizeof(float))};
-    return mha__check_no_overlap(outs, 1, ins, 1, err);
+    mha__span ins[2 + MLA_WEIGHTS];
+    ins[0] = mha__span_of("args.x", a->x, n, sizeof(float));
+    ins[1] = mha__span_of("args.seq_ids", a->seq_ids, a->num_seqs, sizeof(int64_t));
+    mla_weight_spans(c, w, NULL, ins + 2, NULL, NULL); /* read while out is written */
+    return mha__check_no_overlap(outs, 1, ins, 2 + MLA_WEIGHTS, err);
 }
 
 mha_status mha__check_mla_append(int64_t batch,

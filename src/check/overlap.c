@@ -7,6 +7,7 @@
 #include "check/check.h"
 
 #include <stdint.h>
+#include <stdio.h>
 
 mha__span mha__span_of(const char *name, const void *ptr, int64_t count, size_t elem) {
     mha__span s = {name, 0, 0};
@@ -45,6 +46,44 @@ mha_status mha__check_no_overlap(
             MHA_RETURN_IF(overlap(&outs[i], &outs[j]), err, INVALID_ARG,
                           "%s overlaps %s in memory: outputs must not alias each other",
                           outs[i].name, outs[j].name);
+    }
+    return MHA_STATUS_OK;
+}
+
+mha_status mha__check_layout_disjoint(
+    const char *name, const int64_t *sizes, const int64_t *strides, int ndim, mha_error *err) {
+    enum { MAX_DIMS = 8 };
+    int64_t ext[MAX_DIMS], mag[MAX_DIMS];
+    int k = 0;
+    for (int d = 0; d < ndim && d < MAX_DIMS; d++) {
+        if (sizes[d] <= 1)
+            continue; /* a dimension of one element never steps: its stride is never used */
+        const int64_t m = strides[d] < 0 ? -strides[d] : strides[d]; /* INT64_MIN refused before */
+        int i = k++;
+        for (; i > 0 && mag[i - 1] > m; i--) /* insertion sort by |stride| */
+            ext[i] = ext[i - 1], mag[i] = mag[i - 1];
+        ext[i] = sizes[d], mag[i] = m;
+    }
+    int64_t need =
+        1; /* the least |stride| the next dimension may have: the span of the ones below */
+    for (int i = 0; i < k; i++) {
+        if (mag[i] < need) {
+            char sz[160] = "", st[160] = "";
+            int ps = 0, pt = 0;
+            for (int d = 0; d < ndim && d < MAX_DIMS; d++) {
+                ps += snprintf(sz + ps, sizeof sz - (size_t)ps, "%s%lld", d ? ", " : "",
+                               (long long)sizes[d]);
+                pt += snprintf(st + pt, sizeof st - (size_t)pt, "%s%lld", d ? ", " : "",
+                               (long long)strides[d]);
+            }
+            return mha__fail(err, MHA_STATUS_INVALID_ARG,
+                             "%s_strides make distinct elements of %s alias: sizes [%s] with "
+                             "element strides {%s} reach one address from two elements (an "
+                             "output must not overlap itself)",
+                             name, name, sz, st);
+        }
+        if (!mha__mul_i64(mag[i], ext[i], &need))
+            need = INT64_MAX; /* nothing can follow (the extent checks refuse such a view) */
     }
     return MHA_STATUS_OK;
 }

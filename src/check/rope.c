@@ -226,7 +226,12 @@ mha_status mha__check_rope_apply(const mha_rope *rope,
     st = mha__check_positions(positions, batch, seq_len, pos_batch_stride, "positions", err);
     if (st)
         return st;
-    /* x is rotated in place (its only output); it must not overlap the positions it reads. */
+    /* x is rotated in place (its only output): no two of its elements at one address, and it
+     * must not overlap the positions it reads. */
+    const int64_t sizes[4] = {batch, seq_len, num_heads, head_dim};
+    st = mha__check_layout_disjoint("x", sizes, x_strides, 4, err);
+    if (st)
+        return st;
     const mha__span in = mha__span_of("positions", positions, pos_n, sizeof(int64_t));
     const mha__span out = mha__span_of("x", x - back, count, sizeof(float));
     return mha__check_no_overlap(&out, 1, &in, 1, err);

@@ -518,8 +518,8 @@ static mha_status layer_step(const mha_layer *layer,
                              const mha_exec *exec,
                              mha_error *err) {
     const mha__kv_view view = mha__kv_view_of(cache);
-    mha_status st =
-        mha__check_decode(layer ? mha_layer_config(layer) : NULL, &view, args, exec, err);
+    mha_status st = mha__check_decode(layer ? mha_layer_config(layer) : NULL,
+                                      mha_layer_weights(layer), &view, args, exec, err);
     if (!st)
         st = mha__kv_check_pool(cache, args->num_seqs, args->seq_ids, args->num_tokens, err);
     if (st)

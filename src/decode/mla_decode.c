@@ -241,7 +241,7 @@ mha_status mha_mla_decode_step(const mha_mla *m,
                   "mha_mla_decode_step: the cache holds %lld values per token, the layer's "
                   "kv_lora_rank + qk_rope_head_dim is %lld",
                   (long long)c->width, (long long)(m->cfg.kv_lora_rank + m->cfg.qk_rope_head_dim));
-    MHA_TRY(mha__check_mla_decode(&m->cfg, c->batch, c->len, c->max_seq, a, err));
+    MHA_TRY(mha__check_mla_decode(&m->cfg, &m->w, c->batch, c->len, c->max_seq, a, err));
     const mha_mla_config *cf = &m->cfg;
     const int64_t S = a->num_seqs, T = S * a->num_tokens, h = cf->num_heads;
     const int64_t dq = cf->qk_nope_head_dim + cf->qk_rope_head_dim, r = cf->kv_lora_rank;

@@ -179,7 +179,7 @@ static mha_status plan_forward(const mha_layer *L,
                                fwd_layout *l,
                                mha_error *err) {
     int64_t m;
-    mha_status st = mha__check_forward_args(L ? &L->cfg : NULL, a, &m, err);
+    mha_status st = mha__check_forward_args(L ? &L->cfg : NULL, mha_layer_weights(L), a, &m, err);
     if (st)
         return st;
     const mha_config *c = &L->cfg;
@@ -428,7 +428,8 @@ mha_status mha_layer_attention_statistics(const mha_layer *layer,
                                           const mha_exec *exec,
                                           mha_error *err) {
     int64_t m;
-    mha_status st = mha__check_layer_stats_args(layer ? &layer->cfg : NULL, args, stats, &m, err);
+    mha_status st = mha__check_layer_stats_args(layer ? &layer->cfg : NULL,
+                                                mha_layer_weights(layer), args, stats, &m, err);
     if (st)
         return st;
     const mha_config *c = &layer->cfg;

@@ -112,7 +112,7 @@ mha_status mha_layer_forward_train(const mha_layer *layer,
      * state's buffers, before any projection runs. */
     int64_t m;
     const mha_config *c = layer ? mha_layer_config(layer) : NULL;
-    mha_status st = mha__check_forward_args(c, args, &m, err);
+    mha_status st = mha__check_forward_args(c, mha_layer_weights(layer), args, &m, err);
     if (!st)
         st = mha__check_layer_trainable(c, "mha_layer_forward_train", err);
     if (st)

@@ -242,7 +242,7 @@ mha_status mha_mla_forward(const mha_mla *m,
                            const mha_exec *exec,
                            mha_error *err) {
     MHA_RETURN_IF(!m, err, INVALID_ARG, "mha_mla_forward: mla is NULL");
-    MHA_TRY(mha__check_mla_forward(&m->cfg, a, err));
+    MHA_TRY(mha__check_mla_forward(&m->cfg, &m->w, a, err));
     mha__team team;
     MHA_TRY(mha__exec_team(exec, &team, err));
     const mha_mla_config *c = &m->cfg;
