@@ -12,9 +12,12 @@
  *   - Tensors are float32 unless a dtype says otherwise; inputs are const, caller-owned.
  *   - Outputs are OVERWRITTEN, never accumulated. No output may share a byte with an input or
  *     with another output: the address ranges the sizes and strides reach are compared, and the
- *     same pointer or any partial overlap is refused (INVALID_ARG naming both). Inputs may share
- *     memory. The only in-place forms are mha_rope_apply (x is rotated in place) and
- *     mha_attention_merge (o exactly o_a or o_b, lse exactly lse_a or lse_b).
+ *     same pointer or any partial overlap is refused (INVALID_ARG naming both). Inputs here
+ *     include masks, positions and a layer's weights. A strided output must not overlap itself
+ *     (strides that put two of its elements at one address, e.g. a stride of 0, are INVALID_ARG);
+ *     inputs may (a stride of 0 broadcasts). Inputs may share memory. The only in-place forms are
+ *     mha_rope_apply (x is rotated in place) and mha_attention_merge (o exactly o_a or o_b, lse
+ *     exactly lse_a or lse_b).
  *   - Every fallible function returns mha_status and, when `err` is not NULL, fills it: on
  *     failure with the status and a one-line message naming the offending argument, on success
  *     with MHA_STATUS_OK and an empty message. On error, outputs are untouched (validation
@@ -388,7 +391,8 @@ typedef struct mha_rope {
  *  positions: element (b, t) at positions[b * pos_batch_stride + t]; pos_batch_stride = 0
  *  broadcasts one row over the batch; positions == NULL means t. A DYNAMIC rope is taken at
  *  length 1 + the largest position given (mha_rope_at_length). x_strides[0..2] may be negative
- *  (a view running backwards); x's whole range must not overlap positions (INVALID_ARG), and
+ *  (a view running backwards) but must not put two elements of x at one address; x's whole range
+ *  must not overlap positions (INVALID_ARG), and
  *  offsets beyond int64 (of x or of positions) are MHA_STATUS_OVERFLOW. */
 MHA_API mha_status mha_rope_apply(const mha_rope *rope,
                                   int64_t batch,
@@ -458,7 +462,7 @@ typedef struct mha_attention_args {
     int64_t k_strides[3];
     const void *v;
     int64_t v_strides[3];
-    void *out; /* [B, h, n, d_v] */
+    void *out; /* [B, h, n, d_v]; its strides must not put two elements at one address */
     int64_t out_strides[3];
     /* Storage dtype of each tensor: MHA_DTYPE_F32 (0, the default), MHA_DTYPE_BF16 or
      * MHA_DTYPE_F16, any mix (docs/SEMANTICS.md "Half precision"). The arithmetic is float32
@@ -915,7 +919,7 @@ MHA_API mha_status mha_layer_load_gguf(const char *path,
  *  dv of kv head g are the sums over the h/g query heads that read it.
  *  accumulate == 0: every requested gradient is OVERWRITTEN; nonzero: the gradient is ADDED to
  *  what the buffer holds (llm.c style += made explicit). Gradient buffers must not alias each
- *  other or any forward tensor. */
+ *  other, themselves (strides putting two elements at one address) or any forward tensor. */
 typedef struct mha_attention_grads {
     const void *dout;
     int64_t dout_strides[3];
