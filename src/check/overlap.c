@@ -64,8 +64,8 @@ mha_status mha__check_layout_disjoint(
             ext[i] = ext[i - 1], mag[i] = mag[i - 1];
         ext[i] = sizes[d], mag[i] = m;
     }
-    int64_t need =
-        1; /* the least |stride| the next dimension may have: the span of the ones below */
+    /* need: the least |stride| the next dimension may have (the span of the ones below it) */
+    int64_t need = 1;
     for (int i = 0; i < k; i++) {
         if (mag[i] < need) {
             char sz[160] = "", st[160] = "";
