@@ -191,7 +191,7 @@ void mha__kv_append_raw(struct mha_kv_cache *c,
 mha_status mha__kv_check_pool(
     const struct mha_kv_cache *c, int64_t S, const int64_t *seq_ids, int64_t t, mha_error *err);
 /* Sets sequence s's length (<= its length) and releases a paged cache's blocks that hold no
- * position below it. */
+ * position below it; length 0 also resets lo (an empty ring). */
 void mha__kv_set_len(struct mha_kv_cache *c, int64_t s, int64_t new_len);
 
 /* ---------------------------------------------------------------------------------------------- */
