@@ -1107,8 +1107,8 @@ MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache,
  *  and V rows to positions base_len .. base_len+n-1 and setting the length to base_len + n. Exact
  *  for every dtype: the k-th node of a path has depth k, so its K was RoPE'd at its final
  *  position. n = 0 is a truncate to base_len. A window/chunk cache must still hold the keys the
- *  token at base_len needs (as mha_kv_cache_truncate). INVALID_ARG for bad indices, nothing
- *  changed. */
+ *  token at base_len needs (as mha_kv_cache_truncate) and, for n > 0, every draft base_len .. L-1.
+ *  INVALID_ARG for bad indices, nothing changed. */
 MHA_API mha_status mha_kv_cache_accept(mha_kv_cache *cache,
                                        int64_t seq,
                                        int64_t base_len,

@@ -5,6 +5,9 @@
  *      accept with base_len 0 and n 0), then appended to: the new positions read back and are
  *      attended (until session 49 the ring's lowest held position stayed where the wrap had put
  *      it: read refused the new positions and attention refused the sequence).
+ *   2. accept at base_len 0 on a ring that has wrapped, keeping "drafts" the ring no longer holds
+ *      (or moving rows onto slots it still has to read): INVALID_ARG, nothing changed (until
+ *      session 49 it moved the overwritten slots' rows, other positions' keys, to 0 .. n-1).
  */
 #include "harness.h"
 
@@ -86,11 +89,37 @@ static void test_rollback_to_zero(int64_t window, int64_t chunk, int64_t bs) {
     }
 }
 
+/* 2. accept(base_len 0, n > 0) after a wrap: positions 0 .. 3 are overwritten (9 tokens, 5
+ * slots: 4 .. 8 held). */
+static void test_accept_dropped(int64_t window, int64_t chunk, int64_t bs) {
+    mha_kv_cache *c = ring_cache(window, chunk, bs);
+    if (!c)
+        return;
+    mha_error err;
+    fill(c, 0, 9, 100.0f);
+    const int64_t free0 = mha_kv_cache_free_blocks(c);
+    const int64_t dropped[1] = {1}, held[2] = {5, 6};
+    for (int i = 0; i < 2; i++) {
+        const mha_status st = mha_kv_cache_accept(c, 0, 0, i ? 2 : 1, i ? held : dropped, &err);
+        CHECK(st == MHA_STATUS_INVALID_ARG,
+              "window %lld chunk %lld block %lld: accept at base_len 0 of %s -> %s (%s)",
+              (long long)window, (long long)chunk, (long long)bs,
+              i ? "held rows below the ring's span" : "an overwritten row", mha_status_string(st),
+              err.message);
+    }
+    CHECK(mha_kv_cache_free_blocks(c) == free0 && mha_kv_cache_length(c, 0) == 9,
+          "refused accepts changed nothing");
+    check_tail(c, 0, 9, 108.0f, "after the refused accepts");
+    mha_kv_cache_destroy(c);
+}
+
 int main(void) {
     const int64_t bss[2] = {0, 16};
     for (int b = 0; b < 2; b++) {
         test_rollback_to_zero(4, 0, bss[b]);
         test_rollback_to_zero(0, 4, bss[b]);
+        test_accept_dropped(4, 0, bss[b]);
+        test_accept_dropped(0, 4, bss[b]);
     }
     return test_finish();
 }

@@ -235,7 +235,13 @@ mha_status mha__check_kv_accept(const mha__kv_view *c,
                       "draft indices)",
                       (long long)k, (long long)draft_idx[k],
                       (long long)(k > 0 ? draft_idx[k - 1] + 1 : 0), (long long)(L - base_len));
-    /* the rows moved must still be stored, and the next token needs what truncate would */
+    /* the rows moved must still be stored: a ring holds the positions >= lo[seq] (the truncate
+     * rule below implies base_len >= lo[seq] for base_len > 0, not for base_len = 0) */
+    MHA_RETURN_IF(n > 0 && base_len < c->lo[seq], err, INVALID_ARG,
+                  "accept: the drafts of sequence %lld from base_len=%lld are not all held: its "
+                  "ring holds positions >= %lld only (the older ones are overwritten)",
+                  (long long)seq, (long long)base_len, (long long)c->lo[seq]);
+    /* the next token needs what truncate would */
     return mha__check_kv_truncate(c, seq, base_len, "accept", "base_len", err);
 }
 
