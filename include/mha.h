@@ -1095,7 +1095,9 @@ MHA_API mha_status mha_kv_cache_reset(mha_kv_cache *cache, int64_t seq, mha_erro
 /** Rolls sequence `seq` back to new_len <= its length (drop rejected speculative tokens). A
  *  window cache's ring keeps max_step_tokens - 1 positions of slack beyond the window, so it can
  *  roll back at most max_step_tokens positions from the furthest length it reached
- *  (INVALID_ARG beyond, nothing changed). A paged cache releases the blocks that hold no
+ *  (INVALID_ARG beyond, nothing changed); the rule is that the ring still holds the keys the
+ *  token at new_len needs, so new_len 0 and a chunk cache's chunk starts are always valid. A
+ *  paged cache releases the blocks that hold no
  *  position below new_len (none of a ring that has wrapped). */
 MHA_API mha_status mha_kv_cache_truncate(mha_kv_cache *cache,
                                          int64_t seq,

@@ -8,6 +8,10 @@
  *   2. accept at base_len 0 on a ring that has wrapped, keeping "drafts" the ring no longer holds
  *      (or moving rows onto slots it still has to read): INVALID_ARG, nothing changed (until
  *      session 49 it moved the overwritten slots' rows, other positions' keys, to 0 .. n-1).
+ *   3. A chunk ring rolled back to the start of a chunk it has overwritten (truncate,
+ *      share_prefix): the token there needs no key, so the call is valid like a roll-back to 0
+ *      (until session 49 it was refused, "cannot roll back"), and the positions appended after
+ *      it read back and are attended. Into the middle of such a chunk stays refused.
  */
 #include "harness.h"
 
@@ -113,6 +117,34 @@ static void test_accept_dropped(int64_t window, int64_t chunk, int64_t bs) {
     mha_kv_cache_destroy(c);
 }
 
+/* 3. Chunk 4, steps of 2 (5 slots), 13 tokens: positions 8 .. 12 held; roll back to 4. */
+static void test_chunk_start(int64_t bs) {
+    for (int how = 0; how < 2; how++) {
+        mha_kv_cache *c = ring_cache(0, 4, bs);
+        if (!c)
+            return;
+        mha_error err;
+        fill(c, 0, 13, 100.0f);
+        mha_status st = how ? mha_kv_cache_share_prefix(c, 0, 1, 5, &err)
+                            : mha_kv_cache_truncate(c, 0, 5, &err);
+        CHECK(st == MHA_STATUS_INVALID_ARG, "block %lld: roll back into an overwritten chunk -> %s",
+              (long long)bs, mha_status_string(st));
+        const int64_t dst = how ? 1 : 0;
+        st = how ? mha_kv_cache_share_prefix(c, 0, 1, 4, &err)
+                 : mha_kv_cache_truncate(c, 0, 4, &err);
+        CHECK(st == MHA_STATUS_OK, "block %lld: %s to the start of an overwritten chunk -> %s (%s)",
+              (long long)bs, how ? "share_prefix" : "truncate", mha_status_string(st), err.message);
+        if (st == MHA_STATUS_OK) {
+            fill(c, dst, 3, 40.0f);
+            check_tail(c, dst, 7, 42.0f, "after a roll-back to a chunk's start");
+            float k[G * D];
+            CHECK(mha_kv_cache_read(c, dst, 3, k, NULL, &err) == MHA_STATUS_INVALID_ARG,
+                  "position 3 (overwritten) is not read");
+        }
+        mha_kv_cache_destroy(c);
+    }
+}
+
 int main(void) {
     const int64_t bss[2] = {0, 16};
     for (int b = 0; b < 2; b++) {
@@ -120,6 +152,7 @@ int main(void) {
         test_rollback_to_zero(0, 4, bss[b]);
         test_accept_dropped(4, 0, bss[b]);
         test_accept_dropped(0, 4, bss[b]);
+        test_chunk_start(bss[b]);
     }
     return test_finish();
 }

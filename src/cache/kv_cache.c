@@ -212,8 +212,9 @@ static void writable_entry(mha_kv_cache *c, int64_t s, int64_t e) {
 
 void mha__kv_set_len(mha_kv_cache *c, int64_t s, int64_t new_len) {
     c->len[s] = new_len;
-    if (new_len == 0) /* an empty ring holds nothing older: the next appends start at slot 0 */
-        c->lo[s] = 0;
+    if (c->lo[s] > new_len) /* nothing below new_len is held (length 0, or a ring rolled back to
+                               a chunk's start it had overwritten): the next appends are */
+        c->lo[s] = new_len;
     if (!c->paged || new_len >= c->slots)
         return; /* a full ring: every slot may hold a position below new_len */
     /* positions < new_len < slots live in slots [0, new_len): later entries hold none */

@@ -191,7 +191,7 @@ void mha__kv_append_raw(struct mha_kv_cache *c,
 mha_status mha__kv_check_pool(
     const struct mha_kv_cache *c, int64_t S, const int64_t *seq_ids, int64_t t, mha_error *err);
 /* Sets sequence s's length (<= its length) and releases a paged cache's blocks that hold no
- * position below it; length 0 also resets lo (an empty ring). */
+ * position below it; lo drops to new_len when above it (nothing below new_len is held). */
 void mha__kv_set_len(struct mha_kv_cache *c, int64_t s, int64_t new_len);
 
 /* ---------------------------------------------------------------------------------------------- */

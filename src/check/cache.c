@@ -158,18 +158,20 @@ mha_status mha__check_kv_truncate(const mha__kv_view *c,
                   "%s: %s=%lld must be in [0, %lld] (the length of sequence %lld)", fn, arg,
                   (long long)new_len, (long long)L, (long long)seq);
     /* A ring (window or chunk) holds the positions >= lo[seq]; the next token at new_len needs
-     * the keys mha__kv_first_key(new_len) .. new_len - 1. */
+     * the keys mha__kv_first_key(new_len) .. new_len - 1 (none at a chunk's start). */
     if (mha__kv_ring_span(c->cfg) > 0 && new_len > 0) {
         const int64_t need = mha__kv_first_key(c->cfg, new_len);
-        MHA_RETURN_IF(need<c->lo[seq], err, INVALID_ARG,
-                           "%s: sequence %lld of a %s-%lld cache cannot roll back to %lld: "
-                           "its keys below position %lld are overwritten (a ring can roll back at "
-                           "most max_step_tokens=%lld positions from its furthest length)",
-                           fn, (long long)seq, c->cfg->window> 0
-                          ? "window"
-                          : "chunk",
-                      (long long)mha__kv_ring_span(c->cfg), (long long)new_len,
-                      (long long)c->lo[seq], (long long)c->cfg->max_step_tokens);
+        MHA_RETURN_IF(
+            need < c->lo[seq] &&
+                    need<new_len, err, INVALID_ARG,
+                         "%s: sequence %lld of a %s-%lld cache cannot roll back to %lld: "
+                         "its keys below position %lld are overwritten (a ring can roll back at "
+                         "most max_step_tokens=%lld positions from its furthest length)",
+                         fn, (long long)seq, c->cfg->window> 0
+                ? "window"
+                : "chunk",
+            (long long)mha__kv_ring_span(c->cfg), (long long)new_len, (long long)c->lo[seq],
+            (long long)c->cfg->max_step_tokens);
     }
     return MHA_STATUS_OK;
 }
