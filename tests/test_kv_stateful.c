@@ -34,8 +34,13 @@
  * case, MHA_KV_STATEFUL_CASE to run one case. On the first failure of a case the test prints the
  * case, the seed and the operations so far (replay: the same seed and case, fewer ops).
  * 600 operations per case; MHA_TEST_QUICK=1: 200.
+ * q8_0 cases where the decode kernel is the generic one (MHA_MAX_ISA=generic: tools/test.sh runs
+ * every test so) add a contiguous and a tight paged-16 cache in the key-interleaved order
+ * (mha_experimental_kv_cache_create_q8x16), which only the generic kernel reads: the same model,
+ * the same bits.
  */
 #include "harness.h"
+#include "mha_experimental.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -50,7 +55,7 @@ enum {
     MAXD = 64,
     MAXE = 16, /* table entries per sequence: ceil(200 / 16) = 13 */
     MAXPOOL = 64,
-    MAXCACHES = 6,
+    MAXCACHES = 8,
     MAXOPS = 2000
 };
 
@@ -798,6 +803,14 @@ static const char *dt_name(mha_dtype dt) {
     }
 }
 
+/* This run's decode kernel is the generic one (the only one that reads the interleaved order). */
+static int generic_decode(void) {
+    mha_kernel_desc d;
+    const int32_t i = mha_experimental_kernel_active("decode");
+    return i >= 0 && mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK &&
+           strstr(d.name, "__generic") != NULL;
+}
+
 static int64_t g_total_ops, g_nomem;
 
 static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
@@ -824,25 +837,30 @@ static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
     kc.chunk_size = tc->chunk;
     kc.max_step_tokens = TSTEP;
 
-    /* storage variants: contiguous, paged 16 / 17 / 64 (default pool), 16 / 17 tight */
+    /* storage variants: contiguous, paged 16 / 17 / 64 (default pool), 16 / 17 tight; q8_0 under
+     * the generic decode kernel: contiguous and paged 16 tight in the interleaved order too */
     const int64_t slots_ring = tc->window  ? tc->window + TSTEP - 1
                                : tc->chunk ? tc->chunk + TSTEP - 1
                                            : MAXSEQ;
     const int64_t slots = slots_ring < MAXSEQ ? slots_ring : MAXSEQ;
-    const int64_t vbs[MAXCACHES] = {0, 16, 17, 64, 16, 17};
+    const int64_t vbs[MAXCACHES] = {0, 16, 17, 64, 16, 17, 0, 16};
+    const int variants = tc->dt == MHA_DTYPE_Q8_0 && generic_decode() ? 8 : 6;
     ent es[MAXCACHES];
     memset(es, 0, sizeof es);
     int nc = 0;
-    for (int v = 0; v < MAXCACHES; v++) {
+    for (int v = 0; v < variants; v++) {
+        const int x16 = v >= 6;
         ent *e = &es[nc];
         const int64_t bs = vbs[v], nbs = bs ? (slots + bs - 1) / bs : 1;
         int64_t nb = 0;
-        if (v >= 4) /* tight: about 40% of the full pool, at least two sequences' worth */
+        if (v >= 4 && bs) /* tight: about 40% of the full pool, at least two sequences' worth */
             nb = NSEQ * nbs * 2 / 5 > 2 * nbs ? NSEQ * nbs * 2 / 5 : 2 * nbs;
         kc.block_size = bs;
         kc.num_blocks = nb;
         e->c = NULL;
-        CHECK_OK(mha_kv_cache_create(&kc, NULL, NULL, &e->c, &err), &err);
+        CHECK_OK(x16 ? mha_experimental_kv_cache_create_q8x16(&kc, NULL, NULL, &e->c, &err)
+                     : mha_kv_cache_create(&kc, NULL, NULL, &e->c, &err),
+                 &err);
         if (!e->c)
             continue;
         CHECK(mha_kv_cache_slots(e->c) == slots, "slots %lld, expected %lld",
@@ -866,6 +884,8 @@ static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
                  (long long)bs, nb ? " tight" : "");
         if (!bs)
             snprintf(e->name, sizeof e->name, "contiguous");
+        if (x16)
+            strncat(e->name, " interleaved", sizeof e->name - strlen(e->name) - 1);
         nc++;
     }
 

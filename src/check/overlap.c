@@ -68,9 +68,9 @@ mha_status mha__check_layout_disjoint(
     int64_t need = 1;
     for (int i = 0; i < k; i++) {
         if (mag[i] < need) {
-            char sz[160] = "", st[160] = "";
+            char sz[8 * 22 + 1] = "", st[8 * 22 + 1] = "";
             int ps = 0, pt = 0;
-            for (int d = 0; d < ndim && d < MAX_DIMS; d++) {
+            for (int d = 0; d < ndim && d < MAX_DIMS; d++) { /* 8 x 22 characters at most */
                 ps += snprintf(sz + ps, sizeof sz - (size_t)ps, "%s%lld", d ? ", " : "",
                                (long long)sizes[d]);
                 pt += snprintf(st + pt, sizeof st - (size_t)pt, "%s%lld", d ? ", " : "",
