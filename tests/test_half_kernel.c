@@ -396,6 +396,9 @@ static void unusable(int32_t index, const char *name) {
     memset(&a, 0, sizeof a);
     a.batch = 1, a.num_heads = 1, a.q_len = 4, a.kv_len = 4, a.head_dim = 64;
     a.q = h, a.k = h, a.v = h, a.out = o;
+    const int64_t s[3] = {4 * 64, 4 * 64, 64}; /* contiguous: out's rows must not coincide */
+    memcpy(a.q_strides, s, sizeof s), memcpy(a.k_strides, s, sizeof s);
+    memcpy(a.v_strides, s, sizeof s), memcpy(a.out_strides, s, sizeof s);
     a.q_dtype = a.k_dtype = a.v_dtype = MHA_DTYPE_BF16;
     mha_error err;
     if (index >= 0) {
