@@ -131,8 +131,10 @@ static void attention(const pair *p, test_rng *r, int op) {
         for (int64_t i = 0; i < on; i++) {
             if (!isfinite(o[i]))
                 continue; /* a NaN block poisons the same rows in every path */
-            mx = fmax(mx, fabs(o[i]));
-            diff = fmax(diff, fmax(fabs(o[2 * on + i] - o[i]), fabs(o[3 * on + i] - o[i])));
+            const double ref = (double)o[i], rows = (double)o[2 * on + i],
+                         x16 = (double)o[3 * on + i];
+            mx = fmax(mx, fabs(ref));
+            diff = fmax(diff, fmax(fabs(rows - ref), fabs(x16 - ref)));
         }
         CHECK(diff <= TOL_OUT_REL * fmax(mx, 1e-30),
               "%s op %d: AUTO %.3e from REFERENCE (max %.3e)", p->cf->name, op, diff, mx);

@@ -759,7 +759,7 @@ static void attention_op(ent *es, int nc, const op *o, int opi) {
                 worst = dd > worst || dd != dd ? dd : worst;
             }
             for (size_t i = 0; i < nl; i++) {
-                const double a = lse[(size_t)ci * 2 * nl + i], b = rl[i];
+                const double a = (double)lse[(size_t)ci * 2 * nl + i], b = rl[i];
                 const double dd = a == b ? 0 : fabs(a - b);
                 worst_l = dd > worst_l || dd != dd ? dd : worst_l;
             }
