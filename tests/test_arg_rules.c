@@ -255,7 +255,9 @@ static void test_core_aliasing(void) {
     refused(mha_attention_backward(&b, &h, NULL, &err), &err, "fwd.lse", "dq over lse");
 }
 
-static void test_layer_aliasing(void) {
+/* The layer the layer tests share: q_dim 8, 2 heads, its four projections borrowed from W (so
+ * that an output over a weight is an overlap the checks must see); NULL if creation failed. */
+static mha_layer *borrowed_layer(void) {
     mha_error err;
     for (int i = 0; i < 1024; i++)
         W[i] = (float)((i * 13) % 7) / 7.0f - 0.4f;
@@ -265,6 +267,12 @@ static void test_layer_aliasing(void) {
     mha_weights w = {W, W + 64, W + 128, W + 192, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     mha_layer *L = NULL;
     CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    return L;
+}
+
+static void test_layer_aliasing(void) {
+    mha_error err;
+    mha_layer *L = borrowed_layer();
     float x[3 * 8], y[3 * 8], p[2 * 9];
     for (int i = 0; i < 24; i++)
         x[i] = 0.1f * (float)(i % 9) - 0.3f;
@@ -610,14 +618,7 @@ static void test_output_self_overlap(void) {
  * backward reads them again). Each was accepted with status OK. */
 static void test_layer_read_inputs(void) {
     mha_error err;
-    for (int i = 0; i < 1024; i++)
-        W[i] = (float)((i * 13) % 7) / 7.0f - 0.4f;
-    mha_config c;
-    memset(&c, 0, sizeof c);
-    c.q_dim = 8, c.num_heads = 2;
-    mha_weights w = {W, W + 64, W + 128, W + 192, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-    mha_layer *L = NULL;
-    CHECK_OK(mha_layer_create(&c, &w, MHA_WEIGHTS_BORROW, NULL, &L, &err), &err);
+    mha_layer *L = borrowed_layer();
     if (!L)
         return;
     float x[3 * 8], y[3 * 8];
