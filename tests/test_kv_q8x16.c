@@ -33,13 +33,6 @@ typedef struct pair {
     const cfg *cf;
 } pair;
 
-static int generic_decode(void) {
-    mha_kernel_desc d;
-    const int32_t i = mha_experimental_kernel_active("decode");
-    return i >= 0 && mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK &&
-           strstr(d.name, "__generic") != NULL;
-}
-
 /* Same status, same message class: a failure on one side only is a difference. */
 static void same_status(mha_status a, mha_status b, const char *what, const cfg *cf, int op) {
     CHECK(a == b, "%s op %d %s: rows %d, interleaved %d", cf->name, op, what, (int)a, (int)b);
@@ -122,7 +115,7 @@ static void attention(const pair *p, test_rng *r, int op) {
     }
     const int bits_ref = !memcmp(o, o + on, sizeof(float) * (size_t)on);
     CHECK(bits_ref, "%s op %d: REFERENCE attention differs between the orders", p->cf->name, op);
-    if (generic_decode()) {
+    if (test_generic_decode()) {
         CHECK(!memcmp(o + 2 * on, o + 3 * on, sizeof(float) * (size_t)on),
               "%s op %d: the generic kernel's attention differs between the orders", p->cf->name,
               op);

@@ -803,14 +803,6 @@ static const char *dt_name(mha_dtype dt) {
     }
 }
 
-/* This run's decode kernel is the generic one (the only one that reads the interleaved order). */
-static int generic_decode(void) {
-    mha_kernel_desc d;
-    const int32_t i = mha_experimental_kernel_active("decode");
-    return i >= 0 && mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK &&
-           strstr(d.name, "__generic") != NULL;
-}
-
 static int64_t g_total_ops, g_nomem;
 
 static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
@@ -844,7 +836,7 @@ static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
                                            : MAXSEQ;
     const int64_t slots = slots_ring < MAXSEQ ? slots_ring : MAXSEQ;
     const int64_t vbs[MAXCACHES] = {0, 16, 17, 64, 16, 17, 0, 16};
-    const int variants = tc->dt == MHA_DTYPE_Q8_0 && generic_decode() ? 8 : 6;
+    const int variants = tc->dt == MHA_DTYPE_Q8_0 && test_generic_decode() ? 8 : 6;
     ent es[MAXCACHES];
     memset(es, 0, sizeof es);
     int nc = 0;

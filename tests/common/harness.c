@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* harness.c: check counting, seeded RNG and comparison helpers for the C tests. */
 #include "harness.h"
+#include "mha_experimental.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -135,4 +136,11 @@ void test_layer_decode_steps(
 int test_quick(void) {
     const char *q = getenv("MHA_TEST_QUICK");
     return q && q[0] && q[0] != '0';
+}
+
+int test_generic_decode(void) {
+    mha_kernel_desc d;
+    const int32_t i = mha_experimental_kernel_active("decode");
+    return i >= 0 && mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK &&
+           strstr(d.name, "__generic") != NULL;
 }

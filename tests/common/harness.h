@@ -31,6 +31,11 @@ int test_finish(void);
  * sanitizer, valgrind and qemu runs): tests take their documented smaller sweeps. */
 int test_quick(void);
 
+/* 1 when this run's split-KV decode kernel (under MHA_MAX_ISA) is the generic one, the only
+ * kernel on every tier that reads q8_0 caches in the key-interleaved order (cache/kv_cache.h):
+ * results of the two orders are then bit-identical. */
+int test_generic_decode(void);
+
 /* Seeded xoshiro256** generator (deterministic across platforms). */
 typedef struct test_rng {
     uint64_t s[4];
