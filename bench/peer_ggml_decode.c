@@ -477,12 +477,14 @@ int main(int argc, char **argv) {
                                                           &kd, NULL) == MHA_STATUS_OK
                              ? kd.name
                              : "?";
-    printf("# decode step: h=%lld g=%lld d=%lld batch 1, 1 new token; mha %d.%d.%d (decode kernel "
-           "%s); "
+    printf("# decode step: h=%lld g=%lld d=%lld batch 1, 1 new token; mha %d.%d.%d (first decode "
+           "kernel %s; q8_0 caches in %s); "
            "ggml %s (commit %s, AVX2 %d FMA %d F16C %d AVX512 %d, OpenMP threads); %lld reps\n",
            (long long)h, (long long)g, (long long)d, MHA_VERSION_MAJOR, MHA_VERSION_MINOR,
-           MHA_VERSION_PATCH, kernel, ggml_version(), ggml_commit(), ggml_cpu_has_avx2(),
-           ggml_cpu_has_fma(), ggml_cpu_has_f16c(), ggml_cpu_has_avx512(), (long long)reps);
+           MHA_VERSION_PATCH, kernel,
+           mha_experimental_cpu_q8x16() ? "the key-interleaved order" : "ggml's rows",
+           ggml_version(), ggml_commit(), ggml_cpu_has_avx2(), ggml_cpu_has_fma(),
+           ggml_cpu_has_f16c(), ggml_cpu_has_avx512(), (long long)reps);
     fflush(stdout);
 
     /* Read bandwidth at each thread count, before the cases (and again after them). */

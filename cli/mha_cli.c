@@ -56,12 +56,18 @@ static void print_kernels(void) {
            : bf16_tier ? "passed over: this CPU runs bf16 operands faster on the float32 kernels "
                          "(docs/performance.md); MHA_KERNEL still runs them"
                        : "not on this CPU (or capped by MHA_MAX_ISA)");
+    printf("q8_0 KV caches: %s\n",
+           mha_experimental_cpu_q8x16()
+               ? "key-interleaved order, read by VPDPBUSD (docs/INFERENCE.md)"
+               : "ggml's rows (the key-interleaved order's kernel needs AVX-512 VNNI and is "
+                 "preferred on AMD Zen 5 and later)");
     printf("amx-bf16: %s\n", mha_experimental_cpu_amx_bf16()
                                  ? "present, unused: no AMX kernel is registered yet (none has "
                                    "passed its tests on an AMX host; docs/KERNELS.md)"
                                  : "absent on this CPU (no AMX kernel is registered yet either)");
-    printf("kernels by op, priority order (* = what the op runs here; the forward's choice also\n"
-           "depends on the problem: the first usable one whose limits and dtypes take it);\n"
+    printf("kernels by op, priority order (* = the op's first usable one; the forward's and the\n"
+           "decode's choice also depend on the problem: the first usable one whose limits and\n"
+           "dtypes take it, a decode line's dtypes being the cache's);\n"
            "columns: op, name, storage dtypes of the activations it takes, status:\n");
     for (int32_t i = 0; i < mha_experimental_kernel_count(); ++i) {
         mha_kernel_desc d;

@@ -106,18 +106,26 @@ MHA_API int64_t mha_experimental_kv_cache_block(const mha_kv_cache *cache,
                                                 int64_t seq,
                                                 int64_t entry);
 
-/** mha_kv_cache_create, with a q8_0 cache stored in the KEY-INTERLEAVED order (groups of 16
- *  positions whose bytes are reordered for AVX512-VNNI's VPDPBUSD; docs/INFERENCE.md, "A
- *  key-interleaved q8_0 layout with VNNI") instead of ggml's rows. The values, scales and rounding
- *  are the rows order's, and so is every result of every call (the kernels that read this order:
- *  the generic one today). No CPU selects the order by itself yet: a step towards issue 32's
- *  VNNI kernel. INVALID_ARG unless dtype is MHA_DTYPE_Q8_0 and the cache is contiguous or its
- *  block_size a multiple of 16; otherwise as mha_kv_cache_create. */
-MHA_API mha_status mha_experimental_kv_cache_create_q8x16(const mha_kv_cache_config *config,
-                                                          const mha_layer *layer,
-                                                          const mha_allocator *allocator,
-                                                          mha_kv_cache **out,
-                                                          mha_error *err);
+/** mha_kv_cache_create with the order of a q8_0 cache chosen instead of taken by itself:
+ *  interleaved = 1 asks for the KEY-INTERLEAVED order (groups of 16 positions whose bytes are
+ *  reordered for AVX512-VNNI's VPDPBUSD; docs/INFERENCE.md, "A key-interleaved q8_0 layout with
+ *  VNNI"), 0 for ggml's rows. mha_kv_cache_create takes the interleaved order where the decode
+ *  kernel selected for this CPU reads it (AVX-512 with VNNI and VBMI, unless MHA_MAX_ISA caps it
+ *  away) and the cache is contiguous or its block_size a multiple of 16. The values, scales and
+ *  rounding are the same in both orders; every kernel reads both (the generic one dequantising),
+ *  and results differ only by float32 rounding. INVALID_ARG for interleaved = 1 unless dtype is
+ *  MHA_DTYPE_Q8_0 and the cache is contiguous or its block_size a multiple of 16; otherwise as
+ *  mha_kv_cache_create. For tests and benchmarks that compare the orders. */
+MHA_API mha_status mha_experimental_kv_cache_create_q8_order(const mha_kv_cache_config *config,
+                                                             const mha_layer *layer,
+                                                             const mha_allocator *allocator,
+                                                             int32_t interleaved,
+                                                             mha_kv_cache **out,
+                                                             mha_error *err);
+/** 1 when q8_0 caches created now (contiguous, or block_size a multiple of 16) take the
+ *  key-interleaved order by themselves: its kernel runs on this CPU under MHA_MAX_ISA (AVX-512
+ *  with VNNI and VBMI) and was measured faster than the rows kernel here (AMD Zen 5 and later). */
+MHA_API int32_t mha_experimental_cpu_q8x16(void);
 /** 1 when the cache holds q8_0 in the key-interleaved order, 0 otherwise, -1 for NULL. */
 MHA_API int32_t mha_experimental_kv_cache_q8x16(const mha_kv_cache *cache);
 

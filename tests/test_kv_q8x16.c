@@ -1,17 +1,23 @@
 /* SPDX-License-Identifier: MIT */
 /* test_kv_q8x16.c: q8_0 caches in the key-interleaved order
- * (mha_experimental_kv_cache_create_q8x16, cache/kv_cache.h) against ggml's rows. Per configuration
- * (contiguous, window and chunk rings, pages of 16, 32 and 48 slots, d_k != d_v) one rows cache and
- * one interleaved cache take the same random sequence of calls (append with non-finite and all-zero
- * blocks, truncate, accept, copy, share_prefix, reset, compact, attention); after every call:
+ * (mha_experimental_kv_cache_create_q8_order, cache/kv_cache.h) against ggml's rows. Per
+ * configuration (contiguous, window and chunk rings, pages of 16, 32 and 48 slots, d_k != d_v) one
+ * rows cache and one interleaved cache take the same random sequence of calls (append with
+ * non-finite and all-zero blocks, truncate, accept, copy, share_prefix, reset, compact, attention);
+ * after every call:
  *   - both gave the same status;
  *   - every position of every sequence reads back bit-identically (mha_kv_cache_read: the same
  *     status, the same float32 bits): the order changes where bytes lie, not values;
  *   - attention with impl=REFERENCE is bit-identical (the reference core on the dequantised rows),
  *     and AUTO is bit-identical when this run's decode kernel is the generic one (the interleaved
  *     cache always runs it: MHA_MAX_ISA=generic, as tools/test.sh runs every test), else within
- *     TOL_OUT_REL of the REFERENCE result (the tier's kernel on the rows cache).
- * Also: the order is refused for other dtypes and for block sizes that are not multiples of 16. */
+ *     TOL_OUT_REL of the REFERENCE result (each order's kernel on this tier).
+ * Also: the order is refused for other dtypes and for block sizes that are not multiples of 16;
+ * mha_kv_cache_create takes it by itself exactly where mha_experimental_cpu_q8x16() says (never
+ * without AVX-512 under MHA_MAX_ISA); and the interleaved order's kernel (AVX-512 VNNI where the
+ * CPU has it, else the generic one) over every row count of its blocks of 4 (R = 1 .. 10), units
+ * that start inside a group (a window ring), partial groups, pages, soft-cap, ALiBi and sinks
+ * stays within TOL_OUT_REL of the REFERENCE result. */
 #include "harness.h"
 #include "mha.h"
 #include "mha_experimental.h"
@@ -119,7 +125,7 @@ static void attention(const pair *p, test_rng *r, int op) {
         CHECK(!memcmp(o + 2 * on, o + 3 * on, sizeof(float) * (size_t)on),
               "%s op %d: the generic kernel's attention differs between the orders", p->cf->name,
               op);
-    } else { /* rows: this tier's kernel; interleaved: the generic one */
+    } else { /* each order's kernel on this tier */
         double mx = 0, diff = 0;
         for (int64_t i = 0; i < on; i++) {
             if (!isfinite(o[i]))
@@ -198,8 +204,8 @@ static void run_config(const cfg *cf, uint64_t seed) {
     cc.num_blocks = cf->num_blocks;
     pair p = {NULL, NULL, cf};
     mha_error err;
-    CHECK_OK(mha_kv_cache_create(&cc, NULL, NULL, &p.rows, &err), &err);
-    CHECK_OK(mha_experimental_kv_cache_create_q8x16(&cc, NULL, NULL, &p.x16, &err), &err);
+    CHECK_OK(mha_experimental_kv_cache_create_q8_order(&cc, NULL, NULL, 0, &p.rows, &err), &err);
+    CHECK_OK(mha_experimental_kv_cache_create_q8_order(&cc, NULL, NULL, 1, &p.x16, &err), &err);
     if (!p.rows || !p.x16)
         return;
     CHECK(mha_experimental_kv_cache_q8x16(p.x16) == 1 &&
@@ -228,7 +234,8 @@ static void test_refused(void) {
         cc.dtype = bad[i].dt, cc.block_size = bad[i].block;
         mha_kv_cache *c = (mha_kv_cache *)&cc; /* must come back NULL */
         mha_error err;
-        const mha_status st = mha_experimental_kv_cache_create_q8x16(&cc, NULL, NULL, &c, &err);
+        const mha_status st =
+            mha_experimental_kv_cache_create_q8_order(&cc, NULL, NULL, 1, &c, &err);
         CHECK(st == MHA_STATUS_INVALID_ARG && c == NULL && strstr(err.message, "interleaved"),
               "dtype %d block %lld: status %d (%s)", (int)bad[i].dt, (long long)bad[i].block,
               (int)st, err.message);
@@ -236,8 +243,97 @@ static void test_refused(void) {
     }
 }
 
+/* mha_kv_cache_create's own order: interleaved exactly where mha_experimental_cpu_q8x16() says,
+ * for contiguous caches and pages of a multiple of 16 slots; rows for other pages and without
+ * AVX-512 (a cap to avx2 or generic). */
+static void test_auto_order(void) {
+    const int want = mha_experimental_cpu_q8x16() == 1;
+    CHECK(!want || strstr(mha_experimental_cpu_isas(1), "avx512"),
+          "the interleaved order chosen without AVX-512 (%s)", mha_experimental_cpu_isas(1));
+    const int64_t blocks[] = {0, 16, 32, 17, 24};
+    for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++) {
+        mha_kv_cache_config cc;
+        memset(&cc, 0, sizeof cc);
+        cc.num_kv_heads = 1, cc.head_dim = 32, cc.max_seq = 64, cc.batch = 1;
+        cc.dtype = MHA_DTYPE_Q8_0, cc.block_size = blocks[i];
+        mha_kv_cache *c = NULL;
+        mha_error err;
+        CHECK_OK(mha_kv_cache_create(&cc, NULL, NULL, &c, &err), &err);
+        const int x16 = blocks[i] % 16 == 0 && want;
+        CHECK(c && mha_experimental_kv_cache_q8x16(c) == x16, "block_size %lld: order %d, want %d",
+              (long long)blocks[i], c ? (int)mha_experimental_kv_cache_q8x16(c) : -1, x16);
+        mha_kv_cache_destroy(c);
+    }
+}
+
+/* One interleaved cache (dk 64, dv 96: 2 and 3 blocks), one sequence of L positions; AUTO against
+ * REFERENCE for g query heads per kv head and t tokens (R = g t rows). */
+static void kernel_shape(const char *name, int64_t window, int64_t block, int64_t L, test_rng *r) {
+    enum { KG = 2, DK = 64, DV = 96 };
+    mha_kv_cache_config cc;
+    memset(&cc, 0, sizeof cc);
+    cc.num_kv_heads = KG, cc.head_dim = DK, cc.v_head_dim = DV, cc.max_seq = 700, cc.batch = 1;
+    cc.dtype = MHA_DTYPE_Q8_0, cc.window = window, cc.block_size = block, cc.max_step_tokens = 64;
+    mha_kv_cache *c = NULL;
+    mha_error err;
+    CHECK_OK(mha_experimental_kv_cache_create_q8_order(&cc, NULL, NULL, 1, &c, &err), &err);
+    if (!c)
+        return;
+    float *k = malloc(sizeof(float) * 64 * KG * DK), *v = malloc(sizeof(float) * 64 * KG * DV);
+    for (int64_t at = 0; at < L; at += 64) {
+        const int64_t n = L - at < 64 ? L - at : 64;
+        test_fill_normal(r, k, n * KG * DK, 1.0f);
+        test_fill_normal(r, v, n * KG * DV, 1.0f);
+        CHECK_OK(mha_kv_cache_append(c, 1, NULL, n, k, v, &err), &err);
+    }
+    const int64_t gs[] = {1, 3, 4, 5}, ts[] = {1, 2};
+    for (size_t gi = 0; gi < 4; gi++)
+        for (size_t ti = 0; ti < 2; ti++) {
+            const int64_t nh = KG * gs[gi], t = ts[ti], nq = t * nh * DK, no = t * nh * DV;
+            float *q = malloc(sizeof(float) * (size_t)nq), *o = malloc(sizeof(float) * 2 * no);
+            float sinks[2 * 5];
+            test_fill_normal(r, q, nq, 1.0f);
+            test_fill_normal(r, sinks, nh, 1.0f);
+            mha_kv_attention_args a;
+            memset(&a, 0, sizeof a);
+            a.num_seqs = 1, a.num_tokens = t, a.num_heads = nh, a.q = q;
+            a.softcap = gi == 1 ? 3.0 : 0.0, a.alibi = gi == 2, a.sinks = gi == 3 ? sinks : NULL;
+            mha_exec ex;
+            memset(&ex, 0, sizeof ex);
+            for (int ref = 0; ref < 2; ref++) {
+                ex.impl = ref ? MHA_IMPL_REFERENCE : MHA_IMPL_AUTO;
+                a.out = o + ref * no;
+                CHECK_OK(mha_kv_cache_attention(c, &a, &ex, &err), &err);
+            }
+            double mx = 0, diff = 0;
+            for (int64_t i = 0; i < no; i++) {
+                mx = fmax(mx, fabs((double)o[no + i]));
+                diff = fmax(diff, fabs((double)o[i] - (double)o[no + i]));
+            }
+            CHECK(diff <= TOL_OUT_REL * mx,
+                  "%s, L %lld, g %lld, t %lld: AUTO %.3e from REFERENCE "
+                  "(max %.3e)",
+                  name, (long long)L, (long long)gs[gi], (long long)t, diff, mx);
+            free(q), free(o);
+        }
+    free(k), free(v);
+    mha_kv_cache_destroy(c);
+}
+
+static void test_kernel_shapes(void) {
+    test_rng r;
+    test_rng_seed(&r, 77);
+    kernel_shape("contiguous", 0, 0, 600, &r);   /* units of 256, 256, 88 keys */
+    kernel_shape("contiguous", 0, 0, 37, &r);    /* one partial group after two whole ones */
+    kernel_shape("window 100", 100, 0, 517, &r); /* units start inside groups; the ring wraps */
+    kernel_shape("paged 32", 0, 32, 301, &r);
+    kernel_shape("paged 16, window 70", 70, 16, 333, &r);
+}
+
 int main(void) {
     test_refused();
+    test_auto_order();
+    test_kernel_shapes();
     const cfg cfgs[] = {
         {"contiguous, 75 slots", 64, 32, 75, 0, 0, 0, 0},
         {"contiguous window 20 (ring of 23)", 32, 64, 120, 20, 0, 0, 0},

@@ -34,10 +34,11 @@
  * case, MHA_KV_STATEFUL_CASE to run one case. On the first failure of a case the test prints the
  * case, the seed and the operations so far (replay: the same seed and case, fewer ops).
  * 600 operations per case; MHA_TEST_QUICK=1: 200.
- * q8_0 cases where the decode kernel is the generic one (MHA_MAX_ISA=generic: tools/test.sh runs
- * every test so) add a contiguous and a tight paged-16 cache in the key-interleaved order
- * (mha_experimental_kv_cache_create_q8x16), which only the generic kernel reads: the same model,
- * the same bits.
+ * q8_0 cases add a contiguous and a tight paged-16 cache in the order those storages do not take
+ * by themselves (mha_experimental_kv_cache_create_q8_order: ggml's rows where the interleaved
+ * order's kernel runs, else the interleaved order), so that both orders run on every tier. Bits
+ * are compared between caches of the same order only (the same kernel); every cache is checked
+ * against the float64 oracle.
  */
 #include "harness.h"
 #include "mha_experimental.h"
@@ -715,8 +716,13 @@ static void attention_op(ent *es, int nc, const op *o, int opi) {
     test_fill_normal(&r, q, (int64_t)nq, 1.0f);
     test_fill_normal(&r, sinks, H, 1.0f);
     const double softcap = o->softcap ? 2.0 : 0.0;
-    mha_status st0 = MHA_STATUS_OK;
+    mha_status st0[2] = {MHA_STATUS_OK, MHA_STATUS_OK}; /* per q8_0 order: its first cache's */
+    int first[2] = {-1, -1};
     for (int ci = 0; ci < nc; ci++) {
+        const int order = mha_experimental_kv_cache_q8x16(es[ci].c) == 1;
+        const int ref = first[order];
+        if (ref < 0)
+            first[order] = ci;
         const mha_status want = predict(&es[ci].m, o);
         for (int th = 0; th < 2; th++) {
             mha_kv_attention_args a;
@@ -739,8 +745,8 @@ static void attention_op(ent *es, int nc, const op *o, int opi) {
             EXPECT(st == want, "op %d, %s: attention (%d threads) -> %s, model %s (%s)", opi,
                    es[ci].name, th + 1, mha_status_string(st), mha_status_string(want),
                    err.message);
-            if (ci == 0 && th == 0)
-                st0 = st;
+            if (ref < 0 && th == 0)
+                st0[order] = st;
             if (st != MHA_STATUS_OK || want != MHA_STATUS_OK)
                 goto next_cache;
         }
@@ -768,16 +774,19 @@ static void attention_op(ent *es, int nc, const op *o, int opi) {
                    "lse error %.3g",
                    opi, es[ci].name, worst, mx, worst_l);
         }
-        /* bit-identical to the first cache when the models agree on the attended sequences */
-        if (ci > 0 && st0 == MHA_STATUS_OK) {
+        /* bit-identical to the first cache of the same q8_0 order (the same kernel) when the
+         * models agree on the attended sequences */
+        if (ref >= 0 && st0[order] == MHA_STATUS_OK) {
             int same = 1;
             for (int64_t i = 0; i < ns; i++)
-                same &= same_state(&es[0].m, &es[ci].m, o->seqs[i]);
+                same &= same_state(&es[ref].m, &es[ci].m, o->seqs[i]);
             if (same)
-                EXPECT(!memcmp(out, out + (size_t)ci * 2 * no, sizeof(float) * no) &&
-                           !memcmp(lse, lse + (size_t)ci * 2 * nl, sizeof(float) * nl),
+                EXPECT(!memcmp(out + (size_t)ref * 2 * no, out + (size_t)ci * 2 * no,
+                               sizeof(float) * no) &&
+                           !memcmp(lse + (size_t)ref * 2 * nl, lse + (size_t)ci * 2 * nl,
+                                   sizeof(float) * nl),
                        "op %d, %s: attention differs from %s's (same stored state)", opi,
-                       es[ci].name, es[0].name);
+                       es[ci].name, es[ref].name);
         }
     next_cache:;
     }
@@ -829,19 +838,20 @@ static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
     kc.chunk_size = tc->chunk;
     kc.max_step_tokens = TSTEP;
 
-    /* storage variants: contiguous, paged 16 / 17 / 64 (default pool), 16 / 17 tight; q8_0 under
-     * the generic decode kernel: contiguous and paged 16 tight in the interleaved order too */
+    /* storage variants: contiguous, paged 16 / 17 / 64 (default pool), 16 / 17 tight; q8_0:
+     * contiguous and paged 16 tight in the other order too */
     const int64_t slots_ring = tc->window  ? tc->window + TSTEP - 1
                                : tc->chunk ? tc->chunk + TSTEP - 1
                                            : MAXSEQ;
     const int64_t slots = slots_ring < MAXSEQ ? slots_ring : MAXSEQ;
     const int64_t vbs[MAXCACHES] = {0, 16, 17, 64, 16, 17, 0, 16};
-    const int variants = tc->dt == MHA_DTYPE_Q8_0 && test_generic_decode() ? 8 : 6;
+    const int variants = tc->dt == MHA_DTYPE_Q8_0 ? 8 : 6;
+    int auto_x16 = 0; /* the order the contiguous cache took by itself */
     ent es[MAXCACHES];
     memset(es, 0, sizeof es);
     int nc = 0;
     for (int v = 0; v < variants; v++) {
-        const int x16 = v >= 6;
+        const int other = v >= 6;
         ent *e = &es[nc];
         const int64_t bs = vbs[v], nbs = bs ? (slots + bs - 1) / bs : 1;
         int64_t nb = 0;
@@ -850,11 +860,14 @@ static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
         kc.block_size = bs;
         kc.num_blocks = nb;
         e->c = NULL;
-        CHECK_OK(x16 ? mha_experimental_kv_cache_create_q8x16(&kc, NULL, NULL, &e->c, &err)
-                     : mha_kv_cache_create(&kc, NULL, NULL, &e->c, &err),
+        CHECK_OK(other ? mha_experimental_kv_cache_create_q8_order(&kc, NULL, NULL, !auto_x16,
+                                                                   &e->c, &err)
+                       : mha_kv_cache_create(&kc, NULL, NULL, &e->c, &err),
                  &err);
         if (!e->c)
             continue;
+        if (v == 0)
+            auto_x16 = mha_experimental_kv_cache_q8x16(e->c) == 1;
         CHECK(mha_kv_cache_slots(e->c) == slots, "slots %lld, expected %lld",
               (long long)mha_kv_cache_slots(e->c), (long long)slots);
         model *m = &e->m;
@@ -876,8 +889,9 @@ static void run_case(int ci, const tcase *tc, uint64_t base_seed, int nops) {
                  (long long)bs, nb ? " tight" : "");
         if (!bs)
             snprintf(e->name, sizeof e->name, "contiguous");
-        if (x16)
-            strncat(e->name, " interleaved", sizeof e->name - strlen(e->name) - 1);
+        if (tc->dt == MHA_DTYPE_Q8_0)
+            strncat(e->name, mha_experimental_kv_cache_q8x16(e->c) == 1 ? " interleaved" : " rows",
+                    sizeof e->name - strlen(e->name) - 1);
         nc++;
     }
 

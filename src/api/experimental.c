@@ -55,6 +55,11 @@ int32_t mha_experimental_cpu_bf16_tiles(void) {
     return mha__cpu_bf16_tiles_fast() && (mha__cpu_isa() & MHA_ISA_AVX512BF16) != 0;
 }
 
+int32_t mha_experimental_cpu_q8x16(void) {
+    const mha__kernel_info *k = mha__registry_best_dt(MHA__OP_decode, MHA_DTS_Q8X16);
+    return k && k->isa != 0 && mha__cpu_q8x16_preferred();
+}
+
 int32_t mha_experimental_cpu_prefetch_level(void) {
     return mha__cpu_decode_prefetch_to_l2() ? 2 : 1;
 }

@@ -23,6 +23,7 @@ static unsigned g_detected, g_capped;
 static int g_prefetch_l2, g_decode_prefetch_l2;
 static int g_decode_prefetch_far;
 static int g_bf16_tiles_fast;     /* AUTO takes the bf16-tile kernels (cpu_features.h) */
+static int g_q8x16_preferred;     /* q8_0 caches take the interleaved order (cpu_features.h) */
 static int g_amx_bf16;            /* detected only: no AMX kernel is registered (docs/KERNELS.md) */
 static const char *g_forced_name; /* MHA_KERNEL, or NULL */
 static char g_forced_buf[128];
@@ -56,6 +57,8 @@ static unsigned detect_isa(void) {
         isa |= MHA_ISA_AVX2;
     if ((isa & MHA_ISA_AVX2) && zmm_state && avx512f && avx512dq && avx512bw && avx512vl)
         isa |= MHA_ISA_AVX512;
+    if ((isa & MHA_ISA_AVX512) && ((c >> 11) & 1) && ((c >> 1) & 1)) /* AVX512_VNNI, _VBMI */
+        isa |= MHA_ISA_AVX512VNNI;
     /* Leaf 7's subleaf count is EAX of subleaf 0; AVX512_BF16 is subleaf 1's EAX bit 5. */
     if ((isa & MHA_ISA_AVX512) && a >= 1) {
         unsigned a1, b1, c1, d1;
@@ -103,6 +106,12 @@ static int detect_bf16_tiles_fast(unsigned isa) {
     return (isa & MHA_ISA_AVX512BF16) && vendor_is_amd();
 }
 
+/* q8_0 caches interleaved by themselves: AMD Zen 5 and later, where it was measured faster
+ * (cpu_features.h) */
+static int detect_q8x16_preferred(void) {
+    return vendor_is_amd() && cpu_family() >= 0x1A;
+}
+
 /* AMX-TILE and AMX-BF16: CPUID leaf 7 subleaf 0 EDX bits 24 and 22, and the OS saving tile state
  * (XCR0 bits 17, 18). Linux still grants the tiles per process (arch_prctl); nothing asks yet. */
 static int detect_amx_bf16(void) {
@@ -138,6 +147,9 @@ static int detect_bf16_tiles_fast(unsigned isa) {
     (void)isa;
     return 0;
 }
+static int detect_q8x16_preferred(void) {
+    return 0;
+}
 static int detect_amx_bf16(void) {
     return 0;
 }
@@ -151,11 +163,12 @@ static void init_once(void) {
     g_decode_prefetch_far = detect_decode_prefetch_far();
     g_amx_bf16 = detect_amx_bf16();
     g_bf16_tiles_fast = detect_bf16_tiles_fast(g_detected);
+    g_q8x16_preferred = detect_q8x16_preferred();
     const char *cap = getenv("MHA_MAX_ISA");
     /* A tier name caps the bits to those of that tier; unknown values leave the detection. */
 #define MHA_CAP_TO(bits, name)                                                                     \
     if (cap && strcmp(cap, name) == 0)                                                             \
-        g_capped &= (bits);
+        g_capped &= MHA_ISA_WITH_ADDONS(bits);
     MHA_ISA_TIERS(MHA_CAP_TO)
 #undef MHA_CAP_TO
     const char *forced = getenv("MHA_KERNEL");
@@ -183,6 +196,11 @@ int mha__cpu_has_amx_bf16(void) {
 int mha__cpu_bf16_tiles_fast(void) {
     pthread_once(&g_once, init_once);
     return g_bf16_tiles_fast;
+}
+
+int mha__cpu_q8x16_preferred(void) {
+    pthread_once(&g_once, init_once);
+    return g_q8x16_preferred;
 }
 
 int mha__cpu_prefetch_to_l2(void) {

@@ -19,6 +19,14 @@
 /* MHA_ISA_AVX512 + AVX512_BF16 (CPUID.(EAX=7, ECX=1):EAX[5]: vcvtne2ps2bf16, vdpbf16ps; Zen 4/5,
  * Cooper Lake, Sapphire Rapids and later) */
 #define MHA_ISA_AVX512BF16 (1u << 3)
+/* MHA_ISA_AVX512 + AVX512_VNNI and AVX512_VBMI (CPUID.(EAX=7, ECX=0):ECX[11] and [1]: vpdpbusd,
+ * vpermb; Intel Ice Lake servers and later, AMD Zen 4/5). An add-on of the avx512 tier, not a
+ * tier: a cap that keeps MHA_ISA_AVX512 keeps it (MHA_ISA_WITH_ADDONS). Only the interleaved
+ * q8_0 decode kernel needs it. */
+#define MHA_ISA_AVX512VNNI (1u << 4)
+
+/* The bits a cap to a tier's bits keeps: the tier's and its add-ons'. */
+#define MHA_ISA_WITH_ADDONS(bits) ((bits) | ((bits)&MHA_ISA_AVX512 ? MHA_ISA_AVX512VNNI : 0u))
 
 /* The tiers of the target architecture, best first: the bits a tier's kernels may use (its own
  * and those below it) and its name (the suffix of its kernels' names after "__";
@@ -71,6 +79,13 @@ int mha__cpu_decode_prefetch_far(void);
  * problems faster (docs/performance.md, session 45). Detected, not capped by MHA_MAX_ISA (the
  * tier itself is); the bf16-tile kernels stay usable there (MHA_KERNEL, the tests run them). */
 int mha__cpu_bf16_tiles_fast(void);
+/* 1 when q8_0 KV caches take the key-interleaved order by themselves (mha_kv_cache_create; its
+ * kernel, decode_q8x16_avx512.c, still needs MHA_ISA_AVX512VNNI under MHA_MAX_ISA): AMD Zen 5
+ * (family 0x1A) and later, where its decode step ran 1.4x the rows kernel's from memory on one
+ * thread and 1.3-1.5x on two (docs/INFERENCE.md). 0 elsewhere: Intel, where an earlier version ran
+ * slower than the rows kernel from memory (session 49), and AMD Zen 4 (not measured). Detected,
+ * not capped. */
+int mha__cpu_q8x16_preferred(void);
 /* 1 when this CPU has AMX-BF16 tiles and the OS saves their state. Reported by `mha info` only:
  * no AMX kernel is registered yet (none has passed its tests on an AMX host; docs/KERNELS.md). */
 int mha__cpu_has_amx_bf16(void);

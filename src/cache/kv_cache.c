@@ -8,6 +8,7 @@
  * allocate (a paged cache's appends take blocks from the pool allocated at creation).
  */
 #include "cache/kv_cache.h"
+#include "base/cpu_features.h"
 #include "mha_experimental.h"
 
 #include <string.h>
@@ -125,20 +126,31 @@ static mha_status create(const mha_kv_cache_config *config,
     return MHA_STATUS_OK;
 }
 
+/* The order a q8_0 cache takes by itself: the key-interleaved one where its kernel runs (it needs
+ * MHA_ISA_AVX512VNNI under MHA_MAX_ISA: its registry line) and was measured faster than the rows
+ * kernel (mha__cpu_q8x16_preferred), and the storage allows it. test_kv_q8x16 checks this rule
+ * against the registry (mha_experimental_cpu_q8x16). */
+static int auto_q8x16(const mha_kv_cache_config *config) {
+    return config && config->dtype == MHA_DTYPE_Q8_0 &&
+           config->block_size % MHA__Q8X16_LANES == 0 &&
+           (mha__cpu_isa() & MHA_ISA_AVX512VNNI) != 0 && mha__cpu_q8x16_preferred();
+}
+
 mha_status mha_kv_cache_create(const mha_kv_cache_config *config,
                                const mha_layer *layer,
                                const mha_allocator *allocator,
                                mha_kv_cache **out,
                                mha_error *err) {
-    return create(config, layer, allocator, 0, out, err);
+    return create(config, layer, allocator, auto_q8x16(config), out, err);
 }
 
-mha_status mha_experimental_kv_cache_create_q8x16(const mha_kv_cache_config *config,
-                                                  const mha_layer *layer,
-                                                  const mha_allocator *allocator,
-                                                  mha_kv_cache **out,
-                                                  mha_error *err) {
-    return create(config, layer, allocator, 1, out, err);
+mha_status mha_experimental_kv_cache_create_q8_order(const mha_kv_cache_config *config,
+                                                     const mha_layer *layer,
+                                                     const mha_allocator *allocator,
+                                                     int32_t interleaved,
+                                                     mha_kv_cache **out,
+                                                     mha_error *err) {
+    return create(config, layer, allocator, interleaved != 0, out, err);
 }
 
 int32_t mha_experimental_kv_cache_q8x16(const mha_kv_cache *cache) {

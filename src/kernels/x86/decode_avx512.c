@@ -29,6 +29,7 @@
  * of every widened value (values_contig): ~100 -> ~92 cycles per key and kv head there.
  */
 #include "kernels/registry.h"
+#include "kernels/x86/decode_scores_avx512.h"
 #include "kernels/x86/simd_avx512.h"
 
 #include <string.h>
@@ -684,45 +685,15 @@ MHA_INLINE void dec_softmax(const mha__dec_problem *p,
                             float *m,
                             float *l) {
     const int64_t dv = p->dv;
-    const v16 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t r = 0; r < R; r++) {
-        const int64_t i = r / p->group, h = u->g * p->group + r % p->group;
-        const int64_t pos = mha__dec_tree_pos(p, L, i);
-        /* Visible keys, relative to j0: [lo, hi] (clamped to the block), and with a draft tree
-         * the lanes mha__dec_tree_lanes allows. */
-        int64_t hi = mha__dec_tree_last_key(p, L, pos) - u->j0,
-                lo = mha__dec_first_key(p, pos) - u->j0;
-        hi = hi > nb - 1 ? nb - 1 : hi;
-        lo = lo < 0 ? 0 : lo;
+        const dec_row w = dec_row_of(p, u, r, nb, L);
         float *sr = S + r * MHA_DEC_BLOCK;
-        const v16 scale = v16_set1(p->scale), cap = v16_set1(p->softcap);
-        const v16 inv_cap = v16_set1(p->softcap > 0.0f ? 1.0f / p->softcap : 0.0f);
-        const float slope = p->slopes ? p->slopes[h] : 0.0f;
-        const v16 vslope = v16_set1(slope), vdist0 = v16_set1((float)(pos - u->j0));
         v16 vmax = v16_set1(-INFINITY);
         __mmask16 nan_seen = 0;
         for (int64_t jj = 0; jj < nb; jj += 16) {
             const int64_t rem = nb - jj;
-            const __mmask16 in = v16_first((int)(rem < 16 ? rem : 16));
-            const v16 jrel = v16_add(iota, v16_set1((float)jj));
-            __mmask16 vis = in & _mm512_cmp_ps_mask(jrel, v16_set1((float)lo), _CMP_GE_OQ) &
-                            _mm512_cmp_ps_mask(jrel, v16_set1((float)hi), _CMP_LE_OQ);
-            float shift[16] = {0};
-            if (p->tree_vis) {
-                vis &= (__mmask16)mha__dec_tree_lanes(p, u->s, i, L, u->j0 + jj);
-                if (p->slopes)
-                    mha__dec_tree_shift(p, L, u->j0 + jj, rem < 16 ? rem : 16, shift);
-            }
-            v16 s = v16_mul(scale, _mm512_maskz_loadu_ps(in, sr + jj));
-            if (p->softcap > 0.0f)
-                s = v16_mul(cap, v16_tanh(v16_mul(s, inv_cap)));
-            if (p->slopes)
-                s = _mm512_fnmadd_ps(vslope, v16_sub(vdist0, jrel), s);
-            if (p->tree_vis && p->slopes) /* a draft key's position is not its slot */
-                s = _mm512_fnmadd_ps(vslope, _mm512_loadu_ps(shift), s);
-            nan_seen |= _mm512_mask_cmp_ps_mask(vis, s, s, _CMP_UNORD_Q);
-            s = v16_select(vis, s, v16_set1(-INFINITY));
-            _mm512_mask_storeu_ps(sr + jj, in, s);
+            const v16 s = dec_score16(p, u, &w, L, jj, nb, sr, &nan_seen);
+            _mm512_mask_storeu_ps(sr + jj, v16_first((int)(rem < 16 ? rem : 16)), s);
             vmax = v16_max_nan_ignoring(s, vmax);
         }
         /* NaN scores propagate: a NaN among the visible keys makes m NaN. */
