@@ -259,11 +259,11 @@ static inline int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
                          16 * ((p->dk + 15) & ~(int64_t)15) + 64 * ((p->dv + 63) & ~(int64_t)63) +
                          32;
     /* the interleaved q8_0 kernel (decode_q8x16_avx512.c): scores [R][BLOCK + 32], 2^-e, the
-     * digit corrections and digits per block of 4 rows, the weight digits of a chunk's 4 groups
-     * for 4 rows */
+     * digit corrections and digits per block of 4 rows (a multiple of 16 floats), the weight
+     * digits of a chunk's 4 groups for 4 rows (room for d_v <= 512), 16 floats per row */
     const int64_t R4 = (R + 3) / 4;
     const int64_t q8x16 = R * (MHA_DEC_BLOCK + 32) + 4 * R4 + R4 * (p->dk / 32) * (12 + 96) +
-                          4 * 4 * (p->dv / 32) * 16 + 16;
+                          4 * 4 * 16 * 16 + 16 * R + 16;
     const int64_t vec = R > 4 && wide > rows ? wide : rows;
     return p->cache->q8x16 && q8x16 > vec ? q8x16 : vec;
 }

@@ -225,10 +225,12 @@ MHA_INLINE void pass1_group(const int NR,
 }
 
 /* ---- The online softmax of a chunk -------------------------------------------------------- */
-/* Keys [a, e) of the unit, every row: scores (decode_scores_avx512.h) in place of the dot
- * products, then weights exp(s - m) with m the running max; o and l rescaled by exp(m_old - m)
- * when the chunk raises m. Returns 0 when a visible score is NaN (the unit then runs the generic
- * kernel, which propagates it). */
+/* Keys [a, e) of the unit, every row r: scores in place of the dot products, then weights
+ * exp(s - m_r) with m_r the running max; when the chunk raises m_r, o_r and the row's sum vector
+ * lv_r (its 16 lanes summed into l_r at the unit's end) are rescaled by exp(m_old - m_new).
+ * Rows that see every key of the chunk with no soft-cap, ALiBi or draft tree take the scores as
+ * scale q . k (dec_score16's result on them, without its masks). Returns 0 when a visible score
+ * is NaN (the unit then runs the generic kernel, which propagates it). */
 static int chunk_softmax(const mha__dec_problem *p,
                          const mha__dec_unit *u,
                          int64_t R,
@@ -240,42 +242,57 @@ static int chunk_softmax(const mha__dec_problem *p,
                          int64_t ss,
                          float *o,
                          float *m,
-                         float *l) {
+                         v16 *lv) {
     const int64_t dv = p->dv;
+    const int plain = !p->tree_vis && !p->slopes && !(p->softcap > 0.0f);
     for (int64_t r = 0; r < R; r++) {
         const dec_row w = dec_row_of(p, u, r, nb, L);
         float *sr = S + r * ss;
         v16 vmax = v16_set1(-INFINITY);
         __mmask16 nan_seen = 0;
-        for (int64_t jj = a; jj < e; jj += 16) {
-            const v16 s = dec_score16(p, u, &w, L, jj, e, sr, &nan_seen);
-            _mm512_storeu_ps(sr + jj, s); /* -inf past e, within the rows' padding */
-            vmax = v16_max_nan_ignoring(s, vmax);
+        if (plain && w.lo <= a && w.hi >= e - 1) {
+            const v16 scale = v16_set1(p->scale);
+            for (int64_t jj = a; jj < e; jj += 16) {
+                const __mmask16 in = v16_first((int)(e - jj < 16 ? e - jj : 16));
+                const v16 s = _mm512_mask_mul_ps(v16_set1(-INFINITY), in, scale,
+                                                 _mm512_maskz_loadu_ps(in, sr + jj));
+                nan_seen |= _mm512_mask_cmp_ps_mask(in, s, s, _CMP_UNORD_Q);
+                _mm512_storeu_ps(sr + jj, s);
+                vmax = v16_max_nan_ignoring(s, vmax);
+            }
+        } else {
+            for (int64_t jj = a; jj < e; jj += 16) {
+                const v16 s = dec_score16(p, u, &w, L, jj, e, sr, &nan_seen);
+                _mm512_storeu_ps(sr + jj, s); /* -inf past e, within the rows' padding */
+                vmax = v16_max_nan_ignoring(s, vmax);
+            }
         }
         if (nan_seen)
             return 0;
-        const float mc = v16_hmax(vmax);
-        if (mc > m[r]) {
-            const float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mc);
+        const float mc = v16_hmax(vmax), m0 = m[r];
+        if (mc > m0) {
+            const v16 alpha = v16_set1(m0 == -INFINITY ? 0.0f : expf(m0 - mc));
             for (int64_t d = 0; d < dv; d += 16)
-                _mm512_storeu_ps(o + r * dv + d,
-                                 v16_mul(v16_set1(alpha), _mm512_loadu_ps(o + r * dv + d)));
-            l[r] *= alpha;
+                _mm512_storeu_ps(o + r * dv + d, v16_mul(alpha, _mm512_loadu_ps(o + r * dv + d)));
+            lv[r] = v16_mul(alpha, lv[r]);
             m[r] = mc;
         }
-        const v16 vm = v16_set1(m[r]);
-        v16 vsum = v16_zero();
+        const float mr = m[r];
+        if (mr == -INFINITY) {
+            for (int64_t jj = a; jj < e; jj += 16)
+                _mm512_storeu_ps(sr + jj, v16_zero());
+            continue;
+        }
+        const v16 vm = v16_set1(mr);
+        v16 vsum = lv[r];
         for (int64_t jj = a; jj < e; jj += 16) {
             const __mmask16 in = v16_first((int)(e - jj < 16 ? e - jj : 16));
-            const v16 ex =
-                m[r] == -INFINITY
-                    ? v16_zero()
-                    : _mm512_maskz_mov_ps(
-                          in, v16_exp_nonpos(v16_sub(_mm512_maskz_loadu_ps(in, sr + jj), vm)));
+            const v16 ex = _mm512_maskz_mov_ps(
+                in, v16_exp_nonpos(v16_sub(_mm512_maskz_loadu_ps(in, sr + jj), vm)));
             _mm512_storeu_ps(sr + jj, ex); /* 0 past e */
             vsum = v16_add(vsum, ex);
         }
-        l[r] += v16_hsum(vsum);
+        lv[r] = vsum;
     }
     return 1;
 }
@@ -447,8 +464,10 @@ static int unit_digits(const mha__dec_problem *p,
 
 /* The unit's scratch (mha__dec_scratch_floats): scores [R][ss], each row S_PAD floats after its
  * start (a group's lane 0 may lie before the unit's first key); 2^-e, the digits' corrections
- * and the digits per block of 4 rows; a chunk's weight digits. */
+ * and the digits per block of 4 rows; a chunk's weight digits (room for MAX_VBLOCKS); the rows'
+ * sum vectors. */
 typedef struct unit_scratch {
+    v16 *lv; /* [R] the rows' softmax sums, 16 lanes each */
     float *S, *inv;
     int32_t *corr;
     int8_t *qd;
@@ -465,6 +484,8 @@ static unit_scratch unit_scratch_of(float *scratch, int64_t R, int64_t nbk) {
     w.corr = (int32_t *)(w.inv + 4 * R4);
     w.qd = (int8_t *)(w.corr + R4 * nbk * 12);
     w.wbuf = (uint8_t *)w.qd + R4 * nbk * 4 * DIGIT_ROW;
+    const uintptr_t end = (uintptr_t)(w.wbuf + CHUNK_GROUPS * 4 * MAX_VBLOCKS * 64);
+    w.lv = (v16 *)((end + 63) & ~(uintptr_t)63); /* vectors: 64-byte aligned */
     return w;
 }
 
@@ -554,7 +575,7 @@ static int q8x16_unit(const mha__dec_problem *p,
     const int ng = unit_groups(c, seq, u->g, u->j0, nb, gr), nnx = next_groups(p, u, nx);
     for (int64_t r = 0; r < R; r++) {
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        w.lv[r] = v16_zero();
         memset(o + r * dv, 0, sizeof(float) * (size_t)dv);
     }
     __mmask16 bad = 0;
@@ -565,7 +586,7 @@ static int q8x16_unit(const mha__dec_problem *p,
         /* the chunk's keys [a, e) of the unit: its first group's first lane to its last's last */
         const int64_t a = cg[0].key0 + __builtin_ctz(cg[0].lanes);
         const int64_t e = cg[cn - 1].key0 + 16 - __builtin_clz((unsigned)cg[cn - 1].lanes << 16);
-        if (bad || !chunk_softmax(p, u, R, nb, L, a, e, w.S, w.ss, o, m, l))
+        if (bad || !chunk_softmax(p, u, R, nb, L, a, e, w.S, w.ss, o, m, w.lv))
             return 0;
         float f[MAX_VBLOCKS], finv[MAX_VBLOCKS];
         chunk_exponents(cg, cn, nbv, LANES * dv, f, finv, &bad);
@@ -578,6 +599,8 @@ static int q8x16_unit(const mha__dec_problem *p,
                                p->prefetch_l2, (klines + nbv - 1) / nbv, klines};
         chunk_pass3(p, cg, cn, R, &w, f, finv, o, &pf);
     }
+    for (int64_t r = 0; r < R; r++)
+        l[r] = v16_hsum(w.lv[r]);
     return 1;
 }
 
