@@ -29,17 +29,24 @@
 /* The name of the decode kernel the library runs on this CPU (its registry, mha_experimental.h). */
 /* The decode kernel a cache of dtype dt runs: the first usable decode line whose dtypes name
  * it (the registry's order is its preference; every decode line takes every cache dtype). */
-static const char *decode_kernel_name(mha_dtype dt) {
+/* The decode kernel a cache of dtype dt runs here (x16: q8_0 in the key-interleaved order): the
+ * first usable decode line whose dtype list holds that dtype's name as an item. */
+static const char *decode_kernel_name(mha_dtype dt, int x16) {
     mha_kernel_desc d;
     const char *name = dt == MHA_DTYPE_F16        ? "f16"
                        : dt == MHA_DTYPE_BF16     ? "bf16"
-                       : dt == MHA_DTYPE_Q8_0     ? "q8_0"
+                       : dt == MHA_DTYPE_Q8_0     ? (x16 ? "q8_0x16" : "q8_0")
                        : dt == MHA_DTYPE_FP8_E4M3 ? "fp8_e4m3"
                                                   : "f32";
-    for (int32_t i = 0; i < mha_experimental_kernel_count(); i++)
-        if (mha_experimental_kernel_describe(i, &d, NULL) == MHA_STATUS_OK && d.usable &&
-            strcmp(d.op, "decode") == 0 && strstr(d.dtypes, name))
-            return d.name;
+    const size_t n = strlen(name);
+    for (int32_t i = 0; i < mha_experimental_kernel_count(); i++) {
+        if (mha_experimental_kernel_describe(i, &d, NULL) != MHA_STATUS_OK || !d.usable ||
+            strcmp(d.op, "decode") != 0)
+            continue;
+        for (const char *at = d.dtypes; (at = strstr(at, name)) != NULL; at += n)
+            if ((at == d.dtypes || at[-1] == ',') && (at[n] == ',' || at[n] == '\0'))
+                return d.name;
+    }
     return "?";
 }
 
@@ -68,6 +75,7 @@ enum {
     B_BATCH_LENGTHS,
     B_WARMUP,
     B_COLD,
+    B_Q8_ORDER,
     B_COUNT
 };
 
@@ -96,68 +104,76 @@ static const cli_opt bench_flags[B_COUNT] = {
     [B_BATCH_LENGTHS] = {"--batch-lengths", CLI_OPT_VALUE},
     [B_WARMUP] = {"--warmup", CLI_OPT_VALUE},
     [B_COLD] = {"--cold", CLI_OPT_VALUE},
+    [B_Q8_ORDER] = {"--q8-order", CLI_OPT_VALUE},
 };
 
 static void bench_usage(void) {
-    printf(
-        "Usage: mha decode-bench [options]\n"
-        "\n"
-        "Prefill + N decode steps through a KV cache with random weights; reports tokens/s and\n"
-        "the effective bandwidth of the attention (bytes of K and V read per second).\n"
-        "\n"
-        "  --heads H           query heads (default: 32)\n"
-        "  --kv-heads G        key/value heads, H %% G == 0 (default: 8)\n"
-        "  --head-dim D        d_k = d_v (default: 128)\n"
-        "  --q-dim Q           layer width (default: H*D)\n"
-        "  --cache-len L       positions in the cache before the first step (default: 4096)\n"
-        "  --batch B           sequences decoded together (default: 1)\n"
-        "  --steps N           decode steps (default: 32)\n"
-        "  --threads T         threads, 0 = every online CPU (default: 0)\n"
-        "  --cache-dtype T     f32, f16, bf16, q8_0 (34 bytes per 32 values) or fp8 (e4m3,\n"
-        "                      1 byte, scales 1.0) (default: f32)\n"
-        "  --prefill-mode M    random: fill the cache with random K/V (default); layer: run\n"
-        "                      mha_layer_prefill on random tokens (slow for long caches)\n"
-        "  --attention-only    time only the attention (append + split-KV), not the layer\n"
-        "  --naive             also time a plain single-threaded loop over the same cache\n"
-        "  --stream MB         also measure memory read bandwidth over an MB-megabyte buffer\n"
-        "  --json              one JSON line instead of the table\n"
-        "  --weight-dtype T    the layer's weights: f32, f16, bf16, q8_0 or q4_0 (the\n"
-        "                      projections in q8_0 / q4_0 blocks, quantised by\n"
-        "                      mha_q8_0_quantize / mha_q4_0_quantize) (default: f32); the\n"
-        "                      layer step then reports the weights' bytes per second\n"
-        "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
-        "                      same K/V, filled one token at a time; its attention is timed\n"
-        "                      interleaved with the contiguous one's (paged/contiguous);\n"
-        "                      not with --batch-lengths or --prefill-mode layer\n"
-        "  --paged-order O     where the measured sequences' blocks lie in the pool:\n"
-        "                      lockstep (default): they grow in lockstep with --paged-peers\n"
-        "                      other sequences (continuous batching), placed by the pool;\n"
-        "                      ordered: alone in a pool of their size (batch 1: in order);\n"
-        "                      interleaved: the layout the old free-id stack gave lockstep\n"
-        "                      (batch 1: every (1 + peers)-th block); fragmented: the pool\n"
-        "                      full, a random half of its blocks freed (scattered runs);\n"
-        "                      alternate: every other block free (isolated, ascending)\n"
-        "  --paged-peers P     other sequences of lockstep / interleaved (0..64, default: 7)\n"
-        "  --compact           compact the paged cache once it is filled\n"
-        "                      (mha_kv_cache_compact; its time and the runs before are\n"
-        "                      reported), then time it\n"
-        "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
-        "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
-        "                      step in the same run (attention only), with its GFLOP/s\n"
-        "  --batch-lengths S   per-sequence cache lengths instead of --cache-len (attention\n"
-        "                      only): a comma list (its size is the batch), or logu:LO:HI:SEED,\n"
-        "                      --batch lengths log-uniform in [LO, HI] from a fixed seed\n"
-        "  --warmup MS         untimed attention calls (no append) for MS milliseconds before\n"
-        "                      the timed steps (default: 250; 0 = none): the first ~100 ms of\n"
-        "                      streaming the cache ran ~10%% slower on AMD Zen 5\n"
-        "  --cold MB           read an MB-megabyte buffer before every timed call, so that\n"
-        "                      the call finds the cache and the weights in memory, not in an\n"
-        "                      L3 that holds them (a model's other layers run in between;\n"
-        "                      give about twice the L3: 512 on a 260 MiB L3) (default: 0)\n"
-        "\n"
-        "Example:\n"
-        "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 \\\n"
-        "      --steps 64 --threads 2 --cache-dtype bf16 --stream 1024 --naive\n");
+    printf("Usage: mha decode-bench [options]\n"
+           "\n"
+           "Prefill + N decode steps through a KV cache with random weights; reports tokens/s and\n"
+           "the effective bandwidth of the attention (bytes of K and V read per second).\n"
+           "\n"
+           "  --heads H           query heads (default: 32)\n"
+           "  --kv-heads G        key/value heads, H %% G == 0 (default: 8)\n"
+           "  --head-dim D        d_k = d_v (default: 128)\n"
+           "  --q-dim Q           layer width (default: H*D)\n"
+           "  --cache-len L       positions in the cache before the first step (default: 4096)\n"
+           "  --batch B           sequences decoded together (default: 1)\n"
+           "  --steps N           decode steps (default: 32)\n"
+           "  --threads T         threads, 0 = every online CPU (default: 0)\n"
+           "  --cache-dtype T     f32, f16, bf16, q8_0 (34 bytes per 32 values) or fp8 (e4m3,\n"
+           "                      1 byte, scales 1.0) (default: f32)\n"
+           "  --prefill-mode M    random: fill the cache with random K/V (default); layer: run\n"
+           "                      mha_layer_prefill on random tokens (slow for long caches)\n"
+           "  --attention-only    time only the attention (append + split-KV), not the layer\n"
+           "  --naive             also time a plain single-threaded loop over the same cache\n"
+           "  --stream MB         also measure memory read bandwidth over an MB-megabyte buffer\n"
+           "  --json              one JSON line instead of the table\n"
+           "  --weight-dtype T    the layer's weights: f32, f16, bf16, q8_0 or q4_0 (the\n"
+           "                      projections in q8_0 / q4_0 blocks, quantised by\n"
+           "                      mha_q8_0_quantize / mha_q4_0_quantize) (default: f32); the\n"
+           "                      layer step then reports the weights' bytes per second\n");
+    printf(/* two strings: one would pass C99's 4095 characters */
+           "  --paged BS          also a paged cache of BS-position blocks (16..256) holding the\n"
+           "                      same K/V, filled one token at a time; its attention is timed\n"
+           "                      interleaved with the contiguous one's (paged/contiguous);\n"
+           "                      not with --batch-lengths or --prefill-mode layer\n"
+           "  --paged-order O     where the measured sequences' blocks lie in the pool:\n"
+           "                      lockstep (default): they grow in lockstep with --paged-peers\n"
+           "                      other sequences (continuous batching), placed by the pool;\n"
+           "                      ordered: alone in a pool of their size (batch 1: in order);\n"
+           "                      interleaved: the layout the old free-id stack gave lockstep\n"
+           "                      (batch 1: every (1 + peers)-th block); fragmented: the pool\n"
+           "                      full, a random half of its blocks freed (scattered runs);\n"
+           "                      alternate: every other block free (isolated, ascending)\n"
+           "  --paged-peers P     other sequences of lockstep / interleaved (0..64, default: 7)\n"
+           "  --q8-order O        q8_0 caches' byte order: auto (default: what "
+           "mha_kv_cache_create\n"
+           "                      takes here, `mha info`), rows (ggml's) or interleaved (groups "
+           "of\n"
+           "                      16 keys for VPDPBUSD; paged: --paged a multiple of 16)\n"
+           "  --compact           compact the paged cache once it is filled\n"
+           "                      (mha_kv_cache_compact; its time and the runs before are\n"
+           "                      reported), then time it\n"
+           "  --draft-tree P      also time verifying a draft tree of parents P (comma list, -1 =\n"
+           "                      a root; at most 16), e.g. -1,0,0,1,1,2,2,3, against a one-token\n"
+           "                      step in the same run (attention only), with its GFLOP/s\n"
+           "  --batch-lengths S   per-sequence cache lengths instead of --cache-len (attention\n"
+           "                      only): a comma list (its size is the batch), or "
+           "logu:LO:HI:SEED,\n"
+           "                      --batch lengths log-uniform in [LO, HI] from a fixed seed\n"
+           "  --warmup MS         untimed attention calls (no append) for MS milliseconds before\n"
+           "                      the timed steps (default: 250; 0 = none): the first ~100 ms of\n"
+           "                      streaming the cache ran ~10%% slower on AMD Zen 5\n"
+           "  --cold MB           read an MB-megabyte buffer before every timed call, so that\n"
+           "                      the call finds the cache and the weights in memory, not in an\n"
+           "                      L3 that holds them (a model's other layers run in between;\n"
+           "                      give about twice the L3: 512 on a 260 MiB L3) (default: 0)\n"
+           "\n"
+           "Example:\n"
+           "  mha decode-bench --heads 32 --kv-heads 8 --head-dim 128 --cache-len 4096 --batch 1 "
+           "\\\n"
+           "      --steps 64 --threads 2 --cache-dtype bf16 --stream 1024 --naive\n");
 }
 
 static double now_s(void) {
@@ -342,6 +358,7 @@ typedef struct bench_opts {
     int layer_prefill, attn_only, naive, json;
     int64_t tree[16], tree_t; /* --draft-tree; tree_t = 0 without */
     int64_t *lens;            /* [B] --batch-lengths, else NULL (every sequence --cache-len) */
+    int q8_order;             /* --q8-order: -1 auto, 0 rows, 1 interleaved */
 } bench_opts;
 
 /* What a run holds (bench_free releases it) and what it measures. */
@@ -400,7 +417,8 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
                       .wdt = MHA_DTYPE_F32,
                       .wdtn = "f32",
                       .paged_peers = 7,
-                      .warmup_ms = 250};
+                      .warmup_ms = 250,
+                      .q8_order = -1};
     const struct {
         int id;
         int64_t *dst, lo, hi;
@@ -439,6 +457,15 @@ static int parse_bench(const cli_args *args, bench_opts *b) {
             b->dt = MHA_DTYPE_FP8_E4M3;
         else if (strcmp(b->dtn, "f32") != 0)
             return cli_usage("--cache-dtype: '%s' is not f32, f16, bf16, q8_0 or fp8", b->dtn);
+    }
+    if (args->given[B_Q8_ORDER]) {
+        const char *o = args->value[B_Q8_ORDER];
+        b->q8_order = strcmp(o, "rows") == 0 ? 0 : strcmp(o, "interleaved") == 0 ? 1 : -2;
+        if (b->q8_order == -2 && strcmp(o, "auto") != 0)
+            return cli_usage("--q8-order: '%s' is not auto, rows or interleaved", o);
+        b->q8_order = b->q8_order == -2 ? -1 : b->q8_order;
+        if (b->q8_order >= 0 && b->dt != MHA_DTYPE_Q8_0)
+            return cli_usage("--q8-order needs --cache-dtype q8_0");
     }
     if (args->given[B_WEIGHT_DTYPE]) {
         b->wdtn = args->value[B_WEIGHT_DTYPE];
@@ -592,6 +619,17 @@ static uint16_t round_half(float f, int bf16) {
  *     then a random half of its blocks (fragmented: runs of random length, taken largest first,
  *     so scattered across the pool) or every other block (alternate: isolated blocks, taken in
  *     increasing order, 2 blocks apart) freed: what the policy cannot fix. */
+/* mha_kv_cache_create, or with the q8_0 order --q8-order asks for. */
+static mha_status bench_cache_create(const bench_opts *b,
+                                     const mha_kv_cache_config *kc,
+                                     const mha_layer *layer,
+                                     mha_kv_cache **out,
+                                     mha_error *err) {
+    return b->q8_order < 0
+               ? mha_kv_cache_create(kc, layer, NULL, out, err)
+               : mha_experimental_kv_cache_create_q8_order(kc, layer, NULL, b->q8_order, out, err);
+}
+
 static int bench_paged_cache(const bench_opts *b, const mha_kv_cache_config *kc, bench_run *r) {
     const int64_t nbs = (kc->max_seq + b->paged - 1) / b->paged, B = b->B, P = b->paged_peers;
     const int po = b->paged_order;
@@ -601,7 +639,7 @@ static int bench_paged_cache(const bench_opts *b, const mha_kv_cache_config *kc,
     pc.batch = B + P + scratch;
     pc.block_size = b->paged;
     pc.num_blocks = n;
-    if (mha_kv_cache_create(&pc, r->layer, NULL, &r->paged, &r->err) != MHA_STATUS_OK)
+    if (bench_cache_create(b, &pc, r->layer, &r->paged, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
     r->ptimes = malloc(sizeof(double) * (size_t)b->N);
     r->pkv = malloc(sizeof(float) * (size_t)(B * 2 * BENCH_CHUNK * b->G * b->D));
@@ -726,7 +764,7 @@ static int bench_setup(const bench_opts *b, bench_run *r) {
     memset(&kc, 0, sizeof kc);
     kc.num_kv_heads = G, kc.head_dim = D, kc.max_seq = L + 2 * N + 16, kc.batch = B;
     kc.dtype = b->dt;
-    if (mha_kv_cache_create(&kc, r->layer, NULL, &r->cache, &r->err) != MHA_STATUS_OK)
+    if (bench_cache_create(b, &kc, r->layer, &r->cache, &r->err) != MHA_STATUS_OK)
         return cli_lib_fail(NULL, &r->err);
     if (b->paged && bench_paged_cache(b, &kc, r) != CLI_OK)
         return CLI_FAIL;
@@ -965,9 +1003,10 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
                "\"compact_s\": %.6g, \"paged_runs_before_compact\": %lld, "
                "\"tree_median_s\": %.6g, \"tree_one_median_s\": %.6g, \"tree_gflops\": %.6g, "
                "\"cold_mb\": %lld}\n",
-               decode_kernel_name(b->dt), (long long)b->H, (long long)b->G, (long long)b->D,
-               (long long)b->L, (long long)b->B, (long long)b->N, b->threads, b->dtn, r->prefill_s,
-               r->attn_med, r->attn_min, r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
+               decode_kernel_name(b->dt, mha_experimental_kv_cache_q8x16(r->cache) == 1),
+               (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->L, (long long)b->B,
+               (long long)b->N, b->threads, b->dtn, r->prefill_s, r->attn_med, r->attn_min,
+               r->kv_bytes, gbs, B / r->attn_med, r->layer_med,
                r->layer_med > 0.0 ? B / r->layer_med : 0.0, r->naive_s, r->stream, b->wdtn,
                r->weight_bytes, r->layer_min,
                r->layer_med > 0.0 ? r->weight_bytes / r->layer_med * 1e-9 : 0.0, r->stream_pf,
@@ -980,7 +1019,8 @@ static void bench_report(const bench_opts *b, const bench_run *r) {
     printf("decode-bench: h=%lld g=%lld d=%lld q_dim=%lld cache_len=%lld batch=%lld "
            "threads=%d cache=%s kernel=%s\n",
            (long long)b->H, (long long)b->G, (long long)b->D, (long long)b->Q, (long long)b->L,
-           (long long)b->B, b->threads, b->dtn, decode_kernel_name(b->dt));
+           (long long)b->B, b->threads, b->dtn,
+           decode_kernel_name(b->dt, mha_experimental_kv_cache_q8x16(r->cache) == 1));
     if (b->cold_mb)
         printf("  --cold: %lld MB read before every timed call\n", (long long)b->cold_mb);
     if (b->lens) {

@@ -197,6 +197,24 @@ def test_decode_bench_paged(order, runs):
         assert 1 <= rec["paged_runs"] <= 7
 
 
+@pytest.mark.parametrize("order", ["rows", "interleaved", "auto"])
+def test_decode_bench_q8_order(order):
+    # --q8-order: a q8_0 cache in ggml's rows or the key-interleaved order (docs/SEMANTICS.md
+    # "Storage order"), paged too; the kernel the run names reads that order (the rows one is never
+    # the interleaved order's kernel; the interleaved order runs the VNNI kernel or the generic one)
+    r = run_cli("decode-bench", "--heads", 4, "--kv-heads", 2, "--head-dim", 32, "--cache-len", 100,
+                "--steps", 3, "--attention-only", "--cache-dtype", "q8_0", "--q8-order", order,
+                "--paged", 32, "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    assert rec["paged_median_s"] > 0 and rec["attn_median_s"] > 0
+    if order == "rows":
+        assert "q8x16" not in rec["kernel"], rec["kernel"]
+    elif order == "interleaved":
+        assert rec["kernel"] in ("mha_decode_q8x16_splitkv__avx512",
+                                 "mha_decode_f32acc_splitkv__generic"), rec["kernel"]
+
+
 def test_decode_bench_paged_compact():
     # --compact: the alternate pool's 7 runs (one per block) become one before the steps; the
     # 3 steps stay in the last block
@@ -285,6 +303,8 @@ def test_decode_bench_stream_buffer_not_allocated_is_an_error():
      "--paged cannot be combined with --batch-lengths"),
     (["--paged", "16", "--prefill-mode", "layer"], "--paged cannot be combined with --prefill-mode"),
     (["--paged", "16", "--paged-peers", "65"], "--paged-peers"),
+    (["--q8-order", "rows"], "--q8-order needs --cache-dtype q8_0"),
+    (["--cache-dtype", "q8_0", "--q8-order", "ggml"], "--q8-order: 'ggml' is not auto"),
 ])
 def test_decode_bench_usage_errors(args, needle):
     r = run_cli("decode-bench", *args)
