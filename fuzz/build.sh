@@ -22,7 +22,7 @@ warn=(-Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes -Wmissing-prototypes
       -Wdouble-promotion -Wundef -Wformat=2 -Wimplicit-fallthrough)
 
 # Per file: the ISA flags of the SIMD kernel files (src/kernels/x86/*_avx2.c, *_avx512.c,
-# *_avx512bf16.c), which are also built at -O0: clang-14 at -O1 with ASan + UBSan + coverage took
+# *_avx512bf16.c, *_avx512vnni.c), which are also built at -O0: clang-14 at -O1 with ASan + UBSan + coverage took
 # 303 s on decode_avx512.c alone (its always-inline instances; 25 s at -O0; Intel Xeon host,
 # session 43), most of CI's fuzzing step. The harnesses fuzz the parsers, the loaders and the
 # API's checks; the kernels run on the small shapes those accept, at -O0 still under both
@@ -32,6 +32,7 @@ file_flags() {
     case "$1" in
     *_avx512.c) echo "-O0 $avx512" ;;
     *_avx512bf16.c) echo "-O0 $avx512 -mavx512bf16" ;;
+    *_avx512vnni.c) echo "-O0 $avx512 -mavx512vnni -mavx512vbmi" ;;
     *_avx2.c) echo "-O0 -mavx2 -mfma -mf16c" ;;
     *) echo "" ;;
     esac

@@ -80,7 +80,7 @@ int mha__cpu_decode_prefetch_far(void);
  * tier itself is); the bf16-tile kernels stay usable there (MHA_KERNEL, the tests run them). */
 int mha__cpu_bf16_tiles_fast(void);
 /* 1 when q8_0 KV caches take the key-interleaved order by themselves (mha_kv_cache_create; its
- * kernel, decode_q8x16_avx512.c, still needs MHA_ISA_AVX512VNNI under MHA_MAX_ISA): AMD Zen 5
+ * kernel, decode_q8x16_avx512vnni.c, still needs MHA_ISA_AVX512VNNI under MHA_MAX_ISA): AMD Zen 5
  * (family 0x1A) and later, where its decode step ran 1.4x the rows kernel's from memory on one
  * thread and 1.3-1.5x on two (docs/INFERENCE.md). 0 elsewhere: Intel, where an earlier version ran
  * slower than the rows kernel from memory (session 49), and AMD Zen 4 (not measured). Detected,

@@ -258,7 +258,7 @@ static inline int64_t mha__dec_scratch_floats(const mha__dec_problem *p) {
     const int64_t wide = R * MHA_DEC_BLOCK + rp * (p->dk + 16) +
                          16 * ((p->dk + 15) & ~(int64_t)15) + 64 * ((p->dv + 63) & ~(int64_t)63) +
                          32;
-    /* the interleaved q8_0 kernel (decode_q8x16_avx512.c): scores [R][BLOCK + 32], 2^-e, the
+    /* the interleaved q8_0 kernel (decode_q8x16_avx512vnni.c): scores [R][BLOCK + 32], 2^-e, the
      * digit corrections and digits per block of 4 rows (a multiple of 16 floats), the weight
      * digits of a chunk's 4 groups for 4 rows (room for d_v <= 512), 16 floats per row */
     const int64_t R4 = (R + 3) / 4;

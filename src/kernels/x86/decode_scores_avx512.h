@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* decode_scores_avx512.h: pass 1b of the AVX-512 decode kernels (decode_avx512.c and
- * decode_q8x16_avx512.c), 16 keys at a time: a row's raw dot products q . k_j become its scores
+ * decode_q8x16_avx512vnni.c), 16 keys at a time: a row's raw dot products q . k_j become its scores
  * (scale, soft-cap, ALiBi; -inf outside the keys the row sees: causal, window, chunk, draft tree).
  * One copy so that every AVX-512 decode kernel masks and scales the same way. */
 #ifndef MHA_DECODE_SCORES_AVX512_H

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
-/* decode_q8x16_avx512.c: the split-KV decode kernel for q8_0 caches in the key-interleaved order
- * (cache/kv_cache.h, MHA__Q8X16_LANES), AVX-512 with VNNI (VPDPBUSD) and VBMI (VPERMB).
+/* decode_q8x16_avx512vnni.c: the split-KV decode kernel for q8_0 caches in the key-interleaved
+ * order (cache/kv_cache.h, MHA__Q8X16_LANES), AVX-512 with VNNI (VPDPBUSD) and VBMI (VPERMB).
  * docs/INFERENCE.md ("A key-interleaved q8_0 layout with VNNI") has the derivation and the
  * measurements; bench/q8_interleaved_vnni.c is the prototype it follows.
  *
