@@ -489,17 +489,14 @@ static unit_scratch unit_scratch_of(float *scratch, int64_t R, int64_t nbk) {
     return w;
 }
 
-/* Up to CHUNK_GROUPS first groups of the keys after the unit's (this pair's next keys, else those
- * of the unit this thread takes next); their number. */
-static int next_groups(const mha__dec_problem *p, const mha__dec_unit *u, qgroup nx[CHUNK_GROUPS]) {
+/* The groups of the first 64 keys after the unit's (this pair's next keys, else those of the
+ * unit this thread takes next); how many of them to prefetch (<= CHUNK_GROUPS). */
+static int next_groups(const mha__dec_problem *p, const mha__dec_unit *u, qgroup nx[MAX_GROUPS]) {
     const int64_t seq = p->seq[u->s], L = p->cache->len[seq];
     const mha__dec_unit *nu = L > u->j1 ? NULL : u->next;
     const int64_t nseq = nu ? p->seq[nu->s] : seq, nj = nu ? nu->j0 : u->j1, nend = nu ? nu->j1 : L,
                   nn = nend - nj < 64 ? nend - nj : 64;
-    qgroup all[MAX_GROUPS];
-    const int n = nn > 0 ? unit_groups(p->cache, nseq, nu ? nu->g : u->g, nj, nn, all) : 0;
-    for (int i = 0; i < n && i < CHUNK_GROUPS; i++)
-        nx[i] = all[i];
+    const int n = nn > 0 ? unit_groups(p->cache, nseq, nu ? nu->g : u->g, nj, nn, nx) : 0;
     return n < CHUNK_GROUPS ? n : CHUNK_GROUPS;
 }
 
@@ -571,7 +568,7 @@ static int q8x16_unit(const mha__dec_problem *p,
     const unit_scratch w = unit_scratch_of(scratch, R, p->dk / 32);
     if (!unit_digits(p, u, R, w.qd, w.corr, w.inv))
         return 0;
-    qgroup gr[MAX_GROUPS], nx[CHUNK_GROUPS];
+    qgroup gr[MAX_GROUPS], nx[MAX_GROUPS];
     const int ng = unit_groups(c, seq, u->g, u->j0, nb, gr), nnx = next_groups(p, u, nx);
     for (int64_t r = 0; r < R; r++) {
         m[r] = -INFINITY;
