@@ -935,6 +935,10 @@ typedef struct mha_attention_grads {
      * float32 and rounded once to their dtype; with accumulate, the sum old + new is formed in
      * float32 and rounded once. */
     mha_dtype dout_dtype, dq_dtype, dk_dtype, dv_dtype;
+    /* Optional upstream gradient of the forward's log-sum-exp, dL/dlse: float32, contiguous
+     * [B, h, n] like fwd->lse. NULL = the loss does not read lse (dlse = 0). Used when lse feeds
+     * the loss, e.g. when partial attentions are merged by their lse (mha_attention_merge). */
+    const float *dlse;
 } mha_attention_grads;
 
 /** Workspace mha_attention_backward needs for (fwd, grads) under exec (O(threads * m * d), never
@@ -950,11 +954,13 @@ MHA_API mha_status mha_attention_backward_workspace_size(const mha_attention_arg
  *  plus the forward's results: fwd->out (O, read) and fwd->lse (the log-sum-exp the forward
  *  wrote, REQUIRED, read). fwd->probs is ignored. The probabilities are recomputed tile by tile
  *  as P = exp(S - lse) (and the dropout mask regenerated from its seed); nothing n x m is stored.
- *    dV_j = sum_i z_ij P_ij dO_i        dP_ij = z_ij dO_i . V_j       D_i = dO_i . O_i
+ *    dV_j = sum_i z_ij P_ij dO_i        dP_ij = z_ij dO_i . V_j       D_i = dO_i . O_i - dlse_i
  *    dS_ij = P_ij (dP_ij - D_i)  (times 1 - tanh^2 under softcap)
  *    dQ_i = scale sum_j dS_ij K_j       dK_j = scale sum_i dS_ij Q_i
  *    dsink_h = -sum_{b,i} P_sink,i D_i  with P_sink,i = exp(sink_h - lse_i)
- *  (z_ij = dropout keep / (1 - p) or 0). Fully masked rows (lse = -inf) contribute nothing:
+ *  (z_ij = dropout keep / (1 - p) or 0; dlse_i = grads->dlse's element, 0 without it: since
+ *  d lse_i / d S_ij = P_ij and d lse_i / d sink_h = P_sink,i, the lse's gradient only shifts D).
+ *  Fully masked rows (lse = -inf) contribute nothing:
  *  their dQ is 0, never NaN. Results are bit-identical for any n_threads. exec may be NULL.
  *  @return MHA_STATUS_OK, or an error with outputs untouched. */
 MHA_API mha_status mha_attention_backward(const mha_attention_args *fwd,

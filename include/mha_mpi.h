@@ -115,7 +115,8 @@ MHA_API mha_status mha_ring_attention(MPI_Comm comm,
  *  n_local, d_k], dv [B, g, n_local, d_v] (each may be NULL); dsinks [h] (with sinks, may be
  *  NULL) receives the WHOLE gradient on every rank, -sum_{b,i} exp(sink_h - lse_i) dO_i . O_i
  *  over all N rows (each rank's rows, summed by MPI_Allreduce); accumulate as in
- *  mha_attention_backward.
+ *  mha_attention_backward. grads.dlse must be NULL (MHA_STATUS_UNSUPPORTED): the ring backward
+ *  takes no gradient of lse.
  *  The K/V blocks travel the ring as in the forward; each rank adds its share of dQ locally and its
  *  share of the block's dK/dV (mha_attention_backward on each pair, with P = exp(S - lse) from the
  *  global lse) into a dK/dV block that travels one step behind its K/V; after P steps each block's

@@ -2,7 +2,8 @@
 /* test_grad.c: the backward pass (issue 4).
  *   1. the float64 oracle backward (tests/common/oracle_grad_f64.c) vs central finite differences
  *      of its own float64 forward (h = 1e-6, agreement 1e-6 relative to max|grad|), core and
- *      layer, over every feature; and the oracle forward vs oracle_f64.c;
+ *      layer, over every feature (the core's loss reads lse too in half the cases); and the
+ *      oracle forward vs oracle_f64.c;
  *   2. the library's reference and fast backward (core and layer) vs the oracle: ratio test
  *      (fast <= 2 x reference + u x scale) and an absolute backstop (TOL_BWD_C below);
  *   3. bit-identical results for 1, 2 and 3 threads;
@@ -35,21 +36,26 @@ static int g_quick;
 
 static double g_fd_worst;
 
-/* Max over tensors of |fd - an| / max(max|an|, 1e-12) for L = sum(dout * out). */
-static void fd_core(const spec *s, uint64_t seed) {
+/* Max over tensors of |fd - an| / max(max|an|, 1e-12) for L = sum(dout * out), plus
+ * sum(dlse * lse) when the case has dlse. */
+static void fd_core(const spec *s, uint64_t seed, int with_dlse) {
     built c;
     build(s, seed, &c);
+    if (with_dlse)
+        build_dlse(&c, seed);
     const int64_t B = s->B, H = s->H, G = s->G, n = s->n, m = s->m;
     const int64_t nq = B * H * n * s->dk, nk = B * G * m * s->dk, nv = B * G * m * s->dv;
     const int64_t no = B * H * n * s->dv;
     double *q = to_d(c.q, nq), *k = to_d(c.k, nk), *v = to_d(c.v, nv), *dO = to_d(c.dout, no);
     double *sk = c.sinks ? to_d(c.sinks, H) : NULL;
+    double *dl = c.dlse ? to_d(c.dlse, B * H * n) : NULL;
     double *out = malloc(sizeof(double) * (size_t)no);
+    double *lse = malloc(sizeof(double) * (size_t)(B * H * n));
     double *gq = malloc(sizeof(double) * (size_t)nq), *gk = malloc(sizeof(double) * (size_t)nk);
     double *gv = malloc(sizeof(double) * (size_t)nv), *gs = malloc(sizeof(double) * (size_t)H);
     og_core o;
     og_from(&c, &o, q, k, v, sk);
-    og_core_backward(&o, dO, gq, gk, gv, gs);
+    og_core_backward(&o, dO, dl, gq, gk, gv, gs);
     double *params[4] = {q, k, v, sk};
     double *grads[4] = {gq, gk, gv, gs};
     const int64_t counts[4] = {nq, nk, nv, sk ? H : 0};
@@ -62,11 +68,11 @@ static void fd_core(const spec *s, uint64_t seed) {
             finite &= isfinite(grads[t][e]);
             const double x0 = params[t][e];
             params[t][e] = x0 + TOL_FD_H;
-            og_core_forward(&o, out, NULL);
-            const double lp = dsum(out, dO, no);
+            og_core_forward(&o, out, lse);
+            const double lp = dsum(out, dO, no) + (dl ? dsum(lse, dl, B * H * n) : 0.0);
             params[t][e] = x0 - TOL_FD_H;
-            og_core_forward(&o, out, NULL);
-            const double lm = dsum(out, dO, no);
+            og_core_forward(&o, out, lse);
+            const double lm = dsum(out, dO, no) + (dl ? dsum(lse, dl, B * H * n) : 0.0);
             params[t][e] = x0;
             const double fd = (lp - lm) / (2.0 * TOL_FD_H);
             const double d = fabs(fd - grads[t][e]) / (scale > 1e-12 ? scale : 1e-12);
@@ -96,7 +102,7 @@ static void fd_core(const spec *s, uint64_t seed) {
             e = (double)INFINITY;
     CHECK(e <= 1e-12, "[fd core %s] og forward vs oracle_f64: %.3e", s->name, e);
     free(ref), free(lse1), free(lse2);
-    free(q), free(k), free(v), free(dO), free(sk), free(out);
+    free(q), free(k), free(v), free(dO), free(sk), free(dl), free(out), free(lse);
     free(gq), free(gk), free(gv), free(gs);
     built_free(&c);
 }
@@ -144,6 +150,7 @@ static mha_status run_core_bwd_k(const built *c,
     memcpy(gr.dk_strides, a.k_strides, sizeof gr.dk_strides);
     memcpy(gr.dv_strides, a.v_strides, sizeof gr.dv_strides);
     gr.dsinks = c->sinks ? g->ds : NULL;
+    gr.dlse = c->dlse;
     gr.accumulate = accumulate;
     mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err = {0};
@@ -163,9 +170,11 @@ static mha_status run_core_bwd(const built *c,
     return run_core_bwd_k(c, out, lse, impl, -1, threads, accumulate, g, name);
 }
 
-static void core_vs_oracle(const spec *s, uint64_t seed) {
+static void core_vs_oracle(const spec *s, uint64_t seed, int with_dlse) {
     built c;
     build(s, seed, &c);
+    if (with_dlse)
+        build_dlse(&c, seed);
     const int64_t B = s->B, H = s->H, G = s->G, n = s->n, m = s->m;
     const int64_t nq = B * H * n * s->dk, nk = B * G * m * s->dk, nv = B * G * m * s->dv;
     const int64_t no = B * H * n * s->dv;
@@ -179,11 +188,12 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
     /* Oracle on the same float inputs. */
     double *q = to_d(c.q, nq), *k = to_d(c.k, nk), *v = to_d(c.v, nv), *dO = to_d(c.dout, no);
     double *sk = c.sinks ? to_d(c.sinks, H) : NULL;
+    double *dl = c.dlse ? to_d(c.dlse, B * H * n) : NULL;
     double *gq = malloc(sizeof(double) * (size_t)nq), *gk = malloc(sizeof(double) * (size_t)nk);
     double *gv = malloc(sizeof(double) * (size_t)nv), *gs = malloc(sizeof(double) * (size_t)H);
     og_core o;
     og_from(&c, &o, q, k, v, sk);
-    og_core_backward(&o, dO, gq, gk, gv, gs);
+    og_core_backward(&o, dO, dl, gq, gk, gv, gs);
     const double maxS = max_score(&c);
     const double *oracle[4] = {gq, gk, gv, gs};
     const int64_t counts[4] = {nq, nk, nv, c.sinks ? H : 0};
@@ -306,8 +316,8 @@ static void core_vs_oracle(const spec *s, uint64_t seed) {
     }
     lib_free(&g[0]);
     lib_free(&g[1]);
-    free(out), free(lse), free(q), free(k), free(v), free(dO), free(sk), free(gq), free(gk);
-    free(gv), free(gs);
+    free(out), free(lse), free(q), free(k), free(v), free(dO), free(sk), free(dl), free(gq);
+    free(gk), free(gv), free(gs);
     built_free(&c);
 }
 
@@ -675,6 +685,11 @@ static void test_errors(void) {
               strstr(err.message, "sinks"),
           "dsinks without sinks: %s", err.message);
     gr.dsinks = NULL;
+    gr.dlse = dq; /* an input the backward reads, inside an output it writes */
+    CHECK(mha_attention_backward(&a, &gr, NULL, &err) == MHA_STATUS_INVALID_ARG &&
+              strstr(err.message, "grads.dlse"),
+          "dlse inside dq: %s", err.message);
+    gr.dlse = NULL;
     gr.dq_strides[1] = -1;
     CHECK(mha_attention_backward(&a, &gr, NULL, &err) == MHA_STATUS_INVALID_ARG,
           "negative stride: %s", err.message);
@@ -773,7 +788,7 @@ static void sweep(void) {
         s.softcap = test_rng_u64(&r) % 5 == 0 ? 5.0 : 0.0;
         s.qscale = test_rng_u64(&r) % 4 == 0 ? 4.0 : 1.0;
         s.dropout = test_rng_u64(&r) % 6 == 0 ? 0.2f : 0.0f;
-        core_vs_oracle(&s, 1000 + (uint64_t)t);
+        core_vs_oracle(&s, 1000 + (uint64_t)t, t % 3 == 1);
     }
 }
 
@@ -996,15 +1011,15 @@ static void test_hidden_nonfinite_key(void) {
 
 int main(void) {
     g_quick = test_quick();
-    for (int i = 0; i < N_CORE_SPECS; i++)
-        fd_core(&CORE_SPECS[i], 10 + (uint64_t)i);
+    for (int i = 0; i < N_CORE_SPECS; i++) /* odd cases: the loss also reads lse */
+        fd_core(&CORE_SPECS[i], 10 + (uint64_t)i, i % 2);
     for (int i = 0; i < N_LAYER_SPECS; i++)
         fd_layer(&LAYER_SPECS[i], 40 + (uint64_t)i);
     printf("finite differences: %d core + %d layer cases, worst |fd - analytic| / max|g| = %.2e "
            "(gate %g)\n",
            N_CORE_SPECS, N_LAYER_SPECS, g_fd_worst, TOL_FD_REL);
     for (int i = 0; i < N_CORE_SPECS; i++)
-        core_vs_oracle(&CORE_SPECS[i], 10 + (uint64_t)i);
+        core_vs_oracle(&CORE_SPECS[i], 10 + (uint64_t)i, i % 2);
     sweep();
     printf("core backward vs float64 oracle: worst backstop c = %.2f (reference), %.2f (fast), "
            "gate %g; worst err_fast / err_reference %.2f (the ratio gate adds u*scale)\n",

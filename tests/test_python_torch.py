@@ -600,7 +600,7 @@ def eager_attention_with_sinks(q, k, v, sinks, scale, attend=None, additive=None
     if attend is not None:
         s = s.masked_fill(~attend, float("-inf"))
     full = torch.cat([s, sinks.view(1, h, 1, 1).expand(B, h, n, 1)], -1)
-    return torch.softmax(full, -1)[..., :m] @ v
+    return torch.softmax(full, -1)[..., :m] @ v, torch.logsumexp(full, -1)
 
 
 SINK_CASES = {
@@ -642,7 +642,7 @@ def test_op_sinks_gradient_matches_float64_eager(name):
     out, lse, _ = torch.ops.mha.attention(
         ins[0], ins[1], ins[2], attend, None if additive is None else additive.float(), causal,
         scale, 0.0, None, False, False, 1, softcap, False, ins[3])
-    ref = eager_attention_with_sinks(*ins64, scale, attend, additive, causal, softcap)
+    ref = eager_attention_with_sinks(*ins64, scale, attend, additive, causal, softcap)[0]
     close(out, ref, "output")
     if attend is not None:
         assert torch.isneginf(lse[0, :, 2]).all() and not out[0, :, 2].any()
@@ -652,6 +652,82 @@ def test_op_sinks_gradient_matches_float64_eager(name):
     for a, b, nm in zip(grads, refs, ("dq", "dk", "dv", "dsinks")):
         assert a.dtype == dt, (nm, a.dtype)
         close(a, b, f"{name}: {nm}")
+
+
+LSE_CASES = {**SINK_CASES, "no_sinks_gqa_causal": ((2, 4, 2, 5, 8, 8, 6),
+                                                   dict(causal=True, sinks=False))}
+
+
+@pytest.mark.parametrize("name", sorted(LSE_CASES))
+def test_op_gradient_through_lse_matches_float64_eager(name):
+    # A loss that reads lse as well as out (merging partial attentions by their lse, a
+    # log-partition term): until session 51 the operator dropped dL/dlse, and every gradient
+    # came out silently wrong. lse_i = log(exp(sink) + sum_j exp(s_ij)) gives d lse_i / d s_ij =
+    # p_ij and d lse_i / d sink = p_sink,i. Rows that see no key (lse = -inf, the contract) are
+    # left out of both losses (the eager lse keeps the sink there).
+    (B, h, g, n, m, d, dv), c = LSE_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) * 7919)
+    dt = c.get("dtype", torch.float32)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64)
+               for s in ((B, h, n, d), (B, g, m, d), (B, g, m, dv)))
+    with_sinks = c.get("sinks", True)
+    sinks = torch.randn(h, generator=gen, dtype=torch.float64) * c.get("sink_scale", 1.0)
+    if not with_sinks:
+        sinks = torch.full((h,), float("-inf"), dtype=torch.float64)  # the eager reference's
+    attend = additive = None
+    if c.get("mask") == "bool_empty_rows":
+        attend = torch.rand(B, 1, n, m, generator=gen) < 0.6
+        attend[..., 0] = True
+        attend[0, 0, 2] = False
+    elif c.get("mask") == "float":
+        additive = torch.randn(n, m, generator=gen, dtype=torch.float64)
+    scale, softcap, causal = 0.35, c.get("softcap", 0.0), c.get("causal", False)
+    ins = [t.to(dt).requires_grad_() for t in (q, k, v)] + (
+        [sinks.to(dt).requires_grad_()] if with_sinks else [])
+    ins64 = [t.clone().requires_grad_() for t in (q, k, v)] + (
+        [sinks.clone().requires_grad_()] if with_sinks else [])
+    out, lse, _ = torch.ops.mha.attention(
+        *ins[:3], attend, None if additive is None else additive.float(), causal, scale, 0.0,
+        None, False, False, 1, softcap, False, ins[3] if with_sinks else None)
+    ref, ref_lse = eager_attention_with_sinks(*ins64[:3], ins64[3] if with_sinks else sinks,
+                                              scale, attend, additive, causal, softcap)
+    seen = torch.isfinite(lse.detach())
+    close(lse.where(seen, 0), ref_lse.where(seen, 0), "lse")
+    do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    dl = torch.randn(lse.shape, generator=gen, dtype=torch.float64) * 3.0
+    grads = torch.autograd.grad(
+        (out * do.to(dt)).sum() + (lse.where(seen, 0) * dl.to(lse.dtype)).sum(), ins)
+    refs = torch.autograd.grad((ref * do).sum() + (ref_lse.where(seen, 0) * dl).sum(), ins64)
+    for a, b, nm in zip(grads, refs, ("dq", "dk", "dv", "dsinks")):
+        close(a, b, f"{name}: {nm}")
+    # The NumPy face takes the same dlse (mha.attention_backward(..., dlse=)).
+    got = mha.attention_backward(
+        do.to(dt).numpy(), *(t.detach().numpy() for t in ins[:3]), out.detach().numpy(),
+        lse.detach().numpy(), scale=scale, causal="top-left" if causal else False,
+        softcap=softcap or None, mask=None if attend is None else attend.numpy(),
+        attn_bias=None if additive is None else additive.float().numpy(),
+        sinks=ins[3].detach().numpy() if with_sinks else None,
+        dlse=(dl * seen).to(dt).numpy())
+    for a, b, nm in zip(got, refs, ("dq", "dk", "dv", "dsinks")):
+        close(torch.from_numpy(a), b, f"{name} (NumPy): {nm}")
+
+
+def test_op_probabilities_carry_no_gradient_and_ring_refuses_dlse():
+    # The returned probabilities are for inspection, as the layer's weights (docs/PYTHON.md): not
+    # differentiable, so a loss on them cannot silently lose its gradient.
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out, lse, probs = torch.ops.mha.attention(q, q, q, None, None, False, 0.3, 0.0, None, True,
+                                              False, 1)
+    assert out.requires_grad and lse.requires_grad and not probs.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        probs.sum().backward()
+    x = np.zeros((1, 2, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="dlse"):
+        mha.attention_backward(x, x, x, x, x, np.zeros((1, 2, 4), np.float32), comm=object(),
+                               dlse=np.zeros((1, 2, 4), np.float32))
+    with pytest.raises(ValueError, match="dlse"):
+        mha.attention_backward(x, x, x, x, x, np.zeros((1, 2, 4), np.float32),
+                               dlse=np.zeros((1, 4, 2), np.float32))
 
 
 def test_op_sinks_gradient_with_dropout_equals_the_c_backward():
@@ -681,7 +757,7 @@ def test_op_sinks_without_grad_stay_constant():
     out = torch.ops.mha.attention(q, k, v, None, None, False, 0.3, 0.0, None, False, False, 1,
                                   0.0, False, sinks)[0]
     ref = eager_attention_with_sinks(*(t.detach().double().requires_grad_() for t in (q, k, v)),
-                                     sinks.double(), 0.3)
+                                     sinks.double(), 0.3)[0]
     g = torch.autograd.grad(out.sum(), (q, k, v))
     assert sinks.grad is None and all(t is not None for t in g)
     close(out, ref, "output")

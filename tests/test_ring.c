@@ -721,6 +721,16 @@ static void test_collective_errors(void) {
     CHECK(st == MHA_STATUS_INVALID_ARG && strncmp(err.message, prefix, strlen(prefix)) == 0,
           "backward without lse on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
           err.message);
+    /* A gradient of lse on the last rank: the ring backward takes none (UNSUPPORTED everywhere). */
+    b.lse = lse;
+    if (g_rank == bad)
+        gr.dlse = lse;
+    st = mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &b, &gr, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strncmp(err.message, prefix, strlen(prefix)) == 0 &&
+              (g_rank != bad || strstr(err.message, "dlse")),
+          "backward with dlse on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
+          err.message);
+    gr.dlse = NULL;
     free(lse), free(dq);
     /* And the same call with good arguments still works afterwards, without lse. */
     st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &a, NULL, &err);

@@ -778,7 +778,8 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *,
 
 def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
                        out: ArrayLike, lse: ArrayLike, *, layout: str = "bhld",
-                       sinks: Optional[ArrayLike] = None, impl: str = "auto", threads: int = 0,
+                       sinks: Optional[ArrayLike] = None, dlse: Optional[ArrayLike] = None,
+                       impl: str = "auto", threads: int = 0,
                        comm: Any = None, seq_len: Optional[int] = None,
                        shard_layout: str = "zigzag", **options) -> Tuple[np.ndarray, ...]:
     """Backward of :func:`attention` (mha_attention_backward).
@@ -786,7 +787,9 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     Give the forward's inputs, its output ``out`` and log-sum-exp ``lse`` (``return_lse=True``),
     the upstream gradient ``dout`` (shape of out) and the same keyword options the forward had
     (masks, scale, softcap, alibi, dropout and seed, ...). Returns (dq, dk, dv), plus dsinks
-    when ``sinks`` is given, shaped like q, k, v (and sinks).
+    when ``sinks`` is given, shaped like q, k, v (and sinks). ``dlse`` (shaped like ``lse``) is
+    the gradient of a loss that also reads lse (as a merge of partial attentions does); None
+    means the loss reads out alone. The ring backward (``comm``) takes no ``dlse``.
 
     With ``comm`` (collective, mha_ring_attention_backward): every rank gives its shard's rows of
     everything, ``out`` and ``lse`` as the distributed forward returned them, and the same
@@ -796,9 +799,12 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     if comm is None:
         if seq_len is not None or shard_layout != "zigzag":
             raise ValueError(_RING_ONLY)
-        call = _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options)
+        call = _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options,
+                                 dlse=dlse)
         M.call(L.mha_attention_backward, *call[:3])
     else:
+        if dlse is not None:
+            raise ValueError("dlse: the ring backward (comm=...) takes no gradient of lse")
         from . import _mpi
         _mpi.comm_info(comm)
         call, cfg = _mpi.collective(comm, lambda: (
@@ -818,7 +824,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
 
 
 def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options,
-                      native=True):
+                      native=True, dlse=None):
     """The checked arguments of :func:`attention_backward`: (args, grads, exec, keep, [dq, dk,
     dv], dsinks, ndim). q, k, v, out and dout are read in their storage dtypes (float32 for
     others, or for every one unless `native`); dq, dk, dv are in those of q, k, v."""
@@ -844,9 +850,15 @@ def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, opt
     ls = _float32(lse, "lse").reshape(-1)
     keep.append(ls)
     a.lse = _ptr(ls)
+    if dlse is not None:
+        if np.shape(dlse) != want:
+            raise ValueError(f"dlse: expected the shape of lse, {want}, got {np.shape(dlse)}")
+        dl = _float32(dlse, "dlse").reshape(-1)
+        keep.append(dl)
     M.set_strided(a, "out", _ptr(o4), _el_strides(o4))
     a.out_dtype = _storage_code(o4.dtype)
     gr = L.mha_attention_grads()
+    gr.dlse = _ptr(dl) if dlse is not None else None
     M.set_strided(gr, "dout", _ptr(do4), _el_strides(do4))
     grads = [np.empty(t.shape, t.dtype) for t in (q4, k4, v4)]
     for g_, nm in zip(grads, ("dq", "dk", "dv")):

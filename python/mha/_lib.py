@@ -212,6 +212,7 @@ class mha_attention_grads(Structure):
         ("dv", c_void_p), ("dv_strides", c_int64 * 3),
         ("dsinks", c_void_p), ("accumulate", c_int32),
         ("dout_dtype", c_int), ("dq_dtype", c_int), ("dk_dtype", c_int), ("dv_dtype", c_int),
+        ("dlse", c_void_p),
     ]
 
 

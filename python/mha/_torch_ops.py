@@ -33,7 +33,8 @@ window to the last key (docs/SEMANTICS.md) instead of the first; ``chunk_size`` 
 Llama 4's chunked attention (key j visible iff j // C == p // C, p the query's diagonal).
 
 attention(...) -> (out [B, h, n, d_v], lse [B, h, n], probs): probs is [B, h, n, m], [B, n, m]
-averaged over heads (average_probs), or an empty tensor when need_probs is False.
+averaged over heads (average_probs), or an empty tensor when need_probs is False. out and lse are
+differentiable (a loss may read both: attention_backward's trailing ``dlse``); probs is not.
 """
 from __future__ import annotations
 
@@ -335,10 +336,11 @@ def _attention_fake(q, k, v, attend, additive, causal, scale, dropout_p, seed, n
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             options: tuple) -> Tuple[Tensor, Tensor, Tensor]:
+             options: tuple, dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """mha_attention_backward: (dq, dk, dv) of the forward(q, k, v, options, ...) call that gave
     out and lse. q, k, v, out, dout: float32, bfloat16 or float16 (any mix); dq, dk, dv are in
-    the dtypes of q, k, v."""
+    the dtypes of q, k, v. dlse [B, h, n] (any float dtype): the loss's gradient through lse,
+    None when the loss does not read it."""
     attend, additive, causal, scale, dropout_p, seed, threads, model = options
     a, keep, bm = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model, threads)
     out = out if out.stride(-1) == 1 else out.contiguous()
@@ -348,6 +350,9 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     a.out_dtype = _STORAGE[out.dtype]
     a.lse = lse.data_ptr()
     g = L.mha_attention_grads()
+    if dlse is not None:
+        dlse = dlse.to(_F32).contiguous()
+        g.dlse = dlse.data_ptr()
     M.set_strided(g, "dout", dout.data_ptr(), dout.stride()[:3])
     grads = tuple(empty(t.shape, t.dtype) for t in keep[:3])
     for name, d in zip(("dq", "dk", "dv"), grads):
@@ -368,8 +373,10 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            threads: int, softcap: float = 0.0, alibi: bool = False,
                            sinks: Optional[Tensor] = None, window_left: int = -1,
                            window_right: int = -1, bottom_right: bool = False,
-                           chunk_size: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    """torch.ops.mha.attention_backward: the gradients of one torch.ops.mha.attention call."""
+                           chunk_size: int = 0,
+                           dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """torch.ops.mha.attention_backward: the gradients of one torch.ops.mha.attention call;
+    dlse (shape of lse, optional): the loss's gradient through lse as well."""
     op = "mha::attention_backward"
     dtypes = tuple(t.dtype if isinstance(t, Tensor) else None for t in (q, k, v))
     q, k, v, attend, additive, sinks = _checked(op, q, k, v, attend, additive, dropout_p, seed,
@@ -378,15 +385,20 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     want = (B, h, n, v.shape[3])
     out, dout = _float_operand(out, "out", op, 4, True), _float_operand(dout, "dout", op, 4, True)
     lse = _float_operand(lse, "lse", op, 3)
-    if len({t.device for t in (q, out, dout, lse)}) > 1:
+    if dlse is not None:
+        dlse = _float_operand(dlse, "dlse", op, 3)
+    if len({t.device for t in (q, out, dout, lse, dlse) if t is not None}) > 1:
         raise TypeError(f"{op}: all tensors must be on one device (the CPU)")
-    if tuple(out.shape) != want or tuple(dout.shape) != want or tuple(lse.shape) != want[:3]:
-        raise ValueError(f"{op}: out and dout must have shape {want} and lse {want[:3]}, got "
-                         f"{tuple(out.shape)}, {tuple(dout.shape)} and {tuple(lse.shape)}")
+    if tuple(out.shape) != want or tuple(dout.shape) != want or tuple(lse.shape) != want[:3] or \
+            (dlse is not None and tuple(dlse.shape) != want[:3]):
+        raise ValueError(f"{op}: out and dout must have shape {want} and lse (and dlse) "
+                         f"{want[:3]}, got {tuple(out.shape)}, {tuple(dout.shape)}, "
+                         f"{tuple(lse.shape)}"
+                         + (f" and {tuple(dlse.shape)}" if dlse is not None else ""))
     grads = backward(dout, q, k, v, out, lse,
                      (attend, additive, causal, scale, dropout_p, seed, threads,
                       _model(softcap, alibi, sinks, window_left, window_right, bottom_right,
-                             chunk_size)))
+                             chunk_size)), dlse)
     return tuple(g if g.dtype is dt else g.to(dt) for g, dt in zip(grads, dtypes))
 
 
@@ -397,9 +409,9 @@ attention_backward = torch.library.custom_op("mha::attention_backward", _attenti
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p,
                              seed, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
-                             window_right=-1, bottom_right=False, chunk_size=0):
+                             window_right=-1, bottom_right=False, chunk_size=0, dlse=None):
     _checked("mha::attention_backward (fake)", q, k, v, attend, additive, dropout_p, seed, sinks)
-    if len({t.device for t in (q, dout, out, lse) if isinstance(t, Tensor)}) > 1:
+    if len({t.device for t in (q, dout, out, lse, dlse) if isinstance(t, Tensor)}) > 1:
         raise TypeError("mha::attention_backward: all tensors must be on one device (the CPU)")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -407,35 +419,44 @@ def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, 
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, attend, additive, causal, scale, dropout_p, seed, _, _, threads, softcap, alibi,
      sinks, window_left, window_right, bottom_right, chunk_size) = inputs
-    out, lse, _ = output
+    out, lse, probs = output
+    # The probabilities are a view for inspection, as the layer's weights (docs/PYTHON.md): no
+    # gradient flows through them (a loss on them alone raises, as for any constant).
+    ctx.mark_non_differentiable(probs)
     ctx.save_for_backward(q, k, v, out, lse, attend, additive, seed, sinks)
     ctx.options = (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
                    bottom_right, chunk_size)
 
 
-def sinks_gradient(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+def sinks_gradient(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
+                   dlse: Optional[Tensor] = None) -> Tensor:
     """dL/d sinks [h] (in sinks' dtype) of the attention call with learned sinks that gave out
     [B, h, n, d_v] and lse [B, h, n] (lse over the keys and the sink): the sink takes
     p_sink,i = exp(sink_h - lse_i) of row i's mass, so d out_i / d sink_h = -p_sink,i out_i
     (dropout included: it scales out_i and every p_ij alike) and dL/d sink_h = -sum over the
     batch and the rows i of head h of p_sink,i (dOut_i . out_i), mha_attention_backward's dsinks,
-    computed in float32. A fully masked row (lse = -inf, out = 0) adds nothing."""
+    computed in float32. A loss that reads lse adds sum p_sink,i dlse_i (d lse_i / d sink_h =
+    p_sink,i). A fully masked row (lse = -inf, out = 0) adds nothing."""
     s = sinks.detach().to(_F32).view(1, -1, 1)
     lse = lse.to(_F32)
     p = torch.where(torch.isfinite(lse), torch.exp(s - lse), torch.zeros_like(lse))
     d = (dout.to(_F32) * out.to(_F32)).sum(-1)
+    if dlse is not None:
+        d = d - dlse.to(_F32)
     return (-(p * d).sum((0, 2))).to(sinks.dtype)
 
 
-def _backward(ctx, dout, _dlse, _dprobs):
+def _backward(ctx, dout, dlse, _dprobs):
+    """The gradients through out and lse (a loss may read both: merging partial attentions by
+    their lse does); probs is not differentiable (_setup_context)."""
     q, k, v, out, lse, attend, additive, seed, sinks = ctx.saved_tensors
     (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
      bottom_right, chunk_size) = ctx.options
     dq, dk, dv = torch.ops.mha.attention_backward(
         dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p, seed, threads,
-        softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size)
+        softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size, dlse)
     # The learned sinks' gradient (inputs[14]), when they require one.
-    dsinks = (sinks_gradient(dout, out, lse, sinks)
+    dsinks = (sinks_gradient(dout, out, lse, sinks, dlse)
               if sinks is not None and ctx.needs_input_grad[14] else None)
     return (dq, dk, dv) + (None,) * 11 + (dsinks,) + (None,) * 4
 

@@ -552,10 +552,11 @@ mha_status mha__check_backward_grads(const mha_attention_args *a,
         st = view_disjoint("grads.dv", g->dv, g->dv_strides, p->B, p->G, p->m, p->dv, err);
     if (st)
         return st;
-    mha__span in[CORE_INPUTS + 3];
+    mha__span in[CORE_INPUTS + 4];
     int n_in = core_inputs(a, p, in);
     in[n_in++] = view_span("fwd.out", p->o_dt, a->out, a->out_strides, p->B, p->H, p->n, p->dv);
     in[n_in++] = mha__span_of("fwd.lse", a->lse, p->B * p->H * p->n, sizeof(float));
+    in[n_in++] = mha__span_of("grads.dlse", g->dlse, p->B * p->H * p->n, sizeof(float));
     in[n_in++] =
         view_span("grads.dout", g->dout_dtype, g->dout, g->dout_strides, p->B, p->H, p->n, p->dv);
     const mha__span out[4] = {

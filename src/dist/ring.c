@@ -155,6 +155,12 @@ static mha_status check_local(const mha_ring_config *cfg,
                         "required");
         return MHA_STATUS_INVALID_ARG;
     }
+    if (grads->dlse) { /* the pairs would need the rows' dlse sliced like lse: not built */
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "mha_ring_attention_backward: grads.dlse (a loss that reads lse) is not "
+                        "supported by the ring backward");
+        return MHA_STATUS_UNSUPPORTED;
+    }
     /* The gradients' strides and pointers: the core backward's check (its size query). */
     size_t bytes;
     return mha_attention_backward_workspace_size(a, grads, exec, &bytes, err);

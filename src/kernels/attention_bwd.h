@@ -23,6 +23,7 @@ typedef struct mha__bwd_problem {
     void *dq, *dk, *dv; /* NULL = not wanted */
     int64_t dqs[3], dks[3], dvs[3];
     mha_dtype do_dt, dq_dt, dk_dt, dv_dt; /* storage dtypes (F32, BF16, F16) */
+    const float *dlse;                    /* [B, H, n] dL/dlse (grads->dlse), or NULL (0) */
     float *sink_part; /* [B * H] per (b, h) partial dL/dsink, or NULL (no sinks wanted) */
     int accumulate;
 } mha__bwd_problem;

@@ -87,8 +87,17 @@ void build(const spec *s, uint64_t seed, built *c) {
     }
 }
 
+void build_dlse(built *c, uint64_t seed) {
+    const int64_t count = c->s.B * c->s.H * c->s.n;
+    test_rng r;
+    test_rng_seed(&r, seed ^ 0xd15eull);
+    c->dlse = malloc(sizeof(float) * (size_t)count);
+    test_fill_normal(&r, c->dlse, count, 1.0f);
+}
+
 void built_free(built *c) {
-    free(c->q), free(c->k), free(c->v), free(c->sinks), free(c->dout), free(c->bmask);
+    free(c->q), free(c->k), free(c->v), free(c->sinks), free(c->dout), free(c->dlse);
+    free(c->bmask);
     free(c->imask), free(c->amask), free(c->kpm), free(c->qseg), free(c->kvseg);
 }
 

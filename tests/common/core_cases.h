@@ -28,6 +28,7 @@ typedef struct spec {
 typedef struct built {
     spec s;
     float *q, *k, *v, *sinks, *dout;
+    float *dlse; /* [B, H, n] after build_dlse (the loss also reads lse), else NULL */
     uint8_t *bmask;
     int32_t *imask;
     float *amask;
@@ -39,6 +40,8 @@ typedef struct built {
 } built;
 
 void build(const spec *s, uint64_t seed, built *c);
+/* c->dlse, normal values from a stream of its own (c's other tensors stay those of the seed). */
+void build_dlse(built *c, uint64_t seed);
 void built_free(built *c);
 /* Contiguous [B, heads, L, d] core args over c's tensors. */
 void core_args(const built *c, float *out, float *lse, mha_attention_args *a);

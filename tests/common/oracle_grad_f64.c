@@ -138,8 +138,13 @@ int og_core_forward(const og_core *c, double *out, double *lse) {
     return 0;
 }
 
-int og_core_backward(
-    const og_core *c, const double *dout, double *dq, double *dk, double *dv, double *dsinks) {
+int og_core_backward(const og_core *c,
+                     const double *dout,
+                     const double *dlse,
+                     double *dq,
+                     double *dk,
+                     double *dv,
+                     double *dsinks) {
     const int64_t B = c->B, H = c->H, G = c->G, n = c->n, m = c->m;
     const double scale = c->scale != 0.0 ? c->scale : 1.0 / sqrt((double)c->dk);
     double *s = malloc(sizeof(double) * (size_t)(4 * m));
@@ -178,6 +183,10 @@ int og_core_backward(
                         for (int64_t d = 0; d < c->dv; d++)
                             dv[((b * G + g) * m + j) * c->dv + d] += z * p[j] * dO[d];
                 }
+                /* A loss reading lse_i = log sum_j exp(s_j) (+ the sink) adds dlse_i p_j to
+                 * dL/ds_j and dlse_i p_sink to dL/dsink: D -= dlse_i. */
+                if (dlse)
+                    D -= dlse[row];
                 /* softmax (keys + sink whose dp is 0): ds_j = p_j (dp_j - D). */
                 for (int64_t j = 0; j < m; j++) {
                     if (p[j] == 0.0)
@@ -422,7 +431,7 @@ int og_layer_backward(const mha_config *cfg,
     /* y = A W_o^T + b_o */
     lin_back(f.a, w->w_o, dy, B * n, H * dv, od, dA, g->dw_o, g->db_o);
     to_bhld(dA, dO, B, n, H, dv, 0);
-    og_core_backward(&core, dO, dq, dk_, dv_, g->d_sinks);
+    og_core_backward(&core, dO, NULL, dq, dk_, dv_, g->d_sinks);
     to_bhld(dq, dqp, B, n, H, dk, 1);
     to_bhld(dk_, dkp, B, m, G, dk, 1);
     to_bhld(dv_, dvp, B, m, G, dv, 1);

@@ -24,9 +24,15 @@ typedef struct og_core {
 
 /* out and lse may be NULL. Returns 0. */
 int og_core_forward(const og_core *c, double *out, double *lse);
-/* Gradients of L = sum(dout * out); any output may be NULL. Overwrites. Returns 0. */
-int og_core_backward(
-    const og_core *c, const double *dout, double *dq, double *dk, double *dv, double *dsinks);
+/* Gradients of L = sum(dout * out) + sum(dlse * lse) (dlse [B, H, n], NULL = 0); any output may
+ * be NULL. Overwrites. Returns 0. */
+int og_core_backward(const og_core *c,
+                     const double *dout,
+                     const double *dlse,
+                     double *dq,
+                     double *dk,
+                     double *dv,
+                     double *dsinks);
 
 /* The layer. Weights in nn.Linear layout, in double; biases/sinks NULL when absent. */
 typedef struct og_weights {

@@ -91,8 +91,8 @@ typedef struct bwd_unit {
     float keep_scale;
 } bwd_unit;
 
-/* Pass 1: D_i = dO_i . O_i per row of the group's heads, Q and dO packed (widened exactly when
- * half precision), the sink gradient, dQ = 0. */
+/* Pass 1: D_i = dO_i . O_i - dlse_i per row of the group's heads, Q and dO packed (widened exactly
+ * when half precision), the sink gradient, dQ = 0. */
 static void unit_rows(const bwd_unit *u) {
     const mha__problem *p = u->p;
     const mha__bwd_problem *bp = u->bp;
@@ -117,6 +117,8 @@ static void unit_rows(const bwd_unit *u) {
                     mha__widen_rows(p->o_dt, mha__elem(p->o_dt, p->out, o0), u->Orow, dv);
                 for (int64_t d = 0; d < dv; d++)
                     D += dO[d] * o[d];
+                if (bp->dlse) /* lse's own gradient shifts D (mha_attention_backward) */
+                    D -= bp->dlse[(b * p->H + h) * n + i];
             }
             u->Drow[hh * n + i] = D;
             mha__widen_rows(p->q_dt,

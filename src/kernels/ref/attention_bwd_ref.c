@@ -102,10 +102,13 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                     P[j] = expf(sj - lse);
                 }
 
-                /* Pass 2: D_i = dO_i . O_i (the softmax row sum, see the derivation). */
+                /* Pass 2: D_i = dO_i . O_i (the softmax row sum, see the derivation), minus
+                 * dL/dlse_i when the loss reads lse (d lse_i / d s_ij = P_ij). */
                 float D = 0.0f;
                 for (int64_t d = 0; d < dv; d++)
                     D += dO[d] * o[d];
+                if (bp->dlse)
+                    D -= bp->dlse[(b * p->H + h) * n + i];
 
                 /* Pass 3: forward "o[d] += pj * v[d]" with pj = z_ij P_ij gives
                  * dV_j += z_ij P_ij dO_i and dP_ij = z_ij dO_i . V_j. */
