@@ -712,15 +712,91 @@ def test_op_gradient_through_lse_matches_float64_eager(name):
         close(torch.from_numpy(a), b, f"{name} (NumPy): {nm}")
 
 
-def test_op_probabilities_carry_no_gradient_and_ring_refuses_dlse():
-    # The returned probabilities are for inspection, as the layer's weights (docs/PYTHON.md): not
-    # differentiable, so a loss on them cannot silently lose its gradient.
-    q = torch.randn(1, 2, 4, 8, requires_grad=True)
-    out, lse, probs = torch.ops.mha.attention(q, q, q, None, None, False, 0.3, 0.0, None, True,
-                                              False, 1)
-    assert out.requires_grad and lse.requires_grad and not probs.requires_grad
-    with pytest.raises(RuntimeError, match="does not require grad"):
-        probs.sum().backward()
+PROBS_CASES = {"plain": ((2, 3, 3, 5, 7, 8, 8), {}),
+               "gqa_sinks_causal": ((2, 4, 2, 6, 9, 8, 5), dict(causal=True, sinks=True)),
+               "empty_rows_sinks": ((2, 4, 2, 6, 8, 8, 8), dict(mask="bool_empty_rows",
+                                                                 sinks=True)),
+               "additive_softcap": ((2, 2, 1, 5, 6, 8, 4), dict(mask="float", softcap=2.0)),
+               "averaged_gqa": ((2, 4, 2, 5, 6, 8, 8), dict(average=True, sinks=True)),
+               "bfloat16": ((1, 2, 2, 4, 6, 16, 16), dict(dtype=torch.bfloat16))}
+
+
+@pytest.mark.parametrize("name", sorted(PROBS_CASES))
+def test_op_gradient_through_probs_matches_float64_eager(name):
+    # A loss on the returned probabilities (attention distillation: MiniLM, TinyBERT) as well as
+    # on out and lse: until session 51 their gradient was dropped silently. The reference is
+    # float64 eager softmax attention; rows that see no key are left out of the lse term.
+    (B, h, g, n, m, d, dv), c = PROBS_CASES[name]
+    gen = torch.Generator().manual_seed(len(name) * 104729)
+    dt = c.get("dtype", torch.float32)
+    x64 = [torch.randn(s, generator=gen, dtype=torch.float64)
+           for s in ((B, h, n, d), (B, g, m, d), (B, g, m, dv))]
+    with_sinks = c.get("sinks", False)
+    sinks = (torch.randn(h, generator=gen, dtype=torch.float64) if with_sinks
+             else torch.full((h,), float("-inf"), dtype=torch.float64))
+    attend = additive = None
+    if c.get("mask") == "bool_empty_rows":
+        attend = torch.rand(B, 1, n, m, generator=gen) < 0.6
+        attend[..., 0] = True
+        attend[0, 0, 2] = False
+    elif c.get("mask") == "float":
+        additive = torch.randn(n, m, generator=gen, dtype=torch.float64)
+    scale, softcap, causal, avg = 0.35, c.get("softcap", 0.0), c.get("causal", False), \
+        c.get("average", False)
+    if dt is torch.bfloat16:  # the reference starts from the values the operator reads
+        x64 = [t.to(dt).double() for t in x64]
+    ins = [t.to(dt).requires_grad_() for t in x64] + (
+        [sinks.to(dt).requires_grad_()] if with_sinks else [])
+    ins64 = [t.clone().requires_grad_() for t in x64] + (
+        [sinks.clone().requires_grad_()] if with_sinks else [])
+    out, lse, probs = torch.ops.mha.attention(
+        *ins[:3], attend, None if additive is None else additive.float(), causal, scale, 0.0,
+        None, True, avg, 1, softcap, False, ins[3] if with_sinks else None)
+    assert probs.requires_grad
+    # float64 eager: probabilities over the keys (the sink's share is not among them)
+    q, k, v = ins64[:3]
+    sk = ins64[3] if with_sinks else sinks
+    kk, vv = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
+    r = scale * q @ kk.transpose(-1, -2)
+    sc = softcap * torch.tanh(r / softcap) if softcap else r
+    if additive is not None:
+        sc = sc + additive
+    if causal:
+        sc = sc.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
+    if attend is not None:
+        sc = sc.masked_fill(~attend, float("-inf"))
+    full = torch.cat([sc, sk.view(1, h, 1, 1).expand(B, h, n, 1)], -1)
+    ref_lse = torch.logsumexp(full, -1)
+    ref_p = torch.softmax(full, -1)[..., :m].nan_to_num(0.0)
+    ref_out = ref_p @ vv
+    ref_probs = ref_p.mean(1) if avg else ref_p
+    close(probs, ref_probs, "probs", tol=TOL if dt is not torch.bfloat16 else 2 ** -7)
+    seen = torch.isfinite(lse.detach())
+    do, dl, gp = (torch.randn(t.shape, generator=gen, dtype=torch.float64)
+                  for t in (out, lse, probs))
+    loss = (out * do.to(dt)).sum() + (lse.where(seen, 0) * dl.float()).sum() + \
+        (probs * gp.to(dt)).sum()
+    ref = (ref_out * do).sum() + (ref_lse.where(seen, 0) * dl).sum() + (ref_probs * gp).sum()
+    grads = torch.autograd.grad(loss, ins)
+    refs = torch.autograd.grad(ref, ins64)
+    for a, b, nm in zip(grads, refs, ("dq", "dk", "dv", "dsinks")):
+        close(a, b, f"{name}: {nm}", tol=TOL if dt is not torch.bfloat16 else 2 ** -6)
+
+
+def test_op_gradient_through_probs_ignores_dropout_and_ring_refuses_dlse():
+    # probs are taken before dropout, so a loss on them alone has the same gradient with and
+    # without dropout (out's gradient is 0 there).
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=gen) for _ in range(3))
+    gp = torch.randn(1, 2, 5, 5, generator=gen)
+    grads = []
+    for p, seed in ((0.0, None), (0.3, torch.tensor([7], dtype=torch.int64))):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        probs = torch.ops.mha.attention(*ins, None, None, True, 0.4, p, seed, True, False, 1)[2]
+        grads.append(torch.autograd.grad((probs * gp).sum(), ins, allow_unused=True))
+    for a, b, nm in zip(*grads, ("dq", "dk", "dv")):
+        assert torch.equal(a, b), nm
+    assert not grads[0][2].any()
     x = np.zeros((1, 2, 4, 8), np.float32)
     with pytest.raises(ValueError, match="dlse"):
         mha.attention_backward(x, x, x, x, x, np.zeros((1, 2, 4), np.float32), comm=object(),

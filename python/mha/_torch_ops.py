@@ -34,7 +34,8 @@ Llama 4's chunked attention (key j visible iff j // C == p // C, p the query's d
 
 attention(...) -> (out [B, h, n, d_v], lse [B, h, n], probs): probs is [B, h, n, m], [B, n, m]
 averaged over heads (average_probs), or an empty tensor when need_probs is False. out and lse are
-differentiable (a loss may read both: attention_backward's trailing ``dlse``); probs is not.
+differentiable (a loss may read both: attention_backward's trailing ``dlse``), and so is probs
+(the softmax's derivative, added by the autograd formula: probs_gradient).
 """
 from __future__ import annotations
 
@@ -417,15 +418,13 @@ def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, attend, additive, causal, scale, dropout_p, seed, _, _, threads, softcap, alibi,
-     sinks, window_left, window_right, bottom_right, chunk_size) = inputs
-    out, lse, probs = output
-    # The probabilities are a view for inspection, as the layer's weights (docs/PYTHON.md): no
-    # gradient flows through them (a loss on them alone raises, as for any constant).
-    ctx.mark_non_differentiable(probs)
+    (q, k, v, attend, additive, causal, scale, dropout_p, seed, need_probs, average_probs,
+     threads, softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size) = inputs
+    out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, attend, additive, seed, sinks)
     ctx.options = (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
                    bottom_right, chunk_size)
+    ctx.probs = (need_probs, average_probs)
 
 
 def sinks_gradient(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
@@ -446,9 +445,49 @@ def sinks_gradient(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
     return (-(p * d).sum((0, 2))).to(sinks.dtype)
 
 
-def _backward(ctx, dout, dlse, _dprobs):
-    """The gradients through out and lse (a loss may read both: merging partial attentions by
-    their lse does); probs is not differentiable (_setup_context)."""
+def probs_gradient(dprobs: Tensor, average: bool, q: Tensor, k: Tensor, v: Tensor,
+                   lse: Tensor, options: tuple, sinks: Optional[Tensor]):
+    """(dq, dk, dsinks or None) in float32 of a loss reading the returned probabilities
+    p_ij = exp(s_ij - lse_i) (before dropout; with sinks, lse counts the sink), from
+    dp_ij / ds_ik = p_ij (delta_jk - p_ik) and dp_ij / d sink = -p_ij p_sink,i:
+      dS_ij = p_ij (G_ij - c_i), c_i = sum_k p_ik G_ik    (G = dL/dprobs; averaged: G / h per head)
+      dR_ij = dS_ij (1 - tanh^2(r_ij / softcap))          (the factor only with softcap)
+      dQ_i = scale sum_j dR_ij K_j   dK_j = scale sum_i dR_ij Q_i   dsink_h = -sum p_sink,i c_i
+    p is recomputed per head in float32 by the operator itself (every mask rule as the forward
+    had it; no dropout: probs are taken before it), so nothing is re-derived here but the
+    softmax's own derivative."""
+    (attend, additive, causal, scale, _, _, threads, softcap, alibi, _, window_left,
+     window_right, bottom_right, chunk_size) = options
+    B, h, n, d = q.shape
+    group = h // k.shape[1]
+    q32, k32 = q.detach().to(_F32), k.detach().to(_F32).repeat_interleave(group, 1)
+    p = torch.ops.mha.attention(q32, k.detach().to(_F32), v.detach().to(_F32), attend,
+                                additive, causal, scale, 0.0, None, True, False, threads,
+                                softcap, alibi, sinks, window_left, window_right, bottom_right,
+                                chunk_size)[2]
+    g = dprobs.to(_F32)
+    g = (g / h).unsqueeze(1).expand(B, h, n, g.shape[-1]) if average else g
+    c = (p * g).sum(-1, keepdim=True)
+    ds = p * (g - c)
+    sc = scale if scale != 0.0 else d ** -0.5
+    if softcap > 0.0:
+        t = torch.tanh(sc * (q32 @ k32.transpose(-1, -2)) / softcap)
+        ds = ds * (1.0 - t * t)
+    dq = sc * (ds @ k32)
+    dk = (sc * (ds.transpose(-1, -2) @ q32)).unflatten(1, (-1, group)).sum(2)
+    dsinks = None
+    if sinks is not None:
+        lse = lse.to(_F32)
+        ps = torch.where(torch.isfinite(lse), torch.exp(sinks.detach().to(_F32).view(1, -1, 1)
+                                                        - lse), torch.zeros_like(lse))
+        dsinks = -(ps * c.squeeze(-1)).sum((0, 2))
+    return dq, dk, dsinks
+
+
+def _backward(ctx, dout, dlse, dprobs):
+    """The gradients through out, lse (a loss may read both: merging partial attentions by
+    their lse does) and the probabilities when they were asked for (attention distillation reads
+    them; probs_gradient)."""
     q, k, v, out, lse, attend, additive, seed, sinks = ctx.saved_tensors
     (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
      bottom_right, chunk_size) = ctx.options
@@ -456,8 +495,17 @@ def _backward(ctx, dout, dlse, _dprobs):
         dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p, seed, threads,
         softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size, dlse)
     # The learned sinks' gradient (inputs[14]), when they require one.
-    dsinks = (sinks_gradient(dout, out, lse, sinks, dlse)
-              if sinks is not None and ctx.needs_input_grad[14] else None)
+    want_dsinks = sinks is not None and ctx.needs_input_grad[14]
+    dsinks = sinks_gradient(dout, out, lse, sinks, dlse) if want_dsinks else None
+    need_probs, average_probs = ctx.probs
+    if need_probs and dprobs is not None:
+        pq, pk, ps = probs_gradient(
+            dprobs, average_probs, q, k, v, lse,
+            (attend, additive, causal, scale, dropout_p, seed, threads, softcap, alibi, sinks,
+             window_left, window_right, bottom_right, chunk_size), sinks)
+        dq, dk = (dq.to(_F32) + pq).to(dq.dtype), (dk.to(_F32) + pk).to(dk.dtype)
+        if want_dsinks:
+            dsinks = (dsinks.to(_F32) + ps).to(dsinks.dtype)
     return (dq, dk, dv) + (None,) * 11 + (dsinks,) + (None,) * 4
 
 
