@@ -234,6 +234,14 @@ def test_unbatched_self_attention_per_head_weights_and_grads():
     y.sum().backward()
     yr.sum().backward()
     close(x.grad, x64.grad)
+    # A loss reading the weights raises (they carry no gradient) instead of dropping their term.
+    x.grad = None
+    y, w = mine(x, x, x, average_attn_weights=False)
+    with pytest.raises(NotImplementedError, match="attention weights"):
+        (y.sum() + (w * torch.randn(w.shape)).sum()).backward()
+    y, w = mine(x, x, x)
+    (y.sum() + w.detach().sum()).backward()  # detached: a constant, as documented
+    assert x.grad is not None
 
 
 def test_parameter_changes_rebuild_the_c_layer():

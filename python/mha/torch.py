@@ -163,12 +163,19 @@ class _LayerFunction(torch.autograd.Function):
             ctx.spec = spec
         if probs is None:  # need_weights=False: one output, no empty weights tensor to make
             return out
-        ctx.mark_non_differentiable(probs)
         return out, probs
 
     @staticmethod
     @once_differentiable  # (mha's backward is not differentiable: a double backward raises)
-    def backward(ctx, dy: Tensor, *_dprobs: Optional[Tensor]):
+    def backward(ctx, dy: Tensor, *dprobs: Optional[Tensor]):
+        # The weights take part in autograd so that a loss reading them raises here instead of
+        # losing their term silently (the C layer's backward has no gradient of its weights;
+        # torch.ops.mha.attention's probs have one). Unused, their gradient is zeros.
+        if dprobs and dprobs[0] is not None and bool(dprobs[0].any()):
+            raise NotImplementedError(
+                "mha.torch.MultiheadAttention: the attention weights (need_weights=True) carry "
+                "no gradient, and this loss reads them; use torch.ops.mha.attention (its probs "
+                "are differentiable) or detach() the weights (docs/PYTHON.md)")
         spec = ctx.spec
         need = ctx.needs_input_grad
         if not dy.is_contiguous():
