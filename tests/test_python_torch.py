@@ -608,7 +608,30 @@ def eager_attention_with_sinks(q, k, v, sinks, scale, attend=None, additive=None
     if attend is not None:
         s = s.masked_fill(~attend, float("-inf"))
     full = torch.cat([s, sinks.view(1, h, 1, 1).expand(B, h, n, 1)], -1)
-    return torch.softmax(full, -1)[..., :m] @ v, torch.logsumexp(full, -1)
+    p = torch.softmax(full, -1)[..., :m].nan_to_num(0.0)  # (a row of -inf only: 0, as mha)
+    return p @ v, torch.logsumexp(full, -1), p
+
+
+def op_case(name: str, shapes: tuple, c: dict, salt: int):
+    """The operands of one case of SINK_CASES / LSE_CASES / PROBS_CASES, float64, from a seed of
+    its name: q, k, v, sinks (all -inf without sinks: the eager reference's "no sink"), attend (a
+    bool mask with fully masked rows, or None) and additive (or None)."""
+    B, h, g, n, m, d, dv = shapes
+    gen = torch.Generator().manual_seed(len(name) * salt)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64)
+               for s in ((B, h, n, d), (B, g, m, d), (B, g, m, dv)))
+    sinks = torch.randn(h, generator=gen, dtype=torch.float64) * c.get("sink_scale", 1.0)
+    if not c.get("sinks", True):
+        sinks = torch.full((h,), float("-inf"), dtype=torch.float64)
+    attend = additive = None
+    if c.get("mask") == "bool_empty_rows":
+        attend = torch.rand(B, 1, n, m, generator=gen) < 0.6
+        attend[..., 0] = True
+        attend[0, 0, 2] = False  # fully masked rows: out = 0, lse = -inf, no sink gradient
+        attend[1, 0, n - 1] = False
+    elif c.get("mask") == "float":
+        additive = torch.randn(n, m, generator=gen, dtype=torch.float64)
+    return (q, k, v, sinks, attend, additive), gen
 
 
 SINK_CASES = {
@@ -631,19 +654,8 @@ def test_op_sinks_gradient_matches_float64_eager(name):
     # as constants: torch.autograd.grad raised "One of the differentiated Tensors appears to not
     # have been used in the graph" (the sinks got None); only the HF path added the term itself.
     (B, h, g, n, m, d, dv), c = SINK_CASES[name]
-    gen = torch.Generator().manual_seed(len(name) * 1009)
+    (q, k, v, sinks, attend, additive), gen = op_case(name, SINK_CASES[name][0], c, 1009)
     dt = c.get("dtype", torch.float32)
-    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64)
-               for s in ((B, h, n, d), (B, g, m, d), (B, g, m, dv)))
-    sinks = torch.randn(h, generator=gen, dtype=torch.float64) * c.get("sink_scale", 1.0)
-    attend = additive = None
-    if c.get("mask") == "bool_empty_rows":
-        attend = torch.rand(B, 1, n, m, generator=gen) < 0.6
-        attend[..., 0] = True
-        attend[0, 0, 2] = False  # fully masked rows: out = 0, lse = -inf, no sink gradient
-        attend[1, 0, n - 1] = False
-    elif c.get("mask") == "float":
-        additive = torch.randn(n, m, generator=gen, dtype=torch.float64)
     scale, softcap, causal = 0.35, c.get("softcap", 0.0), c.get("causal", False)
     ins = [t.to(dt).requires_grad_() for t in (q, k, v, sinks)]
     ins64 = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
@@ -674,21 +686,9 @@ def test_op_gradient_through_lse_matches_float64_eager(name):
     # p_ij and d lse_i / d sink = p_sink,i. Rows that see no key (lse = -inf, the contract) are
     # left out of both losses (the eager lse keeps the sink there).
     (B, h, g, n, m, d, dv), c = LSE_CASES[name]
-    gen = torch.Generator().manual_seed(len(name) * 7919)
+    (q, k, v, sinks, attend, additive), gen = op_case(name, LSE_CASES[name][0], c, 7919)
     dt = c.get("dtype", torch.float32)
-    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64)
-               for s in ((B, h, n, d), (B, g, m, d), (B, g, m, dv)))
     with_sinks = c.get("sinks", True)
-    sinks = torch.randn(h, generator=gen, dtype=torch.float64) * c.get("sink_scale", 1.0)
-    if not with_sinks:
-        sinks = torch.full((h,), float("-inf"), dtype=torch.float64)  # the eager reference's
-    attend = additive = None
-    if c.get("mask") == "bool_empty_rows":
-        attend = torch.rand(B, 1, n, m, generator=gen) < 0.6
-        attend[..., 0] = True
-        attend[0, 0, 2] = False
-    elif c.get("mask") == "float":
-        additive = torch.randn(n, m, generator=gen, dtype=torch.float64)
     scale, softcap, causal = 0.35, c.get("softcap", 0.0), c.get("causal", False)
     ins = [t.to(dt).requires_grad_() for t in (q, k, v)] + (
         [sinks.to(dt).requires_grad_()] if with_sinks else [])
@@ -697,8 +697,8 @@ def test_op_gradient_through_lse_matches_float64_eager(name):
     out, lse, _ = torch.ops.mha.attention(
         *ins[:3], attend, None if additive is None else additive.float(), causal, scale, 0.0,
         None, False, False, 1, softcap, False, ins[3] if with_sinks else None)
-    ref, ref_lse = eager_attention_with_sinks(*ins64[:3], ins64[3] if with_sinks else sinks,
-                                              scale, attend, additive, causal, softcap)
+    ref, ref_lse, _ = eager_attention_with_sinks(*ins64[:3], ins64[3] if with_sinks else sinks,
+                                                 scale, attend, additive, causal, softcap)
     seen = torch.isfinite(lse.detach())
     close(lse.where(seen, 0), ref_lse.where(seen, 0), "lse")
     do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
@@ -735,20 +735,10 @@ def test_op_gradient_through_probs_matches_float64_eager(name):
     # on out and lse: until session 51 their gradient was dropped silently. The reference is
     # float64 eager softmax attention; rows that see no key are left out of the lse term.
     (B, h, g, n, m, d, dv), c = PROBS_CASES[name]
-    gen = torch.Generator().manual_seed(len(name) * 104729)
+    c = {"sinks": False, **c}
+    (*x64, sinks, attend, additive), gen = op_case(name, PROBS_CASES[name][0], c, 104729)
     dt = c.get("dtype", torch.float32)
-    x64 = [torch.randn(s, generator=gen, dtype=torch.float64)
-           for s in ((B, h, n, d), (B, g, m, d), (B, g, m, dv))]
-    with_sinks = c.get("sinks", False)
-    sinks = (torch.randn(h, generator=gen, dtype=torch.float64) if with_sinks
-             else torch.full((h,), float("-inf"), dtype=torch.float64))
-    attend = additive = None
-    if c.get("mask") == "bool_empty_rows":
-        attend = torch.rand(B, 1, n, m, generator=gen) < 0.6
-        attend[..., 0] = True
-        attend[0, 0, 2] = False
-    elif c.get("mask") == "float":
-        additive = torch.randn(n, m, generator=gen, dtype=torch.float64)
+    with_sinks = c["sinks"]
     scale, softcap, causal, avg = 0.35, c.get("softcap", 0.0), c.get("causal", False), \
         c.get("average", False)
     if dt is torch.bfloat16:  # the reference starts from the values the operator reads
@@ -761,22 +751,8 @@ def test_op_gradient_through_probs_matches_float64_eager(name):
         *ins[:3], attend, None if additive is None else additive.float(), causal, scale, 0.0,
         None, True, avg, 1, softcap, False, ins[3] if with_sinks else None)
     assert probs.requires_grad
-    # float64 eager: probabilities over the keys (the sink's share is not among them)
-    q, k, v = ins64[:3]
-    sk = ins64[3] if with_sinks else sinks
-    kk, vv = k.repeat_interleave(h // g, 1), v.repeat_interleave(h // g, 1)
-    r = scale * q @ kk.transpose(-1, -2)
-    sc = softcap * torch.tanh(r / softcap) if softcap else r
-    if additive is not None:
-        sc = sc + additive
-    if causal:
-        sc = sc.masked_fill(torch.ones(n, m, dtype=torch.bool).triu(1), float("-inf"))
-    if attend is not None:
-        sc = sc.masked_fill(~attend, float("-inf"))
-    full = torch.cat([sc, sk.view(1, h, 1, 1).expand(B, h, n, 1)], -1)
-    ref_lse = torch.logsumexp(full, -1)
-    ref_p = torch.softmax(full, -1)[..., :m].nan_to_num(0.0)
-    ref_out = ref_p @ vv
+    ref_out, ref_lse, ref_p = eager_attention_with_sinks(
+        *ins64[:3], ins64[3] if with_sinks else sinks, scale, attend, additive, causal, softcap)
     ref_probs = ref_p.mean(1) if avg else ref_p
     close(probs, ref_probs, "probs", tol=TOL if dt is not torch.bfloat16 else 2 ** -7)
     seen = torch.isfinite(lse.detach())
