@@ -790,6 +790,34 @@ def test_op_gradient_through_probs_ignores_dropout_and_ring_refuses_dlse():
                                dlse=np.zeros((1, 4, 2), np.float32))
 
 
+@pytest.mark.parametrize("bottom_right", [False, True])
+def test_op_bottom_right_places_window_alibi_and_chunks_without_causal(bottom_right):
+    # The operator's bottom_right flag aligns the window, ALiBi and chunks to the last key
+    # (delta = m - n) or the first (delta = 0) also without the causal flag; until session 51 a
+    # call without causal always took bottom-right (the C default), whatever the flag said.
+    gen = torch.Generator().manual_seed(5)
+    B, h, n, m, d = 1, 4, 4, 10, 8
+    q, k, v = (torch.randn(B, h, L, d, generator=gen, dtype=torch.float64) for L in (n, m, m))
+    delta = m - n if bottom_right else 0
+    p = torch.arange(n).view(n, 1) + delta
+    j = torch.arange(m).view(1, m)
+    slopes = torch.tensor([2.0 ** (-8 * (x + 1) / h) for x in range(h)], dtype=torch.float64)
+    cases = {"window": (dict(window_left=1, window_right=2), (j >= p - 1) & (j <= p + 2), 0.0),
+             "chunk": (dict(chunk_size=4), j // 4 == p // 4, 0.0),
+             "alibi": (dict(alibi=True), torch.ones(n, m, dtype=torch.bool),
+                       -slopes.view(h, 1, 1) * (p - j).abs())}
+    for name, (opt, vis, bias) in cases.items():
+        o = {**dict(softcap=0.0, alibi=False, sinks=None, window_left=-1, window_right=-1,
+                    chunk_size=0), **opt}
+        out = torch.ops.mha.attention(
+            q.float(), k.float(), v.float(), None, None, False, 0.0, 0.0, None, False, False, 1,
+            o["softcap"], o["alibi"], o["sinks"], o["window_left"], o["window_right"],
+            bottom_right, o["chunk_size"])[0]
+        s = (q @ k.transpose(-1, -2)) * d ** -0.5 + bias
+        ref = torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ v
+        close(out, ref, f"{name}, bottom_right={bottom_right}")
+
+
 def test_op_sinks_gradient_with_dropout_equals_the_c_backward():
     # With dropout no eager reference draws mha's mask; d out_i / d sink_h = -p_sink,i out_i holds
     # all the same (the mask scales out_i and every p_ij alike): the operator's dsinks equals

@@ -28,8 +28,9 @@ Trailing options (defaults: off), those of a model's layer (``MultiheadAttention
 traces to them): ``softcap`` (tanh soft-capping of the scores), ``alibi``, ``sinks`` ([h], read
 in float32; sinks that require grad get dL/d sinks from the autograd formula, see
 sinks_gradient), and a sliding window ``window_left`` /
-``window_right`` (-1 = unbounded on that side; below -1 raises ValueError); ``bottom_right`` aligns the causal mask and the
-window to the last key (docs/SEMANTICS.md) instead of the first; ``chunk_size`` (0 = off) is
+``window_right`` (-1 = unbounded on that side; below -1 raises ValueError); ``bottom_right`` aligns the causal mask, the
+window, ALiBi and chunks to the last key (docs/SEMANTICS.md) instead of the first, with or
+without ``causal``; ``chunk_size`` (0 = off) is
 Llama 4's chunked attention (key j visible iff j // C == p // C, p the query's diagonal).
 
 attention(...) -> (out [B, h, n, d_v], lse [B, h, n], probs): probs is [B, h, n, m], [B, n, m]
@@ -121,8 +122,8 @@ def _as_rule(a: L.mha_attention_args, keep: list, attend: Optional[Tensor],
     if rule is None:
         return False
     _, alibi, _, window_left, window_right, _, _ = model  # (a chunk_size stays ANDed)
-    # The call's own diagonal offset, as the lines above left the alignment (the default is
-    # bottom-right: a window without the causal flag is placed there even if not bottom_right).
+    # The call's own diagonal offset, as the lines above left the alignment (without a model, the
+    # default, bottom-right, when not causal: no window is there then).
     delta = m - n if a.mask.alignment == L.ALIGN_BOTTOM_RIGHT else 0
     own_hi = delta if causal else None
     if window_right >= 0:
@@ -146,8 +147,9 @@ def _set_model(a: L.mha_attention_args, model: tuple, keep: list) -> None:
     if window_left >= 0 or window_right >= 0:
         a.mask.use_window = 1
         a.mask.window_left, a.mask.window_right = window_left, window_right
-    if bottom_right:
-        a.mask.alignment = L.ALIGN_BOTTOM_RIGHT
+    # The causal mask, the window, ALiBi and chunks all align by the flag, causal or not (until
+    # session 51 a call without causal kept the C default, bottom-right, whatever the flag said).
+    a.mask.alignment = L.ALIGN_BOTTOM_RIGHT if bottom_right else L.ALIGN_TOP_LEFT
 
 
 def empty(shape, dtype: torch.dtype = _F32) -> Tensor:

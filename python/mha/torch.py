@@ -797,7 +797,8 @@ class MultiheadAttention(nn.Module):
         drop = _dropout_p(self.dropout, "dropout") if self.training else 0.0
         seed = _seed_tensor() if drop > 0.0 else None
         causal = is_causal and attn_mask is None
-        window, bottom_right, chunk = (-1, -1), False, 0
+        # (without causal the eager path keeps mha's default alignment, bottom-right: ALiBi's)
+        window, bottom_right, chunk = (-1, -1), not causal, 0
         if self._model_mask is not None and attn_mask is None and not is_causal:
             causal, bottom_right = self._model_mask[0], True
             window = self._model_mask[1] or window
