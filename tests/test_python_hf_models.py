@@ -218,6 +218,38 @@ def test_torch_drop_in_trains(models):
     assert torch.isfinite(t.in_proj_bias.grad).all()
 
 
+def test_torch_module_reads_its_qk_norm_buffers_and_attention_dropout(models, tmp_path):
+    # The sinks and QK-norm weights of a from_pretrained module are buffers: an in-place edit
+    # takes effect at the next call (until session 51 the layer kept the loaded copies). The
+    # oracle: the same edit saved in a model directory and loaded afresh.
+    d, refs = models["qwen3"]
+    x = torch.from_numpy(refs[0][0].astype(np.float32))
+    _, _, model_cls, path, _ = H.CASES["qwen3"]
+    hf = model_cls.from_pretrained(d, attn_implementation="eager")
+    attn = hf.get_submodule(path.format(L=0))
+    with torch.no_grad():
+        attn.q_norm.weight.mul_(2.0)
+        attn.k_norm.weight.add_(0.5)
+    hf.save_pretrained(str(tmp_path / "edited"))
+    t = mt.MultiheadAttention.from_pretrained(d, 0, batch_first=True)
+    fresh = mt.MultiheadAttention.from_pretrained(str(tmp_path / "edited"), 0, batch_first=True)
+    with torch.no_grad():
+        y0 = t(x, x, x, need_weights=False)[0]
+        t.q_norm.mul_(2.0)
+        t.k_norm.add_(0.5)
+        y1 = t(x, x, x, need_weights=False)[0]
+        y2 = fresh(x, x, x, need_weights=False)[0]
+    assert (y1 - y0).abs().max() > 0.1
+    assert torch.equal(y1, y2)
+    # config.json's attention_dropout becomes the module's dropout (applied in training only).
+    drop = mt.MultiheadAttention.from_pretrained(
+        H.edit_config(d, str(tmp_path / "dropout"), attention_dropout=0.25), 0, batch_first=True)
+    assert drop.dropout == 0.25 and t.dropout == 0.0
+    with pytest.raises(ValueError, match="attention_dropout"):
+        mt.MultiheadAttention.from_pretrained(
+            H.edit_config(d, str(tmp_path / "bad_dropout"), attention_dropout=1.5), 0)
+
+
 def test_unsupported_configs_raise_naming_the_field(models, tmp_path):
     with pytest.raises(mha.MhaError, match="rope_type.*not_a_scaling"):
         mha.MultiheadAttention.from_pretrained(

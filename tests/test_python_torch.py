@@ -273,6 +273,61 @@ def test_parameter_changes_rebuild_the_c_layer():
     check()
 
 
+@pytest.mark.parametrize("opt", ["adamw_fused", "sgd_fused", "adam_foreach"])
+def test_fused_optimizer_steps_rebuild_the_c_layer(opt):
+    # torch's fused optimizers update the parameters in place without bumping their version
+    # counters: until session 51 the cached C layer kept the old weights (an error of the
+    # output's size). Every optimizer step now makes the layer rebuild (OPTIMIZER_STEPS).
+    torch.manual_seed(12)
+    mine = mt.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    make = {"adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.05, fused=True),
+            "sgd_fused": lambda p: torch.optim.SGD(p, lr=0.5, fused=True),
+            "adam_foreach": lambda p: torch.optim.Adam(p, lr=0.05, foreach=True)}[opt]
+    o = make(mine.parameters())
+    for step in range(3):
+        mine(x, x, x)[0].square().sum().backward()
+        o.step()
+        o.zero_grad()
+        ref = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        ref.load_state_dict(mine.state_dict())
+        with torch.no_grad():
+            close(mine(x, x, x)[0], ref(x, x, x)[0], f"{opt} step {step}")  # the fast path
+        close(mine(x, x, x)[0], ref(x, x, x)[0], f"{opt} step {step} (grad mode)")
+
+
+def test_parametrized_weights_are_read_at_every_call():
+    # A parametrized weight (LoRA-style) is recomputed at every access, often at the address and
+    # version of the previous one: nothing identifies its value, so the layer is rebuilt per call
+    # (until session 51 a change of the parametrization's own state was missed).
+    from torch.nn.utils import parametrize
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, w):
+            return w * self.s
+
+    torch.manual_seed(13)
+    mine = mt.MultiheadAttention(16, 4).eval()
+    ref = torch.nn.MultiheadAttention(16, 4).eval()
+    ref.load_state_dict(mine.state_dict())
+    for mod in (mine, ref):
+        parametrize.register_parametrization(mod, "in_proj_weight", Scale())
+    x = torch.randn(5, 2, 16)
+    with torch.no_grad():
+        for s in (1.0, 2.0, 3.0):
+            for mod in (mine, ref):
+                mod.parametrizations.in_proj_weight[0].s.fill_(s)
+            close(mine(x, x, x)[0], ref(x, x, x)[0], f"scale {s}")
+        # The policy itself: no two calls share a cache key (whatever the allocator reuses).
+        key = mine._cache_key
+        mine(x, x, x)
+        assert mine._cache_key != key
+
+
 def test_state_dict_names_both_ways():
     for kw in ({}, {"kdim": 5, "vdim": 7}, {"bias": False}):
         a = torch.nn.MultiheadAttention(12, 3, **kw)

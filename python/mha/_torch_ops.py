@@ -45,6 +45,7 @@ import threading
 from typing import Optional, Tuple
 
 import torch
+import torch.optim.optimizer as _optimizer
 from torch import Tensor
 
 from . import _lib as L
@@ -607,13 +608,28 @@ def _mla_checked(op: str, x: Tensor, weights, config: str, extra=()):
     return c, tuple(shapes)
 
 
+# Optimizer steps taken anywhere in the process (torch.optim's global step post hook). A fused
+# optimizer (fused=True) updates its parameters in place without bumping their version counters,
+# so the C layers cached on (data_ptr, version) would keep the old weights: the count is part of
+# every cache key, and a step makes each layer rebuild once (a plain step's version bumps did so
+# already).
+OPTIMIZER_STEPS = [0]
+
+
+def _count_optimizer_step(_optimizer, _args, _kwargs) -> None:
+    OPTIMIZER_STEPS[0] += 1
+
+
+_optimizer.register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 def _mla_layer(c, names, weights, config: str):
     """The mha.MLA of these weights: the cached one if no weight changed since it was made."""
     from ._api import MLA
     if any(w.is_inference() for w in weights):  # (no version counter: not cached)
         return MLA(c, {n: w.detach().contiguous().numpy() for n, w in zip(names, weights)})
     key = (config,) + tuple((w.data_ptr(), tuple(w.shape), w.stride()) for w in weights)
-    versions = tuple(w._version for w in weights)
+    versions = tuple(w._version for w in weights) + (OPTIMIZER_STEPS[0],)
     with _MLA_LOCK:
         hit = _MLA_CACHE.get(key)
         if hit is not None and hit[1] == versions:

@@ -419,14 +419,37 @@ def _traced_masks(attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor
     return attend, additive
 
 
+def _config_attention_dropout(path: str) -> float:
+    """The attention dropout probability of a model directory's config.json (transformers'
+    ``attention_dropout``; 0 when absent or null). The C loader has read the file already; a
+    value outside [0, 1) raises ValueError naming the field."""
+    import json
+    import os
+    cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    with open(cfg_path) as f:
+        p = json.load(f).get("attention_dropout")
+    if p is None:
+        return 0.0
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ValueError(f"{cfg_path}: attention_dropout must be a number in [0, 1), got {p!r}")
+    return float(p)
+
+
+_STEPS = _torch_ops.OPTIMIZER_STEPS
+# The buffers a from_pretrained layer holds (its options; not trained): part of the cache key.
+_LAYER_BUFFERS = ("sinks", "q_norm", "k_norm")
+
+
 def _param_key(params) -> tuple:
-    """What identifies the parameter values: (data_ptr, version counter) of each parameter."""
+    """What identifies the parameter values: (data_ptr, version counter) of each parameter, and
+    the optimizer steps taken (_torch_ops.OPTIMIZER_STEPS: fused steps bump no version)."""
     in_w, q_w, _, _, in_b, ow, ob = params
     if q_w is None and in_w is not None and in_b is not None and ob is not None:
         # The usual layer (packed in_proj, biases), spelled out: half the cost of the loop.
         return (in_w.data_ptr(), in_w._version, in_b.data_ptr(), in_b._version,
-                ow.data_ptr(), ow._version, ob.data_ptr(), ob._version)
-    return tuple([None if p is None else (p.data_ptr(), p._version) for p in params])
+                ow.data_ptr(), ow._version, ob.data_ptr(), ob._version, _STEPS[0])
+    return tuple([None if p is None else (p.data_ptr(), p._version) for p in params]) + (
+        _STEPS[0],)
 
 
 class MultiheadAttention(nn.Module):
@@ -516,9 +539,12 @@ class MultiheadAttention(nn.Module):
         partly biased model are zeros, which changes nothing). RoPE, scale, soft-cap and the
         sinks (a buffer, not trained) are fixed options. Without ``attn_mask`` and
         ``is_causal``, forward() applies the model's own mask: causal (bottom-right) and its
-        sliding window, if any.
+        sliding window, if any. config.json's ``attention_dropout`` (0 if absent) is the
+        module's ``dropout``, applied in training as the model's attention does it.
         """
-        return cls._from_layer(_Layer.from_pretrained(path, layer), batch_first, threads)
+        self = cls._from_layer(_Layer.from_pretrained(path, layer), batch_first, threads)
+        self.dropout = _config_attention_dropout(path)
+        return self
 
     @classmethod
     def from_gguf(cls, path: str, layer: int = 0, *, batch_first: bool = False,
@@ -627,7 +653,14 @@ class MultiheadAttention(nn.Module):
         parameters' dtype; _weight_dtype), rebuilt when any of them or wdt changed."""
         if wdt is None:
             wdt = _weight_dtype(params, None)
-        key = _param_key(params) + (wdt,)
+        bufs = [(nm, b) for nm, b in self._buffers.items() if nm in _LAYER_BUFFERS and
+                b is not None]
+        key = _param_key(params) + (wdt,) + tuple((b.data_ptr(), b._version) for _, b in bufs)
+        if "parametrizations" in self._modules or "parametrizations" in getattr(
+                self._modules.get("out_proj"), "_modules", {}):
+            # A parametrized weight is a new tensor at every access (often at the address and
+            # version of the last one, freed), so nothing identifies its value: rebuilt each call.
+            key += (object(),)
         if key != self._cache_key or self._layer is None:
             for p in params:
                 if p is not None:
@@ -644,11 +677,9 @@ class MultiheadAttention(nn.Module):
                 bq, bk, bv = in_b[:rq], in_b[rq:rq + rk], in_b[rq + rk:]
             # The layer copies the weights (so an in-place optimizer step cannot change a graph
             # that is waiting for its backward); one copy per parameter update.
-            opts = self._options
-            if wdt is not _F32:  # (one dtype for all weights)
-                opts = dict(opts, **{nm: _weight_array(torch.from_numpy(opts[nm]).to(wdt))
-                                     for nm in ("sinks", "q_norm", "k_norm")
-                                     if opts.get(nm) is not None})
+            # The sinks and QK-norm weights as the buffers hold them now (edited in place or
+            # replaced: the key above sees it), in the weights' dtype.
+            opts = dict(self._options, **{nm: _weight_array(b.detach().to(wdt)) for nm, b in bufs})
             self._layer = _Layer(q_w, k_w, v_w, ow, bq, bk, bv, ob, num_heads=self.num_heads,
                                  _weight_dtype=_STORAGE[wdt], **opts)
             self._cache_key = key
@@ -700,7 +731,8 @@ class MultiheadAttention(nn.Module):
         layer = d["_layer"]
         if in_b is not None and ob is not None:  # (as _param_key + the weights' dtype)
             key = (in_w.data_ptr(), in_w._version, in_b.data_ptr(), in_b._version,
-                   ow.data_ptr(), ow._version, ob.data_ptr(), ob._version, in_w.dtype)
+                   ow.data_ptr(), ow._version, ob.data_ptr(), ob._version, _STEPS[0],
+                   in_w.dtype)
         else:
             key = None
         if layer is None or key is None or key != d["_cache_key"]:
