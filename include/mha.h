@@ -939,6 +939,11 @@ typedef struct mha_attention_grads {
      * [B, h, n] like fwd->lse. NULL = the loss does not read lse (dlse = 0). Used when lse feeds
      * the loss, e.g. when partial attentions are merged by their lse (mha_attention_merge). */
     const float *dlse;
+    /* Optional upstream gradient of the forward's probabilities, dL/dprobs: float32, contiguous in
+     * fwd->probs' layout, [B, h, n, m], or [B, n, m] when fwd->average_probs (each head then gets
+     * dprobs / h). NULL = the loss does not read the probabilities. fwd->probs itself is not read:
+     * the probabilities are recomputed. */
+    const float *dprobs;
 } mha_attention_grads;
 
 /** Workspace mha_attention_backward needs for (fwd, grads) under exec (O(threads * m * d), never
@@ -954,12 +959,15 @@ MHA_API mha_status mha_attention_backward_workspace_size(const mha_attention_arg
  *  plus the forward's results: fwd->out (O, read) and fwd->lse (the log-sum-exp the forward
  *  wrote, REQUIRED, read). fwd->probs is ignored. The probabilities are recomputed tile by tile
  *  as P = exp(S - lse) (and the dropout mask regenerated from its seed); nothing n x m is stored.
- *    dV_j = sum_i z_ij P_ij dO_i        dP_ij = z_ij dO_i . V_j       D_i = dO_i . O_i - dlse_i
+ *    dV_j = sum_i z_ij P_ij dO_i        dP_ij = z_ij dO_i . V_j + G_ij
+ *    D_i = dO_i . O_i - dlse_i + sum_k P_ik G_ik
  *    dS_ij = P_ij (dP_ij - D_i)  (times 1 - tanh^2 under softcap)
  *    dQ_i = scale sum_j dS_ij K_j       dK_j = scale sum_i dS_ij Q_i
  *    dsink_h = -sum_{b,i} P_sink,i D_i  with P_sink,i = exp(sink_h - lse_i)
  *  (z_ij = dropout keep / (1 - p) or 0; dlse_i = grads->dlse's element, 0 without it: since
- *  d lse_i / d S_ij = P_ij and d lse_i / d sink_h = P_sink,i, the lse's gradient only shifts D).
+ *  d lse_i / d S_ij = P_ij and d lse_i / d sink_h = P_sink,i, the lse's gradient only shifts D;
+ *  G_ij = grads->dprobs' element (/ h when averaged), 0 without it: the softmax's own derivative,
+ *  at the cost of one more pass of S = Q K^T when given).
  *  Fully masked rows (lse = -inf) contribute nothing:
  *  their dQ is 0, never NaN. Results are bit-identical for any n_threads. exec may be NULL.
  *  @return MHA_STATUS_OK, or an error with outputs untouched. */
@@ -1014,6 +1022,10 @@ typedef struct mha_layer_grads {
     float *d_sinks;
     int32_t accumulate;
     float *d_q_norm, *d_k_norm; /* the QK-norm weights' gradients (shapes of q_norm, k_norm) */
+    /* Optional dL/dprobs of the training forward's probabilities (a loss that reads the attention
+     * weights, e.g. attention distillation): float32, contiguous in args->probs' layout, [B, h, n,
+     * m] or [B, n, m] with average_probs (mha_attention_grads.dprobs). NULL = not read. */
+    const float *d_probs;
 } mha_layer_grads;
 
 /** Backward of the layer given dy = dL/dy [B, n, out_dim] (of the forward's out_dtype) and the

@@ -115,8 +115,8 @@ MHA_API mha_status mha_ring_attention(MPI_Comm comm,
  *  n_local, d_k], dv [B, g, n_local, d_v] (each may be NULL); dsinks [h] (with sinks, may be
  *  NULL) receives the WHOLE gradient on every rank, -sum_{b,i} exp(sink_h - lse_i) dO_i . O_i
  *  over all N rows (each rank's rows, summed by MPI_Allreduce); accumulate as in
- *  mha_attention_backward. grads.dlse must be NULL (MHA_STATUS_UNSUPPORTED): the ring backward
- *  takes no gradient of lse.
+ *  mha_attention_backward. grads.dlse and grads.dprobs must be NULL (MHA_STATUS_UNSUPPORTED): the
+ *  ring backward takes no gradient of lse or of the probabilities.
  *  The K/V blocks travel the ring as in the forward; each rank adds its share of dQ locally and its
  *  share of the block's dK/dV (mha_attention_backward on each pair, with P = exp(S - lse) from the
  *  global lse) into a dK/dV block that travels one step behind its K/V; after P steps each block's
@@ -185,7 +185,7 @@ MHA_API mha_status mha_ring_layer_forward(MPI_Comm comm,
  *    dw_q, dw_k, dw_v, dw_o and db_* (only the biases the layer has): the WHOLE gradient, summed
  *    over the ranks (one MPI_Allreduce), the same on every rank;
  *    d_sinks [h] (only if the layer has sinks): the whole gradient, the same on every rank;
- *    d_key, d_value: NULL (self-attention);
+ *    d_key, d_value: NULL (self-attention); d_probs: NULL (MHA_STATUS_UNSUPPORTED);
  *  each may be NULL (not wanted), written (accumulate == 0) or added. The forward is recomputed
  *  (nothing is kept between the calls, at the cost of one more forward), then: dA = dy W_o, the
  *  ring backward (mha_ring_attention_backward) to dQ, dK, dV, RoPE's transposed rotation, and

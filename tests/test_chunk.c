@@ -181,7 +181,7 @@ static void run_case(const ccase *c, uint64_t seed) {
         oc.q = q64, oc.k = k64, oc.v = v64, oc.mask = a.mask;
         double *gq = calloc((size_t)nq, sizeof(double)), *gk = calloc((size_t)nk, sizeof(double));
         double *gv = calloc((size_t)nk, sizeof(double));
-        og_core_backward(&oc, do64, NULL, gq, gk, gv, NULL);
+        og_core_backward(&oc, do64, NULL, NULL, gq, gk, gv, NULL);
         float *dq = malloc(sizeof(float) * (size_t)nq), *dk = malloc(sizeof(float) * (size_t)nk);
         float *dv = malloc(sizeof(float) * (size_t)nk);
         mha_attention_grads g = {0};

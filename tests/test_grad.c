@@ -37,25 +37,29 @@ static int g_quick;
 static double g_fd_worst;
 
 /* Max over tensors of |fd - an| / max(max|an|, 1e-12) for L = sum(dout * out), plus
- * sum(dlse * lse) when the case has dlse. */
-static void fd_core(const spec *s, uint64_t seed, int with_dlse) {
+ * sum(dlse * lse) and sum(dprobs * probs) when the case has them (probs: 1 per head, 2 the head
+ * average). */
+static void fd_core(const spec *s, uint64_t seed, int with_dlse, int probs) {
     built c;
     build(s, seed, &c);
     if (with_dlse)
         build_dlse(&c, seed);
+    if (probs)
+        build_dprobs(&c, seed, probs == 2);
     const int64_t B = s->B, H = s->H, G = s->G, n = s->n, m = s->m;
     const int64_t nq = B * H * n * s->dk, nk = B * G * m * s->dk, nv = B * G * m * s->dv;
     const int64_t no = B * H * n * s->dv;
     double *q = to_d(c.q, nq), *k = to_d(c.k, nk), *v = to_d(c.v, nv), *dO = to_d(c.dout, no);
     double *sk = c.sinks ? to_d(c.sinks, H) : NULL;
-    double *dl = c.dlse ? to_d(c.dlse, B * H * n) : NULL;
+    double *dl = c.dlse ? to_d(c.dlse, B * H * n) : NULL, *gp = dprobs_per_head(&c);
     double *out = malloc(sizeof(double) * (size_t)no);
     double *lse = malloc(sizeof(double) * (size_t)(B * H * n));
+    double *pr = malloc(sizeof(double) * (size_t)(B * H * n * m));
     double *gq = malloc(sizeof(double) * (size_t)nq), *gk = malloc(sizeof(double) * (size_t)nk);
     double *gv = malloc(sizeof(double) * (size_t)nv), *gs = malloc(sizeof(double) * (size_t)H);
     og_core o;
     og_from(&c, &o, q, k, v, sk);
-    og_core_backward(&o, dO, dl, gq, gk, gv, gs);
+    og_core_backward(&o, dO, dl, gp, gq, gk, gv, gs);
     double *params[4] = {q, k, v, sk};
     double *grads[4] = {gq, gk, gv, gs};
     const int64_t counts[4] = {nq, nk, nv, sk ? H : 0};
@@ -68,11 +72,13 @@ static void fd_core(const spec *s, uint64_t seed, int with_dlse) {
             finite &= isfinite(grads[t][e]);
             const double x0 = params[t][e];
             params[t][e] = x0 + TOL_FD_H;
-            og_core_forward(&o, out, lse);
-            const double lp = dsum(out, dO, no) + (dl ? dsum(lse, dl, B * H * n) : 0.0);
+            og_core_forward_probs(&o, out, lse, pr);
+            const double lp = dsum(out, dO, no) + (dl ? dsum(lse, dl, B * H * n) : 0.0) +
+                              (gp ? dsum(pr, gp, B * H * n * m) : 0.0);
             params[t][e] = x0 - TOL_FD_H;
-            og_core_forward(&o, out, lse);
-            const double lm = dsum(out, dO, no) + (dl ? dsum(lse, dl, B * H * n) : 0.0);
+            og_core_forward_probs(&o, out, lse, pr);
+            const double lm = dsum(out, dO, no) + (dl ? dsum(lse, dl, B * H * n) : 0.0) +
+                              (gp ? dsum(pr, gp, B * H * n * m) : 0.0);
             params[t][e] = x0;
             const double fd = (lp - lm) / (2.0 * TOL_FD_H);
             const double d = fabs(fd - grads[t][e]) / (scale > 1e-12 ? scale : 1e-12);
@@ -102,7 +108,8 @@ static void fd_core(const spec *s, uint64_t seed, int with_dlse) {
             e = (double)INFINITY;
     CHECK(e <= 1e-12, "[fd core %s] og forward vs oracle_f64: %.3e", s->name, e);
     free(ref), free(lse1), free(lse2);
-    free(q), free(k), free(v), free(dO), free(sk), free(dl), free(out), free(lse);
+    free(q), free(k), free(v), free(dO), free(sk), free(dl), free(gp), free(out), free(lse),
+        free(pr);
     free(gq), free(gk), free(gv), free(gs);
     built_free(&c);
 }
@@ -151,6 +158,8 @@ static mha_status run_core_bwd_k(const built *c,
     memcpy(gr.dv_strides, a.v_strides, sizeof gr.dv_strides);
     gr.dsinks = c->sinks ? g->ds : NULL;
     gr.dlse = c->dlse;
+    gr.dprobs = c->dprobs;
+    a.average_probs = c->dprobs_average;
     gr.accumulate = accumulate;
     mha_exec ex = {impl, threads, NULL, 0, NULL, NULL};
     mha_error err = {0};
@@ -170,11 +179,13 @@ static mha_status run_core_bwd(const built *c,
     return run_core_bwd_k(c, out, lse, impl, -1, threads, accumulate, g, name);
 }
 
-static void core_vs_oracle(const spec *s, uint64_t seed, int with_dlse) {
+static void core_vs_oracle(const spec *s, uint64_t seed, int with_dlse, int probs) {
     built c;
     build(s, seed, &c);
     if (with_dlse)
         build_dlse(&c, seed);
+    if (probs)
+        build_dprobs(&c, seed, probs == 2);
     const int64_t B = s->B, H = s->H, G = s->G, n = s->n, m = s->m;
     const int64_t nq = B * H * n * s->dk, nk = B * G * m * s->dk, nv = B * G * m * s->dv;
     const int64_t no = B * H * n * s->dv;
@@ -188,12 +199,12 @@ static void core_vs_oracle(const spec *s, uint64_t seed, int with_dlse) {
     /* Oracle on the same float inputs. */
     double *q = to_d(c.q, nq), *k = to_d(c.k, nk), *v = to_d(c.v, nv), *dO = to_d(c.dout, no);
     double *sk = c.sinks ? to_d(c.sinks, H) : NULL;
-    double *dl = c.dlse ? to_d(c.dlse, B * H * n) : NULL;
+    double *dl = c.dlse ? to_d(c.dlse, B * H * n) : NULL, *gp = dprobs_per_head(&c);
     double *gq = malloc(sizeof(double) * (size_t)nq), *gk = malloc(sizeof(double) * (size_t)nk);
     double *gv = malloc(sizeof(double) * (size_t)nv), *gs = malloc(sizeof(double) * (size_t)H);
     og_core o;
     og_from(&c, &o, q, k, v, sk);
-    og_core_backward(&o, dO, dl, gq, gk, gv, gs);
+    og_core_backward(&o, dO, dl, gp, gq, gk, gv, gs);
     const double maxS = max_score(&c);
     const double *oracle[4] = {gq, gk, gv, gs};
     const int64_t counts[4] = {nq, nk, nv, c.sinks ? H : 0};
@@ -316,7 +327,8 @@ static void core_vs_oracle(const spec *s, uint64_t seed, int with_dlse) {
     }
     lib_free(&g[0]);
     lib_free(&g[1]);
-    free(out), free(lse), free(q), free(k), free(v), free(dO), free(sk), free(dl), free(gq);
+    free(out), free(lse), free(q), free(k), free(v), free(dO), free(sk), free(dl), free(gp),
+        free(gq);
     free(gk), free(gv), free(gs);
     built_free(&c);
 }
@@ -547,9 +559,9 @@ static int lib_layer(const lbuilt *c, mha_impl impl, int threads, int accumulate
         CHECK(memcmp(y, y2, sizeof(float) * (size_t)(s->B * s->n * c->cfg.out_dim)) == 0,
               "[%s] forward_train output differs from mha_layer_forward", s->name);
         free(y2);
-        mha_layer_grads g = {grads[0],  grads[1],  grads[2],   grads[3], grads[4],
-                             grads[5],  grads[6],  grads[7],   grads[8], grads[9],
-                             grads[10], grads[11], accumulate, NULL,     NULL};
+        mha_layer_grads g = {grads[0],   grads[1], grads[2], grads[3], grads[4],  grads[5],
+                             grads[6],   grads[7], grads[8], grads[9], grads[10], grads[11],
+                             accumulate, NULL,     NULL,     NULL};
         rc = mha_layer_backward(c->layer, st, c->dy, &g, &ex, &err);
         CHECK(rc == MHA_STATUS_OK, "[%s] layer backward: %s", s->name, err.message);
     }
@@ -788,7 +800,7 @@ static void sweep(void) {
         s.softcap = test_rng_u64(&r) % 5 == 0 ? 5.0 : 0.0;
         s.qscale = test_rng_u64(&r) % 4 == 0 ? 4.0 : 1.0;
         s.dropout = test_rng_u64(&r) % 6 == 0 ? 0.2f : 0.0f;
-        core_vs_oracle(&s, 1000 + (uint64_t)t, t % 3 == 1);
+        core_vs_oracle(&s, 1000 + (uint64_t)t, t % 3 == 1, t % 4 == 1 ? 1 : t % 4 == 3 ? 2 : 0);
     }
 }
 
@@ -893,7 +905,7 @@ train_run(mha_impl impl, int steps, double *final_loss, float *params_out, int64
         if (step == 1)
             first = loss;
         mha_layer_grads g = {dx,     NULL,   NULL,   P[2].g, P[3].g, P[4].g, P[5].g, P[6].g,
-                             P[7].g, P[8].g, P[9].g, NULL,   0,      NULL,   NULL};
+                             P[7].g, P[8].g, P[9].g, NULL,   0,      NULL,   NULL,   NULL};
         mha_status rc = mha_layer_backward(layer, st, dy, &g, &ex, &err);
         CHECK(rc == MHA_STATUS_OK, "train: backward: %s", err.message);
         mha_train_state_destroy(st);
@@ -1011,15 +1023,16 @@ static void test_hidden_nonfinite_key(void) {
 
 int main(void) {
     g_quick = test_quick();
-    for (int i = 0; i < N_CORE_SPECS; i++) /* odd cases: the loss also reads lse */
-        fd_core(&CORE_SPECS[i], 10 + (uint64_t)i, i % 2);
+    /* odd cases: the loss also reads lse; i % 3 == 1 / 2: the probabilities, per head / average */
+    for (int i = 0; i < N_CORE_SPECS; i++)
+        fd_core(&CORE_SPECS[i], 10 + (uint64_t)i, i % 2, i % 3);
     for (int i = 0; i < N_LAYER_SPECS; i++)
         fd_layer(&LAYER_SPECS[i], 40 + (uint64_t)i);
     printf("finite differences: %d core + %d layer cases, worst |fd - analytic| / max|g| = %.2e "
            "(gate %g)\n",
            N_CORE_SPECS, N_LAYER_SPECS, g_fd_worst, TOL_FD_REL);
     for (int i = 0; i < N_CORE_SPECS; i++)
-        core_vs_oracle(&CORE_SPECS[i], 10 + (uint64_t)i, i % 2);
+        core_vs_oracle(&CORE_SPECS[i], 10 + (uint64_t)i, i % 2, i % 3);
     sweep();
     printf("core backward vs float64 oracle: worst backstop c = %.2f (reference), %.2f (fast), "
            "gate %g; worst err_fast / err_reference %.2f (the ratio gate adds u*scale)\n",

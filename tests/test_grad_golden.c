@@ -328,7 +328,7 @@ static void run_case(const char *golden, const char *grad_root, const char *name
         mha_status rc = mha_layer_forward_train(c.layer, &a, &ex, &st, &err);
         CHECK(rc == MHA_STATUS_OK, "[%s] forward_train: %s", name, err.message);
         mha_layer_grads g = {res[0], res[1], res[2],  res[3],  res[4], res[5], res[6], res[7],
-                             res[8], res[9], res[10], res[11], 0,      NULL,   NULL};
+                             res[8], res[9], res[10], res[11], 0,      NULL,   NULL,   NULL};
         if (!rc) {
             rc = mha_layer_backward(c.layer, st, dy, &g, &ex, &err);
             CHECK(rc == MHA_STATUS_OK, "[%s] backward: %s", name, err.message);

@@ -336,7 +336,7 @@ static void vs_oracle(const spec *s, const roles *r, uint64_t seed) {
     double *gv = malloc(sizeof(double) * (size_t)z.nv);
     og_core o;
     og_from(&hc.c, &o, q, k, v, sk);
-    og_core_backward(&o, dO, NULL, gq, gk, gv, NULL);
+    og_core_backward(&o, dO, NULL, NULL, gq, gk, gv, NULL);
     const double f32_term = TOL_BWD_C * TOL_U32 * (1.0 + max_score(&hc.c)) * sqrt((double)s->m);
     const void *gl[3] = {g.dq, g.dk, g.dv};
     const double *gr[3] = {gq, gk, gv};

@@ -234,14 +234,45 @@ def test_unbatched_self_attention_per_head_weights_and_grads():
     y.sum().backward()
     yr.sum().backward()
     close(x.grad, x64.grad)
-    # A loss reading the weights raises (they carry no gradient) instead of dropping their term.
-    x.grad = None
-    y, w = mine(x, x, x, average_attn_weights=False)
-    with pytest.raises(NotImplementedError, match="attention weights"):
-        (y.sum() + (w * torch.randn(w.shape)).sum()).backward()
-    y, w = mine(x, x, x)
-    (y.sum() + w.detach().sum()).backward()  # detached: a constant, as documented
-    assert x.grad is not None
+
+
+
+@pytest.mark.parametrize("average", [False, True])
+@pytest.mark.parametrize("kind", ["self_causal", "cross_kdim_padding"])
+def test_weights_are_differentiable_as_torch(kind, average):
+    # A loss that reads the attention weights (attention distillation: MiniLM, TinyBERT) gets
+    # their term in every gradient, as nn.MultiheadAttention's (float64 reference); until session
+    # 51 the weights were marked non-differentiable and the term was lost silently.
+    torch.manual_seed(21)
+    E, h, n, m = 16, 4, 6, 9
+    cross = kind.startswith("cross")
+    kw = dict(kdim=12, vdim=10) if cross else {}
+    ref = torch.nn.MultiheadAttention(E, h, batch_first=True, **kw)
+    mine = mt.MultiheadAttention(E, h, batch_first=True, **kw)
+    mine.load_state_dict(ref.state_dict())
+    ref = ref.double()
+    x = torch.randn(2, n, E, requires_grad=True)
+    if cross:
+        key, val = torch.randn(2, m, 12, requires_grad=True), torch.randn(2, m, 10,
+                                                                           requires_grad=True)
+        opts = dict(key_padding_mask=torch.tensor([[False] * m, [False] * (m - 3) + [True] * 3]))
+        ins = (x, key, val)
+    else:
+        opts = dict(attn_mask=torch.triu(torch.ones(n, n, dtype=torch.bool), 1))
+        ins = (x, x, x)
+    ins64 = [t.detach().double().requires_grad_() for t in (x,) + ((key, val) if cross else ())]
+    y, w = mine(*ins, average_attn_weights=average, **opts)
+    yr, wr = ref(*(ins64 if cross else ins64 * 3), average_attn_weights=average, **opts)
+    close(w, wr, "weights")
+    gy, gw = torch.randn(y.shape, dtype=torch.float64), torch.randn(w.shape, dtype=torch.float64)
+    ((y * gy.float()).sum() + (w * gw.float()).sum()).backward()
+    ((yr * gy).sum() + (wr * gw).sum()).backward()
+    close(x.grad, ins64[0].grad, "d_query")
+    if cross:
+        close(key.grad, ins64[1].grad, "d_key")
+        close(val.grad, ins64[2].grad, "d_value")
+    for (nm, a), b in zip(mine.named_parameters(), ref.parameters()):
+        close(a.grad, b.grad, nm)
 
 
 def test_parameter_changes_rebuild_the_c_layer():
@@ -820,6 +851,18 @@ def test_op_gradient_through_probs_matches_float64_eager(name):
     refs = torch.autograd.grad(ref, ins64)
     for a, b, nm in zip(grads, refs, ("dq", "dk", "dv", "dsinks")):
         close(a, b, f"{name}: {nm}", tol=TOL if dt is not torch.bfloat16 else 2 ** -6)
+    if dt is torch.bfloat16:
+        return
+    # The NumPy face takes the same gradients (mha.attention_backward(..., dlse=, dprobs=)).
+    got = mha.attention_backward(
+        do.float().numpy(), *(t.detach().numpy() for t in ins[:3]), out.detach().numpy(),
+        lse.detach().numpy(), scale=scale, causal="top-left" if causal else False,
+        softcap=softcap or None, mask=None if attend is None else attend.numpy(),
+        attn_bias=None if additive is None else additive.float().numpy(),
+        sinks=ins[3].detach().numpy() if with_sinks else None,
+        dlse=(dl * seen).float().numpy(), dprobs=gp.float().numpy())
+    for a, b, nm in zip(got, refs, ("dq", "dk", "dv", "dsinks")):
+        close(torch.from_numpy(a), b, f"{name} (NumPy): {nm}")
 
 
 def test_op_gradient_through_probs_ignores_dropout_and_ring_refuses_dlse():

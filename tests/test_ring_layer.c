@@ -139,6 +139,7 @@ static void check_backward(const layer_case *c,
                           NULL,
                           0,
                           NULL,
+                          NULL,
                           NULL};
     float ds1[8] = {0}, dsr[8] = {0}; /* h <= 8 */
     g1.d_sinks = c->sinks ? ds1 : NULL;

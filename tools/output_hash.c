@@ -377,7 +377,7 @@ static void run_layer_case(
         g[i] = buf[i] && i < 3 ? stored(dt, buf[i], sizes[i]) : buf[i];
     }
     mha_layer_grads gr = {g[0], g[1], g[2],  g[3],  g[4], g[5], g[6], g[7],
-                          g[8], g[9], g[10], g[11], 0,    NULL, NULL};
+                          g[8], g[9], g[10], g[11], 0,    NULL, NULL, NULL};
     if (mha_layer_backward(layer, st, dys, &gr, &ex, &err) != MHA_STATUS_OK)
         fail(c->name, &err);
     for (int i = 0; i < 12; ++i) {

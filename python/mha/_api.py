@@ -779,7 +779,7 @@ def attention_stats(q: ArrayLike, k: ArrayLike, *,
 def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
                        out: ArrayLike, lse: ArrayLike, *, layout: str = "bhld",
                        sinks: Optional[ArrayLike] = None, dlse: Optional[ArrayLike] = None,
-                       impl: str = "auto", threads: int = 0,
+                       dprobs: Optional[ArrayLike] = None, impl: str = "auto", threads: int = 0,
                        comm: Any = None, seq_len: Optional[int] = None,
                        shard_layout: str = "zigzag", **options) -> Tuple[np.ndarray, ...]:
     """Backward of :func:`attention` (mha_attention_backward).
@@ -789,7 +789,10 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
     (masks, scale, softcap, alibi, dropout and seed, ...). Returns (dq, dk, dv), plus dsinks
     when ``sinks`` is given, shaped like q, k, v (and sinks). ``dlse`` (shaped like ``lse``) is
     the gradient of a loss that also reads lse (as a merge of partial attentions does); None
-    means the loss reads out alone. The ring backward (``comm``) takes no ``dlse``.
+    means the loss reads out alone. ``dprobs`` likewise for a loss that reads the probabilities
+    (``need_weights=True``'s, before dropout): [B, h, n, m] per head or [B, n, m] for their head
+    average (4-d inputs), [B, n, m] or [n, m] for 3-d and 2-d ones. The ring backward (``comm``)
+    takes neither.
 
     With ``comm`` (collective, mha_ring_attention_backward): every rank gives its shard's rows of
     everything, ``out`` and ``lse`` as the distributed forward returned them, and the same
@@ -800,11 +803,12 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
         if seq_len is not None or shard_layout != "zigzag":
             raise ValueError(_RING_ONLY)
         call = _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options,
-                                 dlse=dlse)
+                                 dlse=dlse, dprobs=dprobs)
         M.call(L.mha_attention_backward, *call[:3])
     else:
-        if dlse is not None:
-            raise ValueError("dlse: the ring backward (comm=...) takes no gradient of lse")
+        if dlse is not None or dprobs is not None:
+            raise ValueError("dlse / dprobs: the ring backward (comm=...) takes no gradient of lse "
+                             "or of the probabilities")
         from . import _mpi
         _mpi.comm_info(comm)
         call, cfg = _mpi.collective(comm, lambda: (
@@ -824,7 +828,7 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
 
 
 def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, options,
-                      native=True, dlse=None):
+                      native=True, dlse=None, dprobs=None):
     """The checked arguments of :func:`attention_backward`: (args, grads, exec, keep, [dq, dk,
     dv], dsinks, ndim). q, k, v, out and dout are read in their storage dtypes (float32 for
     others, or for every one unless `native`); dq, dk, dv are in those of q, k, v."""
@@ -859,6 +863,16 @@ def _backward_prepare(dout, q, k, v, out, lse, layout, sinks, impl, threads, opt
     a.out_dtype = _storage_code(o4.dtype)
     gr = L.mha_attention_grads()
     gr.dlse = _ptr(dl) if dlse is not None else None
+    if dprobs is not None:
+        m = k4.shape[2]
+        shapes = {4: ((B, h, n, m), (B, n, m)), 3: ((B, n, m),), 2: ((n, m),)}[nd]
+        if np.shape(dprobs) not in shapes:
+            raise ValueError(f"dprobs: expected the shape of the probabilities, "
+                             f"{' or '.join(map(str, shapes))}, got {np.shape(dprobs)}")
+        dp = _float32(dprobs, "dprobs").reshape(-1)
+        keep.append(dp)
+        gr.dprobs = _ptr(dp)
+        a.average_probs = 1 if nd == 4 and np.ndim(dprobs) == 3 else 0
     M.set_strided(gr, "dout", _ptr(do4), _el_strides(do4))
     grads = [np.empty(t.shape, t.dtype) for t in (q4, k4, v4)]
     for g_, nm in zip(grads, ("dq", "dk", "dv")):

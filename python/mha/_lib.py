@@ -212,7 +212,7 @@ class mha_attention_grads(Structure):
         ("dv", c_void_p), ("dv_strides", c_int64 * 3),
         ("dsinks", c_void_p), ("accumulate", c_int32),
         ("dout_dtype", c_int), ("dq_dtype", c_int), ("dk_dtype", c_int), ("dv_dtype", c_int),
-        ("dlse", c_void_p),
+        ("dlse", c_void_p), ("dprobs", c_void_p),
     ]
 
 
@@ -220,7 +220,7 @@ class mha_layer_grads(Structure):
     _fields_ = [(name, c_void_p) for name in
                 ("d_query", "d_key", "d_value", "dw_q", "dw_k", "dw_v", "dw_o",
                  "db_q", "db_k", "db_v", "db_o", "d_sinks")] + [("accumulate", c_int32)] + [
-                    (name, c_void_p) for name in ("d_q_norm", "d_k_norm")]
+                    (name, c_void_p) for name in ("d_q_norm", "d_k_norm", "d_probs")]
 
 
 class mha_kv_cache_config(Structure):

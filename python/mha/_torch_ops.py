@@ -36,7 +36,7 @@ Llama 4's chunked attention (key j visible iff j // C == p // C, p the query's d
 attention(...) -> (out [B, h, n, d_v], lse [B, h, n], probs): probs is [B, h, n, m], [B, n, m]
 averaged over heads (average_probs), or an empty tensor when need_probs is False. out and lse are
 differentiable (a loss may read both: attention_backward's trailing ``dlse``), and so is probs
-(the softmax's derivative, added by the autograd formula: probs_gradient).
+(mha_attention_grads.dprobs: the softmax's derivative, computed by the C backward).
 """
 from __future__ import annotations
 
@@ -340,11 +340,13 @@ def _attention_fake(q, k, v, attend, additive, causal, scale, dropout_p, seed, n
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             options: tuple, dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+             options: tuple, dlse: Optional[Tensor] = None,
+             dprobs: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """mha_attention_backward: (dq, dk, dv) of the forward(q, k, v, options, ...) call that gave
     out and lse. q, k, v, out, dout: float32, bfloat16 or float16 (any mix); dq, dk, dv are in
     the dtypes of q, k, v. dlse [B, h, n] (any float dtype): the loss's gradient through lse,
-    None when the loss does not read it."""
+    None when the loss does not read it; dprobs likewise through the probabilities, [B, h, n, m]
+    or [B, n, m] (the head average)."""
     attend, additive, causal, scale, dropout_p, seed, threads, model = options
     a, keep, bm = _args(q, k, v, attend, additive, causal, scale, dropout_p, seed, model, threads)
     out = out if out.stride(-1) == 1 else out.contiguous()
@@ -357,6 +359,10 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     if dlse is not None:
         dlse = dlse.to(_F32).contiguous()
         g.dlse = dlse.data_ptr()
+    if dprobs is not None:
+        dprobs = dprobs.to(_F32).contiguous()
+        g.dprobs = dprobs.data_ptr()
+        a.average_probs = 1 if dprobs.dim() == 3 else 0
     M.set_strided(g, "dout", dout.data_ptr(), dout.stride()[:3])
     grads = tuple(empty(t.shape, t.dtype) for t in keep[:3])
     for name, d in zip(("dq", "dk", "dv"), grads):
@@ -377,10 +383,11 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
                            threads: int, softcap: float = 0.0, alibi: bool = False,
                            sinks: Optional[Tensor] = None, window_left: int = -1,
                            window_right: int = -1, bottom_right: bool = False,
-                           chunk_size: int = 0,
-                           dlse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                           chunk_size: int = 0, dlse: Optional[Tensor] = None,
+                           dprobs: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """torch.ops.mha.attention_backward: the gradients of one torch.ops.mha.attention call;
-    dlse (shape of lse, optional): the loss's gradient through lse as well."""
+    dlse (shape of lse) and dprobs (shape of probs: [B, h, n, m], or [B, n, m] for the head
+    average), optional: the loss's gradient through lse and the probabilities as well."""
     op = "mha::attention_backward"
     dtypes = tuple(t.dtype if isinstance(t, Tensor) else None for t in (q, k, v))
     q, k, v, attend, additive, sinks = _checked(op, q, k, v, attend, additive, dropout_p, seed,
@@ -391,7 +398,13 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     lse = _float_operand(lse, "lse", op, 3)
     if dlse is not None:
         dlse = _float_operand(dlse, "dlse", op, 3)
-    if len({t.device for t in (q, out, dout, lse, dlse) if t is not None}) > 1:
+    if dprobs is not None:
+        dprobs = _float_operand(dprobs, "dprobs", op, None)
+        m = k.shape[2]
+        if tuple(dprobs.shape) not in ((B, h, n, m), (B, n, m)):
+            raise ValueError(f"{op}: dprobs must have shape {(B, h, n, m)} or, for the head "
+                             f"average, {(B, n, m)}, got {tuple(dprobs.shape)}")
+    if len({t.device for t in (q, out, dout, lse, dlse, dprobs) if t is not None}) > 1:
         raise TypeError(f"{op}: all tensors must be on one device (the CPU)")
     if tuple(out.shape) != want or tuple(dout.shape) != want or tuple(lse.shape) != want[:3] or \
             (dlse is not None and tuple(dlse.shape) != want[:3]):
@@ -402,7 +415,7 @@ def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     grads = backward(dout, q, k, v, out, lse,
                      (attend, additive, causal, scale, dropout_p, seed, threads,
                       _model(softcap, alibi, sinks, window_left, window_right, bottom_right,
-                             chunk_size)), dlse)
+                             chunk_size)), dlse, dprobs)
     return tuple(g if g.dtype is dt else g.to(dt) for g, dt in zip(grads, dtypes))
 
 
@@ -413,102 +426,85 @@ attention_backward = torch.library.custom_op("mha::attention_backward", _attenti
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p,
                              seed, threads, softcap=0.0, alibi=False, sinks=None, window_left=-1,
-                             window_right=-1, bottom_right=False, chunk_size=0, dlse=None):
+                             window_right=-1, bottom_right=False, chunk_size=0, dlse=None,
+                             dprobs=None):
     _checked("mha::attention_backward (fake)", q, k, v, attend, additive, dropout_p, seed, sinks)
-    if len({t.device for t in (q, dout, out, lse, dlse) if isinstance(t, Tensor)}) > 1:
+    if len({t.device for t in (q, dout, out, lse, dlse, dprobs)
+            if isinstance(t, Tensor)}) > 1:
         raise TypeError("mha::attention_backward: all tensors must be on one device (the CPU)")
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, attend, additive, causal, scale, dropout_p, seed, need_probs, average_probs,
-     threads, softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size) = inputs
+    (q, k, v, attend, additive, causal, scale, dropout_p, seed, need_probs, _, threads, softcap,
+     alibi, sinks, window_left, window_right, bottom_right, chunk_size) = inputs
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, attend, additive, seed, sinks)
     ctx.options = (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
                    bottom_right, chunk_size)
-    ctx.probs = (need_probs, average_probs)
+    ctx.need_probs = need_probs
 
 
 def sinks_gradient(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor,
-                   dlse: Optional[Tensor] = None) -> Tensor:
+                   dlse: Optional[Tensor] = None, probs_sums: Optional[Tensor] = None) -> Tensor:
     """dL/d sinks [h] (in sinks' dtype) of the attention call with learned sinks that gave out
     [B, h, n, d_v] and lse [B, h, n] (lse over the keys and the sink): the sink takes
     p_sink,i = exp(sink_h - lse_i) of row i's mass, so d out_i / d sink_h = -p_sink,i out_i
     (dropout included: it scales out_i and every p_ij alike) and dL/d sink_h = -sum over the
     batch and the rows i of head h of p_sink,i (dOut_i . out_i), mha_attention_backward's dsinks,
     computed in float32. A loss that reads lse adds sum p_sink,i dlse_i (d lse_i / d sink_h =
-    p_sink,i). A fully masked row (lse = -inf, out = 0) adds nothing."""
+    p_sink,i), one that reads the probabilities -sum p_sink,i c_i (c_i = sum_j p_ij G_ij, given as
+    probs_sums: d p_ij / d sink_h = -p_ij p_sink,i). A fully masked row (lse = -inf, out = 0)
+    adds nothing."""
     s = sinks.detach().to(_F32).view(1, -1, 1)
     lse = lse.to(_F32)
     p = torch.where(torch.isfinite(lse), torch.exp(s - lse), torch.zeros_like(lse))
     d = (dout.to(_F32) * out.to(_F32)).sum(-1)
     if dlse is not None:
         d = d - dlse.to(_F32)
+    if probs_sums is not None:
+        d = d + probs_sums
     return (-(p * d).sum((0, 2))).to(sinks.dtype)
 
 
-def probs_gradient(dprobs: Tensor, average: bool, q: Tensor, k: Tensor, v: Tensor,
-                   lse: Tensor, options: tuple, sinks: Optional[Tensor]):
-    """(dq, dk, dsinks or None) in float32 of a loss reading the returned probabilities
-    p_ij = exp(s_ij - lse_i) (before dropout; with sinks, lse counts the sink), from
-    dp_ij / ds_ik = p_ij (delta_jk - p_ik) and dp_ij / d sink = -p_ij p_sink,i:
-      dS_ij = p_ij (G_ij - c_i), c_i = sum_k p_ik G_ik    (G = dL/dprobs; averaged: G / h per head)
-      dR_ij = dS_ij (1 - tanh^2(r_ij / softcap))          (the factor only with softcap)
-      dQ_i = scale sum_j dR_ij K_j   dK_j = scale sum_i dR_ij Q_i   dsink_h = -sum p_sink,i c_i
-    p is recomputed per head in float32 by the operator itself (every mask rule as the forward
-    had it; no dropout: probs are taken before it), so nothing is re-derived here but the
-    softmax's own derivative."""
-    (attend, additive, causal, scale, _, _, threads, softcap, alibi, _, window_left,
-     window_right, bottom_right, chunk_size) = options
-    B, h, n, d = q.shape
-    group = h // k.shape[1]
-    q32, k32 = q.detach().to(_F32), k.detach().to(_F32).repeat_interleave(group, 1)
-    p = torch.ops.mha.attention(q32, k.detach().to(_F32), v.detach().to(_F32), attend,
-                                additive, causal, scale, 0.0, None, True, False, threads,
-                                softcap, alibi, sinks, window_left, window_right, bottom_right,
-                                chunk_size)[2]
+def _probs_row_sums(q: Tensor, k: Tensor, v: Tensor, dprobs: Tensor, options: tuple) -> Tensor:
+    """c_i = sum_j p_ij G_ij [B, h, n] (float32) of the call's probabilities and G = dL/dprobs
+    (the head average's: G / h per head), for the sinks' gradient: p is recomputed per head by
+    the operator itself (no dropout: the probabilities are taken before it)."""
+    (attend, additive, causal, scale, threads, softcap, alibi, sinks, window_left, window_right,
+     bottom_right, chunk_size) = options
+    p = torch.ops.mha.attention(
+        *(t.detach().to(_F32) for t in (q, k, v)), attend, additive, causal, scale, 0.0, None,
+        True, False, threads, softcap, alibi, sinks, window_left, window_right, bottom_right,
+        chunk_size)[2]
     g = dprobs.to(_F32)
-    g = (g / h).unsqueeze(1).expand(B, h, n, g.shape[-1]) if average else g
-    c = (p * g).sum(-1, keepdim=True)
-    ds = p * (g - c)
-    sc = scale if scale != 0.0 else d ** -0.5
-    if softcap > 0.0:
-        t = torch.tanh(sc * (q32 @ k32.transpose(-1, -2)) / softcap)
-        ds = ds * (1.0 - t * t)
-    dq = sc * (ds @ k32)
-    dk = (sc * (ds.transpose(-1, -2) @ q32)).unflatten(1, (-1, group)).sum(2)
-    dsinks = None
-    if sinks is not None:
-        lse = lse.to(_F32)
-        ps = torch.where(torch.isfinite(lse), torch.exp(sinks.detach().to(_F32).view(1, -1, 1)
-                                                        - lse), torch.zeros_like(lse))
-        dsinks = -(ps * c.squeeze(-1)).sum((0, 2))
-    return dq, dk, dsinks
+    if g.dim() == 3:
+        g = (g / q.shape[1]).unsqueeze(1)
+    return (p * g).sum(-1)
 
 
 def _backward(ctx, dout, dlse, dprobs):
     """The gradients through out, lse (a loss may read both: merging partial attentions by
     their lse does) and the probabilities when they were asked for (attention distillation reads
-    them; probs_gradient)."""
+    them; mha_attention_grads.dprobs)."""
     q, k, v, out, lse, attend, additive, seed, sinks = ctx.saved_tensors
     (causal, scale, dropout_p, threads, softcap, alibi, window_left, window_right,
      bottom_right, chunk_size) = ctx.options
+    need_probs = ctx.need_probs
+    # (Probabilities returned but unused get zeros, which cost the C backward one more pass of
+    # Q K^T: the values are not looked at, which no traced or AOT-dispatched graph could do.)
+    if not need_probs:
+        dprobs = None
     dq, dk, dv = torch.ops.mha.attention_backward(
         dout, q, k, v, out, lse, attend, additive, causal, scale, dropout_p, seed, threads,
-        softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size, dlse)
+        softcap, alibi, sinks, window_left, window_right, bottom_right, chunk_size, dlse, dprobs)
     # The learned sinks' gradient (inputs[14]), when they require one.
-    want_dsinks = sinks is not None and ctx.needs_input_grad[14]
-    dsinks = sinks_gradient(dout, out, lse, sinks, dlse) if want_dsinks else None
-    need_probs, average_probs = ctx.probs
-    if need_probs and dprobs is not None:
-        pq, pk, ps = probs_gradient(
-            dprobs, average_probs, q, k, v, lse,
-            (attend, additive, causal, scale, dropout_p, seed, threads, softcap, alibi, sinks,
-             window_left, window_right, bottom_right, chunk_size), sinks)
-        dq, dk = (dq.to(_F32) + pq).to(dq.dtype), (dk.to(_F32) + pk).to(dk.dtype)
-        if want_dsinks:
-            dsinks = (dsinks.to(_F32) + ps).to(dsinks.dtype)
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[14]:
+        c = None if dprobs is None else _probs_row_sums(
+            q, k, v, dprobs, (attend, additive, causal, scale, threads, softcap, alibi, sinks,
+                              window_left, window_right, bottom_right, chunk_size))
+        dsinks = sinks_gradient(dout, out, lse, sinks, dlse, c)
     return (dq, dk, dv) + (None,) * 11 + (dsinks,) + (None,) * 4
 
 

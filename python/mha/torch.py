@@ -168,19 +168,17 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable  # (mha's backward is not differentiable: a double backward raises)
     def backward(ctx, dy: Tensor, *dprobs: Optional[Tensor]):
-        # The weights take part in autograd so that a loss reading them raises here instead of
-        # losing their term silently (the C layer's backward has no gradient of its weights;
-        # torch.ops.mha.attention's probs have one). Unused, their gradient is zeros.
-        if dprobs and dprobs[0] is not None and bool(dprobs[0].any()):
-            raise NotImplementedError(
-                "mha.torch.MultiheadAttention: the attention weights (need_weights=True) carry "
-                "no gradient, and this loss reads them; use torch.ops.mha.attention (its probs "
-                "are differentiable) or detach() the weights (docs/PYTHON.md)")
         spec = ctx.spec
         need = ctx.needs_input_grad
         if not dy.is_contiguous():
             dy = dy.contiguous()
         g = L.mha_layer_grads()
+        # The weights' gradient (a loss that reads them: attention distillation), in their
+        # layout; zeros when they were returned but not used (skipped: they cost one more pass).
+        gp = dprobs[0] if dprobs and dprobs[0] is not None and bool(dprobs[0].any()) else None
+        if gp is not None:
+            gp = gp.to(_F32).contiguous()
+            g.d_probs = gp.data_ptr()
         res = [None] * len(need)
         shapes = spec.shapes
         # Gradients have the shapes of the tensors given to apply; for query/key/value their

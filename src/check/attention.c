@@ -552,11 +552,14 @@ mha_status mha__check_backward_grads(const mha_attention_args *a,
         st = view_disjoint("grads.dv", g->dv, g->dv_strides, p->B, p->G, p->m, p->dv, err);
     if (st)
         return st;
-    mha__span in[CORE_INPUTS + 4];
+    mha__span in[CORE_INPUTS + 5];
     int n_in = core_inputs(a, p, in);
     in[n_in++] = view_span("fwd.out", p->o_dt, a->out, a->out_strides, p->B, p->H, p->n, p->dv);
     in[n_in++] = mha__span_of("fwd.lse", a->lse, p->B * p->H * p->n, sizeof(float));
     in[n_in++] = mha__span_of("grads.dlse", g->dlse, p->B * p->H * p->n, sizeof(float));
+    /* (B (or 1) h n m was checked for overflow with fwd->probs' size) */
+    in[n_in++] = mha__span_of("grads.dprobs", g->dprobs,
+                              p->B * (p->average_probs ? 1 : p->H) * p->n * p->m, sizeof(float));
     in[n_in++] =
         view_span("grads.dout", g->dout_dtype, g->dout, g->dout_strides, p->B, p->H, p->n, p->dv);
     const mha__span out[4] = {

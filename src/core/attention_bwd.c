@@ -264,6 +264,7 @@ static mha_status backward(const mha_attention_args *fwd,
         bp.dk_dt = grads->dk_dtype;
         bp.dv_dt = grads->dv_dtype;
         bp.dlse = grads->dlse;
+        bp.dprobs = grads->dprobs;
         bp.sink_part = grads->dsinks ? (float *)(ws + l.sink_off) : NULL;
         bp.accumulate = grads->accumulate != 0;
         bwd_job job = {

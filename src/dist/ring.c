@@ -155,10 +155,11 @@ static mha_status check_local(const mha_ring_config *cfg,
                         "required");
         return MHA_STATUS_INVALID_ARG;
     }
-    if (grads->dlse) { /* the pairs would need the rows' dlse sliced like lse: not built */
+    if (grads->dlse || grads->dprobs) { /* the pairs would need them sliced like lse: not built */
         mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
-                        "mha_ring_attention_backward: grads.dlse (a loss that reads lse) is not "
-                        "supported by the ring backward");
+                        "mha_ring_attention_backward: grads.%s (a loss that reads %s) is not "
+                        "supported by the ring backward",
+                        grads->dlse ? "dlse" : "dprobs", grads->dlse ? "lse" : "probs");
         return MHA_STATUS_UNSUPPORTED;
     }
     /* The gradients' strides and pointers: the core backward's check (its size query). */

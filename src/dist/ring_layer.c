@@ -364,6 +364,13 @@ static mha_status bwd_prepare(const mha_layer *layer,
                         "%s: a bias gradient is requested for a bias the layer lacks", fn);
         return MHA_STATUS_INVALID_ARG;
     }
+    if (gr->d_probs) { /* the ring forward writes no probabilities */
+        mha__dist_error(err, MHA_STATUS_UNSUPPORTED,
+                        "%s: grads.d_probs (a loss that reads the probabilities) is not supported "
+                        "by the ring",
+                        fn);
+        return MHA_STATUS_UNSUPPORTED;
+    }
     const int64_t hk = lc->h * lc->dk, gk = lc->g * lc->dk, gv = lc->g * lc->dv;
     const int64_t hv = lc->h * lc->dv, qd = c->q_dim, od = c->out_dim;
     const int64_t lens[8] = {hk * qd,

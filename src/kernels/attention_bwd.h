@@ -24,9 +24,19 @@ typedef struct mha__bwd_problem {
     int64_t dqs[3], dks[3], dvs[3];
     mha_dtype do_dt, dq_dt, dk_dt, dv_dt; /* storage dtypes (F32, BF16, F16) */
     const float *dlse;                    /* [B, H, n] dL/dlse (grads->dlse), or NULL (0) */
-    float *sink_part; /* [B * H] per (b, h) partial dL/dsink, or NULL (no sinks wanted) */
+    const float *dprobs; /* dL/dprobs (grads->dprobs) in p->probs' layout, or NULL (0) */
+    float *sink_part;    /* [B * H] per (b, h) partial dL/dsink, or NULL (no sinks wanted) */
     int accumulate;
 } mha__bwd_problem;
+
+/* G_ij = dL/dprobs of row i of head h and key j in batch row b (mha_attention_grads.dprobs, in
+ * p->probs' layout; the head average's gradient reaches each head as G / H). */
+static inline float mha__probs_grad(
+    const mha__problem *p, const float *dprobs, int64_t b, int64_t h, int64_t i, int64_t j) {
+    if (p->average_probs)
+        return dprobs[(b * p->n + i) * p->m + j] / (float)p->H;
+    return dprobs[((b * p->H + h) * p->n + i) * p->m + j];
+}
 
 /* One unit (b, g) with `scratch` of the kernel's scratch size. */
 typedef void (*mha__bwd_fn)(const mha__bwd_problem *bp, int64_t b, int64_t g, void *scratch);

@@ -511,6 +511,7 @@ static mha_status core_backward(const mha_config *c,
     memcpy(cg.dk_strides, core.k_strides, sizeof cg.dk_strides);
     cg.dv = sc->dV;
     memcpy(cg.dv_strides, core.v_strides, sizeof cg.dv_strides);
+    cg.dprobs = gr->d_probs; /* (core.average_probs is the forward's: mha__plan_core_args) */
     mha_exec ce = exec ? *exec : (mha_exec){0};
     ce.workspace = NULL;
     ce.workspace_bytes = 0;

@@ -95,9 +95,32 @@ void build_dlse(built *c, uint64_t seed) {
     test_fill_normal(&r, c->dlse, count, 1.0f);
 }
 
+void build_dprobs(built *c, uint64_t seed, int average) {
+    const int64_t count = c->s.B * (average ? 1 : c->s.H) * c->s.n * c->s.m;
+    test_rng r;
+    test_rng_seed(&r, seed ^ 0xd9b5ull);
+    c->dprobs = malloc(sizeof(float) * (size_t)count);
+    test_fill_normal(&r, c->dprobs, count, 1.0f);
+    c->dprobs_average = average;
+}
+
+double *dprobs_per_head(const built *c) {
+    if (!c->dprobs)
+        return NULL;
+    const int64_t B = c->s.B, H = c->s.H, nm = c->s.n * c->s.m;
+    double *g = malloc(sizeof(double) * (size_t)(B * H * nm));
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t e = 0; e < nm; e++)
+                g[(b * H + h) * nm + e] = c->dprobs_average
+                                              ? (double)c->dprobs[b * nm + e] / (double)H
+                                              : (double)c->dprobs[(b * H + h) * nm + e];
+    return g;
+}
+
 void built_free(built *c) {
     free(c->q), free(c->k), free(c->v), free(c->sinks), free(c->dout), free(c->dlse);
-    free(c->bmask);
+    free(c->dprobs), free(c->bmask);
     free(c->imask), free(c->amask), free(c->kpm), free(c->qseg), free(c->kvseg);
 }
 

@@ -29,6 +29,10 @@ typedef struct built {
     spec s;
     float *q, *k, *v, *sinks, *dout;
     float *dlse; /* [B, H, n] after build_dlse (the loss also reads lse), else NULL */
+    /* after build_dprobs (the loss also reads the probabilities): [B, H, n, m], or [B, n, m] for
+     * the head average (dprobs_average); else NULL */
+    float *dprobs;
+    int dprobs_average;
     uint8_t *bmask;
     int32_t *imask;
     float *amask;
@@ -42,6 +46,11 @@ typedef struct built {
 void build(const spec *s, uint64_t seed, built *c);
 /* c->dlse, normal values from a stream of its own (c's other tensors stay those of the seed). */
 void build_dlse(built *c, uint64_t seed);
+/* c->dprobs likewise, per head or for the head average. */
+void build_dprobs(built *c, uint64_t seed, int average);
+/* c->dprobs as the float64 oracle takes it: per head [B, H, n, m] (the average's G / H), or NULL.
+ */
+double *dprobs_per_head(const built *c);
 void built_free(built *c);
 /* Contiguous [B, heads, L, d] core args over c's tensors. */
 void core_args(const built *c, float *out, float *lse, mha_attention_args *a);

@@ -106,6 +106,10 @@ static double keep_factor(const og_core *c, int64_t b, int64_t h, int64_t i, int
 }
 
 int og_core_forward(const og_core *c, double *out, double *lse) {
+    return og_core_forward_probs(c, out, lse, NULL);
+}
+
+int og_core_forward_probs(const og_core *c, double *out, double *lse, double *probs) {
     double *s = malloc(sizeof(double) * (size_t)(3 * c->m));
     if (!s)
         return -1;
@@ -120,6 +124,8 @@ int og_core_forward(const og_core *c, double *out, double *lse) {
                     l = row_softmax(c, h, s, p, &ps);
                 if (lse)
                     lse[row] = l;
+                for (int64_t j = 0; probs && j < c->m; j++) /* before dropout; 0 in a dead row */
+                    probs[row * c->m + j] = dead ? 0.0 : p[j];
                 if (!out)
                     continue;
                 double *o = out + row * c->dv;
@@ -141,6 +147,7 @@ int og_core_forward(const og_core *c, double *out, double *lse) {
 int og_core_backward(const og_core *c,
                      const double *dout,
                      const double *dlse,
+                     const double *dprobs,
                      double *dq,
                      double *dk,
                      double *dv,
@@ -177,7 +184,9 @@ int og_core_backward(const og_core *c,
                     double dot = 0.0;
                     for (int64_t d = 0; d < c->dv; d++)
                         dot += dO[d] * v[d];
-                    dp[j] = z * dot;
+                    /* dL/dp_j: through O (z dO . v_j) and, when the loss reads the
+                     * probabilities (before dropout), directly */
+                    dp[j] = z * dot + (dprobs ? dprobs[row * m + j] : 0.0);
                     D += p[j] * dp[j];
                     if (dv)
                         for (int64_t d = 0; d < c->dv; d++)
@@ -431,7 +440,7 @@ int og_layer_backward(const mha_config *cfg,
     /* y = A W_o^T + b_o */
     lin_back(f.a, w->w_o, dy, B * n, H * dv, od, dA, g->dw_o, g->db_o);
     to_bhld(dA, dO, B, n, H, dv, 0);
-    og_core_backward(&core, dO, NULL, dq, dk_, dv_, g->d_sinks);
+    og_core_backward(&core, dO, NULL, NULL, dq, dk_, dv_, g->d_sinks);
     to_bhld(dq, dqp, B, n, H, dk, 1);
     to_bhld(dk_, dkp, B, m, G, dk, 1);
     to_bhld(dv_, dvp, B, m, G, dv, 1);

@@ -24,11 +24,16 @@ typedef struct og_core {
 
 /* out and lse may be NULL. Returns 0. */
 int og_core_forward(const og_core *c, double *out, double *lse);
-/* Gradients of L = sum(dout * out) + sum(dlse * lse) (dlse [B, H, n], NULL = 0); any output may
- * be NULL. Overwrites. Returns 0. */
+/* og_core_forward plus the probabilities before dropout, [B, H, n, m] (0 in a fully masked row),
+ * when probs is not NULL. */
+int og_core_forward_probs(const og_core *c, double *out, double *lse, double *probs);
+/* Gradients of L = sum(dout * out) + sum(dlse * lse) + sum(dprobs * probs) (dlse [B, H, n],
+ * dprobs [B, H, n, m] per head, the probabilities before dropout; NULL = 0); any output may be
+ * NULL. Overwrites. Returns 0. */
 int og_core_backward(const og_core *c,
                      const double *dout,
                      const double *dlse,
+                     const double *dprobs,
                      double *dq,
                      double *dk,
                      double *dv,

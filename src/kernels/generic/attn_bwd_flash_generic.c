@@ -92,14 +92,13 @@ typedef struct bwd_unit {
 } bwd_unit;
 
 /* Pass 1: D_i = dO_i . O_i - dlse_i per row of the group's heads, Q and dO packed (widened exactly
- * when half precision), the sink gradient, dQ = 0. */
+ * when half precision), dQ = 0. */
 static void unit_rows(const bwd_unit *u) {
     const mha__problem *p = u->p;
     const mha__bwd_problem *bp = u->bp;
     const int64_t n = p->n, dk = p->dk, dv = p->dv, group = p->group, b = u->b;
     for (int64_t hh = 0; hh < group; hh++) {
         const int64_t h = u->g * group + hh;
-        float sink_grad = 0.0f;
         for (int64_t i = 0; i < n; i++) {
             const int64_t o0 = b * p->os[0] + h * p->os[1] + i * p->os[2];
             float *dO = u->dOp + (hh * n + i) * dv;
@@ -124,11 +123,7 @@ static void unit_rows(const bwd_unit *u) {
             mha__widen_rows(p->q_dt,
                             mha__elem(p->q_dt, p->q, b * p->qs[0] + h * p->qs[1] + i * p->qs[2]),
                             u->Qp + (hh * n + i) * dk, dk);
-            if (p->sinks && lse != -INFINITY)
-                sink_grad -= expf(p->sinks[h] - lse) * D;
         }
-        if (bp->sink_part)
-            bp->sink_part[b * p->H + h] = sink_grad;
     }
     if (bp->dq)
         memset(u->dQ, 0, sizeof(float) * (size_t)(group * n * dk));
@@ -224,6 +219,10 @@ block_dscores(const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t j0, 
         /* P = 0 (hidden key) gives dS = 0 even if dP is not finite (a NaN value row behind a
          * mask must not leak), as the reference's skip does. */
         if (!p->dropout_on && p->softcap == 0.0f) {
+            if (u->bp->dprobs) /* dP + G (softmax_grad leaves a hidden key's sum unread) */
+                for (int64_t c = 0; c < nk; c++)
+                    if (srow[c] != 0.0f)
+                        dprow[c] += mha__probs_grad(p, u->bp->dprobs, u->b, h, i, j0 + c);
             u->ops->softmax_grad(srow, D, p->scale, dprow, nk);
             continue;
         }
@@ -236,7 +235,10 @@ block_dscores(const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t j0, 
             float z = 1.0f;
             if (p->dropout_on)
                 z = mha__problem_keep(p, u->b, h, i, j0 + c) ? u->keep_scale : 0.0f;
-            float ds = P * (z * dprow[c] - D);
+            float zdp = z * dprow[c]; /* + G: the probabilities are taken before dropout */
+            if (u->bp->dprobs)
+                zdp += mha__probs_grad(p, u->bp->dprobs, u->b, h, i, j0 + c);
+            float ds = P * (zdp - D);
             if (p->softcap > 0.0f)
                 ds *= trow[c];
             dprow[c] = p->scale * ds;
@@ -271,6 +273,76 @@ block_accumulate(const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t n
                     dq[d] += ds * u->Kr[c * dk + d];
             }
         }
+}
+
+/* Whether rows [i0, i0 + R) of head hh (in the group) see any key of the tile [j0, j0 + nk):
+ * vis gets a word per row (every rule: the band AND the block mask, BK = 64), *whole says
+ * block_probs may take its plain path (every row sees the whole tile, no per-element modifier). */
+static int block_visible(const bwd_unit *u,
+                         int64_t hh,
+                         int64_t i0,
+                         int64_t R,
+                         int64_t j0,
+                         int64_t nk,
+                         uint64_t *vis,
+                         int *whole) {
+    const mha__problem *p = u->p;
+    /* Skip blocks that cannot see the tile (ranges grow with i). */
+    int64_t lo0, hi0, lo1, hi1;
+    mha__flash_key_range(p, u->b, i0, &lo0, &hi0);
+    mha__flash_key_range(p, u->b, i0 + R - 1, &lo1, &hi1);
+    if (hi1 < j0 || lo0 > j0 + nk - 1 || lo0 > hi1)
+        return 0;
+    int bias = 0;
+    const mha_tile_class c =
+        mha__rows_class(p, u->b, u->g * p->group + hh, i0, R, j0, (int)nk, vis, &bias);
+    *whole = c == MHA_TILE_VISIBLE && !bias && !p->alibi_slopes && p->softcap == 0.0f;
+    return c != MHA_TILE_HIDDEN;
+}
+
+/* Pass 1b, only for a loss that reads the probabilities: D_i += sum_j P_ij G_ij (the softmax's
+ * own derivative, dS_ij = P_ij (G_ij - sum_k P_ik G_ik), shifts D as dlse does; G_ij itself joins
+ * dP in block_dscores). P is recomputed tile by tile as pass 2 does it: one more S = Q K^T. */
+static void unit_probs_rows(const bwd_unit *u) {
+    const mha__problem *p = u->p;
+    const int64_t n = p->n, m = p->m, BQ = MHA__BWD_BQ, BK = MHA__BWD_BK;
+    for (int64_t j0 = 0; j0 < m; j0 += BK) {
+        const int64_t nk = m - j0 < BK ? m - j0 : BK;
+        load_key_tile(u, j0, nk);
+        for (int64_t hh = 0; hh < p->group; hh++)
+            for (int64_t i0 = 0; i0 < n; i0 += BQ) {
+                const int64_t R = n - i0 < BQ ? n - i0 : BQ, h = u->g * p->group + hh;
+                uint64_t vis[MHA__BWD_BQ];
+                int whole;
+                if (!block_visible(u, hh, i0, R, j0, nk, vis, &whole))
+                    continue;
+                block_probs(u, hh, i0, R, j0, nk, whole, vis);
+                for (int64_t r = 0; r < R; r++) {
+                    float c = 0.0f;
+                    for (int64_t k = 0; k < nk; k++) /* (a hidden key: P = 0, its G unread) */
+                        if (u->S[r * BK + k] != 0.0f)
+                            c += u->S[r * BK + k] *
+                                 mha__probs_grad(p, u->bp->dprobs, u->b, h, i0 + r, j0 + k);
+                    u->Drow[hh * n + i0 + r] += c;
+                }
+            }
+    }
+}
+
+/* dL/dsink_h's share of the unit: -sum_i P_sink,i D_i per head (D as passes 1 and 1b left it). */
+static void unit_sinks(const bwd_unit *u) {
+    const mha__problem *p = u->p;
+    const int64_t n = p->n;
+    for (int64_t hh = 0; hh < p->group; hh++) {
+        const int64_t h = u->g * p->group + hh;
+        float sink_grad = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float lse = u->lse_b[h * n + i];
+            if (lse != -INFINITY)
+                sink_grad -= expf(p->sinks[h] - lse) * u->Drow[hh * n + i];
+        }
+        u->bp->sink_part[u->b * p->H + h] = sink_grad;
+    }
 }
 
 void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
@@ -310,6 +382,10 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
     };
     MHA_ASSERT(p->map || !mha__has_element_rules(p)); /* the core builds it (core/mask_map.c) */
     unit_rows(&u);
+    if (bp->dprobs)
+        unit_probs_rows(&u);
+    if (bp->sink_part)
+        unit_sinks(&u);
 
     /* Pass 2: key tiles; each row block that can see the tile adds its share. */
     for (int64_t j0 = 0; j0 < m; j0 += BK) {
@@ -318,21 +394,10 @@ void mha__bwd_flash_unit(const mha__bwd_flash_ops *ops,
         for (int64_t hh = 0; hh < group; hh++)
             for (int64_t i0 = 0; i0 < n; i0 += BQ) {
                 const int64_t R = n - i0 < BQ ? n - i0 : BQ;
-                /* Skip blocks that cannot see the tile (ranges grow with i). */
-                int64_t lo0, hi0, lo1, hi1;
-                mha__flash_key_range(p, b, i0, &lo0, &hi0);
-                mha__flash_key_range(p, b, i0 + R - 1, &lo1, &hi1);
-                if (hi1 < j0 || lo0 > j0 + nk - 1 || lo0 > hi1)
-                    continue;
                 uint64_t vis[MHA__BWD_BQ];
-                int bias = 0;
-                /* Every rule: the band AND the block mask, a word per row (BK = 64). */
-                const mha_tile_class c =
-                    mha__rows_class(p, b, g * group + hh, i0, R, j0, (int)nk, vis, &bias);
-                if (c == MHA_TILE_HIDDEN)
+                int whole;
+                if (!block_visible(&u, hh, i0, R, j0, nk, vis, &whole))
                     continue;
-                const int whole =
-                    c == MHA_TILE_VISIBLE && !bias && !p->alibi_slopes && p->softcap == 0.0f;
                 block_probs(&u, hh, i0, R, j0, nk, whole, vis);
                 block_dscores(&u, hh, i0, R, j0, nk);
                 block_accumulate(&u, hh, i0, R, nk, k_finite);

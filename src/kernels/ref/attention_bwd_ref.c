@@ -109,6 +109,15 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                     D += dO[d] * o[d];
                 if (bp->dlse)
                     D -= bp->dlse[(b * p->H + h) * n + i];
+                /* A loss reading the probabilities (G = dL/dP): dS_ij gains
+                 * P_ij (G_ij - sum_k P_ik G_ik), i.e. D += sum_k P_ik G_ik and dP_ij += G_ij. */
+                if (bp->dprobs) {
+                    float c = 0.0f;
+                    for (int64_t j = 0; j < m; j++)
+                        if (P[j] != 0.0f)
+                            c += P[j] * mha__probs_grad(p, bp->dprobs, b, h, i, j);
+                    D += c;
+                }
 
                 /* Pass 3: forward "o[d] += pj * v[d]" with pj = z_ij P_ij gives
                  * dV_j += z_ij P_ij dO_i and dP_ij = z_ij dO_i . V_j. */
@@ -129,6 +138,8 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                         dot += dO[d] * v[d];
                     }
                     dP[j] = z * dot;
+                    if (bp->dprobs) /* the probabilities are taken before dropout */
+                        dP[j] += mha__probs_grad(p, bp->dprobs, b, h, i, j);
                 }
 
                 /* Pass 4: forward "P_ij = exp(s_ij - lse_i)" (softmax with the sink) gives
