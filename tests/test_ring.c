@@ -731,6 +731,14 @@ static void test_collective_errors(void) {
           "backward with dlse on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
           err.message);
     gr.dlse = NULL;
+    if (g_rank == bad) /* and of the probabilities */
+        gr.dprobs = lse;
+    st = mha_ring_attention_backward(MPI_COMM_WORLD, &cfg, &b, &gr, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && strncmp(err.message, prefix, strlen(prefix)) == 0 &&
+              (g_rank != bad || strstr(err.message, "dprobs")),
+          "backward with dprobs on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
+          err.message);
+    gr.dprobs = NULL;
     free(lse), free(dq);
     /* And the same call with good arguments still works afterwards, without lse. */
     st = mha_ring_attention(MPI_COMM_WORLD, &cfg, &a, NULL, &err);

@@ -366,6 +366,17 @@ static void test_collective_errors(void) {
     st = mha_ring_layer_forward(MPI_COMM_WORLD, &rc, layer, &a, NULL, &err);
     CHECK(st == MHA_STATUS_OK, "good call after errors: rank %d got %s: %s", g_rank,
           mha_status_string(st), err.message);
+    /* A gradient of the probabilities on the last rank: the ring writes none (UNSUPPORTED). */
+    float *dx = calloc((size_t)(nl * c.q_dim), sizeof(float));
+    mha_layer_grads lg = {0};
+    lg.d_query = dx;
+    if (g_rank == bad)
+        lg.d_probs = dx;
+    st = mha_ring_layer_backward(MPI_COMM_WORLD, &rc, layer, &a, y, &lg, NULL, &err);
+    CHECK(st == MHA_STATUS_UNSUPPORTED && (g_rank != bad || strstr(err.message, "d_probs")),
+          "d_probs on rank %d: rank %d got %s: %s", bad, g_rank, mha_status_string(st),
+          err.message);
+    free(dx);
     /* A dynamic rope's length is the whole sequence's: refused on every rank, before any message
      * (the weights are the first layer's: same sizes). */
     mha_config dyn = *mha_layer_config(layer);
