@@ -29,13 +29,15 @@ typedef struct mha__bwd_problem {
     int accumulate;
 } mha__bwd_problem;
 
-/* G_ij = dL/dprobs of row i of head h and key j in batch row b (mha_attention_grads.dprobs, in
- * p->probs' layout; the head average's gradient reaches each head as G / H). */
-static inline float mha__probs_grad(
-    const mha__problem *p, const float *dprobs, int64_t b, int64_t h, int64_t i, int64_t j) {
-    if (p->average_probs)
-        return dprobs[(b * p->n + i) * p->m + j] / (float)p->H;
-    return dprobs[((b * p->H + h) * p->n + i) * p->m + j];
+/* Row i of head h's dL/dprobs in batch row b (mha_attention_grads.dprobs, in p->probs' layout):
+ * G_ij = row[j] * mha__probs_grad_scale(p), since the head average's gradient reaches each of the
+ * H heads times 1 / H. */
+static inline const float *
+mha__probs_grad_row(const mha__problem *p, const float *dprobs, int64_t b, int64_t h, int64_t i) {
+    return dprobs + ((p->average_probs ? b * p->n : (b * p->H + h) * p->n) + i) * p->m;
+}
+static inline float mha__probs_grad_scale(const mha__problem *p) {
+    return p->average_probs ? 1.0f / (float)p->H : 1.0f;
 }
 
 /* One unit (b, g) with `scratch` of the kernel's scratch size. */

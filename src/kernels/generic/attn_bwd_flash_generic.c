@@ -216,13 +216,17 @@ block_dscores(const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t j0, 
         const float D = u->Drow[hh * n + i];
         float *srow = u->S + r * BK, *dprow = u->dP + r * BK;
         const float *trow = u->T + r * BK;
+        const float *G =
+            u->bp->dprobs ? mha__probs_grad_row(p, u->bp->dprobs, u->b, h, i) + j0 : NULL;
+        const float gs = mha__probs_grad_scale(p);
         /* P = 0 (hidden key) gives dS = 0 even if dP is not finite (a NaN value row behind a
          * mask must not leak), as the reference's skip does. */
         if (!p->dropout_on && p->softcap == 0.0f) {
-            if (u->bp->dprobs) /* dP + G (softmax_grad leaves a hidden key's sum unread) */
-                for (int64_t c = 0; c < nk; c++)
-                    if (srow[c] != 0.0f)
-                        dprow[c] += mha__probs_grad(p, u->bp->dprobs, u->b, h, i, j0 + c);
+            if (G) /* dP + G (softmax_grad gives a hidden key 0 whatever its sum) */
+                for (int64_t c = 0; c < nk; c++) {
+                    const float x = dprow[c] + G[c] * gs;
+                    dprow[c] = srow[c] != 0.0f ? x : dprow[c];
+                }
             u->ops->softmax_grad(srow, D, p->scale, dprow, nk);
             continue;
         }
@@ -236,8 +240,8 @@ block_dscores(const bwd_unit *u, int64_t hh, int64_t i0, int64_t R, int64_t j0, 
             if (p->dropout_on)
                 z = mha__problem_keep(p, u->b, h, i, j0 + c) ? u->keep_scale : 0.0f;
             float zdp = z * dprow[c]; /* + G: the probabilities are taken before dropout */
-            if (u->bp->dprobs)
-                zdp += mha__probs_grad(p, u->bp->dprobs, u->b, h, i, j0 + c);
+            if (G)
+                zdp += G[c] * gs;
             float ds = P * (zdp - D);
             if (p->softcap > 0.0f)
                 ds *= trow[c];
@@ -300,9 +304,30 @@ static int block_visible(const bwd_unit *u,
     return c != MHA_TILE_HIDDEN;
 }
 
+/* sum_k P_k G_k gs over a row of a tile, hidden keys (P = 0) adding nothing whatever their G, in
+ * 8 interleaved partial sums: a fixed order (no thread count changes it) that vectorises (the
+ * product is formed for every key, then selected: a branch-free loop). */
+static float probs_dot(const float *P, const float *G, float gs, int64_t nk) {
+    float acc[8] = {0};
+    int64_t k = 0;
+    for (; k + 8 <= nk; k += 8)
+        for (int l = 0; l < 8; l++) {
+            const float x = P[k + l] * (G[k + l] * gs);
+            acc[l] += P[k + l] != 0.0f ? x : 0.0f;
+        }
+    for (; k < nk; k++) {
+        const float x = P[k] * (G[k] * gs);
+        acc[0] += P[k] != 0.0f ? x : 0.0f;
+    }
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 /* Pass 1b, only for a loss that reads the probabilities: D_i += sum_j P_ij G_ij (the softmax's
  * own derivative, dS_ij = P_ij (G_ij - sum_k P_ik G_ik), shifts D as dlse does; G_ij itself joins
- * dP in block_dscores). P is recomputed tile by tile as pass 2 does it: one more S = Q K^T. */
+ * dP in block_dscores). P is recomputed tile by tile as pass 2 does it: one more S = Q K^T, and
+ * G [n, m] per head is read twice, here and in pass 2, which bounds the cost: at n = m = 1024,
+ * d 64, the backward takes 2.0x its time without G (G is 3x the other operands' bytes; reading it
+ * in row order here instead measured no faster). */
 static void unit_probs_rows(const bwd_unit *u) {
     const mha__problem *p = u->p;
     const int64_t n = p->n, m = p->m, BQ = MHA__BWD_BQ, BK = MHA__BWD_BK;
@@ -317,14 +342,10 @@ static void unit_probs_rows(const bwd_unit *u) {
                 if (!block_visible(u, hh, i0, R, j0, nk, vis, &whole))
                     continue;
                 block_probs(u, hh, i0, R, j0, nk, whole, vis);
-                for (int64_t r = 0; r < R; r++) {
-                    float c = 0.0f;
-                    for (int64_t k = 0; k < nk; k++) /* (a hidden key: P = 0, its G unread) */
-                        if (u->S[r * BK + k] != 0.0f)
-                            c += u->S[r * BK + k] *
-                                 mha__probs_grad(p, u->bp->dprobs, u->b, h, i0 + r, j0 + k);
-                    u->Drow[hh * n + i0 + r] += c;
-                }
+                for (int64_t r = 0; r < R; r++)
+                    u->Drow[hh * n + i0 + r] += probs_dot(
+                        u->S + r * BK, mha__probs_grad_row(p, u->bp->dprobs, u->b, h, i0 + r) + j0,
+                        mha__probs_grad_scale(p), nk);
             }
     }
 }

@@ -111,11 +111,13 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                     D -= bp->dlse[(b * p->H + h) * n + i];
                 /* A loss reading the probabilities (G = dL/dP): dS_ij gains
                  * P_ij (G_ij - sum_k P_ik G_ik), i.e. D += sum_k P_ik G_ik and dP_ij += G_ij. */
-                if (bp->dprobs) {
+                const float *G = bp->dprobs ? mha__probs_grad_row(p, bp->dprobs, b, h, i) : NULL;
+                const float gs = mha__probs_grad_scale(p);
+                if (G) {
                     float c = 0.0f;
                     for (int64_t j = 0; j < m; j++)
                         if (P[j] != 0.0f)
-                            c += P[j] * mha__probs_grad(p, bp->dprobs, b, h, i, j);
+                            c += P[j] * (G[j] * gs);
                     D += c;
                 }
 
@@ -138,8 +140,8 @@ void mha_bwd_f32_naive__ref(const mha__bwd_problem *bp, int64_t b, int64_t g, vo
                         dot += dO[d] * v[d];
                     }
                     dP[j] = z * dot;
-                    if (bp->dprobs) /* the probabilities are taken before dropout */
-                        dP[j] += mha__probs_grad(p, bp->dprobs, b, h, i, j);
+                    if (G) /* the probabilities are taken before dropout */
+                        dP[j] += G[j] * gs;
                 }
 
                 /* Pass 4: forward "P_ij = exp(s_ij - lse_i)" (softmax with the sink) gives
