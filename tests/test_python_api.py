@@ -876,6 +876,35 @@ def test_layer_backward_vs_finite_differences():
     state.close()
 
 
+@pytest.mark.parametrize("average", [False, True])
+def test_layer_backward_through_the_weights_vs_finite_differences(average):
+    # A loss that reads the attention weights as well (d_weights = its gradient, session 51).
+    rng = np.random.default_rng(24)
+    w = make_weights(rng, 8, 2, 4, g=1, k_dim=6, v_dim=5, out_dim=7)
+    x, xk, xv = f32(rng, 2, 3, 8), f32(rng, 2, 4, 6), f32(rng, 2, 4, 5)
+    layer = build(w, 2, rope="half")
+    opts = dict(causal=True, key_padding_mask=np.array([[1, 1, 0, 1], [1, 1, 1, 1]], bool))
+    y, p, state = layer.forward_train(x, xk, xv, need_weights=True,
+                                      average_attn_weights=average, **opts)
+    dy, dp = f32(rng, 2, 3, 7), f32(rng, *p.shape)
+    grads = layer.backward(state, dy, d_weights=dp)
+    X, XK, XV = (t.astype(np.float64) for t in (x, xk, xv))
+
+    def loss():
+        yr, pr = ref_layer(w, X, XK, XV, h=2, g=1, rope="half", causal=True,
+                           kpm=opts["key_padding_mask"])
+        return (yr * dy).sum() + ((pr.mean(1) if average else pr) * dp).sum()
+    for nm, var in (("query", X), ("key", XK), ("value", XV)):
+        close(grads[nm], num_grad(loss, var), tol=1e-4)
+    for nm in ("w_q", "w_k", "w_o", "b_q"):
+        close(grads[nm], num_grad(loss, w[nm]), tol=1e-4)
+    with pytest.raises(ValueError, match="d_weights"):
+        layer.backward(state, dy, d_weights=dp[..., :2])
+    y, state = layer.forward_train(x, xk, xv, **opts)
+    with pytest.raises(ValueError, match="need_weights"):
+        layer.backward(state, dy, d_weights=dp)
+
+
 def test_layer_backward_self_attention_sums_paths():
     rng = np.random.default_rng(15)
     w = make_weights(rng, 8, 2, 4)

@@ -1560,7 +1560,8 @@ class MultiheadAttention:
         st = M.layer_forward(self._ptr, a, _exec(impl, threads), True)
         shapes = {"batch": a.batch, "q_len": a.q_len, "kv_len": a.kv_len,
                   "self": key is None, "value_is_key": key is not None and value is None,
-                  "unbatched": unbatched, "x_dtype": keep[0].dtype, "out_dtype": out.dtype}
+                  "unbatched": unbatched, "x_dtype": keep[0].dtype, "out_dtype": out.dtype,
+                  "weights": None if probs is None else probs.shape}
         state = TrainState(self, st, keep, shapes)
         if unbatched:
             out = out[0]
@@ -1568,15 +1569,30 @@ class MultiheadAttention:
         return (out, probs, state) if opts["need_weights"] else (out, state)
 
     def backward(self, state: TrainState, dy: ArrayLike, *, inputs: bool = True,
-                 params: bool = True, impl: str = "auto",
+                 params: bool = True, d_weights: Optional[ArrayLike] = None, impl: str = "auto",
                  threads: int = 0) -> Dict[str, np.ndarray]:
         """Backward of the layer (mha_layer_backward) given dy = dL/dy of the forward_train call
         that made ``state``. Returns a dict of gradients: 'query' (and 'key', 'value' for
         cross-attention; in self-attention 'query' is the sum of all three paths), and with
-        ``params`` 'w_q', 'w_k', 'w_v', 'w_o', 'b_*' (biases present) and 'sinks'."""
+        ``params`` 'w_q', 'w_k', 'w_v', 'w_o', 'b_*' (biases present) and 'sinks'. ``d_weights``:
+        dL/d of the attention weights that call returned (``need_weights=True``; their shape), for
+        a loss that reads them (mha_layer_grads.d_probs)."""
         if isinstance(state, RingTrainState):
+            if d_weights is not None:
+                raise ValueError("d_weights: the ring (comm=...) returns no attention weights")
             return self._ring_backward(state, dy, inputs, params, impl, threads)
         d, g, res = self._grads_for(state, dy, inputs, params)
+        if d_weights is not None:
+            want = state.shapes.get("weights")
+            if want is None:
+                raise ValueError("d_weights: the forward_train call had need_weights=False")
+            if state.shapes["unbatched"]:
+                want = want[1:]
+            if np.shape(d_weights) != want:
+                raise ValueError(f"d_weights: expected the weights' shape {want}, got "
+                                 f"{np.shape(d_weights)}")
+            dw = _float32(d_weights, "d_weights")
+            g.d_probs = _ptr(dw)
         M.call(L.mha_layer_backward, self._ptr, state._handle.ptr, _ptr(d), g,
                _exec(impl, threads))
         if state.shapes["unbatched"]:
